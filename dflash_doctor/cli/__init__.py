@@ -1,0 +1,26 @@
+"""The ``dflash-doctor`` command line.
+
+One Typer app; each command lives in its own module under ``dflash_doctor/cli/`` and registers itself
+on :data:`app` when imported below. Shared flags are declared once in :mod:`dflash_doctor.cli.options`.
+User mistakes raise :class:`dflash_doctor.errors.UsageError` (one sentence, exit 2).
+"""
+
+from __future__ import annotations
+
+import typer
+
+app = typer.Typer(
+    name="dflash-doctor",
+    help="Diagnose why a speculative draft (DFlash or autoregressive) is rejected, and what to do about it.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+
+# Each module registers its command(s) on `app`; the import order is the order in --help.
+from dflash_doctor.cli import replay  # noqa: E402,F401
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()

@@ -1,0 +1,28 @@
+"""Shared CLI flags (DESIGN.md "Shared flags"), declared once and reused by every command.
+
+Every option defaults to None so that :func:`dflash_doctor.config.build_config` can tell "not given"
+from a value and apply the precedence CLI > --config file > defaults.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+Target = Annotated[Optional[str], typer.Option("--target", help="Target model: local dir, hub id, or .gguf file (default: the built-in demo target).")]
+Draft = Annotated[Optional[str], typer.Option("--draft", help="Draft model: local dir, hub id, or .gguf file (default: the built-in demo DFlash draft).")]
+DraftKind = Annotated[Optional[str], typer.Option("--draft-kind", help="dflash | autoregressive | auto (detect from the checkpoint).")]
+Workload = Annotated[Optional[str], typer.Option("--workload", help="Built-in workload name (see `dflash-doctor workloads`) or a .jsonl/.csv/.parquet file.")]
+Classes = Annotated[Optional[str], typer.Option("--classes", help="Comma-separated request classes to keep, e.g. math,code.")]
+MaxRequests = Annotated[Optional[int], typer.Option("--max-requests", help="Replay at most N requests, stratified over classes (seeded).")]
+MaxNewTokens = Annotated[Optional[int], typer.Option("--max-new-tokens", help="Tokens generated per request (default 128).")]
+Temperature = Annotated[Optional[float], typer.Option("--temperature", help="Sampling temperature; 0 = greedy (default).")]
+K = Annotated[Optional[str], typer.Option("--k", help="Draft tokens per step: 8, a list 2,4,8 or a range 1-15.")]
+Device = Annotated[Optional[str], typer.Option("--device", help="cpu, cuda, cuda:1 ... (default cpu).")]
+Dtype = Annotated[Optional[str], typer.Option("--dtype", help="float32 | bfloat16 | float16 (default float32).")]
+Out = Annotated[Optional[str], typer.Option("--out", help="Run directory to write (default runs/<timestamp>).")]
+ConfigFile = Annotated[Optional[str], typer.Option("--config", help="doctor.toml with the same keys plus thresholds; CLI flags override it.")]
+Seed = Annotated[Optional[int], typer.Option("--seed", help="Random seed for sampling and request selection (default 0).")]
+FailOn = Annotated[Optional[str], typer.Option("--fail-on", help="fail (default) or warn: warnings also exit 1.")]
+TrustRemoteCode = Annotated[bool, typer.Option("--trust-remote-code", help="Allow model repos to run their own Python code (off by default).")]

@@ -1,0 +1,1 @@
+"""`dflash-doctor replay`: run only the engine and write a run directory (filled in by the engine issue)."""

@@ -1,0 +1,129 @@
+"""One configuration object for every command, with precedence CLI > TOML file > defaults.
+
+The TOML file (``--config doctor.toml``) holds the same keys as the shared CLI flags (``target``,
+``k``, ``max_requests``...) plus ``[thresholds]`` for verdicts, ``[checks.<id>]`` tables with per-check
+parameters, and ``strict_classes`` for request classes that must never risk a slowdown. Validation
+happens once, in :func:`build_config`, and names the offending key or flag.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dflash_doctor.errors import UsageError
+
+DEFAULT_K = (15,)
+
+
+def parse_k(value: str | int | list[int] | tuple[int, ...]) -> tuple[int, ...]:
+    """Parse ``--k``: an integer ``8``, a list ``2,4,8`` or a range ``1-15`` into sorted unique ints >= 1."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        values = [value]
+    elif isinstance(value, (list, tuple)):
+        values = list(value)
+    else:
+        text = str(value).replace(" ", "")
+        values = []
+        try:
+            for part in text.split(","):
+                if "-" in part:
+                    low, high = (int(x) for x in part.split("-", 1))
+                    if low > high:
+                        raise ValueError
+                    values.extend(range(low, high + 1))
+                else:
+                    values.append(int(part))
+        except ValueError:
+            raise UsageError(f"--k {value!r} is not an integer, a list like 2,4,8 or a range like 1-15; fix the value.") from None
+    if not values or any((not isinstance(v, int)) or v < 1 for v in values):
+        raise UsageError(f"--k {value!r} must hold integers >= 1; fix the value.")
+    return tuple(sorted(set(values)))
+
+
+@dataclass
+class DoctorConfig:
+    """Everything a command was asked for; stored verbatim in run.json ``config``."""
+
+    target: str | None = None  # local dir, hub id, or .gguf file; None = the built-in demo target
+    draft: str | None = None  # same forms; None = the built-in demo draft
+    draft_kind: str = "auto"  # dflash | autoregressive | auto
+    workload: str = "demo"  # built-in name or a .jsonl/.csv/.parquet file
+    classes: tuple[str, ...] = ()  # keep only these request classes (empty = all)
+    max_requests: int | None = None  # stratified over classes, seeded
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    k: tuple[int, ...] = DEFAULT_K  # draft tokens per step; several values = a sweep
+    device: str = "cpu"
+    dtype: str = "float32"
+    out: str | None = None  # run directory; None = runs/<timestamp>
+    seed: int = 0
+    fail_on: str = "fail"  # fail | warn: which verdict turns the exit code to 1
+    trust_remote_code: bool = False
+    chat_template: str | None = None  # a .jinja file overriding the target's template
+    cost_profile: str | None = None  # TOML/JSON step times measured in a serving engine
+    engine_config: str | None = None  # vLLM speculative_config JSON or SGLang launch flags
+    strict_classes: tuple[str, ...] = ()  # classes that get a capped K, or no speculation if it would not pay
+    thresholds: dict[str, Any] = field(default_factory=dict)
+    checks: dict[str, dict[str, Any]] = field(default_factory=dict)  # per-check parameters
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(DoctorConfig)}
+_TUPLE_FIELDS = {"classes", "strict_classes"}
+
+
+def read_config_file(path: Path | str) -> dict[str, Any]:
+    """Read a doctor.toml; unknown keys are refused by :func:`build_config`."""
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"config file {path} does not exist; pass an existing TOML file to --config.")
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as exc:
+        raise UsageError(f"config file {path} is not valid TOML ({exc}); fix the file.") from None
+
+
+def build_config(config_file: str | Path | None = None, **cli_values: Any) -> DoctorConfig:
+    """Merge defaults < file < CLI (a CLI value of None means "not given") and validate once."""
+    merged: dict[str, Any] = {}
+    if config_file is not None:
+        for key, value in read_config_file(config_file).items():
+            key = key.replace("-", "_")
+            if key not in _FIELDS:
+                raise UsageError(f"config file {config_file}: unknown key {key!r}; remove it or use one of {', '.join(sorted(_FIELDS))}.")
+            merged[key] = value
+    for key, value in cli_values.items():
+        if key not in _FIELDS:
+            raise TypeError(f"build_config got an unknown field {key!r}")
+        if value is not None and value != ():
+            merged[key] = value
+    if "k" in merged:
+        merged["k"] = parse_k(merged["k"])
+    for key in _TUPLE_FIELDS:
+        if key in merged:
+            value = merged[key]
+            merged[key] = tuple(x.strip() for x in (value.split(",") if isinstance(value, str) else value) if x.strip())
+    config = DoctorConfig(**merged)
+    _validate(config)
+    return config
+
+
+def _validate(config: DoctorConfig) -> None:
+    if config.draft_kind not in ("dflash", "autoregressive", "auto"):
+        raise UsageError(f"--draft-kind {config.draft_kind!r} is not one of dflash, autoregressive, auto; pick one.")
+    if config.temperature < 0:
+        raise UsageError(f"--temperature {config.temperature} is negative; use 0 for greedy or a positive value.")
+    if config.max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens {config.max_new_tokens} must be at least 1.")
+    if config.max_requests is not None and config.max_requests < 1:
+        raise UsageError(f"--max-requests {config.max_requests} must be at least 1.")
+    if config.fail_on not in ("fail", "warn"):
+        raise UsageError(f"--fail-on {config.fail_on!r} is not one of fail, warn; pick one.")
+    if config.dtype not in ("float32", "bfloat16", "float16"):
+        raise UsageError(f"--dtype {config.dtype!r} is not one of float32, bfloat16, float16; pick one.")

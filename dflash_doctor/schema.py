@@ -1,0 +1,238 @@
+"""The run directory: the single source of truth that every view reads.
+
+A run directory holds ``run.json`` (metadata, checks, summary, recommendation) and three Parquet tables
+(``requests``, ``steps``, ``tokens``) whose columns are fixed here. It is versioned by
+``schema_version`` and loads without pickle. The engine streams rows into it through
+:class:`RunWriter`, so an interrupted run keeps every request it finished.
+
+Column conventions (shapes and units live in the names):
+
+* ``position`` in ``steps`` is the number of output tokens committed before the step; in ``tokens``
+  it is the output index of the token the draft slot predicts (``step position + offset - 1``).
+* ``offset`` is the 1-based slot inside the drafted block (vLLM's "position" of
+  ``num_accepted_tokens_per_pos`` is ``offset - 1``).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from dflash_doctor import __version__
+from dflash_doctor.errors import UsageError
+
+SCHEMA_VERSION = 1
+RUN_JSON = "run.json"
+
+REQUESTS_SCHEMA = pa.schema(
+    [
+        ("request_id", pa.string()),
+        ("class", pa.string()),
+        ("subclass", pa.string()),
+        ("turn", pa.int16()),
+        ("prompt_num_tokens", pa.int32()),
+        ("output_token_ids", pa.list_(pa.int32())),
+        ("output_text", pa.string()),
+        ("num_output_tokens", pa.int32()),
+        ("num_steps", pa.int32()),
+        ("num_drafts", pa.int32()),
+        ("num_draft_tokens", pa.int32()),
+        ("num_accepted_tokens", pa.int32()),
+        ("tau", pa.float64()),
+        ("stop_reason", pa.string()),
+        ("wall_time_s", pa.float64()),
+    ]
+)
+
+STEPS_SCHEMA = pa.schema(
+    [
+        ("request_id", pa.string()),
+        ("class", pa.string()),
+        ("step", pa.int32()),
+        ("position", pa.int32()),
+        ("k", pa.int16()),
+        ("num_drafted", pa.int16()),
+        ("num_accepted", pa.int16()),
+        ("bonus_token", pa.int32()),
+        ("draft_time_s", pa.float64()),
+        ("verify_time_s", pa.float64()),
+    ]
+)
+
+TOKENS_SCHEMA = pa.schema(
+    [
+        ("request_id", pa.string()),
+        ("class", pa.string()),
+        ("step", pa.int32()),
+        ("position", pa.int32()),
+        ("offset", pa.int16()),
+        ("draft_token", pa.int32()),
+        ("target_token", pa.int32()),
+        ("draft_text", pa.string()),
+        ("target_text", pa.string()),
+        ("accepted", pa.bool_()),
+        ("target_prob_of_draft", pa.float32()),
+        ("draft_prob_of_target", pa.float32()),
+        ("target_rank_in_draft", pa.int32()),
+        ("kl_target_draft", pa.float32()),
+        ("total_variation", pa.float32()),
+        ("target_entropy", pa.float32()),
+        ("draft_topk_ids", pa.list_(pa.int32())),
+        ("target_topk_ids", pa.list_(pa.int32())),
+    ]
+)
+
+TABLES: dict[str, pa.Schema] = {
+    "requests": REQUESTS_SCHEMA,
+    "steps": STEPS_SCHEMA,
+    "tokens": TOKENS_SCHEMA,
+}
+
+
+def utc_now() -> str:
+    """ISO-8601 UTC timestamp, second precision, as stored in ``created_at``."""
+    return _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()
+
+
+def _json_safe(value: Any) -> Any:
+    """Make numpy scalars, NaN and paths JSON-clean (NaN becomes null: JSON has no NaN)."""
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    if isinstance(value, Path):
+        return str(value)
+    if hasattr(value, "item") and callable(value.item) and getattr(value, "ndim", 1) == 0:
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def new_run_meta(config: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The skeleton of ``run.json`` with every top-level key present."""
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "tool_version": __version__,
+        "created_at": utc_now(),
+        "models": {},
+        "environment": {},
+        "config": dict(config or {}),
+        "checks": [],
+        "summary": {"overall": {}, "by_class": {}},
+        "recommendation": {},
+    }
+
+
+def write_run_json(run_dir: Path, meta: dict[str, Any]) -> Path:
+    """Write ``run.json`` atomically (write then rename), so a crash never leaves half a file."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / RUN_JSON
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(_json_safe(meta), indent=2, sort_keys=False) + "\n", encoding="utf-8")
+    tmp.replace(path)
+    return path
+
+
+class RunWriter:
+    """Streams request, step and token rows into the run directory as requests finish.
+
+    Rows are buffered per request and flushed as one Parquet row group, so a Ctrl-C between
+    requests loses nothing that finished; :meth:`close` finalises the files and ``run.json``.
+    """
+
+    def __init__(self, run_dir: Path | str, meta: dict[str, Any]):
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.meta = meta
+        self._writers: dict[str, pq.ParquetWriter] = {}
+        self._buffers: dict[str, list[dict[str, Any]]] = {name: [] for name in TABLES}
+        write_run_json(self.run_dir, meta)
+
+    def add(self, table: str, rows: Iterable[dict[str, Any]]) -> None:
+        self._buffers[table].extend(rows)
+
+    def flush(self) -> None:
+        """Write buffered rows as a row group of each table."""
+        for name, rows in self._buffers.items():
+            if not rows:
+                continue
+            batch = pa.Table.from_pylist(rows, schema=TABLES[name])
+            writer = self._writers.get(name)
+            if writer is None:
+                writer = pq.ParquetWriter(self.run_dir / f"{name}.parquet", TABLES[name])
+                self._writers[name] = writer
+            writer.write_table(batch)
+            rows.clear()
+
+    def close(self) -> None:
+        """Flush, close the Parquet files (creating empty ones for tables with no rows) and write run.json."""
+        self.flush()
+        for name, schema in TABLES.items():
+            writer = self._writers.pop(name, None)
+            if writer is not None:
+                writer.close()
+            elif not (self.run_dir / f"{name}.parquet").exists():
+                pq.write_table(schema.empty_table(), self.run_dir / f"{name}.parquet")
+        write_run_json(self.run_dir, self.meta)
+
+    def __enter__(self) -> "RunWriter":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@dataclass
+class Run:
+    """A loaded run directory: ``meta`` is run.json; the tables are pandas frames (possibly empty)."""
+
+    path: Path
+    meta: dict[str, Any]
+    requests: pd.DataFrame = field(repr=False)
+    steps: pd.DataFrame = field(repr=False)
+    tokens: pd.DataFrame = field(repr=False)
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+
+def read_run_meta(run_dir: Path | str) -> dict[str, Any]:
+    """Read and validate ``run.json`` alone (cheap: for listing runs)."""
+    run_dir = Path(run_dir)
+    path = run_dir / RUN_JSON
+    if not path.is_file():
+        raise UsageError(f"{run_dir} is not a run directory (no {RUN_JSON}); pass a folder written by `dflash-doctor check`, `replay` or `sweep`.")
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UsageError(f"{path} is not valid JSON ({exc}); re-run the command that wrote it.") from None
+    version = meta.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise UsageError(
+            f"{path} has schema_version {version!r} but this dflash-doctor reads {SCHEMA_VERSION}; re-run it with this version."
+        )
+    return meta
+
+
+def load_run(run_dir: Path | str, tables: Iterable[str] = tuple(TABLES)) -> Run:
+    """Load run.json and the requested tables; a missing table loads as an empty frame."""
+    run_dir = Path(run_dir)
+    meta = read_run_meta(run_dir)
+    frames: dict[str, pd.DataFrame] = {}
+    for name, schema in TABLES.items():
+        path = run_dir / f"{name}.parquet"
+        if name in tables and path.is_file():
+            frames[name] = pq.read_table(path).to_pandas()
+        else:
+            frames[name] = schema.empty_table().to_pandas()
+    return Run(path=run_dir, meta=meta, **frames)
