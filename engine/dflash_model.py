@@ -1,0 +1,293 @@
+"""The DFlash block-diffusion draft as our own PyTorch module (DFlash, arXiv 2602.06036).
+
+No remote code: the z-lab checkpoint layout (``config.json`` + safetensors) loads into
+:class:`DFlashDraftModel`. The draft has no embedding and no lm_head: it embeds with the target's
+``embed_tokens`` and projects with the target's ``lm_head``.
+
+Conditioning ("KV injection"): hidden states of ``target_layer_ids`` (HF ``hidden_states[l + 1]``) are
+concatenated and fused once, ``ctx = hidden_norm(fc(cat(h_l)))``. Every layer projects that same ``ctx``
+with its own ``k_proj``/``v_proj`` (K gets ``k_norm`` and RoPE at the context's absolute positions);
+queries come only from the block. Keys/values are ``cat([ctx_kv, block_kv])`` and attention inside a
+block is bidirectional. Output slot ``j`` of a block predicts the token AT ``start + j`` (no shift).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflash_doctor.errors import UsageError
+
+
+def default_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]:
+    """The ids DFlash uses when a config gives none (REFERENCE.md section 1).
+
+    One tap -> the middle layer; n taps -> evenly spread from layer 1 to ``L - 3``
+    (L=36, n=5 -> [1, 9, 17, 25, 33]).
+    """
+    if num_taps == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    return [int(round(start + i * (end - start) / (num_taps - 1))) for i in range(num_taps)]
+
+
+@dataclass
+class DFlashConfig:
+    """The draft's config.json in the z-lab layout (Qwen3 keys + ``block_size`` + ``dflash_config``)."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    vocab_size: int
+    block_size: int
+    target_layer_ids: list[int]
+    mask_token_id: int
+    num_target_layers: int
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 40960
+    layer_types: list[str] | None = None
+    sliding_window: int | None = None
+    attention_bias: bool = False
+    tie_word_embeddings: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)  # keys we carry but do not interpret
+
+    def __post_init__(self) -> None:
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.layer_types is None:
+            self.layer_types = ["full_attention"] * self.num_hidden_layers
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> "DFlashConfig":
+        """Read a z-lab config: ``block_size`` top-level or in ``dflash_config``; default layer ids."""
+        dflash = raw.get("dflash_config") or {}
+        required = ["hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"]
+        missing = [k for k in required if k not in raw]
+        if missing:
+            raise UsageError(f"{source} lacks {', '.join(missing)}; a DFlash draft config needs the Qwen3 keys (see REFERENCE.md section 1).")
+        block_size = raw.get("block_size", dflash.get("block_size"))
+        if block_size is None:
+            raise UsageError(f"{source} has no block_size (top-level or in dflash_config); add the block size the draft was trained with.")
+        mask_token_id = dflash.get("mask_token_id", raw.get("mask_token_id"))
+        if mask_token_id is None:
+            raise UsageError(f"{source} has no dflash_config.mask_token_id; add the reserved token id the draft uses as mask.")
+        num_target_layers = raw.get("num_target_layers")
+        layer_ids = dflash.get("target_layer_ids", raw.get("target_layer_ids"))
+        if layer_ids is None:
+            if num_target_layers is None:
+                raise UsageError(f"{source} has neither dflash_config.target_layer_ids nor num_target_layers; add the target layer ids.")
+            layer_ids = default_target_layer_ids(int(num_target_layers), int(raw["num_hidden_layers"]))
+        known = {f for f in cls.__dataclass_fields__ if f != "extra"}
+        values = {k: raw[k] for k in known if k in raw}
+        values.update(
+            block_size=int(block_size),
+            mask_token_id=int(mask_token_id),
+            target_layer_ids=[int(x) for x in layer_ids],
+            num_target_layers=int(num_target_layers if num_target_layers is not None else max(layer_ids) + 1),
+            num_key_value_heads=raw.get("num_key_value_heads", raw["num_attention_heads"]),
+        )
+        values["extra"] = {k: v for k, v in raw.items() if k not in known and k != "dflash_config"}
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The z-lab layout: Qwen3 keys, ``block_size``, ``num_target_layers`` and ``dflash_config``."""
+        out = dict(self.extra)
+        out.update(
+            architectures=["DFlashDraftModel"],
+            model_type="qwen3",
+            hidden_size=self.hidden_size,
+            num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            intermediate_size=self.intermediate_size,
+            vocab_size=self.vocab_size,
+            rms_norm_eps=self.rms_norm_eps,
+            rope_theta=self.rope_theta,
+            rope_scaling=self.rope_scaling,
+            max_position_embeddings=self.max_position_embeddings,
+            layer_types=self.layer_types,
+            sliding_window=self.sliding_window,
+            attention_bias=self.attention_bias,
+            tie_word_embeddings=self.tie_word_embeddings,
+            hidden_act="silu",
+            block_size=self.block_size,
+            num_target_layers=self.num_target_layers,
+            dflash_config={"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)},
+        )
+        return out
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    """Inverse frequencies for RoPE with the ``rope_scaling`` types drafts use (default, linear, llama3)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind == "default":
+        return inv_freq.float()
+    if kind == "linear":
+        return (inv_freq / float(scaling["factor"])).float()
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_len / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+        blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        return torch.where(mid, blended, scaled).float()
+    raise UsageError(f"rope_scaling type {kind!r} in the draft config is not supported; use default, linear or llama3.")
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` [B, heads, S, D] at absolute ``positions`` [B, S] (half-split convention, as Qwen3/Llama)."""
+    angles = positions.to(torch.float32)[..., None] * inv_freq.to(x.device)  # [B, S, D/2]
+    cos = torch.cat([angles.cos(), angles.cos()], dim=-1)[:, None].to(x.dtype)
+    sin = torch.cat([angles.sin(), angles.sin()], dim=-1)[:, None].to(x.dtype)
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class DFlashAttention(nn.Module):
+    def __init__(self, cfg: DFlashConfig):
+        super().__init__()
+        hd = cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, hd
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_attention_heads * hd, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * hd, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * hd, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(cfg.num_attention_heads * hd, cfg.hidden_size, bias=cfg.attention_bias)
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+
+    def project_kv(self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K (normed, rotated) and V for rows ``x`` [B, T, H] at ``positions`` [B, T] -> [B, kvh, T, D] each."""
+        b, t, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        return apply_rope(k, positions, inv_freq), v
+
+
+class DFlashLayer(nn.Module):
+    def __init__(self, cfg: DFlashConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = DFlashAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = nn.ModuleDict(
+            {
+                "gate_proj": nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False),
+                "up_proj": nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False),
+                "down_proj": nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False),
+            }
+        )
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [B, S, H] block rows
+        positions: torch.Tensor,  # [B, S]
+        ctx_kv: tuple[torch.Tensor, torch.Tensor],  # [B, kvh, T, D] each
+        attn_mask: torch.Tensor | None,  # [B or 1, 1, S, T + S] bool, True = may attend
+        inv_freq: torch.Tensor,
+    ) -> torch.Tensor:
+        attn = self.self_attn
+        b, s, _ = x.shape
+        h = self.input_layernorm(x)
+        q = attn.q_norm(attn.q_proj(h).view(b, s, attn.num_heads, attn.head_dim)).transpose(1, 2)
+        q = apply_rope(q, positions, inv_freq)
+        k_blk, v_blk = attn.project_kv(h, positions, inv_freq)
+        k = torch.cat([ctx_kv[0], k_blk], dim=2)
+        v = torch.cat([ctx_kv[1], v_blk], dim=2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=attn.num_heads != attn.num_kv_heads)
+        x = x + attn.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+        h = self.post_attention_layernorm(x)
+        mlp = self.mlp
+        return x + mlp["down_proj"](F.silu(mlp["gate_proj"](h)) * mlp["up_proj"](h))
+
+
+class DFlashDraftModel(nn.Module):
+    """The draft stack: ``fc`` + ``hidden_norm`` fuse target features, layers, final ``norm``.
+
+    The module is stateless: callers keep per-layer context K/V (see
+    :class:`dflash_doctor.engine.proposers.dflash.DFlashProposer`) so that a live loop caches them across
+    steps while teacher-forced replay and training compute them for a whole sequence at once.
+    """
+
+    def __init__(self, cfg: DFlashConfig):
+        super().__init__()
+        self.config = cfg
+        self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList([DFlashLayer(cfg) for _ in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.register_buffer(
+            "inv_freq", rope_inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), persistent=False
+        )
+
+    @property
+    def hidden_state_indices(self) -> tuple[int, ...]:
+        """HF ``hidden_states`` indices to tap: layer id ``l`` is ``hidden_states[l + 1]`` (0 = embeddings)."""
+        return tuple(l + 1 for l in self.config.target_layer_ids)
+
+    def context_kv(self, target_features: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-layer K/V of context rows: ``target_features`` [B, T, n*H] (concatenated taps) at ``positions`` [B, T]."""
+        ctx = self.hidden_norm(self.fc(target_features))
+        return [layer.self_attn.project_kv(ctx, positions, self.inv_freq) for layer in self.layers]
+
+    def layer_masks(
+        self, base_mask: torch.Tensor | None, query_positions: torch.Tensor, key_positions: torch.Tensor
+    ) -> list[torch.Tensor | None]:
+        """Per-layer masks: sliding-attention layers additionally drop keys more than ``sliding_window`` back."""
+        cfg = self.config
+        masks: list[torch.Tensor | None] = []
+        windowed = None
+        for layer_type in cfg.layer_types:
+            if layer_type == "sliding_attention" and cfg.sliding_window:
+                if windowed is None:
+                    distance = query_positions[:, None, :, None] - key_positions[:, None, None, :]  # [B,1,S,T+S]
+                    window_ok = distance < cfg.sliding_window
+                    windowed = window_ok if base_mask is None else (base_mask & window_ok)
+                masks.append(windowed)
+            else:
+                masks.append(base_mask)
+        return masks
+
+    def forward(
+        self,
+        block_embeds: torch.Tensor,  # [B, S, H] embeddings of [last token, mask x (S-1)] (or many blocks)
+        block_positions: torch.Tensor,  # [B, S]
+        ctx_kv: Sequence[tuple[torch.Tensor, torch.Tensor]],  # per layer, [B, kvh, T, D]
+        ctx_positions: torch.Tensor,  # [B, T]
+        attn_mask: torch.Tensor | None = None,  # [B or 1, 1, S, T + S] bool; None = see everything
+    ) -> torch.Tensor:
+        """Hidden states of the block rows after the final norm: [B, S, H] (apply the target's lm_head)."""
+        key_positions = torch.cat([ctx_positions, block_positions], dim=1)
+        masks = self.layer_masks(attn_mask, block_positions, key_positions)
+        x = block_embeds
+        for layer, kv, mask in zip(self.layers, ctx_kv, masks):
+            x = layer(x, block_positions, kv, mask, self.inv_freq)
+        return self.norm(x)

@@ -1,0 +1,180 @@
+"""The real speculative loop: prefill, draft, verify, commit accepted tokens plus the bonus, roll back.
+
+One sequence at a time, as a user's request is served. Each step:
+
+1. the proposer drafts k tokens after the last committed token (``last``, not yet in the target cache);
+2. the target scores ``[last, d1..dk]`` in one forward (k + 1 rows of logits);
+3. the acceptance rule keeps ``d1..dn`` and yields the next token (bonus or replacement);
+4. both KV caches are cropped to the committed length; the proposer receives the committed rows.
+
+k is capped at ``remaining - 1`` so a step never drafts past ``max_new_tokens``: the teacher-forced
+replay (:mod:`dflash_doctor.engine.teacher`) walks exactly this schedule. A draft token that is a stop
+token ends generation when accepted (nothing after it is compared). Lossless: at temperature 0 the
+output equals :func:`plain_generate`'s token for token; under sampling it has the target's distribution.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from dflash_doctor.engine.divergence import divergence_columns
+from dflash_doctor.engine.proposers.base import Proposer
+from dflash_doctor.engine.target import TargetModel
+from dflash_doctor.engine.verify import greedy_accept, rejection_sample
+
+
+def sample_token(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:
+    """Greedy at temperature 0, else a draw from softmax(logits / T)."""
+    if temperature <= 0:
+        return int(logits.argmax().item())
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclass
+class GenerationResult:
+    """Output of one request: committed tokens and, for speculative runs, per-step and per-token rows."""
+
+    output_ids: list[int]
+    stop_reason: str  # "stop_token" | "max_new_tokens"
+    wall_time_s: float
+    steps: list[dict] = field(default_factory=list)
+    tokens: list[dict] = field(default_factory=list)
+
+
+def _stop_index(token_ids: list[int], stop_ids: frozenset[int]) -> int | None:
+    for index, token in enumerate(token_ids):
+        if token in stop_ids:
+            return index
+    return None
+
+
+@torch.inference_mode()
+def plain_generate(
+    target: TargetModel,
+    prompt_ids: torch.Tensor,
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    stop_ids: frozenset[int] = frozenset(),
+    generator: torch.Generator | None = None,
+) -> GenerationResult:
+    """The target's own decoding, one token per forward: the reference the speculative loop must equal."""
+    started = time.perf_counter()
+    target.reset()
+    logits = target.forward(prompt_ids).logits[-1]
+    output: list[int] = []
+    while True:
+        token = sample_token(logits, temperature, generator)
+        output.append(token)
+        if token in stop_ids:
+            reason = "stop_token"
+            break
+        if len(output) >= max_new_tokens:
+            reason = "max_new_tokens"
+            break
+        logits = target.forward(torch.tensor([token], device=target.device)).logits[-1]
+    return GenerationResult(output_ids=output, stop_reason=reason, wall_time_s=time.perf_counter() - started)
+
+
+@torch.inference_mode()
+def speculative_generate(
+    target: TargetModel,
+    proposer: Proposer,
+    prompt_ids: torch.Tensor,
+    *,
+    k: int,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    stop_ids: frozenset[int] = frozenset(),
+    generator: torch.Generator | None = None,
+    record_tokens: bool = True,
+) -> GenerationResult:
+    """Generate with speculative decoding; ``k`` draft tokens per step (capped by the proposer's max_k)."""
+    if proposer.max_k is not None:
+        k = min(k, proposer.max_k)
+    device = target.device
+    started = time.perf_counter()
+    target.reset()
+    prefill = target.forward(prompt_ids)
+    proposer.start(prompt_ids, prefill.features)
+    last = sample_token(prefill.logits[-1], temperature, generator)
+    output = [last]
+    steps: list[dict] = []
+    tokens: list[dict] = []
+    reason = "stop_token" if last in stop_ids else "max_new_tokens"
+    while reason != "stop_token" and len(output) < max_new_tokens:
+        position = len(output)  # output tokens committed before this step
+        k_step = min(k, max_new_tokens - position - 1)
+        t0 = time.perf_counter()
+        proposal = proposer.propose(last, k_step, k)
+        _synchronize(device)
+        t1 = time.perf_counter()
+        block = torch.cat([torch.tensor([last], device=device), proposal.tokens.to(device)])
+        verified = target.forward(block)  # logits [k_step + 1, V]
+        _synchronize(device)
+        t2 = time.perf_counter()
+        if temperature <= 0:
+            num_accepted, next_token = greedy_accept(proposal.tokens, verified.logits)
+        else:
+            target_probs = torch.softmax(verified.logits / temperature, dim=-1)
+            num_accepted, next_token = rejection_sample(proposal.tokens, target_probs, proposal.probs, generator)
+        drafted = proposal.tokens.tolist()
+        accepted = drafted[:num_accepted]
+        stop_at = _stop_index(accepted, stop_ids)
+        if stop_at is not None:  # an accepted stop token ends the request; nothing after it counts
+            num_accepted = stop_at + 1
+            accepted = accepted[:num_accepted]
+        committed = 1 + num_accepted  # last + accepted drafts enter the context
+        target.crop(target.cache_length - (k_step + 1) + committed)
+        features = verified.features[:committed] if verified.features is not None else None
+        proposer.accept(block[:committed], features)
+        output.extend(accepted)
+        bonus = -1
+        if stop_at is not None:
+            reason = "stop_token"
+        else:
+            output.append(next_token)
+            bonus = next_token
+            last = next_token
+            if next_token in stop_ids:
+                reason = "stop_token"
+        steps.append(
+            {
+                "step": len(steps),
+                "position": position,
+                "k": k,
+                "num_drafted": k_step,
+                "num_accepted": num_accepted,
+                "bonus_token": bonus,
+                "draft_time_s": t1 - t0,
+                "verify_time_s": t2 - t1,
+            }
+        )
+        if record_tokens and k_step:
+            target_tokens = verified.logits[:k_step].argmax(dim=-1)
+            columns = divergence_columns(proposal.logits, verified.logits[:k_step], proposal.tokens, target_tokens)
+            target_list = target_tokens.tolist()
+            for i in range(k_step):
+                row = {name: values[i] for name, values in columns.items()}
+                row.update(
+                    step=len(steps) - 1,
+                    position=position + i,
+                    offset=i + 1,
+                    draft_token=drafted[i],
+                    target_token=target_list[i],
+                    accepted=i < num_accepted,
+                )
+                tokens.append(row)
+    output = output[:max_new_tokens]
+    return GenerationResult(
+        output_ids=output, stop_reason=reason, wall_time_s=time.perf_counter() - started, steps=steps, tokens=tokens
+    )

@@ -1,0 +1,76 @@
+"""A classic autoregressive draft: K cached draft steps, each conditioned on the previous draft token.
+
+Under sampling the draft samples from its own temperature-scaled distribution and returns it as
+``probs`` so the verifier can apply the min(1, p/q) rule; at temperature 0 it drafts the argmax.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+from dflash_doctor.engine.proposers.base import Proposal, Proposer, TargetNeeds
+from dflash_doctor.engine.target import cache_keyword, crop_cache
+
+
+class AutoregressiveProposer(Proposer):
+    kind = "autoregressive"
+    needs = TargetNeeds()
+
+    def __init__(self, model: torch.nn.Module, temperature: float = 0.0, generator: torch.Generator | None = None):
+        self.model = model
+        self.temperature = temperature
+        self.generator = generator
+        self.cache = DynamicCache()
+        self.uncached: list[int] = []  # committed tokens the draft cache has not seen yet
+        self._cache_keyword = cache_keyword(model)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @torch.inference_mode()
+    def _step(self, token_ids: list[int]) -> torch.Tensor:
+        ids = torch.tensor([token_ids], device=self.device)
+        return self.model(input_ids=ids, use_cache=True, **{self._cache_keyword: self.cache}).logits[0, -1].float()
+
+    def start(self, prompt_ids: torch.Tensor, prompt_features: torch.Tensor | None) -> None:
+        self.cache = DynamicCache()
+        self.uncached = prompt_ids.tolist()
+
+    def propose(self, last_token: int, k: int, block_k: int) -> Proposal:
+        self._prefix_length = self.cache.get_seq_length() + len(self.uncached)  # committed, excluding last_token
+        tokens, logits, probs = [], [], []
+        feed = self.uncached + [last_token]
+        if k > 0:
+            self.uncached = []
+        for _ in range(k):
+            step_logits = self._step(feed)
+            if self.temperature > 0:
+                step_probs = torch.softmax(step_logits / self.temperature, dim=-1)
+                token = int(torch.multinomial(step_probs, 1, generator=self.generator).item())
+                probs.append(step_probs)
+            else:
+                token = int(step_logits.argmax().item())
+            tokens.append(token)
+            logits.append(step_logits)
+            feed = [token]
+        vocab = self.model.config.vocab_size
+        return Proposal(
+            tokens=torch.tensor(tokens, dtype=torch.long, device=self.device),
+            logits=torch.stack(logits) if logits else torch.empty(0, vocab, device=self.device),
+            probs=torch.stack(probs) if probs else None,
+        )
+
+    def accept(self, committed_ids: torch.Tensor, committed_features: torch.Tensor | None) -> None:
+        # The cache now holds the committed prefix, last_token and d1..d(k-1): keep the committed part and
+        # remember committed tokens it has not seen (the bonus, and d_k when all k were accepted).
+        keep = self._prefix_length + len(committed_ids)
+        cached = self.cache.get_seq_length()
+        if cached > keep:
+            crop_cache(self.cache, keep)
+            cached = keep
+        if cached >= self._prefix_length:
+            self.uncached = committed_ids[cached - self._prefix_length :].tolist()
+        else:  # k == 0: nothing was fed this step
+            self.uncached = self.uncached + committed_ids.tolist()

@@ -1,0 +1,66 @@
+"""The one small interface every draft kind implements.
+
+A proposer *declares* what it needs from the target (:class:`TargetNeeds`), and the live loop and the
+teacher-forced replay read that declaration; neither ever branches on the proposer's type (a lesson from
+vLLM #43986, where an engine branch hard-coded a DFlash flag instead of asking the proposer).
+
+Life cycle for one sequence::
+
+    start(prompt_ids, prompt_features)         # after the target's prefill
+    loop:
+        proposal = propose(last_token, k, block_k)   # k tokens offered for verification
+        accept(committed_ids, committed_features)     # [last, d1..dn]: rows now in the target's context
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class TargetNeeds:
+    """What a proposer consumes from target forwards.
+
+    hidden_state_indices: HF ``hidden_states`` indices whose rows are concatenated into "features"
+    (for DFlash, ``target_layer_id + 1``). Empty means the target runs without hidden-state output.
+    """
+
+    hidden_state_indices: tuple[int, ...] = ()
+
+
+@dataclass
+class Proposal:
+    """``tokens`` [k]; ``logits`` [k, V] the draft's raw scores per slot (for divergence records);
+    ``probs`` [k, V] the distribution the tokens were SAMPLED from, or None for greedy (argmax) drafts."""
+
+    tokens: torch.Tensor
+    logits: torch.Tensor
+    probs: torch.Tensor | None
+
+
+class Proposer(ABC):
+    """A draft model driven one sequence at a time."""
+
+    kind: str
+    needs: TargetNeeds = TargetNeeds()
+
+    @property
+    def max_k(self) -> int | None:
+        """Most tokens one step can draft (DFlash: block_size - 1); None = unbounded."""
+        return None
+
+    @abstractmethod
+    def start(self, prompt_ids: torch.Tensor, prompt_features: torch.Tensor | None) -> None:
+        """Begin a sequence whose prompt the target has just prefilled (prompt_ids [P], features [P, F])."""
+
+    @abstractmethod
+    def propose(self, last_token: int, k: int, block_k: int) -> Proposal:
+        """Draft ``k`` tokens following ``last_token``; ``block_k`` >= k is the step's configured K, which a
+        block drafter uses as its block length so its guesses do not depend on the remaining budget."""
+
+    @abstractmethod
+    def accept(self, committed_ids: torch.Tensor, committed_features: torch.Tensor | None) -> None:
+        """The verified step committed ``committed_ids`` [n + 1] = [last, d1..dn] into the target context."""

@@ -1,0 +1,61 @@
+"""The DFlash block drafter: one non-causal pass over ``[last token, mask x K]`` per step.
+
+Conditioned on the target's hidden states of ``target_layer_ids`` (HF ``hidden_states[l + 1]``). The
+context K/V of every committed token is computed once, when the token is committed, and cached across
+steps; the block's own K/V are dropped after the pass. Drafts are greedy (argmax), as in vLLM and SGLang.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dflash_doctor.engine.dflash_model import DFlashDraftModel
+from dflash_doctor.engine.proposers.base import Proposal, Proposer, TargetNeeds
+from dflash_doctor.engine.target import TargetModel
+
+
+class DFlashProposer(Proposer):
+    kind = "dflash"
+
+    def __init__(self, model: DFlashDraftModel, target: TargetModel):
+        self.model = model
+        self.target = target
+        self.needs = TargetNeeds(hidden_state_indices=model.hidden_state_indices)
+        self.mask_token_id = model.config.mask_token_id
+        self.ctx_kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.ctx_length = 0
+
+    @property
+    def max_k(self) -> int:
+        return self.model.config.block_size - 1
+
+    @torch.inference_mode()
+    def _extend_context(self, features: torch.Tensor) -> None:
+        """Append K/V rows for newly committed tokens (features [n, F]) at their absolute positions."""
+        n = features.shape[0]
+        positions = torch.arange(self.ctx_length, self.ctx_length + n, device=features.device)[None]
+        new = self.model.context_kv(features[None].to(self.model.fc.weight.dtype), positions)
+        if self.ctx_kv:
+            self.ctx_kv = [(torch.cat([k, nk], dim=2), torch.cat([v, nv], dim=2)) for (k, v), (nk, nv) in zip(self.ctx_kv, new)]
+        else:
+            self.ctx_kv = new
+        self.ctx_length += n
+
+    def start(self, prompt_ids: torch.Tensor, prompt_features: torch.Tensor | None) -> None:
+        self.ctx_kv, self.ctx_length = [], 0
+        self._extend_context(prompt_features)
+
+    @torch.inference_mode()
+    def propose(self, last_token: int, k: int, block_k: int) -> Proposal:
+        device = self.model.fc.weight.device
+        block = torch.full((block_k + 1,), self.mask_token_id, dtype=torch.long, device=device)
+        block[0] = last_token
+        positions = torch.arange(self.ctx_length, self.ctx_length + block_k + 1, device=device)[None]
+        ctx_positions = torch.arange(self.ctx_length, device=device)[None]
+        embeds = self.target.embed(block)[None].to(self.model.fc.weight.dtype)
+        hidden = self.model(embeds, positions, self.ctx_kv, ctx_positions)  # [1, K+1, H]
+        logits = self.target.lm_head(hidden[0, 1 : k + 1]).float()  # [k, V]
+        return Proposal(tokens=logits.argmax(dim=-1), logits=logits, probs=None)
+
+    def accept(self, committed_ids: torch.Tensor, committed_features: torch.Tensor | None) -> None:
+        self._extend_context(committed_features)
