@@ -1,0 +1,75 @@
+"""Overview page: the verdict, the headline numbers, every check with its findings and fixes, and
+the model and environment facts needed to reproduce the run."""
+
+import streamlit as st
+
+from dflash_doctor import figures
+from dflash_doctor.app import data, ui
+
+run = ui.current_run()
+ui.run_header(run, "Overview")
+meta = run.meta
+summary = meta.get("summary") or {}
+overall = summary.get("overall") or {}
+
+status, sentence = data.run_verdict(meta.get("checks") or [])
+banner = {"fail": st.error, "error": st.error, "warn": st.warning, "pass": st.success}.get(status, st.info)
+banner(f"**Verdict: {status.upper()}** — {sentence}" if status != "none" else sentence, icon=ui.STATUS_ICONS.get(status, "ℹ️"))
+
+if overall.get("num_drafts"):
+    tau_lo, tau_hi = overall.get("mean_acceptance_length_ci") or [float("nan")] * 2
+    best = (meta.get("recommendation") or {}).get("overall") or {}
+    cols = st.columns(5)
+    cols[0].metric("tau (mean acceptance length)", f"{overall['mean_acceptance_length']:.2f}", help="1 + accepted / drafts, bonus token included (vLLM's definition).")
+    cols[0].caption(f"95% CI [{tau_lo:.2f}, {tau_hi:.2f}]")
+    cols[1].metric("Drafted tokens accepted", f"{overall.get('draft_acceptance_rate', float('nan')):.1%}", help="accepted / drafted; it falls as K grows, so compare tau instead.")
+    cols[2].metric("Requests", f"{overall.get('num_requests', 0):,}")
+    cols[3].metric("Output tokens", f"{overall.get('num_output_tokens', 0):,}")
+    cols[4].metric("Recommended K (overall)", str(best.get("k", "—")), help=best.get("reason") or "Run `dflash-doctor sweep` for a recommendation.")
+    left, right = st.columns(2)
+    left.plotly_chart(figures.tau_by_class_figure(summary), key="overview_tau")
+    right.plotly_chart(figures.acceptance_histogram_figure(summary), key="overview_histogram")
+else:
+    st.info("This run has no drafted steps, so there are no acceptance numbers; the checks and facts below still apply.")
+
+st.header("Checks")
+checks = meta.get("checks") or []
+if not checks:
+    st.caption("No checks in this run.")
+else:
+    table = data.checks_table(checks)
+    st.dataframe(table.assign(status=table["status"].map(lambda s: f"{ui.STATUS_ICONS.get(s, '')} {s}")), hide_index=True)
+    by_id = {str(check.get("id")): check for check in checks}
+    for row in table.itertuples(index=False):
+        check = by_id[row.check]
+        with st.expander(f"{ui.STATUS_ICONS.get(row.status, '')} **{row.check}** — {row.summary}", expanded=row.status in ("fail", "error")):
+            findings = check.get("findings") or []
+            if not findings:
+                st.caption("No findings.")
+            for finding in findings:
+                severity = str(finding.get("severity", "info"))
+                box = {"fail": st.error, "warn": st.warning}.get(severity, st.info)
+                box(f"**{severity}**: {finding.get('message', '')}")
+                if finding.get("evidence"):
+                    st.code(str(finding["evidence"]), language=None)
+                if finding.get("fix"):
+                    st.markdown(f"**Fix:** {finding['fix']}")
+            if check.get("metrics"):
+                st.json(check["metrics"], expanded=False)
+
+recommendation = meta.get("recommendation") or {}
+if recommendation:
+    st.header("Recommended K")
+    st.dataframe(data.recommendation_table(recommendation), hide_index=True,
+                 column_config={"speedup": st.column_config.NumberColumn(format="%.2fx"), "reason": st.column_config.TextColumn(width="large")})
+
+st.header("Models and environment")
+left, right = st.columns(2)
+with left:
+    st.subheader("Models")
+    st.dataframe(data.facts_table(meta.get("models") or {}), hide_index=True)
+with right:
+    st.subheader("Environment")
+    st.dataframe(data.facts_table(meta.get("environment") or {}), hide_index=True)
+with st.expander("Configuration (everything that was asked for)"):
+    st.json(meta.get("config") or {})

@@ -1,0 +1,263 @@
+"""The check registry: what a check is, what it receives, what it returns, and how a set of them runs.
+
+A check is one small file holding a frozen dataclass whose fields are its parameters (thresholds with
+defaults), a docstring saying which failure it detects and why that failure matters, ``needs`` (the
+:class:`CheckContext` fields it cannot work without) and ``run(ctx) -> CheckResult``. It returns data and
+never prints: the terminal, the reports and run.json are views of the same :class:`CheckResult`.
+
+:func:`run_checks` is the one runner. A check whose inputs are absent is marked ``skip`` with the missing
+inputs named; a check that raises is marked ``error`` with the exception text, and the others still run,
+so a report always renders (the evidently / lm-evaluation-harness habit).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Iterable, Mapping, TypeVar
+
+from dflash_doctor.errors import UsageError
+
+STATUSES = ("pass", "warn", "fail", "skip", "error")
+SEVERITIES = ("info", "warn", "fail")
+
+
+@dataclass
+class Finding:
+    """One observation: what is wrong (or worth knowing), the evidence, and how to fix it."""
+
+    severity: str  # info | warn | fail
+    message: str
+    evidence: str = ""
+    fix: str = ""
+
+    def __post_init__(self) -> None:
+        if self.severity not in SEVERITIES:
+            raise ValueError(f"finding severity {self.severity!r} is not one of {SEVERITIES}")
+
+    def to_dict(self) -> dict[str, str]:
+        return {"severity": self.severity, "message": self.message, "evidence": self.evidence, "fix": self.fix}
+
+
+@dataclass
+class CheckResult:
+    """The outcome of one check, in the run.json ``checks`` form (see :meth:`to_dict`)."""
+
+    id: str
+    status: str
+    summary: str
+    metrics: dict[str, Any] = field(default_factory=dict)
+    findings: list[Finding] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.status not in STATUSES:
+            raise ValueError(f"check status {self.status!r} is not one of {STATUSES}")
+
+    @classmethod
+    def from_findings(cls, check_id: str, findings: list[Finding], metrics: dict[str, Any], pass_summary: str) -> "CheckResult":
+        """Status = the worst finding's severity; summary = that finding's message (or ``pass_summary``).
+
+        One rule for every check keeps verdicts comparable: any ``fail`` finding fails the check, any
+        ``warn`` warns, ``info`` findings never change the status.
+        """
+        worst = worst_severity(findings)
+        if worst in ("fail", "warn"):
+            first = next(f for f in findings if f.severity == worst)
+            others = sum(1 for f in findings if f.severity in ("fail", "warn")) - 1
+            summary = first.message + (f" (+{others} more)" if others else "")
+            return cls(check_id, worst, summary, metrics, findings)
+        return cls(check_id, "pass", pass_summary, metrics, findings)
+
+    @property
+    def fix(self) -> str:
+        """The fix of the most severe finding, for one-line views (the terminal table)."""
+        for severity in ("fail", "warn", "info"):
+            for finding in self.findings:
+                if finding.severity == severity and finding.fix:
+                    return finding.fix
+        return ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "status": self.status,
+            "summary": self.summary,
+            "metrics": dict(self.metrics),
+            "findings": [f.to_dict() for f in self.findings],
+        }
+
+
+def worst_severity(findings: Iterable[Finding]) -> str | None:
+    """The most severe severity among ``findings`` (fail > warn > info), None when there are none."""
+    ranks = {"info": 0, "warn": 1, "fail": 2}
+    worst = None
+    for finding in findings:
+        if worst is None or ranks[finding.severity] > ranks[worst]:
+            worst = finding.severity
+    return worst
+
+
+@dataclass
+class CheckContext:
+    """Everything a check may read. All fields are optional: a check names the ones it ``needs``.
+
+    Tokenizers are transformers tokenizers; ``target_config`` is a ``PretrainedConfig`` or a dict;
+    ``draft_config`` is the draft checkpoint's ``config.json`` as a dict; ``engine_config`` is the output
+    of :func:`dflash_doctor.checks.engine_config.parse_engine_config`; ``run_meta`` is a run.json dict
+    (with ``summary``). ``extras`` carries inputs that only some producers have, e.g.
+    ``output_token_ids`` (ids the target produced in a run) or ``offset_probe`` ({offset: tau}).
+    """
+
+    target_tokenizer: Any = None
+    draft_tokenizer: Any = None
+    target_config: Any = None
+    draft_config: dict[str, Any] | None = None
+    draft_kind: str | None = None  # dflash | autoregressive
+    environment: dict[str, Any] | None = None
+    engine_config: dict[str, Any] | None = None
+    corpus: list[str] | None = None  # workload texts for round-trips
+    target_template: str | None = None  # the chat template the server renders prompts with
+    draft_template: str | None = None  # the chat template shipped with the draft
+    draft_training_template: str | None = None  # the template the draft was trained with, when recorded
+    run_meta: dict[str, Any] | None = None
+    config: Any = None  # DoctorConfig
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    def missing(self, needs: Iterable[str]) -> list[str]:
+        """The needs that are absent; an entry ``"a|b"`` is satisfied by either field."""
+        absent = []
+        for need in needs:
+            alternatives = need.split("|")
+            if all(_is_absent(getattr(self, name)) for name in alternatives):
+                absent.append(" or ".join(alternatives))
+        return absent
+
+
+def _is_absent(value: Any) -> bool:
+    return value is None or (isinstance(value, (dict, list, str, tuple)) and len(value) == 0)
+
+
+def config_value(config: Any, key: str, default: Any = None) -> Any:
+    """Read ``key`` from a ``PretrainedConfig`` or a dict (target configs come in both forms)."""
+    if config is None:
+        return default
+    if isinstance(config, Mapping):
+        return config.get(key, default)
+    return getattr(config, key, default)
+
+
+class Check:
+    """Base of every check; subclasses are frozen dataclasses registered with :func:`register`.
+
+    Class attributes: ``id`` (kebab-case, stable: it is stored in run.json and named by --only/--skip),
+    ``needs`` (CheckContext field names, ``"a|b"`` for either) and ``title``.
+    """
+
+    id: ClassVar[str] = ""
+    title: ClassVar[str] = ""
+    needs: ClassVar[tuple[str, ...]] = ()
+
+    def run(self, ctx: CheckContext) -> CheckResult:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+CheckT = TypeVar("CheckT", bound=type)
+_REGISTRY: dict[str, type[Check]] = {}
+
+
+def register(cls: CheckT) -> CheckT:
+    """Class decorator: add a check class to the registry; a second class with the same id is refused."""
+    check_id = getattr(cls, "id", "")
+    if not check_id:
+        raise ValueError(f"{cls.__name__} has no `id`; give the check a kebab-case id")
+    if not dataclasses.is_dataclass(cls):
+        raise TypeError(f"check {check_id!r} must be a (frozen) dataclass so its parameters are declared fields")
+    if check_id in _REGISTRY and _REGISTRY[check_id] is not cls:
+        raise ValueError(f"check id {check_id!r} is already registered by {_REGISTRY[check_id].__qualname__}")
+    _REGISTRY[check_id] = cls
+    return cls
+
+
+def registered_ids() -> list[str]:
+    """All registered check ids, in registration order."""
+    return list(_REGISTRY)
+
+
+def _did_you_mean(name: str, choices: Iterable[str]) -> str:
+    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.5)
+    return f"did you mean {close[0]!r}? " if close else ""
+
+
+def get_check(check_id: str) -> type[Check]:
+    """The check class for ``check_id``; an unknown id is a UsageError suggesting the closest id."""
+    try:
+        return _REGISTRY[check_id]
+    except KeyError:
+        hint = _did_you_mean(check_id, _REGISTRY)
+        raise UsageError(
+            f"unknown check {check_id!r}; {hint}pick one of {', '.join(_REGISTRY)}."
+        ) from None
+
+
+def make_check(check_id: str, params: Mapping[str, Any] | None = None) -> Check:
+    """Instantiate a check with parameter overrides; an unknown parameter names the check and the valid ones."""
+    cls = get_check(check_id)
+    params = dict(params or {})
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in params:
+        if key not in names:
+            hint = _did_you_mean(key, names)
+            valid = ", ".join(names) if names else "none"
+            raise UsageError(f"check {check_id!r} has no parameter {key!r}; {hint}valid parameters: {valid}.")
+    return cls(**params)
+
+
+def run_checks(
+    ctx: CheckContext,
+    only: Iterable[str] = (),
+    skip: Iterable[str] = (),
+    params: Mapping[str, Mapping[str, Any]] | None = None,
+) -> list[CheckResult]:
+    """Run the registered checks (or ``only`` those, minus ``skip``) and return one result each.
+
+    Parameters come from ``ctx.config.checks[id]`` (the ``[checks.<id>]`` tables of doctor.toml) with
+    ``params[id]`` on top (the CLI). Unknown ids anywhere are a UsageError with "did you mean".
+    """
+    only, skip = list(only), list(skip)
+    file_params = dict(getattr(ctx.config, "checks", None) or {})
+    call_params = dict(params or {})
+    for check_id in [*only, *skip, *file_params, *call_params]:
+        get_check(check_id)
+    selected = [c for c in (only or registered_ids()) if c not in skip]
+    results = []
+    for check_id in selected:
+        merged = {**file_params.get(check_id, {}), **call_params.get(check_id, {})}
+        check = make_check(check_id, merged)
+        results.append(run_one(check, ctx))
+    return results
+
+
+def run_one(check: Check, ctx: CheckContext) -> CheckResult:
+    """Run a single check instance: ``skip`` when its needs are absent, ``error`` when it raises."""
+    absent = ctx.missing(check.needs)
+    if absent:
+        return CheckResult(check.id, "skip", f"skipped: needs {', '.join(absent)}", {"missing": absent})
+    try:
+        return check.run(ctx)
+    except UsageError:
+        raise
+    except Exception as exc:  # a bug or an unexpected input in one check must not hide the others
+        return CheckResult(check.id, "error", f"{type(exc).__name__}: {exc}", {"exception": type(exc).__name__})
+
+
+def exit_code(results: Iterable[CheckResult], fail_on: str = "fail") -> int:
+    """DESIGN.md exit codes: 1 when a check failed or errored (or warned with ``fail_on="warn"``), else 0."""
+    bad = {"fail", "error"} | ({"warn"} if fail_on == "warn" else set())
+    return 1 if any(r.status in bad for r in results) else 0
+
+
+def skipped(check_id: str, reason: str) -> CheckResult:
+    """A ``skip`` result decided inside a check (an input is present but unusable for this check)."""
+    return CheckResult(check_id, "skip", f"skipped: {reason}")
+

@@ -1,0 +1,172 @@
+"""draft-config: does a DFlash draft's config.json fit the target it is served with?
+
+A DFlash draft borrows the target's embedding and LM head and reads hidden states of chosen target
+layers (REFERENCE.md section 1), so its ``hidden_size``, ``fc`` width (len(target_layer_ids) x hidden),
+layer ids, RoPE settings and mask id are only meaningful relative to one target. A mismatch often loads
+without an error and silently drafts garbage. The offset probe (fed by the engine through
+``ctx.extras["offset_probe"]``) catches the classic off-by-one in layer ids (vLLM PR #42704,
+llama.cpp #25792): if reading layer l - 1 or l + 1 gives clearly better acceptance, the ids are shifted.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dflash_doctor.checks.base import Check, CheckContext, CheckResult, Finding, config_value, register, skipped
+from dflash_doctor.checks.draft_facts import block_size, is_dflash, mask_token_id, target_layer_ids
+
+# fp16 vs bf16 is a real risk (fp16 overflows where bf16 was trained); fp32 vs either is only slower.
+_HALF_DTYPES = {"float16", "bfloat16"}
+
+
+def read_safetensors_shapes(path: str | Path) -> dict[str, list[int]]:
+    """Tensor name -> shape from a .safetensors header (8-byte length + JSON), without reading weights."""
+    with open(path, "rb") as handle:
+        (header_len,) = struct.unpack("<Q", handle.read(8))
+        header = json.loads(handle.read(header_len))
+    return {name: meta["shape"] for name, meta in header.items() if name != "__metadata__"}
+
+
+def _rope(config: Any) -> tuple[Any, Any]:
+    """(rope_theta, rope scaling) from either transformers 4 keys or transformers 5 ``rope_parameters``."""
+    parameters = config_value(config, "rope_parameters") or {}
+    theta = config_value(config, "rope_theta") or parameters.get("rope_theta")
+    scaling = config_value(config, "rope_scaling")
+    if scaling is None and parameters:
+        scaling = {k: v for k, v in parameters.items() if k != "rope_theta" and not (k == "rope_type" and v == "default")} or None
+    return theta, scaling
+
+
+def _dtype(config: Any) -> str | None:
+    value = config_value(config, "dtype") or config_value(config, "torch_dtype")
+    return None if value is None else str(value).replace("torch.", "")
+
+
+@register
+@dataclass(frozen=True)
+class DraftConfigCheck(Check):
+    """A DFlash draft's config is consistent with the target: sizes, layer ids, RoPE, dtype, block vs K, mask.
+
+    Fails on a hidden-size or fc-width mismatch, layer ids outside the target, a K larger than the block
+    drafts, a mask id outside the embedding, or an offset probe where a shifted layer id clearly wins.
+    Warns on RoPE differences, a different target depth, and fp16/bf16 mixes.
+    """
+
+    id = "draft-config"
+    title = "Draft config"
+    needs = ("draft_config",)
+
+    offset_probe_margin: float = 0.15  # a neighbour offset beating offset 0 by this much tau fails
+
+    def run(self, ctx: CheckContext) -> CheckResult:
+        if not is_dflash(ctx):
+            return skipped(self.id, "the draft is not a DFlash checkpoint (static config checks are DFlash-specific)")
+        draft, target = ctx.draft_config, ctx.target_config
+        findings: list[Finding] = []
+        metrics: dict[str, Any] = {
+            "hidden_size": config_value(draft, "hidden_size"),
+            "block_size": block_size(draft),
+            "target_layer_ids": target_layer_ids(draft),
+            "mask_token_id": mask_token_id(draft),
+        }
+        findings += self._size_findings(ctx, metrics)
+        findings += self._layer_findings(draft, target)
+        findings += self._rope_dtype_findings(draft, target)
+        findings += self._block_findings(ctx, metrics)
+        findings += self._offset_probe_findings(ctx, metrics)
+        return CheckResult.from_findings(self.id, findings, metrics, "draft config fits the target")
+
+    def _size_findings(self, ctx: CheckContext, metrics: dict[str, Any]) -> list[Finding]:
+        findings = []
+        hidden = metrics["hidden_size"]
+        target_hidden = config_value(ctx.target_config, "hidden_size")
+        if hidden is not None and target_hidden is not None and hidden != target_hidden:
+            findings.append(Finding("fail", f"draft hidden_size {hidden} differs from the target's {target_hidden}",
+                                    "DFlash embeds with the target's embed_tokens and projects with its lm_head",
+                                    "use a draft trained for this target"))
+        ids = metrics["target_layer_ids"]
+        fc_shape = (ctx.extras.get("draft_weight_shapes") or {}).get("fc.weight")
+        if fc_shape is not None and ids and hidden:
+            expected = [hidden, len(ids) * hidden]
+            if list(fc_shape) != expected:
+                findings.append(Finding("fail", f"fc.weight is {list(fc_shape)} but {len(ids)} layer ids x hidden {hidden} needs {expected}",
+                                        "fc fuses the concatenated hidden states of every target layer id",
+                                        "make dflash_config.target_layer_ids match the ids the draft was trained with"))
+        return findings
+
+    def _layer_findings(self, draft: dict[str, Any], target: Any) -> list[Finding]:
+        ids = target_layer_ids(draft)
+        num_layers = config_value(target, "num_hidden_layers")
+        findings = []
+        if ids is None:
+            findings.append(Finding("warn", "the draft config records no target_layer_ids",
+                                    "engines then derive defaults, which may not be what the draft was trained on",
+                                    "set dflash_config.target_layer_ids explicitly"))
+            return findings
+        if len(set(ids)) != len(ids):
+            findings.append(Finding("warn", f"target_layer_ids {ids} repeat a layer", "", "list each layer once"))
+        if num_layers is not None:
+            outside = [i for i in ids if not 0 <= i < num_layers]
+            if outside:
+                findings.append(Finding("fail", f"target_layer_ids {outside} are outside the target's {num_layers} layers",
+                                        f"ids {ids}; HF convention: layer l is hidden_states[l + 1]",
+                                        "use ids in 0..num_hidden_layers-1 (llama.cpp GGUF ids are shifted by one)"))
+            trained_for = config_value(draft, "num_target_layers")
+            if trained_for is not None and trained_for != num_layers:
+                findings.append(Finding("warn", f"the draft was trained for a {trained_for}-layer target; this target has {num_layers}",
+                                        f"num_target_layers {trained_for}", "use the draft trained for this target size"))
+        return findings
+
+    def _rope_dtype_findings(self, draft: dict[str, Any], target: Any) -> list[Finding]:
+        if target is None:
+            return []
+        findings = []
+        (draft_theta, draft_scaling), (target_theta, target_scaling) = _rope(draft), _rope(target)
+        if draft_theta is not None and target_theta is not None and float(draft_theta) != float(target_theta):
+            findings.append(Finding("warn", f"rope_theta differs: draft {draft_theta} vs target {target_theta}",
+                                    "the draft applies RoPE to the context at the target's absolute positions",
+                                    "use the target's rope_theta in the draft config"))
+        if draft_scaling != target_scaling:
+            findings.append(Finding("warn", f"rope scaling differs: draft {draft_scaling} vs target {target_scaling}",
+                                    "long contexts drift apart first", "copy the target's rope scaling into the draft config"))
+        draft_dtype, target_dtype = _dtype(draft), _dtype(target)
+        if draft_dtype and target_dtype and draft_dtype != target_dtype:
+            severity = "warn" if {draft_dtype, target_dtype} == _HALF_DTYPES else "info"
+            findings.append(Finding(severity, f"dtype differs: draft {draft_dtype} vs target {target_dtype}",
+                                    "fp16 overflows where bf16 was trained" if severity == "warn" else "a wider dtype only costs speed",
+                                    "serve the draft in the dtype it was trained in (--dtype)"))
+        return findings
+
+    def _block_findings(self, ctx: CheckContext, metrics: dict[str, Any]) -> list[Finding]:
+        findings = []
+        block = metrics["block_size"]
+        ks = tuple(getattr(ctx.config, "k", ()) or ())
+        if block is None:
+            findings.append(Finding("warn", "the draft config records no block_size", "", "set block_size (or dflash_config.block_size)"))
+        elif ks and max(ks) > block - 1:
+            findings.append(Finding("fail", f"K {max(ks)} exceeds the {block - 1} tokens one block of {block} drafts",
+                                    f"--k {','.join(map(str, ks))}", f"use --k {block - 1} or less"))
+        mask = metrics["mask_token_id"]
+        rows = config_value(ctx.target_config, "vocab_size") or config_value(ctx.draft_config, "vocab_size")
+        if mask is not None and rows is not None and not 0 <= mask < rows:
+            findings.append(Finding("fail", f"mask token id {mask} is outside the embedding (vocab_size {rows})", "",
+                                    "set dflash_config.mask_token_id to a reserved row below vocab_size"))
+        return findings
+
+    def _offset_probe_findings(self, ctx: CheckContext, metrics: dict[str, Any]) -> list[Finding]:
+        probe = {int(k): float(v) for k, v in (ctx.extras.get("offset_probe") or {}).items()}
+        if not probe:
+            return []
+        metrics["offset_probe"] = probe
+        if 0 not in probe:
+            return [Finding("warn", "the offset probe has no result for offset 0", str(probe), "rerun the probe")]
+        best_offset = max(probe, key=probe.get)
+        if best_offset != 0 and probe[best_offset] - probe[0] > self.offset_probe_margin:
+            return [Finding("fail", f"layer ids shifted by {best_offset:+d} give tau {probe[best_offset]:.2f} vs {probe[0]:.2f} as configured",
+                            ", ".join(f"offset {k:+d}: tau {v:.2f}" for k, v in sorted(probe.items())),
+                            f"shift dflash_config.target_layer_ids by {best_offset:+d} (off-by-one: vLLM PR #42704, llama.cpp #25792)")]
+        return [Finding("info", "offset probe: the configured layer ids are the best", ", ".join(f"offset {k:+d}: tau {v:.2f}" for k, v in sorted(probe.items())))]

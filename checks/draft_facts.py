@@ -1,0 +1,58 @@
+"""Read the few DFlash facts several checks need from a draft's ``config.json`` (REFERENCE.md section 1).
+
+Checkpoints disagree on where things live: older ones keep ``block_size`` at the top level and the mask
+in ``dflash_config``; DFlash2 may move ``block_size`` into ``dflash_config``. These helpers look in both
+places so each check states its rule once.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+from dflash_doctor.checks.base import CheckContext
+
+
+def _dflash_section(draft_config: dict[str, Any] | None) -> dict[str, Any]:
+    return dict((draft_config or {}).get("dflash_config") or {})
+
+
+def is_dflash(ctx: CheckContext) -> bool:
+    """True when the context names a DFlash draft, explicitly or by its config's shape."""
+    if ctx.draft_kind:
+        return ctx.draft_kind == "dflash"
+    config = ctx.draft_config or {}
+    architectures = config.get("architectures") or []
+    return "dflash_config" in config or any("DFlash" in str(name) for name in architectures)
+
+
+def mask_token_id(draft_config: dict[str, Any] | None) -> int | None:
+    """The embedding row DFlash fills the block's masked slots with, or None when not recorded."""
+    value = _dflash_section(draft_config).get("mask_token_id", (draft_config or {}).get("mask_token_id"))
+    return None if value is None else int(value)
+
+
+def block_size(draft_config: dict[str, Any] | None) -> int | None:
+    """Tokens per drafted block B (the last committed token plus B - 1 masked slots)."""
+    value = (draft_config or {}).get("block_size", _dflash_section(draft_config).get("block_size"))
+    return None if value is None else int(value)
+
+
+def target_layer_ids(draft_config: dict[str, Any] | None) -> list[int] | None:
+    """Target layers whose hidden states feed the draft (HF convention: layer l = hidden_states[l + 1])."""
+    value = _dflash_section(draft_config).get("target_layer_ids", (draft_config or {}).get("target_layer_ids"))
+    return None if value is None else [int(x) for x in value]
+
+
+def output_token_ids(ctx: CheckContext) -> set[int] | None:
+    """Ids the target produced in a run (``ctx.extras["output_token_ids"]``: flat or one list per request)."""
+    produced = ctx.extras.get("output_token_ids")
+    if produced is None:
+        return None
+    ids: set[int] = set()
+    for item in produced:
+        if isinstance(item, numbers.Integral):
+            ids.add(int(item))
+        else:  # one request's ids: a list, or an array from requests.parquet
+            ids.update(int(x) for x in item)
+    return ids

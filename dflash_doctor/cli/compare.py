@@ -1,0 +1,54 @@
+"""`dflash-doctor compare BASE NEW`: the regression gate between two runs (exit 1 on regression)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from dflash_doctor.cli import app
+from dflash_doctor.compare import DEFAULT_THRESHOLD_RATE, DEFAULT_THRESHOLD_TAU, Comparison, compare_runs, write_compare_reports
+from dflash_doctor.errors import UsageError
+from dflash_doctor.report.templating import ci, fmt, signed
+
+EXIT_REGRESSION = 1
+
+
+def _table(comparison: Comparison) -> Table:
+    """tau per class, then every regressed per-position rate (unchanged rates would drown the table)."""
+    table = Table(title=f"NEW {comparison.new_path.name} vs BASE {comparison.base_path.name} (K={comparison.k_compared})")
+    for column in ("class", "metric", "BASE", "BASE 95% CI", "NEW", "NEW 95% CI", "delta", "verdict"):
+        table.add_column(column, justify="right" if column in ("BASE", "NEW", "delta") else "left")
+    shown = [row for row in comparison.rows if row.slot is None or row.regression]
+    for row in shown:
+        digits = 2 if row.slot is None else 3
+        verdict = "[bold red]REGRESSION[/]" if row.regression else (row.note or "[green]ok[/]")
+        table.add_row(row.cls, row.label, fmt(row.base, digits), ci(row.base_ci, digits), fmt(row.new, digits), ci(row.new_ci, digits), signed(row.delta, digits), verdict)
+    return table
+
+
+@app.command("compare")
+def compare_command(
+    base: Annotated[str, typer.Argument(help="Run directory before the change.")],
+    new: Annotated[str, typer.Argument(help="Run directory after the change (same workload).")],
+    threshold_tau: Annotated[float, typer.Option("--threshold-tau", help="Smallest drop in tau (tokens per step) that counts.")] = DEFAULT_THRESHOLD_TAU,
+    threshold_rate: Annotated[float, typer.Option("--threshold-rate", help="Smallest drop in a per-position acceptance rate that counts.")] = DEFAULT_THRESHOLD_RATE,
+    out: Annotated[Optional[str], typer.Option("--out", help="Folder for compare.html and compare.md (default: NEW's run directory).")] = None,
+) -> None:
+    """Per-class regression gate: exit 1 when tau or a per-position rate drops past its threshold with separated 95% intervals."""
+    if threshold_tau < 0 or threshold_rate < 0:
+        raise UsageError("--threshold-tau and --threshold-rate must be >= 0; pass a drop size such as 0.2 or 0.05.")
+    comparison = compare_runs(base, new, threshold_tau=threshold_tau, threshold_rate=threshold_rate)
+    console = Console()
+    console.print(_table(comparison))
+    for note in comparison.notes:
+        console.print(f"note: {note}")
+    for path in write_compare_reports(comparison, Path(out) if out else comparison.new_path):
+        console.print(f"wrote {path}")
+    if comparison.has_regression:
+        console.print(f"[bold red]REGRESSION[/]: {len(comparison.regressions)} metric(s) dropped past their threshold.")
+        raise typer.Exit(EXIT_REGRESSION)
+    console.print("[green]OK[/]: no regression.")

@@ -1,0 +1,77 @@
+"""`dflash-doctor dashboard [RUNS_DIR]`: serve the Streamlit dashboard over a folder of run directories.
+
+The app reads run directories only (no model is loaded), so the command just validates its inputs,
+prints the URL and runs ``python -m streamlit run <app/main.py>`` in the foreground until Ctrl-C.
+The folder reaches the app through the :data:`dflash_doctor.app.RUNS_DIR_ENV` environment variable.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from dflash_doctor import app as dashboard_app
+from dflash_doctor.app import RUNS_DIR_ENV
+from dflash_doctor.cli import app
+from dflash_doctor.errors import UsageError
+
+DEFAULT_PORT = 8501
+DEFAULT_HOST = "127.0.0.1"
+
+
+def app_main_path() -> Path:
+    """The Streamlit entry script, wherever the package is installed (``dflash_doctor/app/main.py``)."""
+    return Path(dashboard_app.__file__).resolve().parent / "main.py"
+
+
+def streamlit_command(host: str, port: int) -> list[str]:
+    """The exact command the dashboard runs: headless (no browser opened), no usage statistics."""
+    return [
+        sys.executable, "-m", "streamlit", "run", str(app_main_path()),
+        "--server.headless", "true",
+        "--server.address", host,
+        "--server.port", str(port),
+        "--browser.gatherUsageStats", "false",
+        "--server.fileWatcherType", "none",
+    ]
+
+
+def port_is_free(host: str, port: int) -> bool:
+    """True when nothing listens on host:port (checked before starting, so the error is ours, not a traceback)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+@app.command("dashboard")
+def dashboard(
+    runs_dir: Annotated[Optional[Path], typer.Argument(help="A folder of run directories, or one run directory (default: ./runs).", show_default=False)] = None,
+    port: Annotated[int, typer.Option("--port", help="Port to serve on.")] = DEFAULT_PORT,
+    host: Annotated[str, typer.Option("--host", help="Address to bind; keep 127.0.0.1 unless you mean to share the run data.")] = DEFAULT_HOST,
+) -> None:
+    """Launch the interactive dashboard: rejection by class, positions, tokens, sweep and run comparison."""
+    folder = runs_dir if runs_dir is not None else Path("runs")
+    if runs_dir is not None and not runs_dir.is_dir():
+        raise UsageError(f"RUNS_DIR {runs_dir} is not a folder; pass a folder of run directories (e.g. runs/) or one run directory.")
+    if not 1 <= port <= 65535:
+        raise UsageError(f"--port {port} is outside 1-65535; pass a free port such as {DEFAULT_PORT}.")
+    if not port_is_free(host, port):
+        raise UsageError(f"--port {port} on {host} is already in use (or the address is not local); pass another --port.")
+    env = {**os.environ, RUNS_DIR_ENV: str(folder.resolve())}
+    typer.echo(f"dflash-doctor dashboard: http://{host}:{port}  (runs from {folder.resolve()}; Ctrl-C to stop)")
+    try:
+        completed = subprocess.run(streamlit_command(host, port), env=env, check=False)
+    except KeyboardInterrupt:
+        return
+    if completed.returncode not in (0, -2, 130):
+        raise typer.Exit(completed.returncode)

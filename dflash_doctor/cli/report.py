@@ -1,0 +1,24 @@
+"""`dflash-doctor report RUN`: re-render a run directory as html / md / json / junit."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from dflash_doctor.cli import app
+from dflash_doctor.report import FORMATS, render_reports
+
+
+@app.command("report")
+def report_command(
+    run: Annotated[str, typer.Argument(help="Run directory written by check, replay or sweep.")],
+    format: Annotated[str, typer.Option("--format", help=f"Comma-separated reports to write: {','.join(FORMATS)}.")] = ",".join(FORMATS),
+    out: Annotated[Optional[str], typer.Option("--out", help="Folder for the reports (default: the run directory).")] = None,
+) -> None:
+    """Re-render a run as report.html, report.md, report.json and junit.xml (no model is loaded)."""
+    paths = render_reports(run, formats=format, out_dir=out)
+    console = Console()
+    for path in paths:
+        console.print(f"wrote {path}")

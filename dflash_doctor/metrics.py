@@ -1,0 +1,338 @@
+"""Acceptance metrics over the ``steps`` table, named and defined as vLLM defines them.
+
+Every number in run.json ``summary`` comes from :func:`summarize`. The conventions (REFERENCE.md §3):
+
+* ``num_drafts``: steps that drafted at least one token (plain decode steps, ``num_drafted == 0``, emit
+  an output token but are not drafts); ``num_draft_tokens``: tokens drafted; ``num_accepted_tokens``:
+  tokens accepted.
+* ``num_accepted_tokens_per_pos[i]``: drafts that accepted more than ``i`` tokens, i.e. reached slot
+  ``i + 1``. A draft token is only accepted while every earlier one in its block was, so
+  ``r_i = per_pos[i] / num_drafts`` is the *unconditional* probability of accepting at least ``i + 1``
+  tokens, and ``a_i = r_i / r_{i-1}`` is the *conditional* rate of slot ``i`` given it was reached.
+* ``mean_acceptance_length`` (tau) ``= 1 + accepted / drafts``: tokens emitted per draft step, the bonus
+  token included (DFlash, EAGLE, SGLang and vLLM print this; gpt-fast's "mean accepted" is tau - 1).
+  Equivalently ``tau(K) = 1 + sum_{i<K} r_i``, which is why one run at a large K gives the truncated
+  estimate for every smaller K (:func:`truncate_steps`).
+* Pooled ratios, not means of per-request ratios: the two differ (vLLM #42690), so pooled numbers are
+  the headline and the per-request tau distribution is reported next to them.
+* Confidence intervals: percentile bootstrap over *requests* (steps inside a request are correlated, so
+  resampling steps would be overconfident). Each resample pools its requests' counters, exactly as the
+  point estimate does. Position-1 acceptance moves by several points between identical runs
+  (speculators PR #793): an interval says whether a difference is real.
+
+Temperature > 0 replays do not observe accept/reject events but per-slot acceptance probabilities;
+:func:`expected_accept_run` and :func:`expected_tau_by_k` turn those into expected counts.
+"""
+
+from __future__ import annotations
+
+import warnings
+import zlib
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+CI_LEVEL = 0.95
+_BOOTSTRAP_CELLS_PER_CHUNK = 1 << 22  # resample-weight cells held at once: bounds memory at ~32 MB
+_REQUIRED_STEP_COLUMNS = ("request_id", "class", "k", "num_drafted", "num_accepted")
+
+
+# ----------------------------------------------------------------------------- closed forms
+
+
+def tau_from_rates(rates: np.ndarray | list[float]) -> float:
+    """tau = 1 + sum of unconditional per-slot rates r_i (the bonus token is the 1)."""
+    return 1.0 + float(np.sum(np.asarray(rates, dtype=np.float64)))
+
+
+def conditional_rates(rates: np.ndarray | list[float]) -> np.ndarray:
+    """a_i = r_i / r_{i-1} with r_{-1} = 1; NaN where the previous slot was never reached."""
+    rates = np.asarray(rates, dtype=np.float64)
+    previous = np.concatenate([[1.0], rates[:-1]])
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(previous > 0, rates / np.where(previous > 0, previous, 1.0), np.nan)
+
+
+def expected_tau_iid(alpha: float, k: int) -> float:
+    """Leviathan et al. 2023: tokens per step with i.i.d. acceptance ``alpha`` and ``k`` drafted tokens.
+
+    ``(1 - alpha^(k+1)) / (1 - alpha)``, which is ``1 + alpha + ... + alpha^k``: the general
+    ``tau_from_rates`` with r_i = alpha^(i+1). At alpha = 1 every token is accepted: k + 1.
+    """
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha must be a probability, got {alpha}")
+    if alpha == 1.0:
+        return float(k + 1)
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+# ----------------------------------------------------------------------------- sampling (T > 0)
+
+
+def expected_reach_probs(accept_probs: np.ndarray) -> np.ndarray:
+    """P(at least i + 1 tokens accepted) per step: the running product of per-slot acceptance probabilities.
+
+    ``accept_probs`` is ``[N, K]``: for each of N draft steps along a sampled target trajectory, the
+    probability that slot i is accepted *given every earlier slot was* (``sum min(p, q)`` for a sampled
+    draft, ``p(argmax q)`` for a greedy one). Slot i is only examined when slots 0..i-1 were accepted,
+    so the chance of reaching past slot i is the product of the first i + 1 entries. The result is the
+    expected value of the unconditional indicator that ``num_accepted_tokens_per_pos[i]`` counts.
+    """
+    accept_probs = _as_probability_matrix(accept_probs)
+    return np.cumprod(accept_probs, axis=1)  # [N, K]
+
+
+def expected_accept_run(accept_probs: np.ndarray, k: int | None = None) -> np.ndarray:
+    """Expected number of accepted tokens per step when drafting ``k`` tokens (default: all K columns).
+
+    ``E[accepted] = sum_{i<k} P(at least i + 1 accepted)``; add 1 (the bonus token) for the step's tau.
+    Returns ``[N]``.
+    """
+    reach = expected_reach_probs(accept_probs)
+    if k is None:
+        k = reach.shape[1]
+    if not 0 <= k <= reach.shape[1]:
+        raise ValueError(f"k={k} outside the {reach.shape[1]} slots of accept_probs")
+    return reach[:, :k].sum(axis=1)
+
+
+def expected_tau_by_k(accept_probs: np.ndarray) -> np.ndarray:
+    """Pooled expected tau for every K = 1..K_max from the same per-slot probabilities, ``[K_max]``.
+
+    Entry ``K - 1`` is ``1 + mean_n sum_{i<K} P_n(at least i + 1 accepted)``: the expected tokens per step
+    if each of the N steps had drafted K tokens. (Which steps a live loop at K would visit depends on
+    how much it accepted; the caller walks that schedule and passes the steps it visits.)
+    """
+    reach = expected_reach_probs(accept_probs)
+    if reach.shape[0] == 0:
+        return np.full(reach.shape[1], np.nan)
+    return 1.0 + np.cumsum(reach.mean(axis=0))
+
+
+def _as_probability_matrix(accept_probs: np.ndarray) -> np.ndarray:
+    array = np.asarray(accept_probs, dtype=np.float64)
+    if array.ndim != 2:
+        raise ValueError(f"accept_probs must be [N, K], got shape {array.shape}")
+    if array.size and not ((array >= 0.0) & (array <= 1.0)).all():  # NaN fails both comparisons
+        raise ValueError("accept_probs must hold probabilities in [0, 1]")
+    return array
+
+
+# ----------------------------------------------------------------------------- step tables
+
+
+def truncate_steps(steps: pd.DataFrame, k: int) -> pd.DataFrame:
+    """The steps a run at a larger K implies for drafting only ``k`` tokens: accepted counts capped at k.
+
+    Exact for the *per-slot rates* of a chain (autoregressive) draft, whose first k proposals do not
+    depend on K; an estimate for a DFlash draft, whose shorter block changes its own predictions
+    (bidirectional attention inside the block). Either way the live schedule at k would visit other
+    positions, so rows built this way carry ``estimate = "truncated"`` in a sweep.
+    """
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    truncated = steps.copy()
+    drafted = truncated["num_drafted"].to_numpy()
+    truncated["num_drafted"] = np.minimum(drafted, k).astype(truncated["num_drafted"].dtype)
+    truncated["num_accepted"] = np.minimum(truncated["num_accepted"].to_numpy(), k).astype(truncated["num_accepted"].dtype)
+    truncated["k"] = np.minimum(truncated["k"].to_numpy(), k).astype(truncated["k"].dtype)
+    return truncated
+
+
+class _RequestCounters:
+    """Per-request sums of one group of steps: the unit the bootstrap resamples.
+
+    ``drafts``, ``accepted``, ``draft_tokens``, ``emitted`` are ``[R]``; ``per_pos`` is ``[R, S]``;
+    ``histogram`` is ``[S + 1]`` pooled over all draft steps.
+    """
+
+    def __init__(self, steps: pd.DataFrame, request_ids: np.ndarray, num_slots: int):
+        index = pd.Index(request_ids)
+        codes = index.get_indexer(steps["request_id"].to_numpy())
+        num_requests = len(index)
+        drafted = steps["num_drafted"].to_numpy(dtype=np.int64)
+        accepted = steps["num_accepted"].to_numpy(dtype=np.int64)
+        is_draft = drafted > 0
+
+        self.num_slots = num_slots
+        self.drafts = np.bincount(codes, weights=is_draft, minlength=num_requests)
+        self.accepted = np.bincount(codes, weights=accepted, minlength=num_requests)
+        self.draft_tokens = np.bincount(codes, weights=drafted, minlength=num_requests)
+        # tokens the steps committed: every accepted token plus the bonus (or the plain decode token)
+        self.emitted = np.bincount(codes, weights=accepted + 1, minlength=num_requests)
+
+        # per request, how many draft steps accepted exactly j tokens; per_pos[i] counts j > i
+        cell = codes[is_draft] * (num_slots + 1) + accepted[is_draft]
+        exact = np.bincount(cell, minlength=num_requests * (num_slots + 1)).reshape(num_requests, num_slots + 1)
+        self.histogram = exact.sum(axis=0)
+        at_least = np.cumsum(exact[:, ::-1], axis=1)[:, ::-1]  # at_least[:, j] = steps with >= j accepted
+        self.per_pos = at_least[:, 1:].astype(np.float64)  # [R, S]
+
+    def pooled_tau(self) -> float:
+        drafts = self.drafts.sum()
+        return 1.0 + self.accepted.sum() / drafts if drafts else float("nan")
+
+    def bootstrap(self, n_boot: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+        """Resample requests with replacement ``n_boot`` times; return tau ``[B]`` and rates ``[B, S]``.
+
+        A resample is a vector of multiplicities over requests, so the pooled counters of all resamples
+        are one matrix product; chunks keep the multiplicity matrix small for 10k+ requests.
+        """
+        num_requests = len(self.drafts)
+        taus = np.empty(n_boot)
+        rates = np.empty((n_boot, self.num_slots))
+        if num_requests == 0:
+            taus.fill(np.nan)
+            rates.fill(np.nan)
+            return taus, rates
+        counters = np.column_stack([self.drafts, self.accepted, self.per_pos])  # [R, 2 + S]
+        chunk = max(1, _BOOTSTRAP_CELLS_PER_CHUNK // num_requests)
+        for start in range(0, n_boot, chunk):
+            rows = min(chunk, n_boot - start)
+            picks = rng.integers(0, num_requests, size=(rows, num_requests))
+            picks += (np.arange(rows) * num_requests)[:, None]
+            multiplicity = np.bincount(picks.ravel(), minlength=rows * num_requests).reshape(rows, num_requests)
+            pooled = multiplicity @ counters  # [rows, 2 + S]
+            with np.errstate(divide="ignore", invalid="ignore"):
+                drafts = np.where(pooled[:, 0] > 0, pooled[:, 0], np.nan)
+                taus[start : start + rows] = 1.0 + pooled[:, 1] / drafts
+                rates[start : start + rows] = pooled[:, 2:] / drafts[:, None]
+        return taus, rates
+
+
+def _percentile_interval(samples: np.ndarray) -> np.ndarray:
+    """Percentile interval along axis 0, ``[2]`` or ``[S, 2]``; NaN where every resample was undefined."""
+    tail = (1.0 - CI_LEVEL) / 2.0
+    if samples.shape[0] == 0 or np.isnan(samples).all(axis=0).all():
+        shape = (2,) if samples.ndim == 1 else (samples.shape[1], 2)
+        return np.full(shape, np.nan)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN columns: slots no resample reached
+        bounds = np.nanquantile(samples, [tail, 1.0 - tail], axis=0)
+    return bounds.T if samples.ndim == 2 else bounds
+
+
+def _group_seed(seed: int, group: str) -> np.random.Generator:
+    """A generator per group that depends on the seed and the group's name, not on the group's order."""
+    return np.random.default_rng([seed, zlib.crc32(group.encode("utf-8"))])
+
+
+def _metrics(
+    steps: pd.DataFrame,
+    request_ids: np.ndarray,
+    num_output_tokens: int | None,
+    num_slots: int,
+    n_boot: int,
+    rng: np.random.Generator,
+) -> dict[str, Any]:
+    """One M block of the summary contract for the given steps and the requests they belong to."""
+    counters = _RequestCounters(steps, request_ids, num_slots)
+    num_drafts = int(counters.drafts.sum())
+    num_draft_tokens = int(counters.draft_tokens.sum())
+    num_accepted = int(counters.accepted.sum())
+    per_pos = counters.per_pos.sum(axis=0).astype(np.int64)
+    if num_output_tokens is None:
+        num_output_tokens = int(counters.emitted.sum())
+
+    rates = per_pos / num_drafts if num_drafts else np.full(num_slots, np.nan)
+    boot_tau, boot_rates = counters.bootstrap(n_boot, rng)
+
+    has_drafts = counters.drafts > 0
+    request_tau = 1.0 + counters.accepted[has_drafts] / counters.drafts[has_drafts]
+    if request_tau.size:
+        p10, p50, p90 = np.percentile(request_tau, [10, 50, 90])
+        tau_distribution = {"mean": float(request_tau.mean()), "p10": float(p10), "p50": float(p50), "p90": float(p90)}
+    else:
+        tau_distribution = {"mean": float("nan"), "p10": float("nan"), "p50": float("nan"), "p90": float("nan")}
+
+    return {
+        "num_requests": int(len(request_ids)),
+        "num_output_tokens": int(num_output_tokens),
+        "num_drafts": num_drafts,
+        "num_draft_tokens": num_draft_tokens,
+        "num_accepted_tokens": num_accepted,
+        "num_accepted_tokens_per_pos": [int(x) for x in per_pos],
+        "mean_acceptance_length": counters.pooled_tau(),
+        "mean_acceptance_length_ci": [float(x) for x in _percentile_interval(boot_tau)],
+        "acceptance_rate_per_pos": [float(x) for x in rates],
+        "acceptance_rate_per_pos_ci": [[float(lo), float(hi)] for lo, hi in _percentile_interval(boot_rates)],
+        "conditional_acceptance_rate_per_pos": [float(x) for x in conditional_rates(rates)],
+        "draft_acceptance_rate": num_accepted / num_draft_tokens if num_draft_tokens else float("nan"),
+        "acceptance_histogram": [int(x) for x in counters.histogram],
+        "request_tau": tau_distribution,
+        "wasted_verify_tokens_per_output_token": (num_draft_tokens - num_accepted) / num_output_tokens
+        if num_output_tokens
+        else float("nan"),
+    }
+
+
+def _check_steps(steps: pd.DataFrame) -> None:
+    missing = [c for c in _REQUIRED_STEP_COLUMNS if c not in steps.columns]
+    if missing:
+        raise ValueError(f"steps frame lacks columns {missing}; it must follow schema.STEPS_SCHEMA")
+    drafted = steps["num_drafted"].to_numpy()
+    accepted = steps["num_accepted"].to_numpy()
+    if (accepted < 0).any() or (accepted > drafted).any():
+        raise ValueError("steps has num_accepted outside 0..num_drafted")
+
+
+def _resolve_num_slots(steps: pd.DataFrame, num_slots: int | None) -> int:
+    observed = int(max(steps["k"].max(), steps["num_drafted"].max())) if len(steps) else 0
+    if num_slots is None:
+        return observed
+    if num_slots < int(steps["num_accepted"].max() if len(steps) else 0):
+        raise ValueError(f"num_slots={num_slots} is smaller than the largest accepted count in steps")
+    return num_slots
+
+
+def summarize(
+    steps: pd.DataFrame,
+    requests: pd.DataFrame | None = None,
+    *,
+    num_slots: int | None = None,
+    n_boot: int = 1000,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """run.json ``summary``: ``{"overall": M, "by_class": {class: M}}`` from a steps table.
+
+    ``requests`` (optional, the requests table) makes the counts exact where steps alone cannot: requests
+    that never reached a step still count in ``num_requests``, and ``num_output_tokens`` is the real
+    output length (the last step of a request may be cut by EOS or max-new-tokens, and the first token
+    may come from prefill); without it output tokens are estimated as accepted + 1 per step.
+    ``num_slots`` fixes the length of the per-position lists (default: the largest K in ``steps``).
+    Undefined ratios (no drafts) are NaN, written as null in run.json.
+    """
+    _check_steps(steps)
+    if n_boot < 1:
+        raise ValueError(f"n_boot must be >= 1, got {n_boot}")
+    num_slots = _resolve_num_slots(steps, num_slots)
+
+    request_class = pd.Series(steps["class"].to_numpy(), index=steps["request_id"].to_numpy())
+    request_class = request_class[~request_class.index.duplicated()]
+    output_tokens: pd.Series | None = None
+    if requests is not None:
+        known = pd.Series(requests["class"].to_numpy(), index=requests["request_id"].to_numpy())
+        request_class = pd.concat([known, request_class[~request_class.index.isin(known.index)]])
+        output_tokens = pd.Series(requests["num_output_tokens"].to_numpy(), index=requests["request_id"].to_numpy())
+
+    def block(group: str, selected_steps: pd.DataFrame, request_ids: np.ndarray) -> dict[str, Any]:
+        tokens = None
+        if output_tokens is not None:
+            tokens = int(output_tokens.reindex(request_ids).fillna(0).sum())
+        return _metrics(selected_steps, request_ids, tokens, num_slots, n_boot, _group_seed(seed, group))
+
+    summary: dict[str, Any] = {"overall": block("overall", steps, request_class.index.to_numpy()), "by_class": {}}
+    for cls in sorted(request_class.unique()):
+        ids = request_class.index[request_class.to_numpy() == cls].to_numpy()
+        summary["by_class"][str(cls)] = block(f"class:{cls}", steps[steps["class"] == cls], ids)
+    return summary
+
+
+def tau_with_ci(steps: pd.DataFrame, *, n_boot: int = 1000, seed: int = 0, group: str = "overall") -> tuple[float, list[float]]:
+    """Pooled tau and its bootstrap interval over requests, without the rest of the summary (for sweeps)."""
+    _check_steps(steps)
+    request_ids = pd.unique(steps["request_id"].to_numpy())
+    counters = _RequestCounters(steps, request_ids, _resolve_num_slots(steps, None))
+    boot_tau, _ = counters.bootstrap(n_boot, _group_seed(seed, group))
+    return counters.pooled_tau(), [float(x) for x in _percentile_interval(boot_tau)]

@@ -1,0 +1,68 @@
+"""Exported reports of a run directory: report.html, report.md, report.json and junit.xml.
+
+Each is a view of the same run (``run.json`` + tables); none recomputes model outputs. ``check``
+calls :func:`render_reports` after writing a run; ``dflash-doctor report RUN`` re-renders one.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterable
+
+from dflash_doctor.errors import UsageError
+from dflash_doctor.report.content import check_counts, class_rows, report_payload, verdict
+from dflash_doctor.report.html import render_html
+from dflash_doctor.report.junit import render_junit
+from dflash_doctor.report.templating import markdown_env
+from dflash_doctor.schema import Run, _json_safe, load_run
+
+FORMATS = ("html", "md", "json", "junit")
+FILENAMES = {"html": "report.html", "md": "report.md", "json": "report.json", "junit": "junit.xml"}
+
+__all__ = ["FORMATS", "FILENAMES", "parse_formats", "render_reports", "render_markdown", "render_json", "render_html", "render_junit"]
+
+
+def parse_formats(value: str | Iterable[str]) -> tuple[str, ...]:
+    """``html,md`` (or a list) -> ("html", "md"); an unknown name is a UsageError naming the choices."""
+    names = [part.strip().lower() for part in (value.split(",") if isinstance(value, str) else value) if part.strip()]
+    unknown = [name for name in names if name not in FORMATS]
+    if unknown or not names:
+        raise UsageError(f"--format {','.join(unknown) or repr(value)} is not a report format; use a comma-separated list of {','.join(FORMATS)}.")
+    return tuple(dict.fromkeys(names))
+
+
+def render_markdown(run: Run) -> str:
+    """report.md: tables only, no scripts or raw HTML, for pull-request comments."""
+    meta = run.meta
+    checks = meta.get("checks") or []
+    text = markdown_env().get_template("report.md").render(
+        run_name=run.name, meta=meta, verdict=verdict(checks), counts=check_counts(checks), checks=checks, rows=class_rows(meta)
+    )
+    return text.rstrip("\n") + "\n"
+
+
+def render_json(run: Run) -> str:
+    """report.json with sorted keys (stable diffs) and NaN written as null."""
+    return json.dumps(_json_safe(report_payload(run)), indent=2, sort_keys=True) + "\n"
+
+
+_RENDERERS = {"html": render_html, "md": render_markdown, "json": render_json, "junit": render_junit}
+
+
+def render_reports(run_dir: Path | str, formats: Iterable[str] = FORMATS, out_dir: Path | str | None = None) -> list[Path]:
+    """Write the requested reports of ``run_dir`` into ``out_dir`` (default: the run directory) and
+    return their paths in the order asked."""
+    formats = parse_formats(formats)
+    run = load_run(run_dir)
+    target_dir = Path(out_dir) if out_dir is not None else run.path
+    try:
+        target_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"--out {target_dir} cannot be created ({exc.strerror}); pass a writable folder.") from None
+    written = []
+    for name in formats:
+        path = target_dir / FILENAMES[name]
+        path.write_text(_RENDERERS[name](run), encoding="utf-8")
+        written.append(path)
+    return written

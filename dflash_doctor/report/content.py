@@ -1,0 +1,75 @@
+"""What every exported report says, computed once from a loaded run: the verdict, the per-class
+table, the report.json payload. HTML and Markdown only lay these out differently."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from dflash_doctor.schema import Run
+
+CHECK_STATUSES = ("pass", "warn", "fail", "skip", "error")
+OVERALL = "overall"
+REPORT_JSON_VERSION = 1
+
+
+def verdict(checks: list[dict[str, Any]]) -> str:
+    """``fail`` if any check failed; ``warn`` if any warned or could not run (``error``: an unverified
+    setup is not a pass); ``pass`` otherwise, including a run with no checks."""
+    statuses = {check.get("status") for check in checks}
+    if "fail" in statuses:
+        return "fail"
+    if statuses & {"warn", "error"}:
+        return "warn"
+    return "pass"
+
+
+def check_counts(checks: list[dict[str, Any]]) -> dict[str, int]:
+    counts = Counter(check.get("status") for check in checks)
+    return {status: counts.get(status, 0) for status in CHECK_STATUSES}
+
+
+def class_rows(meta: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per class (name order) then overall: the metrics M plus that class's recommendation."""
+    summary = meta.get("summary") or {}
+    recommendation = meta.get("recommendation") or {}
+    by_class = summary.get("by_class") or {}
+    named = [(cls, by_class[cls]) for cls in sorted(by_class)] + [(OVERALL, summary.get("overall") or {})]
+    rows = []
+    for name, metrics in named:
+        rates = metrics.get("acceptance_rate_per_pos") or []
+        rows.append(
+            {
+                "class": name,
+                "metrics": metrics,
+                "rate_first_slot": rates[0] if rates else None,
+                "rate_first_slot_ci": (metrics.get("acceptance_rate_per_pos_ci") or [None])[0],
+                "recommendation": recommendation.get(name),
+            }
+        )
+    return rows
+
+
+def report_payload(run: Run) -> dict[str, Any]:
+    """report.json: the run's verdict, checks, summary and recommendation with stable, sorted keys.
+
+    It is what CI scripts read (``jq .verdict``), so keys only ever get added, and
+    ``report_json_version`` changes if one is renamed or removed.
+    """
+    meta = run.meta
+    checks = meta.get("checks") or []
+    return {
+        "report_json_version": REPORT_JSON_VERSION,
+        "schema_version": meta.get("schema_version"),
+        "tool_version": meta.get("tool_version"),
+        "created_at": meta.get("created_at"),
+        "run": run.name,
+        "verdict": verdict(checks),
+        "check_counts": check_counts(checks),
+        "checks": checks,
+        "summary": meta.get("summary") or {},
+        "recommendation": meta.get("recommendation") or {},
+        "models": meta.get("models") or {},
+        "environment": meta.get("environment") or {},
+        "config": meta.get("config") or {},
+    }

@@ -1,0 +1,136 @@
+"""report.html: one self-contained page (plotly.js embedded once, no CDN) that opens offline.
+
+Charts come from :mod:`dflash_doctor.figures` (the dashboard draws the same ones); the page layout is
+the jinja2 template ``data/templates/report.html`` with autoescaping on, because token text, prompts
+and check evidence are untrusted. Plotly's own JSON escapes ``<``, ``>`` and ``/``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from functools import lru_cache
+from typing import Any
+
+import pandas as pd
+import plotly.graph_objects as go
+import plotly.io as pio
+import plotly.offline
+from markupsafe import Markup
+
+from dflash_doctor import figures
+from dflash_doctor.report.content import check_counts, class_rows, verdict
+from dflash_doctor.report.templating import html_env
+from dflash_doctor.schema import Run
+
+MAX_VIEWER_STEPS_PER_REQUEST = 40
+NEWLINE_MARK = "\u21b5"  # shown before a newline inside a token so whitespace stays visible
+_PLOTLY_CONFIG = {"displaylogo": False, "responsive": True}
+
+
+@lru_cache(maxsize=1)
+def plotly_js() -> Markup:
+    """The plotly.js bundle shipped with the plotly package (~4.6 MB), embedded once per page."""
+    return Markup(plotly.offline.get_plotlyjs())
+
+
+def figure_html(fig: go.Figure, div_id: str) -> Markup:
+    """A chart div plus its newPlot call, relying on the page's single embedded plotly.js."""
+    return Markup(pio.to_html(fig, full_html=False, include_plotlyjs=False, div_id=div_id, config=_PLOTLY_CONFIG))
+
+
+def _visible(text: str | None) -> str:
+    return (text or "").replace("\n", NEWLINE_MARK + "\n")
+
+
+def _hover(row: Any) -> str:
+    return (
+        f"slot {row.offset}: draft {row.draft_text!r} (target prob {row.target_prob_of_draft:.3f}) "
+        f"vs target {row.target_text!r} (draft prob {row.draft_prob_of_target:.3f}, rank in draft {row.target_rank_in_draft})"
+    )
+
+
+def _step_pieces(step_tokens: pd.DataFrame, bonus_token: int | None) -> list[dict[str, str]]:
+    """Accepted draft tokens, then the first rejected one with the target's correction, or the bonus
+    token when every slot was accepted. Slots after the first rejection were never committed."""
+    pieces = []
+    for row in step_tokens.sort_values("offset").itertuples(index=False):
+        if row.accepted:
+            pieces.append({"kind": "accepted", "text": _visible(row.draft_text), "title": _hover(row)})
+            continue
+        pieces.append({"kind": "rejected", "text": _visible(row.draft_text), "title": _hover(row)})
+        pieces.append({"kind": "correction", "text": _visible(row.target_text), "title": f"target token committed instead: {row.target_text!r}"})
+        return pieces
+    if bonus_token is not None:
+        pieces.append({"kind": "bonus", "text": "+", "title": f"bonus token id {bonus_token} (all {len(pieces)} draft tokens accepted)"})
+    return pieces
+
+
+def sample_requests(run: Run) -> list[str]:
+    """Request ids for the token viewer: per class, the first request in run order and the one with
+    the lowest tau (the worst case is where a reader looks for the cause)."""
+    requests = run.requests
+    chosen: list[str] = []
+    for _, group in requests.groupby("class", sort=True):
+        candidates = [group["request_id"].iloc[0], group.loc[group["tau"].idxmin(), "request_id"]]
+        chosen.extend(rid for rid in dict.fromkeys(candidates) if rid not in chosen)
+    return chosen
+
+
+def token_viewer(run: Run) -> list[dict[str, Any]]:
+    """The sampled requests as coloured token pieces per step (first steps only, to bound page size)."""
+    if run.requests.empty or run.tokens.empty:
+        return []
+    tokens_by_request = {rid: group for rid, group in run.tokens.groupby("request_id", sort=False)}
+    bonus_by_step = {(r.request_id, r.step): r.bonus_token for r in run.steps.itertuples(index=False)}
+    requests = run.requests.set_index("request_id")
+    viewer = []
+    for request_id in sample_requests(run):
+        request_tokens = tokens_by_request.get(request_id)
+        if request_tokens is None:
+            continue
+        steps = []
+        for step, step_tokens in itertools.islice(request_tokens.groupby("step", sort=True), MAX_VIEWER_STEPS_PER_REQUEST):
+            steps.append({"step": int(step), "pieces": _step_pieces(step_tokens, bonus_by_step.get((request_id, step)))})
+        request = requests.loc[request_id]
+        viewer.append(
+            {
+                "request_id": request_id,
+                "class": request["class"],
+                "tau": float(request["tau"]),
+                "num_steps": int(request["num_steps"]),
+                "num_steps_shown": len(steps),
+                "steps": steps,
+            }
+        )
+    return viewer
+
+
+def charts(run: Run) -> list[dict[str, Any]]:
+    """Every chart of the report, in page order, with the section it belongs to."""
+    summary = run.meta.get("summary") or {}
+    built = [
+        ("acceptance", "tau-by-class", figures.tau_by_class_figure(summary)),
+        ("acceptance", "rate-by-slot", figures.acceptance_by_position_figure(summary)),
+        ("acceptance", "conditional-rate-by-slot", figures.acceptance_by_position_figure(summary, conditional=True)),
+        ("acceptance", "acceptance-histogram", figures.acceptance_histogram_figure(summary)),
+        ("acceptance", "acceptance-along-output", figures.acceptance_along_output_figure(run.steps)),
+        ("sweep", "speedup-by-k", figures.speedup_by_k_figure(summary.get("sweep"), run.meta.get("recommendation"))),
+    ]
+    return [{"section": section, "id": f"chart-{name}", "html": figure_html(fig, f"chart-{name}")} for section, name, fig in built]
+
+
+def render_html(run: Run) -> str:
+    meta = run.meta
+    checks = meta.get("checks") or []
+    return html_env().get_template("report.html").render(
+        run_name=run.name,
+        meta=meta,
+        verdict=verdict(checks),
+        counts=check_counts(checks),
+        checks=checks,
+        rows=class_rows(meta),
+        sweep=(meta.get("summary") or {}).get("sweep"),
+        charts=charts(run),
+        viewer=token_viewer(run),
+        plotly_js=plotly_js(),
+    )

