@@ -302,6 +302,21 @@ def position_table(summary: dict[str, Any]) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=POSITION_COLUMNS).astype({c: "float64" for c in POSITION_COLUMNS[2:]})
 
 
+# A slot counts for "weakest slot" only when at least this share of drafts reached it: a_i of a slot
+# that 3 drafts reached is noise, not a finding.
+MIN_SLOT_REACH = 0.05
+
+
+def weakest_slots(table: pd.DataFrame, min_reach: float = MIN_SLOT_REACH) -> pd.DataFrame:
+    """Per class, the reached slot with the lowest conditional acceptance (rows of ``position_table``).
+
+    Reach of slot i is r_{i-1} (1 for slot 1): the share of drafts whose earlier slots were all accepted.
+    """
+    reach = table.groupby("class")["unconditional"].shift(1).fillna(1.0)
+    reached = table[(reach >= min_reach) & table["conditional"].notna()]
+    return reached.loc[reached.groupby("class", sort=False)["conditional"].idxmin()].reset_index(drop=True)
+
+
 # ---------------------------------------------------------------------------------------------
 # Tokens
 # ---------------------------------------------------------------------------------------------

@@ -1,9 +1,9 @@
 """Streamlit glue shared by every page: which runs exist, which one is open, and cached reads of it.
 
-Reads go through :func:`dflash_doctor.schema.load_run` inside ``st.cache_data`` keyed by the run's
-path and newest file mtime, so a page switch costs no disk read and a rewritten run is noticed.
-Derived frames (class tables, one request's tokens) are cached the same way, so a widget change on
-a 100k-token run recomputes only what the widget touches.
+Reads go through :func:`dflash_doctor.schema.load_run`, cached keyed by the run's path and newest
+file mtime, so a page switch costs no disk read and a rewritten run is noticed. Derived frames (class
+tables, one request's tokens) are ``st.cache_data`` with the same key, so a widget change on a
+100k-token run recomputes only what the widget touches.
 """
 
 from __future__ import annotations
@@ -28,7 +28,9 @@ UPLOAD_DIR_KEY = "upload_dir"
 # Page scripts, for st.switch_page from one page to another.
 VIEWS = Path(__file__).parent / "views"
 
-STATUS_ICONS = {"pass": "✅", "warn": "⚠️", "fail": "❌", "error": "💥", "skip": "⏭️"}
+# Material icons (the browser needs no emoji font); also the colour of each check status.
+STATUS_ICONS = {"pass": ":material/check_circle:", "warn": ":material/warning:", "fail": ":material/cancel:", "error": ":material/bug_report:", "skip": ":material/skip_next:"}
+STATUS_COLORS = {"pass": "#d3f0dc", "warn": "#fdf0c8", "fail": "#fcd9d7", "error": "#fcd9d7", "skip": "#ececec"}
 
 
 def runs_dir() -> Path:
@@ -48,9 +50,15 @@ def available_runs() -> list[str]:
     return list(dict.fromkeys([*uploaded, *discovered_runs(str(runs_dir()))]))
 
 
-@st.cache_data(show_spinner="Reading the run…", max_entries=32)
+@st.cache_resource(show_spinner="Reading the run…", max_entries=8)
 def _load(path: str, mtime_ns: int, tables: tuple[str, ...]) -> Run:
-    """One cached read; ``mtime_ns`` is only part of the key, so a rewritten run is read again."""
+    """One cached read, shared by every session and never modified by a page.
+
+    A resource cache, not ``st.cache_data``: cache_data pickles its value on every hit, which costs
+    about 1 s per visit for a 100k-row tokens table (benchmarks/dashboard_load.py); the small frames
+    derived from it below are cache_data. ``mtime_ns`` is only part of the key, so a rewritten run is
+    read again.
+    """
     return load_run(path, tables=tables)
 
 
@@ -162,7 +170,7 @@ def class_view(
 @st.cache_data(show_spinner=False, max_entries=4)
 def vocabulary(path: str, mtime_ns: int) -> dict[int, str]:
     """Token id -> text learned from the run's tokens table (the dashboard loads no tokenizer)."""
-    return data.token_vocabulary(_load(path, mtime_ns, ("tokens",)).tokens)
+    return data.token_vocabulary(_load(path, mtime_ns, ("steps", "tokens")).tokens)  # same read as request_slice
 
 
 @st.cache_data(show_spinner=False, max_entries=64)

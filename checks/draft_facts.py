@@ -11,6 +11,7 @@ import numbers
 from typing import Any
 
 from dflash_doctor.checks.base import CheckContext
+from dflash_doctor.loading import is_dflash_config
 
 
 def _dflash_section(draft_config: dict[str, Any] | None) -> dict[str, Any]:
@@ -19,11 +20,9 @@ def _dflash_section(draft_config: dict[str, Any] | None) -> dict[str, Any]:
 
 def is_dflash(ctx: CheckContext) -> bool:
     """True when the context names a DFlash draft, explicitly or by its config's shape."""
-    if ctx.draft_kind:
+    if ctx.draft_kind in ("dflash", "autoregressive"):
         return ctx.draft_kind == "dflash"
-    config = ctx.draft_config or {}
-    architectures = config.get("architectures") or []
-    return "dflash_config" in config or any("DFlash" in str(name) for name in architectures)
+    return is_dflash_config(ctx.draft_config or {})
 
 
 def mask_token_id(draft_config: dict[str, Any] | None) -> int | None:

@@ -81,6 +81,10 @@ def _convert_gguf(gguf_path: Path) -> Path:
         model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, torch_dtype=torch.float32)
     except Exception as exc:  # noqa: BLE001 - any parser failure means the same thing to the user
         raise UsageError(f"{gguf_path} could not be read as a GGUF model ({type(exc).__name__}: {exc}); pass a valid .gguf file.") from None
+    # The weights are already dequantised to float32; drop the GGUF marker so they save as plain safetensors.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
     tmp = target_dir.with_name(target_dir.name + ".tmp")
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
@@ -281,3 +285,20 @@ def load_draft(spec: str, kind: str, target_dir: Path, target_config, *, dtype: 
         model = load_causal_lm(draft_dir, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
         validate_autoregressive_pair(draft_dir, target_dir, model.config, target_config)
     return LoadedDraft(kind=kind, model=model, model_dir=draft_dir, config=config)
+
+
+def save_dflash_draft(model, out_dir: Path | str, *, extra_config: dict[str, Any] | None = None) -> Path:
+    """Write a draft in the z-lab layout: config.json (Qwen3 keys + dflash_config) and model.safetensors."""
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = model.config.to_dict()
+    import transformers
+
+    config.setdefault("transformers_version", transformers.__version__)
+    config.update(extra_config or {})
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    save_file(state, out_dir / "model.safetensors", metadata={"format": "pt"})
+    return out_dir

@@ -34,18 +34,13 @@ def qwen3_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
-def llama31_dir() -> Path:
-    return npm_tokenizer_dir("llama3_1")
+def qwen3_tokenizer():
+    return AutoTokenizer.from_pretrained(str(npm_tokenizer_dir("qwen3")))
 
 
 @pytest.fixture(scope="session")
-def qwen3_tokenizer(qwen3_dir):
-    return AutoTokenizer.from_pretrained(str(qwen3_dir))
-
-
-@pytest.fixture(scope="session")
-def llama31_tokenizer(llama31_dir):
-    return AutoTokenizer.from_pretrained(str(llama31_dir))
+def llama31_tokenizer():
+    return AutoTokenizer.from_pretrained(str(npm_tokenizer_dir("llama3_1")))
 
 
 def _smollm2_gguf() -> Path:

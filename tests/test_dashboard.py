@@ -73,7 +73,7 @@ def test_overview_shows_verdict_headline_and_check_fixes(monkeypatch, runs):
     assert f"Verdict: {status.upper()}" in texts(at.error) + texts(at.warning) + texts(at.success)
     tau = meta["summary"]["overall"]["mean_acceptance_length"]
     shown = {m.label: m.value for m in at.metric}
-    assert shown["tau (mean acceptance length)"] == f"{tau:.2f}"
+    assert shown["tau"] == f"{tau:.2f}"
     assert shown["Recommended K (overall)"] == str(meta["recommendation"]["overall"]["k"])
     fixes = [f["fix"] for c in meta["checks"] for f in c["findings"] if f.get("fix")]
     assert fixes and all(any(fix in m.value for m in at.markdown) for fix in fixes)
@@ -316,6 +316,17 @@ def test_run_verdict_takes_the_worst_decided_status():
     status, sentence = data.run_verdict([{"status": "warn"}, {"status": "error"}, {"status": "pass"}])
     assert status == "error" and sentence == "3 checks: 1 errored, 1 warned, 1 passed."
     assert data.run_verdict([{"status": "skip"}])[0] == "none"
+
+
+def test_weakest_slot_ignores_slots_that_few_drafts_reach():
+    summary = {"by_class": {"chat": {
+        "num_drafts": 100,
+        "acceptance_rate_per_pos": [0.8, 0.4, 0.3, 0.01, 0.0],
+        "conditional_acceptance_rate_per_pos": [0.8, 0.5, 0.75, 0.033, 0.0],
+    }}}
+    weakest = data.weakest_slots(data.position_table(summary))
+    assert weakest[["class", "slot"]].to_dict("records") == [{"class": "chat", "slot": 4}]  # slot 5: reach 1% < 5%
+    assert data.weakest_slots(data.position_table(summary), min_reach=0.5)["slot"].tolist() == [2]
 
 
 def test_changed_facts_lists_only_differences():

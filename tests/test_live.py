@@ -81,3 +81,45 @@ def test_token_records_describe_each_drafted_token():
         assert row["kl_target_draft"] >= 0.0 and 0.0 <= row["total_variation"] <= 1.0
         assert (row["draft_token"] == row["target_token"]) == (row["target_rank_in_draft"] == 0) or not row["accepted"]
         assert len(row["draft_topk_ids"]) == 5 and row["draft_topk_ids"][0] == row["draft_token"]
+
+
+def test_block_pass_equals_the_live_drafter_for_every_anchor():
+    """engine.blocks drafts every anchor in one masked pass; each equals the live proposer's own block."""
+    from dflash_doctor.engine.blocks import context_kv_for, draft_block_hidden
+
+    target_model = tiny_target()
+    draft = tiny_dflash(target_model, block_size=5)
+    sequence = torch.tensor([5, 17, 42, 8, 9, 30, 31, 2, 44, 45, 46])
+    with torch.no_grad():
+        hidden = target_model(sequence[None], output_hidden_states=True).hidden_states
+        features = torch.cat([hidden[i] for i in draft.hidden_state_indices], dim=-1)  # [1, T, F]
+        anchors = torch.tensor([[3, 6, 8]])
+        block_hidden = draft_block_hidden(
+            draft, target_model.get_input_embeddings(), sequence[None], context_kv_for(draft, features), anchors,
+            torch.ones_like(anchors, dtype=torch.bool), 5,
+        )
+        batched = target_model.lm_head(block_hidden[0, :, 1:])  # [A, 4, V]
+    for i, anchor in enumerate(anchors[0].tolist()):
+        target = TargetModel(target_model, draft.hidden_state_indices)
+        proposer = DFlashProposer(draft, target)
+        proposer.start(sequence[:anchor], features[0, :anchor])
+        live = proposer.propose(int(sequence[anchor]), 4, 4)
+        torch.testing.assert_close(live.logits, batched[i], rtol=1e-4, atol=1e-4)
+
+
+def test_layer_id_l_feeds_hidden_states_l_plus_one():
+    """A draft tapping layer id 2 must receive hidden_states[3]: record what the draft's fc sees."""
+    target_model = tiny_target()
+    draft = tiny_dflash(target_model, layer_ids=(2,))
+    assert draft.hidden_state_indices == (3,)
+    target = TargetModel(target_model, draft.hidden_state_indices)
+    prompt = torch.tensor([5, 17, 42, 8])
+    seen = []
+    handle = draft.fc.register_forward_hook(lambda module, args, out: seen.append(args[0].detach().clone()))
+    proposer = DFlashProposer(draft, target)
+    proposer.start(prompt, target.forward(prompt).features)
+    handle.remove()
+    with torch.no_grad():
+        states = target_model(prompt[None], output_hidden_states=True).hidden_states
+    torch.testing.assert_close(seen[0][0], states[3][0])
+    assert not torch.allclose(seen[0][0], states[2][0])

@@ -2,7 +2,6 @@
 with intervals, regressions highlighted (same rule as `dflash-doctor compare`), and which model or
 environment facts changed between the two."""
 
-import pandas as pd
 import streamlit as st
 
 from dflash_doctor import compare, figures
@@ -26,17 +25,17 @@ for note in result.notes:
 if not result.rows:
     st.stop()
 
-regressions = [row for row in result.rows if row.regression]
+regressions = sorted((row for row in result.rows if row.regression), key=lambda row: row.slot is not None)  # tau first
 if all(row.delta is None for row in result.rows):
     st.warning("No class has drafted steps in both runs, so nothing could be compared; see the notes in the tables.")
 elif regressions:
     st.error(
         f"**{len(regressions)} regression(s)** at K={result.k_compared}: "
         + "; ".join(f"{row.cls} {row.label} {row.base:.3f} → {row.new:.3f}" for row in regressions[:8]),
-        icon="❌",
+        icon=ui.STATUS_ICONS["fail"],
     )
 else:
-    st.success(f"No regression at K={result.k_compared}: no class dropped by more than the thresholds with separated intervals.", icon="✅")
+    st.success(f"No regression at K={result.k_compared}: no class dropped by more than the thresholds with separated intervals.", icon=ui.STATUS_ICONS["pass"])
 
 rows = [row.as_dict() for row in result.rows]
 st.plotly_chart(figures.compare_tau_figure(rows), key="compare_tau")

@@ -14,13 +14,13 @@ overall = summary.get("overall") or {}
 
 status, sentence = data.run_verdict(meta.get("checks") or [])
 banner = {"fail": st.error, "error": st.error, "warn": st.warning, "pass": st.success}.get(status, st.info)
-banner(f"**Verdict: {status.upper()}** — {sentence}" if status != "none" else sentence, icon=ui.STATUS_ICONS.get(status, "ℹ️"))
+banner(f"**Verdict: {status.upper()}** — {sentence}" if status != "none" else sentence, icon=ui.STATUS_ICONS.get(status, ":material/info:"))
 
 if overall.get("num_drafts"):
     tau_lo, tau_hi = overall.get("mean_acceptance_length_ci") or [float("nan")] * 2
     best = (meta.get("recommendation") or {}).get("overall") or {}
     cols = st.columns(5)
-    cols[0].metric("tau (mean acceptance length)", f"{overall['mean_acceptance_length']:.2f}", help="1 + accepted / drafts, bonus token included (vLLM's definition).")
+    cols[0].metric("tau", f"{overall['mean_acceptance_length']:.2f}", help="Mean acceptance length: 1 + accepted / drafts, bonus token included (vLLM's definition).")
     cols[0].caption(f"95% CI [{tau_lo:.2f}, {tau_hi:.2f}]")
     cols[1].metric("Drafted tokens accepted", f"{overall.get('draft_acceptance_rate', float('nan')):.1%}", help="accepted / drafted; it falls as K grows, so compare tau instead.")
     cols[2].metric("Requests", f"{overall.get('num_requests', 0):,}")
@@ -38,11 +38,11 @@ if not checks:
     st.caption("No checks in this run.")
 else:
     table = data.checks_table(checks)
-    st.dataframe(table.assign(status=table["status"].map(lambda s: f"{ui.STATUS_ICONS.get(s, '')} {s}")), hide_index=True)
+    st.dataframe(table.style.map(lambda status: f"background-color: {ui.STATUS_COLORS.get(status, '')}", subset=["status"]), hide_index=True)
     by_id = {str(check.get("id")): check for check in checks}
     for row in table.itertuples(index=False):
         check = by_id[row.check]
-        with st.expander(f"{ui.STATUS_ICONS.get(row.status, '')} **{row.check}** — {row.summary}", expanded=row.status in ("fail", "error")):
+        with st.expander(f"**{row.check}** ({row.status}) — {row.summary}", expanded=row.status in ("fail", "error"), icon=ui.STATUS_ICONS.get(row.status)):
             findings = check.get("findings") or []
             if not findings:
                 st.caption("No findings.")

@@ -29,9 +29,9 @@ left.plotly_chart(figures.acceptance_by_position_figure(subset), key="positions_
 right.plotly_chart(figures.acceptance_by_position_figure(subset, conditional=True), key="positions_conditional")
 
 chosen = table[table["class"].isin(shown)]
-weakest = chosen.loc[chosen.groupby("class")["conditional"].idxmin().dropna()]
+weakest = data.weakest_slots(chosen)
 st.caption(
-    "Weakest slot (lowest conditional acceptance) per class: "
+    f"Weakest slot (lowest conditional acceptance among slots reached by at least {data.MIN_SLOT_REACH:.0%} of drafts): "
     + ", ".join(f"**{row['class']}** slot {int(row['slot'])} ({row['conditional']:.0%})" for _, row in weakest.iterrows())
 )
 shown_classes = [c for c in shown if c != "overall"]

@@ -34,6 +34,10 @@ st.dataframe(
     table,
     hide_index=True,
     column_config={
+        "num_requests": "requests",
+        "num_drafts": "drafts",
+        "num_draft_tokens": "drafted tokens",
+        "num_accepted_tokens": "accepted tokens",
         "tau": st.column_config.NumberColumn("tau", format="%.2f", help="mean acceptance length, bonus included"),
         "tau_lo": st.column_config.NumberColumn("tau 95% lo", format="%.2f"),
         "tau_hi": st.column_config.NumberColumn("tau 95% hi", format="%.2f"),

@@ -39,6 +39,7 @@ def streamlit_command(host: str, port: int) -> list[str]:
         "--server.port", str(port),
         "--browser.gatherUsageStats", "false",
         "--server.fileWatcherType", "none",
+        "--client.toolbarMode", "viewer",  # no "Deploy" button: this is a local viewer
     ]
 
 

@@ -26,3 +26,4 @@ ConfigFile = Annotated[Optional[str], typer.Option("--config", help="doctor.toml
 Seed = Annotated[Optional[int], typer.Option("--seed", help="Random seed for sampling and request selection (default 0).")]
 FailOn = Annotated[Optional[str], typer.Option("--fail-on", help="fail (default) or warn: warnings also exit 1.")]
 TrustRemoteCode = Annotated[bool, typer.Option("--trust-remote-code", help="Allow model repos to run their own Python code (off by default).")]
+ChatTemplate = Annotated[Optional[str], typer.Option("--chat-template", help="A .jinja file that replaces the target's chat template.")]

@@ -25,6 +25,9 @@ class AutoregressiveProposer(Proposer):
         self.uncached: list[int] = []  # committed tokens the draft cache has not seen yet
         self._cache_keyword = cache_keyword(model)
 
+    def samples_drafts(self, temperature: float) -> bool:
+        return temperature > 0
+
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
@@ -74,3 +77,13 @@ class AutoregressiveProposer(Proposer):
             self.uncached = committed_ids[cached - self._prefix_length :].tolist()
         else:  # k == 0: nothing was fed this step
             self.uncached = self.uncached + committed_ids.tolist()
+
+    @torch.inference_mode()
+    def prepare_teacher(self, token_ids: torch.Tensor, features: torch.Tensor | None) -> None:
+        # One causal pass gives the guess for every position: slot j after anchor a is predicted from row a + j - 1.
+        self._teacher_logits = self.model(input_ids=token_ids[None].to(self.device)).logits[0].float()  # [T, V]
+
+    def slot_logits(self, anchors: torch.Tensor, k: int) -> torch.Tensor:
+        rows = anchors[:, None] + torch.arange(k, device=anchors.device)  # [A, k]
+        rows = rows.clamp(max=self._teacher_logits.shape[0] - 1)
+        return self._teacher_logits[rows.to(self._teacher_logits.device)]

@@ -64,3 +64,22 @@ class Proposer(ABC):
     @abstractmethod
     def accept(self, committed_ids: torch.Tensor, committed_features: torch.Tensor | None) -> None:
         """The verified step committed ``committed_ids`` [n + 1] = [last, d1..dn] into the target context."""
+
+    # Teacher-forced replay (engine/teacher.py): the whole sequence is known in advance.
+
+    #: True when a slot's guess depends on the block length K (a block drafter attends to all its slots),
+    #: so guesses for a smaller K are only *estimated* by truncating a longer block.
+    guesses_depend_on_k: bool = False
+
+    def samples_drafts(self, temperature: float) -> bool:
+        """Whether drafts are sampled from ``probs`` at this temperature (False: greedy, one-hot drafts)."""
+        return False
+
+    @abstractmethod
+    def prepare_teacher(self, token_ids: torch.Tensor, features: torch.Tensor | None) -> None:
+        """Take a known sequence (token_ids [T], target features [T, F]) for :meth:`slot_logits` calls."""
+
+    @abstractmethod
+    def slot_logits(self, anchors: torch.Tensor, k: int) -> torch.Tensor:
+        """Draft logits [A, k, V] for slots 1..k of the steps whose last committed token sits at each of
+        ``anchors`` [A], with every earlier token taken from the known sequence (teacher forcing)."""

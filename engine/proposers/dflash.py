@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from dflash_doctor.engine.blocks import context_kv_for, draft_block_hidden
 from dflash_doctor.engine.dflash_model import DFlashDraftModel
 from dflash_doctor.engine.proposers.base import Proposal, Proposer, TargetNeeds
 from dflash_doctor.engine.target import TargetModel
@@ -16,6 +17,7 @@ from dflash_doctor.engine.target import TargetModel
 
 class DFlashProposer(Proposer):
     kind = "dflash"
+    guesses_depend_on_k = True
 
     def __init__(self, model: DFlashDraftModel, target: TargetModel):
         self.model = model
@@ -59,3 +61,19 @@ class DFlashProposer(Proposer):
 
     def accept(self, committed_ids: torch.Tensor, committed_features: torch.Tensor | None) -> None:
         self._extend_context(committed_features)
+
+    @torch.inference_mode()
+    def prepare_teacher(self, token_ids: torch.Tensor, features: torch.Tensor | None) -> None:
+        device = self.model.fc.weight.device
+        self._teacher_ids = token_ids[None].to(device)
+        self._teacher_ctx_kv = context_kv_for(self.model, features[None].to(device))
+
+    @torch.inference_mode()
+    def slot_logits(self, anchors: torch.Tensor, k: int) -> torch.Tensor:
+        """All blocks ``[token[a], mask x k]`` in one masked pass (engine/blocks.py), as the live loop drafts them."""
+        anchors = anchors.to(self._teacher_ids.device)
+        hidden = draft_block_hidden(
+            self.model, self.target.model.get_input_embeddings(), self._teacher_ids, self._teacher_ctx_kv,
+            anchors[None], torch.ones_like(anchors, dtype=torch.bool)[None], k + 1,
+        )
+        return self.target.lm_head(hidden[0, :, 1:]).float()  # [A, k, V]

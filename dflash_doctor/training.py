@@ -1,0 +1,595 @@
+"""Train or fine-tune a DFlash draft against a frozen target: the recipe of DFlash (arXiv 2602.06036).
+
+Why this recipe: a DFlash draft proposes a whole block in ONE non-causal pass conditioned on the target's
+hidden states, so it is trained in exactly that layout. Every training sequence is a prompt plus the
+target's OWN greedy continuation, the tokens the target will verify against at temperature 0, so the draft
+imitates the target rather than a dataset.
+
+Each step (:func:`train_dflash_draft`):
+
+1. a batch of sequences and random anchors inside each RESPONSE: an anchor plays the last committed token
+   of a live step, so the first usable one is the first response token;
+2. blocks ``[token[a], mask x (B-1)]`` go through :func:`dflash_doctor.engine.blocks.draft_block_hidden`:
+   context strictly before the anchor, bidirectional inside a block, blocks blind to each other (a test
+   in tests/test_live.py proves this equals the live drafter);
+3. logits = the target's lm_head on slots 1..B-1, labels ``token[a + j]`` (labels past the sequence end
+   are ignored); cross-entropy weighted by ``w_j = exp(-(j - 1) / gamma)``, because a miss at slot j
+   throws away every later slot, so early slots are worth more;
+4. AdamW, linear warm-up then cosine decay, gradient clipping; bf16 autocast on CUDA.
+
+The target is frozen: it supplies the embeddings (block tokens and the mask row), the lm_head and the
+tapped hidden states ``hidden_states[l + 1]``, which are computed once per sequence (batched) before
+training and kept on the training device.
+
+Data preparation for the CLI (:func:`prepare_sequences`) regenerates responses with batched greedy
+decoding and caches the token sequences on disk, so that resumes and re-runs skip generation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import inspect
+import json
+import math
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from dflash_doctor.engine.blocks import context_kv_for, draft_block_hidden
+from dflash_doctor.engine.dflash_model import DFlashConfig, DFlashDraftModel
+from dflash_doctor.errors import UsageError
+from dflash_doctor.loading import load_dflash_draft, save_dflash_draft
+from dflash_doctor.workloads import Request, encode_request_turn
+
+CHECKPOINT_DIR_NAME = "checkpoint"  # resumable state inside the out dir
+TRAINING_STATE_FILE = "training_state.pt"  # optimizer, scheduler, RNG, step and loss log (tensors + plain data)
+SEQUENCES_FILE = "sequences.jsonl"  # cached training sequences (first line: the cache key)
+EVAL_SEQUENCES_FILE = "eval_sequences.jsonl"  # cached held-out sequences
+DEFAULT_NUM_TAPS = 4  # target layers a new draft conditions on (DFlash uses 5 for 36-layer targets)
+
+# TrainConfig fields that do not change what is learned: a resume may differ in these.
+_BOOKKEEPING_FIELDS = frozenset({"device", "checkpoint_every", "log_every"})
+
+
+@dataclass
+class TrainConfig:
+    """Hyper-parameters of one training run (recorded in training_log.json and the model card)."""
+
+    steps: int = 2000
+    batch_size: int = 16  # sequences per step
+    anchors_per_sequence: int = 16  # blocks per sequence per step (fewer when a response is shorter)
+    lr: float = 6e-4  # peak learning rate of AdamW
+    weight_decay: float = 0.01
+    warmup_fraction: float = 0.04  # share of the steps with a linear warm-up; cosine decay to 0 after it
+    grad_clip_norm: float = 1.0
+    loss_decay_gamma: float = 7.0  # slot weight exp(-(j-1)/gamma); DFlash's paper uses 7 for blocks of 16
+    seed: int = 0
+    device: str = "cpu"
+    checkpoint_every: int = 500  # steps between resumable checkpoints (when a checkpoint dir is given)
+    log_every: int = 10  # steps between rows of the loss curve
+
+    def __post_init__(self) -> None:
+        positive = {"--steps": self.steps, "--batch-size": self.batch_size, "--anchors-per-sequence": self.anchors_per_sequence,
+                    "--lr": self.lr, "--loss-decay-gamma": self.loss_decay_gamma, "--checkpoint-every": self.checkpoint_every,
+                    "log_every": self.log_every}
+        for flag, value in positive.items():
+            if not value > 0:
+                raise UsageError(f"{flag} {value} must be positive; pass a value above 0.")
+        if not 0 <= self.warmup_fraction < 1:
+            raise UsageError(f"warmup_fraction {self.warmup_fraction} must be in [0, 1); pick a share of the steps.")
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class TrainingResult:
+    """The trained draft (eval mode) and its loss curve."""
+
+    draft: DFlashDraftModel
+    log: list[dict[str, float]]  # rows {"step", "loss", "accepted_per_block", "lr", "tokens_per_s"}
+    resumed_from_step: int  # 0 for a fresh run
+    num_sequences: int  # sequences that had room for an anchor (two or more response tokens)
+
+
+@dataclass
+class SequenceRecord:
+    """One training or evaluation sequence: a prompt (one turn of a request) and its response, as token ids."""
+
+    request_id: str
+    request_class: str
+    turn: int
+    prompt_length: int
+    token_ids: list[int]
+
+    @property
+    def response_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_length:]
+
+
+# --------------------------------------------------------------------------------------------------
+# The draft's architecture and its mask token
+
+def draft_config_for_target(target_config: Any, *, block_size: int, num_layers: int, target_layer_ids: Sequence[int],
+                            mask_token_id: int) -> DFlashConfig:
+    """A new draft's config: the target's width, heads and RoPE base (it shares the target's embeddings)."""
+    num_target_layers = target_config.num_hidden_layers
+    if block_size < 2:
+        raise UsageError(f"--block-size {block_size} must be at least 2 (the anchor plus one drafted token).")
+    if num_layers < 1:
+        raise UsageError(f"--num-layers {num_layers} must be at least 1.")
+    bad = [l for l in target_layer_ids if not 0 <= l < num_target_layers]
+    if not target_layer_ids or bad:
+        raise UsageError(f"--target-layer-ids {list(target_layer_ids)} must name layers 0..{num_target_layers - 1} of the target; fix the list.")
+    validate_mask_token_id(mask_token_id, target_config)
+    rope = getattr(target_config, "rope_parameters", None) or {}
+    heads = target_config.num_attention_heads
+    return DFlashConfig(
+        hidden_size=target_config.hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=getattr(target_config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(target_config, "head_dim", None) or target_config.hidden_size // heads,
+        intermediate_size=target_config.intermediate_size,
+        vocab_size=target_config.vocab_size,
+        block_size=block_size,
+        target_layer_ids=list(target_layer_ids),
+        mask_token_id=mask_token_id,
+        num_target_layers=num_target_layers,
+        rms_norm_eps=getattr(target_config, "rms_norm_eps", 1e-6),
+        rope_theta=float(rope.get("rope_theta", getattr(target_config, "rope_theta", 10000.0))),
+        max_position_embeddings=getattr(target_config, "max_position_embeddings", 40960),
+    )
+
+
+def _special_ids(target_config: Any, tokenizer: Any = None) -> set[int]:
+    """bos / eos / pad / unk ids of the model and its tokenizer: never usable as the mask."""
+    ids: set[int] = set()
+    for source in (target_config, tokenizer):
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id"):
+            value = getattr(source, name, None) if source is not None else None
+            if value is not None:
+                ids.update(value if isinstance(value, (list, tuple)) else [value])
+    return {int(i) for i in ids}
+
+
+def validate_mask_token_id(mask_token_id: int, target_config: Any, tokenizer: Any = None) -> None:
+    """The mask must be a real embedding row (< vocab) that is not bos/eos/pad/unk (REFERENCE.md section 1)."""
+    vocab = target_config.vocab_size
+    if not 0 <= mask_token_id < vocab:
+        raise UsageError(f"--mask-token-id {mask_token_id} is outside the target vocabulary (0..{vocab - 1}); pick a reserved token id.")
+    if mask_token_id in _special_ids(target_config, tokenizer):
+        raise UsageError(f"--mask-token-id {mask_token_id} is the target's bos/eos/pad/unk token; pick a reserved token the target never generates.")
+
+
+def choose_mask_token_id(tokenizer: Any, target_config: Any, used_ids: Iterable[int], chat_template: str | None = None) -> int:
+    """The highest-id special token that is not bos/eos/pad/unk, not in the chat template and never in the data.
+
+    Why: the mask row must be a real embedding row (the draft embeds masks with the target's own
+    ``embed_tokens``) that the target never emits, or an anchor token would look like a mask. Reserved
+    special tokens fit; SmolLM2 (vocab 49152, no padding rows) has 17 (ids 0..16) and this picks
+    ``<empty_output>`` (16), a Jupyter-notebook marker that chat never produces.
+    """
+    forbidden = _special_ids(target_config, tokenizer) | set(used_ids)
+    template = chat_template or getattr(tokenizer, "chat_template", None) or ""
+    candidates = []
+    for token_id, added in getattr(tokenizer, "added_tokens_decoder", {}).items():
+        if getattr(added, "special", False) and token_id < target_config.vocab_size and token_id not in forbidden \
+                and added.content not in template:
+            candidates.append(int(token_id))
+    if not candidates:
+        raise UsageError("the target tokenizer has no reserved special token that is free to serve as the mask; "
+                         "pass --mask-token-id with an id the target never generates.")
+    return max(candidates)
+
+
+def chat_template_record(chat_template: str | None) -> dict[str, Any]:
+    """What config.json records under ``dflash_doctor`` so checks can compare the served template with this one."""
+    text = chat_template or ""
+    return {"chat_template_sha256": hashlib.sha256(text.encode("utf-8")).hexdigest() if text else None,
+            "chat_template": chat_template}
+
+
+# --------------------------------------------------------------------------------------------------
+# Data: batched greedy generation, cached on disk
+
+@torch.inference_mode()
+def generate_greedy_batch(model: torch.nn.Module, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
+                          stop_ids: frozenset[int], pad_token_id: int) -> list[list[int]]:
+    """The target's greedy continuations of several prompts in one batched ``generate`` (left padding).
+
+    Each continuation ends at (and includes) its first stop token, or after ``max_new_tokens``. Equals
+    :func:`dflash_doctor.engine.live.plain_generate` at temperature 0 (a test checks it in fp32).
+    """
+    from transformers import GenerationConfig
+
+    device = next(model.parameters()).device
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long, device=device)
+    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long, device=device)
+    for row, prompt in enumerate(prompts):
+        input_ids[row, width - len(prompt):] = torch.tensor(list(prompt), device=device)
+        attention_mask[row, width - len(prompt):] = 1
+    config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=sorted(stop_ids) or None,
+                              pad_token_id=pad_token_id)
+    output = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
+    responses = []
+    for row in output[:, width:].tolist():
+        end = next((i + 1 for i, token in enumerate(row) if token in stop_ids), len(row))
+        responses.append(row[:end])
+    return responses
+
+
+def _read_cache(path: Path, key: dict[str, Any]) -> dict[tuple[str, int], SequenceRecord]:
+    """Records of a cache file written under the same key; nothing when the key differs or the file is absent."""
+    if not path.is_file():
+        return {}
+    lines = path.read_text(encoding="utf-8").splitlines()
+    if not lines or json.loads(lines[0]).get("key") != key:
+        return {}
+    records = {}
+    for line in lines[1:]:
+        try:
+            raw = json.loads(line)
+        except json.JSONDecodeError:  # a line cut short by an interrupted run: regenerate it
+            continue
+        record = SequenceRecord(raw["request_id"], raw["request_class"], raw["turn"], raw["prompt_length"], raw["token_ids"])
+        records[(record.request_id, record.turn)] = record
+    return records
+
+
+def _append_records(path: Path, records: Iterable[SequenceRecord]) -> None:
+    with path.open("a", encoding="utf-8") as handle:
+        for record in records:
+            handle.write(json.dumps(dataclasses.asdict(record)) + "\n")
+
+
+def prepare_sequences(model: torch.nn.Module, tokenizer: Any, requests: Sequence[Request], *, cache_path: Path,
+                      cache_key: dict[str, Any], max_new_tokens: int, stop_ids: frozenset[int],
+                      chat_template: str | None = None, use_recorded_responses: bool = False,
+                      batch_size: int = 32, progress: bool = False) -> list[SequenceRecord]:
+    """One sequence per turn of every request: the prompt rendered with the chat template + the response.
+
+    Responses are the target's own greedy answers, generated turn by turn (turn t's prompt holds the
+    target's answers to the earlier turns) in batches of similar prompt length. With
+    ``use_recorded_responses`` a single-turn request's recorded ``response`` (plus the eos token) is used
+    instead. Every batch is appended to ``cache_path`` as soon as it is done: a re-run or an interrupted
+    run with the same ``cache_key`` (target, template, lengths) generates only what is missing.
+    """
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    cached = _read_cache(cache_path, cache_key)
+    if not cached:
+        cache_path.parent.mkdir(parents=True, exist_ok=True)
+        cache_path.write_text(json.dumps({"key": cache_key}) + "\n", encoding="utf-8")
+    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stop_ids, default=0)
+    eos = tokenizer.eos_token_id
+    answers: dict[str, list[str]] = {r.id: [] for r in requests}
+    records: dict[tuple[str, int], SequenceRecord] = {}
+    total = sum(r.num_turns for r in requests)
+    columns = (TextColumn("generating responses"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+    with Progress(*columns, disable=not progress) as bar:
+        task = bar.add_task("generate", total=total)
+        for turn in range(max((r.num_turns for r in requests), default=0)):
+            pending: list[tuple[Request, list[int]]] = []
+            for request in (r for r in requests if r.num_turns > turn):
+                record = cached.get((request.id, turn))
+                if record is None:
+                    prompt = encode_request_turn(tokenizer, request, answers[request.id], chat_template=chat_template)
+                    if use_recorded_responses and request.response is not None and request.num_turns == 1:
+                        response = list(tokenizer(request.response, add_special_tokens=False)["input_ids"])[:max_new_tokens - 1]
+                        record = SequenceRecord(request.id, request.request_class, turn, len(prompt), prompt + response + [eos])
+                        _append_records(cache_path, [record])
+                    else:
+                        pending.append((request, prompt))
+                        continue
+                records[(request.id, turn)] = record
+                bar.advance(task)
+            pending.sort(key=lambda item: len(item[1]))
+            for start in range(0, len(pending), batch_size):
+                chunk = pending[start:start + batch_size]
+                responses = generate_greedy_batch(model, [p for _, p in chunk], max_new_tokens=max_new_tokens,
+                                                  stop_ids=stop_ids, pad_token_id=pad_token_id)
+                new = [SequenceRecord(r.id, r.request_class, turn, len(p), p + out) for (r, p), out in zip(chunk, responses)]
+                _append_records(cache_path, new)
+                records.update({(rec.request_id, turn): rec for rec in new})
+                bar.advance(task, len(new))
+            for request in requests:
+                if (request.id, turn) in records:
+                    answer = [t for t in records[(request.id, turn)].response_ids if t not in stop_ids]
+                    answers[request.id].append(tokenizer.decode(answer, skip_special_tokens=True))
+    return [records[(r.id, turn)] for r in requests for turn in range(r.num_turns)]
+
+
+# --------------------------------------------------------------------------------------------------
+# Features and the training objective
+
+def _forward_without_logits(model: torch.nn.Module) -> dict[str, Any]:
+    """Ask for one row of logits where the model allows it: features need hidden states, not [N, T, V] logits."""
+    return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+
+
+@torch.inference_mode()
+def extract_features(target_model: torch.nn.Module, sequences: Sequence[Sequence[int]], hidden_state_indices: Sequence[int],
+                     *, batch_size: int = 8, device: torch.device | str = "cpu") -> list[torch.Tensor]:
+    """Concatenated taps ``[L_i, n*H]`` for every sequence: one frozen-target pass per sequence, batched.
+
+    Sequences are grouped by length and right-padded; causal attention keeps every real row exactly what
+    an unpadded pass gives, so no attention mask is needed. Results stay on ``device`` in the target's dtype.
+    """
+    extra = _forward_without_logits(target_model)
+    model_device = next(target_model.parameters()).device
+    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
+    features: list[torch.Tensor | None] = [None] * len(sequences)
+    for start in range(0, len(order), batch_size):
+        chunk = order[start:start + batch_size]
+        width = max(len(sequences[i]) for i in chunk)
+        ids = torch.zeros((len(chunk), width), dtype=torch.long)
+        for row, index in enumerate(chunk):
+            ids[row, :len(sequences[index])] = torch.tensor(list(sequences[index]))
+        hidden = target_model(input_ids=ids.to(model_device), output_hidden_states=True, **extra).hidden_states
+        taps = torch.cat([hidden[i] for i in hidden_state_indices], dim=-1)  # [n, width, F]
+        for row, index in enumerate(chunk):
+            features[index] = taps[row, :len(sequences[index])].to(device).clone()
+    return features  # type: ignore[return-value]
+
+
+def slot_weights(block_size: int, gamma: float) -> torch.Tensor:
+    """Loss weight of slots 1..B-1: ``exp(-(j - 1) / gamma)`` -> [B-1], 1.0 for the first drafted slot."""
+    return torch.exp(-torch.arange(block_size - 1, dtype=torch.float32) / gamma)
+
+
+def sample_anchors(prompt_lengths: torch.Tensor, lengths: torch.Tensor, width: int, num_anchors: int,
+                   generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random distinct anchors ``[N, A]`` in each response (positions ``P_i .. L_i - 2``) and their validity.
+
+    An anchor needs one label after it, hence ``L_i - 2``; rows with fewer usable positions than A are
+    filled with invalid anchors.
+    """
+    positions = torch.arange(width)
+    usable = (positions >= prompt_lengths[:, None]) & (positions <= lengths[:, None] - 2)
+    scores = torch.rand(usable.shape, generator=generator).masked_fill(~usable, -1.0)
+    top = scores.topk(min(num_anchors, width), dim=1)
+    return top.indices, top.values >= 0
+
+
+def block_loss(draft: DFlashDraftModel, target_model: torch.nn.Module, token_ids: torch.Tensor, lengths: torch.Tensor,
+               features: torch.Tensor, anchors: torch.Tensor, anchor_valid: torch.Tensor,
+               weights: torch.Tensor) -> tuple[torch.Tensor, int, torch.Tensor]:
+    """Decay-weighted cross-entropy of every block, the number of labels, and accepted tokens per block.
+
+    token_ids [N, T], lengths [N], features [N, T, F], anchors / anchor_valid [N, A], weights [B-1].
+    "Accepted per block" counts the leading slots whose argmax equals the label: what a live step at
+    K = B-1 would accept on these sequences (a running estimate of tau - 1).
+    """
+    block_size = draft.config.block_size
+    n, width = token_ids.shape
+    hidden = draft_block_hidden(draft, target_model.get_input_embeddings(), token_ids, context_kv_for(draft, features),
+                                anchors, anchor_valid, block_size)  # [N, A, B, H]
+    label_positions = anchors[:, :, None] + torch.arange(1, block_size, device=anchors.device)  # [N, A, B-1]
+    label_valid = anchor_valid[:, :, None] & (label_positions < lengths[:, None, None])
+    labels = token_ids.gather(1, label_positions.clamp(max=width - 1).view(n, -1)).view_as(label_positions)
+    rows = hidden[:, :, 1:][label_valid]  # [M, H]
+    head = target_model.get_output_embeddings()
+    logits = head(rows.to(head.weight.dtype)).float()  # [M, V]
+    targets = labels[label_valid]
+    row_weights = weights.to(logits.device).expand_as(label_positions)[label_valid]
+    loss = (row_weights * F.cross_entropy(logits, targets, reduction="none")).sum() / row_weights.sum()
+    with torch.no_grad():
+        correct = torch.zeros_like(label_valid)
+        correct[label_valid] = logits.argmax(dim=-1) == targets
+        accepted = correct.long().cumprod(dim=-1).sum(dim=-1)[anchor_valid]  # [valid blocks]
+    return loss, targets.numel(), accepted.float().mean()
+
+
+# --------------------------------------------------------------------------------------------------
+# The training loop
+
+def _lr_factor(step: int, total_steps: int, warmup_steps: int) -> float:
+    """Linear warm-up to 1, then cosine decay to 0 at ``total_steps``."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+def _data_fingerprint(sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int]) -> str:
+    digest = hashlib.sha256()
+    for tokens, prompt_length in zip(sequences, prompt_lengths):
+        digest.update(json.dumps([prompt_length, list(tokens)]).encode())
+    return digest.hexdigest()[:20]
+
+
+def _architecture(config: DFlashConfig) -> dict[str, Any]:
+    return {k: v for k, v in dataclasses.asdict(config).items() if k != "extra"}
+
+
+def _resume_identity(config: TrainConfig, draft: DFlashDraftModel, data: str) -> dict[str, Any]:
+    """What must match for a checkpoint to be resumed: hyper-parameters, architecture and data."""
+    train = {k: v for k, v in config.as_dict().items() if k not in _BOOKKEEPING_FIELDS}
+    return {"train_config": train, "architecture": _architecture(draft.config), "data": data}
+
+
+def _save_checkpoint(path: Path, draft: DFlashDraftModel, state: dict[str, Any], extra_config: dict[str, Any] | None) -> None:
+    """Write the draft (z-lab layout) and the training state next to it, replacing the old checkpoint atomically."""
+    staging = path.with_name(path.name + ".tmp")
+    if staging.exists():
+        shutil.rmtree(staging)
+    save_dflash_draft(draft, staging, extra_config=extra_config)
+    torch.save(state, staging / TRAINING_STATE_FILE)
+    previous = path.with_name(path.name + ".old")
+    if path.exists():
+        path.replace(previous)
+    staging.replace(path)
+    if previous.exists():
+        shutil.rmtree(previous)
+
+
+def _load_checkpoint(path: Path, identity: dict[str, Any], device: torch.device) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
+    """Weights and training state of a checkpoint made under the same identity; None when there is none."""
+    state_file = path / TRAINING_STATE_FILE
+    if not state_file.is_file():
+        return None
+    state = torch.load(state_file, map_location=device, weights_only=True)
+    if state.get("identity") != identity:
+        raise UsageError(f"{path} holds a checkpoint of a different training run (other flags, architecture or data); "
+                         "pass the same flags to resume it, or a fresh --out.")
+    weights = load_dflash_draft(path).state_dict()
+    return weights, state
+
+
+def train_dflash_draft(target_model: torch.nn.Module, sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int],
+                       config: TrainConfig, draft: DFlashDraftModel, *, checkpoint_dir: Path | None = None,
+                       extra_config: dict[str, Any] | None = None, feature_batch_size: int = 8,
+                       progress: bool = False) -> TrainingResult:
+    """Train ``draft`` (a new one, or a checkpoint to fine-tune) on ``sequences`` against the frozen target.
+
+    ``sequences[i]`` is prompt + response token ids and ``prompt_lengths[i]`` where the response starts.
+    With ``checkpoint_dir``, a resumable checkpoint is written every ``config.checkpoint_every`` steps
+    and at the end, and a run started on a directory that holds one continues from it (same flags and
+    data required). The target's parameters are frozen in place (``requires_grad_(False)``).
+    """
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    if len(sequences) != len(prompt_lengths):
+        raise ValueError(f"{len(sequences)} sequences but {len(prompt_lengths)} prompt lengths")
+    usable = [i for i, (tokens, p) in enumerate(zip(sequences, prompt_lengths)) if len(tokens) >= p + 2]
+    if not usable:
+        raise UsageError("no training sequence has two or more response tokens; raise --max-new-tokens or use another workload.")
+    sequences = [list(sequences[i]) for i in usable]
+    prompt_lengths = [int(prompt_lengths[i]) for i in usable]
+    device = torch.device(config.device)
+    target_model.requires_grad_(False).eval()
+    draft.to(device=device, dtype=torch.float32)
+
+    identity = _resume_identity(config, draft, _data_fingerprint(sequences, prompt_lengths))
+    generator = torch.Generator().manual_seed(config.seed)
+    optimizer = torch.optim.AdamW(draft.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    warmup_steps = max(1, round(config.warmup_fraction * config.steps))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _lr_factor(s, config.steps, warmup_steps))
+    step, log = 0, []
+    resumed = _load_checkpoint(checkpoint_dir, identity, device) if checkpoint_dir is not None else None
+    if resumed is not None:
+        weights, state = resumed
+        draft.load_state_dict(weights)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        generator.set_state(state["generator"].cpu())
+        step, log = int(state["step"]), list(state["log"])
+    resumed_from_step = step
+
+    def checkpoint() -> None:
+        if checkpoint_dir is not None:
+            state = {"identity": identity, "step": step, "log": log, "optimizer": optimizer.state_dict(),
+                     "scheduler": scheduler.state_dict(), "generator": generator.get_state()}
+            _save_checkpoint(checkpoint_dir, draft, state, extra_config)
+
+    token_tensors = [torch.tensor(s, device=device) for s in sequences]
+    features = extract_features(target_model, sequences, draft.hidden_state_indices, batch_size=feature_batch_size, device=device)
+    all_prompt_lengths = torch.tensor(prompt_lengths)
+    all_lengths = torch.tensor([len(s) for s in sequences])
+    weights = slot_weights(draft.config.block_size, config.loss_decay_gamma).to(device)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+    draft.train()
+    columns = (TextColumn("training"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]:.3f}"),
+               TextColumn("accepted/block {task.fields[accepted]:.2f}"), TextColumn("{task.fields[tokens_per_s]:,.0f} label tok/s"),
+               TimeRemainingColumn())
+    loss_sum = torch.zeros((), device=device)
+    accepted_sum = torch.zeros((), device=device)
+    labels_sum = 0
+    window_steps, window_started = 0, time.perf_counter()
+    with Progress(*columns, disable=not progress) as bar:
+        task = bar.add_task("train", total=config.steps, completed=step, loss=float("nan"), accepted=float("nan"), tokens_per_s=0.0)
+        while step < config.steps:
+            batch = torch.randperm(len(sequences), generator=generator)[: config.batch_size]
+            lengths, batch_prompt_lengths = all_lengths[batch], all_prompt_lengths[batch]
+            width = int(lengths.max())
+            anchors, anchor_valid = sample_anchors(batch_prompt_lengths, lengths, width, config.anchors_per_sequence, generator)
+            token_ids = torch.nn.utils.rnn.pad_sequence([token_tensors[i] for i in batch.tolist()], batch_first=True)
+            batch_features = torch.nn.utils.rnn.pad_sequence([features[i] for i in batch.tolist()], batch_first=True)
+            with autocast:
+                loss, num_labels, accepted = block_loss(draft, target_model, token_ids, lengths.to(device), batch_features,
+                                                        anchors.to(device), anchor_valid.to(device), weights)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(draft.parameters(), config.grad_clip_norm)
+            optimizer.step()
+            scheduler.step()
+            step += 1
+            loss_sum += loss.detach()
+            accepted_sum += accepted
+            labels_sum += num_labels
+            window_steps += 1
+            if step % config.log_every == 0 or step == config.steps:
+                elapsed = time.perf_counter() - window_started
+                row = {"step": step, "loss": float(loss_sum) / window_steps, "accepted_per_block": float(accepted_sum) / window_steps,
+                       "lr": optimizer.param_groups[0]["lr"], "tokens_per_s": float(labels_sum) / max(elapsed, 1e-9)}
+                log.append(row)
+                bar.update(task, completed=step, loss=row["loss"], accepted=row["accepted_per_block"], tokens_per_s=row["tokens_per_s"])
+                loss_sum.zero_()
+                accepted_sum.zero_()
+                labels_sum, window_steps, window_started = 0, 0, time.perf_counter()
+            if step % config.checkpoint_every == 0 and step < config.steps:
+                checkpoint()
+    checkpoint()
+    draft.eval()
+    return TrainingResult(draft=draft, log=log, resumed_from_step=resumed_from_step, num_sequences=len(sequences))
+
+
+# --------------------------------------------------------------------------------------------------
+# Held-out acceptance at temperature 0
+
+@torch.inference_mode()
+def greedy_acceptance_steps(target_model: torch.nn.Module, draft: DFlashDraftModel, records: Sequence[SequenceRecord], *,
+                            stop_ids: frozenset[int], k: int | None = None, anchor_chunk: int = 64,
+                            feature_batch_size: int = 8) -> list[dict[str, Any]]:
+    """Per-step rows (``request_id``, ``class``, ``k``, ``num_drafted``, ``num_accepted``) of the live loop at T = 0.
+
+    When a record's response is the target's own greedy continuation, the live loop at temperature 0
+    commits exactly those tokens, so its schedule can be walked without running it: every anchor's
+    block is drafted in batched block passes (equal to the live drafter), an anchor accepts the leading
+    drafts that match the sequence, and the next anchor is ``a + accepted + 1`` (the bonus). Draft
+    lengths are capped as :func:`dflash_doctor.engine.live.speculative_generate` caps them. The rows feed
+    :func:`dflash_doctor.metrics.tau_with_ci`.
+    """
+    device = draft.fc.weight.device
+    k = min(k or draft.config.block_size - 1, draft.config.block_size - 1)
+    embed, head = target_model.get_input_embeddings(), target_model.get_output_embeddings()
+    features = extract_features(target_model, [r.token_ids for r in records], draft.hidden_state_indices,
+                                batch_size=feature_batch_size, device=device)
+    rows = []
+    for record, record_features in zip(records, features):
+        tokens = torch.tensor(record.token_ids, device=device)
+        length, prompt_length = len(record.token_ids), record.prompt_length
+        stopped = record.token_ids[-1] in stop_ids
+        ctx_kv = context_kv_for(draft, record_features[None])
+        leading: dict[int, int] = {}
+        all_anchors = torch.arange(prompt_length, length - 1, device=device)
+        for start in range(0, len(all_anchors), anchor_chunk):
+            anchors = all_anchors[start:start + anchor_chunk][None]
+            hidden = draft_block_hidden(draft, embed, tokens[None], ctx_kv, anchors, torch.ones_like(anchors, dtype=torch.bool),
+                                        draft.config.block_size)
+            drafted = head(hidden[0, :, 1:k + 1].to(head.weight.dtype)).argmax(dim=-1)  # [A, k]
+            label_positions = (anchors[0, :, None] + torch.arange(1, k + 1, device=device)).clamp(max=length - 1)
+            matches = (drafted == tokens[label_positions]).long().cumprod(dim=-1)
+            for anchor, row in zip(anchors[0].tolist(), matches.tolist()):
+                leading[anchor] = row
+        anchor, step = prompt_length, 0
+        while anchor < length - 1:
+            # the live loop drafts at most max_new_tokens - committed - 1 tokens: the last token of a sequence
+            # cut by max_new_tokens can only be a bonus, one ended by a stop token can be drafted
+            num_drafted = min(k, length - 1 - anchor if stopped else length - 2 - anchor)
+            num_accepted = sum(leading[anchor][:num_drafted])
+            rows.append({"request_id": record.request_id if record.turn == 0 else f"{record.request_id}#{record.turn}",
+                         "class": record.request_class, "step": step, "k": k, "num_drafted": num_drafted,
+                         "num_accepted": num_accepted})
+            anchor += num_accepted + 1
+            step += 1
+    return rows

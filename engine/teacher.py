@@ -1,0 +1,175 @@
+"""Teacher-forced replay: acceptance for every K from one pass over the known continuation.
+
+Why it is exact at temperature 0: the speculative output is the target's greedy continuation, so the
+committed text is known once that continuation is known. A draft token can only be accepted while every
+earlier token of its block matched, i.e. while the draft saw exactly the true prefix. So the draft's
+guesses under teacher forcing (:meth:`Proposer.slot_logits`) decide every acceptance, and walking the
+live loop's schedule (start, accept n, jump n + 1) over them reproduces the live loop's steps for any K:
+same ``k`` cap (``remaining - 1``), same stop-token rule (:mod:`dflash_doctor.engine.live`).
+
+For a chain (autoregressive) draft one pass answers every K exactly. A block drafter's guesses depend on
+its block length; one pass at block K_max is exact for K_max and a *truncated estimate* for smaller K,
+unless ``exact_blocks`` asks for one pass per K (each row of the sweep says which it is).
+
+Under sampling (T > 0) a step's acceptance is random; for each anchor of a sampled target trajectory
+the probability that slot j is accepted given the earlier ones were is sum(min(p, q)) for a sampled draft
+and p(draft token) for a greedy draft, which gives the expected tau(K).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import numpy as np
+import torch
+
+from dflash_doctor.engine.divergence import divergence_columns
+from dflash_doctor.engine.proposers.base import Proposer
+from dflash_doctor.engine.target import TargetModel
+
+ANCHOR_CHUNK = 64  # anchors per draft pass: bounds the [A*B, T + A*B] attention mask on small machines
+
+
+@dataclass
+class SlotTable:
+    """Per-anchor guesses for one sequence. Row i is the step whose last committed token is output[i].
+
+    guesses [N, K] draft tokens; matches [N, K] guess == true token (False past the known output);
+    accept_probs [N, K] under sampling (None at T = 0); tokens: divergence rows per (anchor, slot).
+    """
+
+    guesses: np.ndarray
+    matches: np.ndarray
+    accept_probs: np.ndarray | None = None
+    divergence: dict[str, list] = field(default_factory=dict)
+
+
+def walk_schedule(matches: np.ndarray, output_ids: list[int], k: int, max_new_tokens: int, stop_ids: frozenset[int]) -> list[dict]:
+    """The live loop's steps at K over known matches (see engine/live.py for the rules mirrored here)."""
+    steps: list[dict] = []
+    n_out = len(output_ids)
+    i = 0  # output index of the last committed token (output[0] comes from the prefill)
+    if output_ids[0] in stop_ids:
+        return steps
+    while i + 1 < max_new_tokens and i + 1 < n_out:
+        position = i + 1
+        k_step = min(k, max_new_tokens - position - 1)
+        run = matches[i, :k_step]
+        n = int(np.argmin(run)) if not run.all() else k_step
+        accepted = output_ids[i + 1 : i + 1 + n]
+        stop_at = next((idx for idx, tok in enumerate(accepted) if tok in stop_ids), None)
+        if stop_at is not None:
+            n = stop_at + 1
+        bonus = output_ids[i + n + 1] if stop_at is None and i + n + 1 < n_out else -1
+        steps.append(
+            {"step": len(steps), "position": position, "k": k, "num_drafted": k_step, "num_accepted": n, "bonus_token": bonus}
+        )
+        if stop_at is not None or bonus == -1 or bonus in stop_ids:
+            break
+        i += n + 1
+    return steps
+
+
+@dataclass
+class TeacherSequence:
+    """One replayed turn: the prompt and the target's own continuation (greedy, sampled or recorded)."""
+
+    prompt_ids: list[int]
+    output_ids: list[int]
+
+
+@torch.inference_mode()
+def slot_table(
+    target: TargetModel,
+    proposer: Proposer,
+    sequence: TeacherSequence,
+    k: int,
+    *,
+    temperature: float = 0.0,
+    record_divergence: bool = True,
+    target_pass: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+) -> tuple[SlotTable, tuple[torch.Tensor, torch.Tensor | None]]:
+    """Guesses and matches for every anchor of ``sequence`` at block length ``k``.
+
+    Returns the table and the target pass (logits, features) so several K can reuse one target forward.
+    """
+    device = target.device
+    ids = torch.tensor(sequence.prompt_ids + sequence.output_ids, device=device)
+    p_len, n_out = len(sequence.prompt_ids), len(sequence.output_ids)
+    if target_pass is None:
+        target.reset()
+        out = target.forward(ids)
+        target.reset()
+        target_pass = (out.logits, out.features)
+    target_logits, features = target_pass
+    proposer.prepare_teacher(ids, features)
+    truth = torch.tensor(sequence.output_ids, device=device)
+    n_anchor = max(n_out - 1, 0)
+    guesses = np.zeros((n_anchor, k), dtype=np.int64)
+    matches = np.zeros((n_anchor, k), dtype=bool)
+    accept_probs = np.zeros((n_anchor, k), dtype=np.float64) if temperature > 0 else None
+    divergence: dict[str, list] = {}
+    for start in range(0, n_anchor, ANCHOR_CHUNK):
+        idx = torch.arange(start, min(start + ANCHOR_CHUNK, n_anchor), device=device)  # output indices
+        logits = proposer.slot_logits(p_len + idx, k)  # [A, k, V]
+        slot_pos = idx[:, None] + torch.arange(1, k + 1, device=device)  # output index each slot predicts
+        known = slot_pos < n_out
+        safe_pos = slot_pos.clamp(max=n_out - 1)
+        guess = logits.argmax(dim=-1)
+        true_tok = truth[safe_pos]
+        guesses[start : start + len(idx)] = guess.cpu().numpy()
+        matches[start : start + len(idx)] = ((guess == true_tok) & known).cpu().numpy()
+        target_rows = target_logits[p_len + safe_pos - 1]  # [A, k, V] the target's scores for those slots
+        if accept_probs is not None:
+            p = torch.softmax(target_rows / temperature, dim=-1)
+            if proposer.samples_drafts(temperature):
+                q = torch.softmax(logits / temperature, dim=-1)
+                prob = torch.minimum(p, q).sum(dim=-1)
+            else:
+                prob = p.gather(-1, guess[..., None])[..., 0]
+            accept_probs[start : start + len(idx)] = (prob * known).cpu().numpy()
+        if record_divergence:
+            flat = known.flatten()
+            cols = divergence_columns(
+                logits.flatten(0, 1)[flat], target_rows.flatten(0, 1)[flat], guess.flatten()[flat],
+                target_rows.flatten(0, 1)[flat].argmax(dim=-1),
+            )
+            for name, values in cols.items():
+                divergence.setdefault(name, []).extend(values)
+    table = SlotTable(guesses=guesses, matches=matches, accept_probs=accept_probs, divergence=divergence)
+    return table, target_pass
+
+
+def token_rows(table: SlotTable, steps: list[dict], output_ids: list[int], k: int) -> list[dict]:
+    """tokens.parquet rows for the drafted slots of ``steps`` whose true token is known.
+
+    ``target_token`` is the target's token on the committed (true) context.
+    """
+    n_out = len(output_ids)
+    # divergence lists hold rows for (anchor, slot) with a known true token, in anchor-major order
+    offsets = np.cumsum([0] + [min(k, n_out - 1 - i) for i in range(table.guesses.shape[0])])
+    rows = []
+    for step in steps:
+        i = step["position"] - 1
+        for j in range(1, step["num_drafted"] + 1):
+            if i + j >= n_out:
+                break
+            flat = int(offsets[i]) + j - 1
+            row = {name: values[flat] for name, values in table.divergence.items()}
+            row.update(
+                step=step["step"],
+                position=i + j,
+                offset=j,
+                draft_token=int(table.guesses[i, j - 1]),
+                target_token=int(output_ids[i + j]),
+                accepted=j <= step["num_accepted"],
+            )
+            rows.append(row)
+    return rows
+
+
+def expected_tau(accept_probs: np.ndarray, ks: Iterable[int]) -> dict[int, float]:
+    """Expected tau(K) along a trajectory: 1 + mean over anchors of sum_i prod_{j<=i} alpha_j."""
+    reach = np.cumprod(accept_probs, axis=1)  # P(at least i accepted)
+    return {k: float(1.0 + reach[:, :k].sum(axis=1).mean()) if reach.shape[0] else float("nan") for k in ks}

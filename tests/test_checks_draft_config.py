@@ -1,0 +1,73 @@
+"""draft-config: static DFlash config checks against the target, and the offset-probe hook."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+from dflash_doctor.checks import CheckContext, run_checks
+from dflash_doctor.checks.draft_config import read_safetensors_shapes
+from dflash_doctor.config import build_config
+
+TARGET = {"hidden_size": 64, "num_hidden_layers": 8, "vocab_size": 300, "rope_theta": 1000000.0, "torch_dtype": "bfloat16"}
+
+
+def _draft(**overrides):
+    config = {"architectures": ["DFlashDraftModel"], "hidden_size": 64, "num_target_layers": 8, "block_size": 8,
+              "rope_theta": 1000000.0, "torch_dtype": "bfloat16",
+              "dflash_config": {"mask_token_id": 299, "target_layer_ids": [1, 3, 5]}}
+    config.update(overrides)
+    return config
+
+
+def _check(draft, target=TARGET, k="7", extras=None):
+    ctx = CheckContext(draft_config=draft, target_config=target, config=build_config(k=k), extras=extras or {})
+    return run_checks(ctx, only=["draft-config"])[0]
+
+
+def test_draft_config_pass_consistent_draft():
+    result = _check(_draft(), extras={"draft_weight_shapes": {"fc.weight": [64, 192]}, "offset_probe": {-1: 2.1, 0: 4.0, 1: 2.5}})
+    assert result.status == "pass", [f.message for f in result.findings]
+    assert result.metrics["offset_probe"] == {-1: 2.1, 0: 4.0, 1: 2.5}
+
+
+def test_draft_config_warn_rope_dtype_and_target_depth():
+    result = _check(_draft(rope_theta=10000.0, torch_dtype="float16", num_target_layers=36))
+    assert result.status == "warn"
+    messages = [f.message for f in result.findings]
+    assert "rope_theta differs: draft 10000.0 vs target 1000000.0" in messages
+    assert "dtype differs: draft float16 vs target bfloat16" in messages
+    assert "the draft was trained for a 36-layer target; this target has 8" in messages
+
+
+def test_draft_config_fail_sizes_layers_block_and_mask():
+    draft = _draft(hidden_size=32, dflash_config={"mask_token_id": 300, "target_layer_ids": [1, 5, 8]})
+    result = _check(draft, k="8", extras={"draft_weight_shapes": {"fc.weight": [32, 64]}})
+    assert result.status == "fail"
+    failures = [f.message for f in result.findings if f.severity == "fail"]
+    assert "draft hidden_size 32 differs from the target's 64" in failures
+    assert "fc.weight is [32, 64] but 3 layer ids x hidden 32 needs [32, 96]" in failures
+    assert "target_layer_ids [8] are outside the target's 8 layers" in failures
+    assert "K 8 exceeds the 7 tokens one block of 8 drafts" in failures
+    assert "mask token id 300 is outside the embedding (vocab_size 300)" in failures
+
+
+def test_draft_config_fail_offset_probe_neighbour_wins():
+    result = _check(_draft(), extras={"offset_probe": {-1: 1.4, 0: 1.6, 1: 4.2}})
+    assert result.status == "fail"
+    assert result.summary == "layer ids shifted by +1 give tau 4.20 vs 1.60 as configured"
+    assert "shift dflash_config.target_layer_ids by +1" in result.fix
+    within_margin = _check(_draft(), extras={"offset_probe": {0: 4.0, 1: 4.1}})
+    assert within_margin.status == "pass"
+
+
+def test_draft_config_skips_autoregressive_drafts():
+    result = run_checks(CheckContext(draft_config={"hidden_size": 64}, draft_kind="autoregressive"), only=["draft-config"])[0]
+    assert result.status == "skip"
+
+
+def test_read_safetensors_shapes_reads_only_the_header(tmp_path):
+    header = json.dumps({"fc.weight": {"dtype": "F32", "shape": [4, 12], "data_offsets": [0, 192]}, "__metadata__": {"format": "pt"}}).encode()
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 192)
+    assert read_safetensors_shapes(path) == {"fc.weight": [4, 12]}

@@ -1,0 +1,84 @@
+"""Teacher-forced replay reproduces the live loop exactly at T = 0, for every K, from one pass."""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from dflash_doctor.engine.live import plain_generate, speculative_generate
+from dflash_doctor.engine.proposers.autoregressive import AutoregressiveProposer
+from dflash_doctor.engine.proposers.dflash import DFlashProposer
+from dflash_doctor.engine.target import TargetModel
+from dflash_doctor.engine.teacher import TeacherSequence, expected_tau, slot_table, token_rows, walk_schedule
+from tests.tiny_models import tiny_dflash, tiny_target
+
+PROMPTS = [[5, 17, 42, 8, 9], [11, 12], [60, 61, 62, 63, 64, 65, 66, 67]]
+STEP_KEYS = ("position", "num_drafted", "num_accepted", "bonus_token")
+
+
+def _strip(steps):
+    return [tuple(s[key] for key in STEP_KEYS) for s in steps]
+
+
+def _draft_that_agrees_often(target_model):
+    """An autoregressive draft close to the target (perturbed copy): long accepted runs AND rejections."""
+    draft = copy.deepcopy(target_model)
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn_like(p) * 0.08)
+    return draft
+
+
+@pytest.mark.parametrize("max_new", [20, 33])
+def test_autoregressive_every_k_from_one_pass_equals_live(max_new):
+    target_model = tiny_target()
+    draft_model = _draft_that_agrees_often(target_model)
+    stop = frozenset({2})
+    for prompt in PROMPTS:
+        target = TargetModel(target_model)
+        truth = plain_generate(target, torch.tensor(prompt), max_new_tokens=max_new, stop_ids=stop).output_ids
+        table, _ = slot_table(target, AutoregressiveProposer(draft_model), TeacherSequence(prompt, truth), 12)
+        for k in (1, 2, 3, 5, 8, 12):
+            live = speculative_generate(
+                TargetModel(target_model), AutoregressiveProposer(draft_model), torch.tensor(prompt), k=k,
+                max_new_tokens=max_new, stop_ids=stop,
+            )
+            assert live.output_ids == truth
+            walked = walk_schedule(table.matches[:, :k], truth, k, max_new, stop)
+            assert _strip(walked) == _strip(live.steps), f"k={k} prompt={prompt}"
+            rows = token_rows(table, walked, truth, 12)
+            live_accepted = [(r["position"], r["draft_token"]) for r in live.tokens if r["accepted"]]
+            assert [(r["position"], r["draft_token"]) for r in rows if r["accepted"]] == live_accepted
+
+
+def test_dflash_full_block_equals_live():
+    target_model = tiny_target()
+    draft = tiny_dflash(target_model, block_size=6)
+    for prompt in PROMPTS:
+        target = TargetModel(target_model, draft.hidden_state_indices)
+        truth = plain_generate(target, torch.tensor(prompt), max_new_tokens=30).output_ids
+        for k in (5, 3):  # the live loop drafts blocks of K + 1; one teacher pass per block length
+            table, _ = slot_table(target, DFlashProposer(draft, target), TeacherSequence(prompt, truth), k)
+            live = speculative_generate(target, DFlashProposer(draft, target), torch.tensor(prompt), k=k, max_new_tokens=30)
+            assert live.output_ids == truth
+            assert _strip(walk_schedule(table.matches, truth, k, 30, frozenset())) == _strip(live.steps)
+
+
+def test_walk_schedule_on_a_hand_made_table():
+    # output: 10 tokens; matches[i, j-1]: does the guess for output[i + j] match?
+    matches = np.zeros((9, 3), dtype=bool)
+    matches[0] = [True, True, False]  # anchor 0: accept 2, bonus output[3]
+    matches[3] = [True, True, True]  # anchor 3: accept 3, bonus output[7]
+    matches[7] = [True, True, True]  # anchor 7: k capped to max_new - 8 - 1 = 1
+    steps = walk_schedule(matches, list(range(100, 110)), 3, 10, frozenset())
+    assert [(s["position"], s["num_drafted"], s["num_accepted"], s["bonus_token"]) for s in steps] == [
+        (1, 3, 2, 103), (4, 3, 3, 107), (8, 1, 1, 109),
+    ]
+
+
+def test_expected_tau_from_acceptance_probabilities():
+    probs = np.array([[1.0, 0.5, 0.5], [0.0, 1.0, 1.0]])
+    # anchor 0: 1 + 0.5 + 0.25 accepted in expectation at K=3; anchor 1: 0
+    assert expected_tau(probs, [1, 3]) == pytest.approx({1: 1.5, 3: 1.875})
