@@ -296,3 +296,148 @@ class ProgressReporter:
         rate = self.tokens / max(time.perf_counter() - self.started, 1e-9)
         tau = 1 + self.accepted / self.drafts if self.drafts else float("nan")
         self.progress.update(self.task, advance=1 if request_done else 0, stats=f"{rate:6.1f} tok/s  tau {tau:.2f}")
+
+
+def check_k_fits(engine: Engine, ks: tuple[int, ...]) -> None:
+    """K above a block drafter's block is impossible: refuse it before any work."""
+    max_k = engine.proposer.max_k
+    if max_k is not None and max(ks) > max_k:
+        raise UsageError(
+            f"--k {max(ks)} exceeds what this draft can propose per step ({max_k} = block_size - 1); "
+            f"use --k 1-{max_k}."
+        )
+
+
+def teacher_replay(
+    engine: Engine,
+    requests: list[Request],
+    config: DoctorConfig,
+    run_dir: Path,
+    meta: dict[str, Any],
+    progress=None,
+    *,
+    exact_blocks: bool = False,
+) -> dict[int, "pd.DataFrame"]:
+    """Teacher-forced replay for every K in ``config.k`` (engine/teacher.py) into ``run_dir``.
+
+    The run directory's steps and tokens are those of the largest K; returns the steps of every K for
+    the sweep. At T > 0 acceptance is drawn per slot with the exact per-slot probabilities along a
+    sampled target trajectory (a Monte-Carlo walk whose expectation is the expected tau(K)).
+    """
+    import numpy as np
+    import pandas as pd
+
+    from dflash_doctor.engine.live import plain_generate
+    from dflash_doctor.engine.teacher import TeacherSequence, slot_table, token_rows, walk_schedule
+
+    ks = tuple(sorted(config.k))
+    check_k_fits(engine, ks)
+    k_max = ks[-1]
+    generator = torch.Generator(device=engine.target.device).manual_seed(config.seed)
+    walk_rng = np.random.default_rng(config.seed)
+    block_passes = ks if (exact_blocks and engine.proposer.guesses_depend_on_k) else (k_max,)
+    steps_by_k: dict[int, list[dict]] = {k: [] for k in ks}
+    estimate = {
+        k: "exact" if (k in block_passes or not engine.proposer.guesses_depend_on_k) else "truncated" for k in ks
+    }
+    meta["sweep_estimates"] = {str(k): v for k, v in estimate.items()}
+
+    def generate(prompt: torch.Tensor, max_new: int):
+        return plain_generate(
+            engine.target, prompt, max_new_tokens=max_new, temperature=config.temperature,
+            stop_ids=engine.stop_ids, generator=generator,
+        )
+
+    writer = RunWriter(run_dir, meta)
+    interrupted = False
+    try:
+        for request in requests:
+            for turn, prompt, result in turn_prompts(engine, request, generate, config):
+                sequence = TeacherSequence(prompt.tolist(), result.output_ids)
+                max_new = max_new_tokens_for(request, config)
+                tables: dict[int, Any] = {}
+                target_pass = None
+                for block_k in sorted(block_passes, reverse=True):
+                    tables[block_k], target_pass = slot_table(
+                        engine.target, engine.proposer, sequence, block_k, temperature=config.temperature,
+                        record_divergence=block_k == k_max, target_pass=target_pass,
+                    )
+                key = request_key(request, turn)
+                for k in ks:
+                    table = tables.get(k, tables[k_max])
+                    matches = table.matches[:, :k]
+                    if table.accept_probs is not None:
+                        matches = np.cumprod(walk_rng.random(matches.shape) < table.accept_probs[:, :k], axis=1).astype(bool)
+                    steps = walk_schedule(matches, result.output_ids, k, max_new, engine.stop_ids)
+                    steps_by_k[k].extend({"request_id": key, "class": request.request_class, **s} for s in steps)
+                    if k == k_max:
+                        result.steps = [{**s, "draft_time_s": float("nan"), "verify_time_s": float("nan")} for s in steps]
+                        result.tokens = token_rows(tables[k_max], steps, result.output_ids, k_max)
+                write_result_rows(writer, engine, request, turn, len(prompt), result)
+                if progress is not None:
+                    progress(result)
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        meta["interrupted"] = interrupted
+        writer.close()
+    finalize_summary(run_dir, meta)
+    if interrupted:
+        raise KeyboardInterrupt
+    return {k: pd.DataFrame(rows, columns=["request_id", "class", "step", "position", "k", "num_drafted", "num_accepted", "bonus_token"]) for k, rows in steps_by_k.items()}
+
+
+def measure_step_costs(engine: Engine, ks: tuple[int, ...], *, context_tokens: int = 128, repeats: int = 5):
+    """Time plain decode, verify of 1 + K tokens and drafting K tokens on this device, at a realistic context."""
+    from dflash_doctor.speedup import measure_costs
+
+    target, proposer = engine.target, engine.proposer
+    device = target.device
+    context = torch.randint(10, engine.tokenizer.vocab_size - 10, (context_tokens,), device=device)
+    target.reset()
+    prefill = target.forward(context)
+    proposer.start(context, prefill.features)
+    base = target.cache_length
+    token = torch.tensor([int(context[-1])], device=device)
+
+    def decode_step() -> None:
+        target.forward(token)
+        target.crop(base)
+
+    def verify_step(k: int) -> None:
+        target.forward(token.repeat(k + 1))
+        target.crop(base)
+
+    def draft_step(k: int) -> None:
+        proposer.propose(int(token), k, k)
+
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
+    probe = sorted({k for k in (1, 2, 4, 8, 16) if k < max(ks)} | {max(ks), min(ks)})
+    costs = measure_costs(decode_step, verify_step, draft_step, probe, repeats=repeats, sync=sync, device=str(device))
+    target.reset()
+    return costs
+
+
+def sweep_summary(engine: Engine, config: DoctorConfig, steps_by_k, meta: dict[str, Any]) -> None:
+    """Add ``summary.sweep`` and ``recommendation`` (costs measured here, or from --cost-profile)."""
+    from dflash_doctor.speedup import build_sweep, load_cost_profile, recommend, rows_by_class
+
+    costs = load_cost_profile(config.cost_profile) if config.cost_profile else measure_step_costs(engine, config.k)
+    estimates = {int(k): v for k, v in meta["sweep_estimates"].items()}
+    sweep = build_sweep(steps_by_k, costs, estimates, seed=config.seed)
+    meta["summary"]["sweep"] = sweep
+    strict_max_k = int(config.thresholds.get("strict_max_k", 4))
+    share = float(config.thresholds.get("conservative_share", 0.95))
+    meta["recommendation"] = recommend(
+        rows_by_class(sweep), conservative_share=share, strict_classes=config.strict_classes, strict_max_k=strict_max_k
+    )
+
+
+def default_sweep_range(config: DoctorConfig, engine: Engine, *, k_given: bool) -> DoctorConfig:
+    """Without --k a sweep covers K = 1..block-1 for a block drafter, 1..8 otherwise."""
+    if k_given:
+        return config
+    import dataclasses
+
+    max_k = engine.proposer.max_k or 8
+    return dataclasses.replace(config, k=tuple(range(1, max_k + 1)))

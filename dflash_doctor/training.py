@@ -557,7 +557,7 @@ def greedy_acceptance_steps(target_model: torch.nn.Module, draft: DFlashDraftMod
     block is drafted in batched block passes (equal to the live drafter), an anchor accepts the leading
     drafts that match the sequence, and the next anchor is ``a + accepted + 1`` (the bonus). Draft
     lengths are capped as :func:`dflash_doctor.engine.live.speculative_generate` caps them. The rows feed
-    :func:`dflash_doctor.metrics.tau_with_ci`.
+    :func:`dflash_doctor.metrics.tau_with_ci`; all turns of a request share its id (the bootstrap unit).
     """
     device = draft.fc.weight.device
     k = min(k or draft.config.block_size - 1, draft.config.block_size - 1)
@@ -587,7 +587,7 @@ def greedy_acceptance_steps(target_model: torch.nn.Module, draft: DFlashDraftMod
             # cut by max_new_tokens can only be a bonus, one ended by a stop token can be drafted
             num_drafted = min(k, length - 1 - anchor if stopped else length - 2 - anchor)
             num_accepted = sum(leading[anchor][:num_drafted])
-            rows.append({"request_id": record.request_id if record.turn == 0 else f"{record.request_id}#{record.turn}",
+            rows.append({"request_id": record.request_id,
                          "class": record.request_class, "step": step, "k": k, "num_drafted": num_drafted,
                          "num_accepted": num_accepted})
             anchor += num_accepted + 1

@@ -27,7 +27,7 @@ def _draft_that_agrees_often(target_model):
     torch.manual_seed(3)
     with torch.no_grad():
         for p in draft.parameters():
-            p.add_(torch.randn_like(p) * 0.08)
+            p.add_(torch.randn_like(p) * 0.004)
     return draft
 
 
@@ -36,6 +36,7 @@ def test_autoregressive_every_k_from_one_pass_equals_live(max_new):
     target_model = tiny_target()
     draft_model = _draft_that_agrees_often(target_model)
     stop = frozenset({2})
+    accepted_counts = set()
     for prompt in PROMPTS:
         target = TargetModel(target_model)
         truth = plain_generate(target, torch.tensor(prompt), max_new_tokens=max_new, stop_ids=stop).output_ids
@@ -48,9 +49,11 @@ def test_autoregressive_every_k_from_one_pass_equals_live(max_new):
             assert live.output_ids == truth
             walked = walk_schedule(table.matches[:, :k], truth, k, max_new, stop)
             assert _strip(walked) == _strip(live.steps), f"k={k} prompt={prompt}"
+            accepted_counts.update(s["num_accepted"] for s in live.steps)
             rows = token_rows(table, walked, truth, 12)
             live_accepted = [(r["position"], r["draft_token"]) for r in live.tokens if r["accepted"]]
             assert [(r["position"], r["draft_token"]) for r in rows if r["accepted"]] == live_accepted
+    assert {0, 1, 2, 8} <= accepted_counts  # the draft both fails early and runs long: a demanding schedule
 
 
 def test_dflash_full_block_equals_live():

@@ -27,3 +27,6 @@ Seed = Annotated[Optional[int], typer.Option("--seed", help="Random seed for sam
 FailOn = Annotated[Optional[str], typer.Option("--fail-on", help="fail (default) or warn: warnings also exit 1.")]
 TrustRemoteCode = Annotated[bool, typer.Option("--trust-remote-code", help="Allow model repos to run their own Python code (off by default).")]
 ChatTemplate = Annotated[Optional[str], typer.Option("--chat-template", help="A .jinja file that replaces the target's chat template.")]
+CostProfile = Annotated[Optional[str], typer.Option("--cost-profile", help="TOML/JSON step times measured in your serving engine (see docs/cost-profile.md) instead of timing here.")]
+StrictClasses = Annotated[Optional[str], typer.Option("--strict-classes", help="Comma-separated classes that must never risk a slowdown (capped K, or speculation off).")]
+ExactBlocks = Annotated[bool, typer.Option("--exact-blocks", help="Block drafters: one pass per K instead of estimating smaller K from the largest block.")]

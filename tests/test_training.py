@@ -1,0 +1,215 @@
+"""train-draft: a tiny draft trained against a tiny in-process target learns to draft, saves, reloads, resumes."""
+
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from dflash_doctor import training
+from dflash_doctor.cli import app
+from dflash_doctor.engine.blocks import context_kv_for, draft_block_hidden
+from dflash_doctor.engine.live import plain_generate, speculative_generate
+from dflash_doctor.engine.proposers.dflash import DFlashProposer
+from dflash_doctor.engine.target import TargetModel
+from dflash_doctor.errors import UsageError
+from dflash_doctor.loading import load_dflash_draft, save_dflash_draft
+from dflash_doctor.training import (
+    SequenceRecord,
+    TrainConfig,
+    choose_mask_token_id,
+    generate_greedy_batch,
+    greedy_acceptance_steps,
+    sample_anchors,
+    slot_weights,
+    train_dflash_draft,
+    validate_mask_token_id,
+)
+from tests.tiny_models import tiny_dflash, tiny_target
+
+STOP_IDS = frozenset({2})
+NEW_TOKENS = 24
+NUM_HELD_OUT = 12
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Two shared cores: one intra-op thread is ~10x faster for these tiny matrices than two fighting."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def markov_target():
+    """tiny_target with its residual branches zeroed: the greedy continuation depends on the last token only.
+
+    A random deep target's greedy map is a hash of its whole context, which no small draft learns in
+    seconds; this one is a first-order chain (like the local regularity of real text), learnable in a
+    few hundred steps, and still a real transformers model feeding real hidden states.
+    """
+    model = tiny_target()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    return model
+
+
+def random_prompts(count: int, seed: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(4, 97, (int(torch.randint(3, 9, (1,), generator=generator)),), generator=generator).tolist()
+            for _ in range(count)]
+
+
+def live_steps(target_model, draft, prompts) -> list[dict]:
+    """Step rows of the real speculative loop at T = 0 with K = block size - 1."""
+    target = TargetModel(target_model, draft.hidden_state_indices)
+    proposer = DFlashProposer(draft, target)
+    rows = []
+    for prompt in prompts:
+        result = speculative_generate(target, proposer, torch.tensor(prompt), k=draft.config.block_size - 1,
+                                      max_new_tokens=NEW_TOKENS, stop_ids=STOP_IDS, record_tokens=False)
+        rows += result.steps
+    return rows
+
+
+def tau(rows) -> float:
+    return 1 + sum(r["num_accepted"] for r in rows) / sum(1 for r in rows if r["num_drafted"])
+
+
+@pytest.fixture(scope="module")
+def trained():
+    target_model = markov_target()
+    prompts = random_prompts(300, seed=5)
+    responses = []
+    for start in range(0, len(prompts), 100):
+        responses += generate_greedy_batch(target_model, prompts[start:start + 100], max_new_tokens=NEW_TOKENS,
+                                           stop_ids=STOP_IDS, pad_token_id=0)
+    train_prompts, held_out = prompts[:-NUM_HELD_OUT], prompts[-NUM_HELD_OUT:]
+    sequences = [p + r for p, r in zip(train_prompts, responses)]
+    initial = tiny_dflash(target_model, block_size=6, layer_ids=(0, 2))
+    untrained_rows = live_steps(target_model, initial, held_out)
+    config = TrainConfig(steps=300, batch_size=16, anchors_per_sequence=8, lr=3e-3, log_every=25)
+    result = train_dflash_draft(target_model, sequences, [len(p) for p in train_prompts], config, copy.deepcopy(initial))
+    records = [SequenceRecord(str(i), "tiny", 0, len(p), p + r)
+               for i, (p, r) in enumerate(zip(held_out, responses[-NUM_HELD_OUT:]))]
+    return SimpleNamespace(target=target_model, result=result, held_out=held_out, records=records,
+                           untrained_rows=untrained_rows, trained_rows=live_steps(target_model, result.draft, held_out))
+
+
+def test_training_raises_live_acceptance_well_above_the_untrained_draft(trained):
+    untrained, after = tau(trained.untrained_rows), tau(trained.trained_rows)
+    assert after > untrained + 1.0, (untrained, after)
+    log = trained.result.log
+    assert log[-1]["loss"] < 0.5 * log[0]["loss"]
+    assert log[-1]["accepted_per_block"] > log[0]["accepted_per_block"]
+
+
+def test_block_pass_acceptance_walks_the_live_schedule(trained):
+    """greedy_acceptance_steps (batched, no live loop) gives the live loop's steps on greedy continuations."""
+    walked = greedy_acceptance_steps(trained.target, trained.result.draft, trained.records, stop_ids=STOP_IDS)
+    assert [(r["num_drafted"], r["num_accepted"]) for r in walked] == \
+        [(r["num_drafted"], r["num_accepted"]) for r in trained.trained_rows]
+
+
+def test_saved_checkpoint_reloads_with_identical_logits(trained, tmp_path):
+    draft = trained.result.draft
+    save_dflash_draft(draft, tmp_path, extra_config={"dflash_doctor": training.chat_template_record("{{ messages }}")})
+    reloaded = load_dflash_draft(tmp_path)
+    assert reloaded.config.extra["dflash_doctor"]["chat_template"] == "{{ messages }}"
+    sequence = torch.tensor(trained.records[0].token_ids)
+    features = torch.cat([trained.target(sequence[None], output_hidden_states=True).hidden_states[i]
+                          for i in draft.hidden_state_indices], dim=-1).detach()
+    anchors = torch.tensor([[trained.records[0].prompt_length, trained.records[0].prompt_length + 3]])
+    valid = torch.ones_like(anchors, dtype=torch.bool)
+    embed = trained.target.get_input_embeddings()
+    with torch.no_grad():
+        before = draft_block_hidden(draft, embed, sequence[None], context_kv_for(draft, features), anchors, valid, 6)
+        after = draft_block_hidden(reloaded, embed, sequence[None], context_kv_for(reloaded, features), anchors, valid, 6)
+    assert torch.equal(trained.target.lm_head(before), trained.target.lm_head(after))
+
+
+def test_batched_generation_equals_plain_greedy_decoding():
+    """Left padding must not change a single greedy token (random target, prompts of different lengths)."""
+    model = tiny_target()
+    prompts = random_prompts(6, seed=11)
+    batched = generate_greedy_batch(model, prompts, max_new_tokens=16, stop_ids=STOP_IDS, pad_token_id=0)
+    target = TargetModel(model)
+    for prompt, output in zip(prompts, batched):
+        assert output == plain_generate(target, torch.tensor(prompt), max_new_tokens=16, stop_ids=STOP_IDS).output_ids
+
+
+def _small_run(checkpoint_dir, draft, **overrides):
+    target_model = markov_target()
+    prompts = random_prompts(24, seed=3)
+    responses = generate_greedy_batch(target_model, prompts, max_new_tokens=12, stop_ids=STOP_IDS, pad_token_id=0)
+    config = TrainConfig(**{"steps": 20, "batch_size": 4, "anchors_per_sequence": 4, "lr": 3e-3, "checkpoint_every": 10,
+                            "log_every": 5, **overrides})
+    return train_dflash_draft(target_model, [p + r for p, r in zip(prompts, responses)], [len(p) for p in prompts], config,
+                              copy.deepcopy(draft), checkpoint_dir=checkpoint_dir)
+
+
+def test_an_interrupted_run_resumes_to_the_same_weights(tmp_path, monkeypatch):
+    initial = tiny_dflash(markov_target(), block_size=6, layer_ids=(0, 2))
+    straight = _small_run(tmp_path / "straight", initial)
+
+    save = training._save_checkpoint
+
+    def save_then_die(*args, **kwargs):
+        save(*args, **kwargs)
+        raise KeyboardInterrupt  # the user pressed Ctrl-C right after the step-10 checkpoint
+
+    monkeypatch.setattr(training, "_save_checkpoint", save_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        _small_run(tmp_path / "resumed", initial)
+    monkeypatch.setattr(training, "_save_checkpoint", save)
+    resumed = _small_run(tmp_path / "resumed", initial)
+    assert resumed.resumed_from_step == 10
+    assert [row["step"] for row in resumed.log] == [row["step"] for row in straight.log]
+    for (name, a), (_, b) in zip(straight.draft.state_dict().items(), resumed.draft.state_dict().items()):
+        assert torch.equal(a, b), name
+    with pytest.raises(UsageError, match="different training run"):
+        _small_run(tmp_path / "resumed", initial, lr=1e-3)
+
+
+def test_anchors_stay_inside_the_response_with_room_for_a_label():
+    prompt_lengths, lengths = torch.tensor([2, 5]), torch.tensor([9, 8])
+    anchors, valid = sample_anchors(prompt_lengths, lengths, 9, 4, torch.Generator().manual_seed(0))
+    assert valid.sum(dim=1).tolist() == [4, 2]  # row 1 has only positions 5 and 6
+    for row in range(2):
+        chosen = anchors[row][valid[row]].tolist()
+        assert len(set(chosen)) == len(chosen)
+        assert all(prompt_lengths[row] <= a <= lengths[row] - 2 for a in chosen)
+    weights = slot_weights(4, gamma=7.0)
+    assert weights[0] == 1.0 and torch.allclose(weights[2], torch.exp(torch.tensor(-2 / 7.0)))
+
+
+def test_mask_choice_skips_special_template_and_used_tokens():
+    tokens = {i: SimpleNamespace(content=f"<t{i}>", special=True) for i in range(6)}
+    tokenizer = SimpleNamespace(added_tokens_decoder=tokens, chat_template="<t4>{{ m }}", bos_token_id=1, eos_token_id=2,
+                                pad_token_id=0, unk_token_id=None)
+    config = SimpleNamespace(vocab_size=100, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    assert choose_mask_token_id(tokenizer, config, used_ids=[]) == 5
+    assert choose_mask_token_id(tokenizer, config, used_ids=[5]) == 3  # 4 is in the template
+    with pytest.raises(UsageError, match="--mask-token-id"):
+        choose_mask_token_id(tokenizer, config, used_ids=[3, 5])
+    with pytest.raises(UsageError, match="bos/eos/pad"):
+        validate_mask_token_id(2, config)
+    with pytest.raises(UsageError, match="outside the target vocabulary"):
+        validate_mask_token_id(100, config)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--steps", "0"], "--steps"),
+    (["--target-layer-ids", "1,x"], "--target-layer-ids"),
+    (["--target", "/no/such/model", "--steps", "3"], "/no/such/model"),
+])
+def test_cli_bad_input_exits_2_with_one_sentence(args, needle, tmp_path):
+    result = CliRunner().invoke(app, ["train-draft", "--out", str(tmp_path / "out"), *args])
+    assert result.exit_code == 2, result.output
+    assert needle in result.output
+    assert "Traceback" not in result.output
