@@ -10,10 +10,16 @@ outside the CLI may catch plain ``click.ClickException``; UsageError is both.
 """
 
 import click
-from typer._click.exceptions import ClickException as _TyperClickException
+
+try:  # Typer >= 0.29 vendors click
+    from typer._click.exceptions import ClickException as _TyperClickException
+except ImportError:  # older Typer uses click itself
+    _TyperClickException = click.ClickException
+
+_BASES = tuple(dict.fromkeys((_TyperClickException, click.ClickException)))
 
 
-class UsageError(_TyperClickException, click.ClickException):
+class UsageError(*_BASES):
     """Bad input from the user: the message names the input and the fix; the CLI exits 2."""
 
     exit_code = 2

@@ -56,7 +56,7 @@ class Engine:
         return text
 
 
-def _stop_ids(model, tokenizer) -> frozenset[int]:
+def stop_ids_of(model, tokenizer) -> frozenset[int]:
     ids: set[int] = set()
     for source in (getattr(model, "generation_config", None), model.config):
         eos = getattr(source, "eos_token_id", None)
@@ -128,7 +128,7 @@ def load_engine(config: DoctorConfig, *, generator: torch.Generator | None = Non
         proposer=proposer,
         draft_model=draft.model,
         tokenizer=tokenizer,
-        stop_ids=_stop_ids(target_model, tokenizer),
+        stop_ids=stop_ids_of(target_model, tokenizer),
         models_meta=models_meta,
         target_dir=target_dir,
         draft_dir=draft.model_dir,

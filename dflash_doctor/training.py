@@ -51,6 +51,7 @@ CHECKPOINT_DIR_NAME = "checkpoint"  # resumable state inside the out dir
 TRAINING_STATE_FILE = "training_state.pt"  # optimizer, scheduler, RNG, step and loss log (tensors + plain data)
 SEQUENCES_FILE = "sequences.jsonl"  # cached training sequences (first line: the cache key)
 EVAL_SEQUENCES_FILE = "eval_sequences.jsonl"  # cached held-out sequences
+SAMPLED_SEQUENCES_FILE = "sampled_sequences.jsonl"  # cached extra sampled answers (--samples-per-prompt)
 DEFAULT_NUM_TAPS = 4  # target layers a new draft conditions on (DFlash uses 5 for 36-layer targets)
 
 # TrainConfig fields that do not change what is learned: a resume may differ in these.
@@ -201,11 +202,12 @@ def chat_template_record(chat_template: str | None) -> dict[str, Any]:
 
 @torch.inference_mode()
 def generate_greedy_batch(model: torch.nn.Module, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
-                          stop_ids: frozenset[int], pad_token_id: int) -> list[list[int]]:
-    """The target's greedy continuations of several prompts in one batched ``generate`` (left padding).
+                          stop_ids: frozenset[int], pad_token_id: int, temperature: float = 0.0) -> list[list[int]]:
+    """The target's continuations of several prompts in one batched ``generate`` (left padding).
 
-    Each continuation ends at (and includes) its first stop token, or after ``max_new_tokens``. Equals
-    :func:`dflash_doctor.engine.live.plain_generate` at temperature 0 (a test checks it in fp32).
+    Greedy by default: then each continuation equals :func:`dflash_doctor.engine.live.plain_generate` at
+    temperature 0 (a test checks it in fp32). ``temperature`` > 0 samples instead (extra training data).
+    Each continuation ends at (and includes) its first stop token, or after ``max_new_tokens``.
     """
     from transformers import GenerationConfig
 
@@ -216,8 +218,9 @@ def generate_greedy_batch(model: torch.nn.Module, prompts: Sequence[Sequence[int
     for row, prompt in enumerate(prompts):
         input_ids[row, width - len(prompt):] = torch.tensor(list(prompt), device=device)
         attention_mask[row, width - len(prompt):] = 1
-    config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=sorted(stop_ids) or None,
-                              pad_token_id=pad_token_id)
+    sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0 else {"do_sample": False}
+    config = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=sorted(stop_ids) or None,
+                              pad_token_id=pad_token_id, **sampling)
     output = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
     responses = []
     for row in output[:, width:].tolist():
@@ -305,6 +308,44 @@ def prepare_sequences(model: torch.nn.Module, tokenizer: Any, requests: Sequence
                     answer = [t for t in records[(request.id, turn)].response_ids if t not in stop_ids]
                     answers[request.id].append(tokenizer.decode(answer, skip_special_tokens=True))
     return [records[(r.id, turn)] for r in requests for turn in range(r.num_turns)]
+
+
+def sampled_sequences(model: torch.nn.Module, records: Sequence[SequenceRecord], *, samples_per_prompt: int,
+                      temperature: float, cache_path: Path, cache_key: dict[str, Any], max_new_tokens: int,
+                      stop_ids: frozenset[int], pad_token_id: int, batch_size: int = 256, seed: int = 0,
+                      progress: bool = False) -> list[SequenceRecord]:
+    """``samples_per_prompt`` sampled continuations of each record's prompt: more, varied training data.
+
+    A small prompt pool (about a thousand prompts) is memorised within a few epochs if the draft only
+    sees the greedy answers; sampled answers from the target itself stay on the target's distribution
+    (what the draft must imitate) while multiplying the distinct contexts. Cached like
+    :func:`prepare_sequences`; turn ``t`` sample ``s`` is stored as turn ``1000 * (s + 1) + t``.
+    """
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    key = {**cache_key, "samples_per_prompt": samples_per_prompt, "temperature": temperature, "seed": seed}
+    cached = _read_cache(cache_path, key)
+    if not cached:
+        cache_path.parent.mkdir(parents=True, exist_ok=True)
+        cache_path.write_text(json.dumps({"key": key}) + "\n", encoding="utf-8")
+    jobs = [(record, 1000 * (sample + 1) + record.turn) for record in records for sample in range(samples_per_prompt)]
+    pending = [(record, turn) for record, turn in jobs if (record.request_id, turn) not in cached]
+    pending.sort(key=lambda job: job[0].prompt_length)
+    torch.manual_seed(seed)
+    columns = (TextColumn("sampling responses"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+    with Progress(*columns, disable=not progress) as bar:
+        task = bar.add_task("sample", total=len(pending))
+        for start in range(0, len(pending), batch_size):
+            chunk = pending[start:start + batch_size]
+            prompts = [record.token_ids[:record.prompt_length] for record, _ in chunk]
+            responses = generate_greedy_batch(model, prompts, max_new_tokens=max_new_tokens, stop_ids=stop_ids,
+                                              pad_token_id=pad_token_id, temperature=temperature)
+            new = [SequenceRecord(r.request_id, r.request_class, turn, r.prompt_length, list(p) + out)
+                   for (r, turn), p, out in zip(chunk, prompts, responses)]
+            _append_records(cache_path, new)
+            cached.update({(rec.request_id, rec.turn): rec for rec in new})
+            bar.advance(task, len(new))
+    return [cached[(record.request_id, turn)] for record, turn in jobs]
 
 
 # --------------------------------------------------------------------------------------------------

@@ -31,11 +31,12 @@ from dflash_doctor.loading import (
     save_dflash_draft,
     validate_dflash_pair,
 )
-from dflash_doctor.runner import _stop_ids as stop_ids_of
+from dflash_doctor.runner import stop_ids_of
 from dflash_doctor.training import (
     CHECKPOINT_DIR_NAME,
     DEFAULT_NUM_TAPS,
     EVAL_SEQUENCES_FILE,
+    SAMPLED_SEQUENCES_FILE,
     SEQUENCES_FILE,
     SequenceRecord,
     TrainConfig,
@@ -44,6 +45,7 @@ from dflash_doctor.training import (
     draft_config_for_target,
     greedy_acceptance_steps,
     prepare_sequences,
+    sampled_sequences,
     train_dflash_draft,
     validate_mask_token_id,
 )
@@ -176,6 +178,8 @@ def train_draft(
     chat_template: Annotated[Optional[str], typer.Option("--chat-template", help="A .jinja file overriding the target's chat template.")] = None,
     eval_requests: Annotated[int, typer.Option("--eval-requests", help="Held-out requests (eval split of a built-in workload) measured for the model card; 0 = none.")] = 48,
     generation_batch_size: Annotated[int, typer.Option("--generation-batch-size", help="Prompts per batched generate.")] = 32,
+    samples_per_prompt: Annotated[int, typer.Option("--samples-per-prompt", help="Extra sampled answers per prompt (more data against memorising a small pool).")] = 0,
+    sample_temperature: Annotated[float, typer.Option("--sample-temperature", help="Temperature of the extra sampled answers.")] = 0.8,
     checkpoint_every: Annotated[int, typer.Option("--checkpoint-every", help="Steps between resumable checkpoints.")] = 500,
     device: Annotated[Optional[str], typer.Option("--device", help="cpu, cuda, cuda:1 ... (default: cuda when available, else cpu).")] = None,
     dtype: Annotated[Optional[str], typer.Option("--dtype", help="Target dtype: float32 | bfloat16 | float16 (default: bfloat16 on CUDA, float32 on CPU).")] = None,
@@ -227,6 +231,13 @@ def train_draft(
     records = prepare_sequences(target_model, tokenizer, requests, cache_path=out_dir / SEQUENCES_FILE, cache_key=cache_key,
                                 max_new_tokens=max_new_tokens, stop_ids=stop_ids, chat_template=template_text,
                                 use_recorded_responses=use_recorded_responses, batch_size=generation_batch_size, progress=True)
+    if samples_per_prompt > 0:
+        pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stop_ids, default=0)
+        records = records + sampled_sequences(
+            target_model, records, samples_per_prompt=samples_per_prompt, temperature=sample_temperature,
+            cache_path=out_dir / SAMPLED_SEQUENCES_FILE, cache_key=cache_key, max_new_tokens=max_new_tokens,
+            stop_ids=stop_ids, pad_token_id=pad_token_id, batch_size=generation_batch_size, seed=seed, progress=True,
+        )
     eval_records: list[SequenceRecord] = []
     if eval_requests and workload in BUILTIN_NAMES:
         held_out = load_workload(workload, classes=class_list, max_requests=eval_requests, seed=seed, split="eval")
