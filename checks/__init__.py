@@ -21,3 +21,7 @@ from dflash_doctor.checks import chat_template_parity  # noqa: E402,F401
 from dflash_doctor.checks import environment  # noqa: E402,F401
 from dflash_doctor.checks import draft_config  # noqa: E402,F401
 from dflash_doctor.checks import acceptance  # noqa: E402,F401
+from dflash_doctor.checks import lossless  # noqa: E402,F401
+from dflash_doctor.checks import prompt_format  # noqa: E402,F401
+from dflash_doctor.checks import target_identity  # noqa: E402,F401
+from dflash_doctor.checks import speculative_k  # noqa: E402,F401

@@ -32,13 +32,16 @@ def read_safetensors_shapes(path: str | Path) -> dict[str, list[int]]:
 
 
 def _rope(config: Any) -> tuple[Any, Any]:
-    """(rope_theta, rope scaling) from either transformers 4 keys or transformers 5 ``rope_parameters``."""
+    """(rope_theta, rope scaling) from either transformers 4 keys or transformers 5 ``rope_parameters``.
+
+    transformers 5 also answers ``config.rope_scaling`` with the whole ``rope_parameters`` dict, so a
+    scaling dict is normalised: ``rope_theta`` and ``rope_type: default`` are not scaling (None).
+    """
     parameters = config_value(config, "rope_parameters") or {}
     theta = config_value(config, "rope_theta") or parameters.get("rope_theta")
-    scaling = config_value(config, "rope_scaling")
-    if scaling is None and parameters:
-        scaling = {k: v for k, v in parameters.items() if k != "rope_theta" and not (k == "rope_type" and v == "default")} or None
-    return theta, scaling
+    scaling = config_value(config, "rope_scaling") or parameters
+    scaling = {k: v for k, v in scaling.items() if k != "rope_theta" and not (k == "rope_type" and v == "default")}
+    return theta, scaling or None
 
 
 def _dtype(config: Any) -> str | None:

@@ -16,7 +16,6 @@ from typing import Any
 
 from dflash_doctor.errors import UsageError
 
-DEFAULT_K = (15,)
 
 
 def parse_k(value: str | int | list[int] | tuple[int, ...]) -> tuple[int, ...]:
@@ -56,7 +55,7 @@ class DoctorConfig:
     max_requests: int | None = None  # stratified over classes, seeded
     max_new_tokens: int = 128
     temperature: float = 0.0
-    k: tuple[int, ...] = DEFAULT_K  # draft tokens per step; several values = a sweep
+    k: tuple[int, ...] = ()  # draft tokens per step; several = a sweep; empty = the draft's own default
     device: str = "cpu"
     dtype: str = "float32"
     out: str | None = None  # run directory; None = runs/<timestamp>

@@ -302,3 +302,20 @@ def save_dflash_draft(model, out_dir: Path | str, *, extra_config: dict[str, Any
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     save_file(state, out_dir / "model.safetensors", metadata={"format": "pt"})
     return out_dir
+
+
+@torch.no_grad()
+def weights_fingerprint(model: torch.nn.Module, samples_per_tensor: int = 256) -> str:
+    """Identity of a model's *weights*, independent of file layout, dtype container or library version.
+
+    Hashes a fixed strided sample of every parameter rounded to float16, so the same weights give the same
+    fingerprint on any machine while a fine-tune or a quantisation (which moves most values) changes it.
+    A draft records its target's fingerprint so the doctor can tell when the target changed under it.
+    """
+    digest = hashlib.sha256()
+    for name, param in sorted(model.named_parameters(), key=lambda item: item[0]):
+        flat = param.detach().reshape(-1)
+        stride = max(1, flat.numel() // samples_per_tensor)
+        digest.update(f"{tuple(param.shape)}".encode())
+        digest.update(flat[::stride][:samples_per_tensor].to(torch.float16).cpu().numpy().tobytes())
+    return digest.hexdigest()[:16]

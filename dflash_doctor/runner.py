@@ -218,7 +218,7 @@ def live_replay(engine: Engine, requests: list[Request], config: DoctorConfig, r
 
     Ctrl-C stops after closing the files: every finished request stays in the run directory.
     """
-    k = max(config.k)
+    k = max(config.k) if config.k else default_k(engine)
     generator = torch.Generator(device=engine.target.device).manual_seed(config.seed)
     if isinstance(engine.proposer, AutoregressiveProposer):
         engine.proposer.generator = generator
@@ -433,11 +433,15 @@ def sweep_summary(engine: Engine, config: DoctorConfig, steps_by_k, meta: dict[s
     )
 
 
-def default_sweep_range(config: DoctorConfig, engine: Engine, *, k_given: bool) -> DoctorConfig:
-    """Without --k a sweep covers K = 1..block-1 for a block drafter, 1..8 otherwise."""
-    if k_given:
+def default_k(engine: Engine) -> int:
+    """K when none was asked for: a block drafter's full block (vLLM's B - 1), else 8."""
+    return engine.proposer.max_k or 8
+
+
+def default_sweep_range(config: DoctorConfig, engine: Engine) -> DoctorConfig:
+    """Without --k a sweep covers K = 1..default_k (1..block-1 for a block drafter, 1..8 otherwise)."""
+    if config.k:
         return config
     import dataclasses
 
-    max_k = engine.proposer.max_k or 8
-    return dataclasses.replace(config, k=tuple(range(1, max_k + 1)))
+    return dataclasses.replace(config, k=tuple(range(1, default_k(engine) + 1)))

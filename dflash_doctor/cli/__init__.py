@@ -18,7 +18,7 @@ app = typer.Typer(
 )
 
 # Each module registers its command(s) on `app`; the import order is the order in --help.
-from dflash_doctor.cli import replay, sweep  # noqa: E402,F401
+from dflash_doctor.cli import check, replay, sweep  # noqa: E402,F401
 from dflash_doctor.cli import train_draft  # noqa: E402,F401
 from dflash_doctor.cli import single_checks  # noqa: E402,F401
 from dflash_doctor.cli import compare, report  # noqa: E402,F401

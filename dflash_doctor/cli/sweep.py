@@ -80,7 +80,7 @@ def sweep(
     console = Console(stderr=True)
     requests = runner.select_requests(cfg)
     engine = runner.load_engine(cfg)
-    cfg = runner.default_sweep_range(cfg, engine, k_given=k is not None)
+    cfg = runner.default_sweep_range(cfg, engine)
     run_dir = Path(cfg.out) if cfg.out else runner.default_run_dir("sweep")
     meta = runner.start_meta(cfg, engine, "sweep")
     try:

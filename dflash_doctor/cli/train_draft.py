@@ -25,6 +25,7 @@ from dflash_doctor.errors import UsageError
 from dflash_doctor.loading import (
     demo_target_path,
     fingerprint,
+    weights_fingerprint,
     load_causal_lm,
     load_dflash_draft,
     resolve_model_dir,
@@ -270,7 +271,7 @@ def train_draft(
                          "a reserved id the target never generates.")
 
     extra_config = {"dflash_doctor": {**template_record, "trained_with": f"dflash-doctor {__version__} train-draft",
-                                      "target": target_spec, "target_fingerprint": cache_key["target"]}}
+                                      "target": target_spec, "target_weights_fingerprint": weights_fingerprint(target_model)}}
     initial_steps = greedy_acceptance_steps(target_model, draft.to(device), eval_records, stop_ids=stop_ids) if eval_records else []
     result = train_dflash_draft(target_model, [r.token_ids for r in records], [r.prompt_length for r in records], config, draft,
                                 checkpoint_dir=out_dir / CHECKPOINT_DIR_NAME, extra_config=extra_config, progress=True)

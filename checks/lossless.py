@@ -1,0 +1,85 @@
+"""lossless: does speculative decoding reproduce plain greedy decoding token for token?
+
+At temperature 0 a correct engine is lossless (DESIGN.md): every committed token is the target's own
+argmax, so the output equals plain decoding. A divergence means the engine changes what the model says,
+which no speedup justifies. One honest exception: in bfloat16 / float16 the batched verify pass and a
+single-token decode step round differently, so where the target's top two tokens are nearly tied the
+argmax can flip (z-lab #57, vLLM #54928). A divergence at such a near-tie is a warning to confirm in
+float32; a divergence anywhere else, or in float32, is a broken engine.
+
+Input: ``ctx.extras["lossless"]`` = ``{"num_requests", "num_identical", "dtype", "divergences": [{
+"request_id", "position", "speculative_token", "plain_token", "speculative_text", "plain_text",
+"top2_margin"}]}``. :meth:`CheckContext.missing` only sees context fields, not ``extras`` keys, so
+``needs`` is empty and the check returns ``skip`` itself when the key is absent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from dflash_doctor.checks.base import Check, CheckContext, CheckResult, Finding, register, skipped
+
+_EXACT_DTYPE = "float32"
+
+
+def _describe(divergence: dict[str, Any]) -> str:
+    """One line naming the request, the output index and both tokens (id and text) at the divergence."""
+    margin = divergence.get("top2_margin")
+    margin_text = "" if margin is None else f"; target top-2 logit margin {float(margin):.3f}"
+    return (f"request {divergence.get('request_id')}, output token {divergence.get('position')}: "
+            f"speculative {divergence.get('speculative_token')} {divergence.get('speculative_text')!r} vs "
+            f"plain {divergence.get('plain_token')} {divergence.get('plain_text')!r}{margin_text}")
+
+
+@register
+@dataclass(frozen=True)
+class LosslessCheck(Check):
+    """Speculative output equals plain greedy decoding; a reduced-precision near-tie only warns."""
+
+    id = "lossless"
+    title = "Lossless"
+    needs = ()  # reads ctx.extras["lossless"]; skips itself when absent (see the module docstring)
+
+    near_tie_margin_logits: float = 0.05  # a top-2 logit gap below this can flip under bf16/fp16 rounding
+
+    def run(self, ctx: CheckContext) -> CheckResult:
+        lossless = ctx.extras.get("lossless")
+        if not lossless:
+            return skipped(self.id, "no speculative-vs-plain comparison was run (extras 'lossless' is absent)")
+        num_requests = int(lossless.get("num_requests") or 0)
+        if num_requests == 0:
+            return skipped(self.id, "the speculative-vs-plain comparison covered no requests")
+        num_identical = int(lossless.get("num_identical") or 0)
+        dtype = str(lossless.get("dtype") or "unknown").replace("torch.", "")
+        divergences = list(lossless.get("divergences") or [])
+        near_ties = [d for d in divergences if self._is_near_tie(d, dtype)]
+        metrics = {"num_requests": num_requests, "num_identical": num_identical, "dtype": dtype,
+                   "identical_share": num_identical / num_requests, "num_divergences": len(divergences),
+                   "num_near_tie_divergences": len(near_ties)}
+        if num_identical >= num_requests:
+            return CheckResult.from_findings(self.id, [], metrics,
+                                             f"all {num_requests} requests match plain decoding token for token ({dtype})")
+        diverged = f"{num_requests - num_identical} of {num_requests} requests diverge from plain decoding"
+        unexplained = [d for d in divergences if d not in near_ties]
+        if divergences and not unexplained:
+            finding = Finding(
+                "warn",
+                f"{diverged}, explained by {dtype} rounding of a near-tie "
+                "(batched verify vs single-token decode numerics, z-lab #57, vLLM #54928)",
+                _describe(near_ties[0]),
+                "compare in float32 to confirm (--dtype float32): a lossless engine then matches exactly")
+        else:
+            evidence = _describe(unexplained[0]) if unexplained else "no divergence details were recorded"
+            finding = Finding(
+                "fail",
+                f"{diverged}: the speculative output differs from plain decoding: the engine is not lossless",
+                evidence,
+                "check the attention backend (verify must give the same logits as single-token decode), the KV-cache "
+                "rollback after rejected drafts, and the acceptance rule (greedy: accept while draft == target argmax)")
+        return CheckResult.from_findings(self.id, [finding], metrics, "")
+
+    def _is_near_tie(self, divergence: dict[str, Any], dtype: str) -> bool:
+        """Reduced precision and a top-2 gap under the margin: rounding alone can flip the argmax."""
+        margin = divergence.get("top2_margin")
+        return dtype != _EXACT_DTYPE and margin is not None and float(margin) < self.near_tie_margin_logits

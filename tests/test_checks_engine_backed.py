@@ -1,0 +1,209 @@
+"""Checks fed by the engine through CheckContext.extras / run.json: lossless, prompt-format, target-identity,
+speculative-k. Hand-made inputs in the exact formats the `check` command fills in."""
+
+from __future__ import annotations
+
+from dflash_doctor.checks import CheckContext, run_checks
+from dflash_doctor.config import DoctorConfig
+
+
+def _run(check_id, ctx, params=None):
+    return run_checks(ctx, only=[check_id], params={check_id: params or {}})[0]
+
+
+# ----------------------------------------------------------------------------- lossless
+
+
+def _divergence(margin, request_id="r3", position=17):
+    return {"request_id": request_id, "position": position, "speculative_token": 1234, "plain_token": 987,
+            "speculative_text": " four", "plain_text": " 4", "top2_margin": margin}
+
+
+def _lossless(dtype="float32", divergences=(), num_requests=8):
+    extras = {"lossless": {"num_requests": num_requests, "num_identical": num_requests - len(divergences),
+                           "dtype": dtype, "divergences": list(divergences)}}
+    return CheckContext(extras=extras)
+
+
+def test_lossless_pass_all_identical():
+    result = _run("lossless", _lossless())
+    assert result.status == "pass"
+    assert result.summary == "all 8 requests match plain decoding token for token (float32)"
+    assert result.metrics["identical_share"] == 1.0
+
+
+def test_lossless_warn_bf16_near_tie_is_explained_by_rounding():
+    result = _run("lossless", _lossless("bfloat16", [_divergence(0.01)]))
+    assert result.status == "warn"
+    assert "explained by bfloat16 rounding of a near-tie" in result.summary and "vLLM #54928" in result.summary
+    assert "request r3, output token 17" in result.findings[0].evidence
+    assert result.fix.startswith("compare in float32 to confirm")
+
+
+def test_lossless_fail_float32_divergence_even_at_a_near_tie():
+    result = _run("lossless", _lossless("float32", [_divergence(0.01)]))
+    assert result.status == "fail"
+    assert "the engine is not lossless" in result.summary
+    assert "speculative 1234 ' four' vs plain 987 ' 4'" in result.findings[0].evidence
+    assert "KV-cache rollback" in result.fix
+
+
+def test_lossless_fail_bf16_with_a_clear_margin_and_the_margin_is_a_parameter():
+    ctx = _lossless("bfloat16", [_divergence(0.01, "r1"), _divergence(2.5, "r2", 4)])
+    result = _run("lossless", ctx)
+    assert result.status == "fail" and "request r2, output token 4" in result.findings[0].evidence
+    assert _run("lossless", ctx, {"near_tie_margin_logits": 3.0}).status == "warn"
+
+
+def test_lossless_skip_without_a_comparison():
+    result = _run("lossless", CheckContext())
+    assert result.status == "skip" and "'lossless' is absent" in result.summary
+
+
+# ----------------------------------------------------------------------------- prompt-format
+
+TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+
+
+def _prompts(num_raw, num_templated, training_template=TEMPLATE):
+    return CheckContext(extras={"prompt_format": {"num_raw_prompts": num_raw, "num_templated": num_templated}},
+                        draft_training_template=training_template)
+
+
+def test_prompt_format_pass_all_templated():
+    result = _run("prompt-format", _prompts(0, 12))
+    assert result.status == "pass" and result.summary == "all 12 prompts are chat-templated"
+
+
+def test_prompt_format_pass_raw_prompts_when_the_training_template_is_unknown():
+    result = _run("prompt-format", _prompts(5, 0, training_template=None))
+    assert result.status == "pass"
+    assert [f.severity for f in result.findings] == ["info"]
+
+
+def test_prompt_format_warn_mixed_formats():
+    result = _run("prompt-format", _prompts(3, 9))
+    assert result.status == "warn" and result.summary.startswith("3 of 12 prompts reach the target as raw text")
+
+
+def test_prompt_format_fail_raw_prompts_for_a_templated_draft():
+    result = _run("prompt-format", _prompts(12, 0))
+    assert result.status == "fail"
+    assert result.summary == ("prompts reach the target without the chat template (raw text) but the draft "
+                              "was trained on templated conversations")
+    assert "apply_chat_template" in result.fix and "12 raw and 0 chat-templated" in result.findings[0].evidence
+
+
+def test_prompt_format_skip_without_counts():
+    assert _run("prompt-format", CheckContext(draft_training_template=TEMPLATE)).status == "skip"
+
+
+# ----------------------------------------------------------------------------- target-identity
+
+
+def _identity(served_fingerprint, recorded=None, target="HuggingFaceTB/SmolLM2-135M-Instruct"):
+    recorded = {"target": "SmolLM2-135M-Instruct", "target_weights_fingerprint": "b71fcebb64460445"} if recorded is None else recorded
+    extras = {} if served_fingerprint is None else {"target_weights_fingerprint": served_fingerprint}
+    return CheckContext(draft_config={"model_type": "dflash", "dflash_doctor": recorded}, extras=extras,
+                        config=DoctorConfig(target=target, draft="drafts/smollm2-dflash"))
+
+
+def test_target_identity_pass_same_weights():
+    result = _run("target-identity", _identity("b71fcebb64460445"))
+    assert result.status == "pass" and "b71fcebb64460445" in result.summary
+
+
+def test_target_identity_fail_changed_weights_names_both_fingerprints_and_the_retrain_command():
+    result = _run("target-identity", _identity("0123456789abcdef"))
+    assert result.status == "fail" and "target changed under the draft" in result.summary
+    evidence = result.findings[0].evidence
+    assert "b71fcebb64460445" in evidence and "0123456789abcdef" in evidence
+    assert ("dflash-doctor train-draft --init-from drafts/smollm2-dflash --target HuggingFaceTB/SmolLM2-135M-Instruct"
+            in result.fix) and "dflash-doctor compare" in result.fix
+
+
+def test_target_identity_warn_different_name_when_weights_cannot_be_compared():
+    result = _run("target-identity", _identity(None, target="Qwen/Qwen3-8B-AWQ"))
+    assert result.status == "warn"
+    assert "'SmolLM2-135M-Instruct' but 'Qwen/Qwen3-8B-AWQ' is served" in result.summary
+    assert _run("target-identity", _identity(None)).status == "skip"  # same model name: nothing to say
+
+
+def test_target_identity_skip_when_the_draft_records_nothing():
+    result = _run("target-identity", _identity("0123456789abcdef", recorded={}))
+    assert result.status == "skip" and "records no target" in result.summary
+
+
+# ----------------------------------------------------------------------------- speculative-k
+
+
+def _rows(speedups):
+    return [{"k": k, "mean_acceptance_length": 1.0 + k * 0.3, "mean_acceptance_length_ci": [1.0, 2.0],
+             "speedup": s, "estimate": "exact"} for k, s in enumerate(speedups, start=1)]
+
+
+def _scope(rates, drafts=400):
+    return {"num_drafts": drafts, "acceptance_rate_per_pos": list(rates)}
+
+
+HEALTHY_RATES = [0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.25]
+MATH = [1.3, 1.6, 1.9, 2.1, 2.2, 2.25, 2.2, 2.1]
+CHAT = [1.2, 1.4, 1.5, 1.45, 1.3, 1.1, 0.95, 0.9]
+
+
+def _k_ctx(k, by_class_speedups, rates_by_class=None, engine_config=None, recommendation=None):
+    rates_by_class = rates_by_class or {name: HEALTHY_RATES for name in by_class_speedups}
+    summary = {"overall": _scope(HEALTHY_RATES), "by_class": {n: _scope(r) for n, r in rates_by_class.items()},
+               "sweep": {"overall": _rows(MATH), "by_class": {n: _rows(s) for n, s in by_class_speedups.items()}}}
+    meta = {"summary": summary, "recommendation": recommendation or {}}
+    return CheckContext(run_meta=meta, config=DoctorConfig(k=(k,)), engine_config=engine_config)
+
+
+def test_speculative_k_pass_configured_k_near_the_best():
+    result = _run("speculative-k", _k_ctx(6, {"math": MATH}))
+    assert result.status == "pass"
+    assert result.metrics["configured_k"] == 6 and result.metrics["by_scope"]["math"]["best_k"] == 6
+
+
+def test_speculative_k_warn_configured_k_loses_a_share_of_the_best():
+    result = _run("speculative-k", _k_ctx(3, {"math": MATH, "chat": CHAT}))
+    assert result.status == "warn"
+    messages = [f.message for f in result.findings]
+    assert "class math: K=3 gives 1.90x, 16% below K=6 at 2.25x" in messages
+    assert result.fix == "serve num_speculative_tokens=6 (vLLM; SGLang --speculative-num-draft-tokens 7)"
+    math_fix = next(f.fix for f in result.findings if f.message.startswith("class math"))
+    assert math_fix == "serve num_speculative_tokens=6 for math (vLLM; SGLang --speculative-num-draft-tokens 7)"
+    assert _run("speculative-k", _k_ctx(3, {"math": MATH}), {"speedup_loss_share": 0.2}).status == "pass"
+
+
+def test_speculative_k_warn_not_raised_for_the_recommended_k():
+    recommendation = {"overall": {"k": 3, "conservative_k": 3, "speedup": 1.9, "reason": "strict"},
+                      "math": {"k": 3, "conservative_k": 3, "speedup": 1.9, "reason": "strict"}}
+    assert _run("speculative-k", _k_ctx(3, {"math": MATH}, recommendation=recommendation)).status == "pass"
+
+
+def test_speculative_k_fail_slower_than_plain_decoding_while_a_smaller_k_pays():
+    engine_config = {"engine": "sglang", "drafted_tokens": 8}
+    result = _run("speculative-k", _k_ctx(3, {"chat": CHAT}, engine_config=engine_config))
+    assert result.metrics["configured_k"] == 8 and result.metrics["k_source"] == "engine config"
+    assert result.status == "fail"
+    assert "class chat: K=8 is slower than plain decoding (0.90x) while K=3 runs at 1.50x" in result.summary
+    assert result.fix.startswith("serve num_speculative_tokens=") and "for chat" in [
+        f.fix for f in result.findings if f.message.startswith("class chat")][0]
+
+
+def test_speculative_k_fail_past_the_useful_range():
+    rates = [0.9, 0.7, 0.5, 0.3, 0.2, 0.1, 0.05, 0.03, 0.02, 0.015, 0.01, 0.008, 0.006, 0.005, 0.004]
+    ctx = CheckContext(run_meta={"summary": {"overall": _scope(rates), "by_class": {"chat": _scope(rates)}}},
+                       config=DoctorConfig(k=(15,)))
+    result = _run("speculative-k", ctx)
+    assert result.status == "fail"
+    assert result.summary.startswith("overall: K=15 is far past the useful range: slot 15 is accepted in 0.4% of steps")
+    assert result.fix == "serve num_speculative_tokens=9 (vLLM; SGLang --speculative-num-draft-tokens 10)"
+    few_drafts = CheckContext(run_meta={"summary": {"overall": _scope(rates, drafts=5)}}, config=DoctorConfig(k=(15,)))
+    assert _run("speculative-k", few_drafts).status == "pass"
+
+
+def test_speculative_k_skip_without_sweep_or_rates():
+    result = _run("speculative-k", CheckContext(run_meta={"summary": {"overall": {}}}, config=DoctorConfig(k=(4,))))
+    assert result.status == "skip"
