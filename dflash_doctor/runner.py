@@ -229,11 +229,24 @@ def live_replay(engine: Engine, requests: list[Request], config: DoctorConfig, r
             temperature=config.temperature, stop_ids=engine.stop_ids, generator=generator,
         )
 
+    stream_replay(engine, requests, config, run_dir, meta, generate, progress)
+    return meta
+
+
+def stream_replay(engine: Engine, requests: list[Request], config: DoctorConfig, run_dir: Path, meta: dict[str, Any],
+                  generate: Callable[[torch.Tensor, int], GenerationResult], progress=None, annotate=None) -> None:
+    """Replay every turn through ``generate`` and stream its rows into ``run_dir``, then the summary.
+
+    ``annotate(request, turn, prompt, result)`` may fill ``result.steps`` / ``result.tokens`` before the
+    rows are written (teacher-forced replay). Ctrl-C closes the files first: finished requests are kept.
+    """
     writer = RunWriter(run_dir, meta)
     interrupted = False
     try:
         for request in requests:
             for turn, prompt, result in turn_prompts(engine, request, generate, config):
+                if annotate is not None:
+                    annotate(request, turn, prompt, result)
                 write_result_rows(writer, engine, request, turn, len(prompt), result)
                 if progress is not None:
                     progress(result)
@@ -245,7 +258,6 @@ def live_replay(engine: Engine, requests: list[Request], config: DoctorConfig, r
     finalize_summary(run_dir, meta)
     if interrupted:
         raise KeyboardInterrupt
-    return meta
 
 
 def finalize_summary(run_dir: Path, meta: dict[str, Any]) -> None:
@@ -348,42 +360,29 @@ def teacher_replay(
             stop_ids=engine.stop_ids, generator=generator,
         )
 
-    writer = RunWriter(run_dir, meta)
-    interrupted = False
-    try:
-        for request in requests:
-            for turn, prompt, result in turn_prompts(engine, request, generate, config):
-                sequence = TeacherSequence(prompt.tolist(), result.output_ids)
-                max_new = max_new_tokens_for(request, config)
-                tables: dict[int, Any] = {}
-                target_pass = None
-                for block_k in sorted(block_passes, reverse=True):
-                    tables[block_k], target_pass = slot_table(
-                        engine.target, engine.proposer, sequence, block_k, temperature=config.temperature,
-                        record_divergence=block_k == k_max, target_pass=target_pass,
-                    )
-                key = request_key(request, turn)
-                for k in ks:
-                    table = tables.get(k, tables[k_max])
-                    matches = table.matches[:, :k]
-                    if table.accept_probs is not None:
-                        matches = np.cumprod(walk_rng.random(matches.shape) < table.accept_probs[:, :k], axis=1).astype(bool)
-                    steps = walk_schedule(matches, result.output_ids, k, max_new, engine.stop_ids)
-                    steps_by_k[k].extend({"request_id": key, "class": request.request_class, **s} for s in steps)
-                    if k == k_max:
-                        result.steps = [{**s, "draft_time_s": float("nan"), "verify_time_s": float("nan")} for s in steps]
-                        result.tokens = token_rows(tables[k_max], steps, result.output_ids, k_max)
-                write_result_rows(writer, engine, request, turn, len(prompt), result)
-                if progress is not None:
-                    progress(result)
-    except KeyboardInterrupt:
-        interrupted = True
-    finally:
-        meta["interrupted"] = interrupted
-        writer.close()
-    finalize_summary(run_dir, meta)
-    if interrupted:
-        raise KeyboardInterrupt
+    def annotate(request: Request, turn: int, prompt: torch.Tensor, result: GenerationResult) -> None:
+        sequence = TeacherSequence(prompt.tolist(), result.output_ids)
+        max_new = max_new_tokens_for(request, config)
+        tables: dict[int, Any] = {}
+        target_pass = None
+        for block_k in sorted(block_passes, reverse=True):
+            tables[block_k], target_pass = slot_table(
+                engine.target, engine.proposer, sequence, block_k, temperature=config.temperature,
+                record_divergence=block_k == k_max, target_pass=target_pass,
+            )
+        key = request_key(request, turn)
+        for k in ks:
+            table = tables.get(k, tables[k_max])
+            matches = table.matches[:, :k]
+            if table.accept_probs is not None:
+                matches = np.cumprod(walk_rng.random(matches.shape) < table.accept_probs[:, :k], axis=1).astype(bool)
+            steps = walk_schedule(matches, result.output_ids, k, max_new, engine.stop_ids)
+            steps_by_k[k].extend({"request_id": key, "class": request.request_class, **s} for s in steps)
+            if k == k_max:
+                result.steps = [{**s, "draft_time_s": float("nan"), "verify_time_s": float("nan")} for s in steps]
+                result.tokens = token_rows(tables[k_max], steps, result.output_ids, k_max)
+
+    stream_replay(engine, requests, config, run_dir, meta, generate, progress, annotate)
     return {k: pd.DataFrame(rows, columns=["request_id", "class", "step", "position", "k", "num_drafted", "num_accepted", "bonus_token"]) for k, rows in steps_by_k.items()}
 
 

