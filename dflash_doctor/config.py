@@ -124,5 +124,9 @@ def _validate(config: DoctorConfig) -> None:
         raise UsageError(f"--max-requests {config.max_requests} must be at least 1.")
     if config.fail_on not in ("fail", "warn"):
         raise UsageError(f"--fail-on {config.fail_on!r} is not one of fail, warn; pick one.")
+    if config.cost_profile is not None:
+        from dflash_doctor.speedup import load_cost_profile
+
+        load_cost_profile(config.cost_profile)  # a profile that does not parse fails before any model work
     if config.dtype not in ("float32", "bfloat16", "float16"):
         raise UsageError(f"--dtype {config.dtype!r} is not one of float32, bfloat16, float16; pick one.")

@@ -52,7 +52,8 @@ def first_turns(run_dir: Path, requests, config: DoctorConfig, limit: int) -> li
 
 @torch.inference_mode()
 def lossless_probe(engine: runner.Engine, requests, config: DoctorConfig, turns: list[ReplayedTurn]) -> dict[str, Any]:
-    """The live loop must reproduce the target's own greedy output; report the first divergence if not."""
+    """The live loop must reproduce the target's own (unbatched) greedy decoding; report the first divergence."""
+    from dflash_doctor.engine.live import plain_generate
     from dflash_doctor.workloads import encode_request_turn
 
     by_id = {r.id: r for r in requests}
@@ -63,22 +64,23 @@ def lossless_probe(engine: runner.Engine, requests, config: DoctorConfig, turns:
                               device=engine.target.device)
         live = speculative_generate(engine.target, engine.proposer, prompt, k=k, max_new_tokens=turn.max_new_tokens,
                                     stop_ids=engine.stop_ids, record_tokens=False).output_ids
+        plain = plain_generate(engine.target, prompt, max_new_tokens=turn.max_new_tokens, stop_ids=engine.stop_ids).output_ids
         result["num_requests"] += 1
-        if live == turn.output_ids:
+        if live == plain:
             result["num_identical"] += 1
             continue
-        position = next(i for i, (a, b) in enumerate(zip(live + [-1], turn.output_ids + [-1])) if a != b)
+        position = next(i for i, (a, b) in enumerate(zip(live + [-1], plain + [-1])) if a != b)
         engine.target.reset()
-        logits = engine.target.forward(torch.cat([prompt, torch.tensor(turn.output_ids[:position], device=prompt.device)])).logits[-1]
+        logits = engine.target.forward(torch.cat([prompt, torch.tensor(plain[:position], device=prompt.device)])).logits[-1]
         engine.target.reset()
         top2 = logits.topk(2).values
         result["divergences"].append({
             "request_id": turn.request_id,
             "position": position,
             "speculative_token": live[position] if position < len(live) else -1,
-            "plain_token": turn.output_ids[position] if position < len(turn.output_ids) else -1,
+            "plain_token": plain[position] if position < len(plain) else -1,
             "speculative_text": engine.decode_token(live[position]) if position < len(live) else "",
-            "plain_text": engine.decode_token(turn.output_ids[position]) if position < len(turn.output_ids) else "",
+            "plain_text": engine.decode_token(plain[position]) if position < len(plain) else "",
             "top2_margin": float(top2[0] - top2[1]),
         })
     return result

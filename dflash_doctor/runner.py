@@ -150,7 +150,10 @@ def max_new_tokens_for(request: Request, config: DoctorConfig) -> int:
     return min(request.max_new_tokens or config.max_new_tokens, config.max_new_tokens)
 
 
-def turn_prompts(engine: Engine, request: Request, generate: Callable[[torch.Tensor, int], GenerationResult], config: DoctorConfig):
+Generate = Callable[[Request, int, torch.Tensor, int], GenerationResult]  # (request, turn, prompt ids, max new) -> result
+
+
+def turn_prompts(engine: Engine, request: Request, generate: Generate, config: DoctorConfig):
     """Replay a request turn by turn; a later turn is asked after the target's own answer (MT-Bench style).
 
     Yields (turn index, prompt ids, result) for each turn.
@@ -159,7 +162,7 @@ def turn_prompts(engine: Engine, request: Request, generate: Callable[[torch.Ten
     for turn in range(request.num_turns):
         ids = encode_request_turn(engine.tokenizer, request, answers, chat_template=engine.chat_template)
         prompt = torch.tensor(ids, device=engine.target.device)
-        result = generate(prompt, max_new_tokens_for(request, config))
+        result = generate(request, turn, prompt, max_new_tokens_for(request, config))
         answers.append(engine.tokenizer.decode(result.output_ids, skip_special_tokens=True))
         yield turn, prompt, result
 
@@ -223,7 +226,7 @@ def live_replay(engine: Engine, requests: list[Request], config: DoctorConfig, r
     if isinstance(engine.proposer, AutoregressiveProposer):
         engine.proposer.generator = generator
 
-    def generate(prompt: torch.Tensor, max_new: int) -> GenerationResult:
+    def generate(request: Request, turn: int, prompt: torch.Tensor, max_new: int) -> GenerationResult:
         return speculative_generate(
             engine.target, engine.proposer, prompt, k=k, max_new_tokens=max_new,
             temperature=config.temperature, stop_ids=engine.stop_ids, generator=generator,
@@ -234,7 +237,7 @@ def live_replay(engine: Engine, requests: list[Request], config: DoctorConfig, r
 
 
 def stream_replay(engine: Engine, requests: list[Request], config: DoctorConfig, run_dir: Path, meta: dict[str, Any],
-                  generate: Callable[[torch.Tensor, int], GenerationResult], progress=None, annotate=None) -> None:
+                  generate: Generate, progress=None, annotate=None) -> None:
     """Replay every turn through ``generate`` and stream its rows into ``run_dir``, then the summary.
 
     ``annotate(request, turn, prompt, result)`` may fill ``result.steps`` / ``result.tokens`` before the
@@ -354,7 +357,12 @@ def teacher_replay(
     }
     meta["sweep_estimates"] = {str(k): v for k, v in estimate.items()}
 
-    def generate(prompt: torch.Tensor, max_new: int):
+    continuations = greedy_continuations(engine, requests, config) if config.temperature <= 0 else {}
+
+    def generate(request: Request, turn: int, prompt: torch.Tensor, max_new: int) -> GenerationResult:
+        known = continuations.get((request.id, turn))
+        if known is not None:
+            return known
         return plain_generate(
             engine.target, prompt, max_new_tokens=max_new, temperature=config.temperature,
             stop_ids=engine.stop_ids, generator=generator,
@@ -384,6 +392,34 @@ def teacher_replay(
 
     stream_replay(engine, requests, config, run_dir, meta, generate, progress, annotate)
     return {k: pd.DataFrame(rows, columns=["request_id", "class", "step", "position", "k", "num_drafted", "num_accepted", "bonus_token"]) for k, rows in steps_by_k.items()}
+
+
+def greedy_continuations(engine: Engine, requests: list[Request], config: DoctorConfig, batch_size: int = 32):
+    """The target's greedy answers to every turn, generated in batches (left padding), turn by turn.
+
+    Teacher-forced replay only needs the committed text, and batching it is what makes a sweep cheap on
+    a CPU. Padding can move a logit by rounding, so a near-tie may resolve differently than in a batch-1
+    live loop: the lossless check therefore compares the live loop with unbatched decoding, not with these.
+    """
+    import tempfile
+
+    from dflash_doctor.training import prepare_sequences
+
+    with tempfile.TemporaryDirectory() as scratch:
+        records = prepare_sequences(
+            engine.target.model, engine.tokenizer, requests, cache_path=Path(scratch) / "continuations.jsonl",
+            cache_key={"purpose": "teacher-forced replay"}, max_new_tokens=config.max_new_tokens,
+            stop_ids=engine.stop_ids, chat_template=engine.chat_template, batch_size=batch_size,
+        )
+    by_id = {r.id: r for r in requests}
+    results = {}
+    for record in records:
+        output = record.response_ids[: max_new_tokens_for(by_id[record.request_id], config)]
+        stopped = bool(output) and output[-1] in engine.stop_ids
+        results[(record.request_id, record.turn)] = GenerationResult(
+            output_ids=output, stop_reason="stop_token" if stopped else "max_new_tokens", wall_time_s=float("nan")
+        )
+    return results
 
 
 def measure_step_costs(engine: Engine, ks: tuple[int, ...], *, context_tokens: int = 128, repeats: int = 5):

@@ -26,7 +26,7 @@ from dflash_doctor.workloads import encode_turn
 pytestmark = pytest.mark.integration
 
 QUESTIONS = ("What is 12 times 7? Explain.", "Write a Python function that reverses a string.")
-MAX_NEW_TOKENS = 28
+MAX_NEW_TOKENS = 24
 TEACHER_KS = (1, 3, 8)
 STEP_KEYS = ("position", "num_drafted", "num_accepted", "bonus_token")
 

@@ -1,0 +1,268 @@
+"""The engine's commands end to end on tiny saved models: bad input exits 2 with one sentence, good input
+writes a run directory.
+
+Everything a user can point the CLI at is written by the test into ``tmp_path``: a tiny Llama target with
+a ChatML tokenizer, a DFlash draft in the z-lab layout (then edited into each malformed variant), an
+autoregressive draft, workload files and cost profiles. No network, no real model.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from dflash_doctor.cli import app
+from dflash_doctor.engine.proposers.dflash import DFlashProposer
+from dflash_doctor.engine.target import TargetModel
+from dflash_doctor.loading import detect_draft_kind, load_dflash_draft, save_dflash_draft
+from dflash_doctor.schema import load_run
+from tests.tiny_models import VOCAB, tiny_dflash, tiny_target
+
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+# ids 0, 1, 2 are the tiny target's pad, bos and eos; 3 is the DFlash draft's mask token
+SPECIAL_TOKENS = ["<pad>", "<s>", "<|im_end|>", "<mask>", "<|im_start|>", "<unk>"]
+ROLE_WORDS = ["system", "user", "assistant"]
+CLASSES = ("math", "code", "chat")
+RUN_FILES = ("run.json", "requests.parquet", "steps.parquet", "tokens.parquet")
+
+
+def tiny_tokenizer(vocab_size: int = VOCAB):
+    """A WordLevel tokenizer over ``vocab_size`` ids with ChatML specials and a ChatML chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = [f"w{i}" for i in range(vocab_size - len(SPECIAL_TOKENS) - len(ROLE_WORDS))]
+    vocab = {token: index for index, token in enumerate(SPECIAL_TOKENS + ROLE_WORDS + words)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.add_special_tokens(SPECIAL_TOKENS)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="<|im_end|>", pad_token="<pad>", unk_token="<unk>",
+        chat_template=CHATML,
+    )
+
+
+def write_workload(path: Path, per_class: int) -> Path:
+    lines = [
+        json.dumps({"id": f"{cls}-{i}", "class": cls, "messages": [{"role": "user", "content": f"w{i} w{i + 7} w{i + 3} w9"}]})
+        for cls in CLASSES
+        for i in range(per_class)
+    ]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models: thread hand-offs cost more than the matmuls on a busy 2-core machine."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    """target/ (model + tokenizer), dflash/ (block 6, z-lab layout), ar/ (perturbed copy), workload.jsonl."""
+    root = tmp_path_factory.mktemp("tiny_models")
+    target = tiny_target()
+    tokenizer = tiny_tokenizer()
+    target.save_pretrained(root / "target")
+    tokenizer.save_pretrained(root / "target")
+    save_dflash_draft(tiny_dflash(target, block_size=6), root / "dflash")
+    draft = copy.deepcopy(target)
+    with torch.no_grad():
+        for parameter in draft.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.01)
+    draft.save_pretrained(root / "ar")
+    tokenizer.save_pretrained(root / "ar")
+    write_workload(root / "workload.jsonl", per_class=2)
+    return root
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def pair_args(tiny_dir: Path, draft: Path | str, *extra: str) -> list[str]:
+    return ["--target", tiny_dir / "target", "--draft", draft, "--workload", tiny_dir / "workload.jsonl",
+            "--max-new-tokens", "10", *extra]
+
+
+def assert_usage_error(result, *fragments: str) -> None:
+    """Exit 2, no traceback, and one sentence naming the input (the fragments)."""
+    output = result.output
+    assert result.exit_code == 2, output
+    assert "Traceback" not in output
+    message = " ".join(re.sub(r"[│╭╮╰╯─]", " ", output).split())  # a rich error panel wraps lines
+    message = message.split("Error", 1)[-1]
+    assert message.rstrip().endswith("."), message
+    assert not re.search(r"\.\s+[A-Z]", message), f"more than one sentence: {message}"
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} not in {message!r}"
+
+
+def edited_dflash(tiny_dir: Path, tmp_path: Path, **dflash_config) -> Path:
+    """A copy of the tiny DFlash draft whose config.json dflash_config has the given values."""
+    out = tmp_path / "edited"
+    out.mkdir()
+    (out / "model.safetensors").write_bytes((tiny_dir / "dflash" / "model.safetensors").read_bytes())
+    config = json.loads((tiny_dir / "dflash" / "config.json").read_text())
+    config["dflash_config"].update(dflash_config)
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# Good input: run directories
+
+
+def test_replay_detects_dflash_and_writes_a_run_directory(tiny_dir, tmp_path):
+    out = tmp_path / "run"
+    result = invoke("replay", *pair_args(tiny_dir, tiny_dir / "dflash", "--draft-kind", "auto", "--k", "5", "--out", out))
+    assert result.exit_code == 0, result.output
+    assert all((out / name).is_file() for name in RUN_FILES)
+    run = load_run(out)
+    assert run.meta["models"]["draft"]["kind"] == "dflash"
+    assert run.meta["models"]["draft"]["block_size"] == 6
+    assert sorted(run.requests["request_id"]) == sorted(f"{c}-{i}" for c in CLASSES for i in range(2))
+    assert (run.steps["num_drafted"] <= 5).all() and run.steps["num_drafted"].max() == 5
+    assert len(run.tokens) == run.steps["num_drafted"].sum()
+    assert run.meta["summary"]["overall"]["num_drafts"] == int((run.steps["num_drafted"] > 0).sum())
+
+
+def test_sweep_detects_autoregressive_and_recommends_a_k(tiny_dir, tmp_path):
+    out = tmp_path / "sweep"
+    profile = tmp_path / "costs.json"
+    profile.write_text(json.dumps({"t_decode_s": 0.01, "t_verify_s": 0.011, "t_draft_s": {"1": 0.002, "2": 0.004, "3": 0.006}}))
+    result = invoke("sweep", *pair_args(tiny_dir, tiny_dir / "ar", "--k", "1-3", "--cost-profile", profile, "--out", out))
+    assert result.exit_code == 0, result.output
+    assert all((out / name).is_file() for name in RUN_FILES)
+    meta = json.loads((out / "run.json").read_text())
+    assert meta["models"]["draft"]["kind"] == "autoregressive"
+    sweep = meta["summary"]["sweep"]
+    assert [row["k"] for row in sweep["overall"]] == [1, 2, 3]
+    assert all(row["estimate"] == "exact" for row in sweep["overall"])  # a chain draft: one pass is exact at every K
+    assert set(sweep["by_class"]) == set(CLASSES)
+    assert sweep["costs"]["source"] == "profile"
+    assert set(meta["recommendation"]) >= {"overall", *CLASSES}
+    assert all(0 <= item["k"] <= 3 for item in meta["recommendation"].values())
+
+
+def test_max_requests_samples_every_class(tiny_dir, tmp_path):
+    workload = write_workload(tmp_path / "nine.jsonl", per_class=3)
+    out = tmp_path / "run"
+    result = invoke("replay", "--target", tiny_dir / "target", "--draft", tiny_dir / "ar", "--workload", workload,
+                    "--max-requests", "3", "--max-new-tokens", "6", "--k", "2", "--out", out)
+    assert result.exit_code == 0, result.output
+    requests = pd.read_parquet(out / "requests.parquet")
+    assert len(requests) == 3
+    assert sorted(requests["class"]) == sorted(CLASSES)
+
+
+# ----------------------------------------------------------------------------------------------------
+# DFlash checkpoints in the z-lab layout
+
+
+@pytest.mark.parametrize("prefix", ["", "model."])
+def test_zlab_checkpoint_reproduces_the_in_memory_logits(tmp_path, prefix):
+    from safetensors.torch import load_file, save_file
+
+    target_model = tiny_target()
+    draft = tiny_dflash(target_model, block_size=6)
+    out = save_dflash_draft(draft, tmp_path / "draft")
+    if prefix:
+        weights = out / "model.safetensors"
+        save_file({prefix + key: tensor for key, tensor in load_file(weights).items()}, weights)
+        assert all(key.startswith(prefix) for key in load_file(weights))
+    loaded = load_dflash_draft(out)
+    assert loaded.config.target_layer_ids == draft.config.target_layer_ids
+    assert loaded.config.mask_token_id == draft.config.mask_token_id and loaded.config.block_size == 6
+
+    prompt = torch.tensor([5, 17, 42, 8, 9])
+    logits = []
+    for model in (draft, loaded):
+        target = TargetModel(target_model, model.hidden_state_indices)
+        proposer = DFlashProposer(model, target)
+        proposer.start(prompt, target.forward(prompt).features)
+        logits.append(proposer.propose(11, 5, 5).logits)
+    torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=0)
+
+
+def test_draft_kind_auto_tells_dflash_from_autoregressive(tiny_dir):
+    assert detect_draft_kind(tiny_dir / "dflash") == "dflash"
+    assert detect_draft_kind(tiny_dir / "ar") == "autoregressive"
+
+
+# ----------------------------------------------------------------------------------------------------
+# Bad input: exit 2, one sentence, no traceback
+
+
+def test_missing_target_path(tiny_dir, tmp_path):
+    missing = tmp_path / "no-such-model"
+    result = invoke("replay", "--target", missing, "--draft", tiny_dir / "dflash", "--workload", tiny_dir / "workload.jsonl")
+    assert_usage_error(result, "no-such-model")
+
+
+def test_dflash_hidden_size_mismatch(tiny_dir, tmp_path):
+    wide_target = tiny_target(hidden=48)
+    draft_dir = save_dflash_draft(tiny_dflash(wide_target), tmp_path / "wide")
+    assert_usage_error(invoke("replay", *pair_args(tiny_dir, draft_dir)), "hidden_size 48", "32")
+
+
+def test_dflash_fc_width_mismatch(tiny_dir, tmp_path):
+    draft_dir = edited_dflash(tiny_dir, tmp_path, target_layer_ids=[0, 1, 2])  # fc was trained on 2 taps
+    assert_usage_error(invoke("replay", *pair_args(tiny_dir, draft_dir)), "fc.weight", "target_layer_ids")
+
+
+def test_dflash_layer_id_outside_the_target(tiny_dir, tmp_path):
+    draft_dir = edited_dflash(tiny_dir, tmp_path, target_layer_ids=[0, 7])  # the target has layers 0..3
+    assert_usage_error(invoke("replay", *pair_args(tiny_dir, draft_dir)), "target_layer_ids", "[7]")
+
+
+def test_dflash_mask_id_outside_the_vocabulary(tiny_dir, tmp_path):
+    draft_dir = edited_dflash(tiny_dir, tmp_path, mask_token_id=VOCAB)
+    assert_usage_error(invoke("replay", *pair_args(tiny_dir, draft_dir)), f"mask_token_id {VOCAB}")
+
+
+def test_autoregressive_draft_with_another_vocabulary(tiny_dir, tmp_path):
+    other = tiny_target(vocab=VOCAB + 4)
+    other.save_pretrained(tmp_path / "other")
+    result = invoke("replay", *pair_args(tiny_dir, tmp_path / "other", "--draft-kind", "autoregressive"))
+    assert_usage_error(result, f"vocab_size {VOCAB + 4}", f"{VOCAB}")
+
+
+def test_empty_workload_file(tiny_dir, tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n", encoding="utf-8")
+    result = invoke("replay", "--target", tiny_dir / "target", "--draft", tiny_dir / "dflash", "--workload", empty)
+    assert_usage_error(result, "empty.jsonl", "no requests")
+
+
+def test_malformed_jsonl_line_is_named_by_number(tiny_dir, tmp_path):
+    broken = tmp_path / "broken.jsonl"
+    good = json.dumps({"messages": [{"role": "user", "content": "w1 w2"}]})
+    broken.write_text(f"{good}\n{{\"messages\": [\n{good}\n", encoding="utf-8")
+    result = invoke("replay", "--target", tiny_dir / "target", "--draft", tiny_dir / "dflash", "--workload", broken)
+    assert_usage_error(result, "broken.jsonl:2")
+
+
+def test_sweep_k_above_the_dflash_block(tiny_dir):
+    assert_usage_error(invoke("sweep", *pair_args(tiny_dir, tiny_dir / "dflash", "--k", "99")), "--k 99", "block_size")
+
+
+def test_sweep_cost_profile_that_does_not_parse(tiny_dir, tmp_path):
+    profile = tmp_path / "costs.toml"
+    profile.write_text("t_decode_s = [0.01\n", encoding="utf-8")
+    result = invoke("sweep", *pair_args(tiny_dir, tiny_dir / "dflash", "--k", "1-5", "--cost-profile", profile))
+    assert_usage_error(result, "costs.toml")
