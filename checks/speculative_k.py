@@ -31,10 +31,10 @@ def _configured_k(ctx: CheckContext) -> tuple[int | None, str]:
     drafted = (ctx.engine_config or {}).get("drafted_tokens")
     if drafted is not None:
         return int(drafted), "engine config"
-    ks = config_value(ctx.config, "k") or ((ctx.run_meta or {}).get("config") or {}).get("k")
+    ks = config_value(ctx.config, "k") or [k for k in [(ctx.run_meta or {}).get("served_k")] if k]
     if ks:
         return max(int(k) for k in ks), "--k"
-    return None, ""
+    return None, ""  # the run's config.k is the sweep range, not what is served: judge only a K the user named
 
 
 def _is_priced(row: dict[str, Any]) -> bool:
@@ -62,7 +62,7 @@ class SpeculativeKCheck(Check):
     def run(self, ctx: CheckContext) -> CheckResult:
         k, k_source = _configured_k(ctx)
         if k is None:
-            return skipped(self.id, "no configured K (neither an engine config nor the run's --k)")
+            return skipped(self.id, "no served K given: pass --k or --engine-config to judge it against the sweep")
         if k < 1:
             return skipped(self.id, f"speculation is off (K={k})")
         summary = (ctx.run_meta or {}).get("summary") or {}
