@@ -14,6 +14,9 @@ app = typer.Typer(
     help="Diagnose why a speculative draft (DFlash or autoregressive) is rejected, and what to do about it.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
+    # Plain click errors: Typer's rich error panel cuts a long first word (a path) with an ellipsis and
+    # can hide the rest of the sentence, which is where the fix is.
+    rich_markup_mode=None,
     add_completion=False,
 )
 

@@ -71,7 +71,9 @@ def sample_requests(run: Run) -> list[str]:
     requests = run.requests
     chosen: list[str] = []
     for _, group in requests.groupby("class", sort=True):
-        candidates = [group["request_id"].iloc[0], group.loc[group["tau"].idxmin(), "request_id"]]
+        candidates = [group["request_id"].iloc[0]]
+        if group["tau"].notna().any():  # requests that never drafted (e.g. answered by a stop token) have no tau
+            candidates.append(group.loc[group["tau"].idxmin(), "request_id"])
         chosen.extend(rid for rid in dict.fromkeys(candidates) if rid not in chosen)
     return chosen
 
