@@ -4,7 +4,7 @@ SmolLM2-135M-Instruct with a weaker autoregressive draft (the target with 4-bit 
 weights), K = 1..15, over the same few prompts of the built-in ``demo`` workload at temperature 0.
 
 * live: ``speculative_generate`` once per K and prompt, with per-token records (as ``replay`` runs it);
-* teacher: the target's greedy continuation (``plain_generate``, once per prompt), ONE teacher-forced
+* teacher: the target's greedy continuations (one batched ``generate`` over all prompts), ONE teacher-forced
   ``slot_table`` at K = 15 with divergence records, then ``walk_schedule`` per K (as ``sweep`` runs it).
 
 Prints both wall times, their ratio (issue 4 aims for >= 20x) and tau per K side by side; the teacher's
@@ -24,6 +24,7 @@ from dflash_doctor.engine.live import plain_generate, speculative_generate
 from dflash_doctor.engine.proposers.autoregressive import AutoregressiveProposer
 from dflash_doctor.engine.target import TargetModel
 from dflash_doctor.engine.teacher import TeacherSequence, slot_table, token_rows, walk_schedule
+from dflash_doctor.training import generate_greedy_batch
 from engine_overhead import demo_prompts, load_smollm2_pair
 
 STEP_KEYS = ("position", "num_drafted", "num_accepted", "bonus_token")
@@ -59,8 +60,11 @@ def main() -> None:
 
     started = time.perf_counter()
     teacher_steps: dict[int, list[list[dict]]] = {k: [] for k in ks}
-    for prompt in prompts:
-        output = plain_generate(TargetModel(model), prompt, max_new_tokens=max_new, stop_ids=stop_ids).output_ids
+    # As `sweep` does: the greedy continuations of all prompts in one batched generate.
+    pad = pair.tokenizer.pad_token_id if pair.tokenizer.pad_token_id is not None else min(stop_ids)
+    outputs = generate_greedy_batch(model, [p.tolist() for p in prompts], max_new_tokens=max_new, stop_ids=stop_ids,
+                                    pad_token_id=pad)
+    for prompt, output in zip(prompts, outputs):
         table, _ = slot_table(TargetModel(model), AutoregressiveProposer(draft), TeacherSequence(prompt.tolist(), output), max(ks))
         for k in ks:
             steps = walk_schedule(table.matches[:, :k], output, k, max_new, stop_ids)
