@@ -87,11 +87,12 @@ def lossless_probe(engine: runner.Engine, requests, config: DoctorConfig, turns:
 
 
 @torch.inference_mode()
-def layer_offset_probe(engine: runner.Engine, requests, config: DoctorConfig, turns: list[ReplayedTurn]) -> dict[int, float]:
+def layer_offset_probe(engine: runner.Engine, requests, config: DoctorConfig, turns: list[ReplayedTurn]) -> tuple[dict[int, float], int]:
     """tau at the full block with the draft's target layer ids shifted by -1, 0 and +1 (REFERENCE.md section 1).
 
     A draft trained on layers ``l`` reads the right features only at offset 0; a neighbour beating it
-    means the configured ids are off by one (vLLM PR #42704, llama.cpp #25792).
+    means the configured ids are off by one (vLLM PR #42704, llama.cpp #25792). Also returns the number
+    of drafts behind offset 0's tau, so the check can tell a verdict from noise.
     """
     from dflash_doctor.workloads import encode_request_turn
 
@@ -101,6 +102,7 @@ def layer_offset_probe(engine: runner.Engine, requests, config: DoctorConfig, tu
     k = engine.proposer.max_k
     by_id = {r.id: r for r in requests}
     taus: dict[int, float] = {}
+    drafts_at_zero = 0
     for offset in (-1, 0, 1):
         ids = [l + offset for l in cfg.target_layer_ids]
         if min(ids) < 0 or max(ids) >= num_layers:
@@ -118,7 +120,8 @@ def layer_offset_probe(engine: runner.Engine, requests, config: DoctorConfig, tu
             drafts += len(steps)
             accepted += sum(s["num_accepted"] for s in steps)
         taus[offset] = 1.0 + accepted / drafts if drafts else float("nan")
-    return taus
+        drafts_at_zero = drafts if offset == 0 else drafts_at_zero
+    return taus, drafts_at_zero
 
 
 def check_context(engine: runner.Engine, requests, config: DoctorConfig, meta: dict[str, Any], extras: dict[str, Any]):
@@ -191,12 +194,12 @@ def run_doctor(config: DoctorConfig, *, scenario=None, only=(), skip=(), exact_b
     if config.temperature == 0:
         extras["lossless"] = lossless_probe(engine, requests, sweep_config, turns)
     if engine.models_meta["draft"]["kind"] == "dflash":
-        extras["offset_probe"] = layer_offset_probe(engine, requests, sweep_config, turns)
+        extras["offset_probe"], extras["offset_probe_drafts"] = layer_offset_probe(engine, requests, sweep_config, turns)
     ctx_config = dataclasses.replace(config, k=(served_k,) if served_k else ())
     ctx = check_context(engine, requests, ctx_config, meta, extras)
     results = run_checks(ctx, only=only, skip=skip)
     meta["checks"] = [r.to_dict() for r in results]
-    meta["probes"] = {k: v for k, v in extras.items() if k in ("lossless", "offset_probe", "prompt_format", "served_k", "target_weights_fingerprint")}
+    meta["probes"] = {k: v for k, v in extras.items() if k in ("lossless", "offset_probe", "offset_probe_drafts", "prompt_format", "served_k", "target_weights_fingerprint")}
     write_run_json(run_dir, meta)
     render_reports(run_dir)
     return run_dir, results, meta

@@ -71,3 +71,11 @@ def test_read_safetensors_shapes_reads_only_the_header(tmp_path):
     path = tmp_path / "model.safetensors"
     path.write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 192)
     assert read_safetensors_shapes(path) == {"fc.weight": [4, 12]}
+
+
+def test_draft_config_offset_probe_with_too_few_drafts_only_reports():
+    result = _check(_draft(), extras={"offset_probe": {-1: 1.4, 0: 1.3, 1: 1.2}, "offset_probe_drafts": 12})
+    assert result.status != "fail"
+    assert any("inconclusive" in f.message for f in result.findings)
+    enough = _check(_draft(), extras={"offset_probe": {-1: 1.4, 0: 1.3, 1: 1.2}, "offset_probe_drafts": 400})
+    assert enough.status == "fail"

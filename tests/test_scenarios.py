@@ -11,7 +11,7 @@ pytestmark = pytest.mark.integration
 @pytest.mark.parametrize("name", sorted(scenarios.SCENARIOS))
 def test_scenario_is_named_by_its_check(name, tmp_path):
     scenario = scenarios.get_scenario(name)
-    config = build_config(max_requests=3, max_new_tokens=24, out=str(tmp_path / name), seed=0)
+    config = build_config(max_requests=3, max_new_tokens=64, out=str(tmp_path / name), seed=0)
     run_dir, results, meta = doctor.run_doctor(config, scenario=scenario)
     by_id = {r.id: r for r in results}
     for check_id in scenario.expect:

@@ -82,12 +82,7 @@ def check(
             table.add_row(item.name, item.incident, ", ".join(item.expect))
         out_console.print(table)
         return
-    cfg = build_config(
-        config, target=target, draft=draft, draft_kind=draft_kind, workload=workload, classes=classes,
-        max_requests=max_requests, max_new_tokens=max_new_tokens, temperature=temperature, k=k, device=device,
-        dtype=dtype, out=out, seed=seed, fail_on=fail_on, chat_template=chat_template, cost_profile=cost_profile,
-        strict_classes=strict_classes, engine_config=engine_config, trust_remote_code=trust_remote_code or None,
-    )
+    cfg = build_config(config, **opt.config_values(locals()))
     chosen = None
     if scenario is not None:
         chosen = scenarios.get_scenario(scenario)

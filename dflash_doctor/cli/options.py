@@ -6,7 +6,8 @@ from a value and apply the precedence CLI > --config file > defaults.
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+import dataclasses
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -30,3 +31,15 @@ ChatTemplate = Annotated[Optional[str], typer.Option("--chat-template", help="A 
 CostProfile = Annotated[Optional[str], typer.Option("--cost-profile", help="TOML/JSON step times measured in your serving engine (see docs/cost-profile.md) instead of timing here.")]
 StrictClasses = Annotated[Optional[str], typer.Option("--strict-classes", help="Comma-separated classes that must never risk a slowdown (capped K, or speculation off).")]
 ExactBlocks = Annotated[bool, typer.Option("--exact-blocks", help="Block drafters: one pass per K instead of estimating smaller K from the largest block.")]
+
+
+def config_values(flags: dict[str, Any]) -> dict[str, Any]:
+    """A command's parameters that are DoctorConfig fields, as ``build_config`` keyword arguments.
+
+    Call it first thing with ``locals()``. A switch left off (False) counts as "not given", so a
+    --config file can still turn it on.
+    """
+    from dflash_doctor.config import DoctorConfig
+
+    fields = {f.name for f in dataclasses.fields(DoctorConfig)}
+    return {name: (value or None) if isinstance(value, bool) else value for name, value in flags.items() if name in fields}

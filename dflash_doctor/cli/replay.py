@@ -9,12 +9,7 @@ from rich.console import Console
 
 from dflash_doctor.cli import app
 from dflash_doctor.cli import options as opt
-from dflash_doctor.config import DoctorConfig, build_config
-
-
-def config_from_flags(config_file, **flags) -> DoctorConfig:
-    """Shared-flag parsing for replay, sweep and check (precedence CLI > file > defaults)."""
-    return build_config(config_file, **flags)
+from dflash_doctor.config import build_config
 
 
 @app.command()
@@ -37,13 +32,9 @@ def replay(
     trust_remote_code: opt.TrustRemoteCode = False,
 ) -> None:
     """Replay prompts through the live speculative loop (K = the largest --k) and write a run directory."""
+    cfg = build_config(config, **opt.config_values(locals()))
     from dflash_doctor import runner
 
-    cfg = config_from_flags(
-        config, target=target, draft=draft, draft_kind=draft_kind, workload=workload, classes=classes,
-        max_requests=max_requests, max_new_tokens=max_new_tokens, temperature=temperature, k=k, device=device,
-        dtype=dtype, out=out, seed=seed, chat_template=chat_template, trust_remote_code=trust_remote_code or None,
-    )
     console = Console(stderr=True)
     requests = runner.select_requests(cfg)
     engine = runner.load_engine(cfg)

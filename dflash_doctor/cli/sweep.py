@@ -69,14 +69,9 @@ def sweep(
     trust_remote_code: opt.TrustRemoteCode = False,
 ) -> None:
     """Teacher-forced replay answering every K at once (default K = 1..block-1 or 1-8), net speedup per class, recommended K."""
+    cfg = build_config(config, **opt.config_values(locals()))
     from dflash_doctor import runner
 
-    cfg = build_config(
-        config, target=target, draft=draft, draft_kind=draft_kind, workload=workload, classes=classes,
-        max_requests=max_requests, max_new_tokens=max_new_tokens, temperature=temperature, k=k, device=device,
-        dtype=dtype, out=out, seed=seed, chat_template=chat_template, cost_profile=cost_profile,
-        strict_classes=strict_classes, trust_remote_code=trust_remote_code or None,
-    )
     console = Console(stderr=True)
     requests = runner.select_requests(cfg)
     engine = runner.load_engine(cfg)
