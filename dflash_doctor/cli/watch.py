@@ -1,0 +1,175 @@
+"""`dflash-doctor watch SOURCE...`: production acceptance per model/class, alerts vs a baseline, fallback advice."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+
+from dflash_doctor.cli import app
+from dflash_doctor.cli import options as opt
+from dflash_doctor.config import build_config
+from dflash_doctor.errors import UsageError
+from dflash_doctor.schema import utc_now
+from dflash_doctor.speedup import load_cost_profile
+from dflash_doctor.telemetry.record import WatchRecord
+from dflash_doctor.telemetry.settings import WatchSettings, build_watch_settings
+from dflash_doctor.telemetry.sources import LogFile, MetricsEndpoint, PrometheusServer, ResponsesFile, Source, open_source
+from dflash_doctor.telemetry.verdict import Judge, WindowVerdict, load_baseline
+from dflash_doctor.telemetry.watcher import Watcher
+
+EXIT_ALERT = 1
+
+
+def _fmt(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def verdict_table(verdicts: list[WindowVerdict], title: str) -> Table:
+    table = Table(title=title)
+    for column in ("series", "K", "drafts", "tau", "95% CI", "baseline", "r_1..r_3", "engine tau", "speedup", "status"):
+        table.add_column(column, justify="right" if column in ("K", "drafts", "tau", "speedup") else "left")
+    for v in verdicts:
+        ci = v.mean_acceptance_length_ci
+        rates = ", ".join(f"{r:.2f}" for r in (v.acceptance_rate_per_pos or [])[:3])
+        status = "[bold red]ALERT: " + ", ".join(a.kind for a in v.alerts) + "[/]" if v.alerts else v.status
+        drafts = v.window.counts.num_drafts
+        table.add_row(
+            str(v.window.key), str(v.k or "-"), "-" if drafts is None else f"{drafts:.0f}", _fmt(v.mean_acceptance_length),
+            f"[{ci[0]:.2f}, {ci[1]:.2f}]" if ci else "-", _fmt(v.baseline_tau), rates or "-",
+            _fmt(v.window.reported.get("mean_acceptance_length")), "-" if v.speedup is None else f"{v.speedup:.2f}x", status,
+        )
+    return table
+
+
+def print_findings(console: Console, verdicts: list[WindowVerdict], watcher: Watcher, shown_events: int) -> int:
+    """Alerts with their advice, notes, and source events not printed yet; returns the events shown."""
+    for v in verdicts:
+        for alert in v.alerts:
+            console.print(f"[bold red]ALERT[/] {alert.kind}: {alert.message}")
+            for line in alert.advice:
+                console.print(f"    {line}")
+        for note in v.notes:
+            console.print(f"note: {v.window.key}: {note}")
+    for event in watcher.events[shown_events:]:
+        console.print(f"{event.kind}: {event.source}: {event.message}")
+    for note in watcher.source_notes():
+        console.print(f"note: {note}")
+    return len(watcher.events)
+
+
+def _sources(specs: list[str], prometheus: str | None, settings: WatchSettings) -> list[Source]:
+    sources: list[Source] = [open_source(s, engine=settings.engine, model=settings.model, class_label=settings.class_label) for s in specs]
+    if prometheus:
+        sources.append(PrometheusServer(prometheus, window_s=settings.window_s, engine=settings.engine, class_label=settings.class_label))
+    if not sources:
+        raise UsageError("watch needs at least one SOURCE (a /metrics URL, a log file, a responses .jsonl) or --prometheus URL.")
+    return sources
+
+
+def run_once(watcher: Watcher, judge: Judge, settings: WatchSettings) -> list[list[WindowVerdict]]:
+    """One verdict for cron/CI: the latest window of every series (files: every window, oldest first)."""
+    live = [s for s in watcher.sources if isinstance(s, (MetricsEndpoint, PrometheusServer))]
+    files = [s for s in watcher.sources if isinstance(s, (LogFile, ResponsesFile))]
+    scrapes = [s for s in live if isinstance(s, MetricsEndpoint)]
+    watcher.poll()
+    if scrapes and settings.window_given:  # two scrapes one window apart: the counts of that window
+        time.sleep(settings.window_s)
+        watcher.poll()
+    if files and not live:
+        return [[judge.judge(w) for w in windows] for windows in watcher.tumbling_windows()]
+    if scrapes and not settings.window_given:
+        watcher.window_s = float("inf")  # counts since each server started
+    return [[judge.judge(w) for w in watcher.current_windows()]]
+
+
+@app.command()
+def watch(
+    sources: Annotated[Optional[list[str]], typer.Argument(help="Engine /metrics URLs, log files, or captured responses (.jsonl).", show_default=False)] = None,
+    prometheus: Annotated[Optional[str], typer.Option("--prometheus", help="A Prometheus server URL: counters are read as rate() over the window through its HTTP API.")] = None,
+    engine: Annotated[Optional[str], typer.Option("--engine", help="vllm | sglang | llamacpp | trtllm (default: detected from the metric names / log lines).")] = None,
+    model: Annotated[Optional[str], typer.Option("--model", help="Series name for sources without a model label (logs, llama.cpp).")] = None,
+    class_label: Annotated[Optional[str], typer.Option("--class-label", help="Label holding the request class (e.g. an SGLang custom label).")] = None,
+    window: Annotated[Optional[str], typer.Option("--window", help="Window length: 30s, 5m, 1h (default 5m). With --once on a /metrics URL: scrape twice, this far apart.")] = None,
+    interval: Annotated[Optional[str], typer.Option("--interval", help="Time between polls when watching live (default 30s).")] = None,
+    once: Annotated[bool, typer.Option("--once", help="One verdict and exit: 0 ok, 1 alert, 2 bad input (for cron/CI).")] = False,
+    duration: Annotated[Optional[str], typer.Option("--duration", help="Stop watching after this long (default: until Ctrl-C).")] = None,
+    baseline: Annotated[Optional[str], typer.Option("--baseline", help="A check/sweep run directory, or the expected tau (one number).")] = None,
+    threshold_tau: Annotated[Optional[float], typer.Option("--threshold-tau", help="Smallest tau drop below the baseline that alerts (default 0.2).")] = None,
+    min_drafts: Annotated[Optional[int], typer.Option("--min-drafts", help="Windows with fewer drafts get no verdict (default 50).")] = None,
+    speedup_floor: Annotated[Optional[float], typer.Option("--speedup-floor", help="Net speedup below which to fall back (default 1.0).")] = None,
+    exporter_port: Annotated[Optional[int], typer.Option("--exporter-port", help="Serve watch's own verdict gauges for Prometheus/Alertmanager on 127.0.0.1:PORT.")] = None,
+    cost_profile: opt.CostProfile = None,
+    out: opt.Out = None,
+    config: opt.ConfigFile = None,
+) -> None:
+    """Watch production acceptance: windowed tau per model/class, alerts vs a baseline, fallback advice. Exit 0 ok, 1 alert, 2 bad input."""
+    doctor_config = build_config(config, cost_profile=cost_profile, out=out)
+    settings = build_watch_settings(
+        doctor_config.watch, window=window, interval=interval, baseline=baseline, threshold_tau=threshold_tau,
+        min_drafts=min_drafts, speedup_floor=speedup_floor, engine=engine, model=model, class_label=class_label,
+    )
+    watch_sources = _sources(list(sources or []), prometheus, settings)
+    costs = load_cost_profile(doctor_config.cost_profile) if doctor_config.cost_profile else None
+    judge = Judge(load_baseline(settings.baseline), settings.thresholds, engine=settings.engine, costs=costs)
+    stop_after = None if duration is None else build_watch_settings({}, window=duration).window_s
+    run_dir = Path(doctor_config.out or f"runs/watch-{utc_now().replace(':', '').replace('+0000', 'Z')}")
+    record = WatchRecord(run_dir, doctor_config.as_dict(), {
+        "sources": [s.name for s in watch_sources], "window_s": settings.window_s, "interval_s": settings.interval_s,
+        "baseline": judge.baseline.description if judge.baseline else None, "thresholds": settings.thresholds.__dict__,
+    })
+    exporter = None
+    if exporter_port is not None:
+        from dflash_doctor.telemetry.exporter import VerdictExporter
+
+        exporter = VerdictExporter(exporter_port)
+    console = Console()
+    watcher = Watcher(watch_sources, window_s=settings.window_s, count_since_start=once and not settings.window_given)
+
+    if once:
+        rounds = run_once(watcher, judge, settings)
+        for verdicts in rounds:
+            record.update(verdicts, watcher.events, watcher.source_notes())
+        latest = rounds[-1] if rounds else []
+        if exporter:
+            exporter.publish(latest)
+        console.print(verdict_table(latest, "latest window" if settings.window_given or len(rounds) > 1 else "since the server started"))
+        print_findings(console, latest, watcher, 0)
+        console.print(f"wrote {run_dir}")
+        if not latest:
+            console.print("no series found in the sources: nothing to judge.")
+        if any(v.alerts for v in latest):
+            raise typer.Exit(EXIT_ALERT)
+        return
+
+    _watch_live(console, watcher, judge, record, exporter, settings, stop_after, run_dir)
+
+
+def _watch_live(console, watcher, judge, record, exporter, settings, stop_after, run_dir) -> None:
+    started = time.monotonic()
+    alerted = False
+    watcher.poll()  # the first scrape of a counter is only a starting point
+    shown = 0
+    try:
+        with Live(console=console, auto_refresh=False) as live:
+            while stop_after is None or time.monotonic() - started < stop_after:
+                time.sleep(settings.interval_s)
+                watcher.poll()
+                verdicts = [judge.judge(w) for w in watcher.current_windows()]
+                record.update(verdicts, watcher.events, watcher.source_notes())
+                if exporter:
+                    exporter.publish(verdicts)
+                alerted = alerted or any(v.alerts for v in verdicts)
+                live.update(Group(verdict_table(verdicts, f"last {settings.window_s:g} s, at {time.strftime('%H:%M:%S')}")), refresh=True)
+                live.console.print(f"[dim]{time.strftime('%H:%M:%S')}[/]", end="")
+                shown = print_findings(live.console, [v for v in verdicts if v.alerts], watcher, shown)
+    except KeyboardInterrupt:
+        pass
+    console.print(f"wrote {run_dir}")
+    if alerted:
+        raise typer.Exit(EXIT_ALERT)
