@@ -213,9 +213,13 @@ def _finite(value: float) -> float | None:
 
 def _compare_slice(cls: str, base_steps: pd.DataFrame, new_steps: pd.DataFrame, k: int, threshold_tau: float, threshold_rate: float, seed: int) -> list[MetricComparison]:
     """tau and r_1..r_k of one class in both runs, each with base/new/delta intervals and a verdict."""
+    return compare_counts(cls, request_counts(base_steps, k), request_counts(new_steps, k), k, threshold_tau, threshold_rate, seed)
+
+
+def compare_counts(cls: str, base_counts: RequestCounts, new_counts: RequestCounts, k: int, threshold_tau: float, threshold_rate: float, seed: int) -> list[MetricComparison]:
+    """The regression rule on per-unit counts (requests of a run, or scrape intervals of a watch)."""
     sides = []
-    for offset, steps in enumerate((base_steps, new_steps)):
-        counts = request_counts(steps, k)
+    for offset, counts in enumerate((base_counts, new_counts)):
         tau, rates = pooled_rates(np.array(counts.num_drafts.sum()), counts.accepted_per_pos.sum(axis=0))
         tau_samples, rate_samples = bootstrap_rates(counts, seed=seed + offset)
         sides.append((counts.num_requests, tau, rates, tau_samples, rate_samples))
@@ -260,6 +264,11 @@ def compare_runs(
     smaller one by truncation (tau(K) = 1 + sum_{i<K} r_i), which is exact for chain drafts and an
     estimate for DFlash blocks, and a note says so.
     """
+    if not isinstance(base, Run) and not isinstance(new, Run):
+        from dflash_doctor.telemetry.canary import compare_watch_runs, is_watch_dir
+
+        if is_watch_dir(base) and is_watch_dir(new):  # production windows: scrape intervals are the units
+            return compare_watch_runs(base, new, threshold_tau=threshold_tau, threshold_rate=threshold_rate, seed=seed)
     base_run = base if isinstance(base, Run) else load_run(base, tables=("steps",))
     new_run = new if isinstance(new, Run) else load_run(new, tables=("steps",))
     base_steps, k_base = _steps_at_largest_k(base_run)

@@ -81,6 +81,9 @@ def run_once(watcher: Watcher, judge: Judge, settings: WatchSettings) -> list[li
     if scrapes and settings.window_given:  # two scrapes one window apart: the counts of that window
         time.sleep(settings.window_s)
         watcher.poll()
+    failed = {e.source: e.message for e in watcher.events if e.kind == "source-unavailable"}
+    if len(failed) == len(watcher.sources) and not watcher.units:
+        raise UsageError(f"no source could be read: {'; '.join(failed.values())}; check the URL/path and that the server is up.")
     if files and not live:
         return [[judge.judge(w) for w in windows] for windows in watcher.tumbling_windows()]
     if scrapes and not settings.window_given:
@@ -133,8 +136,8 @@ def watch(
 
     if once:
         rounds = run_once(watcher, judge, settings)
-        for verdicts in rounds:
-            record.update(verdicts, watcher.events, watcher.source_notes())
+        for i, verdicts in enumerate(rounds):
+            record.update(verdicts, watcher.units if i == len(rounds) - 1 else [], watcher.events, watcher.source_notes())
         latest = rounds[-1] if rounds else []
         if exporter:
             exporter.publish(latest)
@@ -154,14 +157,15 @@ def _watch_live(console, watcher, judge, record, exporter, settings, stop_after,
     started = time.monotonic()
     alerted = False
     watcher.poll()  # the first scrape of a counter is only a starting point
-    shown = 0
+    shown = recorded = 0
     try:
         with Live(console=console, auto_refresh=False) as live:
             while stop_after is None or time.monotonic() - started < stop_after:
                 time.sleep(settings.interval_s)
                 watcher.poll()
                 verdicts = [judge.judge(w) for w in watcher.current_windows()]
-                record.update(verdicts, watcher.events, watcher.source_notes())
+                record.update(verdicts, watcher.units[recorded:], watcher.events, watcher.source_notes())
+                recorded = len(watcher.units)
                 if exporter:
                     exporter.publish(verdicts)
                 alerted = alerted or any(v.alerts for v in verdicts)

@@ -82,8 +82,7 @@ def parse_vllm_line(line: str, ctx: LogContext) -> Observation | None:
         ctx.problems.add(ctx.origin, line)
         return None
     rates = [float(x) for x in per_pos_match.group(1).split(", ")]
-    k = len(rates)
-    num_drafts = drafted / k
+    num_drafts = _vllm_num_drafts(drafted, accepted, rates, tau)
     reported = {name: value for name, value in (("mean_acceptance_length", tau), ("draft_acceptance_rate", None if rate is None else rate / 100.0)) if value is not None}
     counts = SpecCounts(
         num_drafts=float(num_drafts),
@@ -92,6 +91,16 @@ def parse_vllm_line(line: str, ctx: LogContext) -> Observation | None:
         num_accepted_tokens_per_pos=tuple(float(round(r * num_drafts)) for r in rates),
     )
     return Observation(SeriesKey(ctx.model), counts, cumulative=False, time_s=time_s or _vllm_time(text, ctx.year), reported=reported, origin=ctx.origin)
+
+
+def _vllm_num_drafts(drafted: int, accepted: int, rates: list[float], tau: float | None) -> float:
+    """The line has no draft count: drafted / K is exact when every draft was full length (the usual
+    case), which the printed tau confirms to its 2 decimals; otherwise (drafts cut short near
+    max_tokens) accepted / sum(rates), since the rates are per-position counts over the same drafts."""
+    full = drafted / len(rates)
+    if tau is None or accepted == 0 or abs(1.0 + accepted / full - tau) <= 0.005 + 1e-9 or sum(rates) <= 0:
+        return float(full)
+    return float(round(accepted / sum(rates)))
 
 
 def _iso_time(value: object) -> float | None:

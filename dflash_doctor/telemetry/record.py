@@ -22,10 +22,19 @@ from dflash_doctor.metrics import conditional_rates
 from dflash_doctor.schema import TABLES, new_run_meta, write_run_json
 from dflash_doctor.telemetry.counts import ALL_CLASSES, SeriesKey, SpecCounts, total, window_tau_interval
 from dflash_doctor.telemetry.verdict import WindowVerdict
-from dflash_doctor.telemetry.watcher import Event
+from dflash_doctor.telemetry.watcher import Event, Unit
 
 SOURCE_TELEMETRY = "telemetry"
 WINDOWS_FILE = "windows.parquet"
+UNITS_FILE = "units.parquet"  # the raw, non-overlapping counts between scrapes (canary compares resample them)
+
+UNITS_SCHEMA = pa.schema(
+    [
+        ("end_s", pa.float64()), ("model", pa.string()), ("class", pa.string()), ("source", pa.string()),
+        ("num_drafts", pa.float64()), ("num_draft_tokens", pa.float64()), ("num_accepted_tokens", pa.float64()),
+        ("num_accepted_tokens_per_pos", pa.list_(pa.float64())), ("num_generated_tokens", pa.float64()),
+    ]
+)
 
 WINDOWS_SCHEMA = pa.schema(
     [
@@ -76,29 +85,34 @@ class WatchRecord:
         self.meta["source"] = SOURCE_TELEMETRY
         self.meta["telemetry"] = {**telemetry, "events": [], "alerts": []}
         self.rows: list[dict[str, Any]] = []
+        self.unit_rows: list[dict[str, Any]] = []
         self._units: dict[SeriesKey, list[SpecCounts]] = {}
         for name, schema in TABLES.items():  # production has no per-step rows; the tables exist, empty
             path = self.run_dir / f"{name}.parquet"
             if not path.exists():
                 pq.write_table(schema.empty_table(), path)
-        self.update([], [], [])
+        self.update([], [], [], [])
 
-    def update(self, verdicts: list[WindowVerdict], events: list[Event], notes: list[str]) -> None:
-        """Append the new windows, refresh the summary, rewrite both files atomically."""
+    def update(self, verdicts: list[WindowVerdict], units: list[Unit], events: list[Event], notes: list[str]) -> None:
+        """Append the new windows and units, refresh the summary, rewrite the files atomically."""
         for verdict in verdicts:
             self.rows.append(verdict.as_row())
-            if verdict.window.units:
-                self._units.setdefault(verdict.window.key, []).extend(verdict.window.units)
+        for unit in units:
+            if unit.counts.num_drafts is None and unit.counts.num_generated_tokens is None:
+                continue
+            self._units.setdefault(unit.key, []).append(unit.counts)
+            self.unit_rows.append({"end_s": unit.end_s, "model": unit.key.model, "class": unit.key.cls, "source": unit.source, **{
+                name: value for name, value in unit.counts.as_dict().items()}})
             for alert in verdict.alerts:
                 self.meta["telemetry"]["alerts"].append({"time_s": verdict.window.end_s, "kind": alert.kind, "series": alert.series, "message": alert.message, "advice": list(alert.advice)})
         self.meta["telemetry"]["events"] = [{"time_s": e.time_s, "kind": e.kind, "source": e.source, "message": e.message} for e in events]
         self.meta["telemetry"]["notes"] = list(notes)
         self.meta["models"] = {"served": sorted({key.model for key in self._units})}
         self.meta["summary"] = self._summary()
-        table = pa.Table.from_pylist(self.rows, schema=WINDOWS_SCHEMA)
-        tmp = self.run_dir / (WINDOWS_FILE + ".tmp")
-        pq.write_table(table, tmp)
-        tmp.replace(self.run_dir / WINDOWS_FILE)
+        for name, rows, schema in ((WINDOWS_FILE, self.rows, WINDOWS_SCHEMA), (UNITS_FILE, self.unit_rows, UNITS_SCHEMA)):
+            tmp = self.run_dir / (name + ".tmp")
+            pq.write_table(pa.Table.from_pylist(rows, schema=schema), tmp)
+            tmp.replace(self.run_dir / name)
         write_run_json(self.run_dir, self.meta)
 
     def _summary(self) -> dict[str, Any]:
@@ -115,9 +129,17 @@ class WatchRecord:
 
 def read_windows(run_dir: Path | str) -> pd.DataFrame:
     """``windows.parquet`` of a watch run (an empty frame with the columns when there is none)."""
-    path = Path(run_dir) / WINDOWS_FILE
+    return _read(Path(run_dir) / WINDOWS_FILE, WINDOWS_SCHEMA)
+
+
+def read_units(run_dir: Path | str) -> pd.DataFrame:
+    """``units.parquet`` of a watch run: the counts between consecutive scrapes (or per line / response)."""
+    return _read(Path(run_dir) / UNITS_FILE, UNITS_SCHEMA)
+
+
+def _read(path: Path, schema: pa.Schema) -> pd.DataFrame:
     if not path.is_file():
-        return WINDOWS_SCHEMA.empty_table().to_pandas()
+        return schema.empty_table().to_pandas()
     return pq.read_table(path).to_pandas()
 
 
