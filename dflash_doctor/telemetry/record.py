@@ -107,7 +107,9 @@ class WatchRecord:
                 self.meta["telemetry"]["alerts"].append({"time_s": verdict.window.end_s, "kind": alert.kind, "series": alert.series, "message": alert.message, "advice": list(alert.advice)})
         self.meta["telemetry"]["events"] = [{"time_s": e.time_s, "kind": e.kind, "source": e.source, "message": e.message} for e in events]
         self.meta["telemetry"]["notes"] = list(notes)
-        self.meta["models"] = {"served": sorted({key.model for key in self._units})}
+        served = sorted({key.model for key in self._units})
+        # Roles as check writes them, so every view's model line works: the served model is the target.
+        self.meta["models"] = {("target" if len(served) == 1 else f"served {i + 1}"): {"id": name, "kind": "served (telemetry)"} for i, name in enumerate(served)}
         self.meta["summary"] = self._summary()
         for name, rows, schema in ((WINDOWS_FILE, self.rows, WINDOWS_SCHEMA), (UNITS_FILE, self.unit_rows, UNITS_SCHEMA)):
             tmp = self.run_dir / (name + ".tmp")

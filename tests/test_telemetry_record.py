@@ -1,0 +1,108 @@
+"""A watch's run directory: readable by every view (load_run, report, compare), the Production page, canary compare."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from streamlit.testing.v1 import AppTest
+from typer.testing import CliRunner
+
+from dflash_doctor.app import RUNS_DIR_ENV
+from dflash_doctor.cli import app
+from dflash_doctor.compare import compare_runs
+from dflash_doctor.schema import load_run
+from dflash_doctor.telemetry.counts import SeriesKey, SpecCounts
+from dflash_doctor.telemetry.record import WatchRecord, read_units, read_windows
+from dflash_doctor.telemetry.verdict import Baseline, Judge, Thresholds
+from dflash_doctor.telemetry.watcher import Unit, Window
+
+MAIN = Path(__file__).resolve().parents[1] / "app" / "main.py"
+K = 4
+
+
+def unit_counts(drafts: int, rates: list[float], generated: float | None = None) -> SpecCounts:
+    per_pos = tuple(float(round(r * drafts)) for r in rates)
+    return SpecCounts(num_drafts=float(drafts), num_draft_tokens=float(drafts * K), num_accepted_tokens=float(sum(per_pos)),
+                      num_accepted_tokens_per_pos=per_pos, num_generated_tokens=generated if generated is not None else drafts + sum(per_pos))
+
+
+def write_watch(run_dir: Path, rates: list[float], *, baseline_tau: float | None = None, classes=("code", "chat"), num_units: int = 8) -> Path:
+    """A watch of ``num_units`` scrape intervals per class, one window per interval (live-watch shape)."""
+    judge = Judge(Baseline.fixed({"overall": baseline_tau}) if baseline_tau else None, Thresholds(min_drafts=10), engine="vllm")
+    record = WatchRecord(run_dir, {"config": "test"}, {"sources": ["http://x/metrics"], "window_s": 60.0, "baseline": "fixed"})
+    for i in range(num_units):
+        verdicts, units = [], []
+        for cls in classes:
+            counts = unit_counts(200 + 10 * i, rates)
+            key = SeriesKey("m", cls)
+            units.append(Unit(key, 1_700_000_000.0 + 60 * i, counts, {}, "http://x/metrics"))
+            verdicts.append(judge.judge(Window(key, 1_700_000_000.0 + 60 * (i - 1), 1_700_000_000.0 + 60 * i, counts, [counts])))
+        record.update(verdicts, units, [], [])
+    return run_dir
+
+
+def test_watch_run_loads_everywhere(tmp_path):
+    run_dir = write_watch(tmp_path / "watch", [0.6, 0.35, 0.2, 0.1], baseline_tau=3.0)
+    run = load_run(run_dir)
+    assert run.meta["source"] == "telemetry"
+    assert run.steps.empty and run.requests.empty  # production has no per-step rows
+    overall = run.meta["summary"]["overall"]
+    assert overall["mean_acceptance_length"] == pytest.approx(1 + 0.6 + 0.35 + 0.2 + 0.1, abs=0.01)
+    assert set(run.meta["summary"]["by_class"]) == {"code", "chat"}
+    windows = read_windows(run_dir)
+    assert len(windows) == 16 and set(windows["alerts"].map(tuple)) == {("acceptance-drop",)}  # 2.25 vs baseline 3.0
+    assert len(read_units(run_dir)) == 16
+    assert len(run.meta["telemetry"]["alerts"]) == 16
+    result = CliRunner().invoke(app, ["report", str(run_dir), "--format", "md,json"])
+    assert result.exit_code == 0, result.output
+
+
+def test_canary_compare_flags_a_worse_canary_and_passes_an_equal_one(tmp_path):
+    base = write_watch(tmp_path / "base", [0.6, 0.35, 0.2, 0.1])
+    same = write_watch(tmp_path / "same", [0.6, 0.35, 0.2, 0.1])
+    worse = write_watch(tmp_path / "worse", [0.3, 0.1, 0.05, 0.0])
+    assert not compare_runs(base, same).has_regression
+    comparison = compare_runs(base, worse)
+    assert comparison.has_regression
+    assert {row.cls for row in comparison.regressions if row.slot is None} == {"chat", "code", "overall"}
+    result = CliRunner().invoke(app, ["compare", str(base), str(worse), "--out", str(tmp_path / "cmp")])
+    assert result.exit_code == 1, result.output
+
+
+def test_canary_with_few_scrape_intervals_uses_count_intervals(tmp_path):
+    base = write_watch(tmp_path / "base", [0.6, 0.35, 0.2, 0.1], num_units=2)
+    worse = write_watch(tmp_path / "worse", [0.3, 0.1, 0.05, 0.0], num_units=2)
+    comparison = compare_runs(base, worse)
+    assert comparison.has_regression
+    assert any("fewer than" in note for note in comparison.notes)
+    tau_row = next(r for r in comparison.rows if r.cls == "overall" and r.slot is None)
+    assert tau_row.base_ci[1] - tau_row.base_ci[0] > 0  # never the zero-width interval of a 2-unit bootstrap
+
+
+def test_production_page_shows_series_and_alerts(monkeypatch, tmp_path):
+    run_dir = write_watch(tmp_path / "runs" / "watch", [0.6, 0.35, 0.2, 0.1], baseline_tau=3.0)
+    monkeypatch.setenv(RUNS_DIR_ENV, str(tmp_path / "runs"))
+    at = AppTest.from_file(str(MAIN), default_timeout=60)
+    at.session_state["run_path"] = str(run_dir)
+    at.run()
+    at.switch_page("views/production.py").run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert "16 alert(s)" in at.error[0].value
+    shown = at.dataframe[0].value
+    assert set(shown["class"]) == {"code", "chat"}
+    assert shown["mean_acceptance_length"].iloc[0] == pytest.approx(read_windows(run_dir).sort_values("end_s")["mean_acceptance_length"].iloc[-1])
+    assert any("num_speculative_tokens" in code.value for code in at.code)
+
+
+def test_production_page_on_a_check_run_says_what_it_needs(monkeypatch, tmp_path):
+    from fixture_runs import make_fixture_run
+
+    run_dir = make_fixture_run(tmp_path / "runs" / "check", seed=0, num_requests=3)
+    monkeypatch.setenv(RUNS_DIR_ENV, str(tmp_path / "runs"))
+    at = AppTest.from_file(str(MAIN), default_timeout=60)
+    at.session_state["run_path"] = str(run_dir)
+    at.run()
+    at.switch_page("views/production.py").run()
+    assert not at.exception
+    assert "dflash-doctor watch" in at.info[0].value
