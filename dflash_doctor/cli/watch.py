@@ -47,9 +47,24 @@ def verdict_table(verdicts: list[WindowVerdict], title: str) -> Table:
     return table
 
 
+def verdict_line(v: WindowVerdict) -> str:
+    """One line per series that survives any terminal width (and reads well in a cron mail)."""
+    ci = v.mean_acceptance_length_ci
+    parts = [f"{v.window.key}: {v.status}"]
+    if v.mean_acceptance_length is not None:
+        parts.append(f"tau {v.mean_acceptance_length:.2f}" + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else ""))
+        parts.append(f"{v.window.counts.num_drafts:.0f} drafts at K={v.k}")
+    if v.baseline_tau is not None:
+        parts.append(f"baseline {v.baseline_tau:.2f}")
+    if v.speedup is not None:
+        parts.append(f"net speedup {v.speedup:.2f}x")
+    return ", ".join(parts)
+
+
 def print_findings(console: Console, verdicts: list[WindowVerdict], watcher: Watcher, shown_events: int) -> int:
     """Alerts with their advice, notes, and source events not printed yet; returns the events shown."""
     for v in verdicts:
+        console.print(verdict_line(v), soft_wrap=True)
         for alert in v.alerts:
             console.print(f"[bold red]ALERT[/] {alert.kind}: {alert.message}")
             for line in alert.advice:

@@ -101,7 +101,8 @@ class Watcher:
     def _take(self, source: str, observation: Observation, now: float) -> None:
         key = observation.key
         self._keys_by_source.setdefault(source, set()).add(key)
-        end_s = observation.time_s if observation.time_s is not None else now
+        # A scrape counts up to the poll; files and Prometheus carry their own clock.
+        end_s = now if observation.cumulative or observation.time_s is None else observation.time_s
         counts = observation.counts
         if observation.cumulative:
             previous = self._snapshots.get((source, key))
