@@ -109,7 +109,7 @@ def run_once(watcher: Watcher, judge: Judge, settings: WatchSettings) -> list[li
 @app.command()
 def watch(
     sources: Annotated[Optional[list[str]], typer.Argument(help="Engine /metrics URLs, log files, or captured responses (.jsonl).", show_default=False)] = None,
-    prometheus: Annotated[Optional[str], typer.Option("--prometheus", help="A Prometheus server URL: counters are read as rate() over the window through its HTTP API.")] = None,
+    prometheus: Annotated[Optional[str], typer.Option("--prometheus", help="A Prometheus server URL: each counter's increase over the window is read through its HTTP API.")] = None,
     engine: Annotated[Optional[str], typer.Option("--engine", help="vllm | sglang | llamacpp | trtllm (default: detected from the metric names / log lines).")] = None,
     model: Annotated[Optional[str], typer.Option("--model", help="Series name for sources without a model label (logs, llama.cpp).")] = None,
     class_label: Annotated[Optional[str], typer.Option("--class-label", help="Label holding the request class (e.g. an SGLang custom label).")] = None,

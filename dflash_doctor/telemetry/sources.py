@@ -103,21 +103,18 @@ def _observations(reading: Reading, now: float, origin: str, *, cumulative: bool
     return result
 
 
-# PromQL per engine: (metric name, extra grouping label). Counters go through rate() over the window;
-# gauges (window averages computed by the engine) through avg_over_time().
-PROMQL_COUNTERS = {
-    "vllm": [("vllm:spec_decode_num_drafts_total", None), ("vllm:spec_decode_num_draft_tokens_total", None),
-             ("vllm:spec_decode_num_accepted_tokens_total", None), ("vllm:spec_decode_num_accepted_tokens_per_pos_total", "position"),
-             ("vllm:generation_tokens_total", None)],
-    "sglang": [("sglang:spec_verify_calls_total", None), ("sglang:generation_tokens_total", None)],
-    "llamacpp": [("llamacpp:spec_decode_num_drafts_total", None), ("llamacpp:spec_decode_num_draft_tokens_total", None),
-                 ("llamacpp:spec_decode_num_accepted_tokens_total", None), ("llamacpp:spec_decode_num_accepted_tokens_per_pos_total", "position"),
-                 ("llamacpp:tokens_predicted_total", None)],
-    "trtllm": [("trtllm_spec_decode_num_draft_tokens_total", None), ("trtllm_spec_decode_num_accepted_tokens_total", None),
-               ("trtllm_spec_decode_drafted_tokens_total", "token_position"), ("trtllm_spec_decode_accepted_tokens_total", "token_position"),
-               ("trtllm_generation_tokens_total", None)],
+# The series watch reads from a Prometheus server, per engine: counters, and gauges (window averages the
+# engine computed itself, averaged again over the window).
+PROMETHEUS_COUNTERS = {
+    "vllm": ["vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total", "vllm:spec_decode_num_accepted_tokens_total",
+             "vllm:spec_decode_num_accepted_tokens_per_pos_total", "vllm:generation_tokens_total"],
+    "sglang": ["sglang:spec_verify_calls_total", "sglang:generation_tokens_total"],
+    "llamacpp": ["llamacpp:spec_decode_num_drafts_total", "llamacpp:spec_decode_num_draft_tokens_total", "llamacpp:spec_decode_num_accepted_tokens_total",
+                 "llamacpp:spec_decode_num_accepted_tokens_per_pos_total", "llamacpp:tokens_predicted_total"],
+    "trtllm": ["trtllm_spec_decode_num_draft_tokens_total", "trtllm_spec_decode_num_accepted_tokens_total", "trtllm_spec_decode_drafted_tokens_total",
+               "trtllm_spec_decode_accepted_tokens_total", "trtllm_generation_tokens_total"],
 }
-PROMQL_GAUGES = {"sglang": ["sglang:spec_accept_length", "sglang:spec_accept_rate"], "trtllm": ["trtllm_spec_decode_acceptance_length"]}
+PROMETHEUS_GAUGES = {"vllm": ["vllm:num_requests_running"], "sglang": ["sglang:spec_accept_length", "sglang:spec_accept_rate"], "trtllm": ["trtllm_spec_decode_acceptance_length"]}
 
 
 def parse_duration_s(text: str) -> float:
@@ -133,16 +130,23 @@ def parse_duration_s(text: str) -> float:
         raise UsageError(f"duration {text!r} is not a number of seconds or a Prometheus duration like 30s, 5m, 1h; fix it.") from None
 
 
-def prometheus_duration(seconds: float) -> str:
-    return f"{int(round(seconds))}s"
+def counter_increase(values: list[float]) -> float:
+    """How much a counter grew over its samples, a drop being a restart from zero (PromQL's reset rule)."""
+    grown = 0.0
+    for before, after in zip(values, values[1:]):
+        grown += after if after < before else after - before
+    return grown
 
 
 class PrometheusServer:
-    """Asks a Prometheus server, through its HTTP API, for each counter's rate() over the window.
+    """Reads one window of every speculative counter from a Prometheus server's HTTP API.
 
-    ``sum by (model_name[, class_label][, position]) (rate(COUNTER[W])) * W`` is the number of drafts
-    (tokens, ...) counted in the last W seconds per model (and class), with counter resets already
-    handled by Prometheus. Every poll is one window's counts, at the server's evaluation time.
+    One range query per poll, ``{__name__=~"COUNTERS"}[W]``, returns every series' samples in the last W
+    seconds; each series' increase is taken the way PromQL's ``rate()``/``increase()`` take it (a drop is
+    a restart from zero) but without their extrapolation to the window edges: that extrapolation is
+    capped at zero per series, so counters that were near zero when the window opened (the higher draft
+    positions, a fresh server) get a different factor than the others and the ratios that make tau drift.
+    Series are then summed per model (and class label) by the engine readers, like any scrape.
     """
 
     def __init__(self, url: str, *, window_s: float, engine: str | None = None, class_label: str | None = None, selector: str = ""):
@@ -164,14 +168,16 @@ class PrometheusServer:
             raise SourceUnavailable(f"Prometheus refused {promql!r}: {payload.get('error', 'no reason given')}")
         return payload["data"]["result"]
 
+    def _selector(self, names: list[str]) -> str:
+        pattern = "|".join(names)  # metric names hold no regex metacharacters
+        extra = f",{self.selector}" if self.selector else ""
+        return f'{{__name__=~"{pattern}"{extra}}}'
+
     def _detect_engine(self) -> str | None:
-        for engine, counters in PROMQL_COUNTERS.items():
-            if self._query(f"count({counters[0][0]}{self._matchers()})"):
+        for engine, counters in PROMETHEUS_COUNTERS.items():
+            if self._query(f"count({self._selector(counters[:1])})"):
                 return engine
         return None
-
-    def _matchers(self) -> str:
-        return f"{{{self.selector}}}" if self.selector else ""
 
     def poll(self) -> list[Observation]:
         engine = self.engine or self._detect_engine()
@@ -179,22 +185,22 @@ class PrometheusServer:
             _note_once(self.notes, [f"{self.url} has no vllm:, sglang:, llamacpp: or trtllm_ speculative counters in its TSDB (yet)."])
             return []
         self.engine = engine
-        window = prometheus_duration(self.window_s)
-        group = ["model_name"] + ([self.class_label] if self.class_label else [])
+        window = f"{int(round(self.window_s))}s"
+        counters, gauges = PROMETHEUS_COUNTERS[engine], PROMETHEUS_GAUGES.get(engine, [])
         samples: list[Sample] = []
-        evaluated_at = time.time()
-        for name, extra in PROMQL_COUNTERS[engine]:
-            by = ", ".join(group + ([extra] if extra else []))
-            for item in self._query(f"sum by ({by}) (rate({name}{self._matchers()}[{window}])) * {self.window_s:g}"):
-                value = float(item["value"][1])
-                evaluated_at = float(item["value"][0])
-                samples.append(Sample(name, dict(item["metric"]), value))
-        for name in PROMQL_GAUGES.get(engine, []):
-            for item in self._query(f"avg by ({', '.join(group)}) (avg_over_time({name}{self._matchers()}[{window}]))"):
-                samples.append(Sample(name, dict(item["metric"]), float(item["value"][1])))
+        last_time = 0.0
+        for series in self._query(f"{self._selector(counters + gauges)}[{window}]"):
+            labels = dict(series["metric"])
+            name = labels.pop("__name__", "")
+            values = [float(value) for _, value in series.get("values", [])]
+            if not values:
+                continue
+            last_time = max(last_time, float(series["values"][-1][0]))
+            value = counter_increase(values) if name in counters else sum(values) / len(values)
+            samples.append(Sample(name, labels, value))
         reading = read_exposition(Exposition(samples), engine=engine, default_model=self.url, class_label=self.class_label)
         _note_once(self.notes, reading.notes)
-        return _observations(reading, evaluated_at, self.name, cumulative=False)
+        return _observations(reading, last_time or time.time(), self.name, cumulative=False)
 
 
 class _TailedFile:
