@@ -167,3 +167,40 @@ def test_captured_responses_per_class(tmp_path):
     assert result.exit_code == 0, result.output
     windows = read_windows(tmp_path / "run")
     assert set(windows["class"]) == {"math", "code", "chat"}
+
+
+def test_live_watch_writes_a_window_per_poll(tmp_path):
+    import threading
+    import time
+
+    with MetricsExporter(capture("good_1")) as exporter:
+        def serve_more_after_two_scrapes():  # more requests arrive while watch is running
+            while exporter.scrapes < 2:
+                time.sleep(0.05)
+            exporter.text = capture("good")
+
+        threading.Thread(target=serve_more_after_two_scrapes, daemon=True).start()
+        result, out = invoke(exporter.url, "--interval", "0.5", "--window", "30s", "--duration", "3", "--min-drafts", "1", "--out", str(tmp_path / "run"))
+    assert result.exit_code == 0, result.output
+    windows = read_windows(tmp_path / "run")
+    assert len(windows) >= 3
+    increase, _ = counts_of("good").since(counts_of("good_1"))
+    # the last window (30 s) holds exactly the counters' increase since the first scrape
+    assert windows.sort_values("end_s")["mean_acceptance_length"].iloc[-1] == pytest.approx(increase.mean_acceptance_length)
+
+
+def test_exporter_serves_verdict_gauges():
+    import urllib.request
+
+    from dflash_doctor.telemetry.exporter import VerdictExporter
+
+    port = free_port()
+    exporter = VerdictExporter(port)
+    judge = Judge(Baseline.fixed({"overall": 3.0}), Thresholds(min_drafts=1), engine="vllm")
+    broken = counts_of("broken")
+    exporter.publish([judge.judge(Window(MODEL, 0, 10, broken, [broken]))])
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    assert 'dflash_doctor_alert{class="all",kind="acceptance-drop",model="smollm2-dflash"} 1.0' in text
+    assert 'dflash_doctor_alert{class="all",kind="k-changed",model="smollm2-dflash"} 0.0' in text
+    tau = float(re.search(r'dflash_doctor_mean_acceptance_length\{class="all",model="smollm2-dflash"\} (\S+)', text).group(1))
+    assert tau == pytest.approx(broken.mean_acceptance_length)
