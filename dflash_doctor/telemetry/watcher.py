@@ -122,8 +122,15 @@ class Watcher:
         with_counts = [u.counts for u in units if u.counts != SpecCounts()]
         reported: dict[str, float] = {}
         for name in sorted({name for u in units for name in u.reported}):
-            values = [u.reported[name] for u in units if name in u.reported]
-            reported[name] = max(values) if name in ("running_requests", "configured_k") else fmean(values)
+            carrying = [u for u in units if name in u.reported]
+            values = [u.reported[name] for u in carrying]
+            weights = [u.counts.num_drafts or 0.0 for u in carrying]
+            if name in ("running_requests", "configured_k"):
+                reported[name] = max(values)
+            elif all(w > 0 for w in weights):  # per-window averages pool by their drafts (vLLM's lines: = pooled tau)
+                reported[name] = sum(v * w for v, w in zip(values, weights)) / sum(weights)
+            else:
+                reported[name] = fmean(values)
         sources = {source for source, keys in self._keys_by_source.items() if key in keys}
         unavailable = any(start_s < self._unavailable_at.get(source, float("-inf")) <= end_s for source in sources)
         return Window(key, start_s, end_s, total(with_counts), with_counts, reported, unavailable)
