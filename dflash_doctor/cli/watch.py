@@ -31,19 +31,27 @@ def _fmt(value: float | None, digits: int = 2) -> str:
 
 
 def verdict_table(verdicts: list[WindowVerdict], title: str) -> Table:
-    table = Table(title=title)
-    for column in ("series", "K", "drafts", "tau", "95% CI", "baseline", "r_1..r_3", "engine tau", "speedup", "status"):
-        table.add_column(column, justify="right" if column in ("K", "drafts", "tau", "speedup") else "left")
+    """One row per series; columns with nothing to show (no baseline, no costs, ...) are left out."""
+    columns: dict[str, list[str]] = {name: [] for name in ("series", "K", "drafts", "tau", "95% CI", "baseline", "r_1..r_3", "engine tau", "speedup", "status")}
     for v in verdicts:
         ci = v.mean_acceptance_length_ci
-        rates = ", ".join(f"{r:.2f}" for r in (v.acceptance_rate_per_pos or [])[:3])
-        status = "[bold red]ALERT: " + ", ".join(a.kind for a in v.alerts) + "[/]" if v.alerts else v.status
         drafts = v.window.counts.num_drafts
-        table.add_row(
-            str(v.window.key), str(v.k or "-"), "-" if drafts is None else f"{drafts:.0f}", _fmt(v.mean_acceptance_length),
-            f"[{ci[0]:.2f}, {ci[1]:.2f}]" if ci else "-", _fmt(v.baseline_tau), rates or "-",
-            _fmt(v.window.reported.get("mean_acceptance_length")), "-" if v.speedup is None else f"{v.speedup:.2f}x", status,
-        )
+        columns["series"].append(str(v.window.key))
+        columns["K"].append(str(v.k or "-"))
+        columns["drafts"].append("-" if drafts is None else f"{drafts:.0f}")
+        columns["tau"].append(_fmt(v.mean_acceptance_length))
+        columns["95% CI"].append(f"[{ci[0]:.2f}, {ci[1]:.2f}]" if ci else "-")
+        columns["baseline"].append(_fmt(v.baseline_tau))
+        columns["r_1..r_3"].append(", ".join(f"{r:.2f}" for r in (v.acceptance_rate_per_pos or [])[:3]) or "-")
+        columns["engine tau"].append(_fmt(v.window.reported.get("mean_acceptance_length")))
+        columns["speedup"].append("-" if v.speedup is None else f"{v.speedup:.2f}x")
+        columns["status"].append("[bold red]ALERT: " + ", ".join(a.kind for a in v.alerts) + "[/]" if v.alerts else v.status)
+    shown = [name for name, values in columns.items() if name in ("series", "tau", "status") or any(x != "-" for x in values)]
+    table = Table(title=title)
+    for name in shown:
+        table.add_column(name, justify="right" if name in ("K", "drafts", "tau", "speedup") else "left")
+    for row in range(len(verdicts)):
+        table.add_row(*(columns[name][row] for name in shown))
     return table
 
 
