@@ -102,13 +102,13 @@ def _time(value: Any) -> float | None:
     return None
 
 
-def parse_response_lines(lines: Iterable[str], *, default_model: str, origin: str, problems: ParseProblems) -> Iterator[Observation]:
+def parse_response_lines(lines: Iterable[str], *, default_model: str, origin: str, problems: ParseProblems, first_line_number: int = 1) -> Iterator[Observation]:
     """One observation per response that carries speculative metrics; other lines are counted as problems.
 
     A response without speculative metrics (speculation off, or the server flag not set) is not an error
     of the file, but a whole file of them is: the caller reports that.
     """
-    for number, raw in enumerate(lines, start=1):
+    for number, raw in enumerate(lines, start=first_line_number):
         if not raw.strip():
             continue
         where = f"{origin}:{number}"

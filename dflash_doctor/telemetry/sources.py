@@ -236,35 +236,10 @@ def _existing_file(path: str | Path) -> Path:
     return path
 
 
-class LogFile:
-    """An engine's log file (followed as it grows); the engine is detected from the first metrics line."""
+class _FollowedFile:
+    """A file read as it grows, whose unreadable lines are counted into one note."""
 
-    def __init__(self, path: str | Path, *, engine: str | None = None, model: str | None = None, year: int | None = None):
-        self.path = _existing_file(path)
-        self.engine = _check_engine(engine)
-        self.model = model or self.path.stem
-        self.name = str(self.path)
-        self.notes: list[str] = []
-        self.problems = ParseProblems()
-        self._tail = _TailedFile(self.path)
-        self._year = year or time.gmtime(self.path.stat().st_mtime).tm_year
-
-    def poll(self) -> list[Observation]:
-        lines, first = self._tail.new_lines()
-        if self.engine is None:
-            self.engine = detect_log_engine(lines)
-            if self.engine is None:
-                return []
-        ctx = LogContext(model=self.model, origin=self.name, year=self._year, problems=self.problems)
-        observations = list(parse_log_lines(lines, engine=self.engine, ctx=ctx, first_line_number=first))
-        message = self.problems.message(f"{self.engine} metrics")
-        if message:
-            self.notes = [n for n in self.notes if "could not be read" not in n] + [message]
-        return observations
-
-
-class ResponsesFile:
-    """Captured responses, one JSON object per line (see :mod:`.responses`); followed as it grows."""
+    what = "metrics"  # named in the note about unreadable lines
 
     def __init__(self, path: str | Path, *, model: str | None = None):
         self.path = _existing_file(path)
@@ -274,12 +249,42 @@ class ResponsesFile:
         self.problems = ParseProblems()
         self._tail = _TailedFile(self.path)
 
-    def poll(self) -> list[Observation]:
-        lines, first = self._tail.new_lines()
-        observations = list(parse_response_lines(lines, default_model=self.model, origin=self.name, problems=self.problems))
-        message = self.problems.message("response")
+    def _note_problems(self) -> None:
+        message = self.problems.message(self.what)
         if message:
             self.notes = [n for n in self.notes if "could not be read" not in n] + [message]
+
+
+class LogFile(_FollowedFile):
+    """An engine's log file (followed as it grows); the engine is detected from the first metrics line."""
+
+    def __init__(self, path: str | Path, *, engine: str | None = None, model: str | None = None, year: int | None = None):
+        super().__init__(path, model=model)
+        self.engine = _check_engine(engine)
+        self._year = year or time.gmtime(self.path.stat().st_mtime).tm_year
+
+    def poll(self) -> list[Observation]:
+        lines, first = self._tail.new_lines()
+        if self.engine is None:
+            self.engine = detect_log_engine(lines)
+            if self.engine is None:
+                return []
+        self.what = f"{self.engine} metrics"
+        ctx = LogContext(model=self.model, origin=self.name, year=self._year, problems=self.problems)
+        observations = list(parse_log_lines(lines, engine=self.engine, ctx=ctx, first_line_number=first))
+        self._note_problems()
+        return observations
+
+
+class ResponsesFile(_FollowedFile):
+    """Captured responses, one JSON object per line (see :mod:`.responses`); followed as it grows."""
+
+    what = "response"
+
+    def poll(self) -> list[Observation]:
+        lines, first = self._tail.new_lines()
+        observations = list(parse_response_lines(lines, default_model=self.model, origin=self.name, problems=self.problems, first_line_number=first))
+        self._note_problems()
         return observations
 
 
