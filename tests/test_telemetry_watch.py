@@ -204,3 +204,18 @@ def test_exporter_serves_verdict_gauges():
     assert 'dflash_doctor_alert{class="all",kind="k-changed",model="smollm2-dflash"} 0.0' in text
     tau = float(re.search(r'dflash_doctor_mean_acceptance_length\{class="all",model="smollm2-dflash"\} (\S+)', text).group(1))
     assert tau == pytest.approx(broken.mean_acceptance_length)
+
+
+def test_config_file_watch_table(tmp_path):
+    good = counts_of("good")
+    config = tmp_path / "doctor.toml"
+    config.write_text(f'[watch]\nmin_drafts = 20\nthreshold_tau = 0.05\n[watch.baseline_tau]\noverall = {good.mean_acceptance_length + 0.5:.3f}\n')
+    with MetricsExporter(capture("good")) as exporter:
+        result, out = invoke(exporter.url, "--once", "--config", str(config), "--out", str(tmp_path / "run"))
+        assert result.exit_code == 1 and "acceptance-drop" in out  # the table's baseline is 0.5 above production
+        # a flag beats the file: with a larger threshold the same drop does not alert
+        result, out = invoke(exporter.url, "--once", "--config", str(config), "--threshold-tau", "1.0", "--out", str(tmp_path / "run2"))
+        assert result.exit_code == 0, out
+    config.write_text("[watch]\nwindw = '5m'\n")
+    result, out = invoke(str(DATA / "vllm_server_good.log"), "--once", "--config", str(config))
+    assert result.exit_code == 2 and "unknown key(s) windw" in out
