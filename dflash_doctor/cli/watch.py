@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console, Group
+from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
@@ -17,9 +18,10 @@ from dflash_doctor.config import build_config
 from dflash_doctor.errors import UsageError
 from dflash_doctor.schema import utc_now
 from dflash_doctor.speedup import load_cost_profile
+from dflash_doctor.telemetry.exporter import VerdictExporter
 from dflash_doctor.telemetry.record import WatchRecord
 from dflash_doctor.telemetry.settings import WatchSettings, build_watch_settings
-from dflash_doctor.telemetry.sources import LogFile, MetricsEndpoint, PrometheusServer, ResponsesFile, Source, open_source
+from dflash_doctor.telemetry.sources import LogFile, MetricsEndpoint, PrometheusServer, ResponsesFile, Source, open_source, parse_duration_s
 from dflash_doctor.telemetry.verdict import Judge, WindowVerdict, load_baseline
 from dflash_doctor.telemetry.watcher import Watcher
 
@@ -69,20 +71,26 @@ def verdict_line(v: WindowVerdict) -> str:
     return ", ".join(parts)
 
 
-def print_findings(console: Console, verdicts: list[WindowVerdict], watcher: Watcher, shown_events: int) -> int:
-    """Alerts with their advice, notes, and source events not printed yet; returns the events shown."""
+def print_verdicts(console: Console, verdicts: list[WindowVerdict]) -> None:
+    """One line per series, then every alert with its advice and the notes on each window."""
     for v in verdicts:
         console.print(verdict_line(v), soft_wrap=True)
         for alert in v.alerts:
-            console.print(f"[bold red]ALERT[/] {alert.kind}: {alert.message}")
+            console.print(f"[bold red]ALERT[/] {alert.kind}: {alert.message}", soft_wrap=True)
             for line in alert.advice:
-                console.print(f"    {line}")
+                console.print(f"    {line}", soft_wrap=True)
         for note in v.notes:
-            console.print(f"note: {v.window.key}: {note}")
-    for event in watcher.events[shown_events:]:
-        console.print(f"{event.kind}: {event.source}: {event.message}")
+            console.print(f"note: {v.window.key}: {note}", soft_wrap=True)
+
+
+def print_source_news(console: Console, watcher: Watcher, events_shown: int, notes_shown: set[str]) -> int:
+    """Source events and notes not printed yet (each once); returns the number of events shown."""
+    for event in watcher.events[events_shown:]:
+        console.print(f"{event.kind}: {event.source}: {event.message}", soft_wrap=True)
     for note in watcher.source_notes():
-        console.print(f"note: {note}")
+        if note not in notes_shown:
+            notes_shown.add(note)
+            console.print(f"note: {note}", soft_wrap=True)
     return len(watcher.events)
 
 
@@ -143,17 +151,13 @@ def watch(
     watch_sources = _sources(list(sources or []), prometheus, settings)
     costs = load_cost_profile(doctor_config.cost_profile) if doctor_config.cost_profile else None
     judge = Judge(load_baseline(settings.baseline), settings.thresholds, engine=settings.engine, costs=costs)
-    stop_after = None if duration is None else build_watch_settings({}, window=duration).window_s
+    stop_after_s = None if duration is None else parse_duration_s(duration)
     run_dir = Path(doctor_config.out or f"runs/watch-{utc_now().replace(':', '').replace('+0000', 'Z')}")
     record = WatchRecord(run_dir, doctor_config.as_dict(), {
         "sources": [s.name for s in watch_sources], "window_s": settings.window_s, "interval_s": settings.interval_s,
-        "baseline": judge.baseline.description if judge.baseline else None, "thresholds": settings.thresholds.__dict__,
+        "baseline": judge.baseline.description if judge.baseline else None, "thresholds": dataclasses.asdict(settings.thresholds),
     })
-    exporter = None
-    if exporter_port is not None:
-        from dflash_doctor.telemetry.exporter import VerdictExporter
-
-        exporter = VerdictExporter(exporter_port)
+    exporter = VerdictExporter(exporter_port) if exporter_port is not None else None
     console = Console()
     watcher = Watcher(watch_sources, window_s=settings.window_s, count_since_start=once and not settings.window_given)
 
@@ -165,7 +169,8 @@ def watch(
         if exporter:
             exporter.publish(latest)
         console.print(verdict_table(latest, "latest window" if settings.window_given or len(rounds) > 1 else "since the server started"))
-        print_findings(console, latest, watcher, 0)
+        print_verdicts(console, latest)
+        print_source_news(console, watcher, 0, set())
         console.print(f"wrote {run_dir}")
         if not latest:
             console.print("no series found in the sources: nothing to judge.")
@@ -173,28 +178,31 @@ def watch(
             raise typer.Exit(EXIT_ALERT)
         return
 
-    _watch_live(console, watcher, judge, record, exporter, settings, stop_after, run_dir)
+    _watch_live(console, watcher, judge, record, exporter, settings, stop_after_s, run_dir)
 
 
-def _watch_live(console, watcher, judge, record, exporter, settings, stop_after, run_dir) -> None:
+def _watch_live(console: Console, watcher: Watcher, judge: Judge, record: WatchRecord, exporter: VerdictExporter | None,
+                settings: WatchSettings, stop_after_s: float | None, run_dir: Path) -> None:
+    """Poll every interval until Ctrl-C (or ``stop_after_s``): a live table, alerts as they fire, the run directory kept current."""
     started = time.monotonic()
     alerted = False
     watcher.poll()  # the first scrape of a counter is only a starting point
-    shown = recorded = 0
+    events_shown = units_recorded = 0
+    notes_shown: set[str] = set()
     try:
         with Live(console=console, auto_refresh=False) as live:
-            while stop_after is None or time.monotonic() - started < stop_after:
+            while stop_after_s is None or time.monotonic() - started < stop_after_s:
                 time.sleep(settings.interval_s)
                 watcher.poll()
                 verdicts = [judge.judge(w) for w in watcher.current_windows()]
-                record.update(verdicts, watcher.units[recorded:], watcher.events, watcher.source_notes())
-                recorded = len(watcher.units)
+                record.update(verdicts, watcher.units[units_recorded:], watcher.events, watcher.source_notes())
+                units_recorded = len(watcher.units)
                 if exporter:
                     exporter.publish(verdicts)
                 alerted = alerted or any(v.alerts for v in verdicts)
-                live.update(Group(verdict_table(verdicts, f"last {settings.window_s:g} s, at {time.strftime('%H:%M:%S')}")), refresh=True)
-                live.console.print(f"[dim]{time.strftime('%H:%M:%S')}[/]", end="")
-                shown = print_findings(live.console, [v for v in verdicts if v.alerts], watcher, shown)
+                live.update(verdict_table(verdicts, f"last {settings.window_s:g} s, at {time.strftime('%H:%M:%S')}"), refresh=True)
+                print_verdicts(live.console, [v for v in verdicts if v.alerts])
+                events_shown = print_source_news(live.console, watcher, events_shown, notes_shown)
     except KeyboardInterrupt:
         pass
     console.print(f"wrote {run_dir}")
