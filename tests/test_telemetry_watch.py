@@ -219,3 +219,17 @@ def test_config_file_watch_table(tmp_path):
     config.write_text("[watch]\nwindw = '5m'\n")
     result, out = invoke(str(DATA / "vllm_server_good.log"), "--once", "--config", str(config))
     assert result.exit_code == 2 and "unknown key(s) windw" in out
+
+
+@pytest.mark.parametrize("name, extra, series", [
+    ("sglang_metrics.txt", ["--class-label", "cls"], {("glm", "code"), ("glm", "chat"), ("glm", "all")}),
+    ("llamacpp_metrics.txt", ["--model", "llama-server"], {("llama-server", "all")}),
+    ("trtllm_prometheus.txt", [], {("nemotron-nano-3", "all")}),
+])
+def test_other_engines_through_watch(tmp_path, name, extra, series):
+    with MetricsExporter((DATA / name).read_text()) as exporter:
+        result, out = invoke(exporter.url, "--once", "--min-drafts", "1", *extra, "--out", str(tmp_path / "run"))
+    assert result.exit_code == 0, result.output
+    windows = read_windows(tmp_path / "run")
+    assert set(zip(windows["model"], windows["class"])) == series
+    assert windows["mean_acceptance_length"].notna().any()
