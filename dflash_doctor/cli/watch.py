@@ -103,6 +103,12 @@ def _sources(specs: list[str], prometheus: str | None, settings: WatchSettings) 
     return sources
 
 
+def adopt_detected_engine(judge: Judge, watcher: Watcher) -> None:
+    """Advice for the one engine the sources turned out to be (all engines' settings when it is not one)."""
+    if judge.engine is None and len(watcher.engines) == 1:
+        judge.engine = next(iter(watcher.engines))
+
+
 def run_once(watcher: Watcher, judge: Judge, settings: WatchSettings) -> list[list[WindowVerdict]]:
     """One verdict for cron/CI: the latest window of every series (files: every window, oldest first)."""
     live = [s for s in watcher.sources if isinstance(s, (MetricsEndpoint, PrometheusServer))]
@@ -112,6 +118,7 @@ def run_once(watcher: Watcher, judge: Judge, settings: WatchSettings) -> list[li
     if scrapes and settings.window_given:  # two scrapes one window apart: the counts of that window
         time.sleep(settings.window_s)
         watcher.poll()
+    adopt_detected_engine(judge, watcher)
     failed = {e.source: e.message for e in watcher.events if e.kind == "source-unavailable"}
     if len(failed) == len(watcher.sources) and not watcher.units:
         raise UsageError(f"no source could be read: {'; '.join(failed.values())}; check the URL/path and that the server is up.")
@@ -194,6 +201,7 @@ def _watch_live(console: Console, watcher: Watcher, judge: Judge, record: WatchR
             while stop_after_s is None or time.monotonic() - started < stop_after_s:
                 time.sleep(settings.interval_s)
                 watcher.poll()
+                adopt_detected_engine(judge, watcher)
                 verdicts = [judge.judge(w) for w in watcher.current_windows()]
                 record.update(verdicts, watcher.units[units_recorded:], watcher.events, watcher.source_notes())
                 units_recorded = len(watcher.units)

@@ -36,6 +36,7 @@ class SourceUnavailable(Exception):
 class Source(Protocol):
     name: str
     notes: list[str]
+    engine: str | None  # given, or detected by the first successful poll
 
     def poll(self) -> list[Observation]: ...
 
@@ -87,6 +88,8 @@ class MetricsEndpoint:
         self.last_text = text
         now = time.time()
         reading = read_exposition(parse_exposition(text), engine=self.engine, default_model=self.model, class_label=self.class_label)
+        if reading.engine in READERS:
+            self.engine = reading.engine  # detected once, then kept: the advice names this engine's settings
         _note_once(self.notes, reading.notes)
         return _observations(reading, now, self.url, cumulative=True)
 
@@ -280,6 +283,7 @@ class ResponsesFile(_FollowedFile):
     """Captured responses, one JSON object per line (see :mod:`.responses`); followed as it grows."""
 
     what = "response"
+    engine = None  # each line names its own engine by its fields
 
     def poll(self) -> list[Observation]:
         lines, first = self._tail.new_lines()

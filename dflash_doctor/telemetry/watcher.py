@@ -151,5 +151,10 @@ class Watcher:
         ends = [last - self.window_s * (count - 1 - i) for i in range(count)]
         return [[self.window(key, end - self.window_s, end) for key in self.keys] for end in ends]
 
+    @property
+    def engines(self) -> set[str]:
+        """The engines the sources were given or detected (after a poll)."""
+        return {source.engine for source in self.sources if source.engine}
+
     def source_notes(self) -> list[str]:
         return [f"{source.name}: {note}" for source in self.sources for note in source.notes]
