@@ -106,3 +106,18 @@ def test_production_page_on_a_check_run_says_what_it_needs(monkeypatch, tmp_path
     at.switch_page("views/production.py").run()
     assert not at.exception
     assert "dflash-doctor watch" in at.info[0].value
+
+
+def test_canary_between_two_label_values_of_one_watch(tmp_path):
+    from dflash_doctor.telemetry.record import WatchRecord
+
+    record = WatchRecord(tmp_path / "w", {}, {"sources": ["x"], "window_s": 60.0})
+    for i in range(8):
+        stable = unit_counts(200, [0.6, 0.35, 0.2, 0.1])
+        canary = unit_counts(200, [0.3, 0.1, 0.05, 0.0])
+        record.update([], [Unit(SeriesKey("m", "stable"), 60.0 * i, stable, {}, "x"), Unit(SeriesKey("m", "canary"), 60.0 * i, canary, {}, "x")], [], [])
+    comparison = compare_runs(f"{tmp_path / 'w'}#stable", f"{tmp_path / 'w'}#canary")
+    assert comparison.has_regression and {r.cls for r in comparison.rows} == {"overall"}
+    assert not compare_runs(f"{tmp_path / 'w'}#canary", f"{tmp_path / 'w'}#stable").has_regression  # an improvement
+    result = CliRunner().invoke(app, ["compare", f"{tmp_path / 'w'}#stable", f"{tmp_path / 'w'}#nope"])
+    assert result.exit_code == 2 and "no series of class 'nope'" in result.output

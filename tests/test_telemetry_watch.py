@@ -13,6 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from dflash_doctor.cli import app
+from dflash_doctor.schema import load_run
 from dflash_doctor.telemetry.counts import SeriesKey, SpecCounts
 from dflash_doctor.telemetry.engines import read_exposition
 from dflash_doctor.telemetry.exposition import parse_exposition
@@ -65,6 +66,9 @@ def test_forced_drop_alerts_with_fallback_advice(tmp_path):
     row = read_windows(tmp_path / "run").iloc[0]
     assert set(row["alerts"]) == {"acceptance-drop", "fallback"}
     assert row["speedup"] < 1.0
+    recorded = load_run(tmp_path / "run").meta["telemetry"]["alerts"]
+    assert [a["kind"] for a in recorded] == ["acceptance-drop", "fallback"]
+    assert any("num_speculative_tokens_per_batch_size" in line for line in recorded[1]["advice"])
 
 
 def test_no_alert_when_production_matches_the_baseline(tmp_path):

@@ -1,4 +1,6 @@
-"""Canary: ``dflash-doctor compare BASE NEW`` on two watch runs (two sources, or the same source before and after).
+"""Canary: ``dflash-doctor compare BASE NEW`` on two watch runs (two sources, or the same source before and after),
+or on two label values of one watch: ``compare RUN#stable RUN#canary`` compares the series of class
+``stable`` with those of class ``canary`` (a watch with ``--class-label deployment``, say).
 
 The rule is the one for runs (:mod:`dflash_doctor.compare`): a metric regresses when it drops by more
 than its threshold AND the 95% intervals separate. A watch has no requests, so the resampled unit is
@@ -21,13 +23,24 @@ import pandas as pd
 from dflash_doctor.compare import (
     CONFIDENCE_LEVEL, DEFAULT_THRESHOLD_RATE, DEFAULT_THRESHOLD_TAU, OVERALL, Comparison, MetricComparison, RequestCounts, compare_counts,
 )
+from dflash_doctor.errors import UsageError
 from dflash_doctor.schema import RUN_JSON, read_run_meta
 from dflash_doctor.telemetry.counts import MIN_UNITS_FOR_BOOTSTRAP, SpecCounts, tau_interval
 from dflash_doctor.telemetry.record import is_watch_run, read_units
 
 
-def is_watch_dir(path: str | Path) -> bool:
-    return (Path(path) / RUN_JSON).is_file() and is_watch_run(read_run_meta(path))
+def split_spec(spec: str | Path) -> tuple[Path, str | None]:
+    """``RUN`` or ``RUN#CLASS`` (one label value of a watch) -> (run directory, class or None)."""
+    text = str(spec)
+    if "#" in text and not Path(text).exists():
+        run, cls = text.rsplit("#", 1)
+        return Path(run), cls
+    return Path(text), None
+
+
+def is_watch_dir(spec: str | Path) -> bool:
+    path, _ = split_spec(spec)
+    return (path / RUN_JSON).is_file() and is_watch_run(read_run_meta(path))
 
 
 def _unit_counts(units: pd.DataFrame, k: int) -> RequestCounts:
@@ -65,10 +78,20 @@ def _with_count_intervals(rows: list[MetricComparison], base: RequestCounts, new
 
 def compare_watch_runs(base: str | Path, new: str | Path, *, threshold_tau: float = DEFAULT_THRESHOLD_TAU, threshold_rate: float = DEFAULT_THRESHOLD_RATE, seed: int = 0) -> Comparison:
     """Per class (and overall) tau and per-position rates of two watch runs, compare's rule."""
-    base_units, new_units = read_units(base), read_units(new)
+    (base_path, base_cls), (new_path, new_cls) = split_spec(base), split_spec(new)
+    base_units, new_units = read_units(base_path), read_units(new_path)
+    for cls, units, spec in ((base_cls, base_units, base), (new_cls, new_units, new)):
+        if cls is not None and not (units["class"] == cls).any():
+            raise UsageError(f"{spec}: the watch has no series of class {cls!r}; its classes are {', '.join(sorted(set(units['class']))) or 'none'}.")
+    if base_cls is not None or new_cls is not None:  # two label values: the two slices, compared as one
+        base_units = base_units[base_units["class"] == base_cls] if base_cls else base_units
+        new_units = new_units[new_units["class"] == new_cls] if new_cls else new_units
+        base_units, new_units = base_units.assign(**{"class": "all"}), new_units.assign(**{"class": "all"})
     k_base, k_new = (_largest_k(u) for u in (base_units, new_units))
     k = min(k_base, k_new)
-    comparison = Comparison(Path(base), Path(new), threshold_tau, threshold_rate, k)
+    comparison = Comparison(base_path, new_path, threshold_tau, threshold_rate, k)
+    if base_cls is not None or new_cls is not None:
+        comparison.notes.append(f"BASE = {base_cls or 'every series'} of {base_path.name}, NEW = {new_cls or 'every series'} of {new_path.name}.")
     if not k:
         comparison.notes.append("one of the watches has no scrape interval with per-position counts (needs an engine exporting them, e.g. vLLM): nothing compared.")
         return comparison

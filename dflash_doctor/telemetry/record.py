@@ -97,14 +97,13 @@ class WatchRecord:
         """Append the new windows and units, refresh the summary, rewrite the files atomically."""
         for verdict in verdicts:
             self.rows.append(verdict.as_row())
+            for alert in verdict.alerts:
+                self.meta["telemetry"]["alerts"].append({"time_s": verdict.window.end_s, "kind": alert.kind, "series": alert.series, "message": alert.message, "advice": list(alert.advice)})
         for unit in units:
             if unit.counts.num_drafts is None and unit.counts.num_generated_tokens is None:
                 continue
             self._units.setdefault(unit.key, []).append(unit.counts)
-            self.unit_rows.append({"end_s": unit.end_s, "model": unit.key.model, "class": unit.key.cls, "source": unit.source, **{
-                name: value for name, value in unit.counts.as_dict().items()}})
-            for alert in verdict.alerts:
-                self.meta["telemetry"]["alerts"].append({"time_s": verdict.window.end_s, "kind": alert.kind, "series": alert.series, "message": alert.message, "advice": list(alert.advice)})
+            self.unit_rows.append({"end_s": unit.end_s, "model": unit.key.model, "class": unit.key.cls, "source": unit.source, **unit.counts.as_dict()})
         self.meta["telemetry"]["events"] = [{"time_s": e.time_s, "kind": e.kind, "source": e.source, "message": e.message} for e in events]
         self.meta["telemetry"]["notes"] = list(notes)
         served = sorted({key.model for key in self._units})
