@@ -237,3 +237,16 @@ def test_other_engines_through_watch(tmp_path, name, extra, series):
     windows = read_windows(tmp_path / "run")
     assert set(zip(windows["model"], windows["class"])) == series
     assert windows["mean_acceptance_length"].notna().any()
+
+
+def test_sglang_log_is_shown_not_judged(tmp_path):
+    # Lines in SGLang's report_decode_stats format (see test_telemetry_logs.py for the source).
+    lines = [f"[2026-11-30 15:00:{10 * i:02d}] Decode batch, #running-req: 4, #cached-token: 0, #token: 900, token usage: 0.01, "
+             f"accept len: {value:.2f}, accept rate: 0.40, cuda graph: True, gen throughput (token/s): 50.00, #queue-req: 0" for i, value in enumerate([2.1, 2.3, 2.2, 2.4, 2.0])]
+    log = tmp_path / "sglang.log"
+    log.write_text("\n".join(lines) + "\n")
+    result, out = invoke(str(log), "--once", "--window", "1h", "--baseline", "5.0", "--out", str(tmp_path / "run"))
+    assert result.exit_code == 0, result.output  # averages carry no counts: no drop verdict, and it says so
+    assert "engine reports averages only" in out
+    row = read_windows(tmp_path / "run").iloc[0]
+    assert row["engine_mean_acceptance_length"] == pytest.approx(2.2)

@@ -231,7 +231,9 @@ class Judge:
             else:
                 verdict.status = "no-speculation"
                 verdict.notes.append("tokens are generated but no draft has been counted yet: speculation is off for this series, or its counters are not exported")
-        elif drafts == 0 and counts.mean_acceptance_length is None and "mean_acceptance_length" not in window.reported:
+        elif counts.num_drafts is None and "mean_acceptance_length" in window.reported:
+            verdict.notes.append("the engine reports averages only (SGLang log lines): shown as the engine's tau, not judged (no counts for an interval)")
+        elif drafts == 0 and counts.mean_acceptance_length is None:
             verdict.status = "idle"
             verdict.notes.append("no tokens generated in this window (idle)")
 
@@ -254,7 +256,7 @@ class Judge:
         configured = verdict.window.reported.get("configured_k")
         if previous is not None and previous != k:
             verdict.alerts.append(Alert("k-changed", str(key), f"{key}: the draft length changed from K={previous} to K={k}; re-run `dflash-doctor sweep` for the new K before trusting the old baseline."))
-        elif configured is not None and counts_k_differs(verdict, int(configured)):
+        elif configured is not None and verdict.window.counts.k not in (None, int(configured)):
             verdict.alerts.append(Alert("k-changed", str(key), f"{key}: the engine is configured for K={int(configured)} but drafts K={k}."))
         self._last_k[key] = k
 
@@ -297,10 +299,6 @@ class Judge:
                 f"{key}: fall back - net speedup {verdict.speedup:.2f}x at K={verdict.k} (tau {verdict.mean_acceptance_length:.2f}) is below the floor {self.thresholds.speedup_floor:g}x.",
                 fallback_advice(self.engine, verdict, self.baseline, self.costs, self.thresholds.speedup_floor),
             ))
-
-
-def counts_k_differs(verdict: WindowVerdict, configured: int) -> bool:
-    return verdict.window.counts.k is not None and verdict.window.counts.k != configured
 
 
 def fallback_advice(engine: str | None, verdict: WindowVerdict, baseline: Baseline | None, costs: StepCosts | None = None, floor: float = DEFAULT_SPEEDUP_FLOOR) -> tuple[str, ...]:
