@@ -121,3 +121,23 @@ def test_canary_between_two_label_values_of_one_watch(tmp_path):
     assert not compare_runs(f"{tmp_path / 'w'}#canary", f"{tmp_path / 'w'}#stable").has_regression  # an improvement
     result = CliRunner().invoke(app, ["compare", f"{tmp_path / 'w'}#stable", f"{tmp_path / 'w'}#nope"])
     assert result.exit_code == 2 and "no series of class 'nope'" in result.output
+
+
+def test_baseline_from_a_check_run_prices_and_truncates(tmp_path):
+    from fixture_runs import FIXTURE_K_MAX, make_fixture_run
+
+    run_dir = make_fixture_run(tmp_path / "check", seed=0, num_requests=18)
+    baseline = Baseline.from_run(run_dir)
+    summary = load_run(run_dir).meta["summary"]
+    assert baseline.costs is not None  # the sweep's step costs price production windows
+    assert baseline.for_class("code").tau == pytest.approx(summary["by_class"]["code"]["mean_acceptance_length"])
+    assert baseline.for_class("all").tau == pytest.approx(summary["overall"]["mean_acceptance_length"])
+    # production serves K=4 of the baseline's K=8: the baseline is truncated from its per-position rates
+    judge = Judge(baseline, Thresholds(min_drafts=10), engine="vllm")
+    served = unit_counts(400, [0.3, 0.1, 0.05, 0.0])
+    verdict = judge.judge(Window(SeriesKey("m", "code"), 0, 60, served, [served]))
+    rates = summary["by_class"]["code"]["acceptance_rate_per_pos"]
+    assert len(rates) == FIXTURE_K_MAX
+    assert verdict.baseline_tau == pytest.approx(1 + sum(rates[:K]))
+    assert {a.kind for a in verdict.alerts} >= {"acceptance-drop"}
+    assert verdict.speedup is not None

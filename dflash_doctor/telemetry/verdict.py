@@ -224,6 +224,8 @@ class Judge:
             verdict.status = "source-unavailable" if window.source_unavailable else "no-data"
             if window.source_unavailable:
                 verdict.notes.append("the source could not be read in this window; its counts arrive with the next successful scrape")
+            else:
+                verdict.notes.append("nothing reported in this window (vLLM logs idle windows at DEBUG level: a quiet log is not a stopped draft)")
             return verdict
         if drafts == 0 and generated > 0:
             if key in self._has_drafted:
