@@ -113,3 +113,12 @@ def test_exposition_reads_by_name_and_label_and_counts_garbage():
     assert expo.named("plain_metric")[0].labels == {}
     assert expo.num_unreadable_lines == 2
     assert expo.first_unreadable_line == "this is not a sample"
+
+
+def test_interval_is_never_zero_width():
+    rejected = counts_from_lengths([0] * 50, k=4)
+    lo, hi = tau_interval(rejected)
+    assert lo == 1.0 and hi == pytest.approx(1 + 3 / 50)  # rule of three, clipped at tau >= 1
+    accepted = counts_from_lengths([4] * 50, k=4)
+    lo, hi = tau_interval(accepted)
+    assert hi == 5.0 and lo == pytest.approx(5 - 3 / 50)  # clipped at 1 + K

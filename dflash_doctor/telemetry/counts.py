@@ -198,8 +198,11 @@ def tau_interval(counts: SpecCounts, level: float = CONFIDENCE_LEVEL) -> tuple[f
     else:
         return None
     z = NormalDist().inv_cdf((1.0 + level) / 2.0)
-    half = z * math.sqrt(variance / counts.num_drafts)
-    return (tau - half, tau + half)
+    # Never narrower than the rule of three: with every draft rejected (or all accepted) the sample
+    # variance is 0, yet 3/n is still a 95% bound on the mean accepted per draft.
+    half = max(z * math.sqrt(variance / counts.num_drafts), 3.0 / counts.num_drafts)
+    upper_limit = 1.0 + counts.k if counts.k else math.inf
+    return (max(tau - half, 1.0), min(tau + half, upper_limit))
 
 
 def bootstrap_tau_interval(units: Sequence[SpecCounts], level: float = CONFIDENCE_LEVEL, *, seed: int = 0, num_resamples: int = 2000) -> tuple[float, float] | None:
