@@ -50,7 +50,6 @@ def tau_timeline_figure(windows: pd.DataFrame) -> go.Figure:
                 customdata=[", ".join(kinds) for kinds in alerted["alerts"]], hovertemplate="%{x}<br>ALERT: %{customdata}<extra></extra>",
             ))
     fig.update_yaxes(title="tau (tokens per step)")
-    fig.update_xaxes(title="window end (UTC)")
     return fig
 
 
