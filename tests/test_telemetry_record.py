@@ -141,3 +141,17 @@ def test_baseline_from_a_check_run_prices_and_truncates(tmp_path):
     assert verdict.baseline_tau == pytest.approx(1 + sum(rates[:K]))
     assert {a.kind for a in verdict.alerts} >= {"acceptance-drop"}
     assert verdict.speedup is not None
+
+
+def test_timeline_figures_mark_alerts_and_explain_empty(tmp_path):
+    from dflash_doctor.telemetry import figures
+
+    run_dir = write_watch(tmp_path / "watch", [0.6, 0.35, 0.2, 0.1], baseline_tau=3.0, classes=("code",))
+    fig = figures.tau_timeline_figure(read_windows(run_dir))
+    names = [trace.name for trace in fig.data]
+    assert "m [code]" in names and "m [code] baseline" in names and "m [code] alert" in names
+    alert_trace = next(t for t in fig.data if t.name == "m [code] alert")
+    assert len(alert_trace.x) == 8
+    empty = figures.tau_timeline_figure(read_windows(tmp_path / "nothing"))
+    assert "No window with drafts" in empty.layout.annotations[0].text
+    assert "No step costs" in figures.speedup_timeline_figure(read_windows(run_dir)).layout.annotations[0].text
