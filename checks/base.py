@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Iterable, Mapping, TypeVar
 
 from dflash_doctor.errors import UsageError
+from dflash_doctor.status import STATUSES, VERDICT_NONE, Status, overall_status  # noqa: F401 (re-exported)
 
-STATUSES = ("pass", "warn", "fail", "skip", "error")
 SEVERITIES = ("info", "warn", "fail")
 
 
@@ -252,9 +252,10 @@ def run_one(check: Check, ctx: CheckContext) -> CheckResult:
 
 
 def exit_code(results: Iterable[CheckResult], fail_on: str = "fail") -> int:
-    """DESIGN.md exit codes: 1 when a check failed or errored (or warned with ``fail_on="warn"``), else 0."""
-    bad = {"fail", "error"} | ({"warn"} if fail_on == "warn" else set())
-    return 1 if any(r.status in bad for r in results) else 0
+    """DESIGN.md exit codes from :func:`overall_status`: 1 when the verdict is ``fail`` or ``error`` (or
+    ``warn`` with ``fail_on="warn"``), else 0."""
+    bad = {Status.FAIL, Status.ERROR} | ({Status.WARN} if fail_on == "warn" else set())
+    return 1 if overall_status(r.status for r in results) in bad else 0
 
 
 def skipped(check_id: str, reason: str) -> CheckResult:

@@ -7,12 +7,13 @@ from rich.markup import escape
 from rich.table import Table
 
 from dflash_doctor.checks.base import CheckResult
+from dflash_doctor.status import VERDICT_NONE, overall_status
 
-STATUS_STYLE = {"pass": "green", "warn": "yellow", "fail": "bold red", "skip": "dim", "error": "magenta"}
+STATUS_STYLE = {"pass": "green", "warn": "yellow", "fail": "bold red", "skip": "dim", "error": "magenta", VERDICT_NONE: "dim"}
 
 
 def print_check_results(results: list[CheckResult], console: Console) -> None:
-    """Print one row per check, then the warn/fail findings with their evidence (never the info ones)."""
+    """Print one row per check, the warn/fail findings with their evidence (never the info ones), then the verdict."""
     table = Table(show_lines=False)
     for column in ("status", "check", "summary", "fix"):
         table.add_column(column, overflow="fold")
@@ -27,3 +28,5 @@ def print_check_results(results: list[CheckResult], console: Console) -> None:
             console.print(f"[{STATUS_STYLE[finding.severity]}]{finding.severity}[/] {result.id}: {escape(finding.message)}")
             if finding.evidence:
                 console.print(f"    evidence: {escape(finding.evidence)}", soft_wrap=True)
+    verdict = overall_status(r.status for r in results)
+    console.print(f"verdict: [{STATUS_STYLE[verdict]}]{verdict.upper()}[/]")
