@@ -21,7 +21,8 @@ from typer.testing import CliRunner
 from dflash_doctor.cli import app
 from dflash_doctor.engine.proposers.dflash import DFlashProposer
 from dflash_doctor.engine.target import TargetModel
-from dflash_doctor.loading import detect_draft_kind, load_dflash_draft, save_dflash_draft
+from dflash_doctor.draft_kinds import detect_draft_kind
+from dflash_doctor.loading import load_dflash_draft, read_config, save_dflash_draft
 from dflash_doctor.schema import load_run
 from tests.tiny_models import VOCAB, tiny_dflash, tiny_target
 
@@ -200,8 +201,8 @@ def test_zlab_checkpoint_reproduces_the_in_memory_logits(tmp_path, prefix):
 
 
 def test_draft_kind_auto_tells_dflash_from_autoregressive(tiny_dir):
-    assert detect_draft_kind(tiny_dir / "dflash") == "dflash"
-    assert detect_draft_kind(tiny_dir / "ar") == "autoregressive"
+    assert detect_draft_kind(read_config(tiny_dir / "dflash")).name == "dflash"
+    assert detect_draft_kind(read_config(tiny_dir / "ar")).name == "autoregressive"
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ no checks the report said ``pass`` and the dashboard ``none``).
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import json
 import re
 import xml.etree.ElementTree as ET
@@ -17,7 +17,7 @@ from rich.console import Console
 
 from dflash_doctor.app import data
 from dflash_doctor.checks.base import CheckResult, exit_code
-from dflash_doctor.checks.terminal import print_check_results
+from dflash_doctor.report.terminal import print_check_results
 from dflash_doctor.report import render_html, render_json, render_junit, render_markdown
 from dflash_doctor.schema import load_run
 from fixture_runs import make_fixture_run
@@ -40,9 +40,8 @@ def base_run(tmp_path_factory):
 
 
 def _run_with(base_run, statuses):
-    run = copy.copy(base_run)
-    run.meta = {**base_run.meta, "checks": [CheckResult(f"check-{i}", s, f"{s} summary").to_dict() for i, s in enumerate(statuses)]}
-    return run
+    checks = [CheckResult(f"check-{i}", s, f"{s} summary") for i, s in enumerate(statuses)]
+    return dataclasses.replace(base_run, record=dataclasses.replace(base_run.record, checks=checks))
 
 
 @pytest.mark.parametrize(("statuses", "expected", "exit_fail", "exit_warn"), TABLE)
