@@ -45,7 +45,7 @@ def write_watch(run_dir: Path, rates: list[float], *, baseline_tau: float | None
 def test_watch_run_loads_everywhere(tmp_path):
     run_dir = write_watch(tmp_path / "watch", [0.6, 0.35, 0.2, 0.1], baseline_tau=3.0)
     run = load_run(run_dir)
-    assert run.meta["source"] == "telemetry"
+    assert run.meta["source"]["kind"] == "telemetry" and run.record.source.kind == "telemetry"
     assert run.steps.empty and run.requests.empty  # production has no per-step rows
     overall = run.meta["summary"]["overall"]
     assert overall["mean_acceptance_length"] == pytest.approx(1 + 0.6 + 0.35 + 0.2 + 0.1, abs=0.01)
@@ -53,7 +53,7 @@ def test_watch_run_loads_everywhere(tmp_path):
     windows = read_windows(run_dir)
     assert len(windows) == 16 and set(windows["alerts"].map(tuple)) == {("acceptance-drop",)}  # 2.25 vs baseline 3.0
     assert len(read_units(run_dir)) == 16
-    assert len(run.meta["telemetry"]["alerts"]) == 16
+    assert len(run.meta["source"]["details"]["alerts"]) == 16
     result = CliRunner().invoke(app, ["report", str(run_dir), "--format", "md,json"])
     assert result.exit_code == 0, result.output
 

@@ -66,7 +66,7 @@ def test_forced_drop_alerts_with_fallback_advice(tmp_path):
     row = read_windows(tmp_path / "run").iloc[0]
     assert set(row["alerts"]) == {"acceptance-drop", "fallback"}
     assert row["speedup"] < 1.0
-    recorded = load_run(tmp_path / "run").meta["telemetry"]["alerts"]
+    recorded = load_run(tmp_path / "run").record.source.details["alerts"]
     assert [a["kind"] for a in recorded] == ["acceptance-drop", "fallback"]
     assert any("num_speculative_tokens_per_batch_size" in line for line in recorded[1]["advice"])
 

@@ -6,7 +6,7 @@ import streamlit as st
 
 from dflash_doctor.app import ui
 from dflash_doctor.telemetry import figures
-from dflash_doctor.telemetry.record import is_watch_run, read_windows
+from dflash_doctor.telemetry.record import is_watch_run, read_windows, telemetry_details
 
 run = ui.current_run()
 ui.run_header(run, "Production")
@@ -14,7 +14,7 @@ if not is_watch_run(run.meta):
     st.info("This page shows runs written by `dflash-doctor watch` (production telemetry). Open a watch run in the sidebar.")
     st.stop()
 
-telemetry = run.meta.get("telemetry") or {}
+telemetry = telemetry_details(run.meta)
 windows = read_windows(run.path)
 st.caption(
     f"Sources: {', '.join(telemetry.get('sources') or []) or '?'} · window {telemetry.get('window_s', '?')} s · "

@@ -2,30 +2,26 @@
 or on two label values of one watch: ``compare RUN#stable RUN#canary`` compares the series of class
 ``stable`` with those of class ``canary`` (a watch with ``--class-label deployment``, say).
 
-The rule is the one for runs (:mod:`dflash_doctor.compare`): a metric regresses when it drops by more
-than its threshold AND the 95% intervals separate. A watch has no requests, so the resampled unit is
-the scrape interval (``units.parquet``: non-overlapping counts; overlapping windows would be counted
-twice). With fewer than :data:`MIN_UNITS_FOR_BOOTSTRAP` intervals a bootstrap has no spread to measure,
-so that side's intervals come from the counts instead (:func:`tau_interval`, and a normal interval of
-each per-position rate over the drafts) and a note says so.
+The rule is the one for runs, applied by the same code (``compare._compare_slice``): a metric regresses
+when it drops by more than its threshold AND the 95% intervals separate. A watch has no requests, so the
+resampled unit (the project's bootstrap, :mod:`dflash_doctor.metrics`) is the scrape interval
+(``units.parquet``: non-overlapping counts; overlapping windows would be counted twice). With fewer than
+:data:`MIN_UNITS_FOR_BOOTSTRAP` intervals a bootstrap has no spread to measure, so that side's
+intervals come from the counts instead and a note says so.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import replace
 from pathlib import Path
-from statistics import NormalDist
 
 import numpy as np
 import pandas as pd
 
-from dflash_doctor.compare import (
-    CONFIDENCE_LEVEL, DEFAULT_THRESHOLD_RATE, DEFAULT_THRESHOLD_TAU, OVERALL, Comparison, MetricComparison, RequestCounts, compare_counts,
-)
+from dflash_doctor.compare import DEFAULT_THRESHOLD_RATE, DEFAULT_THRESHOLD_TAU, Comparison, _compare_slice, _Side
 from dflash_doctor.errors import UsageError
+from dflash_doctor.metrics import NUM_BOOTSTRAP_RESAMPLES, OVERALL, bootstrap_ratio, group_rng, interval
 from dflash_doctor.schema import RUN_JSON, read_run_meta
-from dflash_doctor.telemetry.counts import MIN_UNITS_FOR_BOOTSTRAP, SpecCounts, tau_interval
+from dflash_doctor.telemetry.counts import MIN_UNITS_FOR_BOOTSTRAP, SpecCounts, rate_intervals, tau_interval
 from dflash_doctor.telemetry.record import is_watch_run, read_units
 
 
@@ -43,40 +39,37 @@ def is_watch_dir(spec: str | Path) -> bool:
     return (path / RUN_JSON).is_file() and is_watch_run(read_run_meta(path))
 
 
-def _unit_counts(units: pd.DataFrame, k: int) -> RequestCounts:
-    """Scrape intervals with per-position counts as compare's per-unit arrays (drafts [N], per-pos [N, K])."""
+def _side(units: pd.DataFrame, k: int, group: str) -> _Side:
+    """One watch's numbers for one class at K, in the shape compare's rule reads: pooled tau and rates with
+    their intervals, and bootstrap resamples over scrape intervals (the same resamples for every metric).
+
+    With fewer than :data:`MIN_UNITS_FOR_BOOTSTRAP` intervals the intervals come from the counts instead
+    (:func:`tau_interval`; a normal interval of each rate over the drafts)."""
     rows = units[units["num_drafts"].fillna(0) > 0]
     rows = rows[rows["num_accepted_tokens_per_pos"].map(lambda v: v is not None and len(v) >= k)]
-    per_pos = np.array([list(v)[:k] for v in rows["num_accepted_tokens_per_pos"]], dtype=float).reshape(len(rows), k)
-    return RequestCounts(rows["num_drafts"].to_numpy(dtype=float), per_pos)
+    drafts = rows["num_drafts"].to_numpy(dtype=float)  # [N]
+    per_pos = np.array([list(v)[:k] for v in rows["num_accepted_tokens_per_pos"]], dtype=float).reshape(len(rows), k)  # [N, K]
+    if not len(rows):
+        return _Side(0, {}, np.full(NUM_BOOTSTRAP_RESAMPLES, np.nan), np.full((NUM_BOOTSTRAP_RESAMPLES, k), np.nan))
+    total_drafts, total_per_pos = drafts.sum(), per_pos.sum(axis=0)
+    resample = lambda numerator: bootstrap_ratio(numerator, drafts, NUM_BOOTSTRAP_RESAMPLES, group_rng(0, group))  # noqa: E731
+    tau_samples = 1.0 + resample(per_pos.sum(axis=1))  # [B]
+    rate_samples = np.column_stack([resample(per_pos[:, i]) for i in range(k)])  # [B, K]
+    rates = total_per_pos / total_drafts
+    if len(rows) >= MIN_UNITS_FOR_BOOTSTRAP:
+        tau_ci = list(interval(tau_samples))
+        rate_cis = [list(ci) for ci in interval(rate_samples)]
+    else:
+        pooled = SpecCounts(num_drafts=total_drafts, num_accepted_tokens=float(total_per_pos.sum()), num_accepted_tokens_per_pos=tuple(total_per_pos))
+        tau_ci, rate_cis = list(tau_interval(pooled)), rate_intervals(pooled)
+    metrics = {
+        "mean_acceptance_length": 1.0 + float(rates.sum()), "mean_acceptance_length_ci": tau_ci,
+        "acceptance_rate_per_pos": [float(r) for r in rates], "acceptance_rate_per_pos_ci": rate_cis,
+    }
+    return _Side(len(rows), metrics, tau_samples, rate_samples)
 
 
-def _count_interval(row: MetricComparison, counts: RequestCounts) -> tuple[float, float] | None:
-    drafts = float(counts.num_drafts.sum())
-    per_pos = counts.accepted_per_pos.sum(axis=0)
-    if drafts <= 0:
-        return None
-    if row.slot is None:
-        pooled = SpecCounts(num_drafts=drafts, num_accepted_tokens=float(per_pos.sum()), num_accepted_tokens_per_pos=tuple(per_pos))
-        return tau_interval(pooled)
-    rate = per_pos[row.slot - 1] / drafts
-    half = NormalDist().inv_cdf((1 + CONFIDENCE_LEVEL) / 2) * math.sqrt(max(rate * (1 - rate), 0.0) / drafts)
-    return (rate - half, rate + half)
-
-
-def _with_count_intervals(rows: list[MetricComparison], base: RequestCounts, new: RequestCounts) -> list[MetricComparison]:
-    """Replace bootstrap intervals by count intervals on a side with too few scrape intervals; re-decide."""
-    fixed = []
-    for row in rows:
-        base_ci = _count_interval(row, base) if base.num_requests < MIN_UNITS_FOR_BOOTSTRAP else row.base_ci
-        new_ci = _count_interval(row, new) if new.num_requests < MIN_UNITS_FOR_BOOTSTRAP else row.new_ci
-        comparable = row.delta is not None and base_ci is not None and new_ci is not None
-        regression = bool(comparable and -row.delta > row.threshold and new_ci[1] < base_ci[0])
-        fixed.append(replace(row, base_ci=base_ci, new_ci=new_ci, regression=regression))
-    return fixed
-
-
-def compare_watch_runs(base: str | Path, new: str | Path, *, threshold_tau: float = DEFAULT_THRESHOLD_TAU, threshold_rate: float = DEFAULT_THRESHOLD_RATE, seed: int = 0) -> Comparison:
+def compare_watch_runs(base: str | Path, new: str | Path, *, threshold_tau: float = DEFAULT_THRESHOLD_TAU, threshold_rate: float = DEFAULT_THRESHOLD_RATE) -> Comparison:
     """Per class (and overall) tau and per-position rates of two watch runs, compare's rule."""
     (base_path, base_cls), (new_path, new_cls) = split_spec(base), split_spec(new)
     base_units, new_units = read_units(base_path), read_units(new_path)
@@ -102,10 +95,9 @@ def compare_watch_runs(base: str | Path, new: str | Path, *, threshold_tau: floa
     slices.append((OVERALL, base_units, new_units))
     few = False
     for cls, base_slice, new_slice in slices:
-        base_counts, new_counts = _unit_counts(base_slice, k), _unit_counts(new_slice, k)
-        few = few or min(base_counts.num_requests, new_counts.num_requests) < MIN_UNITS_FOR_BOOTSTRAP
-        rows = compare_counts(cls, base_counts, new_counts, k, threshold_tau, threshold_rate, seed)
-        comparison.rows += _with_count_intervals(rows, base_counts, new_counts)
+        base_side, new_side = _side(base_slice, k, f"base:{cls}"), _side(new_slice, k, f"new:{cls}")
+        few = few or 0 < min(base_side.num_requests, new_side.num_requests) < MIN_UNITS_FOR_BOOTSTRAP
+        comparison.rows += _compare_slice(cls, base_side, new_side, k, threshold_tau, threshold_rate)
     if few:
         comparison.notes.append(f"a side has fewer than {MIN_UNITS_FOR_BOOTSTRAP} scrape intervals: its intervals come from the counts (drafts treated as independent).")
     return comparison

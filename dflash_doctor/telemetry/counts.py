@@ -14,7 +14,8 @@ The interval of a window's tau comes from the counts, never from one ratio (:fun
 the per-position counts give the whole acceptance-length histogram, hence its variance, so
 ``tau +- z * sd / sqrt(num_drafts)`` is exact for independent steps. Steps inside one request are
 correlated, so when the window holds several scrape intervals, :func:`window_tau_interval` also
-bootstraps over them and keeps the wider of the two intervals.
+bootstraps over them with the project's one statistics module (:mod:`dflash_doctor.metrics`) and
+keeps the wider of the two intervals.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from dflash_doctor.compare import CONFIDENCE_LEVEL, expanded_level
+from dflash_doctor.metrics import CI_LEVEL, NUM_BOOTSTRAP_RESAMPLES, bootstrap_ratio, group_rng, interval
 
 ALL_CLASSES = "all"  # the class of a series whose source has no request-class label
 MIN_UNITS_FOR_BOOTSTRAP = 5  # fewer scrape intervals than this say nothing about their spread
@@ -177,7 +178,7 @@ def scaled(counts: SpecCounts, factor: float) -> SpecCounts:
 # ---- intervals -------------------------------------------------------------------------------------
 
 
-def tau_interval(counts: SpecCounts, level: float = CONFIDENCE_LEVEL) -> tuple[float, float] | None:
+def tau_interval(counts: SpecCounts, level: float = CI_LEVEL) -> tuple[float, float] | None:
     """Normal interval of tau from the counts alone, treating drafts as independent.
 
     With per-position counts the acceptance-length distribution is known exactly: P(A >= i + 1) = r_i,
@@ -205,8 +206,20 @@ def tau_interval(counts: SpecCounts, level: float = CONFIDENCE_LEVEL) -> tuple[f
     return (max(tau - half, 1.0), min(tau + half, upper_limit))
 
 
-def bootstrap_tau_interval(units: Sequence[SpecCounts], level: float = CONFIDENCE_LEVEL, *, seed: int = 0, num_resamples: int = 2000) -> tuple[float, float] | None:
-    """Percentile bootstrap of the pooled tau over scrape intervals (small-sample expanded level).
+def rate_intervals(counts: SpecCounts, level: float = CI_LEVEL) -> list[list[float]] | None:
+    """Normal interval of each per-position rate over the drafts (never narrower than the rule of three)."""
+    rates = counts.acceptance_rate_per_pos
+    if not rates:
+        return None
+    z = NormalDist().inv_cdf((1.0 + level) / 2.0)
+    n = counts.num_drafts
+    halves = [max(z * math.sqrt(r * (1 - r) / n), 3.0 / n) for r in rates]
+    return [[max(r - h, 0.0), min(r + h, 1.0)] for r, h in zip(rates, halves)]
+
+
+def bootstrap_tau_interval(units: Sequence[SpecCounts], *, seed: int = 0) -> tuple[float, float] | None:
+    """The project's bootstrap (:func:`dflash_doctor.metrics.bootstrap_ratio`, percentile interval) of the
+    pooled tau, resampling scrape intervals instead of requests.
 
     Scrape intervals carry the correlation between steps of one request that :func:`tau_interval`
     ignores; with fewer than :data:`MIN_UNITS_FOR_BOOTSTRAP` intervals there is no spread to measure.
@@ -216,19 +229,14 @@ def bootstrap_tau_interval(units: Sequence[SpecCounts], level: float = CONFIDENC
         return None
     drafts = np.array([u.num_drafts for u in usable], dtype=float)  # [N]
     accepted = np.array([u.accepted for u in usable], dtype=float)  # [N]
-    rng = np.random.default_rng(seed)
-    n = len(usable)
-    weights = rng.multinomial(n, np.full(n, 1.0 / n), size=num_resamples).astype(float)  # [B, N]
-    with np.errstate(invalid="ignore", divide="ignore"):
-        samples = 1.0 + (weights @ accepted) / (weights @ drafts)  # [B]
-    tail = (1.0 - expanded_level(level, n)) / 2.0 * 100.0
-    lo, hi = np.nanpercentile(samples, [tail, 100.0 - tail])
+    ratios = bootstrap_ratio(accepted, drafts, NUM_BOOTSTRAP_RESAMPLES, group_rng(seed, "telemetry"))  # [B]
+    lo, hi = interval(1.0 + ratios)
     return (float(lo), float(hi))
 
 
-def window_tau_interval(counts: SpecCounts, units: Sequence[SpecCounts] = (), level: float = CONFIDENCE_LEVEL) -> tuple[float, float] | None:
+def window_tau_interval(counts: SpecCounts, units: Sequence[SpecCounts] = ()) -> tuple[float, float] | None:
     """The wider of the count-based and the scrape-interval bootstrap intervals (either may be absent)."""
-    intervals = [ci for ci in (tau_interval(counts, level), bootstrap_tau_interval(units, level)) if ci is not None]
+    intervals = [ci for ci in (tau_interval(counts), bootstrap_tau_interval(units)) if ci is not None]
     if not intervals:
         return None
     return (min(ci[0] for ci in intervals), max(ci[1] for ci in intervals))
