@@ -10,7 +10,6 @@ captures). watch differences the raw samples with PromQL's reset rule instead: e
 from __future__ import annotations
 
 import re
-import time
 
 import pytest
 from typer.testing import CliRunner
