@@ -212,7 +212,7 @@ def rate_intervals(counts: SpecCounts, level: float = CI_LEVEL) -> list[list[flo
     if not rates:
         return None
     z = NormalDist().inv_cdf((1.0 + level) / 2.0)
-    n = counts.num_drafts
+    n = counts.num_drafts or 0.0  # rates exist only with drafts
     halves = [max(z * math.sqrt(r * (1 - r) / n), 3.0 / n) for r in rates]
     return [[max(r - h, 0.0), min(r + h, 1.0)] for r, h in zip(rates, halves)]
 

@@ -93,7 +93,7 @@ def parse_vllm_line(line: str, ctx: LogContext) -> Observation | None:
     return Observation(SeriesKey(ctx.model), counts, cumulative=False, time_s=time_s or _vllm_time(text, ctx.year), reported=reported, origin=ctx.origin)
 
 
-def _vllm_num_drafts(drafted: int, accepted: int, rates: list[float], tau: float | None) -> float:
+def _vllm_num_drafts(drafted: float, accepted: float, rates: list[float], tau: float | None) -> float:
     """The line has no draft count: drafted / K is exact when every draft was full length (the usual
     case), which the printed tau confirms to its 2 decimals; otherwise (drafts cut short near
     max_tokens) accepted / sum(rates), since the rates are per-position counts over the same drafts."""

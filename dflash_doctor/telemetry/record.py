@@ -66,6 +66,7 @@ def _summary_block(counts: SpecCounts, units: list[SpecCounts]) -> Metrics:
     at_least = [drafts, *per_pos, 0]
     ci = window_tau_interval(counts, units)
     generated = counts.num_generated_tokens
+    rate_cis: list[list[float | None]] = [[lo, hi] for lo, hi in rate_intervals(counts) or []]
     wasted = None
     if generated and counts.num_draft_tokens is not None and counts.accepted is not None:
         wasted = (counts.num_draft_tokens - counts.accepted) / generated
@@ -79,7 +80,7 @@ def _summary_block(counts: SpecCounts, units: list[SpecCounts]) -> Metrics:
         mean_acceptance_length=counts.mean_acceptance_length,
         mean_acceptance_length_ci=list(ci) if ci else [None, None],
         acceptance_rate_per_pos=list(rates or []),
-        acceptance_rate_per_pos_ci=rate_intervals(counts) or [],
+        acceptance_rate_per_pos_ci=rate_cis,
         conditional_acceptance_rate_per_pos=[float(x) for x in conditional_rates(rates)] if rates else [],
         draft_acceptance_rate=counts.draft_acceptance_rate,
         acceptance_histogram=[at_least[j] - at_least[j + 1] for j in range(len(per_pos) + 1)] if per_pos else [],

@@ -120,7 +120,8 @@ def parse_response_lines(lines: Iterable[str], *, default_model: str, origin: st
         if not isinstance(record, dict):
             problems.add(where, raw)
             continue
-        body = record.get("response") if isinstance(record.get("response"), dict) else record
+        response = record.get("response")
+        body: dict[str, Any] = response if isinstance(response, dict) else record
         for engine, reader in RESPONSE_READERS.items():
             try:
                 counts = reader(body)

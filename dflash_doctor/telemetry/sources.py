@@ -283,7 +283,7 @@ class ResponsesFile(_FollowedFile):
     """Captured responses, one JSON object per line (see :mod:`.responses`); followed as it grows."""
 
     what = "response"
-    engine = None  # each line names its own engine by its fields
+    engine: str | None = None  # each line names its own engine by its fields
 
     def poll(self) -> list[Observation]:
         lines, first = self._tail.new_lines()

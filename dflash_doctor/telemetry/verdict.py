@@ -273,8 +273,10 @@ class Judge:
             verdict.notes.append(note)
         verdict.baseline_tau, verdict.baseline_tau_ci = base_tau, base_ci
         tau, ci = verdict.mean_acceptance_length, verdict.mean_acceptance_length_ci
+        if ci is None or tau is None:
+            return
         drop = base_tau - tau
-        separated = ci is not None and ci[1] < (base_ci[0] if base_ci else base_tau)
+        separated = ci[1] < (base_ci[0] if base_ci else base_tau)
         if drop > self.thresholds.threshold_tau and separated:
             key = verdict.window.key
             ci_text = f"[{ci[0]:.2f}, {ci[1]:.2f}]"
