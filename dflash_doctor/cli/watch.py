@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from pathlib import Path
 from typing import Annotated, Optional
@@ -15,14 +14,12 @@ from rich.table import Table
 from dflash_doctor.cli import app
 from dflash_doctor.cli import options as opt
 from dflash_doctor.config import build_config
-from dflash_doctor.errors import UsageError
 from dflash_doctor.schema import utc_now
 from dflash_doctor.speedup import load_cost_profile
-from dflash_doctor.telemetry.exporter import VerdictExporter
-from dflash_doctor.telemetry.record import WatchRecord
-from dflash_doctor.telemetry.settings import WatchSettings, build_watch_settings
-from dflash_doctor.telemetry.sources import LogFile, MetricsEndpoint, PrometheusServer, ResponsesFile, Source, open_source, parse_duration_s
-from dflash_doctor.telemetry.verdict import Judge, WindowVerdict, load_baseline
+from dflash_doctor.telemetry.settings import build_watch_settings
+from dflash_doctor.telemetry.sources import parse_duration_s
+from dflash_doctor.telemetry.session import WatchSession, open_sources
+from dflash_doctor.telemetry.verdict import WindowVerdict
 from dflash_doctor.telemetry.watcher import Watcher
 
 EXIT_ALERT = 1
@@ -94,41 +91,6 @@ def print_source_news(console: Console, watcher: Watcher, events_shown: int, not
     return len(watcher.events)
 
 
-def _sources(specs: list[str], prometheus: str | None, settings: WatchSettings) -> list[Source]:
-    sources: list[Source] = [open_source(s, engine=settings.engine, model=settings.model, class_label=settings.class_label) for s in specs]
-    if prometheus:
-        sources.append(PrometheusServer(prometheus, window_s=settings.window_s, engine=settings.engine, class_label=settings.class_label))
-    if not sources:
-        raise UsageError("watch needs at least one SOURCE (a /metrics URL, a log file, a responses .jsonl) or --prometheus URL.")
-    return sources
-
-
-def adopt_detected_engine(judge: Judge, watcher: Watcher) -> None:
-    """Advice for the one engine the sources turned out to be (all engines' settings when it is not one)."""
-    if judge.engine is None and len(watcher.engines) == 1:
-        judge.engine = next(iter(watcher.engines))
-
-
-def run_once(watcher: Watcher, judge: Judge, settings: WatchSettings) -> list[list[WindowVerdict]]:
-    """One verdict for cron/CI: the latest window of every series (files: every window, oldest first)."""
-    live = [s for s in watcher.sources if isinstance(s, (MetricsEndpoint, PrometheusServer))]
-    files = [s for s in watcher.sources if isinstance(s, (LogFile, ResponsesFile))]
-    scrapes = [s for s in live if isinstance(s, MetricsEndpoint)]
-    watcher.poll()
-    if scrapes and settings.window_given:  # two scrapes one window apart: the counts of that window
-        time.sleep(settings.window_s)
-        watcher.poll()
-    adopt_detected_engine(judge, watcher)
-    failed = {e.source: e.message for e in watcher.events if e.kind == "source-unavailable"}
-    if len(failed) == len(watcher.sources) and not watcher.units:
-        raise UsageError(f"no source could be read: {'; '.join(failed.values())}; check the URL/path and that the server is up.")
-    if files and not live:
-        return [[judge.judge(w) for w in windows] for windows in watcher.tumbling_windows()]
-    if scrapes and not settings.window_given:
-        watcher.window_s = float("inf")  # counts since each server started
-    return [[judge.judge(w) for w in watcher.current_windows()]]
-
-
 @app.command()
 def watch(
     sources: Annotated[Optional[list[str]], typer.Argument(help="Engine /metrics URLs, log files, or captured responses (.jsonl).", show_default=False)] = None,
@@ -155,64 +117,46 @@ def watch(
         doctor_config.watch, window=window, interval=interval, baseline=baseline, threshold_tau=threshold_tau,
         min_drafts=min_drafts, speedup_floor=speedup_floor, engine=engine, model=model, class_label=class_label,
     )
-    watch_sources = _sources(list(sources or []), prometheus, settings)
-    costs = load_cost_profile(doctor_config.cost_profile) if doctor_config.cost_profile else None
-    judge = Judge(load_baseline(settings.baseline), settings.thresholds, engine=settings.engine, costs=costs)
-    stop_after_s = None if duration is None else parse_duration_s(duration)
-    run_dir = Path(doctor_config.out or f"runs/watch-{utc_now().replace(':', '').replace('+0000', 'Z')}")
-    record = WatchRecord(run_dir, doctor_config.as_dict(), {
-        "sources": [s.name for s in watch_sources], "window_s": settings.window_s, "interval_s": settings.interval_s,
-        "baseline": judge.baseline.description if judge.baseline else None, "thresholds": dataclasses.asdict(settings.thresholds),
-    })
-    exporter = VerdictExporter(exporter_port) if exporter_port is not None else None
+    session = WatchSession(
+        open_sources(list(sources or []), prometheus, settings), settings,
+        run_dir=Path(doctor_config.out or f"runs/watch-{utc_now().replace(':', '').replace('+0000', 'Z')}"),
+        config=doctor_config.as_dict(), costs=load_cost_profile(doctor_config.cost_profile) if doctor_config.cost_profile else None,
+        once=once, exporter_port=exporter_port,
+    )
     console = Console()
-    watcher = Watcher(watch_sources, window_s=settings.window_s, count_since_start=once and not settings.window_given)
-
     if once:
-        rounds = run_once(watcher, judge, settings)
-        for i, verdicts in enumerate(rounds):
-            record.update(verdicts, watcher.units if i == len(rounds) - 1 else [], watcher.events, watcher.source_notes())
+        rounds = session.once()
         latest = rounds[-1] if rounds else []
-        if exporter:
-            exporter.publish(latest)
         console.print(verdict_table(latest, "latest window" if settings.window_given or len(rounds) > 1 else "since the server started"))
         print_verdicts(console, latest)
-        print_source_news(console, watcher, 0, set())
-        console.print(f"wrote {run_dir}")
+        print_source_news(console, session.watcher, 0, set())
+        console.print(f"wrote {session.run_dir}")
         if not latest:
             console.print("no series found in the sources: nothing to judge.")
         if any(v.alerts for v in latest):
             raise typer.Exit(EXIT_ALERT)
         return
+    _watch_live(console, session, None if duration is None else parse_duration_s(duration))
 
-    _watch_live(console, watcher, judge, record, exporter, settings, stop_after_s, run_dir)
 
-
-def _watch_live(console: Console, watcher: Watcher, judge: Judge, record: WatchRecord, exporter: VerdictExporter | None,
-                settings: WatchSettings, stop_after_s: float | None, run_dir: Path) -> None:
+def _watch_live(console: Console, session: WatchSession, stop_after_s: float | None) -> None:
     """Poll every interval until Ctrl-C (or ``stop_after_s``): a live table, alerts as they fire, the run directory kept current."""
     started = time.monotonic()
     alerted = False
-    watcher.poll()  # the first scrape of a counter is only a starting point
-    events_shown = units_recorded = 0
+    session.start()
+    events_shown = 0
     notes_shown: set[str] = set()
     try:
         with Live(console=console, auto_refresh=False) as live:
             while stop_after_s is None or time.monotonic() - started < stop_after_s:
-                time.sleep(settings.interval_s)
-                watcher.poll()
-                adopt_detected_engine(judge, watcher)
-                verdicts = [judge.judge(w) for w in watcher.current_windows()]
-                record.update(verdicts, watcher.units[units_recorded:], watcher.events, watcher.source_notes())
-                units_recorded = len(watcher.units)
-                if exporter:
-                    exporter.publish(verdicts)
+                time.sleep(session.settings.interval_s)
+                verdicts = session.step()
                 alerted = alerted or any(v.alerts for v in verdicts)
-                live.update(verdict_table(verdicts, f"last {settings.window_s:g} s, at {time.strftime('%H:%M:%S')}"), refresh=True)
+                live.update(verdict_table(verdicts, f"last {session.settings.window_s:g} s, at {time.strftime('%H:%M:%S')}"), refresh=True)
                 print_verdicts(live.console, [v for v in verdicts if v.alerts])
-                events_shown = print_source_news(live.console, watcher, events_shown, notes_shown)
+                events_shown = print_source_news(live.console, session.watcher, events_shown, notes_shown)
     except KeyboardInterrupt:
         pass
-    console.print(f"wrote {run_dir}")
+    console.print(f"wrote {session.run_dir}")
     if alerted:
         raise typer.Exit(EXIT_ALERT)
