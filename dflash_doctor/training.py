@@ -411,7 +411,7 @@ def block_loss(draft: DFlashDraftModel, target_model: torch.nn.Module, token_ids
     """
     block_size = draft.config.block_size
     n, width = token_ids.shape
-    hidden = draft_block_hidden(draft, target_model.get_input_embeddings(), token_ids, context_kv_for(draft, features),
+    hidden = draft_block_hidden(draft, target_model.get_input_embeddings().weight, token_ids, context_kv_for(draft, features),
                                 anchors, anchor_valid, block_size)  # [N, A, B, H]
     label_positions = anchors[:, :, None] + torch.arange(1, block_size, device=anchors.device)  # [N, A, B-1]
     label_valid = anchor_valid[:, :, None] & (label_positions < lengths[:, None, None])
@@ -602,7 +602,7 @@ def greedy_acceptance_steps(target_model: torch.nn.Module, draft: DFlashDraftMod
     """
     device = draft.fc.weight.device
     k = min(k or draft.config.block_size - 1, draft.config.block_size - 1)
-    embed, head = target_model.get_input_embeddings(), target_model.get_output_embeddings()
+    embed, head = target_model.get_input_embeddings().weight, target_model.get_output_embeddings()
     features = extract_features(target_model, [r.token_ids for r in records], draft.hidden_state_indices,
                                 batch_size=feature_batch_size, device=device)
     rows = []
