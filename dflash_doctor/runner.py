@@ -14,6 +14,7 @@ from typing import Any, Callable
 import torch
 
 from dflash_doctor.config import DoctorConfig
+from dflash_doctor.engine.conventions import end_of_request
 from dflash_doctor.engine.live import GenerationResult, speculative_generate
 from dflash_doctor.engine.proposers.autoregressive import AutoregressiveProposer
 from dflash_doctor.engine.proposers.base import Proposer
@@ -67,10 +68,20 @@ def stop_ids_of(model, tokenizer) -> frozenset[int]:
     return frozenset(int(i) for i in ids)
 
 
+def draft_sample_method(config: DoctorConfig) -> str:
+    """How the modelled engine drafts under sampling: the --engine-config's, else vLLM's default ``greedy``."""
+    if not config.engine_config:
+        return "greedy"
+    from dflash_doctor.checks.engine_config import parse_engine_config
+
+    return parse_engine_config(config.engine_config)["draft_sample_method"]
+
+
 def build_proposer(kind: str, draft_model: torch.nn.Module, target: TargetModel, config: DoctorConfig, generator) -> Proposer:
     """The one place that maps a draft kind to its proposer; loops only see the Proposer interface."""
     if kind == "dflash":
-        return DFlashProposer(draft_model, target)
+        return DFlashProposer(draft_model, target, temperature=config.temperature,
+                              draft_sample_method=draft_sample_method(config), generator=generator)
     return AutoregressiveProposer(draft_model, temperature=config.temperature, generator=generator)
 
 
@@ -108,6 +119,10 @@ def load_engine(config: DoctorConfig, *, generator: torch.Generator | None = Non
             target_layer_ids=list(cfg.target_layer_ids),
             mask_token_id=cfg.mask_token_id,
             num_layers=cfg.num_hidden_layers,
+            architecture=cfg.architecture,
+            causal_layers=[cfg.layer_is_causal(i) for i in range(cfg.num_hidden_layers)],
+            draft_sample_method=proposer.draft_sample_method,
+            format=getattr(draft.model, "draft_format", None),
         )
     models_meta = {
         "target": {
@@ -223,13 +238,13 @@ def live_replay(engine: Engine, requests: list[Request], config: DoctorConfig, r
     """
     k = max(config.k) if config.k else default_k(engine)
     generator = torch.Generator(device=engine.target.device).manual_seed(config.seed)
-    if isinstance(engine.proposer, AutoregressiveProposer):
-        engine.proposer.generator = generator
+    engine.proposer.generator = generator
+    convention = end_of_request(config.end_of_request)
 
     def generate(request: Request, turn: int, prompt: torch.Tensor, max_new: int) -> GenerationResult:
         return speculative_generate(
             engine.target, engine.proposer, prompt, k=k, max_new_tokens=max_new,
-            temperature=config.temperature, stop_ids=engine.stop_ids, generator=generator,
+            temperature=config.temperature, stop_ids=engine.stop_ids, generator=generator, convention=convention,
         )
 
     stream_replay(engine, requests, config, run_dir, meta, generate, progress)

@@ -97,3 +97,47 @@ def official_generate(model, target, prompt: list[int], *, max_new_tokens: int, 
     finally:
         official._cuda_time = real_timer
     return stats.output_ids[0, len(prompt):].tolist(), list(stats.acceptance_lengths)
+
+
+#: Variants of a real z-lab draft (the shipped demo draft) that exercise each new code path.
+REAL_VARIANTS = ("full", "sliding", "scaled", "dflash2")
+
+
+def real_variant(draft_dir: Path, variant: str, out_dir: Path, seed: int = 0) -> Path:
+    """A copy of the draft at ``draft_dir`` as an official ``variant`` checkpoint in ``out_dir``.
+
+    sliding: first layer ``sliding_attention`` with a 64-token window (so it is causal inside the block);
+    scaled: input_embedding_scale 0.9, output_multiplier 1.1, final_logit_softcapping 30; dflash2: the
+    same layers plus DFlash 2 convolutions that start as identity with small random perturbations and a
+    small random selector (rank 16, top-8), so both change the draft without destroying it.
+    """
+    from safetensors.torch import load_file
+    from transformers import Qwen3Config
+
+    raw = json.loads((draft_dir / "config.json").read_text(encoding="utf-8"))
+    raw.pop("dflash_doctor", None)
+    if variant == "sliding":
+        raw.update(layer_types=["sliding_attention"] + raw["layer_types"][1:], sliding_window=64, use_sliding_window=True,
+                   max_window_layers=0)
+    elif variant == "scaled":
+        raw["dflash_config"].update(input_embedding_scale=0.9, output_multiplier=1.1, final_logit_softcapping=30.0)
+    elif variant == "dflash2":
+        raw["architectures"] = ["DFlash2DraftModel"]
+        raw["dflash_config"].update(conv_kernel_size=3, conv_group_size=64, selector_rank=16, selector_top_k=8)
+    cfg = Qwen3Config(**{k: v for k, v in raw.items() if k not in ("dflash_config", "block_size", "num_target_layers")})
+    cfg.dflash_config, cfg.block_size, cfg.num_target_layers = raw["dflash_config"], raw["block_size"], raw["num_target_layers"]
+    cfg.architectures = raw["architectures"]
+    cfg._attn_implementation = "sdpa"
+    cls = official.DFlash2DraftModel if variant == "dflash2" else official.DFlashDraftModel
+    model = cls(cfg).float()
+    state = {k.removeprefix("model."): v for k, v in load_file(draft_dir / "model.safetensors").items()}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected, unexpected
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name in missing:
+                param.copy_(0.02 * torch.randn(param.shape, generator=generator))
+                if name.endswith("base_kernel"):
+                    param[:, 0] += 1.0  # tap 0 = the row itself: the convolution starts near identity
+    return save_official(model.eval(), out_dir)
