@@ -13,8 +13,8 @@ convention (id ``l`` = output of target decoder layer ``l`` = HF ``hidden_states
   ``i - 1``, its PR #40727); causality from ``sliding_window_non_causal`` (default true = non-causal);
   ``draft_vocab_size`` < the target's means the draft predicts over its own vocabulary through its own
   ``lm_head`` and maps ids with the ``d2t`` tensor (target id = draft id + d2t[draft id]).
-* ``gguf`` (llama.cpp ``general.architecture = dflash``): see :mod:`dflash_doctor.gguf_draft`; its
-  ``dflash.target_layers`` are ours plus one.
+* ``gguf`` (llama.cpp ``general.architecture = dflash``): recognised and refused with a sentence (its
+  tensor names have no reference we can test against yet); its ``dflash.target_layers`` are ours plus one.
 
 Qwen3 semantics kept from transformers: ``sliding_window`` counts only with ``use_sliding_window`` true
 (``Qwen3Config`` sets it to None otherwise, which is what the official code and vLLM then see).
@@ -210,3 +210,19 @@ def normalise_draft_config(raw: dict[str, Any], source: str = "config.json") -> 
     if dialect == "zlab" and ("rope_parameters" in raw or "block_size" in (raw.get("dflash_config") or {})):
         dialect = "zlab-nested"
     return _from_zlab(raw, source, dialect)
+
+
+def refuse_gguf_dflash(path) -> None:
+    """Refuse a llama.cpp DFlash draft (``general.architecture = dflash``) in one sentence, before the
+    GGUF converter (built for causal LMs) fails on it with a parser error."""
+    from gguf import GGUFReader
+
+    field = GGUFReader(str(path)).fields.get("general.architecture")
+    if field is None:
+        return
+    architecture = bytes(field.parts[field.data[0]]).decode("utf-8", "replace")
+    if architecture in ("dflash", "dflash-draft"):
+        raise UsageError(
+            f"{path} is a llama.cpp DFlash draft (general.architecture = {architecture}); dflash-doctor reads DFlash drafts "
+            "from their safetensors checkpoint (config.json + model.safetensors), so pass that directory instead."
+        )

@@ -242,8 +242,7 @@ def build_dflash_draft(cfg, state: dict[str, torch.Tensor], normalised, where: s
     if normalised.draft_vocab_size is not None:
         if "lm_head.weight" not in state or draft_to_target is None:
             raise UsageError(f"{where}: draft_vocab_size {normalised.draft_vocab_size} needs lm_head.weight and d2t in the weights; pass the full speculators checkpoint.")
-        offsets = draft_to_target.long()
-        model.use_draft_vocabulary(state.pop("lm_head.weight"), torch.arange(offsets.numel()) + offsets)
+        draft_head = state.pop("lm_head.weight")
         ships_own.remove("lm_head.weight")
     for key in SHARED_WITH_TARGET:
         state.pop(key, None)
@@ -253,6 +252,9 @@ def build_dflash_draft(cfg, state: dict[str, torch.Tensor], normalised, where: s
             f"{where}: the weights do not match the {cfg.architecture} layout (missing {missing[:3]}, unexpected {unexpected[:3]}); "
             "pass a DFlash checkpoint whose weights match its config.json."
         )
+    if normalised.draft_vocab_size is not None:  # target id = draft id + d2t[draft id] (speculators / EAGLE-3)
+        offsets = draft_to_target.long()
+        model.use_draft_vocabulary(draft_head, torch.arange(offsets.numel()) + offsets)
     model.draft_format = {**normalised.facts(), "ships_own": ships_own}
     return model.to(device=device, dtype=torch_dtype(dtype)).eval()
 
@@ -304,6 +306,10 @@ def validate_autoregressive_pair(draft_dir: Path, target_dir: Path, draft_config
 
 def load_draft(spec: str, kind: str, target_dir: Path, target_config, *, dtype: str, device: str, trust_remote_code: bool = False) -> LoadedDraft:
     """Load and validate a draft of ``kind`` (``auto`` detects DFlash from the config)."""
+    if Path(spec).suffix == ".gguf" and Path(spec).is_file():
+        from dflash_doctor.draft_formats import refuse_gguf_dflash
+
+        refuse_gguf_dflash(Path(spec))
     draft_dir = resolve_model_dir(spec)
     if kind == "auto":
         kind = detect_draft_kind(draft_dir)

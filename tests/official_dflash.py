@@ -13,10 +13,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-import pytest
+import dflash.model as official  # installed by scripts/setup-dev.sh (pip install --no-deps dflash==0.1.0)
 import torch
-
-official = pytest.importorskip("dflash.model", reason="the official dflash wheel is installed by scripts/setup-dev.sh")
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "full": {},
