@@ -67,8 +67,9 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--k", type=int, default=15)
     parser.add_argument("--variants", default=",".join(REAL_VARIANTS))
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (1 on a shared machine: threads thrash)")
     args = parser.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     target_dir = resolve_model_dir(str(demo_target_path()))
     target_model = load_causal_lm(target_dir)
     from transformers import AutoTokenizer

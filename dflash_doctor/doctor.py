@@ -155,8 +155,18 @@ def check_context(engine: runner.Engine, requests, config: DoctorConfig, meta: d
         draft_training_template=recorded.get("chat_template"),
         run_meta=meta,
         config=config,
-        extras=extras,
+        extras={"draft_weight_shapes": draft_weight_shapes(engine.draft_dir), **extras},
     )
+
+
+def draft_weight_shapes(draft_dir: Path) -> dict[str, list[int]]:
+    """Tensor shapes of the draft's safetensors (headers only), for draft-config's fc / own-head rules."""
+    from dflash_doctor.checks.draft_config import read_safetensors_shapes
+
+    shapes: dict[str, list[int]] = {}
+    for file in sorted(Path(draft_dir).glob("*.safetensors")):
+        shapes.update({name.removeprefix("model."): shape for name, shape in read_safetensors_shapes(file).items()})
+    return shapes
 
 
 def run_doctor(config: DoctorConfig, *, scenario=None, only=(), skip=(), exact_blocks: bool = False, console=None):

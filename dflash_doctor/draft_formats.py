@@ -140,7 +140,7 @@ def _from_zlab(raw: dict[str, Any], source: str, dialect: str) -> NormalisedDraf
     _refuse_unknown(dflash, DFLASH_CONFIG_KEYS | set(UNSUPPORTED), "dflash_config ", source)
     if raw.get("hidden_act", "silu") != "silu":
         raise UsageError(f"{source}: hidden_act {raw['hidden_act']!r} is not silu, the DFlash MLP; use a DFlash draft checkpoint.")
-    out = {k: v for k, v in raw.items() if k in MODEL_KEYS}
+    out = {k: v for k, v in raw.items() if k in MODEL_KEYS or k in INERT_KEYS}  # inert keys ride along as extras
     out["dflash_config"] = {k: v for k, v in dflash.items() if k in DFLASH_CONFIG_KEYS}
     if "block_size" in dflash:
         out.setdefault("block_size", dflash["block_size"])

@@ -152,6 +152,7 @@ class DFlashConfig:
             max_position_embeddings=self.max_position_embeddings,
             layer_types=self.layer_types,
             sliding_window=self.sliding_window,
+            use_sliding_window=self.sliding_window is not None,  # Qwen3Config drops the window without it
             attention_bias=self.attention_bias,
             tie_word_embeddings=self.tie_word_embeddings,
             hidden_act="silu",

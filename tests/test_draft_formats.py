@@ -147,8 +147,8 @@ def test_flat_tiny_draft_round_trips(target, tmp_path):
     draft = tiny_dflash(target, layer_types=["sliding_attention", "full_attention"], sliding_window=3)
     draft.config.is_causal = None
     loaded = load_dflash_draft(save_dflash_draft(draft, tmp_path / "d"))
-    # the window survives a save (use_sliding_window is implied by a window in our own layout)
-    assert loaded.config.layer_types == ["sliding_attention", "full_attention"]
+    # the window survives a save: our layout writes use_sliding_window, without which Qwen3Config drops it
+    assert loaded.config.layer_types == ["sliding_attention", "full_attention"] and loaded.config.sliding_window == 3
 
 
 def test_gguf_dflash_draft_is_refused_in_one_sentence(tmp_path):
