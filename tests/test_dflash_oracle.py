@@ -195,3 +195,28 @@ def test_dflash2_greedy_walk_equals_official(target, tmp_path):
         proposer = DFlashProposer(ours, TargetModel(target, ours.hidden_state_indices))
         proposer.start(torch.tensor(prompt), features[0])
         assert proposer.propose(prompt[-1], BLOCK - 1, BLOCK - 1).tokens.tolist() == official_tokens[0].tolist()
+
+
+def test_probabilistic_drafts_run_through_rejection_sampling(pair, target):
+    """At T > 0 a probabilistic proposer hands its draft distribution to rejection sampling: every drafted
+    token has probability under it, and a seeded run is reproducible."""
+    variant, _, ours = pair
+    runs = []
+    for _ in range(2):
+        wrapped = TargetModel(target, ours.hidden_state_indices)
+        generator = torch.Generator().manual_seed(7)
+        proposer = DFlashProposer(ours, wrapped, temperature=0.8, draft_sample_method="probabilistic", generator=generator)
+        drafted = []
+        original = proposer.propose
+
+        def spy(*args, **kwargs):
+            proposal = original(*args, **kwargs)
+            drafted.append(proposal.probs.gather(-1, proposal.tokens[:, None]).min().item() if len(proposal.tokens) else 1.0)
+            return proposal
+
+        proposer.propose = spy
+        result = speculative_generate(wrapped, proposer, torch.tensor(PROMPTS[0]), k=BLOCK - 1, max_new_tokens=20,
+                                      temperature=0.8, generator=generator)
+        assert min(drafted) > 0
+        runs.append(result.output_ids)
+    assert runs[0] == runs[1] and len(runs[0]) == 20
