@@ -23,14 +23,13 @@ sys.path.insert(0, str(REPO / "tests"))
 
 from official_dflash import REAL_VARIANTS, official_generate, real_variant  # noqa: E402
 
-from dflash_doctor.config import DoctorConfig  # noqa: E402
-from dflash_doctor.engine.conventions import CONVENTIONS  # noqa: E402
+from dflash_doctor.engine.schedule import CONVENTIONS  # noqa: E402
 from dflash_doctor.engine.live import speculative_generate  # noqa: E402
 from dflash_doctor.engine.proposers.dflash import DFlashProposer  # noqa: E402
 from dflash_doctor.engine.target import TargetModel  # noqa: E402
 from dflash_doctor.loading import DEMO_DRAFT_DIR, demo_target_path, load_causal_lm, load_dflash_draft, resolve_model_dir  # noqa: E402
-from dflash_doctor.runner import select_requests, stop_ids_of  # noqa: E402
-from dflash_doctor.workloads import encode_request_turn  # noqa: E402
+from dflash_doctor.pair import stop_ids_of  # noqa: E402
+from dflash_doctor.workloads import encode_request_turn, load_workload  # noqa: E402
 
 
 def compare(target_model, official_draft, ours, prompts, stop_ids, k, max_new):
@@ -76,7 +75,7 @@ def main() -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     stop_ids = stop_ids_of(target_model, tokenizer)
-    requests = select_requests(DoctorConfig(max_requests=args.max_requests))
+    requests = load_workload("demo", max_requests=args.max_requests, seed=0)
     prompts = [encode_request_turn(tokenizer, r, []) for r in requests]
     print(f"demo workload: {len(prompts)} first turns, {args.max_new_tokens} new tokens, K = {args.k}")
     print("variant   requests  outputs=  steps(all)  equal(official conv.)  full-block steps  equal(vllm conv.)  tau official  tau ours")

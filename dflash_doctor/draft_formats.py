@@ -212,10 +212,16 @@ def normalise_draft_config(raw: dict[str, Any], source: str = "config.json") -> 
     return _from_zlab(raw, source, dialect)
 
 
-def refuse_gguf_dflash(path) -> None:
+def refuse_gguf_dflash(spec: str) -> None:
     """Refuse a llama.cpp DFlash draft (``general.architecture = dflash``) in one sentence, before the
-    GGUF converter (built for causal LMs) fails on it with a parser error."""
+    GGUF converter (built for causal LMs) fails on it with a parser error; other specs pass through."""
+    from pathlib import Path
+
     from gguf import GGUFReader
+
+    path = Path(spec)
+    if path.suffix != ".gguf" or not path.is_file():
+        return
 
     field = GGUFReader(str(path)).fields.get("general.architecture")
     if field is None:

@@ -23,7 +23,7 @@ import torch
 from official_dflash import VARIANTS, official, official_config, official_generate, official_model, save_official
 from tiny_models import tiny_target
 
-from dflash_doctor.engine.conventions import CONVENTIONS
+from dflash_doctor.engine.schedule import CONVENTIONS
 from dflash_doctor.engine.live import speculative_generate
 from dflash_doctor.engine.proposers.dflash import DFlashProposer
 from dflash_doctor.engine.target import TargetModel

@@ -90,5 +90,5 @@ def test_replay_records_the_end_of_request_convention(pair_dir, tmp_path):
         result = CliRunner().invoke(app, [str(a) for a in args])
         assert result.exit_code == 0, result.output
         runs[convention] = load_run(out)
-        assert runs[convention].meta["config"]["end_of_request"] == convention
+        assert runs[convention].record.config["end_of_request"] == convention
     assert list(runs["vllm"].requests["output_token_ids"].map(list)) == list(runs["official"].requests["output_token_ids"].map(list))

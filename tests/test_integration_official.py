@@ -14,12 +14,12 @@ import torch
 
 from official_dflash import REAL_VARIANTS, official, official_generate, real_variant
 
-from dflash_doctor.engine.conventions import CONVENTIONS
+from dflash_doctor.engine.schedule import CONVENTIONS
 from dflash_doctor.engine.live import speculative_generate
 from dflash_doctor.engine.proposers.dflash import DFlashProposer
 from dflash_doctor.engine.target import TargetModel
 from dflash_doctor.loading import DEMO_DRAFT_DIR, load_dflash_draft
-from dflash_doctor.runner import stop_ids_of
+from dflash_doctor.pair import stop_ids_of
 from dflash_doctor.workloads import encode_turn
 
 pytestmark = pytest.mark.integration
