@@ -18,6 +18,7 @@ from tiny_models import tiny_target
 from dflash_doctor.cli import app
 from dflash_doctor.engine.live import plain_generate, speculative_generate
 from dflash_doctor.engine.proposers.dflash import DFlashProposer
+from dflash_doctor.engine.schedule import CONVENTIONS
 from dflash_doctor.engine.target import TargetModel
 from dflash_doctor.engine.teacher import TeacherSequence, slot_table, walk_schedule
 from dflash_doctor.loading import load_dflash_draft
@@ -39,18 +40,23 @@ def target():
     torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("convention", ["vllm", "official"])
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_teacher_forced_replay_equals_live(variant, target, tmp_path):
-    """One masked pass over every anchor gives the live loop's steps (DFlash 2: the selector's true-prefix walk)."""
+def test_teacher_forced_replay_equals_live(variant, convention, target, tmp_path):
+    """One masked pass over every anchor gives the live loop's steps (DFlash 2: the selector's true-prefix
+    walk), under either end-of-request convention, with a stop token that ends requests mid-run."""
     draft = load_dflash_draft(save_official(official_model(official_config(target, variant)), tmp_path))
+    rule, stop = CONVENTIONS[convention], frozenset({6})
     accepted = set()
     for prompt in PROMPTS:
         wrapped = TargetModel(target, draft.hidden_state_indices)
-        truth = plain_generate(wrapped, torch.tensor(prompt), max_new_tokens=30).output_ids
-        table, _ = slot_table(wrapped, DFlashProposer(draft, wrapped), TeacherSequence(prompt, truth), 5)
-        live = speculative_generate(wrapped, DFlashProposer(draft, wrapped), torch.tensor(prompt), k=5, max_new_tokens=30)
+        truth = plain_generate(wrapped, torch.tensor(prompt), max_new_tokens=30, stop_ids=stop).output_ids
+        table, _ = slot_table(wrapped, DFlashProposer(draft, wrapped), TeacherSequence(prompt, truth), 5, max_new_tokens=30,
+                              convention=rule)
+        live = speculative_generate(wrapped, DFlashProposer(draft, wrapped), torch.tensor(prompt), k=5, max_new_tokens=30,
+                                    stop_ids=stop, convention=rule)
         assert live.output_ids == truth
-        walked = walk_schedule(table.matches, truth, 5, 30, frozenset())
+        walked = walk_schedule(table.matches, truth, 5, 30, stop, rule)
         assert [tuple(s[k] for k in STEP_KEYS) for s in walked] == [tuple(s[k] for k in STEP_KEYS) for s in live.steps]
         accepted.update(s["num_accepted"] for s in live.steps)
     assert max(accepted) >= 1
