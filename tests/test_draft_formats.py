@@ -17,11 +17,12 @@ from safetensors.torch import load_file, save_file
 from official_dflash import official_config, official_model, save_official
 from tiny_models import tiny_dflash, tiny_target
 
-from dflash_doctor.draft_formats import normalise_draft_config
+from dflash_doctor.draft_formats import normalise_draft_config, refuse_gguf_dflash
+from dflash_doctor.draft_kinds import detect_draft_kind
 from dflash_doctor.engine.proposers.dflash import DFlashProposer
 from dflash_doctor.engine.target import TargetModel
 from dflash_doctor.errors import UsageError
-from dflash_doctor.loading import detect_draft_kind, load_dflash_draft, save_dflash_draft
+from dflash_doctor.loading import load_dflash_draft, read_config, save_dflash_draft
 
 PROMPT = [1, 17, 42, 8, 9, 30, 31, 44]
 
@@ -81,7 +82,7 @@ def test_speculators_ids_are_ours_plus_one(zlab_dir, target, tmp_path):
     embed = {"embed_tokens.weight": target.get_input_embeddings().weight.detach().clone(),
              "lm_head.weight": target.lm_head.weight.detach().clone()}
     spec_dir = _rewrite(zlab_dir, tmp_path / "spec", _speculators_config(zlab, aux_ids=ours, draft_vocab_size=zlab["vocab_size"]), extra=embed)
-    assert detect_draft_kind(spec_dir) == "dflash"
+    assert detect_draft_kind(read_config(spec_dir)).name == "dflash"
     spec = load_dflash_draft(spec_dir)
     assert spec.config.target_layer_ids == zlab["dflash_config"]["target_layer_ids"]
     assert spec.draft_format["layer_id_offset"] == 1 and spec.draft_format["ships_own"] == ["embed_tokens.weight", "lm_head.weight"]
@@ -163,7 +164,6 @@ def test_gguf_dflash_draft_is_refused_in_one_sentence(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    from dflash_doctor.loading import load_draft
-
     with pytest.raises(UsageError, match="general.architecture = dflash"):
-        load_draft(str(path), "auto", tmp_path, None, dtype="float32", device="cpu")
+        refuse_gguf_dflash(str(path))
+    refuse_gguf_dflash(str(tmp_path / "not-a-file.gguf"))  # anything else is left to the loader
