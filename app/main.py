@@ -17,6 +17,7 @@ PAGES = [
     st.Page(ui.VIEWS / "tokens.py", title="Tokens", icon=":material/text_fields:"),
     st.Page(ui.VIEWS / "sweep.py", title="Sweep", icon=":material/speed:"),
     st.Page(ui.VIEWS / "compare.py", title="Compare", icon=":material/compare_arrows:"),
+    st.Page(ui.VIEWS / "production.py", title="Production", icon=":material/sensors:"),
 ]
 
 page = st.navigation(PAGES)

@@ -214,6 +214,11 @@ def compare_runs(
     the smaller one by truncation (tau(K) = 1 + sum_{i<K} r_i), which is exact for chain drafts and an
     estimate for DFlash blocks, and a note says so.
     """
+    if not isinstance(base, Run) and not isinstance(new, Run):
+        from dflash_doctor.telemetry.canary import compare_watch_runs, is_watch_dir
+
+        if is_watch_dir(base) and is_watch_dir(new):  # production windows: scrape intervals are the units
+            return compare_watch_runs(base, new, threshold_tau=threshold_tau, threshold_rate=threshold_rate)
     base_run = base if isinstance(base, Run) else load_run(base, tables=("steps", "requests"))
     new_run = new if isinstance(new, Run) else load_run(new, tables=("steps", "requests"))
     _, k_base = _steps_at_largest_k(base_run)

@@ -69,6 +69,7 @@ class DoctorConfig:
     strict_classes: tuple[str, ...] = ()  # classes that get a capped K, or no speculation if it would not pay
     thresholds: dict[str, Any] = field(default_factory=dict)
     checks: dict[str, dict[str, Any]] = field(default_factory=dict)  # per-check parameters
+    watch: dict[str, Any] = field(default_factory=dict)  # `watch` settings: window, baseline, thresholds (telemetry/settings.py)
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

