@@ -65,6 +65,7 @@ class DoctorConfig:
     chat_template: str | None = None  # a .jinja file overriding the target's template
     cost_profile: str | None = None  # TOML/JSON step times measured in a serving engine
     engine_config: str | None = None  # vLLM speculative_config JSON or SGLang launch flags
+    end_of_request: str = "vllm"  # vllm (full blocks, vLLM/SGLang) | official (dflash_generate): engine/schedule.py
     strict_classes: tuple[str, ...] = ()  # classes that get a capped K, or no speculation if it would not pay
     thresholds: dict[str, Any] = field(default_factory=dict)
     checks: dict[str, dict[str, Any]] = field(default_factory=dict)  # per-check parameters
@@ -127,5 +128,7 @@ def _validate(config: DoctorConfig) -> None:
         from dflash_doctor.speedup import load_cost_profile
 
         load_cost_profile(config.cost_profile)  # a profile that does not parse fails before any model work
+    if config.end_of_request not in ("vllm", "official"):
+        raise UsageError(f"end_of_request {config.end_of_request!r} is not one of vllm, official; pick the loop you model.")
     if config.dtype not in ("float32", "bfloat16", "float16"):
         raise UsageError(f"--dtype {config.dtype!r} is not one of float32, bfloat16, float16; pick one.")

@@ -23,7 +23,7 @@ import torch
 
 from dflash_doctor.engine.divergence import divergence_columns
 from dflash_doctor.engine.proposers.base import Proposer
-from dflash_doctor.engine.schedule import cut_at_stop, draft_budget
+from dflash_doctor.engine.schedule import CONVENTIONS, EndOfRequest, cut_at_stop, draft_budget
 from dflash_doctor.engine.target import TargetModel
 from dflash_doctor.engine.verify import greedy_accept, rejection_sample
 
@@ -92,8 +92,12 @@ def speculative_generate(
     stop_ids: frozenset[int] = frozenset(),
     generator: torch.Generator | None = None,
     record_tokens: bool = True,
+    convention: EndOfRequest = CONVENTIONS["vllm"],
 ) -> GenerationResult:
-    """Generate with speculative decoding; ``k`` draft tokens per step (capped by the proposer's max_k)."""
+    """Generate with speculative decoding; ``k`` draft tokens per step (capped by the proposer's max_k).
+
+    ``convention`` decides the block length and the stop-token count of the last steps
+    (:mod:`dflash_doctor.engine.schedule`)."""
     if proposer.max_k is not None:
         k = min(k, proposer.max_k)
     device = target.device
@@ -111,7 +115,7 @@ def speculative_generate(
         position = len(output)  # output tokens committed before this step
         k_step = draft_budget(k, max_new_tokens, position)
         t0 = time.perf_counter()
-        proposal = proposer.propose(last, k_step, k)
+        proposal = proposer.propose(last, k_step, convention.block_k(k, max_new_tokens - position))
         _synchronize(device)
         t1 = time.perf_counter()
         block = torch.cat([torch.tensor([last], device=device), proposal.tokens.to(device)])
@@ -127,9 +131,10 @@ def speculative_generate(
         accepted = drafted[:num_accepted]
         stop_at = cut_at_stop(accepted, stop_ids)
         if stop_at is not None:  # an accepted stop token ends the request; nothing after it counts
-            num_accepted = stop_at + 1
-            accepted = accepted[:num_accepted]
-        committed = 1 + num_accepted  # last + accepted drafts enter the context
+            accepted = accepted[: stop_at + 1]
+            num_accepted = convention.accepted_through_stop(stop_at)
+        num_committed_drafts = len(accepted)
+        committed = 1 + num_committed_drafts  # last + accepted drafts enter the context
         target.crop(target.cache_length - (k_step + 1) + committed)
         features = verified.features[:committed] if verified.features is not None else None
         proposer.accept(block[:committed], features)
@@ -167,7 +172,7 @@ def speculative_generate(
                     offset=i + 1,
                     draft_token=drafted[i],
                     target_token=target_list[i],
-                    accepted=i < num_accepted,
+                    accepted=i < num_committed_drafts,
                 )
                 tokens.append(row)
     output = output[:max_new_tokens]

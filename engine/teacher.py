@@ -26,7 +26,7 @@ import torch
 
 from dflash_doctor.engine.divergence import divergence_columns
 from dflash_doctor.engine.proposers.base import Proposer
-from dflash_doctor.engine.schedule import cut_at_stop, draft_budget
+from dflash_doctor.engine.schedule import CONVENTIONS, EndOfRequest, cut_at_stop, draft_budget
 from dflash_doctor.engine.target import TargetModel
 
 ANCHOR_CHUNK = 64  # anchors per draft pass: bounds the [A*B, T + A*B] attention mask on small machines
@@ -46,7 +46,8 @@ class SlotTable:
     divergence: dict[str, list] = field(default_factory=dict)
 
 
-def walk_schedule(matches: np.ndarray, output_ids: list[int], k: int, max_new_tokens: int, stop_ids: frozenset[int]) -> list[dict]:
+def walk_schedule(matches: np.ndarray, output_ids: list[int], k: int, max_new_tokens: int, stop_ids: frozenset[int],
+                  convention: EndOfRequest = CONVENTIONS["vllm"]) -> list[dict]:
     """The live loop's steps at K over known matches, with the live loop's schedule (engine/schedule.py)."""
     steps: list[dict] = []
     n_out = len(output_ids)
@@ -60,7 +61,7 @@ def walk_schedule(matches: np.ndarray, output_ids: list[int], k: int, max_new_to
         n = int(np.argmin(run)) if not run.all() else k_step
         stop_at = cut_at_stop(output_ids[i + 1 : i + 1 + n], stop_ids)
         if stop_at is not None:
-            n = stop_at + 1
+            n = convention.accepted_through_stop(stop_at)
         bonus = output_ids[i + n + 1] if stop_at is None and i + n + 1 < n_out else -1
         steps.append(
             {"step": len(steps), "position": position, "k": k, "num_drafted": k_step, "num_accepted": n, "bonus_token": bonus}
@@ -89,10 +90,15 @@ def slot_table(
     temperature: float = 0.0,
     record_divergence: bool = True,
     target_pass: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+    max_new_tokens: int | None = None,
+    convention: EndOfRequest = CONVENTIONS["vllm"],
 ) -> tuple[SlotTable, tuple[torch.Tensor, torch.Tensor | None]]:
     """Guesses and matches for every anchor of ``sequence`` at block length ``k``.
 
-    Returns the table and the target pass (logits, features) so several K can reuse one target forward.
+    Under a convention that shrinks the last blocks (the official loop), the anchors within ``k`` of
+    ``max_new_tokens`` are drafted with the block the live loop would use there (their slots past it stay
+    unmatched; the schedule never drafts them). Returns the table and the target pass (logits, features)
+    so several K can reuse one target forward.
     """
     device = target.device
     ids = torch.tensor(sequence.prompt_ids + sequence.output_ids, device=device)
@@ -110,17 +116,23 @@ def slot_table(
     matches = np.zeros((n_anchor, k), dtype=bool)
     accept_probs = np.zeros((n_anchor, k), dtype=np.float64) if temperature > 0 else None
     divergence: dict[str, list] = {}
-    for start in range(0, n_anchor, ANCHOR_CHUNK):
-        idx = torch.arange(start, min(start + ANCHOR_CHUNK, n_anchor), device=device)  # output indices
-        logits = proposer.slot_logits(p_len + idx, k)  # [A, k, V]
-        slot_pos = idx[:, None] + torch.arange(1, k + 1, device=device)  # output index each slot predicts
+    block_of = np.full(n_anchor, k)
+    if max_new_tokens is not None:
+        block_of = np.array([convention.block_k(k, max_new_tokens - (i + 1)) for i in range(n_anchor)], dtype=np.int64)
+    groups = [(start, min(start + ANCHOR_CHUNK, n_anchor)) for start in range(0, n_anchor, ANCHOR_CHUNK)]
+    groups = [(a, b, int(bk)) for a, b in groups for bk in sorted(np.unique(block_of[a:b]), reverse=True)]  # anchor order
+    for start, stop, bk in groups:
+        idx = torch.tensor(np.flatnonzero(block_of[start:stop] == bk) + start, device=device, dtype=torch.long)  # output indices
+        rows = idx.cpu().numpy()
+        logits = proposer.slot_logits(p_len + idx, bk)  # [A, bk, V]
+        slot_pos = idx[:, None] + torch.arange(1, bk + 1, device=device)  # output index each slot predicts
         known = slot_pos < n_out
         safe_pos = slot_pos.clamp(max=n_out - 1)
         guess = logits.argmax(dim=-1)
         true_tok = truth[safe_pos]
-        guesses[start : start + len(idx)] = guess.cpu().numpy()
-        matches[start : start + len(idx)] = ((guess == true_tok) & known).cpu().numpy()
-        target_rows = target_logits[p_len + safe_pos - 1]  # [A, k, V] the target's scores for those slots
+        guesses[rows, :bk] = guess.cpu().numpy()
+        matches[rows, :bk] = ((guess == true_tok) & known).cpu().numpy()
+        target_rows = target_logits[p_len + safe_pos - 1]  # [A, bk, V] the target's scores for those slots
         if accept_probs is not None:
             p = torch.softmax(target_rows / temperature, dim=-1)
             if proposer.samples_drafts(temperature):
@@ -128,7 +140,7 @@ def slot_table(
                 prob = torch.minimum(p, q).sum(dim=-1)
             else:
                 prob = p.gather(-1, guess[..., None])[..., 0]
-            accept_probs[start : start + len(idx)] = (prob * known).cpu().numpy()
+            accept_probs[rows, :bk] = (prob * known).cpu().numpy()
         if record_divergence:
             flat = known.flatten()
             cols = divergence_columns(

