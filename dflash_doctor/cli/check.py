@@ -11,10 +11,15 @@ from rich.table import Table
 from dflash_doctor.cli import app
 from dflash_doctor.cli import options as opt
 from dflash_doctor.config import build_config
+from dflash_doctor.errors import UsageError
 
 Scenario = Annotated[Optional[str], typer.Option("--scenario", help="Reproduce a real failure on the demo pair; `--scenario list` names them.")]
 Only = Annotated[Optional[str], typer.Option("--only", help="Comma-separated check ids to run (default: all).")]
 Skip = Annotated[Optional[str], typer.Option("--skip", help="Comma-separated check ids to leave out.")]
+EngineUrl = Annotated[Optional[str], typer.Option("--engine", help="URL of a running OpenAI-compatible server (vLLM, SGLang, llama.cpp): measure acceptance there; with --target/--draft also replay locally and compare (engine-agreement).")]
+EngineModel = Annotated[Optional[str], typer.Option("--engine-model", help="Model name on the --engine server (default: its only model).")]
+EngineConcurrency = Annotated[Optional[int], typer.Option("--engine-concurrency", help="Requests in flight at once against --engine (default 4).")]
+EngineTimeout = Annotated[Optional[float], typer.Option("--engine-timeout", help="Per-request timeout in seconds against --engine (default 300).")]
 EngineConfig = Annotated[Optional[str], typer.Option("--engine-config", help="vLLM speculative_config JSON or SGLang launch flags to check against the draft.")]
 
 
@@ -25,7 +30,9 @@ def _ids(text: str | None) -> list[str]:
 def print_class_summary(meta: dict, console: Console) -> None:
     """tau per class with its interval at the replayed K: the first thing a user wants to see."""
     summary = meta["summary"]
-    table = Table(title=f"Acceptance at K = {max(meta['config']['k'])} (tau = mean acceptance length, bonus included)")
+    k = (meta.get("engine") or {}).get("num_spec_tokens") or max(meta["config"]["k"] or [0])
+    where = f" on {meta['engine']['url']}" if meta.get("engine") else ""
+    table = Table(title=f"Acceptance at K = {k}{where} (tau = mean acceptance length, bonus included)")
     for column in ("class", "requests", "tau", "95% CI", "per-position acceptance (first 5)"):
         table.add_column(column)
     for name, metrics in [("overall", summary["overall"]), *sorted(summary["by_class"].items())]:
@@ -58,6 +65,10 @@ def check(
     cost_profile: opt.CostProfile = None,
     strict_classes: opt.StrictClasses = None,
     engine_config: EngineConfig = None,
+    engine: EngineUrl = None,
+    engine_model: EngineModel = None,
+    engine_concurrency: EngineConcurrency = None,
+    engine_timeout: EngineTimeout = None,
     scenario: Scenario = None,
     only: Only = None,
     skip: Skip = None,
@@ -82,7 +93,7 @@ def check(
             table.add_row(item.name, item.incident, ", ".join(item.expect))
         out_console.print(table)
         return
-    cfg = build_config(config, **opt.config_values(locals()))
+    cfg = build_config(config, engine_timeout_s=engine_timeout, **opt.config_values(locals()))
     chosen = None
     if scenario is not None:
         chosen = scenarios.get_scenario(scenario)
@@ -92,13 +103,22 @@ def check(
         get_check(check_id)  # an unknown id fails now, with "did you mean", before any model work
     console = Console(stderr=True)
     try:
-        run_dir, results, meta = doctor.run_doctor(
-            cfg, scenario=chosen, only=only_ids, skip=skip_ids, exact_blocks=exact_blocks, console=console
-        )
+        if cfg.engine is not None:
+            if scenario is not None:
+                raise UsageError("--scenario reproduces failures on the embedded demo pair; drop it or drop --engine.")
+            from dflash_doctor.serving.doctor_engine import print_engine_comparison, run_engine_doctor
+
+            run_dir, results, meta = run_engine_doctor(cfg, only=only_ids, skip=skip_ids, console=console)
+        else:
+            run_dir, results, meta = doctor.run_doctor(
+                cfg, scenario=chosen, only=only_ids, skip=skip_ids, exact_blocks=exact_blocks, console=console
+            )
     except KeyboardInterrupt:
         console.print("[yellow]interrupted[/]: finished requests are kept in the run directory")
         raise typer.Exit(130)
     print_class_summary(meta, out_console)
+    if cfg.engine is not None:
+        print_engine_comparison(meta, out_console)
     print_sweep(meta, out_console)
     print_check_results(results, out_console)
     out_console.print(f"run directory and reports: {run_dir} (report.html, report.md, report.json, junit.xml)")

@@ -1,0 +1,237 @@
+"""`check --engine URL`: send the workload to a running server and write a run directory from ITS figures.
+
+The server does the decoding; the doctor only asks and reads. Each turn is one OpenAI request (chat for
+``messages`` requests, completions for raw ``prompt`` ones) with the run's temperature, seed and
+max-token limit; a later turn is asked after the server's own answer to the earlier one, as the
+embedded replay does. Requests run a few at a time (``--engine-concurrency``); their turns stay in
+order. The steps table holds the engine's own steps (vLLM ``detailed``: in order, with positions), the
+requests table its outputs, and ``run.json`` records ``source: serving engine`` with the endpoint. A
+failure stops the run with one sentence; every request measured before it stays in the run directory.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dflash_doctor.config import DoctorConfig
+from dflash_doctor.errors import UsageError
+from dflash_doctor.serving.client import EngineEndpoint, EngineError, call
+from dflash_doctor.serving.responses import LLAMA_CPP, MissingMetrics, SpecMeasurement, parse_response, step_rows
+from dflash_doctor.workloads import Request, conversation_turns, fill_answers
+
+SOURCE = "serving engine"  # run.json `source` of a run measured on a server (DESIGN.md)
+
+
+@dataclass
+class EngineTurn:
+    """One answered turn: what was sent, what came back, and the engine's speculative figures."""
+
+    request: Request
+    turn: int
+    output_text: str
+    output_token_ids: list[int] | None  # None when the engine does not return ids
+    prompt_token_ids: list[int] | None
+    prompt_num_tokens: int
+    num_output_tokens: int
+    stop_reason: str
+    measurement: SpecMeasurement
+    wall_time_s: float
+    steps: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def key(self) -> str:
+        from dflash_doctor.runner import request_key
+
+        return request_key(self.request, self.turn)
+
+
+def request_body(endpoint: EngineEndpoint, request: Request, messages: list[dict[str, Any]] | None,
+                 max_tokens: int, config: DoctorConfig) -> tuple[str, dict[str, Any]]:
+    """(path, JSON body) for one turn; asks vLLM for token ids and SGLang for its spec details."""
+    body: dict[str, Any] = {
+        "model": endpoint.model,
+        "max_tokens": max_tokens,
+        "temperature": config.temperature,
+        "seed": config.seed,
+        "n": 1,
+        "stream": False,
+        "return_token_ids": True,  # vLLM: prompt_token_ids + choices[0].token_ids
+        "return_spec_tokens_details": True,  # SGLang: sglext.spec_tokens_details
+    }
+    if messages is None:
+        body["prompt"] = request.prompt
+        return "/v1/completions", body
+    body["messages"] = messages
+    if request.chat_template_kwargs:
+        body["chat_template_kwargs"] = dict(request.chat_template_kwargs)
+    return "/v1/chat/completions", body
+
+
+def read_completion(body: dict[str, Any]) -> tuple[str, list[int] | None, list[int] | None, str, dict[str, Any]]:
+    """(text, output ids, prompt ids, stop reason, usage) of a non-streamed n = 1 completion body."""
+    choices = body.get("choices") or []
+    if len(choices) != 1:
+        raise MissingMetrics(
+            f"the response has {len(choices)} choices; engines report per-request speculative metrics only for "
+            "n = 1 (vLLM returns null for n > 1), so send one completion per request"
+        )
+    choice = choices[0]
+    text = (choice.get("message") or {}).get("content") if "message" in choice else choice.get("text")
+    output_ids = choice.get("token_ids")
+    if output_ids is None:
+        output_ids = (choice.get("meta_info") or body.get("meta_info") or {}).get("output_token_ids")
+    prompt_ids = body.get("prompt_token_ids", choice.get("prompt_token_ids"))
+    finish = choice.get("finish_reason")
+    stop_reason = "max_new_tokens" if finish == "length" else "stop_token"
+    return text or "", output_ids, prompt_ids, stop_reason, body.get("usage") or {}
+
+
+def ask(endpoint: EngineEndpoint, request: Request, config: DoctorConfig) -> list[EngineTurn]:
+    """All turns of one request, in order; a later turn carries the server's own earlier answers."""
+    from dflash_doctor.runner import max_new_tokens_for
+
+    max_tokens = max_new_tokens_for(request, config)
+    turns = conversation_turns(request) if request.messages is not None else [None]
+    answers: list[str] = []
+    results = []
+    for turn, messages in enumerate(turns):
+        filled = fill_answers(messages, answers) if messages is not None else None
+        path, payload = request_body(endpoint, request, filled, max_tokens, config)
+        started = time.perf_counter()
+        body = call(endpoint, "POST", path, payload)
+        wall = time.perf_counter() - started
+        text, output_ids, prompt_ids, stop_reason, usage = read_completion(body)
+        measurement = parse_response(body)
+        output_ids = [int(t) for t in output_ids] if output_ids is not None else None
+        results.append(EngineTurn(
+            request=request, turn=turn, output_text=text, output_token_ids=output_ids,
+            prompt_token_ids=[int(t) for t in prompt_ids] if prompt_ids is not None else None,
+            prompt_num_tokens=int(usage.get("prompt_tokens") or len(prompt_ids or [])),
+            num_output_tokens=len(output_ids) if output_ids is not None else int(usage.get("completion_tokens") or 0),
+            stop_reason=stop_reason, measurement=measurement, wall_time_s=wall,
+            steps=step_rows(measurement, output_ids),
+        ))
+        answers.append(text)
+    return results
+
+
+def turn_rows(result: EngineTurn) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The requests-table row and steps-table rows of one answered turn."""
+    m = result.measurement
+    row = {
+        "request_id": result.key,
+        "class": result.request.request_class,
+        "subclass": result.request.subclass,
+        "turn": result.turn,
+        "prompt_num_tokens": result.prompt_num_tokens,
+        "output_token_ids": result.output_token_ids or [],
+        "output_text": result.output_text,
+        "num_output_tokens": result.num_output_tokens,
+        "num_steps": m.num_drafts if m.num_drafts is not None else len(result.steps),
+        "num_drafts": m.num_drafts,
+        "num_draft_tokens": m.num_draft_tokens,
+        "num_accepted_tokens": m.num_accepted_tokens,
+        "tau": m.tau,
+        "stop_reason": result.stop_reason,
+        "wall_time_s": result.wall_time_s,
+    }
+    steps = [{"request_id": result.key, "class": result.request.request_class, **s} for s in result.steps]
+    return row, steps
+
+
+def _failure_sentence(endpoint: EngineEndpoint, exc: Exception, done: int, run_dir: Path) -> str:
+    kept = f"; the {done} request(s) measured before it are in {run_dir}" if done else ""
+    if isinstance(exc, MissingMetrics):
+        return f"--engine {endpoint.base_url}: {exc}{kept}."
+    if isinstance(exc, EngineError) and exc.status is None:
+        return f"--engine {endpoint.base_url}: {exc}; check that the server is still up{kept}."
+    return f"--engine {endpoint.base_url}: {exc}; fix the request or the server flags{kept}."
+
+
+def measure_engine(endpoint: EngineEndpoint, requests: list[Request], config: DoctorConfig, run_dir: Path,
+                   meta: dict[str, Any], *, concurrency: int = 4, progress=None) -> list[EngineTurn]:
+    """Send every request (``concurrency`` at a time), stream its rows into ``run_dir``, then the summary.
+
+    Returns the answered turns (for the agreement check). The first failure stops sending; rows of
+    finished requests are kept and the failure is raised as one UsageError sentence.
+    """
+    from dflash_doctor.engine.live import GenerationResult
+    from dflash_doctor.runner import finalize_summary
+    from dflash_doctor.schema import RunWriter
+
+    writer = RunWriter(run_dir, meta)
+    answered: list[EngineTurn] = []
+    failure: Exception | None = None
+    interrupted = False
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, concurrency))
+    try:
+        futures = [pool.submit(ask, endpoint, request, config) for request in requests]
+        for future in concurrent.futures.as_completed(futures):
+            try:
+                turns = future.result()
+            except (EngineError, MissingMetrics) as exc:
+                failure = exc
+                for pending in futures:
+                    pending.cancel()
+                break
+            for result in turns:
+                row, steps = turn_rows(result)
+                writer.add("requests", [row])
+                writer.add("steps", steps)
+                answered.append(result)
+                if progress is not None:
+                    progress(GenerationResult(output_ids=result.output_token_ids or [], stop_reason=result.stop_reason,
+                                              wall_time_s=result.wall_time_s, steps=result.steps))
+            writer.flush()
+    except KeyboardInterrupt:
+        interrupted = True
+        for pending in futures:
+            pending.cancel()
+    finally:
+        pool.shutdown(wait=not interrupted, cancel_futures=True)
+        meta["interrupted"] = interrupted or failure is not None
+        meta["engine"].update(engine_facts(answered))
+        writer.close()
+    finalize_summary(run_dir, meta)
+    if interrupted:
+        raise KeyboardInterrupt
+    if failure is not None:
+        raise UsageError(_failure_sentence(endpoint, failure, len({t.request.id for t in answered}), run_dir))
+    return answered
+
+
+def engine_facts(answered: list[EngineTurn]) -> dict[str, Any]:
+    """What the responses say about the server: engine kind, K, and how exact the step table is."""
+    if not answered:
+        return {}
+    m = answered[0].measurement
+    if m.engine == LLAMA_CPP:
+        steps = "none: llama.cpp reports drafted and accepted tokens only, so this run has an acceptance rate and no tau"
+    elif all(t.measurement.steps_in_order for t in answered):
+        steps = "in order (per-step arrays)"
+    else:
+        steps = "histogram only (step order unknown; vLLM --per-request-spec-decode-metrics detailed gives the order)"
+    return {
+        "kind": m.engine,
+        "num_spec_tokens": m.num_spec_tokens,
+        "steps": steps,
+        "returns_token_ids": all(t.output_token_ids is not None for t in answered),
+    }
+
+
+def start_engine_meta(config: DoctorConfig, endpoint: EngineEndpoint) -> dict[str, Any]:
+    """run.json skeleton for a serving-engine run: ``source``, the endpoint, and the served model."""
+    from dflash_doctor.checks.environment import collect_environment
+    from dflash_doctor.schema import new_run_meta
+
+    meta = new_run_meta(config.as_dict())
+    meta["command"] = "check"
+    meta["source"] = SOURCE
+    meta["engine"] = {"url": endpoint.base_url, "model": endpoint.model}
+    meta["models"] = {"target": {"id": endpoint.model, "served_by": endpoint.base_url}, "draft": {"id": None}}
+    meta["environment"] = collect_environment(None)
+    return meta
