@@ -38,8 +38,8 @@ class EngineAgreementCheck(Check):
     needs = ()
 
     min_tau_gap: float = 0.1  # embedded - engine tau below this is agreement even when the interval excludes 0
-    explains_share: float = 0.85  # a simulated setup reproducing at least this share of engine steps explains the gap
-    explains_margin: float = 0.2  # ... and beats the configured setup by at least this much
+    explains_share: float = 0.8  # the engine sides with a simulated setup on at least this share of the telling steps
+    min_telling_steps: int = 10  # ... of at least this many steps where that setup and the configured draft differ
     step_agreement_warn_below: float = 0.8  # configured per-step agreement below this with no tau gap still warns
     min_steps: int = 20  # fewer comparable engine steps are too few to judge
 
@@ -67,8 +67,9 @@ class EngineAgreementCheck(Check):
             setup = next((s for s in data.get("setups") or [] if s["name"] == name), {"cause": name, "fix": ""})
             findings.append(Finding(
                 "fail", f"the server behaves like the draft with {name}: {setup['cause']}",
-                f"{tau_text}; replaying with {name} reproduces {stats['num_agreeing']}/{stats['num_steps']} engine steps "
-                f"({stats['share']:.0%}) against {configured['share']:.0%} as configured",
+                f"{tau_text}; on the {stats['num_telling']} engine steps where the two setups predict differently the server "
+                f"sided with {name} {stats['num_siding']} times; it reproduces {stats['share']:.0%} of all steps against "
+                f"{configured['share']:.0%} as configured",
                 setup["fix"]))
         elif gap_real:
             findings.append(Finding(
@@ -96,8 +97,12 @@ class EngineAgreementCheck(Check):
         candidates = [(name, stats) for name, stats in per_step.items() if name != CONFIGURED and stats.get("share") is not None]
         if not candidates:
             return None
-        name, stats = max(candidates, key=lambda item: item[1]["share"])
-        if stats["share"] >= self.explains_share and stats["share"] - configured["share"] >= self.explains_margin:
+        def siding(stats: dict[str, Any]) -> float:
+            telling = stats.get("num_telling") or 0
+            return stats["num_siding"] / telling if telling >= self.min_telling_steps else 0.0
+
+        name, stats = max(candidates, key=lambda item: siding(item[1]))
+        if siding(stats) >= self.explains_share and stats["share"] > configured["share"]:
             return name, stats
         return None
 

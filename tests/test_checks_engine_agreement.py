@@ -15,7 +15,8 @@ def _figures(engine_tau=1.74, embedded_tau=1.73, ci=(-0.04, 0.03), shares=None, 
         "tau": {"overall": {"num_turns": 8, "engine_tau": engine_tau, "engine_tau_ci": [engine_tau - 0.1, engine_tau + 0.1],
                             "embedded_tau": embedded_tau, "embedded_tau_ci": [embedded_tau - 0.1, embedded_tau + 0.1],
                             "difference": embedded_tau - engine_tau, "difference_ci": list(ci)}, "by_class": {}},
-        "per_step": {name: {"num_steps": 200, "num_agreeing": round(200 * share), "share": share} for name, share in shares.items()},
+        "per_step": {name: {"num_steps": 200, "num_agreeing": round(200 * share), "share": share,
+                            "num_telling": 40, "num_siding": round(40 * (share - 0.3) / 0.7)} for name, share in shares.items()},
         "deciding_margins": {"median_agreeing": 1.5, "median_disagreeing": 0.004},
         "setups": [{"name": "as configured", "cause": "", "fix": ""},
                    {"name": "target_layer_ids + 1", "cause": "the server feeds the draft the target layers one above", "fix": "serve the ids"},
@@ -39,7 +40,7 @@ def test_engine_agreement_fail_names_the_layer_offset_the_server_matches():
     result = _run(figures)
     assert result.status == "fail"
     finding = next(f for f in result.findings if f.severity == "fail")
-    assert "target_layer_ids + 1" in finding.message and "96%" in finding.evidence and finding.fix
+    assert "target_layer_ids + 1" in finding.message and "sided with target_layer_ids + 1 38 times" in finding.evidence and finding.fix
 
 
 def test_engine_agreement_fail_without_a_matching_setup_lists_what_to_inspect():

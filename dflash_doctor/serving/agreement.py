@@ -253,10 +253,14 @@ def summarize_agreement(comparisons: list[TurnComparison], answered, *, engine_k
     all_rows = [r for rows in rows_by_class.values() for r in rows]
     per_step: dict[str, dict[str, Any]] = {}
     for name in dict.fromkeys(n for c in comparisons for n in c.embedded_accepted):
-        pairs = [(e, m) for c in comparisons if name in c.embedded_accepted for e, m in zip(c.engine_accepted, c.embedded_accepted[name])]
-        agree = sum(e == m for e, m in pairs)
-        per_step[name] = {"num_steps": len(pairs), "num_agreeing": agree, "share": agree / len(pairs) if pairs else None,
-                          "embedded_accepted": sum(m for _, m in pairs), "engine_accepted": sum(e for e, _ in pairs)}
+        triples = [(e, m, base) for c in comparisons if name in c.embedded_accepted
+                   for e, m, base in zip(c.engine_accepted, c.embedded_accepted[name], c.embedded_accepted[CONFIGURED])]
+        agree = sum(e == m for e, m, _ in triples)
+        # the steps where this setup and the configured one predict differently are the ones that tell them apart
+        telling = [(e, m, base) for e, m, base in triples if m != base]
+        per_step[name] = {"num_steps": len(triples), "num_agreeing": agree, "share": agree / len(triples) if triples else None,
+                          "num_telling": len(telling), "num_siding": sum(e == m for e, m, _ in telling),
+                          "embedded_accepted": sum(m for _, m, _ in triples), "engine_accepted": sum(e for e, _, _ in triples)}
     outputs = [c for c in comparisons if c.outputs_match is not None]
     prompts = [c for c in comparisons if c.prompt_matches is not None]
     agree_margins = [m for c in comparisons for m in c.deciding_margins[0]]
