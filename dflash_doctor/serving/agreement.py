@@ -69,7 +69,27 @@ def serving_setups(draft_causal: bool) -> list[ServingSetup]:
 
 
 class _CausalFlippedProposer(DFlashProposer):
-    """The same draft with in-block attention causal (the bidirectional block mask cut to its lower triangle)."""
+    """The same draft with in-block attention causal (the bidirectional block mask cut to its lower triangle).
+
+    Both paths are covered, so the setup can be replayed teacher-forced and run live alike.
+    """
+
+    @torch.inference_mode()
+    def propose(self, last_token: int, k: int, block_k: int):
+        from dflash_doctor.engine.proposers.base import Proposal
+
+        device = self.model.fc.weight.device
+        size = block_k + 1
+        block = torch.full((size,), self.mask_token_id, dtype=torch.long, device=device)
+        block[0] = last_token
+        positions = torch.arange(self.ctx_length, self.ctx_length + size, device=device)[None]
+        ctx_positions = torch.arange(self.ctx_length, device=device)[None]
+        mask = torch.ones(1, 1, size, self.ctx_length + size, dtype=torch.bool, device=device)
+        mask[..., self.ctx_length:] = torch.ones(size, size, dtype=torch.bool, device=device).tril()
+        embeds = self.target.embed(block)[None].to(self.model.fc.weight.dtype)
+        hidden = self.model(embeds, positions, self.ctx_kv, ctx_positions, mask)  # [1, K+1, H]
+        logits = self.target.lm_head(hidden[0, 1 : k + 1]).float()  # [k, V]
+        return Proposal(tokens=logits.argmax(dim=-1), logits=logits, probs=None)
 
     def slot_logits(self, anchors: torch.Tensor, k: int) -> torch.Tensor:
         anchors = anchors.to(self._teacher_ids.device)
@@ -147,12 +167,14 @@ def compare_turn(engine, setups: list[ServingSetup], proposers: dict[str, tuple]
     margins: tuple[list[float], list[float]] = ([], [])
     first_difference = None
     outputs_match = None
+    logits, hidden_states = _target_pass(engine_target_model(proposers), sequence)
     for setup in setups:
         pair = proposers.get(setup.name)
         if pair is None:
             continue
         proposer, target = pair
-        table, (logits, _) = slot_table(target, proposer, sequence, k, record_divergence=False)
+        features = torch.cat([hidden_states[i][0] for i in proposer.needs.hidden_state_indices], dim=-1)
+        table, _ = slot_table(target, proposer, sequence, k, record_divergence=False, target_pass=(logits, features))
         tables[setup.name] = table.matches
         if setup.name != CONFIGURED:
             continue
@@ -176,6 +198,19 @@ def compare_turn(engine, setups: list[ServingSetup], proposers: dict[str, tuple]
         engine_accepted=engine_accepted, embedded_accepted=embedded, num_engine_steps=len(steps),
         embedded_steps=own, deciding_margins=margins,
     )
+
+
+def engine_target_model(proposers: dict[str, tuple]):
+    """The target model every setup shares (each setup has its own TargetModel view of it)."""
+    return next(iter(proposers.values()))[1].model
+
+
+@torch.inference_mode()
+def _target_pass(model, sequence: TeacherSequence):
+    """One target forward over prompt + output: logits [T, V] and every layer's hidden states, shared by all setups."""
+    ids = torch.tensor(sequence.prompt_ids + sequence.output_ids, device=next(model.parameters()).device)
+    out = model(input_ids=ids[None], output_hidden_states=True, use_cache=False)
+    return out.logits[0].float(), out.hidden_states
 
 
 def _deciding_margins(proposer, matches: np.ndarray, steps: list[dict], output: list[int], k: int,
@@ -245,11 +280,16 @@ def summarize_agreement(comparisons: list[TurnComparison], answered, *, engine_k
     by_key = {t.key: t for t in answered}
     rng = np.random.default_rng(seed)
     rows_by_class: dict[str, list] = {}
+    turns = []
     for c in comparisons:
         engine_steps = [s for s in by_key[c.request_id].steps if s["num_drafted"] > 0]
         own = [s for s in c.embedded_steps if s["num_drafted"] > 0]
         row = (len(engine_steps), sum(s["num_accepted"] for s in engine_steps), len(own), sum(s["num_accepted"] for s in own))
         rows_by_class.setdefault(c.request_class, []).append(row)
+        configured = c.embedded_accepted.get(CONFIGURED, [])
+        turns.append({"request_id": c.request_id, "class": c.request_class, "engine_drafts": row[0], "engine_accepted": row[1],
+                      "embedded_drafts": row[2], "embedded_accepted": row[3], "outputs_match": c.outputs_match,
+                      "steps_compared": len(configured), "steps_agreeing": sum(e == m for e, m in zip(c.engine_accepted, configured))})
     all_rows = [r for rows in rows_by_class.values() for r in rows]
     per_step: dict[str, dict[str, Any]] = {}
     for name in dict.fromkeys(n for c in comparisons for n in c.embedded_accepted):
@@ -280,6 +320,7 @@ def summarize_agreement(comparisons: list[TurnComparison], answered, *, engine_k
             "by_class": {cls: _tau_block(rows, rng, n_boot) for cls, rows in sorted(rows_by_class.items())},
         },
         "per_step": per_step,
+        "turns": turns,
         "deciding_margins": {
             "num_agreeing": len(agree_margins), "median_agreeing": median(agree_margins),
             "num_disagreeing": len(disagree_margins), "median_disagreeing": median(disagree_margins),
