@@ -47,6 +47,14 @@ class ReplayServer:
                 self.wfile.write(data)
 
             def do_GET(self):
+                if self.path == "/metrics":
+                    data = owner.metrics_text().encode()
+                    self.send_response(200)
+                    self.send_header("Content-Type", "text/plain")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                    return
                 self._send(200, {"object": "list", "data": [{"id": MODEL, "object": "model"}]})
 
             def do_POST(self):
@@ -64,6 +72,20 @@ class ReplayServer:
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    def metrics_text(self) -> str:
+        """vLLM's counters as if every request so far had been the captured one (prometheus_client's format)."""
+        spec = CAPTURED["metrics"]["speculative_decoding"]
+        n = len(self.bodies)
+        labels = f'engine="0",model_name="{MODEL}"'
+        lines = [f"vllm:spec_decode_num_drafts_total{{{labels}}} {n * spec['num_spec_steps']}.0",
+                 f"vllm:spec_decode_num_drafts_created{{{labels}}} 1.7e9",
+                 f"vllm:spec_decode_num_draft_tokens_total{{{labels}}} {n * spec['num_draft_tokens']}.0",
+                 f"vllm:spec_decode_num_accepted_tokens_total{{{labels}}} {n * spec['num_accepted_draft_tokens']}.0"]
+        for position in range(spec["num_spec_tokens"]):
+            reached = sum(a > position for a in spec["per_step_accepted"])
+            lines.append(f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{labels},position="{position}"}} {n * reached}.0')
+        return "# TYPE vllm:spec_decode_num_drafts_total counter\n" + "\n".join(lines) + "\n"
 
     def __enter__(self):
         self.thread.start()
@@ -94,9 +116,24 @@ def test_url_forms_and_model_resolution():
         resolve_model(EngineEndpoint.from_url(f"127.0.0.1:{free_port()}", retries=0))
 
 
+def test_without_per_request_metrics_the_metrics_counters_stand_in_one_request_at_a_time(tmp_path):
+    out = tmp_path / "run"
+    with ReplayServer(plan=["no-metrics"] * 20) as server:
+        result = CliRunner().invoke(app, ["check", "--engine", server.url, "--workload", "demo", "--max-requests", "2",
+                                          "--classes", "math", "--max-new-tokens", "96", "--out", str(out)])
+    assert result.exit_code in (0, 1), result.output
+    run = load_run(out)
+    spec = CAPTURED["metrics"]["speculative_decoding"]
+    assert "/metrics counters" in run.meta["engine"]["figures_from"]
+    assert run.meta["summary"]["overall"]["mean_acceptance_length"] == pytest.approx(spec["mean_acceptance_length"])
+    first = run.steps[run.steps["request_id"] == run.requests["request_id"].iloc[0]]
+    assert sorted(first["num_accepted"]) == sorted(spec["per_step_accepted"])  # the histogram, rebuilt from per-position counts
+
+
 def test_missing_metrics_stop_the_run_naming_the_flag_and_keep_what_was_measured(tmp_path):
     out = tmp_path / "run"
     with ReplayServer(plan=["ok", "ok", "no-metrics"]) as server:
+        server.metrics_text = lambda: "# no speculation here\n"
         result = CliRunner().invoke(app, ["check", "--engine", server.url, "--engine-concurrency", "1", "--workload", "demo",
                                           "--max-requests", "3", "--classes", "math", "--max-new-tokens", "8", "--out", str(out)])
     assert result.exit_code == 2, result.output
@@ -115,6 +152,7 @@ def test_a_server_run_records_its_source_and_the_engine(tmp_path):
     run = load_run(out)
     assert run.meta["source"] == "serving engine"
     assert run.meta["engine"] == {"url": server.url, "model": MODEL, "kind": "vllm", "num_spec_tokens": 15,
+                                  "figures_from": "the server's per-request metrics in each response",
                                   "steps": "in order (per-step arrays)", "returns_token_ids": True}
     spec = CAPTURED["metrics"]["speculative_decoding"]
     assert run.meta["summary"]["overall"]["num_drafts"] == len(run.requests) * spec["num_spec_steps"]

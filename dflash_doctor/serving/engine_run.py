@@ -19,11 +19,17 @@ from typing import Any
 
 from dflash_doctor.config import DoctorConfig
 from dflash_doctor.errors import UsageError
-from dflash_doctor.serving.client import EngineEndpoint, EngineError, call
+from dflash_doctor.serving.client import EngineEndpoint, EngineError, call, scrape_metrics
+from dflash_doctor.serving.prometheus import SpecCounters, measurement_between, parse_counters
 from dflash_doctor.serving.responses import LLAMA_CPP, MissingMetrics, SpecMeasurement, parse_response, step_rows
 from dflash_doctor.workloads import Request, conversation_turns, fill_answers
 
 SOURCE = "serving engine"  # run.json `source` of a run measured on a server (DESIGN.md)
+FIGURES_FROM = {
+    "responses": "the server's per-request metrics in each response",
+    "counters": "the server's /metrics counters scraped around each request, one request at a time "
+                "(the server reports no per-request metrics; other traffic on it would leak in; step order unknown)",
+}
 
 
 @dataclass
@@ -90,8 +96,12 @@ def read_completion(body: dict[str, Any]) -> tuple[str, list[int] | None, list[i
     return text or "", output_ids, prompt_ids, stop_reason, body.get("usage") or {}
 
 
-def ask(endpoint: EngineEndpoint, request: Request, config: DoctorConfig) -> list[EngineTurn]:
-    """All turns of one request, in order; a later turn carries the server's own earlier answers."""
+def ask(endpoint: EngineEndpoint, request: Request, config: DoctorConfig, *, from_counters: bool = False) -> list[EngineTurn]:
+    """All turns of one request, in order; a later turn carries the server's own earlier answers.
+
+    ``from_counters``: read each turn's figures from ``/metrics`` scraped before and after it (the
+    fallback for a server without per-request metrics; only exact when nothing else runs meanwhile).
+    """
     from dflash_doctor.runner import max_new_tokens_for
 
     max_tokens = max_new_tokens_for(request, config)
@@ -101,11 +111,12 @@ def ask(endpoint: EngineEndpoint, request: Request, config: DoctorConfig) -> lis
     for turn, messages in enumerate(turns):
         filled = fill_answers(messages, answers) if messages is not None else None
         path, payload = request_body(endpoint, request, filled, max_tokens, config)
+        before = _counters(endpoint) if from_counters else None
         started = time.perf_counter()
         body = call(endpoint, "POST", path, payload)
         wall = time.perf_counter() - started
         text, output_ids, prompt_ids, stop_reason, usage = read_completion(body)
-        measurement = parse_response(body)
+        measurement = measurement_between(before, _counters(endpoint)) if before is not None else parse_response(body)
         output_ids = [int(t) for t in output_ids] if output_ids is not None else None
         results.append(EngineTurn(
             request=request, turn=turn, output_text=text, output_token_ids=output_ids,
@@ -117,6 +128,30 @@ def ask(endpoint: EngineEndpoint, request: Request, config: DoctorConfig) -> lis
         ))
         answers.append(text)
     return results
+
+
+def _counters(endpoint: EngineEndpoint) -> SpecCounters:
+    text = scrape_metrics(endpoint)
+    counters = parse_counters(text) if text else None
+    if counters is None:
+        raise MissingMetrics("the server's /metrics page lost its speculative-decoding counters mid-run; keep the server up and retry")
+    return counters
+
+
+def figures_source(endpoint: EngineEndpoint, first: Request, config: DoctorConfig) -> tuple[str, list[EngineTurn]]:
+    """(``"responses"``, the first request's turns) when the server reports per request, or
+    (``"counters"``, []) when only its /metrics counters can stand in (the sequential fallback).
+
+    Asks the first request alone; a response without figures from a server whose /metrics has no
+    spec-decode counters either re-raises the response's own sentence.
+    """
+    try:
+        return "responses", ask(endpoint, first, config)
+    except MissingMetrics as exc:
+        text = scrape_metrics(endpoint) if exc.per_request_off else None
+        if text and parse_counters(text) is not None:
+            return "counters", []
+        raise
 
 
 def turn_rows(result: EngineTurn) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -167,10 +202,18 @@ def measure_engine(endpoint: EngineEndpoint, requests: list[Request], config: Do
     answered: list[EngineTurn] = []
     failure: Exception | None = None
     interrupted = False
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, concurrency))
+    futures: list = []
+    pool = None
     try:
-        futures = [pool.submit(ask, endpoint, request, config) for request in requests]
-        for future in concurrent.futures.as_completed(futures):
+        source, first_turns = figures_source(endpoint, requests[0], config) if requests else ("responses", [])
+        meta["engine"]["figures_from"] = FIGURES_FROM[source]
+        from_counters = source == "counters"
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=1 if from_counters else max(1, concurrency))
+        remaining = requests[1:] if first_turns else requests
+        futures = [pool.submit(ask, endpoint, request, config, from_counters=from_counters) for request in remaining]
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        done.set_result(first_turns)
+        for future in [done, *concurrent.futures.as_completed(futures)]:
             try:
                 turns = future.result()
             except (EngineError, MissingMetrics) as exc:
@@ -187,12 +230,15 @@ def measure_engine(endpoint: EngineEndpoint, requests: list[Request], config: Do
                     progress(GenerationResult(output_ids=result.output_token_ids or [], stop_reason=result.stop_reason,
                                               wall_time_s=result.wall_time_s, steps=result.steps))
             writer.flush()
+    except (EngineError, MissingMetrics) as exc:  # the first request, asked alone by figures_source
+        failure = exc
     except KeyboardInterrupt:
         interrupted = True
         for pending in futures:
             pending.cancel()
     finally:
-        pool.shutdown(wait=not interrupted, cancel_futures=True)
+        if pool is not None:
+            pool.shutdown(wait=not interrupted, cancel_futures=True)
         meta["interrupted"] = interrupted or failure is not None
         meta["engine"].update(engine_facts(answered))
         writer.close()

@@ -58,7 +58,15 @@ class SpecMeasurement:
 
 
 class MissingMetrics(ValueError):
-    """A response carries no speculative-decoding figures; the message names the server flag to set."""
+    """A response carries no speculative-decoding figures; the message names the server flag to set.
+
+    ``per_request_off`` is True when the server may well speculate but does not report per request
+    (then its ``/metrics`` counters can stand in, one request at a time).
+    """
+
+    def __init__(self, message: str, per_request_off: bool = False):
+        super().__init__(message)
+        self.per_request_off = per_request_off
 
 
 def _ints(values: Any) -> tuple[int, ...] | None:
@@ -168,7 +176,8 @@ def parse_response(body: Mapping[str, Any]) -> SpecMeasurement:
     raise MissingMetrics(
         "the response carries no per-request speculative-decoding metrics; start vLLM with "
         "--per-request-spec-decode-metrics detailed (SGLang answers return_spec_tokens_details itself; "
-        "llama.cpp reports timings.draft_n only while it drafts)"
+        "llama.cpp reports timings.draft_n only while it drafts)",
+        per_request_off=True,
     )
 
 
