@@ -35,6 +35,7 @@ from dflash_doctor.engine.target import TargetModel
 from dflash_doctor.engine.teacher import TeacherSequence, slot_table, walk_schedule
 
 CONFIGURED = "as configured"
+AGREEING_MARGIN_SAMPLE = 16  # agreeing steps per turn whose margin is measured, for scale (every disagreeing one is)
 
 
 @dataclass(frozen=True)
@@ -162,7 +163,7 @@ def compare_turn(engine, setups: list[ServingSetup], proposers: dict[str, tuple]
     steps = [s for s in turn.steps if s["position"] >= 1 and s["num_drafted"] > 0]
     # an engine step whose block runs past the returned output cannot be replayed (its accepted tokens
     # beyond max_tokens were dropped by the server), so it is left out of the per-step comparison
-    comparable = [s for s in steps if s["position"] + s["num_drafted"] <= len(output) - 1]
+    comparable = [s for s in steps if s["position"] + s["num_drafted"] <= len(output)]
     tables: dict[str, np.ndarray] = {}
     margins: tuple[list[float], list[float]] = ([], [])
     first_difference = None
@@ -224,12 +225,15 @@ def _deciding_margins(proposer, matches: np.ndarray, steps: list[dict], output: 
     engines' draft kernels broke a near-tie differently.
     """
     rows = []
+    agreeing_kept = 0
     for s in steps:
         i, d = s["position"] - 1, s["num_drafted"]
         ours = _run(matches[i], d)
         j = min(ours, s["num_accepted"])
-        if j < d and i + 1 + j < len(output):
-            rows.append((i, j, ours != s["num_accepted"]))
+        differs = ours != s["num_accepted"]
+        if j < d and i + 1 + j < len(output) and (differs or agreeing_kept < AGREEING_MARGIN_SAMPLE):
+            rows.append((i, j, differs))
+            agreeing_kept += not differs
     agree: list[float] = []
     disagree: list[float] = []
     for start in range(0, len(rows), 64):
