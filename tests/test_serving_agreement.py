@@ -69,13 +69,13 @@ def demo_pair():
     """The real SmolLM2-135M-Instruct and the shipped DFlash draft (its acceptance is high enough to tell setups apart)."""
     from transformers import AutoTokenizer
 
-    from dflash_doctor.loading import DEMO_DRAFT_DIR, demo_target_path, load_causal_lm, load_draft, resolve_model_dir
-    from dflash_doctor.runner import stop_ids_of
+    from dflash_doctor.loading import DEMO_DRAFT_DIR, demo_target_path, load_causal_lm, load_dflash_draft, resolve_model_dir
+    from dflash_doctor.pair import stop_ids_of
 
     target_dir = resolve_model_dir(str(demo_target_path()))
     model = load_causal_lm(target_dir)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    draft = load_draft(str(DEMO_DRAFT_DIR), "dflash", target_dir, model.config).model
+    draft = load_dflash_draft(DEMO_DRAFT_DIR)
     return model, tokenizer, draft, stop_ids_of(model, tokenizer)
 
 

@@ -124,7 +124,7 @@ def test_without_per_request_metrics_the_metrics_counters_stand_in_one_request_a
     assert result.exit_code in (0, 1), result.output
     run = load_run(out)
     spec = CAPTURED["metrics"]["speculative_decoding"]
-    assert "/metrics counters" in run.meta["engine"]["figures_from"]
+    assert "/metrics counters" in run.record.source.details["figures_from"]
     assert run.meta["summary"]["overall"]["mean_acceptance_length"] == pytest.approx(spec["mean_acceptance_length"])
     first = run.steps[run.steps["request_id"] == run.requests["request_id"].iloc[0]]
     assert sorted(first["num_accepted"]) == sorted(spec["per_step_accepted"])  # the histogram, rebuilt from per-position counts
@@ -139,7 +139,7 @@ def test_missing_metrics_stop_the_run_naming_the_flag_and_keep_what_was_measured
     assert result.exit_code == 2, result.output
     assert "--per-request-spec-decode-metrics detailed" in result.output and "measured before it are in" in result.output
     run = load_run(out)
-    assert len(run.requests) == 2 and run.meta["interrupted"] is True  # the two answered turns are kept
+    assert len(run.requests) == 2 and run.record.meta.interrupted is True  # the two answered turns are kept
     assert server.bodies[0]["return_token_ids"] is True and server.bodies[0]["n"] == 1
 
 
@@ -150,10 +150,11 @@ def test_a_server_run_records_its_source_and_the_engine(tmp_path):
                                           "--classes", "code", "--max-new-tokens", "96", "--out", str(out)])
     assert result.exit_code in (0, 1), result.output
     run = load_run(out)
-    assert run.meta["source"] == "serving engine"
-    assert run.meta["engine"] == {"url": server.url, "model": MODEL, "kind": "vllm", "num_spec_tokens": 15,
-                                  "figures_from": "the server's per-request metrics in each response",
-                                  "steps": "in order (per-step arrays)", "returns_token_ids": True}
+    source = run.record.source
+    assert (source.kind, source.url) == ("serving-engine", server.url)
+    assert source.details == {"model": MODEL, "kind": "vllm", "num_spec_tokens": 15,
+                              "figures_from": "the server's per-request metrics in each response",
+                              "steps": "in order (per-step arrays)", "returns_token_ids": True}
     spec = CAPTURED["metrics"]["speculative_decoding"]
     assert run.meta["summary"]["overall"]["num_drafts"] == len(run.requests) * spec["num_spec_steps"]
     assert run.meta["summary"]["overall"]["mean_acceptance_length"] == pytest.approx(spec["mean_acceptance_length"])

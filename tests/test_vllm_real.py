@@ -95,8 +95,8 @@ def test_per_step_partings_are_near_ties_between_kernels(engine_run):
 def test_engine_run_directory_is_a_normal_run(engine_run):
     code, output, run_dir = engine_run
     run = load_run(run_dir)
-    assert run.meta["source"] == "serving engine" and run.meta["engine"]["kind"] == "vllm"
-    assert run.meta["engine"]["num_spec_tokens"] == 15
+    assert run.record.source.kind == "serving-engine" and run.record.source.details["kind"] == "vllm"
+    assert run.record.source.details["num_spec_tokens"] == 15
     assert set(run.meta["summary"]["by_class"]) == {"chat", "code", "math"}
     steps = run.steps[run.steps["request_id"] == run.requests["request_id"].iloc[0]]
     assert list(steps["step"]) == list(range(len(steps))) and (steps["position"].diff().dropna() >= 1).all()

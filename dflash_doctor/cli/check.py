@@ -27,23 +27,6 @@ def _ids(text: str | None) -> list[str]:
     return [x.strip() for x in (text or "").split(",") if x.strip()]
 
 
-def print_class_summary(meta: dict, console: Console) -> None:
-    """tau per class with its interval at the replayed K: the first thing a user wants to see."""
-    summary = meta["summary"]
-    k = (meta.get("engine") or {}).get("num_spec_tokens") or max(meta["config"]["k"] or [0])
-    where = f" on {meta['engine']['url']}" if meta.get("engine") else ""
-    table = Table(title=f"Acceptance at K = {k}{where} (tau = mean acceptance length, bonus included)")
-    for column in ("class", "requests", "tau", "95% CI", "per-position acceptance (first 5)"):
-        table.add_column(column)
-    for name, metrics in [("overall", summary["overall"]), *sorted(summary["by_class"].items())]:
-        tau = metrics.get("mean_acceptance_length")
-        lo, hi = metrics.get("mean_acceptance_length_ci") or (None, None)
-        rates = ", ".join(f"{r:.2f}" for r in (metrics.get("acceptance_rate_per_pos") or [])[:5] if r is not None)
-        table.add_row(name, str(metrics.get("num_requests", 0)), f"{tau:.2f}" if tau else "-",
-                      f"[{lo:.2f}, {hi:.2f}]" if lo is not None else "-", rates)
-    console.print(table)
-
-
 @app.command()
 def check(
     target: opt.Target = None,
@@ -79,10 +62,10 @@ def check(
 
     With no model flags it runs the built-in demo pair (SmolLM2-135M-Instruct + its DFlash draft) on CPU.
     """
-    from dflash_doctor import doctor, scenarios
+    from dflash_doctor import pipeline, scenarios
     from dflash_doctor.checks.base import exit_code, get_check
-    from dflash_doctor.checks.terminal import print_check_results
-    from dflash_doctor.cli.sweep import print_sweep
+    from dflash_doctor.cli.progress import progress_bar
+    from dflash_doctor.report.terminal import print_check_results, print_class_summary, print_sweep
 
     out_console = Console()
     if scenario == "list":
@@ -106,22 +89,26 @@ def check(
         if cfg.engine is not None:
             if scenario is not None:
                 raise UsageError("--scenario reproduces failures on the embedded demo pair; drop it or drop --engine.")
-            from dflash_doctor.serving.doctor_engine import print_engine_comparison, run_engine_doctor
+            from dflash_doctor.serving.doctor_engine import run_engine_doctor
 
-            run_dir, results, meta = run_engine_doctor(cfg, only=only_ids, skip=skip_ids, console=console)
+            outcome = run_engine_doctor(cfg, only=only_ids, skip=skip_ids, progress=progress_bar(console))
         else:
-            run_dir, results, meta = doctor.run_doctor(
-                cfg, scenario=chosen, only=only_ids, skip=skip_ids, exact_blocks=exact_blocks, console=console
-            )
+            outcome = pipeline.run_check(cfg, scenario=chosen, only=only_ids, skip=skip_ids, exact_blocks=exact_blocks,
+                                         progress=progress_bar(console))
     except KeyboardInterrupt:
         console.print("[yellow]interrupted[/]: finished requests are kept in the run directory")
         raise typer.Exit(130)
-    print_class_summary(meta, out_console)
+    record = outcome.record
     if cfg.engine is not None:
-        print_engine_comparison(meta, out_console)
-    print_sweep(meta, out_console)
-    print_check_results(results, out_console)
-    out_console.print(f"run directory and reports: {run_dir} (report.html, report.md, report.json, junit.xml)")
-    code = exit_code(results, cfg.fail_on)
+        from dflash_doctor.serving.doctor_engine import print_engine_comparison
+
+        print_class_summary(record, record.source.details.get("num_spec_tokens") or 0, out_console)
+        print_engine_comparison(record, out_console)
+    else:
+        print_class_summary(record, max(record.config["k"]), out_console)
+        print_sweep(record, out_console)
+    print_check_results(record.checks, out_console)
+    out_console.print(f"run directory and reports: {outcome.run_dir} (report.html, report.md, report.json, junit.xml)")
+    code = exit_code(record.checks, cfg.fail_on)
     if code:
         raise typer.Exit(code)

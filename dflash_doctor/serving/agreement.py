@@ -334,8 +334,8 @@ def summarize_agreement(comparisons: list[TurnComparison], answered, *, engine_k
 
 
 def compare_with_embedded(engine, answered, config, *, seed: int = 0) -> dict[str, Any]:
-    """Replay every answered turn in the embedded engine (pair already loaded) and summarise the agreement."""
-    from dflash_doctor.runner import max_new_tokens_for
+    """Replay every answered turn in the embedded engine (``engine``: the loaded local Pair) and summarise the agreement."""
+    from dflash_doctor.turns import turn_limit
     from dflash_doctor.workloads import encode_request_turn
 
     draft = engine.draft_model
@@ -354,7 +354,7 @@ def compare_with_embedded(engine, answered, config, *, seed: int = 0) -> dict[st
         previous = answers.setdefault(turn.request.id, [])
         ours = encode_request_turn(engine.tokenizer, turn.request, previous, chat_template=engine.chat_template)
         previous.append(turn.output_text)
-        comparison = compare_turn(engine, setups, proposers, turn, ours, k, max_new_tokens_for(turn.request, config), config.temperature)
+        comparison = compare_turn(engine, setups, proposers, turn, ours, k, turn_limit(turn.request, config.max_new_tokens), config.temperature)
         if comparison is not None:
             comparisons.append(comparison)
     summary = summarize_agreement(comparisons, answered, engine_k=engine_k, block_size=draft.config.block_size, seed=seed)

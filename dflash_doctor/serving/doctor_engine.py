@@ -3,9 +3,11 @@
 1. Bad input fails before anything is sent: the URL, the server's reachability and model name.
 2. The workload goes to the server (engine_run.py); its own figures become the run directory.
 3. With a local pair (``--target`` / ``--draft``), the embedded engine replays the same turns
-   (agreement.py) and the ``engine-agreement`` check judges the comparison; without one, the checks
-   that read only the run (acceptance per class on the server's numbers) still run.
-4. run.json and the reports are written even when a check fails.
+   (agreement.py, stored as ``probes.engine_agreement``) and the ``engine-agreement`` check judges the
+   comparison; without one, the checks that read only the run (acceptance per class on the server's
+   numbers) still run.
+4. run.json (the typed record, ``source.kind = serving-engine``) and the reports are written even when
+   a check fails.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any
 
 from dflash_doctor.config import DoctorConfig
 from dflash_doctor.serving.client import EngineEndpoint, resolve_model
-from dflash_doctor.serving.engine_run import measure_engine, start_engine_meta
+from dflash_doctor.serving.engine_run import measure_engine, start_engine_record
 
 
 def has_local_pair(config: DoctorConfig) -> bool:
@@ -23,47 +25,62 @@ def has_local_pair(config: DoctorConfig) -> bool:
     return config.target is not None or config.draft is not None
 
 
-def run_engine_doctor(config: DoctorConfig, *, only=(), skip=(), console=None):
-    """The whole `check --engine`: returns (run_dir, check results, meta)."""
-    from dflash_doctor import runner
+def run_engine_doctor(config: DoctorConfig, *, only=(), skip=(), progress=None):
+    """The whole `check --engine`: returns the pipeline's Outcome (run directory + record, checks included)."""
+    import types
+
+    from dflash_doctor import pipeline
     from dflash_doctor.checks.base import CheckContext, run_checks
+    from dflash_doctor.metrics import summarize
+    from dflash_doctor.record import Summary, _from_json
     from dflash_doctor.report import render_reports
-    from dflash_doctor.schema import write_run_json
+    from dflash_doctor.schema import TABLES, Run, RunWriter
+    from dflash_doctor.workloads import load_workload
 
     endpoint = resolve_model(EngineEndpoint.from_url(config.engine, model=config.engine_model, timeout_s=config.engine_timeout_s))
-    requests = runner.select_requests(config)
-    local = runner.load_engine(config) if has_local_pair(config) else None  # a bad local pair fails before any request
-    run_dir = Path(config.out) if config.out else runner.default_run_dir("check")
-    meta = start_engine_meta(config, endpoint)
-    with runner.ProgressReporter(sum(r.num_turns for r in requests), console) as progress:
-        answered = measure_engine(endpoint, requests, config, run_dir, meta, concurrency=config.engine_concurrency, progress=progress)
-    extras: dict[str, Any] = {}
+    requests = load_workload(config.workload, classes=config.classes, max_requests=config.max_requests, seed=config.seed)
+    local = None
+    if has_local_pair(config):  # a bad local pair fails before any request is sent
+        from dflash_doctor.pair import load_pair
+
+        local = load_pair(config)
+    run_dir = Path(config.out) if config.out else pipeline.default_run_dir("check")
+    record = start_engine_record(config, endpoint)
     if local is not None:
-        from dflash_doctor import doctor
-        from dflash_doctor.serving.agreement import compare_with_embedded
+        record.models.update({"local target": local.target_info, "local draft": local.draft_info})
+    with RunWriter(run_dir, record.to_json()) as writer:
+        progress_factory = progress or pipeline._no_progress
+        with progress_factory(sum(r.num_turns for r in requests)) as on_turn:
+            measured = measure_engine(endpoint, requests, config, writer, record, concurrency=config.engine_concurrency, progress=on_turn)
+        record.meta.interrupted = measured.interrupted
+        record.summary = _from_json(Summary, summarize(measured.steps_frame(), measured.requests_frame(), seed=config.seed))
+        writer.meta = record.to_json()
+        if measured.failure is not None:
+            raise measured.failure
+        if measured.interrupted:
+            raise KeyboardInterrupt
+        if local is not None and local.kind.name == "dflash":
+            from dflash_doctor.serving.agreement import compare_with_embedded
 
-        meta["models"]["local"] = local.models_meta
-        if local.models_meta["draft"]["kind"] == "dflash":
-            extras["engine_agreement"] = compare_with_embedded(local, answered, config, seed=config.seed)
-        ctx = doctor.check_context(local, requests, config, meta, extras)
-    else:
-        ctx = CheckContext(run_meta=meta, config=config, extras=extras)
-    results = run_checks(ctx, only=only, skip=skip)
-    meta["checks"] = [r.to_dict() for r in results]
-    meta["probes"] = {k: v for k, v in extras.items()}
-    write_run_json(run_dir, meta)
-    render_reports(run_dir)
-    return run_dir, results, meta
+            record.probes.engine_agreement = compare_with_embedded(local, measured.turns, config, seed=config.seed)
+        if local is not None:
+            ctx = pipeline.check_context(local, requests, config, record, types.SimpleNamespace(request_rows=measured.request_rows))
+        else:
+            ctx = CheckContext(run_meta=record.to_json(), config=config)
+        record.checks = run_checks(ctx, only=only, skip=skip)
+        writer.meta = record.to_json()
+    render_reports(Run(run_dir, record, measured.requests_frame(), measured.steps_frame(), TABLES["tokens"].empty_table().to_pandas()))
+    return pipeline.Outcome(run_dir, record)
 
 
-def print_engine_comparison(meta: dict[str, Any], console) -> None:
+def print_engine_comparison(record, console) -> None:
     """Per class: the server's tau beside the embedded replay's on the same outputs (when it ran)."""
     from rich.table import Table
 
-    data = (meta.get("probes") or {}).get("engine_agreement")
+    data = record.probes.engine_agreement
     if not data:
         return
-    table = Table(title=f"Server ({meta['engine'].get('kind')}) vs embedded replay on the same outputs (tau, bonus included)")
+    table = Table(title=f"Server ({record.source.details.get('kind')}) vs embedded replay on the same outputs (tau, bonus included)")
     for column in ("class", "turns", "server tau", "95% CI", "embedded tau", "95% CI", "difference [95% CI]"):
         table.add_column(column)
     blocks = [("overall", data["tau"]["overall"]), *data["tau"]["by_class"].items()]

@@ -24,7 +24,6 @@ from dflash_doctor.serving.prometheus import SpecCounters, measurement_between, 
 from dflash_doctor.serving.responses import LLAMA_CPP, MissingMetrics, SpecMeasurement, parse_response, step_rows
 from dflash_doctor.workloads import Request, conversation_turns, fill_answers
 
-SOURCE = "serving engine"  # run.json `source` of a run measured on a server (DESIGN.md)
 FIGURES_FROM = {
     "responses": "the server's per-request metrics in each response",
     "counters": "the server's /metrics counters scraped around each request, one request at a time "
@@ -50,9 +49,8 @@ class EngineTurn:
 
     @property
     def key(self) -> str:
-        from dflash_doctor.runner import request_key
-
-        return request_key(self.request, self.turn)
+        """Row id in the steps table, as the embedded replay names turns (``#t<turn>`` after the first)."""
+        return self.request.id if self.turn == 0 else f"{self.request.id}#t{self.turn}"
 
 
 def request_body(endpoint: EngineEndpoint, request: Request, messages: list[dict[str, Any]] | None,
@@ -102,9 +100,9 @@ def ask(endpoint: EngineEndpoint, request: Request, config: DoctorConfig, *, fro
     ``from_counters``: read each turn's figures from ``/metrics`` scraped before and after it (the
     fallback for a server without per-request metrics; only exact when nothing else runs meanwhile).
     """
-    from dflash_doctor.runner import max_new_tokens_for
+    from dflash_doctor.turns import turn_limit
 
-    max_tokens = max_new_tokens_for(request, config)
+    max_tokens = turn_limit(request, config.max_new_tokens)
     turns = conversation_turns(request) if request.messages is not None else [None]
     answers: list[str] = []
     results = []
@@ -187,26 +185,49 @@ def _failure_sentence(endpoint: EngineEndpoint, exc: Exception, done: int, run_d
     return f"--engine {endpoint.base_url}: {exc}; fix the request or the server flags{kept}."
 
 
-def measure_engine(endpoint: EngineEndpoint, requests: list[Request], config: DoctorConfig, run_dir: Path,
-                   meta: dict[str, Any], *, concurrency: int = 4, progress=None) -> list[EngineTurn]:
-    """Send every request (``concurrency`` at a time), stream its rows into ``run_dir``, then the summary.
+@dataclass
+class EngineMeasurement:
+    """What a server run produced: the answered turns and their table rows (kept for the summary)."""
 
-    Returns the answered turns (for the agreement check). The first failure stops sending; rows of
-    finished requests are kept and the failure is raised as one UsageError sentence.
+    turns: list[EngineTurn] = field(default_factory=list)
+    request_rows: list[dict[str, Any]] = field(default_factory=list)
+    step_rows: list[dict[str, Any]] = field(default_factory=list)
+    interrupted: bool = False
+    failure: UsageError | None = None  # raised by the caller once the run directory is closed
+
+    def requests_frame(self):
+        from dflash_doctor.schema import REQUESTS_SCHEMA
+
+        return _frame(self.request_rows, REQUESTS_SCHEMA)
+
+    def steps_frame(self):
+        from dflash_doctor.schema import STEPS_SCHEMA
+
+        return _frame(self.step_rows, STEPS_SCHEMA)
+
+
+def _frame(rows: list[dict[str, Any]], schema):
+    import pyarrow as pa
+
+    return pa.Table.from_pylist(rows, schema=schema).to_pandas()
+
+
+def measure_engine(endpoint: EngineEndpoint, requests: list[Request], config: DoctorConfig, writer, record, *,
+                   concurrency: int = 4, progress=None) -> EngineMeasurement:
+    """Send every request (``concurrency`` at a time) and stream its rows through ``writer``.
+
+    The first failure stops sending; rows of finished requests are kept, the record notes the run as
+    interrupted, and the failure is raised as one UsageError sentence after the caller closes the writer.
     """
     from dflash_doctor.engine.live import GenerationResult
-    from dflash_doctor.runner import finalize_summary
-    from dflash_doctor.schema import RunWriter
 
-    writer = RunWriter(run_dir, meta)
-    answered: list[EngineTurn] = []
+    measured = EngineMeasurement()
     failure: Exception | None = None
-    interrupted = False
     futures: list = []
     pool = None
     try:
         source, first_turns = figures_source(endpoint, requests[0], config) if requests else ("responses", [])
-        meta["engine"]["figures_from"] = FIGURES_FROM[source]
+        record.source.details["figures_from"] = FIGURES_FROM[source]
         from_counters = source == "counters"
         pool = concurrent.futures.ThreadPoolExecutor(max_workers=1 if from_counters else max(1, concurrency))
         remaining = requests[1:] if first_turns else requests
@@ -225,7 +246,9 @@ def measure_engine(endpoint: EngineEndpoint, requests: list[Request], config: Do
                 row, steps = turn_rows(result)
                 writer.add("requests", [row])
                 writer.add("steps", steps)
-                answered.append(result)
+                measured.turns.append(result)
+                measured.request_rows.append(row)
+                measured.step_rows.extend(steps)
                 if progress is not None:
                     progress(GenerationResult(output_ids=result.output_token_ids or [], stop_reason=result.stop_reason,
                                               wall_time_s=result.wall_time_s, steps=result.steps))
@@ -233,21 +256,18 @@ def measure_engine(endpoint: EngineEndpoint, requests: list[Request], config: Do
     except (EngineError, MissingMetrics) as exc:  # the first request, asked alone by figures_source
         failure = exc
     except KeyboardInterrupt:
-        interrupted = True
+        measured.interrupted = True
         for pending in futures:
             pending.cancel()
     finally:
         if pool is not None:
-            pool.shutdown(wait=not interrupted, cancel_futures=True)
-        meta["interrupted"] = interrupted or failure is not None
-        meta["engine"].update(engine_facts(answered))
-        writer.close()
-    finalize_summary(run_dir, meta)
-    if interrupted:
-        raise KeyboardInterrupt
+            pool.shutdown(wait=not measured.interrupted, cancel_futures=True)
+        record.source.details.update(engine_facts(measured.turns))
     if failure is not None:
-        raise UsageError(_failure_sentence(endpoint, failure, len({t.request.id for t in answered}), run_dir))
-    return answered
+        measured.interrupted = True
+        kept = len({t.request.id for t in measured.turns})
+        measured.failure = UsageError(_failure_sentence(endpoint, failure, kept, writer.run_dir))
+    return measured
 
 
 def engine_facts(answered: list[EngineTurn]) -> dict[str, Any]:
@@ -269,15 +289,17 @@ def engine_facts(answered: list[EngineTurn]) -> dict[str, Any]:
     }
 
 
-def start_engine_meta(config: DoctorConfig, endpoint: EngineEndpoint) -> dict[str, Any]:
-    """run.json skeleton for a serving-engine run: ``source``, the endpoint, and the served model."""
-    from dflash_doctor.checks.environment import collect_environment
-    from dflash_doctor.schema import new_run_meta
+def start_engine_record(config: DoctorConfig, endpoint: EngineEndpoint):
+    """The run record of a serving-engine run: ``source`` names the server; the target is what it serves."""
+    from dflash_doctor.environment import collect_environment
+    from dflash_doctor.record import ModelInfo, RunMeta, RunRecord, Source
+    from dflash_doctor.schema import utc_now
 
-    meta = new_run_meta(config.as_dict())
-    meta["command"] = "check"
-    meta["source"] = SOURCE
-    meta["engine"] = {"url": endpoint.base_url, "model": endpoint.model}
-    meta["models"] = {"target": {"id": endpoint.model, "served_by": endpoint.base_url}, "draft": {"id": None}}
-    meta["environment"] = collect_environment(None)
-    return meta
+    return RunRecord(
+        meta=RunMeta(command="check", created_at=utc_now()),
+        source=Source(kind="serving-engine", description=f"the server at {endpoint.base_url} (its own per-request figures)",
+                      url=endpoint.base_url, details={"model": endpoint.model}),
+        models={"target": ModelInfo(id=endpoint.model or "", revision_or_hash="", dtype="", device=endpoint.base_url, kind="target")},
+        environment=collect_environment(None),
+        config=config.as_dict(),
+    )
