@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from dflash_doctor.config import DoctorConfig
 from dflash_doctor.serving.client import EngineEndpoint, resolve_model
