@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
+import sys
 from pathlib import Path
 
 import pytest
@@ -34,6 +36,14 @@ WORKLOAD = ["--workload", "demo", "--max-requests", "6", "--max-new-tokens", "64
 @pytest.fixture(scope="session")
 def demo_target_dir() -> Path:
     return resolve_model_dir(str(demo_target_path()))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def stop_servers_on_sigterm():
+    """A CI timeout sends SIGTERM: turn it into SystemExit so the fixtures below stop their servers."""
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    yield
+    signal.signal(signal.SIGTERM, previous)
 
 
 @pytest.fixture(scope="session")
