@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,6 +15,7 @@ from typing import Any, Callable
 import torch
 
 from dflash_doctor.config import DoctorConfig
+from dflash_doctor.deviations import TokenCategories
 from dflash_doctor.engine.live import GenerationResult, speculative_generate
 from dflash_doctor.engine.proposers.autoregressive import AutoregressiveProposer
 from dflash_doctor.engine.proposers.base import Proposer
@@ -46,6 +48,11 @@ class Engine:
     draft_dir: Path
     chat_template: str | None = None
     token_text: dict[int, str] = field(default_factory=dict)
+
+    @functools.cached_property
+    def token_category(self) -> TokenCategories:
+        """Category of a token id from the tokenizer's own pieces (recorded, so views need no tokenizer)."""
+        return TokenCategories(self.tokenizer)
 
     def decode_token(self, token_id: int) -> str:
         """One token's text, memoised (views show tokens without loading a tokenizer)."""
@@ -209,6 +216,7 @@ def write_result_rows(writer: RunWriter, engine: Engine, request: Request, turn:
                 **t,
                 "draft_text": engine.decode_token(t["draft_token"]),
                 "target_text": engine.decode_token(t["target_token"]),
+                "target_category": engine.token_category(t["target_token"]),
             }
             for t in result.tokens
         ],

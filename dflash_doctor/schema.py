@@ -85,8 +85,10 @@ TOKENS_SCHEMA = pa.schema(
         ("kl_target_draft", pa.float32()),
         ("total_variation", pa.float32()),
         ("target_entropy", pa.float32()),
+        ("target_top1_margin", pa.float32()),  # p1 - p2 of the target at T = 1
         ("draft_topk_ids", pa.list_(pa.int32())),
         ("target_topk_ids", pa.list_(pa.int32())),
+        ("target_category", pa.string()),  # dflash_doctor.deviations.CATEGORIES, from the target tokenizer's pieces
     ]
 )
 

@@ -1,0 +1,527 @@
+"""Why the draft is rejected, in aggregate: deviation patterns per request class.
+
+The token viewer shows one request at a time; this module answers the question a user asks before
+spending GPU days on retraining: *which* deviations cost the most accepted tokens across the workload,
+and could better training fix them? Everything is computed from a run directory's tables (``tokens``,
+``steps``, ``requests``) with vectorised pandas/numpy, so a 1M-token run takes seconds
+(``benchmarks/deviations.py`` prints the time).
+
+Definitions (the reports print them next to the numbers):
+
+* A step's **first rejection** is its drafted token at slot ``num_accepted + 1``, in a step that
+  verification ended by rejecting a token. Steps ended by an accepted stop token or by the end of the
+  known output (``bonus_token == -1``) have none. Slots after the first rejection were never verified
+  on the committed context, so they count nowhere here.
+* Its **lost tokens** are the drafted tokens the step threw away, ``num_drafted - num_accepted`` (the
+  rejected token and every slot after it). Patterns are ranked by lost tokens, not by counts: a miss at
+  slot 1 of a 15-token block costs 15, a miss at slot 15 costs 1.
+* A drafted token is **decided** when verification looked at it: it was accepted or it is its step's
+  first rejection. The acceptance rate of a category or a bin is ``accepted / decided``: the chance the
+  draft gets that token right *given it got that far*, which is what a slot-independent view needs.
+* A first rejection is a **confident miss** when the target was sure of its own token: entropy at most
+  ``max_entropy`` nats *and* top-1 margin ``p1 - p2`` at least ``min_margin`` (temperature-1
+  distributions, as recorded). Training can fix those. Otherwise it is **uncertain**: the target itself
+  was near a tie, and at T = 0 such a miss is irreducible (a draft cannot reliably learn a coin flip,
+  and numerics can flip it between engines). Runs recorded before ``target_top1_margin`` existed are
+  judged by entropy alone.
+* **Attainable tau** (an upper bound): ``1 + (accepted + lost tokens of the steps whose first rejection
+  is a confident miss) / num_drafts`` over this run's steps. Each such step is credited with its whole
+  drafted block, the most that fixing its first miss can gain; the schedule is not re-simulated (fewer,
+  longer steps would follow), and later misses in the block are assumed fixed too. So it bounds what
+  fixing every confident miss could buy and is not a prediction. tau is vLLM's (bonus token included).
+
+Token categories come from the tokenizer's own token strings (:class:`TokenCategories`), recorded in
+the ``target_category`` column when the run is written, because the views load no tokenizer.
+"""
+
+from __future__ import annotations
+
+import keyword
+import re
+import unicodedata
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+import pandas as pd
+
+# ----------------------------------------------------------------------------- token categories
+
+CATEGORIES: dict[str, str] = {
+    "special": "special and chat-template tokens (the tokenizer's special / added special tokens)",
+    "whitespace": "spaces, newlines and indentation",
+    "number": "digits and numbers",
+    "punctuation": "punctuation and symbols",
+    "code": "code identifiers and keywords",
+    "word_start": "natural-language word starts",
+    "word_continuation": "word continuations (sub-word pieces)",
+    "other": "anything else (byte pieces, mixed scripts, emoji)",
+}
+UNCATEGORISED = "uncategorised"  # runs recorded before target_category existed
+
+# Byte-level BPE (GPT-2, Llama-3, Qwen, SmolLM) writes a leading space as "Ġ", SentencePiece (Llama-2,
+# Gemma, Mistral) as "▁": a piece starting with one begins a word whatever the language.
+WORD_START_MARKERS = ("Ġ", "▁")
+# Keywords and builtins of common programming languages that are not also everyday English words ("for",
+# "if", "return", "class" are left out: in prose they are words). Identifiers are mostly recognised by
+# their shape (snake_case, camelCase, dunder, letters mixed with digits), which needs no list.
+CODE_WORDS = frozenset(
+    {w for w in keyword.kwlist if w not in {"and", "as", "for", "if", "in", "is", "not", "or", "with", "while", "from",
+                                            "try", "pass", "break", "continue", "class", "return", "import", "global",
+                                            "else", "raise", "yield", "del"}}
+    | {"self", "cls", "args", "kwargs", "len", "enumerate", "isinstance", "dict", "str", "int", "bool", "tuple",
+       "const", "var", "let", "func", "fn", "void", "null", "nullptr", "undefined", "println", "printf", "std",
+       "struct", "typedef", "namespace", "elif", "endif", "ifdef", "bool", "usize", "u8", "i32", "def"}
+)
+_CODE_SHAPE = re.compile(
+    r"^(?=\w*_)(?=\w*[A-Za-z])\w+$"  # an underscore among word characters: snake_case, _private, __dunder__
+    r"|^[a-z]{2,}[A-Z][a-z]\w*$"  # camelCase
+    r"|^[A-Za-z]+\d+\w*$"  # letters then digits: x1, int32, utf8
+)
+_WORD_INNER = "'\u2019-"  # apostrophes and hyphens inside words ("'ve", "don't", "well-")
+
+
+def categorize(piece: str, text: str, special: bool) -> str:
+    """Category of one token from its tokenizer piece (``convert_ids_to_tokens``), its decoded text and
+    whether the tokenizer marks it special. Pure, so it is tested on hand-written strings."""
+    if special:
+        return "special"
+    stripped = text.strip()
+    if not stripped:
+        return "whitespace" if text else "other"
+    if "\ufffd" in stripped:  # part of a multi-byte character: the piece is a raw byte, not a symbol
+        return "other"
+    kinds = {unicodedata.category(char)[0] for char in stripped}
+    if any(char.isdigit() for char in stripped) and kinds <= {"N", "P"}:
+        return "number"
+    if kinds <= {"P", "S"}:
+        return "punctuation"
+    if stripped in CODE_WORDS or _CODE_SHAPE.match(stripped):
+        return "code"
+    if any(char.isalpha() for char in stripped) and all(
+        char.isalpha() or char in _WORD_INNER or unicodedata.category(char) == "Mn" for char in stripped
+    ):
+        starts_word = piece.startswith(WORD_START_MARKERS) or text[:1].isspace()
+        return "word_start" if starts_word else "word_continuation"
+    return "other"
+
+
+def special_token_ids(tokenizer: Any) -> frozenset[int]:
+    """Ids the tokenizer itself treats as special: its special tokens and added tokens flagged special
+    (chat-template markers such as ``<|im_start|>`` are added special tokens in most chat models)."""
+    ids = set(getattr(tokenizer, "all_special_ids", []) or [])
+    for token_id, added in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items():
+        if getattr(added, "special", False):
+            ids.add(int(token_id))
+    return frozenset(int(i) for i in ids)
+
+
+class TokenCategories:
+    """Category of every token id of one tokenizer, memoised (a run touches a few thousand ids)."""
+
+    def __init__(self, tokenizer: Any):
+        self._tokenizer = tokenizer
+        self._special = special_token_ids(tokenizer)
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        category = self._cache.get(token_id)
+        if category is None:
+            piece = self._tokenizer.convert_ids_to_tokens(int(token_id)) or ""
+            text = self._tokenizer.decode([int(token_id)])
+            category = categorize(piece, text, int(token_id) in self._special)
+            self._cache[token_id] = category
+        return category
+
+
+# ----------------------------------------------------------------------------- the decided-token frame
+
+
+@dataclass(frozen=True)
+class ConfidenceRule:
+    """When is a first rejection a confident miss? Thresholds on the target's own distribution at T = 1.
+
+    Defaults: at most 1 nat of entropy (the target spreads over about e^1 ~ 3 tokens or fewer) and a
+    top-1 lead of at least 0.5 probability over the runner-up. Override in doctor.toml ``[thresholds]``
+    with ``confident_max_entropy`` and ``confident_min_margin``.
+    """
+
+    max_entropy: float = 1.0
+    min_margin: float = 0.5
+
+    @classmethod
+    def from_thresholds(cls, thresholds: Mapping[str, Any] | None) -> "ConfidenceRule":
+        thresholds = thresholds or {}
+        return cls(
+            max_entropy=float(thresholds.get("confident_max_entropy", cls.max_entropy)),
+            min_margin=float(thresholds.get("confident_min_margin", cls.min_margin)),
+        )
+
+
+# Bins for acceptance along the sequence: lower edges (tokens). The last bin is open.
+CONTEXT_LENGTH_EDGES = (0, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+OUTPUT_POSITION_EDGES = (0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+CONTEXT_TOKENS_SHOWN = 12  # output tokens of context printed before an example rejection
+DEFAULT_TOP_N = 10
+
+_DECIDED_COLUMNS = (
+    "class", "request_id", "step", "position", "offset", "draft_token", "target_token", "draft_text", "target_text",
+    "accepted", "first_rejection", "lost_tokens", "confident", "category", "context_tokens", "turn",
+)
+
+
+@dataclass(frozen=True)
+class DeviationTables:
+    """What every statistic is computed from: one row per decided token, and the draft steps.
+
+    ``decided``: columns of :data:`_DECIDED_COLUMNS`; ``lost_tokens`` and ``confident`` only mean
+    something on first rejections (0 / False elsewhere). ``drafts``: one row per step that drafted,
+    with ``class``, ``num_accepted`` and ``lost_if_confident`` (its lost tokens when its first rejection
+    is a confident miss, else 0) - tau and the attainable bound come from here.
+    """
+
+    decided: pd.DataFrame
+    drafts: pd.DataFrame
+    rule: ConfidenceRule
+    margin_recorded: bool
+
+
+def _bin_labels(edges: tuple[int, ...]) -> list[str]:
+    labels = [f"{lo}-{hi - 1}" for lo, hi in zip(edges, edges[1:])]
+    return labels + [f">={edges[-1]}"]
+
+
+def _bin(values: np.ndarray, edges: tuple[int, ...]) -> pd.Categorical:
+    codes = np.searchsorted(np.asarray(edges), values, side="right") - 1
+    return pd.Categorical.from_codes(np.clip(codes, 0, len(edges) - 1), categories=_bin_labels(edges), ordered=True)
+
+
+def deviation_tables(tokens: pd.DataFrame, steps: pd.DataFrame, requests: pd.DataFrame,
+                     rule: ConfidenceRule = ConfidenceRule()) -> DeviationTables:
+    """Join the three tables once into the frames every statistic reads (vectorised, no per-row Python)."""
+    step_keys = _step_keys(steps["request_id"], steps["step"], tokens["request_id"], tokens["step"])
+    steps_index = pd.Index(step_keys.steps)
+    at = steps_index.get_indexer(step_keys.tokens)  # row of each token's step, -1 if missing
+    known = at >= 0
+    tokens = tokens.loc[known] if not known.all() else tokens
+    at = at[known]
+    num_accepted = steps["num_accepted"].to_numpy()[at]
+    num_drafted = steps["num_drafted"].to_numpy()[at]
+    ended_by_rejection = steps["bonus_token"].to_numpy()[at] != -1
+    offset = tokens["offset"].to_numpy()
+    accepted = tokens["accepted"].to_numpy(dtype=bool)
+    first_rejection = ~accepted & (offset == num_accepted + 1) & ended_by_rejection & (num_accepted < num_drafted)
+    decided_mask = accepted | first_rejection
+    frame = tokens.loc[decided_mask]
+
+    entropy = frame["target_entropy"].to_numpy(dtype=np.float64)
+    confident = entropy <= rule.max_entropy
+    margin_recorded = "target_top1_margin" in frame.columns and frame["target_top1_margin"].notna().any()
+    if margin_recorded:
+        margin = frame["target_top1_margin"].to_numpy(dtype=np.float64)
+        confident &= np.isnan(margin) | (margin >= rule.min_margin)
+    rejection = first_rejection[decided_mask]
+    lost = np.where(rejection, (num_drafted - num_accepted)[decided_mask], 0)
+
+    request_rows = pd.Index(requests["request_id"]).get_indexer(frame["request_id"])
+    has_request = request_rows >= 0
+    prompt = np.where(has_request, requests["prompt_num_tokens"].to_numpy()[request_rows], 0)
+    turn = np.where(has_request, requests["turn"].to_numpy()[request_rows], 0)
+    if "target_category" in frame.columns:
+        category = frame["target_category"].fillna(UNCATEGORISED).to_numpy()
+    else:
+        category = np.full(len(frame), UNCATEGORISED, dtype=object)
+    decided = pd.DataFrame(
+        {
+            "class": frame["class"].astype("category").to_numpy(),
+            "request_id": frame["request_id"].to_numpy(),
+            "step": frame["step"].to_numpy(),
+            "position": frame["position"].to_numpy(),
+            "offset": frame["offset"].to_numpy(),
+            "draft_token": frame["draft_token"].to_numpy(),
+            "target_token": frame["target_token"].to_numpy(),
+            "draft_text": frame["draft_text"].to_numpy(),
+            "target_text": frame["target_text"].to_numpy(),
+            "accepted": frame["accepted"].to_numpy(dtype=bool),
+            "first_rejection": rejection,
+            "lost_tokens": lost.astype(np.int64),
+            "confident": rejection & confident,
+            "category": pd.Categorical(category),
+            "context_tokens": (prompt + frame["position"].to_numpy()).astype(np.int64),
+            "turn": turn.astype(np.int64),
+        },
+        columns=list(_DECIDED_COLUMNS),
+    )
+
+    drafted = steps[steps["num_drafted"] > 0]
+    confident_rejection_steps = step_keys.tokens[known][decided_mask][rejection & confident]
+    lost_if_confident = pd.Index(confident_rejection_steps).get_indexer(step_keys.steps[steps["num_drafted"].to_numpy() > 0]) >= 0
+    drafts = pd.DataFrame(
+        {
+            "class": drafted["class"].to_numpy(),
+            "num_accepted": drafted["num_accepted"].to_numpy(dtype=np.int64),
+            "lost_if_confident": np.where(
+                lost_if_confident, (drafted["num_drafted"] - drafted["num_accepted"]).to_numpy(dtype=np.int64), 0
+            ),
+        }
+    )
+    return DeviationTables(decided=decided.reset_index(drop=True), drafts=drafts, rule=rule, margin_recorded=bool(margin_recorded))
+
+
+@dataclass(frozen=True)
+class _StepKeys:
+    steps: np.ndarray  # [S] int64 key of each step row
+    tokens: np.ndarray  # [T] int64 key of each token row's step
+
+
+def _step_keys(step_requests: pd.Series, step_index: pd.Series, token_requests: pd.Series, token_step: pd.Series) -> _StepKeys:
+    """(request_id, step) as one int64 per row, with request ids factorised once across both tables."""
+    codes, _ = pd.factorize(pd.concat([step_requests, token_requests], ignore_index=True))
+    codes = codes.astype(np.int64)
+    shift = np.int64(1 << 32)
+    steps_keys = codes[: len(step_requests)] * shift + step_index.to_numpy(dtype=np.int64)
+    token_keys = codes[len(step_requests):] * shift + token_step.to_numpy(dtype=np.int64)
+    return _StepKeys(steps=steps_keys, tokens=token_keys)
+
+
+# ----------------------------------------------------------------------------- statistics of one slice
+
+
+def _share(part: float, whole: float) -> float | None:
+    return float(part) / float(whole) if whole else None
+
+
+def category_table(decided: pd.DataFrame) -> pd.DataFrame:
+    """Acceptance and lost tokens per target-token category, most lost first."""
+    total_lost = decided["lost_tokens"].sum()
+    grouped = decided.groupby("category", observed=True).agg(
+        num_decided=("accepted", "size"),
+        num_accepted=("accepted", "sum"),
+        num_first_rejections=("first_rejection", "sum"),
+        lost_tokens=("lost_tokens", "sum"),
+    )
+    grouped["acceptance_rate"] = grouped["num_accepted"] / grouped["num_decided"]
+    grouped["share_of_lost"] = grouped["lost_tokens"] / total_lost if total_lost else np.nan
+    grouped = grouped.reset_index().sort_values(["lost_tokens", "num_decided"], ascending=False, kind="stable")
+    grouped["category"] = grouped["category"].astype(str)
+    return grouped.reset_index(drop=True)
+
+
+def pair_table(decided: pd.DataFrame) -> pd.DataFrame:
+    """First-rejection pairs (target token, draft token): count, lost tokens, share, most lost first.
+
+    Each row also names its first occurrence (``example_row``, an index into ``decided``).
+    """
+    rejections = decided[decided["first_rejection"].to_numpy()]
+    total_lost = rejections["lost_tokens"].sum()
+    if rejections.empty:
+        return pd.DataFrame(columns=["target_token", "draft_token", "count", "lost_tokens", "num_confident",
+                                     "share_of_lost", "example_row"])
+    grouped = rejections.groupby(["target_token", "draft_token"], sort=False).agg(
+        count=("lost_tokens", "size"),
+        lost_tokens=("lost_tokens", "sum"),
+        num_confident=("confident", "sum"),
+    )
+    first = rejections.drop_duplicates(["target_token", "draft_token"])
+    grouped["example_row"] = pd.Series(first.index.to_numpy(), index=pd.MultiIndex.from_frame(first[["target_token", "draft_token"]]))
+    grouped["share_of_lost"] = grouped["lost_tokens"] / total_lost
+    grouped = grouped.reset_index().sort_values(["lost_tokens", "count"], ascending=False, kind="stable")
+    return grouped.reset_index(drop=True)
+
+
+def binned_acceptance(decided: pd.DataFrame, column: str, edges: tuple[int, ...] | None) -> pd.DataFrame:
+    """Acceptance (accepted / decided) and lost tokens per bin of ``column``; ``edges=None`` groups by value."""
+    keys = _bin(decided[column].to_numpy(), edges) if edges is not None else decided[column]
+    grouped = decided.groupby(keys, observed=True).agg(
+        num_decided=("accepted", "size"), num_accepted=("accepted", "sum"), lost_tokens=("lost_tokens", "sum")
+    )
+    grouped["acceptance_rate"] = grouped["num_accepted"] / grouped["num_decided"]
+    grouped.index.name = "bin"
+    return grouped.reset_index()
+
+
+def miss_split(decided: pd.DataFrame, drafts: pd.DataFrame) -> dict[str, Any]:
+    """Confident vs uncertain first rejections, their share of lost tokens, tau and the attainable bound."""
+    rejections = decided[decided["first_rejection"].to_numpy()]
+    total_lost = int(rejections["lost_tokens"].sum())
+    confident = rejections["confident"].to_numpy()
+    num_drafts = len(drafts)
+    accepted = int(drafts["num_accepted"].sum())
+    credited = int(drafts["lost_if_confident"].sum())
+
+    def part(mask: np.ndarray) -> dict[str, Any]:
+        lost = int(rejections["lost_tokens"].to_numpy()[mask].sum())
+        return {"num_first_rejections": int(mask.sum()), "lost_tokens": lost, "share_of_lost": _share(lost, total_lost)}
+
+    return {
+        "num_drafts": num_drafts,
+        "num_accepted_tokens": accepted,
+        "num_first_rejections": int(len(rejections)),
+        "lost_tokens": total_lost,
+        "tau": 1.0 + accepted / num_drafts if num_drafts else None,
+        "attainable_tau": 1.0 + (accepted + credited) / num_drafts if num_drafts else None,
+        "confident": part(confident),
+        "uncertain": part(~confident),
+    }
+
+
+def _records(frame: pd.DataFrame) -> list[dict[str, Any]]:
+    return [{k: (v.item() if hasattr(v, "item") else v) for k, v in row.items()} for row in frame.to_dict("records")]
+
+
+class _Context:
+    """Preceding output text of an example rejection, from the requests' output ids and the run's own
+    token texts (the views load no tokenizer)."""
+
+    def __init__(self, requests: pd.DataFrame, decided: pd.DataFrame):
+        self._outputs = dict(zip(requests["request_id"], requests["output_token_ids"]))
+        ids = np.concatenate([decided["target_token"].to_numpy(), decided["draft_token"].to_numpy()])
+        texts = np.concatenate([decided["target_text"].to_numpy(), decided["draft_text"].to_numpy()])
+        unique_ids, first = np.unique(ids, return_index=True)
+        self._vocabulary = dict(zip(unique_ids.tolist(), texts[first].tolist()))
+
+    def before(self, request_id: str, position: int) -> str:
+        output = self._outputs.get(request_id)
+        if output is None:
+            return ""
+        window = np.asarray(output)[max(0, position - CONTEXT_TOKENS_SHOWN) : position].tolist()
+        return "".join(self._vocabulary.get(token, f"<id {token}>") for token in window)
+
+
+def slice_summary(decided: pd.DataFrame, drafts: pd.DataFrame, context: _Context, top_n: int = DEFAULT_TOP_N) -> dict[str, Any]:
+    """Every statistic of one slice (a class, or the whole run), JSON-ready."""
+    pairs = pair_table(decided).head(top_n)
+    top_pairs = []
+    for row in pairs.itertuples(index=False):
+        example = decided.loc[row.example_row]
+        top_pairs.append(
+            {
+                "target_token": int(row.target_token),
+                "draft_token": int(row.draft_token),
+                "target_text": example["target_text"],
+                "draft_text": example["draft_text"],
+                "category": str(example["category"]),
+                "count": int(row.count),
+                "lost_tokens": int(row.lost_tokens),
+                "share_of_lost": float(row.share_of_lost),
+                "num_confident": int(row.num_confident),
+                "example": {
+                    "request_id": example["request_id"],
+                    "step": int(example["step"]),
+                    "position": int(example["position"]),
+                    "context": context.before(example["request_id"], int(example["position"])),
+                },
+            }
+        )
+    bins = {
+        "by_context_length": binned_acceptance(decided, "context_tokens", CONTEXT_LENGTH_EDGES),
+        "by_output_position": binned_acceptance(decided, "position", OUTPUT_POSITION_EDGES),
+        "by_turn": binned_acceptance(decided, "turn", None),
+    }
+    return {
+        **miss_split(decided, drafts),
+        "num_decided_tokens": int(len(decided)),
+        "top_pairs": top_pairs,
+        "categories": _records(category_table(decided)),
+        **{name: _records(frame.astype({"bin": str})) for name, frame in bins.items()},
+    }
+
+
+def analyze(tables: DeviationTables, requests: pd.DataFrame, top_n: int = DEFAULT_TOP_N) -> dict[str, Any]:
+    """The deviation analysis of a run: per class and overall (the report's "Why rejected" section).
+
+    ``requests`` supplies the output ids shown as each example's context.
+    """
+    context = _Context(requests, tables.decided)
+    decided, drafts = tables.decided, tables.drafts
+    by_class = {}
+    for cls in sorted(set(drafts["class"]) | set(decided["class"].astype(str))):
+        by_class[cls] = slice_summary(decided[(decided["class"] == cls).to_numpy()],
+                                      drafts[(drafts["class"] == cls).to_numpy()], context, top_n)
+    return {
+        "definitions": definitions(tables),
+        "overall": slice_summary(decided, drafts, context, top_n),
+        "by_class": by_class,
+    }
+
+
+def definitions(tables: DeviationTables) -> dict[str, Any]:
+    """How each figure is computed, stored next to the figures (report.json readers need no docs)."""
+    return {
+        "lost_tokens": "drafted tokens a step threw away at its first rejection: num_drafted - num_accepted",
+        "acceptance_rate": "accepted / decided, where decided = accepted or first rejection",
+        "confident_miss": (
+            f"first rejection with target entropy <= {tables.rule.max_entropy} nats"
+            + (f" and top-1 margin >= {tables.rule.min_margin}" if tables.margin_recorded else " (no margin recorded in this run)")
+        ),
+        "attainable_tau": (
+            "upper bound: 1 + (accepted + lost tokens of steps whose first rejection is a confident miss) / num_drafts; "
+            "tau is vLLM's mean acceptance length, bonus token included"
+        ),
+        "confident_max_entropy": tables.rule.max_entropy,
+        "confident_min_margin": tables.rule.min_margin if tables.margin_recorded else None,
+        "categories": CATEGORIES,
+    }
+
+
+def run_tables(run: Any) -> DeviationTables:
+    """:func:`deviation_tables` of a loaded run, with the confidence thresholds it was configured with."""
+    thresholds = ((run.meta.get("config") or {}).get("thresholds")) or {}
+    return deviation_tables(run.tokens, run.steps, run.requests, ConfidenceRule.from_thresholds(thresholds))
+
+
+def analyze_run(run: Any, top_n: int = DEFAULT_TOP_N) -> dict[str, Any]:
+    """:func:`analyze` of a loaded run (all three tables loaded)."""
+    return analyze(run_tables(run), run.requests, top_n)
+
+
+# ----------------------------------------------------------------------------- patterns that grew
+
+
+GROWTH_MIN_LOST_PER_DRAFT = 0.05  # tokens per draft step: smaller changes are noise on demo-sized runs
+
+
+def pattern_costs(tables: DeviationTables) -> pd.DataFrame:
+    """Lost tokens per draft step of every pattern (a target category, or a first-rejection pair), per
+    class and overall: the unit ``compare`` diffs. Per draft step so runs of different sizes compare."""
+    decided, drafts = tables.decided, tables.drafts
+    num_drafts = drafts.groupby("class").size()
+    num_drafts["overall"] = len(drafts)
+    rejections = decided[decided["first_rejection"].to_numpy()].copy()
+    rejections["class"] = rejections["class"].astype(str)
+    rejections["pair"] = (
+        rejections["target_text"].map(repr) + " drafted as " + rejections["draft_text"].map(repr)
+    )
+    frames = []
+    for kind, key in (("category", "category"), ("pair", "pair")):
+        for scope, data in (("class", rejections), ("overall", rejections.assign(**{"class": "overall"}))):
+            grouped = data.groupby(["class", key], observed=True)["lost_tokens"].sum().reset_index()
+            grouped = grouped.rename(columns={key: "pattern"})
+            grouped["kind"] = kind
+            frames.append(grouped)
+    costs = pd.concat(frames, ignore_index=True)
+    costs["pattern"] = costs["pattern"].astype(str)
+    costs["num_drafts"] = costs["class"].map(num_drafts).astype(float)
+    costs["lost_per_draft"] = costs["lost_tokens"] / costs["num_drafts"]
+    return costs
+
+
+def grown_patterns(base: DeviationTables, new: DeviationTables, *, min_growth: float = GROWTH_MIN_LOST_PER_DRAFT,
+                   top_n: int = 5) -> list[dict[str, Any]]:
+    """Patterns whose lost tokens per draft step grew by at least ``min_growth`` from BASE to NEW, largest
+    growth first, at most ``top_n`` per class and kind (e.g. special tokens after a template change)."""
+    keys = ["class", "kind", "pattern"]
+    merged = pattern_costs(base)[keys + ["lost_per_draft"]].merge(
+        pattern_costs(new)[keys + ["lost_per_draft"]], on=keys, how="outer", suffixes=("_base", "_new")
+    ).fillna({"lost_per_draft_base": 0.0, "lost_per_draft_new": 0.0})
+    merged["growth"] = merged["lost_per_draft_new"] - merged["lost_per_draft_base"]
+    grown = merged[merged["growth"] >= min_growth].sort_values("growth", ascending=False, kind="stable")
+    grown = grown.groupby(["class", "kind"], sort=False).head(top_n)
+    return _records(grown[keys + ["lost_per_draft_base", "lost_per_draft_new", "growth"]])
+
+
+def top_lines(analysis: Mapping[str, Any], per_class: int = 3) -> Iterable[tuple[str, dict[str, Any]]]:
+    """(class, pair) for the ``per_class`` costliest first-rejection pairs of each class."""
+    for cls, summary in sorted((analysis.get("by_class") or {}).items()):
+        for pair in summary["top_pairs"][:per_class]:
+            yield cls, pair
