@@ -165,7 +165,7 @@ CONTEXT_TOKENS_SHOWN = 12  # output tokens of context printed before an example 
 DEFAULT_TOP_N = 10
 
 _DECIDED_COLUMNS = (
-    "class", "request_id", "step", "position", "offset", "draft_token", "target_token", "draft_text", "target_text",
+    "class", "request_id", "step", "position", "offset", "draft_token", "target_token",
     "accepted", "first_rejection", "lost_tokens", "confident", "category", "context_tokens", "turn",
 )
 
@@ -174,16 +174,29 @@ _DECIDED_COLUMNS = (
 class DeviationTables:
     """What every statistic is computed from: one row per decided token, and the draft steps.
 
-    ``decided``: columns of :data:`_DECIDED_COLUMNS`; ``lost_tokens`` and ``confident`` only mean
-    something on first rejections (0 / False elsewhere). ``drafts``: one row per step that drafted,
-    with ``class``, ``num_accepted`` and ``lost_if_confident`` (its lost tokens when its first rejection
-    is a confident miss, else 0) - tau and the attainable bound come from here.
+    ``decided``: columns of :data:`_DECIDED_COLUMNS` (``class``, ``request_id`` and ``category`` are
+    categoricals); ``lost_tokens`` and ``confident`` only mean something on first rejections (0 / False
+    elsewhere). ``drafts``: one row per step that drafted, with ``class``, ``num_accepted`` and
+    ``lost_if_confident`` (its lost tokens when its first rejection is a confident miss, else 0): tau
+    and the attainable bound come from here. ``vocabulary``: token id -> text as the run recorded it.
     """
 
     decided: pd.DataFrame
     drafts: pd.DataFrame
+    vocabulary: dict[int, str]
+    output_ids: dict[str, Any]  # request id -> output token ids, for the example contexts
     rule: ConfidenceRule
     margin_recorded: bool
+
+    def text(self, token_id: int) -> str:
+        return self.vocabulary.get(int(token_id), f"<id {int(token_id)}>")
+
+    def context_before(self, request_id: str, position: int) -> str:
+        """The output text just before ``position`` (up to :data:`CONTEXT_TOKENS_SHOWN` tokens)."""
+        output = self.output_ids.get(request_id)
+        if output is None:
+            return ""
+        return "".join(self.text(t) for t in np.asarray(output)[max(0, position - CONTEXT_TOKENS_SHOWN) : position].tolist())
 
 
 def _bin_labels(edges: tuple[int, ...]) -> list[str]:
@@ -196,92 +209,94 @@ def _bin(values: np.ndarray, edges: tuple[int, ...]) -> pd.Categorical:
     return pd.Categorical.from_codes(np.clip(codes, 0, len(edges) - 1), categories=_bin_labels(edges), ordered=True)
 
 
+def _vocabulary(tokens: pd.DataFrame) -> dict[int, str]:
+    """Token id -> text from the run's own draft/target columns (the views load no tokenizer)."""
+    vocabulary: dict[int, str] = {}
+    for ids, texts in (("draft_token", "draft_text"), ("target_token", "target_text")):
+        first = ~tokens[ids].duplicated().to_numpy()
+        vocabulary.update(zip(tokens[ids].to_numpy()[first].tolist(), tokens[texts].iloc[np.flatnonzero(first)].tolist()))
+    return vocabulary
+
+
 def deviation_tables(tokens: pd.DataFrame, steps: pd.DataFrame, requests: pd.DataFrame,
                      rule: ConfidenceRule = ConfidenceRule()) -> DeviationTables:
-    """Join the three tables once into the frames every statistic reads (vectorised, no per-row Python)."""
-    step_keys = _step_keys(steps["request_id"], steps["step"], tokens["request_id"], tokens["step"])
-    steps_index = pd.Index(step_keys.steps)
-    at = steps_index.get_indexer(step_keys.tokens)  # row of each token's step, -1 if missing
-    known = at >= 0
-    tokens = tokens.loc[known] if not known.all() else tokens
-    at = at[known]
-    num_accepted = steps["num_accepted"].to_numpy()[at]
-    num_drafted = steps["num_drafted"].to_numpy()[at]
+    """Join the three tables once into the frames every statistic reads (vectorised, no per-row Python).
+
+    Request ids are factorised once across the three tables; a token finds its step through an int64
+    key ``(request code << 32) + step``, and its request through the code.
+    """
+    codes, names = pd.factorize(pd.concat([steps["request_id"], tokens["request_id"], requests["request_id"]], ignore_index=True))
+    step_codes = codes[: len(steps)].astype(np.int64)
+    token_codes = codes[len(steps) : len(steps) + len(tokens)].astype(np.int64)
+    request_of_code = np.full(len(names), -1, dtype=np.int64)
+    request_of_code[codes[len(steps) + len(tokens) :]] = np.arange(len(requests))
+
+    step_keys = (step_codes << 32) + steps["step"].to_numpy(dtype=np.int64)
+    token_keys = (token_codes << 32) + tokens["step"].to_numpy(dtype=np.int64)
+    at = pd.Index(step_keys).get_indexer(token_keys)  # row of each token's step, -1 if missing
+    num_accepted = steps["num_accepted"].to_numpy(dtype=np.int64)[at]
+    num_drafted = steps["num_drafted"].to_numpy(dtype=np.int64)[at]
     ended_by_rejection = steps["bonus_token"].to_numpy()[at] != -1
-    offset = tokens["offset"].to_numpy()
-    accepted = tokens["accepted"].to_numpy(dtype=bool)
-    first_rejection = ~accepted & (offset == num_accepted + 1) & ended_by_rejection & (num_accepted < num_drafted)
-    decided_mask = accepted | first_rejection
-    frame = tokens.loc[decided_mask]
+    accepted = tokens["accepted"].to_numpy(dtype=bool) & (at >= 0)
+    first_rejection = (
+        (at >= 0) & ~accepted & (tokens["offset"].to_numpy() == num_accepted + 1) & ended_by_rejection & (num_accepted < num_drafted)
+    )
+    rows = np.flatnonzero(accepted | first_rejection)
+    rejection = first_rejection[rows]
 
-    entropy = frame["target_entropy"].to_numpy(dtype=np.float64)
-    confident = entropy <= rule.max_entropy
-    margin_recorded = "target_top1_margin" in frame.columns and frame["target_top1_margin"].notna().any()
+    entropy = tokens["target_entropy"].to_numpy(dtype=np.float64)[rows]
+    confident = rejection & (entropy <= rule.max_entropy)
+    margin_recorded = "target_top1_margin" in tokens.columns and bool(tokens["target_top1_margin"].notna().any())
     if margin_recorded:
-        margin = frame["target_top1_margin"].to_numpy(dtype=np.float64)
+        margin = tokens["target_top1_margin"].to_numpy(dtype=np.float64)[rows]
         confident &= np.isnan(margin) | (margin >= rule.min_margin)
-    rejection = first_rejection[decided_mask]
-    lost = np.where(rejection, (num_drafted - num_accepted)[decided_mask], 0)
 
-    request_rows = pd.Index(requests["request_id"]).get_indexer(frame["request_id"])
+    request_rows = request_of_code[token_codes[rows]]
     has_request = request_rows >= 0
-    prompt = np.where(has_request, requests["prompt_num_tokens"].to_numpy()[request_rows], 0)
-    turn = np.where(has_request, requests["turn"].to_numpy()[request_rows], 0)
-    if "target_category" in frame.columns:
-        category = frame["target_category"].fillna(UNCATEGORISED).to_numpy()
+    prompt = np.where(has_request, requests["prompt_num_tokens"].to_numpy(dtype=np.int64)[request_rows], 0)
+    turn = np.where(has_request, requests["turn"].to_numpy(dtype=np.int64)[request_rows], 0)
+    class_codes, class_names = pd.factorize(steps["class"])
+    if "target_category" in tokens.columns:
+        category = tokens["target_category"].iloc[rows].fillna(UNCATEGORISED).astype("category").to_numpy()
     else:
-        category = np.full(len(frame), UNCATEGORISED, dtype=object)
+        category = pd.Categorical([UNCATEGORISED] * len(rows))
+    position = tokens["position"].to_numpy(dtype=np.int64)[rows]
     decided = pd.DataFrame(
         {
-            "class": frame["class"].astype("category").to_numpy(),
-            "request_id": frame["request_id"].to_numpy(),
-            "step": frame["step"].to_numpy(),
-            "position": frame["position"].to_numpy(),
-            "offset": frame["offset"].to_numpy(),
-            "draft_token": frame["draft_token"].to_numpy(),
-            "target_token": frame["target_token"].to_numpy(),
-            "draft_text": frame["draft_text"].to_numpy(),
-            "target_text": frame["target_text"].to_numpy(),
-            "accepted": frame["accepted"].to_numpy(dtype=bool),
+            "class": pd.Categorical.from_codes(class_codes[at[rows]], categories=class_names),
+            "request_id": pd.Categorical.from_codes(token_codes[rows], categories=names),
+            "step": tokens["step"].to_numpy()[rows],
+            "position": position,
+            "offset": tokens["offset"].to_numpy()[rows],
+            "draft_token": tokens["draft_token"].to_numpy(dtype=np.int64)[rows],
+            "target_token": tokens["target_token"].to_numpy(dtype=np.int64)[rows],
+            "accepted": accepted[rows],
             "first_rejection": rejection,
-            "lost_tokens": lost.astype(np.int64),
-            "confident": rejection & confident,
-            "category": pd.Categorical(category),
-            "context_tokens": (prompt + frame["position"].to_numpy()).astype(np.int64),
-            "turn": turn.astype(np.int64),
+            "lost_tokens": np.where(rejection, (num_drafted - num_accepted)[rows], 0),
+            "confident": confident,
+            "category": category,
+            "context_tokens": prompt + position,
+            "turn": turn,
         },
         columns=list(_DECIDED_COLUMNS),
     )
 
-    drafted = steps[steps["num_drafted"] > 0]
-    confident_rejection_steps = step_keys.tokens[known][decided_mask][rejection & confident]
-    lost_if_confident = pd.Index(confident_rejection_steps).get_indexer(step_keys.steps[steps["num_drafted"].to_numpy() > 0]) >= 0
+    drafted = steps["num_drafted"].to_numpy() > 0
+    lost_if_confident = np.zeros(len(steps), dtype=np.int64)
+    confident_steps = at[rows[confident]]
+    lost_if_confident[confident_steps] = (num_drafted - num_accepted)[rows[confident]]
     drafts = pd.DataFrame(
         {
-            "class": drafted["class"].to_numpy(),
-            "num_accepted": drafted["num_accepted"].to_numpy(dtype=np.int64),
-            "lost_if_confident": np.where(
-                lost_if_confident, (drafted["num_drafted"] - drafted["num_accepted"]).to_numpy(dtype=np.int64), 0
-            ),
+            "class": pd.Categorical.from_codes(class_codes[drafted], categories=class_names),
+            "num_accepted": steps["num_accepted"].to_numpy(dtype=np.int64)[drafted],
+            "lost_if_confident": lost_if_confident[drafted],
         }
     )
-    return DeviationTables(decided=decided.reset_index(drop=True), drafts=drafts, rule=rule, margin_recorded=bool(margin_recorded))
-
-
-@dataclass(frozen=True)
-class _StepKeys:
-    steps: np.ndarray  # [S] int64 key of each step row
-    tokens: np.ndarray  # [T] int64 key of each token row's step
-
-
-def _step_keys(step_requests: pd.Series, step_index: pd.Series, token_requests: pd.Series, token_step: pd.Series) -> _StepKeys:
-    """(request_id, step) as one int64 per row, with request ids factorised once across both tables."""
-    codes, _ = pd.factorize(pd.concat([step_requests, token_requests], ignore_index=True))
-    codes = codes.astype(np.int64)
-    shift = np.int64(1 << 32)
-    steps_keys = codes[: len(step_requests)] * shift + step_index.to_numpy(dtype=np.int64)
-    token_keys = codes[len(step_requests):] * shift + token_step.to_numpy(dtype=np.int64)
-    return _StepKeys(steps=steps_keys, tokens=token_keys)
+    return DeviationTables(
+        decided=decided, drafts=drafts, vocabulary=_vocabulary(tokens),
+        output_ids=dict(zip(requests["request_id"], requests["output_token_ids"])) if "output_token_ids" in requests else {},
+        rule=rule, margin_recorded=margin_recorded,
+    )
 
 
 # ----------------------------------------------------------------------------- statistics of one slice
@@ -369,47 +384,29 @@ def _records(frame: pd.DataFrame) -> list[dict[str, Any]]:
     return [{k: (v.item() if hasattr(v, "item") else v) for k, v in row.items()} for row in frame.to_dict("records")]
 
 
-class _Context:
-    """Preceding output text of an example rejection, from the requests' output ids and the run's own
-    token texts (the views load no tokenizer)."""
-
-    def __init__(self, requests: pd.DataFrame, decided: pd.DataFrame):
-        self._outputs = dict(zip(requests["request_id"], requests["output_token_ids"]))
-        ids = np.concatenate([decided["target_token"].to_numpy(), decided["draft_token"].to_numpy()])
-        texts = np.concatenate([decided["target_text"].to_numpy(), decided["draft_text"].to_numpy()])
-        unique_ids, first = np.unique(ids, return_index=True)
-        self._vocabulary = dict(zip(unique_ids.tolist(), texts[first].tolist()))
-
-    def before(self, request_id: str, position: int) -> str:
-        output = self._outputs.get(request_id)
-        if output is None:
-            return ""
-        window = np.asarray(output)[max(0, position - CONTEXT_TOKENS_SHOWN) : position].tolist()
-        return "".join(self._vocabulary.get(token, f"<id {token}>") for token in window)
-
-
-def slice_summary(decided: pd.DataFrame, drafts: pd.DataFrame, context: _Context, top_n: int = DEFAULT_TOP_N) -> dict[str, Any]:
-    """Every statistic of one slice (a class, or the whole run), JSON-ready."""
+def slice_summary(tables: DeviationTables, decided: pd.DataFrame, drafts: pd.DataFrame, top_n: int = DEFAULT_TOP_N) -> dict[str, Any]:
+    """Every statistic of one slice of ``tables`` (a class, or the whole run), JSON-ready."""
     pairs = pair_table(decided).head(top_n)
     top_pairs = []
     for row in pairs.itertuples(index=False):
         example = decided.loc[row.example_row]
+        request_id, position = str(example["request_id"]), int(example["position"])
         top_pairs.append(
             {
                 "target_token": int(row.target_token),
                 "draft_token": int(row.draft_token),
-                "target_text": example["target_text"],
-                "draft_text": example["draft_text"],
+                "target_text": tables.text(row.target_token),
+                "draft_text": tables.text(row.draft_token),
                 "category": str(example["category"]),
                 "count": int(row.count),
                 "lost_tokens": int(row.lost_tokens),
                 "share_of_lost": float(row.share_of_lost),
                 "num_confident": int(row.num_confident),
                 "example": {
-                    "request_id": example["request_id"],
+                    "request_id": request_id,
                     "step": int(example["step"]),
-                    "position": int(example["position"]),
-                    "context": context.before(example["request_id"], int(example["position"])),
+                    "position": position,
+                    "context": tables.context_before(request_id, position),
                 },
             }
         )
@@ -418,30 +415,41 @@ def slice_summary(decided: pd.DataFrame, drafts: pd.DataFrame, context: _Context
         "by_output_position": binned_acceptance(decided, "position", OUTPUT_POSITION_EDGES),
         "by_turn": binned_acceptance(decided, "turn", None),
     }
+    categories = _records(category_table(decided))
     return {
         **miss_split(decided, drafts),
         "num_decided_tokens": int(len(decided)),
         "top_pairs": top_pairs,
-        "categories": _records(category_table(decided)),
+        "categories": categories,
+        "costliest_category": next((row for row in categories if row["lost_tokens"]), None),
         **{name: _records(frame.astype({"bin": str})) for name, frame in bins.items()},
     }
 
 
-def analyze(tables: DeviationTables, requests: pd.DataFrame, top_n: int = DEFAULT_TOP_N) -> dict[str, Any]:
-    """The deviation analysis of a run: per class and overall (the report's "Why rejected" section).
+def class_names(tables: DeviationTables) -> list[str]:
+    """The request classes that drafted, sorted."""
+    return sorted(str(c) for c in tables.drafts["class"].unique())
 
-    ``requests`` supplies the output ids shown as each example's context.
-    """
-    context = _Context(requests, tables.decided)
+
+def select(tables: DeviationTables, classes: Iterable[str] = (), categories: Iterable[str] = ()) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Decided tokens and drafts of the given classes (all when empty), decided tokens further narrowed
+    to target categories (the dashboard's filters; tau and the bound stay per class)."""
     decided, drafts = tables.decided, tables.drafts
-    by_class = {}
-    for cls in sorted(set(drafts["class"]) | set(decided["class"].astype(str))):
-        by_class[cls] = slice_summary(decided[(decided["class"] == cls).to_numpy()],
-                                      drafts[(drafts["class"] == cls).to_numpy()], context, top_n)
+    classes, categories = list(classes), list(categories)
+    if classes:
+        decided = decided[decided["class"].isin(classes).to_numpy()]
+        drafts = drafts[drafts["class"].isin(classes).to_numpy()]
+    if categories:
+        decided = decided[decided["category"].isin(categories).to_numpy()]
+    return decided, drafts
+
+
+def analyze(tables: DeviationTables, top_n: int = DEFAULT_TOP_N) -> dict[str, Any]:
+    """The deviation analysis of a run: per class and overall (the report's "Why rejected" section)."""
     return {
         "definitions": definitions(tables),
-        "overall": slice_summary(decided, drafts, context, top_n),
-        "by_class": by_class,
+        "overall": slice_summary(tables, tables.decided, tables.drafts, top_n),
+        "by_class": {cls: slice_summary(tables, *select(tables, [cls]), top_n) for cls in class_names(tables)},
     }
 
 
@@ -472,56 +480,63 @@ def run_tables(run: Any) -> DeviationTables:
 
 def analyze_run(run: Any, top_n: int = DEFAULT_TOP_N) -> dict[str, Any]:
     """:func:`analyze` of a loaded run (all three tables loaded)."""
-    return analyze(run_tables(run), run.requests, top_n)
+    return analyze(run_tables(run), top_n)
 
 
 # ----------------------------------------------------------------------------- patterns that grew
 
 
 GROWTH_MIN_LOST_PER_DRAFT = 0.05  # tokens per draft step: smaller changes are noise on demo-sized runs
+GROWTH_MIN_COUNT = 2  # first rejections NEW must show of a pattern before it is listed
+GROWTH_TOP_N = 3  # patterns listed per class and kind
 
 
 def pattern_costs(tables: DeviationTables) -> pd.DataFrame:
     """Lost tokens per draft step of every pattern (a target category, or a first-rejection pair), per
     class and overall: the unit ``compare`` diffs. Per draft step so runs of different sizes compare."""
     decided, drafts = tables.decided, tables.drafts
-    num_drafts = drafts.groupby("class").size()
+    num_drafts = drafts.groupby("class", observed=True).size()
+    num_drafts.index = num_drafts.index.astype(str)
     num_drafts["overall"] = len(drafts)
-    rejections = decided[decided["first_rejection"].to_numpy()].copy()
-    rejections["class"] = rejections["class"].astype(str)
-    rejections["pair"] = (
-        rejections["target_text"].map(repr) + " drafted as " + rejections["draft_text"].map(repr)
-    )
+    rejections = decided[decided["first_rejection"].to_numpy()]
     frames = []
-    for kind, key in (("category", "category"), ("pair", "pair")):
-        for scope, data in (("class", rejections), ("overall", rejections.assign(**{"class": "overall"}))):
-            grouped = data.groupby(["class", key], observed=True)["lost_tokens"].sum().reset_index()
-            grouped = grouped.rename(columns={key: "pattern"})
+    for kind, keys in (("category", ["category"]), ("pair", ["target_token", "draft_token"])):
+        for scope in ("class", "overall"):
+            by = (["class"] if scope == "class" else []) + keys
+            grouped = rejections.groupby(by, observed=True)["lost_tokens"].agg(lost_tokens="sum", count="size").reset_index()
+            grouped = grouped[grouped["lost_tokens"] > 0]
+            if kind == "pair":
+                grouped["pattern"] = [f"{tables.text(t)!r} drafted as {tables.text(d)!r}"
+                                      for t, d in zip(grouped["target_token"], grouped["draft_token"])]
+            else:
+                grouped["pattern"] = grouped["category"].astype(str)
+            grouped["class"] = grouped["class"].astype(str) if scope == "class" else "overall"
             grouped["kind"] = kind
-            frames.append(grouped)
-    costs = pd.concat(frames, ignore_index=True)
-    costs["pattern"] = costs["pattern"].astype(str)
+            frames.append(grouped[["class", "kind", "pattern", "lost_tokens", "count"]])
+    costs = pd.concat(frames, ignore_index=True).astype({"class": str, "kind": str, "pattern": str})
+    costs = costs.groupby(["class", "kind", "pattern"], as_index=False)[["lost_tokens", "count"]].sum()
     costs["num_drafts"] = costs["class"].map(num_drafts).astype(float)
     costs["lost_per_draft"] = costs["lost_tokens"] / costs["num_drafts"]
     return costs
 
 
 def grown_patterns(base: DeviationTables, new: DeviationTables, *, min_growth: float = GROWTH_MIN_LOST_PER_DRAFT,
-                   top_n: int = 5) -> list[dict[str, Any]]:
-    """Patterns whose lost tokens per draft step grew by at least ``min_growth`` from BASE to NEW, largest
-    growth first, at most ``top_n`` per class and kind (e.g. special tokens after a template change)."""
+                   min_count: int = GROWTH_MIN_COUNT, top_n: int = GROWTH_TOP_N) -> list[dict[str, Any]]:
+    """Patterns whose lost tokens per draft step grew by at least ``min_growth`` from BASE to NEW and that
+    NEW saw at least ``min_count`` times (a single new pair is chance): at most ``top_n`` per class and
+    kind, classes in name order then overall, largest growth first (e.g. special tokens after a template change)."""
     keys = ["class", "kind", "pattern"]
-    merged = pattern_costs(base)[keys + ["lost_per_draft"]].merge(
-        pattern_costs(new)[keys + ["lost_per_draft"]], on=keys, how="outer", suffixes=("_base", "_new")
-    ).fillna({"lost_per_draft_base": 0.0, "lost_per_draft_new": 0.0})
+    base_costs = pattern_costs(base).set_index(keys)
+    new_costs = pattern_costs(new).set_index(keys)
+    merged = pd.concat(
+        {"lost_per_draft_base": base_costs["lost_per_draft"], "lost_per_draft_new": new_costs["lost_per_draft"],
+         "count_new": new_costs["count"]},
+        axis=1,
+    ).fillna(0.0).reset_index()
     merged["growth"] = merged["lost_per_draft_new"] - merged["lost_per_draft_base"]
-    grown = merged[merged["growth"] >= min_growth].sort_values("growth", ascending=False, kind="stable")
-    grown = grown.groupby(["class", "kind"], sort=False).head(top_n)
-    return _records(grown[keys + ["lost_per_draft_base", "lost_per_draft_new", "growth"]])
-
-
-def top_lines(analysis: Mapping[str, Any], per_class: int = 3) -> Iterable[tuple[str, dict[str, Any]]]:
-    """(class, pair) for the ``per_class`` costliest first-rejection pairs of each class."""
-    for cls, summary in sorted((analysis.get("by_class") or {}).items()):
-        for pair in summary["top_pairs"][:per_class]:
-            yield cls, pair
+    grown = merged[(merged["growth"] >= min_growth) & (merged["count_new"] >= min_count)]
+    grown = grown.assign(is_overall=grown["class"] == "overall").sort_values(
+        ["is_overall", "class", "kind", "growth"], ascending=[True, True, True, False], kind="stable"
+    )
+    grown = grown.groupby(["class", "kind"], sort=False).head(top_n).astype({"count_new": int})
+    return _records(grown[keys + ["lost_per_draft_base", "lost_per_draft_new", "growth", "count_new"]])

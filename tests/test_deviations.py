@@ -93,7 +93,7 @@ def test_pairs_are_ranked_by_lost_tokens_not_by_count():
 
 def test_top_pairs_carry_an_example_with_its_context():
     tokens, steps, requests = _run([("r", "chat", [_ok(100 + 1), _ok(100 + 2), _miss(7, 103)], 103)])
-    summary = deviations.analyze(deviation_tables(tokens, steps, requests), requests)["by_class"]["chat"]
+    summary = deviations.analyze(deviation_tables(tokens, steps, requests))["by_class"]["chat"]
     pair = summary["top_pairs"][0]
     assert (pair["target_text"], pair["draft_text"], pair["count"], pair["lost_tokens"]) == ("<103>", "<7>", 1, 1)
     assert pair["example"] == {"request_id": "r", "step": 0, "position": 3, "context": "<id 100><101><102>"}
@@ -231,7 +231,7 @@ def test_analyze_slices_by_class_and_overall():
         ("m", "math", [_ok(1, "number"), _miss(2, 3, "number")], 3),
         ("c", "chat", [_miss(4, 5, "special"), _after(1, 1)], 5),
     ])
-    analysis = deviations.analyze(deviation_tables(tokens, steps, requests), requests)
+    analysis = deviations.analyze(deviation_tables(tokens, steps, requests))
     assert set(analysis["by_class"]) == {"chat", "math"}
     assert analysis["by_class"]["chat"]["categories"][0]["category"] == "special"
     assert analysis["overall"]["lost_tokens"] == 1 + 2

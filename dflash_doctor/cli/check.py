@@ -72,6 +72,9 @@ def check(
     from dflash_doctor.checks.base import exit_code, get_check
     from dflash_doctor.checks.terminal import print_check_results
     from dflash_doctor.cli.sweep import print_sweep
+    from dflash_doctor.cli.why_rejected import print_why_rejected
+    from dflash_doctor.deviations import analyze_run
+    from dflash_doctor.schema import load_run
 
     out_console = Console()
     if scenario == "list":
@@ -100,6 +103,7 @@ def check(
         raise typer.Exit(130)
     print_class_summary(meta, out_console)
     print_sweep(meta, out_console)
+    print_why_rejected(analyze_run(load_run(run_dir)), out_console)
     print_check_results(results, out_console)
     out_console.print(f"run directory and reports: {run_dir} (report.html, report.md, report.json, junit.xml)")
     code = exit_code(results, cfg.fail_on)

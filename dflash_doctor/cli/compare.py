@@ -7,6 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from dflash_doctor.cli import app
@@ -30,6 +31,17 @@ def _table(comparison: Comparison) -> Table:
     return table
 
 
+def _grown_table(comparison: Comparison) -> Table:
+    """Rejection patterns whose lost tokens per draft grew (e.g. special tokens after a template change)."""
+    table = Table(title="Rejection patterns that grew (lost tokens per draft step; informational)")
+    for column in ("class", "kind", "pattern", "BASE", "NEW", "growth"):
+        table.add_column(column, justify="right" if column in ("BASE", "NEW", "growth") else "left")
+    for row in comparison.grown_patterns:
+        table.add_row(row["class"], row["kind"], escape(row["pattern"]), fmt(row["lost_per_draft_base"], 3),
+                      fmt(row["lost_per_draft_new"], 3), signed(row["growth"], 3))
+    return table
+
+
 @app.command("compare")
 def compare_command(
     base: Annotated[str, typer.Argument(help="Run directory before the change.")],
@@ -44,6 +56,8 @@ def compare_command(
     comparison = compare_runs(base, new, threshold_tau=threshold_tau, threshold_rate=threshold_rate)
     console = Console()
     console.print(_table(comparison))
+    if comparison.grown_patterns:
+        console.print(_grown_table(comparison))
     for note in comparison.notes:
         console.print(f"note: {note}")
     for path in write_compare_reports(comparison, Path(out) if out else comparison.new_path):

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+from dflash_doctor import deviations
 from dflash_doctor.schema import Run
 
 CHECK_STATUSES = ("pass", "warn", "fail", "skip", "error")
@@ -69,6 +70,7 @@ def report_payload(run: Run) -> dict[str, Any]:
         "checks": checks,
         "summary": meta.get("summary") or {},
         "recommendation": meta.get("recommendation") or {},
+        "why_rejected": deviations.analyze_run(run),  # deviation patterns per class (dflash_doctor.deviations)
         "models": meta.get("models") or {},
         "environment": meta.get("environment") or {},
         "config": meta.get("config") or {},
