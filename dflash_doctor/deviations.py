@@ -24,11 +24,15 @@ Definitions (the reports print them next to the numbers):
   was near a tie, and at T = 0 such a miss is irreducible (a draft cannot reliably learn a coin flip,
   and numerics can flip it between engines). Runs recorded before ``target_top1_margin`` existed are
   judged by entropy alone.
-* **Attainable tau** (an upper bound): ``1 + (accepted + lost tokens of the steps whose first rejection
-  is a confident miss) / num_drafts`` over this run's steps. Each such step is credited with its whole
-  drafted block, the most that fixing its first miss can gain; the schedule is not re-simulated (fewer,
-  longer steps would follow), and later misses in the block are assumed fixed too. So it bounds what
-  fixing every confident miss could buy and is not a prediction. tau is vLLM's (bonus token included).
+* **Attainable tau** (an upper bound): ``1 + (accepted + credited tokens) / num_drafts`` over this run's
+  steps, where a step whose first rejection is a confident miss is credited what accepting its confident
+  misses would add. In a teacher-forced run (``check``, ``sweep``) the slots after a first rejection still
+  hold the draft's guess and the target's token on the committed context, so the credit walks on through
+  matches and confident misses up to the first uncertain miss. Live-loop rows (``replay``) after a
+  rejection were drafted on the rejected prefix, so there the whole remaining block is credited. Either
+  way every confident miss is assumed fixed and nothing else changed, and the schedule is not
+  re-simulated: it bounds what such training could buy and is not a prediction. tau is vLLM's (bonus
+  token included).
 
 Token categories come from the tokenizer's own token strings (:class:`TokenCategories`), recorded in
 the ``target_category`` column when the run is written, because the views load no tokenizer.
@@ -177,8 +181,8 @@ class DeviationTables:
     ``decided``: columns of :data:`_DECIDED_COLUMNS` (``class``, ``request_id`` and ``category`` are
     categoricals); ``lost_tokens`` and ``confident`` only mean something on first rejections (0 / False
     elsewhere). ``drafts``: one row per step that drafted, with ``class``, ``num_accepted`` and
-    ``lost_if_confident`` (its lost tokens when its first rejection is a confident miss, else 0): tau
-    and the attainable bound come from here. ``vocabulary``: token id -> text as the run recorded it.
+    ``credited_tokens`` (what accepting its confident misses would add, see :func:`_credited_tokens`):
+    tau and the attainable bound come from here. ``vocabulary``: token id -> text as the run recorded it.
     """
 
     decided: pd.DataFrame
@@ -187,6 +191,7 @@ class DeviationTables:
     output_ids: dict[str, Any]  # request id -> output token ids, for the example contexts
     rule: ConfidenceRule
     margin_recorded: bool
+    teacher_forced: bool  # rows after a first rejection are on the committed context (check / sweep), not live-loop rows
 
     def text(self, token_id: int) -> str:
         return self.vocabulary.get(int(token_id), f"<id {int(token_id)}>")
@@ -219,7 +224,7 @@ def _vocabulary(tokens: pd.DataFrame) -> dict[int, str]:
 
 
 def deviation_tables(tokens: pd.DataFrame, steps: pd.DataFrame, requests: pd.DataFrame,
-                     rule: ConfidenceRule = ConfidenceRule()) -> DeviationTables:
+                     rule: ConfidenceRule = ConfidenceRule(), *, teacher_forced: bool = True) -> DeviationTables:
     """Join the three tables once into the frames every statistic reads (vectorised, no per-row Python).
 
     Request ids are factorised once across the three tables; a token finds its step through an int64
@@ -244,12 +249,12 @@ def deviation_tables(tokens: pd.DataFrame, steps: pd.DataFrame, requests: pd.Dat
     rows = np.flatnonzero(accepted | first_rejection)
     rejection = first_rejection[rows]
 
-    entropy = tokens["target_entropy"].to_numpy(dtype=np.float64)[rows]
-    confident = rejection & (entropy <= rule.max_entropy)
+    target_sure = tokens["target_entropy"].to_numpy(dtype=np.float64) <= rule.max_entropy  # every drafted row
     margin_recorded = "target_top1_margin" in tokens.columns and bool(tokens["target_top1_margin"].notna().any())
     if margin_recorded:
-        margin = tokens["target_top1_margin"].to_numpy(dtype=np.float64)[rows]
-        confident &= np.isnan(margin) | (margin >= rule.min_margin)
+        margin = tokens["target_top1_margin"].to_numpy(dtype=np.float64)
+        target_sure &= np.isnan(margin) | (margin >= rule.min_margin)
+    confident = rejection & target_sure[rows]
 
     request_rows = request_of_code[token_codes[rows]]
     has_request = request_rows >= 0
@@ -281,22 +286,48 @@ def deviation_tables(tokens: pd.DataFrame, steps: pd.DataFrame, requests: pd.Dat
         columns=list(_DECIDED_COLUMNS),
     )
 
+    credited = _credited_tokens(
+        steps, at, tokens["offset"].to_numpy(dtype=np.int64), confident_first=first_rejection & target_sure,
+        uncertain_miss=(tokens["draft_token"].to_numpy() != tokens["target_token"].to_numpy()) & ~target_sure,
+        teacher_forced=teacher_forced,
+    )
     drafted = steps["num_drafted"].to_numpy() > 0
-    lost_if_confident = np.zeros(len(steps), dtype=np.int64)
-    confident_steps = at[rows[confident]]
-    lost_if_confident[confident_steps] = (num_drafted - num_accepted)[rows[confident]]
     drafts = pd.DataFrame(
         {
             "class": pd.Categorical.from_codes(class_codes[drafted], categories=class_names),
             "num_accepted": steps["num_accepted"].to_numpy(dtype=np.int64)[drafted],
-            "lost_if_confident": lost_if_confident[drafted],
+            "credited_tokens": credited[drafted],
         }
     )
     return DeviationTables(
         decided=decided, drafts=drafts, vocabulary=_vocabulary(tokens),
         output_ids=dict(zip(requests["request_id"], requests["output_token_ids"])) if "output_token_ids" in requests else {},
-        rule=rule, margin_recorded=margin_recorded,
+        rule=rule, margin_recorded=margin_recorded, teacher_forced=teacher_forced,
     )
+
+
+def _credited_tokens(steps: pd.DataFrame, at: np.ndarray, offset: np.ndarray, confident_first: np.ndarray, uncertain_miss: np.ndarray, teacher_forced: bool) -> np.ndarray:
+    """Tokens each step would add if its confident misses were accepted (the attainable-tau credit), per step.
+
+    Teacher-forced rows after the first rejection still hold the draft's guess and the target's token on
+    the committed context, so the step walks on from a confident first rejection until its first
+    *uncertain* miss (slots that match or are confident misses count). Live-loop rows after it were
+    drafted and verified on the rejected prefix and say nothing, so the step gets its whole remaining
+    block. Both assume every confident miss fixed and nothing else changed: an upper bound.
+    """
+    num_accepted = steps["num_accepted"].to_numpy(dtype=np.int64)
+    credited = np.zeros(len(steps), dtype=np.int64)
+    starts = at[confident_first]  # steps whose first rejection is a confident miss
+    if not teacher_forced:
+        credited[starts] = (steps["num_drafted"].to_numpy(dtype=np.int64) - num_accepted)[starts]
+        return credited
+    known = at >= 0
+    stop = np.zeros(len(steps), dtype=np.int64)  # first slot the walk cannot pass: an uncertain miss, or past the rows
+    np.maximum.at(stop, at[known], offset[known] + 1)
+    blocked = known & uncertain_miss & (offset > num_accepted[np.where(known, at, 0)] + 1)
+    np.minimum.at(stop, at[blocked], offset[blocked])
+    credited[starts] = stop[starts] - (num_accepted[starts] + 1)
+    return credited
 
 
 # ----------------------------------------------------------------------------- statistics of one slice
@@ -362,7 +393,7 @@ def miss_split(decided: pd.DataFrame, drafts: pd.DataFrame) -> dict[str, Any]:
     confident = rejections["confident"].to_numpy()
     num_drafts = len(drafts)
     accepted = int(drafts["num_accepted"].sum())
-    credited = int(drafts["lost_if_confident"].sum())
+    credited = int(drafts["credited_tokens"].sum())
 
     def part(mask: np.ndarray) -> dict[str, Any]:
         lost = int(rejections["lost_tokens"].to_numpy()[mask].sum())
@@ -463,8 +494,11 @@ def definitions(tables: DeviationTables) -> dict[str, Any]:
             + (f" and top-1 margin >= {tables.rule.min_margin}" if tables.margin_recorded else " (no margin recorded in this run)")
         ),
         "attainable_tau": (
-            "upper bound: 1 + (accepted + lost tokens of steps whose first rejection is a confident miss) / num_drafts; "
-            "tau is vLLM's mean acceptance length, bonus token included"
+            "upper bound: 1 + (accepted + credited) / num_drafts, tau being vLLM's mean acceptance length (bonus included); "
+            + ("a step whose first rejection is a confident miss is credited the slots after it up to its first uncertain miss "
+               "(teacher-forced rows: the draft's guesses on the committed context)" if tables.teacher_forced else
+               "a step whose first rejection is a confident miss is credited its whole remaining block (live-loop rows after "
+               "a rejection are not on the committed context)")
         ),
         "confident_max_entropy": tables.rule.max_entropy,
         "confident_min_margin": tables.rule.min_margin if tables.margin_recorded else None,
@@ -473,9 +507,13 @@ def definitions(tables: DeviationTables) -> dict[str, Any]:
 
 
 def run_tables(run: Any) -> DeviationTables:
-    """:func:`deviation_tables` of a loaded run, with the confidence thresholds it was configured with."""
+    """:func:`deviation_tables` of a loaded run, with the confidence thresholds it was configured with.
+
+    Teacher-forced replays (``check``, ``sweep``) record ``sweep_estimates``; ``replay`` runs the live loop.
+    """
     thresholds = ((run.meta.get("config") or {}).get("thresholds")) or {}
-    return deviation_tables(run.tokens, run.steps, run.requests, ConfidenceRule.from_thresholds(thresholds))
+    return deviation_tables(run.tokens, run.steps, run.requests, ConfidenceRule.from_thresholds(thresholds),
+                            teacher_forced="sweep_estimates" in run.meta)
 
 
 def analyze_run(run: Any, top_n: int = DEFAULT_TOP_N) -> dict[str, Any]:

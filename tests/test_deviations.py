@@ -189,6 +189,18 @@ def test_attainable_tau_bounds_tau_and_reaches_the_block_when_every_miss_is_conf
     assert split["tau"] < split["attainable_tau"]
 
 
+def test_attainable_credit_walks_to_the_first_uncertain_miss_in_teacher_forced_rows():
+    step = [_ok(1), _miss(2, 3, **CONFIDENT), _after(4, 4), _miss(5, 6, **CONFIDENT), _miss(7, 8, **UNSURE), _after(9, 9)]
+    tokens, steps, requests = _run([("r", "code", step, 3)])
+    teacher = deviation_tables(tokens, steps, requests, teacher_forced=True)
+    assert teacher.drafts["credited_tokens"].tolist() == [3]  # slots 2-4: a confident miss, a match, a confident miss
+    assert deviations.miss_split(teacher.decided, teacher.drafts)["attainable_tau"] == pytest.approx(1 + 1 + 3)
+    live = deviation_tables(tokens, steps, requests, teacher_forced=False)
+    assert live.drafts["credited_tokens"].tolist() == [5]  # live rows after a rejection say nothing: the whole block
+    uncertain_first = deviation_tables(*_run([("r", "code", [_miss(2, 3, **UNSURE), _after(4, 4)], 3)]))
+    assert uncertain_first.drafts["credited_tokens"].tolist() == [0]
+
+
 def test_confidence_rule_comes_from_run_thresholds_and_margin_is_optional():
     rule = ConfidenceRule.from_thresholds({"confident_max_entropy": 3.0, "confident_min_margin": 0.01})
     assert (rule.max_entropy, rule.min_margin) == (3.0, 0.01)
