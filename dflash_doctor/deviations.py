@@ -170,7 +170,7 @@ DEFAULT_TOP_N = 10
 
 _DECIDED_COLUMNS = (
     "class", "request_id", "step", "position", "offset", "draft_token", "target_token",
-    "accepted", "first_rejection", "lost_tokens", "confident", "category", "context_tokens", "turn",
+    "accepted", "first_rejection", "lost_tokens", "confident", "category", "draft_category", "context_tokens", "turn",
 )
 
 
@@ -261,10 +261,11 @@ def deviation_tables(tokens: pd.DataFrame, steps: pd.DataFrame, requests: pd.Dat
     prompt = np.where(has_request, requests["prompt_num_tokens"].to_numpy(dtype=np.int64)[request_rows], 0)
     turn = np.where(has_request, requests["turn"].to_numpy(dtype=np.int64)[request_rows], 0)
     class_codes, class_names = pd.factorize(steps["class"])
-    if "target_category" in tokens.columns:
-        category = tokens["target_category"].iloc[rows].fillna(UNCATEGORISED).astype("category").to_numpy()
-    else:
-        category = pd.Categorical([UNCATEGORISED] * len(rows))
+    category, draft_category = (
+        tokens[column].iloc[rows].fillna(UNCATEGORISED).astype("category").to_numpy() if column in tokens.columns
+        else pd.Categorical([UNCATEGORISED] * len(rows))
+        for column in ("target_category", "draft_category")
+    )
     position = tokens["position"].to_numpy(dtype=np.int64)[rows]
     decided = pd.DataFrame(
         {
@@ -280,6 +281,7 @@ def deviation_tables(tokens: pd.DataFrame, steps: pd.DataFrame, requests: pd.Dat
             "lost_tokens": np.where(rejection, (num_drafted - num_accepted)[rows], 0),
             "confident": confident,
             "category": category,
+            "draft_category": draft_category,
             "context_tokens": prompt + position,
             "turn": turn,
         },
@@ -429,6 +431,7 @@ def slice_summary(tables: DeviationTables, decided: pd.DataFrame, drafts: pd.Dat
                 "target_text": tables.text(row.target_token),
                 "draft_text": tables.text(row.draft_token),
                 "category": str(example["category"]),
+                "draft_category": str(example["draft_category"]),
                 "count": int(row.count),
                 "lost_tokens": int(row.lost_tokens),
                 "share_of_lost": float(row.share_of_lost),
@@ -529,25 +532,27 @@ GROWTH_MIN_COUNT = 2  # first rejections NEW must show of a pattern before it is
 GROWTH_TOP_N = 3  # patterns listed per class and kind
 
 
+# What ``compare`` groups first rejections by: the target token's category, and the drafted token's
+# category (a draft ending the turn early shows as drafted "special"). Exact token pairs are left out:
+# two runs that decode different text share few pairs, so every pair of NEW would look "grown".
+PATTERN_KINDS = {"category": "category", "drafted category": "draft_category"}
+
+
 def pattern_costs(tables: DeviationTables) -> pd.DataFrame:
-    """Lost tokens per draft step of every pattern (a target category, or a first-rejection pair), per
-    class and overall: the unit ``compare`` diffs. Per draft step so runs of different sizes compare."""
+    """Lost tokens per draft step of every pattern (:data:`PATTERN_KINDS`), per class and overall: the
+    unit ``compare`` diffs. Per draft step so runs of different sizes compare."""
     decided, drafts = tables.decided, tables.drafts
     num_drafts = drafts.groupby("class", observed=True).size()
     num_drafts.index = num_drafts.index.astype(str)
     num_drafts["overall"] = len(drafts)
     rejections = decided[decided["first_rejection"].to_numpy()]
     frames = []
-    for kind, keys in (("category", ["category"]), ("pair", ["target_token", "draft_token"])):
+    for kind, column in PATTERN_KINDS.items():
         for scope in ("class", "overall"):
-            by = (["class"] if scope == "class" else []) + keys
+            by = (["class"] if scope == "class" else []) + [column]
             grouped = rejections.groupby(by, observed=True)["lost_tokens"].agg(lost_tokens="sum", count="size").reset_index()
             grouped = grouped[grouped["lost_tokens"] > 0]
-            if kind == "pair":
-                grouped["pattern"] = [f"{tables.text(t)!r} drafted as {tables.text(d)!r}"
-                                      for t, d in zip(grouped["target_token"], grouped["draft_token"])]
-            else:
-                grouped["pattern"] = grouped["category"].astype(str)
+            grouped["pattern"] = grouped[column].astype(str)
             grouped["class"] = grouped["class"].astype(str) if scope == "class" else "overall"
             grouped["kind"] = kind
             frames.append(grouped[["class", "kind", "pattern", "lost_tokens", "count"]])

@@ -217,6 +217,7 @@ def write_result_rows(writer: RunWriter, engine: Engine, request: Request, turn:
                 "draft_text": engine.decode_token(t["draft_token"]),
                 "target_text": engine.decode_token(t["target_token"]),
                 "target_category": engine.token_category(t["target_token"]),
+                "draft_category": engine.token_category(t["draft_token"]),
             }
             for t in result.tokens
         ],

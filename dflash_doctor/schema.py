@@ -89,6 +89,7 @@ TOKENS_SCHEMA = pa.schema(
         ("draft_topk_ids", pa.list_(pa.int32())),
         ("target_topk_ids", pa.list_(pa.int32())),
         ("target_category", pa.string()),  # dflash_doctor.deviations.CATEGORIES, from the target tokenizer's pieces
+        ("draft_category", pa.string()),  # the same for the drafted token
     ]
 )
 

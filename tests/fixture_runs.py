@@ -126,6 +126,7 @@ def _request_rows(
                     "draft_topk_ids": [int(draft_ids[idx]), int(target_ids[idx]), int((draft_ids[idx] + 3) % VOCAB_SIZE)],
                     "target_topk_ids": [int(target_ids[idx]), int(draft_ids[idx]), int((target_ids[idx] + 5) % VOCAB_SIZE)],
                     "target_category": _token_category(int(target_ids[idx])),
+                    "draft_category": _token_category(int(draft_ids[idx])),
                 }
             )
         bonus = int(target_ids[num_accepted])

@@ -46,6 +46,7 @@ pairs = pd.DataFrame(
     [
         {
             "target token": repr(p["target_text"]), "drafted instead": repr(p["draft_text"]), "category": p["category"],
+            "drafted category": p["draft_category"],
             "times": p["count"], "lost tokens": p["lost_tokens"], "share of lost": p["share_of_lost"],
             "confident": p["num_confident"], "example": f"{p['example']['request_id']} step {p['example']['step']}",
             "context": p["example"]["context"],

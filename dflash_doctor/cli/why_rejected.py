@@ -28,12 +28,13 @@ def print_why_rejected(analysis: dict[str, Any], console: Console, per_class: in
     if not any(summary["top_pairs"] for summary in by_class.values()):
         return
     table = Table(title=f"Why rejected: top {per_class} first-rejection patterns per class, by drafted tokens they threw away")
-    for column in ("class", "target token", "drafted instead", "category", "times", "lost tokens", "confident"):
+    for column in ("class", "target token", "drafted instead", "category (target / drafted)", "times", "lost tokens", "confident"):
         table.add_column(column, justify="right" if column in ("times", "lost tokens", "confident") else "left")
     for cls, summary in sorted(by_class.items()):
         for index, pair in enumerate(summary["top_pairs"][:per_class]):
             table.add_row(
-                cls if index == 0 else "", shown(pair["target_text"]), shown(pair["draft_text"]), pair["category"],
+                cls if index == 0 else "", shown(pair["target_text"]), shown(pair["draft_text"]),
+                f"{pair['category']} / {pair['draft_category']}",
                 str(pair["count"]), f"{pair['lost_tokens']} ({pct(pair['share_of_lost'], 0)})",
                 f"{pair['num_confident']}/{pair['count']}",
             )
