@@ -50,7 +50,10 @@ def compare_command(
     threshold_rate: Annotated[float, typer.Option("--threshold-rate", help="Smallest drop in a per-position acceptance rate that counts.")] = DEFAULT_THRESHOLD_RATE,
     out: Annotated[Optional[str], typer.Option("--out", help="Folder for compare.html and compare.md (default: NEW's run directory).")] = None,
 ) -> None:
-    """Per-class regression gate: exit 1 when tau or a per-position rate drops past its threshold with separated 95% intervals."""
+    """Per-class regression gate: exit 1 when tau or a per-position rate drops past its threshold with separated 95% intervals.
+
+    Also lists the rejection patterns (target or drafted token categories) whose lost tokens per draft grew; those never change the exit code.
+    """
     if threshold_tau < 0 or threshold_rate < 0:
         raise UsageError("--threshold-tau and --threshold-rate must be >= 0; pass a drop size such as 0.2 or 0.05.")
     comparison = compare_runs(base, new, threshold_tau=threshold_tau, threshold_rate=threshold_rate)
