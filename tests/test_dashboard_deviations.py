@@ -2,38 +2,13 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import pytest
-from streamlit.testing.v1 import AppTest
-
 from dflash_doctor import deviations
-from dflash_doctor.app import RUNS_DIR_ENV
 from dflash_doctor.schema import load_run
-from fixture_runs import make_fixture_run
-
-MAIN = Path(__file__).resolve().parents[1] / "app" / "main.py"
-APP_TIMEOUT_S = 60
+from test_dashboard import open_app, runs  # noqa: F401  (the fixture runs and the app driver of the other pages)
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("runs")
-    return {
-        "root": root,
-        "base": make_fixture_run(root / "base", seed=0, num_requests=18),
-        "empty": make_fixture_run(root / "empty", seed=3, num_requests=0),
-    }
-
-
-def open_page(monkeypatch, runs_dir: Path, run: Path) -> AppTest:
-    monkeypatch.setenv(RUNS_DIR_ENV, str(runs_dir))
-    at = AppTest.from_file(str(MAIN), default_timeout=APP_TIMEOUT_S)
-    at.session_state["run_path"] = str(run)
-    at.run()
-    at.switch_page("views/deviations.py").run()
-    assert not at.exception, [e.value for e in at.exception]
-    return at
+def open_page(monkeypatch, runs_dir, run):
+    return open_app(monkeypatch, runs_dir, run, "deviations")
 
 
 def test_deviations_page_shows_the_runs_costliest_patterns(monkeypatch, runs):
