@@ -510,13 +510,12 @@ def definitions(tables: DeviationTables) -> dict[str, Any]:
 
 
 def run_tables(run: Any) -> DeviationTables:
-    """:func:`deviation_tables` of a loaded run, with the confidence thresholds it was configured with.
-
-    Teacher-forced replays (``check``, ``sweep``) record ``sweep_estimates``; ``replay`` runs the live loop.
-    """
-    thresholds = ((run.meta.get("config") or {}).get("thresholds")) or {}
+    """:func:`deviation_tables` of a loaded :class:`~dflash_doctor.schema.Run`, with the confidence
+    thresholds it was configured with. ``check`` and ``sweep`` replay teacher-forced; ``replay`` runs
+    the live loop."""
+    thresholds = run.record.config.get("thresholds") or {}
     return deviation_tables(run.tokens, run.steps, run.requests, ConfidenceRule.from_thresholds(thresholds),
-                            teacher_forced="sweep_estimates" in run.meta)
+                            teacher_forced=run.record.meta.command != "replay")
 
 
 def analyze_run(run: Any, top_n: int = DEFAULT_TOP_N) -> dict[str, Any]:
