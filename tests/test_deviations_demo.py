@@ -1,20 +1,23 @@
-"""Deviation analysis on the real demo pair: a chat-template change shows up as special-token rejections.
+"""Deviation analysis on the real demo pair: a chat-template change shows up as template-token rejections.
 
 The template-mismatch scenario serves SmolLM2 with another system prompt ("answer in as few words as
-possible"), so the target ends its answers early with ``<|im_end|>``, a token the draft - trained on
-the default prompt - does not expect there. The healthy run's answers run to the token budget instead.
-One engine load serves both runs (the scenario only swaps the chat template); few requests, short budget.
+possible"), so turn boundaries move: the target ends some answers early with ``<|im_end|>``, and the draft -
+trained on the default prompt - now also proposes ``<|im_end|>`` where the target goes on. The healthy
+run never rejects at a special token. One pair load serves both runs (the scenario only swaps the chat
+template); six requests, 48 new tokens (about 8 CPU-minutes on the demo pair, both runs).
 """
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
-from dflash_doctor import deviations, runner, scenarios
+from dflash_doctor import deviations, scenarios
 from dflash_doctor.config import build_config
-from dflash_doctor.schema import load_run
+from dflash_doctor.pair import load_pair
+from dflash_doctor.record import RunMeta, RunRecord
+from dflash_doctor.replay import replay_teacher
+from dflash_doctor.schema import RunWriter, load_run
+from dflash_doctor.workloads import load_workload
 
 pytestmark = pytest.mark.integration
 
@@ -27,15 +30,16 @@ TOP_PAIRS = 3  # "a top pattern": among a class's three costliest first-rejectio
 def demo_pair_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("demo")
     config = build_config(max_requests=NUM_REQUESTS, max_new_tokens=MAX_NEW_TOKENS, seed=0)
-    engine = runner.load_engine(config)
-    config = dataclasses.replace(config, k=(runner.default_k(engine),))
+    pair = load_pair(config)
     runs = {}
-    for name in ("healthy", "template-mismatch"):  # healthy first: the scenario only swaps the engine's chat template
-        requests = runner.select_requests(config)
+    for name in ("healthy", "template-mismatch"):  # healthy first: the scenario only swaps the pair's chat template
+        requests = load_workload(config.workload, max_requests=config.max_requests, seed=config.seed)
         if name != "healthy":
-            requests, config = scenarios.get_scenario(name).apply(engine, requests, config)
-        meta = runner.start_meta(config, engine, "check")
-        runner.teacher_replay(engine, requests, config, root / name, meta)
+            pair, requests, _ = scenarios.get_scenario(name).apply(pair, requests, config)
+        record = RunRecord(meta=RunMeta(command="check"), config=config.as_dict())
+        with RunWriter(root / name, record.to_json()) as writer:
+            replay_teacher(pair, requests, ks=(pair.default_k,), max_new_tokens=MAX_NEW_TOKENS, temperature=0.0,
+                           seed=config.seed, exact_blocks=False, writer=writer)
         runs[name] = load_run(root / name)
     return runs
 
