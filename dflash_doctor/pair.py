@@ -8,6 +8,7 @@ run.json keeps about each model. A pair that cannot work is refused here, before
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 import torch
 
 from dflash_doctor.config import DoctorConfig
+from dflash_doctor.deviations import TokenCategories
 from dflash_doctor.draft_formats import refuse_gguf_dflash
 from dflash_doctor.draft_kinds import DraftKind, LoadOptions, Sampling, get_draft_kind, resolve_draft_kind
 from dflash_doctor.engine.proposers.base import Proposer
@@ -66,6 +68,11 @@ class Pair:
     chat_template: str | None = None
     sampling: Sampling = Sampling()
     _token_text: dict[int, str] = field(default_factory=dict, repr=False)
+
+    @functools.cached_property
+    def token_category(self) -> TokenCategories:
+        """Category of a token id from the tokenizer's own pieces (recorded, so views need no tokenizer)."""
+        return TokenCategories(self.tokenizer)
 
     def decode_token(self, token_id: int) -> str:
         """One token's text, memoised (views show tokens without loading a tokenizer)."""

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Callable, ContextManager, Sequence
 
 
+from dflash_doctor import deviations
 from dflash_doctor.config import DoctorConfig
 from dflash_doctor.engine.schedule import end_of_request
 from dflash_doctor.environment import collect_environment
@@ -40,6 +41,7 @@ class Outcome:
 
     run_dir: Path
     record: RunRecord
+    why_rejected: dict[str, Any] | None = None  # `check`'s deviation analysis (dflash_doctor.deviations), for the terminal
 
 
 def default_run_dir(command: str) -> Path:
@@ -163,7 +165,7 @@ def run_check(config: DoctorConfig, *, scenario=None, only: Sequence[str] = (), 
     tokens = TABLES["tokens"]  # token rows are never held in memory: the report's token viewer reads them back
     run = Run(run_dir, record, replay.requests_frame(), replay.steps_frame(), _read_table(run_dir, "tokens", tokens))
     render_reports(run)
-    return Outcome(run_dir, record)
+    return Outcome(run_dir, record, deviations.analyze_run(run))
 
 
 def _read_table(run_dir: Path, name: str, schema) -> "Any":

@@ -86,7 +86,8 @@ def _rows(pair: Pair, turn: Turn) -> tuple[dict[str, Any], list[dict[str, Any]],
     step_rows = [as_row(StepRow(request_id=turn.key, request_class=cls, **s)) for s in result.steps]
     token_rows_ = [
         as_row(TokenRow(request_id=turn.key, request_class=cls, **t,
-                        draft_text=pair.decode_token(t["draft_token"]), target_text=pair.decode_token(t["target_token"])))
+                        draft_text=pair.decode_token(t["draft_token"]), target_text=pair.decode_token(t["target_token"]),
+                        draft_category=pair.token_category(t["draft_token"]), target_category=pair.token_category(t["target_token"])))
         for t in result.tokens
     ]
     return as_row(request_row), step_rows, token_rows_

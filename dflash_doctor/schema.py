@@ -104,8 +104,11 @@ class TokenRow:
     kl_target_draft: float = _column(pa.float32())
     total_variation: float = _column(pa.float32())
     target_entropy: float = _column(pa.float32())
+    target_top1_margin: float = _column(pa.float32())  # p1 - p2 of the target at T = 1: a miss near a tie is irreducible
     draft_topk_ids: list[int] = _column(pa.list_(pa.int32()))
     target_topk_ids: list[int] = _column(pa.list_(pa.int32()))
+    target_category: str = _column(pa.string())  # dflash_doctor.deviations.CATEGORIES, from the target tokenizer's pieces
+    draft_category: str = _column(pa.string())  # the same for the drafted token
 
 
 REQUESTS_SCHEMA = arrow_schema(RequestRow)

@@ -26,6 +26,7 @@ def divergence_columns(
     log_p = torch.log_softmax(target_logits.float(), dim=-1)
     p, q = log_p.exp(), log_q.exp()
     rows = torch.arange(draft_tokens.shape[0], device=draft_tokens.device)
+    top2 = p.topk(2, dim=-1).values  # [N, 2]
     draft_score_of_target = draft_logits[rows, target_tokens]
     columns = {
         "target_prob_of_draft": p[rows, draft_tokens],
@@ -34,6 +35,8 @@ def divergence_columns(
         "kl_target_draft": (p * (log_p - log_q)).sum(dim=-1).clamp_min(0.0),
         "total_variation": 0.5 * (p - q).abs().sum(dim=-1),
         "target_entropy": -(p * log_p).sum(dim=-1),
+        # how sure the target was of its own top token: a miss near a tie (small margin) is irreducible at T = 0
+        "target_top1_margin": top2[:, 0] - top2[:, 1],
         "draft_topk_ids": draft_logits.topk(top_k, dim=-1).indices,
         "target_topk_ids": target_logits.topk(top_k, dim=-1).indices,
     }
@@ -47,6 +50,7 @@ _COLUMNS = (
     "kl_target_draft",
     "total_variation",
     "target_entropy",
+    "target_top1_margin",
     "draft_topk_ids",
     "target_topk_ids",
 )

@@ -66,7 +66,7 @@ def check(
     from dflash_doctor import pipeline, scenarios
     from dflash_doctor.checks.base import exit_code, get_check
     from dflash_doctor.cli.progress import progress_bar
-    from dflash_doctor.report.terminal import print_check_results, print_class_summary, print_sweep
+    from dflash_doctor.report.terminal import print_check_results, print_class_summary, print_sweep, print_why_rejected
 
     out_console = Console()
     if scenario == "list":
@@ -108,6 +108,7 @@ def check(
     else:
         print_class_summary(record, max(record.config["k"]), out_console)
         print_sweep(record, out_console)
+        print_why_rejected(outcome.why_rejected, out_console)
     print_check_results(record.checks, out_console)
     out_console.print(f"run directory and reports: {outcome.run_dir} (report.html, report.md, report.json, junit.xml)")
     code = exit_code(record.checks, cfg.fail_on)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from dflash_doctor import deviations
 from dflash_doctor.status import overall_status, status_counts
 from dflash_doctor.schema import Run
 
@@ -61,6 +62,7 @@ def report_payload(run: Run) -> dict[str, Any]:
         "checks": checks,
         "summary": meta.get("summary") or {},
         "recommendation": meta.get("recommendation") or {},
+        "why_rejected": deviations.analyze_run(run),  # deviation patterns per class (dflash_doctor.deviations)
         "models": meta.get("models") or {},
         "environment": meta.get("environment") or {},
         "config": meta.get("config") or {},
