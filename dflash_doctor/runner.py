@@ -232,18 +232,19 @@ def live_replay(engine: Engine, requests: list[Request], config: DoctorConfig, r
             temperature=config.temperature, stop_ids=engine.stop_ids, generator=generator,
         )
 
-    stream_replay(engine, requests, config, run_dir, meta, generate, progress)
+    stream_replay(engine, requests, config, RunWriter(run_dir, meta), generate, progress)
     return meta
 
 
-def stream_replay(engine: Engine, requests: list[Request], config: DoctorConfig, run_dir: Path, meta: dict[str, Any],
+def stream_replay(engine: Engine, requests: list[Request], config: DoctorConfig, writer: RunWriter,
                   generate: Generate, progress=None, annotate=None) -> None:
-    """Replay every turn through ``generate`` and stream its rows into ``run_dir``, then the summary.
+    """Replay every turn through ``generate`` and stream its rows into the writer's run directory, then
+    the summary.
 
     ``annotate(request, turn, prompt, result)`` may fill ``result.steps`` / ``result.tokens`` before the
     rows are written (teacher-forced replay). Ctrl-C closes the files first: finished requests are kept.
     """
-    writer = RunWriter(run_dir, meta)
+    run_dir, meta = writer.run_dir, writer.meta
     interrupted = False
     try:
         for request in requests:
@@ -356,6 +357,7 @@ def teacher_replay(
         k: "exact" if (k in block_passes or not engine.proposer.guesses_depend_on_k) else "truncated" for k in ks
     }
     meta["sweep_estimates"] = {str(k): v for k, v in estimate.items()}
+    writer = RunWriter(run_dir, meta)  # before the batched generation: the run is listed from its start
 
     continuations = greedy_continuations(engine, requests, config) if config.temperature <= 0 else {}
 
@@ -390,7 +392,7 @@ def teacher_replay(
                 result.steps = [{**s, "draft_time_s": float("nan"), "verify_time_s": float("nan")} for s in steps]
                 result.tokens = token_rows(tables[k_max], steps, result.output_ids, k_max)
 
-    stream_replay(engine, requests, config, run_dir, meta, generate, progress, annotate)
+    stream_replay(engine, requests, config, writer, generate, progress, annotate)
     return {k: pd.DataFrame(rows, columns=["request_id", "class", "step", "position", "k", "num_drafted", "num_accepted", "bonus_token"]) for k, rows in steps_by_k.items()}
 
 
