@@ -18,7 +18,6 @@ import time
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from dflash_doctor.engine import teacher
 from dflash_doctor.engine.dflash_model import DFlashConfig, DFlashDraftModel
 from dflash_doctor.engine.live import speculative_generate
 from dflash_doctor.engine.proposers.dflash import DFlashProposer
