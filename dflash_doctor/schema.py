@@ -267,36 +267,6 @@ def read_journal(run_dir: Path) -> dict[str, pa.Table]:
     return tables
 
 
-def _read_stream(path: Path, schema: pa.Schema) -> pa.Table:
-    """Every complete record batch of a journal file; a batch cut short by a kill (or still being
-    written) ends the read instead of failing it."""
-    batches: list[pa.RecordBatch] = []
-    try:
-        reader = pa.ipc.open_stream(pa.py_buffer(path.read_bytes()))
-        while True:
-            batches.append(reader.read_next_batch())
-    except StopIteration:
-        pass
-    except (pa.ArrowInvalid, OSError):
-        pass  # a torn last batch, or not even the schema yet: keep what was complete
-    return pa.Table.from_batches(batches, schema=schema)
-
-
-def read_journal(run_dir: Path) -> dict[str, pa.Table]:
-    """The journal's tables, consistent across tables: steps and tokens only of committed requests.
-
-    ``requests`` is read first: a request row is appended after its steps and tokens, so whatever the
-    writer does meanwhile, every request read here has all of its rows in the other two files.
-    """
-    requests = _read_stream(journal_path(run_dir, "requests"), REQUESTS_SCHEMA)
-    committed = requests.column("request_id")
-    tables = {"requests": requests}
-    for name in ("steps", "tokens"):
-        table = _read_stream(journal_path(run_dir, name), TABLES[name])
-        tables[name] = table.filter(pc.is_in(table.column("request_id"), value_set=committed))
-    return tables
-
-
 @dataclass
 class Run:
     """A loaded run directory: the typed :class:`RunRecord` (run.json) and the tables as pandas frames
