@@ -18,6 +18,7 @@ import streamlit as st
 from dflash_doctor import compare, deviations
 from dflash_doctor.app import RUNS_DIR_ENV, data
 from dflash_doctor.errors import UsageError
+from dflash_doctor.report.content import incomplete_note
 from dflash_doctor.schema import Run, load_run
 
 DEFAULT_RUNS_DIR = "runs"
@@ -137,6 +138,8 @@ def run_header(run: Run, page_title: str) -> None:
     target = (models.get("target") or {}).get("id", "?")
     draft = (models.get("draft") or {}).get("id", "?")
     st.caption(f"Run **{run.name}** · created {run.meta.get('created_at', '?')} · target `{target}` · draft `{draft}`")
+    if not run.complete:
+        st.warning(incomplete_note(run), icon=":material/hourglass_top:")
 
 
 def has_requests(run: Run) -> bool:

@@ -229,6 +229,9 @@ def compare_runs(
     k = min(k_base, k_new) if k_base and k_new else max(k_base, k_new)
     comparison = Comparison(base_run.path, new_run.path, threshold_tau, threshold_rate, k)
     comparison.grown_patterns = deviations.grown_patterns(deviations.run_tables(base_run), deviations.run_tables(new_run))
+    for label, run in (("BASE", base_run), ("NEW", new_run)):
+        if not run.complete:
+            comparison.notes.append(f"{label} is an incomplete run (still going or stopped before it ended): only the requests it finished are compared.")
     if k_base and k_new and k_base != k_new:
         comparison.notes.append(f"BASE drafted K={k_base} and NEW K={k_new}: compared at K={k} by truncation (an estimate for DFlash drafts).")
     if not k:

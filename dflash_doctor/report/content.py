@@ -43,6 +43,16 @@ def class_rows(meta: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+def incomplete_note(run: Run) -> str | None:
+    """The sentence every view shows for a run read from its journal (still going, or stopped hard)."""
+    if run.complete:
+        return None
+    return (
+        f"Incomplete run: {len(run.requests)} finished request(s) recorded; the run is still going or was stopped "
+        "before it ended (checks, sweep and recommendation are written at the end)."
+    )
+
+
 def report_payload(run: Run) -> dict[str, Any]:
     """report.json: the run's verdict, checks, summary and recommendation with stable, sorted keys.
 
@@ -57,6 +67,7 @@ def report_payload(run: Run) -> dict[str, Any]:
         "tool_version": meta.get("tool_version"),
         "created_at": meta.get("created_at"),
         "run": run.name,
+        "complete": run.complete,
         "verdict": verdict(checks),
         "check_counts": check_counts(checks),
         "checks": checks,

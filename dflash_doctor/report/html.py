@@ -18,7 +18,7 @@ import plotly.offline
 from markupsafe import Markup
 
 from dflash_doctor import deviations, figures
-from dflash_doctor.report.content import check_counts, class_rows, verdict
+from dflash_doctor.report.content import check_counts, class_rows, incomplete_note, verdict
 from dflash_doctor.report.templating import html_env
 from dflash_doctor.schema import Run
 
@@ -161,6 +161,7 @@ def render_html(run: Run) -> str:
     viewer = token_viewer(run, examples)
     return html_env().get_template("report.html").render(
         run_name=run.name,
+        incomplete=incomplete_note(run),
         meta=meta,
         verdict=verdict(checks),
         counts=check_counts(checks),
