@@ -207,9 +207,42 @@ def test_mask_choice_skips_special_template_and_used_tokens():
     (["--steps", "0"], "--steps"),
     (["--target-layer-ids", "1,x"], "--target-layer-ids"),
     (["--target", "/no/such/model", "--steps", "3"], "/no/such/model"),
+    (["--extra-word-problems", "-1"], "--extra-word-problems"),
+    (["--init-from", "some-draft", "--init-from-target"], "--init-from-target"),
 ])
 def test_cli_bad_input_exits_2_with_one_sentence(args, needle, tmp_path):
     result = CliRunner().invoke(app, ["train-draft", "--out", str(tmp_path / "out"), *args])
     assert result.exit_code == 2, result.output
     assert needle in result.output
     assert "Traceback" not in result.output
+
+
+def test_init_from_target_copies_its_last_layers_and_final_norm():
+    target_model = tiny_target()
+    draft = tiny_dflash(target_model, num_layers=2)
+    fc_before = draft.fc.weight.clone()
+    copied = training.init_draft_from_target(draft, target_model)
+    assert copied == [2, 3]  # the two layers nearest the lm_head
+    for layer, index in zip(draft.layers, copied):
+        source = target_model.model.layers[index]
+        assert torch.equal(layer.self_attn.q_proj.weight, source.self_attn.q_proj.weight)
+        assert torch.equal(layer.mlp["down_proj"].weight, source.mlp.down_proj.weight)
+        assert torch.equal(layer.post_attention_layernorm.weight, source.post_attention_layernorm.weight)
+    assert torch.equal(draft.norm.weight, target_model.model.norm.weight)
+    assert torch.equal(draft.fc.weight, fc_before)  # no counterpart in the target: left as it was
+    with pytest.raises(UsageError, match="--num-layers"):
+        training.init_draft_from_target(tiny_dflash(target_model, num_layers=5), target_model)
+
+
+def test_extra_word_problems_never_use_a_held_out_template():
+    from dflash_doctor import workloads
+    from dflash_doctor.word_problems import TEMPLATES, generate_word_problems
+
+    eval_ids = {r.id for r in workloads.load_workload("gsm", split="eval")}
+    eval_templates = {template for request, template in workloads._gsm() if request.id in eval_ids}
+    assert eval_templates and eval_templates != set(TEMPLATES)
+    extra = workloads.extra_word_problems(300)
+    template_of = {f"{p.question}\n{workloads.MATH_INSTRUCTION}": p.template for p in generate_word_problems(300 * len(TEMPLATES), seed=1)}
+    used = {template_of[r.messages[0]["content"]] for r in extra}
+    assert len(extra) == 300 and len({r.id for r in extra}) == 300
+    assert used == set(TEMPLATES) - eval_templates  # every train template, no held-out one
