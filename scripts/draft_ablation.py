@@ -126,7 +126,8 @@ def main() -> None:
         config = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=LR, loss_decay_gamma=row["gamma"], device=device,
                              log_every=max(1, args.steps // 10))
         t0 = time.perf_counter()
-        result = train_dflash_draft(target, [r.token_ids for r in data], [r.prompt_length for r in data], config, draft)
+        result = train_dflash_draft(target, [r.token_ids for r in data], [r.prompt_length for r in data], config, draft,
+                                    feature_batch_size=min(64, args.generation_batch_size))
         train_seconds = time.perf_counter() - t0
         t0 = time.perf_counter()
         tau = tau_by_class(held_out_steps(target, result.draft, eval_records, stop_ids=stop_ids))

@@ -270,7 +270,8 @@ def train_draft(
                                       "target": target_spec, "target_weights_fingerprint": weights_fingerprint(target_model)}}
     initial_steps = held_out_steps(target_model, draft.to(device), eval_records, stop_ids=stop_ids) if eval_records else []
     result = train_dflash_draft(target_model, [r.token_ids for r in records], [r.prompt_length for r in records], config, draft,
-                                checkpoint_dir=out_dir / CHECKPOINT_DIR_NAME, extra_config=extra_config, progress=True)
+                                checkpoint_dir=out_dir / CHECKPOINT_DIR_NAME, extra_config=extra_config,
+                                feature_batch_size=min(64, generation_batch_size), progress=True)
     evaluation = None
     if eval_records:
         trained_steps = held_out_steps(target_model, result.draft, eval_records, stop_ids=stop_ids)
