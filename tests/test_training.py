@@ -246,3 +246,32 @@ def test_extra_word_problems_never_use_a_held_out_template():
     used = {template_of[r.messages[0]["content"]] for r in extra}
     assert len(extra) == 300 and len({r.id for r in extra}) == 300
     assert used == set(TEMPLATES) - eval_templates  # every train template, no held-out one
+
+
+def test_self_written_prompts_start_from_an_empty_user_turn_drop_cut_and_repeated_ones_and_are_cached(tmp_path, monkeypatch):
+    from tests.checks_fixtures import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer(["user:", "hello", "how", "are", "you", "?", "tell", "me", "a", "joke"])
+    template = "{% for m in messages %}<s> user: {{ m['content'] }} </s>{% endfor %}"
+    ids = {w: tokenizer.convert_tokens_to_ids(w) for w in ["hello", "how", "are", "you", "?", "tell", "me", "a", "joke"]}
+    outputs = [[ids["how"], ids["are"], ids["you"], ids["?"], 2],  # finished question
+               [ids["how"], ids["are"], ids["you"], ids["?"], 2],  # repeated: dropped
+               [ids["tell"], ids["me"], ids["a"]],  # cut by the length limit: dropped
+               [2],  # empty: dropped
+               [ids["tell"], ids["me"], ids["a"], ids["joke"], 2]]
+    seen_prompts = []
+
+    def fake_generate(model, prompts, **kwargs):
+        seen_prompts.extend(prompts)
+        assert kwargs["temperature"] > 0
+        return outputs[:len(prompts)]
+
+    monkeypatch.setattr(training, "generate_greedy_batch", fake_generate)
+    cache = tmp_path / "prompts.jsonl"
+    kwargs = dict(cache_path=cache, cache_key={"target": "t"}, stop_ids=frozenset({2}), chat_template=template, batch_size=5)
+    requests = training.self_written_prompts(None, tokenizer, 2, **kwargs)
+    assert [r.messages[0]["content"] for r in requests] == ["how are you ?", "tell me a joke"]
+    assert {r.request_class for r in requests} == {"chat"}
+    assert seen_prompts[0] == tokenizer("<s> user:", add_special_tokens=False)["input_ids"]  # the template up to the content
+    seen_prompts.clear()
+    assert training.self_written_prompts(None, tokenizer, 2, **kwargs) == requests and not seen_prompts  # read from the cache
