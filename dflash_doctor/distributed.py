@@ -171,12 +171,13 @@ def placement_of(model: torch.nn.Module, devices: Sequence[str]) -> dict[str, st
     return placement
 
 
-def dispatch(model: torch.nn.Module, placement: dict[str, str]) -> torch.nn.Module:
+def dispatch(model: torch.nn.Module, placement: dict[str, str], main_device: str) -> torch.nn.Module:
     """Attach accelerate's hooks for ``placement`` to a model whose weights already sit there (what
-    ``from_pretrained(device_map=...)`` does after loading), so activations follow the layers."""
+    ``from_pretrained(device_map=...)`` does after loading), so activations follow the layers; the
+    model's inputs and outputs live on ``main_device``."""
     from accelerate import dispatch_model
 
-    return dispatch_model(model, device_map=placement, skip_keys=getattr(model, "_skip_keys_device_placement", None))
+    return dispatch_model(model, device_map=placement, main_device=main_device, skip_keys=getattr(model, "_skip_keys_device_placement", None))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -210,10 +211,8 @@ def replay_into(run_dir: Path, meta: dict[str, Any], requests: Sequence[Request]
     writer = RunWriter(run_dir, meta)
     merged = merge_replays(replays, requests)
     order = turn_order(merged)
-    for name in TABLES:
-        table = _sorted(pa.concat_tables([pq.read_table(part_dir(run_dir, r) / f"{name}.parquet") for r in range(ranks.world_size)]), order)
-        writer.add(name, table.to_pylist())
-    writer.flush()
+    writer.append({name: _sorted(pa.concat_tables([pq.read_table(part_dir(run_dir, r) / f"{name}.parquet") for r in range(ranks.world_size)]), order)
+                   for name in TABLES})
     shutil.rmtree(run_dir / PARTS_DIR)
     return writer, merged
 
