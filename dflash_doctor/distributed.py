@@ -277,4 +277,7 @@ def launch_ranks(config: DoctorConfig, argv: Sequence[str] | None = None) -> int
     entries = parse_devices(config.devices)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(len(entries)),
                "-m", "dflash_doctor", *(sys.argv[1:] if argv is None else argv)]
-    return subprocess.run(command, check=False).returncode
+    # torchrun gives every rank one CPU thread unless told otherwise; the replay's CPU side (token rows,
+    # schedules) then runs slower than in one process, so share the cores out instead
+    threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // len(entries)))
+    return subprocess.run(command, check=False, env={**os.environ, "OMP_NUM_THREADS": threads}).returncode
