@@ -110,12 +110,13 @@ def build_pair(family, tokenizer, devices: list[str], dtype: torch.dtype) -> Pai
     draft_model = build_draft(family[2], vocab, tokenizer.pad_token_id or 0, devices[0], dtype)
     kind = get_draft_kind("dflash")
     target = TargetModel(target_model)
-    info = dict(revision_or_hash="random", dtype=str(dtype).removeprefix("torch."), device=",".join(devices))
+    dtype_name, device = str(dtype).removeprefix("torch."), ",".join(devices)
     return Pair(
         target=target, draft_model=draft_model, kind=kind, proposer=kind.build(draft_model, target, Sampling()), tokenizer=tokenizer,
         stop_ids=stop_ids_of(target_model, tokenizer), target_dir=Path("random"), draft_dir=Path("random"), draft_config={},
-        target_info=ModelInfo(id="random-target", kind="target", **info),
-        draft_info=ModelInfo(id="random-draft", kind="dflash", facts=kind.facts(draft_model), **info),
+        target_info=ModelInfo(id="random-target", revision_or_hash="random", dtype=dtype_name, device=device, kind="target"),
+        draft_info=ModelInfo(id="random-draft", revision_or_hash="random", dtype=dtype_name, device=device, kind="dflash",
+                             facts=kind.facts(draft_model)),
     )
 
 
@@ -203,7 +204,7 @@ def placed(args, tokenizer, dtype) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description="Scaling the teacher-forced analysis over GPUs (issue 17).")
     parser.add_argument("mode", choices=("data-parallel", "placed", "ratio"))
     parser.add_argument("files", nargs="*", help="ratio: the 1-GPU and the 2-GPU --json files")
     parser.add_argument("--tokenizer", default=str(Path.home() / ".cache/dflash-doctor/test-tokenizers/qwen3"))

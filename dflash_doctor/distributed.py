@@ -151,13 +151,14 @@ def layer_placement(model_dir: Path, devices: Sequence[str], *, trust_remote_cod
 
 def placement_of(model: torch.nn.Module, devices: Sequence[str]) -> dict[str, str]:
     """The device map of :func:`layer_placement` for a model already built (on any device, meta too)."""
-    num_layers = model.config.num_hidden_layers
-    layers_name = next((name for name, module in model.named_modules()
-                        if isinstance(module, torch.nn.ModuleList) and len(module) == num_layers), None)
-    if layers_name is None:
+    num_layers = int(getattr(model, "config").num_hidden_layers)
+    found = next(((name, module) for name, module in model.named_modules()
+                  if isinstance(module, torch.nn.ModuleList) and len(module) == num_layers), None)
+    if found is None:
         raise UsageError(f"cannot find the {num_layers} decoder layers of {type(model).__name__} to place over {', '.join(devices)}; "
                          "load it on one device.")
-    layer_bytes = np.array([sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in model.get_submodule(layers_name)])
+    layers_name, layers = found
+    layer_bytes = np.array([sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in layers])
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     share = total / len(devices)
     middles = (total - layer_bytes.sum()) + np.cumsum(layer_bytes) - layer_bytes / 2  # bytes up to each layer's middle, the rest first
@@ -177,7 +178,9 @@ def dispatch(model: torch.nn.Module, placement: dict[str, str], main_device: str
     model's inputs and outputs live on ``main_device``."""
     from accelerate import dispatch_model
 
-    return dispatch_model(model, device_map=placement, main_device=main_device, skip_keys=getattr(model, "_skip_keys_device_placement", None))
+    device_map: dict[str, str | int | torch.device] = dict(placement)
+    return dispatch_model(model, device_map=device_map, main_device=torch.device(main_device),
+                          skip_keys=getattr(model, "_skip_keys_device_placement", None))
 
 
 # ----------------------------------------------------------------------------------------------------
