@@ -24,7 +24,7 @@ from typing import Iterable
 import numpy as np
 import torch
 
-from dflash_doctor.engine.divergence import divergence_columns
+from dflash_doctor.engine.divergence import WIDTH, divergence_tensor, unpack_divergence
 from dflash_doctor.engine.proposers.base import Proposer
 from dflash_doctor.engine.target import TargetModel
 
@@ -106,39 +106,49 @@ def slot_table(
     proposer.prepare_teacher(ids, features)
     truth = torch.tensor(sequence.output_ids, device=device)
     n_anchor = max(n_out - 1, 0)
-    guesses = np.zeros((n_anchor, k), dtype=np.int64)
-    matches = np.zeros((n_anchor, k), dtype=bool)
-    accept_probs = np.zeros((n_anchor, k), dtype=np.float64) if temperature > 0 else None
-    divergence: dict[str, list] = {}
+    sampled = temperature > 0
+    target_tokens = target_logits.argmax(dim=-1) if record_divergence else None  # the target's own token per row
+    # Results stay on the device until the sequence is done: a host copy per chunk would stall the GPU's
+    # queue once per chunk. Unknown slots (past the known output) are computed and dropped on the host.
+    guess_parts, match_parts, prob_parts, divergence_parts = [], [], [], []
     for start in range(0, n_anchor, ANCHOR_CHUNK):
-        idx = torch.arange(start, min(start + ANCHOR_CHUNK, n_anchor), device=device)  # output indices
-        logits = proposer.slot_logits(p_len + idx, k)  # [A, k, V]
+        stop = min(start + ANCHOR_CHUNK, n_anchor)
+        logits = proposer.slot_logits(torch.arange(p_len + start, p_len + stop), k)  # [A, k, V]
+        idx = torch.arange(start, stop, device=device)  # output indices
         slot_pos = idx[:, None] + torch.arange(1, k + 1, device=device)  # output index each slot predicts
         known = slot_pos < n_out
         safe_pos = slot_pos.clamp(max=n_out - 1)
         guess = logits.argmax(dim=-1)
-        true_tok = truth[safe_pos]
-        guesses[start : start + len(idx)] = guess.cpu().numpy()
-        matches[start : start + len(idx)] = ((guess == true_tok) & known).cpu().numpy()
-        target_rows = target_logits[p_len + safe_pos - 1]  # [A, k, V] the target's scores for those slots
-        if accept_probs is not None:
-            p = torch.softmax(target_rows / temperature, dim=-1)
+        guess_parts.append(guess)
+        match_parts.append((guess == truth[safe_pos]) & known)
+        target_row = p_len + safe_pos - 1  # the target's scores for each slot sit one row earlier
+        if sampled:
+            p = torch.softmax(target_logits[target_row] / temperature, dim=-1)
             if proposer.samples_drafts(temperature):
-                q = torch.softmax(logits / temperature, dim=-1)
+                q = torch.softmax(logits.float() / temperature, dim=-1)
                 prob = torch.minimum(p, q).sum(dim=-1)
             else:
                 prob = p.gather(-1, guess[..., None])[..., 0]
-            accept_probs[start : start + len(idx)] = (prob * known).cpu().numpy()
+            prob_parts.append(prob * known)
         if record_divergence:
-            flat = known.flatten()
-            cols = divergence_columns(
-                logits.flatten(0, 1)[flat], target_rows.flatten(0, 1)[flat], guess.flatten()[flat],
-                target_rows.flatten(0, 1)[flat].argmax(dim=-1),
-            )
-            for name, values in cols.items():
-                divergence.setdefault(name, []).extend(values)
+            divergence_parts.append(divergence_tensor(
+                logits.flatten(0, 1), target_logits[target_row].flatten(0, 1), guess.flatten(),
+                target_tokens[target_row].flatten(),
+            ))
+    guesses = _host(guess_parts, np.zeros((0, k), dtype=np.int64))
+    matches = _host(match_parts, np.zeros((0, k), dtype=bool))
+    accept_probs = _host(prob_parts, np.zeros((0, k))).astype(np.float64) if sampled else None
+    divergence: dict[str, list] = {}
+    if record_divergence:
+        known_rows = (np.arange(n_anchor)[:, None] + np.arange(1, k + 1)[None] < n_out).reshape(-1)
+        divergence = unpack_divergence(_host(divergence_parts, np.zeros((0, WIDTH)))[known_rows])
     table = SlotTable(guesses=guesses, matches=matches, accept_probs=accept_probs, divergence=divergence)
     return table, target_pass
+
+
+def _host(parts: list[torch.Tensor], empty: np.ndarray) -> np.ndarray:
+    """The chunks of one result, concatenated on the device and copied to the host once (``empty``: no chunks)."""
+    return torch.cat(parts).cpu().numpy() if parts else empty
 
 
 def token_rows(table: SlotTable, steps: list[dict], output_ids: list[int], k: int) -> list[dict]:
