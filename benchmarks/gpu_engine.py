@@ -2,9 +2,11 @@
 built from configs, no download), measured so that two runs agree (issue 19).
 
 1. Live loop: time per draft/verify step, with and without per-token records, against the floor of ONE
-   target forward over B = 16 tokens plus ONE draft block forward at the loop's mean context. Each loop run
-   is followed by its own floor measurement (the ratio uses the floor measured next to it), records on/off
-   alternate their order between repeats, and min / median / max are printed.
+   draft block forward plus ONE target forward over B = 16 tokens plus one host round trip per step (the
+   least a host-driven loop does), run step after step at the loop's mean context so that the GPU sees the
+   same duty cycle as in the loop. Each loop run is followed by its own floor run (the ratio uses the floor
+   measured next to it), records on/off alternate their order between repeats, min / median / max are
+   printed, and the mean SM clock during each kind of run is sampled through NVML.
 2. Teacher-forced replay: analysed tokens per second over one long sequence, and the achieved share of the
    bf16 matrix rate, against both the nominal rate (--peak-tflops) and the one measured here (8192^3 matmul).
    FLOPs are counted from the shapes: every linear layer, the target's causal attention and the draft's
@@ -15,7 +17,7 @@ built from configs, no download), measured so that two runs agree (issue 19).
 Warm-ups run every shape the measured runs use (same prompt, same lengths); times come from CUDA events;
 the GPU's clocks, temperature and throttle state are printed before and after.
 
-Usage: python benchmarks/gpu_engine.py [--repeats 4] [--peak-tflops 790] [--out DIR] [--tiny]
+Usage: python benchmarks/gpu_engine.py [--repeats 6] [--peak-tflops 790] [--out DIR] [--tiny]
 ``--tiny`` runs the same code on a small config on CPU (a smoke test of the script itself).
 """
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -41,6 +44,42 @@ QWEN3_8B = dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, 
 TINY = dict(hidden_size=64, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
             intermediate_size=128, vocab_size=1000)
 BLOCK_SIZE = 16
+FLOOR_STEPS = 24
+
+
+class SmClock:
+    """Mean SM clock while a block runs, sampled through NVML every 10 ms (None where NVML is missing)."""
+
+    def __init__(self, device: str):
+        self.mean: float | None = None
+        self._samples: list[int] = []
+        self._stop = threading.Event()
+        self._handle = None
+        if device == "cuda":
+            try:
+                import pynvml
+
+                pynvml.nvmlInit()
+                self._nvml = pynvml
+                self._handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+            except Exception:  # NVML is optional: the figures stand without it
+                self._handle = None
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.01):
+            self._samples.append(self._nvml.nvmlDeviceGetClockInfo(self._handle, self._nvml.NVML_CLOCK_SM))
+
+    def __enter__(self) -> "SmClock":
+        if self._handle is not None:
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._handle is not None:
+            self._stop.set()
+            self._thread.join()
+            self.mean = statistics.mean(self._samples) if self._samples else None
 
 
 def build(shape: dict, device: str, dtype: torch.dtype):
@@ -132,15 +171,18 @@ def live_step_vs_floor(target_model, draft, device: str, clock: Clock, context: 
         target.forward(prompt)
 
     def floor() -> float:
+        """Per step: one draft block, one verify forward over B tokens, one host round trip (as the loop needs)."""
         target.reset()
         proposer.start(floor_prompt, target.forward(floor_prompt).features)
         base = target.cache_length
 
-        def verify():
-            target.forward(block)
-            target.crop(base)
+        def steps():
+            for _ in range(FLOOR_STEPS):
+                proposer.propose(1, k, k)
+                target.forward(block).logits[-1, 0].item()
+                target.crop(base)
 
-        return clock.median(verify, 10) + clock.median(lambda: proposer.propose(1, k, k), 10)
+        return clock.time(steps)[0] / FLOOR_STEPS
 
     for record in (True, False):  # warm-up: every shape of the measured runs (the last steps draft fewer tokens)
         loop(record)
@@ -148,17 +190,22 @@ def live_step_vs_floor(target_model, draft, device: str, clock: Clock, context: 
     prefill_s = clock.median(prefill, 3)
     runs = {True: [], False: []}  # (step seconds, floor seconds measured right after)
     first = {True: [], False: []}  # ratios of runs that came first in their pair
+    clocks = {"loop": [], "floor": []}  # mean SM clock (MHz) during each measurement
     for r in range(repeats):
         for position, record in enumerate((True, False) if r % 2 == 0 else (False, True)):
-            seconds, result = clock.time(lambda: loop(record))
+            with SmClock(device) as sm:
+                seconds, result = clock.time(lambda: loop(record))
+            clocks["loop"].append(sm.mean)
             step = (seconds - prefill_s) / len(result.steps)
-            floor_s = floor()
+            with SmClock(device) as sm:
+                floor_s = floor()
+            clocks["floor"].append(sm.mean)
             runs[record].append((step, floor_s))
             if position == 0:
                 first[record].append(step / floor_s)
     print(f"\nlive loop: context {context}, {new_tokens} new tokens, K={k}, {repeats} repeats (records on/off order "
-          f"alternated), prefill {prefill_s * 1e3:.1f} ms subtracted; floor = verify over {BLOCK_SIZE} tokens + one "
-          f"draft block at context {len(floor_prompt)}")
+          f"alternated), prefill {prefill_s * 1e3:.1f} ms subtracted; floor = one draft block + verify over "
+          f"{BLOCK_SIZE} tokens + one host round trip, {FLOOR_STEPS} steps at context {len(floor_prompt)}")
     print(f"{'':26}{'step ms min/med/max':>26} {'floor ms min/med/max':>26} {'ratio min/med/max':>22}")
     for record in (True, False):
         steps, floors = [s for s, _ in runs[record]], [f for _, f in runs[record]]
@@ -169,6 +216,9 @@ def live_step_vs_floor(target_model, draft, device: str, clock: Clock, context: 
     off = statistics.median(s for s, _ in runs[False])
     print(f"records cost {1e3 * (on - off):+.2f} ms per step (median with - median without); ratio when measured first "
           f"in its pair: with {statistics.median(first[True]):.3f}, without {statistics.median(first[False]):.3f}")
+    if all(clocks.values()) and None not in clocks["loop"] + clocks["floor"]:
+        print(f"mean SM clock during loop runs {spread(clocks['loop'], 1, 0)} MHz, during floor runs "
+              f"{spread(clocks['floor'], 1, 0)} MHz (min/med/max)")
 
 
 def teacher_flops(target_model, draft, prompt_len: int, n_out: int, k: int) -> dict[str, float]:
@@ -285,45 +335,10 @@ def profile_teacher(target, proposer, sequence, k: int, device: str, out: Path |
         (out / "teacher_profile.txt").write_text(prof.key_averages().table(sort_by="cuda_time_total", row_limit=60))
 
 
-@torch.inference_mode()
-def attention_probe(draft, device: str, clock: Clock, context: int) -> None:
-    """One draft layer's masked block attention at the teacher pass's shapes: which SDPA path runs, at what speed."""
-    from torch.nn import functional as F
-
-    from dflash_doctor.engine.blocks import block_mask
-
-    cfg = draft.config
-    anchors_per_chunk, b = 64, BLOCK_SIZE
-    rows = anchors_per_chunk * b
-    dtype = draft.fc.weight.dtype
-    q = torch.randn(1, cfg.num_attention_heads, rows, cfg.head_dim, device=device, dtype=dtype)
-    kv = [torch.randn(1, cfg.num_key_value_heads, context + rows, cfg.head_dim, device=device, dtype=dtype) for _ in range(2)]
-    anchors = torch.arange(context - anchors_per_chunk, context, device=device)[None]
-    mask = block_mask(anchors, torch.ones_like(anchors, dtype=torch.bool), context, b)
-    groups = cfg.num_attention_heads // cfg.num_key_value_heads
-    variants = {
-        "grouped K/V (enable_gqa)": lambda: F.scaled_dot_product_attention(q, *kv, attn_mask=mask, enable_gqa=True),
-        "K/V expanded to all heads": lambda: F.scaled_dot_product_attention(
-            q, *(t.repeat_interleave(groups, dim=1) for t in kv), attn_mask=mask),
-    }
-    print(f"\nattention probe: {rows} block rows x {context + rows} keys, bool mask, {cfg.num_attention_heads}/"
-          f"{cfg.num_key_value_heads} heads")
-    from torch.profiler import ProfilerActivity, profile
-
-    for name, fn in variants.items():
-        fn()
-        seconds = clock.median(fn, 10)
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            fn()
-            torch.cuda.synchronize()
-        names = sorted({e.name[:60] for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA})
-        print(f"  {name:28}{seconds * 1e3:8.3f} ms  kernels: {'; '.join(names)[:300]}")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true")
-    parser.add_argument("--repeats", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=6)
     parser.add_argument("--peak-tflops", type=float, default=790.0, help="nominal bf16 dense matrix rate of the GPU")
     parser.add_argument("--out", type=Path, default=None, help="folder for the full profile table")
     args = parser.parse_args()
@@ -336,15 +351,13 @@ def main() -> None:
     print(f"measured matrix rate: {measured:.0f} TFLOP/s ({'bf16 8192^3' if device == 'cuda' else 'fp32 512^3'})")
     target_model, draft = build(TINY if args.tiny else QWEN3_8B, device, dtype)
     live_step_vs_floor(target_model, draft, device, clock, context=128 if args.tiny else 1024,
-                       new_tokens=32 if args.tiny else 96, repeats=args.repeats)
+                       new_tokens=32 if args.tiny else 64, repeats=args.repeats)
     peaks = {"nominal": args.peak_tflops, "measured": measured}
     replay = teacher_throughput(target_model, draft, device, clock, length=256 if args.tiny else 2112,
                                 repeats=args.repeats, peaks=peaks)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
     profile_teacher(*replay, device=device, out=args.out)
-    if device == "cuda":
-        attention_probe(draft, device, clock, context=1088)
     print(f"\nafter: {gpu_state(device)}")
 
 
