@@ -214,8 +214,9 @@ def live_step_vs_floor(target_model, draft, device: str, clock: Clock, context: 
         print(f"{label:26}{spread(steps, 1e3):>26} {spread(floors, 1e3):>26} {spread(ratios, 1, 3):>22}")
     on = statistics.median(s for s, _ in runs[True])
     off = statistics.median(s for s, _ in runs[False])
+    firsts = ", ".join(f"{'with' if record else 'without'} {statistics.median(first[record]):.3f}" for record in first if first[record])
     print(f"records cost {1e3 * (on - off):+.2f} ms per step (median with - median without); ratio when measured first "
-          f"in its pair: with {statistics.median(first[True]):.3f}, without {statistics.median(first[False]):.3f}")
+          f"in its pair: {firsts}")
     if all(clocks.values()) and None not in clocks["loop"] + clocks["floor"]:
         print(f"mean SM clock during loop runs {spread(clocks['loop'], 1, 0)} MHz, during floor runs "
               f"{spread(clocks['floor'], 1, 0)} MHz (min/med/max)")
