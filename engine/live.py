@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from dflash_doctor.engine.divergence import divergence_tensor, unpack_divergence
+from dflash_doctor.engine.divergence import TargetRows, divergence_tensor, unpack_divergence
 from dflash_doctor.engine.proposers.base import Proposer
 from dflash_doctor.engine.target import TargetModel
 from dflash_doctor.engine.verify import greedy_accept, rejection_sample
@@ -163,9 +163,9 @@ def speculative_generate(
             }
         )
         if record_tokens and k_step:
-            target_tokens = verified.logits[:k_step].argmax(dim=-1)
-            packed = divergence_tensor(proposal.logits, verified.logits[:k_step], proposal.tokens, target_tokens)
-            packed = torch.cat([packed, target_tokens[:, None].to(packed.dtype)], dim=1)
+            target_rows = TargetRows.of(verified.logits[:k_step])
+            packed = divergence_tensor(proposal.logits, proposal.tokens, target_rows)
+            packed = torch.cat([packed, target_rows.tokens[:, None].to(packed.dtype)], dim=1)
             pending.append((packed, len(steps) - 1, position, drafted, num_accepted))
     output = output[:max_new_tokens]
     tokens = _token_rows(pending)

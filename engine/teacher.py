@@ -24,7 +24,7 @@ from typing import Iterable
 import numpy as np
 import torch
 
-from dflash_doctor.engine.divergence import WIDTH, divergence_tensor, unpack_divergence
+from dflash_doctor.engine.divergence import WIDTH, TargetRows, divergence_tensor, unpack_divergence
 from dflash_doctor.engine.proposers.base import Proposer
 from dflash_doctor.engine.target import TargetModel
 
@@ -107,7 +107,7 @@ def slot_table(
     truth = torch.tensor(sequence.output_ids, device=device)
     n_anchor = max(n_out - 1, 0)
     sampled = temperature > 0
-    target_tokens = target_logits.argmax(dim=-1) if record_divergence else None  # the target's own token per row
+    target_rows = TargetRows.of(target_logits, pad=k) if record_divergence else None
     # Results stay on the device until the sequence is done: a host copy per chunk would stall the GPU's
     # queue once per chunk. Unknown slots (past the known output) are computed and dropped on the host.
     guess_parts, match_parts, prob_parts, divergence_parts = [], [], [], []
@@ -121,9 +121,8 @@ def slot_table(
         guess = logits.argmax(dim=-1)
         guess_parts.append(guess)
         match_parts.append((guess == truth[safe_pos]) & known)
-        target_row = p_len + safe_pos - 1  # the target's scores for each slot sit one row earlier
-        if sampled:
-            p = torch.softmax(target_logits[target_row] / temperature, dim=-1)
+        if sampled:  # the target's scores for each slot sit one row before the token it predicts
+            p = torch.softmax(target_logits[p_len + safe_pos - 1] / temperature, dim=-1)
             if proposer.samples_drafts(temperature):
                 q = torch.softmax(logits.float() / temperature, dim=-1)
                 prob = torch.minimum(p, q).sum(dim=-1)
@@ -131,10 +130,8 @@ def slot_table(
                 prob = p.gather(-1, guess[..., None])[..., 0]
             prob_parts.append(prob * known)
         if record_divergence:
-            divergence_parts.append(divergence_tensor(
-                logits.flatten(0, 1), target_logits[target_row].flatten(0, 1), guess.flatten(),
-                target_tokens[target_row].flatten(),
-            ))
+            slots = target_rows.windows(p_len + start, stop - start, k)  # row p_len + a + j - 1 for slot j
+            divergence_parts.append(divergence_tensor(logits, guess, slots).flatten(0, 1))
     guesses = _host(guess_parts, np.zeros((0, k), dtype=np.int64))
     matches = _host(match_parts, np.zeros((0, k), dtype=bool))
     accept_probs = _host(prob_parts, np.zeros((0, k))).astype(np.float64) if sampled else None

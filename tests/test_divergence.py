@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_doctor.engine.divergence import TOP_K, divergence_tensor, unpack_divergence
+from dflash_doctor.engine.divergence import TOP_K, TargetRows, divergence_tensor, unpack_divergence
 from dflash_doctor.engine.live import plain_generate, speculative_generate
 from dflash_doctor.engine.proposers.autoregressive import AutoregressiveProposer
 from dflash_doctor.engine.target import TargetModel
@@ -23,7 +23,7 @@ def test_packed_columns_equal_the_definitions():
     target = torch.randn(9, 301, generator=generator) * 3
     draft_tokens = torch.randint(0, 301, (9,), generator=generator)
     target_tokens = target.argmax(dim=-1)
-    columns = unpack_divergence(divergence_tensor(draft, target, draft_tokens, target_tokens).numpy())
+    columns = unpack_divergence(divergence_tensor(draft, draft_tokens, TargetRows.of(target)).numpy())
 
     p, q = torch.softmax(target.double(), -1), torch.softmax(draft.double(), -1)
     rows = torch.arange(9)
@@ -43,9 +43,19 @@ def test_packed_columns_equal_the_definitions():
 
 
 def test_no_rows_gives_empty_columns():
-    columns = unpack_divergence(divergence_tensor(torch.zeros(0, 5), torch.zeros(0, 5), torch.zeros(0, dtype=torch.long),
-                                                  torch.zeros(0, dtype=torch.long)).numpy())
+    empty = divergence_tensor(torch.zeros(0, 5), torch.zeros(0, dtype=torch.long), TargetRows.of(torch.zeros(0, 5)))
+    columns = unpack_divergence(empty.numpy())
     assert columns and all(values == [] for values in columns.values())
+
+
+def test_windows_read_the_rows_each_slot_predicts_from():
+    logits = torch.randn(7, 11)
+    rows = TargetRows.of(logits, pad=3)
+    windows = rows.windows(2, 4, 3)  # anchors 2..5, slots 0..2 -> rows 2 + a + j (the last ones are padding)
+    index = (torch.arange(4)[:, None] + torch.arange(3)[None] + 2).clamp(max=6)
+    assert torch.equal(windows.log_p, torch.log_softmax(logits, -1)[index])
+    assert torch.equal(windows.tokens, logits.argmax(-1)[index])
+    assert windows.topk_ids.shape == (4, 3, TOP_K) and windows.entropy.shape == (4, 3)
 
 
 @pytest.mark.parametrize("k", [2, 5])
