@@ -20,8 +20,9 @@ import numpy as np
 import pandas as pd
 
 from dflash_doctor.errors import UsageError
-from dflash_doctor.metrics import summarize
+from dflash_doctor.metrics import NUM_BOOTSTRAP_RESAMPLES, OVERALL, bootstrap_ratio, group_rng, interval, summarize, summary_group
 from dflash_doctor.schema import RUN_JSON, TABLES, read_run_meta
+from dflash_doctor.status import STATUS_RANK, VERDICT_NONE, overall_status, status_counts
 
 # Folder depth searched below RUNS_DIR: runs/<name>/run.json and runs/<group>/<name>/run.json.
 MAX_RUN_SEARCH_DEPTH = 2
@@ -31,8 +32,6 @@ RUN_FILE_NAMES = (RUN_JSON, *(f"{name}.parquet" for name in TABLES))
 MAX_UPLOAD_INFLATED_BYTES = 2 * 1024**3
 # Prompt-length buckets for the class filter: lower edges in prompt tokens.
 PROMPT_LENGTH_EDGES = (0, 128, 512, 2048, 8192)
-BOOTSTRAP_RESAMPLES = 1000
-BOOTSTRAP_CONFIDENCE = 0.95
 # Steps of one request rendered per page of the token view (each step is up to K+1 chips).
 STEPS_PER_TOKEN_PAGE = 64
 
@@ -128,7 +127,6 @@ def _run_files_from_zip(zip_name: str, payload: bytes) -> dict[str, bytes]:
 # Overview
 # ---------------------------------------------------------------------------------------------
 
-CHECK_STATUS_ORDER = {"fail": 0, "error": 1, "warn": 2, "pass": 3, "skip": 4}
 
 
 def checks_table(checks: Iterable[dict[str, Any]]) -> pd.DataFrame:
@@ -143,7 +141,7 @@ def checks_table(checks: Iterable[dict[str, Any]]) -> pd.DataFrame:
         for check in checks
     ]
     frame = pd.DataFrame(rows, columns=["status", "check", "summary", "findings"])
-    order = frame["status"].map(CHECK_STATUS_ORDER).fillna(len(CHECK_STATUS_ORDER))
+    order = frame["status"].map({status.value: rank for rank, status in enumerate(STATUS_RANK)}).fillna(len(STATUS_RANK))
     return frame.assign(_order=order).sort_values(["_order", "check"], kind="stable").drop(columns="_order").reset_index(drop=True)
 
 
@@ -193,30 +191,11 @@ def filter_requests(
     return requests[keep]
 
 
-def bootstrap_ratio_ci(
-    numerator: np.ndarray, denominator: np.ndarray, *, seed: int = 0, resamples: int = BOOTSTRAP_RESAMPLES
-) -> tuple[float, float]:
-    """95% percentile CI of ``sum(numerator) / sum(denominator)`` resampling requests (rows).
-
-    Pooled ratios (not means of per-request ratios) are what vLLM reports; resampling whole requests
-    keeps the correlation between a request's steps, as the summary's CIs do.
-    """
-    numerator = np.asarray(numerator, dtype=np.float64)
-    denominator = np.asarray(denominator, dtype=np.float64)
-    n = len(numerator)
-    if n == 0 or denominator.sum() == 0:
-        return (float("nan"), float("nan"))
-    rng = np.random.default_rng(seed)
-    ratios = np.empty(resamples)
-    chunk = max(1, 2_000_000 // n)  # bound the index matrix to ~16 MB whatever the request count
-    for start in range(0, resamples, chunk):
-        stop = min(resamples, start + chunk)
-        idx = rng.integers(0, n, size=(stop - start, n))
-        num = numerator[idx].sum(axis=1)
-        den = denominator[idx].sum(axis=1)
-        ratios[start:stop] = np.divide(num, den, out=np.full_like(num, np.nan), where=den > 0)
-    tail = (1.0 - BOOTSTRAP_CONFIDENCE) / 2.0
-    lo, hi = np.nanquantile(ratios, [tail, 1.0 - tail])
+def bootstrap_ratio_ci(numerator: np.ndarray, denominator: np.ndarray, *, seed: int = 0, group: str = OVERALL) -> tuple[float, float]:
+    """95% CI of ``sum(numerator) / sum(denominator)`` resampling requests (rows), through the same
+    bootstrap and interval as the summary's (:mod:`dflash_doctor.metrics`)."""
+    samples = bootstrap_ratio(numerator, denominator, NUM_BOOTSTRAP_RESAMPLES, group_rng(seed, group))
+    lo, hi = interval(samples)
     return (float(lo), float(hi))
 
 
@@ -244,7 +223,9 @@ def class_table(summary: dict[str, Any], requests: pd.DataFrame, *, seed: int = 
         if not metrics.get("num_drafts"):
             continue
         members = requests if cls == "overall" else requests[requests["class"] == cls]
-        accepted_lo, accepted_hi = bootstrap_ratio_ci(members["num_accepted_tokens"].to_numpy(), members["num_draft_tokens"].to_numpy(), seed=seed)
+        accepted_lo, accepted_hi = bootstrap_ratio_ci(
+            members["num_accepted_tokens"].to_numpy(), members["num_draft_tokens"].to_numpy(), seed=seed, group=summary_group(cls)
+        )
         tau_lo, tau_hi = (metrics.get("mean_acceptance_length_ci") or [None, None])[:2]
         rows.append(
             {
@@ -506,17 +487,16 @@ def recommendation_table(recommendation: dict[str, Any]) -> pd.DataFrame:
 
 
 def run_verdict(checks: Sequence[dict[str, Any]]) -> tuple[str, str]:
-    """(status, sentence) for the whole run: the worst check status and how many checks had each.
-
-    ``error`` (a check crashed) ranks just below ``fail``: the run cannot be called healthy while a
-    check could not look. Skipped checks never decide the verdict.
-    """
-    counts = pd.Series([str(c.get("status", "")) for c in checks], dtype="object").value_counts()
-    decided = [s for s in ("fail", "error", "warn", "pass") if counts.get(s, 0)]
-    if not decided:
-        return "none", "No checks were recorded in this run (replay/sweep runs have none; `dflash-doctor check` adds them)."
-    parts = [f"{counts[s]} {word}" for s, word in (("fail", "failed"), ("error", "errored"), ("warn", "warned"), ("pass", "passed"), ("skip", "skipped")) if counts.get(s, 0)]
-    return decided[0], f"{len(checks)} checks: " + ", ".join(parts) + "."
+    """(verdict, sentence) for the whole run: :func:`dflash_doctor.status.overall_status` of its checks
+    and how many checks ended in each status."""
+    statuses = [str(c["status"]) for c in checks]
+    status = overall_status(statuses)
+    if status == VERDICT_NONE:
+        return status, "No checks were recorded in this run (replay/sweep runs have none; `dflash-doctor check` adds them)."
+    counts = status_counts(statuses)
+    words = {"fail": "failed", "error": "errored", "warn": "warned", "pass": "passed", "skip": "skipped"}
+    parts = [f"{counts[s]} {words[s]}" for s in STATUS_RANK if counts[s]]
+    return status, f"{len(checks)} checks: " + ", ".join(parts) + "."
 
 
 # ---------------------------------------------------------------------------------------------

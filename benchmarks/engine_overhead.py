@@ -34,7 +34,7 @@ from dflash_doctor.engine.proposers.dflash import DFlashProposer
 from dflash_doctor.engine.proposers.base import Proposer
 from dflash_doctor.engine.target import TargetModel
 from dflash_doctor.loading import DEMO_DRAFT_DIR, demo_target_path, load_causal_lm, load_dflash_draft, resolve_model_dir
-from dflash_doctor.runner import stop_ids_of
+from dflash_doctor.pair import stop_ids_of
 from dflash_doctor.workloads import encode_request_turn, load_workload
 
 QUANTIZED_DRAFT_BITS = 4

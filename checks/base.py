@@ -18,85 +18,16 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Iterable, Mapping, TypeVar
 
 from dflash_doctor.errors import UsageError
-
-STATUSES = ("pass", "warn", "fail", "skip", "error")
-SEVERITIES = ("info", "warn", "fail")
-
-
-@dataclass
-class Finding:
-    """One observation: what is wrong (or worth knowing), the evidence, and how to fix it."""
-
-    severity: str  # info | warn | fail
-    message: str
-    evidence: str = ""
-    fix: str = ""
-
-    def __post_init__(self) -> None:
-        if self.severity not in SEVERITIES:
-            raise ValueError(f"finding severity {self.severity!r} is not one of {SEVERITIES}")
-
-    def to_dict(self) -> dict[str, str]:
-        return {"severity": self.severity, "message": self.message, "evidence": self.evidence, "fix": self.fix}
-
-
-@dataclass
-class CheckResult:
-    """The outcome of one check, in the run.json ``checks`` form (see :meth:`to_dict`)."""
-
-    id: str
-    status: str
-    summary: str
-    metrics: dict[str, Any] = field(default_factory=dict)
-    findings: list[Finding] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        if self.status not in STATUSES:
-            raise ValueError(f"check status {self.status!r} is not one of {STATUSES}")
-
-    @classmethod
-    def from_findings(cls, check_id: str, findings: list[Finding], metrics: dict[str, Any], pass_summary: str) -> "CheckResult":
-        """Status = the worst finding's severity; summary = that finding's message (or ``pass_summary``).
-
-        One rule for every check keeps verdicts comparable: any ``fail`` finding fails the check, any
-        ``warn`` warns, ``info`` findings never change the status.
-        """
-        worst = worst_severity(findings)
-        if worst in ("fail", "warn"):
-            first = next(f for f in findings if f.severity == worst)
-            others = sum(1 for f in findings if f.severity in ("fail", "warn")) - 1
-            summary = first.message + (f" (+{others} more)" if others else "")
-            return cls(check_id, worst, summary, metrics, findings)
-        return cls(check_id, "pass", pass_summary, metrics, findings)
-
-    @property
-    def fix(self) -> str:
-        """The fix of the most severe finding, for one-line views (the terminal table)."""
-        for severity in ("fail", "warn", "info"):
-            for finding in self.findings:
-                if finding.severity == severity and finding.fix:
-                    return finding.fix
-        return ""
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "status": self.status,
-            "summary": self.summary,
-            "metrics": dict(self.metrics),
-            "findings": [f.to_dict() for f in self.findings],
-        }
-
-
-def worst_severity(findings: Iterable[Finding]) -> str | None:
-    """The most severe severity among ``findings`` (fail > warn > info), None when there are none."""
-    ranks = {"info": 0, "warn": 1, "fail": 2}
-    worst = None
-    for finding in findings:
-        if worst is None or ranks[finding.severity] > ranks[worst]:
-            worst = finding.severity
-    return worst
-
+from dflash_doctor.status import (  # noqa: F401 (re-exported: checks import their vocabulary from here)
+    SEVERITIES,
+    STATUSES,
+    VERDICT_NONE,
+    CheckResult,
+    Finding,
+    Status,
+    overall_status,
+    worst_severity,
+)
 
 @dataclass
 class CheckContext:
@@ -252,9 +183,10 @@ def run_one(check: Check, ctx: CheckContext) -> CheckResult:
 
 
 def exit_code(results: Iterable[CheckResult], fail_on: str = "fail") -> int:
-    """DESIGN.md exit codes: 1 when a check failed or errored (or warned with ``fail_on="warn"``), else 0."""
-    bad = {"fail", "error"} | ({"warn"} if fail_on == "warn" else set())
-    return 1 if any(r.status in bad for r in results) else 0
+    """DESIGN.md exit codes from :func:`overall_status`: 1 when the verdict is ``fail`` or ``error`` (or
+    ``warn`` with ``fail_on="warn"``), else 0."""
+    bad = {Status.FAIL, Status.ERROR} | ({Status.WARN} if fail_on == "warn" else set())
+    return 1 if overall_status(r.status for r in results) in bad else 0
 
 
 def skipped(check_id: str, reason: str) -> CheckResult:

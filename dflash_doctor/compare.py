@@ -12,6 +12,9 @@ A metric regresses only when BOTH hold:
   rate units), so tiny but statistically clear changes do not fail CI, and
 * the two intervals separate (NEW's upper bound below BASE's lower bound), so noise from a different
   seed or request sample does not fail CI either.
+
+The numbers and intervals are each run's own summary (:mod:`dflash_doctor.metrics`), so BASE and NEW
+read exactly as the run's report and dashboard show them.
 """
 
 from __future__ import annotations
@@ -20,116 +23,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import math
-from statistics import NormalDist
-
 import numpy as np
 import pandas as pd
 
 from dflash_doctor import figures
+from dflash_doctor.metrics import NUM_BOOTSTRAP_RESAMPLES, OVERALL, RequestCounters, group_rng, interval, summarize, summary_group, truncate_steps
 from dflash_doctor.report.html import figure_html, plotly_js
 from dflash_doctor.report.templating import html_env, markdown_env
 from dflash_doctor.schema import Run, load_run
 
-OVERALL = "overall"
-CONFIDENCE_LEVEL = 0.95
-NUM_BOOTSTRAP_RESAMPLES = 2000
 DEFAULT_THRESHOLD_TAU = 0.2
 DEFAULT_THRESHOLD_RATE = 0.05
-
-
-@dataclass(frozen=True)
-class RequestCounts:
-    """Acceptance counts per request: the unit the bootstrap resamples.
-
-    ``accepted_per_pos[n, i]`` is how many of request n's steps accepted at least ``i + 1`` draft
-    tokens (vLLM's ``num_accepted_tokens_per_pos``), so pooled rates are sums over requests.
-    """
-
-    num_drafts: np.ndarray  # [N]
-    accepted_per_pos: np.ndarray  # [N, K]
-
-    @property
-    def num_requests(self) -> int:
-        return int(self.num_drafts.shape[0])
-
-
-def request_counts(steps: pd.DataFrame, k_max: int | None = None) -> RequestCounts:
-    """Reduce a steps table to per-request counts; ``k_max`` defaults to the largest K drafted."""
-    if k_max is None:
-        k_max = int(steps["num_drafted"].max()) if len(steps) else 0
-    if not len(steps):
-        return RequestCounts(np.zeros(0), np.zeros((0, k_max)))
-    request_index, _ = pd.factorize(steps["request_id"])
-    num_requests = int(request_index.max()) + 1
-    num_accepted = steps["num_accepted"].to_numpy()
-    num_drafts = np.bincount(request_index, minlength=num_requests).astype(float)
-    # at_least[s, i] = step s accepted at least i + 1 tokens.                       # [S, K]
-    at_least = (num_accepted[:, None] > np.arange(k_max)[None, :]).astype(float)
-    accepted_per_pos = np.zeros((num_requests, k_max))
-    np.add.at(accepted_per_pos, request_index, at_least)
-    return RequestCounts(num_drafts, accepted_per_pos)
-
-
-def pooled_rates(num_drafts: np.ndarray, accepted_per_pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Pooled tau and per-position rates; works on one sample ([N], [N, K]) or on a batch of
-    resample totals ([B], [B, K]) once summed. Returns (tau [...], rates [..., K]); NaN with no drafts."""
-    with np.errstate(invalid="ignore", divide="ignore"):
-        rates = accepted_per_pos / num_drafts[..., None]
-    tau = 1.0 + rates.sum(axis=-1)
-    return tau, rates
-
-
-def bootstrap_rates(counts: RequestCounts, *, seed: int = 0, num_resamples: int = NUM_BOOTSTRAP_RESAMPLES) -> tuple[np.ndarray, np.ndarray]:
-    """Resample requests with replacement; returns tau [B] and rates [B, K] of each resample."""
-    n = counts.num_requests
-    if n == 0:
-        k = counts.accepted_per_pos.shape[1]
-        return np.full(num_resamples, np.nan), np.full((num_resamples, k), np.nan)
-    rng = np.random.default_rng(seed)
-    # weights[b, n] = how often request n is drawn in resample b                      # [B, N]
-    weights = rng.multinomial(n, np.full(n, 1.0 / n), size=num_resamples).astype(float)
-    return pooled_rates(weights @ counts.num_drafts, weights @ counts.accepted_per_pos)
-
-
-def _student_t_quantile(p: float, dof: int) -> float:
-    """Student-t quantile by the Cornish-Fisher expansion around the normal one (error < 1e-3 for
-    dof >= 3 at the 97.5% level; numpy has no t quantile and scipy is not a dependency)."""
-    z = NormalDist().inv_cdf(p)
-    return (
-        z
-        + (z**3 + z) / (4 * dof)
-        + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * dof**2)
-        + (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / (384 * dof**3)
-    )
-
-
-def expanded_level(level: float, num_units: int) -> float:
-    """Coverage to ask of the percentile bootstrap so that it really covers ``level`` with few units.
-
-    The plain percentile interval is too narrow for small samples (it uses z where t belongs, and
-    the plug-in variance is biased by (n-1)/n); Hesterberg's expanded percentile interval fixes both
-    by widening the tail to z' = sqrt(n / (n-1)) * t_{n-1}. With 8 requests a 95% interval becomes a
-    98.9% percentile interval; with hundreds of requests nothing changes.
-    """
-    if num_units < 2:
-        return level
-    upper = (1.0 + level) / 2.0
-    z_expanded = math.sqrt(num_units / (num_units - 1)) * _student_t_quantile(upper, max(num_units - 1, 3))
-    return 2.0 * NormalDist().cdf(z_expanded) - 1.0
-
-
-def percentile_interval(samples: np.ndarray, level: float = CONFIDENCE_LEVEL, num_units: int | None = None) -> np.ndarray:
-    """Percentile interval along axis 0: [2, ...] (lo, hi); NaN where every sample is NaN.
-
-    Pass ``num_units`` (the number of requests resampled) to get the small-sample expanded interval.
-    """
-    if num_units is not None:
-        level = expanded_level(level, num_units)
-    tail = (1.0 - level) / 2.0 * 100.0
-    if np.all(np.isnan(samples)):
-        return np.full((2,) + samples.shape[1:], np.nan)
-    return np.nanpercentile(samples, [tail, 100.0 - tail], axis=0)
 
 
 @dataclass(frozen=True)
@@ -202,42 +106,92 @@ def _steps_at_largest_k(run: Run) -> tuple[pd.DataFrame, int]:
     return steps[steps["k"] == k_max], k_max
 
 
-def _interval(values: np.ndarray) -> tuple[float, float] | None:
-    lo, hi = (float(x) for x in values)
+@dataclass(frozen=True)
+class _Side:
+    """One run's numbers for one class at the compared K: the metrics block the run's own summary
+    shows (``summary_group``) and the bootstrap resamples behind the interval of the difference."""
+
+    num_requests: int
+    metrics: dict[str, Any]
+    tau_samples: np.ndarray  # [n_boot]
+    rate_samples: np.ndarray  # [n_boot, k]
+
+
+def _sides(run: Run, k: int) -> dict[str, _Side]:
+    """Every class's (and overall's) side of ``run`` at ``k``.
+
+    At the run's own K these are the very numbers of its ``summary`` (the one statistics module made
+    them); at a smaller K the summary is recomputed on truncated steps by the same code.
+    """
+    steps, k_run = _steps_at_largest_k(run)
+    seed = int(run.meta.get("config", {}).get("seed", 0))
+    requests = run.requests if run.requests is not None and not run.requests.empty else None
+    if k == k_run and run.meta.get("summary", {}).get("overall"):
+        summary = run.meta["summary"]
+    else:
+        steps = truncate_steps(steps, k)
+        summary = summarize(steps, requests, num_slots=k, seed=seed)
+    sides = {}
+    for cls, metrics in [(OVERALL, summary["overall"]), *summary["by_class"].items()]:
+        chosen = steps if cls == OVERALL else steps[steps["class"] == cls]
+        request_ids = pd.unique(chosen["request_id"].to_numpy())
+        counters = RequestCounters(chosen, request_ids, k)
+        tau_samples, rate_samples = counters.bootstrap(NUM_BOOTSTRAP_RESAMPLES, group_rng(seed, summary_group(cls)))
+        sides[cls] = _Side(int(metrics.get("num_requests") or 0), metrics, tau_samples, rate_samples)
+    return sides
+
+
+_NO_SIDE = _Side(0, {}, np.full(NUM_BOOTSTRAP_RESAMPLES, np.nan), np.full((NUM_BOOTSTRAP_RESAMPLES, 0), np.nan))
+
+
+def _ci(values: Any) -> tuple[float, float] | None:
+    if values is None or len(values) != 2:
+        return None
+    lo, hi = (float("nan") if x is None else float(x) for x in values)
     return None if np.isnan(lo) or np.isnan(hi) else (lo, hi)
 
 
-def _finite(value: float) -> float | None:
-    return None if np.isnan(value) else float(value)
+def _finite(value: Any) -> float | None:
+    return None if value is None or np.isnan(value) else float(value)
 
 
-def _compare_slice(cls: str, base_steps: pd.DataFrame, new_steps: pd.DataFrame, k: int, threshold_tau: float, threshold_rate: float, seed: int) -> list[MetricComparison]:
+def _compare_slice(cls: str, base: _Side, new: _Side, k: int, threshold_tau: float, threshold_rate: float) -> list[MetricComparison]:
     """tau and r_1..r_k of one class in both runs, each with base/new/delta intervals and a verdict."""
-    sides = []
-    for offset, steps in enumerate((base_steps, new_steps)):
-        counts = request_counts(steps, k)
-        tau, rates = pooled_rates(np.array(counts.num_drafts.sum()), counts.accepted_per_pos.sum(axis=0))
-        tau_samples, rate_samples = bootstrap_rates(counts, seed=seed + offset)
-        sides.append((counts.num_requests, tau, rates, tau_samples, rate_samples))
-    (n_base, tau_b, rates_b, tau_bs, rates_bs), (n_new, tau_n, rates_n, tau_ns, rates_ns) = sides
     note = ""
-    if n_base == 0 or n_new == 0:
-        note = f"only in {'NEW' if n_base == 0 else 'BASE'}: not compared"
-    # (metric, slot, base value, new value, base samples, new samples, threshold)
-    metrics = [("mean_acceptance_length", None, float(tau_b), float(tau_n), tau_bs, tau_ns, threshold_tau)]
-    metrics += [("acceptance_rate_per_pos", i + 1, float(rates_b[i]), float(rates_n[i]), rates_bs[:, i], rates_ns[:, i], threshold_rate) for i in range(k)]
+    if base.num_requests == 0 or new.num_requests == 0:
+        note = f"only in {'NEW' if base.num_requests == 0 else 'BASE'}: not compared"
+
+    def rate(side: _Side, key: str, i: int) -> Any:
+        values = side.metrics.get(key) or []
+        return values[i] if i < len(values) else None
+
+    def samples(side: _Side, i: int) -> np.ndarray:
+        return side.rate_samples[:, i] if i < side.rate_samples.shape[1] else np.full(NUM_BOOTSTRAP_RESAMPLES, np.nan)
+
+    # (metric, slot, base value, base ci, new value, new ci, base samples, new samples, threshold)
+    metrics = [(
+        "mean_acceptance_length", None,
+        base.metrics.get("mean_acceptance_length"), base.metrics.get("mean_acceptance_length_ci"),
+        new.metrics.get("mean_acceptance_length"), new.metrics.get("mean_acceptance_length_ci"),
+        base.tau_samples, new.tau_samples, threshold_tau,
+    )]
+    metrics += [(
+        "acceptance_rate_per_pos", i + 1,
+        rate(base, "acceptance_rate_per_pos", i), rate(base, "acceptance_rate_per_pos_ci", i),
+        rate(new, "acceptance_rate_per_pos", i), rate(new, "acceptance_rate_per_pos_ci", i),
+        samples(base, i), samples(new, i), threshold_rate,
+    ) for i in range(k)]
     rows = []
-    for metric, slot, base_value, new_value, base_samples, new_samples, threshold in metrics:
-        base_ci = _interval(percentile_interval(base_samples, num_units=n_base))
-        new_ci = _interval(percentile_interval(new_samples, num_units=n_new))
-        comparable = not note and base_ci is not None and new_ci is not None
+    for metric, slot, base_value, base_ci, new_value, new_ci, base_samples, new_samples, threshold in metrics:
+        base_value, new_value, base_ci, new_ci = _finite(base_value), _finite(new_value), _ci(base_ci), _ci(new_ci)
+        comparable = not note and base_ci is not None and new_ci is not None and base_value is not None and new_value is not None
         delta = new_value - base_value if comparable else None
-        delta_ci = _interval(percentile_interval(new_samples - base_samples, num_units=min(n_base, n_new))) if comparable else None
+        delta_ci = _ci(interval(new_samples - base_samples)) if comparable else None
         separated = comparable and new_ci[1] < base_ci[0]
         rows.append(
             MetricComparison(
                 cls=cls, metric=metric, slot=slot,
-                base=_finite(base_value), base_ci=base_ci, new=_finite(new_value), new_ci=new_ci,
+                base=base_value, base_ci=base_ci, new=new_value, new_ci=new_ci,
                 delta=delta, delta_ci=delta_ci, threshold=threshold,
                 regression=bool(comparable and -delta > threshold and separated),
                 note=note,
@@ -252,18 +206,18 @@ def compare_runs(
     *,
     threshold_tau: float = DEFAULT_THRESHOLD_TAU,
     threshold_rate: float = DEFAULT_THRESHOLD_RATE,
-    seed: int = 0,
 ) -> Comparison:
     """Compare NEW against BASE per class and overall (see the module docstring for the rule).
 
-    Both runs are reduced to steps at their largest K; when the two K differ, tau is compared at the
-    smaller one by truncation (tau(K) = 1 + sum_{i<K} r_i), which is exact for chain drafts and an
+    BASE and NEW show the numbers of each run's own summary (tau, rates and their intervals, as the
+    report and the dashboard show them). When the two runs drafted different K, both are compared at
+    the smaller one by truncation (tau(K) = 1 + sum_{i<K} r_i), which is exact for chain drafts and an
     estimate for DFlash blocks, and a note says so.
     """
-    base_run = base if isinstance(base, Run) else load_run(base, tables=("steps",))
-    new_run = new if isinstance(new, Run) else load_run(new, tables=("steps",))
-    base_steps, k_base = _steps_at_largest_k(base_run)
-    new_steps, k_new = _steps_at_largest_k(new_run)
+    base_run = base if isinstance(base, Run) else load_run(base, tables=("steps", "requests"))
+    new_run = new if isinstance(new, Run) else load_run(new, tables=("steps", "requests"))
+    _, k_base = _steps_at_largest_k(base_run)
+    _, k_new = _steps_at_largest_k(new_run)
     k = min(k_base, k_new) if k_base and k_new else max(k_base, k_new)
     comparison = Comparison(base_run.path, new_run.path, threshold_tau, threshold_rate, k)
     if k_base and k_new and k_base != k_new:
@@ -271,10 +225,11 @@ def compare_runs(
     if not k:
         comparison.notes.append("Neither run has drafted steps: nothing to compare.")
         return comparison
-    classes = sorted(set(base_steps["class"]) | set(new_steps["class"]))
-    for cls in classes:
-        comparison.rows += _compare_slice(cls, base_steps[base_steps["class"] == cls], new_steps[new_steps["class"] == cls], k, threshold_tau, threshold_rate, seed)
-    comparison.rows += _compare_slice(OVERALL, base_steps, new_steps, k, threshold_tau, threshold_rate, seed)
+    base_sides = _sides(base_run, k) if k_base else {}
+    new_sides = _sides(new_run, k) if k_new else {}
+    classes = sorted((set(base_sides) | set(new_sides)) - {OVERALL})
+    for cls in [*classes, OVERALL]:
+        comparison.rows += _compare_slice(cls, base_sides.get(cls, _NO_SIDE), new_sides.get(cls, _NO_SIDE), k, threshold_tau, threshold_rate)
     return comparison
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -140,10 +139,6 @@ def is_dflash_config(config: dict[str, Any]) -> bool:
     return "dflash_config" in config or any("DFlash" in a for a in config.get("architectures") or [])
 
 
-def detect_draft_kind(model_dir: Path) -> str:
-    return "dflash" if is_dflash_config(read_config(model_dir)) else "autoregressive"
-
-
 def fingerprint(model_dir: Path) -> str:
     """A cheap identity of a checkpoint: config.json plus size, head and tail of each weight file.
 
@@ -181,16 +176,6 @@ def load_causal_lm(model_dir: Path, *, dtype: str = "float32", device: str = "cp
             raise UsageError(f"{model_dir} needs its own Python code; review it and pass --trust-remote-code to allow it.") from None
         raise
     return model.to(device).eval()
-
-
-@dataclass
-class LoadedDraft:
-    """A draft checkpoint: its kind, the module and the facts run.json records."""
-
-    kind: str  # "dflash" | "autoregressive"
-    model: torch.nn.Module
-    model_dir: Path
-    config: dict[str, Any]
 
 
 def load_dflash_draft(model_dir: Path, *, dtype: str = "float32", device: str = "cpu"):
@@ -235,7 +220,7 @@ def validate_dflash_pair(draft_cfg, target_config) -> None:
             f"draft hidden_size {draft_cfg.hidden_size} != target hidden_size {target_hidden}; a DFlash draft uses the "
             "target's embeddings and lm_head, so pick a draft trained for this target."
         )
-    bad = [l for l in draft_cfg.target_layer_ids if not 0 <= l < target_layers]
+    bad = [layer for layer in draft_cfg.target_layer_ids if not 0 <= layer < target_layers]
     if bad:
         raise UsageError(
             f"dflash_config.target_layer_ids {draft_cfg.target_layer_ids} name layer(s) {bad} but the target has "
@@ -268,23 +253,6 @@ def validate_autoregressive_pair(draft_dir: Path, target_dir: Path, draft_config
             f"the draft tokenizer maps {differing} token strings differently from the target's; an autoregressive draft "
             "must share the target's vocabulary (run `dflash-doctor tokenizers` for details)."
         )
-
-
-def load_draft(spec: str, kind: str, target_dir: Path, target_config, *, dtype: str, device: str, trust_remote_code: bool = False) -> LoadedDraft:
-    """Load and validate a draft of ``kind`` (``auto`` detects DFlash from the config)."""
-    draft_dir = resolve_model_dir(spec)
-    if kind == "auto":
-        kind = detect_draft_kind(draft_dir)
-    config = read_config(draft_dir)
-    if kind == "dflash":
-        model = load_dflash_draft(draft_dir, dtype=dtype, device=device)
-        validate_dflash_pair(model.config, target_config)
-    else:
-        if is_dflash_config(config):
-            raise UsageError(f"{spec} is a DFlash checkpoint; pass --draft-kind dflash or auto.")
-        model = load_causal_lm(draft_dir, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
-        validate_autoregressive_pair(draft_dir, target_dir, model.config, target_config)
-    return LoadedDraft(kind=kind, model=model, model_dir=draft_dir, config=config)
 
 
 def save_dflash_draft(model, out_dir: Path | str, *, extra_config: dict[str, Any] | None = None) -> Path:

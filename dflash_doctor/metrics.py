@@ -33,7 +33,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+OVERALL = "overall"  # the summary's scope over every request, next to the per-class scopes
 CI_LEVEL = 0.95
+NUM_BOOTSTRAP_RESAMPLES = 1000
 _BOOTSTRAP_CELLS_PER_CHUNK = 1 << 22  # resample-weight cells held at once: bounds memory at ~32 MB
 _REQUIRED_STEP_COLUMNS = ("request_id", "class", "k", "num_drafted", "num_accepted")
 
@@ -140,8 +142,12 @@ def truncate_steps(steps: pd.DataFrame, k: int) -> pd.DataFrame:
     return truncated
 
 
-class _RequestCounters:
+class RequestCounters:
     """Per-request sums of one group of steps: the unit the bootstrap resamples.
+
+    The one place drafts are counted (vLLM's definition: a step is a draft only when it drafted at
+    least one token; the plain decode step a loop takes when one token of budget remains is not).
+    The summary, ``compare``, the sweep and the dashboard all pool these counters.
 
     ``drafts``, ``accepted``, ``draft_tokens``, ``emitted`` are ``[R]``; ``per_pos`` is ``[R, S]``;
     ``histogram`` is ``[S + 1]`` pooled over all draft steps.
@@ -179,30 +185,48 @@ class _RequestCounters:
         A resample is a vector of multiplicities over requests, so the pooled counters of all resamples
         are one matrix product; chunks keep the multiplicity matrix small for 10k+ requests.
         """
-        num_requests = len(self.drafts)
-        taus = np.empty(n_boot)
-        rates = np.empty((n_boot, self.num_slots))
-        if num_requests == 0:
-            taus.fill(np.nan)
-            rates.fill(np.nan)
-            return taus, rates
+        taus = np.full(n_boot, np.nan)
+        rates = np.full((n_boot, self.num_slots), np.nan)
         counters = np.column_stack([self.drafts, self.accepted, self.per_pos])  # [R, 2 + S]
-        chunk = max(1, _BOOTSTRAP_CELLS_PER_CHUNK // num_requests)
-        for start in range(0, n_boot, chunk):
-            rows = min(chunk, n_boot - start)
-            picks = rng.integers(0, num_requests, size=(rows, num_requests))
-            picks += (np.arange(rows) * num_requests)[:, None]
-            multiplicity = np.bincount(picks.ravel(), minlength=rows * num_requests).reshape(rows, num_requests)
+        for rows, multiplicity in resample_multiplicities(len(self.drafts), n_boot, rng):
             pooled = multiplicity @ counters  # [rows, 2 + S]
             with np.errstate(divide="ignore", invalid="ignore"):
                 drafts = np.where(pooled[:, 0] > 0, pooled[:, 0], np.nan)
-                taus[start : start + rows] = 1.0 + pooled[:, 1] / drafts
-                rates[start : start + rows] = pooled[:, 2:] / drafts[:, None]
+                taus[rows] = 1.0 + pooled[:, 1] / drafts
+                rates[rows] = pooled[:, 2:] / drafts[:, None]
         return taus, rates
 
 
-def _percentile_interval(samples: np.ndarray) -> np.ndarray:
-    """Percentile interval along axis 0, ``[2]`` or ``[S, 2]``; NaN where every resample was undefined."""
+def resample_multiplicities(num_units: int, n_boot: int, rng: np.random.Generator):
+    """The request-level bootstrap: yields ``(rows, multiplicity)`` chunks, ``multiplicity[b, r]`` being
+    how often unit r is drawn in resample b (``[rows, R]``). Every bootstrap in the project pools
+    per-request counters through this one generator, so one pooled sum is one matrix product."""
+    if num_units == 0:
+        return
+    chunk = max(1, _BOOTSTRAP_CELLS_PER_CHUNK // num_units)
+    for start in range(0, n_boot, chunk):
+        count = min(chunk, n_boot - start)
+        picks = rng.integers(0, num_units, size=(count, num_units))
+        picks += (np.arange(count) * num_units)[:, None]
+        multiplicity = np.bincount(picks.ravel(), minlength=count * num_units).reshape(count, num_units)
+        yield slice(start, start + count), multiplicity
+
+
+def bootstrap_ratio(numerator: np.ndarray, denominator: np.ndarray, n_boot: int, rng: np.random.Generator) -> np.ndarray:
+    """``[n_boot]`` resamples of the pooled ratio ``sum(numerator) / sum(denominator)`` over units
+    (requests); NaN where a resample's denominator is 0."""
+    counters = np.column_stack([np.asarray(numerator, dtype=np.float64), np.asarray(denominator, dtype=np.float64)])
+    ratios = np.full(n_boot, np.nan)
+    for rows, multiplicity in resample_multiplicities(len(counters), n_boot, rng):
+        pooled = multiplicity @ counters
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratios[rows] = np.where(pooled[:, 1] > 0, pooled[:, 0] / np.where(pooled[:, 1] > 0, pooled[:, 1], 1.0), np.nan)
+    return ratios
+
+
+def interval(samples: np.ndarray) -> np.ndarray:
+    """The one confidence interval: the plain 95% percentile interval of bootstrap resamples along
+    axis 0, ``[2]`` or ``[S, 2]``; NaN where every resample was undefined."""
     tail = (1.0 - CI_LEVEL) / 2.0
     if samples.shape[0] == 0 or np.isnan(samples).all(axis=0).all():
         shape = (2,) if samples.ndim == 1 else (samples.shape[1], 2)
@@ -213,7 +237,13 @@ def _percentile_interval(samples: np.ndarray) -> np.ndarray:
     return bounds.T if samples.ndim == 2 else bounds
 
 
-def _group_seed(seed: int, group: str) -> np.random.Generator:
+def summary_group(scope: str) -> str:
+    """The bootstrap group name of a summary scope (``overall`` or a class): it seeds that scope's
+    resamples, so anyone recomputing a scope's interval draws the same resamples."""
+    return OVERALL if scope == OVERALL else f"class:{scope}"
+
+
+def group_rng(seed: int, group: str) -> np.random.Generator:
     """A generator per group that depends on the seed and the group's name, not on the group's order."""
     return np.random.default_rng([seed, zlib.crc32(group.encode("utf-8"))])
 
@@ -227,7 +257,7 @@ def _metrics(
     rng: np.random.Generator,
 ) -> dict[str, Any]:
     """One M block of the summary contract for the given steps and the requests they belong to."""
-    counters = _RequestCounters(steps, request_ids, num_slots)
+    counters = RequestCounters(steps, request_ids, num_slots)
     num_drafts = int(counters.drafts.sum())
     num_draft_tokens = int(counters.draft_tokens.sum())
     num_accepted = int(counters.accepted.sum())
@@ -254,9 +284,9 @@ def _metrics(
         "num_accepted_tokens": num_accepted,
         "num_accepted_tokens_per_pos": [int(x) for x in per_pos],
         "mean_acceptance_length": counters.pooled_tau(),
-        "mean_acceptance_length_ci": [float(x) for x in _percentile_interval(boot_tau)],
+        "mean_acceptance_length_ci": [float(x) for x in interval(boot_tau)],
         "acceptance_rate_per_pos": [float(x) for x in rates],
-        "acceptance_rate_per_pos_ci": [[float(lo), float(hi)] for lo, hi in _percentile_interval(boot_rates)],
+        "acceptance_rate_per_pos_ci": [[float(lo), float(hi)] for lo, hi in interval(boot_rates)],
         "conditional_acceptance_rate_per_pos": [float(x) for x in conditional_rates(rates)],
         "draft_acceptance_rate": num_accepted / num_draft_tokens if num_draft_tokens else float("nan"),
         "acceptance_histogram": [int(x) for x in counters.histogram],
@@ -291,7 +321,7 @@ def summarize(
     requests: pd.DataFrame | None = None,
     *,
     num_slots: int | None = None,
-    n_boot: int = 1000,
+    n_boot: int = NUM_BOOTSTRAP_RESAMPLES,
     seed: int = 0,
 ) -> dict[str, Any]:
     """run.json ``summary``: ``{"overall": M, "by_class": {class: M}}`` from a steps table.
@@ -320,19 +350,19 @@ def summarize(
         tokens = None
         if output_tokens is not None:
             tokens = int(output_tokens.reindex(request_ids).fillna(0).sum())
-        return _metrics(selected_steps, request_ids, tokens, num_slots, n_boot, _group_seed(seed, group))
+        return _metrics(selected_steps, request_ids, tokens, num_slots, n_boot, group_rng(seed, group))
 
-    summary: dict[str, Any] = {"overall": block("overall", steps, request_class.index.to_numpy()), "by_class": {}}
+    summary: dict[str, Any] = {OVERALL: block(summary_group(OVERALL), steps, request_class.index.to_numpy()), "by_class": {}}
     for cls in sorted(request_class.unique()):
         ids = request_class.index[request_class.to_numpy() == cls].to_numpy()
-        summary["by_class"][str(cls)] = block(f"class:{cls}", steps[steps["class"] == cls], ids)
+        summary["by_class"][str(cls)] = block(summary_group(str(cls)), steps[steps["class"] == cls], ids)
     return summary
 
 
-def tau_with_ci(steps: pd.DataFrame, *, n_boot: int = 1000, seed: int = 0, group: str = "overall") -> tuple[float, list[float]]:
+def tau_with_ci(steps: pd.DataFrame, *, n_boot: int = NUM_BOOTSTRAP_RESAMPLES, seed: int = 0, group: str = "overall") -> tuple[float, list[float]]:
     """Pooled tau and its bootstrap interval over requests, without the rest of the summary (for sweeps)."""
     _check_steps(steps)
     request_ids = pd.unique(steps["request_id"].to_numpy())
-    counters = _RequestCounters(steps, request_ids, _resolve_num_slots(steps, None))
-    boot_tau, _ = counters.bootstrap(n_boot, _group_seed(seed, group))
-    return counters.pooled_tau(), [float(x) for x in _percentile_interval(boot_tau)]
+    counters = RequestCounters(steps, request_ids, _resolve_num_slots(steps, None))
+    boot_tau, _ = counters.bootstrap(n_boot, group_rng(seed, group))
+    return counters.pooled_tau(), [float(x) for x in interval(boot_tau)]

@@ -7,13 +7,13 @@ checks name the cause and the fix.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
 from dflash_doctor.config import DoctorConfig
 from dflash_doctor.errors import UsageError
+from dflash_doctor.pair import Pair
 from dflash_doctor.workloads import Request
 
 # A ChatML template as a different deployment might ship it: another default system prompt. The draft
@@ -28,18 +28,18 @@ MISMATCHED_TEMPLATE = (
 
 @dataclass(frozen=True)
 class Scenario:
-    """``apply`` edits the loaded engine, the requests and the config before the run; ``expect`` names the
-    check ids that must report the cause (used by the test and shown by ``--scenario list``)."""
+    """``apply`` returns the loaded pair, the requests and the config as the incident serves them (it
+    edits only what it owns: the quantised target is loaded for this run alone); ``expect`` names the check ids that must report the cause (used by the
+    test and shown by ``--scenario list``)."""
 
     name: str
     incident: str
     expect: tuple[str, ...]
-    apply: Callable  # (engine, requests, config) -> (requests, config)
+    apply: Callable[[Pair, list[Request], DoctorConfig], tuple[Pair, list[Request], DoctorConfig]]
 
 
-def _template_mismatch(engine, requests, config):
-    engine.chat_template = MISMATCHED_TEMPLATE
-    return requests, config
+def _template_mismatch(pair: Pair, requests, config):
+    return dataclasses.replace(pair, chat_template=MISMATCHED_TEMPLATE), requests, config
 
 
 def _raw_prompt(request: Request) -> Request:
@@ -47,36 +47,33 @@ def _raw_prompt(request: Request) -> Request:
     return dataclasses.replace(request, messages=None, prompt=text)
 
 
-def _no_template(engine, requests, config):
-    return [_raw_prompt(r) for r in requests], config
+def _no_template(pair: Pair, requests, config):
+    return pair, [_raw_prompt(r) for r in requests], config
 
 
-def _layer_offset(engine, requests, config):
-    """Load the draft with every target layer id shifted by +1 (the off-by-one of vLLM PR #42704)."""
-    from dflash_doctor.engine.proposers.dflash import DFlashProposer
-
-    draft = copy.copy(engine.draft_model)
-    cfg = draft.config
-    last = engine.target.model.config.num_hidden_layers - 1
-    draft.config = dataclasses.replace(cfg, target_layer_ids=[min(l + 1, last) for l in cfg.target_layer_ids])
-    engine.draft_model = draft
-    engine.proposer = DFlashProposer(draft, engine.target)
-    engine.target.hidden_state_indices = engine.proposer.needs.hidden_state_indices
-    engine.models_meta["draft"]["target_layer_ids"] = list(draft.config.target_layer_ids)
-    return requests, config
+def _layer_offset(pair: Pair, requests, config):
+    """Serve the draft with every target layer id shifted by +1 (the off-by-one of vLLM PR #42704)."""
+    kind = pair.kind
+    if kind.layer_ids is None or kind.with_layer_ids is None:
+        raise UsageError(f"--scenario layer-offset needs a draft that reads target layers; a {kind.name} draft reads none.")
+    last = pair.target.model.config.num_hidden_layers - 1
+    shifted = [min(layer + 1, last) for layer in kind.layer_ids(pair.draft_model)]
+    return pair.with_draft(kind.with_layer_ids(pair.draft_model, shifted)), requests, config
 
 
-def _quantized_target(engine, requests, config):
-    """Serve a 4-bit fake-quantised target: the target changed under the draft (AEON-7 #6, z-lab #152)."""
+def _quantized_target(pair: Pair, requests, config):
+    """Serve a 4-bit fake-quantised target: the target changed under the draft (AEON-7 #6, z-lab #152).
+
+    The demo target is loaded for this run only, so its weights are quantised where they are."""
     from dflash_doctor.derive import fake_quantize
 
-    fake_quantize(engine.target.model, bits=4, group_size=32)
-    engine.models_meta["target"]["id"] += " (4-bit fake-quantised)"
-    return requests, config
+    fake_quantize(pair.target.model, bits=4, group_size=32)
+    target_info = dataclasses.replace(pair.target_info, id=pair.target_info.id + " (4-bit fake-quantised)")
+    return dataclasses.replace(pair, target_info=target_info), requests, config
 
 
-def _k_too_large(engine, requests, config):
-    return requests, dataclasses.replace(config, k=(engine.proposer.max_k or 16,))
+def _k_too_large(pair: Pair, requests, config):
+    return pair, requests, dataclasses.replace(config, k=(pair.default_k if pair.proposer.max_k else 16,))
 
 
 SCENARIOS: dict[str, Scenario] = {

@@ -15,6 +15,7 @@ Column conventions (shapes and units live in the names):
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import json
 import math
@@ -26,69 +27,90 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dflash_doctor import __version__
 from dflash_doctor.errors import UsageError
+from dflash_doctor.record import SCHEMA_VERSION, RunMeta, RunRecord
 
-SCHEMA_VERSION = 1
 RUN_JSON = "run.json"
 
-REQUESTS_SCHEMA = pa.schema(
-    [
-        ("request_id", pa.string()),
-        ("class", pa.string()),
-        ("subclass", pa.string()),
-        ("turn", pa.int16()),
-        ("prompt_num_tokens", pa.int32()),
-        ("output_token_ids", pa.list_(pa.int32())),
-        ("output_text", pa.string()),
-        ("num_output_tokens", pa.int32()),
-        ("num_steps", pa.int32()),
-        ("num_drafts", pa.int32()),
-        ("num_draft_tokens", pa.int32()),
-        ("num_accepted_tokens", pa.int32()),
-        ("tau", pa.float64()),
-        ("stop_reason", pa.string()),
-        ("wall_time_s", pa.float64()),
-    ]
-)
+def _column(arrow_type: pa.DataType, name: str | None = None) -> Any:
+    """A row field with its Arrow type (and its column name when the field name cannot be it, e.g. ``class``)."""
+    return field(metadata={"arrow": arrow_type, "column": name})
 
-STEPS_SCHEMA = pa.schema(
-    [
-        ("request_id", pa.string()),
-        ("class", pa.string()),
-        ("step", pa.int32()),
-        ("position", pa.int32()),
-        ("k", pa.int16()),
-        ("num_drafted", pa.int16()),
-        ("num_accepted", pa.int16()),
-        ("bonus_token", pa.int32()),
-        ("draft_time_s", pa.float64()),
-        ("verify_time_s", pa.float64()),
-    ]
-)
 
-TOKENS_SCHEMA = pa.schema(
-    [
-        ("request_id", pa.string()),
-        ("class", pa.string()),
-        ("step", pa.int32()),
-        ("position", pa.int32()),
-        ("offset", pa.int16()),
-        ("draft_token", pa.int32()),
-        ("target_token", pa.int32()),
-        ("draft_text", pa.string()),
-        ("target_text", pa.string()),
-        ("accepted", pa.bool_()),
-        ("target_prob_of_draft", pa.float32()),
-        ("draft_prob_of_target", pa.float32()),
-        ("target_rank_in_draft", pa.int32()),
-        ("kl_target_draft", pa.float32()),
-        ("total_variation", pa.float32()),
-        ("target_entropy", pa.float32()),
-        ("draft_topk_ids", pa.list_(pa.int32())),
-        ("target_topk_ids", pa.list_(pa.int32())),
-    ]
-)
+def arrow_schema(row_type: type) -> pa.Schema:
+    """The Arrow schema of a row dataclass: one column per field, in field order."""
+    return pa.schema([(f.metadata["column"] or f.name, f.metadata["arrow"]) for f in dataclasses.fields(row_type)])
+
+
+def as_row(row: Any) -> dict[str, Any]:
+    """A row dataclass as the dict the writer takes (column names as keys)."""
+    return {f.metadata["column"] or f.name: getattr(row, f.name) for f in dataclasses.fields(row)}
+
+
+@dataclass
+class RequestRow:
+    """One replayed turn of one request (``requests.parquet``)."""
+
+    request_id: str = _column(pa.string())
+    request_class: str = _column(pa.string(), "class")
+    subclass: str = _column(pa.string())
+    turn: int = _column(pa.int16())
+    prompt_num_tokens: int = _column(pa.int32())
+    output_token_ids: list[int] = _column(pa.list_(pa.int32()))
+    output_text: str = _column(pa.string())
+    num_output_tokens: int = _column(pa.int32())
+    num_steps: int = _column(pa.int32())
+    num_drafts: int = _column(pa.int32())
+    num_draft_tokens: int = _column(pa.int32())
+    num_accepted_tokens: int = _column(pa.int32())
+    tau: float | None = _column(pa.float64())
+    stop_reason: str = _column(pa.string())
+    wall_time_s: float = _column(pa.float64())
+
+
+@dataclass
+class StepRow:
+    """One speculative step (``steps.parquet``): the engine's step record plus its request and class."""
+
+    request_id: str = _column(pa.string())
+    request_class: str = _column(pa.string(), "class")
+    step: int = _column(pa.int32())
+    position: int = _column(pa.int32())
+    k: int = _column(pa.int16())
+    num_drafted: int = _column(pa.int16())
+    num_accepted: int = _column(pa.int16())
+    bonus_token: int = _column(pa.int32())
+    draft_time_s: float = _column(pa.float64())
+    verify_time_s: float = _column(pa.float64())
+
+
+@dataclass
+class TokenRow:
+    """One drafted token against the target's (``tokens.parquet``): the engine's divergence record."""
+
+    request_id: str = _column(pa.string())
+    request_class: str = _column(pa.string(), "class")
+    step: int = _column(pa.int32())
+    position: int = _column(pa.int32())
+    offset: int = _column(pa.int16())
+    draft_token: int = _column(pa.int32())
+    target_token: int = _column(pa.int32())
+    draft_text: str = _column(pa.string())
+    target_text: str = _column(pa.string())
+    accepted: bool = _column(pa.bool_())
+    target_prob_of_draft: float = _column(pa.float32())
+    draft_prob_of_target: float = _column(pa.float32())
+    target_rank_in_draft: int = _column(pa.int32())
+    kl_target_draft: float = _column(pa.float32())
+    total_variation: float = _column(pa.float32())
+    target_entropy: float = _column(pa.float32())
+    draft_topk_ids: list[int] = _column(pa.list_(pa.int32()))
+    target_topk_ids: list[int] = _column(pa.list_(pa.int32()))
+
+
+REQUESTS_SCHEMA = arrow_schema(RequestRow)
+STEPS_SCHEMA = arrow_schema(StepRow)
+TOKENS_SCHEMA = arrow_schema(TokenRow)
 
 TABLES: dict[str, pa.Schema] = {
     "requests": REQUESTS_SCHEMA,
@@ -117,19 +139,9 @@ def _json_safe(value: Any) -> Any:
     return value
 
 
-def new_run_meta(config: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The skeleton of ``run.json`` with every top-level key present."""
-    return {
-        "schema_version": SCHEMA_VERSION,
-        "tool_version": __version__,
-        "created_at": utc_now(),
-        "models": {},
-        "environment": {},
-        "config": dict(config or {}),
-        "checks": [],
-        "summary": {"overall": {}, "by_class": {}},
-        "recommendation": {},
-    }
+def new_run_meta(config: dict[str, Any] | None = None, command: str = "replay") -> dict[str, Any]:
+    """The run.json of a run that has just started: every section present, nothing measured yet."""
+    return RunRecord(meta=RunMeta(command=command, created_at=utc_now()), config=dict(config or {})).to_json()
 
 
 def write_run_json(run_dir: Path, meta: dict[str, Any]) -> Path:
@@ -193,10 +205,11 @@ class RunWriter:
 
 @dataclass
 class Run:
-    """A loaded run directory: ``meta`` is run.json; the tables are pandas frames (possibly empty)."""
+    """A loaded run directory: the typed :class:`RunRecord` (run.json) and the tables as pandas frames
+    (possibly empty)."""
 
     path: Path
-    meta: dict[str, Any]
+    record: RunRecord
     requests: pd.DataFrame = field(repr=False)
     steps: pd.DataFrame = field(repr=False)
     tokens: pd.DataFrame = field(repr=False)
@@ -204,6 +217,11 @@ class Run:
     @property
     def name(self) -> str:
         return self.path.name
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        """The record in its run.json form, for the templates that render it."""
+        return self.record.to_json()
 
 
 def read_run_meta(run_dir: Path | str) -> dict[str, Any]:
@@ -218,8 +236,11 @@ def read_run_meta(run_dir: Path | str) -> dict[str, Any]:
         raise UsageError(f"{path} is not valid JSON ({exc}); re-run the command that wrote it.") from None
     version = meta.get("schema_version")
     if version != SCHEMA_VERSION:
+        older = isinstance(version, int) and version < SCHEMA_VERSION
         raise UsageError(
-            f"{path} has schema_version {version!r} but this dflash-doctor reads {SCHEMA_VERSION}; re-run it with this version."
+            f"{path} has schema_version {version!r} but this dflash-doctor reads {SCHEMA_VERSION}"
+            + (" (the typed run record); re-run the command that wrote it (check, sweep or replay) to rewrite the run directory."
+               if older else "; read it with the dflash-doctor version that wrote it.")
         )
     return meta
 
@@ -235,4 +256,4 @@ def load_run(run_dir: Path | str, tables: Iterable[str] = tuple(TABLES)) -> Run:
             frames[name] = pq.read_table(path).to_pandas()
         else:
             frames[name] = schema.empty_table().to_pandas()
-    return Run(path=run_dir, meta=meta, **frames)
+    return Run(path=run_dir, record=RunRecord.from_json(meta), **frames)

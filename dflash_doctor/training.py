@@ -41,8 +41,12 @@ from typing import Any, Iterable, Sequence
 import torch
 import torch.nn.functional as F
 
+from dflash_doctor.engine.batched import generate_greedy_batch
 from dflash_doctor.engine.blocks import context_kv_for, draft_block_hidden
 from dflash_doctor.engine.dflash_model import DFlashConfig, DFlashDraftModel
+from dflash_doctor.engine.proposers.dflash import DFlashProposer
+from dflash_doctor.engine.target import TargetModel
+from dflash_doctor.engine.teacher import TeacherSequence, slot_table, walk_schedule
 from dflash_doctor.errors import UsageError
 from dflash_doctor.loading import load_dflash_draft, save_dflash_draft
 from dflash_doctor.workloads import Request, encode_request_turn
@@ -125,7 +129,7 @@ def draft_config_for_target(target_config: Any, *, block_size: int, num_layers: 
         raise UsageError(f"--block-size {block_size} must be at least 2 (the anchor plus one drafted token).")
     if num_layers < 1:
         raise UsageError(f"--num-layers {num_layers} must be at least 1.")
-    bad = [l for l in target_layer_ids if not 0 <= l < num_target_layers]
+    bad = [layer for layer in target_layer_ids if not 0 <= layer < num_target_layers]
     if not target_layer_ids or bad:
         raise UsageError(f"--target-layer-ids {list(target_layer_ids)} must name layers 0..{num_target_layers - 1} of the target; fix the list.")
     validate_mask_token_id(mask_token_id, target_config)
@@ -201,34 +205,6 @@ def chat_template_record(chat_template: str | None) -> dict[str, Any]:
 # Data: batched greedy generation, cached on disk
 
 @torch.inference_mode()
-def generate_greedy_batch(model: torch.nn.Module, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
-                          stop_ids: frozenset[int], pad_token_id: int, temperature: float = 0.0) -> list[list[int]]:
-    """The target's continuations of several prompts in one batched ``generate`` (left padding).
-
-    Greedy by default: then each continuation equals :func:`dflash_doctor.engine.live.plain_generate` at
-    temperature 0 (a test checks it in fp32). ``temperature`` > 0 samples instead (extra training data).
-    Each continuation ends at (and includes) its first stop token, or after ``max_new_tokens``.
-    """
-    from transformers import GenerationConfig
-
-    device = next(model.parameters()).device
-    width = max(len(p) for p in prompts)
-    input_ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long, device=device)
-    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long, device=device)
-    for row, prompt in enumerate(prompts):
-        input_ids[row, width - len(prompt):] = torch.tensor(list(prompt), device=device)
-        attention_mask[row, width - len(prompt):] = 1
-    sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0 else {"do_sample": False}
-    config = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=sorted(stop_ids) or None,
-                              pad_token_id=pad_token_id, **sampling)
-    output = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
-    responses = []
-    for row in output[:, width:].tolist():
-        end = next((i + 1 for i, token in enumerate(row) if token in stop_ids), len(row))
-        responses.append(row[:end])
-    return responses
-
-
 def _read_cache(path: Path, key: dict[str, Any]) -> dict[tuple[str, int], SequenceRecord]:
     """Records of a cache file written under the same key; nothing when the key differs or the file is absent."""
     if not path.is_file():
@@ -588,49 +564,27 @@ def train_dflash_draft(target_model: torch.nn.Module, sequences: Sequence[Sequen
 # Held-out acceptance at temperature 0
 
 @torch.inference_mode()
-def greedy_acceptance_steps(target_model: torch.nn.Module, draft: DFlashDraftModel, records: Sequence[SequenceRecord], *,
-                            stop_ids: frozenset[int], k: int | None = None, anchor_chunk: int = 64,
-                            feature_batch_size: int = 8) -> list[dict[str, Any]]:
-    """Per-step rows (``request_id``, ``class``, ``k``, ``num_drafted``, ``num_accepted``) of the live loop at T = 0.
+def held_out_steps(target_model: torch.nn.Module, draft: DFlashDraftModel, records: Sequence[SequenceRecord], *,
+                   stop_ids: frozenset[int], k: int | None = None) -> list[dict[str, Any]]:
+    """Per-step rows (``request_id``, ``class``, ``k``, ``num_drafted``, ``num_accepted``...) of the live loop at T = 0.
 
     When a record's response is the target's own greedy continuation, the live loop at temperature 0
-    commits exactly those tokens, so its schedule can be walked without running it: every anchor's
-    block is drafted in batched block passes (equal to the live drafter), an anchor accepts the leading
-    drafts that match the sequence, and the next anchor is ``a + accepted + 1`` (the bonus). Draft
-    lengths are capped as :func:`dflash_doctor.engine.live.speculative_generate` caps them. The rows feed
-    :func:`dflash_doctor.metrics.tau_with_ci`; all turns of a request share its id (the bootstrap unit).
+    commits exactly those tokens, so teacher-forced replay (:mod:`dflash_doctor.engine.teacher`, through
+    the proposer interface like every other replay) gives its steps without running it. A response cut
+    by the generation limit ends with a token that can only be a bonus; one ended by a stop token can be
+    drafted up to the stop. The rows feed :func:`dflash_doctor.metrics.tau_with_ci`; all turns of a
+    request share its id (the bootstrap unit).
     """
-    device = draft.fc.weight.device
-    k = min(k or draft.config.block_size - 1, draft.config.block_size - 1)
-    embed, head = target_model.get_input_embeddings(), target_model.get_output_embeddings()
-    features = extract_features(target_model, [r.token_ids for r in records], draft.hidden_state_indices,
-                                batch_size=feature_batch_size, device=device)
+    target = TargetModel(target_model)
+    proposer = DFlashProposer(draft, target)
+    k = min(k or proposer.max_k, proposer.max_k)
     rows = []
-    for record, record_features in zip(records, features):
-        tokens = torch.tensor(record.token_ids, device=device)
-        length, prompt_length = len(record.token_ids), record.prompt_length
-        stopped = record.token_ids[-1] in stop_ids
-        ctx_kv = context_kv_for(draft, record_features[None])
-        leading: dict[int, int] = {}
-        all_anchors = torch.arange(prompt_length, length - 1, device=device)
-        for start in range(0, len(all_anchors), anchor_chunk):
-            anchors = all_anchors[start:start + anchor_chunk][None]
-            hidden = draft_block_hidden(draft, embed, tokens[None], ctx_kv, anchors, torch.ones_like(anchors, dtype=torch.bool),
-                                        draft.config.block_size)
-            drafted = head(hidden[0, :, 1:k + 1].to(head.weight.dtype)).argmax(dim=-1)  # [A, k]
-            label_positions = (anchors[0, :, None] + torch.arange(1, k + 1, device=device)).clamp(max=length - 1)
-            matches = (drafted == tokens[label_positions]).long().cumprod(dim=-1)
-            for anchor, row in zip(anchors[0].tolist(), matches.tolist()):
-                leading[anchor] = row
-        anchor, step = prompt_length, 0
-        while anchor < length - 1:
-            # the live loop drafts at most max_new_tokens - committed - 1 tokens: the last token of a sequence
-            # cut by max_new_tokens can only be a bonus, one ended by a stop token can be drafted
-            num_drafted = min(k, length - 1 - anchor if stopped else length - 2 - anchor)
-            num_accepted = sum(leading[anchor][:num_drafted])
-            rows.append({"request_id": record.request_id,
-                         "class": record.request_class, "step": step, "k": k, "num_drafted": num_drafted,
-                         "num_accepted": num_accepted})
-            anchor += num_accepted + 1
-            step += 1
+    for record in records:
+        prompt, output = list(record.token_ids[:record.prompt_length]), list(record.token_ids[record.prompt_length:])
+        if not output:
+            continue
+        table, _ = slot_table(target, proposer, TeacherSequence(prompt, output), k, record_divergence=False)
+        limit = len(output) + (1 if output[-1] in stop_ids else 0)
+        rows += [{"request_id": record.request_id, "class": record.request_class, **step}
+                 for step in walk_schedule(table.matches, output, k, limit, stop_ids)]
     return rows

@@ -260,7 +260,7 @@ class DFlashDraftModel(nn.Module):
     @property
     def hidden_state_indices(self) -> tuple[int, ...]:
         """HF ``hidden_states`` indices to tap: layer id ``l`` is ``hidden_states[l + 1]`` (0 = embeddings)."""
-        return tuple(l + 1 for l in self.config.target_layer_ids)
+        return tuple(layer + 1 for layer in self.config.target_layer_ids)
 
     def context_kv(self, target_features: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per-layer K/V of context rows: ``target_features`` [B, T, n*H] (concatenated taps) at ``positions`` [B, T]."""

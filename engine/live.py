@@ -7,9 +7,10 @@ One sequence at a time, as a user's request is served. Each step:
 3. the acceptance rule keeps ``d1..dn`` and yields the next token (bonus or replacement);
 4. both KV caches are cropped to the committed length; the proposer receives the committed rows.
 
-k is capped at ``remaining - 1`` so a step never drafts past ``max_new_tokens``: the teacher-forced
-replay (:mod:`dflash_doctor.engine.teacher`) walks exactly this schedule. A draft token that is a stop
-token ends generation when accepted (nothing after it is compared). Lossless: at temperature 0 the
+The schedule (the draft budget ``remaining - 1`` and the stop-token cut) lives in
+:mod:`dflash_doctor.engine.schedule`; teacher-forced replay (:mod:`dflash_doctor.engine.teacher`) walks
+the same one. The target's forwards tap the hidden states the proposer declares in ``proposer.needs``:
+the loop reads the declaration, nobody wires it into the target. Lossless: at temperature 0 the
 output equals :func:`plain_generate`'s token for token; under sampling it has the target's distribution.
 """
 
@@ -23,6 +24,7 @@ import torch
 
 from dflash_doctor.engine.divergence import TargetRows, divergence_tensor, unpack_divergence
 from dflash_doctor.engine.proposers.base import Proposer
+from dflash_doctor.engine.schedule import cut_at_stop, draft_budget
 from dflash_doctor.engine.target import TargetModel
 from dflash_doctor.engine.verify import greedy_accept, rejection_sample
 
@@ -51,13 +53,6 @@ class GenerationResult:
     tokens: list[dict] = field(default_factory=list)
 
 
-def _stop_index(token_ids: list[int], stop_ids: frozenset[int]) -> int | None:
-    for index, token in enumerate(token_ids):
-        if token in stop_ids:
-            return index
-    return None
-
-
 @torch.inference_mode()
 def plain_generate(
     target: TargetModel,
@@ -71,7 +66,7 @@ def plain_generate(
     """The target's own decoding, one token per forward: the reference the speculative loop must equal."""
     started = time.perf_counter()
     target.reset()
-    logits = target.forward(prompt_ids).logits[-1]
+    logits = target.forward(prompt_ids, taps=()).logits[-1]
     output: list[int] = []
     while True:
         token = sample_token(logits, temperature, generator)
@@ -82,7 +77,7 @@ def plain_generate(
         if len(output) >= max_new_tokens:
             reason = "max_new_tokens"
             break
-        logits = target.forward(torch.tensor([token], device=target.device)).logits[-1]
+        logits = target.forward(torch.tensor([token], device=target.device), taps=()).logits[-1]
     return GenerationResult(output_ids=output, stop_reason=reason, wall_time_s=time.perf_counter() - started)
 
 
@@ -105,7 +100,8 @@ def speculative_generate(
     device = target.device
     started = time.perf_counter()
     target.reset()
-    prefill = target.forward(prompt_ids)
+    taps = proposer.needs.hidden_state_indices
+    prefill = target.forward(prompt_ids, taps=taps)
     proposer.start(prompt_ids, prefill.features)
     last = sample_token(prefill.logits[-1], temperature, generator)
     output = [last]
@@ -115,14 +111,14 @@ def speculative_generate(
     reason = "stop_token" if last in stop_ids else "max_new_tokens"
     while reason != "stop_token" and len(output) < max_new_tokens:
         position = len(output)  # output tokens committed before this step
-        k_step = min(k, max_new_tokens - position - 1)
+        k_step = draft_budget(k, max_new_tokens, position)
         _synchronize(device)  # the previous step's record kernels finish outside the draft time
         t0 = time.perf_counter()
         proposal = proposer.propose(last, k_step, k)
         _synchronize(device)
         t1 = time.perf_counter()
         block = torch.cat([torch.tensor([last], device=device), proposal.tokens.to(device)])
-        verified = target.forward(block)  # logits [k_step + 1, V]
+        verified = target.forward(block, taps=taps)  # logits [k_step + 1, V]
         _synchronize(device)
         t2 = time.perf_counter()
         if temperature <= 0:
@@ -132,7 +128,7 @@ def speculative_generate(
             num_accepted, next_token = rejection_sample(proposal.tokens, target_probs, proposal.probs, generator)
         drafted = proposal.tokens.tolist()
         accepted = drafted[:num_accepted]
-        stop_at = _stop_index(accepted, stop_ids)
+        stop_at = cut_at_stop(accepted, stop_ids)
         if stop_at is not None:  # an accepted stop token ends the request; nothing after it counts
             num_accepted = stop_at + 1
             accepted = accepted[:num_accepted]

@@ -37,6 +37,8 @@ class TargetModel:
     """One sequence at a time (batch 1): the live loop's view of the target."""
 
     def __init__(self, model: torch.nn.Module, hidden_state_indices: tuple[int, ...] = ()):
+        """``hidden_state_indices``: taps for forwards that name none (direct use in tests and
+        benchmarks); the engine's loops pass ``taps=proposer.needs.hidden_state_indices`` themselves."""
         self.model = model
         self.hidden_state_indices = hidden_state_indices
         self.cache = DynamicCache()
@@ -58,9 +60,14 @@ class TargetModel:
         crop_cache(self.cache, length)
 
     @torch.inference_mode()
-    def forward(self, token_ids: torch.Tensor) -> TargetOutput:
-        """Run ``token_ids`` [S] after the cached prefix; the cache grows by S."""
-        want_hidden = bool(self.hidden_state_indices)
+    def forward(self, token_ids: torch.Tensor, taps: tuple[int, ...] | None = None) -> TargetOutput:
+        """Run ``token_ids`` [S] after the cached prefix; the cache grows by S.
+
+        ``taps``: HF ``hidden_states`` indices concatenated into ``features`` (a proposer's declared
+        needs); None uses the constructor's default.
+        """
+        taps = self.hidden_state_indices if taps is None else taps
+        want_hidden = bool(taps)
         out = self.model(
             input_ids=token_ids[None],
             **{self._cache_keyword: self.cache},
@@ -69,7 +76,7 @@ class TargetModel:
         )
         features = None
         if want_hidden:
-            features = torch.cat([out.hidden_states[i][0] for i in self.hidden_state_indices], dim=-1)
+            features = torch.cat([out.hidden_states[i][0] for i in taps], dim=-1)
         return TargetOutput(logits=out.logits[0].float(), features=features)
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:

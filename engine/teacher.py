@@ -26,6 +26,7 @@ import torch
 
 from dflash_doctor.engine.divergence import WIDTH, TargetRows, divergence_tensor, unpack_divergence
 from dflash_doctor.engine.proposers.base import Proposer
+from dflash_doctor.engine.schedule import cut_at_stop, draft_budget
 from dflash_doctor.engine.target import TargetModel
 
 ANCHOR_CHUNK = 64  # anchors per draft pass: bounds the [A*B, T + A*B] attention mask on small machines
@@ -46,7 +47,7 @@ class SlotTable:
 
 
 def walk_schedule(matches: np.ndarray, output_ids: list[int], k: int, max_new_tokens: int, stop_ids: frozenset[int]) -> list[dict]:
-    """The live loop's steps at K over known matches (see engine/live.py for the rules mirrored here)."""
+    """The live loop's steps at K over known matches, with the live loop's schedule (engine/schedule.py)."""
     steps: list[dict] = []
     n_out = len(output_ids)
     i = 0  # output index of the last committed token (output[0] comes from the prefill)
@@ -54,11 +55,10 @@ def walk_schedule(matches: np.ndarray, output_ids: list[int], k: int, max_new_to
         return steps
     while i + 1 < max_new_tokens and i + 1 < n_out:
         position = i + 1
-        k_step = min(k, max_new_tokens - position - 1)
+        k_step = draft_budget(k, max_new_tokens, position)
         run = matches[i, :k_step]
         n = int(np.argmin(run)) if not run.all() else k_step
-        accepted = output_ids[i + 1 : i + 1 + n]
-        stop_at = next((idx for idx, tok in enumerate(accepted) if tok in stop_ids), None)
+        stop_at = cut_at_stop(output_ids[i + 1 : i + 1 + n], stop_ids)
         if stop_at is not None:
             n = stop_at + 1
         bonus = output_ids[i + n + 1] if stop_at is None and i + n + 1 < n_out else -1
@@ -99,7 +99,7 @@ def slot_table(
     p_len, n_out = len(sequence.prompt_ids), len(sequence.output_ids)
     if target_pass is None:
         target.reset()
-        out = target.forward(ids)
+        out = target.forward(ids, taps=proposer.needs.hidden_state_indices)
         target.reset()
         target_pass = (out.logits, out.features)
     target_logits, features = target_pass

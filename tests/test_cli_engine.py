@@ -21,7 +21,8 @@ from typer.testing import CliRunner
 from dflash_doctor.cli import app
 from dflash_doctor.engine.proposers.dflash import DFlashProposer
 from dflash_doctor.engine.target import TargetModel
-from dflash_doctor.loading import detect_draft_kind, load_dflash_draft, save_dflash_draft
+from dflash_doctor.draft_kinds import detect_draft_kind
+from dflash_doctor.loading import load_dflash_draft, read_config, save_dflash_draft
 from dflash_doctor.schema import load_run
 from tests.tiny_models import VOCAB, tiny_dflash, tiny_target
 
@@ -200,8 +201,8 @@ def test_zlab_checkpoint_reproduces_the_in_memory_logits(tmp_path, prefix):
 
 
 def test_draft_kind_auto_tells_dflash_from_autoregressive(tiny_dir):
-    assert detect_draft_kind(tiny_dir / "dflash") == "dflash"
-    assert detect_draft_kind(tiny_dir / "ar") == "autoregressive"
+    assert detect_draft_kind(read_config(tiny_dir / "dflash")).name == "dflash"
+    assert detect_draft_kind(read_config(tiny_dir / "ar")).name == "autoregressive"
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -266,3 +267,30 @@ def test_sweep_cost_profile_that_does_not_parse(tiny_dir, tmp_path):
     profile.write_text("t_decode_s = [0.01\n", encoding="utf-8")
     result = invoke("sweep", *pair_args(tiny_dir, tiny_dir / "dflash", "--k", "1-5", "--cost-profile", profile))
     assert_usage_error(result, "costs.toml")
+
+
+def test_multi_turn_request_with_its_own_limit_records_the_same_turns_live_and_teacher_forced(tiny_dir, tmp_path):
+    """A later turn is asked after the answer the target gave under the request's OWN max_new_tokens.
+
+    Issue 15: teacher-forced replay built turn 2's prompt from a 16-token answer while recording the
+    4-token one, so its turn-2 continuation answered a prompt the run directory does not hold. The
+    live loop (`replay`) and teacher-forced replay (`sweep`) must record identical turns.
+    """
+    workload = tmp_path / "two_turns.jsonl"
+    workload.write_text(json.dumps({
+        "id": "conv", "class": "chat", "max_new_tokens": 4,
+        "messages": [{"role": "user", "content": "w1 w8 w3 w9"}, {"role": "user", "content": "w5 w2 w7"}],
+    }) + "\n", encoding="utf-8")
+    outputs = {}
+    for command in ("replay", "sweep"):
+        out = tmp_path / command
+        result = invoke(command, "--target", tiny_dir / "target", "--draft", tiny_dir / "ar", "--workload", workload,
+                        "--max-new-tokens", "16", "--k", "3", "--out", out)
+        assert result.exit_code == 0, result.output
+        requests = load_run(out).requests.sort_values("turn")
+        assert requests["turn"].tolist() == [0, 1]
+        outputs[command] = [list(ids) for ids in requests["output_token_ids"]]
+        assert requests["prompt_num_tokens"].iloc[1] > requests["prompt_num_tokens"].iloc[0]
+    first_answer = outputs["replay"][0]
+    assert len(first_answer) == 4 and 2 not in first_answer  # cut by the request's own limit, not by EOS
+    assert outputs["sweep"] == outputs["replay"]

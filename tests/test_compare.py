@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import numpy as np
-import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
 from dflash_doctor.cli import app
-from dflash_doctor.compare import bootstrap_rates, compare_runs, expanded_level, percentile_interval, pooled_rates, request_counts
+from dflash_doctor.compare import compare_runs
 from dflash_doctor.schema import load_run
 from fixture_runs import make_fixture_run
 
@@ -43,29 +41,6 @@ def test_a_drop_below_the_threshold_is_not_a_regression(runs):
     comparison = compare_runs(runs["base"], runs["degraded"], threshold_tau=10.0, threshold_rate=1.0)
     assert not comparison.has_regression
     assert all(row.delta is not None for row in comparison.rows)
-
-
-def test_request_counts_pool_like_vllm_counters():
-    steps = pd.DataFrame({"request_id": ["a", "a", "b"], "num_drafted": [3, 3, 3], "num_accepted": [3, 0, 1]})
-    counts = request_counts(steps)
-    assert counts.num_drafts.tolist() == [2, 1]
-    assert counts.accepted_per_pos.tolist() == [[1, 1, 1], [1, 0, 0]]
-    tau, rates = pooled_rates(counts.num_drafts.sum(), counts.accepted_per_pos.sum(axis=0))
-    assert tau == pytest.approx(1 + 4 / 3) and rates.tolist() == pytest.approx([2 / 3, 1 / 3, 1 / 3])
-
-
-def test_bootstrap_interval_covers_the_estimate_and_widens_for_few_requests():
-    rng = np.random.default_rng(0)
-    accepted = rng.integers(0, 4, size=200)
-    steps = pd.DataFrame({"request_id": np.repeat(np.arange(20), 10), "num_drafted": 3, "num_accepted": accepted})
-    counts = request_counts(steps)
-    tau, _ = pooled_rates(counts.num_drafts.sum(), counts.accepted_per_pos.sum(axis=0))
-    tau_samples, _ = bootstrap_rates(counts, seed=0)
-    plain = percentile_interval(tau_samples)
-    expanded = percentile_interval(tau_samples, num_units=counts.num_requests)
-    assert plain[0] < tau < plain[1]
-    assert expanded[0] < plain[0] and expanded[1] > plain[1]
-    assert expanded_level(0.95, 8) > expanded_level(0.95, 100) > 0.95 and expanded_level(0.95, 10_000) == pytest.approx(0.95, abs=1e-3)
 
 
 def test_different_k_is_compared_by_truncation_with_a_note(runs):

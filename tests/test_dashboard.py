@@ -311,13 +311,6 @@ def test_prompt_length_buckets_are_half_open():
     assert labels.tolist() == ["<128", "<128", "128-511", "128-511", "512-2047", ">=8192"]
 
 
-def test_run_verdict_takes_the_worst_decided_status():
-    assert data.run_verdict([{"status": "pass"}, {"status": "skip"}])[0] == "pass"
-    status, sentence = data.run_verdict([{"status": "warn"}, {"status": "error"}, {"status": "pass"}])
-    assert status == "error" and sentence == "3 checks: 1 errored, 1 warned, 1 passed."
-    assert data.run_verdict([{"status": "skip"}])[0] == "none"
-
-
 def test_weakest_slot_ignores_slots_that_few_drafts_reach():
     summary = {"by_class": {"chat": {
         "num_drafts": 100,

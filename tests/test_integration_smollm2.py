@@ -20,7 +20,7 @@ from dflash_doctor.engine.proposers.dflash import DFlashProposer
 from dflash_doctor.engine.target import TargetModel
 from dflash_doctor.engine.teacher import TeacherSequence, slot_table, walk_schedule
 from dflash_doctor.metrics import summarize
-from dflash_doctor.runner import stop_ids_of
+from dflash_doctor.pair import stop_ids_of
 from dflash_doctor.workloads import encode_turn
 
 pytestmark = pytest.mark.integration

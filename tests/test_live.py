@@ -35,7 +35,7 @@ def test_identical_autoregressive_draft_accepts_everything(k):
 def test_random_autoregressive_draft_is_lossless(k):
     target_model = tiny_target()
     draft = AutoregressiveProposer(tiny_target(seed=5))
-    accepted_any = rejected_any = False
+    rejected_any = False
     for prompt in PROMPTS:
         result = speculative_generate(TargetModel(target_model), draft, torch.tensor(prompt), k=k, max_new_tokens=24)
         assert result.output_ids == _greedy(target_model, prompt)

@@ -16,7 +16,6 @@ from typer.testing import CliRunner
 
 from dflash_doctor.cli import app
 from dflash_doctor.report import FILENAMES, FORMATS, parse_formats, render_json, render_markdown, render_reports
-from dflash_doctor.report.content import verdict
 from dflash_doctor.errors import UsageError
 from dflash_doctor.schema import load_run
 from fixture_runs import HOSTILE_TOKEN_TEXT, make_fixture_run
@@ -81,14 +80,6 @@ def test_report_json_keys_are_sorted_and_verdict_follows_checks(fixture_run):
     assert payload["verdict"] == "fail"  # the fixture has a failing layer_offset check
     assert payload["check_counts"] == {"pass": 1, "warn": 1, "fail": 1, "skip": 1, "error": 1}
     assert payload["summary"]["by_class"]["math"]["mean_acceptance_length"] > payload["summary"]["by_class"]["chat"]["mean_acceptance_length"]
-
-
-@pytest.mark.parametrize(
-    ("statuses", "expected"),
-    [([], "pass"), (["pass", "skip"], "pass"), (["pass", "warn"], "warn"), (["pass", "error"], "warn"), (["warn", "fail", "error"], "fail")],
-)
-def test_verdict_is_the_worst_status(statuses, expected):
-    assert verdict([{"id": str(i), "status": s} for i, s in enumerate(statuses)]) == expected
 
 
 def test_junit_has_the_shape_ci_tools_parse(fixture_run, tmp_path):

@@ -34,9 +34,9 @@ def test_fixture_classes_differ_and_degrade_lowers_tau(run, tmp_path):
 
 def test_fixture_edge_cases(tmp_path):
     empty = load_run(make_fixture_run(tmp_path / "empty", num_requests=0))
-    assert empty.requests.empty and empty.meta["summary"]["by_class"] == {} and "sweep" not in empty.meta["summary"]
+    assert empty.requests.empty and empty.meta["summary"]["by_class"] == {} and empty.record.summary.sweep is None
     no_sweep = load_run(make_fixture_run(tmp_path / "nosweep", with_sweep=False, hostile_token=False))
-    assert "sweep" not in no_sweep.meta["summary"] and no_sweep.meta["recommendation"] == {}
+    assert no_sweep.record.summary.sweep is None and no_sweep.record.recommendation == {}
     assert HOSTILE_TOKEN_TEXT not in set(no_sweep.tokens["draft_text"])
     sized = load_run(make_fixture_run(tmp_path / "sized", num_requests=6, num_tokens_target=4000))
     assert 2000 < len(sized.tokens) < 8000

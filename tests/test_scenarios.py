@@ -2,7 +2,7 @@
 
 import pytest
 
-from dflash_doctor import doctor, scenarios
+from dflash_doctor import pipeline, scenarios
 from dflash_doctor.config import build_config
 
 pytestmark = pytest.mark.integration
@@ -12,14 +12,15 @@ pytestmark = pytest.mark.integration
 def test_scenario_is_named_by_its_check(name, tmp_path):
     scenario = scenarios.get_scenario(name)
     config = build_config(max_requests=3, max_new_tokens=64, out=str(tmp_path / name), seed=0)
-    run_dir, results, meta = doctor.run_doctor(config, scenario=scenario)
-    by_id = {r.id: r for r in results}
+    outcome = pipeline.run_check(config, scenario=scenario)
+    run_dir = outcome.run_dir
+    by_id = {r.id: r for r in outcome.record.checks}
     for check_id in scenario.expect:
         result = by_id[check_id]
         assert result.status == "fail", f"{name}: {check_id} said {result.status}: {result.summary}"
         failing = [f for f in result.findings if f.severity == "fail"]
         assert failing and all(f.fix for f in failing), f"{name}: {check_id} must give a fix"
-    assert meta["scenario"] == name
+    assert outcome.record.meta.scenario == name
     assert (run_dir / "report.html").is_file() and (run_dir / "junit.xml").is_file()
 
 

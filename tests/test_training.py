@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 from dflash_doctor import training
 from dflash_doctor.cli import app
 from dflash_doctor.engine.blocks import context_kv_for, draft_block_hidden
+from dflash_doctor.engine.batched import generate_greedy_batch
 from dflash_doctor.engine.live import plain_generate, speculative_generate
 from dflash_doctor.engine.proposers.dflash import DFlashProposer
 from dflash_doctor.engine.target import TargetModel
@@ -21,8 +22,7 @@ from dflash_doctor.training import (
     SequenceRecord,
     TrainConfig,
     choose_mask_token_id,
-    generate_greedy_batch,
-    greedy_acceptance_steps,
+    held_out_steps,
     sample_anchors,
     slot_weights,
     train_dflash_draft,
@@ -110,8 +110,8 @@ def test_training_raises_live_acceptance_well_above_the_untrained_draft(trained)
 
 
 def test_block_pass_acceptance_walks_the_live_schedule(trained):
-    """greedy_acceptance_steps (batched, no live loop) gives the live loop's steps on greedy continuations."""
-    walked = greedy_acceptance_steps(trained.target, trained.result.draft, trained.records, stop_ids=STOP_IDS)
+    """held_out_steps (teacher-forced, no live loop) gives the live loop's steps on greedy continuations."""
+    walked = held_out_steps(trained.target, trained.result.draft, trained.records, stop_ids=STOP_IDS)
     assert [(r["num_drafted"], r["num_accepted"]) for r in walked] == \
         [(r["num_drafted"], r["num_accepted"]) for r in trained.trained_rows]
 

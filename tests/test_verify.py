@@ -1,6 +1,5 @@
 """Acceptance rules on hand-written tensors, and the lossless property under sampling."""
 
-import itertools
 
 import pytest
 import torch

@@ -22,21 +22,6 @@ def _ids(text: str | None) -> list[str]:
     return [x.strip() for x in (text or "").split(",") if x.strip()]
 
 
-def print_class_summary(meta: dict, console: Console) -> None:
-    """tau per class with its interval at the replayed K: the first thing a user wants to see."""
-    summary = meta["summary"]
-    table = Table(title=f"Acceptance at K = {max(meta['config']['k'])} (tau = mean acceptance length, bonus included)")
-    for column in ("class", "requests", "tau", "95% CI", "per-position acceptance (first 5)"):
-        table.add_column(column)
-    for name, metrics in [("overall", summary["overall"]), *sorted(summary["by_class"].items())]:
-        tau = metrics.get("mean_acceptance_length")
-        lo, hi = metrics.get("mean_acceptance_length_ci") or (None, None)
-        rates = ", ".join(f"{r:.2f}" for r in (metrics.get("acceptance_rate_per_pos") or [])[:5] if r is not None)
-        table.add_row(name, str(metrics.get("num_requests", 0)), f"{tau:.2f}" if tau else "-",
-                      f"[{lo:.2f}, {hi:.2f}]" if lo is not None else "-", rates)
-    console.print(table)
-
-
 @app.command()
 def check(
     target: opt.Target = None,
@@ -68,10 +53,10 @@ def check(
 
     With no model flags it runs the built-in demo pair (SmolLM2-135M-Instruct + its DFlash draft) on CPU.
     """
-    from dflash_doctor import doctor, scenarios
+    from dflash_doctor import pipeline, scenarios
     from dflash_doctor.checks.base import exit_code, get_check
-    from dflash_doctor.checks.terminal import print_check_results
-    from dflash_doctor.cli.sweep import print_sweep
+    from dflash_doctor.cli.progress import progress_bar
+    from dflash_doctor.report.terminal import print_check_results, print_class_summary, print_sweep
 
     out_console = Console()
     if scenario == "list":
@@ -92,16 +77,16 @@ def check(
         get_check(check_id)  # an unknown id fails now, with "did you mean", before any model work
     console = Console(stderr=True)
     try:
-        run_dir, results, meta = doctor.run_doctor(
-            cfg, scenario=chosen, only=only_ids, skip=skip_ids, exact_blocks=exact_blocks, console=console
-        )
+        outcome = pipeline.run_check(cfg, scenario=chosen, only=only_ids, skip=skip_ids, exact_blocks=exact_blocks,
+                                     progress=progress_bar(console))
     except KeyboardInterrupt:
         console.print("[yellow]interrupted[/]: finished requests are kept in the run directory")
         raise typer.Exit(130)
-    print_class_summary(meta, out_console)
-    print_sweep(meta, out_console)
-    print_check_results(results, out_console)
-    out_console.print(f"run directory and reports: {run_dir} (report.html, report.md, report.json, junit.xml)")
-    code = exit_code(results, cfg.fail_on)
+    record = outcome.record
+    print_class_summary(record, max(record.config["k"]), out_console)
+    print_sweep(record, out_console)
+    print_check_results(record.checks, out_console)
+    out_console.print(f"run directory and reports: {outcome.run_dir} (report.html, report.md, report.json, junit.xml)")
+    code = exit_code(record.checks, cfg.fail_on)
     if code:
         raise typer.Exit(code)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import typer
 from rich.console import Console
 
@@ -33,22 +31,18 @@ def replay(
 ) -> None:
     """Replay prompts through the live speculative loop (K = the largest --k) and write a run directory."""
     cfg = build_config(config, **opt.config_values(locals()))
-    from dflash_doctor import runner
+    from dflash_doctor import pipeline
+    from dflash_doctor.cli.progress import progress_bar
 
     console = Console(stderr=True)
-    requests = runner.select_requests(cfg)
-    engine = runner.load_engine(cfg)
-    run_dir = Path(cfg.out) if cfg.out else runner.default_run_dir("replay")
-    meta = runner.start_meta(cfg, engine, "replay")
-    turns = sum(r.num_turns for r in requests)
     try:
-        with runner.ProgressReporter(turns, console) as progress:
-            runner.live_replay(engine, requests, cfg, run_dir, meta, progress)
+        outcome = pipeline.run_replay(cfg, progress=progress_bar(console))
     except KeyboardInterrupt:
-        console.print(f"[yellow]interrupted[/]: finished requests are kept in {run_dir}")
+        console.print("[yellow]interrupted[/]: finished requests are kept in the run directory")
         raise typer.Exit(130)
-    overall = meta["summary"]["overall"]
+    overall = outcome.record.summary.overall
+    tau = overall.mean_acceptance_length if overall is not None and overall.mean_acceptance_length is not None else float("nan")
     console.print(
-        f"wrote {run_dir}  tau {overall.get('mean_acceptance_length') or float('nan'):.2f} "
-        f"over {overall.get('num_drafts', 0)} drafts, {overall.get('num_requests', 0)} requests"
+        f"wrote {outcome.run_dir}  tau {tau:.2f} over {overall.num_drafts if overall else 0} drafts, "
+        f"{overall.num_requests if overall else 0} requests"
     )

@@ -32,7 +32,7 @@ from dflash_doctor.loading import (
     save_dflash_draft,
     validate_dflash_pair,
 )
-from dflash_doctor.runner import stop_ids_of
+from dflash_doctor.pair import stop_ids_of
 from dflash_doctor.training import (
     CHECKPOINT_DIR_NAME,
     DEFAULT_NUM_TAPS,
@@ -44,7 +44,7 @@ from dflash_doctor.training import (
     chat_template_record,
     choose_mask_token_id,
     draft_config_for_target,
-    greedy_acceptance_steps,
+    held_out_steps,
     prepare_sequences,
     sampled_sequences,
     train_dflash_draft,
@@ -272,12 +272,12 @@ def train_draft(
 
     extra_config = {"dflash_doctor": {**template_record, "trained_with": f"dflash-doctor {__version__} train-draft",
                                       "target": target_spec, "target_weights_fingerprint": weights_fingerprint(target_model)}}
-    initial_steps = greedy_acceptance_steps(target_model, draft.to(device), eval_records, stop_ids=stop_ids) if eval_records else []
+    initial_steps = held_out_steps(target_model, draft.to(device), eval_records, stop_ids=stop_ids) if eval_records else []
     result = train_dflash_draft(target_model, [r.token_ids for r in records], [r.prompt_length for r in records], config, draft,
                                 checkpoint_dir=out_dir / CHECKPOINT_DIR_NAME, extra_config=extra_config, progress=True)
     evaluation = None
     if eval_records:
-        trained_steps = greedy_acceptance_steps(target_model, result.draft, eval_records, stop_ids=stop_ids)
+        trained_steps = held_out_steps(target_model, result.draft, eval_records, stop_ids=stop_ids)
         evaluation = {"num_requests": len({r.request_id for r in eval_records}),
                       "trained": _tau_by_class(trained_steps), "initial": _tau_by_class(initial_steps)}
 

@@ -1,7 +1,7 @@
 """Exported reports of a run directory: report.html, report.md, report.json and junit.xml.
 
-Each is a view of the same run (``run.json`` + tables); none recomputes model outputs. ``check``
-calls :func:`render_reports` after writing a run; ``dflash-doctor report RUN`` re-renders one.
+Each is a view of the same run (the run record + tables); none recomputes model outputs. ``check``
+renders the run it holds in memory; ``dflash-doctor report RUN`` loads a run directory and re-renders it.
 """
 
 from __future__ import annotations
@@ -50,11 +50,11 @@ def render_json(run: Run) -> str:
 _RENDERERS = {"html": render_html, "md": render_markdown, "json": render_json, "junit": render_junit}
 
 
-def render_reports(run_dir: Path | str, formats: Iterable[str] = FORMATS, out_dir: Path | str | None = None) -> list[Path]:
-    """Write the requested reports of ``run_dir`` into ``out_dir`` (default: the run directory) and
-    return their paths in the order asked."""
+def render_reports(run: Run | Path | str, formats: Iterable[str] = FORMATS, out_dir: Path | str | None = None) -> list[Path]:
+    """Write the requested reports of ``run`` (a loaded run, or a run directory to load) into
+    ``out_dir`` (default: the run directory) and return their paths in the order asked."""
     formats = parse_formats(formats)
-    run = load_run(run_dir)
+    run = run if isinstance(run, Run) else load_run(run)
     target_dir = Path(out_dir) if out_dir is not None else run.path
     try:
         target_dir.mkdir(parents=True, exist_ok=True)

@@ -3,30 +3,22 @@ table, the report.json payload. HTML and Markdown only lay these out differently
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import Any
 
+from dflash_doctor.status import overall_status, status_counts
 from dflash_doctor.schema import Run
 
-CHECK_STATUSES = ("pass", "warn", "fail", "skip", "error")
 OVERALL = "overall"
 REPORT_JSON_VERSION = 1
 
 
 def verdict(checks: list[dict[str, Any]]) -> str:
-    """``fail`` if any check failed; ``warn`` if any warned or could not run (``error``: an unverified
-    setup is not a pass); ``pass`` otherwise, including a run with no checks."""
-    statuses = {check.get("status") for check in checks}
-    if "fail" in statuses:
-        return "fail"
-    if statuses & {"warn", "error"}:
-        return "warn"
-    return "pass"
+    """The run's verdict: :func:`dflash_doctor.checks.base.overall_status` of its checks."""
+    return overall_status(check["status"] for check in checks)
 
 
 def check_counts(checks: list[dict[str, Any]]) -> dict[str, int]:
-    counts = Counter(check.get("status") for check in checks)
-    return {status: counts.get(status, 0) for status in CHECK_STATUSES}
+    return status_counts(check["status"] for check in checks)
 
 
 def class_rows(meta: dict[str, Any]) -> list[dict[str, Any]]:

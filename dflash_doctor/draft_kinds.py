@@ -1,0 +1,190 @@
+"""The draft-kind registry: everything that differs between kinds of draft model, in one place.
+
+The engine's loops never branch on a draft's kind (a proposer *declares* what it needs, vLLM #43986).
+Outside the engine, what does differ per kind (how a checkpoint is recognised, loaded and validated
+against the target, which proposer drives it, which facts run.json records, whether it reads target
+layers) is declared here, once per kind, as a :class:`DraftKind`. Wiring code asks the registry;
+``grep`` finds no kind string outside this module, the proposers and ``checks/``.
+
+Adding a kind (a new draft format, a config dialect of an existing one) is one call::
+
+    register_draft_kind(DraftKind(
+        name="dflash2",
+        description="DFlash 2 block drafter (...)",
+        detect=lambda config: "dflash2_config" in config,   # recognise its config.json
+        load=load_my_draft,          # (draft_dir, target_dir, target_config, LoadOptions) -> module; raise UsageError
+        build=lambda model, target, sampling: MyProposer(model, target),
+        facts=lambda model: {"block_size": ...},               # extra run.json models.draft facts
+        layer_ids=lambda model: list(model.config.target_layer_ids),        # or None: reads no target layers
+        with_layer_ids=lambda model, ids: my_copy_reading(ids),             # or None
+    ), before="autoregressive")
+
+``--draft-kind auto`` asks each kind's ``detect`` in registration order; ``autoregressive`` is the
+catch-all and stays last (pass ``before=`` to register ahead of it).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from dflash_doctor.engine.proposers.autoregressive import AutoregressiveProposer
+from dflash_doctor.engine.proposers.base import Proposer
+from dflash_doctor.engine.proposers.dflash import DFlashProposer
+from dflash_doctor.engine.target import TargetModel
+from dflash_doctor.errors import UsageError
+from dflash_doctor.loading import is_dflash_config
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """How the pair is loaded: the same for every kind (from DoctorConfig)."""
+
+    dtype: str
+    device: str
+    trust_remote_code: bool = False
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """What a proposer may need to draft: the replay's temperature and its seeded generator."""
+
+    temperature: float = 0.0
+    generator: torch.Generator | None = None
+
+
+@dataclass(frozen=True)
+class DraftKind:
+    """One kind of draft model, declared once.
+
+    ``detect(config)``: does this checkpoint's config.json belong to this kind (``--draft-kind auto``)?
+    ``load(draft_dir, target_dir, target_config, options)``: the draft module, validated against the
+    target; a pair that cannot work raises :class:`UsageError` with one sentence and the fix.
+    ``build(model, target, sampling)``: the proposer that drives it in the engine's loops.
+    ``facts(model)``: kind-specific facts for run.json ``models.draft`` (block size, layer ids...).
+    ``layer_ids(model)``: the target layers it reads, or None for a draft that reads none; with
+    ``with_layer_ids(model, ids)`` (a copy reading other layers) it enables the layer-offset probe.
+    ``ships_tokenizer``: the checkpoint carries its own tokenizer, which the checks compare with the target's.
+    """
+
+    name: str
+    description: str
+    detect: Callable[[dict[str, Any]], bool]
+    load: Callable[[Path, Path, Any, LoadOptions], torch.nn.Module]
+    build: Callable[[torch.nn.Module, TargetModel, Sampling], Proposer]
+    facts: Callable[[torch.nn.Module], dict[str, Any]] = lambda model: {}
+    layer_ids: Callable[[torch.nn.Module], list[int]] | None = None
+    with_layer_ids: Callable[[torch.nn.Module, list[int]], torch.nn.Module] | None = None
+    ships_tokenizer: bool = False
+
+
+_KINDS: dict[str, DraftKind] = {}
+AUTO = "auto"
+
+
+def register_draft_kind(kind: DraftKind, *, before: str | None = None) -> DraftKind:
+    """Add a kind; a second kind with the same name is refused. ``before`` puts it ahead of an existing
+    kind in ``--draft-kind auto`` detection order (a specific kind must come before a catch-all)."""
+    if kind.name in _KINDS or kind.name == AUTO:
+        raise ValueError(f"draft kind {kind.name!r} is already registered")
+    if (kind.layer_ids is None) != (kind.with_layer_ids is None):
+        raise ValueError(f"draft kind {kind.name!r}: declare both layer_ids and with_layer_ids, or neither")
+    items = list(_KINDS.items())
+    position = len(items) if before is None else [name for name, _ in items].index(get_draft_kind(before).name)
+    items.insert(position, (kind.name, kind))
+    _KINDS.clear()
+    _KINDS.update(items)
+    return kind
+
+
+def draft_kind_names() -> list[str]:
+    """Registered kinds in detection order (what ``--draft-kind`` accepts, besides ``auto``)."""
+    return list(_KINDS)
+
+
+def get_draft_kind(name: str) -> DraftKind:
+    """The kind called ``name``; an unknown name is a UsageError suggesting the closest one."""
+    try:
+        return _KINDS[name]
+    except KeyError:
+        close = difflib.get_close_matches(name, list(_KINDS), n=1, cutoff=0.5)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise UsageError(f"--draft-kind {name!r} is not a draft kind; {hint}pick one of {', '.join([*_KINDS, AUTO])}.") from None
+
+
+def detect_draft_kind(config: dict[str, Any]) -> DraftKind:
+    """The first registered kind whose ``detect`` accepts this config.json."""
+    for kind in _KINDS.values():
+        if kind.detect(config):
+            return kind
+    raise UsageError("no draft kind recognises this checkpoint's config.json; pass --draft-kind.")
+
+
+def resolve_draft_kind(name: str, config: dict[str, Any], spec: str) -> DraftKind:
+    """``--draft-kind`` (or ``auto``) for a checkpoint: a named kind whose detection prefers another
+    specific kind is refused, so a DFlash checkpoint is never loaded as a plain causal LM."""
+    detected = detect_draft_kind(config)
+    if name == AUTO:
+        return detected
+    kind = get_draft_kind(name)
+    if kind is not detected and list(_KINDS).index(detected.name) < list(_KINDS).index(kind.name):
+        raise UsageError(f"{spec} is a {detected.name} checkpoint; pass --draft-kind {detected.name} or {AUTO}.")
+    return kind
+
+
+# ----------------------------------------------------------------------------- built-in kinds
+
+
+def _load_dflash(draft_dir: Path, target_dir: Path, target_config: Any, options: LoadOptions) -> torch.nn.Module:
+    from dflash_doctor.loading import load_dflash_draft, validate_dflash_pair
+
+    model = load_dflash_draft(draft_dir, dtype=options.dtype, device=options.device)
+    validate_dflash_pair(model.config, target_config)
+    return model
+
+
+def _dflash_with_layer_ids(model: torch.nn.Module, layer_ids: list[int]) -> torch.nn.Module:
+    """The same weights reading other target layers (a shallow copy with an edited config)."""
+    shifted = copy.copy(model)
+    shifted.config = dataclasses.replace(model.config, target_layer_ids=list(layer_ids))
+    return shifted
+
+
+def _load_autoregressive(draft_dir: Path, target_dir: Path, target_config: Any, options: LoadOptions) -> torch.nn.Module:
+    from dflash_doctor.loading import load_causal_lm, validate_autoregressive_pair
+
+    model = load_causal_lm(draft_dir, dtype=options.dtype, device=options.device, trust_remote_code=options.trust_remote_code)
+    validate_autoregressive_pair(draft_dir, target_dir, model.config, target_config)
+    return model
+
+
+register_draft_kind(DraftKind(
+    name=DFlashProposer.kind,
+    description="DFlash block-diffusion drafter (z-lab layout: config.json with dflash_config + model.safetensors)",
+    detect=is_dflash_config,
+    load=_load_dflash,
+    build=lambda model, target, sampling: DFlashProposer(model, target),
+    facts=lambda model: {
+        "block_size": model.config.block_size,
+        "target_layer_ids": list(model.config.target_layer_ids),
+        "mask_token_id": model.config.mask_token_id,
+        "num_layers": model.config.num_hidden_layers,
+    },
+    layer_ids=lambda model: list(model.config.target_layer_ids),
+    with_layer_ids=_dflash_with_layer_ids,
+))
+
+register_draft_kind(DraftKind(
+    name=AutoregressiveProposer.kind,
+    description="a classic autoregressive draft: any causal LM sharing the target's tokenizer (the catch-all)",
+    detect=lambda config: True,
+    load=_load_autoregressive,
+    build=lambda model, target, sampling: AutoregressiveProposer(model, temperature=sampling.temperature, generator=sampling.generator),
+    ships_tokenizer=True,
+))

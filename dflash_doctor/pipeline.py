@@ -1,0 +1,227 @@
+"""The commands that replay a workload, as straight sequences: ``replay``, ``sweep`` and ``check``.
+
+Each is select requests -> load the pair once -> replay (rows stream to the run directory) ->
+summarize the in-memory rows -> (sweep + recommendation) -> (probes on the in-memory turns -> checks)
+-> run.json written once at the end -> (reports). Every stage is called once and hands typed values to
+the next; nothing is read back from the run directory. The CLI modules parse flags, call one function
+here, print a view of the returned :class:`Outcome` and pick the exit code.
+
+Ctrl-C during the replay keeps every finished request: the tables are closed, run.json is written
+with the summary of what finished (``interrupted``), and :class:`KeyboardInterrupt` propagates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, ContextManager, Sequence
+
+
+from dflash_doctor.config import DoctorConfig
+from dflash_doctor.environment import collect_environment
+from dflash_doctor.metrics import summarize
+from dflash_doctor.pair import Pair, load_pair
+from dflash_doctor.probes import layer_offset_probe, lossless_probe, probe_turns
+from dflash_doctor.record import Probes, PromptFormat, RunMeta, RunRecord, _from_json, Recommendation, Summary, Sweep
+from dflash_doctor.replay import Replay, replay_live, replay_teacher
+from dflash_doctor.schema import Run, RunWriter, TABLES, utc_now
+from dflash_doctor.workloads import Request, load_workload
+
+ProgressFactory = Callable[[int], ContextManager[Callable[[Any], None] | None]]  # total turns -> progress callback
+
+
+@dataclass
+class Outcome:
+    """What a command produced: where the run directory is and its record (checks included)."""
+
+    run_dir: Path
+    record: RunRecord
+
+
+def default_run_dir(command: str) -> Path:
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return Path("runs") / f"{command}-{stamp}"
+
+
+def _no_progress(total: int) -> ContextManager[None]:
+    return nullcontext(None)
+
+
+def _start(config: DoctorConfig, command: str, scenario=None) -> tuple[list[Request], Pair, DoctorConfig]:
+    """Select the workload and load the pair (a scenario edits them before anything runs)."""
+    requests = load_workload(config.workload, classes=config.classes, max_requests=config.max_requests, seed=config.seed)
+    pair = load_pair(config)
+    if scenario is not None:
+        pair, requests, config = scenario.apply(pair, requests, config)
+    return requests, pair, config
+
+
+def _new_record(config: DoctorConfig, pair: Pair, command: str, **meta: Any) -> RunRecord:
+    return RunRecord(
+        meta=RunMeta(command=command, created_at=utc_now(), **meta),
+        models={"target": pair.target_info, "draft": pair.draft_info},
+        environment=collect_environment(pair.target_info.facts.get("attn_implementation")),
+        config=config.as_dict(),
+    )
+
+
+def _summarize(record: RunRecord, replay: Replay, seed: int) -> None:
+    record.meta.interrupted = replay.interrupted
+    summary = summarize(replay.steps_frame(), replay.requests_frame(), seed=seed)
+    record.summary = _from_json(Summary, summary)
+
+
+def _sweep(record: RunRecord, pair: Pair, replay: Replay, config: DoctorConfig) -> None:
+    """``summary.sweep`` and ``recommendation``: tau and net speedup per K, priced with step costs
+    measured here (or from ``--cost-profile``)."""
+    from dflash_doctor.speedup import build_sweep, load_cost_profile, recommend, rows_by_class
+
+    costs = load_cost_profile(config.cost_profile) if config.cost_profile else pair.measure_step_costs(config.k)
+    sweep = build_sweep(replay.sweep_frames(), costs, replay.estimate_by_k, seed=config.seed)
+    record.summary.sweep = _from_json(Sweep, sweep)
+    strict_max_k = int(config.thresholds.get("strict_max_k", 4))
+    share = float(config.thresholds.get("conservative_share", 0.95))
+    recommendation = recommend(rows_by_class(sweep), conservative_share=share, strict_classes=config.strict_classes, strict_max_k=strict_max_k)
+    record.recommendation = _from_json(dict[str, Recommendation], recommendation)
+
+
+def _finish(writer: RunWriter, record: RunRecord, replay: Replay) -> None:
+    """run.json gets the final record when the writer closes; an interrupted replay ends the command here."""
+    writer.meta = record.to_json()
+    if replay.interrupted:
+        raise KeyboardInterrupt
+
+
+def run_replay(config: DoctorConfig, *, progress: ProgressFactory = _no_progress) -> Outcome:
+    """`replay`: every turn through the live loop at K = the largest --k (the draft's default without one)."""
+    requests, pair, config = _start(config, "replay")
+    k = max(config.k) if config.k else pair.default_k
+    run_dir = Path(config.out) if config.out else default_run_dir("replay")
+    record = _new_record(config, pair, "replay")
+    with RunWriter(run_dir, record.to_json()) as writer:
+        with progress(sum(r.num_turns for r in requests)) as on_turn:
+            replay = replay_live(pair, requests, k=k, max_new_tokens=config.max_new_tokens, temperature=config.temperature,
+                                 seed=config.seed, writer=writer, progress=on_turn)
+        _summarize(record, replay, config.seed)
+        _finish(writer, record, replay)
+    return Outcome(run_dir, record)
+
+
+def run_sweep(config: DoctorConfig, *, exact_blocks: bool = False, progress: ProgressFactory = _no_progress) -> Outcome:
+    """`sweep`: one teacher-forced pass answering every K (default 1..block-1, or 1..8), net speedup per
+    class and the recommended K."""
+    requests, pair, config = _start(config, "sweep")
+    if not config.k:
+        config = dataclasses.replace(config, k=tuple(range(1, pair.default_k + 1)))
+    run_dir = Path(config.out) if config.out else default_run_dir("sweep")
+    record = _new_record(config, pair, "sweep")
+    with RunWriter(run_dir, record.to_json()) as writer:
+        replay = _teacher(pair, requests, config, exact_blocks, writer, progress)
+        _summarize(record, replay, config.seed)
+        if not replay.interrupted:
+            _sweep(record, pair, replay, config)
+        _finish(writer, record, replay)
+    return Outcome(run_dir, record)
+
+
+def _teacher(pair: Pair, requests: Sequence[Request], config: DoctorConfig, exact_blocks: bool, writer: RunWriter,
+             progress: ProgressFactory) -> Replay:
+    with progress(sum(r.num_turns for r in requests)) as on_turn:
+        return replay_teacher(pair, requests, ks=config.k, max_new_tokens=config.max_new_tokens, temperature=config.temperature,
+                              seed=config.seed, exact_blocks=exact_blocks, writer=writer, progress=on_turn)
+
+
+def run_check(config: DoctorConfig, *, scenario=None, only: Sequence[str] = (), skip: Sequence[str] = (),
+              exact_blocks: bool = False, progress: ProgressFactory = _no_progress) -> Outcome:
+    """`check`: teacher-forced replay of every K up to the draft's block (and the served K), the sweep,
+    the probes, every check, run.json, then the reports. The run directory and reports are written even
+    when a check fails, so CI keeps the evidence."""
+    from dflash_doctor.checks.base import run_checks
+    from dflash_doctor.report import render_reports
+
+    requests, pair, config = _start(config, "check", scenario)
+    served_k = max(config.k) if config.k else None  # the K the user serves, when they said
+    pair.check_k_fits(config.k)
+    sweep_config = dataclasses.replace(config, k=tuple(range(1, max(pair.default_k, served_k or 0) + 1)))
+    run_dir = Path(config.out) if config.out else default_run_dir("check")
+    record = _new_record(sweep_config, pair, "check", scenario=scenario.name if scenario is not None else None, served_k=served_k)
+    with RunWriter(run_dir, record.to_json()) as writer:
+        replay = _teacher(pair, requests, sweep_config, exact_blocks, writer, progress)
+        _summarize(record, replay, config.seed)
+        if replay.interrupted:
+            _finish(writer, record, replay)
+        _sweep(record, pair, replay, sweep_config)
+        record.probes = _probes(pair, requests, replay, sweep_config)
+        ctx_config = dataclasses.replace(config, k=(served_k,) if served_k else ())
+        record.checks = run_checks(check_context(pair, requests, ctx_config, record, replay), only=only, skip=skip)
+        _finish(writer, record, replay)
+    tokens = TABLES["tokens"]  # token rows are never held in memory: the report's token viewer reads them back
+    run = Run(run_dir, record, replay.requests_frame(), replay.steps_frame(), _read_table(run_dir, "tokens", tokens))
+    render_reports(run)
+    return Outcome(run_dir, record)
+
+
+def _read_table(run_dir: Path, name: str, schema) -> "Any":
+    import pyarrow.parquet as pq
+
+    path = run_dir / f"{name}.parquet"
+    return pq.read_table(path).to_pandas() if path.is_file() else schema.empty_table().to_pandas()
+
+
+def _probes(pair: Pair, requests: Sequence[Request], replay: Replay, config: DoctorConfig) -> Probes:
+    from dflash_doctor.loading import weights_fingerprint
+
+    turns = probe_turns(replay.turns)
+    probes = Probes(
+        prompt_format=PromptFormat(
+            num_raw_prompts=sum(r.prompt is not None for r in requests),
+            num_templated=sum(r.messages is not None for r in requests),
+        ),
+        target_weights_fingerprint=weights_fingerprint(pair.target.model),
+    )
+    if config.temperature == 0:
+        probes.lossless = lossless_probe(pair, turns, k=max(config.k), dtype=config.dtype)
+    offset = layer_offset_probe(pair, turns)
+    if offset is not None:
+        probes.offset_probe, probes.offset_probe_drafts = offset
+    return probes
+
+
+def check_context(pair: Pair, requests: Sequence[Request], config: DoctorConfig, record: RunRecord, replay: Replay):
+    """Everything the checks read, gathered once from the loaded pair, the record and the replay."""
+    from transformers import AutoTokenizer
+
+    from dflash_doctor.checks.base import CheckContext
+    from dflash_doctor.checks.engine_config import parse_engine_config
+    from dflash_doctor.record import _to_json
+
+    draft_tokenizer = None
+    if pair.kind.ships_tokenizer:
+        try:
+            draft_tokenizer = AutoTokenizer.from_pretrained(pair.draft_dir)
+        except (OSError, ValueError):
+            draft_tokenizer = None
+    recorded = pair.draft_config.get("dflash_doctor") or {}
+    corpus = [m["content"] for r in requests for m in (r.messages or []) if isinstance(m.get("content"), str)]
+    corpus += [r.prompt for r in requests if r.prompt]
+    probes = {k: v for k, v in _to_json(record.probes).items() if v is not None}
+    return CheckContext(
+        target_tokenizer=pair.tokenizer,
+        draft_tokenizer=draft_tokenizer,
+        target_config=pair.target.model.config,
+        draft_config=pair.draft_config,
+        draft_kind=pair.kind.name,
+        environment=record.environment,
+        engine_config=parse_engine_config(config.engine_config) if config.engine_config else None,
+        corpus=corpus,
+        target_template=pair.chat_template or getattr(pair.tokenizer, "chat_template", None),
+        draft_template=getattr(draft_tokenizer, "chat_template", None) if draft_tokenizer is not None else None,
+        draft_training_template=recorded.get("chat_template"),
+        run_meta=record.to_json(),
+        config=config,
+        extras={**probes, "output_token_ids": [t for row in replay.request_rows for t in row["output_token_ids"]],
+                "served_k": record.meta.served_k},
+    )

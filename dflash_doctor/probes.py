@@ -1,0 +1,92 @@
+"""Probes: measurements beyond the replay that the checks judge, run on the replay's in-memory turns.
+
+* :func:`lossless_probe`: the live speculative loop must reproduce the target's own unbatched greedy
+  decoding token for token; the first divergence is reported with the target's top-2 logit margin.
+* :func:`layer_offset_probe`: tau with the draft's target layer ids shifted by -1, 0, +1 (REFERENCE.md
+  section 1); only for draft kinds that read target layers (declared in the draft-kind registry).
+
+Both reuse the prompts and the target's answers of the replay's first turns: nothing is re-encoded or
+read back from the run directory.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from dflash_doctor.engine.live import plain_generate, speculative_generate
+from dflash_doctor.engine.teacher import TeacherSequence, slot_table, walk_schedule
+from dflash_doctor.pair import Pair
+from dflash_doctor.record import Divergence, LosslessProbe
+from dflash_doctor.turns import Turn
+
+NUM_PROBE_REQUESTS = 3  # first turns replayed again for the lossless check and the layer-offset probe
+
+
+def probe_turns(turns: Sequence[Turn], limit: int = NUM_PROBE_REQUESTS) -> list[Turn]:
+    """The first ``limit`` first turns of the replay."""
+    return [t for t in turns if t.index == 0][:limit]
+
+
+@torch.inference_mode()
+def lossless_probe(pair: Pair, turns: Sequence[Turn], k: int, dtype: str) -> LosslessProbe:
+    """The live loop at ``k`` against unbatched plain decoding on ``turns`` (temperature 0)."""
+    probe = LosslessProbe(num_requests=0, num_identical=0, dtype=dtype)
+    for turn in turns:
+        prompt = torch.tensor(turn.prompt_ids, device=pair.target.device)
+        live = speculative_generate(pair.target, pair.proposer, prompt, k=k, max_new_tokens=turn.max_new_tokens,
+                                    stop_ids=pair.stop_ids, record_tokens=False).output_ids
+        plain = plain_generate(pair.target, prompt, max_new_tokens=turn.max_new_tokens, stop_ids=pair.stop_ids).output_ids
+        probe.num_requests += 1
+        if live == plain:
+            probe.num_identical += 1
+            continue
+        position = next(i for i, (a, b) in enumerate(zip(live + [-1], plain + [-1])) if a != b)
+        pair.target.reset()
+        logits = pair.target.forward(torch.cat([prompt, torch.tensor(plain[:position], device=prompt.device)]), taps=()).logits[-1]
+        pair.target.reset()
+        top2 = logits.topk(2).values
+        probe.divergences.append(Divergence(
+            request_id=turn.key,
+            position=position,
+            speculative_token=live[position] if position < len(live) else -1,
+            plain_token=plain[position] if position < len(plain) else -1,
+            speculative_text=pair.decode_token(live[position]) if position < len(live) else "",
+            plain_text=pair.decode_token(plain[position]) if position < len(plain) else "",
+            top2_margin=float(top2[0] - top2[1]),
+        ))
+    return probe
+
+
+@torch.inference_mode()
+def layer_offset_probe(pair: Pair, turns: Sequence[Turn]) -> tuple[dict[int, float], int] | None:
+    """tau at the full block with the draft's target layer ids shifted by -1, 0 and +1, and the number of
+    drafts behind offset 0's tau (so the check can tell a verdict from noise). None for a draft kind that
+    reads no target layers.
+
+    A draft trained on layers ``l`` reads the right features only at offset 0; a neighbour beating it
+    means the configured ids are off by one (vLLM PR #42704, llama.cpp #25792).
+    """
+    kind = pair.kind
+    if kind.layer_ids is None or kind.with_layer_ids is None:
+        return None
+    layer_ids = kind.layer_ids(pair.draft_model)
+    num_layers = pair.target.model.config.num_hidden_layers
+    k = pair.default_k
+    taus: dict[int, float] = {}
+    drafts_at_zero = 0
+    for offset in (-1, 0, 1):
+        ids = [layer + offset for layer in layer_ids]
+        if min(ids) < 0 or max(ids) >= num_layers:
+            continue
+        proposer = pair.with_draft(kind.with_layer_ids(pair.draft_model, ids)).proposer
+        drafts = accepted = 0
+        for turn in turns:
+            table, _ = slot_table(pair.target, proposer, TeacherSequence(turn.prompt_ids, turn.output_ids), k, record_divergence=False)
+            steps = [s for s in walk_schedule(table.matches, turn.output_ids, k, turn.max_new_tokens, pair.stop_ids) if s["num_drafted"]]
+            drafts += len(steps)
+            accepted += sum(s["num_accepted"] for s in steps)
+        taus[offset] = 1.0 + accepted / drafts if drafts else float("nan")
+        drafts_at_zero = drafts if offset == 0 else drafts_at_zero
+    return taus, drafts_at_zero

@@ -1,0 +1,285 @@
+"""The run record: one typed object per run, written once as ``run.json`` and read back by every view.
+
+The pipeline builds a :class:`RunRecord` in memory (meta, source, models, environment, config,
+summary overall + by class + sweep, recommendation, checks, probes); :meth:`RunRecord.to_json` and
+:meth:`RunRecord.from_json` are the only places that know the JSON layout. The Parquet tables
+(requests, steps, tokens) are declared next to the writer in :mod:`dflash_doctor.schema`.
+
+``source`` says where the replayed steps came from, so other producers fill the same record:
+
+* ``embedded``: dflash-doctor's own engine replayed the workload (``check``, ``sweep``, ``replay``);
+* ``serving-engine``: a running vLLM / SGLang server answered the requests (``--engine URL``);
+* ``telemetry``: production counters were read from a serving engine (``watch``).
+
+Numbers follow ENGINES.md section 0 (vLLM's definitions); NaN is written as null.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal, get_args, get_origin, get_type_hints
+
+from dflash_doctor import __version__
+from dflash_doctor.status import CheckResult
+
+SCHEMA_VERSION = 2  # 2: the typed run record (meta.command/scenario/served_k, source, probes); 1 was the untyped dict
+
+SourceKind = Literal["embedded", "serving-engine", "telemetry"]
+
+
+@dataclass
+class Source:
+    """Where the steps came from: ``kind`` (see the module docstring), a human ``description``, the
+    server ``url`` for a serving engine or telemetry, and producer-specific ``details``."""
+
+    kind: SourceKind = "embedded"
+    description: str = "dflash-doctor's embedded speculative engine"
+    url: str | None = None
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class RunMeta:
+    """What ran and when. ``served_k`` is the K the user serves (``--k``), when they named one."""
+
+    command: str
+    schema_version: int = SCHEMA_VERSION
+    tool_version: str = __version__
+    created_at: str = ""
+    scenario: str | None = None
+    served_k: int | None = None
+    interrupted: bool = False
+
+
+@dataclass
+class ModelInfo:
+    """One model of the pair: identity, how it was loaded, and kind-specific ``facts`` (layer counts,
+    block size, target layer ids...) declared by the draft-kind registry. ``facts`` is stored flat
+    next to the identity fields in run.json."""
+
+    id: str
+    revision_or_hash: str
+    dtype: str
+    device: str
+    kind: str  # "target", or the draft's kind
+    facts: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        identity = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "facts"}
+        return {**identity, **self.facts}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "ModelInfo":
+        names = {f.name for f in dataclasses.fields(cls)} - {"facts"}
+        return cls(**{k: v for k, v in data.items() if k in names}, facts={k: v for k, v in data.items() if k not in names})
+
+
+@dataclass
+class TauDistribution:
+    """Per-request tau (requests that drafted): mean and deciles, next to the pooled headline."""
+
+    mean: float | None
+    p10: float | None
+    p50: float | None
+    p90: float | None
+
+
+@dataclass
+class Metrics:
+    """One scope (overall or a class) of the summary, vLLM's counters and definitions
+    (:mod:`dflash_doctor.metrics` computes it; intervals bootstrap requests)."""
+
+    num_requests: int
+    num_output_tokens: int
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    num_accepted_tokens_per_pos: list[int]
+    mean_acceptance_length: float | None
+    mean_acceptance_length_ci: list[float | None]
+    acceptance_rate_per_pos: list[float | None]
+    acceptance_rate_per_pos_ci: list[list[float | None]]
+    conditional_acceptance_rate_per_pos: list[float | None]
+    draft_acceptance_rate: float | None
+    acceptance_histogram: list[int]
+    request_tau: TauDistribution
+    wasted_verify_tokens_per_output_token: float | None
+
+
+@dataclass
+class SweepRow:
+    """tau with its interval and the net speedup at one K; ``estimate`` is exact or truncated."""
+
+    k: int
+    mean_acceptance_length: float | None
+    mean_acceptance_length_ci: list[float | None]
+    speedup: float | None
+    estimate: str
+
+
+@dataclass
+class Sweep:
+    """Every K, overall and per class, priced with ``costs`` (``speedup.StepCosts.as_dict``)."""
+
+    overall: list[SweepRow]
+    by_class: dict[str, list[SweepRow]]
+    costs: dict[str, Any]
+
+
+@dataclass
+class Summary:
+    """The acceptance summary at the replayed K: overall and per request class, plus the K sweep."""
+
+    overall: Metrics | None = None
+    by_class: dict[str, Metrics] = field(default_factory=dict)
+    sweep: Sweep | None = None
+
+    def scopes(self) -> dict[str, Metrics]:
+        """``{"overall": M, CLASS: M...}``: overall first, then classes in name order."""
+        return {**({"overall": self.overall} if self.overall is not None else {}), **self.by_class}
+
+
+@dataclass
+class Recommendation:
+    """The K to serve for one class: the best measured speedup, the smallest K within reach of it, why."""
+
+    k: int
+    conservative_k: int
+    speedup: float | None
+    reason: str
+
+
+@dataclass
+class Divergence:
+    """Where the live speculative loop first left the target's own decoding."""
+
+    request_id: str
+    position: int
+    speculative_token: int
+    plain_token: int
+    speculative_text: str
+    plain_text: str
+    top2_margin: float
+
+
+@dataclass
+class LosslessProbe:
+    """The live loop against unbatched plain decoding on the first requests (temperature 0)."""
+
+    num_requests: int
+    num_identical: int
+    dtype: str
+    divergences: list[Divergence] = field(default_factory=list)
+
+
+@dataclass
+class PromptFormat:
+    """How the workload's prompts reach the target: raw text or chat-templated messages."""
+
+    num_raw_prompts: int
+    num_templated: int
+
+
+@dataclass
+class Probes:
+    """Measurements beyond the replay that checks judge: lossless decoding, the layer-offset probe
+    ({offset: tau} and the drafts behind offset 0), the prompt format, the served target's weights."""
+
+    lossless: LosslessProbe | None = None
+    offset_probe: dict[int, float] | None = None
+    offset_probe_drafts: int | None = None
+    prompt_format: PromptFormat | None = None
+    target_weights_fingerprint: str | None = None
+
+
+@dataclass
+class RunRecord:
+    """Everything a run says, typed. Views and checks read these fields; only :meth:`to_json` and
+    :meth:`from_json` know run.json's layout (the meta fields sit at the top level of the file)."""
+
+    meta: RunMeta
+    source: Source = field(default_factory=Source)
+    models: dict[str, ModelInfo] = field(default_factory=dict)  # "target", "draft"
+    environment: dict[str, Any] = field(default_factory=dict)  # versions and hardware (environment.collect_environment)
+    config: dict[str, Any] = field(default_factory=dict)  # the resolved DoctorConfig, echoed for reproduction
+    summary: Summary = field(default_factory=Summary)
+    recommendation: dict[str, Recommendation] = field(default_factory=dict)
+    checks: list[CheckResult] = field(default_factory=list)
+    probes: Probes = field(default_factory=Probes)
+
+    def to_json(self) -> dict[str, Any]:
+        """The run.json object (NaN becomes null when written: :func:`dflash_doctor.schema.write_run_json`)."""
+        return {
+            **_to_json(self.meta),
+            "source": _to_json(self.source),
+            "models": {name: info.to_json() for name, info in self.models.items()},
+            "environment": dict(self.environment),
+            "config": _to_json(self.config),
+            "checks": [c.to_dict() for c in self.checks],
+            "summary": _to_json(self.summary),
+            "recommendation": _to_json(self.recommendation),
+            "probes": _to_json(self.probes),
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "RunRecord":
+        """Parse run.json (already checked for :data:`SCHEMA_VERSION`); a missing section takes its default."""
+        meta_names = {f.name for f in dataclasses.fields(RunMeta)}
+        return cls(
+            meta=_from_json(RunMeta, {k: v for k, v in data.items() if k in meta_names}),
+            source=_from_json(Source, data.get("source") or {}),
+            models={name: ModelInfo.from_json(info) for name, info in (data.get("models") or {}).items()},
+            environment=dict(data.get("environment") or {}),
+            config=dict(data.get("config") or {}),
+            summary=_from_json(Summary, data.get("summary") or {}),
+            recommendation=_from_json(dict[str, Recommendation], data.get("recommendation") or {}),
+            checks=[CheckResult.from_dict(c) for c in data.get("checks") or []],
+            probes=_from_json(Probes, data.get("probes") or {}),
+        )
+
+
+# ----------------------------------------------------------------------------- the JSON boundary
+
+
+def _to_json(value: Any) -> Any:
+    """Dataclasses to dicts (None fields of optional sections kept as null), tuples to lists."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _to_json(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, dict):
+        return {str(k): _to_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_to_json(v) for v in value]
+    return value
+
+
+def _from_json(kind: Any, value: Any) -> Any:
+    """Build ``kind`` (a dataclass, ``list[X]``, ``dict[K, X]``, ``X | None`` or a scalar type) from JSON."""
+    if value is None:
+        return None
+    origin = get_origin(kind)
+    if origin in (typing.Union, types.UnionType):
+        (inner,) = [a for a in get_args(kind) if a is not type(None)]
+        if dataclasses.is_dataclass(inner) and value == {}:
+            return None  # an empty section (a run with no drafted steps has an empty overall block)
+        return _from_json(inner, value)
+    if origin is list:
+        (item,) = get_args(kind)
+        return [_from_json(item, v) for v in value]
+    if origin is dict:
+        key, item = get_args(kind)
+        return {(int(k) if key is int else k): _from_json(item, v) for k, v in value.items()}
+    if origin is Literal or kind is Any:
+        return value
+    if dataclasses.is_dataclass(kind):
+        hints = get_type_hints(kind)
+        names = {f.name for f in dataclasses.fields(kind)}
+        unknown = sorted(set(value) - names)
+        if unknown:
+            raise ValueError(f"{kind.__name__} has no field(s) {unknown}")
+        return kind(**{name: _from_json(hints[name], v) for name, v in value.items()})
+    if kind is float:
+        return float(value)
+    return value

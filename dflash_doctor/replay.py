@@ -1,0 +1,201 @@
+"""Replaying a workload through the pair, streaming rows into the run directory as requests finish.
+
+Two ways to get the steps, one turn loop (:mod:`dflash_doctor.turns`):
+
+* :func:`replay_live`: the real speculative loop at one K (draft, verify, commit, roll back);
+* :func:`replay_teacher`: the target's own continuations (batched), then teacher-forced replay of the
+  draft over them, which answers every K at once (:mod:`dflash_doctor.engine.teacher`).
+
+Both write the requests / steps / tokens rows of each finished turn through the :class:`RunWriter`
+and keep in memory only what the summary needs (request and step rows, never token rows) plus the
+turns themselves, so nothing is read back from disk. Ctrl-C stops between requests: what finished is
+in the tables and in the returned :class:`Replay` (``interrupted``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import pandas as pd
+import torch
+
+from dflash_doctor.engine.batched import generate_greedy_batch
+from dflash_doctor.engine.live import GenerationResult, plain_generate, speculative_generate
+from dflash_doctor.engine.teacher import TeacherSequence, slot_table, token_rows, walk_schedule
+from dflash_doctor.draft_kinds import Sampling
+from dflash_doctor.pair import Pair
+from dflash_doctor.schema import REQUESTS_SCHEMA, STEPS_SCHEMA, RequestRow, RunWriter, StepRow, TokenRow, as_row
+from dflash_doctor.turns import PendingTurn, Turn, run_turns
+from dflash_doctor.workloads import Request
+
+GREEDY_BATCH_SIZE = 32  # prompts per batched generate call (teacher-forced replay at T = 0)
+
+Progress = Callable[[GenerationResult], None]
+
+
+@dataclass
+class Replay:
+    """What a replay produced, in memory: every turn, the request and step rows written (for the
+    summary), the steps at every K (teacher-forced) with whether each K is exact, and whether Ctrl-C
+    cut it short."""
+
+    turns: list[Turn] = field(default_factory=list)
+    request_rows: list[dict[str, Any]] = field(default_factory=list)
+    step_rows: list[dict[str, Any]] = field(default_factory=list)
+    steps_by_k: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
+    estimate_by_k: dict[int, str] = field(default_factory=dict)
+    interrupted: bool = False
+
+    def requests_frame(self) -> pd.DataFrame:
+        return pd.DataFrame(self.request_rows, columns=list(REQUESTS_SCHEMA.names))
+
+    def steps_frame(self) -> pd.DataFrame:
+        return pd.DataFrame(self.step_rows, columns=list(STEPS_SCHEMA.names))
+
+    def sweep_frames(self) -> dict[int, pd.DataFrame]:
+        columns = ["request_id", "class", "step", "position", "k", "num_drafted", "num_accepted", "bonus_token"]
+        return {k: pd.DataFrame(rows, columns=columns) for k, rows in self.steps_by_k.items()}
+
+
+def _rows(pair: Pair, turn: Turn) -> tuple[dict[str, Any], list[dict[str, Any]], list[dict[str, Any]]]:
+    """The requests row, steps rows and tokens rows of one turn (typed rows, as the writer's dicts)."""
+    result = turn.result
+    drafts = [s for s in result.steps if s["num_drafted"] > 0]
+    accepted = sum(s["num_accepted"] for s in drafts)
+    cls = turn.request.request_class
+    request_row = RequestRow(
+        request_id=turn.key,
+        request_class=cls,
+        subclass=turn.request.subclass,
+        turn=turn.index,
+        prompt_num_tokens=len(turn.prompt_ids),
+        output_token_ids=result.output_ids,
+        output_text=pair.tokenizer.decode(result.output_ids, skip_special_tokens=False),
+        num_output_tokens=len(result.output_ids),
+        num_steps=len(result.steps),
+        num_drafts=len(drafts),
+        num_draft_tokens=sum(s["num_drafted"] for s in drafts),
+        num_accepted_tokens=accepted,
+        tau=1.0 + accepted / len(drafts) if drafts else None,
+        stop_reason=result.stop_reason,
+        wall_time_s=result.wall_time_s,
+    )
+    step_rows = [as_row(StepRow(request_id=turn.key, request_class=cls, **s)) for s in result.steps]
+    token_rows_ = [
+        as_row(TokenRow(request_id=turn.key, request_class=cls, **t,
+                        draft_text=pair.decode_token(t["draft_token"]), target_text=pair.decode_token(t["target_token"])))
+        for t in result.tokens
+    ]
+    return as_row(request_row), step_rows, token_rows_
+
+
+def _stream(pair: Pair, turns, writer: RunWriter, replay: Replay, progress: Progress | None, annotate=None) -> Replay:
+    """Annotate (teacher-forced), write and remember each turn; Ctrl-C ends the replay cleanly."""
+    try:
+        for turn in turns:
+            if annotate is not None:
+                annotate(turn)
+            request_row, step_rows, token_rows_ = _rows(pair, turn)
+            writer.add("requests", [request_row])
+            writer.add("steps", step_rows)
+            writer.add("tokens", token_rows_)
+            writer.flush()
+            replay.turns.append(turn)
+            replay.request_rows.append(request_row)
+            replay.step_rows.extend(step_rows)
+            if progress is not None:
+                progress(turn.result)
+    except KeyboardInterrupt:
+        replay.interrupted = True
+    return replay
+
+
+def replay_live(pair: Pair, requests: Sequence[Request], *, k: int, max_new_tokens: int, temperature: float, seed: int,
+                writer: RunWriter, progress: Progress | None = None) -> Replay:
+    """Every turn through the live speculative loop at ``k`` drafted tokens per step."""
+    generator = torch.Generator(device=pair.target.device).manual_seed(seed)
+    pair = pair.with_sampling(Sampling(temperature=temperature, generator=generator))
+
+    def generate(pending: Sequence[PendingTurn]) -> list[GenerationResult]:
+        return [
+            speculative_generate(pair.target, pair.proposer, torch.tensor(p.prompt_ids, device=pair.target.device), k=k,
+                                 max_new_tokens=p.max_new_tokens, temperature=temperature, stop_ids=pair.stop_ids, generator=generator)
+            for p in pending
+        ]
+
+    return _stream(pair, run_turns(pair, requests, max_new_tokens, generate), writer, Replay(), progress)
+
+
+def _continuations(pair: Pair, temperature: float, generator: torch.Generator):
+    """The target's own answers: batched greedy at T = 0 (padding may flip a near-tie relative to batch-1
+    decoding, which is why the lossless probe compares with unbatched decoding), sampled one by one above."""
+    pad_token_id = pair.tokenizer.pad_token_id if pair.tokenizer.pad_token_id is not None else min(pair.stop_ids, default=0)
+
+    def generate(pending: Sequence[PendingTurn]) -> list[GenerationResult]:
+        if temperature > 0:
+            return [
+                plain_generate(pair.target, torch.tensor(p.prompt_ids, device=pair.target.device), max_new_tokens=p.max_new_tokens,
+                               temperature=temperature, stop_ids=pair.stop_ids, generator=generator)
+                for p in pending
+            ]
+        results = []
+        for start in range(0, len(pending), GREEDY_BATCH_SIZE):
+            batch = pending[start:start + GREEDY_BATCH_SIZE]
+            outputs = generate_greedy_batch(pair.target.model, [p.prompt_ids for p in batch], max_new_tokens=max(p.max_new_tokens for p in batch),
+                                            stop_ids=pair.stop_ids, pad_token_id=pad_token_id)
+            for item, output in zip(batch, outputs, strict=True):
+                output = output[:item.max_new_tokens]
+                stopped = bool(output) and output[-1] in pair.stop_ids
+                results.append(GenerationResult(output_ids=output, stop_reason="stop_token" if stopped else "max_new_tokens", wall_time_s=float("nan")))
+        return results
+
+    return generate
+
+
+@torch.inference_mode()
+def replay_teacher(pair: Pair, requests: Sequence[Request], *, ks: tuple[int, ...], max_new_tokens: int, temperature: float,
+                   seed: int, exact_blocks: bool, writer: RunWriter, progress: Progress | None = None) -> Replay:
+    """Teacher-forced replay for every K in ``ks``: the run directory holds the steps and tokens of the
+    largest K; :attr:`Replay.steps_by_k` holds the steps of every K for the sweep.
+
+    At T > 0 acceptance is drawn per slot with the exact per-slot probabilities along a sampled target
+    trajectory (a Monte-Carlo walk whose expectation is the expected tau(K)).
+    """
+    ks = tuple(sorted(ks))
+    pair.check_k_fits(ks)
+    k_max = ks[-1]
+    generator = torch.Generator(device=pair.target.device).manual_seed(seed)
+    walk_rng = np.random.default_rng(seed)
+    depends = pair.proposer.guesses_depend_on_k
+    block_passes = ks if (exact_blocks and depends) else (k_max,)
+    replay = Replay(
+        steps_by_k={k: [] for k in ks},
+        estimate_by_k={k: "exact" if (k in block_passes or not depends) else "truncated" for k in ks},
+    )
+
+    def annotate(turn: Turn) -> None:
+        result = turn.result
+        sequence = TeacherSequence(turn.prompt_ids, result.output_ids)
+        tables: dict[int, Any] = {}
+        target_pass = None
+        for block_k in sorted(block_passes, reverse=True):
+            tables[block_k], target_pass = slot_table(
+                pair.target, pair.proposer, sequence, block_k, temperature=temperature,
+                record_divergence=block_k == k_max, target_pass=target_pass,
+            )
+        for k in ks:
+            table = tables.get(k, tables[k_max])
+            matches = table.matches[:, :k]
+            if table.accept_probs is not None:
+                matches = np.cumprod(walk_rng.random(matches.shape) < table.accept_probs[:, :k], axis=1).astype(bool)
+            steps = walk_schedule(matches, result.output_ids, k, turn.max_new_tokens, pair.stop_ids)
+            replay.steps_by_k[k].extend({"request_id": turn.key, "class": turn.request.request_class, **s} for s in steps)
+            if k == k_max:
+                result.steps = [{**s, "draft_time_s": float("nan"), "verify_time_s": float("nan")} for s in steps]
+                result.tokens = token_rows(tables[k_max], steps, result.output_ids, k_max)
+
+    chunk = len(requests) if temperature <= 0 else 1  # batch across requests only for greedy continuations
+    turns = run_turns(pair, requests, max_new_tokens, _continuations(pair, temperature, generator), chunk_size=max(chunk, 1))
+    return _stream(pair, turns, writer, replay, progress, annotate)

@@ -1,0 +1,79 @@
+"""The terminal view of a run record: tau per class, the K sweep with the recommendation, the checks
+with their evidence, and the verdict (:func:`dflash_doctor.status.overall_status`)."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from dflash_doctor.record import RunRecord
+from dflash_doctor.status import VERDICT_NONE, CheckResult, overall_status
+
+STATUS_STYLE = {"pass": "green", "warn": "yellow", "fail": "bold red", "skip": "dim", "error": "magenta", VERDICT_NONE: "dim"}
+
+
+def print_class_summary(record: RunRecord, k: int, console: Console) -> None:
+    """tau per class with its interval at the replayed K: the first thing a user wants to see."""
+    table = Table(title=f"Acceptance at K = {k} (tau = mean acceptance length, bonus included)")
+    for column in ("class", "requests", "tau", "95% CI", "per-position acceptance (first 5)"):
+        table.add_column(column)
+    for name, metrics in record.summary.scopes().items():
+        tau = metrics.mean_acceptance_length
+        lo, hi = metrics.mean_acceptance_length_ci
+        rates = ", ".join(f"{r:.2f}" for r in metrics.acceptance_rate_per_pos[:5] if r is not None)
+        table.add_row(name, str(metrics.num_requests), f"{tau:.2f}" if tau else "-",
+                      f"[{lo:.2f}, {hi:.2f}]" if lo is not None and hi is not None else "-", rates)
+    console.print(table)
+
+
+def print_sweep(record: RunRecord, console: Console) -> None:
+    """Per-class table: tau and speedup at each K, then the recommended K with its reason."""
+    sweep = record.summary.sweep
+    if sweep is not None:
+        rows_by_group = {"overall": sweep.overall, **sweep.by_class}
+        table = Table(title="K sweep: tau (bonus included) / net speedup", show_lines=False)
+        table.add_column("K", justify="right")
+        for group in rows_by_group:
+            table.add_column(group, justify="right")
+        for row_k in [row.k for row in sweep.overall]:
+            cells = []
+            for rows in rows_by_group.values():
+                row = next((r for r in rows if r.k == row_k), None)
+                if row is None or row.mean_acceptance_length is None:
+                    cells.append("-")
+                    continue
+                mark = "" if row.estimate == "exact" else "~"
+                tau = row.mean_acceptance_length
+                cells.append(f"{mark}{tau:.2f} / {row.speedup:.2f}x" if row.speedup is not None else f"{tau:.2f}")
+            table.add_row(str(row_k), *cells)
+        console.print(table)
+        if any(row.estimate != "exact" for row in sweep.overall):
+            console.print("~ = estimated from the largest block (block drafter); --exact-blocks runs each K.")
+    rec_table = Table(title="Recommended num_speculative_tokens")
+    for column in ("class", "K", "conservative K", "speedup", "why"):
+        rec_table.add_column(column)
+    for group, item in record.recommendation.items():
+        speedup = f"{item.speedup:.2f}x" if item.speedup else "-"
+        rec_table.add_row(group, str(item.k), str(item.conservative_k), speedup, item.reason)
+    console.print(rec_table)
+
+
+def print_check_results(results: list[CheckResult], console: Console) -> None:
+    """Print one row per check, the warn/fail findings with their evidence (never the info ones), then the verdict."""
+    table = Table(show_lines=False)
+    for column in ("status", "check", "summary", "fix"):
+        table.add_column(column, overflow="fold")
+    for result in results:
+        style = STATUS_STYLE[result.status]
+        table.add_row(f"[{style}]{result.status}[/]", result.id, escape(result.summary), escape(result.fix))
+    console.print(table)
+    for result in results:
+        for finding in result.findings:
+            if finding.severity == "info":
+                continue
+            console.print(f"[{STATUS_STYLE[finding.severity]}]{finding.severity}[/] {result.id}: {escape(finding.message)}")
+            if finding.evidence:
+                console.print(f"    evidence: {escape(finding.evidence)}", soft_wrap=True)
+    verdict = overall_status(r.status for r in results)
+    console.print(f"verdict: [{STATUS_STYLE[verdict]}]{verdict.upper()}[/]")
