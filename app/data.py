@@ -21,7 +21,7 @@ import pandas as pd
 
 from dflash_doctor.errors import UsageError
 from dflash_doctor.metrics import NUM_BOOTSTRAP_RESAMPLES, OVERALL, bootstrap_ratio, group_rng, interval, summarize, summary_group
-from dflash_doctor.schema import RUN_JSON, TABLES, read_run_meta
+from dflash_doctor.schema import RUN_JSON, TABLES, read_run_meta, run_data_files
 from dflash_doctor.status import STATUS_RANK, VERDICT_NONE, overall_status, status_counts
 
 # Folder depth searched below RUNS_DIR: runs/<name>/run.json and runs/<group>/<name>/run.json.
@@ -65,10 +65,9 @@ def find_runs(root: Path | str) -> list[Path]:
 
 
 def run_mtime_ns(run_dir: Path | str) -> int:
-    """Newest modification time of the run's files: the cache key that notices a rewritten run."""
-    run_dir = Path(run_dir)
-    times = [(run_dir / name).stat().st_mtime_ns for name in RUN_FILE_NAMES if (run_dir / name).exists()]
-    return max(times, default=0)
+    """Newest modification time of the run's files (journal included): the cache key that notices a
+    rewritten run, and a run in progress growing."""
+    return max((path.stat().st_mtime_ns for path in run_data_files(run_dir)), default=0)
 
 
 def save_upload(files: Sequence[tuple[str, bytes]], dest: Path) -> Path:

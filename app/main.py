@@ -14,9 +14,11 @@ PAGES = [
     st.Page(ui.VIEWS / "overview.py", title="Overview", icon=":material/monitor_heart:", default=True),
     st.Page(ui.VIEWS / "rejection.py", title="Rejection by class", icon=":material/bar_chart:"),
     st.Page(ui.VIEWS / "positions.py", title="Positions", icon=":material/stacked_line_chart:"),
+    st.Page(ui.VIEWS / "deviations.py", title="Deviations", icon=":material/troubleshoot:"),
     st.Page(ui.VIEWS / "tokens.py", title="Tokens", icon=":material/text_fields:"),
     st.Page(ui.VIEWS / "sweep.py", title="Sweep", icon=":material/speed:"),
     st.Page(ui.VIEWS / "compare.py", title="Compare", icon=":material/compare_arrows:"),
+    st.Page(ui.VIEWS / "production.py", title="Production", icon=":material/sensors:"),
 ]
 
 page = st.navigation(PAGES)

@@ -15,9 +15,10 @@ from pathlib import Path
 import pandas as pd
 import streamlit as st
 
-from dflash_doctor import compare
+from dflash_doctor import compare, deviations
 from dflash_doctor.app import RUNS_DIR_ENV, data
 from dflash_doctor.errors import UsageError
+from dflash_doctor.report.content import incomplete_note
 from dflash_doctor.schema import Run, load_run
 
 DEFAULT_RUNS_DIR = "runs"
@@ -137,6 +138,8 @@ def run_header(run: Run, page_title: str) -> None:
     target = (models.get("target") or {}).get("id", "?")
     draft = (models.get("draft") or {}).get("id", "?")
     st.caption(f"Run **{run.name}** · created {run.meta.get('created_at', '?')} · target `{target}` · draft `{draft}`")
+    if not run.complete:
+        st.warning(incomplete_note(run), icon=":material/hourglass_top:")
 
 
 def has_requests(run: Run) -> bool:
@@ -185,6 +188,28 @@ def request_slice(path: str, mtime_ns: int, request_id: str) -> tuple[pd.DataFra
 @st.cache_data(show_spinner="Comparing runs…", max_entries=16)
 def comparison(base_path: str, base_mtime_ns: int, new_path: str, new_mtime_ns: int, threshold_tau: float, threshold_rate: float) -> compare.Comparison:
     """`dflash-doctor compare` of two runs (same rule and bootstrap), cached per pair and thresholds."""
-    base = _load(base_path, base_mtime_ns, ("steps",))
-    new = _load(new_path, new_mtime_ns, ("steps",))
+    base = _load(base_path, base_mtime_ns, ("requests", "steps", "tokens"))  # tokens: the patterns that grew
+    new = _load(new_path, new_mtime_ns, ("requests", "steps", "tokens"))
     return compare.compare_runs(base, new, threshold_tau=threshold_tau, threshold_rate=threshold_rate)
+
+
+@st.cache_resource(show_spinner="Finding rejection patterns…", max_entries=4)
+def deviation_tables(path: str, mtime_ns: int) -> deviations.DeviationTables:
+    """The run's decided tokens and drafts (:mod:`dflash_doctor.deviations`), built once per run version.
+
+    A resource cache for the same reason as :func:`_load`: the frame has a row per decided token.
+    """
+    return deviations.run_tables(_load(path, mtime_ns, ("requests", "steps", "tokens")))
+
+
+@st.cache_data(show_spinner="Recomputing for the filter…", max_entries=64)
+def deviation_view(path: str, mtime_ns: int, classes: tuple[str, ...], categories: tuple[str, ...]) -> dict:
+    """The Deviations page's analysis for one filter: ``overall`` is the selection pooled, ``by_class``
+    each selected class (every class when none is selected), cached per filter."""
+    tables = deviation_tables(path, mtime_ns)
+    shown = classes or tuple(deviations.class_names(tables))
+    return {
+        "definitions": deviations.definitions(tables),
+        "overall": deviations.slice_summary(tables, *deviations.select(tables, classes, categories)),
+        "by_class": {cls: deviations.slice_summary(tables, *deviations.select(tables, (cls,), categories)) for cls in shown},
+    }

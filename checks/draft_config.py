@@ -6,6 +6,11 @@ layer ids, RoPE settings and mask id are only meaningful relative to one target.
 without an error and silently drafts garbage. The offset probe (fed by the engine through
 ``ctx.extras["offset_probe"]``) catches the classic off-by-one in layer ids (vLLM PR #42704,
 llama.cpp #25792): if reading layer l - 1 or l + 1 gives clearly better acceptance, the ids are shifted.
+
+Every config dialect is first normalised (:mod:`dflash_doctor.draft_formats`; an unreadable config fails
+here with the loader's sentence), then the variant rules of issue 12 apply: causal training vs how the
+engine will attend, layer ids written in another dialect's convention, a mask id that is an ordinary
+special token, a draft that ships its own lm_head / embeddings, and the draft sampling method.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ from typing import Any
 
 from dflash_doctor.checks.base import Check, CheckContext, CheckResult, Finding, config_value, register, skipped
 from dflash_doctor.checks.draft_facts import block_size, is_dflash, mask_token_id, target_layer_ids
+from dflash_doctor.draft_formats import normalise_draft_config
+from dflash_doctor.errors import UsageError
 
 # fp16 vs bf16 is a real risk (fp16 overflows where bf16 was trained); fp32 vs either is only slower.
 _HALF_DTYPES = {"float16", "bfloat16"}
@@ -72,17 +79,24 @@ class DraftConfigCheck(Check):
     def run(self, ctx: CheckContext) -> CheckResult:
         if not is_dflash(ctx):
             return skipped(self.id, "the draft is not a DFlash checkpoint (static config checks are DFlash-specific)")
-        draft, target = ctx.draft_config, ctx.target_config
+        raw, target = ctx.draft_config, ctx.target_config
+        try:
+            normalised = normalise_draft_config(raw or {}, source="the draft config")
+        except UsageError as exc:
+            return CheckResult.from_findings(self.id, [Finding("fail", str(exc), "", "fix or convert the draft config")], {}, "")
+        draft = normalised.config
         findings: list[Finding] = []
         metrics: dict[str, Any] = {
             "hidden_size": config_value(draft, "hidden_size"),
             "block_size": block_size(draft),
             "target_layer_ids": target_layer_ids(draft),
             "mask_token_id": mask_token_id(draft),
+            "dialect": normalised.dialect,
         }
         findings += self._size_findings(ctx, metrics)
         findings += self._layer_findings(draft, target)
-        findings += self._rope_dtype_findings(draft, target)
+        findings += variant_findings(ctx, raw or {}, normalised)
+        findings += self._rope_dtype_findings(raw, target)
         findings += self._block_findings(ctx, metrics)
         findings += self._offset_probe_findings(ctx, metrics)
         return CheckResult.from_findings(self.id, findings, metrics, "draft config fits the target")
@@ -183,3 +197,79 @@ class DraftConfigCheck(Check):
                             ", ".join(f"offset {k:+d}: tau {v:.2f}" for k, v in sorted(probe.items())),
                             f"shift dflash_config.target_layer_ids by {best_offset:+d} (off-by-one: vLLM PR #42704, llama.cpp #25792)")]
         return [Finding("info", "offset probe: the configured layer ids are the best", ", ".join(f"offset {k:+d}: tau {v:.2f}" for k, v in sorted(probe.items())))]
+
+
+def _engine(ctx: CheckContext) -> dict[str, Any]:
+    return ctx.engine_config or {}
+
+
+def _trained_sample_method(raw: dict[str, Any]) -> str:
+    """How the draft's own evaluation drafts under sampling: a speculators proposal type, else the
+    official ``dflash_generate`` (samples drafts from the draft distribution: ``probabilistic``)."""
+    spec = raw.get("speculators_config") or {}
+    methods = spec.get("proposal_methods") or []
+    kind = spec.get("default_proposal_method") or next((m.get("proposal_type") for m in methods if "proposal_type" in m), None)
+    if kind is None:
+        return "probabilistic"
+    return "greedy" if str(kind).lower() == "greedy" else "probabilistic"
+
+
+def variant_findings(ctx: CheckContext, raw: dict[str, Any], normalised) -> list[Finding]:
+    """Issue-12 rules: causality, layer-id convention, reserved mask row, own lm_head, draft sampling."""
+    draft = normalised.config
+    dflash = draft.get("dflash_config") or {}
+    findings: list[Finding] = []
+    # causal-trained vs served
+    top, nested = raw.get("is_causal"), dflash.get("causal")
+    if normalised.dialect != "speculators" and top is not None and nested is not None and bool(top) != bool(nested):
+        findings.append(Finding("fail", f"is_causal {top} contradicts dflash_config.causal {nested}",
+                                "vLLM obeys is_causal; the trainer that wrote dflash_config.causal meant the other",
+                                "keep the value the draft was trained with and delete the other key"))
+    elif normalised.dialect != "speculators" and nested is not None and top is None:
+        findings.append(Finding("warn", f"causality is set only by dflash_config.causal = {nested}",
+                                "vLLM honours it, but the official dflash 0.1.0 loop and engines that read only is_causal "
+                                "attend per layer type (sliding causal, full bidirectional) instead",
+                                f"also set top-level is_causal = {str(bool(nested)).lower()}"))
+    layer_types = draft.get("layer_types") or []
+    if "sliding_attention" in layer_types and "full_attention" in layer_types and _engine(ctx).get("engine") == "vllm":
+        findings.append(Finding("warn", "the draft mixes sliding and full attention layers",
+                                f"layer_types {layer_types}; vLLM refuses mixed drafts unless VLLM_USE_V2_MODEL_RUNNER=1",
+                                "serve with VLLM_USE_V2_MODEL_RUNNER=1"))
+    # layer ids written in the +1 convention
+    ids, num_layers = target_layer_ids(draft), config_value(ctx.target_config, "num_hidden_layers")
+    if normalised.layer_id_offset == 0 and ids and num_layers is not None and max(ids) == num_layers and min(ids) >= 1:
+        findings.append(Finding("fail", f"target_layer_ids {ids} look like the +1 convention (speculators aux ids, GGUF target_layers)",
+                                f"the largest id equals the target's {num_layers} layers; z-lab ids are 0..{num_layers - 1}",
+                                f"write dflash_config.target_layer_ids = {[i - 1 for i in ids]}"))
+    if normalised.layer_id_offset:
+        findings.append(Finding("info", f"{normalised.dialect} layer ids {normalised.source_layer_ids} read as {ids}",
+                                "this dialect stores layer + 1 (vLLM converts with i - 1, its PR #40727)"))
+    # the mask row must be reserved, not a token with another job
+    mask = mask_token_id(draft)
+    specials = {name: config_value(ctx.target_config, name) for name in ("eos_token_id", "pad_token_id", "bos_token_id")}
+    clash = [name for name, value in specials.items() if mask is not None and (value == mask or (isinstance(value, list) and mask in value))]
+    if clash:
+        findings.append(Finding("fail", f"mask token id {mask} is the target's {clash[0].removesuffix('_token_id')} token",
+                                "a mask row that is also a real token (often pad = eos) trains and serves differently "
+                                "(NeMo Automodel #2461)", "use a reserved, otherwise unused embedding row as the mask"))
+    # own lm_head / embeddings the engine replaces
+    shapes = ctx.extras.get("draft_weight_shapes") or {}
+    own = [name for name in ("lm_head.weight", "embed_tokens.weight") if name in shapes]
+    if own and normalised.draft_vocab_size is None:
+        findings.append(Finding("warn", f"the draft ships its own {', '.join(own)}",
+                                "DFlash engines use the target's embedding and lm_head; a draft trained with its own head "
+                                "loses acceptance when it is replaced (vllm-ascend #11374)",
+                                "check the draft was trained with the target's head, or serve it with an engine that loads its own"))
+    elif normalised.draft_vocab_size is not None:
+        findings.append(Finding("info", f"the draft predicts over its own {normalised.draft_vocab_size}-token vocabulary",
+                                "its lm_head and d2t map draft ids to target ids; other target tokens are never drafted"))
+    # draft sampling method: engine vs training
+    temperature = float(getattr(ctx.config, "temperature", 0.0) or 0.0)
+    served = _engine(ctx).get("draft_sample_method")
+    trained = _trained_sample_method(raw)
+    if served is not None and temperature > 0 and served != trained:
+        findings.append(Finding("warn", f"the engine drafts {served} but the draft was evaluated with {trained} drafts",
+                                f"at temperature {temperature:g} the draft sample method changes acceptance "
+                                "(DFlash2 tau 3.19 -> 2.66 with greedy: syv-ai/qwen38-27b-rtx3090#73)",
+                                f"set draft_sample_method = \"{trained}\" in the speculative config"))
+    return findings

@@ -133,7 +133,16 @@ def _vllm_result(speculative: dict[str, Any], attention: Any, cuda_graphs: bool,
         "attention_backend": None if attention is None else str(attention).upper(),
         "draft_attention_backend": None if attention is None else str(attention).upper(),
         "cuda_graphs": bool(cuda_graphs),
+        "draft_sample_method": _draft_sample_method(speculative.get("draft_sample_method"), source),
     }
+
+
+def _draft_sample_method(value: Any, source: str) -> str:
+    """vLLM's ``draft_sample_method``: ``greedy`` (its default) or ``probabilistic``."""
+    method = "greedy" if value is None else str(value).lower()
+    if method not in ("greedy", "probabilistic"):
+        raise UsageError(f"--engine-config {source}: draft_sample_method {value!r} is not greedy or probabilistic; fix the value.")
+    return method
 
 
 def _from_sglang_flags(flags: dict[str, Any], source: str) -> dict[str, Any]:
@@ -151,4 +160,5 @@ def _from_sglang_flags(flags: dict[str, Any], source: str) -> dict[str, Any]:
         "attention_backend": None if attention is None else str(attention).lower(),
         "draft_attention_backend": None if draft_attention is None else str(draft_attention).lower(),
         "cuda_graphs": not flags.get("disable_cuda_graph", False),
+        "draft_sample_method": "greedy",  # SGLang scores drafts by their argmax
     }

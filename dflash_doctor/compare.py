@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from dflash_doctor import figures
+from dflash_doctor import deviations, figures
 from dflash_doctor.metrics import NUM_BOOTSTRAP_RESAMPLES, OVERALL, RequestCounters, group_rng, interval, summarize, summary_group, truncate_steps
 from dflash_doctor.report.html import figure_html, plotly_js
 from dflash_doctor.report.templating import html_env, markdown_env
@@ -86,6 +86,9 @@ class Comparison:
     k_compared: int
     rows: list[MetricComparison] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # rejection patterns (target category or token pair) that cost more lost tokens per draft in NEW;
+    # informational, never a regression by itself (dflash_doctor.deviations.grown_patterns)
+    grown_patterns: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def regressions(self) -> list[MetricComparison]:
@@ -214,12 +217,21 @@ def compare_runs(
     the smaller one by truncation (tau(K) = 1 + sum_{i<K} r_i), which is exact for chain drafts and an
     estimate for DFlash blocks, and a note says so.
     """
-    base_run = base if isinstance(base, Run) else load_run(base, tables=("steps", "requests"))
-    new_run = new if isinstance(new, Run) else load_run(new, tables=("steps", "requests"))
+    if not isinstance(base, Run) and not isinstance(new, Run):
+        from dflash_doctor.telemetry.canary import compare_watch_runs, is_watch_dir
+
+        if is_watch_dir(base) and is_watch_dir(new):  # production windows: scrape intervals are the units
+            return compare_watch_runs(base, new, threshold_tau=threshold_tau, threshold_rate=threshold_rate)
+    base_run = base if isinstance(base, Run) else load_run(base)  # tokens too: the rejection patterns that grew
+    new_run = new if isinstance(new, Run) else load_run(new)
     _, k_base = _steps_at_largest_k(base_run)
     _, k_new = _steps_at_largest_k(new_run)
     k = min(k_base, k_new) if k_base and k_new else max(k_base, k_new)
     comparison = Comparison(base_run.path, new_run.path, threshold_tau, threshold_rate, k)
+    comparison.grown_patterns = deviations.grown_patterns(deviations.run_tables(base_run), deviations.run_tables(new_run))
+    for label, run in (("BASE", base_run), ("NEW", new_run)):
+        if not run.complete:
+            comparison.notes.append(f"{label} is an incomplete run (still going or stopped before it ended): only the requests it finished are compared.")
     if k_base and k_new and k_base != k_new:
         comparison.notes.append(f"BASE drafted K={k_base} and NEW K={k_new}: compared at K={k} by truncation (an estimate for DFlash drafts).")
     if not k:
@@ -245,6 +257,8 @@ def _template_context(comparison: Comparison) -> dict[str, Any]:
         "tau_rows": [r for r in rows if r["slot"] is None],
         "rate_rows": [r for r in rows if r["slot"] is not None],
         "regressions": [row.as_dict() for row in comparison.regressions],
+        "grown_patterns": comparison.grown_patterns,
+        "growth_threshold": deviations.GROWTH_MIN_LOST_PER_DRAFT,
     }
 
 

@@ -65,9 +65,15 @@ class DoctorConfig:
     chat_template: str | None = None  # a .jinja file overriding the target's template
     cost_profile: str | None = None  # TOML/JSON step times measured in a serving engine
     engine_config: str | None = None  # vLLM speculative_config JSON or SGLang launch flags
+    end_of_request: str = "vllm"  # vllm (full blocks, vLLM/SGLang) | official (dflash_generate): engine/schedule.py
     strict_classes: tuple[str, ...] = ()  # classes that get a capped K, or no speculation if it would not pay
+    engine: str | None = None  # URL of a running OpenAI-compatible server to measure (check --engine)
+    engine_model: str | None = None  # model name on that server; None = its only model
+    engine_concurrency: int = 4  # requests in flight at once against the server
+    engine_timeout_s: float = 300.0  # per-request timeout against the server
     thresholds: dict[str, Any] = field(default_factory=dict)
     checks: dict[str, dict[str, Any]] = field(default_factory=dict)  # per-check parameters
+    watch: dict[str, Any] = field(default_factory=dict)  # `watch` settings: window, baseline, thresholds (telemetry/settings.py)
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -120,11 +126,17 @@ def _validate(config: DoctorConfig) -> None:
         raise UsageError(f"--max-new-tokens {config.max_new_tokens} must be at least 1.")
     if config.max_requests is not None and config.max_requests < 1:
         raise UsageError(f"--max-requests {config.max_requests} must be at least 1.")
+    if config.engine_concurrency < 1:
+        raise UsageError(f"--engine-concurrency {config.engine_concurrency} must be at least 1.")
+    if config.engine_timeout_s <= 0:
+        raise UsageError(f"--engine-timeout {config.engine_timeout_s} must be a positive number of seconds.")
     if config.fail_on not in ("fail", "warn"):
         raise UsageError(f"--fail-on {config.fail_on!r} is not one of fail, warn; pick one.")
     if config.cost_profile is not None:
         from dflash_doctor.speedup import load_cost_profile
 
         load_cost_profile(config.cost_profile)  # a profile that does not parse fails before any model work
+    if config.end_of_request not in ("vllm", "official"):
+        raise UsageError(f"end_of_request {config.end_of_request!r} is not one of vllm, official; pick the loop you model.")
     if config.dtype not in ("float32", "bfloat16", "float16"):
         raise UsageError(f"--dtype {config.dtype!r} is not one of float32, bfloat16, float16; pick one.")

@@ -53,10 +53,12 @@ class LoadOptions:
 
 @dataclass(frozen=True)
 class Sampling:
-    """What a proposer may need to draft: the replay's temperature and its seeded generator."""
+    """What a proposer may need to draft: the replay's temperature, its seeded generator, and how the
+    modelled engine drafts under sampling (vLLM's ``draft_sample_method``: greedy | probabilistic)."""
 
     temperature: float = 0.0
     generator: torch.Generator | None = None
+    draft_sample_method: str = "greedy"
 
 
 @dataclass(frozen=True)
@@ -166,15 +168,20 @@ def _load_autoregressive(draft_dir: Path, target_dir: Path, target_config: Any, 
 
 register_draft_kind(DraftKind(
     name=DFlashProposer.kind,
-    description="DFlash block-diffusion drafter (z-lab layout: config.json with dflash_config + model.safetensors)",
+    description="DFlash block-diffusion drafter, DFlash or DFlash 2, in any dialect (z-lab, speculators, NeMo: docs/draft-formats.md)",
     detect=is_dflash_config,
     load=_load_dflash,
-    build=lambda model, target, sampling: DFlashProposer(model, target),
+    build=lambda model, target, sampling: DFlashProposer(
+        model, target, temperature=sampling.temperature, draft_sample_method=sampling.draft_sample_method, generator=sampling.generator,
+    ),
     facts=lambda model: {
         "block_size": model.config.block_size,
         "target_layer_ids": list(model.config.target_layer_ids),
         "mask_token_id": model.config.mask_token_id,
         "num_layers": model.config.num_hidden_layers,
+        "architecture": model.config.architecture,
+        "causal_layers": [model.config.layer_is_causal(i) for i in range(model.config.num_hidden_layers)],
+        "format": getattr(model, "draft_format", None),
     },
     layer_ids=lambda model: list(model.config.target_layer_ids),
     with_layer_ids=_dflash_with_layer_ids,

@@ -246,3 +246,60 @@ def compare_rates_figure(rows: Sequence[Mapping[str, Any]]) -> go.Figure:
     fig.update_xaxes(title="draft slot (x = flagged regression)", dtick=1)
     fig.update_yaxes(title="NEW - BASE acceptance rate")
     return fig
+
+
+def _deviation_series(analysis: Mapping[str, Any]) -> list[tuple[str, Mapping[str, Any]]]:
+    """(name, slice) for every class of a deviation analysis, then overall; slices with no drafts left out."""
+    by_class = analysis.get("by_class", {}) or {}
+    items = [(cls, by_class[cls]) for cls in sorted(by_class)] + [(OVERALL, analysis.get("overall", {}) or {})]
+    return [(name, s) for name, s in items if s.get("num_drafts")]
+
+
+def category_acceptance_figure(analysis: Mapping[str, Any]) -> go.Figure:
+    """Acceptance (accepted / decided) by category of the target token, one bar group per class.
+
+    ``analysis`` is :func:`dflash_doctor.deviations.analyze`'s output; hover shows each category's
+    share of the lost tokens, which is what ranks a category's importance.
+    """
+    title = "Acceptance by target-token category (accepted / decided drafted tokens)"
+    series = _deviation_series(analysis)
+    if not series:
+        return _empty(title, "No drafted tokens in this run.")
+    colors = class_colors(name for name, _ in series)
+    fig = go.Figure(layout=dict(title=title, barmode="group", yaxis=dict(title="acceptance", range=[0, 1.05], tickformat=".0%"), **_LAYOUT))
+    for name, data in series:
+        rows = data.get("categories") or []
+        fig.add_trace(go.Bar(
+            name=name, marker_color=colors[name], x=[r["category"] for r in rows], y=[r["acceptance_rate"] for r in rows],
+            customdata=[[r["num_decided"], r["share_of_lost"] or 0.0] for r in rows],
+            hovertemplate="%{x}: %{y:.1%} accepted of %{customdata[0]} decided; %{customdata[1]:.0%} of lost tokens<extra>" + name + "</extra>",
+        ))
+    return fig
+
+
+DEVIATION_AXES = {
+    "by_context_length": "context length (prompt + output tokens before the token)",
+    "by_output_position": "output position of the drafted token",
+    "by_turn": "turn index (0 = first turn)",
+}
+
+
+def acceptance_along_figure(analysis: Mapping[str, Any], key: str) -> go.Figure:
+    """Acceptance (accepted / decided) per bin of ``key`` (a :data:`DEVIATION_AXES` name), one line per class."""
+    title = f"Acceptance by {DEVIATION_AXES[key]}"
+    series = [(name, data) for name, data in _deviation_series(analysis) if data.get(key)]
+    if not series:
+        return _empty(title, "No drafted tokens in this run.")
+    colors = class_colors(name for name, _ in series)
+    labels = {str(r["bin"]) for _, data in series for r in data[key]}
+    order = sorted(labels, key=lambda label: int("".join(c for c in label.split("-")[0] if c.isdigit()) or 0))  # by lower edge
+    fig = go.Figure(layout=dict(title=title, xaxis=dict(title=DEVIATION_AXES[key], type="category", categoryorder="array", categoryarray=order),
+                                yaxis=dict(title="acceptance", range=[0, 1.05], tickformat=".0%"), **_LAYOUT))
+    for name, data in series:
+        rows = data[key]
+        fig.add_trace(go.Scatter(
+            name=name, mode="lines+markers", line=dict(color=colors[name], width=3 if name == OVERALL else 2),
+            x=[str(r["bin"]) for r in rows], y=[r["acceptance_rate"] for r in rows], customdata=[r["num_decided"] for r in rows],
+            hovertemplate="%{x}: %{y:.1%} of %{customdata} decided tokens<extra>" + name + "</extra>",
+        ))
+    return fig

@@ -77,7 +77,7 @@ def _convert_gguf(gguf_path: Path) -> Path:
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, torch_dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
     except Exception as exc:  # noqa: BLE001 - any parser failure means the same thing to the user
         raise UsageError(f"{gguf_path} could not be read as a GGUF model ({type(exc).__name__}: {exc}); pass a valid .gguf file.") from None
     # The weights are already dequantised to float32; drop the GGUF marker so they save as plain safetensors.
@@ -135,8 +135,9 @@ def read_config(model_dir: Path) -> dict[str, Any]:
 
 
 def is_dflash_config(config: dict[str, Any]) -> bool:
-    """A DFlash checkpoint names DFlashDraftModel or carries a ``dflash_config`` table."""
-    return "dflash_config" in config or any("DFlash" in a for a in config.get("architectures") or [])
+    """A DFlash checkpoint names a DFlash architecture, carries ``dflash_config`` or is a speculators DFlash."""
+    return ("dflash_config" in config or any("DFlash" in a for a in config.get("architectures") or [])
+            or config.get("speculators_model_type") in ("dflash", "dflash2"))
 
 
 def fingerprint(model_dir: Path) -> str:
@@ -179,34 +180,67 @@ def load_causal_lm(model_dir: Path, *, dtype: str = "float32", device: str = "cp
 
 
 def load_dflash_draft(model_dir: Path, *, dtype: str = "float32", device: str = "cpu"):
-    """Build :class:`DFlashDraftModel` from config.json and load its safetensors (unprefixed or ``model.``)."""
+    """Build the DFlash module of a checkpoint in any dialect (:mod:`dflash_doctor.draft_formats`) and load
+    its safetensors (unprefixed or ``model.``). The dialect facts land on ``model.draft_format``."""
     from safetensors.torch import load_file
 
-    from dflash_doctor.engine.dflash_model import DFlashConfig, DFlashDraftModel
+    from dflash_doctor.draft_formats import normalise_draft_config
+    from dflash_doctor.engine.dflash2_model import CHECKPOINT_KEY_RENAMES
+    from dflash_doctor.engine.dflash_model import DFlashConfig
 
-    cfg = DFlashConfig.from_dict(read_config(model_dir), source=str(model_dir / "config.json"))
+    source = str(model_dir / "config.json")
+    normalised = normalise_draft_config(read_config(model_dir), source=source)
+    cfg = DFlashConfig.from_dict(normalised.config, source=source)
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise UsageError(f"{model_dir} has no .safetensors weights; a DFlash draft needs model.safetensors next to config.json.")
     state: dict[str, torch.Tensor] = {}
     for file in files:
         for key, tensor in load_file(file).items():
-            state[key.removeprefix("model.")] = tensor
+            key = key.removeprefix("model.")
+            state[CHECKPOINT_KEY_RENAMES.get(key, key)] = tensor
+    return build_dflash_draft(cfg, state, normalised, str(model_dir), dtype=dtype, device=device)
+
+
+#: Tensors some dialects ship that the engine replaces with the target's (speculators, NeMo exports).
+SHARED_WITH_TARGET = ("embed_tokens.weight", "lm_head.weight")
+
+
+def build_dflash_draft(cfg, state: dict[str, torch.Tensor], normalised, where: str, *, dtype: str = "float32", device: str = "cpu"):
+    """The module for ``cfg`` with ``state`` loaded; a draft-vocabulary head (``d2t``) is wired when the
+    dialect says the draft predicts over its own vocabulary, other own embeddings/heads are dropped
+    (recorded in ``draft_format["ships_own"]``: the engine uses the target's)."""
+    from dflash_doctor.engine.dflash2_model import draft_model_class
+
     fc = state.get("fc.weight")
     expected_width = len(cfg.target_layer_ids) * cfg.hidden_size
     if fc is not None and tuple(fc.shape) != (cfg.hidden_size, expected_width):
         raise UsageError(
-            f"{model_dir}: fc.weight is {tuple(fc.shape)} but len(target_layer_ids) x hidden_size = "
+            f"{where}: fc.weight is {tuple(fc.shape)} but len(target_layer_ids) x hidden_size = "
             f"{len(cfg.target_layer_ids)} x {cfg.hidden_size} needs ({cfg.hidden_size}, {expected_width}); "
             "fix dflash_config.target_layer_ids to the layers the draft was trained on."
         )
-    model = DFlashDraftModel(cfg)
+    model = draft_model_class(cfg)(cfg)
+    ships_own = [key for key in SHARED_WITH_TARGET if key in state]
+    draft_to_target = state.pop("d2t", None)
+    state.pop("t2d", None)
+    if normalised.draft_vocab_size is not None:
+        if "lm_head.weight" not in state or draft_to_target is None:
+            raise UsageError(f"{where}: draft_vocab_size {normalised.draft_vocab_size} needs lm_head.weight and d2t in the weights; pass the full speculators checkpoint.")
+        draft_head = state.pop("lm_head.weight")
+        ships_own.remove("lm_head.weight")
+    for key in SHARED_WITH_TARGET:
+        state.pop(key, None)
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise UsageError(
-            f"{model_dir}: the weights do not match the DFlash layout (missing {missing[:3]}, unexpected {unexpected[:3]}); "
-            "pass a checkpoint in the z-lab layout."
+            f"{where}: the weights do not match the {cfg.architecture} layout (missing {missing[:3]}, unexpected {unexpected[:3]}); "
+            "pass a DFlash checkpoint whose weights match its config.json."
         )
+    if normalised.draft_vocab_size is not None:  # target id = draft id + d2t[draft id] (speculators / EAGLE-3)
+        offsets = draft_to_target.long()
+        model.use_draft_vocabulary(draft_head, torch.arange(offsets.numel()) + offsets)
+    model.draft_format = {**normalised.facts(), "ships_own": ships_own}
     return model.to(device=device, dtype=torch_dtype(dtype)).eval()
 
 

@@ -8,6 +8,7 @@ run.json keeps about each model. A pair that cannot work is refused here, before
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,8 @@ from typing import Any
 import torch
 
 from dflash_doctor.config import DoctorConfig
+from dflash_doctor.deviations import TokenCategories
+from dflash_doctor.draft_formats import refuse_gguf_dflash
 from dflash_doctor.draft_kinds import DraftKind, LoadOptions, Sampling, get_draft_kind, resolve_draft_kind
 from dflash_doctor.engine.proposers.base import Proposer
 from dflash_doctor.engine.target import TargetModel
@@ -65,6 +68,11 @@ class Pair:
     chat_template: str | None = None
     sampling: Sampling = Sampling()
     _token_text: dict[int, str] = field(default_factory=dict, repr=False)
+
+    @functools.cached_property
+    def token_category(self) -> TokenCategories:
+        """Category of a token id from the tokenizer's own pieces (recorded, so views need no tokenizer)."""
+        return TokenCategories(self.tokenizer)
 
     def decode_token(self, token_id: int) -> str:
         """One token's text, memoised (views show tokens without loading a tokenizer)."""
@@ -132,6 +140,15 @@ class Pair:
         )
 
 
+def draft_sample_method(config: DoctorConfig) -> str:
+    """How the modelled engine drafts under sampling: the --engine-config's, else vLLM's default ``greedy``."""
+    if not config.engine_config:
+        return "greedy"
+    from dflash_doctor.checks.engine_config import parse_engine_config
+
+    return parse_engine_config(config.engine_config)["draft_sample_method"]
+
+
 def load_pair(config: DoctorConfig) -> Pair:
     """Load the configured pair (the built-in demo pair when no model flags are given)."""
     from transformers import AutoTokenizer
@@ -145,6 +162,7 @@ def load_pair(config: DoctorConfig) -> Pair:
     if config.draft is None and not (DEMO_DRAFT_DIR / "config.json").is_file():
         raise UsageError(f"the built-in demo draft is missing from {DEMO_DRAFT_DIR}; reinstall dflash-doctor or pass --draft.")
     target_dir = resolve_model_dir(target_spec)
+    refuse_gguf_dflash(draft_spec)
     draft_dir = resolve_model_dir(draft_spec)
     draft_config = read_config(draft_dir)
     kind = resolve_draft_kind(config.draft_kind, draft_config, draft_spec)
@@ -153,7 +171,7 @@ def load_pair(config: DoctorConfig) -> Pair:
     options = LoadOptions(dtype=config.dtype, device=config.device, trust_remote_code=config.trust_remote_code)
     draft_model = kind.load(draft_dir, target_dir, target_model.config, options)
     target = TargetModel(target_model)
-    sampling = Sampling(temperature=config.temperature)
+    sampling = Sampling(temperature=config.temperature, draft_sample_method=draft_sample_method(config))
     target_info = ModelInfo(
         id=target_spec, revision_or_hash=fingerprint(target_dir), dtype=config.dtype, device=config.device, kind="target",
         facts={
@@ -165,7 +183,7 @@ def load_pair(config: DoctorConfig) -> Pair:
     )
     draft_info = ModelInfo(
         id=draft_spec, revision_or_hash=fingerprint(draft_dir), dtype=config.dtype, device=config.device, kind=kind.name,
-        facts=kind.facts(draft_model),
+        facts={**kind.facts(draft_model), "draft_sample_method": sampling.draft_sample_method},
     )
     return Pair(
         target=target,

@@ -20,7 +20,9 @@ from pathlib import Path
 from typing import Any, Callable, ContextManager, Sequence
 
 
+from dflash_doctor import deviations
 from dflash_doctor.config import DoctorConfig
+from dflash_doctor.engine.schedule import end_of_request
 from dflash_doctor.environment import collect_environment
 from dflash_doctor.metrics import summarize
 from dflash_doctor.pair import Pair, load_pair
@@ -39,6 +41,7 @@ class Outcome:
 
     run_dir: Path
     record: RunRecord
+    why_rejected: dict[str, Any] | None = None  # `check`'s deviation analysis (dflash_doctor.deviations), for the terminal
 
 
 def default_run_dir(command: str) -> Path:
@@ -104,7 +107,7 @@ def run_replay(config: DoctorConfig, *, progress: ProgressFactory = _no_progress
     with RunWriter(run_dir, record.to_json()) as writer:
         with progress(sum(r.num_turns for r in requests)) as on_turn:
             replay = replay_live(pair, requests, k=k, max_new_tokens=config.max_new_tokens, temperature=config.temperature,
-                                 seed=config.seed, writer=writer, progress=on_turn)
+                                 seed=config.seed, writer=writer, progress=on_turn, convention=end_of_request(config.end_of_request))
         _summarize(record, replay, config.seed)
         _finish(writer, record, replay)
     return Outcome(run_dir, record)
@@ -131,7 +134,8 @@ def _teacher(pair: Pair, requests: Sequence[Request], config: DoctorConfig, exac
              progress: ProgressFactory) -> Replay:
     with progress(sum(r.num_turns for r in requests)) as on_turn:
         return replay_teacher(pair, requests, ks=config.k, max_new_tokens=config.max_new_tokens, temperature=config.temperature,
-                              seed=config.seed, exact_blocks=exact_blocks, writer=writer, progress=on_turn)
+                              seed=config.seed, exact_blocks=exact_blocks, writer=writer, progress=on_turn,
+                              convention=end_of_request(config.end_of_request))
 
 
 def run_check(config: DoctorConfig, *, scenario=None, only: Sequence[str] = (), skip: Sequence[str] = (),
@@ -161,7 +165,7 @@ def run_check(config: DoctorConfig, *, scenario=None, only: Sequence[str] = (), 
     tokens = TABLES["tokens"]  # token rows are never held in memory: the report's token viewer reads them back
     run = Run(run_dir, record, replay.requests_frame(), replay.steps_frame(), _read_table(run_dir, "tokens", tokens))
     render_reports(run)
-    return Outcome(run_dir, record)
+    return Outcome(run_dir, record, deviations.analyze_run(run))
 
 
 def _read_table(run_dir: Path, name: str, schema) -> "Any":
@@ -223,5 +227,15 @@ def check_context(pair: Pair, requests: Sequence[Request], config: DoctorConfig,
         run_meta=record.to_json(),
         config=config,
         extras={**probes, "output_token_ids": [t for row in replay.request_rows for t in row["output_token_ids"]],
-                "served_k": record.meta.served_k},
+                "served_k": record.meta.served_k, "draft_weight_shapes": draft_weight_shapes(pair.draft_dir)},
     )
+
+
+def draft_weight_shapes(draft_dir: Path) -> dict[str, list[int]]:
+    """Tensor shapes of the draft's safetensors (headers only), for draft-config's fc / own-head rules."""
+    from dflash_doctor.checks.draft_config import read_safetensors_shapes
+
+    shapes: dict[str, list[int]] = {}
+    for file in sorted(Path(draft_dir).glob("*.safetensors")):
+        shapes.update({name.removeprefix("model."): shape for name, shape in read_safetensors_shapes(file).items()})
+    return shapes

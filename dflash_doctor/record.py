@@ -186,13 +186,17 @@ class PromptFormat:
 @dataclass
 class Probes:
     """Measurements beyond the replay that checks judge: lossless decoding, the layer-offset probe
-    ({offset: tau} and the drafts behind offset 0), the prompt format, the served target's weights."""
+    ({offset: tau} and the drafts behind offset 0), the prompt format, the served target's weights,
+    and the serving engine vs the embedded replay."""
 
     lossless: LosslessProbe | None = None
     offset_probe: dict[int, float] | None = None
     offset_probe_drafts: int | None = None
     prompt_format: PromptFormat | None = None
     target_weights_fingerprint: str | None = None
+    # `check --engine` with a local pair: the server against the embedded replay of the same turns
+    # (dflash_doctor/serving/agreement.py summarize_agreement; judged by the engine-agreement check)
+    engine_agreement: dict[str, Any] | None = None
 
 
 @dataclass

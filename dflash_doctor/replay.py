@@ -14,6 +14,7 @@ in the tables and in the returned :class:`Replay` (``interrupted``).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -23,8 +24,8 @@ import torch
 
 from dflash_doctor.engine.batched import generate_greedy_batch
 from dflash_doctor.engine.live import GenerationResult, plain_generate, speculative_generate
+from dflash_doctor.engine.schedule import CONVENTIONS, EndOfRequest
 from dflash_doctor.engine.teacher import TeacherSequence, slot_table, token_rows, walk_schedule
-from dflash_doctor.draft_kinds import Sampling
 from dflash_doctor.pair import Pair
 from dflash_doctor.schema import REQUESTS_SCHEMA, STEPS_SCHEMA, RequestRow, RunWriter, StepRow, TokenRow, as_row
 from dflash_doctor.turns import PendingTurn, Turn, run_turns
@@ -85,7 +86,8 @@ def _rows(pair: Pair, turn: Turn) -> tuple[dict[str, Any], list[dict[str, Any]],
     step_rows = [as_row(StepRow(request_id=turn.key, request_class=cls, **s)) for s in result.steps]
     token_rows_ = [
         as_row(TokenRow(request_id=turn.key, request_class=cls, **t,
-                        draft_text=pair.decode_token(t["draft_token"]), target_text=pair.decode_token(t["target_token"])))
+                        draft_text=pair.decode_token(t["draft_token"]), target_text=pair.decode_token(t["target_token"]),
+                        draft_category=pair.token_category(t["draft_token"]), target_category=pair.token_category(t["target_token"])))
         for t in result.tokens
     ]
     return as_row(request_row), step_rows, token_rows_
@@ -113,15 +115,16 @@ def _stream(pair: Pair, turns, writer: RunWriter, replay: Replay, progress: Prog
 
 
 def replay_live(pair: Pair, requests: Sequence[Request], *, k: int, max_new_tokens: int, temperature: float, seed: int,
-                writer: RunWriter, progress: Progress | None = None) -> Replay:
+                writer: RunWriter, progress: Progress | None = None, convention: EndOfRequest = CONVENTIONS["vllm"]) -> Replay:
     """Every turn through the live speculative loop at ``k`` drafted tokens per step."""
     generator = torch.Generator(device=pair.target.device).manual_seed(seed)
-    pair = pair.with_sampling(Sampling(temperature=temperature, generator=generator))
+    pair = pair.with_sampling(dataclasses.replace(pair.sampling, temperature=temperature, generator=generator))
 
     def generate(pending: Sequence[PendingTurn]) -> list[GenerationResult]:
         return [
             speculative_generate(pair.target, pair.proposer, torch.tensor(p.prompt_ids, device=pair.target.device), k=k,
-                                 max_new_tokens=p.max_new_tokens, temperature=temperature, stop_ids=pair.stop_ids, generator=generator)
+                                 max_new_tokens=p.max_new_tokens, temperature=temperature, stop_ids=pair.stop_ids, generator=generator,
+                                 convention=convention)
             for p in pending
         ]
 
@@ -156,7 +159,8 @@ def _continuations(pair: Pair, temperature: float, generator: torch.Generator):
 
 @torch.inference_mode()
 def replay_teacher(pair: Pair, requests: Sequence[Request], *, ks: tuple[int, ...], max_new_tokens: int, temperature: float,
-                   seed: int, exact_blocks: bool, writer: RunWriter, progress: Progress | None = None) -> Replay:
+                   seed: int, exact_blocks: bool, writer: RunWriter, progress: Progress | None = None,
+                   convention: EndOfRequest = CONVENTIONS["vllm"]) -> Replay:
     """Teacher-forced replay for every K in ``ks``: the run directory holds the steps and tokens of the
     largest K; :attr:`Replay.steps_by_k` holds the steps of every K for the sweep.
 
@@ -183,14 +187,15 @@ def replay_teacher(pair: Pair, requests: Sequence[Request], *, ks: tuple[int, ..
         for block_k in sorted(block_passes, reverse=True):
             tables[block_k], target_pass = slot_table(
                 pair.target, pair.proposer, sequence, block_k, temperature=temperature,
-                record_divergence=block_k == k_max, target_pass=target_pass,
+                record_divergence=block_k == k_max, target_pass=target_pass, max_new_tokens=turn.max_new_tokens,
+                convention=convention,
             )
         for k in ks:
             table = tables.get(k, tables[k_max])
             matches = table.matches[:, :k]
             if table.accept_probs is not None:
                 matches = np.cumprod(walk_rng.random(matches.shape) < table.accept_probs[:, :k], axis=1).astype(bool)
-            steps = walk_schedule(matches, result.output_ids, k, turn.max_new_tokens, pair.stop_ids)
+            steps = walk_schedule(matches, result.output_ids, k, turn.max_new_tokens, pair.stop_ids, convention)
             replay.steps_by_k[k].extend({"request_id": turn.key, "class": turn.request.request_class, **s} for s in steps)
             if k == k_max:
                 result.steps = [{**s, "draft_time_s": float("nan"), "verify_time_s": float("nan")} for s in steps]

@@ -3,7 +3,8 @@
 A run directory holds ``run.json`` (metadata, checks, summary, recommendation) and three Parquet tables
 (``requests``, ``steps``, ``tokens``) whose columns are fixed here. It is versioned by
 ``schema_version`` and loads without pickle. The engine streams rows into it through
-:class:`RunWriter`, so an interrupted run keeps every request it finished.
+:class:`RunWriter`, so a run stopped in any way (Ctrl-C, ``kill -9``, out of memory) keeps every request
+it finished, readable by every view, also while it is still going.
 
 Column conventions (shapes and units live in the names):
 
@@ -19,12 +20,14 @@ import dataclasses
 import datetime as _dt
 import json
 import math
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
 import pandas as pd
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from dflash_doctor.errors import UsageError
@@ -104,8 +107,11 @@ class TokenRow:
     kl_target_draft: float = _column(pa.float32())
     total_variation: float = _column(pa.float32())
     target_entropy: float = _column(pa.float32())
+    target_top1_margin: float = _column(pa.float32())  # p1 - p2 of the target at T = 1: a miss near a tie is irreducible
     draft_topk_ids: list[int] = _column(pa.list_(pa.int32()))
     target_topk_ids: list[int] = _column(pa.list_(pa.int32()))
+    target_category: str = _column(pa.string())  # dflash_doctor.deviations.CATEGORIES, from the target tokenizer's pieces
+    draft_category: str = _column(pa.string())  # the same for the drafted token
 
 
 REQUESTS_SCHEMA = arrow_schema(RequestRow)
@@ -154,46 +160,77 @@ def write_run_json(run_dir: Path, meta: dict[str, Any]) -> Path:
     return path
 
 
+JOURNAL_DIR = "journal"
+# The order a finished request's rows are appended in: its requests row last, so that row is the commit
+# mark of its steps and tokens (a reader keeps steps/tokens only of requests it has a row for).
+JOURNAL_ORDER = ("steps", "tokens", "requests")
+
+
+def journal_path(run_dir: Path, table: str) -> Path:
+    """The append-only journal of one table: an Arrow IPC stream, one record batch per finished request."""
+    return run_dir / JOURNAL_DIR / f"{table}.arrows"
+
+
+def run_data_files(run_dir: Path | str) -> list[Path]:
+    """The files a run's content lives in right now (run.json, the tables or their journal)."""
+    run_dir = Path(run_dir)
+    names = [run_dir / RUN_JSON, *(run_dir / f"{name}.parquet" for name in TABLES)]
+    names += [journal_path(run_dir, name) for name in TABLES]
+    return [path for path in names if path.is_file()]
+
+
 class RunWriter:
     """Streams request, step and token rows into the run directory as requests finish.
 
-    Rows are buffered per request and flushed as one Parquet row group, so a Ctrl-C between
-    requests loses nothing that finished; :meth:`close` finalises the files and ``run.json``.
+    Parquet only becomes readable when its footer is written at close, so rows first go to an
+    append-only journal (``journal/<table>.arrows``, Arrow IPC streams, one record batch per finished
+    request, written through to the OS at every :meth:`flush`). A run killed hard (``kill -9``, out of
+    memory) or still going therefore stays readable up to its last finished request (:func:`load_run`
+    reads the journal). :meth:`close` consolidates the journal into the three Parquet files, removes
+    it and rewrites ``run.json``; ``run.json`` is written at the start, so a run is listed and opened
+    from its first second.
     """
 
     def __init__(self, run_dir: Path | str, meta: dict[str, Any]):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.meta = meta
-        self._writers: dict[str, pq.ParquetWriter] = {}
         self._buffers: dict[str, list[dict[str, Any]]] = {name: [] for name in TABLES}
+        # A folder reused by --out must not mix an earlier run's rows into this one.
+        shutil.rmtree(self.run_dir / JOURNAL_DIR, ignore_errors=True)
+        for name in TABLES:
+            (self.run_dir / f"{name}.parquet").unlink(missing_ok=True)
+        (self.run_dir / JOURNAL_DIR).mkdir()
+        self._sinks = {name: pa.OSFile(str(journal_path(self.run_dir, name)), "wb") for name in TABLES}
+        self._streams = {name: pa.ipc.new_stream(self._sinks[name], TABLES[name]) for name in TABLES}
         write_run_json(self.run_dir, meta)
 
     def add(self, table: str, rows: Iterable[dict[str, Any]]) -> None:
         self._buffers[table].extend(rows)
 
     def flush(self) -> None:
-        """Write buffered rows as a row group of each table."""
-        for name, rows in self._buffers.items():
+        """Append the buffered rows to the journal (call it once per finished request)."""
+        for name in JOURNAL_ORDER:
+            rows = self._buffers[name]
             if not rows:
                 continue
-            batch = pa.Table.from_pylist(rows, schema=TABLES[name])
-            writer = self._writers.get(name)
-            if writer is None:
-                writer = pq.ParquetWriter(self.run_dir / f"{name}.parquet", TABLES[name])
-                self._writers[name] = writer
-            writer.write_table(batch)
+            self._streams[name].write_batch(pa.RecordBatch.from_pylist(rows, schema=TABLES[name]))
+            self._sinks[name].flush()
             rows.clear()
 
     def close(self) -> None:
-        """Flush, close the Parquet files (creating empty ones for tables with no rows) and write run.json."""
+        """Flush, consolidate the journal into the Parquet files (atomically, each via a temporary
+        file), remove the journal and write run.json."""
         self.flush()
-        for name, schema in TABLES.items():
-            writer = self._writers.pop(name, None)
-            if writer is not None:
-                writer.close()
-            elif not (self.run_dir / f"{name}.parquet").exists():
-                pq.write_table(schema.empty_table(), self.run_dir / f"{name}.parquet")
+        for name in TABLES:
+            self._streams[name].close()
+            self._sinks[name].close()
+        for name, table in read_journal(self.run_dir).items():
+            path = self.run_dir / f"{name}.parquet"
+            tmp = path.with_name(path.name + ".tmp")
+            pq.write_table(table, tmp)
+            tmp.replace(path)
+        shutil.rmtree(self.run_dir / JOURNAL_DIR)
         write_run_json(self.run_dir, self.meta)
 
     def __enter__(self) -> "RunWriter":
@@ -203,16 +240,52 @@ class RunWriter:
         self.close()
 
 
+def _read_stream(path: Path, schema: pa.Schema) -> pa.Table:
+    """Every complete record batch of a journal file; a batch cut short by a kill (or still being
+    written) ends the read instead of failing it."""
+    batches: list[pa.RecordBatch] = []
+    try:
+        reader = pa.ipc.open_stream(pa.py_buffer(path.read_bytes()))
+        while True:
+            batches.append(reader.read_next_batch())
+    except StopIteration:
+        pass
+    except (pa.ArrowInvalid, OSError):
+        pass  # a torn last batch, or not even the schema yet: keep what was complete
+    return pa.Table.from_batches(batches, schema=schema)
+
+
+def read_journal(run_dir: Path) -> dict[str, pa.Table]:
+    """The journal's tables, consistent across tables: steps and tokens only of committed requests.
+
+    ``requests`` is read first: a request row is appended after its steps and tokens, so whatever the
+    writer does meanwhile, every request read here has all of its rows in the other two files.
+    """
+    requests = _read_stream(journal_path(run_dir, "requests"), REQUESTS_SCHEMA)
+    committed = requests.column("request_id")
+    tables = {"requests": requests}
+    for name in ("steps", "tokens"):
+        table = _read_stream(journal_path(run_dir, name), TABLES[name])
+        tables[name] = table.filter(pc.is_in(table.column("request_id"), value_set=committed))
+    return tables
+
+
 @dataclass
 class Run:
     """A loaded run directory: the typed :class:`RunRecord` (run.json) and the tables as pandas frames
-    (possibly empty)."""
+    (possibly empty).
+
+    ``complete`` is False for a run read from its journal: still going, or stopped before it finished
+    (killed, out of memory); its tables hold every request finished so far and, when run.json has no
+    summary yet, the record's summary is computed from them.
+    """
 
     path: Path
     record: RunRecord
     requests: pd.DataFrame = field(repr=False)
     steps: pd.DataFrame = field(repr=False)
     tokens: pd.DataFrame = field(repr=False)
+    complete: bool = True
 
     @property
     def name(self) -> str:
@@ -246,9 +319,15 @@ def read_run_meta(run_dir: Path | str) -> dict[str, Any]:
 
 
 def load_run(run_dir: Path | str, tables: Iterable[str] = tuple(TABLES)) -> Run:
-    """Load run.json and the requested tables; a missing table loads as an empty frame."""
-    run_dir = Path(run_dir)
+    """Load run.json and the requested tables; a missing table loads as an empty frame.
+
+    A run whose journal is still there (in progress, or killed before it closed) loads from the journal
+    up to its last finished request and comes back with ``complete=False``.
+    """
+    run_dir, tables = Path(run_dir), tuple(tables)
     meta = read_run_meta(run_dir)
+    if (run_dir / JOURNAL_DIR).is_dir():
+        return _load_incomplete(run_dir, meta)
     frames: dict[str, pd.DataFrame] = {}
     for name, schema in TABLES.items():
         path = run_dir / f"{name}.parquet"
@@ -257,3 +336,16 @@ def load_run(run_dir: Path | str, tables: Iterable[str] = tuple(TABLES)) -> Run:
         else:
             frames[name] = schema.empty_table().to_pandas()
     return Run(path=run_dir, record=RunRecord.from_json(meta), **frames)
+
+
+def _load_incomplete(run_dir: Path, meta: dict[str, Any]) -> Run:
+    """A run read from its journal, every table (the journal is read whole anyway); its summary is
+    computed from the finished requests (run.json gets one only when the run ends), so every view shows
+    what was measured so far."""
+    from dflash_doctor.metrics import summarize
+
+    frames = {name: table.to_pandas() for name, table in read_journal(run_dir).items()}
+    if not (meta.get("summary") or {}).get("overall"):
+        seed = (meta.get("config") or {}).get("seed", 0)
+        meta = {**meta, "summary": summarize(frames["steps"], frames["requests"], seed=seed)}
+    return Run(path=run_dir, record=RunRecord.from_json(meta), complete=False, **frames)

@@ -387,7 +387,7 @@ def block_loss(draft: DFlashDraftModel, target_model: torch.nn.Module, token_ids
     """
     block_size = draft.config.block_size
     n, width = token_ids.shape
-    hidden = draft_block_hidden(draft, target_model.get_input_embeddings(), token_ids, context_kv_for(draft, features),
+    hidden = draft_block_hidden(draft, target_model.get_input_embeddings().weight, token_ids, context_kv_for(draft, features),
                                 anchors, anchor_valid, block_size)  # [N, A, B, H]
     label_positions = anchors[:, :, None] + torch.arange(1, block_size, device=anchors.device)  # [N, A, B-1]
     label_valid = anchor_valid[:, :, None] & (label_positions < lengths[:, None, None])

@@ -35,7 +35,7 @@ def block_mask(anchors: torch.Tensor, anchor_valid: torch.Tensor, context_length
 
 def draft_block_hidden(
     draft: DFlashDraftModel,
-    embed: torch.nn.Module,
+    embedding_weight: torch.Tensor,  # [V, H] the target's input embedding matrix
     token_ids: torch.Tensor,  # [N, T] the known sequences (padded)
     ctx_kv: list[tuple[torch.Tensor, torch.Tensor]],  # per layer [N, kvh, T, D], from draft.context_kv
     anchors: torch.Tensor,  # [N, A]
@@ -49,10 +49,10 @@ def draft_block_hidden(
     block_tokens = torch.full((n, a, block_size), draft.config.mask_token_id, dtype=torch.long, device=device)
     block_tokens[:, :, 0] = token_ids.gather(1, anchors.clamp(0, t - 1))
     positions = anchors[:, :, None] + torch.arange(block_size, device=device)  # [N, A, B]
-    embeds = embed(block_tokens.view(n, a * block_size)).to(draft.fc.weight.dtype)
+    embeds = draft.embed_block(embedding_weight, block_tokens.view(n, a * block_size))
     ctx_positions = torch.arange(t, device=device)[None].expand(n, -1)
     mask = block_mask(anchors, anchor_valid, t, block_size)
-    hidden = draft(embeds, positions.view(n, a * block_size), ctx_kv, ctx_positions, mask)
+    hidden = draft(embeds, positions.view(n, a * block_size), ctx_kv, ctx_positions, mask, block_length=block_size)
     return hidden.view(n, a, block_size, -1)
 
 

@@ -7,8 +7,16 @@ No remote code: the z-lab checkpoint layout (``config.json`` + safetensors) load
 Conditioning ("KV injection"): hidden states of ``target_layer_ids`` (HF ``hidden_states[l + 1]``) are
 concatenated and fused once, ``ctx = hidden_norm(fc(cat(h_l)))``. Every layer projects that same ``ctx``
 with its own ``k_proj``/``v_proj`` (K gets ``k_norm`` and RoPE at the context's absolute positions);
-queries come only from the block. Keys/values are ``cat([ctx_kv, block_kv])`` and attention inside a
-block is bidirectional. Output slot ``j`` of a block predicts the token AT ``start + j`` (no shift).
+queries come only from the block. Keys/values are ``cat([ctx_kv, block_kv])``. Output slot ``j`` of a
+block predicts the token AT ``start + j`` (no shift).
+
+Attention inside a block follows the official code (PyPI ``dflash`` 0.1.0 ``dflash/model.py`` and vLLM's
+``qwen3_dflash.py``): a layer is bidirectional unless it is *causal*, which is the all-layer override
+(top-level ``is_causal``, else ``dflash_config.causal``) or, without one, ``layer_types[i] ==
+"sliding_attention"``. Sliding layers also drop keys ``sliding_window`` or more positions away (in both
+directions when the layer is bidirectional). ``input_embedding_scale`` scales the block embeddings (raw
+rows of the target's embedding matrix); ``output_multiplier`` and ``final_logit_softcapping`` act on the
+draft logits. :mod:`dflash_doctor.engine.dflash2_model` adds the DFlash 2 convolutions and selector.
 """
 
 from __future__ import annotations
@@ -59,6 +67,16 @@ class DFlashConfig:
     sliding_window: int | None = None
     attention_bias: bool = False
     tie_word_embeddings: bool = False
+    is_causal: bool | None = None  # all-layer override (top-level is_causal, else dflash_config.causal)
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+    # DFlash 2 (architecture DFlash2DraftModel): per-layer convolutions and the candidate selector.
+    architecture: str = "DFlashDraftModel"
+    conv_kernel_size: int | None = None
+    conv_group_size: int | None = None
+    selector_rank: int | None = None
+    selector_top_k: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # keys we carry but do not interpret
 
     def __post_init__(self) -> None:
@@ -66,6 +84,15 @@ class DFlashConfig:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.layer_types is None:
             self.layer_types = ["full_attention"] * self.num_hidden_layers
+
+    def layer_is_causal(self, index: int) -> bool:
+        """vLLM's rule (``_dflash_layer_causal``): the all-layer override, else sliding layers are causal."""
+        if self.is_causal is not None:
+            return bool(self.is_causal)
+        return self.layer_types[index] == "sliding_attention"
+
+    def layer_window(self, index: int) -> int | None:
+        return self.sliding_window if self.layer_types[index] == "sliding_attention" else None
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> "DFlashConfig":
@@ -89,6 +116,13 @@ class DFlashConfig:
             layer_ids = default_target_layer_ids(int(num_target_layers), int(raw["num_hidden_layers"]))
         known = {f for f in cls.__dataclass_fields__ if f != "extra"}
         values = {k: raw[k] for k in known if k in raw}
+        for key in _DFLASH_CONFIG_KEYS:  # the official _draft_value: dflash_config first, then top level
+            if key in dflash:
+                values[key] = dflash[key]
+        causal = raw.get("is_causal", dflash.get("causal"))  # vLLM: top-level is_causal beats dflash_config.causal
+        values["is_causal"] = None if causal is None else bool(causal)
+        architectures = raw.get("architectures") or ["DFlashDraftModel"]
+        values["architecture"] = "DFlash2DraftModel" if "DFlash2DraftModel" in architectures else "DFlashDraftModel"
         values.update(
             block_size=int(block_size),
             mask_token_id=int(mask_token_id),
@@ -118,6 +152,7 @@ class DFlashConfig:
             max_position_embeddings=self.max_position_embeddings,
             layer_types=self.layer_types,
             sliding_window=self.sliding_window,
+            use_sliding_window=self.sliding_window is not None,  # Qwen3Config drops the window without it
             attention_bias=self.attention_bias,
             tie_word_embeddings=self.tie_word_embeddings,
             hidden_act="silu",
@@ -125,7 +160,22 @@ class DFlashConfig:
             num_target_layers=self.num_target_layers,
             dflash_config={"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)},
         )
+        out["architectures"] = [self.architecture]
+        for key in _DFLASH_CONFIG_KEYS:
+            value = getattr(self, key)
+            if value is not None and value != _DEFAULTS.get(key):
+                out["dflash_config"][key] = value
+        if self.is_causal is not None:
+            out["is_causal"] = self.is_causal
         return out
+
+
+#: Keys read from ``dflash_config`` (falling back to the top level), as the official ``_draft_value`` does.
+_DFLASH_CONFIG_KEYS = (
+    "input_embedding_scale", "output_multiplier", "final_logit_softcapping",
+    "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k",
+)
+_DEFAULTS = {"input_embedding_scale": 1.0, "output_multiplier": 1.0}
 
 
 class RMSNorm(nn.Module):
@@ -203,6 +253,9 @@ class DFlashAttention(nn.Module):
 
 
 class DFlashLayer(nn.Module):
+    """Pre-norm attention + SwiGLU MLP. ``attention_conv`` / ``mlp_conv`` stay None except in DFlash 2,
+    where each wraps its sub-block (a convolution before it, another on its output)."""
+
     def __init__(self, cfg: DFlashConfig):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -215,27 +268,42 @@ class DFlashLayer(nn.Module):
                 "down_proj": nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False),
             }
         )
+        self.attention_conv: nn.Module | None = None
+        self.mlp_conv: nn.Module | None = None
 
     def forward(
         self,
-        x: torch.Tensor,  # [B, S, H] block rows
+        x: torch.Tensor,  # [B, S, H] block rows (S = several blocks of block_length rows each)
         rope: tuple[torch.Tensor, torch.Tensor],  # rope_tables at the block positions
         ctx_kv: tuple[torch.Tensor, torch.Tensor],  # [B, kvh, T, D] each
         attn_mask: torch.Tensor | None,  # [B or 1, 1, S, T + S] bool, True = may attend
+        block_length: int,
     ) -> torch.Tensor:
         attn = self.self_attn
         b, s, _ = x.shape
         h = self.input_layernorm(x)
+        attention_kernel = None
+        if self.attention_conv is not None:
+            h, attention_kernel = self.attention_conv.prepare(h, block_length)
         q = attn.q_norm(attn.q_proj(h).view(b, s, attn.num_heads, attn.head_dim)).transpose(1, 2)
         q = apply_rope(q, rope)
         k_blk, v_blk = attn.project_kv(h, rope)
         k = torch.cat([ctx_kv[0], k_blk], dim=2)
         v = torch.cat([ctx_kv[1], v_blk], dim=2)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=attn.num_heads != attn.num_kv_heads)
-        x = x + attn.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+        out = attn.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+        if attention_kernel is not None:
+            out = self.attention_conv.finish(out, attention_kernel, block_length)
+        x = x + out
         h = self.post_attention_layernorm(x)
+        mlp_kernel = None
+        if self.mlp_conv is not None:
+            h, mlp_kernel = self.mlp_conv.prepare(h, block_length)
         mlp = self.mlp
-        return x + mlp["down_proj"](F.silu(mlp["gate_proj"](h)) * mlp["up_proj"](h))
+        out = mlp["down_proj"](F.silu(mlp["gate_proj"](h)) * mlp["up_proj"](h))
+        if mlp_kernel is not None:
+            out = self.mlp_conv.finish(out, mlp_kernel, block_length)
+        return x + out
 
 
 class DFlashDraftModel(nn.Module):
@@ -271,20 +339,89 @@ class DFlashDraftModel(nn.Module):
     def layer_masks(
         self, base_mask: torch.Tensor | None, query_positions: torch.Tensor, key_positions: torch.Tensor
     ) -> list[torch.Tensor | None]:
-        """Per-layer masks: sliding-attention layers additionally drop keys more than ``sliding_window`` back."""
+        """Per-layer masks [B or 1, 1, S, T + S] (None = see everything), from absolute positions.
+
+        A causal layer drops keys after the query (block slots after it); a sliding layer drops keys
+        ``sliding_window`` or more positions before it, and after it too when bidirectional: the
+        official ``_attention_mask``. Positions (not indices) make one rule serve the live block and the
+        many-block teacher layout, whose ``base_mask`` already keeps blocks apart.
+        """
         cfg = self.config
+        distance = query_positions[:, None, :, None] - key_positions[:, None, None, :]  # [B,1,S,T+S]
+        cache: dict[tuple[bool, int | None], torch.Tensor | None] = {}
         masks: list[torch.Tensor | None] = []
-        windowed = None
-        for layer_type in cfg.layer_types:
-            if layer_type == "sliding_attention" and cfg.sliding_window:
-                if windowed is None:
-                    distance = query_positions[:, None, :, None] - key_positions[:, None, None, :]  # [B,1,S,T+S]
-                    window_ok = distance < cfg.sliding_window
-                    windowed = window_ok if base_mask is None else (base_mask & window_ok)
-                masks.append(windowed)
-            else:
-                masks.append(base_mask)
+        for index in range(cfg.num_hidden_layers):
+            key = (cfg.layer_is_causal(index), cfg.layer_window(index))
+            if key not in cache:
+                causal, window = key
+                visible = base_mask
+                if causal:
+                    visible = distance >= 0 if visible is None else visible & (distance >= 0)
+                if window:
+                    near = distance < window if causal else distance.abs() < window
+                    visible = near if visible is None else visible & near
+                cache[key] = visible
+            masks.append(cache[key])
         return masks
+
+    def embed_block(self, embedding_weight: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        """Block embeddings: raw rows of the target's embedding matrix times ``input_embedding_scale``.
+
+        Raw rows, as the official ``_raw_input_embeddings``: a target whose embedding module rescales
+        (Gemma multiplies by sqrt(hidden)) does not rescale the draft's input.
+        """
+        embeds = F.embedding(token_ids, embedding_weight) * self.config.input_embedding_scale
+        return embeds.to(self.fc.weight.dtype)
+
+    def use_draft_vocabulary(self, lm_head_weight: torch.Tensor, draft_to_target: torch.Tensor) -> None:
+        """Predict over the draft's own vocabulary (a speculators ``draft_vocab_size``): its ``lm_head``
+        [Vd, H] and the target id of every draft id [Vd]; other target ids get no probability."""
+        self.draft_lm_head = nn.Linear(lm_head_weight.shape[1], lm_head_weight.shape[0], bias=False)
+        with torch.no_grad():
+            self.draft_lm_head.weight.copy_(lm_head_weight)
+        self.register_buffer("draft_to_target", draft_to_target.long(), persistent=False)
+
+    def compute_logits(self, hidden: torch.Tensor, lm_head: nn.Module, float32: bool = True) -> torch.Tensor:
+        """Draft logits (target vocabulary) through the target's lm_head (or the draft's own vocabulary
+        head, mapped), ``output_multiplier``, then soft-capping.
+
+        Float32 unless ``float32=False`` and no arithmetic follows the head: then they stay in the head's
+        dtype, which holds the same values (the float32 copy would be exact), at half the memory traffic
+        for a teacher-forced pass over [anchors, k, V].
+        """
+        head = getattr(self, "draft_lm_head", None) or lm_head
+        logits = head(hidden.to(head.weight.dtype))
+        cap = self.config.final_logit_softcapping
+        capped = cap is not None and cap > 0
+        if float32 or capped or self.config.output_multiplier != 1.0:
+            logits = logits.float() * self.config.output_multiplier
+        if capped:
+            logits = torch.tanh(logits / cap) * cap
+        if head is not lm_head:
+            full = torch.full((*logits.shape[:-1], self.config.vocab_size), float("-inf"), dtype=logits.dtype, device=logits.device)
+            logits = full.index_copy(-1, self.draft_to_target, logits)
+        return logits
+
+    def draft_tokens(
+        self, hidden: torch.Tensor, anchor_token: int, lm_head: nn.Module, temperature: float,
+        generator: torch.Generator | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Tokens for the drafted slots ``hidden`` [k, H]: (tokens [k], scores [k, V], probs [k, V] | None).
+
+        ``temperature`` > 0 samples each slot from softmax(logits / T) (vLLM's ``probabilistic``
+        draft_sample_method, the official loop under sampling); 0 takes the argmax (``greedy``).
+        """
+        logits = self.compute_logits(hidden, lm_head)
+        if temperature <= 0:
+            return logits.argmax(dim=-1), logits, None
+        probs = torch.softmax(logits / temperature, dim=-1)
+        return torch.multinomial(probs, 1, generator=generator)[:, 0], logits, probs
+
+    def teacher_scores(self, hidden: torch.Tensor, predecessors: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+        """Per-slot scores [..., k, V] whose argmax is the guess, given the true token before each slot
+        (``predecessors`` [..., k]; a block drafter without a selector ignores it). Only their argmax and
+        the divergence columns (which upcast inside their kernels) read them, so they keep the head's dtype."""
+        return self.compute_logits(hidden, lm_head, float32=False)
 
     def forward(
         self,
@@ -293,12 +430,14 @@ class DFlashDraftModel(nn.Module):
         ctx_kv: Sequence[tuple[torch.Tensor, torch.Tensor]],  # per layer, [B, kvh, T, D]
         ctx_positions: torch.Tensor,  # [B, T]
         attn_mask: torch.Tensor | None = None,  # [B or 1, 1, S, T + S] bool; None = see everything
+        block_length: int | None = None,  # rows per block when S holds several blocks
     ) -> torch.Tensor:
-        """Hidden states of the block rows after the final norm: [B, S, H] (apply the target's lm_head)."""
+        """Hidden states of the block rows after the final norm: [B, S, H] (apply :meth:`compute_logits`)."""
         key_positions = torch.cat([ctx_positions, block_positions], dim=1)
         masks = self.layer_masks(attn_mask, block_positions, key_positions)
+        length = block_embeds.shape[1] if block_length is None else block_length
         x = block_embeds
         rope = rope_tables(block_positions, self.inv_freq, x.dtype)
         for layer, kv, mask in zip(self.layers, ctx_kv, masks):
-            x = layer(x, rope, kv, mask)
+            x = layer(x, rope, kv, mask, length)
         return self.norm(x)

@@ -26,6 +26,7 @@ _LAYOUT = (
     ("kl_target_draft", 1),
     ("total_variation", 1),
     ("target_entropy", 1),
+    ("target_top1_margin", 1),
     ("draft_topk_ids", TOP_K),
     ("target_topk_ids", TOP_K),
 )
@@ -45,6 +46,8 @@ class TargetRows:
     log_p: torch.Tensor  # [R, V] float32
     p: torch.Tensor  # [R, V] float32
     entropy: torch.Tensor  # [R]
+    # how sure the target was of its own top token, p(top1) - p(top2): a miss near a tie is irreducible at T = 0
+    top1_margin: torch.Tensor  # [R]
     topk_ids: torch.Tensor  # [R, TOP_K]
     tokens: torch.Tensor  # [R] the target's own (argmax) token
 
@@ -57,15 +60,17 @@ class TargetRows:
             target_logits = torch.cat([target_logits, target_logits[-1:].expand(pad, -1)])
         log_p = torch.log_softmax(target_logits, dim=-1, dtype=torch.float32)
         p = log_p.exp()
-        return cls(log_p=log_p, p=p, entropy=-(p * log_p).sum(dim=-1), topk_ids=target_logits.topk(TOP_K, dim=-1).indices,
-                   tokens=target_logits.argmax(dim=-1))
+        topk_ids = target_logits.topk(TOP_K, dim=-1).indices
+        top2 = p.gather(-1, topk_ids[:, :2])  # softmax keeps the order: the two largest probabilities
+        return cls(log_p=log_p, p=p, entropy=-(p * log_p).sum(dim=-1), top1_margin=top2[:, 0] - top2[:, 1],
+                   topk_ids=topk_ids, tokens=target_logits.argmax(dim=-1))
 
     def windows(self, first: int, count: int, k: int) -> "TargetRows":
         """[count, k, ...] views: element [a, j] is row ``first + a + j`` (the slots of ``count`` consecutive anchors)."""
         def view(x: torch.Tensor) -> torch.Tensor:
             return x.unfold(0, k, 1)[first : first + count].movedim(-1, 1)
 
-        return TargetRows(*(view(x) for x in (self.log_p, self.p, self.entropy, self.topk_ids, self.tokens)))
+        return TargetRows(*(view(x) for x in (self.log_p, self.p, self.entropy, self.top1_margin, self.topk_ids, self.tokens)))
 
 
 @torch.inference_mode()
@@ -87,6 +92,7 @@ def divergence_tensor(draft_logits: torch.Tensor, draft_tokens: torch.Tensor, ta
         (target.p * (target.log_p - log_q)).sum(dim=-1).clamp_min(0.0),
         0.5 * (target.p - q).abs().sum(dim=-1),
         target.entropy,
+        target.top1_margin,
     )
     packed = [column.to(torch.float64)[..., None] for column in columns]
     packed.append(draft_logits.topk(TOP_K, dim=-1).indices.to(torch.float64))

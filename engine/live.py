@@ -24,7 +24,7 @@ import torch
 
 from dflash_doctor.engine.divergence import TargetRows, divergence_tensor, unpack_divergence
 from dflash_doctor.engine.proposers.base import Proposer
-from dflash_doctor.engine.schedule import cut_at_stop, draft_budget
+from dflash_doctor.engine.schedule import CONVENTIONS, EndOfRequest, cut_at_stop, draft_budget
 from dflash_doctor.engine.target import TargetModel
 from dflash_doctor.engine.verify import greedy_accept, rejection_sample
 
@@ -93,8 +93,12 @@ def speculative_generate(
     stop_ids: frozenset[int] = frozenset(),
     generator: torch.Generator | None = None,
     record_tokens: bool = True,
+    convention: EndOfRequest = CONVENTIONS["vllm"],
 ) -> GenerationResult:
-    """Generate with speculative decoding; ``k`` draft tokens per step (capped by the proposer's max_k)."""
+    """Generate with speculative decoding; ``k`` draft tokens per step (capped by the proposer's max_k).
+
+    ``convention`` decides the block length and the stop-token count of the last steps
+    (:mod:`dflash_doctor.engine.schedule`)."""
     if proposer.max_k is not None:
         k = min(k, proposer.max_k)
     device = target.device
@@ -114,7 +118,7 @@ def speculative_generate(
         k_step = draft_budget(k, max_new_tokens, position)
         _synchronize(device)  # the previous step's record kernels finish outside the draft time
         t0 = time.perf_counter()
-        proposal = proposer.propose(last, k_step, k)
+        proposal = proposer.propose(last, k_step, convention.block_k(k, max_new_tokens - position))
         _synchronize(device)
         t1 = time.perf_counter()
         block = torch.cat([torch.tensor([last], device=device), proposal.tokens.to(device)])
@@ -130,9 +134,10 @@ def speculative_generate(
         accepted = drafted[:num_accepted]
         stop_at = cut_at_stop(accepted, stop_ids)
         if stop_at is not None:  # an accepted stop token ends the request; nothing after it counts
-            num_accepted = stop_at + 1
-            accepted = accepted[:num_accepted]
-        committed = 1 + num_accepted  # last + accepted drafts enter the context
+            accepted = accepted[: stop_at + 1]
+            num_accepted = convention.accepted_through_stop(stop_at)
+        num_committed_drafts = len(accepted)
+        committed = 1 + num_committed_drafts  # last + accepted drafts enter the context
         target.crop(target.cache_length - (k_step + 1) + committed)
         features = verified.features[:committed] if verified.features is not None else None
         proposer.accept(block[:committed], features)
@@ -162,7 +167,7 @@ def speculative_generate(
             target_rows = TargetRows.of(verified.logits[:k_step])
             packed = divergence_tensor(proposal.logits, proposal.tokens, target_rows)
             packed = torch.cat([packed, target_rows.tokens[:, None].to(packed.dtype)], dim=1)
-            pending.append((packed, len(steps) - 1, position, drafted, num_accepted))
+            pending.append((packed, len(steps) - 1, position, drafted, num_committed_drafts))
     output = output[:max_new_tokens]
     tokens = _token_rows(pending)
     return GenerationResult(
@@ -178,7 +183,7 @@ def _token_rows(pending: list[tuple[torch.Tensor, int, int, list[int], int]]) ->
     columns = unpack_divergence(host[:, :-1])
     target_list = host[:, -1].astype(np.int64).tolist()
     tokens: list[dict] = []
-    for _, step, position, drafted, num_accepted in pending:
+    for _, step, position, drafted, num_committed_drafts in pending:
         for i in range(len(drafted)):
             flat = len(tokens)
             row = {name: values[flat] for name, values in columns.items()}
@@ -188,7 +193,7 @@ def _token_rows(pending: list[tuple[torch.Tensor, int, int, list[int], int]]) ->
                 offset=i + 1,
                 draft_token=drafted[i],
                 target_token=target_list[flat],
-                accepted=i < num_accepted,
+                accepted=i < num_committed_drafts,
             )
             tokens.append(row)
     return tokens

@@ -23,10 +23,11 @@ from typing import Iterable
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from dflash_doctor.engine.divergence import WIDTH, TargetRows, divergence_tensor, unpack_divergence
 from dflash_doctor.engine.proposers.base import Proposer
-from dflash_doctor.engine.schedule import cut_at_stop, draft_budget
+from dflash_doctor.engine.schedule import CONVENTIONS, EndOfRequest, cut_at_stop, draft_budget
 from dflash_doctor.engine.target import TargetModel
 
 ANCHOR_CHUNK = 64  # anchors per draft pass: bounds the [A*B, T + A*B] attention mask on small machines
@@ -46,7 +47,8 @@ class SlotTable:
     divergence: dict[str, list] = field(default_factory=dict)
 
 
-def walk_schedule(matches: np.ndarray, output_ids: list[int], k: int, max_new_tokens: int, stop_ids: frozenset[int]) -> list[dict]:
+def walk_schedule(matches: np.ndarray, output_ids: list[int], k: int, max_new_tokens: int, stop_ids: frozenset[int],
+                  convention: EndOfRequest = CONVENTIONS["vllm"]) -> list[dict]:
     """The live loop's steps at K over known matches, with the live loop's schedule (engine/schedule.py)."""
     steps: list[dict] = []
     n_out = len(output_ids)
@@ -60,7 +62,7 @@ def walk_schedule(matches: np.ndarray, output_ids: list[int], k: int, max_new_to
         n = int(np.argmin(run)) if not run.all() else k_step
         stop_at = cut_at_stop(output_ids[i + 1 : i + 1 + n], stop_ids)
         if stop_at is not None:
-            n = stop_at + 1
+            n = convention.accepted_through_stop(stop_at)
         bonus = output_ids[i + n + 1] if stop_at is None and i + n + 1 < n_out else -1
         steps.append(
             {"step": len(steps), "position": position, "k": k, "num_drafted": k_step, "num_accepted": n, "bonus_token": bonus}
@@ -89,10 +91,15 @@ def slot_table(
     temperature: float = 0.0,
     record_divergence: bool = True,
     target_pass: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+    max_new_tokens: int | None = None,
+    convention: EndOfRequest = CONVENTIONS["vllm"],
 ) -> tuple[SlotTable, tuple[torch.Tensor, torch.Tensor | None]]:
     """Guesses and matches for every anchor of ``sequence`` at block length ``k``.
 
-    Returns the table and the target pass (logits, features) so several K can reuse one target forward.
+    Under a convention that shrinks the last blocks (the official loop), the anchors within ``k`` of
+    ``max_new_tokens`` are drafted with the block the live loop would use there (their slots past it stay
+    unmatched; the schedule never drafts them). Returns the table and the target pass (logits, features)
+    so several K can reuse one target forward.
     """
     device = target.device
     ids = torch.tensor(sequence.prompt_ids + sequence.output_ids, device=device)
@@ -108,19 +115,23 @@ def slot_table(
     n_anchor = max(n_out - 1, 0)
     sampled = temperature > 0
     target_rows = TargetRows.of(target_logits, pad=k) if record_divergence else None
-    # Results stay on the device until the sequence is done: a host copy per chunk would stall the GPU's
-    # queue once per chunk. Unknown slots (past the known output) are computed and dropped on the host.
+    block_of = np.full(n_anchor, k)
+    if max_new_tokens is not None:
+        block_of = np.array([convention.block_k(k, max_new_tokens - (i + 1)) for i in range(n_anchor)], dtype=np.int64)
+    # Results stay on the device until the sequence is done: a host copy per pass would stall the GPU's
+    # queue once per pass. Slots past a block or past the known output are padded / computed, then dropped
+    # on the host.
     guess_parts, match_parts, prob_parts, divergence_parts = [], [], [], []
-    for start in range(0, n_anchor, ANCHOR_CHUNK):
-        stop = min(start + ANCHOR_CHUNK, n_anchor)
-        logits = proposer.slot_logits(torch.arange(p_len + start, p_len + stop), k)  # [A, k, V]
+    for start, stop, bk in _draft_passes(block_of):
+        logits = proposer.slot_logits(torch.arange(p_len + start, p_len + stop), bk)  # [A, bk, V]
         idx = torch.arange(start, stop, device=device)  # output indices
-        slot_pos = idx[:, None] + torch.arange(1, k + 1, device=device)  # output index each slot predicts
+        slot_pos = idx[:, None] + torch.arange(1, bk + 1, device=device)  # output index each slot predicts
         known = slot_pos < n_out
         safe_pos = slot_pos.clamp(max=n_out - 1)
         guess = logits.argmax(dim=-1)
-        guess_parts.append(guess)
-        match_parts.append((guess == truth[safe_pos]) & known)
+        pad = (0, k - bk)  # slots the block does not draft: no guess, no match
+        guess_parts.append(F.pad(guess, pad))
+        match_parts.append(F.pad((guess == truth[safe_pos]) & known, pad))
         if sampled:  # the target's scores for each slot sit one row before the token it predicts
             p = torch.softmax(target_logits[p_len + safe_pos - 1] / temperature, dim=-1)
             if proposer.samples_drafts(temperature):
@@ -128,19 +139,32 @@ def slot_table(
                 prob = torch.minimum(p, q).sum(dim=-1)
             else:
                 prob = p.gather(-1, guess[..., None])[..., 0]
-            prob_parts.append(prob * known)
+            prob_parts.append(F.pad(prob * known, pad))
         if record_divergence:
-            slots = target_rows.windows(p_len + start, stop - start, k)  # row p_len + a + j - 1 for slot j
-            divergence_parts.append(divergence_tensor(logits, guess, slots).flatten(0, 1))
+            slots = target_rows.windows(p_len + start, stop - start, bk)  # row p_len + a + j - 1 for slot j
+            divergence_parts.append(F.pad(divergence_tensor(logits, guess, slots), (0, 0) + pad).flatten(0, 1))
     guesses = _host(guess_parts, np.zeros((0, k), dtype=np.int64))
     matches = _host(match_parts, np.zeros((0, k), dtype=bool))
     accept_probs = _host(prob_parts, np.zeros((0, k))).astype(np.float64) if sampled else None
     divergence: dict[str, list] = {}
     if record_divergence:
-        known_rows = (np.arange(n_anchor)[:, None] + np.arange(1, k + 1)[None] < n_out).reshape(-1)
-        divergence = unpack_divergence(_host(divergence_parts, np.zeros((0, WIDTH)))[known_rows])
+        slot = np.arange(1, k + 1)[None]
+        kept = ((np.arange(n_anchor)[:, None] + slot < n_out) & (slot <= block_of[:, None])).reshape(-1)
+        divergence = unpack_divergence(_host(divergence_parts, np.zeros((0, WIDTH)))[kept])
     table = SlotTable(guesses=guesses, matches=matches, accept_probs=accept_probs, divergence=divergence)
     return table, target_pass
+
+
+def _draft_passes(block_of: np.ndarray) -> list[tuple[int, int, int]]:
+    """(first, stop, block length) of each draft pass: up to ANCHOR_CHUNK consecutive anchors of one block length."""
+    passes = []
+    for chunk in range(0, len(block_of), ANCHOR_CHUNK):
+        first, end = chunk, min(chunk + ANCHOR_CHUNK, len(block_of))
+        for i in range(chunk + 1, end + 1):
+            if i == end or block_of[i] != block_of[first]:
+                passes.append((first, i, int(block_of[first])))
+                first = i
+    return passes
 
 
 def _host(parts: list[torch.Tensor], empty: np.ndarray) -> np.ndarray:

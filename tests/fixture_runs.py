@@ -23,6 +23,7 @@ from typing import Any, Sequence
 import numpy as np
 import pandas as pd
 
+from dflash_doctor.deviations import categorize
 from dflash_doctor.metrics import summarize, truncate_steps
 from dflash_doctor.schema import REQUESTS_SCHEMA, STEPS_SCHEMA, RunWriter, new_run_meta
 from dflash_doctor.speedup import StepCosts, build_sweep, recommend, rows_by_class
@@ -53,6 +54,12 @@ _WORDS = [
 
 def _token_text(token_id: int) -> str:
     return _WORDS[token_id % len(_WORDS)] if token_id % 7 else f"<tok{token_id}>"
+
+
+def _token_category(token_id: int) -> str:
+    """The category the engine would record for this fixture token (``<tokN>`` pieces are special tokens)."""
+    text = _token_text(token_id)
+    return categorize(text.replace(" ", "Ġ"), text, special=text.startswith("<tok"))
 
 
 def _slot_acceptance(base: float, num_slots: int) -> np.ndarray:
@@ -115,8 +122,11 @@ def _request_rows(
                     "kl_target_draft": float(rng.gamma(1.0, 0.05 if matches else 0.8)),
                     "total_variation": float(rng.uniform(0.0, 0.2) if matches else rng.uniform(0.3, 0.9)),
                     "target_entropy": float(rng.gamma(2.0, 0.4)),
+                    "target_top1_margin": max(0.0, 2.0 * target_prob - 1.0) if matches else 0.5 * (1.0 - target_prob),
                     "draft_topk_ids": [int(draft_ids[idx]), int(target_ids[idx]), int((draft_ids[idx] + 3) % VOCAB_SIZE)],
                     "target_topk_ids": [int(target_ids[idx]), int(draft_ids[idx]), int((target_ids[idx] + 5) % VOCAB_SIZE)],
+                    "target_category": _token_category(int(target_ids[idx])),
+                    "draft_category": _token_category(int(draft_ids[idx])),
                 }
             )
         bonus = int(target_ids[num_accepted])

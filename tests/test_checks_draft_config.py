@@ -79,3 +79,75 @@ def test_draft_config_offset_probe_with_too_few_drafts_only_reports():
     assert any("inconclusive" in f.message for f in result.findings)
     enough = _check(_draft(), extras={"offset_probe": {-1: 1.4, 0: 1.3, 1: 1.2}, "offset_probe_drafts": 400})
     assert enough.status == "fail"
+
+
+# Issue 12: the variant rules (causality, layer-id convention, reserved mask row, own lm_head, draft sampling).
+
+def _findings(result, severity):
+    return [f.message for f in result.findings if f.severity == severity]
+
+
+def _engine_check(draft, *, engine=None, temperature=0.0, target=TARGET, extras=None):
+    ctx = CheckContext(draft_config=draft, target_config=target, config=build_config(k="7", temperature=temperature),
+                       engine_config=engine, extras=extras or {})
+    return run_checks(ctx, only=["draft-config"])[0]
+
+
+def test_causality_pass_warn_fail():
+    assert _check(_draft(is_causal=True)).status == "pass"
+    only_nested = _check(_draft(dflash_config={"mask_token_id": 299, "target_layer_ids": [1, 3, 5], "causal": True}))
+    assert only_nested.status == "warn"
+    assert _findings(only_nested, "warn") == ["causality is set only by dflash_config.causal = True"]
+    contradiction = _check(_draft(is_causal=False, dflash_config={"mask_token_id": 299, "target_layer_ids": [1, 3, 5], "causal": True}))
+    assert "is_causal False contradicts dflash_config.causal True" in _findings(contradiction, "fail")
+
+
+def test_mixed_sliding_layers_warn_only_for_vllm():
+    mixed = _draft(layer_types=["sliding_attention", "full_attention"], sliding_window=64, use_sliding_window=True)
+    assert _engine_check(mixed, engine={"engine": "sglang"}).status == "pass"
+    assert _findings(_engine_check(mixed, engine={"engine": "vllm"}), "warn") == ["the draft mixes sliding and full attention layers"]
+
+
+def test_layer_ids_in_plus_one_convention_fail():
+    assert _check(_draft(dflash_config={"mask_token_id": 299, "target_layer_ids": [2, 4, 7]})).status == "pass"
+    shifted = _check(_draft(dflash_config={"mask_token_id": 299, "target_layer_ids": [2, 4, 8]}))
+    assert "target_layer_ids [2, 4, 8] look like the +1 convention (speculators aux ids, GGUF target_layers)" in _findings(shifted, "fail")
+    assert "[1, 3, 7]" in shifted.fix or any("[1, 3, 7]" in (f.fix or "") for f in shifted.findings)
+
+
+def test_speculators_ids_are_converted_and_reported():
+    speculators = {"speculators_model_type": "dflash", "mask_token_id": 299, "aux_hidden_state_layer_ids": [2, 4, 8], "block_size": 8,
+                   "transformer_layer_config": {"hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
+                                                "intermediate_size": 128, "vocab_size": 300, "rope_theta": 1000000.0}}
+    result = _check(speculators)
+    assert result.status == "pass", [f.message for f in result.findings]
+    assert result.metrics["target_layer_ids"] == [1, 3, 7] and result.metrics["dialect"] == "speculators"
+    assert "speculators layer ids [2, 4, 8] read as [1, 3, 7]" in _findings(result, "info")
+
+
+def test_mask_row_pass_and_fail():
+    assert _check(_draft(), target={**TARGET, "eos_token_id": 2, "pad_token_id": 0}).status == "pass"
+    clash = _check(_draft(), target={**TARGET, "eos_token_id": 299, "pad_token_id": 299})
+    assert "mask token id 299 is the target's eos token" in _findings(clash, "fail")
+
+
+def test_own_lm_head_warn_and_draft_vocabulary_info():
+    shapes = {"fc.weight": [64, 192]}
+    assert _check(_draft(), extras={"draft_weight_shapes": shapes}).status == "pass"
+    own = _check(_draft(), extras={"draft_weight_shapes": {**shapes, "lm_head.weight": [300, 64]}})
+    assert _findings(own, "warn") == ["the draft ships its own lm_head.weight"]
+
+
+def test_draft_sample_method_pass_warn():
+    draft = _draft()
+    greedy_engine = {"engine": "vllm", "draft_sample_method": "greedy"}
+    assert _engine_check(draft, engine=greedy_engine, temperature=0.0).status == "pass"  # greedy decoding: no difference
+    assert _engine_check(draft, engine={"engine": "vllm", "draft_sample_method": "probabilistic"}, temperature=0.8).status == "pass"
+    mismatch = _engine_check(draft, engine=greedy_engine, temperature=0.8)
+    assert _findings(mismatch, "warn") == ["the engine drafts greedy but the draft was evaluated with probabilistic drafts"]
+
+
+def test_unreadable_dialect_fails_with_the_key():
+    result = _check(_draft(dflash_config={"mask_token_id": 299, "target_layer_ids": [1, 3, 5], "use_swa": True}))
+    assert result.status == "fail"
+    assert "dflash_config.use_swa = True" in result.findings[0].message

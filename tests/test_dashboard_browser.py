@@ -32,6 +32,7 @@ PAGES = {
     "": ("Verdict:", True),
     "rejection": ("Drill into a class", True),
     "positions": ("Weakest slot", True),
+    "deviations": ("Costliest first rejections", True),
     "tokens": ("Draft candidates vs target candidates", True),
     "sweep": ("Recommended K per class", True),
     "compare": ("regression", True),

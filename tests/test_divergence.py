@@ -14,7 +14,8 @@ from dflash_doctor.engine.target import TargetModel
 from dflash_doctor.engine.teacher import TeacherSequence, slot_table, token_rows, walk_schedule
 from tests.tiny_models import tiny_target
 
-FLOAT_COLUMNS = ("target_prob_of_draft", "draft_prob_of_target", "kl_target_draft", "total_variation", "target_entropy")
+FLOAT_COLUMNS = ("target_prob_of_draft", "draft_prob_of_target", "kl_target_draft", "total_variation", "target_entropy",
+                 "target_top1_margin")
 
 
 def test_packed_columns_equal_the_definitions():
@@ -33,6 +34,7 @@ def test_packed_columns_equal_the_definitions():
         "kl_target_draft": (p * (p.log() - q.log())).sum(-1),
         "total_variation": 0.5 * (p - q).abs().sum(-1),
         "target_entropy": -(p * p.log()).sum(-1),
+        "target_top1_margin": p.topk(2, -1).values[:, 0] - p.topk(2, -1).values[:, 1],
     }
     for name, values in expected.items():
         np.testing.assert_allclose(columns[name], values.numpy(), rtol=1e-4, atol=1e-6, err_msg=name)

@@ -95,7 +95,7 @@ def test_block_pass_equals_the_live_drafter_for_every_anchor():
         features = torch.cat([hidden[i] for i in draft.hidden_state_indices], dim=-1)  # [1, T, F]
         anchors = torch.tensor([[3, 6, 8]])
         block_hidden = draft_block_hidden(
-            draft, target_model.get_input_embeddings(), sequence[None], context_kv_for(draft, features), anchors,
+            draft, target_model.get_input_embeddings().weight, sequence[None], context_kv_for(draft, features), anchors,
             torch.ones_like(anchors, dtype=torch.bool), 5,
         )
         batched = target_model.lm_head(block_hidden[0, :, 1:])  # [A, 4, V]

@@ -70,13 +70,13 @@ def test_report_html_renders_offline_with_hostile_token_as_text(browser, tmp_pat
     (html_path,) = render_reports(run_dir, formats=("html",))
     page, errors, blocked = open_offline(browser, html_path)
     num_charts, num_rendered = _charts_rendered(page)
-    assert num_charts == 6 and num_rendered == num_charts
+    assert num_charts == 10 and num_rendered == num_charts  # 6 acceptance and sweep charts, 4 "Why rejected"
     assert errors == [] and blocked == []
     # the hostile string is a token's visible text, and no <script> element came from it
-    hostile_spans = page.evaluate("(t) => Array.from(document.querySelectorAll('.tok')).filter(s => s.textContent === t).length", HOSTILE_TOKEN_TEXT)
+    hostile_spans = page.evaluate("(t) => Array.from(document.querySelectorAll('.viewer .tok')).filter(s => s.textContent === t).length", HOSTILE_TOKEN_TEXT)
     assert hostile_spans == 1
     assert page.evaluate("() => document.querySelectorAll('.viewer script').length") == 0
-    title = page.evaluate("(t) => Array.from(document.querySelectorAll('.tok')).find(s => s.textContent === t).title", HOSTILE_TOKEN_TEXT)
+    title = page.evaluate("(t) => Array.from(document.querySelectorAll('.viewer .tok')).find(s => s.textContent === t).title", HOSTILE_TOKEN_TEXT)
     assert "target prob" in title and HOSTILE_TOKEN_TEXT in title
     page.context.close()
 
@@ -86,7 +86,7 @@ def test_empty_run_report_renders_every_chart_placeholder(browser, tmp_path):
     (html_path,) = render_reports(run_dir, formats=("html",))
     page, errors, blocked = open_offline(browser, html_path)
     num_charts, num_rendered = _charts_rendered(page)
-    assert num_charts == 6 and num_rendered == num_charts
+    assert num_charts == 6 and num_rendered == num_charts  # no "Why rejected" charts without drafted tokens
     assert errors == [] and blocked == []
     assert "No drafted tokens recorded" in page.inner_text("body")
     page.context.close()

@@ -126,7 +126,7 @@ def test_saved_checkpoint_reloads_with_identical_logits(trained, tmp_path):
                           for i in draft.hidden_state_indices], dim=-1).detach()
     anchors = torch.tensor([[trained.records[0].prompt_length, trained.records[0].prompt_length + 3]])
     valid = torch.ones_like(anchors, dtype=torch.bool)
-    embed = trained.target.get_input_embeddings()
+    embed = trained.target.get_input_embeddings().weight
     with torch.no_grad():
         before = draft_block_hidden(draft, embed, sequence[None], context_kv_for(draft, features), anchors, valid, 6)
         after = draft_block_hidden(reloaded, embed, sequence[None], context_kv_for(reloaded, features), anchors, valid, 6)

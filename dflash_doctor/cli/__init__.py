@@ -27,6 +27,7 @@ from dflash_doctor.cli import single_checks  # noqa: E402,F401
 from dflash_doctor.cli import compare, report  # noqa: E402,F401
 from dflash_doctor.cli import workloads  # noqa: E402,F401
 from dflash_doctor.cli import dashboard  # noqa: E402,F401
+from dflash_doctor.cli import watch  # noqa: E402,F401
 
 
 def main() -> None:

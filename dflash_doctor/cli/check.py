@@ -11,10 +11,15 @@ from rich.table import Table
 from dflash_doctor.cli import app
 from dflash_doctor.cli import options as opt
 from dflash_doctor.config import build_config
+from dflash_doctor.errors import UsageError
 
 Scenario = Annotated[Optional[str], typer.Option("--scenario", help="Reproduce a real failure on the demo pair; `--scenario list` names them.")]
 Only = Annotated[Optional[str], typer.Option("--only", help="Comma-separated check ids to run (default: all).")]
 Skip = Annotated[Optional[str], typer.Option("--skip", help="Comma-separated check ids to leave out.")]
+EngineUrl = Annotated[Optional[str], typer.Option("--engine", help="URL of a running OpenAI-compatible server (vLLM, SGLang, llama.cpp): measure acceptance there; with --target/--draft also replay locally and compare (engine-agreement).")]
+EngineModel = Annotated[Optional[str], typer.Option("--engine-model", help="Model name on the --engine server (default: its only model).")]
+EngineConcurrency = Annotated[Optional[int], typer.Option("--engine-concurrency", help="Requests in flight at once against --engine (default 4).")]
+EngineTimeout = Annotated[Optional[float], typer.Option("--engine-timeout", help="Per-request timeout in seconds against --engine (default 300).")]
 EngineConfig = Annotated[Optional[str], typer.Option("--engine-config", help="vLLM speculative_config JSON or SGLang launch flags to check against the draft.")]
 
 
@@ -43,11 +48,16 @@ def check(
     cost_profile: opt.CostProfile = None,
     strict_classes: opt.StrictClasses = None,
     engine_config: EngineConfig = None,
+    engine: EngineUrl = None,
+    engine_model: EngineModel = None,
+    engine_concurrency: EngineConcurrency = None,
+    engine_timeout: EngineTimeout = None,
     scenario: Scenario = None,
     only: Only = None,
     skip: Skip = None,
     exact_blocks: opt.ExactBlocks = False,
     trust_remote_code: opt.TrustRemoteCode = False,
+    end_of_request: opt.EndOfRequest = None,
 ) -> None:
     """Is the pair set up right, where does the draft lose, which K to serve? Exit 0 pass/warn, 1 a check failed, 2 bad input.
 
@@ -56,7 +66,7 @@ def check(
     from dflash_doctor import pipeline, scenarios
     from dflash_doctor.checks.base import exit_code, get_check
     from dflash_doctor.cli.progress import progress_bar
-    from dflash_doctor.report.terminal import print_check_results, print_class_summary, print_sweep
+    from dflash_doctor.report.terminal import print_check_results, print_class_summary, print_sweep, print_why_rejected
 
     out_console = Console()
     if scenario == "list":
@@ -67,7 +77,7 @@ def check(
             table.add_row(item.name, item.incident, ", ".join(item.expect))
         out_console.print(table)
         return
-    cfg = build_config(config, **opt.config_values(locals()))
+    cfg = build_config(config, engine_timeout_s=engine_timeout, **opt.config_values(locals()))
     chosen = None
     if scenario is not None:
         chosen = scenarios.get_scenario(scenario)
@@ -77,14 +87,28 @@ def check(
         get_check(check_id)  # an unknown id fails now, with "did you mean", before any model work
     console = Console(stderr=True)
     try:
-        outcome = pipeline.run_check(cfg, scenario=chosen, only=only_ids, skip=skip_ids, exact_blocks=exact_blocks,
-                                     progress=progress_bar(console))
+        if cfg.engine is not None:
+            if scenario is not None:
+                raise UsageError("--scenario reproduces failures on the embedded demo pair; drop it or drop --engine.")
+            from dflash_doctor.serving.doctor_engine import run_engine_doctor
+
+            outcome = run_engine_doctor(cfg, only=only_ids, skip=skip_ids, progress=progress_bar(console))
+        else:
+            outcome = pipeline.run_check(cfg, scenario=chosen, only=only_ids, skip=skip_ids, exact_blocks=exact_blocks,
+                                         progress=progress_bar(console))
     except KeyboardInterrupt:
         console.print("[yellow]interrupted[/]: finished requests are kept in the run directory")
         raise typer.Exit(130)
     record = outcome.record
-    print_class_summary(record, max(record.config["k"]), out_console)
-    print_sweep(record, out_console)
+    if cfg.engine is not None:
+        from dflash_doctor.serving.doctor_engine import print_engine_comparison
+
+        print_class_summary(record, record.source.details.get("num_spec_tokens") or 0, out_console)
+        print_engine_comparison(record, out_console)
+    else:
+        print_class_summary(record, max(record.config["k"]), out_console)
+        print_sweep(record, out_console)
+        print_why_rejected(outcome.why_rejected, out_console)
     print_check_results(record.checks, out_console)
     out_console.print(f"run directory and reports: {outcome.run_dir} (report.html, report.md, report.json, junit.xml)")
     code = exit_code(record.checks, cfg.fail_on)

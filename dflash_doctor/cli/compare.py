@@ -7,6 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from dflash_doctor.cli import app
@@ -30,6 +31,17 @@ def _table(comparison: Comparison) -> Table:
     return table
 
 
+def _grown_table(comparison: Comparison) -> Table:
+    """Rejection patterns whose lost tokens per draft grew (e.g. special tokens after a template change)."""
+    table = Table(title="Rejection patterns that grew (lost tokens per draft step; informational)")
+    for column in ("class", "kind", "pattern", "BASE", "NEW", "growth"):
+        table.add_column(column, justify="right" if column in ("BASE", "NEW", "growth") else "left")
+    for row in comparison.grown_patterns:
+        table.add_row(row["class"], row["kind"], escape(row["pattern"]), fmt(row["lost_per_draft_base"], 3),
+                      fmt(row["lost_per_draft_new"], 3), signed(row["growth"], 3))
+    return table
+
+
 @app.command("compare")
 def compare_command(
     base: Annotated[str, typer.Argument(help="Run directory before the change.")],
@@ -38,12 +50,17 @@ def compare_command(
     threshold_rate: Annotated[float, typer.Option("--threshold-rate", help="Smallest drop in a per-position acceptance rate that counts.")] = DEFAULT_THRESHOLD_RATE,
     out: Annotated[Optional[str], typer.Option("--out", help="Folder for compare.html and compare.md (default: NEW's run directory).")] = None,
 ) -> None:
-    """Per-class regression gate: exit 1 when tau or a per-position rate drops past its threshold with separated 95% intervals."""
+    """Per-class regression gate: exit 1 when tau or a per-position rate drops past its threshold with separated 95% intervals.
+
+    Also lists the rejection patterns (target or drafted token categories) whose lost tokens per draft grew; those never change the exit code.
+    """
     if threshold_tau < 0 or threshold_rate < 0:
         raise UsageError("--threshold-tau and --threshold-rate must be >= 0; pass a drop size such as 0.2 or 0.05.")
     comparison = compare_runs(base, new, threshold_tau=threshold_tau, threshold_rate=threshold_rate)
     console = Console()
     console.print(_table(comparison))
+    if comparison.grown_patterns:
+        console.print(_grown_table(comparison))
     for note in comparison.notes:
         console.print(f"note: {note}")
     for path in write_compare_reports(comparison, Path(out) if out else comparison.new_path):

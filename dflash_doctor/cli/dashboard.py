@@ -1,13 +1,20 @@
 """`dflash-doctor dashboard [RUNS_DIR]`: serve the Streamlit dashboard over a folder of run directories.
 
 The app reads run directories only (no model is loaded), so the command just validates its inputs,
-prints the URL and runs ``python -m streamlit run <app/main.py>`` in the foreground until Ctrl-C.
+prints the URL and runs ``python -m streamlit run <app/main.py>`` as its child until it is stopped.
 The folder reaches the app through the :data:`dflash_doctor.app.RUNS_DIR_ENV` environment variable.
+
+Stopping the command stops the server: a service manager or a CI step sends SIGTERM to the command
+only, and a server left behind keeps the port. So the server runs in its own process group, the
+command forwards SIGINT, SIGTERM and SIGHUP to that group and waits for it, and on Linux the server
+is also told to stop when the command dies without a chance to forward (``kill -9``, out of memory).
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -70,9 +77,45 @@ def dashboard(
         raise UsageError(f"--port {port} on {host} is already in use (or the address is not local); pass another --port.")
     env = {**os.environ, RUNS_DIR_ENV: str(folder.resolve())}
     typer.echo(f"dflash-doctor dashboard: http://{host}:{port}  (runs from {folder.resolve()}; Ctrl-C to stop)")
+    returncode, stopped = serve(streamlit_command(host, port), env)
+    if not stopped and returncode != 0:
+        raise typer.Exit(returncode)
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+PR_SET_PDEATHSIG = 1  # linux/prctl.h: the signal a process gets when its parent dies
+
+
+def _stop_when_parent_dies() -> None:
+    """In the server, between fork and exec: SIGTERM when the command dies, even by SIGKILL (Linux)."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def serve(command: list[str], env: dict[str, str]) -> tuple[int, bool]:
+    """Run ``command`` in its own process group until it ends; a stop signal sent to this process is
+    forwarded to the whole group, and then we wait for the group's leader to finish.
+
+    Returns (the server's exit status, whether a stop signal asked for the end): a requested stop is not
+    a failure, however the server reports it.
+    """
+    server = subprocess.Popen(
+        command, env=env, process_group=0,
+        preexec_fn=_stop_when_parent_dies if sys.platform.startswith("linux") else None,
+    )
+    stopped = False
+
+    def forward(signum: int, _frame: object) -> None:
+        nonlocal stopped
+        stopped = True
+        try:
+            os.killpg(server.pid, signum)
+        except ProcessLookupError:
+            pass  # the server already ended
+
+    previous = {signum: signal.signal(signum, forward) for signum in STOP_SIGNALS}
     try:
-        completed = subprocess.run(streamlit_command(host, port), env=env, check=False)
-    except KeyboardInterrupt:
-        return
-    if completed.returncode not in (0, -2, 130):
-        raise typer.Exit(completed.returncode)
+        returncode = server.wait()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    return returncode, stopped

@@ -28,6 +28,7 @@ def replay(
     seed: opt.Seed = None,
     chat_template: opt.ChatTemplate = None,
     trust_remote_code: opt.TrustRemoteCode = False,
+    end_of_request: opt.EndOfRequest = None,
 ) -> None:
     """Replay prompts through the live speculative loop (K = the largest --k) and write a run directory."""
     cfg = build_config(config, **opt.config_values(locals()))

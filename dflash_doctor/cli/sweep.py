@@ -31,6 +31,7 @@ def sweep(
     strict_classes: opt.StrictClasses = None,
     exact_blocks: opt.ExactBlocks = False,
     trust_remote_code: opt.TrustRemoteCode = False,
+    end_of_request: opt.EndOfRequest = None,
 ) -> None:
     """Teacher-forced replay answering every K at once (default K = 1..block-1 or 1-8), net speedup per class, recommended K."""
     cfg = build_config(config, **opt.config_values(locals()))

@@ -10,8 +10,9 @@ import json
 from pathlib import Path
 from typing import Iterable
 
+from dflash_doctor import deviations
 from dflash_doctor.errors import UsageError
-from dflash_doctor.report.content import check_counts, class_rows, report_payload, verdict
+from dflash_doctor.report.content import check_counts, class_rows, incomplete_note, report_payload, verdict
 from dflash_doctor.report.html import render_html
 from dflash_doctor.report.junit import render_junit
 from dflash_doctor.report.templating import markdown_env
@@ -37,7 +38,8 @@ def render_markdown(run: Run) -> str:
     meta = run.meta
     checks = meta.get("checks") or []
     text = markdown_env().get_template("report.md").render(
-        run_name=run.name, meta=meta, verdict=verdict(checks), counts=check_counts(checks), checks=checks, rows=class_rows(meta)
+        run_name=run.name, incomplete=incomplete_note(run), meta=meta, verdict=verdict(checks), counts=check_counts(checks),
+        checks=checks, rows=class_rows(meta), why=deviations.analyze_run(run),
     )
     return text.rstrip("\n") + "\n"
 

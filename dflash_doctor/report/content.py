@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from dflash_doctor import deviations
 from dflash_doctor.status import overall_status, status_counts
 from dflash_doctor.schema import Run
 
@@ -42,6 +43,16 @@ def class_rows(meta: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+def incomplete_note(run: Run) -> str | None:
+    """The sentence every view shows for a run read from its journal (still going, or stopped hard)."""
+    if run.complete:
+        return None
+    return (
+        f"Incomplete run: {len(run.requests)} finished request(s) recorded; the run is still going or was stopped "
+        "before it ended (checks, sweep and recommendation are written at the end)."
+    )
+
+
 def report_payload(run: Run) -> dict[str, Any]:
     """report.json: the run's verdict, checks, summary and recommendation with stable, sorted keys.
 
@@ -56,11 +67,13 @@ def report_payload(run: Run) -> dict[str, Any]:
         "tool_version": meta.get("tool_version"),
         "created_at": meta.get("created_at"),
         "run": run.name,
+        "complete": run.complete,
         "verdict": verdict(checks),
         "check_counts": check_counts(checks),
         "checks": checks,
         "summary": meta.get("summary") or {},
         "recommendation": meta.get("recommendation") or {},
+        "why_rejected": deviations.analyze_run(run),  # deviation patterns per class (dflash_doctor.deviations)
         "models": meta.get("models") or {},
         "environment": meta.get("environment") or {},
         "config": meta.get("config") or {},

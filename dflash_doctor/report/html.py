@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 from functools import lru_cache
-from typing import Any
+from typing import Any, Iterable
 
 import pandas as pd
 import plotly.graph_objects as go
@@ -17,8 +17,8 @@ import plotly.io as pio
 import plotly.offline
 from markupsafe import Markup
 
-from dflash_doctor import figures
-from dflash_doctor.report.content import check_counts, class_rows, verdict
+from dflash_doctor import deviations, figures
+from dflash_doctor.report.content import check_counts, class_rows, incomplete_note, verdict
 from dflash_doctor.report.templating import html_env
 from dflash_doctor.schema import Run
 
@@ -78,15 +78,19 @@ def sample_requests(run: Run) -> list[str]:
     return chosen
 
 
-def token_viewer(run: Run) -> list[dict[str, Any]]:
-    """The sampled requests as coloured token pieces per step (first steps only, to bound page size)."""
+WHY_REJECTED_EXAMPLES_PER_CLASS = 3  # the "Why rejected" patterns whose example request joins the token viewer
+
+
+def token_viewer(run: Run, extra_request_ids: Iterable[str] = ()) -> list[dict[str, Any]]:
+    """The sampled requests (and ``extra_request_ids``) as coloured token pieces per step (first steps
+    only, to bound page size)."""
     if run.requests.empty or run.tokens.empty:
         return []
     tokens_by_request = {rid: group for rid, group in run.tokens.groupby("request_id", sort=False)}
     bonus_by_step = {(r.request_id, r.step): r.bonus_token for r in run.steps.itertuples(index=False)}
     requests = run.requests.set_index("request_id")
     viewer = []
-    for request_id in sample_requests(run):
+    for request_id in dict.fromkeys([*sample_requests(run), *extra_request_ids]):
         request_tokens = tokens_by_request.get(request_id)
         if request_tokens is None:
             continue
@@ -121,11 +125,43 @@ def charts(run: Run) -> list[dict[str, Any]]:
     return [{"section": section, "id": f"chart-{name}", "html": figure_html(fig, f"chart-{name}")} for section, name, fig in built]
 
 
+def why_rejected_section(analysis: dict[str, Any], viewer: list[dict[str, Any]]) -> dict[str, Any]:
+    """The deviation analysis plus, for each top pattern, the anchor of its example in the token viewer
+    (the step when it is shown, else the request) and its charts."""
+    shown_steps = {(r["request_id"], s["step"]) for r in viewer for s in r["steps"]}
+    shown_requests = {r["request_id"] for r in viewer}
+    for summary in [analysis["overall"], *analysis["by_class"].values()]:
+        for pair in summary["top_pairs"]:
+            example = pair["example"]
+            key = (example["request_id"], example["step"])
+            pair["anchor"] = (
+                step_anchor(*key) if key in shown_steps else request_anchor(key[0]) if key[0] in shown_requests else None
+            )
+    built = [("category", figures.category_acceptance_figure(analysis))]
+    built += [(key.replace("by_", "").replace("_", "-"), figures.acceptance_along_figure(analysis, key)) for key in figures.DEVIATION_AXES]
+    charts = [{"id": f"chart-why-{name}", "html": figure_html(fig, f"chart-why-{name}")} for name, fig in built]
+    return {"analysis": analysis, "charts": charts}
+
+
+def request_anchor(request_id: str) -> str:
+    """The token viewer's element id of a request (HTML ids hold no whitespace)."""
+    return "request-" + "_".join(str(request_id).split())
+
+
+def step_anchor(request_id: str, step: int) -> str:
+    return f"{request_anchor(request_id)}-step-{step}"
+
+
 def render_html(run: Run) -> str:
     meta = run.meta
     checks = meta.get("checks") or []
+    analysis = deviations.analyze_run(run)
+    examples = [pair["example"]["request_id"] for summary in analysis["by_class"].values()
+                for pair in summary["top_pairs"][:WHY_REJECTED_EXAMPLES_PER_CLASS]]
+    viewer = token_viewer(run, examples)
     return html_env().get_template("report.html").render(
         run_name=run.name,
+        incomplete=incomplete_note(run),
         meta=meta,
         verdict=verdict(checks),
         counts=check_counts(checks),
@@ -133,6 +169,9 @@ def render_html(run: Run) -> str:
         rows=class_rows(meta),
         sweep=(meta.get("summary") or {}).get("sweep"),
         charts=charts(run),
-        viewer=token_viewer(run),
+        viewer=viewer,
+        why=why_rejected_section(analysis, viewer),
+        step_anchor=step_anchor,
+        request_anchor=request_anchor,
         plotly_js=plotly_js(),
     )

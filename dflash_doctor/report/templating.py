@@ -46,6 +46,11 @@ def signed(value: Any, digits: int = 2) -> str:
     return MISSING if _is_missing(value) else f"{float(value):+.{digits}f}"
 
 
+def token(text: Any) -> str:
+    """A token's text as a quoted literal, so spaces, newlines and empty strings stay visible."""
+    return repr("" if text is None else str(text))
+
+
 def markdown_cell(value: Any) -> Any:
     """Escape one interpolated value for a Markdown table or paragraph (``finalize`` of the md env)."""
     if value is None:
@@ -59,7 +64,7 @@ def markdown_cell(value: Any) -> Any:
 
 
 def _register(env: jinja2.Environment) -> jinja2.Environment:
-    env.filters.update(fmt=fmt, pct=pct, ci=ci, signed=signed)
+    env.filters.update(fmt=fmt, pct=pct, ci=ci, signed=signed, token=token)
     env.trim_blocks = True
     env.lstrip_blocks = True
     return env

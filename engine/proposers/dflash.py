@@ -1,8 +1,15 @@
-"""The DFlash block drafter: one non-causal pass over ``[last token, mask x K]`` per step.
+"""The DFlash block drafter (DFlash and DFlash 2): one pass over ``[last token, mask x K]`` per step.
 
 Conditioned on the target's hidden states of ``target_layer_ids`` (HF ``hidden_states[l + 1]``). The
 context K/V of every committed token is computed once, when the token is committed, and cached across
-steps; the block's own K/V are dropped after the pass. Drafts are greedy (argmax), as in vLLM and SGLang.
+steps; the block's own K/V are dropped after the pass. How the drafted slots become tokens is the draft
+module's business (:meth:`DFlashDraftModel.draft_tokens`: argmax / a sample per slot, or DFlash 2's
+candidate walk), so this proposer serves every DFlash variant without asking which one it holds.
+
+Under sampling, the serving engine decides how drafts are made (vLLM's ``draft_sample_method``):
+``greedy`` (vLLM's default, SGLang) drafts the argmax and verification accepts it with p_target(x);
+``probabilistic`` (the official ``dflash_generate``) samples drafts from the draft distribution and
+verification is standard rejection sampling against it.
 """
 
 from __future__ import annotations
@@ -14,22 +21,38 @@ from dflash_doctor.engine.dflash_model import DFlashDraftModel
 from dflash_doctor.engine.proposers.base import Proposal, Proposer, TargetNeeds
 from dflash_doctor.engine.target import TargetModel
 
+DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
+
 
 class DFlashProposer(Proposer):
     kind = "dflash"
     guesses_depend_on_k = True
 
-    def __init__(self, model: DFlashDraftModel, target: TargetModel):
+    def __init__(
+        self, model: DFlashDraftModel, target: TargetModel, *, temperature: float = 0.0,
+        draft_sample_method: str = "greedy", generator: torch.Generator | None = None,
+    ):
+        if draft_sample_method not in DRAFT_SAMPLE_METHODS:
+            raise ValueError(f"draft_sample_method {draft_sample_method!r} is not one of {DRAFT_SAMPLE_METHODS}")
         self.model = model
         self.target = target
         self.needs = TargetNeeds(hidden_state_indices=model.hidden_state_indices)
         self.mask_token_id = model.config.mask_token_id
+        self.draft_sample_method = draft_sample_method
+        self.temperature = temperature
+        self.generator = generator
         self.ctx_kv: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.ctx_length = 0
 
     @property
     def max_k(self) -> int:
         return self.model.config.block_size - 1
+
+    def samples_drafts(self, temperature: float) -> bool:
+        return self.draft_sample_method == "probabilistic" and temperature > 0
+
+    def _embedding_weight(self) -> torch.Tensor:
+        return self.target.model.get_input_embeddings().weight
 
     @torch.inference_mode()
     def _extend_context(self, features: torch.Tensor) -> None:
@@ -54,10 +77,13 @@ class DFlashProposer(Proposer):
         block[0] = last_token
         positions = torch.arange(self.ctx_length, self.ctx_length + block_k + 1, device=device)[None]
         ctx_positions = torch.arange(self.ctx_length, device=device)[None]
-        embeds = self.target.embed(block)[None].to(self.model.fc.weight.dtype)
+        embeds = self.model.embed_block(self._embedding_weight(), block)[None]
         hidden = self.model(embeds, positions, self.ctx_kv, ctx_positions)  # [1, K+1, H]
-        logits = self.target.lm_head(hidden[0, 1 : k + 1]).float()  # [k, V]
-        return Proposal(tokens=logits.argmax(dim=-1), logits=logits, probs=None)
+        draft_temperature = self.temperature if self.samples_drafts(self.temperature) else 0.0
+        tokens, scores, probs = self.model.draft_tokens(
+            hidden[0, 1 : k + 1], last_token, self.target.model.get_output_embeddings(), draft_temperature, self.generator
+        )
+        return Proposal(tokens=tokens, logits=scores, probs=probs)
 
     def accept(self, committed_ids: torch.Tensor, committed_features: torch.Tensor | None) -> None:
         self._extend_context(committed_features)
@@ -73,14 +99,18 @@ class DFlashProposer(Proposer):
         """All blocks ``[token[a], mask x k]`` in one masked pass (engine/blocks.py), as the live loop drafts them.
 
         The context is cut after the last anchor: later keys are masked for every block anyway, and leaving
-        them out removes up to half of the attention work. Logits stay in the model's dtype (no float32
-        copy of [A, k, V]); callers that need probabilities upcast them.
+        them out removes up to half of the attention work. ``anchors`` may stay on the host (reading their
+        maximum then costs no synchronisation). A plain DFlash draft's scores stay in the model's dtype (no
+        float32 copy of [A, k, V]); callers that need probabilities upcast them. ``previous`` holds the true
+        token before each slot (DFlash 2's selector reads it).
         """
         bound = int(anchors.max()) + 1
         ctx_kv = [(key[:, :, :bound], value[:, :, :bound]) for key, value in self._teacher_ctx_kv]
         hidden = draft_block_hidden(
-            self.model, self.target.model.get_input_embeddings(), self._teacher_ids[:, :bound], ctx_kv,
+            self.model, self._embedding_weight(), self._teacher_ids[:, :bound], ctx_kv,
             anchors.to(self._teacher_ids.device, non_blocking=True)[None],
             torch.ones(anchors.shape, dtype=torch.bool, device=self._teacher_ids.device)[None], k + 1,
         )
-        return self.target.lm_head(hidden[0, :, 1:])  # [A, k, V]
+        ids = self._teacher_ids[0]
+        previous = (anchors.to(ids.device, non_blocking=True)[:, None] + torch.arange(k, device=ids.device)).clamp(max=ids.shape[0] - 1)
+        return self.model.teacher_scores(hidden[0, :, 1:], ids[previous], self.target.model.get_output_embeddings())  # [A, k, V]

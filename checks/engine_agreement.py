@@ -1,0 +1,138 @@
+"""engine-agreement: does the user's server accept what the draft can, on the same prompts and outputs?
+
+"vLLM says tau 1.3, the paper says 6: is the draft bad, or is my server set up wrong?" The serving
+engine's own per-request figures (``check --engine URL``) are compared with the embedded replay of the
+SAME turns (dflash_doctor/serving/agreement.py): same prompt ids, same outputs (at T = 0), the embedded
+acceptance at every anchor where the engine drafted. When both agree the draft is what it is and the
+check says so with the interval. When the embedded replay accepts clearly more on the same text, the
+draft is fine and the serving setup is not; replays of the usual setup mistakes (target layer ids off
+by one, in-block attention causal vs bidirectional) name the one the server behaves like. Other facts
+that explain a gap are reported too: K above the draft's block, prompts rendered differently by the
+server (chat template), outputs that are not the target's greedy text.
+
+Input: ``ctx.extras["engine_agreement"]`` from :func:`dflash_doctor.serving.agreement.compare_with_embedded`.
+``needs`` is empty and the check skips itself when the key is absent (no ``--engine`` or no local pair).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from dflash_doctor.checks.base import Check, CheckContext, CheckResult, Finding, register, skipped
+
+CONFIGURED = "as configured"  # the setup name dflash_doctor.serving.agreement gives the draft as configured
+
+
+def _ci(values: list[float] | None) -> str:
+    return f"[{values[0]:.2f}, {values[1]:.2f}]" if values else "[-]"
+
+
+@register
+@dataclass(frozen=True)
+class EngineAgreementCheck(Check):
+    """The serving engine's acceptance matches the embedded replay on the same turns; a gap names its cause."""
+
+    id = "engine-agreement"
+    title = "Engine agreement"
+    needs = ()
+
+    min_tau_gap: float = 0.1  # embedded - engine tau below this is agreement even when the interval excludes 0
+    explains_share: float = 0.8  # the engine sides with a simulated setup on at least this share of the telling steps
+    min_telling_steps: int = 10  # ... of at least this many steps where that setup and the configured draft differ
+    step_agreement_warn_below: float = 0.8  # configured per-step agreement below this with no tau gap still warns
+    min_steps: int = 20  # fewer comparable engine steps are too few to judge
+
+    def run(self, ctx: CheckContext) -> CheckResult:
+        data = ctx.extras.get("engine_agreement")
+        if not data:
+            return skipped(self.id, "needs `check --engine URL` with a local target and draft to replay the same prompts")
+        overall = (data.get("tau") or {}).get("overall")
+        per_step = data.get("per_step") or {}
+        configured = per_step.get(CONFIGURED) or {}
+        if not overall or (configured.get("num_steps") or 0) < self.min_steps:
+            return skipped(self.id, f"fewer than {self.min_steps} engine steps could be replayed (need output token ids from the server)")
+        findings: list[Finding] = []
+        findings += self._k_findings(data)
+        findings += self._prompt_findings(data)
+        findings += self._output_findings(data)
+        gap = overall["difference"]
+        gap_real = gap >= self.min_tau_gap and overall["difference_ci"][0] > 0
+        explanation = self._best_setup(per_step, configured)
+        tau_text = (f"engine tau {overall['engine_tau']:.2f} {_ci(overall['engine_tau_ci'])} vs embedded {overall['embedded_tau']:.2f} "
+                    f"{_ci(overall['embedded_tau_ci'])} on the same outputs (difference {gap:+.2f}, 95% CI {_ci(overall['difference_ci'])})")
+        step_text = f"per-step acceptance reproduced on {configured['num_agreeing']}/{configured['num_steps']} engine steps ({configured['share']:.0%})"
+        if explanation is not None:
+            name, stats = explanation
+            setup = next((s for s in data.get("setups") or [] if s["name"] == name), {"cause": name, "fix": ""})
+            findings.append(Finding(
+                "fail", f"the server behaves like the draft with {name}: {setup['cause']}",
+                f"{tau_text}; on the {stats['num_telling']} engine steps where the two setups predict differently the server "
+                f"sided with {name} {stats['num_siding']} times; it reproduces {stats['share']:.0%} of all steps against "
+                f"{configured['share']:.0%} as configured",
+                setup["fix"]))
+        elif gap_real:
+            findings.append(Finding(
+                "fail", f"the server accepts less than the draft does on the same text: tau {overall['engine_tau']:.2f} vs {overall['embedded_tau']:.2f}",
+                f"{tau_text}; {step_text}; no simulated setup (layer-id offset, causal flag) reproduces the engine's steps",
+                "the draft is fine and the serving setup is not: check the mask id, num_speculative_tokens vs the block size, the draft's "
+                "attention backend (must be non-causal capable), a quantised KV cache for the draft, and the chat template the server renders"))
+        elif gap <= -self.min_tau_gap and overall["difference_ci"][1] < 0:
+            findings.append(Finding(
+                "warn", f"the server accepts more than the embedded replay: tau {overall['engine_tau']:.2f} vs {overall['embedded_tau']:.2f}",
+                tau_text, "the server may run a different draft or K than the local one given with --draft: compare the served config"))
+        elif configured["share"] < self.step_agreement_warn_below:
+            findings.append(Finding(
+                "warn", f"tau agrees but only {configured['share']:.0%} of the engine's steps are reproduced step by step",
+                f"{tau_text}; {step_text}", "compare the served draft config with the local one; numerics alone part only near-ties"))
+        margins = data.get("deciding_margins") or {}
+        metrics = {
+            "engine_tau": overall["engine_tau"], "embedded_tau": overall["embedded_tau"], "difference_ci": overall["difference_ci"],
+            "per_step_share": {name: stats.get("share") for name, stats in per_step.items()},
+            "median_margin_disagreeing": margins.get("median_disagreeing"), "median_margin_agreeing": margins.get("median_agreeing"),
+        }
+        return CheckResult.from_findings(self.id, findings, metrics, f"server and embedded replay agree: {tau_text}; {step_text}")
+
+    def _best_setup(self, per_step: dict[str, Any], configured: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
+        candidates = [(name, stats) for name, stats in per_step.items() if name != CONFIGURED and stats.get("share") is not None]
+        if not candidates:
+            return None
+        def siding(stats: dict[str, Any]) -> float:
+            telling = stats.get("num_telling") or 0
+            return stats["num_siding"] / telling if telling >= self.min_telling_steps else 0.0
+
+        name, stats = max(candidates, key=lambda item: siding(item[1]))
+        if siding(stats) >= self.explains_share and stats["share"] > configured["share"]:
+            return name, stats
+        return None
+
+    def _k_findings(self, data: dict[str, Any]) -> list[Finding]:
+        k, block = data.get("engine_k"), data.get("draft_block_size")
+        if k is None or block is None or k <= block - 1:
+            return []
+        return [Finding("fail", f"the server drafts K = {k} tokens per step but the draft's block holds {block - 1}",
+                        f"engine num_spec_tokens {k}, draft block_size {block}",
+                        f"set num_speculative_tokens to {block - 1} (vLLM) or --speculative-num-draft-tokens {block} (SGLang)")]
+
+    def _prompt_findings(self, data: dict[str, Any]) -> list[Finding]:
+        prompts = data.get("prompts") or {}
+        compared, same = prompts.get("num_compared") or 0, prompts.get("num_identical") or 0
+        if not compared or same == compared:
+            return []
+        return [Finding("fail", f"the server rendered {compared - same} of {compared} prompts into different token ids than the target's chat template",
+                        f"first requests: {', '.join(prompts.get('differing') or [])}",
+                        "serve with the target's own chat template (vLLM --chat-template) and send the same messages; the draft was trained on that rendering")]
+
+    def _output_findings(self, data: dict[str, Any]) -> list[Finding]:
+        outputs = data.get("outputs") or {}
+        compared, same = outputs.get("num_compared") or 0, outputs.get("num_identical") or 0
+        if not compared or same == compared:
+            return []
+        first = (outputs.get("differences") or [{}])[0]
+        margin = first.get("target_top2_margin")
+        near_tie = margin is not None and margin < 0.05
+        return [Finding("info" if near_tie else "warn",
+                        f"{compared - same} of {compared} server outputs are not the target's greedy text at T = 0",
+                        f"first: request {first.get('request_id')} at output token {first.get('position')} (target top-2 margin {margin})",
+                        "a near-tie broken by different kernels is harmless" if near_tie else
+                        "the server runs a different target (quantisation, revision) or samples: compare the served weights")]

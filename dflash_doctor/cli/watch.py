@@ -1,0 +1,162 @@
+"""`dflash-doctor watch SOURCE...`: production acceptance per model/class, alerts vs a baseline, fallback advice."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from dflash_doctor.cli import app
+from dflash_doctor.cli import options as opt
+from dflash_doctor.config import build_config
+from dflash_doctor.schema import utc_now
+from dflash_doctor.speedup import load_cost_profile
+from dflash_doctor.telemetry.settings import build_watch_settings
+from dflash_doctor.telemetry.sources import parse_duration_s
+from dflash_doctor.telemetry.session import WatchSession, open_sources
+from dflash_doctor.telemetry.verdict import WindowVerdict
+from dflash_doctor.telemetry.watcher import Watcher
+
+EXIT_ALERT = 1
+
+
+def _fmt(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def verdict_table(verdicts: list[WindowVerdict], title: str) -> Table:
+    """One row per series; columns with nothing to show (no baseline, no costs, ...) are left out."""
+    columns: dict[str, list[str]] = {name: [] for name in ("series", "K", "drafts", "tau", "95% CI", "baseline", "r_1..r_3", "engine tau", "speedup", "status")}
+    for v in verdicts:
+        ci = v.mean_acceptance_length_ci
+        drafts = v.window.counts.num_drafts
+        columns["series"].append(str(v.window.key))
+        columns["K"].append(str(v.k or "-"))
+        columns["drafts"].append("-" if drafts is None else f"{drafts:.0f}")
+        columns["tau"].append(_fmt(v.mean_acceptance_length))
+        columns["95% CI"].append(f"[{ci[0]:.2f}, {ci[1]:.2f}]" if ci else "-")
+        columns["baseline"].append(_fmt(v.baseline_tau))
+        columns["r_1..r_3"].append(", ".join(f"{r:.2f}" for r in (v.acceptance_rate_per_pos or [])[:3]) or "-")
+        columns["engine tau"].append(_fmt(v.window.reported.get("mean_acceptance_length")))
+        columns["speedup"].append("-" if v.speedup is None else f"{v.speedup:.2f}x")
+        columns["status"].append("[bold red]ALERT: " + ", ".join(a.kind for a in v.alerts) + "[/]" if v.alerts else v.status)
+    shown = [name for name, values in columns.items() if name in ("series", "tau", "status") or any(x != "-" for x in values)]
+    table = Table(title=title)
+    for name in shown:
+        table.add_column(name, justify="right" if name in ("K", "drafts", "tau", "speedup") else "left")
+    for row in range(len(verdicts)):
+        table.add_row(*(columns[name][row] for name in shown))
+    return table
+
+
+def verdict_line(v: WindowVerdict) -> str:
+    """One line per series that survives any terminal width (and reads well in a cron mail)."""
+    ci = v.mean_acceptance_length_ci
+    parts = [f"{v.window.key}: {v.status}"]
+    if v.mean_acceptance_length is not None:
+        parts.append(f"tau {v.mean_acceptance_length:.2f}" + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else ""))
+        parts.append(f"{v.window.counts.num_drafts:.0f} drafts at K={v.k}")
+    if v.baseline_tau is not None:
+        parts.append(f"baseline {v.baseline_tau:.2f}")
+    if v.speedup is not None:
+        parts.append(f"net speedup {v.speedup:.2f}x")
+    return ", ".join(parts)
+
+
+def print_verdicts(console: Console, verdicts: list[WindowVerdict]) -> None:
+    """One line per series, then every alert with its advice and the notes on each window."""
+    for v in verdicts:
+        console.print(verdict_line(v), soft_wrap=True)
+        for alert in v.alerts:
+            console.print(f"[bold red]ALERT[/] {alert.kind}: {alert.message}", soft_wrap=True)
+            for line in alert.advice:
+                console.print(f"    {line}", soft_wrap=True)
+        for note in v.notes:
+            console.print(f"note: {v.window.key}: {note}", soft_wrap=True)
+
+
+def print_source_news(console: Console, watcher: Watcher, events_shown: int, notes_shown: set[str]) -> int:
+    """Source events and notes not printed yet (each once); returns the number of events shown."""
+    for event in watcher.events[events_shown:]:
+        console.print(f"{event.kind}: {event.source}: {event.message}", soft_wrap=True)
+    for note in watcher.source_notes():
+        if note not in notes_shown:
+            notes_shown.add(note)
+            console.print(f"note: {note}", soft_wrap=True)
+    return len(watcher.events)
+
+
+@app.command()
+def watch(
+    sources: Annotated[Optional[list[str]], typer.Argument(help="Engine /metrics URLs, log files, or captured responses (.jsonl).", show_default=False)] = None,
+    prometheus: Annotated[Optional[str], typer.Option("--prometheus", help="A Prometheus server URL: each counter's increase over the window is read through its HTTP API.")] = None,
+    engine: Annotated[Optional[str], typer.Option("--engine", help="vllm | sglang | llamacpp | trtllm (default: detected from the metric names / log lines).")] = None,
+    model: Annotated[Optional[str], typer.Option("--model", help="Series name for sources without a model label (logs, llama.cpp).")] = None,
+    class_label: Annotated[Optional[str], typer.Option("--class-label", help="Label holding the request class (e.g. an SGLang custom label).")] = None,
+    window: Annotated[Optional[str], typer.Option("--window", help="Window length: 30s, 5m, 1h (default 5m). With --once on a /metrics URL: scrape twice, this far apart.")] = None,
+    interval: Annotated[Optional[str], typer.Option("--interval", help="Time between polls when watching live (default 30s).")] = None,
+    once: Annotated[bool, typer.Option("--once", help="One verdict and exit: 0 ok, 1 alert, 2 bad input (for cron/CI).")] = False,
+    duration: Annotated[Optional[str], typer.Option("--duration", help="Stop watching after this long (default: until Ctrl-C).")] = None,
+    baseline: Annotated[Optional[str], typer.Option("--baseline", help="A check/sweep run directory, or the expected tau (one number).")] = None,
+    threshold_tau: Annotated[Optional[float], typer.Option("--threshold-tau", help="Smallest tau drop below the baseline that alerts (default 0.2).")] = None,
+    min_drafts: Annotated[Optional[int], typer.Option("--min-drafts", help="Windows with fewer drafts get no verdict (default 50).")] = None,
+    speedup_floor: Annotated[Optional[float], typer.Option("--speedup-floor", help="Net speedup below which to fall back (default 1.0).")] = None,
+    exporter_port: Annotated[Optional[int], typer.Option("--exporter-port", help="Serve watch's own verdict gauges for Prometheus/Alertmanager on 127.0.0.1:PORT.")] = None,
+    cost_profile: opt.CostProfile = None,
+    out: opt.Out = None,
+    config: opt.ConfigFile = None,
+) -> None:
+    """Watch production acceptance: windowed tau per model/class, alerts vs a baseline, fallback advice. Exit 0 ok, 1 alert, 2 bad input."""
+    doctor_config = build_config(config, cost_profile=cost_profile, out=out)
+    settings = build_watch_settings(
+        doctor_config.watch, window=window, interval=interval, baseline=baseline, threshold_tau=threshold_tau,
+        min_drafts=min_drafts, speedup_floor=speedup_floor, engine=engine, model=model, class_label=class_label,
+    )
+    session = WatchSession(
+        open_sources(list(sources or []), prometheus, settings), settings,
+        run_dir=Path(doctor_config.out or f"runs/watch-{utc_now().replace(':', '').replace('+0000', 'Z')}"),
+        config=doctor_config.as_dict(), costs=load_cost_profile(doctor_config.cost_profile) if doctor_config.cost_profile else None,
+        once=once, exporter_port=exporter_port,
+    )
+    console = Console()
+    if once:
+        rounds = session.once()
+        latest = rounds[-1] if rounds else []
+        console.print(verdict_table(latest, "latest window" if settings.window_given or len(rounds) > 1 else "since the server started"))
+        print_verdicts(console, latest)
+        print_source_news(console, session.watcher, 0, set())
+        console.print(f"wrote {session.run_dir}")
+        if not latest:
+            console.print("no series found in the sources: nothing to judge.")
+        if any(v.alerts for v in latest):
+            raise typer.Exit(EXIT_ALERT)
+        return
+    _watch_live(console, session, None if duration is None else parse_duration_s(duration))
+
+
+def _watch_live(console: Console, session: WatchSession, stop_after_s: float | None) -> None:
+    """Poll every interval until Ctrl-C (or ``stop_after_s``): a live table, alerts as they fire, the run directory kept current."""
+    started = time.monotonic()
+    alerted = False
+    session.start()
+    events_shown = 0
+    notes_shown: set[str] = set()
+    try:
+        with Live(console=console, auto_refresh=False) as live:
+            while stop_after_s is None or time.monotonic() - started < stop_after_s:
+                time.sleep(session.settings.interval_s)
+                verdicts = session.step()
+                alerted = alerted or any(v.alerts for v in verdicts)
+                live.update(verdict_table(verdicts, f"last {session.settings.window_s:g} s, at {time.strftime('%H:%M:%S')}"), refresh=True)
+                print_verdicts(live.console, [v for v in verdicts if v.alerts])
+                events_shown = print_source_news(live.console, session.watcher, events_shown, notes_shown)
+    except KeyboardInterrupt:
+        pass
+    console.print(f"wrote {session.run_dir}")
+    if alerted:
+        raise typer.Exit(EXIT_ALERT)

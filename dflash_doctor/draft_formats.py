@@ -1,0 +1,234 @@
+"""Every config dialect a DFlash draft ships in, normalised to one z-lab config (docs/draft-formats.md).
+
+The same checkpoint reaches users in several spellings; each is converted here, once, to the flat z-lab
+layout that :class:`dflash_doctor.engine.dflash_model.DFlashConfig` reads, with the layer ids in our
+convention (id ``l`` = output of target decoder layer ``l`` = HF ``hidden_states[l + 1]``):
+
+* ``zlab``: Qwen3 keys + ``block_size`` + ``dflash_config`` {mask_token_id, target_layer_ids}; ids as ours.
+* ``zlab-nested`` (DFlash 2 era, transformers 5 ``save_pretrained``): ``dflash_config.block_size`` and
+  ``rope_parameters`` instead of ``rope_theta`` / ``rope_scaling``; ids as ours.
+* ``nemo`` (NeMo Automodel exports, ``architectures: ["Qwen3DFlashDraftModel"]``): z-lab keys; ids as ours.
+* ``speculators`` (RedHat ``speculators``, ``speculators_model_type: dflash|dflash2``): the decoder in
+  ``transformer_layer_config``; ``aux_hidden_state_layer_ids`` are ours **plus one** (vLLM converts with
+  ``i - 1``, its PR #40727); causality from ``sliding_window_non_causal`` (default true = non-causal);
+  ``draft_vocab_size`` < the target's means the draft predicts over its own vocabulary through its own
+  ``lm_head`` and maps ids with the ``d2t`` tensor (target id = draft id + d2t[draft id]).
+* ``gguf`` (llama.cpp ``general.architecture = dflash``): recognised and refused with a sentence (its
+  tensor names have no reference we can test against yet); its ``dflash.target_layers`` are ours plus one.
+
+Qwen3 semantics kept from transformers: ``sliding_window`` counts only with ``use_sliding_window`` true
+(``Qwen3Config`` sets it to None otherwise, which is what the official code and vLLM then see).
+
+A key this module does not know is refused with one sentence naming it: an unread key can change what
+the draft computes (``use_swa``, ``attention_sink_bias`` ...), and a silent misread is what this tool exists
+to catch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from dflash_doctor.errors import UsageError
+
+#: Hugging Face / bookkeeping keys that do not change what the draft computes.
+INERT_KEYS = frozenset(
+    {
+        "_name_or_path", "architectures", "attention_dropout", "auto_map", "bos_token_id", "chunk_size_feed_forward",
+        "dtype", "torch_dtype", "eos_token_id", "id2label", "label2id", "initializer_range", "is_encoder_decoder",
+        "model_type", "output_attentions", "output_hidden_states", "pad_token_id", "problem_type", "return_dict",
+        "transformers_version", "use_cache", "dflash_doctor", "max_window_layers", "tokenizer_class",
+    }
+)
+#: Keys the draft config reader interprets (top level).
+MODEL_KEYS = frozenset(
+    {
+        "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+        "vocab_size", "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters", "max_position_embeddings",
+        "layer_types", "sliding_window", "use_sliding_window", "attention_bias", "tie_word_embeddings", "hidden_act",
+        "block_size", "num_target_layers", "target_layer_ids", "mask_token_id", "is_causal", "dflash_config",
+        "input_embedding_scale", "output_multiplier", "final_logit_softcapping", "conv_kernel_size", "conv_group_size",
+        "selector_rank", "selector_top_k", "draft_vocab_size", "target_hidden_size",
+    }
+)
+#: Keys read inside ``dflash_config``.
+DFLASH_CONFIG_KEYS = frozenset(
+    {
+        "mask_token_id", "target_layer_ids", "block_size", "causal", "input_embedding_scale", "output_multiplier",
+        "final_logit_softcapping", "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k",
+    }
+)
+#: Known keys whose non-default value changes the computation in a way this tool does not model.
+UNSUPPORTED = {
+    "use_swa": (False, "a sliding window forced on every layer"),
+    "attention_sink_bias": (False, "attention sink biases"),
+    "sample_from_anchor": (False, "sampling from the anchor slot (vLLM refuses it too)"),
+    "use_aux_hidden_state": (True, "drafting without target hidden states"),
+}
+ARCHITECTURES = {"DFlashDraftModel": "zlab", "DFlash2DraftModel": "zlab", "Qwen3DFlashDraftModel": "nemo"}
+SPECULATORS_KEYS = frozenset(
+    {
+        "speculators_model_type", "speculators_config", "speculators_version", "transformer_layer_config",
+        "aux_hidden_state_layer_ids", "mask_token_id", "block_size", "draft_vocab_size", "target_hidden_size",
+        "sliding_window_non_causal", "layer_types", "use_sliding_window", "sliding_window", "max_window_layers",
+        "max_anchors", "proposal_speculative_tokens", "architectures", "transformers_version", "dtype", "torch_dtype",
+        "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "input_embedding_scale",
+        "output_multiplier", "final_logit_softcapping", "norm_before_residual", "has_no_defaults_at_init", "auto_map",
+    }
+)
+
+
+@dataclass
+class NormalisedDraft:
+    """A draft config in the z-lab layout plus where it came from (recorded in run.json)."""
+
+    config: dict[str, Any]
+    dialect: str
+    layer_id_offset: int  # the file's ids minus ours (1 for speculators and GGUF)
+    source_layer_ids: list[int] = field(default_factory=list)
+    draft_vocab_size: int | None = None  # set when the draft predicts over its own, smaller vocabulary
+
+    def facts(self) -> dict[str, Any]:
+        return {"dialect": self.dialect, "layer_id_offset": self.layer_id_offset, "source_layer_ids": self.source_layer_ids,
+                "draft_vocab_size": self.draft_vocab_size}
+
+
+def _refuse_unknown(keys, allowed, where: str, source: str) -> None:
+    unknown = sorted(k for k in keys if k not in allowed)
+    if unknown:
+        raise UsageError(
+            f"{source}: {where}key {unknown[0]!r} is not a DFlash draft key this tool understands; remove it if it is "
+            "bookkeeping, or report the format (docs/draft-formats.md lists the dialects read)."
+        )
+
+
+def _refuse_unsupported(table: dict[str, Any], where: str, source: str) -> None:
+    for key, (neutral, meaning) in UNSUPPORTED.items():
+        if key in table and table[key] != neutral:
+            raise UsageError(f"{source}: {where}{key} = {table[key]!r} asks for {meaning}, which this tool does not model; use a draft without it.")
+
+
+def _rope_from_parameters(out: dict[str, Any]) -> None:
+    """transformers 5 ``rope_parameters`` -> ``rope_theta`` + ``rope_scaling`` (None for the default type)."""
+    params = out.pop("rope_parameters", None)
+    if params is None:
+        return
+    params = dict(params)
+    theta = params.pop("rope_theta", None)
+    if theta is not None:
+        out.setdefault("rope_theta", theta)
+    kind = params.get("rope_type", params.get("type", "default"))
+    out.setdefault("rope_scaling", None if kind == "default" else params)
+
+
+def _qwen3_window(out: dict[str, Any]) -> None:
+    """Qwen3Config semantics: the window exists only with ``use_sliding_window``; layer_types default from it."""
+    use = bool(out.pop("use_sliding_window", False))
+    if not use:
+        out["sliding_window"] = None
+    if out.get("layer_types") is None and use:
+        first_sliding = out.get("max_window_layers", 0) or 0
+        out["layer_types"] = ["sliding_attention" if i >= first_sliding else "full_attention" for i in range(out["num_hidden_layers"])]
+    out.pop("max_window_layers", None)
+
+
+def _from_zlab(raw: dict[str, Any], source: str, dialect: str) -> NormalisedDraft:
+    _refuse_unknown(raw, INERT_KEYS | MODEL_KEYS, "", source)
+    dflash = dict(raw.get("dflash_config") or {})
+    _refuse_unsupported(dflash, "dflash_config.", source)
+    _refuse_unsupported(raw, "", source)
+    _refuse_unknown(dflash, DFLASH_CONFIG_KEYS | set(UNSUPPORTED), "dflash_config ", source)
+    if raw.get("hidden_act", "silu") != "silu":
+        raise UsageError(f"{source}: hidden_act {raw['hidden_act']!r} is not silu, the DFlash MLP; use a DFlash draft checkpoint.")
+    out = {k: v for k, v in raw.items() if k in MODEL_KEYS or k in INERT_KEYS}  # inert keys ride along as extras
+    out["dflash_config"] = {k: v for k, v in dflash.items() if k in DFLASH_CONFIG_KEYS}
+    if "block_size" in dflash:
+        out.setdefault("block_size", dflash["block_size"])
+    out["dflash_config"].pop("block_size", None)
+    out["max_window_layers"] = raw.get("max_window_layers")
+    _rope_from_parameters(out)
+    _qwen3_window(out)
+    architectures = raw.get("architectures") or ["DFlashDraftModel"]
+    out["architectures"] = ["DFlash2DraftModel" if "DFlash2DraftModel" in architectures else "DFlashDraftModel"]
+    ids = out["dflash_config"].get("target_layer_ids", out.get("target_layer_ids"))
+    return NormalisedDraft(config=out, dialect=dialect, layer_id_offset=0, source_layer_ids=list(ids or []))
+
+
+def _from_speculators(raw: dict[str, Any], source: str) -> NormalisedDraft:
+    kind = raw["speculators_model_type"]
+    if kind not in ("dflash", "dflash2"):
+        raise UsageError(f"{source}: speculators_model_type {kind!r} is not a DFlash draft (dflash or dflash2); pass a DFlash checkpoint.")
+    _refuse_unknown(raw, SPECULATORS_KEYS, "", source)
+    layer = raw.get("transformer_layer_config")
+    if not isinstance(layer, dict):
+        raise UsageError(f"{source}: a speculators DFlash config needs transformer_layer_config (the draft decoder); add it.")
+    for key in ("aux_hidden_state_layer_ids", "mask_token_id"):
+        if key not in raw:
+            raise UsageError(f"{source}: speculators config lacks {key}; add it (the value the draft was trained with).")
+    _refuse_unknown(layer, INERT_KEYS | MODEL_KEYS | {"layer_types"}, "transformer_layer_config ", source)
+    out = {k: v for k, v in layer.items() if k in MODEL_KEYS}
+    for key in ("layer_types", "use_sliding_window", "sliding_window", "max_window_layers"):
+        if key in raw:  # vLLM's update_dflash copies these from the top level
+            out[key] = raw[key]
+    source_ids = [int(i) for i in raw["aux_hidden_state_layer_ids"]]
+    ids = [i - 1 for i in source_ids]
+    if min(ids) < 0:
+        raise UsageError(f"{source}: aux_hidden_state_layer_ids {source_ids} hold 0, but speculators ids are layer + 1; fix the ids.")
+    block_size = raw.get("block_size")
+    if block_size is None:
+        tokens = raw.get("proposal_speculative_tokens")
+        methods = (raw.get("speculators_config") or {}).get("proposal_methods") or []
+        tokens = tokens if tokens is not None else next((m.get("speculative_tokens") for m in methods if "speculative_tokens" in m), None)
+        if tokens is None:
+            raise UsageError(f"{source}: speculators config has neither block_size nor proposal speculative_tokens; add block_size.")
+        block_size = int(tokens) + 1
+    out["block_size"] = block_size
+    out["dflash_config"] = {"mask_token_id": raw["mask_token_id"], "target_layer_ids": ids}
+    out["dflash_config"]["causal"] = not raw.get("sliding_window_non_causal", True)
+    for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k",
+                "input_embedding_scale", "output_multiplier", "final_logit_softcapping"):
+        if raw.get(key) is not None:
+            out["dflash_config"][key] = raw[key]
+    out["architectures"] = ["DFlash2DraftModel" if kind == "dflash2" else "DFlashDraftModel"]
+    _rope_from_parameters(out)
+    _qwen3_window(out)
+    draft_vocab = raw.get("draft_vocab_size")
+    draft_vocab = None if draft_vocab in (None, out.get("vocab_size")) else int(draft_vocab)
+    return NormalisedDraft(config=out, dialect="speculators", layer_id_offset=1, source_layer_ids=source_ids, draft_vocab_size=draft_vocab)
+
+
+def normalise_draft_config(raw: dict[str, Any], source: str = "config.json") -> NormalisedDraft:
+    """The z-lab config for any dialect above (GGUF drafts are converted by :mod:`dflash_doctor.gguf_draft`)."""
+    if "speculators_model_type" in raw:
+        return _from_speculators(raw, source)
+    architectures = raw.get("architectures") or []
+    named = [a for a in architectures if a in ARCHITECTURES]
+    unknown_arch = [a for a in architectures if a not in ARCHITECTURES]
+    if unknown_arch:
+        raise UsageError(f"{source}: architecture {unknown_arch[0]!r} is not a DFlash draft this tool reads ({', '.join(ARCHITECTURES)}); pass a DFlash checkpoint.")
+    dialect = ARCHITECTURES[named[0]] if named else "zlab"
+    if dialect == "zlab" and ("rope_parameters" in raw or "block_size" in (raw.get("dflash_config") or {})):
+        dialect = "zlab-nested"
+    return _from_zlab(raw, source, dialect)
+
+
+def refuse_gguf_dflash(spec: str) -> None:
+    """Refuse a llama.cpp DFlash draft (``general.architecture = dflash``) in one sentence, before the
+    GGUF converter (built for causal LMs) fails on it with a parser error; other specs pass through."""
+    from pathlib import Path
+
+    from gguf import GGUFReader
+
+    path = Path(spec)
+    if path.suffix != ".gguf" or not path.is_file():
+        return
+
+    field = GGUFReader(str(path)).fields.get("general.architecture")
+    if field is None:
+        return
+    architecture = bytes(field.parts[field.data[0]]).decode("utf-8", "replace")
+    if architecture in ("dflash", "dflash-draft"):
+        raise UsageError(
+            f"{path} is a llama.cpp DFlash draft (general.architecture = {architecture}); dflash-doctor reads DFlash drafts "
+            "from their safetensors checkpoint (config.json + model.safetensors), so pass that directory instead."
+        )

@@ -1,0 +1,362 @@
+"""Engine vs embedded replay on the SAME prompts and outputs: does the server accept what the draft can?
+
+For every answered turn the target runs once, teacher-forced, over the server's own prompt ids and
+output ids. That pass answers three questions without generating anything:
+
+* outputs: at T = 0, is every token the server produced the target's greedy choice (the embedded
+  engine would have written the same text)? The first mismatch comes with the target's top-2 margin,
+  so a near-tie (kernels rounding differently) is told from a real difference.
+* per-step acceptance: each engine step starts at a known output position with a known prefix, so the
+  embedded draft's acceptance AT THAT SAME anchor is known (the run of matches from engine/teacher.py).
+  Comparing anchor by anchor needs no alignment of step sequences, which part as soon as one step
+  differs (every later step then starts elsewhere).
+* cause: the same comparison under simulated serving mistakes - target layer ids shifted by -1/+1,
+  in-block attention causal instead of bidirectional (or the reverse) - shows which setup the server
+  behaves like. A server that matches "layer ids +1" far better than the configured ids IS reading
+  the ids off by one.
+
+The embedded tau printed beside the engine's walks the embedded live schedule over the same outputs
+(engine/teacher.py ``walk_schedule``), so both figures describe the same text.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from dflash_doctor.engine.blocks import block_mask
+from dflash_doctor.engine.proposers.dflash import DFlashProposer
+from dflash_doctor.engine.target import TargetModel
+from dflash_doctor.engine.teacher import TeacherSequence, slot_table, walk_schedule
+
+CONFIGURED = "as configured"
+AGREEING_MARGIN_SAMPLE = 16  # agreeing steps per turn whose margin is measured, for scale (every disagreeing one is)
+
+
+@dataclass(frozen=True)
+class ServingSetup:
+    """One way a server may run the draft: what it changes, and the fix when the server matches it."""
+
+    name: str
+    layer_offset: int = 0
+    flip_causal: bool = False
+    cause: str = ""
+    fix: str = ""
+
+
+def serving_setups(draft_causal: bool) -> list[ServingSetup]:
+    """The configured setup and the serving mistakes the replay can reproduce exactly."""
+    attention = "causal" if not draft_causal else "bidirectional"
+    return [
+        ServingSetup(CONFIGURED),
+        ServingSetup("target_layer_ids - 1", layer_offset=-1,
+                     cause="the server feeds the draft the target layers one below its target_layer_ids",
+                     fix="serve the draft's own target_layer_ids (0-based layer outputs, HF hidden_states[l + 1]); "
+                         "a converted or speculators-format config may store them shifted (REFERENCE.md section 1)"),
+        ServingSetup("target_layer_ids + 1", layer_offset=+1,
+                     cause="the server feeds the draft the target layers one above its target_layer_ids",
+                     fix="serve the draft's own target_layer_ids (0-based layer outputs); check the served "
+                         "config.json's dflash_config.target_layer_ids against the trained one"),
+        ServingSetup(f"in-block attention {attention}", flip_causal=True,
+                     cause=f"the server runs the draft's block attention {attention}, unlike its training",
+                     fix="set dflash_config.causal (or top-level is_causal) in the served config.json to how the draft was "
+                         "trained (DFlash: non-causal; JetSpec: causal), and use an attention backend that supports it"),
+    ]
+
+
+class _CausalFlippedProposer(DFlashProposer):
+    """The same draft with in-block attention causal (the bidirectional block mask cut to its lower triangle).
+
+    Both paths are covered, so the setup can be replayed teacher-forced and run live alike.
+    """
+
+    @torch.inference_mode()
+    def propose(self, last_token: int, k: int, block_k: int):
+        from dflash_doctor.engine.proposers.base import Proposal
+
+        device = self.model.fc.weight.device
+        size = block_k + 1
+        block = torch.full((size,), self.mask_token_id, dtype=torch.long, device=device)
+        block[0] = last_token
+        positions = torch.arange(self.ctx_length, self.ctx_length + size, device=device)[None]
+        ctx_positions = torch.arange(self.ctx_length, device=device)[None]
+        mask = torch.ones(1, 1, size, self.ctx_length + size, dtype=torch.bool, device=device)
+        mask[..., self.ctx_length:] = torch.ones(size, size, dtype=torch.bool, device=device).tril()
+        embeds = self.target.embed(block)[None].to(self.model.fc.weight.dtype)
+        hidden = self.model(embeds, positions, self.ctx_kv, ctx_positions, mask)  # [1, K+1, H]
+        logits = self.target.lm_head(hidden[0, 1 : k + 1]).float()  # [k, V]
+        return Proposal(tokens=logits.argmax(dim=-1), logits=logits, probs=None)
+
+    def slot_logits(self, anchors: torch.Tensor, k: int) -> torch.Tensor:
+        anchors = anchors.to(self._teacher_ids.device)
+        ids, model = self._teacher_ids, self.model
+        n, t = ids.shape
+        a, b = anchors.shape[0], k + 1
+        device = ids.device
+        block = torch.full((1, a, b), model.config.mask_token_id, dtype=torch.long, device=device)
+        block[0, :, 0] = ids[0, anchors.clamp(0, t - 1)]
+        positions = (anchors[:, None] + torch.arange(b, device=device))[None]  # [1, A, B]
+        mask = block_mask(anchors[None], torch.ones_like(anchors, dtype=torch.bool)[None], t, b)  # [1,1,A*B,T+A*B]
+        slot = torch.arange(b, device=device).repeat(a)
+        lower = slot[:, None] >= slot[None, :]  # within a block (other blocks are masked already)
+        mask = mask.clone()
+        mask[..., t:] &= lower
+        embeds = self.target.model.get_input_embeddings()(block.view(1, a * b)).to(model.fc.weight.dtype)
+        ctx_positions = torch.arange(t, device=device)[None]
+        hidden = model(embeds, positions.view(1, a * b), self._teacher_ctx_kv, ctx_positions, mask).view(1, a, b, -1)
+        return self.target.lm_head(hidden[0, :, 1:]).float()
+
+
+def setup_proposer(draft_model, target_model, setup: ServingSetup) -> tuple[DFlashProposer, TargetModel] | None:
+    """A proposer running ``draft_model`` the way ``setup`` says; None when its layer ids fall off the target."""
+    cfg = draft_model.config
+    ids = [layer + setup.layer_offset for layer in cfg.target_layer_ids]
+    if min(ids) < 0 or max(ids) >= target_model.config.num_hidden_layers:
+        return None
+    draft = draft_model
+    if setup.layer_offset:
+        draft = copy.copy(draft_model)
+        draft.config = dataclasses.replace(cfg, target_layer_ids=ids)
+    target = TargetModel(target_model)
+    proposer = (_CausalFlippedProposer if setup.flip_causal else DFlashProposer)(draft, target)
+    target.hidden_state_indices = proposer.needs.hidden_state_indices
+    return proposer, target
+
+
+def _run(matches_row: np.ndarray, drafted: int) -> int:
+    row = matches_row[:drafted]
+    return int(np.argmin(row)) if not row.all() else int(drafted)
+
+
+@dataclass
+class TurnComparison:
+    """One turn compared: prompt and output agreement, and acceptance per engine step under each setup."""
+
+    request_id: str
+    request_class: str
+    prompt_matches: bool | None  # None: the engine returned no prompt ids
+    outputs_match: bool | None  # None: sampled (T > 0) or no output ids
+    first_output_difference: dict[str, Any] | None
+    engine_accepted: list[int]  # per comparable engine step
+    embedded_accepted: dict[str, list[int]]  # setup name -> accepted at the same anchors
+    num_engine_steps: int
+    embedded_steps: list[dict[str, Any]]  # the embedded live schedule over the same output (configured setup)
+    deciding_margins: tuple[list[float], list[float]] = ([], [])  # (agreeing, disagreeing) steps, see _deciding_margins
+
+
+@torch.inference_mode()
+def compare_turn(engine, setups: list[ServingSetup], proposers: dict[str, tuple], turn, our_prompt_ids: list[int] | None,
+                 k: int, max_new_tokens: int, temperature: float) -> TurnComparison | None:
+    """Compare one engine turn with the embedded replay; None when the engine returned no output ids."""
+    output = turn.output_token_ids
+    if not output or len(output) < 2:
+        return None
+    prompt = turn.prompt_token_ids if turn.prompt_token_ids is not None else our_prompt_ids
+    if prompt is None:
+        return None
+    sequence = TeacherSequence(list(prompt), list(output))
+    steps = [s for s in turn.steps if s["position"] >= 1 and s["num_drafted"] > 0]
+    # an engine step whose block runs past the returned output cannot be replayed (its accepted tokens
+    # beyond max_tokens were dropped by the server), so it is left out of the per-step comparison
+    comparable = [s for s in steps if s["position"] + s["num_drafted"] <= len(output)]
+    tables: dict[str, np.ndarray] = {}
+    margins: tuple[list[float], list[float]] = ([], [])
+    first_difference = None
+    outputs_match = None
+    logits, hidden_states = _target_pass(engine_target_model(proposers), sequence)
+    for setup in setups:
+        pair = proposers.get(setup.name)
+        if pair is None:
+            continue
+        proposer, target = pair
+        features = torch.cat([hidden_states[i][0] for i in proposer.needs.hidden_state_indices], dim=-1)
+        table, _ = slot_table(target, proposer, sequence, k, record_divergence=False, target_pass=(logits, features))
+        tables[setup.name] = table.matches
+        if setup.name != CONFIGURED:
+            continue
+        if temperature <= 0:
+            p_len = len(prompt)
+            greedy = logits[p_len - 1 : p_len - 1 + len(output)].argmax(dim=-1).tolist()
+            outputs_match = greedy == list(output)
+            if not outputs_match:
+                at = next(i for i, (a, b) in enumerate(zip(greedy, output)) if a != b)
+                top2 = logits[p_len - 1 + at].topk(2).values
+                first_difference = {"position": at, "engine_token": int(output[at]), "embedded_token": int(greedy[at]),
+                                    "target_top2_margin": float(top2[0] - top2[1])}
+        margins = _deciding_margins(proposer, table.matches, comparable, output, k, len(prompt))
+    engine_accepted = [int(s["num_accepted"]) for s in comparable]
+    embedded = {name: [_run(m[s["position"] - 1], s["num_drafted"]) for s in comparable] for name, m in tables.items()}
+    own = walk_schedule(tables[CONFIGURED], list(output), k, max_new_tokens, engine.stop_ids) if CONFIGURED in tables else []
+    return TurnComparison(
+        request_id=turn.key, request_class=turn.request.request_class,
+        prompt_matches=None if our_prompt_ids is None or turn.prompt_token_ids is None else list(our_prompt_ids) == list(turn.prompt_token_ids),
+        outputs_match=outputs_match, first_output_difference=first_difference,
+        engine_accepted=engine_accepted, embedded_accepted=embedded, num_engine_steps=len(steps),
+        embedded_steps=own, deciding_margins=margins,
+    )
+
+
+def engine_target_model(proposers: dict[str, tuple]):
+    """The target model every setup shares (each setup has its own TargetModel view of it)."""
+    return next(iter(proposers.values()))[1].model
+
+
+@torch.inference_mode()
+def _target_pass(model, sequence: TeacherSequence):
+    """One target forward over prompt + output: logits [T, V] and every layer's hidden states, shared by all setups."""
+    ids = torch.tensor(sequence.prompt_ids + sequence.output_ids, device=next(model.parameters()).device)
+    out = model(input_ids=ids[None], output_hidden_states=True, use_cache=False)
+    return out.logits[0].float(), out.hidden_states
+
+
+def _deciding_margins(proposer, matches: np.ndarray, steps: list[dict], output: list[int], k: int,
+                      prompt_len: int) -> tuple[list[float], list[float]]:
+    """The embedded draft's logit margin at the slot that decides each step: (agreeing, disagreeing) steps.
+
+    The deciding slot is the first one where the two engines' outcomes can differ (slot min(ours,
+    engine's)). Where the embedded draft guessed the true token there, the margin is how far it led its
+    runner-up; where it did not, how far its choice led the true token. Disagreements decided by margins
+    of a few thousandths of a logit, against margins of whole logits elsewhere, are rounding: the two
+    engines' draft kernels broke a near-tie differently.
+    """
+    rows = []
+    agreeing_kept = 0
+    for s in steps:
+        i, d = s["position"] - 1, s["num_drafted"]
+        ours = _run(matches[i], d)
+        j = min(ours, s["num_accepted"])
+        differs = ours != s["num_accepted"]
+        if j < d and i + 1 + j < len(output) and (differs or agreeing_kept < AGREEING_MARGIN_SAMPLE):
+            rows.append((i, j, differs))
+            agreeing_kept += not differs
+    agree: list[float] = []
+    disagree: list[float] = []
+    for start in range(0, len(rows), 64):
+        chunk = rows[start : start + 64]
+        # the teacher state of ``proposer`` still holds this sequence (slot_table prepared it)
+        logits = proposer.slot_logits(torch.tensor([prompt_len + i for i, _, _ in chunk]), k)  # [A, k, V]
+        for row, (i, j, differs) in enumerate(chunk):
+            slot = logits[row, j]
+            truth = int(output[i + 1 + j])
+            best = slot.topk(2)
+            lead = best.values[0] - (best.values[1] if int(best.indices[0]) == truth else slot[truth])
+            (disagree if differs else agree).append(float(lead))
+    return agree, disagree
+
+
+def _pooled(drafts: np.ndarray, accepted: np.ndarray) -> float:
+    total = drafts.sum()
+    return float(1.0 + accepted.sum() / total) if total else float("nan")
+
+
+def _tau_block(rows: list[tuple[int, int, int, int]], rng: np.random.Generator, n_boot: int) -> dict[str, Any]:
+    """Pooled engine and embedded tau over turns, their bootstrap intervals and the paired difference's."""
+    data = np.asarray(rows, dtype=np.float64).reshape(-1, 4)  # engine drafts, engine accepted, embedded drafts, embedded accepted
+    engine = _pooled(data[:, 0], data[:, 1])
+    embedded = _pooled(data[:, 2], data[:, 3])
+    picks = rng.integers(0, len(data), size=(n_boot, len(data)))
+    sample = data[picks]  # [n_boot, N, 4]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        boot_engine = 1 + sample[..., 1].sum(1) / sample[..., 0].sum(1)
+        boot_embedded = 1 + sample[..., 3].sum(1) / sample[..., 2].sum(1)
+    interval = lambda x: [float(v) for v in np.nanpercentile(x, [2.5, 97.5])]  # noqa: E731
+    return {
+        "num_turns": int(len(data)),
+        "engine_tau": engine, "engine_tau_ci": interval(boot_engine),
+        "embedded_tau": embedded, "embedded_tau_ci": interval(boot_embedded),
+        "difference": embedded - engine, "difference_ci": interval(boot_embedded - boot_engine),
+    }
+
+
+def summarize_agreement(comparisons: list[TurnComparison], answered, *, engine_k: int | None, block_size: int | None,
+                        seed: int = 0, n_boot: int = 1000) -> dict[str, Any]:
+    """The figures the ``engine-agreement`` check judges (stored in run.json ``probes.engine_agreement``).
+
+    tau per class: the engine's own steps against the embedded live schedule over the same outputs,
+    with bootstrap intervals over turns and for the paired difference (embedded - engine). Per-step
+    agreement per setup: the share of comparable engine steps whose accepted count the setup reproduces.
+    """
+    by_key = {t.key: t for t in answered}
+    rng = np.random.default_rng(seed)
+    rows_by_class: dict[str, list] = {}
+    turns = []
+    for c in comparisons:
+        engine_steps = [s for s in by_key[c.request_id].steps if s["num_drafted"] > 0]
+        own = [s for s in c.embedded_steps if s["num_drafted"] > 0]
+        row = (len(engine_steps), sum(s["num_accepted"] for s in engine_steps), len(own), sum(s["num_accepted"] for s in own))
+        rows_by_class.setdefault(c.request_class, []).append(row)
+        configured = c.embedded_accepted.get(CONFIGURED, [])
+        turns.append({"request_id": c.request_id, "class": c.request_class, "engine_drafts": row[0], "engine_accepted": row[1],
+                      "embedded_drafts": row[2], "embedded_accepted": row[3], "outputs_match": c.outputs_match,
+                      "steps_compared": len(configured), "steps_agreeing": sum(e == m for e, m in zip(c.engine_accepted, configured))})
+    all_rows = [r for rows in rows_by_class.values() for r in rows]
+    per_step: dict[str, dict[str, Any]] = {}
+    for name in dict.fromkeys(n for c in comparisons for n in c.embedded_accepted):
+        triples = [(e, m, base) for c in comparisons if name in c.embedded_accepted
+                   for e, m, base in zip(c.engine_accepted, c.embedded_accepted[name], c.embedded_accepted[CONFIGURED])]
+        agree = sum(e == m for e, m, _ in triples)
+        # the steps where this setup and the configured one predict differently are the ones that tell them apart
+        telling = [(e, m, base) for e, m, base in triples if m != base]
+        per_step[name] = {"num_steps": len(triples), "num_agreeing": agree, "share": agree / len(triples) if triples else None,
+                          "num_telling": len(telling), "num_siding": sum(e == m for e, m, _ in telling),
+                          "embedded_accepted": sum(m for _, m, _ in triples), "engine_accepted": sum(e for e, _, _ in triples)}
+    outputs = [c for c in comparisons if c.outputs_match is not None]
+    prompts = [c for c in comparisons if c.prompt_matches is not None]
+    agree_margins = [m for c in comparisons for m in c.deciding_margins[0]]
+    disagree_margins = [m for c in comparisons for m in c.deciding_margins[1]]
+    median = lambda xs: float(np.median(xs)) if xs else None  # noqa: E731
+    return {
+        "num_turns": len(answered),
+        "num_compared": len(comparisons),
+        "engine_k": engine_k,
+        "draft_block_size": block_size,
+        "prompts": {"num_compared": len(prompts), "num_identical": sum(c.prompt_matches for c in prompts),
+                    "differing": [c.request_id for c in prompts if not c.prompt_matches][:10]},
+        "outputs": {"num_compared": len(outputs), "num_identical": sum(c.outputs_match for c in outputs),
+                    "differences": [{"request_id": c.request_id, **c.first_output_difference} for c in outputs if not c.outputs_match][:10]},
+        "tau": {
+            "overall": _tau_block(all_rows, rng, n_boot) if all_rows else None,
+            "by_class": {cls: _tau_block(rows, rng, n_boot) for cls, rows in sorted(rows_by_class.items())},
+        },
+        "per_step": per_step,
+        "turns": turns,
+        "deciding_margins": {
+            "num_agreeing": len(agree_margins), "median_agreeing": median(agree_margins),
+            "num_disagreeing": len(disagree_margins), "median_disagreeing": median(disagree_margins),
+            "disagreeing": sorted(disagree_margins)[:50],
+        },
+    }
+
+
+def compare_with_embedded(engine, answered, config, *, seed: int = 0) -> dict[str, Any]:
+    """Replay every answered turn in the embedded engine (``engine``: the loaded local Pair) and summarise the agreement."""
+    from dflash_doctor.turns import turn_limit
+    from dflash_doctor.workloads import encode_request_turn
+
+    draft = engine.draft_model
+    draft_causal = bool(getattr(draft.config, "causal", False))
+    setups = serving_setups(draft_causal)
+    proposers = {}
+    for setup in setups:
+        pair = setup_proposer(draft, engine.target.model, setup)
+        if pair is not None:
+            proposers[setup.name] = pair
+    engine_k = next((t.measurement.num_spec_tokens for t in answered if t.measurement.num_spec_tokens), None)
+    k = min(engine_k or engine.proposer.max_k, engine.proposer.max_k)
+    answers: dict[str, list[str]] = {}
+    comparisons = []
+    for turn in sorted(answered, key=lambda t: (t.request.id, t.turn)):
+        previous = answers.setdefault(turn.request.id, [])
+        ours = encode_request_turn(engine.tokenizer, turn.request, previous, chat_template=engine.chat_template)
+        previous.append(turn.output_text)
+        comparison = compare_turn(engine, setups, proposers, turn, ours, k, turn_limit(turn.request, config.max_new_tokens), config.temperature)
+        if comparison is not None:
+            comparisons.append(comparison)
+    summary = summarize_agreement(comparisons, answered, engine_k=engine_k, block_size=draft.config.block_size, seed=seed)
+    summary["setups"] = [dataclasses.asdict(s) for s in setups if s.name in proposers]
+    return summary

@@ -1,0 +1,305 @@
+"""`check --engine URL`: send the workload to a running server and write a run directory from ITS figures.
+
+The server does the decoding; the doctor only asks and reads. Each turn is one OpenAI request (chat for
+``messages`` requests, completions for raw ``prompt`` ones) with the run's temperature, seed and
+max-token limit; a later turn is asked after the server's own answer to the earlier one, as the
+embedded replay does. Requests run a few at a time (``--engine-concurrency``); their turns stay in
+order. The steps table holds the engine's own steps (vLLM ``detailed``: in order, with positions), the
+requests table its outputs, and ``run.json`` records ``source: serving engine`` with the endpoint. A
+failure stops the run with one sentence; every request measured before it stays in the run directory.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dflash_doctor.config import DoctorConfig
+from dflash_doctor.errors import UsageError
+from dflash_doctor.serving.client import EngineEndpoint, EngineError, call, scrape_metrics
+from dflash_doctor.serving.prometheus import SpecCounters, measurement_between, parse_counters
+from dflash_doctor.serving.responses import LLAMA_CPP, MissingMetrics, SpecMeasurement, parse_response, step_rows
+from dflash_doctor.workloads import Request, conversation_turns, fill_answers
+
+FIGURES_FROM = {
+    "responses": "the server's per-request metrics in each response",
+    "counters": "the server's /metrics counters scraped around each request, one request at a time "
+                "(the server reports no per-request metrics; other traffic on it would leak in; step order unknown)",
+}
+
+
+@dataclass
+class EngineTurn:
+    """One answered turn: what was sent, what came back, and the engine's speculative figures."""
+
+    request: Request
+    turn: int
+    output_text: str
+    output_token_ids: list[int] | None  # None when the engine does not return ids
+    prompt_token_ids: list[int] | None
+    prompt_num_tokens: int
+    num_output_tokens: int
+    stop_reason: str
+    measurement: SpecMeasurement
+    wall_time_s: float
+    steps: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def key(self) -> str:
+        """Row id in the steps table, as the embedded replay names turns (``#t<turn>`` after the first)."""
+        return self.request.id if self.turn == 0 else f"{self.request.id}#t{self.turn}"
+
+
+def request_body(endpoint: EngineEndpoint, request: Request, messages: list[dict[str, Any]] | None,
+                 max_tokens: int, config: DoctorConfig) -> tuple[str, dict[str, Any]]:
+    """(path, JSON body) for one turn; asks vLLM for token ids and SGLang for its spec details."""
+    body: dict[str, Any] = {
+        "model": endpoint.model,
+        "max_tokens": max_tokens,
+        "temperature": config.temperature,
+        "seed": config.seed,
+        "n": 1,
+        "stream": False,
+        "return_token_ids": True,  # vLLM: prompt_token_ids + choices[0].token_ids
+        "return_spec_tokens_details": True,  # SGLang: sglext.spec_tokens_details
+    }
+    if messages is None:
+        body["prompt"] = request.prompt
+        return "/v1/completions", body
+    body["messages"] = messages
+    if request.chat_template_kwargs:
+        body["chat_template_kwargs"] = dict(request.chat_template_kwargs)
+    return "/v1/chat/completions", body
+
+
+def read_completion(body: dict[str, Any]) -> tuple[str, list[int] | None, list[int] | None, str, dict[str, Any]]:
+    """(text, output ids, prompt ids, stop reason, usage) of a non-streamed n = 1 completion body."""
+    choices = body.get("choices") or []
+    if len(choices) != 1:
+        raise MissingMetrics(
+            f"the response has {len(choices)} choices; engines report per-request speculative metrics only for "
+            "n = 1 (vLLM returns null for n > 1), so send one completion per request"
+        )
+    choice = choices[0]
+    text = (choice.get("message") or {}).get("content") if "message" in choice else choice.get("text")
+    output_ids = choice.get("token_ids")
+    if output_ids is None:
+        output_ids = (choice.get("meta_info") or body.get("meta_info") or {}).get("output_token_ids")
+    prompt_ids = body.get("prompt_token_ids", choice.get("prompt_token_ids"))
+    finish = choice.get("finish_reason")
+    stop_reason = "max_new_tokens" if finish == "length" else "stop_token"
+    return text or "", output_ids, prompt_ids, stop_reason, body.get("usage") or {}
+
+
+def ask(endpoint: EngineEndpoint, request: Request, config: DoctorConfig, *, from_counters: bool = False) -> list[EngineTurn]:
+    """All turns of one request, in order; a later turn carries the server's own earlier answers.
+
+    ``from_counters``: read each turn's figures from ``/metrics`` scraped before and after it (the
+    fallback for a server without per-request metrics; only exact when nothing else runs meanwhile).
+    """
+    from dflash_doctor.turns import turn_limit
+
+    max_tokens = turn_limit(request, config.max_new_tokens)
+    turns = conversation_turns(request) if request.messages is not None else [None]
+    answers: list[str] = []
+    results = []
+    for turn, messages in enumerate(turns):
+        filled = fill_answers(messages, answers) if messages is not None else None
+        path, payload = request_body(endpoint, request, filled, max_tokens, config)
+        before = _counters(endpoint) if from_counters else None
+        started = time.perf_counter()
+        body = call(endpoint, "POST", path, payload)
+        wall = time.perf_counter() - started
+        text, output_ids, prompt_ids, stop_reason, usage = read_completion(body)
+        measurement = measurement_between(before, _counters(endpoint)) if before is not None else parse_response(body)
+        output_ids = [int(t) for t in output_ids] if output_ids is not None else None
+        results.append(EngineTurn(
+            request=request, turn=turn, output_text=text, output_token_ids=output_ids,
+            prompt_token_ids=[int(t) for t in prompt_ids] if prompt_ids is not None else None,
+            prompt_num_tokens=int(usage.get("prompt_tokens") or len(prompt_ids or [])),
+            num_output_tokens=len(output_ids) if output_ids is not None else int(usage.get("completion_tokens") or 0),
+            stop_reason=stop_reason, measurement=measurement, wall_time_s=wall,
+            steps=step_rows(measurement, output_ids),
+        ))
+        answers.append(text)
+    return results
+
+
+def _counters(endpoint: EngineEndpoint) -> SpecCounters:
+    text = scrape_metrics(endpoint)
+    counters = parse_counters(text) if text else None
+    if counters is None:
+        raise MissingMetrics("the server's /metrics page lost its speculative-decoding counters mid-run; keep the server up and retry")
+    return counters
+
+
+def figures_source(endpoint: EngineEndpoint, first: Request, config: DoctorConfig) -> tuple[str, list[EngineTurn]]:
+    """(``"responses"``, the first request's turns) when the server reports per request, or
+    (``"counters"``, []) when only its /metrics counters can stand in (the sequential fallback).
+
+    Asks the first request alone; a response without figures from a server whose /metrics has no
+    spec-decode counters either re-raises the response's own sentence.
+    """
+    try:
+        return "responses", ask(endpoint, first, config)
+    except MissingMetrics as exc:
+        text = scrape_metrics(endpoint) if exc.per_request_off else None
+        if text and parse_counters(text) is not None:
+            return "counters", []
+        raise
+
+
+def turn_rows(result: EngineTurn) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The requests-table row and steps-table rows of one answered turn."""
+    m = result.measurement
+    row = {
+        "request_id": result.key,
+        "class": result.request.request_class,
+        "subclass": result.request.subclass,
+        "turn": result.turn,
+        "prompt_num_tokens": result.prompt_num_tokens,
+        "output_token_ids": result.output_token_ids or [],
+        "output_text": result.output_text,
+        "num_output_tokens": result.num_output_tokens,
+        "num_steps": m.num_drafts if m.num_drafts is not None else len(result.steps),
+        "num_drafts": m.num_drafts,
+        "num_draft_tokens": m.num_draft_tokens,
+        "num_accepted_tokens": m.num_accepted_tokens,
+        "tau": m.tau,
+        "stop_reason": result.stop_reason,
+        "wall_time_s": result.wall_time_s,
+    }
+    steps = [{"request_id": result.key, "class": result.request.request_class, **s} for s in result.steps]
+    return row, steps
+
+
+def _failure_sentence(endpoint: EngineEndpoint, exc: Exception, done: int, run_dir: Path) -> str:
+    kept = f"; the {done} request(s) measured before it are in {run_dir}" if done else ""
+    if isinstance(exc, MissingMetrics):
+        return f"--engine {endpoint.base_url}: {exc}{kept}."
+    if isinstance(exc, EngineError) and exc.status is None:
+        return f"--engine {endpoint.base_url}: {exc}; check that the server is still up{kept}."
+    return f"--engine {endpoint.base_url}: {exc}; fix the request or the server flags{kept}."
+
+
+@dataclass
+class EngineMeasurement:
+    """What a server run produced: the answered turns and their table rows (kept for the summary)."""
+
+    turns: list[EngineTurn] = field(default_factory=list)
+    request_rows: list[dict[str, Any]] = field(default_factory=list)
+    step_rows: list[dict[str, Any]] = field(default_factory=list)
+    interrupted: bool = False
+    failure: UsageError | None = None  # raised by the caller once the run directory is closed
+
+    def requests_frame(self):
+        from dflash_doctor.schema import REQUESTS_SCHEMA
+
+        return _frame(self.request_rows, REQUESTS_SCHEMA)
+
+    def steps_frame(self):
+        from dflash_doctor.schema import STEPS_SCHEMA
+
+        return _frame(self.step_rows, STEPS_SCHEMA)
+
+
+def _frame(rows: list[dict[str, Any]], schema):
+    import pyarrow as pa
+
+    return pa.Table.from_pylist(rows, schema=schema).to_pandas()
+
+
+def measure_engine(endpoint: EngineEndpoint, requests: list[Request], config: DoctorConfig, writer, record, *,
+                   concurrency: int = 4, progress=None) -> EngineMeasurement:
+    """Send every request (``concurrency`` at a time) and stream its rows through ``writer``.
+
+    The first failure stops sending; rows of finished requests are kept, the record notes the run as
+    interrupted, and the failure is raised as one UsageError sentence after the caller closes the writer.
+    """
+    from dflash_doctor.engine.live import GenerationResult
+
+    measured = EngineMeasurement()
+    failure: Exception | None = None
+    futures: list = []
+    pool = None
+    try:
+        source, first_turns = figures_source(endpoint, requests[0], config) if requests else ("responses", [])
+        record.source.details["figures_from"] = FIGURES_FROM[source]
+        from_counters = source == "counters"
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=1 if from_counters else max(1, concurrency))
+        remaining = requests[1:] if first_turns else requests
+        futures = [pool.submit(ask, endpoint, request, config, from_counters=from_counters) for request in remaining]
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        done.set_result(first_turns)
+        for future in [done, *concurrent.futures.as_completed(futures)]:
+            try:
+                turns = future.result()
+            except (EngineError, MissingMetrics) as exc:
+                failure = exc
+                for pending in futures:
+                    pending.cancel()
+                break
+            for result in turns:
+                row, steps = turn_rows(result)
+                writer.add("requests", [row])
+                writer.add("steps", steps)
+                measured.turns.append(result)
+                measured.request_rows.append(row)
+                measured.step_rows.extend(steps)
+                if progress is not None:
+                    progress(GenerationResult(output_ids=result.output_token_ids or [], stop_reason=result.stop_reason,
+                                              wall_time_s=result.wall_time_s, steps=result.steps))
+            writer.flush()
+    except (EngineError, MissingMetrics) as exc:  # the first request, asked alone by figures_source
+        failure = exc
+    except KeyboardInterrupt:
+        measured.interrupted = True
+        for pending in futures:
+            pending.cancel()
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=not measured.interrupted, cancel_futures=True)
+        record.source.details.update(engine_facts(measured.turns))
+    if failure is not None:
+        measured.interrupted = True
+        kept = len({t.request.id for t in measured.turns})
+        measured.failure = UsageError(_failure_sentence(endpoint, failure, kept, writer.run_dir))
+    return measured
+
+
+def engine_facts(answered: list[EngineTurn]) -> dict[str, Any]:
+    """What the responses say about the server: engine kind, K, and how exact the step table is."""
+    if not answered:
+        return {}
+    m = answered[0].measurement
+    if m.engine == LLAMA_CPP:
+        steps = "none: llama.cpp reports drafted and accepted tokens only, so this run has an acceptance rate and no tau"
+    elif all(t.measurement.steps_in_order for t in answered):
+        steps = "in order (per-step arrays)"
+    else:
+        steps = "histogram only (step order unknown; vLLM --per-request-spec-decode-metrics detailed gives the order)"
+    return {
+        "kind": m.engine,
+        "num_spec_tokens": m.num_spec_tokens,
+        "steps": steps,
+        "returns_token_ids": all(t.output_token_ids is not None for t in answered),
+    }
+
+
+def start_engine_record(config: DoctorConfig, endpoint: EngineEndpoint):
+    """The run record of a serving-engine run: ``source`` names the server; the target is what it serves."""
+    from dflash_doctor.environment import collect_environment
+    from dflash_doctor.record import ModelInfo, RunMeta, RunRecord, Source
+    from dflash_doctor.schema import utc_now
+
+    return RunRecord(
+        meta=RunMeta(command="check", created_at=utc_now()),
+        source=Source(kind="serving-engine", description=f"the server at {endpoint.base_url} (its own per-request figures)",
+                      url=endpoint.base_url, details={"model": endpoint.model}),
+        models={"target": ModelInfo(id=endpoint.model or "", revision_or_hash="", dtype="", device=endpoint.base_url, kind="target")},
+        environment=collect_environment(None),
+        config=config.as_dict(),
+    )

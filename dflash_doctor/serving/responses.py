@@ -1,0 +1,212 @@
+"""Read an engine's own per-request speculative-decoding figures out of one response body.
+
+Each engine reports acceptance in its own fields and with its own definitions (shared/ENGINES.md
+section 0). Everything here converts to vLLM's, the project's: a *draft* is one verify step that carried
+draft tokens, ``num_accepted_tokens`` excludes the bonus token, and ``tau = 1 + accepted / drafts``.
+
+* vLLM (``--per-request-spec-decode-metrics summary|detailed``): top-level
+  ``metrics.speculative_decoding`` with the acceptance histogram (index j = verify steps that accepted
+  exactly j drafts) and, when ``detailed``, ``per_step_accepted`` / ``per_step_drafted`` in step order.
+* SGLang: ``sglext.spec_tokens_details`` (request ``return_spec_tokens_details``), ``choices[0].meta_info``
+  (``return_meta_info``) or the native ``meta_info``. ``spec_verify_ct`` counts verify steps and
+  ``spec_num_correct_drafts`` accepted drafts (bonus excluded), so tau = 1 + correct / verify_ct. SGLang's
+  own per-request ``spec_accept_length`` is ``completion_tokens / spec_verify_ct``: it counts the
+  prefill's token too and reads high on short outputs; it is kept beside ours, never used as tau.
+* llama.cpp: ``timings.draft_n`` / ``timings.draft_n_accepted`` only. There is no verify-step count, so no
+  tau: the run says "acceptance rate only".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+# Which engine a response came from, as detected from its fields.
+VLLM, SGLANG, LLAMA_CPP = "vllm", "sglang", "llama.cpp"
+
+
+@dataclass(frozen=True)
+class SpecMeasurement:
+    """One request's speculative-decoding figures as its engine reported them, in vLLM's definitions.
+
+    ``num_drafts`` is None when the engine gives no verify-step count (llama.cpp). ``per_step_accepted``
+    and ``per_step_drafted`` are in step order (vLLM ``detailed`` only); ``acceptance_histogram[j]``
+    counts steps that accepted exactly j drafts. ``engine_tau`` is the engine's own printed figure
+    where its definition differs from ours (SGLang), for the report to show side by side.
+    """
+
+    engine: str
+    num_spec_tokens: int | None  # K the server drafts per step
+    num_drafts: int | None
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    acceptance_histogram: tuple[int, ...] | None = None
+    per_step_accepted: tuple[int, ...] | None = None
+    per_step_drafted: tuple[int, ...] | None = None
+    engine_tau: float | None = None
+
+    @property
+    def tau(self) -> float | None:
+        """Mean acceptance length with the bonus token (vLLM's definition); None without a step count."""
+        if not self.num_drafts:
+            return None
+        return 1.0 + self.num_accepted_tokens / self.num_drafts
+
+    @property
+    def steps_in_order(self) -> bool:
+        return self.per_step_accepted is not None
+
+
+class MissingMetrics(ValueError):
+    """A response carries no speculative-decoding figures; the message names the server flag to set.
+
+    ``per_request_off`` is True when the server may well speculate but does not report per request
+    (then its ``/metrics`` counters can stand in, one request at a time).
+    """
+
+    def __init__(self, message: str, per_request_off: bool = False):
+        super().__init__(message)
+        self.per_request_off = per_request_off
+
+
+def _ints(values: Any) -> tuple[int, ...] | None:
+    return None if values is None else tuple(int(v) for v in values)
+
+
+def parse_vllm(spec: Mapping[str, Any]) -> SpecMeasurement:
+    """vLLM's ``metrics.speculative_decoding`` object (vllm/v1/metrics/stats.py RequestSpecDecodeMetrics)."""
+    histogram = _ints(spec.get("acceptance_histogram"))
+    accepted = spec.get("num_accepted_draft_tokens")
+    if accepted is None and histogram is not None:
+        accepted = sum(j * count for j, count in enumerate(histogram))
+    drafts = spec.get("num_spec_steps")
+    if drafts is None and histogram is not None:
+        drafts = sum(histogram)
+    per_step_accepted = _ints(spec.get("per_step_accepted"))
+    per_step_drafted = _ints(spec.get("per_step_drafted"))
+    if per_step_accepted is not None and per_step_drafted is not None and len(per_step_accepted) != len(per_step_drafted):
+        raise ValueError("vLLM per_step_accepted and per_step_drafted have different lengths")
+    return SpecMeasurement(
+        engine=VLLM,
+        num_spec_tokens=spec.get("num_spec_tokens"),
+        num_drafts=int(drafts or 0),
+        num_draft_tokens=int(spec.get("num_draft_tokens") or 0),
+        num_accepted_tokens=int(accepted or 0),
+        acceptance_histogram=histogram,
+        per_step_accepted=per_step_accepted,
+        per_step_drafted=per_step_drafted,
+    )
+
+
+def parse_sglang(details: Mapping[str, Any], *, completion_tokens: int | None = None) -> SpecMeasurement:
+    """SGLang's spec fields (``meta_info`` or ``sglext.spec_tokens_details``), converted to vLLM's tau.
+
+    ``spec_correct_drafts_histogram`` has vLLM's layout (index = accepted drafts, bonus excluded). When
+    ``spec_num_correct_drafts`` is absent, the accepted count is ``completion_tokens - 1 - verify_ct``
+    (the prefill's token plus one bonus per step are the rest).
+    """
+    verify = int(details.get("spec_verify_ct") or 0)
+    histogram = _ints(details.get("spec_correct_drafts_histogram") or None)
+    correct = details.get("spec_num_correct_drafts")
+    if correct is None and histogram is not None:
+        correct = sum(j * count for j, count in enumerate(histogram))
+    if correct is None and completion_tokens is not None and verify:
+        correct = max(completion_tokens - 1 - verify, 0)
+    proposed = details.get("spec_num_proposed_drafts")
+    k = len(histogram) - 1 if histogram else None
+    if proposed is None and k is not None:
+        proposed = verify * k
+    return SpecMeasurement(
+        engine=SGLANG,
+        num_spec_tokens=k,
+        num_drafts=verify,
+        num_draft_tokens=int(proposed or 0),
+        num_accepted_tokens=int(correct or 0),
+        acceptance_histogram=histogram,
+        engine_tau=details.get("spec_accept_length"),
+    )
+
+
+def parse_llama_cpp(timings: Mapping[str, Any]) -> SpecMeasurement:
+    """llama.cpp's ``timings.draft_n`` / ``draft_n_accepted``: drafted and accepted tokens, no step count."""
+    return SpecMeasurement(
+        engine=LLAMA_CPP,
+        num_spec_tokens=None,
+        num_drafts=None,
+        num_draft_tokens=int(timings.get("draft_n") or 0),
+        num_accepted_tokens=int(timings.get("draft_n_accepted") or 0),
+    )
+
+
+_SGLANG_KEYS = ("spec_verify_ct", "spec_num_correct_drafts", "spec_correct_drafts_histogram")
+
+
+def _sglang_details(body: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    candidates = [body.get("meta_info"), (body.get("sglext") or {}).get("spec_tokens_details")]
+    candidates += [choice.get("meta_info") for choice in body.get("choices") or [] if isinstance(choice, Mapping)]
+    for candidate in candidates:
+        if isinstance(candidate, list):  # sglext details are a list when n > 1
+            candidate = candidate[0] if len(candidate) == 1 else None
+        if isinstance(candidate, Mapping) and any(key in candidate for key in _SGLANG_KEYS):
+            return candidate
+    return None
+
+
+def parse_response(body: Mapping[str, Any]) -> SpecMeasurement:
+    """The speculative figures of one (non-streamed, n = 1) completion body, whichever engine sent it.
+
+    Raises :class:`MissingMetrics` naming the flag that turns them on when the body has none.
+    """
+    spec = (body.get("metrics") or {}).get("speculative_decoding")
+    if isinstance(spec, Mapping):
+        return parse_vllm(spec)
+    details = _sglang_details(body)
+    if details is not None:
+        completion = (body.get("usage") or {}).get("completion_tokens") or (body.get("meta_info") or {}).get("completion_tokens")
+        return parse_sglang(details, completion_tokens=completion)
+    timings = body.get("timings")
+    if isinstance(timings, Mapping) and "draft_n" in timings:
+        return parse_llama_cpp(timings)
+    if isinstance(body.get("metrics"), Mapping) or isinstance(timings, Mapping):
+        raise MissingMetrics(
+            "the response has engine metrics but no speculative-decoding figures: the server is not "
+            "speculating (start it with a draft: vLLM --speculative-config, SGLang --speculative-algorithm, "
+            "llama.cpp --spec-type)"
+        )
+    raise MissingMetrics(
+        "the response carries no per-request speculative-decoding metrics; start vLLM with "
+        "--per-request-spec-decode-metrics detailed (SGLang answers return_spec_tokens_details itself; "
+        "llama.cpp reports timings.draft_n only while it drafts)",
+        per_request_off=True,
+    )
+
+
+def step_rows(measurement: SpecMeasurement, output_ids: list[int] | None) -> list[dict[str, Any]]:
+    """``steps.parquet`` rows from an engine's per-request figures (no timings: the engine keeps those).
+
+    With vLLM's ``detailed`` arrays the rows are the real steps in order: the prefill commits the first
+    output token, and each step commits its accepted drafts plus one token, so step s starts at
+    ``position = 1 + sum(accepted + 1 for earlier steps)``; ``bonus_token`` is read from the output ids
+    when the engine returned them. With only a histogram the steps are real but their order is not
+    known: they are listed by accepted count with ``position = -1``. llama.cpp gives no steps.
+    """
+    k = measurement.num_spec_tokens or 0
+    rows: list[dict[str, Any]] = []
+    nan = float("nan")
+    if measurement.per_step_accepted is not None:
+        drafted = measurement.per_step_drafted or (k,) * len(measurement.per_step_accepted)
+        position = 1
+        for step, (n_drafted, n_accepted) in enumerate(zip(drafted, measurement.per_step_accepted)):
+            bonus_at = position + n_accepted
+            bonus = output_ids[bonus_at] if output_ids is not None and bonus_at < len(output_ids) else -1
+            rows.append({"step": step, "position": position, "k": k, "num_drafted": n_drafted,
+                         "num_accepted": n_accepted, "bonus_token": bonus, "draft_time_s": nan, "verify_time_s": nan})
+            position += n_accepted + 1
+        return rows
+    if measurement.acceptance_histogram is not None and measurement.num_drafts:
+        per_step_drafted = round(measurement.num_draft_tokens / measurement.num_drafts) if measurement.num_draft_tokens else k
+        for n_accepted, count in enumerate(measurement.acceptance_histogram):
+            for _ in range(count):
+                rows.append({"step": len(rows), "position": -1, "k": k, "num_drafted": per_step_drafted,
+                             "num_accepted": n_accepted, "bonus_token": -1, "draft_time_s": nan, "verify_time_s": nan})
+    return rows

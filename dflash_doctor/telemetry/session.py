@@ -1,0 +1,100 @@
+"""One watch from start to finish: sources -> watcher -> judge -> run directory (+ exporter); no printing.
+
+``dflash-doctor watch`` builds a :class:`WatchSession` from its flags and shows what :meth:`once` or
+each :meth:`step` returns (the CLI is flags -> session -> view, like every other command).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any
+
+from dflash_doctor.errors import UsageError
+from dflash_doctor.speedup import StepCosts
+from dflash_doctor.telemetry.exporter import VerdictExporter
+from dflash_doctor.telemetry.record import WatchRecord
+from dflash_doctor.telemetry.settings import WatchSettings
+from dflash_doctor.telemetry.sources import LogFile, MetricsEndpoint, PrometheusServer, ResponsesFile, Source, open_source
+from dflash_doctor.telemetry.verdict import Judge, WindowVerdict, load_baseline
+from dflash_doctor.telemetry.watcher import Watcher
+
+
+def open_sources(specs: list[str], prometheus: str | None, settings: WatchSettings) -> list[Source]:
+    """SOURCE arguments and ``--prometheus`` as sources; none at all is a usage error."""
+    sources: list[Source] = [open_source(s, engine=settings.engine, model=settings.model, class_label=settings.class_label) for s in specs]
+    if prometheus:
+        sources.append(PrometheusServer(prometheus, window_s=settings.window_s, engine=settings.engine, class_label=settings.class_label))
+    if not sources:
+        raise UsageError("watch needs at least one SOURCE (a /metrics URL, a log file, a responses .jsonl) or --prometheus URL.")
+    return sources
+
+
+class WatchSession:
+    """Owns the pieces of one watch and keeps its run directory current after every evaluation."""
+
+    def __init__(self, sources: list[Source], settings: WatchSettings, *, run_dir: Path, config: dict[str, Any],
+                 costs: StepCosts | None = None, once: bool = False, exporter_port: int | None = None):
+        self.settings = settings
+        self.once_mode = once
+        self.judge = Judge(load_baseline(settings.baseline), settings.thresholds, engine=settings.engine, costs=costs)
+        # --once on a /metrics URL without --window: "what do its counters say so far" (since the server started)
+        self.watcher = Watcher(sources, window_s=settings.window_s, count_since_start=once and not settings.window_given)
+        self.run_dir = run_dir
+        self.record = WatchRecord(run_dir, config, {
+            "sources": [s.name for s in sources], "window_s": settings.window_s, "interval_s": settings.interval_s,
+            "baseline": self.judge.baseline.description if self.judge.baseline else None,
+            "thresholds": dataclasses.asdict(settings.thresholds),
+        })
+        self.exporter = VerdictExporter(exporter_port) if exporter_port is not None else None
+        self._units_recorded = 0
+
+    def _adopt_detected_engine(self) -> None:
+        """Advice for the one engine the sources turned out to be (all engines' settings when it is not one)."""
+        if self.judge.engine is None and len(self.watcher.engines) == 1:
+            self.judge.engine = next(iter(self.watcher.engines))
+
+    def _publish(self, rounds: list[list[WindowVerdict]]) -> None:
+        for i, verdicts in enumerate(rounds):
+            last = i == len(rounds) - 1
+            self.record.update(verdicts, self.watcher.units[self._units_recorded:] if last else [], self.watcher.events, self.watcher.source_notes())
+        self._units_recorded = len(self.watcher.units)
+        if self.exporter and rounds:
+            self.exporter.publish(rounds[-1])
+
+    def once(self) -> list[list[WindowVerdict]]:
+        """One verdict for cron/CI; returns every window judged (files: their whole time axis, oldest
+        first; live sources: one round), the last round being the latest window of every series."""
+        sources = self.watcher.sources
+        live = [s for s in sources if isinstance(s, (MetricsEndpoint, PrometheusServer))]
+        files = [s for s in sources if isinstance(s, (LogFile, ResponsesFile))]
+        scrapes = [s for s in live if isinstance(s, MetricsEndpoint)]
+        self.watcher.poll()
+        if scrapes and self.settings.window_given:  # two scrapes one window apart: the counts of that window
+            time.sleep(self.settings.window_s)
+            self.watcher.poll()
+        self._adopt_detected_engine()
+        failed = {e.source: e.message for e in self.watcher.events if e.kind == "source-unavailable"}
+        if len(failed) == len(sources) and not self.watcher.units:
+            raise UsageError(f"no source could be read: {'; '.join(failed.values())}; check the URL/path and that the server is up.")
+        if files and not live:
+            rounds = [[self.judge.judge(w) for w in windows] for windows in self.watcher.tumbling_windows()]
+        else:
+            if scrapes and not self.settings.window_given:
+                self.watcher.window_s = float("inf")  # counts since each server started
+            rounds = [[self.judge.judge(w) for w in self.watcher.current_windows()]]
+        self._publish(rounds)
+        return rounds
+
+    def start(self) -> None:
+        """The first poll of a live watch: only the starting point of the counters' differences."""
+        self.watcher.poll()
+
+    def step(self) -> list[WindowVerdict]:
+        """Poll, judge the window ending now, record and export it."""
+        self.watcher.poll()
+        self._adopt_detected_engine()
+        verdicts = [self.judge.judge(w) for w in self.watcher.current_windows()]
+        self._publish([verdicts])
+        return verdicts

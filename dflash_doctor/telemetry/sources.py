@@ -1,0 +1,314 @@
+"""Where production numbers come from: an engine's ``/metrics``, a Prometheus server, log files, captured responses.
+
+Each source has ``poll()``, returning the :class:`Observation` s that appeared since the last poll, and
+``notes`` (what the user should know, e.g. "this endpoint exports no speculative counters"). A source
+that cannot be reached right now raises :class:`SourceUnavailable`; the watcher records the gap and keeps
+going, and because engine counters are cumulative the next successful scrape still covers the gap, so
+nothing is lost. Input that can never work (a file that does not exist, a URL that is not a URL) is a
+:class:`UsageError` at construction time: one sentence, exit 2.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+from typing import Protocol
+
+from dflash_doctor.errors import UsageError
+from dflash_doctor.telemetry.counts import SpecCounts
+from dflash_doctor.telemetry.engines import READERS, Reading, read_exposition
+from dflash_doctor.telemetry.exposition import Exposition, Sample, parse_exposition
+from dflash_doctor.telemetry.logs import LogContext, detect_log_engine, parse_log_lines
+from dflash_doctor.telemetry.observation import Observation, ParseProblems
+from dflash_doctor.telemetry.responses import parse_response_lines
+
+HTTP_TIMEOUT_S = 10.0
+
+
+class SourceUnavailable(Exception):
+    """The source could not be read this time (connection refused, HTTP error, timeout)."""
+
+
+class Source(Protocol):
+    name: str
+    notes: list[str]
+    engine: str | None  # given, or detected by the first successful poll
+
+    def poll(self) -> list[Observation]: ...
+
+
+def _http_get(url: str, timeout_s: float = HTTP_TIMEOUT_S) -> str:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:  # noqa: S310 (http/https only, checked by callers)
+            return response.read().decode("utf-8", errors="replace")
+    except urllib.error.HTTPError as exc:
+        raise SourceUnavailable(f"{url} answered HTTP {exc.code}") from None
+    except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise SourceUnavailable(f"{url} could not be read ({reason})") from None
+
+
+def _check_url(url: str, what: str) -> str:
+    parsed = urllib.parse.urlparse(url)
+    if parsed.scheme not in ("http", "https") or not parsed.netloc:
+        raise UsageError(f"{what} {url!r} is not an http(s) URL; pass e.g. http://127.0.0.1:8000/metrics.")
+    return url
+
+
+def _check_engine(engine: str | None) -> str | None:
+    if engine is not None and engine not in READERS:
+        raise UsageError(f"--engine {engine!r} is not one of {', '.join(READERS)}; pick one or leave it out to detect it.")
+    return engine
+
+
+def _note_once(notes: list[str], new: list[str]) -> None:
+    for note in new:
+        if note not in notes:
+            notes.append(note)
+
+
+class MetricsEndpoint:
+    """Scrapes an engine's Prometheus text endpoint; every poll is one cumulative snapshot per series."""
+
+    def __init__(self, url: str, *, engine: str | None = None, model: str | None = None, class_label: str | None = None):
+        self.url = _check_url(url, "source")
+        self.engine = _check_engine(engine)
+        self.model = model or urllib.parse.urlparse(url).netloc
+        self.class_label = class_label
+        self.name = url
+        self.notes: list[str] = []
+        self.last_text: str | None = None
+
+    def poll(self) -> list[Observation]:
+        text = _http_get(self.url)
+        self.last_text = text
+        now = time.time()
+        reading = read_exposition(parse_exposition(text), engine=self.engine, default_model=self.model, class_label=self.class_label)
+        if reading.engine in READERS:
+            self.engine = reading.engine  # detected once, then kept: the advice names this engine's settings
+        _note_once(self.notes, reading.notes)
+        return _observations(reading, now, self.url, cumulative=True)
+
+
+def _observations(reading: Reading, now: float, origin: str, *, cumulative: bool) -> list[Observation]:
+    keys = set(reading.counts) | set(reading.reported)
+    result = []
+    for key in sorted(keys):
+        reported = dict(reading.reported.get(key, {}))
+        if key in reading.configured_k:
+            reported["configured_k"] = float(reading.configured_k[key])
+        counts = reading.counts.get(key, SpecCounts())
+        result.append(Observation(key, counts, cumulative=cumulative, time_s=now, reported=reported, origin=origin))
+    return result
+
+
+# The series watch reads from a Prometheus server, per engine: counters, and gauges (window averages the
+# engine computed itself, averaged again over the window).
+PROMETHEUS_COUNTERS = {
+    "vllm": ["vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total", "vllm:spec_decode_num_accepted_tokens_total",
+             "vllm:spec_decode_num_accepted_tokens_per_pos_total", "vllm:generation_tokens_total"],
+    "sglang": ["sglang:spec_verify_calls_total", "sglang:generation_tokens_total"],
+    "llamacpp": ["llamacpp:spec_decode_num_drafts_total", "llamacpp:spec_decode_num_draft_tokens_total", "llamacpp:spec_decode_num_accepted_tokens_total",
+                 "llamacpp:spec_decode_num_accepted_tokens_per_pos_total", "llamacpp:tokens_predicted_total"],
+    "trtllm": ["trtllm_spec_decode_num_draft_tokens_total", "trtllm_spec_decode_num_accepted_tokens_total", "trtllm_spec_decode_drafted_tokens_total",
+               "trtllm_spec_decode_accepted_tokens_total", "trtllm_generation_tokens_total"],
+}
+PROMETHEUS_GAUGES = {"vllm": ["vllm:num_requests_running"], "sglang": ["sglang:spec_accept_length", "sglang:spec_accept_rate"], "trtllm": ["trtllm_spec_decode_acceptance_length"]}
+
+
+def parse_duration_s(text: str) -> float:
+    """A Prometheus duration (``30s``, ``5m``, ``1h``) or plain seconds -> seconds."""
+    units = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+    text = str(text).strip()
+    for suffix in sorted(units, key=len, reverse=True):
+        if text.endswith(suffix) and text[: -len(suffix)].replace(".", "", 1).isdigit():
+            return float(text[: -len(suffix)]) * units[suffix]
+    try:
+        return float(text)
+    except ValueError:
+        raise UsageError(f"duration {text!r} is not a number of seconds or a Prometheus duration like 30s, 5m, 1h; fix it.") from None
+
+
+def counter_increase(values: list[float]) -> float:
+    """How much a counter grew over its samples, a drop being a restart from zero (PromQL's reset rule)."""
+    grown = 0.0
+    for before, after in zip(values, values[1:]):
+        grown += after if after < before else after - before
+    return grown
+
+
+class PrometheusServer:
+    """Reads one window of every speculative counter from a Prometheus server's HTTP API.
+
+    One range query per poll, ``{__name__=~"COUNTERS"}[W]``, returns every series' samples in the last W
+    seconds; each series' increase is taken the way PromQL's ``rate()``/``increase()`` take it (a drop is
+    a restart from zero) but without their extrapolation to the window edges: that extrapolation is
+    capped at zero per series, so counters that were near zero when the window opened (the higher draft
+    positions, a fresh server) get a different factor than the others and the ratios that make tau drift.
+    Series are then summed per model (and class label) by the engine readers, like any scrape.
+    """
+
+    def __init__(self, url: str, *, window_s: float, engine: str | None = None, class_label: str | None = None, selector: str = ""):
+        self.url = _check_url(url, "--prometheus").rstrip("/")
+        self.engine = _check_engine(engine)
+        self.window_s = window_s
+        self.class_label = class_label
+        self.selector = selector  # extra label matchers, e.g. job="vllm"
+        self.name = f"prometheus {self.url}"
+        self.notes: list[str] = []
+
+    def _query(self, promql: str) -> list[dict]:
+        url = f"{self.url}/api/v1/query?" + urllib.parse.urlencode({"query": promql})
+        try:
+            payload = json.loads(_http_get(url))
+        except json.JSONDecodeError:
+            raise SourceUnavailable(f"{self.url} did not answer with Prometheus API JSON") from None
+        if payload.get("status") != "success":
+            raise SourceUnavailable(f"Prometheus refused {promql!r}: {payload.get('error', 'no reason given')}")
+        return payload["data"]["result"]
+
+    def _selector(self, names: list[str]) -> str:
+        pattern = "|".join(names)  # metric names hold no regex metacharacters
+        extra = f",{self.selector}" if self.selector else ""
+        return f'{{__name__=~"{pattern}"{extra}}}'
+
+    def _detect_engine(self) -> str | None:
+        for engine, counters in PROMETHEUS_COUNTERS.items():
+            if self._query(f"count({self._selector(counters[:1])})"):
+                return engine
+        return None
+
+    def poll(self) -> list[Observation]:
+        engine = self.engine or self._detect_engine()
+        if engine is None:
+            _note_once(self.notes, [f"{self.url} has no vllm:, sglang:, llamacpp: or trtllm_ speculative counters in its TSDB (yet)."])
+            return []
+        self.engine = engine
+        window = f"{int(round(self.window_s))}s"
+        counters, gauges = PROMETHEUS_COUNTERS[engine], PROMETHEUS_GAUGES.get(engine, [])
+        samples: list[Sample] = []
+        last_time = 0.0
+        for series in self._query(f"{self._selector(counters + gauges)}[{window}]"):
+            labels = dict(series["metric"])
+            name = labels.pop("__name__", "")
+            values = [float(value) for _, value in series.get("values", [])]
+            if not values:
+                continue
+            last_time = max(last_time, float(series["values"][-1][0]))
+            value = counter_increase(values) if name in counters else sum(values) / len(values)
+            samples.append(Sample(name, labels, value))
+        reading = read_exposition(Exposition(samples), engine=engine, default_model=self.url, class_label=self.class_label)
+        _note_once(self.notes, reading.notes)
+        return _observations(reading, last_time or time.time(), self.name, cumulative=False)
+
+
+class _TailedFile:
+    """Reads the lines appended to a file since the last call; starts over when the file shrank (rotation)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.offset = 0
+        self.line_number = 0
+
+    def new_lines(self) -> tuple[list[str], int]:
+        try:
+            size = self.path.stat().st_size
+        except OSError as exc:
+            raise SourceUnavailable(f"{self.path} could not be read ({exc.strerror})") from None
+        if size < self.offset:  # truncated or rotated
+            self.offset, self.line_number = 0, 0
+        with self.path.open("rb") as handle:
+            handle.seek(self.offset)
+            data = handle.read()
+        complete = data[: data.rfind(b"\n") + 1] if b"\n" in data else b""
+        self.offset += len(complete)
+        first = self.line_number + 1
+        lines = complete.decode("utf-8", errors="replace").splitlines()
+        self.line_number += len(lines)
+        return lines, first
+
+
+def _existing_file(path: str | Path) -> Path:
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"source {path} is neither an http(s) URL nor an existing file; pass a /metrics URL, a log file or a responses .jsonl.")
+    return path
+
+
+class _FollowedFile:
+    """A file read as it grows, whose unreadable lines are counted into one note."""
+
+    what = "metrics"  # named in the note about unreadable lines
+
+    def __init__(self, path: str | Path, *, model: str | None = None):
+        self.path = _existing_file(path)
+        self.model = model or self.path.stem
+        self.name = str(self.path)
+        self.notes: list[str] = []
+        self.problems = ParseProblems()
+        self._tail = _TailedFile(self.path)
+
+    def _note_problems(self) -> None:
+        message = self.problems.message(self.what)
+        if message:
+            self.notes = [n for n in self.notes if "could not be read" not in n] + [message]
+
+
+class LogFile(_FollowedFile):
+    """An engine's log file (followed as it grows); the engine is detected from the first metrics line."""
+
+    def __init__(self, path: str | Path, *, engine: str | None = None, model: str | None = None, year: int | None = None):
+        super().__init__(path, model=model)
+        self.engine = _check_engine(engine)
+        self._year = year or time.gmtime(self.path.stat().st_mtime).tm_year
+
+    def poll(self) -> list[Observation]:
+        lines, first = self._tail.new_lines()
+        if self.engine is None:
+            self.engine = detect_log_engine(lines)
+            if self.engine is None:
+                return []
+        self.what = f"{self.engine} metrics"
+        ctx = LogContext(model=self.model, origin=self.name, year=self._year, problems=self.problems)
+        observations = list(parse_log_lines(lines, engine=self.engine, ctx=ctx, first_line_number=first))
+        self._note_problems()
+        return observations
+
+
+class ResponsesFile(_FollowedFile):
+    """Captured responses, one JSON object per line (see :mod:`.responses`); followed as it grows."""
+
+    what = "response"
+    engine: str | None = None  # each line names its own engine by its fields
+
+    def poll(self) -> list[Observation]:
+        lines, first = self._tail.new_lines()
+        observations = list(parse_response_lines(lines, default_model=self.model, origin=self.name, problems=self.problems, first_line_number=first))
+        self._note_problems()
+        return observations
+
+
+def _looks_like_responses(path: Path) -> bool:
+    """A JSONL file of response bodies (not TensorRT-LLM iteration stats, which the log parser reads)."""
+    with path.open("r", encoding="utf-8", errors="replace") as handle:
+        for line in handle:
+            if line.strip():
+                stripped = line.strip()
+                return stripped.startswith("{") and "specDecodingStats" not in stripped
+    return False
+
+
+def open_source(spec: str, *, engine: str | None = None, model: str | None = None, class_label: str | None = None) -> Source:
+    """A SOURCE argument: an http(s) URL is scraped; a file is a log, or captured responses if it holds JSON objects."""
+    if spec.startswith(("http://", "https://")):
+        return MetricsEndpoint(spec, engine=engine, model=model, class_label=class_label)
+    path = _existing_file(spec)
+    if _looks_like_responses(path):
+        return ResponsesFile(path, model=model)
+    return LogFile(path, engine=engine, model=model)
+
+

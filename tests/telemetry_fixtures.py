@@ -1,0 +1,134 @@
+"""Test helpers for watch: a small exporter serving captured real metric text, and the real Prometheus binary.
+
+The exporter is an HTTP server in a thread whose ``/metrics`` text the test swaps (scrape N returns
+capture N), or makes fail (HTTP 500) to simulate a scrape failing mid-watch. Prometheus (Debian's
+``prometheus`` package) is started on 127.0.0.1 with a scrape config pointing at that exporter and
+stopped by its own process id.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import time
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+DATA = Path(__file__).parent / "data" / "telemetry"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class MetricsExporter:
+    """Serves ``self.text`` on /metrics (or HTTP 500 while ``self.failing``); ``scrapes`` counts requests."""
+
+    def __init__(self, text: str = ""):
+        self.text = text
+        self.failing = False
+        self.scrapes = 0
+        exporter = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 (http.server API)
+                exporter.scrapes += 1
+                if exporter.failing or not self.path.startswith("/metrics"):
+                    self.send_response(500 if exporter.failing else 404)
+                    self.end_headers()
+                    return
+                body = exporter.text.encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):  # keep test output clean
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        self.url = f"http://127.0.0.1:{self.port}/metrics"
+        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> "MetricsExporter":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class PrometheusServer:
+    """The real Prometheus binary scraping ``targets`` every second; stopped by its pid."""
+
+    def __init__(self, targets: list[str], workdir: Path, *, scrape_interval: str = "1s"):
+        self.binary = shutil.which("prometheus")
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = workdir / "prometheus.yml"
+        config.write_text(
+            "global:\n"
+            f"  scrape_interval: {scrape_interval}\n"
+            "scrape_configs:\n"
+            "  - job_name: engine\n"
+            "    static_configs:\n"
+            f"      - targets: {json.dumps(targets)}\n",
+            encoding="utf-8",
+        )
+        self.command = [
+            self.binary or "prometheus", f"--config.file={config}", f"--storage.tsdb.path={workdir / 'tsdb'}",
+            f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn",
+        ]
+        self.log = workdir / "prometheus.log"
+        self.process: subprocess.Popen | None = None
+
+    def __enter__(self) -> "PrometheusServer":
+        if self.binary is None:
+            raise RuntimeError("the prometheus binary is not on PATH; install Debian's package: apt-get install prometheus (.ci/run does)")
+        self.process = subprocess.Popen(self.command, stdout=self.log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            try:
+                urllib.request.urlopen(f"{self.url}/-/ready", timeout=2)
+                return self
+            except OSError:
+                if self.process.poll() is not None:
+                    raise RuntimeError(f"prometheus exited: {self.log.read_text()[-2000:]}")
+                time.sleep(0.3)
+        raise RuntimeError("prometheus did not become ready in 60 s")
+
+    def __exit__(self, *exc) -> None:
+        if self.process is not None and self.process.poll() is None:
+            os.kill(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.kill(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+
+    def query(self, promql: str) -> list[dict]:
+        from urllib.parse import urlencode
+
+        with urllib.request.urlopen(f"{self.url}/api/v1/query?" + urlencode({"query": promql}), timeout=10) as response:
+            return json.loads(response.read())["data"]["result"]
+
+    def wait_for_samples(self, promql: str, count: int, timeout_s: float = 60.0) -> None:
+        """Wait until ``count_over_time``-style queries see enough samples (Prometheus needs >= 2 for rate())."""
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            result = self.query(promql)
+            if result and float(result[0]["value"][1]) >= count:
+                return
+            time.sleep(0.5)
+        raise RuntimeError(f"prometheus never had {count} samples for {promql}")

@@ -1,0 +1,66 @@
+"""engine-agreement on hand-made comparison figures: agreement, an unexplained gap, an explained one."""
+
+from __future__ import annotations
+
+from dflash_doctor.checks import CheckContext, get_check
+
+
+def _figures(engine_tau=1.74, embedded_tau=1.73, ci=(-0.04, 0.03), shares=None, prompts_same=8, outputs_same=8, engine_k=15):
+    shares = shares or {"as configured": 0.97}
+    return {
+        "engine_k": engine_k, "draft_block_size": 16,
+        "prompts": {"num_compared": 8, "num_identical": prompts_same, "differing": ["r1"] if prompts_same < 8 else []},
+        "outputs": {"num_compared": 8, "num_identical": outputs_same,
+                    "differences": [] if outputs_same == 8 else [{"request_id": "r2", "position": 40, "target_top2_margin": 0.003}]},
+        "tau": {"overall": {"num_turns": 8, "engine_tau": engine_tau, "engine_tau_ci": [engine_tau - 0.1, engine_tau + 0.1],
+                            "embedded_tau": embedded_tau, "embedded_tau_ci": [embedded_tau - 0.1, embedded_tau + 0.1],
+                            "difference": embedded_tau - engine_tau, "difference_ci": list(ci)}, "by_class": {}},
+        "per_step": {name: {"num_steps": 200, "num_agreeing": round(200 * share), "share": share,
+                            "num_telling": 40, "num_siding": round(40 * (share - 0.3) / 0.7)} for name, share in shares.items()},
+        "deciding_margins": {"median_agreeing": 1.5, "median_disagreeing": 0.004},
+        "setups": [{"name": "as configured", "cause": "", "fix": ""},
+                   {"name": "target_layer_ids + 1", "cause": "the server feeds the draft the target layers one above", "fix": "serve the ids"},
+                   {"name": "in-block attention causal", "cause": "the server runs the block causal", "fix": "set dflash_config.causal"}],
+    }
+
+
+def _run(figures):
+    return get_check("engine-agreement")().run(CheckContext(extras={"engine_agreement": figures}))
+
+
+def test_engine_agreement_pass_when_tau_and_steps_agree():
+    result = _run(_figures(outputs_same=7))  # one output parted at a near-tie: info only
+    assert result.status == "pass", result.summary
+    assert "agree" in result.summary and "97%" in result.summary
+
+
+def test_engine_agreement_fail_names_the_layer_offset_the_server_matches():
+    figures = _figures(engine_tau=1.05, embedded_tau=1.73, ci=(0.6, 0.75),
+                       shares={"as configured": 0.35, "target_layer_ids + 1": 0.96, "in-block attention causal": 0.4})
+    result = _run(figures)
+    assert result.status == "fail"
+    finding = next(f for f in result.findings if f.severity == "fail")
+    assert "target_layer_ids + 1" in finding.message and "sided with target_layer_ids + 1 38 times" in finding.evidence and finding.fix
+
+
+def test_engine_agreement_fail_without_a_matching_setup_lists_what_to_inspect():
+    figures = _figures(engine_tau=1.2, embedded_tau=1.73, ci=(0.4, 0.6),
+                       shares={"as configured": 0.5, "target_layer_ids + 1": 0.55, "in-block attention causal": 0.6})
+    result = _run(figures)
+    assert result.status == "fail" and "accepts less" in result.summary
+    assert "mask id" in result.findings[-1].fix
+
+
+def test_engine_agreement_fail_on_k_above_the_block_and_on_a_different_prompt_rendering():
+    result = _run(_figures(engine_k=16, prompts_same=6))
+    messages = " | ".join(f.message for f in result.findings if f.severity == "fail")
+    assert "K = 16" in messages and "2 of 8 prompts" in messages
+
+
+def test_engine_agreement_warn_when_tau_agrees_but_steps_do_not():
+    result = _run(_figures(shares={"as configured": 0.6}))
+    assert result.status == "warn" and "60%" in result.summary
+
+
+def test_engine_agreement_skips_without_an_engine_run():
+    assert get_check("engine-agreement")().run(CheckContext()).status == "skip"

@@ -1,0 +1,73 @@
+"""Deviation analysis on the real demo pair: a chat-template change shows up as template-token rejections.
+
+The template-mismatch scenario serves SmolLM2 with another system prompt ("answer in as few words as
+possible"), so turn boundaries move: the target ends some answers early with ``<|im_end|>``, and the draft -
+trained on the default prompt - now also proposes ``<|im_end|>`` where the target goes on. The healthy
+run never rejects at a special token. One pair load serves both runs (the scenario only swaps the chat
+template); six requests, 48 new tokens (about 8 CPU-minutes on the demo pair, both runs).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from dflash_doctor import deviations, scenarios
+from dflash_doctor.config import build_config
+from dflash_doctor.pair import load_pair
+from dflash_doctor.record import RunMeta, RunRecord
+from dflash_doctor.replay import replay_teacher
+from dflash_doctor.schema import RunWriter, load_run
+from dflash_doctor.workloads import load_workload
+
+pytestmark = pytest.mark.integration
+
+NUM_REQUESTS = 6  # two per class
+MAX_NEW_TOKENS = 48
+TOP_PAIRS = 3  # "a top pattern": among a class's three costliest first-rejection pairs
+
+
+@pytest.fixture(scope="module")
+def demo_pair_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("demo")
+    config = build_config(max_requests=NUM_REQUESTS, max_new_tokens=MAX_NEW_TOKENS, seed=0)
+    pair = load_pair(config)
+    runs = {}
+    for name in ("healthy", "template-mismatch"):  # healthy first: the scenario only swaps the pair's chat template
+        requests = load_workload(config.workload, max_requests=config.max_requests, seed=config.seed)
+        if name != "healthy":
+            pair, requests, _ = scenarios.get_scenario(name).apply(pair, requests, config)
+        record = RunRecord(meta=RunMeta(command="check"), config=config.as_dict())
+        with RunWriter(root / name, record.to_json()) as writer:
+            replay_teacher(pair, requests, ks=(pair.default_k,), max_new_tokens=MAX_NEW_TOKENS, temperature=0.0,
+                           seed=config.seed, exact_blocks=False, writer=writer)
+        runs[name] = load_run(root / name)
+    return runs
+
+
+def _special_pairs(run, top: int) -> list[dict]:
+    """First-rejection pairs among each class's ``top`` costliest with a special token on either side."""
+    analysis = deviations.analyze_run(run)
+    return [pair for summary in analysis["by_class"].values() for pair in summary["top_pairs"][:top]
+            if "special" in (pair["category"], pair["draft_category"])]
+
+
+def test_template_mismatch_makes_template_tokens_a_top_rejection_pattern(demo_pair_runs):
+    special = _special_pairs(demo_pair_runs["template-mismatch"], TOP_PAIRS)
+    assert special and all("<|im_end|>" in (p["target_text"], p["draft_text"]) for p in special)
+    assert _special_pairs(demo_pair_runs["healthy"], deviations.DEFAULT_TOP_N) == []
+
+
+def test_compare_lists_special_tokens_among_the_patterns_that_grew(demo_pair_runs):
+    base, new = (deviations.run_tables(demo_pair_runs[name]) for name in ("healthy", "template-mismatch"))
+    grown = deviations.grown_patterns(base, new)
+    assert any(row["pattern"] == "special" and row["lost_per_draft_base"] == 0 for row in grown)
+    healthy = base.decided
+    assert not (healthy["first_rejection"] & ((healthy["category"] == "special") | (healthy["draft_category"] == "special"))).any()
+
+
+def test_recorded_columns_come_from_the_real_tokenizer(demo_pair_runs):
+    tokens = demo_pair_runs["healthy"].tokens
+    for column in ("target_category", "draft_category"):
+        assert tokens[column].notna().all() and set(tokens[column]) <= set(deviations.CATEGORIES)
+    margin = tokens["target_top1_margin"]
+    assert ((margin >= 0) & (margin <= 1)).all()

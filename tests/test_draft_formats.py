@@ -1,0 +1,169 @@
+"""Every draft config dialect loads to the same module as its z-lab original, or is refused in one sentence.
+
+The z-lab original is an official ``dflash`` 0.1.0 checkpoint (tests/official_dflash.py, which writes
+transformers 5's nested ``rope_parameters``); each other dialect is written from it the way its tool
+writes it, loaded by our loader, and must give the same draft logits (so the layer-id conversion is
+exact: an off-by-one feeds other target layers and changes them).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from official_dflash import official_config, official_model, save_official
+from tiny_models import tiny_dflash, tiny_target
+
+from dflash_doctor.draft_formats import normalise_draft_config, refuse_gguf_dflash
+from dflash_doctor.draft_kinds import detect_draft_kind
+from dflash_doctor.engine.proposers.dflash import DFlashProposer
+from dflash_doctor.engine.target import TargetModel
+from dflash_doctor.errors import UsageError
+from dflash_doctor.loading import load_dflash_draft, read_config, save_dflash_draft
+
+PROMPT = [1, 17, 42, 8, 9, 30, 31, 44]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target()
+
+
+@pytest.fixture(scope="module")
+def zlab_dir(target, tmp_path_factory):
+    return save_official(official_model(official_config(target, "full", layer_ids=(0, 2))), tmp_path_factory.mktemp("zlab"))
+
+
+@torch.no_grad()
+def _logits(draft, target):
+    wrapped = TargetModel(target, draft.hidden_state_indices)
+    hidden = target(torch.tensor([PROMPT]), output_hidden_states=True).hidden_states
+    proposer = DFlashProposer(draft, wrapped)
+    proposer.start(torch.tensor(PROMPT), torch.cat([hidden[i][0] for i in draft.hidden_state_indices], dim=-1))
+    return proposer.propose(PROMPT[-1], 5, 5).logits
+
+
+def _rewrite(src, dst, config, rename=lambda key: key, extra=None):
+    dst.mkdir(parents=True, exist_ok=True)
+    (dst / "config.json").write_text(json.dumps(config), encoding="utf-8")
+    state = {rename(k): v for k, v in load_file(src / "model.safetensors").items()}
+    state.update(extra or {})
+    save_file(state, dst / "model.safetensors")
+    return dst
+
+
+def _speculators_config(zlab: dict, *, aux_ids, **extra) -> dict:
+    layer = {k: v for k, v in zlab.items() if k not in ("dflash_config", "block_size", "num_target_layers", "architectures")}
+    return {"speculators_model_type": "dflash", "architectures": ["DFlashSpeculator"], "block_size": zlab["block_size"],
+            "mask_token_id": zlab["dflash_config"]["mask_token_id"], "aux_hidden_state_layer_ids": aux_ids,
+            "transformer_layer_config": layer, "speculators_version": "0.3.0", **extra}
+
+
+def test_zlab_nested_and_flat_layouts_read_the_same(zlab_dir, target, tmp_path):
+    raw = json.loads((zlab_dir / "config.json").read_text())
+    assert "rope_parameters" in raw and "rope_theta" not in raw  # transformers 5 writes the nested form
+    nested = load_dflash_draft(zlab_dir)
+    assert nested.draft_format["dialect"] == "zlab-nested" and nested.config.rope_theta == 10000.0
+    flat_dir = save_dflash_draft(nested, tmp_path / "flat")
+    flat = load_dflash_draft(flat_dir)
+    assert flat.draft_format["dialect"] == "zlab"
+    torch.testing.assert_close(_logits(flat, target), _logits(nested, target), rtol=0, atol=0)
+    block_inside = dict(raw, dflash_config={**raw["dflash_config"], "block_size": raw["block_size"]})
+    del block_inside["block_size"]
+    assert normalise_draft_config(block_inside).config["block_size"] == raw["block_size"]
+
+
+def test_speculators_ids_are_ours_plus_one(zlab_dir, target, tmp_path):
+    zlab = json.loads((zlab_dir / "config.json").read_text())
+    ours = [i + 1 for i in zlab["dflash_config"]["target_layer_ids"]]
+    embed = {"embed_tokens.weight": target.get_input_embeddings().weight.detach().clone(),
+             "lm_head.weight": target.lm_head.weight.detach().clone()}
+    spec_dir = _rewrite(zlab_dir, tmp_path / "spec", _speculators_config(zlab, aux_ids=ours, draft_vocab_size=zlab["vocab_size"]), extra=embed)
+    assert detect_draft_kind(read_config(spec_dir)).name == "dflash"
+    spec = load_dflash_draft(spec_dir)
+    assert spec.config.target_layer_ids == zlab["dflash_config"]["target_layer_ids"]
+    assert spec.draft_format["layer_id_offset"] == 1 and spec.draft_format["ships_own"] == ["embed_tokens.weight", "lm_head.weight"]
+    assert spec.config.is_causal is False  # sliding_window_non_causal defaults to true
+    torch.testing.assert_close(_logits(spec, target), _logits(load_dflash_draft(zlab_dir), target), rtol=0, atol=0)
+    with pytest.raises(UsageError, match="aux_hidden_state_layer_ids"):
+        normalise_draft_config(_speculators_config(zlab, aux_ids=[0, 2]))
+
+
+def test_speculators_draft_vocabulary_maps_to_target_ids(zlab_dir, target, tmp_path):
+    zlab = json.loads((zlab_dir / "config.json").read_text())
+    kept = torch.tensor([0, 2, 3, 5, 6, 7, 11, 40, 96])  # target ids the draft vocabulary covers
+    head = torch.randn(len(kept), zlab["hidden_size"])
+    extra = {"lm_head.weight": head, "d2t": kept - torch.arange(len(kept)), "t2d": torch.zeros(zlab["vocab_size"], dtype=torch.bool)}
+    config = _speculators_config(zlab, aux_ids=[i + 1 for i in zlab["dflash_config"]["target_layer_ids"]], draft_vocab_size=len(kept))
+    draft = load_dflash_draft(_rewrite(zlab_dir, tmp_path / "vocab", config, extra=extra))
+    logits = _logits(draft, target)
+    outside = torch.ones(zlab["vocab_size"], dtype=torch.bool)
+    outside[kept] = False
+    assert torch.isinf(logits[:, outside]).all() and torch.isfinite(logits[:, kept]).all()
+    assert set(logits.argmax(-1).tolist()) <= set(kept.tolist())
+
+
+def test_nemo_export_loads(zlab_dir, target, tmp_path):
+    zlab = json.loads((zlab_dir / "config.json").read_text())
+    nemo_dir = _rewrite(zlab_dir, tmp_path / "nemo", dict(zlab, architectures=["Qwen3DFlashDraftModel"]), rename=lambda k: "model." + k)
+    nemo = load_dflash_draft(nemo_dir)
+    assert nemo.draft_format["dialect"] == "nemo"
+    torch.testing.assert_close(_logits(nemo, target), _logits(load_dflash_draft(zlab_dir), target), rtol=0, atol=0)
+
+
+def test_dflash2_codebooks_and_speculators_dflash2(target, tmp_path):
+    official = official_model(official_config(target, "dflash2"))
+    zlab_dir = save_official(official, tmp_path / "zlab2")
+    assert "candidate_selector.predecessor_codebook" in load_file(zlab_dir / "model.safetensors")
+    zlab = json.loads((zlab_dir / "config.json").read_text())
+    config = _speculators_config(zlab, aux_ids=[i + 1 for i in zlab["dflash_config"]["target_layer_ids"]], **{
+        k: zlab["dflash_config"][k] for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")})
+    config["speculators_model_type"] = "dflash2"
+    spec = load_dflash_draft(_rewrite(zlab_dir, tmp_path / "spec2", config))
+    assert type(spec).__name__ == "DFlash2DraftModel"
+    torch.testing.assert_close(_logits(spec, target), _logits(load_dflash_draft(zlab_dir), target), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("where, key, message", [
+    ("top", "rope_magic", "key 'rope_magic' is not a DFlash draft key"),
+    ("dflash_config", "block_stride", "dflash_config key 'block_stride' is not a DFlash draft key"),
+    ("dflash_config", "attention_sink_bias", "dflash_config.attention_sink_bias = True asks for attention sink biases"),
+    ("top", "hidden_act", "hidden_act 'gelu' is not silu"),
+])
+def test_unknown_or_unmodelled_keys_are_refused_naming_the_key(zlab_dir, where, key, message):
+    raw = json.loads((zlab_dir / "config.json").read_text())
+    value = "gelu" if key == "hidden_act" else True
+    if where == "top":
+        raw[key] = value
+    else:
+        raw["dflash_config"][key] = value
+    with pytest.raises(UsageError, match=message):
+        normalise_draft_config(raw)
+
+
+def test_flat_tiny_draft_round_trips(target, tmp_path):
+    draft = tiny_dflash(target, layer_types=["sliding_attention", "full_attention"], sliding_window=3)
+    draft.config.is_causal = None
+    loaded = load_dflash_draft(save_dflash_draft(draft, tmp_path / "d"))
+    # the window survives a save: our layout writes use_sliding_window, without which Qwen3Config drops it
+    assert loaded.config.layer_types == ["sliding_attention", "full_attention"] and loaded.config.sliding_window == 3
+
+
+def test_gguf_dflash_draft_is_refused_in_one_sentence(tmp_path):
+    import gguf
+
+    path = tmp_path / "draft.gguf"
+    writer = gguf.GGUFWriter(str(path), "dflash")
+    writer.add_uint32("dflash.block_size", 16)
+    writer.add_array("dflash.target_layers", [2, 11, 19, 28])
+    writer.add_tensor("fc.weight", torch.zeros(4, 16).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(UsageError, match="general.architecture = dflash"):
+        refuse_gguf_dflash(str(path))
+    refuse_gguf_dflash(str(tmp_path / "not-a-file.gguf"))  # anything else is left to the loader

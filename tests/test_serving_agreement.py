@@ -1,0 +1,107 @@
+"""The agreement machinery: simulated serving setups, and a server stand-in that IS the embedded live loop.
+
+The stand-in is honest about what it is: the embedded engine's own live loop, run with the configured or
+with a deliberately mis-set draft, produces "engine" step sequences whose cause is known, so the
+comparison must reproduce the first exactly and name the second. The real server is test_vllm_real.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash_doctor.engine.live import speculative_generate
+from dflash_doctor.serving.agreement import (
+    CONFIGURED, ServingSetup, compare_turn, serving_setups, setup_proposer, summarize_agreement,
+)
+from dflash_doctor.serving.engine_run import EngineTurn
+from dflash_doctor.serving.responses import SpecMeasurement, step_rows
+from dflash_doctor.workloads import Request
+from tests.tiny_models import tiny_dflash, tiny_target
+
+
+def test_causal_flip_makes_each_slot_blind_to_later_slots():
+    """Causal in-block attention: slot j's guess cannot depend on how many slots follow; bidirectional can."""
+    target_model = tiny_target()
+    draft = tiny_dflash(target_model, block_size=6)
+    ids = torch.tensor([5, 17, 42, 8, 9, 11, 12, 60, 61, 62])
+    anchors = torch.tensor([3, 5])
+    results = {}
+    for flip in (False, True):
+        proposer, target = setup_proposer(draft, target_model, ServingSetup("x", flip_causal=flip))
+        target.reset()
+        features = target.forward(ids).features
+        proposer.prepare_teacher(ids, features)
+        results[flip] = (proposer.slot_logits(anchors, 4)[:, :2], proposer.slot_logits(anchors, 2))
+    causal_long, causal_short = results[True]
+    bidirectional_long, bidirectional_short = results[False]
+    assert torch.allclose(causal_long, causal_short, atol=1e-5)
+    assert not torch.allclose(bidirectional_long, bidirectional_short, atol=1e-3)
+
+
+def test_layer_offset_setups_stay_inside_the_target():
+    target_model = tiny_target(layers=4)
+    draft = tiny_dflash(target_model, layer_ids=(0, 3))
+    names = {s.name: setup_proposer(draft, target_model, s) for s in serving_setups(draft_causal=False)}
+    assert names["target_layer_ids - 1"] is None and names["target_layer_ids + 1"] is None  # 0-1 and 3+1 fall off
+    assert names[CONFIGURED] is not None and names["in-block attention causal"] is not None
+
+
+class _Local:
+    """The bits of a loaded pair that compare_turn reads."""
+
+    def __init__(self, stop_ids):
+        self.stop_ids = stop_ids
+
+
+def _engine_turn(request_id, prompt, result, k) -> EngineTurn:
+    accepted = [s["num_accepted"] for s in result.steps]
+    measurement = SpecMeasurement("vllm", k, len(accepted), sum(s["num_drafted"] for s in result.steps), sum(accepted),
+                                  per_step_accepted=tuple(accepted), per_step_drafted=tuple(s["num_drafted"] for s in result.steps))
+    return EngineTurn(request=Request(id=request_id, prompt="x"), turn=0, output_text="", output_token_ids=result.output_ids,
+                      prompt_token_ids=prompt, prompt_num_tokens=len(prompt), num_output_tokens=len(result.output_ids),
+                      stop_reason=result.stop_reason, measurement=measurement, wall_time_s=0.0,
+                      steps=step_rows(measurement, result.output_ids))
+
+
+@pytest.fixture(scope="module")
+def demo_pair():
+    """The real SmolLM2-135M-Instruct and the shipped DFlash draft (its acceptance is high enough to tell setups apart)."""
+    from transformers import AutoTokenizer
+
+    from dflash_doctor.loading import DEMO_DRAFT_DIR, demo_target_path, load_causal_lm, load_dflash_draft, resolve_model_dir
+    from dflash_doctor.pair import stop_ids_of
+
+    target_dir = resolve_model_dir(str(demo_target_path()))
+    model = load_causal_lm(target_dir)
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    draft = load_dflash_draft(DEMO_DRAFT_DIR)
+    return model, tokenizer, draft, stop_ids_of(model, tokenizer)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("served", [CONFIGURED, "target_layer_ids + 1"])
+def test_a_stand_in_server_is_reproduced_step_by_step_and_its_setup_named(demo_pair, served):
+    from dflash_doctor.workloads import encode_turn
+
+    model, tokenizer, draft, stop_ids = demo_pair
+    setups = serving_setups(draft_causal=False)
+    proposers = {s.name: setup_proposer(draft, model, s) for s in setups}
+    served_proposer, served_target = proposers[served]
+    k, max_new = 15, 48
+    turns, comparisons = [], []
+    questions = ("What is 12 times 7? Explain step by step.", "Write a Python function that reverses a string.")
+    for index, question in enumerate(questions):
+        prompt = encode_turn(tokenizer, [{"role": "user", "content": question}])
+        live = speculative_generate(served_target, served_proposer, torch.tensor(prompt), k=k, max_new_tokens=max_new, stop_ids=stop_ids)
+        turn = _engine_turn(f"r{index}", prompt, live, k)
+        turns.append(turn)
+        comparisons.append(compare_turn(_Local(stop_ids), setups, proposers, turn, prompt, k, max_new, 0.0))
+    summary = summarize_agreement(comparisons, turns, engine_k=k, block_size=16)
+    assert summary["outputs"]["num_identical"] == 2 and summary["prompts"]["num_identical"] == 2
+    assert summary["per_step"][served]["share"] >= 0.95, summary["per_step"]
+    assert summary["per_step"][served]["embedded_accepted"] > 0  # not a trivial all-zero agreement
+    if served != CONFIGURED:
+        stats = summary["per_step"][served]
+        assert stats["num_telling"] >= 5 and stats["num_siding"] >= 0.9 * stats["num_telling"], stats
+        assert summary["per_step"][CONFIGURED]["share"] < stats["share"]

