@@ -129,9 +129,8 @@ def slot_table(
         known = slot_pos < n_out
         safe_pos = slot_pos.clamp(max=n_out - 1)
         guess = logits.argmax(dim=-1)
-        pad = (0, k - bk)  # slots the block does not draft: no guess, no match
-        guess_parts.append(F.pad(guess, pad))
-        match_parts.append(F.pad((guess == truth[safe_pos]) & known, pad))
+        guess_parts.append(_widen(guess, k))
+        match_parts.append(_widen((guess == truth[safe_pos]) & known, k))
         if sampled:  # the target's scores for each slot sit one row before the token it predicts
             p = torch.softmax(target_logits[p_len + safe_pos - 1] / temperature, dim=-1)
             if proposer.samples_drafts(temperature):
@@ -139,10 +138,10 @@ def slot_table(
                 prob = torch.minimum(p, q).sum(dim=-1)
             else:
                 prob = p.gather(-1, guess[..., None])[..., 0]
-            prob_parts.append(F.pad(prob * known, pad))
+            prob_parts.append(_widen(prob * known, k))
         if record_divergence:
             slots = target_rows.windows(p_len + start, stop - start, bk)  # row p_len + a + j - 1 for slot j
-            divergence_parts.append(F.pad(divergence_tensor(logits, guess, slots), (0, 0) + pad).flatten(0, 1))
+            divergence_parts.append(_widen(divergence_tensor(logits, guess, slots), k).flatten(0, 1))
     guesses = _host(guess_parts, np.zeros((0, k), dtype=np.int64))
     matches = _host(match_parts, np.zeros((0, k), dtype=bool))
     accept_probs = _host(prob_parts, np.zeros((0, k))).astype(np.float64) if sampled else None
@@ -165,6 +164,12 @@ def _draft_passes(block_of: np.ndarray) -> list[tuple[int, int, int]]:
                 passes.append((first, i, int(block_of[first])))
                 first = i
     return passes
+
+
+def _widen(x: torch.Tensor, k: int) -> torch.Tensor:
+    """[A, bk, ...] -> [A, k, ...] (zeros / False): slots a shortened block does not draft get no guess, no match."""
+    bk = x.shape[1]
+    return x if bk == k else F.pad(x, (0, 0) * (x.dim() - 2) + (0, k - bk))
 
 
 def _host(parts: list[torch.Tensor], empty: np.ndarray) -> np.ndarray:

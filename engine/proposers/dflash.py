@@ -105,12 +105,12 @@ class DFlashProposer(Proposer):
         token before each slot (DFlash 2's selector reads it).
         """
         bound = int(anchors.max()) + 1
+        ids = self._teacher_ids
+        anchors = anchors.to(ids.device, non_blocking=True)  # the pass's one host-to-device copy
         ctx_kv = [(key[:, :, :bound], value[:, :, :bound]) for key, value in self._teacher_ctx_kv]
         hidden = draft_block_hidden(
-            self.model, self._embedding_weight(), self._teacher_ids[:, :bound], ctx_kv,
-            anchors.to(self._teacher_ids.device, non_blocking=True)[None],
-            torch.ones(anchors.shape, dtype=torch.bool, device=self._teacher_ids.device)[None], k + 1,
+            self.model, self._embedding_weight(), ids[:, :bound], ctx_kv, anchors[None],
+            torch.ones(anchors.shape, dtype=torch.bool, device=ids.device)[None], k + 1,
         )
-        ids = self._teacher_ids[0]
-        previous = (anchors.to(ids.device, non_blocking=True)[:, None] + torch.arange(k, device=ids.device)).clamp(max=ids.shape[0] - 1)
-        return self.model.teacher_scores(hidden[0, :, 1:], ids[previous], self.target.model.get_output_embeddings())  # [A, k, V]
+        previous = (anchors[:, None] + torch.arange(k, device=ids.device)).clamp(max=ids.shape[1] - 1)
+        return self.model.teacher_scores(hidden[0, :, 1:], ids[0, previous], self.target.model.get_output_embeddings())  # [A, k, V]
