@@ -165,18 +165,23 @@ def load_tokenizer(spec: str | Path, *, trust_remote_code: bool = False):
 
 
 def load_causal_lm(model_dir: Path, *, dtype: str = "float32", device: str = "cpu", trust_remote_code: bool = False):
-    """A transformers causal LM in eval mode (SDPA attention, no remote code unless asked)."""
+    """A transformers causal LM in eval mode (SDPA attention, no remote code unless asked); a ``device``
+    listing several GPUs (``cuda:0,cuda:1``) places its layers over them."""
     from transformers import AutoModelForCausalLM
 
+    from dflash_doctor.distributed import layer_placement, target_devices
+
+    devices = target_devices(device)
+    placement = {"device_map": layer_placement(model_dir, devices, trust_remote_code=trust_remote_code)} if len(devices) > 1 else {}
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=torch_dtype(dtype), trust_remote_code=trust_remote_code, attn_implementation="sdpa"
+            model_dir, dtype=torch_dtype(dtype), trust_remote_code=trust_remote_code, attn_implementation="sdpa", **placement
         )
     except ValueError as exc:
         if "trust_remote_code" in str(exc):
             raise UsageError(f"{model_dir} needs its own Python code; review it and pass --trust-remote-code to allow it.") from None
         raise
-    return model.to(device).eval()
+    return (model if placement else model.to(device)).eval()
 
 
 def load_dflash_draft(model_dir: Path, *, dtype: str = "float32", device: str = "cpu"):

@@ -208,6 +208,14 @@ class RunWriter:
     def add(self, table: str, rows: Iterable[dict[str, Any]]) -> None:
         self._buffers[table].extend(rows)
 
+    def append(self, tables: dict[str, pa.Table]) -> None:
+        """Append whole Arrow tables to the journal, requests last (a merge of rows written elsewhere:
+        no round trip through Python rows)."""
+        self.flush()
+        for name in JOURNAL_ORDER:
+            self._streams[name].write_table(tables[name].cast(TABLES[name]))
+            self._sinks[name].flush()
+
     def flush(self) -> None:
         """Append the buffered rows to the journal (call it once per finished request)."""
         for name in JOURNAL_ORDER:

@@ -76,7 +76,7 @@ class TargetModel:
         )
         features = None
         if want_hidden:
-            features = torch.cat([out.hidden_states[i][0] for i in taps], dim=-1)
+            features = torch.cat([out.hidden_states[i][0].to(self.device) for i in taps], dim=-1)  # a placed target taps several GPUs
         return TargetOutput(logits=out.logits[0].float(), features=features)
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
