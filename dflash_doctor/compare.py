@@ -187,16 +187,18 @@ def _compare_slice(cls: str, base: _Side, new: _Side, k: int, threshold_tau: flo
     rows = []
     for metric, slot, base_value, base_ci, new_value, new_ci, base_samples, new_samples, threshold in metrics:
         base_value, new_value, base_ci, new_ci = _finite(base_value), _finite(new_value), _ci(base_ci), _ci(new_ci)
-        comparable = not note and base_ci is not None and new_ci is not None and base_value is not None and new_value is not None
-        delta = new_value - base_value if comparable else None
-        delta_ci = _ci(interval(new_samples - base_samples)) if comparable else None
-        separated = comparable and new_ci[1] < base_ci[0]
+        delta = delta_ci = None
+        regression = False
+        if not note and base_ci is not None and new_ci is not None and base_value is not None and new_value is not None:
+            delta = new_value - base_value
+            delta_ci = _ci(interval(new_samples - base_samples))
+            regression = -delta > threshold and new_ci[1] < base_ci[0]
         rows.append(
             MetricComparison(
                 cls=cls, metric=metric, slot=slot,
                 base=base_value, base_ci=base_ci, new=new_value, new_ci=new_ci,
                 delta=delta, delta_ci=delta_ci, threshold=threshold,
-                regression=bool(comparable and -delta > threshold and separated),
+                regression=regression,
                 note=note,
             )
         )

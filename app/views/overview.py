@@ -38,11 +38,11 @@ if not checks:
     st.caption("No checks in this run.")
 else:
     table = data.checks_table(checks)
-    st.dataframe(table.style.map(lambda status: f"background-color: {ui.STATUS_COLORS.get(status, '')}", subset=["status"]), hide_index=True)
+    st.dataframe(table.style.map(lambda status: f"background-color: {ui.STATUS_COLORS.get(str(status), '')}", subset=["status"]), hide_index=True)
     by_id = {str(check.get("id")): check for check in checks}
-    for row in table.itertuples(index=False):
-        check = by_id[row.check]
-        with st.expander(f"**{row.check}** ({row.status}) — {row.summary}", expanded=row.status in ("fail", "error"), icon=ui.STATUS_ICONS.get(row.status)):
+    for row in table.to_dict("records"):
+        check = by_id[row["check"]]
+        with st.expander(f"**{row['check']}** ({row['status']}) — {row['summary']}", expanded=row["status"] in ("fail", "error"), icon=ui.STATUS_ICONS.get(row["status"])):
             findings = check.get("findings") or []
             if not findings:
                 st.caption("No findings.")
