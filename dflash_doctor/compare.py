@@ -127,10 +127,10 @@ def _sides(run: Run, k: int) -> dict[str, _Side]:
     them); at a smaller K the summary is recomputed on truncated steps by the same code.
     """
     steps, k_run = _steps_at_largest_k(run)
-    seed = int(run.meta.get("config", {}).get("seed", 0))
+    seed = int(run.record.config.get("seed", 0))
     requests = run.requests if run.requests is not None and not run.requests.empty else None
-    if k == k_run and run.meta.get("summary", {}).get("overall"):
-        summary = run.meta["summary"]
+    if k == k_run and run.record.summary.overall is not None:
+        summary = run.meta["summary"]  # the dict form: summarize() below returns the same
     else:
         steps = truncate_steps(steps, k)
         summary = summarize(steps, requests, num_slots=k, seed=seed)
