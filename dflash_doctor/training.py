@@ -52,7 +52,7 @@ from dflash_doctor.loading import load_dflash_draft, save_dflash_draft
 from dflash_doctor.workloads import Request, encode_request_turn
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel
+    from dflash_doctor.engine.target import CausalLM
 
 CHECKPOINT_DIR_NAME = "checkpoint"  # resumable state inside the out dir
 TRAINING_STATE_FILE = "training_state.pt"  # optimizer, scheduler, RNG, step and loss log (tensors + plain data)
@@ -232,7 +232,7 @@ def _append_records(path: Path, records: Iterable[SequenceRecord]) -> None:
             handle.write(json.dumps(dataclasses.asdict(record)) + "\n")
 
 
-def prepare_sequences(model: torch.nn.Module, tokenizer: Any, requests: Sequence[Request], *, cache_path: Path,
+def prepare_sequences(model: CausalLM, tokenizer: Any, requests: Sequence[Request], *, cache_path: Path,
                       cache_key: dict[str, Any], max_new_tokens: int, stop_ids: frozenset[int],
                       chat_template: str | None = None, use_recorded_responses: bool = False,
                       batch_size: int = 32, progress: bool = False) -> list[SequenceRecord]:
@@ -289,7 +289,7 @@ def prepare_sequences(model: torch.nn.Module, tokenizer: Any, requests: Sequence
     return [records[(r.id, turn)] for r in requests for turn in range(r.num_turns)]
 
 
-def sampled_sequences(model: torch.nn.Module, records: Sequence[SequenceRecord], *, samples_per_prompt: int,
+def sampled_sequences(model: CausalLM, records: Sequence[SequenceRecord], *, samples_per_prompt: int,
                       temperature: float, cache_path: Path, cache_key: dict[str, Any], max_new_tokens: int,
                       stop_ids: frozenset[int], pad_token_id: int, batch_size: int = 256, seed: int = 0,
                       progress: bool = False) -> list[SequenceRecord]:
@@ -336,7 +336,7 @@ def _forward_without_logits(model: torch.nn.Module) -> dict[str, Any]:
 
 
 @torch.inference_mode()
-def extract_features(target_model: PreTrainedModel, sequences: Sequence[Sequence[int]], hidden_state_indices: Sequence[int],
+def extract_features(target_model: CausalLM, sequences: Sequence[Sequence[int]], hidden_state_indices: Sequence[int],
                      *, batch_size: int = 8, device: torch.device | str = "cpu") -> list[torch.Tensor]:
     """Concatenated taps ``[L_i, n*H]`` for every sequence: one frozen-target pass per sequence, batched.
 
@@ -379,7 +379,7 @@ def sample_anchors(prompt_lengths: torch.Tensor, lengths: torch.Tensor, width: i
     return top.indices, top.values >= 0
 
 
-def block_loss(draft: DFlashDraftModel, target_model: PreTrainedModel, token_ids: torch.Tensor, lengths: torch.Tensor,
+def block_loss(draft: DFlashDraftModel, target_model: CausalLM, token_ids: torch.Tensor, lengths: torch.Tensor,
                features: torch.Tensor, anchors: torch.Tensor, anchor_valid: torch.Tensor,
                weights: torch.Tensor) -> tuple[torch.Tensor, int, torch.Tensor]:
     """Decay-weighted cross-entropy of every block, the number of labels, and accepted tokens per block.
@@ -465,7 +465,7 @@ def _load_checkpoint(path: Path, identity: dict[str, Any], device: torch.device)
     return weights, state
 
 
-def train_dflash_draft(target_model: PreTrainedModel, sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int],
+def train_dflash_draft(target_model: CausalLM, sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int],
                        config: TrainConfig, draft: DFlashDraftModel, *, checkpoint_dir: Path | None = None,
                        extra_config: dict[str, Any] | None = None, feature_batch_size: int = 8,
                        progress: bool = False) -> TrainingResult:
@@ -568,7 +568,7 @@ def train_dflash_draft(target_model: PreTrainedModel, sequences: Sequence[Sequen
 # Held-out acceptance at temperature 0
 
 @torch.inference_mode()
-def held_out_steps(target_model: PreTrainedModel, draft: DFlashDraftModel, records: Sequence[SequenceRecord], *,
+def held_out_steps(target_model: CausalLM, draft: DFlashDraftModel, records: Sequence[SequenceRecord], *,
                    stop_ids: frozenset[int], k: int | None = None) -> list[dict[str, Any]]:
     """Per-step rows (``request_id``, ``class``, ``k``, ``num_drafted``, ``num_accepted``...) of the live loop at T = 0.
 

@@ -58,12 +58,12 @@ class DFlashConfig:
     target_layer_ids: list[int]
     mask_token_id: int
     num_target_layers: int
-    head_dim: int | None = None
+    head_dim: int = 0  # 0 (or null in config.json): hidden_size // num_attention_heads, Qwen3's default
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1_000_000.0
     rope_scaling: dict[str, Any] | None = None
     max_position_embeddings: int = 40960
-    layer_types: list[str] | None = None
+    layer_types: list[str] = field(default_factory=list)  # empty (or null): every layer full attention
     sliding_window: int | None = None
     attention_bias: bool = False
     tie_word_embeddings: bool = False
@@ -80,9 +80,9 @@ class DFlashConfig:
     extra: dict[str, Any] = field(default_factory=dict)  # keys we carry but do not interpret
 
     def __post_init__(self) -> None:
-        if self.head_dim is None:
+        if not self.head_dim:
             self.head_dim = self.hidden_size // self.num_attention_heads
-        if self.layer_types is None:
+        if not self.layer_types:
             self.layer_types = ["full_attention"] * self.num_hidden_layers
 
     def layer_is_causal(self, index: int) -> bool:
@@ -194,7 +194,8 @@ class RMSNorm(nn.Module):
 def rope_inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     """Inverse frequencies for RoPE with the ``rope_scaling`` types drafts use (default, linear, llama3)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    scaling = scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
         return inv_freq.float()
     if kind == "linear":
