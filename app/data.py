@@ -22,7 +22,7 @@ import pandas as pd
 from dflash_doctor.errors import UsageError
 from dflash_doctor.metrics import NUM_BOOTSTRAP_RESAMPLES, OVERALL, bootstrap_ratio, group_rng, interval, summarize, summary_group
 from dflash_doctor.schema import RUN_JSON, TABLES, read_run_meta, run_data_files
-from dflash_doctor.status import STATUS_RANK, VERDICT_NONE, overall_status, status_counts
+from dflash_doctor.status import STATUS_RANK, VERDICT_NONE, CheckResult, overall_status, status_counts
 
 if TYPE_CHECKING:
     from pandas.io.formats.style_render import ExtFormatter
@@ -131,17 +131,9 @@ def _run_files_from_zip(zip_name: str, payload: bytes) -> dict[str, bytes]:
 
 
 
-def checks_table(checks: Iterable[dict[str, Any]]) -> pd.DataFrame:
+def checks_table(checks: Iterable[CheckResult]) -> pd.DataFrame:
     """One row per check, worst status first (what needs attention leads the page)."""
-    rows = [
-        {
-            "status": str(check.get("status", "")),
-            "check": str(check.get("id", "")),
-            "summary": str(check.get("summary", "")),
-            "findings": len(check.get("findings") or []),
-        }
-        for check in checks
-    ]
+    rows = [{"status": check.status, "check": check.id, "summary": check.summary, "findings": len(check.findings)} for check in checks]
     frame = pd.DataFrame(rows, columns=["status", "check", "summary", "findings"])
     order = frame["status"].map({status.value: rank for rank, status in enumerate(STATUS_RANK)}).fillna(len(STATUS_RANK))
     return frame.assign(_order=order).sort_values(["_order", "check"], kind="stable").drop(columns="_order").reset_index(drop=True)
@@ -488,10 +480,10 @@ def recommendation_table(recommendation: dict[str, Any]) -> pd.DataFrame:
     return frame.assign(_first=frame["class"] != "overall").sort_values(["_first", "class"]).drop(columns="_first").reset_index(drop=True)
 
 
-def run_verdict(checks: Sequence[dict[str, Any]]) -> tuple[str, str]:
+def run_verdict(checks: Sequence[CheckResult]) -> tuple[str, str]:
     """(verdict, sentence) for the whole run: :func:`dflash_doctor.status.overall_status` of its checks
     and how many checks ended in each status."""
-    statuses = [str(c["status"]) for c in checks]
+    statuses = [check.status for check in checks]
     status = overall_status(statuses)
     if status == VERDICT_NONE:
         return status, "No checks were recorded in this run (replay/sweep runs have none; `dflash-doctor check` adds them)."

@@ -187,7 +187,7 @@ register_draft_kind(DraftKind(
         "num_layers": model.config.num_hidden_layers,
         "architecture": model.config.architecture,
         "causal_layers": [model.config.layer_is_causal(i) for i in range(model.config.num_hidden_layers)],
-        "format": getattr(model, "draft_format", None),
+        "format": model.draft_format,
     },
     layer_ids=lambda model: list(model.config.target_layer_ids),
     with_layer_ids=_dflash_with_layer_ids,

@@ -306,6 +306,8 @@ class DFlashDraftModel(nn.Module):
     steps while teacher-forced replay and training compute them for a whole sequence at once.
     """
 
+    draft_format: dict[str, Any] | None = None  # the checkpoint's dialect facts (loading.build_dflash_draft)
+
     def __init__(self, cfg: DFlashConfig):
         super().__init__()
         self.config = cfg

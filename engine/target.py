@@ -85,9 +85,18 @@ class TargetModel:
             features = torch.cat([out.hidden_states[i][0] for i in taps], dim=-1)
         return TargetOutput(logits=out.logits[0].float(), features=features)
 
+    @property
+    def embedding(self) -> torch.nn.Embedding:
+        """The token embedding, which DFlash drafts share."""
+        return cast(torch.nn.Embedding, self.model.get_input_embeddings())
+
+    @property
+    def head(self) -> torch.nn.Linear:
+        """The vocabulary head (a causal LM's is a Linear), which DFlash drafts share."""
+        return cast(torch.nn.Linear, self.model.get_output_embeddings())
+
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.get_input_embeddings()(token_ids)
+        return self.embedding(token_ids)
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
-        head = cast(torch.nn.Linear, self.model.get_output_embeddings())  # a causal LM's vocabulary head
-        return head(hidden.to(head.weight.dtype))
+        return self.head(hidden.to(self.head.weight.dtype))

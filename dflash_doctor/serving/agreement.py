@@ -106,7 +106,7 @@ class _CausalFlippedProposer(DFlashProposer):
         lower = slot[:, None] >= slot[None, :]  # within a block (other blocks are masked already)
         mask = mask.clone()
         mask[..., t:] &= lower
-        embeds = self.target.model.get_input_embeddings()(block.view(1, a * b)).to(model.fc.weight.dtype)
+        embeds = self.target.embed(block.view(1, a * b)).to(model.fc.weight.dtype)
         ctx_positions = torch.arange(t, device=device)[None]
         hidden = model(embeds, positions.view(1, a * b), self._teacher_ctx_kv, ctx_positions, mask).view(1, a, b, -1)
         return self.target.lm_head(hidden[0, :, 1:]).float()
