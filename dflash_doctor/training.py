@@ -36,7 +36,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence, cast
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +50,9 @@ from dflash_doctor.engine.teacher import TeacherSequence, slot_table, walk_sched
 from dflash_doctor.errors import UsageError
 from dflash_doctor.loading import load_dflash_draft, save_dflash_draft
 from dflash_doctor.workloads import Request, encode_request_turn
+
+if TYPE_CHECKING:
+    from dflash_doctor.engine.target import CausalLM
 
 CHECKPOINT_DIR_NAME = "checkpoint"  # resumable state inside the out dir
 TRAINING_STATE_FILE = "training_state.pt"  # optimizer, scheduler, RNG, step and loss log (tensors + plain data)
@@ -229,7 +232,7 @@ def _append_records(path: Path, records: Iterable[SequenceRecord]) -> None:
             handle.write(json.dumps(dataclasses.asdict(record)) + "\n")
 
 
-def prepare_sequences(model: torch.nn.Module, tokenizer: Any, requests: Sequence[Request], *, cache_path: Path,
+def prepare_sequences(model: CausalLM, tokenizer: Any, requests: Sequence[Request], *, cache_path: Path,
                       cache_key: dict[str, Any], max_new_tokens: int, stop_ids: frozenset[int],
                       chat_template: str | None = None, use_recorded_responses: bool = False,
                       batch_size: int = 32, progress: bool = False) -> list[SequenceRecord]:
@@ -286,7 +289,7 @@ def prepare_sequences(model: torch.nn.Module, tokenizer: Any, requests: Sequence
     return [records[(r.id, turn)] for r in requests for turn in range(r.num_turns)]
 
 
-def sampled_sequences(model: torch.nn.Module, records: Sequence[SequenceRecord], *, samples_per_prompt: int,
+def sampled_sequences(model: CausalLM, records: Sequence[SequenceRecord], *, samples_per_prompt: int,
                       temperature: float, cache_path: Path, cache_key: dict[str, Any], max_new_tokens: int,
                       stop_ids: frozenset[int], pad_token_id: int, batch_size: int = 256, seed: int = 0,
                       progress: bool = False) -> list[SequenceRecord]:
@@ -333,7 +336,7 @@ def _forward_without_logits(model: torch.nn.Module) -> dict[str, Any]:
 
 
 @torch.inference_mode()
-def extract_features(target_model: torch.nn.Module, sequences: Sequence[Sequence[int]], hidden_state_indices: Sequence[int],
+def extract_features(target_model: CausalLM, sequences: Sequence[Sequence[int]], hidden_state_indices: Sequence[int],
                      *, batch_size: int = 8, device: torch.device | str = "cpu") -> list[torch.Tensor]:
     """Concatenated taps ``[L_i, n*H]`` for every sequence: one frozen-target pass per sequence, batched.
 
@@ -376,7 +379,7 @@ def sample_anchors(prompt_lengths: torch.Tensor, lengths: torch.Tensor, width: i
     return top.indices, top.values >= 0
 
 
-def block_loss(draft: DFlashDraftModel, target_model: torch.nn.Module, token_ids: torch.Tensor, lengths: torch.Tensor,
+def block_loss(draft: DFlashDraftModel, target_model: CausalLM, token_ids: torch.Tensor, lengths: torch.Tensor,
                features: torch.Tensor, anchors: torch.Tensor, anchor_valid: torch.Tensor,
                weights: torch.Tensor) -> tuple[torch.Tensor, int, torch.Tensor]:
     """Decay-weighted cross-entropy of every block, the number of labels, and accepted tokens per block.
@@ -387,13 +390,14 @@ def block_loss(draft: DFlashDraftModel, target_model: torch.nn.Module, token_ids
     """
     block_size = draft.config.block_size
     n, width = token_ids.shape
-    hidden = draft_block_hidden(draft, target_model.get_input_embeddings().weight, token_ids, context_kv_for(draft, features),
+    embedding = cast(torch.nn.Embedding, target_model.get_input_embeddings())
+    hidden = draft_block_hidden(draft, embedding.weight, token_ids, context_kv_for(draft, features),
                                 anchors, anchor_valid, block_size)  # [N, A, B, H]
     label_positions = anchors[:, :, None] + torch.arange(1, block_size, device=anchors.device)  # [N, A, B-1]
     label_valid = anchor_valid[:, :, None] & (label_positions < lengths[:, None, None])
     labels = token_ids.gather(1, label_positions.clamp(max=width - 1).view(n, -1)).view_as(label_positions)
     rows = hidden[:, :, 1:][label_valid]  # [M, H]
-    head = target_model.get_output_embeddings()
+    head = cast(torch.nn.Linear, target_model.get_output_embeddings())  # a causal LM's vocabulary head
     logits = head(rows.to(head.weight.dtype)).float()  # [M, V]
     targets = labels[label_valid]
     row_weights = weights.to(logits.device).expand_as(label_positions)[label_valid]
@@ -461,7 +465,7 @@ def _load_checkpoint(path: Path, identity: dict[str, Any], device: torch.device)
     return weights, state
 
 
-def train_dflash_draft(target_model: torch.nn.Module, sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int],
+def train_dflash_draft(target_model: CausalLM, sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int],
                        config: TrainConfig, draft: DFlashDraftModel, *, checkpoint_dir: Path | None = None,
                        extra_config: dict[str, Any] | None = None, feature_batch_size: int = 8,
                        progress: bool = False) -> TrainingResult:
@@ -564,7 +568,7 @@ def train_dflash_draft(target_model: torch.nn.Module, sequences: Sequence[Sequen
 # Held-out acceptance at temperature 0
 
 @torch.inference_mode()
-def held_out_steps(target_model: torch.nn.Module, draft: DFlashDraftModel, records: Sequence[SequenceRecord], *,
+def held_out_steps(target_model: CausalLM, draft: DFlashDraftModel, records: Sequence[SequenceRecord], *,
                    stop_ids: frozenset[int], k: int | None = None) -> list[dict[str, Any]]:
     """Per-step rows (``request_id``, ``class``, ``k``, ``num_drafted``, ``num_accepted``...) of the live loop at T = 0.
 

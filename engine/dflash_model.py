@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Protocol, Sequence, cast
 
 import torch
 import torch.nn.functional as F
@@ -58,12 +58,12 @@ class DFlashConfig:
     target_layer_ids: list[int]
     mask_token_id: int
     num_target_layers: int
-    head_dim: int | None = None
+    head_dim: int = 0  # 0 (or null in config.json): hidden_size // num_attention_heads, Qwen3's default
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1_000_000.0
     rope_scaling: dict[str, Any] | None = None
     max_position_embeddings: int = 40960
-    layer_types: list[str] | None = None
+    layer_types: list[str] = field(default_factory=list)  # empty (or null): every layer full attention
     sliding_window: int | None = None
     attention_bias: bool = False
     tie_word_embeddings: bool = False
@@ -80,9 +80,9 @@ class DFlashConfig:
     extra: dict[str, Any] = field(default_factory=dict)  # keys we carry but do not interpret
 
     def __post_init__(self) -> None:
-        if self.head_dim is None:
+        if not self.head_dim:
             self.head_dim = self.hidden_size // self.num_attention_heads
-        if self.layer_types is None:
+        if not self.layer_types:
             self.layer_types = ["full_attention"] * self.num_hidden_layers
 
     def layer_is_causal(self, index: int) -> bool:
@@ -197,7 +197,8 @@ class RMSNorm(nn.Module):
 def rope_inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     """Inverse frequencies for RoPE with the ``rope_scaling`` types drafts use (default, linear, llama3)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    scaling = scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
         return inv_freq.float()
     if kind == "linear":
@@ -252,6 +253,15 @@ class DFlashAttention(nn.Module):
         return apply_rope(k, rope), v
 
 
+class BlockConvolution(Protocol):
+    """DFlash 2's convolution around a sub-block (engine/dflash2_model.GroupedDynamicCausalConv): ``prepare``
+    convolves the input and returns the dynamic kernel that ``finish`` applies to the output."""
+
+    def prepare(self, h: torch.Tensor, block_length: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def finish(self, out: torch.Tensor, dynamic: torch.Tensor, block_length: int) -> torch.Tensor: ...
+
+
 class DFlashLayer(nn.Module):
     """Pre-norm attention + SwiGLU MLP. ``attention_conv`` / ``mlp_conv`` stay None except in DFlash 2,
     where each wraps its sub-block (a convolution before it, another on its output)."""
@@ -268,8 +278,8 @@ class DFlashLayer(nn.Module):
                 "down_proj": nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False),
             }
         )
-        self.attention_conv: nn.Module | None = None
-        self.mlp_conv: nn.Module | None = None
+        self.attention_conv: BlockConvolution | None = None
+        self.mlp_conv: BlockConvolution | None = None
 
     def forward(
         self,
@@ -282,9 +292,9 @@ class DFlashLayer(nn.Module):
         attn = self.self_attn
         b, s, _ = x.shape
         h = self.input_layernorm(x)
-        attention_kernel = None
-        if self.attention_conv is not None:
-            h, attention_kernel = self.attention_conv.prepare(h, block_length)
+        attention_conv, attention_kernel = self.attention_conv, None
+        if attention_conv is not None:
+            h, attention_kernel = attention_conv.prepare(h, block_length)
         q = attn.q_norm(attn.q_proj(h).view(b, s, attn.num_heads, attn.head_dim)).transpose(1, 2)
         q = apply_rope(q, rope)
         k_blk, v_blk = attn.project_kv(h, rope)
@@ -292,17 +302,17 @@ class DFlashLayer(nn.Module):
         v = torch.cat([ctx_kv[1], v_blk], dim=2)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=attn.num_heads != attn.num_kv_heads)
         out = attn.o_proj(out.transpose(1, 2).reshape(b, s, -1))
-        if attention_kernel is not None:
-            out = self.attention_conv.finish(out, attention_kernel, block_length)
+        if attention_conv is not None and attention_kernel is not None:
+            out = attention_conv.finish(out, attention_kernel, block_length)
         x = x + out
         h = self.post_attention_layernorm(x)
-        mlp_kernel = None
-        if self.mlp_conv is not None:
-            h, mlp_kernel = self.mlp_conv.prepare(h, block_length)
+        mlp_conv, mlp_kernel = self.mlp_conv, None
+        if mlp_conv is not None:
+            h, mlp_kernel = mlp_conv.prepare(h, block_length)
         mlp = self.mlp
         out = mlp["down_proj"](F.silu(mlp["gate_proj"](h)) * mlp["up_proj"](h))
-        if mlp_kernel is not None:
-            out = self.mlp_conv.finish(out, mlp_kernel, block_length)
+        if mlp_conv is not None and mlp_kernel is not None:
+            out = mlp_conv.finish(out, mlp_kernel, block_length)
         return x + out
 
 
@@ -313,6 +323,10 @@ class DFlashDraftModel(nn.Module):
     :class:`dflash_doctor.engine.proposers.dflash.DFlashProposer`) so that a live loop caches them across
     steps while teacher-forced replay and training compute them for a whole sequence at once.
     """
+
+    draft_format: dict[str, Any] | None = None  # the checkpoint's dialect facts (loading.build_dflash_draft)
+    inv_freq: torch.Tensor  # buffers, declared for type checkers (register_buffer sets them)
+    draft_to_target: torch.Tensor  # only with a draft vocabulary (use_draft_vocabulary)
 
     def __init__(self, cfg: DFlashConfig):
         super().__init__()
@@ -334,7 +348,7 @@ class DFlashDraftModel(nn.Module):
         """Per-layer K/V of context rows: ``target_features`` [B, T, n*H] (concatenated taps) at ``positions`` [B, T]."""
         ctx = self.hidden_norm(self.fc(target_features))
         rope = rope_tables(positions, self.inv_freq, ctx.dtype)
-        return [layer.self_attn.project_kv(ctx, rope) for layer in self.layers]
+        return [cast(DFlashLayer, layer).self_attn.project_kv(ctx, rope) for layer in self.layers]
 
     def layer_masks(
         self, base_mask: torch.Tensor | None, query_positions: torch.Tensor, key_positions: torch.Tensor
@@ -389,10 +403,10 @@ class DFlashDraftModel(nn.Module):
         dtype, which holds the same values (the float32 copy would be exact), at half the memory traffic
         for a teacher-forced pass over [anchors, k, V].
         """
-        head = getattr(self, "draft_lm_head", None) or lm_head
+        head = cast(nn.Linear, getattr(self, "draft_lm_head", None) or lm_head)  # a vocabulary head is a Linear
         logits = head(hidden.to(head.weight.dtype))
-        cap = self.config.final_logit_softcapping
-        capped = cap is not None and cap > 0
+        cap = self.config.final_logit_softcapping or 0.0
+        capped = cap > 0
         if float32 or capped or self.config.output_multiplier != 1.0:
             logits = logits.float() * self.config.output_multiplier
         if capped:

@@ -139,7 +139,7 @@ def slot_table(
             else:
                 prob = p.gather(-1, guess[..., None])[..., 0]
             prob_parts.append(_widen(prob * known, k))
-        if record_divergence:
+        if target_rows is not None:  # record_divergence
             slots = target_rows.windows(p_len + start, stop - start, bk)  # row p_len + a + j - 1 for slot j
             divergence_parts.append(_widen(divergence_tensor(logits, guess, slots), k).flatten(0, 1))
     guesses = _host(guess_parts, np.zeros((0, k), dtype=np.int64))
