@@ -14,7 +14,7 @@ import shutil
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import numpy as np
 import pandas as pd
@@ -22,7 +22,10 @@ import pandas as pd
 from dflash_doctor.errors import UsageError
 from dflash_doctor.metrics import NUM_BOOTSTRAP_RESAMPLES, OVERALL, bootstrap_ratio, group_rng, interval, summarize, summary_group
 from dflash_doctor.schema import RUN_JSON, TABLES, read_run_meta, run_data_files
-from dflash_doctor.status import STATUS_RANK, VERDICT_NONE, overall_status, status_counts
+from dflash_doctor.status import STATUS_RANK, VERDICT_NONE, CheckResult, overall_status, status_counts
+
+if TYPE_CHECKING:
+    from pandas.io.formats.style_render import ExtFormatter
 
 # Folder depth searched below RUNS_DIR: runs/<name>/run.json and runs/<group>/<name>/run.json.
 MAX_RUN_SEARCH_DEPTH = 2
@@ -128,17 +131,9 @@ def _run_files_from_zip(zip_name: str, payload: bytes) -> dict[str, bytes]:
 
 
 
-def checks_table(checks: Iterable[dict[str, Any]]) -> pd.DataFrame:
+def checks_table(checks: Iterable[CheckResult]) -> pd.DataFrame:
     """One row per check, worst status first (what needs attention leads the page)."""
-    rows = [
-        {
-            "status": str(check.get("status", "")),
-            "check": str(check.get("id", "")),
-            "summary": str(check.get("summary", "")),
-            "findings": len(check.get("findings") or []),
-        }
-        for check in checks
-    ]
+    rows = [{"status": check.status, "check": check.id, "summary": check.summary, "findings": len(check.findings)} for check in checks]
     frame = pd.DataFrame(rows, columns=["status", "check", "summary", "findings"])
     order = frame["status"].map({status.value: rank for rank, status in enumerate(STATUS_RANK)}).fillna(len(STATUS_RANK))
     return frame.assign(_order=order).sort_values(["_order", "check"], kind="stable").drop(columns="_order").reset_index(drop=True)
@@ -341,22 +336,22 @@ def request_chips(steps: pd.DataFrame, tokens: pd.DataFrame, vocabulary: dict[in
     """
     by_step = {step: group.sort_values("offset") for step, group in tokens.groupby("step", sort=True)}
     blocks: list[list[TokenChip]] = []
-    for step in steps.sort_values("step").itertuples(index=False):
+    for step in steps.sort_values("step").to_dict("records"):
         chips: list[TokenChip] = []
-        slots = by_step.get(step.step)
-        num_accepted = int(step.num_accepted)
+        slots = by_step.get(step["step"])
+        num_accepted = int(step["num_accepted"])
         if slots is not None:
-            for slot in slots.itertuples(index=False):
-                if slot.offset > num_accepted + 1:
+            for slot in slots.to_dict("records"):
+                if slot["offset"] > num_accepted + 1:
                     break
                 evidence = (
-                    f"step {step.step} slot {slot.offset} | draft {slot.draft_text!r} target {slot.target_text!r} | "
-                    f"p_target(draft)={slot.target_prob_of_draft:.3f} KL={slot.kl_target_draft:.3f} TV={slot.total_variation:.3f}"
+                    f"step {step['step']} slot {slot['offset']} | draft {slot['draft_text']!r} target {slot['target_text']!r} | "
+                    f"p_target(draft)={slot['target_prob_of_draft']:.3f} KL={slot['kl_target_draft']:.3f} TV={slot['total_variation']:.3f}"
                 )
-                kind = "accepted" if slot.accepted else "rejected"
-                chips.append(TokenChip(str(slot.draft_text), kind, int(step.step), int(slot.offset), evidence))
-        bonus_text = token_label(step.bonus_token, vocabulary)
-        chips.append(TokenChip(bonus_text, "target", int(step.step), 0, f"step {step.step}: token committed by the target after {num_accepted} accepted"))
+                kind = "accepted" if slot["accepted"] else "rejected"
+                chips.append(TokenChip(str(slot["draft_text"]), kind, int(step["step"]), int(slot["offset"]), evidence))
+        bonus_text = token_label(step["bonus_token"], vocabulary)
+        chips.append(TokenChip(bonus_text, "target", int(step["step"]), 0, f"step {step['step']}: token committed by the target after {num_accepted} accepted"))
         blocks.append(chips)
     return blocks
 
@@ -485,10 +480,10 @@ def recommendation_table(recommendation: dict[str, Any]) -> pd.DataFrame:
     return frame.assign(_first=frame["class"] != "overall").sort_values(["_first", "class"]).drop(columns="_first").reset_index(drop=True)
 
 
-def run_verdict(checks: Sequence[dict[str, Any]]) -> tuple[str, str]:
+def run_verdict(checks: Sequence[CheckResult]) -> tuple[str, str]:
     """(verdict, sentence) for the whole run: :func:`dflash_doctor.status.overall_status` of its checks
     and how many checks ended in each status."""
-    statuses = [str(c["status"]) for c in checks]
+    statuses = [check.status for check in checks]
     status = overall_status(statuses)
     if status == VERDICT_NONE:
         return status, "No checks were recorded in this run (replay/sweep runs have none; `dflash-doctor check` adds them)."
@@ -502,7 +497,7 @@ def run_verdict(checks: Sequence[dict[str, Any]]) -> tuple[str, str]:
 # Compare
 # ---------------------------------------------------------------------------------------------
 
-COMPARISON_FORMATS = {"BASE": "{:.3f}", "NEW": "{:.3f}", "delta": "{:+.3f}"}
+COMPARISON_FORMATS: ExtFormatter = {"BASE": "{:.3f}", "NEW": "{:.3f}", "delta": "{:+.3f}"}
 
 
 def comparison_table(rows: Sequence[dict[str, Any]]) -> pd.DataFrame:

@@ -71,7 +71,7 @@ def load(path: str, tables: tuple[str, ...] = ()) -> Run:
 def run_label(path: str) -> str:
     """Selectbox label of a run: its folder name and creation date."""
     try:
-        created = str(load(path).meta.get("created_at", ""))[:16].replace("T", " ")
+        created = load(path).record.meta.created_at[:16].replace("T", " ")
     except UsageError:
         created = "unreadable"
     return f"{Path(path).name}  ·  {created}" if created else Path(path).name
@@ -134,10 +134,8 @@ def current_run(tables: tuple[str, ...] = ()) -> Run:
 def run_header(run: Run, page_title: str) -> None:
     """Page title plus one caption line naming the run, so screenshots say what they show."""
     st.title(page_title)
-    models = run.meta.get("models") or {}
-    target = (models.get("target") or {}).get("id", "?")
-    draft = (models.get("draft") or {}).get("id", "?")
-    st.caption(f"Run **{run.name}** · created {run.meta.get('created_at', '?')} · target `{target}` · draft `{draft}`")
+    target, draft = (info.id if (info := run.record.models.get(role)) else "?" for role in ("target", "draft"))
+    st.caption(f"Run **{run.name}** · created {run.record.meta.created_at or '?'} · target `{target}` · draft `{draft}`")
     if not run.complete:
         st.warning(incomplete_note(run), icon=":material/hourglass_top:")
 
@@ -160,7 +158,7 @@ def class_view(
     it over the kept requests with the same metrics code and seed.
     """
     run = _load(path, mtime_ns, ("requests", "steps"))
-    seed = int((run.meta.get("config") or {}).get("seed") or 0)
+    seed = int(run.record.config.get("seed") or 0)
     requests = data.with_length_bucket(run.requests)
     chosen = data.filter_requests(requests, classes, subclasses, buckets)
     if classes or subclasses or buckets:

@@ -88,12 +88,15 @@ class Check:
     id: ClassVar[str] = ""
     title: ClassVar[str] = ""
     needs: ClassVar[tuple[str, ...]] = ()
+    # Every registered check is a dataclass (register() refuses others); declared so that type checkers
+    # accept a check class where dataclasses.fields() wants one.
+    __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
 
     def run(self, ctx: CheckContext) -> CheckResult:  # pragma: no cover - abstract
         raise NotImplementedError
 
 
-CheckT = TypeVar("CheckT", bound=type)
+CheckT = TypeVar("CheckT", bound="type[Check]")
 _REGISTRY: dict[str, type[Check]] = {}
 
 

@@ -53,7 +53,7 @@ class TemplateSide:
 
     def render(self, messages: list[dict[str, str]], add_generation_prompt: bool, enable_thinking: bool | None, tools: list | None = None) -> str:
         """Render like ``apply_chat_template(tokenize=False)``; a template error is returned as a marker."""
-        extra = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+        extra: dict[str, Any] = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
         try:
             rendered, _ = render_jinja_template(
                 conversations=[messages], tools=tools, chat_template=self.template,

@@ -96,7 +96,7 @@ class DraftConfigCheck(Check):
         findings += self._size_findings(ctx, metrics)
         findings += self._layer_findings(draft, target)
         findings += variant_findings(ctx, raw or {}, normalised)
-        findings += self._rope_dtype_findings(raw, target)
+        findings += self._rope_dtype_findings(raw or {}, target)
         findings += self._block_findings(ctx, metrics)
         findings += self._offset_probe_findings(ctx, metrics)
         return CheckResult.from_findings(self.id, findings, metrics, "draft config fits the target")
@@ -185,7 +185,7 @@ class DraftConfigCheck(Check):
         metrics["offset_probe"] = probe
         if 0 not in probe:
             return [Finding("warn", "the offset probe has no result for offset 0", str(probe), "rerun the probe")]
-        best_offset = max(probe, key=probe.get)
+        best_offset = max(probe, key=probe.__getitem__)
         gain = (probe[best_offset] - 1.0) / max(probe[0] - 1.0, 1e-9) - 1.0
         num_drafts = ctx.extras.get("offset_probe_drafts")
         if best_offset != 0 and num_drafts is not None and num_drafts < self.offset_probe_min_drafts:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 from dflash_doctor.checks.base import Check, CheckContext, CheckResult, Finding, config_value, register
 from dflash_doctor.checks.draft_facts import is_dflash, mask_token_id, output_token_ids
@@ -163,7 +163,15 @@ class TokenizerParity(Check):
         return findings
 
 
-def vocab_sizes(tokenizer: Any, model_config: Any) -> dict[str, int | None]:
+class VocabSizes(TypedDict):
+    """The three vocabulary sizes of one side, as run.json's check metrics record them."""
+
+    config_vocab_size: int | None  # a config may not say
+    len_tokenizer: int
+    tokenizer_vocab_size: int
+
+
+def vocab_sizes(tokenizer: Any, model_config: Any) -> VocabSizes:
     """The three sizes that get confused: embedding rows, all tokens, base-vocabulary tokens."""
     return {
         "config_vocab_size": config_value(model_config, "vocab_size"),
@@ -172,7 +180,7 @@ def vocab_sizes(tokenizer: Any, model_config: Any) -> dict[str, int | None]:
     }
 
 
-def vocab_size_findings(side: str, sizes: dict[str, int | None]) -> list[Finding]:
+def vocab_size_findings(side: str, sizes: VocabSizes) -> list[Finding]:
     """Explain padding and added tokens; fail when the tokenizer can emit ids with no embedding row."""
     findings = []
     rows, total, base = sizes["config_vocab_size"], sizes["len_tokenizer"], sizes["tokenizer_vocab_size"]

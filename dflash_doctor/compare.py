@@ -127,10 +127,10 @@ def _sides(run: Run, k: int) -> dict[str, _Side]:
     them); at a smaller K the summary is recomputed on truncated steps by the same code.
     """
     steps, k_run = _steps_at_largest_k(run)
-    seed = int(run.meta.get("config", {}).get("seed", 0))
+    seed = int(run.record.config.get("seed", 0))
     requests = run.requests if run.requests is not None and not run.requests.empty else None
-    if k == k_run and run.meta.get("summary", {}).get("overall"):
-        summary = run.meta["summary"]
+    if k == k_run and run.record.summary.overall is not None:
+        summary = run.meta["summary"]  # the dict form: summarize() below returns the same
     else:
         steps = truncate_steps(steps, k)
         summary = summarize(steps, requests, num_slots=k, seed=seed)
@@ -187,16 +187,18 @@ def _compare_slice(cls: str, base: _Side, new: _Side, k: int, threshold_tau: flo
     rows = []
     for metric, slot, base_value, base_ci, new_value, new_ci, base_samples, new_samples, threshold in metrics:
         base_value, new_value, base_ci, new_ci = _finite(base_value), _finite(new_value), _ci(base_ci), _ci(new_ci)
-        comparable = not note and base_ci is not None and new_ci is not None and base_value is not None and new_value is not None
-        delta = new_value - base_value if comparable else None
-        delta_ci = _ci(interval(new_samples - base_samples)) if comparable else None
-        separated = comparable and new_ci[1] < base_ci[0]
+        delta = delta_ci = None
+        regression = False
+        if not note and base_ci is not None and new_ci is not None and base_value is not None and new_value is not None:
+            delta = new_value - base_value
+            delta_ci = _ci(interval(new_samples - base_samples))
+            regression = -delta > threshold and new_ci[1] < base_ci[0]
         rows.append(
             MetricComparison(
                 cls=cls, metric=metric, slot=slot,
                 base=base_value, base_ci=base_ci, new=new_value, new_ci=new_ci,
                 delta=delta, delta_ci=delta_ci, threshold=threshold,
-                regression=bool(comparable and -delta > threshold and separated),
+                regression=regression,
                 note=note,
             )
         )

@@ -56,7 +56,8 @@ class DoctorConfig:
     max_new_tokens: int = 128
     temperature: float = 0.0
     k: tuple[int, ...] = ()  # draft tokens per step; several = a sweep; empty = the draft's own default
-    device: str = "cpu"
+    device: str = "cpu"  # several GPUs (cuda:0,cuda:1) place one target over them (dflash_doctor.distributed)
+    devices: tuple[str, ...] = ()  # one torchrun rank per entry (sweep, check); cuda:0+cuda:1 gives a rank two GPUs
     dtype: str = "float32"
     out: str | None = None  # run directory; None = runs/<timestamp>
     seed: int = 0
@@ -80,7 +81,7 @@ class DoctorConfig:
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(DoctorConfig)}
-_TUPLE_FIELDS = {"classes", "strict_classes"}
+_TUPLE_FIELDS = {"classes", "strict_classes", "devices"}
 
 
 def read_config_file(path: Path | str) -> dict[str, Any]:

@@ -10,12 +10,16 @@ Both are used by tests, benchmarks and ``check --scenario quantized-target``.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import torch
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
 
 @torch.no_grad()
-def fake_quantize(model: torch.nn.Module, *, bits: int = 4, group_size: int = 32) -> torch.nn.Module:
+def fake_quantize(model: PreTrainedModel, *, bits: int = 4, group_size: int = 32) -> PreTrainedModel:
     """Round decoder Linear weights in place to ``bits``-bit groups along the input dimension."""
     levels = 2 ** (bits - 1) - 1
     head = model.get_output_embeddings()
@@ -29,16 +33,17 @@ def fake_quantize(model: torch.nn.Module, *, bits: int = 4, group_size: int = 32
     return model
 
 
-def keep_layers(model: torch.nn.Module, num_layers: int) -> torch.nn.Module:
+def keep_layers(model: PreTrainedModel, num_layers: int) -> PreTrainedModel:
     """Keep the first ``num_layers`` decoder layers (Llama/Qwen-style ``model.model.layers``)."""
-    model.model.layers = model.model.layers[:num_layers]
+    decoder = cast(torch.nn.Module, model.model)
+    decoder.layers = cast(torch.nn.ModuleList, decoder.layers)[:num_layers]
     model.config.num_hidden_layers = num_layers
     if getattr(model.config, "layer_types", None):
         model.config.layer_types = model.config.layer_types[:num_layers]
     return model
 
 
-def save_derived(model: torch.nn.Module, tokenizer, out_dir: Path | str) -> Path:
+def save_derived(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir: Path | str) -> Path:
     out_dir = Path(out_dir)
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)

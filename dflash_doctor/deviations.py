@@ -209,9 +209,11 @@ def _bin_labels(edges: tuple[int, ...]) -> list[str]:
     return labels + [f">={edges[-1]}"]
 
 
-def _bin(values: np.ndarray, edges: tuple[int, ...]) -> pd.Categorical:
-    codes = np.searchsorted(np.asarray(edges), values, side="right") - 1
-    return pd.Categorical.from_codes(np.clip(codes, 0, len(edges) - 1), categories=_bin_labels(edges), ordered=True)
+def _bin(values: pd.Series, edges: tuple[int, ...]) -> pd.Series:
+    """Each value's bin label (an ordered categorical, on ``values``' index)."""
+    codes = np.searchsorted(np.asarray(edges), values.to_numpy(), side="right") - 1
+    labels = pd.Categorical.from_codes(np.clip(codes, 0, len(edges) - 1), categories=pd.Index(_bin_labels(edges)), ordered=True)
+    return pd.Series(labels, index=values.index)
 
 
 def _vocabulary(tokens: pd.DataFrame) -> dict[int, str]:
@@ -379,7 +381,7 @@ def pair_table(decided: pd.DataFrame) -> pd.DataFrame:
 
 def binned_acceptance(decided: pd.DataFrame, column: str, edges: tuple[int, ...] | None) -> pd.DataFrame:
     """Acceptance (accepted / decided) and lost tokens per bin of ``column``; ``edges=None`` groups by value."""
-    keys = _bin(decided[column].to_numpy(), edges) if edges is not None else decided[column]
+    keys = _bin(decided[column], edges) if edges is not None else decided[column]
     grouped = decided.groupby(keys, observed=True).agg(
         num_decided=("accepted", "size"), num_accepted=("accepted", "sum"), lost_tokens=("lost_tokens", "sum")
     )
@@ -414,28 +416,28 @@ def miss_split(decided: pd.DataFrame, drafts: pd.DataFrame) -> dict[str, Any]:
 
 
 def _records(frame: pd.DataFrame) -> list[dict[str, Any]]:
-    return [{k: (v.item() if hasattr(v, "item") else v) for k, v in row.items()} for row in frame.to_dict("records")]
+    return [{str(k): (v.item() if hasattr(v, "item") else v) for k, v in row.items()} for row in frame.to_dict("records")]
 
 
 def slice_summary(tables: DeviationTables, decided: pd.DataFrame, drafts: pd.DataFrame, top_n: int = DEFAULT_TOP_N) -> dict[str, Any]:
     """Every statistic of one slice of ``tables`` (a class, or the whole run), JSON-ready."""
     pairs = pair_table(decided).head(top_n)
     top_pairs = []
-    for row in pairs.itertuples(index=False):
-        example = decided.loc[row.example_row]
+    for row in pairs.to_dict("records"):
+        example = decided.loc[row["example_row"]]
         request_id, position = str(example["request_id"]), int(example["position"])
         top_pairs.append(
             {
-                "target_token": int(row.target_token),
-                "draft_token": int(row.draft_token),
-                "target_text": tables.text(row.target_token),
-                "draft_text": tables.text(row.draft_token),
+                "target_token": int(row["target_token"]),
+                "draft_token": int(row["draft_token"]),
+                "target_text": tables.text(row["target_token"]),
+                "draft_text": tables.text(row["draft_token"]),
                 "category": str(example["category"]),
                 "draft_category": str(example["draft_category"]),
-                "count": int(row.count),
-                "lost_tokens": int(row.lost_tokens),
-                "share_of_lost": float(row.share_of_lost),
-                "num_confident": int(row.num_confident),
+                "count": int(row["count"]),
+                "lost_tokens": int(row["lost_tokens"]),
+                "share_of_lost": float(row["share_of_lost"]),
+                "num_confident": int(row["num_confident"]),
                 "example": {
                     "request_id": request_id,
                     "step": int(example["step"]),

@@ -30,7 +30,7 @@ import dataclasses
 import difflib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Generic, TypeVar
 
 import torch
 
@@ -40,6 +40,12 @@ from dflash_doctor.engine.proposers.dflash import DFlashProposer
 from dflash_doctor.engine.target import TargetModel
 from dflash_doctor.errors import UsageError
 from dflash_doctor.loading import is_dflash_config
+
+if TYPE_CHECKING:
+    from dflash_doctor.engine.dflash_model import DFlashDraftModel
+    from dflash_doctor.engine.target import CausalLM
+
+DraftModel = TypeVar("DraftModel", bound=torch.nn.Module)
 
 
 @dataclass(frozen=True)
@@ -62,8 +68,8 @@ class Sampling:
 
 
 @dataclass(frozen=True)
-class DraftKind:
-    """One kind of draft model, declared once.
+class DraftKind(Generic[DraftModel]):
+    """One kind of draft model, declared once; ``DraftModel`` is the module class its ``load`` returns.
 
     ``detect(config)``: does this checkpoint's config.json belong to this kind (``--draft-kind auto``)?
     ``load(draft_dir, target_dir, target_config, options)``: the draft module, validated against the
@@ -78,19 +84,19 @@ class DraftKind:
     name: str
     description: str
     detect: Callable[[dict[str, Any]], bool]
-    load: Callable[[Path, Path, Any, LoadOptions], torch.nn.Module]
-    build: Callable[[torch.nn.Module, TargetModel, Sampling], Proposer]
-    facts: Callable[[torch.nn.Module], dict[str, Any]] = lambda model: {}
-    layer_ids: Callable[[torch.nn.Module], list[int]] | None = None
-    with_layer_ids: Callable[[torch.nn.Module, list[int]], torch.nn.Module] | None = None
+    load: Callable[[Path, Path, Any, LoadOptions], DraftModel]
+    build: Callable[[DraftModel, TargetModel, Sampling], Proposer]
+    facts: Callable[[DraftModel], dict[str, Any]] = lambda model: {}
+    layer_ids: Callable[[DraftModel], list[int]] | None = None
+    with_layer_ids: Callable[[DraftModel, list[int]], DraftModel] | None = None
     ships_tokenizer: bool = False
 
 
-_KINDS: dict[str, DraftKind] = {}
+_KINDS: dict[str, DraftKind[Any]] = {}
 AUTO = "auto"
 
 
-def register_draft_kind(kind: DraftKind, *, before: str | None = None) -> DraftKind:
+def register_draft_kind(kind: DraftKind[DraftModel], *, before: str | None = None) -> DraftKind[DraftModel]:
     """Add a kind; a second kind with the same name is refused. ``before`` puts it ahead of an existing
     kind in ``--draft-kind auto`` detection order (a specific kind must come before a catch-all)."""
     if kind.name in _KINDS or kind.name == AUTO:
@@ -110,7 +116,7 @@ def draft_kind_names() -> list[str]:
     return list(_KINDS)
 
 
-def get_draft_kind(name: str) -> DraftKind:
+def get_draft_kind(name: str) -> DraftKind[Any]:
     """The kind called ``name``; an unknown name is a UsageError suggesting the closest one."""
     try:
         return _KINDS[name]
@@ -120,7 +126,7 @@ def get_draft_kind(name: str) -> DraftKind:
         raise UsageError(f"--draft-kind {name!r} is not a draft kind; {hint}pick one of {', '.join([*_KINDS, AUTO])}.") from None
 
 
-def detect_draft_kind(config: dict[str, Any]) -> DraftKind:
+def detect_draft_kind(config: dict[str, Any]) -> DraftKind[Any]:
     """The first registered kind whose ``detect`` accepts this config.json."""
     for kind in _KINDS.values():
         if kind.detect(config):
@@ -128,7 +134,7 @@ def detect_draft_kind(config: dict[str, Any]) -> DraftKind:
     raise UsageError("no draft kind recognises this checkpoint's config.json; pass --draft-kind.")
 
 
-def resolve_draft_kind(name: str, config: dict[str, Any], spec: str) -> DraftKind:
+def resolve_draft_kind(name: str, config: dict[str, Any], spec: str) -> DraftKind[Any]:
     """``--draft-kind`` (or ``auto``) for a checkpoint: a named kind whose detection prefers another
     specific kind is refused, so a DFlash checkpoint is never loaded as a plain causal LM."""
     detected = detect_draft_kind(config)
@@ -143,7 +149,7 @@ def resolve_draft_kind(name: str, config: dict[str, Any], spec: str) -> DraftKin
 # ----------------------------------------------------------------------------- built-in kinds
 
 
-def _load_dflash(draft_dir: Path, target_dir: Path, target_config: Any, options: LoadOptions) -> torch.nn.Module:
+def _load_dflash(draft_dir: Path, target_dir: Path, target_config: Any, options: LoadOptions) -> DFlashDraftModel:
     from dflash_doctor.loading import load_dflash_draft, validate_dflash_pair
 
     model = load_dflash_draft(draft_dir, dtype=options.dtype, device=options.device)
@@ -151,14 +157,14 @@ def _load_dflash(draft_dir: Path, target_dir: Path, target_config: Any, options:
     return model
 
 
-def _dflash_with_layer_ids(model: torch.nn.Module, layer_ids: list[int]) -> torch.nn.Module:
+def _dflash_with_layer_ids(model: DFlashDraftModel, layer_ids: list[int]) -> DFlashDraftModel:
     """The same weights reading other target layers (a shallow copy with an edited config)."""
     shifted = copy.copy(model)
     shifted.config = dataclasses.replace(model.config, target_layer_ids=list(layer_ids))
     return shifted
 
 
-def _load_autoregressive(draft_dir: Path, target_dir: Path, target_config: Any, options: LoadOptions) -> torch.nn.Module:
+def _load_autoregressive(draft_dir: Path, target_dir: Path, target_config: Any, options: LoadOptions) -> CausalLM:
     from dflash_doctor.loading import load_causal_lm, validate_autoregressive_pair
 
     model = load_causal_lm(draft_dir, dtype=options.dtype, device=options.device, trust_remote_code=options.trust_remote_code)
@@ -181,7 +187,7 @@ register_draft_kind(DraftKind(
         "num_layers": model.config.num_hidden_layers,
         "architecture": model.config.architecture,
         "causal_layers": [model.config.layer_is_causal(i) for i in range(model.config.num_hidden_layers)],
-        "format": getattr(model, "draft_format", None),
+        "format": model.draft_format,
     },
     layer_ids=lambda model: list(model.config.target_layer_ids),
     with_layer_ids=_dflash_with_layer_ids,

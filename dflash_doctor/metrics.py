@@ -93,7 +93,7 @@ def expected_accept_run(accept_probs: np.ndarray, k: int | None = None) -> np.nd
     """
     reach = expected_reach_probs(accept_probs)
     if k is None:
-        k = reach.shape[1]
+        k = int(reach.shape[1])
     if not 0 <= k <= reach.shape[1]:
         raise ValueError(f"k={k} outside the {reach.shape[1]} slots of accept_probs")
     return reach[:, :k].sum(axis=1)

@@ -17,6 +17,7 @@ import torch
 
 from dflash_doctor.config import DoctorConfig
 from dflash_doctor.deviations import TokenCategories
+from dflash_doctor.distributed import target_devices
 from dflash_doctor.draft_formats import refuse_gguf_dflash
 from dflash_doctor.draft_kinds import DraftKind, LoadOptions, Sampling, get_draft_kind, resolve_draft_kind
 from dflash_doctor.engine.proposers.base import Proposer
@@ -168,7 +169,8 @@ def load_pair(config: DoctorConfig) -> Pair:
     kind = resolve_draft_kind(config.draft_kind, draft_config, draft_spec)
     target_model = load_causal_lm(target_dir, dtype=config.dtype, device=config.device, trust_remote_code=config.trust_remote_code)
     tokenizer = AutoTokenizer.from_pretrained(target_dir, trust_remote_code=config.trust_remote_code)
-    options = LoadOptions(dtype=config.dtype, device=config.device, trust_remote_code=config.trust_remote_code)
+    draft_device = target_devices(config.device)[0]  # next to a placed target's embeddings and head
+    options = LoadOptions(dtype=config.dtype, device=draft_device, trust_remote_code=config.trust_remote_code)
     draft_model = kind.load(draft_dir, target_dir, target_model.config, options)
     target = TargetModel(target_model)
     sampling = Sampling(temperature=config.temperature, draft_sample_method=draft_sample_method(config))
@@ -182,7 +184,7 @@ def load_pair(config: DoctorConfig) -> Pair:
         },
     )
     draft_info = ModelInfo(
-        id=draft_spec, revision_or_hash=fingerprint(draft_dir), dtype=config.dtype, device=config.device, kind=kind.name,
+        id=draft_spec, revision_or_hash=fingerprint(draft_dir), dtype=config.dtype, device=draft_device, kind=kind.name,
         facts={**kind.facts(draft_model), "draft_sample_method": sampling.draft_sample_method},
     )
     return Pair(

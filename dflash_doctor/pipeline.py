@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Callable, ContextManager, Sequence
 
 
-from dflash_doctor import deviations
+from dflash_doctor import deviations, distributed
 from dflash_doctor.config import DoctorConfig
 from dflash_doctor.engine.schedule import end_of_request
 from dflash_doctor.environment import collect_environment
@@ -56,6 +56,7 @@ def _no_progress(total: int) -> ContextManager[None]:
 def _start(config: DoctorConfig, command: str, scenario=None) -> tuple[list[Request], Pair, DoctorConfig]:
     """Select the workload and load the pair (a scenario edits them before anything runs)."""
     requests = load_workload(config.workload, classes=config.classes, max_requests=config.max_requests, seed=config.seed)
+    config = dataclasses.replace(config, device=distributed.device_for_rank(config, distributed.current_ranks()))
     pair = load_pair(config)
     if scenario is not None:
         pair, requests, config = scenario.apply(pair, requests, config)
@@ -121,8 +122,8 @@ def run_sweep(config: DoctorConfig, *, exact_blocks: bool = False, progress: Pro
         config = dataclasses.replace(config, k=tuple(range(1, pair.default_k + 1)))
     run_dir = Path(config.out) if config.out else default_run_dir("sweep")
     record = _new_record(config, pair, "sweep")
-    with RunWriter(run_dir, record.to_json()) as writer:
-        replay = _teacher(pair, requests, config, exact_blocks, writer, progress)
+    writer, replay = _teacher(pair, requests, config, exact_blocks, run_dir, record, progress)
+    with writer:
         _summarize(record, replay, config.seed)
         if not replay.interrupted:
             _sweep(record, pair, replay, config)
@@ -130,12 +131,21 @@ def run_sweep(config: DoctorConfig, *, exact_blocks: bool = False, progress: Pro
     return Outcome(run_dir, record)
 
 
-def _teacher(pair: Pair, requests: Sequence[Request], config: DoctorConfig, exact_blocks: bool, writer: RunWriter,
-             progress: ProgressFactory) -> Replay:
-    with progress(sum(r.num_turns for r in requests)) as on_turn:
-        return replay_teacher(pair, requests, ks=config.k, max_new_tokens=config.max_new_tokens, temperature=config.temperature,
-                              seed=config.seed, exact_blocks=exact_blocks, writer=writer, progress=on_turn,
-                              convention=end_of_request(config.end_of_request))
+def _teacher(pair: Pair, requests: Sequence[Request], config: DoctorConfig, exact_blocks: bool, run_dir: Path, record: RunRecord,
+             progress: ProgressFactory) -> tuple[RunWriter, Replay]:
+    """The teacher-forced replay into the run directory (this rank's share under torchrun; rank 0 gets
+    the merged replay, the other ranks end here): the open writer and the replay."""
+
+    if not distributed.current_ranks().is_main:
+        progress = _no_progress  # one progress bar, rank 0's
+
+    def replay(writer: RunWriter, mine: Sequence[Request]) -> Replay:
+        with progress(sum(r.num_turns for r in mine)) as on_turn:
+            return replay_teacher(pair, mine, ks=config.k, max_new_tokens=config.max_new_tokens, temperature=config.temperature,
+                                  seed=config.seed, exact_blocks=exact_blocks, writer=writer, progress=on_turn,
+                                  convention=end_of_request(config.end_of_request))
+
+    return distributed.replay_into(run_dir, record.to_json(), requests, replay)
 
 
 def run_check(config: DoctorConfig, *, scenario=None, only: Sequence[str] = (), skip: Sequence[str] = (),
@@ -152,8 +162,8 @@ def run_check(config: DoctorConfig, *, scenario=None, only: Sequence[str] = (), 
     sweep_config = dataclasses.replace(config, k=tuple(range(1, max(pair.default_k, served_k or 0) + 1)))
     run_dir = Path(config.out) if config.out else default_run_dir("check")
     record = _new_record(sweep_config, pair, "check", scenario=scenario.name if scenario is not None else None, served_k=served_k)
-    with RunWriter(run_dir, record.to_json()) as writer:
-        replay = _teacher(pair, requests, sweep_config, exact_blocks, writer, progress)
+    writer, replay = _teacher(pair, requests, sweep_config, exact_blocks, run_dir, record, progress)
+    with writer:
         _summarize(record, replay, config.seed)
         if replay.interrupted:
             _finish(writer, record, replay)

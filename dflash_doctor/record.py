@@ -277,7 +277,7 @@ def _from_json(kind: Any, value: Any) -> Any:
         return {(int(k) if key is int else k): _from_json(item, v) for k, v in value.items()}
     if origin is Literal or kind is Any:
         return value
-    if dataclasses.is_dataclass(kind):
+    if isinstance(kind, type) and dataclasses.is_dataclass(kind):
         hints = get_type_hints(kind)
         names = {f.name for f in dataclasses.fields(kind)}
         unknown = sorted(set(value) - names)

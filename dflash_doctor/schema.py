@@ -208,6 +208,14 @@ class RunWriter:
     def add(self, table: str, rows: Iterable[dict[str, Any]]) -> None:
         self._buffers[table].extend(rows)
 
+    def append(self, tables: dict[str, pa.Table]) -> None:
+        """Append whole Arrow tables to the journal, requests last (a merge of rows written elsewhere:
+        no round trip through Python rows)."""
+        self.flush()
+        for name in JOURNAL_ORDER:
+            self._streams[name].write_table(tables[name].cast(TABLES[name]))
+            self._sinks[name].flush()
+
     def flush(self) -> None:
         """Append the buffered rows to the journal (call it once per finished request)."""
         for name in JOURNAL_ORDER:
@@ -266,7 +274,8 @@ def read_journal(run_dir: Path) -> dict[str, pa.Table]:
     tables = {"requests": requests}
     for name in ("steps", "tokens"):
         table = _read_stream(journal_path(run_dir, name), TABLES[name])
-        tables[name] = table.filter(pc.is_in(table.column("request_id"), value_set=committed))
+        # pyarrow.compute defines its kernels when it is imported: no static checker sees `is_in`.
+        tables[name] = table.filter(pc.is_in(table.column("request_id"), value_set=committed))  # pyright: ignore[reportAttributeAccessIssue]
     return tables
 
 
@@ -335,7 +344,7 @@ def load_run(run_dir: Path | str, tables: Iterable[str] = tuple(TABLES)) -> Run:
             frames[name] = pq.read_table(path).to_pandas()
         else:
             frames[name] = schema.empty_table().to_pandas()
-    return Run(path=run_dir, record=RunRecord.from_json(meta), **frames)
+    return Run(path=run_dir, record=RunRecord.from_json(meta), requests=frames["requests"], steps=frames["steps"], tokens=frames["tokens"])
 
 
 def _load_incomplete(run_dir: Path, meta: dict[str, Any]) -> Run:

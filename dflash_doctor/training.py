@@ -36,7 +36,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence, cast
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +50,9 @@ from dflash_doctor.engine.teacher import TeacherSequence, slot_table, walk_sched
 from dflash_doctor.errors import UsageError
 from dflash_doctor.loading import load_dflash_draft, save_dflash_draft
 from dflash_doctor.workloads import Request, encode_request_turn
+
+if TYPE_CHECKING:
+    from dflash_doctor.engine.target import CausalLM
 
 CHECKPOINT_DIR_NAME = "checkpoint"  # resumable state inside the out dir
 TRAINING_STATE_FILE = "training_state.pt"  # optimizer, scheduler, RNG, step and loss log (tensors + plain data)
@@ -154,7 +157,7 @@ def draft_config_for_target(target_config: Any, *, block_size: int, num_layers: 
     )
 
 
-def init_draft_from_target(draft: DFlashDraftModel, target_model: torch.nn.Module) -> list[int]:
+def init_draft_from_target(draft: DFlashDraftModel, target_model: CausalLM) -> list[int]:
     """Copy the target's LAST ``num_layers`` decoder layers (attention, MLP, both norms) and final norm into the draft.
 
     Why: the draft's layers have the target's width and head layout, and its output goes through the
@@ -163,7 +166,8 @@ def init_draft_from_target(draft: DFlashDraftModel, target_model: torch.nn.Modul
     too). Tensors without a counterpart (``fc``, ``hidden_norm``, the per-head ``q_norm``/``k_norm`` a
     Llama target lacks) keep their fresh initialisation. Returns the target layer indices copied.
     """
-    stack = target_model.get_decoder().layers
+    decoder = target_model.get_decoder()
+    stack = list(decoder.get_submodule("layers").children())
     chosen = list(range(len(stack) - draft.config.num_hidden_layers, len(stack)))
     if chosen[0] < 0:
         raise UsageError(f"--init-from-target: the draft has {draft.config.num_hidden_layers} layers but the target only {len(stack)}; use fewer --num-layers.")
@@ -173,7 +177,7 @@ def init_draft_from_target(draft: DFlashDraftModel, target_model: torch.nn.Modul
             for name, tensor in layer.state_dict().items():
                 if name in source and source[name].shape == tensor.shape:
                     tensor.copy_(source[name].to(tensor.dtype))
-        draft.norm.weight.copy_(target_model.get_decoder().norm.weight.to(draft.norm.weight.dtype))
+        draft.norm.weight.copy_(decoder.get_submodule("norm").get_parameter("weight").to(draft.norm.weight.dtype))
     return chosen
 
 
@@ -253,7 +257,7 @@ def _append_records(path: Path, records: Iterable[SequenceRecord]) -> None:
             handle.write(json.dumps(dataclasses.asdict(record)) + "\n")
 
 
-def prepare_sequences(model: torch.nn.Module, tokenizer: Any, requests: Sequence[Request], *, cache_path: Path,
+def prepare_sequences(model: CausalLM, tokenizer: Any, requests: Sequence[Request], *, cache_path: Path,
                       cache_key: dict[str, Any], max_new_tokens: int, stop_ids: frozenset[int],
                       chat_template: str | None = None, use_recorded_responses: bool = False,
                       batch_size: int = 32, progress: bool = False) -> list[SequenceRecord]:
@@ -310,7 +314,7 @@ def prepare_sequences(model: torch.nn.Module, tokenizer: Any, requests: Sequence
     return [records[(r.id, turn)] for r in requests for turn in range(r.num_turns)]
 
 
-def self_written_prompts(model: torch.nn.Module, tokenizer: Any, count: int, *, cache_path: Path, cache_key: dict[str, Any],
+def self_written_prompts(model: CausalLM, tokenizer: Any, count: int, *, cache_path: Path, cache_key: dict[str, Any],
                          stop_ids: frozenset[int], chat_template: str | None = None, max_new_tokens: int = 96,
                          temperature: float = 1.0, batch_size: int = 256, seed: int = 0) -> list[Request]:
     """``count`` user prompts written by the target itself, class ``chat`` (subclass ``self-written``).
@@ -354,7 +358,7 @@ def self_written_prompts(model: torch.nn.Module, tokenizer: Any, count: int, *, 
     return requests
 
 
-def sampled_sequences(model: torch.nn.Module, records: Sequence[SequenceRecord], *, samples_per_prompt: int,
+def sampled_sequences(model: CausalLM, records: Sequence[SequenceRecord], *, samples_per_prompt: int,
                       temperature: float, cache_path: Path, cache_key: dict[str, Any], max_new_tokens: int,
                       stop_ids: frozenset[int], pad_token_id: int, batch_size: int = 256, seed: int = 0,
                       progress: bool = False) -> list[SequenceRecord]:
@@ -402,7 +406,7 @@ def data_cache_key(target_dir: Path, *, max_new_tokens: int, dtype: str, chat_te
             "use_recorded_responses": use_recorded_responses}
 
 
-def prepare_training_data(model: torch.nn.Module, tokenizer: Any, requests: Sequence[Request], held_out: Sequence[Request], *,
+def prepare_training_data(model: CausalLM, tokenizer: Any, requests: Sequence[Request], held_out: Sequence[Request], *,
                           out_dir: Path, cache_key: dict[str, Any], max_new_tokens: int, stop_ids: frozenset[int],
                           chat_template: str | None = None, use_recorded_responses: bool = False, samples_per_prompt: int = 0,
                           sample_temperature: float = 0.8, batch_size: int = 32, seed: int = 0,
@@ -437,7 +441,7 @@ def _forward_without_logits(model: torch.nn.Module) -> dict[str, Any]:
 
 
 @torch.inference_mode()
-def extract_features(target_model: torch.nn.Module, sequences: Sequence[Sequence[int]], hidden_state_indices: Sequence[int],
+def extract_features(target_model: CausalLM, sequences: Sequence[Sequence[int]], hidden_state_indices: Sequence[int],
                      *, batch_size: int = 8, device: torch.device | str = "cpu",
                      dtype: torch.dtype | None = None) -> list[torch.Tensor]:
     """Concatenated taps ``[L_i, n*H]`` for every sequence: one frozen-target pass per sequence, batched.
@@ -482,7 +486,7 @@ def sample_anchors(prompt_lengths: torch.Tensor, lengths: torch.Tensor, width: i
     return top.indices, top.values >= 0
 
 
-def block_loss(draft: DFlashDraftModel, target_model: torch.nn.Module, token_ids: torch.Tensor, lengths: torch.Tensor,
+def block_loss(draft: DFlashDraftModel, target_model: CausalLM, token_ids: torch.Tensor, lengths: torch.Tensor,
                features: torch.Tensor, anchors: torch.Tensor, anchor_valid: torch.Tensor,
                weights: torch.Tensor) -> tuple[torch.Tensor, int, torch.Tensor]:
     """Decay-weighted cross-entropy of every block, the number of labels, and accepted tokens per block.
@@ -493,13 +497,14 @@ def block_loss(draft: DFlashDraftModel, target_model: torch.nn.Module, token_ids
     """
     block_size = draft.config.block_size
     n, width = token_ids.shape
-    hidden = draft_block_hidden(draft, target_model.get_input_embeddings().weight, token_ids, context_kv_for(draft, features),
+    embedding = cast(torch.nn.Embedding, target_model.get_input_embeddings())
+    hidden = draft_block_hidden(draft, embedding.weight, token_ids, context_kv_for(draft, features),
                                 anchors, anchor_valid, block_size)  # [N, A, B, H]
     label_positions = anchors[:, :, None] + torch.arange(1, block_size, device=anchors.device)  # [N, A, B-1]
     label_valid = anchor_valid[:, :, None] & (label_positions < lengths[:, None, None])
     labels = token_ids.gather(1, label_positions.clamp(max=width - 1).view(n, -1)).view_as(label_positions)
     rows = hidden[:, :, 1:][label_valid]  # [M, H]
-    head = target_model.get_output_embeddings()
+    head = cast(torch.nn.Linear, target_model.get_output_embeddings())  # a causal LM's vocabulary head
     logits = head(rows.to(head.weight.dtype)).float()  # [M, V]
     targets = labels[label_valid]
     row_weights = weights.to(logits.device).expand_as(label_positions)[label_valid]
@@ -567,7 +572,7 @@ def _load_checkpoint(path: Path, identity: dict[str, Any], device: torch.device)
     return weights, state
 
 
-def train_dflash_draft(target_model: torch.nn.Module, sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int],
+def train_dflash_draft(target_model: CausalLM, sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int],
                        config: TrainConfig, draft: DFlashDraftModel, *, checkpoint_dir: Path | None = None,
                        extra_config: dict[str, Any] | None = None, feature_batch_size: int = 8,
                        progress: bool = False) -> TrainingResult:
@@ -672,7 +677,7 @@ def train_dflash_draft(target_model: torch.nn.Module, sequences: Sequence[Sequen
 # Held-out acceptance at temperature 0
 
 @torch.inference_mode()
-def held_out_steps(target_model: torch.nn.Module, draft: DFlashDraftModel, records: Sequence[SequenceRecord], *,
+def held_out_steps(target_model: CausalLM, draft: DFlashDraftModel, records: Sequence[SequenceRecord], *,
                    stop_ids: frozenset[int], k: int | None = None) -> list[dict[str, Any]]:
     """Per-step rows (``request_id``, ``class``, ``k``, ``num_drafted``, ``num_accepted``...) of the live loop at T = 0.
 

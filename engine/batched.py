@@ -6,12 +6,15 @@ makes a sweep cheap on a CPU; training generates its data the same way.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
+if TYPE_CHECKING:
+    from dflash_doctor.engine.target import CausalLM
 
-def generate_greedy_batch(model: torch.nn.Module, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
+
+def generate_greedy_batch(model: CausalLM, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
                           stop_ids: frozenset[int], pad_token_id: int, temperature: float = 0.0) -> list[list[int]]:
     """The target's continuations of several prompts in one batched ``generate`` (left padding).
 
@@ -31,7 +34,9 @@ def generate_greedy_batch(model: torch.nn.Module, prompts: Sequence[Sequence[int
     sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0 else {"do_sample": False}
     config = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=sorted(stop_ids) or None,
                               pad_token_id=pad_token_id, **sampling)
-    output = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
+    # transformers types generate()'s self as its GenerativePreTrainedModel protocol, whose attributes
+    # (hf_device_map, encoder, ...) PreTrainedModel sets at runtime but never declares.
+    output = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)  # pyright: ignore[reportAttributeAccessIssue]
     responses = []
     for row in output[:, width:].tolist():
         end = next((i + 1 for i, token in enumerate(row) if token in stop_ids), len(row))

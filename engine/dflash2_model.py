@@ -71,12 +71,12 @@ class GroupedDynamicCausalConv(nn.Module):
 
 
 class CandidateSelector(nn.Module):
-    def __init__(self, cfg: DFlashConfig):
+    def __init__(self, vocab_size: int, hidden_size: int, rank: int, top_k: int):
         super().__init__()
-        self.top_k = int(cfg.selector_top_k)
-        self.predecessor_codebook = nn.Embedding(cfg.vocab_size, cfg.selector_rank)
-        self.successor_codebook = nn.Embedding(cfg.vocab_size, cfg.selector_rank)
-        self.hidden_projection = nn.Linear(cfg.hidden_size, cfg.selector_rank, bias=False)
+        self.top_k = top_k
+        self.predecessor_codebook = nn.Embedding(vocab_size, rank)
+        self.successor_codebook = nn.Embedding(vocab_size, rank)
+        self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)
 
     def scores(self, projected: torch.Tensor, unary: torch.Tensor, candidates: torch.Tensor, predecessor: torch.Tensor) -> torch.Tensor:
         """Candidate scores [..., top_k] of one slot: projected [..., r], unary/candidates [..., top_k], predecessor [...]."""
@@ -86,14 +86,15 @@ class CandidateSelector(nn.Module):
 
 class DFlash2DraftModel(DFlashDraftModel):
     def __init__(self, cfg: DFlashConfig):
-        missing = [k for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k") if getattr(cfg, k) is None]
-        if missing:
+        kernel, group, rank, top_k = cfg.conv_kernel_size, cfg.conv_group_size, cfg.selector_rank, cfg.selector_top_k
+        if kernel is None or group is None or rank is None or top_k is None:
+            missing = [k for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k") if getattr(cfg, k) is None]
             raise UsageError(f"the DFlash 2 config lacks dflash_config.{missing[0]}; add it (the value the draft was trained with).")
         super().__init__(cfg)
         for layer in self.layers:
-            layer.attention_conv = GroupedDynamicCausalConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
-            layer.mlp_conv = GroupedDynamicCausalConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
-        self.candidate_selector = CandidateSelector(cfg)
+            layer.attention_conv = GroupedDynamicCausalConv(cfg.hidden_size, kernel, group)
+            layer.mlp_conv = GroupedDynamicCausalConv(cfg.hidden_size, kernel, group)
+        self.candidate_selector = CandidateSelector(cfg.vocab_size, cfg.hidden_size, rank, int(top_k))
 
     def _candidates(self, hidden: torch.Tensor, lm_head: nn.Module):
         logits = self.compute_logits(hidden, lm_head)

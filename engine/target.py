@@ -9,9 +9,15 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 import torch
 from transformers import DynamicCache
+
+if TYPE_CHECKING:
+    # What AutoModelForCausalLM.from_pretrained returns, as transformers annotates it: a PreTrainedModel
+    # with GenerationMixin's generate().
+    from transformers.models.auto.modeling_auto import _BaseModelWithGenerate as CausalLM
 
 
 def cache_keyword(model: torch.nn.Module) -> str:
@@ -36,7 +42,7 @@ class TargetOutput:
 class TargetModel:
     """One sequence at a time (batch 1): the live loop's view of the target."""
 
-    def __init__(self, model: torch.nn.Module, hidden_state_indices: tuple[int, ...] = ()):
+    def __init__(self, model: CausalLM, hidden_state_indices: tuple[int, ...] = ()):
         """``hidden_state_indices``: taps for forwards that name none (direct use in tests and
         benchmarks); the engine's loops pass ``taps=proposer.needs.hidden_state_indices`` themselves."""
         self.model = model
@@ -76,12 +82,21 @@ class TargetModel:
         )
         features = None
         if want_hidden:
-            features = torch.cat([out.hidden_states[i][0] for i in taps], dim=-1)
+            features = torch.cat([out.hidden_states[i][0].to(self.device) for i in taps], dim=-1)  # a placed target taps several GPUs
         return TargetOutput(logits=out.logits[0].float(), features=features)
 
+    @property
+    def embedding(self) -> torch.nn.Embedding:
+        """The token embedding, which DFlash drafts share."""
+        return cast(torch.nn.Embedding, self.model.get_input_embeddings())
+
+    @property
+    def head(self) -> torch.nn.Linear:
+        """The vocabulary head (a causal LM's is a Linear), which DFlash drafts share."""
+        return cast(torch.nn.Linear, self.model.get_output_embeddings())
+
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.get_input_embeddings()(token_ids)
+        return self.embedding(token_ids)
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
-        head = self.model.get_output_embeddings()
-        return head(hidden.to(head.weight.dtype))
+        return self.head(hidden.to(self.head.weight.dtype))

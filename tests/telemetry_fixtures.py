@@ -12,7 +12,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -20,13 +19,9 @@ import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+from local_servers import free_port, wait_until_answering
+
 DATA = Path(__file__).parent / "data" / "telemetry"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class MetricsExporter:
@@ -97,16 +92,10 @@ class PrometheusServer:
         if self.binary is None:
             raise RuntimeError("the prometheus binary is not on PATH; install Debian's package: apt-get install prometheus (.ci/run does)")
         self.process = subprocess.Popen(self.command, stdout=self.log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.time() + 60
-        while time.time() < deadline:
-            try:
-                urllib.request.urlopen(f"{self.url}/-/ready", timeout=2)
-                return self
-            except OSError:
-                if self.process.poll() is not None:
-                    raise RuntimeError(f"prometheus exited: {self.log.read_text()[-2000:]}")
-                time.sleep(0.3)
-        raise RuntimeError("prometheus did not become ready in 60 s")
+        not_ready = wait_until_answering(f"{self.url}/-/ready", self.process, timeout_s=60)
+        if not_ready is not None:
+            raise RuntimeError(f"prometheus did not start: {not_ready}: {self.log.read_text()[-2000:]}")
+        return self
 
     def __exit__(self, *exc) -> None:
         if self.process is not None and self.process.poll() is None:

@@ -67,8 +67,9 @@ def plotly_charts(at: AppTest) -> list:
 
 def test_overview_shows_verdict_headline_and_check_fixes(monkeypatch, runs):
     at = open_app(monkeypatch, runs["root"], runs["base"])
-    meta = load_run(runs["base"], tables=()).meta
-    status, sentence = data.run_verdict(meta["checks"])
+    run = load_run(runs["base"], tables=())
+    meta = run.meta
+    status, sentence = data.run_verdict(run.record.checks)
     assert at.title[0].value == "Overview"
     assert f"Verdict: {status.upper()}" in texts(at.error) + texts(at.warning) + texts(at.success)
     tau = meta["summary"]["overall"]["mean_acceptance_length"]

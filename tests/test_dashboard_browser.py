@@ -8,16 +8,14 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from fixture_runs import HOSTILE_TOKEN_TEXT, make_fixture_run
+from local_servers import free_port, wait_until_answering
 
 pytestmark = pytest.mark.browser
 
@@ -39,12 +37,6 @@ PAGES = {
 }
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """The CLI serving a folder with a healthy run and a degraded one (opened first: newest name)."""
@@ -58,18 +50,10 @@ def server(tmp_path_factory):
         stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
     )
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + SERVER_START_TIMEOUT_S
-    while True:
-        try:
-            with urllib.request.urlopen(f"{url}/_stcore/health", timeout=2) as response:
-                if response.status == 200:
-                    break
-        except OSError:
-            pass
-        if process.poll() is not None or time.monotonic() > deadline:
-            os.killpg(process.pid, signal.SIGTERM)
-            pytest.fail(f"dashboard did not start: {log.read_text()}")
-        time.sleep(0.3)
+    not_started = wait_until_answering(f"{url}/_stcore/health", process, SERVER_START_TIMEOUT_S)
+    if not_started is not None:
+        os.killpg(process.pid, signal.SIGTERM)
+        pytest.fail(f"dashboard did not start: {not_started}: {log.read_text()}")
     yield url, process, log
     os.killpg(process.pid, signal.SIGTERM)  # the CLI and its Streamlit child share this new session
     process.wait(timeout=20)

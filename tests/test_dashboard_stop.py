@@ -9,27 +9,20 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from dflash_doctor.cli.dashboard import port_is_free
 from fixture_runs import make_fixture_run
+from local_servers import free_port, wait_until_answering
 
 SERVER_START_TIMEOUT_S = 120
 STOP_TIMEOUT_S = 30
 CONSOLE_SCRIPT = Path(sys.executable).with_name("dflash-doctor")
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def children(pid: int) -> list[int]:
@@ -59,16 +52,8 @@ def test_a_stop_signal_to_the_command_stops_its_streamlit_server(tmp_path, stop_
     )
     server_pids: list[int] = []
     try:
-        deadline = time.monotonic() + SERVER_START_TIMEOUT_S
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/health", timeout=2) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                pass
-            assert command.poll() is None and time.monotonic() < deadline, f"dashboard did not start: {log.read_text()}"
-            time.sleep(0.3)
+        not_started = wait_until_answering(f"http://127.0.0.1:{port}/_stcore/health", command, SERVER_START_TIMEOUT_S)
+        assert not_started is None, f"dashboard did not start: {not_started}: {log.read_text()}"
         server_pids = children(command.pid)
         assert server_pids, "the command serves through a child process"
 

@@ -20,6 +20,8 @@ from dflash_doctor.cli import app
 from dflash_doctor.errors import UsageError
 from dflash_doctor.schema import load_run
 from dflash_doctor.serving.client import EngineEndpoint, call, resolve_model
+from dflash_doctor.serving.prometheus import measurement_between, read_counters
+from dflash_doctor.serving.responses import MissingMetrics
 from tests.vllm_server import free_port
 
 CAPTURED = json.loads((Path(__file__).parent / "golden" / "vllm_0.32.0_chat_detailed.json").read_text(encoding="utf-8"))
@@ -128,6 +130,33 @@ def test_without_per_request_metrics_the_metrics_counters_stand_in_one_request_a
     assert run.meta["summary"]["overall"]["mean_acceptance_length"] == pytest.approx(spec["mean_acceptance_length"])
     first = run.steps[run.steps["request_id"] == run.requests["request_id"].iloc[0]]
     assert sorted(first["num_accepted"]) == sorted(spec["per_step_accepted"])  # the histogram, rebuilt from per-position counts
+
+
+def _scrape(models: dict[str, tuple[int, int, int, list[int]]]) -> str:
+    """vLLM's counters, two data-parallel engines per model, each engine holding half of every count."""
+    lines = []
+    for model, (drafts, draft_tokens, accepted, per_pos) in models.items():
+        for engine in ("0", "1"):
+            labels = f'engine="{engine}",model_name="{model}"'
+            lines += [f"vllm:spec_decode_num_drafts_total{{{labels}}} {drafts / 2}",
+                      f"vllm:spec_decode_num_draft_tokens_total{{{labels}}} {draft_tokens / 2}",
+                      f"vllm:spec_decode_num_accepted_tokens_total{{{labels}}} {accepted / 2}"]
+            lines += [f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{labels},position="{i}"}} {count / 2}'
+                      for i, count in enumerate(per_pos)]
+    return "\n".join(lines) + "\n"
+
+
+def test_the_counters_fallback_reads_the_served_model_only_and_refuses_a_reset():
+    # Between the scrapes, MODEL drafted 3 times with K=2 (accepting 2, 1, 0 tokens); another model drafted too.
+    before = _scrape({MODEL: (10, 20, 8, [5, 3]), "other": (100, 200, 150, [80, 70])})
+    after = _scrape({MODEL: (13, 26, 11, [7, 4]), "other": (200, 400, 300, [160, 140])})
+    measurement = measurement_between(read_counters(before, MODEL), read_counters(after, MODEL))
+    assert (measurement.num_drafts, measurement.num_draft_tokens, measurement.num_accepted_tokens) == (3, 6, 3)
+    assert measurement.acceptance_histogram == (1, 1, 1) and measurement.num_spec_tokens == 2
+    assert read_counters(after, "a-model-not-served") is None
+    restarted = _scrape({MODEL: (1, 2, 1, [1, 0])})
+    with pytest.raises(MissingMetrics, match="restarted"):
+        measurement_between(read_counters(after, MODEL), read_counters(restarted, MODEL))
 
 
 def test_missing_metrics_stop_the_run_naming_the_flag_and_keep_what_was_measured(tmp_path):

@@ -58,11 +58,11 @@ def test_every_view_shows_the_same_verdict(base_run, statuses, expected, exit_fa
     console = Console(record=True, width=200)
     print_check_results(results, console)
     assert console.export_text().rstrip().splitlines()[-1] == f"verdict: {expected.upper()}"
-    assert data.run_verdict(run.meta["checks"])[0] == expected
+    assert data.run_verdict(run.record.checks)[0] == expected
     suite = ET.fromstring(render_junit(run)).find("testsuite")
     assert int(suite.get("failures")) + int(suite.get("errors")) == sum(s in ("fail", "error") for s in statuses)
 
 
 def test_dashboard_sentence_counts_statuses_worst_first():
-    status, sentence = data.run_verdict([{"status": "warn"}, {"status": "error"}, {"status": "pass"}])
+    status, sentence = data.run_verdict([CheckResult(check_id, status, "") for check_id, status in [("a", "warn"), ("b", "error"), ("c", "pass")]])
     assert status == "error" and sentence == "3 checks: 1 errored, 1 warned, 1 passed."

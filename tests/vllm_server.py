@@ -14,13 +14,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+
+from local_servers import free_port, wait_until_answering  # tests/ is on sys.path under pytest and as a script
 
 REPO = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
@@ -53,12 +52,6 @@ class VllmServer:
         self.process.wait(timeout=30)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def start_vllm_server(target_dir: Path, draft_dir: Path, log_path: Path, *, num_speculative_tokens: int = 15,
                       port: int | None = None) -> VllmServer:
     """Launch ``python -m vllm.entrypoints.openai.api_server`` with the DFlash draft and detailed metrics."""
@@ -88,19 +81,10 @@ def start_vllm_server(target_dir: Path, draft_dir: Path, log_path: Path, *, num_
 
 
 def wait_ready(server: VllmServer, timeout_s: float = START_TIMEOUT_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server.process.poll() is not None:
-            tail = server.log_path.read_text(errors="replace")[-3000:]
-            raise RuntimeError(f"vLLM exited with {server.process.returncode} while starting:\n{tail}")
-        try:
-            with urllib.request.urlopen(server.url + "/v1/models", timeout=5) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(2)
-    raise RuntimeError(f"vLLM did not answer within {timeout_s:.0f} s; see {server.log_path}")
+    not_ready = wait_until_answering(server.url + "/v1/models", server.process, timeout_s, poll_s=2)
+    if not_ready is not None:
+        tail = server.log_path.read_text(errors="replace")[-3000:]
+        raise RuntimeError(f"vLLM did not start: {not_ready}; {server.log_path}:\n{tail}")
 
 
 if __name__ == "__main__":

@@ -8,24 +8,27 @@ from dflash_doctor.app import data, ui
 
 run = ui.current_run()
 ui.run_header(run, "Overview")
-meta = run.meta
+record = run.record
+meta = run.meta  # run.json's form of the record: what the figures and the fact tables lay out
 summary = meta.get("summary") or {}
-overall = summary.get("overall") or {}
+overall = record.summary.overall
 
-status, sentence = data.run_verdict(meta.get("checks") or [])
+status, sentence = data.run_verdict(record.checks)
 banner = {"fail": st.error, "error": st.error, "warn": st.warning, "pass": st.success}.get(status, st.info)
 banner(f"**Verdict: {status.upper()}** — {sentence}" if status != "none" else sentence, icon=ui.STATUS_ICONS.get(status, ":material/info:"))
 
-if overall.get("num_drafts"):
-    tau_lo, tau_hi = overall.get("mean_acceptance_length_ci") or [float("nan")] * 2
-    best = (meta.get("recommendation") or {}).get("overall") or {}
+if overall is not None and overall.num_drafts:
+    tau_lo, tau_hi = overall.mean_acceptance_length_ci or [float("nan")] * 2
+    best = record.recommendation.get("overall")
     cols = st.columns(5)
-    cols[0].metric("tau", f"{overall['mean_acceptance_length']:.2f}", help="Mean acceptance length: 1 + accepted / drafts, bonus token included (vLLM's definition).")
+    cols[0].metric("tau", f"{overall.mean_acceptance_length:.2f}", help="Mean acceptance length: 1 + accepted / drafts, bonus token included (vLLM's definition).")
     cols[0].caption(f"95% CI [{tau_lo:.2f}, {tau_hi:.2f}]")
-    cols[1].metric("Drafted tokens accepted", f"{overall.get('draft_acceptance_rate', float('nan')):.1%}", help="accepted / drafted; it falls as K grows, so compare tau instead.")
-    cols[2].metric("Requests", f"{overall.get('num_requests', 0):,}")
-    cols[3].metric("Output tokens", f"{overall.get('num_output_tokens', 0):,}")
-    cols[4].metric("Recommended K (overall)", str(best.get("k", "—")), help=best.get("reason") or "Run `dflash-doctor sweep` for a recommendation.")
+    acceptance = overall.draft_acceptance_rate if overall.draft_acceptance_rate is not None else float("nan")
+    cols[1].metric("Drafted tokens accepted", f"{acceptance:.1%}", help="accepted / drafted; it falls as K grows, so compare tau instead.")
+    cols[2].metric("Requests", f"{overall.num_requests:,}")
+    cols[3].metric("Output tokens", f"{overall.num_output_tokens:,}")
+    cols[4].metric("Recommended K (overall)", str(best.k) if best else "—",
+                   help=(best.reason if best else "") or "Run `dflash-doctor sweep` for a recommendation.")
     left, right = st.columns(2)
     left.plotly_chart(figures.tau_by_class_figure(summary), key="overview_tau")
     right.plotly_chart(figures.acceptance_histogram_figure(summary), key="overview_histogram")
@@ -33,29 +36,26 @@ else:
     st.info("This run has no drafted steps, so there are no acceptance numbers; the checks and facts below still apply.")
 
 st.header("Checks")
-checks = meta.get("checks") or []
-if not checks:
+if not record.checks:
     st.caption("No checks in this run.")
 else:
-    table = data.checks_table(checks)
-    st.dataframe(table.style.map(lambda status: f"background-color: {ui.STATUS_COLORS.get(status, '')}", subset=["status"]), hide_index=True)
-    by_id = {str(check.get("id")): check for check in checks}
-    for row in table.itertuples(index=False):
-        check = by_id[row.check]
-        with st.expander(f"**{row.check}** ({row.status}) — {row.summary}", expanded=row.status in ("fail", "error"), icon=ui.STATUS_ICONS.get(row.status)):
-            findings = check.get("findings") or []
-            if not findings:
+    table = data.checks_table(record.checks)
+    st.dataframe(table.style.map(lambda status: f"background-color: {ui.STATUS_COLORS.get(str(status), '')}", subset=["status"]), hide_index=True)
+    by_id = {check.id: check for check in record.checks}
+    for row in table.to_dict("records"):
+        check = by_id[row["check"]]
+        with st.expander(f"**{check.id}** ({check.status}) — {check.summary}", expanded=check.status in ("fail", "error"), icon=ui.STATUS_ICONS.get(check.status)):
+            if not check.findings:
                 st.caption("No findings.")
-            for finding in findings:
-                severity = str(finding.get("severity", "info"))
-                box = {"fail": st.error, "warn": st.warning}.get(severity, st.info)
-                box(f"**{severity}**: {finding.get('message', '')}")
-                if finding.get("evidence"):
-                    st.code(str(finding["evidence"]), language=None)
-                if finding.get("fix"):
-                    st.markdown(f"**Fix:** {finding['fix']}")
-            if check.get("metrics"):
-                st.json(check["metrics"], expanded=False)
+            for finding in check.findings:
+                box = {"fail": st.error, "warn": st.warning}.get(finding.severity, st.info)
+                box(f"**{finding.severity}**: {finding.message}")
+                if finding.evidence:
+                    st.code(finding.evidence, language=None)
+                if finding.fix:
+                    st.markdown(f"**Fix:** {finding.fix}")
+            if check.metrics:
+                st.json(check.metrics, expanded=False)
 
 recommendation = meta.get("recommendation") or {}
 if recommendation:
@@ -70,6 +70,6 @@ with left:
     st.dataframe(data.facts_table(meta.get("models") or {}), hide_index=True)
 with right:
     st.subheader("Environment")
-    st.dataframe(data.facts_table(meta.get("environment") or {}), hide_index=True)
+    st.dataframe(data.facts_table(record.environment), hide_index=True)
 with st.expander("Configuration (everything that was asked for)"):
-    st.json(meta.get("config") or {})
+    st.json(record.config)

@@ -56,6 +56,7 @@ if picked and picked[0] in drill_options and picked[0] != st.session_state.get("
 if st.session_state.get("drill_class") not in drill_options:
     st.session_state["drill_class"] = drill_options[0]  # the table is sorted worst tau first
 cls = st.selectbox("Class (or click its bar above)", drill_options, key="drill_class")
+assert cls is not None, "drill_options is never empty: the table has a row per class"
 
 st.plotly_chart(charts.request_tau_figure(chosen), key="request_tau_chart")
 class_requests = data.class_requests(chosen, cls)

@@ -28,7 +28,8 @@ labels = {
 }
 if st.session_state.get("token_request") not in labels:
     st.session_state["token_request"] = next(iter(labels))
-request_id = pick[1].selectbox("Request (lowest tau first)", list(labels), key="token_request", format_func=labels.get)
+request_id = pick[1].selectbox("Request (lowest tau first)", list(labels), key="token_request", format_func=labels.__getitem__)
+assert request_id is not None, "labels is never empty here: a request was preselected above"
 
 request = candidates[candidates["request_id"] == request_id].iloc[0]
 steps, tokens = ui.request_slice(path, mtime_ns, request_id)
@@ -67,7 +68,7 @@ slot_labels = {
 }
 rejected = [index for index in slot_labels if page_status[index] == "rejected"]
 slot_index = st.selectbox("Drafted token on this page (first rejection preselected)", list(slot_labels),
-                          index=list(slot_labels).index(rejected[0]) if rejected else 0, format_func=slot_labels.get, key=f"token_slot_{request_id}_{page}")
+                          index=list(slot_labels).index(rejected[0]) if rejected else 0, format_func=slot_labels.__getitem__, key=f"token_slot_{request_id}_{page}")
 slot = tokens.loc[slot_index]
 numbers = st.columns(5)
 numbers[0].metric("p_target(draft token)", f"{slot['target_prob_of_draft']:.3f}")

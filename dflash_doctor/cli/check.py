@@ -39,6 +39,7 @@ def check(
     temperature: opt.Temperature = None,
     k: opt.K = None,
     device: opt.Device = None,
+    devices: opt.Devices = None,
     dtype: opt.Dtype = None,
     out: opt.Out = None,
     config: opt.ConfigFile = None,
@@ -63,7 +64,7 @@ def check(
 
     With no model flags it runs the built-in demo pair (SmolLM2-135M-Instruct + its DFlash draft) on CPU.
     """
-    from dflash_doctor import pipeline, scenarios
+    from dflash_doctor import distributed, pipeline, scenarios
     from dflash_doctor.checks.base import exit_code, get_check
     from dflash_doctor.cli.progress import progress_bar
     from dflash_doctor.report.terminal import print_check_results, print_class_summary, print_sweep, print_why_rejected
@@ -85,6 +86,10 @@ def check(
     only_ids, skip_ids = _ids(only), _ids(skip)
     for check_id in only_ids + skip_ids:
         get_check(check_id)  # an unknown id fails now, with "did you mean", before any model work
+    if cfg.engine is not None and cfg.devices:
+        raise UsageError("--devices spreads the local replay over processes, --engine measures a server; drop one of them.")
+    if (code := distributed.launch_ranks(cfg)) is not None:
+        raise typer.Exit(code)
     console = Console(stderr=True)
     try:
         if cfg.engine is not None:

@@ -23,7 +23,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from dflash_doctor import app as dashboard_app
+import dflash_doctor.app as dashboard_app
 from dflash_doctor.app import RUNS_DIR_ENV
 from dflash_doctor.cli import app
 from dflash_doctor.errors import UsageError

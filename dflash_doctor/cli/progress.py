@@ -6,7 +6,7 @@ The pipeline knows nothing of the terminal; the CLI hands it :func:`progress_bar
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Callable, Iterator
 
 from rich.console import Console
@@ -15,7 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from dflash_doctor.engine.live import GenerationResult
 
 
-def progress_bar(console: Console) -> Callable[[int], "contextmanager[Callable[[GenerationResult], None]]"]:
+def progress_bar(console: Console) -> Callable[[int], AbstractContextManager[Callable[[GenerationResult], None]]]:
     """A progress factory for :mod:`dflash_doctor.pipeline`: ``factory(total_turns)`` opens the bar and
     yields the per-turn callback."""
 

@@ -22,6 +22,7 @@ def sweep(
     temperature: opt.Temperature = None,
     k: opt.K = None,
     device: opt.Device = None,
+    devices: opt.Devices = None,
     dtype: opt.Dtype = None,
     out: opt.Out = None,
     config: opt.ConfigFile = None,
@@ -35,7 +36,10 @@ def sweep(
 ) -> None:
     """Teacher-forced replay answering every K at once (default K = 1..block-1 or 1-8), net speedup per class, recommended K."""
     cfg = build_config(config, **opt.config_values(locals()))
-    from dflash_doctor import pipeline
+    from dflash_doctor import distributed, pipeline
+
+    if (code := distributed.launch_ranks(cfg)) is not None:
+        raise typer.Exit(code)
     from dflash_doctor.cli.progress import progress_bar
     from dflash_doctor.report.terminal import print_sweep
 

@@ -302,13 +302,13 @@ def train_draft(
     (out_dir / "training_log.json").write_text(json.dumps(facts, indent=2) + "\n", encoding="utf-8")
     (out_dir / "README.md").write_text(_model_card(facts), encoding="utf-8")
 
-    table = Table(title=f"draft written to {out_dir}")
-    table.add_column("class")
-    table.add_column("tau (trained)", justify="right")
-    table.add_column("tau (before)", justify="right")
-    for name, row in (evaluation or {}).get("trained", {}).items():
-        table.add_row(name, f"{row['tau']:.2f}", f"{evaluation['initial'][name]['tau']:.2f}")
     final_loss = result.log[-1]["loss"] if result.log else float("nan")
     console.print(f"final loss {final_loss:.4f} after {config.steps} steps")
     if evaluation:
+        table = Table(title=f"draft written to {out_dir}")
+        table.add_column("class")
+        table.add_column("tau (trained)", justify="right")
+        table.add_column("tau (before)", justify="right")
+        for name, row in evaluation["trained"].items():
+            table.add_row(name, f"{row['tau']:.2f}", f"{evaluation['initial'][name]['tau']:.2f}")
         console.print(table)

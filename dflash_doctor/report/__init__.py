@@ -38,7 +38,7 @@ def render_markdown(run: Run) -> str:
     meta = run.meta
     checks = meta.get("checks") or []
     text = markdown_env().get_template("report.md").render(
-        run_name=run.name, incomplete=incomplete_note(run), meta=meta, verdict=verdict(checks), counts=check_counts(checks),
+        run_name=run.name, incomplete=incomplete_note(run), meta=meta, verdict=verdict(run.record.checks), counts=check_counts(run.record.checks),
         checks=checks, rows=class_rows(meta), why=deviations.analyze_run(run),
     )
     return text.rstrip("\n") + "\n"

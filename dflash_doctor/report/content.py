@@ -3,23 +3,23 @@ table, the report.json payload. HTML and Markdown only lay these out differently
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
 from dflash_doctor import deviations
-from dflash_doctor.status import overall_status, status_counts
 from dflash_doctor.schema import Run
+from dflash_doctor.status import CheckResult, overall_status, status_counts
 
 OVERALL = "overall"
 REPORT_JSON_VERSION = 1
 
 
-def verdict(checks: list[dict[str, Any]]) -> str:
-    """The run's verdict: :func:`dflash_doctor.checks.base.overall_status` of its checks."""
-    return overall_status(check["status"] for check in checks)
+def verdict(checks: Iterable[CheckResult]) -> str:
+    """The run's verdict: :func:`dflash_doctor.status.overall_status` of its checks."""
+    return overall_status(check.status for check in checks)
 
 
-def check_counts(checks: list[dict[str, Any]]) -> dict[str, int]:
-    return status_counts(check["status"] for check in checks)
+def check_counts(checks: Iterable[CheckResult]) -> dict[str, int]:
+    return status_counts(check.status for check in checks)
 
 
 def class_rows(meta: dict[str, Any]) -> list[dict[str, Any]]:
@@ -59,18 +59,17 @@ def report_payload(run: Run) -> dict[str, Any]:
     It is what CI scripts read (``jq .verdict``), so keys only ever get added, and
     ``report_json_version`` changes if one is renamed or removed.
     """
-    meta = run.meta
-    checks = meta.get("checks") or []
+    meta = run.meta  # the record in its run.json form: report.json repeats it
     return {
         "report_json_version": REPORT_JSON_VERSION,
-        "schema_version": meta.get("schema_version"),
-        "tool_version": meta.get("tool_version"),
-        "created_at": meta.get("created_at"),
+        "schema_version": run.record.meta.schema_version,
+        "tool_version": run.record.meta.tool_version,
+        "created_at": run.record.meta.created_at,
         "run": run.name,
         "complete": run.complete,
-        "verdict": verdict(checks),
-        "check_counts": check_counts(checks),
-        "checks": checks,
+        "verdict": verdict(run.record.checks),
+        "check_counts": check_counts(run.record.checks),
+        "checks": meta.get("checks") or [],
         "summary": meta.get("summary") or {},
         "recommendation": meta.get("recommendation") or {},
         "why_rejected": deviations.analyze_run(run),  # deviation patterns per class (dflash_doctor.deviations)

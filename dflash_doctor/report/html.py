@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 from functools import lru_cache
-from typing import Any, Iterable
+from typing import Any, Hashable, Iterable, cast
 
 import pandas as pd
 import plotly.graph_objects as go
@@ -42,10 +42,10 @@ def _visible(text: str | None) -> str:
     return (text or "").replace("\n", NEWLINE_MARK + "\n")
 
 
-def _hover(row: Any) -> str:
+def _hover(row: dict[Hashable, Any]) -> str:
     return (
-        f"slot {row.offset}: draft {row.draft_text!r} (target prob {row.target_prob_of_draft:.3f}) "
-        f"vs target {row.target_text!r} (draft prob {row.draft_prob_of_target:.3f}, rank in draft {row.target_rank_in_draft})"
+        f"slot {row['offset']}: draft {row['draft_text']!r} (target prob {row['target_prob_of_draft']:.3f}) "
+        f"vs target {row['target_text']!r} (draft prob {row['draft_prob_of_target']:.3f}, rank in draft {row['target_rank_in_draft']})"
     )
 
 
@@ -53,12 +53,12 @@ def _step_pieces(step_tokens: pd.DataFrame, bonus_token: int | None) -> list[dic
     """Accepted draft tokens, then the first rejected one with the target's correction, or the bonus
     token when every slot was accepted. Slots after the first rejection were never committed."""
     pieces = []
-    for row in step_tokens.sort_values("offset").itertuples(index=False):
-        if row.accepted:
-            pieces.append({"kind": "accepted", "text": _visible(row.draft_text), "title": _hover(row)})
+    for row in step_tokens.sort_values("offset").to_dict("records"):
+        if row["accepted"]:
+            pieces.append({"kind": "accepted", "text": _visible(row["draft_text"]), "title": _hover(row)})
             continue
-        pieces.append({"kind": "rejected", "text": _visible(row.draft_text), "title": _hover(row)})
-        pieces.append({"kind": "correction", "text": _visible(row.target_text), "title": f"target token committed instead: {row.target_text!r}"})
+        pieces.append({"kind": "rejected", "text": _visible(row["draft_text"]), "title": _hover(row)})
+        pieces.append({"kind": "correction", "text": _visible(row["target_text"]), "title": f"target token committed instead: {row['target_text']!r}"})
         return pieces
     if bonus_token is not None:
         pieces.append({"kind": "bonus", "text": "+", "title": f"bonus token id {bonus_token} (all {len(pieces)} draft tokens accepted)"})
@@ -73,7 +73,7 @@ def sample_requests(run: Run) -> list[str]:
     for _, group in requests.groupby("class", sort=True):
         candidates = [group["request_id"].iloc[0]]
         if group["tau"].notna().any():  # requests that never drafted (e.g. answered by a stop token) have no tau
-            candidates.append(group.loc[group["tau"].idxmin(), "request_id"])
+            candidates.append(group["request_id"].iloc[group["tau"].argmin()])
         chosen.extend(rid for rid in dict.fromkeys(candidates) if rid not in chosen)
     return chosen
 
@@ -87,8 +87,8 @@ def token_viewer(run: Run, extra_request_ids: Iterable[str] = ()) -> list[dict[s
     if run.requests.empty or run.tokens.empty:
         return []
     tokens_by_request = {rid: group for rid, group in run.tokens.groupby("request_id", sort=False)}
-    bonus_by_step = {(r.request_id, r.step): r.bonus_token for r in run.steps.itertuples(index=False)}
-    requests = run.requests.set_index("request_id")
+    bonus_by_step = {(r["request_id"], r["step"]): r["bonus_token"] for r in run.steps[["request_id", "step", "bonus_token"]].to_dict("records")}
+    requests = run.requests.set_index("request_id").to_dict("index")
     viewer = []
     for request_id in dict.fromkeys([*sample_requests(run), *extra_request_ids]):
         request_tokens = tokens_by_request.get(request_id)
@@ -96,8 +96,9 @@ def token_viewer(run: Run, extra_request_ids: Iterable[str] = ()) -> list[dict[s
             continue
         steps = []
         for step, step_tokens in itertools.islice(request_tokens.groupby("step", sort=True), MAX_VIEWER_STEPS_PER_REQUEST):
-            steps.append({"step": int(step), "pieces": _step_pieces(step_tokens, bonus_by_step.get((request_id, step)))})
-        request = requests.loc[request_id]
+            # pandas types a group key as any scalar; the steps table's "step" column holds ints (schema.py)
+            steps.append({"step": int(cast(int, step)), "pieces": _step_pieces(step_tokens, bonus_by_step.get((request_id, step)))})
+        request = requests[request_id]
         viewer.append(
             {
                 "request_id": request_id,
@@ -163,8 +164,8 @@ def render_html(run: Run) -> str:
         run_name=run.name,
         incomplete=incomplete_note(run),
         meta=meta,
-        verdict=verdict(checks),
-        counts=check_counts(checks),
+        verdict=verdict(run.record.checks),
+        counts=check_counts(run.record.checks),
         checks=checks,
         rows=class_rows(meta),
         sweep=(meta.get("summary") or {}).get("sweep"),

@@ -10,41 +10,39 @@ children, and per check a ``<testcase classname="dflash_doctor.checks" name=ID>`
 from __future__ import annotations
 
 import xml.etree.ElementTree as ET
-from typing import Any
-
 from dflash_doctor.schema import Run
+from dflash_doctor.status import CheckResult
 
 SUITE_NAME = "dflash-doctor"
 TESTCASE_CLASSNAME = "dflash_doctor.checks"
 _CHILD_BY_STATUS = {"fail": "failure", "error": "error", "skip": "skipped"}
 
 
-def _findings_text(check: dict[str, Any]) -> str:
+def _findings_text(check: CheckResult) -> str:
     lines = []
-    for finding in check.get("findings") or []:
-        lines.append(f"[{finding.get('severity', 'info')}] {finding.get('message', '')}")
-        if finding.get("evidence"):
-            lines.append(f"  evidence: {finding['evidence']}")
-        if finding.get("fix"):
-            lines.append(f"  fix: {finding['fix']}")
+    for finding in check.findings:
+        lines.append(f"[{finding.severity}] {finding.message}")
+        if finding.evidence:
+            lines.append(f"  evidence: {finding.evidence}")
+        if finding.fix:
+            lines.append(f"  fix: {finding.fix}")
     return "\n".join(lines)
 
 
 def render_junit(run: Run) -> str:
     """The junit.xml text for the run's checks (ElementTree escapes every attribute and text)."""
-    checks = run.meta.get("checks") or []
-    totals = {status: sum(1 for c in checks if c.get("status") == status) for status in ("fail", "error", "skip")}
+    checks = run.record.checks
+    totals = {status: sum(1 for c in checks if c.status == status) for status in ("fail", "error", "skip")}
     counts = {"tests": str(len(checks)), "failures": str(totals["fail"]), "errors": str(totals["error"]), "skipped": str(totals["skip"]), "time": "0"}
     root = ET.Element("testsuites", {"name": SUITE_NAME, **counts})
-    suite = ET.SubElement(root, "testsuite", {"name": SUITE_NAME, "timestamp": str(run.meta.get("created_at") or ""), **counts})
+    suite = ET.SubElement(root, "testsuite", {"name": SUITE_NAME, "timestamp": run.record.meta.created_at, **counts})
     for check in checks:
-        status = check.get("status", "error")
-        case = ET.SubElement(suite, "testcase", {"classname": TESTCASE_CLASSNAME, "name": str(check.get("id")), "time": "0"})
-        child = _CHILD_BY_STATUS.get(status)
+        case = ET.SubElement(suite, "testcase", {"classname": TESTCASE_CLASSNAME, "name": check.id, "time": "0"})
+        child = _CHILD_BY_STATUS.get(check.status)
         if child is not None:
-            element = ET.SubElement(case, child, {"message": str(check.get("summary") or status), "type": status})
+            element = ET.SubElement(case, child, {"message": check.summary or check.status, "type": check.status})
             element.text = _findings_text(check) or None
-        elif status == "warn":
-            ET.SubElement(case, "system-out").text = f"WARN: {check.get('summary', '')}\n{_findings_text(check)}"
+        elif check.status == "warn":
+            ET.SubElement(case, "system-out").text = f"WARN: {check.summary}\n{_findings_text(check)}"
     ET.indent(root)
     return '<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(root, encoding="unicode") + "\n"

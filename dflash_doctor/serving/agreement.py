@@ -106,7 +106,7 @@ class _CausalFlippedProposer(DFlashProposer):
         lower = slot[:, None] >= slot[None, :]  # within a block (other blocks are masked already)
         mask = mask.clone()
         mask[..., t:] &= lower
-        embeds = self.target.model.get_input_embeddings()(block.view(1, a * b)).to(model.fc.weight.dtype)
+        embeds = self.target.embed(block.view(1, a * b)).to(model.fc.weight.dtype)
         ctx_positions = torch.arange(t, device=device)[None]
         hidden = model(embeds, positions.view(1, a * b), self._teacher_ctx_kv, ctx_positions, mask).view(1, a, b, -1)
         return self.target.lm_head(hidden[0, :, 1:]).float()
@@ -315,10 +315,10 @@ def summarize_agreement(comparisons: list[TurnComparison], answered, *, engine_k
         "num_compared": len(comparisons),
         "engine_k": engine_k,
         "draft_block_size": block_size,
-        "prompts": {"num_compared": len(prompts), "num_identical": sum(c.prompt_matches for c in prompts),
+        "prompts": {"num_compared": len(prompts), "num_identical": sum(1 for c in prompts if c.prompt_matches),
                     "differing": [c.request_id for c in prompts if not c.prompt_matches][:10]},
-        "outputs": {"num_compared": len(outputs), "num_identical": sum(c.outputs_match for c in outputs),
-                    "differences": [{"request_id": c.request_id, **c.first_output_difference} for c in outputs if not c.outputs_match][:10]},
+        "outputs": {"num_compared": len(outputs), "num_identical": sum(1 for c in outputs if c.outputs_match),
+                    "differences": [{"request_id": c.request_id, **(c.first_output_difference or {})} for c in outputs if not c.outputs_match][:10]},
         "tau": {
             "overall": _tau_block(all_rows, rng, n_boot) if all_rows else None,
             "by_class": {cls: _tau_block(rows, rng, n_boot) for cls, rows in sorted(rows_by_class.items())},

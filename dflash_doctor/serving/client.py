@@ -111,7 +111,7 @@ def served_models(endpoint: EngineEndpoint) -> list[str]:
         if exc.status is None:
             raise UsageError(f"--engine {endpoint.base_url}: {exc}; start the server or fix the URL.") from None
         raise UsageError(f"--engine {endpoint.base_url} is not an OpenAI-compatible server ({exc}); pass the URL of the server's OpenAI API.") from None
-    return [m.get("id") for m in body.get("data") or [] if isinstance(m, dict) and m.get("id")]
+    return [str(m["id"]) for m in body.get("data") or [] if isinstance(m, dict) and m.get("id")]
 
 
 def resolve_model(endpoint: EngineEndpoint) -> EngineEndpoint:

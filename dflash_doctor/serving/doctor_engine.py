@@ -26,16 +26,16 @@ def has_local_pair(config: DoctorConfig) -> bool:
 
 def run_engine_doctor(config: DoctorConfig, *, only=(), skip=(), progress=None):
     """The whole `check --engine`: returns the pipeline's Outcome (run directory + record, checks included)."""
-    import types
-
     from dflash_doctor import pipeline
     from dflash_doctor.checks.base import CheckContext, run_checks
     from dflash_doctor.metrics import summarize
     from dflash_doctor.record import Summary, _from_json
+    from dflash_doctor.replay import Replay
     from dflash_doctor.report import render_reports
     from dflash_doctor.schema import TABLES, Run, RunWriter
     from dflash_doctor.workloads import load_workload
 
+    assert config.engine is not None, "run_engine_doctor serves `check --engine URL` only"
     endpoint = resolve_model(EngineEndpoint.from_url(config.engine, model=config.engine_model, timeout_s=config.engine_timeout_s))
     requests = load_workload(config.workload, classes=config.classes, max_requests=config.max_requests, seed=config.seed)
     local = None
@@ -63,7 +63,7 @@ def run_engine_doctor(config: DoctorConfig, *, only=(), skip=(), progress=None):
 
             record.probes.engine_agreement = compare_with_embedded(local, measured.turns, config, seed=config.seed)
         if local is not None:
-            ctx = pipeline.check_context(local, requests, config, record, types.SimpleNamespace(request_rows=measured.request_rows))
+            ctx = pipeline.check_context(local, requests, config, record, Replay(request_rows=measured.request_rows))
         else:
             ctx = CheckContext(run_meta=record.to_json(), config=config)
         record.checks = run_checks(ctx, only=only, skip=skip)

@@ -20,7 +20,7 @@ from typing import Any
 from dflash_doctor.config import DoctorConfig
 from dflash_doctor.errors import UsageError
 from dflash_doctor.serving.client import EngineEndpoint, EngineError, call, scrape_metrics
-from dflash_doctor.serving.prometheus import SpecCounters, measurement_between, parse_counters
+from dflash_doctor.serving.prometheus import EngineCounters, measurement_between, read_counters
 from dflash_doctor.serving.responses import LLAMA_CPP, MissingMetrics, SpecMeasurement, parse_response, step_rows
 from dflash_doctor.workloads import Request, conversation_turns, fill_answers
 
@@ -128,9 +128,9 @@ def ask(endpoint: EngineEndpoint, request: Request, config: DoctorConfig, *, fro
     return results
 
 
-def _counters(endpoint: EngineEndpoint) -> SpecCounters:
+def _counters(endpoint: EngineEndpoint) -> EngineCounters:
     text = scrape_metrics(endpoint)
-    counters = parse_counters(text) if text else None
+    counters = read_counters(text, endpoint.model) if text else None
     if counters is None:
         raise MissingMetrics("the server's /metrics page lost its speculative-decoding counters mid-run; keep the server up and retry")
     return counters
@@ -147,7 +147,7 @@ def figures_source(endpoint: EngineEndpoint, first: Request, config: DoctorConfi
         return "responses", ask(endpoint, first, config)
     except MissingMetrics as exc:
         text = scrape_metrics(endpoint) if exc.per_request_off else None
-        if text and parse_counters(text) is not None:
+        if text and read_counters(text, endpoint.model) is not None:
             return "counters", []
         raise
 

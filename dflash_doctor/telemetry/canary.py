@@ -13,6 +13,7 @@ intervals come from the counts instead and a note says so.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -39,6 +40,11 @@ def is_watch_dir(spec: str | Path) -> bool:
     return (path / RUN_JSON).is_file() and is_watch_run(read_run_meta(path))
 
 
+def _positions(per_pos: Any) -> int:
+    """How many positions a unit's per-position counts cover (None: the source reports none)."""
+    return 0 if per_pos is None else len(per_pos)
+
+
 def _side(units: pd.DataFrame, k: int, group: str) -> _Side:
     """One watch's numbers for one class at K, in the shape compare's rule reads: pooled tau and rates with
     their intervals, and bootstrap resamples over scrape intervals (the same resamples for every metric).
@@ -46,7 +52,7 @@ def _side(units: pd.DataFrame, k: int, group: str) -> _Side:
     With fewer than :data:`MIN_UNITS_FOR_BOOTSTRAP` intervals the intervals come from the counts instead
     (:func:`tau_interval`; a normal interval of each rate over the drafts)."""
     rows = units[units["num_drafts"].fillna(0) > 0]
-    rows = rows[rows["num_accepted_tokens_per_pos"].map(lambda v: v is not None and len(v) >= k)]
+    rows = rows[rows["num_accepted_tokens_per_pos"].map(lambda v: _positions(v) >= k)]
     drafts = rows["num_drafts"].to_numpy(dtype=float)  # [N]
     per_pos = np.array([list(v)[:k] for v in rows["num_accepted_tokens_per_pos"]], dtype=float).reshape(len(rows), k)  # [N, K]
     if not len(rows):
@@ -61,7 +67,8 @@ def _side(units: pd.DataFrame, k: int, group: str) -> _Side:
         rate_cis = [list(ci) for ci in interval(rate_samples)]
     else:
         pooled = SpecCounts(num_drafts=total_drafts, num_accepted_tokens=float(total_per_pos.sum()), num_accepted_tokens_per_pos=tuple(total_per_pos))
-        tau_ci, rate_cis = list(tau_interval(pooled)), rate_intervals(pooled)
+        pooled_tau_ci = tau_interval(pooled)
+        tau_ci, rate_cis = list(pooled_tau_ci) if pooled_tau_ci is not None else None, rate_intervals(pooled)
     metrics = {
         "mean_acceptance_length": 1.0 + float(rates.sum()), "mean_acceptance_length_ci": tau_ci,
         "acceptance_rate_per_pos": [float(r) for r in rates], "acceptance_rate_per_pos_ci": rate_cis,

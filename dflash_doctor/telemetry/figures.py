@@ -7,6 +7,7 @@ figure that says why it is empty.
 from __future__ import annotations
 
 import datetime as _dt
+from typing import Any
 
 import pandas as pd
 import plotly.graph_objects as go
@@ -22,6 +23,11 @@ def _times(values: pd.Series) -> list[_dt.datetime]:
     return [_dt.datetime.fromtimestamp(v, _dt.timezone.utc) for v in values]
 
 
+def _any_alert(kinds: Any) -> bool:
+    """A window's ``alerts`` cell (a list of alert kinds, or None for a window read before alerts existed)."""
+    return kinds is not None and len(kinds) > 0
+
+
 def tau_timeline_figure(windows: pd.DataFrame) -> go.Figure:
     """tau per window and series, its 95% band, the baseline (dashed) and a red marker where an alert fired."""
     title = "Mean acceptance length per window (tau, bonus included; band = 95% interval)"
@@ -30,7 +36,8 @@ def tau_timeline_figure(windows: pd.DataFrame) -> go.Figure:
     frame = windows.assign(series=[series_name(r) for r in windows.to_dict("records")], time=_times(windows["end_s"]))
     colors = class_colors(sorted(frame["series"].unique()))
     fig = go.Figure(layout=dict(title=title, **_LAYOUT))
-    for name, rows in frame.groupby("series", sort=True):
+    for key, rows in frame.groupby("series", sort=True):
+        name = str(key)
         rows = rows.sort_values("end_s")
         color = colors[name]
         band = rows.dropna(subset=["mean_acceptance_length_lo", "mean_acceptance_length_hi"])
@@ -42,7 +49,7 @@ def tau_timeline_figure(windows: pd.DataFrame) -> go.Figure:
                                  hovertemplate="%{x}<br>tau %{y:.2f}<extra>" + name + "</extra>"))
         if rows["baseline_tau"].notna().any():
             fig.add_trace(go.Scatter(x=rows["time"], y=rows["baseline_tau"], mode="lines", name=f"{name} baseline", line=dict(color=color, dash="dash")))
-        alerted = rows[rows["alerts"].map(lambda kinds: kinds is not None and len(kinds) > 0)]
+        alerted = rows[rows["alerts"].map(_any_alert)]
         if not alerted.empty:
             fig.add_trace(go.Scatter(
                 x=alerted["time"], y=alerted["mean_acceptance_length"].fillna(1.0), mode="markers", name=f"{name} alert",
@@ -62,7 +69,8 @@ def speedup_timeline_figure(windows: pd.DataFrame, floor: float = 1.0) -> go.Fig
     frame = frame.assign(time=_times(frame["end_s"]))
     colors = class_colors(sorted(frame["series"].unique()))
     fig = go.Figure(layout=dict(title=title, **_LAYOUT))
-    for name, rows in frame.groupby("series", sort=True):
+    for key, rows in frame.groupby("series", sort=True):
+        name = str(key)
         fig.add_trace(go.Scatter(x=rows["time"], y=rows["speedup"], mode="lines+markers", name=name, line=dict(color=colors[name])))
     fig.add_hline(y=floor, line=dict(color="#d62728", dash="dot"), annotation_text=f"floor {floor:g}x")
     fig.update_yaxes(title="speedup vs plain decoding", tickformat=".2f")

@@ -6,18 +6,23 @@ Under sampling the draft samples from its own temperature-scaled distribution an
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from transformers import DynamicCache
 
 from dflash_doctor.engine.proposers.base import Proposal, Proposer, TargetNeeds
 from dflash_doctor.engine.target import cache_keyword, crop_cache
 
+if TYPE_CHECKING:
+    from dflash_doctor.engine.target import CausalLM
+
 
 class AutoregressiveProposer(Proposer):
     kind = "autoregressive"
     needs = TargetNeeds()
 
-    def __init__(self, model: torch.nn.Module, temperature: float = 0.0, generator: torch.Generator | None = None):
+    def __init__(self, model: CausalLM, temperature: float = 0.0, generator: torch.Generator | None = None):
         self.model = model
         self.temperature = temperature
         self.generator = generator
@@ -86,4 +91,4 @@ class AutoregressiveProposer(Proposer):
     def slot_logits(self, anchors: torch.Tensor, k: int) -> torch.Tensor:
         rows = anchors[:, None] + torch.arange(k, device=anchors.device)  # [A, k]
         rows = rows.clamp(max=self._teacher_logits.shape[0] - 1)
-        return self._teacher_logits[rows.to(self._teacher_logits.device)]
+        return self._teacher_logits[rows.to(self._teacher_logits.device, non_blocking=True)]

@@ -24,6 +24,13 @@ from dflash_doctor.engine.target import TargetModel
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 
 
+
+def _tapped(features: torch.Tensor | None) -> torch.Tensor:
+    """The target's hidden states, which the loops pass because DFlash's needs name the layers to tap."""
+    if features is None:
+        raise ValueError("the DFlash proposer got no target hidden states; pass taps=proposer.needs.hidden_state_indices")
+    return features
+
 class DFlashProposer(Proposer):
     kind = "dflash"
     guesses_depend_on_k = True
@@ -52,7 +59,7 @@ class DFlashProposer(Proposer):
         return self.draft_sample_method == "probabilistic" and temperature > 0
 
     def _embedding_weight(self) -> torch.Tensor:
-        return self.target.model.get_input_embeddings().weight
+        return self.target.embedding.weight
 
     @torch.inference_mode()
     def _extend_context(self, features: torch.Tensor) -> None:
@@ -68,7 +75,7 @@ class DFlashProposer(Proposer):
 
     def start(self, prompt_ids: torch.Tensor, prompt_features: torch.Tensor | None) -> None:
         self.ctx_kv, self.ctx_length = [], 0
-        self._extend_context(prompt_features)
+        self._extend_context(_tapped(prompt_features))
 
     @torch.inference_mode()
     def propose(self, last_token: int, k: int, block_k: int) -> Proposal:
@@ -81,27 +88,36 @@ class DFlashProposer(Proposer):
         hidden = self.model(embeds, positions, self.ctx_kv, ctx_positions)  # [1, K+1, H]
         draft_temperature = self.temperature if self.samples_drafts(self.temperature) else 0.0
         tokens, scores, probs = self.model.draft_tokens(
-            hidden[0, 1 : k + 1], last_token, self.target.model.get_output_embeddings(), draft_temperature, self.generator
+            hidden[0, 1 : k + 1], last_token, self.target.head, draft_temperature, self.generator
         )
         return Proposal(tokens=tokens, logits=scores, probs=probs)
 
     def accept(self, committed_ids: torch.Tensor, committed_features: torch.Tensor | None) -> None:
-        self._extend_context(committed_features)
+        self._extend_context(_tapped(committed_features))
 
     @torch.inference_mode()
     def prepare_teacher(self, token_ids: torch.Tensor, features: torch.Tensor | None) -> None:
         device = self.model.fc.weight.device
         self._teacher_ids = token_ids[None].to(device)
-        self._teacher_ctx_kv = context_kv_for(self.model, features[None].to(device))
+        self._teacher_ctx_kv = context_kv_for(self.model, _tapped(features)[None].to(device))
 
     @torch.inference_mode()
     def slot_logits(self, anchors: torch.Tensor, k: int) -> torch.Tensor:
-        """All blocks ``[token[a], mask x k]`` in one masked pass (engine/blocks.py), as the live loop drafts them."""
-        anchors = anchors.to(self._teacher_ids.device)
+        """All blocks ``[token[a], mask x k]`` in one masked pass (engine/blocks.py), as the live loop drafts them.
+
+        The context is cut after the last anchor: later keys are masked for every block anyway, and leaving
+        them out removes up to half of the attention work. ``anchors`` may stay on the host (reading their
+        maximum then costs no synchronisation). A plain DFlash draft's scores stay in the model's dtype (no
+        float32 copy of [A, k, V]); callers that need probabilities upcast them. ``previous`` holds the true
+        token before each slot (DFlash 2's selector reads it).
+        """
+        bound = int(anchors.max()) + 1
+        ids = self._teacher_ids
+        anchors = anchors.to(ids.device, non_blocking=True)  # the pass's one host-to-device copy
+        ctx_kv = [(key[:, :, :bound], value[:, :, :bound]) for key, value in self._teacher_ctx_kv]
         hidden = draft_block_hidden(
-            self.model, self._embedding_weight(), self._teacher_ids, self._teacher_ctx_kv,
-            anchors[None], torch.ones_like(anchors, dtype=torch.bool)[None], k + 1,
+            self.model, self._embedding_weight(), ids[:, :bound], ctx_kv, anchors[None],
+            torch.ones(anchors.shape, dtype=torch.bool, device=ids.device)[None], k + 1,
         )
-        ids = self._teacher_ids[0]
-        previous = (anchors[:, None] + torch.arange(k, device=ids.device)).clamp(max=ids.shape[0] - 1)  # token before each slot
-        return self.model.teacher_scores(hidden[0, :, 1:], ids[previous], self.target.model.get_output_embeddings())  # [A, k, V]
+        previous = (anchors[:, None] + torch.arange(k, device=ids.device)).clamp(max=ids.shape[1] - 1)
+        return self.model.teacher_scores(hidden[0, :, 1:], ids[0, previous], self.target.head)  # [A, k, V]

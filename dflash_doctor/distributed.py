@@ -1,0 +1,286 @@
+"""Scaling ``sweep`` and ``check`` with PyTorch's own machinery: many processes under torchrun, and a
+target spread over several GPUs.
+
+Data parallel (``torchrun --nproc-per-node N`` or the ``--devices`` shortcut that launches it): every rank
+loads the pair on its own device and replays its share of the requests. The share is deterministic and
+stratified (:func:`shard_requests`), so every rank sees every class and the ranks finish together. Each
+rank streams its rows into its own part of the run directory (``parts/rank-<r>/``, the usual journal);
+rank 0 then gathers the in-memory replays over a gloo group (only Python objects travel, so gloo serves
+CPU and GPU ranks alike), merges the parts into the run directory in the order a single process writes
+them and carries on alone (summary, sweep, probes, checks, reports). The merged run is the run one
+process makes of the same requests: identical at temperature 0, where nothing is random; above 0 each
+rank draws its own sampled trajectories (seeded), so the figures agree in distribution only.
+
+A target larger than one GPU (``--device cuda:0,cuda:1``): one process places the target's decoder
+layers over those GPUs with transformers' ``device_map`` (accelerate's hooks move the activations), and
+keeps the embeddings, final norm and LM head on the first GPU next to the draft, which reads them. We
+chose placement over tensor parallelism (``tp_plan="auto"``) because the engine's replay loop, KV-cache
+rollback, hidden-state taps and the draft run unchanged on it, it works for any architecture transformers
+loads (a tensor-parallel plan exists only for some, and needs head counts divisible by the GPU count),
+and it composes with data parallelism: ``--devices cuda:0+cuda:1,cuda:2+cuda:3`` runs two ranks, each
+with a target over two GPUs.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from dflash_doctor.errors import UsageError
+from dflash_doctor.schema import TABLES, RunWriter
+
+if TYPE_CHECKING:
+    from dflash_doctor.config import DoctorConfig
+    from dflash_doctor.replay import Replay
+    from dflash_doctor.workloads import Request
+
+PARTS_DIR = "parts"
+GROUP_SEPARATOR = "+"  # joins the GPUs of one rank's target in --devices: cuda:0+cuda:1
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place among the torchrun processes of one command."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def sharded(self) -> bool:
+        return self.world_size > 1
+
+
+def current_ranks() -> Ranks:
+    """The torchrun environment of this process (a plain process is rank 0 of 1)."""
+    return Ranks(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
+
+
+def shard_requests(requests: Sequence[Request], rank: int, world_size: int) -> list[Request]:
+    """This rank's requests: each class's requests dealt round-robin (the deal goes on from class to
+    class, so the ranks' counts differ by one at most), kept in input order. Deterministic: it depends
+    on the request list alone."""
+    by_class: dict[str, list[int]] = defaultdict(list)
+    for index, request in enumerate(requests):
+        by_class[request.request_class].append(index)
+    mine: list[int] = []
+    dealt = 0
+    for request_class in sorted(by_class):
+        for index in by_class[request_class]:
+            if dealt % world_size == rank:
+                mine.append(index)
+            dealt += 1
+    return [requests[i] for i in sorted(mine)]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Devices
+
+
+def parse_devices(entries: Sequence[str]) -> list[str]:
+    """``--devices`` entries as the ``--device`` value of each rank (``cuda:0+cuda:1`` -> ``cuda:0,cuda:1``)."""
+    ranks = []
+    for entry in entries:
+        group = [d.strip() for d in entry.split(GROUP_SEPARATOR) if d.strip()]
+        if not group or any(not _is_device(d) for d in group) or (len(group) > 1 and any(not d.startswith("cuda:") for d in group)):
+            raise UsageError(f"--devices entry {entry!r} is not a device like cuda:0 or cpu, or GPUs joined by + like cuda:0+cuda:1; fix the list.")
+        ranks.append(",".join(group))
+    return ranks
+
+
+def _is_device(text: str) -> bool:
+    try:
+        torch.device(text)
+    except RuntimeError:
+        return False
+    return True
+
+
+def device_for_rank(config: DoctorConfig, ranks: Ranks) -> str:
+    """The ``--device`` this rank loads the pair on: its ``--devices`` entry, else ``cuda`` made
+    ``cuda:<local rank>`` (one GPU per process, torchrun's convention), else ``--device`` itself."""
+    if config.devices:
+        entries = parse_devices(config.devices)
+        if len(entries) != ranks.world_size:
+            raise UsageError(f"--devices lists {len(entries)} ranks but torchrun started {ranks.world_size}; "
+                             f"give --nproc-per-node {len(entries)} or drop --devices.")
+        return entries[ranks.rank]
+    if ranks.sharded and config.device == "cuda":
+        return f"cuda:{ranks.local_rank}"
+    return config.device
+
+
+def target_devices(device: str) -> list[str]:
+    """The GPUs a ``--device`` value places the target on (one entry: no placement)."""
+    return [d.strip() for d in device.split(",") if d.strip()]
+
+
+def layer_placement(model_dir: Path, devices: Sequence[str], *, trust_remote_code: bool = False) -> dict[str, str]:
+    """A transformers ``device_map`` for the checkpoint in ``model_dir`` over ``devices``.
+
+    The decoder layers (the module list as long as ``num_hidden_layers``) are cut into contiguous runs of
+    about equal bytes; every other module (embeddings, final norm, LM head, rotary tables) goes to the
+    first device, counted in its share, because the draft reads the embeddings and the head and runs there.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    return placement_of(skeleton, devices)
+
+
+def placement_of(model: torch.nn.Module, devices: Sequence[str]) -> dict[str, str]:
+    """The device map of :func:`layer_placement` for a model already built (on any device, meta too)."""
+    num_layers = int(getattr(model, "config").num_hidden_layers)
+    found = next(((name, module) for name, module in model.named_modules()
+                  if isinstance(module, torch.nn.ModuleList) and len(module) == num_layers), None)
+    if found is None:
+        raise UsageError(f"cannot find the {num_layers} decoder layers of {type(model).__name__} to place over {', '.join(devices)}; "
+                         "load it on one device.")
+    layers_name, layers = found
+    layer_bytes = np.array([sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in layers])
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    share = total / len(devices)
+    middles = (total - layer_bytes.sum()) + np.cumsum(layer_bytes) - layer_bytes / 2  # bytes up to each layer's middle, the rest first
+    placement = {f"{layers_name}.{index}": devices[min(int(middle // share), len(devices) - 1)] for index, middle in enumerate(middles)}
+    parts = layers_name.split(".")
+    for prefix in [".".join(parts[:i]) for i in range(len(parts))]:  # the root, then each module above the layers
+        for child, _ in model.get_submodule(prefix).named_children():
+            name = f"{prefix}.{child}" if prefix else child
+            if not (layers_name + ".").startswith(name + "."):
+                placement[name] = devices[0]
+    return placement
+
+
+def dispatch(model: torch.nn.Module, placement: dict[str, str], main_device: str) -> torch.nn.Module:
+    """Attach accelerate's hooks for ``placement`` to a model whose weights already sit there (what
+    ``from_pretrained(device_map=...)`` does after loading), so activations follow the layers; the
+    model's inputs and outputs live on ``main_device``."""
+    from accelerate import dispatch_model
+
+    device_map: dict[str, str | int | torch.device] = dict(placement)
+    return dispatch_model(model, device_map=device_map, main_device=torch.device(main_device),
+                          skip_keys=getattr(model, "_skip_keys_device_placement", None))
+
+
+# ----------------------------------------------------------------------------------------------------
+# The sharded replay and the merge
+
+
+def replay_into(run_dir: Path, meta: dict[str, Any], requests: Sequence[Request],
+                replay: Callable[[RunWriter, Sequence[Request]], Replay]) -> tuple[RunWriter, Replay]:
+    """Run ``replay`` over ``requests`` into the run directory and return the open writer and the replay.
+
+    In one process that is ``replay(RunWriter(run_dir), requests)``. Under torchrun each rank replays its
+    share into ``parts/rank-<r>``; rank 0 returns the merged replay with every part's rows in its writer;
+    any other rank leaves the command here (``SystemExit(0)``) once rank 0 has its replay.
+    """
+    ranks = current_ranks()
+    if not ranks.sharded:
+        writer = RunWriter(run_dir, meta)
+        try:
+            return writer, replay(writer, requests)
+        except BaseException:
+            writer.close()
+            raise
+    mine = shard_requests(requests, ranks.rank, ranks.world_size)
+    with RunWriter(part_dir(run_dir, ranks.rank), meta) as part:
+        result = replay(part, mine)
+    for turn in result.turns:
+        turn.result.tokens = []  # the token rows are in the part's tokens table; do not send them twice
+    replays = _gather(result, ranks)
+    if not ranks.is_main:
+        raise SystemExit(0)
+    writer = RunWriter(run_dir, meta)
+    merged = merge_replays(replays, requests)
+    order = turn_order(merged)
+    writer.append({name: _sorted(pa.concat_tables([pq.read_table(part_dir(run_dir, r) / f"{name}.parquet") for r in range(ranks.world_size)]), order)
+                   for name in TABLES})
+    shutil.rmtree(run_dir / PARTS_DIR)
+    return writer, merged
+
+
+def part_dir(run_dir: Path, rank: int) -> Path:
+    return Path(run_dir) / PARTS_DIR / f"rank-{rank}"
+
+
+def _gather(replay: Replay, ranks: Ranks) -> list[Replay]:
+    """Every rank's replay on rank 0 (a gloo group: Python objects only, whatever the ranks' devices)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group(backend="gloo")
+    gathered: list[Replay] | None = [None] * ranks.world_size if ranks.is_main else None  # type: ignore[list-item]
+    dist.gather_object(replay, gathered, dst=0)
+    dist.barrier()
+    dist.destroy_process_group()
+    return list(gathered or [])
+
+
+def turn_order(replay: Replay) -> dict[str, int]:
+    """Position of each turn's row id in the replay's (already canonical) turn order."""
+    return {turn.key: position for position, turn in enumerate(replay.turns)}
+
+
+def _sorted(table: pa.Table, order: dict[str, int]) -> pa.Table:
+    """Rows in the order of their turn (stable: the steps and tokens of a turn keep theirs)."""
+    keys = np.array([order[key] for key in table.column("request_id").to_pylist()], dtype=np.int64)
+    return table.take(pa.array(np.argsort(keys, kind="stable")))
+
+
+def merge_replays(replays: Sequence[Replay], requests: Sequence[Request]) -> Replay:
+    """One replay of ``requests`` from the ranks' replays, in the order one process makes them: request
+    by request in input order, each request's turns in order."""
+    from dflash_doctor.replay import Replay
+
+    position = {request.id: index for index, request in enumerate(requests)}
+    turns = sorted((turn for replay in replays for turn in replay.turns), key=lambda t: (position[t.request.id], t.index))
+    merged = Replay(turns=turns, estimate_by_k=dict(replays[0].estimate_by_k), interrupted=any(r.interrupted for r in replays))
+    order = turn_order(merged)
+
+    def ordered(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return sorted(rows, key=lambda row: order[row["request_id"]])
+
+    merged.request_rows = ordered([row for replay in replays for row in replay.request_rows])
+    merged.step_rows = ordered([row for replay in replays for row in replay.step_rows])
+    merged.steps_by_k = {k: ordered([row for replay in replays for row in replay.steps_by_k.get(k, [])]) for k in replays[0].steps_by_k}
+    return merged
+
+
+# ----------------------------------------------------------------------------------------------------
+# The --devices shortcut
+
+
+def launch_ranks(config: DoctorConfig, argv: Sequence[str] | None = None) -> int | None:
+    """With ``--devices`` outside torchrun: run this command line under torchrun, one rank per entry (the
+    ranks read their entry from the same flag), and return torchrun's exit code; None when there is
+    nothing to launch."""
+    if not config.devices or under_torchrun():
+        return None
+    entries = parse_devices(config.devices)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(len(entries)),
+               "-m", "dflash_doctor", *(sys.argv[1:] if argv is None else argv)]
+    # torchrun gives every rank one CPU thread unless told otherwise; the replay's CPU side (token rows,
+    # schedules) then runs slower than in one process, so share the cores out instead
+    threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // len(entries)))
+    return subprocess.run(command, check=False, env={**os.environ, "OMP_NUM_THREADS": threads}).returncode

@@ -1,0 +1,88 @@
+"""Many processes (torchrun, gloo) and a target placed over several devices.
+
+The end-to-end test runs ``sweep --devices cpu,cpu`` on the tiny saved models: the CLI launches torchrun
+with two ranks, each replays its share, rank 0 merges; the run directory must hold exactly what one
+process writes for the same requests (tables row for row, summary, sweep and recommendation).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from dflash_doctor.distributed import PARTS_DIR, parse_devices, placement_of, shard_requests
+from dflash_doctor.errors import UsageError
+from dflash_doctor.schema import load_run
+from dflash_doctor.workloads import Request
+from tests.test_cli_engine import invoke, pair_args, tiny_dir, write_workload  # noqa: F401  (tiny_dir is a fixture)
+from tests.tiny_models import tiny_target
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _requests(counts: dict[str, int]) -> list[Request]:
+    return [Request(id=f"{cls}-{i}", request_class=cls, prompt="w1") for cls, n in counts.items() for i in range(n)]
+
+
+def test_shards_cover_every_request_once_and_every_rank_sees_every_class():
+    requests = _requests({"math": 5, "code": 4, "chat": 3})
+    shards = [shard_requests(requests, rank, 3) for rank in range(3)]
+    assert sorted(r.id for shard in shards for r in shard) == sorted(r.id for r in requests)
+    assert all({r.request_class for r in shard} == {"math", "code", "chat"} for shard in shards)
+    assert max(map(len, shards)) - min(map(len, shards)) <= 1
+    assert all([requests.index(r) for r in shard] == sorted(requests.index(r) for r in shard) for shard in shards)  # input order
+    assert shards == [shard_requests(list(requests), rank, 3) for rank in range(3)]  # deterministic
+
+
+def test_placement_keeps_embeddings_and_head_on_the_first_device_and_splits_the_layers():
+    with torch.device("meta"):
+        model = tiny_target(layers=6)
+    placement = placement_of(model, ["cuda:0", "cuda:1"])
+    layers = [placement[f"model.layers.{i}"] for i in range(6)]
+    assert layers == sorted(layers) and set(layers) == {"cuda:0", "cuda:1"}  # contiguous runs on both devices
+    assert placement["model.embed_tokens"] == placement["lm_head"] == placement["model.norm"] == "cuda:0"
+    placed = {name for name in placement}
+    assert all(any(p == name or p.startswith(f"{name}.") for name in placed) for p, _ in model.named_parameters())
+
+
+def test_devices_entry_that_is_not_a_device_is_refused():
+    assert parse_devices(["cuda:0+cuda:1", "cpu"]) == ["cuda:0,cuda:1", "cpu"]
+    with pytest.raises(UsageError, match="--devices entry 'gpu0'"):
+        parse_devices(["gpu0"])
+
+
+def _frames_equal(left: pd.DataFrame, right: pd.DataFrame) -> None:
+    pd.testing.assert_frame_equal(left.reset_index(drop=True), right.reset_index(drop=True))
+
+
+def test_two_gloo_ranks_write_the_run_one_process_writes(tiny_dir, tmp_path):  # noqa: F811
+    workload = write_workload(tmp_path / "workload.jsonl", per_class=3)
+    with workload.open("a", encoding="utf-8") as file:  # a two-turn request: its turns stay together and in order
+        file.write(json.dumps({"id": "chat-two-turns", "class": "chat", "messages": [
+            {"role": "user", "content": "w4 w5"}, {"role": "assistant", "content": "w6"}, {"role": "user", "content": "w7"},
+            {"role": "user", "content": "w8 w9"}]}) + "\n")
+    profile = tmp_path / "costs.json"  # fixed step costs: measured ones differ between any two runs
+    profile.write_text(json.dumps({"t_decode_s": 0.01, "t_verify_s": 0.011, "t_draft_s": {str(k): 0.002 * k for k in range(1, 6)}}))
+    args = [*pair_args(tiny_dir, tiny_dir / "dflash"), "--workload", workload, "--cost-profile", profile]
+    single, sharded = tmp_path / "single", tmp_path / "sharded"
+    result = invoke("sweep", *args, "--out", single)
+    assert result.exit_code == 0, result.output
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    launched = subprocess.run([sys.executable, "-m", "dflash_doctor", "sweep", *map(str, args), "--out", str(sharded),
+                               "--devices", "cpu,cpu"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert launched.returncode == 0, launched.stderr[-3000:]
+    assert not (sharded / PARTS_DIR).exists()
+    one, two = load_run(single), load_run(sharded)
+    assert len(one.requests) == 10 + 1 and len(one.tokens) > 0
+    _frames_equal(one.requests, two.requests)
+    _frames_equal(one.steps, two.steps)
+    _frames_equal(one.tokens, two.tokens)
+    for section in ("summary", "recommendation"):
+        assert two.meta[section] == one.meta[section], section
