@@ -59,6 +59,7 @@ TRAINING_STATE_FILE = "training_state.pt"  # optimizer, scheduler, RNG, step and
 SEQUENCES_FILE = "sequences.jsonl"  # cached training sequences (first line: the cache key)
 EVAL_SEQUENCES_FILE = "eval_sequences.jsonl"  # cached held-out sequences
 SAMPLED_SEQUENCES_FILE = "sampled_sequences.jsonl"  # cached extra sampled answers (--samples-per-prompt)
+SELF_WRITTEN_PROMPTS_FILE = "self_written_prompts.jsonl"  # cached prompts the target wrote (--self-written-prompts)
 DEFAULT_NUM_TAPS = 4  # target layers a new draft conditions on (DFlash uses 5 for 36-layer targets)
 
 # TrainConfig fields that do not change what is learned: a resume may differ in these.
@@ -154,6 +155,30 @@ def draft_config_for_target(target_config: Any, *, block_size: int, num_layers: 
         rope_theta=float(rope.get("rope_theta", getattr(target_config, "rope_theta", 10000.0))),
         max_position_embeddings=getattr(target_config, "max_position_embeddings", 40960),
     )
+
+
+def init_draft_from_target(draft: DFlashDraftModel, target_model: CausalLM) -> list[int]:
+    """Copy the target's LAST ``num_layers`` decoder layers (attention, MLP, both norms) and final norm into the draft.
+
+    Why: the draft's layers have the target's width and head layout, and its output goes through the
+    target's lm_head, so the layers nearest the head start the draft where the target's own top of the
+    stack already maps hidden states to next-token logits (EAGLE-style drafts start from a target layer
+    too). Tensors without a counterpart (``fc``, ``hidden_norm``, the per-head ``q_norm``/``k_norm`` a
+    Llama target lacks) keep their fresh initialisation. Returns the target layer indices copied.
+    """
+    decoder = target_model.get_decoder()
+    stack = list(decoder.get_submodule("layers").children())
+    chosen = list(range(len(stack) - draft.config.num_hidden_layers, len(stack)))
+    if chosen[0] < 0:
+        raise UsageError(f"--init-from-target: the draft has {draft.config.num_hidden_layers} layers but the target only {len(stack)}; use fewer --num-layers.")
+    with torch.no_grad():
+        for layer, index in zip(draft.layers, chosen):
+            source = stack[index].state_dict()
+            for name, tensor in layer.state_dict().items():
+                if name in source and source[name].shape == tensor.shape:
+                    tensor.copy_(source[name].to(tensor.dtype))
+        draft.norm.weight.copy_(decoder.get_submodule("norm").get_parameter("weight").to(draft.norm.weight.dtype))
+    return chosen
 
 
 def _special_ids(target_config: Any, tokenizer: Any = None) -> set[int]:
@@ -289,6 +314,50 @@ def prepare_sequences(model: CausalLM, tokenizer: Any, requests: Sequence[Reques
     return [records[(r.id, turn)] for r in requests for turn in range(r.num_turns)]
 
 
+def self_written_prompts(model: CausalLM, tokenizer: Any, count: int, *, cache_path: Path, cache_key: dict[str, Any],
+                         stop_ids: frozenset[int], chat_template: str | None = None, max_new_tokens: int = 96,
+                         temperature: float = 1.0, batch_size: int = 256, seed: int = 0) -> list[Request]:
+    """``count`` user prompts written by the target itself, class ``chat`` (subclass ``self-written``).
+
+    Why: the built-in chat pool is small (about 460 train prompts), and self-distillation wants many
+    prompts from the target's own distribution. The target's chat template rendered up to an empty
+    user turn (the text before ``{content}``) makes an instruct model write a plausible user message
+    (the Magpie trick); its answer is then generated like any other prompt. Cached as a JSONL workload
+    under the same key rules as the sequences, so resumes see the same prompts.
+    """
+    from dflash_doctor.workloads import read_workload_file, save_workload
+
+    key = {**cache_key, "self_written_prompts": count, "temperature": temperature, "seed": seed}
+    key_file = cache_path.with_suffix(".key.json")
+    if cache_path.is_file() and key_file.is_file() and json.loads(key_file.read_text(encoding="utf-8")) == key:
+        return read_workload_file(cache_path)
+    marker = "\x00USER\x00"
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": marker}], chat_template=chat_template, tokenize=False,
+                                             add_generation_prompt=False)
+    prefix = list(tokenizer(rendered[:rendered.index(marker)], add_special_tokens=False)["input_ids"])
+    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stop_ids, default=0)
+    torch.manual_seed(seed)
+    texts: list[str] = []
+    seen: set[str] = set()
+    for _ in range(4 * math.ceil(count / batch_size)):  # duplicates and empty turns are dropped; a few rounds more
+        if len(texts) >= count:
+            break
+        for output in generate_greedy_batch(model, [prefix] * batch_size, max_new_tokens=max_new_tokens, stop_ids=stop_ids,
+                                            pad_token_id=pad_token_id, temperature=temperature):
+            if not output or output[-1] not in stop_ids:  # cut by the length limit: not a finished question
+                continue
+            text = tokenizer.decode(output[:-1], skip_special_tokens=True).strip()
+            if text and text not in seen:
+                seen.add(text)
+                texts.append(text)
+    requests = [Request(id=f"self-written/{i:05d}", request_class="chat", subclass="self-written",
+                        messages=({"role": "user", "content": text},)) for i, text in enumerate(texts[:count])]
+    cache_path.parent.mkdir(parents=True, exist_ok=True)
+    save_workload(requests, cache_path)
+    key_file.write_text(json.dumps(key), encoding="utf-8")
+    return requests
+
+
 def sampled_sequences(model: CausalLM, records: Sequence[SequenceRecord], *, samples_per_prompt: int,
                       temperature: float, cache_path: Path, cache_key: dict[str, Any], max_new_tokens: int,
                       stop_ids: frozenset[int], pad_token_id: int, batch_size: int = 256, seed: int = 0,
@@ -327,6 +396,42 @@ def sampled_sequences(model: CausalLM, records: Sequence[SequenceRecord], *, sam
     return [cached[(record.request_id, turn)] for record, turn in jobs]
 
 
+def data_cache_key(target_dir: Path, *, max_new_tokens: int, dtype: str, chat_template: str | None,
+                   use_recorded_responses: bool = False) -> dict[str, Any]:
+    """What the cached sequences depend on: target weights, answer length, dtype, chat template, response source."""
+    from dflash_doctor.loading import fingerprint
+
+    return {"target": fingerprint(target_dir), "max_new_tokens": max_new_tokens, "dtype": dtype,
+            "chat_template_sha256": chat_template_record(chat_template)["chat_template_sha256"],
+            "use_recorded_responses": use_recorded_responses}
+
+
+def prepare_training_data(model: CausalLM, tokenizer: Any, requests: Sequence[Request], held_out: Sequence[Request], *,
+                          out_dir: Path, cache_key: dict[str, Any], max_new_tokens: int, stop_ids: frozenset[int],
+                          chat_template: str | None = None, use_recorded_responses: bool = False, samples_per_prompt: int = 0,
+                          sample_temperature: float = 0.8, batch_size: int = 32, seed: int = 0,
+                          progress: bool = True) -> tuple[list[SequenceRecord], list[SequenceRecord]]:
+    """Training records (greedy answers, then ``samples_per_prompt`` sampled ones each) and held-out records.
+
+    Everything is cached in ``out_dir`` (:data:`SEQUENCES_FILE`, :data:`SAMPLED_SEQUENCES_FILE`,
+    :data:`EVAL_SEQUENCES_FILE`), so a run over a subset of the same requests generates nothing new.
+    """
+    records = prepare_sequences(model, tokenizer, requests, cache_path=out_dir / SEQUENCES_FILE, cache_key=cache_key,
+                                max_new_tokens=max_new_tokens, stop_ids=stop_ids, chat_template=chat_template,
+                                use_recorded_responses=use_recorded_responses, batch_size=batch_size, progress=progress)
+    if samples_per_prompt > 0:
+        pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stop_ids, default=0)
+        records = records + sampled_sequences(
+            model, records, samples_per_prompt=samples_per_prompt, temperature=sample_temperature,
+            cache_path=out_dir / SAMPLED_SEQUENCES_FILE, cache_key=cache_key, max_new_tokens=max_new_tokens,
+            stop_ids=stop_ids, pad_token_id=pad_token_id, batch_size=batch_size, seed=seed, progress=progress,
+        )
+    eval_records = prepare_sequences(model, tokenizer, held_out, cache_path=out_dir / EVAL_SEQUENCES_FILE, cache_key=cache_key,
+                                     max_new_tokens=max_new_tokens, stop_ids=stop_ids, chat_template=chat_template,
+                                     batch_size=batch_size, progress=progress) if held_out else []
+    return records, eval_records
+
+
 # --------------------------------------------------------------------------------------------------
 # Features and the training objective
 
@@ -337,11 +442,13 @@ def _forward_without_logits(model: torch.nn.Module) -> dict[str, Any]:
 
 @torch.inference_mode()
 def extract_features(target_model: CausalLM, sequences: Sequence[Sequence[int]], hidden_state_indices: Sequence[int],
-                     *, batch_size: int = 8, device: torch.device | str = "cpu") -> list[torch.Tensor]:
+                     *, batch_size: int = 8, device: torch.device | str = "cpu",
+                     dtype: torch.dtype | None = None) -> list[torch.Tensor]:
     """Concatenated taps ``[L_i, n*H]`` for every sequence: one frozen-target pass per sequence, batched.
 
     Sequences are grouped by length and right-padded; causal attention keeps every real row exactly what
-    an unpadded pass gives, so no attention mask is needed. Results stay on ``device`` in the target's dtype.
+    an unpadded pass gives, so no attention mask is needed. Results stay on ``device`` in ``dtype`` (default:
+    the target's).
     """
     extra = _forward_without_logits(target_model)
     model_device = next(target_model.parameters()).device
@@ -356,7 +463,7 @@ def extract_features(target_model: CausalLM, sequences: Sequence[Sequence[int]],
         hidden = target_model(input_ids=ids.to(model_device), output_hidden_states=True, **extra).hidden_states
         taps = torch.cat([hidden[i] for i in hidden_state_indices], dim=-1)  # [n, width, F]
         for row, index in enumerate(chunk):
-            features[index] = taps[row, :len(sequences[index])].to(device).clone()
+            features[index] = taps[row, :len(sequences[index])].to(device, dtype=dtype or taps.dtype).clone()
     return features  # type: ignore[return-value]
 
 
@@ -512,7 +619,9 @@ def train_dflash_draft(target_model: CausalLM, sequences: Sequence[Sequence[int]
             _save_checkpoint(checkpoint_dir, draft, state, extra_config)
 
     token_tensors = [torch.tensor(s, device=device) for s in sequences]
-    features = extract_features(target_model, sequences, draft.hidden_state_indices, batch_size=feature_batch_size, device=device)
+    # bf16 on CUDA: the draft reads them under bf16 autocast anyway, and it halves the memory of a large data set
+    features = extract_features(target_model, sequences, draft.hidden_state_indices, batch_size=feature_batch_size, device=device,
+                                dtype=torch.bfloat16 if device.type == "cuda" else None)
     all_prompt_lengths = torch.tensor(prompt_lengths)
     all_lengths = torch.tensor([len(s) for s in sequences])
     weights = slot_weights(draft.config.block_size, config.loss_decay_gamma).to(device)
@@ -592,3 +701,17 @@ def held_out_steps(target_model: CausalLM, draft: DFlashDraftModel, records: Seq
         rows += [{"request_id": record.request_id, "class": record.request_class, **step}
                  for step in walk_schedule(table.matches, output, k, limit, stop_ids)]
     return rows
+
+
+def tau_by_class(steps: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Pooled tau of :func:`held_out_steps` rows with its bootstrap interval over requests, overall and per class."""
+    import pandas as pd
+
+    from dflash_doctor.metrics import tau_with_ci
+
+    frame = pd.DataFrame(steps)
+    out = {}
+    for name, group in [("overall", frame), *sorted(frame.groupby("class"))]:
+        tau, interval = tau_with_ci(group, group=str(name))
+        out[str(name)] = {"tau": tau, "tau_ci": interval, "num_requests": int(group["request_id"].nunique())}
+    return out

@@ -164,14 +164,30 @@ def _sharegpt() -> list[tuple[Request, str]]:
     return pairs
 
 
-def _gsm() -> list[tuple[Request, str]]:
-    """Generated GSM-style word problems (see word_problems.py); split by template, not by problem."""
-    problems = generate_word_problems(NUM_WORD_PROBLEMS, seed=WORD_PROBLEM_SEED)
+def _gsm_pairs(count: int, seed: int, prefix: str) -> list[tuple[Request, str]]:
+    problems = generate_word_problems(count, seed=seed)
     return [
-        (Request(id=f"gsm/{index:04d}", request_class="math", subclass="gsm",
+        (Request(id=f"{prefix}/{index:04d}", request_class="math", subclass="gsm",
                  messages=({"role": "user", "content": f"{p.question}\n{MATH_INSTRUCTION}"},)), p.template)
         for index, p in enumerate(problems)
     ]
+
+
+def _gsm() -> list[tuple[Request, str]]:
+    """Generated GSM-style word problems (see word_problems.py); split by template, not by problem."""
+    return _gsm_pairs(NUM_WORD_PROBLEMS, WORD_PROBLEM_SEED, "gsm")
+
+
+def extra_word_problems(count: int, seed: int = 1) -> list[Request]:
+    """``count`` more GSM-style problems for training, from the ``train`` split's templates only.
+
+    Why: the generator is unlimited, so a draft can see far more math prompts than the 400 of the
+    built-in train split; drawing only from train templates keeps every ``eval`` problem (other
+    templates) unseen. ``seed`` must differ from the built-in set's (0) to give new problems.
+    """
+    pairs = _gsm_pairs(count * len(WORD_PROBLEM_TEMPLATES), seed, f"gsm-extra{seed}")
+    eval_templates = _held_out_groups("gsm", {template for _, template in pairs})
+    return [request for request, template in pairs if template not in eval_templates][:count]
 
 
 @dataclass(frozen=True)
@@ -204,6 +220,12 @@ _COMPOSITE_SETS = {
 BUILTIN_NAMES = (*_BASE_SETS, *_COMPOSITE_SETS)
 
 
+def _held_out_groups(subclass: str, groups: set[str]) -> set[str]:
+    """The ceil(20%) groups of a subclass with the smallest sha256: its ``eval`` side."""
+    ranked = sorted(groups, key=lambda g: hashlib.sha256(f"{subclass}\0{g}".encode()).hexdigest())
+    return set(ranked[: math.ceil(EVAL_FRACTION * len(ranked))])
+
+
 def _split_groups(pairs: list[tuple[Request, str]], split: str) -> list[Request]:
     """Keep the requests of ``split``: within each subclass, the ceil(20%) groups with the smallest
     sha256 go to eval. Depends only on the set's own content, so it is the same on every machine."""
@@ -212,10 +234,7 @@ def _split_groups(pairs: list[tuple[Request, str]], split: str) -> list[Request]
     groups_by_subclass: dict[str, set[str]] = defaultdict(set)
     for request, group in pairs:
         groups_by_subclass[request.subclass].add(group)
-    eval_groups = set()
-    for subclass, groups in groups_by_subclass.items():
-        ranked = sorted(groups, key=lambda g: hashlib.sha256(f"{subclass}\0{g}".encode()).hexdigest())
-        eval_groups.update((subclass, g) for g in ranked[: math.ceil(EVAL_FRACTION * len(ranked))])
+    eval_groups = {(subclass, g) for subclass, groups in groups_by_subclass.items() for g in _held_out_groups(subclass, groups)}
     want_eval = split == "eval"
     return [request for request, group in pairs if ((request.subclass, group) in eval_groups) == want_eval]
 

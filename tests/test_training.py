@@ -207,9 +207,71 @@ def test_mask_choice_skips_special_template_and_used_tokens():
     (["--steps", "0"], "--steps"),
     (["--target-layer-ids", "1,x"], "--target-layer-ids"),
     (["--target", "/no/such/model", "--steps", "3"], "/no/such/model"),
+    (["--extra-word-problems", "-1"], "--extra-word-problems"),
+    (["--init-from", "some-draft", "--init-from-target"], "--init-from-target"),
 ])
 def test_cli_bad_input_exits_2_with_one_sentence(args, needle, tmp_path):
     result = CliRunner().invoke(app, ["train-draft", "--out", str(tmp_path / "out"), *args])
     assert result.exit_code == 2, result.output
     assert needle in result.output
     assert "Traceback" not in result.output
+
+
+def test_init_from_target_copies_its_last_layers_and_final_norm():
+    target_model = tiny_target()
+    draft = tiny_dflash(target_model, num_layers=2)
+    fc_before = draft.fc.weight.clone()
+    copied = training.init_draft_from_target(draft, target_model)
+    assert copied == [2, 3]  # the two layers nearest the lm_head
+    for layer, index in zip(draft.layers, copied):
+        source = target_model.model.layers[index]
+        assert torch.equal(layer.self_attn.q_proj.weight, source.self_attn.q_proj.weight)
+        assert torch.equal(layer.mlp["down_proj"].weight, source.mlp.down_proj.weight)
+        assert torch.equal(layer.post_attention_layernorm.weight, source.post_attention_layernorm.weight)
+    assert torch.equal(draft.norm.weight, target_model.model.norm.weight)
+    assert torch.equal(draft.fc.weight, fc_before)  # no counterpart in the target: left as it was
+    with pytest.raises(UsageError, match="--num-layers"):
+        training.init_draft_from_target(tiny_dflash(target_model, num_layers=5), target_model)
+
+
+def test_extra_word_problems_never_use_a_held_out_template():
+    from dflash_doctor import workloads
+    from dflash_doctor.word_problems import TEMPLATES, generate_word_problems
+
+    eval_ids = {r.id for r in workloads.load_workload("gsm", split="eval")}
+    eval_templates = {template for request, template in workloads._gsm() if request.id in eval_ids}
+    assert eval_templates and eval_templates != set(TEMPLATES)
+    extra = workloads.extra_word_problems(300)
+    template_of = {f"{p.question}\n{workloads.MATH_INSTRUCTION}": p.template for p in generate_word_problems(300 * len(TEMPLATES), seed=1)}
+    used = {template_of[r.messages[0]["content"]] for r in extra}
+    assert len(extra) == 300 and len({r.id for r in extra}) == 300
+    assert used == set(TEMPLATES) - eval_templates  # every train template, no held-out one
+
+
+def test_self_written_prompts_start_from_an_empty_user_turn_drop_cut_and_repeated_ones_and_are_cached(tmp_path, monkeypatch):
+    from tests.checks_fixtures import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer(["user:", "hello", "how", "are", "you", "?", "tell", "me", "a", "joke"])
+    template = "{% for m in messages %}<s> user: {{ m['content'] }} </s>{% endfor %}"
+    ids = {w: tokenizer.convert_tokens_to_ids(w) for w in ["hello", "how", "are", "you", "?", "tell", "me", "a", "joke"]}
+    outputs = [[ids["how"], ids["are"], ids["you"], ids["?"], 2],  # finished question
+               [ids["how"], ids["are"], ids["you"], ids["?"], 2],  # repeated: dropped
+               [ids["tell"], ids["me"], ids["a"]],  # cut by the length limit: dropped
+               [2],  # empty: dropped
+               [ids["tell"], ids["me"], ids["a"], ids["joke"], 2]]
+    seen_prompts = []
+
+    def fake_generate(model, prompts, **kwargs):
+        seen_prompts.extend(prompts)
+        assert kwargs["temperature"] > 0
+        return outputs[:len(prompts)]
+
+    monkeypatch.setattr(training, "generate_greedy_batch", fake_generate)
+    cache = tmp_path / "prompts.jsonl"
+    kwargs = dict(cache_path=cache, cache_key={"target": "t"}, stop_ids=frozenset({2}), chat_template=template, batch_size=5)
+    requests = training.self_written_prompts(None, tokenizer, 2, **kwargs)
+    assert [r.messages[0]["content"] for r in requests] == ["how are you ?", "tell me a joke"]
+    assert {r.request_class for r in requests} == {"chat"}
+    assert seen_prompts[0] == tokenizer("<s> user:", add_special_tokens=False)["input_ids"]  # the template up to the content
+    seen_prompts.clear()
+    assert training.self_written_prompts(None, tokenizer, 2, **kwargs) == requests and not seen_prompts  # read from the cache

@@ -24,7 +24,6 @@ from dflash_doctor.engine.dflash_model import DFlashDraftModel, default_target_l
 from dflash_doctor.errors import UsageError
 from dflash_doctor.loading import (
     demo_target_path,
-    fingerprint,
     weights_fingerprint,
     load_causal_lm,
     load_dflash_draft,
@@ -36,21 +35,21 @@ from dflash_doctor.pair import stop_ids_of
 from dflash_doctor.training import (
     CHECKPOINT_DIR_NAME,
     DEFAULT_NUM_TAPS,
-    EVAL_SEQUENCES_FILE,
-    SAMPLED_SEQUENCES_FILE,
-    SEQUENCES_FILE,
-    SequenceRecord,
+    SELF_WRITTEN_PROMPTS_FILE,
     TrainConfig,
     chat_template_record,
     choose_mask_token_id,
     draft_config_for_target,
+    data_cache_key,
     held_out_steps,
-    prepare_sequences,
-    sampled_sequences,
+    init_draft_from_target,
+    prepare_training_data,
+    self_written_prompts as self_written,
+    tau_by_class,
     train_dflash_draft,
     validate_mask_token_id,
 )
-from dflash_doctor.workloads import BUILTIN_NAMES, load_workload, read_chat_template
+from dflash_doctor.workloads import BUILTIN_NAMES, extra_word_problems as extra_word_problem_requests, load_workload, read_chat_template
 
 DEFAULT_OUT = "dflash-draft"
 SPARK_LEVELS = "▁▂▃▄▅▆▇█"
@@ -74,20 +73,6 @@ def _sparkline(values: list[float], width: int = 48) -> str:
     return "".join(SPARK_LEVELS[int((v - low) / span * (len(SPARK_LEVELS) - 1))] for v in points)
 
 
-def _tau_by_class(steps: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Pooled tau with its bootstrap interval over requests, overall and per class."""
-    import pandas as pd
-
-    from dflash_doctor.metrics import tau_with_ci
-
-    frame = pd.DataFrame(steps)
-    out = {}
-    for name, group in [("overall", frame), *sorted(frame.groupby("class"))]:
-        tau, interval = tau_with_ci(group, group=str(name))
-        out[str(name)] = {"tau": tau, "tau_ci": interval, "num_requests": int(group["request_id"].nunique())}
-    return out
-
-
 def _model_card(facts: dict[str, Any]) -> str:
     """README.md of the out dir: what the draft is, how it was trained and how well it drafts."""
     arch, train, data, log = facts["architecture"], facts["train_config"], facts["data"], facts["log"]
@@ -107,8 +92,12 @@ def _model_card(facts: dict[str, Any]) -> str:
         "",
         "## Data",
         "",
-        f"- workload `{data['workload']}` (train split for built-in sets): {data['num_requests']} requests, "
-        f"{data['num_sequences']} sequences (one per turn), {data['num_response_tokens']} response tokens",
+        f"- workload `{data['workload']}` (train split for built-in sets) + {data.get('extra_word_problems', 0)} extra GSM-style "
+        f"problems (train templates) + {data.get('self_written_prompts', 0)} prompts written by the target: "
+        f"{data['num_requests']} requests, {data['num_sequences']} sequences (one per turn and answer), "
+        f"{data['num_response_tokens']} response tokens",
+        f"- answers per prompt: the greedy one + {data.get('samples_per_prompt', 0)} sampled at temperature "
+        f"{data.get('sample_temperature', 0.8)}",
         f"- responses: {data['responses']}, at most {data['max_new_tokens']} new tokens",
         f"- chat template sha256 `{facts['chat_template_sha256']}` (full text in config.json `dflash_doctor`)",
         "",
@@ -169,6 +158,7 @@ def train_draft(
     target_layer_ids: Annotated[Optional[str], typer.Option("--target-layer-ids", help=f"Target layers to tap, e.g. 1,9,17,25 (default: {DEFAULT_NUM_TAPS} spread from 1 to L-3).")] = None,
     mask_token_id: Annotated[Optional[int], typer.Option("--mask-token-id", help="Reserved token id used as mask (default: the highest free special token).")] = None,
     init_from: Annotated[Optional[str], typer.Option("--init-from", help="A DFlash checkpoint to fine-tune (e.g. after a target update); keeps its architecture.")] = None,
+    init_from_target: Annotated[bool, typer.Option("--init-from-target", help="Start the draft's layers and final norm from the target's last layers (same width).")] = False,
     steps: Annotated[int, typer.Option("--steps", help="Optimizer steps.")] = 2000,
     lr: Annotated[float, typer.Option("--lr", help="Peak learning rate (AdamW, warm-up then cosine).")] = 6e-4,
     batch_size: Annotated[int, typer.Option("--batch-size", help="Sequences per step.")] = 16,
@@ -179,6 +169,8 @@ def train_draft(
     chat_template: Annotated[Optional[str], typer.Option("--chat-template", help="A .jinja file overriding the target's chat template.")] = None,
     eval_requests: Annotated[int, typer.Option("--eval-requests", help="Held-out requests (eval split of a built-in workload) measured for the model card; 0 = none.")] = 48,
     generation_batch_size: Annotated[int, typer.Option("--generation-batch-size", help="Prompts per batched generate.")] = 32,
+    extra_word_problems: Annotated[int, typer.Option("--extra-word-problems", help="More generated GSM-style math prompts (train templates only) on top of the workload.")] = 0,
+    self_written_prompts: Annotated[int, typer.Option("--self-written-prompts", help="Chat prompts the target writes itself (from an empty user turn), answered like the rest.")] = 0,
     samples_per_prompt: Annotated[int, typer.Option("--samples-per-prompt", help="Extra sampled answers per prompt (more data against memorising a small pool).")] = 0,
     sample_temperature: Annotated[float, typer.Option("--sample-temperature", help="Temperature of the extra sampled answers.")] = 0.8,
     checkpoint_every: Annotated[int, typer.Option("--checkpoint-every", help="Steps between resumable checkpoints.")] = 500,
@@ -202,6 +194,11 @@ def train_draft(
     for flag, value in {"--max-new-tokens": max_new_tokens, "--generation-batch-size": generation_batch_size}.items():
         if value < 1:
             raise UsageError(f"{flag} {value} must be at least 1.")
+    for flag, value in {"--extra-word-problems": extra_word_problems, "--self-written-prompts": self_written_prompts}.items():
+        if value < 0:
+            raise UsageError(f"{flag} {value} must be 0 or more.")
+    if init_from and init_from_target:
+        raise UsageError("--init-from and --init-from-target both say where the draft starts; pass one of them.")
     if eval_requests < 0:
         raise UsageError(f"--eval-requests {eval_requests} must be 0 or more.")
     seed = 0 if seed is None else seed
@@ -211,6 +208,7 @@ def train_draft(
     layer_ids = _parse_layer_ids(target_layer_ids) if target_layer_ids is not None else None
     class_list = tuple(c.strip() for c in (classes or "").split(",") if c.strip())
     requests = load_workload(workload, classes=class_list, max_requests=max_requests, seed=seed, split="train")
+    requests += extra_word_problem_requests(extra_word_problems) if extra_word_problems else []
     if use_recorded_responses and not any(r.response is not None and r.num_turns == 1 for r in requests):
         raise UsageError(f"--use-recorded-responses: workload {workload} has no single-turn request with a recorded `response`; "
                          "drop the flag or use a file whose lines carry a response.")
@@ -226,27 +224,22 @@ def train_draft(
     out_dir.mkdir(parents=True, exist_ok=True)
 
     template_record = chat_template_record(served_template)
-    cache_key = {"target": fingerprint(target_dir), "max_new_tokens": max_new_tokens, "dtype": dtype,
-                 "chat_template_sha256": template_record["chat_template_sha256"], "use_recorded_responses": use_recorded_responses}
+    cache_key = data_cache_key(target_dir, max_new_tokens=max_new_tokens, dtype=dtype, chat_template=served_template,
+                               use_recorded_responses=use_recorded_responses)
+    if self_written_prompts:
+        requests += self_written(target_model, tokenizer, self_written_prompts, cache_path=out_dir / SELF_WRITTEN_PROMPTS_FILE,
+                                 cache_key=cache_key, stop_ids=stop_ids, chat_template=template_text,
+                                 batch_size=generation_batch_size, seed=seed)
     console.print(f"[bold]train-draft[/]: {len(requests)} train requests from {workload} -> {out_dir}")
-    records = prepare_sequences(target_model, tokenizer, requests, cache_path=out_dir / SEQUENCES_FILE, cache_key=cache_key,
-                                max_new_tokens=max_new_tokens, stop_ids=stop_ids, chat_template=template_text,
-                                use_recorded_responses=use_recorded_responses, batch_size=generation_batch_size, progress=True)
-    if samples_per_prompt > 0:
-        pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stop_ids, default=0)
-        records = records + sampled_sequences(
-            target_model, records, samples_per_prompt=samples_per_prompt, temperature=sample_temperature,
-            cache_path=out_dir / SAMPLED_SEQUENCES_FILE, cache_key=cache_key, max_new_tokens=max_new_tokens,
-            stop_ids=stop_ids, pad_token_id=pad_token_id, batch_size=generation_batch_size, seed=seed, progress=True,
-        )
-    eval_records: list[SequenceRecord] = []
-    if eval_requests and workload in BUILTIN_NAMES:
-        held_out = load_workload(workload, classes=class_list, max_requests=eval_requests, seed=seed, split="eval")
-        eval_records = prepare_sequences(target_model, tokenizer, held_out, cache_path=out_dir / EVAL_SEQUENCES_FILE,
-                                         cache_key=cache_key, max_new_tokens=max_new_tokens, stop_ids=stop_ids,
-                                         chat_template=template_text, batch_size=generation_batch_size, progress=True)
+    held_out = (load_workload(workload, classes=class_list, max_requests=eval_requests, seed=seed, split="eval")
+                if eval_requests and workload in BUILTIN_NAMES else [])
+    records, eval_records = prepare_training_data(
+        target_model, tokenizer, requests, held_out, out_dir=out_dir, cache_key=cache_key, max_new_tokens=max_new_tokens,
+        stop_ids=stop_ids, chat_template=template_text, use_recorded_responses=use_recorded_responses,
+        samples_per_prompt=samples_per_prompt, sample_temperature=sample_temperature, batch_size=generation_batch_size, seed=seed)
 
     used_ids = {t for r in records for t in r.token_ids}
+    init_note = init_from
     if init_from:
         draft = load_dflash_draft(resolve_model_dir(init_from), device=device)
         validate_dflash_pair(draft.config, target_model.config)
@@ -266,6 +259,9 @@ def train_draft(
             target_model.config, block_size=16 if block_size is None else block_size, num_layers=2 if num_layers is None else num_layers,
             target_layer_ids=layer_ids or default_target_layer_ids(num_target_layers, min(DEFAULT_NUM_TAPS, num_target_layers)),
             mask_token_id=mask_token_id))
+        if init_from_target:
+            copied = init_draft_from_target(draft, target_model)
+            init_note = f"the target's layers {copied} and final norm (--init-from-target)"
     if draft.config.mask_token_id in used_ids:
         raise UsageError(f"mask token id {draft.config.mask_token_id} occurs in the training sequences; pick with --mask-token-id "
                          "a reserved id the target never generates.")
@@ -274,12 +270,13 @@ def train_draft(
                                       "target": target_spec, "target_weights_fingerprint": weights_fingerprint(target_model)}}
     initial_steps = held_out_steps(target_model, draft.to(device), eval_records, stop_ids=stop_ids) if eval_records else []
     result = train_dflash_draft(target_model, [r.token_ids for r in records], [r.prompt_length for r in records], config, draft,
-                                checkpoint_dir=out_dir / CHECKPOINT_DIR_NAME, extra_config=extra_config, progress=True)
+                                checkpoint_dir=out_dir / CHECKPOINT_DIR_NAME, extra_config=extra_config,
+                                feature_batch_size=min(64, generation_batch_size), progress=True)
     evaluation = None
     if eval_records:
         trained_steps = held_out_steps(target_model, result.draft, eval_records, stop_ids=stop_ids)
         evaluation = {"num_requests": len({r.request_id for r in eval_records}),
-                      "trained": _tau_by_class(trained_steps), "initial": _tau_by_class(initial_steps)}
+                      "trained": tau_by_class(trained_steps), "initial": tau_by_class(initial_steps)}
 
     save_dflash_draft(result.draft, out_dir, extra_config=extra_config)
     arch = result.draft.config.to_dict()
@@ -287,12 +284,14 @@ def train_draft(
         "tool_version": __version__,
         "created_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "target": target_spec,
-        "init_from": init_from,
+        "init_from": init_note,
         "architecture": {**arch, **arch["dflash_config"]},
         "mask_choice": mask_choice,
         "chat_template_sha256": template_record["chat_template_sha256"],
         "train_config": config.as_dict(),
-        "data": {"workload": workload, "num_requests": len(requests), "num_sequences": result.num_sequences,
+        "data": {"workload": workload, "num_requests": len(requests), "extra_word_problems": extra_word_problems,
+                 "self_written_prompts": self_written_prompts, "samples_per_prompt": samples_per_prompt,
+                 "sample_temperature": sample_temperature, "num_sequences": result.num_sequences,
                  "num_response_tokens": sum(len(r.response_ids) for r in records), "max_new_tokens": max_new_tokens,
                  "responses": ("recorded `response` of single-turn requests, the rest regenerated by the target (batched greedy)"
                                if use_recorded_responses else "regenerated by the target (batched greedy)")},
