@@ -45,7 +45,7 @@ TIMED = [
     ("dflash_doctor.engine.target.TargetModel", "forward", "target forward"),
     ("dflash_doctor.engine.proposers.dflash.DFlashProposer", "slot_logits", "draft block pass + lm_head"),
     ("dflash_doctor.engine.proposers.dflash.DFlashProposer", "prepare_teacher", "draft context K/V"),
-    ("dflash_doctor.engine.divergence", "divergence_columns", "per-token divergence columns"),
+    ("dflash_doctor.engine.divergence", "divergence_tensor", "per-token divergence columns"),
     ("dflash_doctor.engine.teacher", "token_rows", "per-token rows"),
     ("dflash_doctor.engine.teacher", "walk_schedule", "schedule walk"),
     ("dflash_doctor.replay", "_rows", "row records (token text)"),

@@ -1,19 +1,34 @@
-"""GPU figures for the engine (issues 2 and 4), on a Qwen3-8B-shaped target and a DFlash-b16-shaped draft
-with random bf16 weights built from configs (no download).
+"""GPU figures for the engine on a Qwen3-8B-shaped target and a DFlash-b16-shaped draft (random bf16 weights
+built from configs, no download), measured so that two runs agree (issue 19).
 
-1. Live loop: time per draft/verify step vs the floor of ONE target forward over B tokens plus ONE draft
-   block forward, measured in the same run (ratio printed; aim <= 1.15).
-2. Teacher-forced replay: analysed tokens per second over one long sequence, and the achieved share of
-   the GPU's bf16 matrix rate (FLOPs counted from the shapes; pass --peak-tflops for your GPU).
+1. Live loop: time per draft/verify step, with and without per-token records, against the floor of ONE
+   draft block forward plus ONE target forward over B = 16 tokens plus one host round trip per step (the
+   least a host-driven loop does), run step after step at the loop's mean context so that the GPU sees the
+   same duty cycle as in the loop. Each loop run is followed by its own floor run (the ratio uses the floor
+   measured next to it), records on/off alternate their order between repeats, min / median / max are
+   printed, and the mean SM clock during each kind of run is sampled through NVML.
+2. Teacher-forced replay: analysed tokens per second over one long sequence, and the achieved share of the
+   bf16 matrix rate, against both the nominal rate (--peak-tflops) and the one measured here (8192^3 matmul).
+   FLOPs are counted from the shapes: every linear layer, the target's causal attention and the draft's
+   attention over the keys each block may see (the masked-out keys a kernel may also touch are not counted).
+3. A profile of one teacher-forced pass: GPU kernel time by kernel family and the top kernels, plus the
+   GPU's busy share of the wall time (the rest is launch and synchronisation overhead).
 
-Usage: python benchmarks/gpu_engine.py [--tiny] [--peak-tflops 790]
+Warm-ups run every shape the measured runs use (same prompt, same lengths); times come from CUDA events;
+the GPU's clocks, temperature and throttle state are printed before and after.
+
+Usage: python benchmarks/gpu_engine.py [--repeats 6] [--peak-tflops 790] [--out DIR] [--tiny]
 ``--tiny`` runs the same code on a small config on CPU (a smoke test of the script itself).
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
+import subprocess
+import threading
 import time
+from pathlib import Path
 
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -28,6 +43,43 @@ QWEN3_8B = dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, 
                 intermediate_size=12288, vocab_size=151936)
 TINY = dict(hidden_size=64, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
             intermediate_size=128, vocab_size=1000)
+BLOCK_SIZE = 16
+FLOOR_STEPS = 24
+
+
+class SmClock:
+    """Mean SM clock while a block runs, sampled through NVML every 10 ms (None where NVML is missing)."""
+
+    def __init__(self, device: str):
+        self.mean: float | None = None
+        self._samples: list[int] = []
+        self._stop = threading.Event()
+        self._handle = None
+        if device == "cuda":
+            try:
+                import pynvml
+
+                pynvml.nvmlInit()
+                self._nvml = pynvml
+                self._handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+            except Exception:  # NVML is optional: the figures stand without it
+                self._handle = None
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.01):
+            self._samples.append(self._nvml.nvmlDeviceGetClockInfo(self._handle, self._nvml.NVML_CLOCK_SM))
+
+    def __enter__(self) -> "SmClock":
+        if self._handle is not None:
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._handle is not None:
+            self._stop.set()
+            self._thread.join()
+            self.mean = statistics.mean(self._samples) if self._samples else None
 
 
 def build(shape: dict, device: str, dtype: torch.dtype):
@@ -41,93 +93,277 @@ def build(shape: dict, device: str, dtype: torch.dtype):
         hidden_size=shape["hidden_size"], num_hidden_layers=5 if layers == 36 else 2,
         num_attention_heads=shape["num_attention_heads"], num_key_value_heads=shape["num_key_value_heads"],
         head_dim=shape["head_dim"], intermediate_size=shape["intermediate_size"], vocab_size=shape["vocab_size"],
-        block_size=16, target_layer_ids=ids, mask_token_id=shape["vocab_size"] - 1, num_target_layers=layers,
+        block_size=BLOCK_SIZE, target_layer_ids=ids, mask_token_id=shape["vocab_size"] - 1, num_target_layers=layers,
     )
     with torch.device(device):
         draft = DFlashDraftModel(draft_cfg).to(dtype).eval()
     return target, draft
 
 
-def cuda_time(fn, repeats: int, device: str) -> float:
-    """Median seconds per call (CUDA-synchronised)."""
-    times = []
-    for _ in range(repeats + 2):
-        if device == "cuda":
+class Clock:
+    """Seconds of GPU work between two points: CUDA events on a GPU, the host clock on a CPU."""
+
+    def __init__(self, device: str):
+        self.cuda = device == "cuda"
+
+    def time(self, fn) -> tuple[float, object]:
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    times = sorted(times[2:])
-    return times[len(times) // 2]
+            start.record()
+            result = fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3, result
+        started = time.perf_counter()
+        result = fn()
+        return time.perf_counter() - started, result
+
+    def median(self, fn, repeats: int) -> float:
+        return statistics.median(self.time(fn)[0] for _ in range(repeats))
+
+
+def spread(values: list[float], scale: float = 1.0, digits: int = 2) -> str:
+    """min / median / max."""
+    return " / ".join(f"{v * scale:.{digits}f}" for v in (min(values), statistics.median(values), max(values)))
+
+
+def gpu_state(device: str) -> str:
+    """Clocks, temperature, power and active throttle reasons as nvidia-smi reports them (read only)."""
+    if device != "cuda":
+        return "cpu"
+    fields = "clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu,power.draw,pstate,clocks_throttle_reasons.active"
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=20).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"nvidia-smi unavailable ({exc})"
+    return f"{torch.cuda.get_device_name()}: sm clock, max sm clock, mem clock, temp, power, pstate, throttle = {out}"
 
 
 @torch.inference_mode()
-def live_step_vs_floor(target_model, draft, device: str, context: int, new_tokens: int) -> None:
-    block = draft.config.block_size
-    target = TargetModel(target_model, draft.hidden_state_indices)
-    proposer = DFlashProposer(draft, target)
-    prompt = torch.randint(0, target_model.config.vocab_size - 2, (context,), device=device)
-    for record in (True, False):  # the first run also warms up kernels for every shape
-        speculative_generate(target, proposer, prompt, k=block - 1, max_new_tokens=16, record_tokens=record)  # warm-up
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        result = speculative_generate(target, proposer, prompt, k=block - 1, max_new_tokens=new_tokens, record_tokens=record)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        wall = time.perf_counter() - start
-        prefill = cuda_time(lambda: (target.reset(), target.forward(prompt)), 3, device)
-        step = (wall - prefill) / len(result.steps)
-        # The floor at the same context: one verify forward over B tokens, one draft block forward.
-        target.reset()
-        prefill_out = target.forward(prompt)
-        proposer.start(prompt, prefill_out.features)
-        base = target.cache_length
-        tokens = prompt[:block]
-
-        def verify():
-            target.forward(tokens)
-            target.crop(base)
-
-        floor = cuda_time(verify, 20, device) + cuda_time(lambda: proposer.propose(1, block - 1, block - 1), 20, device)
-        label = "with per-token records" if record else "without per-token records"
-        print(f"live loop step ({label}): {step * 1e3:.2f} ms over {len(result.steps)} steps; floor {floor * 1e3:.2f} ms "
-              f"(verify over {block} tokens + one draft block); ratio {step / floor:.3f}")
+def matmul_rate(device: str, clock: Clock) -> float:
+    """Measured bf16 matrix rate in TFLOP/s (8192^3 on random data; 3 warm-ups, median of 10)."""
+    n = 8192 if device == "cuda" else 512
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    return 2 * n**3 / clock.median(lambda: a @ b, 10) / 1e12
 
 
 @torch.inference_mode()
-def teacher_throughput(target_model, draft, device: str, length: int, peak_tflops: float) -> None:
+def live_step_vs_floor(target_model, draft, device: str, clock: Clock, context: int, new_tokens: int, repeats: int) -> None:
+    k = BLOCK_SIZE - 1
     target = TargetModel(target_model, draft.hidden_state_indices)
     proposer = DFlashProposer(draft, target)
     vocab = target_model.config.vocab_size
-    ids = torch.randint(0, vocab - 2, (length,)).tolist()
-    sequence = TeacherSequence(ids[:64], ids[64:])
-    k = draft.config.block_size - 1
-    slot_table(target, proposer, TeacherSequence(ids[:64], ids[64:256]), k, record_divergence=False)  # warm-up
-    seconds = cuda_time(lambda: slot_table(target, proposer, sequence, k, record_divergence=False), 3, device)
-    anchors = len(sequence.output_ids) - 1
-    t_params = sum(p.numel() for p in target_model.parameters()) - target_model.get_input_embeddings().weight.numel()
-    d_params = sum(p.numel() for p in draft.parameters())
-    h, v = target_model.config.hidden_size, vocab
+    prompt = torch.randint(0, vocab - 2, (context,), device=device)
+    # the floor at the loop's mean context (it grows by about one token per step with a random draft)
+    floor_prompt = torch.randint(0, vocab - 2, (context + new_tokens // 2,), device=device)
+    block = torch.randint(0, vocab - 2, (BLOCK_SIZE,), device=device)
+
+    def loop(record: bool):
+        return speculative_generate(target, proposer, prompt, k=k, max_new_tokens=new_tokens, record_tokens=record)
+
+    def prefill():
+        target.reset()
+        target.forward(prompt)
+
+    def floor() -> float:
+        """Per step: one draft block, one verify forward over B tokens, one host round trip (as the loop needs)."""
+        target.reset()
+        proposer.start(floor_prompt, target.forward(floor_prompt).features)
+        base = target.cache_length
+
+        def steps():
+            for _ in range(FLOOR_STEPS):
+                proposer.propose(1, k, k)
+                target.forward(block).logits[-1, 0].item()
+                target.crop(base)
+
+        return clock.time(steps)[0] / FLOOR_STEPS
+
+    for record in (True, False):  # warm-up: every shape of the measured runs (the last steps draft fewer tokens)
+        loop(record)
+    floor()
+    prefill_s = clock.median(prefill, 3)
+    runs = {True: [], False: []}  # (step seconds, floor seconds measured right after)
+    first = {True: [], False: []}  # ratios of runs that came first in their pair
+    clocks = {"loop": [], "floor": []}  # mean SM clock (MHz) during each measurement
+    for r in range(repeats):
+        for position, record in enumerate((True, False) if r % 2 == 0 else (False, True)):
+            with SmClock(device) as sm:
+                seconds, result = clock.time(lambda: loop(record))
+            clocks["loop"].append(sm.mean)
+            step = (seconds - prefill_s) / len(result.steps)
+            with SmClock(device) as sm:
+                floor_s = floor()
+            clocks["floor"].append(sm.mean)
+            runs[record].append((step, floor_s))
+            if position == 0:
+                first[record].append(step / floor_s)
+    print(f"\nlive loop: context {context}, {new_tokens} new tokens, K={k}, {repeats} repeats (records on/off order "
+          f"alternated), prefill {prefill_s * 1e3:.1f} ms subtracted; floor = one draft block + verify over "
+          f"{BLOCK_SIZE} tokens + one host round trip, {FLOOR_STEPS} steps at context {len(floor_prompt)}")
+    print(f"{'':26}{'step ms min/med/max':>26} {'floor ms min/med/max':>26} {'ratio min/med/max':>22}")
+    for record in (True, False):
+        steps, floors = [s for s, _ in runs[record]], [f for _, f in runs[record]]
+        ratios = [s / f for s, f in runs[record]]
+        label = "with per-token records" if record else "without per-token records"
+        print(f"{label:26}{spread(steps, 1e3):>26} {spread(floors, 1e3):>26} {spread(ratios, 1, 3):>22}")
+    on = statistics.median(s for s, _ in runs[True])
+    off = statistics.median(s for s, _ in runs[False])
+    # the floor does not depend on which loop ran before it: all floor runs estimate the same quantity
+    pooled = statistics.median(f for record in runs for _, f in runs[record])
+    print(f"median step / median of all {2 * repeats} floor runs ({pooled * 1e3:.2f} ms): with records {on / pooled:.3f}, "
+          f"without {off / pooled:.3f}")
+    firsts = ", ".join(f"{'with' if record else 'without'} {statistics.median(first[record]):.3f}" for record in first if first[record])
+    print(f"records cost {1e3 * (on - off):+.2f} ms per step (median with - median without); ratio when measured first "
+          f"in its pair: {firsts}")
+    if all(clocks.values()) and None not in clocks["loop"] + clocks["floor"]:
+        print(f"mean SM clock during loop runs {spread(clocks['loop'], 1, 0)} MHz, during floor runs "
+              f"{spread(clocks['floor'], 1, 0)} MHz (min/med/max)")
+
+
+def teacher_flops(target_model, draft, prompt_len: int, n_out: int, k: int) -> dict[str, float]:
+    """Matrix FLOPs of one teacher-forced pass (2 per multiply-add), counted from the shapes."""
+    tc, dc = target_model.config, draft.config
+    length = prompt_len + n_out
+    anchors = n_out - 1
+    head = tc.hidden_size * tc.vocab_size
+    t_linear = sum(p.numel() for n, p in target_model.model.layers.named_parameters() if p.dim() == 2)
+    t_attention = tc.num_hidden_layers * 4 * tc.num_attention_heads * tc.head_dim * length * (length + 1) / 2
+    kv = dc.num_key_value_heads * dc.head_dim
+    fc = draft.fc.weight.numel()
+    per_layer = sum(p.numel() for p in draft.layers[0].parameters() if p.dim() == 2)
+    context_per_layer = 2 * dc.hidden_size * kv  # k_proj, v_proj of the context rows
     rows = anchors * (k + 1)
-    flops = 2 * t_params * length + 2 * d_params * rows + 2 * h * v * anchors * k
-    print(f"teacher-forced replay: {anchors} anchors x K={k} in {seconds:.3f} s = {anchors / seconds:,.0f} analysed tokens/s; "
-          f"{flops / seconds / 1e12:.1f} TFLOP/s = {100 * flops / seconds / 1e12 / peak_tflops:.1f}% of {peak_tflops:.0f} TFLOP/s")
+    # block row of anchor a sees a context keys (positions < a) and the k + 1 rows of its own block
+    seen = sum(prompt_len + a + k + 1 for a in range(anchors)) * (k + 1)
+    d_attention = dc.num_hidden_layers * 4 * dc.num_attention_heads * dc.head_dim * seen
+    return {
+        "target": 2 * (t_linear + head) * length + t_attention,
+        "draft context": 2 * (fc + dc.num_hidden_layers * context_per_layer) * length,
+        "draft blocks": 2 * dc.num_hidden_layers * per_layer * rows + d_attention,
+        "draft lm_head": 2 * head * anchors * k,
+    }
+
+
+@torch.inference_mode()
+def teacher_throughput(target_model, draft, device: str, clock: Clock, length: int, repeats: int,
+                       peaks: dict[str, float]) -> tuple:
+    target = TargetModel(target_model, draft.hidden_state_indices)
+    proposer = DFlashProposer(draft, target)
+    ids = torch.randint(0, target_model.config.vocab_size - 2, (length,)).tolist()
+    prompt_len = 64
+    sequence = TeacherSequence(ids[:prompt_len], ids[prompt_len:])
+    k = BLOCK_SIZE - 1
+
+    def replay(record: bool):
+        return slot_table(target, proposer, sequence, k, record_divergence=record)
+
+    def target_only():
+        target.reset()
+        target.forward(torch.tensor(ids, device=device))
+        target.reset()
+
+    for record in (False, True):  # warm-up with the measured sequence itself: every shape
+        _, target_pass = replay(record)
+    plain = [clock.time(lambda: replay(False))[0] for _ in range(repeats)]
+    recorded = [clock.time(lambda: replay(True))[0] for _ in range(max(2, repeats // 2))]
+    target_s = [clock.time(target_only)[0] for _ in range(repeats)]
+    draft_s = [clock.time(lambda: slot_table(target, proposer, sequence, k, record_divergence=False,
+                                             target_pass=target_pass))[0] for _ in range(repeats)]
+    flops = teacher_flops(target_model, draft, prompt_len, len(sequence.output_ids), k)
+    total = sum(flops.values())
+    draft_flops = total - flops["target"]
+    anchors = len(sequence.output_ids) - 1
+
+    def share(f: float, seconds: list[float]) -> str:
+        rate = f / statistics.median(seconds) / 1e12
+        return f"{rate:.0f} TFLOP/s = " + ", ".join(f"{100 * rate / peak:.1f}% of {name} {peak:.0f}" for name, peak in peaks.items())
+
+    print(f"\nteacher-forced replay: {length} tokens ({anchors} anchors x K={k}); {total / 1e12:.1f} TFLOP counted "
+          "(" + ", ".join(f"{name} {f / 1e12:.1f}" for name, f in flops.items()) + ")")
+    print(f"  whole pass, ms min/med/max      {spread(plain, 1e3, 1):>22}  {anchors / statistics.median(plain):,.0f} "
+          f"analysed tokens/s; {share(total, plain)}")
+    print(f"  with divergence records         {spread(recorded, 1e3, 1):>22}  (records x{statistics.median(recorded) / statistics.median(plain):.2f})")
+    print(f"  target forward alone            {spread(target_s, 1e3, 1):>22}  {share(flops['target'], target_s)}")
+    print(f"  draft passes alone              {spread(draft_s, 1e3, 1):>22}  {share(draft_flops, draft_s)}")
+    return target, proposer, sequence, k
+
+
+def kernel_family(name: str) -> str:
+    lowered = name.lower()
+    if any(word in lowered for word in ("fmha", "flash", "attention", "attn", "cudnn")):
+        return "attention"
+    if any(word in lowered for word in ("gemm", "xmma", "cutlass", "nvjet", "wgmma", "sm90")):
+        return "matrix (gemm)"
+    if any(word in lowered for word in ("reduce", "argmax", "softmax", "norm")):
+        return "reductions"
+    if any(word in lowered for word in ("copy", "cat", "index", "gather", "scatter", "fill")):
+        return "copies / indexing"
+    return "elementwise / other"
+
+
+@torch.inference_mode()
+def profile_teacher(target, proposer, sequence, k: int, device: str, out: Path | None) -> None:
+    """Kernel time by family for one teacher-forced pass, and the GPU's busy share of its wall time."""
+    if device != "cuda":
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        started = time.perf_counter()
+        slot_table(target, proposer, sequence, k, record_divergence=False)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - started
+    kernels: dict[str, tuple[float, int]] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            spent, count = kernels.get(event.name, (0.0, 0))
+            kernels[event.name] = (spent + event.device_time_total, count + 1)  # microseconds
+    busy = sum(spent for spent, _ in kernels.values()) / 1e6
+    families: dict[str, float] = {}
+    for name, (spent, _) in kernels.items():
+        families[kernel_family(name)] = families.get(kernel_family(name), 0.0) + spent / 1e6
+    print(f"\nprofile of one teacher-forced pass (profiler on): wall {wall * 1e3:.1f} ms, kernels {busy * 1e3:.1f} ms "
+          f"({100 * busy / wall:.0f}% busy; the rest is launch / sync overhead)")
+    for family, spent in sorted(families.items(), key=lambda item: -item[1]):
+        print(f"  {family:24}{spent * 1e3:9.1f} ms {100 * spent / busy:5.1f}%")
+    print("  top kernels:")
+    for name, (spent, count) in sorted(kernels.items(), key=lambda item: -item[1][0])[:10]:
+        print(f"  {spent / 1e3:9.1f} ms {count:6d}x  {name[:110]}")
+    if out is not None:
+        (out / "teacher_profile.txt").write_text(prof.key_averages().table(sort_by="cuda_time_total", row_limit=60))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true")
-    parser.add_argument("--peak-tflops", type=float, default=790.0, help="bf16 dense matrix rate of the GPU")
+    parser.add_argument("--repeats", type=int, default=6)
+    parser.add_argument("--peak-tflops", type=float, default=790.0, help="nominal bf16 dense matrix rate of the GPU")
+    parser.add_argument("--out", type=Path, default=None, help="folder for the full profile table")
     args = parser.parse_args()
     device = "cpu" if args.tiny else "cuda"
     dtype = torch.float32 if args.tiny else torch.bfloat16
+    clock = Clock(device)
     torch.manual_seed(0)
+    print(f"torch {torch.__version__}; before: {gpu_state(device)}")
+    measured = matmul_rate(device, clock)
+    print(f"measured matrix rate: {measured:.0f} TFLOP/s ({'bf16 8192^3' if device == 'cuda' else 'fp32 512^3'})")
     target_model, draft = build(TINY if args.tiny else QWEN3_8B, device, dtype)
-    live_step_vs_floor(target_model, draft, device, context=128 if args.tiny else 1024, new_tokens=32 if args.tiny else 96)
-    teacher_throughput(target_model, draft, device, length=256 if args.tiny else 2112, peak_tflops=args.peak_tflops)
+    live_step_vs_floor(target_model, draft, device, clock, context=128 if args.tiny else 1024,
+                       new_tokens=32 if args.tiny else 64, repeats=args.repeats)
+    peaks = {"nominal": args.peak_tflops, "measured": measured}
+    replay = teacher_throughput(target_model, draft, device, clock, length=256 if args.tiny else 2112,
+                                repeats=args.repeats, peaks=peaks)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+    profile_teacher(*replay, device=device, out=args.out)
+    print(f"\nafter: {gpu_state(device)}")
 
 
 if __name__ == "__main__":

@@ -2,55 +2,112 @@
 
 Computed on the models' own distributions at temperature 1 (what the draft learned to imitate), not
 on temperature-scaled ones, so numbers from greedy and sampled runs are comparable.
+
+The columns are computed batched on the models' device and packed into ONE float64 tensor
+(:func:`divergence_tensor`), so that a caller copies to the host once per request, never once per
+column or per token: on a GPU every copy is a synchronisation that stalls the kernel queue.
+:func:`unpack_divergence` turns the host copy into the ``tokens.parquet`` columns.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
 TOP_K = 5
 
+# (name, width) in packing order; ids and ranks are exact in float64 (vocabularies are far below 2**53)
+_LAYOUT = (
+    ("target_prob_of_draft", 1),
+    ("draft_prob_of_target", 1),
+    ("target_rank_in_draft", 1),
+    ("kl_target_draft", 1),
+    ("total_variation", 1),
+    ("target_entropy", 1),
+    ("target_top1_margin", 1),
+    ("draft_topk_ids", TOP_K),
+    ("target_topk_ids", TOP_K),
+)
+_INTEGER_COLUMNS = frozenset({"target_rank_in_draft", "draft_topk_ids", "target_topk_ids"})
+WIDTH = sum(width for _, width in _LAYOUT)
+
+
+@dataclass(frozen=True)
+class TargetRows:
+    """The target's side of the columns, computed once per target row.
+
+    In a teacher-forced pass one row of the target's scores serves up to K slots (slot j of anchor a and
+    slot j - 1 of anchor a + 1 predict the same token), so its softmax, entropy and top-k are computed
+    once per row and every slot reads them through a view (:meth:`windows`), never through a copy.
+    """
+
+    log_p: torch.Tensor  # [R, V] float32
+    p: torch.Tensor  # [R, V] float32
+    entropy: torch.Tensor  # [R]
+    # how sure the target was of its own top token, p(top1) - p(top2): a miss near a tie is irreducible at T = 0
+    top1_margin: torch.Tensor  # [R]
+    topk_ids: torch.Tensor  # [R, TOP_K]
+    tokens: torch.Tensor  # [R] the target's own (argmax) token
+
+    @classmethod
+    @torch.inference_mode()
+    def of(cls, target_logits: torch.Tensor, pad: int = 0) -> "TargetRows":
+        """Rows of ``target_logits`` [R, V]; ``pad`` copies of the last row are appended so that windows
+        reaching past the end stay in bounds (their slots have no known token and are dropped later)."""
+        if pad:
+            target_logits = torch.cat([target_logits, target_logits[-1:].expand(pad, -1)])
+        log_p = torch.log_softmax(target_logits, dim=-1, dtype=torch.float32)
+        p = log_p.exp()
+        topk_ids = target_logits.topk(TOP_K, dim=-1).indices
+        top2 = p.gather(-1, topk_ids[:, :2])  # softmax keeps the order: the two largest probabilities
+        return cls(log_p=log_p, p=p, entropy=-(p * log_p).sum(dim=-1), top1_margin=top2[:, 0] - top2[:, 1],
+                   topk_ids=topk_ids, tokens=target_logits.argmax(dim=-1))
+
+    def windows(self, first: int, count: int, k: int) -> "TargetRows":
+        """[count, k, ...] views: element [a, j] is row ``first + a + j`` (the slots of ``count`` consecutive anchors)."""
+        def view(x: torch.Tensor) -> torch.Tensor:
+            return x.unfold(0, k, 1)[first : first + count].movedim(-1, 1)
+
+        return TargetRows(*(view(x) for x in (self.log_p, self.p, self.entropy, self.top1_margin, self.topk_ids, self.tokens)))
+
 
 @torch.inference_mode()
-def divergence_columns(
-    draft_logits: torch.Tensor,  # [N, V]
-    target_logits: torch.Tensor,  # [N, V]
-    draft_tokens: torch.Tensor,  # [N]
-    target_tokens: torch.Tensor,  # [N] the target's own token at each slot
-    top_k: int = TOP_K,
-) -> dict[str, list]:
-    """Columns of ``tokens.parquet`` that describe how far the draft is from the target, per row."""
-    if draft_logits.shape[0] == 0:
-        return {name: [] for name in _COLUMNS}
-    log_q = torch.log_softmax(draft_logits.float(), dim=-1)
-    log_p = torch.log_softmax(target_logits.float(), dim=-1)
-    p, q = log_p.exp(), log_q.exp()
-    rows = torch.arange(draft_tokens.shape[0], device=draft_tokens.device)
-    top2 = p.topk(2, dim=-1).values  # [N, 2]
-    draft_score_of_target = draft_logits[rows, target_tokens]
-    columns = {
-        "target_prob_of_draft": p[rows, draft_tokens],
-        "draft_prob_of_target": q[rows, target_tokens],
-        "target_rank_in_draft": (draft_logits > draft_score_of_target[:, None]).sum(dim=-1),
-        "kl_target_draft": (p * (log_p - log_q)).sum(dim=-1).clamp_min(0.0),
-        "total_variation": 0.5 * (p - q).abs().sum(dim=-1),
-        "target_entropy": -(p * log_p).sum(dim=-1),
-        # how sure the target was of its own top token: a miss near a tie (small margin) is irreducible at T = 0
-        "target_top1_margin": top2[:, 0] - top2[:, 1],
-        "draft_topk_ids": draft_logits.topk(top_k, dim=-1).indices,
-        "target_topk_ids": target_logits.topk(top_k, dim=-1).indices,
-    }
-    return {name: value.cpu().tolist() for name, value in columns.items()}
+def divergence_tensor(draft_logits: torch.Tensor, draft_tokens: torch.Tensor, target: TargetRows) -> torch.Tensor:
+    """The columns of every slot packed as float64 [..., WIDTH], on the logits' device (no host copy).
+
+    ``draft_logits`` [..., V] and ``draft_tokens`` [...] index the slots as ``target``'s rows do.
+    """
+    if draft_tokens.numel() == 0:
+        return torch.empty((*draft_tokens.shape, WIDTH), dtype=torch.float64, device=draft_logits.device)
+    log_q = torch.log_softmax(draft_logits, dim=-1, dtype=torch.float32)
+    q = log_q.exp()
+    target_tokens = target.tokens[..., None]
+    draft_score_of_target = draft_logits.gather(-1, target_tokens)
+    columns = (
+        target.p.gather(-1, draft_tokens[..., None])[..., 0],
+        q.gather(-1, target_tokens)[..., 0],
+        (draft_logits > draft_score_of_target).sum(dim=-1),
+        (target.p * (target.log_p - log_q)).sum(dim=-1).clamp_min(0.0),
+        0.5 * (target.p - q).abs().sum(dim=-1),
+        target.entropy,
+        target.top1_margin,
+    )
+    packed = [column.to(torch.float64)[..., None] for column in columns]
+    packed.append(draft_logits.topk(TOP_K, dim=-1).indices.to(torch.float64))
+    packed.append(target.topk_ids.to(torch.float64))
+    return torch.cat(packed, dim=-1)
 
 
-_COLUMNS = (
-    "target_prob_of_draft",
-    "draft_prob_of_target",
-    "target_rank_in_draft",
-    "kl_target_draft",
-    "total_variation",
-    "target_entropy",
-    "target_top1_margin",
-    "draft_topk_ids",
-    "target_topk_ids",
-)
+def unpack_divergence(packed: np.ndarray) -> dict[str, list]:
+    """Host-side columns (lists, one entry per row) from a :func:`divergence_tensor` copied with ``.numpy()``."""
+    columns: dict[str, list] = {}
+    start = 0
+    for name, width in _LAYOUT:
+        block = packed[:, start : start + width]
+        if name in _INTEGER_COLUMNS:
+            block = block.astype(np.int64)
+        columns[name] = (block if width > 1 else block[:, 0]).tolist()
+        start += width
+    return columns

@@ -19,9 +19,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from dflash_doctor.engine.divergence import divergence_columns
+from dflash_doctor.engine.divergence import TargetRows, divergence_tensor, unpack_divergence
 from dflash_doctor.engine.proposers.base import Proposer
 from dflash_doctor.engine.schedule import CONVENTIONS, EndOfRequest, cut_at_stop, draft_budget
 from dflash_doctor.engine.target import TargetModel
@@ -109,11 +110,13 @@ def speculative_generate(
     last = sample_token(prefill.logits[-1], temperature, generator)
     output = [last]
     steps: list[dict] = []
-    tokens: list[dict] = []
+    # per-token records stay on the device until the request ends: one host copy per request
+    pending: list[tuple[torch.Tensor, int, int, list[int], int]] = []  # (packed rows, step, position, drafted, accepted)
     reason = "stop_token" if last in stop_ids else "max_new_tokens"
     while reason != "stop_token" and len(output) < max_new_tokens:
         position = len(output)  # output tokens committed before this step
         k_step = draft_budget(k, max_new_tokens, position)
+        _synchronize(device)  # the previous step's record kernels finish outside the draft time
         t0 = time.perf_counter()
         proposal = proposer.propose(last, k_step, convention.block_k(k, max_new_tokens - position))
         _synchronize(device)
@@ -161,21 +164,36 @@ def speculative_generate(
             }
         )
         if record_tokens and k_step:
-            target_tokens = verified.logits[:k_step].argmax(dim=-1)
-            columns = divergence_columns(proposal.logits, verified.logits[:k_step], proposal.tokens, target_tokens)
-            target_list = target_tokens.tolist()
-            for i in range(k_step):
-                row = {name: values[i] for name, values in columns.items()}
-                row.update(
-                    step=len(steps) - 1,
-                    position=position + i,
-                    offset=i + 1,
-                    draft_token=drafted[i],
-                    target_token=target_list[i],
-                    accepted=i < num_committed_drafts,
-                )
-                tokens.append(row)
+            target_rows = TargetRows.of(verified.logits[:k_step])
+            packed = divergence_tensor(proposal.logits, proposal.tokens, target_rows)
+            packed = torch.cat([packed, target_rows.tokens[:, None].to(packed.dtype)], dim=1)
+            pending.append((packed, len(steps) - 1, position, drafted, num_committed_drafts))
     output = output[:max_new_tokens]
+    tokens = _token_rows(pending)
     return GenerationResult(
         output_ids=output, stop_reason=reason, wall_time_s=time.perf_counter() - started, steps=steps, tokens=tokens
     )
+
+
+def _token_rows(pending: list[tuple[torch.Tensor, int, int, list[int], int]]) -> list[dict]:
+    """tokens.parquet rows of a request from its steps' packed divergence rows, copied to the host at once."""
+    if not pending:
+        return []
+    host = torch.cat([packed for packed, *_ in pending]).cpu().numpy()
+    columns = unpack_divergence(host[:, :-1])
+    target_list = host[:, -1].astype(np.int64).tolist()
+    tokens: list[dict] = []
+    for _, step, position, drafted, num_committed_drafts in pending:
+        for i in range(len(drafted)):
+            flat = len(tokens)
+            row = {name: values[flat] for name, values in columns.items()}
+            row.update(
+                step=step,
+                position=position + i,
+                offset=i + 1,
+                draft_token=drafted[i],
+                target_token=target_list[flat],
+                accepted=i < num_committed_drafts,
+            )
+            tokens.append(row)
+    return tokens

@@ -23,8 +23,9 @@ from typing import Iterable
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
-from dflash_doctor.engine.divergence import divergence_columns
+from dflash_doctor.engine.divergence import WIDTH, TargetRows, divergence_tensor, unpack_divergence
 from dflash_doctor.engine.proposers.base import Proposer
 from dflash_doctor.engine.schedule import CONVENTIONS, EndOfRequest, cut_at_stop, draft_budget
 from dflash_doctor.engine.target import TargetModel
@@ -112,45 +113,68 @@ def slot_table(
     proposer.prepare_teacher(ids, features)
     truth = torch.tensor(sequence.output_ids, device=device)
     n_anchor = max(n_out - 1, 0)
-    guesses = np.zeros((n_anchor, k), dtype=np.int64)
-    matches = np.zeros((n_anchor, k), dtype=bool)
-    accept_probs = np.zeros((n_anchor, k), dtype=np.float64) if temperature > 0 else None
-    divergence: dict[str, list] = {}
+    sampled = temperature > 0
+    target_rows = TargetRows.of(target_logits, pad=k) if record_divergence else None
     block_of = np.full(n_anchor, k)
     if max_new_tokens is not None:
         block_of = np.array([convention.block_k(k, max_new_tokens - (i + 1)) for i in range(n_anchor)], dtype=np.int64)
-    groups = [(start, min(start + ANCHOR_CHUNK, n_anchor)) for start in range(0, n_anchor, ANCHOR_CHUNK)]
-    groups = [(a, b, int(bk)) for a, b in groups for bk in sorted(np.unique(block_of[a:b]), reverse=True)]  # anchor order
-    for start, stop, bk in groups:
-        idx = torch.tensor(np.flatnonzero(block_of[start:stop] == bk) + start, device=device, dtype=torch.long)  # output indices
-        rows = idx.cpu().numpy()
-        logits = proposer.slot_logits(p_len + idx, bk)  # [A, bk, V]
+    # Results stay on the device until the sequence is done: a host copy per pass would stall the GPU's
+    # queue once per pass. Slots past a block or past the known output are padded / computed, then dropped
+    # on the host.
+    guess_parts, match_parts, prob_parts, divergence_parts = [], [], [], []
+    for start, stop, bk in _draft_passes(block_of):
+        logits = proposer.slot_logits(torch.arange(p_len + start, p_len + stop), bk)  # [A, bk, V]
+        idx = torch.arange(start, stop, device=device)  # output indices
         slot_pos = idx[:, None] + torch.arange(1, bk + 1, device=device)  # output index each slot predicts
         known = slot_pos < n_out
         safe_pos = slot_pos.clamp(max=n_out - 1)
         guess = logits.argmax(dim=-1)
-        true_tok = truth[safe_pos]
-        guesses[rows, :bk] = guess.cpu().numpy()
-        matches[rows, :bk] = ((guess == true_tok) & known).cpu().numpy()
-        target_rows = target_logits[p_len + safe_pos - 1]  # [A, bk, V] the target's scores for those slots
-        if accept_probs is not None:
-            p = torch.softmax(target_rows / temperature, dim=-1)
+        guess_parts.append(_widen(guess, k))
+        match_parts.append(_widen((guess == truth[safe_pos]) & known, k))
+        if sampled:  # the target's scores for each slot sit one row before the token it predicts
+            p = torch.softmax(target_logits[p_len + safe_pos - 1] / temperature, dim=-1)
             if proposer.samples_drafts(temperature):
-                q = torch.softmax(logits / temperature, dim=-1)
+                q = torch.softmax(logits.float() / temperature, dim=-1)
                 prob = torch.minimum(p, q).sum(dim=-1)
             else:
                 prob = p.gather(-1, guess[..., None])[..., 0]
-            accept_probs[rows, :bk] = (prob * known).cpu().numpy()
+            prob_parts.append(_widen(prob * known, k))
         if record_divergence:
-            flat = known.flatten()
-            cols = divergence_columns(
-                logits.flatten(0, 1)[flat], target_rows.flatten(0, 1)[flat], guess.flatten()[flat],
-                target_rows.flatten(0, 1)[flat].argmax(dim=-1),
-            )
-            for name, values in cols.items():
-                divergence.setdefault(name, []).extend(values)
+            slots = target_rows.windows(p_len + start, stop - start, bk)  # row p_len + a + j - 1 for slot j
+            divergence_parts.append(_widen(divergence_tensor(logits, guess, slots), k).flatten(0, 1))
+    guesses = _host(guess_parts, np.zeros((0, k), dtype=np.int64))
+    matches = _host(match_parts, np.zeros((0, k), dtype=bool))
+    accept_probs = _host(prob_parts, np.zeros((0, k))).astype(np.float64) if sampled else None
+    divergence: dict[str, list] = {}
+    if record_divergence:
+        slot = np.arange(1, k + 1)[None]
+        kept = ((np.arange(n_anchor)[:, None] + slot < n_out) & (slot <= block_of[:, None])).reshape(-1)
+        divergence = unpack_divergence(_host(divergence_parts, np.zeros((0, WIDTH)))[kept])
     table = SlotTable(guesses=guesses, matches=matches, accept_probs=accept_probs, divergence=divergence)
     return table, target_pass
+
+
+def _draft_passes(block_of: np.ndarray) -> list[tuple[int, int, int]]:
+    """(first, stop, block length) of each draft pass: up to ANCHOR_CHUNK consecutive anchors of one block length."""
+    passes = []
+    for chunk in range(0, len(block_of), ANCHOR_CHUNK):
+        first, end = chunk, min(chunk + ANCHOR_CHUNK, len(block_of))
+        for i in range(chunk + 1, end + 1):
+            if i == end or block_of[i] != block_of[first]:
+                passes.append((first, i, int(block_of[first])))
+                first = i
+    return passes
+
+
+def _widen(x: torch.Tensor, k: int) -> torch.Tensor:
+    """[A, bk, ...] -> [A, k, ...] (zeros / False): slots a shortened block does not draft get no guess, no match."""
+    bk = x.shape[1]
+    return x if bk == k else F.pad(x, (0, 0) * (x.dim() - 2) + (0, k - bk))
+
+
+def _host(parts: list[torch.Tensor], empty: np.ndarray) -> np.ndarray:
+    """The chunks of one result, concatenated on the device and copied to the host once (``empty``: no chunks)."""
+    return torch.cat(parts).cpu().numpy() if parts else empty
 
 
 def token_rows(table: SlotTable, steps: list[dict], output_ids: list[int], k: int) -> list[dict]:

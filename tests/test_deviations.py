@@ -13,7 +13,7 @@ from checks_fixtures import qwen3_tokenizer  # noqa: F401
 
 from dflash_doctor import deviations
 from dflash_doctor.deviations import ConfidenceRule, categorize, deviation_tables
-from dflash_doctor.engine.divergence import divergence_columns
+from dflash_doctor.engine.divergence import TargetRows, divergence_tensor, unpack_divergence
 
 CONFIDENT = {"target_entropy": 0.2, "target_top1_margin": 0.9}
 UNSURE = {"target_entropy": 2.5, "target_top1_margin": 0.05}
@@ -272,7 +272,8 @@ def test_grown_patterns_name_what_got_costlier_per_draft():
 
 def test_divergence_records_the_targets_top1_margin():
     target_logits = torch.log(torch.tensor([[0.7, 0.2, 0.1], [0.4, 0.35, 0.25]]))
-    draft_logits = torch.zeros(2, 3)
-    columns = divergence_columns(draft_logits, target_logits, torch.tensor([1, 0]), torch.tensor([0, 0]), top_k=2)
+    draft_logits = torch.zeros(2, 5)
+    target_logits = torch.cat([target_logits, torch.full((2, 2), -30.0)], dim=1)  # room for the top-5 columns
+    columns = unpack_divergence(divergence_tensor(draft_logits, torch.tensor([1, 0]), TargetRows.of(target_logits)).numpy())
     assert columns["target_top1_margin"] == pytest.approx([0.5, 0.05], abs=1e-6)
     assert all(math.isfinite(v) for v in columns["target_entropy"])

@@ -20,13 +20,14 @@ from dflash_doctor.engine.live import plain_generate, speculative_generate
 from dflash_doctor.engine.proposers.dflash import DFlashProposer
 from dflash_doctor.engine.schedule import CONVENTIONS
 from dflash_doctor.engine.target import TargetModel
-from dflash_doctor.engine.teacher import TeacherSequence, slot_table, walk_schedule
+from dflash_doctor.engine.teacher import TeacherSequence, slot_table, token_rows, walk_schedule
 from dflash_doctor.loading import load_dflash_draft
 from dflash_doctor.schema import load_run
 
 PROMPTS = [[1, 17, 42, 8, 9, 30, 31, 44], [1, 60, 61, 5, 22]]
 STEP_KEYS = ("position", "num_drafted", "num_accepted", "bonus_token")
 VARIANTS = ("sliding", "causal", "scaled", "dflash2")
+DIVERGENCE_COLUMNS = ("target_prob_of_draft", "draft_prob_of_target", "total_variation", "target_entropy", "target_top1_margin")
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +61,39 @@ def test_teacher_forced_replay_equals_live(variant, convention, target, tmp_path
         assert [tuple(s[k] for k in STEP_KEYS) for s in walked] == [tuple(s[k] for k in STEP_KEYS) for s in live.steps]
         accepted.update(s["num_accepted"] for s in live.steps)
     assert max(accepted) >= 1
+
+
+@pytest.mark.parametrize("convention", ["vllm", "official"])
+@pytest.mark.parametrize("variant", ["sliding", "dflash2"])
+def test_teacher_forced_divergence_equals_live(variant, convention, target, tmp_path):
+    """The per-token divergence columns of teacher-forced rows are the live loop's, the official
+    convention's shortened last blocks included (no stop token, so requests run to max_new_tokens):
+    accepted slots and the first rejected one were drafted on the true prefix in both paths."""
+    draft = load_dflash_draft(save_official(official_model(official_config(target, variant)), tmp_path))
+    rule, k, max_new = CONVENTIONS[convention], 5, 14
+    compared, shortened = 0, 0
+    for prompt in PROMPTS:
+        wrapped = TargetModel(target, draft.hidden_state_indices)
+        truth = plain_generate(wrapped, torch.tensor(prompt), max_new_tokens=max_new).output_ids
+        table, _ = slot_table(wrapped, DFlashProposer(draft, wrapped), TeacherSequence(prompt, truth), k,
+                              max_new_tokens=max_new, convention=rule)
+        live = speculative_generate(wrapped, DFlashProposer(draft, wrapped), torch.tensor(prompt), k=k,
+                                    max_new_tokens=max_new, convention=rule)
+        replayed = {row["position"]: row for row in token_rows(table, walk_schedule(table.matches, truth, k, max_new,
+                                                                                      frozenset(), rule), truth, k)}
+        num_accepted = {s["step"]: s["num_accepted"] for s in live.steps}
+        for row in live.tokens:
+            if row["offset"] > num_accepted[row["step"]] + 1:
+                continue
+            twin = replayed[row["position"]]
+            assert twin["draft_token"] == row["draft_token"]
+            for name in DIVERGENCE_COLUMNS:
+                assert twin[name] == pytest.approx(row[name], rel=1e-4, abs=1e-6), name
+            compared += 1
+            step_position = row["position"] - row["offset"] + 1
+            shortened += rule.block_k(k, max_new - step_position) < k
+    assert compared > 10
+    assert (shortened > 0) == (convention == "official")
 
 
 @pytest.fixture(scope="module")

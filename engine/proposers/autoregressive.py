@@ -86,4 +86,4 @@ class AutoregressiveProposer(Proposer):
     def slot_logits(self, anchors: torch.Tensor, k: int) -> torch.Tensor:
         rows = anchors[:, None] + torch.arange(k, device=anchors.device)  # [A, k]
         rows = rows.clamp(max=self._teacher_logits.shape[0] - 1)
-        return self._teacher_logits[rows.to(self._teacher_logits.device)]
+        return self._teacher_logits[rows.to(self._teacher_logits.device, non_blocking=True)]

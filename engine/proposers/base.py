@@ -82,4 +82,7 @@ class Proposer(ABC):
     @abstractmethod
     def slot_logits(self, anchors: torch.Tensor, k: int) -> torch.Tensor:
         """Draft logits [A, k, V] for slots 1..k of the steps whose last committed token sits at each of
-        ``anchors`` [A], with every earlier token taken from the known sequence (teacher forcing)."""
+        ``anchors`` [A], with every earlier token taken from the known sequence (teacher forcing).
+
+        ``anchors`` is a CPU tensor, so that an implementation can size its work from it without waiting
+        for the GPU; the logits may be in the model's dtype (upcast before taking probabilities)."""

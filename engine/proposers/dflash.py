@@ -96,12 +96,21 @@ class DFlashProposer(Proposer):
 
     @torch.inference_mode()
     def slot_logits(self, anchors: torch.Tensor, k: int) -> torch.Tensor:
-        """All blocks ``[token[a], mask x k]`` in one masked pass (engine/blocks.py), as the live loop drafts them."""
-        anchors = anchors.to(self._teacher_ids.device)
+        """All blocks ``[token[a], mask x k]`` in one masked pass (engine/blocks.py), as the live loop drafts them.
+
+        The context is cut after the last anchor: later keys are masked for every block anyway, and leaving
+        them out removes up to half of the attention work. ``anchors`` may stay on the host (reading their
+        maximum then costs no synchronisation). A plain DFlash draft's scores stay in the model's dtype (no
+        float32 copy of [A, k, V]); callers that need probabilities upcast them. ``previous`` holds the true
+        token before each slot (DFlash 2's selector reads it).
+        """
+        bound = int(anchors.max()) + 1
+        ids = self._teacher_ids
+        anchors = anchors.to(ids.device, non_blocking=True)  # the pass's one host-to-device copy
+        ctx_kv = [(key[:, :, :bound], value[:, :, :bound]) for key, value in self._teacher_ctx_kv]
         hidden = draft_block_hidden(
-            self.model, self._embedding_weight(), self._teacher_ids, self._teacher_ctx_kv,
-            anchors[None], torch.ones_like(anchors, dtype=torch.bool)[None], k + 1,
+            self.model, self._embedding_weight(), ids[:, :bound], ctx_kv, anchors[None],
+            torch.ones(anchors.shape, dtype=torch.bool, device=ids.device)[None], k + 1,
         )
-        ids = self._teacher_ids[0]
-        previous = (anchors[:, None] + torch.arange(k, device=ids.device)).clamp(max=ids.shape[0] - 1)  # token before each slot
-        return self.model.teacher_scores(hidden[0, :, 1:], ids[previous], self.target.model.get_output_embeddings())  # [A, k, V]
+        previous = (anchors[:, None] + torch.arange(k, device=ids.device)).clamp(max=ids.shape[1] - 1)
+        return self.model.teacher_scores(hidden[0, :, 1:], ids[0, previous], self.target.model.get_output_embeddings())  # [A, k, V]

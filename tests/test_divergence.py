@@ -1,0 +1,86 @@
+"""Divergence columns are computed batched on the device and unpacked on the host: they must equal the
+textbook definitions, and the teacher-forced replay must give the live loop's values for the same slots."""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from dflash_doctor.engine.divergence import TOP_K, TargetRows, divergence_tensor, unpack_divergence
+from dflash_doctor.engine.live import plain_generate, speculative_generate
+from dflash_doctor.engine.proposers.autoregressive import AutoregressiveProposer
+from dflash_doctor.engine.target import TargetModel
+from dflash_doctor.engine.teacher import TeacherSequence, slot_table, token_rows, walk_schedule
+from tests.tiny_models import tiny_target
+
+FLOAT_COLUMNS = ("target_prob_of_draft", "draft_prob_of_target", "kl_target_draft", "total_variation", "target_entropy",
+                 "target_top1_margin")
+
+
+def test_packed_columns_equal_the_definitions():
+    generator = torch.Generator().manual_seed(7)
+    draft = torch.randn(9, 301, generator=generator) * 3
+    target = torch.randn(9, 301, generator=generator) * 3
+    draft_tokens = torch.randint(0, 301, (9,), generator=generator)
+    target_tokens = target.argmax(dim=-1)
+    columns = unpack_divergence(divergence_tensor(draft, draft_tokens, TargetRows.of(target)).numpy())
+
+    p, q = torch.softmax(target.double(), -1), torch.softmax(draft.double(), -1)
+    rows = torch.arange(9)
+    expected = {
+        "target_prob_of_draft": p[rows, draft_tokens],
+        "draft_prob_of_target": q[rows, target_tokens],
+        "kl_target_draft": (p * (p.log() - q.log())).sum(-1),
+        "total_variation": 0.5 * (p - q).abs().sum(-1),
+        "target_entropy": -(p * p.log()).sum(-1),
+        "target_top1_margin": p.topk(2, -1).values[:, 0] - p.topk(2, -1).values[:, 1],
+    }
+    for name, values in expected.items():
+        np.testing.assert_allclose(columns[name], values.numpy(), rtol=1e-4, atol=1e-6, err_msg=name)
+    ranks = [int((draft[i] > draft[i, target_tokens[i]]).sum()) for i in range(9)]
+    assert columns["target_rank_in_draft"] == ranks and all(isinstance(r, int) for r in ranks)
+    assert columns["draft_topk_ids"] == draft.topk(TOP_K, -1).indices.tolist()
+    assert columns["target_topk_ids"] == target.topk(TOP_K, -1).indices.tolist()
+
+
+def test_no_rows_gives_empty_columns():
+    empty = divergence_tensor(torch.zeros(0, 5), torch.zeros(0, dtype=torch.long), TargetRows.of(torch.zeros(0, 5)))
+    columns = unpack_divergence(empty.numpy())
+    assert columns and all(values == [] for values in columns.values())
+
+
+def test_windows_read_the_rows_each_slot_predicts_from():
+    logits = torch.randn(7, 11)
+    rows = TargetRows.of(logits, pad=3)
+    windows = rows.windows(2, 4, 3)  # anchors 2..5, slots 0..2 -> rows 2 + a + j (the last ones are padding)
+    index = (torch.arange(4)[:, None] + torch.arange(3)[None] + 2).clamp(max=6)
+    assert torch.equal(windows.log_p, torch.log_softmax(logits, -1)[index])
+    assert torch.equal(windows.tokens, logits.argmax(-1)[index])
+    assert windows.topk_ids.shape == (4, 3, TOP_K) and windows.entropy.shape == (4, 3)
+
+
+@pytest.mark.parametrize("k", [2, 5])
+def test_teacher_rows_carry_the_live_loops_divergence(k):
+    """Accepted slots and the first rejected one were drafted on the true prefix in both paths."""
+    target_model = tiny_target()
+    draft_model = copy.deepcopy(target_model)
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for parameter in draft_model.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.004)
+    prompt = [5, 17, 42, 8, 9]
+    truth = plain_generate(TargetModel(target_model), torch.tensor(prompt), max_new_tokens=30).output_ids
+    live = speculative_generate(TargetModel(target_model), AutoregressiveProposer(draft_model), torch.tensor(prompt),
+                                k=k, max_new_tokens=30)
+    table, _ = slot_table(TargetModel(target_model), AutoregressiveProposer(draft_model), TeacherSequence(prompt, truth), k)
+    replayed = token_rows(table, walk_schedule(table.matches, truth, k, 30, frozenset()), truth, k)
+    on_true_prefix = [row for row in live.tokens if row["offset"] <= 1 + sum(
+        s["num_accepted"] for s in live.steps if s["step"] == row["step"])]
+    by_position = {row["position"]: row for row in replayed}
+    assert len(on_true_prefix) > 10
+    for row in on_true_prefix:
+        twin = by_position[row["position"]]
+        assert twin["draft_token"] == row["draft_token"] and twin["draft_topk_ids"][0] == row["draft_topk_ids"][0]
+        for name in FLOAT_COLUMNS:
+            assert twin[name] == pytest.approx(row[name], rel=1e-4, abs=1e-6), name
