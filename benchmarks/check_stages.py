@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/check_stages.py                      # this tree: stage table
     .venv/bin/python benchmarks/check_stages.py --baseline main   # that revision and this tree, alternating
     .venv/bin/python benchmarks/check_stages.py -- --max-requests 6  # a smaller check (flags after --)
+    .venv/bin/python benchmarks/check_stages.py --baseline main --keep /tmp/runs  # keep the run directories
 
 Each measurement is one whole default `check` (demo pair, demo workload, every K, probes, checks, reports;
 the converted GGUF cached) in a fresh subprocess, with the pipeline's functions wrapped by timers. A
@@ -125,7 +126,7 @@ def _patch(clock: StageClock) -> None:
                     setattr(other, attr, timed)
 
 
-def child(out_json: Path, check_args: list[str]) -> None:
+def child(out_json: Path, check_args: list[str], run_dir: Path | None) -> None:
     clock = StageClock()
     _patch(clock)
     from typer.testing import CliRunner
@@ -134,7 +135,7 @@ def child(out_json: Path, check_args: list[str]) -> None:
 
     with tempfile.TemporaryDirectory() as scratch:
         start = _clocks()
-        result = CliRunner().invoke(app, ["check", *check_args, "--out", str(Path(scratch) / "run")])
+        result = CliRunner().invoke(app, ["check", *check_args, "--out", str(run_dir or Path(scratch) / "run")])
         total = [now - then for now, then in zip(_clocks(), start)]
     if result.exit_code not in (0, 1):
         raise SystemExit(f"check failed ({result.exit_code}): {result.output[-2000:]}")
@@ -161,13 +162,14 @@ def stage_revision(revision: str, dest: Path) -> Path:
     return tree
 
 
-def measure(tree: Path | None, label: str, check_args: list[str]) -> dict:
+def measure(tree: Path | None, label: str, check_args: list[str], keep: Path | None) -> dict:
     env = dict(os.environ)
     if tree is not None:
         env["PYTHONPATH"] = str(tree) + os.pathsep + env.get("PYTHONPATH", "")
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         print(f"measuring {label} ...", file=sys.stderr, flush=True)
-        command = [sys.executable, __file__, "--child", out.name, "--", *check_args]
+        run_dir = ["--run-dir", str(keep / "".join(c if c.isalnum() else "-" for c in label))] if keep else []
+        command = [sys.executable, __file__, "--child", out.name, *run_dir, "--", *check_args]
         subprocess.run(command, check=True, env=env, cwd=tempfile.gettempdir())
         return json.loads(Path(out.name).read_text())
 
@@ -188,20 +190,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--baseline", help="a git revision to measure side by side with this tree")
     parser.add_argument("--rounds", type=int, default=1, help="baseline/candidate pairs, alternating")
+    parser.add_argument("--keep", type=Path, help="keep each check's run directory here (to diff their report.json)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--run-dir", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("check_args", nargs="*", help="after --: extra `check` flags (default: none, the default check)")
     args = parser.parse_args()
     if args.child:
-        child(Path(args.child), args.check_args)
+        child(Path(args.child), args.check_args, args.run_dir)
         return
     shown = " ".join(["check", *args.check_args])
     if not args.baseline:
-        print_stages(f"this tree, `{shown}`", measure(None, "this tree", args.check_args))
+        print_stages(f"this tree, `{shown}`", measure(None, "this tree", args.check_args, args.keep))
         return
     with tempfile.TemporaryDirectory() as scratch:
         tree = stage_revision(args.baseline, Path(scratch))
         pairs = [
-            (measure(tree, f"{args.baseline} (round {r + 1})", args.check_args), measure(None, f"this tree (round {r + 1})", args.check_args))
+            (measure(tree, f"{args.baseline} (round {r + 1})", args.check_args, args.keep),
+             measure(None, f"this tree (round {r + 1})", args.check_args, args.keep))
             for r in range(args.rounds)
         ]
     for index, (base, new) in enumerate(pairs, 1):

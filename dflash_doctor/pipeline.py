@@ -198,7 +198,7 @@ def _probes(pair: Pair, requests: Sequence[Request], replay: Replay, config: Doc
     )
     if config.temperature == 0:
         probes.lossless = lossless_probe(pair, turns, k=max(config.k), dtype=config.dtype)
-    offset = layer_offset_probe(pair, turns)
+    offset = layer_offset_probe(pair, turns, replay.full_block_matches)
     if offset is not None:
         probes.offset_probe, probes.offset_probe_drafts = offset
     return probes

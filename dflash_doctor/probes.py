@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from dflash_doctor.engine.live import plain_generate, speculative_generate
@@ -60,13 +61,19 @@ def lossless_probe(pair: Pair, turns: Sequence[Turn], k: int, dtype: str) -> Los
 
 
 @torch.inference_mode()
-def layer_offset_probe(pair: Pair, turns: Sequence[Turn]) -> tuple[dict[int, float], int] | None:
+def layer_offset_probe(pair: Pair, turns: Sequence[Turn],
+                       matches_at_zero: dict[str, np.ndarray] | None = None) -> tuple[dict[int, float], int] | None:
     """tau at the full block with the draft's target layer ids shifted by -1, 0 and +1, and the number of
     drafts behind offset 0's tau (so the check can tell a verdict from noise). None for a draft kind that
     reads no target layers.
 
     A draft trained on layers ``l`` reads the right features only at offset 0; a neighbour beating it
     means the configured ids are off by one (vLLM PR #42704, llama.cpp #25792).
+
+    One target forward per turn taps every layer the three offsets read (each offset's features are
+    columns of it, the same numbers a forward of its own would give). ``matches_at_zero``: the replay's
+    full-block greedy matches by turn key (:attr:`dflash_doctor.replay.Replay.full_block_matches`);
+    offset 0 is the configured draft, so a turn found there is not drafted again.
     """
     kind = pair.kind
     if kind.layer_ids is None or kind.with_layer_ids is None:
@@ -74,19 +81,31 @@ def layer_offset_probe(pair: Pair, turns: Sequence[Turn]) -> tuple[dict[int, flo
     layer_ids = kind.layer_ids(pair.draft_model)
     num_layers = pair.target.model.config.num_hidden_layers
     k = pair.default_k
-    taus: dict[int, float] = {}
-    drafts_at_zero = 0
-    for offset in (-1, 0, 1):
-        ids = [layer + offset for layer in layer_ids]
-        if min(ids) < 0 or max(ids) >= num_layers:
-            continue
-        proposer = pair.with_draft(kind.with_layer_ids(pair.draft_model, ids)).proposer
-        drafts = accepted = 0
-        for turn in turns:
-            table, _ = slot_table(pair.target, proposer, TeacherSequence(turn.prompt_ids, turn.output_ids), k, record_divergence=False)
-            steps = [s for s in walk_schedule(table.matches, turn.output_ids, k, turn.max_new_tokens, pair.stop_ids) if s["num_drafted"]]
-            drafts += len(steps)
-            accepted += sum(s["num_accepted"] for s in steps)
-        taus[offset] = 1.0 + accepted / drafts if drafts else float("nan")
-        drafts_at_zero = drafts if offset == 0 else drafts_at_zero
-    return taus, drafts_at_zero
+    offsets = [o for o in (-1, 0, 1) if min(layer_ids) + o >= 0 and max(layer_ids) + o < num_layers]
+    proposers = {o: pair.with_draft(kind.with_layer_ids(pair.draft_model, [layer + o for layer in layer_ids])).proposer for o in offsets}
+    taps = sorted({i for proposer in proposers.values() for i in proposer.needs.hidden_state_indices})
+    drafts = dict.fromkeys(offsets, 0)
+    accepted = dict.fromkeys(offsets, 0)
+    for turn in turns:
+        sequence = TeacherSequence(turn.prompt_ids, turn.output_ids)
+        reused = (matches_at_zero or {}).get(turn.key)
+        if reused is not None and reused.shape[1] != k:
+            reused = None
+        pair.target.reset()
+        out = pair.target.forward(torch.tensor(turn.prompt_ids + turn.output_ids, device=pair.target.device), taps=tuple(taps))
+        pair.target.reset()
+        width = out.features.shape[-1] // len(taps)
+        column = {tap: out.features[:, n * width:(n + 1) * width] for n, tap in enumerate(taps)}
+        for offset in offsets:
+            if offset != 0 or reused is None:
+                proposer = proposers[offset]
+                features = torch.cat([column[tap] for tap in proposer.needs.hidden_state_indices], dim=-1)
+                table, _ = slot_table(pair.target, proposer, sequence, k, record_divergence=False, target_pass=(out.logits, features))
+                matches = table.matches
+            else:
+                matches = reused
+            steps = [s for s in walk_schedule(matches, turn.output_ids, k, turn.max_new_tokens, pair.stop_ids) if s["num_drafted"]]
+            drafts[offset] += len(steps)
+            accepted[offset] += sum(s["num_accepted"] for s in steps)
+    taus = {o: 1.0 + accepted[o] / drafts[o] if drafts[o] else float("nan") for o in offsets}
+    return taus, drafts.get(0, 0)

@@ -40,13 +40,18 @@ Progress = Callable[[GenerationResult], None]
 class Replay:
     """What a replay produced, in memory: every turn, the request and step rows written (for the
     summary), the steps at every K (teacher-forced) with whether each K is exact, and whether Ctrl-C
-    cut it short."""
+    cut it short.
+
+    ``full_block_matches``: per turn key, the largest K's greedy matches when every anchor drafted a
+    full block (T = 0, an end-of-request convention that keeps the block): exactly what the layer-offset
+    probe computes at offset 0, so it reads them instead of drafting again."""
 
     turns: list[Turn] = field(default_factory=list)
     request_rows: list[dict[str, Any]] = field(default_factory=list)
     step_rows: list[dict[str, Any]] = field(default_factory=list)
     steps_by_k: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
     estimate_by_k: dict[int, str] = field(default_factory=dict)
+    full_block_matches: dict[str, np.ndarray] = field(default_factory=dict)
     interrupted: bool = False
 
     def requests_frame(self) -> pd.DataFrame:
@@ -198,6 +203,8 @@ def replay_teacher(pair: Pair, requests: Sequence[Request], *, ks: tuple[int, ..
             steps = walk_schedule(matches, result.output_ids, k, turn.max_new_tokens, pair.stop_ids, convention)
             replay.steps_by_k[k].extend({"request_id": turn.key, "class": turn.request.request_class, **s} for s in steps)
             if k == k_max:
+                if temperature <= 0 and not convention.shrink_last_block:
+                    replay.full_block_matches[turn.key] = table.matches
                 result.steps = [{**s, "draft_time_s": float("nan"), "verify_time_s": float("nan")} for s in steps]
                 result.tokens = token_rows(tables[k_max], steps, result.output_ids, k_max)
 

@@ -1,0 +1,70 @@
+"""Probes on the replay's in-memory turns: work they share with the replay or with each other must give
+the numbers a probe computing everything alone gives."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash_doctor.config import build_config
+from dflash_doctor.engine.teacher import TeacherSequence, slot_table, walk_schedule
+from dflash_doctor.loading import save_dflash_draft
+from dflash_doctor.pair import load_pair
+from dflash_doctor.probes import layer_offset_probe, probe_turns
+from dflash_doctor.record import RunMeta, RunRecord
+from dflash_doctor.replay import replay_teacher
+from dflash_doctor.schema import RunWriter
+from dflash_doctor.workloads import load_workload
+from tests.test_cli_engine import tiny_tokenizer, write_workload
+from tests.tiny_models import tiny_dflash, tiny_target
+
+MAX_NEW_TOKENS = 16
+LAYER_IDS = (1, 2)  # of 4 target layers: offsets -1, 0 and +1 all exist
+
+
+@pytest.fixture(scope="module")
+def replayed(tmp_path_factory):
+    """A tiny pair (favoured tokens, so drafts are accepted) and its teacher-forced replay at the full block."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("probes")
+    target = tiny_target()
+    with torch.no_grad():
+        target.lm_head.weight[75] *= 2.0  # the untrained draft leans to token 75: the target often agrees
+    target.save_pretrained(root / "target")
+    tiny_tokenizer().save_pretrained(root / "target")
+    save_dflash_draft(tiny_dflash(target, block_size=6, layer_ids=LAYER_IDS), root / "dflash")
+    config = build_config(target=str(root / "target"), draft=str(root / "dflash"),
+                          workload=str(write_workload(root / "workload.jsonl", per_class=1)), max_new_tokens=MAX_NEW_TOKENS)
+    pair = load_pair(config)
+    requests = load_workload(config.workload, seed=config.seed)
+    with RunWriter(root / "run", RunRecord(meta=RunMeta(command="sweep")).to_json()) as writer:
+        replay = replay_teacher(pair, requests, ks=tuple(range(1, pair.default_k + 1)), max_new_tokens=MAX_NEW_TOKENS,
+                                temperature=0.0, seed=config.seed, exact_blocks=False, writer=writer)
+    yield pair, replay
+    torch.set_num_threads(threads)
+
+
+def test_layer_offset_probe_equals_each_offset_drafted_alone(replayed):
+    """One target forward tapping every offset's layers, and offset 0 read from the replay, give the taus
+    and draft count of one target forward and one drafting pass per offset."""
+    pair, replay = replayed
+    turns = probe_turns(replay.turns)
+    assert set(replay.full_block_matches) >= {turn.key for turn in turns}
+    expected: dict[int, float] = {}
+    drafts_by_offset: dict[int, int] = {}
+    for offset in (-1, 0, 1):
+        draft = pair.kind.with_layer_ids(pair.draft_model, [layer + offset for layer in LAYER_IDS])
+        proposer = pair.with_draft(draft).proposer
+        drafts = accepted = 0
+        for turn in turns:
+            table, _ = slot_table(pair.target, proposer, TeacherSequence(turn.prompt_ids, turn.output_ids), pair.default_k,
+                                  record_divergence=False)
+            steps = [s for s in walk_schedule(table.matches, turn.output_ids, pair.default_k, turn.max_new_tokens, pair.stop_ids)
+                     if s["num_drafted"]]
+            drafts += len(steps)
+            accepted += sum(s["num_accepted"] for s in steps)
+        expected[offset], drafts_by_offset[offset] = 1.0 + accepted / drafts, drafts
+    assert expected[0] > 1.0 and expected[-1] != expected[0]  # drafts accepted, offsets told apart: a mix-up would show
+    assert layer_offset_probe(pair, turns, replay.full_block_matches) == (expected, drafts_by_offset[0])
+    assert layer_offset_probe(pair, turns) == (expected, drafts_by_offset[0])
