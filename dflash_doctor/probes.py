@@ -94,8 +94,11 @@ def layer_offset_probe(pair: Pair, turns: Sequence[Turn],
         pair.target.reset()
         out = pair.target.forward(torch.tensor(turn.prompt_ids + turn.output_ids, device=pair.target.device), taps=tuple(taps))
         pair.target.reset()
-        width = out.features.shape[-1] // len(taps)
-        column = {tap: out.features[:, n * width:(n + 1) * width] for n, tap in enumerate(taps)}
+        tapped = out.features
+        if tapped is None:  # a forward given taps always returns their features; this narrows the type
+            raise RuntimeError("the target forward returned no hidden states for the layer-offset probe's taps")
+        width = tapped.shape[-1] // len(taps)
+        column = {tap: tapped[:, n * width:(n + 1) * width] for n, tap in enumerate(taps)}
         for offset in offsets:
             if offset != 0 or reused is None:
                 proposer = proposers[offset]
