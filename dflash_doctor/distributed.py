@@ -255,7 +255,8 @@ def merge_replays(replays: Sequence[Replay], requests: Sequence[Request]) -> Rep
 
     position = {request.id: index for index, request in enumerate(requests)}
     turns = sorted((turn for replay in replays for turn in replay.turns), key=lambda t: (position[t.request.id], t.index))
-    merged = Replay(turns=turns, estimate_by_k=dict(replays[0].estimate_by_k), interrupted=any(r.interrupted for r in replays))
+    merged = Replay(turns=turns, estimate_by_k=dict(replays[0].estimate_by_k), interrupted=any(r.interrupted for r in replays),
+                    full_block_matches={key: matches for replay in replays for key, matches in replay.full_block_matches.items()})
     order = turn_order(merged)
 
     def ordered(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

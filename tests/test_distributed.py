@@ -13,12 +13,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
 
-from dflash_doctor.distributed import PARTS_DIR, parse_devices, placement_of, shard_requests
+from dflash_doctor.distributed import PARTS_DIR, merge_replays, parse_devices, placement_of, shard_requests
 from dflash_doctor.errors import UsageError
+from dflash_doctor.replay import Replay
 from dflash_doctor.schema import load_run
 from dflash_doctor.workloads import Request
 from tests.test_cli_engine import pair_args, tiny_dir, write_workload  # noqa: F401  (tiny_dir is a fixture)
@@ -39,6 +41,15 @@ def test_shards_cover_every_request_once_and_every_rank_sees_every_class():
     assert max(map(len, shards)) - min(map(len, shards)) <= 1
     assert all([requests.index(r) for r in shard] == sorted(requests.index(r) for r in shard) for shard in shards)  # input order
     assert shards == [shard_requests(list(requests), rank, 3) for rank in range(3)]  # deterministic
+
+
+def test_merged_replay_keeps_every_ranks_full_block_matches():
+    # the layer-offset probe reads offset 0 from them; a merge that drops them makes rank 0 draft it again
+    first = Replay(full_block_matches={"math-0": np.array([[1, 0]])})
+    second = Replay(full_block_matches={"code-0": np.array([[0, 1]]), "chat-0#t1": np.array([[1, 1]])})
+    merged = merge_replays([first, second], [])
+    assert set(merged.full_block_matches) == {"math-0", "code-0", "chat-0#t1"}
+    assert merged.full_block_matches["code-0"] is second.full_block_matches["code-0"]
 
 
 def test_placement_keeps_embeddings_and_head_on_the_first_device_and_splits_the_layers():
