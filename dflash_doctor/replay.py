@@ -22,7 +22,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from dflash_doctor.engine.batched import generate_greedy_batch
+from dflash_doctor.engine.batched import generate_greedy_batch, padding_id
 from dflash_doctor.engine.live import GenerationResult, plain_generate, speculative_generate
 from dflash_doctor.engine.schedule import CONVENTIONS, EndOfRequest
 from dflash_doctor.engine.teacher import TeacherSequence, slot_table, token_rows, walk_schedule
@@ -139,7 +139,7 @@ def replay_live(pair: Pair, requests: Sequence[Request], *, k: int, max_new_toke
 def _continuations(pair: Pair, temperature: float, generator: torch.Generator):
     """The target's own answers: batched greedy at T = 0 (padding may flip a near-tie relative to batch-1
     decoding, which is why the lossless probe compares with unbatched decoding), sampled one by one above."""
-    pad_token_id = pair.tokenizer.pad_token_id if pair.tokenizer.pad_token_id is not None else min(pair.stop_ids, default=0)
+    pad_token_id = padding_id(pair.tokenizer, pair.stop_ids)
 
     def generate(pending: Sequence[PendingTurn]) -> list[GenerationResult]:
         if temperature > 0:

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence, cast
 import torch
 import torch.nn.functional as F
 
-from dflash_doctor.engine.batched import generate_greedy_batch
+from dflash_doctor.engine.batched import generate_greedy_batch, padding_id
 from dflash_doctor.engine.blocks import context_kv_for, draft_block_hidden
 from dflash_doctor.engine.dflash_model import DFlashConfig, DFlashDraftModel
 from dflash_doctor.engine.proposers.dflash import DFlashProposer
@@ -275,7 +275,7 @@ def prepare_sequences(model: CausalLM, tokenizer: Any, requests: Sequence[Reques
     if not cached:
         cache_path.parent.mkdir(parents=True, exist_ok=True)
         cache_path.write_text(json.dumps({"key": cache_key}) + "\n", encoding="utf-8")
-    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stop_ids, default=0)
+    pad_token_id = padding_id(tokenizer, stop_ids)
     eos = tokenizer.eos_token_id
     answers: dict[str, list[str]] = {r.id: [] for r in requests}
     records: dict[tuple[str, int], SequenceRecord] = {}
@@ -335,7 +335,7 @@ def self_written_prompts(model: CausalLM, tokenizer: Any, count: int, *, cache_p
     rendered = tokenizer.apply_chat_template([{"role": "user", "content": marker}], chat_template=chat_template, tokenize=False,
                                              add_generation_prompt=False)
     prefix = list(tokenizer(rendered[:rendered.index(marker)], add_special_tokens=False)["input_ids"])
-    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stop_ids, default=0)
+    pad_token_id = padding_id(tokenizer, stop_ids)
     torch.manual_seed(seed)
     texts: list[str] = []
     seen: set[str] = set()
@@ -420,7 +420,7 @@ def prepare_training_data(model: CausalLM, tokenizer: Any, requests: Sequence[Re
                                 max_new_tokens=max_new_tokens, stop_ids=stop_ids, chat_template=chat_template,
                                 use_recorded_responses=use_recorded_responses, batch_size=batch_size, progress=progress)
     if samples_per_prompt > 0:
-        pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stop_ids, default=0)
+        pad_token_id = padding_id(tokenizer, stop_ids)
         records = records + sampled_sequences(
             model, records, samples_per_prompt=samples_per_prompt, temperature=sample_temperature,
             cache_path=out_dir / SAMPLED_SEQUENCES_FILE, cache_key=cache_key, max_new_tokens=max_new_tokens,

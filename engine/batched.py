@@ -6,12 +6,19 @@ makes a sweep cheap on a CPU; training generates its data the same way.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
 if TYPE_CHECKING:
     from dflash_doctor.engine.target import CausalLM
+
+
+def padding_id(tokenizer: Any, stop_ids: frozenset[int]) -> int:
+    """The id that fills the padding of :func:`generate_greedy_batch`: the tokenizer's pad token, else a
+    stop id (many chat models declare none; the left padding is masked out and a finished row's fill is
+    cut at its stop token, so any real id serves)."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stop_ids, default=0)
 
 
 def generate_greedy_batch(model: CausalLM, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
