@@ -69,7 +69,7 @@ def main() -> None:
         for k in ks:
             steps = walk_schedule(table.matches[:, :k], output, k, max_new, stop_ids)
             teacher_steps[k].append(steps)
-        token_rows(table, teacher_steps[max(ks)][-1], output, max(ks))  # the tokens table a sweep writes
+        token_rows(table, teacher_steps[max(ks)][-1], output)  # the tokens table a sweep writes
     teacher_s = time.perf_counter() - started
 
     live_steps: dict[int, list[list[dict]]] = {k: [] for k in ks}

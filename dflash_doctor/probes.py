@@ -103,7 +103,8 @@ def layer_offset_probe(pair: Pair, turns: Sequence[Turn],
             if offset != 0 or reused is None:
                 proposer = proposers[offset]
                 features = torch.cat([column[tap] for tap in proposer.needs.hidden_state_indices], dim=-1)
-                table, _ = slot_table(pair.target, proposer, sequence, k, record_divergence=False, target_pass=(out.logits, features))
+                table, _ = slot_table(pair.target, proposer, sequence, k, record_divergence=False,
+                                      full_anchors=lambda matches: (), target_pass=(out.logits, features))
                 matches = table.matches
             else:
                 matches = reused

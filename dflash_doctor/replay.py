@@ -42,7 +42,7 @@ class Replay:
     summary), the steps at every K (teacher-forced) with whether each K is exact, and whether Ctrl-C
     cut it short.
 
-    ``full_block_matches``: per turn key, the largest K's greedy matches when every anchor drafted a
+    ``full_block_matches``: per turn key, the largest K's greedy matched runs when every anchor drafted a
     full block (T = 0, an end-of-request convention that keeps the block): exactly what the layer-offset
     probe computes at offset 0, so it reads them instead of drafting again."""
 
@@ -187,13 +187,20 @@ def replay_teacher(pair: Pair, requests: Sequence[Request], *, ks: tuple[int, ..
     def annotate(turn: Turn) -> None:
         result = turn.result
         sequence = TeacherSequence(turn.prompt_ids, result.output_ids)
+        def drafted_from(matches: np.ndarray) -> list[int]:
+            """The anchors K_max's schedule drafts from: the only ones the tokens table has rows for."""
+            return [s["position"] - 1 for s in walk_schedule(matches, result.output_ids, k_max, turn.max_new_tokens, pair.stop_ids, convention)]
+
         tables: dict[int, Any] = {}
         target_pass = None
         for block_k in sorted(block_passes, reverse=True):
+            recorded = block_k == k_max
+            # at T = 0 only the recorded schedule's anchors need every slot; the sweep reads matched runs
+            full_anchors = None if temperature > 0 else (drafted_from if recorded else lambda matches: ())
             tables[block_k], target_pass = slot_table(
                 pair.target, pair.proposer, sequence, block_k, temperature=temperature,
-                record_divergence=block_k == k_max, target_pass=target_pass, max_new_tokens=turn.max_new_tokens,
-                convention=convention,
+                record_divergence=recorded, full_anchors=full_anchors, target_pass=target_pass,
+                max_new_tokens=turn.max_new_tokens, convention=convention,
             )
         for k in ks:
             table = tables.get(k, tables[k_max])
@@ -206,7 +213,7 @@ def replay_teacher(pair: Pair, requests: Sequence[Request], *, ks: tuple[int, ..
                 if temperature <= 0 and not convention.shrink_last_block:
                     replay.full_block_matches[turn.key] = table.matches
                 result.steps = [{**s, "draft_time_s": float("nan"), "verify_time_s": float("nan")} for s in steps]
-                result.tokens = token_rows(tables[k_max], steps, result.output_ids, k_max)
+                result.tokens = token_rows(tables[k_max], steps, result.output_ids)
 
     chunk = len(requests) if temperature <= 0 else 1  # batch across requests only for greedy continuations
     turns = run_turns(pair, requests, max_new_tokens, _continuations(pair, temperature, generator), chunk_size=max(chunk, 1))

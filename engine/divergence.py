@@ -72,6 +72,10 @@ class TargetRows:
 
         return TargetRows(*(view(x) for x in (self.log_p, self.p, self.entropy, self.top1_margin, self.topk_ids, self.tokens)))
 
+    def select(self, index: torch.Tensor) -> "TargetRows":
+        """Rows ``index`` of every field (along the first dimension): a copy, for anchors that are not consecutive."""
+        return TargetRows(*(x[index] for x in (self.log_p, self.p, self.entropy, self.top1_margin, self.topk_ids, self.tokens)))
+
 
 @torch.inference_mode()
 def divergence_tensor(draft_logits: torch.Tensor, draft_tokens: torch.Tensor, target: TargetRows) -> torch.Tensor:

@@ -74,7 +74,7 @@ def test_teacher_rows_carry_the_live_loops_divergence(k):
     live = speculative_generate(TargetModel(target_model), AutoregressiveProposer(draft_model), torch.tensor(prompt),
                                 k=k, max_new_tokens=30)
     table, _ = slot_table(TargetModel(target_model), AutoregressiveProposer(draft_model), TeacherSequence(prompt, truth), k)
-    replayed = token_rows(table, walk_schedule(table.matches, truth, k, 30, frozenset()), truth, k)
+    replayed = token_rows(table, walk_schedule(table.matches, truth, k, 30, frozenset()), truth)
     on_true_prefix = [row for row in live.tokens if row["offset"] <= 1 + sum(
         s["num_accepted"] for s in live.steps if s["step"] == row["step"])]
     by_position = {row["position"]: row for row in replayed}
