@@ -22,7 +22,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from dflash_doctor.engine.batched import generate_greedy_batch, padding_id
+from dflash_doctor.engine.batched import generate_greedy_batch
 from dflash_doctor.engine.live import GenerationResult, plain_generate, speculative_generate
 from dflash_doctor.engine.schedule import CONVENTIONS, EndOfRequest
 from dflash_doctor.engine.teacher import TeacherSequence, slot_table, token_rows, walk_schedule
@@ -137,10 +137,9 @@ def replay_live(pair: Pair, requests: Sequence[Request], *, k: int, max_new_toke
 
 
 def _continuations(pair: Pair, temperature: float, generator: torch.Generator):
-    """The target's own answers: batched greedy at T = 0 (padding may flip a near-tie relative to batch-1
-    decoding, which is why the lossless probe compares with unbatched decoding), sampled one by one above."""
-    pad_token_id = padding_id(pair.tokenizer, pair.stop_ids)
-
+    """The target's own answers: batched greedy at T = 0 (the batch's padded decoding steps may flip a
+    near-tie relative to batch-1 decoding, which is why the lossless probe arbitrates a mismatch with
+    unbatched decoding), sampled one by one above."""
     def generate(pending: Sequence[PendingTurn]) -> list[GenerationResult]:
         if temperature > 0:
             return [
@@ -152,7 +151,7 @@ def _continuations(pair: Pair, temperature: float, generator: torch.Generator):
         for start in range(0, len(pending), GREEDY_BATCH_SIZE):
             batch = pending[start:start + GREEDY_BATCH_SIZE]
             outputs = generate_greedy_batch(pair.target.model, [p.prompt_ids for p in batch], max_new_tokens=max(p.max_new_tokens for p in batch),
-                                            stop_ids=pair.stop_ids, pad_token_id=pad_token_id)
+                                            stop_ids=pair.stop_ids)
             for item, output in zip(batch, outputs, strict=True):
                 output = output[:item.max_new_tokens]
                 stopped = bool(output) and output[-1] in pair.stop_ids
