@@ -130,7 +130,9 @@ def slot_table(
     sampled = temperature > 0
     if sampled and full_anchors is not None:
         raise ValueError("full_anchors needs T = 0: under sampling every slot's acceptance probability is read")
-    target_rows = TargetRows.of(target_logits, pad=k) if record_divergence else None
+    # the target's rows from the first output token on (row p_len + i predicts output[i + 1]): the
+    # prompt's rows predict nothing a slot drafts, and on later turns they are most of the sequence
+    target_rows = TargetRows.of(target_logits[p_len:], pad=k) if record_divergence and n_anchor else None
     block_of = np.full(n_anchor, k)
     if max_new_tokens is not None:
         block_of = np.array([convention.block_k(k, max_new_tokens - (i + 1)) for i in range(n_anchor)], dtype=np.int64)
@@ -170,7 +172,7 @@ def slot_table(
                 prob = p.gather(-1, guess[..., None])[..., 0]
             prob_parts.append(_widen(prob * known, k))
         if target_rows is not None and len(full):  # record_divergence
-            slots = target_rows.windows(p_len + start, stop - start, bk)  # row p_len + a + j - 1 for slot j
+            slots = target_rows.windows(start, stop - start, bk)  # sequence row p_len + a + j - 1 for slot j
             if len(full) < stop - start:
                 slots = slots.select(full)
             divergence_parts.append(_widen(divergence_tensor(logits, guess[full], slots), k).flatten(0, 1))
