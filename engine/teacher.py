@@ -173,9 +173,7 @@ def slot_table(
             prob_parts.append(_widen(prob * known, k))
         if target_rows is not None and len(full):  # record_divergence
             slots = target_rows.windows(start, stop - start, bk)  # sequence row p_len + a + j - 1 for slot j
-            if len(full) < stop - start:
-                slots = slots.select(full)
-            divergence_parts.append(_widen(divergence_tensor(logits, guess[full], slots), k).flatten(0, 1))
+            divergence_parts.append(_widen(divergence_tensor(logits, guess[full], slots, full), k).flatten(0, 1))
             recorded.append(full + start)
     guesses = _host(guess_parts, np.zeros((0, k), dtype=np.int64))
     matches = _host(match_parts, np.zeros((0, k), dtype=bool))
