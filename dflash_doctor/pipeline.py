@@ -75,7 +75,7 @@ def _new_record(config: DoctorConfig, pair: Pair, command: str, **meta: Any) -> 
 def _summarize(record: RunRecord, replay: Replay, seed: int) -> None:
     record.meta.interrupted = replay.interrupted
     summary = summarize(replay.steps_frame(), replay.requests_frame(), seed=seed)
-    record.summary = _from_json(Summary, summary)
+    record.summary = Summary.from_json(summary)
 
 
 def _sweep(record: RunRecord, pair: Pair, replay: Replay, config: DoctorConfig) -> None:

@@ -35,11 +35,10 @@ def parse_formats(value: str | Iterable[str]) -> tuple[str, ...]:
 
 def render_markdown(run: Run) -> str:
     """report.md: tables only, no scripts or raw HTML, for pull-request comments."""
-    meta = run.meta
-    checks = meta.get("checks") or []
+    record = run.record
     text = markdown_env().get_template("report.md").render(
-        run_name=run.name, incomplete=incomplete_note(run), meta=meta, verdict=verdict(run.record.checks), counts=check_counts(run.record.checks),
-        checks=checks, rows=class_rows(meta), why=deviations.analyze_run(run),
+        run_name=run.name, incomplete=incomplete_note(run), record=record, verdict=verdict(record.checks), counts=check_counts(record.checks),
+        checks=record.checks, rows=class_rows(record), why=deviations.analyze_run(run),
     )
     return text.rstrip("\n") + "\n"
 

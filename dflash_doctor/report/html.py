@@ -114,14 +114,14 @@ def token_viewer(run: Run, extra_request_ids: Iterable[str] = ()) -> list[dict[s
 
 def charts(run: Run) -> list[dict[str, Any]]:
     """Every chart of the report, in page order, with the section it belongs to."""
-    summary = run.meta.get("summary") or {}
+    summary = run.record.summary
     built = [
         ("acceptance", "tau-by-class", figures.tau_by_class_figure(summary)),
         ("acceptance", "rate-by-slot", figures.acceptance_by_position_figure(summary)),
         ("acceptance", "conditional-rate-by-slot", figures.acceptance_by_position_figure(summary, conditional=True)),
         ("acceptance", "acceptance-histogram", figures.acceptance_histogram_figure(summary)),
         ("acceptance", "acceptance-along-output", figures.acceptance_along_output_figure(run.steps)),
-        ("sweep", "speedup-by-k", figures.speedup_by_k_figure(summary.get("sweep"), run.meta.get("recommendation"))),
+        ("sweep", "speedup-by-k", figures.speedup_by_k_figure(summary.sweep, run.record.recommendation)),
     ]
     return [{"section": section, "id": f"chart-{name}", "html": figure_html(fig, f"chart-{name}")} for section, name, fig in built]
 
@@ -154,8 +154,7 @@ def step_anchor(request_id: str, step: int) -> str:
 
 
 def render_html(run: Run) -> str:
-    meta = run.meta
-    checks = meta.get("checks") or []
+    record = run.record
     analysis = deviations.analyze_run(run)
     examples = [pair["example"]["request_id"] for summary in analysis["by_class"].values()
                 for pair in summary["top_pairs"][:WHY_REJECTED_EXAMPLES_PER_CLASS]]
@@ -163,12 +162,12 @@ def render_html(run: Run) -> str:
     return html_env().get_template("report.html").render(
         run_name=run.name,
         incomplete=incomplete_note(run),
-        meta=meta,
-        verdict=verdict(run.record.checks),
-        counts=check_counts(run.record.checks),
-        checks=checks,
-        rows=class_rows(meta),
-        sweep=(meta.get("summary") or {}).get("sweep"),
+        record=record,
+        verdict=verdict(record.checks),
+        counts=check_counts(record.checks),
+        checks=record.checks,
+        rows=class_rows(record),
+        step_costs=record.summary.sweep.step_costs() if record.summary.sweep is not None else None,
         charts=charts(run),
         viewer=viewer,
         why=why_rejected_section(analysis, viewer),
