@@ -6,7 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from dflash_doctor import deviations
 from dflash_doctor.record import Metrics, Recommendation, RunRecord
 from dflash_doctor.schema import Run
 from dflash_doctor.status import CheckResult, overall_status, status_counts
@@ -59,7 +58,7 @@ def incomplete_note(run: Run) -> str | None:
     )
 
 
-def report_payload(run: Run) -> dict[str, Any]:
+def report_payload(run: Run, analysis: dict[str, Any]) -> dict[str, Any]:
     """report.json: the run's verdict, checks, summary and recommendation with stable, sorted keys.
 
     It is what CI scripts read (``jq .verdict``), so keys only ever get added, and
@@ -78,7 +77,7 @@ def report_payload(run: Run) -> dict[str, Any]:
         "checks": meta["checks"],
         "summary": meta["summary"],
         "recommendation": meta["recommendation"],
-        "why_rejected": deviations.analyze_run(run),  # deviation patterns per class (dflash_doctor.deviations)
+        "why_rejected": analysis,  # deviation patterns per class (dflash_doctor.deviations.analyze_run)
         "models": meta["models"],
         "environment": meta["environment"],
         "config": meta["config"],

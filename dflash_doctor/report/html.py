@@ -127,21 +127,20 @@ def charts(run: Run) -> list[dict[str, Any]]:
 
 
 def why_rejected_section(analysis: dict[str, Any], viewer: list[dict[str, Any]]) -> dict[str, Any]:
-    """The deviation analysis plus, for each top pattern, the anchor of its example in the token viewer
-    (the step when it is shown, else the request) and its charts."""
+    """The deviation analysis (left as it is: report.json shows the same object), its charts, and
+    ``example_anchor``: where a top pattern's example sits in the token viewer (its step when shown, else
+    its request, else None)."""
     shown_steps = {(r["request_id"], s["step"]) for r in viewer for s in r["steps"]}
     shown_requests = {r["request_id"] for r in viewer}
-    for summary in [analysis["overall"], *analysis["by_class"].values()]:
-        for pair in summary["top_pairs"]:
-            example = pair["example"]
-            key = (example["request_id"], example["step"])
-            pair["anchor"] = (
-                step_anchor(*key) if key in shown_steps else request_anchor(key[0]) if key[0] in shown_requests else None
-            )
+
+    def example_anchor(example: dict[str, Any]) -> str | None:
+        key = (example["request_id"], example["step"])
+        return step_anchor(*key) if key in shown_steps else request_anchor(key[0]) if key[0] in shown_requests else None
+
     built = [("category", figures.category_acceptance_figure(analysis))]
     built += [(key.replace("by_", "").replace("_", "-"), figures.acceptance_along_figure(analysis, key)) for key in figures.DEVIATION_AXES]
     charts = [{"id": f"chart-why-{name}", "html": figure_html(fig, f"chart-why-{name}")} for name, fig in built]
-    return {"analysis": analysis, "charts": charts}
+    return {"analysis": analysis, "charts": charts, "example_anchor": example_anchor}
 
 
 def request_anchor(request_id: str) -> str:
@@ -153,9 +152,10 @@ def step_anchor(request_id: str, step: int) -> str:
     return f"{request_anchor(request_id)}-step-{step}"
 
 
-def render_html(run: Run) -> str:
+def render_html(run: Run, analysis: dict[str, Any] | None = None) -> str:
+    """report.html; ``analysis`` is the run's :func:`dflash_doctor.deviations.analyze_run` when the caller has it."""
     record = run.record
-    analysis = deviations.analyze_run(run)
+    analysis = analysis if analysis is not None else deviations.analyze_run(run)
     examples = [pair["example"]["request_id"] for summary in analysis["by_class"].values()
                 for pair in summary["top_pairs"][:WHY_REJECTED_EXAMPLES_PER_CLASS]]
     viewer = token_viewer(run, examples)
