@@ -453,7 +453,7 @@ def extract_features(target_model: CausalLM, sequences: Sequence[Sequence[int]],
     extra = _forward_without_logits(target_model)
     model_device = next(target_model.parameters()).device
     order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
-    features: list[torch.Tensor | None] = [None] * len(sequences)
+    features: dict[int, torch.Tensor] = {}  # by sequence index: computed in length order, returned in input order
     for start in range(0, len(order), batch_size):
         chunk = order[start:start + batch_size]
         width = max(len(sequences[i]) for i in chunk)
@@ -464,7 +464,7 @@ def extract_features(target_model: CausalLM, sequences: Sequence[Sequence[int]],
         taps = torch.cat([hidden[i] for i in hidden_state_indices], dim=-1)  # [n, width, F]
         for row, index in enumerate(chunk):
             features[index] = taps[row, :len(sequences[index])].to(device, dtype=dtype or taps.dtype).clone()
-    return features  # type: ignore[return-value]
+    return [features[i] for i in range(len(sequences))]
 
 
 def slot_weights(block_size: int, gamma: float) -> torch.Tensor:
