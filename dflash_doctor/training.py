@@ -49,6 +49,7 @@ from dflash_doctor.engine.target import TargetModel
 from dflash_doctor.engine.teacher import TeacherSequence, slot_table, walk_schedule
 from dflash_doctor.errors import UsageError
 from dflash_doctor.loading import load_dflash_draft, save_dflash_draft
+from dflash_doctor.schema import StepRow, as_row
 from dflash_doctor.workloads import Request, encode_request_turn
 
 if TYPE_CHECKING:
@@ -698,7 +699,7 @@ def held_out_steps(target_model: CausalLM, draft: DFlashDraftModel, records: Seq
             continue
         table, _ = slot_table(target, proposer, TeacherSequence(prompt, output), k, record_divergence=False)
         limit = len(output) + (1 if output[-1] in stop_ids else 0)
-        rows += [{"request_id": record.request_id, "class": record.request_class, **step}
+        rows += [as_row(StepRow(request_id=record.request_id, request_class=record.request_class, **vars(step)))
                  for step in walk_schedule(table.matches, output, k, limit, stop_ids)]
     return rows
 
