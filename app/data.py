@@ -21,6 +21,7 @@ import pandas as pd
 
 from dflash_doctor.errors import UsageError
 from dflash_doctor.metrics import NUM_BOOTSTRAP_RESAMPLES, OVERALL, bootstrap_ratio, group_rng, interval, summarize, summary_group
+from dflash_doctor.record import Recommendation, RunRecord, Summary, Sweep
 from dflash_doctor.schema import RUN_JSON, TABLES, read_run_meta, run_data_files
 from dflash_doctor.status import STATUS_RANK, VERDICT_NONE, CheckResult, overall_status, status_counts
 
@@ -199,12 +200,12 @@ CLASS_TABLE_COLUMNS = [
 ]
 
 
-def filtered_summary(steps: pd.DataFrame, requests: pd.DataFrame, *, seed: int = 0) -> dict[str, Any]:
-    """The run.json ``summary`` recomputed over a subset of requests (same metrics code, same CIs)."""
-    return summarize(steps[steps["request_id"].isin(requests["request_id"])], requests, seed=seed)
+def filtered_summary(steps: pd.DataFrame, requests: pd.DataFrame, *, seed: int = 0) -> Summary:
+    """The run's summary recomputed over a subset of requests (same metrics code, same CIs)."""
+    return Summary.from_json(summarize(steps[steps["request_id"].isin(requests["request_id"])], requests, seed=seed))
 
 
-def class_table(summary: dict[str, Any], requests: pd.DataFrame, *, seed: int = 0) -> pd.DataFrame:
+def class_table(summary: Summary, requests: pd.DataFrame, *, seed: int = 0) -> pd.DataFrame:
     """tau and draft-token rejection rate per class with 95% CIs, "overall" first, then worst tau first.
 
     tau and its CI come from the summary (bonus included, vLLM's mean acceptance length). The rejection
@@ -212,26 +213,25 @@ def class_table(summary: dict[str, Any], requests: pd.DataFrame, *, seed: int = 
     summary's CIs do.
     """
     rows = []
-    groups = {"overall": summary.get("overall") or {}, **(summary.get("by_class") or {})}
-    for cls, metrics in groups.items():
-        if not metrics.get("num_drafts"):
+    for cls, metrics in summary.scopes().items():
+        if not metrics.num_drafts:
             continue
         members = requests if cls == "overall" else requests[requests["class"] == cls]
         accepted_lo, accepted_hi = bootstrap_ratio_ci(
             members["num_accepted_tokens"].to_numpy(), members["num_draft_tokens"].to_numpy(), seed=seed, group=summary_group(cls)
         )
-        tau_lo, tau_hi = (metrics.get("mean_acceptance_length_ci") or [None, None])[:2]
+        tau_lo, tau_hi = metrics.mean_acceptance_length_ci
         rows.append(
             {
                 "class": cls,
-                "num_requests": metrics.get("num_requests"),
-                "num_drafts": metrics.get("num_drafts"),
-                "num_draft_tokens": metrics.get("num_draft_tokens"),
-                "num_accepted_tokens": metrics.get("num_accepted_tokens"),
-                "tau": metrics.get("mean_acceptance_length"),
+                "num_requests": metrics.num_requests,
+                "num_drafts": metrics.num_drafts,
+                "num_draft_tokens": metrics.num_draft_tokens,
+                "num_accepted_tokens": metrics.num_accepted_tokens,
+                "tau": metrics.mean_acceptance_length,
                 "tau_lo": tau_lo,
                 "tau_hi": tau_hi,
-                "rejection_rate": 1.0 - metrics["draft_acceptance_rate"] if metrics.get("draft_acceptance_rate") is not None else None,
+                "rejection_rate": 1.0 - metrics.draft_acceptance_rate if metrics.draft_acceptance_rate is not None else None,
                 "rejection_rate_lo": 1.0 - accepted_hi,
                 "rejection_rate_hi": 1.0 - accepted_lo,
             }
@@ -257,22 +257,20 @@ def class_requests(requests: pd.DataFrame, cls: str) -> pd.DataFrame:
 POSITION_COLUMNS = ["class", "slot", "unconditional", "unconditional_lo", "unconditional_hi", "conditional"]
 
 
-def position_table(summary: dict[str, Any]) -> pd.DataFrame:
+def position_table(summary: Summary) -> pd.DataFrame:
     """Per-slot acceptance for "overall" and every class, long format (1-based draft slot).
 
     unconditional r_i = P(at least i tokens accepted) per draft; conditional a_i = r_i / r_{i-1}
     = P(slot i accepted | slots before it accepted): where a_i drops is where the draft loses.
     """
     rows = []
-    groups = {"overall": summary.get("overall") or {}, **(summary.get("by_class") or {})}
-    for cls, metrics in groups.items():
-        if not metrics.get("num_drafts"):
+    for cls, metrics in summary.scopes().items():
+        if not metrics.num_drafts:
             continue  # no drafts: the rates are undefined (NaN), not zero
-        rates = metrics.get("acceptance_rate_per_pos") or []
-        cis = metrics.get("acceptance_rate_per_pos_ci") or [[None, None]] * len(rates)
-        conditional = metrics.get("conditional_acceptance_rate_per_pos") or [None] * len(rates)
-        for slot, (rate, ci, cond) in enumerate(zip(rates, cis, conditional), start=1):
-            lo, hi = (ci or [None, None])[:2]
+        rates = metrics.acceptance_rate_per_pos
+        cis = metrics.acceptance_rate_per_pos_ci or [[None, None]] * len(rates)  # telemetry may lack the intervals
+        conditional = metrics.conditional_acceptance_rate_per_pos
+        for slot, (rate, (lo, hi), cond) in enumerate(zip(rates, cis, conditional), start=1):
             rows.append({"class": cls, "slot": slot, "unconditional": rate, "unconditional_lo": lo, "unconditional_hi": hi, "conditional": cond})
     return pd.DataFrame(rows, columns=POSITION_COLUMNS).astype({c: "float64" for c in POSITION_COLUMNS[2:]})
 
@@ -443,36 +441,44 @@ def candidates_table(slot: pd.Series, vocabulary: dict[int, str]) -> pd.DataFram
 SWEEP_COLUMNS = ["class", "k", "mean_acceptance_length", "tau_lo", "tau_hi", "speedup", "estimate"]
 
 
-def sweep_table(sweep: dict[str, Any]) -> pd.DataFrame:
-    """The sweep rows of run.json as one long frame ("overall" plus each class)."""
+def sweep_table(sweep: Sweep) -> pd.DataFrame:
+    """The sweep rows as one long frame ("overall" plus each class)."""
     rows = []
-    groups = {"overall": sweep.get("overall") or [], **(sweep.get("by_class") or {})}
-    for cls, entries in groups.items():
+    for cls, entries in sweep.scopes().items():
         for entry in entries:
-            lo, hi = (entry.get("mean_acceptance_length_ci") or [None, None])[:2]
+            lo, hi = entry.mean_acceptance_length_ci
             rows.append(
                 {
                     "class": cls,
-                    "k": int(entry["k"]),
-                    "mean_acceptance_length": entry.get("mean_acceptance_length"),
+                    "k": entry.k,
+                    "mean_acceptance_length": entry.mean_acceptance_length,
                     "tau_lo": lo,
                     "tau_hi": hi,
-                    "speedup": entry.get("speedup"),
-                    "estimate": entry.get("estimate", ""),
+                    "speedup": entry.speedup,
+                    "estimate": entry.estimate,
                 }
             )
     return pd.DataFrame(rows, columns=SWEEP_COLUMNS)
 
 
-def recommendation_table(recommendation: dict[str, Any]) -> pd.DataFrame:
+def step_cost_table(sweep: Sweep) -> pd.DataFrame:
+    """The draft and verify milliseconds per K behind the sweep's speedups."""
+    costs = sweep.step_costs()
+    return pd.DataFrame({
+        "draft ms": {k: 1000 * v for k, v in costs.t_draft_s.items()},
+        "verify ms": {k: 1000 * v for k, v in costs.t_verify_s.items()},
+    }).rename_axis("K").sort_index()
+
+
+def recommendation_table(recommendation: dict[str, Recommendation]) -> pd.DataFrame:
     """Recommended K per class ("overall" first); K = 0 means speculation off for that class."""
     rows = [
         {
             "class": cls,
-            "k": rec.get("k"),
-            "conservative_k": rec.get("conservative_k"),
-            "speedup": rec.get("speedup"),
-            "reason": rec.get("reason", ""),
+            "k": rec.k,
+            "conservative_k": rec.conservative_k,
+            "speedup": rec.speedup,
+            "reason": rec.reason,
         }
         for cls, rec in recommendation.items()
     ]
@@ -532,10 +538,18 @@ def highlight_regressions(row: pd.Series) -> list[str]:
     return [style] * len(row)
 
 
-def changed_facts(base_meta: dict[str, Any], new_meta: dict[str, Any]) -> pd.DataFrame:
+def run_facts(record: RunRecord) -> dict[str, Any]:
+    """The facts that say what ran: models (identity and kind facts), environment, config."""
+    return {
+        "models": {role: info.fields() for role, info in record.models.items()},
+        "environment": record.environment,
+        "config": record.config,
+    }
+
+
+def changed_facts(base: RunRecord, new: RunRecord) -> pd.DataFrame:
     """Model, environment and config facts that differ between two runs (the usual suspects)."""
-    sections = ("models", "environment", "config")
-    base = facts_table({s: base_meta.get(s) or {} for s in sections}).set_index("key")["value"]
-    new = facts_table({s: new_meta.get(s) or {} for s in sections}).set_index("key")["value"]
-    both = pd.concat([base.rename("BASE"), new.rename("NEW")], axis=1).fillna("—")
+    base_facts = facts_table(run_facts(base)).set_index("key")["value"]
+    new_facts = facts_table(run_facts(new)).set_index("key")["value"]
+    both = pd.concat([base_facts.rename("BASE"), new_facts.rename("NEW")], axis=1).fillna("—")
     return both[both["BASE"] != both["NEW"]].rename_axis("fact").reset_index()

@@ -18,6 +18,7 @@ import streamlit as st
 from dflash_doctor import compare, deviations
 from dflash_doctor.app import RUNS_DIR_ENV, data
 from dflash_doctor.errors import UsageError
+from dflash_doctor.record import Summary
 from dflash_doctor.report.content import incomplete_note
 from dflash_doctor.schema import Run, load_run
 
@@ -151,20 +152,20 @@ def has_requests(run: Run) -> bool:
 @st.cache_data(show_spinner="Recomputing for the filter…", max_entries=64)
 def class_view(
     path: str, mtime_ns: int, classes: tuple[str, ...], subclasses: tuple[str, ...], buckets: tuple[str, ...]
-) -> tuple[dict, pd.DataFrame, pd.DataFrame]:
+) -> tuple[Summary, pd.DataFrame, pd.DataFrame]:
     """(summary, per-class table, requests) for one filter, cached per filter.
 
     With no filter the summary is run.json's own (the numbers the report shows); a filter recomputes
     it over the kept requests with the same metrics code and seed.
     """
     run = _load(path, mtime_ns, ("requests", "steps"))
-    seed = int(run.record.config.get("seed") or 0)
+    seed = run.record.seed
     requests = data.with_length_bucket(run.requests)
     chosen = data.filter_requests(requests, classes, subclasses, buckets)
     if classes or subclasses or buckets:
         summary = data.filtered_summary(run.steps, chosen, seed=seed)
     else:
-        summary = run.meta.get("summary") or {}
+        summary = run.record.summary
     return summary, data.class_table(summary, chosen, seed=seed), chosen
 
 

@@ -45,14 +45,14 @@ def compare(target_model, official_draft, ours, prompts, stop_ids, k, max_new):
         for name in ("official", "vllm"):
             result = speculative_generate(wrapped, proposer, torch.tensor(prompt), k=k, max_new_tokens=max_new,
                                           stop_ids=frozenset(stop_ids), convention=CONVENTIONS[name], record_tokens=False)
-            results[name] = (result.output_ids, [s["num_accepted"] + 1 for s in result.steps], result.steps)
+            results[name] = (result.output_ids, [s.num_accepted + 1 for s in result.steps], result.steps)
         out, lengths, _ = results["official"]
         row["requests"] += 1
         row["outputs_equal"] += out == official_out and results["vllm"][0] == official_out
         row["steps_official"] += len(official_lengths)
         row["equal_official"] += sum(a == b for a, b in zip(lengths, official_lengths)) if len(lengths) == len(official_lengths) else 0
         for step, length, official_length in zip(results["vllm"][2], results["vllm"][1], official_lengths):
-            if max_new - step["position"] >= k:
+            if max_new - step.position >= k:
                 row["steps_full_block"] += 1
                 row["equal_vllm"] += length == official_length
         row["official_lengths"] += official_lengths

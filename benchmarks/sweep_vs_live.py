@@ -23,6 +23,7 @@ import torch
 from dflash_doctor.engine.live import plain_generate, speculative_generate
 from dflash_doctor.engine.proposers.autoregressive import AutoregressiveProposer
 from dflash_doctor.engine.target import TargetModel
+from dflash_doctor.engine.records import StepRecord
 from dflash_doctor.engine.teacher import TeacherSequence, slot_table, token_rows, walk_schedule
 from dflash_doctor.engine.batched import generate_greedy_batch
 from engine_overhead import demo_prompts, load_smollm2_pair
@@ -30,14 +31,14 @@ from engine_overhead import demo_prompts, load_smollm2_pair
 STEP_KEYS = ("position", "num_drafted", "num_accepted", "bonus_token")
 
 
-def pooled_tau(steps_per_prompt: list[list[dict]]) -> float:
+def pooled_tau(steps_per_prompt: list[list[StepRecord]]) -> float:
     """tau = 1 + accepted / drafts over all prompts (bonus included, vLLM's definition)."""
-    drafts = [s for steps in steps_per_prompt for s in steps if s["num_drafted"] > 0]
-    return 1.0 + sum(s["num_accepted"] for s in drafts) / len(drafts) if drafts else float("nan")
+    drafts = [s for steps in steps_per_prompt for s in steps if s.num_drafted > 0]
+    return 1.0 + sum(s.num_accepted for s in drafts) / len(drafts) if drafts else float("nan")
 
 
-def step_keys(steps: list[dict]) -> list[tuple]:
-    return [tuple(s[key] for key in STEP_KEYS) for s in steps]
+def step_keys(steps: list[StepRecord]) -> list[tuple]:
+    return [tuple(getattr(s, key) for key in STEP_KEYS) for s in steps]
 
 
 def main() -> None:

@@ -21,13 +21,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import pandas as pd
 
 from dflash_doctor import deviations, figures
 from dflash_doctor.metrics import NUM_BOOTSTRAP_RESAMPLES, OVERALL, RequestCounters, group_rng, interval, summarize, summary_group, truncate_steps
+from dflash_doctor.record import Summary
 from dflash_doctor.report.html import figure_html, plotly_js
 from dflash_doctor.report.templating import html_env, markdown_env
 from dflash_doctor.schema import Run, load_run
@@ -111,11 +112,15 @@ def _steps_at_largest_k(run: Run) -> tuple[pd.DataFrame, int]:
 
 @dataclass(frozen=True)
 class _Side:
-    """One run's numbers for one class at the compared K: the metrics block the run's own summary
-    shows (``summary_group``) and the bootstrap resamples behind the interval of the difference."""
+    """One run's numbers for one class at the compared K: tau and the per-slot rates with their
+    intervals as the run's own summary shows them (``summary_group``; a watch's from its scrape
+    intervals), and the bootstrap resamples behind the interval of the difference."""
 
-    num_requests: int
-    metrics: dict[str, Any]
+    num_units: int  # resampled units: requests of a run, scrape intervals of a watch; 0 = not in this run
+    tau: float | None
+    tau_ci: Sequence[float | None] | None
+    rates: Sequence[float | None]
+    rate_cis: Sequence[Sequence[float | None]]
     tau_samples: np.ndarray  # [n_boot]
     rate_samples: np.ndarray  # [n_boot, k]
 
@@ -127,24 +132,25 @@ def _sides(run: Run, k: int) -> dict[str, _Side]:
     them); at a smaller K the summary is recomputed on truncated steps by the same code.
     """
     steps, k_run = _steps_at_largest_k(run)
-    seed = int(run.record.config.get("seed", 0))
+    seed = run.record.seed
     requests = run.requests if run.requests is not None and not run.requests.empty else None
     if k == k_run and run.record.summary.overall is not None:
-        summary = run.meta["summary"]  # the dict form: summarize() below returns the same
+        summary = run.record.summary
     else:
         steps = truncate_steps(steps, k)
-        summary = summarize(steps, requests, num_slots=k, seed=seed)
+        summary = Summary.from_json(summarize(steps, requests, num_slots=k, seed=seed))
     sides = {}
-    for cls, metrics in [(OVERALL, summary["overall"]), *summary["by_class"].items()]:
+    for cls, metrics in summary.scopes().items():
         chosen = steps if cls == OVERALL else steps[steps["class"] == cls]
         request_ids = pd.unique(chosen["request_id"].to_numpy())
         counters = RequestCounters(chosen, request_ids, k)
         tau_samples, rate_samples = counters.bootstrap(NUM_BOOTSTRAP_RESAMPLES, group_rng(seed, summary_group(cls)))
-        sides[cls] = _Side(int(metrics.get("num_requests") or 0), metrics, tau_samples, rate_samples)
+        sides[cls] = _Side(metrics.num_requests, metrics.mean_acceptance_length, metrics.mean_acceptance_length_ci,
+                           metrics.acceptance_rate_per_pos, metrics.acceptance_rate_per_pos_ci, tau_samples, rate_samples)
     return sides
 
 
-_NO_SIDE = _Side(0, {}, np.full(NUM_BOOTSTRAP_RESAMPLES, np.nan), np.full((NUM_BOOTSTRAP_RESAMPLES, 0), np.nan))
+_NO_SIDE = _Side(0, None, None, [], [], np.full(NUM_BOOTSTRAP_RESAMPLES, np.nan), np.full((NUM_BOOTSTRAP_RESAMPLES, 0), np.nan))
 
 
 def _ci(values: Any) -> tuple[float, float] | None:
@@ -161,11 +167,10 @@ def _finite(value: Any) -> float | None:
 def _compare_slice(cls: str, base: _Side, new: _Side, k: int, threshold_tau: float, threshold_rate: float) -> list[MetricComparison]:
     """tau and r_1..r_k of one class in both runs, each with base/new/delta intervals and a verdict."""
     note = ""
-    if base.num_requests == 0 or new.num_requests == 0:
-        note = f"only in {'NEW' if base.num_requests == 0 else 'BASE'}: not compared"
+    if base.num_units == 0 or new.num_units == 0:
+        note = f"only in {'NEW' if base.num_units == 0 else 'BASE'}: not compared"
 
-    def rate(side: _Side, key: str, i: int) -> Any:
-        values = side.metrics.get(key) or []
+    def at(values: Sequence[Any], i: int) -> Any:
         return values[i] if i < len(values) else None
 
     def samples(side: _Side, i: int) -> np.ndarray:
@@ -173,15 +178,12 @@ def _compare_slice(cls: str, base: _Side, new: _Side, k: int, threshold_tau: flo
 
     # (metric, slot, base value, base ci, new value, new ci, base samples, new samples, threshold)
     metrics = [(
-        "mean_acceptance_length", None,
-        base.metrics.get("mean_acceptance_length"), base.metrics.get("mean_acceptance_length_ci"),
-        new.metrics.get("mean_acceptance_length"), new.metrics.get("mean_acceptance_length_ci"),
+        "mean_acceptance_length", None, base.tau, base.tau_ci, new.tau, new.tau_ci,
         base.tau_samples, new.tau_samples, threshold_tau,
     )]
     metrics += [(
         "acceptance_rate_per_pos", i + 1,
-        rate(base, "acceptance_rate_per_pos", i), rate(base, "acceptance_rate_per_pos_ci", i),
-        rate(new, "acceptance_rate_per_pos", i), rate(new, "acceptance_rate_per_pos_ci", i),
+        at(base.rates, i), at(base.rate_cis, i), at(new.rates, i), at(new.rate_cis, i),
         samples(base, i), samples(new, i), threshold_rate,
     ) for i in range(k)]
     rows = []

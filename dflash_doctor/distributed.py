@@ -230,7 +230,7 @@ def _gather(replay: Replay, ranks: Ranks) -> list[Replay]:
 
     if not dist.is_initialized():
         dist.init_process_group(backend="gloo")
-    gathered: list[Replay] | None = [None] * ranks.world_size if ranks.is_main else None  # type: ignore[list-item]
+    gathered: list[Any] | None = [None] * ranks.world_size if ranks.is_main else None  # slots gather_object fills with replays
     dist.gather_object(replay, gathered, dst=0)
     dist.barrier()
     dist.destroy_process_group()

@@ -79,6 +79,9 @@ class DraftKind(Generic[DraftModel]):
     ``layer_ids(model)``: the target layers it reads, or None for a draft that reads none; with
     ``with_layer_ids(model, ids)`` (a copy reading other layers) it enables the layer-offset probe.
     ``ships_tokenizer``: the checkpoint carries its own tokenizer, which the checks compare with the target's.
+    ``engine_agreement``: the serving engines' setups for this kind are modelled
+    (:mod:`dflash_doctor.serving.agreement`), so ``check --engine`` with a local pair replays the server's
+    answered turns in the embedded engine under each setup.
     """
 
     name: str
@@ -90,6 +93,7 @@ class DraftKind(Generic[DraftModel]):
     layer_ids: Callable[[DraftModel], list[int]] | None = None
     with_layer_ids: Callable[[DraftModel, list[int]], DraftModel] | None = None
     ships_tokenizer: bool = False
+    engine_agreement: bool = False
 
 
 _KINDS: dict[str, DraftKind[Any]] = {}
@@ -191,6 +195,7 @@ register_draft_kind(DraftKind(
     },
     layer_ids=lambda model: list(model.config.target_layer_ids),
     with_layer_ids=_dflash_with_layer_ids,
+    engine_agreement=True,
 ))
 
 register_draft_kind(DraftKind(

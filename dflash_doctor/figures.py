@@ -1,7 +1,8 @@
 """Plotly figure builders shared by report.html, compare.html and the Streamlit dashboard.
 
-Every builder is pure: run data in (the run.json ``summary`` / ``recommendation`` dicts, or a
-Parquet table as a DataFrame), a ``go.Figure`` out. None reads files, prints or mutates its input,
+Every builder is pure: run data in (the record's typed :class:`~dflash_doctor.record.Summary`,
+:class:`~dflash_doctor.record.Sweep` and recommendations, a deviation analysis, or a Parquet table as a
+DataFrame), a ``go.Figure`` out. None reads files, prints or mutates its input,
 so the HTML report and the dashboard show the same picture of the same numbers.
 
 Conventions: "slot" is the 1-based position inside the drafted block (vLLM's per-pos index + 1);
@@ -17,6 +18,8 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
+from dflash_doctor.record import Metrics, Recommendation, Summary, Sweep
+
 OVERALL = "overall"
 OVERALL_COLOR = "#222222"
 _PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22", "#7f7f7f")
@@ -29,13 +32,6 @@ def class_colors(classes: Iterable[str]) -> dict[str, str]:
     colors = {cls: _PALETTE[i % len(_PALETTE)] for i, cls in enumerate(sorted(c for c in set(classes) if c != OVERALL))}
     colors[OVERALL] = OVERALL_COLOR
     return colors
-
-
-def _series(summary: Mapping[str, Any]) -> list[tuple[str, Mapping[str, Any]]]:
-    """(name, metrics) for every class in name order, then overall; slices with no drafts are left out."""
-    by_class = summary.get("by_class", {}) or {}
-    items = [(cls, by_class[cls]) for cls in sorted(by_class)] + [(OVERALL, summary.get("overall", {}) or {})]
-    return [(name, m) for name, m in items if m.get("num_drafts")]
 
 
 def _empty(title: str, message: str) -> go.Figure:
@@ -51,23 +47,23 @@ def _none_to_nan(values: Sequence[Any]) -> list[float]:
     return [np.nan if v is None else float(v) for v in values]
 
 
-def tau_by_class_figure(summary: Mapping[str, Any]) -> go.Figure:
+def tau_by_class_figure(summary: Summary) -> go.Figure:
     """Mean acceptance length per class with its 95% bootstrap interval as error bars."""
     title = "Mean acceptance length tau per class (bonus included, 95% CI)"
-    series = _series(summary)
+    series = summary.drafted_scopes()
     if not series:
         return _empty(title, "No drafted steps in this run.")
     colors = class_colors(name for name, _ in series)
     names = [name for name, _ in series]
-    tau = _none_to_nan([m.get("mean_acceptance_length") for _, m in series])
-    ci = [_none_to_nan(m.get("mean_acceptance_length_ci") or [None, None]) for _, m in series]
+    tau = _none_to_nan([m.mean_acceptance_length for _, m in series])
+    ci = [_none_to_nan(m.mean_acceptance_length_ci) for _, m in series]
     fig = go.Figure(
         go.Bar(
             x=names,
             y=tau,
             marker_color=[colors[n] for n in names],
             error_y=dict(type="data", symmetric=False, array=[hi - t for t, (_, hi) in zip(tau, ci)], arrayminus=[t - lo for t, (lo, _) in zip(tau, ci)]),
-            customdata=[[lo, hi, m.get("num_requests", 0)] for (lo, hi), (_, m) in zip(ci, series)],
+            customdata=[[lo, hi, m.num_requests] for (lo, hi), (_, m) in zip(ci, series)],
             hovertemplate="%{x}: tau %{y:.2f} [%{customdata[0]:.2f}, %{customdata[1]:.2f}]<br>%{customdata[2]} requests<extra></extra>",
         ),
         layout=dict(title=title, **_LAYOUT),
@@ -76,23 +72,26 @@ def tau_by_class_figure(summary: Mapping[str, Any]) -> go.Figure:
     return fig
 
 
-def acceptance_by_position_figure(summary: Mapping[str, Any], *, conditional: bool = False) -> go.Figure:
+def acceptance_by_position_figure(summary: Summary, *, conditional: bool = False) -> go.Figure:
     """Acceptance per draft slot per class: unconditional r_i (with CI band) or conditional a_i = r_i / r_{i-1}.
 
     The unconditional curve is what tau is made of (tau = 1 + sum r_i); the conditional one shows at
     which slot the draft starts to lose, independent of the slots before it.
     """
-    key = "conditional_acceptance_rate_per_pos" if conditional else "acceptance_rate_per_pos"
     title = "Conditional acceptance a_i per draft slot" if conditional else "Acceptance rate r_i per draft slot (unconditional, 95% CI)"
-    series = [(name, m) for name, m in _series(summary) if m.get(key)]
+
+    def rates_of(metrics: Metrics) -> list[float | None]:
+        return metrics.conditional_acceptance_rate_per_pos if conditional else metrics.acceptance_rate_per_pos
+
+    series = [(name, m) for name, m in summary.drafted_scopes() if rates_of(m)]
     if not series:
         return _empty(title, "No drafted steps in this run.")
     colors = class_colors(name for name, _ in series)
     fig = go.Figure(layout=dict(title=title, **_LAYOUT))
     for name, metrics in series:
-        rates = _none_to_nan(metrics[key])
+        rates = _none_to_nan(rates_of(metrics))
         slots = list(range(1, len(rates) + 1))
-        ci = metrics.get("acceptance_rate_per_pos_ci") if not conditional else None
+        ci = metrics.acceptance_rate_per_pos_ci if not conditional else None
         if ci:
             lo = _none_to_nan([pair[0] for pair in ci])
             hi = _none_to_nan([pair[1] for pair in ci])
@@ -109,20 +108,20 @@ def acceptance_by_position_figure(summary: Mapping[str, Any], *, conditional: bo
     return fig
 
 
-def acceptance_histogram_figure(summary: Mapping[str, Any]) -> go.Figure:
+def acceptance_histogram_figure(summary: Summary) -> go.Figure:
     """Share of steps that accepted 0, 1, ..., K draft tokens, per class (grouped bars).
 
     A spike at 0 means the first draft token is already wrong (template, tokenizer or layer
     offset problems); a spike at K means K is too small for this class.
     """
     title = "Accepted draft tokens per step (share of steps)"
-    series = [(name, m) for name, m in _series(summary) if m.get("acceptance_histogram") and sum(m["acceptance_histogram"])]
+    series = [(name, m) for name, m in summary.drafted_scopes() if sum(m.acceptance_histogram)]
     if not series:
         return _empty(title, "No drafted steps in this run.")
     colors = class_colors(name for name, _ in series)
     fig = go.Figure(layout=dict(title=title, barmode="group", **_LAYOUT))
     for name, metrics in series:
-        counts = np.asarray(metrics["acceptance_histogram"], dtype=float)
+        counts = np.asarray(metrics.acceptance_histogram, dtype=float)
         fig.add_trace(
             go.Bar(x=list(range(len(counts))), y=counts / counts.sum(), name=name, marker_color=colors[name], customdata=counts,
                    hovertemplate=f"{name}: %{{x}} accepted in %{{y:.1%}} of steps (%{{customdata:.0f}})<extra></extra>")
@@ -132,43 +131,40 @@ def acceptance_histogram_figure(summary: Mapping[str, Any]) -> go.Figure:
     return fig
 
 
-def speedup_by_k_figure(sweep: Mapping[str, Any] | None, recommendation: Mapping[str, Any] | None = None) -> go.Figure:
+def speedup_by_k_figure(sweep: Sweep | None, recommendation: Mapping[str, Recommendation]) -> go.Figure:
     """Estimated speedup vs K per class, the recommended K of each class marked with a star.
 
     Dotted points are truncation estimates (tau(K) read off a run at a larger K); the dashed line at
     1x is plain decoding: below it speculation costs time.
     """
     title = "Estimated speedup vs K (star = recommended K)"
-    sweep = sweep or {}
-    recommendation = recommendation or {}
-    rows_by_name = {cls: sweep.get("by_class", {})[cls] for cls in sorted(sweep.get("by_class", {}) or {})}
-    rows_by_name[OVERALL] = sweep.get("overall") or []
-    rows_by_name = {name: rows for name, rows in rows_by_name.items() if rows}
+    named = [] if sweep is None else [(cls, sweep.by_class[cls]) for cls in sorted(sweep.by_class)] + [(OVERALL, sweep.overall)]
+    rows_by_name = {name: rows for name, rows in named if rows}
     if not rows_by_name:
         return _empty(title, "This run has no K sweep (run `dflash-doctor sweep`).")
     colors = class_colors(rows_by_name)
     fig = go.Figure(layout=dict(title=title, **_LAYOUT))
     for name, rows in rows_by_name.items():
-        rows = sorted(rows, key=lambda r: r["k"])
+        rows = sorted(rows, key=lambda r: r.k)
         fig.add_trace(
             go.Scatter(
-                x=[r["k"] for r in rows],
-                y=_none_to_nan([r.get("speedup") for r in rows]),
+                x=[r.k for r in rows],
+                y=_none_to_nan([r.speedup for r in rows]),
                 mode="lines+markers",
                 name=name,
                 legendgroup=name,
                 line=dict(color=colors[name]),
-                marker=dict(symbol=["circle" if r.get("estimate", "exact") == "exact" else "circle-open" for r in rows]),
-                customdata=[[r.get("mean_acceptance_length"), r.get("estimate", "exact")] for r in rows],
+                marker=dict(symbol=["circle" if r.estimate == "exact" else "circle-open" for r in rows]),
+                customdata=[[r.mean_acceptance_length, r.estimate] for r in rows],
                 hovertemplate=f"{name} K=%{{x}}: %{{y:.2f}}x, tau %{{customdata[0]:.2f}} (%{{customdata[1]}})<extra></extra>",
             )
         )
-        rec = recommendation.get(name)
-        chosen = next((r for r in rows if rec and r["k"] == rec.get("k")), None)
+        rec = recommendation.get(name)  # a class may have sweep rows and no recommendation
+        chosen = next((r for r in rows if rec and r.k == rec.k), None)
         if chosen is not None:
             fig.add_trace(
-                go.Scatter(x=[chosen["k"]], y=[chosen.get("speedup")], mode="markers", marker=dict(symbol="star", size=16, color=colors[name], line=dict(width=1, color="black")),
-                           name=f"{name}: K={chosen['k']}", legendgroup=name, showlegend=False,
+                go.Scatter(x=[chosen.k], y=[chosen.speedup], mode="markers", marker=dict(symbol="star", size=16, color=colors[name], line=dict(width=1, color="black")),
+                           name=f"{name}: K={chosen.k}", legendgroup=name, showlegend=False,
                            hovertemplate=f"{name}: recommended K=%{{x}} (%{{y:.2f}}x)<extra></extra>")
             )
     fig.add_hline(y=1.0, line_dash="dash", line_color="grey")
@@ -250,9 +246,9 @@ def compare_rates_figure(rows: Sequence[Mapping[str, Any]]) -> go.Figure:
 
 def _deviation_series(analysis: Mapping[str, Any]) -> list[tuple[str, Mapping[str, Any]]]:
     """(name, slice) for every class of a deviation analysis, then overall; slices with no drafts left out."""
-    by_class = analysis.get("by_class", {}) or {}
-    items = [(cls, by_class[cls]) for cls in sorted(by_class)] + [(OVERALL, analysis.get("overall", {}) or {})]
-    return [(name, s) for name, s in items if s.get("num_drafts")]
+    by_class = analysis["by_class"]
+    items = [(cls, by_class[cls]) for cls in sorted(by_class)] + [(OVERALL, analysis["overall"])]
+    return [(name, s) for name, s in items if s["num_drafts"]]
 
 
 def category_acceptance_figure(analysis: Mapping[str, Any]) -> go.Figure:
@@ -268,7 +264,7 @@ def category_acceptance_figure(analysis: Mapping[str, Any]) -> go.Figure:
     colors = class_colors(name for name, _ in series)
     fig = go.Figure(layout=dict(title=title, barmode="group", yaxis=dict(title="acceptance", range=[0, 1.05], tickformat=".0%"), **_LAYOUT))
     for name, data in series:
-        rows = data.get("categories") or []
+        rows = data["categories"]
         fig.add_trace(go.Bar(
             name=name, marker_color=colors[name], x=[r["category"] for r in rows], y=[r["acceptance_rate"] for r in rows],
             customdata=[[r["num_decided"], r["share_of_lost"] or 0.0] for r in rows],
@@ -287,7 +283,7 @@ DEVIATION_AXES = {
 def acceptance_along_figure(analysis: Mapping[str, Any], key: str) -> go.Figure:
     """Acceptance (accepted / decided) per bin of ``key`` (a :data:`DEVIATION_AXES` name), one line per class."""
     title = f"Acceptance by {DEVIATION_AXES[key]}"
-    series = [(name, data) for name, data in _deviation_series(analysis) if data.get(key)]
+    series = [(name, data) for name, data in _deviation_series(analysis) if data[key]]
     if not series:
         return _empty(title, "No drafted tokens in this run.")
     colors = class_colors(name for name, _ in series)

@@ -75,7 +75,7 @@ def _new_record(config: DoctorConfig, pair: Pair, command: str, **meta: Any) -> 
 def _summarize(record: RunRecord, replay: Replay, seed: int) -> None:
     record.meta.interrupted = replay.interrupted
     summary = summarize(replay.steps_frame(), replay.requests_frame(), seed=seed)
-    record.summary = _from_json(Summary, summary)
+    record.summary = Summary.from_json(summary)
 
 
 def _sweep(record: RunRecord, pair: Pair, replay: Replay, config: DoctorConfig) -> None:
@@ -174,8 +174,9 @@ def run_check(config: DoctorConfig, *, scenario=None, only: Sequence[str] = (), 
         _finish(writer, record, replay)
     tokens = TABLES["tokens"]  # token rows are never held in memory: the report's token viewer reads them back
     run = Run(run_dir, record, replay.requests_frame(), replay.steps_frame(), _read_table(run_dir, "tokens", tokens))
-    render_reports(run)
-    return Outcome(run_dir, record, deviations.analyze_run(run))
+    analysis = deviations.analyze_run(run)  # once: every report format and the terminal show it
+    render_reports(run, analysis=analysis)
+    return Outcome(run_dir, record, analysis)
 
 
 def _read_table(run_dir: Path, name: str, schema) -> "Any":

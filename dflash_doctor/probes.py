@@ -119,8 +119,8 @@ def layer_offset_probe(pair: Pair, turns: Sequence[Turn],
                 matches = table.matches
             else:
                 matches = reused
-            steps = [s for s in walk_schedule(matches, turn.output_ids, k, turn.max_new_tokens, pair.stop_ids) if s["num_drafted"]]
+            steps = [s for s in walk_schedule(matches, turn.output_ids, k, turn.max_new_tokens, pair.stop_ids) if s.num_drafted]
             drafts[offset] += len(steps)
-            accepted[offset] += sum(s["num_accepted"] for s in steps)
+            accepted[offset] += sum(s.num_accepted for s in steps)
     taus = {o: 1.0 + accepted[o] / drafts[o] if drafts[o] else float("nan") for o in offsets}
     return taus, drafts.get(0, 0)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 from dflash_doctor import __version__
+from dflash_doctor.speedup import StepCosts
 from dflash_doctor.status import CheckResult
 
 SCHEMA_VERSION = 2  # 2: the typed run record (meta.command/scenario/served_k, source, probes); 1 was the untyped dict
@@ -67,7 +68,8 @@ class ModelInfo:
     kind: str  # "target", or the draft's kind
     facts: dict[str, Any] = field(default_factory=dict)
 
-    def to_json(self) -> dict[str, Any]:
+    def fields(self) -> dict[str, Any]:
+        """Identity first, then the kind-specific facts, flat: what run.json stores and the reports list."""
         identity = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "facts"}
         return {**identity, **self.facts}
 
@@ -128,6 +130,14 @@ class Sweep:
     by_class: dict[str, list[SweepRow]]
     costs: dict[str, Any]
 
+    def scopes(self) -> dict[str, list[SweepRow]]:
+        """``{"overall": rows, CLASS: rows...}``: overall first, then classes in the order written."""
+        return {"overall": self.overall, **self.by_class}
+
+    def step_costs(self) -> StepCosts:
+        """The step costs the speedups were priced with (``costs`` is their run.json form)."""
+        return StepCosts.from_dict(self.costs)
+
 
 @dataclass
 class Summary:
@@ -140,6 +150,21 @@ class Summary:
     def scopes(self) -> dict[str, Metrics]:
         """``{"overall": M, CLASS: M...}``: overall first, then classes in name order."""
         return {**({"overall": self.overall} if self.overall is not None else {}), **self.by_class}
+
+    def classes_then_overall(self) -> list[tuple[str, Metrics | None]]:
+        """``(class, M)`` in class-name order, then ``("overall", M)``: the row order of the reports and
+        figures. Overall is None when nothing was summarized (a journal with no finished request)."""
+        named: list[tuple[str, Metrics | None]] = [(cls, self.by_class[cls]) for cls in sorted(self.by_class)]
+        return [*named, ("overall", self.overall)]
+
+    def drafted_scopes(self) -> list[tuple[str, Metrics]]:
+        """:meth:`classes_then_overall` without the scopes that never drafted (their rates are undefined)."""
+        return [(name, m) for name, m in self.classes_then_overall() if m is not None and m.num_drafts]
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "Summary":
+        """Parse a run.json ``summary`` (:func:`dflash_doctor.metrics.summarize` returns that form)."""
+        return _from_json(cls, data)
 
 
 @dataclass
@@ -215,12 +240,18 @@ class RunRecord:
     checks: list[CheckResult] = field(default_factory=list)
     probes: Probes = field(default_factory=Probes)
 
+    @property
+    def seed(self) -> int:
+        """The seed of the summary's bootstrap (the config's; 0 for a producer without one, e.g. ``watch``),
+        so a view that recomputes a summary draws the same resamples."""
+        return int(self.config.get("seed") or 0)
+
     def to_json(self) -> dict[str, Any]:
         """The run.json object (NaN becomes null when written: :func:`dflash_doctor.schema.write_run_json`)."""
         return {
             **_to_json(self.meta),
             "source": _to_json(self.source),
-            "models": {name: info.to_json() for name, info in self.models.items()},
+            "models": {name: info.fields() for name, info in self.models.items()},
             "environment": dict(self.environment),
             "config": _to_json(self.config),
             "checks": [c.to_dict() for c in self.checks],

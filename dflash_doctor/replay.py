@@ -68,8 +68,8 @@ class Replay:
 def _rows(pair: Pair, turn: Turn) -> tuple[dict[str, Any], list[dict[str, Any]], list[dict[str, Any]]]:
     """The requests row, steps rows and tokens rows of one turn (typed rows, as the writer's dicts)."""
     result = turn.result
-    drafts = [s for s in result.steps if s["num_drafted"] > 0]
-    accepted = sum(s["num_accepted"] for s in drafts)
+    drafts = [s for s in result.steps if s.num_drafted > 0]
+    accepted = sum(s.num_accepted for s in drafts)
     cls = turn.request.request_class
     request_row = RequestRow(
         request_id=turn.key,
@@ -82,17 +82,17 @@ def _rows(pair: Pair, turn: Turn) -> tuple[dict[str, Any], list[dict[str, Any]],
         num_output_tokens=len(result.output_ids),
         num_steps=len(result.steps),
         num_drafts=len(drafts),
-        num_draft_tokens=sum(s["num_drafted"] for s in drafts),
+        num_draft_tokens=sum(s.num_drafted for s in drafts),
         num_accepted_tokens=accepted,
         tau=1.0 + accepted / len(drafts) if drafts else None,
         stop_reason=result.stop_reason,
         wall_time_s=result.wall_time_s,
     )
-    step_rows = [as_row(StepRow(request_id=turn.key, request_class=cls, **s)) for s in result.steps]
+    step_rows = [as_row(StepRow(request_id=turn.key, request_class=cls, **vars(s))) for s in result.steps]
     token_rows_ = [
-        as_row(TokenRow(request_id=turn.key, request_class=cls, **t,
-                        draft_text=pair.decode_token(t["draft_token"]), target_text=pair.decode_token(t["target_token"]),
-                        draft_category=pair.token_category(t["draft_token"]), target_category=pair.token_category(t["target_token"])))
+        as_row(TokenRow(request_id=turn.key, request_class=cls, **vars(t),
+                        draft_text=pair.decode_token(t.draft_token), target_text=pair.decode_token(t.target_token),
+                        draft_category=pair.token_category(t.draft_token), target_category=pair.token_category(t.target_token)))
         for t in result.tokens
     ]
     return as_row(request_row), step_rows, token_rows_
@@ -186,9 +186,10 @@ def replay_teacher(pair: Pair, requests: Sequence[Request], *, ks: tuple[int, ..
     def annotate(turn: Turn) -> None:
         result = turn.result
         sequence = TeacherSequence(turn.prompt_ids, result.output_ids)
+
         def drafted_from(matches: np.ndarray) -> list[int]:
             """The anchors K_max's schedule drafts from: the only ones the tokens table has rows for."""
-            return [s["position"] - 1 for s in walk_schedule(matches, result.output_ids, k_max, turn.max_new_tokens, pair.stop_ids, convention)]
+            return [s.position - 1 for s in walk_schedule(matches, result.output_ids, k_max, turn.max_new_tokens, pair.stop_ids, convention)]
 
         tables: dict[int, Any] = {}
         target_pass = None
@@ -207,11 +208,11 @@ def replay_teacher(pair: Pair, requests: Sequence[Request], *, ks: tuple[int, ..
             if table.accept_probs is not None:
                 matches = np.cumprod(walk_rng.random(matches.shape) < table.accept_probs[:, :k], axis=1).astype(bool)
             steps = walk_schedule(matches, result.output_ids, k, turn.max_new_tokens, pair.stop_ids, convention)
-            replay.steps_by_k[k].extend({"request_id": turn.key, "class": turn.request.request_class, **s} for s in steps)
+            replay.steps_by_k[k].extend(as_row(StepRow(request_id=turn.key, request_class=turn.request.request_class, **vars(s))) for s in steps)
             if k == k_max:
                 if temperature <= 0 and not convention.shrink_last_block:
                     replay.full_block_matches[turn.key] = table.matches
-                result.steps = [{**s, "draft_time_s": float("nan"), "verify_time_s": float("nan")} for s in steps]
+                result.steps = steps
                 result.tokens = token_rows(tables[k_max], steps, result.output_ids)
 
     chunk = len(requests) if temperature <= 0 else 1  # batch across requests only for greedy continuations

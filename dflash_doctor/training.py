@@ -49,6 +49,7 @@ from dflash_doctor.engine.target import TargetModel
 from dflash_doctor.engine.teacher import TeacherSequence, slot_table, walk_schedule
 from dflash_doctor.errors import UsageError
 from dflash_doctor.loading import load_dflash_draft, save_dflash_draft
+from dflash_doctor.schema import StepRow, as_row
 from dflash_doctor.workloads import Request, encode_request_turn
 
 if TYPE_CHECKING:
@@ -449,7 +450,7 @@ def extract_features(target_model: CausalLM, sequences: Sequence[Sequence[int]],
     extra = _forward_without_logits(target_model)
     model_device = next(target_model.parameters()).device
     order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
-    features: list[torch.Tensor | None] = [None] * len(sequences)
+    features: dict[int, torch.Tensor] = {}  # by sequence index: computed in length order, returned in input order
     for start in range(0, len(order), batch_size):
         chunk = order[start:start + batch_size]
         width = max(len(sequences[i]) for i in chunk)
@@ -460,7 +461,7 @@ def extract_features(target_model: CausalLM, sequences: Sequence[Sequence[int]],
         taps = torch.cat([hidden[i] for i in hidden_state_indices], dim=-1)  # [n, width, F]
         for row, index in enumerate(chunk):
             features[index] = taps[row, :len(sequences[index])].to(device, dtype=dtype or taps.dtype).clone()
-    return features  # type: ignore[return-value]
+    return [features[i] for i in range(len(sequences))]
 
 
 def slot_weights(block_size: int, gamma: float) -> torch.Tensor:
@@ -694,7 +695,7 @@ def held_out_steps(target_model: CausalLM, draft: DFlashDraftModel, records: Seq
             continue
         table, _ = slot_table(target, proposer, TeacherSequence(prompt, output), k, record_divergence=False)
         limit = len(output) + (1 if output[-1] in stop_ids else 0)
-        rows += [{"request_id": record.request_id, "class": record.request_class, **step}
+        rows += [as_row(StepRow(request_id=record.request_id, request_class=record.request_class, **vars(step)))
                  for step in walk_schedule(table.matches, output, k, limit, stop_ids)]
     return rows
 

@@ -24,6 +24,7 @@ import torch
 
 from dflash_doctor.engine.divergence import TargetRows, divergence_tensor, unpack_divergence
 from dflash_doctor.engine.proposers.base import Proposer
+from dflash_doctor.engine.records import StepRecord, TokenRecord
 from dflash_doctor.engine.schedule import CONVENTIONS, EndOfRequest, cut_at_stop, draft_budget
 from dflash_doctor.engine.target import TargetModel
 from dflash_doctor.engine.verify import greedy_accept, rejection_sample
@@ -44,13 +45,13 @@ def _synchronize(device: torch.device) -> None:
 
 @dataclass
 class GenerationResult:
-    """Output of one request: committed tokens and, for speculative runs, per-step and per-token rows."""
+    """Output of one request: committed tokens and, for speculative runs, per-step and per-token records."""
 
     output_ids: list[int]
     stop_reason: str  # "stop_token" | "max_new_tokens"
     wall_time_s: float
-    steps: list[dict] = field(default_factory=list)
-    tokens: list[dict] = field(default_factory=list)
+    steps: list[StepRecord] = field(default_factory=list)
+    tokens: list[TokenRecord] = field(default_factory=list)
 
 
 @torch.inference_mode()
@@ -109,7 +110,7 @@ def speculative_generate(
     proposer.start(prompt_ids, prefill.features)
     last = sample_token(prefill.logits[-1], temperature, generator)
     output = [last]
-    steps: list[dict] = []
+    steps: list[StepRecord] = []
     # per-token records stay on the device until the request ends: one host copy per request
     pending: list[tuple[torch.Tensor, int, int, list[int], int]] = []  # (packed rows, step, position, drafted, accepted)
     reason = "stop_token" if last in stop_ids else "max_new_tokens"
@@ -151,18 +152,8 @@ def speculative_generate(
             last = next_token
             if next_token in stop_ids:
                 reason = "stop_token"
-        steps.append(
-            {
-                "step": len(steps),
-                "position": position,
-                "k": k,
-                "num_drafted": k_step,
-                "num_accepted": num_accepted,
-                "bonus_token": bonus,
-                "draft_time_s": t1 - t0,
-                "verify_time_s": t2 - t1,
-            }
-        )
+        steps.append(StepRecord(step=len(steps), position=position, k=k, num_drafted=k_step, num_accepted=num_accepted,
+                                bonus_token=bonus, draft_time_s=t1 - t0, verify_time_s=t2 - t1))
         if record_tokens and k_step:
             target_rows = TargetRows.of(verified.logits[:k_step])
             packed = divergence_tensor(proposal.logits, proposal.tokens, target_rows)
@@ -175,25 +166,19 @@ def speculative_generate(
     )
 
 
-def _token_rows(pending: list[tuple[torch.Tensor, int, int, list[int], int]]) -> list[dict]:
-    """tokens.parquet rows of a request from its steps' packed divergence rows, copied to the host at once."""
+def _token_rows(pending: list[tuple[torch.Tensor, int, int, list[int], int]]) -> list[TokenRecord]:
+    """The token records of a request from its steps' packed divergence rows, copied to the host at once."""
     if not pending:
         return []
     host = torch.cat([packed for packed, *_ in pending]).cpu().numpy()
     columns = unpack_divergence(host[:, :-1])
     target_list = host[:, -1].astype(np.int64).tolist()
-    tokens: list[dict] = []
+    tokens: list[TokenRecord] = []
     for _, step, position, drafted, num_committed_drafts in pending:
         for i in range(len(drafted)):
             flat = len(tokens)
-            row = {name: values[flat] for name, values in columns.items()}
-            row.update(
-                step=step,
-                position=position + i,
-                offset=i + 1,
-                draft_token=drafted[i],
-                target_token=target_list[flat],
-                accepted=i < num_committed_drafts,
-            )
-            tokens.append(row)
+            tokens.append(TokenRecord(
+                step=step, position=position + i, offset=i + 1, draft_token=drafted[i], target_token=target_list[flat],
+                accepted=i < num_committed_drafts, **{name: values[flat] for name, values in columns.items()},
+            ))
     return tokens

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from dflash_doctor.engine.divergence import WIDTH, TargetRows, divergence_tensor, unpack_divergence
 from dflash_doctor.engine.proposers.base import Proposer
+from dflash_doctor.engine.records import StepRecord, TokenRecord
 from dflash_doctor.engine.schedule import CONVENTIONS, EndOfRequest, cut_at_stop, draft_budget
 from dflash_doctor.engine.target import TargetModel
 
@@ -52,9 +53,10 @@ class SlotTable:
 
 
 def walk_schedule(matches: np.ndarray, output_ids: list[int], k: int, max_new_tokens: int, stop_ids: frozenset[int],
-                  convention: EndOfRequest = CONVENTIONS["vllm"]) -> list[dict]:
-    """The live loop's steps at K over known matches, with the live loop's schedule (engine/schedule.py)."""
-    steps: list[dict] = []
+                  convention: EndOfRequest = CONVENTIONS["vllm"]) -> list[StepRecord]:
+    """The live loop's steps at K over known matches, with the live loop's schedule (engine/schedule.py);
+    walked, not timed."""
+    steps: list[StepRecord] = []
     n_out = len(output_ids)
     i = 0  # output index of the last committed token (output[0] comes from the prefill)
     if output_ids[0] in stop_ids:
@@ -68,9 +70,7 @@ def walk_schedule(matches: np.ndarray, output_ids: list[int], k: int, max_new_to
         if stop_at is not None:
             n = convention.accepted_through_stop(stop_at)
         bonus = output_ids[i + n + 1] if stop_at is None and i + n + 1 < n_out else -1
-        steps.append(
-            {"step": len(steps), "position": position, "k": k, "num_drafted": k_step, "num_accepted": n, "bonus_token": bonus}
-        )
+        steps.append(StepRecord(step=len(steps), position=position, k=k, num_drafted=k_step, num_accepted=n, bonus_token=bonus))
         if stop_at is not None or bonus == -1 or bonus in stop_ids:
             break
         i += n + 1
@@ -232,8 +232,8 @@ def _host(parts: list[torch.Tensor], empty: np.ndarray) -> np.ndarray:
     return torch.cat(parts).cpu().numpy() if parts else empty
 
 
-def token_rows(table: SlotTable, steps: list[dict], output_ids: list[int]) -> list[dict]:
-    """tokens.parquet rows for the drafted slots of ``steps`` whose true token is known (their anchors'
+def token_rows(table: SlotTable, steps: list[StepRecord], output_ids: list[int]) -> list[TokenRecord]:
+    """Token records for the drafted slots of ``steps`` whose true token is known (their anchors'
     divergence rows must have been recorded).
 
     ``target_token`` is the target's token on the committed (true) context.
@@ -241,21 +241,15 @@ def token_rows(table: SlotTable, steps: list[dict], output_ids: list[int]) -> li
     n_out = len(output_ids)
     rows = []
     for step in steps:
-        i = step["position"] - 1
-        for j in range(1, step["num_drafted"] + 1):
+        i = step.position - 1
+        for j in range(1, step.num_drafted + 1):
             if i + j >= n_out:
                 break
             flat = table.divergence_start[i] + j - 1
-            row = {name: values[flat] for name, values in table.divergence.items()}
-            row.update(
-                step=step["step"],
-                position=i + j,
-                offset=j,
-                draft_token=int(table.guesses[i, j - 1]),
-                target_token=int(output_ids[i + j]),
-                accepted=j <= step["num_accepted"],
-            )
-            rows.append(row)
+            rows.append(TokenRecord(
+                step=step.step, position=i + j, offset=j, draft_token=int(table.guesses[i, j - 1]), target_token=int(output_ids[i + j]),
+                accepted=j <= step.num_accepted, **{name: values[flat] for name, values in table.divergence.items()},
+            ))
     return rows
 
 

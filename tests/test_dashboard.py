@@ -21,6 +21,7 @@ from dflash_doctor.app import RUNS_DIR_ENV, data
 from dflash_doctor.cli import app as cli_app
 from dflash_doctor.cli.dashboard import port_is_free, streamlit_command
 from dflash_doctor.errors import UsageError
+from dflash_doctor.record import Metrics, ModelInfo, RunMeta, RunRecord, Summary, TauDistribution
 from dflash_doctor.schema import load_run
 from fixture_runs import HOSTILE_TOKEN_TEXT, make_fixture_run
 
@@ -313,20 +314,26 @@ def test_prompt_length_buckets_are_half_open():
 
 
 def test_weakest_slot_ignores_slots_that_few_drafts_reach():
-    summary = {"by_class": {"chat": {
-        "num_drafts": 100,
-        "acceptance_rate_per_pos": [0.8, 0.4, 0.3, 0.01, 0.0],
-        "conditional_acceptance_rate_per_pos": [0.8, 0.5, 0.75, 0.033, 0.0],
-    }}}
+    chat = Metrics(
+        num_requests=10, num_output_tokens=300, num_drafts=100, num_draft_tokens=500, num_accepted_tokens=151,
+        num_accepted_tokens_per_pos=[80, 40, 30, 1, 0], mean_acceptance_length=2.51, mean_acceptance_length_ci=[2.3, 2.7],
+        acceptance_rate_per_pos=[0.8, 0.4, 0.3, 0.01, 0.0], acceptance_rate_per_pos_ci=[],  # a telemetry summary has no per-slot intervals
+        conditional_acceptance_rate_per_pos=[0.8, 0.5, 0.75, 0.033, 0.0], draft_acceptance_rate=0.302,
+        acceptance_histogram=[20, 40, 10, 29, 1, 0], request_tau=TauDistribution(None, None, None, None),
+        wasted_verify_tokens_per_output_token=None,
+    )
+    summary = Summary(by_class={"chat": chat})
     weakest = data.weakest_slots(data.position_table(summary))
     assert weakest[["class", "slot"]].to_dict("records") == [{"class": "chat", "slot": 4}]  # slot 5: reach 1% < 5%
     assert data.weakest_slots(data.position_table(summary), min_reach=0.5)["slot"].tolist() == [2]
 
 
 def test_changed_facts_lists_only_differences():
-    base = {"models": {"target": {"id": "a", "dtype": "float32"}}, "environment": {"torch": "2.9"}}
-    new = {"models": {"target": {"id": "a", "dtype": "bfloat16"}}, "environment": {"torch": "2.9"}}
-    changed = data.changed_facts(base, new)
+    def record(dtype: str) -> RunRecord:
+        target = ModelInfo(id="a", revision_or_hash="abc", dtype=dtype, device="cpu", kind="target")
+        return RunRecord(meta=RunMeta(command="check"), models={"target": target}, environment={"torch": "2.9"})
+
+    changed = data.changed_facts(record("float32"), record("bfloat16"))
     assert changed.to_dict("records") == [{"fact": "models.target.dtype", "BASE": "float32", "NEW": "bfloat16"}]
 
 

@@ -59,7 +59,7 @@ def _ours(target, draft, prompt, convention, stop_ids=(), temperature=0.0, **pro
         wrapped, proposer, torch.tensor(prompt), k=BLOCK - 1, max_new_tokens=MAX_NEW, stop_ids=frozenset(stop_ids),
         convention=CONVENTIONS[convention],
     )
-    return result.output_ids, [step["num_accepted"] + 1 for step in result.steps], result.steps
+    return result.output_ids, [step.num_accepted + 1 for step in result.steps], result.steps
 
 
 @torch.no_grad()
@@ -149,7 +149,7 @@ def test_vllm_convention_differs_only_at_the_end(pair, target):
         out, lengths, steps = _ours(target, ours, prompt, "vllm")
         assert out == official_out
         for step, length, official_length in zip(steps, lengths, official_lengths):
-            if MAX_NEW - step["position"] >= BLOCK - 1:  # the official block was full too
+            if MAX_NEW - step.position >= BLOCK - 1:  # the official block was full too
                 assert length == official_length
                 compared += 1
     assert compared >= 10

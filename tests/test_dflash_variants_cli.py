@@ -58,8 +58,8 @@ def test_teacher_forced_replay_equals_live(variant, convention, target, tmp_path
                                     stop_ids=stop, convention=rule)
         assert live.output_ids == truth
         walked = walk_schedule(table.matches, truth, 5, 30, stop, rule)
-        assert [tuple(s[k] for k in STEP_KEYS) for s in walked] == [tuple(s[k] for k in STEP_KEYS) for s in live.steps]
-        accepted.update(s["num_accepted"] for s in live.steps)
+        assert [tuple(getattr(s, k) for k in STEP_KEYS) for s in walked] == [tuple(getattr(s, k) for k in STEP_KEYS) for s in live.steps]
+        accepted.update(s.num_accepted for s in live.steps)
     assert max(accepted) >= 1
 
 
@@ -79,18 +79,18 @@ def test_teacher_forced_divergence_equals_live(variant, convention, target, tmp_
                               max_new_tokens=max_new, convention=rule)
         live = speculative_generate(wrapped, DFlashProposer(draft, wrapped), torch.tensor(prompt), k=k,
                                     max_new_tokens=max_new, convention=rule)
-        replayed = {row["position"]: row for row in token_rows(table, walk_schedule(table.matches, truth, k, max_new,
+        replayed = {row.position: row for row in token_rows(table, walk_schedule(table.matches, truth, k, max_new,
                                                                                       frozenset(), rule), truth)}
-        num_accepted = {s["step"]: s["num_accepted"] for s in live.steps}
+        num_accepted = {s.step: s.num_accepted for s in live.steps}
         for row in live.tokens:
-            if row["offset"] > num_accepted[row["step"]] + 1:
+            if row.offset > num_accepted[row.step] + 1:
                 continue
-            twin = replayed[row["position"]]
-            assert twin["draft_token"] == row["draft_token"]
+            twin = replayed[row.position]
+            assert twin.draft_token == row.draft_token
             for name in DIVERGENCE_COLUMNS:
-                assert twin[name] == pytest.approx(row[name], rel=1e-4, abs=1e-6), name
+                assert getattr(twin, name) == pytest.approx(getattr(row, name), rel=1e-4, abs=1e-6), name
             compared += 1
-            step_position = row["position"] - row["offset"] + 1
+            step_position = row.position - row.offset + 1
             shortened += rule.block_k(k, max_new - step_position) < k
     assert compared > 10
     assert (shortened > 0) == (convention == "official")

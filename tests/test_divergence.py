@@ -99,12 +99,12 @@ def test_teacher_rows_carry_the_live_loops_divergence(k):
                                 k=k, max_new_tokens=30)
     table, _ = slot_table(TargetModel(target_model), AutoregressiveProposer(draft_model), TeacherSequence(prompt, truth), k)
     replayed = token_rows(table, walk_schedule(table.matches, truth, k, 30, frozenset()), truth)
-    on_true_prefix = [row for row in live.tokens if row["offset"] <= 1 + sum(
-        s["num_accepted"] for s in live.steps if s["step"] == row["step"])]
-    by_position = {row["position"]: row for row in replayed}
+    on_true_prefix = [row for row in live.tokens if row.offset <= 1 + sum(
+        s.num_accepted for s in live.steps if s.step == row.step)]
+    by_position = {row.position: row for row in replayed}
     assert len(on_true_prefix) > 10
     for row in on_true_prefix:
-        twin = by_position[row["position"]]
-        assert twin["draft_token"] == row["draft_token"] and twin["draft_topk_ids"][0] == row["draft_topk_ids"][0]
+        twin = by_position[row.position]
+        assert twin.draft_token == row.draft_token and twin.draft_topk_ids[0] == row.draft_topk_ids[0]
         for name in FLOAT_COLUMNS:
-            assert twin[name] == pytest.approx(row[name], rel=1e-4, abs=1e-6), name
+            assert getattr(twin, name) == pytest.approx(getattr(row, name), rel=1e-4, abs=1e-6), name

@@ -17,6 +17,7 @@ from dflash_doctor.derive import fake_quantize
 from dflash_doctor.engine.live import plain_generate, speculative_generate
 from dflash_doctor.engine.proposers.autoregressive import AutoregressiveProposer
 from dflash_doctor.engine.proposers.dflash import DFlashProposer
+from dflash_doctor.engine.records import StepRecord
 from dflash_doctor.engine.target import TargetModel
 from dflash_doctor.engine.teacher import TeacherSequence, slot_table, walk_schedule
 from dflash_doctor.metrics import summarize
@@ -83,8 +84,8 @@ def demo_dflash():
     return load_dflash_draft(DEMO_DRAFT_DIR)
 
 
-def _totals(steps: list[dict]) -> tuple[int, int]:
-    return sum(s["num_accepted"] for s in steps), sum(s["num_drafted"] for s in steps)
+def _totals(steps: list[StepRecord]) -> tuple[int, int]:
+    return sum(s.num_accepted for s in steps), sum(s.num_drafted for s in steps)
 
 
 def _live(model, proposer_of, prompt, k, stop_ids, hidden_state_indices=()):
@@ -94,9 +95,9 @@ def _live(model, proposer_of, prompt, k, stop_ids, hidden_state_indices=()):
     )
 
 
-def _counters(steps_by_request: list[list[dict]]) -> dict:
+def _counters(steps_by_request: list[list[StepRecord]]) -> dict:
     """tau, per-position counters and histogram of a set of runs, through the same code run.json uses."""
-    rows = [{"request_id": str(i), "class": "c", **s} for i, steps in enumerate(steps_by_request) for s in steps]
+    rows = [{"request_id": str(i), "class": "c", **vars(s)} for i, steps in enumerate(steps_by_request) for s in steps]
     overall = summarize(pd.DataFrame(rows), n_boot=1)["overall"]
     keys = ("num_drafts", "num_accepted_tokens", "num_accepted_tokens_per_pos", "mean_acceptance_length", "acceptance_histogram")
     return {key: overall[key] for key in keys}
@@ -137,12 +138,12 @@ def test_demo_dflash_draft_is_lossless(greedy_outputs, demo_dflash, dflash_live_
     k = demo_dflash.config.block_size - 1
     assert [r.output_ids for r in dflash_live_runs] == greedy_outputs
     steps = [s for r in dflash_live_runs for s in r.steps]
-    assert all(s["num_drafted"] <= k for s in steps)
+    assert all(s.num_drafted <= k for s in steps)
     assert _totals(steps)[0] > 0  # the trained draft is not noise: some of its blocks are accepted
 
 
-def _step_keys(steps: list[dict]) -> list[tuple]:
-    return [tuple(s[c] for c in STEP_KEYS) for s in steps]
+def _step_keys(steps: list[StepRecord]) -> list[tuple]:
+    return [tuple(getattr(s, c) for c in STEP_KEYS) for s in steps]
 
 
 def test_teacher_replay_equals_live_loop_for_quantized_draft(smollm2, prompts, greedy_outputs, quantized_draft, quantized_live_runs):
@@ -159,7 +160,7 @@ def test_teacher_replay_equals_live_loop_for_quantized_draft(smollm2, prompts, g
         for walked, live in zip(walked_steps, live_steps):
             assert _step_keys(walked) == _step_keys(live), f"k={k}"
         assert _counters(walked_steps) == _counters(live_steps), f"k={k}"
-    longest_run = max(s["num_accepted"] for r in quantized_live_runs[max(TEACHER_KS)] for s in r.steps)
+    longest_run = max(s.num_accepted for r in quantized_live_runs[max(TEACHER_KS)] for s in r.steps)
     assert longest_run >= 3  # the schedule had long accepted runs, not only rejections
 
 

@@ -25,10 +25,10 @@ def test_identical_autoregressive_draft_accepts_everything(k):
     for prompt in PROMPTS:
         result = speculative_generate(TargetModel(target_model), draft, torch.tensor(prompt), k=k, max_new_tokens=24)
         assert result.output_ids == _greedy(target_model, prompt)
-        drafted = sum(s["num_drafted"] for s in result.steps)
+        drafted = sum(s.num_drafted for s in result.steps)
         assert drafted > 0
-        assert sum(s["num_accepted"] for s in result.steps) == drafted
-        assert all(row["accepted"] for row in result.tokens)
+        assert sum(s.num_accepted for s in result.steps) == drafted
+        assert all(row.accepted for row in result.tokens)
 
 
 @pytest.mark.parametrize("k", [1, 2, 4, 7])
@@ -40,7 +40,7 @@ def test_random_autoregressive_draft_is_lossless(k):
         result = speculative_generate(TargetModel(target_model), draft, torch.tensor(prompt), k=k, max_new_tokens=24)
         assert result.output_ids == _greedy(target_model, prompt)
         assert len(result.output_ids) == 24
-        rejected_any |= any(s["num_accepted"] < s["num_drafted"] for s in result.steps)
+        rejected_any |= any(s.num_accepted < s.num_drafted for s in result.steps)
     assert rejected_any
 
 
@@ -54,7 +54,7 @@ def test_random_dflash_draft_is_lossless(k):
     for prompt in PROMPTS:
         result = speculative_generate(target, proposer, torch.tensor(prompt), k=k, max_new_tokens=24)
         assert result.output_ids == _greedy(target_model, prompt)
-        assert all(s["num_drafted"] <= k for s in result.steps)
+        assert all(s.num_drafted <= k for s in result.steps)
 
 
 def test_stop_token_ends_generation_like_plain_decoding():
@@ -75,12 +75,12 @@ def test_token_records_describe_each_drafted_token():
     result = speculative_generate(
         TargetModel(target_model), AutoregressiveProposer(tiny_target(seed=5)), torch.tensor(PROMPTS[0]), k=3, max_new_tokens=16
     )
-    assert len(result.tokens) == sum(s["num_drafted"] for s in result.steps)
+    assert len(result.tokens) == sum(s.num_drafted for s in result.steps)
     for row in result.tokens:
-        assert 0.0 <= row["target_prob_of_draft"] <= 1.0
-        assert row["kl_target_draft"] >= 0.0 and 0.0 <= row["total_variation"] <= 1.0
-        assert (row["draft_token"] == row["target_token"]) == (row["target_rank_in_draft"] == 0) or not row["accepted"]
-        assert len(row["draft_topk_ids"]) == 5 and row["draft_topk_ids"][0] == row["draft_token"]
+        assert 0.0 <= row.target_prob_of_draft <= 1.0
+        assert row.kl_target_draft >= 0.0 and 0.0 <= row.total_variation <= 1.0
+        assert (row.draft_token == row.target_token) == (row.target_rank_in_draft == 0) or not row.accepted
+        assert len(row.draft_topk_ids) == 5 and row.draft_topk_ids[0] == row.draft_token
 
 
 def test_block_pass_equals_the_live_drafter_for_every_anchor():

@@ -65,9 +65,9 @@ def test_layer_offset_probe_equals_each_offset_drafted_alone(replayed):
             table, _ = slot_table(pair.target, proposer, TeacherSequence(turn.prompt_ids, turn.output_ids), pair.default_k,
                                   record_divergence=False)
             steps = [s for s in walk_schedule(table.matches, turn.output_ids, pair.default_k, turn.max_new_tokens, pair.stop_ids)
-                     if s["num_drafted"]]
+                     if s.num_drafted]
             drafts += len(steps)
-            accepted += sum(s["num_accepted"] for s in steps)
+            accepted += sum(s.num_accepted for s in steps)
         expected[offset], drafts_by_offset[offset] = 1.0 + accepted / drafts, drafts
     assert expected[0] > 1.0 and expected[-1] != expected[0]  # drafts accepted, offsets told apart: a mix-up would show
     assert layer_offset_probe(pair, turns, replay.full_block_matches) == (expected, drafts_by_offset[0])

@@ -43,14 +43,14 @@ def test_fixture_edge_cases(tmp_path):
 
 
 def test_speedup_figure_marks_each_recommended_k(run):
-    summary, recommendation = run.meta["summary"], run.meta["recommendation"]
-    fig = figures.speedup_by_k_figure(summary["sweep"], recommendation)
+    recommendation = run.record.recommendation
+    fig = figures.speedup_by_k_figure(run.record.summary.sweep, recommendation)
     stars = {trace.legendgroup: trace.x[0] for trace in fig.data if trace.marker.symbol == "star"}
-    assert stars == {name: rec["k"] for name, rec in recommendation.items()}
+    assert stars == {name: rec.k for name, rec in recommendation.items()}
 
 
 def test_figures_draw_one_series_per_class_plus_overall(run):
-    summary = run.meta["summary"]
+    summary = run.record.summary
     names = {"chat", "code", "math", "overall"}
     assert set(figures.tau_by_class_figure(summary).data[0].x) == names
     lines = figures.acceptance_by_position_figure(summary, conditional=True).data
@@ -62,5 +62,5 @@ def test_figures_draw_one_series_per_class_plus_overall(run):
 
 def test_figures_of_an_empty_run_explain_themselves(tmp_path):
     empty = load_run(make_fixture_run(tmp_path / "empty", num_requests=0))
-    for fig in (figures.tau_by_class_figure(empty.meta["summary"]), figures.speedup_by_k_figure(None), figures.acceptance_along_output_figure(empty.steps)):
+    for fig in (figures.tau_by_class_figure(empty.record.summary), figures.speedup_by_k_figure(None, {}), figures.acceptance_along_output_figure(empty.steps)):
         assert not fig.data and fig.layout.annotations[0].text

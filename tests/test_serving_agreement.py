@@ -55,9 +55,9 @@ class _Local:
 
 
 def _engine_turn(request_id, prompt, result, k) -> EngineTurn:
-    accepted = [s["num_accepted"] for s in result.steps]
-    measurement = SpecMeasurement("vllm", k, len(accepted), sum(s["num_drafted"] for s in result.steps), sum(accepted),
-                                  per_step_accepted=tuple(accepted), per_step_drafted=tuple(s["num_drafted"] for s in result.steps))
+    accepted = [s.num_accepted for s in result.steps]
+    measurement = SpecMeasurement("vllm", k, len(accepted), sum(s.num_drafted for s in result.steps), sum(accepted),
+                                  per_step_accepted=tuple(accepted), per_step_drafted=tuple(s.num_drafted for s in result.steps))
     return EngineTurn(request=Request(id=request_id, prompt="x"), turn=0, output_text="", output_token_ids=result.output_ids,
                       prompt_token_ids=prompt, prompt_num_tokens=len(prompt), num_output_tokens=len(result.output_ids),
                       stop_reason=result.stop_reason, measurement=measurement, wall_time_s=0.0,

@@ -23,8 +23,8 @@ def test_vllm_summary_payload_from_the_pr_that_added_it():
     assert (m.engine, m.num_drafts, m.num_accepted_tokens, m.num_draft_tokens, m.num_spec_tokens) == ("vllm", 43, 10, 129, 3)
     assert m.tau == pytest.approx(1.2325581395348837)
     rows = step_rows(m, None)
-    assert len(rows) == 43 and all(r["position"] == -1 for r in rows)  # order unknown without `detailed`
-    assert sorted(r["num_accepted"] for r in rows) == [0] * 39 + [1] + [3] * 3
+    assert len(rows) == 43 and all(r.position == -1 for r in rows)  # order unknown without `detailed`
+    assert sorted(r.num_accepted for r in rows) == [0] * 39 + [1] + [3] * 3
 
 
 def test_vllm_detailed_steps_get_positions_and_bonus_tokens_in_order():
@@ -34,7 +34,7 @@ def test_vllm_detailed_steps_get_positions_and_bonus_tokens_in_order():
         "draft_acceptance_rate": 0.5}}}
     output = [10, 11, 12, 13, 14]  # 10 from prefill; step 0 accepts 11, 12 + bonus 13; step 1 accepts none + bonus 14
     rows = step_rows(parse_response(body), output)
-    assert [(r["position"], r["num_accepted"], r["bonus_token"]) for r in rows] == [(1, 2, 13), (4, 0, 14)]
+    assert [(r.position, r.num_accepted, r.bonus_token) for r in rows] == [(1, 2, 13), (4, 0, 14)]
 
 
 def test_captured_vllm_response_reads_ids_text_and_steps_that_add_up():
@@ -47,7 +47,7 @@ def test_captured_vllm_response_reads_ids_text_and_steps_that_add_up():
     assert text == body["choices"][0]["message"]["content"]
     rows = step_rows(m, output_ids)
     # the prefill token plus accepted + 1 per step is the whole output (minus what max_tokens cut off)
-    assert 1 + sum(r["num_accepted"] + 1 for r in rows) >= len(output_ids) > sum(r["num_accepted"] + 1 for r in rows[:-1])
+    assert 1 + sum(r.num_accepted + 1 for r in rows) >= len(output_ids) > sum(r.num_accepted + 1 for r in rows[:-1])
     assert m.tau == pytest.approx(body["metrics"]["speculative_decoding"]["mean_acceptance_length"])
 
 

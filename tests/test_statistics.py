@@ -63,7 +63,7 @@ def test_summary_compare_and_dashboard_show_the_same_tau_and_interval(tmp_path):
     summary = run.meta["summary"]
     scopes = {"overall": summary["overall"], **summary["by_class"]}
     compared = {r.cls: r for r in compare_runs(run_dir, run_dir).rows if r.slot is None}
-    dashboard = data.class_table(summary, run.requests, seed=3).set_index("class")
+    dashboard = data.class_table(run.record.summary, run.requests, seed=3).set_index("class")
     assert set(compared) == set(scopes) == set(dashboard.index)
     for scope, metrics in scopes.items():
         tau = metrics["mean_acceptance_length"]

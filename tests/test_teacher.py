@@ -18,7 +18,7 @@ STEP_KEYS = ("position", "num_drafted", "num_accepted", "bonus_token")
 
 
 def _strip(steps):
-    return [tuple(s[key] for key in STEP_KEYS) for s in steps]
+    return [tuple(getattr(s, key) for key in STEP_KEYS) for s in steps]
 
 
 def _draft_that_agrees_often(target_model):
@@ -49,10 +49,10 @@ def test_autoregressive_every_k_from_one_pass_equals_live(max_new):
             assert live.output_ids == truth
             walked = walk_schedule(table.matches[:, :k], truth, k, max_new, stop)
             assert _strip(walked) == _strip(live.steps), f"k={k} prompt={prompt}"
-            accepted_counts.update(s["num_accepted"] for s in live.steps)
+            accepted_counts.update(s.num_accepted for s in live.steps)
             rows = token_rows(table, walked, truth)
-            live_accepted = [(r["position"], r["draft_token"]) for r in live.tokens if r["accepted"]]
-            assert [(r["position"], r["draft_token"]) for r in rows if r["accepted"]] == live_accepted
+            live_accepted = [(r.position, r.draft_token) for r in live.tokens if r.accepted]
+            assert [(r.position, r.draft_token) for r in rows if r.accepted] == live_accepted
     assert {0, 1, 2, 8} <= accepted_counts  # the draft both fails early and runs long: a demanding schedule
 
 
@@ -76,7 +76,7 @@ def test_walk_schedule_on_a_hand_made_table():
     matches[3] = [True, True, True]  # anchor 3: accept 3, bonus output[7]
     matches[7] = [True, True, True]  # anchor 7: k capped to max_new - 8 - 1 = 1
     steps = walk_schedule(matches, list(range(100, 110)), 3, 10, frozenset())
-    assert [(s["position"], s["num_drafted"], s["num_accepted"], s["bonus_token"]) for s in steps] == [
+    assert [(s.position, s.num_drafted, s.num_accepted, s.bonus_token) for s in steps] == [
         (1, 3, 2, 103), (4, 3, 3, 107), (8, 1, 1, 109),
     ]
 

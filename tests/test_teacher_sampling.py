@@ -73,11 +73,11 @@ def _live_runs(target_model, draft_model, make_proposer):
 
 
 def _full_k_steps(result) -> list[dict]:
-    return [s for s in result.steps if s["num_drafted"] == K]
+    return [s for s in result.steps if s.num_drafted == K]
 
 
 def _live_tau_ci(runs) -> tuple[float, list[float]]:
-    rows = [{"request_id": str(seed), "class": "c", **s} for seed, (_, _, r) in enumerate(runs) for s in _full_k_steps(r)]
+    rows = [{"request_id": str(seed), "class": "c", **vars(s)} for seed, (_, _, r) in enumerate(runs) for s in _full_k_steps(r)]
     return tau_with_ci(pd.DataFrame(rows))
 
 
@@ -87,7 +87,7 @@ def _teacher_tau(runs, proposer_for=lambda proposer: proposer) -> float:
     for target, proposer, result in runs:
         table, _ = slot_table(target, proposer_for(proposer), TeacherSequence(PROMPT, result.output_ids), K,
                               temperature=TEMPERATURE, record_divergence=False)
-        accept_probs.append(table.accept_probs[[s["position"] - 1 for s in _full_k_steps(result)]])
+        accept_probs.append(table.accept_probs[[s.position - 1 for s in _full_k_steps(result)]])
     return expected_tau(np.concatenate(accept_probs), [K])[K]
 
 
@@ -140,6 +140,6 @@ def test_greedy_draft_walk_on_the_sampled_output_is_the_live_run(dflash_runs):
         table, _ = slot_table(target, proposer, TeacherSequence(PROMPT, result.output_ids), K, record_divergence=False)
         walked = walk_schedule(table.matches, result.output_ids, K, MAX_NEW_TOKENS, frozenset())
         keys = ("position", "num_drafted", "num_accepted", "bonus_token")
-        assert [tuple(s[c] for c in keys) for s in walked] == [tuple(s[c] for c in keys) for s in result.steps]
-        rejected += sum(s["num_accepted"] < s["num_drafted"] for s in result.steps)
+        assert [tuple(getattr(s, c) for c in keys) for s in walked] == [tuple(getattr(s, c) for c in keys) for s in result.steps]
+        rejected += sum(s.num_accepted < s.num_drafted for s in result.steps)
     assert rejected > 0

@@ -48,7 +48,7 @@ def test_schedule_anchors_get_every_anchors_rows_and_the_live_loops(kind, monkey
         sequence = TeacherSequence(prompt, truth)
 
         def drafted_from(matches):
-            return [s["position"] - 1 for s in walk_schedule(matches, truth, K, MAX_NEW, frozenset())]
+            return [s.position - 1 for s in walk_schedule(matches, truth, K, MAX_NEW, frozenset())]
 
         chosen, _ = slot_table(target, make(target), sequence, K, full_anchors=drafted_from)
         every, _ = slot_table(target, make(target), sequence, K)
@@ -58,7 +58,7 @@ def test_schedule_anchors_get_every_anchors_rows_and_the_live_loops(kind, monkey
             assert walk_schedule(chosen.matches[:, :k], truth, k, MAX_NEW, frozenset()) == \
                 walk_schedule(every.matches[:, :k], truth, k, MAX_NEW, frozenset())
         steps = walk_schedule(chosen.matches, truth, K, MAX_NEW, frozenset())
-        anchors = {s["position"] - 1 for s in steps}
+        anchors = {s.position - 1 for s in steps}
         assert set(chosen.divergence_start) == anchors
         assert (chosen.guesses[sorted(anchors)] >= 0).all()  # every slot of a recorded anchor has its guess
         skipped += len(every.divergence_start) - len(anchors)
@@ -69,8 +69,8 @@ def test_schedule_anchors_get_every_anchors_rows_and_the_live_loops(kind, monkey
         _assert_same_rows(rows, token_rows(every, steps, truth))
         live = speculative_generate(target, make(target), torch.tensor(prompt), k=K, max_new_tokens=MAX_NEW)
         assert live.output_ids == truth and len(rows) == len(live.tokens)
-        accepted = {s["step"]: s["num_accepted"] for s in live.steps}
-        on_true_prefix = [(row, twin) for row, twin in zip(rows, live.tokens) if row["offset"] <= accepted[row["step"]] + 1]
+        accepted = {s.step: s.num_accepted for s in live.steps}
+        on_true_prefix = [(row, twin) for row, twin in zip(rows, live.tokens) if row.offset <= accepted[row.step] + 1]
         _assert_same_rows(*zip(*on_true_prefix))  # past the first rejection the live target scores the draft's tokens
     assert skipped > 0 and lazy_runs_past_slot_1 > 0  # anchors were skipped, and skipped ones had runs to follow
 
@@ -79,9 +79,9 @@ def _assert_same_rows(rows, others):
     assert len(rows) == len(others)
     for row, other in zip(rows, others):
         for name in EXACT_COLUMNS:
-            assert row[name] == other[name], name
+            assert getattr(row, name) == getattr(other, name), name
         for name in FLOAT_COLUMNS:
-            assert math.isclose(row[name], other[name], rel_tol=1e-4, abs_tol=1e-6), name
+            assert math.isclose(getattr(row, name), getattr(other, name), rel_tol=1e-4, abs_tol=1e-6), name
 
 
 def test_full_anchors_refuse_sampling():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -29,8 +30,10 @@ def unit_counts(drafts: int, rates: list[float], generated: float | None = None)
 
 def write_watch(run_dir: Path, rates: list[float], *, baseline_tau: float | None = None, classes=("code", "chat"), num_units: int = 8) -> Path:
     """A watch of ``num_units`` scrape intervals per class, one window per interval (live-watch shape)."""
-    judge = Judge(Baseline.fixed({"overall": baseline_tau}) if baseline_tau else None, Thresholds(min_drafts=10), engine="vllm")
-    record = WatchRecord(run_dir, {"config": "test"}, {"sources": ["http://x/metrics"], "window_s": 60.0, "baseline": "fixed"})
+    thresholds = Thresholds(min_drafts=10)
+    judge = Judge(Baseline.fixed({"overall": baseline_tau}) if baseline_tau else None, thresholds, engine="vllm")
+    record = WatchRecord(run_dir, {"config": "test"}, {"sources": ["http://x/metrics"], "window_s": 60.0, "interval_s": 60.0,
+                                                       "baseline": "fixed", "thresholds": dataclasses.asdict(thresholds)})
     for i in range(num_units):
         verdicts, units = [], []
         for cls in classes:
@@ -111,7 +114,7 @@ def test_production_page_on_a_check_run_says_what_it_needs(monkeypatch, tmp_path
 def test_canary_between_two_label_values_of_one_watch(tmp_path):
     from dflash_doctor.telemetry.record import WatchRecord
 
-    record = WatchRecord(tmp_path / "w", {}, {"sources": ["x"], "window_s": 60.0})
+    record = WatchRecord(tmp_path / "w", {}, {"sources": ["x"], "window_s": 60.0, "interval_s": 60.0, "baseline": None, "thresholds": {}})
     for i in range(8):
         stable = unit_counts(200, [0.6, 0.35, 0.2, 0.1])
         canary = unit_counts(200, [0.3, 0.1, 0.05, 0.0])

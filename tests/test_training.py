@@ -15,6 +15,7 @@ from dflash_doctor.engine.blocks import context_kv_for, draft_block_hidden
 from dflash_doctor.engine.batched import generate_greedy_batch
 from dflash_doctor.engine.live import plain_generate, speculative_generate
 from dflash_doctor.engine.proposers.dflash import DFlashProposer
+from dflash_doctor.engine.records import StepRecord
 from dflash_doctor.engine.target import TargetModel
 from dflash_doctor.errors import UsageError
 from dflash_doctor.loading import load_dflash_draft, save_dflash_draft
@@ -65,8 +66,8 @@ def random_prompts(count: int, seed: int) -> list[list[int]]:
             for _ in range(count)]
 
 
-def live_steps(target_model, draft, prompts) -> list[dict]:
-    """Step rows of the real speculative loop at T = 0 with K = block size - 1."""
+def live_steps(target_model, draft, prompts) -> list[StepRecord]:
+    """Step records of the real speculative loop at T = 0 with K = block size - 1."""
     target = TargetModel(target_model, draft.hidden_state_indices)
     proposer = DFlashProposer(draft, target)
     rows = []
@@ -78,7 +79,7 @@ def live_steps(target_model, draft, prompts) -> list[dict]:
 
 
 def tau(rows) -> float:
-    return 1 + sum(r["num_accepted"] for r in rows) / sum(1 for r in rows if r["num_drafted"])
+    return 1 + sum(r.num_accepted for r in rows) / sum(1 for r in rows if r.num_drafted)
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +114,7 @@ def test_block_pass_acceptance_walks_the_live_schedule(trained):
     """held_out_steps (teacher-forced, no live loop) gives the live loop's steps on greedy continuations."""
     walked = held_out_steps(trained.target, trained.result.draft, trained.records, stop_ids=STOP_IDS)
     assert [(r["num_drafted"], r["num_accepted"]) for r in walked] == \
-        [(r["num_drafted"], r["num_accepted"]) for r in trained.trained_rows]
+        [(r.num_drafted, r.num_accepted) for r in trained.trained_rows]
 
 
 def test_saved_checkpoint_reloads_with_identical_logits(trained, tmp_path):

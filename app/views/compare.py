@@ -49,8 +49,7 @@ slot_table = table[table["metric"] != "tau"]
 st.dataframe(slot_table.style.apply(data.highlight_regressions, axis=1).format(data.COMPARISON_FORMATS, na_rep="—"), hide_index=True, height=320)
 
 st.subheader("What changed between the runs")
-base_meta = ui.load(base_path).meta
-changed = data.changed_facts(base_meta, new_run.meta)
+changed = data.changed_facts(ui.load(base_path).record, new_run.record)
 if changed.empty:
     st.caption("Models, environment and configuration are identical: the difference comes from the data or chance.")
 else:

@@ -9,8 +9,6 @@ from dflash_doctor.app import data, ui
 run = ui.current_run()
 ui.run_header(run, "Overview")
 record = run.record
-meta = run.meta  # run.json's form of the record: what the figures and the fact tables lay out
-summary = meta.get("summary") or {}
 overall = record.summary.overall
 
 status, sentence = data.run_verdict(record.checks)
@@ -30,8 +28,8 @@ if overall is not None and overall.num_drafts:
     cols[4].metric("Recommended K (overall)", str(best.k) if best else "—",
                    help=(best.reason if best else "") or "Run `dflash-doctor sweep` for a recommendation.")
     left, right = st.columns(2)
-    left.plotly_chart(figures.tau_by_class_figure(summary), key="overview_tau")
-    right.plotly_chart(figures.acceptance_histogram_figure(summary), key="overview_histogram")
+    left.plotly_chart(figures.tau_by_class_figure(record.summary), key="overview_tau")
+    right.plotly_chart(figures.acceptance_histogram_figure(record.summary), key="overview_histogram")
 else:
     st.info("This run has no drafted steps, so there are no acceptance numbers; the checks and facts below still apply.")
 
@@ -57,17 +55,16 @@ else:
             if check.metrics:
                 st.json(check.metrics, expanded=False)
 
-recommendation = meta.get("recommendation") or {}
-if recommendation:
+if record.recommendation:
     st.header("Recommended K")
-    st.dataframe(data.recommendation_table(recommendation), hide_index=True,
+    st.dataframe(data.recommendation_table(record.recommendation), hide_index=True,
                  column_config={"speedup": st.column_config.NumberColumn(format="%.2fx"), "reason": st.column_config.TextColumn(width="large")})
 
 st.header("Models and environment")
 left, right = st.columns(2)
 with left:
     st.subheader("Models")
-    st.dataframe(data.facts_table(meta.get("models") or {}), hide_index=True)
+    st.dataframe(data.facts_table(data.run_facts(record)["models"]), hide_index=True)
 with right:
     st.subheader("Environment")
     st.dataframe(data.facts_table(record.environment), hide_index=True)

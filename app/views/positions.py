@@ -6,10 +6,11 @@ import streamlit as st
 
 from dflash_doctor import figures
 from dflash_doctor.app import data, ui
+from dflash_doctor.record import Summary
 
 run = ui.current_run(("steps",))
 ui.run_header(run, "Positions")
-summary = run.meta.get("summary") or {}
+summary = run.record.summary
 table = data.position_table(summary)
 if table.empty:
     st.info("This run has no per-slot acceptance (no drafted steps were recorded).")
@@ -20,10 +21,10 @@ shown = st.multiselect("Classes", groups, default=groups, key="positions_classes
 if not shown:
     st.warning("Pick at least one class to draw.")
     st.stop()
-subset = {
-    "overall": summary.get("overall") if "overall" in shown else {},
-    "by_class": {cls: metrics for cls, metrics in (summary.get("by_class") or {}).items() if cls in shown},
-}
+subset = Summary(
+    overall=summary.overall if "overall" in shown else None,
+    by_class={cls: metrics for cls, metrics in summary.by_class.items() if cls in shown},
+)
 left, right = st.columns(2)
 left.plotly_chart(figures.acceptance_by_position_figure(subset), key="positions_unconditional")
 right.plotly_chart(figures.acceptance_by_position_figure(subset, conditional=True), key="positions_conditional")

@@ -10,18 +10,18 @@ from dflash_doctor.telemetry.record import is_watch_run, read_windows, telemetry
 
 run = ui.current_run()
 ui.run_header(run, "Production")
-if not is_watch_run(run.meta):
+if not is_watch_run(run.record):
     st.info("This page shows runs written by `dflash-doctor watch` (production telemetry). Open a watch run in the sidebar.")
     st.stop()
 
-telemetry = telemetry_details(run.meta)
+telemetry = telemetry_details(run.record)
 windows = read_windows(run.path)
 st.caption(
-    f"Sources: {', '.join(telemetry.get('sources') or []) or '?'} · window {telemetry.get('window_s', '?')} s · "
-    f"baseline: {telemetry.get('baseline') or 'none'}"
+    f"Sources: {', '.join(telemetry['sources']) or '?'} · window {telemetry['window_s']} s · "
+    f"baseline: {telemetry['baseline'] or 'none'}"
 )
 
-alerts = telemetry.get("alerts") or []
+alerts = telemetry["alerts"]
 if alerts:
     st.error(f"**{len(alerts)} alert(s)** in this watch; the latest: {alerts[-1]['message']}", icon=":material/notifications_active:")
 elif not windows.empty:
@@ -49,7 +49,7 @@ st.dataframe(
 )
 
 st.plotly_chart(figures.tau_timeline_figure(windows), key="production_tau")
-floor = (telemetry.get("thresholds") or {}).get("speedup_floor", 1.0)
+floor = telemetry["thresholds"]["speedup_floor"]
 st.plotly_chart(figures.speedup_timeline_figure(windows, floor), key="production_speedup")
 
 if alerts:
@@ -58,11 +58,11 @@ if alerts:
         when = pd.Timestamp(alert["time_s"], unit="s", tz="UTC").strftime("%Y-%m-%d %H:%M:%S UTC")
         with st.expander(f"{when} · **{alert['kind']}** · {alert['series']}", expanded=alert is alerts[-1]):
             st.markdown(alert["message"])
-            if alert.get("advice"):
+            if alert["advice"]:
                 st.code("\n".join(alert["advice"]), language=None)
 
-events = telemetry.get("events") or []
-notes = telemetry.get("notes") or []
+events = telemetry["events"]
+notes = telemetry["notes"]
 if events or notes:
     st.header("Source events")
     if events:

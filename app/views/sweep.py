@@ -1,7 +1,6 @@
 """Sweep: estimated speedup against K per class, the recommended K, and the step costs the estimate
 rests on. tau alone does not pick K: verification cost grows with K, so the page shows speedup."""
 
-import pandas as pd
 import streamlit as st
 
 from dflash_doctor import figures
@@ -9,9 +8,9 @@ from dflash_doctor.app import data, ui
 
 run = ui.current_run()
 ui.run_header(run, "Sweep")
-sweep = (run.meta.get("summary") or {}).get("sweep")
-recommendation = run.meta.get("recommendation") or {}
-if not sweep:
+sweep = run.record.summary.sweep
+recommendation = run.record.recommendation
+if sweep is None:
     st.info(
         "This run has no K sweep, so there is no speedup curve or recommended K. "
         "Run `dflash-doctor sweep --k 1-15` (same model and workload flags) to measure tau and net speedup for every K."
@@ -37,13 +36,9 @@ if (table["estimate"] == "truncated").any():
     st.caption("Some rows are truncation estimates: tau(K) read off a run at a larger K. Exact for autoregressive drafts; "
                "for DFlash a shorter block changes the draft's own predictions, so re-run at that K to confirm.")
 
-costs = sweep.get("costs") or {}
-if costs:
-    st.subheader("Step costs behind the estimate")
-    st.caption(f"Source: **{costs.get('source', '?')}** on **{costs.get('device', '?')}**; plain decode step "
-               f"{1000 * float(costs.get('t_decode_s') or 0):.1f} ms. speedup(K) = tau(K) x t_decode / (t_draft(K) + t_verify(K)).")
-    cost_table = pd.DataFrame({
-        "draft ms": {int(k): 1000 * float(v) for k, v in (costs.get("t_draft_s") or {}).items()},
-        "verify ms": {int(k): 1000 * float(v) for k, v in (costs.get("t_verify_s") or {}).items()},
-    }).rename_axis("K").sort_index()
-    st.dataframe(cost_table, column_config={c: st.column_config.NumberColumn(c, format="%.1f") for c in cost_table.columns})
+costs = sweep.step_costs()
+st.subheader("Step costs behind the estimate")
+st.caption(f"Source: **{costs.source}** on **{costs.device}**; plain decode step "
+           f"{1000 * costs.t_decode_s:.1f} ms. speedup(K) = tau(K) x t_decode / (t_draft(K) + t_verify(K)).")
+cost_table = data.step_cost_table(sweep)
+st.dataframe(cost_table, column_config={c: st.column_config.NumberColumn(c, format="%.1f") for c in cost_table.columns})

@@ -30,10 +30,10 @@ def progress_bar(console: Console) -> Callable[[int], AbstractContextManager[Cal
         started = time.perf_counter()
 
         def on_turn(result: GenerationResult) -> None:
-            drafts = [s for s in result.steps if s["num_drafted"] > 0]
+            drafts = [s for s in result.steps if s.num_drafted > 0]
             totals["tokens"] += len(result.output_ids)
             totals["drafts"] += len(drafts)
-            totals["accepted"] += sum(s["num_accepted"] for s in drafts)
+            totals["accepted"] += sum(s.num_accepted for s in drafts)
             rate = totals["tokens"] / max(time.perf_counter() - started, 1e-9)
             tau = 1 + totals["accepted"] / totals["drafts"] if totals["drafts"] else float("nan")
             bar.update(task, advance=1, stats=f"{rate:6.1f} tok/s  tau {tau:.2f}")

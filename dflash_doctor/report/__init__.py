@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Callable, Iterable
 
 from dflash_doctor import deviations
 from dflash_doctor.errors import UsageError
@@ -33,30 +33,36 @@ def parse_formats(value: str | Iterable[str]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names))
 
 
-def render_markdown(run: Run) -> str:
-    """report.md: tables only, no scripts or raw HTML, for pull-request comments."""
-    meta = run.meta
-    checks = meta.get("checks") or []
+def render_markdown(run: Run, analysis: dict[str, Any] | None = None) -> str:
+    """report.md: tables only, no scripts or raw HTML, for pull-request comments (``analysis``: as for
+    :func:`render_html`)."""
+    record = run.record
     text = markdown_env().get_template("report.md").render(
-        run_name=run.name, incomplete=incomplete_note(run), meta=meta, verdict=verdict(run.record.checks), counts=check_counts(run.record.checks),
-        checks=checks, rows=class_rows(meta), why=deviations.analyze_run(run),
+        run_name=run.name, incomplete=incomplete_note(run), record=record, verdict=verdict(record.checks), counts=check_counts(record.checks),
+        checks=record.checks, rows=class_rows(record), why=analysis if analysis is not None else deviations.analyze_run(run),
     )
     return text.rstrip("\n") + "\n"
 
 
-def render_json(run: Run) -> str:
-    """report.json with sorted keys (stable diffs) and NaN written as null."""
-    return json.dumps(_json_safe(report_payload(run)), indent=2, sort_keys=True) + "\n"
+def render_json(run: Run, analysis: dict[str, Any] | None = None) -> str:
+    """report.json with sorted keys (stable diffs) and NaN written as null (``analysis``: as for :func:`render_html`)."""
+    payload = report_payload(run, analysis if analysis is not None else deviations.analyze_run(run))
+    return json.dumps(_json_safe(payload), indent=2, sort_keys=True) + "\n"
 
 
-_RENDERERS = {"html": render_html, "md": render_markdown, "json": render_json, "junit": render_junit}
+_RENDERERS: dict[str, Callable[[Run, dict[str, Any]], str]] = {
+    "html": render_html, "md": render_markdown, "json": render_json, "junit": lambda run, _analysis: render_junit(run),
+}
 
 
-def render_reports(run: Run | Path | str, formats: Iterable[str] = FORMATS, out_dir: Path | str | None = None) -> list[Path]:
+def render_reports(run: Run | Path | str, formats: Iterable[str] = FORMATS, out_dir: Path | str | None = None,
+                   analysis: dict[str, Any] | None = None) -> list[Path]:
     """Write the requested reports of ``run`` (a loaded run, or a run directory to load) into
-    ``out_dir`` (default: the run directory) and return their paths in the order asked."""
+    ``out_dir`` (default: the run directory) and return their paths in the order asked. The deviation
+    analysis is computed once for all of them (``analysis``: the caller's, when it has it)."""
     formats = parse_formats(formats)
     run = run if isinstance(run, Run) else load_run(run)
+    analysis = analysis if analysis is not None else deviations.analyze_run(run)
     target_dir = Path(out_dir) if out_dir is not None else run.path
     try:
         target_dir.mkdir(parents=True, exist_ok=True)
@@ -65,6 +71,6 @@ def render_reports(run: Run | Path | str, formats: Iterable[str] = FORMATS, out_
     written = []
     for name in formats:
         path = target_dir / FILENAMES[name]
-        path.write_text(_RENDERERS[name](run), encoding="utf-8")
+        path.write_text(_RENDERERS[name](run, analysis), encoding="utf-8")
         written.append(path)
     return written

@@ -3,13 +3,13 @@ table, the report.json payload. HTML and Markdown only lay these out differently
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Iterable
 
-from dflash_doctor import deviations
+from dflash_doctor.record import Metrics, Recommendation, RunRecord
 from dflash_doctor.schema import Run
 from dflash_doctor.status import CheckResult, overall_status, status_counts
 
-OVERALL = "overall"
 REPORT_JSON_VERSION = 1
 
 
@@ -22,25 +22,30 @@ def check_counts(checks: Iterable[CheckResult]) -> dict[str, int]:
     return status_counts(check.status for check in checks)
 
 
-def class_rows(meta: dict[str, Any]) -> list[dict[str, Any]]:
-    """One row per class (name order) then overall: the metrics M plus that class's recommendation."""
-    summary = meta.get("summary") or {}
-    recommendation = meta.get("recommendation") or {}
-    by_class = summary.get("by_class") or {}
-    named = [(cls, by_class[cls]) for cls in sorted(by_class)] + [(OVERALL, summary.get("overall") or {})]
-    rows = []
-    for name, metrics in named:
-        rates = metrics.get("acceptance_rate_per_pos") or []
-        rows.append(
-            {
-                "class": name,
-                "metrics": metrics,
-                "rate_first_slot": rates[0] if rates else None,
-                "rate_first_slot_ci": (metrics.get("acceptance_rate_per_pos_ci") or [None])[0],
-                "recommendation": recommendation.get(name),
-            }
-        )
-    return rows
+@dataclass(frozen=True)
+class ClassRow:
+    """One line of the reports' class table: a scope's metrics (None when nothing was summarized, so the
+    line reads as zero requests) plus the K recommended for it."""
+
+    name: str
+    metrics: Metrics | None
+    recommendation: Recommendation | None
+
+    @property
+    def rate_first_slot(self) -> float | None:
+        """r_1: the share of drafts whose first token was accepted."""
+        rates = self.metrics.acceptance_rate_per_pos if self.metrics else []
+        return rates[0] if rates else None
+
+    @property
+    def rate_first_slot_ci(self) -> list[float | None] | None:
+        intervals = self.metrics.acceptance_rate_per_pos_ci if self.metrics else []
+        return intervals[0] if intervals else None
+
+
+def class_rows(record: RunRecord) -> list[ClassRow]:
+    """One row per class (name order) then overall: the summary's metrics plus that scope's recommendation."""
+    return [ClassRow(name, metrics, record.recommendation.get(name)) for name, metrics in record.summary.classes_then_overall()]
 
 
 def incomplete_note(run: Run) -> str | None:
@@ -53,13 +58,13 @@ def incomplete_note(run: Run) -> str | None:
     )
 
 
-def report_payload(run: Run) -> dict[str, Any]:
+def report_payload(run: Run, analysis: dict[str, Any]) -> dict[str, Any]:
     """report.json: the run's verdict, checks, summary and recommendation with stable, sorted keys.
 
     It is what CI scripts read (``jq .verdict``), so keys only ever get added, and
     ``report_json_version`` changes if one is renamed or removed.
     """
-    meta = run.meta  # the record in its run.json form: report.json repeats it
+    meta = run.meta  # the record in its run.json form (every section present): report.json repeats it
     return {
         "report_json_version": REPORT_JSON_VERSION,
         "schema_version": run.record.meta.schema_version,
@@ -69,11 +74,11 @@ def report_payload(run: Run) -> dict[str, Any]:
         "complete": run.complete,
         "verdict": verdict(run.record.checks),
         "check_counts": check_counts(run.record.checks),
-        "checks": meta.get("checks") or [],
-        "summary": meta.get("summary") or {},
-        "recommendation": meta.get("recommendation") or {},
-        "why_rejected": deviations.analyze_run(run),  # deviation patterns per class (dflash_doctor.deviations)
-        "models": meta.get("models") or {},
-        "environment": meta.get("environment") or {},
-        "config": meta.get("config") or {},
+        "checks": meta["checks"],
+        "summary": meta["summary"],
+        "recommendation": meta["recommendation"],
+        "why_rejected": analysis,  # deviation patterns per class (dflash_doctor.deviations.analyze_run)
+        "models": meta["models"],
+        "environment": meta["environment"],
+        "config": meta["config"],
     }

@@ -114,34 +114,33 @@ def token_viewer(run: Run, extra_request_ids: Iterable[str] = ()) -> list[dict[s
 
 def charts(run: Run) -> list[dict[str, Any]]:
     """Every chart of the report, in page order, with the section it belongs to."""
-    summary = run.meta.get("summary") or {}
+    summary = run.record.summary
     built = [
         ("acceptance", "tau-by-class", figures.tau_by_class_figure(summary)),
         ("acceptance", "rate-by-slot", figures.acceptance_by_position_figure(summary)),
         ("acceptance", "conditional-rate-by-slot", figures.acceptance_by_position_figure(summary, conditional=True)),
         ("acceptance", "acceptance-histogram", figures.acceptance_histogram_figure(summary)),
         ("acceptance", "acceptance-along-output", figures.acceptance_along_output_figure(run.steps)),
-        ("sweep", "speedup-by-k", figures.speedup_by_k_figure(summary.get("sweep"), run.meta.get("recommendation"))),
+        ("sweep", "speedup-by-k", figures.speedup_by_k_figure(summary.sweep, run.record.recommendation)),
     ]
     return [{"section": section, "id": f"chart-{name}", "html": figure_html(fig, f"chart-{name}")} for section, name, fig in built]
 
 
 def why_rejected_section(analysis: dict[str, Any], viewer: list[dict[str, Any]]) -> dict[str, Any]:
-    """The deviation analysis plus, for each top pattern, the anchor of its example in the token viewer
-    (the step when it is shown, else the request) and its charts."""
+    """The deviation analysis (left as it is: report.json shows the same object), its charts, and
+    ``example_anchor``: where a top pattern's example sits in the token viewer (its step when shown, else
+    its request, else None)."""
     shown_steps = {(r["request_id"], s["step"]) for r in viewer for s in r["steps"]}
     shown_requests = {r["request_id"] for r in viewer}
-    for summary in [analysis["overall"], *analysis["by_class"].values()]:
-        for pair in summary["top_pairs"]:
-            example = pair["example"]
-            key = (example["request_id"], example["step"])
-            pair["anchor"] = (
-                step_anchor(*key) if key in shown_steps else request_anchor(key[0]) if key[0] in shown_requests else None
-            )
+
+    def example_anchor(example: dict[str, Any]) -> str | None:
+        key = (example["request_id"], example["step"])
+        return step_anchor(*key) if key in shown_steps else request_anchor(key[0]) if key[0] in shown_requests else None
+
     built = [("category", figures.category_acceptance_figure(analysis))]
     built += [(key.replace("by_", "").replace("_", "-"), figures.acceptance_along_figure(analysis, key)) for key in figures.DEVIATION_AXES]
     charts = [{"id": f"chart-why-{name}", "html": figure_html(fig, f"chart-why-{name}")} for name, fig in built]
-    return {"analysis": analysis, "charts": charts}
+    return {"analysis": analysis, "charts": charts, "example_anchor": example_anchor}
 
 
 def request_anchor(request_id: str) -> str:
@@ -153,22 +152,22 @@ def step_anchor(request_id: str, step: int) -> str:
     return f"{request_anchor(request_id)}-step-{step}"
 
 
-def render_html(run: Run) -> str:
-    meta = run.meta
-    checks = meta.get("checks") or []
-    analysis = deviations.analyze_run(run)
+def render_html(run: Run, analysis: dict[str, Any] | None = None) -> str:
+    """report.html; ``analysis`` is the run's :func:`dflash_doctor.deviations.analyze_run` when the caller has it."""
+    record = run.record
+    analysis = analysis if analysis is not None else deviations.analyze_run(run)
     examples = [pair["example"]["request_id"] for summary in analysis["by_class"].values()
                 for pair in summary["top_pairs"][:WHY_REJECTED_EXAMPLES_PER_CLASS]]
     viewer = token_viewer(run, examples)
     return html_env().get_template("report.html").render(
         run_name=run.name,
         incomplete=incomplete_note(run),
-        meta=meta,
-        verdict=verdict(run.record.checks),
-        counts=check_counts(run.record.checks),
-        checks=checks,
-        rows=class_rows(meta),
-        sweep=(meta.get("summary") or {}).get("sweep"),
+        record=record,
+        verdict=verdict(record.checks),
+        counts=check_counts(record.checks),
+        checks=record.checks,
+        rows=class_rows(record),
+        step_costs=record.summary.sweep.step_costs() if record.summary.sweep is not None else None,
         charts=charts(run),
         viewer=viewer,
         why=why_rejected_section(analysis, viewer),

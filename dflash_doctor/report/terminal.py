@@ -94,8 +94,9 @@ def print_why_rejected(analysis: dict[str, Any] | None, console: Console, per_cl
     """Why rejected: the costliest first-rejection patterns of each class (:mod:`dflash_doctor.deviations`),
     one line each, then per class the share of lost tokens at confident misses and the attainable tau
     upper bound. report.html / report.md show the full tables."""
-    analysis = analysis or {}
-    by_class = analysis.get("by_class") or {}
+    if analysis is None:
+        return
+    by_class = analysis["by_class"]
     if not any(summary["top_pairs"] for summary in by_class.values()):
         return
     table = Table(title=f"Why rejected: top {per_class} first-rejection patterns per class, by drafted tokens they threw away")

@@ -32,6 +32,7 @@ import torch
 from dflash_doctor.engine.blocks import block_mask
 from dflash_doctor.engine.proposers.dflash import DFlashProposer
 from dflash_doctor.engine.target import TargetModel
+from dflash_doctor.engine.records import StepRecord
 from dflash_doctor.engine.teacher import TeacherSequence, slot_table, walk_schedule
 
 CONFIGURED = "as configured"
@@ -145,7 +146,7 @@ class TurnComparison:
     engine_accepted: list[int]  # per comparable engine step
     embedded_accepted: dict[str, list[int]]  # setup name -> accepted at the same anchors
     num_engine_steps: int
-    embedded_steps: list[dict[str, Any]]  # the embedded live schedule over the same output (configured setup)
+    embedded_steps: list[StepRecord]  # the embedded live schedule over the same output (configured setup)
     deciding_margins: tuple[list[float], list[float]] = ([], [])  # (agreeing, disagreeing) steps, see _deciding_margins
 
 
@@ -160,10 +161,10 @@ def compare_turn(engine, setups: list[ServingSetup], proposers: dict[str, tuple]
     if prompt is None:
         return None
     sequence = TeacherSequence(list(prompt), list(output))
-    steps = [s for s in turn.steps if s["position"] >= 1 and s["num_drafted"] > 0]
+    steps = [s for s in turn.steps if s.position >= 1 and s.num_drafted > 0]
     # an engine step whose block runs past the returned output cannot be replayed (its accepted tokens
     # beyond max_tokens were dropped by the server), so it is left out of the per-step comparison
-    comparable = [s for s in steps if s["position"] + s["num_drafted"] <= len(output)]
+    comparable = [s for s in steps if s.position + s.num_drafted <= len(output)]
     tables: dict[str, np.ndarray] = {}
     margins: tuple[list[float], list[float]] = ([], [])
     first_difference = None
@@ -189,8 +190,8 @@ def compare_turn(engine, setups: list[ServingSetup], proposers: dict[str, tuple]
                 first_difference = {"position": at, "engine_token": int(output[at]), "embedded_token": int(greedy[at]),
                                     "target_top2_margin": float(top2[0] - top2[1])}
         margins = _deciding_margins(proposer, table.matches, comparable, output, k, len(prompt))
-    engine_accepted = [int(s["num_accepted"]) for s in comparable]
-    embedded = {name: [_run(m[s["position"] - 1], s["num_drafted"]) for s in comparable] for name, m in tables.items()}
+    engine_accepted = [int(s.num_accepted) for s in comparable]
+    embedded = {name: [_run(m[s.position - 1], s.num_drafted) for s in comparable] for name, m in tables.items()}
     own = walk_schedule(tables[CONFIGURED], list(output), k, max_new_tokens, engine.stop_ids) if CONFIGURED in tables else []
     return TurnComparison(
         request_id=turn.key, request_class=turn.request.request_class,
@@ -214,7 +215,7 @@ def _target_pass(model, sequence: TeacherSequence):
     return out.logits[0].float(), out.hidden_states
 
 
-def _deciding_margins(proposer, matches: np.ndarray, steps: list[dict], output: list[int], k: int,
+def _deciding_margins(proposer, matches: np.ndarray, steps: list[StepRecord], output: list[int], k: int,
                       prompt_len: int) -> tuple[list[float], list[float]]:
     """The embedded draft's logit margin at the slot that decides each step: (agreeing, disagreeing) steps.
 
@@ -227,10 +228,10 @@ def _deciding_margins(proposer, matches: np.ndarray, steps: list[dict], output: 
     rows = []
     agreeing_kept = 0
     for s in steps:
-        i, d = s["position"] - 1, s["num_drafted"]
+        i, d = s.position - 1, s.num_drafted
         ours = _run(matches[i], d)
-        j = min(ours, s["num_accepted"])
-        differs = ours != s["num_accepted"]
+        j = min(ours, s.num_accepted)
+        differs = ours != s.num_accepted
         if j < d and i + 1 + j < len(output) and (differs or agreeing_kept < AGREEING_MARGIN_SAMPLE):
             rows.append((i, j, differs))
             agreeing_kept += not differs
@@ -286,9 +287,9 @@ def summarize_agreement(comparisons: list[TurnComparison], answered, *, engine_k
     rows_by_class: dict[str, list] = {}
     turns = []
     for c in comparisons:
-        engine_steps = [s for s in by_key[c.request_id].steps if s["num_drafted"] > 0]
-        own = [s for s in c.embedded_steps if s["num_drafted"] > 0]
-        row = (len(engine_steps), sum(s["num_accepted"] for s in engine_steps), len(own), sum(s["num_accepted"] for s in own))
+        engine_steps = [s for s in by_key[c.request_id].steps if s.num_drafted > 0]
+        own = [s for s in c.embedded_steps if s.num_drafted > 0]
+        row = (len(engine_steps), sum(s.num_accepted for s in engine_steps), len(own), sum(s.num_accepted for s in own))
         rows_by_class.setdefault(c.request_class, []).append(row)
         configured = c.embedded_accepted.get(CONFIGURED, [])
         turns.append({"request_id": c.request_id, "class": c.request_class, "engine_drafts": row[0], "engine_accepted": row[1],

@@ -29,7 +29,7 @@ def run_engine_doctor(config: DoctorConfig, *, only=(), skip=(), progress=None):
     from dflash_doctor import pipeline
     from dflash_doctor.checks.base import CheckContext, run_checks
     from dflash_doctor.metrics import summarize
-    from dflash_doctor.record import Summary, _from_json
+    from dflash_doctor.record import Summary
     from dflash_doctor.replay import Replay
     from dflash_doctor.report import render_reports
     from dflash_doctor.schema import TABLES, Run, RunWriter
@@ -52,13 +52,13 @@ def run_engine_doctor(config: DoctorConfig, *, only=(), skip=(), progress=None):
         with progress_factory(sum(r.num_turns for r in requests)) as on_turn:
             measured = measure_engine(endpoint, requests, config, writer, record, concurrency=config.engine_concurrency, progress=on_turn)
         record.meta.interrupted = measured.interrupted
-        record.summary = _from_json(Summary, summarize(measured.steps_frame(), measured.requests_frame(), seed=config.seed))
+        record.summary = Summary.from_json(summarize(measured.steps_frame(), measured.requests_frame(), seed=config.seed))
         writer.meta = record.to_json()
         if measured.failure is not None:
             raise measured.failure
         if measured.interrupted:
             raise KeyboardInterrupt
-        if local is not None and local.kind.name == "dflash":
+        if local is not None and local.kind.engine_agreement:
             from dflash_doctor.serving.agreement import compare_with_embedded
 
             record.probes.engine_agreement = compare_with_embedded(local, measured.turns, config, seed=config.seed)

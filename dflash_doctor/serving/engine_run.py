@@ -18,7 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from dflash_doctor.config import DoctorConfig
+from dflash_doctor.engine.records import StepRecord
 from dflash_doctor.errors import UsageError
+from dflash_doctor.schema import StepRow, as_row
 from dflash_doctor.serving.client import EngineEndpoint, EngineError, call, scrape_metrics
 from dflash_doctor.serving.prometheus import EngineCounters, measurement_between, read_counters
 from dflash_doctor.serving.responses import LLAMA_CPP, MissingMetrics, SpecMeasurement, parse_response, step_rows
@@ -45,7 +47,7 @@ class EngineTurn:
     stop_reason: str
     measurement: SpecMeasurement
     wall_time_s: float
-    steps: list[dict[str, Any]] = field(default_factory=list)
+    steps: list[StepRecord] = field(default_factory=list)
 
     @property
     def key(self) -> str:
@@ -172,7 +174,7 @@ def turn_rows(result: EngineTurn) -> tuple[dict[str, Any], list[dict[str, Any]]]
         "stop_reason": result.stop_reason,
         "wall_time_s": result.wall_time_s,
     }
-    steps = [{"request_id": result.key, "class": result.request.request_class, **s} for s in result.steps]
+    steps = [as_row(StepRow(request_id=result.key, request_class=result.request.request_class, **vars(s))) for s in result.steps]
     return row, steps
 
 

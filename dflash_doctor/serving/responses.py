@@ -21,6 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from dflash_doctor.engine.records import StepRecord
+
 # Which engine a response came from, as detected from its fields.
 VLLM, SGLANG, LLAMA_CPP = "vllm", "sglang", "llama.cpp"
 
@@ -181,8 +183,8 @@ def parse_response(body: Mapping[str, Any]) -> SpecMeasurement:
     )
 
 
-def step_rows(measurement: SpecMeasurement, output_ids: list[int] | None) -> list[dict[str, Any]]:
-    """``steps.parquet`` rows from an engine's per-request figures (no timings: the engine keeps those).
+def step_rows(measurement: SpecMeasurement, output_ids: list[int] | None) -> list[StepRecord]:
+    """The step records of ``steps.parquet`` from an engine's per-request figures (no timings: the engine keeps those).
 
     With vLLM's ``detailed`` arrays the rows are the real steps in order: the prefill commits the first
     output token, and each step commits its accepted drafts plus one token, so step s starts at
@@ -191,22 +193,19 @@ def step_rows(measurement: SpecMeasurement, output_ids: list[int] | None) -> lis
     known: they are listed by accepted count with ``position = -1``. llama.cpp gives no steps.
     """
     k = measurement.num_spec_tokens or 0
-    rows: list[dict[str, Any]] = []
-    nan = float("nan")
+    rows: list[StepRecord] = []
     if measurement.per_step_accepted is not None:
         drafted = measurement.per_step_drafted or (k,) * len(measurement.per_step_accepted)
         position = 1
         for step, (n_drafted, n_accepted) in enumerate(zip(drafted, measurement.per_step_accepted)):
             bonus_at = position + n_accepted
             bonus = output_ids[bonus_at] if output_ids is not None and bonus_at < len(output_ids) else -1
-            rows.append({"step": step, "position": position, "k": k, "num_drafted": n_drafted,
-                         "num_accepted": n_accepted, "bonus_token": bonus, "draft_time_s": nan, "verify_time_s": nan})
+            rows.append(StepRecord(step=step, position=position, k=k, num_drafted=n_drafted, num_accepted=n_accepted, bonus_token=bonus))
             position += n_accepted + 1
         return rows
     if measurement.acceptance_histogram is not None and measurement.num_drafts:
         per_step_drafted = round(measurement.num_draft_tokens / measurement.num_drafts) if measurement.num_draft_tokens else k
         for n_accepted, count in enumerate(measurement.acceptance_histogram):
             for _ in range(count):
-                rows.append({"step": len(rows), "position": -1, "k": k, "num_drafted": per_step_drafted,
-                             "num_accepted": n_accepted, "bonus_token": -1, "draft_time_s": nan, "verify_time_s": nan})
+                rows.append(StepRecord(step=len(rows), position=-1, k=k, num_drafted=per_step_drafted, num_accepted=n_accepted, bonus_token=-1))
     return rows

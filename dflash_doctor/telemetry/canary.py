@@ -21,6 +21,7 @@ import pandas as pd
 from dflash_doctor.compare import DEFAULT_THRESHOLD_RATE, DEFAULT_THRESHOLD_TAU, Comparison, _compare_slice, _Side
 from dflash_doctor.errors import UsageError
 from dflash_doctor.metrics import NUM_BOOTSTRAP_RESAMPLES, OVERALL, bootstrap_ratio, group_rng, interval
+from dflash_doctor.record import RunRecord
 from dflash_doctor.schema import RUN_JSON, read_run_meta
 from dflash_doctor.telemetry.counts import MIN_UNITS_FOR_BOOTSTRAP, SpecCounts, rate_intervals, tau_interval
 from dflash_doctor.telemetry.record import is_watch_run, read_units
@@ -37,7 +38,7 @@ def split_spec(spec: str | Path) -> tuple[Path, str | None]:
 
 def is_watch_dir(spec: str | Path) -> bool:
     path, _ = split_spec(spec)
-    return (path / RUN_JSON).is_file() and is_watch_run(read_run_meta(path))
+    return (path / RUN_JSON).is_file() and is_watch_run(RunRecord.from_json(read_run_meta(path)))
 
 
 def _positions(per_pos: Any) -> int:
@@ -56,7 +57,7 @@ def _side(units: pd.DataFrame, k: int, group: str) -> _Side:
     drafts = rows["num_drafts"].to_numpy(dtype=float)  # [N]
     per_pos = np.array([list(v)[:k] for v in rows["num_accepted_tokens_per_pos"]], dtype=float).reshape(len(rows), k)  # [N, K]
     if not len(rows):
-        return _Side(0, {}, np.full(NUM_BOOTSTRAP_RESAMPLES, np.nan), np.full((NUM_BOOTSTRAP_RESAMPLES, k), np.nan))
+        return _Side(0, None, None, [], [], np.full(NUM_BOOTSTRAP_RESAMPLES, np.nan), np.full((NUM_BOOTSTRAP_RESAMPLES, k), np.nan))
     total_drafts, total_per_pos = drafts.sum(), per_pos.sum(axis=0)
     resample = lambda numerator: bootstrap_ratio(numerator, drafts, NUM_BOOTSTRAP_RESAMPLES, group_rng(0, group))  # noqa: E731
     tau_samples = 1.0 + resample(per_pos.sum(axis=1))  # [B]
@@ -69,11 +70,7 @@ def _side(units: pd.DataFrame, k: int, group: str) -> _Side:
         pooled = SpecCounts(num_drafts=total_drafts, num_accepted_tokens=float(total_per_pos.sum()), num_accepted_tokens_per_pos=tuple(total_per_pos))
         pooled_tau_ci = tau_interval(pooled)
         tau_ci, rate_cis = list(pooled_tau_ci) if pooled_tau_ci is not None else None, rate_intervals(pooled)
-    metrics = {
-        "mean_acceptance_length": 1.0 + float(rates.sum()), "mean_acceptance_length_ci": tau_ci,
-        "acceptance_rate_per_pos": [float(r) for r in rates], "acceptance_rate_per_pos_ci": rate_cis,
-    }
-    return _Side(len(rows), metrics, tau_samples, rate_samples)
+    return _Side(len(rows), 1.0 + float(rates.sum()), tau_ci, [float(r) for r in rates], rate_cis or [], tau_samples, rate_samples)
 
 
 def compare_watch_runs(base: str | Path, new: str | Path, *, threshold_tau: float = DEFAULT_THRESHOLD_TAU, threshold_rate: float = DEFAULT_THRESHOLD_RATE) -> Comparison:
@@ -103,7 +100,7 @@ def compare_watch_runs(base: str | Path, new: str | Path, *, threshold_tau: floa
     few = False
     for cls, base_slice, new_slice in slices:
         base_side, new_side = _side(base_slice, k, f"base:{cls}"), _side(new_slice, k, f"new:{cls}")
-        few = few or 0 < min(base_side.num_requests, new_side.num_requests) < MIN_UNITS_FOR_BOOTSTRAP
+        few = few or 0 < min(base_side.num_units, new_side.num_units) < MIN_UNITS_FOR_BOOTSTRAP
         comparison.rows += _compare_slice(cls, base_side, new_side, k, threshold_tau, threshold_rate)
     if few:
         comparison.notes.append(f"a side has fewer than {MIN_UNITS_FOR_BOOTSTRAP} scrape intervals: its intervals come from the counts (drafts treated as independent).")

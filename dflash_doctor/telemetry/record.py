@@ -14,7 +14,7 @@ with every window it finished.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict, cast
 
 import pandas as pd
 import pyarrow as pa
@@ -92,7 +92,7 @@ def _summary_block(counts: SpecCounts, units: list[SpecCounts]) -> Metrics:
 class WatchRecord:
     """Writes a watch's run directory; :meth:`update` after every evaluation keeps it current on disk."""
 
-    def __init__(self, run_dir: Path | str, config: dict[str, Any], telemetry: dict[str, Any]):
+    def __init__(self, run_dir: Path | str, config: dict[str, Any], telemetry: WatchSetup):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         urls = [s for s in telemetry.get("sources", []) if str(s).startswith(("http://", "https://", "prometheus "))]
@@ -170,13 +170,33 @@ def _read(path: Path, schema: pa.Schema) -> pd.DataFrame:
     return pq.read_table(path).to_pandas()
 
 
-def is_watch_run(meta: dict[str, Any]) -> bool:
-    """run.json of a watch (its ``source.kind`` is telemetry)."""
-    return (meta.get("source") or {}).get("kind") == SOURCE_TELEMETRY
+class WatchSetup(TypedDict):
+    """How a watch was set up: its sources, window and poll interval, the baseline's description (None
+    without one), and its ``Thresholds`` as a dict."""
+
+    sources: list[str]
+    window_s: float
+    interval_s: float
+    baseline: str | None
+    thresholds: dict[str, float]
 
 
-def telemetry_details(meta: dict[str, Any]) -> dict[str, Any]:
-    """What only a watch records: sources, window, thresholds, events, alerts, notes."""
-    return (meta.get("source") or {}).get("details") or {}
+class WatchDetails(WatchSetup):
+    """What only a watch records (``source.details`` of its run record; every key is always written):
+    its setup and what happened so far."""
+
+    events: list[dict[str, Any]]  # time_s, kind, source, message
+    alerts: list[dict[str, Any]]  # time_s, kind, series, message, advice (list of engine settings)
+    notes: list[str]
+
+
+def is_watch_run(record: RunRecord) -> bool:
+    """The record of a watch (its ``source.kind`` is telemetry)."""
+    return record.source.kind == SOURCE_TELEMETRY
+
+
+def telemetry_details(record: RunRecord) -> WatchDetails:
+    """A watch run's :class:`WatchDetails` (``record`` is a watch run: :func:`is_watch_run`)."""
+    return cast(WatchDetails, record.source.details)  # written by WatchRecord with exactly these keys
 
 
