@@ -44,6 +44,8 @@ TIMED = [
     ("dflash_doctor.engine.teacher", "slot_table", "teacher-forced passes (slot_table)"),
     ("dflash_doctor.engine.target.TargetModel", "forward", "target forward"),
     ("dflash_doctor.engine.proposers.dflash.DFlashProposer", "slot_logits", "draft block pass + lm_head"),
+    ("dflash_doctor.engine.proposers.dflash.DFlashProposer", "slot_scorer", "draft block pass (head on demand)"),
+    ("dflash_doctor.engine.dflash_model.DFlashDraftModel", "teacher_scores", "draft lm_head"),
     ("dflash_doctor.engine.proposers.dflash.DFlashProposer", "prepare_teacher", "draft context K/V"),
     ("dflash_doctor.engine.divergence", "divergence_tensor", "per-token divergence columns"),
     ("dflash_doctor.engine.teacher", "token_rows", "per-token rows"),

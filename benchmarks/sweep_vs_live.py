@@ -25,7 +25,7 @@ from dflash_doctor.engine.proposers.autoregressive import AutoregressiveProposer
 from dflash_doctor.engine.target import TargetModel
 from dflash_doctor.engine.records import StepRecord
 from dflash_doctor.engine.teacher import TeacherSequence, slot_table, token_rows, walk_schedule
-from dflash_doctor.engine.batched import generate_greedy_batch, padding_id
+from dflash_doctor.engine.batched import generate_greedy_batch
 from engine_overhead import demo_prompts, load_smollm2_pair
 
 STEP_KEYS = ("position", "num_drafted", "num_accepted", "bonus_token")
@@ -62,15 +62,13 @@ def main() -> None:
     started = time.perf_counter()
     teacher_steps: dict[int, list[list[dict]]] = {k: [] for k in ks}
     # As `sweep` does: the greedy continuations of all prompts in one batched generate.
-    pad = padding_id(pair.tokenizer, stop_ids)
-    outputs = generate_greedy_batch(model, [p.tolist() for p in prompts], max_new_tokens=max_new, stop_ids=stop_ids,
-                                    pad_token_id=pad)
+    outputs = generate_greedy_batch(model, [p.tolist() for p in prompts], max_new_tokens=max_new, stop_ids=stop_ids)
     for prompt, output in zip(prompts, outputs):
         table, _ = slot_table(TargetModel(model), AutoregressiveProposer(draft), TeacherSequence(prompt.tolist(), output), max(ks))
         for k in ks:
             steps = walk_schedule(table.matches[:, :k], output, k, max_new, stop_ids)
             teacher_steps[k].append(steps)
-        token_rows(table, teacher_steps[max(ks)][-1], output, max(ks))  # the tokens table a sweep writes
+        token_rows(table, teacher_steps[max(ks)][-1], output)  # the tokens table a sweep writes
     teacher_s = time.perf_counter() - started
 
     live_steps: dict[int, list[list[dict]]] = {k: [] for k in ks}

@@ -32,14 +32,25 @@ def probe_turns(turns: Sequence[Turn], limit: int = NUM_PROBE_REQUESTS) -> list[
 
 @torch.inference_mode()
 def lossless_probe(pair: Pair, turns: Sequence[Turn], k: int, dtype: str) -> LosslessProbe:
-    """The live loop at ``k`` against unbatched plain decoding on ``turns`` (temperature 0)."""
+    """The live loop at ``k`` against the target's plain greedy decoding on ``turns`` (temperature 0).
+
+    A turn is identical when the live output equals a plain greedy decoding of its prompt token for
+    token: the replay's batched answer (``turn.output_ids``, decoded already) or, only where the live
+    output differs from that, an unbatched decoding, decoded here to arbitrate. The left padding of a
+    batch can flip a near-tie that batch-1 decoding does not, so a mismatch with the batched answer alone
+    is no evidence of loss; a divergence is reported against the unbatched decoding, with the target's
+    top-2 logit margin at the first differing token.
+    """
     probe = LosslessProbe(num_requests=0, num_identical=0, dtype=dtype)
     for turn in turns:
         prompt = torch.tensor(turn.prompt_ids, device=pair.target.device)
         live = speculative_generate(pair.target, pair.proposer, prompt, k=k, max_new_tokens=turn.max_new_tokens,
                                     stop_ids=pair.stop_ids, record_tokens=False).output_ids
-        plain = plain_generate(pair.target, prompt, max_new_tokens=turn.max_new_tokens, stop_ids=pair.stop_ids).output_ids
         probe.num_requests += 1
+        if live == turn.output_ids:
+            probe.num_identical += 1
+            continue
+        plain = plain_generate(pair.target, prompt, max_new_tokens=turn.max_new_tokens, stop_ids=pair.stop_ids).output_ids
         if live == plain:
             probe.num_identical += 1
             continue
@@ -103,7 +114,8 @@ def layer_offset_probe(pair: Pair, turns: Sequence[Turn],
             if offset != 0 or reused is None:
                 proposer = proposers[offset]
                 features = torch.cat([column[tap] for tap in proposer.needs.hidden_state_indices], dim=-1)
-                table, _ = slot_table(pair.target, proposer, sequence, k, record_divergence=False, target_pass=(out.logits, features))
+                table, _ = slot_table(pair.target, proposer, sequence, k, record_divergence=False,
+                                      full_anchors=lambda matches: (), target_pass=(out.logits, features))
                 matches = table.matches
             else:
                 matches = reused

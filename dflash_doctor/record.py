@@ -192,7 +192,8 @@ class Divergence:
 
 @dataclass
 class LosslessProbe:
-    """The live loop against unbatched plain decoding on the first requests (temperature 0)."""
+    """The live loop against the target's plain greedy decoding on the first requests (temperature 0;
+    see :func:`dflash_doctor.probes.lossless_probe`)."""
 
     num_requests: int
     num_identical: int

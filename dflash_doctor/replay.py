@@ -22,7 +22,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from dflash_doctor.engine.batched import generate_greedy_batch, padding_id
+from dflash_doctor.engine.batched import generate_greedy_batch
 from dflash_doctor.engine.live import GenerationResult, plain_generate, speculative_generate
 from dflash_doctor.engine.schedule import CONVENTIONS, EndOfRequest
 from dflash_doctor.engine.teacher import TeacherSequence, slot_table, token_rows, walk_schedule
@@ -42,7 +42,7 @@ class Replay:
     summary), the steps at every K (teacher-forced) with whether each K is exact, and whether Ctrl-C
     cut it short.
 
-    ``full_block_matches``: per turn key, the largest K's greedy matches when every anchor drafted a
+    ``full_block_matches``: per turn key, the largest K's greedy matched runs when every anchor drafted a
     full block (T = 0, an end-of-request convention that keeps the block): exactly what the layer-offset
     probe computes at offset 0, so it reads them instead of drafting again."""
 
@@ -137,10 +137,9 @@ def replay_live(pair: Pair, requests: Sequence[Request], *, k: int, max_new_toke
 
 
 def _continuations(pair: Pair, temperature: float, generator: torch.Generator):
-    """The target's own answers: batched greedy at T = 0 (padding may flip a near-tie relative to batch-1
-    decoding, which is why the lossless probe compares with unbatched decoding), sampled one by one above."""
-    pad_token_id = padding_id(pair.tokenizer, pair.stop_ids)
-
+    """The target's own answers: batched greedy at T = 0 (the batch's padded decoding steps may flip a
+    near-tie relative to batch-1 decoding, which is why the lossless probe arbitrates a mismatch with
+    unbatched decoding), sampled one by one above."""
     def generate(pending: Sequence[PendingTurn]) -> list[GenerationResult]:
         if temperature > 0:
             return [
@@ -152,7 +151,7 @@ def _continuations(pair: Pair, temperature: float, generator: torch.Generator):
         for start in range(0, len(pending), GREEDY_BATCH_SIZE):
             batch = pending[start:start + GREEDY_BATCH_SIZE]
             outputs = generate_greedy_batch(pair.target.model, [p.prompt_ids for p in batch], max_new_tokens=max(p.max_new_tokens for p in batch),
-                                            stop_ids=pair.stop_ids, pad_token_id=pad_token_id)
+                                            stop_ids=pair.stop_ids)
             for item, output in zip(batch, outputs, strict=True):
                 output = output[:item.max_new_tokens]
                 stopped = bool(output) and output[-1] in pair.stop_ids
@@ -187,13 +186,21 @@ def replay_teacher(pair: Pair, requests: Sequence[Request], *, ks: tuple[int, ..
     def annotate(turn: Turn) -> None:
         result = turn.result
         sequence = TeacherSequence(turn.prompt_ids, result.output_ids)
+
+        def drafted_from(matches: np.ndarray) -> list[int]:
+            """The anchors K_max's schedule drafts from: the only ones the tokens table has rows for."""
+            return [s.position - 1 for s in walk_schedule(matches, result.output_ids, k_max, turn.max_new_tokens, pair.stop_ids, convention)]
+
         tables: dict[int, Any] = {}
         target_pass = None
         for block_k in sorted(block_passes, reverse=True):
+            recorded = block_k == k_max
+            # at T = 0 only the recorded schedule's anchors need every slot; the sweep reads matched runs
+            full_anchors = None if temperature > 0 else (drafted_from if recorded else lambda matches: ())
             tables[block_k], target_pass = slot_table(
                 pair.target, pair.proposer, sequence, block_k, temperature=temperature,
-                record_divergence=block_k == k_max, target_pass=target_pass, max_new_tokens=turn.max_new_tokens,
-                convention=convention,
+                record_divergence=recorded, full_anchors=full_anchors, target_pass=target_pass,
+                max_new_tokens=turn.max_new_tokens, convention=convention,
             )
         for k in ks:
             table = tables.get(k, tables[k_max])
@@ -206,7 +213,7 @@ def replay_teacher(pair: Pair, requests: Sequence[Request], *, ks: tuple[int, ..
                 if temperature <= 0 and not convention.shrink_last_block:
                     replay.full_block_matches[turn.key] = table.matches
                 result.steps = steps
-                result.tokens = token_rows(tables[k_max], steps, result.output_ids, k_max)
+                result.tokens = token_rows(tables[k_max], steps, result.output_ids)
 
     chunk = len(requests) if temperature <= 0 else 1  # batch across requests only for greedy continuations
     turns = run_turns(pair, requests, max_new_tokens, _continuations(pair, temperature, generator), chunk_size=max(chunk, 1))

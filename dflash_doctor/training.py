@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence, cast
 import torch
 import torch.nn.functional as F
 
-from dflash_doctor.engine.batched import generate_greedy_batch, padding_id
+from dflash_doctor.engine.batched import generate_greedy_batch
 from dflash_doctor.engine.blocks import context_kv_for, draft_block_hidden
 from dflash_doctor.engine.dflash_model import DFlashConfig, DFlashDraftModel
 from dflash_doctor.engine.proposers.dflash import DFlashProposer
@@ -276,7 +276,6 @@ def prepare_sequences(model: CausalLM, tokenizer: Any, requests: Sequence[Reques
     if not cached:
         cache_path.parent.mkdir(parents=True, exist_ok=True)
         cache_path.write_text(json.dumps({"key": cache_key}) + "\n", encoding="utf-8")
-    pad_token_id = padding_id(tokenizer, stop_ids)
     eos = tokenizer.eos_token_id
     answers: dict[str, list[str]] = {r.id: [] for r in requests}
     records: dict[tuple[str, int], SequenceRecord] = {}
@@ -302,8 +301,7 @@ def prepare_sequences(model: CausalLM, tokenizer: Any, requests: Sequence[Reques
             pending.sort(key=lambda item: len(item[1]))
             for start in range(0, len(pending), batch_size):
                 chunk = pending[start:start + batch_size]
-                responses = generate_greedy_batch(model, [p for _, p in chunk], max_new_tokens=max_new_tokens,
-                                                  stop_ids=stop_ids, pad_token_id=pad_token_id)
+                responses = generate_greedy_batch(model, [p for _, p in chunk], max_new_tokens=max_new_tokens, stop_ids=stop_ids)
                 new = [SequenceRecord(r.id, r.request_class, turn, len(p), p + out) for (r, p), out in zip(chunk, responses)]
                 _append_records(cache_path, new)
                 records.update({(rec.request_id, turn): rec for rec in new})
@@ -336,7 +334,6 @@ def self_written_prompts(model: CausalLM, tokenizer: Any, count: int, *, cache_p
     rendered = tokenizer.apply_chat_template([{"role": "user", "content": marker}], chat_template=chat_template, tokenize=False,
                                              add_generation_prompt=False)
     prefix = list(tokenizer(rendered[:rendered.index(marker)], add_special_tokens=False)["input_ids"])
-    pad_token_id = padding_id(tokenizer, stop_ids)
     torch.manual_seed(seed)
     texts: list[str] = []
     seen: set[str] = set()
@@ -344,7 +341,7 @@ def self_written_prompts(model: CausalLM, tokenizer: Any, count: int, *, cache_p
         if len(texts) >= count:
             break
         for output in generate_greedy_batch(model, [prefix] * batch_size, max_new_tokens=max_new_tokens, stop_ids=stop_ids,
-                                            pad_token_id=pad_token_id, temperature=temperature):
+                                            temperature=temperature):
             if not output or output[-1] not in stop_ids:  # cut by the length limit: not a finished question
                 continue
             text = tokenizer.decode(output[:-1], skip_special_tokens=True).strip()
@@ -361,7 +358,7 @@ def self_written_prompts(model: CausalLM, tokenizer: Any, count: int, *, cache_p
 
 def sampled_sequences(model: CausalLM, records: Sequence[SequenceRecord], *, samples_per_prompt: int,
                       temperature: float, cache_path: Path, cache_key: dict[str, Any], max_new_tokens: int,
-                      stop_ids: frozenset[int], pad_token_id: int, batch_size: int = 256, seed: int = 0,
+                      stop_ids: frozenset[int], batch_size: int = 256, seed: int = 0,
                       progress: bool = False) -> list[SequenceRecord]:
     """``samples_per_prompt`` sampled continuations of each record's prompt: more, varied training data.
 
@@ -388,7 +385,7 @@ def sampled_sequences(model: CausalLM, records: Sequence[SequenceRecord], *, sam
             chunk = pending[start:start + batch_size]
             prompts = [record.token_ids[:record.prompt_length] for record, _ in chunk]
             responses = generate_greedy_batch(model, prompts, max_new_tokens=max_new_tokens, stop_ids=stop_ids,
-                                              pad_token_id=pad_token_id, temperature=temperature)
+                                              temperature=temperature)
             new = [SequenceRecord(r.request_id, r.request_class, turn, r.prompt_length, list(p) + out)
                    for (r, turn), p, out in zip(chunk, prompts, responses)]
             _append_records(cache_path, new)
@@ -421,11 +418,10 @@ def prepare_training_data(model: CausalLM, tokenizer: Any, requests: Sequence[Re
                                 max_new_tokens=max_new_tokens, stop_ids=stop_ids, chat_template=chat_template,
                                 use_recorded_responses=use_recorded_responses, batch_size=batch_size, progress=progress)
     if samples_per_prompt > 0:
-        pad_token_id = padding_id(tokenizer, stop_ids)
         records = records + sampled_sequences(
             model, records, samples_per_prompt=samples_per_prompt, temperature=sample_temperature,
             cache_path=out_dir / SAMPLED_SEQUENCES_FILE, cache_key=cache_key, max_new_tokens=max_new_tokens,
-            stop_ids=stop_ids, pad_token_id=pad_token_id, batch_size=batch_size, seed=seed, progress=progress,
+            stop_ids=stop_ids, batch_size=batch_size, seed=seed, progress=progress,
         )
     eval_records = prepare_sequences(model, tokenizer, held_out, cache_path=out_dir / EVAL_SEQUENCES_FILE, cache_key=cache_key,
                                      max_new_tokens=max_new_tokens, stop_ids=stop_ids, chat_template=chat_template,

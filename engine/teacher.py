@@ -19,7 +19,7 @@ and p(draft token) for a greedy draft, which gives the expected tau(K).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Callable, Iterable
 
 import numpy as np
 import torch
@@ -38,14 +38,18 @@ ANCHOR_CHUNK = 64  # anchors per draft pass: bounds the [A*B, T + A*B] attention
 class SlotTable:
     """Per-anchor guesses for one sequence. Row i is the step whose last committed token is output[i].
 
-    guesses [N, K] draft tokens; matches [N, K] guess == true token (False past the known output);
-    accept_probs [N, K] under sampling (None at T = 0); tokens: divergence rows per (anchor, slot).
+    guesses [N, K] draft tokens (-1 where a slot was not evaluated, see :func:`slot_table`'s
+    ``full_anchors``); matches [N, K] guess == true token (False past the known output; past an anchor's
+    first miss where only its matched run was evaluated); accept_probs [N, K] under sampling (None at
+    T = 0); divergence: the columns of the recorded (anchor, slot) rows whose true token is known, anchor
+    by anchor, and divergence_start: each recorded anchor's first row in them.
     """
 
     guesses: np.ndarray
     matches: np.ndarray
     accept_probs: np.ndarray | None = None
     divergence: dict[str, list] = field(default_factory=dict)
+    divergence_start: dict[int, int] = field(default_factory=dict)
 
 
 def walk_schedule(matches: np.ndarray, output_ids: list[int], k: int, max_new_tokens: int, stop_ids: frozenset[int],
@@ -90,6 +94,7 @@ def slot_table(
     *,
     temperature: float = 0.0,
     record_divergence: bool = True,
+    full_anchors: Callable[[np.ndarray], Iterable[int]] | None = None,
     target_pass: tuple[torch.Tensor, torch.Tensor | None] | None = None,
     max_new_tokens: int | None = None,
     convention: EndOfRequest = CONVENTIONS["vllm"],
@@ -100,6 +105,15 @@ def slot_table(
     ``max_new_tokens`` are drafted with the block the live loop would use there (their slots past it stay
     unmatched; the schedule never drafts them). Returns the table and the target pass (logits, features)
     so several K can reuse one target forward.
+
+    ``full_anchors`` (T = 0 only) names the anchors whose every slot is needed (guesses, and divergence
+    rows with ``record_divergence``): the ones the recorded schedule drafts from, about 1 / tau of them.
+    Every other anchor only needs its matched run, which is all a schedule walk reads (the first miss
+    ends a step), so its slot j is evaluated only where slots < j matched: about 1.6 of 15 slots at the
+    demo's acceptance, and the draft's vocabulary head and the divergence columns over the full
+    vocabulary are most of a replay's time. It is called once per draft pass with the matched runs of
+    the anchors before the pass's end (later rows False), so it must name anchors that earlier rows
+    decide, as a schedule walk does. None: every slot of every anchor (divergence for all of them).
     """
     device = target.device
     ids = torch.tensor(sequence.prompt_ids + sequence.output_ids, device=device)
@@ -114,23 +128,41 @@ def slot_table(
     truth = torch.tensor(sequence.output_ids, device=device)
     n_anchor = max(n_out - 1, 0)
     sampled = temperature > 0
-    target_rows = TargetRows.of(target_logits, pad=k) if record_divergence else None
+    if sampled and full_anchors is not None:
+        raise ValueError("full_anchors needs T = 0: under sampling every slot's acceptance probability is read")
+    # the target's rows from the first output token on (row p_len + i predicts output[i + 1]): the
+    # prompt's rows predict nothing a slot drafts, and on later turns they are most of the sequence
+    target_rows = TargetRows.of(target_logits[p_len:], pad=k) if record_divergence and n_anchor else None
     block_of = np.full(n_anchor, k)
     if max_new_tokens is not None:
         block_of = np.array([convention.block_k(k, max_new_tokens - (i + 1)) for i in range(n_anchor)], dtype=np.int64)
     # Results stay on the device until the sequence is done: a host copy per pass would stall the GPU's
-    # queue once per pass. Slots past a block or past the known output are padded / computed, then dropped
-    # on the host.
-    guess_parts, match_parts, prob_parts, divergence_parts = [], [], [], []
+    # queue once per pass (only the matched runs that ``full_anchors`` reads are copied per pass). Slots
+    # past a block or past the known output are padded / computed, then dropped on the host.
+    runs = np.zeros((n_anchor, k), dtype=bool)  # the matched runs so far, for full_anchors
+    guess_parts, match_parts, prob_parts, divergence_parts, recorded = [], [], [], [], []
     for start, stop, bk in _draft_passes(block_of):
-        logits = proposer.slot_logits(torch.arange(p_len + start, p_len + stop), bk)  # [A, bk, V]
+        anchors = torch.arange(p_len + start, p_len + stop)
         idx = torch.arange(start, stop, device=device)  # output indices
         slot_pos = idx[:, None] + torch.arange(1, bk + 1, device=device)  # output index each slot predicts
         known = slot_pos < n_out
         safe_pos = slot_pos.clamp(max=n_out - 1)
-        guess = logits.argmax(dim=-1)
+        if full_anchors is None:
+            logits = proposer.slot_logits(anchors, bk)  # [A, bk, V]
+            guess = logits.argmax(dim=-1)
+            match = (guess == truth[safe_pos]) & known
+            full = torch.arange(stop - start, device=device)
+        else:
+            scorer = proposer.slot_scorer(anchors, bk)
+            guess, match = _matched_runs(scorer, truth[safe_pos], known)
+            runs[start:stop, :bk] = match.cpu().numpy()
+            chosen = sorted({a - start for a in full_anchors(runs) if start <= a < stop})
+            full = torch.tensor(chosen, dtype=torch.long, device=device)
+            every_slot = torch.arange(bk, device=device).repeat(len(chosen))
+            logits = scorer(full.repeat_interleave(bk), every_slot).unflatten(0, (len(chosen), bk))
+            guess[full] = logits.argmax(dim=-1)
         guess_parts.append(_widen(guess, k))
-        match_parts.append(_widen((guess == truth[safe_pos]) & known, k))
+        match_parts.append(_widen(match, k))
         if sampled:  # the target's scores for each slot sit one row before the token it predicts
             p = torch.softmax(target_logits[p_len + safe_pos - 1] / temperature, dim=-1)
             if proposer.samples_drafts(temperature):
@@ -139,19 +171,42 @@ def slot_table(
             else:
                 prob = p.gather(-1, guess[..., None])[..., 0]
             prob_parts.append(_widen(prob * known, k))
-        if target_rows is not None:  # record_divergence
-            slots = target_rows.windows(p_len + start, stop - start, bk)  # row p_len + a + j - 1 for slot j
-            divergence_parts.append(_widen(divergence_tensor(logits, guess, slots), k).flatten(0, 1))
+        if target_rows is not None and len(full):  # record_divergence
+            slots = target_rows.windows(start, stop - start, bk)  # sequence row p_len + a + j - 1 for slot j
+            divergence_parts.append(_widen(divergence_tensor(logits, guess[full], slots, full), k).flatten(0, 1))
+            recorded.append(full + start)
     guesses = _host(guess_parts, np.zeros((0, k), dtype=np.int64))
     matches = _host(match_parts, np.zeros((0, k), dtype=bool))
     accept_probs = _host(prob_parts, np.zeros((0, k))).astype(np.float64) if sampled else None
     divergence: dict[str, list] = {}
+    divergence_start: dict[int, int] = {}
     if record_divergence:
+        rows = _host(recorded, np.zeros(0, dtype=np.int64))
         slot = np.arange(1, k + 1)[None]
-        kept = ((np.arange(n_anchor)[:, None] + slot < n_out) & (slot <= block_of[:, None])).reshape(-1)
-        divergence = unpack_divergence(_host(divergence_parts, np.zeros((0, WIDTH)))[kept])
-    table = SlotTable(guesses=guesses, matches=matches, accept_probs=accept_probs, divergence=divergence)
+        kept = (rows[:, None] + slot < n_out) & (slot <= block_of[rows][:, None])
+        divergence = unpack_divergence(_host(divergence_parts, np.zeros((0, WIDTH)))[kept.reshape(-1)])
+        divergence_start = dict(zip(rows.tolist(), (np.cumsum(kept.sum(axis=1)) - kept.sum(axis=1)).tolist()))
+    table = SlotTable(guesses=guesses, matches=matches, accept_probs=accept_probs, divergence=divergence,
+                      divergence_start=divergence_start)
     return table, target_pass
+
+
+def _matched_runs(scorer: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], truth: torch.Tensor,
+                  known: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Guesses and matches [A, bk] of each anchor's matched run, slot by slot: slot j is scored only for
+    the anchors whose slots < j all matched (guess -1 and no match elsewhere)."""
+    guess = torch.full(truth.shape, -1, dtype=torch.long, device=truth.device)
+    match = torch.zeros(truth.shape, dtype=torch.bool, device=truth.device)
+    alive = torch.arange(truth.shape[0], device=truth.device)
+    for j in range(truth.shape[1]):
+        alive = alive[known[alive, j]]
+        if alive.numel() == 0:
+            break
+        guess[alive, j] = scorer(alive, torch.full_like(alive, j)).argmax(dim=-1)
+        hit = guess[alive, j] == truth[alive, j]
+        match[alive, j] = hit
+        alive = alive[hit]
+    return guess, match
 
 
 def _draft_passes(block_of: np.ndarray) -> list[tuple[int, int, int]]:
@@ -177,21 +232,20 @@ def _host(parts: list[torch.Tensor], empty: np.ndarray) -> np.ndarray:
     return torch.cat(parts).cpu().numpy() if parts else empty
 
 
-def token_rows(table: SlotTable, steps: list[StepRecord], output_ids: list[int], k: int) -> list[TokenRecord]:
-    """Token records for the drafted slots of ``steps`` whose true token is known.
+def token_rows(table: SlotTable, steps: list[StepRecord], output_ids: list[int]) -> list[TokenRecord]:
+    """Token records for the drafted slots of ``steps`` whose true token is known (their anchors'
+    divergence rows must have been recorded).
 
     ``target_token`` is the target's token on the committed (true) context.
     """
     n_out = len(output_ids)
-    # divergence lists hold rows for (anchor, slot) with a known true token, in anchor-major order
-    offsets = np.cumsum([0] + [min(k, n_out - 1 - i) for i in range(table.guesses.shape[0])])
     rows = []
     for step in steps:
         i = step.position - 1
         for j in range(1, step.num_drafted + 1):
             if i + j >= n_out:
                 break
-            flat = int(offsets[i]) + j - 1
+            flat = table.divergence_start[i] + j - 1
             rows.append(TokenRecord(
                 step=step.step, position=i + j, offset=j, draft_token=int(table.guesses[i, j - 1]), target_token=int(output_ids[i + j]),
                 accepted=j <= step.num_accepted, **{name: values[flat] for name, values in table.divergence.items()},

@@ -80,7 +80,7 @@ def test_teacher_forced_divergence_equals_live(variant, convention, target, tmp_
         live = speculative_generate(wrapped, DFlashProposer(draft, wrapped), torch.tensor(prompt), k=k,
                                     max_new_tokens=max_new, convention=rule)
         replayed = {row.position: row for row in token_rows(table, walk_schedule(table.matches, truth, k, max_new,
-                                                                                      frozenset(), rule), truth, k)}
+                                                                                      frozenset(), rule), truth)}
         num_accepted = {s.step: s.num_accepted for s in live.steps}
         for row in live.tokens:
             if row.offset > num_accepted[row.step] + 1:

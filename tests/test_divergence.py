@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from dflash_doctor.engine import divergence
 from dflash_doctor.engine.divergence import TOP_K, TargetRows, divergence_tensor, unpack_divergence
 from dflash_doctor.engine.live import plain_generate, speculative_generate
 from dflash_doctor.engine.proposers.autoregressive import AutoregressiveProposer
@@ -60,6 +61,29 @@ def test_windows_read_the_rows_each_slot_predicts_from():
     assert windows.topk_ids.shape == (4, 3, TOP_K) and windows.entropy.shape == (4, 3)
 
 
+@pytest.mark.parametrize("block_rows", [1, 4, 7])
+def test_cache_sized_blocks_give_the_numbers_of_whole_tensors(block_rows, monkeypatch):
+    """The CPU computes the columns a few rows at a time (cache-sized blocks); every column is row by row,
+    so the blocks must give exactly what one pass over the whole tensors (a GPU's way) gives, also for a
+    subset of a window's anchors (the schedule's)."""
+    torch.manual_seed(4)
+    target_logits, draft_logits = torch.randn(12, 300) * 3, torch.randn(6, 3, 300) * 3
+    draft_tokens = draft_logits.argmax(-1)
+    anchors = torch.tensor([0, 2, 3, 5, 6, 8])
+
+    def columns():
+        rows = TargetRows.of(target_logits, pad=3)
+        return rows, divergence_tensor(draft_logits, draft_tokens, rows.windows(0, 9, 3), anchors)
+
+    monkeypatch.setattr(divergence, "CPU_BLOCK_ROWS", 10_000)
+    whole_rows, whole = columns()
+    monkeypatch.setattr(divergence, "CPU_BLOCK_ROWS", block_rows)
+    rows, blocked = columns()
+    assert all(torch.equal(a, b) for a, b in zip(rows._fields(), whole_rows._fields()))
+    assert torch.equal(blocked, whole)
+    assert torch.equal(whole, divergence_tensor(draft_logits, draft_tokens, whole_rows.windows(0, 9, 3).take(anchors)))
+
+
 @pytest.mark.parametrize("k", [2, 5])
 def test_teacher_rows_carry_the_live_loops_divergence(k):
     """Accepted slots and the first rejected one were drafted on the true prefix in both paths."""
@@ -74,7 +98,7 @@ def test_teacher_rows_carry_the_live_loops_divergence(k):
     live = speculative_generate(TargetModel(target_model), AutoregressiveProposer(draft_model), torch.tensor(prompt),
                                 k=k, max_new_tokens=30)
     table, _ = slot_table(TargetModel(target_model), AutoregressiveProposer(draft_model), TeacherSequence(prompt, truth), k)
-    replayed = token_rows(table, walk_schedule(table.matches, truth, k, 30, frozenset()), truth, k)
+    replayed = token_rows(table, walk_schedule(table.matches, truth, k, 30, frozenset()), truth)
     on_true_prefix = [row for row in live.tokens if row.offset <= 1 + sum(
         s.num_accepted for s in live.steps if s.step == row.step)]
     by_position = {row.position: row for row in replayed}

@@ -3,6 +3,8 @@ the numbers a probe computing everything alone gives."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -10,8 +12,10 @@ from dflash_doctor.config import build_config
 from dflash_doctor.engine.teacher import TeacherSequence, slot_table, walk_schedule
 from dflash_doctor.loading import save_dflash_draft
 from dflash_doctor.pair import load_pair
-from dflash_doctor.probes import layer_offset_probe, probe_turns
-from dflash_doctor.record import RunMeta, RunRecord
+from dflash_doctor import probes
+from dflash_doctor.engine.live import plain_generate
+from dflash_doctor.probes import layer_offset_probe, lossless_probe, probe_turns
+from dflash_doctor.record import LosslessProbe, RunMeta, RunRecord
 from dflash_doctor.replay import replay_teacher
 from dflash_doctor.schema import RunWriter
 from dflash_doctor.workloads import load_workload
@@ -68,3 +72,33 @@ def test_layer_offset_probe_equals_each_offset_drafted_alone(replayed):
     assert expected[0] > 1.0 and expected[-1] != expected[0]  # drafts accepted, offsets told apart: a mix-up would show
     assert layer_offset_probe(pair, turns, replay.full_block_matches) == (expected, drafts_by_offset[0])
     assert layer_offset_probe(pair, turns) == (expected, drafts_by_offset[0])
+
+
+def test_lossless_probe_decodes_unbatched_only_where_the_live_loop_differs_from_the_batched_answer(replayed, monkeypatch):
+    """Equal to the replay's batched answer: identical, no decoding. Different from it: an unbatched
+    decoding arbitrates (a padding near-tie is no loss); different from both: a divergence against it."""
+    pair, replay = replayed
+    turns = probe_turns(replay.turns)
+    decoded = []
+    monkeypatch.setattr(probes, "plain_generate", lambda *args, **kwargs: decoded.append(1) or plain_generate(*args, **kwargs))
+    k = pair.default_k
+
+    assert lossless_probe(pair, turns, k, "float32") == LosslessProbe(num_requests=len(turns), num_identical=len(turns), dtype="float32")
+    assert decoded == []  # the live loop reproduced every batched answer: nothing decoded again
+
+    flipped = [dataclasses.replace(t, result=dataclasses.replace(t.result, output_ids=[t.output_ids[0] + 1, *t.output_ids[1:]]))
+               for t in turns]
+    probe = lossless_probe(pair, flipped, k, "float32")
+    assert (probe.num_identical, probe.divergences, len(decoded)) == (len(turns), [], len(turns))  # unbatched decoding agreed
+
+    live_generate = probes.speculative_generate
+
+    def broken(*args, **kwargs):  # an engine that loses the fourth token
+        result = live_generate(*args, **kwargs)
+        result.output_ids[3] = (result.output_ids[3] + 1) % pair.target.model.config.vocab_size
+        return result
+
+    monkeypatch.setattr(probes, "speculative_generate", broken)
+    probe = lossless_probe(pair, turns[:1], k, "float32")
+    assert probe.num_identical == 0 and [d.position for d in probe.divergences] == [3]
+    assert probe.divergences[0].plain_token == turns[0].output_ids[3] and probe.divergences[0].top2_margin > 0

@@ -50,7 +50,7 @@ def test_autoregressive_every_k_from_one_pass_equals_live(max_new):
             walked = walk_schedule(table.matches[:, :k], truth, k, max_new, stop)
             assert _strip(walked) == _strip(live.steps), f"k={k} prompt={prompt}"
             accepted_counts.update(s.num_accepted for s in live.steps)
-            rows = token_rows(table, walked, truth, 12)
+            rows = token_rows(table, walked, truth)
             live_accepted = [(r.position, r.draft_token) for r in live.tokens if r.accepted]
             assert [(r.position, r.draft_token) for r in rows if r.accepted] == live_accepted
     assert {0, 1, 2, 8} <= accepted_counts  # the draft both fails early and runs long: a demanding schedule

@@ -89,7 +89,7 @@ def trained():
     responses = []
     for start in range(0, len(prompts), 100):
         responses += generate_greedy_batch(target_model, prompts[start:start + 100], max_new_tokens=NEW_TOKENS,
-                                           stop_ids=STOP_IDS, pad_token_id=0)
+                                           stop_ids=STOP_IDS)
     train_prompts, held_out = prompts[:-NUM_HELD_OUT], prompts[-NUM_HELD_OUT:]
     sequences = [p + r for p, r in zip(train_prompts, responses)]
     initial = tiny_dflash(target_model, block_size=6, layer_ids=(0, 2))
@@ -135,19 +135,24 @@ def test_saved_checkpoint_reloads_with_identical_logits(trained, tmp_path):
 
 
 def test_batched_generation_equals_plain_greedy_decoding():
-    """Left padding must not change a single greedy token (random target, prompts of different lengths)."""
+    """Left-padded caches, rows leaving the batch at their stop token and a repeated prompt sharing one
+    prefill must not change a single greedy token (random target, prompts of different lengths)."""
     model = tiny_target()
-    prompts = random_prompts(6, seed=11)
-    batched = generate_greedy_batch(model, prompts, max_new_tokens=16, stop_ids=STOP_IDS, pad_token_id=0)
     target = TargetModel(model)
+    prompts = random_prompts(6, seed=11)
+    prompts.append(prompts[2])
+    early = plain_generate(target, torch.tensor(prompts[0]), max_new_tokens=16).output_ids[4]
+    stop_ids = STOP_IDS | {early}  # the first prompt's answer reaches it early: its row leaves the batch
+    batched = generate_greedy_batch(model, prompts, max_new_tokens=16, stop_ids=stop_ids)
+    assert len(batched[0]) <= 5 and any(len(output) == 16 for output in batched) and batched[2] == batched[-1]
     for prompt, output in zip(prompts, batched):
-        assert output == plain_generate(target, torch.tensor(prompt), max_new_tokens=16, stop_ids=STOP_IDS).output_ids
+        assert output == plain_generate(target, torch.tensor(prompt), max_new_tokens=16, stop_ids=stop_ids).output_ids
 
 
 def _small_run(checkpoint_dir, draft, **overrides):
     target_model = markov_target()
     prompts = random_prompts(24, seed=3)
-    responses = generate_greedy_batch(target_model, prompts, max_new_tokens=12, stop_ids=STOP_IDS, pad_token_id=0)
+    responses = generate_greedy_batch(target_model, prompts, max_new_tokens=12, stop_ids=STOP_IDS)
     config = TrainConfig(**{"steps": 20, "batch_size": 4, "anchors_per_sequence": 4, "lr": 3e-3, "checkpoint_every": 10,
                             "log_every": 5, **overrides})
     return train_dflash_draft(target_model, [p + r for p, r in zip(prompts, responses)], [len(p) for p in prompts], config,
@@ -193,7 +198,7 @@ def test_mask_choice_skips_special_template_and_used_tokens():
     tokens = {i: SimpleNamespace(content=f"<t{i}>", special=True) for i in range(6)}
     tokenizer = SimpleNamespace(added_tokens_decoder=tokens, chat_template="<t4>{{ m }}", bos_token_id=1, eos_token_id=2,
                                 pad_token_id=0, unk_token_id=None)
-    config = SimpleNamespace(vocab_size=100, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    config = SimpleNamespace(vocab_size=100, bos_token_id=1, eos_token_id=2)
     assert choose_mask_token_id(tokenizer, config, used_ids=[]) == 5
     assert choose_mask_token_id(tokenizer, config, used_ids=[5]) == 3  # 4 is in the template
     with pytest.raises(UsageError, match="--mask-token-id"):

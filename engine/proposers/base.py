@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -86,3 +87,13 @@ class Proposer(ABC):
 
         ``anchors`` is a CPU tensor, so that an implementation can size its work from it without waiting
         for the GPU; the logits may be in the model's dtype (upcast before taking probabilities)."""
+
+    def slot_scorer(self, anchors: torch.Tensor, k: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """:meth:`slot_logits` on demand: ``scores(rows, slots)`` -> [M, V] are the logits of slot
+        ``slots[m] + 1`` of anchor ``anchors[rows[m]]`` (the same numbers, row by row).
+
+        A replay that only needs how far each guess run matches asks for slot j only where slots < j
+        matched (about 1.6 of K slots at the demo's acceptance). This default evaluates every slot at once;
+        a drafter whose vocabulary head is most of its cost evaluates the head per request instead."""
+        logits = self.slot_logits(anchors, k)
+        return lambda rows, slots: logits[rows, slots]

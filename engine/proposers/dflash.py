@@ -105,11 +105,30 @@ class DFlashProposer(Proposer):
     def slot_logits(self, anchors: torch.Tensor, k: int) -> torch.Tensor:
         """All blocks ``[token[a], mask x k]`` in one masked pass (engine/blocks.py), as the live loop drafts them.
 
+        A plain DFlash draft's scores stay in the model's dtype (no float32 copy of [A, k, V]); callers
+        that need probabilities upcast them.
+        """
+        hidden, previous = self._teacher_blocks(anchors, k)
+        return self.model.teacher_scores(hidden, previous, self.target.head)  # [A, k, V]
+
+    @torch.inference_mode()
+    def slot_scorer(self, anchors: torch.Tensor, k: int):
+        """The block pass now, the vocabulary head (most of the cost: [k, H] x [H, V] per anchor) per request."""
+        hidden, previous = self._teacher_blocks(anchors, k)
+
+        @torch.inference_mode()
+        def scores(rows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+            return self.model.teacher_scores(hidden[rows, slots], previous[rows, slots], self.target.head)
+
+        return scores
+
+    def _teacher_blocks(self, anchors: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hidden states [A, k, H] of the drafted slots of every block, and the true token before each slot [A, k].
+
         The context is cut after the last anchor: later keys are masked for every block anyway, and leaving
         them out removes up to half of the attention work. ``anchors`` may stay on the host (reading their
-        maximum then costs no synchronisation). A plain DFlash draft's scores stay in the model's dtype (no
-        float32 copy of [A, k, V]); callers that need probabilities upcast them. ``previous`` holds the true
-        token before each slot (DFlash 2's selector reads it).
+        maximum then costs no synchronisation). ``previous`` holds the true token before each slot (DFlash
+        2's selector reads it).
         """
         bound = int(anchors.max()) + 1
         ids = self._teacher_ids
@@ -120,4 +139,4 @@ class DFlashProposer(Proposer):
             torch.ones(anchors.shape, dtype=torch.bool, device=ids.device)[None], k + 1,
         )
         previous = (anchors[:, None] + torch.arange(k, device=ids.device)).clamp(max=ids.shape[1] - 1)
-        return self.model.teacher_scores(hidden[0, :, 1:], ids[0, previous], self.target.head)  # [A, k, V]
+        return hidden[0, :, 1:], ids[0, previous]
