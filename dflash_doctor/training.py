@@ -572,21 +572,25 @@ def _load_checkpoint(path: Path, identity: dict[str, Any], device: torch.device)
 def train_dflash_draft(target_model: CausalLM, sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int],
                        config: TrainConfig, draft: DFlashDraftModel, *, checkpoint_dir: Path | None = None,
                        extra_config: dict[str, Any] | None = None, feature_batch_size: int = 8,
-                       progress: bool = False) -> TrainingResult:
+                       features: Sequence[torch.Tensor] | None = None, progress: bool = False) -> TrainingResult:
     """Train ``draft`` (a new one, or a checkpoint to fine-tune) on ``sequences`` against the frozen target.
 
     ``sequences[i]`` is prompt + response token ids and ``prompt_lengths[i]`` where the response starts.
     With ``checkpoint_dir``, a resumable checkpoint is written every ``config.checkpoint_every`` steps
     and at the end, and a run started on a directory that holds one continues from it (same flags and
     data required). The target's parameters are frozen in place (``requires_grad_(False)``).
+    ``features`` (one ``[L_i, n*H]`` tensor per sequence, from :func:`extract_features` with the draft's
+    taps) skips the frozen-target pass: runs that differ only in their hyper-parameters share it.
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    if len(sequences) != len(prompt_lengths):
-        raise ValueError(f"{len(sequences)} sequences but {len(prompt_lengths)} prompt lengths")
+    if len(sequences) != len(prompt_lengths) or (features is not None and len(features) != len(sequences)):
+        raise ValueError(f"{len(sequences)} sequences but {len(prompt_lengths)} prompt lengths"
+                         + (f" and {len(features)} feature tensors" if features is not None else ""))
     usable = [i for i, (tokens, p) in enumerate(zip(sequences, prompt_lengths)) if len(tokens) >= p + 2]
     if not usable:
         raise UsageError("no training sequence has two or more response tokens; raise --max-new-tokens or use another workload.")
+    given_features = [features[i] for i in usable] if features is not None else None
     sequences = [list(sequences[i]) for i in usable]
     prompt_lengths = [int(prompt_lengths[i]) for i in usable]
     device = torch.device(config.device)
@@ -617,8 +621,8 @@ def train_dflash_draft(target_model: CausalLM, sequences: Sequence[Sequence[int]
 
     token_tensors = [torch.tensor(s, device=device) for s in sequences]
     # bf16 on CUDA: the draft reads them under bf16 autocast anyway, and it halves the memory of a large data set
-    features = extract_features(target_model, sequences, draft.hidden_state_indices, batch_size=feature_batch_size, device=device,
-                                dtype=torch.bfloat16 if device.type == "cuda" else None)
+    features = given_features or extract_features(target_model, sequences, draft.hidden_state_indices, batch_size=feature_batch_size,
+                                                  device=device, dtype=torch.bfloat16 if device.type == "cuda" else None)
     all_prompt_lengths = torch.tensor(prompt_lengths)
     all_lengths = torch.tensor([len(s) for s in sequences])
     weights = slot_weights(draft.config.block_size, config.loss_decay_gamma).to(device)

@@ -281,3 +281,26 @@ def test_self_written_prompts_start_from_an_empty_user_turn_drop_cut_and_repeate
     assert seen_prompts[0] == tokenizer("<s> user:", add_special_tokens=False)["input_ids"]  # the template up to the content
     seen_prompts.clear()
     assert training.self_written_prompts(None, tokenizer, 2, **kwargs) == requests and not seen_prompts  # read from the cache
+
+
+def test_precomputed_features_train_the_same_draft_as_extracting_them():
+    """Ablation rows share one frozen-target pass: given features (a row too short to train on included,
+    so the filter must keep them aligned) give the very weights the run's own extraction gives."""
+    target_model = markov_target()
+    prompts = random_prompts(12, seed=4)
+    responses = generate_greedy_batch(target_model, prompts, max_new_tokens=10, stop_ids=STOP_IDS, pad_token_id=0)
+    sequences = [p + r for p, r in zip(prompts, responses)] + [prompts[0][:3]]
+    prompt_lengths = [len(p) for p in prompts] + [3]  # no response token: dropped before training
+    initial = tiny_dflash(target_model, block_size=6, layer_ids=(0, 2))
+    config = TrainConfig(steps=6, batch_size=4, anchors_per_sequence=4, lr=3e-3, log_every=2)
+    features = training.extract_features(target_model, sequences, initial.hidden_state_indices)
+    own = train_dflash_draft(target_model, sequences, prompt_lengths, config, copy.deepcopy(initial))
+    shared = train_dflash_draft(target_model, sequences, prompt_lengths, config, copy.deepcopy(initial), features=features)
+    assert own.num_sequences == shared.num_sequences == sum(len(r) >= 2 for r in responses)
+    for name, tensor in own.draft.state_dict().items():
+        assert torch.equal(tensor, shared.draft.state_dict()[name]), name
+    blind = train_dflash_draft(target_model, sequences, prompt_lengths, config, copy.deepcopy(initial),
+                               features=[torch.zeros_like(f) for f in features])
+    assert not torch.equal(blind.draft.fc.weight, own.draft.fc.weight)  # the given features are the ones trained on
+    with pytest.raises(ValueError, match="feature tensors"):
+        train_dflash_draft(target_model, sequences, prompt_lengths, config, copy.deepcopy(initial), features=features[:-1])
