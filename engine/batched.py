@@ -10,11 +10,46 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from dflash_doctor.engine.target import cache_keyword
 
 if TYPE_CHECKING:
     from dflash_doctor.engine.target import CausalLM
+
+
+class _GrowingLayer(DynamicLayer):
+    """A cache layer whose keys and values are views into buffers sized for the whole decoding.
+
+    The stock layer concatenates its whole cache with every new token: on a CPU that copy took a quarter
+    of the decoding steps' time over 400-700-token contexts (torch profile, 12 rows, 30 layers). Here each
+    step writes its column into room reserved up front; attention reads the same numbers (the demo
+    workload's answers are token-identical either way), about 8% less wall time for the demo's answers.
+    """
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, room: int):
+        super().__init__()
+        shape = (*keys.shape[:2], keys.shape[2] + room, keys.shape[3])
+        self._key_buffer, self._value_buffer = keys.new_empty(shape), values.new_empty(shape)
+        self._key_buffer[:, :, :keys.shape[2]] = keys
+        self._value_buffer[:, :, :values.shape[2]] = values
+        self._set_length(keys.shape[2])
+        self.device, self.is_initialized = keys.device, True
+
+    def _set_length(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self._length = length
+        self.keys, self.values = self._key_buffer[:, :, :length], self._value_buffer[:, :, :length]
+        return self.keys, self.values
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        end = self._length + key_states.shape[2]
+        self._key_buffer[:, :, self._length:end] = key_states
+        self._value_buffer[:, :, self._length:end] = value_states
+        return self._set_length(end)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._key_buffer, self._value_buffer = self._key_buffer[indices], self._value_buffer[indices]
+        self._set_length(self._length)
 
 
 @torch.inference_mode()
@@ -46,7 +81,7 @@ def generate_greedy_batch(model: CausalLM, prompts: Sequence[Sequence[int]], *, 
     source = [slot[tuple(p)] for p in prompts]
     lengths = torch.tensor([len(p) for p in prompts], device=device)
     width = int(lengths.max())
-    cache = DynamicCache()
+    layers = []
     for layer in range(len(single_caches[0].layers)):
         padded = []
         for name in ("keys", "values"):
@@ -55,7 +90,9 @@ def generate_greedy_batch(model: CausalLM, prompts: Sequence[Sequence[int]], *, 
             for row, state in enumerate(states):
                 batch[row, :, width - state.shape[1]:] = state
             padded.append(batch)
-        cache.update(padded[0], padded[1], layer)
+        layers.append(_GrowingLayer(padded[0], padded[1], room=max_new_tokens))
+    cache = DynamicCache()
+    cache.layers = layers
     del single_caches  # the batched copy replaces them
     attention_mask = (torch.arange(width, device=device)[None] >= (width - lengths)[:, None]).long()
     next_logits = torch.stack([last_logits[i] for i in source])
