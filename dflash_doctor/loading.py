@@ -323,14 +323,17 @@ def save_dflash_draft(model, out_dir: Path | str, *, extra_config: dict[str, Any
 def weights_fingerprint(model: torch.nn.Module, samples_per_tensor: int = 256) -> str:
     """Identity of a model's *weights*, independent of file layout, dtype container or library version.
 
-    Hashes a fixed strided sample of every parameter rounded to float16, so the same weights give the same
-    fingerprint on any machine while a fine-tune or a quantisation (which moves most values) changes it.
-    A draft records its target's fingerprint so the doctor can tell when the target changed under it.
+    Hashes a fixed strided sample of every parameter rounded to bfloat16, so the same weights give the same
+    fingerprint on any machine and whether they are loaded in float32 or bfloat16 (a draft trained against
+    a bf16 copy of the target, served beside a float32 one, or the reverse), while a fine-tune or a
+    quantisation (which moves most values) changes it. A float32 checkpoint loaded in float16 can differ
+    (rounding twice can land on the other side of a bfloat16 step). A draft records its target's
+    fingerprint so the doctor can tell when the target changed under it.
     """
     digest = hashlib.sha256()
     for name, param in sorted(model.named_parameters(), key=lambda item: item[0]):
         flat = param.detach().reshape(-1)
         stride = max(1, flat.numel() // samples_per_tensor)
         digest.update(f"{tuple(param.shape)}".encode())
-        digest.update(flat[::stride][:samples_per_tensor].to(torch.float16).cpu().numpy().tobytes())
+        digest.update(flat[::stride][:samples_per_tensor].to(torch.bfloat16).view(torch.int16).cpu().numpy().tobytes())
     return digest.hexdigest()[:16]

@@ -1,5 +1,6 @@
 """Model resolution: local dirs, hub ids from the local Hugging Face cache (offline), GGUF conversion cache."""
 
+import copy
 import json
 
 import pytest
@@ -66,3 +67,20 @@ def test_gguf_is_converted_once_and_then_read_from_the_cache(tmp_path, monkeypat
 def test_a_folder_without_config_is_refused_with_the_fix(tmp_path):
     with pytest.raises(UsageError, match="no config.json"):
         loading.resolve_model_dir(str(tmp_path))
+
+
+def test_weights_fingerprint_is_the_same_in_float32_and_bfloat16_and_moves_with_the_weights():
+    """A draft trained against a bf16 copy of its target must recognise the float32 target (and the
+    reverse); a fine-tune that moves the weights must not."""
+    import torch
+
+    from tests.tiny_models import tiny_target
+
+    model = tiny_target()
+    recorded = loading.weights_fingerprint(model)
+    assert loading.weights_fingerprint(copy.deepcopy(model).to(torch.bfloat16)) == recorded
+    tuned = copy.deepcopy(model)
+    with torch.no_grad():
+        for param in tuned.parameters():
+            param.add_(torch.randn_like(param) * 1e-2)
+    assert loading.weights_fingerprint(tuned) != recorded
