@@ -288,7 +288,7 @@ def test_precomputed_features_train_the_same_draft_as_extracting_them():
     so the filter must keep them aligned) give the very weights the run's own extraction gives."""
     target_model = markov_target()
     prompts = random_prompts(12, seed=4)
-    responses = generate_greedy_batch(target_model, prompts, max_new_tokens=10, stop_ids=STOP_IDS, pad_token_id=0)
+    responses = generate_greedy_batch(target_model, prompts, max_new_tokens=10, stop_ids=STOP_IDS)
     sequences = [p + r for p, r in zip(prompts, responses)] + [prompts[0][:3]]
     prompt_lengths = [len(p) for p in prompts] + [3]  # no response token: dropped before training
     initial = tiny_dflash(target_model, block_size=6, layer_ids=(0, 2))
