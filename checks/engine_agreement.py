@@ -6,7 +6,8 @@ SAME turns (dflash_doctor/serving/agreement.py): same prompt ids, same outputs (
 acceptance at every anchor where the engine drafted. When both agree the draft is what it is and the
 check says so with the interval. When the embedded replay accepts clearly more on the same text, the
 draft is fine and the serving setup is not; replays of the usual setup mistakes (target layer ids off
-by one, in-block attention causal vs bidirectional) name the one the server behaves like. Other facts
+by one, in-block attention causal vs bidirectional) and of a known engine defect (every layer's context
+keys normed with the first layer's k_norm) name the one the server behaves like. Other facts
 that explain a gap are reported too: K above the draft's block, prompts rendered differently by the
 server (chat template), outputs that are not the target's greedy text.
 
@@ -65,8 +66,10 @@ class EngineAgreementCheck(Check):
         if explanation is not None:
             name, stats = explanation
             setup = next((s for s in data.get("setups") or [] if s["name"] == name), {"cause": name, "fix": ""})
+            # an engine defect that costs no acceptance on these turns is worth knowing, not a failed check
+            severity = "warn" if setup.get("engine_defect") and not gap_real else "fail"
             findings.append(Finding(
-                "fail", f"the server behaves like the draft with {name}: {setup['cause']}",
+                severity, f"the server behaves like the draft with {name}: {setup['cause']}",
                 f"{tau_text}; on the {stats['num_telling']} engine steps where the two setups predict differently the server "
                 f"sided with {name} {stats['num_siding']} times; it reproduces {stats['share']:.0%} of all steps against "
                 f"{configured['share']:.0%} as configured",
@@ -74,7 +77,7 @@ class EngineAgreementCheck(Check):
         elif gap_real:
             findings.append(Finding(
                 "fail", f"the server accepts less than the draft does on the same text: tau {overall['engine_tau']:.2f} vs {overall['embedded_tau']:.2f}",
-                f"{tau_text}; {step_text}; no simulated setup (layer-id offset, causal flag) reproduces the engine's steps",
+                f"{tau_text}; {step_text}; no simulated setup (layer-id offset, causal flag, context-K norm) reproduces the engine's steps",
                 "the draft is fine and the serving setup is not: check the mask id, num_speculative_tokens vs the block size, the draft's "
                 "attention backend (must be non-causal capable), a quantised KV cache for the draft, and the chat template the server renders"))
         elif gap <= -self.min_tau_gap and overall["difference_ci"][1] < 0:

