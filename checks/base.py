@@ -37,7 +37,7 @@ class CheckContext:
     ``draft_config`` is the draft checkpoint's ``config.json`` as a dict; ``engine_config`` is the output
     of :func:`dflash_doctor.checks.engine_config.parse_engine_config`; ``run_meta`` is a run.json dict
     (with ``summary``). ``extras`` carries inputs that only some producers have, e.g.
-    ``output_token_ids`` (ids the target produced in a run) or ``offset_probe`` ({offset: tau}).
+    ``output_token_ids`` (ids the target produced in a run) or ``offset_probe`` ({offset: acceptance length}).
     """
 
     target_tokenizer: Any = None

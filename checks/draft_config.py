@@ -190,13 +190,19 @@ class DraftConfigCheck(Check):
         num_drafts = ctx.extras.get("offset_probe_drafts")
         if best_offset != 0 and num_drafts is not None and num_drafts < self.offset_probe_min_drafts:
             return [Finding("info", f"offset probe inconclusive: {num_drafts} drafts are too few to judge the layer ids",
-                            ", ".join(f"offset {k:+d}: tau {v:.2f}" for k, v in sorted(probe.items())),
+                            _offset_evidence(probe),
                             "rerun with more --max-requests or --max-new-tokens")]
         if best_offset != 0 and gain > self.offset_probe_margin:
-            return [Finding("fail", f"layer ids shifted by {best_offset:+d} give tau {probe[best_offset]:.2f} vs {probe[0]:.2f} as configured",
-                            ", ".join(f"offset {k:+d}: tau {v:.2f}" for k, v in sorted(probe.items())),
+            return [Finding("fail", f"layer ids shifted by {best_offset:+d} give acceptance length {probe[best_offset]:.2f} vs "
+                                    f"{probe[0]:.2f} as configured",
+                            _offset_evidence(probe),
                             f"shift dflash_config.target_layer_ids by {best_offset:+d} (off-by-one: vLLM PR #42704, llama.cpp #25792)")]
-        return [Finding("info", "offset probe: the configured layer ids are the best", ", ".join(f"offset {k:+d}: tau {v:.2f}" for k, v in sorted(probe.items())))]
+        return [Finding("info", "offset probe: the configured layer ids are the best", _offset_evidence(probe))]
+
+
+def _offset_evidence(probe: dict[int, float]) -> str:
+    figures = ", ".join(f"offset {k:+d}: {v:.2f}" for k, v in sorted(probe.items()))
+    return f"mean acceptance length at every anchor of the replayed outputs (teacher-forced, full block): {figures}"
 
 
 def _engine(ctx: CheckContext) -> dict[str, Any]:

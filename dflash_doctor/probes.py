@@ -2,8 +2,8 @@
 
 * :func:`lossless_probe`: the live speculative loop must reproduce the target's own unbatched greedy
   decoding token for token; the first divergence is reported with the target's top-2 logit margin.
-* :func:`layer_offset_probe`: tau with the draft's target layer ids shifted by -1, 0, +1 (REFERENCE.md
-  section 1); only for draft kinds that read target layers (declared in the draft-kind registry).
+* :func:`layer_offset_probe`: acceptance length with the draft's target layer ids shifted by -1, 0, +1
+  (REFERENCE.md section 1); only for draft kinds that read target layers (declared in the draft-kind registry).
 
 Both reuse the prompts and the target's answers of the replay's first turns: nothing is re-encoded or
 read back from the run directory.
@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from dflash_doctor.engine.live import plain_generate, speculative_generate
-from dflash_doctor.engine.teacher import TeacherSequence, slot_table, walk_schedule
+from dflash_doctor.engine.teacher import TeacherSequence, slot_table
 from dflash_doctor.pair import Pair
 from dflash_doctor.record import Divergence, LosslessProbe
 from dflash_doctor.turns import Turn
@@ -74,12 +74,17 @@ def lossless_probe(pair: Pair, turns: Sequence[Turn], k: int, dtype: str) -> Los
 @torch.inference_mode()
 def layer_offset_probe(pair: Pair, turns: Sequence[Turn],
                        matches_at_zero: dict[str, np.ndarray] | None = None) -> tuple[dict[int, float], int] | None:
-    """tau at the full block with the draft's target layer ids shifted by -1, 0 and +1, and the number of
-    drafts behind offset 0's tau (so the check can tell a verdict from noise). None for a draft kind that
-    reads no target layers.
+    """Mean acceptance length (accepted run + 1, T = 0, the full block) over every anchor of the turns'
+    outputs with the draft's target layer ids shifted by -1, 0 and +1, and the number of drafts behind
+    offset 0's figure (so the check can tell a verdict from noise). None for a draft kind that reads no
+    target layers.
 
     A draft trained on layers ``l`` reads the right features only at offset 0; a neighbour beating it
-    means the configured ids are off by one (vLLM PR #42704, llama.cpp #25792).
+    means the configured ids are off by one (vLLM PR #42704, llama.cpp #25792). Every anchor, not only
+    the ~1/tau of them a live schedule drafts from: the teacher-forced table holds every anchor's run
+    anyway, the offsets are compared at the same anchors, and a good draft reads neighbouring layers
+    almost as well as its own, so a short run needs the larger sample to tell them apart (the demo draft
+    of issue 16: offsets -1 and 0 tied at 1.90 over the schedule of 3 requests x 64 tokens).
 
     One target forward per turn taps every layer the three offsets read (each offset's features are
     columns of it, the same numbers a forward of its own would give). ``matches_at_zero``: the replay's
@@ -119,8 +124,8 @@ def layer_offset_probe(pair: Pair, turns: Sequence[Turn],
                 matches = table.matches
             else:
                 matches = reused
-            steps = [s for s in walk_schedule(matches, turn.output_ids, k, turn.max_new_tokens, pair.stop_ids) if s.num_drafted]
-            drafts[offset] += len(steps)
-            accepted[offset] += sum(s.num_accepted for s in steps)
-    taus = {o: 1.0 + accepted[o] / drafts[o] if drafts[o] else float("nan") for o in offsets}
-    return taus, drafts.get(0, 0)
+            runs = np.where(matches.all(axis=1), matches.shape[1], matches.argmin(axis=1))  # first miss per anchor
+            drafts[offset] += len(runs)
+            accepted[offset] += int(runs.sum())
+    lengths = {o: 1.0 + accepted[o] / drafts[o] if drafts[o] else float("nan") for o in offsets}
+    return lengths, drafts.get(0, 0)

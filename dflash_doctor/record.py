@@ -212,7 +212,7 @@ class PromptFormat:
 @dataclass
 class Probes:
     """Measurements beyond the replay that checks judge: lossless decoding, the layer-offset probe
-    ({offset: tau} and the drafts behind offset 0), the prompt format, the served target's weights,
+    ({offset: mean acceptance length over every anchor} and the drafts behind offset 0), the prompt format, the served target's weights,
     and the serving engine vs the embedded replay."""
 
     lossless: LosslessProbe | None = None

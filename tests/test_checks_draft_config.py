@@ -55,7 +55,7 @@ def test_draft_config_fail_sizes_layers_block_and_mask():
 def test_draft_config_fail_offset_probe_neighbour_wins():
     result = _check(_draft(), extras={"offset_probe": {-1: 1.4, 0: 1.6, 1: 4.2}})
     assert result.status == "fail"
-    assert result.summary == "layer ids shifted by +1 give tau 4.20 vs 1.60 as configured"
+    assert result.summary == "layer ids shifted by +1 give acceptance length 4.20 vs 1.60 as configured"
     assert "shift dflash_config.target_layer_ids by +1" in result.fix
     within_margin = _check(_draft(), extras={"offset_probe": {0: 4.0, 1: 4.1}})
     assert within_margin.status == "pass"

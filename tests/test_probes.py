@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dflash_doctor.config import build_config
-from dflash_doctor.engine.teacher import TeacherSequence, slot_table, walk_schedule
+from dflash_doctor.engine.teacher import TeacherSequence, slot_table
 from dflash_doctor.loading import save_dflash_draft
 from dflash_doctor.pair import load_pair
 from dflash_doctor import probes
@@ -50,8 +50,9 @@ def replayed(tmp_path_factory):
 
 
 def test_layer_offset_probe_equals_each_offset_drafted_alone(replayed):
-    """One target forward tapping every offset's layers, and offset 0 read from the replay, give the taus
-    and draft count of one target forward and one drafting pass per offset."""
+    """One target forward tapping every offset's layers, and offset 0 read from the replay (whose anchors off the
+    schedule hold only their matched runs), give the acceptance lengths over every anchor and the draft count of
+    one target forward and one full drafting pass per offset."""
     pair, replay = replayed
     turns = probe_turns(replay.turns)
     assert set(replay.full_block_matches) >= {turn.key for turn in turns}
@@ -64,10 +65,9 @@ def test_layer_offset_probe_equals_each_offset_drafted_alone(replayed):
         for turn in turns:
             table, _ = slot_table(pair.target, proposer, TeacherSequence(turn.prompt_ids, turn.output_ids), pair.default_k,
                                   record_divergence=False)
-            steps = [s for s in walk_schedule(table.matches, turn.output_ids, pair.default_k, turn.max_new_tokens, pair.stop_ids)
-                     if s.num_drafted]
-            drafts += len(steps)
-            accepted += sum(s.num_accepted for s in steps)
+            for row in table.matches.tolist():  # every anchor drafts; its run ends at the first miss
+                drafts += 1
+                accepted += next((j for j, hit in enumerate(row) if not hit), len(row))
         expected[offset], drafts_by_offset[offset] = 1.0 + accepted / drafts, drafts
     assert expected[0] > 1.0 and expected[-1] != expected[0]  # drafts accepted, offsets told apart: a mix-up would show
     assert layer_offset_probe(pair, turns, replay.full_block_matches) == (expected, drafts_by_offset[0])
