@@ -197,7 +197,10 @@ class DraftConfigCheck(Check):
                                     f"{probe[0]:.2f} as configured",
                             _offset_evidence(probe),
                             f"shift dflash_config.target_layer_ids by {best_offset:+d} (off-by-one: vLLM PR #42704, llama.cpp #25792)")]
-        return [Finding("info", "offset probe: the configured layer ids are the best", _offset_evidence(probe))]
+        if best_offset == 0:
+            return [Finding("info", "offset probe: the configured layer ids are the best", _offset_evidence(probe))]
+        return [Finding("info", f"offset probe: no shifted layer ids accept {self.offset_probe_margin:.0%} more tokens than the configured ones "
+                                f"(offset {best_offset:+d}: {probe[best_offset]:.2f} vs {probe[0]:.2f})", _offset_evidence(probe))]
 
 
 def _offset_evidence(probe: dict[int, float]) -> str:

@@ -59,6 +59,7 @@ def test_draft_config_fail_offset_probe_neighbour_wins():
     assert "shift dflash_config.target_layer_ids by +1" in result.fix
     within_margin = _check(_draft(), extras={"offset_probe": {0: 4.0, 1: 4.1}})
     assert within_margin.status == "pass"
+    assert any("no shifted layer ids accept 10% more tokens than the configured ones" in f.message for f in within_margin.findings)
 
 
 def test_draft_config_skips_autoregressive_drafts():
