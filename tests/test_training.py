@@ -134,16 +134,18 @@ def test_saved_checkpoint_reloads_with_identical_logits(trained, tmp_path):
     assert torch.equal(trained.target.lm_head(before), trained.target.lm_head(after))
 
 
-def test_batched_generation_equals_plain_greedy_decoding():
-    """Left-padded caches, rows leaving the batch at their stop token and a repeated prompt sharing one
-    prefill must not change a single greedy token (random target, prompts of different lengths)."""
+@pytest.mark.parametrize("prefill_rows", [None, 3])  # the CPU default (alone), and padded forwards as on a GPU
+def test_batched_generation_equals_plain_greedy_decoding(prefill_rows):
+    """Left-padded caches, rows leaving the batch at their stop token, a repeated prompt sharing one
+    prefill and prompts prefilled together (padded, sorted by length) must not change a single greedy
+    token (random target, prompts of different lengths)."""
     model = tiny_target()
     target = TargetModel(model)
     prompts = random_prompts(6, seed=11)
     prompts.append(prompts[2])
     early = plain_generate(target, torch.tensor(prompts[0]), max_new_tokens=16).output_ids[4]
     stop_ids = STOP_IDS | {early}  # the first prompt's answer reaches it early: its row leaves the batch
-    batched = generate_greedy_batch(model, prompts, max_new_tokens=16, stop_ids=stop_ids)
+    batched = generate_greedy_batch(model, prompts, max_new_tokens=16, stop_ids=stop_ids, prefill_rows=prefill_rows)
     assert len(batched[0]) <= 5 and any(len(output) == 16 for output in batched) and batched[2] == batched[-1]
     for prompt, output in zip(prompts, batched):
         assert output == plain_generate(target, torch.tensor(prompt), max_new_tokens=16, stop_ids=stop_ids).output_ids
