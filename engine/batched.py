@@ -95,11 +95,19 @@ def _prefill(model: CausalLM, prompts: list[tuple[int, ...]], rows_per_forward: 
         cache = DynamicCache()
         out = model(input_ids=ids, attention_mask=(columns >= pad).long(), position_ids=(columns - pad).clamp(min=0),
                     use_cache=True, logits_to_keep=1, **{keyword: cache})
+        layers = [_filled(layer) for layer in cache.layers]  # (keys, values), each [rows, heads, width, dim]
         for row, i in enumerate(chunk):
             begin = width - len(prompts[i])
-            states[i] = [(layer.keys[row, :, begin:], layer.values[row, :, begin:]) for layer in cache.layers]
+            states[i] = [(keys[row, :, begin:], values[row, :, begin:]) for keys, values in layers]
             logits[i] = out.logits[row, -1]
     return states, logits
+
+
+def _filled(layer) -> tuple[torch.Tensor, torch.Tensor]:
+    """A prefilled cache layer's keys and values; a layer of another kind (a transformers change) stops here."""
+    if not isinstance(layer, DynamicLayer) or layer.keys is None or layer.values is None:
+        raise RuntimeError(f"the prefill left a {type(layer).__name__} without key/value states in the cache")
+    return layer.keys, layer.values
 
 
 @torch.inference_mode()
