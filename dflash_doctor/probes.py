@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from dflash_doctor.engine.live import plain_generate, speculative_generate
-from dflash_doctor.engine.teacher import TeacherSequence, slot_table
+from dflash_doctor.engine.teacher import TeacherSequence, matched_runs, slot_table
 from dflash_doctor.pair import Pair
 from dflash_doctor.record import Divergence, LosslessProbe
 from dflash_doctor.turns import Turn
@@ -124,7 +124,7 @@ def layer_offset_probe(pair: Pair, turns: Sequence[Turn],
                 matches = table.matches
             else:
                 matches = reused
-            runs = np.where(matches.all(axis=1), matches.shape[1], matches.argmin(axis=1))  # first miss per anchor
+            runs = matched_runs(matches)  # one per anchor
             drafts[offset] += len(runs)
             accepted[offset] += int(runs.sum())
     lengths = {o: 1.0 + accepted[o] / drafts[o] if drafts[o] else float("nan") for o in offsets}

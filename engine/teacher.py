@@ -52,6 +52,12 @@ class SlotTable:
     divergence_start: dict[int, int] = field(default_factory=dict)
 
 
+def matched_runs(matches: np.ndarray) -> np.ndarray:
+    """Accepted tokens of each draft: the run of matches before the first miss along the last axis
+    (all of them when none misses). A row [K] gives a 0-d array, a table [N, K] one run per anchor."""
+    return np.cumprod(matches, axis=-1).sum(axis=-1)
+
+
 def walk_schedule(matches: np.ndarray, output_ids: list[int], k: int, max_new_tokens: int, stop_ids: frozenset[int],
                   convention: EndOfRequest = CONVENTIONS["vllm"]) -> list[StepRecord]:
     """The live loop's steps at K over known matches, with the live loop's schedule (engine/schedule.py);
@@ -64,8 +70,7 @@ def walk_schedule(matches: np.ndarray, output_ids: list[int], k: int, max_new_to
     while i + 1 < max_new_tokens and i + 1 < n_out:
         position = i + 1
         k_step = draft_budget(k, max_new_tokens, position)
-        run = matches[i, :k_step]
-        n = int(np.argmin(run)) if not run.all() else k_step
+        n = int(matched_runs(matches[i, :k_step]))
         stop_at = cut_at_stop(output_ids[i + 1 : i + 1 + n], stop_ids)
         if stop_at is not None:
             n = convention.accepted_through_stop(stop_at)

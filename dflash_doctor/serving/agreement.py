@@ -35,7 +35,7 @@ from dflash_doctor.engine.blocks import block_mask
 from dflash_doctor.engine.proposers.dflash import DFlashProposer
 from dflash_doctor.engine.target import TargetModel
 from dflash_doctor.engine.records import StepRecord
-from dflash_doctor.engine.teacher import TeacherSequence, slot_table, walk_schedule
+from dflash_doctor.engine.teacher import TeacherSequence, matched_runs, slot_table, walk_schedule
 
 CONFIGURED = "as configured"
 AGREEING_MARGIN_SAMPLE = 16  # agreeing steps per turn whose margin is measured, for scale (every disagreeing one is)
@@ -162,8 +162,7 @@ def setup_proposer(draft_model, target_model, setup: ServingSetup) -> tuple[DFla
 
 
 def _run(matches_row: np.ndarray, drafted: int) -> int:
-    row = matches_row[:drafted]
-    return int(np.argmin(row)) if not row.all() else int(drafted)
+    return int(matched_runs(matches_row[:drafted]))
 
 
 @dataclass
