@@ -59,6 +59,11 @@ def _left_padded(states: Sequence[torch.Tensor], width: int, room: int) -> torch
     return buffer
 
 
+def _left_padding_mask(lengths: torch.Tensor, width: int) -> torch.Tensor:
+    """[rows, width] attention mask of left-padded rows of ``lengths`` tokens: 0 on the padding, 1 on the tokens."""
+    return (torch.arange(width, device=lengths.device)[None] >= (width - lengths)[:, None]).long()
+
+
 def prefill_rows_per_forward(device: torch.device) -> int:
     """How many prompts one prefill forward takes: 1 on a CPU, 256 elsewhere.
 
@@ -90,10 +95,9 @@ def _prefill(model: CausalLM, prompts: list[tuple[int, ...]], rows_per_forward: 
         ids = torch.zeros((len(chunk), width), dtype=torch.long, device=device)
         for row, i in enumerate(chunk):
             ids[row, width - len(prompts[i]):] = torch.tensor(prompts[i], device=device)
-        pad = (width - lengths)[:, None]
-        columns = torch.arange(width, device=device)[None]
+        mask = _left_padding_mask(lengths, width)
         cache = DynamicCache()
-        out = model(input_ids=ids, attention_mask=(columns >= pad).long(), position_ids=(columns - pad).clamp(min=0),
+        out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(dim=1) - 1).clamp(min=0),
                     use_cache=True, logits_to_keep=1, **{keyword: cache})
         layers = [_filled(layer) for layer in cache.layers]  # (keys, values), each [rows, heads, width, dim]
         for row, i in enumerate(chunk):
@@ -143,7 +147,7 @@ def generate_greedy_batch(model: CausalLM, prompts: Sequence[Sequence[int]], *, 
     cache = DynamicCache()
     cache.layers = layers
     del prefilled  # the batched copy replaces them
-    attention_mask = (torch.arange(width, device=device)[None] >= (width - lengths)[:, None]).long()
+    attention_mask = _left_padding_mask(lengths, width)
     next_logits = torch.stack([last_logits[i] for i in source])
     responses: list[list[int]] = [[] for _ in prompts]
     rows = list(range(len(prompts)))  # prompt index of each batch row
