@@ -193,23 +193,6 @@ def test_live_watch_writes_a_window_per_poll(tmp_path):
     assert windows.sort_values("end_s")["mean_acceptance_length"].iloc[-1] == pytest.approx(increase.mean_acceptance_length)
 
 
-def test_exporter_serves_verdict_gauges():
-    import urllib.request
-
-    from dflash_doctor.telemetry.exporter import VerdictExporter
-
-    port = free_port()
-    exporter = VerdictExporter(port)
-    judge = Judge(Baseline.fixed({"overall": 3.0}), Thresholds(min_drafts=1), engine="vllm")
-    broken = counts_of("broken")
-    exporter.publish([judge.judge(Window(MODEL, 0, 10, broken, [broken]))])
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    assert 'dflash_doctor_alert{class="all",kind="acceptance-drop",model="smollm2-dflash"} 1.0' in text
-    assert 'dflash_doctor_alert{class="all",kind="k-changed",model="smollm2-dflash"} 0.0' in text
-    tau = float(re.search(r'dflash_doctor_mean_acceptance_length\{class="all",model="smollm2-dflash"\} (\S+)', text).group(1))
-    assert tau == pytest.approx(broken.mean_acceptance_length)
-
-
 def test_config_file_watch_table(tmp_path):
     good = counts_of("good")
     config = tmp_path / "doctor.toml"

@@ -106,7 +106,8 @@ def watch(
     threshold_tau: Annotated[Optional[float], typer.Option("--threshold-tau", help="Smallest tau drop below the baseline that alerts (default 0.2).")] = None,
     min_drafts: Annotated[Optional[int], typer.Option("--min-drafts", help="Windows with fewer drafts get no verdict (default 50).")] = None,
     speedup_floor: Annotated[Optional[float], typer.Option("--speedup-floor", help="Net speedup below which to fall back (default 1.0).")] = None,
-    exporter_port: Annotated[Optional[int], typer.Option("--exporter-port", help="Serve watch's own verdict gauges for Prometheus/Alertmanager on 127.0.0.1:PORT.")] = None,
+    exporter_port: Annotated[Optional[int], typer.Option("--exporter-port", help="Serve watch's own verdict gauges for Prometheus/Alertmanager on PORT.")] = None,
+    exporter_address: Annotated[str, typer.Option("--exporter-address", help="Address the exporter binds (0.0.0.0: scrapable from other hosts/pods).")] = "127.0.0.1",
     cost_profile: opt.CostProfile = None,
     out: opt.Out = None,
     config: opt.ConfigFile = None,
@@ -121,7 +122,7 @@ def watch(
         open_sources(list(sources or []), prometheus, settings), settings,
         run_dir=Path(doctor_config.out or f"runs/watch-{utc_now().replace(':', '').replace('+0000', 'Z')}"),
         config=doctor_config.as_dict(), costs=load_cost_profile(doctor_config.cost_profile) if doctor_config.cost_profile else None,
-        once=once, exporter_port=exporter_port,
+        once=once, exporter_port=exporter_port, exporter_address=exporter_address,
     )
     console = Console()
     if once:

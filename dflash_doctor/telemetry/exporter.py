@@ -1,53 +1,123 @@
 """Optional Prometheus exporter of watch's own verdicts, for Alertmanager (``pip install dflash-doctor[exporter]``).
 
-Gauges per series (labels ``model``, ``class``): the window's tau and its interval, the baseline, the
-net speedup, and ``dflash_doctor_alert{kind=...}`` = 1 while an alert of that kind holds (0 otherwise,
-so an alert that clears resolves in Alertmanager). Served on 127.0.0.1 unless told otherwise.
+Gauges per series (labels ``model``, ``class``): the window's tau and its 95% interval's bounds
+(``_lower`` / ``_upper``), the baseline, the net speedup, the drafts the window judged, and
+``dflash_doctor_alert{kind=...}`` = 1 while an alert of that kind holds (0 otherwise, so an alert that
+clears resolves in Alertmanager). Per watch: ``dflash_doctor_source_up{source}``, the time of the last
+evaluation and ``dflash_doctor_build_info{version}``.
+
+A value that becomes unknown (a window without drafts has no tau) and a series that is no longer
+judged are removed, not left at their last value: a stale tau must not keep an alert rule quiet.
+Served on 127.0.0.1 unless ``--exporter-address`` says otherwise (0.0.0.0 for a scrape from another pod).
 """
 
 from __future__ import annotations
 
+from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING
+
 from dflash_doctor.errors import UsageError
 from dflash_doctor.telemetry.verdict import WindowVerdict
+
+if TYPE_CHECKING:
+    import prometheus_client
 
 ALERT_KINDS = ("acceptance-drop", "drafting-stopped", "k-changed", "fallback")
 
 
-class VerdictExporter:
-    def __init__(self, port: int, address: str = "127.0.0.1"):
-        try:
-            import prometheus_client
-        except ImportError:
-            raise UsageError("--exporter-port needs prometheus-client; install it with `pip install 'dflash-doctor[exporter]'`.") from None
-        self._registry = prometheus_client.CollectorRegistry()
-        labels = ["model", "class"]
+def _prometheus_client():
+    try:
+        import prometheus_client
+    except ImportError:
+        raise UsageError("--exporter-port needs prometheus-client; install it with `pip install 'dflash-doctor[exporter]'`.") from None
+    return prometheus_client
 
-        def gauge(name: str, doc: str, extra: tuple[str, ...] = ()) -> "prometheus_client.Gauge":
-            return prometheus_client.Gauge(name, doc, labels + list(extra), registry=self._registry)
 
-        self.tau = gauge("dflash_doctor_mean_acceptance_length", "Window tau (1 + accepted/drafts, bonus included).")
-        self.tau_lo = gauge("dflash_doctor_mean_acceptance_length_lo", "Lower bound of the window tau's 95% interval.")
-        self.tau_hi = gauge("dflash_doctor_mean_acceptance_length_hi", "Upper bound of the window tau's 95% interval.")
-        self.baseline = gauge("dflash_doctor_baseline_mean_acceptance_length", "Baseline tau at the served K.")
-        self.speedup = gauge("dflash_doctor_net_speedup", "Net speedup of the window over plain decoding (needs step costs).")
-        self.alert = gauge("dflash_doctor_alert", "1 while an alert of this kind holds for the series.", ("kind",))
-        try:
-            prometheus_client.start_http_server(port, addr=address, registry=self._registry)
-        except OSError as exc:
-            raise UsageError(f"--exporter-port {port} cannot be bound on {address} ({exc.strerror}); pick a free port.") from None
+def _doctor_version() -> str:
+    try:
+        return version("dflash-doctor")
+    except PackageNotFoundError:  # running from a source tree that was never installed
+        return "unknown"
 
-    def publish(self, verdicts: list[WindowVerdict]) -> None:
+
+class VerdictGauges:
+    """The exporter's registry and gauges, and how a round of verdicts updates them (no server)."""
+
+    def __init__(self) -> None:
+        client = _prometheus_client()
+        self.registry = client.CollectorRegistry()
+        series = ("model", "class")
+
+        def gauge(name: str, doc: str, labels: tuple[str, ...] = series) -> "prometheus_client.Gauge":
+            return client.Gauge(name, doc, list(labels), registry=self.registry)
+
+        # per series, value from the verdict (None -> the series is removed from that gauge)
+        self.series_gauges = {
+            "mean_acceptance_length": gauge("dflash_doctor_mean_acceptance_length", "Window tau (1 + accepted/drafts, bonus included)."),
+            "lower": gauge("dflash_doctor_mean_acceptance_length_lower", "Lower bound of the window tau's 95% interval."),
+            "upper": gauge("dflash_doctor_mean_acceptance_length_upper", "Upper bound of the window tau's 95% interval."),
+            "baseline": gauge("dflash_doctor_baseline_mean_acceptance_length", "Baseline tau at the served K."),
+            "speedup": gauge("dflash_doctor_net_speedup", "Net speedup of the window over plain decoding (needs step costs)."),
+            "drafts": gauge("dflash_doctor_window_drafts", "Drafts (verify steps with a draft) counted in the window."),
+        }
+        self.alert = gauge("dflash_doctor_alert", "1 while an alert of this kind holds for the series.", series + ("kind",))
+        self.source_up = gauge("dflash_doctor_source_up", "1 when the source answered watch's last poll, 0 when it failed.", ("source",))
+        self.last_evaluation = gauge("dflash_doctor_last_evaluation_timestamp_seconds", "Unix time of watch's last evaluation.", ())
+        client.Info("dflash_doctor_build", "The dflash-doctor version serving these gauges.", registry=self.registry).info({"version": _doctor_version()})
+        self._series: set[tuple[str, str]] = set()
+        self._shown: set[tuple[int, tuple[str, ...]]] = set()  # (gauge, labels) pairs holding a value
+
+    @property
+    def metric_names(self) -> set[str]:
+        """The sample names a scrape can show (for dashboards and rules to be checked against)."""
+        return {family.name + ("_info" if family.type == "info" else "") for family in self.registry.collect()}
+
+    def publish(self, verdicts: list[WindowVerdict], source_up: dict[str, bool], evaluated_at_s: float) -> None:
+        """One evaluation: set what is known, remove what is not, and drop series no longer judged."""
+        current: set[tuple[str, str]] = set()
         for verdict in verdicts:
-            labels = {"model": verdict.window.key.model, "class": verdict.window.key.cls}
-            for gauge, value in (
-                (self.tau, verdict.mean_acceptance_length),
-                (self.tau_lo, verdict.mean_acceptance_length_ci[0] if verdict.mean_acceptance_length_ci else None),
-                (self.tau_hi, verdict.mean_acceptance_length_ci[1] if verdict.mean_acceptance_length_ci else None),
-                (self.baseline, verdict.baseline_tau),
-                (self.speedup, verdict.speedup),
-            ):
-                if value is not None:
-                    gauge.labels(**labels).set(value)
+            labels = (verdict.window.key.model, verdict.window.key.cls)
+            current.add(labels)
+            ci = verdict.mean_acceptance_length_ci
+            values = {
+                "mean_acceptance_length": verdict.mean_acceptance_length,
+                "lower": ci[0] if ci else None,
+                "upper": ci[1] if ci else None,
+                "baseline": verdict.baseline_tau,
+                "speedup": verdict.speedup,
+                "drafts": verdict.window.counts.num_drafts,
+            }
+            for name, value in values.items():
+                self._set_or_remove(self.series_gauges[name], labels, value)
             kinds = {alert.kind for alert in verdict.alerts}
             for kind in ALERT_KINDS:
-                self.alert.labels(**labels, kind=kind).set(1.0 if kind in kinds else 0.0)
+                self._set_or_remove(self.alert, (*labels, kind), 1.0 if kind in kinds else 0.0)
+        for labels in self._series - current:
+            for gauge in self.series_gauges.values():
+                self._set_or_remove(gauge, labels, None)
+            for kind in ALERT_KINDS:
+                self._set_or_remove(self.alert, (*labels, kind), None)
+        self._series = current
+        for source, up in source_up.items():
+            self.source_up.labels(source).set(1.0 if up else 0.0)
+        self.last_evaluation.set(evaluated_at_s)
+
+    def _set_or_remove(self, gauge: "prometheus_client.Gauge", labels: tuple[str, ...], value: float | None) -> None:
+        shown = (id(gauge), labels)
+        if value is not None:
+            gauge.labels(*labels).set(value)
+            self._shown.add(shown)
+        elif shown in self._shown:
+            gauge.remove(*labels)
+            self._shown.discard(shown)
+
+
+class VerdictExporter(VerdictGauges):
+    """The gauges served over HTTP on ``address:port``."""
+
+    def __init__(self, port: int, address: str = "127.0.0.1"):
+        super().__init__()
+        try:
+            _prometheus_client().start_http_server(port, addr=address, registry=self.registry)
+        except OSError as exc:
+            raise UsageError(f"--exporter-port {port} cannot be bound on {address} ({exc.strerror}); pick a free port or another --exporter-address.") from None

@@ -35,7 +35,7 @@ class WatchSession:
     """Owns the pieces of one watch and keeps its run directory current after every evaluation."""
 
     def __init__(self, sources: list[Source], settings: WatchSettings, *, run_dir: Path, config: dict[str, Any],
-                 costs: StepCosts | None = None, once: bool = False, exporter_port: int | None = None):
+                 costs: StepCosts | None = None, once: bool = False, exporter_port: int | None = None, exporter_address: str = "127.0.0.1"):
         self.settings = settings
         self.once_mode = once
         self.judge = Judge(load_baseline(settings.baseline), settings.thresholds, engine=settings.engine, costs=costs)
@@ -47,7 +47,7 @@ class WatchSession:
             "baseline": self.judge.baseline.description if self.judge.baseline else None,
             "thresholds": dataclasses.asdict(settings.thresholds),
         })
-        self.exporter = VerdictExporter(exporter_port) if exporter_port is not None else None
+        self.exporter = VerdictExporter(exporter_port, exporter_address) if exporter_port is not None else None
         self._units_recorded = 0
 
     def _adopt_detected_engine(self) -> None:
@@ -61,7 +61,7 @@ class WatchSession:
             self.record.update(verdicts, self.watcher.units[self._units_recorded:] if last else [], self.watcher.events, self.watcher.source_notes())
         self._units_recorded = len(self.watcher.units)
         if self.exporter and rounds:
-            self.exporter.publish(rounds[-1])
+            self.exporter.publish(rounds[-1], self.watcher.sources_up(), time.time())
 
     def once(self) -> list[list[WindowVerdict]]:
         """One verdict for cron/CI; returns every window judged (files: their whole time axis, oldest

@@ -156,5 +156,9 @@ class Watcher:
         """The engines the sources were given or detected (after a poll)."""
         return {source.engine for source in self.sources if source.engine}
 
+    def sources_up(self) -> dict[str, bool]:
+        """Per source: whether it answered the last poll."""
+        return {source.name: self._unavailable_at.get(source.name) != self._polled_at for source in self.sources}
+
     def source_notes(self) -> list[str]:
         return [f"{source.name}: {note}" for source in self.sources for note in source.notes]
