@@ -98,6 +98,7 @@ def watch(
     engine: Annotated[Optional[str], typer.Option("--engine", help="vllm | sglang | llamacpp | trtllm (default: detected from the metric names / log lines).")] = None,
     model: Annotated[Optional[str], typer.Option("--model", help="Series name for sources without a model label (logs, llama.cpp).")] = None,
     class_label: Annotated[Optional[str], typer.Option("--class-label", help="Label holding the request class (e.g. an SGLang custom label).")] = None,
+    log_timezone: Annotated[Optional[str], typer.Option("--log-timezone", help="Time zone of the log files' stamps, e.g. UTC or Europe/Berlin (default: this host's local zone, as vLLM/SGLang write them).")] = None,
     window: Annotated[Optional[str], typer.Option("--window", help="Window length: 30s, 5m, 1h (default 5m). With --once on a /metrics URL: scrape twice, this far apart.")] = None,
     interval: Annotated[Optional[str], typer.Option("--interval", help="Time between polls when watching live (default 30s).")] = None,
     once: Annotated[bool, typer.Option("--once", help="One verdict and exit: 0 ok, 1 alert, 2 bad input (for cron/CI).")] = False,
@@ -116,7 +117,7 @@ def watch(
     doctor_config = build_config(config, cost_profile=cost_profile, out=out)
     settings = build_watch_settings(
         doctor_config.watch, window=window, interval=interval, baseline=baseline, threshold_tau=threshold_tau,
-        min_drafts=min_drafts, speedup_floor=speedup_floor, engine=engine, model=model, class_label=class_label,
+        min_drafts=min_drafts, speedup_floor=speedup_floor, engine=engine, model=model, class_label=class_label, log_timezone=log_timezone,
     )
     session = WatchSession(
         open_sources(list(sources or []), prometheus, settings), settings,

@@ -15,6 +15,12 @@ source files they come from, are cited in tests/test_telemetry_logs.py.
   request (slot); drafts = A / (X - 1), since X = 1 + A / drafts (rounded to 2 decimals in the log).
 * TensorRT-LLM iteration stats (JSON objects from ``GET /metrics`` of trtllm-serve, saved one per line):
   ``specDecodingStats.numRequestsWithDraftTokens`` drafts, ``numDraftTokens``, ``numAcceptedTokens``.
+
+Time stamps: vLLM, SGLang and TensorRT-LLM stamp their lines with the server's *local* wall-clock time and
+no zone (Python logging's ``asctime``), so a line is read in the log's zone: the host's local zone unless
+``--log-timezone`` names the server's (a log copied from a server elsewhere). Read as UTC, every line of a
+live log on a host east or west of Greenwich would fall hours outside the current window. llama.cpp stamps
+time since the server started, which needs no zone.
 """
 
 from __future__ import annotations
@@ -25,20 +31,41 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+from dflash_doctor.errors import UsageError
 from dflash_doctor.telemetry.counts import SeriesKey, SpecCounts
 from dflash_doctor.telemetry.observation import Observation, ParseProblems
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
+def log_zone(name: str | None) -> _dt.tzinfo | None:
+    """``--log-timezone``: an IANA zone name (``Europe/Berlin``, ``UTC``); None = the host's local zone."""
+    if name is None:
+        return None
+    try:
+        return ZoneInfo(name)
+    except (ZoneInfoNotFoundError, ValueError):
+        raise UsageError(f"--log-timezone {name!r} is not a time zone name; pass an IANA name such as UTC or Europe/Berlin.") from None
+
+
+def wall_clock_s(stamp: _dt.datetime, zone: _dt.tzinfo | None) -> float:
+    """Unix time of a log's zone-less wall-clock stamp read in ``zone`` (None: the host's local zone,
+    daylight saving included, as the engine's logging wrote it)."""
+    return stamp.timestamp() if zone is None else stamp.replace(tzinfo=zone).timestamp()
+
+
 @dataclass
 class LogContext:
-    """What a line parser needs besides the line: the series key and the year (vLLM's date has none)."""
+    """What a line parser needs besides the line: the series key, the year (vLLM's date has none) and
+    the zone the log's stamps are in (None: the host's local zone)."""
 
     model: str
     origin: str
     year: int
     problems: ParseProblems
+    zone: _dt.tzinfo | None = None
 
 
 def _number(pattern: str, text: str, cast: Callable[[str], float] = float) -> float | None:
@@ -52,12 +79,11 @@ VLLM_MARKER = "SpecDecoding metrics:"
 _VLLM_PREFIX = re.compile(r"\((?P<proc>[^()\s]+) pid=(?P<pid>\d+)\)\s+(?P<level>[A-Z]+)\s+(?P<ts>\d\d-\d\d \d\d:\d\d:\d\d)")
 
 
-def _vllm_time(line: str, year: int) -> float | None:
+def _vllm_time(line: str, ctx: LogContext) -> float | None:
     match = _VLLM_PREFIX.search(line)
     if match is None:
         return None
-    stamp = _dt.datetime.strptime(f"{year}-{match.group('ts')}", "%Y-%m-%d %H:%M:%S")
-    return stamp.replace(tzinfo=_dt.timezone.utc).timestamp()
+    return wall_clock_s(_dt.datetime.strptime(f"{ctx.year}-{match.group('ts')}", "%Y-%m-%d %H:%M:%S"), ctx.zone)
 
 
 def parse_vllm_line(line: str, ctx: LogContext) -> Observation | None:
@@ -69,7 +95,7 @@ def parse_vllm_line(line: str, ctx: LogContext) -> Observation | None:
         try:
             record = json.loads(line)
             text = str(record.get("message", ""))
-            time_s = _iso_time(record.get("asctime"))
+            time_s = _asctime(record.get("asctime"), ctx)
         except (json.JSONDecodeError, AttributeError):
             pass
     body = text.split(VLLM_MARKER, 1)[1]
@@ -90,7 +116,7 @@ def parse_vllm_line(line: str, ctx: LogContext) -> Observation | None:
         num_accepted_tokens=float(accepted),
         num_accepted_tokens_per_pos=tuple(float(round(r * num_drafts)) for r in rates),
     )
-    return Observation(SeriesKey(ctx.model), counts, cumulative=False, time_s=time_s or _vllm_time(text, ctx.year), reported=reported, origin=ctx.origin)
+    return Observation(SeriesKey(ctx.model), counts, cumulative=False, time_s=time_s or _vllm_time(text, ctx), reported=reported, origin=ctx.origin)
 
 
 def _vllm_num_drafts(drafted: float, accepted: float, rates: list[float], tau: float | None) -> float:
@@ -103,15 +129,19 @@ def _vllm_num_drafts(drafted: float, accepted: float, rates: list[float], tau: f
     return float(round(accepted / sum(rates)))
 
 
-def _iso_time(value: object) -> float | None:
+def _asctime(value: object, ctx: LogContext) -> float | None:
+    """A JSON log record's ``asctime`` (Python logging's local time, with or without vLLM's year-less date)."""
     if not isinstance(value, str):
         return None
-    for fmt in ("%Y-%m-%d %H:%M:%S,%f", "%Y-%m-%d %H:%M:%S", "%m-%d %H:%M:%S"):
+    for fmt in ("%Y-%m-%d %H:%M:%S,%f", "%Y-%m-%d %H:%M:%S"):
         try:
-            return _dt.datetime.strptime(value, fmt).replace(tzinfo=_dt.timezone.utc).timestamp()
+            return wall_clock_s(_dt.datetime.strptime(value, fmt), ctx.zone)
         except ValueError:
             continue
-    return None
+    try:
+        return wall_clock_s(_dt.datetime.strptime(f"{ctx.year}-{value}", "%Y-%m-%d %H:%M:%S"), ctx.zone)
+    except ValueError:
+        return None
 
 
 # ---- SGLang -----------------------------------------------------------------------------------------
@@ -133,7 +163,7 @@ def parse_sglang_line(line: str, ctx: LogContext) -> Observation | None:
     time_match = _SGLANG_TIME.search(line.strip())
     time_s = None
     if time_match:
-        time_s = _dt.datetime.strptime(time_match.group("ts"), "%Y-%m-%d %H:%M:%S").replace(tzinfo=_dt.timezone.utc).timestamp()
+        time_s = wall_clock_s(_dt.datetime.strptime(time_match.group("ts"), "%Y-%m-%d %H:%M:%S"), ctx.zone)
     reported = {"mean_acceptance_length": tau}
     if rate is not None:
         reported["draft_acceptance_rate"] = rate
@@ -200,7 +230,7 @@ def parse_trtllm_line(line: str, ctx: LogContext) -> Observation | None:
     timestamp = record.get("timestamp")
     if isinstance(timestamp, str):
         try:
-            time_s = _dt.datetime.strptime(timestamp[:19], "%m-%d-%Y %H:%M:%S").replace(tzinfo=_dt.timezone.utc).timestamp()
+            time_s = wall_clock_s(_dt.datetime.strptime(timestamp[:19], "%m-%d-%Y %H:%M:%S"), ctx.zone)
         except ValueError:
             time_s = None
     reported = {}

@@ -14,6 +14,7 @@ from typing import Any
 from dflash_doctor.errors import UsageError
 from dflash_doctor.speedup import StepCosts
 from dflash_doctor.telemetry.exporter import VerdictExporter
+from dflash_doctor.telemetry.logs import log_zone
 from dflash_doctor.telemetry.record import WatchRecord
 from dflash_doctor.telemetry.settings import WatchSettings
 from dflash_doctor.telemetry.sources import LogFile, MetricsEndpoint, PrometheusServer, ResponsesFile, Source, open_source
@@ -23,7 +24,8 @@ from dflash_doctor.telemetry.watcher import Watcher
 
 def open_sources(specs: list[str], prometheus: str | None, settings: WatchSettings) -> list[Source]:
     """SOURCE arguments and ``--prometheus`` as sources; none at all is a usage error."""
-    sources: list[Source] = [open_source(s, engine=settings.engine, model=settings.model, class_label=settings.class_label) for s in specs]
+    zone = log_zone(settings.log_timezone)
+    sources: list[Source] = [open_source(s, engine=settings.engine, model=settings.model, class_label=settings.class_label, log_zone=zone) for s in specs]
     if prometheus:
         sources.append(PrometheusServer(prometheus, window_s=settings.window_s, engine=settings.engine, class_label=settings.class_label))
     if not sources:

@@ -11,6 +11,7 @@ speedup_floor = 1.0      # net speedup below this says "fall back"
 engine = "vllm"          # vllm | sglang | llamacpp | trtllm (default: detected)
 model = "my-model"       # series name for sources without a model label (logs, llama.cpp)
 class_label = "cls"      # label carrying the request class (SGLang custom labels, relabelled series)
+log_timezone = "UTC"     # zone of the log files' time stamps (default: this host's local zone)
 [watch.baseline_tau]     # or fixed tau per class (instead of `baseline`)
 code = 2.4
 chat = 1.7
@@ -24,6 +25,7 @@ from typing import Any
 
 from dflash_doctor.errors import UsageError
 from dflash_doctor.telemetry.engines import READERS
+from dflash_doctor.telemetry.logs import log_zone
 from dflash_doctor.telemetry.sources import parse_duration_s
 from dflash_doctor.telemetry.verdict import DEFAULT_MIN_DRAFTS, DEFAULT_SPEEDUP_FLOOR, Thresholds
 from dflash_doctor.compare import DEFAULT_THRESHOLD_TAU
@@ -44,13 +46,14 @@ class WatchSettings:
     engine: str | None = None
     model: str | None = None
     class_label: str | None = None
+    log_timezone: str | None = None  # IANA zone of the logs' stamps; None = this host's local zone
 
     @property
     def thresholds(self) -> Thresholds:
         return Thresholds(self.threshold_tau, self.min_drafts, self.speedup_floor)
 
 
-_FILE_KEYS = {"window", "interval", "baseline", "baseline_tau", "threshold_tau", "min_drafts", "speedup_floor", "engine", "model", "class_label"}
+_FILE_KEYS = {"window", "interval", "baseline", "baseline_tau", "threshold_tau", "min_drafts", "speedup_floor", "engine", "model", "class_label", "log_timezone"}
 
 
 def build_watch_settings(table: dict[str, Any], **flags: Any) -> WatchSettings:
@@ -72,7 +75,7 @@ def build_watch_settings(table: dict[str, Any], **flags: Any) -> WatchSettings:
         values["window_given"] = True
     if "interval" in merged:
         values["interval_s"] = parse_duration_s(merged["interval"])
-    for name in ("baseline", "engine", "model", "class_label"):
+    for name in ("baseline", "engine", "model", "class_label", "log_timezone"):
         if name in merged:
             values[name] = merged[name]
     try:
@@ -87,6 +90,7 @@ def build_watch_settings(table: dict[str, Any], **flags: Any) -> WatchSettings:
     if settings.engine is not None and settings.engine not in READERS:
         raise UsageError(f"engine {settings.engine!r} is not one of {', '.join(READERS)}; pick one or leave it out to detect it.")
     settings.thresholds  # validates
+    log_zone(settings.log_timezone)  # validates
     return settings
 
 

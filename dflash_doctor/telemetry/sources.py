@@ -10,6 +10,7 @@ nothing is lost. Input that can never work (a file that does not exist, a URL th
 
 from __future__ import annotations
 
+import datetime
 import json
 import time
 import urllib.error
@@ -261,10 +262,12 @@ class _FollowedFile:
 class LogFile(_FollowedFile):
     """An engine's log file (followed as it grows); the engine is detected from the first metrics line."""
 
-    def __init__(self, path: str | Path, *, engine: str | None = None, model: str | None = None, year: int | None = None):
+    def __init__(self, path: str | Path, *, engine: str | None = None, model: str | None = None, year: int | None = None, zone: datetime.tzinfo | None = None):
+        """``zone``: the zone the log's stamps are written in (None: this host's local zone, see logs.py)."""
         super().__init__(path, model=model)
         self.engine = _check_engine(engine)
-        self._year = year or time.gmtime(self.path.stat().st_mtime).tm_year
+        self.zone = zone
+        self._year = year or datetime.datetime.fromtimestamp(self.path.stat().st_mtime, zone).year
 
     def poll(self) -> list[Observation]:
         lines, first = self._tail.new_lines()
@@ -273,7 +276,7 @@ class LogFile(_FollowedFile):
             if self.engine is None:
                 return []
         self.what = f"{self.engine} metrics"
-        ctx = LogContext(model=self.model, origin=self.name, year=self._year, problems=self.problems)
+        ctx = LogContext(model=self.model, origin=self.name, year=self._year, problems=self.problems, zone=self.zone)
         observations = list(parse_log_lines(lines, engine=self.engine, ctx=ctx, first_line_number=first))
         self._note_problems()
         return observations
@@ -302,13 +305,13 @@ def _looks_like_responses(path: Path) -> bool:
     return False
 
 
-def open_source(spec: str, *, engine: str | None = None, model: str | None = None, class_label: str | None = None) -> Source:
+def open_source(spec: str, *, engine: str | None = None, model: str | None = None, class_label: str | None = None, log_zone: datetime.tzinfo | None = None) -> Source:
     """A SOURCE argument: an http(s) URL is scraped; a file is a log, or captured responses if it holds JSON objects."""
     if spec.startswith(("http://", "https://")):
         return MetricsEndpoint(spec, engine=engine, model=model, class_label=class_label)
     path = _existing_file(spec)
     if _looks_like_responses(path):
         return ResponsesFile(path, model=model)
-    return LogFile(path, engine=engine, model=model)
+    return LogFile(path, engine=engine, model=model, zone=log_zone)
 
 
