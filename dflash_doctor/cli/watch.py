@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+import threading
 import time
 from pathlib import Path
 from typing import Annotated, Optional
@@ -68,10 +70,11 @@ def verdict_line(v: WindowVerdict) -> str:
     return ", ".join(parts)
 
 
-def print_verdicts(console: Console, verdicts: list[WindowVerdict]) -> None:
-    """One line per series, then every alert with its advice and the notes on each window."""
+def print_verdicts(console: Console, verdicts: list[WindowVerdict], *, lines: bool = True) -> None:
+    """One line per series (unless ``lines`` is off: printed already), then every alert with its advice and the notes on each window."""
     for v in verdicts:
-        console.print(verdict_line(v), soft_wrap=True)
+        if lines:
+            console.print(verdict_line(v), soft_wrap=True)
         for alert in v.alerts:
             console.print(f"[bold red]ALERT[/] {alert.kind}: {alert.message}", soft_wrap=True)
             for line in alert.advice:
@@ -113,7 +116,11 @@ def watch(
     out: opt.Out = None,
     config: opt.ConfigFile = None,
 ) -> None:
-    """Watch production acceptance: windowed tau per model/class, alerts vs a baseline, fallback advice. Exit 0 ok, 1 alert, 2 bad input."""
+    """Watch production acceptance: windowed tau per model/class, alerts vs a baseline, fallback advice.
+
+    Exit codes: 0 ok; 1 an alert fired (--once: in the verdict; live: at any time before SIGTERM/SIGINT or
+    --duration ended the watch); 2 bad input. Off a terminal it prints one plain line per series per evaluation.
+    """
     doctor_config = build_config(config, cost_profile=cost_profile, out=out)
     settings = build_watch_settings(
         doctor_config.watch, window=window, interval=interval, baseline=baseline, threshold_tau=threshold_tau,
@@ -141,24 +148,58 @@ def watch(
     _watch_live(console, session, None if duration is None else parse_duration_s(duration))
 
 
+class _StopRequests:
+    """SIGTERM / SIGINT end a live watch between evaluations: the one running finishes and is recorded,
+    so the run directory a service manager leaves behind is complete (no half-written window)."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self._previous = {sig: signal.signal(sig, self._stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def _stop(self, signum: int, frame: object) -> None:
+        self.event.set()
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
 def _watch_live(console: Console, session: WatchSession, stop_after_s: float | None) -> None:
-    """Poll every interval until Ctrl-C (or ``stop_after_s``): a live table, alerts as they fire, the run directory kept current."""
+    """Poll every interval until SIGTERM/SIGINT (or ``stop_after_s``), keeping the run directory current.
+
+    On a terminal: a live table, alerts as they fire. Otherwise (a pipe, systemd's journal, docker or
+    Kubernetes logs, where Rich's Live would print nothing until exit): one plain, time-stamped line per
+    series per evaluation, alerts and notes below it, flushed at once. Exit 0, or 1 when an alert fired.
+    """
     started = time.monotonic()
     alerted = False
+    stop = _StopRequests()
     session.start()
     events_shown = 0
     notes_shown: set[str] = set()
+    live = Live(console=console, auto_refresh=False) if console.is_terminal else None
     try:
-        with Live(console=console, auto_refresh=False) as live:
-            while stop_after_s is None or time.monotonic() - started < stop_after_s:
-                time.sleep(session.settings.interval_s)
-                verdicts = session.step()
-                alerted = alerted or any(v.alerts for v in verdicts)
+        if live:
+            live.start()
+        while not stop.event.wait(session.settings.interval_s):
+            verdicts = session.step()
+            alerted = alerted or any(v.alerts for v in verdicts)
+            if live:
                 live.update(verdict_table(verdicts, f"last {session.settings.window_s:g} s, at {time.strftime('%H:%M:%S')}"), refresh=True)
                 print_verdicts(live.console, [v for v in verdicts if v.alerts])
-                events_shown = print_source_news(live.console, session.watcher, events_shown, notes_shown)
-    except KeyboardInterrupt:
-        pass
+            else:
+                stamp = utc_now()
+                for verdict in verdicts:
+                    console.print(f"{stamp} {verdict_line(verdict)}", soft_wrap=True, highlight=False)
+                print_verdicts(console, [v for v in verdicts if v.alerts], lines=False)
+            events_shown = print_source_news(console, session.watcher, events_shown, notes_shown)
+            console.file.flush()
+            if stop_after_s is not None and time.monotonic() - started >= stop_after_s:
+                break
+    finally:
+        if live:
+            live.stop()
+        stop.restore()
     console.print(f"wrote {session.run_dir}")
     if alerted:
         raise typer.Exit(EXIT_ALERT)
