@@ -168,3 +168,34 @@ def test_dashboard_expressions_parse_and_name_existing_series(tmp_path):
     (tmp_path / "panels.rules.yml").write_text(yaml.safe_dump({"groups": [{"name": "panels", "rules": rules}]}))
     result = promtool("check", "rules", "panels.rules.yml", cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def _watch_options() -> set[str]:
+    import typer.main
+
+    from dflash_doctor.cli import app
+
+    command = typer.main.get_command(app).commands["watch"]  # type: ignore[attr-defined]
+    return {opt for param in command.params for opt in param.opts}
+
+
+def _flags(args: list[str]) -> set[str]:
+    return {arg.split("=", 1)[0] for arg in args if arg.startswith("--")}
+
+
+def test_service_examples_use_real_watch_flags():
+    """The systemd unit and the Kubernetes sidecar run `watch` with flags it has (a renamed flag breaks them)."""
+    unit = (DEPLOY / "systemd" / "dflash-doctor-watch.service").read_text().replace("\\\n", " ")
+    (exec_start,) = [line.split("=", 1)[1] for line in unit.splitlines() if line.startswith("ExecStart=")]
+    unit_args = exec_start.split()
+    assert unit_args[1] == "watch"
+    manifest = yaml.safe_load((DEPLOY / "kubernetes" / "vllm-with-watch-sidecar.yaml").read_text())
+    (sidecar,) = [c for c in manifest["spec"]["template"]["spec"]["containers"] if c["name"] == "dflash-doctor"]
+    assert sidecar["args"][0] == "watch"
+    options = _watch_options()
+    for args in (unit_args, sidecar["args"]):
+        assert {"--exporter-port", "--exporter-address", "--on-alert"} <= _flags(args)
+        assert _flags(args) <= options, _flags(args) - options
+    port = next(int(a.split("=")[1]) for a in sidecar["args"] if a.startswith("--exporter-port="))
+    assert {"name": "doctor-metrics", "containerPort": port} in sidecar["ports"]
+    assert manifest["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] == str(port)

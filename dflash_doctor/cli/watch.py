@@ -18,6 +18,7 @@ from dflash_doctor.cli import options as opt
 from dflash_doctor.config import build_config
 from dflash_doctor.schema import utc_now
 from dflash_doctor.speedup import load_cost_profile
+from dflash_doctor.telemetry.hooks import AlertHooks
 from dflash_doctor.telemetry.settings import build_watch_settings
 from dflash_doctor.telemetry.sources import parse_duration_s
 from dflash_doctor.telemetry.session import WatchSession, open_sources
@@ -112,6 +113,9 @@ def watch(
     speedup_floor: Annotated[Optional[float], typer.Option("--speedup-floor", help="Net speedup below which to fall back (default 1.0).")] = None,
     exporter_port: Annotated[Optional[int], typer.Option("--exporter-port", help="Serve watch's own verdict gauges for Prometheus/Alertmanager on PORT.")] = None,
     exporter_address: Annotated[str, typer.Option("--exporter-address", help="Address the exporter binds (0.0.0.0: scrapable from other hosts/pods).")] = "127.0.0.1",
+    on_alert: Annotated[Optional[str], typer.Option("--on-alert", help="Command run when an alert starts (once per episode), with the alert, model and engine change in DFLASH_DOCTOR_* variables.")] = None,
+    on_alert_webhook: Annotated[Optional[str], typer.Option("--on-alert-webhook", help="URL that receives the same alert as a JSON POST, once per episode.")] = None,
+    on_alert_dry_run: Annotated[bool, typer.Option("--on-alert-dry-run", help="Print what --on-alert / --on-alert-webhook would run or post, and do neither.")] = False,
     cost_profile: opt.CostProfile = None,
     out: opt.Out = None,
     config: opt.ConfigFile = None,
@@ -126,11 +130,13 @@ def watch(
         doctor_config.watch, window=window, interval=interval, baseline=baseline, threshold_tau=threshold_tau,
         min_drafts=min_drafts, speedup_floor=speedup_floor, engine=engine, model=model, class_label=class_label, log_timezone=log_timezone,
     )
+    run_dir = Path(doctor_config.out or f"runs/watch-{utc_now().replace(':', '').replace('+0000', 'Z')}")
+    hooks = AlertHooks(on_alert, on_alert_webhook, on_alert_dry_run, run_dir)
     session = WatchSession(
-        open_sources(list(sources or []), prometheus, settings), settings,
-        run_dir=Path(doctor_config.out or f"runs/watch-{utc_now().replace(':', '').replace('+0000', 'Z')}"),
+        open_sources(list(sources or []), prometheus, settings), settings, run_dir=run_dir,
         config=doctor_config.as_dict(), costs=load_cost_profile(doctor_config.cost_profile) if doctor_config.cost_profile else None,
         once=once, exporter_port=exporter_port, exporter_address=exporter_address,
+        hooks=hooks if hooks.enabled else None,
     )
     console = Console()
     if once:
@@ -138,6 +144,7 @@ def watch(
         latest = rounds[-1] if rounds else []
         console.print(verdict_table(latest, "latest window" if settings.window_given or len(rounds) > 1 else "since the server started"))
         print_verdicts(console, latest)
+        session.close()
         print_source_news(console, session.watcher, 0, set())
         console.print(f"wrote {session.run_dir}")
         if not latest:
@@ -200,6 +207,8 @@ def _watch_live(console: Console, session: WatchSession, stop_after_s: float | N
         if live:
             live.stop()
         stop.restore()
+    session.close()
+    print_source_news(console, session.watcher, events_shown, notes_shown)
     console.print(f"wrote {session.run_dir}")
     if alerted:
         raise typer.Exit(EXIT_ALERT)

@@ -14,6 +14,7 @@ from typing import Any
 from dflash_doctor.errors import UsageError
 from dflash_doctor.speedup import StepCosts
 from dflash_doctor.telemetry.exporter import VerdictExporter
+from dflash_doctor.telemetry.hooks import AlertHooks
 from dflash_doctor.telemetry.logs import log_zone
 from dflash_doctor.telemetry.record import WatchRecord
 from dflash_doctor.telemetry.settings import WatchSettings
@@ -37,7 +38,8 @@ class WatchSession:
     """Owns the pieces of one watch and keeps its run directory current after every evaluation."""
 
     def __init__(self, sources: list[Source], settings: WatchSettings, *, run_dir: Path, config: dict[str, Any],
-                 costs: StepCosts | None = None, once: bool = False, exporter_port: int | None = None, exporter_address: str = "127.0.0.1"):
+                 costs: StepCosts | None = None, once: bool = False, exporter_port: int | None = None, exporter_address: str = "127.0.0.1",
+                 hooks: AlertHooks | None = None):
         self.settings = settings
         self.once_mode = once
         self.judge = Judge(load_baseline(settings.baseline), settings.thresholds, engine=settings.engine, costs=costs)
@@ -50,6 +52,7 @@ class WatchSession:
             "thresholds": dataclasses.asdict(settings.thresholds),
         })
         self.exporter = VerdictExporter(exporter_port, exporter_address) if exporter_port is not None else None
+        self.hooks = hooks
         self._units_recorded = 0
 
     def _adopt_detected_engine(self) -> None:
@@ -58,6 +61,8 @@ class WatchSession:
             self.judge.engine = next(iter(self.watcher.engines))
 
     def _publish(self, rounds: list[list[WindowVerdict]]) -> None:
+        if self.hooks and rounds:  # only the latest round can start an episode (not a file's history)
+            self.watcher.events.extend(self.hooks.handle(rounds[-1], self.judge.engine))
         for i, verdicts in enumerate(rounds):
             last = i == len(rounds) - 1
             self.record.update(verdicts, self.watcher.units[self._units_recorded:] if last else [], self.watcher.events, self.watcher.source_notes())
@@ -88,6 +93,11 @@ class WatchSession:
             rounds = [[self.judge.judge(w) for w in self.watcher.current_windows()]]
         self._publish(rounds)
         return rounds
+
+    def close(self) -> None:
+        """End of a watch: wait briefly for alert commands still running, so their exit is reported."""
+        if self.hooks:
+            self.watcher.events.extend(self.hooks.close())
 
     def start(self) -> None:
         """The first poll of a live watch: only the starting point of the counters' differences."""
