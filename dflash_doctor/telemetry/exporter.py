@@ -22,7 +22,7 @@ from dflash_doctor.telemetry.verdict import WindowVerdict
 if TYPE_CHECKING:
     import prometheus_client
 
-ALERT_KINDS = ("acceptance-drop", "drafting-stopped", "k-changed", "fallback")
+ALERT_KINDS = ("acceptance-drop", "drafting-stopped", "k-changed", "fallback", "collapse", "position-decay")  # verdict.py, alarms.py
 
 
 def _prometheus_client():

@@ -13,6 +13,7 @@ from typing import Any
 
 from dflash_doctor.errors import UsageError
 from dflash_doctor.speedup import StepCosts
+from dflash_doctor.telemetry.alarms import apply_alarms
 from dflash_doctor.telemetry.exporter import VerdictExporter
 from dflash_doctor.telemetry.hooks import AlertHooks
 from dflash_doctor.telemetry.logs import log_zone
@@ -20,7 +21,7 @@ from dflash_doctor.telemetry.record import WatchRecord
 from dflash_doctor.telemetry.settings import WatchSettings
 from dflash_doctor.telemetry.sources import LogFile, MetricsEndpoint, PrometheusServer, ResponsesFile, Source, open_source
 from dflash_doctor.telemetry.verdict import Judge, WindowVerdict, load_baseline
-from dflash_doctor.telemetry.watcher import Watcher
+from dflash_doctor.telemetry.watcher import Watcher, Window
 
 
 def open_sources(specs: list[str], prometheus: str | None, settings: WatchSettings) -> list[Source]:
@@ -55,6 +56,10 @@ class WatchSession:
         self.hooks = hooks
         self._units_recorded = 0
 
+    def _judge(self, window: Window) -> WindowVerdict:
+        """The Judge's rules, then the production alarms (collapse, per-position decay)."""
+        return apply_alarms(self.judge.judge(window), self.judge)
+
     def _adopt_detected_engine(self) -> None:
         """Advice for the one engine the sources turned out to be (all engines' settings when it is not one)."""
         if self.judge.engine is None and len(self.watcher.engines) == 1:
@@ -86,11 +91,11 @@ class WatchSession:
         if len(failed) == len(sources) and not self.watcher.units:
             raise UsageError(f"no source could be read: {'; '.join(failed.values())}; check the URL/path and that the server is up.")
         if files and not live:
-            rounds = [[self.judge.judge(w) for w in windows] for windows in self.watcher.tumbling_windows()]
+            rounds = [[self._judge(w) for w in windows] for windows in self.watcher.tumbling_windows()]
         else:
             if scrapes and not self.settings.window_given:
                 self.watcher.window_s = float("inf")  # counts since each server started
-            rounds = [[self.judge.judge(w) for w in self.watcher.current_windows()]]
+            rounds = [[self._judge(w) for w in self.watcher.current_windows()]]
         self._publish(rounds)
         return rounds
 
@@ -107,6 +112,6 @@ class WatchSession:
         """Poll, judge the window ending now, record and export it."""
         self.watcher.poll()
         self._adopt_detected_engine()
-        verdicts = [self.judge.judge(w) for w in self.watcher.current_windows()]
+        verdicts = [self._judge(w) for w in self.watcher.current_windows()]
         self._publish([verdicts])
         return verdicts
