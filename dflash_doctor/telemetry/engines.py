@@ -19,7 +19,8 @@ What each engine gives, and how it becomes vLLM's definitions:
   counts verify forwards (= drafts) and ``generation_tokens_total`` output tokens, so tau is SGLang's own
   ``generated / verify calls``, which counts each request's first (prefill) token as accepted: biased up
   for short outputs (ENGINES.md section 0). Its gauges ``spec_accept_length`` / ``spec_accept_rate`` are
-  window averages, reported beside the counts but never re-aggregated.
+  averages since the server started (ENGINES.md section 8), reported beside the counts with the model's
+  verify calls as their weight, so the watcher can take the average over each interval from their change.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import Callable
 
 from dflash_doctor.telemetry.counts import ALL_CLASSES, SeriesKey, SpecCounts
 from dflash_doctor.telemetry.exposition import Exposition, Sample
+from dflash_doctor.telemetry.observation import AVERAGE_WEIGHT
 
 MODEL_LABEL = "model_name"
 
@@ -42,6 +44,7 @@ class Reading:
     counts: dict[SeriesKey, SpecCounts] = field(default_factory=dict)
     reported: dict[SeriesKey, dict[str, float]] = field(default_factory=dict)  # engine-computed gauges
     configured_k: dict[SeriesKey, int] = field(default_factory=dict)  # K from an info metric, where exported
+    averages_since_start: tuple[str, ...] = ()  # reported values averaged since the server started (weight: AVERAGE_WEIGHT)
     notes: list[str] = field(default_factory=list)
 
 
@@ -162,10 +165,19 @@ def _read_sglang(expo: Exposition, default_model: str, class_label: str | None) 
             "SGLang: tau = generation tokens / verify calls (SGLang's definition; counts each request's first token, "
             "so it reads high for short outputs); no per-position counters."
         )
-    # Gauges are averages over SGLang's last log window (per tp_rank): shown, never summed.
+    # Gauges are averages since the server started, the same on every tp_rank: shown, never summed; their
+    # weight is the model's verify calls over all classes (the scheduler does not see request classes).
+    calls_by_model: dict[str, float] = defaultdict(float)
+    for key, calls in verify_calls.items():
+        calls_by_model[key.model] += calls
     for gauge_name, metric in (("sglang:spec_accept_length", "mean_acceptance_length"), ("sglang:spec_accept_rate", "draft_acceptance_rate")):
         for sample in _names(expo, gauge_name):
-            reading.reported.setdefault(_key(sample, default_model, class_label), {})[metric] = sample.value
+            key = _key(sample, default_model, class_label)
+            reported = reading.reported.setdefault(key, {})
+            reported[metric] = sample.value
+            if key.model in calls_by_model:
+                reported[AVERAGE_WEIGHT] = calls_by_model[key.model]
+    reading.averages_since_start = ("mean_acceptance_length", "draft_acceptance_rate")
     for sample in _names(expo, "sglang:spec_num_draft_tokens"):
         if sample.value >= 1:  # SGLang counts the anchor: block size = K + 1
             reading.configured_k[_key(sample, default_model, class_label)] = int(sample.value) - 1

@@ -24,7 +24,7 @@ from dflash_doctor.telemetry.counts import SpecCounts
 from dflash_doctor.telemetry.engines import READERS, Reading, read_exposition
 from dflash_doctor.telemetry.exposition import Exposition, Sample, parse_exposition
 from dflash_doctor.telemetry.logs import LogContext, detect_log_engine, parse_log_lines
-from dflash_doctor.telemetry.observation import Observation, ParseProblems
+from dflash_doctor.telemetry.observation import AVERAGE_WEIGHT, Observation, ParseProblems
 from dflash_doctor.telemetry.responses import parse_response_lines
 
 HTTP_TIMEOUT_S = 10.0
@@ -100,10 +100,13 @@ def _observations(reading: Reading, now: float, origin: str, *, cumulative: bool
     result = []
     for key in sorted(keys):
         reported = dict(reading.reported.get(key, {}))
+        if not cumulative:  # a Prometheus window's gauges are already averaged over it; no interval to derive
+            reported.pop(AVERAGE_WEIGHT, None)
         if key in reading.configured_k:
             reported["configured_k"] = float(reading.configured_k[key])
         counts = reading.counts.get(key, SpecCounts())
-        result.append(Observation(key, counts, cumulative=cumulative, time_s=now, reported=reported, origin=origin))
+        result.append(Observation(key, counts, cumulative=cumulative, time_s=now, reported=reported, origin=origin,
+                                  averages_since_start=reading.averages_since_start if cumulative else ()))
     return result
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from statistics import fmean
 
 from dflash_doctor.telemetry.counts import SeriesKey, SpecCounts, total
-from dflash_doctor.telemetry.observation import Observation
+from dflash_doctor.telemetry.observation import AVERAGE_WEIGHT, Observation
 from dflash_doctor.telemetry.sources import Source, SourceUnavailable
 
 
@@ -78,6 +78,7 @@ class Watcher:
         self._snapshots: dict[tuple[str, SeriesKey], SpecCounts] = {}
         self._keys_by_source: dict[str, set[SeriesKey]] = {}
         self._unavailable_at: dict[str, float] = {}
+        self._averages: dict[tuple[str, SeriesKey], tuple[float | None, dict[str, float]]] = {}  # last since-start averages
         self._polled_at: float | None = None
 
     @property
@@ -104,6 +105,7 @@ class Watcher:
         # A scrape counts up to the poll; files and Prometheus carry their own clock.
         end_s = now if observation.cumulative or observation.time_s is None else observation.time_s
         counts = observation.counts
+        reported = self._interval_averages(source, observation) if observation.averages_since_start else dict(observation.reported)
         if observation.cumulative:
             previous = self._snapshots.get((source, key))
             self._snapshots[(source, key)] = counts
@@ -114,7 +116,25 @@ class Watcher:
                 counts, reset = counts.since(previous)
                 if reset:
                     self.events.append(Event(now, "counter-reset", source, f"{key}: counters went down (server restart?); counting from zero again"))
-        self.units.append(Unit(key, end_s, counts, dict(observation.reported), source))
+        self.units.append(Unit(key, end_s, counts, reported, source))
+
+    def _interval_averages(self, source: str, observation: Observation) -> dict[str, float]:
+        """Engine averages since the server started (SGLang's gauges) -> their average over the interval
+        since the last scrape, from the change of average x weight; dropped when it cannot be known."""
+        reported = dict(observation.reported)
+        weight = reported.pop(AVERAGE_WEIGHT, None)
+        previous_weight, previous = self._averages.get((source, observation.key), (None, None))
+        self._averages[(source, observation.key)] = (weight, observation.reported)
+        first_counted = previous is None and self.count_since_start  # counts since start: so is the average
+        restarted = weight is not None and previous_weight is not None and weight < previous_weight  # averages start over
+        for name in [n for n in observation.averages_since_start if n in reported]:
+            if first_counted or restarted:
+                continue
+            if weight is not None and previous_weight is not None and previous and name in previous and weight > previous_weight:
+                reported[name] = (reported[name] * weight - previous[name] * previous_weight) / (weight - previous_weight)
+            else:
+                del reported[name]
+        return reported
 
     def window(self, key: SeriesKey, start_s: float, end_s: float) -> Window:
         """The units of ``key`` ending in ``(start_s, end_s]`` pooled into one window."""
