@@ -199,3 +199,22 @@ def test_service_examples_use_real_watch_flags():
     port = next(int(a.split("=")[1]) for a in sidecar["args"] if a.startswith("--exporter-port="))
     assert {"name": "doctor-metrics", "containerPort": port} in sidecar["ports"]
     assert manifest["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] == str(port)
+
+
+@pytest.mark.parametrize("alert, acts", [("collapse", True), ("fallback", True), ("acceptance-drop", False), ("drafting-stopped", False)])
+def test_restart_hook_acts_only_on_collapse_and_fallback(tmp_path, alert, acts):
+    """The shipped hook under sh, with `logger` and `sudo` replaced by recorders on PATH."""
+    calls = tmp_path / "calls"
+    for name in ("logger", "sudo"):
+        stub = tmp_path / name
+        stub.write_text(f'#!/bin/sh\necho "{name} $*" >> {calls}\n')
+        stub.chmod(0o755)
+    env = {"PATH": f"{tmp_path}:/usr/bin:/bin", "DFLASH_DOCTOR_ALERT": alert, "DFLASH_DOCTOR_MODEL": "qwen3-8b",
+           "DFLASH_DOCTOR_MESSAGE": "tau 1.02", "DFLASH_DOCTOR_ADVICE": "vLLM: --speculative-config ..."}
+    result = subprocess.run(["sh", str(DEPLOY / "hooks" / "restart-vllm-without-speculation.sh")], env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    recorded = calls.read_text().splitlines() if calls.exists() else []
+    if acts:
+        assert recorded[-2:] == ["sudo -n /usr/bin/cp /etc/vllm/spec-off.env /etc/vllm/spec.env", "sudo -n /usr/bin/systemctl restart vllm.service"]
+    else:
+        assert recorded == []
