@@ -112,6 +112,12 @@ class WatchSession:
         """Poll, judge the window ending now, record and export it."""
         self.watcher.poll()
         self._adopt_detected_engine()
-        verdicts = [self._judge(w) for w in self.watcher.current_windows()]
+        windows = self.watcher.current_windows()
+        verdicts = [self._judge(w) for w in windows]
         self._publish([verdicts])
+        # Every unit is in the run directory now; those before the window just judged are needed by no
+        # later window, so the watcher's memory and each poll's scan stay flat over a days-long watch.
+        if windows:
+            self.watcher.forget_units_before(windows[0].start_s)
+            self._units_recorded = len(self.watcher.units)
         return verdicts

@@ -64,7 +64,8 @@ class Window:
 
 
 class Watcher:
-    """Polls sources and keeps every unit; windows are views over the units."""
+    """Polls sources and keeps their units; windows are views over the units (a live watch forgets the
+    units before its latest window once they are recorded)."""
 
     def __init__(self, sources: list[Source], *, window_s: float, count_since_start: bool = False):
         """``count_since_start``: the first scrape of a counter counts everything since the server started
@@ -117,6 +118,10 @@ class Watcher:
                 if reset:
                     self.events.append(Event(now, "counter-reset", source, f"{key}: counters went down (server restart?); counting from zero again"))
         self.units.append(Unit(key, end_s, counts, reported, source))
+
+    def forget_units_before(self, time_s: float) -> None:
+        """Drop the units ending at or before ``time_s`` (live watching: no later window reaches back there)."""
+        self.units = [u for u in self.units if u.end_s > time_s]
 
     def _interval_averages(self, source: str, observation: Observation) -> dict[str, float]:
         """Engine averages since the server started (SGLang's gauges) -> their average over the interval
