@@ -104,15 +104,16 @@ class WatchSession:
         if self.hooks:
             self.watcher.events.extend(self.hooks.close())
 
-    def start(self) -> None:
-        """The first poll of a live watch: only the starting point of the counters' differences."""
-        self.watcher.poll()
+    def start(self, now_s: float | None = None) -> None:
+        """The first poll of a live watch: only the starting point of the counters' differences.
+        ``now_s``: a clock other than the wall clock (a soak run's simulated day)."""
+        self.watcher.poll(now_s)
 
-    def step(self) -> list[WindowVerdict]:
-        """Poll, judge the window ending now, record and export it."""
-        self.watcher.poll()
+    def step(self, now_s: float | None = None) -> list[WindowVerdict]:
+        """Poll, judge the window ending now (``now_s``, default the wall clock), record and export it."""
+        self.watcher.poll(now_s)
         self._adopt_detected_engine()
-        windows = self.watcher.current_windows()
+        windows = self.watcher.current_windows(now_s)
         verdicts = [self._judge(w) for w in windows]
         self._publish([verdicts])
         # Every unit is in the run directory now; those before the window just judged are needed by no

@@ -1,0 +1,83 @@
+"""A day of `watch` on a simulated clock: what grows with the watch's age, measured at its start and end.
+
+A synthetic vLLM-shaped counter source (two models, K = 15, 100 drafts per model per poll) is polled
+every 30 simulated seconds through the real WatchSession (judge, alarms, run directory), for
+``--hours`` (default 24: 2880 polls). After the first hour and at the end it prints the Python heap
+in use (tracemalloc), the run directory's bytes and the seconds one poll takes, and the end/start
+ratios. Flat state means ratios near 1. Not a test, nothing asserts.
+
+    python benchmarks/watch_soak.py [--hours 24] [--interval-s 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+import tracemalloc
+from pathlib import Path
+
+from dflash_doctor.telemetry.counts import SeriesKey, SpecCounts
+from dflash_doctor.telemetry.observation import Observation
+from dflash_doctor.telemetry.session import WatchSession
+from dflash_doctor.telemetry.settings import WatchSettings
+
+K = 15
+RATES = tuple(0.8 ** (i + 1) for i in range(K))  # survival per position: tau = 1 + sum = 4.45
+
+
+class SyntheticCounters:
+    """Cumulative vLLM counters of two served models, growing by 100 drafts per model per poll."""
+
+    name = "synthetic /metrics"
+    engine = "vllm"
+
+    def __init__(self) -> None:
+        self.notes: list[str] = []
+        self.polls = 0
+
+    def poll(self) -> list[Observation]:
+        self.polls += 1
+        n = 100.0 * self.polls
+        per_pos = tuple(round(r * n) for r in RATES)
+        counts = SpecCounts(num_drafts=n, num_draft_tokens=K * n, num_accepted_tokens=float(sum(per_pos)),
+                            num_accepted_tokens_per_pos=per_pos, num_generated_tokens=n + sum(per_pos))
+        return [Observation(SeriesKey(model), counts, cumulative=True) for model in ("qwen3-8b", "llama-3.1-8b")]
+
+
+def directory_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hours", type=float, default=24.0)
+    parser.add_argument("--interval-s", type=float, default=30.0)
+    args = parser.parse_args()
+    polls = int(args.hours * 3600 / args.interval_s)
+    hour = int(3600 / args.interval_s)
+    with tempfile.TemporaryDirectory() as tmp:
+        run_dir = Path(tmp) / "watch"
+        session = WatchSession([SyntheticCounters()], WatchSettings(window_s=300.0, interval_s=args.interval_s), run_dir=run_dir, config={})
+        tracemalloc.start()
+        clock = 1_800_000_000.0
+        session.start(clock)
+        marks: dict[str, tuple[float, int, float]] = {}
+        for i in range(1, polls + 1):
+            clock += args.interval_s
+            started = time.perf_counter()
+            session.step(clock)
+            seconds = time.perf_counter() - started
+            if i in (hour, polls):
+                marks["first hour" if i == hour else f"after {args.hours:g} h"] = (tracemalloc.get_traced_memory()[0] / 2**20, directory_bytes(run_dir), seconds)
+        print(f"{polls} polls every {args.interval_s:g} s (simulated), 2 models, K={K}")
+        print(f"{'':>14} {'heap MiB':>9} {'run dir KiB':>12} {'s per poll':>11}")
+        for name, (heap, disk, seconds) in marks.items():
+            print(f"{name:>14} {heap:9.2f} {disk / 1024:12.1f} {seconds:11.4f}")
+        (h0, d0, s0), (h1, d1, s1) = marks.values()
+        print(f"{'end / start':>14} {h1 / h0:9.2f} {d1 / d0:12.2f} {s1 / s0:11.2f}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
