@@ -1,4 +1,4 @@
-"""Load a target and a draft, from a local directory, a hub id (resolved from the local HF cache) or a GGUF file.
+"""Load a target and a draft, from a local directory, a hub id (``org/name[@revision]``, resolved from the local HF cache) or a GGUF file.
 
 * GGUF files are converted ONCE into a safetensors directory under the user cache, keyed by the file's
   SHA-256, so the second load takes about a second instead of tens of seconds.
@@ -103,22 +103,35 @@ def _convert_gguf(gguf_path: Path) -> Path:
     return target_dir
 
 
-def _hub_snapshot(repo_id: str) -> Path:
-    """Resolve a hub id from the local Hugging Face cache only (this tool never downloads weights)."""
+def _hub_snapshot(spec: str) -> Path:
+    """Resolve ``org/name`` or ``org/name@revision`` (a branch, tag or commit) from the local Hugging Face
+    cache only: this tool never downloads weights, so the fix it names is the hub's own ``hf download``."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
+    repo_id, _, revision = spec.partition("@")
     try:
-        return Path(snapshot_download(repo_id, local_files_only=True))
+        return Path(snapshot_download(repo_id, revision=revision or None, local_files_only=True))
     except (LocalEntryNotFoundError, OSError, ValueError):
+        download = f"hf download {repo_id}" + (f" --revision {revision}" if revision else "")
         raise UsageError(
-            f"model {repo_id!r} is neither a local path nor in the Hugging Face cache; download it first "
-            f"(`huggingface-cli download {repo_id}`) or pass a local directory or .gguf file."
+            f"model {spec!r} is neither a local path nor in the Hugging Face cache; download it first "
+            f"(`{download}`) or pass a local directory or .gguf file."
         ) from None
 
 
+def hub_commit(model_dir: Path) -> str | None:
+    """The commit a hub snapshot was taken at, for a folder in the Hugging Face cache
+    (``models--org--name/snapshots/<commit>``, where :func:`_hub_snapshot` resolves ids); None elsewhere.
+    Recorded in run.json beside the file hash, so a run names the exact upstream revision it used."""
+    if model_dir.parent.name == "snapshots" and model_dir.parent.parent.name.startswith("models--"):
+        return model_dir.name
+    return None
+
+
 def resolve_model_dir(spec: str) -> Path:
-    """A local directory holding ``config.json`` for a model given as directory, .gguf file or hub id."""
+    """A local directory holding ``config.json`` for a model given as directory, .gguf file or hub id
+    (``org/name``, optionally ``@revision``)."""
     path = Path(spec).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
@@ -128,9 +141,9 @@ def resolve_model_dir(spec: str) -> Path:
         if not path.is_dir() or not (path / "config.json").is_file():
             raise UsageError(f"{path} is not a model directory (no config.json); pass a folder with config.json and weights.")
         return path
-    if spec.count("/") == 1 and not spec.startswith((".", "/")):
+    if spec.partition("@")[0].count("/") == 1 and not spec.startswith((".", "/")):
         return _hub_snapshot(spec)
-    raise UsageError(f"model {spec!r} does not exist; pass a local directory, a .gguf file or a hub id (org/name).")
+    raise UsageError(f"model {spec!r} does not exist; pass a local directory, a .gguf file or a hub id (org/name or org/name@revision).")
 
 
 def read_config(model_dir: Path) -> dict[str, Any]:

@@ -8,39 +8,55 @@ import pytest
 from dflash_doctor import loading
 from dflash_doctor.draft_kinds import detect_draft_kind
 from dflash_doctor.errors import UsageError
+from tests.hub_cache import hub_snapshot, offline_hub_cache
 
 
-def _fake_hub_cache(root, repo_id, files):
-    """The layout huggingface_hub writes: models--org--name/{refs/main, snapshots/<rev>/...}."""
-    repo = root / f"models--{repo_id.replace('/', '--')}"
-    snapshot = repo / "snapshots" / "0123456789abcdef0123456789abcdef01234567"
-    snapshot.mkdir(parents=True)
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text("0123456789abcdef0123456789abcdef01234567")
-    for name, text in files.items():
-        (snapshot / name).write_text(text)
-    return snapshot
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+OLDER_COMMIT = "89abcdef0123456789abcdef0123456789abcdef"
 
 
 def test_hub_id_resolves_from_the_local_cache_without_network(tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
-    import huggingface_hub.constants as constants
-
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    snapshot = _fake_hub_cache(tmp_path, "z-lab/tiny-DFlash", {"config.json": json.dumps({"dflash_config": {}})})
+    offline_hub_cache(monkeypatch, tmp_path)
+    snapshot = hub_snapshot(tmp_path, "z-lab/tiny-DFlash", COMMIT, {"config.json": json.dumps({"dflash_config": {}})})
     assert loading.resolve_model_dir("z-lab/tiny-DFlash") == snapshot
     assert detect_draft_kind(loading.read_config(snapshot)).name == "dflash"
+    assert loading.hub_commit(snapshot) == COMMIT
 
 
-def test_unknown_hub_id_names_the_download_command(tmp_path, monkeypatch):
-    import huggingface_hub.constants as constants
+def test_hub_id_at_a_revision_resolves_that_snapshot_by_tag_or_commit(tmp_path, monkeypatch):
+    offline_hub_cache(monkeypatch, tmp_path)
+    latest = hub_snapshot(tmp_path, "org/model", COMMIT, {"config.json": "{}"})
+    tagged = hub_snapshot(tmp_path, "org/model", OLDER_COMMIT, {"config.json": "{}"}, refs=("v1.0",))
+    assert loading.resolve_model_dir("org/model") == latest
+    assert loading.resolve_model_dir("org/model@v1.0") == tagged
+    assert loading.resolve_model_dir(f"org/model@{OLDER_COMMIT}") == tagged
+    assert loading.hub_commit(loading.resolve_model_dir("org/model@v1.0")) == OLDER_COMMIT
 
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    with pytest.raises(UsageError, match="huggingface-cli download org/missing"):
+
+def test_a_local_folder_is_no_hub_snapshot(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    assert loading.hub_commit(loading.resolve_model_dir(str(tmp_path))) is None
+
+
+def test_unknown_hub_id_names_the_hf_download_command(tmp_path, monkeypatch):
+    offline_hub_cache(monkeypatch, tmp_path)
+    with pytest.raises(UsageError, match=r"\(`hf download org/missing`\)"):
         loading.resolve_model_dir("org/missing")
+
+
+def test_a_revision_missing_from_the_cache_names_the_download_of_that_revision(tmp_path, monkeypatch):
+    offline_hub_cache(monkeypatch, tmp_path)
+    hub_snapshot(tmp_path, "org/model", COMMIT, {"config.json": "{}"})
+    with pytest.raises(UsageError, match=r"'org/model@v2'.*`hf download org/model --revision v2`"):
+        loading.resolve_model_dir("org/model@v2")
+
+
+def test_the_suggested_download_command_exists_in_the_installed_huggingface_hub():
+    """The hint is only useful if the command it names is installed beside this tool (huggingface_hub's
+    console scripts: ``hf`` replaced ``huggingface-cli``)."""
+    from importlib.metadata import entry_points
+
+    assert "hf" in {script.name for script in entry_points(group="console_scripts") if script.value.startswith("huggingface_hub")}
 
 
 def test_gguf_is_converted_once_and_then_read_from_the_cache(tmp_path, monkeypatch):
