@@ -162,6 +162,16 @@ def test_plotly_cdn_links_plotly_js_instead_of_embedding_it(fixture_run, tmp_pat
     assert cdn.count("Plotly.newPlot(") == inline.count("Plotly.newPlot(") > 0  # the same charts either way
 
 
+def test_plotly_source_is_a_doctor_toml_key_validated_before_any_work(tmp_path):
+    from dflash_doctor.config import build_config
+
+    toml = tmp_path / "doctor.toml"
+    toml.write_text('plotly = "cdn"\n')
+    assert build_config(toml).plotly == "cdn" and build_config(toml, plotly="inline").plotly == "inline"
+    with pytest.raises(UsageError, match="--plotly 'web' is not a plotly.js source; use inline or cdn."):
+        build_config(plotly="web")
+
+
 def test_parse_formats_accepts_lists_and_refuses_unknown_names():
     assert parse_formats("md, html,md") == ("md", "html")
     with pytest.raises(UsageError, match="--format pdf"):
