@@ -211,11 +211,11 @@ def rope_type(scaling: dict[str, Any] | None) -> str:
     return scaling.get("rope_type", scaling.get("type", "default"))
 
 
-def scaled_rope_parameters(cfg: DFlashConfig, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies and attention factor of a scaled RoPE (linear, llama3, yarn, dynamic, longrope...)
-    from transformers' own ``ROPE_INIT_FUNCTIONS``, given the draft's config as a Qwen3 config: what the
-    official DFlash module (a transformers ``Qwen3RotaryEmbedding``) computes, yarn's attention factor
-    included. ``seq_len``: the longest position + 1 of the pass, for :data:`LENGTH_DEPENDENT_ROPE`."""
+def scaled_rope_config(cfg: DFlashConfig):
+    """The draft's config as the transformers Qwen3 config its scaled RoPE (linear, llama3, yarn, dynamic,
+    longrope...) is computed from, by transformers' own ``ROPE_INIT_FUNCTIONS``: what the official DFlash
+    module (a transformers ``Qwen3RotaryEmbedding``) computes, yarn's attention factor included. Built once
+    per draft; a type, key or setting the draft cannot apply is refused here, by name."""
     from transformers import Qwen3Config
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -229,14 +229,21 @@ def scaled_rope_parameters(cfg: DFlashConfig, seq_len: int | None = None) -> tup
                          "rotates whole heads, as Qwen3); remove it or set it to 1.0.")
     scaling.pop("type", None)
     try:
-        qwen3 = Qwen3Config(
+        return Qwen3Config(
             hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads, head_dim=cfg.head_dim,
             max_position_embeddings=cfg.max_position_embeddings,
             rope_parameters={**scaling, "rope_type": kind, "rope_theta": cfg.rope_theta},
         )
-        return ROPE_INIT_FUNCTIONS[kind](qwen3, None, seq_len=seq_len)
     except KeyError as exc:  # transformers' validation names the missing keys
         raise UsageError(f"the draft config's rope_scaling is incomplete ({exc.args[0]}); copy the target's rope_scaling into it.") from None
+
+
+def scaled_rope_parameters(rope_config, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and attention factor for :func:`scaled_rope_config`'s config; ``seq_len``: the
+    longest position + 1 of the pass, for :data:`LENGTH_DEPENDENT_ROPE`."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    return ROPE_INIT_FUNCTIONS[rope_config.rope_parameters["rope_type"]](rope_config, None, seq_len=seq_len)
 
 
 def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype,
@@ -371,10 +378,11 @@ class DFlashDraftModel(nn.Module):
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.layers = nn.ModuleList([DFlashLayer(cfg) for _ in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        if rope_type(cfg.rope_scaling) == "default":
+        self.rope_config = None if rope_type(cfg.rope_scaling) == "default" else scaled_rope_config(cfg)
+        if self.rope_config is None:
             inv_freq, self.rope_attention_factor = rope_inverse_frequencies(cfg.head_dim, cfg.rope_theta), 1.0
         else:
-            inv_freq, self.rope_attention_factor = scaled_rope_parameters(cfg)
+            inv_freq, self.rope_attention_factor = scaled_rope_parameters(self.rope_config)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -383,8 +391,8 @@ class DFlashDraftModel(nn.Module):
         (without its cache that keeps the longest length seen, so the tables depend on the positions only);
         rows rotated in an earlier pass keep their rotation, as a KV cache does."""
         inv_freq = self.inv_freq
-        if rope_type(self.config.rope_scaling) in LENGTH_DEPENDENT_ROPE and positions.numel():
-            inv_freq = scaled_rope_parameters(self.config, seq_len=int(positions.max()) + 1)[0]
+        if self.rope_config is not None and rope_type(self.config.rope_scaling) in LENGTH_DEPENDENT_ROPE and positions.numel():
+            inv_freq = scaled_rope_parameters(self.rope_config, seq_len=int(positions.max()) + 1)[0]
         return rope_tables(positions, inv_freq, dtype, self.rope_attention_factor)
 
     @property
