@@ -24,6 +24,7 @@ from dflash_doctor.metrics import NUM_BOOTSTRAP_RESAMPLES, OVERALL, bootstrap_ra
 from dflash_doctor.record import Recommendation, RunRecord, Summary, Sweep
 from dflash_doctor.schema import RUN_JSON, TABLES, read_run_meta, run_data_files
 from dflash_doctor.status import STATUS_RANK, VERDICT_NONE, CheckResult, overall_status, status_counts
+from dflash_doctor.telemetry.record import UNITS_FILE, WINDOWS_FILE
 
 if TYPE_CHECKING:
     from pandas.io.formats.style_render import ExtFormatter
@@ -31,7 +32,9 @@ if TYPE_CHECKING:
 # Folder depth searched below RUNS_DIR: runs/<name>/run.json and runs/<group>/<name>/run.json.
 MAX_RUN_SEARCH_DEPTH = 2
 # Files a run directory may hold; an upload is reduced to exactly these (anything else is ignored).
-RUN_FILE_NAMES = (RUN_JSON, *(f"{name}.parquet" for name in TABLES))
+# A watch run adds its time series (windows) and raw counts (units): the Production page and a canary
+# compare read them.
+RUN_FILE_NAMES = (RUN_JSON, *(f"{name}.parquet" for name in TABLES), WINDOWS_FILE, UNITS_FILE)
 # A zip that inflates past this is refused rather than filling the disk (zip bomb guard).
 MAX_UPLOAD_INFLATED_BYTES = 2 * 1024**3
 # Prompt-length buckets for the class filter: lower edges in prompt tokens.

@@ -29,7 +29,7 @@ import pandas as pd
 from dflash_doctor import deviations, figures
 from dflash_doctor.metrics import NUM_BOOTSTRAP_RESAMPLES, OVERALL, RequestCounters, group_rng, interval, summarize, summary_group, truncate_steps
 from dflash_doctor.record import Summary
-from dflash_doctor.report.html import figure_html, plotly_js
+from dflash_doctor.report.html import figure_html, plotly_script
 from dflash_doctor.report.templating import html_env, markdown_env
 from dflash_doctor.schema import Run, load_run
 
@@ -271,24 +271,25 @@ def render_compare_markdown(comparison: Comparison) -> str:
     return markdown_env().get_template("compare.md").render(**_template_context(comparison)).rstrip("\n") + "\n"
 
 
-def render_compare_html(comparison: Comparison) -> str:
-    """compare.html: the same tables plus BASE-vs-NEW charts, self-contained like report.html."""
+def render_compare_html(comparison: Comparison, plotly: str = "inline") -> str:
+    """compare.html: the same tables plus BASE-vs-NEW charts, self-contained like report.html (``plotly``:
+    where it loads plotly.js from, as report.html)."""
     context = _template_context(comparison)
     rows = context["tau_rows"] + context["rate_rows"]
     charts = [
         figure_html(figures.compare_tau_figure(rows), "chart-compare-tau"),
         figure_html(figures.compare_rates_figure(rows), "chart-compare-rates"),
     ]
-    return html_env().get_template("compare.html").render(charts=charts, plotly_js=plotly_js(), **context)
+    return html_env().get_template("compare.html").render(charts=charts, plotly_script=plotly_script(plotly), **context)
 
 
-def write_compare_reports(comparison: Comparison, out_dir: Path | str) -> list[Path]:
+def write_compare_reports(comparison: Comparison, out_dir: Path | str, plotly: str = "inline") -> list[Path]:
     """Write compare.html and compare.md into ``out_dir``; returns their paths."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    for kind, render in (("html", render_compare_html), ("md", render_compare_markdown)):
+    for kind, text in (("html", render_compare_html(comparison, plotly)), ("md", render_compare_markdown(comparison))):
         path = out_dir / COMPARE_FILENAMES[kind]
-        path.write_text(render(comparison), encoding="utf-8")
+        path.write_text(text, encoding="utf-8")
         written.append(path)
     return written

@@ -75,6 +75,7 @@ class DoctorConfig:
     thresholds: dict[str, Any] = field(default_factory=dict)
     checks: dict[str, dict[str, Any]] = field(default_factory=dict)  # per-check parameters
     watch: dict[str, Any] = field(default_factory=dict)  # `watch` settings: window, baseline, thresholds (telemetry/settings.py)
+    plotly: str = "inline"  # where report.html loads plotly.js from: inline (offline) | cdn (small CI artefacts)
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -139,5 +140,8 @@ def _validate(config: DoctorConfig) -> None:
         load_cost_profile(config.cost_profile)  # a profile that does not parse fails before any model work
     if config.end_of_request not in ("vllm", "official"):
         raise UsageError(f"end_of_request {config.end_of_request!r} is not one of vllm, official; pick the loop you model.")
+    from dflash_doctor.report.html import parse_plotly_source
+
+    parse_plotly_source(config.plotly)
     if config.dtype not in ("float32", "bfloat16", "float16"):
         raise UsageError(f"--dtype {config.dtype!r} is not one of float32, bfloat16, float16; pick one.")

@@ -1,7 +1,8 @@
-"""Load a target and a draft, from a local directory, a hub id (resolved from the local HF cache) or a GGUF file.
+"""Load a target and a draft, from a local directory, a hub id (``org/name[@revision]``, resolved from the local HF cache) or a GGUF file.
 
 * GGUF files are converted ONCE into a safetensors directory under the user cache, keyed by the file's
-  SHA-256, so the second load takes about a second instead of tens of seconds.
+  size, mtime and head and tail bytes (:func:`gguf_cache_key`), under a file lock, so the second load takes
+  about a second instead of tens of seconds.
 * DFlash drafts load into our own module (:mod:`dflash_doctor.engine.dflash_model`) from
   ``config.json`` + safetensors; nothing from the checkpoint's ``auto_map`` is executed.
 * Remote code runs only with ``trust_remote_code=True`` (the ``--trust-remote-code`` flag).
@@ -46,12 +47,25 @@ def torch_dtype(name: str) -> torch.dtype:
     return _DTYPES[name]
 
 
-def file_sha256(path: Path, chunk_bytes: int = 1 << 22) -> str:
-    digest = hashlib.sha256()
+def _update_with_head_and_tail(digest, path: Path, size: int, span_bytes: int = 1 << 20) -> None:
+    """Feed the first and last ``span_bytes`` of a file into ``digest``: where a model file's header (tensor
+    names, shapes, metadata) and last tensors live, read in milliseconds even for a multi-GB file."""
     with path.open("rb") as handle:
-        while chunk := handle.read(chunk_bytes):
-            digest.update(chunk)
-    return digest.hexdigest()
+        digest.update(handle.read(span_bytes))
+        handle.seek(max(0, size - span_bytes))
+        digest.update(handle.read(span_bytes))
+
+
+def gguf_cache_key(gguf_path: Path) -> str:
+    """The conversion cache's key for a GGUF file: its size, modification time and head and tail bytes.
+
+    A full SHA-256 of the file on every load cost seconds per GB before any work started; a changed file
+    (a new quantisation, a fine-tune, a re-download) changes the size, the header or at least the mtime.
+    """
+    stat = gguf_path.stat()
+    digest = hashlib.sha256(f"{stat.st_size}:{stat.st_mtime_ns}".encode())
+    _update_with_head_and_tail(digest, gguf_path, stat.st_size)
+    return digest.hexdigest()[:20]
 
 
 def demo_target_path() -> Path:
@@ -73,10 +87,40 @@ def demo_target_path() -> Path:
 
 
 def _convert_gguf(gguf_path: Path) -> Path:
-    """Dequantise a GGUF model into a cached HF directory (model + tokenizer), once per file hash."""
-    target_dir = cache_dir() / "gguf" / file_sha256(gguf_path)[:20]
-    if (target_dir / "config.json").is_file() and (target_dir / ".complete").is_file():
+    """The cached HF directory (model + tokenizer) of a GGUF file, converted on first use.
+
+    Several processes may ask at once (the ranks of ``--devices``, two terminals): the first converts
+    under a file lock while the others wait for it and then read its result, so no two write into the
+    same temporary folder. A complete entry is read without taking the lock.
+    """
+    from filelock import FileLock
+
+    target_dir = cache_dir() / "gguf" / gguf_cache_key(gguf_path)
+    if _is_complete(target_dir):
         return target_dir
+    target_dir.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(target_dir.with_name(target_dir.name + ".lock")):
+        if _is_complete(target_dir):  # converted by the process we waited for
+            return target_dir
+        import shutil
+
+        tmp = target_dir.with_name(target_dir.name + ".tmp")
+        for leftover in (tmp, target_dir):  # from a process killed mid-way
+            if leftover.exists():
+                shutil.rmtree(leftover)
+        _dequantise_gguf(gguf_path, tmp)
+        (tmp / "source.json").write_text(json.dumps({"gguf": str(gguf_path), "cache_key": target_dir.name}), encoding="utf-8")
+        (tmp / ".complete").touch()
+        tmp.replace(target_dir)
+    return target_dir
+
+
+def _is_complete(converted_dir: Path) -> bool:
+    return (converted_dir / "config.json").is_file() and (converted_dir / ".complete").is_file()
+
+
+def _dequantise_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Read a GGUF model and its tokenizer with transformers and save them as float32 safetensors in ``out_dir``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
@@ -90,35 +134,39 @@ def _convert_gguf(gguf_path: Path) -> Path:
     model.hf_quantizer = None  # pyright: ignore[reportArgumentType]
     if hasattr(model.config, "quantization_config"):
         delattr(model.config, "quantization_config")  # present on quantised configs only
-    tmp = target_dir.with_name(target_dir.name + ".tmp")
-    model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    (tmp / "source.json").write_text(json.dumps({"gguf": str(gguf_path), "sha256": file_sha256(gguf_path)}), encoding="utf-8")
-    (tmp / ".complete").touch()
-    if target_dir.exists():
-        import shutil
-
-        shutil.rmtree(target_dir)
-    tmp.replace(target_dir)
-    return target_dir
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
 
 
-def _hub_snapshot(repo_id: str) -> Path:
-    """Resolve a hub id from the local Hugging Face cache only (this tool never downloads weights)."""
+def _hub_snapshot(spec: str) -> Path:
+    """Resolve ``org/name`` or ``org/name@revision`` (a branch, tag or commit) from the local Hugging Face
+    cache only: this tool never downloads weights, so the fix it names is the hub's own ``hf download``."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
+    repo_id, _, revision = spec.partition("@")
     try:
-        return Path(snapshot_download(repo_id, local_files_only=True))
+        return Path(snapshot_download(repo_id, revision=revision or None, local_files_only=True))
     except (LocalEntryNotFoundError, OSError, ValueError):
+        download = f"hf download {repo_id}" + (f" --revision {revision}" if revision else "")
         raise UsageError(
-            f"model {repo_id!r} is neither a local path nor in the Hugging Face cache; download it first "
-            f"(`huggingface-cli download {repo_id}`) or pass a local directory or .gguf file."
+            f"model {spec!r} is neither a local path nor in the Hugging Face cache; download it first "
+            f"(`{download}`) or pass a local directory or .gguf file."
         ) from None
 
 
+def hub_commit(model_dir: Path) -> str | None:
+    """The commit a hub snapshot was taken at, for a folder in the Hugging Face cache
+    (``models--org--name/snapshots/<commit>``, where :func:`_hub_snapshot` resolves ids); None elsewhere.
+    Recorded in run.json beside the file hash, so a run names the exact upstream revision it used."""
+    if model_dir.parent.name == "snapshots" and model_dir.parent.parent.name.startswith("models--"):
+        return model_dir.name
+    return None
+
+
 def resolve_model_dir(spec: str) -> Path:
-    """A local directory holding ``config.json`` for a model given as directory, .gguf file or hub id."""
+    """A local directory holding ``config.json`` for a model given as directory, .gguf file or hub id
+    (``org/name``, optionally ``@revision``)."""
     path = Path(spec).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
@@ -128,9 +176,9 @@ def resolve_model_dir(spec: str) -> Path:
         if not path.is_dir() or not (path / "config.json").is_file():
             raise UsageError(f"{path} is not a model directory (no config.json); pass a folder with config.json and weights.")
         return path
-    if spec.count("/") == 1 and not spec.startswith((".", "/")):
+    if spec.partition("@")[0].count("/") == 1 and not spec.startswith((".", "/")):
         return _hub_snapshot(spec)
-    raise UsageError(f"model {spec!r} does not exist; pass a local directory, a .gguf file or a hub id (org/name).")
+    raise UsageError(f"model {spec!r} does not exist; pass a local directory, a .gguf file or a hub id (org/name or org/name@revision).")
 
 
 def read_config(model_dir: Path) -> dict[str, Any]:
@@ -155,10 +203,7 @@ def fingerprint(model_dir: Path) -> str:
     for weight in sorted(model_dir.glob("*.safetensors")) + sorted(model_dir.glob("*.bin")):
         size = weight.stat().st_size
         digest.update(f"{weight.name}:{size}".encode())
-        with weight.open("rb") as handle:
-            digest.update(handle.read(1 << 20))
-            handle.seek(max(0, size - (1 << 20)))
-            digest.update(handle.read(1 << 20))
+        _update_with_head_and_tail(digest, weight, size)
     return digest.hexdigest()[:16]
 
 

@@ -27,6 +27,7 @@ from dflash_doctor.loading import (
     DEMO_DRAFT_DIR,
     demo_target_path,
     fingerprint,
+    hub_commit,
     load_causal_lm,
     read_config,
     resolve_model_dir,
@@ -175,7 +176,8 @@ def load_pair(config: DoctorConfig) -> Pair:
     target = TargetModel(target_model)
     sampling = Sampling(temperature=config.temperature, draft_sample_method=draft_sample_method(config))
     target_info = ModelInfo(
-        id=target_spec, revision_or_hash=fingerprint(target_dir), dtype=config.dtype, device=config.device, kind="target",
+        id=target_spec, revision_or_hash=fingerprint(target_dir), hub_commit=hub_commit(target_dir), dtype=config.dtype,
+        device=config.device, kind="target",
         facts={
             "num_layers": target_model.config.num_hidden_layers,
             "hidden_size": target_model.config.hidden_size,
@@ -184,7 +186,8 @@ def load_pair(config: DoctorConfig) -> Pair:
         },
     )
     draft_info = ModelInfo(
-        id=draft_spec, revision_or_hash=fingerprint(draft_dir), dtype=config.dtype, device=draft_device, kind=kind.name,
+        id=draft_spec, revision_or_hash=fingerprint(draft_dir), hub_commit=hub_commit(draft_dir), dtype=config.dtype,
+        device=draft_device, kind=kind.name,
         facts={**kind.facts(draft_model), "draft_sample_method": sampling.draft_sample_method},
     )
     return Pair(

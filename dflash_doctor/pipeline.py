@@ -175,7 +175,7 @@ def run_check(config: DoctorConfig, *, scenario=None, only: Sequence[str] = (), 
     tokens = TABLES["tokens"]  # token rows are never held in memory: the report's token viewer reads them back
     run = Run(run_dir, record, replay.requests_frame(), replay.steps_frame(), _read_table(run_dir, "tokens", tokens))
     analysis = deviations.analyze_run(run)  # once: every report format and the terminal show it
-    render_reports(run, analysis=analysis)
+    render_reports(run, analysis=analysis, plotly=config.plotly)
     return Outcome(run_dir, record, analysis)
 
 

@@ -59,13 +59,15 @@ class RunMeta:
 class ModelInfo:
     """One model of the pair: identity, how it was loaded, and kind-specific ``facts`` (layer counts,
     block size, target layer ids...) declared by the draft-kind registry. ``facts`` is stored flat
-    next to the identity fields in run.json."""
+    next to the identity fields in run.json. ``hub_commit`` is the Hugging Face snapshot's commit when
+    the model came from the hub cache (``org/name[@revision]``), beside the file hash; None otherwise."""
 
     id: str
     revision_or_hash: str
     dtype: str
     device: str
     kind: str  # "target", or the draft's kind
+    hub_commit: str | None = None
     facts: dict[str, Any] = field(default_factory=dict)
 
     def fields(self) -> dict[str, Any]:

@@ -21,7 +21,6 @@ draft logits. :mod:`dflash_doctor.engine.dflash2_model` adds the DFlash 2 convol
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence, cast
 
@@ -194,36 +193,71 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
 
 
-def rope_inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
-    """Inverse frequencies for RoPE with the ``rope_scaling`` types drafts use (default, linear, llama3)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+def rope_inverse_frequencies(head_dim: int, theta: float) -> torch.Tensor:
+    """Inverse frequencies of plain RoPE (no ``rope_scaling``), computed in float64 as the official code's
+    checkpoints were proven against (tests/test_dflash_oracle.py)."""
+    return (1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))).float()
+
+
+#: Scaled RoPE types whose frequencies depend on the longest position of a pass (transformers'
+#: ``dynamic_rope_update``: dynamic NTK stretches the base, longrope switches to its long factors past
+#: ``original_max_position_embeddings``).
+LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+def rope_type(scaling: dict[str, Any] | None) -> str:
+    """The ``rope_scaling`` type (``default`` when there is none); older configs name it ``type``."""
     scaling = scaling or {}
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind == "default":
-        return inv_freq.float()
-    if kind == "linear":
-        return (inv_freq / float(scaling["factor"])).float()
-    if kind == "llama3":
-        factor = float(scaling["factor"])
-        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
-        old_len = float(scaling["original_max_position_embeddings"])
-        wavelen = 2 * math.pi / inv_freq
-        smooth = (old_len / wavelen - low) / (high - low)
-        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-        mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
-        blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
-        return torch.where(mid, blended, scaled).float()
-    raise UsageError(f"rope_scaling type {kind!r} in the draft config is not supported; use default, linear or llama3.")
+    return scaling.get("rope_type", scaling.get("type", "default"))
 
 
-def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def scaled_rope_config(cfg: DFlashConfig):
+    """The draft's config as the transformers Qwen3 config its scaled RoPE (linear, llama3, yarn, dynamic,
+    longrope...) is computed from, by transformers' own ``ROPE_INIT_FUNCTIONS``: what the official DFlash
+    module (a transformers ``Qwen3RotaryEmbedding``) computes, yarn's attention factor included. Built once
+    per draft; a type, key or setting the draft cannot apply is refused here, by name."""
+    from transformers import Qwen3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    scaling = dict(cfg.rope_scaling or {})
+    kind = rope_type(scaling)
+    if kind not in ROPE_INIT_FUNCTIONS:
+        raise UsageError(f"rope_scaling type {kind!r} in the draft config is not supported; use one of default, "
+                         f"{', '.join(ROPE_INIT_FUNCTIONS)} (transformers' RoPE types).")
+    if scaling.get("partial_rotary_factor", 1.0) != 1.0:
+        raise UsageError("rope_scaling.partial_rotary_factor in the draft config is not supported (a DFlash draft "
+                         "rotates whole heads, as Qwen3); remove it or set it to 1.0.")
+    scaling.pop("type", None)
+    try:
+        return Qwen3Config(
+            hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads, head_dim=cfg.head_dim,
+            max_position_embeddings=cfg.max_position_embeddings,
+            rope_parameters={**scaling, "rope_type": kind, "rope_theta": cfg.rope_theta},
+        )
+    except KeyError as exc:  # transformers' validation names the missing keys
+        raise UsageError(f"the draft config's rope_scaling is incomplete ({exc.args[0]}); copy the target's rope_scaling into it.") from None
+
+
+def scaled_rope_parameters(rope_config, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and attention factor for :func:`scaled_rope_config`'s config; ``seq_len``: the
+    longest position + 1 of the pass, for :data:`LENGTH_DEPENDENT_ROPE`."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    return ROPE_INIT_FUNCTIONS[rope_config.rope_parameters["rope_type"]](rope_config, None, seq_len=seq_len)
+
+
+def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype,
+                attention_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sign-folded sin [B, 1, S, D] for ``positions`` [B, S], computed once per pass for every layer.
 
     The half-split rotation is ``x * cos + cat(-x2, x1) * sin``; folding the sign into ``sin``
-    (``cat(-s, s)``) turns the rotated term into ``roll(x) * sin`` with the same values.
+    (``cat(-s, s)``) turns the rotated term into ``roll(x) * sin`` with the same values. A scaled RoPE's
+    ``attention_factor`` (yarn's mscale) multiplies both in float32, as transformers does.
     """
     angles = positions.to(torch.float32)[..., None] * inv_freq.to(positions.device)  # [B, S, D/2]
     cos, sin = angles.cos(), angles.sin()
+    if attention_factor != 1.0:
+        cos, sin = cos * attention_factor, sin * attention_factor
     return (torch.cat([cos, cos], dim=-1)[:, None].to(dtype), torch.cat([-sin, sin], dim=-1)[:, None].to(dtype))
 
 
@@ -344,9 +378,22 @@ class DFlashDraftModel(nn.Module):
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.layers = nn.ModuleList([DFlashLayer(cfg) for _ in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.register_buffer(
-            "inv_freq", rope_inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), persistent=False
-        )
+        self.rope_config = None if rope_type(cfg.rope_scaling) == "default" else scaled_rope_config(cfg)
+        if self.rope_config is None:
+            inv_freq, self.rope_attention_factor = rope_inverse_frequencies(cfg.head_dim, cfg.rope_theta), 1.0
+        else:
+            inv_freq, self.rope_attention_factor = scaled_rope_parameters(self.rope_config)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`rope_tables` for one pass at ``positions`` [B, S]. A length-dependent RoPE recomputes its
+        frequencies for the pass's longest position, as transformers' rotary embedding does per forward
+        (without its cache that keeps the longest length seen, so the tables depend on the positions only);
+        rows rotated in an earlier pass keep their rotation, as a KV cache does."""
+        inv_freq = self.inv_freq
+        if self.rope_config is not None and rope_type(self.config.rope_scaling) in LENGTH_DEPENDENT_ROPE and positions.numel():
+            inv_freq = scaled_rope_parameters(self.rope_config, seq_len=int(positions.max()) + 1)[0]
+        return rope_tables(positions, inv_freq, dtype, self.rope_attention_factor)
 
     @property
     def hidden_state_indices(self) -> tuple[int, ...]:
@@ -356,7 +403,7 @@ class DFlashDraftModel(nn.Module):
     def context_kv(self, target_features: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per-layer K/V of context rows: ``target_features`` [B, T, n*H] (concatenated taps) at ``positions`` [B, T]."""
         ctx = self.hidden_norm(self.fc(target_features))
-        rope = rope_tables(positions, self.inv_freq, ctx.dtype)
+        rope = self.rope(positions, ctx.dtype)
         layers = [cast(DFlashLayer, layer).self_attn for layer in self.layers]
         shared = None if self.context_k_norm_layer is None else layers[self.context_k_norm_layer].k_norm
         return [attn.project_kv(ctx, rope, shared) for attn in layers]
@@ -462,7 +509,7 @@ class DFlashDraftModel(nn.Module):
         masks = self.layer_masks(attn_mask, block_positions, key_positions)
         length = block_embeds.shape[1] if block_length is None else block_length
         x = block_embeds
-        rope = rope_tables(block_positions, self.inv_freq, x.dtype)
+        rope = self.rope(block_positions, x.dtype)
         for layer, kv, mask in zip(self.layers, ctx_kv, masks):
             x = layer(x, rope, kv, mask, length)
         return self.norm(x)

@@ -1,4 +1,5 @@
-"""Test helpers for watch: a small exporter serving captured real metric text, and the real Prometheus binary.
+"""Test helpers for watch: a small exporter serving captured real metric text, the real Prometheus binary,
+and watch run directories written through the real WatchRecord (:func:`write_watch`).
 
 The exporter is an HTTP server in a thread whose ``/metrics`` text the test swaps (scrape N returns
 capture N), or makes fail (HTTP 500) to simulate a scrape failing mid-watch. Prometheus (Debian's
@@ -8,6 +9,7 @@ stopped by its own process id.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -19,6 +21,10 @@ import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+from dflash_doctor.telemetry.counts import SeriesKey, SpecCounts
+from dflash_doctor.telemetry.record import WatchRecord
+from dflash_doctor.telemetry.verdict import Baseline, Judge, Thresholds
+from dflash_doctor.telemetry.watcher import Unit, Window
 from local_servers import free_port, wait_until_answering
 
 DATA = Path(__file__).parent / "data" / "telemetry"
@@ -121,3 +127,30 @@ class PrometheusServer:
                 return
             time.sleep(0.5)
         raise RuntimeError(f"prometheus never had {count} samples for {promql}")
+
+
+WATCH_K = 4  # draft tokens per step of the watches write_watch writes
+
+
+def unit_counts(drafts: int, rates: list[float], generated: float | None = None) -> SpecCounts:
+    """Counts of one scrape interval: ``drafts`` drafts of WATCH_K tokens, slot i accepted at ``rates[i]``."""
+    per_pos = tuple(float(round(r * drafts)) for r in rates)
+    return SpecCounts(num_drafts=float(drafts), num_draft_tokens=float(drafts * WATCH_K), num_accepted_tokens=float(sum(per_pos)),
+                      num_accepted_tokens_per_pos=per_pos, num_generated_tokens=generated if generated is not None else drafts + sum(per_pos))
+
+
+def write_watch(run_dir: Path, rates: list[float], *, baseline_tau: float | None = None, classes=("code", "chat"), num_units: int = 8) -> Path:
+    """A watch of ``num_units`` scrape intervals per class, one window per interval (live-watch shape)."""
+    thresholds = Thresholds(min_drafts=10)
+    judge = Judge(Baseline.fixed({"overall": baseline_tau}) if baseline_tau else None, thresholds, engine="vllm")
+    record = WatchRecord(run_dir, {"config": "test"}, {"sources": ["http://x/metrics"], "window_s": 60.0, "interval_s": 60.0,
+                                                       "baseline": "fixed", "thresholds": dataclasses.asdict(thresholds)})
+    for i in range(num_units):
+        verdicts, units = [], []
+        for cls in classes:
+            counts = unit_counts(200 + 10 * i, rates)
+            key = SeriesKey("m", cls)
+            units.append(Unit(key, 1_700_000_000.0 + 60 * i, counts, {}, "http://x/metrics"))
+            verdicts.append(judge.judge(Window(key, 1_700_000_000.0 + 60 * (i - 1), 1_700_000_000.0 + 60 * i, counts, [counts])))
+        record.update(verdicts, units, [], [])
+    return run_dir

@@ -24,6 +24,7 @@ from dflash_doctor.engine.target import TargetModel
 from dflash_doctor.draft_kinds import detect_draft_kind
 from dflash_doctor.loading import load_dflash_draft, read_config, save_dflash_draft
 from dflash_doctor.schema import load_run
+from tests.hub_cache import hub_snapshot, offline_hub_cache
 from tests.tiny_models import VOCAB, tiny_dflash, tiny_target
 
 CHATML = (
@@ -126,6 +127,21 @@ def edited_dflash(tiny_dir: Path, tmp_path: Path, **dflash_config) -> Path:
 
 # ----------------------------------------------------------------------------------------------------
 # Good input: run directories
+
+
+def test_hub_ids_at_a_revision_load_from_the_cache_and_run_json_records_the_snapshot_commits(tiny_dir, tmp_path, monkeypatch):
+    cache = offline_hub_cache(monkeypatch, tmp_path / "hub")
+    target_commit, draft_commit = "1" * 40, "2" * 40
+    hub_snapshot(cache, "org/tiny-target", target_commit, tiny_dir / "target", refs=("v1",))
+    hub_snapshot(cache, "org/tiny-dflash", draft_commit, tiny_dir / "dflash")
+    out = tmp_path / "run"
+    result = invoke("replay", "--target", "org/tiny-target@v1", "--draft", "org/tiny-dflash", "--workload", tiny_dir / "workload.jsonl",
+                    "--max-requests", "1", "--max-new-tokens", "10", "--k", "3", "--out", out)
+    assert result.exit_code == 0, result.output
+    models = json.loads((out / "run.json").read_text())["models"]
+    assert models["target"]["id"] == "org/tiny-target@v1" and models["target"]["hub_commit"] == target_commit
+    assert models["draft"]["hub_commit"] == draft_commit
+    assert models["draft"]["revision_or_hash"]  # the file hash stays beside the commit
 
 
 def test_replay_detects_dflash_and_writes_a_run_directory(tiny_dir, tmp_path):

@@ -6,6 +6,7 @@ Needs Debian's chromium at /usr/bin/chromium and the playwright Python package (
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -16,6 +17,7 @@ import pytest
 
 from fixture_runs import HOSTILE_TOKEN_TEXT, make_fixture_run
 from local_servers import free_port, wait_until_answering
+from telemetry_fixtures import write_watch
 
 pytestmark = pytest.mark.browser
 
@@ -43,6 +45,13 @@ def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("served")
     make_fixture_run(root / "a-base", seed=0, num_requests=12)
     make_fixture_run(root / "b-degraded", seed=1, num_requests=12, degrade=0.35)
+    with serving(root) as started:
+        yield started
+
+
+@contextlib.contextmanager
+def serving(root: Path):
+    """`dflash-doctor dashboard ROOT` on a free port: (url, process, log), stopped on exit."""
     port = free_port()
     log = root / "server.log"  # a file, not a pipe: a full pipe would stall the server mid-test
     process = subprocess.Popen(
@@ -54,9 +63,11 @@ def server(tmp_path_factory):
     if not_started is not None:
         os.killpg(process.pid, signal.SIGTERM)
         pytest.fail(f"dashboard did not start: {not_started}: {log.read_text()}")
-    yield url, process, log
-    os.killpg(process.pid, signal.SIGTERM)  # the CLI and its Streamlit child share this new session
-    process.wait(timeout=20)
+    try:
+        yield url, process, log
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)  # the CLI and its Streamlit child share this new session
+        process.wait(timeout=20)
 
 
 @pytest.fixture(scope="module")
@@ -130,3 +141,15 @@ def test_compare_page_highlights_the_regression(server, browser):
     assert banner.is_visible()
     assert "tau" in banner.inner_text() and "→" in banner.inner_text()
     page.close()
+
+
+def test_production_page_refreshes_while_the_watch_writes(browser, tmp_path):
+    """The page shows what the watch wrote after it was opened, with no reload and no click: only the
+    fragment's timer reruns it (Streamlit reruns nothing else when a data file changes)."""
+    watch = write_watch(tmp_path / "runs" / "watch", [0.6, 0.35, 0.2, 0.1], baseline_tau=3.0, num_units=2)
+    with serving(tmp_path / "runs") as (url, _, _):
+        page, dialogs = open_page(browser, url, "production", "4 alert(s)")
+        write_watch(watch, [0.6, 0.35, 0.2, 0.1], baseline_tau=3.0, num_units=5)  # the watch went on
+        page.get_by_text("10 alert(s)").first.wait_for(timeout=PAGE_TIMEOUT_MS)
+        assert page.locator('[data-testid="stException"]').count() == 0 and dialogs == []
+        page.close()

@@ -220,3 +220,64 @@ def test_probabilistic_drafts_run_through_rejection_sampling(pair, target):
         assert min(drafted) > 0
         runs.append(result.output_ids)
     assert runs[0] == runs[1] and len(runs[0]) == 20
+
+
+# ----------------------------------------------------------------------------------------------------
+# Scaled RoPE: the official module rotates with transformers' Qwen3RotaryEmbedding; ours takes the scaled
+# types from transformers' ROPE_INIT_FUNCTIONS and keeps its own proven path for plain RoPE.
+
+ORIGINAL_LENGTH = 16  # short enough that a prompt plus a block passes it
+ROPE_SCALINGS = {
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": ORIGINAL_LENGTH},
+    "dynamic": {"rope_type": "dynamic", "factor": 3.0},
+    "longrope": {"rope_type": "longrope", "short_factor": [1.0, 1.5, 2.0, 3.0], "long_factor": [2.0, 4.0, 8.0, 16.0],
+                 "original_max_position_embeddings": ORIGINAL_LENGTH},
+    "linear": {"rope_type": "linear", "factor": 2.0},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": ORIGINAL_LENGTH},
+}
+
+
+def _scaled_rope_pair(target, kind: str, tmp_path):
+    """An official full-attention draft whose config carries ``kind`` scaling, and ours loaded from its checkpoint."""
+    cfg = official_config(target, "full", block_size=BLOCK)
+    cfg.max_position_embeddings = ORIGINAL_LENGTH
+    cfg.rope_parameters = {**ROPE_SCALINGS[kind], "rope_theta": cfg.rope_parameters["rope_theta"]}
+    official_draft = official_model(cfg)
+    return official_draft, load_dflash_draft(save_official(official_draft, tmp_path))
+
+
+@pytest.mark.parametrize("kind", list(ROPE_SCALINGS))
+@torch.no_grad()
+def test_scaled_rope_tables_equal_transformers_qwen3_rotary_embedding(kind, target, tmp_path):
+    """cos and sin (attention factor included) for a pass inside the original length and one past it,
+    each against a fresh transformers rotary embedding (the official draft's) for the same config."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+    official_draft, ours = _scaled_rope_pair(target, kind, tmp_path)
+    half = ours.config.head_dim // 2
+    sign = torch.cat([-torch.ones(half), torch.ones(half)])
+    for positions in (torch.arange(0, 12)[None], torch.arange(12, 12 + BLOCK + 4)[None]):
+        cos, sin = Qwen3RotaryEmbedding(official_draft.config)(torch.zeros(1), positions)
+        our_cos, our_signed_sin = ours.rope(positions, torch.float32)
+        torch.testing.assert_close(our_cos[:, 0], cos, rtol=0, atol=1e-6)
+        torch.testing.assert_close(our_signed_sin[:, 0], sin * sign, rtol=0, atol=1e-6)
+    plain_cos, _ = Qwen3RotaryEmbedding(official_config(target, "full"))(torch.zeros(1), positions)
+    assert (cos - plain_cos).abs().max() > 1e-2  # the scaling changes the tables these positions get
+
+
+@pytest.mark.parametrize("kind", ["yarn", "linear", "llama3"])
+@torch.no_grad()
+def test_scaled_rope_draft_logits_equal_official(kind, target, tmp_path):
+    """Frequencies fixed by the config (yarn with its attention factor, linear, llama3): the draft's hidden
+    states and logits equal the official module's, for a block that ends past the original length."""
+    official_draft, ours = _scaled_rope_pair(target, kind, tmp_path)
+    prompt = PROMPTS[0]
+    assert len(prompt) + BLOCK > ORIGINAL_LENGTH
+    features, block, official_hidden, official_logits = _official_block(official_draft, target, prompt)
+    proposer = DFlashProposer(ours, TargetModel(target, ours.hidden_state_indices))
+    proposer.start(torch.tensor(prompt), features[0])
+    embeds = ours.embed_block(target.get_input_embeddings().weight, block[0])[None]
+    hidden = ours(embeds, torch.arange(len(prompt), len(prompt) + BLOCK)[None], proposer.ctx_kv, torch.arange(len(prompt))[None])
+    torch.testing.assert_close(hidden, official_hidden, rtol=0, atol=2e-5)
+    torch.testing.assert_close(ours.compute_logits(hidden, target.lm_head), official_logits, rtol=0, atol=1e-4)

@@ -111,10 +111,11 @@ def pair_dir(target, tmp_path_factory):
 def test_check_runs_end_to_end_on_variant_drafts(variant, pair_dir, tmp_path):
     out = tmp_path / "check"
     args = ["check", "--target", pair_dir / "target", "--draft", pair_dir / variant, "--workload", pair_dir / "workload.jsonl",
-            "--max-new-tokens", "10", "--k", "5", "--out", out]
+            "--max-new-tokens", "10", "--k", "5", "--plotly", "cdn", "--out", out]
     result = CliRunner().invoke(app, [str(a) for a in args])
     assert result.exit_code in (0, 1), result.output  # 1 = a check failed on random weights; never a crash or a refusal
     assert all((out / name).is_file() for name in ("report.html", "report.md", "report.json", "junit.xml"))
+    assert 'src="https://cdn.plot.ly/plotly-' in (out / "report.html").read_text()  # --plotly reaches check's report
     draft = json.loads((out / "run.json").read_text())["models"]["draft"]
     assert draft["architecture"] == ("DFlash2DraftModel" if variant == "dflash2" else "DFlashDraftModel")
     assert draft["causal_layers"] == ([True, False] if variant == "sliding" else [False, False])

@@ -144,6 +144,18 @@ def test_unknown_or_unmodelled_keys_are_refused_naming_the_key(zlab_dir, where, 
         normalise_draft_config(raw)
 
 
+@pytest.mark.parametrize("scaling, message", [
+    ({"rope_type": "spiral", "factor": 2.0}, "rope_scaling type 'spiral' in the draft config is not supported; use one of default, linear, dynamic, yarn"),
+    ({"rope_type": "yarn"}, r"rope_scaling is incomplete \(Missing required keys .*'yarn': \{'factor'\}\)"),
+    ({"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5}, "partial_rotary_factor .* is not supported"),
+])
+def test_a_rope_scaling_the_draft_cannot_apply_is_refused_naming_it(zlab_dir, tmp_path, scaling, message):
+    raw = json.loads((zlab_dir / "config.json").read_text())
+    raw["rope_parameters"] = {**scaling, "rope_theta": 10000.0}
+    with pytest.raises(UsageError, match=message):
+        load_dflash_draft(_rewrite(zlab_dir, tmp_path / "d", raw))
+
+
 def test_flat_tiny_draft_round_trips(target, tmp_path):
     draft = tiny_dflash(target, layer_types=["sliding_attention", "full_attention"], sliding_window=3)
     draft.config.is_causal = None

@@ -2,66 +2,131 @@
 
 import copy
 import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
 from dflash_doctor import loading
 from dflash_doctor.draft_kinds import detect_draft_kind
 from dflash_doctor.errors import UsageError
+from tests.hub_cache import hub_snapshot, offline_hub_cache
 
 
-def _fake_hub_cache(root, repo_id, files):
-    """The layout huggingface_hub writes: models--org--name/{refs/main, snapshots/<rev>/...}."""
-    repo = root / f"models--{repo_id.replace('/', '--')}"
-    snapshot = repo / "snapshots" / "0123456789abcdef0123456789abcdef01234567"
-    snapshot.mkdir(parents=True)
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text("0123456789abcdef0123456789abcdef01234567")
-    for name, text in files.items():
-        (snapshot / name).write_text(text)
-    return snapshot
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+OLDER_COMMIT = "89abcdef0123456789abcdef0123456789abcdef"
 
 
 def test_hub_id_resolves_from_the_local_cache_without_network(tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
-    import huggingface_hub.constants as constants
-
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    snapshot = _fake_hub_cache(tmp_path, "z-lab/tiny-DFlash", {"config.json": json.dumps({"dflash_config": {}})})
+    offline_hub_cache(monkeypatch, tmp_path)
+    snapshot = hub_snapshot(tmp_path, "z-lab/tiny-DFlash", COMMIT, {"config.json": json.dumps({"dflash_config": {}})})
     assert loading.resolve_model_dir("z-lab/tiny-DFlash") == snapshot
     assert detect_draft_kind(loading.read_config(snapshot)).name == "dflash"
+    assert loading.hub_commit(snapshot) == COMMIT
 
 
-def test_unknown_hub_id_names_the_download_command(tmp_path, monkeypatch):
-    import huggingface_hub.constants as constants
+def test_hub_id_at_a_revision_resolves_that_snapshot_by_tag_or_commit(tmp_path, monkeypatch):
+    offline_hub_cache(monkeypatch, tmp_path)
+    latest = hub_snapshot(tmp_path, "org/model", COMMIT, {"config.json": "{}"})
+    tagged = hub_snapshot(tmp_path, "org/model", OLDER_COMMIT, {"config.json": "{}"}, refs=("v1.0",))
+    assert loading.resolve_model_dir("org/model") == latest
+    assert loading.resolve_model_dir("org/model@v1.0") == tagged
+    assert loading.resolve_model_dir(f"org/model@{OLDER_COMMIT}") == tagged
+    assert loading.hub_commit(loading.resolve_model_dir("org/model@v1.0")) == OLDER_COMMIT
 
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    with pytest.raises(UsageError, match="huggingface-cli download org/missing"):
+
+def test_a_local_folder_is_no_hub_snapshot(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    assert loading.hub_commit(loading.resolve_model_dir(str(tmp_path))) is None
+
+
+def test_unknown_hub_id_names_the_hf_download_command(tmp_path, monkeypatch):
+    offline_hub_cache(monkeypatch, tmp_path)
+    with pytest.raises(UsageError, match=r"\(`hf download org/missing`\)"):
         loading.resolve_model_dir("org/missing")
 
 
-def test_gguf_is_converted_once_and_then_read_from_the_cache(tmp_path, monkeypatch):
+def test_a_revision_missing_from_the_cache_names_the_download_of_that_revision(tmp_path, monkeypatch):
+    offline_hub_cache(monkeypatch, tmp_path)
+    hub_snapshot(tmp_path, "org/model", COMMIT, {"config.json": "{}"})
+    with pytest.raises(UsageError, match=r"'org/model@v2'.*`hf download org/model --revision v2`"):
+        loading.resolve_model_dir("org/model@v2")
+
+
+def test_the_suggested_download_command_exists_in_the_installed_huggingface_hub():
+    """The hint is only useful if the command it names is installed beside this tool (huggingface_hub's
+    console scripts: ``hf`` replaced ``huggingface-cli``)."""
+    from importlib.metadata import entry_points
+
+    assert "hf" in {script.name for script in entry_points(group="console_scripts") if script.value.startswith("huggingface_hub")}
+
+
+def _record_dequantise(gguf_path, out_dir, log: Path, seconds: float = 0.0) -> None:
+    """Stands in for the transformers conversion (tens of seconds on a real file): writes a model folder
+    and logs when it started and ended, to see whether two conversions overlapped."""
+    start = time.time()
+    time.sleep(seconds)
+    out_dir.mkdir(parents=True)
+    (out_dir / "config.json").write_text("{}")
+    with log.open("a") as handle:
+        handle.write(f"{os.getpid()} {start} {time.time()}\n")
+
+
+def test_gguf_is_converted_once_and_again_only_when_the_file_changes(tmp_path, monkeypatch):
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"GGUF fake bytes")
+    log = tmp_path / "conversions.log"
     monkeypatch.setenv("DFLASH_DOCTOR_CACHE", str(tmp_path / "cache"))
-    calls = []
+    monkeypatch.setattr(loading, "_dequantise_gguf", lambda path, out: _record_dequantise(path, out, log))
 
-    def fake_convert(path):
-        calls.append(path)
-        out = loading.cache_dir() / "gguf" / loading.file_sha256(path)[:20]
-        out.mkdir(parents=True)
-        (out / "config.json").write_text("{}")
-        (out / ".complete").touch()
-        return out
-
-    real_convert = loading._convert_gguf
-    monkeypatch.setattr(loading, "_convert_gguf", lambda path: real_convert(path) if calls else fake_convert(path))
     first = loading.resolve_model_dir(str(gguf))
-    second = loading.resolve_model_dir(str(gguf))  # the real converter finds the complete cache entry
-    assert first == second and len(calls) == 1
+    assert loading.resolve_model_dir(str(gguf)) == first and len(log.read_text().splitlines()) == 1
+    assert json.loads((first / "source.json").read_text())["gguf"] == str(gguf)
+
+    stat = gguf.stat()
+    gguf.write_bytes(b"GGUF fake BYTES")  # same size, new content
+    os.utime(gguf, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # and the old mtime: the bytes still tell
+    changed = loading.resolve_model_dir(str(gguf))
+    assert changed != first and len(log.read_text().splitlines()) == 2
+    os.utime(gguf, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # touched: converted again, to be safe
+    assert loading.resolve_model_dir(str(gguf)) not in (first, changed)
+
+
+CONVERT_IN_A_PROCESS = """
+import sys, time
+from pathlib import Path
+from dflash_doctor import loading
+from tests.test_loading import _record_dequantise
+
+gguf, log, ready = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
+loading._dequantise_gguf = lambda path, out: _record_dequantise(path, out, log, seconds=1.0)
+(ready / sys.argv[4]).touch()
+while len(list(ready.iterdir())) < 2:  # both processes imported: start together
+    time.sleep(0.01)
+print(loading.resolve_model_dir(str(gguf)))
+"""
+
+
+def test_two_processes_loading_one_new_gguf_convert_it_once(tmp_path):
+    """The ranks of --devices resolve the target at the same moment: one converts, the other waits for the
+    lock and reads the finished entry (without the lock both converted into the same temporary folder)."""
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF fake bytes")
+    log, ready = tmp_path / "conversions.log", tmp_path / "ready"
+    ready.mkdir()
+    env = {**os.environ, "DFLASH_DOCTOR_CACHE": str(tmp_path / "cache")}
+    processes = [
+        subprocess.Popen([sys.executable, "-c", CONVERT_IN_A_PROCESS, str(gguf), str(log), str(ready), name],
+                         cwd=Path(__file__).parents[1], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for name in ("a", "b")
+    ]
+    outputs = [process.communicate(timeout=120) for process in processes]
+    assert all(process.returncode == 0 for process in processes), outputs
+    assert outputs[0][0] == outputs[1][0] and Path(outputs[0][0].strip(), ".complete").is_file()
+    assert len(log.read_text().splitlines()) == 1
 
 
 def test_a_folder_without_config_is_refused_with_the_fix(tmp_path):

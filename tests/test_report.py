@@ -137,6 +137,41 @@ def test_html_embeds_plotly_once_and_escapes_tokens(fixture_run, tmp_path):
     assert HOSTILE_TOKEN_TEXT not in html and "&lt;script&gt;alert(1)&lt;/script&gt;" in html
 
 
+def cdn_script_tag() -> str:
+    """The tag a page loading plotly.js from its CDN must carry: the installed plotly's bundle version,
+    pinned by that bundle's SHA-256 (subresource integrity), computed here independently of the renderer."""
+    import base64
+    import hashlib
+
+    import plotly.offline
+
+    bundle = plotly.offline.get_plotlyjs().encode("utf-8")
+    integrity = "sha256-" + base64.b64encode(hashlib.sha256(bundle).digest()).decode()
+    return (f'<script charset="utf-8" src="https://cdn.plot.ly/plotly-{plotly.offline.get_plotlyjs_version()}.min.js" '
+            f'integrity="{integrity}" crossorigin="anonymous"></script>')
+
+
+def test_plotly_cdn_links_plotly_js_instead_of_embedding_it(fixture_run, tmp_path):
+    for source in ("inline", "cdn"):
+        result = CliRunner().invoke(app, ["report", str(fixture_run), "--format", "html", "--plotly", source, "--out", str(tmp_path / source)])
+        assert result.exit_code == 0, result.output
+    inline, cdn = ((tmp_path / source / "report.html").read_text() for source in ("inline", "cdn"))
+    assert len(inline.encode()) > 4_000_000 and len(cdn.encode()) < 500_000  # the 4.6 MB bundle is the difference
+    assert re.findall(r"<script[^>]*\bsrc=[^>]*></script>", cdn) == [cdn_script_tag()]  # one script tag loads plotly.js
+    assert "plotly.js v" not in cdn and inline.count("plotly.js v") == 1
+    assert cdn.count("Plotly.newPlot(") == inline.count("Plotly.newPlot(") > 0  # the same charts either way
+
+
+def test_plotly_source_is_a_doctor_toml_key_validated_before_any_work(tmp_path):
+    from dflash_doctor.config import build_config
+
+    toml = tmp_path / "doctor.toml"
+    toml.write_text('plotly = "cdn"\n')
+    assert build_config(toml).plotly == "cdn" and build_config(toml, plotly="inline").plotly == "inline"
+    with pytest.raises(UsageError, match="--plotly 'web' is not a plotly.js source; use inline or cdn."):
+        build_config(plotly="web")
+
+
 def test_parse_formats_accepts_lists_and_refuses_unknown_names():
     assert parse_formats("md, html,md") == ("md", "html")
     with pytest.raises(UsageError, match="--format pdf"):
@@ -149,7 +184,7 @@ def test_report_cli_writes_requested_formats(fixture_run, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["junit.xml", "report.md"]
 
 
-@pytest.mark.parametrize("args", [["report", "{missing}"], ["report", "{run}", "--format", "pdf"]])
+@pytest.mark.parametrize("args", [["report", "{missing}"], ["report", "{run}", "--format", "pdf"], ["report", "{run}", "--plotly", "web"]])
 def test_report_cli_bad_input_exits_2_with_one_sentence(fixture_run, tmp_path, args):
     args = [a.format(missing=tmp_path / "nope", run=fixture_run) for a in args]
     result = CliRunner().invoke(app, args)

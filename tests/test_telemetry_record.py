@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-import dataclasses
+import io
+import zipfile
 from pathlib import Path
+
+import pandas as pd
 
 import pytest
 from streamlit.testing.v1 import AppTest
@@ -13,38 +16,13 @@ from dflash_doctor.app import RUNS_DIR_ENV
 from dflash_doctor.cli import app
 from dflash_doctor.compare import compare_runs
 from dflash_doctor.schema import load_run
-from dflash_doctor.telemetry.counts import SeriesKey, SpecCounts
-from dflash_doctor.telemetry.record import WatchRecord, read_units, read_windows
+from dflash_doctor.telemetry.counts import SeriesKey
+from dflash_doctor.telemetry.record import read_units, read_windows
 from dflash_doctor.telemetry.verdict import Baseline, Judge, Thresholds
 from dflash_doctor.telemetry.watcher import Unit, Window
+from telemetry_fixtures import WATCH_K, unit_counts, write_watch
 
 MAIN = Path(__file__).resolve().parents[1] / "app" / "main.py"
-K = 4
-
-
-def unit_counts(drafts: int, rates: list[float], generated: float | None = None) -> SpecCounts:
-    per_pos = tuple(float(round(r * drafts)) for r in rates)
-    return SpecCounts(num_drafts=float(drafts), num_draft_tokens=float(drafts * K), num_accepted_tokens=float(sum(per_pos)),
-                      num_accepted_tokens_per_pos=per_pos, num_generated_tokens=generated if generated is not None else drafts + sum(per_pos))
-
-
-def write_watch(run_dir: Path, rates: list[float], *, baseline_tau: float | None = None, classes=("code", "chat"), num_units: int = 8) -> Path:
-    """A watch of ``num_units`` scrape intervals per class, one window per interval (live-watch shape)."""
-    thresholds = Thresholds(min_drafts=10)
-    judge = Judge(Baseline.fixed({"overall": baseline_tau}) if baseline_tau else None, thresholds, engine="vllm")
-    record = WatchRecord(run_dir, {"config": "test"}, {"sources": ["http://x/metrics"], "window_s": 60.0, "interval_s": 60.0,
-                                                       "baseline": "fixed", "thresholds": dataclasses.asdict(thresholds)})
-    for i in range(num_units):
-        verdicts, units = [], []
-        for cls in classes:
-            counts = unit_counts(200 + 10 * i, rates)
-            key = SeriesKey("m", cls)
-            units.append(Unit(key, 1_700_000_000.0 + 60 * i, counts, {}, "http://x/metrics"))
-            verdicts.append(judge.judge(Window(key, 1_700_000_000.0 + 60 * (i - 1), 1_700_000_000.0 + 60 * i, counts, [counts])))
-        record.update(verdicts, units, [], [])
-    return run_dir
-
-
 def test_watch_run_loads_everywhere(tmp_path):
     run_dir = write_watch(tmp_path / "watch", [0.6, 0.35, 0.2, 0.1], baseline_tau=3.0)
     run = load_run(run_dir)
@@ -98,6 +76,60 @@ def test_production_page_shows_series_and_alerts(monkeypatch, tmp_path):
     assert any("num_speculative_tokens" in code.value for code in at.code)
 
 
+def open_production(monkeypatch, runs_dir: Path, run_dir: Path | None = None) -> AppTest:
+    monkeypatch.setenv(RUNS_DIR_ENV, str(runs_dir))
+    at = AppTest.from_file(str(MAIN), default_timeout=60)
+    if run_dir is not None:
+        at.session_state["run_path"] = str(run_dir)
+    at.run()
+    at.switch_page("views/production.py").run()
+    assert not at.exception, [e.value for e in at.exception]
+    return at
+
+
+def test_production_page_is_a_fragment_that_reruns_on_a_timer_and_reads_the_run_again(monkeypatch, tmp_path):
+    """The page says it refreshes: its content is a fragment Streamlit reruns on a timer (AppTest runs no
+    timers, so the fragment's registration is recorded), and each run reads the run directory again, so
+    a watch that wrote more windows since shows them."""
+    import streamlit
+
+    registered = []
+    real_fragment = streamlit.fragment
+
+    def recording_fragment(*args, **kwargs):
+        registered.append(kwargs.get("run_every"))
+        return real_fragment(*args, **kwargs)
+
+    monkeypatch.setattr(streamlit, "fragment", recording_fragment)
+    run_dir = write_watch(tmp_path / "runs" / "watch", [0.6, 0.35, 0.2, 0.1], baseline_tau=3.0, num_units=2)
+    at = open_production(monkeypatch, tmp_path / "runs", run_dir)
+    (every_s,) = registered  # one timed fragment, and it holds the page (below)
+    assert every_s > 0 and f"refreshes every {every_s} s" in at.caption[-1].value
+    assert "4 alert(s)" in at.error[0].value
+    write_watch(run_dir, [0.6, 0.35, 0.2, 0.1], baseline_tau=3.0, num_units=5)  # the watch went on
+    at.run()
+    assert "10 alert(s)" in at.error[0].value
+
+
+def test_uploading_a_zipped_watch_run_keeps_its_windows_for_the_production_page(monkeypatch, tmp_path):
+    run_dir = write_watch(tmp_path / "watch", [0.6, 0.35, 0.2, 0.1], baseline_tau=3.0)
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as archive:
+        for file in run_dir.iterdir():
+            archive.write(file, f"watch/{file.name}")
+    monkeypatch.setenv(RUNS_DIR_ENV, str(tmp_path / "no-runs"))
+    at = AppTest.from_file(str(MAIN), default_timeout=60)
+    at.run()
+    at.get("file_uploader")[0].set_value(("watch.zip", buffer.getvalue(), "application/zip")).run()
+    uploaded = Path(at.session_state["run_path"])
+    assert uploaded != run_dir
+    pd.testing.assert_frame_equal(read_windows(uploaded), read_windows(run_dir))
+    pd.testing.assert_frame_equal(read_units(uploaded), read_units(run_dir))
+    at.switch_page("views/production.py").run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert "16 alert(s)" in at.error[0].value and set(at.dataframe[0].value["class"]) == {"code", "chat"}
+
+
 def test_production_page_on_a_check_run_says_what_it_needs(monkeypatch, tmp_path):
     from fixture_runs import make_fixture_run
 
@@ -141,7 +173,7 @@ def test_baseline_from_a_check_run_prices_and_truncates(tmp_path):
     verdict = judge.judge(Window(SeriesKey("m", "code"), 0, 60, served, [served]))
     rates = summary["by_class"]["code"]["acceptance_rate_per_pos"]
     assert len(rates) == FIXTURE_K_MAX
-    assert verdict.baseline_tau == pytest.approx(1 + sum(rates[:K]))
+    assert verdict.baseline_tau == pytest.approx(1 + sum(rates[:WATCH_K]))
     assert {a.kind for a in verdict.alerts} >= {"acceptance-drop"}
     assert verdict.speedup is not None
 

@@ -59,6 +59,7 @@ def check(
     exact_blocks: opt.ExactBlocks = False,
     trust_remote_code: opt.TrustRemoteCode = False,
     end_of_request: opt.EndOfRequest = None,
+    plotly: opt.Plotly = None,
 ) -> None:
     """Is the pair set up right, where does the draft lose, which K to serve? Exit 0 pass/warn, 1 a check failed, 2 bad input.
 

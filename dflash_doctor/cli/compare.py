@@ -11,8 +11,10 @@ from rich.markup import escape
 from rich.table import Table
 
 from dflash_doctor.cli import app
+from dflash_doctor.cli import options as opt
 from dflash_doctor.compare import DEFAULT_THRESHOLD_RATE, DEFAULT_THRESHOLD_TAU, Comparison, compare_runs, write_compare_reports
 from dflash_doctor.errors import UsageError
+from dflash_doctor.report.html import parse_plotly_source
 from dflash_doctor.report.templating import ci, fmt, signed
 
 EXIT_REGRESSION = 1
@@ -49,6 +51,7 @@ def compare_command(
     threshold_tau: Annotated[float, typer.Option("--threshold-tau", help="Smallest drop in tau (tokens per step) that counts.")] = DEFAULT_THRESHOLD_TAU,
     threshold_rate: Annotated[float, typer.Option("--threshold-rate", help="Smallest drop in a per-position acceptance rate that counts.")] = DEFAULT_THRESHOLD_RATE,
     out: Annotated[Optional[str], typer.Option("--out", help="Folder for compare.html and compare.md (default: NEW's run directory).")] = None,
+    plotly: opt.Plotly = None,
 ) -> None:
     """Per-class regression gate: exit 1 when tau or a per-position rate drops past its threshold with separated 95% intervals.
 
@@ -56,6 +59,7 @@ def compare_command(
     """
     if threshold_tau < 0 or threshold_rate < 0:
         raise UsageError("--threshold-tau and --threshold-rate must be >= 0; pass a drop size such as 0.2 or 0.05.")
+    plotly = parse_plotly_source(plotly or "inline")
     comparison = compare_runs(base, new, threshold_tau=threshold_tau, threshold_rate=threshold_rate)
     console = Console()
     console.print(_table(comparison))
@@ -63,7 +67,7 @@ def compare_command(
         console.print(_grown_table(comparison))
     for note in comparison.notes:
         console.print(f"note: {note}")
-    for path in write_compare_reports(comparison, Path(out) if out else comparison.new_path):
+    for path in write_compare_reports(comparison, Path(out) if out else comparison.new_path, plotly):
         console.print(f"wrote {path}")
     if comparison.has_regression:
         console.print(f"[bold red]REGRESSION[/]: {len(comparison.regressions)} metric(s) dropped past their threshold.")

@@ -32,6 +32,7 @@ ChatTemplate = Annotated[Optional[str], typer.Option("--chat-template", help="A 
 CostProfile = Annotated[Optional[str], typer.Option("--cost-profile", help="TOML/JSON step times measured in your serving engine (see docs/cost-profile.md) instead of timing here.")]
 StrictClasses = Annotated[Optional[str], typer.Option("--strict-classes", help="Comma-separated classes that must never risk a slowdown (capped K, or speculation off).")]
 EndOfRequest = Annotated[Optional[str], typer.Option("--end-of-request", help="vllm (default: full blocks, as vLLM/SGLang) | official (dflash_generate shrinks the last blocks); see docs/draft-formats.md.")]
+Plotly = Annotated[Optional[str], typer.Option("--plotly", help="Where report.html loads plotly.js from: inline (default: embedded, opens offline) or cdn (4.6 MB smaller, for CI artefacts).")]
 ExactBlocks = Annotated[bool, typer.Option("--exact-blocks", help="Block drafters: one pass per K instead of estimating smaller K from the largest block.")]
 
 

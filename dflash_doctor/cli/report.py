@@ -8,6 +8,7 @@ import typer
 from rich.console import Console
 
 from dflash_doctor.cli import app
+from dflash_doctor.cli import options as opt
 from dflash_doctor.report import FORMATS, render_reports
 
 
@@ -16,9 +17,10 @@ def report_command(
     run: Annotated[str, typer.Argument(help="Run directory written by check, replay or sweep.")],
     format: Annotated[str, typer.Option("--format", help=f"Comma-separated reports to write: {','.join(FORMATS)}.")] = ",".join(FORMATS),
     out: Annotated[Optional[str], typer.Option("--out", help="Folder for the reports (default: the run directory).")] = None,
+    plotly: opt.Plotly = None,
 ) -> None:
     """Re-render a run as report.html, report.md, report.json and junit.xml (no model is loaded)."""
-    paths = render_reports(run, formats=format, out_dir=out)
+    paths = render_reports(run, formats=format, out_dir=out, plotly=plotly or "inline")
     console = Console()
     for path in paths:
         console.print(f"wrote {path}")

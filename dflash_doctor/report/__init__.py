@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterable
 from dflash_doctor import deviations
 from dflash_doctor.errors import UsageError
 from dflash_doctor.report.content import check_counts, class_rows, incomplete_note, report_payload, verdict
-from dflash_doctor.report.html import render_html
+from dflash_doctor.report.html import PLOTLY_SOURCES, parse_plotly_source, render_html
 from dflash_doctor.report.junit import render_junit
 from dflash_doctor.report.templating import markdown_env
 from dflash_doctor.schema import Run, _json_safe, load_run
@@ -21,7 +21,7 @@ from dflash_doctor.schema import Run, _json_safe, load_run
 FORMATS = ("html", "md", "json", "junit")
 FILENAMES = {"html": "report.html", "md": "report.md", "json": "report.json", "junit": "junit.xml"}
 
-__all__ = ["FORMATS", "FILENAMES", "parse_formats", "render_reports", "render_markdown", "render_json", "render_html", "render_junit"]
+__all__ = ["FORMATS", "FILENAMES", "PLOTLY_SOURCES", "parse_formats", "parse_plotly_source", "render_reports", "render_markdown", "render_json", "render_html", "render_junit"]
 
 
 def parse_formats(value: str | Iterable[str]) -> tuple[str, ...]:
@@ -50,17 +50,22 @@ def render_json(run: Run, analysis: dict[str, Any] | None = None) -> str:
     return json.dumps(_json_safe(payload), indent=2, sort_keys=True) + "\n"
 
 
-_RENDERERS: dict[str, Callable[[Run, dict[str, Any]], str]] = {
-    "html": render_html, "md": render_markdown, "json": render_json, "junit": lambda run, _analysis: render_junit(run),
+_RENDERERS: dict[str, Callable[[Run, dict[str, Any], str], str]] = {
+    "html": render_html,
+    "md": lambda run, analysis, _plotly: render_markdown(run, analysis),
+    "json": lambda run, analysis, _plotly: render_json(run, analysis),
+    "junit": lambda run, _analysis, _plotly: render_junit(run),
 }
 
 
 def render_reports(run: Run | Path | str, formats: Iterable[str] = FORMATS, out_dir: Path | str | None = None,
-                   analysis: dict[str, Any] | None = None) -> list[Path]:
+                   analysis: dict[str, Any] | None = None, plotly: str = "inline") -> list[Path]:
     """Write the requested reports of ``run`` (a loaded run, or a run directory to load) into
     ``out_dir`` (default: the run directory) and return their paths in the order asked. The deviation
-    analysis is computed once for all of them (``analysis``: the caller's, when it has it)."""
+    analysis is computed once for all of them (``analysis``: the caller's, when it has it); ``plotly``:
+    where report.html loads plotly.js from (``inline`` or ``cdn``, :data:`PLOTLY_SOURCES`)."""
     formats = parse_formats(formats)
+    parse_plotly_source(plotly)
     run = run if isinstance(run, Run) else load_run(run)
     analysis = analysis if analysis is not None else deviations.analyze_run(run)
     target_dir = Path(out_dir) if out_dir is not None else run.path
@@ -71,6 +76,6 @@ def render_reports(run: Run | Path | str, formats: Iterable[str] = FORMATS, out_
     written = []
     for name in formats:
         path = target_dir / FILENAMES[name]
-        path.write_text(_RENDERERS[name](run, analysis), encoding="utf-8")
+        path.write_text(_RENDERERS[name](run, analysis, plotly), encoding="utf-8")
         written.append(path)
     return written

@@ -1,4 +1,5 @@
-"""report.html: one self-contained page (plotly.js embedded once, no CDN) that opens offline.
+"""report.html: one self-contained page (plotly.js embedded once, no CDN) that opens offline; ``--plotly cdn``
+links plotly.js from its CDN instead, for pages kept as CI artefacts (4.6 MB less each).
 
 Charts come from :mod:`dflash_doctor.figures` (the dashboard draws the same ones); the page layout is
 the jinja2 template ``data/templates/report.html`` with autoescaping on, because token text, prompts
@@ -7,6 +8,8 @@ and check evidence are untrusted. Plotly's own JSON escapes ``<``, ``>`` and ``/
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import itertools
 from functools import lru_cache
 from typing import Any, Hashable, Iterable, cast
@@ -18,6 +21,7 @@ import plotly.offline
 from markupsafe import Markup
 
 from dflash_doctor import deviations, figures
+from dflash_doctor.errors import UsageError
 from dflash_doctor.report.content import check_counts, class_rows, incomplete_note, verdict
 from dflash_doctor.report.templating import html_env
 from dflash_doctor.schema import Run
@@ -27,14 +31,33 @@ NEWLINE_MARK = "\u21b5"  # shown before a newline inside a token so whitespace s
 _PLOTLY_CONFIG = {"displaylogo": False, "responsive": True}
 
 
-@lru_cache(maxsize=1)
-def plotly_js() -> Markup:
-    """The plotly.js bundle shipped with the plotly package (~4.6 MB), embedded once per page."""
-    return Markup(plotly.offline.get_plotlyjs())
+#: Where report pages load plotly.js from: ``inline`` embeds the bundle (~4.6 MB, opens offline, the
+#: default) and ``cdn`` links plotly's CDN (a few kB per page, for CI artefacts; needs the network to draw).
+PLOTLY_SOURCES = ("inline", "cdn")
+
+
+def parse_plotly_source(value: str) -> str:
+    """``--plotly``: one of :data:`PLOTLY_SOURCES`, else a UsageError naming them."""
+    if value not in PLOTLY_SOURCES:
+        raise UsageError(f"--plotly {value!r} is not a plotly.js source; use {' or '.join(PLOTLY_SOURCES)}.")
+    return value
+
+
+@lru_cache(maxsize=2)
+def plotly_script(source: str = "inline") -> Markup:
+    """The page's one ``<script>`` for plotly.js (see :data:`PLOTLY_SOURCES`). The CDN tag names the
+    version bundled with the installed plotly package and pins it with that bundle's SHA-256 (subresource
+    integrity), as plotly's own ``include_plotlyjs="cdn"`` does, so the charts draw the same either way."""
+    bundle = plotly.offline.get_plotlyjs()
+    if parse_plotly_source(source) == "inline":
+        return Markup(f"<script>{bundle}</script>")
+    integrity = "sha256-" + base64.b64encode(hashlib.sha256(bundle.encode("utf-8")).digest()).decode("ascii")
+    url = f"https://cdn.plot.ly/plotly-{plotly.offline.get_plotlyjs_version()}.min.js"
+    return Markup(f'<script charset="utf-8" src="{url}" integrity="{integrity}" crossorigin="anonymous"></script>')
 
 
 def figure_html(fig: go.Figure, div_id: str) -> Markup:
-    """A chart div plus its newPlot call, relying on the page's single embedded plotly.js."""
+    """A chart div plus its newPlot call, relying on the page's single plotly.js script (:func:`plotly_script`)."""
     return Markup(pio.to_html(fig, full_html=False, include_plotlyjs=False, div_id=div_id, config=_PLOTLY_CONFIG))
 
 
@@ -152,8 +175,9 @@ def step_anchor(request_id: str, step: int) -> str:
     return f"{request_anchor(request_id)}-step-{step}"
 
 
-def render_html(run: Run, analysis: dict[str, Any] | None = None) -> str:
-    """report.html; ``analysis`` is the run's :func:`dflash_doctor.deviations.analyze_run` when the caller has it."""
+def render_html(run: Run, analysis: dict[str, Any] | None = None, plotly: str = "inline") -> str:
+    """report.html; ``analysis`` is the run's :func:`dflash_doctor.deviations.analyze_run` when the caller has it;
+    ``plotly``: where the page loads plotly.js from (:data:`PLOTLY_SOURCES`)."""
     record = run.record
     analysis = analysis if analysis is not None else deviations.analyze_run(run)
     examples = [pair["example"]["request_id"] for summary in analysis["by_class"].values()
@@ -173,5 +197,5 @@ def render_html(run: Run, analysis: dict[str, Any] | None = None) -> str:
         why=why_rejected_section(analysis, viewer),
         step_anchor=step_anchor,
         request_anchor=request_anchor,
-        plotly_js=plotly_js(),
+        plotly_script=plotly_script(plotly),
     )

@@ -68,7 +68,8 @@ def run_engine_doctor(config: DoctorConfig, *, only=(), skip=(), progress=None):
             ctx = CheckContext(run_meta=record.to_json(), config=config)
         record.checks = run_checks(ctx, only=only, skip=skip)
         writer.meta = record.to_json()
-    render_reports(Run(run_dir, record, measured.requests_frame(), measured.steps_frame(), TABLES["tokens"].empty_table().to_pandas()))
+    render_reports(Run(run_dir, record, measured.requests_frame(), measured.steps_frame(), TABLES["tokens"].empty_table().to_pandas()),
+                   plotly=config.plotly)
     return pipeline.Outcome(run_dir, record)
 
 
