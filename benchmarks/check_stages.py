@@ -39,7 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 # (module, attribute, stage label). Whatever a revision lacks is skipped, so one list serves old and new
 # code; a stage's row shows where it was called from.
 TIMED = [
-    ("dflash_doctor.pair", "load_pair", "load models"),
+    ("dflash_doctor.models.pair", "load_pair", "load models"),
     ("dflash_doctor.engine.batched", "generate_greedy_batch", "target decoding (batched greedy answers)"),
     ("dflash_doctor.engine.teacher", "slot_table", "teacher-forced passes (slot_table)"),
     ("dflash_doctor.engine.target.TargetModel", "forward", "target forward"),
@@ -50,17 +50,17 @@ TIMED = [
     ("dflash_doctor.engine.divergence", "divergence_tensor", "per-token divergence columns"),
     ("dflash_doctor.engine.teacher", "token_rows", "per-token rows"),
     ("dflash_doctor.engine.teacher", "walk_schedule", "schedule walk"),
-    ("dflash_doctor.replay", "_rows", "row records (token text)"),
+    ("dflash_doctor.replay.stream", "_rows", "row records (token text)"),
     ("dflash_doctor.schema.RunWriter", "flush", "journal writes"),
     ("dflash_doctor.schema.RunWriter", "close", "Parquet consolidation"),
     ("dflash_doctor.pipeline", "_summarize", "summary (bootstrap)"),
-    ("dflash_doctor.pair.Pair", "measure_step_costs", "cost measurement"),
-    ("dflash_doctor.speedup", "build_sweep", "sweep table (bootstrap)"),
-    ("dflash_doctor.probes", "lossless_probe", "probe: lossless"),
+    ("dflash_doctor.models.pair.Pair", "measure_step_costs", "cost measurement"),
+    ("dflash_doctor.stats.speedup", "build_sweep", "sweep table (bootstrap)"),
+    ("dflash_doctor.replay.probes", "lossless_probe", "probe: lossless"),
     ("dflash_doctor.engine.live", "speculative_generate", "live speculative loop"),
     ("dflash_doctor.engine.live", "plain_generate", "plain decoding"),
-    ("dflash_doctor.probes", "layer_offset_probe", "probe: layer offset"),
-    ("dflash_doctor.loading", "weights_fingerprint", "target weights fingerprint"),
+    ("dflash_doctor.replay.probes", "layer_offset_probe", "probe: layer offset"),
+    ("dflash_doctor.models.loading", "weights_fingerprint", "target weights fingerprint"),
     ("dflash_doctor.checks.base", "run_checks", "checks"),
     ("dflash_doctor.report", "render_reports", "report rendering"),
 ]

@@ -20,17 +20,20 @@ from pathlib import Path
 from typing import Any, Callable, ContextManager, Sequence
 
 
-from dflash_doctor import deviations, distributed
-from dflash_doctor.config import DoctorConfig
+from dflash_doctor.replay import sharding
+from dflash_doctor.stats import deviations
+from dflash_doctor.inputs.config import DoctorConfig
 from dflash_doctor.engine.schedule import end_of_request
-from dflash_doctor.environment import collect_environment
-from dflash_doctor.metrics import summarize
-from dflash_doctor.pair import Pair, load_pair
-from dflash_doctor.probes import layer_offset_probe, lossless_probe, probe_turns
-from dflash_doctor.record import Probes, PromptFormat, RunMeta, RunRecord, _from_json, Recommendation, Summary, Sweep
-from dflash_doctor.replay import Replay, replay_live, replay_teacher
-from dflash_doctor.schema import Run, RunWriter, TABLES, utc_now
-from dflash_doctor.workloads import Request, load_workload
+from dflash_doctor.inputs.environment import collect_environment
+from dflash_doctor.stats.metrics import summarize
+from dflash_doctor.models.pair import Pair, load_pair
+from dflash_doctor.replay.probes import layer_offset_probe, lossless_probe, probe_turns
+from dflash_doctor.rundir.record import Probes, PromptFormat, RunMeta, RunRecord, _from_json, Recommendation, Summary, Sweep
+from dflash_doctor.replay.stream import Replay, replay_live, replay_teacher
+from dflash_doctor.rundir.load import Run
+from dflash_doctor.rundir.tables import TABLES
+from dflash_doctor.rundir.writer import RunWriter, utc_now
+from dflash_doctor.inputs.workloads import Request, load_workload
 
 ProgressFactory = Callable[[int], ContextManager[Callable[[Any], None] | None]]  # total turns -> progress callback
 
@@ -41,7 +44,7 @@ class Outcome:
 
     run_dir: Path
     record: RunRecord
-    why_rejected: dict[str, Any] | None = None  # `check`'s deviation analysis (dflash_doctor.deviations), for the terminal
+    why_rejected: dict[str, Any] | None = None  # `check`'s deviation analysis (dflash_doctor.stats.deviations), for the terminal
 
 
 def default_run_dir(command: str) -> Path:
@@ -56,7 +59,7 @@ def _no_progress(total: int) -> ContextManager[None]:
 def _start(config: DoctorConfig, command: str, scenario=None) -> tuple[list[Request], Pair, DoctorConfig]:
     """Select the workload and load the pair (a scenario edits them before anything runs)."""
     requests = load_workload(config.workload, classes=config.classes, max_requests=config.max_requests, seed=config.seed)
-    config = dataclasses.replace(config, device=distributed.device_for_rank(config, distributed.current_ranks()))
+    config = dataclasses.replace(config, device=sharding.device_for_rank(config, sharding.current_ranks()))
     pair = load_pair(config)
     if scenario is not None:
         pair, requests, config = scenario.apply(pair, requests, config)
@@ -81,7 +84,7 @@ def _summarize(record: RunRecord, replay: Replay, seed: int) -> None:
 def _sweep(record: RunRecord, pair: Pair, replay: Replay, config: DoctorConfig) -> None:
     """``summary.sweep`` and ``recommendation``: tau and net speedup per K, priced with step costs
     measured here (or from ``--cost-profile``)."""
-    from dflash_doctor.speedup import build_sweep, load_cost_profile, recommend, rows_by_class
+    from dflash_doctor.stats.speedup import build_sweep, load_cost_profile, recommend, rows_by_class
 
     costs = load_cost_profile(config.cost_profile) if config.cost_profile else pair.measure_step_costs(config.k)
     sweep = build_sweep(replay.sweep_frames(), costs, replay.estimate_by_k, seed=config.seed)
@@ -136,7 +139,7 @@ def _teacher(pair: Pair, requests: Sequence[Request], config: DoctorConfig, exac
     """The teacher-forced replay into the run directory (this rank's share under torchrun; rank 0 gets
     the merged replay, the other ranks end here): the open writer and the replay."""
 
-    if not distributed.current_ranks().is_main:
+    if not sharding.current_ranks().is_main:
         progress = _no_progress  # one progress bar, rank 0's
 
     def replay(writer: RunWriter, mine: Sequence[Request]) -> Replay:
@@ -145,7 +148,7 @@ def _teacher(pair: Pair, requests: Sequence[Request], config: DoctorConfig, exac
                                   seed=config.seed, exact_blocks=exact_blocks, writer=writer, progress=on_turn,
                                   convention=end_of_request(config.end_of_request))
 
-    return distributed.replay_into(run_dir, record.to_json(), requests, replay)
+    return sharding.replay_into(run_dir, record.to_json(), requests, replay)
 
 
 def run_check(config: DoctorConfig, *, scenario=None, only: Sequence[str] = (), skip: Sequence[str] = (),
@@ -187,7 +190,7 @@ def _read_table(run_dir: Path, name: str, schema) -> "Any":
 
 
 def _probes(pair: Pair, requests: Sequence[Request], replay: Replay, config: DoctorConfig) -> Probes:
-    from dflash_doctor.loading import weights_fingerprint
+    from dflash_doctor.models.loading import weights_fingerprint
 
     turns = probe_turns(replay.turns)
     probes = Probes(
@@ -210,8 +213,8 @@ def check_context(pair: Pair, requests: Sequence[Request], config: DoctorConfig,
     from transformers import AutoTokenizer
 
     from dflash_doctor.checks.base import CheckContext
-    from dflash_doctor.checks.engine_config import parse_engine_config
-    from dflash_doctor.record import _to_json
+    from dflash_doctor.inputs.engine_config import parse_engine_config
+    from dflash_doctor.rundir.record import _to_json
 
     draft_tokenizer = None
     if pair.kind.ships_tokenizer:

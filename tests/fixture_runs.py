@@ -23,10 +23,13 @@ from typing import Any, Sequence
 import numpy as np
 import pandas as pd
 
-from dflash_doctor.deviations import categorize
-from dflash_doctor.metrics import summarize, truncate_steps
-from dflash_doctor.schema import REQUESTS_SCHEMA, STEPS_SCHEMA, RunWriter, new_run_meta
-from dflash_doctor.speedup import StepCosts, build_sweep, recommend, rows_by_class
+from dflash_doctor.stats.deviations import categorize
+from dflash_doctor.stats.metrics import summarize, truncate_steps
+from dflash_doctor.rundir.tables import REQUESTS_SCHEMA, STEPS_SCHEMA
+from dflash_doctor.rundir.record import RunMeta, RunRecord
+from dflash_doctor.rundir.writer import RunWriter, utc_now
+from dflash_doctor.rundir.record import StepCosts
+from dflash_doctor.stats.speedup import build_sweep, recommend, rows_by_class
 
 HOSTILE_TOKEN_TEXT = "<script>alert(1)</script>"
 
@@ -246,8 +249,9 @@ def make_fixture_run(
         mean_tokens_per_step = 1.0 + 3.0 * (1.0 - degrade)
         steps_per_request = num_tokens_target / (num_requests * k)
         num_output_tokens = max(1, int(round(steps_per_request * mean_tokens_per_step)))
-    meta = new_run_meta(
-        {
+    meta = RunRecord(
+        meta=RunMeta(command="replay", created_at=utc_now()),
+        config={
             "target": "fixture/target-135m",
             "draft": "fixture/dflash-b9",
             "draft_kind": "dflash",
@@ -256,8 +260,8 @@ def make_fixture_run(
             "max_new_tokens": num_output_tokens,
             "temperature": 0.0,
             "seed": seed,
-        }
-    )
+        },
+    ).to_json()
     meta["created_at"] = "2026-01-01T00:00:00+00:00"
     meta["models"] = {
         "target": {"id": "fixture/target-135m", "revision_or_hash": "sha256:0f1e2d3c", "dtype": "float32", "device": "cpu", "kind": "target"},

@@ -6,8 +6,8 @@ import pytest
 from typer.testing import CliRunner
 
 from dflash_doctor.cli import app
-from dflash_doctor.compare import compare_runs
-from dflash_doctor.schema import load_run
+from dflash_doctor.report.compare import compare_runs
+from dflash_doctor.rundir.load import load_run
 from fixture_runs import make_fixture_run
 
 

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from dflash_doctor import loading
-from dflash_doctor.draft_kinds import detect_draft_kind
+from dflash_doctor.models import loading
+from dflash_doctor.models.draft_kinds import detect_draft_kind
 from dflash_doctor.errors import UsageError
 
 

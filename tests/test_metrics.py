@@ -9,17 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from dflash_doctor.metrics import (
-    conditional_rates,
-    expected_accept_run,
-    expected_reach_probs,
-    expected_tau_by_k,
-    expected_tau_iid,
-    summarize,
-    tau_from_rates,
-    tau_with_ci,
-    truncate_steps,
-)
+from dflash_doctor.stats.metrics import conditional_rates, expected_accept_run, expected_reach_probs, expected_tau_by_k, expected_tau_iid, summarize, tau_from_rates, tau_with_ci, truncate_steps
 
 
 def make_steps(accepted_by_request: dict[str, list[int]], *, k: int, classes: dict[str, str]) -> pd.DataFrame:

@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 from dflash_doctor.cli import app
 from dflash_doctor.report import FILENAMES, FORMATS, parse_formats, render_json, render_markdown, render_reports
 from dflash_doctor.errors import UsageError
-from dflash_doctor.schema import load_run
+from dflash_doctor.rundir.load import load_run
 from fixture_runs import HOSTILE_TOKEN_TEXT, make_fixture_run
 
 GOLDEN_DIR = Path(__file__).parent / "golden"

@@ -8,17 +8,9 @@ import pandas as pd
 import pytest
 
 from dflash_doctor.errors import UsageError
-from dflash_doctor.metrics import expected_tau_iid, tau_with_ci
-from dflash_doctor.speedup import (
-    StepCosts,
-    build_sweep,
-    leviathan_speedup,
-    load_cost_profile,
-    measure_costs,
-    recommend,
-    rows_by_class,
-    sweep_row,
-)
+from dflash_doctor.stats.metrics import expected_tau_iid, tau_with_ci
+from dflash_doctor.rundir.record import StepCosts
+from dflash_doctor.stats.speedup import build_sweep, leviathan_speedup, load_cost_profile, measure_costs, recommend, rows_by_class, sweep_row
 
 
 def costs_flat_draft() -> StepCosts:

@@ -28,7 +28,7 @@ from dflash_doctor.engine.proposers.autoregressive import AutoregressiveProposer
 from dflash_doctor.engine.proposers.dflash import DFlashProposer
 from dflash_doctor.engine.target import TargetModel
 from dflash_doctor.engine.teacher import TeacherSequence, expected_tau, slot_table, walk_schedule
-from dflash_doctor.metrics import tau_with_ci
+from dflash_doctor.stats.metrics import tau_with_ci
 from tests.tiny_models import tiny_dflash, tiny_target
 
 VOCAB = 11

@@ -10,7 +10,7 @@ from rich.table import Table
 
 from dflash_doctor.cli import app
 from dflash_doctor.cli import options as opt
-from dflash_doctor.config import build_config
+from dflash_doctor.inputs.config import build_config
 from dflash_doctor.errors import UsageError
 
 Scenario = Annotated[Optional[str], typer.Option("--scenario", help="Reproduce a real failure on the demo pair; `--scenario list` names them.")]
@@ -64,7 +64,8 @@ def check(
 
     With no model flags it runs the built-in demo pair (SmolLM2-135M-Instruct + its DFlash draft) on CPU.
     """
-    from dflash_doctor import distributed, pipeline, scenarios
+    from dflash_doctor import pipeline
+    from dflash_doctor.replay import scenarios, sharding
     from dflash_doctor.checks.base import exit_code, get_check
     from dflash_doctor.cli.progress import progress_bar
     from dflash_doctor.report.terminal import print_check_results, print_class_summary, print_sweep, print_why_rejected
@@ -88,7 +89,7 @@ def check(
         get_check(check_id)  # an unknown id fails now, with "did you mean", before any model work
     if cfg.engine is not None and cfg.devices:
         raise UsageError("--devices spreads the local replay over processes, --engine measures a server; drop one of them.")
-    if (code := distributed.launch_ranks(cfg)) is not None:
+    if (code := sharding.launch_ranks(cfg)) is not None:
         raise typer.Exit(code)
     console = Console(stderr=True)
     try:

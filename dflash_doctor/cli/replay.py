@@ -7,7 +7,7 @@ from rich.console import Console
 
 from dflash_doctor.cli import app
 from dflash_doctor.cli import options as opt
-from dflash_doctor.config import build_config
+from dflash_doctor.inputs.config import build_config
 
 
 @app.command()

@@ -13,9 +13,9 @@ from rich.table import Table
 
 from dflash_doctor.cli import app
 from dflash_doctor.cli import options as opt
-from dflash_doctor.config import build_config
-from dflash_doctor.schema import utc_now
-from dflash_doctor.speedup import load_cost_profile
+from dflash_doctor.inputs.config import build_config
+from dflash_doctor.rundir.writer import utc_now
+from dflash_doctor.stats.speedup import load_cost_profile
 from dflash_doctor.telemetry.settings import build_watch_settings
 from dflash_doctor.telemetry.sources import parse_duration_s
 from dflash_doctor.telemetry.session import WatchSession, open_sources

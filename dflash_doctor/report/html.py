@@ -1,6 +1,6 @@
 """report.html: one self-contained page (plotly.js embedded once, no CDN) that opens offline.
 
-Charts come from :mod:`dflash_doctor.figures` (the dashboard draws the same ones); the page layout is
+Charts come from :mod:`dflash_doctor.report.figures` (the dashboard draws the same ones); the page layout is
 the jinja2 template ``data/templates/report.html`` with autoescaping on, because token text, prompts
 and check evidence are untrusted. Plotly's own JSON escapes ``<``, ``>`` and ``/``.
 """
@@ -17,10 +17,11 @@ import plotly.io as pio
 import plotly.offline
 from markupsafe import Markup
 
-from dflash_doctor import deviations, figures
+from dflash_doctor.report import figures
+from dflash_doctor.stats import deviations
 from dflash_doctor.report.content import check_counts, class_rows, incomplete_note, verdict
 from dflash_doctor.report.templating import html_env
-from dflash_doctor.schema import Run
+from dflash_doctor.rundir.load import Run
 
 MAX_VIEWER_STEPS_PER_REQUEST = 40
 NEWLINE_MARK = "\u21b5"  # shown before a newline inside a token so whitespace stays visible
@@ -153,7 +154,7 @@ def step_anchor(request_id: str, step: int) -> str:
 
 
 def render_html(run: Run, analysis: dict[str, Any] | None = None) -> str:
-    """report.html; ``analysis`` is the run's :func:`dflash_doctor.deviations.analyze_run` when the caller has it."""
+    """report.html; ``analysis`` is the run's :func:`dflash_doctor.stats.deviations.analyze_run` when the caller has it."""
     record = run.record
     analysis = analysis if analysis is not None else deviations.analyze_run(run)
     examples = [pair["example"]["request_id"] for summary in analysis["by_class"].values()

@@ -1,5 +1,5 @@
 """The terminal view of a run record: tau per class, the K sweep with the recommendation, why the draft
-is rejected, the checks with their evidence, and the verdict (:func:`dflash_doctor.status.overall_status`)."""
+is rejected, the checks with their evidence, and the verdict (:func:`dflash_doctor.rundir.status.overall_status`)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from dflash_doctor.record import RunRecord
+from dflash_doctor.rundir.record import RunRecord
 from dflash_doctor.report.templating import fmt, pct
-from dflash_doctor.status import VERDICT_NONE, CheckResult, overall_status
+from dflash_doctor.rundir.status import VERDICT_NONE, CheckResult, overall_status
 
 STATUS_STYLE = {"pass": "green", "warn": "yellow", "fail": "bold red", "skip": "dim", "error": "magenta", VERDICT_NONE: "dim"}
 
@@ -91,7 +91,7 @@ def _shown(text: str) -> str:
 
 
 def print_why_rejected(analysis: dict[str, Any] | None, console: Console, per_class: int = PATTERNS_PER_CLASS) -> None:
-    """Why rejected: the costliest first-rejection patterns of each class (:mod:`dflash_doctor.deviations`),
+    """Why rejected: the costliest first-rejection patterns of each class (:mod:`dflash_doctor.stats.deviations`),
     one line each, then per class the share of lost tokens at confident misses and the attainable tau
     upper bound. report.html / report.md show the full tables."""
     if analysis is None:

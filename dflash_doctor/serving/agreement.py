@@ -371,8 +371,8 @@ def summarize_agreement(comparisons: list[TurnComparison], answered, *, engine_k
 
 def compare_with_embedded(engine, answered, config, *, seed: int = 0) -> dict[str, Any]:
     """Replay every answered turn in the embedded engine (``engine``: the loaded local Pair) and summarise the agreement."""
-    from dflash_doctor.turns import turn_limit
-    from dflash_doctor.workloads import encode_request_turn
+    from dflash_doctor.replay.turns import turn_limit
+    from dflash_doctor.inputs.workloads import encode_request_turn
 
     draft = engine.draft_model
     draft_causal = bool(getattr(draft.config, "causal", False))

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dflash_doctor.config import DoctorConfig
+from dflash_doctor.inputs.config import DoctorConfig
 from dflash_doctor.serving.client import EngineEndpoint, resolve_model
 from dflash_doctor.serving.engine_run import measure_engine, start_engine_record
 
@@ -28,19 +28,21 @@ def run_engine_doctor(config: DoctorConfig, *, only=(), skip=(), progress=None):
     """The whole `check --engine`: returns the pipeline's Outcome (run directory + record, checks included)."""
     from dflash_doctor import pipeline
     from dflash_doctor.checks.base import CheckContext, run_checks
-    from dflash_doctor.metrics import summarize
-    from dflash_doctor.record import Summary
-    from dflash_doctor.replay import Replay
+    from dflash_doctor.stats.metrics import summarize
+    from dflash_doctor.rundir.record import Summary
+    from dflash_doctor.replay.stream import Replay
     from dflash_doctor.report import render_reports
-    from dflash_doctor.schema import TABLES, Run, RunWriter
-    from dflash_doctor.workloads import load_workload
+    from dflash_doctor.rundir.load import Run
+    from dflash_doctor.rundir.tables import TABLES
+    from dflash_doctor.rundir.writer import RunWriter
+    from dflash_doctor.inputs.workloads import load_workload
 
     assert config.engine is not None, "run_engine_doctor serves `check --engine URL` only"
     endpoint = resolve_model(EngineEndpoint.from_url(config.engine, model=config.engine_model, timeout_s=config.engine_timeout_s))
     requests = load_workload(config.workload, classes=config.classes, max_requests=config.max_requests, seed=config.seed)
     local = None
     if has_local_pair(config):  # a bad local pair fails before any request is sent
-        from dflash_doctor.pair import load_pair
+        from dflash_doctor.models.pair import load_pair
 
         local = load_pair(config)
     run_dir = Path(config.out) if config.out else pipeline.default_run_dir("check")

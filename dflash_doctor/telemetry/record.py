@@ -4,7 +4,7 @@ Production has no per-step rows, so ``requests`` / ``steps`` / ``tokens`` are wr
 still loads the directory) and the substance is ``windows.parquet``: one row per series and window with
 vLLM's metric names, the baseline, the net speedup and the alerts (:meth:`WindowVerdict.as_row`), and
 ``units.parquet``, the raw counts between scrapes. The record's ``summary`` pools every unit of the watch,
-per class, in the same :class:`~dflash_doctor.record.Metrics` a ``check`` run has, so ``report`` and the
+per class, in the same :class:`~dflash_doctor.rundir.record.Metrics` a ``check`` run has, so ``report`` and the
 dashboard's overview read it unchanged (requests are not observed: ``num_requests`` is 0);
 ``source.details`` holds what only a watch has (sources, window length, events, alerts). Everything is
 rewritten atomically after every evaluation, so a watch killed at any moment leaves a readable directory
@@ -20,9 +20,10 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dflash_doctor.metrics import conditional_rates
-from dflash_doctor.record import Metrics, ModelInfo, RunMeta, RunRecord, Source, Summary, TauDistribution
-from dflash_doctor.schema import TABLES, utc_now, write_run_json
+from dflash_doctor.stats.metrics import conditional_rates
+from dflash_doctor.rundir.record import Metrics, ModelInfo, RunMeta, RunRecord, Source, Summary, TauDistribution
+from dflash_doctor.rundir.tables import TABLES
+from dflash_doctor.rundir.writer import utc_now, write_run_json
 from dflash_doctor.telemetry.counts import ALL_CLASSES, SeriesKey, SpecCounts, rate_intervals, total, window_tau_interval
 from dflash_doctor.telemetry.verdict import WindowVerdict
 from dflash_doctor.telemetry.watcher import Event, Unit

@@ -28,10 +28,11 @@ from pathlib import Path
 from statistics import NormalDist
 from typing import Any
 
-from dflash_doctor.compare import DEFAULT_THRESHOLD_TAU, OVERALL
+from dflash_doctor.rundir.record import OVERALL
+from dflash_doctor.stats.gate import DEFAULT_THRESHOLD_TAU
 from dflash_doctor.errors import UsageError
-from dflash_doctor.schema import read_run_meta
-from dflash_doctor.speedup import StepCosts
+from dflash_doctor.rundir.load import read_run_meta
+from dflash_doctor.rundir.record import StepCosts
 from dflash_doctor.telemetry.counts import ALL_CLASSES, window_tau_interval
 from dflash_doctor.telemetry.watcher import Window
 

@@ -49,7 +49,7 @@ class DoctorConfig:
 
     target: str | None = None  # local dir, hub id, or .gguf file; None = the built-in demo target
     draft: str | None = None  # same forms; None = the built-in demo draft
-    draft_kind: str = "auto"  # a registered draft kind (dflash_doctor.draft_kinds) or auto
+    draft_kind: str = "auto"  # a registered draft kind (dflash_doctor.models.draft_kinds) or auto
     workload: str = "demo"  # built-in name or a .jsonl/.csv/.parquet file
     classes: tuple[str, ...] = ()  # keep only these request classes (empty = all)
     max_requests: int | None = None  # stratified over classes, seeded
@@ -134,7 +134,7 @@ def _validate(config: DoctorConfig) -> None:
     if config.fail_on not in ("fail", "warn"):
         raise UsageError(f"--fail-on {config.fail_on!r} is not one of fail, warn; pick one.")
     if config.cost_profile is not None:
-        from dflash_doctor.speedup import load_cost_profile
+        from dflash_doctor.stats.speedup import load_cost_profile
 
         load_cost_profile(config.cost_profile)  # a profile that does not parse fails before any model work
     if config.end_of_request not in ("vllm", "official"):

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
 from dflash_doctor.engine.live import GenerationResult
-from dflash_doctor.pair import Pair
-from dflash_doctor.workloads import Request, encode_request_turn
+from dflash_doctor.models.pair import Pair
+from dflash_doctor.inputs.workloads import Request, encode_request_turn
 
 
 @dataclass(frozen=True)

@@ -20,90 +20,16 @@ import math
 import statistics
 import time
 import tomllib
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-import numpy as np
 import pandas as pd
 
 from dflash_doctor.errors import UsageError
-from dflash_doctor.metrics import expected_tau_iid, tau_with_ci
+from dflash_doctor.rundir.record import StepCosts
+from dflash_doctor.stats.metrics import expected_tau_iid, tau_with_ci
 
 ESTIMATES = ("exact", "truncated")
-COST_SOURCES = ("measured", "profile")
-
-
-@dataclass(frozen=True)
-class StepCosts:
-    """Seconds per step: plain decode, and verify / draft at each K that was measured.
-
-    K values between measured ones are linearly interpolated: verify cost grows smoothly with the number
-    of tokens verified (memory-bound at small K, compute-bound later) and the draft cost is either flat
-    (DFlash) or linear (K autoregressive steps), so a line between neighbours is close and lets a few
-    measurements (e.g. K = 1, 2, 4, 8, 16) price the whole sweep. A table with a single K is taken as
-    the same cost at every K. Outside the measured range nothing is guessed: asking is a UsageError.
-    """
-
-    t_decode_s: float
-    t_verify_s: dict[int, float]
-    t_draft_s: dict[int, float]
-    source: str = "measured"  # measured | profile
-    device: str = "unknown"
-
-    def __post_init__(self) -> None:
-        if self.source not in COST_SOURCES:
-            raise ValueError(f"source must be one of {COST_SOURCES}, got {self.source!r}")
-        if not (self.t_decode_s > 0 and self.t_verify_s and self.t_draft_s):
-            raise ValueError("StepCosts needs t_decode_s > 0 and at least one K in t_verify_s and t_draft_s")
-
-    def verify_s(self, k: int) -> float:
-        return self._at(self.t_verify_s, k, "verify")
-
-    def draft_s(self, k: int) -> float:
-        return self._at(self.t_draft_s, k, "draft")
-
-    def speedup(self, tau: float, k: int) -> float:
-        """Tokens per second relative to plain decoding; K = 0 (speculation off) is 1 by definition."""
-        if k == 0:
-            return 1.0
-        return tau * self.t_decode_s / (self.draft_s(k) + self.verify_s(k))
-
-    def _at(self, table: dict[int, float], k: int, what: str) -> float:
-        if k in table:
-            return table[k]
-        if len(table) == 1:
-            return next(iter(table.values()))
-        measured_ks = sorted(table)
-        if not measured_ks[0] <= k <= measured_ks[-1]:
-            raise UsageError(
-                f"the {self.source} step costs ({self.device}) have {what} times for K {measured_ks[0]}..{measured_ks[-1]} "
-                f"but K={k} was asked; add K={k} to the cost profile or sweep only K in that range."
-            )
-        return float(np.interp(k, measured_ks, [table[m] for m in measured_ks]))
-
-    def as_dict(self) -> dict[str, Any]:
-        """The ``summary.sweep.costs`` block of run.json (JSON object keys are strings)."""
-        return {
-            "source": self.source,
-            "device": self.device,
-            "t_decode_s": self.t_decode_s,
-            "t_verify_s": {str(k): v for k, v in sorted(self.t_verify_s.items())},
-            "t_draft_s": {str(k): v for k, v in sorted(self.t_draft_s.items())},
-        }
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "StepCosts":
-        """Inverse of :meth:`as_dict` (for views re-pricing a stored sweep)."""
-        return cls(
-            t_decode_s=float(data["t_decode_s"]),
-            t_verify_s={int(k): float(v) for k, v in data["t_verify_s"].items()},
-            t_draft_s={int(k): float(v) for k, v in data["t_draft_s"].items()},
-            source=data.get("source", "measured"),
-            device=data.get("device", "unknown"),
-        )
-
-
 def leviathan_speedup(alpha: float, k: int, c: float) -> float:
     """Leviathan et al. 2023 walltime speedup with i.i.d. acceptance ``alpha``, K drafted tokens, cost ratio c.
 
@@ -277,7 +203,7 @@ def build_sweep(
 
     ``steps_by_k[K]`` holds the steps of a run (live or teacher-forced) at K drafted tokens;
     ``estimate_by_k[K]`` is ``"exact"`` when they are the steps a live run at K takes, ``"truncated"``
-    when they were cut down from a larger K (:func:`dflash_doctor.metrics.truncate_steps`).
+    when they were cut down from a larger K (:func:`dflash_doctor.stats.metrics.truncate_steps`).
     """
     missing = sorted(set(steps_by_k) - set(estimate_by_k))
     if missing:

@@ -33,7 +33,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-OVERALL = "overall"  # the summary's scope over every request, next to the per-class scopes
+from dflash_doctor.rundir.record import OVERALL
+
 CI_LEVEL = 0.95
 NUM_BOOTSTRAP_RESAMPLES = 1000
 _BOOTSTRAP_CELLS_PER_CHUNK = 1 << 22  # resample-weight cells held at once: bounds memory at ~32 MB

@@ -39,7 +39,7 @@ from dflash_doctor.engine.proposers.base import Proposer
 from dflash_doctor.engine.proposers.dflash import DFlashProposer
 from dflash_doctor.engine.target import TargetModel
 from dflash_doctor.errors import UsageError
-from dflash_doctor.loading import is_dflash_config
+from dflash_doctor.models.loading import is_dflash_config
 
 if TYPE_CHECKING:
     from dflash_doctor.engine.dflash_model import DFlashDraftModel
@@ -154,7 +154,7 @@ def resolve_draft_kind(name: str, config: dict[str, Any], spec: str) -> DraftKin
 
 
 def _load_dflash(draft_dir: Path, target_dir: Path, target_config: Any, options: LoadOptions) -> DFlashDraftModel:
-    from dflash_doctor.loading import load_dflash_draft, validate_dflash_pair
+    from dflash_doctor.models.loading import load_dflash_draft, validate_dflash_pair
 
     model = load_dflash_draft(draft_dir, dtype=options.dtype, device=options.device)
     validate_dflash_pair(model.config, target_config)
@@ -169,7 +169,7 @@ def _dflash_with_layer_ids(model: DFlashDraftModel, layer_ids: list[int]) -> DFl
 
 
 def _load_autoregressive(draft_dir: Path, target_dir: Path, target_config: Any, options: LoadOptions) -> CausalLM:
-    from dflash_doctor.loading import load_causal_lm, validate_autoregressive_pair
+    from dflash_doctor.models.loading import load_causal_lm, validate_autoregressive_pair
 
     model = load_causal_lm(draft_dir, dtype=options.dtype, device=options.device, trust_remote_code=options.trust_remote_code)
     validate_autoregressive_pair(draft_dir, target_dir, model.config, target_config)

