@@ -11,6 +11,8 @@ from typing import Annotated, Any, Optional
 
 import typer
 
+from dflash_doctor.inputs.config import DoctorConfig
+
 Target = Annotated[Optional[str], typer.Option("--target", help="Target model: local dir, hub id, or .gguf file (default: the built-in demo target).")]
 Draft = Annotated[Optional[str], typer.Option("--draft", help="Draft model: local dir, hub id, or .gguf file (default: the built-in demo DFlash draft).")]
 DraftKind = Annotated[Optional[str], typer.Option("--draft-kind", help="dflash | autoregressive | auto (detect from the checkpoint).")]
@@ -41,7 +43,5 @@ def config_values(flags: dict[str, Any]) -> dict[str, Any]:
     Call it first thing with ``locals()``. A switch left off (False) counts as "not given", so a
     --config file can still turn it on.
     """
-    from dflash_doctor.inputs.config import DoctorConfig
-
     fields = {f.name for f in dataclasses.fields(DoctorConfig)}
     return {name: (value or None) if isinstance(value, bool) else value for name, value in flags.items() if name in fields}

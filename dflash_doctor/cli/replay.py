@@ -5,8 +5,10 @@ from __future__ import annotations
 import typer
 from rich.console import Console
 
-from dflash_doctor.cli import app
+from dflash_doctor import pipeline
 from dflash_doctor.cli import options as opt
+from dflash_doctor.cli.progress import progress_bar
+from dflash_doctor.cli.root import app
 from dflash_doctor.inputs.config import build_config
 
 
@@ -32,9 +34,6 @@ def replay(
 ) -> None:
     """Replay prompts through the live speculative loop (K = the largest --k) and write a run directory."""
     cfg = build_config(config, **opt.config_values(locals()))
-    from dflash_doctor import pipeline
-    from dflash_doctor.cli.progress import progress_bar
-
     console = Console(stderr=True)
     try:
         outcome = pipeline.run_replay(cfg, progress=progress_bar(console))

@@ -16,7 +16,7 @@ from dflash_doctor.inputs.engine_config import parse_engine_config
 from dflash_doctor.inputs.environment import collect_environment
 from dflash_doctor.inputs.check_inputs import load_config_json, load_template_spec, load_tokenizer_spec
 from dflash_doctor.report.terminal import print_check_results
-from dflash_doctor.cli import app
+from dflash_doctor.cli.root import app
 from dflash_doctor.cli.options import ConfigFile, Draft, FailOn
 from dflash_doctor.inputs.config import build_config
 

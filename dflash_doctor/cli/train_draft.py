@@ -18,7 +18,7 @@ import torch
 import typer
 
 from dflash_doctor import __version__
-from dflash_doctor.cli import app
+from dflash_doctor.cli.root import app
 from dflash_doctor.cli.options import Classes, MaxRequests, Seed, Target, Workload
 from dflash_doctor.engine.dflash_model import DFlashDraftModel, default_target_layer_ids
 from dflash_doctor.errors import UsageError

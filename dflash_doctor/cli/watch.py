@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from dflash_doctor.cli import app
+from dflash_doctor.cli.root import app
 from dflash_doctor.cli import options as opt
 from dflash_doctor.inputs.config import build_config
 from dflash_doctor.rundir.writer import utc_now

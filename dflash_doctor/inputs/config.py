@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_doctor.errors import UsageError
-
+from dflash_doctor.stats.speedup import load_cost_profile
 
 
 def parse_k(value: str | int | list[int] | tuple[int, ...]) -> tuple[int, ...]:
@@ -134,8 +134,6 @@ def _validate(config: DoctorConfig) -> None:
     if config.fail_on not in ("fail", "warn"):
         raise UsageError(f"--fail-on {config.fail_on!r} is not one of fail, warn; pick one.")
     if config.cost_profile is not None:
-        from dflash_doctor.stats.speedup import load_cost_profile
-
         load_cost_profile(config.cost_profile)  # a profile that does not parse fails before any model work
     if config.end_of_request not in ("vllm", "official"):
         raise UsageError(f"end_of_request {config.end_of_request!r} is not one of vllm, official; pick the loop you model.")

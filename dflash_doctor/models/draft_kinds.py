@@ -39,7 +39,7 @@ from dflash_doctor.engine.proposers.base import Proposer
 from dflash_doctor.engine.proposers.dflash import DFlashProposer
 from dflash_doctor.engine.target import TargetModel
 from dflash_doctor.errors import UsageError
-from dflash_doctor.models.loading import is_dflash_config
+from dflash_doctor.models.loading import is_dflash_config, load_causal_lm, load_dflash_draft, validate_autoregressive_pair, validate_dflash_pair
 
 if TYPE_CHECKING:
     from dflash_doctor.engine.dflash_model import DFlashDraftModel
@@ -154,8 +154,6 @@ def resolve_draft_kind(name: str, config: dict[str, Any], spec: str) -> DraftKin
 
 
 def _load_dflash(draft_dir: Path, target_dir: Path, target_config: Any, options: LoadOptions) -> DFlashDraftModel:
-    from dflash_doctor.models.loading import load_dflash_draft, validate_dflash_pair
-
     model = load_dflash_draft(draft_dir, dtype=options.dtype, device=options.device)
     validate_dflash_pair(model.config, target_config)
     return model
@@ -169,8 +167,6 @@ def _dflash_with_layer_ids(model: DFlashDraftModel, layer_ids: list[int]) -> DFl
 
 
 def _load_autoregressive(draft_dir: Path, target_dir: Path, target_config: Any, options: LoadOptions) -> CausalLM:
-    from dflash_doctor.models.loading import load_causal_lm, validate_autoregressive_pair
-
     model = load_causal_lm(draft_dir, dtype=options.dtype, device=options.device, trust_remote_code=options.trust_remote_code)
     validate_autoregressive_pair(draft_dir, target_dir, model.config, target_config)
     return model

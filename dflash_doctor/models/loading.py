@@ -19,7 +19,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dflash_doctor.engine.dflash2_model import CHECKPOINT_KEY_RENAMES, draft_model_class
+from dflash_doctor.engine.dflash_model import DFlashConfig
 from dflash_doctor.errors import UsageError
+from dflash_doctor.models.draft_formats import normalise_draft_config
+from dflash_doctor.models.placement import layer_placement, target_devices
 
 if TYPE_CHECKING:
     from dflash_doctor.engine.dflash_model import DFlashDraftModel
@@ -175,8 +179,6 @@ def load_causal_lm(model_dir: Path, *, dtype: str = "float32", device: str = "cp
     listing several GPUs (``cuda:0,cuda:1``) places its layers over them."""
     from transformers import AutoModelForCausalLM
 
-    from dflash_doctor.models.placement import layer_placement, target_devices
-
     devices = target_devices(device)
     placement = {"device_map": layer_placement(model_dir, devices, trust_remote_code=trust_remote_code)} if len(devices) > 1 else {}
     try:
@@ -195,10 +197,6 @@ def load_dflash_draft(model_dir: Path, *, dtype: str = "float32", device: str = 
     """Build the DFlash module of a checkpoint in any dialect (:mod:`dflash_doctor.models.draft_formats`) and load
     its safetensors (unprefixed or ``model.``). The dialect facts land on ``model.draft_format``."""
     from safetensors.torch import load_file
-
-    from dflash_doctor.models.draft_formats import normalise_draft_config
-    from dflash_doctor.engine.dflash2_model import CHECKPOINT_KEY_RENAMES
-    from dflash_doctor.engine.dflash_model import DFlashConfig
 
     source = str(model_dir / "config.json")
     normalised = normalise_draft_config(read_config(model_dir), source=source)
@@ -222,8 +220,6 @@ def build_dflash_draft(cfg, state: dict[str, torch.Tensor], normalised, where: s
     """The module for ``cfg`` with ``state`` loaded; a draft-vocabulary head (``d2t``) is wired when the
     dialect says the draft predicts over its own vocabulary, other own embeddings/heads are dropped
     (recorded in ``draft_format["ships_own"]``: the engine uses the target's)."""
-    from dflash_doctor.engine.dflash2_model import draft_model_class
-
     fc = state.get("fc.weight")
     expected_width = len(cfg.target_layer_ids) * cfg.hidden_size
     if fc is not None and tuple(fc.shape) != (cfg.hidden_size, expected_width):
