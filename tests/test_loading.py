@@ -6,8 +6,10 @@ import json
 import pytest
 
 from dflash_doctor.models import loading
-from dflash_doctor.models.draft_kinds import detect_draft_kind
+from dflash_doctor.models.draft_kinds import LoadOptions, detect_draft_kind, get_draft_kind
 from dflash_doctor.errors import UsageError
+from tests.test_cli_engine import tiny_tokenizer
+from tests.tiny_models import tiny_target
 
 
 def _fake_hub_cache(root, repo_id, files):
@@ -84,3 +86,20 @@ def test_weights_fingerprint_is_the_same_in_float32_and_bfloat16_and_moves_with_
         for param in tuned.parameters():
             param.add_(torch.randn_like(param) * 1e-2)
     assert loading.weights_fingerprint(tuned) != recorded
+
+
+def test_an_autoregressive_draft_without_a_tokenizer_records_that_only_vocab_sizes_were_compared(tmp_path):
+    """The vocabulary check falls back to vocab_size when a tokenizer does not load; run.json's draft facts
+    say so (it used to be skipped without a trace), and a draft with its tokenizer records the full check."""
+    target = tiny_target()
+    target.save_pretrained(tmp_path / "target")
+    tiny_tokenizer().save_pretrained(tmp_path / "target")
+    target.save_pretrained(tmp_path / "bare")  # an AR draft shipped without tokenizer files
+    target.save_pretrained(tmp_path / "full")
+    tiny_tokenizer().save_pretrained(tmp_path / "full")
+    kind = get_draft_kind("autoregressive")
+    options = LoadOptions(dtype="float32", device="cpu")
+    bare = kind.facts(kind.load(tmp_path / "bare", tmp_path / "target", target.config, options))
+    assert bare["vocabulary_check"].startswith("vocab_size only: the draft tokenizer in ")
+    full = kind.facts(kind.load(tmp_path / "full", tmp_path / "target", target.config, options))
+    assert full["vocabulary_check"] == loading.VOCABULARY_COMPARED

@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from dflash_doctor.stats.metrics import conditional_rates, expected_accept_run, expected_reach_probs, expected_tau_by_k, expected_tau_iid, summarize, tau_from_rates, tau_with_ci, truncate_steps
+from dflash_doctor.stats.metrics import conditional_rates, expected_tau_iid, summarize, tau_from_rates, tau_with_ci, truncate_steps
 
 
 def make_steps(accepted_by_request: dict[str, list[int]], *, k: int, classes: dict[str, str]) -> pd.DataFrame:
@@ -202,21 +202,3 @@ def test_leviathan_tau_is_the_general_form_with_geometric_rates():
 
 def test_conditional_rates_divide_by_the_previous_slot():
     assert conditional_rates([0.8, 0.4, 0.0, 0.0]) == pytest.approx([0.8, 0.5, 0.0, float("nan")], nan_ok=True)
-
-
-def test_expected_accept_run_is_the_mean_of_simulated_runs():
-    rng = np.random.default_rng(5)
-    accept_probs = rng.uniform(0.2, 0.95, size=(6, 5))  # [N, K]
-    expected = expected_accept_run(accept_probs)
-    simulated = np.cumprod(rng.random((20_000, 6, 5)) < accept_probs, axis=2).sum(axis=2).mean(axis=0)
-    assert expected == pytest.approx(simulated, abs=0.05)
-    assert expected_accept_run(accept_probs, k=2) == pytest.approx(accept_probs[:, 0] * (1 + accept_probs[:, 1]))
-
-
-def test_expected_tau_by_k_matches_iid_closed_form():
-    alpha = 0.6
-    by_k = expected_tau_by_k(np.full((3, 8), alpha))
-    assert by_k == pytest.approx([expected_tau_iid(alpha, k) for k in range(1, 9)])
-    assert expected_reach_probs(np.full((1, 3), 0.5))[0] == pytest.approx([0.5, 0.25, 0.125])
-    with pytest.raises(ValueError):
-        expected_accept_run(np.array([[0.5, 1.5]]))

@@ -115,11 +115,6 @@ def register_draft_kind(kind: DraftKind[DraftModel], *, before: str | None = Non
     return kind
 
 
-def draft_kind_names() -> list[str]:
-    """Registered kinds in detection order (what ``--draft-kind`` accepts, besides ``auto``)."""
-    return list(_KINDS)
-
-
 def get_draft_kind(name: str) -> DraftKind[Any]:
     """The kind called ``name``; an unknown name is a UsageError suggesting the closest one."""
     try:
@@ -168,7 +163,8 @@ def _dflash_with_layer_ids(model: DFlashDraftModel, layer_ids: list[int]) -> DFl
 
 def _load_autoregressive(draft_dir: Path, target_dir: Path, target_config: Any, options: LoadOptions) -> CausalLM:
     model = load_causal_lm(draft_dir, dtype=options.dtype, device=options.device, trust_remote_code=options.trust_remote_code)
-    validate_autoregressive_pair(draft_dir, target_dir, model.config, target_config)
+    # kept on the model like a DFlash draft's ``draft_format``, for the kind's run.json facts
+    model.vocabulary_check = validate_autoregressive_pair(draft_dir, target_dir, model.config, target_config)
     return model
 
 
@@ -200,5 +196,6 @@ register_draft_kind(DraftKind(
     detect=lambda config: True,
     load=_load_autoregressive,
     build=lambda model, target, sampling: AutoregressiveProposer(model, temperature=sampling.temperature, generator=sampling.generator),
+    facts=lambda model: {"vocabulary_check": getattr(model, "vocabulary_check", None)},
     ships_tokenizer=True,
 ))

@@ -166,14 +166,6 @@ def fingerprint(model_dir: Path) -> str:
     return digest.hexdigest()[:16]
 
 
-def load_tokenizer(spec: str | Path, *, trust_remote_code: bool = False):
-    """The tokenizer of a model directory, GGUF file or hub id (GGUF converted once, like the model)."""
-    from transformers import AutoTokenizer
-
-    model_dir = resolve_model_dir(str(spec))
-    return AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
-
-
 def load_causal_lm(model_dir: Path, *, dtype: str = "float32", device: str = "cpu", trust_remote_code: bool = False) -> CausalLM:
     """A transformers causal LM in eval mode (SDPA attention, no remote code unless asked); a ``device``
     listing several GPUs (``cuda:0,cuda:1``) places its layers over them."""
@@ -276,8 +268,16 @@ def validate_dflash_pair(draft_cfg, target_config) -> None:
         )
 
 
-def validate_autoregressive_pair(draft_dir: Path, target_dir: Path, draft_config, target_config) -> None:
-    """Refuse an autoregressive draft whose vocabulary is not the target's (ids must mean the same strings)."""
+VOCABULARY_COMPARED = "token strings compared"
+
+
+def validate_autoregressive_pair(draft_dir: Path, target_dir: Path, draft_config, target_config) -> str:
+    """Refuse an autoregressive draft whose vocabulary is not the target's (ids must mean the same strings).
+
+    Returns how far the vocabularies were compared, for run.json (``models.draft.vocabulary_check``):
+    :data:`VOCABULARY_COMPARED`, or the sizes only when a tokenizer did not load (a draft shipped without
+    tokenizer files), with the reason, so a run never looks more checked than it was.
+    """
     from transformers import AutoTokenizer
 
     if draft_config.vocab_size != target_config.vocab_size:
@@ -285,17 +285,20 @@ def validate_autoregressive_pair(draft_dir: Path, target_dir: Path, draft_config
             f"draft vocab_size {draft_config.vocab_size} != target vocab_size {target_config.vocab_size}; an "
             "autoregressive draft must share the target's tokenizer (run `dflash-doctor tokenizers` to see the difference)."
         )
-    try:
-        draft_vocab = AutoTokenizer.from_pretrained(draft_dir).get_vocab()
-        target_vocab = AutoTokenizer.from_pretrained(target_dir).get_vocab()
-    except (OSError, ValueError):
-        return  # no tokenizer files: the vocab sizes above are all we can compare
+    vocabularies = {}
+    for role, model_dir in (("draft", draft_dir), ("target", target_dir)):
+        try:
+            vocabularies[role] = AutoTokenizer.from_pretrained(model_dir).get_vocab()
+        except (OSError, ValueError) as exc:
+            return f"vocab_size only: the {role} tokenizer in {model_dir} did not load ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+    draft_vocab, target_vocab = vocabularies["draft"], vocabularies["target"]
     if draft_vocab != target_vocab:
         differing = len(set(draft_vocab.items()) ^ set(target_vocab.items()))
         raise UsageError(
             f"the draft tokenizer maps {differing} token strings differently from the target's; an autoregressive draft "
             "must share the target's vocabulary (run `dflash-doctor tokenizers` for details)."
         )
+    return VOCABULARY_COMPARED
 
 
 def save_dflash_draft(model, out_dir: Path | str, *, extra_config: dict[str, Any] | None = None) -> Path:

@@ -66,11 +66,6 @@ def answer_text(pair: Pair, output_ids: Sequence[int]) -> str:
     return pair.tokenizer.decode([t for t in output_ids if t not in pair.stop_ids], skip_special_tokens=True)
 
 
-def first_turn_prompt(pair: Pair, request: Request) -> list[int]:
-    """The prompt ids of a request's first turn (what the probes replay)."""
-    return encode_request_turn(pair.tokenizer, request, [], chat_template=pair.chat_template)
-
-
 def run_turns(pair: Pair, requests: Sequence[Request], max_new_tokens: int, generate: GenerateBatch, *, chunk_size: int = 1) -> Iterator[Turn]:
     """Generate every turn of ``requests``; yields each request's turns, in order, once the request is done.
 

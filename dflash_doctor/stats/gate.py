@@ -151,17 +151,23 @@ def compare_slice(cls: str, base: Side, new: Side, k: int, threshold_tau: float,
         base_value, new_value, base_ci, new_ci = _finite(base_value), _finite(new_value), _ci(base_ci), _ci(new_ci)
         delta = delta_ci = None
         regression = False
+        row_note = note
         if not note and base_ci is not None and new_ci is not None and base_value is not None and new_value is not None:
             delta = new_value - base_value
             delta_ci = _ci(interval(new_samples - base_samples))
             regression = -delta > threshold and new_ci[1] < base_ci[0]
+        elif not note:
+            # the rule needs both intervals: without one a drop cannot be told from noise, so it is not
+            # gated, and the row says so instead of reading like a pass
+            missing = [label for label, value, ci in (("BASE", base_value, base_ci), ("NEW", new_value, new_ci)) if value is None or ci is None]
+            row_note = f"no 95% interval in {' and '.join(missing)}: not gated"
         rows.append(
             MetricComparison(
                 cls=cls, metric=metric, slot=slot,
                 base=base_value, base_ci=base_ci, new=new_value, new_ci=new_ci,
                 delta=delta, delta_ci=delta_ci, threshold=threshold,
                 regression=regression,
-                note=note,
+                note=row_note,
             )
         )
     return rows

@@ -294,7 +294,7 @@ class Judge:
         try:
             verdict.speedup = self.costs.speedup(verdict.mean_acceptance_length, verdict.k)
         except UsageError as exc:
-            verdict.notes.append(f"no net speedup: {exc.message if hasattr(exc, 'message') else exc}")
+            verdict.notes.append(f"no net speedup: {exc.message}")
             return
         verdict.best_k, verdict.best_speedup = _best_k(verdict.acceptance_rate_per_pos, verdict.k, self.costs)
         if verdict.speedup < self.thresholds.speedup_floor:
