@@ -205,7 +205,7 @@ CLASS_TABLE_COLUMNS = [
 
 def filtered_summary(steps: pd.DataFrame, requests: pd.DataFrame, *, seed: int = 0) -> Summary:
     """The run's summary recomputed over a subset of requests (same metrics code, same CIs)."""
-    return Summary.from_json(summarize(steps[steps["request_id"].isin(requests["request_id"])], requests, seed=seed))
+    return summarize(steps[steps["request_id"].isin(requests["request_id"])], requests, seed=seed)
 
 
 def class_table(summary: Summary, requests: pd.DataFrame, *, seed: int = 0) -> pd.DataFrame:

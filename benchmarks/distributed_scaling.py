@@ -172,7 +172,7 @@ def data_parallel(args, tokenizer, dtype) -> None:
     merged = analyse(pair, requests, Path(args.run_dir), args.max_new_tokens)  # other ranks leave here (SystemExit)
     seconds = time.perf_counter() - start
     tokens = sum(row["num_output_tokens"] for row in merged.request_rows)
-    tau = summarize(merged.steps_frame(), merged.requests_frame(), seed=0)["overall"]["mean_acceptance_length"]
+    tau = summarize(merged.steps_frame(), merged.requests_frame(), seed=0).overall.mean_acceptance_length
     result = {"gpus": ranks.world_size, "requests": len(merged.request_rows), "analysed_tokens": tokens, "seconds": seconds,
               "tokens_per_s": tokens / seconds, "tau_k15": tau}
     print(f"data-parallel over {ranks.world_size} rank(s): {len(merged.request_rows)} requests, {tokens} tokens analysed at "
@@ -199,8 +199,8 @@ def placed(args, tokenizer, dtype) -> None:
     summary = summarize(merged.steps_frame(), merged.requests_frame(), seed=0)
     peak = {d: round(torch.cuda.max_memory_allocated(d) / 2**30, 1) for d in devices if d.startswith("cuda")}
     print(f"placed target end to end: {len(merged.request_rows)} requests, {tokens} tokens analysed at K=1..15 in {seconds:.2f} s "
-          f"= {tokens / seconds:,.1f} analysed tokens/s; tau at K=15 {summary['overall']['mean_acceptance_length']:.3f}; "
-          f"classes {sorted(summary['by_class'])}; peak GiB per GPU {peak}")
+          f"= {tokens / seconds:,.1f} analysed tokens/s; tau at K=15 {summary.overall.mean_acceptance_length:.3f}; "
+          f"classes {sorted(summary.by_class)}; peak GiB per GPU {peak}")
     if args.json:
         Path(args.json).write_text(json.dumps({"devices": devices, "weights_gb": params, "tokens": tokens, "seconds": seconds, "peak_gib": peak}))
 

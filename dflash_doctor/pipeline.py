@@ -35,7 +35,7 @@ from dflash_doctor.replay.probes import layer_offset_probe, lossless_probe, prob
 from dflash_doctor.replay.stream import Replay, replay_live, replay_teacher
 from dflash_doctor.report import render_reports
 from dflash_doctor.rundir.load import Run
-from dflash_doctor.rundir.record import Probes, PromptFormat, Recommendation, RunMeta, RunRecord, Summary, Sweep, _from_json, _to_json
+from dflash_doctor.rundir.record import Probes, PromptFormat, RunMeta, RunRecord, _to_json
 from dflash_doctor.rundir.tables import TABLES
 from dflash_doctor.rundir.writer import RunWriter, utc_now
 from dflash_doctor.serving.agreement import compare_with_embedded
@@ -43,7 +43,7 @@ from dflash_doctor.serving.client import EngineEndpoint, resolve_model
 from dflash_doctor.serving.engine_run import measure_engine, start_engine_record
 from dflash_doctor.stats import deviations
 from dflash_doctor.stats.metrics import summarize
-from dflash_doctor.stats.speedup import build_sweep, load_cost_profile, recommend, rows_by_class
+from dflash_doctor.stats.speedup import build_sweep, load_cost_profile, recommend
 
 ProgressFactory = Callable[[int], ContextManager[Callable[[Any], None] | None]]  # total turns -> progress callback
 
@@ -87,8 +87,7 @@ def _new_record(config: DoctorConfig, pair: Pair, command: str, **meta: Any) -> 
 
 def _summarize(record: RunRecord, replay: Replay, seed: int) -> None:
     record.meta.interrupted = replay.interrupted
-    summary = summarize(replay.steps_frame(), replay.requests_frame(), seed=seed)
-    record.summary = Summary.from_json(summary)
+    record.summary = summarize(replay.steps_frame(), replay.requests_frame(), seed=seed)
 
 
 def _sweep(record: RunRecord, pair: Pair, replay: Replay, config: DoctorConfig) -> None:
@@ -96,11 +95,10 @@ def _sweep(record: RunRecord, pair: Pair, replay: Replay, config: DoctorConfig) 
     measured here (or from ``--cost-profile``)."""
     costs = load_cost_profile(config.cost_profile) if config.cost_profile else pair.measure_step_costs(config.k)
     sweep = build_sweep(replay.sweep_frames(), costs, replay.estimate_by_k, seed=config.seed)
-    record.summary.sweep = _from_json(Sweep, sweep)
+    record.summary.sweep = sweep
     strict_max_k = int(config.thresholds.get("strict_max_k", 4))
     share = float(config.thresholds.get("conservative_share", 0.95))
-    recommendation = recommend(rows_by_class(sweep), conservative_share=share, strict_classes=config.strict_classes, strict_max_k=strict_max_k)
-    record.recommendation = _from_json(dict[str, Recommendation], recommendation)
+    record.recommendation = recommend(sweep.scopes(), conservative_share=share, strict_classes=config.strict_classes, strict_max_k=strict_max_k)
 
 
 def _finish(writer: RunWriter, record: RunRecord, replay: Replay) -> None:
@@ -217,7 +215,7 @@ def run_engine_check(config: DoctorConfig, *, only: Sequence[str] = (), skip: Se
         with progress(sum(r.num_turns for r in requests)) as on_turn:
             measured = measure_engine(endpoint, requests, config, writer, record, concurrency=config.engine_concurrency, progress=on_turn)
         record.meta.interrupted = measured.interrupted
-        record.summary = Summary.from_json(summarize(measured.steps_frame(), measured.requests_frame(), seed=config.seed))
+        record.summary = summarize(measured.steps_frame(), measured.requests_frame(), seed=config.seed)
         writer.meta = record.to_json()
         if measured.failure is not None:
             raise measured.failure

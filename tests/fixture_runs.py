@@ -29,7 +29,7 @@ from dflash_doctor.rundir.tables import REQUESTS_SCHEMA, STEPS_SCHEMA
 from dflash_doctor.rundir.record import RunMeta, RunRecord
 from dflash_doctor.rundir.writer import RunWriter, utc_now
 from dflash_doctor.rundir.record import StepCosts
-from dflash_doctor.stats.speedup import build_sweep, recommend, rows_by_class
+from dflash_doctor.stats.speedup import build_sweep, recommend
 
 HOSTILE_TOKEN_TEXT = "<script>alert(1)</script>"
 
@@ -302,7 +302,8 @@ def make_fixture_run(
             writer.flush()
         requests_frame = pd.DataFrame(all_requests, columns=list(REQUESTS_SCHEMA.names))
         steps_frame = pd.DataFrame(all_steps, columns=list(STEPS_SCHEMA.names))
-        meta["summary"] = summarize(steps_frame, requests_frame, num_slots=k, n_boot=NUM_BOOTSTRAP_RESAMPLES, seed=seed)
+        record = RunRecord.from_json(meta)
+        record.summary = summarize(steps_frame, requests_frame, num_slots=k, n_boot=NUM_BOOTSTRAP_RESAMPLES, seed=seed)
         if with_sweep and len(steps_frame):
             costs = StepCosts(
                 t_decode_s=T_DECODE_S,
@@ -313,6 +314,7 @@ def make_fixture_run(
             )
             steps_by_k = {kk: truncate_steps(steps_frame, kk) for kk in range(1, k + 1)}
             estimate_by_k = {kk: "exact" if kk == k else "truncated" for kk in range(1, k + 1)}
-            meta["summary"]["sweep"] = build_sweep(steps_by_k, costs, estimate_by_k, n_boot=NUM_BOOTSTRAP_RESAMPLES, seed=seed)
-            meta["recommendation"] = recommend(rows_by_class(meta["summary"]["sweep"]))
+            record.summary.sweep = build_sweep(steps_by_k, costs, estimate_by_k, n_boot=NUM_BOOTSTRAP_RESAMPLES, seed=seed)
+            record.recommendation = recommend(record.summary.sweep.scopes())
+        writer.meta = record.to_json()
     return run_dir

@@ -98,9 +98,9 @@ def _live(model, proposer_of, prompt, k, stop_ids, hidden_state_indices=()):
 def _counters(steps_by_request: list[list[StepRecord]]) -> dict:
     """tau, per-position counters and histogram of a set of runs, through the same code run.json uses."""
     rows = [{"request_id": str(i), "class": "c", **vars(s)} for i, steps in enumerate(steps_by_request) for s in steps]
-    overall = summarize(pd.DataFrame(rows), n_boot=1)["overall"]
+    overall = summarize(pd.DataFrame(rows), n_boot=1).overall
     keys = ("num_drafts", "num_accepted_tokens", "num_accepted_tokens_per_pos", "mean_acceptance_length", "acceptance_histogram")
-    return {key: overall[key] for key in keys}
+    return {key: getattr(overall, key) for key in keys}
 
 
 def test_target_as_its_own_draft_accepts_every_token(smollm2, prompts, greedy_outputs):

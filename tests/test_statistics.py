@@ -46,9 +46,11 @@ def _write_run(run_dir, steps: list[tuple[str, str, int, int]]):
         writer.add("requests", request_rows)
         writer.add("steps", step_rows)
         writer.flush()
-        meta["summary"] = summarize(
+        record = RunRecord.from_json(meta)
+        record.summary = summarize(
             pd.DataFrame(step_rows, columns=list(STEPS_SCHEMA.names)), pd.DataFrame(request_rows, columns=list(REQUESTS_SCHEMA.names))
         )
+        writer.meta = record.to_json()
     return run_dir
 
 

@@ -17,7 +17,7 @@ from dflash_doctor.report import figures
 from dflash_doctor.report.html import figure_html, plotly_js
 from dflash_doctor.report.templating import html_env, markdown_env
 from dflash_doctor.rundir.load import Run, load_run
-from dflash_doctor.rundir.record import OVERALL, Summary
+from dflash_doctor.rundir.record import OVERALL
 from dflash_doctor.stats import deviations
 from dflash_doctor.stats.gate import DEFAULT_THRESHOLD_RATE, DEFAULT_THRESHOLD_TAU, NO_SIDE, Comparison, Side, compare_slice
 from dflash_doctor.stats.metrics import NUM_BOOTSTRAP_RESAMPLES, RequestCounters, group_rng, summarize, summary_group, truncate_steps
@@ -47,7 +47,7 @@ def _sides(run: Run, k: int) -> dict[str, Side]:
         summary = run.record.summary
     else:
         steps = truncate_steps(steps, k)
-        summary = Summary.from_json(summarize(steps, requests, num_slots=k, seed=seed))
+        summary = summarize(steps, requests, num_slots=k, seed=seed)
     sides = {}
     for cls, metrics in summary.scopes().items():
         chosen = steps if cls == OVERALL else steps[steps["class"] == cls]

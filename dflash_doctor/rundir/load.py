@@ -95,7 +95,7 @@ def _load_incomplete(run_dir: Path, meta: dict[str, Any]) -> Run:
     computed from the finished requests (run.json gets one only when the run ends), so every view shows
     what was measured so far."""
     frames = {name: table.to_pandas() for name, table in read_journal(run_dir).items()}
-    if not (meta.get("summary") or {}).get("overall"):
-        seed = (meta.get("config") or {}).get("seed", 0)
-        meta = {**meta, "summary": summarize(frames["steps"], frames["requests"], seed=seed)}
-    return Run(path=run_dir, record=RunRecord.from_json(meta), complete=False, **frames)
+    record = RunRecord.from_json(meta)
+    if record.summary.overall is None:
+        record.summary = summarize(frames["steps"], frames["requests"], seed=record.seed)
+    return Run(path=run_dir, record=record, complete=False, **frames)

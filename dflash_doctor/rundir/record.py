@@ -239,7 +239,7 @@ class Summary:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "Summary":
-        """Parse a run.json ``summary`` (:func:`dflash_doctor.stats.metrics.summarize` returns that form)."""
+        """Parse a run.json ``summary`` (also how :func:`dflash_doctor.stats.metrics.summarize` types its counters)."""
         return _from_json(cls, data)
 
 

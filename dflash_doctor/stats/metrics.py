@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from dflash_doctor.rundir.record import OVERALL
+from dflash_doctor.rundir.record import OVERALL, Summary
 
 CI_LEVEL = 0.95
 NUM_BOOTSTRAP_RESAMPLES = 1000
@@ -269,8 +269,9 @@ def summarize(
     num_slots: int | None = None,
     n_boot: int = NUM_BOOTSTRAP_RESAMPLES,
     seed: int = 0,
-) -> dict[str, Any]:
-    """run.json ``summary``: ``{"overall": M, "by_class": {class: M}}`` from a steps table.
+) -> Summary:
+    """run.json ``summary`` (typed: overall and per class :class:`~dflash_doctor.rundir.record.Metrics`)
+    from a steps table.
 
     ``requests`` (optional, the requests table) makes the counts exact where steps alone cannot: requests
     that never reached a step still count in ``num_requests``, and ``num_output_tokens`` is the real
@@ -302,7 +303,7 @@ def summarize(
     for cls in sorted(request_class.unique()):
         ids = request_class.index[request_class.to_numpy() == cls].to_numpy()
         summary["by_class"][str(cls)] = block(summary_group(str(cls)), steps[steps["class"] == cls], ids)
-    return summary
+    return Summary.from_json(summary)
 
 
 def tau_with_ci(steps: pd.DataFrame, *, n_boot: int = NUM_BOOTSTRAP_RESAMPLES, seed: int = 0, group: str = "overall") -> tuple[float, list[float]]:
