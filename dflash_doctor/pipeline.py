@@ -36,7 +36,7 @@ from dflash_doctor.replay.stream import Replay, replay_live, replay_teacher
 from dflash_doctor.report import render_reports
 from dflash_doctor.rundir.load import Run
 from dflash_doctor.rundir.record import Probes, PromptFormat, RunMeta, RunRecord, _to_json
-from dflash_doctor.rundir.tables import TABLES
+from dflash_doctor.rundir.tables import TABLES, read_table_or_empty
 from dflash_doctor.rundir.writer import RunWriter, utc_now
 from dflash_doctor.serving.agreement import compare_with_embedded
 from dflash_doctor.serving.client import EngineEndpoint, resolve_model
@@ -179,7 +179,7 @@ def run_check(config: DoctorConfig, *, scenario=None, only: Sequence[str] = (), 
         record.checks = run_checks(check_context(pair, requests, ctx_config, record, replay.request_rows), only=only, skip=skip)
         _finish(writer, record, replay)
     tokens = TABLES["tokens"]  # token rows are never held in memory: the report's token viewer reads them back
-    run = Run(run_dir, record, replay.requests_frame(), replay.steps_frame(), _read_table(run_dir, "tokens", tokens))
+    run = Run(run_dir, record, replay.requests_frame(), replay.steps_frame(), read_table_or_empty(run_dir / "tokens.parquet", tokens))
     analysis = deviations.analyze_run(run)  # once: every report format and the terminal show it
     render_reports(run, analysis=analysis)
     return Outcome(run_dir, record, analysis)
@@ -231,13 +231,6 @@ def run_engine_check(config: DoctorConfig, *, only: Sequence[str] = (), skip: Se
         writer.meta = record.to_json()
     render_reports(Run(run_dir, record, measured.requests_frame(), measured.steps_frame(), TABLES["tokens"].empty_table().to_pandas()))
     return Outcome(run_dir, record)
-
-
-def _read_table(run_dir: Path, name: str, schema) -> "Any":
-    import pyarrow.parquet as pq
-
-    path = run_dir / f"{name}.parquet"
-    return pq.read_table(path).to_pandas() if path.is_file() else schema.empty_table().to_pandas()
 
 
 def _probes(pair: Pair, requests: Sequence[Request], replay: Replay, config: DoctorConfig) -> Probes:

@@ -11,7 +11,7 @@ from rich.table import Table
 from dflash_doctor import pipeline
 from dflash_doctor.checks.base import exit_code, get_check
 from dflash_doctor.cli import options as opt
-from dflash_doctor.cli.progress import progress_bar
+from dflash_doctor.cli.progress import run_with_progress
 from dflash_doctor.cli.root import app
 from dflash_doctor.errors import UsageError
 from dflash_doctor.inputs.config import build_config
@@ -88,20 +88,15 @@ def check(
         get_check(check_id)  # an unknown id fails now, with "did you mean", before any model work
     if cfg.engine is not None and cfg.devices:
         raise UsageError("--devices spreads the local replay over processes, --engine measures a server; drop one of them.")
+    if cfg.engine is not None and scenario is not None:
+        raise UsageError("--scenario reproduces failures on the embedded demo pair; drop it or drop --engine.")
     if (code := sharding.launch_ranks(cfg)) is not None:
         raise typer.Exit(code)
-    console = Console(stderr=True)
-    try:
-        if cfg.engine is not None:
-            if scenario is not None:
-                raise UsageError("--scenario reproduces failures on the embedded demo pair; drop it or drop --engine.")
-            outcome = pipeline.run_engine_check(cfg, only=only_ids, skip=skip_ids, progress=progress_bar(console))
-        else:
-            outcome = pipeline.run_check(cfg, scenario=chosen, only=only_ids, skip=skip_ids, exact_blocks=exact_blocks,
-                                         progress=progress_bar(console))
-    except KeyboardInterrupt:
-        console.print("[yellow]interrupted[/]: finished requests are kept in the run directory")
-        raise typer.Exit(130)
+    if cfg.engine is not None:
+        outcome = run_with_progress(lambda progress: pipeline.run_engine_check(cfg, only=only_ids, skip=skip_ids, progress=progress))
+    else:
+        outcome = run_with_progress(lambda progress: pipeline.run_check(cfg, scenario=chosen, only=only_ids, skip=skip_ids,
+                                                                        exact_blocks=exact_blocks, progress=progress))
     record = outcome.record
     if cfg.engine is not None:
         print_class_summary(record, record.source.details.get("num_spec_tokens") or 0, out_console)

@@ -20,6 +20,7 @@ from typing import Callable, Iterator, Sequence
 from dflash_doctor.engine.live import GenerationResult
 from dflash_doctor.models.pair import Pair
 from dflash_doctor.inputs.workloads import Request, encode_request_turn
+from dflash_doctor.rundir.tables import turn_row_id
 
 
 @dataclass(frozen=True)
@@ -45,8 +46,8 @@ class Turn:
 
     @property
     def key(self) -> str:
-        """Row id in the steps/tokens tables: a later turn gets a ``#t<turn>`` suffix."""
-        return self.request.id if self.index == 0 else f"{self.request.id}#t{self.index}"
+        """Row id in the steps/tokens tables (:func:`~dflash_doctor.rundir.tables.turn_row_id`)."""
+        return turn_row_id(self.request.id, self.index)
 
     @property
     def output_ids(self) -> list[int]:

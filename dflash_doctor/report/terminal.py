@@ -34,7 +34,7 @@ def print_sweep(record: RunRecord, console: Console) -> None:
     """Per-class table: tau and speedup at each K, then the recommended K with its reason."""
     sweep = record.summary.sweep
     if sweep is not None:
-        rows_by_group = {"overall": sweep.overall, **sweep.by_class}
+        rows_by_group = sweep.scopes()
         table = Table(title="K sweep: tau (bonus included) / net speedup", show_lines=False)
         table.add_column("K", justify="right")
         for group in rows_by_group:

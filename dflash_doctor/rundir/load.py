@@ -13,11 +13,10 @@ from pathlib import Path
 from typing import Any, Iterable
 
 import pandas as pd
-import pyarrow.parquet as pq
 
 from dflash_doctor.errors import UsageError
 from dflash_doctor.rundir.record import SCHEMA_VERSION, RunRecord
-from dflash_doctor.rundir.tables import RUN_JSON, TABLES
+from dflash_doctor.rundir.tables import RUN_JSON, TABLES, read_table_or_empty
 from dflash_doctor.rundir.writer import JOURNAL_DIR, read_journal
 from dflash_doctor.stats.metrics import summarize
 
@@ -82,11 +81,7 @@ def load_run(run_dir: Path | str, tables: Iterable[str] = tuple(TABLES)) -> Run:
         return _load_incomplete(run_dir, meta)
     frames: dict[str, pd.DataFrame] = {}
     for name, schema in TABLES.items():
-        path = run_dir / f"{name}.parquet"
-        if name in tables and path.is_file():
-            frames[name] = pq.read_table(path).to_pandas()
-        else:
-            frames[name] = schema.empty_table().to_pandas()
+        frames[name] = read_table_or_empty(run_dir / f"{name}.parquet", schema) if name in tables else schema.empty_table().to_pandas()
     return Run(path=run_dir, record=RunRecord.from_json(meta), requests=frames["requests"], steps=frames["steps"], tokens=frames["tokens"])
 
 

@@ -208,7 +208,7 @@ class Sweep:
 
     def scopes(self) -> dict[str, list[SweepRow]]:
         """``{"overall": rows, CLASS: rows...}``: overall first, then classes in the order written."""
-        return {"overall": self.overall, **self.by_class}
+        return {OVERALL: self.overall, **self.by_class}
 
     def step_costs(self) -> StepCosts:
         """The step costs the speedups were priced with (``costs`` is their run.json form)."""
@@ -225,7 +225,7 @@ class Summary:
 
     def scopes(self) -> dict[str, Metrics]:
         """``{"overall": M, CLASS: M...}``: overall first, then classes in name order."""
-        return {**({"overall": self.overall} if self.overall is not None else {}), **self.by_class}
+        return {**({OVERALL: self.overall} if self.overall is not None else {}), **self.by_class}
 
     def classes_then_overall(self) -> list[tuple[str, Metrics | None]]:
         """``(class, M)`` in class-name order, then ``("overall", M)``: the row order of the reports and

@@ -13,11 +13,26 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import pandas as pd
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 RUN_JSON = "run.json"
+
+def read_table_or_empty(path: Path, schema: pa.Schema) -> pd.DataFrame:
+    """A Parquet table as a frame; a missing file reads as the empty table of ``schema`` (every column,
+    no rows), so views need no special case for a table a run never wrote."""
+    return pq.read_table(path).to_pandas() if path.is_file() else schema.empty_table().to_pandas()
+
+
+def turn_row_id(request_id: str, turn: int) -> str:
+    """A turn's ``request_id`` in the steps / tokens / requests tables: the request's id for its first turn
+    (turn 0), ``<id>#t<turn>`` for a later one; the embedded replay and a serving engine name turns alike."""
+    return request_id if turn == 0 else f"{request_id}#t{turn}"
+
 
 def _column(arrow_type: pa.DataType, name: str | None = None) -> Any:
     """A row field with its Arrow type (and its column name when the field name cannot be it, e.g. ``class``)."""

@@ -25,7 +25,7 @@ from dflash_doctor.inputs.environment import collect_environment
 from dflash_doctor.inputs.workloads import Request, conversation_turns, fill_answers
 from dflash_doctor.replay.turns import turn_limit
 from dflash_doctor.rundir.record import ModelInfo, RunMeta, RunRecord, Source
-from dflash_doctor.rundir.tables import REQUESTS_SCHEMA, STEPS_SCHEMA, StepRow, as_row
+from dflash_doctor.rundir.tables import REQUESTS_SCHEMA, STEPS_SCHEMA, StepRow, as_row, turn_row_id
 from dflash_doctor.rundir.writer import utc_now
 from dflash_doctor.serving.client import EngineEndpoint, EngineError, call, scrape_metrics
 from dflash_doctor.serving.prometheus import EngineCounters, measurement_between, read_counters
@@ -56,8 +56,8 @@ class EngineTurn:
 
     @property
     def key(self) -> str:
-        """Row id in the steps table, as the embedded replay names turns (``#t<turn>`` after the first)."""
-        return self.request.id if self.turn == 0 else f"{self.request.id}#t{self.turn}"
+        """Row id in the steps table, as the embedded replay names turns (:func:`~dflash_doctor.rundir.tables.turn_row_id`)."""
+        return turn_row_id(self.request.id, self.turn)
 
 
 def request_body(endpoint: EngineEndpoint, request: Request, messages: list[dict[str, Any]] | None,

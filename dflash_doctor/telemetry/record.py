@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 
 from dflash_doctor.stats.metrics import conditional_rates
 from dflash_doctor.rundir.record import Metrics, ModelInfo, RunMeta, RunRecord, Source, Summary, TauDistribution
-from dflash_doctor.rundir.tables import TABLES
+from dflash_doctor.rundir.tables import TABLES, read_table_or_empty
 from dflash_doctor.rundir.writer import utc_now, write_run_json
 from dflash_doctor.telemetry.counts import ALL_CLASSES, SeriesKey, SpecCounts, rate_intervals, total, window_tau_interval
 from dflash_doctor.telemetry.verdict import WindowVerdict
@@ -157,18 +157,13 @@ class WatchRecord:
 
 def read_windows(run_dir: Path | str) -> pd.DataFrame:
     """``windows.parquet`` of a watch run (an empty frame with the columns when there is none)."""
-    return _read(Path(run_dir) / WINDOWS_FILE, WINDOWS_SCHEMA)
+    return read_table_or_empty(Path(run_dir) / WINDOWS_FILE, WINDOWS_SCHEMA)
 
 
 def read_units(run_dir: Path | str) -> pd.DataFrame:
     """``units.parquet`` of a watch run: the counts between consecutive scrapes (or per line / response)."""
-    return _read(Path(run_dir) / UNITS_FILE, UNITS_SCHEMA)
+    return read_table_or_empty(Path(run_dir) / UNITS_FILE, UNITS_SCHEMA)
 
-
-def _read(path: Path, schema: pa.Schema) -> pd.DataFrame:
-    if not path.is_file():
-        return schema.empty_table().to_pandas()
-    return pq.read_table(path).to_pandas()
 
 
 class WatchSetup(TypedDict):
