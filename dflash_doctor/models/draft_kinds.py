@@ -163,8 +163,9 @@ def _dflash_with_layer_ids(model: DFlashDraftModel, layer_ids: list[int]) -> DFl
 
 def _load_autoregressive(draft_dir: Path, target_dir: Path, target_config: Any, options: LoadOptions) -> CausalLM:
     model = load_causal_lm(draft_dir, dtype=options.dtype, device=options.device, trust_remote_code=options.trust_remote_code)
-    # kept on the model like a DFlash draft's ``draft_format``, for the kind's run.json facts
-    model.vocabulary_check = validate_autoregressive_pair(draft_dir, target_dir, model.config, target_config)
+    # kept on the model like a DFlash draft's ``draft_format``, for the kind's run.json facts (setattr: a
+    # transformers model declares no such attribute, and nn.Module's typed __setattr__ expects tensors)
+    setattr(model, "vocabulary_check", validate_autoregressive_pair(draft_dir, target_dir, model.config, target_config))
     return model
 
 

@@ -270,7 +270,7 @@ def _recommend_one(rows: Sequence[SweepRow], share: float, strict_max_k: int | N
     strict = strict_max_k is not None
     score = _point_speedup
     note = ""
-    if strict:
+    if strict_max_k is not None:
         candidates = [row for row in candidates if row.k <= strict_max_k]
         score = _pessimistic_speedup
         note = f" (strict class: K <= {strict_max_k}, judged at the low end of tau's 95% interval)"
