@@ -1,5 +1,5 @@
 """Dashboard-only plotly figures; the shared ones (tau per class, per-slot curves, histogram, speedup
-vs K, BASE vs NEW) come from :mod:`dflash_doctor.figures` so the report and the dashboard agree.
+vs K, BASE vs NEW) come from :mod:`dflash_doctor.report.figures` so the report and the dashboard agree.
 
 Same conventions as there: pure builders, a class keeps its colour (``figures.class_colors``), an
 empty input gives a figure that says why it is empty.
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pandas as pd
 import plotly.graph_objects as go
 
-from dflash_doctor.figures import _LAYOUT, _empty, class_colors
+from dflash_doctor.report.figures import _LAYOUT, _empty, class_colors
 
 TOKEN_STATUS_COLORS = {"accepted": "#2ca02c", "rejected": "#d62728", "unused": "#b0b0b0"}
 

@@ -1,7 +1,7 @@
 """The dashboard's data layer: finding runs, accepting uploads, and turning run tables into small frames.
 
 Everything here is plain pandas/numpy with no Streamlit import, so it is tested without a browser and
-the pages stay thin. Run directories are read only through :func:`dflash_doctor.schema.load_run`; the
+the pages stay thin. Run directories are read only through :func:`dflash_doctor.rundir.load.load_run`; the
 functions below aggregate (per class, per slot, per request page) so that a page never ships more than
 a few hundred rows to the browser, even on a run with 100k drafted tokens.
 """
@@ -20,10 +20,13 @@ import numpy as np
 import pandas as pd
 
 from dflash_doctor.errors import UsageError
-from dflash_doctor.metrics import NUM_BOOTSTRAP_RESAMPLES, OVERALL, bootstrap_ratio, group_rng, interval, summarize, summary_group
-from dflash_doctor.record import Recommendation, RunRecord, Summary, Sweep
-from dflash_doctor.schema import RUN_JSON, TABLES, read_run_meta, run_data_files
-from dflash_doctor.status import STATUS_RANK, VERDICT_NONE, CheckResult, overall_status, status_counts
+from dflash_doctor.rundir.record import OVERALL
+from dflash_doctor.stats.metrics import NUM_BOOTSTRAP_RESAMPLES, bootstrap_ratio, group_rng, interval, summarize, summary_group
+from dflash_doctor.rundir.record import Recommendation, RunRecord, Summary, Sweep
+from dflash_doctor.rundir.load import read_run_meta
+from dflash_doctor.rundir.tables import RUN_JSON, TABLES
+from dflash_doctor.rundir.writer import run_data_files
+from dflash_doctor.rundir.status import STATUS_RANK, VERDICT_NONE, CheckResult, overall_status, status_counts
 from dflash_doctor.telemetry.record import UNITS_FILE, WINDOWS_FILE
 
 if TYPE_CHECKING:
@@ -191,7 +194,7 @@ def filter_requests(
 
 def bootstrap_ratio_ci(numerator: np.ndarray, denominator: np.ndarray, *, seed: int = 0, group: str = OVERALL) -> tuple[float, float]:
     """95% CI of ``sum(numerator) / sum(denominator)`` resampling requests (rows), through the same
-    bootstrap and interval as the summary's (:mod:`dflash_doctor.metrics`)."""
+    bootstrap and interval as the summary's (:mod:`dflash_doctor.stats.metrics`)."""
     samples = bootstrap_ratio(numerator, denominator, NUM_BOOTSTRAP_RESAMPLES, group_rng(seed, group))
     lo, hi = interval(samples)
     return (float(lo), float(hi))
@@ -205,7 +208,7 @@ CLASS_TABLE_COLUMNS = [
 
 def filtered_summary(steps: pd.DataFrame, requests: pd.DataFrame, *, seed: int = 0) -> Summary:
     """The run's summary recomputed over a subset of requests (same metrics code, same CIs)."""
-    return Summary.from_json(summarize(steps[steps["request_id"].isin(requests["request_id"])], requests, seed=seed))
+    return summarize(steps[steps["request_id"].isin(requests["request_id"])], requests, seed=seed)
 
 
 def class_table(summary: Summary, requests: pd.DataFrame, *, seed: int = 0) -> pd.DataFrame:
@@ -490,7 +493,7 @@ def recommendation_table(recommendation: dict[str, Recommendation]) -> pd.DataFr
 
 
 def run_verdict(checks: Sequence[CheckResult]) -> tuple[str, str]:
-    """(verdict, sentence) for the whole run: :func:`dflash_doctor.status.overall_status` of its checks
+    """(verdict, sentence) for the whole run: :func:`dflash_doctor.rundir.status.overall_status` of its checks
     and how many checks ended in each status."""
     statuses = [check.status for check in checks]
     status = overall_status(statuses)

@@ -1,6 +1,6 @@
 """Streamlit glue shared by every page: which runs exist, which one is open, and cached reads of it.
 
-Reads go through :func:`dflash_doctor.schema.load_run`, cached keyed by the run's path and newest
+Reads go through :func:`dflash_doctor.rundir.load.load_run`, cached keyed by the run's path and newest
 file mtime, so a page switch costs no disk read and a rewritten run is noticed. Derived frames (class
 tables, one request's tokens) are ``st.cache_data`` with the same key, so a widget change on a
 100k-token run recomputes only what the widget touches.
@@ -15,12 +15,14 @@ from pathlib import Path
 import pandas as pd
 import streamlit as st
 
-from dflash_doctor import compare, deviations
+from dflash_doctor.report import compare
+from dflash_doctor.stats import deviations
+from dflash_doctor.stats.gate import Comparison
 from dflash_doctor.app import RUNS_DIR_ENV, data
 from dflash_doctor.errors import UsageError
-from dflash_doctor.record import Summary
+from dflash_doctor.rundir.record import Summary
 from dflash_doctor.report.content import incomplete_note
-from dflash_doctor.schema import Run, load_run
+from dflash_doctor.rundir.load import Run, load_run
 
 DEFAULT_RUNS_DIR = "runs"
 RUN_KEY = "run_path"  # session key of the open run (a path string)
@@ -185,7 +187,7 @@ def request_slice(path: str, mtime_ns: int, request_id: str) -> tuple[pd.DataFra
 
 
 @st.cache_data(show_spinner="Comparing runs…", max_entries=16)
-def comparison(base_path: str, base_mtime_ns: int, new_path: str, new_mtime_ns: int, threshold_tau: float, threshold_rate: float) -> compare.Comparison:
+def comparison(base_path: str, base_mtime_ns: int, new_path: str, new_mtime_ns: int, threshold_tau: float, threshold_rate: float) -> Comparison:
     """`dflash-doctor compare` of two runs (same rule and bootstrap), cached per pair and thresholds."""
     base = _load(base_path, base_mtime_ns, ("requests", "steps", "tokens"))  # tokens: the patterns that grew
     new = _load(new_path, new_mtime_ns, ("requests", "steps", "tokens"))
@@ -194,7 +196,7 @@ def comparison(base_path: str, base_mtime_ns: int, new_path: str, new_mtime_ns: 
 
 @st.cache_resource(show_spinner="Finding rejection patterns…", max_entries=4)
 def deviation_tables(path: str, mtime_ns: int) -> deviations.DeviationTables:
-    """The run's decided tokens and drafts (:mod:`dflash_doctor.deviations`), built once per run version.
+    """The run's decided tokens and drafts (:mod:`dflash_doctor.stats.deviations`), built once per run version.
 
     A resource cache for the same reason as :func:`_load`: the frame has a row per decided token.
     """

@@ -24,7 +24,7 @@ import streamlit as st  # noqa: E402
 from streamlit.testing.v1 import AppTest  # noqa: E402
 
 from dflash_doctor.app import RUNS_DIR_ENV  # noqa: E402
-from dflash_doctor.schema import load_run  # noqa: E402
+from dflash_doctor.rundir.load import load_run  # noqa: E402
 from fixture_runs import make_fixture_run  # noqa: E402
 
 MAIN = REPO / "app" / "main.py"

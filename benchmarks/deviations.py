@@ -20,8 +20,8 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dflash_doctor import deviations
-from dflash_doctor.schema import REQUESTS_SCHEMA, STEPS_SCHEMA, TOKENS_SCHEMA
+from dflash_doctor.stats import deviations
+from dflash_doctor.rundir.tables import REQUESTS_SCHEMA, STEPS_SCHEMA, TOKENS_SCHEMA
 
 CLASSES = np.array(["chat", "code", "math", "multilingual"])
 CATEGORY_NAMES = np.array(list(deviations.CATEGORIES))

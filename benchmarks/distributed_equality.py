@@ -22,8 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash_doctor.loading import save_dflash_draft
-from dflash_doctor.schema import load_run
+from dflash_doctor.models.loading import save_dflash_draft
+from dflash_doctor.rundir.load import load_run
 from tests.test_cli_engine import tiny_tokenizer, write_workload
 from tests.tiny_models import tiny_dflash, tiny_target
 

@@ -2,12 +2,12 @@
 
 1. ``data-parallel`` (run it under torchrun): every rank builds a Qwen3-8B-shaped target and a
    DFlash-b16-shaped draft on its GPU, replays its stratified share of the requests through
-   :func:`dflash_doctor.distributed.replay_into` (the code ``sweep``/``check`` run) and rank 0 merges.
+   :func:`dflash_doctor.replay.sharding.replay_into` (the code ``sweep``/``check`` run) and rank 0 merges.
    Rank 0 prints analysed tokens/s (output tokens teacher-forced at every K, per wall second from the
    common start to the merged run directory) and writes them to ``--json``. Run it with 1 and with 2
    processes, then ``ratio`` prints the scaling.
 2. ``placed``: one process, a Qwen2.5-72B-shaped target (about 145 GB in bf16, more than one GPU) placed
-   over ``--devices`` by :func:`dflash_doctor.distributed.placement_of`, with its draft on the first GPU,
+   over ``--devices`` by :func:`dflash_doctor.models.placement.placement_of`, with its draft on the first GPU,
    through the same replay end to end.
 
 Weights are created on the meta device and materialised straight on their GPU (no CPU copy).
@@ -38,16 +38,18 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from dflash_doctor import distributed
-from dflash_doctor.draft_kinds import Sampling, get_draft_kind
+from dflash_doctor.models.placement import dispatch, placement_of
+from dflash_doctor.replay import sharding
+from dflash_doctor.models.draft_kinds import Sampling, get_draft_kind
 from dflash_doctor.engine.dflash_model import DFlashConfig, DFlashDraftModel, rope_inverse_frequencies
 from dflash_doctor.engine.target import TargetModel
-from dflash_doctor.metrics import summarize
-from dflash_doctor.pair import Pair, stop_ids_of
-from dflash_doctor.record import ModelInfo
-from dflash_doctor.replay import replay_teacher
-from dflash_doctor.schema import RunWriter, new_run_meta
-from dflash_doctor.workloads import Request
+from dflash_doctor.stats.metrics import summarize
+from dflash_doctor.models.pair import Pair, stop_ids_of
+from dflash_doctor.rundir.record import ModelInfo
+from dflash_doctor.replay.stream import replay_teacher
+from dflash_doctor.rundir.record import RunMeta, RunRecord
+from dflash_doctor.rundir.writer import RunWriter, utc_now
+from dflash_doctor.inputs.workloads import Request
 
 QWEN3_8B = (Qwen3Config, Qwen3ForCausalLM, dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                 intermediate_size=12288))
@@ -76,14 +78,14 @@ def build_target(family, vocab: int, devices: list[str], dtype: torch.dtype) -> 
     config._attn_implementation = "sdpa"
     with torch.device("meta"):
         model = model_type(config).to(dtype)
-    placement = distributed.placement_of(model, devices) if len(devices) > 1 else {"": devices[0]}
+    placement = placement_of(model, devices) if len(devices) > 1 else {"": devices[0]}
     for name, device in placement.items():
         model.get_submodule(name).to_empty(device=device)
     random_init(model)
     rotary = model.model.rotary_emb  # its inverse frequencies are buffers computed at construction: rebuild them
     model.model.rotary_emb = type(rotary)(config=config).to(devices[0])
     if len(devices) > 1:
-        distributed.dispatch(model, placement, devices[0])
+        dispatch(model, placement, devices[0])
     return model.eval()
 
 
@@ -137,11 +139,11 @@ def analyse(pair: Pair, requests: list[Request], run_dir: Path, max_new_tokens: 
         start = time.perf_counter()
         result = replay_teacher(pair, mine, ks=ks, max_new_tokens=max_new_tokens, temperature=0.0, seed=0, exact_blocks=False,
                                 writer=writer)
-        print(f"rank {distributed.current_ranks().rank}: {len(mine)} requests replayed in {time.perf_counter() - start:.2f} s "
+        print(f"rank {sharding.current_ranks().rank}: {len(mine)} requests replayed in {time.perf_counter() - start:.2f} s "
               "(before the merge)", flush=True)
         return result
 
-    writer, merged = distributed.replay_into(run_dir, new_run_meta(command="sweep"), requests, replay)
+    writer, merged = sharding.replay_into(run_dir, RunRecord(meta=RunMeta(command="sweep", created_at=utc_now())).to_json(), requests, replay)
     writer.close()
     return merged
 
@@ -155,7 +157,7 @@ def synchronise(devices: list[str]) -> None:
 def data_parallel(args, tokenizer, dtype) -> None:
     import torch.distributed as dist
 
-    ranks = distributed.current_ranks()
+    ranks = sharding.current_ranks()
     device = "cpu" if args.tiny else f"cuda:{ranks.local_rank}"
     pair = build_pair(TINY if args.tiny else QWEN3_8B, tokenizer, [device], dtype)
     warm = workload(3, 16)
@@ -170,7 +172,7 @@ def data_parallel(args, tokenizer, dtype) -> None:
     merged = analyse(pair, requests, Path(args.run_dir), args.max_new_tokens)  # other ranks leave here (SystemExit)
     seconds = time.perf_counter() - start
     tokens = sum(row["num_output_tokens"] for row in merged.request_rows)
-    tau = summarize(merged.steps_frame(), merged.requests_frame(), seed=0)["overall"]["mean_acceptance_length"]
+    tau = summarize(merged.steps_frame(), merged.requests_frame(), seed=0).overall.mean_acceptance_length
     result = {"gpus": ranks.world_size, "requests": len(merged.request_rows), "analysed_tokens": tokens, "seconds": seconds,
               "tokens_per_s": tokens / seconds, "tau_k15": tau}
     print(f"data-parallel over {ranks.world_size} rank(s): {len(merged.request_rows)} requests, {tokens} tokens analysed at "
@@ -197,8 +199,8 @@ def placed(args, tokenizer, dtype) -> None:
     summary = summarize(merged.steps_frame(), merged.requests_frame(), seed=0)
     peak = {d: round(torch.cuda.max_memory_allocated(d) / 2**30, 1) for d in devices if d.startswith("cuda")}
     print(f"placed target end to end: {len(merged.request_rows)} requests, {tokens} tokens analysed at K=1..15 in {seconds:.2f} s "
-          f"= {tokens / seconds:,.1f} analysed tokens/s; tau at K=15 {summary['overall']['mean_acceptance_length']:.3f}; "
-          f"classes {sorted(summary['by_class'])}; peak GiB per GPU {peak}")
+          f"= {tokens / seconds:,.1f} analysed tokens/s; tau at K=15 {summary.overall.mean_acceptance_length:.3f}; "
+          f"classes {sorted(summary.by_class)}; peak GiB per GPU {peak}")
     if args.json:
         Path(args.json).write_text(json.dumps({"devices": devices, "weights_gb": params, "tokens": tokens, "seconds": seconds, "peak_gib": peak}))
 

@@ -27,15 +27,15 @@ from typing import Callable
 
 import torch
 
-from dflash_doctor.derive import fake_quantize
+from dflash_doctor.models.derive import fake_quantize
 from dflash_doctor.engine.live import plain_generate, speculative_generate
 from dflash_doctor.engine.proposers.autoregressive import AutoregressiveProposer
 from dflash_doctor.engine.proposers.dflash import DFlashProposer
 from dflash_doctor.engine.proposers.base import Proposer
 from dflash_doctor.engine.target import TargetModel
-from dflash_doctor.loading import DEMO_DRAFT_DIR, demo_target_path, load_causal_lm, load_dflash_draft, resolve_model_dir
-from dflash_doctor.pair import stop_ids_of
-from dflash_doctor.workloads import encode_request_turn, load_workload
+from dflash_doctor.models.loading import DEMO_DRAFT_DIR, demo_target_path, load_causal_lm, load_dflash_draft, resolve_model_dir
+from dflash_doctor.models.pair import stop_ids_of
+from dflash_doctor.inputs.workloads import encode_request_turn, load_workload
 
 QUANTIZED_DRAFT_BITS = 4
 

@@ -1,7 +1,7 @@
 """What a warm GGUF load pays before any work starts: finding the converted model in the cache.
 
 Side by side on the same file: the key every load computed before (a SHA-256 of the whole file) and the
-key it computes now (:func:`dflash_doctor.loading.gguf_cache_key`: size, mtime, first and last MiB), and
+key it computes now (:func:`dflash_doctor.models.loading.gguf_cache_key`: size, mtime, first and last MiB), and
 the whole warm ``resolve_model_dir`` (key + cache look-up) on the converted demo target. The file is read
 once first, so both keys read from the page cache (the old key pays more again on a cold disk). Prints
 median seconds of ``--repeats`` calls and the ratio; not a test, nothing asserts.
@@ -17,7 +17,7 @@ import statistics
 import time
 from pathlib import Path
 
-from dflash_doctor import loading
+from dflash_doctor.models import loading
 
 
 def whole_file_sha256(path: Path, chunk_bytes: int = 1 << 22) -> str:

@@ -27,9 +27,9 @@ from dflash_doctor.engine.schedule import CONVENTIONS  # noqa: E402
 from dflash_doctor.engine.live import speculative_generate  # noqa: E402
 from dflash_doctor.engine.proposers.dflash import DFlashProposer  # noqa: E402
 from dflash_doctor.engine.target import TargetModel  # noqa: E402
-from dflash_doctor.loading import DEMO_DRAFT_DIR, demo_target_path, load_causal_lm, load_dflash_draft, resolve_model_dir  # noqa: E402
-from dflash_doctor.pair import stop_ids_of  # noqa: E402
-from dflash_doctor.workloads import encode_request_turn, load_workload  # noqa: E402
+from dflash_doctor.models.loading import DEMO_DRAFT_DIR, demo_target_path, load_causal_lm, load_dflash_draft, resolve_model_dir  # noqa: E402
+from dflash_doctor.models.pair import stop_ids_of  # noqa: E402
+from dflash_doctor.inputs.workloads import encode_request_turn, load_workload  # noqa: E402
 
 
 def compare(target_model, official_draft, ours, prompts, stop_ids, k, max_new):

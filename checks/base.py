@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Iterable, Mapping, TypeVar
 
 from dflash_doctor.errors import UsageError
-from dflash_doctor.status import (  # noqa: F401 (re-exported: checks import their vocabulary from here)
+from dflash_doctor.rundir.status import (  # noqa: F401 (re-exported: checks import their vocabulary from here)
     SEVERITIES,
     STATUSES,
     VERDICT_NONE,
@@ -35,7 +35,7 @@ class CheckContext:
 
     Tokenizers are transformers tokenizers; ``target_config`` is a ``PretrainedConfig`` or a dict;
     ``draft_config`` is the draft checkpoint's ``config.json`` as a dict; ``engine_config`` is the output
-    of :func:`dflash_doctor.checks.engine_config.parse_engine_config`; ``run_meta`` is a run.json dict
+    of :func:`dflash_doctor.inputs.engine_config.parse_engine_config`; ``run_meta`` is a run.json dict
     (with ``summary``). ``extras`` carries inputs that only some producers have, e.g.
     ``output_token_ids`` (ids the target produced in a run) or ``offset_probe`` ({offset: acceptance length}).
     """

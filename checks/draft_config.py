@@ -7,7 +7,7 @@ without an error and silently drafts garbage. The offset probe (fed by the engin
 ``ctx.extras["offset_probe"]``) catches the classic off-by-one in layer ids (vLLM PR #42704,
 llama.cpp #25792): if reading layer l - 1 or l + 1 gives clearly better acceptance, the ids are shifted.
 
-Every config dialect is first normalised (:mod:`dflash_doctor.draft_formats`; an unreadable config fails
+Every config dialect is first normalised (:mod:`dflash_doctor.models.draft_formats`; an unreadable config fails
 here with the loader's sentence), then the variant rules of issue 12 apply: causal training vs how the
 engine will attend, layer ids written in another dialect's convention, a mask id that is an ordinary
 special token, a draft that ships its own lm_head / embeddings, and the draft sampling method.
@@ -23,7 +23,7 @@ from typing import Any
 
 from dflash_doctor.checks.base import Check, CheckContext, CheckResult, Finding, config_value, register, skipped
 from dflash_doctor.checks.draft_facts import block_size, is_dflash, mask_token_id, target_layer_ids
-from dflash_doctor.draft_formats import normalise_draft_config
+from dflash_doctor.models.draft_formats import normalise_draft_config
 from dflash_doctor.errors import UsageError
 
 # fp16 vs bf16 is a real risk (fp16 overflows where bf16 was trained); fp32 vs either is only slower.

@@ -11,7 +11,7 @@ import numbers
 from typing import Any
 
 from dflash_doctor.checks.base import CheckContext
-from dflash_doctor.loading import is_dflash_config
+from dflash_doctor.models.loading import is_dflash_config
 
 
 def _dflash_section(draft_config: dict[str, Any] | None) -> dict[str, Any]:

@@ -6,7 +6,7 @@ drafts for a model that no longer exists and acceptance falls (the "target chang
 case: AEON-7 #6, z-lab #152). Nothing in the configs changes, so only the weights tell.
 
 Inputs: the draft's ``config.json`` section ``"dflash_doctor": {"target_weights_fingerprint", "target"}``
-(written by ``dflash-doctor train-draft``, see :func:`dflash_doctor.loading.weights_fingerprint`) and
+(written by ``dflash-doctor train-draft``, see :func:`dflash_doctor.models.loading.weights_fingerprint`) and
 ``ctx.extras["target_weights_fingerprint"]``, the served target's fingerprint. When either fingerprint is
 missing, only the recorded and served target *names* can be compared: differing names warn.
 """

@@ -6,15 +6,15 @@ is raised as :class:`UsageError` carrying ONE sentence that names the input and 
 allowed to surface as one.
 
 Typer (0.29+) vendors its own copy of click and only handles *its* ClickException, while code and tests
-outside the CLI may catch plain ``click.ClickException``; UsageError is both.
+outside the CLI may catch plain ``click.ClickException``; UsageError is both. Typer's class is taken
+from its public ``BadParameter`` (a ClickException), not from the vendored module's private path; on an
+older Typer that is click's own class and the two bases are one.
 """
 
 import click
+import typer
 
-try:  # Typer >= 0.29 vendors click
-    from typer._click.exceptions import ClickException as _TyperClickException
-except ImportError:  # older Typer uses click itself
-    _TyperClickException = click.ClickException
+_TyperClickException = next(base for base in typer.BadParameter.__mro__ if base.__name__ == "ClickException")
 
 _BASES = tuple(dict.fromkeys((_TyperClickException, click.ClickException)))
 

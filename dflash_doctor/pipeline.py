@@ -1,4 +1,5 @@
-"""The commands that replay a workload, as straight sequences: ``replay``, ``sweep`` and ``check``.
+"""The commands that replay a workload, as straight sequences: ``replay``, ``sweep``, ``check`` and
+``check --engine``.
 
 Each is select requests -> load the pair once -> replay (rows stream to the run directory) ->
 summarize the in-memory rows -> (sweep + recommendation) -> (probes on the in-memory turns -> checks)
@@ -19,18 +20,30 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, ContextManager, Sequence
 
-
-from dflash_doctor import deviations, distributed
-from dflash_doctor.config import DoctorConfig
+from dflash_doctor.checks.base import CheckContext, run_checks
+from dflash_doctor.checks.draft_config import read_safetensors_shapes
 from dflash_doctor.engine.schedule import end_of_request
-from dflash_doctor.environment import collect_environment
-from dflash_doctor.metrics import summarize
-from dflash_doctor.pair import Pair, load_pair
-from dflash_doctor.probes import layer_offset_probe, lossless_probe, probe_turns
-from dflash_doctor.record import Probes, PromptFormat, RunMeta, RunRecord, _from_json, Recommendation, Summary, Sweep
-from dflash_doctor.replay import Replay, replay_live, replay_teacher
-from dflash_doctor.schema import Run, RunWriter, TABLES, utc_now
-from dflash_doctor.workloads import Request, load_workload
+from dflash_doctor.errors import UsageError
+from dflash_doctor.inputs.config import DoctorConfig
+from dflash_doctor.inputs.engine_config import parse_engine_config
+from dflash_doctor.inputs.environment import collect_environment
+from dflash_doctor.inputs.workloads import Request, load_workload
+from dflash_doctor.models.loading import weights_fingerprint
+from dflash_doctor.models.pair import Pair, load_pair
+from dflash_doctor.replay import sharding
+from dflash_doctor.replay.probes import layer_offset_probe, lossless_probe, probe_turns
+from dflash_doctor.replay.stream import Replay, replay_live, replay_teacher
+from dflash_doctor.report import render_reports
+from dflash_doctor.rundir.load import Run
+from dflash_doctor.rundir.record import Probes, PromptFormat, RunMeta, RunRecord, _to_json
+from dflash_doctor.rundir.tables import TABLES, read_table_or_empty
+from dflash_doctor.rundir.writer import RunWriter, utc_now
+from dflash_doctor.serving.agreement import compare_with_embedded
+from dflash_doctor.serving.client import EngineEndpoint, resolve_model
+from dflash_doctor.serving.engine_run import measure_engine, start_engine_record
+from dflash_doctor.stats import deviations
+from dflash_doctor.stats.metrics import summarize
+from dflash_doctor.stats.speedup import build_sweep, load_cost_profile, recommend
 
 ProgressFactory = Callable[[int], ContextManager[Callable[[Any], None] | None]]  # total turns -> progress callback
 
@@ -41,7 +54,7 @@ class Outcome:
 
     run_dir: Path
     record: RunRecord
-    why_rejected: dict[str, Any] | None = None  # `check`'s deviation analysis (dflash_doctor.deviations), for the terminal
+    why_rejected: dict[str, Any] | None = None  # `check`'s deviation analysis (dflash_doctor.stats.deviations), for the terminal
 
 
 def default_run_dir(command: str) -> Path:
@@ -56,7 +69,7 @@ def _no_progress(total: int) -> ContextManager[None]:
 def _start(config: DoctorConfig, command: str, scenario=None) -> tuple[list[Request], Pair, DoctorConfig]:
     """Select the workload and load the pair (a scenario edits them before anything runs)."""
     requests = load_workload(config.workload, classes=config.classes, max_requests=config.max_requests, seed=config.seed)
-    config = dataclasses.replace(config, device=distributed.device_for_rank(config, distributed.current_ranks()))
+    config = dataclasses.replace(config, device=sharding.device_for_rank(config, sharding.current_ranks()))
     pair = load_pair(config)
     if scenario is not None:
         pair, requests, config = scenario.apply(pair, requests, config)
@@ -74,22 +87,18 @@ def _new_record(config: DoctorConfig, pair: Pair, command: str, **meta: Any) -> 
 
 def _summarize(record: RunRecord, replay: Replay, seed: int) -> None:
     record.meta.interrupted = replay.interrupted
-    summary = summarize(replay.steps_frame(), replay.requests_frame(), seed=seed)
-    record.summary = Summary.from_json(summary)
+    record.summary = summarize(replay.steps_frame(), replay.requests_frame(), seed=seed)
 
 
 def _sweep(record: RunRecord, pair: Pair, replay: Replay, config: DoctorConfig) -> None:
     """``summary.sweep`` and ``recommendation``: tau and net speedup per K, priced with step costs
     measured here (or from ``--cost-profile``)."""
-    from dflash_doctor.speedup import build_sweep, load_cost_profile, recommend, rows_by_class
-
     costs = load_cost_profile(config.cost_profile) if config.cost_profile else pair.measure_step_costs(config.k)
     sweep = build_sweep(replay.sweep_frames(), costs, replay.estimate_by_k, seed=config.seed)
-    record.summary.sweep = _from_json(Sweep, sweep)
+    record.summary.sweep = sweep
     strict_max_k = int(config.thresholds.get("strict_max_k", 4))
     share = float(config.thresholds.get("conservative_share", 0.95))
-    recommendation = recommend(rows_by_class(sweep), conservative_share=share, strict_classes=config.strict_classes, strict_max_k=strict_max_k)
-    record.recommendation = _from_json(dict[str, Recommendation], recommendation)
+    record.recommendation = recommend(sweep.scopes(), conservative_share=share, strict_classes=config.strict_classes, strict_max_k=strict_max_k)
 
 
 def _finish(writer: RunWriter, record: RunRecord, replay: Replay) -> None:
@@ -136,7 +145,7 @@ def _teacher(pair: Pair, requests: Sequence[Request], config: DoctorConfig, exac
     """The teacher-forced replay into the run directory (this rank's share under torchrun; rank 0 gets
     the merged replay, the other ranks end here): the open writer and the replay."""
 
-    if not distributed.current_ranks().is_main:
+    if not sharding.current_ranks().is_main:
         progress = _no_progress  # one progress bar, rank 0's
 
     def replay(writer: RunWriter, mine: Sequence[Request]) -> Replay:
@@ -145,7 +154,7 @@ def _teacher(pair: Pair, requests: Sequence[Request], config: DoctorConfig, exac
                                   seed=config.seed, exact_blocks=exact_blocks, writer=writer, progress=on_turn,
                                   convention=end_of_request(config.end_of_request))
 
-    return distributed.replay_into(run_dir, record.to_json(), requests, replay)
+    return sharding.replay_into(run_dir, record.to_json(), requests, replay)
 
 
 def run_check(config: DoctorConfig, *, scenario=None, only: Sequence[str] = (), skip: Sequence[str] = (),
@@ -153,9 +162,6 @@ def run_check(config: DoctorConfig, *, scenario=None, only: Sequence[str] = (), 
     """`check`: teacher-forced replay of every K up to the draft's block (and the served K), the sweep,
     the probes, every check, run.json, then the reports. The run directory and reports are written even
     when a check fails, so CI keeps the evidence."""
-    from dflash_doctor.checks.base import run_checks
-    from dflash_doctor.report import render_reports
-
     requests, pair, config = _start(config, "check", scenario)
     served_k = max(config.k) if config.k else None  # the K the user serves, when they said
     pair.check_k_fits(config.k)
@@ -170,25 +176,65 @@ def run_check(config: DoctorConfig, *, scenario=None, only: Sequence[str] = (), 
         _sweep(record, pair, replay, sweep_config)
         record.probes = _probes(pair, requests, replay, sweep_config)
         ctx_config = dataclasses.replace(config, k=(served_k,) if served_k else ())
-        record.checks = run_checks(check_context(pair, requests, ctx_config, record, replay), only=only, skip=skip)
+        record.checks = run_checks(check_context(pair, requests, ctx_config, record, replay.request_rows), only=only, skip=skip)
         _finish(writer, record, replay)
     tokens = TABLES["tokens"]  # token rows are never held in memory: the report's token viewer reads them back
-    run = Run(run_dir, record, replay.requests_frame(), replay.steps_frame(), _read_table(run_dir, "tokens", tokens))
+    run = Run(run_dir, record, replay.requests_frame(), replay.steps_frame(), read_table_or_empty(run_dir / "tokens.parquet", tokens))
     analysis = deviations.analyze_run(run)  # once: every report format and the terminal show it
     render_reports(run, analysis=analysis, plotly=config.plotly)
     return Outcome(run_dir, record, analysis)
 
 
-def _read_table(run_dir: Path, name: str, schema) -> "Any":
-    import pyarrow.parquet as pq
+def run_engine_check(config: DoctorConfig, *, only: Sequence[str] = (), skip: Sequence[str] = (),
+                     progress: ProgressFactory = _no_progress) -> Outcome:
+    """`check --engine URL`: measure on the server, replay locally, judge, report.
 
-    path = run_dir / f"{name}.parquet"
-    return pq.read_table(path).to_pandas() if path.is_file() else schema.empty_table().to_pandas()
+    1. Bad input fails before anything is sent: the URL, the server's reachability and model name, and a
+       local pair when one is named.
+    2. The workload goes to the server (:mod:`dflash_doctor.serving.engine_run`); its own figures become
+       the run directory.
+    3. With a local pair (``--target`` / ``--draft``), the embedded engine replays the same turns
+       (:mod:`dflash_doctor.serving.agreement`, stored as ``probes.engine_agreement``) and the
+       ``engine-agreement`` check judges the comparison; without one, the checks that read only the run
+       (acceptance per class on the server's numbers) still run.
+    4. run.json (the typed record, ``source.kind = serving-engine``) and the reports are written even when
+       a check fails.
+    """
+    if config.engine is None:
+        raise UsageError("check --engine needs the URL of a running OpenAI-compatible server; pass --engine http://host:port.")
+    endpoint = resolve_model(EngineEndpoint.from_url(config.engine, model=config.engine_model, timeout_s=config.engine_timeout_s))
+    requests = load_workload(config.workload, classes=config.classes, max_requests=config.max_requests, seed=config.seed)
+    # the embedded replay runs only when the user names a local pair to compare with; a bad one fails
+    # before any request is sent
+    local = load_pair(config) if config.target is not None or config.draft is not None else None
+    run_dir = Path(config.out) if config.out else default_run_dir("check")
+    record = start_engine_record(config, endpoint)
+    if local is not None:
+        record.models.update({"local target": local.target_info, "local draft": local.draft_info})
+    with RunWriter(run_dir, record.to_json()) as writer:
+        with progress(sum(r.num_turns for r in requests)) as on_turn:
+            measured = measure_engine(endpoint, requests, config, writer, record, concurrency=config.engine_concurrency, progress=on_turn)
+        record.meta.interrupted = measured.interrupted
+        record.summary = summarize(measured.steps_frame(), measured.requests_frame(), seed=config.seed)
+        writer.meta = record.to_json()
+        if measured.failure is not None:
+            raise measured.failure
+        if measured.interrupted:
+            raise KeyboardInterrupt
+        if local is not None and local.kind.engine_agreement:
+            record.probes.engine_agreement = compare_with_embedded(local, measured.turns, config, seed=config.seed)
+        if local is not None:
+            ctx = check_context(local, requests, config, record, measured.request_rows)
+        else:
+            ctx = CheckContext(run_meta=record.to_json(), config=config)
+        record.checks = run_checks(ctx, only=only, skip=skip)
+        writer.meta = record.to_json()
+    render_reports(Run(run_dir, record, measured.requests_frame(), measured.steps_frame(), TABLES["tokens"].empty_table().to_pandas()),
+                   plotly=config.plotly)
+    return Outcome(run_dir, record)
 
 
 def _probes(pair: Pair, requests: Sequence[Request], replay: Replay, config: DoctorConfig) -> Probes:
-    from dflash_doctor.loading import weights_fingerprint
-
     turns = probe_turns(replay.turns)
     probes = Probes(
         prompt_format=PromptFormat(
@@ -205,13 +251,10 @@ def _probes(pair: Pair, requests: Sequence[Request], replay: Replay, config: Doc
     return probes
 
 
-def check_context(pair: Pair, requests: Sequence[Request], config: DoctorConfig, record: RunRecord, replay: Replay):
-    """Everything the checks read, gathered once from the loaded pair, the record and the replay."""
+def check_context(pair: Pair, requests: Sequence[Request], config: DoctorConfig, record: RunRecord, request_rows: Sequence[dict[str, Any]]):
+    """Everything the checks read, gathered once from the loaded pair, the record and the requests rows
+    (the replay's, or the server's under ``--engine``)."""
     from transformers import AutoTokenizer
-
-    from dflash_doctor.checks.base import CheckContext
-    from dflash_doctor.checks.engine_config import parse_engine_config
-    from dflash_doctor.record import _to_json
 
     draft_tokenizer = None
     if pair.kind.ships_tokenizer:
@@ -237,15 +280,13 @@ def check_context(pair: Pair, requests: Sequence[Request], config: DoctorConfig,
         draft_training_template=recorded.get("chat_template"),
         run_meta=record.to_json(),
         config=config,
-        extras={**probes, "output_token_ids": [t for row in replay.request_rows for t in row["output_token_ids"]],
+        extras={**probes, "output_token_ids": [t for row in request_rows for t in row["output_token_ids"]],
                 "served_k": record.meta.served_k, "draft_weight_shapes": draft_weight_shapes(pair.draft_dir)},
     )
 
 
 def draft_weight_shapes(draft_dir: Path) -> dict[str, list[int]]:
     """Tensor shapes of the draft's safetensors (headers only), for draft-config's fc / own-head rules."""
-    from dflash_doctor.checks.draft_config import read_safetensors_shapes
-
     shapes: dict[str, list[int]] = {}
     for file in sorted(Path(draft_dir).glob("*.safetensors")):
         shapes.update({name.removeprefix("model."): shape for name, shape in read_safetensors_shapes(file).items()})

@@ -2,7 +2,7 @@
 per drafted token, typed, from the live loop (:mod:`dflash_doctor.engine.live`) and teacher-forced
 replay (:mod:`dflash_doctor.engine.teacher`) alike.
 
-They are the engine's part of a row of ``steps.parquet`` / ``tokens.parquet``: :mod:`dflash_doctor.schema`
+They are the engine's part of a row of ``steps.parquet`` / ``tokens.parquet``: :mod:`dflash_doctor.rundir.tables`
 declares ``StepRow`` / ``TokenRow`` as the request's identity (and the token texts and categories, which
 need the tokenizer) plus these fields, by name, and ``replay`` joins them. The engine knows no request.
 """

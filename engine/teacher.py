@@ -256,9 +256,3 @@ def token_rows(table: SlotTable, steps: list[StepRecord], output_ids: list[int])
                 accepted=j <= step.num_accepted, **{name: values[flat] for name, values in table.divergence.items()},
             ))
     return rows
-
-
-def expected_tau(accept_probs: np.ndarray, ks: Iterable[int]) -> dict[int, float]:
-    """Expected tau(K) along a trajectory: 1 + mean over anchors of sum_i prod_{j<=i} alpha_j."""
-    reach = np.cumprod(accept_probs, axis=1)  # P(at least i accepted)
-    return {k: float(1.0 + reach[:, :k].sum(axis=1).mean()) if reach.shape[0] else float("nan") for k in ks}

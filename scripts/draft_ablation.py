@@ -30,25 +30,10 @@ import torch
 from transformers import AutoTokenizer
 
 from dflash_doctor.engine.dflash_model import DFlashDraftModel, default_target_layer_ids
-from dflash_doctor.loading import demo_target_path, load_causal_lm, resolve_model_dir
-from dflash_doctor.pair import stop_ids_of
-from dflash_doctor.training import (
-    DEFAULT_NUM_TAPS,
-    SELF_WRITTEN_PROMPTS_FILE,
-    TrainConfig,
-    choose_mask_token_id,
-    data_cache_key,
-    draft_config_for_target,
-    extract_features,
-    held_out_steps,
-    init_draft_from_target,
-    prepare_sequences,
-    prepare_training_data,
-    self_written_prompts,
-    tau_by_class,
-    train_dflash_draft,
-)
-from dflash_doctor.workloads import extra_word_problems, load_workload
+from dflash_doctor.models.loading import demo_target_path, load_causal_lm, resolve_model_dir
+from dflash_doctor.models.pair import stop_ids_of
+from dflash_doctor.models.training import DEFAULT_NUM_TAPS, SELF_WRITTEN_PROMPTS_FILE, TrainConfig, choose_mask_token_id, data_cache_key, draft_config_for_target, extract_features, held_out_steps, init_draft_from_target, prepare_sequences, prepare_training_data, self_written_prompts, tau_by_class, train_dflash_draft
+from dflash_doctor.inputs.workloads import extra_word_problems, load_workload
 
 LR = 1e-3
 FLOAT32_EVAL_FILE = "eval_sequences_float32.jsonl"  # held-out answers of the float32 target (the served one)

@@ -1,6 +1,6 @@
 """Synthetic but realistic run directories for the report, compare and dashboard tests.
 
-A fixture run is written through :class:`dflash_doctor.schema.RunWriter`, exactly as the engine
+A fixture run is written through :class:`dflash_doctor.rundir.writer.RunWriter`, exactly as the engine
 writes one, so every view is tested against the real on-disk contract (run.json + three Parquet
 tables) without loading a model. The numbers behave like a real chain draft:
 
@@ -23,10 +23,13 @@ from typing import Any, Sequence
 import numpy as np
 import pandas as pd
 
-from dflash_doctor.deviations import categorize
-from dflash_doctor.metrics import summarize, truncate_steps
-from dflash_doctor.schema import REQUESTS_SCHEMA, STEPS_SCHEMA, RunWriter, new_run_meta
-from dflash_doctor.speedup import StepCosts, build_sweep, recommend, rows_by_class
+from dflash_doctor.stats.deviations import categorize
+from dflash_doctor.stats.metrics import summarize, truncate_steps
+from dflash_doctor.rundir.tables import REQUESTS_SCHEMA, STEPS_SCHEMA
+from dflash_doctor.rundir.record import RunMeta, RunRecord
+from dflash_doctor.rundir.writer import RunWriter, utc_now
+from dflash_doctor.rundir.record import StepCosts
+from dflash_doctor.stats.speedup import build_sweep, recommend
 
 HOSTILE_TOKEN_TEXT = "<script>alert(1)</script>"
 
@@ -246,8 +249,9 @@ def make_fixture_run(
         mean_tokens_per_step = 1.0 + 3.0 * (1.0 - degrade)
         steps_per_request = num_tokens_target / (num_requests * k)
         num_output_tokens = max(1, int(round(steps_per_request * mean_tokens_per_step)))
-    meta = new_run_meta(
-        {
+    meta = RunRecord(
+        meta=RunMeta(command="replay", created_at=utc_now()),
+        config={
             "target": "fixture/target-135m",
             "draft": "fixture/dflash-b9",
             "draft_kind": "dflash",
@@ -256,8 +260,8 @@ def make_fixture_run(
             "max_new_tokens": num_output_tokens,
             "temperature": 0.0,
             "seed": seed,
-        }
-    )
+        },
+    ).to_json()
     meta["created_at"] = "2026-01-01T00:00:00+00:00"
     meta["models"] = {
         "target": {"id": "fixture/target-135m", "revision_or_hash": "sha256:0f1e2d3c", "dtype": "float32", "device": "cpu", "kind": "target"},
@@ -298,7 +302,8 @@ def make_fixture_run(
             writer.flush()
         requests_frame = pd.DataFrame(all_requests, columns=list(REQUESTS_SCHEMA.names))
         steps_frame = pd.DataFrame(all_steps, columns=list(STEPS_SCHEMA.names))
-        meta["summary"] = summarize(steps_frame, requests_frame, num_slots=k, n_boot=NUM_BOOTSTRAP_RESAMPLES, seed=seed)
+        record = RunRecord.from_json(meta)
+        record.summary = summarize(steps_frame, requests_frame, num_slots=k, n_boot=NUM_BOOTSTRAP_RESAMPLES, seed=seed)
         if with_sweep and len(steps_frame):
             costs = StepCosts(
                 t_decode_s=T_DECODE_S,
@@ -309,6 +314,7 @@ def make_fixture_run(
             )
             steps_by_k = {kk: truncate_steps(steps_frame, kk) for kk in range(1, k + 1)}
             estimate_by_k = {kk: "exact" if kk == k else "truncated" for kk in range(1, k + 1)}
-            meta["summary"]["sweep"] = build_sweep(steps_by_k, costs, estimate_by_k, n_boot=NUM_BOOTSTRAP_RESAMPLES, seed=seed)
-            meta["recommendation"] = recommend(rows_by_class(meta["summary"]["sweep"]))
+            record.summary.sweep = build_sweep(steps_by_k, costs, estimate_by_k, n_boot=NUM_BOOTSTRAP_RESAMPLES, seed=seed)
+            record.recommendation = recommend(record.summary.sweep.scopes())
+        writer.meta = record.to_json()
     return run_dir

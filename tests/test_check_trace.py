@@ -18,7 +18,12 @@ from pathlib import Path
 import pyarrow.parquet as pq
 from typer.testing import CliRunner
 
-from dflash_doctor import deviations, metrics, pair, pipeline, probes, replay, report, schema, speedup, turns, workloads
+from dflash_doctor import pipeline, report
+from dflash_doctor.inputs import workloads
+from dflash_doctor.models import pair
+from dflash_doctor.replay import probes, stream, turns
+from dflash_doctor.rundir import writer
+from dflash_doctor.stats import deviations, metrics, speedup
 from dflash_doctor.checks import base as checks_base
 from dflash_doctor.cli import app
 from tests.test_cli_engine import CLASSES, pair_args, tiny_dir  # noqa: F401  (tiny_dir is a fixture)
@@ -27,7 +32,7 @@ from tests.test_cli_engine import CLASSES, pair_args, tiny_dir  # noqa: F401  (t
 STAGES = {
     "load_workload": workloads.load_workload,
     "load_pair": pair.load_pair,
-    "replay_teacher": replay.replay_teacher,
+    "replay_teacher": stream.replay_teacher,
     "summarize": metrics.summarize,
     "build_sweep": speedup.build_sweep,
     "recommend": speedup.recommend,
@@ -37,7 +42,7 @@ STAGES = {
     "render_reports": report.render_reports,
 }
 COUNTED = {
-    "run.json writes": schema.write_run_json,
+    "run.json writes": writer.write_run_json,
     "Parquet reads": pq.read_table,
     "prompt encodings": workloads.encode_request_turn,
     "chat template renders": workloads.encode_turn,

@@ -4,7 +4,7 @@ speculative-k. Hand-made inputs in the exact formats the `check` command fills i
 from __future__ import annotations
 
 from dflash_doctor.checks import CheckContext, run_checks
-from dflash_doctor.config import DoctorConfig
+from dflash_doctor.inputs.config import DoctorConfig
 
 
 def _run(check_id, ctx, params=None):

@@ -21,9 +21,9 @@ from typer.testing import CliRunner
 from dflash_doctor.cli import app
 from dflash_doctor.engine.proposers.dflash import DFlashProposer
 from dflash_doctor.engine.target import TargetModel
-from dflash_doctor.draft_kinds import detect_draft_kind
-from dflash_doctor.loading import load_dflash_draft, read_config, save_dflash_draft
-from dflash_doctor.schema import load_run
+from dflash_doctor.models.draft_kinds import detect_draft_kind
+from dflash_doctor.models.loading import load_dflash_draft, read_config, save_dflash_draft
+from dflash_doctor.rundir.load import load_run
 from tests.hub_cache import hub_snapshot, offline_hub_cache
 from tests.tiny_models import VOCAB, tiny_dflash, tiny_target
 

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from typer.testing import CliRunner
 
 from dflash_doctor.cli import app
-from dflash_doctor.compare import compare_runs
-from dflash_doctor.schema import load_run
+from dflash_doctor.report.compare import compare_runs
+from dflash_doctor.rundir.load import load_run
+from dflash_doctor.stats.gate import Side, compare_slice
+from dflash_doctor.stats.metrics import NUM_BOOTSTRAP_RESAMPLES
 from fixture_runs import make_fixture_run
 
 
@@ -75,3 +78,15 @@ def test_cli_bad_input_exits_2(runs, tmp_path):
     result = CliRunner().invoke(app, ["compare", str(runs["base"]), str(tmp_path / "missing")])
     assert result.exit_code == 2, result.output
     assert "is not a run directory" in result.output
+
+
+def test_a_metric_without_an_interval_is_not_gated_and_says_so():
+    """A watch's tau can have no interval (too few scrape intervals): the row must say it was not gated
+    rather than read like a pass."""
+    samples = np.full(NUM_BOOTSTRAP_RESAMPLES, 2.0)
+    rates = np.full((NUM_BOOTSTRAP_RESAMPLES, 1), 0.5)
+    base = Side(10, 3.0, [2.9, 3.1], [0.9], [[0.85, 0.95]], samples + 1, rates + 0.4)
+    new = Side(10, 1.5, None, [0.2], [[0.15, 0.25]], samples, rates)
+    tau, rate = compare_slice("overall", base, new, 1, threshold_tau=0.2, threshold_rate=0.05)
+    assert not tau.regression and tau.note == "no 95% interval in NEW: not gated"
+    assert rate.regression and rate.note == ""  # both intervals there: the rule applies

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dflash_doctor import deviations
-from dflash_doctor.schema import load_run
+from dflash_doctor.stats import deviations
+from dflash_doctor.rundir.load import load_run
 from test_dashboard import open_app, runs  # noqa: F401  (the fixture runs and the app driver of the other pages)
 
 

@@ -10,11 +10,12 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from dflash_doctor import deviations
+from dflash_doctor.stats import deviations
 from dflash_doctor.cli import app as cli_app
 from dflash_doctor.report.terminal import PATTERNS_PER_CLASS, print_why_rejected
 from dflash_doctor.report import render_html, render_json, render_markdown
-from dflash_doctor.schema import TABLES, load_run
+from dflash_doctor.rundir.load import load_run
+from dflash_doctor.rundir.tables import TABLES
 from fixture_runs import HOSTILE_TOKEN_TEXT, make_fixture_run
 
 

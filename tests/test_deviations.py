@@ -11,8 +11,8 @@ import torch
 
 from checks_fixtures import qwen3_tokenizer  # noqa: F401
 
-from dflash_doctor import deviations
-from dflash_doctor.deviations import ConfidenceRule, categorize, deviation_tables
+from dflash_doctor.stats import deviations
+from dflash_doctor.stats.deviations import ConfidenceRule, categorize, deviation_tables
 from dflash_doctor.engine.divergence import TargetRows, divergence_tensor, unpack_divergence
 
 CONFIDENT = {"target_entropy": 0.2, "target_top1_margin": 0.9}

@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import pytest
 
-from dflash_doctor import deviations, scenarios
-from dflash_doctor.config import build_config
-from dflash_doctor.pair import load_pair
-from dflash_doctor.record import RunMeta, RunRecord
-from dflash_doctor.replay import replay_teacher
-from dflash_doctor.schema import RunWriter, load_run
-from dflash_doctor.workloads import load_workload
+from dflash_doctor.replay import scenarios
+from dflash_doctor.stats import deviations
+from dflash_doctor.inputs.config import build_config
+from dflash_doctor.models.pair import load_pair
+from dflash_doctor.rundir.record import RunMeta, RunRecord
+from dflash_doctor.replay.stream import replay_teacher
+from dflash_doctor.rundir.load import load_run
+from dflash_doctor.rundir.writer import RunWriter
+from dflash_doctor.inputs.workloads import load_workload
 
 pytestmark = pytest.mark.integration
 

@@ -27,7 +27,7 @@ from dflash_doctor.engine.schedule import CONVENTIONS
 from dflash_doctor.engine.live import speculative_generate
 from dflash_doctor.engine.proposers.dflash import DFlashProposer
 from dflash_doctor.engine.target import TargetModel
-from dflash_doctor.loading import load_dflash_draft
+from dflash_doctor.models.loading import load_dflash_draft
 
 PROMPTS = [[1, 17, 42, 8, 9, 30, 31, 44, 45, 46, 50, 12], [1, 60, 61, 5, 22]]
 BLOCK = 6

@@ -21,8 +21,8 @@ from dflash_doctor.engine.proposers.dflash import DFlashProposer
 from dflash_doctor.engine.schedule import CONVENTIONS
 from dflash_doctor.engine.target import TargetModel
 from dflash_doctor.engine.teacher import TeacherSequence, slot_table, token_rows, walk_schedule
-from dflash_doctor.loading import load_dflash_draft
-from dflash_doctor.schema import load_run
+from dflash_doctor.models.loading import load_dflash_draft
+from dflash_doctor.rundir.load import load_run
 
 PROMPTS = [[1, 17, 42, 8, 9, 30, 31, 44], [1, 60, 61, 5, 22]]
 STEP_KEYS = ("position", "num_drafted", "num_accepted", "bonus_token")

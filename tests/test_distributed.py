@@ -18,11 +18,12 @@ import pandas as pd
 import pytest
 import torch
 
-from dflash_doctor.distributed import PARTS_DIR, merge_replays, parse_devices, placement_of, shard_requests
+from dflash_doctor.models.placement import placement_of
+from dflash_doctor.replay.sharding import PARTS_DIR, merge_replays, parse_devices, shard_requests
 from dflash_doctor.errors import UsageError
-from dflash_doctor.replay import Replay
-from dflash_doctor.schema import load_run
-from dflash_doctor.workloads import Request
+from dflash_doctor.replay.stream import Replay
+from dflash_doctor.rundir.load import load_run
+from dflash_doctor.inputs.workloads import Request
 from tests.test_cli_engine import pair_args, tiny_dir, write_workload  # noqa: F401  (tiny_dir is a fixture)
 from tests.tiny_models import tiny_target
 

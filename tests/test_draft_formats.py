@@ -17,12 +17,12 @@ from safetensors.torch import load_file, save_file
 from official_dflash import official_config, official_model, save_official
 from tiny_models import tiny_dflash, tiny_target
 
-from dflash_doctor.draft_formats import normalise_draft_config, refuse_gguf_dflash
-from dflash_doctor.draft_kinds import detect_draft_kind
+from dflash_doctor.models.draft_formats import normalise_draft_config, refuse_gguf_dflash
+from dflash_doctor.models.draft_kinds import detect_draft_kind
 from dflash_doctor.engine.proposers.dflash import DFlashProposer
 from dflash_doctor.engine.target import TargetModel
 from dflash_doctor.errors import UsageError
-from dflash_doctor.loading import load_dflash_draft, read_config, save_dflash_draft
+from dflash_doctor.models.loading import load_dflash_draft, read_config, save_dflash_draft
 
 PROMPT = [1, 17, 42, 8, 9, 30, 31, 44]
 

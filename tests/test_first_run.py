@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from dflash_doctor import loading
+from dflash_doctor.models import loading
 
 pytestmark = pytest.mark.integration
 

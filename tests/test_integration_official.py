@@ -18,9 +18,9 @@ from dflash_doctor.engine.schedule import CONVENTIONS
 from dflash_doctor.engine.live import speculative_generate
 from dflash_doctor.engine.proposers.dflash import DFlashProposer
 from dflash_doctor.engine.target import TargetModel
-from dflash_doctor.loading import DEMO_DRAFT_DIR, load_dflash_draft
-from dflash_doctor.pair import stop_ids_of
-from dflash_doctor.workloads import encode_turn
+from dflash_doctor.models.loading import DEMO_DRAFT_DIR, load_dflash_draft
+from dflash_doctor.models.pair import stop_ids_of
+from dflash_doctor.inputs.workloads import encode_turn
 
 pytestmark = pytest.mark.integration
 
@@ -33,7 +33,7 @@ K = 15
 def smollm2():
     from transformers import AutoTokenizer
 
-    from dflash_doctor.loading import demo_target_path, load_causal_lm, resolve_model_dir
+    from dflash_doctor.models.loading import demo_target_path, load_causal_lm, resolve_model_dir
 
     previous = torch.get_num_threads()
     torch.set_num_threads(2)

@@ -13,16 +13,16 @@ import pandas as pd
 import pytest
 import torch
 
-from dflash_doctor.derive import fake_quantize
+from dflash_doctor.models.derive import fake_quantize
 from dflash_doctor.engine.live import plain_generate, speculative_generate
 from dflash_doctor.engine.proposers.autoregressive import AutoregressiveProposer
 from dflash_doctor.engine.proposers.dflash import DFlashProposer
 from dflash_doctor.engine.records import StepRecord
 from dflash_doctor.engine.target import TargetModel
 from dflash_doctor.engine.teacher import TeacherSequence, slot_table, walk_schedule
-from dflash_doctor.metrics import summarize
-from dflash_doctor.pair import stop_ids_of
-from dflash_doctor.workloads import encode_turn
+from dflash_doctor.stats.metrics import summarize
+from dflash_doctor.models.pair import stop_ids_of
+from dflash_doctor.inputs.workloads import encode_turn
 
 pytestmark = pytest.mark.integration
 
@@ -46,7 +46,7 @@ def smollm2():
     """(model, tokenizer, stop ids) of the real target, fp32 on CPU."""
     from transformers import AutoTokenizer
 
-    from dflash_doctor.loading import demo_target_path, load_causal_lm, resolve_model_dir
+    from dflash_doctor.models.loading import demo_target_path, load_causal_lm, resolve_model_dir
 
     model_dir = resolve_model_dir(str(demo_target_path()))
     model = load_causal_lm(model_dir)
@@ -79,7 +79,7 @@ def quantized_draft(smollm2):
 
 @pytest.fixture(scope="module")
 def demo_dflash():
-    from dflash_doctor.loading import DEMO_DRAFT_DIR, load_dflash_draft
+    from dflash_doctor.models.loading import DEMO_DRAFT_DIR, load_dflash_draft
 
     return load_dflash_draft(DEMO_DRAFT_DIR)
 
@@ -98,9 +98,9 @@ def _live(model, proposer_of, prompt, k, stop_ids, hidden_state_indices=()):
 def _counters(steps_by_request: list[list[StepRecord]]) -> dict:
     """tau, per-position counters and histogram of a set of runs, through the same code run.json uses."""
     rows = [{"request_id": str(i), "class": "c", **vars(s)} for i, steps in enumerate(steps_by_request) for s in steps]
-    overall = summarize(pd.DataFrame(rows), n_boot=1)["overall"]
+    overall = summarize(pd.DataFrame(rows), n_boot=1).overall
     keys = ("num_drafts", "num_accepted_tokens", "num_accepted_tokens_per_pos", "mean_acceptance_length", "acceptance_histogram")
-    return {key: overall[key] for key in keys}
+    return {key: getattr(overall, key) for key in keys}
 
 
 def test_target_as_its_own_draft_accepts_every_token(smollm2, prompts, greedy_outputs):

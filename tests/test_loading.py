@@ -10,10 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from dflash_doctor import loading
-from dflash_doctor.draft_kinds import detect_draft_kind
+from dflash_doctor.models import loading
+from dflash_doctor.models.draft_kinds import LoadOptions, detect_draft_kind, get_draft_kind
 from dflash_doctor.errors import UsageError
 from tests.hub_cache import hub_snapshot, offline_hub_cache
+from tests.test_cli_engine import tiny_tokenizer
+from tests.tiny_models import tiny_target
 
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -98,7 +100,7 @@ def test_gguf_is_converted_once_and_again_only_when_the_file_changes(tmp_path, m
 CONVERT_IN_A_PROCESS = """
 import sys, time
 from pathlib import Path
-from dflash_doctor import loading
+from dflash_doctor.models import loading
 from tests.test_loading import _record_dequantise
 
 gguf, log, ready = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
@@ -149,3 +151,20 @@ def test_weights_fingerprint_is_the_same_in_float32_and_bfloat16_and_moves_with_
         for param in tuned.parameters():
             param.add_(torch.randn_like(param) * 1e-2)
     assert loading.weights_fingerprint(tuned) != recorded
+
+
+def test_an_autoregressive_draft_without_a_tokenizer_records_that_only_vocab_sizes_were_compared(tmp_path):
+    """The vocabulary check falls back to vocab_size when a tokenizer does not load; run.json's draft facts
+    say so (it used to be skipped without a trace), and a draft with its tokenizer records the full check."""
+    target = tiny_target()
+    target.save_pretrained(tmp_path / "target")
+    tiny_tokenizer().save_pretrained(tmp_path / "target")
+    target.save_pretrained(tmp_path / "bare")  # an AR draft shipped without tokenizer files
+    target.save_pretrained(tmp_path / "full")
+    tiny_tokenizer().save_pretrained(tmp_path / "full")
+    kind = get_draft_kind("autoregressive")
+    options = LoadOptions(dtype="float32", device="cpu")
+    bare = kind.facts(kind.load(tmp_path / "bare", tmp_path / "target", target.config, options))
+    assert bare["vocabulary_check"].startswith("vocab_size only: the draft tokenizer in ")
+    full = kind.facts(kind.load(tmp_path / "full", tmp_path / "target", target.config, options))
+    assert full["vocabulary_check"] == loading.VOCABULARY_COMPARED

@@ -8,17 +8,17 @@ import dataclasses
 import pytest
 import torch
 
-from dflash_doctor.config import build_config
+from dflash_doctor.inputs.config import build_config
 from dflash_doctor.engine.teacher import TeacherSequence, slot_table
-from dflash_doctor.loading import save_dflash_draft
-from dflash_doctor.pair import load_pair
-from dflash_doctor import probes
+from dflash_doctor.models.loading import save_dflash_draft
+from dflash_doctor.models.pair import load_pair
+from dflash_doctor.replay import probes
 from dflash_doctor.engine.live import plain_generate
-from dflash_doctor.probes import layer_offset_probe, lossless_probe, probe_turns
-from dflash_doctor.record import LosslessProbe, RunMeta, RunRecord
-from dflash_doctor.replay import replay_teacher
-from dflash_doctor.schema import RunWriter
-from dflash_doctor.workloads import load_workload
+from dflash_doctor.replay.probes import layer_offset_probe, lossless_probe, probe_turns
+from dflash_doctor.rundir.record import LosslessProbe, RunMeta, RunRecord
+from dflash_doctor.replay.stream import replay_teacher
+from dflash_doctor.rundir.writer import RunWriter
+from dflash_doctor.inputs.workloads import load_workload
 from tests.test_cli_engine import tiny_tokenizer, write_workload
 from tests.tiny_models import tiny_dflash, tiny_target
 

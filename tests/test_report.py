@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 from dflash_doctor.cli import app
 from dflash_doctor.report import FILENAMES, FORMATS, parse_formats, render_json, render_markdown, render_reports
 from dflash_doctor.errors import UsageError
-from dflash_doctor.schema import load_run
+from dflash_doctor.rundir.load import load_run
 from fixture_runs import HOSTILE_TOKEN_TEXT, make_fixture_run
 
 GOLDEN_DIR = Path(__file__).parent / "golden"
@@ -163,7 +163,7 @@ def test_plotly_cdn_links_plotly_js_instead_of_embedding_it(fixture_run, tmp_pat
 
 
 def test_plotly_source_is_a_doctor_toml_key_validated_before_any_work(tmp_path):
-    from dflash_doctor.config import build_config
+    from dflash_doctor.inputs.config import build_config
 
     toml = tmp_path / "doctor.toml"
     toml.write_text('plotly = "cdn"\n')

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from dflash_doctor import figures
-from dflash_doctor.schema import load_run
+from dflash_doctor.report import figures
+from dflash_doctor.rundir.load import load_run
 from fixture_runs import FIXTURE_K_MAX, HOSTILE_TOKEN_TEXT, make_fixture_run
 
 

@@ -22,8 +22,10 @@ from typer.testing import CliRunner
 
 from dflash_doctor.app import RUNS_DIR_ENV
 from dflash_doctor.cli import app
-from dflash_doctor.loading import save_dflash_draft
-from dflash_doctor.schema import JOURNAL_DIR, RunWriter, journal_path, load_run, new_run_meta
+from dflash_doctor.models.loading import save_dflash_draft
+from dflash_doctor.rundir.load import load_run
+from dflash_doctor.rundir.record import RunMeta, RunRecord
+from dflash_doctor.rundir.writer import JOURNAL_DIR, RunWriter, journal_path, utc_now
 from tests.test_cli_engine import CLASSES, tiny_tokenizer
 from tests.tiny_models import tiny_dflash, tiny_target
 
@@ -60,7 +62,7 @@ def write_request(writer: RunWriter, request_id: str, num_steps: int = 3) -> Non
 
 def test_a_run_is_readable_while_it_is_written_and_identical_once_closed(tmp_path):
     run_dir = tmp_path / "run"
-    writer = RunWriter(run_dir, new_run_meta({"seed": 0}))
+    writer = RunWriter(run_dir, RunRecord(meta=RunMeta(command="replay", created_at=utc_now()), config={"seed": 0}).to_json())
     assert load_run(run_dir).requests.empty and not load_run(run_dir).complete  # run.json from the start
     write_request(writer, "a")
     write_request(writer, "b", num_steps=4)
@@ -83,7 +85,7 @@ def test_a_run_is_readable_while_it_is_written_and_identical_once_closed(tmp_pat
 def test_rows_of_a_request_cut_short_by_a_kill_are_left_out(tmp_path):
     """A kill can land between a request's steps and its requests row, or inside a record batch."""
     run_dir = tmp_path / "run"
-    writer = RunWriter(run_dir, new_run_meta())
+    writer = RunWriter(run_dir, RunRecord(meta=RunMeta(command="replay", created_at=utc_now())).to_json())
     write_request(writer, "a")
     rows = request_rows("b", 2)
     writer.add("steps", rows["steps"])
@@ -101,9 +103,9 @@ def test_rows_of_a_request_cut_short_by_a_kill_are_left_out(tmp_path):
 
 def test_a_reused_folder_starts_empty(tmp_path):
     run_dir = tmp_path / "run"
-    with RunWriter(run_dir, new_run_meta()) as writer:
+    with RunWriter(run_dir, RunRecord(meta=RunMeta(command="replay", created_at=utc_now())).to_json()) as writer:
         write_request(writer, "old")
-    with RunWriter(run_dir, new_run_meta()):
+    with RunWriter(run_dir, RunRecord(meta=RunMeta(command="replay", created_at=utc_now())).to_json()):
         pass
     assert load_run(run_dir).requests.empty
 

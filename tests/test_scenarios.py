@@ -2,8 +2,9 @@
 
 import pytest
 
-from dflash_doctor import pipeline, scenarios
-from dflash_doctor.config import build_config
+from dflash_doctor import pipeline
+from dflash_doctor.replay import scenarios
+from dflash_doctor.inputs.config import build_config
 
 pytestmark = pytest.mark.integration
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import fields
 
 from dflash_doctor.engine.records import StepRecord, TokenRecord
-from dflash_doctor.schema import STEPS_SCHEMA, StepRow, TokenRow, as_row
+from dflash_doctor.rundir.tables import STEPS_SCHEMA, StepRow, TokenRow, as_row
 
 
 def _names(row_type) -> list[str]:

@@ -16,7 +16,7 @@ from dflash_doctor.serving.agreement import (
 )
 from dflash_doctor.serving.engine_run import EngineTurn
 from dflash_doctor.serving.responses import SpecMeasurement, step_rows
-from dflash_doctor.workloads import Request
+from dflash_doctor.inputs.workloads import Request
 from tests.tiny_models import tiny_dflash, tiny_target
 
 
@@ -90,8 +90,8 @@ def demo_pair():
     """The real SmolLM2-135M-Instruct and the shipped DFlash draft (its acceptance is high enough to tell setups apart)."""
     from transformers import AutoTokenizer
 
-    from dflash_doctor.loading import DEMO_DRAFT_DIR, demo_target_path, load_causal_lm, load_dflash_draft, resolve_model_dir
-    from dflash_doctor.pair import stop_ids_of
+    from dflash_doctor.models.loading import DEMO_DRAFT_DIR, demo_target_path, load_causal_lm, load_dflash_draft, resolve_model_dir
+    from dflash_doctor.models.pair import stop_ids_of
 
     target_dir = resolve_model_dir(str(demo_target_path()))
     model = load_causal_lm(target_dir)
@@ -103,7 +103,7 @@ def demo_pair():
 @pytest.mark.integration
 @pytest.mark.parametrize("served", [CONFIGURED, "target_layer_ids + 1", f"target_layer_ids + 1, {FIRST_LAYER_CONTEXT_K_NORM.name}"])
 def test_a_stand_in_server_is_reproduced_step_by_step_and_its_setup_named(demo_pair, served):
-    from dflash_doctor.workloads import encode_turn
+    from dflash_doctor.inputs.workloads import encode_turn
 
     model, tokenizer, draft, stop_ids = demo_pair
     setups = serving_setups(draft_causal=False, num_draft_layers=draft.config.num_hidden_layers)

@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 from dflash_doctor.cli import app
 from dflash_doctor.errors import UsageError
-from dflash_doctor.schema import load_run
+from dflash_doctor.rundir.load import load_run
 from dflash_doctor.serving.client import EngineEndpoint, call, resolve_model
 from dflash_doctor.serving.prometheus import measurement_between, read_counters
 from dflash_doctor.serving.responses import MissingMetrics

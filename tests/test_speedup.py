@@ -8,17 +8,9 @@ import pandas as pd
 import pytest
 
 from dflash_doctor.errors import UsageError
-from dflash_doctor.metrics import expected_tau_iid, tau_with_ci
-from dflash_doctor.speedup import (
-    StepCosts,
-    build_sweep,
-    leviathan_speedup,
-    load_cost_profile,
-    measure_costs,
-    recommend,
-    rows_by_class,
-    sweep_row,
-)
+from dflash_doctor.stats.metrics import expected_tau_iid, tau_with_ci
+from dflash_doctor.rundir.record import RunMeta, RunRecord, StepCosts, Summary, SweepRow
+from dflash_doctor.stats.speedup import build_sweep, leviathan_speedup, load_cost_profile, measure_costs, recommend, sweep_row
 
 
 def costs_flat_draft() -> StepCosts:
@@ -162,78 +154,75 @@ def test_build_sweep_prices_every_k_per_class_with_the_costs():
         5: steps_at(5, {"math": [5, 4, 5, 2, 5, 3], "chat": [0, 1, 0, 2, 1, 0]}),
     }
     sweep = build_sweep(steps_by_k, costs, {1: "exact", 5: "truncated"}, n_boot=100)
-    assert [row["k"] for row in sweep["overall"]] == [1, 5]
-    assert sweep["costs"] == costs.as_dict()
-    math_k5 = sweep["by_class"]["math"][1]
-    assert math_k5["mean_acceptance_length"] == pytest.approx(1 + 24 / 6)
-    assert math_k5["speedup"] == pytest.approx((1 + 24 / 6) * 0.010 / (0.002 + 0.015))
-    assert math_k5["estimate"] == "truncated"
+    assert [row.k for row in sweep.overall] == [1, 5]
+    assert sweep.costs == costs.as_dict()
+    math_k5 = sweep.by_class["math"][1]
+    assert math_k5.mean_acceptance_length == pytest.approx(1 + 24 / 6)
+    assert math_k5.speedup == pytest.approx((1 + 24 / 6) * 0.010 / (0.002 + 0.015))
+    assert math_k5.estimate == "truncated"
     tau, ci = tau_with_ci(steps_by_k[5], n_boot=100, seed=0)
-    assert sweep["overall"][1]["mean_acceptance_length"] == pytest.approx(tau)
-    assert sweep["overall"][1]["mean_acceptance_length_ci"] == pytest.approx(ci)
-    json.dumps(sweep)  # run.json-ready
-    recommendation = recommend(rows_by_class(sweep))
+    assert sweep.overall[1].mean_acceptance_length == pytest.approx(tau)
+    assert sweep.overall[1].mean_acceptance_length_ci == pytest.approx(ci)
+    json.dumps(RunRecord(meta=RunMeta(command="sweep"), summary=Summary(sweep=sweep)).to_json())  # run.json-ready
+    recommendation = recommend(sweep.scopes())
     assert set(recommendation) == {"overall", "math", "chat"}
-    assert recommendation["math"]["k"] == 5
+    assert recommendation["math"].k == 5
     with pytest.raises(ValueError, match="estimate"):
         build_sweep(steps_by_k, costs, {1: "exact"})
 
 
-def hand_sweep(speedups: dict[int, float], *, tau_low_share: float = 0.97) -> list[dict]:
+def hand_sweep(speedups: dict[int, float], *, tau_low_share: float = 0.97) -> list[SweepRow]:
     """Rows with tau = speedup (unit costs) and a tau interval whose low end is tau_low_share of tau."""
-    return [
-        {"k": k, "mean_acceptance_length": s, "mean_acceptance_length_ci": [s * tau_low_share, s * 1.02],
-         "speedup": s, "estimate": "exact"}
-        for k, s in speedups.items()
-    ]  # fmt: skip
+    return [SweepRow(k=k, mean_acceptance_length=s, mean_acceptance_length_ci=[s * tau_low_share, s * 1.02], speedup=s, estimate="exact")
+            for k, s in speedups.items()]
 
 
 def test_recommend_picks_the_best_k_and_the_smallest_k_within_the_share():
     rows = hand_sweep({1: 1.5, 2: 2.0, 3: 2.4, 4: 2.5, 5: 2.45, 6: 2.3})
     result = recommend({"math": rows})["math"]
-    assert (result["k"], result["conservative_k"], result["speedup"]) == (4, 3, 2.5)
-    assert "K=4" in result["reason"] and "2.50x" in result["reason"] and "K=3" in result["reason"]
-    assert recommend({"math": rows}, conservative_share=0.5)["math"]["conservative_k"] == 1
+    assert (result.k, result.conservative_k, result.speedup) == (4, 3, 2.5)
+    assert "K=4" in result.reason and "2.50x" in result.reason and "K=3" in result.reason
+    assert recommend({"math": rows}, conservative_share=0.5)["math"].conservative_k == 1
 
 
 def test_recommend_breaks_ties_toward_the_smaller_k():
     result = recommend({"code": hand_sweep({2: 1.8, 3: 2.2, 4: 2.2})})["code"]
-    assert (result["k"], result["conservative_k"]) == (3, 3)
-    assert "no smaller K" in result["reason"]
+    assert (result.k, result.conservative_k) == (3, 3)
+    assert "no smaller K" in result.reason
 
 
 def test_strict_class_gets_a_capped_k():
     rows = hand_sweep({1: 1.5, 2: 2.0, 4: 2.4, 8: 3.0})
     result = recommend({"code": rows, "chat": rows}, strict_classes=["chat"], strict_max_k=4)
-    assert result["code"]["k"] == 8
-    assert result["chat"]["k"] == 4
-    assert "strict class: K <= 4" in result["chat"]["reason"]
+    assert result["code"].k == 8
+    assert result["chat"].k == 4
+    assert "strict class: K <= 4" in result["chat"].reason
 
 
 def test_strict_class_turns_speculation_off_when_speedup_is_below_one():
     slow = hand_sweep({1: 0.9, 2: 0.8, 4: 0.6})
     result = recommend({"chat": slow}, strict_classes=["chat"])["chat"]
-    assert (result["k"], result["conservative_k"], result["speedup"]) == (0, 0, 1.0)
-    assert result["reason"].startswith("Speculation off") and "0.90x" in result["reason"]
+    assert (result.k, result.conservative_k, result.speedup) == (0, 0, 1.0)
+    assert result.reason.startswith("Speculation off") and "0.90x" in result.reason
 
 
 def test_strict_class_is_off_when_the_low_end_of_tau_could_be_a_slowdown():
     marginal = hand_sweep({1: 1.03, 2: 1.05}, tau_low_share=0.9)  # point speedup > 1, low end < 1
-    assert recommend({"chat": marginal})["chat"]["k"] == 2
-    assert recommend({"chat": marginal}, strict_classes=["chat"])["chat"]["k"] == 0
+    assert recommend({"chat": marginal})["chat"].k == 2
+    assert recommend({"chat": marginal}, strict_classes=["chat"])["chat"].k == 0
 
 
 def test_any_class_is_off_when_every_k_is_a_slowdown():
     result = recommend({"chat": hand_sweep({1: 0.95, 2: 0.7})})["chat"]
-    assert result["k"] == 0
-    assert result["reason"].startswith("Speculation off")
+    assert result.k == 0
+    assert result.reason.startswith("Speculation off")
 
 
 def test_rows_without_a_price_are_ignored():
     rows = hand_sweep({1: 1.4, 2: 1.6})
-    rows.append({"k": 3, "mean_acceptance_length": None, "mean_acceptance_length_ci": [None, None], "speedup": None, "estimate": "exact"})
-    assert recommend({"chat": rows})["chat"]["k"] == 2
-    assert recommend({"chat": []})["chat"]["k"] == 0
+    rows.append(SweepRow(k=3, mean_acceptance_length=None, mean_acceptance_length_ci=[None, None], speedup=None, estimate="exact"))
+    assert recommend({"chat": rows})["chat"].k == 2
+    assert recommend({"chat": []})["chat"].k == 0
 
 
 def test_sweep_row_refuses_an_unknown_estimate_kind():

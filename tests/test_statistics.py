@@ -13,9 +13,12 @@ import pandas as pd
 import pytest
 
 from dflash_doctor.app import data
-from dflash_doctor.compare import compare_runs
-from dflash_doctor.metrics import summarize
-from dflash_doctor.schema import REQUESTS_SCHEMA, STEPS_SCHEMA, RunWriter, load_run, new_run_meta
+from dflash_doctor.report.compare import compare_runs
+from dflash_doctor.stats.metrics import summarize
+from dflash_doctor.rundir.load import load_run
+from dflash_doctor.rundir.tables import REQUESTS_SCHEMA, STEPS_SCHEMA
+from dflash_doctor.rundir.record import RunMeta, RunRecord
+from dflash_doctor.rundir.writer import RunWriter, utc_now
 from fixture_runs import make_fixture_run
 
 
@@ -38,14 +41,16 @@ def _write_run(run_dir, steps: list[tuple[str, str, int, int]]):
             "num_accepted_tokens": sum(r["num_accepted"] for r in mine),
             "tau": None, "stop_reason": "max_new_tokens", "wall_time_s": 0.0,
         })
-    meta = new_run_meta({"k": [4], "seed": 0})
+    meta = RunRecord(meta=RunMeta(command="replay", created_at=utc_now()), config={"k": [4], "seed": 0}).to_json()
     with RunWriter(run_dir, meta) as writer:
         writer.add("requests", request_rows)
         writer.add("steps", step_rows)
         writer.flush()
-        meta["summary"] = summarize(
+        record = RunRecord.from_json(meta)
+        record.summary = summarize(
             pd.DataFrame(step_rows, columns=list(STEPS_SCHEMA.names)), pd.DataFrame(request_rows, columns=list(REQUESTS_SCHEMA.names))
         )
+        writer.meta = record.to_json()
     return run_dir
 
 

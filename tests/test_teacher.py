@@ -10,7 +10,7 @@ from dflash_doctor.engine.live import plain_generate, speculative_generate
 from dflash_doctor.engine.proposers.autoregressive import AutoregressiveProposer
 from dflash_doctor.engine.proposers.dflash import DFlashProposer
 from dflash_doctor.engine.target import TargetModel
-from dflash_doctor.engine.teacher import TeacherSequence, expected_tau, slot_table, token_rows, walk_schedule
+from dflash_doctor.engine.teacher import TeacherSequence, slot_table, token_rows, walk_schedule
 from tests.tiny_models import tiny_dflash, tiny_target
 
 PROMPTS = [[5, 17, 42, 8, 9], [11, 12], [60, 61, 62, 63, 64, 65, 66, 67]]
@@ -79,9 +79,3 @@ def test_walk_schedule_on_a_hand_made_table():
     assert [(s.position, s.num_drafted, s.num_accepted, s.bonus_token) for s in steps] == [
         (1, 3, 2, 103), (4, 3, 3, 107), (8, 1, 1, 109),
     ]
-
-
-def test_expected_tau_from_acceptance_probabilities():
-    probs = np.array([[1.0, 0.5, 0.5], [0.0, 1.0, 1.0]])
-    # anchor 0: 1 + 0.5 + 0.25 accepted in expectation at K=3; anchor 1: 0
-    assert expected_tau(probs, [1, 3]) == pytest.approx({1: 1.5, 3: 1.875})

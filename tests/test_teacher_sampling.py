@@ -2,7 +2,7 @@
 
 Under sampling a live step's acceptance is random; the teacher-forced replay instead gives, per anchor of
 a sampled target trajectory, the probability that each slot is accepted (sum(min(p, q)) for a sampled
-draft, p(draft token) for a greedy one) and :func:`expected_tau` turns them into tau(K). The live loop is
+draft, p(draft token) for a greedy one) and :func:`_teacher_tau` turns them into tau(K). The live loop is
 lossless, so its outputs ARE sampled target trajectories: the teacher reads the very outputs the live runs
 produced, at the anchors the live steps started from (a paired comparison: trajectory noise cancels and
 only the acceptance draws remain). Averaging over ALL anchors instead is biased for a greedy draft: the
@@ -27,8 +27,8 @@ from dflash_doctor.engine.live import speculative_generate
 from dflash_doctor.engine.proposers.autoregressive import AutoregressiveProposer
 from dflash_doctor.engine.proposers.dflash import DFlashProposer
 from dflash_doctor.engine.target import TargetModel
-from dflash_doctor.engine.teacher import TeacherSequence, expected_tau, slot_table, walk_schedule
-from dflash_doctor.metrics import tau_with_ci
+from dflash_doctor.engine.teacher import TeacherSequence, slot_table, walk_schedule
+from dflash_doctor.stats.metrics import tau_with_ci
 from tests.tiny_models import tiny_dflash, tiny_target
 
 VOCAB = 11
@@ -82,13 +82,16 @@ def _live_tau_ci(runs) -> tuple[float, list[float]]:
 
 
 def _teacher_tau(runs, proposer_for=lambda proposer: proposer) -> float:
-    """expected_tau over the anchors the live steps started from, each scored on its run's own output."""
+    """Expected tau at K over the anchors the live steps started from, each scored on its run's own output:
+    1 + mean over anchors of sum_{i<K} P(at least i + 1 accepted), the running product of the slots'
+    acceptance probabilities."""
     accept_probs = []
     for target, proposer, result in runs:
         table, _ = slot_table(target, proposer_for(proposer), TeacherSequence(PROMPT, result.output_ids), K,
                               temperature=TEMPERATURE, record_divergence=False)
         accept_probs.append(table.accept_probs[[s.position - 1 for s in _full_k_steps(result)]])
-    return expected_tau(np.concatenate(accept_probs), [K])[K]
+    reach = np.cumprod(np.concatenate(accept_probs), axis=1)
+    return float(1.0 + reach[:, :K].sum(axis=1).mean())
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -12,12 +12,13 @@ import pytest
 from streamlit.testing.v1 import AppTest
 from typer.testing import CliRunner
 
+from dflash_doctor.report import watch_figures
 from dflash_doctor.app import RUNS_DIR_ENV
 from dflash_doctor.cli import app
-from dflash_doctor.compare import compare_runs
-from dflash_doctor.schema import load_run
+from dflash_doctor.report.compare import compare_runs
+from dflash_doctor.rundir.load import load_run
 from dflash_doctor.telemetry.counts import SeriesKey
-from dflash_doctor.telemetry.record import read_units, read_windows
+from dflash_doctor.telemetry.record import WatchRecord, read_units, read_windows
 from dflash_doctor.telemetry.verdict import Baseline, Judge, Thresholds
 from dflash_doctor.telemetry.watcher import Unit, Window
 from telemetry_fixtures import WATCH_K, unit_counts, write_watch
@@ -144,8 +145,6 @@ def test_production_page_on_a_check_run_says_what_it_needs(monkeypatch, tmp_path
 
 
 def test_canary_between_two_label_values_of_one_watch(tmp_path):
-    from dflash_doctor.telemetry.record import WatchRecord
-
     record = WatchRecord(tmp_path / "w", {}, {"sources": ["x"], "window_s": 60.0, "interval_s": 60.0, "baseline": None, "thresholds": {}})
     for i in range(8):
         stable = unit_counts(200, [0.6, 0.35, 0.2, 0.1])
@@ -179,14 +178,12 @@ def test_baseline_from_a_check_run_prices_and_truncates(tmp_path):
 
 
 def test_timeline_figures_mark_alerts_and_explain_empty(tmp_path):
-    from dflash_doctor.telemetry import figures
-
     run_dir = write_watch(tmp_path / "watch", [0.6, 0.35, 0.2, 0.1], baseline_tau=3.0, classes=("code",))
-    fig = figures.tau_timeline_figure(read_windows(run_dir))
+    fig = watch_figures.tau_timeline_figure(read_windows(run_dir))
     names = [trace.name for trace in fig.data]
     assert "m [code]" in names and "m [code] baseline" in names and "m [code] alert" in names
     alert_trace = next(t for t in fig.data if t.name == "m [code] alert")
     assert len(alert_trace.x) == 8
-    empty = figures.tau_timeline_figure(read_windows(tmp_path / "nothing"))
+    empty = watch_figures.tau_timeline_figure(read_windows(tmp_path / "nothing"))
     assert "No window with drafts" in empty.layout.annotations[0].text
-    assert "No step costs" in figures.speedup_timeline_figure(read_windows(run_dir)).layout.annotations[0].text
+    assert "No step costs" in watch_figures.speedup_timeline_figure(read_windows(run_dir)).layout.annotations[0].text

@@ -19,7 +19,7 @@ import pytest
 from typer.testing import CliRunner
 
 from dflash_doctor.cli import app
-from dflash_doctor.loading import DEMO_DRAFT_DIR, demo_target_path, resolve_model_dir
+from dflash_doctor.models.loading import DEMO_DRAFT_DIR, demo_target_path, resolve_model_dir
 from dflash_doctor.telemetry.counts import SeriesKey
 from dflash_doctor.telemetry.engines import read_exposition
 from dflash_doctor.telemetry.exposition import parse_exposition

@@ -13,7 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from dflash_doctor.cli import app
-from dflash_doctor.schema import load_run
+from dflash_doctor.rundir.load import load_run
 from dflash_doctor.telemetry.counts import SeriesKey, SpecCounts
 from dflash_doctor.telemetry.engines import read_exposition
 from dflash_doctor.telemetry.exposition import parse_exposition

@@ -9,7 +9,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from dflash_doctor import training
+from dflash_doctor.models import training
 from dflash_doctor.cli import app
 from dflash_doctor.engine.blocks import context_kv_for, draft_block_hidden
 from dflash_doctor.engine.batched import generate_greedy_batch
@@ -18,17 +18,8 @@ from dflash_doctor.engine.proposers.dflash import DFlashProposer
 from dflash_doctor.engine.records import StepRecord
 from dflash_doctor.engine.target import TargetModel
 from dflash_doctor.errors import UsageError
-from dflash_doctor.loading import load_dflash_draft, save_dflash_draft
-from dflash_doctor.training import (
-    SequenceRecord,
-    TrainConfig,
-    choose_mask_token_id,
-    held_out_steps,
-    sample_anchors,
-    slot_weights,
-    train_dflash_draft,
-    validate_mask_token_id,
-)
+from dflash_doctor.models.loading import load_dflash_draft, save_dflash_draft
+from dflash_doctor.models.training import SequenceRecord, TrainConfig, choose_mask_token_id, held_out_steps, sample_anchors, slot_weights, train_dflash_draft, validate_mask_token_id
 from tests.tiny_models import tiny_dflash, tiny_target
 
 STOP_IDS = frozenset({2})
@@ -243,8 +234,8 @@ def test_init_from_target_copies_its_last_layers_and_final_norm():
 
 
 def test_extra_word_problems_never_use_a_held_out_template():
-    from dflash_doctor import workloads
-    from dflash_doctor.word_problems import TEMPLATES, generate_word_problems
+    from dflash_doctor.inputs import workloads
+    from dflash_doctor.inputs.word_problems import TEMPLATES, generate_word_problems
 
     eval_ids = {r.id for r in workloads.load_workload("gsm", split="eval")}
     eval_templates = {template for request, template in workloads._gsm() if request.id in eval_ids}

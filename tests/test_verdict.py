@@ -19,7 +19,7 @@ from dflash_doctor.app import data
 from dflash_doctor.checks.base import CheckResult, exit_code
 from dflash_doctor.report.terminal import print_check_results
 from dflash_doctor.report import render_html, render_json, render_junit, render_markdown
-from dflash_doctor.schema import load_run
+from dflash_doctor.rundir.load import load_run
 from fixture_runs import make_fixture_run
 
 # (statuses of the run's checks, the verdict, exit code with --fail-on fail, exit code with --fail-on warn)

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from dflash_doctor.schema import load_run
+from dflash_doctor.rundir.load import load_run
 from dflash_doctor.telemetry.record import read_windows
 from telemetry_fixtures import DATA, MetricsExporter
 

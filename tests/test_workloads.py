@@ -13,17 +13,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from dflash_doctor.errors import UsageError
-from dflash_doctor.word_problems import TEMPLATES, generate_word_problems
-from dflash_doctor.workloads import (
-    BUILTIN_NAMES,
-    DEMO_REQUESTS_PER_CLASS,
-    Request,
-    conversation_turns,
-    fill_answers,
-    list_workloads,
-    load_workload,
-    save_workload,
-)
+from dflash_doctor.inputs.word_problems import TEMPLATES, generate_word_problems
+from dflash_doctor.inputs.workloads import BUILTIN_NAMES, DEMO_REQUESTS_PER_CLASS, Request, conversation_turns, fill_answers, list_workloads, load_workload, save_workload
 
 MT_BENCH_CATEGORIES = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
 

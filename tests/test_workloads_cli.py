@@ -7,7 +7,7 @@ import re
 from typer.testing import CliRunner
 
 from dflash_doctor.cli import app
-from dflash_doctor.workloads import BUILTIN_NAMES, load_workload
+from dflash_doctor.inputs.workloads import BUILTIN_NAMES, load_workload
 
 WIDE = {"COLUMNS": "400"}  # rich wraps at the terminal width; keep each sentence on one line
 

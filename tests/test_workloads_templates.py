@@ -7,7 +7,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
 from dflash_doctor.errors import UsageError
-from dflash_doctor.workloads import Request, encode_request_turn, encode_turn, load_workload, read_chat_template
+from dflash_doctor.inputs.workloads import Request, encode_request_turn, encode_turn, load_workload, read_chat_template
 
 # SmolLM2-135M-Instruct's chat template (ChatML with a default system prompt).
 SMOLLM2_CHAT_TEMPLATE = (

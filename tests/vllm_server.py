@@ -91,7 +91,7 @@ if __name__ == "__main__":
     import argparse
 
     sys.path.insert(0, str(REPO))
-    from dflash_doctor.loading import DEMO_DRAFT_DIR, demo_target_path, resolve_model_dir
+    from dflash_doctor.models.loading import DEMO_DRAFT_DIR, demo_target_path, resolve_model_dir
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--draft", default=str(DEMO_DRAFT_DIR))

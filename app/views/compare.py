@@ -4,7 +4,8 @@ environment facts changed between the two."""
 
 import streamlit as st
 
-from dflash_doctor import compare, figures
+from dflash_doctor.report import figures
+from dflash_doctor.stats import gate
 from dflash_doctor.app import data, ui
 
 new_run = ui.current_run()
@@ -16,8 +17,8 @@ if not others:
 
 controls = st.columns([3, 1, 1])
 base_path = controls[0].selectbox("BASE run (the open run is NEW)", others, format_func=ui.run_label, key="compare_base")
-threshold_tau = controls[1].number_input("tau drop threshold", min_value=0.0, value=compare.DEFAULT_THRESHOLD_TAU, step=0.05, key="compare_threshold_tau")
-threshold_rate = controls[2].number_input("rate drop threshold", min_value=0.0, max_value=1.0, value=compare.DEFAULT_THRESHOLD_RATE, step=0.01, key="compare_threshold_rate")
+threshold_tau = controls[1].number_input("tau drop threshold", min_value=0.0, value=gate.DEFAULT_THRESHOLD_TAU, step=0.05, key="compare_threshold_tau")
+threshold_rate = controls[2].number_input("rate drop threshold", min_value=0.0, max_value=1.0, value=gate.DEFAULT_THRESHOLD_RATE, step=0.01, key="compare_threshold_rate")
 
 result = ui.comparison(base_path, data.run_mtime_ns(base_path), str(new_run.path), data.run_mtime_ns(new_run.path), threshold_tau, threshold_rate)
 for note in result.notes:

@@ -1,4 +1,4 @@
-"""Deviations: why the draft is rejected across the whole run, per class (dflash_doctor.deviations).
+"""Deviations: why the draft is rejected across the whole run, per class (dflash_doctor.stats.deviations).
 
 First rejections weighted by the drafted tokens they threw away, acceptance by category of the target
 token, confident vs uncertain misses with the attainable-tau upper bound, and acceptance against context
@@ -9,7 +9,8 @@ example opens in the Tokens page at its step.
 import pandas as pd
 import streamlit as st
 
-from dflash_doctor import deviations, figures
+from dflash_doctor.report import figures
+from dflash_doctor.stats import deviations
 from dflash_doctor.app import data, ui
 
 run = ui.current_run(("requests",))

@@ -3,7 +3,7 @@ the model and environment facts needed to reproduce the run."""
 
 import streamlit as st
 
-from dflash_doctor import figures
+from dflash_doctor.report import figures
 from dflash_doctor.app import data, ui
 
 run = ui.current_run()

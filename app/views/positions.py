@@ -4,9 +4,9 @@ separates long-context drift from a bad prompt format."""
 
 import streamlit as st
 
-from dflash_doctor import figures
+from dflash_doctor.report import figures
 from dflash_doctor.app import data, ui
-from dflash_doctor.record import Summary
+from dflash_doctor.rundir.record import Summary
 
 run = ui.current_run(("steps",))
 ui.run_header(run, "Positions")

@@ -10,7 +10,7 @@ import pandas as pd
 import streamlit as st
 
 from dflash_doctor.app import ui
-from dflash_doctor.telemetry import figures
+from dflash_doctor.report import watch_figures
 from dflash_doctor.telemetry.record import is_watch_run, read_windows, telemetry_details
 
 REFRESH_EVERY_S = 10
@@ -60,9 +60,9 @@ def watch_view(path: str) -> None:
         },
     )
 
-    st.plotly_chart(figures.tau_timeline_figure(windows), key="production_tau")
+    st.plotly_chart(watch_figures.tau_timeline_figure(windows), key="production_tau")
     floor = telemetry["thresholds"]["speedup_floor"]
-    st.plotly_chart(figures.speedup_timeline_figure(windows, floor), key="production_speedup")
+    st.plotly_chart(watch_figures.speedup_timeline_figure(windows, floor), key="production_speedup")
 
     if alerts:
         st.header("Alerts and fallback advice")

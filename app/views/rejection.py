@@ -3,7 +3,7 @@ from a class to its requests (worst first) and from a request to its tokens."""
 
 import streamlit as st
 
-from dflash_doctor import figures
+from dflash_doctor.report import figures
 from dflash_doctor.app import charts, data, ui
 
 run = ui.current_run(("requests",))

@@ -3,7 +3,7 @@ rests on. tau alone does not pick K: verification cost grows with K, so the page
 
 import streamlit as st
 
-from dflash_doctor import figures
+from dflash_doctor.report import figures
 from dflash_doctor.app import data, ui
 
 run = ui.current_run()

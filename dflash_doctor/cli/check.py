@@ -8,10 +8,15 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from dflash_doctor.cli import app
+from dflash_doctor import pipeline
+from dflash_doctor.checks.base import exit_code, get_check
 from dflash_doctor.cli import options as opt
-from dflash_doctor.config import build_config
+from dflash_doctor.cli.progress import run_with_progress
+from dflash_doctor.cli.root import app
 from dflash_doctor.errors import UsageError
+from dflash_doctor.inputs.config import build_config
+from dflash_doctor.replay import scenarios, sharding
+from dflash_doctor.report.terminal import print_check_results, print_class_summary, print_engine_comparison, print_sweep, print_why_rejected
 
 Scenario = Annotated[Optional[str], typer.Option("--scenario", help="Reproduce a real failure on the demo pair; `--scenario list` names them.")]
 Only = Annotated[Optional[str], typer.Option("--only", help="Comma-separated check ids to run (default: all).")]
@@ -65,11 +70,6 @@ def check(
 
     With no model flags it runs the built-in demo pair (SmolLM2-135M-Instruct + its DFlash draft) on CPU.
     """
-    from dflash_doctor import distributed, pipeline, scenarios
-    from dflash_doctor.checks.base import exit_code, get_check
-    from dflash_doctor.cli.progress import progress_bar
-    from dflash_doctor.report.terminal import print_check_results, print_class_summary, print_sweep, print_why_rejected
-
     out_console = Console()
     if scenario == "list":
         table = Table(title="Failure scenarios (dflash-doctor check --scenario NAME)")
@@ -89,26 +89,17 @@ def check(
         get_check(check_id)  # an unknown id fails now, with "did you mean", before any model work
     if cfg.engine is not None and cfg.devices:
         raise UsageError("--devices spreads the local replay over processes, --engine measures a server; drop one of them.")
-    if (code := distributed.launch_ranks(cfg)) is not None:
+    if cfg.engine is not None and scenario is not None:
+        raise UsageError("--scenario reproduces failures on the embedded demo pair; drop it or drop --engine.")
+    if (code := sharding.launch_ranks(cfg)) is not None:
         raise typer.Exit(code)
-    console = Console(stderr=True)
-    try:
-        if cfg.engine is not None:
-            if scenario is not None:
-                raise UsageError("--scenario reproduces failures on the embedded demo pair; drop it or drop --engine.")
-            from dflash_doctor.serving.doctor_engine import run_engine_doctor
-
-            outcome = run_engine_doctor(cfg, only=only_ids, skip=skip_ids, progress=progress_bar(console))
-        else:
-            outcome = pipeline.run_check(cfg, scenario=chosen, only=only_ids, skip=skip_ids, exact_blocks=exact_blocks,
-                                         progress=progress_bar(console))
-    except KeyboardInterrupt:
-        console.print("[yellow]interrupted[/]: finished requests are kept in the run directory")
-        raise typer.Exit(130)
+    if cfg.engine is not None:
+        outcome = run_with_progress(lambda progress: pipeline.run_engine_check(cfg, only=only_ids, skip=skip_ids, progress=progress))
+    else:
+        outcome = run_with_progress(lambda progress: pipeline.run_check(cfg, scenario=chosen, only=only_ids, skip=skip_ids,
+                                                                        exact_blocks=exact_blocks, progress=progress))
     record = outcome.record
     if cfg.engine is not None:
-        from dflash_doctor.serving.doctor_engine import print_engine_comparison
-
         print_class_summary(record, record.source.details.get("num_spec_tokens") or 0, out_console)
         print_engine_comparison(record, out_console)
     else:

@@ -10,11 +10,12 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from dflash_doctor.cli import app
+from dflash_doctor.cli.root import app
+from dflash_doctor.report.compare import compare_runs, write_compare_reports
+from dflash_doctor.stats.gate import DEFAULT_THRESHOLD_RATE, DEFAULT_THRESHOLD_TAU, Comparison
 from dflash_doctor.cli import options as opt
-from dflash_doctor.compare import DEFAULT_THRESHOLD_RATE, DEFAULT_THRESHOLD_TAU, Comparison, compare_runs, write_compare_reports
 from dflash_doctor.errors import UsageError
-from dflash_doctor.report.html import parse_plotly_source
+from dflash_doctor.inputs.config import parse_plotly_source
 from dflash_doctor.report.templating import ci, fmt, signed
 
 EXIT_REGRESSION = 1

@@ -25,7 +25,7 @@ import typer
 
 import dflash_doctor.app as dashboard_app
 from dflash_doctor.app import RUNS_DIR_ENV
-from dflash_doctor.cli import app
+from dflash_doctor.cli.root import app
 from dflash_doctor.errors import UsageError
 
 DEFAULT_PORT = 8501

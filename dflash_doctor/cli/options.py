@@ -1,6 +1,6 @@
 """Shared CLI flags (DESIGN.md "Shared flags"), declared once and reused by every command.
 
-Every option defaults to None so that :func:`dflash_doctor.config.build_config` can tell "not given"
+Every option defaults to None so that :func:`dflash_doctor.inputs.config.build_config` can tell "not given"
 from a value and apply the precedence CLI > --config file > defaults.
 """
 
@@ -10,6 +10,8 @@ import dataclasses
 from typing import Annotated, Any, Optional
 
 import typer
+
+from dflash_doctor.inputs.config import DoctorConfig
 
 Target = Annotated[Optional[str], typer.Option("--target", help="Target model: local dir, hub id, or .gguf file (default: the built-in demo target).")]
 Draft = Annotated[Optional[str], typer.Option("--draft", help="Draft model: local dir, hub id, or .gguf file (default: the built-in demo DFlash draft).")]
@@ -42,7 +44,5 @@ def config_values(flags: dict[str, Any]) -> dict[str, Any]:
     Call it first thing with ``locals()``. A switch left off (False) counts as "not given", so a
     --config file can still turn it on.
     """
-    from dflash_doctor.config import DoctorConfig
-
     fields = {f.name for f in dataclasses.fields(DoctorConfig)}
     return {name: (value or None) if isinstance(value, bool) else value for name, value in flags.items() if name in fields}

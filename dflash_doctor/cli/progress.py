@@ -1,18 +1,22 @@
 """The replay progress bar: requests done, generated tokens/s and the running tau (bonus included).
 
-The pipeline knows nothing of the terminal; the CLI hands it :func:`progress_bar` as its progress factory.
+The pipeline knows nothing of the terminal; the CLI hands it :func:`progress_bar` as its progress factory,
+through :func:`run_with_progress`, which also gives check, sweep and replay one way to end on Ctrl-C.
 """
 
 from __future__ import annotations
 
 import time
 from contextlib import AbstractContextManager, contextmanager
-from typing import Callable, Iterator
+from typing import Callable, Iterator, TypeVar
+
+import typer
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from dflash_doctor.engine.live import GenerationResult
+from dflash_doctor.pipeline import ProgressFactory
 
 
 def progress_bar(console: Console) -> Callable[[int], AbstractContextManager[Callable[[GenerationResult], None]]]:
@@ -42,3 +46,19 @@ def progress_bar(console: Console) -> Callable[[int], AbstractContextManager[Cal
             yield on_turn
 
     return factory
+
+
+EXIT_INTERRUPTED = 130  # the shell's code for a process ended by SIGINT
+Outcome = TypeVar("Outcome")
+
+
+def run_with_progress(command: Callable[[ProgressFactory], Outcome]) -> Outcome:
+    """Run one pipeline command with the progress bar on stderr. Ctrl-C: the pipeline has closed the run
+    directory with every finished request, so say so and exit 130 (no traceback)."""
+    console = Console(stderr=True)
+    try:
+        return command(progress_bar(console))
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted[/]: finished requests are kept in the run directory")
+        raise typer.Exit(EXIT_INTERRUPTED)
+

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import typer
 from rich.console import Console
 
-from dflash_doctor.cli import app
+from dflash_doctor import pipeline
 from dflash_doctor.cli import options as opt
-from dflash_doctor.config import build_config
+from dflash_doctor.cli.progress import run_with_progress
+from dflash_doctor.cli.root import app
+from dflash_doctor.inputs.config import build_config
 
 
 @app.command()
@@ -32,15 +33,8 @@ def replay(
 ) -> None:
     """Replay prompts through the live speculative loop (K = the largest --k) and write a run directory."""
     cfg = build_config(config, **opt.config_values(locals()))
-    from dflash_doctor import pipeline
-    from dflash_doctor.cli.progress import progress_bar
-
+    outcome = run_with_progress(lambda progress: pipeline.run_replay(cfg, progress=progress))
     console = Console(stderr=True)
-    try:
-        outcome = pipeline.run_replay(cfg, progress=progress_bar(console))
-    except KeyboardInterrupt:
-        console.print("[yellow]interrupted[/]: finished requests are kept in the run directory")
-        raise typer.Exit(130)
     overall = outcome.record.summary.overall
     tau = overall.mean_acceptance_length if overall is not None and overall.mean_acceptance_length is not None else float("nan")
     console.print(

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
-from dflash_doctor.cli import app
+from dflash_doctor.cli.root import app
 from dflash_doctor.cli import options as opt
 from dflash_doctor.report import FORMATS, render_reports
 

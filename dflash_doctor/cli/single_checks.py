@@ -12,13 +12,13 @@ import typer
 from rich.console import Console
 
 from dflash_doctor.checks import CheckContext, exit_code, run_checks
-from dflash_doctor.checks.engine_config import parse_engine_config
-from dflash_doctor.environment import collect_environment
-from dflash_doctor.checks.inputs import load_config_json, load_template_spec, load_tokenizer_spec
+from dflash_doctor.inputs.engine_config import parse_engine_config
+from dflash_doctor.inputs.environment import collect_environment
+from dflash_doctor.inputs.check_inputs import load_config_json, load_template_spec, load_tokenizer_spec
 from dflash_doctor.report.terminal import print_check_results
-from dflash_doctor.cli import app
+from dflash_doctor.cli.root import app
 from dflash_doctor.cli.options import ConfigFile, Draft, FailOn
-from dflash_doctor.config import build_config
+from dflash_doctor.inputs.config import build_config
 
 TargetArg = Annotated[str, typer.Argument(help="Target side: model dir, tokenizer dir, tokenizer.json or .gguf (templates: also a .jinja file).")]
 DraftArg = Annotated[str, typer.Argument(help="Draft side, same forms as the target.")]

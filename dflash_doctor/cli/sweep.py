@@ -5,9 +5,13 @@ from __future__ import annotations
 import typer
 from rich.console import Console
 
-from dflash_doctor.cli import app
+from dflash_doctor import pipeline
 from dflash_doctor.cli import options as opt
-from dflash_doctor.config import build_config
+from dflash_doctor.cli.progress import run_with_progress
+from dflash_doctor.cli.root import app
+from dflash_doctor.inputs.config import build_config
+from dflash_doctor.replay import sharding
+from dflash_doctor.report.terminal import print_sweep
 
 
 @app.command()
@@ -36,18 +40,8 @@ def sweep(
 ) -> None:
     """Teacher-forced replay answering every K at once (default K = 1..block-1 or 1-8), net speedup per class, recommended K."""
     cfg = build_config(config, **opt.config_values(locals()))
-    from dflash_doctor import distributed, pipeline
-
-    if (code := distributed.launch_ranks(cfg)) is not None:
+    if (code := sharding.launch_ranks(cfg)) is not None:
         raise typer.Exit(code)
-    from dflash_doctor.cli.progress import progress_bar
-    from dflash_doctor.report.terminal import print_sweep
-
-    console = Console(stderr=True)
-    try:
-        outcome = pipeline.run_sweep(cfg, exact_blocks=exact_blocks, progress=progress_bar(console))
-    except KeyboardInterrupt:
-        console.print("[yellow]interrupted[/]: finished requests are kept in the run directory")
-        raise typer.Exit(130)
+    outcome = run_with_progress(lambda progress: pipeline.run_sweep(cfg, exact_blocks=exact_blocks, progress=progress))
     print_sweep(outcome.record, Console())
-    console.print(f"wrote {outcome.run_dir}")
+    Console(stderr=True).print(f"wrote {outcome.run_dir}")

@@ -13,11 +13,11 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from dflash_doctor.cli import app
+from dflash_doctor.cli.root import app
 from dflash_doctor.cli import options as opt
-from dflash_doctor.config import build_config
-from dflash_doctor.schema import utc_now
-from dflash_doctor.speedup import load_cost_profile
+from dflash_doctor.inputs.config import build_config
+from dflash_doctor.rundir.writer import utc_now
+from dflash_doctor.stats.speedup import load_cost_profile
 from dflash_doctor.telemetry.hooks import AlertHooks
 from dflash_doctor.telemetry.settings import build_watch_settings
 from dflash_doctor.telemetry.sources import parse_duration_s

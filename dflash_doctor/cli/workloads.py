@@ -13,10 +13,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from dflash_doctor.cli import app
+from dflash_doctor.cli.root import app
 from dflash_doctor.cli.options import Classes, MaxRequests, Seed
-from dflash_doctor.workloads import (SPLITS, Request, conversation_turns, list_workloads, load_workload, save_workload,
-                                     stratified_sample)
+from dflash_doctor.inputs.workloads import SPLITS, Request, conversation_turns, list_workloads, load_workload, save_workload, stratified_sample
 
 PREVIEW_CHARS = 160  # of each message shown by `show`
 

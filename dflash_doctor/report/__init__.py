@@ -10,13 +10,15 @@ import json
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from dflash_doctor import deviations
+from dflash_doctor.stats import deviations
 from dflash_doctor.errors import UsageError
 from dflash_doctor.report.content import check_counts, class_rows, incomplete_note, report_payload, verdict
-from dflash_doctor.report.html import PLOTLY_SOURCES, parse_plotly_source, render_html
+from dflash_doctor.inputs.config import PLOTLY_SOURCES, parse_plotly_source
+from dflash_doctor.report.html import render_html
 from dflash_doctor.report.junit import render_junit
 from dflash_doctor.report.templating import markdown_env
-from dflash_doctor.schema import Run, _json_safe, load_run
+from dflash_doctor.rundir.load import Run, load_run
+from dflash_doctor.rundir.writer import _json_safe
 
 FORMATS = ("html", "md", "json", "junit")
 FILENAMES = {"html": "report.html", "md": "report.md", "json": "report.json", "junit": "junit.xml"}

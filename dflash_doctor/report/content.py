@@ -6,15 +6,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from dflash_doctor.record import Metrics, Recommendation, RunRecord
-from dflash_doctor.schema import Run
-from dflash_doctor.status import CheckResult, overall_status, status_counts
+from dflash_doctor.rundir.record import Metrics, Recommendation, RunRecord
+from dflash_doctor.rundir.load import Run
+from dflash_doctor.rundir.status import CheckResult, overall_status, status_counts
 
 REPORT_JSON_VERSION = 1
 
 
 def verdict(checks: Iterable[CheckResult]) -> str:
-    """The run's verdict: :func:`dflash_doctor.status.overall_status` of its checks."""
+    """The run's verdict: :func:`dflash_doctor.rundir.status.overall_status` of its checks."""
     return overall_status(check.status for check in checks)
 
 
@@ -77,7 +77,7 @@ def report_payload(run: Run, analysis: dict[str, Any]) -> dict[str, Any]:
         "checks": meta["checks"],
         "summary": meta["summary"],
         "recommendation": meta["recommendation"],
-        "why_rejected": analysis,  # deviation patterns per class (dflash_doctor.deviations.analyze_run)
+        "why_rejected": analysis,  # deviation patterns per class (dflash_doctor.stats.deviations.analyze_run)
         "models": meta["models"],
         "environment": meta["environment"],
         "config": meta["config"],

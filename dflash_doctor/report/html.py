@@ -1,7 +1,7 @@
 """report.html: one self-contained page (plotly.js embedded once, no CDN) that opens offline; ``--plotly cdn``
 links plotly.js from its CDN instead, for pages kept as CI artefacts (4.6 MB less each).
 
-Charts come from :mod:`dflash_doctor.figures` (the dashboard draws the same ones); the page layout is
+Charts come from :mod:`dflash_doctor.report.figures` (the dashboard draws the same ones); the page layout is
 the jinja2 template ``data/templates/report.html`` with autoescaping on, because token text, prompts
 and check evidence are untrusted. Plotly's own JSON escapes ``<``, ``>`` and ``/``.
 """
@@ -20,32 +20,23 @@ import plotly.io as pio
 import plotly.offline
 from markupsafe import Markup
 
-from dflash_doctor import deviations, figures
-from dflash_doctor.errors import UsageError
+from dflash_doctor.report import figures
+from dflash_doctor.stats import deviations
+from dflash_doctor.inputs.config import parse_plotly_source
 from dflash_doctor.report.content import check_counts, class_rows, incomplete_note, verdict
 from dflash_doctor.report.templating import html_env
-from dflash_doctor.schema import Run
+from dflash_doctor.rundir.load import Run
 
 MAX_VIEWER_STEPS_PER_REQUEST = 40
 NEWLINE_MARK = "\u21b5"  # shown before a newline inside a token so whitespace stays visible
 _PLOTLY_CONFIG = {"displaylogo": False, "responsive": True}
 
 
-#: Where report pages load plotly.js from: ``inline`` embeds the bundle (~4.6 MB, opens offline, the
-#: default) and ``cdn`` links plotly's CDN (a few kB per page, for CI artefacts; needs the network to draw).
-PLOTLY_SOURCES = ("inline", "cdn")
-
-
-def parse_plotly_source(value: str) -> str:
-    """``--plotly``: one of :data:`PLOTLY_SOURCES`, else a UsageError naming them."""
-    if value not in PLOTLY_SOURCES:
-        raise UsageError(f"--plotly {value!r} is not a plotly.js source; use {' or '.join(PLOTLY_SOURCES)}.")
-    return value
 
 
 @lru_cache(maxsize=2)
 def plotly_script(source: str = "inline") -> Markup:
-    """The page's one ``<script>`` for plotly.js (see :data:`PLOTLY_SOURCES`). The CDN tag names the
+    """The page's one ``<script>`` for plotly.js (see :data:`dflash_doctor.inputs.config.PLOTLY_SOURCES`). The CDN tag names the
     version bundled with the installed plotly package and pins it with that bundle's SHA-256 (subresource
     integrity), as plotly's own ``include_plotlyjs="cdn"`` does, so the charts draw the same either way."""
     bundle = plotly.offline.get_plotlyjs()
@@ -176,8 +167,8 @@ def step_anchor(request_id: str, step: int) -> str:
 
 
 def render_html(run: Run, analysis: dict[str, Any] | None = None, plotly: str = "inline") -> str:
-    """report.html; ``analysis`` is the run's :func:`dflash_doctor.deviations.analyze_run` when the caller has it;
-    ``plotly``: where the page loads plotly.js from (:data:`PLOTLY_SOURCES`)."""
+    """report.html; ``analysis`` is the run's :func:`dflash_doctor.stats.deviations.analyze_run` when the caller has it;
+    ``plotly``: where the page loads plotly.js from (:data:`dflash_doctor.inputs.config.PLOTLY_SOURCES`)."""
     record = run.record
     analysis = analysis if analysis is not None else deviations.analyze_run(run)
     examples = [pair["example"]["request_id"] for summary in analysis["by_class"].values()

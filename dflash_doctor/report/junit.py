@@ -10,8 +10,8 @@ children, and per check a ``<testcase classname="dflash_doctor.checks" name=ID>`
 from __future__ import annotations
 
 import xml.etree.ElementTree as ET
-from dflash_doctor.schema import Run
-from dflash_doctor.status import CheckResult
+from dflash_doctor.rundir.load import Run
+from dflash_doctor.rundir.status import CheckResult
 
 SUITE_NAME = "dflash-doctor"
 TESTCASE_CLASSNAME = "dflash_doctor.checks"

@@ -1,5 +1,5 @@
 """The terminal view of a run record: tau per class, the K sweep with the recommendation, why the draft
-is rejected, the checks with their evidence, and the verdict (:func:`dflash_doctor.status.overall_status`)."""
+is rejected, the checks with their evidence, and the verdict (:func:`dflash_doctor.rundir.status.overall_status`)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from dflash_doctor.record import RunRecord
+from dflash_doctor.rundir.record import RunRecord
 from dflash_doctor.report.templating import fmt, pct
-from dflash_doctor.status import VERDICT_NONE, CheckResult, overall_status
+from dflash_doctor.rundir.status import VERDICT_NONE, CheckResult, overall_status
 
 STATUS_STYLE = {"pass": "green", "warn": "yellow", "fail": "bold red", "skip": "dim", "error": "magenta", VERDICT_NONE: "dim"}
 
@@ -34,7 +34,7 @@ def print_sweep(record: RunRecord, console: Console) -> None:
     """Per-class table: tau and speedup at each K, then the recommended K with its reason."""
     sweep = record.summary.sweep
     if sweep is not None:
-        rows_by_group = {"overall": sweep.overall, **sweep.by_class}
+        rows_by_group = sweep.scopes()
         table = Table(title="K sweep: tau (bonus included) / net speedup", show_lines=False)
         table.add_column("K", justify="right")
         for group in rows_by_group:
@@ -91,7 +91,7 @@ def _shown(text: str) -> str:
 
 
 def print_why_rejected(analysis: dict[str, Any] | None, console: Console, per_class: int = PATTERNS_PER_CLASS) -> None:
-    """Why rejected: the costliest first-rejection patterns of each class (:mod:`dflash_doctor.deviations`),
+    """Why rejected: the costliest first-rejection patterns of each class (:mod:`dflash_doctor.stats.deviations`),
     one line each, then per class the share of lost tokens at confident misses and the attainable tau
     upper bound. report.html / report.md show the full tables."""
     if analysis is None:
@@ -118,3 +118,23 @@ def print_why_rejected(analysis: dict[str, Any] | None, console: Console, per_cl
             f"  {escape(cls)}: tau {fmt(summary['tau'])}, attainable <= {fmt(summary['attainable_tau'])} "
             f"(confident misses {pct(summary['confident']['share_of_lost'], 0)} of lost){worst_text}"
         )
+
+
+def print_engine_comparison(record: RunRecord, console: Console) -> None:
+    """Per class: the server's tau beside the embedded replay's on the same outputs (when it ran)."""
+    data = record.probes.engine_agreement
+    if not data:
+        return
+    table = Table(title=f"Server ({record.source.details.get('kind')}) vs embedded replay on the same outputs (tau, bonus included)")
+    for column in ("class", "turns", "server tau", "95% CI", "embedded tau", "95% CI", "difference [95% CI]"):
+        table.add_column(column)
+    blocks = [("overall", data["tau"]["overall"]), *data["tau"]["by_class"].items()]
+    for name, block in blocks:
+        if not block:
+            continue
+        ci = lambda v: f"[{v[0]:.2f}, {v[1]:.2f}]"  # noqa: E731
+        table.add_row(name, str(block["num_turns"]), f"{block['engine_tau']:.3f}", ci(block["engine_tau_ci"]),
+                      f"{block['embedded_tau']:.3f}", ci(block["embedded_tau_ci"]), f"{block['difference']:+.3f} {ci(block['difference_ci'])}")
+    console.print(table)
+    shares = ", ".join(f"{name} {stats['share']:.0%}" for name, stats in data["per_step"].items() if stats.get("share") is not None)
+    console.print(f"per-step acceptance reproduced at the engine's own anchors: {shares}")

@@ -32,10 +32,13 @@ import numpy as np
 import torch
 
 from dflash_doctor.engine.blocks import block_mask
+from dflash_doctor.engine.proposers.base import Proposal
 from dflash_doctor.engine.proposers.dflash import DFlashProposer
-from dflash_doctor.engine.target import TargetModel
 from dflash_doctor.engine.records import StepRecord
+from dflash_doctor.engine.target import TargetModel
 from dflash_doctor.engine.teacher import TeacherSequence, matched_runs, slot_table, walk_schedule
+from dflash_doctor.inputs.workloads import encode_request_turn
+from dflash_doctor.replay.turns import turn_limit
 
 CONFIGURED = "as configured"
 AGREEING_MARGIN_SAMPLE = 16  # agreeing steps per turn whose margin is measured, for scale (every disagreeing one is)
@@ -109,8 +112,6 @@ class _CausalFlippedProposer(DFlashProposer):
 
     @torch.inference_mode()
     def propose(self, last_token: int, k: int, block_k: int):
-        from dflash_doctor.engine.proposers.base import Proposal
-
         device = self.model.fc.weight.device
         size = block_k + 1
         block = torch.full((size,), self.mask_token_id, dtype=torch.long, device=device)
@@ -371,9 +372,6 @@ def summarize_agreement(comparisons: list[TurnComparison], answered, *, engine_k
 
 def compare_with_embedded(engine, answered, config, *, seed: int = 0) -> dict[str, Any]:
     """Replay every answered turn in the embedded engine (``engine``: the loaded local Pair) and summarise the agreement."""
-    from dflash_doctor.turns import turn_limit
-    from dflash_doctor.workloads import encode_request_turn
-
     draft = engine.draft_model
     draft_causal = bool(getattr(draft.config, "causal", False))
     setups = serving_setups(draft_causal, draft.config.num_hidden_layers)

@@ -17,14 +17,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflash_doctor.config import DoctorConfig
+from dflash_doctor.engine.live import GenerationResult
 from dflash_doctor.engine.records import StepRecord
 from dflash_doctor.errors import UsageError
-from dflash_doctor.schema import StepRow, as_row
+from dflash_doctor.inputs.config import DoctorConfig
+from dflash_doctor.inputs.environment import collect_environment
+from dflash_doctor.inputs.workloads import Request, conversation_turns, fill_answers
+from dflash_doctor.replay.turns import turn_limit
+from dflash_doctor.rundir.record import ModelInfo, RunMeta, RunRecord, Source
+from dflash_doctor.rundir.tables import REQUESTS_SCHEMA, STEPS_SCHEMA, StepRow, as_row, turn_row_id
+from dflash_doctor.rundir.writer import utc_now
 from dflash_doctor.serving.client import EngineEndpoint, EngineError, call, scrape_metrics
 from dflash_doctor.serving.prometheus import EngineCounters, measurement_between, read_counters
 from dflash_doctor.serving.responses import LLAMA_CPP, MissingMetrics, SpecMeasurement, parse_response, step_rows
-from dflash_doctor.workloads import Request, conversation_turns, fill_answers
 
 FIGURES_FROM = {
     "responses": "the server's per-request metrics in each response",
@@ -51,8 +56,8 @@ class EngineTurn:
 
     @property
     def key(self) -> str:
-        """Row id in the steps table, as the embedded replay names turns (``#t<turn>`` after the first)."""
-        return self.request.id if self.turn == 0 else f"{self.request.id}#t{self.turn}"
+        """Row id in the steps table, as the embedded replay names turns (:func:`~dflash_doctor.rundir.tables.turn_row_id`)."""
+        return turn_row_id(self.request.id, self.turn)
 
 
 def request_body(endpoint: EngineEndpoint, request: Request, messages: list[dict[str, Any]] | None,
@@ -102,8 +107,6 @@ def ask(endpoint: EngineEndpoint, request: Request, config: DoctorConfig, *, fro
     ``from_counters``: read each turn's figures from ``/metrics`` scraped before and after it (the
     fallback for a server without per-request metrics; only exact when nothing else runs meanwhile).
     """
-    from dflash_doctor.turns import turn_limit
-
     max_tokens = turn_limit(request, config.max_new_tokens)
     turns = conversation_turns(request) if request.messages is not None else [None]
     answers: list[str] = []
@@ -198,13 +201,9 @@ class EngineMeasurement:
     failure: UsageError | None = None  # raised by the caller once the run directory is closed
 
     def requests_frame(self):
-        from dflash_doctor.schema import REQUESTS_SCHEMA
-
         return _frame(self.request_rows, REQUESTS_SCHEMA)
 
     def steps_frame(self):
-        from dflash_doctor.schema import STEPS_SCHEMA
-
         return _frame(self.step_rows, STEPS_SCHEMA)
 
 
@@ -221,8 +220,6 @@ def measure_engine(endpoint: EngineEndpoint, requests: list[Request], config: Do
     The first failure stops sending; rows of finished requests are kept, the record notes the run as
     interrupted, and the failure is raised as one UsageError sentence after the caller closes the writer.
     """
-    from dflash_doctor.engine.live import GenerationResult
-
     measured = EngineMeasurement()
     failure: Exception | None = None
     futures: list = []
@@ -293,10 +290,6 @@ def engine_facts(answered: list[EngineTurn]) -> dict[str, Any]:
 
 def start_engine_record(config: DoctorConfig, endpoint: EngineEndpoint):
     """The run record of a serving-engine run: ``source`` names the server; the target is what it serves."""
-    from dflash_doctor.environment import collect_environment
-    from dflash_doctor.record import ModelInfo, RunMeta, RunRecord, Source
-    from dflash_doctor.schema import utc_now
-
     return RunRecord(
         meta=RunMeta(command="check", created_at=utc_now()),
         source=Source(kind="serving-engine", description=f"the server at {endpoint.base_url} (its own per-request figures)",

@@ -2,9 +2,9 @@
 or on two label values of one watch: ``compare RUN#stable RUN#canary`` compares the series of class
 ``stable`` with those of class ``canary`` (a watch with ``--class-label deployment``, say).
 
-The rule is the one for runs, applied by the same code (``compare._compare_slice``): a metric regresses
+The rule is the one for runs, applied by the same code (``compare.compare_slice``): a metric regresses
 when it drops by more than its threshold AND the 95% intervals separate. A watch has no requests, so the
-resampled unit (the project's bootstrap, :mod:`dflash_doctor.metrics`) is the scrape interval
+resampled unit (the project's bootstrap, :mod:`dflash_doctor.stats.metrics`) is the scrape interval
 (``units.parquet``: non-overlapping counts; overlapping windows would be counted twice). With fewer than
 :data:`MIN_UNITS_FOR_BOOTSTRAP` intervals a bootstrap has no spread to measure, so that side's
 intervals come from the counts instead and a note says so.
@@ -18,11 +18,13 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from dflash_doctor.compare import DEFAULT_THRESHOLD_RATE, DEFAULT_THRESHOLD_TAU, Comparison, _compare_slice, _Side
+from dflash_doctor.stats.gate import DEFAULT_THRESHOLD_RATE, DEFAULT_THRESHOLD_TAU, Comparison, compare_slice, Side
 from dflash_doctor.errors import UsageError
-from dflash_doctor.metrics import NUM_BOOTSTRAP_RESAMPLES, OVERALL, bootstrap_ratio, group_rng, interval
-from dflash_doctor.record import RunRecord
-from dflash_doctor.schema import RUN_JSON, read_run_meta
+from dflash_doctor.rundir.record import OVERALL
+from dflash_doctor.stats.metrics import NUM_BOOTSTRAP_RESAMPLES, bootstrap_ratio, group_rng, interval
+from dflash_doctor.rundir.record import RunRecord
+from dflash_doctor.rundir.load import read_run_meta
+from dflash_doctor.rundir.tables import RUN_JSON
 from dflash_doctor.telemetry.counts import MIN_UNITS_FOR_BOOTSTRAP, SpecCounts, rate_intervals, tau_interval
 from dflash_doctor.telemetry.record import is_watch_run, read_units
 
@@ -46,7 +48,7 @@ def _positions(per_pos: Any) -> int:
     return 0 if per_pos is None else len(per_pos)
 
 
-def _side(units: pd.DataFrame, k: int, group: str) -> _Side:
+def _side(units: pd.DataFrame, k: int, group: str) -> Side:
     """One watch's numbers for one class at K, in the shape compare's rule reads: pooled tau and rates with
     their intervals, and bootstrap resamples over scrape intervals (the same resamples for every metric).
 
@@ -57,7 +59,7 @@ def _side(units: pd.DataFrame, k: int, group: str) -> _Side:
     drafts = rows["num_drafts"].to_numpy(dtype=float)  # [N]
     per_pos = np.array([list(v)[:k] for v in rows["num_accepted_tokens_per_pos"]], dtype=float).reshape(len(rows), k)  # [N, K]
     if not len(rows):
-        return _Side(0, None, None, [], [], np.full(NUM_BOOTSTRAP_RESAMPLES, np.nan), np.full((NUM_BOOTSTRAP_RESAMPLES, k), np.nan))
+        return Side(0, None, None, [], [], np.full(NUM_BOOTSTRAP_RESAMPLES, np.nan), np.full((NUM_BOOTSTRAP_RESAMPLES, k), np.nan))
     total_drafts, total_per_pos = drafts.sum(), per_pos.sum(axis=0)
     resample = lambda numerator: bootstrap_ratio(numerator, drafts, NUM_BOOTSTRAP_RESAMPLES, group_rng(0, group))  # noqa: E731
     tau_samples = 1.0 + resample(per_pos.sum(axis=1))  # [B]
@@ -70,7 +72,7 @@ def _side(units: pd.DataFrame, k: int, group: str) -> _Side:
         pooled = SpecCounts(num_drafts=total_drafts, num_accepted_tokens=float(total_per_pos.sum()), num_accepted_tokens_per_pos=tuple(total_per_pos))
         pooled_tau_ci = tau_interval(pooled)
         tau_ci, rate_cis = list(pooled_tau_ci) if pooled_tau_ci is not None else None, rate_intervals(pooled)
-    return _Side(len(rows), 1.0 + float(rates.sum()), tau_ci, [float(r) for r in rates], rate_cis or [], tau_samples, rate_samples)
+    return Side(len(rows), 1.0 + float(rates.sum()), tau_ci, [float(r) for r in rates], rate_cis or [], tau_samples, rate_samples)
 
 
 def compare_watch_runs(base: str | Path, new: str | Path, *, threshold_tau: float = DEFAULT_THRESHOLD_TAU, threshold_rate: float = DEFAULT_THRESHOLD_RATE) -> Comparison:
@@ -101,7 +103,7 @@ def compare_watch_runs(base: str | Path, new: str | Path, *, threshold_tau: floa
     for cls, base_slice, new_slice in slices:
         base_side, new_side = _side(base_slice, k, f"base:{cls}"), _side(new_slice, k, f"new:{cls}")
         few = few or 0 < min(base_side.num_units, new_side.num_units) < MIN_UNITS_FOR_BOOTSTRAP
-        comparison.rows += _compare_slice(cls, base_side, new_side, k, threshold_tau, threshold_rate)
+        comparison.rows += compare_slice(cls, base_side, new_side, k, threshold_tau, threshold_rate)
     if few:
         comparison.notes.append(f"a side has fewer than {MIN_UNITS_FOR_BOOTSTRAP} scrape intervals: its intervals come from the counts (drafts treated as independent).")
     return comparison

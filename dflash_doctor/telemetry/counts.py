@@ -14,7 +14,7 @@ The interval of a window's tau comes from the counts, never from one ratio (:fun
 the per-position counts give the whole acceptance-length histogram, hence its variance, so
 ``tau +- z * sd / sqrt(num_drafts)`` is exact for independent steps. Steps inside one request are
 correlated, so when the window holds several scrape intervals, :func:`window_tau_interval` also
-bootstraps over them with the project's one statistics module (:mod:`dflash_doctor.metrics`) and
+bootstraps over them with the project's one statistics module (:mod:`dflash_doctor.stats.metrics`) and
 keeps the wider of the two intervals.
 """
 
@@ -27,7 +27,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from dflash_doctor.metrics import CI_LEVEL, NUM_BOOTSTRAP_RESAMPLES, bootstrap_ratio, group_rng, interval
+from dflash_doctor.stats.metrics import CI_LEVEL, NUM_BOOTSTRAP_RESAMPLES, bootstrap_ratio, group_rng, interval
 
 ALL_CLASSES = "all"  # the class of a series whose source has no request-class label
 MIN_UNITS_FOR_BOOTSTRAP = 5  # fewer scrape intervals than this say nothing about their spread
@@ -218,7 +218,7 @@ def rate_intervals(counts: SpecCounts, level: float = CI_LEVEL) -> list[list[flo
 
 
 def bootstrap_tau_interval(units: Sequence[SpecCounts], *, seed: int = 0) -> tuple[float, float] | None:
-    """The project's bootstrap (:func:`dflash_doctor.metrics.bootstrap_ratio`, percentile interval) of the
+    """The project's bootstrap (:func:`dflash_doctor.stats.metrics.bootstrap_ratio`, percentile interval) of the
     pooled tau, resampling scrape intervals instead of requests.
 
     Scrape intervals carry the correlation between steps of one request that :func:`tau_interval`

@@ -4,7 +4,7 @@ Production has no per-step rows, so ``requests`` / ``steps`` / ``tokens`` are wr
 still loads the directory) and the substance is ``windows.parquet``: one row per series and window with
 vLLM's metric names, the baseline, the net speedup and the alerts (:meth:`WindowVerdict.as_row`), and
 ``units.parquet``, the raw counts between scrapes. The record's ``summary`` pools every unit of the watch,
-per class, in the same :class:`~dflash_doctor.record.Metrics` a ``check`` run has, so ``report`` and the
+per class, in the same :class:`~dflash_doctor.rundir.record.Metrics` a ``check`` run has, so ``report`` and the
 dashboard's overview read it unchanged (requests are not observed: ``num_requests`` is 0);
 ``source.details`` holds what only a watch has (sources, window length, events, alerts). Everything is
 rewritten atomically after every evaluation, so a watch killed at any moment leaves a readable directory
@@ -20,9 +20,10 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dflash_doctor.metrics import conditional_rates
-from dflash_doctor.record import Metrics, ModelInfo, RunMeta, RunRecord, Source, Summary, TauDistribution
-from dflash_doctor.schema import TABLES, utc_now, write_run_json
+from dflash_doctor.stats.metrics import conditional_rates
+from dflash_doctor.rundir.record import Metrics, ModelInfo, RunMeta, RunRecord, Source, Summary, TauDistribution
+from dflash_doctor.rundir.tables import TABLES, read_table_or_empty
+from dflash_doctor.rundir.writer import utc_now, write_run_json
 from dflash_doctor.telemetry.counts import ALL_CLASSES, SeriesKey, SpecCounts, rate_intervals, total, window_tau_interval
 from dflash_doctor.telemetry.verdict import WindowVerdict
 from dflash_doctor.telemetry.watcher import Event, Unit
@@ -156,18 +157,13 @@ class WatchRecord:
 
 def read_windows(run_dir: Path | str) -> pd.DataFrame:
     """``windows.parquet`` of a watch run (an empty frame with the columns when there is none)."""
-    return _read(Path(run_dir) / WINDOWS_FILE, WINDOWS_SCHEMA)
+    return read_table_or_empty(Path(run_dir) / WINDOWS_FILE, WINDOWS_SCHEMA)
 
 
 def read_units(run_dir: Path | str) -> pd.DataFrame:
     """``units.parquet`` of a watch run: the counts between consecutive scrapes (or per line / response)."""
-    return _read(Path(run_dir) / UNITS_FILE, UNITS_SCHEMA)
+    return read_table_or_empty(Path(run_dir) / UNITS_FILE, UNITS_SCHEMA)
 
-
-def _read(path: Path, schema: pa.Schema) -> pd.DataFrame:
-    if not path.is_file():
-        return schema.empty_table().to_pandas()
-    return pq.read_table(path).to_pandas()
 
 
 class WatchSetup(TypedDict):

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_doctor.errors import UsageError
-from dflash_doctor.speedup import StepCosts
+from dflash_doctor.rundir.record import StepCosts
 from dflash_doctor.telemetry.alarms import apply_alarms
 from dflash_doctor.telemetry.exporter import VerdictExporter
 from dflash_doctor.telemetry.hooks import AlertHooks

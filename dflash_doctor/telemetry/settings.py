@@ -28,7 +28,7 @@ from dflash_doctor.telemetry.engines import READERS
 from dflash_doctor.telemetry.logs import log_zone
 from dflash_doctor.telemetry.sources import parse_duration_s
 from dflash_doctor.telemetry.verdict import DEFAULT_MIN_DRAFTS, DEFAULT_SPEEDUP_FLOOR, Thresholds
-from dflash_doctor.compare import DEFAULT_THRESHOLD_TAU
+from dflash_doctor.stats.gate import DEFAULT_THRESHOLD_TAU
 
 DEFAULT_WINDOW_S = 300.0
 DEFAULT_INTERVAL_S = 30.0

@@ -28,10 +28,10 @@ from pathlib import Path
 from statistics import NormalDist
 from typing import Any
 
-from dflash_doctor.compare import DEFAULT_THRESHOLD_TAU, OVERALL
+from dflash_doctor.rundir.record import OVERALL, RunRecord, StepCosts
+from dflash_doctor.stats.gate import DEFAULT_THRESHOLD_TAU
 from dflash_doctor.errors import UsageError
-from dflash_doctor.schema import read_run_meta
-from dflash_doctor.speedup import StepCosts
+from dflash_doctor.rundir.load import read_run_meta
 from dflash_doctor.telemetry.counts import ALL_CLASSES, window_tau_interval
 from dflash_doctor.telemetry.watcher import Window
 
@@ -62,29 +62,28 @@ class Baseline:
     @classmethod
     def from_run(cls, run_dir: str | Path) -> "Baseline":
         """From a ``check`` / ``sweep`` run directory: tau, interval, per-position rates per class; costs if it swept."""
-        meta = read_run_meta(run_dir)
-        summary = meta.get("summary") or {}
-        blocks = {OVERALL: summary.get("overall") or {}, **(summary.get("by_class") or {})}
+        summary = RunRecord.from_json(read_run_meta(run_dir)).summary
         entries = {}
-        for name, block in blocks.items():
-            tau = block.get("mean_acceptance_length")
-            if tau is None or (isinstance(tau, float) and math.isnan(tau)):
+        for name, metrics in summary.scopes().items():
+            tau = metrics.mean_acceptance_length
+            if tau is None or math.isnan(tau):
                 continue
-            ci = block.get("mean_acceptance_length_ci")
-            spread = block.get("request_tau") or {}
+            low, high = (metrics.mean_acceptance_length_ci or [None, None])[:2]
+            # a scope with a tau drafted, so every per-position rate is defined (None only without drafts)
+            known_rates = [rate for rate in metrics.acceptance_rate_per_pos if rate is not None]
+            spread = metrics.request_tau
             sd = None
-            if spread.get("p90") is not None and spread.get("p10") is not None:
-                sd = (spread["p90"] - spread["p10"]) / (2 * NormalDist().inv_cdf(0.9))  # normal p10..p90 width
+            if spread.p90 is not None and spread.p10 is not None:
+                sd = (spread.p90 - spread.p10) / (2 * NormalDist().inv_cdf(0.9))  # normal p10..p90 width
             entries[name] = BaselineEntry(
                 tau=float(tau),
-                tau_ci=tuple(ci) if ci and None not in ci else None,
-                rates=tuple(block["acceptance_rate_per_pos"]) if block.get("acceptance_rate_per_pos") else None,
+                tau_ci=(low, high) if low is not None and high is not None else None,
+                rates=tuple(known_rates) if known_rates and len(known_rates) == len(metrics.acceptance_rate_per_pos) else None,
                 request_tau_sd=sd,
             )
         if not entries:
             raise UsageError(f"baseline run {run_dir} has no mean_acceptance_length in its summary; pass a run written by `dflash-doctor check` or `sweep`.")
-        sweep_costs = (summary.get("sweep") or {}).get("costs")
-        costs = StepCosts.from_dict(sweep_costs) if sweep_costs else None
+        costs = summary.sweep.step_costs() if summary.sweep is not None and summary.sweep.costs else None
         return cls(entries, f"run {Path(run_dir).name}", costs)
 
     @classmethod
@@ -293,7 +292,7 @@ class Judge:
         try:
             verdict.speedup = self.costs.speedup(verdict.mean_acceptance_length, verdict.k)
         except UsageError as exc:
-            verdict.notes.append(f"no net speedup: {exc.message if hasattr(exc, 'message') else exc}")
+            verdict.notes.append(f"no net speedup: {exc.message}")
             return
         verdict.best_k, verdict.best_speedup = _best_k(verdict.acceptance_rate_per_pos, verdict.k, self.costs)
         if verdict.speedup < self.thresholds.speedup_floor:

@@ -1,6 +1,6 @@
 """Replaying a workload through the pair, streaming rows into the run directory as requests finish.
 
-Two ways to get the steps, one turn loop (:mod:`dflash_doctor.turns`):
+Two ways to get the steps, one turn loop (:mod:`dflash_doctor.replay.turns`):
 
 * :func:`replay_live`: the real speculative loop at one K (draft, verify, commit, roll back);
 * :func:`replay_teacher`: the target's own continuations (batched), then teacher-forced replay of the
@@ -26,10 +26,11 @@ from dflash_doctor.engine.batched import generate_greedy_batch
 from dflash_doctor.engine.live import GenerationResult, plain_generate, speculative_generate
 from dflash_doctor.engine.schedule import CONVENTIONS, EndOfRequest
 from dflash_doctor.engine.teacher import TeacherSequence, slot_table, token_rows, walk_schedule
-from dflash_doctor.pair import Pair
-from dflash_doctor.schema import REQUESTS_SCHEMA, STEPS_SCHEMA, RequestRow, RunWriter, StepRow, TokenRow, as_row
-from dflash_doctor.turns import PendingTurn, Turn, run_turns
-from dflash_doctor.workloads import Request
+from dflash_doctor.models.pair import Pair
+from dflash_doctor.rundir.tables import REQUESTS_SCHEMA, STEPS_SCHEMA, RequestRow, StepRow, TokenRow, as_row
+from dflash_doctor.rundir.writer import RunWriter
+from dflash_doctor.replay.turns import PendingTurn, Turn, run_turns
+from dflash_doctor.inputs.workloads import Request
 
 GREEDY_BATCH_SIZE = 32  # prompts per batched generate call (teacher-forced replay at T = 0)
 

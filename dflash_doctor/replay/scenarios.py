@@ -11,10 +11,11 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
-from dflash_doctor.config import DoctorConfig
 from dflash_doctor.errors import UsageError
-from dflash_doctor.pair import Pair
-from dflash_doctor.workloads import Request
+from dflash_doctor.inputs.config import DoctorConfig
+from dflash_doctor.inputs.workloads import Request
+from dflash_doctor.models.derive import fake_quantize
+from dflash_doctor.models.pair import Pair
 
 # A ChatML template as a different deployment might ship it: another default system prompt. The draft
 # was trained on prompts carrying SmolLM2's own default system prompt (vLLM #42508, ATOM #609).
@@ -65,8 +66,6 @@ def _quantized_target(pair: Pair, requests, config):
     """Serve a 4-bit fake-quantised target: the target changed under the draft (AEON-7 #6, z-lab #152).
 
     The demo target is loaded for this run only, so its weights are quantised where they are."""
-    from dflash_doctor.derive import fake_quantize
-
     fake_quantize(pair.target.model, bits=4, group_size=32)
     target_info = dataclasses.replace(pair.target_info, id=pair.target_info.id + " (4-bit fake-quantised)")
     return dataclasses.replace(pair, target_info=target_info), requests, config

@@ -20,90 +20,16 @@ import math
 import statistics
 import time
 import tomllib
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
-import numpy as np
 import pandas as pd
 
 from dflash_doctor.errors import UsageError
-from dflash_doctor.metrics import expected_tau_iid, tau_with_ci
+from dflash_doctor.rundir.record import OVERALL, Recommendation, StepCosts, Sweep, SweepRow
+from dflash_doctor.stats.metrics import expected_tau_iid, tau_with_ci
 
 ESTIMATES = ("exact", "truncated")
-COST_SOURCES = ("measured", "profile")
-
-
-@dataclass(frozen=True)
-class StepCosts:
-    """Seconds per step: plain decode, and verify / draft at each K that was measured.
-
-    K values between measured ones are linearly interpolated: verify cost grows smoothly with the number
-    of tokens verified (memory-bound at small K, compute-bound later) and the draft cost is either flat
-    (DFlash) or linear (K autoregressive steps), so a line between neighbours is close and lets a few
-    measurements (e.g. K = 1, 2, 4, 8, 16) price the whole sweep. A table with a single K is taken as
-    the same cost at every K. Outside the measured range nothing is guessed: asking is a UsageError.
-    """
-
-    t_decode_s: float
-    t_verify_s: dict[int, float]
-    t_draft_s: dict[int, float]
-    source: str = "measured"  # measured | profile
-    device: str = "unknown"
-
-    def __post_init__(self) -> None:
-        if self.source not in COST_SOURCES:
-            raise ValueError(f"source must be one of {COST_SOURCES}, got {self.source!r}")
-        if not (self.t_decode_s > 0 and self.t_verify_s and self.t_draft_s):
-            raise ValueError("StepCosts needs t_decode_s > 0 and at least one K in t_verify_s and t_draft_s")
-
-    def verify_s(self, k: int) -> float:
-        return self._at(self.t_verify_s, k, "verify")
-
-    def draft_s(self, k: int) -> float:
-        return self._at(self.t_draft_s, k, "draft")
-
-    def speedup(self, tau: float, k: int) -> float:
-        """Tokens per second relative to plain decoding; K = 0 (speculation off) is 1 by definition."""
-        if k == 0:
-            return 1.0
-        return tau * self.t_decode_s / (self.draft_s(k) + self.verify_s(k))
-
-    def _at(self, table: dict[int, float], k: int, what: str) -> float:
-        if k in table:
-            return table[k]
-        if len(table) == 1:
-            return next(iter(table.values()))
-        measured_ks = sorted(table)
-        if not measured_ks[0] <= k <= measured_ks[-1]:
-            raise UsageError(
-                f"the {self.source} step costs ({self.device}) have {what} times for K {measured_ks[0]}..{measured_ks[-1]} "
-                f"but K={k} was asked; add K={k} to the cost profile or sweep only K in that range."
-            )
-        return float(np.interp(k, measured_ks, [table[m] for m in measured_ks]))
-
-    def as_dict(self) -> dict[str, Any]:
-        """The ``summary.sweep.costs`` block of run.json (JSON object keys are strings)."""
-        return {
-            "source": self.source,
-            "device": self.device,
-            "t_decode_s": self.t_decode_s,
-            "t_verify_s": {str(k): v for k, v in sorted(self.t_verify_s.items())},
-            "t_draft_s": {str(k): v for k, v in sorted(self.t_draft_s.items())},
-        }
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "StepCosts":
-        """Inverse of :meth:`as_dict` (for views re-pricing a stored sweep)."""
-        return cls(
-            t_decode_s=float(data["t_decode_s"]),
-            t_verify_s={int(k): float(v) for k, v in data["t_verify_s"].items()},
-            t_draft_s={int(k): float(v) for k, v in data["t_draft_s"].items()},
-            source=data.get("source", "measured"),
-            device=data.get("device", "unknown"),
-        )
-
-
 def leviathan_speedup(alpha: float, k: int, c: float) -> float:
     """Leviathan et al. 2023 walltime speedup with i.i.d. acceptance ``alpha``, K drafted tokens, cost ratio c.
 
@@ -252,17 +178,12 @@ def _profile_table(path: Path, key: str, value: Any, *, allow_zero: bool) -> dic
 # ----------------------------------------------------------------------------- sweep
 
 
-def sweep_row(k: int, tau: float, tau_ci: list[float], costs: StepCosts, estimate: str) -> dict[str, Any]:
+def sweep_row(k: int, tau: float, tau_ci: list[float], costs: StepCosts, estimate: str) -> SweepRow:
     """One row of run.json ``summary.sweep``; ``estimate`` says whether tau came from a run at this K."""
     if estimate not in ESTIMATES:
         raise ValueError(f"estimate must be one of {ESTIMATES}, got {estimate!r}")
-    return {
-        "k": int(k),
-        "mean_acceptance_length": float(tau),
-        "mean_acceptance_length_ci": [float(x) for x in tau_ci],
-        "speedup": costs.speedup(tau, k),
-        "estimate": estimate,
-    }
+    return SweepRow(k=int(k), mean_acceptance_length=float(tau), mean_acceptance_length_ci=[float(x) for x in tau_ci],
+                    speedup=costs.speedup(tau, k), estimate=estimate)
 
 
 def build_sweep(
@@ -272,44 +193,39 @@ def build_sweep(
     *,
     n_boot: int = 1000,
     seed: int = 0,
-) -> dict[str, Any]:
+) -> Sweep:
     """run.json ``summary.sweep``: tau with its interval and speedup per K, overall and per class.
 
     ``steps_by_k[K]`` holds the steps of a run (live or teacher-forced) at K drafted tokens;
     ``estimate_by_k[K]`` is ``"exact"`` when they are the steps a live run at K takes, ``"truncated"``
-    when they were cut down from a larger K (:func:`dflash_doctor.metrics.truncate_steps`).
+    when they were cut down from a larger K (:func:`dflash_doctor.stats.metrics.truncate_steps`).
     """
     missing = sorted(set(steps_by_k) - set(estimate_by_k))
     if missing:
         raise ValueError(f"estimate_by_k has no entry for K {missing}")
-    overall: list[dict[str, Any]] = []
-    by_class: dict[str, list[dict[str, Any]]] = {}
+    overall: list[SweepRow] = []
+    by_class: dict[str, list[SweepRow]] = {}
     for k in sorted(steps_by_k):
         steps = steps_by_k[k]
-        tau, tau_ci = tau_with_ci(steps, n_boot=n_boot, seed=seed, group="overall")
+        tau, tau_ci = tau_with_ci(steps, n_boot=n_boot, seed=seed, group=OVERALL)
         overall.append(sweep_row(k, tau, tau_ci, costs, estimate_by_k[k]))
         for cls, class_steps in steps.groupby("class", sort=True):
             tau, tau_ci = tau_with_ci(class_steps, n_boot=n_boot, seed=seed, group=f"class:{cls}")
             by_class.setdefault(str(cls), []).append(sweep_row(k, tau, tau_ci, costs, estimate_by_k[k]))
-    return {"overall": overall, "by_class": by_class, "costs": costs.as_dict()}
-
-
-def rows_by_class(sweep: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
-    """``{"overall": rows, CLASS: rows}`` from a ``summary.sweep`` block: the input :func:`recommend` takes."""
-    return {"overall": sweep["overall"], **sweep["by_class"]}
+    return Sweep(overall=overall, by_class=by_class, costs=costs.as_dict())
 
 
 # ----------------------------------------------------------------------------- recommendation
 
 
 def recommend(
-    sweep_rows_by_class: dict[str, list[dict[str, Any]]],
+    sweep_rows_by_scope: Mapping[str, Sequence[SweepRow]],
     *,
     conservative_share: float = 0.95,
     strict_classes: Iterable[str] = (),
     strict_max_k: int = 4,
-) -> dict[str, dict[str, Any]]:
-    """run.json ``recommendation``: per class, the K to serve, a conservative K, the speedup and why.
+) -> dict[str, Recommendation]:
+    """run.json ``recommendation``: per scope (overall and each class; ``Sweep.scopes()``), the K to serve, a conservative K, the speedup and why.
 
     * ``k``: the K with the best speedup (the smaller K on a tie); 0 (speculation off) when even the
       best K is slower than plain decoding.
@@ -326,65 +242,66 @@ def recommend(
     strict = set(strict_classes)
     return {
         name: _recommend_one(rows, conservative_share, strict_max_k if name in strict else None)
-        for name, rows in sweep_rows_by_class.items()
+        for name, rows in sweep_rows_by_scope.items()
     }
 
 
-def _pessimistic_speedup(row: dict[str, Any]) -> float:
+def _pessimistic_speedup(row: SweepRow) -> float:
     """Speedup at the low end of tau's interval; the point speedup when the row has no usable interval."""
-    ci = row.get("mean_acceptance_length_ci") or [None, None]
-    low, tau = ci[0], row["mean_acceptance_length"]
+    speedup = _point_speedup(row)
+    ci = row.mean_acceptance_length_ci or [None, None]
+    low, tau = ci[0], row.mean_acceptance_length
     if low is None or not math.isfinite(low) or not tau:
-        return row["speedup"]
-    return row["speedup"] * min(low, tau) / tau
+        return speedup
+    return speedup * min(low, tau) / tau
 
 
-def _point_speedup(row: dict[str, Any]) -> float:
-    return row["speedup"]
+def _point_speedup(row: SweepRow) -> float:
+    assert row.speedup is not None, "only priced rows (_is_priced) are ranked"
+    return row.speedup
 
 
-def _is_priced(row: dict[str, Any]) -> bool:
-    return row["speedup"] is not None and math.isfinite(row["speedup"]) and row["k"] >= 1
+def _is_priced(row: SweepRow) -> bool:
+    return row.speedup is not None and math.isfinite(row.speedup) and row.k >= 1
 
 
-def _recommend_one(rows: list[dict[str, Any]], share: float, strict_max_k: int | None) -> dict[str, Any]:
-    candidates = sorted((row for row in rows if _is_priced(row)), key=lambda row: row["k"])
+def _recommend_one(rows: Sequence[SweepRow], share: float, strict_max_k: int | None) -> Recommendation:
+    candidates = sorted((row for row in rows if _is_priced(row)), key=lambda row: row.k)
     strict = strict_max_k is not None
     score = _point_speedup
     note = ""
-    if strict:
-        candidates = [row for row in candidates if row["k"] <= strict_max_k]
+    if strict_max_k is not None:
+        candidates = [row for row in candidates if row.k <= strict_max_k]
         score = _pessimistic_speedup
         note = f" (strict class: K <= {strict_max_k}, judged at the low end of tau's 95% interval)"
-    off = {"k": 0, "conservative_k": 0, "speedup": 1.0}
     if not candidates:
         swept = f"no K <= {strict_max_k}" if strict else "no K"
-        return off | {"reason": f"Speculation off: {swept} was priced (no draft steps or no sweep rows){note}."}
+        return _speculation_off(f"Speculation off: {swept} was priced (no draft steps or no sweep rows){note}.")
 
     best = max(candidates, key=score)  # max keeps the first (smallest K) on ties
     best_score = score(best)
     described = _describe(best, strict)
     if best_score < 1.0:
         slower = "possibly slower" if strict else "slower"
-        return off | {"reason": f"Speculation off: even the best, K={best['k']}, runs at {described}, {slower} than plain decoding{note}."}
+        return _speculation_off(f"Speculation off: even the best, K={best.k}, runs at {described}, {slower} than plain decoding{note}.")
     conservative = next(row for row in candidates if score(row) >= share * best_score)
-    if conservative["k"] == best["k"]:
+    if conservative.k == best.k:
         tail = f"no smaller K keeps {share:.0%} of it"
     else:
-        tail = f"K={conservative['k']} keeps {score(conservative) / best_score:.0%} of it at {conservative['speedup']:.2f}x"
-    return {
-        "k": int(best["k"]),
-        "conservative_k": int(conservative["k"]),
-        "speedup": float(best["speedup"]),
-        "reason": f"K={best['k']} is the best at {described}; {tail}{note}.",
-    }
+        tail = f"K={conservative.k} keeps {score(conservative) / best_score:.0%} of it at {_point_speedup(conservative):.2f}x"
+    return Recommendation(k=int(best.k), conservative_k=int(conservative.k), speedup=float(_point_speedup(best)),
+                          reason=f"K={best.k} is the best at {described}; {tail}{note}.")
 
 
-def _describe(row: dict[str, Any], pessimistic: bool) -> str:
+def _speculation_off(reason: str) -> Recommendation:
+    return Recommendation(k=0, conservative_k=0, speedup=1.0, reason=reason)
+
+
+def _describe(row: SweepRow, pessimistic: bool) -> str:
     """'2.31x (tau 4.10)' plus the pessimistic speedup for strict classes and a truncation note."""
-    text = f"{row['speedup']:.2f}x (tau {row['mean_acceptance_length']:.2f}"
+    text = f"{_point_speedup(row):.2f}x (tau {row.mean_acceptance_length:.2f}"
     if pessimistic:
         text += f"; {_pessimistic_speedup(row):.2f}x at the interval's low end"
-    if row.get("estimate") == "truncated":
+    if row.estimate == "truncated":
         text += ", truncated estimate"
     return text + ")"

@@ -18,9 +18,9 @@ import torch
 
 from dflash_doctor.engine.live import plain_generate, speculative_generate
 from dflash_doctor.engine.teacher import TeacherSequence, matched_runs, slot_table
-from dflash_doctor.pair import Pair
-from dflash_doctor.record import Divergence, LosslessProbe
-from dflash_doctor.turns import Turn
+from dflash_doctor.models.pair import Pair
+from dflash_doctor.rundir.record import Divergence, LosslessProbe
+from dflash_doctor.replay.turns import Turn
 
 NUM_PROBE_REQUESTS = 3  # first turns replayed again for the lossless check and the layer-offset probe
 
@@ -88,7 +88,7 @@ def layer_offset_probe(pair: Pair, turns: Sequence[Turn],
 
     One target forward per turn taps every layer the three offsets read (each offset's features are
     columns of it, the same numbers a forward of its own would give). ``matches_at_zero``: the replay's
-    full-block greedy matches by turn key (:attr:`dflash_doctor.replay.Replay.full_block_matches`);
+    full-block greedy matches by turn key (:attr:`dflash_doctor.replay.stream.Replay.full_block_matches`);
     offset 0 is the configured draft, so a turn found there is not drafted again.
     """
     kind = pair.kind

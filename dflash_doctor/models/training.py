@@ -48,9 +48,10 @@ from dflash_doctor.engine.proposers.dflash import DFlashProposer
 from dflash_doctor.engine.target import TargetModel
 from dflash_doctor.engine.teacher import TeacherSequence, slot_table, walk_schedule
 from dflash_doctor.errors import UsageError
-from dflash_doctor.loading import load_dflash_draft, save_dflash_draft
-from dflash_doctor.schema import StepRow, as_row
-from dflash_doctor.workloads import Request, encode_request_turn
+from dflash_doctor.inputs.workloads import Request, encode_request_turn, read_workload_file, save_workload
+from dflash_doctor.models.loading import fingerprint, load_dflash_draft, save_dflash_draft
+from dflash_doctor.rundir.tables import StepRow, as_row
+from dflash_doctor.stats.metrics import tau_with_ci
 
 if TYPE_CHECKING:
     from dflash_doctor.engine.target import CausalLM
@@ -324,8 +325,6 @@ def self_written_prompts(model: CausalLM, tokenizer: Any, count: int, *, cache_p
     (the Magpie trick); its answer is then generated like any other prompt. Cached as a JSONL workload
     under the same key rules as the sequences, so resumes see the same prompts.
     """
-    from dflash_doctor.workloads import read_workload_file, save_workload
-
     key = {**cache_key, "self_written_prompts": count, "temperature": temperature, "seed": seed}
     key_file = cache_path.with_suffix(".key.json")
     if cache_path.is_file() and key_file.is_file() and json.loads(key_file.read_text(encoding="utf-8")) == key:
@@ -397,8 +396,6 @@ def sampled_sequences(model: CausalLM, records: Sequence[SequenceRecord], *, sam
 def data_cache_key(target_dir: Path, *, max_new_tokens: int, dtype: str, chat_template: str | None,
                    use_recorded_responses: bool = False) -> dict[str, Any]:
     """What the cached sequences depend on: target weights, answer length, dtype, chat template, response source."""
-    from dflash_doctor.loading import fingerprint
-
     return {"target": fingerprint(target_dir), "max_new_tokens": max_new_tokens, "dtype": dtype,
             "chat_template_sha256": chat_template_record(chat_template)["chat_template_sha256"],
             "use_recorded_responses": use_recorded_responses}
@@ -686,7 +683,7 @@ def held_out_steps(target_model: CausalLM, draft: DFlashDraftModel, records: Seq
     commits exactly those tokens, so teacher-forced replay (:mod:`dflash_doctor.engine.teacher`, through
     the proposer interface like every other replay) gives its steps without running it. A response cut
     by the generation limit ends with a token that can only be a bonus; one ended by a stop token can be
-    drafted up to the stop. The rows feed :func:`dflash_doctor.metrics.tau_with_ci`; all turns of a
+    drafted up to the stop. The rows feed :func:`dflash_doctor.stats.metrics.tau_with_ci`; all turns of a
     request share its id (the bootstrap unit).
     """
     target = TargetModel(target_model)
@@ -707,8 +704,6 @@ def held_out_steps(target_model: CausalLM, draft: DFlashDraftModel, records: Seq
 def tau_by_class(steps: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Pooled tau of :func:`held_out_steps` rows with its bootstrap interval over requests, overall and per class."""
     import pandas as pd
-
-    from dflash_doctor.metrics import tau_with_ci
 
     frame = pd.DataFrame(steps)
     out = {}

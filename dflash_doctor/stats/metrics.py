@@ -19,9 +19,6 @@ Every number in run.json ``summary`` comes from :func:`summarize`. The conventio
   resampling steps would be overconfident). Each resample pools its requests' counters, exactly as the
   point estimate does. Position-1 acceptance moves by several points between identical runs
   (speculators PR #793): an interval says whether a difference is real.
-
-Temperature > 0 replays do not observe accept/reject events but per-slot acceptance probabilities;
-:func:`expected_accept_run` and :func:`expected_tau_by_k` turn those into expected counts.
 """
 
 from __future__ import annotations
@@ -33,7 +30,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-OVERALL = "overall"  # the summary's scope over every request, next to the per-class scopes
+from dflash_doctor.rundir.record import OVERALL, Summary
+
 CI_LEVEL = 0.95
 NUM_BOOTSTRAP_RESAMPLES = 1000
 _BOOTSTRAP_CELLS_PER_CHUNK = 1 << 22  # resample-weight cells held at once: bounds memory at ~32 MB
@@ -67,58 +65,6 @@ def expected_tau_iid(alpha: float, k: int) -> float:
     if alpha == 1.0:
         return float(k + 1)
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
-
-
-# ----------------------------------------------------------------------------- sampling (T > 0)
-
-
-def expected_reach_probs(accept_probs: np.ndarray) -> np.ndarray:
-    """P(at least i + 1 tokens accepted) per step: the running product of per-slot acceptance probabilities.
-
-    ``accept_probs`` is ``[N, K]``: for each of N draft steps along a sampled target trajectory, the
-    probability that slot i is accepted *given every earlier slot was* (``sum min(p, q)`` for a sampled
-    draft, ``p(argmax q)`` for a greedy one). Slot i is only examined when slots 0..i-1 were accepted,
-    so the chance of reaching past slot i is the product of the first i + 1 entries. The result is the
-    expected value of the unconditional indicator that ``num_accepted_tokens_per_pos[i]`` counts.
-    """
-    accept_probs = _as_probability_matrix(accept_probs)
-    return np.cumprod(accept_probs, axis=1)  # [N, K]
-
-
-def expected_accept_run(accept_probs: np.ndarray, k: int | None = None) -> np.ndarray:
-    """Expected number of accepted tokens per step when drafting ``k`` tokens (default: all K columns).
-
-    ``E[accepted] = sum_{i<k} P(at least i + 1 accepted)``; add 1 (the bonus token) for the step's tau.
-    Returns ``[N]``.
-    """
-    reach = expected_reach_probs(accept_probs)
-    if k is None:
-        k = int(reach.shape[1])
-    if not 0 <= k <= reach.shape[1]:
-        raise ValueError(f"k={k} outside the {reach.shape[1]} slots of accept_probs")
-    return reach[:, :k].sum(axis=1)
-
-
-def expected_tau_by_k(accept_probs: np.ndarray) -> np.ndarray:
-    """Pooled expected tau for every K = 1..K_max from the same per-slot probabilities, ``[K_max]``.
-
-    Entry ``K - 1`` is ``1 + mean_n sum_{i<K} P_n(at least i + 1 accepted)``: the expected tokens per step
-    if each of the N steps had drafted K tokens. (Which steps a live loop at K would visit depends on
-    how much it accepted; the caller walks that schedule and passes the steps it visits.)
-    """
-    reach = expected_reach_probs(accept_probs)
-    if reach.shape[0] == 0:
-        return np.full(reach.shape[1], np.nan)
-    return 1.0 + np.cumsum(reach.mean(axis=0))
-
-
-def _as_probability_matrix(accept_probs: np.ndarray) -> np.ndarray:
-    array = np.asarray(accept_probs, dtype=np.float64)
-    if array.ndim != 2:
-        raise ValueError(f"accept_probs must be [N, K], got shape {array.shape}")
-    if array.size and not ((array >= 0.0) & (array <= 1.0)).all():  # NaN fails both comparisons
-        raise ValueError("accept_probs must hold probabilities in [0, 1]")
-    return array
 
 
 # ----------------------------------------------------------------------------- step tables
@@ -323,8 +269,9 @@ def summarize(
     num_slots: int | None = None,
     n_boot: int = NUM_BOOTSTRAP_RESAMPLES,
     seed: int = 0,
-) -> dict[str, Any]:
-    """run.json ``summary``: ``{"overall": M, "by_class": {class: M}}`` from a steps table.
+) -> Summary:
+    """run.json ``summary`` (typed: overall and per class :class:`~dflash_doctor.rundir.record.Metrics`)
+    from a steps table.
 
     ``requests`` (optional, the requests table) makes the counts exact where steps alone cannot: requests
     that never reached a step still count in ``num_requests``, and ``num_output_tokens`` is the real
@@ -356,7 +303,7 @@ def summarize(
     for cls in sorted(request_class.unique()):
         ids = request_class.index[request_class.to_numpy() == cls].to_numpy()
         summary["by_class"][str(cls)] = block(summary_group(str(cls)), steps[steps["class"] == cls], ids)
-    return summary
+    return Summary.from_json(summary)
 
 
 def tau_with_ci(steps: pd.DataFrame, *, n_boot: int = NUM_BOOTSTRAP_RESAMPLES, seed: int = 0, group: str = "overall") -> tuple[float, list[float]]:

@@ -1,5 +1,4 @@
-"""Scaling ``sweep`` and ``check`` with PyTorch's own machinery: many processes under torchrun, and a
-target spread over several GPUs.
+"""Scaling ``sweep`` and ``check`` over many processes with PyTorch's own machinery (torchrun).
 
 Data parallel (``torchrun --nproc-per-node N`` or the ``--devices`` shortcut that launches it): every rank
 loads the pair on its own device and replays its share of the requests. The share is deterministic and
@@ -9,16 +8,8 @@ rank 0 then gathers the in-memory replays over a gloo group (only Python objects
 CPU and GPU ranks alike), merges the parts into the run directory in the order a single process writes
 them and carries on alone (summary, sweep, probes, checks, reports). The merged run is the run one
 process makes of the same requests: identical at temperature 0, where nothing is random; above 0 each
-rank draws its own sampled trajectories (seeded), so the figures agree in distribution only.
-
-A target larger than one GPU (``--device cuda:0,cuda:1``): one process places the target's decoder
-layers over those GPUs with transformers' ``device_map`` (accelerate's hooks move the activations), and
-keeps the embeddings, final norm and LM head on the first GPU next to the draft, which reads them. We
-chose placement over tensor parallelism (``tp_plan="auto"``) because the engine's replay loop, KV-cache
-rollback, hidden-state taps and the draft run unchanged on it, it works for any architecture transformers
-loads (a tensor-parallel plan exists only for some, and needs head counts divisible by the GPU count),
-and it composes with data parallelism: ``--devices cuda:0+cuda:1,cuda:2+cuda:3`` runs two ranks, each
-with a target over two GPUs.
+rank draws its own sampled trajectories (seeded), so the figures agree in distribution only. A rank's
+own target may span several GPUs (:mod:`dflash_doctor.models.placement`).
 """
 
 from __future__ import annotations
@@ -30,7 +21,7 @@ import sys
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -38,12 +29,11 @@ import pyarrow.parquet as pq
 import torch
 
 from dflash_doctor.errors import UsageError
-from dflash_doctor.schema import TABLES, RunWriter
-
-if TYPE_CHECKING:
-    from dflash_doctor.config import DoctorConfig
-    from dflash_doctor.replay import Replay
-    from dflash_doctor.workloads import Request
+from dflash_doctor.inputs.config import DoctorConfig
+from dflash_doctor.inputs.workloads import Request
+from dflash_doctor.replay.stream import Replay
+from dflash_doctor.rundir.tables import TABLES
+from dflash_doctor.rundir.writer import RunWriter
 
 PARTS_DIR = "parts"
 GROUP_SEPARATOR = "+"  # joins the GPUs of one rank's target in --devices: cuda:0+cuda:1
@@ -129,60 +119,6 @@ def device_for_rank(config: DoctorConfig, ranks: Ranks) -> str:
     return config.device
 
 
-def target_devices(device: str) -> list[str]:
-    """The GPUs a ``--device`` value places the target on (one entry: no placement)."""
-    return [d.strip() for d in device.split(",") if d.strip()]
-
-
-def layer_placement(model_dir: Path, devices: Sequence[str], *, trust_remote_code: bool = False) -> dict[str, str]:
-    """A transformers ``device_map`` for the checkpoint in ``model_dir`` over ``devices``.
-
-    The decoder layers (the module list as long as ``num_hidden_layers``) are cut into contiguous runs of
-    about equal bytes; every other module (embeddings, final norm, LM head, rotary tables) goes to the
-    first device, counted in its share, because the draft reads the embeddings and the head and runs there.
-    """
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
-    return placement_of(skeleton, devices)
-
-
-def placement_of(model: torch.nn.Module, devices: Sequence[str]) -> dict[str, str]:
-    """The device map of :func:`layer_placement` for a model already built (on any device, meta too)."""
-    num_layers = int(getattr(model, "config").num_hidden_layers)
-    found = next(((name, module) for name, module in model.named_modules()
-                  if isinstance(module, torch.nn.ModuleList) and len(module) == num_layers), None)
-    if found is None:
-        raise UsageError(f"cannot find the {num_layers} decoder layers of {type(model).__name__} to place over {', '.join(devices)}; "
-                         "load it on one device.")
-    layers_name, layers = found
-    layer_bytes = np.array([sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in layers])
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    share = total / len(devices)
-    middles = (total - layer_bytes.sum()) + np.cumsum(layer_bytes) - layer_bytes / 2  # bytes up to each layer's middle, the rest first
-    placement = {f"{layers_name}.{index}": devices[min(int(middle // share), len(devices) - 1)] for index, middle in enumerate(middles)}
-    parts = layers_name.split(".")
-    for prefix in [".".join(parts[:i]) for i in range(len(parts))]:  # the root, then each module above the layers
-        for child, _ in model.get_submodule(prefix).named_children():
-            name = f"{prefix}.{child}" if prefix else child
-            if not (layers_name + ".").startswith(name + "."):
-                placement[name] = devices[0]
-    return placement
-
-
-def dispatch(model: torch.nn.Module, placement: dict[str, str], main_device: str) -> torch.nn.Module:
-    """Attach accelerate's hooks for ``placement`` to a model whose weights already sit there (what
-    ``from_pretrained(device_map=...)`` does after loading), so activations follow the layers; the
-    model's inputs and outputs live on ``main_device``."""
-    from accelerate import dispatch_model
-
-    device_map: dict[str, str | int | torch.device] = dict(placement)
-    return dispatch_model(model, device_map=device_map, main_device=torch.device(main_device),
-                          skip_keys=getattr(model, "_skip_keys_device_placement", None))
-
-
 # ----------------------------------------------------------------------------------------------------
 # The sharded replay and the merge
 
@@ -251,8 +187,6 @@ def _sorted(table: pa.Table, order: dict[str, int]) -> pa.Table:
 def merge_replays(replays: Sequence[Replay], requests: Sequence[Request]) -> Replay:
     """One replay of ``requests`` from the ranks' replays, in the order one process makes them: request
     by request in input order, each request's turns in order."""
-    from dflash_doctor.replay import Replay
-
     position = {request.id: index for index, request in enumerate(requests)}
     turns = sorted((turn for replay in replays for turn in replay.turns), key=lambda t: (position[t.request.id], t.index))
     merged = Replay(turns=turns, estimate_by_k=dict(replays[0].estimate_by_k), interrupted=any(r.interrupted for r in replays),

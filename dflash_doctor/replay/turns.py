@@ -18,8 +18,9 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
 from dflash_doctor.engine.live import GenerationResult
-from dflash_doctor.pair import Pair
-from dflash_doctor.workloads import Request, encode_request_turn
+from dflash_doctor.models.pair import Pair
+from dflash_doctor.inputs.workloads import Request, encode_request_turn
+from dflash_doctor.rundir.tables import turn_row_id
 
 
 @dataclass(frozen=True)
@@ -45,8 +46,8 @@ class Turn:
 
     @property
     def key(self) -> str:
-        """Row id in the steps/tokens tables: a later turn gets a ``#t<turn>`` suffix."""
-        return self.request.id if self.index == 0 else f"{self.request.id}#t{self.index}"
+        """Row id in the steps/tokens tables (:func:`~dflash_doctor.rundir.tables.turn_row_id`)."""
+        return turn_row_id(self.request.id, self.index)
 
     @property
     def output_ids(self) -> list[int]:
@@ -64,11 +65,6 @@ def turn_limit(request: Request, max_new_tokens: int) -> int:
 def answer_text(pair: Pair, output_ids: Sequence[int]) -> str:
     """The answer as the client sends it back: stop tokens dropped, special tokens skipped."""
     return pair.tokenizer.decode([t for t in output_ids if t not in pair.stop_ids], skip_special_tokens=True)
-
-
-def first_turn_prompt(pair: Pair, request: Request) -> list[int]:
-    """The prompt ids of a request's first turn (what the probes replay)."""
-    return encode_request_turn(pair.tokenizer, request, [], chat_template=pair.chat_template)
 
 
 def run_turns(pair: Pair, requests: Sequence[Request], max_new_tokens: int, generate: GenerateBatch, *, chunk_size: int = 1) -> Iterator[Turn]:

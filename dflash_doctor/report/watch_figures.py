@@ -1,6 +1,6 @@
 """Figures of a watch's time series (windows.parquet): tau with its interval band, the baseline, alert markers.
 
-Pure builders like :mod:`dflash_doctor.figures` (same layout and class colours); an empty input gives a
+Pure builders like :mod:`dflash_doctor.report.figures` (same layout and class colours); an empty input gives a
 figure that says why it is empty.
 """
 
@@ -12,7 +12,7 @@ from typing import Any
 import pandas as pd
 import plotly.graph_objects as go
 
-from dflash_doctor.figures import _LAYOUT, _empty, class_colors
+from dflash_doctor.report.figures import _LAYOUT, _empty, class_colors
 
 
 def series_name(row: pd.Series | dict) -> str:

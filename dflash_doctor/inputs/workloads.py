@@ -47,8 +47,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 from dflash_doctor.errors import UsageError
-from dflash_doctor.word_problems import TEMPLATES as WORD_PROBLEM_TEMPLATES
-from dflash_doctor.word_problems import generate_word_problems
+from dflash_doctor.inputs.word_problems import TEMPLATES as WORD_PROBLEM_TEMPLATES
+from dflash_doctor.inputs.word_problems import generate_word_problems
 
 SPLITS = ("train", "eval", "all")
 EVAL_FRACTION = 0.2  # share of each built-in (set, subclass) held out for evaluation

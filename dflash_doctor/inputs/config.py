@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_doctor.errors import UsageError
-
+from dflash_doctor.stats.speedup import load_cost_profile
 
 
 def parse_k(value: str | int | list[int] | tuple[int, ...]) -> tuple[int, ...]:
@@ -43,20 +43,32 @@ def parse_k(value: str | int | list[int] | tuple[int, ...]) -> tuple[int, ...]:
     return tuple(sorted(set(values)))
 
 
+
+#: Where report pages load plotly.js from: ``inline`` embeds the bundle (~4.6 MB, opens offline, the
+#: default) and ``cdn`` links plotly's CDN (a few kB per page, for CI artefacts; needs the network to draw).
+PLOTLY_SOURCES = ("inline", "cdn")
+
+
+def parse_plotly_source(value: str) -> str:
+    """``--plotly``: one of :data:`PLOTLY_SOURCES`, else a UsageError naming them."""
+    if value not in PLOTLY_SOURCES:
+        raise UsageError(f"--plotly {value!r} is not a plotly.js source; use {' or '.join(PLOTLY_SOURCES)}.")
+    return value
+
 @dataclass
 class DoctorConfig:
     """Everything a command was asked for; stored verbatim in run.json ``config``."""
 
     target: str | None = None  # local dir, hub id, or .gguf file; None = the built-in demo target
     draft: str | None = None  # same forms; None = the built-in demo draft
-    draft_kind: str = "auto"  # a registered draft kind (dflash_doctor.draft_kinds) or auto
+    draft_kind: str = "auto"  # a registered draft kind (dflash_doctor.models.draft_kinds) or auto
     workload: str = "demo"  # built-in name or a .jsonl/.csv/.parquet file
     classes: tuple[str, ...] = ()  # keep only these request classes (empty = all)
     max_requests: int | None = None  # stratified over classes, seeded
     max_new_tokens: int = 128
     temperature: float = 0.0
     k: tuple[int, ...] = ()  # draft tokens per step; several = a sweep; empty = the draft's own default
-    device: str = "cpu"  # several GPUs (cuda:0,cuda:1) place one target over them (dflash_doctor.distributed)
+    device: str = "cpu"  # several GPUs (cuda:0,cuda:1) place one target over them (dflash_doctor.models.placement)
     devices: tuple[str, ...] = ()  # one torchrun rank per entry (sweep, check); cuda:0+cuda:1 gives a rank two GPUs
     dtype: str = "float32"
     out: str | None = None  # run directory; None = runs/<timestamp>
@@ -135,13 +147,9 @@ def _validate(config: DoctorConfig) -> None:
     if config.fail_on not in ("fail", "warn"):
         raise UsageError(f"--fail-on {config.fail_on!r} is not one of fail, warn; pick one.")
     if config.cost_profile is not None:
-        from dflash_doctor.speedup import load_cost_profile
-
         load_cost_profile(config.cost_profile)  # a profile that does not parse fails before any model work
     if config.end_of_request not in ("vllm", "official"):
         raise UsageError(f"end_of_request {config.end_of_request!r} is not one of vllm, official; pick the loop you model.")
-    from dflash_doctor.report.html import parse_plotly_source
-
     parse_plotly_source(config.plotly)
     if config.dtype not in ("float32", "bfloat16", "float16"):
         raise UsageError(f"--dtype {config.dtype!r} is not one of float32, bfloat16, float16; pick one.")

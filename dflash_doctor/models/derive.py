@@ -9,13 +9,12 @@ Both are used by tests, benchmarks and ``check --scenario quantized-target``.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
 import torch
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+    from transformers import PreTrainedModel
 
 
 @torch.no_grad()
@@ -41,10 +40,3 @@ def keep_layers(model: PreTrainedModel, num_layers: int) -> PreTrainedModel:
     if getattr(model.config, "layer_types", None):
         model.config.layer_types = model.config.layer_types[:num_layers]
     return model
-
-
-def save_derived(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir: Path | str) -> Path:
-    out_dir = Path(out_dir)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    tokenizer.save_pretrained(out_dir)
-    return out_dir

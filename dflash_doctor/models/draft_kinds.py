@@ -39,7 +39,7 @@ from dflash_doctor.engine.proposers.base import Proposer
 from dflash_doctor.engine.proposers.dflash import DFlashProposer
 from dflash_doctor.engine.target import TargetModel
 from dflash_doctor.errors import UsageError
-from dflash_doctor.loading import is_dflash_config
+from dflash_doctor.models.loading import is_dflash_config, load_causal_lm, load_dflash_draft, validate_autoregressive_pair, validate_dflash_pair
 
 if TYPE_CHECKING:
     from dflash_doctor.engine.dflash_model import DFlashDraftModel
@@ -115,11 +115,6 @@ def register_draft_kind(kind: DraftKind[DraftModel], *, before: str | None = Non
     return kind
 
 
-def draft_kind_names() -> list[str]:
-    """Registered kinds in detection order (what ``--draft-kind`` accepts, besides ``auto``)."""
-    return list(_KINDS)
-
-
 def get_draft_kind(name: str) -> DraftKind[Any]:
     """The kind called ``name``; an unknown name is a UsageError suggesting the closest one."""
     try:
@@ -154,8 +149,6 @@ def resolve_draft_kind(name: str, config: dict[str, Any], spec: str) -> DraftKin
 
 
 def _load_dflash(draft_dir: Path, target_dir: Path, target_config: Any, options: LoadOptions) -> DFlashDraftModel:
-    from dflash_doctor.loading import load_dflash_draft, validate_dflash_pair
-
     model = load_dflash_draft(draft_dir, dtype=options.dtype, device=options.device)
     validate_dflash_pair(model.config, target_config)
     return model
@@ -169,10 +162,10 @@ def _dflash_with_layer_ids(model: DFlashDraftModel, layer_ids: list[int]) -> DFl
 
 
 def _load_autoregressive(draft_dir: Path, target_dir: Path, target_config: Any, options: LoadOptions) -> CausalLM:
-    from dflash_doctor.loading import load_causal_lm, validate_autoregressive_pair
-
     model = load_causal_lm(draft_dir, dtype=options.dtype, device=options.device, trust_remote_code=options.trust_remote_code)
-    validate_autoregressive_pair(draft_dir, target_dir, model.config, target_config)
+    # kept on the model like a DFlash draft's ``draft_format``, for the kind's run.json facts (setattr: a
+    # transformers model declares no such attribute, and nn.Module's typed __setattr__ expects tensors)
+    setattr(model, "vocabulary_check", validate_autoregressive_pair(draft_dir, target_dir, model.config, target_config))
     return model
 
 
@@ -204,5 +197,6 @@ register_draft_kind(DraftKind(
     detect=lambda config: True,
     load=_load_autoregressive,
     build=lambda model, target, sampling: AutoregressiveProposer(model, temperature=sampling.temperature, generator=sampling.generator),
+    facts=lambda model: {"vocabulary_check": getattr(model, "vocabulary_check", None)},
     ships_tokenizer=True,
 ))

@@ -1,6 +1,6 @@
 """The loaded target + draft pair: loaded once per command, then read by replay, probes and checks.
 
-:func:`load_pair` resolves the draft's kind through :mod:`dflash_doctor.draft_kinds` (nothing here
+:func:`load_pair` resolves the draft's kind through :mod:`dflash_doctor.models.draft_kinds` (nothing here
 branches on a kind), loads and validates both models, builds the proposer, and records the facts
 run.json keeps about each model. A pair that cannot work is refused here, before any replay.
 """
@@ -15,25 +15,19 @@ from typing import Any
 
 import torch
 
-from dflash_doctor.config import DoctorConfig
-from dflash_doctor.deviations import TokenCategories
-from dflash_doctor.distributed import target_devices
-from dflash_doctor.draft_formats import refuse_gguf_dflash
-from dflash_doctor.draft_kinds import DraftKind, LoadOptions, Sampling, get_draft_kind, resolve_draft_kind
 from dflash_doctor.engine.proposers.base import Proposer
 from dflash_doctor.engine.target import TargetModel
 from dflash_doctor.errors import UsageError
-from dflash_doctor.loading import (
-    DEMO_DRAFT_DIR,
-    demo_target_path,
-    fingerprint,
-    hub_commit,
-    load_causal_lm,
-    read_config,
-    resolve_model_dir,
-)
-from dflash_doctor.record import ModelInfo
-from dflash_doctor.workloads import read_chat_template
+from dflash_doctor.inputs.config import DoctorConfig
+from dflash_doctor.inputs.engine_config import parse_engine_config
+from dflash_doctor.inputs.workloads import read_chat_template
+from dflash_doctor.models.draft_formats import refuse_gguf_dflash
+from dflash_doctor.models.draft_kinds import DraftKind, LoadOptions, Sampling, get_draft_kind, resolve_draft_kind
+from dflash_doctor.models.loading import DEMO_DRAFT_DIR, demo_target_path, fingerprint, hub_commit, load_causal_lm, read_config, resolve_model_dir
+from dflash_doctor.models.placement import target_devices
+from dflash_doctor.rundir.record import ModelInfo
+from dflash_doctor.stats.deviations import TokenCategories
+from dflash_doctor.stats.speedup import measure_costs
 
 
 def stop_ids_of(model, tokenizer) -> frozenset[int]:
@@ -101,8 +95,6 @@ class Pair:
     @torch.inference_mode()
     def measure_step_costs(self, ks: tuple[int, ...], *, context_tokens: int = 128, repeats: int = 5):
         """Time plain decode, verify of 1 + K tokens and drafting K tokens on this device, at a realistic context."""
-        from dflash_doctor.speedup import measure_costs
-
         target, proposer = self.target, self.proposer
         taps = proposer.needs.hidden_state_indices
         device = target.device
@@ -146,8 +138,6 @@ def draft_sample_method(config: DoctorConfig) -> str:
     """How the modelled engine drafts under sampling: the --engine-config's, else vLLM's default ``greedy``."""
     if not config.engine_config:
         return "greedy"
-    from dflash_doctor.checks.engine_config import parse_engine_config
-
     return parse_engine_config(config.engine_config)["draft_sample_method"]
 
 

@@ -1,0 +1,223 @@
+"""The house plan (docs/architecture.md) held by the import graph, read with ``ast`` (nothing is imported).
+
+* No import circle between modules: a circle makes the import order decide what works.
+* Rooms import downwards only (:data:`LAYERS`, lowest first; modules of one layer may import each other,
+  without circles).
+* No function-local import of the project's own modules: such an import exists only to dodge a circle
+  or a layer, which the two rules above forbid. Third-party imports may stay local (torch, transformers,
+  accelerate, streamlit ... are heavy, and some are optional); :data:`LAZY_IMPORTS` lists the exceptions
+  among our own modules, each with its reason.
+* pyproject.toml lists every package of the tree, so a new room cannot silently drop out of an install.
+
+``if TYPE_CHECKING:`` imports count as module-level imports: an annotation pointing upwards is a layer
+crossed all the same.
+"""
+
+from __future__ import annotations
+
+import ast
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE = "dflash_doctor"
+
+# (layer name, module prefixes), lowest first. A module belongs to the layer of its longest prefix.
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("foundation", ("dflash_doctor", "dflash_doctor.errors")),
+    ("engine", ("dflash_doctor.engine",)),
+    # the typed run record and the run directory's tables and writer: what every room shares
+    ("rundir", ("dflash_doctor.rundir",)),
+    ("stats", ("dflash_doctor.stats",)),
+    # loading a run that is still going summarises its finished requests (stats), so it sits on stats
+    ("rundir.load", ("dflash_doctor.rundir.load",)),
+    ("inputs", ("dflash_doctor.inputs",)),
+    ("models", ("dflash_doctor.models",)),
+    ("replay", ("dflash_doctor.replay",)),
+    # producers of runs from a serving engine or production telemetry
+    ("sources", ("dflash_doctor.serving", "dflash_doctor.telemetry")),
+    ("report", ("dflash_doctor.report",)),
+    ("checks", ("dflash_doctor.checks",)),
+    ("pipeline", ("dflash_doctor.pipeline",)),
+    ("interface", ("dflash_doctor.cli", "dflash_doctor.app", "dflash_doctor.__main__")),
+]
+
+# (importing module, imported module) -> why it may stay function-local. Keep this short.
+LAZY_IMPORTS: dict[tuple[str, str], str] = {}
+
+
+def _package_dirs() -> dict[str, Path]:
+    """pyproject's package-dir mapping: import package -> folder."""
+    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    return {name: REPO / folder for name, folder in setuptools["package-dir"].items()}
+
+
+def _modules() -> dict[str, Path]:
+    """Every module of the package (by its import name) and its file."""
+    dirs = _package_dirs()
+    modules: dict[str, Path] = {}
+    for package, folder in sorted(dirs.items(), key=lambda item: len(item[0])):
+        for path in folder.rglob("*.py"):
+            parts = list(path.relative_to(folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            name = ".".join([package, *parts])
+            # a folder mapped by a longer package-dir entry belongs to that entry (engine/ lives at the root)
+            owner = max((p for p, d in dirs.items() if path.is_relative_to(d)), key=lambda p: len(str(dirs[p])))
+            if owner == package:
+                modules[name] = path
+    return modules
+
+
+@dataclass(frozen=True)
+class Edge:
+    source: str
+    target: str
+    line: int
+    local: bool  # inside a function (or a class body), not at module level
+
+
+def _type_checking_block(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _module_level_nodes(tree: ast.Module) -> set[int]:
+    """ids of the import nodes that run at import time: top level, and inside top-level if/try blocks."""
+    found: set[int] = set()
+    pending: list[ast.stmt] = list(tree.body)
+    while pending:
+        node = pending.pop()
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            found.add(id(node))
+        elif isinstance(node, ast.If):
+            pending += node.body + node.orelse
+        elif isinstance(node, ast.Try):
+            pending += node.body + node.orelse + node.finalbody + [s for h in node.handlers for s in h.body]
+    return found
+
+
+def _edges(modules: dict[str, Path]) -> list[Edge]:
+    edges = []
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        module_level = _module_level_nodes(tree)
+        is_package = path.name == "__init__.py"
+        for node in ast.walk(tree):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = name.split(".") if is_package else name.split(".")[:-1]
+                    anchor = anchor[: len(anchor) - (node.level - 1)]
+                    base = ".".join([*anchor, base] if base else anchor)
+                # `from package import module` imports the module; `from module import name` the module
+                targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names]
+            for target in targets:
+                if target.split(".")[0] == PACKAGE and target in modules and target != name:
+                    edges.append(Edge(name, target, node.lineno, id(node) not in module_level))
+    return edges
+
+
+def _layer(module: str) -> int:
+    best = max(
+        ((index, prefix) for index, (_, prefixes) in enumerate(LAYERS) for prefix in prefixes
+         if module == prefix or module.startswith(prefix + ".")),
+        key=lambda item: len(item[1]),
+    )
+    return best[0]
+
+
+@pytest.fixture(scope="module")
+def graph() -> tuple[dict[str, Path], list[Edge]]:
+    modules = _modules()
+    return modules, _edges(modules)
+
+
+def _cycles(nodes: list[str], edges: list[Edge]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    successors: dict[str, set[str]] = {n: set() for n in nodes}
+    for edge in edges:
+        successors[edge.source].add(edge.target)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(successors[node]):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(nodes):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_every_module_has_a_layer(graph):
+    modules, _ = graph
+    assert "dflash_doctor.rundir.record" in modules and "dflash_doctor.engine.schedule" in modules  # the walk finds the rooms
+    for module in modules:
+        _layer(module)  # raises on a module no prefix covers
+
+
+def test_no_import_circle(graph):
+    modules, edges = graph
+    assert _cycles(list(modules), edges) == []
+
+
+def test_rooms_import_downwards_only(graph):
+    _, edges = graph
+    upward = [f"{e.source}:{e.line} imports {e.target} ({LAYERS[_layer(e.source)][0]} -> {LAYERS[_layer(e.target)][0]})"
+              for e in edges if _layer(e.target) > _layer(e.source)]
+    assert upward == []
+
+
+def test_no_function_local_import_of_our_own_modules(graph):
+    _, edges = graph
+    local = [f"{e.source}:{e.line} imports {e.target} inside a function" for e in edges
+             if e.local and (e.source, e.target) not in LAZY_IMPORTS]
+    assert local == []
+
+
+def test_the_checker_sees_a_circle_an_upward_import_and_a_local_import(tmp_path):
+    """The rules above would pass on an empty graph too: show they catch each kind of offence."""
+    edges = [Edge("dflash_doctor.stats.metrics", "dflash_doctor.stats.gate", 1, False),
+             Edge("dflash_doctor.stats.gate", "dflash_doctor.stats.metrics", 1, False)]
+    assert _cycles(["dflash_doctor.stats.metrics", "dflash_doctor.stats.gate"], edges) == [["dflash_doctor.stats.gate", "dflash_doctor.stats.metrics"]]
+    assert _layer("dflash_doctor.rundir.load") > _layer("dflash_doctor.stats.metrics") > _layer("dflash_doctor.rundir.record")
+    assert _layer("dflash_doctor.pipeline") > _layer("dflash_doctor.checks.base") > _layer("dflash_doctor.models.pair")
+    source = tmp_path / "mod.py"
+    source.write_text("import os\nfrom dflash_doctor import errors\n\ndef f():\n    from dflash_doctor.stats import metrics\n")
+    nodes = _module_level_nodes(ast.parse(source.read_text()))
+    assert len(nodes) == 2  # the function's import is not module level
+
+
+def test_pyproject_lists_every_package_of_the_tree(graph):
+    modules, _ = graph
+    packages = {name for name, path in modules.items() if path.name == "__init__.py"}
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    assert listed == packages
