@@ -35,6 +35,7 @@ from dflash_doctor.replay.probes import layer_offset_probe, lossless_probe, prob
 from dflash_doctor.replay.stream import Replay, replay_live, replay_teacher
 from dflash_doctor.report import render_reports
 from dflash_doctor.rundir.load import Run
+from dflash_doctor.rundir.ownership import claim_run_dir
 from dflash_doctor.rundir.record import Probes, PromptFormat, Recommendation, RunMeta, RunRecord, Summary, Sweep, _from_json, _to_json
 from dflash_doctor.rundir.tables import TABLES
 from dflash_doctor.rundir.writer import RunWriter, utc_now
@@ -60,6 +61,15 @@ class Outcome:
 def default_run_dir(command: str) -> Path:
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     return Path("runs") / f"{command}-{stamp}"
+
+
+def _claim(config: DoctorConfig, command: str) -> Path:
+    """The run directory, taken for this process before any work (:mod:`dflash_doctor.rundir.ownership`);
+    under torchrun rank 0 owns it for every rank (the others write only their part below it)."""
+    run_dir = Path(config.out) if config.out else default_run_dir(command)
+    if sharding.current_ranks().is_main:
+        claim_run_dir(run_dir, overwrite=config.overwrite)
+    return run_dir
 
 
 def _no_progress(total: int) -> ContextManager[None]:
@@ -112,9 +122,9 @@ def _finish(writer: RunWriter, record: RunRecord, replay: Replay) -> None:
 
 def run_replay(config: DoctorConfig, *, progress: ProgressFactory = _no_progress) -> Outcome:
     """`replay`: every turn through the live loop at K = the largest --k (the draft's default without one)."""
+    run_dir = _claim(config, "replay")
     requests, pair, config = _start(config, "replay")
     k = max(config.k) if config.k else pair.default_k
-    run_dir = Path(config.out) if config.out else default_run_dir("replay")
     record = _new_record(config, pair, "replay")
     with RunWriter(run_dir, record.to_json()) as writer:
         with progress(sum(r.num_turns for r in requests)) as on_turn:
@@ -128,10 +138,10 @@ def run_replay(config: DoctorConfig, *, progress: ProgressFactory = _no_progress
 def run_sweep(config: DoctorConfig, *, exact_blocks: bool = False, progress: ProgressFactory = _no_progress) -> Outcome:
     """`sweep`: one teacher-forced pass answering every K (default 1..block-1, or 1..8), net speedup per
     class and the recommended K."""
+    run_dir = _claim(config, "sweep")
     requests, pair, config = _start(config, "sweep")
     if not config.k:
         config = dataclasses.replace(config, k=tuple(range(1, pair.default_k + 1)))
-    run_dir = Path(config.out) if config.out else default_run_dir("sweep")
     record = _new_record(config, pair, "sweep")
     writer, replay = _teacher(pair, requests, config, exact_blocks, run_dir, record, progress)
     with writer:
@@ -164,11 +174,11 @@ def run_check(config: DoctorConfig, *, scenario=None, only: Sequence[str] = (), 
     """`check`: teacher-forced replay of every K up to the draft's block (and the served K), the sweep,
     the probes, every check, run.json, then the reports. The run directory and reports are written even
     when a check fails, so CI keeps the evidence."""
+    run_dir = _claim(config, "check")
     requests, pair, config = _start(config, "check", scenario)
     served_k = max(config.k) if config.k else None  # the K the user serves, when they said
     pair.check_k_fits(config.k)
     sweep_config = dataclasses.replace(config, k=tuple(range(1, max(pair.default_k, served_k or 0) + 1)))
-    run_dir = Path(config.out) if config.out else default_run_dir("check")
     record = _new_record(sweep_config, pair, "check", scenario=scenario.name if scenario is not None else None, served_k=served_k)
     writer, replay = _teacher(pair, requests, sweep_config, exact_blocks, run_dir, record, progress)
     with writer:
@@ -204,12 +214,12 @@ def run_engine_check(config: DoctorConfig, *, only: Sequence[str] = (), skip: Se
     """
     if config.engine is None:
         raise UsageError("check --engine needs the URL of a running OpenAI-compatible server; pass --engine http://host:port.")
+    run_dir = _claim(config, "check")
     endpoint = resolve_model(EngineEndpoint.from_url(config.engine, model=config.engine_model, timeout_s=config.engine_timeout_s))
     requests = load_workload(config.workload, classes=config.classes, max_requests=config.max_requests, seed=config.seed)
     # the embedded replay runs only when the user names a local pair to compare with; a bad one fails
     # before any request is sent
     local = load_pair(config) if config.target is not None or config.draft is not None else None
-    run_dir = Path(config.out) if config.out else default_run_dir("check")
     record = start_engine_record(config, endpoint)
     if local is not None:
         record.models.update({"local target": local.target_info, "local draft": local.draft_info})

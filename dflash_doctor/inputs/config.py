@@ -60,6 +60,7 @@ class DoctorConfig:
     devices: tuple[str, ...] = ()  # one torchrun rank per entry (sweep, check); cuda:0+cuda:1 gives a rank two GPUs
     dtype: str = "float32"
     out: str | None = None  # run directory; None = runs/<timestamp>
+    overwrite: bool = False  # replace the run already in --out (refused otherwise: rundir/ownership.py)
     seed: int = 0
     fail_on: str = "fail"  # fail | warn: which verdict turns the exit code to 1
     trust_remote_code: bool = False

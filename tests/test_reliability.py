@@ -1,0 +1,110 @@
+"""Issue 34's regression cases: runs that cannot clobber each other, every finished request journaled
+as it finishes, the lossless check's dtype rule, and refusals with a non-zero exit where there is
+nothing to judge. Each test failed before its fix."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from dflash_doctor.cli import app
+from dflash_doctor.models.loading import save_dflash_draft
+from dflash_doctor.rundir.load import load_run
+from dflash_doctor.rundir.ownership import LOCK_FILE, claim_run_dir
+from tests.test_cli_engine import assert_usage_error, tiny_tokenizer, write_workload
+from tests.tiny_models import tiny_dflash, tiny_target
+
+CONSOLE_SCRIPT = Path(sys.executable).with_name("dflash-doctor")
+SUBPROCESS_TIMEOUT_S = 300
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    """target/ (model + tokenizer), dflash/ (block 6) and a 6-request workload."""
+    root = tmp_path_factory.mktemp("reliability")
+    target = tiny_target()
+    target.save_pretrained(root / "target")
+    tiny_tokenizer().save_pretrained(root / "target")
+    save_dflash_draft(tiny_dflash(target, block_size=6), root / "dflash")
+    write_workload(root / "workload.jsonl", per_class=2)
+    return root
+
+
+def pair_args(tiny_dir: Path, out: Path, *extra: str) -> list[str]:
+    return ["--target", str(tiny_dir / "target"), "--draft", str(tiny_dir / "dflash"), "--workload", str(tiny_dir / "workload.jsonl"),
+            "--max-new-tokens", "8", "--out", str(out), *extra]
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+# ----------------------------------------------------------------------------------------------------
+# 1. A run directory is owned
+
+
+def test_a_second_process_writing_the_same_out_is_refused_and_a_stale_lock_is_taken_over(tiny_dir, tmp_path):
+    run_dir = tmp_path / "shared"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\nfrom dflash_doctor.rundir.ownership import claim_run_dir\n"
+         "claim_run_dir(sys.argv[1]); print('claimed', flush=True); time.sleep(600)", str(run_dir)],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "claimed"
+        second = subprocess.run([str(CONSOLE_SCRIPT), "replay", *pair_args(tiny_dir, run_dir)], capture_output=True, text=True,
+                                timeout=SUBPROCESS_TIMEOUT_S)
+        assert second.returncode == 2, second.stderr
+        assert "Traceback" not in second.stderr
+        assert f"being written by another dflash-doctor process (pid {holder.pid})" in " ".join(second.stderr.split())
+        assert sorted(p.name for p in run_dir.iterdir()) == [LOCK_FILE]  # the refused process wrote nothing
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(timeout=30)
+    # the holder was killed: its lock is stale and the next run takes the folder over
+    result = subprocess.run([str(CONSOLE_SCRIPT), "replay", *pair_args(tiny_dir, run_dir)], capture_output=True, text=True,
+                            timeout=SUBPROCESS_TIMEOUT_S, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr
+    run = load_run(run_dir)
+    assert run.complete and len(run.requests) == 6
+    assert not (run_dir / LOCK_FILE).exists()  # given back when the writer closed
+
+
+def test_an_earlier_run_in_out_is_kept_unless_overwrite_is_given(tiny_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    first = invoke("replay", *pair_args(tiny_dir, run_dir))
+    assert first.exit_code == 0, first.output
+    before = (run_dir / "run.json").read_bytes()
+    again = invoke("replay", *pair_args(tiny_dir, run_dir, "--max-requests", "1"))
+    assert_usage_error(again, f"--out {run_dir} already holds files", "--overwrite")
+    assert (run_dir / "run.json").read_bytes() == before and len(load_run(run_dir).requests) == 6
+    replaced = invoke("replay", *pair_args(tiny_dir, run_dir, "--max-requests", "1", "--overwrite"))
+    assert replaced.exit_code == 0, replaced.output
+    assert len(load_run(run_dir).requests) == 1
+
+
+def test_a_refused_claim_leaves_no_empty_folder_and_a_file_is_not_a_folder(tmp_path):
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "notes.txt").write_text("mine")
+    with pytest.raises(Exception, match="already holds files"):
+        claim_run_dir(tmp_path / "taken")
+    assert (tmp_path / "taken" / "notes.txt").read_text() == "mine" and not (tmp_path / "taken" / LOCK_FILE).exists()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(Exception, match="is a file, not a folder"):
+        claim_run_dir(tmp_path / "file")
