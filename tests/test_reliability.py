@@ -108,3 +108,38 @@ def test_a_refused_claim_leaves_no_empty_folder_and_a_file_is_not_a_folder(tmp_p
     (tmp_path / "file").write_text("x")
     with pytest.raises(Exception, match="is a file, not a folder"):
         claim_run_dir(tmp_path / "file")
+
+
+# ----------------------------------------------------------------------------------------------------
+# 2. Every finished request reaches the journal as it finishes, whatever the batching
+
+KILLED_ON_SECOND_BATCH = """
+import os, signal, sys
+from dflash_doctor.cli import main
+from dflash_doctor.replay import stream
+
+stream.GREEDY_BATCH_SIZE = 2  # six requests: three batches of greedy continuations
+generate = stream.generate_greedy_batch
+calls = []
+
+def generate_then_die(*args, **kwargs):
+    calls.append(None)
+    if len(calls) == 2:  # the second batch starts: whatever finished before must be in the journal
+        os.kill(os.getpid(), signal.SIGKILL)
+    return generate(*args, **kwargs)
+
+stream.generate_greedy_batch = generate_then_die
+sys.argv = ["dflash-doctor", *sys.argv[1:]]
+main()
+"""
+
+
+def test_check_killed_during_the_greedy_continuations_keeps_the_requests_of_finished_batches(tiny_dir, tmp_path):
+    run_dir = tmp_path / "killed"
+    result = subprocess.run([sys.executable, "-c", KILLED_ON_SECOND_BATCH, "check", *pair_args(tiny_dir, run_dir)],
+                            capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == -signal.SIGKILL, result.stderr
+    run = load_run(run_dir)
+    assert not run.complete
+    assert len(run.requests) == 2, "the first batch's two requests were journaled before the second batch generated"
+    assert set(run.steps["request_id"]) == set(run.requests["request_id"])
