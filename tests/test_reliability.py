@@ -16,7 +16,17 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from dflash_doctor.checks import CheckContext, run_checks
+from dflash_doctor.checks.lossless import rounding_at
 from dflash_doctor.cli import app
+from dflash_doctor.engine.live import GenerationResult, plain_generate
+from dflash_doctor.inputs.config import build_config
+from dflash_doctor.inputs.workloads import load_workload
+from dflash_doctor.models.pair import load_pair
+from dflash_doctor.replay import probes
+from dflash_doctor.replay.probes import lossless_probe
+from dflash_doctor.replay.turns import Turn, first_turn_prompt
+from dflash_doctor.rundir.record import _to_json
 from dflash_doctor.models.loading import save_dflash_draft
 from dflash_doctor.rundir.load import load_run
 from dflash_doctor.rundir.ownership import LOCK_FILE, claim_run_dir
@@ -143,3 +153,84 @@ def test_check_killed_during_the_greedy_continuations_keeps_the_requests_of_fini
     assert not run.complete
     assert len(run.requests) == 2, "the first batch's two requests were journaled before the second batch generated"
     assert set(run.steps["request_id"]) == set(run.requests["request_id"])
+
+
+# ----------------------------------------------------------------------------------------------------
+# 3. The lossless check's dtype rule
+
+
+def test_rounding_at_is_the_spacing_torch_gives_the_dtype():
+    for dtype, torch_dtype in (("bfloat16", torch.bfloat16), ("float16", torch.float16)):
+        values = torch.tensor([0.3, 1.0, 15.2, 215.0, -7.5], dtype=torch_dtype)
+        spacing = (torch.nextafter(values.abs(), torch.full_like(values, float("inf"))) - values.abs()).float()
+        assert [rounding_at(dtype, float(v)) for v in values.float()] == spacing.tolist()
+
+
+@pytest.mark.parametrize("dtype, margin, top1, status", [
+    ("bfloat16", 0.062, 15.0, "warn"),   # the issue's case: one bf16 step at a logit of 15 (a fixed 0.05 called it a loss)
+    ("bfloat16", 0.062, 0.5, "fail"),    # the same margin at a small logit is 32 steps: a real preference
+    ("float16", 0.062, 15.0, "fail"),    # float16 keeps 11 bits: 0.0078 steps at 15
+    ("float32", 0.001, 15.0, "fail"),    # float32 is exact enough: every divergence is a loss, as before
+    ("bfloat16", 0.01, None, "fail"),    # a record without the top logit cannot be judged a near-tie
+])
+def test_lossless_judges_a_margin_against_the_dtype_rounding_at_its_logit(dtype, margin, top1, status):
+    divergence = {"request_id": "r", "position": 3, "speculative_token": 1, "plain_token": 2, "speculative_text": "a",
+                  "plain_text": "b", "top2_margin": margin, "top1_logit": top1}
+    extras = {"lossless": {"num_requests": 2, "num_identical": 1, "dtype": dtype, "divergences": [divergence]}}
+    result = run_checks(CheckContext(extras=extras), only=["lossless"])[0]
+    assert result.status == status
+    if top1 is not None and dtype != "float32":
+        assert f"where {dtype} rounds in steps of {rounding_at(dtype, top1):.4f}" in result.findings[0].evidence
+
+
+@pytest.fixture(scope="module")
+def bf16_pair(tmp_path_factory):
+    """The tiny pair loaded in bfloat16 on CPU (its logits are in the hundreds: bf16 steps of 1 or 2 there)."""
+    root = tmp_path_factory.mktemp("bf16")
+    target = tiny_target()
+    with torch.no_grad():
+        target.lm_head.weight.mul_(60.0)
+    target.save_pretrained(root / "target")
+    tiny_tokenizer().save_pretrained(root / "target")
+    save_dflash_draft(tiny_dflash(target, block_size=6), root / "dflash")
+    workload = write_workload(root / "workload.jsonl", per_class=1)
+    pairs = {dtype: load_pair(build_config(target=str(root / "target"), draft=str(root / "dflash"), workload=str(workload), dtype=dtype))
+             for dtype in ("bfloat16", "float32")}
+    return pairs, load_workload(str(workload))[0]
+
+
+def flipped_at_the_parting_token(pair, request, monkeypatch, pick) -> tuple[str, dict]:
+    """The lossless probe and check on one real turn of ``pair`` whose speculative output takes the target's
+    runner-up at the position ``pick(margins, roundings)`` chooses (what a rounding flip, or a broken engine, does)."""
+    prompt = first_turn_prompt(pair, request)
+    plain = plain_generate(pair.target, torch.tensor(prompt), max_new_tokens=16, stop_ids=pair.stop_ids).output_ids
+    pair.target.reset()
+    logits = pair.target.forward(torch.tensor(prompt + plain), taps=()).logits[len(prompt) - 1:len(prompt) - 1 + len(plain)]
+    pair.target.reset()
+    top = logits.float().topk(2)
+    margins = (top.values[:, 0] - top.values[:, 1]).tolist()
+    dtype = str(pair.target.model.dtype).removeprefix("torch.")
+    roundings = [rounding_at("bfloat16", v) for v in top.values[:, 0].tolist()]
+    position = pick(margins, roundings)
+    flipped = plain[:position] + [int(top.indices[position, 1])]
+    monkeypatch.setattr(probes, "speculative_generate", lambda *a, **kw: GenerationResult(output_ids=list(flipped), stop_reason="max_new_tokens",
+                                                                                          wall_time_s=0.0))
+    turn = Turn(request, 0, prompt, 16, GenerationResult(output_ids=plain, stop_reason="max_new_tokens", wall_time_s=0.0))
+    probe = lossless_probe(pair, [turn], k=4, dtype=dtype)
+    assert [d.position for d in probe.divergences] == [position]
+    result = run_checks(CheckContext(extras={"lossless": _to_json(probe)}), only=["lossless"])[0]
+    return result.status, {"margin": margins[position], "rounding": roundings[position]}
+
+
+def test_a_bf16_divergence_at_a_near_tie_warns_and_a_clear_one_fails_on_a_real_cpu_model(bf16_pair, monkeypatch):
+    pairs, request = bf16_pair
+    pair = pairs["bfloat16"]
+    nearest = lambda margins, roundings: min(range(len(margins)), key=lambda i: margins[i] / roundings[i])  # noqa: E731
+    clearest = lambda margins, roundings: max(range(len(margins)), key=lambda i: margins[i] / roundings[i])  # noqa: E731
+    status, found = flipped_at_the_parting_token(pair, request, monkeypatch, nearest)
+    assert found["margin"] <= 2 * found["rounding"], found  # the fixture's output has a near-tie (a margin of one bf16 step)
+    assert status == "warn", found
+    status, found = flipped_at_the_parting_token(pair, request, monkeypatch, clearest)
+    assert found["margin"] > 2 * found["rounding"] and status == "fail", found
+    status, _ = flipped_at_the_parting_token(pairs["float32"], request, monkeypatch, nearest)
+    assert status == "fail"  # float32: unchanged, any divergence is a loss
