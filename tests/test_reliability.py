@@ -26,11 +26,13 @@ from dflash_doctor.models.pair import load_pair
 from dflash_doctor.replay import probes
 from dflash_doctor.replay.probes import lossless_probe
 from dflash_doctor.replay.turns import Turn, first_turn_prompt
-from dflash_doctor.rundir.record import _to_json
+from dflash_doctor.rundir.record import RunMeta, RunRecord, _to_json
+from dflash_doctor.rundir.writer import RunWriter, utc_now
 from dflash_doctor.models.loading import save_dflash_draft
 from dflash_doctor.rundir.load import load_run
 from dflash_doctor.rundir.ownership import LOCK_FILE, claim_run_dir
 from tests.test_cli_engine import assert_usage_error, tiny_tokenizer, write_workload
+from tests.test_run_journal import write_request
 from tests.tiny_models import tiny_dflash, tiny_target
 
 CONSOLE_SCRIPT = Path(sys.executable).with_name("dflash-doctor")
@@ -234,3 +236,20 @@ def test_a_bf16_divergence_at_a_near_tie_warns_and_a_clear_one_fails_on_a_real_c
     assert found["margin"] > 2 * found["rounding"] and status == "fail", found
     status, _ = flipped_at_the_parting_token(pairs["float32"], request, monkeypatch, nearest)
     assert status == "fail"  # float32: unchanged, any divergence is a loss
+
+
+# ----------------------------------------------------------------------------------------------------
+# 4. compare with an empty side
+
+
+def test_compare_with_a_run_that_finished_no_request_exits_2_instead_of_passing(tmp_path):
+    full, empty = tmp_path / "full", tmp_path / "empty"
+    with RunWriter(full, RunRecord(meta=RunMeta(command="replay", created_at=utc_now())).to_json()) as writer:
+        for name in ("a", "b"):
+            write_request(writer, name)
+    RunWriter(empty, RunRecord(meta=RunMeta(command="replay", created_at=utc_now())).to_json()).close()
+    assert invoke("compare", full, full).exit_code == 0
+    assert_usage_error(invoke("compare", full, empty), f"NEW ({empty}) has no drafted steps", "nothing was compared")
+    assert_usage_error(invoke("compare", empty, full), f"BASE ({empty}) has no drafted steps")
+    assert_usage_error(invoke("compare", empty, empty), "BASE", "and NEW", "have no drafted steps")
+    assert not (empty / "compare.md").exists()

@@ -11,12 +11,26 @@ from rich.markup import escape
 from rich.table import Table
 
 from dflash_doctor.cli.root import app
+from dflash_doctor.rundir.record import OVERALL
 from dflash_doctor.report.compare import compare_runs, write_compare_reports
 from dflash_doctor.stats.gate import DEFAULT_THRESHOLD_RATE, DEFAULT_THRESHOLD_TAU, Comparison
 from dflash_doctor.errors import UsageError
 from dflash_doctor.report.templating import ci, fmt, signed
 
 EXIT_REGRESSION = 1
+
+
+def _nothing_compared(comparison: Comparison) -> str | None:
+    """The sentence refusing a comparison in which no class has drafted steps in both runs (a run that
+    finished no request, or drafted nothing), naming the empty side; None when something was compared.
+    A gate that compared nothing must not say "no regression"."""
+    if any(row.delta is not None for row in comparison.rows):
+        return None
+    tau = [row for row in comparison.rows if row.cls == OVERALL and row.slot is None]
+    empty = [f"{label} ({path})" for label, path, value in (("BASE", comparison.base_path, tau[0].base if tau else None),
+                                                           ("NEW", comparison.new_path, tau[0].new if tau else None)) if value is None]
+    return (f"{' and '.join(empty)} {'has' if len(empty) == 1 else 'have'} no drafted steps (no finished request), so nothing "
+            f"was compared; compare two runs that both finished requests.")
 
 
 def _table(comparison: Comparison) -> Table:
@@ -51,13 +65,16 @@ def compare_command(
     threshold_rate: Annotated[float, typer.Option("--threshold-rate", help="Smallest drop in a per-position acceptance rate that counts.")] = DEFAULT_THRESHOLD_RATE,
     out: Annotated[Optional[str], typer.Option("--out", help="Folder for compare.html and compare.md (default: NEW's run directory).")] = None,
 ) -> None:
-    """Per-class regression gate: exit 1 when tau or a per-position rate drops past its threshold with separated 95% intervals.
+    """Per-class regression gate: exit 1 when tau or a per-position rate drops past its threshold with separated 95% intervals; exit 2 when a run has no drafted steps (nothing to compare).
 
     Also lists the rejection patterns (target or drafted token categories) whose lost tokens per draft grew; those never change the exit code.
     """
     if threshold_tau < 0 or threshold_rate < 0:
         raise UsageError("--threshold-tau and --threshold-rate must be >= 0; pass a drop size such as 0.2 or 0.05.")
     comparison = compare_runs(base, new, threshold_tau=threshold_tau, threshold_rate=threshold_rate)
+    refusal = _nothing_compared(comparison)
+    if refusal is not None:
+        raise UsageError(refusal)
     console = Console()
     console.print(_table(comparison))
     if comparison.grown_patterns:
