@@ -33,6 +33,7 @@ from dflash_doctor.rundir.load import load_run
 from dflash_doctor.rundir.ownership import LOCK_FILE, claim_run_dir
 from tests.test_cli_engine import assert_usage_error, tiny_tokenizer, write_workload
 from tests.test_run_journal import write_request
+from tests.telemetry_fixtures import MetricsExporter
 from tests.tiny_models import tiny_dflash, tiny_target
 
 CONSOLE_SCRIPT = Path(sys.executable).with_name("dflash-doctor")
@@ -253,3 +254,21 @@ def test_compare_with_a_run_that_finished_no_request_exits_2_instead_of_passing(
     assert_usage_error(invoke("compare", empty, full), f"BASE ({empty}) has no drafted steps")
     assert_usage_error(invoke("compare", empty, empty), "BASE", "and NEW", "have no drafted steps")
     assert not (empty / "compare.md").exists()
+
+
+# ----------------------------------------------------------------------------------------------------
+# 5. watch --once on a source with no engine series
+
+
+@pytest.mark.parametrize("text", ["", "<html><body>It works!</body></html>\n", "process_cpu_seconds_total 3.2\nup 1\n", "\x00\x01garbage{{"])
+def test_watch_once_on_metrics_without_engine_series_exits_2(tmp_path, text):
+    with MetricsExporter(text) as exporter:
+        result = invoke("watch", exporter.url, "--once", "--out", tmp_path / "run")
+    assert_usage_error(result, "no speculative-decoding series in http://127.0.0.1", "/metrics URL or log file")
+
+
+@pytest.mark.parametrize("content", [bytes(range(256)) * 8, b"", "plain application log, no spec decode\n".encode() * 20])
+def test_watch_once_on_a_log_without_engine_lines_exits_2(tmp_path, content):
+    log = tmp_path / "server.log"
+    log.write_bytes(content)
+    assert_usage_error(invoke("watch", log, "--once", "--out", tmp_path / "run"), f"no speculative-decoding series in {log}")

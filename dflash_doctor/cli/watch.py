@@ -13,6 +13,7 @@ from rich.table import Table
 
 from dflash_doctor.cli.root import app
 from dflash_doctor.cli import options as opt
+from dflash_doctor.errors import UsageError
 from dflash_doctor.inputs.config import build_config
 from dflash_doctor.rundir.writer import utc_now
 from dflash_doctor.stats.speedup import load_cost_profile
@@ -100,7 +101,7 @@ def watch(
     class_label: Annotated[Optional[str], typer.Option("--class-label", help="Label holding the request class (e.g. an SGLang custom label).")] = None,
     window: Annotated[Optional[str], typer.Option("--window", help="Window length: 30s, 5m, 1h (default 5m). With --once on a /metrics URL: scrape twice, this far apart.")] = None,
     interval: Annotated[Optional[str], typer.Option("--interval", help="Time between polls when watching live (default 30s).")] = None,
-    once: Annotated[bool, typer.Option("--once", help="One verdict and exit: 0 ok, 1 alert, 2 bad input (for cron/CI).")] = False,
+    once: Annotated[bool, typer.Option("--once", help="One verdict and exit: 0 ok, 1 alert, 2 bad input or no engine series in the sources (for cron/CI).")] = False,
     duration: Annotated[Optional[str], typer.Option("--duration", help="Stop watching after this long (default: until Ctrl-C).")] = None,
     baseline: Annotated[Optional[str], typer.Option("--baseline", help="A check/sweep run directory, or the expected tau (one number).")] = None,
     threshold_tau: Annotated[Optional[float], typer.Option("--threshold-tau", help="Smallest tau drop below the baseline that alerts (default 0.2).")] = None,
@@ -131,8 +132,10 @@ def watch(
         print_verdicts(console, latest)
         print_source_news(console, session.watcher, 0, set())
         console.print(f"wrote {session.run_dir}")
-        if not latest:
-            console.print("no series found in the sources: nothing to judge.")
+        if not latest:  # a monitor pointed at the wrong thing must not stay green: exit 2 as for a source that is down
+            named = ", ".join([*(sources or []), *([prometheus] if prometheus else [])])
+            raise UsageError(f"no speculative-decoding series in {named} (empty or unknown /metrics text, or a log without "
+                             f"spec-decode lines); point watch at the serving engine's /metrics URL or log file.")
         if any(v.alerts for v in latest):
             raise typer.Exit(EXIT_ALERT)
         return
