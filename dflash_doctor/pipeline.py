@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, ContextManager, Sequence
 
-from dflash_doctor.checks.base import CheckContext, run_checks
+from dflash_doctor.checks.base import CheckContext, run_checks, validate_check_params
 from dflash_doctor.checks.draft_config import read_safetensors_shapes
 from dflash_doctor.engine.schedule import end_of_request
 from dflash_doctor.errors import UsageError
@@ -33,6 +33,7 @@ from dflash_doctor.models.pair import Pair, load_pair
 from dflash_doctor.replay import sharding
 from dflash_doctor.replay.probes import layer_offset_probe, lossless_probe, probe_turns
 from dflash_doctor.replay.stream import Replay, replay_live, replay_teacher
+from dflash_doctor.replay.turns import refuse_first_turns_past_context
 from dflash_doctor.report import render_reports
 from dflash_doctor.rundir.load import Run
 from dflash_doctor.rundir.ownership import claim_run_dir
@@ -83,6 +84,7 @@ def _start(config: DoctorConfig, command: str, scenario=None) -> tuple[list[Requ
     pair = load_pair(config)
     if scenario is not None:
         pair, requests, config = scenario.apply(pair, requests, config)
+    refuse_first_turns_past_context(pair, requests, config.max_new_tokens)
     return requests, pair, config
 
 
@@ -174,6 +176,7 @@ def run_check(config: DoctorConfig, *, scenario=None, only: Sequence[str] = (), 
     """`check`: teacher-forced replay of every K up to the draft's block (and the served K), the sweep,
     the probes, every check, run.json, then the reports. The run directory and reports are written even
     when a check fails, so CI keeps the evidence."""
+    validate_check_params(config.checks, only, skip)
     run_dir = _claim(config, "check")
     requests, pair, config = _start(config, "check", scenario)
     served_k = max(config.k) if config.k else None  # the K the user serves, when they said
@@ -214,6 +217,7 @@ def run_engine_check(config: DoctorConfig, *, only: Sequence[str] = (), skip: Se
     """
     if config.engine is None:
         raise UsageError("check --engine needs the URL of a running OpenAI-compatible server; pass --engine http://host:port.")
+    validate_check_params(config.checks, only, skip)
     run_dir = _claim(config, "check")
     endpoint = resolve_model(EngineEndpoint.from_url(config.engine, model=config.engine_model, timeout_s=config.engine_timeout_s))
     requests = load_workload(config.workload, classes=config.classes, max_requests=config.max_requests, seed=config.seed)

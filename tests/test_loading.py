@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from dflash_doctor.inputs.validation import read_config_json
 from dflash_doctor.models import loading
 from dflash_doctor.models.draft_kinds import detect_draft_kind
 from dflash_doctor.errors import UsageError
@@ -31,7 +32,7 @@ def test_hub_id_resolves_from_the_local_cache_without_network(tmp_path, monkeypa
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     snapshot = _fake_hub_cache(tmp_path, "z-lab/tiny-DFlash", {"config.json": json.dumps({"dflash_config": {}})})
     assert loading.resolve_model_dir("z-lab/tiny-DFlash") == snapshot
-    assert detect_draft_kind(loading.read_config(snapshot)).name == "dflash"
+    assert detect_draft_kind(read_config_json(snapshot)).name == "dflash"
 
 
 def test_unknown_hub_id_names_the_download_command(tmp_path, monkeypatch):

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
 from dflash_doctor.engine.live import GenerationResult
+from dflash_doctor.errors import UsageError
 from dflash_doctor.models.pair import Pair
 from dflash_doctor.inputs.workloads import Request, encode_request_turn
 
@@ -71,6 +72,25 @@ def first_turn_prompt(pair: Pair, request: Request) -> list[int]:
     return encode_request_turn(pair.tokenizer, request, [], chat_template=pair.chat_template)
 
 
+def refuse_past_context(pair: Pair, request: Request, index: int, prompt_ids: Sequence[int], max_new_tokens: int) -> None:
+    """Refuse a turn whose prompt plus token limit runs past the target's positions
+    (``max_position_embeddings``), before its prefill: past them the model has no position to give
+    (an error, or a prefill that never finishes), and a serving engine refuses such a request too."""
+    limit = getattr(pair.target.model.config, "max_position_embeddings", None)
+    if limit and len(prompt_ids) + max_new_tokens > limit:
+        turn = f" turn {index + 1}" if index else ""
+        raise UsageError(f"request {request.id!r}{turn}: its prompt of {len(prompt_ids)} tokens plus up to {max_new_tokens} new tokens "
+                         f"runs past the target's {limit} positions (max_position_embeddings); shorten the prompt or lower "
+                         f"--max-new-tokens / the request's max_new_tokens.")
+
+
+def refuse_first_turns_past_context(pair: Pair, requests: Sequence[Request], max_new_tokens: int) -> None:
+    """Every request's first turn against the target's positions, before any work (later turns are
+    checked as their prompts are built)."""
+    for request in requests:
+        refuse_past_context(pair, request, 0, first_turn_prompt(pair, request), turn_limit(request, max_new_tokens))
+
+
 def run_turns(pair: Pair, requests: Sequence[Request], max_new_tokens: int, generate: GenerateBatch, *, chunk_size: int = 1) -> Iterator[Turn]:
     """Generate every turn of ``requests``; yields each request's turns, in order, once the request is done.
 
@@ -87,6 +107,8 @@ def run_turns(pair: Pair, requests: Sequence[Request], max_new_tokens: int, gene
                             turn_limit(r, max_new_tokens))
                 for r in chunk if r.num_turns > index
             ]
+            for item in pending:
+                refuse_past_context(pair, item.request, index, item.prompt_ids, item.max_new_tokens)
             pending.sort(key=lambda p: len(p.prompt_ids))
             for item, result in zip(pending, generate(pending), strict=True):
                 done[(item.request.id, index)] = Turn(item.request, index, item.prompt_ids, item.max_new_tokens, result)
