@@ -7,12 +7,12 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
 
 from dflash_doctor.cli.root import app
 from dflash_doctor.rundir.record import OVERALL
 from dflash_doctor.report.compare import compare_runs, write_compare_reports
+from dflash_doctor.report.sanitize import for_terminal
 from dflash_doctor.stats.gate import DEFAULT_THRESHOLD_RATE, DEFAULT_THRESHOLD_TAU, Comparison
 from dflash_doctor.errors import UsageError
 from dflash_doctor.report.templating import ci, fmt, signed
@@ -35,14 +35,14 @@ def _nothing_compared(comparison: Comparison) -> str | None:
 
 def _table(comparison: Comparison) -> Table:
     """tau per class, then every regressed per-position rate (unchanged rates would drown the table)."""
-    table = Table(title=f"NEW {comparison.new_path.name} vs BASE {comparison.base_path.name} (K={comparison.k_compared})")
+    table = Table(title=f"NEW {for_terminal(comparison.new_path.name)} vs BASE {for_terminal(comparison.base_path.name)} (K={comparison.k_compared})")
     for column in ("class", "metric", "BASE", "BASE 95% CI", "NEW", "NEW 95% CI", "delta", "verdict"):
         table.add_column(column, justify="right" if column in ("BASE", "NEW", "delta") else "left")
     shown = [row for row in comparison.rows if row.slot is None or row.regression]
     for row in shown:
         digits = 2 if row.slot is None else 3
         verdict = "[bold red]REGRESSION[/]" if row.regression else (row.note or "[green]ok[/]")
-        table.add_row(row.cls, row.label, fmt(row.base, digits), ci(row.base_ci, digits), fmt(row.new, digits), ci(row.new_ci, digits), signed(row.delta, digits), verdict)
+        table.add_row(for_terminal(row.cls), row.label, fmt(row.base, digits), ci(row.base_ci, digits), fmt(row.new, digits), ci(row.new_ci, digits), signed(row.delta, digits), verdict)
     return table
 
 
@@ -52,7 +52,7 @@ def _grown_table(comparison: Comparison) -> Table:
     for column in ("class", "kind", "pattern", "BASE", "NEW", "growth"):
         table.add_column(column, justify="right" if column in ("BASE", "NEW", "growth") else "left")
     for row in comparison.grown_patterns:
-        table.add_row(row["class"], row["kind"], escape(row["pattern"]), fmt(row["lost_per_draft_base"], 3),
+        table.add_row(for_terminal(row["class"]), row["kind"], for_terminal(row["pattern"]), fmt(row["lost_per_draft_base"], 3),
                       fmt(row["lost_per_draft_new"], 3), signed(row["growth"], 3))
     return table
 
@@ -80,7 +80,7 @@ def compare_command(
     if comparison.grown_patterns:
         console.print(_grown_table(comparison))
     for note in comparison.notes:
-        console.print(f"note: {note}")
+        console.print(f"note: {for_terminal(note)}")
     for path in write_compare_reports(comparison, Path(out) if out else comparison.new_path):
         console.print(f"wrote {path}")
     if comparison.has_regression:

@@ -15,6 +15,7 @@ from dflash_doctor.cli.root import app
 from dflash_doctor.cli import options as opt
 from dflash_doctor.errors import UsageError
 from dflash_doctor.inputs.config import build_config
+from dflash_doctor.report.sanitize import for_terminal
 from dflash_doctor.rundir.writer import utc_now
 from dflash_doctor.stats.speedup import load_cost_profile
 from dflash_doctor.telemetry.settings import build_watch_settings
@@ -36,7 +37,7 @@ def verdict_table(verdicts: list[WindowVerdict], title: str) -> Table:
     for v in verdicts:
         ci = v.mean_acceptance_length_ci
         drafts = v.window.counts.num_drafts
-        columns["series"].append(str(v.window.key))
+        columns["series"].append(for_terminal(v.window.key))
         columns["K"].append(str(v.k or "-"))
         columns["drafts"].append("-" if drafts is None else f"{drafts:.0f}")
         columns["tau"].append(_fmt(v.mean_acceptance_length))
@@ -58,7 +59,7 @@ def verdict_table(verdicts: list[WindowVerdict], title: str) -> Table:
 def verdict_line(v: WindowVerdict) -> str:
     """One line per series that survives any terminal width (and reads well in a cron mail)."""
     ci = v.mean_acceptance_length_ci
-    parts = [f"{v.window.key}: {v.status}"]
+    parts = [f"{for_terminal(v.window.key)}: {v.status}"]
     if v.mean_acceptance_length is not None:
         parts.append(f"tau {v.mean_acceptance_length:.2f}" + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else ""))
         parts.append(f"{v.window.counts.num_drafts:.0f} drafts at K={v.k}")
@@ -74,21 +75,21 @@ def print_verdicts(console: Console, verdicts: list[WindowVerdict]) -> None:
     for v in verdicts:
         console.print(verdict_line(v), soft_wrap=True)
         for alert in v.alerts:
-            console.print(f"[bold red]ALERT[/] {alert.kind}: {alert.message}", soft_wrap=True)
+            console.print(f"[bold red]ALERT[/] {alert.kind}: {for_terminal(alert.message)}", soft_wrap=True)
             for line in alert.advice:
-                console.print(f"    {line}", soft_wrap=True)
+                console.print(f"    {for_terminal(line)}", soft_wrap=True)
         for note in v.notes:
-            console.print(f"note: {v.window.key}: {note}", soft_wrap=True)
+            console.print(f"note: {for_terminal(v.window.key)}: {for_terminal(note)}", soft_wrap=True)
 
 
 def print_source_news(console: Console, watcher: Watcher, events_shown: int, notes_shown: set[str]) -> int:
     """Source events and notes not printed yet (each once); returns the number of events shown."""
     for event in watcher.events[events_shown:]:
-        console.print(f"{event.kind}: {event.source}: {event.message}", soft_wrap=True)
+        console.print(f"{event.kind}: {for_terminal(event.source)}: {for_terminal(event.message)}", soft_wrap=True)
     for note in watcher.source_notes():
         if note not in notes_shown:
             notes_shown.add(note)
-            console.print(f"note: {note}", soft_wrap=True)
+            console.print(f"note: {for_terminal(note)}", soft_wrap=True)
     return len(watcher.events)
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import jinja2
 from markupsafe import Markup
+from dflash_doctor.report.sanitize import inert
 
 TEMPLATE_PACKAGE = "dflash_doctor"
 TEMPLATE_DIR = "data/templates"
@@ -57,7 +58,7 @@ def markdown_cell(value: Any) -> Any:
         return ""
     if isinstance(value, Markup):
         return value
-    text = str(value)
+    text = inert(value)  # control characters shown as escapes (report/sanitize.py)
     for raw, escaped in (("&", "&amp;"), ("<", "&lt;"), (">", "&gt;"), ("|", "\\|"), ("`", "\\`")):
         text = text.replace(raw, escaped)
     return " ".join(text.split("\n"))
