@@ -4,18 +4,22 @@ nothing to judge. Each test failed before its fix."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import xml.etree.ElementTree as ET
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from rich.console import Console
+from streamlit.testing.v1 import AppTest
 from typer.testing import CliRunner
 
+from dflash_doctor.app import RUNS_DIR_ENV
 from dflash_doctor.checks import CheckContext, run_checks
 from dflash_doctor.checks.lossless import rounding_at
 from dflash_doctor.cli import app
@@ -29,10 +33,13 @@ from dflash_doctor.replay.turns import Turn, first_turn_prompt
 from dflash_doctor.rundir.record import RunMeta, RunRecord, _to_json
 from dflash_doctor.rundir.writer import RunWriter, utc_now
 from dflash_doctor.models.loading import save_dflash_draft
+from dflash_doctor.report import render_reports
+from dflash_doctor.report.terminal import print_check_results, print_class_summary
 from dflash_doctor.rundir.load import load_run
 from dflash_doctor.rundir.ownership import LOCK_FILE, claim_run_dir
 from tests.test_cli_engine import assert_usage_error, tiny_tokenizer, write_workload
 from tests.test_run_journal import write_request
+from tests.fixture_runs import make_fixture_run
 from tests.telemetry_fixtures import MetricsExporter
 from tests.tiny_models import tiny_dflash, tiny_target
 
@@ -272,3 +279,67 @@ def test_watch_once_on_a_log_without_engine_lines_exits_2(tmp_path, content):
     log = tmp_path / "server.log"
     log.write_bytes(content)
     assert_usage_error(invoke("watch", log, "--once", "--out", tmp_path / "run"), f"no speculative-decoding series in {log}")
+
+
+# ----------------------------------------------------------------------------------------------------
+# 9. Text from users is inert in every output format
+
+HOSTILE = "evil\x1b]0;pwned\x07\x1b[2J[bold red]x[/]|`<b>b</b>\x00\x9b\ufffe"
+RAW_CONTROLS = ("\x1b", "\x07", "\x00", "\x9b", "\ufffe")
+
+
+@pytest.fixture(scope="module")
+def hostile_run(tmp_path_factory) -> Path:
+    """A fixture run whose class names, request ids and check texts carry terminal escapes, Rich markup,
+    Markdown/HTML and XML-invalid characters."""
+    run_dir = make_fixture_run(tmp_path_factory.mktemp("hostile") / "run", classes=(HOSTILE, "math"), num_requests=6)
+    meta = json.loads((run_dir / "run.json").read_text())
+    for check in meta["checks"]:
+        check["summary"] = f"summary {HOSTILE}"
+        for finding in check["findings"]:
+            finding.update(message=f"message {HOSTILE}", evidence=f"evidence {HOSTILE}", fix=f"fix {HOSTILE}")
+    (run_dir / "run.json").write_text(json.dumps(meta))
+    return run_dir
+
+
+def test_every_report_format_carries_user_text_inertly(hostile_run, tmp_path):
+    written = render_reports(load_run(hostile_run), formats=("html", "md", "json", "junit"), out_dir=tmp_path)
+    by_suffix = {path.suffix: path.read_text(encoding="utf-8") for path in written}
+    for suffix, text in by_suffix.items():
+        assert not any(c in text for c in RAW_CONTROLS), suffix
+    assert "evil\\x1b]0;pwned\\x07" in by_suffix[".md"] and "&lt;b&gt;" in by_suffix[".md"]
+    assert "<b>b</b>" not in by_suffix[".html"]
+    payload = json.loads(by_suffix[".json"])  # JSON escapes control characters itself: the value comes back exact
+    assert {check["summary"] for check in payload["checks"]} == {f"summary {HOSTILE}"}
+    root = ET.fromstring(by_suffix[".xml"])  # every CI parses it: no XML-invalid character
+    failure = root.find(".//failure")
+    assert failure is not None and "summary evil\\x1b]0;pwned\\x07\\x1b[2J[bold red]x[/]|`<b>b</b>\\x00\\x9b\\ufffe" == failure.get("message")
+
+
+def test_the_terminal_views_show_control_sequences_as_text(hostile_run):
+    run = load_run(hostile_run)
+    buffer = io.StringIO()
+    console = Console(file=buffer, width=400, force_terminal=True, color_system=None)
+    print_class_summary(run.record, 8, console)
+    print_check_results(run.record.checks, console)
+    shown = buffer.getvalue()
+    assert not any(c in shown for c in RAW_CONTROLS)
+    assert "evil\\x1b]0;pwned\\x07\\x1b[2J[bold red]x[/]" in shown  # the markup is text, not a style
+    compared = invoke("compare", hostile_run, hostile_run, "--out", hostile_run.parent / "compare")
+    assert compared.exit_code == 0, compared.output
+    assert not any(c in compared.output for c in RAW_CONTROLS) and "\\x1b" in compared.output  # the cell wraps: shown as text
+
+
+def test_the_dashboard_shows_user_text_without_markup(hostile_run, monkeypatch):
+    monkeypatch.setenv(RUNS_DIR_ENV, str(hostile_run.parent))
+    dashboard = AppTest.from_file(str(Path(__file__).resolve().parents[1] / "app" / "main.py"), default_timeout=120)
+    dashboard.session_state["run_path"] = str(hostile_run)
+    dashboard.run()
+    assert not dashboard.exception, [e.value for e in dashboard.exception]
+    markdown = [str(e.value) for kind in ("markdown", "caption", "error", "warning", "info") for e in dashboard.get(kind)]
+    labels = [str(e.label) for e in dashboard.get("expander")]
+    hostile = [text for text in markdown + labels if "evil" in text]
+    assert hostile, "the check texts are shown"
+    for text in hostile:
+        assert not any(c in text for c in RAW_CONTROLS), text
+        assert "\\[bold red\\]" in text and "<b>" not in text, text  # escaped Markdown: shown, not rendered
