@@ -33,7 +33,6 @@ from dflash_doctor.models.pair import Pair, load_pair
 from dflash_doctor.replay import sharding
 from dflash_doctor.replay.probes import layer_offset_probe, lossless_probe, probe_turns
 from dflash_doctor.replay.stream import Replay, replay_live, replay_teacher
-from dflash_doctor.replay.turns import refuse_first_turns_past_context
 from dflash_doctor.report import render_reports
 from dflash_doctor.rundir.load import Run
 from dflash_doctor.rundir.ownership import claim_run_dir
@@ -84,7 +83,6 @@ def _start(config: DoctorConfig, command: str, scenario=None) -> tuple[list[Requ
     pair = load_pair(config)
     if scenario is not None:
         pair, requests, config = scenario.apply(pair, requests, config)
-    refuse_first_turns_past_context(pair, requests, config.max_new_tokens)
     return requests, pair, config
 
 

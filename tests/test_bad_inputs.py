@@ -20,6 +20,7 @@ from dflash_doctor.inputs.config import build_config
 from dflash_doctor.inputs.validation import check_model_folder
 from dflash_doctor.inputs.workloads import load_workload
 from dflash_doctor.models.loading import save_dflash_draft
+from dflash_doctor.rundir.load import load_run
 from dflash_doctor.serving.engine_run import read_completion
 from dflash_doctor.serving.responses import MalformedResponse, check_measurement, check_response_shape, parse_response
 from dflash_doctor.telemetry.logs import LogContext, parse_log_lines
@@ -344,11 +345,12 @@ def test_a_log_line_claiming_impossible_counts_is_refused_as_data(engine, line):
 def test_a_prompt_past_the_targets_positions_is_refused_before_prefill(tiny_dir, tmp_path):
     words = " ".join(f"w{i % 50}" for i in range(600))  # the tiny target has 512 positions
     path = tmp_path / "long.jsonl"
-    path.write_text(json.dumps({"id": "long", "messages": [{"role": "user", "content": words}]}) + "\n", encoding="utf-8")
+    path.write_text(json.dumps({"id": "short", "prompt": "w1 w2"}) + "\n"
+                    + json.dumps({"id": "long", "messages": [{"role": "user", "content": words}]}) + "\n", encoding="utf-8")
     result = invoke("replay", "--target", tiny_dir / "target", "--draft", tiny_dir / "dflash", "--workload", path,
                     "--max-new-tokens", "4", "--out", tmp_path / "run")
     assert_usage_error(result, "request 'long': its prompt of", "runs past the target's 512 positions", "--max-new-tokens")
-    assert not (tmp_path / "run" / "requests.parquet").exists() and not (tmp_path / "run" / "journal").exists()
+    assert load_run(tmp_path / "run").requests.empty  # refused before the first prefill: not even the short request ran
     near = tmp_path / "near.jsonl"
     near.write_text(json.dumps({"id": "near", "prompt": " ".join(["w1"] * 500)}) + "\n", encoding="utf-8")
     result = invoke("replay", "--target", tiny_dir / "target", "--draft", tiny_dir / "dflash", "--workload", near,

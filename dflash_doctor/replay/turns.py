@@ -84,31 +84,31 @@ def refuse_past_context(pair: Pair, request: Request, index: int, prompt_ids: Se
                          f"--max-new-tokens / the request's max_new_tokens.")
 
 
-def refuse_first_turns_past_context(pair: Pair, requests: Sequence[Request], max_new_tokens: int) -> None:
-    """Every request's first turn against the target's positions, before any work (later turns are
-    checked as their prompts are built)."""
-    for request in requests:
-        refuse_past_context(pair, request, 0, first_turn_prompt(pair, request), turn_limit(request, max_new_tokens))
-
-
 def run_turns(pair: Pair, requests: Sequence[Request], max_new_tokens: int, generate: GenerateBatch, *, chunk_size: int = 1) -> Iterator[Turn]:
     """Generate every turn of ``requests``; yields each request's turns, in order, once the request is done.
 
     ``chunk_size`` requests are generated together, turn by turn; within a turn the pending prompts are
     handed to ``generate`` shortest first (less padding for a batched generator).
     """
+    # every first turn is encoded once, here, and checked against the target's positions before any prefill;
+    # a later turn's prompt exists only once the answers before it do, and is checked as it is built
+    first_prompts = {r.id: first_turn_prompt(pair, r) for r in requests}
+    for request in requests:
+        refuse_past_context(pair, request, 0, first_prompts[request.id], turn_limit(request, max_new_tokens))
     for start in range(0, len(requests), chunk_size):
         chunk = list(requests[start:start + chunk_size])
         answers: dict[str, list[str]] = {r.id: [] for r in chunk}
         done: dict[tuple[str, int], Turn] = {}
         for index in range(max(r.num_turns for r in chunk)):
             pending = [
-                PendingTurn(r, index, encode_request_turn(pair.tokenizer, r, answers[r.id], chat_template=pair.chat_template),
+                PendingTurn(r, index, first_prompts[r.id] if index == 0 else
+                            encode_request_turn(pair.tokenizer, r, answers[r.id], chat_template=pair.chat_template),
                             turn_limit(r, max_new_tokens))
                 for r in chunk if r.num_turns > index
             ]
-            for item in pending:
-                refuse_past_context(pair, item.request, index, item.prompt_ids, item.max_new_tokens)
+            if index:
+                for item in pending:
+                    refuse_past_context(pair, item.request, index, item.prompt_ids, item.max_new_tokens)
             pending.sort(key=lambda p: len(p.prompt_ids))
             for item, result in zip(pending, generate(pending), strict=True):
                 done[(item.request.id, index)] = Turn(item.request, index, item.prompt_ids, item.max_new_tokens, result)
