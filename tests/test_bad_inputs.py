@@ -19,14 +19,13 @@ from dflash_doctor.errors import UsageError
 from dflash_doctor.inputs.config import build_config
 from dflash_doctor.inputs.validation import check_model_folder
 from dflash_doctor.inputs.workloads import load_workload
-from dflash_doctor.models.loading import save_dflash_draft
 from dflash_doctor.rundir.load import load_run
 from dflash_doctor.serving.engine_run import read_completion
 from dflash_doctor.serving.responses import MalformedResponse, check_measurement, check_response_shape, parse_response
 from dflash_doctor.telemetry.logs import LogContext, parse_log_lines
 from dflash_doctor.telemetry.observation import ParseProblems
-from tests.test_cli_engine import assert_usage_error, invoke, tiny_tokenizer, write_workload
-from tests.tiny_models import tiny_dflash, tiny_target
+from tests.test_cli_engine import tiny_dir  # noqa: F401 (fixture: target/, dflash/, workload.jsonl)
+from tests.test_cli_engine import assert_usage_error, invoke
 
 GOLDEN = Path(__file__).parent / "golden"
 
@@ -79,17 +78,6 @@ def test_good_workload_files_next_to_the_bad_ones_still_load(tmp_path):
 
 # ----------------------------------------------------------------------------------------------------
 # Model folders: config.json and weights
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("bad_inputs")
-    target = tiny_target()
-    target.save_pretrained(root / "target")
-    tiny_tokenizer().save_pretrained(root / "target")
-    save_dflash_draft(tiny_dflash(target, block_size=6), root / "dflash")
-    write_workload(root / "workload.jsonl", per_class=1)
-    return root
 
 
 def draft_copy(tiny_dir: Path, tmp_path: Path, edit=None, config_text: str | None = None, weights: bytes | None = None) -> Path:

@@ -37,6 +37,7 @@ from dflash_doctor.report import render_reports
 from dflash_doctor.report.terminal import print_check_results, print_class_summary
 from dflash_doctor.rundir.load import load_run
 from dflash_doctor.rundir.ownership import LOCK_FILE, claim_run_dir
+from tests.test_cli_engine import one_thread, tiny_dir  # noqa: F401 (fixtures: one torch thread; target/, dflash/, 6 requests)
 from tests.test_cli_engine import assert_usage_error, tiny_tokenizer, write_workload
 from tests.test_run_journal import write_request
 from tests.fixture_runs import make_fixture_run
@@ -45,26 +46,6 @@ from tests.tiny_models import tiny_dflash, tiny_target
 
 CONSOLE_SCRIPT = Path(sys.executable).with_name("dflash-doctor")
 SUBPROCESS_TIMEOUT_S = 300
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory) -> Path:
-    """target/ (model + tokenizer), dflash/ (block 6) and a 6-request workload."""
-    root = tmp_path_factory.mktemp("reliability")
-    target = tiny_target()
-    target.save_pretrained(root / "target")
-    tiny_tokenizer().save_pretrained(root / "target")
-    save_dflash_draft(tiny_dflash(target, block_size=6), root / "dflash")
-    write_workload(root / "workload.jsonl", per_class=2)
-    return root
 
 
 def pair_args(tiny_dir: Path, out: Path, *extra: str) -> list[str]:

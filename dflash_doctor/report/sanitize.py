@@ -48,8 +48,9 @@ def for_xml(value: Any) -> str:
     return inert(value)
 
 
-# Markdown's punctuation that can start markup (a link, emphasis, code, HTML, a heading, Streamlit's $ math)
-_MARKDOWN_SPECIALS = re.compile(r"([\\`*_{}\[\]<>()#+\-!|~$])")
+# Markdown's punctuation that can start markup inside a sentence: a link or image ([ ]), emphasis (* _ ~),
+# code (`), HTML (< >), a table cell (|), Streamlit's $ math, and the escape itself
+_MARKDOWN_SPECIALS = re.compile(r"([\\`*_\[\]<>|~$])")
 
 
 def for_markdown_text(value: Any) -> str:
