@@ -24,6 +24,7 @@ from dflash_doctor.serving.engine_run import read_completion
 from dflash_doctor.serving.responses import MalformedResponse, check_measurement, check_response_shape, parse_response
 from dflash_doctor.telemetry.logs import LogContext, parse_log_lines
 from dflash_doctor.telemetry.observation import ParseProblems
+from dflash_doctor.telemetry.responses import parse_response_lines
 from tests.test_cli_engine import tiny_dir  # noqa: F401 (fixture: target/, dflash/, workload.jsonl)
 from tests.test_cli_engine import assert_usage_error, invoke
 
@@ -347,3 +348,14 @@ def test_a_prompt_past_the_targets_positions_is_refused_before_prefill(tiny_dir,
     fits = invoke("replay", "--target", tiny_dir / "target", "--draft", tiny_dir / "dflash", "--workload", near,
                   "--max-new-tokens", "4", "--out", tmp_path / "fits")
     assert fits.exit_code == 0, fits.output
+
+
+def test_a_captured_response_claiming_more_accepted_than_drafted_tokens_is_refused_as_data():
+    def line(accepted: int) -> str:
+        spec = {"num_spec_steps": 4, "num_draft_tokens": 16, "num_accepted_draft_tokens": accepted}
+        return json.dumps({"response": {**_golden(), "metrics": {"speculative_decoding": spec}}})
+
+    problems = ParseProblems()
+    observations = list(parse_response_lines([line(6), line(40)], default_model="m", origin="responses.jsonl", problems=problems))
+    assert [o.counts.num_accepted_tokens for o in observations] == [6.0]
+    assert problems.count == 1 and "responses.jsonl:2" in (problems.message("response") or "")
