@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import struct
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -359,3 +361,27 @@ def test_a_captured_response_claiming_more_accepted_than_drafted_tokens_is_refus
     observations = list(parse_response_lines([line(6), line(40)], default_model="m", origin="responses.jsonl", problems=problems))
     assert [o.counts.num_accepted_tokens for o in observations] == [6.0]
     assert problems.count == 1 and "responses.jsonl:2" in (problems.message("response") or "")
+
+
+@pytest.mark.parametrize("models_body", [[], {"data": {"id": "m"}}, "ok", {"data": "m"}])
+def test_a_model_list_of_an_unexpected_shape_is_refused(tmp_path, models_body):
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server API)
+            body = json.dumps(models_body).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        result = invoke("check", "--engine", url, "--workload", "demo", "--max-requests", "1", "--out", tmp_path / "run")
+    finally:
+        server.shutdown()
+    assert_usage_error(result, f"--engine {url}: GET /v1/models answered", "not an OpenAI model list")
