@@ -22,6 +22,7 @@ from dflash_doctor.app import RUNS_DIR_ENV, data
 from dflash_doctor.errors import UsageError
 from dflash_doctor.rundir.record import Summary
 from dflash_doctor.report.content import incomplete_note
+from dflash_doctor.report.sanitize import for_markdown_text
 from dflash_doctor.rundir.load import Run, load_run
 
 DEFAULT_RUNS_DIR = "runs"
@@ -138,7 +139,8 @@ def run_header(run: Run, page_title: str) -> None:
     """Page title plus one caption line naming the run, so screenshots say what they show."""
     st.title(page_title)
     target, draft = (info.id if (info := run.record.models.get(role)) else "?" for role in ("target", "draft"))
-    st.caption(f"Run **{run.name}** · created {run.record.meta.created_at or '?'} · target `{target}` · draft `{draft}`")
+    st.caption(f"Run **{for_markdown_text(run.name)}** · created {for_markdown_text(run.record.meta.created_at or '?')} · "
+               f"target {for_markdown_text(target)} · draft {for_markdown_text(draft)}")
     if not run.complete:
         st.warning(incomplete_note(run), icon=":material/hourglass_top:")
 

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Iterable, Mapping, TypeVar
 
 from dflash_doctor.errors import UsageError
+from dflash_doctor.inputs.validation import type_error
 from dflash_doctor.rundir.status import (  # noqa: F401 (re-exported: checks import their vocabulary from here)
     SEVERITIES,
     STATUSES,
@@ -144,7 +146,24 @@ def make_check(check_id: str, params: Mapping[str, Any] | None = None) -> Check:
             hint = _did_you_mean(key, names)
             valid = ", ".join(names) if names else "none"
             raise UsageError(f"check {check_id!r} has no parameter {key!r}; {hint}valid parameters: {valid}.")
+    declared = typing.get_type_hints(cls)
+    for key, value in params.items():
+        expected = type_error(value, declared[key])
+        if expected is not None:
+            raise UsageError(f"check {check_id!r} parameter {key!r} is {value!r}, but it must be {expected}; fix [checks.{check_id}].")
     return cls(**params)
+
+
+def validate_check_params(tables: Mapping[str, Any], only: Iterable[str] = (), skip: Iterable[str] = ()) -> None:
+    """Refuse an unknown check id in ``only`` / ``skip``, or a ``[checks.<id>]`` table with an unknown check,
+    an unknown parameter or a value of the wrong type, before any work (a command calls it first: the
+    checks themselves run after the whole replay)."""
+    for check_id in [*only, *skip]:
+        get_check(check_id)
+    for check_id, params in tables.items():
+        if not isinstance(params, Mapping):
+            raise UsageError(f"[checks.{check_id}] must be a table of parameters, not {params!r}; write it as a TOML table.")
+        make_check(check_id, params)
 
 
 def run_checks(

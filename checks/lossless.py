@@ -7,26 +7,49 @@ single-token decode step round differently, so where the target's top two tokens
 argmax can flip (z-lab #57, vLLM #54928). A divergence at such a near-tie is a warning to confirm in
 float32; a divergence anywhere else, or in float32, is a broken engine.
 
+The dtype rule: a near-tie is a target top-2 logit margin within ``near_tie_ulps`` units of the
+dtype's rounding at the size of the top logit (:func:`rounding_at`: bfloat16 keeps 8 significant bits,
+so at a logit of 15 its spacing is 0.0625, and a margin of 0.062 there is rounding, not a preference;
+at a logit of 0.5 the same spacing is 0.002). A fixed margin in logits cannot tell the two apart. The
+finding says which was found: the margin, the logit size and the dtype's spacing there. In float32 every
+divergence fails, as before.
+
 Input: ``ctx.extras["lossless"]`` = ``{"num_requests", "num_identical", "dtype", "divergences": [{
 "request_id", "position", "speculative_token", "plain_token", "speculative_text", "plain_text",
-"top2_margin"}]}``. :meth:`CheckContext.missing` only sees context fields, not ``extras`` keys, so
+"top2_margin", "top1_logit"}]}``. :meth:`CheckContext.missing` only sees context fields, not ``extras`` keys, so
 ``needs`` is empty and the check returns ``skip`` itself when the key is absent.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from dflash_doctor.checks.base import Check, CheckContext, CheckResult, Finding, register, skipped
 
 _EXACT_DTYPE = "float32"
+_REDUCED_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _describe(divergence: dict[str, Any]) -> str:
-    """One line naming the request, the output index and both tokens (id and text) at the divergence."""
+def rounding_at(dtype: str, value: float) -> float:
+    """The spacing between neighbouring numbers of ``dtype`` at ``value`` (one unit in the last place):
+    machine epsilon scaled by the power of two at or below ``|value|``."""
+    info = torch.finfo(_REDUCED_DTYPES[dtype])
+    magnitude = max(abs(value), info.tiny)
+    return info.eps * 2.0 ** math.floor(math.log2(magnitude))
+
+
+def _describe(divergence: dict[str, Any], dtype: str) -> str:
+    """One line naming the request, the output index and both tokens (id and text) at the divergence,
+    with the target's top-2 margin against the dtype's rounding at its top logit where both are known."""
     margin = divergence.get("top2_margin")
+    top1 = divergence.get("top1_logit")
     margin_text = "" if margin is None else f"; target top-2 logit margin {float(margin):.3f}"
+    if margin is not None and top1 is not None and dtype in _REDUCED_DTYPES:
+        margin_text += f" at logit {float(top1):.2f}, where {dtype} rounds in steps of {rounding_at(dtype, float(top1)):.4f}"
     return (f"request {divergence.get('request_id')}, output token {divergence.get('position')}: "
             f"speculative {divergence.get('speculative_token')} {divergence.get('speculative_text')!r} vs "
             f"plain {divergence.get('plain_token')} {divergence.get('plain_text')!r}{margin_text}")
@@ -41,7 +64,7 @@ class LosslessCheck(Check):
     title = "Lossless"
     needs = ()  # reads ctx.extras["lossless"]; skips itself when absent (see the module docstring)
 
-    near_tie_margin_logits: float = 0.05  # a top-2 logit gap below this can flip under bf16/fp16 rounding
+    near_tie_ulps: float = 2.0  # a top-2 gap within this many of the dtype's rounding steps at the top logit can flip
 
     def run(self, ctx: CheckContext) -> CheckResult:
         lossless = ctx.extras.get("lossless")
@@ -67,10 +90,10 @@ class LosslessCheck(Check):
                 "warn",
                 f"{diverged}, explained by {dtype} rounding of a near-tie "
                 "(batched verify vs single-token decode numerics, z-lab #57, vLLM #54928)",
-                _describe(near_ties[0]),
+                _describe(near_ties[0], dtype),
                 "compare in float32 to confirm (--dtype float32): a lossless engine then matches exactly")
         else:
-            evidence = _describe(unexplained[0]) if unexplained else "no divergence details were recorded"
+            evidence = _describe(unexplained[0], dtype) if unexplained else "no divergence details were recorded"
             finding = Finding(
                 "fail",
                 f"{diverged}: the speculative output differs from plain decoding: the engine is not lossless",
@@ -80,6 +103,9 @@ class LosslessCheck(Check):
         return CheckResult.from_findings(self.id, [finding], metrics, "")
 
     def _is_near_tie(self, divergence: dict[str, Any], dtype: str) -> bool:
-        """Reduced precision and a top-2 gap under the margin: rounding alone can flip the argmax."""
-        margin = divergence.get("top2_margin")
-        return dtype != _EXACT_DTYPE and margin is not None and float(margin) < self.near_tie_margin_logits
+        """Reduced precision and a top-2 gap within ``near_tie_ulps`` rounding steps of the dtype at the top
+        logit: rounding alone can flip the argmax (a record without the top logit cannot be judged so)."""
+        margin, top1 = divergence.get("top2_margin"), divergence.get("top1_logit")
+        if dtype not in _REDUCED_DTYPES or margin is None or top1 is None:
+            return False
+        return float(margin) <= self.near_tie_ulps * rounding_at(dtype, float(top1))

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, ContextManager, Sequence
 
-from dflash_doctor.checks.base import CheckContext, run_checks
+from dflash_doctor.checks.base import CheckContext, run_checks, validate_check_params
 from dflash_doctor.checks.draft_config import read_safetensors_shapes
 from dflash_doctor.engine.schedule import end_of_request
 from dflash_doctor.errors import UsageError
@@ -37,6 +37,7 @@ from dflash_doctor.report import render_reports
 from dflash_doctor.rundir.load import Run
 from dflash_doctor.rundir.record import Probes, PromptFormat, RunMeta, RunRecord, _to_json
 from dflash_doctor.rundir.tables import TABLES, read_table_or_empty
+from dflash_doctor.rundir.ownership import claim_run_dir
 from dflash_doctor.rundir.writer import RunWriter, utc_now
 from dflash_doctor.serving.agreement import compare_with_embedded
 from dflash_doctor.serving.client import EngineEndpoint, resolve_model
@@ -60,6 +61,15 @@ class Outcome:
 def default_run_dir(command: str) -> Path:
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     return Path("runs") / f"{command}-{stamp}"
+
+
+def _claim(config: DoctorConfig, command: str) -> Path:
+    """The run directory, taken for this process before any work (:mod:`dflash_doctor.rundir.ownership`);
+    under torchrun rank 0 owns it for every rank (the others write only their part below it)."""
+    run_dir = Path(config.out) if config.out else default_run_dir(command)
+    if sharding.current_ranks().is_main:
+        claim_run_dir(run_dir, overwrite=config.overwrite)
+    return run_dir
 
 
 def _no_progress(total: int) -> ContextManager[None]:
@@ -110,9 +120,9 @@ def _finish(writer: RunWriter, record: RunRecord, replay: Replay) -> None:
 
 def run_replay(config: DoctorConfig, *, progress: ProgressFactory = _no_progress) -> Outcome:
     """`replay`: every turn through the live loop at K = the largest --k (the draft's default without one)."""
+    run_dir = _claim(config, "replay")
     requests, pair, config = _start(config, "replay")
     k = max(config.k) if config.k else pair.default_k
-    run_dir = Path(config.out) if config.out else default_run_dir("replay")
     record = _new_record(config, pair, "replay")
     with RunWriter(run_dir, record.to_json()) as writer:
         with progress(sum(r.num_turns for r in requests)) as on_turn:
@@ -126,10 +136,10 @@ def run_replay(config: DoctorConfig, *, progress: ProgressFactory = _no_progress
 def run_sweep(config: DoctorConfig, *, exact_blocks: bool = False, progress: ProgressFactory = _no_progress) -> Outcome:
     """`sweep`: one teacher-forced pass answering every K (default 1..block-1, or 1..8), net speedup per
     class and the recommended K."""
+    run_dir = _claim(config, "sweep")
     requests, pair, config = _start(config, "sweep")
     if not config.k:
         config = dataclasses.replace(config, k=tuple(range(1, pair.default_k + 1)))
-    run_dir = Path(config.out) if config.out else default_run_dir("sweep")
     record = _new_record(config, pair, "sweep")
     writer, replay = _teacher(pair, requests, config, exact_blocks, run_dir, record, progress)
     with writer:
@@ -162,11 +172,12 @@ def run_check(config: DoctorConfig, *, scenario=None, only: Sequence[str] = (), 
     """`check`: teacher-forced replay of every K up to the draft's block (and the served K), the sweep,
     the probes, every check, run.json, then the reports. The run directory and reports are written even
     when a check fails, so CI keeps the evidence."""
+    validate_check_params(config.checks, only, skip)
+    run_dir = _claim(config, "check")
     requests, pair, config = _start(config, "check", scenario)
     served_k = max(config.k) if config.k else None  # the K the user serves, when they said
     pair.check_k_fits(config.k)
     sweep_config = dataclasses.replace(config, k=tuple(range(1, max(pair.default_k, served_k or 0) + 1)))
-    run_dir = Path(config.out) if config.out else default_run_dir("check")
     record = _new_record(sweep_config, pair, "check", scenario=scenario.name if scenario is not None else None, served_k=served_k)
     writer, replay = _teacher(pair, requests, sweep_config, exact_blocks, run_dir, record, progress)
     with writer:
@@ -202,12 +213,13 @@ def run_engine_check(config: DoctorConfig, *, only: Sequence[str] = (), skip: Se
     """
     if config.engine is None:
         raise UsageError("check --engine needs the URL of a running OpenAI-compatible server; pass --engine http://host:port.")
+    validate_check_params(config.checks, only, skip)
+    run_dir = _claim(config, "check")
     endpoint = resolve_model(EngineEndpoint.from_url(config.engine, model=config.engine_model, timeout_s=config.engine_timeout_s))
     requests = load_workload(config.workload, classes=config.classes, max_requests=config.max_requests, seed=config.seed)
     # the embedded replay runs only when the user names a local pair to compare with; a bad one fails
     # before any request is sent
     local = load_pair(config) if config.target is not None or config.draft is not None else None
-    run_dir = Path(config.out) if config.out else default_run_dir("check")
     record = start_engine_record(config, endpoint)
     if local is not None:
         record.models.update({"local target": local.target_info, "local draft": local.draft_info})

@@ -14,9 +14,9 @@ def _run(check_id, ctx, params=None):
 # ----------------------------------------------------------------------------- lossless
 
 
-def _divergence(margin, request_id="r3", position=17):
+def _divergence(margin, request_id="r3", position=17, top1_logit=15.0):
     return {"request_id": request_id, "position": position, "speculative_token": 1234, "plain_token": 987,
-            "speculative_text": " four", "plain_text": " 4", "top2_margin": margin}
+            "speculative_text": " four", "plain_text": " 4", "top2_margin": margin, "top1_logit": top1_logit}
 
 
 def _lossless(dtype="float32", divergences=(), num_requests=8):
@@ -52,7 +52,7 @@ def test_lossless_fail_bf16_with_a_clear_margin_and_the_margin_is_a_parameter():
     ctx = _lossless("bfloat16", [_divergence(0.01, "r1"), _divergence(2.5, "r2", 4)])
     result = _run("lossless", ctx)
     assert result.status == "fail" and "request r2, output token 4" in result.findings[0].evidence
-    assert _run("lossless", ctx, {"near_tie_margin_logits": 3.0}).status == "warn"
+    assert _run("lossless", ctx, {"near_tie_ulps": 50.0}).status == "warn"  # 2.5 is 40 bf16 steps at a logit of 15
 
 
 def test_lossless_skip_without_a_comparison():

@@ -22,7 +22,8 @@ from dflash_doctor.cli import app
 from dflash_doctor.engine.proposers.dflash import DFlashProposer
 from dflash_doctor.engine.target import TargetModel
 from dflash_doctor.models.draft_kinds import detect_draft_kind
-from dflash_doctor.models.loading import load_dflash_draft, read_config, save_dflash_draft
+from dflash_doctor.inputs.validation import read_config_json
+from dflash_doctor.models.loading import load_dflash_draft, save_dflash_draft
 from dflash_doctor.rundir.load import load_run
 from tests.hub_cache import hub_snapshot, offline_hub_cache
 from tests.tiny_models import VOCAB, tiny_dflash, tiny_target
@@ -217,8 +218,8 @@ def test_zlab_checkpoint_reproduces_the_in_memory_logits(tmp_path, prefix):
 
 
 def test_draft_kind_auto_tells_dflash_from_autoregressive(tiny_dir):
-    assert detect_draft_kind(read_config(tiny_dir / "dflash")).name == "dflash"
-    assert detect_draft_kind(read_config(tiny_dir / "ar")).name == "autoregressive"
+    assert detect_draft_kind(read_config_json(tiny_dir / "dflash")).name == "dflash"
+    assert detect_draft_kind(read_config_json(tiny_dir / "ar")).name == "autoregressive"
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -22,7 +22,8 @@ from dflash_doctor.models.draft_kinds import detect_draft_kind
 from dflash_doctor.engine.proposers.dflash import DFlashProposer
 from dflash_doctor.engine.target import TargetModel
 from dflash_doctor.errors import UsageError
-from dflash_doctor.models.loading import load_dflash_draft, read_config, save_dflash_draft
+from dflash_doctor.inputs.validation import read_config_json
+from dflash_doctor.models.loading import load_dflash_draft, save_dflash_draft
 
 PROMPT = [1, 17, 42, 8, 9, 30, 31, 44]
 
@@ -82,7 +83,7 @@ def test_speculators_ids_are_ours_plus_one(zlab_dir, target, tmp_path):
     embed = {"embed_tokens.weight": target.get_input_embeddings().weight.detach().clone(),
              "lm_head.weight": target.lm_head.weight.detach().clone()}
     spec_dir = _rewrite(zlab_dir, tmp_path / "spec", _speculators_config(zlab, aux_ids=ours, draft_vocab_size=zlab["vocab_size"]), extra=embed)
-    assert detect_draft_kind(read_config(spec_dir)).name == "dflash"
+    assert detect_draft_kind(read_config_json(spec_dir)).name == "dflash"
     spec = load_dflash_draft(spec_dir)
     assert spec.config.target_layer_ids == zlab["dflash_config"]["target_layer_ids"]
     assert spec.draft_format["layer_id_offset"] == 1 and spec.draft_format["ships_own"] == ["embed_tokens.weight", "lm_head.weight"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 
+from dflash_doctor.inputs.validation import read_config_json
 from dflash_doctor.models import loading
 
 pytestmark = pytest.mark.integration
@@ -22,7 +23,7 @@ def test_the_demo_gguf_converts_from_an_empty_cache_into_the_drafts_target(tmp_p
     model_dir = loading.resolve_model_dir(str(loading.demo_target_path()))
     assert model_dir.is_relative_to(tmp_path) and (model_dir / ".complete").is_file()
 
-    recorded = loading.read_config(loading.DEMO_DRAFT_DIR)["dflash_doctor"]["target_weights_fingerprint"]
+    recorded = read_config_json(loading.DEMO_DRAFT_DIR)["dflash_doctor"]["target_weights_fingerprint"]
     assert loading.weights_fingerprint(loading.load_causal_lm(model_dir)) == recorded
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True)

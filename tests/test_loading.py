@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from dflash_doctor.inputs.validation import read_config_json
 from dflash_doctor.models import loading
 from dflash_doctor.models.draft_kinds import LoadOptions, detect_draft_kind, get_draft_kind
 from dflash_doctor.errors import UsageError
@@ -26,7 +27,7 @@ def test_hub_id_resolves_from_the_local_cache_without_network(tmp_path, monkeypa
     offline_hub_cache(monkeypatch, tmp_path)
     snapshot = hub_snapshot(tmp_path, "z-lab/tiny-DFlash", COMMIT, {"config.json": json.dumps({"dflash_config": {}})})
     assert loading.resolve_model_dir("z-lab/tiny-DFlash") == snapshot
-    assert detect_draft_kind(loading.read_config(snapshot)).name == "dflash"
+    assert detect_draft_kind(read_config_json(snapshot)).name == "dflash"
     assert loading.hub_commit(snapshot) == COMMIT
 
 

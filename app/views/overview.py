@@ -5,6 +5,7 @@ import streamlit as st
 
 from dflash_doctor.report import figures
 from dflash_doctor.app import data, ui
+from dflash_doctor.report.sanitize import for_markdown_text
 
 run = ui.current_run()
 ui.run_header(run, "Overview")
@@ -42,16 +43,16 @@ else:
     by_id = {check.id: check for check in record.checks}
     for row in table.to_dict("records"):
         check = by_id[row["check"]]
-        with st.expander(f"**{check.id}** ({check.status}) — {check.summary}", expanded=check.status in ("fail", "error"), icon=ui.STATUS_ICONS.get(check.status)):
+        with st.expander(f"**{for_markdown_text(check.id)}** ({check.status}) — {for_markdown_text(check.summary)}", expanded=check.status in ("fail", "error"), icon=ui.STATUS_ICONS.get(check.status)):
             if not check.findings:
                 st.caption("No findings.")
             for finding in check.findings:
                 box = {"fail": st.error, "warn": st.warning}.get(finding.severity, st.info)
-                box(f"**{finding.severity}**: {finding.message}")
+                box(f"**{finding.severity}**: {for_markdown_text(finding.message)}")
                 if finding.evidence:
                     st.code(finding.evidence, language=None)
                 if finding.fix:
-                    st.markdown(f"**Fix:** {finding.fix}")
+                    st.markdown(f"**Fix:** {for_markdown_text(finding.fix)}")
             if check.metrics:
                 st.json(check.metrics, expanded=False)
 

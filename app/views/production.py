@@ -11,6 +11,7 @@ import streamlit as st
 
 from dflash_doctor.app import ui
 from dflash_doctor.report import watch_figures
+from dflash_doctor.report.sanitize import for_markdown_text
 from dflash_doctor.telemetry.record import is_watch_run, read_windows, telemetry_details
 
 REFRESH_EVERY_S = 10
@@ -35,7 +36,7 @@ def watch_view(path: str) -> None:
 
     alerts = telemetry["alerts"]
     if alerts:
-        st.error(f"**{len(alerts)} alert(s)** in this watch; the latest: {alerts[-1]['message']}", icon=":material/notifications_active:")
+        st.error(f"**{len(alerts)} alert(s)** in this watch; the latest: {for_markdown_text(alerts[-1]['message'])}", icon=":material/notifications_active:")
     elif not windows.empty:
         st.success("No alert in this watch.", icon=":material/check_circle:")
 

@@ -5,6 +5,7 @@ import streamlit as st
 
 from dflash_doctor.report import figures
 from dflash_doctor.app import charts, data, ui
+from dflash_doctor.report.sanitize import for_markdown_text
 
 run = ui.current_run(("requests",))
 ui.run_header(run, "Rejection by class")
@@ -60,7 +61,7 @@ assert cls is not None, "drill_options is never empty: the table has a row per c
 
 st.plotly_chart(charts.request_tau_figure(chosen), key="request_tau_chart")
 class_requests = data.class_requests(chosen, cls)
-st.caption(f"{len(class_requests):,} requests of class **{cls}**, lowest tau first. Select a row to open its tokens.")
+st.caption(f"{len(class_requests):,} requests of class **{for_markdown_text(cls)}**, lowest tau first. Select a row to open its tokens.")
 selection = st.dataframe(
     class_requests,
     hide_index=True,

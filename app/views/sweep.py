@@ -5,6 +5,7 @@ import streamlit as st
 
 from dflash_doctor.report import figures
 from dflash_doctor.app import data, ui
+from dflash_doctor.report.sanitize import for_markdown_text
 
 run = ui.current_run()
 ui.run_header(run, "Sweep")
@@ -26,7 +27,7 @@ if recommendation:
                                                        "reason": st.column_config.TextColumn(width="large")})
     off = rec[rec["k"] == 0]["class"].tolist()
     if off:
-        st.warning(f"Speculation off recommended for: {', '.join(off)} (no K beats plain decoding there).")
+        st.warning(f"Speculation off recommended for: {for_markdown_text(', '.join(off))} (no K beats plain decoding there).")
 
 table = data.sweep_table(sweep)
 st.subheader("Speedup by K")

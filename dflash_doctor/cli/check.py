@@ -47,6 +47,7 @@ def check(
     devices: opt.Devices = None,
     dtype: opt.Dtype = None,
     out: opt.Out = None,
+    overwrite: opt.Overwrite = False,
     config: opt.ConfigFile = None,
     seed: opt.Seed = None,
     fail_on: opt.FailOn = None,

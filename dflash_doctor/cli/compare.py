@@ -7,11 +7,12 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
 
 from dflash_doctor.cli.root import app
+from dflash_doctor.rundir.record import OVERALL
 from dflash_doctor.report.compare import compare_runs, write_compare_reports
+from dflash_doctor.report.sanitize import for_terminal
 from dflash_doctor.stats.gate import DEFAULT_THRESHOLD_RATE, DEFAULT_THRESHOLD_TAU, Comparison
 from dflash_doctor.cli import options as opt
 from dflash_doctor.errors import UsageError
@@ -21,16 +22,29 @@ from dflash_doctor.report.templating import ci, fmt, signed
 EXIT_REGRESSION = 1
 
 
+def _nothing_compared(comparison: Comparison) -> str | None:
+    """The sentence refusing a comparison in which no class has drafted steps in both runs (a run that
+    finished no request, or drafted nothing), naming the empty side; None when something was compared.
+    A gate that compared nothing must not say "no regression"."""
+    if any(row.delta is not None for row in comparison.rows):
+        return None
+    tau = [row for row in comparison.rows if row.cls == OVERALL and row.slot is None]
+    empty = [f"{label} ({path})" for label, path, value in (("BASE", comparison.base_path, tau[0].base if tau else None),
+                                                           ("NEW", comparison.new_path, tau[0].new if tau else None)) if value is None]
+    return (f"{' and '.join(empty)} {'has' if len(empty) == 1 else 'have'} no drafted steps (no finished request), so nothing "
+            f"was compared; compare two runs that both finished requests.")
+
+
 def _table(comparison: Comparison) -> Table:
     """tau per class, then every regressed per-position rate (unchanged rates would drown the table)."""
-    table = Table(title=f"NEW {comparison.new_path.name} vs BASE {comparison.base_path.name} (K={comparison.k_compared})")
+    table = Table(title=f"NEW {for_terminal(comparison.new_path.name)} vs BASE {for_terminal(comparison.base_path.name)} (K={comparison.k_compared})")
     for column in ("class", "metric", "BASE", "BASE 95% CI", "NEW", "NEW 95% CI", "delta", "verdict"):
         table.add_column(column, justify="right" if column in ("BASE", "NEW", "delta") else "left")
     shown = [row for row in comparison.rows if row.slot is None or row.regression]
     for row in shown:
         digits = 2 if row.slot is None else 3
         verdict = "[bold red]REGRESSION[/]" if row.regression else (row.note or "[green]ok[/]")
-        table.add_row(row.cls, row.label, fmt(row.base, digits), ci(row.base_ci, digits), fmt(row.new, digits), ci(row.new_ci, digits), signed(row.delta, digits), verdict)
+        table.add_row(for_terminal(row.cls), row.label, fmt(row.base, digits), ci(row.base_ci, digits), fmt(row.new, digits), ci(row.new_ci, digits), signed(row.delta, digits), verdict)
     return table
 
 
@@ -40,7 +54,7 @@ def _grown_table(comparison: Comparison) -> Table:
     for column in ("class", "kind", "pattern", "BASE", "NEW", "growth"):
         table.add_column(column, justify="right" if column in ("BASE", "NEW", "growth") else "left")
     for row in comparison.grown_patterns:
-        table.add_row(row["class"], row["kind"], escape(row["pattern"]), fmt(row["lost_per_draft_base"], 3),
+        table.add_row(for_terminal(row["class"]), row["kind"], for_terminal(row["pattern"]), fmt(row["lost_per_draft_base"], 3),
                       fmt(row["lost_per_draft_new"], 3), signed(row["growth"], 3))
     return table
 
@@ -54,7 +68,7 @@ def compare_command(
     out: Annotated[Optional[str], typer.Option("--out", help="Folder for compare.html and compare.md (default: NEW's run directory).")] = None,
     plotly: opt.Plotly = None,
 ) -> None:
-    """Per-class regression gate: exit 1 when tau or a per-position rate drops past its threshold with separated 95% intervals.
+    """Per-class regression gate: exit 1 when tau or a per-position rate drops past its threshold with separated 95% intervals; exit 2 when a run has no drafted steps (nothing to compare).
 
     Also lists the rejection patterns (target or drafted token categories) whose lost tokens per draft grew; those never change the exit code.
     """
@@ -62,12 +76,15 @@ def compare_command(
         raise UsageError("--threshold-tau and --threshold-rate must be >= 0; pass a drop size such as 0.2 or 0.05.")
     plotly = parse_plotly_source(plotly or "inline")
     comparison = compare_runs(base, new, threshold_tau=threshold_tau, threshold_rate=threshold_rate)
+    refusal = _nothing_compared(comparison)
+    if refusal is not None:
+        raise UsageError(refusal)
     console = Console()
     console.print(_table(comparison))
     if comparison.grown_patterns:
         console.print(_grown_table(comparison))
     for note in comparison.notes:
-        console.print(f"note: {note}")
+        console.print(f"note: {for_terminal(note)}")
     for path in write_compare_reports(comparison, Path(out) if out else comparison.new_path, plotly):
         console.print(f"wrote {path}")
     if comparison.has_regression:

@@ -26,6 +26,7 @@ Device = Annotated[Optional[str], typer.Option("--device", help="cpu, cuda, cuda
 Devices = Annotated[Optional[str], typer.Option("--devices", help="Spread the requests over several devices, one torchrun process each: cuda:0,cuda:1 (cuda:0+cuda:1 gives one process a target over two GPUs).")]
 Dtype = Annotated[Optional[str], typer.Option("--dtype", help="float32 | bfloat16 | float16 (default float32).")]
 Out = Annotated[Optional[str], typer.Option("--out", help="Run directory to write (default runs/<timestamp>).")]
+Overwrite = Annotated[bool, typer.Option("--overwrite", help="Replace the run already in --out (without it a folder holding files is refused).")]
 ConfigFile = Annotated[Optional[str], typer.Option("--config", help="doctor.toml with the same keys plus thresholds; CLI flags override it.")]
 Seed = Annotated[Optional[int], typer.Option("--seed", help="Random seed for sampling and request selection (default 0).")]
 FailOn = Annotated[Optional[str], typer.Option("--fail-on", help="fail (default) or warn: warnings also exit 1.")]

@@ -25,6 +25,7 @@ def replay(
     device: opt.Device = None,
     dtype: opt.Dtype = None,
     out: opt.Out = None,
+    overwrite: opt.Overwrite = False,
     config: opt.ConfigFile = None,
     seed: opt.Seed = None,
     chat_template: opt.ChatTemplate = None,

@@ -29,6 +29,7 @@ def sweep(
     devices: opt.Devices = None,
     dtype: opt.Dtype = None,
     out: opt.Out = None,
+    overwrite: opt.Overwrite = False,
     config: opt.ConfigFile = None,
     seed: opt.Seed = None,
     chat_template: opt.ChatTemplate = None,

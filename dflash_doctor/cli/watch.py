@@ -15,7 +15,9 @@ from rich.table import Table
 
 from dflash_doctor.cli.root import app
 from dflash_doctor.cli import options as opt
+from dflash_doctor.errors import UsageError
 from dflash_doctor.inputs.config import build_config
+from dflash_doctor.report.sanitize import for_terminal
 from dflash_doctor.rundir.writer import utc_now
 from dflash_doctor.stats.speedup import load_cost_profile
 from dflash_doctor.telemetry.hooks import AlertHooks
@@ -38,7 +40,7 @@ def verdict_table(verdicts: list[WindowVerdict], title: str) -> Table:
     for v in verdicts:
         ci = v.mean_acceptance_length_ci
         drafts = v.window.counts.num_drafts
-        columns["series"].append(str(v.window.key))
+        columns["series"].append(for_terminal(v.window.key))
         columns["K"].append(str(v.k or "-"))
         columns["drafts"].append("-" if drafts is None else f"{drafts:.0f}")
         columns["tau"].append(_fmt(v.mean_acceptance_length))
@@ -60,7 +62,7 @@ def verdict_table(verdicts: list[WindowVerdict], title: str) -> Table:
 def verdict_line(v: WindowVerdict) -> str:
     """One line per series that survives any terminal width (and reads well in a cron mail)."""
     ci = v.mean_acceptance_length_ci
-    parts = [f"{v.window.key}: {v.status}"]
+    parts = [f"{for_terminal(v.window.key)}: {v.status}"]
     if v.mean_acceptance_length is not None:
         parts.append(f"tau {v.mean_acceptance_length:.2f}" + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else ""))
         parts.append(f"{v.window.counts.num_drafts:.0f} drafts at K={v.k}")
@@ -77,21 +79,21 @@ def print_verdicts(console: Console, verdicts: list[WindowVerdict], *, lines: bo
         if lines:
             console.print(verdict_line(v), soft_wrap=True)
         for alert in v.alerts:
-            console.print(f"[bold red]ALERT[/] {alert.kind}: {alert.message}", soft_wrap=True)
+            console.print(f"[bold red]ALERT[/] {alert.kind}: {for_terminal(alert.message)}", soft_wrap=True)
             for line in alert.advice:
-                console.print(f"    {line}", soft_wrap=True)
+                console.print(f"    {for_terminal(line)}", soft_wrap=True)
         for note in v.notes:
-            console.print(f"note: {v.window.key}: {note}", soft_wrap=True)
+            console.print(f"note: {for_terminal(v.window.key)}: {for_terminal(note)}", soft_wrap=True)
 
 
 def print_source_news(console: Console, watcher: Watcher, events_shown: int, notes_shown: set[str]) -> int:
     """Source events and notes not printed yet (each once); returns the number of events shown."""
     for event in watcher.events[events_shown:]:
-        console.print(f"{event.kind}: {event.source}: {event.message}", soft_wrap=True)
+        console.print(f"{event.kind}: {for_terminal(event.source)}: {for_terminal(event.message)}", soft_wrap=True)
     for note in watcher.source_notes():
         if note not in notes_shown:
             notes_shown.add(note)
-            console.print(f"note: {note}", soft_wrap=True)
+            console.print(f"note: {for_terminal(note)}", soft_wrap=True)
     return len(watcher.events)
 
 
@@ -105,7 +107,7 @@ def watch(
     log_timezone: Annotated[Optional[str], typer.Option("--log-timezone", help="Time zone of the log files' stamps, e.g. UTC or Europe/Berlin (default: this host's local zone, as vLLM/SGLang write them).")] = None,
     window: Annotated[Optional[str], typer.Option("--window", help="Window length: 30s, 5m, 1h (default 5m). With --once on a /metrics URL: scrape twice, this far apart.")] = None,
     interval: Annotated[Optional[str], typer.Option("--interval", help="Time between polls when watching live (default 30s).")] = None,
-    once: Annotated[bool, typer.Option("--once", help="One verdict and exit: 0 ok, 1 alert, 2 bad input (for cron/CI).")] = False,
+    once: Annotated[bool, typer.Option("--once", help="One verdict and exit: 0 ok, 1 alert, 2 bad input or no engine series in the sources (for cron/CI).")] = False,
     duration: Annotated[Optional[str], typer.Option("--duration", help="Stop watching after this long (default: until Ctrl-C).")] = None,
     baseline: Annotated[Optional[str], typer.Option("--baseline", help="A check/sweep run directory, or the expected tau (one number).")] = None,
     threshold_tau: Annotated[Optional[float], typer.Option("--threshold-tau", help="Smallest tau drop below the baseline that alerts (default 0.2).")] = None,
@@ -147,8 +149,10 @@ def watch(
         session.close()
         print_source_news(console, session.watcher, 0, set())
         console.print(f"wrote {session.run_dir}")
-        if not latest:
-            console.print("no series found in the sources: nothing to judge.")
+        if not latest:  # a monitor pointed at the wrong thing must not stay green: exit 2 as for a source that is down
+            named = ", ".join([*(sources or []), *([prometheus] if prometheus else [])])
+            raise UsageError(f"no speculative-decoding series in {named} (empty or unknown /metrics text, or a log without "
+                             f"spec-decode lines); point watch at the serving engine's /metrics URL or log file.")
         if any(v.alerts for v in latest):
             raise typer.Exit(EXIT_ALERT)
         return

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import tomllib
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from dflash_doctor.errors import UsageError
+from dflash_doctor.inputs.validation import type_error
 from dflash_doctor.stats.speedup import load_cost_profile
 
 
@@ -72,6 +74,7 @@ class DoctorConfig:
     devices: tuple[str, ...] = ()  # one torchrun rank per entry (sweep, check); cuda:0+cuda:1 gives a rank two GPUs
     dtype: str = "float32"
     out: str | None = None  # run directory; None = runs/<timestamp>
+    overwrite: bool = False  # replace the run already in --out (refused otherwise: rundir/ownership.py)
     seed: int = 0
     fail_on: str = "fail"  # fail | warn: which verdict turns the exit code to 1
     trust_remote_code: bool = False
@@ -95,6 +98,13 @@ class DoctorConfig:
 
 _FIELDS = {f.name: f for f in dataclasses.fields(DoctorConfig)}
 _TUPLE_FIELDS = {"classes", "strict_classes", "devices"}
+# The type a config-file value must have: the field's own, except where the file may write the flag's
+# text form (``k = "1-8"``, ``classes = "math,code"``).
+_FILE_TYPES: dict[str, Any] = {
+    **typing.get_type_hints(DoctorConfig),
+    "k": str | int | list[int],
+    **{name: str | list[str] for name in _TUPLE_FIELDS},
+}
 
 
 def read_config_file(path: Path | str) -> dict[str, Any]:
@@ -116,6 +126,9 @@ def build_config(config_file: str | Path | None = None, **cli_values: Any) -> Do
             key = key.replace("-", "_")
             if key not in _FIELDS:
                 raise UsageError(f"config file {config_file}: unknown key {key!r}; remove it or use one of {', '.join(sorted(_FIELDS))}.")
+            expected = type_error(value, _FILE_TYPES[key])
+            if expected is not None:
+                raise UsageError(f"config file {config_file}: `{key}` is {value!r}, but it must be {expected}; fix the value.")
             merged[key] = value
     for key, value in cli_values.items():
         if key not in _FIELDS:

@@ -368,6 +368,11 @@ def _text_content(content: Any, source: str) -> str | None:
     raise UsageError(f"{source}: a message `content` must be a string or a list of text parts; fix that line.")
 
 
+# The roles of the OpenAI chat API, which chat templates are written for: another role (ShareGPT's
+# human / gpt) would be templated as it is, a prompt the model never saw in training or serving.
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
 def _parse_messages(messages: Any, source: str) -> tuple[dict[str, Any], ...]:
     if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
         raise UsageError(f"{source}: `messages` must be a non-empty list of {{\"role\", \"content\"}} objects; fix that line.")
@@ -375,6 +380,9 @@ def _parse_messages(messages: Any, source: str) -> tuple[dict[str, Any], ...]:
     for message in messages:
         if not isinstance(message.get("role"), str):
             raise UsageError(f"{source}: every message needs a string `role`; fix that line.")
+        if message["role"] not in CHAT_ROLES:
+            raise UsageError(f"{source}: role {message['role']!r} is not a chat role ({', '.join(CHAT_ROLES)}); rename it "
+                             f"(ShareGPT's human and gpt are user and assistant).")
         content = _text_content(message.get("content"), source)
         if content is None and not (message["role"] == "assistant" and message.get("tool_calls")):
             raise UsageError(f"{source}: a {message['role']} message has no `content`; add the text.")
@@ -494,15 +502,21 @@ def read_csv(path: Path | str) -> list[Request]:
     path = _existing(path)
     requests, sources = [], []
     with path.open(encoding="utf-8", newline="") as handle:
-        reader = csv.DictReader(handle)
-        if reader.fieldnames is None or not {"messages", "prompt"} & set(reader.fieldnames):
-            raise UsageError(f"{path}:1: the CSV header has no `messages` or `prompt` column; add one of them.")
-        next_row_line = reader.line_num + 1
-        for row in reader:
-            row_line, next_row_line = next_row_line, reader.line_num + 1  # a quoted cell may span lines
-            source = f"{path}:{row_line}"
-            requests.append(_request_from_record(_decode_flat_record(row, source), source, default_id=str(row_line)))
-            sources.append(source)
+        reader = csv.DictReader(handle, strict=True)  # strict: a stray quote is an error, not a cell swallowing rows
+        quoting = 'quote cells that hold commas, quotes or line breaks ("a, b" with "" for a quote inside)'
+        try:
+            if reader.fieldnames is None or not {"messages", "prompt"} & set(reader.fieldnames):
+                raise UsageError(f"{path}:1: the CSV header has no `messages` or `prompt` column; add one of them.")
+            next_row_line = reader.line_num + 1
+            for row in reader:
+                row_line, next_row_line = next_row_line, reader.line_num + 1  # a quoted cell may span lines
+                source = f"{path}:{row_line}"
+                if None in row:  # DictReader files cells beyond the header under None
+                    raise UsageError(f"{source}: the row has more cells than the header has columns; {quoting}.")
+                requests.append(_request_from_record(_decode_flat_record(row, source), source, default_id=str(row_line)))
+                sources.append(source)
+        except csv.Error as exc:
+            raise UsageError(f"{path}:{reader.line_num}: the CSV is malformed ({exc}); {quoting}.") from None
     return _checked(requests, sources, path)
 
 
@@ -546,7 +560,21 @@ def read_workload_file(path: Path | str) -> list[Request]:
     reader = readers.get(path.suffix.lower())
     if reader is None:
         raise UsageError(f"workload file {path} has suffix {path.suffix or '(none)'}; use a {'/'.join(FILE_SUFFIXES)} file.")
-    return reader(path)
+    try:
+        return reader(path)
+    except UnicodeDecodeError:
+        raise UsageError(f"workload file {_first_undecodable(path)} is not UTF-8 text; re-save the file as UTF-8.") from None
+
+
+def _first_undecodable(path: Path) -> str:
+    """``path:line (byte 0x..)`` of the first byte that is not UTF-8 (the text reader only says which chunk)."""
+    raw = path.read_bytes()
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        return f"{path}:{line} (byte {raw[exc.start]:#04x})"
+    return str(path)
 
 
 def _record_of(request: Request) -> dict[str, Any]:

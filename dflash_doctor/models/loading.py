@@ -23,6 +23,7 @@ import torch
 from dflash_doctor.engine.dflash2_model import CHECKPOINT_KEY_RENAMES, draft_model_class
 from dflash_doctor.engine.dflash_model import DFlashConfig
 from dflash_doctor.errors import UsageError
+from dflash_doctor.inputs.validation import check_model_folder, read_config_json
 from dflash_doctor.models.draft_formats import normalise_draft_config
 from dflash_doctor.models.placement import layer_placement, target_devices
 
@@ -179,17 +180,13 @@ def resolve_model_dir(spec: str) -> Path:
     if path.exists():
         if not path.is_dir() or not (path / "config.json").is_file():
             raise UsageError(f"{path} is not a model directory (no config.json); pass a folder with config.json and weights.")
+        check_model_folder(path)
         return path
     if spec.partition("@")[0].count("/") == 1 and not spec.startswith((".", "/")):
-        return _hub_snapshot(spec)
+        snapshot = _hub_snapshot(spec)
+        check_model_folder(snapshot)
+        return snapshot
     raise UsageError(f"model {spec!r} does not exist; pass a local directory, a .gguf file or a hub id (org/name or org/name@revision).")
-
-
-def read_config(model_dir: Path) -> dict[str, Any]:
-    try:
-        return json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise UsageError(f"{model_dir / 'config.json'} is not valid JSON ({exc.msg}); fix the file.") from None
 
 
 def is_dflash_config(config: dict[str, Any]) -> bool:
@@ -236,7 +233,7 @@ def load_dflash_draft(model_dir: Path, *, dtype: str = "float32", device: str = 
     from safetensors.torch import load_file
 
     source = str(model_dir / "config.json")
-    normalised = normalise_draft_config(read_config(model_dir), source=source)
+    normalised = normalise_draft_config(read_config_json(model_dir), source=source)
     cfg = DFlashConfig.from_dict(normalised.config, source=source)
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:

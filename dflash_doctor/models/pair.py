@@ -20,10 +20,11 @@ from dflash_doctor.engine.target import TargetModel
 from dflash_doctor.errors import UsageError
 from dflash_doctor.inputs.config import DoctorConfig
 from dflash_doctor.inputs.engine_config import parse_engine_config
+from dflash_doctor.inputs.validation import read_config_json
 from dflash_doctor.inputs.workloads import read_chat_template
 from dflash_doctor.models.draft_formats import refuse_gguf_dflash
 from dflash_doctor.models.draft_kinds import DraftKind, LoadOptions, Sampling, get_draft_kind, resolve_draft_kind
-from dflash_doctor.models.loading import DEMO_DRAFT_DIR, demo_target_path, fingerprint, hub_commit, load_causal_lm, read_config, resolve_model_dir
+from dflash_doctor.models.loading import DEMO_DRAFT_DIR, demo_target_path, fingerprint, hub_commit, load_causal_lm, resolve_model_dir
 from dflash_doctor.models.placement import target_devices
 from dflash_doctor.rundir.record import ModelInfo
 from dflash_doctor.stats.deviations import TokenCategories
@@ -156,7 +157,7 @@ def load_pair(config: DoctorConfig) -> Pair:
     target_dir = resolve_model_dir(target_spec)
     refuse_gguf_dflash(draft_spec)
     draft_dir = resolve_model_dir(draft_spec)
-    draft_config = read_config(draft_dir)
+    draft_config = read_config_json(draft_dir)
     kind = resolve_draft_kind(config.draft_kind, draft_config, draft_spec)
     target_model = load_causal_lm(target_dir, dtype=config.dtype, device=config.device, trust_remote_code=config.trust_remote_code)
     tokenizer = AutoTokenizer.from_pretrained(target_dir, trust_remote_code=config.trust_remote_code)

@@ -67,6 +67,7 @@ def lossless_probe(pair: Pair, turns: Sequence[Turn], k: int, dtype: str) -> Los
             speculative_text=pair.decode_token(live[position]) if position < len(live) else "",
             plain_text=pair.decode_token(plain[position]) if position < len(plain) else "",
             top2_margin=float(top2[0] - top2[1]),
+            top1_logit=float(top2[0]),
         ))
     return probe
 

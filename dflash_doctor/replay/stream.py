@@ -216,6 +216,9 @@ def replay_teacher(pair: Pair, requests: Sequence[Request], *, ks: tuple[int, ..
                 result.steps = steps
                 result.tokens = token_rows(tables[k_max], steps, result.output_ids)
 
-    chunk = len(requests) if temperature <= 0 else 1  # batch across requests only for greedy continuations
-    turns = run_turns(pair, requests, max_new_tokens, _continuations(pair, temperature, generator), chunk_size=max(chunk, 1))
+    # Greedy continuations are batched across requests, one batch of requests at a time: each batch's
+    # requests are annotated and journaled before the next batch generates, so a run killed mid-way keeps
+    # them (a chunk of every request would journal nothing until the whole workload was generated).
+    chunk = GREEDY_BATCH_SIZE if temperature <= 0 else 1
+    turns = run_turns(pair, requests, max_new_tokens, _continuations(pair, temperature, generator), chunk_size=chunk)
     return _stream(pair, turns, writer, replay, progress, annotate)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
 from dflash_doctor.engine.live import GenerationResult
+from dflash_doctor.errors import UsageError
 from dflash_doctor.models.pair import Pair
 from dflash_doctor.inputs.workloads import Request, encode_request_turn
 from dflash_doctor.rundir.tables import turn_row_id
@@ -67,22 +68,48 @@ def answer_text(pair: Pair, output_ids: Sequence[int]) -> str:
     return pair.tokenizer.decode([t for t in output_ids if t not in pair.stop_ids], skip_special_tokens=True)
 
 
+def first_turn_prompt(pair: Pair, request: Request) -> list[int]:
+    """The prompt ids of a request's first turn, encoded once before any prefill (checked against the context)."""
+    return encode_request_turn(pair.tokenizer, request, [], chat_template=pair.chat_template)
+
+
+def refuse_past_context(pair: Pair, request: Request, index: int, prompt_ids: Sequence[int], max_new_tokens: int) -> None:
+    """Refuse a turn whose prompt plus token limit runs past the target's positions
+    (``max_position_embeddings``), before its prefill: past them the model has no position to give
+    (an error, or a prefill that never finishes), and a serving engine refuses such a request too."""
+    limit = getattr(pair.target.model.config, "max_position_embeddings", None)
+    if limit and len(prompt_ids) + max_new_tokens > limit:
+        turn = f" turn {index + 1}" if index else ""
+        raise UsageError(f"request {request.id!r}{turn}: its prompt of {len(prompt_ids)} tokens plus up to {max_new_tokens} new tokens "
+                         f"runs past the target's {limit} positions (max_position_embeddings); shorten the prompt or lower "
+                         f"--max-new-tokens / the request's max_new_tokens.")
+
+
 def run_turns(pair: Pair, requests: Sequence[Request], max_new_tokens: int, generate: GenerateBatch, *, chunk_size: int = 1) -> Iterator[Turn]:
     """Generate every turn of ``requests``; yields each request's turns, in order, once the request is done.
 
     ``chunk_size`` requests are generated together, turn by turn; within a turn the pending prompts are
     handed to ``generate`` shortest first (less padding for a batched generator).
     """
+    # every first turn is encoded once, here, and checked against the target's positions before any prefill;
+    # a later turn's prompt exists only once the answers before it do, and is checked as it is built
+    first_prompts = {r.id: first_turn_prompt(pair, r) for r in requests}
+    for request in requests:
+        refuse_past_context(pair, request, 0, first_prompts[request.id], turn_limit(request, max_new_tokens))
     for start in range(0, len(requests), chunk_size):
         chunk = list(requests[start:start + chunk_size])
         answers: dict[str, list[str]] = {r.id: [] for r in chunk}
         done: dict[tuple[str, int], Turn] = {}
         for index in range(max(r.num_turns for r in chunk)):
             pending = [
-                PendingTurn(r, index, encode_request_turn(pair.tokenizer, r, answers[r.id], chat_template=pair.chat_template),
+                PendingTurn(r, index, first_prompts[r.id] if index == 0 else
+                            encode_request_turn(pair.tokenizer, r, answers[r.id], chat_template=pair.chat_template),
                             turn_limit(r, max_new_tokens))
                 for r in chunk if r.num_turns > index
             ]
+            if index:
+                for item in pending:
+                    refuse_past_context(pair, item.request, index, item.prompt_ids, item.max_new_tokens)
             pending.sort(key=lambda p: len(p.prompt_ids))
             for item, result in zip(pending, generate(pending), strict=True):
                 done[(item.request.id, index)] = Turn(item.request, index, item.prompt_ids, item.max_new_tokens, result)

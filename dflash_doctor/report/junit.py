@@ -10,6 +10,7 @@ children, and per check a ``<testcase classname="dflash_doctor.checks" name=ID>`
 from __future__ import annotations
 
 import xml.etree.ElementTree as ET
+from dflash_doctor.report.sanitize import for_xml
 from dflash_doctor.rundir.load import Run
 from dflash_doctor.rundir.status import CheckResult
 
@@ -19,6 +20,7 @@ _CHILD_BY_STATUS = {"fail": "failure", "error": "error", "skip": "skipped"}
 
 
 def _findings_text(check: CheckResult) -> str:
+    """The findings as text (untrusted: made XML-safe by the caller)."""
     lines = []
     for finding in check.findings:
         lines.append(f"[{finding.severity}] {finding.message}")
@@ -37,12 +39,12 @@ def render_junit(run: Run) -> str:
     root = ET.Element("testsuites", {"name": SUITE_NAME, **counts})
     suite = ET.SubElement(root, "testsuite", {"name": SUITE_NAME, "timestamp": run.record.meta.created_at, **counts})
     for check in checks:
-        case = ET.SubElement(suite, "testcase", {"classname": TESTCASE_CLASSNAME, "name": check.id, "time": "0"})
+        case = ET.SubElement(suite, "testcase", {"classname": TESTCASE_CLASSNAME, "name": for_xml(check.id), "time": "0"})
         child = _CHILD_BY_STATUS.get(check.status)
         if child is not None:
-            element = ET.SubElement(case, child, {"message": check.summary or check.status, "type": check.status})
-            element.text = _findings_text(check) or None
+            element = ET.SubElement(case, child, {"message": for_xml(check.summary or check.status), "type": check.status})
+            element.text = for_xml(_findings_text(check)) or None
         elif check.status == "warn":
-            ET.SubElement(case, "system-out").text = f"WARN: {check.summary}\n{_findings_text(check)}"
+            ET.SubElement(case, "system-out").text = for_xml(f"WARN: {check.summary}\n{_findings_text(check)}")
     ET.indent(root)
     return '<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(root, encoding="unicode") + "\n"

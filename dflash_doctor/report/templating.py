@@ -15,6 +15,7 @@ from typing import Any
 
 import jinja2
 from markupsafe import Markup
+from dflash_doctor.report.sanitize import inert
 
 TEMPLATE_PACKAGE = "dflash_doctor"
 TEMPLATE_DIR = "data/templates"
@@ -57,7 +58,7 @@ def markdown_cell(value: Any) -> Any:
         return ""
     if isinstance(value, Markup):
         return value
-    text = str(value)
+    text = inert(value)  # control characters shown as escapes (report/sanitize.py)
     for raw, escaped in (("&", "&amp;"), ("<", "&lt;"), (">", "&gt;"), ("|", "\\|"), ("`", "\\`")):
         text = text.replace(raw, escaped)
     return " ".join(text.split("\n"))
@@ -70,10 +71,17 @@ def _register(env: jinja2.Environment) -> jinja2.Environment:
     return env
 
 
+def html_text(value: Any) -> Any:
+    """Untrusted text of an HTML expression made inert before autoescape (``finalize`` of the html env):
+    control characters shown as escapes; markup built by us (:class:`Markup`) and non-text values pass."""
+    return inert(value) if isinstance(value, str) and not isinstance(value, Markup) else value
+
+
 @lru_cache(maxsize=None)
 def html_env() -> jinja2.Environment:
-    """Environment for ``*.html`` templates: autoescape always on."""
-    return _register(jinja2.Environment(loader=jinja2.PackageLoader(TEMPLATE_PACKAGE, TEMPLATE_DIR), autoescape=True, undefined=jinja2.StrictUndefined))
+    """Environment for ``*.html`` templates: autoescape always on, control characters inert."""
+    return _register(jinja2.Environment(loader=jinja2.PackageLoader(TEMPLATE_PACKAGE, TEMPLATE_DIR), autoescape=True,
+                                        finalize=html_text, undefined=jinja2.StrictUndefined))
 
 
 @lru_cache(maxsize=None)

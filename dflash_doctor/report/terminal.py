@@ -11,6 +11,7 @@ from rich.table import Table
 
 from dflash_doctor.rundir.record import RunRecord
 from dflash_doctor.report.templating import fmt, pct
+from dflash_doctor.report.sanitize import for_terminal
 from dflash_doctor.rundir.status import VERDICT_NONE, CheckResult, overall_status
 
 STATUS_STYLE = {"pass": "green", "warn": "yellow", "fail": "bold red", "skip": "dim", "error": "magenta", VERDICT_NONE: "dim"}
@@ -25,7 +26,7 @@ def print_class_summary(record: RunRecord, k: int, console: Console) -> None:
         tau = metrics.mean_acceptance_length
         lo, hi = metrics.mean_acceptance_length_ci
         rates = ", ".join(f"{r:.2f}" for r in metrics.acceptance_rate_per_pos[:5] if r is not None)
-        table.add_row(name, str(metrics.num_requests), f"{tau:.2f}" if tau else "-",
+        table.add_row(for_terminal(name), str(metrics.num_requests), f"{tau:.2f}" if tau else "-",
                       f"[{lo:.2f}, {hi:.2f}]" if lo is not None and hi is not None else "-", rates)
     console.print(table)
 
@@ -38,7 +39,7 @@ def print_sweep(record: RunRecord, console: Console) -> None:
         table = Table(title="K sweep: tau (bonus included) / net speedup", show_lines=False)
         table.add_column("K", justify="right")
         for group in rows_by_group:
-            table.add_column(group, justify="right")
+            table.add_column(for_terminal(group), justify="right")
         for row_k in [row.k for row in sweep.overall]:
             cells = []
             for rows in rows_by_group.values():
@@ -58,7 +59,7 @@ def print_sweep(record: RunRecord, console: Console) -> None:
         rec_table.add_column(column)
     for group, item in record.recommendation.items():
         speedup = f"{item.speedup:.2f}x" if item.speedup else "-"
-        rec_table.add_row(group, str(item.k), str(item.conservative_k), speedup, item.reason)
+        rec_table.add_row(for_terminal(group), str(item.k), str(item.conservative_k), speedup, for_terminal(item.reason))
     console.print(rec_table)
 
 
@@ -69,15 +70,15 @@ def print_check_results(results: list[CheckResult], console: Console) -> None:
         table.add_column(column, overflow="fold")
     for result in results:
         style = STATUS_STYLE[result.status]
-        table.add_row(f"[{style}]{result.status}[/]", result.id, escape(result.summary), escape(result.fix))
+        table.add_row(f"[{style}]{result.status}[/]", for_terminal(result.id), for_terminal(result.summary), for_terminal(result.fix))
     console.print(table)
     for result in results:
         for finding in result.findings:
             if finding.severity == "info":
                 continue
-            console.print(f"[{STATUS_STYLE[finding.severity]}]{finding.severity}[/] {result.id}: {escape(finding.message)}")
+            console.print(f"[{STATUS_STYLE[finding.severity]}]{finding.severity}[/] {for_terminal(result.id)}: {for_terminal(finding.message)}")
             if finding.evidence:
-                console.print(f"    evidence: {escape(finding.evidence)}", soft_wrap=True)
+                console.print(f"    evidence: {for_terminal(finding.evidence)}", soft_wrap=True)
     verdict = overall_status(r.status for r in results)
     console.print(f"verdict: [{STATUS_STYLE[verdict]}]{verdict.upper()}[/]")
 
@@ -105,7 +106,7 @@ def print_why_rejected(analysis: dict[str, Any] | None, console: Console, per_cl
     for cls, summary in sorted(by_class.items()):
         for index, pair in enumerate(summary["top_pairs"][:per_class]):
             table.add_row(
-                cls if index == 0 else "", _shown(pair["target_text"]), _shown(pair["draft_text"]),
+                for_terminal(cls) if index == 0 else "", _shown(pair["target_text"]), _shown(pair["draft_text"]),
                 f"{pair['category']} / {pair['draft_category']}",
                 str(pair["count"]), f"{pair['lost_tokens']} ({pct(pair['share_of_lost'], 0)})",
                 f"{pair['num_confident']}/{pair['count']}",
@@ -115,7 +116,7 @@ def print_why_rejected(analysis: dict[str, Any] | None, console: Console, per_cl
         worst = summary["costliest_category"]
         worst_text = f"; costliest: {worst['category']} ({pct(worst['share_of_lost'], 0)} of lost, {pct(worst['acceptance_rate'], 0)} accepted)" if worst else ""
         console.print(
-            f"  {escape(cls)}: tau {fmt(summary['tau'])}, attainable <= {fmt(summary['attainable_tau'])} "
+            f"  {for_terminal(cls)}: tau {fmt(summary['tau'])}, attainable <= {fmt(summary['attainable_tau'])} "
             f"(confident misses {pct(summary['confident']['share_of_lost'], 0)} of lost){worst_text}"
         )
 
@@ -133,7 +134,7 @@ def print_engine_comparison(record: RunRecord, console: Console) -> None:
         if not block:
             continue
         ci = lambda v: f"[{v[0]:.2f}, {v[1]:.2f}]"  # noqa: E731
-        table.add_row(name, str(block["num_turns"]), f"{block['engine_tau']:.3f}", ci(block["engine_tau_ci"]),
+        table.add_row(for_terminal(name), str(block["num_turns"]), f"{block['engine_tau']:.3f}", ci(block["engine_tau_ci"]),
                       f"{block['embedded_tau']:.3f}", ci(block["embedded_tau_ci"]), f"{block['difference']:+.3f} {ci(block['difference_ci'])}")
     console.print(table)
     shares = ", ".join(f"{name} {stats['share']:.0%}" for name, stats in data["per_step"].items() if stats.get("share") is not None)

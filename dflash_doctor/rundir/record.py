@@ -266,6 +266,7 @@ class Divergence:
     speculative_text: str
     plain_text: str
     top2_margin: float
+    top1_logit: float | None = None  # the target's top logit there: the dtype's rounding is relative to it
 
 
 @dataclass

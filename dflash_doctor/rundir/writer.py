@@ -20,6 +20,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from dflash_doctor.rundir.ownership import release_run_dir
 from dflash_doctor.rundir.tables import REQUESTS_SCHEMA, RUN_JSON, TABLES
 
 def utc_now() -> str:
@@ -88,7 +89,7 @@ class RunWriter:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.meta = meta
         self._buffers: dict[str, list[dict[str, Any]]] = {name: [] for name in TABLES}
-        # A folder reused by --out must not mix an earlier run's rows into this one.
+        # A folder reused by --out --overwrite (rundir.ownership) must not mix an earlier run's rows into this one.
         shutil.rmtree(self.run_dir / JOURNAL_DIR, ignore_errors=True)
         for name in TABLES:
             (self.run_dir / f"{name}.parquet").unlink(missing_ok=True)
@@ -132,6 +133,7 @@ class RunWriter:
             tmp.replace(path)
         shutil.rmtree(self.run_dir / JOURNAL_DIR)
         write_run_json(self.run_dir, self.meta)
+        release_run_dir(self.run_dir)  # the command that claimed the folder (rundir.ownership) is done writing it
 
     def __enter__(self) -> "RunWriter":
         return self

@@ -111,6 +111,9 @@ def served_models(endpoint: EngineEndpoint) -> list[str]:
         if exc.status is None:
             raise UsageError(f"--engine {endpoint.base_url}: {exc}; start the server or fix the URL.") from None
         raise UsageError(f"--engine {endpoint.base_url} is not an OpenAI-compatible server ({exc}); pass the URL of the server's OpenAI API.") from None
+    if not isinstance(body, dict) or not isinstance(body.get("data") or [], list):
+        raise UsageError(f"--engine {endpoint.base_url}: GET /v1/models answered {str(body)[:60]!r}, not an OpenAI model list "
+                         f"({{\"data\": [...]}}); pass the URL of the server's OpenAI API.")
     return [str(m["id"]) for m in body.get("data") or [] if isinstance(m, dict) and m.get("id")]
 
 

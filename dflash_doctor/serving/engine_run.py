@@ -29,7 +29,8 @@ from dflash_doctor.rundir.tables import REQUESTS_SCHEMA, STEPS_SCHEMA, StepRow, 
 from dflash_doctor.rundir.writer import utc_now
 from dflash_doctor.serving.client import EngineEndpoint, EngineError, call, scrape_metrics
 from dflash_doctor.serving.prometheus import EngineCounters, measurement_between, read_counters
-from dflash_doctor.serving.responses import LLAMA_CPP, MissingMetrics, SpecMeasurement, parse_response, step_rows
+from dflash_doctor.serving.responses import (LLAMA_CPP, MalformedResponse, MissingMetrics, SpecMeasurement, check_measurement, check_response_shape, parse_response,
+                                             step_rows)
 
 FIGURES_FROM = {
     "responses": "the server's per-request metrics in each response",
@@ -118,8 +119,9 @@ def ask(endpoint: EngineEndpoint, request: Request, config: DoctorConfig, *, fro
         started = time.perf_counter()
         body = call(endpoint, "POST", path, payload)
         wall = time.perf_counter() - started
+        check_response_shape(body)
         text, output_ids, prompt_ids, stop_reason, usage = read_completion(body)
-        measurement = measurement_between(before, _counters(endpoint)) if before is not None else parse_response(body)
+        measurement = check_measurement(measurement_between(before, _counters(endpoint)) if before is not None else parse_response(body))
         output_ids = [int(t) for t in output_ids] if output_ids is not None else None
         results.append(EngineTurn(
             request=request, turn=turn, output_text=text, output_token_ids=output_ids,
@@ -185,6 +187,8 @@ def _failure_sentence(endpoint: EngineEndpoint, exc: Exception, done: int, run_d
     kept = f"; the {done} request(s) measured before it are in {run_dir}" if done else ""
     if isinstance(exc, MissingMetrics):
         return f"--engine {endpoint.base_url}: {exc}{kept}."
+    if isinstance(exc, MalformedResponse):
+        return f"--engine {endpoint.base_url}: {exc}; point --engine at the serving engine itself, not at a proxy that rewrites its answers{kept}."
     if isinstance(exc, EngineError) and exc.status is None:
         return f"--engine {endpoint.base_url}: {exc}; check that the server is still up{kept}."
     return f"--engine {endpoint.base_url}: {exc}; fix the request or the server flags{kept}."

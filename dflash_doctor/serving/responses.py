@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from dflash_doctor.engine.records import StepRecord
+from dflash_doctor.inputs.validation import type_error
+from dflash_doctor.serving.client import EngineError
 
 # Which engine a response came from, as detected from its fields.
 VLLM, SGLANG, LLAMA_CPP = "vllm", "sglang", "llama.cpp"
@@ -209,3 +211,71 @@ def step_rows(measurement: SpecMeasurement, output_ids: list[int] | None) -> lis
             for _ in range(count):
                 rows.append(StepRecord(step=len(rows), position=-1, k=k, num_drafted=per_step_drafted, num_accepted=n_accepted, bonus_token=-1))
     return rows
+
+
+# ----------------------------------------------------------------------------------------------------
+# The shape of every field the readers take from a completion body
+
+
+class MalformedResponse(EngineError):
+    """A completion body whose fields do not have the shape the engines document (a proxy, a fork, a
+    corrupted answer): refused in one sentence instead of a traceback, or numbers no engine can have."""
+
+
+_IDS = list[int] | None
+_COUNT = int | None
+# field -> declared type, per object of the body that the readers of this module and of
+# serving/engine_run.read_completion look into
+_CHOICE_FIELDS = {"message": dict[str, Any] | None, "text": str | None, "token_ids": _IDS, "prompt_token_ids": _IDS,
+                  "finish_reason": str | None, "meta_info": dict[str, Any] | None}
+_BODY_FIELDS = {"choices": list[dict[str, Any]] | None, "prompt_token_ids": _IDS, "usage": dict[str, Any] | None,
+                "metrics": dict[str, Any] | None, "timings": dict[str, Any] | None, "meta_info": dict[str, Any] | None,
+                "sglext": dict[str, Any] | None}
+_NESTED_FIELDS = {
+    "message": {"content": str | None},
+    "usage": {"prompt_tokens": _COUNT, "completion_tokens": _COUNT},
+    "speculative_decoding": {"num_accepted_draft_tokens": _COUNT, "num_spec_steps": _COUNT, "num_draft_tokens": _COUNT,
+                             "num_spec_tokens": _COUNT, "acceptance_histogram": _IDS, "per_step_accepted": _IDS, "per_step_drafted": _IDS},
+    "meta_info": {"output_token_ids": _IDS, "completion_tokens": _COUNT, "spec_verify_ct": _COUNT, "spec_num_correct_drafts": _COUNT,
+                  "spec_num_proposed_drafts": _COUNT, "spec_correct_drafts_histogram": _IDS, "spec_accept_length": float | None},
+    "timings": {"draft_n": _COUNT, "draft_n_accepted": _COUNT},
+}
+
+
+def _fields(where: str, obj: Mapping[str, Any], declared: Mapping[str, Any]) -> None:
+    for key, expected in declared.items():
+        wanted = type_error(obj.get(key), expected)
+        if wanted is not None:
+            raise MalformedResponse(f"the response's `{where}{key}` is {str(obj.get(key))[:60]!r}, but it must be {wanted}")
+
+
+def check_response_shape(body: Any) -> None:
+    """Refuse a completion body with a field of the wrong shape, before any reader takes it (see
+    :class:`MalformedResponse`); the caller turns it into one sentence naming the server."""
+    if not isinstance(body, Mapping):
+        raise MalformedResponse(f"the response is a JSON {type(body).__name__}, not a completion object")
+    _fields("", body, _BODY_FIELDS)
+    for index, choice in enumerate(body.get("choices") or []):
+        _fields(f"choices[{index}].", choice, _CHOICE_FIELDS)
+        for name in ("message", "meta_info"):
+            _fields(f"choices[{index}].{name}.", choice.get(name) or {}, _NESTED_FIELDS[name])
+    _fields("usage.", body.get("usage") or {}, _NESTED_FIELDS["usage"])
+    _fields("meta_info.", body.get("meta_info") or {}, _NESTED_FIELDS["meta_info"])
+    _fields("timings.", body.get("timings") or {}, _NESTED_FIELDS["timings"])
+    spec = (body.get("metrics") or {}).get("speculative_decoding")
+    if spec is not None:
+        _fields("metrics.", body["metrics"], {"speculative_decoding": dict[str, Any]})
+        _fields("metrics.speculative_decoding.", spec, _NESTED_FIELDS["speculative_decoding"])
+    details = (body.get("sglext") or {}).get("spec_tokens_details")
+    for index, item in enumerate(details if isinstance(details, list) else [details] if details is not None else []):
+        if not isinstance(item, Mapping):
+            raise MalformedResponse(f"the response's `sglext.spec_tokens_details` holds {str(item)[:60]!r}, not an object")
+        _fields(f"sglext.spec_tokens_details[{index}].", item, _NESTED_FIELDS["meta_info"])
+
+
+def check_measurement(measurement: SpecMeasurement) -> SpecMeasurement:
+    """Refuse figures no engine can report: more tokens accepted than drafted."""
+    if measurement.num_draft_tokens and measurement.num_accepted_tokens > measurement.num_draft_tokens:
+        raise MalformedResponse(f"the response claims {measurement.num_accepted_tokens} accepted of {measurement.num_draft_tokens} "
+                                f"drafted tokens, which no engine can report")
+    return measurement

@@ -63,6 +63,19 @@ class SpecCounts:
     num_accepted_tokens_per_pos: tuple[float, ...] | None = None
     num_generated_tokens: float | None = None
 
+    def impossible(self) -> str | None:
+        """Why these counts cannot be an engine's (a corrupted or forged line), or None: negative counts,
+        more tokens accepted than drafted, or more drafts accepting position i than drafts at all. Such
+        counts are refused as data; they would give a tau or rate no engine can have."""
+        values = [self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens, *(self.num_accepted_tokens_per_pos or ())]
+        if any(v is not None and v < 0 for v in values):
+            return "a negative count"
+        if self.num_accepted_tokens is not None and self.num_draft_tokens is not None and self.num_accepted_tokens > self.num_draft_tokens:
+            return f"{self.num_accepted_tokens:g} tokens accepted of {self.num_draft_tokens:g} drafted"
+        if self.num_drafts is not None and any(v > self.num_drafts for v in self.num_accepted_tokens_per_pos or ()):
+            return f"a position accepted by more drafts than the {self.num_drafts:g} drafted"
+        return None
+
     # ---- arithmetic -------------------------------------------------------------------------------
 
     def since(self, earlier: "SpecCounts") -> tuple["SpecCounts", bool]:

@@ -269,5 +269,8 @@ def parse_log_lines(lines: Iterable[str], *, engine: str, ctx: LogContext, first
     for number, raw in enumerate(lines, start=first_line_number):
         ctx.origin = f"{base}:{number}"
         observation = parser(_ANSI.sub("", raw.rstrip("\n")), ctx)
+        if observation is not None and observation.counts.impossible() is not None:
+            ctx.problems.add(ctx.origin, raw)  # refused as data: counts no engine can report
+            continue
         if observation is not None:
             yield observation

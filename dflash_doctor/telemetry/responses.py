@@ -133,6 +133,9 @@ def parse_response_lines(lines: Iterable[str], *, default_model: str, origin: st
                 break
         if counts is None:
             continue
+        if counts.impossible() is not None:  # refused as data: figures no engine can report
+            problems.add(where, raw)
+            continue
         cls = record.get("class") or ALL_CLASSES
         model = str(body.get("model") or record.get("model") or default_model)
         time_s = _time(record.get("time")) or _time(body.get("created"))

@@ -1,0 +1,173 @@
+"""Validating what users hand us at the boundary, before any work: model folders and typed values.
+
+A bad input must be refused in one sentence naming the input, the place and the fix (exit 2), never
+by a traceback from deep inside transformers or safetensors, and never silently "repaired" (a layer id
+of ``2.7`` truncated to ``2`` drafts from the wrong layer without a word). This module holds the checks
+that do not belong to one reader:
+
+* :func:`check_model_folder`: ``config.json`` is a JSON object whose keys the loaders read have the
+  right types and ranges (:data:`MODEL_CONFIG_KEYS`, at any depth: ``dflash_config``, speculators'
+  nested configs), and every ``.safetensors`` file is whole (its header parses and its data is as long
+  as the header says: a truncated download fails here, not in the middle of loading);
+* :func:`type_error`: one rule for "is this value of the declared type", shared by the config file and
+  the check parameters.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import types
+import typing
+from pathlib import Path
+from typing import Any, Callable
+
+from dflash_doctor.errors import UsageError
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _non_negative_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _layer_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(_non_negative_int(v) for v in value)
+
+
+def _positive_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+
+
+#: Keys of a model's config.json that the loaders read, with the rule and what the fix asks for. A key
+#: that is absent or null is left to the loader (it has defaults, or names the missing key itself).
+MODEL_CONFIG_KEYS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "target_layer_ids": (_layer_ids, "a non-empty list of integer layer indices >= 0"),
+    "aux_hidden_state_layer_ids": (_layer_ids, "a non-empty list of integer layer indices >= 0"),
+    "block_size": (_positive_int, "an integer >= 1"),
+    "num_target_layers": (_positive_int, "an integer >= 1"),
+    "mask_token_id": (_non_negative_int, "an integer token id >= 0"),
+    "hidden_size": (_positive_int, "an integer >= 1"),
+    "intermediate_size": (_positive_int, "an integer >= 1"),
+    "num_hidden_layers": (_positive_int, "an integer >= 1"),
+    "num_attention_heads": (_positive_int, "an integer >= 1"),
+    "num_key_value_heads": (_positive_int, "an integer >= 1"),
+    "head_dim": (_positive_int, "an integer >= 1"),
+    "vocab_size": (_positive_int, "an integer >= 1"),
+    "draft_vocab_size": (_positive_int, "an integer >= 1"),
+    "max_position_embeddings": (_positive_int, "an integer >= 1"),
+    "rms_norm_eps": (_positive_number, "a positive number"),
+    "rope_theta": (_positive_number, "a positive number"),
+}
+
+
+def _check_keys(value: Any, path: str, where: Path) -> None:
+    """Apply :data:`MODEL_CONFIG_KEYS` to every object in ``value``, at any depth."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            rule = MODEL_CONFIG_KEYS.get(key)
+            if rule is not None and item is not None and not rule[0](item):
+                raise UsageError(f"{where}: `{path}{key}` is {json.dumps(item)}, but it must be {rule[1]}; fix the value.")
+            _check_keys(item, f"{path}{key}.", where)
+    elif isinstance(value, list):
+        for item in value:
+            _check_keys(item, path, where)
+
+
+def read_config_json(model_dir: Path) -> dict[str, Any]:
+    """A model folder's config.json, refused in one sentence unless it is a JSON object with well-typed keys."""
+    path = model_dir / "config.json"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise UsageError(f"{path} is not UTF-8 text; restore the model's config.json.") from None
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno}); fix the file or download it again.") from None
+    if not isinstance(config, dict):
+        raise UsageError(f"{path} holds a JSON {type(config).__name__}, not an object of model settings; restore the model's config.json.")
+    _check_keys(config, "", path)
+    return config
+
+
+def check_safetensors(path: Path) -> None:
+    """Refuse a safetensors file whose header does not parse or whose data is shorter than the header
+    says (an interrupted download): 8 bytes of header length, the JSON header, then the tensors' bytes."""
+    size = path.stat().st_size
+    fix = "download or copy the file again"
+    with path.open("rb") as handle:
+        head = handle.read(8)
+        if len(head) < 8:
+            raise UsageError(f"weights file {path} is {size} bytes, too short to be safetensors; {fix}.")
+        (header_len,) = struct.unpack("<Q", head)
+        if header_len > size - 8:
+            raise UsageError(f"weights file {path} is truncated or not safetensors (its header claims {header_len} bytes of "
+                             f"a {size}-byte file); {fix}.")
+        try:
+            header = json.loads(handle.read(header_len))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            raise UsageError(f"weights file {path} has a header that is not JSON, so it is not safetensors; {fix}.") from None
+    if not isinstance(header, dict):
+        raise UsageError(f"weights file {path} has a header that is not a JSON object, so it is not safetensors; {fix}.")
+    ends = [entry["data_offsets"][1] for name, entry in header.items()
+            if name != "__metadata__" and isinstance(entry, dict) and isinstance(entry.get("data_offsets"), list)
+            and len(entry["data_offsets"]) == 2 and isinstance(entry["data_offsets"][1], int)]
+    if len(ends) != len([name for name in header if name != "__metadata__"]):
+        raise UsageError(f"weights file {path} has tensors without valid data_offsets in its header; {fix}.")
+    needed = 8 + header_len + max(ends, default=0)
+    if size < needed:
+        raise UsageError(f"weights file {path} is truncated ({size} bytes, its header needs {needed}); {fix}.")
+
+
+def check_model_folder(model_dir: Path) -> dict[str, Any]:
+    """Refuse a model folder whose config.json or safetensors weights are broken (see the module doc);
+    returns the config."""
+    config = read_config_json(model_dir)
+    for weights in sorted(model_dir.glob("*.safetensors")):
+        check_safetensors(weights)
+    return config
+
+
+# ----------------------------------------------------------------------------------------------------
+# Declared types
+
+
+def _matches(value: Any, expected: Any) -> bool:
+    """Whether ``value`` fits the type annotation ``expected`` (the forms our dataclasses use: plain
+    classes, ``X | None``, ``tuple[X, ...]``, ``list[X]``, ``dict[K, V]``, ``Any``). An int is a float
+    (TOML writes ``1`` for 1.0); a bool is not an int."""
+    if expected is Any:
+        return True
+    origin = typing.get_origin(expected)
+    args = typing.get_args(expected)
+    if origin in (types.UnionType, typing.Union):
+        return any(_matches(value, arg) for arg in args)
+    if expected is type(None):
+        return value is None
+    if expected is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if expected is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if origin in (tuple, list):
+        return isinstance(value, (tuple, list)) and all(_matches(v, args[0]) for v in value) if args else isinstance(value, (tuple, list))
+    if origin is dict:
+        return isinstance(value, dict) and all(_matches(k, args[0]) and _matches(v, args[1]) for k, v in value.items())
+    return isinstance(value, expected)
+
+
+def _describe(expected: Any) -> str:
+    """A type annotation in words for the fix: ``a number``, ``a string or nothing``..."""
+    names = {str: "a string", int: "an integer", float: "a number", bool: "true or false", type(None): "nothing"}
+    if typing.get_origin(expected) in (types.UnionType, typing.Union):
+        return " or ".join(_describe(arg) for arg in typing.get_args(expected) if arg is not type(None))
+    if typing.get_origin(expected) in (tuple, list):
+        return f"a list of {_describe(typing.get_args(expected)[0]).removeprefix('a ').removeprefix('an ')}s"
+    if typing.get_origin(expected) is dict:
+        return "a table"
+    return names.get(expected, getattr(expected, "__name__", str(expected)))
+
+
+def type_error(value: Any, expected: Any) -> str | None:
+    """None when ``value`` fits ``expected``, else what it must be (``a number``...) for the refusal."""
+    return None if _matches(value, expected) else _describe(expected)

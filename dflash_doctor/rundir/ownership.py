@@ -1,0 +1,98 @@
+"""Who may write a run directory: one process at a time, and never over an earlier run unasked.
+
+Two commands writing one ``--out`` at once lose both runs (one clears the journal the other is
+writing), and a reused ``--out`` would replace an earlier run without a word. :func:`claim_run_dir`
+runs first thing in every command that writes a run directory, before any model is loaded:
+
+* the folder's lock file (:data:`LOCK_FILE`, created with ``O_EXCL``, holding the owner's pid) is
+  taken for this process; a lock whose process is gone (killed, crashed) is stale and taken over, a
+  live owner's lock refuses the command in one sentence;
+* a folder that already holds files (an earlier run, or anything else) is refused unless the user
+  passed ``--overwrite``; the writer then replaces the run's tables (the folder is never deleted).
+
+The lock goes when the writer closes (:func:`release_run_dir`) or when the process exits.
+"""
+
+from __future__ import annotations
+
+import atexit
+import errno
+import os
+from pathlib import Path
+
+from dflash_doctor.errors import UsageError
+
+LOCK_FILE = ".dflash-doctor.lock"
+
+
+def _owner(lock: Path) -> int | None:
+    """The pid written in a lock file; None when it cannot be read (being written, or garbage)."""
+    try:
+        return int(lock.read_text(encoding="ascii").strip())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (signal 0 checks without sending anything)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's live process
+    return True
+
+
+def _take(lock: Path) -> bool:
+    """Create the lock file with our pid if nobody has it (atomic: O_EXCL); False when it exists."""
+    try:
+        descriptor = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except OSError as exc:
+        if exc.errno == errno.EEXIST:
+            return False
+        raise
+    with os.fdopen(descriptor, "w", encoding="ascii") as handle:
+        handle.write(f"{os.getpid()}\n")
+    return True
+
+
+def _lock(run_dir: Path) -> None:
+    """Hold the folder's lock for this process: free, ours already, or stale (its owner is gone)."""
+    lock = run_dir / LOCK_FILE
+    for _ in range(2):  # a stale lock is removed once and taken again; a racer that wins refuses us
+        if _take(lock):
+            atexit.register(release_run_dir, run_dir)
+            return
+        owner = _owner(lock)
+        if owner == os.getpid():
+            return
+        if owner is not None and _alive(owner):
+            raise UsageError(f"--out {run_dir} is being written by another dflash-doctor process (pid {owner}); "
+                             f"wait for it to finish or pass another --out.")
+        lock.unlink(missing_ok=True)  # stale: its process is gone
+    raise UsageError(f"--out {run_dir} was claimed by another dflash-doctor process at the same moment; pass another --out.")
+
+
+def claim_run_dir(run_dir: Path | str, *, overwrite: bool = False) -> Path:
+    """Take ``run_dir`` for this process before any work, or refuse in one sentence (see the module doc)."""
+    run_dir = Path(run_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise UsageError(f"--out {run_dir} is a file, not a folder; pass a folder for the run directory.")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    _lock(run_dir)
+    if not overwrite and any(entry.name != LOCK_FILE for entry in run_dir.iterdir()):
+        release_run_dir(run_dir)
+        raise UsageError(f"--out {run_dir} already holds files (an earlier run?); pass a new folder, "
+                         f"or --overwrite to replace the run in it.")
+    return run_dir
+
+
+def release_run_dir(run_dir: Path | str) -> None:
+    """Give the lock back if this process holds it (a lock of another process is left alone); a folder
+    left empty (the command was refused before it wrote anything) goes with it."""
+    lock = Path(run_dir) / LOCK_FILE
+    if _owner(lock) == os.getpid():
+        lock.unlink(missing_ok=True)
+        if not any(Path(run_dir).iterdir()):
+            Path(run_dir).rmdir()
