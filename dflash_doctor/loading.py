@@ -171,17 +171,21 @@ def load_tokenizer(spec: str | Path, *, trust_remote_code: bool = False):
 
 
 def load_causal_lm(model_dir: Path, *, dtype: str = "float32", device: str = "cpu", trust_remote_code: bool = False) -> CausalLM:
-    """A transformers causal LM in eval mode (SDPA attention, no remote code unless asked); a ``device``
-    listing several GPUs (``cuda:0,cuda:1``) places its layers over them."""
-    from transformers import AutoModelForCausalLM
+    """A transformers causal LM in eval mode (the attention kernel of :func:`attention_implementation`, no
+    remote code unless asked); a ``device`` listing several GPUs (``cuda:0,cuda:1``) places its layers over them."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from dflash_doctor.engine.target import attention_implementation
 
     from dflash_doctor.distributed import layer_placement, target_devices
 
     devices = target_devices(device)
     placement = {"device_map": layer_placement(model_dir, devices, trust_remote_code=trust_remote_code)} if len(devices) > 1 else {}
     try:
+        config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=torch_dtype(dtype), trust_remote_code=trust_remote_code, attn_implementation="sdpa", **placement
+            model_dir, dtype=torch_dtype(dtype), trust_remote_code=trust_remote_code,
+            attn_implementation=attention_implementation(config), **placement
         )
     except ValueError as exc:
         if "trust_remote_code" in str(exc):

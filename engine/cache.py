@@ -1,0 +1,189 @@
+"""The target's cache and how a rejected draft is taken back out of it, for every layer kind a target has.
+
+A key/value layer (full, sliding-window, latent or sink attention) is rolled back by cropping: its rows
+for the rejected tokens are dropped and nothing else changed. A recurrent layer (gated delta net in
+Qwen3.5/3.6 and Qwen3-Next, Mamba2 in Nemotron-H, LFM2's short convolutions) cannot be cropped: its state
+after a rejected token has already absorbed it.
+
+How serving engines do it: vLLM and SGLang keep one recurrent state per draft position while verifying
+(their fused kernels write the intermediate states into spare cache slots) and, once the number
+accepted is known, point the request at the state of the last accepted position. transformers' kernels
+return only the final state of a forward, so per-position states would mean re-running the verification
+token by token. Here instead the recurrent states are snapshotted before each forward (a copy of a few
+small tensors per layer, no sequence dimension), and a rollback restores the snapshot, crops the
+key/value layers back to the snapshot's length and runs the accepted tokens again, so that every layer's
+state is the one of the committed context. Only the tokens of the last forward are re-run, never the
+context; a step whose draft was accepted in full needs no re-run. ``benchmarks/hybrid_rollback.py``
+measures what this costs per step against a full-attention target of the same size.
+
+Layers of another kind (a cache layer this module does not know how to take back) are refused before
+any work, with the architecture named (:func:`refuse_unreplayable`).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from transformers import DynamicCache, PretrainedConfig
+from transformers.cache_utils import DummyLayer, DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin
+
+from dflash_doctor.errors import UsageError
+
+if TYPE_CHECKING:
+    from dflash_doctor.engine.target import CausalLM
+
+#: Cache layers a rollback handles: key/value rows (cropped), recurrent states (snapshot and re-run),
+#: both in one layer, or nothing (a layer without attention, e.g. Nemotron-H's MoE blocks).
+ROLLBACK_LAYERS = (DynamicLayer, LinearAttentionCacheLayerMixin, DummyLayer)
+
+
+def cache_keyword(model: torch.nn.Module) -> str:
+    """The forward() keyword for the KV cache: transformers renamed ``past_key_values`` to ``cache`` (5.2x)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def new_cache(config: PretrainedConfig) -> DynamicCache:
+    """An empty cache laid out for a target of ``config``.
+
+    A target without recurrent layers gets the plain growing cache (every attention layer keeps all its
+    rows; sliding windows are applied by the attention mask), as the engine always used. A hybrid
+    target gets its own layer kinds from its config, except that sliding-window layers keep all their
+    rows too: a window-sized buffer cannot be cropped back past tokens it has already dropped.
+    """
+    if not has_recurrent_layers(config):
+        return DynamicCache()
+    cache = DynamicCache(config=config)
+    cache.layers = [DynamicLayer() if type(layer) is DynamicSlidingWindowLayer else layer for layer in cache.layers]
+    return cache
+
+
+def has_recurrent_layers(config: PretrainedConfig) -> bool:
+    """Whether a target of ``config`` keeps recurrent or convolution states (a hybrid or state-space model)."""
+    return any(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in DynamicCache(config=config).layers)
+
+
+def refuse_unreplayable(config: PretrainedConfig) -> None:
+    """Stop, before any work, at a target whose cache the engine cannot roll back exactly (one sentence
+    naming the architecture and the layer kind): counting acceptances on it would be silently wrong."""
+    if not has_recurrent_layers(config):
+        return
+    unknown = sorted({type(layer).__name__ for layer in new_cache(config).layers if not isinstance(layer, ROLLBACK_LAYERS)})
+    if unknown:
+        raise UsageError(f"{config.model_type} targets keep {', '.join(unknown)} cache layers, which the engine cannot "
+                         f"roll back after a rejected draft; replay this target with an engine that serves it.")
+
+
+def crop_key_values(cache: DynamicCache, length: int) -> None:
+    """Keep the first ``length`` positions of every key/value layer (recurrent states untouched).
+
+    Layer by layer, so that a hybrid cache's recurrent layers (whose own crop refuses) are left alone.
+
+    The crop is by a negative count (remove N): that means the same in every transformers version,
+    while a positive argument changed meaning (absolute length -> refused)."""
+    for layer in cache.layers:
+        if isinstance(layer, DynamicLayer) and layer.is_initialized:
+            excess = layer.get_seq_length() - length
+            if excess > 0:
+                DynamicLayer.crop(layer, -excess)
+
+
+@dataclass
+class _LayerStates:
+    conv: dict[int, torch.Tensor | None]
+    recurrent: dict[int, torch.Tensor | None]
+    conv_initialized: dict[int, bool]
+    recurrent_initialized: dict[int, bool]
+    has_previous: dict[int, bool]
+
+
+def _clone(states: dict[int, torch.Tensor | None]) -> dict[int, torch.Tensor | None]:
+    return {i: None if state is None else state.clone() for i, state in states.items()}
+
+
+@dataclass
+class _Checkpoint:
+    """The recurrent layers' states before a forward, that forward's tokens and the length it started at."""
+
+    length: int
+    token_ids: torch.Tensor
+    states: dict[int, _LayerStates]
+
+
+class RollbackCache:
+    """A model's cache with its length and a rollback for every layer kind: crop the key/value rows,
+    and for recurrent layers restore the snapshot taken before the forward that holds the new length
+    and re-run that forward's kept tokens (module docstring).
+
+    Snapshots are kept from the last :meth:`release` on: a caller releases where it will never roll
+    back past (the target before each verification, a draft before each proposal).
+    """
+
+    def __init__(self, model: CausalLM):
+        self.model = model
+        self.recurrent = has_recurrent_layers(model.config)
+        self._keyword = cache_keyword(model)
+        self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self.reset()
+
+    def reset(self) -> None:
+        self.cache = new_cache(self.model.config)
+        self.length = 0  # counted here: a recurrent layer has no sequence dimension to read it from
+        self._checkpoints: list[_Checkpoint] = []
+
+    def release(self) -> None:
+        """Forget the snapshots: nothing before the current length will be rolled back."""
+        self._checkpoints = []
+
+    def forward(self, token_ids: torch.Tensor, **kwargs):
+        """The model's output for ``token_ids`` [S] after the cached positions; the cache grows by S."""
+        if self.recurrent:
+            self._checkpoints.append(_Checkpoint(self.length, token_ids, _snapshot(self.cache)))
+        out = self.model(input_ids=token_ids[None], use_cache=True, **{self._keyword: self.cache}, **kwargs)
+        self.length += len(token_ids)
+        return out
+
+    def crop(self, length: int) -> None:
+        """Keep the first ``length`` positions (rejected draft tokens dropped)."""
+        if length >= self.length:
+            return
+        if not self.recurrent:
+            crop_key_values(self.cache, length)
+            self.length = length
+            return
+        at = next((i for i, c in enumerate(self._checkpoints) if c.length <= length <= c.length + len(c.token_ids)), None)
+        if at is None:
+            raise RuntimeError(f"a recurrent cache rolls back only past its last release, not to length {length}")
+        checkpoint = self._checkpoints[at]
+        del self._checkpoints[at:]
+        crop_key_values(self.cache, checkpoint.length)
+        _restore(self.cache, checkpoint.states)
+        self.length = checkpoint.length
+        kept = checkpoint.token_ids[: length - checkpoint.length]
+        if len(kept):
+            self.forward(kept, **({"logits_to_keep": 1} if self._logits_to_keep else {}))
+
+
+def _snapshot(cache: DynamicCache) -> dict[int, _LayerStates]:
+    """Copies of every recurrent layer's states (their tensors are updated in place by the next forward)."""
+    return {
+        index: _LayerStates(
+            conv=_clone(layer.conv_states), recurrent=_clone(layer.recurrent_states),
+            conv_initialized=dict(layer.is_conv_states_initialized),
+            recurrent_initialized=dict(layer.is_recurrent_states_initialized),
+            has_previous=dict(layer.has_previous_state),
+        )
+        for index, layer in enumerate(cache.layers)
+        if isinstance(layer, LinearAttentionCacheLayerMixin)
+    }
+
+
+def _restore(cache: DynamicCache, states: dict[int, _LayerStates]) -> None:
+    for index, saved in states.items():
+        layer = cache.layers[index]
+        assert isinstance(layer, LinearAttentionCacheLayerMixin)
+        layer.conv_states, layer.recurrent_states = saved.conv, saved.recurrent
+        layer.is_conv_states_initialized, layer.is_recurrent_states_initialized = saved.conv_initialized, saved.recurrent_initialized
+        layer.has_previous_state = saved.has_previous
