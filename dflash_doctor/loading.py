@@ -173,16 +173,18 @@ def load_tokenizer(spec: str | Path, *, trust_remote_code: bool = False):
 def load_causal_lm(model_dir: Path, *, dtype: str = "float32", device: str = "cpu", trust_remote_code: bool = False) -> CausalLM:
     """A transformers causal LM in eval mode (the attention kernel of :func:`attention_implementation`, no
     remote code unless asked); a ``device`` listing several GPUs (``cuda:0,cuda:1``) places its layers over them."""
+    import transformers
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from dflash_doctor.engine.target import attention_implementation
-
     from dflash_doctor.distributed import layer_placement, target_devices
+    from dflash_doctor.engine.cache import refuse_unreplayable
+    from dflash_doctor.engine.target import attention_implementation
 
     devices = target_devices(device)
     placement = {"device_map": layer_placement(model_dir, devices, trust_remote_code=trust_remote_code)} if len(devices) > 1 else {}
     try:
         config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+        refuse_unreplayable(config)
         model = AutoModelForCausalLM.from_pretrained(
             model_dir, dtype=torch_dtype(dtype), trust_remote_code=trust_remote_code,
             attn_implementation=attention_implementation(config), **placement
@@ -190,6 +192,9 @@ def load_causal_lm(model_dir: Path, *, dtype: str = "float32", device: str = "cp
     except ValueError as exc:
         if "trust_remote_code" in str(exc):
             raise UsageError(f"{model_dir} needs its own Python code; review it and pass --trust-remote-code to allow it.") from None
+        if "does not recognize this architecture" in str(exc) or "Unrecognized configuration class" in str(exc):
+            raise UsageError(f"transformers {transformers.__version__} cannot run the architecture of {model_dir} "
+                             f"({read_config(model_dir).get('model_type')}); upgrade transformers or replay it with an engine that serves it.") from None
         raise
     # transformers decorates PreTrainedModel.to with functools.wraps, which pyright reads as an unbound function.
     return (model if placement else model.to(device)).eval()  # pyright: ignore[reportArgumentType]

@@ -20,6 +20,7 @@ from dflash_doctor.deviations import TokenCategories
 from dflash_doctor.distributed import target_devices
 from dflash_doctor.draft_formats import refuse_gguf_dflash
 from dflash_doctor.draft_kinds import DraftKind, LoadOptions, Sampling, get_draft_kind, resolve_draft_kind
+from dflash_doctor.engine.cache import rollback_method
 from dflash_doctor.engine.proposers.base import Proposer
 from dflash_doctor.engine.target import TargetModel
 from dflash_doctor.errors import UsageError
@@ -181,6 +182,7 @@ def load_pair(config: DoctorConfig) -> Pair:
             "hidden_size": target_model.config.hidden_size,
             "vocab_size": target_model.config.vocab_size,
             "attn_implementation": getattr(target_model.config, "_attn_implementation", None),
+            "cache_rollback": rollback_method(target_model.config),
         },
     )
     draft_info = ModelInfo(

@@ -28,16 +28,24 @@ from typing import TYPE_CHECKING
 
 import torch
 from transformers import DynamicCache, PretrainedConfig
-from transformers.cache_utils import DummyLayer, DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin
+from transformers.cache_utils import (
+    DummyLayer,
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    LinearAttentionCacheLayerMixin,
+    LinearAttentionLayer,
+)
 
 from dflash_doctor.errors import UsageError
 
 if TYPE_CHECKING:
     from dflash_doctor.engine.target import CausalLM
 
-#: Cache layers a rollback handles: key/value rows (cropped), recurrent states (snapshot and re-run),
-#: both in one layer, or nothing (a layer without attention, e.g. Nemotron-H's MoE blocks).
-ROLLBACK_LAYERS = (DynamicLayer, LinearAttentionCacheLayerMixin, DummyLayer)
+#: Cache layer kinds the engine rolls back exactly: key/value rows (cropped; a sliding window's layer is
+#: replaced by a full one, :func:`new_cache`), recurrent states (snapshot and re-run), or nothing (a layer
+#: without attention, e.g. Nemotron-H's MoE blocks). Anything else (Falcon-H1's layers holding both at
+#: once, DeepSeek-V3.2's indexer cache) is refused rather than guessed at.
+ROLLBACK_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer, DummyLayer)
 
 
 def cache_keyword(model: torch.nn.Module) -> str:
@@ -65,12 +73,15 @@ def has_recurrent_layers(config: PretrainedConfig) -> bool:
     return any(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in DynamicCache(config=config).layers)
 
 
+def rollback_method(config: PretrainedConfig) -> str:
+    """How a rejected draft leaves a target of ``config``'s cache (recorded in run.json's target facts)."""
+    return "restore recurrent states, re-run kept tokens" if has_recurrent_layers(config) else "crop key/value rows"
+
+
 def refuse_unreplayable(config: PretrainedConfig) -> None:
     """Stop, before any work, at a target whose cache the engine cannot roll back exactly (one sentence
     naming the architecture and the layer kind): counting acceptances on it would be silently wrong."""
-    if not has_recurrent_layers(config):
-        return
-    unknown = sorted({type(layer).__name__ for layer in new_cache(config).layers if not isinstance(layer, ROLLBACK_LAYERS)})
+    unknown = sorted({type(layer).__name__ for layer in DynamicCache(config=config).layers if type(layer) not in ROLLBACK_LAYERS})
     if unknown:
         raise UsageError(f"{config.model_type} targets keep {', '.join(unknown)} cache layers, which the engine cannot "
                          f"roll back after a rejected draft; replay this target with an engine that serves it.")
