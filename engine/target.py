@@ -29,7 +29,7 @@ def attention_implementation(config) -> str:
     object) compute with the same kernel and sweep tau stays equal to replay tau."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config))
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
     return "eager" if model_class is not None and not model_class._supports_sdpa else "sdpa"
 
 
