@@ -1,0 +1,128 @@
+"""What rolling back a hybrid target costs per speculative step, side by side with a full-attention target
+of the same size (issue 26). Random weights built from configs, no download.
+
+Two targets of one shape: a Qwen3.5-shaped hybrid (three gated-delta-net layers to one attention layer)
+and a Qwen3-shaped full-attention model with the same hidden size, depth and MLP. One step is a verify
+forward over K + 1 tokens at a fixed context followed by the rollback to the kept length (1 + n accepted):
+
+- full attention: crop the key/value rows;
+- hybrid, the engine's design (engine/cache.py): snapshot the recurrent states before the forward,
+  restore them and re-run the 1 + n kept tokens (no re-run when all K are accepted);
+- hybrid, per-position states without a custom kernel (the alternative): verify token by token, K + 1
+  forwards of one token each, so that the state after every position exists and is simply kept.
+
+Printed: milliseconds per step (the fastest of --repeats: other work on a shared machine only adds time) for n = 0, K / 2 and K accepted, the hybrid / full
+ratio of each, and the rollback's own share. ``--device cuda`` runs it on a GPU in bf16.
+
+Usage: python benchmarks/hybrid_rollback.py [--device cpu] [--hidden 512] [--layers 8] [--context 512] [--k 15]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from transformers import AutoModelForCausalLM, Qwen3_5TextConfig, Qwen3Config
+
+from dflash_doctor.engine.target import TargetModel
+
+
+def shapes(hidden: int, layers: int, vocab: int) -> tuple:
+    heads = max(hidden // 128, 2)
+    common = dict(hidden_size=hidden, num_hidden_layers=layers, intermediate_size=3 * hidden, num_attention_heads=heads,
+                  num_key_value_heads=max(heads // 4, 1), head_dim=128 if hidden >= 256 else hidden // heads,
+                  vocab_size=vocab, max_position_embeddings=16384, tie_word_embeddings=False)
+    linear_heads = max(hidden // 256, 1)
+    hybrid = Qwen3_5TextConfig(**common, layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"] * (layers // 4),
+                               linear_num_key_heads=linear_heads, linear_num_value_heads=2 * linear_heads,
+                               linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4)
+    return {"full attention": Qwen3Config(**common), "hybrid": hybrid}
+
+
+class Timer:
+    def __init__(self, device: str):
+        self.cuda = device.startswith("cuda")
+
+    def __call__(self, fn) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        fn()
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - started
+
+
+@torch.inference_mode()
+def measure(model, context: torch.Tensor, k: int, accepted: int, repeats: int, timer: Timer, token_by_token: bool) -> tuple[float, float]:
+    """(seconds per step, seconds of its rollback), the fastest of ``repeats``: verify K + 1 tokens, keep 1 + ``accepted``."""
+    target = TargetModel(model)
+    target.forward(context, taps=())
+    base = target.cache_length
+    block = torch.randint(10, model.config.vocab_size - 10, (k + 1,), device=context.device)
+    steps, rollbacks = [], []
+    for _ in range(repeats + 1):  # the first is a warm-up
+        if token_by_token:
+            kept = {}
+
+            def verify():
+                for i in range(k + 1):
+                    target.forward(block[i:i + 1], taps=())
+                    if i == accepted:  # the state after the last kept position is the one the next step starts from
+                        kept["cache"] = target.cache
+            forward_s = timer(verify)
+            rollback_s = 0.0  # keeping a state is a pointer swap in an engine that stores one per position
+        else:
+            forward_s = timer(lambda: target.forward(block, taps=()))
+            rollback_s = timer(lambda: target.crop(base + 1 + accepted))
+        steps.append(forward_s + rollback_s)
+        rollbacks.append(rollback_s)
+        target.crop(base) if not token_by_token else _rebuild(target, context)
+    fastest = min(range(1, len(steps)), key=lambda i: steps[i])
+    return steps[fastest], rollbacks[fastest]
+
+
+def _rebuild(target: TargetModel, context: torch.Tensor) -> None:
+    """Back to the bare context after a token-by-token verification (its own forwards cannot be cropped past)."""
+    target.reset()
+    target.forward(context, taps=())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--k", type=int, default=15)
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args()
+    dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
+    timer = Timer(args.device)
+    torch.manual_seed(0)
+    models = {}
+    for name, config in shapes(args.hidden, args.layers, args.vocab).items():
+        config._attn_implementation = "sdpa"
+        with torch.device(args.device):
+            models[name] = AutoModelForCausalLM.from_config(config).to(dtype).eval()
+    sizes = ", ".join(f"{name} {sum(p.numel() for p in m.parameters()) / 1e6:.1f}M" for name, m in models.items())
+    print(f"torch {torch.__version__} on {args.device} ({dtype}); parameters: {sizes}; context {args.context}, K = {args.k}, "
+          f"fastest of {args.repeats}")
+    context = torch.randint(10, args.vocab - 10, (args.context,), device=args.device)
+    decode = {name: measure(m, context, 0, 0, args.repeats, timer, False)[0] for name, m in models.items()}
+    print(f"one-token decode step (verify 1, keep 1): full attention {decode['full attention'] * 1e3:.2f} ms, hybrid "
+          f"{decode['hybrid'] * 1e3:.2f} ms, ratio {decode['hybrid'] / decode['full attention']:.2f}")
+    print(f"{'accepted n':>10} {'full attn ms':>13} {'hybrid ms':>10} {'ratio':>6} {'hybrid rollback ms':>19} "
+          f"{'share':>6} {'token-by-token ms':>18} {'ratio':>6}")
+    for accepted in (0, args.k // 2, args.k):
+        full, _ = measure(models["full attention"], context, args.k, accepted, args.repeats, timer, False)
+        hybrid, rollback = measure(models["hybrid"], context, args.k, accepted, args.repeats, timer, False)
+        stepwise, _ = measure(models["hybrid"], context, args.k, accepted, args.repeats, timer, True)
+        print(f"{accepted:>10} {full * 1e3:>13.2f} {hybrid * 1e3:>10.2f} {hybrid / full:>6.2f} {rollback * 1e3:>19.2f} "
+              f"{rollback / hybrid:>6.0%} {stepwise * 1e3:>18.2f} {stepwise / full:>6.2f}")
+
+
+if __name__ == "__main__":
+    main()
