@@ -32,6 +32,7 @@ from dflash_doctor.errors import UsageError
 from dflash_doctor.loading import load_causal_lm, save_dflash_draft
 from tests.target_families import CONFIGS, tiny_family_target
 from tests.test_cli_engine import assert_usage_error, tiny_tokenizer, write_workload
+from tests.test_cli_engine import one_thread  # noqa: F401  (its module-scoped autouse fixture: one thread for tiny models)
 from tests.tiny_models import tiny_dflash
 
 FAMILIES = list(CONFIGS)
@@ -40,15 +41,6 @@ PROMPTS = [[5, 17, 42, 8, 9, 33, 61], [11, 12, 13]]
 MAX_NEW = 14
 K = 3
 STEP_KEYS = ("position", "num_drafted", "num_accepted", "bonus_token")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: thread hand-offs cost more than the matmuls on a busy 2-core machine."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 def _steps(steps):
