@@ -23,8 +23,9 @@ any work, with the architecture named (:func:`refuse_unreplayable`).
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+import weakref
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import DynamicCache, PretrainedConfig
@@ -114,29 +115,84 @@ def _clone(states: dict[int, torch.Tensor | None]) -> dict[int, torch.Tensor | N
     return {i: None if state is None else state.clone() for i, state in states.items()}
 
 
+#: A recurrent mixer's call as the forward made it: (module, positional arguments, keyword arguments).
+MixerCall = tuple[torch.nn.Module, tuple, dict[str, Any]]
+
+
 @dataclass
 class _Checkpoint:
-    """The recurrent layers' states before a forward, that forward's tokens and the length it started at."""
+    """The recurrent layers' states before a forward, that forward's tokens, the length it started at,
+    and the calls it made to the recurrent mixers (None where one cannot be replayed on a prefix)."""
 
     length: int
     token_ids: torch.Tensor
     states: dict[int, _LayerStates]
+    mixer_calls: list[MixerCall] | None = field(default_factory=list)
+
+
+def recurrent_mixers(model: torch.nn.Module, config: PretrainedConfig) -> list[torch.nn.Module]:
+    """The modules that update a recurrent layer's state (Qwen3.5's ``linear_attn``, Nemotron-H's Mamba2
+    ``mixer``, LFM2's short ``conv``): for each recurrent cache layer, the innermost module carrying its
+    ``layer_idx`` (a decoder block may carry it too)."""
+    recurrent = {i for i, layer in enumerate(DynamicCache(config=config).layers) if isinstance(layer, LinearAttentionLayer)}
+    named = {name: module for name, module in model.named_modules() if getattr(module, "layer_idx", None) in recurrent}
+    return [module for name, module in named.items()
+            if not any(other.startswith(name + ".") and named[other].layer_idx == module.layer_idx for other in named)]
+
+
+#: The calls each rollback cache records in the forward under way, keyed by its transformers cache.
+_RECORDING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _record_mixer_call(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+    """Forward pre-hook of a recurrent mixer: keep the call for the cache it was made with, if recording."""
+    cache = next((value for value in (*args, *kwargs.values()) if isinstance(value, DynamicCache)), None)
+    calls = _RECORDING.get(cache) if cache is not None else None
+    if calls is not None:
+        calls.append((module, args, kwargs))
+
+
+def _on_prefix(call: MixerCall, kept: int) -> MixerCall | None:
+    """The same call on the first ``kept`` positions: the hidden states sliced, everything else as made;
+    None when the call passed another tensor (a padding mask) that a slice of the positions would change."""
+    module, args, kwargs = call
+    if args:
+        hidden, args, kwargs = args[0], args[1:], kwargs
+    else:
+        hidden, kwargs = kwargs.get("hidden_states"), {k: v for k, v in kwargs.items() if k != "hidden_states"}
+    if not isinstance(hidden, torch.Tensor) or any(isinstance(value, torch.Tensor) for value in (*args, *kwargs.values())):
+        return None
+    return module, (hidden[:, :kept], *args), kwargs
 
 
 class RollbackCache:
     """A model's cache with its length and a rollback for every layer kind: crop the key/value rows,
     and for recurrent layers restore the snapshot taken before the forward that holds the new length
-    and re-run that forward's kept tokens (module docstring).
+    and run the kept positions again (module docstring).
+
+    ``rerun`` says what runs again: ``"mixers"`` (the default) calls each recurrent mixer once more on the
+    hidden states it received in that forward, cut to the kept positions (the attention rows and every
+    other layer's output for those positions are already right, since a position never sees later ones);
+    ``"model"`` runs the whole model over the kept tokens. A mixer called with another tensor (a padding
+    mask) falls back to ``"model"``. ``benchmarks/hybrid_rollback.py`` compares the two.
 
     Snapshots are kept from the last :meth:`release` on: a caller releases where it will never roll
     back past (the target before each verification, a draft before each proposal).
     """
 
-    def __init__(self, model: CausalLM):
+    def __init__(self, model: CausalLM, rerun: str = "mixers"):
         self.model = model
         self.recurrent = has_recurrent_layers(model.config)
+        self.rerun = rerun
         self._keyword = cache_keyword(model)
         self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        mixers = recurrent_mixers(model, model.config) if self.recurrent else []
+        self._mixer_count = len(mixers)
+        if rerun == "mixers":
+            for mixer in mixers:
+                if not getattr(mixer, "_dflash_doctor_records", False):  # one hook per module, whichever cache calls it
+                    mixer.register_forward_pre_hook(_record_mixer_call, with_kwargs=True)
+                    mixer._dflash_doctor_records = True
         self.reset()
 
     def reset(self) -> None:
@@ -150,9 +206,16 @@ class RollbackCache:
 
     def forward(self, token_ids: torch.Tensor, **kwargs):
         """The model's output for ``token_ids`` [S] after the cached positions; the cache grows by S."""
+        checkpoint = None
         if self.recurrent:
-            self._checkpoints.append(_Checkpoint(self.length, token_ids, _snapshot(self.cache)))
-        out = self.model(input_ids=token_ids[None], use_cache=True, **{self._keyword: self.cache}, **kwargs)
+            checkpoint = _Checkpoint(self.length, token_ids, snapshot_states(self.cache))
+            self._checkpoints.append(checkpoint)
+            if self.rerun == "mixers":
+                _RECORDING[self.cache] = checkpoint.mixer_calls
+        try:
+            out = self.model(input_ids=token_ids[None], use_cache=True, **{self._keyword: self.cache}, **kwargs)
+        finally:
+            _RECORDING.pop(self.cache, None)
         self.length += len(token_ids)
         return out
 
@@ -169,15 +232,22 @@ class RollbackCache:
             raise RuntimeError(f"a recurrent cache rolls back only past its last release, not to length {length}")
         checkpoint = self._checkpoints[at]
         del self._checkpoints[at:]
+        kept = length - checkpoint.length
+        replays = [_on_prefix(call, kept) for call in checkpoint.mixer_calls if kept]
+        restore_states(self.cache, checkpoint.states)
+        # every recurrent layer's mixer was called once in that forward, and each call can be cut to the prefix
+        if self.rerun == "mixers" and len(checkpoint.mixer_calls) == self._mixer_count > 0 and None not in replays:
+            crop_key_values(self.cache, length)
+            for module, args, kwargs in replays:  # type: ignore[misc]
+                module(*args, **kwargs)
+            self.length = length
+            return
         crop_key_values(self.cache, checkpoint.length)
-        _restore(self.cache, checkpoint.states)
         self.length = checkpoint.length
-        kept = checkpoint.token_ids[: length - checkpoint.length]
-        if len(kept):
-            self.forward(kept, **({"logits_to_keep": 1} if self._logits_to_keep else {}))
+        self.forward(checkpoint.token_ids[:kept], **({"logits_to_keep": 1} if self._logits_to_keep else {}))
 
 
-def _snapshot(cache: DynamicCache) -> dict[int, _LayerStates]:
+def snapshot_states(cache: DynamicCache) -> dict[int, _LayerStates]:
     """Copies of every recurrent layer's states (their tensors are updated in place by the next forward)."""
     return {
         index: _LayerStates(
@@ -191,7 +261,7 @@ def _snapshot(cache: DynamicCache) -> dict[int, _LayerStates]:
     }
 
 
-def _restore(cache: DynamicCache, states: dict[int, _LayerStates]) -> None:
+def restore_states(cache: DynamicCache, states: dict[int, _LayerStates]) -> None:
     for index, saved in states.items():
         layer = cache.layers[index]
         assert isinstance(layer, LinearAttentionCacheLayerMixin)

@@ -22,7 +22,7 @@ from dflash_doctor.checks import CheckContext, run_checks
 from dflash_doctor.cli import app
 from dflash_doctor.config import build_config
 from dflash_doctor.engine.batched import generate_greedy_batch
-from dflash_doctor.engine.cache import has_recurrent_layers
+from dflash_doctor.engine.cache import RollbackCache, has_recurrent_layers
 from dflash_doctor.engine.live import plain_generate, speculative_generate
 from dflash_doctor.engine.proposers.autoregressive import AutoregressiveProposer
 from dflash_doctor.engine.proposers.dflash import DFlashProposer
@@ -66,6 +66,33 @@ def _perturbed(model, scale: float):
 def test_the_hybrid_families_keep_recurrent_state():
     """The families below exercise the recurrent rollback only if their caches really hold such states."""
     assert [family for family in FAMILIES if has_recurrent_layers(CONFIGS[family]())] == HYBRIDS
+
+
+@pytest.mark.parametrize("rerun", ["mixers", "model"])
+@pytest.mark.parametrize("family", HYBRIDS)
+def test_rollback_leaves_the_states_of_the_kept_tokens(family, rerun):
+    """Verify 5 tokens, keep 2: every layer's state equals that of a cache that only ever saw the kept
+    tokens. Re-running the mixers calls no model forward; re-running the model calls one."""
+    model = tiny_family_target(family)
+    prompt, block = torch.tensor(PROMPTS[0]), torch.tensor([40, 41, 42, 43, 44])
+    rolled, direct = RollbackCache(model, rerun), RollbackCache(model)
+    rolled.forward(prompt)
+    rolled.forward(block)
+    forwards = []
+    hook = model.register_forward_pre_hook(lambda *_: forwards.append(1))
+    rolled.crop(len(prompt) + 2)
+    hook.remove()
+    assert (rolled.length, len(forwards)) == (len(prompt) + 2, 0 if rerun == "mixers" else 1)
+    direct.forward(prompt)
+    direct.forward(block[:2])
+    for mine, reference in zip(rolled.cache.layers, direct.cache.layers):
+        for name in ("keys", "values"):
+            if getattr(reference, name, None) is not None:
+                torch.testing.assert_close(getattr(mine, name), getattr(reference, name))
+        for name in ("conv_states", "recurrent_states"):
+            for index, state in getattr(reference, name, {}).items():
+                if state is not None:
+                    torch.testing.assert_close(getattr(mine, name)[index], state, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
