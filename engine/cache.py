@@ -6,15 +6,22 @@ Qwen3.5/3.6 and Qwen3-Next, Mamba2 in Nemotron-H, LFM2's short convolutions) can
 after a rejected token has already absorbed it.
 
 How serving engines do it: vLLM and SGLang keep one recurrent state per draft position while verifying
-(their fused kernels write the intermediate states into spare cache slots) and, once the number
-accepted is known, point the request at the state of the last accepted position. transformers' kernels
-return only the final state of a forward, so per-position states would mean re-running the verification
-token by token. Here instead the recurrent states are snapshotted before each forward (a copy of a few
-small tensors per layer, no sequence dimension), and a rollback restores the snapshot, crops the
-key/value layers back to the snapshot's length and runs the accepted tokens again, so that every layer's
-state is the one of the committed context. Only the tokens of the last forward are re-run, never the
-context; a step whose draft was accepted in full needs no re-run. ``benchmarks/hybrid_rollback.py``
-measures what this costs per step against a full-attention target of the same size.
+(vllm 0.32.0 v1/attention/backends/gdn_attn.py: ``spec_state_indices_tensor`` [batch, num_spec] and
+``num_accepted_tokens``; SGLang python/sglang/srt/layers/attention/hybrid_linear_attn_backend.py: the
+verify kernel writes each draft token's state into an ``intermediate_ssm`` scratch and
+``update_mamba_state_after_mtp_verify`` commits the accepted one). transformers' kernels return only the
+final state of a forward, so per-position states would mean verifying token by token: K + 1 forwards,
+18-21x a full-attention step on an H200 (benchmarks/hybrid_rollback.py, Qwen3.5-9B shape, K = 15).
+
+Here instead: the recurrent states are snapshotted before each forward (a copy of a few tensors per
+layer without a sequence dimension), and each recurrent mixer's call is recorded (its input hidden
+states are references, not copies). A rollback restores the snapshot, crops the key/value layers to the
+kept length and calls each recurrent mixer once more on its recorded input cut to the kept positions:
+the attention rows and every other layer's output at those positions are already right (a position
+never sees later ones), so only the mixers' state updates are redone. Nothing is re-run when the whole
+draft is accepted, and never the context. Re-running the whole model over the kept tokens instead
+(``rerun="model"``, also the fallback) cost 36-53 ms per rejecting step on an H200 at the Qwen3.5-9B
+shape, 40-50% of the step; the figures of both are in the README.
 
 Layers of another kind (a cache layer this module does not know how to take back) are refused before
 any work, with the architecture named (:func:`refuse_unreplayable`).
