@@ -44,17 +44,21 @@ def shapes(hidden: int, layers: int, vocab: int) -> tuple:
 
 
 class Timer:
+    """Wall seconds on a GPU; on a CPU the process's CPU seconds (one torch thread), which other work on a
+    shared machine does not inflate the way it inflates wall time."""
+
     def __init__(self, device: str):
         self.cuda = device.startswith("cuda")
+        self.clock = time.perf_counter if self.cuda else time.process_time
 
     def __call__(self, fn) -> float:
         if self.cuda:
             torch.cuda.synchronize()
-        started = time.perf_counter()
+        started = self.clock()
         fn()
         if self.cuda:
             torch.cuda.synchronize()
-        return time.perf_counter() - started
+        return self.clock() - started
 
 
 @torch.inference_mode()
@@ -111,6 +115,8 @@ def main() -> None:
     args = parser.parse_args()
     dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
     timer = Timer(args.device)
+    if args.device == "cpu":
+        torch.set_num_threads(1)
     torch.manual_seed(0)
     models = {}
     for name, config in shapes(args.hidden, args.layers, args.vocab).items():
