@@ -10,7 +10,13 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DummyLayer, DynamicLayer, LinearAttentionLayer
+from transformers.cache_utils import (
+    CacheLayerMixin,
+    DummyLayer,
+    DynamicLayer,
+    LinearAttentionCacheLayerMixin,
+    LinearAttentionLayer,
+)
 
 from dflash_doctor.engine.cache import cache_keyword, has_recurrent_layers, new_cache
 
@@ -128,7 +134,7 @@ def _row_state(layer, row: int, begin: int) -> RowState:
     return layer.keys[row, :, begin:], layer.values[row, :, begin:]
 
 
-def _batched_layer(rows: list[RowState], width: int, room: int):
+def _batched_layer(rows: list[RowState], width: int, room: int) -> CacheLayerMixin | LinearAttentionCacheLayerMixin | DummyLayer:
     """One decoding cache layer holding every row's prefilled state (:data:`RowState` of one layer)."""
     if rows[0] is None:
         return DummyLayer()
@@ -183,7 +189,8 @@ def generate_greedy_batch(model: CausalLM, prompts: Sequence[Sequence[int]], *, 
     source = [slot[tuple(p)] for p in prompts]
     lengths = torch.tensor([len(p) for p in prompts], device=device)
     width = int(lengths.max())
-    layers = [_batched_layer([prefilled[i][layer] for i in source], width, max_new_tokens) for layer in range(len(prefilled[0]))]
+    layers: list[CacheLayerMixin | LinearAttentionCacheLayerMixin | DummyLayer] = [
+        _batched_layer([prefilled[i][layer] for i in source], width, max_new_tokens) for layer in range(len(prefilled[0]))]
     cache = DynamicCache()
     cache.layers = layers
     del prefilled  # the batched copy replaces them

@@ -30,7 +30,7 @@ def attention_implementation(config) -> str:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
-    return "eager" if model_class is not None and not model_class._supports_sdpa else "sdpa"
+    return "eager" if model_class is not None and not getattr(model_class, "_supports_sdpa", True) else "sdpa"
 
 
 @dataclass
