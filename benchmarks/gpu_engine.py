@@ -1,5 +1,8 @@
 """GPU figures for the engine on a Qwen3-8B-shaped target and a DFlash-b16-shaped draft (random bf16 weights
-built from configs, no download), measured so that two runs agree (issue 19).
+built from configs, no download), measured so that two runs agree (issue 19). ``--target`` picks another
+target shape (issue 26): a Qwen3.5-9B-shaped hybrid (three gated-delta-net layers to one attention layer;
+a rejected draft costs a restore and a re-run of the kept tokens, engine/cache.py) or a gpt-oss-20b-shaped
+MoE with attention sinks and sliding windows (eager attention, as transformers requires).
 
 1. Live loop: time per draft/verify step, with and without per-token records, against the floor of ONE
    draft block forward plus ONE target forward over B = 16 tokens plus one host round trip per step (the
@@ -17,7 +20,8 @@ built from configs, no download), measured so that two runs agree (issue 19).
 Warm-ups run every shape the measured runs use (same prompt, same lengths); times come from CUDA events;
 the GPU's clocks, temperature and throttle state are printed before and after.
 
-Usage: python benchmarks/gpu_engine.py [--repeats 6] [--peak-tflops 790] [--out DIR] [--tiny]
+Usage: python benchmarks/gpu_engine.py [--target qwen3-8b|qwen3.5-9b|gpt-oss-20b] [--repeats 6] [--peak-tflops 790]
+       [--out DIR] [--tiny]
 ``--tiny`` runs the same code on a small config on CPU (a smoke test of the script itself).
 """
 
@@ -31,18 +35,29 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import AutoModelForCausalLM, GptOssConfig, Qwen3_5TextConfig, Qwen3Config
 
 from dflash_doctor.engine.dflash_model import DFlashConfig, DFlashDraftModel
 from dflash_doctor.engine.live import speculative_generate
 from dflash_doctor.engine.proposers.dflash import DFlashProposer
-from dflash_doctor.engine.target import TargetModel
+from dflash_doctor.engine.target import TargetModel, attention_implementation
 from dflash_doctor.engine.teacher import TeacherSequence, slot_table
 
 QWEN3_8B = dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                 intermediate_size=12288, vocab_size=151936)
 TINY = dict(hidden_size=64, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
             intermediate_size=128, vocab_size=1000)
+# transformers' Qwen3_5TextConfig defaults are the Qwen3.5-9B text shape (hidden 4096, 32 layers, 8 of them
+# attention with 16 x 256 heads, 24 gated delta nets with 16 key / 32 value heads of 128, vocab 248,320)
+TARGETS = {
+    "qwen3-8b": lambda tiny: Qwen3Config(**(TINY if tiny else QWEN3_8B), max_position_embeddings=8192, rope_theta=1e6,
+                                         tie_word_embeddings=False),
+    "qwen3.5-9b": lambda tiny: Qwen3_5TextConfig(**(dict(TINY, num_hidden_layers=8, linear_num_key_heads=2, linear_num_value_heads=4,
+                                                         linear_key_head_dim=16, linear_value_head_dim=16) if tiny else {}),
+                                                 tie_word_embeddings=False),
+    "gpt-oss-20b": lambda tiny: GptOssConfig(**(dict(TINY, num_local_experts=4, num_experts_per_tok=2) if tiny else dict(
+        num_hidden_layers=24, num_local_experts=32, num_experts_per_tok=4)), tie_word_embeddings=False),
+}
 BLOCK_SIZE = 16
 FLOOR_STEPS = 24
 
@@ -82,18 +97,20 @@ class SmClock:
             self.mean = statistics.mean(self._samples) if self._samples else None
 
 
-def build(shape: dict, device: str, dtype: torch.dtype):
-    config = Qwen3Config(**shape, max_position_embeddings=8192, rope_theta=1e6, tie_word_embeddings=False)
-    config._attn_implementation = "sdpa"
+def build(name: str, tiny: bool, device: str, dtype: torch.dtype):
+    """The target of shape ``name`` and a 5-layer (2 when tiny) DFlash-b16 draft tapping five layers spread
+    over it (Qwen3-8B: 1, 9, 17, 25, 33, as z-lab's draft)."""
+    config = TARGETS[name](tiny)
+    config._attn_implementation = attention_implementation(config)
     with torch.device(device):
-        target = Qwen3ForCausalLM(config).to(dtype).eval()
-    layers = shape["num_hidden_layers"]
-    ids = [1, 9, 17, 25, 33] if layers == 36 else [1, 2, 3]
+        target = AutoModelForCausalLM.from_config(config).to(dtype).eval()
+    layers = config.num_hidden_layers
+    ids = [1 + i * (layers - 3) // 4 for i in range(5)] if not tiny else [1, 2, 3]
     draft_cfg = DFlashConfig(
-        hidden_size=shape["hidden_size"], num_hidden_layers=5 if layers == 36 else 2,
-        num_attention_heads=shape["num_attention_heads"], num_key_value_heads=shape["num_key_value_heads"],
-        head_dim=shape["head_dim"], intermediate_size=shape["intermediate_size"], vocab_size=shape["vocab_size"],
-        block_size=BLOCK_SIZE, target_layer_ids=ids, mask_token_id=shape["vocab_size"] - 1, num_target_layers=layers,
+        hidden_size=config.hidden_size, num_hidden_layers=2 if tiny else 5,
+        num_attention_heads=config.num_attention_heads, num_key_value_heads=config.num_key_value_heads,
+        head_dim=config.head_dim, intermediate_size=config.intermediate_size, vocab_size=config.vocab_size,
+        block_size=BLOCK_SIZE, target_layer_ids=ids, mask_token_id=config.vocab_size - 1, num_target_layers=layers,
     )
     with torch.device(device):
         draft = DFlashDraftModel(draft_cfg).to(dtype).eval()
@@ -226,14 +243,32 @@ def live_step_vs_floor(target_model, draft, device: str, clock: Clock, context: 
               f"{spread(clocks['floor'], 1, 0)} MHz (min/med/max)")
 
 
+def target_attention_flops(config, length: int) -> float:
+    """Causal attention FLOPs of one pass over ``length`` tokens, layer by layer: a full layer sees every
+    earlier key, a sliding one at most its window, a gated delta net a state of key x value per head."""
+    kinds = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    full = 4 * config.num_attention_heads * config.head_dim
+    flops = 0.0
+    for kind in kinds:
+        if kind == "linear_attention":  # state update and read-out: ~2 multiply-adds per state entry and token
+            flops += 4 * config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim * length
+        elif kind == "sliding_attention":
+            flops += full * sum(min(i + 1, config.sliding_window) for i in range(length))
+        else:
+            flops += full * length * (length + 1) / 2
+    return flops
+
+
 def teacher_flops(target_model, draft, prompt_len: int, n_out: int, k: int) -> dict[str, float]:
-    """Matrix FLOPs of one teacher-forced pass (2 per multiply-add), counted from the shapes."""
+    """Matrix FLOPs of one teacher-forced pass (2 per multiply-add), counted from the shapes. A MoE's
+    expert weights ([experts, ...] tensors) count for the share of experts each token is routed to."""
     tc, dc = target_model.config, draft.config
     length = prompt_len + n_out
     anchors = n_out - 1
     head = tc.hidden_size * tc.vocab_size
-    t_linear = sum(p.numel() for n, p in target_model.model.layers.named_parameters() if p.dim() == 2)
-    t_attention = tc.num_hidden_layers * 4 * tc.num_attention_heads * tc.head_dim * length * (length + 1) / 2
+    routed = getattr(tc, "num_experts_per_tok", 1) / getattr(tc, "num_local_experts", getattr(tc, "num_experts", 1) or 1)
+    t_linear = sum(p.numel() * (1 if p.dim() == 2 else routed) for p in target_model.model.layers.parameters() if p.dim() >= 2)
+    t_attention = target_attention_flops(tc, length)
     kv = dc.num_key_value_heads * dc.head_dim
     fc = draft.fc.weight.numel()
     per_layer = sum(p.numel() for p in draft.layers[0].parameters() if p.dim() == 2)
@@ -343,6 +378,7 @@ def profile_teacher(target, proposer, sequence, k: int, device: str, out: Path |
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--target", choices=sorted(TARGETS), default="qwen3-8b", help="the target's shape")
     parser.add_argument("--repeats", type=int, default=6)
     parser.add_argument("--peak-tflops", type=float, default=790.0, help="nominal bf16 dense matrix rate of the GPU")
     parser.add_argument("--out", type=Path, default=None, help="folder for the full profile table")
@@ -354,7 +390,10 @@ def main() -> None:
     print(f"torch {torch.__version__}; before: {gpu_state(device)}")
     measured = matmul_rate(device, clock)
     print(f"measured matrix rate: {measured:.0f} TFLOP/s ({'bf16 8192^3' if device == 'cuda' else 'fp32 512^3'})")
-    target_model, draft = build(TINY if args.tiny else QWEN3_8B, device, dtype)
+    target_model, draft = build(args.target, args.tiny, device, dtype)
+    parameters = sum(p.numel() for p in target_model.parameters())
+    print(f"target {args.target}{' (tiny)' if args.tiny else ''}: {parameters / 1e9:.2f}B parameters, attention "
+          f"{target_model.config._attn_implementation}, draft taps layers {list(draft.config.target_layer_ids)}")
     live_step_vs_floor(target_model, draft, device, clock, context=128 if args.tiny else 1024,
                        new_tokens=32 if args.tiny else 64, repeats=args.repeats)
     peaks = {"nominal": args.peak_tflops, "measured": measured}

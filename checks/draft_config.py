@@ -51,6 +51,23 @@ def _rope(config: Any) -> tuple[Any, Any]:
     return theta, scaling or None
 
 
+def decoder_config(config: Any) -> Any:
+    """The target's decoder config: a multimodal checkpoint (Qwen3.5/3.6, gemma-4) nests the layers,
+    hidden size and RoPE under ``text_config``."""
+    nested = config_value(config, "text_config")
+    return config if nested is None else nested
+
+
+def layer_kinds(config: Any) -> list[str] | None:
+    """Each decoder layer's kind, where the config lists them: ``layer_types`` (Qwen3.5/3.6, Qwen3-Next,
+    LFM2, gemma, gpt-oss) or Nemotron-H's ``layers_block_type``."""
+    return config_value(config, "layer_types") or config_value(config, "layers_block_type")
+
+
+#: Layer kinds of a hybrid target that are not attention (their cache is a recurrent or convolution state).
+RECURRENT_KINDS = {"linear_attention", "conv", "mamba"}
+
+
 def _dtype(config: Any) -> str | None:
     value = config_value(config, "dtype") or config_value(config, "torch_dtype")
     return None if value is None else str(value).replace("torch.", "")
@@ -79,7 +96,7 @@ class DraftConfigCheck(Check):
     def run(self, ctx: CheckContext) -> CheckResult:
         if not is_dflash(ctx):
             return skipped(self.id, "the draft is not a DFlash checkpoint (static config checks are DFlash-specific)")
-        raw, target = ctx.draft_config, ctx.target_config
+        raw, target = ctx.draft_config, decoder_config(ctx.target_config)
         try:
             normalised = normalise_draft_config(raw or {}, source="the draft config")
         except UsageError as exc:
@@ -93,7 +110,7 @@ class DraftConfigCheck(Check):
             "mask_token_id": mask_token_id(draft),
             "dialect": normalised.dialect,
         }
-        findings += self._size_findings(ctx, metrics)
+        findings += self._size_findings(ctx, target, metrics)
         findings += self._layer_findings(draft, target)
         findings += variant_findings(ctx, raw or {}, normalised)
         findings += self._rope_dtype_findings(raw or {}, target)
@@ -101,10 +118,10 @@ class DraftConfigCheck(Check):
         findings += self._offset_probe_findings(ctx, metrics)
         return CheckResult.from_findings(self.id, findings, metrics, "draft config fits the target")
 
-    def _size_findings(self, ctx: CheckContext, metrics: dict[str, Any]) -> list[Finding]:
+    def _size_findings(self, ctx: CheckContext, target: Any, metrics: dict[str, Any]) -> list[Finding]:
         findings = []
         hidden = metrics["hidden_size"]
-        target_hidden = config_value(ctx.target_config, "hidden_size")
+        target_hidden = config_value(target, "hidden_size")
         if hidden is not None and target_hidden is not None and hidden != target_hidden:
             findings.append(Finding("fail", f"draft hidden_size {hidden} differs from the target's {target_hidden}",
                                     "DFlash embeds with the target's embed_tokens and projects with its lm_head",
@@ -136,6 +153,7 @@ class DraftConfigCheck(Check):
                 findings.append(Finding("fail", f"target_layer_ids {outside} are outside the target's {num_layers} layers",
                                         f"ids {ids}; HF convention: layer l is hidden_states[l + 1]",
                                         "use ids in 0..num_hidden_layers-1 (llama.cpp GGUF ids are shifted by one)"))
+            findings += _hybrid_tap_findings(ids, layer_kinds(target))
             trained_for = config_value(draft, "num_target_layers")
             if trained_for is not None and trained_for != num_layers:
                 findings.append(Finding("warn", f"the draft was trained for a {trained_for}-layer target; this target has {num_layers}",
@@ -172,7 +190,7 @@ class DraftConfigCheck(Check):
             findings.append(Finding("fail", f"K {max(ks)} exceeds the {block - 1} tokens one block of {block} drafts",
                                     f"--k {','.join(map(str, ks))}", f"use --k {block - 1} or less"))
         mask = metrics["mask_token_id"]
-        rows = config_value(ctx.target_config, "vocab_size") or config_value(ctx.draft_config, "vocab_size")
+        rows = config_value(decoder_config(ctx.target_config), "vocab_size") or config_value(ctx.draft_config, "vocab_size")
         if mask is not None and rows is not None and not 0 <= mask < rows:
             findings.append(Finding("fail", f"mask token id {mask} is outside the embedding (vocab_size {rows})", "",
                                     "set dflash_config.mask_token_id to a reserved row below vocab_size"))
@@ -223,6 +241,19 @@ def _trained_sample_method(raw: dict[str, Any]) -> str:
     return "greedy" if str(kind).lower() == "greedy" else "probabilistic"
 
 
+def _hybrid_tap_findings(ids: list[int], kinds: list[str] | None) -> list[Finding]:
+    """On a hybrid target, which kind of layer each id taps (info). Every tap reads the residual stream
+    after its layer whatever the kind: vLLM taps aux layer ``id + 1``, the stream entering the next layer
+    (vllm 0.32.0, v1/worker/gpu_model_runner.py and qwen3_next.py / gpt_oss.py ``_maybe_add_hidden_state``),
+    the same for gated-delta-net, Mamba and attention layers; so ids count every decoder layer."""
+    if not kinds or not RECURRENT_KINDS & set(kinds) or any(not 0 <= i < len(kinds) for i in ids):
+        return []
+    tapped = ", ".join(f"{i} ({kinds[i]})" for i in ids)
+    return [Finding("info", f"target_layer_ids tap layers {tapped} of a hybrid target",
+                    f"{sum(kind in RECURRENT_KINDS for kind in kinds)} of its {len(kinds)} layers are recurrent; "
+                    "ids count every decoder layer, each tap reads the stream after its layer", "")]
+
+
 def variant_findings(ctx: CheckContext, raw: dict[str, Any], normalised) -> list[Finding]:
     """Issue-12 rules: causality, layer-id convention, reserved mask row, own lm_head, draft sampling."""
     draft = normalised.config
@@ -245,7 +276,7 @@ def variant_findings(ctx: CheckContext, raw: dict[str, Any], normalised) -> list
                                 f"layer_types {layer_types}; vLLM refuses mixed drafts unless VLLM_USE_V2_MODEL_RUNNER=1",
                                 "serve with VLLM_USE_V2_MODEL_RUNNER=1"))
     # layer ids written in the +1 convention
-    ids, num_layers = target_layer_ids(draft), config_value(ctx.target_config, "num_hidden_layers")
+    ids, num_layers = target_layer_ids(draft), config_value(decoder_config(ctx.target_config), "num_hidden_layers")
     if normalised.layer_id_offset == 0 and ids and num_layers is not None and max(ids) == num_layers and min(ids) >= 1:
         findings.append(Finding("fail", f"target_layer_ids {ids} look like the +1 convention (speculators aux ids, GGUF target_layers)",
                                 f"the largest id equals the target's {num_layers} layers; z-lab ids are 0..{num_layers - 1}",

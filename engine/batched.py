@@ -10,9 +10,15 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import (
+    CacheLayerMixin,
+    DummyLayer,
+    DynamicLayer,
+    LinearAttentionCacheLayerMixin,
+    LinearAttentionLayer,
+)
 
-from dflash_doctor.engine.target import cache_keyword
+from dflash_doctor.engine.cache import cache_keyword, has_recurrent_layers, new_cache
 
 if TYPE_CHECKING:
     from dflash_doctor.engine.target import CausalLM
@@ -76,16 +82,26 @@ def prefill_rows_per_forward(device: torch.device) -> int:
     return 1 if device.type == "cpu" else 256
 
 
+#: A prompt's state in one cache layer: (keys, values) as [heads, length, dim] for an attention layer,
+#: the per-index (conv, recurrent) states without the batch axis for a recurrent layer, None for a layer
+#: that keeps nothing (a hybrid's MoE block).
+RowState = tuple[torch.Tensor, torch.Tensor] | tuple[dict[int, torch.Tensor | None], dict[int, torch.Tensor | None]] | None
+
+
 def _prefill(model: CausalLM, prompts: list[tuple[int, ...]], rows_per_forward: int
-             ) -> tuple[list[list[tuple[torch.Tensor, torch.Tensor]]], list[torch.Tensor]]:
-    """Each prompt's cache, per layer (keys, values) as [heads, length, dim], and its last position's logits.
+             ) -> tuple[list[list[RowState]], list[torch.Tensor]]:
+    """Each prompt's cache, per layer (:data:`RowState`), and its last position's logits.
 
     Prompts go ``rows_per_forward`` at a time, sorted by length so that a forward pads little: left-padded,
     the padding masked out and each row at its own positions, so a row's states are its own prompt's.
+    A target with recurrent layers is prefilled one prompt per forward: not every architecture masks
+    the padding out of its recurrent states.
     """
     device = next(model.parameters()).device
     keyword = cache_keyword(model)
-    states: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in prompts]
+    if has_recurrent_layers(model.config):
+        rows_per_forward = 1
+    states: list[list[RowState]] = [[] for _ in prompts]
     logits: list[torch.Tensor] = [torch.empty(0)] * len(prompts)
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     for start in range(0, len(order), rows_per_forward):
@@ -96,22 +112,55 @@ def _prefill(model: CausalLM, prompts: list[tuple[int, ...]], rows_per_forward: 
         for row, i in enumerate(chunk):
             ids[row, width - len(prompts[i]):] = torch.tensor(prompts[i], device=device)
         mask = _left_padding_mask(lengths, width)
-        cache = DynamicCache()
+        cache = new_cache(model.config)
         out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(dim=1) - 1).clamp(min=0),
                     use_cache=True, logits_to_keep=1, **{keyword: cache})
-        layers = [_filled(layer) for layer in cache.layers]  # (keys, values), each [rows, heads, width, dim]
         for row, i in enumerate(chunk):
-            begin = width - len(prompts[i])
-            states[i] = [(keys[row, :, begin:], values[row, :, begin:]) for keys, values in layers]
+            states[i] = [_row_state(layer, row, width - len(prompts[i])) for layer in cache.layers]
             logits[i] = out.logits[row, -1]
     return states, logits
 
 
-def _filled(layer) -> tuple[torch.Tensor, torch.Tensor]:
-    """A prefilled cache layer's keys and values; a layer of another kind (a transformers change) stops here."""
+def _row_state(layer, row: int, begin: int) -> RowState:
+    """Row ``row``'s state in a prefilled cache layer (attention rows from column ``begin`` on); a layer
+    of another kind (a transformers change) stops here."""
+    if isinstance(layer, DummyLayer):
+        return None
+    if isinstance(layer, LinearAttentionLayer):
+        return tuple({i: None if state is None else state[row] for i, state in states.items()}
+                     for states in (layer.conv_states, layer.recurrent_states))  # type: ignore[return-value]
     if not isinstance(layer, DynamicLayer) or layer.keys is None or layer.values is None:
         raise RuntimeError(f"the prefill left a {type(layer).__name__} without key/value states in the cache")
-    return layer.keys, layer.values
+    return layer.keys[row, :, begin:], layer.values[row, :, begin:]
+
+
+def _batched_layer(rows: list[RowState], width: int, room: int) -> CacheLayerMixin | LinearAttentionCacheLayerMixin | DummyLayer:
+    """One decoding cache layer holding every row's prefilled state (:data:`RowState` of one layer)."""
+    if rows[0] is None:
+        return DummyLayer()
+    first, _ = rows[0]
+    if isinstance(first, dict):
+        return _StackedStates(rows)
+    return _GrowingLayer([row[0] for row in rows], [row[1] for row in rows], width=width, room=room)  # type: ignore[index]
+
+
+class _StackedStates(LinearAttentionLayer):
+    """A recurrent layer of the batch: every row's prefilled conv and recurrent states stacked."""
+
+    def __init__(self, rows):
+        super().__init__(number_of_states=len(rows[0][0]))
+        for which, (states, initialized) in enumerate(((self.conv_states, self.is_conv_states_initialized),
+                                                      (self.recurrent_states, self.is_recurrent_states_initialized))):
+            for i in states:
+                parts = [row[which][i] for row in rows]
+                if parts[0] is not None:
+                    states[i], initialized[i], self.has_previous_state[i] = torch.stack(parts), True, True
+        first = next(state for state in (*self.conv_states.values(), *self.recurrent_states.values()) if state is not None)
+        self.device, self.dtype = first.device, first.dtype
+        self.conv_kernel_size = {i: None if state is None else state.shape[-1] for i, state in self.conv_states.items()}
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.reorder_cache(indices)  # type: ignore[arg-type]
 
 
 @torch.inference_mode()
@@ -140,10 +189,8 @@ def generate_greedy_batch(model: CausalLM, prompts: Sequence[Sequence[int]], *, 
     source = [slot[tuple(p)] for p in prompts]
     lengths = torch.tensor([len(p) for p in prompts], device=device)
     width = int(lengths.max())
-    layers = []
-    for layer in range(len(prefilled[0])):
-        layers.append(_GrowingLayer([prefilled[i][layer][0] for i in source], [prefilled[i][layer][1] for i in source],
-                                    width=width, room=max_new_tokens))
+    layers: list[CacheLayerMixin | LinearAttentionCacheLayerMixin | DummyLayer] = [
+        _batched_layer([prefilled[i][layer] for i in source], width, max_new_tokens) for layer in range(len(prefilled[0]))]
     cache = DynamicCache()
     cache.layers = layers
     del prefilled  # the batched copy replaces them

@@ -1,18 +1,19 @@
-"""The target model as the engine sees it: incremental forwards with a croppable KV cache.
+"""The target model as the engine sees it: incremental forwards with a cache that can be rolled back.
 
 Wraps a transformers causal LM. Each forward returns the logits of the new tokens and, when a proposer
 asked for them (:class:`~dflash_doctor.engine.proposers.base.TargetNeeds`), the concatenated hidden
-states it taps. Cropping the cache after verification is how rejected draft tokens are rolled back.
+states it taps. Cropping the cache after verification is how rejected draft tokens are rolled back; on a
+hybrid target (recurrent layers beside attention) :mod:`dflash_doctor.engine.cache` restores the
+recurrent states and re-runs the accepted tokens.
 """
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
 import torch
-from transformers import DynamicCache
+from dflash_doctor.engine.cache import RollbackCache, refuse_unreplayable
 
 if TYPE_CHECKING:
     # What AutoModelForCausalLM.from_pretrained returns, as transformers annotates it: a PreTrainedModel
@@ -20,17 +21,16 @@ if TYPE_CHECKING:
     from transformers.models.auto.modeling_auto import _BaseModelWithGenerate as CausalLM
 
 
-def cache_keyword(model: torch.nn.Module) -> str:
-    """The forward() keyword for the KV cache: transformers renamed ``past_key_values`` to ``cache`` (5.2x)."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+def attention_implementation(config) -> str:
+    """The attention kernel the engine runs a target with: SDPA where transformers runs the architecture
+    with it, else eager (gpt-oss: its attention sinks have no SDPA path, and transformers refuses SDPA).
 
+    Chosen once at load and kept by the model, so the live loop and the teacher-forced pass (one model
+    object) compute with the same kernel and sweep tau stays equal to replay tau."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-def crop_cache(cache: DynamicCache, length: int) -> None:
-    """Keep the first ``length`` positions. A negative argument (remove N) means the same in every
-    transformers version, while a positive one changed meaning (absolute length -> refused)."""
-    excess = cache.get_seq_length() - length
-    if excess > 0:
-        cache.crop(-excess)
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    return "eager" if model_class is not None and not getattr(model_class, "_supports_sdpa", True) else "sdpa"
 
 
 @dataclass
@@ -45,25 +45,25 @@ class TargetModel:
     def __init__(self, model: CausalLM, hidden_state_indices: tuple[int, ...] = ()):
         """``hidden_state_indices``: taps for forwards that name none (direct use in tests and
         benchmarks); the engine's loops pass ``taps=proposer.needs.hidden_state_indices`` themselves."""
+        refuse_unreplayable(model.config)
         self.model = model
         self.hidden_state_indices = hidden_state_indices
-        self.cache = DynamicCache()
-        self._cache_keyword = cache_keyword(model)
+        self.cache = RollbackCache(model)
 
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
     def reset(self) -> None:
-        self.cache = DynamicCache()
+        self.cache.reset()
 
     @property
     def cache_length(self) -> int:
-        return self.cache.get_seq_length()
+        return self.cache.length
 
     def crop(self, length: int) -> None:
-        """Drop cached positions from ``length`` on (rejected draft tokens)."""
-        crop_cache(self.cache, length)
+        """Drop cached positions from ``length`` on (rejected draft tokens), within the last forward."""
+        self.cache.crop(length)
 
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, taps: tuple[int, ...] | None = None) -> TargetOutput:
@@ -74,12 +74,8 @@ class TargetModel:
         """
         taps = self.hidden_state_indices if taps is None else taps
         want_hidden = bool(taps)
-        out = self.model(
-            input_ids=token_ids[None],
-            **{self._cache_keyword: self.cache},
-            use_cache=True,
-            output_hidden_states=want_hidden,
-        )
+        self.cache.release()  # a rollback stays within this forward
+        out = self.cache.forward(token_ids, output_hidden_states=want_hidden)
         features = None
         if want_hidden:
             features = torch.cat([out.hidden_states[i][0].to(self.device) for i in taps], dim=-1)  # a placed target taps several GPUs

@@ -21,7 +21,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dflash_doctor.engine.dflash2_model import CHECKPOINT_KEY_RENAMES, draft_model_class
+from dflash_doctor.engine.cache import refuse_unreplayable
 from dflash_doctor.engine.dflash_model import DFlashConfig
+from dflash_doctor.engine.target import attention_implementation
 from dflash_doctor.errors import UsageError
 from dflash_doctor.inputs.validation import check_model_folder, read_config_json
 from dflash_doctor.models.draft_formats import normalise_draft_config
@@ -209,19 +211,26 @@ def fingerprint(model_dir: Path) -> str:
 
 
 def load_causal_lm(model_dir: Path, *, dtype: str = "float32", device: str = "cpu", trust_remote_code: bool = False) -> CausalLM:
-    """A transformers causal LM in eval mode (SDPA attention, no remote code unless asked); a ``device``
-    listing several GPUs (``cuda:0,cuda:1``) places its layers over them."""
-    from transformers import AutoModelForCausalLM
+    """A transformers causal LM in eval mode (the attention kernel of :func:`attention_implementation`, no
+    remote code unless asked); a ``device`` listing several GPUs (``cuda:0,cuda:1``) places its layers over them."""
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     devices = target_devices(device)
     placement = {"device_map": layer_placement(model_dir, devices, trust_remote_code=trust_remote_code)} if len(devices) > 1 else {}
     try:
+        config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+        refuse_unreplayable(config)
         model = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=torch_dtype(dtype), trust_remote_code=trust_remote_code, attn_implementation="sdpa", **placement
+            model_dir, dtype=torch_dtype(dtype), trust_remote_code=trust_remote_code,
+            attn_implementation=attention_implementation(config), **placement
         )
     except ValueError as exc:
         if "trust_remote_code" in str(exc):
             raise UsageError(f"{model_dir} needs its own Python code; review it and pass --trust-remote-code to allow it.") from None
+        if "does not recognize this architecture" in str(exc) or "Unrecognized configuration class" in str(exc):
+            raise UsageError(f"transformers {transformers.__version__} cannot run the architecture of {model_dir} "
+                             f"({read_config_json(model_dir).get('model_type')}); upgrade transformers or replay it with an engine that serves it.") from None
         raise
     # transformers decorates PreTrainedModel.to with functools.wraps, which pyright reads as an unbound function.
     return (model if placement else model.to(device)).eval()  # pyright: ignore[reportArgumentType]

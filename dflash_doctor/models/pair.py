@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from dflash_doctor.engine.cache import rollback_method
 from dflash_doctor.engine.proposers.base import Proposer
 from dflash_doctor.engine.target import TargetModel
 from dflash_doctor.errors import UsageError
@@ -174,6 +175,7 @@ def load_pair(config: DoctorConfig) -> Pair:
             "hidden_size": target_model.config.hidden_size,
             "vocab_size": target_model.config.vocab_size,
             "attn_implementation": getattr(target_model.config, "_attn_implementation", None),
+            "cache_rollback": rollback_method(target_model.config),
         },
     )
     draft_info = ModelInfo(

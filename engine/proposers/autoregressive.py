@@ -9,10 +9,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-from transformers import DynamicCache
 
+from dflash_doctor.engine.cache import RollbackCache
 from dflash_doctor.engine.proposers.base import Proposal, Proposer, TargetNeeds
-from dflash_doctor.engine.target import cache_keyword, crop_cache
 
 if TYPE_CHECKING:
     from dflash_doctor.engine.target import CausalLM
@@ -26,9 +25,8 @@ class AutoregressiveProposer(Proposer):
         self.model = model
         self.temperature = temperature
         self.generator = generator
-        self.cache = DynamicCache()
+        self.cache = RollbackCache(model)  # a hybrid draft (Qwen3.5-0.8B for a Qwen3.5 target) rolls back too
         self.uncached: list[int] = []  # committed tokens the draft cache has not seen yet
-        self._cache_keyword = cache_keyword(model)
 
     def samples_drafts(self, temperature: float) -> bool:
         return temperature > 0
@@ -39,15 +37,15 @@ class AutoregressiveProposer(Proposer):
 
     @torch.inference_mode()
     def _step(self, token_ids: list[int]) -> torch.Tensor:
-        ids = torch.tensor([token_ids], device=self.device)
-        return self.model(input_ids=ids, use_cache=True, **{self._cache_keyword: self.cache}).logits[0, -1].float()
+        return self.cache.forward(torch.tensor(token_ids, device=self.device)).logits[0, -1].float()
 
     def start(self, prompt_ids: torch.Tensor, prompt_features: torch.Tensor | None) -> None:
-        self.cache = DynamicCache()
+        self.cache.reset()
         self.uncached = prompt_ids.tolist()
 
     def propose(self, last_token: int, k: int, block_k: int) -> Proposal:
-        self._prefix_length = self.cache.get_seq_length() + len(self.uncached)  # committed, excluding last_token
+        self.cache.release()  # accept() rolls back within this proposal's forwards
+        self._prefix_length = self.cache.length + len(self.uncached)  # committed, excluding last_token
         tokens, logits, probs = [], [], []
         feed = self.uncached + [last_token]
         if k > 0:
@@ -74,9 +72,9 @@ class AutoregressiveProposer(Proposer):
         # The cache now holds the committed prefix, last_token and d1..d(k-1): keep the committed part and
         # remember committed tokens it has not seen (the bonus, and d_k when all k were accepted).
         keep = self._prefix_length + len(committed_ids)
-        cached = self.cache.get_seq_length()
+        cached = self.cache.length
         if cached > keep:
-            crop_cache(self.cache, keep)
+            self.cache.crop(keep)
             cached = keep
         if cached >= self._prefix_length:
             self.uncached = committed_ids[cached - self._prefix_length :].tolist()
