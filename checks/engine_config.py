@@ -1,15 +1,18 @@
-"""Read how a serving engine is configured for speculation: a vLLM ``speculative_config`` or SGLang flags.
+"""Read how a serving engine is configured for speculation: vLLM, SGLang or llama.cpp settings.
 
 ``--engine-config FILE`` accepts what people already have at hand: a vLLM ``speculative_config`` JSON,
 a larger vLLM JSON that contains one (engine args, a saved config), or a launch command line / flags
-text for SGLang (``--speculative-num-draft-tokens 16 --attention-backend fa3``) or vLLM
-(``--speculative-config '{...}'``). Everything is normalised into one dict so the rules in rules.toml
-can ask about K and attention backends without caring which engine wrote them.
+text for SGLang (``--speculative-num-draft-tokens 16 --attention-backend fa3``), vLLM
+(``--speculative-config '{...}'``) or llama-server (``--spec-type draft-dflash --spec-draft-n-max 15``).
+``--engine-config http://HOST:PORT`` reads a running llama-server instead: ``/props`` and ``/metrics``.
+Everything is normalised into one dict so the rules in rules.toml can ask about K and attention backends
+without caring which engine wrote them.
 
-The two engines count K differently (REFERENCE.md section 1): vLLM's ``num_speculative_tokens`` is
-the number of drafted tokens (B - 1 for a DFlash block of B), SGLang's
-``--speculative-num-draft-tokens`` counts the block including its root (B). ``drafted_tokens`` is the
-engine-independent count.
+The engines count K differently (REFERENCE.md section 1): vLLM's ``num_speculative_tokens`` is the
+number of drafted tokens (B - 1 for a DFlash block of B), SGLang's ``--speculative-num-draft-tokens``
+counts the block including its root (B), llama.cpp's ``--spec-draft-n-max`` counts drafted tokens like
+vLLM but defaults to 3 (common/common.h) and is clamped to B - 1 for DFlash (common/speculative.cpp).
+``drafted_tokens`` is the engine-independent count.
 """
 
 from __future__ import annotations
@@ -23,10 +26,15 @@ from dflash_doctor.errors import UsageError
 
 _SGLANG_MARKERS = ("--speculative-num-draft-tokens", "--speculative-algorithm", "--speculative-draft-model-path")
 _VLLM_MARKERS = ("--speculative-config", "--speculative_config")
+_LLAMACPP_MARKERS = ("--spec-type", "--spec-draft-n-max", "--spec-draft-model", "--model-draft")
+LLAMACPP_DEFAULT_N_MAX = 3  # llama.cpp common/common.h common_params_speculative_draft::n_max
 
 
 def parse_engine_config(path: str | Path) -> dict[str, Any]:
-    """Parse ``--engine-config FILE`` (JSON or flags text) into the normalised engine dict."""
+    """Parse ``--engine-config FILE`` (JSON or flags text), or read a running llama-server's URL, into the
+    normalised engine dict."""
+    if str(path).startswith(("http://", "https://")):
+        return read_llamacpp_server(str(path))
     path = Path(path)
     if not path.is_file():
         raise UsageError(f"--engine-config {path} does not exist; pass a vLLM speculative_config JSON or a file with SGLang launch flags.")
@@ -48,9 +56,13 @@ def parse_engine_config_text(text: str, source: str = "<text>") -> dict[str, Any
         return _from_vllm_flags(flags, source)
     if any(marker.lstrip("-").replace("-", "_") in flags for marker in _SGLANG_MARKERS):
         return _from_sglang_flags(flags, source)
+    if any(marker.lstrip("-").replace("-", "_") in flags for marker in _LLAMACPP_MARKERS):
+        n_max = _int_or_none(flags.get("spec_draft_n_max"), "--spec-draft-n-max", source)
+        return _llamacpp_result(flags.get("spec_type"), flags.get("spec_draft_model") or flags.get("model_draft"),
+                                LLAMACPP_DEFAULT_N_MAX if n_max is None else n_max, source)
     raise UsageError(
         f"--engine-config {source} has neither a vLLM speculative_config nor SGLang --speculative-* flags; "
-        "pass the JSON given to --speculative-config or the SGLang launch flags."
+        "pass the JSON given to --speculative-config, the SGLang launch flags or llama-server's --spec-* flags."
     )
 
 
@@ -162,3 +174,39 @@ def _from_sglang_flags(flags: dict[str, Any], source: str) -> dict[str, Any]:
         "cuda_graphs": not flags.get("disable_cuda_graph", False),
         "draft_sample_method": "greedy",  # SGLang scores drafts by their argmax
     }
+
+
+def _llamacpp_result(spec_type: Any, draft_model: Any, n_max: int | None, source: str) -> dict[str, Any]:
+    """llama-server's settings; ``spec_type`` as given to ``--spec-type`` (``draft-dflash``, ``draft-simple``...)."""
+    kind = None if spec_type is None else str(spec_type).lower()
+    return {
+        "engine": "llamacpp",
+        "source": source,
+        "method": None if kind is None else kind.removeprefix("draft-"),
+        "draft_model": draft_model,
+        "spec_draft_n_max": n_max,
+        "drafted_tokens": n_max,
+        "draft_sample_method": "greedy",  # llama.cpp drafts each position's most likely token (top-k 10, first)
+    }
+
+
+def read_llamacpp_server(url: str) -> dict[str, Any]:
+    """A running llama-server's speculative settings: ``/props`` (its model and speculative types) and the
+    draft size it really uses, read from ``/metrics``: ``llamacpp:spec_decode_num_accepted_tokens_per_pos_total``
+    has one series per drafted position (llama.cpp sizes it by the clamped n-max), present once a request has
+    been drafted for. ``/props`` does not report n-max itself (tools/server ``get_res_props``)."""
+    from dflash_doctor.serving.client import EngineEndpoint, EngineError, call, scrape_metrics
+    from dflash_doctor.telemetry.exposition import parse_exposition
+
+    endpoint = EngineEndpoint.from_url(url)
+    try:
+        props = call(endpoint, "GET", "/props")
+    except EngineError as exc:
+        raise UsageError(f"--engine-config {url}: {exc}; pass the URL of a running llama-server (its /props answers).") from None
+    params = (props.get("default_generation_settings") or {}).get("params") or {}
+    types = [t for t in str(params.get("speculative.types") or "").split(",") if t and t != "none"]
+    metrics = scrape_metrics(endpoint)
+    if metrics is None:
+        raise UsageError(f"--engine-config {url}: the server has no /metrics; restart llama-server with --metrics so its draft size can be read.")
+    positions = {s.labels.get("position") for s in parse_exposition(metrics).named("llamacpp:spec_decode_num_accepted_tokens_per_pos_total")}
+    return _llamacpp_result(types[0] if types else None, props.get("model_path"), len(positions) or None, url)

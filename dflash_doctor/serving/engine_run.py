@@ -30,7 +30,15 @@ FIGURES_FROM = {
     "responses": "the server's per-request metrics in each response",
     "counters": "the server's /metrics counters scraped around each request, one request at a time "
                 "(the server reports no per-request metrics; other traffic on it would leak in; step order unknown)",
+    "timings and counters": "llama.cpp's timings per response (draft tokens, accepted tokens), with the verify steps and "
+                            "per-position acceptances from its /metrics counters scraped around each request, one request "
+                            "at a time (llama.cpp returns no verify-step count per request; step order unknown)",
 }
+
+LLAMA_CPP_WITHOUT_METRICS = (
+    "llama.cpp returns drafted and accepted tokens per request (timings.draft_n) but no verify-step count, so no tau; "
+    "restart llama-server with --metrics so the doctor reads the verify steps from /metrics, one request at a time"
+)
 
 
 @dataclass
@@ -116,7 +124,7 @@ def ask(endpoint: EngineEndpoint, request: Request, config: DoctorConfig, *, fro
         body = call(endpoint, "POST", path, payload)
         wall = time.perf_counter() - started
         text, output_ids, prompt_ids, stop_reason, usage = read_completion(body)
-        measurement = measurement_between(before, _counters(endpoint)) if before is not None else parse_response(body)
+        measurement = counted_measurement(before, _counters(endpoint), body) if before is not None else parse_response(body)
         output_ids = [int(t) for t in output_ids] if output_ids is not None else None
         results.append(EngineTurn(
             request=request, turn=turn, output_text=text, output_token_ids=output_ids,
@@ -128,6 +136,20 @@ def ask(endpoint: EngineEndpoint, request: Request, config: DoctorConfig, *, fro
         ))
         answers.append(text)
     return results
+
+
+def counted_measurement(before: EngineCounters, after: EngineCounters, body: dict[str, Any]) -> SpecMeasurement:
+    """One request's figures from the /metrics counters around it, checked against the draft tokens the
+    response itself reports (llama.cpp's ``timings.draft_n``): a difference is other traffic on the server."""
+    measurement = measurement_between(before, after)
+    timings = body.get("timings")
+    if isinstance(timings, dict) and "draft_n" in timings and int(timings["draft_n"]) != measurement.num_draft_tokens:
+        raise MissingMetrics(
+            f"the server's /metrics counters moved by {measurement.num_draft_tokens} draft tokens while the request "
+            f"drafted {int(timings['draft_n'])} (timings.draft_n): other requests ran on it meanwhile; measure on a "
+            "server that serves nothing else"
+        )
+    return measurement
 
 
 def _counters(endpoint: EngineEndpoint) -> EngineCounters:
@@ -143,15 +165,23 @@ def figures_source(endpoint: EngineEndpoint, first: Request, config: DoctorConfi
     (``"counters"``, []) when only its /metrics counters can stand in (the sequential fallback).
 
     Asks the first request alone; a response without figures from a server whose /metrics has no
-    spec-decode counters either re-raises the response's own sentence.
+    spec-decode counters either re-raises the response's own sentence. llama.cpp's responses carry tokens
+    but no verify-step count: its /metrics counters give the steps (``"timings and counters"``), and the
+    first request is asked again around two scrapes.
     """
     try:
-        return "responses", ask(endpoint, first, config)
+        turns = ask(endpoint, first, config)
     except MissingMetrics as exc:
         text = scrape_metrics(endpoint) if exc.per_request_off else None
         if text and read_counters(text, endpoint.model) is not None:
             return "counters", []
         raise
+    if turns[0].measurement.num_drafts is not None:
+        return "responses", turns
+    text = scrape_metrics(endpoint)
+    if not text or read_counters(text, endpoint.model) is None:
+        raise MissingMetrics(LLAMA_CPP_WITHOUT_METRICS)
+    return "timings and counters", []
 
 
 def turn_rows(result: EngineTurn) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -230,7 +260,7 @@ def measure_engine(endpoint: EngineEndpoint, requests: list[Request], config: Do
     try:
         source, first_turns = figures_source(endpoint, requests[0], config) if requests else ("responses", [])
         record.source.details["figures_from"] = FIGURES_FROM[source]
-        from_counters = source == "counters"
+        from_counters = source != "responses"
         pool = concurrent.futures.ThreadPoolExecutor(max_workers=1 if from_counters else max(1, concurrency))
         remaining = requests[1:] if first_turns else requests
         futures = [pool.submit(ask, endpoint, request, config, from_counters=from_counters) for request in remaining]
@@ -277,10 +307,10 @@ def engine_facts(answered: list[EngineTurn]) -> dict[str, Any]:
     if not answered:
         return {}
     m = answered[0].measurement
-    if m.engine == LLAMA_CPP:
-        steps = "none: llama.cpp reports drafted and accepted tokens only, so this run has an acceptance rate and no tau"
-    elif all(t.measurement.steps_in_order for t in answered):
+    if all(t.measurement.steps_in_order for t in answered):
         steps = "in order (per-step arrays)"
+    elif m.engine == LLAMA_CPP:
+        steps = "histogram only (from /metrics per-position counters; llama.cpp reports no step order)"
     else:
         steps = "histogram only (step order unknown; vLLM --per-request-spec-decode-metrics detailed gives the order)"
     return {

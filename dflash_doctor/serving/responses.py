@@ -12,8 +12,9 @@ draft tokens, ``num_accepted_tokens`` excludes the bonus token, and ``tau = 1 + 
   ``spec_num_correct_drafts`` accepted drafts (bonus excluded), so tau = 1 + correct / verify_ct. SGLang's
   own per-request ``spec_accept_length`` is ``completion_tokens / spec_verify_ct``: it counts the
   prefill's token too and reads high on short outputs; it is kept beside ours, never used as tau.
-* llama.cpp: ``timings.draft_n`` / ``timings.draft_n_accepted`` only. There is no verify-step count, so no
-  tau: the run says "acceptance rate only".
+* llama.cpp: ``timings.draft_n`` / ``timings.draft_n_accepted`` only (tools/server, present once the request
+  drafted). There is no verify-step count, so no tau from the response: ``check --engine`` takes the steps
+  from llama-server's ``/metrics`` counters around each request (serving/engine_run.py).
 """
 
 from __future__ import annotations
@@ -173,7 +174,7 @@ def parse_response(body: Mapping[str, Any]) -> SpecMeasurement:
         raise MissingMetrics(
             "the response has engine metrics but no speculative-decoding figures: the server is not "
             "speculating (start it with a draft: vLLM --speculative-config, SGLang --speculative-algorithm, "
-            "llama.cpp --spec-type)"
+            "llama.cpp -md DRAFT --spec-type)"
         )
     raise MissingMetrics(
         "the response carries no per-request speculative-decoding metrics; start vLLM with "
