@@ -191,22 +191,28 @@ def _llamacpp_result(spec_type: Any, draft_model: Any, n_max: int | None, source
 
 
 def read_llamacpp_server(url: str) -> dict[str, Any]:
-    """A running llama-server's speculative settings: ``/props`` (its model and speculative types) and the
-    draft size it really uses, read from ``/metrics``: ``llamacpp:spec_decode_num_accepted_tokens_per_pos_total``
+    """A running llama-server's speculative settings, from what it serves (tools/server): ``/slots`` (the
+    speculative types a request gets, e.g. ``none,draft-dflash``), ``/props`` (the model file) and the draft
+    size it really uses, read from ``/metrics``: ``llamacpp:spec_decode_num_accepted_tokens_per_pos_total``
     has one series per drafted position (llama.cpp sizes it by the clamped n-max), present once a request has
-    been drafted for. ``/props`` does not report n-max itself (tools/server ``get_res_props``)."""
+    been drafted for. No endpoint reports n-max itself, and ``/props`` shows a fresh request's defaults
+    (``speculative.types`` = none) rather than the server's."""
     from dflash_doctor.serving.client import EngineEndpoint, EngineError, call, scrape_metrics
     from dflash_doctor.telemetry.exposition import parse_exposition
 
     endpoint = EngineEndpoint.from_url(url)
     try:
         props = call(endpoint, "GET", "/props")
+        slots = call(endpoint, "GET", "/slots")
     except EngineError as exc:
-        raise UsageError(f"--engine-config {url}: {exc}; pass the URL of a running llama-server (its /props answers).") from None
-    params = (props.get("default_generation_settings") or {}).get("params") or {}
-    types = [t for t in str(params.get("speculative.types") or "").split(",") if t and t != "none"]
+        raise UsageError(f"--engine-config {url}: {exc}; pass the URL of a running llama-server (its /props and /slots answer).") from None
+    slot = slots[0] if isinstance(slots, list) and slots else {}
+    types = [t for t in str((slot.get("params") or {}).get("speculative.types") or "").split(",") if t and t != "none"]
     metrics = scrape_metrics(endpoint)
     if metrics is None:
         raise UsageError(f"--engine-config {url}: the server has no /metrics; restart llama-server with --metrics so its draft size can be read.")
     positions = {s.labels.get("position") for s in parse_exposition(metrics).named("llamacpp:spec_decode_num_accepted_tokens_per_pos_total")}
-    return _llamacpp_result(types[0] if types else None, props.get("model_path"), len(positions) or None, url)
+    if not positions:
+        raise UsageError(f"--engine-config {url}: the server has drafted nothing yet, so its draft size is not on /metrics; "
+                         "send it one request (or pass its launch flags in a file) and retry.")
+    return _llamacpp_result(types[0] if types else None, props.get("model_path"), len(positions), url)

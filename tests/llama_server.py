@@ -76,12 +76,13 @@ def start_llama_server(target: Path, log_path: Path, *, draft: Path | None = Non
     """``llama-server -m TARGET [-md DRAFT --spec-type T --spec-draft-n-max N] [--metrics]`` on 127.0.0.1.
 
     One slot (``-np 1``) and a fixed seed, so requests run one at a time as the /metrics deltas need; a
-    2048-token context is plenty for the demo prompts; ``-t 2`` matches CI's two cores.
+    2048-token context is plenty for the demo prompts. ``-t 1``: ggml's worker threads spin while they wait, and two
+    of them on two cores shared with the test process (or other jobs) ran 6x slower per token than one (measured).
     """
     require_build()
     port = port or free_port()
     command = [str(LLAMA_SERVER), "-m", str(target), "--alias", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port),
-               "-c", "2048", "-np", "1", "-t", "2", "--seed", "0", "--no-webui"]
+               "-c", "2048", "-np", "1", "-t", "1", "--seed", "0", "--no-webui"]
     if draft is not None:
         command += ["-md", str(draft), "--spec-type", spec_type or "draft-simple"]
     if n_max is not None:

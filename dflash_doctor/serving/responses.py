@@ -205,8 +205,11 @@ def step_rows(measurement: SpecMeasurement, output_ids: list[int] | None) -> lis
             position += n_accepted + 1
         return rows
     if measurement.acceptance_histogram is not None and measurement.num_drafts:
+        # Drafts of varying length (llama.cpp's draft-simple stops early; every engine shortens the last ones)
+        # are known only on average here; a step that accepted j tokens drafted at least j.
         per_step_drafted = round(measurement.num_draft_tokens / measurement.num_drafts) if measurement.num_draft_tokens else k
         for n_accepted, count in enumerate(measurement.acceptance_histogram):
             for _ in range(count):
-                rows.append(StepRecord(step=len(rows), position=-1, k=k, num_drafted=per_step_drafted, num_accepted=n_accepted, bonus_token=-1))
+                rows.append(StepRecord(step=len(rows), position=-1, k=k, num_drafted=max(per_step_drafted, n_accepted),
+                                       num_accepted=n_accepted, bonus_token=-1))
     return rows
