@@ -64,8 +64,12 @@ class EngineTurn:
 
 
 def request_body(endpoint: EngineEndpoint, request: Request, messages: list[dict[str, Any]] | None,
-                 max_tokens: int, config: DoctorConfig) -> tuple[str, dict[str, Any]]:
-    """(path, JSON body) for one turn; asks vLLM for token ids and SGLang for its spec details."""
+                 max_tokens: int, config: DoctorConfig, *, ids_from_probs: bool = False) -> tuple[str, dict[str, Any]]:
+    """(path, JSON body) for one turn; asks vLLM for token ids and SGLang for its spec details.
+
+    ``ids_from_probs``: llama.cpp returns output token ids only with its token probabilities
+    (``n_probs``, passed through its OpenAI endpoints: ``choices[0].logprobs.content[i].id``).
+    """
     body: dict[str, Any] = {
         "model": endpoint.model,
         "max_tokens": max_tokens,
@@ -76,6 +80,8 @@ def request_body(endpoint: EngineEndpoint, request: Request, messages: list[dict
         "return_token_ids": True,  # vLLM: prompt_token_ids + choices[0].token_ids
         "return_spec_tokens_details": True,  # SGLang: sglext.spec_tokens_details
     }
+    if ids_from_probs:
+        body["n_probs"] = 1
     if messages is None:
         body["prompt"] = request.prompt
         return "/v1/completions", body
@@ -98,17 +104,22 @@ def read_completion(body: dict[str, Any]) -> tuple[str, list[int] | None, list[i
     output_ids = choice.get("token_ids")
     if output_ids is None:
         output_ids = (choice.get("meta_info") or body.get("meta_info") or {}).get("output_token_ids")
+    probs = (choice.get("logprobs") or {}).get("content") if isinstance(choice.get("logprobs"), dict) else None
+    if output_ids is None and probs and all(isinstance(p, dict) and "id" in p for p in probs):
+        output_ids = [p["id"] for p in probs]  # llama.cpp with n_probs
     prompt_ids = body.get("prompt_token_ids", choice.get("prompt_token_ids"))
     finish = choice.get("finish_reason")
     stop_reason = "max_new_tokens" if finish == "length" else "stop_token"
     return text or "", output_ids, prompt_ids, stop_reason, body.get("usage") or {}
 
 
-def ask(endpoint: EngineEndpoint, request: Request, config: DoctorConfig, *, from_counters: bool = False) -> list[EngineTurn]:
+def ask(endpoint: EngineEndpoint, request: Request, config: DoctorConfig, *, from_counters: bool = False,
+        ids_from_probs: bool = False) -> list[EngineTurn]:
     """All turns of one request, in order; a later turn carries the server's own earlier answers.
 
     ``from_counters``: read each turn's figures from ``/metrics`` scraped before and after it (the
     fallback for a server without per-request metrics; only exact when nothing else runs meanwhile).
+    ``ids_from_probs``: see :func:`request_body` (llama.cpp).
     """
     from dflash_doctor.turns import turn_limit
 
@@ -118,7 +129,7 @@ def ask(endpoint: EngineEndpoint, request: Request, config: DoctorConfig, *, fro
     results = []
     for turn, messages in enumerate(turns):
         filled = fill_answers(messages, answers) if messages is not None else None
-        path, payload = request_body(endpoint, request, filled, max_tokens, config)
+        path, payload = request_body(endpoint, request, filled, max_tokens, config, ids_from_probs=ids_from_probs)
         before = _counters(endpoint) if from_counters else None
         started = time.perf_counter()
         body = call(endpoint, "POST", path, payload)
@@ -263,7 +274,8 @@ def measure_engine(endpoint: EngineEndpoint, requests: list[Request], config: Do
         from_counters = source != "responses"
         pool = concurrent.futures.ThreadPoolExecutor(max_workers=1 if from_counters else max(1, concurrency))
         remaining = requests[1:] if first_turns else requests
-        futures = [pool.submit(ask, endpoint, request, config, from_counters=from_counters) for request in remaining]
+        futures = [pool.submit(ask, endpoint, request, config, from_counters=from_counters,
+                               ids_from_probs=source == "timings and counters") for request in remaining]
         done: concurrent.futures.Future = concurrent.futures.Future()
         done.set_result(first_turns)
         for future in [done, *concurrent.futures.as_completed(futures)]:
