@@ -34,7 +34,7 @@ def main() -> None:
     reference = next(iter(runs.values())).requests.set_index("request_id")
     classes = sorted(next(iter(runs.values())).meta["summary"]["by_class"])
     print("| run | " + " | ".join(["overall", *classes]) + " | draft tokens / step | same prompt length | same output text |")
-    print("|---" * (len(classes) + 4) + "|")
+    print("|---" * (len(classes) + 5) + "|")
     for name, run in runs.items():
         summary = run.meta["summary"]
         taus = [_tau(summary["overall"]), *(_tau(summary["by_class"][c]) for c in classes)]
