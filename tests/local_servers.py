@@ -10,10 +10,13 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+
+import pytest
 
 
 def free_port() -> int:
@@ -83,3 +86,12 @@ def start_engine_server(name: str, command: list[str], url: str, ready_path: str
         server.stop()
         raise
     return server
+
+
+@pytest.fixture(scope="session", autouse=True)
+def stop_servers_on_sigterm():
+    """A CI timeout sends SIGTERM: turn it into SystemExit so the server fixtures stop their servers.
+    Autouse in a test module that imports it."""
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    yield
+    signal.signal(signal.SIGTERM, previous)

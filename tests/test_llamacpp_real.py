@@ -15,8 +15,6 @@ starts: what these tests hold:
 from __future__ import annotations
 
 import json
-import signal
-import sys
 import urllib.request
 from pathlib import Path
 
@@ -32,18 +30,11 @@ from dflash_doctor.telemetry.engines import read_exposition
 from dflash_doctor.telemetry.exposition import parse_exposition
 from dflash_doctor.telemetry.record import read_windows
 from tests.llama_server import SERVED_NAME, demo_ggufs, start_llama_server
+from tests.local_servers import stop_servers_on_sigterm  # noqa: F401 - autouse: stops the servers on a CI timeout
 
 pytestmark = pytest.mark.llamacpp
 
 WORKLOAD = ["--workload", "demo", "--max-requests", "6", "--max-new-tokens", "48", "--seed", "0"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def stop_servers_on_sigterm():
-    """A CI timeout sends SIGTERM: turn it into SystemExit so the fixtures below stop their servers."""
-    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    yield
-    signal.signal(signal.SIGTERM, previous)
 
 
 @pytest.fixture(scope="module")
