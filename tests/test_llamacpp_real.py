@@ -63,11 +63,13 @@ def spec_counts(url: str):
 
 
 @pytest.fixture(scope="module")
-def engine_run(dflash_server, tmp_path_factory):
-    """`check --engine` on the DFlash server, with the server's own counters read before and after it."""
+def engine_run(dflash_server, ggufs, tmp_path_factory):
+    """`check --engine` on the DFlash server with the local pair (so engine-agreement runs), and the server's
+    own counters read before and after it."""
     before = spec_counts(dflash_server.url)
     out = tmp_path_factory.mktemp("engine-run") / "run"
-    code, output = cli("check", "--engine", dflash_server.url, *WORKLOAD, "--out", str(out))
+    code, output = cli("check", "--engine", dflash_server.url, "--target", str(ggufs["q4_1"]), "--draft", str(DEMO_DRAFT_DIR),
+                       *WORKLOAD, "--out", str(out))
     return code, output, load_run(out), before, spec_counts(dflash_server.url)
 
 
@@ -92,6 +94,25 @@ def test_check_engine_reads_steps_from_metrics_deltas_and_says_so(engine_run):
         assert len(steps) == request["num_drafts"] and steps["num_accepted"].sum() == request["num_accepted_tokens"]
         assert request["tau"] == pytest.approx(1 + request["num_accepted_tokens"] / request["num_drafts"])
     assert set(run.meta["summary"]["by_class"]) == {"chat", "code", "math"}
+
+
+def test_engine_agreement_compares_tau_on_llamacpp_own_text(engine_run):
+    """llama.cpp's Q4_1 kernels may write another greedy text than the float32 embedded target; agreement is
+    judged on llama.cpp's own output tokens (from n_probs), teacher-forced through the local pair."""
+    _, output, run, _, _ = engine_run
+    data = run.meta["probes"]["engine_agreement"]
+    assert run.record.source.details["returns_token_ids"] is True
+    assert data["num_compared"] == data["num_turns"] == len(run.requests)
+    assert data["prompts"]["num_compared"] == 0  # llama.cpp returns no prompt ids: the local rendering is used
+    overall = data["tau"]["overall"]
+    assert overall["engine_tau"] == pytest.approx(run.meta["summary"]["overall"]["mean_acceptance_length"])
+    low, high = overall["difference_ci"]
+    assert low <= 0 <= high or abs(overall["difference"]) < 0.1, overall  # the same draft on the same text
+    check = next(c for c in run.meta["checks"] if c["id"] == "engine-agreement")
+    assert check["status"] in ("pass", "warn"), check  # no tau gap: a warning can only be about the texts
+    if check["status"] == "warn":  # the Q4_1 kernels part from the float32 target's greedy text
+        assert "server outputs are not the target's greedy text" in check["summary"], check
+    assert "Server (llama.cpp) vs embedded replay" in output
 
 
 def test_watch_reads_llamacpp_real_counters_per_position(dflash_server, engine_run, tmp_path):
