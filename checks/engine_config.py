@@ -203,7 +203,7 @@ def read_llamacpp_server(url: str) -> dict[str, Any]:
     endpoint = EngineEndpoint.from_url(url)
     try:
         props = call(endpoint, "GET", "/props")
-        slots = call(endpoint, "GET", "/slots")
+        slots: Any = call(endpoint, "GET", "/slots")  # a JSON list, one object per slot
     except EngineError as exc:
         raise UsageError(f"--engine-config {url}: {exc}; pass the URL of a running llama-server (its /props and /slots answer).") from None
     slot = slots[0] if isinstance(slots, list) and slots else {}

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from dflash_doctor.checks.engine_config import parse_engine_config
 from dflash_doctor.cli import app
 from dflash_doctor.loading import DEMO_DRAFT_DIR
 from dflash_doctor.schema import load_run
@@ -137,9 +138,11 @@ def test_engine_config_reads_the_running_server_and_flags_the_default_n_max(gguf
                            "max_tokens": 24, "temperature": 0}).encode()
         request = urllib.request.Request(f"{server.url}/v1/chat/completions", body, {"Content-Type": "application/json"})
         urllib.request.urlopen(request, timeout=300).read()  # the per-position series appear with the first draft
+        settings = parse_engine_config(server.url)
         code, output = cli("env", "--engine-config", server.url, "--draft", str(DEMO_DRAFT_DIR), "--fail-on", "warn")
     finally:
         server.stop()
+    assert (settings["engine"], settings["method"], settings["drafted_tokens"]) == ("llamacpp", "dflash", 3)
     assert code == 1, output
     assert "llama.cpp drafts 3 of the 15 tokens a DFlash block proposes" in output
     assert "--spec-draft-n-max 15" in output
