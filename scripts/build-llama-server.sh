@@ -4,7 +4,7 @@
 # source tree gives convert_hf_to_gguf.py, which writes the demo pair's GGUF files (tests/llama_server.py).
 # The result lands in .llama-cpp/<version>/ (gitignored); a second run with that version's binary already
 # built does nothing. Only the llama-server target is compiled; the web UI is neither built nor fetched.
-# On two cores the build takes about 15 minutes (measured; see docs/llamacpp.md).
+# The build costs about 10 CPU-minutes (measured twice on this project's 2 cores; docs/llamacpp.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 version=0.3.36
