@@ -11,6 +11,12 @@ keys normed with the first layer's k_norm) name the one the server behaves like.
 that explain a gap are reported too: K above the draft's block, prompts rendered differently by the
 server (chat template), outputs that are not the target's greedy text.
 
+An engine that reports no step order (llama.cpp: its verify steps come from /metrics as a histogram) is
+compared on tau alone: its own tau against the embedded draft walked over the engine's own output tokens,
+teacher-forced through the local target (same text, same n-max, same end-of-request budget). Its target
+is often quantised and runs its own kernels, so greedy texts may part at near-ties; comparing on the
+engine's text keeps that out of the tau difference, and the output comparison reports it separately.
+
 Input: ``ctx.extras["engine_agreement"]`` from :func:`dflash_doctor.serving.agreement.compare_with_embedded`.
 ``needs`` is empty and the check skips itself when the key is absent (no ``--engine`` or no local pair).
 """
@@ -51,7 +57,9 @@ class EngineAgreementCheck(Check):
         overall = (data.get("tau") or {}).get("overall")
         per_step = data.get("per_step") or {}
         configured = per_step.get(CONFIGURED) or {}
-        if not overall or (configured.get("num_steps") or 0) < self.min_steps:
+        stepwise = (configured.get("num_steps") or 0) >= self.min_steps
+        engine_drafts = sum(turn["engine_drafts"] for turn in data.get("turns") or [])
+        if not overall or (not stepwise and engine_drafts < self.min_steps):
             return skipped(self.id, f"fewer than {self.min_steps} engine steps could be replayed (need output token ids from the server)")
         findings: list[Finding] = []
         findings += self._k_findings(data)
@@ -59,10 +67,11 @@ class EngineAgreementCheck(Check):
         findings += self._output_findings(data)
         gap = overall["difference"]
         gap_real = gap >= self.min_tau_gap and overall["difference_ci"][0] > 0
-        explanation = self._best_setup(per_step, configured)
+        explanation = self._best_setup(per_step, configured) if stepwise else None
         tau_text = (f"engine tau {overall['engine_tau']:.2f} {_ci(overall['engine_tau_ci'])} vs embedded {overall['embedded_tau']:.2f} "
                     f"{_ci(overall['embedded_tau_ci'])} on the same outputs (difference {gap:+.2f}, 95% CI {_ci(overall['difference_ci'])})")
-        step_text = f"per-step acceptance reproduced on {configured['num_agreeing']}/{configured['num_steps']} engine steps ({configured['share']:.0%})"
+        step_text = (f"per-step acceptance reproduced on {configured['num_agreeing']}/{configured['num_steps']} engine steps ({configured['share']:.0%})"
+                     if stepwise else f"the engine reports no step order ({engine_drafts} steps as a histogram): compared on tau alone")
         if explanation is not None:
             name, stats = explanation
             setup = next((s for s in data.get("setups") or [] if s["name"] == name), {"cause": name, "fix": ""})
@@ -77,14 +86,15 @@ class EngineAgreementCheck(Check):
         elif gap_real:
             findings.append(Finding(
                 "fail", f"the server accepts less than the draft does on the same text: tau {overall['engine_tau']:.2f} vs {overall['embedded_tau']:.2f}",
-                f"{tau_text}; {step_text}; no simulated setup (layer-id offset, causal flag, context-K norm) reproduces the engine's steps",
+                f"{tau_text}; {step_text}" + ("; no simulated setup (layer-id offset, causal flag, context-K norm) reproduces the engine's steps"
+                                              if stepwise else ""),
                 "the draft is fine and the serving setup is not: check the mask id, num_speculative_tokens vs the block size, the draft's "
                 "attention backend (must be non-causal capable), a quantised KV cache for the draft, and the chat template the server renders"))
         elif gap <= -self.min_tau_gap and overall["difference_ci"][1] < 0:
             findings.append(Finding(
                 "warn", f"the server accepts more than the embedded replay: tau {overall['engine_tau']:.2f} vs {overall['embedded_tau']:.2f}",
                 tau_text, "the server may run a different draft or K than the local one given with --draft: compare the served config"))
-        elif configured["share"] < self.step_agreement_warn_below:
+        elif stepwise and configured["share"] < self.step_agreement_warn_below:
             findings.append(Finding(
                 "warn", f"tau agrees but only {configured['share']:.0%} of the engine's steps are reproduced step by step",
                 f"{tau_text}; {step_text}", "compare the served draft config with the local one; numerics alone part only near-ties"))

@@ -127,6 +127,8 @@ class SpeculativeKCheck(Check):
         target_speedup, target_name = (best_speedup, f"K={int(best['k'])}") if best_speedup >= 1.0 else (1.0, "plain decoding")
         if speedup < (1.0 - self.speedup_loss_share) * target_speedup:
             loss = 1.0 - speedup / target_speedup
+            if best_speedup >= 1.0:  # the acceptance a larger (or smaller) K would use, from the same sweep
+                evidence += f"; tau {row['mean_acceptance_length']:.2f} at K={k} against {best['mean_acceptance_length']:.2f} at K={int(best['k'])}"
             return [Finding("warn", f"{label}: K={k} gives {speedup:.2f}x, {loss:.0%} below {target_name} at {target_speedup:.2f}x",
                             evidence, fix)]
         return []
@@ -136,4 +138,5 @@ class SpeculativeKCheck(Check):
         where = "" if scope == "overall" else f" for {scope}"
         if serve_k == 0:
             return f"turn speculation off{where}: no K beats plain decoding"
-        return f"serve num_speculative_tokens={serve_k}{where} (vLLM; SGLang --speculative-num-draft-tokens {serve_k + 1})"
+        return (f"serve num_speculative_tokens={serve_k}{where} (vLLM; SGLang --speculative-num-draft-tokens {serve_k + 1}; "
+                f"llama.cpp --spec-draft-n-max {serve_k})")

@@ -25,7 +25,6 @@ from dflash_doctor.checks.draft_config import read_safetensors_shapes
 from dflash_doctor.engine.schedule import end_of_request
 from dflash_doctor.errors import UsageError
 from dflash_doctor.inputs.config import DoctorConfig
-from dflash_doctor.inputs.engine_config import parse_engine_config
 from dflash_doctor.inputs.environment import collect_environment
 from dflash_doctor.inputs.workloads import Request, load_workload
 from dflash_doctor.models.loading import weights_fingerprint
@@ -41,6 +40,7 @@ from dflash_doctor.rundir.ownership import claim_run_dir
 from dflash_doctor.rundir.writer import RunWriter, utc_now
 from dflash_doctor.serving.agreement import compare_with_embedded
 from dflash_doctor.serving.client import EngineEndpoint, resolve_model
+from dflash_doctor.serving.engine_settings import engine_settings
 from dflash_doctor.serving.engine_run import measure_engine, start_engine_record
 from dflash_doctor.stats import deviations
 from dflash_doctor.stats.metrics import summarize
@@ -80,7 +80,7 @@ def _start(config: DoctorConfig, command: str, scenario=None) -> tuple[list[Requ
     """Select the workload and load the pair (a scenario edits them before anything runs)."""
     requests = load_workload(config.workload, classes=config.classes, max_requests=config.max_requests, seed=config.seed)
     config = dataclasses.replace(config, device=sharding.device_for_rank(config, sharding.current_ranks()))
-    pair = load_pair(config)
+    pair = load_pair(config, engine_settings(config.engine_config) if config.engine_config else None)
     if scenario is not None:
         pair, requests, config = scenario.apply(pair, requests, config)
     return requests, pair, config
@@ -219,7 +219,8 @@ def run_engine_check(config: DoctorConfig, *, only: Sequence[str] = (), skip: Se
     requests = load_workload(config.workload, classes=config.classes, max_requests=config.max_requests, seed=config.seed)
     # the embedded replay runs only when the user names a local pair to compare with; a bad one fails
     # before any request is sent
-    local = load_pair(config) if config.target is not None or config.draft is not None else None
+    local = (load_pair(config, engine_settings(config.engine_config) if config.engine_config else None)
+             if config.target is not None or config.draft is not None else None)
     record = start_engine_record(config, endpoint)
     if local is not None:
         record.models.update({"local target": local.target_info, "local draft": local.draft_info})
@@ -285,7 +286,7 @@ def check_context(pair: Pair, requests: Sequence[Request], config: DoctorConfig,
         draft_config=pair.draft_config,
         draft_kind=pair.kind.name,
         environment=record.environment,
-        engine_config=parse_engine_config(config.engine_config) if config.engine_config else None,
+        engine_config=engine_settings(config.engine_config) if config.engine_config else None,
         corpus=corpus,
         target_template=pair.chat_template or getattr(pair.tokenizer, "chat_template", None),
         draft_template=getattr(draft_tokenizer, "chat_template", None) if draft_tokenizer is not None else None,

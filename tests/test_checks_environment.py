@@ -68,6 +68,17 @@ def test_environment_fail_vllm_k_in_sglang_convention():
     assert result.findings[0].fix == "set speculative_config.num_speculative_tokens to 15"
 
 
+def test_environment_warn_llamacpp_default_n_max_uses_a_fifth_of_the_dflash_block():
+    """llama-server flags without --spec-draft-n-max draft 3 tokens (its default); with 15 the rule is quiet."""
+    result = _env_check("llama-server -m target.gguf -md draft.gguf --spec-type draft-dflash --metrics")
+    assert result.metrics["matched_rules"] == ["llamacpp-dflash-n-max-below-block"]
+    assert result.summary == "llama.cpp drafts 3 of the 15 tokens a DFlash block proposes (--spec-draft-n-max defaults to 3)"
+    assert result.findings[0].fix.startswith("restart llama-server with --spec-draft-n-max 15")
+    full = parse_engine_config_text("--spec-type draft-dflash --spec-draft-n-max 15 --model-draft d.gguf")
+    assert (full["engine"], full["method"], full["drafted_tokens"], full["draft_model"]) == ("llamacpp", "dflash", 15, "d.gguf")
+    assert _env_check("--spec-type draft-dflash --spec-draft-n-max 15").status == "pass"
+
+
 def test_engine_config_parsing_and_bad_input(tmp_path):
     sglang = parse_engine_config_text("--speculative-algorithm DFLASH --speculative-num-draft-tokens=16 --disable-cuda-graph")
     assert (sglang["engine"], sglang["drafted_tokens"], sglang["cuda_graphs"]) == ("sglang", 15, False)

@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 
 from dflash_doctor.checks import CheckContext, run_checks
 from dflash_doctor.cli import app
-from dflash_doctor.config import build_config
+from dflash_doctor.inputs.config import build_config
 from dflash_doctor.engine.batched import generate_greedy_batch
 from dflash_doctor.engine.cache import RollbackCache, has_recurrent_layers
 from dflash_doctor.engine.live import plain_generate, speculative_generate
@@ -29,7 +29,7 @@ from dflash_doctor.engine.proposers.dflash import DFlashProposer
 from dflash_doctor.engine.target import TargetModel, attention_implementation
 from dflash_doctor.engine.teacher import TeacherSequence, slot_table, walk_schedule
 from dflash_doctor.errors import UsageError
-from dflash_doctor.loading import load_causal_lm, save_dflash_draft
+from dflash_doctor.models.loading import load_causal_lm, save_dflash_draft
 from tests.target_families import CONFIGS, tiny_family_target
 from tests.test_cli_engine import assert_usage_error, tiny_tokenizer, write_workload
 from tests.test_cli_engine import one_thread  # noqa: F401  (its module-scoped autouse fixture: one thread for tiny models)

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import signal
-import sys
 from pathlib import Path
 
 import pytest
@@ -30,6 +28,7 @@ from dflash_doctor.models.loading import DEMO_DRAFT_DIR, demo_target_path, resol
 from dflash_doctor.rundir.load import load_run
 from dflash_doctor.serving.agreement import CONFIGURED, FIRST_LAYER_CONTEXT_K_NORM
 from tests.vllm_server import SERVED_NAME, free_port, start_vllm_server
+from tests.local_servers import stop_servers_on_sigterm  # noqa: F401 - autouse: stops the servers on a CI timeout
 
 pytestmark = pytest.mark.vllm
 
@@ -39,14 +38,6 @@ WORKLOAD = ["--workload", "demo", "--max-requests", "6", "--max-new-tokens", "64
 @pytest.fixture(scope="session")
 def demo_target_dir() -> Path:
     return resolve_model_dir(str(demo_target_path()))
-
-
-@pytest.fixture(scope="session", autouse=True)
-def stop_servers_on_sigterm():
-    """A CI timeout sends SIGTERM: turn it into SystemExit so the fixtures below stop their servers."""
-    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    yield
-    signal.signal(signal.SIGTERM, previous)
 
 
 @pytest.fixture(scope="session")

@@ -13,13 +13,10 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
-from local_servers import free_port, wait_until_answering  # tests/ is on sys.path under pytest and as a script
+from local_servers import EngineServer, free_port, start_engine_server  # tests/ is on sys.path under pytest and as a script
 
 REPO = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
@@ -27,33 +24,8 @@ SERVED_NAME = "smollm2-dflash"
 START_TIMEOUT_S = 900.0
 
 
-@dataclass
-class VllmServer:
-    """A running server: its URL, the process (group leader) and the log file."""
-
-    url: str
-    process: subprocess.Popen
-    log_path: Path
-
-    def stop(self) -> None:
-        """SIGTERM the server's own process group, then SIGKILL whatever is left after 30 s."""
-        if self.process.poll() is not None:
-            return
-        group = os.getpgid(self.process.pid)
-        os.killpg(group, signal.SIGTERM)
-        try:
-            self.process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            pass
-        try:
-            os.killpg(group, signal.SIGKILL)  # engine-core children that outlived the API server
-        except ProcessLookupError:
-            pass
-        self.process.wait(timeout=30)
-
-
 def start_vllm_server(target_dir: Path, draft_dir: Path, log_path: Path, *, num_speculative_tokens: int = 15,
-                      port: int | None = None) -> VllmServer:
+                      port: int | None = None) -> EngineServer:
     """Launch ``python -m vllm.entrypoints.openai.api_server`` with the DFlash draft and detailed metrics."""
     if not VLLM_PYTHON.is_file():
         raise RuntimeError(f"{VLLM_PYTHON} is missing; run `bash scripts/setup-dev.sh` (it builds the vLLM environment).")
@@ -68,23 +40,7 @@ def start_vllm_server(target_dir: Path, draft_dir: Path, log_path: Path, *, num_
         "--per-request-spec-decode-metrics", "detailed",
     ]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "INFO"}
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    log = log_path.open("w")
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    server = VllmServer(f"http://127.0.0.1:{port}", process, log_path)
-    try:
-        wait_ready(server)
-    except BaseException:
-        server.stop()
-        raise
-    return server
-
-
-def wait_ready(server: VllmServer, timeout_s: float = START_TIMEOUT_S) -> None:
-    not_ready = wait_until_answering(server.url + "/v1/models", server.process, timeout_s, poll_s=2)
-    if not_ready is not None:
-        tail = server.log_path.read_text(errors="replace")[-3000:]
-        raise RuntimeError(f"vLLM did not start: {not_ready}; {server.log_path}:\n{tail}")
+    return start_engine_server("vLLM", command, f"http://127.0.0.1:{port}", "/v1/models", log_path, START_TIMEOUT_S, env)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 
 from dflash_doctor.checks import CheckContext, exit_code, run_checks
-from dflash_doctor.inputs.engine_config import parse_engine_config
+from dflash_doctor.serving.engine_settings import engine_settings
 from dflash_doctor.inputs.environment import collect_environment
 from dflash_doctor.inputs.check_inputs import load_config_json, load_template_spec, load_tokenizer_spec
 from dflash_doctor.report.terminal import print_check_results
@@ -74,7 +74,7 @@ def env_command(engine_config: EngineConfig = None, draft: Draft = None, config:
     doctor_config = build_config(config, fail_on=fail_on, engine_config=engine_config, draft=draft)
     ctx = CheckContext(
         environment=collect_environment(),
-        engine_config=parse_engine_config(doctor_config.engine_config) if doctor_config.engine_config else None,
+        engine_config=engine_settings(doctor_config.engine_config) if doctor_config.engine_config else None,
         draft_config=load_config_json(doctor_config.draft),
         config=doctor_config,
     )

@@ -1,15 +1,18 @@
-"""Read how a serving engine is configured for speculation: a vLLM ``speculative_config`` or SGLang flags.
+"""Read how a serving engine is configured for speculation: vLLM, SGLang or llama.cpp settings.
 
 ``--engine-config FILE`` accepts what people already have at hand: a vLLM ``speculative_config`` JSON,
 a larger vLLM JSON that contains one (engine args, a saved config), or a launch command line / flags
-text for SGLang (``--speculative-num-draft-tokens 16 --attention-backend fa3``) or vLLM
-(``--speculative-config '{...}'``). Everything is normalised into one dict so the rules in rules.toml
-can ask about K and attention backends without caring which engine wrote them.
+text for SGLang (``--speculative-num-draft-tokens 16 --attention-backend fa3``), vLLM
+(``--speculative-config '{...}'``) or llama-server (``--spec-type draft-dflash --spec-draft-n-max 15``).
+``--engine-config http://HOST:PORT`` reads a running llama-server instead: ``/props`` and ``/metrics``.
+Everything is normalised into one dict so the rules in rules.toml can ask about K and attention backends
+without caring which engine wrote them.
 
-The two engines count K differently (REFERENCE.md section 1): vLLM's ``num_speculative_tokens`` is
-the number of drafted tokens (B - 1 for a DFlash block of B), SGLang's
-``--speculative-num-draft-tokens`` counts the block including its root (B). ``drafted_tokens`` is the
-engine-independent count.
+The engines count K differently (REFERENCE.md section 1): vLLM's ``num_speculative_tokens`` is the
+number of drafted tokens (B - 1 for a DFlash block of B), SGLang's ``--speculative-num-draft-tokens``
+counts the block including its root (B), llama.cpp's ``--spec-draft-n-max`` counts drafted tokens like
+vLLM but defaults to 3 (common/common.h) and is clamped to B - 1 for DFlash (common/speculative.cpp).
+``drafted_tokens`` is the engine-independent count.
 """
 
 from __future__ import annotations
@@ -23,6 +26,13 @@ from dflash_doctor.errors import UsageError
 
 _SGLANG_MARKERS = ("--speculative-num-draft-tokens", "--speculative-algorithm", "--speculative-draft-model-path")
 _VLLM_MARKERS = ("--speculative-config", "--speculative_config")
+_LLAMACPP_MARKERS = ("--spec-type", "--spec-draft-n-max", "--spec-draft-model", "--model-draft")
+LLAMACPP_DEFAULT_N_MAX = 3  # llama.cpp common/common.h common_params_speculative_draft::n_max
+
+
+def is_server_url(spec: str | Path) -> bool:
+    """``--engine-config`` names a running server (read by :mod:`dflash_doctor.serving.engine_settings`), not a file."""
+    return str(spec).startswith(("http://", "https://"))
 
 
 def parse_engine_config(path: str | Path) -> dict[str, Any]:
@@ -48,9 +58,13 @@ def parse_engine_config_text(text: str, source: str = "<text>") -> dict[str, Any
         return _from_vllm_flags(flags, source)
     if any(marker.lstrip("-").replace("-", "_") in flags for marker in _SGLANG_MARKERS):
         return _from_sglang_flags(flags, source)
+    if any(marker.lstrip("-").replace("-", "_") in flags for marker in _LLAMACPP_MARKERS):
+        n_max = _int_or_none(flags.get("spec_draft_n_max"), "--spec-draft-n-max", source)
+        return llamacpp_settings(flags.get("spec_type"), flags.get("spec_draft_model") or flags.get("model_draft"),
+                                LLAMACPP_DEFAULT_N_MAX if n_max is None else n_max, source)
     raise UsageError(
         f"--engine-config {source} has neither a vLLM speculative_config nor SGLang --speculative-* flags; "
-        "pass the JSON given to --speculative-config or the SGLang launch flags."
+        "pass the JSON given to --speculative-config, the SGLang launch flags or llama-server's --spec-* flags."
     )
 
 
@@ -161,4 +175,18 @@ def _from_sglang_flags(flags: dict[str, Any], source: str) -> dict[str, Any]:
         "draft_attention_backend": None if draft_attention is None else str(draft_attention).lower(),
         "cuda_graphs": not flags.get("disable_cuda_graph", False),
         "draft_sample_method": "greedy",  # SGLang scores drafts by their argmax
+    }
+
+
+def llamacpp_settings(spec_type: Any, draft_model: Any, n_max: int | None, source: str) -> dict[str, Any]:
+    """llama-server's settings; ``spec_type`` as given to ``--spec-type`` (``draft-dflash``, ``draft-simple``...)."""
+    kind = None if spec_type is None else str(spec_type).lower()
+    return {
+        "engine": "llamacpp",
+        "source": source,
+        "method": None if kind is None else kind.removeprefix("draft-"),
+        "draft_model": draft_model,
+        "spec_draft_n_max": n_max,
+        "drafted_tokens": n_max,
+        "draft_sample_method": "greedy",  # llama.cpp drafts each position's most likely token (top-k 10, first)
     }

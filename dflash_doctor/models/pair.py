@@ -20,7 +20,6 @@ from dflash_doctor.engine.proposers.base import Proposer
 from dflash_doctor.engine.target import TargetModel
 from dflash_doctor.errors import UsageError
 from dflash_doctor.inputs.config import DoctorConfig
-from dflash_doctor.inputs.engine_config import parse_engine_config
 from dflash_doctor.inputs.validation import read_config_json
 from dflash_doctor.inputs.workloads import read_chat_template
 from dflash_doctor.models.draft_formats import refuse_gguf_dflash
@@ -136,15 +135,10 @@ class Pair:
         )
 
 
-def draft_sample_method(config: DoctorConfig) -> str:
-    """How the modelled engine drafts under sampling: the --engine-config's, else vLLM's default ``greedy``."""
-    if not config.engine_config:
-        return "greedy"
-    return parse_engine_config(config.engine_config)["draft_sample_method"]
-
-
-def load_pair(config: DoctorConfig) -> Pair:
-    """Load the configured pair (the built-in demo pair when no model flags are given)."""
+def load_pair(config: DoctorConfig, engine_settings: dict[str, Any] | None = None) -> Pair:
+    """Load the configured pair (the built-in demo pair when no model flags are given). ``engine_settings``:
+    the resolved ``--engine-config`` (:func:`dflash_doctor.serving.engine_settings.engine_settings`), whose
+    draft sampling method the proposer models; without one, vLLM's default ``greedy``."""
     from transformers import AutoTokenizer
 
     if config.draft_kind != "auto":
@@ -166,7 +160,7 @@ def load_pair(config: DoctorConfig) -> Pair:
     options = LoadOptions(dtype=config.dtype, device=draft_device, trust_remote_code=config.trust_remote_code)
     draft_model = kind.load(draft_dir, target_dir, target_model.config, options)
     target = TargetModel(target_model)
-    sampling = Sampling(temperature=config.temperature, draft_sample_method=draft_sample_method(config))
+    sampling = Sampling(temperature=config.temperature, draft_sample_method=engine_settings["draft_sample_method"] if engine_settings else "greedy")
     target_info = ModelInfo(
         id=target_spec, revision_or_hash=fingerprint(target_dir), hub_commit=hub_commit(target_dir), dtype=config.dtype,
         device=config.device, kind="target",

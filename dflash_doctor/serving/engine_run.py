@@ -36,7 +36,15 @@ FIGURES_FROM = {
     "responses": "the server's per-request metrics in each response",
     "counters": "the server's /metrics counters scraped around each request, one request at a time "
                 "(the server reports no per-request metrics; other traffic on it would leak in; step order unknown)",
+    "timings and counters": "llama.cpp's timings per response (draft tokens, accepted tokens), with the verify steps and "
+                            "per-position acceptances from its /metrics counters scraped around each request, one request "
+                            "at a time (llama.cpp returns no verify-step count per request; step order unknown)",
 }
+
+LLAMA_CPP_WITHOUT_METRICS = (
+    "llama.cpp returns drafted and accepted tokens per request (timings.draft_n) but no verify-step count, so no tau; "
+    "restart llama-server with --metrics so the doctor reads the verify steps from /metrics, one request at a time"
+)
 
 
 @dataclass
@@ -62,8 +70,12 @@ class EngineTurn:
 
 
 def request_body(endpoint: EngineEndpoint, request: Request, messages: list[dict[str, Any]] | None,
-                 max_tokens: int, config: DoctorConfig) -> tuple[str, dict[str, Any]]:
-    """(path, JSON body) for one turn; asks vLLM for token ids and SGLang for its spec details."""
+                 max_tokens: int, config: DoctorConfig, *, ids_from_probs: bool = False) -> tuple[str, dict[str, Any]]:
+    """(path, JSON body) for one turn; asks vLLM for token ids and SGLang for its spec details.
+
+    ``ids_from_probs``: llama.cpp returns output token ids only with its token probabilities
+    (``n_probs``, passed through its OpenAI endpoints: ``choices[0].logprobs.content[i].id``).
+    """
     body: dict[str, Any] = {
         "model": endpoint.model,
         "max_tokens": max_tokens,
@@ -74,6 +86,8 @@ def request_body(endpoint: EngineEndpoint, request: Request, messages: list[dict
         "return_token_ids": True,  # vLLM: prompt_token_ids + choices[0].token_ids
         "return_spec_tokens_details": True,  # SGLang: sglext.spec_tokens_details
     }
+    if ids_from_probs:
+        body["n_probs"] = 1
     if messages is None:
         body["prompt"] = request.prompt
         return "/v1/completions", body
@@ -96,17 +110,22 @@ def read_completion(body: dict[str, Any]) -> tuple[str, list[int] | None, list[i
     output_ids = choice.get("token_ids")
     if output_ids is None:
         output_ids = (choice.get("meta_info") or body.get("meta_info") or {}).get("output_token_ids")
+    probs = (choice.get("logprobs") or {}).get("content") if isinstance(choice.get("logprobs"), dict) else None
+    if output_ids is None and probs and all(isinstance(p, dict) and "id" in p for p in probs):
+        output_ids = [p["id"] for p in probs]  # llama.cpp with n_probs
     prompt_ids = body.get("prompt_token_ids", choice.get("prompt_token_ids"))
     finish = choice.get("finish_reason")
     stop_reason = "max_new_tokens" if finish == "length" else "stop_token"
     return text or "", output_ids, prompt_ids, stop_reason, body.get("usage") or {}
 
 
-def ask(endpoint: EngineEndpoint, request: Request, config: DoctorConfig, *, from_counters: bool = False) -> list[EngineTurn]:
+def ask(endpoint: EngineEndpoint, request: Request, config: DoctorConfig, *, from_counters: bool = False,
+        ids_from_probs: bool = False) -> list[EngineTurn]:
     """All turns of one request, in order; a later turn carries the server's own earlier answers.
 
     ``from_counters``: read each turn's figures from ``/metrics`` scraped before and after it (the
     fallback for a server without per-request metrics; only exact when nothing else runs meanwhile).
+    ``ids_from_probs``: see :func:`request_body` (llama.cpp).
     """
     max_tokens = turn_limit(request, config.max_new_tokens)
     turns = conversation_turns(request) if request.messages is not None else [None]
@@ -114,14 +133,14 @@ def ask(endpoint: EngineEndpoint, request: Request, config: DoctorConfig, *, fro
     results = []
     for turn, messages in enumerate(turns):
         filled = fill_answers(messages, answers) if messages is not None else None
-        path, payload = request_body(endpoint, request, filled, max_tokens, config)
+        path, payload = request_body(endpoint, request, filled, max_tokens, config, ids_from_probs=ids_from_probs)
         before = _counters(endpoint) if from_counters else None
         started = time.perf_counter()
         body = call(endpoint, "POST", path, payload)
         wall = time.perf_counter() - started
         check_response_shape(body)
         text, output_ids, prompt_ids, stop_reason, usage = read_completion(body)
-        measurement = check_measurement(measurement_between(before, _counters(endpoint)) if before is not None else parse_response(body))
+        measurement = check_measurement(counted_measurement(before, _counters(endpoint), body) if before is not None else parse_response(body))
         output_ids = [int(t) for t in output_ids] if output_ids is not None else None
         results.append(EngineTurn(
             request=request, turn=turn, output_text=text, output_token_ids=output_ids,
@@ -133,6 +152,20 @@ def ask(endpoint: EngineEndpoint, request: Request, config: DoctorConfig, *, fro
         ))
         answers.append(text)
     return results
+
+
+def counted_measurement(before: EngineCounters, after: EngineCounters, body: dict[str, Any]) -> SpecMeasurement:
+    """One request's figures from the /metrics counters around it, checked against the draft tokens the
+    response itself reports (llama.cpp's ``timings.draft_n``): a difference is other traffic on the server."""
+    measurement = measurement_between(before, after)
+    timings = body.get("timings")
+    if isinstance(timings, dict) and "draft_n" in timings and int(timings["draft_n"]) != measurement.num_draft_tokens:
+        raise MissingMetrics(
+            f"the server's /metrics counters moved by {measurement.num_draft_tokens} draft tokens while the request "
+            f"drafted {int(timings['draft_n'])} (timings.draft_n): other requests ran on it meanwhile; measure on a "
+            "server that serves nothing else"
+        )
+    return measurement
 
 
 def _counters(endpoint: EngineEndpoint) -> EngineCounters:
@@ -148,15 +181,23 @@ def figures_source(endpoint: EngineEndpoint, first: Request, config: DoctorConfi
     (``"counters"``, []) when only its /metrics counters can stand in (the sequential fallback).
 
     Asks the first request alone; a response without figures from a server whose /metrics has no
-    spec-decode counters either re-raises the response's own sentence.
+    spec-decode counters either re-raises the response's own sentence. llama.cpp's responses carry tokens
+    but no verify-step count: its /metrics counters give the steps (``"timings and counters"``), and the
+    first request is asked again around two scrapes.
     """
     try:
-        return "responses", ask(endpoint, first, config)
+        turns = ask(endpoint, first, config)
     except MissingMetrics as exc:
         text = scrape_metrics(endpoint) if exc.per_request_off else None
         if text and read_counters(text, endpoint.model) is not None:
             return "counters", []
         raise
+    if turns[0].measurement.num_drafts is not None:
+        return "responses", turns
+    text = scrape_metrics(endpoint)
+    if not text or read_counters(text, endpoint.model) is None:
+        raise MissingMetrics(LLAMA_CPP_WITHOUT_METRICS)
+    return "timings and counters", []
 
 
 def turn_rows(result: EngineTurn) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -231,10 +272,11 @@ def measure_engine(endpoint: EngineEndpoint, requests: list[Request], config: Do
     try:
         source, first_turns = figures_source(endpoint, requests[0], config) if requests else ("responses", [])
         record.source.details["figures_from"] = FIGURES_FROM[source]
-        from_counters = source == "counters"
+        from_counters = source != "responses"
         pool = concurrent.futures.ThreadPoolExecutor(max_workers=1 if from_counters else max(1, concurrency))
         remaining = requests[1:] if first_turns else requests
-        futures = [pool.submit(ask, endpoint, request, config, from_counters=from_counters) for request in remaining]
+        futures = [pool.submit(ask, endpoint, request, config, from_counters=from_counters,
+                               ids_from_probs=source == "timings and counters") for request in remaining]
         done: concurrent.futures.Future = concurrent.futures.Future()
         done.set_result(first_turns)
         for future in [done, *concurrent.futures.as_completed(futures)]:
@@ -278,10 +320,10 @@ def engine_facts(answered: list[EngineTurn]) -> dict[str, Any]:
     if not answered:
         return {}
     m = answered[0].measurement
-    if m.engine == LLAMA_CPP:
-        steps = "none: llama.cpp reports drafted and accepted tokens only, so this run has an acceptance rate and no tau"
-    elif all(t.measurement.steps_in_order for t in answered):
+    if all(t.measurement.steps_in_order for t in answered):
         steps = "in order (per-step arrays)"
+    elif m.engine == LLAMA_CPP:
+        steps = "histogram only (from /metrics per-position counters; llama.cpp reports no step order)"
     else:
         steps = "histogram only (step order unknown; vLLM --per-request-spec-decode-metrics detailed gives the order)"
     return {

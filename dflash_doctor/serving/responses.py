@@ -12,8 +12,9 @@ draft tokens, ``num_accepted_tokens`` excludes the bonus token, and ``tau = 1 + 
   ``spec_num_correct_drafts`` accepted drafts (bonus excluded), so tau = 1 + correct / verify_ct. SGLang's
   own per-request ``spec_accept_length`` is ``completion_tokens / spec_verify_ct``: it counts the
   prefill's token too and reads high on short outputs; it is kept beside ours, never used as tau.
-* llama.cpp: ``timings.draft_n`` / ``timings.draft_n_accepted`` only. There is no verify-step count, so no
-  tau: the run says "acceptance rate only".
+* llama.cpp: ``timings.draft_n`` / ``timings.draft_n_accepted`` only (tools/server, present once the request
+  drafted). There is no verify-step count, so no tau from the response: ``check --engine`` takes the steps
+  from llama-server's ``/metrics`` counters around each request (serving/engine_run.py).
 """
 
 from __future__ import annotations
@@ -175,7 +176,7 @@ def parse_response(body: Mapping[str, Any]) -> SpecMeasurement:
         raise MissingMetrics(
             "the response has engine metrics but no speculative-decoding figures: the server is not "
             "speculating (start it with a draft: vLLM --speculative-config, SGLang --speculative-algorithm, "
-            "llama.cpp --spec-type)"
+            "llama.cpp -md DRAFT --spec-type)"
         )
     raise MissingMetrics(
         "the response carries no per-request speculative-decoding metrics; start vLLM with "
@@ -206,10 +207,13 @@ def step_rows(measurement: SpecMeasurement, output_ids: list[int] | None) -> lis
             position += n_accepted + 1
         return rows
     if measurement.acceptance_histogram is not None and measurement.num_drafts:
+        # Drafts of varying length (llama.cpp's draft-simple stops early; every engine shortens the last ones)
+        # are known only on average here; a step that accepted j tokens drafted at least j.
         per_step_drafted = round(measurement.num_draft_tokens / measurement.num_drafts) if measurement.num_draft_tokens else k
         for n_accepted, count in enumerate(measurement.acceptance_histogram):
             for _ in range(count):
-                rows.append(StepRecord(step=len(rows), position=-1, k=k, num_drafted=per_step_drafted, num_accepted=n_accepted, bonus_token=-1))
+                rows.append(StepRecord(step=len(rows), position=-1, k=k, num_drafted=max(per_step_drafted, n_accepted),
+                                       num_accepted=n_accepted, bonus_token=-1))
     return rows
 
 
