@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from official_dflash import official_config, official_model, save_official
 from tiny_models import tiny_dflash, tiny_target
 
-from dflash_doctor.models.draft_formats import normalise_draft_config, refuse_gguf_dflash
+from dflash_doctor.models.draft_formats import normalise_draft_config
 from dflash_doctor.models.draft_kinds import detect_draft_kind
 from dflash_doctor.engine.proposers.dflash import DFlashProposer
 from dflash_doctor.engine.target import TargetModel
@@ -127,15 +127,21 @@ def test_dflash2_codebooks_and_speculators_dflash2(target, tmp_path):
     torch.testing.assert_close(_logits(spec, target), _logits(load_dflash_draft(zlab_dir), target), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("where, key, message", [
-    ("top", "rope_magic", "key 'rope_magic' is not a DFlash draft key"),
-    ("dflash_config", "block_stride", "dflash_config key 'block_stride' is not a DFlash draft key"),
-    ("dflash_config", "attention_sink_bias", "dflash_config.attention_sink_bias = True asks for attention sink biases"),
-    ("top", "hidden_act", "hidden_act 'gelu' is not silu"),
+@pytest.mark.parametrize("where, key, value, message", [
+    ("top", "rope_magic", True, "key 'rope_magic' is not a DFlash draft key"),
+    ("dflash_config", "block_stride", True, "dflash_config key 'block_stride' is not a DFlash draft key"),
+    ("dflash_config", "attention_sink_bias", True, "dflash_config.attention_sink_bias = True asks for per-head attention sink biases"),
+    ("dflash_config", "attention_value_scale", 0.5, "dflash_config.attention_value_scale = 0.5 asks for scaled attention values"),
+    ("dflash_config", "sample_from_anchor", True, "sample_from_anchor = True asks for the anchor-first layout"),
+    ("top", "sample_from_anchor", True, "sample_from_anchor = True asks for the anchor-first layout"),
+    ("dflash_config", "projector_type", "domino", "projector_type = 'domino' asks for another projector"),
+    ("top", "markov_rank", 64, "key 'markov_rank' marks a DSpark draft"),
+    ("top", "enable_confidence_head", True, "key 'enable_confidence_head' marks a DSpark draft"),
+    ("top", "architectures", ["Qwen3DSparkModel"], "Qwen3DSparkModel marks a DSpark draft"),
+    ("top", "hidden_act", "gelu", "hidden_act 'gelu' is not silu"),
 ])
-def test_unknown_or_unmodelled_keys_are_refused_naming_the_key(zlab_dir, where, key, message):
+def test_unknown_or_unmodelled_keys_are_refused_naming_the_key(zlab_dir, where, key, value, message):
     raw = json.loads((zlab_dir / "config.json").read_text())
-    value = "gelu" if key == "hidden_act" else True
     if where == "top":
         raw[key] = value
     else:
@@ -152,18 +158,37 @@ def test_flat_tiny_draft_round_trips(target, tmp_path):
     assert loaded.config.layer_types == ["sliding_attention", "full_attention"] and loaded.config.sliding_window == 3
 
 
-def test_gguf_dflash_draft_is_refused_in_one_sentence(tmp_path):
-    import gguf
+def test_neutral_values_of_refused_keys_load(zlab_dir):
+    raw = json.loads((zlab_dir / "config.json").read_text())
+    raw["dflash_config"].update(sample_from_anchor=False, attention_sink_bias=False, num_target_layers=7)
+    raw["sample_from_anchor"] = False
+    del raw["num_target_layers"]
+    assert normalise_draft_config(raw).config["num_target_layers"] == 7  # SGLang reads it inside dflash_config too
 
-    path = tmp_path / "draft.gguf"
-    writer = gguf.GGUFWriter(str(path), "dflash")
-    writer.add_uint32("dflash.block_size", 16)
-    writer.add_array("dflash.target_layers", [2, 11, 19, 28])
-    writer.add_tensor("fc.weight", torch.zeros(4, 16).numpy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    with pytest.raises(UsageError, match="general.architecture = dflash"):
-        refuse_gguf_dflash(str(path))
-    refuse_gguf_dflash(str(tmp_path / "not-a-file.gguf"))  # anything else is left to the loader
+
+def test_jetspec_causal_key_equals_official_is_causal(target, tmp_path):
+    """JetSpec stamps dflash_config.causal = true (NeMo Automodel train_jetspec); vLLM's _dflash_layer_causal
+    (model_executor/models/qwen3_dflash.py, commit 036a00d) reads it as the all-layer override that the
+    official dflash 0.1.0 reads from top-level is_causal, so the official causal variant is the reference."""
+    official_dir = save_official(official_model(official_config(target, "causal")), tmp_path / "official")
+    raw = json.loads((official_dir / "config.json").read_text())
+    del raw["is_causal"]
+    raw["dflash_config"]["causal"] = True
+    jetspec = load_dflash_draft(_rewrite(official_dir, tmp_path / "jetspec", raw))
+    assert jetspec.config.is_causal is True
+    torch.testing.assert_close(_logits(jetspec, target), _logits(load_dflash_draft(official_dir), target), rtol=0, atol=0)
+    bidirectional = save_official(official_model(official_config(target, "full")), tmp_path / "full")
+    assert not torch.equal(_logits(jetspec, target), _logits(load_dflash_draft(bidirectional), target))
+
+
+def test_speculators_requires_sample_from_anchor_false_and_defaults_block_size(zlab_dir):
+    zlab = json.loads((zlab_dir / "config.json").read_text())
+    ids = [i + 1 for i in zlab["dflash_config"]["target_layer_ids"]]
+    assert normalise_draft_config(_speculators_config(zlab, aux_ids=ids, sample_from_anchor=False)).config["block_size"] == zlab["block_size"]
+    with pytest.raises(UsageError, match="sample_from_anchor = True asks for the anchor-first layout"):
+        normalise_draft_config(_speculators_config(zlab, aux_ids=ids, sample_from_anchor=True))
+    without_block = _speculators_config(zlab, aux_ids=ids)
+    del without_block["block_size"]
+    assert normalise_draft_config(without_block).config["block_size"] == 8  # speculators' DFlashSpeculatorConfig default
+    with pytest.raises(UsageError, match="speculators_model_type dspark marks a DSpark draft"):
+        normalise_draft_config(dict(without_block, speculators_model_type="dspark"))

@@ -13,8 +13,15 @@ convention (id ``l`` = output of target decoder layer ``l`` = HF ``hidden_states
   ``i - 1``, its PR #40727); causality from ``sliding_window_non_causal`` (default true = non-causal);
   ``draft_vocab_size`` < the target's means the draft predicts over its own vocabulary through its own
   ``lm_head`` and maps ids with the ``d2t`` tensor (target id = draft id + d2t[draft id]).
-* ``gguf`` (llama.cpp ``general.architecture = dflash``): recognised and refused with a sentence (its
-  tensor names have no reference we can test against yet); its ``dflash.target_layers`` are ours plus one.
+* ``gguf`` (llama.cpp ``general.architecture = dflash``): converted once to this layout by
+  :mod:`dflash_doctor.models.gguf_draft`, which records the source in ``dflash_doctor.source_format``
+  (read back here); its ``dflash.target_layers`` are ours plus one.
+
+Read and checked against a reference (docs/draft-formats.md): ``dflash_config.causal`` (JetSpec; vLLM's
+all-layer override), the DFlash 2 keys, ``num_target_layers`` at either level, ``sample_from_anchor =
+false``. Refused by name, each with its reason: ``sample_from_anchor = true`` (the anchor-first layout of
+DSpark), ``projector_type`` (Domino's GRU correction), DSpark drafts (a Markov head, optionally a
+confidence head), MiMo's ``attention_sink_bias`` / ``attention_value_scale``.
 
 Qwen3 semantics kept from transformers: ``sliding_window`` counts only with ``use_sliding_window`` true
 (``Qwen3Config`` sets it to None otherwise, which is what the official code and vLLM then see).
@@ -56,16 +63,24 @@ DFLASH_CONFIG_KEYS = frozenset(
     {
         "mask_token_id", "target_layer_ids", "block_size", "causal", "input_embedding_scale", "output_multiplier",
         "final_logit_softcapping", "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k",
+        "num_target_layers",
     }
 )
 #: Known keys whose non-default value changes the computation in a way this tool does not model.
 UNSUPPORTED = {
     "use_swa": (False, "a sliding window forced on every layer"),
-    "attention_sink_bias": (False, "attention sink biases"),
-    "sample_from_anchor": (False, "sampling from the anchor slot (vLLM refuses it too)"),
+    "attention_sink_bias": (False, "per-head attention sink biases (MiMo drafts)"),
+    "attention_value_scale": (None, "scaled attention values (MiMo drafts)"),
+    "sample_from_anchor": (False, "the anchor-first layout where slot k predicts position p + k + 1 (DSpark's convention: "
+                                  "vLLM refuses it for DFlash, speculators requires false, llama.cpp reads it only for draft-dspark)"),
+    "projector_type": (None, "another projector (domino: a GRU correction loop over the drafted slots, SGLang dflash_utils.py)"),
     "use_aux_hidden_state": (True, "drafting without target hidden states"),
 }
 ARCHITECTURES = {"DFlashDraftModel": "zlab", "DFlash2DraftModel": "zlab", "Qwen3DFlashDraftModel": "nemo"}
+#: A DSpark draft (DFlash + a Markov head over the draft logits, optionally a confidence head): vLLM serves it with
+#: its own proposer (v1/spec_decode/dspark.py), llama.cpp with --spec-type draft-dspark; names from both and speculators.
+DSPARK_ARCHITECTURES = frozenset({"Qwen3DSparkModel", "DSparkDraftModel", "DSparkSpeculator", "Lfm2DSparkDraftModel", "LingDSparkModel"})
+DSPARK_KEYS = frozenset({"markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov", "dspark_target_layer_ids"})
 SPECULATORS_KEYS = frozenset(
     {
         "speculators_model_type", "speculators_config", "speculators_version", "transformer_layer_config",
@@ -74,8 +89,11 @@ SPECULATORS_KEYS = frozenset(
         "max_anchors", "proposal_speculative_tokens", "architectures", "transformers_version", "dtype", "torch_dtype",
         "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "input_embedding_scale",
         "output_multiplier", "final_logit_softcapping", "norm_before_residual", "has_no_defaults_at_init", "auto_map",
+        "sample_from_anchor",
     }
 )
+#: speculators' DFlashSpeculatorConfig.block_size default (src/speculators/models/dflash/config.py, commit c05b95b3).
+SPECULATORS_DEFAULT_BLOCK_SIZE = 8
 
 
 @dataclass
@@ -108,6 +126,18 @@ def _refuse_unsupported(table: dict[str, Any], where: str, source: str) -> None:
             raise UsageError(f"{source}: {where}{key} = {table[key]!r} asks for {meaning}, which this tool does not model; use a draft without it.")
 
 
+def _refuse_dspark(raw: dict[str, Any], source: str) -> None:
+    """DSpark drafts (and the confidence head, which only DSpark has) are another proposer, refused by name."""
+    named = [a for a in raw.get("architectures") or [] if a in DSPARK_ARCHITECTURES]
+    keys = sorted(k for k in raw if k in DSPARK_KEYS)
+    if raw.get("speculators_model_type") == "dspark":
+        named = ["speculators_model_type dspark"]
+    if named or keys:
+        what = named[0] if named else f"key {keys[0]!r}"
+        raise UsageError(f"{source}: {what} marks a DSpark draft (a Markov head over the draft logits, vLLM v1/spec_decode/dspark.py, "
+                         "llama.cpp --spec-type draft-dspark), which this tool does not model; use a DFlash draft.")
+
+
 def _rope_from_parameters(out: dict[str, Any]) -> None:
     """transformers 5 ``rope_parameters`` -> ``rope_theta`` + ``rope_scaling`` (None for the default type)."""
     params = out.pop("rope_parameters", None)
@@ -133,10 +163,10 @@ def _qwen3_window(out: dict[str, Any]) -> None:
 
 
 def _from_zlab(raw: dict[str, Any], source: str, dialect: str) -> NormalisedDraft:
-    _refuse_unknown(raw, INERT_KEYS | MODEL_KEYS, "", source)
     dflash = dict(raw.get("dflash_config") or {})
     _refuse_unsupported(dflash, "dflash_config.", source)
     _refuse_unsupported(raw, "", source)
+    _refuse_unknown(raw, INERT_KEYS | MODEL_KEYS | set(UNSUPPORTED), "", source)
     _refuse_unknown(dflash, DFLASH_CONFIG_KEYS | set(UNSUPPORTED), "dflash_config ", source)
     if raw.get("hidden_act", "silu") != "silu":
         raise UsageError(f"{source}: hidden_act {raw['hidden_act']!r} is not silu, the DFlash MLP; use a DFlash draft checkpoint.")
@@ -145,19 +175,28 @@ def _from_zlab(raw: dict[str, Any], source: str, dialect: str) -> NormalisedDraf
     if "block_size" in dflash:
         out.setdefault("block_size", dflash["block_size"])
     out["dflash_config"].pop("block_size", None)
+    if "num_target_layers" in dflash:  # SGLang reads it from dflash_config first, then the top level
+        out["num_target_layers"] = out["dflash_config"].pop("num_target_layers")
     out["max_window_layers"] = raw.get("max_window_layers")
     _rope_from_parameters(out)
     _qwen3_window(out)
     architectures = raw.get("architectures") or ["DFlashDraftModel"]
     out["architectures"] = ["DFlash2DraftModel" if "DFlash2DraftModel" in architectures else "DFlashDraftModel"]
     ids = out["dflash_config"].get("target_layer_ids", out.get("target_layer_ids"))
-    return NormalisedDraft(config=out, dialect=dialect, layer_id_offset=0, source_layer_ids=list(ids or []))
+    draft_vocab = raw.get("draft_vocab_size")
+    draft_vocab = None if draft_vocab in (None, out.get("vocab_size")) else int(draft_vocab)
+    origin = (raw.get("dflash_doctor") or {}).get("source_format")  # a draft this tool converted (a GGUF file)
+    if origin:
+        return NormalisedDraft(config=out, dialect=origin["dialect"], layer_id_offset=origin["layer_id_offset"],
+                               source_layer_ids=origin["source_layer_ids"], draft_vocab_size=draft_vocab)
+    return NormalisedDraft(config=out, dialect=dialect, layer_id_offset=0, source_layer_ids=list(ids or []), draft_vocab_size=draft_vocab)
 
 
 def _from_speculators(raw: dict[str, Any], source: str) -> NormalisedDraft:
     kind = raw["speculators_model_type"]
     if kind not in ("dflash", "dflash2"):
         raise UsageError(f"{source}: speculators_model_type {kind!r} is not a DFlash draft (dflash or dflash2); pass a DFlash checkpoint.")
+    _refuse_unsupported(raw, "", source)
     _refuse_unknown(raw, SPECULATORS_KEYS, "", source)
     layer = raw.get("transformer_layer_config")
     if not isinstance(layer, dict):
@@ -179,9 +218,7 @@ def _from_speculators(raw: dict[str, Any], source: str) -> NormalisedDraft:
         tokens = raw.get("proposal_speculative_tokens")
         methods = (raw.get("speculators_config") or {}).get("proposal_methods") or []
         tokens = tokens if tokens is not None else next((m.get("speculative_tokens") for m in methods if "speculative_tokens" in m), None)
-        if tokens is None:
-            raise UsageError(f"{source}: speculators config has neither block_size nor proposal speculative_tokens; add block_size.")
-        block_size = int(tokens) + 1
+        block_size = SPECULATORS_DEFAULT_BLOCK_SIZE if tokens is None else int(tokens) + 1
     out["block_size"] = block_size
     out["dflash_config"] = {"mask_token_id": raw["mask_token_id"], "target_layer_ids": ids}
     out["dflash_config"]["causal"] = not raw.get("sliding_window_non_causal", True)
@@ -198,7 +235,8 @@ def _from_speculators(raw: dict[str, Any], source: str) -> NormalisedDraft:
 
 
 def normalise_draft_config(raw: dict[str, Any], source: str = "config.json") -> NormalisedDraft:
-    """The z-lab config for any dialect above (GGUF drafts are converted by :mod:`dflash_doctor.gguf_draft`)."""
+    """The z-lab config for any dialect above (GGUF drafts are converted by :mod:`dflash_doctor.models.gguf_draft`)."""
+    _refuse_dspark(raw, source)
     if "speculators_model_type" in raw:
         return _from_speculators(raw, source)
     architectures = raw.get("architectures") or []
@@ -210,25 +248,3 @@ def normalise_draft_config(raw: dict[str, Any], source: str = "config.json") -> 
     if dialect == "zlab" and ("rope_parameters" in raw or "block_size" in (raw.get("dflash_config") or {})):
         dialect = "zlab-nested"
     return _from_zlab(raw, source, dialect)
-
-
-def refuse_gguf_dflash(spec: str) -> None:
-    """Refuse a llama.cpp DFlash draft (``general.architecture = dflash``) in one sentence, before the
-    GGUF converter (built for causal LMs) fails on it with a parser error; other specs pass through."""
-    from pathlib import Path
-
-    from gguf import GGUFReader
-
-    path = Path(spec)
-    if path.suffix != ".gguf" or not path.is_file():
-        return
-
-    field = GGUFReader(str(path)).fields.get("general.architecture")
-    if field is None:
-        return
-    architecture = bytes(field.parts[field.data[0]]).decode("utf-8", "replace")
-    if architecture in ("dflash", "dflash-draft"):
-        raise UsageError(
-            f"{path} is a llama.cpp DFlash draft (general.architecture = {architecture}); dflash-doctor reads DFlash drafts "
-            "from their safetensors checkpoint (config.json + model.safetensors), so pass that directory instead."
-        )

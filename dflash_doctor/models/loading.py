@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +24,7 @@ from dflash_doctor.engine.dflash2_model import CHECKPOINT_KEY_RENAMES, draft_mod
 from dflash_doctor.engine.dflash_model import DFlashConfig
 from dflash_doctor.errors import UsageError
 from dflash_doctor.models.draft_formats import normalise_draft_config
+from dflash_doctor.models.gguf_draft import gguf_architecture, write_converted
 from dflash_doctor.models.placement import layer_placement, target_devices
 
 if TYPE_CHECKING:
@@ -98,13 +100,27 @@ def _convert_gguf(gguf_path: Path) -> Path:
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
     (tmp / "source.json").write_text(json.dumps({"gguf": str(gguf_path), "sha256": file_sha256(gguf_path)}), encoding="utf-8")
-    (tmp / ".complete").touch()
-    if target_dir.exists():
-        import shutil
+    return _publish(tmp, target_dir)
 
-        shutil.rmtree(target_dir)
-    tmp.replace(target_dir)
-    return target_dir
+
+def _convert_gguf_dflash(gguf_path: Path) -> Path:
+    """A llama.cpp DFlash draft GGUF as a cached z-lab directory (:mod:`dflash_doctor.models.gguf_draft`),
+    written once per file hash like a GGUF target."""
+    out_dir = cache_dir() / "gguf-dflash" / file_sha256(gguf_path)[:20]
+    if (out_dir / ".complete").is_file():
+        return out_dir
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    write_converted(gguf_path, tmp)
+    return _publish(tmp, out_dir)
+
+
+def _publish(tmp: Path, final: Path) -> Path:
+    """Mark a converted cache folder complete and move it into place (replacing a stale one)."""
+    (tmp / ".complete").touch()
+    if final.exists():
+        shutil.rmtree(final)
+    tmp.replace(final)
+    return final
 
 
 def _hub_snapshot(repo_id: str) -> Path:
@@ -127,7 +143,7 @@ def resolve_model_dir(spec: str) -> Path:
     if path.suffix == ".gguf":
         if not path.is_file():
             raise UsageError(f"GGUF file {path} does not exist; pass an existing .gguf file.")
-        return _convert_gguf(path)
+        return _convert_gguf_dflash(path) if gguf_architecture(path) == "dflash" else _convert_gguf(path)
     if path.exists():
         if not path.is_dir() or not (path / "config.json").is_file():
             raise UsageError(f"{path} is not a model directory (no config.json); pass a folder with config.json and weights.")

@@ -21,7 +21,6 @@ from dflash_doctor.errors import UsageError
 from dflash_doctor.inputs.config import DoctorConfig
 from dflash_doctor.inputs.engine_config import parse_engine_config
 from dflash_doctor.inputs.workloads import read_chat_template
-from dflash_doctor.models.draft_formats import refuse_gguf_dflash
 from dflash_doctor.models.draft_kinds import DraftKind, LoadOptions, Sampling, get_draft_kind, resolve_draft_kind
 from dflash_doctor.models.loading import DEMO_DRAFT_DIR, demo_target_path, fingerprint, load_causal_lm, read_config, resolve_model_dir
 from dflash_doctor.models.placement import target_devices
@@ -154,7 +153,6 @@ def load_pair(config: DoctorConfig) -> Pair:
     if config.draft is None and not (DEMO_DRAFT_DIR / "config.json").is_file():
         raise UsageError(f"the built-in demo draft is missing from {DEMO_DRAFT_DIR}; reinstall dflash-doctor or pass --draft.")
     target_dir = resolve_model_dir(target_spec)
-    refuse_gguf_dflash(draft_spec)
     draft_dir = resolve_model_dir(draft_spec)
     draft_config = read_config(draft_dir)
     kind = resolve_draft_kind(config.draft_kind, draft_config, draft_spec)
