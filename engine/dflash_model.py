@@ -33,7 +33,8 @@ from dflash_doctor.errors import UsageError
 
 
 def default_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]:
-    """The ids DFlash uses when a config gives none (REFERENCE.md section 1).
+    """The official z-lab formula for layer ids (``dflash`` 0.1.0 ``build_target_layer_ids``, REFERENCE.md section 1):
+    train-draft's default and what engines guess for a config without ids (draft_formats.engine_layer_id_guesses).
 
     One tap -> the middle layer; n taps -> evenly spread from layer 1 to ``L - 3``
     (L=36, n=5 -> [1, 9, 17, 25, 33]).
@@ -96,7 +97,7 @@ class DFlashConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> "DFlashConfig":
-        """Read a z-lab config: ``block_size`` top-level or in ``dflash_config``; default layer ids."""
+        """Read a z-lab config: ``block_size`` top-level or in ``dflash_config``."""
         dflash = raw.get("dflash_config") or {}
         required = ["hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"]
         missing = [k for k in required if k not in raw]
@@ -110,10 +111,8 @@ class DFlashConfig:
             raise UsageError(f"{source} has no dflash_config.mask_token_id; add the reserved token id the draft uses as mask.")
         num_target_layers = raw.get("num_target_layers")
         layer_ids = dflash.get("target_layer_ids", raw.get("target_layer_ids"))
-        if layer_ids is None:
-            if num_target_layers is None:
-                raise UsageError(f"{source} has neither dflash_config.target_layer_ids nor num_target_layers; add the target layer ids.")
-            layer_ids = default_target_layer_ids(int(num_target_layers), int(raw["num_hidden_layers"]))
+        if layer_ids is None:  # engines guess differently (draft_formats.engine_layer_id_guesses): never guess
+            raise UsageError(f"{source} has no dflash_config.target_layer_ids; add the ids the draft was trained with.")
         known = {f for f in cls.__dataclass_fields__ if f != "extra"}
         values = {k: raw[k] for k in known if k in raw}
         for key in _DFLASH_CONFIG_KEYS:  # the official _draft_value: dflash_config first, then top level

