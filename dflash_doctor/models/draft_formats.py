@@ -21,13 +21,13 @@ Read and checked against a reference (docs/draft-formats.md): ``dflash_config.ca
 all-layer override), the DFlash 2 keys, ``num_target_layers`` at either level, ``sample_from_anchor =
 false``. Refused by name, each with its reason: ``sample_from_anchor = true`` (the anchor-first layout of
 DSpark), ``projector_type`` (Domino's GRU correction), DSpark drafts (a Markov head, optionally a
-confidence head), MiMo's ``attention_sink_bias`` / ``attention_value_scale``.
+confidence head). MiMo's ``attention_sink_bias`` / ``attention_value_scale`` are read (vLLM's meaning).
 
 Qwen3 semantics kept from transformers: ``sliding_window`` counts only with ``use_sliding_window`` true
 (``Qwen3Config`` sets it to None otherwise, which is what the official code and vLLM then see).
 
 A key this module does not know is refused with one sentence naming it: an unread key can change what
-the draft computes (``use_swa``, ``attention_sink_bias`` ...), and a silent misread is what this tool exists
+the draft computes (``use_swa``, ``swa_window_size`` ...), and a silent misread is what this tool exists
 to catch.
 """
 
@@ -65,14 +65,12 @@ DFLASH_CONFIG_KEYS = frozenset(
     {
         "mask_token_id", "target_layer_ids", "block_size", "causal", "input_embedding_scale", "output_multiplier",
         "final_logit_softcapping", "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k",
-        "num_target_layers",
+        "num_target_layers", "attention_sink_bias", "attention_value_scale",
     }
 )
 #: Known keys whose non-default value changes the computation in a way this tool does not model.
 UNSUPPORTED = {
     "use_swa": (False, "a sliding window forced on every layer"),
-    "attention_sink_bias": (False, "per-head attention sink biases (MiMo drafts)"),
-    "attention_value_scale": (None, "scaled attention values (MiMo drafts)"),
     "sample_from_anchor": (False, "the anchor-first layout where slot k predicts position p + k + 1 (DSpark's convention: "
                                   "vLLM refuses it for DFlash, speculators requires false, llama.cpp reads it only for draft-dspark)"),
     "projector_type": (None, "another projector (domino: a GRU correction loop over the drafted slots, SGLang dflash_utils.py)"),

@@ -11,12 +11,13 @@ proposer as its safetensors original. What the file holds:
 * ``dflash.logit_scale`` / ``final_logit_softcapping`` / ``embedding_scale`` are ``output_multiplier`` /
   ``final_logit_softcapping`` / ``input_embedding_scale``; ``dflash.attention.causal`` is ``is_causal``;
   ``dflash.attention.sliding_window`` + ``_pattern`` are the window and ``layer_types``.
+* MiMo: ``blk.N.attn_sinks`` (per-head sink logits) and ``dflash.attention.value_scale``.
 * DFlash 2: ``dflash.conv_kernel_size`` / ``conv_group_size`` / ``selector_rank`` / ``selector_top_k`` and
   the ``blk.N.{attn,ffn}_conv_{base,proj}`` / ``selector_{predecessor,successor,hidden}`` tensors.
 * ``d2t`` (a reduced draft vocabulary) holds absolute target ids (the converter adds ``arange``).
 
 Refused by name: DSpark files (``markov_w1`` / ``markov_w2`` / ``conf_proj`` tensors, the Markov head
-and confidence head llama.cpp runs with ``--spec-type draft-dspark``), attention sinks, value scales,
+and confidence head llama.cpp runs with ``--spec-type draft-dspark``), post norms, layer scales,
 partial RoPE and any ``dflash.*`` key or tensor this table does not know. The conversion runs once per
 file (keyed by its SHA-256) into the user cache, as GGUF targets are (:mod:`dflash_doctor.models.loading`).
 """
@@ -55,13 +56,13 @@ CONFIG_KEYS = {
     "selector_rank": "dflash_config.selector_rank",
     "selector_top_k": "dflash_config.selector_top_k",
     "sample_from_anchor": "dflash_config.sample_from_anchor",
+    "attention.value_scale": "dflash_config.attention_value_scale",
 }
 #: ``dflash.<key>`` read by a rule of its own below.
 SPECIAL_KEYS = frozenset({"target_layers", "attention.value_length", "attention.sliding_window",
                           "attention.sliding_window_pattern", "has_confidence_head", "hidden_act"})
 #: Keys llama.cpp reads that change the draft in ways the z-lab module has no counterpart for.
 REFUSED_KEYS = {
-    "attention.value_scale": "an attention value scale (MiMo drafts)",
     "attention.scale": "a non-standard attention scale",
     "rope.dimension_count": "partial rotary embeddings",
     "rope.dimension_sections": "M-RoPE sections",
@@ -86,6 +87,7 @@ TENSOR_NAMES = {
     "blk.{bid}.attn_output.bias": "layers.{bid}.self_attn.o_proj.bias",
     "blk.{bid}.attn_q_norm.weight": "layers.{bid}.self_attn.q_norm.weight",
     "blk.{bid}.attn_k_norm.weight": "layers.{bid}.self_attn.k_norm.weight",
+    "blk.{bid}.attn_sinks.weight": "layers.{bid}.self_attn.attention_sink_bias",
     "blk.{bid}.ffn_norm.weight": "layers.{bid}.post_attention_layernorm.weight",
     "blk.{bid}.ffn_gate.weight": "layers.{bid}.mlp.gate_proj.weight",
     "blk.{bid}.ffn_up.weight": "layers.{bid}.mlp.up_proj.weight",
@@ -119,7 +121,7 @@ def _fields(reader) -> dict[str, Any]:
     return out
 
 
-def _config(fields: dict[str, Any], has_selector: bool, source: str) -> tuple[dict[str, Any], list[int]]:
+def _config(fields: dict[str, Any], names: list[str], source: str) -> tuple[dict[str, Any], list[int]]:
     """The z-lab config.json of the draft and the file's layer ids (ours + 1)."""
     arch_keys = {k.removeprefix("dflash."): v for k, v in fields.items() if k.startswith("dflash.")}
     for key, meaning in REFUSED_KEYS.items():
@@ -142,6 +144,7 @@ def _config(fields: dict[str, Any], has_selector: bool, source: str) -> tuple[di
                          "that states dflash_config.target_layer_ids.")
     if "tokenizer.ggml.mask_token_id" not in fields:
         raise UsageError(f"{source} has no tokenizer.ggml.mask_token_id; convert the draft from a config that states dflash_config.mask_token_id.")
+    has_selector = "selector_hidden.weight" in names
     config: dict[str, Any] = {"architectures": ["DFlash2DraftModel" if has_selector else "DFlashDraftModel"], "model_type": "qwen3",
                               "hidden_act": "silu", "rope_scaling": None, "dflash_config": {}}
     for key, value in arch_keys.items():
@@ -163,6 +166,8 @@ def _config(fields: dict[str, Any], has_selector: bool, source: str) -> tuple[di
         pattern = arch_keys.get("attention.sliding_window_pattern") or [True] * config["num_hidden_layers"]
         config.update(use_sliding_window=True, sliding_window=window,
                       layer_types=["sliding_attention" if swa else "full_attention" for swa in pattern])
+    if any(name.endswith(".attn_sinks.weight") for name in names):  # MiMo's per-head sinks (vLLM: attention_sink_bias)
+        config["dflash_config"]["attention_sink_bias"] = True
     source_ids = [int(i) for i in arch_keys["target_layers"]]
     config["dflash_config"].update(mask_token_id=int(fields["tokenizer.ggml.mask_token_id"]), target_layer_ids=[i - 1 for i in source_ids])
     return config, source_ids
@@ -187,8 +192,8 @@ def _hf_name(name: str, source: str) -> str:
     pattern = name if match is None else name.replace(match.group(0), "blk.{bid}.", 1)
     hf = TENSOR_NAMES.get(pattern)
     if hf is None:
-        raise UsageError(f"{source}: GGUF tensor {name} is not part of a DFlash draft this tool reads (attention sinks, "
-                         "post norms and layer scales are not modelled); use a DFlash draft without it.")
+        raise UsageError(f"{source}: GGUF tensor {name} is not part of a DFlash draft this tool reads (post norms, "
+                         "layer output scales and RoPE frequency tables are not modelled); use a DFlash draft without it.")
     return hf if match is None else hf.replace("{bid}", match.group(1))
 
 
@@ -204,7 +209,7 @@ def read_gguf_draft(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]
         if tensor.name == "d2t":
             continue
         state[_hf_name(tensor.name, source)] = _tensor(tensor)
-    config, source_ids = _config(_fields(reader), "selector_hidden.weight" in names, source)
+    config, source_ids = _config(_fields(reader), names, source)
     if "d2t" in names:
         absolute = _tensor(next(t for t in reader.tensors if t.name == "d2t")).reshape(-1)
         state["d2t"] = absolute - torch.arange(absolute.numel())  # speculators' relative form: target = draft id + d2t
