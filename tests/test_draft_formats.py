@@ -130,8 +130,8 @@ def test_dflash2_codebooks_and_speculators_dflash2(target, tmp_path):
 @pytest.mark.parametrize("where, key, value, message", [
     ("top", "rope_magic", True, "key 'rope_magic' is not a DFlash draft key"),
     ("dflash_config", "block_stride", True, "dflash_config key 'block_stride' is not a DFlash draft key"),
-    ("dflash_config", "attention_sink_bias", True, "dflash_config.attention_sink_bias = True asks for per-head attention sink biases"),
-    ("dflash_config", "attention_value_scale", 0.5, "dflash_config.attention_value_scale = 0.5 asks for scaled attention values"),
+    ("dflash_config", "use_swa", True, "dflash_config.use_swa = True asks for a sliding window forced on every layer"),
+    ("dflash_config", "swa_window_size", 1024, "dflash_config key 'swa_window_size' is not a DFlash draft key"),
     ("dflash_config", "sample_from_anchor", True, "sample_from_anchor = True asks for the anchor-first layout"),
     ("top", "sample_from_anchor", True, "sample_from_anchor = True asks for the anchor-first layout"),
     ("dflash_config", "projector_type", "domino", "projector_type = 'domino' asks for another projector"),
