@@ -15,16 +15,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from official_dflash import official_config, official_model, save_official
-from tiny_models import tiny_dflash, tiny_target
+from tiny_models import first_block_logits, tiny_dflash, tiny_target
 
 from dflash_doctor.models.draft_formats import normalise_draft_config
 from dflash_doctor.models.draft_kinds import detect_draft_kind
-from dflash_doctor.engine.proposers.dflash import DFlashProposer
-from dflash_doctor.engine.target import TargetModel
 from dflash_doctor.errors import UsageError
 from dflash_doctor.models.loading import load_dflash_draft, read_config, save_dflash_draft
 
-PROMPT = [1, 17, 42, 8, 9, 30, 31, 44]
 
 
 @pytest.fixture(scope="module")
@@ -35,15 +32,6 @@ def target():
 @pytest.fixture(scope="module")
 def zlab_dir(target, tmp_path_factory):
     return save_official(official_model(official_config(target, "full", layer_ids=(0, 2))), tmp_path_factory.mktemp("zlab"))
-
-
-@torch.no_grad()
-def _logits(draft, target):
-    wrapped = TargetModel(target, draft.hidden_state_indices)
-    hidden = target(torch.tensor([PROMPT]), output_hidden_states=True).hidden_states
-    proposer = DFlashProposer(draft, wrapped)
-    proposer.start(torch.tensor(PROMPT), torch.cat([hidden[i][0] for i in draft.hidden_state_indices], dim=-1))
-    return proposer.propose(PROMPT[-1], 5, 5).logits
 
 
 def _rewrite(src, dst, config, rename=lambda key: key, extra=None):
@@ -70,7 +58,7 @@ def test_zlab_nested_and_flat_layouts_read_the_same(zlab_dir, target, tmp_path):
     flat_dir = save_dflash_draft(nested, tmp_path / "flat")
     flat = load_dflash_draft(flat_dir)
     assert flat.draft_format["dialect"] == "zlab"
-    torch.testing.assert_close(_logits(flat, target), _logits(nested, target), rtol=0, atol=0)
+    torch.testing.assert_close(first_block_logits(flat, target), first_block_logits(nested, target), rtol=0, atol=0)
     block_inside = dict(raw, dflash_config={**raw["dflash_config"], "block_size": raw["block_size"]})
     del block_inside["block_size"]
     assert normalise_draft_config(block_inside).config["block_size"] == raw["block_size"]
@@ -87,7 +75,7 @@ def test_speculators_ids_are_ours_plus_one(zlab_dir, target, tmp_path):
     assert spec.config.target_layer_ids == zlab["dflash_config"]["target_layer_ids"]
     assert spec.draft_format["layer_id_offset"] == 1 and spec.draft_format["ships_own"] == ["embed_tokens.weight", "lm_head.weight"]
     assert spec.config.is_causal is False  # sliding_window_non_causal defaults to true
-    torch.testing.assert_close(_logits(spec, target), _logits(load_dflash_draft(zlab_dir), target), rtol=0, atol=0)
+    torch.testing.assert_close(first_block_logits(spec, target), first_block_logits(load_dflash_draft(zlab_dir), target), rtol=0, atol=0)
     with pytest.raises(UsageError, match="aux_hidden_state_layer_ids"):
         normalise_draft_config(_speculators_config(zlab, aux_ids=[0, 2]))
 
@@ -99,7 +87,7 @@ def test_speculators_draft_vocabulary_maps_to_target_ids(zlab_dir, target, tmp_p
     extra = {"lm_head.weight": head, "d2t": kept - torch.arange(len(kept)), "t2d": torch.zeros(zlab["vocab_size"], dtype=torch.bool)}
     config = _speculators_config(zlab, aux_ids=[i + 1 for i in zlab["dflash_config"]["target_layer_ids"]], draft_vocab_size=len(kept))
     draft = load_dflash_draft(_rewrite(zlab_dir, tmp_path / "vocab", config, extra=extra))
-    logits = _logits(draft, target)
+    logits = first_block_logits(draft, target)
     outside = torch.ones(zlab["vocab_size"], dtype=torch.bool)
     outside[kept] = False
     assert torch.isinf(logits[:, outside]).all() and torch.isfinite(logits[:, kept]).all()
@@ -111,7 +99,7 @@ def test_nemo_export_loads(zlab_dir, target, tmp_path):
     nemo_dir = _rewrite(zlab_dir, tmp_path / "nemo", dict(zlab, architectures=["Qwen3DFlashDraftModel"]), rename=lambda k: "model." + k)
     nemo = load_dflash_draft(nemo_dir)
     assert nemo.draft_format["dialect"] == "nemo"
-    torch.testing.assert_close(_logits(nemo, target), _logits(load_dflash_draft(zlab_dir), target), rtol=0, atol=0)
+    torch.testing.assert_close(first_block_logits(nemo, target), first_block_logits(load_dflash_draft(zlab_dir), target), rtol=0, atol=0)
 
 
 def test_dflash2_codebooks_and_speculators_dflash2(target, tmp_path):
@@ -124,7 +112,7 @@ def test_dflash2_codebooks_and_speculators_dflash2(target, tmp_path):
     config["speculators_model_type"] = "dflash2"
     spec = load_dflash_draft(_rewrite(zlab_dir, tmp_path / "spec2", config))
     assert type(spec).__name__ == "DFlash2DraftModel"
-    torch.testing.assert_close(_logits(spec, target), _logits(load_dflash_draft(zlab_dir), target), rtol=0, atol=0)
+    torch.testing.assert_close(first_block_logits(spec, target), first_block_logits(load_dflash_draft(zlab_dir), target), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("where, key, value, message", [
@@ -176,9 +164,9 @@ def test_jetspec_causal_key_equals_official_is_causal(target, tmp_path):
     raw["dflash_config"]["causal"] = True
     jetspec = load_dflash_draft(_rewrite(official_dir, tmp_path / "jetspec", raw))
     assert jetspec.config.is_causal is True
-    torch.testing.assert_close(_logits(jetspec, target), _logits(load_dflash_draft(official_dir), target), rtol=0, atol=0)
+    torch.testing.assert_close(first_block_logits(jetspec, target), first_block_logits(load_dflash_draft(official_dir), target), rtol=0, atol=0)
     bidirectional = save_official(official_model(official_config(target, "full")), tmp_path / "full")
-    assert not torch.equal(_logits(jetspec, target), _logits(load_dflash_draft(bidirectional), target))
+    assert not torch.equal(first_block_logits(jetspec, target), first_block_logits(load_dflash_draft(bidirectional), target))
 
 
 def test_speculators_requires_sample_from_anchor_false_and_defaults_block_size(zlab_dir):
@@ -222,8 +210,8 @@ def test_mimo_value_scale_equals_scaled_value_weights(zlab_dir, target, tmp_path
     (tmp_path / "weights").mkdir()
     save_file(weights, tmp_path / "weights" / "model.safetensors")
     reference = load_dflash_draft(_rewrite(tmp_path / "weights", tmp_path / "reference", raw))
-    torch.testing.assert_close(_logits(scaled, target), _logits(reference, target), rtol=1e-5, atol=1e-5)
-    assert not torch.allclose(_logits(scaled, target), _logits(load_dflash_draft(zlab_dir), target))
+    torch.testing.assert_close(first_block_logits(scaled, target), first_block_logits(reference, target), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(first_block_logits(scaled, target), first_block_logits(load_dflash_draft(zlab_dir), target))
 
 
 def _sink_attention_reference(q, k, v, mask, sinks):
@@ -249,5 +237,5 @@ def test_mimo_sink_attention_equals_the_vllm_formula(zlab_dir, target, tmp_path)
     mask = torch.ones(1, 1, 5, 9, dtype=torch.bool).tril(diagonal=4)
     torch.testing.assert_close(attention.attend(q, k, v, mask), _sink_attention_reference(q, k, v, mask, sinks[0]), rtol=1e-5, atol=1e-5)
     no_sink = _mimo(zlab_dir, tmp_path / "no-sink", sinks=torch.full((2, 4), -1e4), attention_sink_bias=True)
-    torch.testing.assert_close(_logits(no_sink, target), _logits(load_dflash_draft(zlab_dir), target), rtol=1e-5, atol=1e-5)
-    assert not torch.allclose(_logits(draft, target), _logits(no_sink, target))
+    torch.testing.assert_close(first_block_logits(no_sink, target), first_block_logits(load_dflash_draft(zlab_dir), target), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(first_block_logits(draft, target), first_block_logits(no_sink, target))

@@ -21,15 +21,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from official_dflash import official_config, official_model, real_variant, save_official
-from tiny_models import tiny_target
+from tiny_models import first_block_logits, tiny_target
 
-from dflash_doctor.engine.proposers.dflash import DFlashProposer
-from dflash_doctor.engine.target import TargetModel
 from dflash_doctor.errors import UsageError
 from dflash_doctor.models.gguf_draft import read_gguf_draft
 from dflash_doctor.models.loading import DEMO_DRAFT_DIR, demo_target_path, load_dflash_draft, resolve_model_dir
 
-PROMPT = [1, 17, 42, 8, 9, 30, 31, 44]
 REPO = Path(__file__).resolve().parent.parent
 CONVERTER = REPO / ".llama-cpp" / "0.3.36" / "llama.cpp" / "convert_hf_to_gguf.py"  # scripts/build-llama-server.sh
 
@@ -99,15 +96,6 @@ def target():
     return tiny_target()
 
 
-@torch.no_grad()
-def _logits(draft, target):
-    wrapped = TargetModel(target, draft.hidden_state_indices)
-    hidden = target(torch.tensor([PROMPT]), output_hidden_states=True).hidden_states
-    proposer = DFlashProposer(draft, wrapped)
-    proposer.start(torch.tensor(PROMPT), torch.cat([hidden[i][0] for i in draft.hidden_state_indices], dim=-1))
-    return proposer.propose(PROMPT[-1], 5, 5).logits
-
-
 @pytest.mark.parametrize("variant", ["full", "dflash2"])
 def test_llama_cpp_gguf_equals_its_safetensors_original(variant, target, tmp_path, monkeypatch):
     monkeypatch.setenv("DFLASH_DOCTOR_CACHE", str(tmp_path / "cache"))
@@ -119,7 +107,7 @@ def test_llama_cpp_gguf_equals_its_safetensors_original(variant, target, tmp_pat
     assert draft.draft_format is not None
     assert draft.draft_format["dialect"] == "gguf" and draft.draft_format["source_layer_ids"] == [1, 3]
     assert draft.config.target_layer_ids == [0, 2] and type(draft).__name__ == type(load_dflash_draft(zlab_dir)).__name__
-    torch.testing.assert_close(_logits(draft, target), _logits(load_dflash_draft(zlab_dir), target), rtol=0, atol=0)
+    torch.testing.assert_close(first_block_logits(draft, target), first_block_logits(load_dflash_draft(zlab_dir), target), rtol=0, atol=0)
 
 
 def test_mimo_gguf_sinks_and_value_scale_equal_the_safetensors_draft(target, tmp_path, monkeypatch):
@@ -136,7 +124,7 @@ def test_mimo_gguf_sinks_and_value_scale_equal_the_safetensors_draft(target, tmp
     path = write_llama_cpp_gguf(zlab_dir, tmp_path / "draft.gguf", **{"dflash.attention.value_scale": 0.7})
     draft = load_dflash_draft(resolve_model_dir(str(path)))
     assert draft.config.attention_sink_bias and draft.config.attention_value_scale == pytest.approx(0.7)
-    torch.testing.assert_close(_logits(draft, target), _logits(load_dflash_draft(zlab_dir), target), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(first_block_logits(draft, target), first_block_logits(load_dflash_draft(zlab_dir), target), rtol=1e-6, atol=1e-6)
 
 
 def test_gguf_scales_and_causality_read_as_dflash_config(target, tmp_path):
@@ -156,7 +144,7 @@ def test_gguf_draft_vocabulary_keeps_target_ids(target, tmp_path):
     head = np.random.default_rng(0).standard_normal((len(kept), target.config.hidden_size)).astype(np.float32)
     path = write_llama_cpp_gguf(zlab_dir, tmp_path / "draft.gguf", extra_tensors={"d2t": kept, "output.weight": head})
     draft = load_dflash_draft(resolve_model_dir(str(path)))
-    logits = _logits(draft, target)
+    logits = first_block_logits(draft, target)
     assert set(logits.argmax(-1).tolist()) <= set(kept.tolist())
     assert torch.isinf(logits[:, [1, 4, 8]]).all() and torch.isfinite(logits[:, kept]).all()
 
