@@ -105,10 +105,14 @@ DSPARK_TENSORS = ("markov_w1", "markov_w2", "conf_proj")
 
 
 def gguf_architecture(path: Path) -> str | None:
-    """``general.architecture`` of a GGUF file (None when absent)."""
+    """``general.architecture`` of a GGUF file (None when absent or unreadable: the model converter then
+    refuses the file with its own sentence)."""
     from gguf import GGUFReader
 
-    field = GGUFReader(str(path)).fields.get("general.architecture")
+    try:
+        field = GGUFReader(str(path)).fields.get("general.architecture")
+    except (ValueError, OSError):
+        return None
     return None if field is None else str(field.contents())
 
 
