@@ -82,6 +82,10 @@ class DFlashConfig:
     # (weights ``layers.{i}.self_attn.attention_sink_bias``) and a factor on every value row, context and block.
     attention_sink_bias: bool = False
     attention_value_scale: float | None = None
+    # DSpark (architecture DSparkDraftModel, engine/dspark_model.py): the Markov head's rank and the (unused) confidence head.
+    markov_rank: int | None = None
+    confidence_head: bool = False
+    confidence_head_with_markov: bool = True
     extra: dict[str, Any] = field(default_factory=dict)  # keys we carry but do not interpret
 
     def __post_init__(self) -> None:
@@ -125,7 +129,7 @@ class DFlashConfig:
         causal = raw.get("is_causal", dflash.get("causal"))  # vLLM: top-level is_causal beats dflash_config.causal
         values["is_causal"] = None if causal is None else bool(causal)
         architectures = raw.get("architectures") or ["DFlashDraftModel"]
-        values["architecture"] = "DFlash2DraftModel" if "DFlash2DraftModel" in architectures else "DFlashDraftModel"
+        values["architecture"] = next((a for a in ("DFlash2DraftModel", "DSparkDraftModel") if a in architectures), "DFlashDraftModel")
         values.update(
             block_size=int(block_size),
             mask_token_id=int(mask_token_id),
@@ -177,9 +181,10 @@ class DFlashConfig:
 _DFLASH_CONFIG_KEYS = (
     "input_embedding_scale", "output_multiplier", "final_logit_softcapping",
     "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k",
-    "attention_sink_bias", "attention_value_scale",
+    "attention_sink_bias", "attention_value_scale", "markov_rank", "confidence_head", "confidence_head_with_markov",
 )
-_DEFAULTS = {"input_embedding_scale": 1.0, "output_multiplier": 1.0, "attention_sink_bias": False}
+_DEFAULTS = {"input_embedding_scale": 1.0, "output_multiplier": 1.0, "attention_sink_bias": False, "confidence_head": False,
+             "confidence_head_with_markov": True}
 
 
 class RMSNorm(nn.Module):

@@ -178,7 +178,7 @@ def test_speculators_requires_sample_from_anchor_false_and_defaults_block_size(z
     without_block = _speculators_config(zlab, aux_ids=ids)
     del without_block["block_size"]
     assert normalise_draft_config(without_block).config["block_size"] == 8  # speculators' DFlashSpeculatorConfig default
-    with pytest.raises(UsageError, match="speculators_model_type dspark marks a DSpark draft"):
+    with pytest.raises(UsageError, match=r"speculators DSpark draft with sample_from_anchor = True \(its default\)"):
         normalise_draft_config(dict(without_block, speculators_model_type="dspark"))
 
 

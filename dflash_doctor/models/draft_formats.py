@@ -66,6 +66,7 @@ DFLASH_CONFIG_KEYS = frozenset(
         "mask_token_id", "target_layer_ids", "block_size", "causal", "input_embedding_scale", "output_multiplier",
         "final_logit_softcapping", "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k",
         "num_target_layers", "attention_sink_bias", "attention_value_scale",
+        "markov_rank", "confidence_head", "confidence_head_with_markov",
     }
 )
 #: Known keys whose non-default value changes the computation in a way this tool does not model.
@@ -76,10 +77,10 @@ UNSUPPORTED = {
     "projector_type": (None, "another projector (domino: a GRU correction loop over the drafted slots, SGLang dflash_utils.py)"),
     "use_aux_hidden_state": (True, "drafting without target hidden states"),
 }
-ARCHITECTURES = {"DFlashDraftModel": "zlab", "DFlash2DraftModel": "zlab", "Qwen3DFlashDraftModel": "nemo"}
+ARCHITECTURES = {"DFlashDraftModel": "zlab", "DFlash2DraftModel": "zlab", "DSparkDraftModel": "zlab", "Qwen3DFlashDraftModel": "nemo"}
 #: A DSpark draft (DFlash + a Markov head over the draft logits, optionally a confidence head): vLLM serves it with
 #: its own proposer (v1/spec_decode/dspark.py), llama.cpp with --spec-type draft-dspark; names from both and speculators.
-DSPARK_ARCHITECTURES = frozenset({"Qwen3DSparkModel", "DSparkDraftModel", "DSparkSpeculator", "Lfm2DSparkDraftModel", "LingDSparkModel"})
+DSPARK_ARCHITECTURES = frozenset({"Qwen3DSparkModel", "DSparkSpeculator", "Lfm2DSparkDraftModel", "LingDSparkModel"})
 DSPARK_KEYS = frozenset({"markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov", "dspark_target_layer_ids"})
 SPECULATORS_KEYS = frozenset(
     {
@@ -126,16 +127,31 @@ def _refuse_unsupported(table: dict[str, Any], where: str, source: str) -> None:
             raise UsageError(f"{source}: {where}{key} = {table[key]!r} asks for {meaning}, which this tool does not model; use a draft without it.")
 
 
-def _refuse_dspark(raw: dict[str, Any], source: str) -> None:
-    """DSpark drafts (and the confidence head, which only DSpark has) are another proposer, refused by name."""
+def _refuse_flat_dspark(raw: dict[str, Any], source: str) -> None:
+    """DSpark drafts outside the speculators layout (DeepSeek/DeepSpec exports, anchor-first by default) are refused
+    by name; a confidence head exists only on DSpark drafts."""
     named = [a for a in raw.get("architectures") or [] if a in DSPARK_ARCHITECTURES]
     keys = sorted(k for k in raw if k in DSPARK_KEYS)
-    if raw.get("speculators_model_type") == "dspark":
-        named = ["speculators_model_type dspark"]
     if named or keys:
         what = named[0] if named else f"key {keys[0]!r}"
-        raise UsageError(f"{source}: {what} marks a DSpark draft (a Markov head over the draft logits, vLLM v1/spec_decode/dspark.py, "
-                         "llama.cpp --spec-type draft-dspark), which this tool does not model; use a DFlash draft.")
+        raise UsageError(f"{source}: {what} marks a DSpark draft in a flat export, which this tool reads only in the speculators layout "
+                         "(speculators_model_type dspark with sample_from_anchor false); convert it or use a DFlash draft.")
+
+
+def _dspark_keys(raw: dict[str, Any], source: str) -> dict[str, Any]:
+    """The Markov / confidence head keys of a speculators DSpark config (engine/dspark_model.py); the anchor-first
+    layout (speculators' DSpark default) and the gated / rnn heads are refused by name."""
+    if raw.get("sample_from_anchor", True) is not False:
+        raise UsageError(f"{source}: a speculators DSpark draft with sample_from_anchor = {raw.get('sample_from_anchor', True)!r} (its default) "
+                         "predicts position p + k + 1 from slot k, the anchor-first layout this tool does not model; use one trained "
+                         "with sample_from_anchor false.")
+    if raw.get("markov_head_type", "vanilla") != "vanilla":
+        raise UsageError(f"{source}: markov_head_type {raw['markov_head_type']!r} is not the vanilla Markov head this tool models "
+                         "(llama.cpp refuses it too); use a vanilla DSpark draft.")
+    if raw.get("draft_vocab_size") not in (None, (raw.get("transformer_layer_config") or {}).get("vocab_size")):
+        raise UsageError(f"{source}: a DSpark draft over its own {raw['draft_vocab_size']}-token vocabulary is not modelled; use a full-vocabulary one.")
+    return {"markov_rank": raw.get("markov_rank", 256), "confidence_head": raw.get("enable_confidence_head", True),
+            "confidence_head_with_markov": raw.get("confidence_head_with_markov", True)}
 
 
 def _rope_from_parameters(out: dict[str, Any]) -> None:
@@ -181,7 +197,7 @@ def _from_zlab(raw: dict[str, Any], source: str, dialect: str) -> NormalisedDraf
     _rope_from_parameters(out)
     _qwen3_window(out)
     architectures = raw.get("architectures") or ["DFlashDraftModel"]
-    out["architectures"] = ["DFlash2DraftModel" if "DFlash2DraftModel" in architectures else "DFlashDraftModel"]
+    out["architectures"] = [next((a for a in ("DFlash2DraftModel", "DSparkDraftModel") if a in architectures), "DFlashDraftModel")]
     ids = out["dflash_config"].get("target_layer_ids", out.get("target_layer_ids"))
     draft_vocab = raw.get("draft_vocab_size")
     draft_vocab = None if draft_vocab in (None, out.get("vocab_size")) else int(draft_vocab)
@@ -194,10 +210,11 @@ def _from_zlab(raw: dict[str, Any], source: str, dialect: str) -> NormalisedDraf
 
 def _from_speculators(raw: dict[str, Any], source: str) -> NormalisedDraft:
     kind = raw["speculators_model_type"]
-    if kind not in ("dflash", "dflash2"):
-        raise UsageError(f"{source}: speculators_model_type {kind!r} is not a DFlash draft (dflash or dflash2); pass a DFlash checkpoint.")
+    if kind not in ("dflash", "dflash2", "dspark"):
+        raise UsageError(f"{source}: speculators_model_type {kind!r} is not a DFlash draft (dflash, dflash2 or dspark); pass a DFlash checkpoint.")
+    dspark = _dspark_keys(raw, source) if kind == "dspark" else {}
     _refuse_unsupported(raw, "", source)
-    _refuse_unknown(raw, SPECULATORS_KEYS, "", source)
+    _refuse_unknown(raw, SPECULATORS_KEYS | (DSPARK_KEYS if dspark else set()), "", source)
     layer = raw.get("transformer_layer_config")
     if not isinstance(layer, dict):
         raise UsageError(f"{source}: a speculators DFlash config needs transformer_layer_config (the draft decoder); add it.")
@@ -225,7 +242,8 @@ def _from_speculators(raw: dict[str, Any], source: str) -> NormalisedDraft:
                 "input_embedding_scale", "output_multiplier", "final_logit_softcapping"):
         if raw.get(key) is not None:
             out["dflash_config"][key] = raw[key]
-    out["architectures"] = ["DFlash2DraftModel" if kind == "dflash2" else "DFlashDraftModel"]
+    out["dflash_config"].update(dspark)
+    out["architectures"] = [{"dflash2": "DFlash2DraftModel", "dspark": "DSparkDraftModel"}.get(kind, "DFlashDraftModel")]
     _rope_from_parameters(out)
     _qwen3_window(out)
     draft_vocab = raw.get("draft_vocab_size")
@@ -290,7 +308,8 @@ def normalise_draft_config(raw: dict[str, Any], source: str = "config.json", *, 
 
     A config without target layer ids is refused, naming what each engine would guess for
     ``served_target_layers`` and what the model ``card`` says the draft was trained with."""
-    _refuse_dspark(raw, source)
+    if "speculators_model_type" not in raw:
+        _refuse_flat_dspark(raw, source)
     if stated_layer_ids(raw) is None:
         raise UsageError(missing_layer_ids_sentence(raw, source, served_target_layers, card))
     if "speculators_model_type" in raw:
