@@ -21,11 +21,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from official_dflash import official_config, official_model, real_variant, save_official
-from tiny_models import first_block_logits, tiny_target
+from tiny_models import first_block_logits, tiny_dflash, tiny_target
 
+from dflash_doctor.engine.dflash_model import DFlashConfig
+from dflash_doctor.engine.dspark_model import DSparkDraftModel
 from dflash_doctor.errors import UsageError
 from dflash_doctor.models.gguf_draft import read_gguf_draft
-from dflash_doctor.models.loading import DEMO_DRAFT_DIR, demo_target_path, load_dflash_draft, resolve_model_dir
+from dflash_doctor.models.loading import DEMO_DRAFT_DIR, demo_target_path, load_dflash_draft, resolve_model_dir, save_dflash_draft
 
 REPO = Path(__file__).resolve().parent.parent
 CONVERTER = REPO / ".llama-cpp" / "0.3.36" / "llama.cpp" / "convert_hf_to_gguf.py"  # scripts/build-llama-server.sh
@@ -45,6 +47,8 @@ LLAMA_CPP_NAMES = {
     "candidate_selector.predecessor_codebook": "selector_predecessor.weight",
     "candidate_selector.successor_codebook": "selector_successor.weight",
     "candidate_selector.hidden_projection.weight": "selector_hidden.weight",
+    "markov_head.markov_w1.weight": "markov_w1.weight", "markov_head.markov_w2.weight": "markov_w2.weight",
+    "confidence_head.proj.weight": "conf_proj.weight", "confidence_head.proj.bias": "conf_proj.bias",
 }
 
 
@@ -76,7 +80,7 @@ def write_llama_cpp_gguf(checkpoint: Path, out: Path, *, extra_tensors=None, dro
             writer.add_uint32(key, int(value)) if isinstance(value, int) and not isinstance(value, bool) else (
                 writer.add_bool(key, value) if isinstance(value, bool) else writer.add_float32(key, float(value)))
     for key, value in (("dflash.attention.layer_norm_rms_epsilon", config["rms_norm_eps"]),
-                       ("dflash.rope.freq_base", config["rope_parameters"]["rope_theta"])):
+                       ("dflash.rope.freq_base", config.get("rope_theta") or config["rope_parameters"]["rope_theta"])):
         writer.add_float32(key, value)
     if "dflash.target_layers" not in drop_keys:
         writer.add_array("dflash.target_layers", [i + 1 for i in dflash["target_layer_ids"]])
@@ -150,8 +154,8 @@ def test_gguf_draft_vocabulary_keeps_target_ids(target, tmp_path):
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"extra_tensors": {"markov_w1.weight": np.zeros((97, 4), np.float32)}}, "markov_w1.weight, the DSpark Markov"),
-    ({"dflash.has_confidence_head": True}, "has_confidence_head = true marks a DSpark draft"),
+    ({"extra_tensors": {"markov_w1.weight": np.zeros((97, 4), np.float32), "markov_w2.weight": np.zeros((97, 4), np.float32)}},
+     r"DSpark GGUF with dflash.sample_from_anchor = True \(absent: true\)"),
     ({"extra_tensors": {"blk.0.attn_post_norm.weight": np.ones(32, np.float32)}}, "GGUF tensor blk.0.attn_post_norm.weight is not part"),
     ({"dflash.rope.dimension_count": 4}, "dflash.rope.dimension_count asks for partial rotary embeddings"),
     ({"dflash.spec_magic": 1}, "GGUF key dflash.spec_magic is not a DFlash draft key"),
@@ -188,3 +192,21 @@ def test_converter_written_gguf_loads_weight_for_weight(variant, tmp_path, monke
     assert ours.keys() == theirs.keys()
     for key, value in ours.items():
         assert torch.equal(theirs[key], value), key
+
+
+def test_dspark_gguf_equals_its_safetensors_original(target, tmp_path, monkeypatch):
+    """llama.cpp's DSparkModel converter writes markov_w1 / markov_w2 / conf_proj and dflash.sample_from_anchor
+    (false for speculators exports, which is the layout read here)."""
+    monkeypatch.setenv("DFLASH_DOCTOR_CACHE", str(tmp_path / "cache"))
+    torch.manual_seed(5)
+    draft = tiny_dflash(target)
+    config = DFlashConfig(**{**draft.config.__dict__, "architecture": "DSparkDraftModel", "markov_rank": 4, "confidence_head": True})
+    dspark = DSparkDraftModel(config)
+    with torch.no_grad():
+        for param in dspark.parameters():
+            param.normal_(0, 0.3)
+    original = save_dflash_draft(dspark.eval(), tmp_path / "dspark")
+    path = write_llama_cpp_gguf(original, tmp_path / "draft.gguf", **{"dflash.sample_from_anchor": False, "dflash.has_confidence_head": True})
+    loaded = load_dflash_draft(resolve_model_dir(str(path)))
+    assert type(loaded) is DSparkDraftModel and loaded.config.markov_rank == 4 and loaded.config.confidence_head
+    torch.testing.assert_close(first_block_logits(loaded, target), first_block_logits(load_dflash_draft(original), target), rtol=0, atol=0)

@@ -16,8 +16,10 @@ proposer as its safetensors original. What the file holds:
   the ``blk.N.{attn,ffn}_conv_{base,proj}`` / ``selector_{predecessor,successor,hidden}`` tensors.
 * ``d2t`` (a reduced draft vocabulary) holds absolute target ids (the converter adds ``arange``).
 
-Refused by name: DSpark files (``markov_w1`` / ``markov_w2`` / ``conf_proj`` tensors, the Markov head
-and confidence head llama.cpp runs with ``--spec-type draft-dspark``), post norms, layer scales,
+* DSpark (``--spec-type draft-dspark``): ``markov_w1`` / ``markov_w2`` (the Markov head) and ``conf_proj``
+  (the confidence head), read when ``dflash.sample_from_anchor`` is false (speculators exports).
+
+Refused by name: anchor-first DSpark files, a scaled Markov head (``markov_w2.scale``), post norms, layer scales,
 partial RoPE and any ``dflash.*`` key or tensor this table does not know. The conversion runs once per
 file (keyed by its SHA-256) into the user cache, as GGUF targets are (:mod:`dflash_doctor.models.loading`).
 """
@@ -99,9 +101,12 @@ TENSOR_NAMES = {
     "selector_predecessor.weight": "candidate_selector.predecessor_codebook.weight",
     "selector_successor.weight": "candidate_selector.successor_codebook.weight",
     "selector_hidden.weight": "candidate_selector.hidden_projection.weight",
+    "markov_w1.weight": "markov_head.markov_w1.weight",
+    "markov_w2.weight": "markov_head.markov_w2.weight",
+    "conf_proj.weight": "confidence_head.proj.weight",
+    "conf_proj.bias": "confidence_head.proj.bias",
 }
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
-DSPARK_TENSORS = ("markov_w1", "markov_w2", "conf_proj")
 
 
 def gguf_architecture(path: Path) -> str | None:
@@ -140,16 +145,18 @@ def _config(fields: dict[str, Any], names: list[str], source: str) -> tuple[dict
         raise UsageError(f"{source}: dflash.rope.scaling.type = {scaling['rope.scaling.type']!r} is not read by this tool; use a draft without RoPE scaling.")
     if arch_keys.get("hidden_act", "silu") != "silu":
         raise UsageError(f"{source}: dflash.hidden_act {arch_keys['hidden_act']!r} is not silu, the DFlash MLP; use a DFlash draft.")
-    if arch_keys.get("has_confidence_head"):
-        raise UsageError(f"{source}: dflash.has_confidence_head = true marks a DSpark draft (a confidence head over a Markov head), "
-                         "which this tool does not model; use a DFlash draft.")
     if "target_layers" not in arch_keys:
         raise UsageError(f"{source} has no dflash.target_layers (llama.cpp refuses it too); convert the draft from a config "
                          "that states dflash_config.target_layer_ids.")
     if "tokenizer.ggml.mask_token_id" not in fields:
         raise UsageError(f"{source} has no tokenizer.ggml.mask_token_id; convert the draft from a config that states dflash_config.mask_token_id.")
-    has_selector = "selector_hidden.weight" in names
-    config: dict[str, Any] = {"architectures": ["DFlash2DraftModel" if has_selector else "DFlashDraftModel"], "model_type": "qwen3",
+    has_selector, has_markov = "selector_hidden.weight" in names, "markov_w1.weight" in names
+    if has_markov and arch_keys.get("sample_from_anchor", True):  # llama.cpp's default when the key is absent
+        raise UsageError(f"{source}: a DSpark GGUF with dflash.sample_from_anchor = {arch_keys.get('sample_from_anchor', True)} (absent: true) "
+                         "predicts position p + k + 1 from slot k, the anchor-first layout this tool does not model; use one converted "
+                         "from a speculators export (sample_from_anchor false).")
+    architecture = "DFlash2DraftModel" if has_selector else "DSparkDraftModel" if has_markov else "DFlashDraftModel"
+    config: dict[str, Any] = {"architectures": [architecture], "model_type": "qwen3",
                               "hidden_act": "silu", "rope_scaling": None, "dflash_config": {}}
     for key, value in arch_keys.items():
         name = CONFIG_KEYS.get(key)
@@ -170,6 +177,8 @@ def _config(fields: dict[str, Any], names: list[str], source: str) -> tuple[dict
         pattern = arch_keys.get("attention.sliding_window_pattern") or [True] * config["num_hidden_layers"]
         config.update(use_sliding_window=True, sliding_window=window,
                       layer_types=["sliding_attention" if swa else "full_attention" for swa in pattern])
+    if has_markov:  # llama.cpp's confidence head always reads [hidden; markov_w1[prev]]
+        config["dflash_config"]["confidence_head"] = "conf_proj.weight" in names
     if any(name.endswith(".attn_sinks.weight") for name in names):  # MiMo's per-head sinks (vLLM: attention_sink_bias)
         config["dflash_config"]["attention_sink_bias"] = True
     source_ids = [int(i) for i in arch_keys["target_layers"]]
@@ -189,9 +198,6 @@ def _tensor(tensor) -> torch.Tensor:
 
 
 def _hf_name(name: str, source: str) -> str:
-    if name.split(".")[0] in DSPARK_TENSORS:
-        raise UsageError(f"{source} holds {name}, the DSpark Markov/confidence head (llama.cpp --spec-type draft-dspark), "
-                         "which this tool does not model; use a DFlash draft.")
     match = _BLOCK.match(name)
     pattern = name if match is None else name.replace(match.group(0), "blk.{bid}.", 1)
     hf = TENSOR_NAMES.get(pattern)
@@ -214,6 +220,8 @@ def read_gguf_draft(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]
             continue
         state[_hf_name(tensor.name, source)] = _tensor(tensor)
     config, source_ids = _config(_fields(reader), names, source)
+    if "markov_head.markov_w1.weight" in state:
+        config["dflash_config"]["markov_rank"] = int(state["markov_head.markov_w1.weight"].shape[1])
     if "d2t" in names:
         absolute = _tensor(next(t for t in reader.tensors if t.name == "d2t")).reshape(-1)
         state["d2t"] = absolute - torch.arange(absolute.numel())  # speculators' relative form: target = draft id + d2t
