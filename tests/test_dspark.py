@@ -25,7 +25,8 @@ from dflash_doctor.engine.target import TargetModel
 from dflash_doctor.engine.teacher import TeacherSequence, slot_table, walk_schedule
 from dflash_doctor.errors import UsageError
 from dflash_doctor.models.draft_formats import normalise_draft_config
-from dflash_doctor.models.loading import load_dflash_draft
+from dflash_doctor.models.draft_kinds import detect_draft_kind
+from dflash_doctor.models.loading import load_dflash_draft, read_config
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +76,9 @@ def _features(target_model, draft, prompt):
 
 @torch.no_grad()
 def test_speculators_dspark_drafts_the_llama_cpp_markov_chain(dspark, target, tmp_path):
-    loaded = load_dflash_draft(_speculators_dir(dspark, tmp_path / "spec"))
+    spec_dir = _speculators_dir(dspark, tmp_path / "spec")
+    assert detect_draft_kind(read_config(spec_dir)).name == "dflash"
+    loaded = load_dflash_draft(spec_dir)
     assert type(loaded) is DSparkDraftModel and loaded.draft_format is not None and loaded.draft_format["dialect"] == "speculators"
     assert hasattr(loaded, "confidence_head")  # loaded, and not used (vLLM's DSpark proposer leaves it out too)
     base = DFlashDraftModel(_config(target, "DFlashDraftModel")).eval()

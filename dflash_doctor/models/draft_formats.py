@@ -8,7 +8,7 @@ convention (id ``l`` = output of target decoder layer ``l`` = HF ``hidden_states
 * ``zlab-nested`` (DFlash 2 era, transformers 5 ``save_pretrained``): ``dflash_config.block_size`` and
   ``rope_parameters`` instead of ``rope_theta`` / ``rope_scaling``; ids as ours.
 * ``nemo`` (NeMo Automodel exports, ``architectures: ["Qwen3DFlashDraftModel"]``): z-lab keys; ids as ours.
-* ``speculators`` (RedHat ``speculators``, ``speculators_model_type: dflash|dflash2``): the decoder in
+* ``speculators`` (RedHat ``speculators``, ``speculators_model_type: dflash|dflash2|dspark``): the decoder in
   ``transformer_layer_config``; ``aux_hidden_state_layer_ids`` are ours **plus one** (vLLM converts with
   ``i - 1``, its PR #40727); causality from ``sliding_window_non_causal`` (default true = non-causal);
   ``draft_vocab_size`` < the target's means the draft predicts over its own vocabulary through its own
@@ -19,9 +19,10 @@ convention (id ``l`` = output of target decoder layer ``l`` = HF ``hidden_states
 
 Read and checked against a reference (docs/draft-formats.md): ``dflash_config.causal`` (JetSpec; vLLM's
 all-layer override), the DFlash 2 keys, ``num_target_layers`` at either level, ``sample_from_anchor =
-false``. Refused by name, each with its reason: ``sample_from_anchor = true`` (the anchor-first layout of
-DSpark), ``projector_type`` (Domino's GRU correction), DSpark drafts (a Markov head, optionally a
-confidence head). MiMo's ``attention_sink_bias`` / ``attention_value_scale`` are read (vLLM's meaning).
+false``, MiMo's ``attention_sink_bias`` / ``attention_value_scale`` (vLLM's meaning), speculators DSpark
+(``speculators_model_type: dspark``, vanilla Markov head, ``sample_from_anchor`` false). Refused by name,
+each with its reason: ``sample_from_anchor = true`` (the anchor-first layout of DSpark), ``projector_type``
+(Domino's GRU correction), flat DSpark exports.
 
 Qwen3 semantics kept from transformers: ``sliding_window`` counts only with ``use_sliding_window`` true
 (``Qwen3Config`` sets it to None otherwise, which is what the official code and vLLM then see).

@@ -163,7 +163,7 @@ def read_config(model_dir: Path) -> dict[str, Any]:
 def is_dflash_config(config: dict[str, Any]) -> bool:
     """A DFlash checkpoint names a DFlash architecture, carries ``dflash_config`` or is a speculators DFlash."""
     return ("dflash_config" in config or any("DFlash" in a for a in config.get("architectures") or [])
-            or config.get("speculators_model_type") in ("dflash", "dflash2"))
+            or config.get("speculators_model_type") in ("dflash", "dflash2", "dspark"))
 
 
 def fingerprint(model_dir: Path) -> str:
