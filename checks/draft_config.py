@@ -303,6 +303,14 @@ def served_format_findings(ctx: CheckContext, normalised) -> list[Finding]:
         findings.append(Finding("fail", f"the engine drafts blocks of {served_block} but the draft was trained with block_size {block}",
                                 f"--speculative-dflash-block-size {served_block} ({engine.get('engine')})",
                                 f"serve with --speculative-dflash-block-size {block} or drop the flag"))
+    dspark = (draft.get("architectures") or [""])[0] == "DSparkDraftModel"
+    method = str(engine.get("method") or "")
+    if method and dspark != ("dspark" in method):
+        findings.append(Finding("fail" if not dspark else "warn",
+                                f"the engine serves this {'DSpark' if dspark else 'DFlash'} draft with method {method}",
+                                "a DSpark draft adds a Markov head that only the DSpark proposers run (vLLM method dspark, "
+                                "llama.cpp --spec-type draft-dspark); a DFlash draft has none to run",
+                                f"serve it with method {'dspark' if dspark else 'dflash'}"))
     types = draft.get("layer_types") or []
     top, nested = draft.get("is_causal"), (draft.get("dflash_config") or {}).get("causal")
     per_layer = top is None and nested is None and "sliding_attention" in types and "full_attention" in types

@@ -174,6 +174,8 @@ class DFlashConfig:
                 out["dflash_config"][key] = value
         if self.is_causal is not None:
             out["is_causal"] = self.is_causal
+        if self.architecture == "DSparkDraftModel":  # the only DSpark layout modelled; absent means anchor-first
+            out["dflash_config"]["sample_from_anchor"] = False
         return out
 
 

@@ -179,3 +179,14 @@ def test_served_block_size_and_one_causality_for_all_layers():
                and "SGLang --speculative-num-draft-tokens = 8" in m and "llama.cpp --spec-draft-n-max = 7 (default 3" in m for m in messages)
     explicit = _check(_draft(num_hidden_layers=2, is_causal=True, layer_types=["sliding_attention", "full_attention"]))
     assert not any("one causality" in f.message for f in explicit.findings)
+
+
+def test_engine_method_must_match_a_dspark_draft():
+    dspark = _draft(architectures=["DSparkDraftModel"], dflash_config={"mask_token_id": 299, "target_layer_ids": [1, 3, 5], "markov_rank": 8,
+                                                                     "sample_from_anchor": False})
+    vllm = {"engine": "vllm", "method": "dflash", "num_speculative_tokens": 7, "drafted_tokens": 7}
+    result = run_checks(CheckContext(draft_config=dspark, target_config=TARGET, config=build_config(k="7"), engine_config=vllm), only=["draft-config"])[0]
+    assert "the engine serves this DSpark draft with method dflash" in [f.message for f in result.findings]
+    plain = run_checks(CheckContext(draft_config=_draft(), target_config=TARGET, config=build_config(k="7"),
+                                    engine_config=dict(vllm, method="dspark")), only=["draft-config"])[0]
+    assert plain.status == "fail" and "the engine serves this DFlash draft with method dspark" in plain.summary

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from tiny_models import PROMPT, tiny_target
+from tiny_models import PROMPT, first_block_logits, tiny_target
 
 from dflash_doctor.engine.dflash_model import DFlashConfig, DFlashDraftModel
 from dflash_doctor.engine.dspark_model import DSparkDraftModel
@@ -26,7 +26,7 @@ from dflash_doctor.engine.teacher import TeacherSequence, slot_table, walk_sched
 from dflash_doctor.errors import UsageError
 from dflash_doctor.models.draft_formats import normalise_draft_config
 from dflash_doctor.models.draft_kinds import detect_draft_kind
-from dflash_doctor.models.loading import load_dflash_draft, read_config
+from dflash_doctor.models.loading import load_dflash_draft, read_config, save_dflash_draft
 
 
 @pytest.fixture(scope="module")
@@ -112,6 +112,16 @@ def test_dspark_teacher_replay_equals_live(dspark, target):
             assert live.output_ids == truth
             walked = walk_schedule(table.matches, truth, k, 30, frozenset())
             assert [(s.position, s.num_accepted) for s in walked] == [(s.position, s.num_accepted) for s in live.steps]
+
+
+def test_our_dspark_layout_round_trips_and_states_its_layout(dspark, target, tmp_path):
+    saved = save_dflash_draft(dspark, tmp_path / "saved")
+    config = json.loads((saved / "config.json").read_text())
+    assert config["dflash_config"]["sample_from_anchor"] is False and config["dflash_config"]["markov_rank"] == 4
+    torch.testing.assert_close(first_block_logits(load_dflash_draft(saved), target), first_block_logits(dspark, target), rtol=0, atol=0)
+    del config["dflash_config"]["sample_from_anchor"]
+    with pytest.raises(UsageError, match="without sample_from_anchor = false is anchor-first"):
+        normalise_draft_config(config)
 
 
 @pytest.mark.parametrize("change, message", [

@@ -152,7 +152,7 @@ def _dspark_keys(raw: dict[str, Any], source: str) -> dict[str, Any]:
     if raw.get("draft_vocab_size") not in (None, (raw.get("transformer_layer_config") or {}).get("vocab_size")):
         raise UsageError(f"{source}: a DSpark draft over its own {raw['draft_vocab_size']}-token vocabulary is not modelled; use a full-vocabulary one.")
     return {"markov_rank": raw.get("markov_rank", 256), "confidence_head": raw.get("enable_confidence_head", True),
-            "confidence_head_with_markov": raw.get("confidence_head_with_markov", True)}
+            "confidence_head_with_markov": raw.get("confidence_head_with_markov", True), "sample_from_anchor": False}
 
 
 def _rope_from_parameters(out: dict[str, Any]) -> None:
@@ -199,6 +199,9 @@ def _from_zlab(raw: dict[str, Any], source: str, dialect: str) -> NormalisedDraf
     _qwen3_window(out)
     architectures = raw.get("architectures") or ["DFlashDraftModel"]
     out["architectures"] = [next((a for a in ("DFlash2DraftModel", "DSparkDraftModel") if a in architectures), "DFlashDraftModel")]
+    if out["architectures"] == ["DSparkDraftModel"] and dflash.get("sample_from_anchor", raw.get("sample_from_anchor")) is not False:
+        raise UsageError(f"{source}: a DSparkDraftModel config without sample_from_anchor = false is anchor-first (DSpark's default), "
+                         "a layout this tool does not model; use a draft trained with sample_from_anchor false.")
     ids = out["dflash_config"].get("target_layer_ids", out.get("target_layer_ids"))
     draft_vocab = raw.get("draft_vocab_size")
     draft_vocab = None if draft_vocab in (None, out.get("vocab_size")) else int(draft_vocab)
