@@ -113,7 +113,9 @@ class DFlashConfig:
             raise UsageError(f"{source} lacks {', '.join(missing)}; a DFlash draft config needs the Qwen3 keys (see REFERENCE.md section 1).")
         block_size = raw.get("block_size", dflash.get("block_size"))
         if block_size is None:
-            raise UsageError(f"{source} has no block_size (top-level or in dflash_config); add the block size the draft was trained with.")
+            raise UsageError(f"{source} has no block_size (top-level or in dflash_config), and engines default differently (official dflash "
+                             "0.1.0 and llama.cpp 16, speculators 8; z-lab's DFlash 2 drafts are trained with 8); add the block size the "
+                             "draft was trained with.")
         mask_token_id = dflash.get("mask_token_id", raw.get("mask_token_id"))
         if mask_token_id is None:
             raise UsageError(f"{source} has no dflash_config.mask_token_id; add the reserved token id the draft uses as mask.")

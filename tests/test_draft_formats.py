@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 from official_dflash import official_config, official_model, save_official
 from tiny_models import first_block_logits, tiny_dflash, tiny_target
 
+from dflash_doctor.engine.dflash_model import DFlashConfig
 from dflash_doctor.models.draft_formats import normalise_draft_config
 from dflash_doctor.models.draft_kinds import detect_draft_kind
 from dflash_doctor.errors import UsageError
@@ -239,3 +240,10 @@ def test_mimo_sink_attention_equals_the_vllm_formula(zlab_dir, target, tmp_path)
     no_sink = _mimo(zlab_dir, tmp_path / "no-sink", sinks=torch.full((2, 4), -1e4), attention_sink_bias=True)
     torch.testing.assert_close(first_block_logits(no_sink, target), first_block_logits(load_dflash_draft(zlab_dir), target), rtol=1e-5, atol=1e-5)
     assert not torch.allclose(first_block_logits(draft, target), first_block_logits(no_sink, target))
+
+
+def test_missing_block_size_names_the_engine_defaults(zlab_dir):
+    raw = json.loads((zlab_dir / "config.json").read_text())
+    del raw["block_size"]
+    with pytest.raises(UsageError, match=r"has no block_size .*official dflash 0.1.0 and llama.cpp 16, speculators 8"):
+        DFlashConfig.from_dict(normalise_draft_config(raw).config)
