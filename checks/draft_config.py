@@ -98,7 +98,8 @@ class DraftConfigCheck(Check):
             return skipped(self.id, "the draft is not a DFlash checkpoint (static config checks are DFlash-specific)")
         raw, target = ctx.draft_config, decoder_config(ctx.target_config)
         try:
-            normalised = normalise_draft_config(raw or {}, source="the draft config")
+            normalised = normalise_draft_config(raw or {}, source="the draft config",
+                                                served_target_layers=config_value(target, "num_hidden_layers"))
         except UsageError as exc:
             return CheckResult.from_findings(self.id, [Finding("fail", str(exc), "", "fix or convert the draft config")], {}, "")
         draft = normalised.config
@@ -115,6 +116,7 @@ class DraftConfigCheck(Check):
         findings += variant_findings(ctx, raw or {}, normalised)
         findings += self._rope_dtype_findings(raw or {}, target)
         findings += self._block_findings(ctx, metrics)
+        findings += served_format_findings(ctx, normalised)
         findings += self._offset_probe_findings(ctx, metrics)
         return CheckResult.from_findings(self.id, findings, metrics, "draft config fits the target")
 
@@ -140,10 +142,7 @@ class DraftConfigCheck(Check):
         ids = target_layer_ids(draft)
         num_layers = config_value(target, "num_hidden_layers")
         findings = []
-        if ids is None:
-            findings.append(Finding("warn", "the draft config records no target_layer_ids",
-                                    "engines then derive defaults, which may not be what the draft was trained on",
-                                    "set dflash_config.target_layer_ids explicitly"))
+        if ids is None:  # normalise_draft_config has refused it already, naming every engine's guess
             return findings
         if len(set(ids)) != len(ids):
             findings.append(Finding("warn", f"target_layer_ids {ids} repeat a layer", "", "list each layer once"))
@@ -312,4 +311,49 @@ def variant_findings(ctx: CheckContext, raw: dict[str, Any], normalised) -> list
                                 f"at temperature {temperature:g} the draft sample method changes acceptance "
                                 "(DFlash2 tau 3.19 -> 2.66 with greedy: syv-ai/qwen38-27b-rtx3090#73)",
                                 f"set draft_sample_method = \"{trained}\" in the speculative config"))
+    return findings
+
+
+#: Tokens each engine drafts per step for a DFlash block of B (REFERENCE.md section 1, ENGINES.md section 8): the
+#: setting and the value that uses the whole block, and the engine's default.
+_FULL_BLOCK_SETTINGS = (
+    ("vLLM", "speculative_config.num_speculative_tokens", "B - 1", "none (required)"),
+    ("SGLang", "--speculative-num-draft-tokens", "B", "the draft's block_size"),
+    ("llama.cpp", "--spec-draft-n-max", "B - 1", "3 (common/common.h), clamped to B - 1"),
+)
+
+
+def served_format_findings(ctx: CheckContext, normalised) -> list[Finding]:
+    """How the served engine reads this draft's format: block size, causality, and the K that uses the block."""
+    draft = normalised.config
+    engine = _engine(ctx)
+    block = block_size(draft)
+    findings: list[Finding] = []
+    served_block = engine.get("dflash_block_size")
+    if block is not None and served_block is not None and served_block != block:
+        findings.append(Finding("fail", f"the engine drafts blocks of {served_block} but the draft was trained with block_size {block}",
+                                f"--speculative-dflash-block-size {served_block} ({engine.get('engine')})",
+                                f"serve with --speculative-dflash-block-size {block} or drop the flag"))
+    dspark = (draft.get("architectures") or [""])[0] == "DSparkDraftModel"
+    method = str(engine.get("method") or "")
+    if method and dspark != ("dspark" in method):
+        findings.append(Finding("fail" if not dspark else "warn",
+                                f"the engine serves this {'DSpark' if dspark else 'DFlash'} draft with method {method}",
+                                "a DSpark draft adds a Markov head that only the DSpark proposers run (vLLM method dspark, "
+                                "llama.cpp --spec-type draft-dspark); a DFlash draft has none to run",
+                                f"serve it with method {'dspark' if dspark else 'dflash'}"))
+    types = draft.get("layer_types") or []
+    top, nested = draft.get("is_causal"), (draft.get("dflash_config") or {}).get("causal")
+    per_layer = top is None and nested is None and "sliding_attention" in types and "full_attention" in types
+    if per_layer and engine.get("engine") in (None, "llamacpp"):
+        findings.append(Finding("warn", "the draft's sliding layers attend causally and its full layers bidirectionally, "
+                                        "but llama.cpp applies one causality to every draft layer",
+                                f"layer_types {types}; llama.cpp reads dflash.attention.causal (absent: bidirectional everywhere, "
+                                "common/speculative.cpp llama_set_causal_attn), vLLM and the official loop decide per layer",
+                                "serve this draft with vLLM or SGLang, or expect lower acceptance on llama.cpp"))
+    if block is not None and not engine:
+        settings = "; ".join(f"{name} {setting} = {value.replace('B - 1', str(block - 1)).replace('B', str(block))} (default {default})"
+                             for name, setting, value, default in _FULL_BLOCK_SETTINGS)
+        findings.append(Finding("info", f"serving the whole block of {block} takes: {settings}",
+                                "a smaller K leaves acceptance unused; `dflash-doctor sweep` measures how much per K"))
     return findings

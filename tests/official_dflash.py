@@ -98,14 +98,15 @@ def official_generate(model, target, prompt: list[int], *, max_new_tokens: int, 
 
 
 #: Variants of a real z-lab draft (the shipped demo draft) that exercise each new code path.
-REAL_VARIANTS = ("full", "sliding", "scaled", "dflash2")
+REAL_VARIANTS = ("full", "sliding", "scaled", "causal", "dflash2")
 
 
 def real_variant(draft_dir: Path, variant: str, out_dir: Path, seed: int = 0) -> Path:
     """A copy of the draft at ``draft_dir`` as an official ``variant`` checkpoint in ``out_dir``.
 
     sliding: first layer ``sliding_attention`` with a 64-token window (so it is causal inside the block);
-    scaled: input_embedding_scale 0.9, output_multiplier 1.1, final_logit_softcapping 30; dflash2: the
+    scaled: input_embedding_scale 0.9, output_multiplier 1.1, final_logit_softcapping 30; causal: every layer
+    causal inside the block (``is_causal``, what JetSpec's ``dflash_config.causal`` means to vLLM); dflash2: the
     same layers plus DFlash 2 convolutions that start as identity with small random perturbations and a
     small random selector (rank 16, top-8), so both change the draft without destroying it.
     """
@@ -119,6 +120,8 @@ def real_variant(draft_dir: Path, variant: str, out_dir: Path, seed: int = 0) ->
                    max_window_layers=0)
     elif variant == "scaled":
         raw["dflash_config"].update(input_embedding_scale=0.9, output_multiplier=1.1, final_logit_softcapping=30.0)
+    elif variant == "causal":
+        raw["is_causal"] = True
     elif variant == "dflash2":
         raw["architectures"] = ["DFlash2DraftModel"]
         raw["dflash_config"].update(conv_kernel_size=3, conv_group_size=64, selector_rank=16, selector_top_k=8)

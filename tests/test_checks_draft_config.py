@@ -152,3 +152,41 @@ def test_unreadable_dialect_fails_with_the_key():
     result = _check(_draft(dflash_config={"mask_token_id": 299, "target_layer_ids": [1, 3, 5], "use_swa": True}))
     assert result.status == "fail"
     assert "dflash_config.use_swa = True" in result.findings[0].message
+
+
+def test_missing_layer_ids_fail_names_every_engines_guess():
+    """A Qwen3-8B-shaped pair (36 target layers, 5 draft layers): the engines' guesses differ (z-lab and SGLang
+    spread five taps, vLLM taps its three EAGLE-3 defaults), so the check fails instead of picking one."""
+    draft = _draft(num_hidden_layers=5, num_target_layers=36, dflash_config={"mask_token_id": 299})
+    result = _check(draft, target=dict(TARGET, num_hidden_layers=36))
+    assert result.status == "fail"
+    assert "states no target_layer_ids" in result.summary
+    assert "z-lab dflash 0.1.0 [1, 9, 17, 25, 33]; SGLang [1, 9, 17, 25, 33]; vLLM [1, 17, 32]" in result.summary
+    deeper = _check(draft, target=dict(TARGET, num_hidden_layers=28))  # SGLang follows the served target, z-lab the config
+    assert "z-lab dflash 0.1.0 [1, 9, 17, 25, 33]; SGLang [1, 7, 13, 19, 25]; vLLM [1, 13, 24]" in deeper.summary
+
+
+def test_served_block_size_and_one_causality_for_all_layers():
+    sglang = {"engine": "sglang", "dflash_block_size": 16, "speculative_num_draft_tokens": 16, "drafted_tokens": 15}
+    ctx = CheckContext(draft_config=_draft(), target_config=TARGET, config=build_config(k="7"), engine_config=sglang)
+    result = run_checks(ctx, only=["draft-config"])[0]
+    assert result.status == "fail"
+    assert "the engine drafts blocks of 16 but the draft was trained with block_size 8" in [f.message for f in result.findings]
+    mixed = _check(_draft(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"], sliding_window=64, use_sliding_window=True))
+    messages = [f.message for f in mixed.findings]
+    assert any("llama.cpp applies one causality to every draft layer" in m for m in messages)
+    assert any(m.startswith("serving the whole block of 8 takes: vLLM speculative_config.num_speculative_tokens = 7")
+               and "SGLang --speculative-num-draft-tokens = 8" in m and "llama.cpp --spec-draft-n-max = 7 (default 3" in m for m in messages)
+    explicit = _check(_draft(num_hidden_layers=2, is_causal=True, layer_types=["sliding_attention", "full_attention"]))
+    assert not any("one causality" in f.message for f in explicit.findings)
+
+
+def test_engine_method_must_match_a_dspark_draft():
+    dspark = _draft(architectures=["DSparkDraftModel"], dflash_config={"mask_token_id": 299, "target_layer_ids": [1, 3, 5], "markov_rank": 8,
+                                                                     "sample_from_anchor": False})
+    vllm = {"engine": "vllm", "method": "dflash", "num_speculative_tokens": 7, "drafted_tokens": 7}
+    result = run_checks(CheckContext(draft_config=dspark, target_config=TARGET, config=build_config(k="7"), engine_config=vllm), only=["draft-config"])[0]
+    assert "the engine serves this DSpark draft with method dflash" in [f.message for f in result.findings]
+    plain = run_checks(CheckContext(draft_config=_draft(), target_config=TARGET, config=build_config(k="7"),
+                                    engine_config=dict(vllm, method="dspark")), only=["draft-config"])[0]
+    assert plain.status == "fail" and "the engine serves this DFlash draft with method dspark" in plain.summary

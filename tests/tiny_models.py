@@ -6,8 +6,11 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from dflash_doctor.engine.dflash_model import DFlashConfig, DFlashDraftModel
+from dflash_doctor.engine.proposers.dflash import DFlashProposer
+from dflash_doctor.engine.target import TargetModel
 
 VOCAB = 97
+PROMPT = [1, 17, 42, 8, 9, 30, 31, 44]
 
 
 def tiny_target(seed: int = 0, *, vocab: int = VOCAB, hidden: int = 32, layers: int = 4) -> LlamaForCausalLM:
@@ -57,3 +60,14 @@ def tiny_dflash(target: LlamaForCausalLM, seed: int = 1, *, block_size: int = 6,
             if p.dim() == 2:
                 p.normal_(0, 0.2)
     return model.eval()
+
+
+@torch.no_grad()
+def first_block_logits(draft: DFlashDraftModel, target: LlamaForCausalLM) -> torch.Tensor:
+    """The scores of the first block the DFlash proposer drafts after :data:`PROMPT` (K = 5): what a
+    checkpoint in another dialect must reproduce exactly."""
+    wrapped = TargetModel(target, draft.hidden_state_indices)
+    hidden = target(torch.tensor([PROMPT]), output_hidden_states=True).hidden_states
+    proposer = DFlashProposer(draft, wrapped)
+    proposer.start(torch.tensor(PROMPT), torch.cat([hidden[i][0] for i in draft.hidden_state_indices], dim=-1))
+    return proposer.propose(PROMPT[-1], 5, 5).logits

@@ -149,7 +149,7 @@ def resolve_draft_kind(name: str, config: dict[str, Any], spec: str) -> DraftKin
 
 
 def _load_dflash(draft_dir: Path, target_dir: Path, target_config: Any, options: LoadOptions) -> DFlashDraftModel:
-    model = load_dflash_draft(draft_dir, dtype=options.dtype, device=options.device)
+    model = load_dflash_draft(draft_dir, dtype=options.dtype, device=options.device, served_target_layers=target_config.num_hidden_layers)
     validate_dflash_pair(model.config, target_config)
     return model
 

@@ -15,8 +15,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -27,6 +28,7 @@ from dflash_doctor.engine.target import attention_implementation
 from dflash_doctor.errors import UsageError
 from dflash_doctor.inputs.validation import check_model_folder, read_config_json
 from dflash_doctor.models.draft_formats import normalise_draft_config
+from dflash_doctor.models.gguf_draft import gguf_architecture, write_converted
 from dflash_doctor.models.placement import layer_placement, target_devices
 
 if TYPE_CHECKING:
@@ -94,7 +96,18 @@ def demo_target_path() -> Path:
 
 
 def _convert_gguf(gguf_path: Path) -> Path:
-    """The cached HF directory (model + tokenizer) of a GGUF file, converted on first use.
+    """The cached HF directory (model + tokenizer) of a GGUF target, converted on first use."""
+    return _cached_conversion(gguf_path, "gguf", _dequantise_gguf)
+
+
+def _convert_gguf_dflash(gguf_path: Path) -> Path:
+    """A llama.cpp DFlash draft GGUF as a cached z-lab directory (:mod:`dflash_doctor.models.gguf_draft`),
+    converted once like a GGUF target."""
+    return _cached_conversion(gguf_path, "gguf-dflash", write_converted)
+
+
+def _cached_conversion(gguf_path: Path, folder: str, write: Callable[[Path, Path], None]) -> Path:
+    """``write(gguf_path, out_dir)`` once per GGUF file (keyed by :func:`gguf_cache_key`), cached under ``folder``.
 
     Several processes may ask at once (the ranks of ``--devices``, two terminals): the first converts
     under a file lock while the others wait for it and then read its result, so no two write into the
@@ -102,20 +115,18 @@ def _convert_gguf(gguf_path: Path) -> Path:
     """
     from filelock import FileLock
 
-    target_dir = cache_dir() / "gguf" / gguf_cache_key(gguf_path)
+    target_dir = cache_dir() / folder / gguf_cache_key(gguf_path)
     if _is_complete(target_dir):
         return target_dir
     target_dir.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(target_dir.with_name(target_dir.name + ".lock")):
         if _is_complete(target_dir):  # converted by the process we waited for
             return target_dir
-        import shutil
-
         tmp = target_dir.with_name(target_dir.name + ".tmp")
         for leftover in (tmp, target_dir):  # from a process killed mid-way
             if leftover.exists():
                 shutil.rmtree(leftover)
-        _dequantise_gguf(gguf_path, tmp)
+        write(gguf_path, tmp)
         (tmp / "source.json").write_text(json.dumps({"gguf": str(gguf_path), "cache_key": target_dir.name}), encoding="utf-8")
         (tmp / ".complete").touch()
         tmp.replace(target_dir)
@@ -178,7 +189,7 @@ def resolve_model_dir(spec: str) -> Path:
     if path.suffix == ".gguf":
         if not path.is_file():
             raise UsageError(f"GGUF file {path} does not exist; pass an existing .gguf file.")
-        return _convert_gguf(path)
+        return _convert_gguf_dflash(path) if gguf_architecture(path) == "dflash" else _convert_gguf(path)
     if path.exists():
         if not path.is_dir() or not (path / "config.json").is_file():
             raise UsageError(f"{path} is not a model directory (no config.json); pass a folder with config.json and weights.")
@@ -194,7 +205,7 @@ def resolve_model_dir(spec: str) -> Path:
 def is_dflash_config(config: dict[str, Any]) -> bool:
     """A DFlash checkpoint names a DFlash architecture, carries ``dflash_config`` or is a speculators DFlash."""
     return ("dflash_config" in config or any("DFlash" in a for a in config.get("architectures") or [])
-            or config.get("speculators_model_type") in ("dflash", "dflash2"))
+            or config.get("speculators_model_type") in ("dflash", "dflash2", "dspark"))
 
 
 def fingerprint(model_dir: Path) -> str:
@@ -236,13 +247,18 @@ def load_causal_lm(model_dir: Path, *, dtype: str = "float32", device: str = "cp
     return (model if placement else model.to(device)).eval()  # pyright: ignore[reportArgumentType]
 
 
-def load_dflash_draft(model_dir: Path, *, dtype: str = "float32", device: str = "cpu") -> DFlashDraftModel:
+def load_dflash_draft(model_dir: Path, *, dtype: str = "float32", device: str = "cpu",
+                      served_target_layers: int | None = None) -> DFlashDraftModel:
     """Build the DFlash module of a checkpoint in any dialect (:mod:`dflash_doctor.models.draft_formats`) and load
-    its safetensors (unprefixed or ``model.``). The dialect facts land on ``model.draft_format``."""
+    its safetensors (unprefixed or ``model.``). The dialect facts land on ``model.draft_format``. A refusal
+    for missing layer ids names what engines would tap on a ``served_target_layers`` target and what the
+    model card (README.md) says."""
     from safetensors.torch import load_file
 
     source = str(model_dir / "config.json")
-    normalised = normalise_draft_config(read_config_json(model_dir), source=source)
+    card = model_dir / "README.md"
+    normalised = normalise_draft_config(read_config_json(model_dir), source=source, served_target_layers=served_target_layers,
+                                        card=card.read_text(encoding="utf-8", errors="replace") if card.is_file() else None)
     cfg = DFlashConfig.from_dict(normalised.config, source=source)
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:

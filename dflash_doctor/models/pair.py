@@ -22,7 +22,6 @@ from dflash_doctor.errors import UsageError
 from dflash_doctor.inputs.config import DoctorConfig
 from dflash_doctor.inputs.validation import read_config_json
 from dflash_doctor.inputs.workloads import read_chat_template
-from dflash_doctor.models.draft_formats import refuse_gguf_dflash
 from dflash_doctor.models.draft_kinds import DraftKind, LoadOptions, Sampling, get_draft_kind, resolve_draft_kind
 from dflash_doctor.models.loading import DEMO_DRAFT_DIR, demo_target_path, fingerprint, hub_commit, load_causal_lm, resolve_model_dir
 from dflash_doctor.models.placement import target_devices
@@ -150,7 +149,6 @@ def load_pair(config: DoctorConfig, engine_settings: dict[str, Any] | None = Non
     if config.draft is None and not (DEMO_DRAFT_DIR / "config.json").is_file():
         raise UsageError(f"the built-in demo draft is missing from {DEMO_DRAFT_DIR}; reinstall dflash-doctor or pass --draft.")
     target_dir = resolve_model_dir(target_spec)
-    refuse_gguf_dflash(draft_spec)
     draft_dir = resolve_model_dir(draft_spec)
     draft_config = read_config_json(draft_dir)
     kind = resolve_draft_kind(config.draft_kind, draft_config, draft_spec)
