@@ -9,6 +9,7 @@ from dflash_doctor.checks.base import (  # noqa: F401
     CheckContext,
     CheckResult,
     Finding,
+    Need,
     exit_code,
     get_check,
     make_check,

@@ -1,6 +1,6 @@
 """acceptance: are the measured acceptance numbers healthy, and is any part of the workload left behind?
 
-Reads run.json ``summary`` (never recomputes): tau per class against thresholds, a per-position collapse
+Reads the run record's ``summary`` (never recomputes): tau per class against thresholds, a per-position collapse
 (the conditional rate a_i = r_i / r_{i-1} falling below a floor within the first slots: later drafts are
 wasted verify work), a class far below the others (prompt domain off the draft's training data,
 z-lab #7: Chinese 3.3 vs English 6.4), and "suspiciously perfect" acceptance: every drafted token
@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass
-from typing import Any
-
 from dflash_doctor.checks.base import Check, CheckContext, CheckResult, Finding, register, skipped
+from dflash_doctor.rundir.record import OVERALL, Metrics, Summary
 
 
 @register
@@ -24,7 +23,7 @@ class AcceptanceCheck(Check):
 
     id = "acceptance"
     title = "Acceptance"
-    needs = ("run_meta",)
+    needs = ("record",)  # record.summary: overall and per-class metrics
 
     tau_warn_below: float = 2.0  # mean acceptance length (bonus included) below which we warn
     tau_fail_below: float = 1.3  # ... and below which we fail: speculation barely beats plain decoding
@@ -35,39 +34,41 @@ class AcceptanceCheck(Check):
     perfect_rate: float = 1.0  # draft acceptance rate at or above this in every scope is suspicious
 
     def run(self, ctx: CheckContext) -> CheckResult:
-        summary = (ctx.run_meta or {}).get("summary") or {}
-        scopes = {"overall": summary.get("overall") or {}}
-        scopes.update({f"class {name}": metrics for name, metrics in (summary.get("by_class") or {}).items()})
-        judged = {name: m for name, m in scopes.items() if (m.get("num_drafts") or 0) >= self.min_drafts}
+        summary: Summary = ctx.value("record.summary")
+        scopes: dict[str, Metrics | None] = {OVERALL: summary.overall}
+        scopes.update({f"class {name}": metrics for name, metrics in summary.by_class.items()})
+        # a scope that drafted has a tau (tokens per step), so every judged scope has one
+        judged = {name: m for name, m in scopes.items()
+                  if m is not None and m.num_drafts >= self.min_drafts and m.mean_acceptance_length is not None}
         if not judged:
             return skipped(self.id, f"the run has no scope with at least {self.min_drafts} drafts")
 
         findings: list[Finding] = []
-        taus = {name: m["mean_acceptance_length"] for name, m in judged.items()}
+        taus = {name: m.mean_acceptance_length for name, m in judged.items() if m.mean_acceptance_length is not None}
         for name, m in judged.items():
             findings += self._tau_findings(name, m)
             findings += self._collapse_findings(name, m)
         findings += self._class_gap_findings(taus)
         findings += self._perfect_findings(judged)
         metrics = {"tau": taus, "num_scopes_judged": len(judged)}
-        overall = taus.get("overall")
+        overall = taus.get(OVERALL)
         pass_summary = f"tau {overall:.2f} overall; every class above {self.tau_warn_below}" if overall is not None \
             else f"every class above tau {self.tau_warn_below}"
         return CheckResult.from_findings(self.id, findings, metrics, pass_summary)
 
-    def _tau_findings(self, name: str, m: dict[str, Any]) -> list[Finding]:
-        tau = m["mean_acceptance_length"]
-        if tau >= self.tau_warn_below:
+    def _tau_findings(self, name: str, m: Metrics) -> list[Finding]:
+        tau = m.mean_acceptance_length
+        if tau is None or tau >= self.tau_warn_below:
             return []
-        ci = m.get("mean_acceptance_length_ci")
-        evidence = f"tau {tau:.2f}" + (f" (95% CI {ci[0]:.2f}-{ci[1]:.2f})" if ci else "") + f" over {m['num_drafts']} drafts"
+        ci = m.mean_acceptance_length_ci
+        evidence = f"tau {tau:.2f}" + (f" (95% CI {ci[0]:.2f}-{ci[1]:.2f})" if ci else "") + f" over {m.num_drafts} drafts"
         severity = "fail" if tau < self.tau_fail_below else "warn"
         limit = self.tau_fail_below if severity == "fail" else self.tau_warn_below
         return [Finding(severity, f"{name}: mean acceptance length {tau:.2f} is below {limit}", evidence,
                         "check the tokenizer, chat-template and draft-config findings first; then lower K for this class (`dflash-doctor sweep`)")]
 
-    def _collapse_findings(self, name: str, m: dict[str, Any]) -> list[Finding]:
-        rates = m.get("conditional_acceptance_rate_per_pos") or []
+    def _collapse_findings(self, name: str, m: Metrics) -> list[Finding]:
+        rates = m.conditional_acceptance_rate_per_pos
         for position, rate in enumerate(rates[: self.collapse_within_positions]):
             if rate is not None and rate < self.conditional_rate_floor:
                 shown = ", ".join(f"{r:.2f}" for r in rates[: self.collapse_within_positions + 2] if r is not None)
@@ -77,7 +78,7 @@ class AcceptanceCheck(Check):
         return []
 
     def _class_gap_findings(self, taus: dict[str, float]) -> list[Finding]:
-        classes = {name: tau for name, tau in taus.items() if name != "overall"}
+        classes = {name: tau for name, tau in taus.items() if name != OVERALL}
         if len(classes) < 2:
             return []
         findings = []
@@ -89,8 +90,8 @@ class AcceptanceCheck(Check):
                                         "the draft was likely not trained on this kind of prompt: serve this class with a smaller K or none"))
         return findings
 
-    def _perfect_findings(self, judged: dict[str, dict[str, Any]]) -> list[Finding]:
-        rates = {name: m.get("draft_acceptance_rate") for name, m in judged.items()}
+    def _perfect_findings(self, judged: dict[str, Metrics]) -> list[Finding]:
+        rates = {name: m.draft_acceptance_rate for name, m in judged.items()}
         if all(rate is not None and rate >= self.perfect_rate for rate in rates.values()):
             return [Finding("fail", "every drafted token was accepted in every class: suspiciously perfect",
                             ", ".join(f"{name} {rate:.3f}" for name, rate in rates.items()),

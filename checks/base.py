@@ -15,11 +15,12 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar, Iterable, Mapping, TypeVar
 
 from dflash_doctor.errors import UsageError
 from dflash_doctor.inputs.validation import type_error
+from dflash_doctor.rundir.record import RunRecord
 from dflash_doctor.rundir.status import (  # noqa: F401 (re-exported: checks import their vocabulary from here)
     SEVERITIES,
     STATUSES,
@@ -31,15 +32,25 @@ from dflash_doctor.rundir.status import (  # noqa: F401 (re-exported: checks imp
     worst_severity,
 )
 
+@dataclass(frozen=True)
+class Need:
+    """An input whose absence the check explains in its own sentence rather than the runner's
+    "needs <path>": the run was fine, it just did not produce this probe (no ``--engine`` pair, a sampled
+    run without the lossless comparison), and the skip should say so."""
+
+    path: str  # as in ``Check.needs``: a dotted path into CheckContext, "a|b" for either
+    skip_reason: str
+
+
 @dataclass
 class CheckContext:
     """Everything a check may read. All fields are optional: a check names the ones it ``needs``.
 
     Tokenizers are transformers tokenizers; ``target_config`` is a ``PretrainedConfig`` or a dict;
     ``draft_config`` is the draft checkpoint's ``config.json`` as a dict; ``engine_config`` is the output
-    of :func:`dflash_doctor.inputs.engine_config.parse_engine_config`; ``run_meta`` is a run.json dict
-    (with ``summary``). ``extras`` carries inputs that only some producers have, e.g.
-    ``output_token_ids`` (ids the target produced in a run) or ``offset_probe`` ({offset: acceptance length}).
+    of :func:`dflash_doctor.inputs.engine_config.parse_engine_config`; ``record`` is the typed run record
+    (summary, recommendation, probes, models): checks read its named fields, so a renamed field fails the
+    type checker and the check tests instead of silently reading nothing.
     """
 
     target_tokenizer: Any = None
@@ -53,16 +64,26 @@ class CheckContext:
     target_template: str | None = None  # the chat template the server renders prompts with
     draft_template: str | None = None  # the chat template shipped with the draft
     draft_training_template: str | None = None  # the template the draft was trained with, when recorded
-    run_meta: dict[str, Any] | None = None
+    record: RunRecord | None = None
     config: Any = None  # DoctorConfig
-    extras: dict[str, Any] = field(default_factory=dict)
+    output_token_ids: list[int] | None = None  # ids the target produced in the run, all requests together
+    draft_weight_shapes: dict[str, list[int]] | None = None  # tensor name (no "model." prefix) -> shape
 
-    def missing(self, needs: Iterable[str]) -> list[str]:
-        """The needs that are absent; an entry ``"a|b"`` is satisfied by either field."""
+    def value(self, path: str) -> Any:
+        """The input at a dotted ``path`` ("record.probes.lossless"); None when any step on the way is None."""
+        value: Any = self
+        for name in path.split("."):
+            if value is None:
+                return None
+            value = getattr(value, name)
+        return value
+
+    def missing(self, needs: Iterable[str | Need]) -> list[str]:
+        """The needs that are absent; an entry ``"a|b"`` is satisfied by either path."""
         absent = []
         for need in needs:
-            alternatives = need.split("|")
-            if all(_is_absent(getattr(self, name)) for name in alternatives):
+            alternatives = (need.path if isinstance(need, Need) else need).split("|")
+            if all(_is_absent(self.value(path)) for path in alternatives):
                 absent.append(" or ".join(alternatives))
         return absent
 
@@ -84,12 +105,14 @@ class Check:
     """Base of every check; subclasses are frozen dataclasses registered with :func:`register`.
 
     Class attributes: ``id`` (kebab-case, stable: it is stored in run.json and named by --only/--skip),
-    ``needs`` (CheckContext field names, ``"a|b"`` for either) and ``title``.
+    ``needs`` (every input the check cannot work without, as dotted paths into :class:`CheckContext`:
+    ``"draft_config"``, ``"record.probes.lossless"``; ``"a|b"`` for either; a :class:`Need` where the
+    check words the skip itself) and ``title``.
     """
 
     id: ClassVar[str] = ""
     title: ClassVar[str] = ""
-    needs: ClassVar[tuple[str, ...]] = ()
+    needs: ClassVar[tuple[str | Need, ...]] = ()
     # Every registered check is a dataclass (register() refuses others); declared so that type checkers
     # accept a check class where dataclasses.fields() wants one.
     __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
@@ -192,11 +215,15 @@ def run_checks(
 
 
 def run_one(check: Check, ctx: CheckContext) -> CheckResult:
-    """Run a single check instance: ``skip`` when its needs are absent, ``error`` when it raises."""
-    absent = ctx.missing(check.needs)
-    if absent:
-        return CheckResult(check.id, "skip", f"skipped: needs {', '.join(absent)}", {"missing": absent})
+    """Run a single check instance: ``skip`` when its needs are absent (in the check's own words for a
+    :class:`Need`), ``error`` when it raises."""
     try:
+        for need in check.needs:
+            if isinstance(need, Need) and ctx.missing([need]):
+                return skipped(check.id, need.skip_reason)
+        absent = ctx.missing(check.needs)
+        if absent:
+            return CheckResult(check.id, "skip", f"skipped: needs {', '.join(absent)}", {"missing": absent})
         return check.run(ctx)
     except UsageError:
         raise

@@ -4,7 +4,7 @@ A DFlash draft borrows the target's embedding and LM head and reads hidden state
 layers (REFERENCE.md section 1), so its ``hidden_size``, ``fc`` width (len(target_layer_ids) x hidden),
 layer ids, RoPE settings and mask id are only meaningful relative to one target. A mismatch often loads
 without an error and silently drafts garbage. The offset probe (fed by the engine through
-``ctx.extras["offset_probe"]``) catches the classic off-by-one in layer ids (vLLM PR #42704,
+``ctx.record.probes.offset_probe``) catches the classic off-by-one in layer ids (vLLM PR #42704,
 llama.cpp #25792): if reading layer l - 1 or l + 1 gives clearly better acceptance, the ids are shifted.
 
 Every config dialect is first normalised (:mod:`dflash_doctor.models.draft_formats`; an unreadable config fails
@@ -129,7 +129,7 @@ class DraftConfigCheck(Check):
                                     "DFlash embeds with the target's embed_tokens and projects with its lm_head",
                                     "use a draft trained for this target"))
         ids = metrics["target_layer_ids"]
-        fc_shape = (ctx.extras.get("draft_weight_shapes") or {}).get("fc.weight")
+        fc_shape = (ctx.draft_weight_shapes or {}).get("fc.weight")
         if fc_shape is not None and ids and hidden:
             expected = [hidden, len(ids) * hidden]
             if list(fc_shape) != expected:
@@ -196,7 +196,7 @@ class DraftConfigCheck(Check):
         return findings
 
     def _offset_probe_findings(self, ctx: CheckContext, metrics: dict[str, Any]) -> list[Finding]:
-        probe = {int(k): float(v) for k, v in (ctx.extras.get("offset_probe") or {}).items()}
+        probe = {int(k): float(v) for k, v in (ctx.value("record.probes.offset_probe") or {}).items()}
         if not probe:
             return []
         metrics["offset_probe"] = probe
@@ -204,7 +204,7 @@ class DraftConfigCheck(Check):
             return [Finding("warn", "the offset probe has no result for offset 0", str(probe), "rerun the probe")]
         best_offset = max(probe, key=probe.__getitem__)
         gain = (probe[best_offset] - 1.0) / max(probe[0] - 1.0, 1e-9) - 1.0
-        num_drafts = ctx.extras.get("offset_probe_drafts")
+        num_drafts = ctx.value("record.probes.offset_probe_drafts")
         if best_offset != 0 and num_drafts is not None and num_drafts < self.offset_probe_min_drafts:
             return [Finding("info", f"offset probe inconclusive: {num_drafts} drafts are too few to judge the layer ids",
                             _offset_evidence(probe),
@@ -292,7 +292,7 @@ def variant_findings(ctx: CheckContext, raw: dict[str, Any], normalised) -> list
                                 "a mask row that is also a real token (often pad = eos) trains and serves differently "
                                 "(NeMo Automodel #2461)", "use a reserved, otherwise unused embedding row as the mask"))
     # own lm_head / embeddings the engine replaces
-    shapes = ctx.extras.get("draft_weight_shapes") or {}
+    shapes = ctx.draft_weight_shapes or {}
     own = [name for name in ("lm_head.weight", "embed_tokens.weight") if name in shapes]
     if own and normalised.draft_vocab_size is None:
         findings.append(Finding("warn", f"the draft ships its own {', '.join(own)}",

@@ -7,7 +7,6 @@ places so each check states its rule once.
 
 from __future__ import annotations
 
-import numbers
 from typing import Any
 
 from dflash_doctor.checks.base import CheckContext
@@ -44,14 +43,5 @@ def target_layer_ids(draft_config: dict[str, Any] | None) -> list[int] | None:
 
 
 def output_token_ids(ctx: CheckContext) -> set[int] | None:
-    """Ids the target produced in a run (``ctx.extras["output_token_ids"]``: flat or one list per request)."""
-    produced = ctx.extras.get("output_token_ids")
-    if produced is None:
-        return None
-    ids: set[int] = set()
-    for item in produced:
-        if isinstance(item, numbers.Integral):
-            ids.add(int(item))
-        else:  # one request's ids: a list, or an array from requests.parquet
-            ids.update(int(x) for x in item)
-    return ids
+    """The distinct ids the target produced in the run (``ctx.output_token_ids``), None when not given."""
+    return None if ctx.output_token_ids is None else {int(token) for token in ctx.output_token_ids}

@@ -17,8 +17,8 @@ teacher-forced through the local target (same text, same n-max, same end-of-requ
 is often quantised and runs its own kernels, so greedy texts may part at near-ties; comparing on the
 engine's text keeps that out of the tau difference, and the output comparison reports it separately.
 
-Input: ``ctx.extras["engine_agreement"]`` from :func:`dflash_doctor.serving.agreement.compare_with_embedded`.
-``needs`` is empty and the check skips itself when the key is absent (no ``--engine`` or no local pair).
+Input: ``ctx.record.probes.engine_agreement`` from :func:`dflash_doctor.serving.agreement.compare_with_embedded`;
+absent without ``--engine`` or without a local pair, which skips the check.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from dflash_doctor.checks.base import Check, CheckContext, CheckResult, Finding, register, skipped
+from dflash_doctor.checks.base import Check, CheckContext, CheckResult, Finding, Need, register, skipped
 
 CONFIGURED = "as configured"  # the setup name dflash_doctor.serving.agreement gives the draft as configured
 
@@ -42,7 +42,7 @@ class EngineAgreementCheck(Check):
 
     id = "engine-agreement"
     title = "Engine agreement"
-    needs = ()
+    needs = (Need("record.probes.engine_agreement", "needs `check --engine URL` with a local target and draft to replay the same prompts"),)
 
     min_tau_gap: float = 0.1  # embedded - engine tau below this is agreement even when the interval excludes 0
     explains_share: float = 0.8  # the engine sides with a simulated setup on at least this share of the telling steps
@@ -51,9 +51,7 @@ class EngineAgreementCheck(Check):
     min_steps: int = 20  # fewer comparable engine steps are too few to judge
 
     def run(self, ctx: CheckContext) -> CheckResult:
-        data = ctx.extras.get("engine_agreement")
-        if not data:
-            return skipped(self.id, "needs `check --engine URL` with a local target and draft to replay the same prompts")
+        data: dict[str, Any] = ctx.value("record.probes.engine_agreement")
         overall = (data.get("tau") or {}).get("overall")
         per_step = data.get("per_step") or {}
         configured = per_step.get(CONFIGURED) or {}

@@ -14,21 +14,18 @@ at a logit of 0.5 the same spacing is 0.002). A fixed margin in logits cannot te
 finding says which was found: the margin, the logit size and the dtype's spacing there. In float32 every
 divergence fails, as before.
 
-Input: ``ctx.extras["lossless"]`` = ``{"num_requests", "num_identical", "dtype", "divergences": [{
-"request_id", "position", "speculative_token", "plain_token", "speculative_text", "plain_text",
-"top2_margin", "top1_logit"}]}``. :meth:`CheckContext.missing` only sees context fields, not ``extras`` keys, so
-``needs`` is empty and the check returns ``skip`` itself when the key is absent.
+Input: ``ctx.record.probes.lossless`` (:class:`~dflash_doctor.rundir.record.LosslessProbe`); absent when
+no speculative-vs-plain comparison ran (sampling, ``--engine`` without a local pair), which skips the check.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
-
 import torch
 
-from dflash_doctor.checks.base import Check, CheckContext, CheckResult, Finding, register, skipped
+from dflash_doctor.checks.base import Check, CheckContext, CheckResult, Finding, Need, register, skipped
+from dflash_doctor.rundir.record import Divergence, LosslessProbe
 
 _EXACT_DTYPE = "float32"
 _REDUCED_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -42,17 +39,17 @@ def rounding_at(dtype: str, value: float) -> float:
     return info.eps * 2.0 ** math.floor(math.log2(magnitude))
 
 
-def _describe(divergence: dict[str, Any], dtype: str) -> str:
+def _describe(divergence: Divergence, dtype: str) -> str:
     """One line naming the request, the output index and both tokens (id and text) at the divergence,
     with the target's top-2 margin against the dtype's rounding at its top logit where both are known."""
-    margin = divergence.get("top2_margin")
-    top1 = divergence.get("top1_logit")
+    margin = divergence.top2_margin
+    top1 = divergence.top1_logit
     margin_text = "" if margin is None else f"; target top-2 logit margin {float(margin):.3f}"
     if margin is not None and top1 is not None and dtype in _REDUCED_DTYPES:
         margin_text += f" at logit {float(top1):.2f}, where {dtype} rounds in steps of {rounding_at(dtype, float(top1)):.4f}"
-    return (f"request {divergence.get('request_id')}, output token {divergence.get('position')}: "
-            f"speculative {divergence.get('speculative_token')} {divergence.get('speculative_text')!r} vs "
-            f"plain {divergence.get('plain_token')} {divergence.get('plain_text')!r}{margin_text}")
+    return (f"request {divergence.request_id}, output token {divergence.position}: "
+            f"speculative {divergence.speculative_token} {divergence.speculative_text!r} vs "
+            f"plain {divergence.plain_token} {divergence.plain_text!r}{margin_text}")
 
 
 @register
@@ -62,20 +59,18 @@ class LosslessCheck(Check):
 
     id = "lossless"
     title = "Lossless"
-    needs = ()  # reads ctx.extras["lossless"]; skips itself when absent (see the module docstring)
+    needs = (Need("record.probes.lossless", "no speculative-vs-plain comparison was run (extras 'lossless' is absent)"),)
 
     near_tie_ulps: float = 2.0  # a top-2 gap within this many of the dtype's rounding steps at the top logit can flip
 
     def run(self, ctx: CheckContext) -> CheckResult:
-        lossless = ctx.extras.get("lossless")
-        if not lossless:
-            return skipped(self.id, "no speculative-vs-plain comparison was run (extras 'lossless' is absent)")
-        num_requests = int(lossless.get("num_requests") or 0)
+        lossless: LosslessProbe = ctx.value("record.probes.lossless")
+        num_requests = lossless.num_requests
         if num_requests == 0:
             return skipped(self.id, "the speculative-vs-plain comparison covered no requests")
-        num_identical = int(lossless.get("num_identical") or 0)
-        dtype = str(lossless.get("dtype") or "unknown").replace("torch.", "")
-        divergences = list(lossless.get("divergences") or [])
+        num_identical = lossless.num_identical
+        dtype = (lossless.dtype or "unknown").replace("torch.", "")
+        divergences = lossless.divergences
         near_ties = [d for d in divergences if self._is_near_tie(d, dtype)]
         metrics = {"num_requests": num_requests, "num_identical": num_identical, "dtype": dtype,
                    "identical_share": num_identical / num_requests, "num_divergences": len(divergences),
@@ -102,10 +97,10 @@ class LosslessCheck(Check):
                 "rollback after rejected drafts, and the acceptance rule (greedy: accept while draft == target argmax)")
         return CheckResult.from_findings(self.id, [finding], metrics, "")
 
-    def _is_near_tie(self, divergence: dict[str, Any], dtype: str) -> bool:
+    def _is_near_tie(self, divergence: Divergence, dtype: str) -> bool:
         """Reduced precision and a top-2 gap within ``near_tie_ulps`` rounding steps of the dtype at the top
         logit: rounding alone can flip the argmax (a record without the top logit cannot be judged so)."""
-        margin, top1 = divergence.get("top2_margin"), divergence.get("top1_logit")
+        margin, top1 = divergence.top2_margin, divergence.top1_logit
         if dtype not in _REDUCED_DTYPES or margin is None or top1 is None:
             return False
         return float(margin) <= self.near_tie_ulps * rounding_at(dtype, float(top1))

@@ -6,17 +6,17 @@ completions endpoint, a client that skips ``apply_chat_template``), the context 
 training and acceptance drops for every request although every component is "correct". A mix of raw
 and templated prompts halves the damage and hides it in averages.
 
-Inputs: ``ctx.extras["prompt_format"]`` = ``{"num_raw_prompts": int, "num_templated": int}`` and
-``ctx.draft_training_template`` (the template the draft was trained with, None when not recorded).
-``needs`` is empty because :meth:`CheckContext.missing` cannot name ``extras`` keys; the check returns
-``skip`` itself when the counts are absent.
+Inputs: ``ctx.record.probes.prompt_format`` (:class:`~dflash_doctor.rundir.record.PromptFormat`, the counts of
+raw and templated prompts; a run without them skips the check) and ``ctx.draft_training_template`` (the
+template the draft was trained with, None when not recorded).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dflash_doctor.checks.base import Check, CheckContext, CheckResult, Finding, register, skipped
+from dflash_doctor.checks.base import Check, CheckContext, CheckResult, Finding, Need, register, skipped
+from dflash_doctor.rundir.record import PromptFormat
 
 _FIX = "apply the tokenizer's chat template (use the chat endpoint / apply_chat_template), or train the draft on raw prompts"
 
@@ -28,14 +28,11 @@ class PromptFormatCheck(Check):
 
     id = "prompt-format"
     title = "Prompt format"
-    needs = ()  # reads ctx.extras["prompt_format"]; skips itself when absent (see the module docstring)
+    needs = (Need("record.probes.prompt_format", "the run recorded no prompt-format counts (extras 'prompt_format' is absent)"),)
 
     def run(self, ctx: CheckContext) -> CheckResult:
-        counts = ctx.extras.get("prompt_format")
-        if not counts:
-            return skipped(self.id, "the run recorded no prompt-format counts (extras 'prompt_format' is absent)")
-        num_raw = int(counts.get("num_raw_prompts") or 0)
-        num_templated = int(counts.get("num_templated") or 0)
+        counts: PromptFormat = ctx.value("record.probes.prompt_format")
+        num_raw, num_templated = counts.num_raw_prompts, counts.num_templated
         num_prompts = num_raw + num_templated
         if num_prompts == 0:
             return skipped(self.id, "the run has no prompts")

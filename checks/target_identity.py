@@ -7,7 +7,7 @@ case: AEON-7 #6, z-lab #152). Nothing in the configs changes, so only the weight
 
 Inputs: the draft's ``config.json`` section ``"dflash_doctor": {"target_weights_fingerprint", "target"}``
 (written by ``dflash-doctor train-draft``, see :func:`dflash_doctor.models.loading.weights_fingerprint`) and
-``ctx.extras["target_weights_fingerprint"]``, the served target's fingerprint. When either fingerprint is
+``ctx.record.probes.target_weights_fingerprint``, the served target's fingerprint. When either fingerprint is
 missing, only the recorded and served target *names* can be compared: differing names warn.
 """
 
@@ -22,8 +22,8 @@ from dflash_doctor.checks.base import Check, CheckContext, CheckResult, Finding,
 
 def _served_target_name(ctx: CheckContext) -> str | None:
     """The served target as the user named it (--target), else as the run recorded it."""
-    models = (ctx.run_meta or {}).get("models") or {}
-    return config_value(ctx.config, "target") or (models.get("target") or {}).get("id")
+    recorded = ctx.record.models.get("target") if ctx.record is not None else None
+    return config_value(ctx.config, "target") or (recorded.id if recorded is not None else None)
 
 
 def _comparable_name(name: str) -> str:
@@ -45,7 +45,7 @@ class TargetIdentityCheck(Check):
         recorded_fingerprint, recorded_name = recorded.get("target_weights_fingerprint"), recorded.get("target")
         if not recorded_fingerprint and not recorded_name:
             return skipped(self.id, "the draft records no target it was trained against (config.json 'dflash_doctor')")
-        served_fingerprint = ctx.extras.get("target_weights_fingerprint")
+        served_fingerprint = ctx.value("record.probes.target_weights_fingerprint")
         served_name = _served_target_name(ctx)
         metrics = {"recorded_target": recorded_name, "recorded_fingerprint": recorded_fingerprint,
                    "served_target": served_name, "served_fingerprint": served_fingerprint}

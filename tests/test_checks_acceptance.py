@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 from dflash_doctor.checks import CheckContext, run_checks
+from tests.checks_fixtures import metrics, record
 
 
 def _metrics(tau, conditional=(0.9, 0.8, 0.7), rate=0.6, drafts=200):
-    return {"num_drafts": drafts, "mean_acceptance_length": tau, "mean_acceptance_length_ci": [tau - 0.1, tau + 0.1],
-            "conditional_acceptance_rate_per_pos": list(conditional), "draft_acceptance_rate": rate}
+    return metrics(num_drafts=drafts, mean_acceptance_length=tau, mean_acceptance_length_ci=[tau - 0.1, tau + 0.1],
+                   conditional_acceptance_rate_per_pos=list(conditional), draft_acceptance_rate=rate)
 
 
 def _check(overall, by_class=None, params=None):
-    meta = {"summary": {"overall": overall, "by_class": by_class or {}}}
-    return run_checks(CheckContext(run_meta=meta), only=["acceptance"], params={"acceptance": params or {}})[0]
+    ctx = CheckContext(record=record(overall=overall, by_class=by_class))
+    return run_checks(ctx, only=["acceptance"], params={"acceptance": params or {}})[0]
 
 
 def test_acceptance_pass_healthy_run():

@@ -8,6 +8,8 @@ import struct
 from dflash_doctor.checks import CheckContext, run_checks
 from dflash_doctor.checks.draft_config import read_safetensors_shapes
 from dflash_doctor.inputs.config import build_config
+from dflash_doctor.rundir.record import Probes
+from tests.checks_fixtures import record
 
 TARGET = {"hidden_size": 64, "num_hidden_layers": 8, "vocab_size": 300, "rope_theta": 1000000.0, "torch_dtype": "bfloat16"}
 
@@ -20,13 +22,14 @@ def _draft(**overrides):
     return config
 
 
-def _check(draft, target=TARGET, k="7", extras=None):
-    ctx = CheckContext(draft_config=draft, target_config=target, config=build_config(k=k), extras=extras or {})
+def _check(draft, target=TARGET, k="7", shapes=None, offset_probe=None, offset_probe_drafts=None):
+    run = record(probes=Probes(offset_probe=offset_probe, offset_probe_drafts=offset_probe_drafts))
+    ctx = CheckContext(draft_config=draft, target_config=target, config=build_config(k=k), draft_weight_shapes=shapes, record=run)
     return run_checks(ctx, only=["draft-config"])[0]
 
 
 def test_draft_config_pass_consistent_draft():
-    result = _check(_draft(), extras={"draft_weight_shapes": {"fc.weight": [64, 192]}, "offset_probe": {-1: 2.1, 0: 4.0, 1: 2.5}})
+    result = _check(_draft(), shapes={"fc.weight": [64, 192]}, offset_probe={-1: 2.1, 0: 4.0, 1: 2.5})
     assert result.status == "pass", [f.message for f in result.findings]
     assert result.metrics["offset_probe"] == {-1: 2.1, 0: 4.0, 1: 2.5}
 
@@ -42,7 +45,7 @@ def test_draft_config_warn_rope_dtype_and_target_depth():
 
 def test_draft_config_fail_sizes_layers_block_and_mask():
     draft = _draft(hidden_size=32, dflash_config={"mask_token_id": 300, "target_layer_ids": [1, 5, 8]})
-    result = _check(draft, k="8", extras={"draft_weight_shapes": {"fc.weight": [32, 64]}})
+    result = _check(draft, k="8", shapes={"fc.weight": [32, 64]})
     assert result.status == "fail"
     failures = [f.message for f in result.findings if f.severity == "fail"]
     assert "draft hidden_size 32 differs from the target's 64" in failures
@@ -53,11 +56,11 @@ def test_draft_config_fail_sizes_layers_block_and_mask():
 
 
 def test_draft_config_fail_offset_probe_neighbour_wins():
-    result = _check(_draft(), extras={"offset_probe": {-1: 1.4, 0: 1.6, 1: 4.2}})
+    result = _check(_draft(), offset_probe={-1: 1.4, 0: 1.6, 1: 4.2})
     assert result.status == "fail"
     assert result.summary == "layer ids shifted by +1 give acceptance length 4.20 vs 1.60 as configured"
     assert "shift dflash_config.target_layer_ids by +1" in result.fix
-    within_margin = _check(_draft(), extras={"offset_probe": {0: 4.0, 1: 4.1}})
+    within_margin = _check(_draft(), offset_probe={0: 4.0, 1: 4.1})
     assert within_margin.status == "pass"
     assert any("no shifted layer ids accept 10% more tokens than the configured ones" in f.message for f in within_margin.findings)
 
@@ -75,10 +78,10 @@ def test_read_safetensors_shapes_reads_only_the_header(tmp_path):
 
 
 def test_draft_config_offset_probe_with_too_few_drafts_only_reports():
-    result = _check(_draft(), extras={"offset_probe": {-1: 1.4, 0: 1.3, 1: 1.2}, "offset_probe_drafts": 12})
+    result = _check(_draft(), offset_probe={-1: 1.4, 0: 1.3, 1: 1.2}, offset_probe_drafts=12)
     assert result.status != "fail"
     assert any("inconclusive" in f.message for f in result.findings)
-    enough = _check(_draft(), extras={"offset_probe": {-1: 1.4, 0: 1.3, 1: 1.2}, "offset_probe_drafts": 400})
+    enough = _check(_draft(), offset_probe={-1: 1.4, 0: 1.3, 1: 1.2}, offset_probe_drafts=400)
     assert enough.status == "fail"
 
 
@@ -88,9 +91,9 @@ def _findings(result, severity):
     return [f.message for f in result.findings if f.severity == severity]
 
 
-def _engine_check(draft, *, engine=None, temperature=0.0, target=TARGET, extras=None):
+def _engine_check(draft, *, engine=None, temperature=0.0, target=TARGET):
     ctx = CheckContext(draft_config=draft, target_config=target, config=build_config(k="7", temperature=temperature),
-                       engine_config=engine, extras=extras or {})
+                       engine_config=engine)
     return run_checks(ctx, only=["draft-config"])[0]
 
 
@@ -134,8 +137,8 @@ def test_mask_row_pass_and_fail():
 
 def test_own_lm_head_warn_and_draft_vocabulary_info():
     shapes = {"fc.weight": [64, 192]}
-    assert _check(_draft(), extras={"draft_weight_shapes": shapes}).status == "pass"
-    own = _check(_draft(), extras={"draft_weight_shapes": {**shapes, "lm_head.weight": [300, 64]}})
+    assert _check(_draft(), shapes=shapes).status == "pass"
+    own = _check(_draft(), shapes={**shapes, "lm_head.weight": [300, 64]})
     assert _findings(own, "warn") == ["the draft ships its own lm_head.weight"]
 
 

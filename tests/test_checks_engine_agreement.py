@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dflash_doctor.checks import CheckContext, get_check
+from dflash_doctor.checks import CheckContext, get_check, run_checks
+from dflash_doctor.rundir.record import Probes
+from tests.checks_fixtures import record
 
 
 def _figures(engine_tau=1.74, embedded_tau=1.73, ci=(-0.04, 0.03), shares=None, prompts_same=8, outputs_same=8, engine_k=15):
@@ -25,7 +27,7 @@ def _figures(engine_tau=1.74, embedded_tau=1.73, ci=(-0.04, 0.03), shares=None, 
 
 
 def _run(figures):
-    return get_check("engine-agreement")().run(CheckContext(extras={"engine_agreement": figures}))
+    return get_check("engine-agreement")().run(CheckContext(record=record(probes=Probes(engine_agreement=figures))))
 
 
 def test_engine_agreement_pass_when_tau_and_steps_agree():
@@ -63,7 +65,10 @@ def test_engine_agreement_warn_when_tau_agrees_but_steps_do_not():
 
 
 def test_engine_agreement_skips_without_an_engine_run():
-    assert get_check("engine-agreement")().run(CheckContext()).status == "skip"
+    for ctx in (CheckContext(), CheckContext(record=record())):
+        result = run_checks(ctx, only=["engine-agreement"])[0]
+        assert result.status == "skip"
+        assert result.summary == "skipped: needs `check --engine URL` with a local target and draft to replay the same prompts"
 
 
 def _histogram_only(figures, engine_drafts):

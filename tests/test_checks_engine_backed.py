@@ -1,10 +1,15 @@
-"""Checks fed by the engine through CheckContext.extras / run.json: lossless, prompt-format, target-identity,
-speculative-k. Hand-made inputs in the exact formats the `check` command fills in."""
+"""Checks fed by the engine through the typed run record (its summary, recommendation and probes):
+lossless, prompt-format, target-identity, speculative-k. Hand-made records of the types the `check`
+command fills in (tests/checks_fixtures.py)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from dflash_doctor.checks import CheckContext, run_checks
 from dflash_doctor.inputs.config import DoctorConfig
+from dflash_doctor.rundir.record import Divergence, LosslessProbe, Probes, PromptFormat, Recommendation, Sweep
+from tests.checks_fixtures import metrics, record, sweep_row
 
 
 def _run(check_id, ctx, params=None):
@@ -15,14 +20,14 @@ def _run(check_id, ctx, params=None):
 
 
 def _divergence(margin, request_id="r3", position=17, top1_logit=15.0):
-    return {"request_id": request_id, "position": position, "speculative_token": 1234, "plain_token": 987,
-            "speculative_text": " four", "plain_text": " 4", "top2_margin": margin, "top1_logit": top1_logit}
+    return Divergence(request_id=request_id, position=position, speculative_token=1234, plain_token=987,
+                      speculative_text=" four", plain_text=" 4", top2_margin=margin, top1_logit=top1_logit)
 
 
 def _lossless(dtype="float32", divergences=(), num_requests=8):
-    extras = {"lossless": {"num_requests": num_requests, "num_identical": num_requests - len(divergences),
-                           "dtype": dtype, "divergences": list(divergences)}}
-    return CheckContext(extras=extras)
+    probe = LosslessProbe(num_requests=num_requests, num_identical=num_requests - len(divergences), dtype=dtype,
+                          divergences=list(divergences))
+    return CheckContext(record=record(probes=Probes(lossless=probe)))
 
 
 def test_lossless_pass_all_identical():
@@ -56,8 +61,10 @@ def test_lossless_fail_bf16_with_a_clear_margin_and_the_margin_is_a_parameter():
 
 
 def test_lossless_skip_without_a_comparison():
-    result = _run("lossless", CheckContext())
-    assert result.status == "skip" and "'lossless' is absent" in result.summary
+    for ctx in (CheckContext(), CheckContext(record=record())):
+        result = _run("lossless", ctx)
+        assert result.status == "skip"
+        assert result.summary == "skipped: no speculative-vs-plain comparison was run (extras 'lossless' is absent)"
 
 
 # ----------------------------------------------------------------------------- prompt-format
@@ -66,8 +73,8 @@ TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] 
 
 
 def _prompts(num_raw, num_templated, training_template=TEMPLATE):
-    return CheckContext(extras={"prompt_format": {"num_raw_prompts": num_raw, "num_templated": num_templated}},
-                        draft_training_template=training_template)
+    counts = PromptFormat(num_raw_prompts=num_raw, num_templated=num_templated)
+    return CheckContext(record=record(probes=Probes(prompt_format=counts)), draft_training_template=training_template)
 
 
 def test_prompt_format_pass_all_templated():
@@ -103,8 +110,8 @@ def test_prompt_format_skip_without_counts():
 
 def _identity(served_fingerprint, recorded=None, target="HuggingFaceTB/SmolLM2-135M-Instruct"):
     recorded = {"target": "SmolLM2-135M-Instruct", "target_weights_fingerprint": "b71fcebb64460445"} if recorded is None else recorded
-    extras = {} if served_fingerprint is None else {"target_weights_fingerprint": served_fingerprint}
-    return CheckContext(draft_config={"model_type": "dflash", "dflash_doctor": recorded}, extras=extras,
+    probes = Probes(target_weights_fingerprint=served_fingerprint)
+    return CheckContext(draft_config={"model_type": "dflash", "dflash_doctor": recorded}, record=record(probes=probes),
                         config=DoctorConfig(target=target, draft="drafts/smollm2-dflash"))
 
 
@@ -138,12 +145,11 @@ def test_target_identity_skip_when_the_draft_records_nothing():
 
 
 def _rows(speedups):
-    return [{"k": k, "mean_acceptance_length": 1.0 + k * 0.3, "mean_acceptance_length_ci": [1.0, 2.0],
-             "speedup": s, "estimate": "exact"} for k, s in enumerate(speedups, start=1)]
+    return [sweep_row(k, s) for k, s in enumerate(speedups, start=1)]
 
 
 def _scope(rates, drafts=400):
-    return {"num_drafts": drafts, "acceptance_rate_per_pos": list(rates)}
+    return metrics(num_drafts=drafts, acceptance_rate_per_pos=list(rates))
 
 
 HEALTHY_RATES = [0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.25]
@@ -153,10 +159,10 @@ CHAT = [1.2, 1.4, 1.5, 1.45, 1.3, 1.1, 0.95, 0.9]
 
 def _k_ctx(k, by_class_speedups, rates_by_class=None, engine_config=None, recommendation=None):
     rates_by_class = rates_by_class or {name: HEALTHY_RATES for name in by_class_speedups}
-    summary = {"overall": _scope(HEALTHY_RATES), "by_class": {n: _scope(r) for n, r in rates_by_class.items()},
-               "sweep": {"overall": _rows(MATH), "by_class": {n: _rows(s) for n, s in by_class_speedups.items()}}}
-    meta = {"summary": summary, "recommendation": recommendation or {}}
-    return CheckContext(run_meta=meta, config=DoctorConfig(k=(k,)), engine_config=engine_config)
+    sweep = Sweep(overall=_rows(MATH), by_class={n: _rows(s) for n, s in by_class_speedups.items()}, costs={})
+    run = record(overall=_scope(HEALTHY_RATES), by_class={n: _scope(r) for n, r in rates_by_class.items()}, sweep=sweep,
+                 recommendation=recommendation)
+    return CheckContext(record=run, config=DoctorConfig(k=(k,)), engine_config=engine_config)
 
 
 def test_speculative_k_pass_configured_k_near_the_best():
@@ -179,8 +185,8 @@ def test_speculative_k_warn_configured_k_loses_a_share_of_the_best():
 
 
 def test_speculative_k_warn_not_raised_for_the_recommended_k():
-    recommendation = {"overall": {"k": 3, "conservative_k": 3, "speedup": 1.9, "reason": "strict"},
-                      "math": {"k": 3, "conservative_k": 3, "speedup": 1.9, "reason": "strict"}}
+    recommendation = {"overall": Recommendation(k=3, conservative_k=3, speedup=1.9, reason="strict"),
+                      "math": Recommendation(k=3, conservative_k=3, speedup=1.9, reason="strict")}
     assert _run("speculative-k", _k_ctx(3, {"math": MATH}, recommendation=recommendation)).status == "pass"
 
 
@@ -196,16 +202,28 @@ def test_speculative_k_fail_slower_than_plain_decoding_while_a_smaller_k_pays():
 
 def test_speculative_k_fail_past_the_useful_range():
     rates = [0.9, 0.7, 0.5, 0.3, 0.2, 0.1, 0.05, 0.03, 0.02, 0.015, 0.01, 0.008, 0.006, 0.005, 0.004]
-    ctx = CheckContext(run_meta={"summary": {"overall": _scope(rates), "by_class": {"chat": _scope(rates)}}},
-                       config=DoctorConfig(k=(15,)))
+    ctx = CheckContext(record=record(overall=_scope(rates), by_class={"chat": _scope(rates)}), config=DoctorConfig(k=(15,)))
     result = _run("speculative-k", ctx)
     assert result.status == "fail"
     assert result.summary.startswith("overall: K=15 is far past the useful range: slot 15 is accepted in 0.4% of steps")
     assert result.fix == "serve num_speculative_tokens=9 (vLLM; SGLang --speculative-num-draft-tokens 10; llama.cpp --spec-draft-n-max 9)"
-    few_drafts = CheckContext(run_meta={"summary": {"overall": _scope(rates, drafts=5)}}, config=DoctorConfig(k=(15,)))
+    few_drafts = CheckContext(record=record(overall=_scope(rates, drafts=5)), config=DoctorConfig(k=(15,)))
     assert _run("speculative-k", few_drafts).status == "pass"
 
 
 def test_speculative_k_skip_without_sweep_or_rates():
-    result = _run("speculative-k", CheckContext(run_meta={"summary": {"overall": {}}}, config=DoctorConfig(k=(4,))))
+    result = _run("speculative-k", CheckContext(record=record(overall=metrics()), config=DoctorConfig(k=(4,))))
     assert result.status == "skip"
+    assert result.summary == "skipped: the run has neither a K sweep nor per-position acceptance rates"
+    assert _run("speculative-k", CheckContext(config=DoctorConfig(k=(4,)))).summary == "skipped: needs record"
+
+
+def test_speculative_k_errors_when_a_field_it_reads_is_renamed():
+    """A record whose summary calls the sweep by another name (the field renamed in rundir/record.py) makes
+    the check report an error naming the field: reading run.json dicts, the same rename skipped silently."""
+    renamed = dataclasses.make_dataclass("Summary", [("overall", object), ("by_class", dict), ("k_sweep", object)])
+    run = _k_ctx(6, {"math": MATH}).record
+    assert run is not None and _run("speculative-k", _k_ctx(6, {"math": MATH})).status == "pass"
+    run.summary = renamed(overall=run.summary.overall, by_class=run.summary.by_class, k_sweep=run.summary.sweep)  # type: ignore[assignment]
+    result = _run("speculative-k", CheckContext(record=run, config=DoctorConfig(k=(6,))))
+    assert result.status == "error" and "sweep" in result.summary

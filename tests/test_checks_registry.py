@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import re
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from dflash_doctor.checks import CheckContext, CheckResult, Finding, exit_code, get_check, register, registered_ids, run_checks
+from dflash_doctor.checks import CheckContext, CheckResult, Finding, Need, exit_code, get_check, register, registered_ids, run_checks
 from dflash_doctor.checks import base
 from dflash_doctor.errors import UsageError
 
@@ -104,3 +105,26 @@ def test_every_registered_check_has_pass_warn_and_fail_tests():
                 missing.append(f"test_{slug}_{outcome}")
     assert registered_ids(), "no checks registered"
     assert not missing, f"registered checks without tests: {missing}"
+
+
+def test_every_need_is_a_path_of_typed_fields():
+    """Each need walks dataclass fields from CheckContext (``record.probes.lossless``): a renamed record field
+    fails here and in the type checker, instead of leaving a check that silently skips."""
+    for check_id in registered_ids():
+        for need in get_check(check_id).needs:
+            for path in (need.path if isinstance(need, Need) else need).split("|"):
+                kind: typing.Any = CheckContext
+                for name in path.split("."):
+                    hints = typing.get_type_hints(kind)
+                    assert name in hints, f"{check_id} needs {path!r}, but {kind.__name__} has no field {name!r}"
+                    kind = next((a for a in typing.get_args(hints[name]) if a is not type(None)), hints[name])
+
+
+def test_a_need_with_its_own_sentence_skips_in_those_words_and_a_dotted_need_names_its_path(scratch_registry):
+    register(_define("worded", lambda self, ctx: CheckResult("worded", "pass", "ok"),
+            needs=(Need("record.probes.lossless", "no comparison ran"),)))
+    register(_define("dotted", lambda self, ctx: CheckResult("dotted", "pass", "ok"), needs=("record.probes.prompt_format",)))
+    worded, dotted = run_checks(CheckContext(), only=["worded", "dotted"])
+    assert (worded.status, worded.summary) == ("skip", "skipped: no comparison ran")
+    assert (dotted.status, dotted.summary) == ("skip", "skipped: needs record.probes.prompt_format")
+    assert dotted.metrics == {"missing": ["record.probes.prompt_format"]}

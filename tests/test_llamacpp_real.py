@@ -78,7 +78,7 @@ def test_check_engine_reads_steps_from_metrics_deltas_and_says_so(engine_run):
     code, output, run, before, after = engine_run
     assert code in (0, 1), output
     details = run.record.source.details
-    assert details["kind"] == "llama.cpp" and details["figures_from"] == FIGURES_FROM["timings and counters"]
+    assert details["kind"] == "llamacpp" and details["figures_from"] == FIGURES_FROM["timings and counters"]
     assert details["num_spec_tokens"] == 15  # one /metrics per-position series per drafted slot: the served n-max
     assert details["steps"].startswith("histogram only (from /metrics per-position counters")
     requests = run.requests

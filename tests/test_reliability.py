@@ -30,7 +30,7 @@ from dflash_doctor.models.pair import load_pair
 from dflash_doctor.replay import probes
 from dflash_doctor.replay.probes import lossless_probe
 from dflash_doctor.replay.turns import Turn, first_turn_prompt
-from dflash_doctor.rundir.record import RunMeta, RunRecord, _to_json
+from dflash_doctor.rundir.record import Divergence, LosslessProbe, Probes, RunMeta, RunRecord
 from dflash_doctor.rundir.writer import RunWriter, utc_now
 from dflash_doctor.models.loading import save_dflash_draft
 from dflash_doctor.report import render_reports
@@ -40,6 +40,7 @@ from dflash_doctor.rundir.ownership import LOCK_FILE, claim_run_dir
 from tests.test_cli_engine import one_thread, tiny_dir  # noqa: F401 (fixtures: one torch thread; target/, dflash/, 6 requests)
 from tests.test_cli_engine import assert_usage_error, tiny_tokenizer, write_workload
 from tests.test_run_journal import write_request
+from tests.checks_fixtures import record
 from tests.fixture_runs import make_fixture_run
 from tests.telemetry_fixtures import MetricsExporter
 from tests.tiny_models import tiny_dflash, tiny_target
@@ -165,10 +166,10 @@ def test_rounding_at_is_the_spacing_torch_gives_the_dtype():
     ("bfloat16", 0.01, None, "fail"),    # a record without the top logit cannot be judged a near-tie
 ])
 def test_lossless_judges_a_margin_against_the_dtype_rounding_at_its_logit(dtype, margin, top1, status):
-    divergence = {"request_id": "r", "position": 3, "speculative_token": 1, "plain_token": 2, "speculative_text": "a",
-                  "plain_text": "b", "top2_margin": margin, "top1_logit": top1}
-    extras = {"lossless": {"num_requests": 2, "num_identical": 1, "dtype": dtype, "divergences": [divergence]}}
-    result = run_checks(CheckContext(extras=extras), only=["lossless"])[0]
+    divergence = Divergence(request_id="r", position=3, speculative_token=1, plain_token=2, speculative_text="a",
+                            plain_text="b", top2_margin=margin, top1_logit=top1)
+    probe = LosslessProbe(num_requests=2, num_identical=1, dtype=dtype, divergences=[divergence])
+    result = run_checks(CheckContext(record=record(probes=Probes(lossless=probe))), only=["lossless"])[0]
     assert result.status == status
     if top1 is not None and dtype != "float32":
         assert f"where {dtype} rounds in steps of {rounding_at(dtype, top1):.4f}" in result.findings[0].evidence
@@ -209,7 +210,7 @@ def flipped_at_the_parting_token(pair, request, monkeypatch, pick) -> tuple[str,
     turn = Turn(request, 0, prompt, 16, GenerationResult(output_ids=plain, stop_reason="max_new_tokens", wall_time_s=0.0))
     probe = lossless_probe(pair, [turn], k=4, dtype=dtype)
     assert [d.position for d in probe.divergences] == [position]
-    result = run_checks(CheckContext(extras={"lossless": _to_json(probe)}), only=["lossless"])[0]
+    result = run_checks(CheckContext(record=record(probes=Probes(lossless=probe))), only=["lossless"])[0]
     return result.status, {"margin": margins[position], "rounding": roundings[position]}
 
 

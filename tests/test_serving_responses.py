@@ -8,7 +8,11 @@ from pathlib import Path
 import pytest
 
 from dflash_doctor.serving.engine_run import read_completion
-from dflash_doctor.serving.responses import MissingMetrics, parse_response, step_rows
+from dflash_doctor.serving.responses import (LLAMA_CPP, MalformedResponse, MissingMetrics, histogram_from_per_pos, parse_response,
+                                             per_pos_from_histogram, step_rows)
+from dflash_doctor.telemetry.engines import ENGINE_PREFIXES
+from dflash_doctor.telemetry.observation import ParseProblems
+from dflash_doctor.telemetry.responses import parse_response_lines
 
 CAPTURED = Path(__file__).parent / "golden" / "vllm_0.32.0_chat_detailed.json"
 
@@ -66,7 +70,7 @@ def test_sglang_meta_info_is_converted_to_the_bonus_included_definition():
 
 def test_llama_cpp_timings_give_an_acceptance_rate_without_tau():
     m = parse_response({"content": "x", "timings": {"predicted_n": 665, "draft_n": 604, "draft_n_accepted": 515}})
-    assert (m.engine, m.num_draft_tokens, m.num_accepted_tokens, m.tau) == ("llama.cpp", 604, 515, None)
+    assert (m.engine, m.num_draft_tokens, m.num_accepted_tokens, m.tau) == ("llamacpp", 604, 515, None)
     assert step_rows(m, None) == []
 
 
@@ -77,3 +81,59 @@ def test_a_response_without_metrics_names_the_flag_and_one_without_drafting_says
         parse_response({"choices": [{"text": "x"}], "timings": {"predicted_n": 3}})
     with pytest.raises(MissingMetrics, match="n = 1"):
         read_completion({"choices": [{"text": "a"}, {"text": "b"}]})
+
+
+# ----------------------------------------------------------------------------------------------------
+# One parser: `check --engine` (serving) and `watch` over captured responses (telemetry) read a body alike
+
+
+def _both(body):
+    """What serving's parse_response and telemetry's response reader make of one body: (measurement or the
+    exception type, watch's observed counts or None, the number of lines watch refused)."""
+    problems = ParseProblems()
+    observed = list(parse_response_lines([json.dumps(body)], default_model="m", origin="r.jsonl", problems=problems))
+    try:
+        measured: object = parse_response(body)
+    except (MissingMetrics, MalformedResponse) as refused:
+        measured = type(refused)
+    return measured, (observed[0].counts if observed else None), problems.count
+
+
+SGLANG_DETAILS = {"spec_verify_ct": 20, "spec_num_proposed_drafts": 60, "spec_num_correct_drafts": 25,
+                  "spec_correct_drafts_histogram": [5, 7, 6, 2]}
+
+
+def test_sglang_with_several_completions_has_no_per_request_figures_in_either_reader():
+    """ENGINES.md 1c: per-request figures exist for n == 1 only (vLLM returns null for n > 1); SGLang's details
+    list (2c) holds one object per completion, so two completions are not one request's figures."""
+    one = {"choices": [{"message": {"content": "x"}}], "sglext": {"spec_tokens_details": [SGLANG_DETAILS]}, "usage": {"completion_tokens": 46}}
+    measured, counts, refused = _both(one)
+    assert measured.num_accepted_tokens == 25 and counts.num_accepted_tokens == 25.0 and refused == 0
+    several = {"choices": [{"message": {"content": "x"}}, {"message": {"content": "y"}}],
+               "sglext": {"spec_tokens_details": [SGLANG_DETAILS, {**SGLANG_DETAILS, "spec_num_correct_drafts": 3}]}}
+    assert _both(several) == (MissingMetrics, None, 0)  # telemetry read the first completion before
+
+
+def test_vllm_without_the_accepted_count_is_read_from_its_histogram_and_without_either_is_refused():
+    """ENGINES.md 1c: the histogram (index j = steps accepting exactly j) gives steps and accepted drafts exactly."""
+    spec = {"acceptance_histogram": [39, 1, 0, 3], "num_draft_tokens": 129, "num_spec_tokens": 3}
+    measured, counts, refused = _both({"metrics": {"speculative_decoding": spec}})
+    assert (measured.num_drafts, measured.num_accepted_tokens) == (43, 10) and refused == 0  # telemetry refused it before
+    assert (counts.num_drafts, counts.num_accepted_tokens, counts.num_accepted_tokens_per_pos) == (43.0, 10.0, (4.0, 3.0, 3.0))
+    bare = {"metrics": {"speculative_decoding": {"num_draft_tokens": 129, "num_spec_tokens": 3}}}
+    assert _both(bare) == (MalformedResponse, None, 1)  # serving counted it as 0 accepted of 0 steps before
+
+
+def test_both_readers_name_llama_cpp_as_watch_and_its_metric_namespace_do():
+    """ENGINES.md section B: llama.cpp's own identifier is `llamacpp` (`llamacpp:spec_decode_*`), the name
+    `watch --engine` takes; serving called it "llama.cpp" and translated between the two."""
+    measured, counts, refused = _both({"content": "x", "timings": {"predicted_n": 665, "draft_n": 604, "draft_n_accepted": 515}})
+    assert measured.engine == LLAMA_CPP == "llamacpp" and LLAMA_CPP in ENGINE_PREFIXES
+    assert (counts.num_draft_tokens, counts.num_accepted_tokens, counts.num_generated_tokens, refused) == (604.0, 515.0, 665.0, 0)
+
+
+def test_histogram_and_per_position_counts_convert_both_ways():
+    histogram = (39, 1, 0, 3)  # vllm-project/vllm#48915's payload
+    per_pos = per_pos_from_histogram(histogram)
+    assert per_pos == (4.0, 3.0, 3.0) and sum(per_pos) == 10
+    assert histogram_from_per_pos(43, [int(v) for v in per_pos]) == histogram

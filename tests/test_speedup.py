@@ -9,8 +9,11 @@ import pytest
 
 from dflash_doctor.errors import UsageError
 from dflash_doctor.stats.metrics import expected_tau_iid, tau_with_ci
-from dflash_doctor.rundir.record import RunMeta, RunRecord, StepCosts, Summary, SweepRow
-from dflash_doctor.stats.speedup import build_sweep, leviathan_speedup, load_cost_profile, measure_costs, recommend, sweep_row
+from dflash_doctor.checks import CheckContext, run_checks
+from dflash_doctor.inputs.config import DoctorConfig
+from dflash_doctor.rundir.record import OVERALL, RunMeta, RunRecord, StepCosts, Summary, Sweep, SweepRow
+from dflash_doctor.stats.speedup import (best_speedup, build_sweep, k_that_pays, leviathan_speedup, load_cost_profile, measure_costs,
+                                         priced_speedups, recommend, sweep_row)
 
 
 def costs_flat_draft() -> StepCosts:
@@ -228,3 +231,19 @@ def test_rows_without_a_price_are_ignored():
 def test_sweep_row_refuses_an_unknown_estimate_kind():
     with pytest.raises(ValueError):
         sweep_row(2, 2.0, [1.9, 2.1], costs_flat_draft(), "guessed")
+
+
+def test_the_k_that_pays_is_one_rule_for_recommend_and_the_speculative_k_check():
+    """The best K (the smaller one on a tie) pays when it reaches plain decoding's 1.0x; below that speculation is
+    off. run.json's recommendation and the speculative-k check's suggested K come from this one rule, also at the
+    edge where watch's advice used to differ (a K at exactly 1.0x was 'off' there)."""
+    assert best_speedup({3: 1.4, 1: 1.2, 2: 1.4}) == (2, 1.4)
+    assert (k_that_pays((2, 1.0)), k_that_pays((2, 0.99)), k_that_pays((2, 1.1), floor=1.2)) == (2, 0, 0)
+    for speedups, expected in (([1.0, 0.8], 1), ([0.9, 0.95], 0), ([1.2, 1.3, 1.3], 2)):
+        rows = [SweepRow(k=k, mean_acceptance_length=2.0, mean_acceptance_length_ci=[1.9, 2.1], speedup=s, estimate="exact")
+                for k, s in enumerate(speedups, start=1)]
+        assert priced_speedups(rows) == dict(enumerate(speedups, start=1))
+        assert recommend({OVERALL: rows})[OVERALL].k == expected
+        record = RunRecord(meta=RunMeta(command="sweep"), summary=Summary(sweep=Sweep(overall=rows, by_class={}, costs={})))
+        check = run_checks(CheckContext(record=record, config=DoctorConfig(k=(9,))), only=["speculative-k"])[0]
+        assert check.metrics["by_scope"][OVERALL]["suggested_k"] == expected

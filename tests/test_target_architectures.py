@@ -182,7 +182,7 @@ def test_draft_config_validates_layer_ids_against_a_nested_hybrid_target():
     target = {"model_type": "qwen3_5", "text_config": text}
     draft = {"architectures": ["DFlashDraftModel"], "hidden_size": text["hidden_size"], "num_target_layers": 4, "block_size": 4,
              "dflash_config": {"mask_token_id": 3, "target_layer_ids": [0, 3]}}
-    ctx = CheckContext(draft_config=draft, target_config=target, config=build_config(k="3"), extras={})
+    ctx = CheckContext(draft_config=draft, target_config=target, config=build_config(k="3"))
     result = run_checks(ctx, only=["draft-config"])[0]
     assert "target_layer_ids tap layers 0 (linear_attention), 3 (full_attention) of a hybrid target" in [f.message for f in result.findings]
     draft["dflash_config"]["target_layer_ids"] = [0, 4]

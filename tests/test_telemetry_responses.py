@@ -18,7 +18,7 @@ import json
 import pytest
 
 from dflash_doctor.telemetry.observation import ParseProblems
-from dflash_doctor.telemetry.responses import parse_response_lines, per_pos_from_histogram
+from dflash_doctor.telemetry.responses import parse_response_lines
 from telemetry_fixtures import DATA
 
 
@@ -38,12 +38,6 @@ def test_vllm_real_responses_per_class():
         assert obs.counts.mean_acceptance_length == pytest.approx(spec["mean_acceptance_length"])
         assert obs.counts.k == spec["num_spec_tokens"]
         assert sum(obs.counts.num_accepted_tokens_per_pos) == spec["num_accepted_draft_tokens"]
-
-
-def test_histogram_to_per_position_counts():
-    # PR #48915's payload: histogram [39, 1, 0, 3] over 43 steps, 10 accepted, K = 3
-    assert per_pos_from_histogram([39, 1, 0, 3]) == (4.0, 3.0, 3.0)
-    assert sum(per_pos_from_histogram([39, 1, 0, 3])) == 10
 
 
 def test_sglang_and_llamacpp_payloads():

@@ -14,14 +14,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dflash_doctor.serving.responses import LLAMA_CPP, VLLM, MissingMetrics, SpecMeasurement
+from dflash_doctor.serving.responses import LLAMA_CPP, VLLM, MissingMetrics, SpecMeasurement, histogram_from_per_pos
 from dflash_doctor.telemetry.counts import SeriesKey, SpecCounts
 from dflash_doctor.telemetry.engines import read_exposition
 from dflash_doctor.telemetry.exposition import parse_exposition
 
-# telemetry's reader name -> the engine name of a SpecMeasurement: the engines whose counters carry all
-# of its figures (drafts, draft tokens, accepted tokens, per-position acceptances).
-_ENGINES = {"vllm": VLLM, "llamacpp": LLAMA_CPP}
+# the engines whose counters carry all of a SpecMeasurement's figures (drafts, draft tokens, accepted
+# tokens, per-position acceptances)
+_FULL_COUNTERS = (VLLM, LLAMA_CPP)
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ def read_counters(text: str, model: str | None) -> EngineCounters | None:
     """``model``'s spec-decode counters on a ``/metrics`` page; None when it has none (no speculation, no
     metrics, or another model's only). ``model=None``, or a page with one model only: that model's."""
     reading = read_exposition(parse_exposition(text), engine=None, default_model=model or "")
-    engine = _ENGINES.get(reading.engine)
+    engine = reading.engine if reading.engine in _FULL_COUNTERS else None
     series = reading.counts.get(SeriesKey(model or ""))
     if series is None and len(reading.counts) == 1:
         series = next(iter(reading.counts.values()))
@@ -46,19 +46,15 @@ def read_counters(text: str, model: str | None) -> EngineCounters | None:
 
 
 def measurement_between(before: EngineCounters, after: EngineCounters) -> SpecMeasurement:
-    """One request's figures from two scrapes around it; the per-position counts give its histogram exactly.
-
-    ``accepted_per_pos[i]`` counts drafts that accepted more than i tokens, so the drafts that accepted
-    exactly j are ``per_pos[j - 1] - per_pos[j]`` (``per_pos[-1]`` = all drafts). Step order is lost.
-    """
+    """One request's figures from two scrapes around it; the per-position counts give its histogram
+    exactly (:func:`~dflash_doctor.serving.responses.histogram_from_per_pos`). Step order is lost."""
     counts, reset = after.counts.since(before.counts)
     if reset:
         raise MissingMetrics("the server's /metrics counters went down during a request (the server restarted); "
                              "retry once it stays up")
     drafts = round(counts.num_drafts or 0.0)
     per_pos = [round(value) for value in counts.num_accepted_tokens_per_pos or ()]
-    reach = [drafts, *per_pos, 0]
-    histogram = tuple(reach[j] - reach[j + 1] for j in range(len(per_pos) + 1)) if per_pos else None
+    histogram = histogram_from_per_pos(drafts, per_pos) if per_pos else None
     return SpecMeasurement(
         engine=after.engine,
         num_spec_tokens=len(per_pos) or None,

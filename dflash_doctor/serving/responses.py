@@ -1,54 +1,67 @@
-"""Read an engine's own per-request speculative-decoding figures out of one response body.
+"""One engine-response model: an engine's own per-request speculative-decoding figures, read out of one
+response body. ``serving/`` (``check --engine``) and ``telemetry/`` (``watch`` over captured responses)
+both read bodies through :func:`parse_response`, so one body gives one answer.
 
 Each engine reports acceptance in its own fields and with its own definitions (shared/ENGINES.md
 section 0). Everything here converts to vLLM's, the project's: a *draft* is one verify step that carried
 draft tokens, ``num_accepted_tokens`` excludes the bonus token, and ``tau = 1 + accepted / drafts``.
 
-* vLLM (``--per-request-spec-decode-metrics summary|detailed``): top-level
+* vLLM (``--per-request-spec-decode-metrics summary|detailed``, ENGINES.md section 1c): top-level
   ``metrics.speculative_decoding`` with the acceptance histogram (index j = verify steps that accepted
   exactly j drafts) and, when ``detailed``, ``per_step_accepted`` / ``per_step_drafted`` in step order.
-* SGLang: ``sglext.spec_tokens_details`` (request ``return_spec_tokens_details``), ``choices[0].meta_info``
-  (``return_meta_info``) or the native ``meta_info``. ``spec_verify_ct`` counts verify steps and
-  ``spec_num_correct_drafts`` accepted drafts (bonus excluded), so tau = 1 + correct / verify_ct. SGLang's
-  own per-request ``spec_accept_length`` is ``completion_tokens / spec_verify_ct``: it counts the
-  prefill's token too and reads high on short outputs; it is kept beside ours, never used as tau.
-* llama.cpp: ``timings.draft_n`` / ``timings.draft_n_accepted`` only (tools/server, present once the request
-  drafted). There is no verify-step count, so no tau from the response: ``check --engine`` takes the steps
-  from llama-server's ``/metrics`` counters around each request (serving/engine_run.py).
+  The histogram determines the step and accepted counts exactly, so a body without
+  ``num_spec_steps`` / ``num_accepted_draft_tokens`` (the object is marked experimental) is read from it;
+  a body with neither is malformed, never zero.
+* SGLang (section 2c): ``sglext.spec_tokens_details`` (request ``return_spec_tokens_details``),
+  ``choices[0].meta_info`` (``return_meta_info``) or the native ``meta_info``. ``spec_verify_ct`` counts
+  verify steps and ``spec_num_correct_drafts`` accepted drafts (bonus excluded), so tau = 1 + correct /
+  verify_ct. SGLang's own per-request ``spec_accept_length`` is ``completion_tokens / spec_verify_ct``: it
+  counts the prefill's token too and reads high on short outputs; it is kept beside ours, never used as tau.
+* llama.cpp (section 3): ``timings.draft_n`` / ``timings.draft_n_accepted`` only. There is no verify-step
+  count, so no tau from the response: ``check --engine`` takes the steps from llama-server's ``/metrics``
+  counters around each request (serving/engine_run.py).
+
+Per-request figures describe one completion: vLLM returns none when n > 1 (section 1c, "only for n == 1"),
+so a body with several completions (SGLang's details list, several choices) has none here either.
+Engine names are the identifiers of the engines' own metric namespaces and of ``watch --engine``:
+``vllm``, ``sglang``, ``llamacpp`` (section B).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from dflash_doctor.engine.records import StepRecord
 from dflash_doctor.inputs.validation import type_error
 from dflash_doctor.serving.client import EngineError
 
 # Which engine a response came from, as detected from its fields.
-VLLM, SGLANG, LLAMA_CPP = "vllm", "sglang", "llama.cpp"
+VLLM, SGLANG, LLAMA_CPP = "vllm", "sglang", "llamacpp"
 
 
 @dataclass(frozen=True)
 class SpecMeasurement:
     """One request's speculative-decoding figures as its engine reported them, in vLLM's definitions.
 
-    ``num_drafts`` is None when the engine gives no verify-step count (llama.cpp). ``per_step_accepted``
-    and ``per_step_drafted`` are in step order (vLLM ``detailed`` only); ``acceptance_histogram[j]``
-    counts steps that accepted exactly j drafts. ``engine_tau`` is the engine's own printed figure
-    where its definition differs from ours (SGLang), for the report to show side by side.
+    ``num_drafts`` is None when the engine gives no verify-step count (llama.cpp); ``num_draft_tokens``
+    is None when it gives no drafted-token count (SGLang without ``spec_num_proposed_drafts`` or a
+    histogram). ``per_step_accepted`` and ``per_step_drafted`` are in step order (vLLM ``detailed``
+    only); ``acceptance_histogram[j]`` counts steps that accepted exactly j drafts. ``engine_tau`` is the
+    engine's own printed figure where its definition differs from ours (SGLang), for the report to show
+    side by side. ``num_generated_tokens`` is the completion's length as the engine counted it.
     """
 
     engine: str
     num_spec_tokens: int | None  # K the server drafts per step
     num_drafts: int | None
-    num_draft_tokens: int
+    num_draft_tokens: int | None
     num_accepted_tokens: int
     acceptance_histogram: tuple[int, ...] | None = None
     per_step_accepted: tuple[int, ...] | None = None
     per_step_drafted: tuple[int, ...] | None = None
     engine_tau: float | None = None
+    num_generated_tokens: int | None = None
 
     @property
     def tau(self) -> float | None:
@@ -74,19 +87,37 @@ class MissingMetrics(ValueError):
         self.per_request_off = per_request_off
 
 
+def per_pos_from_histogram(histogram: Sequence[float]) -> tuple[float, ...]:
+    """``histogram[j]`` = drafts accepting exactly j tokens (j = 0..K) -> ``per_pos[i]`` = drafts accepting
+    at least i + 1 (i = 0..K-1): vLLM's unconditional per-position counter. Their sum is the accepted count."""
+    return tuple(float(sum(histogram[i + 1 :])) for i in range(len(histogram) - 1))
+
+
+def histogram_from_per_pos(num_drafts: int, per_pos: Sequence[int]) -> tuple[int, ...]:
+    """The inverse of :func:`per_pos_from_histogram`: drafts accepting exactly j are ``per_pos[j - 1] - per_pos[j]``
+    (``per_pos[-1]`` = all drafts, and none accept more than K)."""
+    reach = [num_drafts, *per_pos, 0]
+    return tuple(reach[j] - reach[j + 1] for j in range(len(per_pos) + 1))
+
+
 def _ints(values: Any) -> tuple[int, ...] | None:
     return None if values is None else tuple(int(v) for v in values)
 
 
-def parse_vllm(spec: Mapping[str, Any]) -> SpecMeasurement:
+def _count(value: Any) -> int | None:
+    return None if value is None else int(value)
+
+
+def parse_vllm(spec: Mapping[str, Any], *, completion_tokens: int | None = None) -> SpecMeasurement:
     """vLLM's ``metrics.speculative_decoding`` object (vllm/v1/metrics/stats.py RequestSpecDecodeMetrics)."""
     histogram = _ints(spec.get("acceptance_histogram"))
-    accepted = spec.get("num_accepted_draft_tokens")
-    if accepted is None and histogram is not None:
-        accepted = sum(j * count for j, count in enumerate(histogram))
-    drafts = spec.get("num_spec_steps")
-    if drafts is None and histogram is not None:
-        drafts = sum(histogram)
+    accepted, drafts = _count(spec.get("num_accepted_draft_tokens")), _count(spec.get("num_spec_steps"))
+    if histogram is not None:
+        accepted = int(sum(per_pos_from_histogram(histogram))) if accepted is None else accepted
+        drafts = sum(histogram) if drafts is None else drafts
+    if accepted is None or drafts is None or spec.get("num_draft_tokens") is None:
+        raise MalformedResponse("the response's `metrics.speculative_decoding` lacks the step, drafted or accepted count "
+                                "(num_spec_steps, num_draft_tokens, num_accepted_draft_tokens) and has no acceptance_histogram to derive them from")
     per_step_accepted = _ints(spec.get("per_step_accepted"))
     per_step_drafted = _ints(spec.get("per_step_drafted"))
     if per_step_accepted is not None and per_step_drafted is not None and len(per_step_accepted) != len(per_step_drafted):
@@ -94,12 +125,13 @@ def parse_vllm(spec: Mapping[str, Any]) -> SpecMeasurement:
     return SpecMeasurement(
         engine=VLLM,
         num_spec_tokens=spec.get("num_spec_tokens"),
-        num_drafts=int(drafts or 0),
-        num_draft_tokens=int(spec.get("num_draft_tokens") or 0),
-        num_accepted_tokens=int(accepted or 0),
+        num_drafts=drafts,
+        num_draft_tokens=int(spec["num_draft_tokens"]),
+        num_accepted_tokens=accepted,
         acceptance_histogram=histogram,
         per_step_accepted=per_step_accepted,
         per_step_drafted=per_step_drafted,
+        num_generated_tokens=completion_tokens,
     )
 
 
@@ -114,7 +146,7 @@ def parse_sglang(details: Mapping[str, Any], *, completion_tokens: int | None = 
     histogram = _ints(details.get("spec_correct_drafts_histogram") or None)
     correct = details.get("spec_num_correct_drafts")
     if correct is None and histogram is not None:
-        correct = sum(j * count for j, count in enumerate(histogram))
+        correct = sum(per_pos_from_histogram(histogram))
     if correct is None and completion_tokens is not None and verify:
         correct = max(completion_tokens - 1 - verify, 0)
     proposed = details.get("spec_num_proposed_drafts")
@@ -125,10 +157,11 @@ def parse_sglang(details: Mapping[str, Any], *, completion_tokens: int | None = 
         engine=SGLANG,
         num_spec_tokens=k,
         num_drafts=verify,
-        num_draft_tokens=int(proposed or 0),
+        num_draft_tokens=_count(proposed),
         num_accepted_tokens=int(correct or 0),
         acceptance_histogram=histogram,
         engine_tau=details.get("spec_accept_length"),
+        num_generated_tokens=completion_tokens,
     )
 
 
@@ -140,6 +173,7 @@ def parse_llama_cpp(timings: Mapping[str, Any]) -> SpecMeasurement:
         num_drafts=None,
         num_draft_tokens=int(timings.get("draft_n") or 0),
         num_accepted_tokens=int(timings.get("draft_n_accepted") or 0),
+        num_generated_tokens=_count(timings.get("predicted_n")),
     )
 
 
@@ -147,8 +181,10 @@ _SGLANG_KEYS = ("spec_verify_ct", "spec_num_correct_drafts", "spec_correct_draft
 
 
 def _sglang_details(body: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """SGLang's fields of the body's one completion; None for several (a details list or choices of n > 1)."""
+    choices = [choice for choice in body.get("choices") or [] if isinstance(choice, Mapping)]
     candidates = [body.get("meta_info"), (body.get("sglext") or {}).get("spec_tokens_details")]
-    candidates += [choice.get("meta_info") for choice in body.get("choices") or [] if isinstance(choice, Mapping)]
+    candidates += [choices[0].get("meta_info")] if len(choices) == 1 else []
     for candidate in candidates:
         if isinstance(candidate, list):  # sglext details are a list when n > 1
             candidate = candidate[0] if len(candidate) == 1 else None
@@ -160,15 +196,16 @@ def _sglang_details(body: Mapping[str, Any]) -> Mapping[str, Any] | None:
 def parse_response(body: Mapping[str, Any]) -> SpecMeasurement:
     """The speculative figures of one (non-streamed, n = 1) completion body, whichever engine sent it.
 
-    Raises :class:`MissingMetrics` naming the flag that turns them on when the body has none.
+    Raises :class:`MissingMetrics` naming the flag that turns them on when the body has none, and
+    :class:`MalformedResponse` when it has some but not enough to count steps and tokens.
     """
+    usage_tokens = _count((body.get("usage") or {}).get("completion_tokens"))
     spec = (body.get("metrics") or {}).get("speculative_decoding")
     if isinstance(spec, Mapping):
-        return parse_vllm(spec)
+        return parse_vllm(spec, completion_tokens=usage_tokens)
     details = _sglang_details(body)
     if details is not None:
-        completion = (body.get("usage") or {}).get("completion_tokens") or (body.get("meta_info") or {}).get("completion_tokens")
-        return parse_sglang(details, completion_tokens=completion)
+        return parse_sglang(details, completion_tokens=usage_tokens or _count(details.get("completion_tokens")))
     timings = body.get("timings")
     if isinstance(timings, Mapping) and "draft_n" in timings:
         return parse_llama_cpp(timings)

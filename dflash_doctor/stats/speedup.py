@@ -265,6 +265,27 @@ def _is_priced(row: SweepRow) -> bool:
     return row.speedup is not None and math.isfinite(row.speedup) and row.k >= 1
 
 
+def priced_speedups(rows: Iterable[SweepRow]) -> dict[int, float]:
+    """``{K: speedup}`` of the sweep rows that were priced (a finite speedup at K >= 1), in K order."""
+    return {row.k: _point_speedup(row) for row in sorted(rows, key=lambda row: row.k) if _is_priced(row)}
+
+
+def best_speedup(speedups: Mapping[int, float]) -> tuple[int, float]:
+    """``(K, speedup)`` with the highest speedup of a non-empty ``{K: speedup}``, the smallest K on a tie
+    (fewer wasted verify tokens for the same gain)."""
+    k = max(sorted(speedups), key=speedups.__getitem__)
+    return k, speedups[k]
+
+
+def k_that_pays(best: tuple[int, float], floor: float = 1.0) -> int:
+    """The best K when its speedup reaches ``floor`` (plain decoding runs at 1.0x), else 0: speculation off.
+
+    The one rule behind run.json's ``recommendation``, the speculative-k check's suggested K and watch's
+    fallback advice, so the three never name different Ks for the same prices."""
+    k, speedup = best
+    return k if speedup >= floor else 0
+
+
 def _recommend_one(rows: Sequence[SweepRow], share: float, strict_max_k: int | None) -> Recommendation:
     candidates = sorted((row for row in rows if _is_priced(row)), key=lambda row: row.k)
     strict = strict_max_k is not None
@@ -278,10 +299,10 @@ def _recommend_one(rows: Sequence[SweepRow], share: float, strict_max_k: int | N
         swept = f"no K <= {strict_max_k}" if strict else "no K"
         return _speculation_off(f"Speculation off: {swept} was priced (no draft steps or no sweep rows){note}.")
 
-    best = max(candidates, key=score)  # max keeps the first (smallest K) on ties
-    best_score = score(best)
+    best_k, best_score = best_speedup({row.k: score(row) for row in candidates})
+    best = next(row for row in candidates if row.k == best_k)
     described = _describe(best, strict)
-    if best_score < 1.0:
+    if k_that_pays((best_k, best_score)) == 0:
         slower = "possibly slower" if strict else "slower"
         return _speculation_off(f"Speculation off: even the best, K={best.k}, runs at {described}, {slower} than plain decoding{note}.")
     conservative = next(row for row in candidates if score(row) >= share * best_score)

@@ -30,6 +30,7 @@ from typing import Any
 
 from dflash_doctor.rundir.record import OVERALL, RunRecord, StepCosts
 from dflash_doctor.stats.gate import DEFAULT_THRESHOLD_TAU
+from dflash_doctor.stats.speedup import best_speedup, k_that_pays
 from dflash_doctor.errors import UsageError
 from dflash_doctor.rundir.load import read_run_meta
 from dflash_doctor.telemetry.counts import ALL_CLASSES, window_tau_interval
@@ -181,17 +182,17 @@ def _baseline_at_k(entry: BaselineEntry, k: int | None) -> tuple[float, tuple[fl
 
 def _best_k(rates: list[float] | None, k: int, costs: StepCosts) -> tuple[int, float]:
     """The K' in 0..K with the best priced speedup from the window's own rates (K = 0 is 1.0 by definition)."""
-    best = (0, 1.0)
+    plain = (0, 1.0)
     if not rates:
-        return best
+        return plain
+    speedups: dict[int, float] = {}
     for candidate in range(1, k + 1):
         try:
-            value = costs.speedup(1.0 + sum(rates[:candidate]), candidate)
+            speedups[candidate] = costs.speedup(1.0 + sum(rates[:candidate]), candidate)
         except UsageError:  # the cost profile does not cover this K: do not guess it
             continue
-        if value > best[1]:
-            best = (candidate, value)
-    return best
+    best = best_speedup(speedups) if speedups else plain
+    return best if k_that_pays(best) else plain
 
 
 class Judge:
@@ -308,8 +309,8 @@ def fallback_advice(engine: str | None, verdict: WindowVerdict, baseline: Baseli
     """The exact engine change, for a human to apply: a smaller K that still pays, else speculation off."""
     k_now = verdict.k or 0
     best_k = verdict.best_k if verdict.best_k is not None else 0
-    pays = verdict.best_speedup is not None and verdict.best_speedup >= floor and best_k > 0
-    k_new = best_k if pays else 0
+    k_new = k_that_pays((best_k, verdict.best_speedup), floor) if verdict.best_speedup is not None else 0
+    pays = k_new > 0
     why = (f"K={k_new} prices at {verdict.best_speedup:.2f}x from this window's per-position rates" if pays
            else "no K pays at this acceptance" if costs is not None else "no step costs given (--cost-profile or a baseline run with a sweep) to price a smaller K")
     running = verdict.window.reported.get("running_requests")
