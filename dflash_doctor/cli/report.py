@@ -12,7 +12,7 @@ from dflash_doctor.cli import options as opt
 from dflash_doctor.report import FORMATS, render_reports
 
 
-@app.command("report")
+@app.command("report", epilog="Example: dflash-doctor report runs/check-demo --format md,junit --out ci-artefacts")
 def report_command(
     run: Annotated[str, typer.Argument(help="Run directory written by check, replay or sweep.")],
     format: Annotated[str, typer.Option("--format", help=f"Comma-separated reports to write: {','.join(FORMATS)}.")] = ",".join(FORMATS),

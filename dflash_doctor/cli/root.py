@@ -16,7 +16,7 @@ app = typer.Typer(
     # Plain click errors: Typer's rich error panel cuts a long first word (a path) with an ellipsis and
     # can hide the rest of the sentence, which is where the fix is.
     rich_markup_mode=None,
-    add_completion=False,
+    add_completion=True,
 )
 
 
