@@ -5,8 +5,14 @@ with its precedence (flag > DFLASH_DOCTOR_* variable > file > defaults)."""
 from __future__ import annotations
 
 import json
+import logging
 import re
+import warnings
+from contextlib import contextmanager
 from importlib.metadata import version
+
+import huggingface_hub.utils as hub_utils
+import transformers.utils.logging as transformers_logging
 
 import pytest
 import typer
@@ -14,11 +20,14 @@ from typer.testing import CliRunner
 
 import dflash_doctor
 from dflash_doctor.cli import app
+from dflash_doctor.cli.logs import LIBRARIES, configure_logging, progress_shown
 from dflash_doctor.cli.options import config_command
+from dflash_doctor.stages import on_stage
 from dflash_doctor.inputs.config import DoctorConfig, discover_config_file
 from dflash_doctor.telemetry.record import read_windows
 from fixture_runs import make_fixture_run
 from telemetry_fixtures import DATA, MetricsExporter
+from tests.test_cli_engine import pair_args, tiny_dir  # noqa: F401  (tiny_dir is a fixture)
 from tests.test_serving_client import ReplayServer
 
 
@@ -191,3 +200,78 @@ def test_an_unknown_choice_is_refused_with_exit_2(empty_home):
     probe, _ = _probe_app()
     result = CliRunner().invoke(probe, ["--dtype", "fp8"])
     assert result.exit_code == 2 and "'fp8' is not one of 'float32', 'bfloat16', 'float16'" in result.output
+
+
+# ---------------------------------------------------------------------------------------------------- logging and stages
+
+
+@pytest.fixture
+def restored_logging():
+    """configure_logging changes process-wide logging; put the levels, handlers and bars back after the test."""
+    names = ["", "dflash_doctor", *LIBRARIES]
+    saved = {name: (logging.getLogger(name).level, list(logging.getLogger(name).handlers), logging.getLogger(name).propagate) for name in names}
+    bars = (transformers_logging.is_progress_bar_enabled(), hub_utils.are_progress_bars_disabled())
+    yield
+    for name, (level, handlers, propagate) in saved.items():
+        logger = logging.getLogger(name)
+        logger.setLevel(level)
+        logger.handlers[:] = handlers
+        logger.propagate = propagate
+    (transformers_logging.enable_progress_bar if bars[0] else transformers_logging.disable_progress_bar)()
+    (hub_utils.disable_progress_bars if bars[1] else hub_utils.enable_progress_bars)()
+
+
+def _log_each(capsys, verbosity: int) -> str:
+    """stderr after configuring ``verbosity`` and logging one record of each source."""
+    with warnings.catch_warnings():  # pytest records warnings itself; here they must reach logging as in the CLI
+        warnings.simplefilter("always")
+        configure_logging(verbosity)
+        logging.getLogger("dflash_doctor.replay").info("ours-info")
+        logging.getLogger("dflash_doctor.models").warning("ours-warning")
+        transformers_logging.get_logger("transformers.modeling_utils").warning("transformers-warning")
+        logging.getLogger("huggingface_hub.file_download").warning("hub-warning")
+        warnings.warn("python-warning", UserWarning, stacklevel=1)
+        logging.captureWarnings(False)
+    captured = capsys.readouterr()
+    assert captured.out == ""  # logging never writes to stdout (--json owns it)
+    return captured.err
+
+
+def test_default_verbosity_hides_library_warnings_and_bars_and_shows_ours(restored_logging, capsys):
+    err = _log_each(capsys, 0)
+    assert "ours-warning" in err and "ours-info" not in err
+    assert "transformers-warning" not in err and "hub-warning" not in err and "python-warning" not in err
+    assert not transformers_logging.is_progress_bar_enabled() and hub_utils.are_progress_bars_disabled()
+    assert progress_shown()
+
+
+def test_verbose_routes_library_warnings_through_one_handler_once(restored_logging, capsys):
+    err = _log_each(capsys, 1)
+    for text in ("ours-info", "ours-warning", "transformers-warning", "hub-warning", "UserWarning: python-warning"):
+        assert err.count(text) == 1, text  # once: the libraries' own handlers no longer print a second copy
+    assert transformers_logging.is_progress_bar_enabled() and not hub_utils.are_progress_bars_disabled()
+
+
+def test_quiet_shows_errors_only_and_no_progress(restored_logging, capsys):
+    assert "ours-warning" not in _log_each(capsys, -1)
+    assert not progress_shown()
+
+
+def test_verbose_and_quiet_together_are_refused(restored_logging):
+    result = CliRunner().invoke(app, ["-v", "-q", "workloads"])
+    assert result.exit_code == 2 and "-v and -q" in result.output
+
+
+def test_sweep_announces_loading_and_pricing_as_stages(tiny_dir, tmp_path, restored_logging):
+    seen: list[str] = []
+
+    @contextmanager
+    def record(description: str):
+        seen.append(description)
+        yield
+
+    with on_stage(record):
+        result = CliRunner().invoke(app, ["sweep", *map(str, pair_args(tiny_dir, tiny_dir / "dflash", "--k", "1-3", "--out", tmp_path / "run"))])
+    assert result.exit_code == 0, result.output
+    assert [text.split(" ")[:3] for text in seen] == [["loading", "the", "target"], ["loading", "the", "dflash"], ["pricing", "K", "1-3:"]]
+    assert "✓ loading the target target" in result.stderr  # the CLI's own indicator, ticked when done

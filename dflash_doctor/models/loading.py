@@ -23,6 +23,7 @@ import torch
 from dflash_doctor.engine.dflash2_model import CHECKPOINT_KEY_RENAMES, draft_model_class
 from dflash_doctor.engine.dflash_model import DFlashConfig
 from dflash_doctor.errors import UsageError
+from dflash_doctor.stages import stage
 from dflash_doctor.inputs.validation import check_model_folder, read_config_json
 from dflash_doctor.models.draft_formats import normalise_draft_config
 from dflash_doctor.models.placement import layer_placement, target_devices
@@ -113,7 +114,8 @@ def _convert_gguf(gguf_path: Path) -> Path:
         for leftover in (tmp, target_dir):  # from a process killed mid-way
             if leftover.exists():
                 shutil.rmtree(leftover)
-        _dequantise_gguf(gguf_path, tmp)
+        with stage(f"converting {gguf_path.name} to safetensors (once, then cached)"):
+            _dequantise_gguf(gguf_path, tmp)
         (tmp / "source.json").write_text(json.dumps({"gguf": str(gguf_path), "cache_key": target_dir.name}), encoding="utf-8")
         (tmp / ".complete").touch()
         tmp.replace(target_dir)
