@@ -10,6 +10,7 @@ import re
 import warnings
 from contextlib import contextmanager
 from importlib.metadata import version
+from pathlib import Path
 
 import huggingface_hub.utils as hub_utils
 import transformers.utils.logging as transformers_logging
@@ -45,6 +46,17 @@ def test_without_version_the_tool_still_lists_its_commands():
 
 # ---------------------------------------------------------------------------------------------------- --json
 
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def assert_documented(payload: dict) -> None:
+    """Every top-level key of a --json payload is named in README "Machine-readable output" (the contract)."""
+    text = README.read_text(encoding="utf-8")
+    section = text[text.index("### Machine-readable output"):]
+    section = section[:section.index("\n## ")]
+    assert not [key for key in payload if f"`{key}`" not in section]
+
+
 
 def test_check_json_is_report_json_plus_run_dir_and_exit_code_and_alone_on_stdout(tmp_path):
     with ReplayServer() as server:
@@ -56,6 +68,7 @@ def test_check_json_is_report_json_plus_run_dir_and_exit_code_and_alone_on_stdou
     assert {key: payload[key] for key in report} == report
     assert payload["run_dir"] == str(tmp_path / "run") and payload["exit_code"] == result.exit_code
     assert payload["verdict"] in ("pass", "warn", "fail", "error") and payload["checks"]
+    assert_documented(payload)
     assert "run directory and reports" in result.stderr
 
 
@@ -74,6 +87,8 @@ def test_compare_json_names_each_regression_and_the_exit_code(runs, tmp_path):
     assert {"class", "metric", "slot", "base", "new", "delta", "threshold"} <= set(payload["regressions"][0])
     assert payload["reports"] == [str(tmp_path / "compare.html"), str(tmp_path / "compare.md")]
     assert "REGRESSION" in result.stderr and "REGRESSION" not in result.stdout
+    assert_documented(payload)
+    assert_documented(payload["regressions"][0])
 
 
 def test_watch_once_json_holds_one_windows_row_per_series(tmp_path):
@@ -87,6 +102,8 @@ def test_watch_once_json_holds_one_windows_row_per_series(tmp_path):
     assert series["mean_acceptance_length"] == pytest.approx(row["mean_acceptance_length"]) and series["model"] == row["model"]
     assert payload["verdict"] == "ok" and payload["exit_code"] == 0 and payload["run_dir"] == str(tmp_path / "run")
     assert payload["watch_json_version"] == 1
+    assert_documented(payload)
+    assert_documented(series)
 
 
 def test_watch_json_without_once_is_refused():

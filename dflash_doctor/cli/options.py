@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import logging
 from typing import Annotated, Any, Callable, Optional
 
 import typer
@@ -21,6 +22,7 @@ from dflash_doctor.inputs.config import DoctorConfig, build_config, discover_con
 from dflash_doctor.models.draft_kinds import kind_names
 
 _DEFAULTS = DoctorConfig()
+_log = logging.getLogger(__name__)
 
 
 def _default(name: str) -> str:
@@ -132,6 +134,7 @@ def config_command(*names: str) -> Callable[[Callable[..., Any]], Callable[..., 
         @functools.wraps(command)
         def run(**values: Any) -> Any:
             config_file = values.pop("config_file") or discover_config_file()
+            _log.info("config file: %s", config_file or "none (flags and defaults)")
             flags = {name: values.pop(name) for name in names}
             config = build_config(config_file, **{name: (value or None) if isinstance(value, bool) else value for name, value in flags.items()})
             return command(config, **values)
