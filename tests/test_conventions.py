@@ -292,3 +292,8 @@ def test_sweep_announces_loading_and_pricing_as_stages(tiny_dir, tmp_path, resto
     assert result.exit_code == 0, result.output
     assert [text.split(" ")[:3] for text in seen] == [["loading", "the", "target"], ["loading", "the", "dflash"], ["pricing", "K", "1-3:"]]
     assert "✓ loading the target target" in result.stderr  # the CLI's own indicator, ticked when done
+
+
+def test_report_format_completes_the_last_item_of_its_list():
+    env = {"_DFLASH_DOCTOR_COMPLETE": "complete_bash", "COMP_WORDS": "dflash-doctor report RUN --format html,j", "COMP_CWORD": "4"}
+    assert CliRunner().invoke(app, [], env=env, prog_name="dflash-doctor").output.split() == ["html,json", "html,junit"]

@@ -16,7 +16,7 @@ from dflash_doctor.report.sanitize import for_terminal
 from dflash_doctor.stats.gate import DEFAULT_THRESHOLD_RATE, DEFAULT_THRESHOLD_TAU, Comparison
 from dflash_doctor.cli import options as opt
 from dflash_doctor.errors import UsageError
-from dflash_doctor.inputs.config import DoctorConfig, parse_plotly_source
+from dflash_doctor.inputs.config import DoctorConfig
 from dflash_doctor.cli.output import print_json
 from dflash_doctor.report.templating import ci, fmt, signed
 
@@ -76,7 +76,7 @@ def compare_command(
     """
     if threshold_tau < 0 or threshold_rate < 0:
         raise UsageError("--threshold-tau and --threshold-rate must be >= 0; pass a drop size such as 0.2 or 0.05.")
-    plotly = parse_plotly_source(plotly or DoctorConfig.plotly)
+    plotly_source = plotly or DoctorConfig.plotly  # a choice Click checked
     comparison = compare_runs(base, new, threshold_tau=threshold_tau, threshold_rate=threshold_rate)
     refusal = _nothing_compared(comparison)
     if refusal is not None:
@@ -87,7 +87,7 @@ def compare_command(
         console.print(_grown_table(comparison))
     for note in comparison.notes:
         console.print(f"note: {for_terminal(note)}")
-    reports = write_compare_reports(comparison, Path(out) if out else comparison.new_path, plotly)
+    reports = write_compare_reports(comparison, Path(out) if out else comparison.new_path, plotly_source)
     for path in reports:
         console.print(f"wrote {path}")
     code = EXIT_REGRESSION if comparison.has_regression else 0
