@@ -242,6 +242,7 @@ def _log_each(capsys, verbosity: int) -> str:
     """stderr after configuring ``verbosity`` and logging one record of each source."""
     with warnings.catch_warnings():  # pytest records warnings itself; here they must reach logging as in the CLI
         warnings.simplefilter("always")
+        logging.captureWarnings(False)  # forget a capture an earlier CLI call in this process set up under pytest's recorder
         configure_logging(verbosity)
         logging.getLogger("dflash_doctor.replay").info("ours-info")
         logging.getLogger("dflash_doctor.models").warning("ours-warning")
