@@ -42,6 +42,7 @@ from dflash_doctor.serving.agreement import compare_with_embedded
 from dflash_doctor.serving.client import EngineEndpoint, resolve_model
 from dflash_doctor.serving.engine_settings import engine_settings
 from dflash_doctor.serving.engine_run import measure_engine, start_engine_record
+from dflash_doctor.stages import stage
 from dflash_doctor.stats import deviations
 from dflash_doctor.stats.metrics import summarize
 from dflash_doctor.stats.speedup import build_sweep, load_cost_profile, recommend
@@ -72,7 +73,7 @@ def _claim(config: DoctorConfig, command: str) -> Path:
     return run_dir
 
 
-def _no_progress(total: int) -> ContextManager[None]:
+def no_progress(total: int) -> ContextManager[None]:
     return nullcontext(None)
 
 
@@ -103,8 +104,10 @@ def _summarize(record: RunRecord, replay: Replay, seed: int) -> None:
 def _sweep(record: RunRecord, pair: Pair, replay: Replay, config: DoctorConfig) -> None:
     """``summary.sweep`` and ``recommendation``: tau and net speedup per K, priced with step costs
     measured here (or from ``--cost-profile``)."""
-    costs = load_cost_profile(config.cost_profile) if config.cost_profile else pair.measure_step_costs(config.k)
-    sweep = build_sweep(replay.sweep_frames(), costs, replay.estimate_by_k, seed=config.seed)
+    with stage(f"pricing K {min(config.k)}-{max(config.k)}: " + ("cost profile" if config.cost_profile else "timing the steps")
+               + ", intervals per class"):
+        costs = load_cost_profile(config.cost_profile) if config.cost_profile else pair.measure_step_costs(config.k)
+        sweep = build_sweep(replay.sweep_frames(), costs, replay.estimate_by_k, seed=config.seed)
     record.summary.sweep = sweep
     strict_max_k = int(config.thresholds.get("strict_max_k", 4))
     share = float(config.thresholds.get("conservative_share", 0.95))
@@ -118,7 +121,7 @@ def _finish(writer: RunWriter, record: RunRecord, replay: Replay) -> None:
         raise KeyboardInterrupt
 
 
-def run_replay(config: DoctorConfig, *, progress: ProgressFactory = _no_progress) -> Outcome:
+def run_replay(config: DoctorConfig, *, progress: ProgressFactory = no_progress) -> Outcome:
     """`replay`: every turn through the live loop at K = the largest --k (the draft's default without one)."""
     run_dir = _claim(config, "replay")
     requests, pair, config = _start(config, "replay")
@@ -133,7 +136,7 @@ def run_replay(config: DoctorConfig, *, progress: ProgressFactory = _no_progress
     return Outcome(run_dir, record)
 
 
-def run_sweep(config: DoctorConfig, *, exact_blocks: bool = False, progress: ProgressFactory = _no_progress) -> Outcome:
+def run_sweep(config: DoctorConfig, *, exact_blocks: bool = False, progress: ProgressFactory = no_progress) -> Outcome:
     """`sweep`: one teacher-forced pass answering every K (default 1..block-1, or 1..8), net speedup per
     class and the recommended K."""
     run_dir = _claim(config, "sweep")
@@ -156,7 +159,7 @@ def _teacher(pair: Pair, requests: Sequence[Request], config: DoctorConfig, exac
     the merged replay, the other ranks end here): the open writer and the replay."""
 
     if not sharding.current_ranks().is_main:
-        progress = _no_progress  # one progress bar, rank 0's
+        progress = no_progress  # one progress bar, rank 0's
 
     def replay(writer: RunWriter, mine: Sequence[Request]) -> Replay:
         with progress(sum(r.num_turns for r in mine)) as on_turn:
@@ -168,7 +171,7 @@ def _teacher(pair: Pair, requests: Sequence[Request], config: DoctorConfig, exac
 
 
 def run_check(config: DoctorConfig, *, scenario=None, only: Sequence[str] = (), skip: Sequence[str] = (),
-              exact_blocks: bool = False, progress: ProgressFactory = _no_progress) -> Outcome:
+              exact_blocks: bool = False, progress: ProgressFactory = no_progress) -> Outcome:
     """`check`: teacher-forced replay of every K up to the draft's block (and the served K), the sweep,
     the probes, every check, run.json, then the reports. The run directory and reports are written even
     when a check fails, so CI keeps the evidence."""
@@ -197,7 +200,7 @@ def run_check(config: DoctorConfig, *, scenario=None, only: Sequence[str] = (), 
 
 
 def run_engine_check(config: DoctorConfig, *, only: Sequence[str] = (), skip: Sequence[str] = (),
-                     progress: ProgressFactory = _no_progress) -> Outcome:
+                     progress: ProgressFactory = no_progress) -> Outcome:
     """`check --engine URL`: measure on the server, replay locally, judge, report.
 
     1. Bad input fails before anything is sent: the URL, the server's reachability and model name, and a

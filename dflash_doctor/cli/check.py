@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+import json
+from typing import Annotated, Any, Optional
 
 import typer
 from rich.console import Console
@@ -14,64 +15,52 @@ from dflash_doctor.cli import options as opt
 from dflash_doctor.cli.progress import run_with_progress
 from dflash_doctor.cli.root import app
 from dflash_doctor.errors import UsageError
-from dflash_doctor.inputs.config import build_config
+from dflash_doctor.inputs.config import DoctorConfig
+from dflash_doctor.cli.output import print_json
 from dflash_doctor.replay import scenarios, sharding
 from dflash_doctor.report.terminal import print_check_results, print_class_summary, print_engine_comparison, print_sweep, print_why_rejected
 
 Scenario = Annotated[Optional[str], typer.Option("--scenario", help="Reproduce a real failure on the demo pair; `--scenario list` names them.")]
 Only = Annotated[Optional[str], typer.Option("--only", help="Comma-separated check ids to run (default: all).")]
 Skip = Annotated[Optional[str], typer.Option("--skip", help="Comma-separated check ids to leave out.")]
-EngineUrl = Annotated[Optional[str], typer.Option("--engine", help="URL of a running OpenAI-compatible server (vLLM, SGLang, llama.cpp): measure acceptance there; with --target/--draft also replay locally and compare (engine-agreement).")]
-EngineModel = Annotated[Optional[str], typer.Option("--engine-model", help="Model name on the --engine server (default: its only model).")]
-EngineConcurrency = Annotated[Optional[int], typer.Option("--engine-concurrency", help="Requests in flight at once against --engine (default 4).")]
-EngineTimeout = Annotated[Optional[float], typer.Option("--engine-timeout", help="Per-request timeout in seconds against --engine (default 300).")]
-EngineConfig = Annotated[Optional[str], typer.Option("--engine-config", help="vLLM speculative_config JSON or SGLang launch flags to check against the draft.")]
 
 
 def _ids(text: str | None) -> list[str]:
     return [x.strip() for x in (text or "").split(",") if x.strip()]
 
 
-@app.command()
+EPILOG = """\b
+Examples:
+  dflash-doctor check                                       # the built-in demo pair on CPU
+  dflash-doctor check --target ./target --draft ./draft --workload prompts.jsonl --json > result.json
+  dflash-doctor check --engine http://localhost:8000 --target ./target --draft ./draft
+
+Exit codes: 0 every check passed or warned; 1 a check failed or errored (with --fail-on warn: also a
+warning); 2 bad input; 130 interrupted (finished requests are kept)."""
+
+
+def check_json(outcome: pipeline.Outcome, code: int) -> dict[str, Any]:
+    """`check --json`: report.json's keys (written by the pipeline in the run directory) plus where the run
+    is and the exit code, so a script needs neither the run directory's name nor a second read."""
+    return {**json.loads((outcome.run_dir / "report.json").read_text(encoding="utf-8")), "run_dir": str(outcome.run_dir), "exit_code": code}
+
+
+@app.command(epilog=EPILOG)
+@opt.config_command(*opt.REPLAY_FLAGS, "devices", "fail_on", "cost_profile", "strict_classes", "engine_config",
+                    "engine", "engine_model", "engine_concurrency", "engine_timeout_s", "plotly")
 def check(
-    target: opt.Target = None,
-    draft: opt.Draft = None,
-    draft_kind: opt.DraftKind = None,
-    workload: opt.Workload = None,
-    classes: opt.Classes = None,
-    max_requests: opt.MaxRequests = None,
-    max_new_tokens: opt.MaxNewTokens = None,
-    temperature: opt.Temperature = None,
-    k: opt.K = None,
-    device: opt.Device = None,
-    devices: opt.Devices = None,
-    dtype: opt.Dtype = None,
-    out: opt.Out = None,
-    overwrite: opt.Overwrite = False,
-    config: opt.ConfigFile = None,
-    seed: opt.Seed = None,
-    fail_on: opt.FailOn = None,
-    chat_template: opt.ChatTemplate = None,
-    cost_profile: opt.CostProfile = None,
-    strict_classes: opt.StrictClasses = None,
-    engine_config: EngineConfig = None,
-    engine: EngineUrl = None,
-    engine_model: EngineModel = None,
-    engine_concurrency: EngineConcurrency = None,
-    engine_timeout: EngineTimeout = None,
+    config: DoctorConfig,
     scenario: Scenario = None,
     only: Only = None,
     skip: Skip = None,
     exact_blocks: opt.ExactBlocks = False,
-    trust_remote_code: opt.TrustRemoteCode = False,
-    end_of_request: opt.EndOfRequest = None,
-    plotly: opt.Plotly = None,
+    json_output: opt.Json = False,
 ) -> None:
-    """Is the pair set up right, where does the draft lose, which K to serve? Exit 0 pass/warn, 1 a check failed, 2 bad input.
+    """Is the pair set up right, where does the draft lose, which K to serve? Exit 0 pass/warn, 1 fail or error, 2 bad input.
 
     With no model flags it runs the built-in demo pair (SmolLM2-135M-Instruct + its DFlash draft) on CPU.
     """
-    out_console = Console()
+    out_console = Console(stderr=json_output)
     if scenario == "list":
         table = Table(title="Failure scenarios (dflash-doctor check --scenario NAME)")
         for column in ("name", "reproduces", "named by check"):
@@ -80,27 +69,26 @@ def check(
             table.add_row(item.name, item.incident, ", ".join(item.expect))
         out_console.print(table)
         return
-    cfg = build_config(config, engine_timeout_s=engine_timeout, **opt.config_values(locals()))
     chosen = None
     if scenario is not None:
         chosen = scenarios.get_scenario(scenario)
-        scenarios.check_demo_pair(cfg)
+        scenarios.check_demo_pair(config)
     only_ids, skip_ids = _ids(only), _ids(skip)
     for check_id in only_ids + skip_ids:
         get_check(check_id)  # an unknown id fails now, with "did you mean", before any model work
-    if cfg.engine is not None and cfg.devices:
+    if config.engine is not None and config.devices:
         raise UsageError("--devices spreads the local replay over processes, --engine measures a server; drop one of them.")
-    if cfg.engine is not None and scenario is not None:
+    if config.engine is not None and scenario is not None:
         raise UsageError("--scenario reproduces failures on the embedded demo pair; drop it or drop --engine.")
-    if (code := sharding.launch_ranks(cfg)) is not None:
+    if (code := sharding.launch_ranks(config)) is not None:
         raise typer.Exit(code)
-    if cfg.engine is not None:
-        outcome = run_with_progress(lambda progress: pipeline.run_engine_check(cfg, only=only_ids, skip=skip_ids, progress=progress))
+    if config.engine is not None:
+        outcome = run_with_progress(lambda progress: pipeline.run_engine_check(config, only=only_ids, skip=skip_ids, progress=progress))
     else:
-        outcome = run_with_progress(lambda progress: pipeline.run_check(cfg, scenario=chosen, only=only_ids, skip=skip_ids,
+        outcome = run_with_progress(lambda progress: pipeline.run_check(config, scenario=chosen, only=only_ids, skip=skip_ids,
                                                                         exact_blocks=exact_blocks, progress=progress))
     record = outcome.record
-    if cfg.engine is not None:
+    if config.engine is not None:
         print_class_summary(record, record.source.details.get("num_spec_tokens") or 0, out_console)
         print_engine_comparison(record, out_console)
     else:
@@ -109,6 +97,8 @@ def check(
         print_why_rejected(outcome.why_rejected, out_console)
     print_check_results(record.checks, out_console)
     out_console.print(f"run directory and reports: {outcome.run_dir} (report.html, report.md, report.json, junit.xml)")
-    code = exit_code(record.checks, cfg.fail_on)
+    code = exit_code(record.checks, config.fail_on)
+    if json_output:
+        print_json(check_json(outcome, code))
     if code:
         raise typer.Exit(code)

@@ -16,7 +16,8 @@ from dflash_doctor.report.sanitize import for_terminal
 from dflash_doctor.stats.gate import DEFAULT_THRESHOLD_RATE, DEFAULT_THRESHOLD_TAU, Comparison
 from dflash_doctor.cli import options as opt
 from dflash_doctor.errors import UsageError
-from dflash_doctor.inputs.config import parse_plotly_source
+from dflash_doctor.inputs.config import DoctorConfig
+from dflash_doctor.cli.output import print_json
 from dflash_doctor.report.templating import ci, fmt, signed
 
 EXIT_REGRESSION = 1
@@ -59,14 +60,15 @@ def _grown_table(comparison: Comparison) -> Table:
     return table
 
 
-@app.command("compare")
+@app.command("compare", epilog="Example: dflash-doctor compare runs/check-before runs/check-after --threshold-tau 0.1 --json > gate.json")
 def compare_command(
     base: Annotated[str, typer.Argument(help="Run directory before the change.")],
     new: Annotated[str, typer.Argument(help="Run directory after the change (same workload).")],
     threshold_tau: Annotated[float, typer.Option("--threshold-tau", help="Smallest drop in tau (tokens per step) that counts.")] = DEFAULT_THRESHOLD_TAU,
     threshold_rate: Annotated[float, typer.Option("--threshold-rate", help="Smallest drop in a per-position acceptance rate that counts.")] = DEFAULT_THRESHOLD_RATE,
-    out: Annotated[Optional[str], typer.Option("--out", help="Folder for compare.html and compare.md (default: NEW's run directory).")] = None,
+    out: Annotated[Optional[str], typer.Option("--out", help="Folder for compare.html and compare.md.", show_default="NEW's run directory")] = None,
     plotly: opt.Plotly = None,
+    json_output: opt.Json = False,
 ) -> None:
     """Per-class regression gate: exit 1 when tau or a per-position rate drops past its threshold with separated 95% intervals; exit 2 when a run has no drafted steps (nothing to compare).
 
@@ -74,20 +76,26 @@ def compare_command(
     """
     if threshold_tau < 0 or threshold_rate < 0:
         raise UsageError("--threshold-tau and --threshold-rate must be >= 0; pass a drop size such as 0.2 or 0.05.")
-    plotly = parse_plotly_source(plotly or "inline")
+    plotly_source = plotly or DoctorConfig.plotly  # a choice Click checked
     comparison = compare_runs(base, new, threshold_tau=threshold_tau, threshold_rate=threshold_rate)
     refusal = _nothing_compared(comparison)
     if refusal is not None:
         raise UsageError(refusal)
-    console = Console()
+    console = Console(stderr=json_output)
     console.print(_table(comparison))
     if comparison.grown_patterns:
         console.print(_grown_table(comparison))
     for note in comparison.notes:
         console.print(f"note: {for_terminal(note)}")
-    for path in write_compare_reports(comparison, Path(out) if out else comparison.new_path, plotly):
+    reports = write_compare_reports(comparison, Path(out) if out else comparison.new_path, plotly_source)
+    for path in reports:
         console.print(f"wrote {path}")
+    code = EXIT_REGRESSION if comparison.has_regression else 0
     if comparison.has_regression:
         console.print(f"[bold red]REGRESSION[/]: {len(comparison.regressions)} metric(s) dropped past their threshold.")
-        raise typer.Exit(EXIT_REGRESSION)
-    console.print("[green]OK[/]: no regression.")
+    else:
+        console.print("[green]OK[/]: no regression.")
+    if json_output:
+        print_json({**comparison.as_dict(), "reports": [str(path) for path in reports], "exit_code": code})
+    if code:
+        raise typer.Exit(code)

@@ -61,7 +61,7 @@ def port_is_free(host: str, port: int) -> bool:
     return True
 
 
-@app.command("dashboard")
+@app.command("dashboard", epilog="Example: dflash-doctor dashboard runs --port 8501")
 def dashboard(
     runs_dir: Annotated[Optional[Path], typer.Argument(help="A folder of run directories, or one run directory (default: ./runs).", show_default=False)] = None,
     port: Annotated[int, typer.Option("--port", help="Port to serve on.")] = DEFAULT_PORT,

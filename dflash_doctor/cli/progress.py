@@ -1,4 +1,5 @@
-"""The replay progress bar: requests done, generated tokens/s and the running tau (bonus included).
+"""The replay progress bar: requests done, generated tokens/s and the running tau (bonus included); a
+spinner line for each long step without a count (model loading, GGUF conversion, pricing the sweep).
 
 The pipeline knows nothing of the terminal; the CLI hands it :func:`progress_bar` as its progress factory,
 through :func:`run_with_progress`, which also gives check, sweep and replay one way to end on Ctrl-C.
@@ -13,10 +14,12 @@ from typing import Callable, Iterator, TypeVar
 import typer
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from dflash_doctor.engine.live import GenerationResult
-from dflash_doctor.pipeline import ProgressFactory
+from dflash_doctor.cli.logs import progress_shown
+from dflash_doctor.pipeline import ProgressFactory, no_progress
+from dflash_doctor.stages import StageListener, on_stage
 
 
 def progress_bar(console: Console) -> Callable[[int], AbstractContextManager[Callable[[GenerationResult], None]]]:
@@ -48,16 +51,43 @@ def progress_bar(console: Console) -> Callable[[int], AbstractContextManager[Cal
     return factory
 
 
+def stage_indicator(console: Console) -> StageListener:
+    """A stage listener (dflash_doctor.stages): a spinner line per stage with its elapsed time, kept
+    (ticked) when the stage ends, so the terminal shows where the minutes before the replay went.
+    Nested stages share the outermost one's display (Rich allows one live display at a time)."""
+    shown: list[Progress] = []  # the display of the outermost stage running, if any
+
+    @contextmanager
+    def indicator(description: str) -> Iterator[None]:
+        outermost = not shown
+        if outermost:
+            shown.append(Progress(SpinnerColumn(finished_text="[green]✓"), TextColumn("{task.description}"), TimeElapsedColumn(),
+                                  console=console))
+            shown[0].start()
+        task = shown[0].add_task(description, total=1)
+        try:
+            yield
+        finally:
+            shown[0].update(task, completed=1)
+            if outermost:
+                shown.pop().stop()
+
+    return indicator
+
+
 EXIT_INTERRUPTED = 130  # the shell's code for a process ended by SIGINT
 Outcome = TypeVar("Outcome")
 
 
 def run_with_progress(command: Callable[[ProgressFactory], Outcome]) -> Outcome:
-    """Run one pipeline command with the progress bar on stderr. Ctrl-C: the pipeline has closed the run
+    """Run one pipeline command with the progress bar on stderr (none with -q). Ctrl-C: the pipeline has closed the run
     directory with every finished request, so say so and exit 130 (no traceback)."""
     console = Console(stderr=True)
     try:
-        return command(progress_bar(console))
+        if not progress_shown():
+            return command(no_progress)
+        with on_stage(stage_indicator(console)):
+            return command(progress_bar(console))
     except KeyboardInterrupt:
         console.print("[yellow]interrupted[/]: finished requests are kept in the run directory")
         raise typer.Exit(EXIT_INTERRUPTED)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import typer
 
 from dflash_doctor import __version__
+from dflash_doctor.cli.logs import configure_logging
+from dflash_doctor.errors import UsageError
 
 app = typer.Typer(
     name="dflash-doctor",
@@ -16,7 +18,7 @@ app = typer.Typer(
     # Plain click errors: Typer's rich error panel cuts a long first word (a path) with an ellipsis and
     # can hide the rest of the sentence, which is where the fix is.
     rich_markup_mode=None,
-    add_completion=False,
+    add_completion=True,
 )
 
 
@@ -27,9 +29,16 @@ def _print_version(asked: bool) -> None:
         raise typer.Exit()
 
 
-@app.callback()
+@app.callback(epilog="Example: dflash-doctor -v check --target ./target --draft ./draft --json > result.json")
 def _tool_options(
     version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
                                  help="Print the installed version and exit."),
+    verbose: int = typer.Option(0, "--verbose", "-v", count=True, show_default=False,
+                                help="More on stderr: -v info and the warnings and download bars of transformers and "
+                                     "huggingface_hub (hidden by default), -vv debug."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Errors only: no progress bars, no warnings."),
 ) -> None:
     """Diagnose why a speculative draft (DFlash or autoregressive) is rejected, and what to do about it."""
+    if verbose and quiet:
+        raise UsageError("-v and -q ask for opposite things; pass one of them.")
+    configure_logging(-1 if quiet else verbose)

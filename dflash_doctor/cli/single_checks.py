@@ -17,12 +17,11 @@ from dflash_doctor.inputs.environment import collect_environment
 from dflash_doctor.inputs.check_inputs import load_config_json, load_template_spec, load_tokenizer_spec
 from dflash_doctor.report.terminal import print_check_results
 from dflash_doctor.cli.root import app
-from dflash_doctor.cli.options import ConfigFile, Draft, FailOn
-from dflash_doctor.inputs.config import build_config
+from dflash_doctor.cli.options import config_command
+from dflash_doctor.inputs.config import DoctorConfig
 
 TargetArg = Annotated[str, typer.Argument(help="Target side: model dir, tokenizer dir, tokenizer.json or .gguf (templates: also a .jinja file).")]
 DraftArg = Annotated[str, typer.Argument(help="Draft side, same forms as the target.")]
-EngineConfig = Annotated[Optional[str], typer.Option("--engine-config", help="vLLM speculative_config JSON, or a file with SGLang/vLLM launch flags.")]
 Thinking = Optional[bool]
 
 
@@ -33,49 +32,48 @@ def _finish(ctx: CheckContext, check_id: str, fail_on: str, params: dict | None 
     raise typer.Exit(exit_code(results, fail_on))
 
 
-@app.command("tokenizers")
-def tokenizers_command(target: TargetArg, draft: DraftArg, config: ConfigFile = None, fail_on: FailOn = None) -> None:
+@app.command("tokenizers", epilog="Example: dflash-doctor tokenizers Qwen/Qwen3-8B z-lab/Qwen3-8B-DFlash-b16")
+@config_command("fail_on")
+def tokenizers_command(config: DoctorConfig, target: TargetArg, draft: DraftArg) -> None:
     """Compare two tokenizers: ids over the whole vocabulary, special tokens, pipeline, corpus round-trip."""
-    doctor_config = build_config(config, fail_on=fail_on)
     ctx = CheckContext(
         target_tokenizer=load_tokenizer_spec(target, "target"),
         draft_tokenizer=load_tokenizer_spec(draft, "draft"),
         target_config=load_config_json(target),
         draft_config=load_config_json(draft),
-        config=doctor_config,
+        config=config,
     )
-    _finish(ctx, "tokenizer-parity", doctor_config.fail_on)
+    _finish(ctx, "tokenizer-parity", config.fail_on)
 
 
-@app.command("templates")
+@app.command("templates", epilog="Example: dflash-doctor templates ./target ./draft --draft-disable-thinking")
+@config_command("fail_on")
 def templates_command(
+    config: DoctorConfig,
     target: TargetArg,
     draft: DraftArg,
     target_enable_thinking: Annotated[Thinking, typer.Option("--target-enable-thinking/--target-disable-thinking", help="Pin enable_thinking for the served template (default: render both ways).")] = None,
     draft_enable_thinking: Annotated[Thinking, typer.Option("--draft-enable-thinking/--draft-disable-thinking", help="Pin enable_thinking for the draft's template, e.g. as it was trained.")] = None,
-    config: ConfigFile = None,
-    fail_on: FailOn = None,
 ) -> None:
     """Render canonical conversations with both chat templates and show the first differing bytes."""
-    doctor_config = build_config(config, fail_on=fail_on)
     target_template, target_tokenizer = load_template_spec(target, "target")
     draft_template, draft_tokenizer = load_template_spec(draft, "draft")
     ctx = CheckContext(
         target_tokenizer=target_tokenizer, draft_tokenizer=draft_tokenizer,
-        target_template=target_template, draft_template=draft_template, config=doctor_config,
+        target_template=target_template, draft_template=draft_template, config=config,
     )
     pins = {k: v for k, v in {"target_enable_thinking": target_enable_thinking, "draft_enable_thinking": draft_enable_thinking}.items() if v is not None}
-    _finish(ctx, "chat-template-parity", doctor_config.fail_on, pins)
+    _finish(ctx, "chat-template-parity", config.fail_on, pins)
 
 
-@app.command("env")
-def env_command(engine_config: EngineConfig = None, draft: Draft = None, config: ConfigFile = None, fail_on: FailOn = None) -> None:
+@app.command("env", epilog="Example: dflash-doctor env --engine-config vllm_spec.json --draft ./draft")
+@config_command("engine_config", "draft", "fail_on")
+def env_command(config: DoctorConfig) -> None:
     """Show versions and hardware, and check them (and --engine-config) against known incompatibilities."""
-    doctor_config = build_config(config, fail_on=fail_on, engine_config=engine_config, draft=draft)
     ctx = CheckContext(
         environment=collect_environment(),
-        engine_config=engine_settings(doctor_config.engine_config) if doctor_config.engine_config else None,
-        draft_config=load_config_json(doctor_config.draft),
-        config=doctor_config,
+        engine_config=engine_settings(config.engine_config) if config.engine_config else None,
+        draft_config=load_config_json(config.draft),
+        config=config,
     )
-    _finish(ctx, "environment", doctor_config.fail_on)
+    _finish(ctx, "environment", config.fail_on)

@@ -20,6 +20,7 @@ import typer
 from dflash_doctor import __version__
 from dflash_doctor.cli.root import app
 from dflash_doctor.cli.options import Classes, MaxRequests, Seed, Target, Workload
+from dflash_doctor.inputs.config import Dtype
 from dflash_doctor.engine.dflash_model import DFlashDraftModel, default_target_layer_ids
 from dflash_doctor.errors import UsageError
 from dflash_doctor.models.loading import demo_target_path, weights_fingerprint, load_causal_lm, load_dflash_draft, resolve_model_dir, save_dflash_draft, validate_dflash_pair
@@ -123,7 +124,7 @@ def _check_init_flags(draft_config, given: dict[str, Any]) -> None:
                              "(fine-tuning keeps the checkpoint's architecture) or train from scratch.")
 
 
-@app.command("train-draft")
+@app.command("train-draft", epilog="Example: dflash-doctor train-draft --target ./target --workload prompts.jsonl --steps 2000 --out ./my-draft")
 def train_draft(
     target: Target = None,
     workload: Workload = None,
@@ -151,7 +152,7 @@ def train_draft(
     sample_temperature: Annotated[float, typer.Option("--sample-temperature", help="Temperature of the extra sampled answers.")] = 0.8,
     checkpoint_every: Annotated[int, typer.Option("--checkpoint-every", help="Steps between resumable checkpoints.")] = 500,
     device: Annotated[Optional[str], typer.Option("--device", help="cpu, cuda, cuda:1 ... (default: cuda when available, else cpu).")] = None,
-    dtype: Annotated[Optional[str], typer.Option("--dtype", help="Target dtype: float32 | bfloat16 | float16 (default: bfloat16 on CUDA, float32 on CPU).")] = None,
+    dtype: Annotated[Optional[Dtype], typer.Option("--dtype", help="Target dtype.", show_default="bfloat16 on CUDA, float32 on CPU")] = None,
     seed: Seed = None,
     out: Annotated[str, typer.Option("--out", help="Output folder: the draft, its model card, caches and checkpoints (resumed if present).")] = DEFAULT_OUT,
 ) -> None:
@@ -165,8 +166,6 @@ def train_draft(
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise UsageError(f"--device {device} was asked for but no CUDA device is available; use --device cpu.")
     dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
-    if dtype not in ("float32", "bfloat16", "float16"):
-        raise UsageError(f"--dtype {dtype!r} is not one of float32, bfloat16, float16; pick one.")
     for flag, value in {"--max-new-tokens": max_new_tokens, "--generation-batch-size": generation_batch_size}.items():
         if value < 1:
             raise UsageError(f"{flag} {value} must be at least 1.")

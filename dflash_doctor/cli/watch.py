@@ -6,7 +6,7 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 from rich.console import Console
@@ -16,7 +16,8 @@ from rich.table import Table
 from dflash_doctor.cli.root import app
 from dflash_doctor.cli import options as opt
 from dflash_doctor.errors import UsageError
-from dflash_doctor.inputs.config import build_config
+from dflash_doctor.inputs.config import DoctorConfig
+from dflash_doctor.cli.output import print_json
 from dflash_doctor.report.sanitize import for_terminal
 from dflash_doctor.rundir.writer import utc_now
 from dflash_doctor.stats.speedup import load_cost_profile
@@ -97,8 +98,34 @@ def print_source_news(console: Console, watcher: Watcher, events_shown: int, not
     return len(watcher.events)
 
 
-@app.command()
+WATCH_JSON_VERSION = 1
+
+EPILOG = """\b
+Examples:
+  dflash-doctor watch http://localhost:8000/metrics --once --window 60s --baseline runs/check-demo --json
+  dflash-doctor watch /var/log/vllm.log --baseline 3.1 --exporter-port 9464"""
+
+
+def watch_json(verdicts: list[WindowVerdict], window: str, session: WatchSession, code: int) -> dict[str, Any]:
+    """`watch --once --json` (README "Machine-readable output"): one ``series`` entry per model/class, each
+    the row ``windows.parquet`` stores; keys are only ever added, ``watch_json_version`` changes if one is
+    renamed or removed."""
+    return {
+        "watch_json_version": WATCH_JSON_VERSION,
+        "verdict": "alert" if any(v.alerts for v in verdicts) else "ok",
+        "window": window,
+        "series": [v.as_row() for v in verdicts],
+        "events": [{"kind": e.kind, "source": e.source, "message": e.message} for e in session.watcher.events],
+        "notes": session.watcher.source_notes(),
+        "run_dir": str(session.run_dir),
+        "exit_code": code,
+    }
+
+
+@app.command(epilog=EPILOG)
+@opt.config_command("cost_profile", "out")
 def watch(
+    config: DoctorConfig,
     sources: Annotated[Optional[list[str]], typer.Argument(help="Engine /metrics URLs, log files, or captured responses (.jsonl).", show_default=False)] = None,
     prometheus: Annotated[Optional[str], typer.Option("--prometheus", help="A Prometheus server URL: each counter's increase over the window is read through its HTTP API.")] = None,
     engine: Annotated[Optional[str], typer.Option("--engine", help="vllm | sglang | llamacpp | trtllm (default: detected from the metric names / log lines).")] = None,
@@ -118,33 +145,33 @@ def watch(
     on_alert: Annotated[Optional[str], typer.Option("--on-alert", help="Command run when an alert starts (once per episode), with the alert, model and engine change in DFLASH_DOCTOR_* variables.")] = None,
     on_alert_webhook: Annotated[Optional[str], typer.Option("--on-alert-webhook", help="URL that receives the same alert as a JSON POST, once per episode.")] = None,
     on_alert_dry_run: Annotated[bool, typer.Option("--on-alert-dry-run", help="Print what --on-alert / --on-alert-webhook would run or post, and do neither.")] = False,
-    cost_profile: opt.CostProfile = None,
-    out: opt.Out = None,
-    config: opt.ConfigFile = None,
+    json_output: opt.Json = False,
 ) -> None:
     """Watch production acceptance: windowed tau per model/class, alerts vs a baseline, fallback advice.
 
     Exit codes: 0 ok; 1 an alert fired (--once: in the verdict; live: at any time before SIGTERM/SIGINT or
     --duration ended the watch); 2 bad input. Off a terminal it prints one plain line per series per evaluation.
     """
-    doctor_config = build_config(config, cost_profile=cost_profile, out=out)
+    if json_output and not once:
+        raise UsageError("--json prints one verdict, so it needs --once; add --once or drop --json.")
     settings = build_watch_settings(
-        doctor_config.watch, window=window, interval=interval, baseline=baseline, threshold_tau=threshold_tau,
+        config.watch, window=window, interval=interval, baseline=baseline, threshold_tau=threshold_tau,
         min_drafts=min_drafts, speedup_floor=speedup_floor, engine=engine, model=model, class_label=class_label, log_timezone=log_timezone,
     )
-    run_dir = Path(doctor_config.out or f"runs/watch-{utc_now().replace(':', '').replace('+0000', 'Z')}")
+    run_dir = Path(config.out or f"runs/watch-{utc_now().replace(':', '').replace('+0000', 'Z')}")
     hooks = AlertHooks(on_alert, on_alert_webhook, on_alert_dry_run, run_dir)
     session = WatchSession(
         open_sources(list(sources or []), prometheus, settings), settings, run_dir=run_dir,
-        config=doctor_config.as_dict(), costs=load_cost_profile(doctor_config.cost_profile) if doctor_config.cost_profile else None,
+        config=config.as_dict(), costs=load_cost_profile(config.cost_profile) if config.cost_profile else None,
         once=once, exporter_port=exporter_port, exporter_address=exporter_address,
         hooks=hooks if hooks.enabled else None,
     )
-    console = Console()
+    console = Console(stderr=json_output)
     if once:
         rounds = session.once()
         latest = rounds[-1] if rounds else []
-        console.print(verdict_table(latest, "latest window" if settings.window_given or len(rounds) > 1 else "since the server started"))
+        window = "latest window" if settings.window_given or len(rounds) > 1 else "since the server started"
+        console.print(verdict_table(latest, window))
         print_verdicts(console, latest)
         session.close()
         print_source_news(console, session.watcher, 0, set())
@@ -153,8 +180,11 @@ def watch(
             named = ", ".join([*(sources or []), *([prometheus] if prometheus else [])])
             raise UsageError(f"no speculative-decoding series in {named} (empty or unknown /metrics text, or a log without "
                              f"spec-decode lines); point watch at the serving engine's /metrics URL or log file.")
-        if any(v.alerts for v in latest):
-            raise typer.Exit(EXIT_ALERT)
+        code = EXIT_ALERT if any(v.alerts for v in latest) else 0
+        if json_output:
+            print_json(watch_json(latest, window, session, code))
+        if code:
+            raise typer.Exit(code)
         return
     _watch_live(console, session, None if duration is None else parse_duration_s(duration))
 

@@ -23,6 +23,7 @@ workloads_app = typer.Typer(
     help="List the built-in prompt sets with counts per class; `show NAME` prints a few requests.",
     invoke_without_command=True,
     no_args_is_help=False,
+    epilog="Examples: dflash-doctor workloads; dflash-doctor workloads show demo --count 5",
 )
 app.add_typer(workloads_app, name="workloads")
 
@@ -67,7 +68,7 @@ def _print_request(console: Console, request: Request) -> None:
         console.print(f"  {message['role']}: {_preview(content)}", highlight=False, markup=False)
 
 
-@workloads_app.command("show")
+@workloads_app.command("show", epilog="Example: dflash-doctor workloads show demo --classes math --count 5 --save math.jsonl")
 def show(
     name: Annotated[str, typer.Argument(help="Built-in workload name or a .jsonl/.csv/.parquet file.")],
     count: Annotated[int, typer.Option("--count", "-n", min=1, help="How many requests to print.")] = 3,

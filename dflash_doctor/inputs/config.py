@@ -1,7 +1,7 @@
 """One configuration object for every command, with precedence CLI > TOML file > defaults.
 
-The TOML file (``--config doctor.toml``) holds the same keys as the shared CLI flags (``target``,
-``k``, ``max_requests``...) plus ``[thresholds]`` for verdicts, ``[checks.<id>]`` tables with per-check
+The TOML file (``--config doctor.toml``, else the first one :func:`discover_config_file` finds) holds the
+same keys as the shared CLI flags (``target``, ``k``, ``max_requests``...) plus ``[thresholds]`` for verdicts, ``[checks.<id>]`` tables with per-check
 parameters, and ``strict_classes`` for request classes that must never risk a slowdown. Validation
 happens once, in :func:`build_config`, and names the offending key or flag.
 """
@@ -13,7 +13,9 @@ import tomllib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+import platformdirs
 
 from dflash_doctor.errors import UsageError
 from dflash_doctor.inputs.validation import type_error
@@ -46,9 +48,21 @@ def parse_k(value: str | int | list[int] | tuple[int, ...]) -> tuple[int, ...]:
 
 
 
+# The settings that take one of a few words: each a Literal (the CLI shows and completes its choices) and
+# the tuple of its words (validation of a config-file value).
 #: Where report pages load plotly.js from: ``inline`` embeds the bundle (~4.6 MB, opens offline, the
 #: default) and ``cdn`` links plotly's CDN (a few kB per page, for CI artefacts; needs the network to draw).
-PLOTLY_SOURCES = ("inline", "cdn")
+PlotlySource = Literal["inline", "cdn"]
+PLOTLY_SOURCES: tuple[str, ...] = typing.get_args(PlotlySource)
+Dtype = Literal["float32", "bfloat16", "float16"]
+DTYPES: tuple[str, ...] = typing.get_args(Dtype)
+#: Which verdict turns the exit code to 1: ``fail`` only, or ``warn`` as well.
+FailOn = Literal["fail", "warn"]
+FAIL_ON: tuple[str, ...] = typing.get_args(FailOn)
+#: How a block drafter's last blocks end (dflash_doctor.engine.schedule): ``vllm`` full blocks (vLLM,
+#: SGLang) or ``official`` (dflash_generate shrinks them).
+EndOfRequest = Literal["vllm", "official"]
+END_OF_REQUEST: tuple[str, ...] = typing.get_args(EndOfRequest)
 
 
 def parse_plotly_source(value: str) -> str:
@@ -56,6 +70,7 @@ def parse_plotly_source(value: str) -> str:
     if value not in PLOTLY_SOURCES:
         raise UsageError(f"--plotly {value!r} is not a plotly.js source; use {' or '.join(PLOTLY_SOURCES)}.")
     return value
+
 
 @dataclass
 class DoctorConfig:
@@ -107,15 +122,51 @@ _FILE_TYPES: dict[str, Any] = {
 }
 
 
-def read_config_file(path: Path | str) -> dict[str, Any]:
-    """Read a doctor.toml; unknown keys are refused by :func:`build_config`."""
-    path = Path(path)
-    if not path.is_file():
-        raise UsageError(f"config file {path} does not exist; pass an existing TOML file to --config.")
+CONFIG_FILE_NAME = "doctor.toml"
+#: The table of a pyproject.toml that holds the same keys as a doctor.toml: ``[tool.dflash-doctor]``.
+PYPROJECT_TABLE = "dflash-doctor"
+
+
+def _pyproject_table(document: dict[str, Any]) -> dict[str, Any] | None:
+    table = document.get("tool", {}).get(PYPROJECT_TABLE)
+    return table if isinstance(table, dict) else None
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
     try:
         return tomllib.loads(path.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as exc:
         raise UsageError(f"config file {path} is not valid TOML ({exc}); fix the file.") from None
+
+
+def discover_config_file(folder: Path | None = None) -> Path | None:
+    """The config file a command reads when ``--config`` is not given, first found wins: ``doctor.toml``
+    in ``folder`` (default: the working directory), then that folder's ``pyproject.toml`` when it has a
+    ``[tool.dflash-doctor]`` table, then ``doctor.toml`` in the user config folder (platformdirs:
+    ``~/.config/dflash-doctor`` on Linux). None when there is none (the defaults apply)."""
+    folder = Path.cwd() if folder is None else folder
+    if (folder / CONFIG_FILE_NAME).is_file():
+        return folder / CONFIG_FILE_NAME
+    pyproject = folder / "pyproject.toml"
+    if pyproject.is_file() and _pyproject_table(_read_toml(pyproject)) is not None:
+        return pyproject
+    user_file = Path(platformdirs.user_config_dir(PYPROJECT_TABLE)) / CONFIG_FILE_NAME
+    return user_file if user_file.is_file() else None
+
+
+def read_config_file(path: Path | str) -> dict[str, Any]:
+    """Read a doctor.toml, or the ``[tool.dflash-doctor]`` table of a pyproject.toml; unknown keys are
+    refused by :func:`build_config`."""
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"config file {path} does not exist; pass an existing TOML file to --config.")
+    document = _read_toml(path)
+    if path.name != "pyproject.toml":
+        return document
+    table = _pyproject_table(document)
+    if table is None:
+        raise UsageError(f"config file {path} has no [tool.{PYPROJECT_TABLE}] table; add one or pass a doctor.toml.")
+    return table
 
 
 def build_config(config_file: str | Path | None = None, **cli_values: Any) -> DoctorConfig:
@@ -157,12 +208,12 @@ def _validate(config: DoctorConfig) -> None:
         raise UsageError(f"--engine-concurrency {config.engine_concurrency} must be at least 1.")
     if config.engine_timeout_s <= 0:
         raise UsageError(f"--engine-timeout {config.engine_timeout_s} must be a positive number of seconds.")
-    if config.fail_on not in ("fail", "warn"):
-        raise UsageError(f"--fail-on {config.fail_on!r} is not one of fail, warn; pick one.")
+    if config.fail_on not in FAIL_ON:
+        raise UsageError(f"--fail-on {config.fail_on!r} is not one of {', '.join(FAIL_ON)}; pick one.")
     if config.cost_profile is not None:
         load_cost_profile(config.cost_profile)  # a profile that does not parse fails before any model work
-    if config.end_of_request not in ("vllm", "official"):
-        raise UsageError(f"end_of_request {config.end_of_request!r} is not one of vllm, official; pick the loop you model.")
+    if config.end_of_request not in END_OF_REQUEST:
+        raise UsageError(f"end_of_request {config.end_of_request!r} is not one of {', '.join(END_OF_REQUEST)}; pick the loop you model.")
     parse_plotly_source(config.plotly)
-    if config.dtype not in ("float32", "bfloat16", "float16"):
-        raise UsageError(f"--dtype {config.dtype!r} is not one of float32, bfloat16, float16; pick one.")
+    if config.dtype not in DTYPES:
+        raise UsageError(f"--dtype {config.dtype!r} is not one of {', '.join(DTYPES)}; pick one.")

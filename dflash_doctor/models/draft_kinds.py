@@ -115,6 +115,11 @@ def register_draft_kind(kind: DraftKind[DraftModel], *, before: str | None = Non
     return kind
 
 
+def kind_names() -> list[str]:
+    """Every name ``--draft-kind`` takes: the registered kinds in detection order, then ``auto``."""
+    return [*_KINDS, AUTO]
+
+
 def get_draft_kind(name: str) -> DraftKind[Any]:
     """The kind called ``name``; an unknown name is a UsageError suggesting the closest one."""
     try:
@@ -122,7 +127,7 @@ def get_draft_kind(name: str) -> DraftKind[Any]:
     except KeyError:
         close = difflib.get_close_matches(name, list(_KINDS), n=1, cutoff=0.5)
         hint = f"did you mean {close[0]!r}? " if close else ""
-        raise UsageError(f"--draft-kind {name!r} is not a draft kind; {hint}pick one of {', '.join([*_KINDS, AUTO])}.") from None
+        raise UsageError(f"--draft-kind {name!r} is not a draft kind; {hint}pick one of {', '.join(kind_names())}.") from None
 
 
 def detect_draft_kind(config: dict[str, Any]) -> DraftKind[Any]:

@@ -26,6 +26,7 @@ from dflash_doctor.engine.cache import refuse_unreplayable
 from dflash_doctor.engine.dflash_model import DFlashConfig
 from dflash_doctor.engine.target import attention_implementation
 from dflash_doctor.errors import UsageError
+from dflash_doctor.stages import stage
 from dflash_doctor.inputs.validation import check_model_folder, read_config_json
 from dflash_doctor.models.draft_formats import normalise_draft_config
 from dflash_doctor.models.gguf_draft import gguf_architecture, write_converted
@@ -126,7 +127,8 @@ def _cached_conversion(gguf_path: Path, folder: str, write: Callable[[Path, Path
         for leftover in (tmp, target_dir):  # from a process killed mid-way
             if leftover.exists():
                 shutil.rmtree(leftover)
-        write(gguf_path, tmp)
+        with stage(f"converting {gguf_path.name} (once, then cached)"):
+            write(gguf_path, tmp)
         (tmp / "source.json").write_text(json.dumps({"gguf": str(gguf_path), "cache_key": target_dir.name}), encoding="utf-8")
         (tmp / ".complete").touch()
         tmp.replace(target_dir)

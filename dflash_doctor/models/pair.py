@@ -23,6 +23,7 @@ from dflash_doctor.inputs.config import DoctorConfig
 from dflash_doctor.inputs.validation import read_config_json
 from dflash_doctor.inputs.workloads import read_chat_template
 from dflash_doctor.models.draft_kinds import DraftKind, LoadOptions, Sampling, get_draft_kind, resolve_draft_kind
+from dflash_doctor.stages import stage
 from dflash_doctor.models.loading import DEMO_DRAFT_DIR, demo_target_path, fingerprint, hub_commit, load_causal_lm, resolve_model_dir
 from dflash_doctor.models.placement import target_devices
 from dflash_doctor.rundir.record import ModelInfo
@@ -152,11 +153,13 @@ def load_pair(config: DoctorConfig, engine_settings: dict[str, Any] | None = Non
     draft_dir = resolve_model_dir(draft_spec)
     draft_config = read_config_json(draft_dir)
     kind = resolve_draft_kind(config.draft_kind, draft_config, draft_spec)
-    target_model = load_causal_lm(target_dir, dtype=config.dtype, device=config.device, trust_remote_code=config.trust_remote_code)
-    tokenizer = AutoTokenizer.from_pretrained(target_dir, trust_remote_code=config.trust_remote_code)
+    with stage(f"loading the target {Path(target_spec).name} ({config.dtype}, {config.device})"):
+        target_model = load_causal_lm(target_dir, dtype=config.dtype, device=config.device, trust_remote_code=config.trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(target_dir, trust_remote_code=config.trust_remote_code)
     draft_device = target_devices(config.device)[0]  # next to a placed target's embeddings and head
     options = LoadOptions(dtype=config.dtype, device=draft_device, trust_remote_code=config.trust_remote_code)
-    draft_model = kind.load(draft_dir, target_dir, target_model.config, options)
+    with stage(f"loading the {kind.name} draft {Path(draft_spec).name}"):
+        draft_model = kind.load(draft_dir, target_dir, target_model.config, options)
     target = TargetModel(target_model)
     sampling = Sampling(temperature=config.temperature, draft_sample_method=engine_settings["draft_sample_method"] if engine_settings else "greedy")
     target_info = ModelInfo(

@@ -18,7 +18,7 @@ from dflash_doctor.report.html import render_html
 from dflash_doctor.report.junit import render_junit
 from dflash_doctor.report.templating import markdown_env
 from dflash_doctor.rundir.load import Run, load_run
-from dflash_doctor.rundir.writer import _json_safe
+from dflash_doctor.rundir.writer import json_safe
 
 FORMATS = ("html", "md", "json", "junit")
 FILENAMES = {"html": "report.html", "md": "report.md", "json": "report.json", "junit": "junit.xml"}
@@ -49,7 +49,7 @@ def render_markdown(run: Run, analysis: dict[str, Any] | None = None) -> str:
 def render_json(run: Run, analysis: dict[str, Any] | None = None) -> str:
     """report.json with sorted keys (stable diffs) and NaN written as null (``analysis``: as for :func:`render_html`)."""
     payload = report_payload(run, analysis if analysis is not None else deviations.analyze_run(run))
-    return json.dumps(_json_safe(payload), indent=2, sort_keys=True) + "\n"
+    return json.dumps(json_safe(payload), indent=2, sort_keys=True) + "\n"
 
 
 _RENDERERS: dict[str, Callable[[Run, dict[str, Any], str], str]] = {

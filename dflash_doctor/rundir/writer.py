@@ -28,12 +28,12 @@ def utc_now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()
 
 
-def _json_safe(value: Any) -> Any:
+def json_safe(value: Any) -> Any:
     """Make numpy scalars, NaN and paths JSON-clean (NaN becomes null: JSON has no NaN)."""
     if isinstance(value, dict):
-        return {str(k): _json_safe(v) for k, v in value.items()}
+        return {str(k): json_safe(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
+        return [json_safe(v) for v in value]
     if isinstance(value, Path):
         return str(value)
     if hasattr(value, "item") and callable(value.item) and getattr(value, "ndim", 1) == 0:
@@ -48,7 +48,7 @@ def write_run_json(run_dir: Path, meta: dict[str, Any]) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / RUN_JSON
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(_json_safe(meta), indent=2, sort_keys=False) + "\n", encoding="utf-8")
+    tmp.write_text(json.dumps(json_safe(meta), indent=2, sort_keys=False) + "\n", encoding="utf-8")
     tmp.replace(path)
     return path
 

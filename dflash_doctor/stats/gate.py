@@ -29,6 +29,7 @@ import numpy as np
 from dflash_doctor.stats.metrics import NUM_BOOTSTRAP_RESAMPLES, interval
 
 DEFAULT_THRESHOLD_TAU = 0.2
+COMPARE_JSON_VERSION = 1
 DEFAULT_THRESHOLD_RATE = 0.05
 
 
@@ -93,6 +94,23 @@ class Comparison:
     @property
     def has_regression(self) -> bool:
         return bool(self.regressions)
+
+    def as_dict(self) -> dict[str, Any]:
+        """`compare --json` (README "Machine-readable output"): keys are only ever added;
+        ``compare_json_version`` changes if one is renamed or removed."""
+        return {
+            "compare_json_version": COMPARE_JSON_VERSION,
+            "base": str(self.base_path),
+            "new": str(self.new_path),
+            "k_compared": self.k_compared,
+            "threshold_tau": self.threshold_tau,
+            "threshold_rate": self.threshold_rate,
+            "regression": self.has_regression,
+            "rows": [row.as_dict() for row in self.rows],
+            "regressions": [row.as_dict() for row in self.regressions],
+            "grown_patterns": self.grown_patterns,
+            "notes": self.notes,
+        }
 
 
 @dataclass(frozen=True)
