@@ -164,7 +164,10 @@ def _teacher(pair: Pair, requests: Sequence[Request], config: DoctorConfig, exac
                                   seed=config.seed, exact_blocks=exact_blocks, writer=writer, progress=on_turn,
                                   convention=end_of_request(config.end_of_request))
 
-    return sharding.replay_into(run_dir, record.to_json(), requests, replay)
+    def work(request: Request) -> int:
+        return sharding.expected_work(request, lambda text: len(pair.tokenizer.encode(text)), config.max_new_tokens, max(config.k))
+
+    return sharding.replay_into(run_dir, record.to_json(), requests, replay, work)
 
 
 def run_check(config: DoctorConfig, *, scenario=None, only: Sequence[str] = (), skip: Sequence[str] = (),
