@@ -179,7 +179,8 @@ def slot_table(
             prob_parts.append(_widen(prob * known, k))
         if target_rows is not None and len(full):  # record_divergence
             slots = target_rows.windows(start, stop - start, bk)  # output row a + j - 1 for slot j
-            divergence_parts.append(_widen(divergence_tensor(logits, guess[full], slots, full), k).flatten(0, 1))
+            entries = None if full_anchors is None else full  # every anchor: the windows themselves, no gathered copy
+            divergence_parts.append(_widen(divergence_tensor(logits, guess[full], slots, entries), k).flatten(0, 1))
             recorded.append(full + start)
     guesses = _host(guess_parts, np.zeros((0, k), dtype=np.int64))
     matches = _host(match_parts, np.zeros((0, k), dtype=bool))
