@@ -52,11 +52,11 @@ class TargetOutput:
     features: torch.Tensor | None  # [S, n*H] concatenated taps, or None when nothing was asked for
 
 
-def tap_points(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.ModuleList]:
+def tap_points(model: CausalLM) -> tuple[torch.nn.Module, torch.nn.ModuleList]:
     """The decoder (its output is HF's last ``hidden_states``) and its blocks (their outputs are the
     others): the ModuleList of ``num_hidden_layers`` modules in the model's decoder."""
     count = model.config.get_text_config().num_hidden_layers
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    decoder = model.get_decoder()
     for module in decoder.modules():
         if isinstance(module, torch.nn.ModuleList) and len(module) == count:
             return decoder, module
