@@ -164,9 +164,7 @@ def _teacher(pair: Pair, requests: Sequence[Request], config: DoctorConfig, exac
                                   seed=config.seed, exact_blocks=exact_blocks, writer=writer, progress=on_turn,
                                   convention=end_of_request(config.end_of_request))
 
-    def work(request: Request) -> int:
-        return sharding.expected_work(request, lambda text: len(pair.tokenizer.encode(text)), config.max_new_tokens, max(config.k))
-
+    work = sharding.work_of(pair.tokenizer, config.max_new_tokens, max(config.k))
     return sharding.replay_into(run_dir, record.to_json(), requests, replay, work)
 
 

@@ -74,6 +74,11 @@ def expected_work(request: Request, count_tokens: Callable[[str], int], max_new_
     return count_tokens(text or "") + new_tokens * (1 + k)
 
 
+def work_of(tokenizer: Any, max_new_tokens: int, k: int) -> Callable[[Request], int]:
+    """:func:`expected_work` with the target's tokenizer counting the prompts' tokens."""
+    return lambda request: expected_work(request, lambda text: len(tokenizer.encode(text)), max_new_tokens, k)
+
+
 def shard_requests(work: Sequence[float], world_size: int) -> list[list[int]]:
     """Each rank's requests (indices into ``work``, in input order), shared by expected work so that the
     ranks finish together: the largest first, each to the least loaded rank so far (ties: the lower
