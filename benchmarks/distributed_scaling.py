@@ -1,7 +1,7 @@
 """Scaling the teacher-forced analysis over GPUs (issue 17), with random bf16 weights built from configs.
 
 1. ``data-parallel`` (run it under torchrun): every rank builds a Qwen3-8B-shaped target and a
-   DFlash-b16-shaped draft on its GPU, replays its stratified share of the requests through
+   DFlash-b16-shaped draft on its GPU, replays its share of the requests (by expected work) through
    :func:`dflash_doctor.replay.sharding.replay_into` (the code ``sweep``/``check`` run) and rank 0 merges.
    Rank 0 prints analysed tokens/s (output tokens teacher-forced at every K, per wall second from the
    common start to the merged run directory) and writes them to ``--json``. Run it with 1 and with 2
@@ -143,7 +143,8 @@ def analyse(pair: Pair, requests: list[Request], run_dir: Path, max_new_tokens: 
               "(before the merge)", flush=True)
         return result
 
-    writer, merged = sharding.replay_into(run_dir, RunRecord(meta=RunMeta(command="sweep", created_at=utc_now())).to_json(), requests, replay)
+    writer, merged = sharding.replay_into(run_dir, RunRecord(meta=RunMeta(command="sweep", created_at=utc_now())).to_json(), requests, replay,
+                                          sharding.work_of(pair.tokenizer, max_new_tokens, ks[-1]))
     writer.close()
     return merged
 

@@ -185,12 +185,12 @@ def live_step_vs_floor(target_model, draft, device: str, clock: Clock, context: 
 
     def prefill():
         target.reset()
-        target.forward(prompt)
+        target.forward(prompt, logits_from=len(prompt) - 1)
 
     def floor() -> float:
         """Per step: one draft block, one verify forward over B tokens, one host round trip (as the loop needs)."""
         target.reset()
-        proposer.start(floor_prompt, target.forward(floor_prompt).features)
+        proposer.start(floor_prompt, target.forward(floor_prompt, logits_from=len(floor_prompt) - 1).features)
         base = target.cache_length
 
         def steps():
@@ -300,7 +300,7 @@ def teacher_throughput(target_model, draft, device: str, clock: Clock, length: i
 
     def target_only():
         target.reset()
-        target.forward(torch.tensor(ids, device=device))
+        target.forward(torch.tensor(ids, device=device), logits_from=prompt_len)
         target.reset()
 
     for record in (False, True):  # warm-up with the measured sequence itself: every shape

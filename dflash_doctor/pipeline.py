@@ -167,7 +167,8 @@ def _teacher(pair: Pair, requests: Sequence[Request], config: DoctorConfig, exac
                                   seed=config.seed, exact_blocks=exact_blocks, writer=writer, progress=on_turn,
                                   convention=end_of_request(config.end_of_request))
 
-    return sharding.replay_into(run_dir, record.to_json(), requests, replay)
+    work = sharding.work_of(pair.tokenizer, config.max_new_tokens, max(config.k))
+    return sharding.replay_into(run_dir, record.to_json(), requests, replay, work)
 
 
 def run_check(config: DoctorConfig, *, scenario=None, only: Sequence[str] = (), skip: Sequence[str] = (),

@@ -67,7 +67,7 @@ def plain_generate(
     """The target's own decoding, one token per forward: the reference the speculative loop must equal."""
     started = time.perf_counter()
     target.reset()
-    logits = target.forward(prompt_ids, taps=()).logits[-1]
+    logits = target.forward(prompt_ids, taps=(), logits_from=len(prompt_ids) - 1).logits[-1]
     output: list[int] = []
     while True:
         token = sample_token(logits, temperature, generator)
@@ -106,7 +106,7 @@ def speculative_generate(
     started = time.perf_counter()
     target.reset()
     taps = proposer.needs.hidden_state_indices
-    prefill = target.forward(prompt_ids, taps=taps)
+    prefill = target.forward(prompt_ids, taps=taps, logits_from=len(prompt_ids) - 1)
     proposer.start(prompt_ids, prefill.features)
     last = sample_token(prefill.logits[-1], temperature, generator)
     output = [last]

@@ -108,8 +108,11 @@ def slot_table(
 
     Under a convention that shrinks the last blocks (the official loop), the anchors within ``k`` of
     ``max_new_tokens`` are drafted with the block the live loop would use there (their slots past it stay
-    unmatched; the schedule never drafts them). Returns the table and the target pass (logits, features)
-    so several K can reuse one target forward.
+    unmatched; the schedule never drafts them). Returns the table and the target pass (the logits of
+    the output positions [n_out, V], row i predicting output[i + 1]; the features of every position)
+    so several K can reuse one target forward. The prompt's positions get no logits: they predict
+    nothing a slot drafts, and on a long context the vocabulary head over them would be most of the
+    pass's memory.
 
     ``full_anchors`` (T = 0 only) names the anchors whose every slot is needed (guesses, and divergence
     rows with ``record_divergence``): the ones the recorded schedule drafts from, about 1 / tau of them.
@@ -125,7 +128,7 @@ def slot_table(
     p_len, n_out = len(sequence.prompt_ids), len(sequence.output_ids)
     if target_pass is None:
         target.reset()
-        out = target.forward(ids, taps=proposer.needs.hidden_state_indices)
+        out = target.forward(ids, taps=proposer.needs.hidden_state_indices, logits_from=p_len)
         target.reset()
         target_pass = (out.logits, out.features)
     target_logits, features = target_pass
@@ -135,9 +138,7 @@ def slot_table(
     sampled = temperature > 0
     if sampled and full_anchors is not None:
         raise ValueError("full_anchors needs T = 0: under sampling every slot's acceptance probability is read")
-    # the target's rows from the first output token on (row p_len + i predicts output[i + 1]): the
-    # prompt's rows predict nothing a slot drafts, and on later turns they are most of the sequence
-    target_rows = TargetRows.of(target_logits[p_len:], pad=k) if record_divergence and n_anchor else None
+    target_rows = TargetRows.of(target_logits, pad=k) if record_divergence and n_anchor else None
     block_of = np.full(n_anchor, k)
     if max_new_tokens is not None:
         block_of = np.array([convention.block_k(k, max_new_tokens - (i + 1)) for i in range(n_anchor)], dtype=np.int64)
@@ -169,7 +170,7 @@ def slot_table(
         guess_parts.append(_widen(guess, k))
         match_parts.append(_widen(match, k))
         if sampled:  # the target's scores for each slot sit one row before the token it predicts
-            p = torch.softmax(target_logits[p_len + safe_pos - 1] / temperature, dim=-1)
+            p = torch.softmax(target_logits[safe_pos - 1] / temperature, dim=-1)
             if proposer.samples_drafts(temperature):
                 q = torch.softmax(logits.float() / temperature, dim=-1)
                 prob = torch.minimum(p, q).sum(dim=-1)
@@ -177,8 +178,9 @@ def slot_table(
                 prob = p.gather(-1, guess[..., None])[..., 0]
             prob_parts.append(_widen(prob * known, k))
         if target_rows is not None and len(full):  # record_divergence
-            slots = target_rows.windows(start, stop - start, bk)  # sequence row p_len + a + j - 1 for slot j
-            divergence_parts.append(_widen(divergence_tensor(logits, guess[full], slots, full), k).flatten(0, 1))
+            slots = target_rows.windows(start, stop - start, bk)  # output row a + j - 1 for slot j
+            entries = None if full_anchors is None else full  # every anchor: the windows themselves, no gathered copy
+            divergence_parts.append(_widen(divergence_tensor(logits, guess[full], slots, entries), k).flatten(0, 1))
             recorded.append(full + start)
     guesses = _host(guess_parts, np.zeros((0, k), dtype=np.int64))
     matches = _host(match_parts, np.zeros((0, k), dtype=bool))

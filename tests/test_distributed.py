@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from dflash_doctor.models.placement import placement_of
-from dflash_doctor.replay.sharding import PARTS_DIR, merge_replays, parse_devices, shard_requests
+from dflash_doctor.replay.sharding import PARTS_DIR, expected_work, merge_replays, parse_devices, shard_requests
 from dflash_doctor.errors import UsageError
 from dflash_doctor.replay.stream import Replay
 from dflash_doctor.rundir.load import load_run
@@ -30,18 +30,24 @@ from tests.tiny_models import tiny_target
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _requests(counts: dict[str, int]) -> list[Request]:
-    return [Request(id=f"{cls}-{i}", request_class=cls, prompt="w1") for cls, n in counts.items() for i in range(n)]
+def test_shares_cover_every_request_once_and_balance_expected_work_not_counts():
+    work = [8, 1, 8, 1, 5, 3, 2, 2]
+    shares = shard_requests(work, 2)
+    assert sorted(i for share in shares for i in share) == list(range(len(work)))
+    assert all(share == sorted(share) for share in shares)  # input order
+    loads = [sum(work[i] for i in share) for share in shares]
+    assert loads == [15, 15]  # dealt by count (every other request) the ranks would carry 23 and 7
+    assert shares == shard_requests(list(work), 2)  # deterministic
+    assert shard_requests(work, 3) == [[0, 6], [2, 7], [1, 3, 4, 5]]  # 8 | 8 | 5 + 3, then each small one to the lightest: 10 each
 
 
-def test_shards_cover_every_request_once_and_every_rank_sees_every_class():
-    requests = _requests({"math": 5, "code": 4, "chat": 3})
-    shards = [shard_requests(requests, rank, 3) for rank in range(3)]
-    assert sorted(r.id for shard in shards for r in shard) == sorted(r.id for r in requests)
-    assert all({r.request_class for r in shard} == {"math", "code", "chat"} for shard in shards)
-    assert max(map(len, shards)) - min(map(len, shards)) <= 1
-    assert all([requests.index(r) for r in shard] == sorted(requests.index(r) for r in shard) for shard in shards)  # input order
-    assert shards == [shard_requests(list(requests), rank, 3) for rank in range(3)]  # deterministic
+def test_expected_work_counts_prompt_tokens_once_and_new_tokens_at_every_k():
+    words = len  # a tokenizer stand-in: one token per character
+    prompt = Request(id="p", prompt="abcd")
+    chat = Request(id="c", messages=({"role": "user", "content": "ab"}, {"role": "assistant", "content": "cd"},
+                                     {"role": "user", "content": "e"}), max_new_tokens=3)
+    assert expected_work(prompt, words, max_new_tokens=10, k=4) == 4 + 10 * 5
+    assert expected_work(chat, words, max_new_tokens=10, k=4) == len("ab\ncd\ne") + 3 * 5  # its own max_new_tokens
 
 
 def test_merged_replay_keeps_every_ranks_full_block_matches():

@@ -101,7 +101,7 @@ class Pair:
         device = target.device
         context = torch.randint(10, self.tokenizer.vocab_size - 10, (context_tokens,), device=device)
         target.reset()
-        prefill = target.forward(context, taps=taps)
+        prefill = target.forward(context, taps=taps, logits_from=context_tokens - 1)
         proposer.start(context, prefill.features)
         base = target.cache_length
         token = torch.tensor([int(context[-1])], device=device)

@@ -56,7 +56,8 @@ def lossless_probe(pair: Pair, turns: Sequence[Turn], k: int, dtype: str) -> Los
             continue
         position = next(i for i, (a, b) in enumerate(zip(live + [-1], plain + [-1])) if a != b)
         pair.target.reset()
-        logits = pair.target.forward(torch.cat([prompt, torch.tensor(plain[:position], device=prompt.device)]), taps=()).logits[-1]
+        context = torch.cat([prompt, torch.tensor(plain[:position], device=prompt.device)])
+        logits = pair.target.forward(context, taps=(), logits_from=len(context) - 1).logits[-1]
         pair.target.reset()
         top2 = logits.topk(2).values
         probe.divergences.append(Divergence(
@@ -109,7 +110,8 @@ def layer_offset_probe(pair: Pair, turns: Sequence[Turn],
         if reused is not None and reused.shape[1] != k:
             reused = None
         pair.target.reset()
-        out = pair.target.forward(torch.tensor(turn.prompt_ids + turn.output_ids, device=pair.target.device), taps=tuple(taps))
+        out = pair.target.forward(torch.tensor(turn.prompt_ids + turn.output_ids, device=pair.target.device), taps=tuple(taps),
+                                  logits_from=len(turn.prompt_ids))
         pair.target.reset()
         tapped = out.features
         if tapped is None:  # a forward given taps always returns their features; this narrows the type

@@ -2,8 +2,8 @@
 
 Data parallel (``torchrun --nproc-per-node N`` or the ``--devices`` shortcut that launches it): every rank
 loads the pair on its own device and replays its share of the requests. The share is deterministic and
-stratified (:func:`shard_requests`), so every rank sees every class and the ranks finish together. Each
-rank streams its rows into its own part of the run directory (``parts/rank-<r>/``, the usual journal);
+balanced by expected work (:func:`shard_requests`: prompt tokens plus new tokens at every K), so the ranks
+finish together. Each rank streams its rows into its own part of the run directory (``parts/rank-<r>/``, the usual journal);
 rank 0 then gathers the in-memory replays over a gloo group (only Python objects travel, so gloo serves
 CPU and GPU ranks alike), merges the parts into the run directory in the order a single process writes
 them and carries on alone (summary, sweep, probes, checks, reports). The merged run is the run one
@@ -18,7 +18,6 @@ import os
 import shutil
 import subprocess
 import sys
-from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -65,21 +64,34 @@ def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
 
 
-def shard_requests(requests: Sequence[Request], rank: int, world_size: int) -> list[Request]:
-    """This rank's requests: each class's requests dealt round-robin (the deal goes on from class to
-    class, so the ranks' counts differ by one at most), kept in input order. Deterministic: it depends
-    on the request list alone."""
-    by_class: dict[str, list[int]] = defaultdict(list)
-    for index, request in enumerate(requests):
-        by_class[request.request_class].append(index)
-    mine: list[int] = []
-    dealt = 0
-    for request_class in sorted(by_class):
-        for index in by_class[request_class]:
-            if dealt % world_size == rank:
-                mine.append(index)
-            dealt += 1
-    return [requests[i] for i in sorted(mine)]
+def expected_work(request: Request, count_tokens: Callable[[str], int], max_new_tokens: int, k: int) -> int:
+    """What replaying ``request`` costs, in token-slots: the target reads its context once (every
+    message's text, or the raw prompt) and each of its turns' new tokens once, and the draft guesses K
+    slots for each new token (its block passes and the divergence columns, most of a replay's time on
+    short contexts). The request's own ``max_new_tokens`` wins over the run's, as in replay."""
+    text = request.prompt if request.messages is None else "\n".join(str(m.get("content", "")) for m in request.messages)
+    new_tokens = request.num_turns * (request.max_new_tokens or max_new_tokens)
+    return count_tokens(text or "") + new_tokens * (1 + k)
+
+
+def work_of(tokenizer: Any, max_new_tokens: int, k: int) -> Callable[[Request], int]:
+    """:func:`expected_work` with the target's tokenizer counting the prompts' tokens."""
+    return lambda request: expected_work(request, lambda text: len(tokenizer.encode(text)), max_new_tokens, k)
+
+
+def shard_requests(work: Sequence[float], world_size: int) -> list[list[int]]:
+    """Each rank's requests (indices into ``work``, in input order), shared by expected work so that the
+    ranks finish together: the largest first, each to the least loaded rank so far (ties: the lower
+    index, the lower rank). Shared by count, one long-context request beside short ones left a rank
+    idle for most of the run. Deterministic: it depends on the work list alone, so every rank computes
+    the same shares without talking to the others."""
+    loads = [0.0] * world_size
+    shares: list[list[int]] = [[] for _ in range(world_size)]
+    for index in sorted(range(len(work)), key=lambda i: (-work[i], i)):
+        rank = min(range(world_size), key=lambda r: (loads[r], r))
+        loads[rank] += work[index]
+        shares[rank].append(index)
+    return [sorted(share) for share in shares]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -124,8 +136,10 @@ def device_for_rank(config: DoctorConfig, ranks: Ranks) -> str:
 
 
 def replay_into(run_dir: Path, meta: dict[str, Any], requests: Sequence[Request],
-                replay: Callable[[RunWriter, Sequence[Request]], Replay]) -> tuple[RunWriter, Replay]:
+                replay: Callable[[RunWriter, Sequence[Request]], Replay],
+                work: Callable[[Request], float]) -> tuple[RunWriter, Replay]:
     """Run ``replay`` over ``requests`` into the run directory and return the open writer and the replay.
+    ``work``: a request's expected cost (:func:`expected_work`), by which the ranks share them.
 
     In one process that is ``replay(RunWriter(run_dir), requests)``. Under torchrun each rank replays its
     share into ``parts/rank-<r>``; rank 0 returns the merged replay with every part's rows in its writer;
@@ -139,7 +153,7 @@ def replay_into(run_dir: Path, meta: dict[str, Any], requests: Sequence[Request]
         except BaseException:
             writer.close()
             raise
-    mine = shard_requests(requests, ranks.rank, ranks.world_size)
+    mine = [requests[i] for i in shard_requests([work(r) for r in requests], ranks.world_size)[ranks.rank]]
     with RunWriter(part_dir(run_dir, ranks.rank), meta) as part:
         result = replay(part, mine)
     for turn in result.turns:

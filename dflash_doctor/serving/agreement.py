@@ -209,7 +209,8 @@ def compare_turn(engine, setups: list[ServingSetup], proposers: dict[str, tuple]
             continue
         proposer, target = pair
         features = torch.cat([hidden_states[i][0] for i in proposer.needs.hidden_state_indices], dim=-1)
-        table, _ = slot_table(target, proposer, sequence, k, record_divergence=False, target_pass=(logits, features))
+        table, _ = slot_table(target, proposer, sequence, k, record_divergence=False,
+                              target_pass=(logits[len(prompt):], features))
         tables[setup.name] = table.matches
         margins[setup.name] = _deciding_margins(proposer, table.matches, comparable, output, k, len(prompt))
         if setup.name != CONFIGURED:

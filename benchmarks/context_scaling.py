@@ -1,0 +1,138 @@
+"""Peak GPU memory and analysed tokens/s of the teacher-forced pass per context length, with and without
+divergence records (issue 32), on a Qwen3-8B-shaped target and a DFlash-b16 draft (random bf16 weights
+built from configs by benchmarks/gpu_engine.py, no download).
+
+For each prompt length: one teacher-forced pass over ``--output-tokens`` output tokens at K = 15
+(:func:`dflash_doctor.engine.teacher.slot_table`, every slot of every anchor, as gpu_engine.py's replay
+figure), then the same pass with divergence records of every slot. Printed per length: the peak GPU
+memory of each pass (``torch.cuda.max_memory_allocated``, reset before it), the pass's time (CUDA events;
+median of ``--repeats``, one run without a warm-up from ``--long`` tokens on, where a pass takes seconds
+and its chunks have the shapes the shorter lengths warmed), analysed tokens/s (output tokens per second
+of the plain pass) and the records ratio (records pass / plain pass). Then the memory per 1k prompt
+tokens between the two longest lengths, and whether the longest fitted.
+
+Before the table, the fused (compiled) divergence columns are compared with the eager ones on one block
+of real draft and target scores: the largest difference of the float columns and whether the integer
+columns (ranks, top-k ids) are equal.
+
+Measured on one H200 (torch 2.11, transformers 5.24 carried), two runs (run 1 / run 2), 2,048 output tokens, K = 15;
+the 32k-128k lengths ran once each, unwarmed (which is why a records pass there, run second, can be quicker):
+
+| prompt tokens | peak GiB (pass / records) | pass ms | analysed tok/s | records ratio |
+|---|---|---|---|---|
+| 64 | 19.5 / 23.2 | 292 / 291 | 7,008 / 7,030 | x1.37 / x1.33 |
+| 4,096 | 20.4 / 23.4 | 481 / 483 | 4,257 / 4,240 | x1.19 / x1.17 |
+| 16,384 | 23.3 / 24.1 | 1,374 / 1,375 | 1,491 / 1,490 | x1.08 / x1.07 |
+| 32,768 | 26.8 / 27.2 | 5,761 / 4,131 | 356 / 496 | (unwarmed) |
+| 65,536 | 34.2 / 34.8 | 9,732 / 8,998 | 210 / 228 | x0.88 / x0.95 |
+| 131,072 | 48.8 / 50.0 | 27,103 / 27,240 | 76 / 75 | x0.98 / x0.97 |
+
+0.229 GiB per 1k prompt tokens (64k -> 128k; the KV cache alone is 0.141), 17.2 GiB of weights: a 128k-token
+prompt peaks at 50.0 GiB of the H200's 139.8 (before: output_hidden_states of every layer and float32 logits
+of every position, 1.2 GiB per 1k tokens, out of memory past about 100k). Fused vs eager columns: largest
+float difference 1.2e-06, integer columns equal. Of the records' extra GPU time at 64 tokens (67 ms by the
+profiler), the draft's top-5 ids (torch.topk over 152k bf16 scores) took 34 ms and the fused reduction 21 ms.
+
+Usage: python benchmarks/context_scaling.py [--contexts 64,4096,16384,32768,65536,131072] [--output-tokens 2048]
+       [--repeats 3] [--tiny]
+``--tiny`` runs the same code on a small config on CPU (a smoke test of the script itself; no memory figures).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+from gpu_engine import BLOCK_SIZE, Clock, build
+
+from dflash_doctor.engine import divergence
+from dflash_doctor.engine.divergence import TargetRows, divergence_tensor
+from dflash_doctor.engine.proposers.dflash import DFlashProposer
+from dflash_doctor.engine.target import TargetModel
+from dflash_doctor.engine.teacher import TeacherSequence, slot_table
+
+GIB = 2**30
+
+
+def peak_gib(device: str) -> float:
+    return torch.cuda.max_memory_allocated() / GIB if device == "cuda" else float("nan")
+
+
+def reset_peak(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def fused_against_eager(target: TargetModel, proposer: DFlashProposer, device: str) -> str:
+    """The compiled columns against the eager ones on one block of scores (a GPU runs the compiled ones)."""
+    vocab = target.head.weight.shape[0]
+    ids = torch.randint(0, vocab - 2, (96,), device=device)
+    sequence = TeacherSequence(ids[:32].tolist(), ids[32:].tolist())
+    _, (logits, features) = slot_table(target, proposer, sequence, BLOCK_SIZE - 1, record_divergence=False)
+    anchors = torch.arange(32, 32 + 16)
+    draft_logits = proposer.slot_logits(anchors, BLOCK_SIZE - 1)
+    rows = TargetRows.of(logits, pad=BLOCK_SIZE - 1).windows(0, 16, BLOCK_SIZE - 1)
+    tokens = draft_logits.argmax(dim=-1)
+    chosen = torch.tensor([0, 3, 7, 15], device=device)
+    fused = divergence_tensor(draft_logits[chosen], tokens[chosen], rows, chosen)
+    eager = divergence._columns(draft_logits[chosen], tokens[chosen], rows.take(chosen))
+    floats, integers = slice(0, 7), slice(7, None)
+    worst = (fused[..., floats] - eager[..., floats]).abs().max().item()
+    return f"fused vs eager columns: largest float difference {worst:.2e}, integer columns equal: {torch.equal(fused[..., integers], eager[..., integers])}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--contexts", default="64,4096,16384,32768,65536,131072", help="prompt lengths, comma-separated")
+    parser.add_argument("--output-tokens", type=int, default=2048)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--long", type=int, default=32768, help="prompt length from which each pass runs once, unwarmed")
+    args = parser.parse_args()
+    device = "cpu" if args.tiny else "cuda"
+    dtype = torch.float32 if args.tiny else torch.bfloat16
+    clock = Clock(device)
+    torch.manual_seed(0)
+    target_model, draft = build("qwen3-8b", args.tiny, device, dtype)
+    target = TargetModel(target_model, draft.hidden_state_indices)
+    proposer = DFlashProposer(draft, target)
+    k = BLOCK_SIZE - 1
+    weights = torch.cuda.memory_allocated() / GIB if device == "cuda" else float("nan")
+    print(f"torch {torch.__version__}; weights (target + draft) {weights:.1f} GiB; K = {k}; {args.output_tokens} output tokens")
+    print(fused_against_eager(target, proposer, device))
+    vocab = target_model.config.vocab_size
+    rows = []
+    for context in (int(c) for c in args.contexts.split(",")):
+        ids = torch.randint(0, vocab - 2, (context + args.output_tokens,)).tolist()
+        sequence = TeacherSequence(ids[:context], ids[context:])
+        long = context >= args.long
+        figures = {}
+        for record in (False, True):
+            def one_pass(record: bool = record) -> None:
+                slot_table(target, proposer, sequence, k, record_divergence=record)
+            if not long:
+                one_pass()  # warm-up: every shape of this length
+            reset_peak(device)
+            seconds = [clock.time(one_pass)[0] for _ in range(1 if long else args.repeats)]
+            figures[record] = (statistics.median(seconds), peak_gib(device))
+        (plain_s, plain_peak), (records_s, records_peak) = figures[False], figures[True]
+        rows.append((context, plain_peak, records_peak, plain_s, args.output_tokens / plain_s, records_s, records_s / plain_s))
+        print(f"  {context}: pass {plain_s * 1e3:.0f} ms, peak {plain_peak:.1f} GiB; records {records_s * 1e3:.0f} ms, "
+              f"peak {records_peak:.1f} GiB", flush=True)
+    print("\n| prompt tokens | peak GiB (pass) | peak GiB (records) | pass ms | analysed tok/s | records ms | records ratio |")
+    print("|---|---|---|---|---|---|---|")
+    for context, plain_peak, records_peak, plain_s, rate, records_s, ratio in rows:
+        print(f"| {context:,} | {plain_peak:.1f} | {records_peak:.1f} | {plain_s * 1e3:,.0f} | {rate:,.0f} | {records_s * 1e3:,.0f} | x{ratio:.2f} |")
+    if len(rows) >= 2:
+        (c0, p0, *_), (c1, p1, *_) = rows[-2], rows[-1]
+        print(f"memory per 1k prompt tokens ({c0:,} -> {c1:,}): {(p1 - p0) / (c1 - c0) * 1024:.3f} GiB")
+    if device == "cuda":
+        total = torch.cuda.get_device_properties(0).total_memory / GIB
+        print(f"longest prompt ({rows[-1][0]:,} tokens): peak {max(rows[-1][1:3]):.1f} GiB of the GPU's {total:.1f} GiB")
+
+
+if __name__ == "__main__":
+    main()
