@@ -113,7 +113,7 @@ def test_engine_agreement_compares_tau_on_llamacpp_own_text(engine_run):
     assert check["status"] in ("pass", "warn"), check  # no tau gap: a warning can only be about the texts
     if check["status"] == "warn":  # the Q4_1 kernels part from the float32 target's greedy text
         assert "server outputs are not the target's greedy text" in check["summary"], check
-    assert "Server (llama.cpp) vs embedded replay" in output
+    assert "Server (llamacpp) vs embedded replay" in output
 
 
 def test_watch_reads_llamacpp_real_counters_per_position(dflash_server, engine_run, tmp_path):
