@@ -1,0 +1,184 @@
+"""`tune`: the measuring, fitting and recommending logic against fake engines on 127.0.0.1 with known costs
+(tests/fake_spec_engine.py), and the fit on exact synthetic requests. The real vLLM run is test_tune_vllm.py."""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from typer.testing import CliRunner
+
+from dflash_doctor.cli import app
+from dflash_doctor.stats.speedup import load_cost_profile
+from dflash_doctor.tune.advice import batch_ranges, engine_settings
+from dflash_doctor.tune.analysis import analyse, cell
+from dflash_doctor.tune.prediction import fit_costs, predict
+
+import fake_spec_engine as fake
+
+TESTS = Path(__file__).resolve().parent
+MAX_TOKENS = 24
+PROMPTS = {"m1": ("math", "math: add 2 and 3"), "m2": ("math", "math: halve 10"),
+           "c1": ("chat", "chat: say hello"), "c2": ("chat", "chat: name a colour")}
+
+
+def _workload(tmp_path: Path) -> Path:
+    path = tmp_path / "workload.jsonl"
+    path.write_text("".join(json.dumps({"id": rid, "class": cls, "prompt": text}) + "\n" for rid, (cls, text) in PROMPTS.items()))
+    return path
+
+
+def _expected_tau(scope: str, k: int) -> float:
+    steps = [a for rid, (cls, text) in PROMPTS.items() if scope in ("overall", cls) for a in fake.per_step_accepted(text, k, MAX_TOKENS)]
+    return 1.0 + sum(steps) / len(steps)
+
+
+def _sweep_run(tmp_path: Path, ks: list[int]) -> Path:
+    """A sweep run directory whose teacher-forced tau is the fake engine's exact tau (a perfect prediction of acceptance)."""
+    run_dir = tmp_path / "sweep"
+    run_dir.mkdir()
+    rows = lambda scope: [{"k": k, "mean_acceptance_length": _expected_tau(scope, k)} for k in ks]  # noqa: E731
+    sweep = {"overall": rows("overall"), "by_class": {"math": rows("math"), "chat": rows("chat")}}
+    (run_dir / "run.json").write_text(json.dumps({"summary": {"sweep": sweep}, "models": {"draft": {"kind": "dflash"}}}))
+    return run_dir
+
+
+def _invoke(args: list[str]):
+    return CliRunner().invoke(app, ["tune", *args])
+
+
+def test_fit_recovers_the_step_costs_and_predicts_a_held_out_k_exactly():
+    """Requests built from step(K) = t_decode + t_draft + slope K: the fit from K = 2, 4 returns those
+    costs and predicts K = 8's speedup and tau with no error."""
+    t_decode, t_draft, slope = 0.010, 0.003, 0.0015
+    rows = []
+    for k in (0, 2, 4, 8):
+        for i, (cls, accept) in enumerate((("math", 3), ("chat", 1)) * 3):
+            a, steps = min(k, accept), 30  # K = 0: 30 plain decode steps of one token each
+            decode = steps * (t_decode + (t_draft + slope * k if k else 0.0))
+            rows.append({"k": k, "concurrency": 1, "request_id": f"r{i}", "class": cls, "prompt_num_tokens": 5,
+                         "num_output_tokens": 1 + steps * (a + 1), "ttft_s": 0.05, "e2e_s": 0.05 + decode, "decode_s": decode,
+                         "tpot_s": None, "num_drafts": steps if k else None, "num_draft_tokens": steps * k if k else None,
+                         "num_accepted_tokens": steps * a if k else None})
+    frame = pd.DataFrame(rows)
+    throughput = {(k, 1): {"output_tokens_per_s": 1.0, "requests_per_s": 1.0} for k in (0, 2, 4, 8)}
+    cells = analyse(frame, throughput, seed=0)
+    fitted = fit_costs(cells, 1, (2, 4))
+    assert fitted is not None
+    assert fitted.t_decode_s == pytest.approx(t_decode)
+    assert fitted.t_draft_s == pytest.approx(t_draft)
+    assert fitted.verify_slope_s == pytest.approx(slope)
+    taus = {scope: {k: c["tau"] for k in (2, 4, 8) if (c := cell(cells, 1, k, scope))} for scope in ("overall", "math", "chat")}
+    prediction = predict(cells, {1: fitted}, taus)
+    held = [p for p in prediction if p["k"] == 8]
+    assert {p["scope"] for p in held} == {"overall", "math", "chat"} and all(p["held_out"] for p in held)
+    for p in prediction:
+        assert p["speedup_relative_error"] == pytest.approx(0.0, abs=1e-9)
+    math8 = cell(cells, 1, 8, "math")
+    assert math8["tau"] == pytest.approx(4.0)
+    assert math8["rollback_per_token"] == pytest.approx(30 * 5 / (1 + 30 * 4))
+
+
+def test_vllm_setting_per_batch_size_and_speculation_off():
+    picks = lambda ks: {str(load): {"overall": {"k": k}} for load, k in ks.items()}  # noqa: E731
+    assert batch_ranges({1: 4, 8: 2, 32: 0}) == [[1, 1, 4], [2, 8, 2], [9, 32, 0]]
+    mixed = engine_settings(picks({1: 4, 8: 0}))
+    spec = json.loads(mixed["vllm"].split("'")[1])
+    assert spec["num_speculative_tokens"] == 4 and spec["num_speculative_tokens_per_batch_size"] == [[1, 1, 4], [2, 8, 0]]
+    assert '"num_speculative_tokens": 3' in engine_settings(picks({1: 3, 4: 3}))["vllm"]
+    assert engine_settings(picks({1: 3}))["sglang"] == "--speculative-num-draft-tokens 4"
+    assert engine_settings(picks({1: 0, 4: 0}))["vllm"].startswith("speculation off")
+
+
+@pytest.fixture
+def fake_servers():
+    costs = fake.FakeCosts()
+    servers = {k: fake.start(k, costs) for k in (0, 2, 4, 8)}
+    yield {k: f"http://127.0.0.1:{s.server_address[1]}" for k, s in servers.items()}, costs
+    for server in servers.values():
+        server.shutdown()
+
+
+def test_tune_measures_fake_engines_fits_their_costs_and_recommends(tmp_path, fake_servers):
+    urls, costs = fake_servers
+    out = tmp_path / "run"
+    result = _invoke(["--engine", ",".join(f"{k}={u}" for k, u in urls.items()), "--k", "0,2,4,8", "--loads", "1,2",
+                      "--workload", str(_workload(tmp_path)), "--max-new-tokens", str(MAX_TOKENS),
+                      "--sweep", str(_sweep_run(tmp_path, [2, 4, 8])), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    tune = json.loads((out / "tune.json").read_text())
+    for name in ("requests.parquet", "report.md", "report.html", "cost-profile-c1.json", "cost-profile-c2.json", "workload.jsonl"):
+        assert (out / name).is_file(), name
+    assert len(pd.read_parquet(out / "requests.parquet")) == 4 * 2 * len(PROMPTS)
+
+    cells = tune["cells"]
+    for k in (2, 4, 8):
+        for scope in ("overall", "math", "chat"):
+            measured = cell(cells, 1, k, scope)
+            assert measured["tau"] == pytest.approx(_expected_tau(scope, k))  # the engine's own counts, exact
+        math = cell(cells, 1, k, "math")
+        steps = [fake.per_step_accepted(t, k, MAX_TOKENS) for c, t in PROMPTS.values() if c == "math"]
+        wasted = sum(k * len(s) - sum(s) for s in steps)
+        assert math["rollback_per_token"] == pytest.approx(wasted / (2 * MAX_TOKENS))
+    # timings: TPOT at K = 0 is the decode step, the step time at K its cost (sleeps overshoot a little)
+    assert cell(cells, 1, 0)["tpot_s"] == pytest.approx(costs.decode_s, rel=0.25)
+    assert cell(cells, 1, 8)["step_s"] == pytest.approx(costs.step_s(8), rel=0.25)
+    expected_math4 = _expected_tau("math", 4) * costs.decode_s / costs.step_s(4)
+    assert cell(cells, 1, 4, "math")["speedup"] == pytest.approx(expected_math4, rel=0.25)
+
+    fitted = tune["fits"]["1"]
+    assert fitted["fit_ks"] == [2, 4]
+    held = [p for p in tune["prediction"] if p["held_out"] and p["concurrency"] == 1]
+    assert {p["scope"] for p in held} == {"overall", "math", "chat"} and {p["k"] for p in held} == {8}
+    for p in held:
+        assert abs(p["speedup_relative_error"]) < 0.25, p
+
+    picks = tune["recommendation"]["1"]
+    assert picks["math"]["k"] == 4  # math: tau 4 at K=4 (2.35x) beats K=8 (1.90x) and K=2 (1.5x... tau 3)
+    assert picks["chat"]["k"] == 2  # chat accepts one draft: K=2 is cheapest at tau 2
+    profile = load_cost_profile(out / "cost-profile-c1.json")
+    assert profile.speedup(4.0, 8) == pytest.approx(4.0 * fitted["t_decode_s"] / (fitted["t_decode_s"] + fitted["t_draft_s"] + 8 * fitted["verify_slope_s"]))
+    report = (out / "report.md").read_text()
+    assert "held out" in report and "num_speculative_tokens" in report
+
+
+def _port_closed(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) != 0
+
+
+def test_tune_launches_each_k_and_stops_its_process_group(tmp_path):
+    port = fake_port = None
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = fake_port = sock.getsockname()[1]
+    command = f"{sys.executable} {TESTS / 'fake_spec_engine.py'} --port {port} --k"
+    out = tmp_path / "run"
+    result = _invoke(["--launch", command + " {k}", "--launch-baseline", command + " 0", "--engine", f"http://127.0.0.1:{port}",
+                      "--k", "0,2", "--workload", str(_workload(tmp_path)), "--max-new-tokens", "8", "--start-timeout", "60",
+                      "--sweep", str(_sweep_run(tmp_path, [2])), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    tune = json.loads((out / "tune.json").read_text())
+    assert [s["launched"] for s in tune["servers"]] == [command + " 0", command + " 2"]
+    assert tune["servers"][1]["engine_num_spec_tokens"] == [2]
+    assert "verification taken as flat" in tune["fits"]["1"]["note"]
+    assert tune["held_out_error"] is None and "no held-out K" in (out / "report.md").read_text()
+    assert _port_closed(fake_port)  # the last launched server's process group was stopped
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--launch", "serve --k 4", "--engine", "http://127.0.0.1:1"], "has no {k} placeholder"),
+    (["--launch", "serve {k}", "--engine", "http://127.0.0.1:1", "--k", "0,2"], "--launch-baseline is missing"),
+    (["--engine", "0=http://127.0.0.1:1", "--k", "0,2"], "names no server for K [2]"),
+    (["--engine", "http://127.0.0.1:1", "--k", "0,2"], "one running server per K"),
+    (["--engine", "0=http://127.0.0.1:1", "--k", "0,x"], "is not a list like 0,2,8"),
+])
+def test_bad_tune_input_is_one_sentence_and_exit_2(args, says):
+    result = _invoke(args)
+    assert result.exit_code == 2
+    assert says in result.output and "Traceback" not in result.output
