@@ -8,7 +8,6 @@ import socket
 import sys
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 import pytest
 from typer.testing import CliRunner
