@@ -41,7 +41,9 @@ def _sweep_run(tmp_path: Path, ks: list[int]) -> Path:
     """A sweep run directory whose teacher-forced tau is the fake engine's exact tau (a perfect prediction of acceptance)."""
     run_dir = tmp_path / "sweep"
     run_dir.mkdir()
-    rows = lambda scope: [{"k": k, "mean_acceptance_length": _expected_tau(scope, k)} for k in ks]  # noqa: E731
+    def rows(scope: str) -> list[dict]:
+        return [{"k": k, "mean_acceptance_length": _expected_tau(scope, k)} for k in ks]
+
     sweep = {"overall": rows("overall"), "by_class": {"math": rows("math"), "chat": rows("chat")}}
     (run_dir / "run.json").write_text(json.dumps({"summary": {"sweep": sweep}, "models": {"draft": {"kind": "dflash"}}}))
     return run_dir
@@ -84,7 +86,9 @@ def test_fit_recovers_the_step_costs_and_predicts_a_held_out_k_exactly():
 
 
 def test_vllm_setting_per_batch_size_and_speculation_off():
-    picks = lambda ks: {str(load): {"overall": {"k": k}} for load, k in ks.items()}  # noqa: E731
+    def picks(k_by_load: dict[int, int]) -> dict:
+        return {str(load): {"overall": {"k": k}} for load, k in k_by_load.items()}
+
     assert batch_ranges({1: 4, 8: 2, 32: 0}) == [[1, 1, 4], [2, 8, 2], [9, 32, 0]]
     mixed = engine_settings(picks({1: 4, 8: 0}))
     spec = json.loads(mixed["vllm"].split("'")[1])
@@ -152,10 +156,9 @@ def _port_closed(port: int) -> bool:
 
 
 def test_tune_launches_each_k_and_stops_its_process_group(tmp_path):
-    port = fake_port = None
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        port = fake_port = sock.getsockname()[1]
+        port = sock.getsockname()[1]
     command = f"{sys.executable} {TESTS / 'fake_spec_engine.py'} --port {port} --k"
     out = tmp_path / "run"
     result = _invoke(["--launch", command + " {k}", "--launch-baseline", command + " 0", "--engine", f"http://127.0.0.1:{port}",
@@ -167,7 +170,7 @@ def test_tune_launches_each_k_and_stops_its_process_group(tmp_path):
     assert tune["servers"][1]["engine_num_spec_tokens"] == [2]
     assert "verification taken as flat" in tune["fits"]["1"]["note"]
     assert tune["held_out_error"] is None and "no held-out K" in (out / "report.md").read_text()
-    assert _port_closed(fake_port)  # the last launched server's process group was stopped
+    assert _port_closed(port)  # the last launched server's process group was stopped
 
 
 @pytest.mark.parametrize("args, says", [

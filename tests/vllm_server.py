@@ -52,6 +52,22 @@ class VllmServer:
         self.process.wait(timeout=30)
 
 
+def vllm_command(target_dir: Path, port: int, *, speculative_config: str | None) -> list[str]:
+    """The server's argv; ``speculative_config`` is the JSON text (None: no speculation, a baseline)."""
+    command = [
+        str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(target_dir), "--served-model-name", SERVED_NAME,
+        "--host", "127.0.0.1", "--port", str(port),
+        "--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "8", "--seed", "0", "-O0",
+    ]
+    if speculative_config is not None:
+        command += ["--speculative-config", speculative_config, "--per-request-spec-decode-metrics", "detailed"]
+    return command
+
+
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "INFO"}
+
+
 def start_vllm_server(target_dir: Path, draft_dir: Path, log_path: Path, *, num_speculative_tokens: int = 15,
                       port: int | None = None) -> VllmServer:
     """Launch ``python -m vllm.entrypoints.openai.api_server`` with the DFlash draft and detailed metrics."""
@@ -59,15 +75,8 @@ def start_vllm_server(target_dir: Path, draft_dir: Path, log_path: Path, *, num_
         raise RuntimeError(f"{VLLM_PYTHON} is missing; run `bash scripts/setup-dev.sh` (it builds the vLLM environment).")
     port = port or free_port()
     spec = {"method": "dflash", "model": str(draft_dir), "num_speculative_tokens": num_speculative_tokens}
-    command = [
-        str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(target_dir), "--served-model-name", SERVED_NAME,
-        "--host", "127.0.0.1", "--port", str(port),
-        "--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "8", "--seed", "0", "-O0",
-        "--speculative-config", json.dumps(spec),
-        "--per-request-spec-decode-metrics", "detailed",
-    ]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "INFO"}
+    command = vllm_command(target_dir, port, speculative_config=json.dumps(spec))
+    env = {**os.environ, **VLLM_ENV}
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log = log_path.open("w")
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
