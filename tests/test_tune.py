@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from streamlit.testing.v1 import AppTest
 from typer.testing import CliRunner
 
+from dflash_doctor.app import RUNS_DIR_ENV
 from dflash_doctor.cli import app
 from dflash_doctor.stats.speedup import load_cost_profile
 from dflash_doctor.tune.advice import batch_ranges, engine_settings
@@ -107,7 +109,7 @@ def fake_servers():
         server.shutdown()
 
 
-def test_tune_measures_fake_engines_fits_their_costs_and_recommends(tmp_path, fake_servers):
+def test_tune_measures_fake_engines_fits_their_costs_and_recommends(tmp_path, fake_servers, monkeypatch):
     urls, costs = fake_servers
     out = tmp_path / "run"
     result = _invoke(["--engine", ",".join(f"{k}={u}" for k, u in urls.items()), "--k", "0,2,4,8", "--loads", "1,2",
@@ -148,6 +150,21 @@ def test_tune_measures_fake_engines_fits_their_costs_and_recommends(tmp_path, fa
     assert profile.speedup(4.0, 8) == pytest.approx(4.0 * fitted["t_decode_s"] / (fitted["t_decode_s"] + fitted["t_draft_s"] + 8 * fitted["verify_slope_s"]))
     report = (out / "report.md").read_text()
     assert "held out" in report and "num_speculative_tokens" in report
+    assert (out / "report.html").read_text().count('class="plotly-graph-div"') == 3
+
+    dashboard = _dashboard_tune_page(monkeypatch, tmp_path)
+    assert len(list(dashboard.get("plotly_chart"))) == 3
+    assert any("num_speculative_tokens" in str(m.value) for m in dashboard.markdown)
+
+
+def _dashboard_tune_page(monkeypatch, runs_dir: Path) -> AppTest:
+    """The dashboard's Tune page on ``runs_dir`` (Streamlit's AppTest: no browser, no server)."""
+    monkeypatch.setenv(RUNS_DIR_ENV, str(runs_dir))
+    at = AppTest.from_file(str(TESTS.parent / "app" / "main.py"), default_timeout=60)
+    at.run()
+    at.switch_page("views/tune.py").run()
+    assert not at.exception, [e.value for e in at.exception]
+    return at
 
 
 def _port_closed(port: int) -> bool:
