@@ -46,9 +46,9 @@ def recommend_grid(cells: list[dict[str, Any]], *, strict_classes: tuple[str, ..
         chosen = recommend(rows, conservative_share=conservative_share, strict_classes=strict_classes, strict_max_k=strict_max_k)
         for scope, pick in chosen.items():
             measured = next((r for r in rows[scope] if r["k"] == pick["k"]), None)
-            low = (measured or {}).get("speedup_ci") or [None]
-            if measured is not None and low[0] is not None and low[0] < 1.0:
-                pick["reason"] += f" Not shown to pay: its speedup interval reaches {low[0]:.2f}x."
+            low: float | None = ((measured or {}).get("speedup_ci") or [None])[0]
+            if low is not None and low < 1.0:
+                pick["reason"] += f" Not shown to pay: its speedup interval reaches {low:.2f}x."
         advice[str(concurrency)] = chosen
     return advice
 
