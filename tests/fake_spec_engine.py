@@ -46,7 +46,20 @@ def per_step_accepted(prompt: str, k: int, max_tokens: int) -> list[int]:
     return steps
 
 
-def make_handler(k: int, costs: FakeCosts):
+def make_handler(k: int, costs: FakeCosts, per_request: bool = True):
+    """``per_request=False``: a server started without per-request metrics; only ``/metrics`` counts."""
+    totals = {"drafts": 0, "draft_tokens": 0, "accepted": 0}
+    per_pos = [0] * k
+    lock = threading.Lock()
+
+    def exposition() -> str:
+        label = f'model_name="{MODEL}"'
+        lines = [f"vllm:spec_decode_num_drafts_total{{{label}}} {totals['drafts']}",
+                 f"vllm:spec_decode_num_draft_tokens_total{{{label}}} {totals['draft_tokens']}",
+                 f"vllm:spec_decode_num_accepted_tokens_total{{{label}}} {totals['accepted']}"]
+        lines += [f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{label},position="{i}"}} {n}' for i, n in enumerate(per_pos)]
+        return "\n".join(lines) + "\n" if k else ""
+
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *args) -> None:
             pass
@@ -62,6 +75,13 @@ def make_handler(k: int, costs: FakeCosts):
         def do_GET(self) -> None:
             if self.path == "/v1/models":
                 self._json({"data": [{"id": MODEL}]})
+            elif self.path == "/metrics":
+                data = exposition().encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
             else:
                 self.send_error(404)
 
@@ -89,7 +109,14 @@ def make_handler(k: int, costs: FakeCosts):
                 time.sleep(costs.step_s(k))
                 send(text_chunk(accepted + 1))
             final = {"choices": [], "usage": {"prompt_tokens": len(prompt.split()), "completion_tokens": n, "total_tokens": n}}
-            if k:
+            with lock:
+                totals["drafts"] += len(per_step)
+                totals["draft_tokens"] += k * len(per_step)
+                totals["accepted"] += sum(per_step)
+                for accepted in per_step:
+                    for i in range(accepted):
+                        per_pos[i] += 1
+            if k and per_request:
                 histogram = [0] * (k + 1)
                 for a in per_step:
                     histogram[a] += 1
@@ -104,9 +131,9 @@ def make_handler(k: int, costs: FakeCosts):
     return Handler
 
 
-def start(k: int, costs: FakeCosts = FakeCosts(), port: int = 0) -> ThreadingHTTPServer:
+def start(k: int, costs: FakeCosts = FakeCosts(), port: int = 0, per_request: bool = True) -> ThreadingHTTPServer:
     """Serve in a daemon thread; ``server.server_address[1]`` is the port; ``shutdown()`` stops it."""
-    server = ThreadingHTTPServer(("127.0.0.1", port), make_handler(k, costs))
+    server = ThreadingHTTPServer(("127.0.0.1", port), make_handler(k, costs, per_request))
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server

@@ -167,6 +167,26 @@ def _dashboard_tune_page(monkeypatch, runs_dir: Path) -> AppTest:
     return at
 
 
+def test_tune_reads_overall_acceptance_from_metrics_counters_without_per_request_figures(tmp_path):
+    """A server started without per-request metrics: overall tau, rollback and step time come from its
+    /metrics deltas over each run (exact); classes have timings but no tau."""
+    servers = {k: fake.start(k, per_request=False) for k in (0, 4)}
+    try:
+        engine = ",".join(f"{k}=http://127.0.0.1:{s.server_address[1]}" for k, s in servers.items())
+        out = tmp_path / "run"
+        result = _invoke(["--engine", engine, "--k", "0,4", "--workload", str(_workload(tmp_path)), "--max-new-tokens", str(MAX_TOKENS),
+                          "--sweep", str(_sweep_run(tmp_path, [4])), "--out", str(out)])
+    finally:
+        for server in servers.values():
+            server.shutdown()
+    assert result.exit_code == 0, result.output
+    tune = json.loads((out / "tune.json").read_text())
+    overall = cell(tune["cells"], 1, 4)
+    assert overall["tau"] == pytest.approx(_expected_tau("overall", 4)) and overall["acceptance_from"] == "/metrics counter deltas"
+    assert cell(tune["cells"], 1, 4, "math").get("tau") is None
+    assert tune["servers"][1]["acceptance_from"].startswith("/metrics counter deltas")
+
+
 def _port_closed(port: int) -> bool:
     with socket.socket() as sock:
         return sock.connect_ex(("127.0.0.1", port)) != 0

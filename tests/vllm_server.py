@@ -70,12 +70,13 @@ VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "INFO"}
 
 def start_vllm_server(target_dir: Path, draft_dir: Path, log_path: Path, *, num_speculative_tokens: int = 15,
                       port: int | None = None) -> VllmServer:
-    """Launch ``python -m vllm.entrypoints.openai.api_server`` with the DFlash draft and detailed metrics."""
+    """Launch ``python -m vllm.entrypoints.openai.api_server`` with the DFlash draft and detailed metrics
+    (``num_speculative_tokens=0``: the target alone, no speculation)."""
     if not VLLM_PYTHON.is_file():
         raise RuntimeError(f"{VLLM_PYTHON} is missing; run `bash scripts/setup-dev.sh` (it builds the vLLM environment).")
     port = port or free_port()
     spec = {"method": "dflash", "model": str(draft_dir), "num_speculative_tokens": num_speculative_tokens}
-    command = vllm_command(target_dir, port, speculative_config=json.dumps(spec))
+    command = vllm_command(target_dir, port, speculative_config=json.dumps(spec) if num_speculative_tokens else None)
     env = {**os.environ, **VLLM_ENV}
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log = log_path.open("w")

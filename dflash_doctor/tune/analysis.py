@@ -126,3 +126,18 @@ def _finite(cell: dict[str, Any]) -> dict[str, Any]:
 def cell(cells: list[dict[str, Any]], concurrency: int, k: int, scope: str = OVERALL) -> dict[str, Any] | None:
     """The cell of one (concurrency, K, scope), or None."""
     return next((c for c in cells if c["concurrency"] == concurrency and c["k"] == k and c["scope"] == scope), None)
+
+
+def fill_from_counters(cells: list[dict[str, Any]], rows: pd.DataFrame, counters: dict[tuple[int, int], Any]) -> None:
+    """Overall tau, rollback and step time from the server's /metrics deltas over a run, where its
+    responses carried no per-request figures (a server started without them); no interval, no classes.
+    ``counters[(K, concurrency)]`` is a :class:`~dflash_doctor.serving.responses.SpecMeasurement`."""
+    for c in cells:
+        measured = counters.get((c["k"], c["concurrency"]))
+        if c["scope"] != OVERALL or c.get("tau") is not None or measured is None or not measured.num_drafts:
+            continue
+        part = rows[(rows["k"] == c["k"]) & (rows["concurrency"] == c["concurrency"])]
+        c["tau"], c["tau_ci"] = measured.tau, None
+        c["rollback_per_token"] = (measured.num_draft_tokens - measured.num_accepted_tokens) / max(int(part["num_output_tokens"].sum()), 1)
+        c["step_s"] = float(part["decode_s"].sum()) / measured.num_drafts
+        c["acceptance_from"] = "/metrics counter deltas"

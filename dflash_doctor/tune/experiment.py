@@ -27,7 +27,7 @@ from dflash_doctor.rundir.writer import utc_now
 from dflash_doctor import __version__
 from dflash_doctor.serving.client import EngineEndpoint, resolve_model
 from dflash_doctor.tune.advice import engine_settings, recommend_grid
-from dflash_doctor.tune.analysis import analyse
+from dflash_doctor.tune.analysis import analyse, fill_from_counters
 from dflash_doctor.tune.measure import LoadRun, TimedRequest, first_turns, run_load, stream_request
 from dflash_doctor.tune.prediction import fit_costs, held_out_error, predict, sweep_taus
 from dflash_doctor.tune.servers import plan_servers, serving
@@ -150,6 +150,7 @@ def run_tune(grid: TuneGrid, config: DoctorConfig, run_dir: Path,
     throughput = {(run.k, run.concurrency): {"output_tokens_per_s": run.output_tokens_per_s, "requests_per_s": run.requests_per_s,
                                              "wall_s": run.wall_s} for run in runs}
     cells = analyse(rows, throughput, seed=config.seed)
+    fill_from_counters(cells, rows, {(run.k, run.concurrency): run.counters for run in runs if run.counters is not None})
     fits = {load: fitted for load in grid.loads if (fitted := fit_costs(cells, load, grid.fit_ks)) is not None}
     prediction = predict(cells, fits, sweep_taus(sweep))
     strict_max_k = int(config.thresholds.get("strict_max_k", 4))
