@@ -87,6 +87,16 @@ def test_fit_recovers_the_step_costs_and_predicts_a_held_out_k_exactly():
     assert math8["rollback_per_token"] == pytest.approx(30 * 5 / (1 + 30 * 4))
 
 
+def test_a_verify_cost_falling_with_k_is_fitted_flat():
+    """Noise can make step(4) < step(2); verifying more tokens never costs less, so the fit holds the slope at 0."""
+    cells = [{"concurrency": 1, "k": 0, "scope": "overall", "tpot_s": 0.010},
+             {"concurrency": 1, "k": 2, "scope": "overall", "step_s": 0.020},
+             {"concurrency": 1, "k": 4, "scope": "overall", "step_s": 0.016}]
+    fitted = fit_costs(cells, 1, (2, 4))
+    assert fitted is not None and fitted.verify_slope_s == 0.0
+    assert fitted.step_s(8) == pytest.approx(0.018) and "taken as flat" in fitted.note
+
+
 def test_vllm_setting_per_batch_size_and_speculation_off():
     def picks(k_by_load: dict[int, int]) -> dict:
         return {str(load): {"overall": {"k": k}} for load, k in k_by_load.items()}
@@ -119,7 +129,10 @@ def test_tune_measures_fake_engines_fits_their_costs_and_recommends(tmp_path, fa
     tune = json.loads((out / "tune.json").read_text())
     for name in ("requests.parquet", "report.md", "report.html", "cost-profile-c1.json", "cost-profile-c2.json", "workload.jsonl"):
         assert (out / name).is_file(), name
-    assert len(pd.read_parquet(out / "requests.parquet")) == 4 * 2 * len(PROMPTS)
+    requests = pd.read_parquet(out / "requests.parquet")
+    assert len(requests) == (4 + 1) * 2 * len(PROMPTS)  # the baseline is measured again after the grid
+    assert set(requests[requests["repeat"] == 1]["k"]) == {0}
+    assert set(tune["baseline_drift"]) == {"1", "2"} and all(abs(d) < 0.25 for d in tune["baseline_drift"].values())
 
     cells = tune["cells"]
     for k in (2, 4, 8):
@@ -203,7 +216,7 @@ def test_tune_launches_each_k_and_stops_its_process_group(tmp_path):
                       "--sweep", str(_sweep_run(tmp_path, [2])), "--out", str(out)])
     assert result.exit_code == 0, result.output
     tune = json.loads((out / "tune.json").read_text())
-    assert [s["launched"] for s in tune["servers"]] == [command + " 0", command + " 2"]
+    assert [(s["launched"], s["repeat"]) for s in tune["servers"]] == [(command + " 0", 0), (command + " 2", 0), (command + " 0", 1)]
     assert tune["servers"][1]["engine_num_spec_tokens"] == [2]
     assert "verification taken as flat" in tune["fits"]["1"]["note"]
     assert tune["held_out_error"] is None and "no held-out K" in (out / "report.md").read_text()

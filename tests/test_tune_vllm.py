@@ -51,8 +51,9 @@ def test_tune_on_real_vllm_says_speculation_does_not_pay_and_the_prediction_agre
                                       "--start-timeout", "900", *GRID, "--out", str(out)])
     elapsed = time.monotonic() - started
     assert result.exit_code == 0, result.output
-    print(f"tune on vLLM took {elapsed:.0f} s")
     tune = json.loads((out / "tune.json").read_text())
+    print(f"tune on vLLM took {elapsed:.0f} s; baseline drift {tune['baseline_drift']}")
+    print((out / "report.md").read_text())
 
     for server in tune["servers"]:
         assert "warning" not in server, server

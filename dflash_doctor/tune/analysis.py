@@ -77,12 +77,28 @@ def _figures(rows: pd.DataFrame, seed: int, group: str) -> dict[str, Any]:
     return figures
 
 
+def _per_request(rows: pd.DataFrame) -> pd.DataFrame:
+    """Decode time and tokens after the first per request id, summed over repeats (the baseline's two passes)."""
+    tokens = (rows["num_output_tokens"] - 1).clip(lower=0)
+    return rows.assign(tokens=tokens).groupby("request_id", as_index=False)[["decode_s", "tokens"]].sum()
+
+
 def _speedup(base: pd.DataFrame, spec: pd.DataFrame, seed: int, group: str) -> tuple[float, list[float]]:
-    paired = base.merge(spec, on="request_id", suffixes=("_0", "_k"))
-    columns = []
-    for side in ("_0", "_k"):
-        columns += [paired[f"decode_s{side}"].to_numpy(), (paired[f"num_output_tokens{side}"] - 1).clip(lower=0).to_numpy()]
+    paired = _per_request(base).merge(_per_request(spec), on="request_id", suffixes=("_0", "_k"))
+    columns = [paired[f"{name}{side}"].to_numpy() for side in ("_0", "_k") for name in ("decode_s", "tokens")]
     return pooled(columns, _paired_speedup, seed=seed, group=f"{group}:speedup")
+
+
+def baseline_drift(rows: pd.DataFrame) -> dict[str, float]:
+    """Per concurrency: pooled TPOT of the baseline's second pass (after the grid) over its first, minus 1.
+    The speedups divide by both passes pooled; a drift of x% puts about x/2% on every speedup."""
+    base = rows[rows["k"] == 0]
+    drift = {}
+    for concurrency, at_load in base.groupby("concurrency"):
+        passes = [part["decode_s"].sum() / (part["num_output_tokens"] - 1).clip(lower=0).sum() for _, part in at_load.groupby("repeat")]
+        if len(passes) == 2:
+            drift[str(concurrency)] = float(passes[1] / passes[0] - 1.0)
+    return drift
 
 
 def analyse(rows: pd.DataFrame, throughput: dict[tuple[int, int], dict[str, float]], *, seed: int = 0) -> list[dict[str, Any]]:

@@ -27,7 +27,7 @@ from dflash_doctor.rundir.writer import utc_now
 from dflash_doctor import __version__
 from dflash_doctor.serving.client import EngineEndpoint, resolve_model
 from dflash_doctor.tune.advice import engine_settings, recommend_grid
-from dflash_doctor.tune.analysis import analyse, fill_from_counters
+from dflash_doctor.tune.analysis import analyse, baseline_drift, fill_from_counters
 from dflash_doctor.tune.measure import LoadRun, TimedRequest, first_turns, run_load, stream_request
 from dflash_doctor.tune.prediction import fit_costs, held_out_error, predict, sweep_taus
 from dflash_doctor.tune.servers import plan_servers, serving
@@ -82,8 +82,13 @@ def measure_grid(grid: TuneGrid, config: DoctorConfig, requests, run_dir: Path,
     """Every K on its server, every load on it; returns the runs and what each server said about itself."""
     runs: list[LoadRun] = []
     servers: list[dict[str, Any]] = []
-    for plan in plan_servers(grid.ks, grid.engine, grid.launch, grid.launch_baseline):
-        with serving(plan, run_dir / f"server-k{plan.k}.log", grid.start_timeout_s) as url:
+    plans = plan_servers(grid.ks, grid.engine, grid.launch, grid.launch_baseline)
+    if plans[0].k == 0 and len(plans) > 1:
+        plans.append(plans[0])  # the baseline again at the end: how far the machine's speed drifted meanwhile
+    for plan in plans:
+        repeat = sum(1 for s in servers if s["k"] == plan.k)
+        log_name = f"server-k{plan.k}.log" if not repeat else f"server-k{plan.k}-repeat.log"
+        with serving(plan, run_dir / log_name, grid.start_timeout_s) as url:
             endpoint = resolve_model(EngineEndpoint.from_url(url, model=config.engine_model, timeout_s=config.engine_timeout_s))
             for request in requests[: grid.warmup_requests]:
                 stream_request(endpoint, request, config)
@@ -91,8 +96,8 @@ def measure_grid(grid: TuneGrid, config: DoctorConfig, requests, run_dir: Path,
                 def report(timed: TimedRequest, k=plan.k, load=load) -> None:
                     if on_request is not None:
                         on_request(k, load, timed)
-                runs.append(run_load(endpoint, requests, config, k=plan.k, concurrency=load, on_request=report))
-            servers.append(_server_facts(plan.k, plan.command, url, endpoint.model, runs[-len(grid.loads):]))
+                runs.append(run_load(endpoint, requests, config, k=plan.k, concurrency=load, repeat=repeat, on_request=report))
+            servers.append(_server_facts(plan.k, plan.command, url, endpoint.model, runs[-len(grid.loads):]) | {"repeat": repeat})
         _rows(runs).to_parquet(run_dir / "requests.parquet", index=False)
     return runs, servers
 
@@ -113,7 +118,21 @@ def _server_facts(k: int, command: str | None, url: str, model: str | None, runs
 
 
 def _rows(runs: list[LoadRun]) -> pd.DataFrame:
-    return pd.DataFrame([timed.as_row(run.k, run.concurrency) for run in runs for timed in run.requests])
+    return pd.DataFrame([timed.as_row(run.k, run.concurrency, run.repeat) for run in runs for timed in run.requests])
+
+
+def run_throughput(runs: list[LoadRun]) -> dict[tuple[int, int], dict[str, float]]:
+    """Output tokens/s and requests/s per (K, concurrency): totals over the summed wall time of its runs
+    (the baseline's two passes count as one longer run)."""
+    cells: dict[tuple[int, int], list[LoadRun]] = {}
+    for run in runs:
+        cells.setdefault((run.k, run.concurrency), []).append(run)
+    figures = {}
+    for key, group in cells.items():
+        wall = sum(run.wall_s for run in group)
+        tokens = sum(r.num_output_tokens for run in group for r in run.requests)
+        figures[key] = {"output_tokens_per_s": tokens / wall, "requests_per_s": sum(len(run.requests) for run in group) / wall, "wall_s": wall}
+    return figures
 
 
 def teacher_sweep(grid: TuneGrid, config: DoctorConfig, workload_path: Path, run_dir: Path) -> tuple[dict[str, Any], str, str]:
@@ -147,8 +166,7 @@ def run_tune(grid: TuneGrid, config: DoctorConfig, run_dir: Path,
     sweep, sweep_dir, draft_kind = teacher_sweep(grid, config, workload_path, run_dir)
 
     rows = _rows(runs)
-    throughput = {(run.k, run.concurrency): {"output_tokens_per_s": run.output_tokens_per_s, "requests_per_s": run.requests_per_s,
-                                             "wall_s": run.wall_s} for run in runs}
+    throughput = run_throughput(runs)
     cells = analyse(rows, throughput, seed=config.seed)
     fill_from_counters(cells, rows, {(run.k, run.concurrency): run.counters for run in runs if run.counters is not None})
     fits = {load: fitted for load in grid.loads if (fitted := fit_costs(cells, load, grid.fit_ks)) is not None}
@@ -166,6 +184,7 @@ def run_tune(grid: TuneGrid, config: DoctorConfig, run_dir: Path,
         "schema_version": TUNE_SCHEMA_VERSION, "tool_version": __version__, "created_at": utc_now(),
         "config": config.as_dict(),
         "grid": {"k": list(grid.ks), "loads": list(grid.loads), "fit_k": list(grid.fit_ks), "num_requests": len(requests)},
+        "baseline_drift": baseline_drift(rows),
         "servers": servers,
         "cells": cells,
         "fits": {str(load): dataclasses.asdict(fitted) for load, fitted in fits.items()},

@@ -55,10 +55,10 @@ class TimedRequest:
     def tpot_s(self) -> float | None:
         return self.decode_s / (self.num_output_tokens - 1) if self.num_output_tokens > 1 else None
 
-    def as_row(self, k: int, concurrency: int) -> dict[str, Any]:
+    def as_row(self, k: int, concurrency: int, repeat: int) -> dict[str, Any]:
         spec = self.spec
         return {
-            "k": k, "concurrency": concurrency, "request_id": self.request_id, "class": self.request_class,
+            "k": k, "concurrency": concurrency, "repeat": repeat, "request_id": self.request_id, "class": self.request_class,
             "prompt_num_tokens": self.prompt_num_tokens, "num_output_tokens": self.num_output_tokens,
             "ttft_s": self.ttft_s, "tpot_s": self.tpot_s, "e2e_s": self.e2e_s, "decode_s": self.decode_s,
             "num_drafts": spec.num_drafts if spec else None,
@@ -76,6 +76,7 @@ class LoadRun:
     requests: list[TimedRequest]
     wall_s: float
     counters: SpecMeasurement | None  # the server's /metrics deltas over the run (None: no spec counters)
+    repeat: int = 0  # 1: the K = 0 baseline measured again after the grid (drift check)
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -155,7 +156,7 @@ def _counters(endpoint: EngineEndpoint) -> EngineCounters | None:
     return read_counters(text, endpoint.model) if text else None
 
 
-def run_load(endpoint: EngineEndpoint, requests: list[Request], config: DoctorConfig, *, k: int, concurrency: int,
+def run_load(endpoint: EngineEndpoint, requests: list[Request], config: DoctorConfig, *, k: int, concurrency: int, repeat: int = 0,
              on_request: Callable[[TimedRequest], None] | None = None) -> LoadRun:
     """Every request once, ``concurrency`` in flight at a time (a closed loop, as ``vllm bench serve
     --max-concurrency``); the /metrics counters around the run give its acceptance when responses carry none."""
@@ -179,4 +180,4 @@ def run_load(endpoint: EngineEndpoint, requests: list[Request], config: DoctorCo
     counters = measurement_between(before, after) if before is not None and after is not None else None
     order = {request.id: i for i, request in enumerate(requests)}
     done.sort(key=lambda timed: order[timed.request_id])
-    return LoadRun(k=k, concurrency=concurrency, requests=done, wall_s=wall, counters=counters)
+    return LoadRun(k=k, concurrency=concurrency, requests=done, wall_s=wall, counters=counters, repeat=repeat)

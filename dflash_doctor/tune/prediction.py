@@ -8,8 +8,9 @@ Model (per load level), in seconds per step, the same terms as :class:`dflash_do
                                      t_draft is flat in K (a DFlash block is one draft pass)
 
 ``step(K)`` is measured on the engine as decode time per verify step at K (:mod:`.analysis`, ``step_s``).
-The fit is least squares over the fit K (``--fit-k``, default: the two smallest K > 0); with one fit K
-the slope is 0 (verification taken as flat, the memory-bound case) and the prediction says so.
+The fit is least squares over the fit K (``--fit-k``, default: the two smallest K > 0) with the slope held
+at 0 or above (a falling verify cost is noise); with one fit K the slope is 0 (verification taken as flat,
+the memory-bound case) and the prediction says so.
 The prediction for K and a class is the sweep's formula with the fitted costs and the doctor's
 teacher-forced tau of that class at K, from one replay of the same prompts:
 
@@ -72,11 +73,14 @@ def fit_costs(cells: list[dict[str, Any]], concurrency: int, fit_ks: tuple[int, 
         return None
     ks = np.array([p[0] for p in points], dtype=np.float64)
     extra = np.array([p[1] for p in points], dtype=np.float64) - t_decode
+    slope, draft = (float(x) for x in np.polyfit(ks, extra, 1)) if len(points) > 1 else (0.0, float(extra[0]))
     if len(points) == 1:
-        slope, draft = 0.0, float(extra[0])
         note = f"one fit K ({points[0][0]}): verification taken as flat in K"
+    elif slope < 0:
+        # verifying more tokens never costs less: a falling line is timing noise, the flat fit is the least-squares one under slope >= 0
+        slope, draft = 0.0, float(extra.mean())
+        note = f"least squares over {len(points)} K gave a verify cost falling with K (timing noise); taken as flat"
     else:
-        slope, draft = (float(x) for x in np.polyfit(ks, extra, 1))
         note = f"least squares over {len(points)} K"
     return FittedCosts(concurrency, t_decode, draft, slope, tuple(int(p[0]) for p in points), note)
 

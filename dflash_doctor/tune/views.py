@@ -22,6 +22,8 @@ from dflash_doctor.report.html import figure_html, plotly_js
 from dflash_doctor.report.templating import ci, fmt, markdown_cell, pct
 from dflash_doctor.tune.analysis import OVERALL
 
+DRIFT_WARNING = 0.15  # baseline drift beyond which the report says the speedups are unsteady
+
 MEASURED_COLUMNS = ("load", "K", "class", "req", "tau", "tau 95% CI", "speedup", "speedup 95% CI", "TTFT ms", "TPOT ms",
                     "e2e s", "out tok/s", "req/s", "rollback/token")
 PREDICTION_COLUMNS = ("load", "K", "class", "fit/held out", "tau pred", "tau meas", "speedup pred", "speedup meas",
@@ -54,6 +56,9 @@ def fit_lines(result: dict[str, Any]) -> list[str]:
         lines.append(f"concurrency {load}: t_decode {_ms(f['t_decode_s'])} ms, t_draft {_ms(f['t_draft_s'])} ms, verify "
                      f"+{_ms(f['verify_slope_s'])} ms per drafted token (fitted from K {', '.join(map(str, f['fit_ks']))}; {f['note']}); "
                      f"profile {result['cost_profiles'].get(load, '-')}")
+    for load, drift in result.get("baseline_drift", {}).items():
+        lines.append(f"concurrency {load}: the K=0 baseline measured again after the grid ran {drift:+.0%} slower/faster per token "
+                     f"({'the machine was steady' if abs(drift) <= DRIFT_WARNING else 'the machine drifted: every speedup carries about half of it as extra error'})")
     error = result.get("held_out_error")
     lines.append(f"held-out K, overall: mean absolute speedup error {pct(error)}" if error is not None else
                  "no held-out K: every speculative K was used by the fit (add K to --k or narrow --fit-k)")
