@@ -1,9 +1,11 @@
 """The recommendation of a tune grid, per class and load, written as each engine's own setting.
 
-Per load level and scope (overall, each class) the measured speedups go through the project's one
-recommender (:func:`dflash_doctor.stats.speedup.recommend`: the best K, a conservative K within 95% of
-it, strict classes judged at the low end of tau's interval, speculation off when no K beats K = 0).
-A K whose speedup interval reaches below 1 is called "not shown to pay" next to it.
+Per load level and scope (overall, each class) the K *shown to pay* - the low end of its measured
+speedup's 95% interval at or above 1 - go through the project's one recommender
+(:func:`dflash_doctor.stats.speedup.recommend`: the best K, a conservative K within 95% of it, strict
+classes judged at the low end of tau's interval). Where no K is shown to pay, speculation is off, and the
+reason names the best measured K with its interval: a point speedup of 1.05x whose interval reaches 0.90x
+is a coin toss on the user's server, not a gain.
 
 The overall K per load becomes the engine setting (one server serves every class; a class whose best
 K differs is named, to route or to accept):
@@ -23,6 +25,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from dflash_doctor.report.templating import ci
 from dflash_doctor.stats.speedup import recommend
 from dflash_doctor.tune.analysis import OVERALL
 
@@ -36,6 +39,11 @@ def _rows(cells: list[dict[str, Any]], concurrency: int, scope: str) -> list[dic
     return rows
 
 
+def _shown_to_pay(row: dict[str, Any]) -> bool:
+    low = (row.get("speedup_ci") or [None])[0]
+    return low is not None and low >= 1.0
+
+
 def recommend_grid(cells: list[dict[str, Any]], *, strict_classes: tuple[str, ...] = (), strict_max_k: int = 4,
                    conservative_share: float = 0.95) -> dict[str, dict[str, dict[str, Any]]]:
     """``{str(concurrency): {scope: recommendation}}`` from the measured speedups."""
@@ -43,12 +51,13 @@ def recommend_grid(cells: list[dict[str, Any]], *, strict_classes: tuple[str, ..
     for concurrency in sorted({c["concurrency"] for c in cells}):
         scopes = sorted({c["scope"] for c in cells if c["concurrency"] == concurrency}, key=lambda s: (s != OVERALL, s))
         rows = {scope: _rows(cells, concurrency, scope) for scope in scopes}
-        chosen = recommend(rows, conservative_share=conservative_share, strict_classes=strict_classes, strict_max_k=strict_max_k)
+        paying = {scope: [row for row in scope_rows if _shown_to_pay(row)] for scope, scope_rows in rows.items()}
+        chosen = recommend(paying, conservative_share=conservative_share, strict_classes=strict_classes, strict_max_k=strict_max_k)
         for scope, pick in chosen.items():
-            measured = next((r for r in rows[scope] if r["k"] == pick["k"]), None)
-            low: float | None = ((measured or {}).get("speedup_ci") or [None])[0]
-            if low is not None and low < 1.0:
-                pick["reason"] += f" Not shown to pay: its speedup interval reaches {low:.2f}x."
+            if not paying[scope] and rows[scope]:
+                best = max(rows[scope], key=lambda row: row["speedup"])
+                pick["reason"] = (f"Speculation off: no K is shown to pay (the low end of its speedup's 95% interval at or above 1); "
+                                  f"the best measured, K={best['k']}, ran at {best['speedup']:.2f}x {ci(best['speedup_ci'])}.")
         advice[str(concurrency)] = chosen
     return advice
 
