@@ -45,7 +45,7 @@ def _sweep_run(tmp_path: Path, ks: list[int]) -> Path:
     run_dir = tmp_path / "sweep"
     run_dir.mkdir()
     def rows(scope: str) -> list[dict]:
-        return [{"k": k, "mean_acceptance_length": _expected_tau(scope, k)} for k in ks]
+        return [{"k": k, "mean_acceptance_length": _expected_tau(scope, k), "mean_acceptance_length_ci": [_expected_tau(scope, k)] * 2} for k in ks]
 
     sweep = {"overall": rows("overall"), "by_class": {"math": rows("math"), "chat": rows("chat")}}
     (run_dir / "run.json").write_text(json.dumps({"summary": {"sweep": sweep}, "models": {"draft": {"kind": "dflash"}}}))
@@ -77,12 +77,13 @@ def test_fit_recovers_the_step_costs_and_predicts_a_held_out_k_exactly():
     assert fitted.t_decode_s == pytest.approx(t_decode)
     assert fitted.t_draft_s == pytest.approx(t_draft)
     assert fitted.verify_slope_s == pytest.approx(slope)
-    taus = {scope: {k: c["tau"] for k in (2, 4, 8) if (c := cell(cells, 1, k, scope))} for scope in ("overall", "math", "chat")}
+    taus = {scope: {k: (c["tau"], c["tau_ci"]) for k in (2, 4, 8) if (c := cell(cells, 1, k, scope))} for scope in ("overall", "math", "chat")}
     prediction = predict(cells, {1: fitted}, taus)
     held = [p for p in prediction if p["k"] == 8]
     assert {p["scope"] for p in held} == {"overall", "math", "chat"} and all(p["held_out"] for p in held)
     for p in prediction:
         assert p["speedup_relative_error"] == pytest.approx(0.0, abs=1e-9)
+        assert p["predicted_pays"] == p["measured_pays"] is not None
     math8 = cell(cells, 1, 8, "math")
     assert math8["tau"] == pytest.approx(4.0)
     assert math8["rollback_per_token"] == pytest.approx(30 * 5 / (1 + 30 * 4))

@@ -2,10 +2,11 @@
 (tests/vllm_server.py's command line as the --launch template, K = 0 without --speculative-config), measures,
 fits the step costs from K = 2 and 4, predicts K = 8 from its own teacher-forced sweep of the same prompts.
 
-On two CPU cores a verify step of 1 + K tokens costs nearly K + 1 decode steps' compute, so speculation does
-not pay with this draft; the test holds that tune says so with the engine's own setting, that the prediction
-for the held-out K falls on the same side of 1 as the measurement, and that vLLM's tau agrees with the
-teacher-forced tau. Four server starts: a few minutes on CI's two cores (measured in the README).
+On two CPU cores the draft's pass and a verify step of 1 + K tokens cost about as much as the 1.7-1.9 tokens
+a step commits, so no K is shown to pay with this draft; the test holds that tune says so with the engine's
+own setting, that the prediction (fitted costs x teacher-forced tau, with tau's interval) says the same at
+every K, the held-out K = 8 included, and that vLLM's tau agrees with the teacher-forced tau. Five server
+starts (the baseline twice): 6-7 minutes on this project's two shared cores.
 """
 
 from __future__ import annotations
@@ -68,12 +69,13 @@ def test_tune_on_real_vllm_says_speculation_does_not_pay_and_the_prediction_agre
         # a class holds two requests here, so its figure is looser than the pooled one
         assert p["predicted_tau"] == pytest.approx(p["measured_tau"], rel=0.10 if scope == "overall" else 0.20), (k, scope, p)
 
-    held = rows[(8, "overall")]
-    assert (held["predicted_speedup"] < 1.0) == (held["measured_speedup"] < 1.0), held
-    measured = [c for c in tune["cells"] if c["scope"] == "overall" and c["k"] > 0]
-    if all(c["speedup"] < 1.0 for c in measured):
-        assert tune["recommendation"]["1"]["overall"]["k"] == 0
-        assert tune["engine_settings"]["vllm"].startswith("speculation off: drop --speculative-config")
+    # on two CPU cores no K is shown to pay (measured: the speedup interval reaches below 1 at every K), and
+    # the prediction says the same at every K, the held-out one included
+    for k in (2, 4, 8):
+        assert rows[(k, "overall")]["measured_pays"] is False, rows[(k, "overall")]
+        assert rows[(k, "overall")]["predicted_pays"] is False, rows[(k, "overall")]
+    assert tune["recommendation"]["1"]["overall"]["k"] == 0
+    assert tune["engine_settings"]["vllm"] == "speculation off: drop --speculative-config (no K beat K=0 at any measured load)"
     profile = load_cost_profile(out / "cost-profile-c1.json")
     fitted = tune["fits"]["1"]
     step8 = fitted["t_decode_s"] + fitted["t_draft_s"] + 8 * fitted["verify_slope_s"]  # what check/watch will price K=8 with
@@ -95,13 +97,17 @@ TTFT_TOLERANCE_S = 0.15
 
 def test_tune_latency_and_throughput_agree_with_vllm_bench_serve(tmp_path):
     """The same server, prompts, output limit and concurrency measured by tune's measuring loop and by
-    `vllm bench serve` (custom dataset, /v1/completions, temperature 0): mean TTFT, mean TPOT (vLLM's
+    `vllm bench serve` (the prompts as a ShareGPT file, /v1/completions, temperature 0): mean TTFT, mean TPOT (vLLM's
     per-request mean), output tokens/s and requests/s agree within the tolerances above."""
     target = resolve_model_dir(str(demo_target_path()))
     requests = load_workload("demo", max_requests=6, seed=0)
     prompts = [{"id": r.id, "class": r.request_class, "prompt": " ".join(str(m["content"]) for m in r.messages or ()) or r.prompt} for r in requests]
     workload = tmp_path / "prompts.jsonl"
     workload.write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    # the same prompts as a ShareGPT file: vllm bench's `custom` dataset needs pandas, which .venv-vllm lacks
+    sharegpt = tmp_path / "prompts.sharegpt.json"
+    sharegpt.write_text(json.dumps([{"id": p["id"], "conversations": [{"from": "human", "value": p["prompt"]}, {"from": "gpt", "value": "-"}]}
+                                    for p in prompts]))
     config = build_config(workload=str(workload), max_new_tokens=48)
     server = start_vllm_server(target, DEMO_DRAFT_DIR, tmp_path / "server.log", num_speculative_tokens=0)
     try:
@@ -111,7 +117,7 @@ def test_tune_latency_and_throughput_agree_with_vllm_bench_serve(tmp_path):
         doctor = run_load(endpoint, raw, config, k=0, concurrency=2)
         subprocess.run([str(VLLM_PYTHON), "-c", VLLM_BENCH_SERVE, "--backend", "openai",
                         "--base-url", server.url, "--endpoint", "/v1/completions", "--model", SERVED_NAME, "--tokenizer", str(target),
-                        "--dataset-name", "custom", "--dataset-path", str(workload), "--skip-chat-template", "--custom-output-len", "48",
+                        "--dataset-name", "sharegpt", "--dataset-path", str(sharegpt), "--disable-shuffle", "--sharegpt-output-len", "48",
                         "--num-prompts", str(len(prompts)), "--max-concurrency", "2", "--request-rate", "inf", "--temperature", "0",
                         "--disable-tqdm", "--save-result", "--result-dir", str(tmp_path), "--result-filename", "bench.json"],
                        check=True, timeout=600, env={**os.environ, **VLLM_ENV}, stdout=subprocess.DEVNULL)

@@ -85,36 +85,51 @@ def fit_costs(cells: list[dict[str, Any]], concurrency: int, fit_ks: tuple[int, 
     return FittedCosts(concurrency, t_decode, draft, slope, tuple(int(p[0]) for p in points), note)
 
 
-def sweep_taus(sweep: dict[str, Any]) -> dict[str, dict[int, float]]:
-    """``{scope: {K: tau}}`` from a run.json ``summary.sweep`` block (the teacher-forced prediction)."""
-    taus = {OVERALL: {int(r["k"]): float(r["mean_acceptance_length"]) for r in sweep["overall"]}}
-    for cls, rows in sweep["by_class"].items():
-        taus[cls] = {int(r["k"]): float(r["mean_acceptance_length"]) for r in rows}
-    return taus
+def sweep_taus(sweep: dict[str, Any]) -> dict[str, dict[int, tuple[float, list[float] | None]]]:
+    """``{scope: {K: (tau, its 95% interval)}}`` from a run.json ``summary.sweep`` block (the teacher-forced prediction)."""
+    def by_k(rows: list[dict[str, Any]]) -> dict[int, tuple[float, list[float] | None]]:
+        return {int(r["k"]): (float(r["mean_acceptance_length"]), r.get("mean_acceptance_length_ci")) for r in rows}
+
+    return {OVERALL: by_k(sweep["overall"]), **{cls: by_k(rows) for cls, rows in sweep["by_class"].items()}}
 
 
-def predict(cells: list[dict[str, Any]], fits: dict[int, FittedCosts], taus: dict[str, dict[int, float]]) -> list[dict[str, Any]]:
-    """Predicted vs measured speedup and tau for every measured (load, K > 0, scope) the sweep covers."""
+def predict(cells: list[dict[str, Any]], fits: dict[int, FittedCosts],
+            taus: dict[str, dict[int, tuple[float, list[float] | None]]]) -> list[dict[str, Any]]:
+    """Predicted vs measured speedup and tau for every measured (load, K > 0, scope) the sweep covers.
+
+    The predicted speedup's interval is tau's (speedup is proportional to tau at fixed costs; the cost
+    fit's own error is not in it). ``predicted_pays`` / ``measured_pays``: the low end of each interval at
+    or above 1, the rule the recommendation uses (:mod:`.advice`), so the two verdicts compare directly.
+    """
     rows = []
     for measured in cells:
         fitted = fits.get(measured["concurrency"])
         k = measured["k"]
-        tau_sweep = taus.get(measured["scope"], {}).get(k)
-        if fitted is None or k == 0 or tau_sweep is None:
+        sweep_row = taus.get(measured["scope"], {}).get(k)
+        if fitted is None or k == 0 or sweep_row is None:
             continue
+        tau_sweep, tau_ci = sweep_row
         predicted = fitted.speedup(tau_sweep, k)
+        predicted_ci = [predicted * bound / tau_sweep for bound in tau_ci] if tau_ci and None not in tau_ci else None
         speedup = measured.get("speedup")
         tau = measured.get("tau")
         rows.append({
             "concurrency": measured["concurrency"], "k": k, "scope": measured["scope"], "held_out": k not in fitted.fit_ks,
             "predicted_tau": tau_sweep, "measured_tau": tau, "measured_tau_ci": measured.get("tau_ci"),
-            "predicted_speedup": predicted, "measured_speedup": speedup, "measured_speedup_ci": measured.get("speedup_ci"),
+            "predicted_speedup": predicted, "predicted_speedup_ci": predicted_ci,
+            "measured_speedup": speedup, "measured_speedup_ci": measured.get("speedup_ci"),
             "speedup_error": predicted - speedup if speedup is not None else None,
             "speedup_relative_error": predicted / speedup - 1.0 if speedup else None,
             "tau_error": tau_sweep - tau if tau is not None else None,
             "within_interval": _inside(predicted, measured.get("speedup_ci")),
+            "predicted_pays": _pays(predicted_ci), "measured_pays": _pays(measured.get("speedup_ci")),
         })
     return rows
+
+
+def _pays(bounds: list[float | None] | None) -> bool | None:
+    """Shown to pay: the interval's low end at or above 1 (None: no interval)."""
+    return None if not bounds or bounds[0] is None else bounds[0] >= 1.0
 
 
 def _inside(value: float, bounds: list[float | None] | None) -> bool | None:

@@ -26,8 +26,8 @@ DRIFT_WARNING = 0.15  # baseline drift beyond which the report says the speedups
 
 MEASURED_COLUMNS = ("load", "K", "class", "req", "tau", "tau 95% CI", "speedup", "speedup 95% CI", "TTFT ms", "TPOT ms",
                     "e2e s", "out tok/s", "req/s", "rollback/token")
-PREDICTION_COLUMNS = ("load", "K", "class", "fit/held out", "tau pred", "tau meas", "speedup pred", "speedup meas",
-                      "meas 95% CI", "error", "rel. error")
+PREDICTION_COLUMNS = ("load", "K", "class", "fit/held out", "tau pred", "tau meas", "speedup pred", "pred 95% CI", "speedup meas",
+                      "meas 95% CI", "error", "rel. error", "pays? pred / meas")
 
 
 def _ms(value: Any) -> str:
@@ -45,9 +45,14 @@ def measured_rows(result: dict[str, Any]) -> list[tuple[str, ...]]:
 def prediction_rows(result: dict[str, Any]) -> list[tuple[str, ...]]:
     return [(
         str(p["concurrency"]), str(p["k"]), p["scope"], "held out" if p["held_out"] else "fit", fmt(p["predicted_tau"]),
-        fmt(p["measured_tau"]), fmt(p["predicted_speedup"]), fmt(p["measured_speedup"]), ci(p["measured_speedup_ci"]),
-        fmt(p["speedup_error"]), pct(p["speedup_relative_error"]),
+        fmt(p["measured_tau"]), fmt(p["predicted_speedup"]), ci(p["predicted_speedup_ci"]), fmt(p["measured_speedup"]),
+        ci(p["measured_speedup_ci"]), fmt(p["speedup_error"]), pct(p["speedup_relative_error"]),
+        f"{_yes_no(p['predicted_pays'])} / {_yes_no(p['measured_pays'])}",
     ) for p in result["prediction"]]
+
+
+def _yes_no(value: bool | None) -> str:
+    return "?" if value is None else "yes" if value else "no"
 
 
 def fit_lines(result: dict[str, Any]) -> list[str]:
