@@ -17,6 +17,7 @@ import shlex
 import subprocess
 import time
 
+import numpy as np
 import pytest
 from typer.testing import CliRunner
 
@@ -24,7 +25,7 @@ from dflash_doctor.cli import app
 from dflash_doctor.inputs.config import build_config
 from dflash_doctor.inputs.workloads import load_workload
 from dflash_doctor.serving.client import EngineEndpoint, resolve_model
-from dflash_doctor.tune.measure import run_load, stream_request
+from dflash_doctor.tune.measure import first_turns, run_load, stream_request
 from dflash_doctor.models.loading import DEMO_DRAFT_DIR, demo_target_path, resolve_model_dir
 from dflash_doctor.stats.speedup import load_cost_profile
 from tests.vllm_server import SERVED_NAME, VLLM_ENV, VLLM_PYTHON, free_port, start_vllm_server, vllm_command
@@ -95,30 +96,31 @@ VLLM_BENCH_SERVE = ("import sys; from vllm.benchmarks.serve import add_cli_args,
 TTFT_TOLERANCE_S = 0.15
 
 
+def _only_user_message(request) -> str:
+    assert request.messages is not None and len(request.messages) == 1 and request.messages[0]["role"] == "user", request.id
+    return str(request.messages[0]["content"])
+
+
 def test_tune_latency_and_throughput_agree_with_vllm_bench_serve(tmp_path):
     """The same server, prompts, output limit and concurrency measured by tune's measuring loop and by
-    `vllm bench serve` (the prompts as a ShareGPT file, /v1/completions, temperature 0): mean TTFT, mean TPOT (vLLM's
+    `vllm bench serve` (the first turns of the demo workload as a ShareGPT file, chat completions, temperature 0): mean TTFT, mean TPOT (vLLM's
     per-request mean), output tokens/s and requests/s agree within the tolerances above."""
     target = resolve_model_dir(str(demo_target_path()))
-    requests = load_workload("demo", max_requests=6, seed=0)
-    prompts = [{"id": r.id, "class": r.request_class, "prompt": " ".join(str(m["content"]) for m in r.messages or ()) or r.prompt} for r in requests]
-    workload = tmp_path / "prompts.jsonl"
-    workload.write_text("".join(json.dumps(p) + "\n" for p in prompts))
-    # the same prompts as a ShareGPT file: vllm bench's `custom` dataset needs pandas, which .venv-vllm lacks
+    requests = first_turns(load_workload("demo", max_requests=6, seed=0))
+    # the same one-message chats as a ShareGPT file (vllm bench's `custom` dataset needs pandas, absent from .venv-vllm)
     sharegpt = tmp_path / "prompts.sharegpt.json"
-    sharegpt.write_text(json.dumps([{"id": p["id"], "conversations": [{"from": "human", "value": p["prompt"]}, {"from": "gpt", "value": "-"}]}
-                                    for p in prompts]))
-    config = build_config(workload=str(workload), max_new_tokens=48)
+    sharegpt.write_text(json.dumps([{"id": r.id, "conversations": [{"from": "human", "value": _only_user_message(r)}, {"from": "gpt", "value": "-"}]}
+                                    for r in requests]))
+    config = build_config(max_new_tokens=48)
     server = start_vllm_server(target, DEMO_DRAFT_DIR, tmp_path / "server.log", num_speculative_tokens=0)
     try:
         endpoint = resolve_model(EngineEndpoint.from_url(server.url))
-        raw = load_workload(str(workload))
-        stream_request(endpoint, raw[0], config)  # warm-up, as tune does per server
-        doctor = run_load(endpoint, raw, config, k=0, concurrency=2)
-        subprocess.run([str(VLLM_PYTHON), "-c", VLLM_BENCH_SERVE, "--backend", "openai",
-                        "--base-url", server.url, "--endpoint", "/v1/completions", "--model", SERVED_NAME, "--tokenizer", str(target),
+        stream_request(endpoint, requests[0], config)  # warm-up, as tune does per server
+        doctor = run_load(endpoint, requests, config, k=0, concurrency=2)
+        subprocess.run([str(VLLM_PYTHON), "-c", VLLM_BENCH_SERVE, "--backend", "openai-chat",
+                        "--base-url", server.url, "--endpoint", "/v1/chat/completions", "--model", SERVED_NAME, "--tokenizer", str(target),
                         "--dataset-name", "sharegpt", "--dataset-path", str(sharegpt), "--disable-shuffle", "--sharegpt-output-len", "48",
-                        "--num-prompts", str(len(prompts)), "--max-concurrency", "2", "--request-rate", "inf", "--temperature", "0",
+                        "--num-prompts", str(len(requests)), "--max-concurrency", "2", "--request-rate", "inf", "--temperature", "0",
                         "--disable-tqdm", "--save-result", "--result-dir", str(tmp_path), "--result-filename", "bench.json"],
                        check=True, timeout=600, env={**os.environ, **VLLM_ENV}, stdout=subprocess.DEVNULL)
     finally:
@@ -126,7 +128,7 @@ def test_tune_latency_and_throughput_agree_with_vllm_bench_serve(tmp_path):
     bench = json.loads((tmp_path / "bench.json").read_text())
     ours = {
         "mean_ttft_s": sum(r.ttft_s for r in doctor.requests) / len(doctor.requests),
-        "mean_tpot_s": sum(r.tpot_s or 0.0 for r in doctor.requests) / len(doctor.requests),
+        "mean_tpot_s": float(np.mean([r.tpot_s for r in doctor.requests if r.tpot_s is not None])),  # vllm bench: requests of > 1 token
         "output_throughput": doctor.output_tokens_per_s,
         "request_throughput": doctor.requests_per_s,
     }

@@ -3,9 +3,9 @@
 Each request is one streamed OpenAI call (the body :func:`dflash_doctor.serving.engine_run.request_body`
 builds for ``check --engine``, with ``stream`` on and ``stream_options.include_usage`` so the final
 chunk carries the usage and, on vLLM, the per-request ``metrics.speculative_decoding``). Timing follows
-``vllm bench serve``: time to first token (TTFT) is the time to the first chunk with output text, time
-per output token (TPOT) is ``(end-to-end - TTFT) / (output tokens - 1)``, end-to-end latency is the
-whole call. A run's output tokens/s and requests/s are over the wall time from the first request sent
+``vllm bench serve`` (vllm/benchmarks/lib/endpoint_request_func.py): time to first token (TTFT) is the
+time to the first chunk that carries choices, time per output token (TPOT) is ``(end-to-end - TTFT) /
+(output tokens - 1)``, end-to-end latency is the whole call. A run's output tokens/s and requests/s are over the wall time from the first request sent
 to the last answered. A multi-turn workload request is measured on its first turn only: later turns
 would carry the server's own answers, which differ across K under sampling and make the runs unequal.
 
@@ -120,7 +120,7 @@ def stream_request(endpoint: EngineEndpoint, request: Request, config: DoctorCon
                 if data == "[DONE]":
                     break
                 chunk = json.loads(data)
-                if ttft is None and any(_chunk_text(choice) for choice in chunk.get("choices") or []):
+                if ttft is None and chunk.get("choices"):
                     ttft = clock() - started
                 if chunk.get("usage"):
                     final = chunk
@@ -144,11 +144,6 @@ def stream_request(endpoint: EngineEndpoint, request: Request, config: DoctorCon
         prompt_num_tokens=int(usage.get("prompt_tokens") or 0), num_output_tokens=int(usage.get("completion_tokens") or 0),
         ttft_s=ttft if ttft is not None else e2e, e2e_s=e2e, spec=spec,
     )
-
-
-def _chunk_text(choice: dict[str, Any]) -> str:
-    delta = choice.get("delta")
-    return (delta.get("content") or delta.get("reasoning_content") or "") if isinstance(delta, dict) else (choice.get("text") or "")
 
 
 def _counters(endpoint: EngineEndpoint) -> EngineCounters | None:
