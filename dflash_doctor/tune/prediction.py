@@ -24,7 +24,7 @@ outside the fit marked ``held_out``. The fitted costs are written as a ``--cost-
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -127,12 +127,12 @@ def predict(cells: list[dict[str, Any]], fits: dict[int, FittedCosts],
     return rows
 
 
-def _pays(bounds: list[float | None] | None) -> bool | None:
+def _pays(bounds: Sequence[float | None] | None) -> bool | None:
     """Shown to pay: the interval's low end at or above 1 (None: no interval)."""
     return None if not bounds or bounds[0] is None else bounds[0] >= 1.0
 
 
-def _inside(value: float, bounds: list[float | None] | None) -> bool | None:
+def _inside(value: float, bounds: Sequence[float | None] | None) -> bool | None:
     if not bounds or bounds[0] is None or bounds[1] is None:
         return None
     return bounds[0] <= value <= bounds[1]
