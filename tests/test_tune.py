@@ -18,6 +18,7 @@ from dflash_doctor.cli import app
 from dflash_doctor.stats.speedup import load_cost_profile
 from dflash_doctor.tune.advice import batch_ranges, engine_settings, recommend_grid
 from dflash_doctor.tune.analysis import analyse, cell
+from dflash_doctor.tune.experiment import redact
 from dflash_doctor.tune.prediction import fit_costs, predict
 
 import fake_spec_engine as fake
@@ -107,6 +108,11 @@ def test_a_k_whose_speedup_interval_reaches_below_1_is_not_recommended():
     assert coin_toss["k"] == 0 and "K=2, ran at 1.05x [0.90, 1.25]" in coin_toss["reason"]
     shown = recommend_grid([measured(2, 1.20, 1.05, 1.35), measured(4, 1.30, 0.95, 1.60)])["1"]["overall"]
     assert shown["k"] == 2  # K=4 measured faster, but only K=2 is shown to pay
+
+
+def test_a_launch_command_is_recorded_without_its_secrets():
+    command = "HF_TOKEN=hf_abc vllm serve t --api-key sk-123 --port 8000 --hf-token=hf_x --speculative-config '{}'"
+    assert redact(command) == "HF_TOKEN=*** vllm serve t --api-key *** --port 8000 --hf-token=*** --speculative-config '{}'"
 
 
 def test_vllm_setting_per_batch_size_and_speculation_off():

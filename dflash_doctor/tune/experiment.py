@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -106,7 +107,7 @@ def _server_facts(k: int, command: str | None, url: str, model: str | None, runs
     """What the engine itself said at this K: the K it drafts, and where the acceptance figures came from."""
     reported = {timed.spec.num_spec_tokens for run in runs for timed in run.requests if timed.spec is not None}
     per_request = any(timed.spec is not None for run in runs for timed in run.requests)
-    facts: dict[str, Any] = {"k": k, "url": url, "model": model, "launched": command,
+    facts: dict[str, Any] = {"k": k, "url": url, "model": model, "launched": redact(command) if command else None,
                              "engine_num_spec_tokens": sorted(x for x in reported if x is not None),
                              "acceptance_from": "per-request response metrics" if per_request else
                              "/metrics counter deltas over the run (overall only)" if any(r.counters for r in runs) else "none"}
@@ -115,6 +116,15 @@ def _server_facts(k: int, command: str | None, url: str, model: str | None, runs
     if k == 0 and any(r.counters and r.counters.num_drafts for r in runs):
         facts["warning"] = "the K=0 server drafted tokens: it is speculating; the baseline must run without a draft"
     return facts
+
+
+_SECRET = re.compile(r"((?:--api-key|--hf-token|--token)(?:=|\s+))(\S+)|(\b\w*(?:API_KEY|TOKEN|SECRET)\w*=)(\S+)", re.IGNORECASE)
+
+
+def redact(command: str) -> str:
+    """The launch command as tune.json records it: values of key/token flags and variables replaced by ***
+    (a run directory never holds a secret)."""
+    return _SECRET.sub(lambda m: (m.group(1) or m.group(3)) + "***", command)
 
 
 def _rows(runs: list[LoadRun]) -> pd.DataFrame:
