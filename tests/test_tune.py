@@ -249,6 +249,8 @@ def test_tune_launches_each_k_and_stops_its_process_group(tmp_path):
     (["--engine", "0=http://127.0.0.1:1", "--k", "0,2"], "names no server for K [2]"),
     (["--engine", "http://127.0.0.1:1", "--k", "0,2"], "one running server per K"),
     (["--engine", "0=http://127.0.0.1:1", "--k", "0,x"], "is not a list like 0,2,8"),
+    (["--engine", "0=http://127.0.0.1:1,2=http://127.0.0.1:1", "--k", "0,2", "--fit-k", "4"], "names K that --k 0,2 does not measure"),
+    (["--engine", "0=http://127.0.0.1:1", "--k", "0", "--loads", "0"], "--loads '0' must hold integers >= 1"),
 ])
 def test_bad_tune_input_is_one_sentence_and_exit_2(args, says):
     result = _invoke(args)

@@ -11,6 +11,7 @@ from rich.console import Console
 from dflash_doctor import pipeline
 from dflash_doctor.cli import options as opt
 from dflash_doctor.cli.root import app
+from dflash_doctor.errors import UsageError
 from dflash_doctor.inputs.config import build_config
 from dflash_doctor.tune.experiment import TuneGrid, default_fit_ks, parse_grid, run_tune
 from dflash_doctor.tune.measure import TimedRequest
@@ -61,6 +62,8 @@ def tune(
     cfg = build_config(config, **flags)
     ks = parse_grid(k, "--k", minimum=0)
     fit_ks = parse_grid(fit_k, "--fit-k", minimum=1) if fit_k else default_fit_ks(ks)
+    if not set(fit_ks) <= set(ks):
+        raise UsageError(f"--fit-k {','.join(map(str, fit_ks))} names K that --k {k} does not measure; fit from K in the grid.")
     grid = TuneGrid(ks=ks, loads=parse_grid(loads, "--loads", minimum=1), fit_ks=fit_ks, engine=engine, launch=launch,
                     launch_baseline=launch_baseline, sweep_dir=sweep, start_timeout_s=start_timeout)
     console = Console(stderr=True)
