@@ -3,10 +3,12 @@
 fits the step costs from K = 2 and 4, predicts K = 8 from its own teacher-forced sweep of the same prompts.
 
 On two CPU cores the draft's pass and a verify step of 1 + K tokens cost about as much as the 1.7-1.9 tokens
-a step commits, so no K is shown to pay with this draft; the test holds that tune says so with the engine's
-own setting, that the prediction (fitted costs x teacher-forced tau, with tau's interval) says the same at
-every K, the held-out K = 8 included, and that vLLM's tau agrees with the teacher-forced tau. Five server
-starts (the baseline twice): 6-7 minutes on this project's two shared cores.
+a step commits, so speculation sits at about 1x with this draft (0.7-1.2x over K = 2..8 in three runs here,
+intervals mostly reaching below 1). The test holds that vLLM's tau agrees with the teacher-forced tau, that
+the fit reproduces its own K within the prediction's interval, that at the held-out K = 8 the prediction's
+verdict (pays or not) is the measurement's, and that tune's setting follows the measurement (speculation
+off when no K is shown to pay). Five server starts (the baseline twice): 6.5 minutes on this project's two
+shared cores.
 """
 
 from __future__ import annotations
@@ -70,13 +72,19 @@ def test_tune_on_real_vllm_says_speculation_does_not_pay_and_the_prediction_agre
         # a class holds two requests here, so its figure is looser than the pooled one
         assert p["predicted_tau"] == pytest.approx(p["measured_tau"], rel=0.10 if scope == "overall" else 0.20), (k, scope, p)
 
-    # the prediction's verdict (its interval above 1 or not) is the measurement's at every K, the held-out one
-    # included; on this project's two cores no K was shown to pay (K=2: 1.05x [0.90, 1.25]), and tune says so
-    # with the engine's own setting
-    for k in (2, 4, 8):
-        assert rows[(k, "overall")]["predicted_pays"] == rows[(k, "overall")]["measured_pays"], rows[(k, "overall")]
-    if not any(rows[(k, "overall")]["measured_pays"] for k in (2, 4, 8)):
-        assert tune["recommendation"]["1"]["overall"]["k"] == 0
+    # the fit reproduces the K it was fitted on within the prediction's interval (tau's), and at the held-out
+    # K the prediction's verdict (interval above 1 or not) is the measurement's
+    for k in (2, 4):
+        low, high = rows[(k, "overall")]["predicted_speedup_ci"]
+        assert low <= rows[(k, "overall")]["measured_speedup"] <= high, rows[(k, "overall")]
+    assert rows[(8, "overall")]["predicted_pays"] == rows[(8, "overall")]["measured_pays"], rows[(8, "overall")]
+    # tune says what the measurement says, as the engine's setting: off when no K is shown to pay, else a K that is
+    paying = [k for k in (2, 4, 8) if rows[(k, "overall")]["measured_pays"]]
+    chosen = tune["recommendation"]["1"]["overall"]["k"]
+    if paying:
+        assert chosen in paying and f'"num_speculative_tokens": {chosen}' in tune["engine_settings"]["vllm"]
+    else:
+        assert chosen == 0
         assert tune["engine_settings"]["vllm"] == "speculation off: drop --speculative-config (no K shown to pay at any measured load)"
     profile = load_cost_profile(out / "cost-profile-c1.json")
     fitted = tune["fits"]["1"]
