@@ -25,8 +25,8 @@ MODEL = "fake-spec"
 class FakeCosts:
     prefill_s: float = 0.01
     decode_s: float = 0.02
-    draft_s: float = 0.006
-    slope_s: float = 0.002
+    draft_s: float = 0.02
+    slope_s: float = 0.003
 
     def step_s(self, k: int) -> float:
         return self.decode_s + (self.draft_s + self.slope_s * k if k else 0.0)

@@ -62,7 +62,7 @@ def fit_lines(result: dict[str, Any]) -> list[str]:
                      f"+{_ms(f['verify_slope_s'])} ms per drafted token (fitted from K {', '.join(map(str, f['fit_ks']))}; {f['note']}); "
                      f"profile {result['cost_profiles'].get(load, '-')}")
     for load, drift in result.get("baseline_drift", {}).items():
-        lines.append(f"concurrency {load}: the K=0 baseline measured again after the grid ran {drift:+.0%} slower/faster per token "
+        lines.append(f"concurrency {load}: the K=0 baseline measured again after the grid ran {abs(drift):.0%} {'slower' if drift > 0 else 'faster'} per token "
                      f"({'the machine was steady' if abs(drift) <= DRIFT_WARNING else 'the machine drifted: every speedup carries about half of it as extra error'})")
     error = result.get("held_out_error")
     lines.append(f"held-out K, overall: mean absolute speedup error {pct(error)}" if error is not None else
@@ -74,8 +74,8 @@ def recommendation_lines(result: dict[str, Any]) -> list[str]:
     lines = []
     for load, picks in result["recommendation"].items():
         for scope, pick in picks.items():
-            what = "speculation off" if pick["k"] == 0 else f"K={pick['k']} (conservative K={pick['conservative_k']})"
-            lines.append(f"concurrency {load}, {scope}: {what}. {pick['reason']}")
+            what = "" if pick["k"] == 0 else f"K={pick['k']} (conservative K={pick['conservative_k']}). "  # the reason starts "Speculation off"
+            lines.append(f"concurrency {load}, {scope}: {what}{pick['reason']}")
     lines += [f"{engine}: {setting}" for engine, setting in result["engine_settings"].items()]
     return lines
 
