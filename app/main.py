@@ -19,6 +19,7 @@ PAGES = [
     st.Page(ui.VIEWS / "sweep.py", title="Sweep", icon=":material/speed:"),
     st.Page(ui.VIEWS / "compare.py", title="Compare", icon=":material/compare_arrows:"),
     st.Page(ui.VIEWS / "production.py", title="Production", icon=":material/sensors:"),
+    st.Page(ui.VIEWS / "tune.py", title="Tune", icon=":material/tune:"),
 ]
 
 page = st.navigation(PAGES)

@@ -42,6 +42,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("report", ("dflash_doctor.report",)),
     ("checks", ("dflash_doctor.checks",)),
     ("pipeline", ("dflash_doctor.pipeline",)),
+    # the step-up experiment on a serving engine: measures with serving/, predicts with pipeline's sweep
+    ("tune", ("dflash_doctor.tune",)),
     ("interface", ("dflash_doctor.cli", "dflash_doctor.app", "dflash_doctor.__main__")),
 ]
 

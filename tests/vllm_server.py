@@ -24,22 +24,32 @@ SERVED_NAME = "smollm2-dflash"
 START_TIMEOUT_S = 900.0
 
 
-def start_vllm_server(target_dir: Path, draft_dir: Path, log_path: Path, *, num_speculative_tokens: int = 15,
-                      port: int | None = None) -> EngineServer:
-    """Launch ``python -m vllm.entrypoints.openai.api_server`` with the DFlash draft and detailed metrics."""
-    if not VLLM_PYTHON.is_file():
-        raise RuntimeError(f"{VLLM_PYTHON} is missing; run `bash scripts/setup-dev.sh` (it builds the vLLM environment).")
-    port = port or free_port()
-    spec = {"method": "dflash", "model": str(draft_dir), "num_speculative_tokens": num_speculative_tokens}
+def vllm_command(target_dir: Path, port: int, *, speculative_config: str | None) -> list[str]:
+    """The server's argv; ``speculative_config`` is the JSON text (None: no speculation, a baseline)."""
     command = [
         str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(target_dir), "--served-model-name", SERVED_NAME,
         "--host", "127.0.0.1", "--port", str(port),
         "--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "8", "--seed", "0", "-O0",
-        "--speculative-config", json.dumps(spec),
-        "--per-request-spec-decode-metrics", "detailed",
     ]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "INFO"}
+    if speculative_config is not None:
+        command += ["--speculative-config", speculative_config, "--per-request-spec-decode-metrics", "detailed"]
+    return command
+
+
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "INFO"}
+
+
+def start_vllm_server(target_dir: Path, draft_dir: Path, log_path: Path, *, num_speculative_tokens: int = 15,
+                      port: int | None = None) -> EngineServer:
+    """Launch ``python -m vllm.entrypoints.openai.api_server`` with the DFlash draft and detailed metrics
+    (``num_speculative_tokens=0``: the target alone, no speculation)."""
+    if not VLLM_PYTHON.is_file():
+        raise RuntimeError(f"{VLLM_PYTHON} is missing; run `bash scripts/setup-dev.sh` (it builds the vLLM environment).")
+    port = port or free_port()
+    spec = {"method": "dflash", "model": str(draft_dir), "num_speculative_tokens": num_speculative_tokens}
+    command = vllm_command(target_dir, port, speculative_config=json.dumps(spec) if num_speculative_tokens else None)
+    env = {**os.environ, **VLLM_ENV}
     return start_engine_server("vLLM", command, f"http://127.0.0.1:{port}", "/v1/models", log_path, START_TIMEOUT_S, env)
 
 

@@ -17,6 +17,7 @@ from dflash_doctor.cli import compare, report  # noqa: E402,F401
 from dflash_doctor.cli import workloads  # noqa: E402,F401
 from dflash_doctor.cli import dashboard  # noqa: E402,F401
 from dflash_doctor.cli import watch  # noqa: E402,F401
+from dflash_doctor.cli import tune  # noqa: E402,F401
 
 
 def main() -> None:

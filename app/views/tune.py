@@ -1,0 +1,37 @@
+"""Tune page: a `dflash-doctor tune` run (tune.json) - speedup vs K per class with intervals, latency vs
+throughput per K and load, predicted vs measured, the measured grid and the recommended engine setting.
+Tune runs sit beside the other runs under the dashboard's folder; they are picked here, not in the sidebar
+(they hold a grid of server runs, not one run.json)."""
+
+import json
+from pathlib import Path
+
+import pandas as pd
+import streamlit as st
+
+from dflash_doctor.app import ui
+from dflash_doctor.tune.experiment import TUNE_FILE
+from dflash_doctor.tune.views import MEASURED_COLUMNS, PREDICTION_COLUMNS, figures, fit_lines, measured_rows, prediction_rows, recommendation_lines
+
+st.title("Tune: K on your engine")
+found = sorted((str(path.parent) for path in ui.runs_dir().rglob(TUNE_FILE)), reverse=True)
+if not found:
+    st.info(f"No tune run under `{ui.runs_dir()}`. Write one with `dflash-doctor tune --out {ui.runs_dir()}/tune ...` (docs/tune.md).")
+    st.stop()
+picked = st.selectbox("Tune run", found)
+result = json.loads((Path(picked) / TUNE_FILE).read_text(encoding="utf-8"))
+grid = result["grid"]
+st.caption(f"K grid {grid['k']} (0 = off) · loads {grid['loads']} · {grid['num_requests']} requests per cell · costs fitted from K {grid['fit_k']}")
+
+st.header("Recommendation")
+for line in recommendation_lines(result):
+    st.markdown(f"- `{line}`" if line.split(":")[0] in result["engine_settings"] else f"- {line}")
+for i, (title, fig) in enumerate(figures(result)):
+    st.subheader(title)
+    st.plotly_chart(fig, key=f"tune_fig_{i}")
+st.header("Measured")
+st.dataframe(pd.DataFrame(measured_rows(result), columns=list(MEASURED_COLUMNS)), hide_index=True)
+st.header("Predicted vs measured")
+st.dataframe(pd.DataFrame(prediction_rows(result), columns=list(PREDICTION_COLUMNS)), hide_index=True)
+for line in fit_lines(result):
+    st.markdown(f"- {line}")

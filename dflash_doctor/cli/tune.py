@@ -1,0 +1,78 @@
+"""`dflash-doctor tune`: the step-up experiment on the user's engine (dflash_doctor/tune, docs/tune.md)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from dflash_doctor import pipeline
+from dflash_doctor.cli import options as opt
+from dflash_doctor.cli.root import app
+from dflash_doctor.errors import UsageError
+from dflash_doctor.inputs.config import build_config
+from dflash_doctor.tune.experiment import TuneGrid, default_fit_ks, parse_grid, run_tune
+from dflash_doctor.tune.measure import TimedRequest
+from dflash_doctor.tune.views import print_tune, write_reports
+
+Launch = Annotated[Optional[str], typer.Option("--launch", help="Shell command starting the server with speculation; {k} is replaced by K (templates in README).")]
+LaunchBaseline = Annotated[Optional[str], typer.Option("--launch-baseline", help="The same server without speculation: the K=0 run.")]
+TuneEngine = Annotated[Optional[str], typer.Option("--engine", help="With --launch: the URL the launched server answers at. Without: one running server per K, 0=URL,8=URL.")]
+TuneK = Annotated[str, typer.Option("--k", help="K grid, 0 = speculation off: e.g. 0,2,4,8,15.")]
+Loads = Annotated[str, typer.Option("--loads", help="Concurrency levels (requests in flight), e.g. 1,8.")]
+FitK = Annotated[Optional[str], typer.Option("--fit-k", help="The K the step costs are fitted from (default: the two smallest K > 0); the others are predicted.")]
+SweepDir = Annotated[Optional[str], typer.Option("--sweep", help="An earlier `sweep` run of the same workload and pair, instead of replaying here.")]
+StartTimeout = Annotated[float, typer.Option("--start-timeout", help="Seconds to wait for a server to answer GET /v1/models.")]
+EngineModel = Annotated[Optional[str], typer.Option("--engine-model", help="Model name on the server (default: its only model).")]
+
+
+@app.command()
+def tune(
+    launch: Launch = None,
+    launch_baseline: LaunchBaseline = None,
+    engine: TuneEngine = None,
+    engine_model: EngineModel = None,
+    k: TuneK = "0,2,4,8",
+    loads: Loads = "1",
+    fit_k: FitK = None,
+    sweep: SweepDir = None,
+    start_timeout: StartTimeout = 900.0,
+    target: opt.Target = None,
+    draft: opt.Draft = None,
+    draft_kind: opt.DraftKind = None,
+    workload: opt.Workload = None,
+    classes: opt.Classes = None,
+    max_requests: opt.MaxRequests = None,
+    max_new_tokens: opt.MaxNewTokens = None,
+    temperature: opt.Temperature = None,
+    device: opt.Device = None,
+    dtype: opt.Dtype = None,
+    out: opt.Out = None,
+    config: opt.ConfigFile = None,
+    seed: opt.Seed = None,
+    chat_template: opt.ChatTemplate = None,
+    strict_classes: opt.StrictClasses = None,
+    trust_remote_code: opt.TrustRemoteCode = False,
+) -> None:
+    """Measure K = 0 (off) and each K on your engine per class and load; fit its step costs, predict the rest, recommend its setting."""
+    flags = opt.config_values(locals())
+    flags.pop("k", None)  # tune's grid holds K = 0, which the shared --k refuses
+    cfg = build_config(config, **flags)
+    ks = parse_grid(k, "--k", minimum=0)
+    fit_ks = parse_grid(fit_k, "--fit-k", minimum=1) if fit_k else default_fit_ks(ks)
+    if not set(fit_ks) <= set(ks):
+        raise UsageError(f"--fit-k {','.join(map(str, fit_ks))} names K that --k {k} does not measure; fit from K in the grid.")
+    grid = TuneGrid(ks=ks, loads=parse_grid(loads, "--loads", minimum=1), fit_ks=fit_ks, engine=engine, launch=launch,
+                    launch_baseline=launch_baseline, sweep_dir=sweep, start_timeout_s=start_timeout)
+    console = Console(stderr=True)
+
+    def progress(k_now: int, load: int, timed: TimedRequest) -> None:
+        console.print(f"K={k_now} c={load} {timed.request_id}: {timed.num_output_tokens} tokens in {timed.e2e_s:.2f} s", highlight=False)
+
+    run_dir = Path(cfg.out) if cfg.out else pipeline.default_run_dir("tune")
+    outcome = run_tune(grid, cfg, run_dir, on_request=progress)
+    write_reports(outcome.run_dir, outcome.result)
+    print_tune(outcome.result, Console())
+    console.print(f"wrote {outcome.run_dir}")

@@ -1,0 +1,159 @@
+"""Per-class and overall figures of a tune grid, with bootstrap intervals, and the net speedup vs K = 0.
+
+Input: one row per request per (K, concurrency) cell (``requests.parquet``, :meth:`TimedRequest.as_row`)
+and the run-level throughput of each cell. Every interval is the project's request-level bootstrap
+(:func:`dflash_doctor.stats.metrics.resample_multiplicities`, 95% percentile), seeded per scope:
+
+* ``ttft_s``, ``e2e_s``: means over requests; ``tpot_s``: pooled, decode time over output tokens after the
+  first (long answers weigh more, as in a token-rate);
+* ``tau`` (vLLM's mean acceptance length, bonus included) = 1 + accepted / drafts, pooled;
+* ``rollback_per_token``: target tokens verified and thrown away per output token, (drafted - accepted) /
+  output tokens, pooled;
+* ``step_s``: decode time per verify step (sum of decode time / sum of drafts): what one speculative step
+  costs on the engine at this load; it feeds the cost fit (:mod:`.prediction`);
+* ``speedup``: net speedup of K against K = 0 at the same load, TPOT(0) / TPOT(K), on the requests both
+  runs answered, resampled in pairs (the same requests in both numerator and denominator);
+* overall only: ``output_tokens_per_s`` and ``requests_per_s`` of the run, and ``throughput_speedup``,
+  the output tokens/s ratio against K = 0 (no interval: one run is one figure).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from dflash_doctor.stats.metrics import NUM_BOOTSTRAP_RESAMPLES, group_rng, interval, resample_multiplicities, summary_group
+
+OVERALL = "overall"
+
+
+def pooled(columns: list[np.ndarray], combine, *, seed: int, group: str, n_boot: int = NUM_BOOTSTRAP_RESAMPLES) -> tuple[float, list[float]]:
+    """``combine`` of the column sums over requests, and its 95% bootstrap interval over requests."""
+    counters = np.column_stack([np.asarray(c, dtype=np.float64) for c in columns])
+    if len(counters) == 0:
+        return float("nan"), [float("nan"), float("nan")]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        point = float(combine(counters.sum(axis=0)[None, :])[0])
+        samples = np.full(n_boot, np.nan)
+        for rows, multiplicity in resample_multiplicities(len(counters), n_boot, group_rng(seed, group)):
+            samples[rows] = combine(multiplicity @ counters)
+    return point, [float(x) for x in interval(samples)]
+
+
+def _ratio(sums: np.ndarray) -> np.ndarray:
+    return np.where(sums[:, 1] > 0, sums[:, 0] / np.where(sums[:, 1] > 0, sums[:, 1], 1.0), np.nan)
+
+
+def _tau(sums: np.ndarray) -> np.ndarray:
+    return 1.0 + _ratio(sums)
+
+
+def _paired_speedup(sums: np.ndarray) -> np.ndarray:
+    """columns: decode time and tokens at K = 0, then at K: TPOT(0) / TPOT(K)."""
+    base = _ratio(sums[:, 0:2])
+    spec = _ratio(sums[:, 2:4])
+    return base / spec
+
+
+def _figures(rows: pd.DataFrame, seed: int, group: str) -> dict[str, Any]:
+    tokens_after_first = (rows["num_output_tokens"] - 1).clip(lower=0).to_numpy()
+    ones = np.ones(len(rows))
+    figures: dict[str, Any] = {"num_requests": int(len(rows)), "num_output_tokens": int(rows["num_output_tokens"].sum())}
+    for name, column in (("ttft_s", "ttft_s"), ("e2e_s", "e2e_s")):
+        figures[name], figures[f"{name}_ci"] = pooled([rows[column].to_numpy(), ones], _ratio, seed=seed, group=f"{group}:{name}")
+    figures["tpot_s"], figures["tpot_s_ci"] = pooled([rows["decode_s"].to_numpy(), tokens_after_first], _ratio, seed=seed, group=f"{group}:tpot")
+    spec = rows.dropna(subset=["num_drafts"])
+    spec = spec[spec["num_drafts"] > 0]
+    if len(spec):
+        accepted, drafts = spec["num_accepted_tokens"].to_numpy(), spec["num_drafts"].to_numpy()
+        figures["tau"], figures["tau_ci"] = pooled([accepted, drafts], _tau, seed=seed, group=f"{group}:tau")
+        wasted = (spec["num_draft_tokens"] - spec["num_accepted_tokens"]).to_numpy()
+        figures["rollback_per_token"], figures["rollback_per_token_ci"] = pooled(
+            [wasted, spec["num_output_tokens"].to_numpy()], _ratio, seed=seed, group=f"{group}:rollback")
+        figures["step_s"] = float(spec["decode_s"].sum() / spec["num_drafts"].sum())
+    return figures
+
+
+def _per_request(rows: pd.DataFrame) -> pd.DataFrame:
+    """Decode time and tokens after the first per request id, summed over repeats (the baseline's two passes)."""
+    tokens = (rows["num_output_tokens"] - 1).clip(lower=0)
+    return rows.assign(tokens=tokens).groupby("request_id", as_index=False)[["decode_s", "tokens"]].sum()
+
+
+def _speedup(base: pd.DataFrame, spec: pd.DataFrame, seed: int, group: str) -> tuple[float, list[float]]:
+    paired = _per_request(base).merge(_per_request(spec), on="request_id", suffixes=("_0", "_k"))
+    columns = [paired[f"{name}{side}"].to_numpy() for side in ("_0", "_k") for name in ("decode_s", "tokens")]
+    return pooled(columns, _paired_speedup, seed=seed, group=f"{group}:speedup")
+
+
+def baseline_drift(rows: pd.DataFrame) -> dict[str, float]:
+    """Per concurrency: pooled TPOT of the baseline's second pass (after the grid) over its first, minus 1.
+    The speedups divide by both passes pooled; a drift of x% puts about x/2% on every speedup."""
+    base = rows[rows["k"] == 0]
+    drift = {}
+    for concurrency, at_load in base.groupby("concurrency"):
+        passes = [part["decode_s"].sum() / (part["num_output_tokens"] - 1).clip(lower=0).sum() for _, part in at_load.groupby("repeat")]
+        if len(passes) == 2:
+            drift[str(concurrency)] = float(passes[1] / passes[0] - 1.0)
+    return drift
+
+
+def analyse(rows: pd.DataFrame, throughput: dict[tuple[int, int], dict[str, float]], *, seed: int = 0) -> list[dict[str, Any]]:
+    """One cell per (concurrency, K, scope): the figures above; ``throughput[(K, concurrency)]`` holds
+    the run-level ``output_tokens_per_s`` and ``requests_per_s``."""
+    cells: list[dict[str, Any]] = []
+    for concurrency in sorted(rows["concurrency"].unique()):
+        at_load = rows[rows["concurrency"] == concurrency]
+        base_all = at_load[at_load["k"] == 0]
+        for k in sorted(at_load["k"].unique()):
+            cell_rows = at_load[at_load["k"] == k]
+            scopes = [(OVERALL, cell_rows, base_all)] + [
+                (str(cls), part, base_all[base_all["class"] == cls]) for cls, part in cell_rows.groupby("class", sort=True)]
+            for scope, part, base in scopes:
+                group = f"c{concurrency}:k{k}:{summary_group(scope)}"
+                cell = {"concurrency": int(concurrency), "k": int(k), "scope": scope, **_figures(part, seed, group)}
+                if k == 0:
+                    cell["speedup"], cell["speedup_ci"] = 1.0, [1.0, 1.0]
+                elif len(base):
+                    cell["speedup"], cell["speedup_ci"] = _speedup(base, part, seed, group)
+                if scope == OVERALL:
+                    cell.update(throughput[(int(k), int(concurrency))])
+                    base_rate = throughput.get((0, int(concurrency)), {}).get("output_tokens_per_s")
+                    if base_rate:
+                        cell["throughput_speedup"] = cell["output_tokens_per_s"] / base_rate
+                cells.append(_finite(cell))
+    return cells
+
+
+def _finite(cell: dict[str, Any]) -> dict[str, Any]:
+    """NaN becomes None, so tune.json stays strict JSON."""
+    def clean(value):
+        if isinstance(value, float) and not math.isfinite(value):
+            return None
+        if isinstance(value, list):
+            return [clean(v) for v in value]
+        return value
+    return {key: clean(value) for key, value in cell.items()}
+
+
+def cell(cells: list[dict[str, Any]], concurrency: int, k: int, scope: str = OVERALL) -> dict[str, Any] | None:
+    """The cell of one (concurrency, K, scope), or None."""
+    return next((c for c in cells if c["concurrency"] == concurrency and c["k"] == k and c["scope"] == scope), None)
+
+
+def fill_from_counters(cells: list[dict[str, Any]], rows: pd.DataFrame, counters: dict[tuple[int, int], Any]) -> None:
+    """Overall tau, rollback and step time from the server's /metrics deltas over a run, where its
+    responses carried no per-request figures (a server started without them); no interval, no classes.
+    ``counters[(K, concurrency)]`` is a :class:`~dflash_doctor.serving.responses.SpecMeasurement`."""
+    for c in cells:
+        measured = counters.get((c["k"], c["concurrency"]))
+        if c["scope"] != OVERALL or c.get("tau") is not None or measured is None or not measured.num_drafts:
+            continue
+        part = rows[(rows["k"] == c["k"]) & (rows["concurrency"] == c["concurrency"])]
+        c["tau"], c["tau_ci"] = measured.tau, None
+        c["rollback_per_token"] = (measured.num_draft_tokens - measured.num_accepted_tokens) / max(int(part["num_output_tokens"].sum()), 1)
+        c["step_s"] = float(part["decode_s"].sum()) / measured.num_drafts
+        c["acceptance_from"] = "/metrics counter deltas"

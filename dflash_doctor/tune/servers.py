@@ -1,0 +1,117 @@
+"""The server each K of the grid is measured on: launched by the doctor, or run by the user.
+
+``--launch 'COMMAND ... {k} ...'`` is a shell command line; ``{k}`` is replaced by K (plain text
+replacement, so the braces of a JSON ``--speculative-config`` need no escaping). K = 0 is the same
+server without speculation, which no substitution can express for every engine (vLLM drops a whole
+``--speculative-config``, llama.cpp its ``-md``), so it is its own command: ``--launch-baseline``. The
+doctor starts each command in a new session (its own process group), waits until ``GET /v1/models``
+answers at ``--engine URL``, measures, then stops the group: SIGTERM, SIGKILL after a grace period. The
+server's output goes to ``server-k<K>.log`` in the run directory.
+
+Without ``--launch``, ``--engine`` lists one running server per K: ``0=http://h:8000,8=http://h:8001``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+import urllib.request
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+from dflash_doctor.errors import UsageError
+
+K_PLACEHOLDER = "{k}"
+
+
+@dataclass(frozen=True)
+class ServerPlan:
+    """How to reach the server for one K: a command to launch (None: the user runs it) and its URL."""
+
+    k: int
+    url: str
+    command: str | None = None
+
+
+def plan_servers(grid: tuple[int, ...], engine: str | None, launch: str | None, launch_baseline: str | None) -> list[ServerPlan]:
+    """One plan per K of the grid from the flags; every inconsistency is one UsageError sentence."""
+    if launch is not None:
+        if K_PLACEHOLDER not in launch:
+            raise UsageError(f"--launch {launch!r} has no {K_PLACEHOLDER} placeholder; put it where the command sets the number of draft tokens.")
+        if not engine or "=" in engine:
+            raise UsageError("--launch needs --engine URL: the one address the launched server listens on, e.g. http://127.0.0.1:8000.")
+        if 0 in grid and not launch_baseline:
+            raise UsageError("the K grid holds 0 (speculation off) but --launch-baseline is missing; give the same command without the draft, or drop 0 from --k.")
+        return [ServerPlan(k, engine, launch_baseline if k == 0 else launch.replace(K_PLACEHOLDER, str(k))) for k in grid]
+    if launch_baseline is not None:
+        raise UsageError("--launch-baseline is only used with --launch; give both, or list running servers with --engine 0=URL,8=URL.")
+    if not engine:
+        raise UsageError("tune needs servers: --launch 'COMMAND {k}' with --launch-baseline and --engine URL, or --engine 0=URL,8=URL for servers you run.")
+    urls: dict[int, str] = {}
+    for item in engine.split(","):
+        k_text, sep, url = item.partition("=")
+        try:
+            k = int(k_text)
+        except ValueError:
+            k = -1
+        if not sep or k < 0 or not url.strip():
+            raise UsageError(f"--engine {engine!r}: without --launch it lists one running server per K as K=URL, e.g. 0=http://127.0.0.1:8000,8=http://127.0.0.1:8001.")
+        urls[k] = url.strip()
+    missing = [k for k in grid if k not in urls]
+    if missing:
+        raise UsageError(f"--engine names no server for K {missing}; add K=URL for each K of --k ({', '.join(map(str, grid))}).")
+    return [ServerPlan(k, urls[k]) for k in grid]
+
+
+def wait_healthy(url: str, process: subprocess.Popen | None, timeout_s: float, log_path: Path | None) -> None:
+    """Poll ``GET /v1/models`` until it answers 200; the process dying or the time running out is a UsageError."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(url.rstrip("/") + "/v1/models", timeout=5) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        where = f"; its output is in {log_path}" if log_path else ""
+        if process is not None and process.poll() is not None:
+            raise UsageError(f"the launched server exited with code {process.returncode} before {url} answered{where}; fix the --launch command.")
+        if time.monotonic() > deadline:
+            raise UsageError(f"{url} did not answer GET /v1/models within {timeout_s:.0f} s{where}; fix the URL or raise --start-timeout.")
+        time.sleep(1.0)
+
+
+def stop_group(process: subprocess.Popen, grace_s: float = 30.0) -> None:
+    """SIGTERM the launched command's own process group, SIGKILL what outlives ``grace_s`` (engine workers)."""
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait(timeout=grace_s)
+
+
+@contextmanager
+def serving(plan: ServerPlan, log_path: Path, start_timeout_s: float) -> Iterator[str]:
+    """The server of one K, healthy, for the time of the block; a launched one is stopped after it."""
+    if plan.command is None:
+        wait_healthy(plan.url, None, start_timeout_s, None)
+        yield plan.url
+        return
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("w") as log:
+        process = subprocess.Popen(["bash", "-c", plan.command], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            wait_healthy(plan.url, process, start_timeout_s, log_path)
+            yield plan.url
+        finally:
+            stop_group(process)

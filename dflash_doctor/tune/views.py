@@ -1,0 +1,179 @@
+"""Views of a tune run (``tune.json``): terminal tables, report.md, report.html, and the figures the
+report and the dashboard share.
+
+Three tables, one source each: the measured grid (per load, K and scope: tau, net speedup with
+intervals, TTFT, TPOT, end-to-end latency, throughput, rollback compute), predicted vs measured (the K
+held out of the cost fit marked), and the recommendation with the engine settings. Three figures:
+speedup vs K per class with intervals, latency (TPOT) vs throughput per K and load, predicted vs measured.
+"""
+
+from __future__ import annotations
+
+import html
+from pathlib import Path
+from typing import Any
+
+import plotly.graph_objects as go
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from dflash_doctor.report.html import figure_html, plotly_js
+from dflash_doctor.report.templating import ci, fmt, markdown_cell, pct
+from dflash_doctor.tune.analysis import OVERALL
+
+DRIFT_WARNING = 0.15  # baseline drift beyond which the report says the speedups are unsteady
+
+MEASURED_COLUMNS = ("load", "K", "class", "req", "tau", "tau 95% CI", "speedup", "speedup 95% CI", "TTFT ms", "TPOT ms",
+                    "e2e s", "out tok/s", "req/s", "rollback/token")
+PREDICTION_COLUMNS = ("load", "K", "class", "fit/held out", "tau pred", "tau meas", "speedup pred", "pred 95% CI", "speedup meas",
+                      "meas 95% CI", "error", "rel. error", "pays? pred / meas")
+
+
+def _ms(value: Any) -> str:
+    return fmt(value * 1000.0 if value is not None else None, 1)
+
+
+def measured_rows(result: dict[str, Any]) -> list[tuple[str, ...]]:
+    return [(
+        str(c["concurrency"]), str(c["k"]), c["scope"], str(c["num_requests"]), fmt(c.get("tau")), ci(c.get("tau_ci")),
+        fmt(c.get("speedup")), ci(c.get("speedup_ci")), _ms(c.get("ttft_s")), _ms(c.get("tpot_s")), fmt(c.get("e2e_s")),
+        fmt(c.get("output_tokens_per_s"), 1), fmt(c.get("requests_per_s")), fmt(c.get("rollback_per_token")),
+    ) for c in result["cells"]]
+
+
+def prediction_rows(result: dict[str, Any]) -> list[tuple[str, ...]]:
+    return [(
+        str(p["concurrency"]), str(p["k"]), p["scope"], "held out" if p["held_out"] else "fit", fmt(p["predicted_tau"]),
+        fmt(p["measured_tau"]), fmt(p["predicted_speedup"]), ci(p["predicted_speedup_ci"]), fmt(p["measured_speedup"]),
+        ci(p["measured_speedup_ci"]), fmt(p["speedup_error"]), pct(p["speedup_relative_error"]),
+        f"{_yes_no(p['predicted_pays'])} / {_yes_no(p['measured_pays'])}",
+    ) for p in result["prediction"]]
+
+
+def _yes_no(value: bool | None) -> str:
+    return "?" if value is None else "yes" if value else "no"
+
+
+def fit_lines(result: dict[str, Any]) -> list[str]:
+    lines = []
+    for load, f in result["fits"].items():
+        lines.append(f"concurrency {load}: t_decode {_ms(f['t_decode_s'])} ms, t_draft {_ms(f['t_draft_s'])} ms, verify "
+                     f"+{_ms(f['verify_slope_s'])} ms per drafted token (fitted from K {', '.join(map(str, f['fit_ks']))}; {f['note']}); "
+                     f"profile {result['cost_profiles'].get(load, '-')}")
+    for load, drift in result.get("baseline_drift", {}).items():
+        lines.append(f"concurrency {load}: the K=0 baseline measured again after the grid ran {abs(drift):.0%} {'slower' if drift > 0 else 'faster'} per token "
+                     f"({'the machine was steady' if abs(drift) <= DRIFT_WARNING else 'the machine drifted: every speedup carries about half of it as extra error'})")
+    error = result.get("held_out_error")
+    lines.append(f"held-out K, overall: mean absolute speedup error {pct(error)}" if error is not None else
+                 "no held-out K: every speculative K was used by the fit (add K to --k or narrow --fit-k)")
+    return lines
+
+
+def recommendation_lines(result: dict[str, Any]) -> list[str]:
+    lines = []
+    for load, picks in result["recommendation"].items():
+        for scope, pick in picks.items():
+            what = "" if pick["k"] == 0 else f"K={pick['k']} (conservative K={pick['conservative_k']}). "  # the reason starts "Speculation off"
+            lines.append(f"concurrency {load}, {scope}: {what}{pick['reason']}")
+    lines += [f"{engine}: {setting}" for engine, setting in result["engine_settings"].items()]
+    return lines
+
+
+def print_tune(result: dict[str, Any], console: Console) -> None:
+    for title, columns, rows in (("Measured on the engine (speedup = TPOT at K=0 / TPOT at K, same requests and load)", MEASURED_COLUMNS, measured_rows(result)),
+                                 ("Predicted (fitted step costs x teacher-forced tau) vs measured", PREDICTION_COLUMNS, prediction_rows(result))):
+        table = Table(title=title)
+        for column in columns:
+            table.add_column(column)
+        for row in rows:
+            table.add_row(*(escape(x) for x in row))
+        console.print(table)
+    for line in fit_lines(result) + recommendation_lines(result):
+        console.print(escape(line))
+
+
+def _md_table(columns: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
+    head = "| " + " | ".join(columns) + " |\n|" + "---|" * len(columns) + "\n"
+    return head + "".join("| " + " | ".join(str(markdown_cell(x)) for x in row) + " |\n" for row in rows)
+
+
+def render_markdown(result: dict[str, Any]) -> str:
+    grid = result["grid"]
+    parts = [
+        "# dflash-doctor tune\n",
+        f"K grid {grid['k']} (0 = speculation off), loads (concurrency) {grid['loads']}, {grid['num_requests']} requests per cell, "
+        f"costs fitted from K {grid['fit_k']}. Definitions: vLLM's (tau = 1 + accepted / drafts; TTFT, TPOT as `vllm bench serve`).\n",
+        "## Measured\n", _md_table(MEASURED_COLUMNS, measured_rows(result)),
+        "\n## Predicted vs measured\n", _md_table(PREDICTION_COLUMNS, prediction_rows(result)),
+        "\n" + "".join(f"- {markdown_cell(line)}\n" for line in fit_lines(result)),
+        "\n## Recommendation\n", "".join(f"- {markdown_cell(line)}\n" for line in recommendation_lines(result)),
+    ]
+    warnings = [s["warning"] for s in result["servers"] if s.get("warning")]
+    if warnings:
+        parts += ["\n## Warnings\n", "".join(f"- {markdown_cell(w)}\n" for w in warnings)]
+    return "".join(parts)
+
+
+def figures(result: dict[str, Any]) -> list[tuple[str, go.Figure]]:
+    """(title, figure) for the report and the dashboard."""
+    cells = result["cells"]
+    speedup = go.Figure()
+    for load in result["grid"]["loads"]:
+        for scope in sorted({c["scope"] for c in cells}, key=lambda s: (s != OVERALL, s)):
+            points = [c for c in cells if c["concurrency"] == load and c["scope"] == scope and c.get("speedup") is not None]
+            lows = [c["speedup"] - (c.get("speedup_ci") or [c["speedup"]])[0] if (c.get("speedup_ci") or [None])[0] is not None else 0 for c in points]
+            highs = [(c.get("speedup_ci") or [None, c["speedup"]])[1] - c["speedup"] if (c.get("speedup_ci") or [None, None])[1] is not None else 0 for c in points]
+            speedup.add_trace(go.Scatter(x=[c["k"] for c in points], y=[c["speedup"] for c in points], mode="lines+markers",
+                                         name=f"{scope} @ c{load}", error_y={"type": "data", "symmetric": False, "array": highs, "arrayminus": lows}))
+    speedup.add_hline(y=1.0, line_dash="dot")
+    speedup.update_layout(xaxis_title="K (draft tokens per step; 0 = off)", yaxis_title="net speedup vs K=0 (95% CI)")
+
+    tradeoff = go.Figure()
+    for k in result["grid"]["k"]:
+        points = [c for c in cells if c["k"] == k and c["scope"] == OVERALL and c.get("output_tokens_per_s")]
+        tradeoff.add_trace(go.Scatter(x=[c["output_tokens_per_s"] for c in points], y=[(c.get("tpot_s") or 0) * 1000 for c in points],
+                                      mode="lines+markers+text", text=[f"c{c['concurrency']}" for c in points], name=f"K={k}"))
+    tradeoff.update_layout(xaxis_title="output tokens/s", yaxis_title="TPOT (ms)")
+
+    held = go.Figure()
+    for held_out in (False, True):
+        points = [p for p in result["prediction"] if p["held_out"] == held_out and p["measured_speedup"] is not None]
+        held.add_trace(go.Scatter(x=[p["measured_speedup"] for p in points], y=[p["predicted_speedup"] for p in points], mode="markers",
+                                  text=[f"K={p['k']} {p['scope']} c{p['concurrency']}" for p in points],
+                                  name="held-out K" if held_out else "fit K"))
+    values = [v for p in result["prediction"] for v in (p["measured_speedup"], p["predicted_speedup"]) if v is not None]
+    if values:
+        low, high = min(values + [1.0]) * 0.9, max(values + [1.0]) * 1.1
+        held.add_trace(go.Scatter(x=[low, high], y=[low, high], mode="lines", line={"dash": "dot"}, name="predicted = measured"))
+    held.update_layout(xaxis_title="measured speedup", yaxis_title="predicted speedup")
+    return [("Net speedup vs K per class", speedup), ("Latency vs throughput per K and load", tradeoff),
+            ("Predicted vs measured speedup", held)]
+
+
+def _html_table(columns: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in columns)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(x)}</td>" for x in row) + "</tr>" for row in rows)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def _items(lines: list[str]) -> str:
+    return "<ul>" + "".join(f"<li>{html.escape(line)}</li>" for line in lines) + "</ul>"
+
+
+def render_html(result: dict[str, Any]) -> str:
+    charts = "".join(f"<h2>{html.escape(title)}</h2>{figure_html(fig, f'tune-fig-{i}')}" for i, (title, fig) in enumerate(figures(result)))
+    return ("<!doctype html><html><head><meta charset='utf-8'><title>dflash-doctor tune</title>"
+            "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:2px 6px}</style>"
+            f"<script>{plotly_js()}</script></head><body><h1>dflash-doctor tune</h1>"
+            f"<h2>Recommendation</h2>{_items(recommendation_lines(result))}{charts}"
+            f"<h2>Measured</h2>{_html_table(MEASURED_COLUMNS, measured_rows(result))}"
+            f"<h2>Predicted vs measured</h2>{_html_table(PREDICTION_COLUMNS, prediction_rows(result))}{_items(fit_lines(result))}"
+            "</body></html>")
+
+
+def write_reports(run_dir: Path, result: dict[str, Any]) -> list[Path]:
+    md, page = run_dir / "report.md", run_dir / "report.html"
+    md.write_text(render_markdown(result), encoding="utf-8")
+    page.write_text(render_html(result), encoding="utf-8")
+    return [md, page]

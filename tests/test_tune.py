@@ -1,0 +1,260 @@
+"""`tune`: the measuring, fitting and recommending logic against fake engines on 127.0.0.1 with known costs
+(tests/fake_spec_engine.py), and the fit on exact synthetic requests. The real vLLM run is test_tune_vllm.py."""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from streamlit.testing.v1 import AppTest
+from typer.testing import CliRunner
+
+from dflash_doctor.app import RUNS_DIR_ENV
+from dflash_doctor.cli import app
+from dflash_doctor.stats.speedup import load_cost_profile
+from dflash_doctor.tune.advice import batch_ranges, engine_settings, recommend_grid
+from dflash_doctor.tune.analysis import analyse, cell
+from dflash_doctor.tune.experiment import redact
+from dflash_doctor.tune.prediction import fit_costs, predict
+
+import fake_spec_engine as fake
+
+TESTS = Path(__file__).resolve().parent
+MAX_TOKENS = 24
+TIMING_TOLERANCE = 0.35  # relative, for figures timed from the fake engine's sleeps
+PROMPTS = {"m1": ("math", "math: add 2 and 3"), "m2": ("math", "math: halve 10"),
+           "c1": ("chat", "chat: say hello"), "c2": ("chat", "chat: name a colour")}
+
+
+def _workload(tmp_path: Path) -> Path:
+    path = tmp_path / "workload.jsonl"
+    path.write_text("".join(json.dumps({"id": rid, "class": cls, "prompt": text}) + "\n" for rid, (cls, text) in PROMPTS.items()))
+    return path
+
+
+def _expected_tau(scope: str, k: int) -> float:
+    steps = [a for rid, (cls, text) in PROMPTS.items() if scope in ("overall", cls) for a in fake.per_step_accepted(text, k, MAX_TOKENS)]
+    return 1.0 + sum(steps) / len(steps)
+
+
+def _sweep_run(tmp_path: Path, ks: list[int]) -> Path:
+    """A sweep run directory whose teacher-forced tau is the fake engine's exact tau (a perfect prediction of acceptance)."""
+    run_dir = tmp_path / "sweep"
+    run_dir.mkdir()
+    def rows(scope: str) -> list[dict]:
+        return [{"k": k, "mean_acceptance_length": _expected_tau(scope, k), "mean_acceptance_length_ci": [_expected_tau(scope, k)] * 2} for k in ks]
+
+    sweep = {"overall": rows("overall"), "by_class": {"math": rows("math"), "chat": rows("chat")}}
+    (run_dir / "run.json").write_text(json.dumps({"summary": {"sweep": sweep}, "models": {"draft": {"kind": "dflash"}}}))
+    return run_dir
+
+
+def _invoke(args: list[str]):
+    return CliRunner().invoke(app, ["tune", *args])
+
+
+def test_fit_recovers_the_step_costs_and_predicts_a_held_out_k_exactly():
+    """Requests built from step(K) = t_decode + t_draft + slope K: the fit from K = 2, 4 returns those
+    costs and predicts K = 8's speedup and tau with no error."""
+    t_decode, t_draft, slope = 0.010, 0.003, 0.0015
+    rows = []
+    for k in (0, 2, 4, 8):
+        for i, (cls, accept) in enumerate((("math", 3), ("chat", 1)) * 3):
+            a, steps = min(k, accept), 30  # K = 0: 30 plain decode steps of one token each
+            decode = steps * (t_decode + (t_draft + slope * k if k else 0.0))
+            rows.append({"k": k, "concurrency": 1, "request_id": f"r{i}", "class": cls, "prompt_num_tokens": 5,
+                         "num_output_tokens": 1 + steps * (a + 1), "ttft_s": 0.05, "e2e_s": 0.05 + decode, "decode_s": decode,
+                         "tpot_s": None, "num_drafts": steps if k else None, "num_draft_tokens": steps * k if k else None,
+                         "num_accepted_tokens": steps * a if k else None})
+    frame = pd.DataFrame(rows)
+    throughput = {(k, 1): {"output_tokens_per_s": 1.0, "requests_per_s": 1.0} for k in (0, 2, 4, 8)}
+    cells = analyse(frame, throughput, seed=0)
+    fitted = fit_costs(cells, 1, (2, 4))
+    assert fitted is not None
+    assert fitted.t_decode_s == pytest.approx(t_decode)
+    assert fitted.t_draft_s == pytest.approx(t_draft)
+    assert fitted.verify_slope_s == pytest.approx(slope)
+    taus = {scope: {k: (c["tau"], c["tau_ci"]) for k in (2, 4, 8) if (c := cell(cells, 1, k, scope))} for scope in ("overall", "math", "chat")}
+    prediction = predict(cells, {1: fitted}, taus)
+    held = [p for p in prediction if p["k"] == 8]
+    assert {p["scope"] for p in held} == {"overall", "math", "chat"} and all(p["held_out"] for p in held)
+    for p in prediction:
+        assert p["speedup_relative_error"] == pytest.approx(0.0, abs=1e-9)
+        assert p["predicted_pays"] == p["measured_pays"] is not None
+    math8 = cell(cells, 1, 8, "math")
+    assert math8["tau"] == pytest.approx(4.0)
+    assert math8["rollback_per_token"] == pytest.approx(30 * 5 / (1 + 30 * 4))
+
+
+def test_a_verify_cost_falling_with_k_is_fitted_flat():
+    """Noise can make step(4) < step(2); verifying more tokens never costs less, so the fit holds the slope at 0."""
+    cells = [{"concurrency": 1, "k": 0, "scope": "overall", "tpot_s": 0.010},
+             {"concurrency": 1, "k": 2, "scope": "overall", "step_s": 0.020},
+             {"concurrency": 1, "k": 4, "scope": "overall", "step_s": 0.016}]
+    fitted = fit_costs(cells, 1, (2, 4))
+    assert fitted is not None and fitted.verify_slope_s == 0.0
+    assert fitted.step_s(8) == pytest.approx(0.018) and "taken as flat" in fitted.note
+
+
+def test_a_k_whose_speedup_interval_reaches_below_1_is_not_recommended():
+    def measured(k: int, speedup: float, low: float, high: float) -> dict:
+        return {"concurrency": 1, "k": k, "scope": "overall", "tau": 2.0, "tau_ci": [1.8, 2.2], "speedup": speedup, "speedup_ci": [low, high]}
+
+    coin_toss = recommend_grid([measured(2, 1.05, 0.90, 1.25), measured(4, 0.94, 0.79, 1.17)])["1"]["overall"]
+    assert coin_toss["k"] == 0 and "K=2, ran at 1.05x [0.90, 1.25]" in coin_toss["reason"]
+    shown = recommend_grid([measured(2, 1.20, 1.05, 1.35), measured(4, 1.30, 0.95, 1.60)])["1"]["overall"]
+    assert shown["k"] == 2  # K=4 measured faster, but only K=2 is shown to pay
+
+
+def test_a_launch_command_is_recorded_without_its_secrets():
+    command = "HF_TOKEN=hf_abc vllm serve t --api-key sk-123 --port 8000 --hf-token=hf_x --speculative-config '{}'"
+    assert redact(command) == "HF_TOKEN=*** vllm serve t --api-key *** --port 8000 --hf-token=*** --speculative-config '{}'"
+
+
+def test_vllm_setting_per_batch_size_and_speculation_off():
+    def picks(k_by_load: dict[int, int]) -> dict:
+        return {str(load): {"overall": {"k": k}} for load, k in k_by_load.items()}
+
+    assert batch_ranges({1: 4, 8: 2, 32: 0}) == [[1, 1, 4], [2, 8, 2], [9, 32, 0]]
+    mixed = engine_settings(picks({1: 4, 8: 0}))
+    spec = json.loads(mixed["vllm"].split("'")[1])
+    assert spec["num_speculative_tokens"] == 4 and spec["num_speculative_tokens_per_batch_size"] == [[1, 1, 4], [2, 8, 0]]
+    assert '"num_speculative_tokens": 3' in engine_settings(picks({1: 3, 4: 3}))["vllm"]
+    assert engine_settings(picks({1: 3}))["sglang"] == "--speculative-num-draft-tokens 4"
+    assert engine_settings(picks({1: 0, 4: 0}))["vllm"].startswith("speculation off")
+
+
+@pytest.fixture
+def fake_servers():
+    costs = fake.FakeCosts()
+    servers = {k: fake.start(k, costs) for k in (0, 2, 4, 8)}
+    yield {k: f"http://127.0.0.1:{s.server_address[1]}" for k, s in servers.items()}, costs
+    for server in servers.values():
+        server.shutdown()
+
+
+def test_tune_measures_fake_engines_fits_their_costs_and_recommends(tmp_path, fake_servers, monkeypatch):
+    urls, costs = fake_servers
+    out = tmp_path / "run"
+    result = _invoke(["--engine", ",".join(f"{k}={u}" for k, u in urls.items()), "--k", "0,2,4,8", "--loads", "1,2",
+                      "--workload", str(_workload(tmp_path)), "--max-new-tokens", str(MAX_TOKENS),
+                      "--sweep", str(_sweep_run(tmp_path, [2, 4, 8])), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    tune = json.loads((out / "tune.json").read_text())
+    for name in ("requests.parquet", "report.md", "report.html", "cost-profile-c1.json", "cost-profile-c2.json", "workload.jsonl"):
+        assert (out / name).is_file(), name
+    requests = pd.read_parquet(out / "requests.parquet")
+    assert len(requests) == (4 + 1) * 2 * len(PROMPTS)  # the baseline is measured again after the grid
+    assert set(requests[requests["repeat"] == 1]["k"]) == {0}
+    assert set(tune["baseline_drift"]) == {"1", "2"} and all(abs(d) < TIMING_TOLERANCE for d in tune["baseline_drift"].values())
+
+    cells = tune["cells"]
+    for k in (2, 4, 8):
+        for scope in ("overall", "math", "chat"):
+            measured = cell(cells, 1, k, scope)
+            assert measured["tau"] == pytest.approx(_expected_tau(scope, k))  # the engine's own counts, exact
+        math = cell(cells, 1, k, "math")
+        steps = [fake.per_step_accepted(t, k, MAX_TOKENS) for c, t in PROMPTS.values() if c == "math"]
+        wasted = sum(k * len(s) - sum(s) for s in steps)
+        assert math["rollback_per_token"] == pytest.approx(wasted / (2 * MAX_TOKENS))
+    # timings: TPOT at K = 0 is the decode step, the step time at K its cost. Sleeps overshoot, more so on a
+    # busy machine; TIMING_TOLERANCE is below the errors these lines are for (per step instead of per token:
+    # x tau, 2-4 here; a step time from the wrong K or without the draft: x1.3 and more)
+    assert cell(cells, 1, 0)["tpot_s"] == pytest.approx(costs.decode_s, rel=TIMING_TOLERANCE)
+    assert cell(cells, 1, 8)["step_s"] == pytest.approx(costs.step_s(8), rel=TIMING_TOLERANCE)
+    expected_math4 = _expected_tau("math", 4) * costs.decode_s / costs.step_s(4)
+    assert cell(cells, 1, 4, "math")["speedup"] == pytest.approx(expected_math4, rel=TIMING_TOLERANCE)
+
+    fitted = tune["fits"]["1"]
+    assert fitted["fit_ks"] == [2, 4]
+    held = [p for p in tune["prediction"] if p["held_out"] and p["concurrency"] == 1]
+    assert {p["scope"] for p in held} == {"overall", "math", "chat"} and {p["k"] for p in held} == {8}
+    for p in held:
+        assert abs(p["speedup_relative_error"]) < TIMING_TOLERANCE, p
+
+    picks = tune["recommendation"]["1"]
+    # step(K) = 40 ms + 3 ms K against a 20 ms decode step: math (tau 3 at K=2, 4 from K=3) pays best at K=4
+    # (1.54x; K=2 1.30x, K=8 1.25x); chat (tau 2) never pays (0.87x at K=2)
+    assert picks["math"]["k"] == 4
+    assert picks["chat"]["k"] == 0 and picks["chat"]["reason"].startswith("Speculation off")
+    profile = load_cost_profile(out / "cost-profile-c1.json")
+    assert profile.speedup(4.0, 8) == pytest.approx(4.0 * fitted["t_decode_s"] / (fitted["t_decode_s"] + fitted["t_draft_s"] + 8 * fitted["verify_slope_s"]))
+    report = (out / "report.md").read_text()
+    assert "held out" in report and "vllm: " in report and "--speculative-config" in report
+    assert (out / "report.html").read_text().count('class="plotly-graph-div"') == 3
+
+    dashboard = _dashboard_tune_page(monkeypatch, tmp_path)
+    assert len(list(dashboard.get("plotly_chart"))) == 3
+    assert any("--speculative-config" in str(m.value) for m in dashboard.markdown)
+
+
+def _dashboard_tune_page(monkeypatch, runs_dir: Path) -> AppTest:
+    """The dashboard's Tune page on ``runs_dir`` (Streamlit's AppTest: no browser, no server)."""
+    monkeypatch.setenv(RUNS_DIR_ENV, str(runs_dir))
+    at = AppTest.from_file(str(TESTS.parent / "app" / "main.py"), default_timeout=60)
+    at.run()
+    at.switch_page("views/tune.py").run()
+    assert not at.exception, [e.value for e in at.exception]
+    return at
+
+
+def test_tune_reads_overall_acceptance_from_metrics_counters_without_per_request_figures(tmp_path):
+    """A server started without per-request metrics: overall tau, rollback and step time come from its
+    /metrics deltas over each run (exact); classes have timings but no tau."""
+    servers = {k: fake.start(k, per_request=False) for k in (0, 4)}
+    try:
+        engine = ",".join(f"{k}=http://127.0.0.1:{s.server_address[1]}" for k, s in servers.items())
+        out = tmp_path / "run"
+        result = _invoke(["--engine", engine, "--k", "0,4", "--workload", str(_workload(tmp_path)), "--max-new-tokens", str(MAX_TOKENS),
+                          "--sweep", str(_sweep_run(tmp_path, [4])), "--out", str(out)])
+    finally:
+        for server in servers.values():
+            server.shutdown()
+    assert result.exit_code == 0, result.output
+    tune = json.loads((out / "tune.json").read_text())
+    overall = cell(tune["cells"], 1, 4)
+    assert overall["tau"] == pytest.approx(_expected_tau("overall", 4)) and overall["acceptance_from"] == "/metrics counter deltas"
+    assert cell(tune["cells"], 1, 4, "math").get("tau") is None
+    assert tune["servers"][1]["acceptance_from"].startswith("/metrics counter deltas")
+
+
+def _port_closed(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) != 0
+
+
+def test_tune_launches_each_k_and_stops_its_process_group(tmp_path):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    command = f"{sys.executable} {TESTS / 'fake_spec_engine.py'} --port {port} --k"
+    out = tmp_path / "run"
+    result = _invoke(["--launch", command + " {k}", "--launch-baseline", command + " 0", "--engine", f"http://127.0.0.1:{port}",
+                      "--k", "0,2", "--workload", str(_workload(tmp_path)), "--max-new-tokens", "8", "--start-timeout", "60",
+                      "--sweep", str(_sweep_run(tmp_path, [2])), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    tune = json.loads((out / "tune.json").read_text())
+    assert [(s["launched"], s["repeat"]) for s in tune["servers"]] == [(command + " 0", 0), (command + " 2", 0), (command + " 0", 1)]
+    assert tune["servers"][1]["engine_num_spec_tokens"] == [2]
+    assert "verification taken as flat" in tune["fits"]["1"]["note"]
+    assert tune["held_out_error"] is None and "no held-out K" in (out / "report.md").read_text()
+    assert _port_closed(port)  # the last launched server's process group was stopped
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--launch", "serve --k 4", "--engine", "http://127.0.0.1:1"], "has no {k} placeholder"),
+    (["--launch", "serve {k}", "--engine", "http://127.0.0.1:1", "--k", "0,2"], "--launch-baseline is missing"),
+    (["--engine", "0=http://127.0.0.1:1", "--k", "0,2"], "names no server for K [2]"),
+    (["--engine", "http://127.0.0.1:1", "--k", "0,2"], "one running server per K"),
+    (["--engine", "0=http://127.0.0.1:1", "--k", "0,x"], "is not a list like 0,2,8"),
+    (["--engine", "0=http://127.0.0.1:1,2=http://127.0.0.1:1", "--k", "0,2", "--fit-k", "4"], "names K that --k 0,2 does not measure"),
+    (["--engine", "0=http://127.0.0.1:1", "--k", "0", "--loads", "0"], "--loads '0' must hold integers >= 1"),
+])
+def test_bad_tune_input_is_one_sentence_and_exit_2(args, says):
+    result = _invoke(args)
+    assert result.exit_code == 2
+    assert says in result.output and "Traceback" not in result.output
