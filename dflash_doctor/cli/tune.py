@@ -12,7 +12,7 @@ from dflash_doctor import pipeline
 from dflash_doctor.cli import options as opt
 from dflash_doctor.cli.root import app
 from dflash_doctor.errors import UsageError
-from dflash_doctor.inputs.config import build_config
+from dflash_doctor.inputs.config import DoctorConfig
 from dflash_doctor.tune.experiment import TuneGrid, default_fit_ks, parse_grid, run_tune
 from dflash_doctor.tune.measure import TimedRequest
 from dflash_doctor.tune.views import print_tune, write_reports
@@ -25,41 +25,25 @@ Loads = Annotated[str, typer.Option("--loads", help="Concurrency levels (request
 FitK = Annotated[Optional[str], typer.Option("--fit-k", help="The K the step costs are fitted from (default: the two smallest K > 0); the others are predicted.")]
 SweepDir = Annotated[Optional[str], typer.Option("--sweep", help="An earlier `sweep` run of the same workload and pair, instead of replaying here.")]
 StartTimeout = Annotated[float, typer.Option("--start-timeout", help="Seconds to wait for a server to answer GET /v1/models.")]
-EngineModel = Annotated[Optional[str], typer.Option("--engine-model", help="Model name on the server (default: its only model).")]
 
 
-@app.command()
+@app.command(epilog="Example: dflash-doctor tune --engine 0=http://127.0.0.1:8000,8=http://127.0.0.1:8001 --k 0,8 "
+                     "--max-requests 12 (servers you run; --launch/--launch-baseline start them per K: README)")
+@opt.config_command("target", "draft", "draft_kind", "workload", "classes", "max_requests", "max_new_tokens", "temperature",
+                    "device", "dtype", "out", "seed", "chat_template", "strict_classes", "trust_remote_code", "engine_model")
 def tune(
+    config: DoctorConfig,
     launch: Launch = None,
     launch_baseline: LaunchBaseline = None,
     engine: TuneEngine = None,
-    engine_model: EngineModel = None,
     k: TuneK = "0,2,4,8",
     loads: Loads = "1",
     fit_k: FitK = None,
     sweep: SweepDir = None,
     start_timeout: StartTimeout = 900.0,
-    target: opt.Target = None,
-    draft: opt.Draft = None,
-    draft_kind: opt.DraftKind = None,
-    workload: opt.Workload = None,
-    classes: opt.Classes = None,
-    max_requests: opt.MaxRequests = None,
-    max_new_tokens: opt.MaxNewTokens = None,
-    temperature: opt.Temperature = None,
-    device: opt.Device = None,
-    dtype: opt.Dtype = None,
-    out: opt.Out = None,
-    config: opt.ConfigFile = None,
-    seed: opt.Seed = None,
-    chat_template: opt.ChatTemplate = None,
-    strict_classes: opt.StrictClasses = None,
-    trust_remote_code: opt.TrustRemoteCode = False,
 ) -> None:
     """Measure K = 0 (off) and each K on your engine per class and load; fit its step costs, predict the rest, recommend its setting."""
-    flags = opt.config_values(locals())
-    flags.pop("k", None)  # tune's grid holds K = 0, which the shared --k refuses
-    cfg = build_config(config, **flags)
+    cfg = config
     ks = parse_grid(k, "--k", minimum=0)
     fit_ks = parse_grid(fit_k, "--fit-k", minimum=1) if fit_k else default_fit_ks(ks)
     if not set(fit_ks) <= set(ks):

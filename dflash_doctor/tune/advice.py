@@ -22,10 +22,12 @@ K differs is named, to route or to accept):
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
 from dflash_doctor.report.templating import ci
+from dflash_doctor.rundir.record import SweepRow
 from dflash_doctor.stats.speedup import recommend
 from dflash_doctor.tune.analysis import OVERALL
 
@@ -37,6 +39,13 @@ def _rows(cells: list[dict[str, Any]], concurrency: int, scope: str) -> list[dic
             rows.append({"k": c["k"], "mean_acceptance_length": c["tau"], "mean_acceptance_length_ci": c.get("tau_ci"),
                          "speedup": c["speedup"], "speedup_ci": c.get("speedup_ci")})
     return rows
+
+
+def _sweep_row(row: dict[str, Any]) -> SweepRow:
+    """A measured cell as the sweep row :func:`recommend` ranks (its speedup measured, not priced)."""
+    return SweepRow(k=row["k"], mean_acceptance_length=row["mean_acceptance_length"],
+                    mean_acceptance_length_ci=list(row["mean_acceptance_length_ci"] or [None, None]),
+                    speedup=row["speedup"], estimate="exact")
 
 
 def _shown_to_pay(row: dict[str, Any]) -> bool:
@@ -52,7 +61,9 @@ def recommend_grid(cells: list[dict[str, Any]], *, strict_classes: tuple[str, ..
         scopes = sorted({c["scope"] for c in cells if c["concurrency"] == concurrency}, key=lambda s: (s != OVERALL, s))
         rows = {scope: _rows(cells, concurrency, scope) for scope in scopes}
         paying = {scope: [row for row in scope_rows if _shown_to_pay(row)] for scope, scope_rows in rows.items()}
-        chosen = recommend(paying, conservative_share=conservative_share, strict_classes=strict_classes, strict_max_k=strict_max_k)
+        picks = recommend({scope: [_sweep_row(row) for row in scope_rows] for scope, scope_rows in paying.items()},
+                          conservative_share=conservative_share, strict_classes=strict_classes, strict_max_k=strict_max_k)
+        chosen = {scope: dataclasses.asdict(pick) for scope, pick in picks.items()}
         for scope, pick in chosen.items():
             if not paying[scope] and rows[scope]:
                 best = max(rows[scope], key=lambda row: row["speedup"])

@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from dflash_doctor.report.html import figure_html, plotly_js
+from dflash_doctor.report.html import figure_html, plotly_script
 from dflash_doctor.report.templating import ci, fmt, markdown_cell, pct
 from dflash_doctor.tune.analysis import OVERALL
 
@@ -165,7 +165,7 @@ def render_html(result: dict[str, Any]) -> str:
     charts = "".join(f"<h2>{html.escape(title)}</h2>{figure_html(fig, f'tune-fig-{i}')}" for i, (title, fig) in enumerate(figures(result)))
     return ("<!doctype html><html><head><meta charset='utf-8'><title>dflash-doctor tune</title>"
             "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:2px 6px}</style>"
-            f"<script>{plotly_js()}</script></head><body><h1>dflash-doctor tune</h1>"
+            f"{plotly_script()}</head><body><h1>dflash-doctor tune</h1>"
             f"<h2>Recommendation</h2>{_items(recommendation_lines(result))}{charts}"
             f"<h2>Measured</h2>{_html_table(MEASURED_COLUMNS, measured_rows(result))}"
             f"<h2>Predicted vs measured</h2>{_html_table(PREDICTION_COLUMNS, prediction_rows(result))}{_items(fit_lines(result))}"
