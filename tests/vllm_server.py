@@ -25,8 +25,9 @@ START_TIMEOUT_S = 900.0
 
 
 def start_vllm_server(target_dir: Path, draft_dir: Path, log_path: Path, *, num_speculative_tokens: int = 15,
-                      port: int | None = None) -> EngineServer:
-    """Launch ``python -m vllm.entrypoints.openai.api_server`` with the DFlash draft and detailed metrics."""
+                      port: int | None = None, api_key: str | None = None) -> EngineServer:
+    """Launch ``python -m vllm.entrypoints.openai.api_server`` with the DFlash draft and detailed metrics.
+    ``api_key``: started with ``--api-key`` (its /v1 paths then want the key; readiness is read off /health)."""
     if not VLLM_PYTHON.is_file():
         raise RuntimeError(f"{VLLM_PYTHON} is missing; run `bash scripts/setup-dev.sh` (it builds the vLLM environment).")
     port = port or free_port()
@@ -38,9 +39,11 @@ def start_vllm_server(target_dir: Path, draft_dir: Path, log_path: Path, *, num_
         "--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "8", "--seed", "0", "-O0",
         "--speculative-config", json.dumps(spec),
         "--per-request-spec-decode-metrics", "detailed",
+        *(["--api-key", api_key] if api_key else []),
     ]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "INFO"}
-    return start_engine_server("vLLM", command, f"http://127.0.0.1:{port}", "/v1/models", log_path, START_TIMEOUT_S, env)
+    ready = "/health" if api_key else "/v1/models"
+    return start_engine_server("vLLM", command, f"http://127.0.0.1:{port}", ready, log_path, START_TIMEOUT_S, env)
 
 
 if __name__ == "__main__":

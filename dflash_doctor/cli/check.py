@@ -16,6 +16,7 @@ from dflash_doctor.cli.root import app
 from dflash_doctor.errors import UsageError
 from dflash_doctor.inputs.config import build_config
 from dflash_doctor.replay import scenarios, sharding
+from dflash_doctor.serving.http import secret
 from dflash_doctor.report.terminal import print_check_results, print_class_summary, print_engine_comparison, print_sweep, print_why_rejected
 
 Scenario = Annotated[Optional[str], typer.Option("--scenario", help="Reproduce a real failure on the demo pair; `--scenario list` names them.")]
@@ -25,6 +26,8 @@ EngineUrl = Annotated[Optional[str], typer.Option("--engine", help="URL of a run
 EngineModel = Annotated[Optional[str], typer.Option("--engine-model", help="Model name on the --engine server (default: its only model).")]
 EngineConcurrency = Annotated[Optional[int], typer.Option("--engine-concurrency", help="Requests in flight at once against --engine (default 4).")]
 EngineTimeout = Annotated[Optional[float], typer.Option("--engine-timeout", help="Per-request timeout in seconds against --engine (default 300).")]
+EngineApiKey = Annotated[Optional[str], typer.Option("--engine-api-key", envvar="OPENAI_API_KEY", show_envvar=True,
+                                                     help="API key of the --engine server (sent as a bearer token); env:VAR reads it from the environment. Never written to the run directory.")]
 EngineConfig = Annotated[Optional[str], typer.Option("--engine-config", help="vLLM speculative_config JSON or SGLang launch flags to check against the draft.")]
 
 
@@ -59,6 +62,7 @@ def check(
     engine_model: EngineModel = None,
     engine_concurrency: EngineConcurrency = None,
     engine_timeout: EngineTimeout = None,
+    engine_api_key: EngineApiKey = None,
     scenario: Scenario = None,
     only: Only = None,
     skip: Skip = None,
@@ -92,10 +96,11 @@ def check(
         raise UsageError("--devices spreads the local replay over processes, --engine measures a server; drop one of them.")
     if cfg.engine is not None and scenario is not None:
         raise UsageError("--scenario reproduces failures on the embedded demo pair; drop it or drop --engine.")
+    api_key = secret(engine_api_key, "--engine-api-key") if engine_api_key else None
     if (code := sharding.launch_ranks(cfg)) is not None:
         raise typer.Exit(code)
     if cfg.engine is not None:
-        outcome = run_with_progress(lambda progress: pipeline.run_engine_check(cfg, only=only_ids, skip=skip_ids, progress=progress))
+        outcome = run_with_progress(lambda progress: pipeline.run_engine_check(cfg, only=only_ids, skip=skip_ids, progress=progress, api_key=api_key))
     else:
         outcome = run_with_progress(lambda progress: pipeline.run_check(cfg, scenario=chosen, only=only_ids, skip=skip_ids,
                                                                         exact_blocks=exact_blocks, progress=progress))

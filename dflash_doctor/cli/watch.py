@@ -19,6 +19,7 @@ from dflash_doctor.errors import UsageError
 from dflash_doctor.inputs.config import build_config
 from dflash_doctor.report.sanitize import for_terminal
 from dflash_doctor.rundir.writer import utc_now
+from dflash_doctor.serving.http import header_flags, secret
 from dflash_doctor.stats.speedup import load_cost_profile
 from dflash_doctor.telemetry.hooks import AlertHooks
 from dflash_doctor.telemetry.settings import build_watch_settings
@@ -101,6 +102,8 @@ def print_source_news(console: Console, watcher: Watcher, events_shown: int, not
 def watch(
     sources: Annotated[Optional[list[str]], typer.Argument(help="Engine /metrics URLs, log files, or captured responses (.jsonl).", show_default=False)] = None,
     prometheus: Annotated[Optional[str], typer.Option("--prometheus", help="A Prometheus server URL: each counter's increase over the window is read through its HTTP API.")] = None,
+    prometheus_header: Annotated[Optional[list[str]], typer.Option("--prometheus-header", help="NAME=VALUE header sent to --prometheus (repeatable), e.g. 'Authorization=Bearer $TOKEN' or X-Scope-OrgID=tenant; env:VAR or $VAR read the value from the environment. Never written to the run directory.")] = None,
+    engine_api_key: Annotated[Optional[str], typer.Option("--engine-api-key", envvar="OPENAI_API_KEY", show_envvar=True, help="Bearer token for the /metrics URLs (llama-server --api-key guards /metrics); env:VAR reads it from the environment.")] = None,
     engine: Annotated[Optional[str], typer.Option("--engine", help="vllm | sglang | llamacpp | trtllm (default: detected from the metric names / log lines).")] = None,
     model: Annotated[Optional[str], typer.Option("--model", help="Series name for sources without a model label (logs, llama.cpp).")] = None,
     class_label: Annotated[Optional[str], typer.Option("--class-label", help="Label holding the request class (e.g. an SGLang custom label).")] = None,
@@ -135,7 +138,9 @@ def watch(
     run_dir = Path(doctor_config.out or f"runs/watch-{utc_now().replace(':', '').replace('+0000', 'Z')}")
     hooks = AlertHooks(on_alert, on_alert_webhook, on_alert_dry_run, run_dir)
     session = WatchSession(
-        open_sources(list(sources or []), prometheus, settings), settings, run_dir=run_dir,
+        open_sources(list(sources or []), prometheus, settings, api_key=secret(engine_api_key, "--engine-api-key") if engine_api_key else None,
+                     prometheus_headers=header_flags(list(prometheus_header or []), "--prometheus-header")),
+        settings, run_dir=run_dir,
         config=doctor_config.as_dict(), costs=load_cost_profile(doctor_config.cost_profile) if doctor_config.cost_profile else None,
         once=once, exporter_port=exporter_port, exporter_address=exporter_address,
         hooks=hooks if hooks.enabled else None,

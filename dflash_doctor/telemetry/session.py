@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from dflash_doctor.errors import UsageError
 from dflash_doctor.rundir.record import StepCosts
@@ -24,12 +24,16 @@ from dflash_doctor.telemetry.verdict import Judge, WindowVerdict, load_baseline
 from dflash_doctor.telemetry.watcher import Watcher, Window
 
 
-def open_sources(specs: list[str], prometheus: str | None, settings: WatchSettings) -> list[Source]:
-    """SOURCE arguments and ``--prometheus`` as sources; none at all is a usage error."""
+def open_sources(specs: list[str], prometheus: str | None, settings: WatchSettings, *, api_key: str | None = None,
+                 prometheus_headers: Mapping[str, str] | None = None) -> list[Source]:
+    """SOURCE arguments and ``--prometheus`` as sources; none at all is a usage error. The credentials
+    (``api_key`` for the /metrics URLs, ``prometheus_headers``) stay inside the sources' HTTP clients."""
     zone = log_zone(settings.log_timezone)
-    sources: list[Source] = [open_source(s, engine=settings.engine, model=settings.model, class_label=settings.class_label, log_zone=zone) for s in specs]
+    sources: list[Source] = [open_source(s, engine=settings.engine, model=settings.model, class_label=settings.class_label, log_zone=zone, api_key=api_key)
+                             for s in specs]
     if prometheus:
-        sources.append(PrometheusServer(prometheus, window_s=settings.window_s, engine=settings.engine, class_label=settings.class_label))
+        sources.append(PrometheusServer(prometheus, window_s=settings.window_s, engine=settings.engine, class_label=settings.class_label,
+                                        headers=prometheus_headers))
     if not sources:
         raise UsageError("watch needs at least one SOURCE (a /metrics URL, a log file, a responses .jsonl) or --prometheus URL.")
     return sources
