@@ -179,7 +179,7 @@ def unit_counts(drafts: int, rates: list[float], generated: float | None = None)
 
 
 def write_watch(run_dir: Path, rates: list[float], *, baseline_tau: float | None = None, classes=("code", "chat"), num_units: int = 8) -> Path:
-    """A watch of ``num_units`` scrape intervals per class, one window per interval (live-watch shape)."""
+    """A finished watch of ``num_units`` scrape intervals per class, one window per interval (live-watch shape)."""
     thresholds = Thresholds(min_drafts=10)
     judge = Judge(Baseline.fixed({"overall": baseline_tau}) if baseline_tau else None, thresholds, engine="vllm")
     record = WatchRecord(run_dir, {"config": "test"}, {"sources": ["http://x/metrics"], "window_s": 60.0, "interval_s": 60.0,
@@ -192,4 +192,5 @@ def write_watch(run_dir: Path, rates: list[float], *, baseline_tau: float | None
             units.append(Unit(key, 1_700_000_000.0 + 60 * i, counts, {}, "http://x/metrics"))
             verdicts.append(judge.judge(Window(key, 1_700_000_000.0 + 60 * (i - 1), 1_700_000_000.0 + 60 * i, counts, [counts])))
         record.update(verdicts, units, [], [])
+    record.close()  # a finished watch: its journal consolidated into the Parquet files
     return run_dir

@@ -111,6 +111,7 @@ def watch(
     window: Annotated[Optional[str], typer.Option("--window", help="Window length: 30s, 5m, 1h (default 5m). With --once on a /metrics URL: scrape twice, this far apart.")] = None,
     interval: Annotated[Optional[str], typer.Option("--interval", help="Time between polls when watching live (default 30s).")] = None,
     once: Annotated[bool, typer.Option("--once", help="One verdict and exit: 0 ok, 1 alert, 2 bad input or no engine series in the sources (for cron/CI).")] = False,
+    retain: Annotated[Optional[str], typer.Option("--retain", help="Keep this much of the time series in the run directory, e.g. 7d (default: all); memory and disk stay flat.")] = None,
     duration: Annotated[Optional[str], typer.Option("--duration", help="Stop watching after this long (default: until Ctrl-C).")] = None,
     baseline: Annotated[Optional[str], typer.Option("--baseline", help="A check/sweep run directory, or the expected tau (one number).")] = None,
     threshold_tau: Annotated[Optional[float], typer.Option("--threshold-tau", help="Smallest tau drop below the baseline that alerts (default 0.2).")] = None,
@@ -134,6 +135,7 @@ def watch(
     settings = build_watch_settings(
         doctor_config.watch, window=window, interval=interval, baseline=baseline, threshold_tau=threshold_tau,
         min_drafts=min_drafts, speedup_floor=speedup_floor, engine=engine, model=model, class_label=class_label, log_timezone=log_timezone,
+        retain=retain,
     )
     run_dir = Path(doctor_config.out or f"runs/watch-{utc_now().replace(':', '').replace('+0000', 'Z')}")
     hooks = AlertHooks(on_alert, on_alert_webhook, on_alert_dry_run, run_dir)

@@ -55,7 +55,7 @@ class WatchSession:
             "sources": [s.name for s in sources], "window_s": settings.window_s, "interval_s": settings.interval_s,
             "baseline": self.judge.baseline.description if self.judge.baseline else None,
             "thresholds": dataclasses.asdict(settings.thresholds),
-        })
+        }, retain_s=settings.retain_s)
         self.exporter = VerdictExporter(exporter_port, exporter_address) if exporter_port is not None else None
         self.hooks = hooks
         self._units_recorded = 0
@@ -103,10 +103,12 @@ class WatchSession:
         self._publish(rounds)
         return rounds
 
-    def close(self) -> None:
-        """End of a watch: wait briefly for alert commands still running, so their exit is reported."""
+    def close(self, now_s: float | None = None) -> None:
+        """End of a watch: wait briefly for alert commands still running, so their exit is reported, and
+        consolidate the run directory (``now_s``: the clock of :meth:`step`, for the retention)."""
         if self.hooks:
             self.watcher.events.extend(self.hooks.close())
+        self.record.close(now_s)
 
     def start(self, now_s: float | None = None) -> None:
         """The first poll of a live watch: only the starting point of the counters' differences.
