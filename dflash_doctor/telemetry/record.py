@@ -12,8 +12,8 @@ Bounded over a days-long watch: each evaluation *appends* its rows to an Arrow I
 (``journal/windows.arrows``, ``journal/units.arrows``, as the run journal of :mod:`dflash_doctor.rundir.writer`)
 and rewrites only ``run.json``; the summary comes from running totals per series and a bounded uniform
 sample of units for its bootstrap. The journal is consolidated into the Parquet files at the end, on
-demand, and, with a retention (``--retain``), every retention period, dropping rows older than it, so
-memory, disk and the cost of a poll stay flat. A watch killed at any moment leaves a readable directory:
+demand and every hour (:data:`CONSOLIDATE_EVERY_S`), dropping rows older than the retention
+(``--retain``) when there is one, so memory, disk and the cost of a poll stay flat. A watch killed at any moment leaves a readable directory:
 readers take the Parquet rows plus every complete journal batch.
 """
 
@@ -41,6 +41,9 @@ WINDOWS_FILE = "windows.parquet"
 UNITS_FILE = "units.parquet"  # the raw, non-overlapping counts between scrapes (canary compares resample them)
 # Units per series (and overall) kept for the summary's bootstrap: a uniform sample of the whole watch.
 SUMMARY_SAMPLE_UNITS = 256
+# The journal is folded into the Parquet files at least this often: a journal batch of a few rows carries
+# about a kilobyte of framing, while Parquet keeps a day of windows in a few hundred.
+CONSOLIDATE_EVERY_S = 3600.0
 
 UNITS_SCHEMA = pa.schema(
     [
@@ -193,8 +196,8 @@ class WatchRecord:
             sample[slot] = counts
 
     def update(self, verdicts: list[WindowVerdict], units: list[Unit], events: list[Event], notes: list[str]) -> None:
-        """Append the new windows and units, refresh the summary and run.json; consolidate once a
-        retention period has passed since the last time."""
+        """Append the new windows and units, refresh the summary and run.json; consolidate once an hour
+        (or once a retention period, when shorter) has passed since the last time."""
         self._windows.append([verdict.as_row() for verdict in verdicts])
         for verdict in verdicts:
             for alert in verdict.alerts:
@@ -208,11 +211,12 @@ class WatchRecord:
         self.details["events"] = [{"time_s": e.time_s, "kind": e.kind, "source": e.source, "message": e.message} for e in events]
         self.details["notes"] = list(notes)
         now_s = max([v.window.end_s for v in verdicts] + [u.end_s for u in kept], default=None)
-        if self.retain_s is not None and now_s is not None:
-            self._drop_details_before(now_s - self.retain_s)
+        if now_s is not None:
+            if self.retain_s is not None:
+                self._drop_details_before(now_s - self.retain_s)
             if self._consolidated_at is None:
                 self._consolidated_at = now_s
-            elif now_s - self._consolidated_at >= self.retain_s:
+            elif now_s - self._consolidated_at >= min(self.retain_s or CONSOLIDATE_EVERY_S, CONSOLIDATE_EVERY_S):
                 self.consolidate(now_s)
         served = sorted({key.model for key in self._totals if key is not None})
         # The served model is the run's target (one model), or "served N" roles; identity beyond the name is not observable.
