@@ -2,16 +2,19 @@
 
 A synthetic vLLM-shaped counter source (two models, K = 15, 100 drafts per model per poll) is polled
 every 30 simulated seconds through the real WatchSession (judge, alarms, run directory), for
-``--hours`` (default 24: 2880 polls). After the first hour and at the end it prints the Python heap
-in use (tracemalloc), the run directory's bytes and the seconds one poll takes, and the end/start
-ratios. Flat state means ratios near 1. Not a test, nothing asserts.
+``--hours`` (default 24: 2880 polls) with ``--retain`` (default 1h; 0 keeps everything). After
+``--start-hours`` (default 3: past the first retention periods and the filling of the summary's bounded
+sample) and at the end it prints the Python heap in use (tracemalloc, after a full collection), the run directory's bytes and the
+seconds one poll takes, and the end/start ratios. Flat state means ratios near 1. Not a test, nothing
+asserts (tests/test_watch_soak.py holds the same day to stated ratios).
 
-    python benchmarks/watch_soak.py [--hours 24] [--interval-s 30]
+    python benchmarks/watch_soak.py [--hours 24] [--interval-s 30] [--retain 1h] [--start-hours 3]
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import tempfile
 import time
@@ -22,6 +25,7 @@ from dflash_doctor.telemetry.counts import SeriesKey, SpecCounts
 from dflash_doctor.telemetry.observation import Observation
 from dflash_doctor.telemetry.session import WatchSession
 from dflash_doctor.telemetry.settings import WatchSettings
+from dflash_doctor.telemetry.sources import parse_duration_s
 
 K = 15
 RATES = tuple(0.8 ** (i + 1) for i in range(K))  # survival per position: tau = 1 + sum = 4.45
@@ -54,12 +58,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hours", type=float, default=24.0)
     parser.add_argument("--interval-s", type=float, default=30.0)
+    parser.add_argument("--retain", default="1h")
+    parser.add_argument("--start-hours", type=float, default=3.0)
     args = parser.parse_args()
     polls = int(args.hours * 3600 / args.interval_s)
-    hour = int(3600 / args.interval_s)
+    start = int(args.start_hours * 3600 / args.interval_s)
+    retain_s = parse_duration_s(args.retain) or None
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp) / "watch"
-        session = WatchSession([SyntheticCounters()], WatchSettings(window_s=300.0, interval_s=args.interval_s), run_dir=run_dir, config={})
+        settings = WatchSettings(window_s=300.0, interval_s=args.interval_s, retain_s=retain_s)
+        session = WatchSession([SyntheticCounters()], settings, run_dir=run_dir, config={})
         tracemalloc.start()
         clock = 1_800_000_000.0
         session.start(clock)
@@ -69,9 +77,11 @@ def main() -> None:
             started = time.perf_counter()
             session.step(clock)
             seconds = time.perf_counter() - started
-            if i in (hour, polls):
-                marks["first hour" if i == hour else f"after {args.hours:g} h"] = (tracemalloc.get_traced_memory()[0] / 2**20, directory_bytes(run_dir), seconds)
-        print(f"{polls} polls every {args.interval_s:g} s (simulated), 2 models, K={K}")
+            if i in (start, polls):
+                gc.collect()  # the heap in use, not cyclic garbage the collector has not reached yet
+                marks[f"after {i * args.interval_s / 3600:g} h"] = (tracemalloc.get_traced_memory()[0] / 2**20, directory_bytes(run_dir), seconds)
+        session.close(clock)
+        print(f"{polls} polls every {args.interval_s:g} s (simulated), 2 models, K={K}, retain {args.retain}")
         print(f"{'':>14} {'heap MiB':>9} {'run dir KiB':>12} {'s per poll':>11}")
         for name, (heap, disk, seconds) in marks.items():
             print(f"{name:>14} {heap:9.2f} {disk / 1024:12.1f} {seconds:11.4f}")

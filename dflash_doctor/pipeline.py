@@ -201,7 +201,7 @@ def run_check(config: DoctorConfig, *, scenario=None, only: Sequence[str] = (), 
 
 
 def run_engine_check(config: DoctorConfig, *, only: Sequence[str] = (), skip: Sequence[str] = (),
-                     progress: ProgressFactory = no_progress) -> Outcome:
+                     progress: ProgressFactory = no_progress, api_key: str | None = None) -> Outcome:
     """`check --engine URL`: measure on the server, replay locally, judge, report.
 
     1. Bad input fails before anything is sent: the URL, the server's reachability and model name, and a
@@ -214,12 +214,15 @@ def run_engine_check(config: DoctorConfig, *, only: Sequence[str] = (), skip: Se
        (acceptance per class on the server's numbers) still run.
     4. run.json (the typed record, ``source.kind = serving-engine``) and the reports are written even when
        a check fails.
+
+    ``api_key`` (``--engine-api-key``) is a secret: it lives in the endpoint's client only, not in
+    ``config``, so no run directory or report can hold it.
     """
     if config.engine is None:
         raise UsageError("check --engine needs the URL of a running OpenAI-compatible server; pass --engine http://host:port.")
     validate_check_params(config.checks, only, skip)
     run_dir = _claim(config, "check")
-    endpoint = resolve_model(EngineEndpoint.from_url(config.engine, model=config.engine_model, timeout_s=config.engine_timeout_s))
+    endpoint = resolve_model(EngineEndpoint.from_url(config.engine, model=config.engine_model, timeout_s=config.engine_timeout_s, api_key=api_key))
     requests = load_workload(config.workload, classes=config.classes, max_requests=config.max_requests, seed=config.seed)
     # the embedded replay runs only when the user names a local pair to compare with; a bad one fails
     # before any request is sent

@@ -129,6 +129,45 @@ class PrometheusServer:
         raise RuntimeError(f"prometheus never had {count} samples for {promql}")
 
 
+class AuthGateway:
+    """A managed Prometheus's front door (Grafana Cloud, Mimir): the API under a path prefix, answering
+    HTTP 401 unless every header of ``required`` came with the request, else forwarding to ``upstream``."""
+
+    def __init__(self, upstream: str, required: dict[str, str], prefix: str = "/api/prom"):
+        self.refused = 0
+        gateway = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 (http.server API)
+                if not self.path.startswith(prefix) or any(self.headers.get(k) != v for k, v in required.items()):
+                    gateway.refused += 1
+                    self.send_response(401)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                with urllib.request.urlopen(upstream + self.path[len(prefix):], timeout=10) as response:
+                    body = response.read()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}{prefix}"
+
+    def __enter__(self) -> "AuthGateway":
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
 WATCH_K = 4  # draft tokens per step of the watches write_watch writes
 
 
@@ -140,7 +179,7 @@ def unit_counts(drafts: int, rates: list[float], generated: float | None = None)
 
 
 def write_watch(run_dir: Path, rates: list[float], *, baseline_tau: float | None = None, classes=("code", "chat"), num_units: int = 8) -> Path:
-    """A watch of ``num_units`` scrape intervals per class, one window per interval (live-watch shape)."""
+    """A finished watch of ``num_units`` scrape intervals per class, one window per interval (live-watch shape)."""
     thresholds = Thresholds(min_drafts=10)
     judge = Judge(Baseline.fixed({"overall": baseline_tau}) if baseline_tau else None, thresholds, engine="vllm")
     record = WatchRecord(run_dir, {"config": "test"}, {"sources": ["http://x/metrics"], "window_s": 60.0, "interval_s": 60.0,
@@ -153,4 +192,5 @@ def write_watch(run_dir: Path, rates: list[float], *, baseline_tau: float | None
             units.append(Unit(key, 1_700_000_000.0 + 60 * i, counts, {}, "http://x/metrics"))
             verdicts.append(judge.judge(Window(key, 1_700_000_000.0 + 60 * (i - 1), 1_700_000_000.0 + 60 * i, counts, [counts])))
         record.update(verdicts, units, [], [])
+    record.close()  # a finished watch: its journal consolidated into the Parquet files
     return run_dir

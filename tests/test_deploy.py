@@ -175,7 +175,8 @@ def _watch_options() -> set[str]:
 
     from dflash_doctor.cli import app
 
-    command = typer.main.get_command(app).commands["watch"]  # type: ignore[attr-defined]
+    group = typer.main.get_command(app)
+    command = group.get_command(typer.Context(group), "watch")  # type: ignore[attr-defined] (the root is a group)
     return {opt for param in command.params for opt in param.opts}
 
 

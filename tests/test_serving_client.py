@@ -29,11 +29,16 @@ MODEL = CAPTURED["model"]
 
 
 class ReplayServer:
-    """Answers /v1/models and chat completions with the captured body; ``plan`` scripts failures per call."""
+    """Answers /v1/models and chat completions with the captured body; ``plan`` scripts failures per call.
 
-    def __init__(self, plan=None):
+    ``api_key``: like vLLM started with ``--api-key``, every /v1 path wants ``Authorization: Bearer KEY``
+    and answers HTTP 401 ``{"error": "Unauthorized"}`` otherwise (/metrics stays open, as in vLLM)."""
+
+    def __init__(self, plan=None, api_key: str | None = None):
         self.plan = list(plan or [])
+        self.api_key = api_key
         self.bodies: list[dict] = []
+        self.authorizations: list[str | None] = []
         owner = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -48,7 +53,16 @@ class ReplayServer:
                 self.end_headers()
                 self.wfile.write(data)
 
+            def _refused(self) -> bool:
+                owner.authorizations.append(self.headers.get("Authorization"))
+                if owner.api_key is None or not self.path.startswith("/v1") or self.headers.get("Authorization") == f"Bearer {owner.api_key}":
+                    return False
+                self._send(401, {"error": "Unauthorized"})
+                return True
+
             def do_GET(self):
+                if self._refused():
+                    return
                 if self.path == "/metrics":
                     data = owner.metrics_text().encode()
                     self.send_response(200)
@@ -60,6 +74,8 @@ class ReplayServer:
                 self._send(200, {"object": "list", "data": [{"id": MODEL, "object": "model"}]})
 
             def do_POST(self):
+                if self._refused():
+                    return
                 owner.bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
                 action = owner.plan.pop(0) if owner.plan else "ok"
                 if action == "503":
@@ -187,3 +203,28 @@ def test_a_server_run_records_its_source_and_the_engine(tmp_path):
     spec = CAPTURED["metrics"]["speculative_decoding"]
     assert run.meta["summary"]["overall"]["num_drafts"] == len(run.requests) * spec["num_spec_steps"]
     assert run.meta["summary"]["overall"]["mean_acceptance_length"] == pytest.approx(spec["mean_acceptance_length"])
+
+
+def test_an_api_key_is_sent_as_a_bearer_token_a_refusal_names_the_flag_and_no_file_holds_the_key(tmp_path, monkeypatch):
+    key = "sk-doctor-test-7f3a9c"
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    monkeypatch.setenv("DOCTOR_TEST_ENGINE_KEY", key)
+    args = ["check", "--engine", "", "--workload", "demo", "--max-requests", "2", "--classes", "code", "--max-new-tokens", "16"]
+    runner = CliRunner()
+    with ReplayServer(api_key=key) as server:
+        args[2] = server.url
+        without = runner.invoke(app, [*args, "--out", str(tmp_path / "without")])
+        wrong = runner.invoke(app, [*args, "--engine-api-key", "sk-wrong", "--out", str(tmp_path / "wrong")])
+        from_flag = runner.invoke(app, [*args, "--engine-api-key", "env:DOCTOR_TEST_ENGINE_KEY", "--out", str(tmp_path / "flag")])
+        from_env = runner.invoke(app, [*args, "--out", str(tmp_path / "env")], env={"OPENAI_API_KEY": key})
+    assert without.exit_code == 2 and "HTTP 401" in without.output and "pass it with --engine-api-key" in without.output
+    assert "not an OpenAI-compatible" not in without.output
+    assert wrong.exit_code == 2 and "refused the API key given by --engine-api-key" in wrong.output
+    assert from_flag.exit_code in (0, 1), from_flag.output
+    assert from_env.exit_code in (0, 1), from_env.output
+    assert server.authorizations[:2] == [None, "Bearer sk-wrong"]  # each refused at /v1/models, before any request
+    assert set(server.authorizations[2:]) == {f"Bearer {key}"} and server.bodies  # every call of the runs with the key
+    for run_dir in ("flag", "env"):
+        assert load_run(tmp_path / run_dir).record.source.url == server.url
+        holding = [p for p in (tmp_path / run_dir).rglob("*") if p.is_file() and key.encode() in p.read_bytes()]
+        assert holding == [], f"the API key was written to {holding}"

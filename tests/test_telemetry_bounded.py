@@ -1,14 +1,21 @@
-"""A live watch keeps only the units its next window can need: memory and each poll's scan stay flat.
+"""A live watch keeps only the units its next window can need, appends to its run directory instead of
+rewriting it, and drops what is older than its retention: memory, disk and each poll's cost stay flat.
 
 A synthetic cumulative counter source (vLLM's counter shape, K = 4) polled many times; every unit still
-reaches the run directory, and the window values are those of a watcher that forgets nothing.
+reaches the run directory, and the window values are those of a watcher that forgets nothing. The soak
+test runs a simulated day of 30-second polls (benchmarks/watch_soak.py prints the same figures).
 """
 
 from __future__ import annotations
 
+import gc
+import tracemalloc
+from pathlib import Path
+
 from dflash_doctor.telemetry.counts import SeriesKey, SpecCounts
 from dflash_doctor.telemetry.observation import Observation
-from dflash_doctor.telemetry.record import read_units
+from dflash_doctor.rundir.load import load_run
+from dflash_doctor.telemetry.record import read_units, read_windows
 from dflash_doctor.telemetry.session import WatchSession
 from dflash_doctor.telemetry.settings import WatchSettings
 from dflash_doctor.telemetry.watcher import Watcher
@@ -56,3 +63,50 @@ def test_live_session_records_every_unit_but_keeps_only_the_window(tmp_path):
         assert verdict.mean_acceptance_length == 2.5
         assert len(session.watcher.units) == 1
     assert len(read_units(tmp_path / "run")) == 60
+
+
+def _bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def test_a_day_of_30_second_polls_keeps_memory_and_disk_flat(tmp_path):
+    """2880 polls on a simulated clock with a one-hour retention: the Python heap and the run directory
+    after 24 h are within 1.25x of what they were after 3 h (past the first retention periods and the
+    filling of the summary's bounded sample); a watch that rewrote or kept everything grows 4x and more."""
+    run_dir = tmp_path / "watch"
+    session = WatchSession([GrowingCounters()], WatchSettings(window_s=300.0, interval_s=30.0, retain_s=3600.0), run_dir=run_dir, config={})
+    clock = 1_800_000_000.0
+    session.start(clock)
+    marks: dict[int, tuple[int, int]] = {}
+    tracemalloc.start()
+    try:
+        for poll in range(1, 2881):
+            clock += 30.0
+            session.step(clock)
+            if poll in (360, 2880):
+                gc.collect()  # what is live, not the cyclic garbage the collector has not reached yet
+                marks[poll] = (tracemalloc.get_traced_memory()[0], _bytes(run_dir))
+    finally:
+        tracemalloc.stop()
+    (heap_start, disk_start), (heap_end, disk_end) = marks[360], marks[2880]
+    assert heap_end / heap_start < 1.25, (heap_start, heap_end)
+    assert disk_end / disk_start < 1.25, (disk_start, disk_end)
+    session.close(clock)
+    assert not (run_dir / "journal").exists()
+    windows, units = read_windows(run_dir), read_units(run_dir)
+    assert windows["end_s"].min() > clock - 3600.0 and len(units) == 120  # the last hour, every 30 s
+    overall = load_run(run_dir).record.summary.overall
+    assert overall is not None and overall.num_drafts == 100 * 2880  # the summary still pools the whole day
+    assert overall.mean_acceptance_length == 2.5
+
+
+def test_a_watch_still_going_is_read_from_its_journal(tmp_path):
+    session = WatchSession([GrowingCounters()], WatchSettings(window_s=60.0, interval_s=30.0), run_dir=tmp_path / "run", config={})
+    session.start(1000.0)
+    for i in range(1, 6):
+        session.step(1000.0 + 30.0 * i)
+    assert (tmp_path / "run" / "journal" / "windows.arrows").is_file() and not (tmp_path / "run" / "windows.parquet").exists()
+    assert len(read_windows(tmp_path / "run")) == 5 and len(read_units(tmp_path / "run")) == 5
+    assert load_run(tmp_path / "run").complete is False  # every view can open it meanwhile
+    session.close()
+    assert len(read_windows(tmp_path / "run")) == 5 and load_run(tmp_path / "run").complete is True

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import numpy as np
 import pytest
 
@@ -122,3 +124,24 @@ def test_interval_is_never_zero_width():
     accepted = counts_from_lengths([4] * 50, k=4)
     lo, hi = tau_interval(accepted)
     assert hi == 5.0 and lo == pytest.approx(5 - 3 / 50)  # clipped at 1 + K
+
+
+def test_the_interval_from_a_bounded_sample_of_units_matches_the_one_from_all_of_them():
+    """A days-long watch keeps a uniform sample of its units: the sample's bootstrap, narrowed by
+    sqrt(sample / all), gives the interval the whole watch's bootstrap gives (and a far wider one without)."""
+    rng = random.Random(1)
+    units = []
+    for _ in range(4000):
+        drafts = float(rng.randint(50, 150))
+        accepted = drafts * rng.uniform(0.8, 2.2)  # scrape intervals differ far more than their drafts explain
+        units.append(SpecCounts(num_drafts=drafts, num_draft_tokens=4 * drafts, num_accepted_tokens=accepted))
+    pooled = total(units)
+    full = bootstrap_tau_interval(units)
+    sample = rng.sample(units, 256)
+    from_sample = window_tau_interval(pooled, sample, num_units=len(units))
+    unscaled = bootstrap_tau_interval(sample)
+    assert full is not None and from_sample is not None and unscaled is not None
+    width = full[1] - full[0]
+    assert from_sample[1] - from_sample[0] == pytest.approx(width, rel=0.3)
+    assert from_sample[0] < pooled.mean_acceptance_length < from_sample[1]
+    assert unscaled[1] - unscaled[0] > 3 * width

@@ -20,7 +20,7 @@ from dflash_doctor.telemetry.engines import read_exposition
 from dflash_doctor.telemetry.exposition import parse_exposition
 from dflash_doctor.telemetry.record import read_windows
 from dflash_doctor.telemetry.sources import PrometheusServer as PrometheusSource
-from telemetry_fixtures import DATA, MetricsExporter, PrometheusServer
+from telemetry_fixtures import DATA, AuthGateway, MetricsExporter, PrometheusServer
 
 MODEL = SeriesKey("smollm2-dflash")
 
@@ -69,5 +69,27 @@ def test_counter_reset_is_handled_by_prometheus(tmp_path):
 def test_unreachable_prometheus_is_a_clear_exit_2(tmp_path):
     from telemetry_fixtures import free_port
 
-    result = CliRunner().invoke(app, ["watch", "--prometheus", f"http://127.0.0.1:{free_port()}", "--once", "--out", str(tmp_path / "run")])
-    assert result.exit_code == 2 and "could not be read" in result.output
+    port = free_port()
+    result = CliRunner().invoke(app, ["watch", "--prometheus", f"http://127.0.0.1:{port}", "--once", "--out", str(tmp_path / "run")])
+    assert result.exit_code == 2 and f"no answer from http://127.0.0.1:{port}/api/v1/query (Connection refused)" in result.output
+
+
+def test_a_managed_prometheus_gets_its_headers_from_the_environment_and_no_file_holds_them(tmp_path, monkeypatch):
+    token = "glc_doctor_test_token_5b1e"
+    monkeypatch.setenv("PROM_TOKEN", token)
+    required = {"Authorization": f"Bearer {token}", "X-Scope-OrgID": "tenant-1"}
+    window_counts, _ = counts("good").since(counts("good_1"))
+    with MetricsExporter(capture("good_1")) as exporter, PrometheusServer([f"127.0.0.1:{exporter.port}"], tmp_path) as prometheus:
+        prometheus.wait_for_samples("count_over_time(vllm:spec_decode_num_drafts_total[1m])", 3)
+        exporter.text = capture("good")
+        prometheus.wait_for_samples("count_over_time(vllm:spec_decode_num_drafts_total[1m])", 6)
+        with AuthGateway(prometheus.url, required) as gateway:
+            watch = ["watch", "--prometheus", gateway.url, "--window", "60s", "--once", "--min-drafts", "1"]
+            refused = CliRunner().invoke(app, [*watch, "--out", str(tmp_path / "refused")])
+            result = CliRunner().invoke(app, [*watch, "--prometheus-header", "Authorization=Bearer $PROM_TOKEN",
+                                              "--prometheus-header", "X-Scope-OrgID=tenant-1", "--out", str(tmp_path / "run")])
+    assert refused.exit_code == 2 and "HTTP 401" in refused.output and "--prometheus-header" in refused.output
+    assert result.exit_code == 0, result.output
+    assert read_windows(tmp_path / "run")["mean_acceptance_length"].iloc[0] == pytest.approx(window_counts.mean_acceptance_length, rel=1e-6)
+    holding = [p for p in (tmp_path / "run").rglob("*") if p.is_file() and token.encode() in p.read_bytes()]
+    assert holding == [], f"the token was written to {holding}"

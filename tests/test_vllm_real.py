@@ -154,3 +154,24 @@ def test_a_server_reading_the_layer_ids_off_by_one_is_caught_and_named(demo_targ
     assert check["status"] == "fail"
     assert "target_layer_ids + 1" in check["summary"], check
     assert data["outputs"]["num_identical"] == data["outputs"]["num_compared"]  # the target's text is unchanged
+
+
+def test_a_server_started_with_an_api_key(demo_target_dir, tmp_path, monkeypatch):
+    """vLLM's --api-key: without the key the doctor names --engine-api-key (not "not OpenAI-compatible"); with it
+    (from OPENAI_API_KEY) the run works, and no file of the run directory or its reports holds the key."""
+    key = "sk-doctor-vllm-test-91c2"
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    server = start_vllm_server(demo_target_dir, DEMO_DRAFT_DIR, tmp_path / "server.log", api_key=key)
+    try:
+        code, refused = run_check("--engine", server.url, *WORKLOAD)
+        monkeypatch.setenv("OPENAI_API_KEY", key)
+        keyed, output = run_check("--engine", server.url, "--workload", "demo", "--max-requests", "1", "--max-new-tokens", "16",
+                                  "--out", str(tmp_path / "run"))
+    finally:
+        server.stop()
+    assert code == 2 and "HTTP 401" in refused and "--engine-api-key" in refused and "not an OpenAI-compatible" not in refused
+    assert keyed in (0, 1), output
+    run = load_run(tmp_path / "run")
+    assert run.meta["summary"]["overall"]["num_drafts"] > 0  # the server's own figures came through
+    holding = [p for p in (tmp_path / "run").rglob("*") if p.is_file() and key.encode() in p.read_bytes()]
+    assert holding == [], f"the API key was written to {holding}"

@@ -24,13 +24,15 @@ SERVED_NAME = "smollm2-dflash"
 START_TIMEOUT_S = 900.0
 
 
-def vllm_command(target_dir: Path, port: int, *, speculative_config: str | None) -> list[str]:
-    """The server's argv; ``speculative_config`` is the JSON text (None: no speculation, a baseline)."""
+def vllm_command(target_dir: Path, port: int, *, speculative_config: str | None, api_key: str | None = None) -> list[str]:
+    """The server's argv; ``speculative_config`` is the JSON text (None: no speculation, a baseline);
+    ``api_key``: started with ``--api-key`` (its /v1 paths then want the key)."""
     command = [
         str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(target_dir), "--served-model-name", SERVED_NAME,
         "--host", "127.0.0.1", "--port", str(port),
         "--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "8", "--seed", "0", "-O0",
+        *(["--api-key", api_key] if api_key else []),
     ]
     if speculative_config is not None:
         command += ["--speculative-config", speculative_config, "--per-request-spec-decode-metrics", "detailed"]
@@ -41,16 +43,18 @@ VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "INFO"}
 
 
 def start_vllm_server(target_dir: Path, draft_dir: Path, log_path: Path, *, num_speculative_tokens: int = 15,
-                      port: int | None = None) -> EngineServer:
+                      port: int | None = None, api_key: str | None = None) -> EngineServer:
     """Launch ``python -m vllm.entrypoints.openai.api_server`` with the DFlash draft and detailed metrics
-    (``num_speculative_tokens=0``: the target alone, no speculation)."""
+    (``num_speculative_tokens=0``: the target alone, no speculation; ``api_key``: readiness is read off
+    /health, which needs no key)."""
     if not VLLM_PYTHON.is_file():
         raise RuntimeError(f"{VLLM_PYTHON} is missing; run `bash scripts/setup-dev.sh` (it builds the vLLM environment).")
     port = port or free_port()
     spec = {"method": "dflash", "model": str(draft_dir), "num_speculative_tokens": num_speculative_tokens}
-    command = vllm_command(target_dir, port, speculative_config=json.dumps(spec) if num_speculative_tokens else None)
+    command = vllm_command(target_dir, port, speculative_config=json.dumps(spec) if num_speculative_tokens else None, api_key=api_key)
     env = {**os.environ, **VLLM_ENV}
-    return start_engine_server("vLLM", command, f"http://127.0.0.1:{port}", "/v1/models", log_path, START_TIMEOUT_S, env)
+    ready = "/health" if api_key else "/v1/models"
+    return start_engine_server("vLLM", command, f"http://127.0.0.1:{port}", ready, log_path, START_TIMEOUT_S, env)
 
 
 if __name__ == "__main__":

@@ -18,11 +18,14 @@ from dflash_doctor.errors import UsageError
 from dflash_doctor.inputs.config import DoctorConfig
 from dflash_doctor.cli.output import print_json
 from dflash_doctor.replay import scenarios, sharding
+from dflash_doctor.serving.http import secret
 from dflash_doctor.report.terminal import print_check_results, print_class_summary, print_engine_comparison, print_sweep, print_why_rejected
 
 Scenario = Annotated[Optional[str], typer.Option("--scenario", help="Reproduce a real failure on the demo pair; `--scenario list` names them.")]
 Only = Annotated[Optional[str], typer.Option("--only", help="Comma-separated check ids to run (default: all).")]
 Skip = Annotated[Optional[str], typer.Option("--skip", help="Comma-separated check ids to leave out.")]
+EngineApiKey = Annotated[Optional[str], typer.Option("--engine-api-key", envvar="OPENAI_API_KEY", show_envvar=True,
+                                                     help="API key of the --engine server (sent as a bearer token); env:VAR reads it from the environment. Never written to the run directory.")]
 
 
 def _ids(text: str | None) -> list[str]:
@@ -55,6 +58,7 @@ def check(
     skip: Skip = None,
     exact_blocks: opt.ExactBlocks = False,
     json_output: opt.Json = False,
+    engine_api_key: EngineApiKey = None,
 ) -> None:
     """Is the pair set up right, where does the draft lose, which K to serve? Exit 0 pass/warn, 1 fail or error, 2 bad input.
 
@@ -80,10 +84,11 @@ def check(
         raise UsageError("--devices spreads the local replay over processes, --engine measures a server; drop one of them.")
     if config.engine is not None and scenario is not None:
         raise UsageError("--scenario reproduces failures on the embedded demo pair; drop it or drop --engine.")
+    api_key = secret(engine_api_key, "--engine-api-key") if engine_api_key else None
     if (code := sharding.launch_ranks(config)) is not None:
         raise typer.Exit(code)
     if config.engine is not None:
-        outcome = run_with_progress(lambda progress: pipeline.run_engine_check(config, only=only_ids, skip=skip_ids, progress=progress))
+        outcome = run_with_progress(lambda progress: pipeline.run_engine_check(config, only=only_ids, skip=skip_ids, progress=progress, api_key=api_key))
     else:
         outcome = run_with_progress(lambda progress: pipeline.run_check(config, scenario=chosen, only=only_ids, skip=skip_ids,
                                                                         exact_blocks=exact_blocks, progress=progress))

@@ -1,18 +1,83 @@
-"""The Typer app every command module registers on (``@app.command``); :mod:`dflash_doctor.cli` imports
-the command modules, in --help order, and runs it. A module of its own so the commands import it without
-importing the package that imports them.
+"""The Typer app every command module registers on (``@app.command``), and the root group that loads those
+modules. A module of its own so the commands import it without importing the package that runs it.
+
+A command's module is imported only when that command runs or shows its own --help: the replaying,
+checking and training commands import torch and transformers (seconds, and a monitoring install has
+neither), the others pandas and pyarrow. ``dflash-doctor --help`` lists every command from
+:data:`COMMANDS` (tests/test_light_install.py holds each summary equal to its command's docstring), so it
+imports none of them, and ``watch``, ``compare``, ``report`` and the dashboard never import torch.
 """
 
 from __future__ import annotations
 
+import importlib
+
+import click
 import typer
+from typer.core import TyperGroup
+from typer.main import get_command_from_info, get_command_name, get_group_from_info
 
 from dflash_doctor import __version__
 from dflash_doctor.cli.logs import configure_logging
 from dflash_doctor.errors import UsageError
 
+# command -> (its module, the first line of its docstring or its group's help), in --help order
+COMMANDS: dict[str, tuple[str, str]] = {
+    "check": ("dflash_doctor.cli.check", "Is the pair set up right, where does the draft lose, which K to serve? Exit 0 pass/warn, 1 fail or error, 2 bad input."),
+    "replay": ("dflash_doctor.cli.replay", "Replay prompts through the live speculative loop (K = the largest --k) and write a run directory."),
+    "sweep": ("dflash_doctor.cli.sweep", "Teacher-forced replay answering every K at once (default K = 1..block-1 or 1-8), net speedup per class, recommended K."),
+    "train-draft": ("dflash_doctor.cli.train_draft", "Train or fine-tune a DFlash draft against a target; writes a z-lab checkpoint and a model card."),
+    "tokenizers": ("dflash_doctor.cli.single_checks", "Compare two tokenizers: ids over the whole vocabulary, special tokens, pipeline, corpus round-trip."),
+    "templates": ("dflash_doctor.cli.single_checks", "Render canonical conversations with both chat templates and show the first differing bytes."),
+    "env": ("dflash_doctor.cli.single_checks", "Show versions and hardware, and check them (and --engine-config) against known incompatibilities."),
+    "compare": ("dflash_doctor.cli.compare", "Per-class regression gate: exit 1 when tau or a per-position rate drops past its threshold with separated 95% intervals; exit 2 when a run has no drafted steps (nothing to compare)."),
+    "report": ("dflash_doctor.cli.report", "Re-render a run as report.html, report.md, report.json and junit.xml (no model is loaded)."),
+    "dashboard": ("dflash_doctor.cli.dashboard", "Launch the interactive dashboard: rejection by class, positions, tokens, sweep and run comparison."),
+    "watch": ("dflash_doctor.cli.watch", "Watch production acceptance: windowed tau per model/class, alerts vs a baseline, fallback advice."),
+    "tune": ("dflash_doctor.cli.tune", "Measure K = 0 (off) and each K on your engine per class and load; fit its step costs, predict the rest, recommend its setting."),
+    "workloads": ("dflash_doctor.cli.workloads", "List the built-in prompt sets with counts per class; `show NAME` prints a few requests."),
+}
+
+
+def registered_command_name(info: typer.models.CommandInfo) -> str:
+    """The name Typer gives a registered command (its own, or the function's with dashes)."""
+    return info.name or get_command_name(info.callback.__name__ if info.callback else "")
+
+
+class _CommandsOnDemand(TyperGroup):
+    """The root group: each of :data:`COMMANDS` is imported when asked for, and listed by its summary."""
+
+    def list_commands(self, ctx) -> list[str]:
+        return [*COMMANDS, *(name for name in super().list_commands(ctx) if name not in COMMANDS)]
+
+    def get_command(self, ctx, cmd_name: str):
+        if cmd_name in COMMANDS and cmd_name not in self.commands:
+            importlib.import_module(COMMANDS[cmd_name][0])  # registers its command(s) on `app`
+            for info in app.registered_commands:
+                if registered_command_name(info) == cmd_name:
+                    self.commands[cmd_name] = get_command_from_info(info, pretty_exceptions_short=app.pretty_exceptions_short,
+                                                                    rich_markup_mode=self.rich_markup_mode)
+            for group in app.registered_groups:
+                if group.name == cmd_name:
+                    self.commands[cmd_name] = get_group_from_info(group, pretty_exceptions_short=app.pretty_exceptions_short,
+                                                                  suggest_commands=True, rich_markup_mode=self.rich_markup_mode)
+        return super().get_command(ctx, cmd_name)
+
+    def format_commands(self, ctx, formatter) -> None:
+        names = self.list_commands(ctx)
+        limit = formatter.width - 6 - max(len(name) for name in names)
+        rows = []
+        for name in names:
+            command = self.commands.get(name) or click.Command(name, help=COMMANDS[name][1])  # click's own cut of the summary
+            if not command.hidden:
+                rows.append((name, command.get_short_help_str(limit)))
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
+
 app = typer.Typer(
     name="dflash-doctor",
+    cls=_CommandsOnDemand,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     # Plain click errors: Typer's rich error panel cuts a long first word (a path) with an ellipsis and

@@ -20,6 +20,7 @@ from dflash_doctor.inputs.config import DoctorConfig
 from dflash_doctor.cli.output import print_json
 from dflash_doctor.report.sanitize import for_terminal
 from dflash_doctor.rundir.writer import utc_now
+from dflash_doctor.serving.http import header_flags, secret
 from dflash_doctor.stats.speedup import load_cost_profile
 from dflash_doctor.telemetry.hooks import AlertHooks
 from dflash_doctor.telemetry.settings import build_watch_settings
@@ -128,6 +129,8 @@ def watch(
     config: DoctorConfig,
     sources: Annotated[Optional[list[str]], typer.Argument(help="Engine /metrics URLs, log files, or captured responses (.jsonl).", show_default=False)] = None,
     prometheus: Annotated[Optional[str], typer.Option("--prometheus", help="A Prometheus server URL: each counter's increase over the window is read through its HTTP API.")] = None,
+    prometheus_header: Annotated[Optional[list[str]], typer.Option("--prometheus-header", help="NAME=VALUE header sent to --prometheus (repeatable), e.g. 'Authorization=Bearer $TOKEN' or X-Scope-OrgID=tenant; env:VAR or $VAR read the value from the environment. Never written to the run directory.")] = None,
+    engine_api_key: Annotated[Optional[str], typer.Option("--engine-api-key", envvar="OPENAI_API_KEY", show_envvar=True, help="Bearer token for the /metrics URLs (llama-server --api-key guards /metrics); env:VAR reads it from the environment.")] = None,
     engine: Annotated[Optional[str], typer.Option("--engine", help="vllm | sglang | llamacpp | trtllm (default: detected from the metric names / log lines).")] = None,
     model: Annotated[Optional[str], typer.Option("--model", help="Series name for sources without a model label (logs, llama.cpp).")] = None,
     class_label: Annotated[Optional[str], typer.Option("--class-label", help="Label holding the request class (e.g. an SGLang custom label).")] = None,
@@ -135,6 +138,7 @@ def watch(
     window: Annotated[Optional[str], typer.Option("--window", help="Window length: 30s, 5m, 1h (default 5m). With --once on a /metrics URL: scrape twice, this far apart.")] = None,
     interval: Annotated[Optional[str], typer.Option("--interval", help="Time between polls when watching live (default 30s).")] = None,
     once: Annotated[bool, typer.Option("--once", help="One verdict and exit: 0 ok, 1 alert, 2 bad input or no engine series in the sources (for cron/CI).")] = False,
+    retain: Annotated[Optional[str], typer.Option("--retain", help="Keep this much of the time series in the run directory, e.g. 7d (default: all); memory and disk stay flat.")] = None,
     duration: Annotated[Optional[str], typer.Option("--duration", help="Stop watching after this long (default: until Ctrl-C).")] = None,
     baseline: Annotated[Optional[str], typer.Option("--baseline", help="A check/sweep run directory, or the expected tau (one number).")] = None,
     threshold_tau: Annotated[Optional[float], typer.Option("--threshold-tau", help="Smallest tau drop below the baseline that alerts (default 0.2).")] = None,
@@ -157,11 +161,14 @@ def watch(
     settings = build_watch_settings(
         config.watch, window=window, interval=interval, baseline=baseline, threshold_tau=threshold_tau,
         min_drafts=min_drafts, speedup_floor=speedup_floor, engine=engine, model=model, class_label=class_label, log_timezone=log_timezone,
+        retain=retain,
     )
     run_dir = Path(config.out or f"runs/watch-{utc_now().replace(':', '').replace('+0000', 'Z')}")
     hooks = AlertHooks(on_alert, on_alert_webhook, on_alert_dry_run, run_dir)
     session = WatchSession(
-        open_sources(list(sources or []), prometheus, settings), settings, run_dir=run_dir,
+        open_sources(list(sources or []), prometheus, settings, api_key=secret(engine_api_key, "--engine-api-key") if engine_api_key else None,
+                     prometheus_headers=header_flags(list(prometheus_header or []), "--prometheus-header")),
+        settings, run_dir=run_dir,
         config=config.as_dict(), costs=load_cost_profile(config.cost_profile) if config.cost_profile else None,
         once=once, exporter_port=exporter_port, exporter_address=exporter_address,
         hooks=hooks if hooks.enabled else None,

@@ -142,7 +142,7 @@ class RunWriter:
         self.close()
 
 
-def _read_stream(path: Path, schema: pa.Schema) -> pa.Table:
+def read_stream(path: Path, schema: pa.Schema) -> pa.Table:
     """Every complete record batch of a journal file; a batch cut short by a kill (or still being
     written) ends the read instead of failing it."""
     batches: list[pa.RecordBatch] = []
@@ -163,11 +163,11 @@ def read_journal(run_dir: Path) -> dict[str, pa.Table]:
     ``requests`` is read first: a request row is appended after its steps and tokens, so whatever the
     writer does meanwhile, every request read here has all of its rows in the other two files.
     """
-    requests = _read_stream(journal_path(run_dir, "requests"), REQUESTS_SCHEMA)
+    requests = read_stream(journal_path(run_dir, "requests"), REQUESTS_SCHEMA)
     committed = requests.column("request_id")
     tables = {"requests": requests}
     for name in ("steps", "tokens"):
-        table = _read_stream(journal_path(run_dir, name), TABLES[name])
+        table = read_stream(journal_path(run_dir, name), TABLES[name])
         # pyarrow.compute defines its kernels when it is imported: no static checker sees `is_in`.
         tables[name] = table.filter(pc.is_in(table.column("request_id"), value_set=committed))  # pyright: ignore[reportAttributeAccessIssue]
     return tables

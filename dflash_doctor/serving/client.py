@@ -1,36 +1,38 @@
-"""A small OpenAI-compatible HTTP client for measuring a running serving engine.
+"""A small OpenAI-compatible client for measuring a running serving engine.
 
-Standard library only (urllib): the doctor must not pin an HTTP stack next to the user's. One request
-is one ``POST`` with a per-request timeout; connection failures and 5xx/429 answers are retried with
-exponential backoff; every other failure becomes a :class:`UsageError` with one sentence naming the
-server, what it said and the fix. The body asks every engine for its per-request speculative figures
-at once (vLLM ``return_token_ids``, SGLang ``return_spec_tokens_details``); an engine ignores the
-fields it does not know.
+Requests go through the doctor's one HTTP client (:mod:`dflash_doctor.serving.http`: retries with
+backoff, jitter and ``Retry-After``, a timeout per request). The API key (``--engine-api-key`` or
+``OPENAI_API_KEY``) is sent as a bearer token, as OpenAI's clients send it. A failed request becomes an
+:class:`EngineError`; the callers turn it into one sentence naming the server, what it said and the fix.
+The body asks every engine for its per-request speculative figures at once (vLLM ``return_token_ids``,
+SGLang ``return_spec_tokens_details``); an engine ignores the fields it does not know.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import time
-import urllib.error
-import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Mapping
 
 from dflash_doctor.errors import UsageError
+from dflash_doctor.serving.http import AUTH_STATUSES, HttpClient, Unreachable
 
-RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
+API_KEY_FLAGS = "--engine-api-key (or the OPENAI_API_KEY environment variable)"
+METRICS_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
 class EngineEndpoint:
-    """Where the server is and how to ask it: base URL (``http://host:port``), model name, timeouts."""
+    """Where the server is and how to ask it: base URL (``http://host:port``), model name, API key, timeouts."""
 
     base_url: str
     model: str | None = None  # None: the server's only model (asked from /v1/models)
     timeout_s: float = 300.0
     retries: int = 3
     backoff_s: float = 1.0
+    api_key: str | None = field(default=None, repr=False)  # a secret: never printed, never written
 
     @classmethod
     def from_url(cls, url: str, **kwargs: Any) -> "EngineEndpoint":
@@ -45,6 +47,14 @@ class EngineEndpoint:
             raise UsageError(f"--engine {url!r} is not an http(s) URL; pass the server's address, e.g. http://127.0.0.1:8000.")
         return cls(base_url=text, **kwargs)
 
+    @cached_property
+    def client(self) -> HttpClient:
+        """One connection pool per endpoint, shared by the requests in flight."""
+        headers = {"Accept": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        return HttpClient(headers=headers, timeout_s=self.timeout_s, retries=self.retries, backoff_s=self.backoff_s)
+
 
 class EngineError(Exception):
     """A request failed after its retries; ``status`` is the HTTP status (None: no answer at all)."""
@@ -54,42 +64,31 @@ class EngineError(Exception):
         self.status = status
         self.body = body
 
+    @property
+    def auth_refused(self) -> bool:
+        """The server wants an API key, or refused the one sent (HTTP 401/403)."""
+        return self.status in AUTH_STATUSES
 
-def _request(endpoint: EngineEndpoint, method: str, path: str, payload: Mapping[str, Any] | None = None) -> tuple[int, str]:
-    data = json.dumps(payload).encode("utf-8") if payload is not None else None
-    req = urllib.request.Request(endpoint.base_url + path, data=data, method=method,
-                                 headers={"Content-Type": "application/json", "Accept": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=endpoint.timeout_s) as response:
-            return response.status, response.read().decode("utf-8", errors="replace")
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode("utf-8", errors="replace")
+
+def auth_fix(endpoint: EngineEndpoint) -> str:
+    """The fix for an :attr:`EngineError.auth_refused` answer, for the end of a sentence."""
+    if endpoint.api_key:
+        return f"the server refused the API key given by {API_KEY_FLAGS}; pass the key the server was started with"
+    return f"the server wants an API key (it was started with --api-key); pass it with {API_KEY_FLAGS}"
 
 
 def call(endpoint: EngineEndpoint, method: str, path: str, payload: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """One JSON call with retries and backoff; raises :class:`EngineError` when it cannot succeed."""
-    delay = endpoint.backoff_s
-    last: EngineError | None = None
-    for attempt in range(endpoint.retries + 1):
-        try:
-            status, text = _request(endpoint, method, path, payload)
-        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as exc:
-            reason = getattr(exc, "reason", exc)
-            last = EngineError(f"no answer from {endpoint.base_url} ({reason})")
-        else:
-            if status == 200:
-                try:
-                    return json.loads(text)
-                except json.JSONDecodeError:
-                    raise EngineError(f"{endpoint.base_url}{path} answered with something that is not JSON", status, text[:300]) from None
-            last = EngineError(f"{endpoint.base_url}{path} answered HTTP {status}: {_error_text(text)}", status, text)
-            if status not in RETRY_STATUSES:
-                raise last
-        if attempt < endpoint.retries:
-            time.sleep(delay)
-            delay *= 2
-    assert last is not None
-    raise last
+    """One JSON call (retried by the client); raises :class:`EngineError` when it cannot succeed."""
+    try:
+        answer = endpoint.client.request(method, endpoint.base_url + path, payload=payload)
+    except Unreachable as exc:
+        raise EngineError(str(exc)) from None
+    if not answer.ok:
+        raise EngineError(f"{endpoint.base_url}{path} answered HTTP {answer.status}: {_error_text(answer.text)}", answer.status, answer.text)
+    try:
+        return answer.json()
+    except json.JSONDecodeError:
+        raise EngineError(f"{endpoint.base_url}{path} answered with something that is not JSON", answer.status, answer.text[:300]) from None
 
 
 def _error_text(text: str) -> str:
@@ -104,12 +103,14 @@ def _error_text(text: str) -> str:
 
 
 def served_models(endpoint: EngineEndpoint) -> list[str]:
-    """The model names the server serves (``GET /v1/models``); unreachable is a UsageError."""
+    """The model names the server serves (``GET /v1/models``); unreachable or refused is a UsageError."""
     try:
         body = call(endpoint, "GET", "/v1/models")
     except EngineError as exc:
         if exc.status is None:
             raise UsageError(f"--engine {endpoint.base_url}: {exc}; start the server or fix the URL.") from None
+        if exc.auth_refused:
+            raise UsageError(f"--engine {endpoint.base_url}: {exc}; {auth_fix(endpoint)}.") from None
         raise UsageError(f"--engine {endpoint.base_url} is not an OpenAI-compatible server ({exc}); pass the URL of the server's OpenAI API.") from None
     if not isinstance(body, dict) or not isinstance(body.get("data") or [], list):
         raise UsageError(f"--engine {endpoint.base_url}: GET /v1/models answered {str(body)[:60]!r}, not an OpenAI model list "
@@ -119,8 +120,6 @@ def served_models(endpoint: EngineEndpoint) -> list[str]:
 
 def resolve_model(endpoint: EngineEndpoint) -> EngineEndpoint:
     """Check the model name against the server (or take its only model); a wrong name lists the real ones."""
-    import dataclasses
-
     models = served_models(endpoint)
     if endpoint.model is None:
         if len(models) != 1:
@@ -132,10 +131,9 @@ def resolve_model(endpoint: EngineEndpoint) -> EngineEndpoint:
 
 
 def scrape_metrics(endpoint: EngineEndpoint) -> str | None:
-    """The Prometheus text of ``GET /metrics`` (None when the server has none): the fallback source."""
-    req = urllib.request.Request(endpoint.base_url + "/metrics", method="GET")
+    """The Prometheus text of ``GET /metrics`` (None when the server has none or cannot be read): the fallback source."""
     try:
-        with urllib.request.urlopen(req, timeout=min(endpoint.timeout_s, 30.0)) as response:
-            return response.read().decode("utf-8", errors="replace") if response.status == 200 else None
-    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+        answer = endpoint.client.get(endpoint.base_url + "/metrics", timeout_s=min(endpoint.timeout_s, METRICS_TIMEOUT_S))
+    except Unreachable:
         return None
+    return answer.text if answer.ok else None

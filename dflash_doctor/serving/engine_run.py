@@ -27,7 +27,7 @@ from dflash_doctor.replay.turns import turn_limit
 from dflash_doctor.rundir.record import ModelInfo, RunMeta, RunRecord, Source
 from dflash_doctor.rundir.tables import REQUESTS_SCHEMA, STEPS_SCHEMA, StepRow, as_row, turn_row_id
 from dflash_doctor.rundir.writer import utc_now
-from dflash_doctor.serving.client import EngineEndpoint, EngineError, call, scrape_metrics
+from dflash_doctor.serving.client import EngineEndpoint, EngineError, auth_fix, call, scrape_metrics
 from dflash_doctor.serving.prometheus import EngineCounters, measurement_between, read_counters
 from dflash_doctor.serving.responses import (LLAMA_CPP, MalformedResponse, MissingMetrics, SpecMeasurement, check_measurement, check_response_shape, parse_response,
                                              step_rows)
@@ -232,6 +232,8 @@ def _failure_sentence(endpoint: EngineEndpoint, exc: Exception, done: int, run_d
         return f"--engine {endpoint.base_url}: {exc}; point --engine at the serving engine itself, not at a proxy that rewrites its answers{kept}."
     if isinstance(exc, EngineError) and exc.status is None:
         return f"--engine {endpoint.base_url}: {exc}; check that the server is still up{kept}."
+    if isinstance(exc, EngineError) and exc.auth_refused:
+        return f"--engine {endpoint.base_url}: {exc}; {auth_fix(endpoint)}{kept}."
     return f"--engine {endpoint.base_url}: {exc}; fix the request or the server flags{kept}."
 
 

@@ -247,9 +247,20 @@ def bootstrap_tau_interval(units: Sequence[SpecCounts], *, seed: int = 0) -> tup
     return (float(lo), float(hi))
 
 
-def window_tau_interval(counts: SpecCounts, units: Sequence[SpecCounts] = ()) -> tuple[float, float] | None:
-    """The wider of the count-based and the scrape-interval bootstrap intervals (either may be absent)."""
-    intervals = [ci for ci in (tau_interval(counts), bootstrap_tau_interval(units)) if ci is not None]
+def window_tau_interval(counts: SpecCounts, units: Sequence[SpecCounts] = (), num_units: int | None = None) -> tuple[float, float] | None:
+    """The wider of the count-based and the scrape-interval bootstrap intervals (either may be absent).
+
+    ``units``: every unit of ``counts``, or a uniform sample of its ``num_units`` (a days-long watch keeps
+    a bounded sample): the sample's bootstrap spread is then narrowed by sqrt(sample / num_units), the
+    rate at which a ratio of sums tightens with its number of terms, around the tau of ``counts``.
+    """
+    boot = bootstrap_tau_interval(units)
+    tau = counts.mean_acceptance_length
+    if boot is not None and tau is not None and num_units is not None and num_units > len(units):
+        center = total(units).mean_acceptance_length or tau
+        shrink = math.sqrt(len(units) / num_units)
+        boot = (tau - (center - boot[0]) * shrink, tau + (boot[1] - center) * shrink)
+    intervals = [ci for ci in (tau_interval(counts), boot) if ci is not None]
     if not intervals:
         return None
     return (min(ci[0] for ci in intervals), max(ci[1] for ci in intervals))

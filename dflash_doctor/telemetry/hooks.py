@@ -28,17 +28,17 @@ import os
 import shlex
 import subprocess
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash_doctor.errors import UsageError
+from dflash_doctor.serving.http import HttpClient, Unreachable
 from dflash_doctor.telemetry.verdict import WindowVerdict
 from dflash_doctor.telemetry.watcher import Event
 
 HOOK_EVENT = "alert-hook"
 WEBHOOK_TIMEOUT_S = 10.0
+WEBHOOK_RETRIES = 1  # one more try on a refused connection or a 5xx: a lost alert is worse than a repeated one
 JUDGED = ("ok", "alert")  # statuses that carry a verdict: only they end an episode
 
 
@@ -75,6 +75,7 @@ class AlertHooks:
     _argv: list[str] = field(init=False, default_factory=list)
     _open: set[tuple[str, str, str]] = field(init=False, default_factory=set)  # (model, class, kind) in an episode
     _running: list[tuple[subprocess.Popen, str]] = field(init=False, default_factory=list)
+    _client: HttpClient = field(init=False, default_factory=lambda: HttpClient(timeout_s=WEBHOOK_TIMEOUT_S, retries=WEBHOOK_RETRIES))
 
     def __post_init__(self) -> None:
         if self.command is not None:
@@ -126,18 +127,17 @@ class AlertHooks:
                     self._running.append((process, what))
                     events.append(Event(now_s, HOOK_EVENT, self.command or "", f"started for {what} (pid {process.pid})"))
         if self.webhook is not None:
-            events.append(Event(now_s, HOOK_EVENT, self.webhook, self._post(payload, what)))
+            events.append(Event(now_s, HOOK_EVENT, self.webhook, self._post(fields, payload, what)))
         return events
 
-    def _post(self, payload: str, what: str) -> str:
+    def _post(self, fields: dict[str, str], payload: str, what: str) -> str:
         if self.dry_run:
             return f"dry run, would POST for {what}: {payload}"
-        request = urllib.request.Request(self.webhook or "", data=payload.encode(), headers={"Content-Type": "application/json"}, method="POST")
         try:
-            with urllib.request.urlopen(request, timeout=WEBHOOK_TIMEOUT_S) as response:
-                return f"posted {what} (HTTP {response.status})"
-        except (urllib.error.URLError, OSError) as exc:
-            return f"could not post {what}: {getattr(exc, 'reason', exc)}"
+            answer = self._client.request("POST", self.webhook or "", payload=fields)
+        except Unreachable as exc:
+            return f"could not post {what}: {exc}"
+        return f"posted {what} (HTTP {answer.status})"
 
     def _reap(self, now_s: float) -> list[Event]:
         """Events for commands that finished since the last round."""

@@ -6,31 +6,44 @@ vLLM's metric names, the baseline, the net speedup and the alerts (:meth:`Window
 ``units.parquet``, the raw counts between scrapes. The record's ``summary`` pools every unit of the watch,
 per class, in the same :class:`~dflash_doctor.rundir.record.Metrics` a ``check`` run has, so ``report`` and the
 dashboard's overview read it unchanged (requests are not observed: ``num_requests`` is 0);
-``source.details`` holds what only a watch has (sources, window length, events, alerts). Everything is
-rewritten atomically after every evaluation, so a watch killed at any moment leaves a readable directory
-with every window it finished.
+``source.details`` holds what only a watch has (sources, window length, events, alerts).
+
+Bounded over a days-long watch: each evaluation *appends* its rows to an Arrow IPC journal per table
+(``journal/windows.arrows``, ``journal/units.arrows``, as the run journal of :mod:`dflash_doctor.rundir.writer`)
+and rewrites only ``run.json``; the summary comes from running totals per series and a bounded uniform
+sample of units for its bootstrap. The journal is consolidated into the Parquet files at the end, on
+demand and every hour (:data:`CONSOLIDATE_EVERY_S`), dropping rows older than the retention
+(``--retain``) when there is one, so memory, disk and the cost of a poll stay flat. A watch killed at any moment leaves a readable directory:
+readers take the Parquet rows plus every complete journal batch.
 """
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 from typing import Any, TypedDict, cast
 
 import pandas as pd
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from dflash_doctor.stats.metrics import conditional_rates
 from dflash_doctor.rundir.record import Metrics, ModelInfo, RunMeta, RunRecord, Source, Summary, TauDistribution
-from dflash_doctor.rundir.tables import TABLES, read_table_or_empty
-from dflash_doctor.rundir.writer import utc_now, write_run_json
-from dflash_doctor.telemetry.counts import ALL_CLASSES, SeriesKey, SpecCounts, rate_intervals, total, window_tau_interval
+from dflash_doctor.rundir.tables import TABLES
+from dflash_doctor.rundir.writer import JOURNAL_DIR, read_stream, utc_now, write_run_json
+from dflash_doctor.telemetry.counts import ALL_CLASSES, SeriesKey, SpecCounts, rate_intervals, window_tau_interval
 from dflash_doctor.telemetry.verdict import WindowVerdict
 from dflash_doctor.telemetry.watcher import Event, Unit
 
 SOURCE_TELEMETRY = "telemetry"
 WINDOWS_FILE = "windows.parquet"
 UNITS_FILE = "units.parquet"  # the raw, non-overlapping counts between scrapes (canary compares resample them)
+# Units per series (and overall) kept for the summary's bootstrap: a uniform sample of the whole watch.
+SUMMARY_SAMPLE_UNITS = 256
+# The journal is folded into the Parquet files at least this often: a journal batch of a few rows carries
+# about a kilobyte of framing, while Parquet keeps a day of windows in a few hundred.
+CONSOLIDATE_EVERY_S = 3600.0
 
 UNITS_SCHEMA = pa.schema(
     [
@@ -59,13 +72,14 @@ def _count(value: float | None) -> int:
     return int(round(value or 0.0))
 
 
-def _summary_block(counts: SpecCounts, units: list[SpecCounts]) -> Metrics:
-    """One summary scope from pooled counts (the fields ``check`` writes; no requests in telemetry)."""
+def _summary_block(counts: SpecCounts, units: list[SpecCounts], num_units: int) -> Metrics:
+    """One summary scope from pooled counts and a uniform sample ``units`` of its ``num_units`` (the fields
+    ``check`` writes; no requests in telemetry)."""
     rates = counts.acceptance_rate_per_pos
     per_pos = [_count(v) for v in counts.num_accepted_tokens_per_pos or ()]
     drafts = _count(counts.num_drafts)
     at_least = [drafts, *per_pos, 0]
-    ci = window_tau_interval(counts, units)
+    ci = window_tau_interval(counts, units, num_units)
     generated = counts.num_generated_tokens
     rate_cis: list[list[float | None]] = [[lo, hi] for lo, hi in rate_intervals(counts) or []]
     wasted = None
@@ -90,23 +104,76 @@ def _summary_block(counts: SpecCounts, units: list[SpecCounts]) -> Metrics:
     )
 
 
-class WatchRecord:
-    """Writes a watch's run directory; :meth:`update` after every evaluation keeps it current on disk."""
+class _JournaledTable:
+    """One time-series table of a watch: ``<name>.parquet`` (consolidated rows) plus its append-only journal."""
 
-    def __init__(self, run_dir: Path | str, config: dict[str, Any], telemetry: WatchSetup):
+    def __init__(self, run_dir: Path, file_name: str, schema: pa.Schema):
+        self.schema = schema
+        self.parquet = run_dir / file_name
+        self.journal = run_dir / JOURNAL_DIR / file_name.replace(".parquet", ".arrows")
+        self._open_journal()
+
+    def _open_journal(self) -> None:
+        self.journal.parent.mkdir(exist_ok=True)
+        self._sink = pa.OSFile(str(self.journal), "wb")
+        self._stream = pa.ipc.new_stream(self._sink, self.schema)
+
+    def append(self, rows: list[dict[str, Any]]) -> None:
+        """One record batch, written through to the OS (a reader sees it at once)."""
+        if rows:
+            self._stream.write_batch(pa.RecordBatch.from_pylist(rows, schema=self.schema))
+            self._sink.flush()
+
+    def consolidate(self, keep_after_s: float | None, *, reopen: bool) -> None:
+        """Parquet := its rows plus the journal's (those ending after ``keep_after_s``), atomically; the
+        journal starts empty again (``reopen``) or is removed."""
+        self._stream.close()
+        self._sink.close()
+        table = read_time_series(self.parquet, self.journal, self.schema)
+        if keep_after_s is not None:
+            # pyarrow.compute defines its kernels when it is imported: no static checker sees `greater`.
+            table = table.filter(pc.greater(table.column("end_s"), keep_after_s))  # pyright: ignore[reportAttributeAccessIssue]
+        tmp = self.parquet.with_name(self.parquet.name + ".tmp")
+        pq.write_table(table, tmp)
+        tmp.replace(self.parquet)
+        self.journal.unlink()
+        if reopen:
+            self._open_journal()
+
+
+def read_time_series(parquet: Path, journal: Path, schema: pa.Schema) -> pa.Table:
+    """A watch table: its Parquet rows, then every complete batch of its journal (a watch still going, or killed)."""
+    parts = [pq.read_table(parquet).cast(schema)] if parquet.is_file() else []
+    if journal.is_file():
+        parts.append(read_stream(journal, schema))
+    return pa.concat_tables(parts) if parts else schema.empty_table()
+
+
+class WatchRecord:
+    """Writes a watch's run directory: :meth:`update` after every evaluation appends to it, :meth:`close`
+    consolidates it; ``retain_s`` (None: keep everything) bounds how far back its time series reach."""
+
+    def __init__(self, run_dir: Path | str, config: dict[str, Any], telemetry: WatchSetup, *, retain_s: float | None = None):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.retain_s = retain_s
         urls = [s for s in telemetry.get("sources", []) if str(s).startswith(("http://", "https://", "prometheus "))]
         self.record = RunRecord(
             meta=RunMeta(command="watch", created_at=utc_now()),
             source=Source(kind=SOURCE_TELEMETRY, description="production telemetry read by `dflash-doctor watch`",
                           url=urls[0].removeprefix("prometheus ") if urls else None,
-                          details={**telemetry, "events": [], "alerts": [], "notes": []}),
+                          details={**telemetry, "retain_s": retain_s, "events": [], "alerts": [], "notes": []}),
             config=dict(config),
         )
-        self.rows: list[dict[str, Any]] = []
-        self.unit_rows: list[dict[str, Any]] = []
-        self._units: dict[SeriesKey, list[SpecCounts]] = {}
+        for name in (WINDOWS_FILE, UNITS_FILE):  # a folder reused by --overwrite must not mix in an earlier watch
+            (self.run_dir / name).unlink(missing_ok=True)
+        self._windows = _JournaledTable(self.run_dir, WINDOWS_FILE, WINDOWS_SCHEMA)
+        self._units = _JournaledTable(self.run_dir, UNITS_FILE, UNITS_SCHEMA)
+        self._totals: dict[SeriesKey | None, SpecCounts] = {}  # None: every series pooled
+        self._num_units: dict[SeriesKey | None, int] = {}
+        self._samples: dict[SeriesKey | None, list[SpecCounts]] = {}
+        self._rng = random.Random(0)  # the samples' draws: the same watch gives the same summary
+        self._consolidated_at: float | None = None
         for name, schema in TABLES.items():  # production has no per-step rows; the tables exist, empty
             path = self.run_dir / f"{name}.parquet"
             if not path.exists():
@@ -117,52 +184,91 @@ class WatchRecord:
     def details(self) -> dict[str, Any]:
         return self.record.source.details
 
+    def _take(self, scope: SeriesKey | None, counts: SpecCounts) -> None:
+        """Add a unit to the running total of ``scope`` and to its sample (reservoir sampling: every unit of
+        the watch is in the sample with the same probability)."""
+        self._totals[scope] = self._totals[scope].plus(counts) if scope in self._totals else counts
+        seen = self._num_units[scope] = self._num_units.get(scope, 0) + 1
+        sample = self._samples.setdefault(scope, [])
+        if len(sample) < SUMMARY_SAMPLE_UNITS:
+            sample.append(counts)
+        elif (slot := self._rng.randrange(seen)) < SUMMARY_SAMPLE_UNITS:
+            sample[slot] = counts
+
     def update(self, verdicts: list[WindowVerdict], units: list[Unit], events: list[Event], notes: list[str]) -> None:
-        """Append the new windows and units, refresh the summary, rewrite the files atomically."""
+        """Append the new windows and units, refresh the summary and run.json; consolidate once an hour
+        (or once a retention period, when shorter) has passed since the last time."""
+        self._windows.append([verdict.as_row() for verdict in verdicts])
         for verdict in verdicts:
-            self.rows.append(verdict.as_row())
             for alert in verdict.alerts:
                 self.details["alerts"].append({"time_s": verdict.window.end_s, "kind": alert.kind, "series": alert.series, "message": alert.message, "advice": list(alert.advice)})
-        for unit in units:
-            if unit.counts.num_drafts is None and unit.counts.num_generated_tokens is None:
-                continue
-            self._units.setdefault(unit.key, []).append(unit.counts)
-            self.unit_rows.append({"end_s": unit.end_s, "model": unit.key.model, "class": unit.key.cls, "source": unit.source, **unit.counts.as_dict()})
+        kept = [unit for unit in units if unit.counts.num_drafts is not None or unit.counts.num_generated_tokens is not None]
+        self._units.append([{"end_s": unit.end_s, "model": unit.key.model, "class": unit.key.cls, "source": unit.source, **unit.counts.as_dict()}
+                            for unit in kept])
+        for unit in kept:
+            self._take(unit.key, unit.counts)
+            self._take(None, unit.counts)
         self.details["events"] = [{"time_s": e.time_s, "kind": e.kind, "source": e.source, "message": e.message} for e in events]
         self.details["notes"] = list(notes)
-        served = sorted({key.model for key in self._units})
+        now_s = max([v.window.end_s for v in verdicts] + [u.end_s for u in kept], default=None)
+        if now_s is not None:
+            if self.retain_s is not None:
+                self._drop_details_before(now_s - self.retain_s)
+            if self._consolidated_at is None:
+                self._consolidated_at = now_s
+            elif now_s - self._consolidated_at >= min(self.retain_s or CONSOLIDATE_EVERY_S, CONSOLIDATE_EVERY_S):
+                self.consolidate(now_s)
+        served = sorted({key.model for key in self._totals if key is not None})
         # The served model is the run's target (one model), or "served N" roles; identity beyond the name is not observable.
         self.record.models = {
             ("target" if len(served) == 1 else f"served {i + 1}"): ModelInfo(id=name, revision_or_hash="unknown (served)", dtype="unknown", device="serving engine", kind="target")
             for i, name in enumerate(served)
         }
         self.record.summary = self._summary()
-        for name, rows, schema in ((WINDOWS_FILE, self.rows, WINDOWS_SCHEMA), (UNITS_FILE, self.unit_rows, UNITS_SCHEMA)):
-            tmp = self.run_dir / (name + ".tmp")
-            pq.write_table(pa.Table.from_pylist(rows, schema=schema), tmp)
-            tmp.replace(self.run_dir / name)
         write_run_json(self.run_dir, self.record.to_json())
 
+    def _drop_details_before(self, time_s: float) -> None:
+        for name in ("alerts", "events"):
+            self.details[name] = [item for item in self.details[name] if item["time_s"] > time_s]
+
+    def consolidate(self, now_s: float | None = None, *, final: bool = False) -> None:
+        """Fold the journal into the Parquet files (dropping rows older than the retention before ``now_s``)."""
+        keep_after = now_s - self.retain_s if self.retain_s is not None and now_s is not None else None
+        for table in (self._windows, self._units):
+            table.consolidate(keep_after, reopen=not final)
+        self._consolidated_at = now_s
+
+    def close(self, now_s: float | None = None) -> None:
+        """End of the watch: the journal becomes the Parquet files and is removed."""
+        self.consolidate(now_s, final=True)
+        (self.run_dir / JOURNAL_DIR).rmdir()
+
     def _summary(self) -> Summary:
-        all_units = [u for units in self._units.values() for u in units]
         by_class: dict[str, Metrics] = {}
-        several_models = len({key.model for key in self._units}) > 1
-        for key, units in sorted(self._units.items()):
+        keys = sorted(key for key in self._totals if key is not None)
+        several_models = len({key.model for key in keys}) > 1
+        for key in keys:
             if key.cls == ALL_CLASSES and not several_models:
                 continue
             name = str(key) if several_models else key.cls
-            by_class[name] = _summary_block(total(units), units)
-        return Summary(overall=_summary_block(total(all_units), all_units) if all_units else None, by_class=by_class)
+            by_class[name] = _summary_block(self._totals[key], self._samples[key], self._num_units[key])
+        overall = _summary_block(self._totals[None], self._samples[None], self._num_units[None]) if None in self._totals else None
+        return Summary(overall=overall, by_class=by_class)
+
+
+def _read(run_dir: Path | str, file_name: str, schema: pa.Schema) -> pd.DataFrame:
+    run_dir = Path(run_dir)
+    return read_time_series(run_dir / file_name, run_dir / JOURNAL_DIR / file_name.replace(".parquet", ".arrows"), schema).to_pandas()
 
 
 def read_windows(run_dir: Path | str) -> pd.DataFrame:
-    """``windows.parquet`` of a watch run (an empty frame with the columns when there is none)."""
-    return read_table_or_empty(Path(run_dir) / WINDOWS_FILE, WINDOWS_SCHEMA)
+    """The windows of a watch run, finished or still going (an empty frame with the columns when there are none)."""
+    return _read(run_dir, WINDOWS_FILE, WINDOWS_SCHEMA)
 
 
 def read_units(run_dir: Path | str) -> pd.DataFrame:
-    """``units.parquet`` of a watch run: the counts between consecutive scrapes (or per line / response)."""
-    return read_table_or_empty(Path(run_dir) / UNITS_FILE, UNITS_SCHEMA)
+    """The units of a watch run: the counts between consecutive scrapes (or per line / response)."""
+    return _read(run_dir, UNITS_FILE, UNITS_SCHEMA)
 
 
 

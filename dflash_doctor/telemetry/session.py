@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from dflash_doctor.errors import UsageError
 from dflash_doctor.rundir.record import StepCosts
@@ -24,12 +24,16 @@ from dflash_doctor.telemetry.verdict import Judge, WindowVerdict, load_baseline
 from dflash_doctor.telemetry.watcher import Watcher, Window
 
 
-def open_sources(specs: list[str], prometheus: str | None, settings: WatchSettings) -> list[Source]:
-    """SOURCE arguments and ``--prometheus`` as sources; none at all is a usage error."""
+def open_sources(specs: list[str], prometheus: str | None, settings: WatchSettings, *, api_key: str | None = None,
+                 prometheus_headers: Mapping[str, str] | None = None) -> list[Source]:
+    """SOURCE arguments and ``--prometheus`` as sources; none at all is a usage error. The credentials
+    (``api_key`` for the /metrics URLs, ``prometheus_headers``) stay inside the sources' HTTP clients."""
     zone = log_zone(settings.log_timezone)
-    sources: list[Source] = [open_source(s, engine=settings.engine, model=settings.model, class_label=settings.class_label, log_zone=zone) for s in specs]
+    sources: list[Source] = [open_source(s, engine=settings.engine, model=settings.model, class_label=settings.class_label, log_zone=zone, api_key=api_key)
+                             for s in specs]
     if prometheus:
-        sources.append(PrometheusServer(prometheus, window_s=settings.window_s, engine=settings.engine, class_label=settings.class_label))
+        sources.append(PrometheusServer(prometheus, window_s=settings.window_s, engine=settings.engine, class_label=settings.class_label,
+                                        headers=prometheus_headers))
     if not sources:
         raise UsageError("watch needs at least one SOURCE (a /metrics URL, a log file, a responses .jsonl) or --prometheus URL.")
     return sources
@@ -51,7 +55,7 @@ class WatchSession:
             "sources": [s.name for s in sources], "window_s": settings.window_s, "interval_s": settings.interval_s,
             "baseline": self.judge.baseline.description if self.judge.baseline else None,
             "thresholds": dataclasses.asdict(settings.thresholds),
-        })
+        }, retain_s=settings.retain_s)
         self.exporter = VerdictExporter(exporter_port, exporter_address) if exporter_port is not None else None
         self.hooks = hooks
         self._units_recorded = 0
@@ -99,10 +103,12 @@ class WatchSession:
         self._publish(rounds)
         return rounds
 
-    def close(self) -> None:
-        """End of a watch: wait briefly for alert commands still running, so their exit is reported."""
+    def close(self, now_s: float | None = None) -> None:
+        """End of a watch: wait briefly for alert commands still running, so their exit is reported, and
+        consolidate the run directory (``now_s``: the clock of :meth:`step`, for the retention)."""
         if self.hooks:
             self.watcher.events.extend(self.hooks.close())
+        self.record.close(now_s)
 
     def start(self, now_s: float | None = None) -> None:
         """The first poll of a live watch: only the starting point of the counters' differences.

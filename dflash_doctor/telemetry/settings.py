@@ -12,6 +12,7 @@ engine = "vllm"          # vllm | sglang | llamacpp | trtllm (default: detected)
 model = "my-model"       # series name for sources without a model label (logs, llama.cpp)
 class_label = "cls"      # label carrying the request class (SGLang custom labels, relabelled series)
 log_timezone = "UTC"     # zone of the log files' time stamps (default: this host's local zone)
+retain = "7d"            # drop windows and units older than this from the run directory (default: keep all)
 [watch.baseline_tau]     # or fixed tau per class (instead of `baseline`)
 code = 2.4
 chat = 1.7
@@ -47,13 +48,14 @@ class WatchSettings:
     model: str | None = None
     class_label: str | None = None
     log_timezone: str | None = None  # IANA zone of the logs' stamps; None = this host's local zone
+    retain_s: float | None = None  # how far back the run directory's time series reach; None = the whole watch
 
     @property
     def thresholds(self) -> Thresholds:
         return Thresholds(self.threshold_tau, self.min_drafts, self.speedup_floor)
 
 
-_FILE_KEYS = {"window", "interval", "baseline", "baseline_tau", "threshold_tau", "min_drafts", "speedup_floor", "engine", "model", "class_label", "log_timezone"}
+_FILE_KEYS = {"window", "interval", "baseline", "baseline_tau", "threshold_tau", "min_drafts", "speedup_floor", "engine", "model", "class_label", "log_timezone", "retain"}
 
 
 def build_watch_settings(table: dict[str, Any], **flags: Any) -> WatchSettings:
@@ -75,6 +77,8 @@ def build_watch_settings(table: dict[str, Any], **flags: Any) -> WatchSettings:
         values["window_given"] = True
     if "interval" in merged:
         values["interval_s"] = parse_duration_s(merged["interval"])
+    if "retain" in merged:
+        values["retain_s"] = parse_duration_s(merged["retain"])
     for name in ("baseline", "engine", "model", "class_label", "log_timezone"):
         if name in merged:
             values[name] = merged[name]
@@ -87,6 +91,8 @@ def build_watch_settings(table: dict[str, Any], **flags: Any) -> WatchSettings:
     settings = WatchSettings(**values)
     if settings.window_s <= 0 or settings.interval_s <= 0:
         raise UsageError("watch window and interval must be > 0 seconds; fix --window / --interval or the [watch] table.")
+    if settings.retain_s is not None and settings.retain_s < settings.window_s:
+        raise UsageError(f"watch retain ({settings.retain_s:g} s) is shorter than the window ({settings.window_s:g} s); keep at least one window, e.g. --retain 7d.")
     if settings.engine is not None and settings.engine not in READERS:
         raise UsageError(f"engine {settings.engine!r} is not one of {', '.join(READERS)}; pick one or leave it out to detect it.")
     settings.thresholds  # validates

@@ -13,13 +13,12 @@ from __future__ import annotations
 import datetime
 import json
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from pathlib import Path
-from typing import Protocol
+from typing import Mapping, Protocol
 
 from dflash_doctor.errors import UsageError
+from dflash_doctor.serving.http import AUTH_STATUSES, HttpClient, Unreachable
 from dflash_doctor.telemetry.counts import SpecCounts
 from dflash_doctor.telemetry.engines import READERS, Reading, read_exposition
 from dflash_doctor.telemetry.exposition import Exposition, Sample, parse_exposition
@@ -28,6 +27,10 @@ from dflash_doctor.telemetry.observation import AVERAGE_WEIGHT, Observation, Par
 from dflash_doctor.telemetry.responses import parse_response_lines
 
 HTTP_TIMEOUT_S = 10.0
+# A failed scrape costs nothing (the next one's difference covers the gap), so a poll retries briefly
+# rather than run into the next interval.
+HTTP_RETRIES = 2
+HTTP_BACKOFF_S = 0.5
 
 
 class SourceUnavailable(Exception):
@@ -42,15 +45,22 @@ class Source(Protocol):
     def poll(self) -> list[Observation]: ...
 
 
-def _http_get(url: str, timeout_s: float = HTTP_TIMEOUT_S) -> str:
+def _scrape_client(headers: Mapping[str, str] | None = None) -> HttpClient:
+    return HttpClient(headers=headers, timeout_s=HTTP_TIMEOUT_S, retries=HTTP_RETRIES, backoff_s=HTTP_BACKOFF_S)
+
+
+def _http_get(client: HttpClient, url: str, auth_flag: str, params: Mapping[str, str] | None = None) -> str:
+    """The body of a GET; any failure is :class:`SourceUnavailable` (a refusal of credentials names
+    ``auth_flag``, the flag that sends them)."""
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as response:  # noqa: S310 (http/https only, checked by callers)
-            return response.read().decode("utf-8", errors="replace")
-    except urllib.error.HTTPError as exc:
-        raise SourceUnavailable(f"{url} answered HTTP {exc.code}") from None
-    except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as exc:
-        reason = getattr(exc, "reason", exc)
-        raise SourceUnavailable(f"{url} could not be read ({reason})") from None
+        answer = client.get(url, params=params)
+    except Unreachable as exc:
+        raise SourceUnavailable(str(exc)) from None
+    if answer.status in AUTH_STATUSES:
+        raise SourceUnavailable(f"{url} answered HTTP {answer.status}: it wants credentials or refused the ones sent; pass them with {auth_flag}")
+    if not answer.ok:
+        raise SourceUnavailable(f"{url} answered HTTP {answer.status}")
+    return answer.text
 
 
 def _check_url(url: str, what: str) -> str:
@@ -73,10 +83,14 @@ def _note_once(notes: list[str], new: list[str]) -> None:
 
 
 class MetricsEndpoint:
-    """Scrapes an engine's Prometheus text endpoint; every poll is one cumulative snapshot per series."""
+    """Scrapes an engine's Prometheus text endpoint; every poll is one cumulative snapshot per series.
 
-    def __init__(self, url: str, *, engine: str | None = None, model: str | None = None, class_label: str | None = None):
+    ``api_key``: sent as a bearer token (llama-server started with ``--api-key`` guards /metrics too)."""
+
+    def __init__(self, url: str, *, engine: str | None = None, model: str | None = None, class_label: str | None = None,
+                 api_key: str | None = None):
         self.url = _check_url(url, "source")
+        self._client = _scrape_client({"Authorization": f"Bearer {api_key}"} if api_key else None)
         self.engine = _check_engine(engine)
         self.model = model or urllib.parse.urlparse(url).netloc
         self.class_label = class_label
@@ -85,7 +99,7 @@ class MetricsEndpoint:
         self.last_text: str | None = None
 
     def poll(self) -> list[Observation]:
-        text = _http_get(self.url)
+        text = _http_get(self._client, self.url, "--engine-api-key")
         self.last_text = text
         now = time.time()
         reading = read_exposition(parse_exposition(text), engine=self.engine, default_model=self.model, class_label=self.class_label)
@@ -154,10 +168,15 @@ class PrometheusServer:
     capped at zero per series, so counters that were near zero when the window opened (the higher draft
     positions, a fresh server) get a different factor than the others and the ratios that make tau drift.
     Series are then summed per model (and class label) by the engine readers, like any scrape.
+
+    ``headers`` go with every query: a managed Prometheus (Grafana Cloud, Mimir, Thanos behind a proxy)
+    wants ``Authorization`` and often ``X-Scope-OrgID`` (``--prometheus-header``).
     """
 
-    def __init__(self, url: str, *, window_s: float, engine: str | None = None, class_label: str | None = None, selector: str = ""):
+    def __init__(self, url: str, *, window_s: float, engine: str | None = None, class_label: str | None = None, selector: str = "",
+                 headers: Mapping[str, str] | None = None):
         self.url = _check_url(url, "--prometheus").rstrip("/")
+        self._client = _scrape_client(headers)
         self.engine = _check_engine(engine)
         self.window_s = window_s
         self.class_label = class_label
@@ -166,9 +185,8 @@ class PrometheusServer:
         self.notes: list[str] = []
 
     def _query(self, promql: str) -> list[dict]:
-        url = f"{self.url}/api/v1/query?" + urllib.parse.urlencode({"query": promql})
         try:
-            payload = json.loads(_http_get(url))
+            payload = json.loads(_http_get(self._client, f"{self.url}/api/v1/query", "--prometheus-header", params={"query": promql}))
         except json.JSONDecodeError:
             raise SourceUnavailable(f"{self.url} did not answer with Prometheus API JSON") from None
         if payload.get("status") != "success":
@@ -308,10 +326,12 @@ def _looks_like_responses(path: Path) -> bool:
     return False
 
 
-def open_source(spec: str, *, engine: str | None = None, model: str | None = None, class_label: str | None = None, log_zone: datetime.tzinfo | None = None) -> Source:
-    """A SOURCE argument: an http(s) URL is scraped; a file is a log, or captured responses if it holds JSON objects."""
+def open_source(spec: str, *, engine: str | None = None, model: str | None = None, class_label: str | None = None,
+                log_zone: datetime.tzinfo | None = None, api_key: str | None = None) -> Source:
+    """A SOURCE argument: an http(s) URL is scraped (with ``api_key`` as its bearer token); a file is a log,
+    or captured responses if it holds JSON objects."""
     if spec.startswith(("http://", "https://")):
-        return MetricsEndpoint(spec, engine=engine, model=model, class_label=class_label)
+        return MetricsEndpoint(spec, engine=engine, model=model, class_label=class_label, api_key=api_key)
     path = _existing_file(spec)
     if _looks_like_responses(path):
         return ResponsesFile(path, model=model)
