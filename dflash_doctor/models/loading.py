@@ -107,7 +107,7 @@ def _convert_gguf_dflash(gguf_path: Path) -> Path:
     return _cached_conversion(gguf_path, "gguf-dflash", write_converted)
 
 
-def _cached_conversion(gguf_path: Path, folder: str, write: Callable[[Path, Path], None]) -> Path:
+def _cached_conversion(gguf_path: Path, folder: str, write: Callable[[Path, Path], object]) -> Path:
     """``write(gguf_path, out_dir)`` once per GGUF file (keyed by :func:`gguf_cache_key`), cached under ``folder``.
 
     Several processes may ask at once (the ranks of ``--devices``, two terminals): the first converts
