@@ -17,9 +17,9 @@ default    warnings                errors                                       
 from __future__ import annotations
 
 import logging
+import os
+import sys
 
-import huggingface_hub.utils as hub_utils
-import transformers.utils.logging as transformers_logging
 from rich.console import Console
 from rich.logging import RichHandler
 
@@ -40,20 +40,30 @@ def configure_logging(verbosity: int) -> None:
     root.setLevel(theirs)
     logging.getLogger(OURS).setLevel(ours)
     logging.captureWarnings(True)  # warnings.warn(...) of torch, transformers ... -> the "py.warnings" logger
-    transformers_logging.disable_default_handler()
-    transformers_logging.enable_propagation()
     for name in LIBRARIES:
         library = logging.getLogger(name)
         library.setLevel(theirs)
         if name == "huggingface_hub":  # its own stderr handler would print every record a second time
             library.handlers.clear()
             library.propagate = True
-    if verbosity >= 1:
-        transformers_logging.enable_progress_bar()
-        hub_utils.enable_progress_bars()
-    else:
-        transformers_logging.disable_progress_bar()
-        hub_utils.disable_progress_bars()
+    # The libraries are imported by the commands that need them, after this runs (a monitoring install has
+    # none of them): their import-time settings come from the environment; a library already imported (a
+    # test's process) is set directly.
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "0" if verbosity >= 1 else "1"  # read by huggingface_hub and transformers
+    os.environ["TRANSFORMERS_VERBOSITY"] = logging.getLevelName(theirs).lower()
+    transformers_logging = sys.modules.get("transformers.utils.logging")
+    if transformers_logging is not None:
+        _route_transformers(transformers_logging, verbosity)
+    hub_utils = sys.modules.get("huggingface_hub.utils")
+    if hub_utils is not None:
+        (hub_utils.enable_progress_bars if verbosity >= 1 else hub_utils.disable_progress_bars)()
+
+
+def _route_transformers(transformers_logging, verbosity: int) -> None:
+    """transformers' own stderr handler off, its records to ours, its bars following ``verbosity``."""
+    transformers_logging.disable_default_handler()
+    transformers_logging.enable_propagation()
+    (transformers_logging.enable_progress_bar if verbosity >= 1 else transformers_logging.disable_progress_bar)()
 
 
 def progress_shown() -> bool:

@@ -9,6 +9,8 @@ real default: ``show_default`` names DoctorConfig's value as text, which Click p
 
 from __future__ import annotations
 
+import importlib
+
 import dataclasses
 import functools
 import inspect
@@ -19,7 +21,6 @@ import typer
 
 from dflash_doctor.inputs import config as settings
 from dflash_doctor.inputs.config import DoctorConfig, build_config, discover_config_file
-from dflash_doctor.models.draft_kinds import kind_names
 
 _DEFAULTS = DoctorConfig()
 _log = logging.getLogger(__name__)
@@ -36,13 +37,16 @@ def _env(name: str) -> dict[str, Any]:
 
 
 def _complete_draft_kinds(incomplete: str) -> list[str]:
-    return [name for name in kind_names() if name.startswith(incomplete)]
+    """The registered kinds, read when the shell asks: the registry imports torch, which the commands that
+    share these flags without loading a model (watch, compare) must not (tests/test_light_install.py)."""
+    registry = importlib.import_module("dflash_doctor.models.draft_kinds")
+    return [name for name in registry.kind_names() if name.startswith(incomplete)]
 
 
 Target = Annotated[Optional[str], typer.Option("--target", help="Target model: local dir, hub id (org/name or org/name@revision), or .gguf file.", show_default="the built-in demo target", **_env("target"))]
 Draft = Annotated[Optional[str], typer.Option("--draft", help="Draft model: local dir, hub id (org/name or org/name@revision), or .gguf file.", show_default="the built-in demo DFlash draft", **_env("draft"))]
 # A registry (plugins may add kinds), so the words are listed and completed, and get_draft_kind refuses an unknown one.
-DraftKind = Annotated[Optional[str], typer.Option("--draft-kind", help=f"{' | '.join(kind_names())} (auto: detect from the checkpoint).", show_default=_default("draft_kind"), autocompletion=_complete_draft_kinds)]
+DraftKind = Annotated[Optional[str], typer.Option("--draft-kind", help="dflash | autoregressive | auto, or a kind a plugin registered (auto: detect from the checkpoint).", show_default=_default("draft_kind"), autocompletion=_complete_draft_kinds)]
 Workload = Annotated[Optional[str], typer.Option("--workload", help="Built-in workload name (see `dflash-doctor workloads`) or a .jsonl/.csv/.parquet file.", show_default=_default("workload"))]
 Classes = Annotated[Optional[str], typer.Option("--classes", help="Comma-separated request classes to keep, e.g. math,code.", show_default="all")]
 MaxRequests = Annotated[Optional[int], typer.Option("--max-requests", help="Replay at most N requests, stratified over classes (seeded).", show_default="all")]
