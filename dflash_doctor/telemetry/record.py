@@ -184,15 +184,17 @@ class WatchRecord:
     def details(self) -> dict[str, Any]:
         return self.record.source.details
 
-    def _take(self, scope: SeriesKey | None, counts: SpecCounts) -> None:
+    def _take(self, scope: SeriesKey | None, counts: SpecCounts, draw: float) -> None:
         """Add a unit to the running total of ``scope`` and to its sample (reservoir sampling: every unit of
-        the watch is in the sample with the same probability)."""
+        the watch is in the sample with the same probability). ``draw`` (uniform in [0, 1)) is the unit's,
+        shared by its scopes: scopes that saw the same units keep the same ones, so the samples of a watch
+        hold at most SUMMARY_SAMPLE_UNITS units per distinct stream, not per scope."""
         self._totals[scope] = self._totals[scope].plus(counts) if scope in self._totals else counts
         seen = self._num_units[scope] = self._num_units.get(scope, 0) + 1
         sample = self._samples.setdefault(scope, [])
         if len(sample) < SUMMARY_SAMPLE_UNITS:
             sample.append(counts)
-        elif (slot := self._rng.randrange(seen)) < SUMMARY_SAMPLE_UNITS:
+        elif (slot := int(draw * seen)) < SUMMARY_SAMPLE_UNITS:
             sample[slot] = counts
 
     def update(self, verdicts: list[WindowVerdict], units: list[Unit], events: list[Event], notes: list[str]) -> None:
@@ -206,8 +208,9 @@ class WatchRecord:
         self._units.append([{"end_s": unit.end_s, "model": unit.key.model, "class": unit.key.cls, "source": unit.source, **unit.counts.as_dict()}
                             for unit in kept])
         for unit in kept:
-            self._take(unit.key, unit.counts)
-            self._take(None, unit.counts)
+            draw = self._rng.random()
+            self._take(unit.key, unit.counts, draw)
+            self._take(None, unit.counts, draw)
         self.details["events"] = [{"time_s": e.time_s, "kind": e.kind, "source": e.source, "message": e.message} for e in events]
         self.details["notes"] = list(notes)
         now_s = max([v.window.end_s for v in verdicts] + [u.end_s for u in kept], default=None)
