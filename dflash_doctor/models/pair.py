@@ -64,6 +64,7 @@ class Pair:
     draft_info: ModelInfo
     chat_template: str | None = None
     sampling: Sampling = Sampling()
+    engine_settings: dict[str, Any] | None = None  # the resolved --engine-config, read once per command
     _token_text: dict[int, str] = field(default_factory=dict, repr=False)
 
     @functools.cached_property
@@ -192,4 +193,5 @@ def load_pair(config: DoctorConfig, engine_settings: dict[str, Any] | None = Non
         draft_info=draft_info,
         chat_template=read_chat_template(config.chat_template) if config.chat_template else None,
         sampling=sampling,
+        engine_settings=engine_settings,
     )
