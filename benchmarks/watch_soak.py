@@ -6,7 +6,7 @@ every 30 simulated seconds through the real WatchSession (judge, alarms, run dir
 ``--start-hours`` (default 3: past the first retention periods and the filling of the summary's bounded
 sample) and at the end it prints the Python heap in use (tracemalloc, after a full collection), the run directory's bytes and the
 seconds one poll takes, and the end/start ratios. Flat state means ratios near 1. Not a test, nothing
-asserts (tests/test_watch_soak.py holds the same day to stated ratios).
+asserts (tests/test_telemetry_bounded.py holds the same day to stated ratios).
 
     python benchmarks/watch_soak.py [--hours 24] [--interval-s 30] [--retain 1h] [--start-hours 3]
 """
@@ -21,37 +21,17 @@ import time
 import tracemalloc
 from pathlib import Path
 
-from dflash_doctor.telemetry.counts import SeriesKey, SpecCounts
-from dflash_doctor.telemetry.observation import Observation
-from dflash_doctor.telemetry.session import WatchSession
-from dflash_doctor.telemetry.settings import WatchSettings
-from dflash_doctor.telemetry.sources import parse_duration_s
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+
+from dflash_doctor.telemetry.session import WatchSession  # noqa: E402
+from dflash_doctor.telemetry.settings import WatchSettings  # noqa: E402
+from dflash_doctor.telemetry.sources import parse_duration_s  # noqa: E402
+from telemetry_fixtures import SyntheticCounters, directory_bytes  # noqa: E402
 
 K = 15
 RATES = tuple(0.8 ** (i + 1) for i in range(K))  # survival per position: tau = 1 + sum = 4.45
-
-
-class SyntheticCounters:
-    """Cumulative vLLM counters of two served models, growing by 100 drafts per model per poll."""
-
-    name = "synthetic /metrics"
-    engine = "vllm"
-
-    def __init__(self) -> None:
-        self.notes: list[str] = []
-        self.polls = 0
-
-    def poll(self) -> list[Observation]:
-        self.polls += 1
-        n = 100.0 * self.polls
-        per_pos = tuple(round(r * n) for r in RATES)
-        counts = SpecCounts(num_drafts=n, num_draft_tokens=K * n, num_accepted_tokens=float(sum(per_pos)),
-                            num_accepted_tokens_per_pos=per_pos, num_generated_tokens=n + sum(per_pos))
-        return [Observation(SeriesKey(model), counts, cumulative=True) for model in ("qwen3-8b", "llama-3.1-8b")]
-
-
-def directory_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+MODELS = ("qwen3-8b", "llama-3.1-8b")
 
 
 def main() -> None:
@@ -67,7 +47,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp) / "watch"
         settings = WatchSettings(window_s=300.0, interval_s=args.interval_s, retain_s=retain_s)
-        session = WatchSession([SyntheticCounters()], settings, run_dir=run_dir, config={})
+        session = WatchSession([SyntheticCounters(RATES, MODELS)], settings, run_dir=run_dir, config={})
         tracemalloc.start()
         clock = 1_800_000_000.0
         session.start(clock)
@@ -81,7 +61,7 @@ def main() -> None:
                 gc.collect()  # the heap in use, not cyclic garbage the collector has not reached yet
                 marks[f"after {i * args.interval_s / 3600:g} h"] = (tracemalloc.get_traced_memory()[0] / 2**20, directory_bytes(run_dir), seconds)
         session.close(clock)
-        print(f"{polls} polls every {args.interval_s:g} s (simulated), 2 models, K={K}, retain {args.retain}")
+        print(f"{polls} polls every {args.interval_s:g} s (simulated), {len(MODELS)} models, K={K}, retain {args.retain}")
         print(f"{'':>14} {'heap MiB':>9} {'run dir KiB':>12} {'s per poll':>11}")
         for name, (heap, disk, seconds) in marks.items():
             print(f"{name:>14} {heap:9.2f} {disk / 1024:12.1f} {seconds:11.4f}")

@@ -1,5 +1,6 @@
 """Test helpers for watch: a small exporter serving captured real metric text, the real Prometheus binary,
-and watch run directories written through the real WatchRecord (:func:`write_watch`).
+watch run directories written through the real WatchRecord (:func:`write_watch`), and a synthetic counter
+source for watches on a simulated clock (:class:`SyntheticCounters`, shared with benchmarks/watch_soak.py).
 
 The exporter is an HTTP server in a thread whose ``/metrics`` text the test swaps (scrape N returns
 capture N), or makes fail (HTTP 500) to simulate a scrape failing mid-watch. Prometheus (Debian's
@@ -18,10 +19,12 @@ import subprocess
 import threading
 import time
 import urllib.request
+from collections.abc import Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from dflash_doctor.telemetry.counts import SeriesKey, SpecCounts
+from dflash_doctor.telemetry.observation import Observation
 from dflash_doctor.telemetry.record import WatchRecord
 from dflash_doctor.telemetry.verdict import Baseline, Judge, Thresholds
 from dflash_doctor.telemetry.watcher import Unit, Window
@@ -171,11 +174,38 @@ class AuthGateway:
 WATCH_K = 4  # draft tokens per step of the watches write_watch writes
 
 
-def unit_counts(drafts: int, rates: list[float], generated: float | None = None) -> SpecCounts:
-    """Counts of one scrape interval: ``drafts`` drafts of WATCH_K tokens, slot i accepted at ``rates[i]``."""
+def unit_counts(drafts: float, rates: Sequence[float], generated: float | None = None) -> SpecCounts:
+    """Counts of ``drafts`` drafts of ``len(rates)`` tokens, slot i accepted at ``rates[i]`` (whole tokens, as
+    an engine counts them)."""
     per_pos = tuple(float(round(r * drafts)) for r in rates)
-    return SpecCounts(num_drafts=float(drafts), num_draft_tokens=float(drafts * WATCH_K), num_accepted_tokens=float(sum(per_pos)),
+    return SpecCounts(num_drafts=float(drafts), num_draft_tokens=float(drafts * len(rates)), num_accepted_tokens=float(sum(per_pos)),
                       num_accepted_tokens_per_pos=per_pos, num_generated_tokens=generated if generated is not None else drafts + sum(per_pos))
+
+
+class SyntheticCounters:
+    """A vLLM-shaped source of cumulative counters for a watch on a simulated clock: every poll, each of
+    ``models`` has drafted ``drafts_per_poll`` more drafts, slot i accepted at ``rates[i]``, so each window's
+    tau is ``1 + sum(rates)`` however many polls it spans. No HTTP: the watch polls it directly."""
+
+    name = "synthetic /metrics"
+    engine = "vllm"
+
+    def __init__(self, rates: Sequence[float], models: Sequence[str] = ("qwen3-8b",), drafts_per_poll: int = 100):
+        self.rates = tuple(rates)
+        self.models = tuple(models)
+        self.drafts_per_poll = drafts_per_poll
+        self.notes: list[str] = []
+        self.polls = 0
+
+    def poll(self) -> list[Observation]:
+        self.polls += 1
+        counts = unit_counts(self.drafts_per_poll * self.polls, self.rates)
+        return [Observation(SeriesKey(model), counts, cumulative=True) for model in self.models]
+
+
+def directory_bytes(path: Path) -> int:
+    """Bytes of every file below ``path``: a run directory's size on disk."""
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
 def write_watch(run_dir: Path, rates: list[float], *, baseline_tau: float | None = None, classes=("code", "chat"), num_units: int = 8) -> Path:

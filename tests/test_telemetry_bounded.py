@@ -10,39 +10,19 @@ from __future__ import annotations
 
 import gc
 import tracemalloc
-from pathlib import Path
 
-from dflash_doctor.telemetry.counts import SeriesKey, SpecCounts
-from dflash_doctor.telemetry.observation import Observation
 from dflash_doctor.rundir.load import load_run
 from dflash_doctor.telemetry.record import read_units, read_windows
 from dflash_doctor.telemetry.session import WatchSession
 from dflash_doctor.telemetry.settings import WatchSettings
 from dflash_doctor.telemetry.watcher import Watcher
+from telemetry_fixtures import SyntheticCounters, directory_bytes
 
-KEY = SeriesKey("qwen3-8b")
-
-
-class GrowingCounters:
-    """A /metrics source whose counters grow by 100 drafts (tau 2.5) per poll."""
-
-    name = "synthetic"
-    engine = "vllm"
-
-    def __init__(self) -> None:
-        self.notes: list[str] = []
-        self.polls = 0
-
-    def poll(self) -> list[Observation]:
-        self.polls += 1
-        n = 100.0 * self.polls
-        counts = SpecCounts(num_drafts=n, num_draft_tokens=4 * n, num_accepted_tokens=1.5 * n,
-                            num_accepted_tokens_per_pos=(0.7 * n, 0.4 * n, 0.3 * n, 0.1 * n), num_generated_tokens=2.5 * n)
-        return [Observation(KEY, counts, cumulative=True)]
+RATES = (0.7, 0.4, 0.3, 0.1)  # tau 2.5 in every window
 
 
 def test_forgetting_old_units_leaves_the_windows_unchanged():
-    keeping, forgetting = Watcher([GrowingCounters()], window_s=30.0), Watcher([GrowingCounters()], window_s=30.0)
+    keeping, forgetting = Watcher([SyntheticCounters(RATES)], window_s=30.0), Watcher([SyntheticCounters(RATES)], window_s=30.0)
     for i in range(200):
         now = 1000.0 + 10.0 * i
         keeping.poll(now)
@@ -55,7 +35,7 @@ def test_forgetting_old_units_leaves_the_windows_unchanged():
 
 
 def test_live_session_records_every_unit_but_keeps_only_the_window(tmp_path):
-    source = GrowingCounters()
+    source = SyntheticCounters(RATES)
     session = WatchSession([source], WatchSettings(window_s=1e-6, interval_s=1e-6), run_dir=tmp_path / "run", config={})
     session.start()
     for _ in range(60):
@@ -65,16 +45,12 @@ def test_live_session_records_every_unit_but_keeps_only_the_window(tmp_path):
     assert len(read_units(tmp_path / "run")) == 60
 
 
-def _bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-
-
 def test_a_day_of_30_second_polls_keeps_memory_and_disk_flat(tmp_path):
     """2880 polls on a simulated clock with a one-hour retention: the Python heap and the run directory
     after 24 h are within 1.25x of what they were after 3 h (past the first retention periods and the
     filling of the summary's bounded sample); a watch that rewrote or kept everything grows 4x and more."""
     run_dir = tmp_path / "watch"
-    session = WatchSession([GrowingCounters()], WatchSettings(window_s=300.0, interval_s=30.0, retain_s=3600.0), run_dir=run_dir, config={})
+    session = WatchSession([SyntheticCounters(RATES)], WatchSettings(window_s=300.0, interval_s=30.0, retain_s=3600.0), run_dir=run_dir, config={})
     clock = 1_800_000_000.0
     session.start(clock)
     marks: dict[int, tuple[int, int]] = {}
@@ -85,7 +61,7 @@ def test_a_day_of_30_second_polls_keeps_memory_and_disk_flat(tmp_path):
             session.step(clock)
             if poll in (360, 2880):
                 gc.collect()  # what is live, not the cyclic garbage the collector has not reached yet
-                marks[poll] = (tracemalloc.get_traced_memory()[0], _bytes(run_dir))
+                marks[poll] = (tracemalloc.get_traced_memory()[0], directory_bytes(run_dir))
     finally:
         tracemalloc.stop()
     (heap_start, disk_start), (heap_end, disk_end) = marks[360], marks[2880]
@@ -101,7 +77,7 @@ def test_a_day_of_30_second_polls_keeps_memory_and_disk_flat(tmp_path):
 
 
 def test_a_watch_still_going_is_read_from_its_journal(tmp_path):
-    session = WatchSession([GrowingCounters()], WatchSettings(window_s=60.0, interval_s=30.0), run_dir=tmp_path / "run", config={})
+    session = WatchSession([SyntheticCounters(RATES)], WatchSettings(window_s=60.0, interval_s=30.0), run_dir=tmp_path / "run", config={})
     session.start(1000.0)
     for i in range(1, 6):
         session.step(1000.0 + 30.0 * i)
