@@ -16,7 +16,9 @@ import json
 import threading
 import time
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
+
+from local_servers import QuietHandler  # tests/ is on sys.path under pytest and as a script
 
 MODEL = "fake-spec"
 
@@ -60,33 +62,17 @@ def make_handler(k: int, costs: FakeCosts, per_request: bool = True):
         lines += [f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{label},position="{i}"}} {n}' for i, n in enumerate(per_pos)]
         return "\n".join(lines) + "\n" if k else ""
 
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *args) -> None:
-            pass
-
-        def _json(self, body: dict) -> None:
-            data = json.dumps(body).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def do_GET(self) -> None:
+    class Handler(QuietHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server API)
             if self.path == "/v1/models":
-                self._json({"data": [{"id": MODEL}]})
+                self.reply_json({"data": [{"id": MODEL}]})
             elif self.path == "/metrics":
-                data = exposition().encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "text/plain")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                self.reply(200, exposition().encode(), "text/plain")
             else:
                 self.send_error(404)
 
-        def do_POST(self) -> None:
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        def do_POST(self) -> None:  # noqa: N802 (http.server API)
+            body = self.read_json()
             prompt = body.get("prompt") or " ".join(m.get("content") or "" for m in body.get("messages") or [])
             chat = "messages" in body
             n = int(body["max_tokens"])

@@ -1,20 +1,26 @@
-"""Test helpers for the real servers the tests start (Streamlit dashboard, Prometheus, vLLM, llama.cpp): a
-free local port, the wait until a server answers, and an engine server run in its own process group. One
-wait loop, so every server test fails the same way: with the reason (the process exited, or it never
-answered) instead of hanging or a bare connection error.
+"""Test helpers for the servers the tests start: the real ones (Streamlit dashboard, Prometheus, vLLM,
+llama.cpp) get a free local port, the wait until a server answers, and an engine server run in its own
+process group. One wait loop, so every server test fails the same way: with the reason (the process
+exited, or it never answered) instead of hanging or a bare connection error. The small fakes written in
+the tests (an exporter, an engine, a webhook) get one quiet request handler with one way to answer, and
+one server in a thread for the length of a with-block.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Self
 
 import pytest
 
@@ -24,6 +30,49 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+class QuietHandler(BaseHTTPRequestHandler):
+    """A fake server's request handler: no access log on the test's stderr, and one way to answer."""
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def reply(self, status: int, body: bytes = b"", content_type: str | None = None, headers: dict[str, str] | None = None) -> None:
+        """Answer ``status`` with ``body`` (its length always sent, so a client never waits for more)."""
+        self.send_response(status)
+        if content_type is not None:
+            self.send_header("Content-Type", content_type)
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def reply_json(self, value: object, status: int = 200) -> None:
+        self.reply(status, json.dumps(value).encode(), "application/json")
+
+    def read_json(self):
+        """The request's JSON body."""
+        return json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+
+
+class ThreadedServer:
+    """An HTTP server on 127.0.0.1 (``port``, or one the OS picks) answering with ``handler`` in a daemon
+    thread while a with-block runs; ``base_url`` is ``http://127.0.0.1:PORT``."""
+
+    def __init__(self, handler: type[BaseHTTPRequestHandler], port: int = 0):
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", port), handler)
+        self.port = self.httpd.server_address[1]
+        self.base_url = f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> Self:
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
 
 
 def wait_until_answering(url: str, process: subprocess.Popen, timeout_s: float, poll_s: float = 0.3) -> str | None:

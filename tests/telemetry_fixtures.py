@@ -16,11 +16,9 @@ import os
 import shutil
 import signal
 import subprocess
-import threading
 import time
 import urllib.request
 from collections.abc import Sequence
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from dflash_doctor.telemetry.counts import SeriesKey, SpecCounts
@@ -28,12 +26,12 @@ from dflash_doctor.telemetry.observation import Observation
 from dflash_doctor.telemetry.record import WatchRecord
 from dflash_doctor.telemetry.verdict import Baseline, Judge, Thresholds
 from dflash_doctor.telemetry.watcher import Unit, Window
-from local_servers import free_port, wait_until_answering
+from local_servers import QuietHandler, ThreadedServer, free_port, wait_until_answering
 
 DATA = Path(__file__).parent / "data" / "telemetry"
 
 
-class MetricsExporter:
+class MetricsExporter(ThreadedServer):
     """Serves ``self.text`` on /metrics (or HTTP 500 while ``self.failing``); ``scrapes`` counts requests."""
 
     def __init__(self, text: str = ""):
@@ -42,35 +40,16 @@ class MetricsExporter:
         self.scrapes = 0
         exporter = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(QuietHandler):
             def do_GET(self):  # noqa: N802 (http.server API)
                 exporter.scrapes += 1
                 if exporter.failing or not self.path.startswith("/metrics"):
-                    self.send_response(500 if exporter.failing else 404)
-                    self.end_headers()
+                    self.reply(500 if exporter.failing else 404)
                     return
-                body = exporter.text.encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "text/plain; version=0.0.4")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                self.reply(200, exporter.text.encode(), "text/plain; version=0.0.4")
 
-            def log_message(self, *args):  # keep test output clean
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.port = self.server.server_address[1]
-        self.url = f"http://127.0.0.1:{self.port}/metrics"
-        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-
-    def __enter__(self) -> "MetricsExporter":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        super().__init__(Handler)
+        self.url = f"{self.base_url}/metrics"
 
 
 class PrometheusServer:
@@ -132,7 +111,7 @@ class PrometheusServer:
         raise RuntimeError(f"prometheus never had {count} samples for {promql}")
 
 
-class AuthGateway:
+class AuthGateway(ThreadedServer):
     """A managed Prometheus's front door (Grafana Cloud, Mimir): the API under a path prefix, answering
     HTTP 401 unless every header of ``required`` came with the request, else forwarding to ``upstream``."""
 
@@ -140,35 +119,17 @@ class AuthGateway:
         self.refused = 0
         gateway = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(QuietHandler):
             def do_GET(self):  # noqa: N802 (http.server API)
                 if not self.path.startswith(prefix) or any(self.headers.get(k) != v for k, v in required.items()):
                     gateway.refused += 1
-                    self.send_response(401)
-                    self.send_header("Content-Length", "0")
-                    self.end_headers()
+                    self.reply(401)
                     return
                 with urllib.request.urlopen(upstream + self.path[len(prefix):], timeout=10) as response:
-                    body = response.read()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                    self.reply(200, response.read(), "application/json")
 
-            def log_message(self, *args):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}{prefix}"
-
-    def __enter__(self) -> "AuthGateway":
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        super().__init__(Handler)
+        self.url = f"{self.base_url}{prefix}"
 
 
 WATCH_K = 4  # draft tokens per step of the watches write_watch writes

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import struct
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -27,6 +25,7 @@ from dflash_doctor.serving.responses import MalformedResponse, check_measurement
 from dflash_doctor.telemetry.logs import LogContext, parse_log_lines
 from dflash_doctor.telemetry.observation import ParseProblems
 from dflash_doctor.telemetry.responses import parse_response_lines
+from tests.local_servers import QuietHandler, ThreadedServer
 from tests.test_cli_engine import tiny_dir  # noqa: F401 (fixture: target/, dflash/, workload.jsonl)
 from tests.test_cli_engine import assert_usage_error, invoke
 
@@ -365,23 +364,11 @@ def test_a_captured_response_claiming_more_accepted_than_drafted_tokens_is_refus
 
 @pytest.mark.parametrize("models_body", [[], {"data": {"id": "m"}}, "ok", {"data": "m"}])
 def test_a_model_list_of_an_unexpected_shape_is_refused(tmp_path, models_body):
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(QuietHandler):
         def do_GET(self):  # noqa: N802 (http.server API)
-            body = json.dumps(models_body).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            self.reply_json(models_body)
 
-        def log_message(self, *args):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        url = f"http://127.0.0.1:{server.server_address[1]}"
+    with ThreadedServer(Handler) as server:
+        url = server.base_url
         result = invoke("check", "--engine", url, "--workload", "demo", "--max-requests", "1", "--out", tmp_path / "run")
-    finally:
-        server.shutdown()
     assert_usage_error(result, f"--engine {url}: GET /v1/models answered", "not an OpenAI model list")

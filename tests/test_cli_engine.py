@@ -26,7 +26,7 @@ from dflash_doctor.inputs.validation import read_config_json
 from dflash_doctor.models.loading import load_dflash_draft, save_dflash_draft
 from dflash_doctor.rundir.load import load_run
 from tests.hub_cache import hub_snapshot, offline_hub_cache
-from tests.tiny_models import VOCAB, tiny_dflash, tiny_target
+from tests.tiny_models import VOCAB, tiny_dflash, tiny_target, torch_threads
 
 CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
@@ -68,10 +68,8 @@ def write_workload(path: Path, per_class: int) -> Path:
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
     """Tiny models: thread hand-offs cost more than the matmuls on a busy 2-core machine."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+    with torch_threads(1):
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from official_dflash import VARIANTS, official, official_config, official_generate, official_model, save_official
-from tiny_models import tiny_target
+from tiny_models import tiny_target, torch_threads
 
 from dflash_doctor.engine.schedule import CONVENTIONS
 from dflash_doctor.engine.live import speculative_generate
@@ -36,13 +36,11 @@ MAX_NEW = 30
 
 @pytest.fixture(scope="module")
 def target():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matrices: threads only add contention on a shared CI machine
-    model = tiny_target()
-    with torch.no_grad():
-        model.lm_head.weight[5:8] *= 6.0  # a few favoured tokens: drafts get accepted, lengths vary
-    yield model
-    torch.set_num_threads(threads)
+    with torch_threads(1):
+        model = tiny_target()
+        with torch.no_grad():
+            model.lm_head.weight[5:8] *= 6.0  # a few favoured tokens: drafts get accepted, lengths vary
+        yield model
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from official_dflash import official_config, official_model, save_official
 from tests.test_cli_engine import tiny_tokenizer, write_workload
-from tiny_models import tiny_target
+from tiny_models import tiny_target, torch_threads
 
 from dflash_doctor.cli import app
 from dflash_doctor.engine.live import plain_generate, speculative_generate
@@ -32,13 +32,11 @@ DIVERGENCE_COLUMNS = ("target_prob_of_draft", "draft_prob_of_target", "total_var
 
 @pytest.fixture(scope="module")
 def target():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    model = tiny_target()
-    with torch.no_grad():
-        model.lm_head.weight[5:8] *= 6.0  # favoured tokens: drafts are accepted often enough to matter
-    yield model
-    torch.set_num_threads(threads)
+    with torch_threads(1):
+        model = tiny_target()
+        with torch.no_grad():
+            model.lm_head.weight[5:8] *= 6.0  # favoured tokens: drafts are accepted often enough to matter
+        yield model
 
 
 @pytest.mark.parametrize("convention", ["vllm", "official"])

@@ -7,9 +7,7 @@ thread does; it records when each request arrived, which is what the waits are r
 from __future__ import annotations
 
 import random
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from urllib3.response import HTTPResponse
@@ -17,10 +15,10 @@ from urllib3.response import HTTPResponse
 from dflash_doctor.errors import UsageError
 from dflash_doctor.serving import http
 from dflash_doctor.serving.http import HttpClient, Unreachable, header_flags, secret
-from tests.local_servers import free_port
+from tests.local_servers import QuietHandler, ThreadedServer, free_port
 
 
-class ScriptedServer:
+class ScriptedServer(ThreadedServer):
     """Answers each request with the next ``(status, headers)`` of ``plan`` (then 200 "done")."""
 
     def __init__(self, plan: list[tuple[int, dict[str, str]]]):
@@ -29,35 +27,18 @@ class ScriptedServer:
         self.headers: list[dict[str, str]] = []
         owner = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(QuietHandler):
             def do_GET(self):  # noqa: N802 (http.server API)
                 owner.arrivals.append(time.monotonic())
                 owner.headers.append(dict(self.headers))
                 status, headers = owner.plan.pop(0) if owner.plan else (200, {})
-                body = b"done" if status == 200 else b"busy"
-                self.send_response(status)
-                for name, value in headers.items():
-                    self.send_header(name, value)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                self.reply(status, b"done" if status == 200 else b"busy", headers=headers)
 
-            def log_message(self, *args):
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/x"
+        super().__init__(Handler)
+        self.url = f"{self.base_url}/x"
 
     def gaps(self) -> list[float]:
         return [b - a for a, b in zip(self.arrivals, self.arrivals[1:])]
-
-    def __enter__(self):
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-        return self
-
-    def __exit__(self, *exc):
-        self.httpd.shutdown()
-        self.httpd.server_close()
 
 
 def test_retry_after_is_waited_instead_of_the_backoff():

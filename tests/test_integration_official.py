@@ -21,6 +21,7 @@ from dflash_doctor.engine.target import TargetModel
 from dflash_doctor.models.loading import DEMO_DRAFT_DIR, load_dflash_draft
 from dflash_doctor.models.pair import stop_ids_of
 from dflash_doctor.inputs.workloads import encode_turn
+from tiny_models import torch_threads
 
 pytestmark = pytest.mark.integration
 
@@ -35,14 +36,12 @@ def smollm2():
 
     from dflash_doctor.models.loading import demo_target_path, load_causal_lm, resolve_model_dir
 
-    previous = torch.get_num_threads()
-    torch.set_num_threads(2)
-    model_dir = resolve_model_dir(str(demo_target_path()))
-    model = load_causal_lm(model_dir)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    prompts = [encode_turn(tokenizer, [{"role": "user", "content": q}]) for q in QUESTIONS]
-    yield model, prompts, stop_ids_of(model, tokenizer)
-    torch.set_num_threads(previous)
+    with torch_threads(2):
+        model_dir = resolve_model_dir(str(demo_target_path()))
+        model = load_causal_lm(model_dir)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        prompts = [encode_turn(tokenizer, [{"role": "user", "content": q}]) for q in QUESTIONS]
+        yield model, prompts, stop_ids_of(model, tokenizer)
 
 
 @pytest.mark.parametrize("variant", REAL_VARIANTS)

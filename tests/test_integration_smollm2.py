@@ -23,6 +23,7 @@ from dflash_doctor.engine.teacher import TeacherSequence, slot_table, walk_sched
 from dflash_doctor.stats.metrics import summarize
 from dflash_doctor.models.pair import stop_ids_of
 from dflash_doctor.inputs.workloads import encode_turn
+from tests.tiny_models import torch_threads
 
 pytestmark = pytest.mark.integration
 
@@ -35,10 +36,8 @@ STEP_KEYS = ("position", "num_drafted", "num_accepted", "bonus_token")
 @pytest.fixture(scope="module", autouse=True)
 def two_threads():
     """The CI machine has 2 cores; restore the caller's setting for the tests that follow."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(previous)
+    with torch_threads(2):
+        yield
 
 
 @pytest.fixture(scope="module")

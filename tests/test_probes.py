@@ -20,7 +20,7 @@ from dflash_doctor.replay.stream import replay_teacher
 from dflash_doctor.rundir.writer import RunWriter
 from dflash_doctor.inputs.workloads import load_workload
 from tests.test_cli_engine import tiny_tokenizer, write_workload
-from tests.tiny_models import tiny_dflash, tiny_target
+from tests.tiny_models import tiny_dflash, tiny_target, torch_threads
 
 MAX_NEW_TOKENS = 16
 LAYER_IDS = (1, 2)  # of 4 target layers: offsets -1, 0 and +1 all exist
@@ -29,24 +29,22 @@ LAYER_IDS = (1, 2)  # of 4 target layers: offsets -1, 0 and +1 all exist
 @pytest.fixture(scope="module")
 def replayed(tmp_path_factory):
     """A tiny pair (favoured tokens, so drafts are accepted) and its teacher-forced replay at the full block."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    root = tmp_path_factory.mktemp("probes")
-    target = tiny_target()
-    with torch.no_grad():
-        target.lm_head.weight[75] *= 2.0  # the untrained draft leans to token 75: the target often agrees
-    target.save_pretrained(root / "target")
-    tiny_tokenizer().save_pretrained(root / "target")
-    save_dflash_draft(tiny_dflash(target, block_size=6, layer_ids=LAYER_IDS), root / "dflash")
-    config = build_config(target=str(root / "target"), draft=str(root / "dflash"),
-                          workload=str(write_workload(root / "workload.jsonl", per_class=1)), max_new_tokens=MAX_NEW_TOKENS)
-    pair = load_pair(config)
-    requests = load_workload(config.workload, seed=config.seed)
-    with RunWriter(root / "run", RunRecord(meta=RunMeta(command="sweep")).to_json()) as writer:
-        replay = replay_teacher(pair, requests, ks=tuple(range(1, pair.default_k + 1)), max_new_tokens=MAX_NEW_TOKENS,
-                                temperature=0.0, seed=config.seed, exact_blocks=False, writer=writer)
-    yield pair, replay
-    torch.set_num_threads(threads)
+    with torch_threads(1):
+        root = tmp_path_factory.mktemp("probes")
+        target = tiny_target()
+        with torch.no_grad():
+            target.lm_head.weight[75] *= 2.0  # the untrained draft leans to token 75: the target often agrees
+        target.save_pretrained(root / "target")
+        tiny_tokenizer().save_pretrained(root / "target")
+        save_dflash_draft(tiny_dflash(target, block_size=6, layer_ids=LAYER_IDS), root / "dflash")
+        config = build_config(target=str(root / "target"), draft=str(root / "dflash"),
+                              workload=str(write_workload(root / "workload.jsonl", per_class=1)), max_new_tokens=MAX_NEW_TOKENS)
+        pair = load_pair(config)
+        requests = load_workload(config.workload, seed=config.seed)
+        with RunWriter(root / "run", RunRecord(meta=RunMeta(command="sweep")).to_json()) as writer:
+            replay = replay_teacher(pair, requests, ks=tuple(range(1, pair.default_k + 1)), max_new_tokens=MAX_NEW_TOKENS,
+                                    temperature=0.0, seed=config.seed, exact_blocks=False, writer=writer)
+        yield pair, replay
 
 
 def test_layer_offset_probe_equals_each_offset_drafted_alone(replayed):

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import copy
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -22,13 +20,13 @@ from dflash_doctor.rundir.load import load_run
 from dflash_doctor.serving.client import EngineEndpoint, call, resolve_model
 from dflash_doctor.serving.prometheus import measurement_between, read_counters
 from dflash_doctor.serving.responses import MissingMetrics
-from tests.vllm_server import free_port
+from tests.local_servers import QuietHandler, ThreadedServer, free_port
 
 CAPTURED = json.loads((Path(__file__).parent / "golden" / "vllm_0.32.0_chat_detailed.json").read_text(encoding="utf-8"))
 MODEL = CAPTURED["model"]
 
 
-class ReplayServer:
+class ReplayServer(ThreadedServer):
     """Answers /v1/models and chat completions with the captured body; ``plan`` scripts failures per call.
 
     ``api_key``: like vLLM started with ``--api-key``, every /v1 path wants ``Authorization: Bearer KEY``
@@ -41,55 +39,38 @@ class ReplayServer:
         self.authorizations: list[str | None] = []
         owner = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):  # keep test output clean
-                pass
-
-            def _send(self, status, body):
-                data = json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
+        class Handler(QuietHandler):
             def _refused(self) -> bool:
                 owner.authorizations.append(self.headers.get("Authorization"))
                 if owner.api_key is None or not self.path.startswith("/v1") or self.headers.get("Authorization") == f"Bearer {owner.api_key}":
                     return False
-                self._send(401, {"error": "Unauthorized"})
+                self.reply_json({"error": "Unauthorized"}, 401)
                 return True
 
-            def do_GET(self):
+            def do_GET(self):  # noqa: N802 (http.server API)
                 if self._refused():
                     return
                 if self.path == "/metrics":
-                    data = owner.metrics_text().encode()
-                    self.send_response(200)
-                    self.send_header("Content-Type", "text/plain")
-                    self.send_header("Content-Length", str(len(data)))
-                    self.end_headers()
-                    self.wfile.write(data)
+                    self.reply(200, owner.metrics_text().encode(), "text/plain")
                     return
-                self._send(200, {"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+                self.reply_json({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
 
-            def do_POST(self):
+            def do_POST(self):  # noqa: N802 (http.server API)
                 if self._refused():
                     return
-                owner.bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+                owner.bodies.append(self.read_json())
                 action = owner.plan.pop(0) if owner.plan else "ok"
                 if action == "503":
-                    self._send(503, {"error": {"message": "overloaded"}})
+                    self.reply_json({"error": {"message": "overloaded"}}, 503)
                 elif action == "no-metrics":
                     body = copy.deepcopy(CAPTURED)
                     body.pop("metrics", None)
-                    self._send(200, body)
+                    self.reply_json(body)
                 else:
-                    self._send(200, CAPTURED)
+                    self.reply_json(CAPTURED)
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        super().__init__(Handler)
+        self.url = self.base_url
 
     def metrics_text(self) -> str:
         """vLLM's counters as if every request so far had been the captured one (prometheus_client's format)."""
@@ -104,14 +85,6 @@ class ReplayServer:
             reached = sum(a > position for a in spec["per_step_accepted"])
             lines.append(f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{labels},position="{position}"}} {n * reached}.0')
         return "# TYPE vllm:spec_decode_num_drafts_total counter\n" + "\n".join(lines) + "\n"
-
-    def __enter__(self):
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.httpd.shutdown()
-        self.httpd.server_close()
 
 
 def test_retries_a_503_with_backoff_then_reads_the_answer():

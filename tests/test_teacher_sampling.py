@@ -29,7 +29,7 @@ from dflash_doctor.engine.proposers.dflash import DFlashProposer
 from dflash_doctor.engine.target import TargetModel
 from dflash_doctor.engine.teacher import TeacherSequence, slot_table, walk_schedule
 from dflash_doctor.stats.metrics import tau_with_ci
-from tests.tiny_models import tiny_dflash, tiny_target
+from tests.tiny_models import tiny_dflash, tiny_target, torch_threads
 
 VOCAB = 11
 TEMPERATURE = 1.0
@@ -97,10 +97,8 @@ def _teacher_tau(runs, proposer_for=lambda proposer: proposer) -> float:
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
     """Tiny models: thread hand-offs cost more than the matmuls (10x slower with 2 threads on a busy machine)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+    with torch_threads(1):
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import sys
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from typer.testing import CliRunner
@@ -22,6 +20,7 @@ from dflash_doctor.telemetry.exposition import parse_exposition
 from dflash_doctor.telemetry.hooks import AlertHooks
 from dflash_doctor.telemetry.verdict import Baseline, Judge, Thresholds, WindowVerdict
 from dflash_doctor.telemetry.watcher import Window
+from local_servers import QuietHandler, ThreadedServer
 from telemetry_fixtures import DATA, MetricsExporter
 
 MODEL = SeriesKey("smollm2-dflash")
@@ -89,23 +88,14 @@ def test_dry_run_runs_nothing_and_says_what_it_would_run(tmp_path):
 def test_webhook_receives_one_post_per_episode(tmp_path):
     received: list[dict] = []
 
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(QuietHandler):
         def do_POST(self):  # noqa: N802 (http.server API)
-            received.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-            self.send_response(204)
-            self.end_headers()
+            received.append(self.read_json())
+            self.reply(204)
 
-        def log_message(self, *args):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        hooks = AlertHooks(webhook=f"http://127.0.0.1:{server.server_address[1]}/alert", run_dir=tmp_path)
+    with ThreadedServer(Handler) as server:
+        hooks = AlertHooks(webhook=f"{server.base_url}/alert", run_dir=tmp_path)
         events = [event for verdict in episode_sequence() for event in hooks.handle([verdict], "vllm")]
-    finally:
-        server.shutdown()
-        server.server_close()
     assert [e.message for e in events] == ["posted acceptance-drop on smollm2-dflash [all] (HTTP 204)"] * 2
     assert len(received) == 2 and received[0]["DFLASH_DOCTOR_ALERT"] == "acceptance-drop"
 

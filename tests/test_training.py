@@ -20,7 +20,7 @@ from dflash_doctor.engine.target import TargetModel
 from dflash_doctor.errors import UsageError
 from dflash_doctor.models.loading import load_dflash_draft, save_dflash_draft
 from dflash_doctor.models.training import SequenceRecord, TrainConfig, choose_mask_token_id, held_out_steps, sample_anchors, slot_weights, train_dflash_draft, validate_mask_token_id
-from tests.tiny_models import tiny_dflash, tiny_target
+from tests.tiny_models import tiny_dflash, tiny_target, torch_threads
 
 STOP_IDS = frozenset({2})
 NEW_TOKENS = 24
@@ -30,10 +30,8 @@ NUM_HELD_OUT = 12
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():
     """Two shared cores: one intra-op thread is ~10x faster for these tiny matrices than two fighting."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with torch_threads(1):
+        yield
 
 
 def markov_target():

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -11,6 +14,19 @@ from dflash_doctor.engine.target import TargetModel
 
 VOCAB = 97
 PROMPT = [1, 17, 42, 8, 9, 30, 31, 44]
+
+
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch's intra-op threads set to ``n`` inside the block, the caller's setting restored after it. Tiny
+    models want 1 (on a busy 2-core machine thread hand-offs cost more than their matmuls); a test module
+    sets it for its own fixtures and tests only."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 def tiny_target(seed: int = 0, *, vocab: int = VOCAB, hidden: int = 32, layers: int = 4) -> LlamaForCausalLM:
