@@ -170,11 +170,12 @@ def directory_bytes(path: Path) -> int:
 
 
 def write_watch(run_dir: Path, rates: list[float], *, baseline_tau: float | None = None, classes=("code", "chat"), num_units: int = 8) -> Path:
-    """A finished watch of ``num_units`` scrape intervals per class, one window per interval (live-watch shape)."""
+    """A finished watch of ``num_units`` scrape intervals per class, one window per interval (live-watch shape),
+    replacing a watch already in ``run_dir`` (``--overwrite``)."""
     thresholds = Thresholds(min_drafts=10)
     judge = Judge(Baseline.fixed({"overall": baseline_tau}) if baseline_tau else None, thresholds, engine="vllm")
     record = WatchRecord(run_dir, {"config": "test"}, {"sources": ["http://x/metrics"], "window_s": 60.0, "interval_s": 60.0,
-                                                       "baseline": "fixed", "thresholds": dataclasses.asdict(thresholds)})
+                                                       "baseline": "fixed", "thresholds": dataclasses.asdict(thresholds)}, overwrite=True)
     for i in range(num_units):
         verdicts, units = [], []
         for cls in classes:

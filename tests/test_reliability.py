@@ -11,6 +11,7 @@ import xml.etree.ElementTree as ET
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -36,13 +37,14 @@ from dflash_doctor.models.loading import save_dflash_draft
 from dflash_doctor.report import render_reports
 from dflash_doctor.report.terminal import print_check_results, print_class_summary
 from dflash_doctor.rundir.load import load_run
+from dflash_doctor.telemetry.record import read_units, read_windows
 from dflash_doctor.rundir.ownership import LOCK_FILE, claim_run_dir
 from tests.test_cli_engine import one_thread, tiny_dir  # noqa: F401 (fixtures: one torch thread; target/, dflash/, 6 requests)
 from tests.test_cli_engine import assert_usage_error, tiny_tokenizer, write_workload
 from tests.test_run_journal import write_request
 from tests.checks_fixtures import record
 from tests.fixture_runs import make_fixture_run
-from tests.telemetry_fixtures import MetricsExporter
+from tests.telemetry_fixtures import DATA, MetricsExporter
 from tests.tiny_models import tiny_dflash, tiny_target
 
 CONSOLE_SCRIPT = Path(sys.executable).with_name("dflash-doctor")
@@ -110,6 +112,86 @@ def test_a_refused_claim_leaves_no_empty_folder_and_a_file_is_not_a_folder(tmp_p
     (tmp_path / "file").write_text("x")
     with pytest.raises(Exception, match="is a file, not a folder"):
         claim_run_dir(tmp_path / "file")
+
+
+def test_a_live_watch_owns_its_out_and_the_next_watch_continues_what_it_left(tmp_path):
+    """A live watch holds --out for its life: a second watch on it exits 2 in one sentence. Killed (kill -9),
+    its lock is stale: the next watch on the folder takes it over and continues the watch, every window the
+    killed one journaled kept; --overwrite starts a new watch there; a folder holding anything else is refused."""
+    run_dir, metrics = tmp_path / "watch", (DATA / "vllm_metrics_good.txt").read_text()
+    with MetricsExporter((DATA / "vllm_metrics_good_1.txt").read_text()) as exporter:
+        fresh = invoke("watch", exporter.url, "--once", "--out", tmp_path / "fresh")
+        assert fresh.exit_code == 0, fresh.output
+        windows_per_once = len(read_windows(tmp_path / "fresh"))
+        live = subprocess.Popen([sys.executable, "-m", "dflash_doctor", "watch", exporter.url, "--interval", "0.3", "--window", "30s",
+                                 "--min-drafts", "1", "--out", str(run_dir)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + 120
+            while (not (run_dir / "run.json").is_file() or len(read_windows(run_dir)) < 2) and time.monotonic() < deadline:
+                if exporter.scrapes >= 2:
+                    exporter.text = metrics  # more requests arrive: the next windows have drafts
+                time.sleep(0.2)
+            assert live.poll() is None and len(read_windows(run_dir)) >= 2
+            second = subprocess.run([str(CONSOLE_SCRIPT), "watch", exporter.url, "--once", "--out", str(run_dir)],
+                                    capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
+            assert second.returncode == 2 and "Traceback" not in second.stderr, second.stderr
+            assert f"being written by another dflash-doctor process (pid {live.pid})" in " ".join(second.stderr.split())
+        finally:
+            live.send_signal(signal.SIGKILL)
+            live.wait(timeout=30)
+        assert (run_dir / "journal").is_dir() and (run_dir / LOCK_FILE).is_file()  # killed mid-watch: nothing consolidated
+        windows, units = len(read_windows(run_dir)), len(read_units(run_dir))
+        continued = invoke("watch", exporter.url, "--once", "--out", run_dir)
+        assert continued.exit_code == 0, continued.output
+        assert len(read_windows(run_dir)) == windows + windows_per_once and len(read_units(run_dir)) > units
+        assert not (run_dir / "journal").exists() and not (run_dir / LOCK_FILE).exists()
+        overall = load_run(run_dir).record.summary.overall
+        assert overall is not None and overall.num_drafts == read_units(run_dir)["num_drafts"].sum()  # pools the earlier units too
+        replaced = invoke("watch", exporter.url, "--once", "--out", run_dir, "--overwrite")
+        assert replaced.exit_code == 0, replaced.output
+        assert len(read_windows(run_dir)) == windows_per_once
+        (tmp_path / "notes").mkdir()
+        (tmp_path / "notes" / "todo.txt").write_text("mine")
+        assert_usage_error(invoke("watch", exporter.url, "--once", "--out", tmp_path / "notes"), "already holds files", "--overwrite")
+    assert sorted(p.name for p in (tmp_path / "notes").iterdir()) == ["todo.txt"]
+
+
+def test_train_draft_owns_its_out_resumes_its_own_and_keeps_a_foreign_folder_unless_overwrite(tiny_dir, tmp_path):
+    def train(out: Path, *extra: str) -> list[str]:
+        return ["train-draft", "--target", str(tiny_dir / "target"), "--workload", str(tiny_dir / "workload.jsonl"), "--steps", "2",
+                "--batch-size", "2", "--anchors-per-sequence", "2", "--max-new-tokens", "4", "--eval-requests", "0",
+                "--block-size", "4", "--num-layers", "1", "--device", "cpu", "--out", str(out), *extra]
+
+    def resumed_from_step(out: Path) -> int:
+        return json.loads((out / "training_log.json").read_text())["resumed_from_step"]
+
+    out = tmp_path / "draft"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\nfrom dflash_doctor.rundir.ownership import claim_run_dir\n"
+         "claim_run_dir(sys.argv[1]); print('claimed', flush=True); time.sleep(600)", str(out)],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "claimed"
+        second = subprocess.run([str(CONSOLE_SCRIPT), *train(out)], capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
+        assert second.returncode == 2 and "Traceback" not in second.stderr, second.stderr
+        assert f"being written by another dflash-doctor process (pid {holder.pid})" in " ".join(second.stderr.split())
+        assert sorted(p.name for p in out.iterdir()) == [LOCK_FILE]  # refused before it wrote anything
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(timeout=30)
+    first = invoke(*train(out))  # the holder's lock is stale: taken over
+    assert first.exit_code == 0, first.output
+    assert not (out / LOCK_FILE).exists() and resumed_from_step(out) == 0
+    again = invoke(*train(out))  # its own earlier training: resumed (finished: the outputs rewritten), not refused
+    assert again.exit_code == 0, again.output
+    assert resumed_from_step(out) == 2
+    afresh = invoke(*train(out, "--overwrite"))
+    assert afresh.exit_code == 0, afresh.output
+    assert resumed_from_step(out) == 0
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("mine")
+    assert_usage_error(invoke(*train(tmp_path / "notes")), "already holds files", "--overwrite")
+    assert sorted(p.name for p in (tmp_path / "notes").iterdir()) == ["todo.txt"]
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import shutil
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
@@ -23,13 +24,23 @@ from dflash_doctor.cli.options import Classes, MaxRequests, Seed, Target, Worklo
 from dflash_doctor.inputs.config import Dtype
 from dflash_doctor.engine.dflash_model import DFlashDraftModel, default_target_layer_ids
 from dflash_doctor.errors import UsageError
+from dflash_doctor.rundir.ownership import claim_run_dir, release_run_dir
 from dflash_doctor.models.loading import demo_target_path, weights_fingerprint, load_causal_lm, load_dflash_draft, resolve_model_dir, save_dflash_draft, validate_dflash_pair
 from dflash_doctor.models.pair import stop_ids_of
-from dflash_doctor.models.training import CHECKPOINT_DIR_NAME, DEFAULT_NUM_TAPS, SELF_WRITTEN_PROMPTS_FILE, TrainConfig, chat_template_record, choose_mask_token_id, draft_config_for_target, data_cache_key, held_out_steps, init_draft_from_target, prepare_training_data, self_written_prompts as self_written, tau_by_class, train_dflash_draft, validate_mask_token_id
+from dflash_doctor.models.training import CHECKPOINT_DIR_NAME, DEFAULT_NUM_TAPS, SELF_WRITTEN_PROMPTS_FILE, SEQUENCES_FILE, TrainConfig, chat_template_record, choose_mask_token_id, draft_config_for_target, data_cache_key, held_out_steps, init_draft_from_target, prepare_training_data, self_written_prompts as self_written, tau_by_class, train_dflash_draft, validate_mask_token_id
 from dflash_doctor.inputs.workloads import BUILTIN_NAMES, extra_word_problems as extra_word_problem_requests, load_workload, read_chat_template
 
 DEFAULT_OUT = "dflash-draft"
 SPARK_LEVELS = "▁▂▃▄▅▆▇█"
+
+
+TRAINING_LOG_FILE = "training_log.json"
+
+
+def _holds_training(out_dir: Path) -> bool:
+    """Whether ``out_dir`` holds what an earlier train-draft wrote (its checkpoint, cached data or log): the
+    command goes on there (resumes, or rewrites the outputs of a finished training)."""
+    return any((out_dir / name).exists() for name in (CHECKPOINT_DIR_NAME, SEQUENCES_FILE, SELF_WRITTEN_PROMPTS_FILE, TRAINING_LOG_FILE))
 
 
 def _parse_layer_ids(text: str) -> list[int]:
@@ -154,9 +165,14 @@ def train_draft(
     device: Annotated[Optional[str], typer.Option("--device", help="cpu, cuda, cuda:1 ... (default: cuda when available, else cpu).")] = None,
     dtype: Annotated[Optional[Dtype], typer.Option("--dtype", help="Target dtype.", show_default="bfloat16 on CUDA, float32 on CPU")] = None,
     seed: Seed = None,
-    out: Annotated[str, typer.Option("--out", help="Output folder: the draft, its model card, caches and checkpoints (resumed if present).")] = DEFAULT_OUT,
+    out: Annotated[str, typer.Option("--out", help="Output folder: the draft, its model card, caches and checkpoints (an earlier train-draft there is resumed).")] = DEFAULT_OUT,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Train afresh in --out: an earlier training's checkpoint there is removed (cached target responses are reused when they match) and a folder holding other files is written into. Without it an earlier train-draft in --out is resumed and a folder holding anything else is refused.")] = False,
 ) -> None:
-    """Train or fine-tune a DFlash draft against a target; writes a z-lab checkpoint and a model card."""
+    """Train or fine-tune a DFlash draft against a target; writes a z-lab checkpoint and a model card.
+
+    --out is this process's while it runs: a second train-draft (or any dflash-doctor command) on it
+    exits 2; a folder left by a killed one is taken over.
+    """
     from rich.console import Console
     from rich.table import Table
     from transformers import AutoTokenizer
@@ -188,102 +204,107 @@ def train_draft(
         raise UsageError(f"--use-recorded-responses: workload {workload} has no single-turn request with a recorded `response`; "
                          "drop the flag or use a file whose lines carry a response.")
 
-    target_spec = target or str(demo_target_path())
-    target_dir = resolve_model_dir(target_spec)
-    tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    template_text = read_chat_template(chat_template) if chat_template else None
-    served_template = template_text or getattr(tokenizer, "chat_template", None)
-    target_model = load_causal_lm(target_dir, dtype=dtype, device=device)
-    stop_ids = stop_ids_of(target_model, tokenizer)
     out_dir = Path(out)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    claim_run_dir(out_dir, overwrite=overwrite, continuable=_holds_training)
+    if overwrite:
+        shutil.rmtree(out_dir / CHECKPOINT_DIR_NAME, ignore_errors=True)  # train afresh: the earlier run's resumable state goes
+    try:
+        target_spec = target or str(demo_target_path())
+        target_dir = resolve_model_dir(target_spec)
+        tokenizer = AutoTokenizer.from_pretrained(target_dir)
+        template_text = read_chat_template(chat_template) if chat_template else None
+        served_template = template_text or getattr(tokenizer, "chat_template", None)
+        target_model = load_causal_lm(target_dir, dtype=dtype, device=device)
+        stop_ids = stop_ids_of(target_model, tokenizer)
 
-    template_record = chat_template_record(served_template)
-    cache_key = data_cache_key(target_dir, max_new_tokens=max_new_tokens, dtype=dtype, chat_template=served_template,
-                               use_recorded_responses=use_recorded_responses)
-    if self_written_prompts:
-        requests += self_written(target_model, tokenizer, self_written_prompts, cache_path=out_dir / SELF_WRITTEN_PROMPTS_FILE,
-                                 cache_key=cache_key, stop_ids=stop_ids, chat_template=template_text,
-                                 batch_size=generation_batch_size, seed=seed)
-    console.print(f"[bold]train-draft[/]: {len(requests)} train requests from {workload} -> {out_dir}")
-    held_out = (load_workload(workload, classes=class_list, max_requests=eval_requests, seed=seed, split="eval")
-                if eval_requests and workload in BUILTIN_NAMES else [])
-    records, eval_records = prepare_training_data(
-        target_model, tokenizer, requests, held_out, out_dir=out_dir, cache_key=cache_key, max_new_tokens=max_new_tokens,
-        stop_ids=stop_ids, chat_template=template_text, use_recorded_responses=use_recorded_responses,
-        samples_per_prompt=samples_per_prompt, sample_temperature=sample_temperature, batch_size=generation_batch_size, seed=seed)
+        template_record = chat_template_record(served_template)
+        cache_key = data_cache_key(target_dir, max_new_tokens=max_new_tokens, dtype=dtype, chat_template=served_template,
+                                   use_recorded_responses=use_recorded_responses)
+        if self_written_prompts:
+            requests += self_written(target_model, tokenizer, self_written_prompts, cache_path=out_dir / SELF_WRITTEN_PROMPTS_FILE,
+                                     cache_key=cache_key, stop_ids=stop_ids, chat_template=template_text,
+                                     batch_size=generation_batch_size, seed=seed)
+        console.print(f"[bold]train-draft[/]: {len(requests)} train requests from {workload} -> {out_dir}")
+        held_out = (load_workload(workload, classes=class_list, max_requests=eval_requests, seed=seed, split="eval")
+                    if eval_requests and workload in BUILTIN_NAMES else [])
+        records, eval_records = prepare_training_data(
+            target_model, tokenizer, requests, held_out, out_dir=out_dir, cache_key=cache_key, max_new_tokens=max_new_tokens,
+            stop_ids=stop_ids, chat_template=template_text, use_recorded_responses=use_recorded_responses,
+            samples_per_prompt=samples_per_prompt, sample_temperature=sample_temperature, batch_size=generation_batch_size, seed=seed)
 
-    used_ids = {t for r in records for t in r.token_ids}
-    init_note = init_from
-    if init_from:
-        draft = load_dflash_draft(resolve_model_dir(init_from), device=device)
-        validate_dflash_pair(draft.config, target_model.config)
-        _check_init_flags(draft.config, {"--block-size": block_size, "--num-layers": num_layers,
-                                         "--target-layer-ids": layer_ids, "--mask-token-id": mask_token_id})
-        mask_choice = "kept from the --init-from checkpoint"
-    else:
-        num_target_layers = target_model.config.num_hidden_layers
-        if mask_token_id is None:
-            mask_token_id = choose_mask_token_id(tokenizer, target_model.config, used_ids, served_template)
-            mask_choice = "the highest-id special token that is not bos/eos/pad/unk, not in the chat template and never in the data"
+        used_ids = {t for r in records for t in r.token_ids}
+        init_note = init_from
+        if init_from:
+            draft = load_dflash_draft(resolve_model_dir(init_from), device=device)
+            validate_dflash_pair(draft.config, target_model.config)
+            _check_init_flags(draft.config, {"--block-size": block_size, "--num-layers": num_layers,
+                                             "--target-layer-ids": layer_ids, "--mask-token-id": mask_token_id})
+            mask_choice = "kept from the --init-from checkpoint"
         else:
-            validate_mask_token_id(mask_token_id, target_model.config, tokenizer)
-            mask_choice = "given by --mask-token-id"
-        torch.manual_seed(seed)
-        draft = DFlashDraftModel(draft_config_for_target(
-            target_model.config, block_size=16 if block_size is None else block_size, num_layers=2 if num_layers is None else num_layers,
-            target_layer_ids=layer_ids or default_target_layer_ids(num_target_layers, min(DEFAULT_NUM_TAPS, num_target_layers)),
-            mask_token_id=mask_token_id))
-        if init_from_target:
-            copied = init_draft_from_target(draft, target_model)
-            init_note = f"the target's layers {copied} and final norm (--init-from-target)"
-    if draft.config.mask_token_id in used_ids:
-        raise UsageError(f"mask token id {draft.config.mask_token_id} occurs in the training sequences; pick with --mask-token-id "
-                         "a reserved id the target never generates.")
+            num_target_layers = target_model.config.num_hidden_layers
+            if mask_token_id is None:
+                mask_token_id = choose_mask_token_id(tokenizer, target_model.config, used_ids, served_template)
+                mask_choice = "the highest-id special token that is not bos/eos/pad/unk, not in the chat template and never in the data"
+            else:
+                validate_mask_token_id(mask_token_id, target_model.config, tokenizer)
+                mask_choice = "given by --mask-token-id"
+            torch.manual_seed(seed)
+            draft = DFlashDraftModel(draft_config_for_target(
+                target_model.config, block_size=16 if block_size is None else block_size, num_layers=2 if num_layers is None else num_layers,
+                target_layer_ids=layer_ids or default_target_layer_ids(num_target_layers, min(DEFAULT_NUM_TAPS, num_target_layers)),
+                mask_token_id=mask_token_id))
+            if init_from_target:
+                copied = init_draft_from_target(draft, target_model)
+                init_note = f"the target's layers {copied} and final norm (--init-from-target)"
+        if draft.config.mask_token_id in used_ids:
+            raise UsageError(f"mask token id {draft.config.mask_token_id} occurs in the training sequences; pick with --mask-token-id "
+                             "a reserved id the target never generates.")
 
-    extra_config = {"dflash_doctor": {**template_record, "trained_with": f"dflash-doctor {__version__} train-draft",
-                                      "target": target_spec, "target_weights_fingerprint": weights_fingerprint(target_model)}}
-    initial_steps = held_out_steps(target_model, draft.to(device), eval_records, stop_ids=stop_ids) if eval_records else []
-    result = train_dflash_draft(target_model, [r.token_ids for r in records], [r.prompt_length for r in records], config, draft,
-                                checkpoint_dir=out_dir / CHECKPOINT_DIR_NAME, extra_config=extra_config,
-                                feature_batch_size=min(64, generation_batch_size), progress=True)
-    evaluation = None
-    if eval_records:
-        trained_steps = held_out_steps(target_model, result.draft, eval_records, stop_ids=stop_ids)
-        evaluation = {"num_requests": len({r.request_id for r in eval_records}),
-                      "trained": tau_by_class(trained_steps), "initial": tau_by_class(initial_steps)}
+        extra_config = {"dflash_doctor": {**template_record, "trained_with": f"dflash-doctor {__version__} train-draft",
+                                          "target": target_spec, "target_weights_fingerprint": weights_fingerprint(target_model)}}
+        initial_steps = held_out_steps(target_model, draft.to(device), eval_records, stop_ids=stop_ids) if eval_records else []
+        result = train_dflash_draft(target_model, [r.token_ids for r in records], [r.prompt_length for r in records], config, draft,
+                                    checkpoint_dir=out_dir / CHECKPOINT_DIR_NAME, extra_config=extra_config,
+                                    feature_batch_size=min(64, generation_batch_size), progress=True)
+        evaluation = None
+        if eval_records:
+            trained_steps = held_out_steps(target_model, result.draft, eval_records, stop_ids=stop_ids)
+            evaluation = {"num_requests": len({r.request_id for r in eval_records}),
+                          "trained": tau_by_class(trained_steps), "initial": tau_by_class(initial_steps)}
 
-    save_dflash_draft(result.draft, out_dir, extra_config=extra_config)
-    arch = result.draft.config.to_dict()
-    facts = {
-        "tool_version": __version__,
-        "created_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "target": target_spec,
-        "init_from": init_note,
-        "architecture": {**arch, **arch["dflash_config"]},
-        "mask_choice": mask_choice,
-        "chat_template_sha256": template_record["chat_template_sha256"],
-        "train_config": config.as_dict(),
-        "data": {"workload": workload, "num_requests": len(requests), "extra_word_problems": extra_word_problems,
-                 "self_written_prompts": self_written_prompts, "samples_per_prompt": samples_per_prompt,
-                 "sample_temperature": sample_temperature, "num_sequences": result.num_sequences,
-                 "num_response_tokens": sum(len(r.response_ids) for r in records), "max_new_tokens": max_new_tokens,
-                 "responses": ("recorded `response` of single-turn requests, the rest regenerated by the target (batched greedy)"
-                               if use_recorded_responses else "regenerated by the target (batched greedy)")},
-        "resumed_from_step": result.resumed_from_step,
-        "log": result.log,
-        "evaluation": evaluation,
-    }
-    (out_dir / "training_log.json").write_text(json.dumps(facts, indent=2) + "\n", encoding="utf-8")
-    (out_dir / "README.md").write_text(_model_card(facts), encoding="utf-8")
+        save_dflash_draft(result.draft, out_dir, extra_config=extra_config)
+        arch = result.draft.config.to_dict()
+        facts = {
+            "tool_version": __version__,
+            "created_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "target": target_spec,
+            "init_from": init_note,
+            "architecture": {**arch, **arch["dflash_config"]},
+            "mask_choice": mask_choice,
+            "chat_template_sha256": template_record["chat_template_sha256"],
+            "train_config": config.as_dict(),
+            "data": {"workload": workload, "num_requests": len(requests), "extra_word_problems": extra_word_problems,
+                     "self_written_prompts": self_written_prompts, "samples_per_prompt": samples_per_prompt,
+                     "sample_temperature": sample_temperature, "num_sequences": result.num_sequences,
+                     "num_response_tokens": sum(len(r.response_ids) for r in records), "max_new_tokens": max_new_tokens,
+                     "responses": ("recorded `response` of single-turn requests, the rest regenerated by the target (batched greedy)"
+                                   if use_recorded_responses else "regenerated by the target (batched greedy)")},
+            "resumed_from_step": result.resumed_from_step,
+            "log": result.log,
+            "evaluation": evaluation,
+        }
+        (out_dir / TRAINING_LOG_FILE).write_text(json.dumps(facts, indent=2) + "\n", encoding="utf-8")
+        (out_dir / "README.md").write_text(_model_card(facts), encoding="utf-8")
 
-    final_loss = result.log[-1]["loss"] if result.log else float("nan")
-    console.print(f"final loss {final_loss:.4f} after {config.steps} steps")
-    if evaluation:
-        table = Table(title=f"draft written to {out_dir}")
-        table.add_column("class")
-        table.add_column("tau (trained)", justify="right")
-        table.add_column("tau (before)", justify="right")
-        for name, row in evaluation["trained"].items():
-            table.add_row(name, f"{row['tau']:.2f}", f"{evaluation['initial'][name]['tau']:.2f}")
-        console.print(table)
+        final_loss = result.log[-1]["loss"] if result.log else float("nan")
+        console.print(f"final loss {final_loss:.4f} after {config.steps} steps")
+        if evaluation:
+            table = Table(title=f"draft written to {out_dir}")
+            table.add_column("class")
+            table.add_column("tau (trained)", justify="right")
+            table.add_column("tau (before)", justify="right")
+            for name, row in evaluation["trained"].items():
+                table.add_row(name, f"{row['tau']:.2f}", f"{evaluation['initial'][name]['tau']:.2f}")
+            console.print(table)
+    finally:
+        release_run_dir(out_dir)

@@ -149,12 +149,18 @@ def watch(
     on_alert: Annotated[Optional[str], typer.Option("--on-alert", help="Command run when an alert starts (once per episode), with the alert, model and engine change in DFLASH_DOCTOR_* variables.")] = None,
     on_alert_webhook: Annotated[Optional[str], typer.Option("--on-alert-webhook", help="URL that receives the same alert as a JSON POST, once per episode.")] = None,
     on_alert_dry_run: Annotated[bool, typer.Option("--on-alert-dry-run", help="Print what --on-alert / --on-alert-webhook would run or post, and do neither.")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Start a new watch in --out, replacing the watch there (without it an earlier watch in --out is continued, and a folder holding anything else is refused).")] = False,
     json_output: opt.Json = False,
 ) -> None:
     """Watch production acceptance: windowed tau per model/class, alerts vs a baseline, fallback advice.
 
     Exit codes: 0 ok; 1 an alert fired (--once: in the verdict; live: at any time before SIGTERM/SIGINT or
-    --duration ended the watch); 2 bad input. Off a terminal it prints one plain line per series per evaluation.
+    --duration ended the watch); 2 bad input, or --out being written by another live process. Off a terminal
+    it prints one plain line per series per evaluation.
+
+    --out is this process's for as long as it runs. An earlier watch there is continued (a restarted
+    service, a cron --once on one folder): its windows, units and alerts are kept and the new ones
+    appended; --overwrite starts a new watch in the folder instead.
     """
     if json_output and not once:
         raise UsageError("--json prints one verdict, so it needs --once; add --once or drop --json.")
@@ -171,7 +177,7 @@ def watch(
         settings, run_dir=run_dir,
         config=config.as_dict(), costs=load_cost_profile(config.cost_profile) if config.cost_profile else None,
         once=once, exporter_port=exporter_port, exporter_address=exporter_address,
-        hooks=hooks if hooks.enabled else None,
+        hooks=hooks if hooks.enabled else None, overwrite=overwrite,
     )
     console = Console(stderr=json_output)
     if once:

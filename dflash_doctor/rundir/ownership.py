@@ -8,7 +8,11 @@ runs first thing in every command that writes a run directory, before any model 
   taken for this process; a lock whose process is gone (killed, crashed) is stale and taken over, a
   live owner's lock refuses the command in one sentence;
 * a folder that already holds files (an earlier run, or anything else) is refused unless the user
-  passed ``--overwrite``; the writer then replaces the run's tables (the folder is never deleted).
+  passed ``--overwrite``; the writer then replaces the run's tables (the folder is never deleted);
+* a command whose output grows across processes names what it goes on with (``continuable``): a
+  ``watch`` continues the earlier watch in its folder (a service restarted on the same ``--out``), a
+  ``train-draft`` resumes its checkpoint; ``--overwrite`` then starts afresh instead, and a folder
+  holding anything else is refused as above.
 
 The lock goes when the writer closes (:func:`release_run_dir`) or when the process exits.
 """
@@ -18,6 +22,7 @@ from __future__ import annotations
 import atexit
 import errno
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from dflash_doctor.errors import UsageError
@@ -74,18 +79,23 @@ def _lock(run_dir: Path) -> None:
     raise UsageError(f"--out {run_dir} was claimed by another dflash-doctor process at the same moment; pass another --out.")
 
 
-def claim_run_dir(run_dir: Path | str, *, overwrite: bool = False) -> Path:
-    """Take ``run_dir`` for this process before any work, or refuse in one sentence (see the module doc)."""
+def claim_run_dir(run_dir: Path | str, *, overwrite: bool = False, continuable: Callable[[Path], bool] | None = None) -> bool:
+    """Take ``run_dir`` for this process before any work, or refuse in one sentence (see the module doc).
+
+    Returns whether the command goes on with what the folder holds: ``continuable`` (the command's own
+    earlier output, recognised by it) said so and ``--overwrite`` was not given."""
     run_dir = Path(run_dir)
     if run_dir.exists() and not run_dir.is_dir():
         raise UsageError(f"--out {run_dir} is a file, not a folder; pass a folder for the run directory.")
     run_dir.mkdir(parents=True, exist_ok=True)
     _lock(run_dir)
-    if not overwrite and any(entry.name != LOCK_FILE for entry in run_dir.iterdir()):
-        release_run_dir(run_dir)
-        raise UsageError(f"--out {run_dir} already holds files (an earlier run?); pass a new folder, "
-                         f"or --overwrite to replace the run in it.")
-    return run_dir
+    if overwrite or not any(entry.name != LOCK_FILE for entry in run_dir.iterdir()):
+        return False
+    if continuable is not None and continuable(run_dir):
+        return True
+    release_run_dir(run_dir)
+    raise UsageError(f"--out {run_dir} already holds files (an earlier run?); pass a new folder, "
+                     f"or --overwrite to replace the run in it.")
 
 
 def release_run_dir(run_dir: Path | str) -> None:

@@ -15,6 +15,12 @@ sample of units for its bootstrap. The journal is consolidated into the Parquet 
 demand and every hour (:data:`CONSOLIDATE_EVERY_S`), dropping rows older than the retention
 (``--retain``) when there is one, so memory, disk and the cost of a poll stay flat. A watch killed at any moment leaves a readable directory:
 readers take the Parquet rows plus every complete journal batch.
+
+The folder is the watch's for the life of its process (:mod:`dflash_doctor.rundir.ownership`): a second
+watch on it is refused. A watch started on the folder of an earlier watch (a service restarted on the
+same ``--out``, a cron ``--once`` every few minutes) continues it: the earlier windows, units and alerts
+are kept and the new ones appended, rows a killed watch left in its journal included, and the summary
+pools every unit still in the folder; ``--overwrite`` starts a new watch there instead.
 """
 
 from __future__ import annotations
@@ -28,7 +34,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from dflash_doctor.errors import UsageError
 from dflash_doctor.stats.metrics import conditional_rates
+from dflash_doctor.rundir.load import read_run_meta
+from dflash_doctor.rundir.ownership import claim_run_dir, release_run_dir
 from dflash_doctor.rundir.record import Metrics, ModelInfo, RunMeta, RunRecord, Source, Summary, TauDistribution
 from dflash_doctor.rundir.tables import TABLES
 from dflash_doctor.rundir.writer import JOURNAL_DIR, read_stream, utc_now, write_run_json
@@ -105,12 +114,19 @@ def _summary_block(counts: SpecCounts, units: list[SpecCounts], num_units: int) 
 
 
 class _JournaledTable:
-    """One time-series table of a watch: ``<name>.parquet`` (consolidated rows) plus its append-only journal."""
+    """One time-series table of a watch: ``<name>.parquet`` (consolidated rows) plus its append-only journal.
+    ``keep_earlier``: the rows an earlier watch left in the folder stay (a continued watch; what its journal
+    holds is folded into the Parquet file first), else they are removed."""
 
-    def __init__(self, run_dir: Path, file_name: str, schema: pa.Schema):
+    def __init__(self, run_dir: Path, file_name: str, schema: pa.Schema, *, keep_earlier: bool):
         self.schema = schema
         self.parquet = run_dir / file_name
         self.journal = run_dir / JOURNAL_DIR / file_name.replace(".parquet", ".arrows")
+        if not keep_earlier:
+            self.parquet.unlink(missing_ok=True)
+            self.journal.unlink(missing_ok=True)
+        elif self.journal.is_file():  # the watch continued here was killed before it consolidated
+            self._write_parquet(None)
         self._open_journal()
 
     def _open_journal(self) -> None:
@@ -124,11 +140,9 @@ class _JournaledTable:
             self._stream.write_batch(pa.RecordBatch.from_pylist(rows, schema=self.schema))
             self._sink.flush()
 
-    def consolidate(self, keep_after_s: float | None, *, reopen: bool) -> None:
+    def _write_parquet(self, keep_after_s: float | None) -> None:
         """Parquet := its rows plus the journal's (those ending after ``keep_after_s``), atomically; the
-        journal starts empty again (``reopen``) or is removed."""
-        self._stream.close()
-        self._sink.close()
+        journal file is removed."""
         table = read_time_series(self.parquet, self.journal, self.schema)
         if keep_after_s is not None:
             # pyarrow.compute defines its kernels when it is imported: no static checker sees `greater`.
@@ -136,9 +150,20 @@ class _JournaledTable:
         tmp = self.parquet.with_name(self.parquet.name + ".tmp")
         pq.write_table(table, tmp)
         tmp.replace(self.parquet)
-        self.journal.unlink()
+        self.journal.unlink(missing_ok=True)
+
+    def consolidate(self, keep_after_s: float | None, *, reopen: bool) -> None:
+        """Fold the journal into the Parquet file (:meth:`_write_parquet`); the journal starts empty again
+        (``reopen``) or is gone."""
+        self._stream.close()
+        self._sink.close()
+        self._write_parquet(keep_after_s)
         if reopen:
             self._open_journal()
+
+    def consolidated_rows(self) -> list[dict[str, Any]]:
+        """The rows of the Parquet file (for a continued watch: the earlier watch's)."""
+        return pq.read_table(self.parquet).cast(self.schema).to_pylist() if self.parquet.is_file() else []
 
 
 def read_time_series(parquet: Path, journal: Path, schema: pa.Schema) -> pa.Table:
@@ -153,27 +178,30 @@ class WatchRecord:
     """Writes a watch's run directory: :meth:`update` after every evaluation appends to it, :meth:`close`
     consolidates it; ``retain_s`` (None: keep everything) bounds how far back its time series reach."""
 
-    def __init__(self, run_dir: Path | str, config: dict[str, Any], telemetry: WatchSetup, *, retain_s: float | None = None):
+    def __init__(self, run_dir: Path | str, config: dict[str, Any], telemetry: WatchSetup, *, retain_s: float | None = None,
+                 overwrite: bool = False):
         self.run_dir = Path(run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        continues = claim_run_dir(self.run_dir, overwrite=overwrite, continuable=holds_watch_run)
+        earlier = RunRecord.from_json(read_run_meta(self.run_dir)) if continues else None
         self.retain_s = retain_s
         urls = [s for s in telemetry.get("sources", []) if str(s).startswith(("http://", "https://", "prometheus "))]
         self.record = RunRecord(
-            meta=RunMeta(command="watch", created_at=utc_now()),
+            meta=RunMeta(command="watch", created_at=earlier.meta.created_at if earlier else utc_now()),
             source=Source(kind=SOURCE_TELEMETRY, description="production telemetry read by `dflash-doctor watch`",
                           url=urls[0].removeprefix("prometheus ") if urls else None,
-                          details={**telemetry, "retain_s": retain_s, "events": [], "alerts": [], "notes": []}),
+                          details={**telemetry, "retain_s": retain_s, "events": [], "notes": [],
+                                   "alerts": telemetry_details(earlier)["alerts"] if earlier else []}),
             config=dict(config),
         )
-        for name in (WINDOWS_FILE, UNITS_FILE):  # a folder reused by --overwrite must not mix in an earlier watch
-            (self.run_dir / name).unlink(missing_ok=True)
-        self._windows = _JournaledTable(self.run_dir, WINDOWS_FILE, WINDOWS_SCHEMA)
-        self._units = _JournaledTable(self.run_dir, UNITS_FILE, UNITS_SCHEMA)
+        self._windows = _JournaledTable(self.run_dir, WINDOWS_FILE, WINDOWS_SCHEMA, keep_earlier=continues)
+        self._units = _JournaledTable(self.run_dir, UNITS_FILE, UNITS_SCHEMA, keep_earlier=continues)
         self._totals: dict[SeriesKey | None, SpecCounts] = {}  # None: every series pooled
         self._num_units: dict[SeriesKey | None, int] = {}
         self._samples: dict[SeriesKey | None, list[SpecCounts]] = {}
         self._rng = random.Random(0)  # the samples' draws: the same watch gives the same summary
         self._consolidated_at: float | None = None
+        for row in self._units.consolidated_rows():  # a continued watch's summary pools the earlier units too
+            self._take_unit(SeriesKey(row["model"], row["class"]), _unit_counts(row))
         for name, schema in TABLES.items():  # production has no per-step rows; the tables exist, empty
             path = self.run_dir / f"{name}.parquet"
             if not path.exists():
@@ -197,6 +225,12 @@ class WatchRecord:
         elif (slot := int(draw * seen)) < SUMMARY_SAMPLE_UNITS:
             sample[slot] = counts
 
+    def _take_unit(self, key: SeriesKey, counts: SpecCounts) -> None:
+        """A unit joins its series' and the overall totals and samples, with one draw for both."""
+        draw = self._rng.random()
+        self._take(key, counts, draw)
+        self._take(None, counts, draw)
+
     def update(self, verdicts: list[WindowVerdict], units: list[Unit], events: list[Event], notes: list[str]) -> None:
         """Append the new windows and units, refresh the summary and run.json; consolidate once an hour
         (or once a retention period, when shorter) has passed since the last time."""
@@ -208,9 +242,7 @@ class WatchRecord:
         self._units.append([{"end_s": unit.end_s, "model": unit.key.model, "class": unit.key.cls, "source": unit.source, **unit.counts.as_dict()}
                             for unit in kept])
         for unit in kept:
-            draw = self._rng.random()
-            self._take(unit.key, unit.counts, draw)
-            self._take(None, unit.counts, draw)
+            self._take_unit(unit.key, unit.counts)
         self.details["events"] = [{"time_s": e.time_s, "kind": e.kind, "source": e.source, "message": e.message} for e in events]
         self.details["notes"] = list(notes)
         now_s = max([v.window.end_s for v in verdicts] + [u.end_s for u in kept], default=None)
@@ -245,6 +277,7 @@ class WatchRecord:
         """End of the watch: the journal becomes the Parquet files and is removed."""
         self.consolidate(now_s, final=True)
         (self.run_dir / JOURNAL_DIR).rmdir()
+        release_run_dir(self.run_dir)
 
     def _summary(self) -> Summary:
         by_class: dict[str, Metrics] = {}
@@ -293,6 +326,22 @@ class WatchDetails(WatchSetup):
     events: list[dict[str, Any]]  # time_s, kind, source, message
     alerts: list[dict[str, Any]]  # time_s, kind, series, message, advice (list of engine settings)
     notes: list[str]
+
+
+def _unit_counts(row: dict[str, Any]) -> SpecCounts:
+    """The counts of a ``units.parquet`` row."""
+    per_pos = row["num_accepted_tokens_per_pos"]
+    return SpecCounts(num_drafts=row["num_drafts"], num_draft_tokens=row["num_draft_tokens"], num_accepted_tokens=row["num_accepted_tokens"],
+                      num_accepted_tokens_per_pos=None if per_pos is None else tuple(per_pos), num_generated_tokens=row["num_generated_tokens"])
+
+
+def holds_watch_run(run_dir: Path) -> bool:
+    """Whether ``run_dir`` holds the run directory of a watch this version can continue (its run.json reads
+    as a watch's record)."""
+    try:
+        return is_watch_run(RunRecord.from_json(read_run_meta(run_dir)))
+    except UsageError:  # no run.json, not JSON, another schema version: not a watch to continue
+        return False
 
 
 def is_watch_run(record: RunRecord) -> bool:

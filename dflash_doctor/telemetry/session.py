@@ -44,7 +44,7 @@ class WatchSession:
 
     def __init__(self, sources: list[Source], settings: WatchSettings, *, run_dir: Path, config: dict[str, Any],
                  costs: StepCosts | None = None, once: bool = False, exporter_port: int | None = None, exporter_address: str = "127.0.0.1",
-                 hooks: AlertHooks | None = None):
+                 hooks: AlertHooks | None = None, overwrite: bool = False):
         self.settings = settings
         self.once_mode = once
         self.judge = Judge(load_baseline(settings.baseline), settings.thresholds, engine=settings.engine, costs=costs)
@@ -55,7 +55,7 @@ class WatchSession:
             "sources": [s.name for s in sources], "window_s": settings.window_s, "interval_s": settings.interval_s,
             "baseline": self.judge.baseline.description if self.judge.baseline else None,
             "thresholds": dataclasses.asdict(settings.thresholds),
-        }, retain_s=settings.retain_s)
+        }, retain_s=settings.retain_s, overwrite=overwrite)
         self.exporter = VerdictExporter(exporter_port, exporter_address) if exporter_port is not None else None
         self.hooks = hooks
         self._units_recorded = 0
