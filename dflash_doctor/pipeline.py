@@ -39,7 +39,7 @@ from dflash_doctor.rundir.tables import TABLES, read_table_or_empty
 from dflash_doctor.rundir.ownership import claim_run_dir
 from dflash_doctor.rundir.writer import RunWriter, utc_now
 from dflash_doctor.serving.agreement import compare_with_embedded
-from dflash_doctor.serving.client import EngineEndpoint, resolve_model
+from dflash_doctor.serving.client import EngineEndpoint, resolve_model, served_model_file
 from dflash_doctor.serving.engine_settings import engine_settings
 from dflash_doctor.serving.engine_run import measure_engine, start_engine_record
 from dflash_doctor.stages import stage
@@ -228,7 +228,7 @@ def run_engine_check(config: DoctorConfig, *, only: Sequence[str] = (), skip: Se
     # before any request is sent
     local = (load_pair(config, engine_settings(config.engine_config) if config.engine_config else None)
              if config.target is not None or config.draft is not None else None)
-    record = start_engine_record(config, endpoint)
+    record = start_engine_record(config, endpoint, served_model_file(endpoint))
     if local is not None:
         record.models.update({"local target": local.target_info, "local draft": local.draft_info})
     with RunWriter(run_dir, record.to_json()) as writer:

