@@ -64,23 +64,27 @@ def invoke(*args: str):
 # 1. A run directory is owned
 
 
-def test_a_second_process_writing_the_same_out_is_refused_and_a_stale_lock_is_taken_over(tiny_dir, tmp_path):
-    run_dir = tmp_path / "shared"
+def assert_refused_while_a_killed_process_held(run_dir: Path, command: list[str]) -> None:
+    """``dflash-doctor COMMAND`` on ``run_dir`` while another live process holds it: exit 2 in one sentence
+    naming that process, nothing written. The holder is then killed (kill -9), leaving its lock stale."""
     holder = subprocess.Popen(
         [sys.executable, "-c", "import sys, time\nfrom dflash_doctor.rundir.ownership import claim_run_dir\n"
          "claim_run_dir(sys.argv[1]); print('claimed', flush=True); time.sleep(600)", str(run_dir)],
         stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "claimed"
-        second = subprocess.run([str(CONSOLE_SCRIPT), "replay", *pair_args(tiny_dir, run_dir)], capture_output=True, text=True,
-                                timeout=SUBPROCESS_TIMEOUT_S)
-        assert second.returncode == 2, second.stderr
-        assert "Traceback" not in second.stderr
+        second = subprocess.run([str(CONSOLE_SCRIPT), *command], capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
+        assert second.returncode == 2 and "Traceback" not in second.stderr, second.stderr
         assert f"being written by another dflash-doctor process (pid {holder.pid})" in " ".join(second.stderr.split())
         assert sorted(p.name for p in run_dir.iterdir()) == [LOCK_FILE]  # the refused process wrote nothing
     finally:
         holder.send_signal(signal.SIGKILL)
         holder.wait(timeout=30)
+
+
+def test_a_second_process_writing_the_same_out_is_refused_and_a_stale_lock_is_taken_over(tiny_dir, tmp_path):
+    run_dir = tmp_path / "shared"
+    assert_refused_while_a_killed_process_held(run_dir, ["replay", *pair_args(tiny_dir, run_dir)])
     # the holder was killed: its lock is stale and the next run takes the folder over
     result = subprocess.run([str(CONSOLE_SCRIPT), "replay", *pair_args(tiny_dir, run_dir)], capture_output=True, text=True,
                             timeout=SUBPROCESS_TIMEOUT_S, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -166,19 +170,7 @@ def test_train_draft_owns_its_out_resumes_its_own_and_keeps_a_foreign_folder_unl
         return json.loads((out / "training_log.json").read_text())["resumed_from_step"]
 
     out = tmp_path / "draft"
-    holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time\nfrom dflash_doctor.rundir.ownership import claim_run_dir\n"
-         "claim_run_dir(sys.argv[1]); print('claimed', flush=True); time.sleep(600)", str(out)],
-        stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout is not None and holder.stdout.readline().strip() == "claimed"
-        second = subprocess.run([str(CONSOLE_SCRIPT), *train(out)], capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
-        assert second.returncode == 2 and "Traceback" not in second.stderr, second.stderr
-        assert f"being written by another dflash-doctor process (pid {holder.pid})" in " ".join(second.stderr.split())
-        assert sorted(p.name for p in out.iterdir()) == [LOCK_FILE]  # refused before it wrote anything
-    finally:
-        holder.send_signal(signal.SIGKILL)
-        holder.wait(timeout=30)
+    assert_refused_while_a_killed_process_held(out, train(out))
     first = invoke(*train(out))  # the holder's lock is stale: taken over
     assert first.exit_code == 0, first.output
     assert not (out / LOCK_FILE).exists() and resumed_from_step(out) == 0
