@@ -143,6 +143,7 @@ def test_engine_config_reads_the_running_server_and_flags_the_default_n_max(gguf
     finally:
         server.stop()
     assert (settings["engine"], settings["method"], settings["drafted_tokens"]) == ("llamacpp", "dflash", 3)
+    assert settings["draft_model"] is None  # /props names the target's file only; the draft's is not served
     assert code == 1, output
     assert "llama.cpp drafts 3 of the 15 tokens a DFlash block proposes" in output
     assert "--spec-draft-n-max 15" in output

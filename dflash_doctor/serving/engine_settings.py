@@ -20,17 +20,17 @@ def engine_settings(spec: str | Path) -> dict[str, Any]:
 
 def read_llamacpp_server(url: str) -> dict[str, Any]:
     """A running llama-server's speculative settings, from what it serves (tools/server): ``/slots`` (the
-    speculative types a request gets, e.g. ``none,draft-dflash``), ``/props`` (the model file) and the draft
-    size it really uses, read from ``/metrics``: ``llamacpp:spec_decode_num_accepted_tokens_per_pos_total``
-    has one series per drafted position (llama.cpp sizes it by the clamped n-max), present once a request has
-    been drafted for. No endpoint reports n-max itself, and ``/props`` shows a fresh request's defaults
-    (``speculative.types`` = none) rather than the server's."""
+    speculative types a request gets, e.g. ``none,draft-dflash``) and the draft size it really uses, read from
+    ``/metrics``: ``llamacpp:spec_decode_num_accepted_tokens_per_pos_total`` has one series per drafted
+    position (llama.cpp sizes it by the clamped n-max), present once a request has been drafted for. No
+    endpoint reports n-max itself, and ``/props`` shows a fresh request's defaults (``speculative.types`` =
+    none) rather than the server's. No endpoint names the draft's file either (``/props``' ``model_path`` is
+    the target's), so the draft model is left unknown."""
     endpoint = EngineEndpoint.from_url(url)
     try:
-        props = call(endpoint, "GET", "/props")
         slots: Any = call(endpoint, "GET", "/slots")  # a JSON list, one object per slot
     except EngineError as exc:
-        raise UsageError(f"--engine-config {url}: {exc}; pass the URL of a running llama-server (its /props and /slots answer).") from None
+        raise UsageError(f"--engine-config {url}: {exc}; pass the URL of a running llama-server (its /slots answers).") from None
     slot = slots[0] if isinstance(slots, list) and slots else {}
     types = [t for t in str((slot.get("params") or {}).get("speculative.types") or "").split(",") if t and t != "none"]
     metrics = scrape_metrics(endpoint)
@@ -40,4 +40,4 @@ def read_llamacpp_server(url: str) -> dict[str, Any]:
     if not positions:
         raise UsageError(f"--engine-config {url}: the server has drafted nothing yet, so its draft size is not on /metrics; "
                          "send it one request (or pass its launch flags in a file) and retry.")
-    return llamacpp_settings(types[0] if types else None, props.get("model_path"), len(positions), url)
+    return llamacpp_settings(types[0] if types else None, None, len(positions), url)
