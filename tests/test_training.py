@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import json
+import shutil
 from types import SimpleNamespace
 
 import pytest
@@ -12,6 +14,7 @@ from typer.testing import CliRunner
 from dflash_doctor.models import training
 from dflash_doctor.cli import app
 from dflash_doctor.engine.blocks import context_kv_for, draft_block_hidden
+from dflash_doctor.engine.dflash_model import DFlashDraftModel
 from dflash_doctor.engine.batched import generate_greedy_batch
 from dflash_doctor.engine.live import plain_generate, speculative_generate
 from dflash_doctor.engine.proposers.dflash import DFlashProposer
@@ -152,27 +155,119 @@ def _small_run(checkpoint_dir, draft, **overrides):
                               copy.deepcopy(draft), checkpoint_dir=checkpoint_dir)
 
 
-def test_an_interrupted_run_resumes_to_the_same_weights(tmp_path, monkeypatch):
-    initial = tiny_dflash(markov_target(), block_size=6, layer_ids=(0, 2))
-    straight = _small_run(tmp_path / "straight", initial)
-
+def _stop_after_first_checkpoint(checkpoint_dir, draft, monkeypatch):
+    """Run until the step-10 checkpoint is written, then stop as Ctrl-C (or a command's time limit) would."""
     save = training._save_checkpoint
 
     def save_then_die(*args, **kwargs):
         save(*args, **kwargs)
-        raise KeyboardInterrupt  # the user pressed Ctrl-C right after the step-10 checkpoint
+        raise KeyboardInterrupt
 
     monkeypatch.setattr(training, "_save_checkpoint", save_then_die)
     with pytest.raises(KeyboardInterrupt):
-        _small_run(tmp_path / "resumed", initial)
+        _small_run(checkpoint_dir, draft)
     monkeypatch.setattr(training, "_save_checkpoint", save)
-    resumed = _small_run(tmp_path / "resumed", initial)
+
+
+def _copy_piece_by_piece(source, destination):
+    """Every file of a checkpoint copied on its own, as files through a channel of limited size travel."""
+    pieces = sorted(path for path in source.rglob("*") if path.is_file())
+    for piece in pieces:
+        (destination / piece.relative_to(source)).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(piece, destination / piece.relative_to(source))
+    return [piece.relative_to(source).as_posix() for piece in pieces]
+
+
+def _curve(log):
+    """The loss log without its timing column (tokens per second differs between any two runs)."""
+    return [{k: v for k, v in row.items() if k != "tokens_per_s"} for row in log]
+
+
+def test_a_run_stopped_halfway_and_resumed_from_a_piecewise_copy_equals_the_straight_run(tmp_path, monkeypatch):
+    piece_bytes = 16 * 1024  # the tiny draft and its AdamW moments in several pieces each, as the 48 MB demo draft's are
+    monkeypatch.setattr(training, "CHECKPOINT_PIECE_BYTES", piece_bytes)
+    initial = tiny_dflash(markov_target(), block_size=6, layer_ids=(0, 2))
+    straight = _small_run(tmp_path / "straight", initial)
+    _stop_after_first_checkpoint(tmp_path / "stopped", initial, monkeypatch)
+    names = _copy_piece_by_piece(tmp_path / "stopped", tmp_path / "copied")
+    assert sum(n.startswith("model-") for n in names) > 1 and sum(n.startswith("optimizer/optimizer-") for n in names) > 1
+    assert {"config.json", "model.safetensors.index.json", "optimizer/optimizer.safetensors.index.json", training.TRAINING_STATE_FILE} <= set(names)
+    assert not any(n.endswith((".pt", ".pth", ".bin", ".pkl")) for n in names)  # nothing pickled
+    # a shard holds at most piece_bytes of tensors; its JSON header (names, shapes, offsets) comes on top
+    assert all((tmp_path / "copied" / n).stat().st_size <= piece_bytes + 2048 for n in names if n.endswith(".safetensors"))
+    assert torch.equal(load_dflash_draft(tmp_path / "copied").fc.weight, _tensor_in_checkpoint(tmp_path / "copied", "fc.weight"))
+
+    resumed = _small_run(tmp_path / "copied", initial)
     assert resumed.resumed_from_step == 10
-    assert [row["step"] for row in resumed.log] == [row["step"] for row in straight.log]
+    assert _curve(resumed.log) == _curve(straight.log)
     for (name, a), (_, b) in zip(straight.draft.state_dict().items(), resumed.draft.state_dict().items()):
         assert torch.equal(a, b), name
-    with pytest.raises(UsageError, match="different training run"):
-        _small_run(tmp_path / "resumed", initial, lr=1e-3)
+
+
+def _tensor_in_checkpoint(checkpoint_dir, name):
+    """One tensor as the checkpoint's index says where it is: the pieces are a transformers sharded checkpoint."""
+    from safetensors.torch import load_file
+
+    index = json.loads((checkpoint_dir / "model.safetensors.index.json").read_text())
+    return load_file(checkpoint_dir / index["weight_map"][name])[name]
+
+
+def _truncate(path):
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _flip_last_byte(path):
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("spoil, overrides, message", [
+    (lambda c: next(c.glob("optimizer/optimizer-*.safetensors")).unlink(), {}, r"optimizer-\d{5}-of-\d{5}\.safetensors is missing"),
+    (lambda c: _truncate(next(c.glob("model-*.safetensors"))), {}, "bytes instead of"),
+    (lambda c: _flip_last_byte(next(c.glob("model-*.safetensors"))), {}, "sha256 differs"),
+    (lambda c: _truncate(c / training.TRAINING_STATE_FILE), {}, "cut short or damaged"),
+    (lambda c: (c / training.TRAINING_STATE_FILE).unlink(), {}, "no training_state.json"),
+    (None, {"lr": 1e-3}, r"lr 0.003 there, 0.001 now"),
+    (None, {"steps": 40}, r"steps 20 there, 40 now.*--init-from"),
+])
+def test_a_spoilt_or_foreign_checkpoint_is_refused_in_one_sentence(tmp_path, monkeypatch, spoil, overrides, message):
+    monkeypatch.setattr(training, "CHECKPOINT_PIECE_BYTES", 16 * 1024)
+    initial = tiny_dflash(markov_target(), block_size=6, layer_ids=(0, 2))
+    _stop_after_first_checkpoint(tmp_path / "run", initial, monkeypatch)
+    if spoil is not None:
+        spoil(tmp_path / "run")
+    with pytest.raises(UsageError, match=message) as refused:
+        _small_run(tmp_path / "run", initial, **overrides)
+    assert str(refused.value).count(". ") == 0 and str(refused.value).endswith(".")  # one sentence
+
+
+def test_a_checkpoint_resumes_only_from_the_weights_it_started_from(tmp_path, monkeypatch):
+    """--init-from another draft with the same flags is another run: its checkpoint must not be taken over."""
+    target = markov_target()
+    _stop_after_first_checkpoint(tmp_path / "run", tiny_dflash(target, block_size=6, layer_ids=(0, 2)), monkeypatch)
+    with pytest.raises(UsageError, match="other starting weights"):
+        _small_run(tmp_path / "run", tiny_dflash(target, seed=2, block_size=6, layer_ids=(0, 2)))
+
+
+def test_every_piece_of_a_demo_size_checkpoint_is_under_16_mib(tmp_path):
+    """The shipped demo draft's shape (SmolLM2-135M width, 3 layers: 48 MB of weights, 96 MB of AdamW
+    moments) in checkpoint pieces that each pass the GPU machine's 16 MiB file limit."""
+    from transformers import LlamaConfig
+
+    smollm2 = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                          num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0, max_position_embeddings=8192)
+    draft = DFlashDraftModel(training.draft_config_for_target(smollm2, block_size=16, num_layers=3, target_layer_ids=[1, 10, 18, 27],
+                                                              mask_token_id=16))
+    optimizer = torch.optim.AdamW(draft.parameters())
+    for parameter in draft.parameters():
+        parameter.grad = torch.zeros_like(parameter)
+    optimizer.step()  # AdamW's moments exist from the first step on
+    state = {"identity": {}, "step": 1, "log": [], "optimizer": optimizer.state_dict(), "scheduler": {},
+             "generator": torch.Generator().get_state()}
+    training._save_checkpoint(tmp_path / "checkpoint", draft, state, None)
+    sizes = {p.name: p.stat().st_size for p in (tmp_path / "checkpoint").rglob("*") if p.is_file()}
+    assert sum(sizes.values()) > 140e6 and max(sizes.values()) < 16 * 2**20, sizes
 
 
 def test_anchors_stay_inside_the_response_with_room_for_a_label():

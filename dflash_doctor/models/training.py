@@ -27,6 +27,7 @@ decoding and caches the token sequences on disk, so that resumes and re-runs ski
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import hashlib
 import inspect
@@ -49,7 +50,7 @@ from dflash_doctor.engine.target import TargetModel
 from dflash_doctor.engine.teacher import TeacherSequence, slot_table, walk_schedule
 from dflash_doctor.errors import UsageError
 from dflash_doctor.inputs.workloads import Request, encode_request_turn, read_workload_file, save_workload
-from dflash_doctor.models.loading import fingerprint, load_dflash_draft, save_dflash_draft
+from dflash_doctor.models.loading import fingerprint, save_dflash_draft, weights_fingerprint
 from dflash_doctor.rundir.tables import StepRow, as_row
 from dflash_doctor.stats.metrics import tau_with_ci
 
@@ -57,7 +58,9 @@ if TYPE_CHECKING:
     from dflash_doctor.engine.target import CausalLM
 
 CHECKPOINT_DIR_NAME = "checkpoint"  # resumable state inside the out dir
-TRAINING_STATE_FILE = "training_state.pt"  # optimizer, scheduler, RNG, step and loss log (tensors + plain data)
+TRAINING_STATE_FILE = "training_state.json"  # step, loss log, scheduler, RNG, identity and the list of the other pieces
+OPTIMIZER_DIR_NAME = "optimizer"  # AdamW's tensors; beside the weights, a loader of the draft would read them as weights
+CHECKPOINT_PIECE_BYTES = 15 * 2**20  # shard size: with its header every piece stays under 16 MiB (the GPU machine's file limit)
 SEQUENCES_FILE = "sequences.jsonl"  # cached training sequences (first line: the cache key)
 EVAL_SEQUENCES_FILE = "eval_sequences.jsonl"  # cached held-out sequences
 SAMPLED_SEQUENCES_FILE = "sampled_sequences.jsonl"  # cached extra sampled answers (--samples-per-prompt)
@@ -533,18 +536,46 @@ def _architecture(config: DFlashConfig) -> dict[str, Any]:
 
 
 def _resume_identity(config: TrainConfig, draft: DFlashDraftModel, data: str) -> dict[str, Any]:
-    """What must match for a checkpoint to be resumed: hyper-parameters, architecture and data."""
+    """What must match for a checkpoint to be resumed: hyper-parameters, architecture, data and starting weights
+    (``draft`` before training: a fresh one from the seed, or an ``--init-from`` draft)."""
     train = {k: v for k, v in config.as_dict().items() if k not in _BOOKKEEPING_FIELDS}
-    return {"train_config": train, "architecture": _architecture(draft.config), "data": data}
+    return {"train_config": train, "architecture": _architecture(draft.config), "data": data, "init": weights_fingerprint(draft)}
+
+
+def _sha256(path: Path) -> str:
+    with path.open("rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()
 
 
 def _save_checkpoint(path: Path, draft: DFlashDraftModel, state: dict[str, Any], extra_config: dict[str, Any] | None) -> None:
-    """Write the draft (z-lab layout) and the training state next to it, replacing the old checkpoint atomically."""
+    """Write a resumable checkpoint in pieces of at most :data:`CHECKPOINT_PIECE_BYTES`, replacing the old one atomically.
+
+    Why pieces: a checkpoint must survive being copied through channels that take files of 16 MiB at
+    most (the GPU machine this project trains on); nothing in it is pickled. The layout follows
+    transformers' sharded checkpoints: ``config.json`` + ``model-0000i-of-0000n.safetensors`` +
+    ``model.safetensors.index.json`` (the draft itself, loadable as is), ``optimizer/optimizer-*.safetensors``
+    (+ index; AdamW's per-parameter tensors keyed ``<parameter index>.<name>``) and
+    :data:`TRAINING_STATE_FILE` (identity, step, loss log, scheduler, optimizer hyper-parameters, the data
+    generator's state, and the size and sha256 of every other piece, so a resume refuses a missing or
+    cut-short copy instead of training from it).
+    """
+    from huggingface_hub import save_torch_state_dict
+
     staging = path.with_name(path.name + ".tmp")
     if staging.exists():
         shutil.rmtree(staging)
-    save_dflash_draft(draft, staging, extra_config=extra_config)
-    torch.save(state, staging / TRAINING_STATE_FILE)
+    save_dflash_draft(draft, staging, extra_config=extra_config, max_shard_bytes=CHECKPOINT_PIECE_BYTES)
+    optimizer = state["optimizer"]
+    moments = {f"{index}.{name}": tensor.detach().cpu() for index, entries in optimizer["state"].items() for name, tensor in entries.items()}
+    (staging / OPTIMIZER_DIR_NAME).mkdir()
+    save_torch_state_dict(moments, staging / OPTIMIZER_DIR_NAME, filename_pattern="optimizer{suffix}.safetensors",
+                          max_shard_size=CHECKPOINT_PIECE_BYTES, metadata={"format": "pt"})
+    pieces = {piece.relative_to(staging).as_posix(): {"bytes": piece.stat().st_size, "sha256": _sha256(piece)}
+              for piece in sorted(staging.rglob("*")) if piece.is_file()}
+    record = {"identity": state["identity"], "step": state["step"], "log": state["log"], "scheduler": state["scheduler"],
+              "optimizer_param_groups": optimizer["param_groups"],
+              "generator": base64.b64encode(state["generator"].numpy().tobytes()).decode("ascii"), "pieces": pieces}
+    (staging / TRAINING_STATE_FILE).write_text(json.dumps(record) + "\n", encoding="utf-8")
     previous = path.with_name(path.name + ".old")
     if path.exists():
         path.replace(previous)
@@ -553,16 +584,63 @@ def _save_checkpoint(path: Path, draft: DFlashDraftModel, state: dict[str, Any],
         shutil.rmtree(previous)
 
 
-def _load_checkpoint(path: Path, identity: dict[str, Any], device: torch.device) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
-    """Weights and training state of a checkpoint made under the same identity; None when there is none."""
+def _identity_difference(saved: dict[str, Any], current: dict[str, Any]) -> str:
+    """What differs between a checkpoint's identity and this run's, in words ("" when nothing does)."""
+    saved_train = saved.get("train_config", {})
+    parts = [f"{name} {saved_train.get(name)} there, {value} now" for name, value in current["train_config"].items()
+             if saved_train.get(name) != value]
+    parts += [f"other {words}" for key, words in (("architecture", "draft architecture"), ("data", "training sequences"),
+                                                   ("init", "starting weights")) if saved.get(key) != current[key]]
+    return "; ".join(parts)
+
+
+def _load_checkpoint(path: Path, identity: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
+    """Weights and training state (on the CPU) of the checkpoint in ``path``; None when there is none.
+
+    Every piece is checked against the size and sha256 :data:`TRAINING_STATE_FILE` lists before anything
+    is read, and the run's identity (hyper-parameters, architecture, data, starting weights) must match:
+    each failure is one sentence naming the piece or the difference (UsageError).
+    """
+    from safetensors.torch import load_file
+
     state_file = path / TRAINING_STATE_FILE
     if not state_file.is_file():
+        if path.is_dir() and any(path.iterdir()):
+            raise UsageError(f"{path} holds checkpoint files but no {TRAINING_STATE_FILE} (the piece that lists the others); "
+                             "copy it too, or remove the folder to start afresh.")
         return None
-    state = torch.load(state_file, map_location=device, weights_only=True)
-    if state.get("identity") != identity:
-        raise UsageError(f"{path} holds a checkpoint of a different training run (other flags, architecture or data); "
-                         "pass the same flags to resume it, or a fresh --out.")
-    weights = load_dflash_draft(path).state_dict()
+    try:
+        record = json.loads(state_file.read_text(encoding="utf-8"))
+        pieces = dict(record["pieces"])
+    except (ValueError, KeyError, TypeError):
+        raise UsageError(f"{state_file} is cut short or damaged (not the JSON a checkpoint writes); copy it again.") from None
+    for name, expected in pieces.items():
+        piece = path / name
+        if not piece.is_file():
+            raise UsageError(f"checkpoint piece {piece} is missing; copy all {len(pieces) + 1} pieces of the checkpoint "
+                             f"({TRAINING_STATE_FILE} lists them).")
+        if piece.stat().st_size != expected["bytes"]:
+            raise UsageError(f"checkpoint piece {piece} has {piece.stat().st_size} bytes instead of {expected['bytes']} "
+                             "(cut short in a copy?); copy it again.")
+        if _sha256(piece) != expected["sha256"]:
+            raise UsageError(f"checkpoint piece {piece} is not the file the checkpoint wrote (sha256 differs); copy it again.")
+    difference = _identity_difference(record["identity"], json.loads(json.dumps(identity)))
+    if difference:
+        raise UsageError(f"{path} holds the checkpoint of another training run ({difference}); resume it with its own flags "
+                         "(--steps too: its cosine schedule ends at its own steps), continue its finished draft with "
+                         "--init-from and a fresh --out (new optimizer and schedule), or start afresh with a fresh --out.")
+    weights: dict[str, torch.Tensor] = {}
+    optimizer_state: dict[int, dict[str, torch.Tensor]] = {}
+    for name in pieces:
+        if name.startswith(f"{OPTIMIZER_DIR_NAME}/") and name.endswith(".safetensors"):
+            for key, tensor in load_file(path / name).items():
+                index, _, entry = key.partition(".")
+                optimizer_state.setdefault(int(index), {})[entry] = tensor
+        elif name.endswith(".safetensors"):
+            weights.update(load_file(path / name))
+    generator = torch.frombuffer(bytearray(base64.b64decode(record["generator"])), dtype=torch.uint8)
+    state = {"step": record["step"], "log": record["log"], "scheduler": record["scheduler"], "generator": generator,
+             "optimizer": {"state": optimizer_state, "param_groups": record["optimizer_param_groups"]}}
     return weights, state
 
 
@@ -573,9 +651,13 @@ def train_dflash_draft(target_model: CausalLM, sequences: Sequence[Sequence[int]
     """Train ``draft`` (a new one, or a checkpoint to fine-tune) on ``sequences`` against the frozen target.
 
     ``sequences[i]`` is prompt + response token ids and ``prompt_lengths[i]`` where the response starts.
-    With ``checkpoint_dir``, a resumable checkpoint is written every ``config.checkpoint_every`` steps
-    and at the end, and a run started on a directory that holds one continues from it (same flags and
-    data required). The target's parameters are frozen in place (``requires_grad_(False)``).
+    With ``checkpoint_dir``, a resumable checkpoint (:func:`_save_checkpoint`: pieces under 16 MiB) is
+    written every ``config.checkpoint_every`` steps and at the end, and a run started on a directory that
+    holds one continues from it bit for bit: the same weights and loss log as a run never stopped. It
+    needs the same hyper-parameters, architecture, data and starting weights; ``config.steps`` too, because
+    the cosine schedule is laid out over them (a longer run from a finished draft is a new run that starts
+    from it: ``--init-from``, fresh AdamW moments, its own warm-up and cosine). The target's parameters are
+    frozen in place (``requires_grad_(False)``).
     ``features`` (one ``[L_i, n*H]`` tensor per sequence, from :func:`extract_features` with the draft's
     taps) skips the frozen-target pass: runs that differ only in their hyper-parameters share it.
     """
@@ -600,13 +682,13 @@ def train_dflash_draft(target_model: CausalLM, sequences: Sequence[Sequence[int]
     warmup_steps = max(1, round(config.warmup_fraction * config.steps))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _lr_factor(s, config.steps, warmup_steps))
     step, log = 0, []
-    resumed = _load_checkpoint(checkpoint_dir, identity, device) if checkpoint_dir is not None else None
+    resumed = _load_checkpoint(checkpoint_dir, identity) if checkpoint_dir is not None else None
     if resumed is not None:
         weights, state = resumed
         draft.load_state_dict(weights)
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
-        generator.set_state(state["generator"].cpu())
+        generator.set_state(state["generator"])
         step, log = int(state["step"]), list(state["log"])
     resumed_from_step = step
 
