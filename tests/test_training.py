@@ -392,3 +392,49 @@ def test_precomputed_features_train_the_same_draft_as_extracting_them():
     assert not torch.equal(blind.draft.fc.weight, own.draft.fc.weight)  # the given features are the ones trained on
     with pytest.raises(ValueError, match="feature tensors"):
         train_dflash_draft(target_model, sequences, prompt_lengths, config, copy.deepcopy(initial), features=features[:-1])
+
+
+@pytest.fixture(scope="module")
+def target_and_workload(tmp_path_factory):
+    """A tiny saved target with a ChatML tokenizer, and a small workload file: `train-draft` end to end in seconds."""
+    from tests.test_cli_engine import tiny_tokenizer, write_workload
+
+    root = tmp_path_factory.mktemp("train_cli")
+    tiny_target().save_pretrained(root / "target")
+    tiny_tokenizer().save_pretrained(root / "target")
+    return root / "target", write_workload(root / "workload.jsonl", per_class=4)
+
+
+def _train_draft(target_and_workload, out, *args):
+    target, workload = target_and_workload
+    return CliRunner().invoke(app, ["train-draft", "--target", str(target), "--workload", str(workload), "--device", "cpu",
+                                    "--num-layers", "1", "--batch-size", "4", "--anchors-per-sequence", "4", "--max-new-tokens", "8",
+                                    "--eval-requests", "0", "--checkpoint-every", "2", "--out", str(out), *args])
+
+
+def test_a_longer_run_continues_a_finished_draft_through_init_from_and_not_by_stretching_steps(target_and_workload, tmp_path):
+    """--steps is the cosine schedule's length: a finished run asked for more steps is refused (exit 2, one
+    sentence saying what to do), and --init-from its folder starts a new run from its weights."""
+    from dflash_doctor.models.loading import weights_fingerprint
+
+    first = _train_draft(target_and_workload, tmp_path / "first", "--steps", "4")
+    assert first.exit_code == 0, first.output
+    longer = _train_draft(target_and_workload, tmp_path / "first", "--steps", "8")
+    assert longer.exit_code == 2 and "Traceback" not in longer.output
+    assert "steps 4 there, 8 now" in " ".join(longer.output.split()) and "--init-from" in longer.output
+
+    second = _train_draft(target_and_workload, tmp_path / "second", "--steps", "4", "--init-from", str(tmp_path / "first"))
+    assert second.exit_code == 0, second.output
+    state = json.loads((tmp_path / "second" / "checkpoint" / training.TRAINING_STATE_FILE).read_text())
+    assert state["identity"]["init"] == weights_fingerprint(load_dflash_draft(tmp_path / "first"))
+    assert state["step"] == 4 and json.loads((tmp_path / "second" / "training_log.json").read_text())["init_from"] == str(tmp_path / "first")
+    assert not torch.equal(load_dflash_draft(tmp_path / "second").fc.weight, load_dflash_draft(tmp_path / "first").fc.weight)
+
+
+def test_cli_refuses_a_cut_short_checkpoint_piece_with_exit_2(target_and_workload, tmp_path):
+    assert _train_draft(target_and_workload, tmp_path / "run", "--steps", "4").exit_code == 0
+    piece = next((tmp_path / "run" / "checkpoint").glob("optimizer/*.safetensors"))
+    piece.write_bytes(piece.read_bytes()[:100])
+    result = _train_draft(target_and_workload, tmp_path / "run", "--steps", "4")
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert "bytes instead of" in " ".join(result.output.split())
