@@ -423,11 +423,15 @@ def test_a_longer_run_continues_a_finished_draft_through_init_from_and_not_by_st
     assert longer.exit_code == 2 and "Traceback" not in longer.output
     assert "steps 4 there, 8 now" in " ".join(longer.output.split()) and "--init-from" in longer.output
 
-    second = _train_draft(target_and_workload, tmp_path / "second", "--steps", "4", "--init-from", str(tmp_path / "first"))
+    second = _train_draft(target_and_workload, tmp_path / "second", "--steps", "4", "--init-from", str(tmp_path / "first"),
+                          "--batch-seed", "1")
     assert second.exit_code == 0, second.output
     state = json.loads((tmp_path / "second" / "checkpoint" / training.TRAINING_STATE_FILE).read_text())
     assert state["identity"]["init"] == weights_fingerprint(load_dflash_draft(tmp_path / "first"))
-    assert state["step"] == 4 and json.loads((tmp_path / "second" / "training_log.json").read_text())["init_from"] == str(tmp_path / "first")
+    facts = json.loads((tmp_path / "second" / "training_log.json").read_text())
+    assert state["step"] == 4 and facts["init_from"] == str(tmp_path / "first") and facts["train_config"]["seed"] == 1
+    # --batch-seed draws other batches from the same data: the answers (seeded by --seed) are the first run's
+    assert (tmp_path / "second" / training.SEQUENCES_FILE).read_text() == (tmp_path / "first" / training.SEQUENCES_FILE).read_text()
     assert not torch.equal(load_dflash_draft(tmp_path / "second").fc.weight, load_dflash_draft(tmp_path / "first").fc.weight)
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import time
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
@@ -79,6 +80,8 @@ def _model_card(facts: dict[str, Any]) -> str:
         f"- answers per prompt: the greedy one + {data.get('samples_per_prompt', 0)} sampled at temperature "
         f"{data.get('sample_temperature', 0.8)}",
         f"- responses: {data['responses']}, at most {data['max_new_tokens']} new tokens",
+        f"- this run's wall time: data {facts['seconds']['data']:.0f} s (generated, or read from the cache), held-out before "
+        f"training + training {facts['seconds']['initial_eval_and_train']:.0f} s, held-out after {facts['seconds']['final_eval']:.0f} s",
         f"- chat template sha256 `{facts['chat_template_sha256']}` (full text in config.json `dflash_doctor`)",
         "",
         "## Hyper-parameters",
@@ -157,6 +160,7 @@ def train_draft(
     device: Annotated[Optional[str], typer.Option("--device", help="cpu, cuda, cuda:1 ... (default: cuda when available, else cpu).")] = None,
     dtype: Annotated[Optional[Dtype], typer.Option("--dtype", help="Target dtype.", show_default="bfloat16 on CUDA, float32 on CPU")] = None,
     seed: Seed = None,
+    batch_seed: Annotated[Optional[int], typer.Option("--batch-seed", help="Seed of the batches and anchors drawn each step (default: --seed, which also seeds the data). Give each --init-from continuation its own, or it redraws the earlier run's batches.")] = None,
     out: Annotated[str, typer.Option("--out", help="Output folder: the draft, its model card, caches and checkpoint/ (resumed if present; every file of it under 16 MiB).")] = DEFAULT_OUT,
 ) -> None:
     """Train or fine-tune a DFlash draft against a target; writes a z-lab checkpoint and a model card."""
@@ -182,7 +186,8 @@ def train_draft(
     seed = 0 if seed is None else seed
     workload = workload or "mix"
     config = TrainConfig(steps=steps, batch_size=batch_size, anchors_per_sequence=anchors_per_sequence, lr=lr,
-                         loss_decay_gamma=loss_decay_gamma, seed=seed, device=device, checkpoint_every=checkpoint_every)
+                         loss_decay_gamma=loss_decay_gamma, seed=seed if batch_seed is None else batch_seed, device=device,
+                         checkpoint_every=checkpoint_every)
     layer_ids = _parse_layer_ids(target_layer_ids) if target_layer_ids is not None else None
     class_list = tuple(c.strip() for c in (classes or "").split(",") if c.strip())
     requests = load_workload(workload, classes=class_list, max_requests=max_requests, seed=seed, split="train")
@@ -204,6 +209,7 @@ def train_draft(
     template_record = chat_template_record(served_template)
     cache_key = data_cache_key(target_dir, max_new_tokens=max_new_tokens, dtype=dtype, chat_template=served_template,
                                use_recorded_responses=use_recorded_responses)
+    data_started = time.perf_counter()
     if self_written_prompts:
         requests += self_written(target_model, tokenizer, self_written_prompts, cache_path=out_dir / SELF_WRITTEN_PROMPTS_FILE,
                                  cache_key=cache_key, stop_ids=stop_ids, chat_template=template_text,
@@ -216,6 +222,7 @@ def train_draft(
         stop_ids=stop_ids, chat_template=template_text, use_recorded_responses=use_recorded_responses,
         samples_per_prompt=samples_per_prompt, sample_temperature=sample_temperature, batch_size=generation_batch_size, seed=seed)
 
+    data_seconds = time.perf_counter() - data_started
     used_ids = {t for r in records for t in r.token_ids}
     init_note = init_from
     if init_from:
@@ -246,16 +253,19 @@ def train_draft(
 
     extra_config = {"dflash_doctor": {**template_record, "trained_with": f"dflash-doctor {__version__} train-draft",
                                       "target": target_spec, "target_weights_fingerprint": weights_fingerprint(target_model)}}
+    train_started = time.perf_counter()
     initial_steps = held_out_steps(target_model, draft.to(device), eval_records, stop_ids=stop_ids) if eval_records else []
     result = train_dflash_draft(target_model, [r.token_ids for r in records], [r.prompt_length for r in records], config, draft,
                                 checkpoint_dir=out_dir / CHECKPOINT_DIR_NAME, extra_config=extra_config,
                                 feature_batch_size=min(64, generation_batch_size), progress=True)
+    train_seconds = time.perf_counter() - train_started
     evaluation = None
     if eval_records:
         trained_steps = held_out_steps(target_model, result.draft, eval_records, stop_ids=stop_ids)
         evaluation = {"num_requests": len({r.request_id for r in eval_records}),
                       "trained": tau_by_class(trained_steps), "initial": tau_by_class(initial_steps)}
 
+    eval_seconds = time.perf_counter() - train_started - train_seconds
     save_dflash_draft(result.draft, out_dir, extra_config=extra_config)
     arch = result.draft.config.to_dict()
     facts = {
@@ -274,6 +284,8 @@ def train_draft(
                  "responses": ("recorded `response` of single-turn requests, the rest regenerated by the target (batched greedy)"
                                if use_recorded_responses else "regenerated by the target (batched greedy)")},
         "resumed_from_step": result.resumed_from_step,
+        # wall time of this invocation: a segment's budget is planned from them (data read from the cache takes seconds)
+        "seconds": {"data": data_seconds, "initial_eval_and_train": train_seconds, "final_eval": eval_seconds},
         "log": result.log,
         "evaluation": evaluation,
     }
