@@ -204,6 +204,16 @@ def test_a_run_stopped_halfway_and_resumed_from_a_piecewise_copy_equals_the_stra
         assert torch.equal(a, b), name
 
 
+def test_a_run_killed_between_the_checkpoint_renames_resumes_from_the_last_whole_checkpoint(tmp_path, monkeypatch):
+    """A time limit's SIGTERM can land after the old checkpoint was moved aside and before the new one took its
+    place: the run must resume from the moved one, not start afresh over it."""
+    initial = tiny_dflash(markov_target(), block_size=6, layer_ids=(0, 2))
+    _stop_after_first_checkpoint(tmp_path / "run", initial, monkeypatch)
+    (tmp_path / "run").replace(tmp_path / "run.old")
+    (tmp_path / "run.tmp").mkdir()  # the half-written next one
+    assert _small_run(tmp_path / "run", initial).resumed_from_step == 10
+
+
 def _tensor_in_checkpoint(checkpoint_dir, name):
     """One tensor as the checkpoint's index says where it is: the pieces are a transformers sharded checkpoint."""
     from safetensors.torch import load_file

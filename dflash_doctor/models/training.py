@@ -603,6 +603,9 @@ def _load_checkpoint(path: Path, identity: dict[str, Any]) -> tuple[dict[str, to
     """
     from safetensors.torch import load_file
 
+    previous = path.with_name(path.name + ".old")
+    if not path.exists() and previous.is_dir():  # killed between the two renames of _save_checkpoint: the last one is whole
+        previous.replace(path)
     state_file = path / TRAINING_STATE_FILE
     if not state_file.is_file():
         if path.is_dir() and any(path.iterdir()):
