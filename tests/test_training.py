@@ -452,3 +452,22 @@ def test_cli_refuses_a_cut_short_checkpoint_piece_with_exit_2(target_and_workloa
     result = _train_draft(target_and_workload, tmp_path / "run", "--steps", "4")
     assert result.exit_code == 2 and "Traceback" not in result.output
     assert "bytes instead of" in " ".join(result.output.split())
+
+
+def test_cached_data_only_trains_on_carried_caches_and_refuses_to_generate(target_and_workload, tmp_path):
+    """A GPU segment carries the answers in and must not spend its minutes regenerating them: with
+    --cached-data-only, caches under the run's key are used, anything missing is a one-sentence refusal
+    that leaves the carried files as they were."""
+    assert _train_draft(target_and_workload, tmp_path / "made", "--steps", "2").exit_code == 0
+    carried = tmp_path / "carried"
+    carried.mkdir()
+    shutil.copyfile(tmp_path / "made" / training.SEQUENCES_FILE, carried / training.SEQUENCES_FILE)
+    assert _train_draft(target_and_workload, carried, "--steps", "2", "--cached-data-only").exit_code == 0
+
+    before = (carried / training.SEQUENCES_FILE).read_text()
+    other_key = _train_draft(target_and_workload, carried, "--steps", "2", "--cached-data-only", "--max-new-tokens", "9")
+    assert other_key.exit_code == 2 and "Traceback" not in other_key.output
+    assert "lacks 12 of the 12 answers" in " ".join(other_key.output.split())
+    assert (carried / training.SEQUENCES_FILE).read_text() == before
+    nothing = _train_draft(target_and_workload, tmp_path / "empty", "--steps", "2", "--cached-data-only")
+    assert nothing.exit_code == 2 and "--cached-data-only" in nothing.output

@@ -156,6 +156,7 @@ def train_draft(
     self_written_prompts: Annotated[int, typer.Option("--self-written-prompts", help="Chat prompts the target writes itself (from an empty user turn), answered like the rest.")] = 0,
     samples_per_prompt: Annotated[int, typer.Option("--samples-per-prompt", help="Extra sampled answers per prompt (more data against memorising a small pool).")] = 0,
     sample_temperature: Annotated[float, typer.Option("--sample-temperature", help="Temperature of the extra sampled answers.")] = 0.8,
+    cached_data_only: Annotated[bool, typer.Option("--cached-data-only", help="Train on the answers already cached in --out (carried from the run that made them); refuse instead of generating any.")] = False,
     checkpoint_every: Annotated[int, typer.Option("--checkpoint-every", help="Steps between resumable checkpoints.")] = 500,
     device: Annotated[Optional[str], typer.Option("--device", help="cpu, cuda, cuda:1 ... (default: cuda when available, else cpu).")] = None,
     dtype: Annotated[Optional[Dtype], typer.Option("--dtype", help="Target dtype.", show_default="bfloat16 on CUDA, float32 on CPU")] = None,
@@ -213,14 +214,15 @@ def train_draft(
     if self_written_prompts:
         requests += self_written(target_model, tokenizer, self_written_prompts, cache_path=out_dir / SELF_WRITTEN_PROMPTS_FILE,
                                  cache_key=cache_key, stop_ids=stop_ids, chat_template=template_text,
-                                 batch_size=generation_batch_size, seed=seed)
+                                 batch_size=generation_batch_size, seed=seed, generate=not cached_data_only)
     console.print(f"[bold]train-draft[/]: {len(requests)} train requests from {workload} -> {out_dir}")
     held_out = (load_workload(workload, classes=class_list, max_requests=eval_requests, seed=seed, split="eval")
                 if eval_requests and workload in BUILTIN_NAMES else [])
     records, eval_records = prepare_training_data(
         target_model, tokenizer, requests, held_out, out_dir=out_dir, cache_key=cache_key, max_new_tokens=max_new_tokens,
         stop_ids=stop_ids, chat_template=template_text, use_recorded_responses=use_recorded_responses,
-        samples_per_prompt=samples_per_prompt, sample_temperature=sample_temperature, batch_size=generation_batch_size, seed=seed)
+        samples_per_prompt=samples_per_prompt, sample_temperature=sample_temperature, batch_size=generation_batch_size, seed=seed,
+        generate=not cached_data_only)
 
     data_seconds = time.perf_counter() - data_started
     used_ids = {t for r in records for t in r.token_ids}

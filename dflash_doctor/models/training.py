@@ -256,6 +256,13 @@ def _read_cache(path: Path, key: dict[str, Any]) -> dict[tuple[str, int], Sequen
     return records
 
 
+def _refuse_generation(cache_path: Path, missing: int, total: int) -> None:
+    """Why a run restricted to cached data (``generate=False``) cannot start: one sentence."""
+    raise UsageError(f"--cached-data-only: {cache_path} lacks {missing} of the {total} answers this run needs (absent, or cached "
+                     "under another key: target, dtype, chat template, --max-new-tokens or --seed); carry the caches of the run "
+                     "that made them into --out, or drop the flag to generate them.")
+
+
 def _append_records(path: Path, records: Iterable[SequenceRecord]) -> None:
     with path.open("a", encoding="utf-8") as handle:
         for record in records:
@@ -265,18 +272,22 @@ def _append_records(path: Path, records: Iterable[SequenceRecord]) -> None:
 def prepare_sequences(model: CausalLM, tokenizer: Any, requests: Sequence[Request], *, cache_path: Path,
                       cache_key: dict[str, Any], max_new_tokens: int, stop_ids: frozenset[int],
                       chat_template: str | None = None, use_recorded_responses: bool = False,
-                      batch_size: int = 32, progress: bool = False) -> list[SequenceRecord]:
+                      batch_size: int = 32, progress: bool = False, generate: bool = True) -> list[SequenceRecord]:
     """One sequence per turn of every request: the prompt rendered with the chat template + the response.
 
     Responses are the target's own greedy answers, generated turn by turn (turn t's prompt holds the
     target's answers to the earlier turns) in batches of similar prompt length. With
     ``use_recorded_responses`` a single-turn request's recorded ``response`` (plus the eos token) is used
     instead. Every batch is appended to ``cache_path`` as soon as it is done: a re-run or an interrupted
-    run with the same ``cache_key`` (target, template, lengths) generates only what is missing.
+    run with the same ``cache_key`` (target, template, lengths) generates only what is missing; with
+    ``generate=False`` anything missing is a UsageError instead (a GPU segment that must not regenerate).
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     cached = _read_cache(cache_path, cache_key)
+    needed = [(r.id, turn) for r in requests for turn in range(r.num_turns)]
+    if not generate and any(key not in cached for key in needed):
+        _refuse_generation(cache_path, sum(key not in cached for key in needed), len(needed))
     if not cached:
         cache_path.parent.mkdir(parents=True, exist_ok=True)
         cache_path.write_text(json.dumps({"key": cache_key}) + "\n", encoding="utf-8")
@@ -319,7 +330,7 @@ def prepare_sequences(model: CausalLM, tokenizer: Any, requests: Sequence[Reques
 
 def self_written_prompts(model: CausalLM, tokenizer: Any, count: int, *, cache_path: Path, cache_key: dict[str, Any],
                          stop_ids: frozenset[int], chat_template: str | None = None, max_new_tokens: int = 96,
-                         temperature: float = 1.0, batch_size: int = 256, seed: int = 0) -> list[Request]:
+                         temperature: float = 1.0, batch_size: int = 256, seed: int = 0, generate: bool = True) -> list[Request]:
     """``count`` user prompts written by the target itself, class ``chat`` (subclass ``self-written``).
 
     Why: the built-in chat pool is small (about 460 train prompts), and self-distillation wants many
@@ -332,6 +343,8 @@ def self_written_prompts(model: CausalLM, tokenizer: Any, count: int, *, cache_p
     key_file = cache_path.with_suffix(".key.json")
     if cache_path.is_file() and key_file.is_file() and json.loads(key_file.read_text(encoding="utf-8")) == key:
         return read_workload_file(cache_path)
+    if not generate:
+        _refuse_generation(cache_path, count, count)
     marker = "\x00USER\x00"
     rendered = tokenizer.apply_chat_template([{"role": "user", "content": marker}], chat_template=chat_template, tokenize=False,
                                              add_generation_prompt=False)
@@ -361,7 +374,7 @@ def self_written_prompts(model: CausalLM, tokenizer: Any, count: int, *, cache_p
 def sampled_sequences(model: CausalLM, records: Sequence[SequenceRecord], *, samples_per_prompt: int,
                       temperature: float, cache_path: Path, cache_key: dict[str, Any], max_new_tokens: int,
                       stop_ids: frozenset[int], batch_size: int = 256, seed: int = 0,
-                      progress: bool = False) -> list[SequenceRecord]:
+                      progress: bool = False, generate: bool = True) -> list[SequenceRecord]:
     """``samples_per_prompt`` sampled continuations of each record's prompt: more, varied training data.
 
     A small prompt pool (about a thousand prompts) is memorised within a few epochs if the draft only
@@ -373,11 +386,13 @@ def sampled_sequences(model: CausalLM, records: Sequence[SequenceRecord], *, sam
 
     key = {**cache_key, "samples_per_prompt": samples_per_prompt, "temperature": temperature, "seed": seed}
     cached = _read_cache(cache_path, key)
+    jobs = [(record, 1000 * (sample + 1) + record.turn) for record in records for sample in range(samples_per_prompt)]
+    pending = [(record, turn) for record, turn in jobs if (record.request_id, turn) not in cached]
+    if pending and not generate:
+        _refuse_generation(cache_path, len(pending), len(jobs))
     if not cached:
         cache_path.parent.mkdir(parents=True, exist_ok=True)
         cache_path.write_text(json.dumps({"key": key}) + "\n", encoding="utf-8")
-    jobs = [(record, 1000 * (sample + 1) + record.turn) for record in records for sample in range(samples_per_prompt)]
-    pending = [(record, turn) for record, turn in jobs if (record.request_id, turn) not in cached]
     pending.sort(key=lambda job: job[0].prompt_length)
     torch.manual_seed(seed)
     columns = (TextColumn("sampling responses"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
@@ -408,24 +423,26 @@ def prepare_training_data(model: CausalLM, tokenizer: Any, requests: Sequence[Re
                           out_dir: Path, cache_key: dict[str, Any], max_new_tokens: int, stop_ids: frozenset[int],
                           chat_template: str | None = None, use_recorded_responses: bool = False, samples_per_prompt: int = 0,
                           sample_temperature: float = 0.8, batch_size: int = 32, seed: int = 0,
-                          progress: bool = True) -> tuple[list[SequenceRecord], list[SequenceRecord]]:
+                          progress: bool = True, generate: bool = True) -> tuple[list[SequenceRecord], list[SequenceRecord]]:
     """Training records (greedy answers, then ``samples_per_prompt`` sampled ones each) and held-out records.
 
     Everything is cached in ``out_dir`` (:data:`SEQUENCES_FILE`, :data:`SAMPLED_SEQUENCES_FILE`,
-    :data:`EVAL_SEQUENCES_FILE`), so a run over a subset of the same requests generates nothing new.
+    :data:`EVAL_SEQUENCES_FILE`), so a run over a subset of the same requests generates nothing new;
+    ``generate=False`` refuses to generate what is missing (see :func:`prepare_sequences`).
     """
     records = prepare_sequences(model, tokenizer, requests, cache_path=out_dir / SEQUENCES_FILE, cache_key=cache_key,
                                 max_new_tokens=max_new_tokens, stop_ids=stop_ids, chat_template=chat_template,
-                                use_recorded_responses=use_recorded_responses, batch_size=batch_size, progress=progress)
+                                use_recorded_responses=use_recorded_responses, batch_size=batch_size, progress=progress,
+                                generate=generate)
     if samples_per_prompt > 0:
         records = records + sampled_sequences(
             model, records, samples_per_prompt=samples_per_prompt, temperature=sample_temperature,
             cache_path=out_dir / SAMPLED_SEQUENCES_FILE, cache_key=cache_key, max_new_tokens=max_new_tokens,
-            stop_ids=stop_ids, batch_size=batch_size, seed=seed, progress=progress,
+            stop_ids=stop_ids, batch_size=batch_size, seed=seed, progress=progress, generate=generate,
         )
     eval_records = prepare_sequences(model, tokenizer, held_out, cache_path=out_dir / EVAL_SEQUENCES_FILE, cache_key=cache_key,
                                      max_new_tokens=max_new_tokens, stop_ids=stop_ids, chat_template=chat_template,
-                                     batch_size=batch_size, progress=progress) if held_out else []
+                                     batch_size=batch_size, progress=progress, generate=generate) if held_out else []
     return records, eval_records
 
 
