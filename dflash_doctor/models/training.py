@@ -23,6 +23,23 @@ training and kept on the training device.
 
 Data preparation for the CLI (:func:`prepare_sequences`) regenerates responses with batched greedy
 decoding and caches the token sequences on disk, so that resumes and re-runs skip generation.
+
+Stopping and resuming, and where things live between GPU runs. A checkpoint (:func:`_save_checkpoint`)
+is a set of files under 16 MiB (weights 48 MB and AdamW moments 96 MB for the 3-layer demo draft), and a
+resume from it is bit-exact. The GPU machine this project trains on keeps nothing once given back, takes
+in about 13 MB per call beside the repository and gives back 64 MiB per call, 16 MiB per file; so:
+
+- within one lease the checkpoint stays on the machine's disk (an ignored folder, kept between calls),
+  and a run longer than one command's 10 minutes is the same command run again: it resumes bit for bit;
+- between leases only the draft's weights travel (back: 4 pieces of ``checkpoint/``; in: in place of the
+  demo draft's weights in the working tree, uncommitted until the last segment, so neither the transfer
+  nor the repository grows), and the next segment starts from them with ``--init-from``: fresh AdamW
+  moments and its own warm-up and cosine (a warm restart), because the moments cannot travel in;
+- the answers are carried, not regenerated: the caches of the card's recipe (25,882 sequences, 4.83 M
+  response tokens, about 50 MB of JSONL) compress with ``xz -9`` to about 4.5 MB (0.93 bytes per
+  response token, measured on 192 real SmolLM2 answers of that recipe; uint16 token ids + xz would save
+  0.8 MB more, not worth a second format), one file each way, against 349 s of the H200 (of a ~450 s
+  segment) to regenerate them; ``--cached-data-only`` makes a segment refuse instead of regenerating.
 """
 
 from __future__ import annotations
