@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import shutil
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -145,14 +146,14 @@ def test_batched_generation_equals_plain_greedy_decoding(prefill_rows):
         assert output == plain_generate(target, torch.tensor(prompt), max_new_tokens=16, stop_ids=stop_ids).output_ids
 
 
-def _small_run(checkpoint_dir, draft, **overrides):
+def _small_run(checkpoint_dir, draft, deadline=None, **overrides):
     target_model = markov_target()
     prompts = random_prompts(24, seed=3)
     responses = generate_greedy_batch(target_model, prompts, max_new_tokens=12, stop_ids=STOP_IDS)
     config = TrainConfig(**{"steps": 20, "batch_size": 4, "anchors_per_sequence": 4, "lr": 3e-3, "checkpoint_every": 10,
                             "log_every": 5, **overrides})
     return train_dflash_draft(target_model, [p + r for p, r in zip(prompts, responses)], [len(p) for p in prompts], config,
-                              copy.deepcopy(draft), checkpoint_dir=checkpoint_dir)
+                              copy.deepcopy(draft), checkpoint_dir=checkpoint_dir, deadline=deadline)
 
 
 def _stop_after_first_checkpoint(checkpoint_dir, draft, monkeypatch):
@@ -199,6 +200,18 @@ def test_a_run_stopped_halfway_and_resumed_from_a_piecewise_copy_equals_the_stra
 
     resumed = _small_run(tmp_path / "copied", initial)
     assert resumed.resumed_from_step == 10
+    assert _curve(resumed.log) == _curve(straight.log)
+    for (name, a), (_, b) in zip(straight.draft.state_dict().items(), resumed.draft.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+def test_a_deadline_stops_at_a_log_row_with_a_checkpoint_and_the_rerun_equals_the_straight_run(tmp_path):
+    initial = tiny_dflash(markov_target(), block_size=6, layer_ids=(0, 2))
+    straight = _small_run(tmp_path / "straight", initial)
+    stopped = _small_run(tmp_path / "run", initial, deadline=time.perf_counter())  # already past: the first row stops it
+    assert stopped.final_step == 5 and [row["step"] for row in stopped.log] == [5]
+    resumed = _small_run(tmp_path / "run", initial)
+    assert resumed.resumed_from_step == 5 and resumed.final_step == 20
     assert _curve(resumed.log) == _curve(straight.log)
     for (name, a), (_, b) in zip(straight.draft.state_dict().items(), resumed.draft.state_dict().items()):
         assert torch.equal(a, b), name
@@ -471,3 +484,16 @@ def test_cached_data_only_trains_on_carried_caches_and_refuses_to_generate(targe
     assert (carried / training.SEQUENCES_FILE).read_text() == before
     nothing = _train_draft(target_and_workload, tmp_path / "empty", "--steps", "2", "--cached-data-only")
     assert nothing.exit_code == 2 and "--cached-data-only" in nothing.output
+
+
+def test_time_limit_stops_training_cleanly_and_the_same_command_finishes_it(target_and_workload, tmp_path):
+    stopped = _train_draft(target_and_workload, tmp_path / "run", "--steps", "12", "--time-limit", "0.001")
+    assert stopped.exit_code == 0, stopped.output
+    facts = json.loads((tmp_path / "run" / "training_log.json").read_text())
+    assert facts["final_step"] == 10 and "Stopped by --time-limit at step 10 of 12" in (tmp_path / "run" / "README.md").read_text()
+    assert "run the same command again" in " ".join(stopped.output.split())
+    finished = _train_draft(target_and_workload, tmp_path / "run", "--steps", "12")
+    assert finished.exit_code == 0, finished.output
+    facts = json.loads((tmp_path / "run" / "training_log.json").read_text())
+    assert facts["final_step"] == 12 and facts["resumed_from_step"] == 10
+    assert "Stopped by" not in (tmp_path / "run" / "README.md").read_text()

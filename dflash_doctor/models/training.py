@@ -127,6 +127,7 @@ class TrainingResult:
     log: list[dict[str, float]]  # rows {"step", "loss", "accepted_per_block", "lr", "tokens_per_s"}
     resumed_from_step: int  # 0 for a fresh run
     num_sequences: int  # sequences that had room for an anchor (two or more response tokens)
+    final_step: int  # config.steps, or fewer when the deadline stopped the run (the checkpoint continues it)
 
 
 @dataclass
@@ -684,7 +685,8 @@ def _load_checkpoint(path: Path, identity: dict[str, Any]) -> tuple[dict[str, to
 def train_dflash_draft(target_model: CausalLM, sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int],
                        config: TrainConfig, draft: DFlashDraftModel, *, checkpoint_dir: Path | None = None,
                        extra_config: dict[str, Any] | None = None, feature_batch_size: int = 8,
-                       features: Sequence[torch.Tensor] | None = None, progress: bool = False) -> TrainingResult:
+                       features: Sequence[torch.Tensor] | None = None, deadline: float | None = None,
+                       progress: bool = False) -> TrainingResult:
     """Train ``draft`` (a new one, or a checkpoint to fine-tune) on ``sequences`` against the frozen target.
 
     ``sequences[i]`` is prompt + response token ids and ``prompt_lengths[i]`` where the response starts.
@@ -697,6 +699,9 @@ def train_dflash_draft(target_model: CausalLM, sequences: Sequence[Sequence[int]
     frozen in place (``requires_grad_(False)``).
     ``features`` (one ``[L_i, n*H]`` tensor per sequence, from :func:`extract_features` with the draft's
     taps) skips the frozen-target pass: runs that differ only in their hyper-parameters share it.
+    ``deadline`` (a :func:`time.perf_counter` value) stops the run at the first loss-log row past it, with a
+    checkpoint there: a command that must end by a time limit stops cleanly, and the same call later goes on
+    bit for bit (a row boundary, so the resumed loss log is the uninterrupted one).
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -783,11 +788,13 @@ def train_dflash_draft(target_model: CausalLM, sequences: Sequence[Sequence[int]
                 loss_sum.zero_()
                 accepted_sum.zero_()
                 labels_sum, window_steps, window_started = 0, 0, time.perf_counter()
+                if deadline is not None and time.perf_counter() > deadline:
+                    break
             if step % config.checkpoint_every == 0 and step < config.steps:
                 checkpoint()
     checkpoint()
     draft.eval()
-    return TrainingResult(draft=draft, log=log, resumed_from_step=resumed_from_step, num_sequences=len(sequences))
+    return TrainingResult(draft=draft, log=log, resumed_from_step=resumed_from_step, num_sequences=len(sequences), final_step=step)
 
 
 # --------------------------------------------------------------------------------------------------
