@@ -30,7 +30,8 @@ resume from it is bit-exact. The GPU machine this project trains on keeps nothin
 in about 13 MB per call beside the repository and gives back 64 MiB per call, 16 MiB per file; so:
 
 - within one lease the checkpoint stays on the machine's disk (an ignored folder, kept between calls),
-  and a run longer than one command's 10 minutes is the same command run again: it resumes bit for bit;
+  and a run longer than one command's 10 minutes is the same command run again: it resumes bit for bit
+  (``deadline`` of :func:`train_dflash_draft`, `--time-limit`, stops a command cleanly at a checkpoint);
 - between leases only the draft's weights travel (back: 4 pieces of ``checkpoint/``; in: in place of the
   demo draft's weights in the working tree, uncommitted until the last segment, so neither the transfer
   nor the repository grows), and the next segment starts from them with ``--init-from``: fresh AdamW
