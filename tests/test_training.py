@@ -156,7 +156,7 @@ def _small_run(checkpoint_dir, draft, deadline=None, **overrides):
                               copy.deepcopy(draft), checkpoint_dir=checkpoint_dir, deadline=deadline)
 
 
-def _stop_after_first_checkpoint(checkpoint_dir, draft, monkeypatch):
+def _stop_after_first_checkpoint(checkpoint_dir, draft, monkeypatch, **overrides):
     """Run until the step-10 checkpoint is written, then stop as Ctrl-C (or a command's time limit) would."""
     save = training._save_checkpoint
 
@@ -166,7 +166,7 @@ def _stop_after_first_checkpoint(checkpoint_dir, draft, monkeypatch):
 
     monkeypatch.setattr(training, "_save_checkpoint", save_then_die)
     with pytest.raises(KeyboardInterrupt):
-        _small_run(checkpoint_dir, draft)
+        _small_run(checkpoint_dir, draft, **overrides)
     monkeypatch.setattr(training, "_save_checkpoint", save)
 
 
@@ -203,6 +203,16 @@ def test_a_run_stopped_halfway_and_resumed_from_a_piecewise_copy_equals_the_stra
     assert _curve(resumed.log) == _curve(straight.log)
     for (name, a), (_, b) in zip(straight.draft.state_dict().items(), resumed.draft.state_dict().items()):
         assert torch.equal(a, b), name
+
+
+def test_a_checkpoint_between_two_loss_log_rows_resumes_to_the_straight_log(tmp_path, monkeypatch):
+    """Step 7 of rows every 5: the row of steps 6-10 is half summed when the run stops; the resumed run must
+    report the same row as a run never stopped."""
+    initial = tiny_dflash(markov_target(), block_size=6, layer_ids=(0, 2))
+    straight = _small_run(tmp_path / "straight", initial, checkpoint_every=7)
+    _stop_after_first_checkpoint(tmp_path / "run", initial, monkeypatch, checkpoint_every=7)
+    resumed = _small_run(tmp_path / "run", initial, checkpoint_every=7)
+    assert resumed.resumed_from_step == 7 and _curve(resumed.log) == _curve(straight.log)
 
 
 def test_a_deadline_stops_at_a_log_row_with_a_checkpoint_and_the_rerun_equals_the_straight_run(tmp_path):
@@ -286,7 +296,7 @@ def test_every_piece_of_a_demo_size_checkpoint_is_under_16_mib(tmp_path):
     for parameter in draft.parameters():
         parameter.grad = torch.zeros_like(parameter)
     optimizer.step()  # AdamW's moments exist from the first step on
-    state = {"identity": {}, "step": 1, "log": [], "optimizer": optimizer.state_dict(), "scheduler": {},
+    state = {"identity": {}, "step": 1, "log": [], "optimizer": optimizer.state_dict(), "scheduler": {}, "window": {},
              "generator": torch.Generator().get_state()}
     training._save_checkpoint(tmp_path / "checkpoint", draft, state, None)
     sizes = {p.name: p.stat().st_size for p in (tmp_path / "checkpoint").rglob("*") if p.is_file()}

@@ -610,7 +610,8 @@ def _save_checkpoint(path: Path, draft: DFlashDraftModel, state: dict[str, Any],
               for piece in sorted(staging.rglob("*")) if piece.is_file()}
     record = {"identity": state["identity"], "step": state["step"], "log": state["log"], "scheduler": state["scheduler"],
               "optimizer_param_groups": optimizer["param_groups"],
-              "generator": base64.b64encode(state["generator"].numpy().tobytes()).decode("ascii"), "pieces": pieces}
+              "generator": base64.b64encode(state["generator"].numpy().tobytes()).decode("ascii"), "window": state["window"],
+              "pieces": pieces}
     (staging / TRAINING_STATE_FILE).write_text(json.dumps(record) + "\n", encoding="utf-8")
     previous = path.with_name(path.name + ".old")
     if path.exists():
@@ -678,7 +679,7 @@ def _load_checkpoint(path: Path, identity: dict[str, Any]) -> tuple[dict[str, to
         elif name.endswith(".safetensors"):
             weights.update(load_file(path / name))
     generator = torch.frombuffer(bytearray(base64.b64decode(record["generator"])), dtype=torch.uint8)
-    state = {"step": record["step"], "log": record["log"], "scheduler": record["scheduler"], "generator": generator,
+    state = {"step": record["step"], "log": record["log"], "scheduler": record["scheduler"], "generator": generator, "window": record["window"],
              "optimizer": {"state": optimizer_state, "param_groups": record["optimizer_param_groups"]}}
     return weights, state
 
@@ -737,7 +738,8 @@ def train_dflash_draft(target_model: CausalLM, sequences: Sequence[Sequence[int]
 
     def checkpoint() -> None:
         if checkpoint_dir is not None:
-            state = {"identity": identity, "step": step, "log": log, "optimizer": optimizer.state_dict(),
+            window = {"loss_sum": float(loss_sum), "accepted_sum": float(accepted_sum), "labels": labels_sum, "steps": window_steps}
+            state = {"identity": identity, "step": step, "log": log, "optimizer": optimizer.state_dict(), "window": window,
                      "scheduler": scheduler.state_dict(), "generator": generator.get_state()}
             _save_checkpoint(checkpoint_dir, draft, state, extra_config)
 
@@ -754,10 +756,11 @@ def train_dflash_draft(target_model: CausalLM, sequences: Sequence[Sequence[int]
     columns = (TextColumn("training"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]:.3f}"),
                TextColumn("accepted/block {task.fields[accepted]:.2f}"), TextColumn("{task.fields[tokens_per_s]:,.0f} label tok/s"),
                TimeRemainingColumn())
-    loss_sum = torch.zeros((), device=device)
-    accepted_sum = torch.zeros((), device=device)
-    labels_sum = 0
-    window_steps, window_started = 0, time.perf_counter()
+    # the loss-log row being summed; a checkpoint between two rows carries it, so the resumed log is the straight one
+    window = resumed[1]["window"] if resumed is not None else {"loss_sum": 0.0, "accepted_sum": 0.0, "labels": 0, "steps": 0}
+    loss_sum = torch.full((), window["loss_sum"], device=device)
+    accepted_sum = torch.full((), window["accepted_sum"], device=device)
+    labels_sum, window_steps, window_started = window["labels"], window["steps"], time.perf_counter()
     with Progress(*columns, disable=not progress) as bar:
         task = bar.add_task("train", total=config.steps, completed=step, loss=float("nan"), accepted=float("nan"), tokens_per_s=0.0)
         while step < config.steps:
