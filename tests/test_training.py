@@ -260,6 +260,8 @@ def _flip_last_byte(path):
     (lambda c: _truncate(next(c.glob("model-*.safetensors"))), {}, "bytes instead of"),
     (lambda c: _flip_last_byte(next(c.glob("model-*.safetensors"))), {}, "sha256 differs"),
     (lambda c: _truncate(c / training.TRAINING_STATE_FILE), {}, "cut short or damaged"),
+    (lambda c: (c / training.TRAINING_STATE_FILE).write_text('{"pieces": {}}'), {}, "cut short or damaged"),
+    (lambda c: (c / training.TRAINING_STATE_FILE).write_text("[1, 2]"), {}, "cut short or damaged"),
     (lambda c: (c / training.TRAINING_STATE_FILE).unlink(), {}, "no training_state.json"),
     (None, {"lr": 1e-3}, r"lr 0.003 there, 0.001 now"),
     (None, {"steps": 40}, r"steps 20 there, 40 now.*--init-from"),

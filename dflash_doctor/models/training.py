@@ -85,6 +85,9 @@ SAMPLED_SEQUENCES_FILE = "sampled_sequences.jsonl"  # cached extra sampled answe
 SELF_WRITTEN_PROMPTS_FILE = "self_written_prompts.jsonl"  # cached prompts the target wrote (--self-written-prompts)
 DEFAULT_NUM_TAPS = 4  # target layers a new draft conditions on (DFlash uses 5 for 36-layer targets)
 
+# What _save_checkpoint writes into TRAINING_STATE_FILE: a file without one of them is not a whole checkpoint.
+_STATE_KEYS = frozenset({"identity", "step", "log", "scheduler", "optimizer_param_groups", "generator", "window", "pieces"})
+
 # TrainConfig fields that do not change what is learned: a resume may differ in these.
 _BOOKKEEPING_FIELDS = frozenset({"device", "checkpoint_every", "log_every"})
 
@@ -652,7 +655,9 @@ def _load_checkpoint(path: Path, identity: dict[str, Any]) -> tuple[dict[str, to
     try:
         record = json.loads(state_file.read_text(encoding="utf-8"))
         pieces = dict(record["pieces"])
-    except (ValueError, KeyError, TypeError):
+        if not _STATE_KEYS <= record.keys():
+            raise KeyError(sorted(_STATE_KEYS - record.keys()))
+    except (ValueError, KeyError, TypeError, AttributeError):
         raise UsageError(f"{state_file} is cut short or damaged (not the JSON a checkpoint writes); copy it again.") from None
     for name, expected in pieces.items():
         piece = path / name
