@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import copy
+import json
+import shutil
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -12,6 +15,7 @@ from typer.testing import CliRunner
 from dflash_doctor.models import training
 from dflash_doctor.cli import app
 from dflash_doctor.engine.blocks import context_kv_for, draft_block_hidden
+from dflash_doctor.engine.dflash_model import DFlashDraftModel
 from dflash_doctor.engine.batched import generate_greedy_batch
 from dflash_doctor.engine.live import plain_generate, speculative_generate
 from dflash_doctor.engine.proposers.dflash import DFlashProposer
@@ -140,37 +144,163 @@ def test_batched_generation_equals_plain_greedy_decoding(prefill_rows):
         assert output == plain_generate(target, torch.tensor(prompt), max_new_tokens=16, stop_ids=stop_ids).output_ids
 
 
-def _small_run(checkpoint_dir, draft, **overrides):
+def _small_run(checkpoint_dir, draft, deadline=None, **overrides):
     target_model = markov_target()
     prompts = random_prompts(24, seed=3)
     responses = generate_greedy_batch(target_model, prompts, max_new_tokens=12, stop_ids=STOP_IDS)
     config = TrainConfig(**{"steps": 20, "batch_size": 4, "anchors_per_sequence": 4, "lr": 3e-3, "checkpoint_every": 10,
                             "log_every": 5, **overrides})
     return train_dflash_draft(target_model, [p + r for p, r in zip(prompts, responses)], [len(p) for p in prompts], config,
-                              copy.deepcopy(draft), checkpoint_dir=checkpoint_dir)
+                              copy.deepcopy(draft), checkpoint_dir=checkpoint_dir, deadline=deadline)
 
 
-def test_an_interrupted_run_resumes_to_the_same_weights(tmp_path, monkeypatch):
-    initial = tiny_dflash(markov_target(), block_size=6, layer_ids=(0, 2))
-    straight = _small_run(tmp_path / "straight", initial)
-
+def _stop_after_first_checkpoint(checkpoint_dir, draft, monkeypatch, **overrides):
+    """Run until the step-10 checkpoint is written, then stop as Ctrl-C (or a command's time limit) would."""
     save = training._save_checkpoint
 
     def save_then_die(*args, **kwargs):
         save(*args, **kwargs)
-        raise KeyboardInterrupt  # the user pressed Ctrl-C right after the step-10 checkpoint
+        raise KeyboardInterrupt
 
     monkeypatch.setattr(training, "_save_checkpoint", save_then_die)
     with pytest.raises(KeyboardInterrupt):
-        _small_run(tmp_path / "resumed", initial)
+        _small_run(checkpoint_dir, draft, **overrides)
     monkeypatch.setattr(training, "_save_checkpoint", save)
-    resumed = _small_run(tmp_path / "resumed", initial)
+
+
+def _copy_piece_by_piece(source, destination):
+    """Every file of a checkpoint copied on its own, as files through a channel of limited size travel."""
+    pieces = sorted(path for path in source.rglob("*") if path.is_file())
+    for piece in pieces:
+        (destination / piece.relative_to(source)).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(piece, destination / piece.relative_to(source))
+    return [piece.relative_to(source).as_posix() for piece in pieces]
+
+
+def _curve(log):
+    """The loss log without its timing column (tokens per second differs between any two runs)."""
+    return [{k: v for k, v in row.items() if k != "tokens_per_s"} for row in log]
+
+
+def test_a_run_stopped_halfway_and_resumed_from_a_piecewise_copy_equals_the_straight_run(tmp_path, monkeypatch):
+    piece_bytes = 16 * 1024  # the tiny draft and its AdamW moments in several pieces each, as the 48 MB demo draft's are
+    monkeypatch.setattr(training, "CHECKPOINT_PIECE_BYTES", piece_bytes)
+    initial = tiny_dflash(markov_target(), block_size=6, layer_ids=(0, 2))
+    straight = _small_run(tmp_path / "straight", initial)
+    _stop_after_first_checkpoint(tmp_path / "stopped", initial, monkeypatch)
+    names = _copy_piece_by_piece(tmp_path / "stopped", tmp_path / "copied")
+    assert sum(n.startswith("model-") for n in names) > 1 and sum(n.startswith("optimizer/optimizer-") for n in names) > 1
+    assert {"config.json", "model.safetensors.index.json", "optimizer/optimizer.safetensors.index.json", training.TRAINING_STATE_FILE} <= set(names)
+    assert not any(n.endswith((".pt", ".pth", ".bin", ".pkl")) for n in names)  # nothing pickled
+    # a shard holds at most piece_bytes of tensors; its JSON header (names, shapes, offsets) comes on top
+    assert all((tmp_path / "copied" / n).stat().st_size <= piece_bytes + 2048 for n in names if n.endswith(".safetensors"))
+    assert torch.equal(load_dflash_draft(tmp_path / "copied").fc.weight, _tensor_in_checkpoint(tmp_path / "copied", "fc.weight"))
+
+    resumed = _small_run(tmp_path / "copied", initial)
     assert resumed.resumed_from_step == 10
-    assert [row["step"] for row in resumed.log] == [row["step"] for row in straight.log]
+    assert _curve(resumed.log) == _curve(straight.log)
     for (name, a), (_, b) in zip(straight.draft.state_dict().items(), resumed.draft.state_dict().items()):
         assert torch.equal(a, b), name
-    with pytest.raises(UsageError, match="different training run"):
-        _small_run(tmp_path / "resumed", initial, lr=1e-3)
+
+
+def test_a_checkpoint_between_two_loss_log_rows_resumes_to_the_straight_log(tmp_path, monkeypatch):
+    """Step 7 of rows every 5: the row of steps 6-10 is half summed when the run stops; the resumed run must
+    report the same row as a run never stopped."""
+    initial = tiny_dflash(markov_target(), block_size=6, layer_ids=(0, 2))
+    straight = _small_run(tmp_path / "straight", initial, checkpoint_every=7)
+    _stop_after_first_checkpoint(tmp_path / "run", initial, monkeypatch, checkpoint_every=7)
+    resumed = _small_run(tmp_path / "run", initial, checkpoint_every=7)
+    assert resumed.resumed_from_step == 7 and _curve(resumed.log) == _curve(straight.log)
+
+
+def test_a_deadline_stops_at_a_log_row_with_a_checkpoint_and_the_rerun_equals_the_straight_run(tmp_path):
+    initial = tiny_dflash(markov_target(), block_size=6, layer_ids=(0, 2))
+    straight = _small_run(tmp_path / "straight", initial)
+    stopped = _small_run(tmp_path / "run", initial, deadline=time.perf_counter())  # already past: the first row stops it
+    assert stopped.final_step == 5 and [row["step"] for row in stopped.log] == [5]
+    resumed = _small_run(tmp_path / "run", initial)
+    assert resumed.resumed_from_step == 5 and resumed.final_step == 20
+    assert _curve(resumed.log) == _curve(straight.log)
+    for (name, a), (_, b) in zip(straight.draft.state_dict().items(), resumed.draft.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+def test_a_run_killed_between_the_checkpoint_renames_resumes_from_the_last_whole_checkpoint(tmp_path, monkeypatch):
+    """A time limit's SIGTERM can land after the old checkpoint was moved aside and before the new one took its
+    place: the run must resume from the moved one, not start afresh over it."""
+    initial = tiny_dflash(markov_target(), block_size=6, layer_ids=(0, 2))
+    _stop_after_first_checkpoint(tmp_path / "run", initial, monkeypatch)
+    (tmp_path / "run").replace(tmp_path / "run.old")
+    (tmp_path / "run.tmp").mkdir()  # the half-written next one
+    assert _small_run(tmp_path / "run", initial).resumed_from_step == 10
+
+
+def _tensor_in_checkpoint(checkpoint_dir, name):
+    """One tensor as the checkpoint's index says where it is: the pieces are a transformers sharded checkpoint."""
+    from safetensors.torch import load_file
+
+    index = json.loads((checkpoint_dir / "model.safetensors.index.json").read_text())
+    return load_file(checkpoint_dir / index["weight_map"][name])[name]
+
+
+def _truncate(path):
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _flip_last_byte(path):
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("spoil, overrides, message", [
+    (lambda c: next(c.glob("optimizer/optimizer-*.safetensors")).unlink(), {}, r"optimizer-\d{5}-of-\d{5}\.safetensors is missing"),
+    (lambda c: _truncate(next(c.glob("model-*.safetensors"))), {}, "bytes instead of"),
+    (lambda c: _flip_last_byte(next(c.glob("model-*.safetensors"))), {}, "sha256 differs"),
+    (lambda c: _truncate(c / training.TRAINING_STATE_FILE), {}, "cut short or damaged"),
+    (lambda c: (c / training.TRAINING_STATE_FILE).write_text('{"pieces": {}}'), {}, "cut short or damaged"),
+    (lambda c: (c / training.TRAINING_STATE_FILE).write_text("[1, 2]"), {}, "cut short or damaged"),
+    (lambda c: (c / training.TRAINING_STATE_FILE).unlink(), {}, "no training_state.json"),
+    (None, {"lr": 1e-3}, r"lr 0.003 there, 0.001 now"),
+    (None, {"steps": 40}, r"steps 20 there, 40 now.*--init-from"),
+])
+def test_a_spoilt_or_foreign_checkpoint_is_refused_in_one_sentence(tmp_path, monkeypatch, spoil, overrides, message):
+    monkeypatch.setattr(training, "CHECKPOINT_PIECE_BYTES", 16 * 1024)
+    initial = tiny_dflash(markov_target(), block_size=6, layer_ids=(0, 2))
+    _stop_after_first_checkpoint(tmp_path / "run", initial, monkeypatch)
+    if spoil is not None:
+        spoil(tmp_path / "run")
+    with pytest.raises(UsageError, match=message) as refused:
+        _small_run(tmp_path / "run", initial, **overrides)
+    assert str(refused.value).count(". ") == 0 and str(refused.value).endswith(".")  # one sentence
+
+
+def test_a_checkpoint_resumes_only_from_the_weights_it_started_from(tmp_path, monkeypatch):
+    """--init-from another draft with the same flags is another run: its checkpoint must not be taken over."""
+    target = markov_target()
+    _stop_after_first_checkpoint(tmp_path / "run", tiny_dflash(target, block_size=6, layer_ids=(0, 2)), monkeypatch)
+    with pytest.raises(UsageError, match="other starting weights"):
+        _small_run(tmp_path / "run", tiny_dflash(target, seed=2, block_size=6, layer_ids=(0, 2)))
+
+
+def test_every_piece_of_a_demo_size_checkpoint_is_under_16_mib(tmp_path):
+    """The shipped demo draft's shape (SmolLM2-135M width, 3 layers: 48 MB of weights, 96 MB of AdamW
+    moments) in checkpoint pieces that each pass the GPU machine's 16 MiB file limit."""
+    from transformers import LlamaConfig
+
+    smollm2 = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                          num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0, max_position_embeddings=8192)
+    draft = DFlashDraftModel(training.draft_config_for_target(smollm2, block_size=16, num_layers=3, target_layer_ids=[1, 10, 18, 27],
+                                                              mask_token_id=16))
+    optimizer = torch.optim.AdamW(draft.parameters())
+    for parameter in draft.parameters():
+        parameter.grad = torch.zeros_like(parameter)
+    optimizer.step()  # AdamW's moments exist from the first step on
+    state = {"identity": {}, "step": 1, "log": [], "optimizer": optimizer.state_dict(), "scheduler": {}, "window": {},
+             "generator": torch.Generator().get_state()}
+    training._save_checkpoint(tmp_path / "checkpoint", draft, state, None)
+    sizes = {p.name: p.stat().st_size for p in (tmp_path / "checkpoint").rglob("*") if p.is_file()}
+    assert sum(sizes.values()) > 140e6 and max(sizes.values()) < 16 * 2**20, sizes
 
 
 def test_anchors_stay_inside_the_response_with_room_for_a_label():
@@ -295,3 +425,85 @@ def test_precomputed_features_train_the_same_draft_as_extracting_them():
     assert not torch.equal(blind.draft.fc.weight, own.draft.fc.weight)  # the given features are the ones trained on
     with pytest.raises(ValueError, match="feature tensors"):
         train_dflash_draft(target_model, sequences, prompt_lengths, config, copy.deepcopy(initial), features=features[:-1])
+
+
+@pytest.fixture(scope="module")
+def target_and_workload(tmp_path_factory):
+    """A tiny saved target with a ChatML tokenizer, and a small workload file: `train-draft` end to end in seconds."""
+    from tests.test_cli_engine import tiny_tokenizer, write_workload
+
+    root = tmp_path_factory.mktemp("train_cli")
+    tiny_target().save_pretrained(root / "target")
+    tiny_tokenizer().save_pretrained(root / "target")
+    return root / "target", write_workload(root / "workload.jsonl", per_class=4)
+
+
+def _train_draft(target_and_workload, out, *args):
+    target, workload = target_and_workload
+    return CliRunner().invoke(app, ["train-draft", "--target", str(target), "--workload", str(workload), "--device", "cpu",
+                                    "--num-layers", "1", "--batch-size", "4", "--anchors-per-sequence", "4", "--max-new-tokens", "8",
+                                    "--eval-requests", "0", "--checkpoint-every", "2", "--out", str(out), *args])
+
+
+def test_a_longer_run_continues_a_finished_draft_through_init_from_and_not_by_stretching_steps(target_and_workload, tmp_path):
+    """--steps is the cosine schedule's length: a finished run asked for more steps is refused (exit 2, one
+    sentence saying what to do), and --init-from its folder starts a new run from its weights."""
+    from dflash_doctor.models.loading import weights_fingerprint
+
+    first = _train_draft(target_and_workload, tmp_path / "first", "--steps", "4")
+    assert first.exit_code == 0, first.output
+    longer = _train_draft(target_and_workload, tmp_path / "first", "--steps", "8")
+    assert longer.exit_code == 2 and "Traceback" not in longer.output
+    assert "steps 4 there, 8 now" in " ".join(longer.output.split()) and "--init-from" in longer.output
+
+    second = _train_draft(target_and_workload, tmp_path / "second", "--steps", "4", "--init-from", str(tmp_path / "first"),
+                          "--batch-seed", "1")
+    assert second.exit_code == 0, second.output
+    state = json.loads((tmp_path / "second" / "checkpoint" / training.TRAINING_STATE_FILE).read_text())
+    assert state["identity"]["init"] == weights_fingerprint(load_dflash_draft(tmp_path / "first"))
+    facts = json.loads((tmp_path / "second" / "training_log.json").read_text())
+    assert state["step"] == 4 and facts["init_from"] == str(tmp_path / "first") and facts["train_config"]["seed"] == 1
+    # --batch-seed draws other batches from the same data: the answers (seeded by --seed) are the first run's
+    assert (tmp_path / "second" / training.SEQUENCES_FILE).read_text() == (tmp_path / "first" / training.SEQUENCES_FILE).read_text()
+    assert not torch.equal(load_dflash_draft(tmp_path / "second").fc.weight, load_dflash_draft(tmp_path / "first").fc.weight)
+
+
+def test_cli_refuses_a_cut_short_checkpoint_piece_with_exit_2(target_and_workload, tmp_path):
+    assert _train_draft(target_and_workload, tmp_path / "run", "--steps", "4").exit_code == 0
+    piece = next((tmp_path / "run" / "checkpoint").glob("optimizer/*.safetensors"))
+    piece.write_bytes(piece.read_bytes()[:100])
+    result = _train_draft(target_and_workload, tmp_path / "run", "--steps", "4")
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert "bytes instead of" in " ".join(result.output.split())
+
+
+def test_cached_data_only_trains_on_carried_caches_and_refuses_to_generate(target_and_workload, tmp_path):
+    """A GPU segment carries the answers in and must not spend its minutes regenerating them: with
+    --cached-data-only, caches under the run's key are used, anything missing is a one-sentence refusal
+    that leaves the carried files as they were."""
+    assert _train_draft(target_and_workload, tmp_path / "made", "--steps", "2").exit_code == 0
+    carried = tmp_path / "carried"
+    carried.mkdir()
+    shutil.copyfile(tmp_path / "made" / training.SEQUENCES_FILE, carried / training.SEQUENCES_FILE)
+    assert _train_draft(target_and_workload, carried, "--steps", "2", "--cached-data-only").exit_code == 0
+
+    before = (carried / training.SEQUENCES_FILE).read_text()
+    other_key = _train_draft(target_and_workload, carried, "--steps", "2", "--cached-data-only", "--max-new-tokens", "9")
+    assert other_key.exit_code == 2 and "Traceback" not in other_key.output
+    assert "lacks 12 of the 12 answers" in " ".join(other_key.output.split())
+    assert (carried / training.SEQUENCES_FILE).read_text() == before
+    nothing = _train_draft(target_and_workload, tmp_path / "empty", "--steps", "2", "--cached-data-only")
+    assert nothing.exit_code == 2 and "--cached-data-only" in nothing.output
+
+
+def test_time_limit_stops_training_cleanly_and_the_same_command_finishes_it(target_and_workload, tmp_path):
+    stopped = _train_draft(target_and_workload, tmp_path / "run", "--steps", "12", "--time-limit", "0.001")
+    assert stopped.exit_code == 0, stopped.output
+    facts = json.loads((tmp_path / "run" / "training_log.json").read_text())
+    assert facts["final_step"] == 10 and "Stopped by --time-limit at step 10 of 12" in (tmp_path / "run" / "README.md").read_text()
+    assert "run the same command again" in " ".join(stopped.output.split())
+    finished = _train_draft(target_and_workload, tmp_path / "run", "--steps", "12")
+    assert finished.exit_code == 0, finished.output
+    facts = json.loads((tmp_path / "run" / "training_log.json").read_text())
+    assert facts["final_step"] == 12 and facts["resumed_from_step"] == 10
+    assert "Stopped by" not in (tmp_path / "run" / "README.md").read_text()

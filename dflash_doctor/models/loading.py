@@ -370,9 +370,16 @@ def validate_autoregressive_pair(draft_dir: Path, target_dir: Path, draft_config
     return VOCABULARY_COMPARED
 
 
-def save_dflash_draft(model, out_dir: Path | str, *, extra_config: dict[str, Any] | None = None) -> Path:
-    """Write a draft in the z-lab layout: config.json (Qwen3 keys + dflash_config) and model.safetensors."""
-    from safetensors.torch import save_file
+def save_dflash_draft(model, out_dir: Path | str, *, extra_config: dict[str, Any] | None = None,
+                      max_shard_bytes: int | str = "5GB") -> Path:
+    """Write a draft in the z-lab layout: config.json (Qwen3 keys + dflash_config) and model.safetensors.
+
+    Weights over ``max_shard_bytes`` are split the way transformers shards a checkpoint
+    (``model-00001-of-0000N.safetensors`` + ``model.safetensors.index.json``; a tensor is never split), which
+    every loader of a z-lab draft reads; `train-draft` writes its checkpoints in pieces small enough to copy
+    through a size-limited channel.
+    """
+    from huggingface_hub import save_torch_state_dict
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -383,7 +390,7 @@ def save_dflash_draft(model, out_dir: Path | str, *, extra_config: dict[str, Any
     config.update(extra_config or {})
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    save_file(state, out_dir / "model.safetensors", metadata={"format": "pt"})
+    save_torch_state_dict(state, out_dir, max_shard_size=max_shard_bytes, metadata={"format": "pt"})
     return out_dir
 
 

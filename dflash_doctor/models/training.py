@@ -23,10 +23,29 @@ training and kept on the training device.
 
 Data preparation for the CLI (:func:`prepare_sequences`) regenerates responses with batched greedy
 decoding and caches the token sequences on disk, so that resumes and re-runs skip generation.
+
+Stopping and resuming, and where things live between GPU runs. A checkpoint (:func:`_save_checkpoint`)
+is a set of files under 16 MiB (weights 48 MB and AdamW moments 96 MB for the 3-layer demo draft), and a
+resume from it is bit-exact. The GPU machine this project trains on keeps nothing once given back, takes
+in about 13 MB per call beside the repository and gives back 64 MiB per call, 16 MiB per file; so:
+
+- within one lease the checkpoint stays on the machine's disk (an ignored folder, kept between calls),
+  and a run longer than one command's 10 minutes is the same command run again: it resumes bit for bit
+  (``deadline`` of :func:`train_dflash_draft`, `--time-limit`, stops a command cleanly at a checkpoint);
+- between leases only the draft's weights travel (back: 4 pieces of ``checkpoint/``; in: in place of the
+  demo draft's weights in the working tree, uncommitted until the last segment, so neither the transfer
+  nor the repository grows), and the next segment starts from them with ``--init-from``: fresh AdamW
+  moments and its own warm-up and cosine (a warm restart), because the moments cannot travel in;
+- the answers are carried, not regenerated: the caches of the card's recipe (25,882 sequences, 4.83 M
+  response tokens, about 50 MB of JSONL) compress with ``xz -9`` to about 4.5 MB (0.93 bytes per
+  response token, measured on 192 real SmolLM2 answers of that recipe; uint16 token ids + xz would save
+  0.8 MB more, not worth a second format), one file each way, against 349 s of the H200 (of a ~450 s
+  segment) to regenerate them; ``--cached-data-only`` makes a segment refuse instead of regenerating.
 """
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import hashlib
 import inspect
@@ -49,7 +68,7 @@ from dflash_doctor.engine.target import TargetModel
 from dflash_doctor.engine.teacher import TeacherSequence, slot_table, walk_schedule
 from dflash_doctor.errors import UsageError
 from dflash_doctor.inputs.workloads import Request, encode_request_turn, read_workload_file, save_workload
-from dflash_doctor.models.loading import fingerprint, load_dflash_draft, save_dflash_draft
+from dflash_doctor.models.loading import fingerprint, save_dflash_draft, weights_fingerprint
 from dflash_doctor.rundir.tables import StepRow, as_row
 from dflash_doctor.stats.metrics import tau_with_ci
 
@@ -57,12 +76,17 @@ if TYPE_CHECKING:
     from dflash_doctor.engine.target import CausalLM
 
 CHECKPOINT_DIR_NAME = "checkpoint"  # resumable state inside the out dir
-TRAINING_STATE_FILE = "training_state.pt"  # optimizer, scheduler, RNG, step and loss log (tensors + plain data)
+TRAINING_STATE_FILE = "training_state.json"  # step, loss log, scheduler, RNG, identity and the list of the other pieces
+OPTIMIZER_DIR_NAME = "optimizer"  # AdamW's tensors; beside the weights, a loader of the draft would read them as weights
+CHECKPOINT_PIECE_BYTES = 15 * 2**20  # shard size: with its header every piece stays under 16 MiB (the GPU machine's file limit)
 SEQUENCES_FILE = "sequences.jsonl"  # cached training sequences (first line: the cache key)
 EVAL_SEQUENCES_FILE = "eval_sequences.jsonl"  # cached held-out sequences
 SAMPLED_SEQUENCES_FILE = "sampled_sequences.jsonl"  # cached extra sampled answers (--samples-per-prompt)
 SELF_WRITTEN_PROMPTS_FILE = "self_written_prompts.jsonl"  # cached prompts the target wrote (--self-written-prompts)
 DEFAULT_NUM_TAPS = 4  # target layers a new draft conditions on (DFlash uses 5 for 36-layer targets)
+
+# What _save_checkpoint writes into TRAINING_STATE_FILE: a file without one of them is not a whole checkpoint.
+_STATE_KEYS = frozenset({"identity", "step", "log", "scheduler", "optimizer_param_groups", "generator", "window", "pieces"})
 
 # TrainConfig fields that do not change what is learned: a resume may differ in these.
 _BOOKKEEPING_FIELDS = frozenset({"device", "checkpoint_every", "log_every"})
@@ -107,6 +131,7 @@ class TrainingResult:
     log: list[dict[str, float]]  # rows {"step", "loss", "accepted_per_block", "lr", "tokens_per_s"}
     resumed_from_step: int  # 0 for a fresh run
     num_sequences: int  # sequences that had room for an anchor (two or more response tokens)
+    final_step: int  # config.steps, or fewer when the deadline stopped the run (the checkpoint continues it)
 
 
 @dataclass
@@ -253,6 +278,13 @@ def _read_cache(path: Path, key: dict[str, Any]) -> dict[tuple[str, int], Sequen
     return records
 
 
+def _refuse_generation(cache_path: Path, missing: int, total: int) -> None:
+    """Why a run restricted to cached data (``generate=False``) cannot start: one sentence."""
+    raise UsageError(f"--cached-data-only: {cache_path} lacks {missing} of the {total} answers this run needs (absent, or cached "
+                     "under another key: target, dtype, chat template, --max-new-tokens or --seed); carry the caches of the run "
+                     "that made them into --out, or drop the flag to generate them.")
+
+
 def _append_records(path: Path, records: Iterable[SequenceRecord]) -> None:
     with path.open("a", encoding="utf-8") as handle:
         for record in records:
@@ -262,18 +294,22 @@ def _append_records(path: Path, records: Iterable[SequenceRecord]) -> None:
 def prepare_sequences(model: CausalLM, tokenizer: Any, requests: Sequence[Request], *, cache_path: Path,
                       cache_key: dict[str, Any], max_new_tokens: int, stop_ids: frozenset[int],
                       chat_template: str | None = None, use_recorded_responses: bool = False,
-                      batch_size: int = 32, progress: bool = False) -> list[SequenceRecord]:
+                      batch_size: int = 32, progress: bool = False, generate: bool = True) -> list[SequenceRecord]:
     """One sequence per turn of every request: the prompt rendered with the chat template + the response.
 
     Responses are the target's own greedy answers, generated turn by turn (turn t's prompt holds the
     target's answers to the earlier turns) in batches of similar prompt length. With
     ``use_recorded_responses`` a single-turn request's recorded ``response`` (plus the eos token) is used
     instead. Every batch is appended to ``cache_path`` as soon as it is done: a re-run or an interrupted
-    run with the same ``cache_key`` (target, template, lengths) generates only what is missing.
+    run with the same ``cache_key`` (target, template, lengths) generates only what is missing; with
+    ``generate=False`` anything missing is a UsageError instead (a GPU segment that must not regenerate).
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     cached = _read_cache(cache_path, cache_key)
+    needed = [(r.id, turn) for r in requests for turn in range(r.num_turns)]
+    if not generate and any(key not in cached for key in needed):
+        _refuse_generation(cache_path, sum(key not in cached for key in needed), len(needed))
     if not cached:
         cache_path.parent.mkdir(parents=True, exist_ok=True)
         cache_path.write_text(json.dumps({"key": cache_key}) + "\n", encoding="utf-8")
@@ -316,7 +352,7 @@ def prepare_sequences(model: CausalLM, tokenizer: Any, requests: Sequence[Reques
 
 def self_written_prompts(model: CausalLM, tokenizer: Any, count: int, *, cache_path: Path, cache_key: dict[str, Any],
                          stop_ids: frozenset[int], chat_template: str | None = None, max_new_tokens: int = 96,
-                         temperature: float = 1.0, batch_size: int = 256, seed: int = 0) -> list[Request]:
+                         temperature: float = 1.0, batch_size: int = 256, seed: int = 0, generate: bool = True) -> list[Request]:
     """``count`` user prompts written by the target itself, class ``chat`` (subclass ``self-written``).
 
     Why: the built-in chat pool is small (about 460 train prompts), and self-distillation wants many
@@ -329,6 +365,8 @@ def self_written_prompts(model: CausalLM, tokenizer: Any, count: int, *, cache_p
     key_file = cache_path.with_suffix(".key.json")
     if cache_path.is_file() and key_file.is_file() and json.loads(key_file.read_text(encoding="utf-8")) == key:
         return read_workload_file(cache_path)
+    if not generate:
+        _refuse_generation(cache_path, count, count)
     marker = "\x00USER\x00"
     rendered = tokenizer.apply_chat_template([{"role": "user", "content": marker}], chat_template=chat_template, tokenize=False,
                                              add_generation_prompt=False)
@@ -358,7 +396,7 @@ def self_written_prompts(model: CausalLM, tokenizer: Any, count: int, *, cache_p
 def sampled_sequences(model: CausalLM, records: Sequence[SequenceRecord], *, samples_per_prompt: int,
                       temperature: float, cache_path: Path, cache_key: dict[str, Any], max_new_tokens: int,
                       stop_ids: frozenset[int], batch_size: int = 256, seed: int = 0,
-                      progress: bool = False) -> list[SequenceRecord]:
+                      progress: bool = False, generate: bool = True) -> list[SequenceRecord]:
     """``samples_per_prompt`` sampled continuations of each record's prompt: more, varied training data.
 
     A small prompt pool (about a thousand prompts) is memorised within a few epochs if the draft only
@@ -370,11 +408,13 @@ def sampled_sequences(model: CausalLM, records: Sequence[SequenceRecord], *, sam
 
     key = {**cache_key, "samples_per_prompt": samples_per_prompt, "temperature": temperature, "seed": seed}
     cached = _read_cache(cache_path, key)
+    jobs = [(record, 1000 * (sample + 1) + record.turn) for record in records for sample in range(samples_per_prompt)]
+    pending = [(record, turn) for record, turn in jobs if (record.request_id, turn) not in cached]
+    if pending and not generate:
+        _refuse_generation(cache_path, len(pending), len(jobs))
     if not cached:
         cache_path.parent.mkdir(parents=True, exist_ok=True)
         cache_path.write_text(json.dumps({"key": key}) + "\n", encoding="utf-8")
-    jobs = [(record, 1000 * (sample + 1) + record.turn) for record in records for sample in range(samples_per_prompt)]
-    pending = [(record, turn) for record, turn in jobs if (record.request_id, turn) not in cached]
     pending.sort(key=lambda job: job[0].prompt_length)
     torch.manual_seed(seed)
     columns = (TextColumn("sampling responses"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
@@ -405,24 +445,26 @@ def prepare_training_data(model: CausalLM, tokenizer: Any, requests: Sequence[Re
                           out_dir: Path, cache_key: dict[str, Any], max_new_tokens: int, stop_ids: frozenset[int],
                           chat_template: str | None = None, use_recorded_responses: bool = False, samples_per_prompt: int = 0,
                           sample_temperature: float = 0.8, batch_size: int = 32, seed: int = 0,
-                          progress: bool = True) -> tuple[list[SequenceRecord], list[SequenceRecord]]:
+                          progress: bool = True, generate: bool = True) -> tuple[list[SequenceRecord], list[SequenceRecord]]:
     """Training records (greedy answers, then ``samples_per_prompt`` sampled ones each) and held-out records.
 
     Everything is cached in ``out_dir`` (:data:`SEQUENCES_FILE`, :data:`SAMPLED_SEQUENCES_FILE`,
-    :data:`EVAL_SEQUENCES_FILE`), so a run over a subset of the same requests generates nothing new.
+    :data:`EVAL_SEQUENCES_FILE`), so a run over a subset of the same requests generates nothing new;
+    ``generate=False`` refuses to generate what is missing (see :func:`prepare_sequences`).
     """
     records = prepare_sequences(model, tokenizer, requests, cache_path=out_dir / SEQUENCES_FILE, cache_key=cache_key,
                                 max_new_tokens=max_new_tokens, stop_ids=stop_ids, chat_template=chat_template,
-                                use_recorded_responses=use_recorded_responses, batch_size=batch_size, progress=progress)
+                                use_recorded_responses=use_recorded_responses, batch_size=batch_size, progress=progress,
+                                generate=generate)
     if samples_per_prompt > 0:
         records = records + sampled_sequences(
             model, records, samples_per_prompt=samples_per_prompt, temperature=sample_temperature,
             cache_path=out_dir / SAMPLED_SEQUENCES_FILE, cache_key=cache_key, max_new_tokens=max_new_tokens,
-            stop_ids=stop_ids, batch_size=batch_size, seed=seed, progress=progress,
+            stop_ids=stop_ids, batch_size=batch_size, seed=seed, progress=progress, generate=generate,
         )
     eval_records = prepare_sequences(model, tokenizer, held_out, cache_path=out_dir / EVAL_SEQUENCES_FILE, cache_key=cache_key,
                                      max_new_tokens=max_new_tokens, stop_ids=stop_ids, chat_template=chat_template,
-                                     batch_size=batch_size, progress=progress) if held_out else []
+                                     batch_size=batch_size, progress=progress, generate=generate) if held_out else []
     return records, eval_records
 
 
@@ -533,18 +575,47 @@ def _architecture(config: DFlashConfig) -> dict[str, Any]:
 
 
 def _resume_identity(config: TrainConfig, draft: DFlashDraftModel, data: str) -> dict[str, Any]:
-    """What must match for a checkpoint to be resumed: hyper-parameters, architecture and data."""
+    """What must match for a checkpoint to be resumed: hyper-parameters, architecture, data and starting weights
+    (``draft`` before training: a fresh one from the seed, or an ``--init-from`` draft)."""
     train = {k: v for k, v in config.as_dict().items() if k not in _BOOKKEEPING_FIELDS}
-    return {"train_config": train, "architecture": _architecture(draft.config), "data": data}
+    return {"train_config": train, "architecture": _architecture(draft.config), "data": data, "init": weights_fingerprint(draft)}
+
+
+def _sha256(path: Path) -> str:
+    with path.open("rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()
 
 
 def _save_checkpoint(path: Path, draft: DFlashDraftModel, state: dict[str, Any], extra_config: dict[str, Any] | None) -> None:
-    """Write the draft (z-lab layout) and the training state next to it, replacing the old checkpoint atomically."""
+    """Write a resumable checkpoint in pieces of at most :data:`CHECKPOINT_PIECE_BYTES`, replacing the old one atomically.
+
+    Why pieces: a checkpoint must survive being copied through channels that take files of 16 MiB at
+    most (the GPU machine this project trains on); nothing in it is pickled. The layout follows
+    transformers' sharded checkpoints: ``config.json`` + ``model-0000i-of-0000n.safetensors`` +
+    ``model.safetensors.index.json`` (the draft itself, loadable as is), ``optimizer/optimizer-*.safetensors``
+    (+ index; AdamW's per-parameter tensors keyed ``<parameter index>.<name>``) and
+    :data:`TRAINING_STATE_FILE` (identity, step, loss log, scheduler, optimizer hyper-parameters, the data
+    generator's state, and the size and sha256 of every other piece, so a resume refuses a missing or
+    cut-short copy instead of training from it).
+    """
+    from huggingface_hub import save_torch_state_dict
+
     staging = path.with_name(path.name + ".tmp")
     if staging.exists():
         shutil.rmtree(staging)
-    save_dflash_draft(draft, staging, extra_config=extra_config)
-    torch.save(state, staging / TRAINING_STATE_FILE)
+    save_dflash_draft(draft, staging, extra_config=extra_config, max_shard_bytes=CHECKPOINT_PIECE_BYTES)
+    optimizer = state["optimizer"]
+    moments = {f"{index}.{name}": tensor.detach().cpu() for index, entries in optimizer["state"].items() for name, tensor in entries.items()}
+    (staging / OPTIMIZER_DIR_NAME).mkdir()
+    save_torch_state_dict(moments, staging / OPTIMIZER_DIR_NAME, filename_pattern="optimizer{suffix}.safetensors",
+                          max_shard_size=CHECKPOINT_PIECE_BYTES, metadata={"format": "pt"})
+    pieces = {piece.relative_to(staging).as_posix(): {"bytes": piece.stat().st_size, "sha256": _sha256(piece)}
+              for piece in sorted(staging.rglob("*")) if piece.is_file()}
+    record = {"identity": state["identity"], "step": state["step"], "log": state["log"], "scheduler": state["scheduler"],
+              "optimizer_param_groups": optimizer["param_groups"],
+              "generator": base64.b64encode(state["generator"].numpy().tobytes()).decode("ascii"), "window": state["window"],
+              "pieces": pieces}
+    (staging / TRAINING_STATE_FILE).write_text(json.dumps(record) + "\n", encoding="utf-8")
     previous = path.with_name(path.name + ".old")
     if path.exists():
         path.replace(previous)
@@ -553,31 +624,91 @@ def _save_checkpoint(path: Path, draft: DFlashDraftModel, state: dict[str, Any],
         shutil.rmtree(previous)
 
 
-def _load_checkpoint(path: Path, identity: dict[str, Any], device: torch.device) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
-    """Weights and training state of a checkpoint made under the same identity; None when there is none."""
+def _identity_difference(saved: dict[str, Any], current: dict[str, Any]) -> str:
+    """What differs between a checkpoint's identity and this run's, in words ("" when nothing does)."""
+    saved_train = saved.get("train_config", {})
+    parts = [f"{name} {saved_train.get(name)} there, {value} now" for name, value in current["train_config"].items()
+             if saved_train.get(name) != value]
+    parts += [f"other {words}" for key, words in (("architecture", "draft architecture"), ("data", "training sequences"),
+                                                   ("init", "starting weights")) if saved.get(key) != current[key]]
+    return "; ".join(parts)
+
+
+def _load_checkpoint(path: Path, identity: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
+    """Weights and training state (on the CPU) of the checkpoint in ``path``; None when there is none.
+
+    Every piece is checked against the size and sha256 :data:`TRAINING_STATE_FILE` lists before anything
+    is read, and the run's identity (hyper-parameters, architecture, data, starting weights) must match:
+    each failure is one sentence naming the piece or the difference (UsageError).
+    """
+    from safetensors.torch import load_file
+
+    previous = path.with_name(path.name + ".old")
+    if not path.exists() and previous.is_dir():  # killed between the two renames of _save_checkpoint: the last one is whole
+        previous.replace(path)
     state_file = path / TRAINING_STATE_FILE
     if not state_file.is_file():
+        if path.is_dir() and any(path.iterdir()):
+            raise UsageError(f"{path} holds checkpoint files but no {TRAINING_STATE_FILE} (the piece that lists the others); "
+                             "copy it too, or remove the folder to start afresh.")
         return None
-    state = torch.load(state_file, map_location=device, weights_only=True)
-    if state.get("identity") != identity:
-        raise UsageError(f"{path} holds a checkpoint of a different training run (other flags, architecture or data); "
-                         "pass the same flags to resume it, or a fresh --out.")
-    weights = load_dflash_draft(path).state_dict()
+    try:
+        record = json.loads(state_file.read_text(encoding="utf-8"))
+        pieces = dict(record["pieces"])
+        if not _STATE_KEYS <= record.keys():
+            raise KeyError(sorted(_STATE_KEYS - record.keys()))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise UsageError(f"{state_file} is cut short or damaged (not the JSON a checkpoint writes); copy it again.") from None
+    for name, expected in pieces.items():
+        piece = path / name
+        if not piece.is_file():
+            raise UsageError(f"checkpoint piece {piece} is missing; copy all {len(pieces) + 1} pieces of the checkpoint "
+                             f"({TRAINING_STATE_FILE} lists them).")
+        if piece.stat().st_size != expected["bytes"]:
+            raise UsageError(f"checkpoint piece {piece} has {piece.stat().st_size} bytes instead of {expected['bytes']} "
+                             "(cut short in a copy?); copy it again.")
+        if _sha256(piece) != expected["sha256"]:
+            raise UsageError(f"checkpoint piece {piece} is not the file the checkpoint wrote (sha256 differs); copy it again.")
+    difference = _identity_difference(record["identity"], json.loads(json.dumps(identity)))
+    if difference:
+        raise UsageError(f"{path} holds the checkpoint of another training run ({difference}); resume it with its own flags "
+                         "(--steps too: its cosine schedule ends at its own steps), continue its finished draft with "
+                         "--init-from and a fresh --out (new optimizer and schedule), or start afresh with a fresh --out.")
+    weights: dict[str, torch.Tensor] = {}
+    optimizer_state: dict[int, dict[str, torch.Tensor]] = {}
+    for name in pieces:
+        if name.startswith(f"{OPTIMIZER_DIR_NAME}/") and name.endswith(".safetensors"):
+            for key, tensor in load_file(path / name).items():
+                index, _, entry = key.partition(".")
+                optimizer_state.setdefault(int(index), {})[entry] = tensor
+        elif name.endswith(".safetensors"):
+            weights.update(load_file(path / name))
+    generator = torch.frombuffer(bytearray(base64.b64decode(record["generator"])), dtype=torch.uint8)
+    state = {"step": record["step"], "log": record["log"], "scheduler": record["scheduler"], "generator": generator, "window": record["window"],
+             "optimizer": {"state": optimizer_state, "param_groups": record["optimizer_param_groups"]}}
     return weights, state
 
 
 def train_dflash_draft(target_model: CausalLM, sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int],
                        config: TrainConfig, draft: DFlashDraftModel, *, checkpoint_dir: Path | None = None,
                        extra_config: dict[str, Any] | None = None, feature_batch_size: int = 8,
-                       features: Sequence[torch.Tensor] | None = None, progress: bool = False) -> TrainingResult:
+                       features: Sequence[torch.Tensor] | None = None, deadline: float | None = None,
+                       progress: bool = False) -> TrainingResult:
     """Train ``draft`` (a new one, or a checkpoint to fine-tune) on ``sequences`` against the frozen target.
 
     ``sequences[i]`` is prompt + response token ids and ``prompt_lengths[i]`` where the response starts.
-    With ``checkpoint_dir``, a resumable checkpoint is written every ``config.checkpoint_every`` steps
-    and at the end, and a run started on a directory that holds one continues from it (same flags and
-    data required). The target's parameters are frozen in place (``requires_grad_(False)``).
+    With ``checkpoint_dir``, a resumable checkpoint (:func:`_save_checkpoint`: pieces under 16 MiB) is
+    written every ``config.checkpoint_every`` steps and at the end, and a run started on a directory that
+    holds one continues from it bit for bit: the same weights and loss log as a run never stopped. It
+    needs the same hyper-parameters, architecture, data and starting weights; ``config.steps`` too, because
+    the cosine schedule is laid out over them (a longer run from a finished draft is a new run that starts
+    from it: ``--init-from``, fresh AdamW moments, its own warm-up and cosine). The target's parameters are
+    frozen in place (``requires_grad_(False)``).
     ``features`` (one ``[L_i, n*H]`` tensor per sequence, from :func:`extract_features` with the draft's
     taps) skips the frozen-target pass: runs that differ only in their hyper-parameters share it.
+    ``deadline`` (a :func:`time.perf_counter` value) stops the run at the first loss-log row past it, with a
+    checkpoint there: a command that must end by a time limit stops cleanly, and the same call later goes on
+    bit for bit (a row boundary, so the resumed loss log is the uninterrupted one).
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -600,19 +731,20 @@ def train_dflash_draft(target_model: CausalLM, sequences: Sequence[Sequence[int]
     warmup_steps = max(1, round(config.warmup_fraction * config.steps))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _lr_factor(s, config.steps, warmup_steps))
     step, log = 0, []
-    resumed = _load_checkpoint(checkpoint_dir, identity, device) if checkpoint_dir is not None else None
+    resumed = _load_checkpoint(checkpoint_dir, identity) if checkpoint_dir is not None else None
     if resumed is not None:
         weights, state = resumed
         draft.load_state_dict(weights)
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
-        generator.set_state(state["generator"].cpu())
+        generator.set_state(state["generator"])
         step, log = int(state["step"]), list(state["log"])
     resumed_from_step = step
 
     def checkpoint() -> None:
         if checkpoint_dir is not None:
-            state = {"identity": identity, "step": step, "log": log, "optimizer": optimizer.state_dict(),
+            window = {"loss_sum": float(loss_sum), "accepted_sum": float(accepted_sum), "labels": labels_sum, "steps": window_steps}
+            state = {"identity": identity, "step": step, "log": log, "optimizer": optimizer.state_dict(), "window": window,
                      "scheduler": scheduler.state_dict(), "generator": generator.get_state()}
             _save_checkpoint(checkpoint_dir, draft, state, extra_config)
 
@@ -629,10 +761,11 @@ def train_dflash_draft(target_model: CausalLM, sequences: Sequence[Sequence[int]
     columns = (TextColumn("training"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]:.3f}"),
                TextColumn("accepted/block {task.fields[accepted]:.2f}"), TextColumn("{task.fields[tokens_per_s]:,.0f} label tok/s"),
                TimeRemainingColumn())
-    loss_sum = torch.zeros((), device=device)
-    accepted_sum = torch.zeros((), device=device)
-    labels_sum = 0
-    window_steps, window_started = 0, time.perf_counter()
+    # the loss-log row being summed; a checkpoint between two rows carries it, so the resumed log is the straight one
+    window = resumed[1]["window"] if resumed is not None else {"loss_sum": 0.0, "accepted_sum": 0.0, "labels": 0, "steps": 0}
+    loss_sum = torch.full((), window["loss_sum"], device=device)
+    accepted_sum = torch.full((), window["accepted_sum"], device=device)
+    labels_sum, window_steps, window_started = window["labels"], window["steps"], time.perf_counter()
     with Progress(*columns, disable=not progress) as bar:
         task = bar.add_task("train", total=config.steps, completed=step, loss=float("nan"), accepted=float("nan"), tokens_per_s=0.0)
         while step < config.steps:
@@ -664,11 +797,13 @@ def train_dflash_draft(target_model: CausalLM, sequences: Sequence[Sequence[int]
                 loss_sum.zero_()
                 accepted_sum.zero_()
                 labels_sum, window_steps, window_started = 0, 0, time.perf_counter()
+                if deadline is not None and time.perf_counter() > deadline:
+                    break
             if step % config.checkpoint_every == 0 and step < config.steps:
                 checkpoint()
     checkpoint()
     draft.eval()
-    return TrainingResult(draft=draft, log=log, resumed_from_step=resumed_from_step, num_sequences=len(sequences))
+    return TrainingResult(draft=draft, log=log, resumed_from_step=resumed_from_step, num_sequences=len(sequences), final_step=step)
 
 
 # --------------------------------------------------------------------------------------------------
