@@ -44,7 +44,7 @@ import argparse
 import statistics
 
 import torch
-from gpu_engine import BLOCK_SIZE, Clock, build
+from gpu_engine import BLOCK_SIZE, TARGETS, Clock, build
 
 from dflash_doctor.engine import divergence
 from dflash_doctor.engine.divergence import TargetRows, divergence_tensor
@@ -66,72 +66,118 @@ def reset_peak(device: str) -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
-def fused_against_eager(target: TargetModel, proposer: DFlashProposer, device: str) -> str:
-    """The compiled columns against the eager ones on one block of scores (a GPU runs the compiled ones)."""
+def fused_against_eager(target: TargetModel, proposer: DFlashProposer, device: str) -> list[str]:
+    """The compiled columns against the eager ones on one block of real scores (a GPU runs the compiled ones),
+    and the draft's top-5 ids of one draft pass (64 anchors x K slots, the head's dtype) against their rule and
+    torch.topk, with both timed side by side."""
     vocab = target.head.weight.shape[0]
-    ids = torch.randint(0, vocab - 2, (96,), device=device)
+    ids = torch.randint(0, vocab - 2, (160,), device=device)
     sequence = TeacherSequence(ids[:32].tolist(), ids[32:].tolist())
     _, (logits, features) = slot_table(target, proposer, sequence, BLOCK_SIZE - 1, record_divergence=False)
-    anchors = torch.arange(32, 32 + 16)
+    anchors = torch.arange(32, 32 + 64)
     draft_logits = proposer.slot_logits(anchors, BLOCK_SIZE - 1)
-    rows = TargetRows.of(logits, pad=BLOCK_SIZE - 1).windows(0, 16, BLOCK_SIZE - 1)
+    rows = TargetRows.of(logits, pad=BLOCK_SIZE - 1).windows(0, 64, BLOCK_SIZE - 1)
     tokens = draft_logits.argmax(dim=-1)
-    chosen = torch.tensor([0, 3, 7, 15], device=device)
+    chosen = torch.tensor([0, 3, 7, 15, 40, 63], device=device)
     fused = divergence_tensor(draft_logits[chosen], tokens[chosen], rows, chosen)
     eager = divergence._columns(draft_logits[chosen], tokens[chosen], rows.take(chosen))
     floats, integers = slice(0, 7), slice(7, None)
     worst = (fused[..., floats] - eager[..., floats]).abs().max().item()
-    return f"fused vs eager columns: largest float difference {worst:.2e}, integer columns equal: {torch.equal(fused[..., integers], eager[..., integers])}"
+    scores = draft_logits.flatten(0, 1)
+    by_rule = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, : divergence.TOP_K]
+    by_topk = scores.topk(divergence.TOP_K, dim=-1).indices
+    recorded = divergence_tensor(draft_logits, tokens, rows)[..., 7 : 7 + divergence.TOP_K].flatten(0, 1).long()
+    clock = Clock(device)
+    topk_s = clock.median(lambda: scores.topk(divergence.TOP_K, dim=-1), 5)
+    stages_s = clock.median(lambda: divergence.top_ids(scores), 5)
+    return [
+        f"fused vs eager columns: largest float difference {worst:.2e}, integer columns equal: "
+        f"{torch.equal(fused[..., integers], eager[..., integers])}",
+        f"draft top-5 ids of {scores.shape[0]} slots ({str(scores.dtype).removeprefix('torch.')}, vocab {vocab:,}), as "
+        f"recorded: equal to a stable descending sort's in every row: {torch.equal(recorded, by_rule)}; torch.topk's "
+        f"differ in {int((by_topk != by_rule).any(dim=-1).sum())} rows (ties); torch.topk {topk_s * 1e3:.2f} ms, "
+        f"three stages (eager) {stages_s * 1e3:.2f} ms",
+    ]
+
+
+def measure(target: TargetModel, proposer: DFlashProposer, context: int, args: argparse.Namespace, device: str,
+            clock: Clock) -> tuple[float, float, float, float]:
+    """(plain pass s, its peak GiB, records pass s, its peak GiB) at one prompt length."""
+    vocab = target.head.weight.shape[0]
+    ids = torch.randint(0, vocab - 2, (context + args.output_tokens,)).tolist()
+    sequence = TeacherSequence(ids[:context], ids[context:])
+    long = context >= args.long
+    figures = []
+    for record in (False, True):
+        def one_pass(record: bool = record) -> None:
+            slot_table(target, proposer, sequence, BLOCK_SIZE - 1, record_divergence=record)
+        if not long:
+            one_pass()  # warm-up: every shape of this length
+        reset_peak(device)
+        seconds = [clock.time(one_pass)[0] for _ in range(1 if long else args.repeats)]
+        figures += [statistics.median(seconds), peak_gib(device)]
+    return figures[0], figures[1], figures[2], figures[3]
+
+
+def per_run(values: list[float], form: str) -> str:
+    """One figure per run, ``a / b``."""
+    return " / ".join(form.format(v) for v in values)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--target", choices=sorted(TARGETS), default="qwen3-8b", help="the target's shape (gpu_engine.py)")
     parser.add_argument("--contexts", default="64,4096,16384,32768,65536,131072", help="prompt lengths, comma-separated")
     parser.add_argument("--output-tokens", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--runs", type=int, default=1, help="measure every length this many times (one column each)")
     parser.add_argument("--long", type=int, default=32768, help="prompt length from which each pass runs once, unwarmed")
     args = parser.parse_args()
     device = "cpu" if args.tiny else "cuda"
     dtype = torch.float32 if args.tiny else torch.bfloat16
     clock = Clock(device)
     torch.manual_seed(0)
-    target_model, draft = build("qwen3-8b", args.tiny, device, dtype)
+    target_model, draft = build(args.target, args.tiny, device, dtype)
     target = TargetModel(target_model, draft.hidden_state_indices)
     proposer = DFlashProposer(draft, target)
-    k = BLOCK_SIZE - 1
     weights = torch.cuda.memory_allocated() / GIB if device == "cuda" else float("nan")
-    print(f"torch {torch.__version__}; weights (target + draft) {weights:.1f} GiB; K = {k}; {args.output_tokens} output tokens")
-    print(fused_against_eager(target, proposer, device))
-    vocab = target_model.config.vocab_size
-    rows = []
-    for context in (int(c) for c in args.contexts.split(",")):
-        ids = torch.randint(0, vocab - 2, (context + args.output_tokens,)).tolist()
-        sequence = TeacherSequence(ids[:context], ids[context:])
-        long = context >= args.long
-        figures = {}
-        for record in (False, True):
-            def one_pass(record: bool = record) -> None:
-                slot_table(target, proposer, sequence, k, record_divergence=record)
-            if not long:
-                one_pass()  # warm-up: every shape of this length
-            reset_peak(device)
-            seconds = [clock.time(one_pass)[0] for _ in range(1 if long else args.repeats)]
-            figures[record] = (statistics.median(seconds), peak_gib(device))
-        (plain_s, plain_peak), (records_s, records_peak) = figures[False], figures[True]
-        rows.append((context, plain_peak, records_peak, plain_s, args.output_tokens / plain_s, records_s, records_s / plain_s))
-        print(f"  {context}: pass {plain_s * 1e3:.0f} ms, peak {plain_peak:.1f} GiB; records {records_s * 1e3:.0f} ms, "
-              f"peak {records_peak:.1f} GiB", flush=True)
-    print("\n| prompt tokens | peak GiB (pass) | peak GiB (records) | pass ms | analysed tok/s | records ms | records ratio |")
-    print("|---|---|---|---|---|---|---|")
-    for context, plain_peak, records_peak, plain_s, rate, records_s, ratio in rows:
-        print(f"| {context:,} | {plain_peak:.1f} | {records_peak:.1f} | {plain_s * 1e3:,.0f} | {rate:,.0f} | {records_s * 1e3:,.0f} | x{ratio:.2f} |")
-    if len(rows) >= 2:
-        (c0, p0, *_), (c1, p1, *_) = rows[-2], rows[-1]
+    name = args.target + (" (tiny)" if args.tiny else "")
+    print(f"target {name}; torch {torch.__version__}; weights (target + draft) {weights:.1f} GiB; K = {BLOCK_SIZE - 1}; "
+          f"{args.output_tokens} output tokens; {args.runs} run(s)")
+    for line in fused_against_eager(target, proposer, device):
+        print(line)
+    contexts = [int(c) for c in args.contexts.split(",")]
+    runs: dict[int, list[tuple[float, float, float, float]]] = {context: [] for context in contexts}
+    for run in range(args.runs):
+        for context in contexts:
+            figures = measure(target, proposer, context, args, device, clock)
+            runs[context].append(figures)
+            plain_s, plain_peak, records_s, records_peak = figures
+            print(f"  run {run + 1}, {context}: pass {plain_s * 1e3:.0f} ms, peak {plain_peak:.1f} GiB; records "
+                  f"{records_s * 1e3:.0f} ms, peak {records_peak:.1f} GiB", flush=True)
+    print(f"\n{name}, {args.output_tokens} output tokens, K = {BLOCK_SIZE - 1}" + (" (run 1 / run 2 / ...)" if args.runs > 1 else ""))
+    print("| prompt tokens | peak GiB (pass / records) | pass ms | analysed tok/s | records ratio |")
+    print("|---|---|---|---|---|")
+    for context in contexts:
+        figures = runs[context]
+        peaks = f"{max(f[1] for f in figures):.1f} / {max(f[3] for f in figures):.1f}"
+        print(f"| {context:,} | {peaks} | {per_run([f[0] * 1e3 for f in figures], '{:,.0f}')} | "
+              f"{per_run([args.output_tokens / f[0] for f in figures], '{:,.0f}')} | "
+              f"{per_run([f[2] / f[0] for f in figures], 'x{:.2f}')} |")
+    if args.runs > 1:
+        def spread(values: list[float]) -> float:
+            return max(values) / min(values) - 1
+        worst = max(max(spread([f[0] for f in runs[c]]), spread([f[2] / f[0] for f in runs[c]])) for c in contexts)
+        print(f"runs agree within {100 * worst:.1f}% (largest spread of a pass time or a records ratio over the runs)")
+    if len(contexts) >= 2:
+        (c0, c1) = contexts[-2:]
+        p0, p1 = runs[c0][0][1], runs[c1][0][1]
         print(f"memory per 1k prompt tokens ({c0:,} -> {c1:,}): {(p1 - p0) / (c1 - c0) * 1024:.3f} GiB")
     if device == "cuda":
         total = torch.cuda.get_device_properties(0).total_memory / GIB
-        print(f"longest prompt ({rows[-1][0]:,} tokens): peak {max(rows[-1][1:3]):.1f} GiB of the GPU's {total:.1f} GiB")
+        longest = runs[contexts[-1]][0]
+        print(f"longest prompt ({contexts[-1]:,} tokens): peak {max(longest[1], longest[3]):.1f} GiB of the GPU's {total:.1f} GiB")
 
 
 if __name__ == "__main__":
