@@ -1,6 +1,7 @@
 """Peak GPU memory and analysed tokens/s of the teacher-forced pass per context length, with and without
-divergence records (issue 32), on a Qwen3-8B-shaped target and a DFlash-b16 draft (random bf16 weights
-built from configs by benchmarks/gpu_engine.py, no download).
+divergence records (issue 32), on a Qwen3-8B-shaped target (``--target qwen3.5-9b``: a Qwen3.5-9B-shaped
+hybrid, three gated-delta-net layers to one attention layer, run through the engine's rollback cache) and a
+DFlash-b16 draft (random bf16 weights built from configs by benchmarks/gpu_engine.py, no download).
 
 For each prompt length: one teacher-forced pass over ``--output-tokens`` output tokens at K = 15
 (:func:`dflash_doctor.engine.teacher.slot_table`, every slot of every anchor, as gpu_engine.py's replay
@@ -8,12 +9,15 @@ figure), then the same pass with divergence records of every slot. Printed per l
 memory of each pass (``torch.cuda.max_memory_allocated``, reset before it), the pass's time (CUDA events;
 median of ``--repeats``, one run without a warm-up from ``--long`` tokens on, where a pass takes seconds
 and its chunks have the shapes the shorter lengths warmed), analysed tokens/s (output tokens per second
-of the plain pass) and the records ratio (records pass / plain pass). Then the memory per 1k prompt
-tokens between the two longest lengths, and whether the longest fitted.
+of the plain pass) and the records ratio (records pass / plain pass); with ``--runs N`` every length is
+measured N times in turn (one figure per run in the table) and the runs' largest disagreement is printed.
+Then the memory per 1k prompt tokens between the two longest lengths, and whether the longest fitted.
 
 Before the table, the fused (compiled) divergence columns are compared with the eager ones on one block
 of real draft and target scores: the largest difference of the float columns and whether the integer
-columns (ranks, top-k ids) are equal.
+columns (ranks, top-k ids) are equal; and the draft's top-5 ids of one draft pass as recorded are compared
+with their rule (a stable descending sort: equal scores lowest id first) and with torch.topk, whose
+three-stage replacement (engine/divergence.py ``top_ids``) is timed beside it.
 
 Measured on one H200 (torch 2.11, transformers 5.24 carried), two runs (run 1 / run 2), 2,048 output tokens, K = 15;
 the 32k-128k lengths ran once each, unwarmed (which is why a records pass there, run second, can be quicker):
@@ -32,9 +36,11 @@ prompt peaks at 50.0 GiB of the H200's 139.8 (before: output_hidden_states of ev
 of every position, 1.2 GiB per 1k tokens, out of memory past about 100k). Fused vs eager columns: largest
 float difference 1.2e-06, integer columns equal. Of the records' extra GPU time at 64 tokens (67 ms by the
 profiler), the draft's top-5 ids (torch.topk over 152k bf16 scores) took 34 ms and the fused reduction 21 ms.
+Those records figures predate the three-stage top-5 ids, the target rows without float32 probabilities and
+the slot tables that stay packed (issue 32's second part), which are yet to be measured on the GPU.
 
-Usage: python benchmarks/context_scaling.py [--contexts 64,4096,16384,32768,65536,131072] [--output-tokens 2048]
-       [--repeats 3] [--tiny]
+Usage: python benchmarks/context_scaling.py [--target qwen3-8b|qwen3.5-9b|gpt-oss-20b]
+       [--contexts 64,4096,16384,32768,65536,131072] [--output-tokens 2048] [--repeats 3] [--runs 1] [--tiny]
 ``--tiny`` runs the same code on a small config on CPU (a smoke test of the script itself; no memory figures).
 """
 

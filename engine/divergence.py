@@ -62,14 +62,13 @@ def top_ids(scores: torch.Tensor, k: int = TOP_K) -> torch.Tensor:
     """Ids of the ``k`` highest scores along the last axis, highest first, equal scores lowest id first
     (the first ``k`` of a stable descending sort; the first is ``argmax``'s).
 
-    torch.topk leaves the order of equal scores to its kernel (a CPU heap, a GPU's bitonic network),
-    and bf16 scores of a 152k vocabulary tie within the top five in about a third of the rows, so the
-    recorded ids would depend on the device. Selected in three stages, each exact: the maximum of each
-    chunk of scores (the only pass over the whole vocabulary: one plain reduction,
-    where torch.topk over 152k bf16 scores was most of the records' GPU time); the ``k`` best chunks by
-    (maximum, lower chunk first), which hold the ``k`` best scores (a score among the best ``k`` has at most
-    ``k - 1`` better ones, so at most ``k - 1`` chunks have a better maximum); the ``k`` best of those chunks'
-    scores, ranked by :func:`_order_keys` (no ties left to order).
+    torch.topk leaves the order of equal scores to its kernel (a CPU heap, a GPU's bitonic network), and
+    bf16 scores of a 152k vocabulary tie within the top five in about a third of the rows, so its ids would
+    depend on the device. Selected in three stages, each exact: the maximum of each chunk of scores (the
+    only pass over the whole vocabulary, one plain reduction, where torch.topk over 152k bf16 scores was
+    most of the records' GPU time); the ``k`` best chunks by (maximum, lower chunk first), which hold the
+    ``k`` best scores (one of them has at most ``k - 1`` better scores, so at most ``k - 1`` chunks rank
+    above its own); the ``k`` best of those chunks' scores, ranked by :func:`_order_keys` (no ties left).
     """
     vocab = scores.shape[-1]
     # chunks of about sqrt(vocab / k) scores: as many chunk maxima as candidates, the fewest keys in all
@@ -94,8 +93,9 @@ def _fused_columns() -> Callable[..., torch.Tensor]:
     Eager, the columns take about fifteen passes over [A, k, V] float32 tensors (softmax, exp, the
     products and differences of the KL and the total variation, each a temporary written and read
     back) plus a copy of the target's rows for the recorded anchors: at a 152k vocabulary that made the
-    records 1.8x the teacher-forced pass. Compiled, the elementwise steps fuse into the few reductions
-    over the vocabulary and the anchors' target rows are gathered inside those kernels."""
+    records 1.8x the teacher-forced pass. Compiled, the elementwise steps (the target's probabilities
+    from its log-probabilities included) fuse into the few reductions over the vocabulary, the anchors'
+    target rows are gathered inside those kernels, and :func:`top_ids`' chunk maxima are one more."""
     return torch.compile(_columns_of, dynamic=True)
 
 

@@ -121,6 +121,26 @@ def test_cache_sized_blocks_give_the_numbers_of_whole_tensors(block_rows, monkey
     assert torch.equal(whole, divergence_tensor(draft_logits, draft_tokens, whole_rows.windows(0, 9, 3).take(anchors)))
 
 
+def test_compiled_columns_equal_the_eager_ones_with_tied_bf16_scores():
+    """What a GPU runs (:func:`divergence._fused_columns`, compiled; here by the CPU's compiler) against the
+    eager columns, on bf16 draft scores with ties in their top five and a subset of the anchors: integer
+    columns (ranks, top-5 ids) equal, float columns to float32 rounding."""
+    generator = torch.Generator().manual_seed(5)
+    target_logits = (torch.randn(24, 2000, generator=generator) * 3).bfloat16().float()
+    draft_logits = (torch.randn(12, 4, 2000, generator=generator) * 3).bfloat16()
+    rows = TargetRows.of(target_logits, pad=4).windows(0, 12, 4)
+    anchors = torch.tensor([0, 2, 5, 11])
+    draft_tokens = draft_logits[anchors].argmax(-1)
+    compiled = divergence._fused_columns()(draft_logits[anchors], draft_tokens, *rows._fields(), anchors)
+    eager = divergence._columns(draft_logits[anchors], draft_tokens, rows.take(anchors))
+    ids = slice(7, 7 + TOP_K)
+    assert torch.equal(compiled[..., 7:], eager[..., 7:]) and torch.equal(compiled[..., 2], eager[..., 2])
+    assert torch.equal(eager[..., ids].long(), stable_top(draft_logits[anchors]))
+    scores = draft_logits[anchors].float()
+    assert (scores.gather(-1, stable_top(scores)).diff(dim=-1) == 0).any()  # ties among the recorded ids
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("k", [2, 5])
 def test_teacher_rows_carry_the_live_loops_divergence(k):
     """Accepted slots and the first rejected one were drafted on the true prefix in both paths."""
