@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+from typing import NamedTuple
 
 import torch
 from gpu_engine import BLOCK_SIZE, TARGETS, Clock, build
@@ -106,14 +107,26 @@ def fused_against_eager(target: TargetModel, proposer: DFlashProposer, device: s
     ]
 
 
+class Figures(NamedTuple):
+    """One prompt length, measured once: the plain pass and the pass with divergence records."""
+
+    pass_s: float
+    pass_peak_gib: float
+    records_s: float
+    records_peak_gib: float
+
+    @property
+    def ratio(self) -> float:
+        return self.records_s / self.pass_s
+
+
 def measure(target: TargetModel, proposer: DFlashProposer, context: int, args: argparse.Namespace, device: str,
-            clock: Clock) -> tuple[float, float, float, float]:
-    """(plain pass s, its peak GiB, records pass s, its peak GiB) at one prompt length."""
+            clock: Clock) -> Figures:
     vocab = target.head.weight.shape[0]
     ids = torch.randint(0, vocab - 2, (context + args.output_tokens,)).tolist()
     sequence = TeacherSequence(ids[:context], ids[context:])
     long = context >= args.long
-    figures = []
+    figures: list[float] = []
     for record in (False, True):
         def one_pass(record: bool = record) -> None:
             slot_table(target, proposer, sequence, BLOCK_SIZE - 1, record_divergence=record)
@@ -122,7 +135,7 @@ def measure(target: TargetModel, proposer: DFlashProposer, context: int, args: a
         reset_peak(device)
         seconds = [clock.time(one_pass)[0] for _ in range(1 if long else args.repeats)]
         figures += [statistics.median(seconds), peak_gib(device)]
-    return figures[0], figures[1], figures[2], figures[3]
+    return Figures(*figures)
 
 
 def per_run(values: list[float], form: str) -> str:
@@ -154,36 +167,36 @@ def main() -> None:
     for line in fused_against_eager(target, proposer, device):
         print(line)
     contexts = [int(c) for c in args.contexts.split(",")]
-    runs: dict[int, list[tuple[float, float, float, float]]] = {context: [] for context in contexts}
+    runs: dict[int, list[Figures]] = {context: [] for context in contexts}
     for run in range(args.runs):
         for context in contexts:
             figures = measure(target, proposer, context, args, device, clock)
             runs[context].append(figures)
-            plain_s, plain_peak, records_s, records_peak = figures
-            print(f"  run {run + 1}, {context}: pass {plain_s * 1e3:.0f} ms, peak {plain_peak:.1f} GiB; records "
-                  f"{records_s * 1e3:.0f} ms, peak {records_peak:.1f} GiB", flush=True)
+            print(f"  run {run + 1}, {context}: pass {figures.pass_s * 1e3:.0f} ms, peak {figures.pass_peak_gib:.1f} GiB; "
+                  f"records {figures.records_s * 1e3:.0f} ms, peak {figures.records_peak_gib:.1f} GiB", flush=True)
     print(f"\n{name}, {args.output_tokens} output tokens, K = {BLOCK_SIZE - 1}" + (" (run 1 / run 2 / ...)" if args.runs > 1 else ""))
     print("| prompt tokens | peak GiB (pass / records) | pass ms | analysed tok/s | records ratio |")
     print("|---|---|---|---|---|")
     for context in contexts:
         figures = runs[context]
-        peaks = f"{max(f[1] for f in figures):.1f} / {max(f[3] for f in figures):.1f}"
-        print(f"| {context:,} | {peaks} | {per_run([f[0] * 1e3 for f in figures], '{:,.0f}')} | "
-              f"{per_run([args.output_tokens / f[0] for f in figures], '{:,.0f}')} | "
-              f"{per_run([f[2] / f[0] for f in figures], 'x{:.2f}')} |")
+        peaks = f"{max(f.pass_peak_gib for f in figures):.1f} / {max(f.records_peak_gib for f in figures):.1f}"
+        print(f"| {context:,} | {peaks} | {per_run([f.pass_s * 1e3 for f in figures], '{:,.0f}')} | "
+              f"{per_run([args.output_tokens / f.pass_s for f in figures], '{:,.0f}')} | "
+              f"{per_run([f.ratio for f in figures], 'x{:.2f}')} |")
     if args.runs > 1:
         def spread(values: list[float]) -> float:
             return max(values) / min(values) - 1
-        worst = max(max(spread([f[0] for f in runs[c]]), spread([f[2] / f[0] for f in runs[c]])) for c in contexts)
+        worst = max(max(spread([f.pass_s for f in runs[c]]), spread([f.ratio for f in runs[c]])) for c in contexts)
         print(f"runs agree within {100 * worst:.1f}% (largest spread of a pass time or a records ratio over the runs)")
     if len(contexts) >= 2:
         (c0, c1) = contexts[-2:]
-        p0, p1 = runs[c0][0][1], runs[c1][0][1]
+        p0, p1 = runs[c0][0].pass_peak_gib, runs[c1][0].pass_peak_gib
         print(f"memory per 1k prompt tokens ({c0:,} -> {c1:,}): {(p1 - p0) / (c1 - c0) * 1024:.3f} GiB")
     if device == "cuda":
         total = torch.cuda.get_device_properties(0).total_memory / GIB
         longest = runs[contexts[-1]][0]
-        print(f"longest prompt ({contexts[-1]:,} tokens): peak {max(longest[1], longest[3]):.1f} GiB of the GPU's {total:.1f} GiB")
+        print(f"longest prompt ({contexts[-1]:,} tokens): peak {max(longest.pass_peak_gib, longest.records_peak_gib):.1f} GiB "
+              f"of the GPU's {total:.1f} GiB")
 
 
 if __name__ == "__main__":
