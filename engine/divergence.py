@@ -71,9 +71,12 @@ def top_ids(scores: torch.Tensor, k: int = TOP_K) -> torch.Tensor:
     above its own); the ``k`` best of those chunks' scores, ranked by :func:`_order_keys` (no ties left).
     """
     vocab = scores.shape[-1]
-    # chunks of about sqrt(vocab / k) scores: as many chunk maxima as candidates, the fewest keys in all
-    # (a 152k vocabulary: 874 chunks of 174, 870 candidates)
-    length = max(1, int((vocab // k) ** 0.5))
+    # chunks of about sqrt(vocab / k) scores, about as many chunk maxima as candidates: the fewest keys in
+    # all; a power of two, which a CPU's vector loops reduce 3x faster in bf16 (a 152k vocabulary: 1,187
+    # chunks of 128, 640 candidates)
+    length = 1
+    while (2 * length) ** 2 * k <= vocab:
+        length *= 2
     whole = vocab // length
     maxima = scores[..., : whole * length].unflatten(-1, (whole, length)).amax(dim=-1)
     if whole * length < vocab:  # the last, shorter chunk
