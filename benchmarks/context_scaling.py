@@ -1,6 +1,7 @@
 """Peak GPU memory and analysed tokens/s of the teacher-forced pass per context length, with and without
-divergence records (issue 32), on a Qwen3-8B-shaped target and a DFlash-b16 draft (random bf16 weights
-built from configs by benchmarks/gpu_engine.py, no download).
+divergence records (issue 32), on a Qwen3-8B-shaped target (``--target qwen3.5-9b``: a Qwen3.5-9B-shaped
+hybrid, three gated-delta-net layers to one attention layer, run through the engine's rollback cache) and a
+DFlash-b16 draft (random bf16 weights built from configs by benchmarks/gpu_engine.py, no download).
 
 For each prompt length: one teacher-forced pass over ``--output-tokens`` output tokens at K = 15
 (:func:`dflash_doctor.engine.teacher.slot_table`, every slot of every anchor, as gpu_engine.py's replay
@@ -8,12 +9,15 @@ figure), then the same pass with divergence records of every slot. Printed per l
 memory of each pass (``torch.cuda.max_memory_allocated``, reset before it), the pass's time (CUDA events;
 median of ``--repeats``, one run without a warm-up from ``--long`` tokens on, where a pass takes seconds
 and its chunks have the shapes the shorter lengths warmed), analysed tokens/s (output tokens per second
-of the plain pass) and the records ratio (records pass / plain pass). Then the memory per 1k prompt
-tokens between the two longest lengths, and whether the longest fitted.
+of the plain pass) and the records ratio (records pass / plain pass); with ``--runs N`` every length is
+measured N times in turn (one figure per run in the table) and the runs' largest disagreement is printed.
+Then the memory per 1k prompt tokens between the two longest lengths, and whether the longest fitted.
 
 Before the table, the fused (compiled) divergence columns are compared with the eager ones on one block
 of real draft and target scores: the largest difference of the float columns and whether the integer
-columns (ranks, top-k ids) are equal.
+columns (ranks, top-k ids) are equal; and the draft's top-5 ids of one draft pass as recorded are compared
+with their rule (a stable descending sort: equal scores lowest id first) and with torch.topk, whose
+three-stage replacement (engine/divergence.py ``top_ids``) is timed beside it.
 
 Measured on one H200 (torch 2.11, transformers 5.24 carried), two runs (run 1 / run 2), 2,048 output tokens, K = 15;
 the 32k-128k lengths ran once each, unwarmed (which is why a records pass there, run second, can be quicker):
@@ -32,9 +36,11 @@ prompt peaks at 50.0 GiB of the H200's 139.8 (before: output_hidden_states of ev
 of every position, 1.2 GiB per 1k tokens, out of memory past about 100k). Fused vs eager columns: largest
 float difference 1.2e-06, integer columns equal. Of the records' extra GPU time at 64 tokens (67 ms by the
 profiler), the draft's top-5 ids (torch.topk over 152k bf16 scores) took 34 ms and the fused reduction 21 ms.
+Those records figures predate the three-stage top-5 ids, the target rows without float32 probabilities and
+the slot tables that stay packed (issue 32's second part), which are yet to be measured on the GPU.
 
-Usage: python benchmarks/context_scaling.py [--contexts 64,4096,16384,32768,65536,131072] [--output-tokens 2048]
-       [--repeats 3] [--tiny]
+Usage: python benchmarks/context_scaling.py [--target qwen3-8b|qwen3.5-9b|gpt-oss-20b]
+       [--contexts 64,4096,16384,32768,65536,131072] [--output-tokens 2048] [--repeats 3] [--runs 1] [--tiny]
 ``--tiny`` runs the same code on a small config on CPU (a smoke test of the script itself; no memory figures).
 """
 
@@ -42,9 +48,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
+from typing import NamedTuple
 
 import torch
-from gpu_engine import BLOCK_SIZE, Clock, build
+from gpu_engine import BLOCK_SIZE, TARGETS, Clock, build
 
 from dflash_doctor.engine import divergence
 from dflash_doctor.engine.divergence import TargetRows, divergence_tensor
@@ -66,72 +73,130 @@ def reset_peak(device: str) -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
-def fused_against_eager(target: TargetModel, proposer: DFlashProposer, device: str) -> str:
-    """The compiled columns against the eager ones on one block of scores (a GPU runs the compiled ones)."""
+def fused_against_eager(target: TargetModel, proposer: DFlashProposer, device: str) -> list[str]:
+    """The compiled columns against the eager ones on one block of real scores (a GPU runs the compiled ones),
+    and the draft's top-5 ids of one draft pass (64 anchors x K slots, the head's dtype) against their rule and
+    torch.topk, with both timed side by side."""
     vocab = target.head.weight.shape[0]
-    ids = torch.randint(0, vocab - 2, (96,), device=device)
+    ids = torch.randint(0, vocab - 2, (160,), device=device)
     sequence = TeacherSequence(ids[:32].tolist(), ids[32:].tolist())
     _, (logits, features) = slot_table(target, proposer, sequence, BLOCK_SIZE - 1, record_divergence=False)
-    anchors = torch.arange(32, 32 + 16)
+    anchors = torch.arange(32, 32 + 64)
     draft_logits = proposer.slot_logits(anchors, BLOCK_SIZE - 1)
-    rows = TargetRows.of(logits, pad=BLOCK_SIZE - 1).windows(0, 16, BLOCK_SIZE - 1)
+    rows = TargetRows.of(logits, pad=BLOCK_SIZE - 1).windows(0, 64, BLOCK_SIZE - 1)
     tokens = draft_logits.argmax(dim=-1)
-    chosen = torch.tensor([0, 3, 7, 15], device=device)
+    chosen = torch.tensor([0, 3, 7, 15, 40, 63], device=device)
     fused = divergence_tensor(draft_logits[chosen], tokens[chosen], rows, chosen)
     eager = divergence._columns(draft_logits[chosen], tokens[chosen], rows.take(chosen))
     floats, integers = slice(0, 7), slice(7, None)
     worst = (fused[..., floats] - eager[..., floats]).abs().max().item()
-    return f"fused vs eager columns: largest float difference {worst:.2e}, integer columns equal: {torch.equal(fused[..., integers], eager[..., integers])}"
+    scores = draft_logits.flatten(0, 1)
+    by_rule = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, : divergence.TOP_K]
+    by_topk = scores.topk(divergence.TOP_K, dim=-1).indices
+    recorded = divergence_tensor(draft_logits, tokens, rows)[..., 7 : 7 + divergence.TOP_K].flatten(0, 1).long()
+    clock = Clock(device)
+    topk_s = clock.median(lambda: scores.topk(divergence.TOP_K, dim=-1), 5)
+    stages_s = clock.median(lambda: divergence.top_ids(scores), 5)
+    return [
+        f"fused vs eager columns: largest float difference {worst:.2e}, integer columns equal: "
+        f"{torch.equal(fused[..., integers], eager[..., integers])}",
+        f"draft top-5 ids of {scores.shape[0]} slots ({str(scores.dtype).removeprefix('torch.')}, vocab {vocab:,}), as "
+        f"recorded: equal to a stable descending sort's in every row: {torch.equal(recorded, by_rule)}; torch.topk's "
+        f"differ in {int((by_topk != by_rule).any(dim=-1).sum())} rows (ties); torch.topk {topk_s * 1e3:.2f} ms, "
+        f"three stages (eager) {stages_s * 1e3:.2f} ms",
+    ]
+
+
+class Figures(NamedTuple):
+    """One prompt length, measured once: the plain pass and the pass with divergence records."""
+
+    pass_s: float
+    pass_peak_gib: float
+    records_s: float
+    records_peak_gib: float
+
+    @property
+    def ratio(self) -> float:
+        return self.records_s / self.pass_s
+
+
+def measure(target: TargetModel, proposer: DFlashProposer, context: int, args: argparse.Namespace, device: str,
+            clock: Clock) -> Figures:
+    vocab = target.head.weight.shape[0]
+    ids = torch.randint(0, vocab - 2, (context + args.output_tokens,)).tolist()
+    sequence = TeacherSequence(ids[:context], ids[context:])
+    long = context >= args.long
+    figures: list[float] = []
+    for record in (False, True):
+        def one_pass(record: bool = record) -> None:
+            slot_table(target, proposer, sequence, BLOCK_SIZE - 1, record_divergence=record)
+        if not long:
+            one_pass()  # warm-up: every shape of this length
+        reset_peak(device)
+        seconds = [clock.time(one_pass)[0] for _ in range(1 if long else args.repeats)]
+        figures += [statistics.median(seconds), peak_gib(device)]
+    return Figures(*figures)
+
+
+def per_run(values: list[float], form: str) -> str:
+    """One figure per run, ``a / b``."""
+    return " / ".join(form.format(v) for v in values)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--target", choices=sorted(TARGETS), default="qwen3-8b", help="the target's shape (gpu_engine.py)")
     parser.add_argument("--contexts", default="64,4096,16384,32768,65536,131072", help="prompt lengths, comma-separated")
     parser.add_argument("--output-tokens", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--runs", type=int, default=1, help="measure every length this many times (one column each)")
     parser.add_argument("--long", type=int, default=32768, help="prompt length from which each pass runs once, unwarmed")
     args = parser.parse_args()
     device = "cpu" if args.tiny else "cuda"
     dtype = torch.float32 if args.tiny else torch.bfloat16
     clock = Clock(device)
     torch.manual_seed(0)
-    target_model, draft = build("qwen3-8b", args.tiny, device, dtype)
+    target_model, draft = build(args.target, args.tiny, device, dtype)
     target = TargetModel(target_model, draft.hidden_state_indices)
     proposer = DFlashProposer(draft, target)
-    k = BLOCK_SIZE - 1
     weights = torch.cuda.memory_allocated() / GIB if device == "cuda" else float("nan")
-    print(f"torch {torch.__version__}; weights (target + draft) {weights:.1f} GiB; K = {k}; {args.output_tokens} output tokens")
-    print(fused_against_eager(target, proposer, device))
-    vocab = target_model.config.vocab_size
-    rows = []
-    for context in (int(c) for c in args.contexts.split(",")):
-        ids = torch.randint(0, vocab - 2, (context + args.output_tokens,)).tolist()
-        sequence = TeacherSequence(ids[:context], ids[context:])
-        long = context >= args.long
-        figures = {}
-        for record in (False, True):
-            def one_pass(record: bool = record) -> None:
-                slot_table(target, proposer, sequence, k, record_divergence=record)
-            if not long:
-                one_pass()  # warm-up: every shape of this length
-            reset_peak(device)
-            seconds = [clock.time(one_pass)[0] for _ in range(1 if long else args.repeats)]
-            figures[record] = (statistics.median(seconds), peak_gib(device))
-        (plain_s, plain_peak), (records_s, records_peak) = figures[False], figures[True]
-        rows.append((context, plain_peak, records_peak, plain_s, args.output_tokens / plain_s, records_s, records_s / plain_s))
-        print(f"  {context}: pass {plain_s * 1e3:.0f} ms, peak {plain_peak:.1f} GiB; records {records_s * 1e3:.0f} ms, "
-              f"peak {records_peak:.1f} GiB", flush=True)
-    print("\n| prompt tokens | peak GiB (pass) | peak GiB (records) | pass ms | analysed tok/s | records ms | records ratio |")
-    print("|---|---|---|---|---|---|---|")
-    for context, plain_peak, records_peak, plain_s, rate, records_s, ratio in rows:
-        print(f"| {context:,} | {plain_peak:.1f} | {records_peak:.1f} | {plain_s * 1e3:,.0f} | {rate:,.0f} | {records_s * 1e3:,.0f} | x{ratio:.2f} |")
-    if len(rows) >= 2:
-        (c0, p0, *_), (c1, p1, *_) = rows[-2], rows[-1]
+    name = args.target + (" (tiny)" if args.tiny else "")
+    print(f"target {name}; torch {torch.__version__}; weights (target + draft) {weights:.1f} GiB; K = {BLOCK_SIZE - 1}; "
+          f"{args.output_tokens} output tokens; {args.runs} run(s)")
+    for line in fused_against_eager(target, proposer, device):
+        print(line)
+    contexts = [int(c) for c in args.contexts.split(",")]
+    runs: dict[int, list[Figures]] = {context: [] for context in contexts}
+    for run in range(args.runs):
+        for context in contexts:
+            figures = measure(target, proposer, context, args, device, clock)
+            runs[context].append(figures)
+            print(f"  run {run + 1}, {context}: pass {figures.pass_s * 1e3:.0f} ms, peak {figures.pass_peak_gib:.1f} GiB; "
+                  f"records {figures.records_s * 1e3:.0f} ms, peak {figures.records_peak_gib:.1f} GiB", flush=True)
+    print(f"\n{name}, {args.output_tokens} output tokens, K = {BLOCK_SIZE - 1}" + (" (run 1 / run 2 / ...)" if args.runs > 1 else ""))
+    print("| prompt tokens | peak GiB (pass / records) | pass ms | analysed tok/s | records ratio |")
+    print("|---|---|---|---|---|")
+    for context in contexts:
+        figures = runs[context]
+        peaks = f"{max(f.pass_peak_gib for f in figures):.1f} / {max(f.records_peak_gib for f in figures):.1f}"
+        print(f"| {context:,} | {peaks} | {per_run([f.pass_s * 1e3 for f in figures], '{:,.0f}')} | "
+              f"{per_run([args.output_tokens / f.pass_s for f in figures], '{:,.0f}')} | "
+              f"{per_run([f.ratio for f in figures], 'x{:.2f}')} |")
+    if args.runs > 1:
+        def spread(values: list[float]) -> float:
+            return max(values) / min(values) - 1
+        worst = max(max(spread([f.pass_s for f in runs[c]]), spread([f.ratio for f in runs[c]])) for c in contexts)
+        print(f"runs agree within {100 * worst:.1f}% (largest spread of a pass time or a records ratio over the runs)")
+    if len(contexts) >= 2:
+        (c0, c1) = contexts[-2:]
+        p0, p1 = runs[c0][0].pass_peak_gib, runs[c1][0].pass_peak_gib
         print(f"memory per 1k prompt tokens ({c0:,} -> {c1:,}): {(p1 - p0) / (c1 - c0) * 1024:.3f} GiB")
     if device == "cuda":
         total = torch.cuda.get_device_properties(0).total_memory / GIB
-        print(f"longest prompt ({rows[-1][0]:,} tokens): peak {max(rows[-1][1:3]):.1f} GiB of the GPU's {total:.1f} GiB")
+        longest = runs[contexts[-1]][0]
+        print(f"longest prompt ({contexts[-1]:,} tokens): peak {max(longest.pass_peak_gib, longest.records_peak_gib):.1f} GiB "
+              f"of the GPU's {total:.1f} GiB")
 
 
 if __name__ == "__main__":

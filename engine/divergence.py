@@ -36,15 +36,57 @@ _INTEGER_COLUMNS = frozenset({"target_rank_in_draft", "draft_topk_ids", "target_
 WIDTH = sum(width for _, width in _LAYOUT)
 
 
-# Rows per block of the columns' passes over the vocabulary on a CPU: 16 rows of a 49k vocabulary (3 MB
+# Scores per block of the columns' passes over the vocabulary on a CPU: 16 rows of a 49k vocabulary (3 MB
 # per float32 tensor) stay in cache through the dozen passes the columns take, which measured 3x less time
 # than passes over whole [A, k, V] tensors that go to memory each time (the same numbers: every column
-# is computed row by row). A GPU takes whole tensors through :func:`_fused_columns`.
-CPU_BLOCK_ROWS = 16
+# is computed row by row). A smaller vocabulary gets more rows per block, so that the per-block
+# overhead stays small beside the block's work. A GPU takes whole tensors through :func:`_fused_columns`.
+CPU_BLOCK_SCORES = 16 * 49152
 
 
-def _block_rows(device: torch.device, total: int) -> int:
-    return CPU_BLOCK_ROWS if device.type == "cpu" else max(total, 1)
+def _block_rows(device: torch.device, total: int, vocab: int) -> int:
+    return max(1, CPU_BLOCK_SCORES // max(vocab, 1)) if device.type == "cpu" else max(total, 1)
+
+
+def _order_keys(scores: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """int64 keys that order (score, id) pairs by score, then by lower id first: unique per id, so a
+    top-k over them has no ties. The float's bits as an int32 keep the order of the non-negative floats;
+    flipping the 31 magnitude bits of the negative ones makes a larger magnitude a smaller key; -0.0 is
+    taken as 0.0 (they compare equal)."""
+    bits = torch.where(scores == 0, 0.0, scores.float()).view(torch.int32).long()
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    return ordered * (1 << 32) + (0xFFFFFFFF - ids)
+
+
+def top_ids(scores: torch.Tensor, k: int = TOP_K) -> torch.Tensor:
+    """Ids of the ``k`` highest scores along the last axis, highest first, equal scores lowest id first
+    (the first ``k`` of a stable descending sort; the first is ``argmax``'s).
+
+    torch.topk leaves the order of equal scores to its kernel (a CPU heap, a GPU's bitonic network), and
+    bf16 scores of a 152k vocabulary tie within the top five in about a third of the rows, so its ids would
+    depend on the device. Selected in three stages, each exact: the maximum of each chunk of scores (the
+    only pass over the whole vocabulary, one plain reduction, where torch.topk over 152k bf16 scores was
+    most of the records' GPU time); the ``k`` best chunks by (maximum, lower chunk first), which hold the
+    ``k`` best scores (one of them has at most ``k - 1`` better scores, so at most ``k - 1`` chunks rank
+    above its own); the ``k`` best of those chunks' scores, ranked by :func:`_order_keys` (no ties left).
+    """
+    vocab = scores.shape[-1]
+    # chunks of about sqrt(vocab / k) scores, about as many chunk maxima as candidates: the fewest keys in
+    # all; a power of two, which a CPU's vector loops reduce 3x faster in bf16 (a 152k vocabulary: 1,187
+    # chunks of 128, 640 candidates)
+    length = 1
+    while (2 * length) ** 2 * k <= vocab:
+        length *= 2
+    whole = vocab // length
+    maxima = scores[..., : whole * length].unflatten(-1, (whole, length)).amax(dim=-1)
+    if whole * length < vocab:  # the last, shorter chunk
+        maxima = torch.cat([maxima, scores[..., whole * length :].amax(dim=-1, keepdim=True)], dim=-1)
+    chunk_ids = torch.arange(maxima.shape[-1], device=scores.device)
+    best_chunks = _order_keys(maxima, chunk_ids).topk(k, dim=-1).indices
+    candidates = (best_chunks[..., None] * length + torch.arange(length, device=scores.device)).flatten(-2)
+    inside = candidates < vocab
+    values = torch.where(inside, scores.gather(-1, candidates.clamp(max=vocab - 1)), float("-inf"))
+    return candidates.gather(-1, _order_keys(values, candidates).topk(k, dim=-1).indices)
 
 
 @functools.cache
@@ -54,8 +96,9 @@ def _fused_columns() -> Callable[..., torch.Tensor]:
     Eager, the columns take about fifteen passes over [A, k, V] float32 tensors (softmax, exp, the
     products and differences of the KL and the total variation, each a temporary written and read
     back) plus a copy of the target's rows for the recorded anchors: at a 152k vocabulary that made the
-    records 1.8x the teacher-forced pass. Compiled, the elementwise steps fuse into the few reductions
-    over the vocabulary and the anchors' target rows are gathered inside those kernels."""
+    records 1.8x the teacher-forced pass. Compiled, the elementwise steps (the target's probabilities
+    from its log-probabilities included) fuse into the few reductions over the vocabulary, the anchors'
+    target rows are gathered inside those kernels, and :func:`top_ids`' chunk maxima are one more."""
     return torch.compile(_columns_of, dynamic=True)
 
 
@@ -65,15 +108,16 @@ class TargetRows:
 
     In a teacher-forced pass one row of the target's scores serves up to K slots (slot j of anchor a and
     slot j - 1 of anchor a + 1 predict the same token), so its softmax, entropy and top-k are computed
-    once per row and every slot reads them through a view (:meth:`windows`), never through a copy.
+    once per row and every slot reads them through a view (:meth:`windows`), never through a copy. The
+    probabilities are not kept beside ``log_p``: every slot takes their exp where it reads them (inside
+    the fused kernel on a GPU), which halves the target's bytes that the columns read per slot.
     """
 
     log_p: torch.Tensor  # [R, V] float32
-    p: torch.Tensor  # [R, V] float32
     entropy: torch.Tensor  # [R]
     # how sure the target was of its own top token, p(top1) - p(top2): a miss near a tie is irreducible at T = 0
     top1_margin: torch.Tensor  # [R]
-    topk_ids: torch.Tensor  # [R, TOP_K]
+    topk_ids: torch.Tensor  # [R, TOP_K] (:func:`top_ids`)
     tokens: torch.Tensor  # [R] the target's own (argmax) token
 
     @classmethod
@@ -83,7 +127,7 @@ class TargetRows:
         reaching past the end stay in bounds (their slots have no known token and are dropped later)."""
         if pad:
             target_logits = torch.cat([target_logits, target_logits[-1:].expand(pad, -1)])
-        step = _block_rows(target_logits.device, target_logits.shape[0])
+        step = _block_rows(target_logits.device, target_logits.shape[0], target_logits.shape[-1])
         blocks = [cls._block(target_logits[i : i + step]) for i in range(0, max(target_logits.shape[0], 1), step)]
         return blocks[0] if len(blocks) == 1 else cls(*(torch.cat(parts) for parts in zip(*(b._fields() for b in blocks))))
 
@@ -91,13 +135,13 @@ class TargetRows:
     def _block(cls, target_logits: torch.Tensor) -> "TargetRows":
         log_p = torch.log_softmax(target_logits, dim=-1, dtype=torch.float32)
         p = log_p.exp()
-        topk_ids = target_logits.topk(TOP_K, dim=-1).indices
+        topk_ids = top_ids(target_logits)
         top2 = p.gather(-1, topk_ids[:, :2])  # softmax keeps the order: the two largest probabilities
-        return cls(log_p=log_p, p=p, entropy=-(p * log_p).sum(dim=-1), top1_margin=top2[:, 0] - top2[:, 1],
-                   topk_ids=topk_ids, tokens=target_logits.argmax(dim=-1))
+        return cls(log_p=log_p, entropy=-(p * log_p).sum(dim=-1), top1_margin=top2[:, 0] - top2[:, 1],
+                   topk_ids=topk_ids, tokens=topk_ids[:, 0])
 
     def _fields(self) -> tuple[torch.Tensor, ...]:
-        return (self.log_p, self.p, self.entropy, self.top1_margin, self.topk_ids, self.tokens)
+        return (self.log_p, self.entropy, self.top1_margin, self.topk_ids, self.tokens)
 
     def windows(self, first: int, count: int, k: int) -> "TargetRows":
         """[count, k, ...] views: element [a, j] is row ``first + a + j`` (the slots of ``count`` consecutive anchors)."""
@@ -124,7 +168,7 @@ def divergence_tensor(draft_logits: torch.Tensor, draft_tokens: torch.Tensor, ta
     if draft_logits.device.type == "cuda":
         return _fused_columns()(draft_logits, draft_tokens, *target._fields(), entries)
     per_entry = draft_tokens[0].numel() if draft_tokens.dim() > 1 else 1
-    step = max(1, _block_rows(draft_logits.device, draft_tokens.numel()) // per_entry)
+    step = max(1, _block_rows(draft_logits.device, draft_tokens.numel(), draft_logits.shape[-1]) // per_entry)
     blocks = []
     for i in range(0, draft_tokens.shape[0], step):
         rows = target.take(slice(i, i + step) if entries is None else entries[i : i + step])
@@ -132,30 +176,31 @@ def divergence_tensor(draft_logits: torch.Tensor, draft_tokens: torch.Tensor, ta
     return blocks[0] if len(blocks) == 1 else torch.cat(blocks)
 
 
-def _columns_of(draft_logits: torch.Tensor, draft_tokens: torch.Tensor, log_p: torch.Tensor, p: torch.Tensor,
-                entropy: torch.Tensor, top1_margin: torch.Tensor, topk_ids: torch.Tensor, tokens: torch.Tensor,
+def _columns_of(draft_logits: torch.Tensor, draft_tokens: torch.Tensor, log_p: torch.Tensor, entropy: torch.Tensor,
+                top1_margin: torch.Tensor, topk_ids: torch.Tensor, tokens: torch.Tensor,
                 entries: torch.Tensor | None) -> torch.Tensor:
     """:func:`_columns` over whole tensors, the target's fields passed one by one (what a compiled function takes)."""
-    target = TargetRows(log_p, p, entropy, top1_margin, topk_ids, tokens)
+    target = TargetRows(log_p, entropy, top1_margin, topk_ids, tokens)
     return _columns(draft_logits, draft_tokens, target if entries is None else target.take(entries))
 
 
 def _columns(draft_logits: torch.Tensor, draft_tokens: torch.Tensor, target: TargetRows) -> torch.Tensor:
     log_q = torch.log_softmax(draft_logits, dim=-1, dtype=torch.float32)
     q = log_q.exp()
+    p = target.log_p.exp()
     target_tokens = target.tokens[..., None]
     draft_score_of_target = draft_logits.gather(-1, target_tokens)
     columns = (
-        target.p.gather(-1, draft_tokens[..., None])[..., 0],
+        target.log_p.gather(-1, draft_tokens[..., None])[..., 0].exp(),
         q.gather(-1, target_tokens)[..., 0],
         (draft_logits > draft_score_of_target).sum(dim=-1),
-        (target.p * (target.log_p - log_q)).sum(dim=-1).clamp_min(0.0),
-        0.5 * (target.p - q).abs().sum(dim=-1),
+        (p * (target.log_p - log_q)).sum(dim=-1).clamp_min(0.0),
+        0.5 * (p - q).abs().sum(dim=-1),
         target.entropy,
         target.top1_margin,
     )
     packed = [column.to(torch.float64)[..., None] for column in columns]
-    packed.append(draft_logits.topk(TOP_K, dim=-1).indices.to(torch.float64))
+    packed.append(top_ids(draft_logits).to(torch.float64))
     packed.append(target.topk_ids.to(torch.float64))
     return torch.cat(packed, dim=-1)
 

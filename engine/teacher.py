@@ -41,14 +41,17 @@ class SlotTable:
     guesses [N, K] draft tokens (-1 where a slot was not evaluated, see :func:`slot_table`'s
     ``full_anchors``); matches [N, K] guess == true token (False past the known output; past an anchor's
     first miss where only its matched run was evaluated); accept_probs [N, K] under sampling (None at
-    T = 0); divergence: the columns of the recorded (anchor, slot) rows whose true token is known, anchor
-    by anchor, and divergence_start: each recorded anchor's first row in them.
+    T = 0); divergence: the packed columns ([rows, divergence.WIDTH] float64) of the recorded (anchor, slot)
+    rows whose true token is known, anchor by anchor, and divergence_start: each recorded anchor's first row
+    in them. They stay packed: :func:`token_rows` unpacks only the rows its steps draft (the 30k rows of a
+    2,048-token sequence with every anchor recorded took 0.1 s of host time as Python lists, more than the
+    records' 67 ms of GPU work in benchmarks/context_scaling.py).
     """
 
     guesses: np.ndarray
     matches: np.ndarray
     accept_probs: np.ndarray | None = None
-    divergence: dict[str, list] = field(default_factory=dict)
+    divergence: np.ndarray = field(default_factory=lambda: np.zeros((0, WIDTH)))
     divergence_start: dict[int, int] = field(default_factory=dict)
 
 
@@ -185,13 +188,13 @@ def slot_table(
     guesses = _host(guess_parts, np.zeros((0, k), dtype=np.int64))
     matches = _host(match_parts, np.zeros((0, k), dtype=bool))
     accept_probs = _host(prob_parts, np.zeros((0, k))).astype(np.float64) if sampled else None
-    divergence: dict[str, list] = {}
+    divergence = np.zeros((0, WIDTH))
     divergence_start: dict[int, int] = {}
     if record_divergence:
         rows = _host(recorded, np.zeros(0, dtype=np.int64))
         slot = np.arange(1, k + 1)[None]
         kept = (rows[:, None] + slot < n_out) & (slot <= block_of[rows][:, None])
-        divergence = unpack_divergence(_host(divergence_parts, np.zeros((0, WIDTH)))[kept.reshape(-1)])
+        divergence = _host(divergence_parts, divergence)[kept.reshape(-1)]
         divergence_start = dict(zip(rows.tolist(), (np.cumsum(kept.sum(axis=1)) - kept.sum(axis=1)).tolist()))
     table = SlotTable(guesses=guesses, matches=matches, accept_probs=accept_probs, divergence=divergence,
                       divergence_start=divergence_start)
@@ -246,15 +249,14 @@ def token_rows(table: SlotTable, steps: list[StepRecord], output_ids: list[int])
     ``target_token`` is the target's token on the committed (true) context.
     """
     n_out = len(output_ids)
-    rows = []
+    slots: list[tuple[StepRecord, int, int]] = []  # (step, its anchor's output index i, offset j)
     for step in steps:
         i = step.position - 1
-        for j in range(1, step.num_drafted + 1):
-            if i + j >= n_out:
-                break
-            flat = table.divergence_start[i] + j - 1
-            rows.append(TokenRecord(
-                step=step.step, position=i + j, offset=j, draft_token=int(table.guesses[i, j - 1]), target_token=int(output_ids[i + j]),
-                accepted=j <= step.num_accepted, **{name: values[flat] for name, values in table.divergence.items()},
-            ))
-    return rows
+        slots += [(step, i, j) for j in range(1, min(step.num_drafted, n_out - 1 - i) + 1)]
+    columns = unpack_divergence(table.divergence[[table.divergence_start[i] + j - 1 for _, i, j in slots]])
+    return [
+        TokenRecord(step=step.step, position=i + j, offset=j, draft_token=int(table.guesses[i, j - 1]),
+                    target_token=int(output_ids[i + j]), accepted=j <= step.num_accepted,
+                    **{name: values[row] for name, values in columns.items()})
+        for row, (step, i, j) in enumerate(slots)
+    ]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dflash_doctor.engine import divergence
-from dflash_doctor.engine.divergence import TOP_K, TargetRows, divergence_tensor, unpack_divergence
+from dflash_doctor.engine.divergence import TOP_K, TargetRows, divergence_tensor, top_ids, unpack_divergence
 from dflash_doctor.engine.live import plain_generate, speculative_generate
 from dflash_doctor.engine.proposers.autoregressive import AutoregressiveProposer
 from dflash_doctor.engine.target import TargetModel
@@ -45,6 +45,43 @@ def test_packed_columns_equal_the_definitions():
     assert columns["target_topk_ids"] == target.topk(TOP_K, -1).indices.tolist()
 
 
+def stable_top(scores: torch.Tensor) -> torch.Tensor:
+    """The top-k rule by its definition: the first TOP_K of a stable descending sort (equal scores keep id order)."""
+    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :TOP_K]
+
+
+@pytest.mark.parametrize("vocab", [TOP_K, 7, 301, 1025, 151_936])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_top_ids_are_a_stable_sorts_first_ids_with_ties_on_any_vocabulary(vocab, dtype):
+    """Ties everywhere (eight distinct scores; the best chunks hold more tied scores than there are
+    slots, and ties straddle the chunk boundaries), -0.0 beside 0.0, -inf, a last chunk shorter than the
+    others: the ids are the rule's, their first is argmax's."""
+    generator = torch.Generator().manual_seed(vocab)
+    scores = torch.randint(-4, 4, (6, vocab), generator=generator).to(dtype)
+    scores[0] = 0.0
+    scores[0, ::2] = -0.0
+    scores[1, : vocab // 2] = float("-inf")
+    scores[2, -1] = 9.0  # the best score alone in the last chunk
+    ids = top_ids(scores)
+    assert torch.equal(ids, stable_top(scores))
+    assert torch.equal(ids[:, 0], scores.argmax(dim=-1))
+    assert ids[0].tolist() == list(range(TOP_K))
+
+
+def test_top_ids_equal_torch_topk_where_no_scores_tie_and_follow_the_rule_where_bf16_ties():
+    """Random scores of a 152k vocabulary at the draft head's precision: in float32 no two scores of a row
+    tie and the ids are torch.topk's; in bf16 many top fives hold ties, whose order torch.topk leaves to its
+    kernel, and the ids are the rule's in every row, with torch.topk's scores."""
+    generator = torch.Generator().manual_seed(11)
+    scores = torch.randn(48, 151_936, generator=generator) * 3
+    assert torch.equal(top_ids(scores), scores.topk(TOP_K, dim=-1).indices)
+    coarse = scores.bfloat16()
+    values = coarse.gather(-1, stable_top(coarse))
+    assert (values[:, :-1] == values[:, 1:]).any(dim=-1).sum() >= 5  # the case that matters is exercised
+    assert torch.equal(top_ids(coarse), stable_top(coarse))
+    assert torch.equal(coarse.gather(-1, top_ids(coarse)), coarse.topk(TOP_K, dim=-1).values)
+
+
 def test_no_rows_gives_empty_columns():
     empty = divergence_tensor(torch.zeros(0, 5), torch.zeros(0, dtype=torch.long), TargetRows.of(torch.zeros(0, 5)))
     columns = unpack_divergence(empty.numpy())
@@ -75,13 +112,33 @@ def test_cache_sized_blocks_give_the_numbers_of_whole_tensors(block_rows, monkey
         rows = TargetRows.of(target_logits, pad=3)
         return rows, divergence_tensor(draft_logits, draft_tokens, rows.windows(0, 9, 3), anchors)
 
-    monkeypatch.setattr(divergence, "CPU_BLOCK_ROWS", 10_000)
+    monkeypatch.setattr(divergence, "CPU_BLOCK_SCORES", 10_000 * 300)
     whole_rows, whole = columns()
-    monkeypatch.setattr(divergence, "CPU_BLOCK_ROWS", block_rows)
+    monkeypatch.setattr(divergence, "CPU_BLOCK_SCORES", block_rows * 300)
     rows, blocked = columns()
     assert all(torch.equal(a, b) for a, b in zip(rows._fields(), whole_rows._fields()))
     assert torch.equal(blocked, whole)
     assert torch.equal(whole, divergence_tensor(draft_logits, draft_tokens, whole_rows.windows(0, 9, 3).take(anchors)))
+
+
+def test_compiled_columns_equal_the_eager_ones_with_tied_bf16_scores():
+    """What a GPU runs (:func:`divergence._fused_columns`, compiled; here by the CPU's compiler) against the
+    eager columns, on bf16 draft scores with ties in their top five and a subset of the anchors: integer
+    columns (ranks, top-5 ids) equal, float columns to float32 rounding."""
+    generator = torch.Generator().manual_seed(5)
+    target_logits = (torch.randn(24, 2000, generator=generator) * 3).bfloat16().float()
+    draft_logits = (torch.randn(12, 4, 2000, generator=generator) * 3).bfloat16()
+    rows = TargetRows.of(target_logits, pad=4).windows(0, 12, 4)
+    anchors = torch.tensor([0, 2, 5, 11])
+    draft_tokens = draft_logits[anchors].argmax(-1)
+    compiled = divergence._fused_columns()(draft_logits[anchors], draft_tokens, *rows._fields(), anchors)
+    eager = divergence._columns(draft_logits[anchors], draft_tokens, rows.take(anchors))
+    ids = slice(7, 7 + TOP_K)
+    assert torch.equal(compiled[..., 7:], eager[..., 7:]) and torch.equal(compiled[..., 2], eager[..., 2])
+    assert torch.equal(eager[..., ids].long(), stable_top(draft_logits[anchors]))
+    scores = draft_logits[anchors].float()
+    assert (scores.gather(-1, stable_top(scores)).diff(dim=-1) == 0).any()  # ties among the recorded ids
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("k", [2, 5])
