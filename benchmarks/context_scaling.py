@@ -19,25 +19,46 @@ columns (ranks, top-k ids) are equal; and the draft's top-5 ids of one draft pas
 with their rule (a stable descending sort: equal scores lowest id first) and with torch.topk, whose
 three-stage replacement (engine/divergence.py ``top_ids``) is timed beside it.
 
-Measured on one H200 (torch 2.11, transformers 5.24 carried), two runs (run 1 / run 2), 2,048 output tokens, K = 15;
-the 32k-128k lengths ran once each, unwarmed (which is why a records pass there, run second, can be quicker):
+Measured on one H200 (torch 2.11, transformers 5.24 carried), 2,048 output tokens, K = 15, figures per run
+(run 1 / run 2). Qwen3-8B shape, `--contexts 64,4096,16384 --runs 2` (runs agree within 2.4%):
 
 | prompt tokens | peak GiB (pass / records) | pass ms | analysed tok/s | records ratio |
 |---|---|---|---|---|
-| 64 | 19.5 / 23.2 | 292 / 291 | 7,008 / 7,030 | x1.37 / x1.33 |
-| 4,096 | 20.4 / 23.4 | 481 / 483 | 4,257 / 4,240 | x1.19 / x1.17 |
-| 16,384 | 23.3 / 24.1 | 1,374 / 1,375 | 1,491 / 1,490 | x1.08 / x1.07 |
-| 32,768 | 26.8 / 27.2 | 5,761 / 4,131 | 356 / 496 | (unwarmed) |
-| 65,536 | 34.2 / 34.8 | 9,732 / 8,998 | 210 / 228 | x0.88 / x0.95 |
-| 131,072 | 48.8 / 50.0 | 27,103 / 27,240 | 76 / 75 | x0.98 / x0.97 |
+| 64 | 19.5 / 23.2 | 290 / 297 | 7,059 / 6,893 | x1.13 / x1.12 |
+| 4,096 | 20.4 / 23.4 | 476 / 478 | 4,304 / 4,282 | x1.06 / x1.07 |
+| 16,384 | 23.3 / 24.1 | 1,363 / 1,366 | 1,503 / 1,499 | x1.03 / x1.03 |
+
+Before the three-stage top-5 ids, the target rows without float32 probabilities and the slot tables that
+stay packed, the same pass cost x1.37 / x1.33 (64), x1.19 / x1.17 (4k), x1.08 / x1.07 (16k). The long
+lengths, measured before that change (the plain pass is unchanged by it), one unwarmed run each:
+
+| prompt tokens | peak GiB (pass / records) | pass ms | analysed tok/s |
+|---|---|---|---|
+| 32,768 | 26.8 / 27.2 | 5,761 / 4,131 | 356 / 496 |
+| 65,536 | 34.2 / 34.8 | 9,732 / 8,998 | 210 / 228 |
+| 131,072 | 48.8 / 50.0 | 27,103 / 27,240 | 76 / 75 |
 
 0.229 GiB per 1k prompt tokens (64k -> 128k; the KV cache alone is 0.141), 17.2 GiB of weights: a 128k-token
 prompt peaks at 50.0 GiB of the H200's 139.8 (before: output_hidden_states of every layer and float32 logits
-of every position, 1.2 GiB per 1k tokens, out of memory past about 100k). Fused vs eager columns: largest
-float difference 1.2e-06, integer columns equal. Of the records' extra GPU time at 64 tokens (67 ms by the
-profiler), the draft's top-5 ids (torch.topk over 152k bf16 scores) took 34 ms and the fused reduction 21 ms.
-Those records figures predate the three-stage top-5 ids, the target rows without float32 probabilities and
-the slot tables that stay packed (issue 32's second part), which are yet to be measured on the GPU.
+of every position, 1.2 GiB per 1k tokens, out of memory past about 100k).
+
+Qwen3.5-9B-shaped hybrid, `--target qwen3.5-9b --contexts 64,4096,16384,131072 --runs 2` (transformers' reference
+PyTorch gated-delta-net and causal-conv1d kernels: flash-linear-attention and causal_conv1d were not installed):
+
+| prompt tokens | peak GiB (pass / records) | pass ms | analysed tok/s | records ratio |
+|---|---|---|---|---|
+| 64 | 22.2 / 28.3 | 426 / 433 | 4,809 / 4,729 | x1.18 / x1.21 |
+| 4,096 | 23.5 / 28.5 | 706 / 811 | 2,900 / 2,526 | x1.07 / x0.98 |
+| 16,384 | 24.4 / 29.2 | 1,961 / 1,745 | 1,044 / 1,173 | x1.00 / x1.06 |
+| 131,072 | 36.6 / 38.8 | 18,542 / 16,159 | 110 / 127 | x0.91 / x0.99 |
+
+0.109 GiB per 1k prompt tokens (16k -> 128k: only one layer in four keeps a KV cache), 18.6 GiB of weights, a
+128k-token prompt peaks at 38.8 GiB. Its pass times spread by up to 14.8% between the runs (the reference
+kernels launch many small operations), so its ratios are good to about +-0.1; an earlier single run of the
+same command gave x1.05, x1.27, x0.80 and x0.94. Fused vs eager columns: largest float difference 1.07e-06,
+integer columns equal, on both targets. The draft's top-5 ids as recorded equal a stable descending sort in
+every row; torch.topk orders ties its own way (229 of 960 rows at 152k ids, 315 at 248k) and took 1.16 ms
+(1.79 ms at 248k) against 0.74 ms (1.00 ms) for the three stages.
 
 Usage: python benchmarks/context_scaling.py [--target qwen3-8b|qwen3.5-9b|gpt-oss-20b]
        [--contexts 64,4096,16384,32768,65536,131072] [--output-tokens 2048] [--repeats 3] [--runs 1] [--tiny]
