@@ -107,7 +107,7 @@ class TokenRow:
     total_variation: float = _column(pa.float32())
     target_entropy: float = _column(pa.float32())
     target_top1_margin: float = _column(pa.float32())  # p1 - p2 of the target at T = 1: a miss near a tie is irreducible
-    draft_topk_ids: list[int] = _column(pa.list_(pa.int32()))
+    draft_topk_ids: list[int] = _column(pa.list_(pa.int32()))  # top 5 by score, ties lowest id first: the first is the argmax
     target_topk_ids: list[int] = _column(pa.list_(pa.int32()))
     target_category: str = _column(pa.string())  # dflash_doctor.stats.deviations.CATEGORIES, from the target tokenizer's pieces
     draft_category: str = _column(pa.string())  # the same for the drafted token
