@@ -341,6 +341,7 @@ def test_watch_once_on_a_log_without_engine_lines_exits_2(tmp_path, content):
 # 9. Text from users is inert in every output format
 
 HOSTILE = "evil\x1b]0;pwned\x07\x1b[2J[bold red]x[/]|`<b>b</b>\x00\x9b\ufffe"
+TRACKER = "![seen](http://tracker.example/p.png) [click](javascript:alert(1))"  # Markdown that would fetch or link
 RAW_CONTROLS = ("\x1b", "\x07", "\x00", "\x9b", "\ufffe")
 
 
@@ -351,7 +352,7 @@ def hostile_run(tmp_path_factory) -> Path:
     run_dir = make_fixture_run(tmp_path_factory.mktemp("hostile") / "run", classes=(HOSTILE, "math"), num_requests=6)
     meta = json.loads((run_dir / "run.json").read_text())
     for check in meta["checks"]:
-        check["summary"] = f"summary {HOSTILE}"
+        check["summary"] = f"summary {HOSTILE} {TRACKER}"
         for finding in check["findings"]:
             finding.update(message=f"message {HOSTILE}", evidence=f"evidence {HOSTILE}", fix=f"fix {HOSTILE}")
     (run_dir / "run.json").write_text(json.dumps(meta))
@@ -364,12 +365,13 @@ def test_every_report_format_carries_user_text_inertly(hostile_run, tmp_path):
     for suffix, text in by_suffix.items():
         assert not any(c in text for c in RAW_CONTROLS), suffix
     assert "evil\\x1b]0;pwned\\x07" in by_suffix[".md"] and "&lt;b&gt;" in by_suffix[".md"]
+    assert "](" not in by_suffix[".md"] and "![seen]\\(http://tracker.example/p.png)" in by_suffix[".md"]  # no image, no link
     assert "<b>b</b>" not in by_suffix[".html"]
     payload = json.loads(by_suffix[".json"])  # JSON escapes control characters itself: the value comes back exact
-    assert {check["summary"] for check in payload["checks"]} == {f"summary {HOSTILE}"}
+    assert {check["summary"] for check in payload["checks"]} == {f"summary {HOSTILE} {TRACKER}"}
     root = ET.fromstring(by_suffix[".xml"])  # every CI parses it: no XML-invalid character
     failure = root.find(".//failure")
-    assert failure is not None and "summary evil\\x1b]0;pwned\\x07\\x1b[2J[bold red]x[/]|`<b>b</b>\\x00\\x9b\\ufffe" == failure.get("message")
+    assert failure is not None and f"summary evil\\x1b]0;pwned\\x07\\x1b[2J[bold red]x[/]|`<b>b</b>\\x00\\x9b\\ufffe {TRACKER}" == failure.get("message")
 
 
 def test_the_terminal_views_show_control_sequences_as_text(hostile_run):

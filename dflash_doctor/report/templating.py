@@ -59,7 +59,9 @@ def markdown_cell(value: Any) -> Any:
     if isinstance(value, Markup):
         return value
     text = inert(value)  # control characters shown as escapes (report/sanitize.py)
-    for raw, escaped in (("&", "&amp;"), ("<", "&lt;"), (">", "&gt;"), ("|", "\\|"), ("`", "\\`")):
+    # "](" is where an inline link or image ends its text: "]\\(" keeps ``![x](http://tracker/p.png)`` a string
+    # (no request to that host when the report is viewed) while brackets of intervals stay as they are
+    for raw, escaped in (("&", "&amp;"), ("<", "&lt;"), (">", "&gt;"), ("|", "\\|"), ("`", "\\`"), ("](", "]\\(")):
         text = text.replace(raw, escaped)
     return " ".join(text.split("\n"))
 
