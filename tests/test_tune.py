@@ -140,7 +140,7 @@ def fake_servers():
 def test_tune_measures_fake_engines_fits_their_costs_and_recommends(tmp_path, fake_servers, monkeypatch):
     urls, costs = fake_servers
     out = tmp_path / "run"
-    result = _invoke(["--engine", ",".join(f"{k}={u}" for k, u in urls.items()), "--k", "0,2,4,8", "--loads", "1,2",
+    result = _invoke(["--engine", ",".join(f"{k}={u}" for k, u in urls.items()), "--k", "0,2,4,8", "--concurrency", "1,2",
                       "--workload", str(_workload(tmp_path)), "--max-new-tokens", str(MAX_TOKENS),
                       "--sweep", str(_sweep_run(tmp_path, [2, 4, 8])), "--out", str(out)])
     assert result.exit_code == 0, result.output
@@ -252,7 +252,7 @@ def test_tune_launches_each_k_and_stops_its_process_group(tmp_path):
     (["--engine", "http://127.0.0.1:1", "--k", "0,2"], "one running server per K"),
     (["--engine", "0=http://127.0.0.1:1", "--k", "0,x"], "is not a list like 0,2,8"),
     (["--engine", "0=http://127.0.0.1:1,2=http://127.0.0.1:1", "--k", "0,2", "--fit-k", "4"], "names K that --k 0,2 does not measure"),
-    (["--engine", "0=http://127.0.0.1:1", "--k", "0", "--loads", "0"], "--loads '0' must hold integers >= 1"),
+    (["--engine", "0=http://127.0.0.1:1", "--k", "0", "--concurrency", "0"], "--concurrency '0' must hold integers >= 1"),
 ])
 def test_bad_tune_input_is_one_sentence_and_exit_2(args, says):
     result = _invoke(args)
