@@ -127,7 +127,7 @@ def analyse(rows: pd.DataFrame, throughput: dict[tuple[int, Any], dict[str, floa
                     base_rate = throughput.get((0, load), {}).get("output_tokens_per_s")
                     if base_rate:
                         cell["throughput_speedup"] = cell["output_tokens_per_s"] / base_rate
-                cells.append(_finite(cell))
+                cells.append(_finite(cell) | {kind: load})  # a request rate may be inf (all at once), unlike a figure
     return cells
 
 
