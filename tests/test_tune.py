@@ -132,6 +132,9 @@ def test_vllm_setting_per_batch_size_and_speculation_off():
     assert '"num_speculative_tokens": 3' in engine_settings(picks({1: 3, 4: 3}))["vllm"]
     assert engine_settings(picks({1: 3}))["sglang"] == "--speculative-num-draft-tokens 4"
     assert engine_settings(picks({1: 0, 4: 0}))["vllm"].startswith("speculation off")
+    by_rate = engine_settings({"2": {"overall": {"k": 4}}, "inf": {"overall": {"k": 2}}}, kind=REQUEST_RATE)["vllm"]
+    assert by_rate.startswith("K differs by load (request rate 2/s: K=4, request rate inf (all at once): K=2)")
+    assert "keys on batch size, not arrival rate" in by_rate and "--speculative-config" not in by_rate
 
 
 @pytest.fixture
@@ -264,6 +267,7 @@ def test_tune_launches_each_k_and_stops_its_process_group(tmp_path):
     (["--engine", "0=http://127.0.0.1:1", "--k", "0", "--request-rate", "-1"], "--request-rate '-1' must be requests per second above 0"),
     (["--engine", "0=http://127.0.0.1:1", "--k", "0", "--request-rate", "fast"], "--request-rate 'fast' must be requests per second above 0"),
     (["--engine", "0=http://127.0.0.1:1", "--k", "0", "--request-rate", "2", "--burstiness", "0"], "--burstiness 0.0 must be above 0"),
+    (["--engine", "0=http://127.0.0.1:1", "--k", "0", "--concurrency", "2", "--burstiness", "0.5"], "give --request-rate too, or drop --burstiness"),
 ])
 def test_bad_tune_input_is_one_sentence_and_exit_2(args, says):
     result = _invoke(args)

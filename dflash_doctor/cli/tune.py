@@ -29,8 +29,8 @@ RequestRate = Annotated[Optional[str], typer.Option(
     "--request-rate",
     help="Open loop, instead of --concurrency: requests per second arriving whatever is in flight (production "
          "traffic; `vllm bench serve --request-rate`), e.g. 2,4,inf (inf = all at once); arrivals seeded by --seed.")]
-Burstiness = Annotated[float, typer.Option(
-    "--burstiness", help="With --request-rate: gamma shape of the inter-arrival times (1 = Poisson, below 1 burstier, above 1 steadier).")]
+Burstiness = Annotated[Optional[float], typer.Option(
+    "--burstiness", show_default="1", help="With --request-rate: gamma shape of the inter-arrival times (1 = Poisson, below 1 burstier, above 1 steadier).")]
 FitK = Annotated[Optional[str], typer.Option("--fit-k", help="The K the step costs are fitted from (default: the two smallest K > 0); the others are predicted.")]
 SweepDir = Annotated[Optional[str], typer.Option("--sweep", help="An earlier `sweep` run of the same workload and pair, instead of replaying here.")]
 StartTimeout = Annotated[float, typer.Option("--start-timeout", help="Seconds to wait for a server to answer GET /v1/models.")]
@@ -48,7 +48,7 @@ def tune(
     k: TuneK = "0,2,4,8",
     concurrency: Concurrency = None,
     request_rate: RequestRate = None,
-    burstiness: Burstiness = 1.0,
+    burstiness: Burstiness = None,
     fit_k: FitK = None,
     sweep: SweepDir = None,
     start_timeout: StartTimeout = 900.0,
@@ -65,9 +65,11 @@ def tune(
         raise UsageError(f"--fit-k {','.join(map(str, fit_ks))} names K that --k {k} does not measure; fit from K in the grid.")
     if concurrency is not None and request_rate is not None:
         raise UsageError("--concurrency (closed loop) and --request-rate (open loop) are two ways to load the server; give one.")
-    if not burstiness > 0:
+    if burstiness is not None and request_rate is None:
+        raise UsageError("--burstiness shapes the arrivals of --request-rate; give --request-rate too, or drop --burstiness.")
+    if burstiness is not None and not burstiness > 0:
         raise UsageError(f"--burstiness {burstiness} must be above 0 (1 = Poisson arrivals); fix the value.")
-    loads = (tuple(LoadLevel(REQUEST_RATE, rate, burstiness) for rate in parse_rates(request_rate)) if request_rate is not None else
+    loads = (tuple(LoadLevel(REQUEST_RATE, rate, burstiness or 1.0) for rate in parse_rates(request_rate)) if request_rate is not None else
              tuple(LoadLevel(CONCURRENCY, level) for level in parse_grid(concurrency or "1", "--concurrency", minimum=1)))
     grid = TuneGrid(ks=ks, loads=loads, fit_ks=fit_ks, engine=engine, launch=launch,
                     launch_baseline=launch_baseline, sweep_dir=sweep, start_timeout_s=start_timeout)
