@@ -147,7 +147,7 @@ def cell(cells: list[dict[str, Any]], load: Any, k: int, scope: str = OVERALL) -
     return next((c for c in cells if load_of(c) == load and c["k"] == k and c["scope"] == scope), None)
 
 
-def fill_from_counters(cells: list[dict[str, Any]], rows: pd.DataFrame, counters: dict[tuple[int, int], Any]) -> None:
+def fill_from_counters(cells: list[dict[str, Any]], rows: pd.DataFrame, counters: dict[tuple[int, Any], Any]) -> None:
     """Overall tau, rollback and step time from the server's /metrics deltas over a run, where its
     responses carried no per-request figures (a server started without them); no interval, no classes.
     ``counters[(K, load)]`` is a :class:`~dflash_doctor.serving.responses.SpecMeasurement`."""
