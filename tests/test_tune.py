@@ -322,7 +322,8 @@ def test_an_open_loop_sends_each_request_at_its_offset_while_earlier_ones_are_in
     offsets = dict(zip(prompts, rate.arrival_offsets(len(prompts), seed=7)))
     first = min(offsets, key=offsets.__getitem__)
     for prompt, offset in offsets.items():
-        assert open_arrivals[prompt] - open_arrivals[first] == pytest.approx(offset - offsets[first], abs=0.08), prompt
+        # 0.15 s: thread wake-ups on a busy shared machine; waiting for earlier answers would put the last ~3 s late
+        assert open_arrivals[prompt] - open_arrivals[first] == pytest.approx(offset - offsets[first], abs=0.15), prompt
     e2e = min(r.e2e_s for r in open_run.requests)
     assert e2e > 0.4 and max(open_arrivals.values()) - min(open_arrivals.values()) < 2 * e2e  # eight ~0.5 s requests overlapped
     by_start = sorted(closed_arrivals.values())
