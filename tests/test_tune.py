@@ -268,6 +268,8 @@ def test_tune_launches_each_k_and_stops_its_process_group(tmp_path):
     (["--engine", "0=http://127.0.0.1:1", "--k", "0", "--request-rate", "fast"], "--request-rate 'fast' must be requests per second above 0"),
     (["--engine", "0=http://127.0.0.1:1", "--k", "0", "--request-rate", "2", "--burstiness", "0"], "--burstiness 0.0 must be above 0"),
     (["--engine", "0=http://127.0.0.1:1", "--k", "0", "--concurrency", "2", "--burstiness", "0.5"], "give --request-rate too, or drop --burstiness"),
+    (["--engine", "0=http://127.0.0.1:1", "--k", "0", "--max-concurrency", "2"], "give --request-rate too, or drop --max-concurrency"),
+    (["--engine", "0=http://127.0.0.1:1", "--k", "0", "--request-rate", "2", "--max-concurrency", "0"], "--max-concurrency 0 must be 1 or more"),
 ])
 def test_bad_tune_input_is_one_sentence_and_exit_2(args, says):
     result = _invoke(args)
@@ -300,8 +302,8 @@ def test_the_arrival_schedule_is_seeded_with_mean_gap_1_over_rate_and_burstiness
 
 def test_an_open_loop_sends_each_request_at_its_offset_while_earlier_ones_are_in_flight(tmp_path):
     """The fake engine records when each request arrives: at a request rate they arrive at the schedule's
-    offsets although each takes ~0.5 s and the next is due ~0.12 s later; at concurrency 1 each waits for
-    the previous answer."""
+    offsets although each takes ~0.5 s and the next is due ~0.12 s later; at concurrency 1, and at the rate
+    capped by max_concurrency 1, each waits for the previous answer."""
     prompts = [f"chat: item {i}" for i in range(8)]
     workload = tmp_path / "w.jsonl"
     workload.write_text("".join(json.dumps({"id": f"r{i}", "class": "chat", "prompt": p}) + "\n" for i, p in enumerate(prompts)))
@@ -317,6 +319,9 @@ def test_an_open_loop_sends_each_request_at_its_offset_while_earlier_ones_are_in
         arrivals.clear()
         closed_run = run_load(endpoint, requests, config, k=0, load=LoadLevel(CONCURRENCY, 1))
         closed_arrivals = dict(arrivals)
+        arrivals.clear()
+        run_load(endpoint, requests, config, k=0, load=LoadLevel(REQUEST_RATE, 8.0, max_concurrency=1))
+        capped_arrivals = dict(arrivals)
     finally:
         server.shutdown()
     offsets = dict(zip(prompts, rate.arrival_offsets(len(prompts), seed=7)))
@@ -326,8 +331,9 @@ def test_an_open_loop_sends_each_request_at_its_offset_while_earlier_ones_are_in
         assert open_arrivals[prompt] - open_arrivals[first] == pytest.approx(offset - offsets[first], abs=0.15), prompt
     e2e = min(r.e2e_s for r in open_run.requests)
     assert e2e > 0.4 and max(open_arrivals.values()) - min(open_arrivals.values()) < 2 * e2e  # eight ~0.5 s requests overlapped
-    by_start = sorted(closed_arrivals.values())
-    assert all(later - earlier >= 0.9 * e2e for earlier, later in zip(by_start, by_start[1:]))
+    for waited in (closed_arrivals, capped_arrivals):  # --max-concurrency 1: a due arrival waits for the slot
+        by_start = sorted(waited.values())
+        assert all(later - earlier >= 0.9 * e2e for earlier, later in zip(by_start, by_start[1:]))
     assert open_run.wall_s < closed_run.wall_s / 2
 
 
@@ -349,7 +355,7 @@ def test_tune_at_two_request_rates_names_the_rates_everywhere(tmp_path, fake_ser
     assert tune["cost_profiles"] == {"4": "cost-profile-r4.json", "inf": "cost-profile-rinf.json"}
     assert "at request rate 4/s from K 2, 4" in json.loads((out / "cost-profile-r4.json").read_text())["notes"]
     report = (out / "report.md").read_text()
-    assert "request rate 4, inf per second (open loop" in report
+    assert "request rate 4, inf per second (open loop: gamma arrivals of burstiness 1.00, 1 = Poisson; no cap on requests in flight)" in report
     assert "- request rate 4/s, overall: " in report and "- request rate inf (all at once), overall: " in report
     assert "concurrency" not in report.replace("--concurrency", "")
     dashboard = _dashboard_tune_page(monkeypatch, tmp_path)

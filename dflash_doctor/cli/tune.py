@@ -31,6 +31,9 @@ RequestRate = Annotated[Optional[str], typer.Option(
          "traffic; `vllm bench serve --request-rate`), e.g. 2,4,inf (inf = all at once); arrivals seeded by --seed.")]
 Burstiness = Annotated[Optional[float], typer.Option(
     "--burstiness", show_default="1", help="With --request-rate: gamma shape of the inter-arrival times (1 = Poisson, below 1 burstier, above 1 steadier).")]
+MaxConcurrency = Annotated[Optional[int], typer.Option(
+    "--max-concurrency", show_default="no cap",
+    help="With --request-rate: at most this many requests in flight; a later arrival waits for a slot (`vllm bench serve --max-concurrency`).")]
 FitK = Annotated[Optional[str], typer.Option("--fit-k", help="The K the step costs are fitted from (default: the two smallest K > 0); the others are predicted.")]
 SweepDir = Annotated[Optional[str], typer.Option("--sweep", help="An earlier `sweep` run of the same workload and pair, instead of replaying here.")]
 StartTimeout = Annotated[float, typer.Option("--start-timeout", help="Seconds to wait for a server to answer GET /v1/models.")]
@@ -49,6 +52,7 @@ def tune(
     concurrency: Concurrency = None,
     request_rate: RequestRate = None,
     burstiness: Burstiness = None,
+    max_concurrency: MaxConcurrency = None,
     fit_k: FitK = None,
     sweep: SweepDir = None,
     start_timeout: StartTimeout = 900.0,
@@ -65,11 +69,14 @@ def tune(
         raise UsageError(f"--fit-k {','.join(map(str, fit_ks))} names K that --k {k} does not measure; fit from K in the grid.")
     if concurrency is not None and request_rate is not None:
         raise UsageError("--concurrency (closed loop) and --request-rate (open loop) are two ways to load the server; give one.")
-    if burstiness is not None and request_rate is None:
-        raise UsageError("--burstiness shapes the arrivals of --request-rate; give --request-rate too, or drop --burstiness.")
+    for flag, value in (("--burstiness", burstiness), ("--max-concurrency", max_concurrency)):
+        if value is not None and request_rate is None:
+            raise UsageError(f"{flag} shapes the arrivals of --request-rate; give --request-rate too, or drop {flag}.")
+    if max_concurrency is not None and max_concurrency < 1:
+        raise UsageError(f"--max-concurrency {max_concurrency} must be 1 or more requests in flight; fix the value.")
     if burstiness is not None and not burstiness > 0:
         raise UsageError(f"--burstiness {burstiness} must be above 0 (1 = Poisson arrivals); fix the value.")
-    loads = (tuple(LoadLevel(REQUEST_RATE, rate, burstiness or 1.0) for rate in parse_rates(request_rate)) if request_rate is not None else
+    loads = (tuple(LoadLevel(REQUEST_RATE, rate, burstiness or 1.0, max_concurrency) for rate in parse_rates(request_rate)) if request_rate is not None else
              tuple(LoadLevel(CONCURRENCY, level) for level in parse_grid(concurrency or "1", "--concurrency", minimum=1)))
     grid = TuneGrid(ks=ks, loads=loads, fit_ks=fit_ks, engine=engine, launch=launch,
                     launch_baseline=launch_baseline, sweep_dir=sweep, start_timeout_s=start_timeout)

@@ -6,7 +6,8 @@ batch size); ``request_rate`` R sends each request at its own arrival time whate
 (production traffic): inter-arrival times gamma-distributed with shape = burstiness and mean 1 / R (1 =
 Poisson; below 1 burstier, above 1 steadier), drawn from the run's seed so every K sees the same offsets,
 and scaled so the last one falls at N / R (vllm/benchmarks/serve.py ``get_request``); R = inf sends all at
-once. The two differ only in when a request starts; the measuring is one path.
+once; ``max_concurrency`` caps the requests in flight (a late arrival waits for a slot, as ``vllm bench
+serve --max-concurrency`` with a rate). The two differ only in when a request starts; the measuring is one path.
 
 Each request is one streamed OpenAI call (the body :func:`dflash_doctor.serving.engine_run.request_body`
 builds for ``check --engine``, with ``stream`` on and ``stream_options.include_usage`` so the final
@@ -109,11 +110,13 @@ def load_label(kind: str, value: Any) -> str:
 @dataclass(frozen=True)
 class LoadLevel:
     """One load level: ``concurrency`` requests in flight (closed loop) or ``request_rate`` requests per second
-    arriving with gamma inter-arrival times of shape ``burstiness`` (open loop); see the module doc."""
+    arriving with gamma inter-arrival times of shape ``burstiness``, at most ``max_concurrency`` in flight
+    (open loop); see the module doc."""
 
     kind: str
     value: int | float
     burstiness: float = 1.0
+    max_concurrency: int | None = None
 
     @property
     def label(self) -> str:
@@ -127,8 +130,11 @@ class LoadLevel:
         return arrival_offsets(num_requests, float(self.value), self.burstiness, seed)
 
     def workers(self, num_requests: int) -> int:
-        """Threads sending: the concurrency, or one per request (an open loop waits for nothing in flight)."""
-        return int(self.value) if self.kind == CONCURRENCY else max(num_requests, 1)
+        """Threads sending: the concurrency, or one per request up to the cap (an open loop waits for nothing
+        in flight; the threads take requests in arrival order, so a capped one starts when a slot frees)."""
+        if self.kind == CONCURRENCY:
+            return int(self.value)
+        return max(min(num_requests, self.max_concurrency or num_requests), 1)
 
 
 def arrival_offsets(num_requests: int, rate: float, burstiness: float, seed: int) -> list[float]:

@@ -71,7 +71,8 @@ def grid_line(result: dict[str, Any]) -> str:
     grid, kind = result["grid"], _kind(result)
     loads = ", ".join(load_text(load) for load in grid["loads"])
     sent = (f"loads: concurrency {loads} (closed loop: that many requests in flight)" if kind == CONCURRENCY else
-            f"loads: request rate {loads} per second (open loop: gamma arrivals of burstiness {fmt(grid['burstiness'])}, 1 = Poisson)")
+            f"loads: request rate {loads} per second (open loop: gamma arrivals of burstiness {fmt(grid['burstiness'])}, 1 = Poisson; "
+            + ("no cap on requests in flight)" if grid["max_concurrency"] is None else f"at most {grid['max_concurrency']} in flight)"))
     return (f"K grid {grid['k']} (0 = speculation off), {sent}, {grid['num_requests']} requests per cell, "
             f"costs fitted from K {grid['fit_k']}.")
 
