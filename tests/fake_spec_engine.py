@@ -48,8 +48,9 @@ def per_step_accepted(prompt: str, k: int, max_tokens: int) -> list[int]:
     return steps
 
 
-def make_handler(k: int, costs: FakeCosts, per_request: bool = True):
-    """``per_request=False``: a server started without per-request metrics; only ``/metrics`` counts."""
+def make_handler(k: int, costs: FakeCosts, per_request: bool = True, arrivals: list[tuple[str, float]] | None = None):
+    """``per_request=False``: a server started without per-request metrics; only ``/metrics`` counts.
+    ``arrivals``: each request's (prompt, time.perf_counter() when it arrived) is appended to it."""
     totals = {"drafts": 0, "draft_tokens": 0, "accepted": 0}
     per_pos = [0] * k
     lock = threading.Lock()
@@ -72,8 +73,12 @@ def make_handler(k: int, costs: FakeCosts, per_request: bool = True):
                 self.send_error(404)
 
         def do_POST(self) -> None:  # noqa: N802 (http.server API)
+            arrived = time.perf_counter()
             body = self.read_json()
             prompt = body.get("prompt") or " ".join(m.get("content") or "" for m in body.get("messages") or [])
+            if arrivals is not None:
+                with lock:
+                    arrivals.append((prompt, arrived))
             chat = "messages" in body
             n = int(body["max_tokens"])
             self.send_response(200)
@@ -117,9 +122,10 @@ def make_handler(k: int, costs: FakeCosts, per_request: bool = True):
     return Handler
 
 
-def start(k: int, costs: FakeCosts = FakeCosts(), port: int = 0, per_request: bool = True) -> ThreadingHTTPServer:
+def start(k: int, costs: FakeCosts = FakeCosts(), port: int = 0, per_request: bool = True,
+          arrivals: list[tuple[str, float]] | None = None) -> ThreadingHTTPServer:
     """Serve in a daemon thread; ``server.server_address[1]`` is the port; ``shutdown()`` stops it."""
-    server = ThreadingHTTPServer(("127.0.0.1", port), make_handler(k, costs, per_request))
+    server = ThreadingHTTPServer(("127.0.0.1", port), make_handler(k, costs, per_request, arrivals))
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server

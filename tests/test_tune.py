@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 import json
+import math
 import socket
 import sys
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 from streamlit.testing.v1 import AppTest
@@ -18,7 +20,11 @@ from dflash_doctor.cli import app
 from dflash_doctor.stats.speedup import load_cost_profile
 from dflash_doctor.tune.advice import batch_ranges, engine_settings, recommend_grid
 from dflash_doctor.tune.analysis import analyse, cell
+from dflash_doctor.inputs.config import build_config
+from dflash_doctor.inputs.workloads import load_workload
+from dflash_doctor.serving.client import EngineEndpoint, resolve_model
 from dflash_doctor.tune.experiment import redact
+from dflash_doctor.tune.measure import CONCURRENCY, REQUEST_RATE, LoadLevel, arrival_offsets, first_turns, run_load
 from dflash_doctor.tune.prediction import fit_costs, predict
 
 import fake_spec_engine as fake
@@ -126,6 +132,9 @@ def test_vllm_setting_per_batch_size_and_speculation_off():
     assert '"num_speculative_tokens": 3' in engine_settings(picks({1: 3, 4: 3}))["vllm"]
     assert engine_settings(picks({1: 3}))["sglang"] == "--speculative-num-draft-tokens 4"
     assert engine_settings(picks({1: 0, 4: 0}))["vllm"].startswith("speculation off")
+    by_rate = engine_settings({"2": {"overall": {"k": 4}}, "inf": {"overall": {"k": 2}}}, kind=REQUEST_RATE)["vllm"]
+    assert by_rate.startswith("K differs by load (request rate 2/s: K=4, request rate inf (all at once): K=2)")
+    assert "keys on batch size, not arrival rate" in by_rate and "--speculative-config" not in by_rate
 
 
 @pytest.fixture
@@ -140,7 +149,7 @@ def fake_servers():
 def test_tune_measures_fake_engines_fits_their_costs_and_recommends(tmp_path, fake_servers, monkeypatch):
     urls, costs = fake_servers
     out = tmp_path / "run"
-    result = _invoke(["--engine", ",".join(f"{k}={u}" for k, u in urls.items()), "--k", "0,2,4,8", "--loads", "1,2",
+    result = _invoke(["--engine", ",".join(f"{k}={u}" for k, u in urls.items()), "--k", "0,2,4,8", "--concurrency", "1,2",
                       "--workload", str(_workload(tmp_path)), "--max-new-tokens", str(MAX_TOKENS),
                       "--sweep", str(_sweep_run(tmp_path, [2, 4, 8])), "--out", str(out)])
     assert result.exit_code == 0, result.output
@@ -252,9 +261,103 @@ def test_tune_launches_each_k_and_stops_its_process_group(tmp_path):
     (["--engine", "http://127.0.0.1:1", "--k", "0,2"], "one running server per K"),
     (["--engine", "0=http://127.0.0.1:1", "--k", "0,x"], "is not a list like 0,2,8"),
     (["--engine", "0=http://127.0.0.1:1,2=http://127.0.0.1:1", "--k", "0,2", "--fit-k", "4"], "names K that --k 0,2 does not measure"),
-    (["--engine", "0=http://127.0.0.1:1", "--k", "0", "--loads", "0"], "--loads '0' must hold integers >= 1"),
+    (["--engine", "0=http://127.0.0.1:1", "--k", "0", "--concurrency", "0"], "--concurrency '0' must hold integers >= 1"),
+    (["--engine", "0=http://127.0.0.1:1", "--k", "0", "--concurrency", "2", "--request-rate", "2"], "two ways to load the server; give one"),
+    (["--engine", "0=http://127.0.0.1:1", "--k", "0", "--request-rate", "2,0"], "--request-rate '2,0' must be requests per second above 0"),
+    (["--engine", "0=http://127.0.0.1:1", "--k", "0", "--request-rate", "-1"], "--request-rate '-1' must be requests per second above 0"),
+    (["--engine", "0=http://127.0.0.1:1", "--k", "0", "--request-rate", "fast"], "--request-rate 'fast' must be requests per second above 0"),
+    (["--engine", "0=http://127.0.0.1:1", "--k", "0", "--request-rate", "2", "--burstiness", "0"], "--burstiness 0.0 must be above 0"),
+    (["--engine", "0=http://127.0.0.1:1", "--k", "0", "--concurrency", "2", "--burstiness", "0.5"], "give --request-rate too, or drop --burstiness"),
+    (["--engine", "0=http://127.0.0.1:1", "--k", "0", "--max-concurrency", "2"], "give --request-rate too, or drop --max-concurrency"),
+    (["--engine", "0=http://127.0.0.1:1", "--k", "0", "--request-rate", "2", "--max-concurrency", "0"], "--max-concurrency 0 must be 1 or more"),
 ])
 def test_bad_tune_input_is_one_sentence_and_exit_2(args, says):
     result = _invoke(args)
     assert result.exit_code == 2
     assert says in result.output and "Traceback" not in result.output
+
+
+def _gaps(offsets: list[float]) -> np.ndarray:
+    return np.diff([0.0, *offsets])
+
+
+def test_the_arrival_schedule_is_seeded_with_mean_gap_1_over_rate_and_burstiness_sets_its_spread():
+    """vLLM's schedule: gamma gaps of shape = burstiness and mean 1 / rate (coefficient of variation
+    1 / sqrt(burstiness): 1 for Poisson), the same offsets for the same seed; rate inf sends all at 0."""
+    poisson = arrival_offsets(4000, 4.0, 1.0, seed=3)
+    assert poisson == arrival_offsets(4000, 4.0, 1.0, seed=3) and poisson != arrival_offsets(4000, 4.0, 1.0, seed=4)
+    assert all(b > a for a, b in zip(poisson, poisson[1:]))
+    for seed in range(5):
+        gaps = _gaps(arrival_offsets(4000, 4.0, 1.0, seed=seed))
+        assert gaps.mean() == pytest.approx(0.25, rel=1e-9)  # scaled so the last arrival is at n / rate
+        assert gaps.std() / gaps.mean() == pytest.approx(1.0, rel=0.1)
+        assert (gaps < 0.25).mean() == pytest.approx(1 - math.exp(-1), abs=0.03)  # exponential: P(gap < mean) = 1 - 1/e
+    for burstiness in (0.25, 4.0):
+        gaps = _gaps(arrival_offsets(4000, 4.0, burstiness, seed=0))
+        assert gaps.mean() == pytest.approx(0.25, rel=1e-9)
+        assert gaps.std() / gaps.mean() == pytest.approx(1 / math.sqrt(burstiness), rel=0.1)
+    assert arrival_offsets(5, math.inf, 1.0, seed=0) == [0.0] * 5
+    assert LoadLevel(CONCURRENCY, 3).arrival_offsets(5, seed=0) == [0.0] * 5
+
+
+def test_an_open_loop_sends_each_request_at_its_offset_while_earlier_ones_are_in_flight(tmp_path):
+    """The fake engine records when each request arrives: at a request rate they arrive at the schedule's
+    offsets although each takes ~0.5 s and the next is due ~0.12 s later; at concurrency 1, and at the rate
+    capped by max_concurrency 1, each waits for the previous answer."""
+    prompts = [f"chat: item {i}" for i in range(8)]
+    workload = tmp_path / "w.jsonl"
+    workload.write_text("".join(json.dumps({"id": f"r{i}", "class": "chat", "prompt": p}) + "\n" for i, p in enumerate(prompts)))
+    requests = first_turns(load_workload(str(workload)))
+    config = build_config(max_new_tokens=MAX_TOKENS, seed=7)
+    arrivals: list[tuple[str, float]] = []
+    server = fake.start(0, arrivals=arrivals)
+    try:
+        endpoint = resolve_model(EngineEndpoint.from_url(f"http://127.0.0.1:{server.server_address[1]}"))
+        rate = LoadLevel(REQUEST_RATE, 8.0)
+        open_run = run_load(endpoint, requests, config, k=0, load=rate)
+        open_arrivals = dict(arrivals)
+        arrivals.clear()
+        closed_run = run_load(endpoint, requests, config, k=0, load=LoadLevel(CONCURRENCY, 1))
+        closed_arrivals = dict(arrivals)
+        arrivals.clear()
+        run_load(endpoint, requests, config, k=0, load=LoadLevel(REQUEST_RATE, 8.0, max_concurrency=1))
+        capped_arrivals = dict(arrivals)
+    finally:
+        server.shutdown()
+    offsets = dict(zip(prompts, rate.arrival_offsets(len(prompts), seed=7)))
+    first = min(offsets, key=offsets.__getitem__)
+    for prompt, offset in offsets.items():
+        # 0.15 s: thread wake-ups on a busy shared machine; waiting for earlier answers would put the last ~3 s late
+        assert open_arrivals[prompt] - open_arrivals[first] == pytest.approx(offset - offsets[first], abs=0.15), prompt
+    e2e = min(r.e2e_s for r in open_run.requests)
+    assert e2e > 0.4 and max(open_arrivals.values()) - min(open_arrivals.values()) < 2 * e2e  # eight ~0.5 s requests overlapped
+    for waited in (closed_arrivals, capped_arrivals):  # --max-concurrency 1: a due arrival waits for the slot
+        by_start = sorted(waited.values())
+        assert all(later - earlier >= 0.9 * e2e for earlier, later in zip(by_start, by_start[1:]))
+    assert open_run.wall_s < closed_run.wall_s / 2
+
+
+def test_tune_at_two_request_rates_names_the_rates_everywhere(tmp_path, fake_servers, monkeypatch):
+    urls, _ = fake_servers
+    out = tmp_path / "run"
+    result = _invoke(["--engine", ",".join(f"{k}={urls[k]}" for k in (0, 2, 4)), "--k", "0,2,4", "--request-rate", "inf,4",
+                      "--workload", str(_workload(tmp_path)), "--max-new-tokens", str(MAX_TOKENS),
+                      "--sweep", str(_sweep_run(tmp_path, [2, 4])), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    tune = json.loads((out / "tune.json").read_text())
+    assert tune["grid"]["loads"] == [4.0, "inf"] and tune["grid"]["burstiness"] == 1.0
+    assert all("concurrency" not in c for c in tune["cells"]) and {c["request_rate"] for c in tune["cells"]} == {4.0, "inf"}
+    requests = pd.read_parquet(out / "requests.parquet")
+    assert set(requests["request_rate"]) == {4.0, math.inf} and "concurrency" not in requests
+    for rate in (4.0, "inf"):
+        assert cell(tune["cells"], rate, 2, "math")["tau"] == pytest.approx(_expected_tau("math", 2))  # the engine's counts, at any timing
+    assert set(tune["recommendation"]) == set(tune["fits"]) == set(tune["baseline_drift"]) == {"4", "inf"}
+    assert tune["cost_profiles"] == {"4": "cost-profile-r4.json", "inf": "cost-profile-rinf.json"}
+    assert "at request rate 4/s from K 2, 4" in json.loads((out / "cost-profile-r4.json").read_text())["notes"]
+    report = (out / "report.md").read_text()
+    assert "request rate 4, inf per second (open loop: gamma arrivals of burstiness 1.00, 1 = Poisson; no cap on requests in flight)" in report
+    assert "- request rate 4/s, overall: " in report and "- request rate inf (all at once), overall: " in report
+    assert "concurrency" not in report.replace("--concurrency", "")
+    dashboard = _dashboard_tune_page(monkeypatch, tmp_path)
+    assert len(list(dashboard.get("plotly_chart"))) == 3
+    assert any("request rate 4, inf per second" in str(c.value) for c in dashboard.caption)

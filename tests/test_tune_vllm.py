@@ -28,7 +28,7 @@ from dflash_doctor.cli import app
 from dflash_doctor.inputs.config import build_config
 from dflash_doctor.inputs.workloads import load_workload
 from dflash_doctor.serving.client import EngineEndpoint, resolve_model
-from dflash_doctor.tune.measure import first_turns, run_load, stream_request
+from dflash_doctor.tune.measure import CONCURRENCY, LoadLevel, first_turns, run_load, stream_request
 from dflash_doctor.models.loading import DEMO_DRAFT_DIR, demo_target_path, resolve_model_dir
 from dflash_doctor.stats.speedup import load_cost_profile
 from tests.vllm_server import SERVED_NAME, VLLM_ENV, VLLM_PYTHON, free_port, start_vllm_server, vllm_command
@@ -36,7 +36,7 @@ from tests.vllm_server import SERVED_NAME, VLLM_ENV, VLLM_PYTHON, free_port, sta
 pytestmark = pytest.mark.vllm
 
 HELD_OUT_TOLERANCE = 1.0  # relative error of the predicted speedup at the held-out K on two shared CPU cores
-GRID = ["--k", "0,2,4,8", "--fit-k", "2,4", "--loads", "1", "--workload", "demo", "--max-requests", "6", "--max-new-tokens", "48", "--seed", "0"]
+GRID = ["--k", "0,2,4,8", "--fit-k", "2,4", "--concurrency", "1", "--workload", "demo", "--max-requests", "6", "--max-new-tokens", "48", "--seed", "0"]
 
 
 def _launch_templates(port: int) -> tuple[str, str]:
@@ -131,14 +131,14 @@ def test_tune_latency_and_throughput_agree_with_vllm_bench_serve(tmp_path):
         stream_request(endpoint, requests[0], config)  # warm-up, as tune does per server
         # doctor, vllm bench, doctor again: the doctor's two passes pooled sit around the bench's in time,
         # so a machine slowing down or warming up during the test does not count as disagreement
-        passes = [run_load(endpoint, requests, config, k=0, concurrency=2)]
+        passes = [run_load(endpoint, requests, config, k=0, load=LoadLevel(CONCURRENCY, 2))]
         subprocess.run([str(VLLM_PYTHON), "-c", VLLM_BENCH_SERVE, "--backend", "openai-chat",
                         "--base-url", server.url, "--endpoint", "/v1/chat/completions", "--model", SERVED_NAME, "--tokenizer", str(target),
                         "--dataset-name", "sharegpt", "--dataset-path", str(sharegpt), "--disable-shuffle", "--sharegpt-output-len", "48",
                         "--num-prompts", str(len(requests)), "--max-concurrency", "2", "--request-rate", "inf", "--temperature", "0",
                         "--disable-tqdm", "--save-result", "--result-dir", str(tmp_path), "--result-filename", "bench.json"],
                        check=True, timeout=600, env={**os.environ, **VLLM_ENV}, stdout=subprocess.DEVNULL)
-        passes.append(run_load(endpoint, requests, config, k=0, concurrency=2))
+        passes.append(run_load(endpoint, requests, config, k=0, load=LoadLevel(CONCURRENCY, 2)))
     finally:
         server.stop()
     bench = json.loads((tmp_path / "bench.json").read_text())

@@ -11,7 +11,8 @@ import streamlit as st
 
 from dflash_doctor.app import ui
 from dflash_doctor.tune.experiment import TUNE_FILE
-from dflash_doctor.tune.views import MEASURED_COLUMNS, PREDICTION_COLUMNS, figures, fit_lines, measured_rows, prediction_rows, recommendation_lines
+from dflash_doctor.tune.views import (MEASURED_COLUMNS, PREDICTION_COLUMNS, figures, fit_lines, grid_line, measured_rows, prediction_rows,
+                                     recommendation_lines)
 
 st.title("Tune: K on your engine")
 found = sorted((str(path.parent) for path in ui.runs_dir().rglob(TUNE_FILE)), reverse=True)
@@ -20,8 +21,7 @@ if not found:
     st.stop()
 picked = st.selectbox("Tune run", found)
 result = json.loads((Path(picked) / TUNE_FILE).read_text(encoding="utf-8"))
-grid = result["grid"]
-st.caption(f"K grid {grid['k']} (0 = off) · loads {grid['loads']} · {grid['num_requests']} requests per cell · costs fitted from K {grid['fit_k']}")
+st.caption(grid_line(result))
 
 st.header("Recommendation")
 for line in recommendation_lines(result):

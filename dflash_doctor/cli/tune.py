@@ -13,15 +13,27 @@ from dflash_doctor.cli import options as opt
 from dflash_doctor.cli.root import app
 from dflash_doctor.errors import UsageError
 from dflash_doctor.inputs.config import DoctorConfig
-from dflash_doctor.tune.experiment import TuneGrid, default_fit_ks, parse_grid, run_tune
-from dflash_doctor.tune.measure import TimedRequest
+from dflash_doctor.tune.experiment import TuneGrid, default_fit_ks, parse_grid, parse_rates, run_tune
+from dflash_doctor.tune.measure import CONCURRENCY, REQUEST_RATE, LoadLevel, TimedRequest
 from dflash_doctor.tune.views import print_tune, write_reports
 
 Launch = Annotated[Optional[str], typer.Option("--launch", help="Shell command starting the server with speculation; {k} is replaced by K (templates in README).")]
 LaunchBaseline = Annotated[Optional[str], typer.Option("--launch-baseline", help="The same server without speculation: the K=0 run.")]
 TuneEngine = Annotated[Optional[str], typer.Option("--engine", help="With --launch: the URL the launched server answers at. Without: one running server per K, 0=URL,8=URL.")]
 TuneK = Annotated[str, typer.Option("--k", help="K grid, 0 = speculation off: e.g. 0,2,4,8,15.")]
-Loads = Annotated[str, typer.Option("--loads", help="Concurrency levels (requests in flight), e.g. 1,8.")]
+Concurrency = Annotated[Optional[str], typer.Option(
+    "--concurrency", show_default="1",
+    help="Closed loop: requests kept in flight, the next sent when one is answered, e.g. 1,8; a batch-size grid "
+         "(what vLLM's num_speculative_tokens_per_batch_size is keyed on).")]
+RequestRate = Annotated[Optional[str], typer.Option(
+    "--request-rate",
+    help="Open loop, instead of --concurrency: requests per second arriving whatever is in flight (production "
+         "traffic; `vllm bench serve --request-rate`), e.g. 2,4,inf (inf = all at once); arrivals seeded by --seed.")]
+Burstiness = Annotated[Optional[float], typer.Option(
+    "--burstiness", show_default="1", help="With --request-rate: gamma shape of the inter-arrival times (1 = Poisson, below 1 burstier, above 1 steadier).")]
+MaxConcurrency = Annotated[Optional[int], typer.Option(
+    "--max-concurrency", show_default="no cap",
+    help="With --request-rate: at most this many requests in flight; a later arrival waits for a slot (`vllm bench serve --max-concurrency`).")]
 FitK = Annotated[Optional[str], typer.Option("--fit-k", help="The K the step costs are fitted from (default: the two smallest K > 0); the others are predicted.")]
 SweepDir = Annotated[Optional[str], typer.Option("--sweep", help="An earlier `sweep` run of the same workload and pair, instead of replaying here.")]
 StartTimeout = Annotated[float, typer.Option("--start-timeout", help="Seconds to wait for a server to answer GET /v1/models.")]
@@ -37,23 +49,41 @@ def tune(
     launch_baseline: LaunchBaseline = None,
     engine: TuneEngine = None,
     k: TuneK = "0,2,4,8",
-    loads: Loads = "1",
+    concurrency: Concurrency = None,
+    request_rate: RequestRate = None,
+    burstiness: Burstiness = None,
+    max_concurrency: MaxConcurrency = None,
     fit_k: FitK = None,
     sweep: SweepDir = None,
     start_timeout: StartTimeout = 900.0,
 ) -> None:
-    """Measure K = 0 (off) and each K on your engine per class and load; fit its step costs, predict the rest, recommend its setting."""
+    """Measure K = 0 (off) and each K on your engine per class and load; fit its step costs, predict the rest, recommend its setting.
+
+    Load is a closed loop (--concurrency: a fixed number of requests in flight, a benchmark's batch size) or an
+    open loop (--request-rate: requests arrive at a rate, Poisson or --burstiness, whatever is in flight, as
+    production traffic does: latency then includes queueing when the server falls behind)."""
     cfg = config
     ks = parse_grid(k, "--k", minimum=0)
     fit_ks = parse_grid(fit_k, "--fit-k", minimum=1) if fit_k else default_fit_ks(ks)
     if not set(fit_ks) <= set(ks):
         raise UsageError(f"--fit-k {','.join(map(str, fit_ks))} names K that --k {k} does not measure; fit from K in the grid.")
-    grid = TuneGrid(ks=ks, loads=parse_grid(loads, "--loads", minimum=1), fit_ks=fit_ks, engine=engine, launch=launch,
+    if concurrency is not None and request_rate is not None:
+        raise UsageError("--concurrency (closed loop) and --request-rate (open loop) are two ways to load the server; give one.")
+    for flag, value in (("--burstiness", burstiness), ("--max-concurrency", max_concurrency)):
+        if value is not None and request_rate is None:
+            raise UsageError(f"{flag} shapes the arrivals of --request-rate; give --request-rate too, or drop {flag}.")
+    if max_concurrency is not None and max_concurrency < 1:
+        raise UsageError(f"--max-concurrency {max_concurrency} must be 1 or more requests in flight; fix the value.")
+    if burstiness is not None and not burstiness > 0:
+        raise UsageError(f"--burstiness {burstiness} must be above 0 (1 = Poisson arrivals); fix the value.")
+    loads = (tuple(LoadLevel(REQUEST_RATE, rate, burstiness or 1.0, max_concurrency) for rate in parse_rates(request_rate)) if request_rate is not None else
+             tuple(LoadLevel(CONCURRENCY, level) for level in parse_grid(concurrency or "1", "--concurrency", minimum=1)))
+    grid = TuneGrid(ks=ks, loads=loads, fit_ks=fit_ks, engine=engine, launch=launch,
                     launch_baseline=launch_baseline, sweep_dir=sweep, start_timeout_s=start_timeout)
     console = Console(stderr=True)
 
-    def progress(k_now: int, load: int, timed: TimedRequest) -> None:
-        console.print(f"K={k_now} c={load} {timed.request_id}: {timed.num_output_tokens} tokens in {timed.e2e_s:.2f} s", highlight=False)
+    def progress(k_now: int, load: LoadLevel, timed: TimedRequest) -> None:
+        console.print(f"K={k_now} {load.label} {timed.request_id}: {timed.num_output_tokens} tokens in {timed.e2e_s:.2f} s", highlight=False)
 
     run_dir = Path(cfg.out) if cfg.out else pipeline.default_run_dir("tune")
     outcome = run_tune(grid, cfg, run_dir, on_request=progress)

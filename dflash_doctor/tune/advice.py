@@ -10,10 +10,11 @@ is a coin toss on the user's server, not a gain.
 The overall K per load becomes the engine setting (one server serves every class; a class whose best
 K differs is named, to route or to accept):
 
-* vLLM: ``num_speculative_tokens`` when one K fits every load, else ``num_speculative_tokens_per_batch_size``
-  with one ``[start, end, K]`` range per measured load (a batch size between two measured loads takes the
-  next measured load's K; vLLM carries the last range's K beyond it; K may be 0); speculation off at every
-  load is "drop --speculative-config".
+* vLLM: ``num_speculative_tokens`` when one K fits every load, else, for concurrency levels,
+  ``num_speculative_tokens_per_batch_size`` with one ``[start, end, K]`` range per measured load (a batch
+  size between two measured loads takes the next measured load's K; vLLM carries the last range's K beyond
+  it; K may be 0); for request rates, which are not batch sizes, the differing K is stated with the advice
+  to measure concurrency levels for the ranges; speculation off at every load is "drop --speculative-config".
 * SGLang (DFLASH): ``--speculative-num-draft-tokens K + 1`` (SGLang counts the block's anchor); its
   batch-size tiers (``--speculative-adaptive``) are EAGLE/EAGLE3 only (ENGINES.md 2d), so differing K
   across loads is stated, not configured.
@@ -30,12 +31,13 @@ from dflash_doctor.report.templating import ci
 from dflash_doctor.rundir.record import SweepRow
 from dflash_doctor.stats.speedup import recommend
 from dflash_doctor.tune.analysis import OVERALL
+from dflash_doctor.tune.measure import CONCURRENCY, load_label, load_of, load_text
 
 
-def _rows(cells: list[dict[str, Any]], concurrency: int, scope: str) -> list[dict[str, Any]]:
+def _rows(cells: list[dict[str, Any]], load: Any, scope: str) -> list[dict[str, Any]]:
     rows = []
     for c in cells:
-        if c["concurrency"] == concurrency and c["scope"] == scope and c["k"] > 0 and c.get("speedup") is not None and c.get("tau") is not None:
+        if load_of(c) == load and c["scope"] == scope and c["k"] > 0 and c.get("speedup") is not None and c.get("tau") is not None:
             rows.append({"k": c["k"], "mean_acceptance_length": c["tau"], "mean_acceptance_length_ci": c.get("tau_ci"),
                          "speedup": c["speedup"], "speedup_ci": c.get("speedup_ci")})
     return rows
@@ -55,11 +57,11 @@ def _shown_to_pay(row: dict[str, Any]) -> bool:
 
 def recommend_grid(cells: list[dict[str, Any]], *, strict_classes: tuple[str, ...] = (), strict_max_k: int = 4,
                    conservative_share: float = 0.95) -> dict[str, dict[str, dict[str, Any]]]:
-    """``{str(concurrency): {scope: recommendation}}`` from the measured speedups."""
+    """``{load text: {scope: recommendation}}`` from the measured speedups (load text: :func:`load_text`)."""
     advice: dict[str, dict[str, dict[str, Any]]] = {}
-    for concurrency in sorted({c["concurrency"] for c in cells}):
-        scopes = sorted({c["scope"] for c in cells if c["concurrency"] == concurrency}, key=lambda s: (s != OVERALL, s))
-        rows = {scope: _rows(cells, concurrency, scope) for scope in scopes}
+    for load in sorted({load_of(c) for c in cells}):
+        scopes = sorted({c["scope"] for c in cells if load_of(c) == load}, key=lambda s: (s != OVERALL, s))
+        rows = {scope: _rows(cells, load, scope) for scope in scopes}
         paying = {scope: [row for row in scope_rows if _shown_to_pay(row)] for scope, scope_rows in rows.items()}
         picks = recommend({scope: [_sweep_row(row) for row in scope_rows] for scope, scope_rows in paying.items()},
                           conservative_share=conservative_share, strict_classes=strict_classes, strict_max_k=strict_max_k)
@@ -69,7 +71,7 @@ def recommend_grid(cells: list[dict[str, Any]], *, strict_classes: tuple[str, ..
                 best = max(rows[scope], key=lambda row: row["speedup"])
                 pick["reason"] = (f"Speculation off: no K is shown to pay (the low end of its speedup's 95% interval at or above 1); "
                                   f"the best measured, K={best['k']}, ran at {best['speedup']:.2f}x {ci(best['speedup_ci'])}.")
-        advice[str(concurrency)] = chosen
+        advice[load_text(load)] = chosen
     return advice
 
 
@@ -82,11 +84,11 @@ def batch_ranges(k_by_load: dict[int, int]) -> list[list[int]]:
     return ranges
 
 
-def engine_settings(advice: dict[str, dict[str, dict[str, Any]]], draft_method: str = "dflash") -> dict[str, str]:
-    """The overall recommendation per load as vLLM, SGLang and llama.cpp settings (exact flag text)."""
-    k_by_load = {int(load): int(picks[OVERALL]["k"]) for load, picks in advice.items() if OVERALL in picks}
+def engine_settings(advice: dict[str, dict[str, dict[str, Any]]], draft_method: str = "dflash", kind: str = CONCURRENCY) -> dict[str, str]:
+    """The overall recommendation per load (of ``kind``) as vLLM, SGLang and llama.cpp settings (exact flag text)."""
+    k_by_load = {float(load): int(picks[OVERALL]["k"]) for load, picks in advice.items() if OVERALL in picks}
     ks = set(k_by_load.values())
-    loads = ", ".join(f"concurrency {load}: K={k}" for load, k in sorted(k_by_load.items()))
+    loads = ", ".join(f"{load_label(kind, load)}: K={k}" for load, k in sorted(k_by_load.items()))
     if ks == {0}:
         return {
             "vllm": "speculation off: drop --speculative-config (no K shown to pay at any measured load)",
@@ -97,11 +99,16 @@ def engine_settings(advice: dict[str, dict[str, dict[str, Any]]], draft_method: 
         k = ks.pop()
         vllm = f'--speculative-config \'{{"method": "{draft_method}", "model": DRAFT, "num_speculative_tokens": {k}}}\''
         return {"vllm": vllm, "sglang": f"--speculative-num-draft-tokens {k + 1}", "llama.cpp": f"--spec-draft-n-max {k}"}
-    spec = {"method": draft_method, "model": "DRAFT", "num_speculative_tokens": max(ks),
-            "num_speculative_tokens_per_batch_size": batch_ranges(k_by_load)}
     differs = f"K differs by load ({loads})"
+    if kind == CONCURRENCY:
+        spec = {"method": draft_method, "model": "DRAFT", "num_speculative_tokens": max(ks),
+                "num_speculative_tokens_per_batch_size": batch_ranges({int(load): k for load, k in k_by_load.items()})}
+        vllm = f"--speculative-config '{json.dumps(spec)}'"
+    else:
+        vllm = (f"{differs}; num_speculative_tokens_per_batch_size keys on batch size, not arrival rate: measure "
+                f"--concurrency levels for its ranges, or num_speculative_tokens K for the rate you serve most")
     return {
-        "vllm": f"--speculative-config '{json.dumps(spec)}'",
+        "vllm": vllm,
         "sglang": f"{differs}; DFLASH has no batch-size tiers (--speculative-adaptive is EAGLE/EAGLE3 only): "
                   f"--speculative-num-draft-tokens K+1 for the load you serve most",
         "llama.cpp": f"{differs}; llama.cpp has one K per server: --spec-draft-n-max K for the load you serve most",

@@ -1,6 +1,7 @@
 """Per-class and overall figures of a tune grid, with bootstrap intervals, and the net speedup vs K = 0.
 
-Input: one row per request per (K, concurrency) cell (``requests.parquet``, :meth:`TimedRequest.as_row`)
+Input: one row per request per (K, load) cell (``requests.parquet``, :meth:`TimedRequest.as_row`; the load
+under its kind's name, ``concurrency`` or ``request_rate``)
 and the run-level throughput of each cell. Every interval is the project's request-level bootstrap
 (:func:`dflash_doctor.stats.metrics.resample_multiplicities`, 95% percentile), seeded per scope:
 
@@ -26,6 +27,7 @@ import numpy as np
 import pandas as pd
 
 from dflash_doctor.stats.metrics import NUM_BOOTSTRAP_RESAMPLES, group_rng, interval, resample_multiplicities, summary_group
+from dflash_doctor.tune.measure import CONCURRENCY, load_kind, load_of, load_text
 
 OVERALL = "overall"
 
@@ -90,46 +92,47 @@ def _speedup(base: pd.DataFrame, spec: pd.DataFrame, seed: int, group: str) -> t
 
 
 def baseline_drift(rows: pd.DataFrame) -> dict[str, float]:
-    """Per concurrency: pooled TPOT of the baseline's second pass (after the grid) over its first, minus 1.
+    """Per load: pooled TPOT of the baseline's second pass (after the grid) over its first, minus 1.
     The speedups divide by both passes pooled; a drift of x% puts about x/2% on every speedup."""
     base = rows[rows["k"] == 0]
     drift = {}
-    for concurrency, at_load in base.groupby("concurrency"):
+    for load, at_load in base.groupby(load_kind(rows)):
         passes = [part["decode_s"].sum() / (part["num_output_tokens"] - 1).clip(lower=0).sum() for _, part in at_load.groupby("repeat")]
         if len(passes) == 2:
-            drift[str(concurrency)] = float(passes[1] / passes[0] - 1.0)
+            drift[load_text(load)] = float(passes[1] / passes[0] - 1.0)
     return drift
 
 
-def analyse(rows: pd.DataFrame, throughput: dict[tuple[int, int], dict[str, float]], *, seed: int = 0) -> list[dict[str, Any]]:
-    """One cell per (concurrency, K, scope): the figures above; ``throughput[(K, concurrency)]`` holds
-    the run-level ``output_tokens_per_s`` and ``requests_per_s``."""
+def analyse(rows: pd.DataFrame, throughput: dict[tuple[int, Any], dict[str, float]], *, seed: int = 0) -> list[dict[str, Any]]:
+    """One cell per (load, K, scope): the figures above; ``throughput[(K, load)]`` holds the run-level
+    ``output_tokens_per_s`` and ``requests_per_s``."""
     cells: list[dict[str, Any]] = []
-    for concurrency in sorted(rows["concurrency"].unique()):
-        at_load = rows[rows["concurrency"] == concurrency]
+    kind = load_kind(rows)
+    for load in sorted(rows[kind].unique().tolist()):
+        at_load = rows[rows[kind] == load]
         base_all = at_load[at_load["k"] == 0]
         for k in sorted(at_load["k"].unique()):
             cell_rows = at_load[at_load["k"] == k]
             scopes = [(OVERALL, cell_rows, base_all)] + [
                 (str(cls), part, base_all[base_all["class"] == cls]) for cls, part in cell_rows.groupby("class", sort=True)]
             for scope, part, base in scopes:
-                group = f"c{concurrency}:k{k}:{summary_group(scope)}"
-                cell = {"concurrency": int(concurrency), "k": int(k), "scope": scope, **_figures(part, seed, group)}
+                group = f"{'c' if kind == CONCURRENCY else 'r'}{load_text(load)}:k{k}:{summary_group(scope)}"
+                cell = {kind: load, "k": int(k), "scope": scope, **_figures(part, seed, group)}
                 if k == 0:
                     cell["speedup"], cell["speedup_ci"] = 1.0, [1.0, 1.0]
                 elif len(base):
                     cell["speedup"], cell["speedup_ci"] = _speedup(base, part, seed, group)
                 if scope == OVERALL:
-                    cell.update(throughput[(int(k), int(concurrency))])
-                    base_rate = throughput.get((0, int(concurrency)), {}).get("output_tokens_per_s")
+                    cell.update(throughput[(int(k), load)])
+                    base_rate = throughput.get((0, load), {}).get("output_tokens_per_s")
                     if base_rate:
                         cell["throughput_speedup"] = cell["output_tokens_per_s"] / base_rate
-                cells.append(_finite(cell))
+                cells.append(_finite(cell) | {kind: load})  # a request rate may be inf (all at once), unlike a figure
     return cells
 
 
 def _finite(cell: dict[str, Any]) -> dict[str, Any]:
-    """NaN becomes None, so tune.json stays strict JSON."""
+    """NaN figures become None, so tune.json stays strict JSON (a rate of inf is written "inf": :func:`dflash_doctor.tune.experiment.strict_json`)."""
     def clean(value):
         if isinstance(value, float) and not math.isfinite(value):
             return None
@@ -139,20 +142,20 @@ def _finite(cell: dict[str, Any]) -> dict[str, Any]:
     return {key: clean(value) for key, value in cell.items()}
 
 
-def cell(cells: list[dict[str, Any]], concurrency: int, k: int, scope: str = OVERALL) -> dict[str, Any] | None:
-    """The cell of one (concurrency, K, scope), or None."""
-    return next((c for c in cells if c["concurrency"] == concurrency and c["k"] == k and c["scope"] == scope), None)
+def cell(cells: list[dict[str, Any]], load: Any, k: int, scope: str = OVERALL) -> dict[str, Any] | None:
+    """The cell of one (load, K, scope), or None."""
+    return next((c for c in cells if load_of(c) == load and c["k"] == k and c["scope"] == scope), None)
 
 
-def fill_from_counters(cells: list[dict[str, Any]], rows: pd.DataFrame, counters: dict[tuple[int, int], Any]) -> None:
+def fill_from_counters(cells: list[dict[str, Any]], rows: pd.DataFrame, counters: dict[tuple[int, Any], Any]) -> None:
     """Overall tau, rollback and step time from the server's /metrics deltas over a run, where its
     responses carried no per-request figures (a server started without them); no interval, no classes.
-    ``counters[(K, concurrency)]`` is a :class:`~dflash_doctor.serving.responses.SpecMeasurement`."""
+    ``counters[(K, load)]`` is a :class:`~dflash_doctor.serving.responses.SpecMeasurement`."""
     for c in cells:
-        measured = counters.get((c["k"], c["concurrency"]))
+        measured = counters.get((c["k"], load_of(c)))
         if c["scope"] != OVERALL or c.get("tau") is not None or measured is None or not measured.num_drafts:
             continue
-        part = rows[(rows["k"] == c["k"]) & (rows["concurrency"] == c["concurrency"])]
+        part = rows[(rows["k"] == c["k"]) & (rows[load_kind(c)] == load_of(c))]
         c["tau"], c["tau_ci"] = measured.tau, None
         c["rollback_per_token"] = (measured.num_draft_tokens - measured.num_accepted_tokens) / max(int(part["num_output_tokens"].sum()), 1)
         c["step_s"] = float(part["decode_s"].sum()) / measured.num_drafts

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +30,7 @@ from dflash_doctor import __version__
 from dflash_doctor.serving.client import EngineEndpoint, resolve_model
 from dflash_doctor.tune.advice import engine_settings, recommend_grid
 from dflash_doctor.tune.analysis import analyse, baseline_drift, fill_from_counters
-from dflash_doctor.tune.measure import LoadRun, TimedRequest, first_turns, run_load, stream_request
+from dflash_doctor.tune.measure import CONCURRENCY, LoadLevel, LoadRun, TimedRequest, first_turns, load_text, run_load, stream_request
 from dflash_doctor.tune.prediction import fit_costs, held_out_error, predict, sweep_taus
 from dflash_doctor.tune.servers import plan_servers, serving
 
@@ -39,10 +40,11 @@ TUNE_SCHEMA_VERSION = 1
 
 @dataclass(frozen=True)
 class TuneGrid:
-    """What to measure: the K grid (0 = off), the loads, the K the costs are fitted from, the servers."""
+    """What to measure: the K grid (0 = off), the load levels (all of one kind), the K the costs are fitted
+    from, the servers."""
 
     ks: tuple[int, ...]
-    loads: tuple[int, ...]
+    loads: tuple[LoadLevel, ...]
     fit_ks: tuple[int, ...]
     engine: str | None = None
     launch: str | None = None
@@ -66,6 +68,17 @@ def parse_grid(text: str, flag: str, *, minimum: int) -> tuple[int, ...]:
     return tuple(sorted(values))
 
 
+def parse_rates(text: str) -> tuple[float, ...]:
+    """``--request-rate 2,4,inf``: sorted distinct requests per second, each above 0 (inf = all at once)."""
+    try:
+        rates = {float(part) for part in text.split(",")}
+    except ValueError:
+        rates = set()
+    if not rates or any(math.isnan(rate) or rate <= 0 for rate in rates):
+        raise UsageError(f"--request-rate {text!r} must be requests per second above 0, comma-separated, like 2,4,inf; fix the value.")
+    return tuple(sorted(rates))
+
+
 def default_fit_ks(ks: tuple[int, ...]) -> tuple[int, ...]:
     """The two smallest K > 0: the cheap end of the grid predicts the expensive end."""
     return tuple(k for k in ks if k > 0)[:2]
@@ -79,7 +92,7 @@ class TuneOutcome:
 
 
 def measure_grid(grid: TuneGrid, config: DoctorConfig, requests, run_dir: Path,
-                 on_request: Callable[[int, int, TimedRequest], None] | None = None) -> tuple[list[LoadRun], list[dict[str, Any]]]:
+                 on_request: Callable[[int, LoadLevel, TimedRequest], None] | None = None) -> tuple[list[LoadRun], list[dict[str, Any]]]:
     """Every K on its server, every load on it; returns the runs and what each server said about itself."""
     runs: list[LoadRun] = []
     servers: list[dict[str, Any]] = []
@@ -97,7 +110,7 @@ def measure_grid(grid: TuneGrid, config: DoctorConfig, requests, run_dir: Path,
                 def report(timed: TimedRequest, k=plan.k, load=load) -> None:
                     if on_request is not None:
                         on_request(k, load, timed)
-                runs.append(run_load(endpoint, requests, config, k=plan.k, concurrency=load, repeat=repeat, on_request=report))
+                runs.append(run_load(endpoint, requests, config, k=plan.k, load=load, repeat=repeat, on_request=report))
             servers.append(_server_facts(plan.k, plan.command, url, endpoint.model, runs[-len(grid.loads):]) | {"repeat": repeat})
         _rows(runs).to_parquet(run_dir / "requests.parquet", index=False)
     return runs, servers
@@ -128,15 +141,15 @@ def redact(command: str) -> str:
 
 
 def _rows(runs: list[LoadRun]) -> pd.DataFrame:
-    return pd.DataFrame([timed.as_row(run.k, run.concurrency, run.repeat) for run in runs for timed in run.requests])
+    return pd.DataFrame([timed.as_row(run.k, run.load, run.repeat) for run in runs for timed in run.requests])
 
 
-def run_throughput(runs: list[LoadRun]) -> dict[tuple[int, int], dict[str, float]]:
-    """Output tokens/s and requests/s per (K, concurrency): totals over the summed wall time of its runs
+def run_throughput(runs: list[LoadRun]) -> dict[tuple[int, Any], dict[str, float]]:
+    """Output tokens/s and requests/s per (K, load): totals over the summed wall time of its runs
     (the baseline's two passes count as one longer run)."""
-    cells: dict[tuple[int, int], list[LoadRun]] = {}
+    cells: dict[tuple[int, Any], list[LoadRun]] = {}
     for run in runs:
-        cells.setdefault((run.k, run.concurrency), []).append(run)
+        cells.setdefault((run.k, run.load.value), []).append(run)
     figures = {}
     for key, group in cells.items():
         wall = sum(run.wall_s for run in group)
@@ -165,7 +178,7 @@ def teacher_sweep(grid: TuneGrid, config: DoctorConfig, workload_path: Path, run
 
 
 def run_tune(grid: TuneGrid, config: DoctorConfig, run_dir: Path,
-             on_request: Callable[[int, int, TimedRequest], None] | None = None) -> TuneOutcome:
+             on_request: Callable[[int, LoadLevel, TimedRequest], None] | None = None) -> TuneOutcome:
     """The whole experiment; see the module doc."""
     requests = first_turns(load_workload(config.workload, classes=config.classes, max_requests=config.max_requests, seed=config.seed))
     if not requests:
@@ -178,32 +191,50 @@ def run_tune(grid: TuneGrid, config: DoctorConfig, run_dir: Path,
     rows = _rows(runs)
     throughput = run_throughput(runs)
     cells = analyse(rows, throughput, seed=config.seed)
-    fill_from_counters(cells, rows, {(run.k, run.concurrency): run.counters for run in runs if run.counters is not None})
-    fits = {load: fitted for load in grid.loads if (fitted := fit_costs(cells, load, grid.fit_ks)) is not None}
+    fill_from_counters(cells, rows, {(run.k, run.load.value): run.counters for run in runs if run.counters is not None})
+    fits = {load.value: fitted for load in grid.loads if (fitted := fit_costs(cells, load.value, grid.fit_ks)) is not None}
     prediction = predict(cells, fits, sweep_taus(sweep))
     strict_max_k = int(config.thresholds.get("strict_max_k", 4))
     advice = recommend_grid(cells, strict_classes=config.strict_classes, strict_max_k=strict_max_k,
                             conservative_share=float(config.thresholds.get("conservative_share", 0.95)))
     profiles = {}
-    for load, fitted in fits.items():
-        name = f"cost-profile-c{load}.json"
-        device = f"{servers[0]['model']} at {servers[0]['url']}, concurrency {load}"
+    for load in grid.loads:
+        if (fitted := fits.get(load.value)) is None:
+            continue
+        name = f"cost-profile-{'c' if load.kind == CONCURRENCY else 'r'}{load_text(load.value)}.json"
+        device = f"{servers[0]['model']} at {servers[0]['url']}, {load.label}"
         (run_dir / name).write_text(json.dumps(fitted.as_profile(max(max(grid.ks), 16), device), indent=2) + "\n")
-        profiles[str(load)] = name
+        profiles[load_text(load.value)] = name
+    kind = grid.loads[0].kind
     result = {
         "schema_version": TUNE_SCHEMA_VERSION, "tool_version": __version__, "created_at": utc_now(),
         "config": config.as_dict(),
-        "grid": {"k": list(grid.ks), "loads": list(grid.loads), "fit_k": list(grid.fit_ks), "num_requests": len(requests)},
+        "grid": {"k": list(grid.ks), "loads": [load.value for load in grid.loads],
+                 **({} if kind == CONCURRENCY else {"burstiness": grid.loads[0].burstiness, "max_concurrency": grid.loads[0].max_concurrency}),
+                 "fit_k": list(grid.fit_ks), "num_requests": len(requests)},
         "baseline_drift": baseline_drift(rows),
         "servers": servers,
         "cells": cells,
-        "fits": {str(load): dataclasses.asdict(fitted) for load, fitted in fits.items()},
+        "fits": {load_text(load): dataclasses.asdict(fitted) for load, fitted in fits.items()},
         "prediction": prediction,
         "held_out_error": held_out_error(prediction),
         "recommendation": advice,
-        "engine_settings": engine_settings(advice, "draft_model" if draft_kind == "autoregressive" else "dflash"),
+        "engine_settings": engine_settings(advice, "draft_model" if draft_kind == "autoregressive" else "dflash", kind),
         "cost_profiles": profiles,
         "sweep_dir": sweep_dir,
     }
-    (run_dir / TUNE_FILE).write_text(json.dumps(result, indent=2) + "\n")
+    result = strict_json(result)
+    (run_dir / TUNE_FILE).write_text(json.dumps(result, indent=2, allow_nan=False) + "\n")
     return TuneOutcome(run_dir, result, runs)
+
+
+def strict_json(value: Any) -> Any:
+    """``value`` with every infinite number written "inf" (``vllm bench serve``'s result file writes a
+    request rate of inf so), so tune.json stays strict JSON and reads back as it was written."""
+    if isinstance(value, float) and math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    if isinstance(value, dict):
+        return {key: strict_json(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [strict_json(item) for item in value]
+    return value

@@ -1,4 +1,13 @@
-"""Stream a workload to a server at one concurrency level and time every request.
+"""Stream a workload to a server at one load level and time every request.
+
+A load level is a closed loop or an open loop (:class:`LoadLevel`), as ``vllm bench serve`` has them:
+``concurrency`` N keeps N requests in flight, the next one sent when one is answered (a benchmark's
+batch size); ``request_rate`` R sends each request at its own arrival time whatever is in flight
+(production traffic): inter-arrival times gamma-distributed with shape = burstiness and mean 1 / R (1 =
+Poisson; below 1 burstier, above 1 steadier), drawn from the run's seed so every K sees the same offsets,
+and scaled so the last one falls at N / R (vllm/benchmarks/serve.py ``get_request``); R = inf sends all at
+once; ``max_concurrency`` caps the requests in flight (a late arrival waits for a slot, as ``vllm bench
+serve --max-concurrency`` with a rate). The two differ only in when a request starts; the measuring is one path.
 
 Each request is one streamed OpenAI call (the body :func:`dflash_doctor.serving.engine_run.request_body`
 builds for ``check --engine``, with ``stream`` on and ``stream_options.include_usage`` so the final
@@ -18,11 +27,14 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import json
+import math
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from typing import Any, Callable
+
+import numpy as np
 
 from dflash_doctor.errors import UsageError
 from dflash_doctor.inputs.config import DoctorConfig
@@ -55,10 +67,10 @@ class TimedRequest:
     def tpot_s(self) -> float | None:
         return self.decode_s / (self.num_output_tokens - 1) if self.num_output_tokens > 1 else None
 
-    def as_row(self, k: int, concurrency: int, repeat: int) -> dict[str, Any]:
+    def as_row(self, k: int, load: LoadLevel, repeat: int) -> dict[str, Any]:
         spec = self.spec
         return {
-            "k": k, "concurrency": concurrency, "repeat": repeat, "request_id": self.request_id, "class": self.request_class,
+            "k": k, load.kind: load.value, "repeat": repeat, "request_id": self.request_id, "class": self.request_class,
             "prompt_num_tokens": self.prompt_num_tokens, "num_output_tokens": self.num_output_tokens,
             "ttft_s": self.ttft_s, "tpot_s": self.tpot_s, "e2e_s": self.e2e_s, "decode_s": self.decode_s,
             "num_drafts": spec.num_drafts if spec else None,
@@ -67,12 +79,80 @@ class TimedRequest:
         }
 
 
+CONCURRENCY = "concurrency"
+REQUEST_RATE = "request_rate"
+LOAD_KINDS = (CONCURRENCY, REQUEST_RATE)  # a load is recorded under its kind's name (requests.parquet, tune.json)
+
+
+def load_kind(record: Any) -> str:
+    """The kind of load a request row, a frame of them or a tune.json cell is recorded under."""
+    return next(kind for kind in LOAD_KINDS if kind in record)
+
+
+def load_of(record: dict[str, Any]) -> Any:
+    """The load level of a cell or prediction row (a concurrency, or a request rate: a number or "inf")."""
+    return record[load_kind(record)]
+
+
+def load_text(value: Any) -> str:
+    """A load level as tune.json's keys and the tables write it: 8, 0.5, inf."""
+    return value if isinstance(value, str) else f"{value:g}"
+
+
+def load_label(kind: str, value: Any) -> str:
+    """A load level in words: "concurrency 8", "request rate 2/s", "request rate inf (all at once)"."""
+    text = load_text(value)
+    if kind == CONCURRENCY:
+        return f"concurrency {text}"
+    return "request rate inf (all at once)" if text == "inf" else f"request rate {text}/s"
+
+
+@dataclass(frozen=True)
+class LoadLevel:
+    """One load level: ``concurrency`` requests in flight (closed loop) or ``request_rate`` requests per second
+    arriving with gamma inter-arrival times of shape ``burstiness``, at most ``max_concurrency`` in flight
+    (open loop); see the module doc."""
+
+    kind: str
+    value: int | float
+    burstiness: float = 1.0
+    max_concurrency: int | None = None
+
+    @property
+    def label(self) -> str:
+        return load_label(self.kind, self.value)
+
+    def arrival_offsets(self, num_requests: int, seed: int) -> list[float]:
+        """Seconds from the run's start at which each request is sent (all 0 for a closed loop, whose
+        pacing is its workers)."""
+        if self.kind == CONCURRENCY:
+            return [0.0] * num_requests
+        return arrival_offsets(num_requests, float(self.value), self.burstiness, seed)
+
+    def workers(self, num_requests: int) -> int:
+        """Threads sending: the concurrency, or one per request up to the cap (an open loop waits for nothing
+        in flight; the threads take requests in arrival order, so a capped one starts when a slot frees)."""
+        if self.kind == CONCURRENCY:
+            return int(self.value)
+        return max(min(num_requests, self.max_concurrency or num_requests), 1)
+
+
+def arrival_offsets(num_requests: int, rate: float, burstiness: float, seed: int) -> list[float]:
+    """vLLM's arrival schedule: cumulative gamma(shape=burstiness, scale=1 / (rate * burstiness)) gaps, the
+    first one included, scaled so the last arrival is at num_requests / rate; rate inf: all at 0."""
+    if math.isinf(rate) or num_requests == 0:
+        return [0.0] * num_requests
+    gaps = np.random.default_rng(seed).gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=num_requests)
+    offsets = np.cumsum(gaps)
+    return [float(x) for x in offsets * (num_requests / rate / offsets[-1])]
+
+
 @dataclass(frozen=True)
 class LoadRun:
-    """All requests of one (K, concurrency) cell and the run-level figures."""
+    """All requests of one (K, load) cell and the run-level figures."""
 
     k: int
-    concurrency: int
+    load: LoadLevel
     requests: list[TimedRequest]
     wall_s: float
     counters: SpecMeasurement | None  # the server's /metrics deltas over the run (None: no spec counters)
@@ -151,15 +231,23 @@ def _counters(endpoint: EngineEndpoint) -> EngineCounters | None:
     return read_counters(text, endpoint.model) if text else None
 
 
-def run_load(endpoint: EngineEndpoint, requests: list[Request], config: DoctorConfig, *, k: int, concurrency: int, repeat: int = 0,
+def run_load(endpoint: EngineEndpoint, requests: list[Request], config: DoctorConfig, *, k: int, load: LoadLevel, repeat: int = 0,
              on_request: Callable[[TimedRequest], None] | None = None) -> LoadRun:
-    """Every request once, ``concurrency`` in flight at a time (a closed loop, as ``vllm bench serve
-    --max-concurrency``); the /metrics counters around the run give its acceptance when responses carry none."""
+    """Every request once at this load: ``concurrency`` in flight at a time (a closed loop, as ``vllm bench
+    serve --request-rate inf --max-concurrency``) or each sent at its arrival offset from ``config.seed``'s
+    schedule (an open loop, as ``--request-rate``); the /metrics counters around the run give its
+    acceptance when responses carry none. Wall time runs from the schedule's start to the last answer."""
     before = _counters(endpoint)
     done: list[TimedRequest] = []
+    offsets = load.arrival_offsets(len(requests), config.seed)
     started = time.perf_counter()
-    with concurrent.futures.ThreadPoolExecutor(max_workers=concurrency) as pool:
-        futures = [pool.submit(stream_request, endpoint, request, config) for request in requests]
+
+    def send_at(request: Request, offset: float) -> TimedRequest:
+        time.sleep(max(started + offset - time.perf_counter(), 0.0))
+        return stream_request(endpoint, request, config)
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=load.workers(len(requests))) as pool:
+        futures = [pool.submit(send_at, request, offset) for request, offset in zip(requests, offsets)]
         try:
             for future in concurrent.futures.as_completed(futures):
                 timed = future.result()
@@ -175,4 +263,4 @@ def run_load(endpoint: EngineEndpoint, requests: list[Request], config: DoctorCo
     counters = measurement_between(before, after) if before is not None and after is not None else None
     order = {request.id: i for i, request in enumerate(requests)}
     done.sort(key=lambda timed: order[timed.request_id])
-    return LoadRun(k=k, concurrency=concurrency, requests=done, wall_s=wall, counters=counters, repeat=repeat)
+    return LoadRun(k=k, load=load, requests=done, wall_s=wall, counters=counters, repeat=repeat)

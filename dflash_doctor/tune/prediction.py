@@ -29,13 +29,14 @@ from typing import Any, Sequence
 import numpy as np
 
 from dflash_doctor.tune.analysis import OVERALL, cell
+from dflash_doctor.tune.measure import load_kind, load_label, load_of
 
 
 @dataclass(frozen=True)
 class FittedCosts:
     """The fitted step-cost model of one load level."""
 
-    concurrency: int
+    load: str  # in words: "concurrency 8", "request rate 2/s"
     t_decode_s: float
     t_draft_s: float
     verify_slope_s: float  # extra verify time per drafted token
@@ -56,19 +57,19 @@ class FittedCosts:
         verify = {str(k): self.step_s(k) - draft for k in sorted({1, max_k})}
         return {
             "device": device,
-            "notes": f"fitted by dflash-doctor tune at concurrency {self.concurrency} from K {', '.join(map(str, self.fit_ks))}: {self.note}",
+            "notes": f"fitted by dflash-doctor tune at {self.load} from K {', '.join(map(str, self.fit_ks))}: {self.note}",
             "t_decode_s": self.t_decode_s, "t_verify_s": verify, "t_draft_s": {"1": draft},
         }
 
 
-def fit_costs(cells: list[dict[str, Any]], concurrency: int, fit_ks: tuple[int, ...]) -> FittedCosts | None:
+def fit_costs(cells: list[dict[str, Any]], load: Any, fit_ks: tuple[int, ...]) -> FittedCosts | None:
     """Least squares of step(K) - t_decode = t_draft + slope * K over the fit K measured at this load;
     None when K = 0 or every fit K lacks a step time (the engine reported no drafts)."""
-    base = cell(cells, concurrency, 0)
+    base = cell(cells, load, 0)
     if base is None or not base.get("tpot_s"):
         return None
     t_decode = float(base["tpot_s"])
-    points = [(k, c["step_s"]) for k in fit_ks if (c := cell(cells, concurrency, k)) is not None and c.get("step_s")]
+    points = [(k, c["step_s"]) for k in fit_ks if (c := cell(cells, load, k)) is not None and c.get("step_s")]
     if not points:
         return None
     ks = np.array([p[0] for p in points], dtype=np.float64)
@@ -82,7 +83,7 @@ def fit_costs(cells: list[dict[str, Any]], concurrency: int, fit_ks: tuple[int, 
         note = f"least squares over {len(points)} K gave a verify cost falling with K (timing noise); taken as flat"
     else:
         note = f"least squares over {len(points)} K"
-    return FittedCosts(concurrency, t_decode, draft, slope, tuple(int(p[0]) for p in points), note)
+    return FittedCosts(load_label(load_kind(base), load), t_decode, draft, slope, tuple(int(p[0]) for p in points), note)
 
 
 def sweep_taus(sweep: dict[str, Any]) -> dict[str, dict[int, tuple[float, list[float] | None]]]:
@@ -93,7 +94,7 @@ def sweep_taus(sweep: dict[str, Any]) -> dict[str, dict[int, tuple[float, list[f
     return {OVERALL: by_k(sweep["overall"]), **{cls: by_k(rows) for cls, rows in sweep["by_class"].items()}}
 
 
-def predict(cells: list[dict[str, Any]], fits: dict[int, FittedCosts],
+def predict(cells: list[dict[str, Any]], fits: dict[Any, FittedCosts],
             taus: dict[str, dict[int, tuple[float, list[float] | None]]]) -> list[dict[str, Any]]:
     """Predicted vs measured speedup and tau for every measured (load, K > 0, scope) the sweep covers.
 
@@ -103,7 +104,7 @@ def predict(cells: list[dict[str, Any]], fits: dict[int, FittedCosts],
     """
     rows = []
     for measured in cells:
-        fitted = fits.get(measured["concurrency"])
+        fitted = fits.get(load_of(measured))
         k = measured["k"]
         sweep_row = taus.get(measured["scope"], {}).get(k)
         if fitted is None or k == 0 or sweep_row is None:
@@ -114,7 +115,7 @@ def predict(cells: list[dict[str, Any]], fits: dict[int, FittedCosts],
         speedup = measured.get("speedup")
         tau = measured.get("tau")
         rows.append({
-            "concurrency": measured["concurrency"], "k": k, "scope": measured["scope"], "held_out": k not in fitted.fit_ks,
+            load_kind(measured): load_of(measured), "k": k, "scope": measured["scope"], "held_out": k not in fitted.fit_ks,
             "predicted_tau": tau_sweep, "measured_tau": tau, "measured_tau_ci": measured.get("tau_ci"),
             "predicted_speedup": predicted, "predicted_speedup_ci": predicted_ci,
             "measured_speedup": speedup, "measured_speedup_ci": measured.get("speedup_ci"),

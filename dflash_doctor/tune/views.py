@@ -21,6 +21,7 @@ from rich.table import Table
 from dflash_doctor.report.html import figure_html, plotly_script
 from dflash_doctor.report.templating import ci, fmt, markdown_cell, pct
 from dflash_doctor.tune.analysis import OVERALL
+from dflash_doctor.tune.measure import CONCURRENCY, load_kind, load_label, load_of, load_text
 
 DRIFT_WARNING = 0.15  # baseline drift beyond which the report says the speedups are unsteady
 
@@ -36,7 +37,7 @@ def _ms(value: Any) -> str:
 
 def measured_rows(result: dict[str, Any]) -> list[tuple[str, ...]]:
     return [(
-        str(c["concurrency"]), str(c["k"]), c["scope"], str(c["num_requests"]), fmt(c.get("tau")), ci(c.get("tau_ci")),
+        load_text(load_of(c)), str(c["k"]), c["scope"], str(c["num_requests"]), fmt(c.get("tau")), ci(c.get("tau_ci")),
         fmt(c.get("speedup")), ci(c.get("speedup_ci")), _ms(c.get("ttft_s")), _ms(c.get("tpot_s")), fmt(c.get("e2e_s")),
         fmt(c.get("output_tokens_per_s"), 1), fmt(c.get("requests_per_s")), fmt(c.get("rollback_per_token")),
     ) for c in result["cells"]]
@@ -44,7 +45,7 @@ def measured_rows(result: dict[str, Any]) -> list[tuple[str, ...]]:
 
 def prediction_rows(result: dict[str, Any]) -> list[tuple[str, ...]]:
     return [(
-        str(p["concurrency"]), str(p["k"]), p["scope"], "held out" if p["held_out"] else "fit", fmt(p["predicted_tau"]),
+        load_text(load_of(p)), str(p["k"]), p["scope"], "held out" if p["held_out"] else "fit", fmt(p["predicted_tau"]),
         fmt(p["measured_tau"]), fmt(p["predicted_speedup"]), ci(p["predicted_speedup_ci"]), fmt(p["measured_speedup"]),
         ci(p["measured_speedup_ci"]), fmt(p["speedup_error"]), pct(p["speedup_relative_error"]),
         f"{_yes_no(p['predicted_pays'])} / {_yes_no(p['measured_pays'])}",
@@ -55,14 +56,36 @@ def _yes_no(value: bool | None) -> str:
     return "?" if value is None else "yes" if value else "no"
 
 
+def _kind(result: dict[str, Any]) -> str:
+    """The run's kind of load: the key its cells carry it under."""
+    return load_kind(result["cells"][0])
+
+
+def _short(kind: str, load: Any) -> str:
+    """A load level in a figure's legend: c8 (concurrency), r2/s (request rate)."""
+    return f"c{load_text(load)}" if kind == CONCURRENCY else f"r{load_text(load)}/s"
+
+
+def grid_line(result: dict[str, Any]) -> str:
+    """The grid in one sentence: K, the loads and how they were sent, requests per cell, the fit K."""
+    grid, kind = result["grid"], _kind(result)
+    loads = ", ".join(load_text(load) for load in grid["loads"])
+    sent = (f"loads: concurrency {loads} (closed loop: that many requests in flight)" if kind == CONCURRENCY else
+            f"loads: request rate {loads} per second (open loop: gamma arrivals of burstiness {fmt(grid['burstiness'])}, 1 = Poisson; "
+            + ("no cap on requests in flight)" if grid["max_concurrency"] is None else f"at most {grid['max_concurrency']} in flight)"))
+    return (f"K grid {grid['k']} (0 = speculation off), {sent}, {grid['num_requests']} requests per cell, "
+            f"costs fitted from K {grid['fit_k']}.")
+
+
 def fit_lines(result: dict[str, Any]) -> list[str]:
     lines = []
+    kind = _kind(result)
     for load, f in result["fits"].items():
-        lines.append(f"concurrency {load}: t_decode {_ms(f['t_decode_s'])} ms, t_draft {_ms(f['t_draft_s'])} ms, verify "
+        lines.append(f"{load_label(kind, load)}: t_decode {_ms(f['t_decode_s'])} ms, t_draft {_ms(f['t_draft_s'])} ms, verify "
                      f"+{_ms(f['verify_slope_s'])} ms per drafted token (fitted from K {', '.join(map(str, f['fit_ks']))}; {f['note']}); "
                      f"profile {result['cost_profiles'].get(load, '-')}")
     for load, drift in result.get("baseline_drift", {}).items():
-        lines.append(f"concurrency {load}: the K=0 baseline measured again after the grid ran {abs(drift):.0%} {'slower' if drift > 0 else 'faster'} per token "
+        lines.append(f"{load_label(kind, load)}: the K=0 baseline measured again after the grid ran {abs(drift):.0%} {'slower' if drift > 0 else 'faster'} per token "
                      f"({'the machine was steady' if abs(drift) <= DRIFT_WARNING else 'the machine drifted: every speedup carries about half of it as extra error'})")
     error = result.get("held_out_error")
     lines.append(f"held-out K, overall: mean absolute speedup error {pct(error)}" if error is not None else
@@ -72,10 +95,11 @@ def fit_lines(result: dict[str, Any]) -> list[str]:
 
 def recommendation_lines(result: dict[str, Any]) -> list[str]:
     lines = []
+    kind = _kind(result)
     for load, picks in result["recommendation"].items():
         for scope, pick in picks.items():
             what = "" if pick["k"] == 0 else f"K={pick['k']} (conservative K={pick['conservative_k']}). "  # the reason starts "Speculation off"
-            lines.append(f"concurrency {load}, {scope}: {what}{pick['reason']}")
+            lines.append(f"{load_label(kind, load)}, {scope}: {what}{pick['reason']}")
     lines += [f"{engine}: {setting}" for engine, setting in result["engine_settings"].items()]
     return lines
 
@@ -99,11 +123,9 @@ def _md_table(columns: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
 
 
 def render_markdown(result: dict[str, Any]) -> str:
-    grid = result["grid"]
     parts = [
         "# dflash-doctor tune\n",
-        f"K grid {grid['k']} (0 = speculation off), loads (concurrency) {grid['loads']}, {grid['num_requests']} requests per cell, "
-        f"costs fitted from K {grid['fit_k']}. Definitions: vLLM's (tau = 1 + accepted / drafts; TTFT, TPOT as `vllm bench serve`).\n",
+        f"{grid_line(result)} Definitions: vLLM's (tau = 1 + accepted / drafts; TTFT, TPOT as `vllm bench serve`).\n",
         "## Measured\n", _md_table(MEASURED_COLUMNS, measured_rows(result)),
         "\n## Predicted vs measured\n", _md_table(PREDICTION_COLUMNS, prediction_rows(result)),
         "\n" + "".join(f"- {markdown_cell(line)}\n" for line in fit_lines(result)),
@@ -117,15 +139,15 @@ def render_markdown(result: dict[str, Any]) -> str:
 
 def figures(result: dict[str, Any]) -> list[tuple[str, go.Figure]]:
     """(title, figure) for the report and the dashboard."""
-    cells = result["cells"]
+    cells, kind = result["cells"], _kind(result)
     speedup = go.Figure()
     for load in result["grid"]["loads"]:
         for scope in sorted({c["scope"] for c in cells}, key=lambda s: (s != OVERALL, s)):
-            points = [c for c in cells if c["concurrency"] == load and c["scope"] == scope and c.get("speedup") is not None]
+            points = [c for c in cells if load_of(c) == load and c["scope"] == scope and c.get("speedup") is not None]
             lows = [c["speedup"] - (c.get("speedup_ci") or [c["speedup"]])[0] if (c.get("speedup_ci") or [None])[0] is not None else 0 for c in points]
             highs = [(c.get("speedup_ci") or [None, c["speedup"]])[1] - c["speedup"] if (c.get("speedup_ci") or [None, None])[1] is not None else 0 for c in points]
             speedup.add_trace(go.Scatter(x=[c["k"] for c in points], y=[c["speedup"] for c in points], mode="lines+markers",
-                                         name=f"{scope} @ c{load}", error_y={"type": "data", "symmetric": False, "array": highs, "arrayminus": lows}))
+                                         name=f"{scope} @ {_short(kind, load)}", error_y={"type": "data", "symmetric": False, "array": highs, "arrayminus": lows}))
     speedup.add_hline(y=1.0, line_dash="dot")
     speedup.update_layout(xaxis_title="K (draft tokens per step; 0 = off)", yaxis_title="net speedup vs K=0 (95% CI)")
 
@@ -133,14 +155,14 @@ def figures(result: dict[str, Any]) -> list[tuple[str, go.Figure]]:
     for k in result["grid"]["k"]:
         points = [c for c in cells if c["k"] == k and c["scope"] == OVERALL and c.get("output_tokens_per_s")]
         tradeoff.add_trace(go.Scatter(x=[c["output_tokens_per_s"] for c in points], y=[(c.get("tpot_s") or 0) * 1000 for c in points],
-                                      mode="lines+markers+text", text=[f"c{c['concurrency']}" for c in points], name=f"K={k}"))
+                                      mode="lines+markers+text", text=[_short(kind, load_of(c)) for c in points], name=f"K={k}"))
     tradeoff.update_layout(xaxis_title="output tokens/s", yaxis_title="TPOT (ms)")
 
     held = go.Figure()
     for held_out in (False, True):
         points = [p for p in result["prediction"] if p["held_out"] == held_out and p["measured_speedup"] is not None]
         held.add_trace(go.Scatter(x=[p["measured_speedup"] for p in points], y=[p["predicted_speedup"] for p in points], mode="markers",
-                                  text=[f"K={p['k']} {p['scope']} c{p['concurrency']}" for p in points],
+                                  text=[f"K={p['k']} {p['scope']} {_short(kind, load_of(p))}" for p in points],
                                   name="held-out K" if held_out else "fit K"))
     values = [v for p in result["prediction"] for v in (p["measured_speedup"], p["predicted_speedup"]) if v is not None]
     if values:
