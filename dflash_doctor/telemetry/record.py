@@ -40,7 +40,8 @@ from dflash_doctor.rundir.load import read_run_meta
 from dflash_doctor.rundir.ownership import claim_run_dir, release_run_dir
 from dflash_doctor.rundir.record import Metrics, ModelInfo, RunMeta, RunRecord, Source, Summary, TauDistribution
 from dflash_doctor.rundir.tables import TABLES
-from dflash_doctor.rundir.writer import JOURNAL_DIR, read_stream, utc_now, write_run_json
+from dflash_doctor.serving.responses import histogram_from_per_pos
+from dflash_doctor.rundir.writer import JOURNAL_DIR, journal_path, read_stream, utc_now, write_run_json
 from dflash_doctor.telemetry.counts import ALL_CLASSES, SeriesKey, SpecCounts, rate_intervals, window_tau_interval
 from dflash_doctor.telemetry.verdict import WindowVerdict
 from dflash_doctor.telemetry.watcher import Event, Unit
@@ -87,7 +88,6 @@ def _summary_block(counts: SpecCounts, units: list[SpecCounts], num_units: int) 
     rates = counts.acceptance_rate_per_pos
     per_pos = [_count(v) for v in counts.num_accepted_tokens_per_pos or ()]
     drafts = _count(counts.num_drafts)
-    at_least = [drafts, *per_pos, 0]
     ci = window_tau_interval(counts, units, num_units)
     generated = counts.num_generated_tokens
     rate_cis: list[list[float | None]] = [[lo, hi] for lo, hi in rate_intervals(counts) or []]
@@ -107,7 +107,7 @@ def _summary_block(counts: SpecCounts, units: list[SpecCounts], num_units: int) 
         acceptance_rate_per_pos_ci=rate_cis,
         conditional_acceptance_rate_per_pos=[float(x) for x in conditional_rates(rates)] if rates else [],
         draft_acceptance_rate=counts.draft_acceptance_rate,
-        acceptance_histogram=[at_least[j] - at_least[j + 1] for j in range(len(per_pos) + 1)] if per_pos else [],
+        acceptance_histogram=list(histogram_from_per_pos(drafts, per_pos)) if per_pos else [],
         request_tau=TauDistribution(None, None, None, None),
         wasted_verify_tokens_per_output_token=wasted,
     )
@@ -121,7 +121,7 @@ class _JournaledTable:
     def __init__(self, run_dir: Path, file_name: str, schema: pa.Schema, *, keep_earlier: bool):
         self.schema = schema
         self.parquet = run_dir / file_name
-        self.journal = run_dir / JOURNAL_DIR / file_name.replace(".parquet", ".arrows")
+        self.journal = journal_path(run_dir, file_name.removesuffix(".parquet"))
         if not keep_earlier:
             self.parquet.unlink(missing_ok=True)
             self.journal.unlink(missing_ok=True)
@@ -294,7 +294,7 @@ class WatchRecord:
 
 def _read(run_dir: Path | str, file_name: str, schema: pa.Schema) -> pd.DataFrame:
     run_dir = Path(run_dir)
-    return read_time_series(run_dir / file_name, run_dir / JOURNAL_DIR / file_name.replace(".parquet", ".arrows"), schema).to_pandas()
+    return read_time_series(run_dir / file_name, journal_path(run_dir, file_name.removesuffix(".parquet")), schema).to_pandas()
 
 
 def read_windows(run_dir: Path | str) -> pd.DataFrame:
