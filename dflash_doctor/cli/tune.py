@@ -17,7 +17,7 @@ from dflash_doctor.tune.experiment import TuneGrid, default_fit_ks, parse_grid, 
 from dflash_doctor.tune.measure import CONCURRENCY, REQUEST_RATE, LoadLevel, TimedRequest
 from dflash_doctor.tune.views import print_tune, write_reports
 
-Launch = Annotated[Optional[str], typer.Option("--launch", help="Shell command starting the server with speculation; {k} is replaced by K (templates in README).")]
+Launch = Annotated[Optional[str], typer.Option("--launch", help="Shell command starting the server with speculation; {k} is replaced by K (templates for vLLM, SGLang and llama.cpp in docs/tune.md).")]
 LaunchBaseline = Annotated[Optional[str], typer.Option("--launch-baseline", help="The same server without speculation: the K=0 run.")]
 TuneEngine = Annotated[Optional[str], typer.Option("--engine", help="With --launch: the URL the launched server answers at. Without: one running server per K, 0=URL,8=URL.")]
 TuneK = Annotated[str, typer.Option("--k", help="K grid, 0 = speculation off: e.g. 0,2,4,8,15.")]
@@ -40,7 +40,7 @@ StartTimeout = Annotated[float, typer.Option("--start-timeout", help="Seconds to
 
 
 @app.command(epilog="Example: dflash-doctor tune --engine 0=http://127.0.0.1:8000,8=http://127.0.0.1:8001 --k 0,8 "
-                     "--max-requests 12 (servers you run; --launch/--launch-baseline start them per K: README)")
+                     "--max-requests 12 (servers you run; --launch/--launch-baseline start them per K: docs/tune.md)")
 @opt.config_command("target", "draft", "draft_kind", "workload", "classes", "max_requests", "max_new_tokens", "temperature",
                     "device", "dtype", "out", "seed", "chat_template", "strict_classes", "trust_remote_code", "engine_model")
 def tune(

@@ -32,6 +32,7 @@ from dflash_doctor.rundir.record import SweepRow
 from dflash_doctor.stats.speedup import recommend
 from dflash_doctor.tune.analysis import OVERALL
 from dflash_doctor.tune.measure import CONCURRENCY, load_label, load_of, load_text
+from dflash_doctor.tune.prediction import shown_to_pay
 
 
 def _rows(cells: list[dict[str, Any]], load: Any, scope: str) -> list[dict[str, Any]]:
@@ -50,11 +51,6 @@ def _sweep_row(row: dict[str, Any]) -> SweepRow:
                     speedup=row["speedup"], estimate="exact")
 
 
-def _shown_to_pay(row: dict[str, Any]) -> bool:
-    low = (row.get("speedup_ci") or [None])[0]
-    return low is not None and low >= 1.0
-
-
 def recommend_grid(cells: list[dict[str, Any]], *, strict_classes: tuple[str, ...] = (), strict_max_k: int = 4,
                    conservative_share: float = 0.95) -> dict[str, dict[str, dict[str, Any]]]:
     """``{load text: {scope: recommendation}}`` from the measured speedups (load text: :func:`load_text`)."""
@@ -62,7 +58,7 @@ def recommend_grid(cells: list[dict[str, Any]], *, strict_classes: tuple[str, ..
     for load in sorted({load_of(c) for c in cells}):
         scopes = sorted({c["scope"] for c in cells if load_of(c) == load}, key=lambda s: (s != OVERALL, s))
         rows = {scope: _rows(cells, load, scope) for scope in scopes}
-        paying = {scope: [row for row in scope_rows if _shown_to_pay(row)] for scope, scope_rows in rows.items()}
+        paying = {scope: [row for row in scope_rows if shown_to_pay(row.get("speedup_ci"))] for scope, scope_rows in rows.items()}
         picks = recommend({scope: [_sweep_row(row) for row in scope_rows] for scope, scope_rows in paying.items()},
                           conservative_share=conservative_share, strict_classes=strict_classes, strict_max_k=strict_max_k)
         chosen = {scope: dataclasses.asdict(pick) for scope, pick in picks.items()}

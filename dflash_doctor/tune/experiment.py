@@ -15,7 +15,7 @@ import dataclasses
 import json
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -88,7 +88,6 @@ def default_fit_ks(ks: tuple[int, ...]) -> tuple[int, ...]:
 class TuneOutcome:
     run_dir: Path
     result: dict[str, Any]
-    runs: list[LoadRun] = field(default_factory=list)
 
 
 def measure_grid(grid: TuneGrid, config: DoctorConfig, requests, run_dir: Path,
@@ -225,7 +224,7 @@ def run_tune(grid: TuneGrid, config: DoctorConfig, run_dir: Path,
     }
     result = strict_json(result)
     (run_dir / TUNE_FILE).write_text(json.dumps(result, indent=2, allow_nan=False) + "\n")
-    return TuneOutcome(run_dir, result, runs)
+    return TuneOutcome(run_dir, result)
 
 
 def strict_json(value: Any) -> Any:

@@ -158,14 +158,6 @@ class LoadRun:
     counters: SpecMeasurement | None  # the server's /metrics deltas over the run (None: no spec counters)
     repeat: int = 0  # 1: the K = 0 baseline measured again after the grid (drift check)
 
-    @property
-    def output_tokens_per_s(self) -> float:
-        return sum(r.num_output_tokens for r in self.requests) / self.wall_s if self.wall_s > 0 else float("nan")
-
-    @property
-    def requests_per_s(self) -> float:
-        return len(self.requests) / self.wall_s if self.wall_s > 0 else float("nan")
-
 
 def first_turns(requests: list[Request]) -> list[Request]:
     """Each request cut to its first turn (see the module doc for why); the sweep replays the same list."""

@@ -123,12 +123,12 @@ def predict(cells: list[dict[str, Any]], fits: dict[Any, FittedCosts],
             "speedup_relative_error": predicted / speedup - 1.0 if speedup else None,
             "tau_error": tau_sweep - tau if tau is not None else None,
             "within_interval": _inside(predicted, measured.get("speedup_ci")),
-            "predicted_pays": _pays(predicted_ci), "measured_pays": _pays(measured.get("speedup_ci")),
+            "predicted_pays": shown_to_pay(predicted_ci), "measured_pays": shown_to_pay(measured.get("speedup_ci")),
         })
     return rows
 
 
-def _pays(bounds: Sequence[float | None] | None) -> bool | None:
+def shown_to_pay(bounds: Sequence[float | None] | None) -> bool | None:
     """Shown to pay: the interval's low end at or above 1 (None: no interval)."""
     return None if not bounds or bounds[0] is None else bounds[0] >= 1.0
 
