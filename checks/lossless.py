@@ -59,7 +59,7 @@ class LosslessCheck(Check):
 
     id = "lossless"
     title = "Lossless"
-    needs = (Need("record.probes.lossless", "no speculative-vs-plain comparison was run (extras 'lossless' is absent)"),)
+    needs = (Need("record.probes.lossless", "no speculative-vs-plain comparison was run (run.json has no probes.lossless)"),)
 
     near_tie_ulps: float = 2.0  # a top-2 gap within this many of the dtype's rounding steps at the top logit can flip
 

@@ -28,7 +28,7 @@ class PromptFormatCheck(Check):
 
     id = "prompt-format"
     title = "Prompt format"
-    needs = (Need("record.probes.prompt_format", "the run recorded no prompt-format counts (extras 'prompt_format' is absent)"),)
+    needs = (Need("record.probes.prompt_format", "the run recorded no prompt-format counts (run.json has no probes.prompt_format)"),)
 
     def run(self, ctx: CheckContext) -> CheckResult:
         counts: PromptFormat = ctx.value("record.probes.prompt_format")

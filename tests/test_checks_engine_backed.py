@@ -73,7 +73,7 @@ def test_lossless_skip_without_a_comparison():
     for ctx in (CheckContext(), CheckContext(record=record())):
         result = _run("lossless", ctx)
         assert result.status == "skip"
-        assert result.summary == "skipped: no speculative-vs-plain comparison was run (extras 'lossless' is absent)"
+        assert result.summary == "skipped: no speculative-vs-plain comparison was run (run.json has no probes.lossless)"
 
 
 # ----------------------------------------------------------------------------- prompt-format
