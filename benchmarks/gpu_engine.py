@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, GptOssConfig, Qwen3_5TextConfig, Qwen3Config
 
-from dflash_doctor.engine.dflash_model import DFlashConfig, DFlashDraftModel
+from dflash_doctor.engine.dflash_model import DFlashConfig, DFlashDraftModel, default_target_layer_ids
 from dflash_doctor.engine.live import speculative_generate
 from dflash_doctor.engine.proposers.dflash import DFlashProposer
 from dflash_doctor.engine.target import TargetModel, attention_implementation
@@ -105,7 +105,7 @@ def build(name: str, tiny: bool, device: str, dtype: torch.dtype):
     with torch.device(device):
         target = AutoModelForCausalLM.from_config(config).to(dtype).eval()
     layers = config.num_hidden_layers
-    ids = [1 + i * (layers - 3) // 4 for i in range(5)] if not tiny else [1, 2, 3]
+    ids = default_target_layer_ids(layers, 5) if not tiny else [1, 2, 3]
     draft_cfg = DFlashConfig(
         hidden_size=config.hidden_size, num_hidden_layers=2 if tiny else 5,
         num_attention_heads=config.num_attention_heads, num_key_value_heads=config.num_key_value_heads,
