@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
-import shutil
 import time
 from pathlib import Path
 from typing import Annotated, Any, Optional
@@ -31,7 +30,7 @@ from dflash_doctor.errors import UsageError
 from dflash_doctor.rundir.ownership import claim_run_dir, release_run_dir
 from dflash_doctor.models.loading import demo_target_path, weights_fingerprint, load_causal_lm, load_dflash_draft, resolve_model_dir, save_dflash_draft, validate_dflash_pair
 from dflash_doctor.models.pair import stop_ids_of
-from dflash_doctor.models.training import CHECKPOINT_DIR_NAME, DEFAULT_NUM_TAPS, SELF_WRITTEN_PROMPTS_FILE, SEQUENCES_FILE, TrainConfig, chat_template_record, choose_mask_token_id, draft_config_for_target, data_cache_key, held_out_steps, init_draft_from_target, prepare_training_data, self_written_prompts as self_written, tau_by_class, train_dflash_draft, validate_mask_token_id
+from dflash_doctor.models.training import CHECKPOINT_DIR_NAME, DEFAULT_NUM_TAPS, SELF_WRITTEN_PROMPTS_FILE, SEQUENCES_FILE, TrainConfig, chat_template_record, choose_mask_token_id, draft_config_for_target, data_cache_key, held_out_steps, init_draft_from_target, prepare_training_data, remove_checkpoint, self_written_prompts as self_written, tau_by_class, train_dflash_draft, validate_mask_token_id
 from dflash_doctor.inputs.workloads import BUILTIN_NAMES, extra_word_problems as extra_word_problem_requests, load_workload, read_chat_template
 
 DEFAULT_OUT = "dflash-draft"
@@ -220,7 +219,7 @@ def train_draft(
     out_dir = Path(out)
     claim_run_dir(out_dir, overwrite=overwrite, continuable=_holds_training)
     if overwrite:
-        shutil.rmtree(out_dir / CHECKPOINT_DIR_NAME, ignore_errors=True)  # train afresh: the earlier run's resumable state goes
+        remove_checkpoint(out_dir / CHECKPOINT_DIR_NAME)  # train afresh: the earlier run's resumable state goes
     try:
         target_spec = target or str(demo_target_path())
         target_dir = resolve_model_dir(target_spec)

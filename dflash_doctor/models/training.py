@@ -624,6 +624,14 @@ def _save_checkpoint(path: Path, draft: DFlashDraftModel, state: dict[str, Any],
         shutil.rmtree(previous)
 
 
+def remove_checkpoint(path: Path) -> None:
+    """Remove the checkpoint in ``path`` and what an interrupted :func:`_save_checkpoint` left beside it (its
+    ``.tmp`` staging, the moved-aside ``.old`` that :func:`_load_checkpoint` would restore), so a run told
+    to start afresh cannot resume it."""
+    for folder in (path, path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")):
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def _identity_difference(saved: dict[str, Any], current: dict[str, Any]) -> str:
     """What differs between a checkpoint's identity and this run's, in words ("" when nothing does)."""
     saved_train = saved.get("train_config", {})
