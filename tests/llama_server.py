@@ -59,15 +59,17 @@ def convert_to_gguf(model_dir: Path, out: Path, *, outtype: str = "f32", target_
 def demo_ggufs() -> dict[str, Path]:
     """The demo pair's GGUF files: ``q4_1`` (shipped), ``f32`` (converted target), ``dflash`` (converted draft)."""
     sys.path.insert(0, str(REPO))
-    from dflash_doctor.models.loading import DEMO_DRAFT_DIR, cache_dir, demo_target_path, resolve_model_dir
+    from dflash_doctor.models.loading import DEMO_DRAFT_DIR, cache_dir, demo_target_path, fingerprint, resolve_model_dir
 
     shipped = demo_target_path()
     target_dir = resolve_model_dir(str(shipped))  # the doctor's dequantised folder, keyed by the file's hash
     folder = cache_dir() / "llama.cpp" / LLAMA_CPP_VERSION / target_dir.name
+    # the draft's file is keyed by its weights too: a retrained demo draft must not be served from an old conversion
+    draft_gguf = folder / f"draft-dflash-f32-{fingerprint(DEMO_DRAFT_DIR)}.gguf"
     return {
         "q4_1": shipped,
         "f32": convert_to_gguf(target_dir, folder / "target-f32.gguf"),
-        "dflash": convert_to_gguf(DEMO_DRAFT_DIR, folder / "draft-dflash-f32.gguf", target_dir=target_dir),
+        "dflash": convert_to_gguf(DEMO_DRAFT_DIR, draft_gguf, target_dir=target_dir),
     }
 
 

@@ -83,12 +83,16 @@ def test_check_engine_reads_steps_from_metrics_deltas_and_says_so(engine_run):
     assert details["steps"].startswith("histogram only (from /metrics per-position counters")
     requests = run.requests
     assert len(requests) >= 6 and (requests["num_drafts"] > 0).all()
-    # The run holds exactly what the server counted since the run began (the first request was asked twice:
-    # once to learn that llama.cpp's responses carry no step count).
+    # The run holds what the server counted since the run began, less the first request's first ask (asked once
+    # to learn that llama.cpp's responses carry no step count, then again between two scrapes). The repeat is
+    # served from llama.cpp's prompt cache, so it can part from the first ask at a near-tie by a draft or two
+    # (the retrained demo draft: 16 drafts against 15); the first ask is one more answer to the same turn.
     window, _ = after.since(before)
     first = requests.iloc[0]
-    assert requests["num_drafts"].sum() + first["num_drafts"] == window.num_drafts
-    assert requests["num_accepted_tokens"].sum() + first["num_accepted_tokens"] == window.num_accepted_tokens
+    first_ask_drafts = window.num_drafts - requests["num_drafts"].sum()
+    first_ask_accepted = window.num_accepted_tokens - requests["num_accepted_tokens"].sum()
+    assert abs(first_ask_drafts - first["num_drafts"]) <= max(2, 0.1 * first["num_drafts"]), (first_ask_drafts, first["num_drafts"])
+    assert abs(first_ask_accepted - first["num_accepted_tokens"]) <= max(3, 0.15 * first["num_accepted_tokens"]), (first_ask_accepted, first)
     # Per request, the per-position histogram accounts for every accepted token and every draft.
     for _, request in requests.iterrows():
         steps = run.steps[run.steps["request_id"] == request["request_id"]]
