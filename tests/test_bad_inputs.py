@@ -16,7 +16,7 @@ import pytest
 
 from dflash_doctor.checks.base import validate_check_params
 from dflash_doctor.errors import UsageError
-from dflash_doctor.inputs.config import build_config
+from dflash_doctor.inputs.config import build_config, parse_int_grid, parse_k
 from dflash_doctor.inputs.validation import check_model_folder
 from dflash_doctor.inputs.workloads import load_workload
 from dflash_doctor.rundir.load import load_run
@@ -372,3 +372,25 @@ def test_a_model_list_of_an_unexpected_shape_is_refused(tmp_path, models_body):
         url = server.base_url
         result = invoke("check", "--engine", url, "--workload", "demo", "--max-requests", "1", "--out", tmp_path / "run")
     assert_usage_error(result, f"--engine {url}: GET /v1/models answered", "not an OpenAI model list")
+
+
+K_GRIDS = [("8", (8,)), ("2,4,8", (2, 4, 8)), ("1-4", (1, 2, 3, 4)), (" 1-3, 8 ,2", (1, 2, 3, 8)), ("4-4", (4,))]
+
+
+@pytest.mark.parametrize("text, expected", K_GRIDS, ids=[case[0] for case in K_GRIDS])
+def test_an_integer_grid_reads_lists_and_ranges(text, expected):
+    assert parse_k(text) == expected == parse_int_grid(text, "--k", minimum=1)
+
+
+@pytest.mark.parametrize("text, minimum, fragment", [
+    ("8-4", 1, "is not an integer, a list like 2,4,8 or a range like 1-15"),  # reversed: refused, not an empty range
+    ("2,x", 1, "is not an integer"),
+    ("-1", 0, "is not an integer"),
+    ("0,2", 1, "must hold integers >= 1"),
+    ("", 1, "is not an integer"),
+])
+def test_a_bad_integer_grid_is_refused_naming_the_flag(text, minimum, fragment):
+    with pytest.raises(UsageError) as refused:
+        parse_int_grid(text, "--fit-k", minimum=minimum)
+    one_sentence(str(refused.value.message), "--fit-k", fragment, "fix the value")
+    assert parse_int_grid("0,2", "--k", minimum=0) == (0, 2)  # tune's baseline K = 0

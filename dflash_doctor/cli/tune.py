@@ -12,8 +12,8 @@ from dflash_doctor import pipeline
 from dflash_doctor.cli import options as opt
 from dflash_doctor.cli.root import app
 from dflash_doctor.errors import UsageError
-from dflash_doctor.inputs.config import DoctorConfig
-from dflash_doctor.tune.experiment import TuneGrid, default_fit_ks, parse_grid, parse_rates, run_tune
+from dflash_doctor.inputs.config import DoctorConfig, parse_int_grid
+from dflash_doctor.tune.experiment import TuneGrid, default_fit_ks, parse_rates, run_tune
 from dflash_doctor.tune.measure import CONCURRENCY, REQUEST_RATE, LoadLevel, TimedRequest
 from dflash_doctor.tune.views import print_tune, write_reports
 
@@ -63,8 +63,8 @@ def tune(
     open loop (--request-rate: requests arrive at a rate, Poisson or --burstiness, whatever is in flight, as
     production traffic does: latency then includes queueing when the server falls behind)."""
     cfg = config
-    ks = parse_grid(k, "--k", minimum=0)
-    fit_ks = parse_grid(fit_k, "--fit-k", minimum=1) if fit_k else default_fit_ks(ks)
+    ks = parse_int_grid(k, "--k", minimum=0)
+    fit_ks = parse_int_grid(fit_k, "--fit-k", minimum=1) if fit_k else default_fit_ks(ks)
     if not set(fit_ks) <= set(ks):
         raise UsageError(f"--fit-k {','.join(map(str, fit_ks))} names K that --k {k} does not measure; fit from K in the grid.")
     if concurrency is not None and request_rate is not None:
@@ -77,7 +77,7 @@ def tune(
     if burstiness is not None and not burstiness > 0:
         raise UsageError(f"--burstiness {burstiness} must be above 0 (1 = Poisson arrivals); fix the value.")
     loads = (tuple(LoadLevel(REQUEST_RATE, rate, burstiness or 1.0, max_concurrency) for rate in parse_rates(request_rate)) if request_rate is not None else
-             tuple(LoadLevel(CONCURRENCY, level) for level in parse_grid(concurrency or "1", "--concurrency", minimum=1)))
+             tuple(LoadLevel(CONCURRENCY, level) for level in parse_int_grid(concurrency or "1", "--concurrency", minimum=1)))
     grid = TuneGrid(ks=ks, loads=loads, fit_ks=fit_ks, engine=engine, launch=launch,
                     launch_baseline=launch_baseline, sweep_dir=sweep, start_timeout_s=start_timeout)
     console = Console(stderr=True)

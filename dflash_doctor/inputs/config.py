@@ -22,27 +22,35 @@ from dflash_doctor.inputs.validation import type_error
 from dflash_doctor.stats.speedup import load_cost_profile
 
 
+def parse_int_grid(text: str, flag: str, *, minimum: int) -> tuple[int, ...]:
+    """``8``, a list ``2,4,8``, a range ``1-15`` or a mix, as sorted distinct integers >= ``minimum``.
+
+    The one parser of integer grids (``--k`` of check/sweep/tune, tune's ``--fit-k`` and ``--concurrency``):
+    a reversed range such as ``8-4`` is refused rather than read as empty."""
+    values: list[int] = []
+    try:
+        for part in text.replace(" ", "").split(","):
+            low, sep, high = part.partition("-")
+            if not sep:
+                values.append(int(low))
+                continue
+            first, last = int(low), int(high)
+            if first > last:
+                raise ValueError
+            values.extend(range(first, last + 1))
+    except ValueError:
+        raise UsageError(f"{flag} {text!r} is not an integer, a list like 2,4,8 or a range like 1-15; fix the value.") from None
+    if not values or min(values) < minimum:
+        raise UsageError(f"{flag} {text!r} must hold integers >= {minimum}; fix the value.")
+    return tuple(sorted(set(values)))
+
+
 def parse_k(value: str | int | list[int] | tuple[int, ...]) -> tuple[int, ...]:
-    """Parse ``--k``: an integer ``8``, a list ``2,4,8`` or a range ``1-15`` into sorted unique ints >= 1."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        values = [value]
-    elif isinstance(value, (list, tuple)):
-        values = list(value)
-    else:
-        text = str(value).replace(" ", "")
-        values = []
-        try:
-            for part in text.split(","):
-                if "-" in part:
-                    low, high = (int(x) for x in part.split("-", 1))
-                    if low > high:
-                        raise ValueError
-                    values.extend(range(low, high + 1))
-                else:
-                    values.append(int(part))
-        except ValueError:
-            raise UsageError(f"--k {value!r} is not an integer, a list like 2,4,8 or a range like 1-15; fix the value.") from None
-    if not values or any((not isinstance(v, int)) or v < 1 for v in values):
+    """Parse ``--k`` (or a config file's ``k``): an integer, a list or a grid string, as sorted unique ints >= 1."""
+    if isinstance(value, str):
+        return parse_int_grid(value, "--k", minimum=1)
+    values = [value] if isinstance(value, int) and not isinstance(value, bool) else list(value) if isinstance(value, (list, tuple)) else []
+    if not values or any((not isinstance(v, int)) or isinstance(v, bool) or v < 1 for v in values):
         raise UsageError(f"--k {value!r} must hold integers >= 1; fix the value.")
     return tuple(sorted(set(values)))
 

@@ -54,20 +54,6 @@ class TuneGrid:
     warmup_requests: int = 1
 
 
-def parse_grid(text: str, flag: str, *, minimum: int) -> tuple[int, ...]:
-    """``0,2,8`` or ``1-4`` (or both, comma-separated) as sorted distinct integers >= ``minimum``."""
-    values: set[int] = set()
-    try:
-        for part in text.split(","):
-            low, sep, high = part.strip().partition("-")
-            values.update(range(int(low), int(high) + 1) if sep else [int(low)])
-    except ValueError:
-        raise UsageError(f"{flag} {text!r} is not a list like 0,2,8 or a range like 1-4; fix the value.") from None
-    if not values or min(values) < minimum:
-        raise UsageError(f"{flag} {text!r} must hold integers >= {minimum}; fix the value.")
-    return tuple(sorted(values))
-
-
 def parse_rates(text: str) -> tuple[float, ...]:
     """``--request-rate 2,4,inf``: sorted distinct requests per second, each above 0 (inf = all at once)."""
     try:
