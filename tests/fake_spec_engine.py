@@ -48,9 +48,11 @@ def per_step_accepted(prompt: str, k: int, max_tokens: int) -> list[int]:
     return steps
 
 
-def make_handler(k: int, costs: FakeCosts, per_request: bool = True, arrivals: list[tuple[str, float]] | None = None):
+def make_handler(k: int, costs: FakeCosts, per_request: bool = True, arrivals: list[tuple[str, float]] | None = None,
+                 api_key: str | None = None):
     """``per_request=False``: a server started without per-request metrics; only ``/metrics`` counts.
-    ``arrivals``: each request's (prompt, time.perf_counter() when it arrived) is appended to it."""
+    ``arrivals``: each request's (prompt, time.perf_counter() when it arrived) is appended to it.
+    ``api_key``: like ``vllm serve --api-key``, every /v1 path and /metrics answers 401 without that bearer token."""
     totals = {"drafts": 0, "draft_tokens": 0, "accepted": 0}
     per_pos = [0] * k
     lock = threading.Lock()
@@ -64,7 +66,15 @@ def make_handler(k: int, costs: FakeCosts, per_request: bool = True, arrivals: l
         return "\n".join(lines) + "\n" if k else ""
 
     class Handler(QuietHandler):
+        def refused(self) -> bool:
+            if api_key is None or self.headers.get("Authorization") == f"Bearer {api_key}":
+                return False
+            self.reply_json({"error": "Unauthorized"}, status=401)
+            return True
+
         def do_GET(self) -> None:  # noqa: N802 (http.server API)
+            if self.refused():
+                return
             if self.path == "/v1/models":
                 self.reply_json({"data": [{"id": MODEL}]})
             elif self.path == "/metrics":
@@ -75,6 +85,8 @@ def make_handler(k: int, costs: FakeCosts, per_request: bool = True, arrivals: l
         def do_POST(self) -> None:  # noqa: N802 (http.server API)
             arrived = time.perf_counter()
             body = self.read_json()
+            if self.refused():
+                return
             prompt = body.get("prompt") or " ".join(m.get("content") or "" for m in body.get("messages") or [])
             if arrivals is not None:
                 with lock:
@@ -123,9 +135,9 @@ def make_handler(k: int, costs: FakeCosts, per_request: bool = True, arrivals: l
 
 
 def start(k: int, costs: FakeCosts = FakeCosts(), port: int = 0, per_request: bool = True,
-          arrivals: list[tuple[str, float]] | None = None) -> ThreadingHTTPServer:
+          arrivals: list[tuple[str, float]] | None = None, api_key: str | None = None) -> ThreadingHTTPServer:
     """Serve in a daemon thread; ``server.server_address[1]`` is the port; ``shutdown()`` stops it."""
-    server = ThreadingHTTPServer(("127.0.0.1", port), make_handler(k, costs, per_request, arrivals))
+    server = ThreadingHTTPServer(("127.0.0.1", port), make_handler(k, costs, per_request, arrivals, api_key))
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server

@@ -7,6 +7,7 @@ import json
 import math
 import socket
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -362,3 +363,29 @@ def test_tune_at_two_request_rates_names_the_rates_everywhere(tmp_path, fake_ser
     dashboard = _dashboard_tune_page(monkeypatch, tmp_path)
     assert len(list(dashboard.get("plotly_chart"))) == 3
     assert any("request rate 4, inf per second" in str(c.value) for c in dashboard.caption)
+
+
+def test_tune_sends_the_api_key_to_servers_started_with_one_and_says_how_when_it_is_missing(tmp_path):
+    """Servers started with --api-key (vLLM guards /v1 and /metrics with it): the key reaches the health poll,
+    the model lookup, every streamed request and the /metrics scrapes; without it tune stops at once, in one
+    sentence naming the flag, instead of waiting out --start-timeout."""
+    key = "sk-tune-test-5e1d"
+    servers = {k: fake.start(k, per_request=False, api_key=key) for k in (0, 4)}
+    try:
+        engine = ",".join(f"{k}=http://127.0.0.1:{s.server_address[1]}" for k, s in servers.items())
+        args = ["--engine", engine, "--k", "0,4", "--workload", str(_workload(tmp_path)), "--max-new-tokens", str(MAX_TOKENS),
+                "--sweep", str(_sweep_run(tmp_path, [4])), "--start-timeout", "60"]
+        started = time.monotonic()
+        refused = _invoke([*args, "--out", str(tmp_path / "refused")])
+        refused_after = time.monotonic() - started
+        keyed = _invoke([*args, "--out", str(tmp_path / "run"), "--engine-api-key", key])
+    finally:
+        for server in servers.values():
+            server.shutdown()
+    assert refused.exit_code == 2, refused.output
+    assert "HTTP 401" in refused.output and "--engine-api-key" in refused.output and "Traceback" not in refused.output
+    assert keyed.exit_code == 0, keyed.output
+    tune = json.loads((tmp_path / "run" / "tune.json").read_text())
+    assert cell(tune["cells"], 1, 4)["tau"] == pytest.approx(_expected_tau("overall", 4))  # /metrics read with the key
+    assert key not in (tmp_path / "run" / "tune.json").read_text()
+    assert refused_after < 30, refused_after  # refused at the first health poll, not after --start-timeout

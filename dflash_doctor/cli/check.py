@@ -24,8 +24,6 @@ from dflash_doctor.report.terminal import print_check_results, print_class_summa
 Scenario = Annotated[Optional[str], typer.Option("--scenario", help="Reproduce a real failure on the demo pair; `--scenario list` names them.")]
 Only = Annotated[Optional[str], typer.Option("--only", help="Comma-separated check ids to run (default: all).")]
 Skip = Annotated[Optional[str], typer.Option("--skip", help="Comma-separated check ids to leave out.")]
-EngineApiKey = Annotated[Optional[str], typer.Option("--engine-api-key", envvar="OPENAI_API_KEY", show_envvar=True,
-                                                     help="API key of the --engine server (sent as a bearer token); env:VAR reads it from the environment. Never written to the run directory.")]
 
 
 def _ids(text: str | None) -> list[str]:
@@ -58,7 +56,7 @@ def check(
     skip: Skip = None,
     exact_blocks: opt.ExactBlocks = False,
     json_output: opt.Json = False,
-    engine_api_key: EngineApiKey = None,
+    engine_api_key: opt.EngineApiKey = None,
 ) -> None:
     """Is the pair set up right, where does the draft lose, which K to serve? Exit 0 pass/warn, 1 fail or error, 2 bad input.
 

@@ -70,6 +70,8 @@ EngineConfig = Annotated[Optional[str], typer.Option("--engine-config", help="vL
 Engine = Annotated[Optional[str], typer.Option("--engine", help="URL of a running OpenAI-compatible server (vLLM, SGLang, llama.cpp): measure acceptance there; with --target/--draft also replay locally and compare (engine-agreement).", show_default="no server")]
 EngineModel = Annotated[Optional[str], typer.Option("--engine-model", help="Model name on the --engine server.", show_default="its only model")]
 EngineConcurrency = Annotated[Optional[int], typer.Option("--engine-concurrency", help="Requests in flight at once against --engine.", show_default=_default("engine_concurrency"))]
+EngineApiKey = Annotated[Optional[str], typer.Option("--engine-api-key", envvar="OPENAI_API_KEY", show_envvar=True,
+                                                     help="API key of the --engine server (sent as a bearer token); env:VAR reads it from the environment. Never written to the run directory.")]
 EngineTimeout = Annotated[Optional[float], typer.Option("--engine-timeout", help="Per-request timeout in seconds against --engine.", show_default=_default("engine_timeout_s"))]
 ConfigFile = Annotated[Optional[str], typer.Option("--config", help="TOML file with the flags' keys plus thresholds (docs: README 'Configuration'). Without it: ./doctor.toml, else [tool.dflash-doctor] in ./pyproject.toml, else doctor.toml in the user config folder. Precedence: flag > DFLASH_DOCTOR_* variable > file > default.", show_default="discovered", **_env("config"))]
 

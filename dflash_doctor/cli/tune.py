@@ -12,6 +12,7 @@ from dflash_doctor import pipeline
 from dflash_doctor.cli import options as opt
 from dflash_doctor.cli.root import app
 from dflash_doctor.errors import UsageError
+from dflash_doctor.serving.http import secret
 from dflash_doctor.inputs.config import DoctorConfig, parse_int_grid
 from dflash_doctor.tune.experiment import TuneGrid, default_fit_ks, parse_rates, run_tune
 from dflash_doctor.tune.measure import CONCURRENCY, REQUEST_RATE, LoadLevel, TimedRequest
@@ -56,6 +57,7 @@ def tune(
     fit_k: FitK = None,
     sweep: SweepDir = None,
     start_timeout: StartTimeout = 900.0,
+    engine_api_key: opt.EngineApiKey = None,
 ) -> None:
     """Measure K = 0 (off) and each K on your engine per class and load; fit its step costs, predict the rest, recommend its setting.
 
@@ -86,7 +88,8 @@ def tune(
         console.print(f"K={k_now} {load.label} {timed.request_id}: {timed.num_output_tokens} tokens in {timed.e2e_s:.2f} s", highlight=False)
 
     run_dir = Path(cfg.out) if cfg.out else pipeline.default_run_dir("tune")
-    outcome = run_tune(grid, cfg, run_dir, on_request=progress)
+    api_key = secret(engine_api_key, "--engine-api-key") if engine_api_key else None
+    outcome = run_tune(grid, cfg, run_dir, on_request=progress, api_key=api_key)
     write_reports(outcome.run_dir, outcome.result)
     print_tune(outcome.result, Console())
     console.print(f"wrote {outcome.run_dir}")

@@ -77,8 +77,10 @@ class TuneOutcome:
 
 
 def measure_grid(grid: TuneGrid, config: DoctorConfig, requests, run_dir: Path,
-                 on_request: Callable[[int, LoadLevel, TimedRequest], None] | None = None) -> tuple[list[LoadRun], list[dict[str, Any]]]:
-    """Every K on its server, every load on it; returns the runs and what each server said about itself."""
+                 on_request: Callable[[int, LoadLevel, TimedRequest], None] | None = None,
+                 api_key: str | None = None) -> tuple[list[LoadRun], list[dict[str, Any]]]:
+    """Every K on its server, every load on it; returns the runs and what each server said about itself.
+    ``api_key`` (the servers' --api-key) goes with every request, health poll and /metrics scrape."""
     runs: list[LoadRun] = []
     servers: list[dict[str, Any]] = []
     plans = plan_servers(grid.ks, grid.engine, grid.launch, grid.launch_baseline)
@@ -87,8 +89,8 @@ def measure_grid(grid: TuneGrid, config: DoctorConfig, requests, run_dir: Path,
     for plan in plans:
         repeat = sum(1 for s in servers if s["k"] == plan.k)
         log_name = f"server-k{plan.k}.log" if not repeat else f"server-k{plan.k}-repeat.log"
-        with serving(plan, run_dir / log_name, grid.start_timeout_s) as url:
-            endpoint = resolve_model(EngineEndpoint.from_url(url, model=config.engine_model, timeout_s=config.engine_timeout_s))
+        with serving(plan, run_dir / log_name, grid.start_timeout_s, api_key) as url:
+            endpoint = resolve_model(EngineEndpoint.from_url(url, model=config.engine_model, timeout_s=config.engine_timeout_s, api_key=api_key))
             for request in requests[: grid.warmup_requests]:
                 stream_request(endpoint, request, config)
             for load in grid.loads:
@@ -163,14 +165,14 @@ def teacher_sweep(grid: TuneGrid, config: DoctorConfig, workload_path: Path, run
 
 
 def run_tune(grid: TuneGrid, config: DoctorConfig, run_dir: Path,
-             on_request: Callable[[int, LoadLevel, TimedRequest], None] | None = None) -> TuneOutcome:
+             on_request: Callable[[int, LoadLevel, TimedRequest], None] | None = None, api_key: str | None = None) -> TuneOutcome:
     """The whole experiment; see the module doc."""
     requests = first_turns(load_workload(config.workload, classes=config.classes, max_requests=config.max_requests, seed=config.seed))
     if not requests:
         raise UsageError(f"--workload {config.workload} selected no requests; widen --classes or --max-requests.")
     run_dir.mkdir(parents=True, exist_ok=True)
     workload_path = save_workload(requests, run_dir / "workload.jsonl")
-    runs, servers = measure_grid(grid, config, requests, run_dir, on_request)
+    runs, servers = measure_grid(grid, config, requests, run_dir, on_request, api_key)
     sweep, sweep_dir, draft_kind = teacher_sweep(grid, config, workload_path, run_dir)
 
     rows = _rows(runs)

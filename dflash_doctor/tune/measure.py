@@ -40,7 +40,8 @@ from dflash_doctor.errors import UsageError
 from dflash_doctor.inputs.config import DoctorConfig
 from dflash_doctor.inputs.workloads import Request, conversation_turns
 from dflash_doctor.replay.turns import turn_limit
-from dflash_doctor.serving.client import EngineEndpoint, scrape_metrics
+from dflash_doctor.serving.client import EngineEndpoint, auth_fix, scrape_metrics
+from dflash_doctor.serving.http import AUTH_STATUSES
 from dflash_doctor.serving.engine_run import request_body
 from dflash_doctor.serving.prometheus import EngineCounters, measurement_between, read_counters
 from dflash_doctor.serving.responses import MissingMetrics, SpecMeasurement, parse_response
@@ -177,8 +178,10 @@ def stream_request(endpoint: EngineEndpoint, request: Request, config: DoctorCon
                    clock: Callable[[], float] = time.perf_counter) -> TimedRequest:
     """Send one request streamed and time it; a failure is a UsageError naming the server."""
     path, body = streamed_body(endpoint, request, config)
-    req = urllib.request.Request(endpoint.base_url + path, data=json.dumps(body).encode("utf-8"), method="POST",
-                                 headers={"Content-Type": "application/json", "Accept": "text/event-stream"})
+    headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
+    if endpoint.api_key:
+        headers["Authorization"] = f"Bearer {endpoint.api_key}"
+    req = urllib.request.Request(endpoint.base_url + path, data=json.dumps(body).encode("utf-8"), method="POST", headers=headers)
     started = clock()
     ttft: float | None = None
     final: dict[str, Any] = {}
@@ -197,8 +200,8 @@ def stream_request(endpoint: EngineEndpoint, request: Request, config: DoctorCon
                 if chunk.get("usage"):
                     final = chunk
     except urllib.error.HTTPError as exc:
-        raise UsageError(f"--engine {endpoint.base_url}{path} answered HTTP {exc.code} to request {request.id}; "
-                         "check the server's log and flags.") from None
+        fix = auth_fix(endpoint) if exc.code in AUTH_STATUSES else "check the server's log and flags"
+        raise UsageError(f"--engine {endpoint.base_url}{path} answered HTTP {exc.code} to request {request.id}; {fix}.") from None
     except (urllib.error.URLError, OSError, json.JSONDecodeError) as exc:
         raise UsageError(f"--engine {endpoint.base_url}: request {request.id} failed mid-stream ({exc}); "
                          "check that the server is still up.") from None

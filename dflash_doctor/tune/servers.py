@@ -17,6 +17,7 @@ import os
 import signal
 import subprocess
 import time
+import urllib.error
 import urllib.request
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -24,6 +25,8 @@ from pathlib import Path
 from typing import Iterator
 
 from dflash_doctor.errors import UsageError
+from dflash_doctor.serving.client import EngineEndpoint, auth_fix
+from dflash_doctor.serving.http import AUTH_STATUSES
 
 K_PLACEHOLDER = "{k}"
 
@@ -67,14 +70,21 @@ def plan_servers(grid: tuple[int, ...], engine: str | None, launch: str | None, 
     return [ServerPlan(k, urls[k]) for k in grid]
 
 
-def wait_healthy(url: str, process: subprocess.Popen | None, timeout_s: float, log_path: Path | None) -> None:
-    """Poll ``GET /v1/models`` until it answers 200; the process dying or the time running out is a UsageError."""
+def wait_healthy(url: str, process: subprocess.Popen | None, timeout_s: float, log_path: Path | None,
+                 api_key: str | None = None) -> None:
+    """Poll ``GET /v1/models`` (with the API key, if any) until it answers 200; the process dying, the time
+    running out or the server refusing the key (401/403: waiting would not change that) is a UsageError."""
     deadline = time.monotonic() + timeout_s
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     while True:
         try:
-            with urllib.request.urlopen(url.rstrip("/") + "/v1/models", timeout=5) as response:
+            with urllib.request.urlopen(urllib.request.Request(url.rstrip("/") + "/v1/models", headers=headers), timeout=5) as response:
                 if response.status == 200:
                     return
+        except urllib.error.HTTPError as exc:
+            if exc.code in AUTH_STATUSES:
+                raise UsageError(f"{url} answered HTTP {exc.code} to GET /v1/models: "
+                                 f"{auth_fix(EngineEndpoint(base_url=url, api_key=api_key))}.") from None
         except OSError:
             pass
         where = f"; its output is in {log_path}" if log_path else ""
@@ -101,17 +111,17 @@ def stop_group(process: subprocess.Popen, grace_s: float = 30.0) -> None:
 
 
 @contextmanager
-def serving(plan: ServerPlan, log_path: Path, start_timeout_s: float) -> Iterator[str]:
+def serving(plan: ServerPlan, log_path: Path, start_timeout_s: float, api_key: str | None = None) -> Iterator[str]:
     """The server of one K, healthy, for the time of the block; a launched one is stopped after it."""
     if plan.command is None:
-        wait_healthy(plan.url, None, start_timeout_s, None)
+        wait_healthy(plan.url, None, start_timeout_s, None, api_key)
         yield plan.url
         return
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("w") as log:
         process = subprocess.Popen(["bash", "-c", plan.command], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            wait_healthy(plan.url, process, start_timeout_s, log_path)
+            wait_healthy(plan.url, process, start_timeout_s, log_path, api_key)
             yield plan.url
         finally:
             stop_group(process)
