@@ -17,7 +17,7 @@ from functools import cached_property
 from typing import Any, Mapping
 
 from dflash_doctor.errors import UsageError
-from dflash_doctor.serving.http import AUTH_STATUSES, HttpClient, Unreachable
+from dflash_doctor.serving.http import AUTH_STATUSES, HttpClient, Unreachable, bearer
 
 API_KEY_FLAGS = "--engine-api-key (or the OPENAI_API_KEY environment variable)"
 METRICS_TIMEOUT_S = 30.0
@@ -50,9 +50,7 @@ class EngineEndpoint:
     @cached_property
     def client(self) -> HttpClient:
         """One connection pool per endpoint, shared by the requests in flight."""
-        headers = {"Accept": "application/json"}
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
+        headers = {"Accept": "application/json", **bearer(self.api_key)}
         return HttpClient(headers=headers, timeout_s=self.timeout_s, retries=self.retries, backoff_s=self.backoff_s)
 
 

@@ -36,6 +36,11 @@ POOL_SIZE = 32  # connections kept per host: above check --engine's usual concur
 _HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")  # an HTTP token (RFC 9110 section 5.6.2)
 
 
+def bearer(api_key: str | None) -> dict[str, str]:
+    """The ``Authorization`` header of an OpenAI-style ``--api-key`` server (none without a key)."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
 class _Retry(Retry):
     """urllib3's Retry with ``Retry-After`` honoured up to :data:`RETRY_AFTER_MAX_S` (urllib3's own cap is
     six hours, and only recent releases let it be set)."""

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Mapping, Protocol
 
 from dflash_doctor.errors import UsageError
-from dflash_doctor.serving.http import AUTH_STATUSES, HttpClient, Unreachable
+from dflash_doctor.serving.http import AUTH_STATUSES, HttpClient, Unreachable, bearer
 from dflash_doctor.telemetry.counts import SpecCounts
 from dflash_doctor.telemetry.engines import READERS, Reading, read_exposition
 from dflash_doctor.telemetry.exposition import Exposition, Sample, parse_exposition
@@ -90,7 +90,7 @@ class MetricsEndpoint:
     def __init__(self, url: str, *, engine: str | None = None, model: str | None = None, class_label: str | None = None,
                  api_key: str | None = None):
         self.url = _check_url(url, "source")
-        self._client = _scrape_client({"Authorization": f"Bearer {api_key}"} if api_key else None)
+        self._client = _scrape_client(bearer(api_key) or None)
         self.engine = _check_engine(engine)
         self.model = model or urllib.parse.urlparse(url).netloc
         self.class_label = class_label

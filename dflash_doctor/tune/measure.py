@@ -41,7 +41,7 @@ from dflash_doctor.inputs.config import DoctorConfig
 from dflash_doctor.inputs.workloads import Request, conversation_turns
 from dflash_doctor.replay.turns import turn_limit
 from dflash_doctor.serving.client import EngineEndpoint, auth_fix, scrape_metrics
-from dflash_doctor.serving.http import AUTH_STATUSES
+from dflash_doctor.serving.http import AUTH_STATUSES, bearer
 from dflash_doctor.serving.engine_run import request_body
 from dflash_doctor.serving.prometheus import EngineCounters, measurement_between, read_counters
 from dflash_doctor.serving.responses import MissingMetrics, SpecMeasurement, parse_response
@@ -178,9 +178,7 @@ def stream_request(endpoint: EngineEndpoint, request: Request, config: DoctorCon
                    clock: Callable[[], float] = time.perf_counter) -> TimedRequest:
     """Send one request streamed and time it; a failure is a UsageError naming the server."""
     path, body = streamed_body(endpoint, request, config)
-    headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
-    if endpoint.api_key:
-        headers["Authorization"] = f"Bearer {endpoint.api_key}"
+    headers = {"Content-Type": "application/json", "Accept": "text/event-stream", **bearer(endpoint.api_key)}
     req = urllib.request.Request(endpoint.base_url + path, data=json.dumps(body).encode("utf-8"), method="POST", headers=headers)
     started = clock()
     ttft: float | None = None

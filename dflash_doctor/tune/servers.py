@@ -26,7 +26,7 @@ from typing import Iterator
 
 from dflash_doctor.errors import UsageError
 from dflash_doctor.serving.client import EngineEndpoint, auth_fix
-from dflash_doctor.serving.http import AUTH_STATUSES
+from dflash_doctor.serving.http import AUTH_STATUSES, bearer
 
 K_PLACEHOLDER = "{k}"
 
@@ -75,10 +75,9 @@ def wait_healthy(url: str, process: subprocess.Popen | None, timeout_s: float, l
     """Poll ``GET /v1/models`` (with the API key, if any) until it answers 200; the process dying, the time
     running out or the server refusing the key (401/403: waiting would not change that) is a UsageError."""
     deadline = time.monotonic() + timeout_s
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     while True:
         try:
-            with urllib.request.urlopen(urllib.request.Request(url.rstrip("/") + "/v1/models", headers=headers), timeout=5) as response:
+            with urllib.request.urlopen(urllib.request.Request(url.rstrip("/") + "/v1/models", headers=bearer(api_key)), timeout=5) as response:
                 if response.status == 200:
                     return
         except urllib.error.HTTPError as exc:
