@@ -389,3 +389,18 @@ def test_tune_sends_the_api_key_to_servers_started_with_one_and_says_how_when_it
     assert cell(tune["cells"], 1, 4)["tau"] == pytest.approx(_expected_tau("overall", 4))  # /metrics read with the key
     assert key not in (tmp_path / "run" / "tune.json").read_text()
     assert refused_after < 30, refused_after  # refused at the first health poll, not after --start-timeout
+
+
+def test_a_baseline_server_that_drafts_is_warned_about_in_every_view(tmp_path, fake_servers, monkeypatch):
+    """K = 0 pointed at a speculating server (a launch-baseline left with its draft): its speedups are
+    meaningless, and the warning reaches the terminal, report.md, report.html and the dashboard page."""
+    urls, _ = fake_servers
+    out = tmp_path / "run"
+    result = _invoke(["--engine", f"0={urls[4]},4={urls[4]}", "--k", "0,4", "--workload", str(_workload(tmp_path)),
+                      "--max-new-tokens", str(MAX_TOKENS), "--sweep", str(_sweep_run(tmp_path, [4])), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    says = "K=0: the K=0 server drafted tokens"
+    assert says in " ".join(result.output.split())
+    assert says in (out / "report.md").read_text() and says in (out / "report.html").read_text()
+    dashboard = _dashboard_tune_page(monkeypatch, tmp_path)
+    assert any(says in str(w.value) for w in dashboard.warning)

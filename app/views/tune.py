@@ -12,7 +12,7 @@ import streamlit as st
 from dflash_doctor.app import ui
 from dflash_doctor.tune.experiment import TUNE_FILE
 from dflash_doctor.tune.views import (MEASURED_COLUMNS, PREDICTION_COLUMNS, figures, fit_lines, grid_line, measured_rows, prediction_rows,
-                                     recommendation_lines)
+                                     recommendation_lines, warning_lines)
 
 st.title("Tune: K on your engine")
 found = sorted((str(path.parent) for path in ui.runs_dir().rglob(TUNE_FILE)), reverse=True)
@@ -26,6 +26,8 @@ st.caption(grid_line(result))
 st.header("Recommendation")
 for line in recommendation_lines(result):
     st.markdown(f"- `{line}`" if line.split(":")[0] in result["engine_settings"] else f"- {line}")
+for line in warning_lines(result):
+    st.warning(line)
 for i, (title, fig) in enumerate(figures(result)):
     st.subheader(title)
     st.plotly_chart(fig, key=f"tune_fig_{i}")

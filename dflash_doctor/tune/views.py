@@ -93,6 +93,12 @@ def fit_lines(result: dict[str, Any]) -> list[str]:
     return lines
 
 
+def warning_lines(result: dict[str, Any]) -> list[str]:
+    """What a server said that puts its K's figures in doubt (a K = 0 server that drafted, another K than asked):
+    every view shows them next to the recommendation, which they can invalidate."""
+    return [f"K={s['k']}: {s['warning']}" for s in result["servers"] if s.get("warning")]
+
+
 def recommendation_lines(result: dict[str, Any]) -> list[str]:
     lines = []
     kind = _kind(result)
@@ -115,6 +121,8 @@ def print_tune(result: dict[str, Any], console: Console) -> None:
         console.print(table)
     for line in fit_lines(result) + recommendation_lines(result):
         console.print(escape(line))
+    for line in warning_lines(result):
+        console.print(f"[bold yellow]warning[/] {escape(line)}")
 
 
 def _md_table(columns: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
@@ -131,8 +139,7 @@ def render_markdown(result: dict[str, Any]) -> str:
         "\n" + "".join(f"- {markdown_cell(line)}\n" for line in fit_lines(result)),
         "\n## Recommendation\n", "".join(f"- {markdown_cell(line)}\n" for line in recommendation_lines(result)),
     ]
-    warnings = [s["warning"] for s in result["servers"] if s.get("warning")]
-    if warnings:
+    if warnings := warning_lines(result):
         parts += ["\n## Warnings\n", "".join(f"- {markdown_cell(w)}\n" for w in warnings)]
     return "".join(parts)
 
@@ -185,10 +192,12 @@ def _items(lines: list[str]) -> str:
 
 def render_html(result: dict[str, Any]) -> str:
     charts = "".join(f"<h2>{html.escape(title)}</h2>{figure_html(fig, f'tune-fig-{i}')}" for i, (title, fig) in enumerate(figures(result)))
+    warnings = warning_lines(result)
     return ("<!doctype html><html><head><meta charset='utf-8'><title>dflash-doctor tune</title>"
             "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:2px 6px}</style>"
             f"{plotly_script()}</head><body><h1>dflash-doctor tune</h1>"
-            f"<h2>Recommendation</h2>{_items(recommendation_lines(result))}{charts}"
+            f"<h2>Recommendation</h2>{_items(recommendation_lines(result))}"
+            f"{f'<h2>Warnings</h2>{_items(warnings)}' if warnings else ''}{charts}"
             f"<h2>Measured</h2>{_html_table(MEASURED_COLUMNS, measured_rows(result))}"
             f"<h2>Predicted vs measured</h2>{_html_table(PREDICTION_COLUMNS, prediction_rows(result))}{_items(fit_lines(result))}"
             "</body></html>")
