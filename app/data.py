@@ -28,6 +28,7 @@ from dflash_doctor.rundir.tables import RUN_JSON, TABLES
 from dflash_doctor.rundir.writer import run_data_files
 from dflash_doctor.rundir.status import STATUS_RANK, VERDICT_NONE, CheckResult, overall_status, status_counts
 from dflash_doctor.telemetry.record import UNITS_FILE, WINDOWS_FILE
+from dflash_doctor.tune.experiment import TUNE_FILE
 
 if TYPE_CHECKING:
     from pandas.io.formats.style_render import ExtFormatter
@@ -72,6 +73,14 @@ def find_runs(root: Path | str) -> list[Path]:
             found.append((created_at, run_json.parent))
     found.sort(key=lambda item: (item[0], str(item[1])), reverse=True)
     return [path for _, path in found]
+
+
+def find_tune_runs(root: Path | str) -> list[Path]:
+    """`tune` run directories (tune.json) under ``root``, as deep as :func:`find_runs` looks, last name first
+    (the default names carry the time)."""
+    root = Path(root)
+    found = [path.parent for depth in range(1, MAX_RUN_SEARCH_DEPTH + 1) for path in root.glob("/".join(["*"] * depth) + "/" + TUNE_FILE)]
+    return sorted(found, key=str, reverse=True)
 
 
 def run_mtime_ns(run_dir: Path | str) -> int:

@@ -49,6 +49,12 @@ def discovered_runs(root: str) -> list[str]:
     return [str(path) for path in data.find_runs(root)]
 
 
+@st.cache_data(show_spinner=False, ttl=5)
+def discovered_tune_runs(root: str) -> list[str]:
+    """`tune` runs under ``root``, re-scanned at most every 5 s like :func:`discovered_runs`."""
+    return [str(path) for path in data.find_tune_runs(root)]
+
+
 def available_runs() -> list[str]:
     """Uploaded runs of this session first, then the runs found on disk."""
     uploaded = st.session_state.get(UPLOADS_KEY, [])

@@ -15,7 +15,7 @@ from dflash_doctor.tune.views import (MEASURED_COLUMNS, PREDICTION_COLUMNS, figu
                                      recommendation_lines, warning_lines)
 
 st.title("Tune: K on your engine")
-found = sorted((str(path.parent) for path in ui.runs_dir().rglob(TUNE_FILE)), reverse=True)
+found = ui.discovered_tune_runs(str(ui.runs_dir()))
 if not found:
     st.info(f"No tune run under `{ui.runs_dir()}`. Write one with `dflash-doctor tune --out {ui.runs_dir()}/tune ...` (docs/tune.md).")
     st.stop()
