@@ -14,7 +14,7 @@ import shutil
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
 
 import numpy as np
 import pandas as pd
@@ -64,13 +64,12 @@ def find_runs(root: Path | str) -> list[Path]:
     if not root.is_dir():
         return []
     found: list[tuple[str, Path]] = []
-    for depth in range(1, MAX_RUN_SEARCH_DEPTH + 1):
-        for run_json in root.glob("/".join(["*"] * depth) + "/" + RUN_JSON):
-            try:
-                created_at = str(read_run_meta(run_json.parent).get("created_at", ""))
-            except UsageError:
-                continue
-            found.append((created_at, run_json.parent))
+    for run_json in _files_below(root, RUN_JSON):
+        try:
+            created_at = str(read_run_meta(run_json.parent).get("created_at", ""))
+        except UsageError:
+            continue
+        found.append((created_at, run_json.parent))
     found.sort(key=lambda item: (item[0], str(item[1])), reverse=True)
     return [path for _, path in found]
 
@@ -78,9 +77,13 @@ def find_runs(root: Path | str) -> list[Path]:
 def find_tune_runs(root: Path | str) -> list[Path]:
     """`tune` run directories (tune.json) under ``root``, as deep as :func:`find_runs` looks, last name first
     (the default names carry the time)."""
-    root = Path(root)
-    found = [path.parent for depth in range(1, MAX_RUN_SEARCH_DEPTH + 1) for path in root.glob("/".join(["*"] * depth) + "/" + TUNE_FILE)]
-    return sorted(found, key=str, reverse=True)
+    return sorted((path.parent for path in _files_below(Path(root), TUNE_FILE)), key=str, reverse=True)
+
+
+def _files_below(root: Path, name: str) -> Iterator[Path]:
+    """Files called ``name`` one to :data:`MAX_RUN_SEARCH_DEPTH` folders below ``root``: where runs are looked for."""
+    for depth in range(1, MAX_RUN_SEARCH_DEPTH + 1):
+        yield from root.glob("/".join(["*"] * depth) + "/" + name)
 
 
 def run_mtime_ns(run_dir: Path | str) -> int:
