@@ -49,7 +49,7 @@ def parse_k(value: str | int | list[int] | tuple[int, ...]) -> tuple[int, ...]:
     """Parse ``--k`` (or a config file's ``k``): an integer, a list or a grid string, as sorted unique ints >= 1."""
     if isinstance(value, str):
         return parse_int_grid(value, "--k", minimum=1)
-    values = [value] if isinstance(value, int) and not isinstance(value, bool) else list(value) if isinstance(value, (list, tuple)) else []
+    values = list(value) if isinstance(value, (list, tuple)) else [value]
     if not values or any((not isinstance(v, int)) or isinstance(v, bool) or v < 1 for v in values):
         raise UsageError(f"--k {value!r} must hold integers >= 1; fix the value.")
     return tuple(sorted(set(values)))
