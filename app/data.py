@@ -24,11 +24,10 @@ from dflash_doctor.rundir.record import OVERALL
 from dflash_doctor.stats.metrics import NUM_BOOTSTRAP_RESAMPLES, bootstrap_ratio, group_rng, interval, summarize, summary_group
 from dflash_doctor.rundir.record import Recommendation, RunRecord, Summary, Sweep
 from dflash_doctor.rundir.load import read_run_meta
-from dflash_doctor.rundir.tables import RUN_JSON, TABLES
+from dflash_doctor.rundir.tables import RUN_JSON, TABLES, TUNE_JSON
 from dflash_doctor.rundir.writer import run_data_files
 from dflash_doctor.rundir.status import STATUS_RANK, VERDICT_NONE, CheckResult, overall_status, status_counts
 from dflash_doctor.telemetry.record import UNITS_FILE, WINDOWS_FILE
-from dflash_doctor.tune.experiment import TUNE_FILE
 
 if TYPE_CHECKING:
     from pandas.io.formats.style_render import ExtFormatter
@@ -77,7 +76,7 @@ def find_runs(root: Path | str) -> list[Path]:
 def find_tune_runs(root: Path | str) -> list[Path]:
     """`tune` run directories (tune.json) under ``root``, as deep as :func:`find_runs` looks, last name first
     (the default names carry the time)."""
-    return sorted((path.parent for path in _files_below(Path(root), TUNE_FILE)), key=str, reverse=True)
+    return sorted((path.parent for path in _files_below(Path(root), TUNE_JSON)), key=str, reverse=True)
 
 
 def _files_below(root: Path, name: str) -> Iterator[Path]:

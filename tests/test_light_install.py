@@ -21,6 +21,7 @@ from dflash_doctor.cli import app
 from dflash_doctor.cli.root import COMMANDS, registered_command_name
 from fixture_runs import make_fixture_run
 from telemetry_fixtures import DATA, write_watch
+from tune_fixtures import write_tune_run
 
 REPO = Path(__file__).resolve().parents[1]
 # What the monitoring install of the README leaves out (pyproject's dependencies minus the README's line).
@@ -57,7 +58,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("runs")
     return {"root": root, "base": make_fixture_run(root / "base", seed=0, num_requests=9),
             "new": make_fixture_run(root / "new", seed=1, num_requests=9, degrade=0.35),
-            "watch": write_watch(root / "watch", [0.8, 0.6, 0.4, 0.2])}
+            "watch": write_watch(root / "watch", [0.8, 0.6, 0.4, 0.2]), "tune": write_tune_run(root / "tuning")}
 
 
 def test_help_watch_compare_and_report_run_without_the_model_stack(runs, tmp_path):
@@ -87,7 +88,7 @@ def test_the_dashboard_runs_without_the_model_stack(runs):
         from streamlit.testing.v1 import AppTest
         from dflash_doctor.app import RUNS_DIR_ENV
         os.environ[RUNS_DIR_ENV] = {str(runs["root"])!r}
-        for run, pages in (({str(runs["base"])!r}, ("rejection", "positions", "tokens", "sweep", "compare")), ({str(runs["watch"])!r}, ("production",))):
+        for run, pages in (({str(runs["base"])!r}, ("rejection", "positions", "tokens", "deviations", "sweep", "compare")), ({str(runs["watch"])!r}, ("production",))):
             at = AppTest.from_file({str(REPO / "app" / "main.py")!r}, default_timeout=120)
             at.session_state["run_path"] = run
             at.run()
@@ -95,6 +96,9 @@ def test_the_dashboard_runs_without_the_model_stack(runs):
             for page in pages:
                 at.switch_page(f"views/{{page}}.py").run()
                 assert not at.exception, (page, [e.value for e in at.exception])
+        at.switch_page("views/tune.py").run()
+        assert not at.exception, ("tune", [e.value for e in at.exception])
+        assert any("--speculative-config" in str(m.value) for m in at.markdown)  # it drew the tune run's advice
         print("pages ok", "torch" in sys.modules)
     """
     result = without_model_stack(code)

@@ -25,41 +25,15 @@ from dflash_doctor.inputs.config import build_config
 from dflash_doctor.inputs.workloads import load_workload
 from dflash_doctor.serving.client import EngineEndpoint, resolve_model
 from dflash_doctor.tune.experiment import redact
-from dflash_doctor.tune.measure import CONCURRENCY, REQUEST_RATE, LoadLevel, arrival_offsets, first_turns, run_load
+from dflash_doctor.tune.loads import CONCURRENCY, REQUEST_RATE, LoadLevel, arrival_offsets
+from dflash_doctor.tune.measure import first_turns, run_load
 from dflash_doctor.tune.prediction import fit_costs, predict
 
 import fake_spec_engine as fake
+from tune_fixtures import MAX_TOKENS, PROMPTS, expected_tau, write_sweep_run, write_workload
 
 TESTS = Path(__file__).resolve().parent
-MAX_TOKENS = 24
 TIMING_TOLERANCE = 0.35  # relative, for figures timed from the fake engine's sleeps
-PROMPTS = {"m1": ("math", "math: add 2 and 3"), "m2": ("math", "math: halve 10"),
-           "c1": ("chat", "chat: say hello"), "c2": ("chat", "chat: name a colour")}
-
-
-def _workload(tmp_path: Path) -> Path:
-    path = tmp_path / "workload.jsonl"
-    path.write_text("".join(json.dumps({"id": rid, "class": cls, "prompt": text}) + "\n" for rid, (cls, text) in PROMPTS.items()))
-    return path
-
-
-def _expected_tau(scope: str, k: int) -> float:
-    steps = [a for rid, (cls, text) in PROMPTS.items() if scope in ("overall", cls) for a in fake.per_step_accepted(text, k, MAX_TOKENS)]
-    return 1.0 + sum(steps) / len(steps)
-
-
-def _sweep_run(tmp_path: Path, ks: list[int]) -> Path:
-    """A sweep run directory whose teacher-forced tau is the fake engine's exact tau (a perfect prediction of acceptance)."""
-    run_dir = tmp_path / "sweep"
-    run_dir.mkdir()
-    def rows(scope: str) -> list[dict]:
-        return [{"k": k, "mean_acceptance_length": _expected_tau(scope, k), "mean_acceptance_length_ci": [_expected_tau(scope, k)] * 2} for k in ks]
-
-    sweep = {"overall": rows("overall"), "by_class": {"math": rows("math"), "chat": rows("chat")}}
-    (run_dir / "run.json").write_text(json.dumps({"summary": {"sweep": sweep}, "models": {"draft": {"kind": "dflash"}}}))
-    return run_dir
-
-
 def _invoke(args: list[str]):
     return CliRunner().invoke(app, ["tune", *args])
 
@@ -151,8 +125,8 @@ def test_tune_measures_fake_engines_fits_their_costs_and_recommends(tmp_path, fa
     urls, costs = fake_servers
     out = tmp_path / "run"
     result = _invoke(["--engine", ",".join(f"{k}={u}" for k, u in urls.items()), "--k", "0,2,4,8", "--concurrency", "1,2",
-                      "--workload", str(_workload(tmp_path)), "--max-new-tokens", str(MAX_TOKENS),
-                      "--sweep", str(_sweep_run(tmp_path, [2, 4, 8])), "--out", str(out)])
+                      "--workload", str(write_workload(tmp_path)), "--max-new-tokens", str(MAX_TOKENS),
+                      "--sweep", str(write_sweep_run(tmp_path, [2, 4, 8])), "--out", str(out)])
     assert result.exit_code == 0, result.output
     tune = json.loads((out / "tune.json").read_text())
     for name in ("requests.parquet", "report.md", "report.html", "cost-profile-c1.json", "cost-profile-c2.json", "workload.jsonl"):
@@ -166,7 +140,7 @@ def test_tune_measures_fake_engines_fits_their_costs_and_recommends(tmp_path, fa
     for k in (2, 4, 8):
         for scope in ("overall", "math", "chat"):
             measured = cell(cells, 1, k, scope)
-            assert measured["tau"] == pytest.approx(_expected_tau(scope, k))  # the engine's own counts, exact
+            assert measured["tau"] == pytest.approx(expected_tau(scope, k))  # the engine's own counts, exact
         math = cell(cells, 1, k, "math")
         steps = [fake.per_step_accepted(t, k, MAX_TOKENS) for c, t in PROMPTS.values() if c == "math"]
         wasted = sum(k * len(s) - sum(s) for s in steps)
@@ -176,7 +150,7 @@ def test_tune_measures_fake_engines_fits_their_costs_and_recommends(tmp_path, fa
     # x tau, 2-4 here; a step time from the wrong K or without the draft: x1.3 and more)
     assert cell(cells, 1, 0)["tpot_s"] == pytest.approx(costs.decode_s, rel=TIMING_TOLERANCE)
     assert cell(cells, 1, 8)["step_s"] == pytest.approx(costs.step_s(8), rel=TIMING_TOLERANCE)
-    expected_math4 = _expected_tau("math", 4) * costs.decode_s / costs.step_s(4)
+    expected_math4 = expected_tau("math", 4) * costs.decode_s / costs.step_s(4)
     assert cell(cells, 1, 4, "math")["speedup"] == pytest.approx(expected_math4, rel=TIMING_TOLERANCE)
 
     fitted = tune["fits"]["1"]
@@ -219,15 +193,15 @@ def test_tune_reads_overall_acceptance_from_metrics_counters_without_per_request
     try:
         engine = ",".join(f"{k}=http://127.0.0.1:{s.server_address[1]}" for k, s in servers.items())
         out = tmp_path / "run"
-        result = _invoke(["--engine", engine, "--k", "0,4", "--workload", str(_workload(tmp_path)), "--max-new-tokens", str(MAX_TOKENS),
-                          "--sweep", str(_sweep_run(tmp_path, [4])), "--out", str(out)])
+        result = _invoke(["--engine", engine, "--k", "0,4", "--workload", str(write_workload(tmp_path)), "--max-new-tokens", str(MAX_TOKENS),
+                          "--sweep", str(write_sweep_run(tmp_path, [4])), "--out", str(out)])
     finally:
         for server in servers.values():
             server.shutdown()
     assert result.exit_code == 0, result.output
     tune = json.loads((out / "tune.json").read_text())
     overall = cell(tune["cells"], 1, 4)
-    assert overall["tau"] == pytest.approx(_expected_tau("overall", 4)) and overall["acceptance_from"] == "/metrics counter deltas"
+    assert overall["tau"] == pytest.approx(expected_tau("overall", 4)) and overall["acceptance_from"] == "/metrics counter deltas"
     assert cell(tune["cells"], 1, 4, "math").get("tau") is None
     assert tune["servers"][1]["acceptance_from"].startswith("/metrics counter deltas")
 
@@ -244,8 +218,8 @@ def test_tune_launches_each_k_and_stops_its_process_group(tmp_path):
     command = f"{sys.executable} {TESTS / 'fake_spec_engine.py'} --port {port} --k"
     out = tmp_path / "run"
     result = _invoke(["--launch", command + " {k}", "--launch-baseline", command + " 0", "--engine", f"http://127.0.0.1:{port}",
-                      "--k", "0,2", "--workload", str(_workload(tmp_path)), "--max-new-tokens", "8", "--start-timeout", "60",
-                      "--sweep", str(_sweep_run(tmp_path, [2])), "--out", str(out)])
+                      "--k", "0,2", "--workload", str(write_workload(tmp_path)), "--max-new-tokens", "8", "--start-timeout", "60",
+                      "--sweep", str(write_sweep_run(tmp_path, [2])), "--out", str(out)])
     assert result.exit_code == 0, result.output
     tune = json.loads((out / "tune.json").read_text())
     assert [(s["launched"], s["repeat"]) for s in tune["servers"]] == [(command + " 0", 0), (command + " 2", 0), (command + " 0", 1)]
@@ -343,8 +317,8 @@ def test_tune_at_two_request_rates_names_the_rates_everywhere(tmp_path, fake_ser
     urls, _ = fake_servers
     out = tmp_path / "run"
     result = _invoke(["--engine", ",".join(f"{k}={urls[k]}" for k in (0, 2, 4)), "--k", "0,2,4", "--request-rate", "inf,4",
-                      "--workload", str(_workload(tmp_path)), "--max-new-tokens", str(MAX_TOKENS),
-                      "--sweep", str(_sweep_run(tmp_path, [2, 4])), "--out", str(out)])
+                      "--workload", str(write_workload(tmp_path)), "--max-new-tokens", str(MAX_TOKENS),
+                      "--sweep", str(write_sweep_run(tmp_path, [2, 4])), "--out", str(out)])
     assert result.exit_code == 0, result.output
     tune = json.loads((out / "tune.json").read_text())
     assert tune["grid"]["loads"] == [4.0, "inf"] and tune["grid"]["burstiness"] == 1.0
@@ -352,7 +326,7 @@ def test_tune_at_two_request_rates_names_the_rates_everywhere(tmp_path, fake_ser
     requests = pd.read_parquet(out / "requests.parquet")
     assert set(requests["request_rate"]) == {4.0, math.inf} and "concurrency" not in requests
     for rate in (4.0, "inf"):
-        assert cell(tune["cells"], rate, 2, "math")["tau"] == pytest.approx(_expected_tau("math", 2))  # the engine's counts, at any timing
+        assert cell(tune["cells"], rate, 2, "math")["tau"] == pytest.approx(expected_tau("math", 2))  # the engine's counts, at any timing
     assert set(tune["recommendation"]) == set(tune["fits"]) == set(tune["baseline_drift"]) == {"4", "inf"}
     assert tune["cost_profiles"] == {"4": "cost-profile-r4.json", "inf": "cost-profile-rinf.json"}
     assert "at request rate 4/s from K 2, 4" in json.loads((out / "cost-profile-r4.json").read_text())["notes"]
@@ -373,8 +347,8 @@ def test_tune_sends_the_api_key_to_servers_started_with_one_and_says_how_when_it
     servers = {k: fake.start(k, per_request=False, api_key=key) for k in (0, 4)}
     try:
         engine = ",".join(f"{k}=http://127.0.0.1:{s.server_address[1]}" for k, s in servers.items())
-        args = ["--engine", engine, "--k", "0,4", "--workload", str(_workload(tmp_path)), "--max-new-tokens", str(MAX_TOKENS),
-                "--sweep", str(_sweep_run(tmp_path, [4])), "--start-timeout", "60"]
+        args = ["--engine", engine, "--k", "0,4", "--workload", str(write_workload(tmp_path)), "--max-new-tokens", str(MAX_TOKENS),
+                "--sweep", str(write_sweep_run(tmp_path, [4])), "--start-timeout", "60"]
         started = time.monotonic()
         refused = _invoke([*args, "--out", str(tmp_path / "refused")])
         refused_after = time.monotonic() - started
@@ -386,7 +360,7 @@ def test_tune_sends_the_api_key_to_servers_started_with_one_and_says_how_when_it
     assert "HTTP 401" in refused.output and "--engine-api-key" in refused.output and "Traceback" not in refused.output
     assert keyed.exit_code == 0, keyed.output
     tune = json.loads((tmp_path / "run" / "tune.json").read_text())
-    assert cell(tune["cells"], 1, 4)["tau"] == pytest.approx(_expected_tau("overall", 4))  # /metrics read with the key
+    assert cell(tune["cells"], 1, 4)["tau"] == pytest.approx(expected_tau("overall", 4))  # /metrics read with the key
     assert key not in (tmp_path / "run" / "tune.json").read_text()
     assert refused_after < 30, refused_after  # refused at the first health poll, not after --start-timeout
 
@@ -396,8 +370,8 @@ def test_a_baseline_server_that_drafts_is_warned_about_in_every_view(tmp_path, f
     meaningless, and the warning reaches the terminal, report.md, report.html and the dashboard page."""
     urls, _ = fake_servers
     out = tmp_path / "run"
-    result = _invoke(["--engine", f"0={urls[4]},4={urls[4]}", "--k", "0,4", "--workload", str(_workload(tmp_path)),
-                      "--max-new-tokens", str(MAX_TOKENS), "--sweep", str(_sweep_run(tmp_path, [4])), "--out", str(out)])
+    result = _invoke(["--engine", f"0={urls[4]},4={urls[4]}", "--k", "0,4", "--workload", str(write_workload(tmp_path)),
+                      "--max-new-tokens", str(MAX_TOKENS), "--sweep", str(write_sweep_run(tmp_path, [4])), "--out", str(out)])
     assert result.exit_code == 0, result.output
     says = "K=0: the K=0 server drafted tokens"
     assert says in " ".join(result.output.split())

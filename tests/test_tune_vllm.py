@@ -28,7 +28,8 @@ from dflash_doctor.cli import app
 from dflash_doctor.inputs.config import build_config
 from dflash_doctor.inputs.workloads import load_workload
 from dflash_doctor.serving.client import EngineEndpoint, resolve_model
-from dflash_doctor.tune.measure import CONCURRENCY, LoadLevel, first_turns, run_load, stream_request
+from dflash_doctor.tune.loads import CONCURRENCY, LoadLevel
+from dflash_doctor.tune.measure import first_turns, run_load, stream_request
 from dflash_doctor.models.loading import DEMO_DRAFT_DIR, demo_target_path, resolve_model_dir
 from dflash_doctor.stats.speedup import load_cost_profile
 from tests.vllm_server import SERVED_NAME, VLLM_ENV, VLLM_PYTHON, free_port, start_vllm_server, vllm_command

@@ -10,7 +10,7 @@ import pandas as pd
 import streamlit as st
 
 from dflash_doctor.app import ui
-from dflash_doctor.tune.experiment import TUNE_FILE
+from dflash_doctor.rundir.tables import TUNE_JSON
 from dflash_doctor.tune.views import (MEASURED_COLUMNS, PREDICTION_COLUMNS, figures, fit_lines, grid_line, measured_rows, prediction_rows,
                                      recommendation_lines, warning_lines)
 
@@ -20,7 +20,7 @@ if not found:
     st.info(f"No tune run under `{ui.runs_dir()}`. Write one with `dflash-doctor tune --out {ui.runs_dir()}/tune ...` (docs/tune.md).")
     st.stop()
 picked = st.selectbox("Tune run", found)
-result = json.loads((Path(picked) / TUNE_FILE).read_text(encoding="utf-8"))
+result = json.loads((Path(picked) / TUNE_JSON).read_text(encoding="utf-8"))
 st.caption(grid_line(result))
 
 st.header("Recommendation")

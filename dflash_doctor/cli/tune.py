@@ -15,7 +15,8 @@ from dflash_doctor.errors import UsageError
 from dflash_doctor.serving.http import secret
 from dflash_doctor.inputs.config import DoctorConfig, parse_int_grid
 from dflash_doctor.tune.experiment import TuneGrid, default_fit_ks, parse_rates, run_tune
-from dflash_doctor.tune.measure import CONCURRENCY, REQUEST_RATE, LoadLevel, TimedRequest
+from dflash_doctor.tune.loads import CONCURRENCY, REQUEST_RATE, LoadLevel
+from dflash_doctor.tune.measure import TimedRequest
 from dflash_doctor.tune.views import print_tune, write_reports
 
 Launch = Annotated[Optional[str], typer.Option("--launch", help="Shell command starting the server with speculation; {k} is replaced by K (templates for vLLM, SGLang and llama.cpp in docs/tune.md).")]

@@ -21,6 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 RUN_JSON = "run.json"
+TUNE_JSON = "tune.json"  # a `tune` run directory's one result file (its server runs are ordinary runs below it)
 
 def read_table_or_empty(path: Path, schema: pa.Schema) -> pd.DataFrame:
     """A Parquet table as a frame; a missing file reads as the empty table of ``schema`` (every column,

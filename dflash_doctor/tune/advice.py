@@ -31,7 +31,7 @@ from dflash_doctor.report.templating import ci
 from dflash_doctor.rundir.record import SweepRow
 from dflash_doctor.stats.speedup import recommend
 from dflash_doctor.tune.analysis import OVERALL
-from dflash_doctor.tune.measure import CONCURRENCY, load_label, load_of, load_text
+from dflash_doctor.tune.loads import CONCURRENCY, load_label, load_of, load_text
 from dflash_doctor.tune.prediction import shown_to_pay
 
 

@@ -27,7 +27,7 @@ import numpy as np
 import pandas as pd
 
 from dflash_doctor.stats.metrics import NUM_BOOTSTRAP_RESAMPLES, group_rng, interval, resample_multiplicities, summary_group
-from dflash_doctor.tune.measure import CONCURRENCY, load_kind, load_of, load_text
+from dflash_doctor.tune.loads import CONCURRENCY, load_kind, load_of, load_text
 
 OVERALL = "overall"
 

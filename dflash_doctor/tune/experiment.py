@@ -25,16 +25,17 @@ from dflash_doctor import pipeline
 from dflash_doctor.errors import UsageError
 from dflash_doctor.inputs.config import DoctorConfig
 from dflash_doctor.inputs.workloads import load_workload, save_workload
+from dflash_doctor.rundir.tables import TUNE_JSON
 from dflash_doctor.rundir.writer import utc_now
 from dflash_doctor import __version__
 from dflash_doctor.serving.client import EngineEndpoint, resolve_model
 from dflash_doctor.tune.advice import engine_settings, recommend_grid
 from dflash_doctor.tune.analysis import analyse, baseline_drift, fill_from_counters
-from dflash_doctor.tune.measure import CONCURRENCY, LoadLevel, LoadRun, TimedRequest, first_turns, load_text, run_load, stream_request
+from dflash_doctor.tune.loads import CONCURRENCY, LoadLevel, load_text
+from dflash_doctor.tune.measure import LoadRun, TimedRequest, first_turns, run_load, stream_request
 from dflash_doctor.tune.prediction import fit_costs, held_out_error, predict, sweep_taus
 from dflash_doctor.tune.servers import plan_servers, serving
 
-TUNE_FILE = "tune.json"
 TUNE_SCHEMA_VERSION = 1
 
 
@@ -211,7 +212,7 @@ def run_tune(grid: TuneGrid, config: DoctorConfig, run_dir: Path,
         "sweep_dir": sweep_dir,
     }
     result = strict_json(result)
-    (run_dir / TUNE_FILE).write_text(json.dumps(result, indent=2, allow_nan=False) + "\n")
+    (run_dir / TUNE_JSON).write_text(json.dumps(result, indent=2, allow_nan=False) + "\n")
     return TuneOutcome(run_dir, result)
 
 

@@ -29,7 +29,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from dflash_doctor.tune.analysis import OVERALL, cell
-from dflash_doctor.tune.measure import load_kind, load_label, load_of
+from dflash_doctor.tune.loads import load_kind, load_label, load_of
 
 
 @dataclass(frozen=True)

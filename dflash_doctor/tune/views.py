@@ -21,7 +21,7 @@ from rich.table import Table
 from dflash_doctor.report.html import figure_html, plotly_script
 from dflash_doctor.report.templating import ci, fmt, markdown_cell, pct
 from dflash_doctor.tune.analysis import OVERALL
-from dflash_doctor.tune.measure import CONCURRENCY, load_kind, load_label, load_of, load_text
+from dflash_doctor.tune.loads import CONCURRENCY, load_kind, load_label, load_of, load_text
 
 DRIFT_WARNING = 0.15  # baseline drift beyond which the report says the speedups are unsteady
 
