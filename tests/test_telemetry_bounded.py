@@ -11,6 +11,9 @@ from __future__ import annotations
 import gc
 import tracemalloc
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+
 from dflash_doctor.rundir.load import load_run
 from dflash_doctor.telemetry.record import read_units, read_windows
 from dflash_doctor.telemetry.session import WatchSession
@@ -86,3 +89,45 @@ def test_a_watch_still_going_is_read_from_its_journal(tmp_path):
     assert load_run(tmp_path / "run").complete is False  # every view can open it meanwhile
     session.close()
     assert len(read_windows(tmp_path / "run")) == 5 and load_run(tmp_path / "run").complete is True
+
+
+def _watch_hours(run_dir, hours: float, clock: float) -> float:
+    """A watch with a one-hour retention polling every 30 s for ``hours`` on a simulated clock, then closed."""
+    session = WatchSession([SyntheticCounters(RATES)], WatchSettings(window_s=300.0, interval_s=30.0, retain_s=3600.0), run_dir=run_dir, config={})
+    session.start(clock)
+    for _ in range(int(hours * 120)):
+        clock += 30.0
+        session.step(clock)
+    session.close(clock)
+    return clock
+
+
+def test_a_watch_restarted_on_its_retained_folder_still_pools_the_whole_watch(tmp_path):
+    """Two hours, a restart on the same folder, one more hour: the summary is the one of a three-hour watch
+    that never stopped, though the folder holds only the last hour of units."""
+    clock = _watch_hours(tmp_path / "restarted", 2.0, 1_800_000_000.0)
+    expired = load_run(tmp_path / "restarted").record.source.details["expired"]
+    assert expired["series"][0]["num_units"] + len(read_units(tmp_path / "restarted")) == 240
+    _watch_hours(tmp_path / "restarted", 1.0, clock + 30.0)
+    _watch_hours(tmp_path / "straight", 3.0, 1_800_000_000.0)
+    restarted, straight = (load_run(tmp_path / name).record.summary.overall for name in ("restarted", "straight"))
+    assert restarted is not None and straight is not None
+    assert restarted.num_drafts == straight.num_drafts == 100 * 360 and len(read_units(tmp_path / "restarted")) == 120
+    assert restarted.num_accepted_tokens_per_pos == straight.num_accepted_tokens_per_pos
+    assert restarted.mean_acceptance_length == straight.mean_acceptance_length == 2.5
+
+
+def test_units_already_in_the_expired_totals_are_not_counted_twice(tmp_path):
+    """A watch killed after run.json took the expiring units' totals but before the Parquet file was cut
+    leaves those units in the folder too; the watch that continues it counts them once."""
+    run_dir = tmp_path / "watch"
+    _watch_hours(run_dir, 2.0, 1_800_000_000.0)
+    through_s = load_run(run_dir).record.source.details["expired"]["through_s"]
+    units = pq.read_table(run_dir / "units.parquet")
+    stale = units.slice(0, 10).set_column(0, "end_s", pa.array([through_s - 30.0 * i for i in range(10)]))
+    pq.write_table(pa.concat_tables([stale, units]), run_dir / "units.parquet")
+    session = WatchSession([SyntheticCounters(RATES)], WatchSettings(window_s=300.0, interval_s=30.0, retain_s=3600.0), run_dir=run_dir, config={})
+    session.start(through_s + 3600.0)
+    session.close(through_s + 3600.0)
+    overall = load_run(run_dir).record.summary.overall
+    assert overall is not None and overall.num_drafts == 100 * 240

@@ -20,14 +20,17 @@ The folder is the watch's for the life of its process (:mod:`dflash_doctor.rundi
 watch on it is refused. A watch started on the folder of an earlier watch (a service restarted on the
 same ``--out``, a cron ``--once`` every few minutes) continues it: the earlier windows, units and alerts
 are kept and the new ones appended, rows a killed watch left in its journal included, and the summary
-pools every unit still in the folder; ``--overwrite`` starts a new watch there instead.
+goes on pooling every unit of the watch: the units the retention dropped from the folder are kept in
+run.json as totals per series (``source.details["expired"]``), so a service restarted on a ``--retain``
+folder reports the same whole-watch figures as one that never stopped (only the bootstrap sample behind
+the intervals is drawn from the units still in the folder). ``--overwrite`` starts a new watch there instead.
 """
 
 from __future__ import annotations
 
 import random
 from pathlib import Path
-from typing import Any, TypedDict, cast
+from typing import Any, Callable, TypedDict, cast
 
 import pandas as pd
 import pyarrow as pa
@@ -140,24 +143,28 @@ class _JournaledTable:
             self._stream.write_batch(pa.RecordBatch.from_pylist(rows, schema=self.schema))
             self._sink.flush()
 
-    def _write_parquet(self, keep_after_s: float | None) -> None:
+    def _write_parquet(self, keep_after_s: float | None, before_dropping: Callable[[pa.Table, float], None] | None = None) -> None:
         """Parquet := its rows plus the journal's (those ending after ``keep_after_s``), atomically; the
-        journal file is removed."""
+        journal file is removed. ``before_dropping`` is shown the rows left out, and the cut, first."""
         table = read_time_series(self.parquet, self.journal, self.schema)
         if keep_after_s is not None:
             # pyarrow.compute defines its kernels when it is imported: no static checker sees `greater`.
-            table = table.filter(pc.greater(table.column("end_s"), keep_after_s))  # pyright: ignore[reportAttributeAccessIssue]
+            kept = pc.greater(table.column("end_s"), keep_after_s)  # pyright: ignore[reportAttributeAccessIssue]
+            if before_dropping is not None:
+                before_dropping(table.filter(pc.invert(kept)), keep_after_s)  # pyright: ignore[reportAttributeAccessIssue]
+            table = table.filter(kept)
         tmp = self.parquet.with_name(self.parquet.name + ".tmp")
         pq.write_table(table, tmp)
         tmp.replace(self.parquet)
         self.journal.unlink(missing_ok=True)
 
-    def consolidate(self, keep_after_s: float | None, *, reopen: bool) -> None:
+    def consolidate(self, keep_after_s: float | None, *, reopen: bool,
+                    before_dropping: Callable[[pa.Table, float], None] | None = None) -> None:
         """Fold the journal into the Parquet file (:meth:`_write_parquet`); the journal starts empty again
         (``reopen``) or is gone."""
         self._stream.close()
         self._sink.close()
-        self._write_parquet(keep_after_s)
+        self._write_parquet(keep_after_s, before_dropping)
         if reopen:
             self._open_journal()
 
@@ -184,13 +191,18 @@ class WatchRecord:
         continues = claim_run_dir(self.run_dir, overwrite=overwrite, continuable=holds_watch_run)
         earlier = RunRecord.from_json(read_run_meta(self.run_dir)) if continues else None
         self.retain_s = retain_s
+        # A continued watch's summary pools the earlier units too: those the retention dropped as totals,
+        # those still in the folder one by one. A unit at or before ``through_s`` is in the totals already
+        # (a watch killed between writing run.json and the Parquet file leaves it in the folder as well).
+        expired = dict(earlier.source.details.get("expired") or {}) if earlier else {}  # watches before 2026-12 kept none
         urls = [s for s in telemetry.get("sources", []) if str(s).startswith(("http://", "https://", "prometheus "))]
         self.record = RunRecord(
             meta=RunMeta(command="watch", created_at=earlier.meta.created_at if earlier else utc_now()),
             source=Source(kind=SOURCE_TELEMETRY, description="production telemetry read by `dflash-doctor watch`",
                           url=urls[0].removeprefix("prometheus ") if urls else None,
                           details={**telemetry, "retain_s": retain_s, "events": [], "notes": [],
-                                   "alerts": telemetry_details(earlier)["alerts"] if earlier else []}),
+                                   "alerts": telemetry_details(earlier)["alerts"] if earlier else [],
+                                   "expired": {"through_s": expired.get("through_s"), "series": []}}),
             config=dict(config),
         )
         self._windows = _JournaledTable(self.run_dir, WINDOWS_FILE, WINDOWS_SCHEMA, keep_earlier=continues)
@@ -198,10 +210,17 @@ class WatchRecord:
         self._totals: dict[SeriesKey | None, SpecCounts] = {}  # None: every series pooled
         self._num_units: dict[SeriesKey | None, int] = {}
         self._samples: dict[SeriesKey | None, list[SpecCounts]] = {}
+        self._sampled_from: dict[SeriesKey | None, int] = {}  # units the samples were drawn from (not the expired totals)
         self._rng = random.Random(0)  # the samples' draws: the same watch gives the same summary
         self._consolidated_at: float | None = None
-        for row in self._units.consolidated_rows():  # a continued watch's summary pools the earlier units too
-            self._take_unit(SeriesKey(row["model"], row["class"]), _unit_counts(row))
+        for entry in expired.get("series", []):
+            key, counts = SeriesKey(entry["model"], entry["class"]), _unit_counts(entry)
+            self._record_expired(key, counts, entry["num_units"])
+            for scope in (key, None):
+                self._count(scope, counts, entry["num_units"])
+        for row in self._units.consolidated_rows():
+            if self._is_unexpired(row):
+                self._take_unit(SeriesKey(row["model"], row["class"]), _unit_counts(row))
         for name, schema in TABLES.items():  # production has no per-step rows; the tables exist, empty
             path = self.run_dir / f"{name}.parquet"
             if not path.exists():
@@ -212,18 +231,38 @@ class WatchRecord:
     def details(self) -> dict[str, Any]:
         return self.record.source.details
 
-    def _take(self, scope: SeriesKey | None, counts: SpecCounts, draw: float) -> None:
-        """Add a unit to the running total of ``scope`` and to its sample (reservoir sampling: every unit of
-        the watch is in the sample with the same probability). ``draw`` (uniform in [0, 1)) is the unit's,
-        shared by its scopes: scopes that saw the same units keep the same ones, so the samples of a watch
-        hold at most SUMMARY_SAMPLE_UNITS units per distinct stream, not per scope."""
+    def _count(self, scope: SeriesKey | None, counts: SpecCounts, num_units: int) -> None:
         self._totals[scope] = self._totals[scope].plus(counts) if scope in self._totals else counts
-        seen = self._num_units[scope] = self._num_units.get(scope, 0) + 1
+        self._num_units[scope] = self._num_units.get(scope, 0) + num_units
+
+    def _take(self, scope: SeriesKey | None, counts: SpecCounts, draw: float) -> None:
+        """Add a unit to the running total of ``scope`` and to its sample (reservoir sampling: every unit
+        this process has taken, from the folder or since, is in the sample with the same probability).
+        ``draw`` (uniform in [0, 1)) is the unit's, shared by its scopes: scopes that saw the same units keep
+        the same ones, so the samples of a watch hold at most SUMMARY_SAMPLE_UNITS units per distinct stream,
+        not per scope."""
+        self._count(scope, counts, 1)
+        seen = self._sampled_from[scope] = self._sampled_from.get(scope, 0) + 1
         sample = self._samples.setdefault(scope, [])
         if len(sample) < SUMMARY_SAMPLE_UNITS:
             sample.append(counts)
         elif (slot := int(draw * seen)) < SUMMARY_SAMPLE_UNITS:
             sample[slot] = counts
+
+    def _is_unexpired(self, row: dict[str, Any]) -> bool:
+        through_s = self.details["expired"]["through_s"]
+        return through_s is None or row["end_s"] > through_s
+
+    def _record_expired(self, key: SeriesKey, counts: SpecCounts, num_units: int) -> None:
+        """``num_units`` units of ``key`` have left the folder: their counts join ``details["expired"]``, what a
+        continued watch restores its totals from."""
+        series = self.details["expired"]["series"]
+        entry = next((e for e in series if (e["model"], e["class"]) == (key.model, key.cls)), None)
+        if entry is None:
+            series.append({"model": key.model, "class": key.cls, "num_units": num_units, **counts.as_dict()})
+        else:
+            total = _unit_counts(entry).plus(counts)
+            entry.update(num_units=entry["num_units"] + num_units, **total.as_dict())
 
     def _take_unit(self, key: SeriesKey, counts: SpecCounts) -> None:
         """A unit joins its series' and the overall totals and samples, with one draw for both."""
@@ -269,9 +308,18 @@ class WatchRecord:
     def consolidate(self, now_s: float | None = None, *, final: bool = False) -> None:
         """Fold the journal into the Parquet files (dropping rows older than the retention before ``now_s``)."""
         keep_after = now_s - self.retain_s if self.retain_s is not None and now_s is not None else None
-        for table in (self._windows, self._units):
-            table.consolidate(keep_after, reopen=not final)
+        self._windows.consolidate(keep_after, reopen=not final)
+        self._units.consolidate(keep_after, reopen=not final, before_dropping=self._expire_units)
         self._consolidated_at = now_s
+
+    def _expire_units(self, dropped: pa.Table, through_s: float) -> None:
+        """The units at or before ``through_s`` are about to leave the folder: their totals go into run.json
+        first, so a watch killed in between counts them once (see ``__init__``)."""
+        for row in dropped.to_pylist():
+            if self._is_unexpired(row):
+                self._record_expired(SeriesKey(row["model"], row["class"]), _unit_counts(row), 1)
+        self.details["expired"]["through_s"] = through_s
+        write_run_json(self.run_dir, self.record.to_json())
 
     def close(self, now_s: float | None = None) -> None:
         """End of the watch: the journal becomes the Parquet files and is removed."""
@@ -326,6 +374,7 @@ class WatchDetails(WatchSetup):
     events: list[dict[str, Any]]  # time_s, kind, source, message
     alerts: list[dict[str, Any]]  # time_s, kind, series, message, advice (list of engine settings)
     notes: list[str]
+    expired: dict[str, Any]  # through_s (the last retention cut, or None) and series: per model and class, num_units and the counts
 
 
 def _unit_counts(row: dict[str, Any]) -> SpecCounts:
