@@ -27,8 +27,8 @@ from dflash_doctor.replay.turns import turn_limit
 from dflash_doctor.rundir.record import ModelInfo, RunMeta, RunRecord, Source
 from dflash_doctor.rundir.tables import REQUESTS_SCHEMA, STEPS_SCHEMA, StepRow, as_row, turn_row_id
 from dflash_doctor.rundir.writer import utc_now
-from dflash_doctor.serving.client import EngineEndpoint, EngineError, auth_fix, call, scrape_metrics
-from dflash_doctor.serving.prometheus import EngineCounters, measurement_between, read_counters
+from dflash_doctor.serving.client import EngineEndpoint, EngineError, auth_fix, call
+from dflash_doctor.serving.prometheus import EngineCounters, measurement_between, scrape_counters
 from dflash_doctor.serving.responses import (LLAMA_CPP, MalformedResponse, MissingMetrics, SpecMeasurement, check_measurement, check_response_shape, parse_response,
                                              step_rows)
 
@@ -169,8 +169,7 @@ def counted_measurement(before: EngineCounters, after: EngineCounters, body: dic
 
 
 def _counters(endpoint: EngineEndpoint) -> EngineCounters:
-    text = scrape_metrics(endpoint)
-    counters = read_counters(text, endpoint.model) if text else None
+    counters = scrape_counters(endpoint)
     if counters is None:
         raise MissingMetrics("the server's /metrics page lost its speculative-decoding counters mid-run; keep the server up and retry")
     return counters
@@ -188,14 +187,12 @@ def figures_source(endpoint: EngineEndpoint, first: Request, config: DoctorConfi
     try:
         turns = ask(endpoint, first, config)
     except MissingMetrics as exc:
-        text = scrape_metrics(endpoint) if exc.per_request_off else None
-        if text and read_counters(text, endpoint.model) is not None:
+        if exc.per_request_off and scrape_counters(endpoint) is not None:
             return "counters", []
         raise
     if turns[0].measurement.num_drafts is not None:
         return "responses", turns
-    text = scrape_metrics(endpoint)
-    if not text or read_counters(text, endpoint.model) is None:
+    if scrape_counters(endpoint) is None:
         raise MissingMetrics(LLAMA_CPP_WITHOUT_METRICS)
     return "timings and counters", []
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dflash_doctor.serving.client import EngineEndpoint, scrape_metrics
 from dflash_doctor.serving.responses import LLAMA_CPP, VLLM, MissingMetrics, SpecMeasurement, histogram_from_per_pos
 from dflash_doctor.telemetry.counts import SeriesKey, SpecCounts
 from dflash_doctor.telemetry.engines import read_exposition
@@ -43,6 +44,12 @@ def read_counters(text: str, model: str | None) -> EngineCounters | None:
     if engine is None or series is None or series.num_drafts is None or series.num_draft_tokens is None:
         return None
     return EngineCounters(engine, series)
+
+
+def scrape_counters(endpoint: EngineEndpoint) -> EngineCounters | None:
+    """The served model's spec-decode counters now (None: the server has no readable /metrics page, or none on it)."""
+    text = scrape_metrics(endpoint)
+    return read_counters(text, endpoint.model) if text else None
 
 
 def measurement_between(before: EngineCounters, after: EngineCounters) -> SpecMeasurement:

@@ -31,10 +31,10 @@ from dflash_doctor.errors import UsageError
 from dflash_doctor.inputs.config import DoctorConfig
 from dflash_doctor.inputs.workloads import Request, conversation_turns
 from dflash_doctor.replay.turns import turn_limit
-from dflash_doctor.serving.client import EngineEndpoint, auth_fix, scrape_metrics
+from dflash_doctor.serving.client import EngineEndpoint, auth_fix
 from dflash_doctor.serving.http import AUTH_STATUSES, bearer
 from dflash_doctor.serving.engine_run import request_body
-from dflash_doctor.serving.prometheus import EngineCounters, measurement_between, read_counters
+from dflash_doctor.serving.prometheus import measurement_between, scrape_counters
 from dflash_doctor.serving.responses import MissingMetrics, SpecMeasurement, parse_response
 from dflash_doctor.tune.loads import LoadLevel
 
@@ -143,18 +143,13 @@ def stream_request(endpoint: EngineEndpoint, request: Request, config: DoctorCon
     )
 
 
-def _counters(endpoint: EngineEndpoint) -> EngineCounters | None:
-    text = scrape_metrics(endpoint)
-    return read_counters(text, endpoint.model) if text else None
-
-
 def run_load(endpoint: EngineEndpoint, requests: list[Request], config: DoctorConfig, *, k: int, load: LoadLevel, repeat: int = 0,
              on_request: Callable[[TimedRequest], None] | None = None) -> LoadRun:
     """Every request once at this load: ``concurrency`` in flight at a time (a closed loop, as ``vllm bench
     serve --request-rate inf --max-concurrency``) or each sent at its arrival offset from ``config.seed``'s
     schedule (an open loop, as ``--request-rate``); the /metrics counters around the run give its
     acceptance when responses carry none. Wall time runs from the schedule's start to the last answer."""
-    before = _counters(endpoint)
+    before = scrape_counters(endpoint)
     done: list[TimedRequest] = []
     offsets = load.arrival_offsets(len(requests), config.seed)
     started = time.perf_counter()
@@ -176,7 +171,7 @@ def run_load(endpoint: EngineEndpoint, requests: list[Request], config: DoctorCo
                 pending.cancel()
             raise
     wall = time.perf_counter() - started
-    after = _counters(endpoint)
+    after = scrape_counters(endpoint)
     counters = measurement_between(before, after) if before is not None and after is not None else None
     order = {request.id: i for i, request in enumerate(requests)}
     done.sort(key=lambda timed: order[timed.request_id])
