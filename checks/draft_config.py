@@ -24,6 +24,7 @@ from typing import Any
 from dflash_doctor.checks.base import Check, CheckContext, CheckResult, Finding, config_value, register, skipped
 from dflash_doctor.checks.draft_facts import block_size, is_dflash, mask_token_id, target_layer_ids
 from dflash_doctor.models.draft_formats import normalise_draft_config
+from dflash_doctor.engine.dflash_model import DSPARK_ARCHITECTURE
 from dflash_doctor.errors import UsageError
 
 # fp16 vs bf16 is a real risk (fp16 overflows where bf16 was trained); fp32 vs either is only slower.
@@ -334,7 +335,7 @@ def served_format_findings(ctx: CheckContext, normalised) -> list[Finding]:
         findings.append(Finding("fail", f"the engine drafts blocks of {served_block} but the draft was trained with block_size {block}",
                                 f"--speculative-dflash-block-size {served_block} ({engine.get('engine')})",
                                 f"serve with --speculative-dflash-block-size {block} or drop the flag"))
-    dspark = (draft.get("architectures") or [""])[0] == "DSparkDraftModel"
+    dspark = (draft.get("architectures") or [""])[0] == DSPARK_ARCHITECTURE
     method = str(engine.get("method") or "")
     if method and dspark != ("dspark" in method):
         findings.append(Finding("fail" if not dspark else "warn",

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_doctor.engine.dflash_model import DFlashConfig, DFlashDraftModel
+from dflash_doctor.engine.dflash_model import DFLASH2_ARCHITECTURE, DSPARK_ARCHITECTURE, DFlashConfig, DFlashDraftModel
 from dflash_doctor.engine.dspark_model import DSparkDraftModel
 from dflash_doctor.errors import UsageError
 
@@ -145,4 +145,4 @@ CHECKPOINT_KEY_RENAMES = {
 
 def draft_model_class(cfg: DFlashConfig) -> type[DFlashDraftModel]:
     """The module for a config's architecture (the one place that maps it)."""
-    return {"DFlash2DraftModel": DFlash2DraftModel, "DSparkDraftModel": DSparkDraftModel}.get(cfg.architecture, DFlashDraftModel)
+    return {DFLASH2_ARCHITECTURE: DFlash2DraftModel, DSPARK_ARCHITECTURE: DSparkDraftModel}.get(cfg.architecture, DFlashDraftModel)

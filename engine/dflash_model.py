@@ -44,6 +44,18 @@ def default_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]
     return [int(round(start + i * (end - start) / (num_taps - 1))) for i in range(num_taps)]
 
 
+#: The DFlash variants this engine models: the name speculators gives each (``speculators_model_type``) and
+#: the ``architectures`` name of its z-lab checkpoint, the one every dialect is normalised to.
+VARIANT_ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel", "dspark": "DSparkDraftModel"}
+DFLASH_ARCHITECTURE, DFLASH2_ARCHITECTURE, DSPARK_ARCHITECTURE = VARIANT_ARCHITECTURES.values()
+
+
+def variant_architecture(architectures: Sequence[str]) -> str:
+    """The variant a config's ``architectures`` names: DFlash 2 or DSpark when it lists one, else plain DFlash
+    (a dialect's own name too, such as NeMo's ``Qwen3DFlashDraftModel``, or none)."""
+    return next((a for a in (DFLASH2_ARCHITECTURE, DSPARK_ARCHITECTURE) if a in architectures), DFLASH_ARCHITECTURE)
+
+
 @dataclass
 class DFlashConfig:
     """The draft's config.json in the z-lab layout (Qwen3 keys + ``block_size`` + ``dflash_config``)."""
@@ -72,7 +84,7 @@ class DFlashConfig:
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
     # DFlash 2 (architecture DFlash2DraftModel): per-layer convolutions and the candidate selector.
-    architecture: str = "DFlashDraftModel"
+    architecture: str = DFLASH_ARCHITECTURE
     conv_kernel_size: int | None = None
     conv_group_size: int | None = None
     selector_rank: int | None = None
@@ -129,8 +141,7 @@ class DFlashConfig:
                 values[key] = dflash[key]
         causal = raw.get("is_causal", dflash.get("causal"))  # vLLM: top-level is_causal beats dflash_config.causal
         values["is_causal"] = None if causal is None else bool(causal)
-        architectures = raw.get("architectures") or ["DFlashDraftModel"]
-        values["architecture"] = next((a for a in ("DFlash2DraftModel", "DSparkDraftModel") if a in architectures), "DFlashDraftModel")
+        values["architecture"] = variant_architecture(raw.get("architectures") or [])
         values.update(
             block_size=int(block_size),
             mask_token_id=int(mask_token_id),
@@ -145,7 +156,7 @@ class DFlashConfig:
         """The z-lab layout: Qwen3 keys, ``block_size``, ``num_target_layers`` and ``dflash_config``."""
         out = dict(self.extra)
         out.update(
-            architectures=["DFlashDraftModel"],
+            architectures=[self.architecture],
             model_type="qwen3",
             hidden_size=self.hidden_size,
             num_hidden_layers=self.num_hidden_layers,
@@ -168,14 +179,13 @@ class DFlashConfig:
             num_target_layers=self.num_target_layers,
             dflash_config={"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)},
         )
-        out["architectures"] = [self.architecture]
         for key in _DFLASH_CONFIG_KEYS:
             value = getattr(self, key)
             if value is not None and value != _DEFAULTS.get(key):
                 out["dflash_config"][key] = value
         if self.is_causal is not None:
             out["is_causal"] = self.is_causal
-        if self.architecture == "DSparkDraftModel":  # the only DSpark layout modelled; absent means anchor-first
+        if self.architecture == DSPARK_ARCHITECTURE:  # the only DSpark layout modelled; absent means anchor-first
             out["dflash_config"]["sample_from_anchor"] = False
         return out
 

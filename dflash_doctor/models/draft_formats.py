@@ -38,7 +38,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from dflash_doctor.engine.dflash_model import default_target_layer_ids
+from dflash_doctor.engine.dflash_model import DSPARK_ARCHITECTURE, VARIANT_ARCHITECTURES, default_target_layer_ids, variant_architecture
 from dflash_doctor.errors import UsageError
 
 #: Hugging Face / bookkeeping keys that do not change what the draft computes.
@@ -78,7 +78,7 @@ UNSUPPORTED = {
     "projector_type": (None, "another projector (domino: a GRU correction loop over the drafted slots, SGLang dflash_utils.py)"),
     "use_aux_hidden_state": (True, "drafting without target hidden states"),
 }
-ARCHITECTURES = {"DFlashDraftModel": "zlab", "DFlash2DraftModel": "zlab", "DSparkDraftModel": "zlab", "Qwen3DFlashDraftModel": "nemo"}
+ARCHITECTURES = {**dict.fromkeys(VARIANT_ARCHITECTURES.values(), "zlab"), "Qwen3DFlashDraftModel": "nemo"}
 #: A DSpark draft (DFlash + a Markov head over the draft logits, optionally a confidence head): vLLM serves it with
 #: its own proposer (v1/spec_decode/dspark.py), llama.cpp with --spec-type draft-dspark; names from both and speculators.
 DSPARK_ARCHITECTURES = frozenset({"Qwen3DSparkModel", "DSparkSpeculator", "Lfm2DSparkDraftModel", "LingDSparkModel"})
@@ -197,9 +197,8 @@ def _from_zlab(raw: dict[str, Any], source: str, dialect: str) -> NormalisedDraf
     out["max_window_layers"] = raw.get("max_window_layers")
     _rope_from_parameters(out)
     _qwen3_window(out)
-    architectures = raw.get("architectures") or ["DFlashDraftModel"]
-    out["architectures"] = [next((a for a in ("DFlash2DraftModel", "DSparkDraftModel") if a in architectures), "DFlashDraftModel")]
-    if out["architectures"] == ["DSparkDraftModel"] and dflash.get("sample_from_anchor", raw.get("sample_from_anchor")) is not False:
+    out["architectures"] = [variant_architecture(raw.get("architectures") or [])]
+    if out["architectures"] == [DSPARK_ARCHITECTURE] and dflash.get("sample_from_anchor", raw.get("sample_from_anchor")) is not False:
         raise UsageError(f"{source}: a DSparkDraftModel config without sample_from_anchor = false is anchor-first (DSpark's default), "
                          "a layout this tool does not model; use a draft trained with sample_from_anchor false.")
     ids = out["dflash_config"].get("target_layer_ids", out.get("target_layer_ids"))
@@ -214,7 +213,7 @@ def _from_zlab(raw: dict[str, Any], source: str, dialect: str) -> NormalisedDraf
 
 def _from_speculators(raw: dict[str, Any], source: str) -> NormalisedDraft:
     kind = raw["speculators_model_type"]
-    if kind not in ("dflash", "dflash2", "dspark"):
+    if kind not in VARIANT_ARCHITECTURES:
         raise UsageError(f"{source}: speculators_model_type {kind!r} is not a DFlash draft (dflash, dflash2 or dspark); pass a DFlash checkpoint.")
     dspark = _dspark_keys(raw, source) if kind == "dspark" else {}
     _refuse_unsupported(raw, "", source)
@@ -247,7 +246,7 @@ def _from_speculators(raw: dict[str, Any], source: str) -> NormalisedDraft:
         if raw.get(key) is not None:
             out["dflash_config"][key] = raw[key]
     out["dflash_config"].update(dspark)
-    out["architectures"] = [{"dflash2": "DFlash2DraftModel", "dspark": "DSparkDraftModel"}.get(kind, "DFlashDraftModel")]
+    out["architectures"] = [VARIANT_ARCHITECTURES[kind]]
     _rope_from_parameters(out)
     _qwen3_window(out)
     draft_vocab = raw.get("draft_vocab_size")

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from dflash_doctor.engine.dflash_model import DFLASH2_ARCHITECTURE, DFLASH_ARCHITECTURE, DSPARK_ARCHITECTURE
 from dflash_doctor.errors import UsageError
 
 #: ``dflash.<key>`` -> the z-lab config key it fills (top level, or ``dflash_config.<key>``).
@@ -162,7 +163,7 @@ def _config(fields: dict[str, Any], names: list[str], source: str) -> tuple[dict
         raise UsageError(f"{source}: a DSpark GGUF with dflash.sample_from_anchor = {arch_keys.get('sample_from_anchor', True)} (absent: true) "
                          "predicts position p + k + 1 from slot k, the anchor-first layout this tool does not model; use one converted "
                          "from a speculators export (sample_from_anchor false).")
-    architecture = "DFlash2DraftModel" if has_selector else "DSparkDraftModel" if has_markov else "DFlashDraftModel"
+    architecture = DFLASH2_ARCHITECTURE if has_selector else DSPARK_ARCHITECTURE if has_markov else DFLASH_ARCHITECTURE
     config: dict[str, Any] = {"architectures": [architecture], "model_type": "qwen3",
                               "hidden_act": "silu", "rope_scaling": None, "dflash_config": {}}
     for key, value in arch_keys.items():

