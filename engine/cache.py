@@ -63,6 +63,12 @@ def cache_keyword(model: torch.nn.Module) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
+def accepts_logits_to_keep(model: torch.nn.Module) -> bool:
+    """Whether forward() takes ``logits_to_keep`` (transformers' causal LMs do; an older or custom model may
+    not): with it a forward that needs only the last rows' logits skips the [T, V] projection of the rest."""
+    return "logits_to_keep" in inspect.signature(model.forward).parameters
+
+
 def new_cache(config: PretrainedConfig) -> DynamicCache:
     """An empty cache laid out for a target of ``config``.
 
@@ -194,7 +200,7 @@ class RollbackCache:
         self.recurrent = has_recurrent_layers(model.config)
         self.rerun = rerun
         self._keyword = cache_keyword(model)
-        self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self._logits_to_keep = accepts_logits_to_keep(model)
         mixers = recurrent_mixers(model, model.config) if self.recurrent else []
         self._mixer_count = len(mixers)
         if rerun == "mixers":

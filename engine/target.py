@@ -16,12 +16,11 @@ recurrent states and re-runs the accepted tokens.
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
-from dflash_doctor.engine.cache import RollbackCache, refuse_unreplayable
+from dflash_doctor.engine.cache import RollbackCache, accepts_logits_to_keep, refuse_unreplayable
 
 if TYPE_CHECKING:
     # What AutoModelForCausalLM.from_pretrained returns, as transformers annotates it: a PreTrainedModel
@@ -124,7 +123,7 @@ class TargetModel:
         self.model = model
         self.hidden_state_indices = hidden_state_indices
         self.cache = RollbackCache(model)
-        self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self._logits_to_keep = accepts_logits_to_keep(model)
         self._tap_points = tap_points(model)
 
     @property

@@ -48,7 +48,6 @@ from __future__ import annotations
 import base64
 import dataclasses
 import hashlib
-import inspect
 import json
 import math
 import shutil
@@ -62,6 +61,7 @@ import torch.nn.functional as F
 
 from dflash_doctor.engine.batched import generate_greedy_batch
 from dflash_doctor.engine.blocks import context_kv_for, draft_block_hidden
+from dflash_doctor.engine.cache import accepts_logits_to_keep
 from dflash_doctor.engine.dflash_model import DFlashConfig, DFlashDraftModel
 from dflash_doctor.engine.proposers.dflash import DFlashProposer
 from dflash_doctor.engine.target import TargetModel
@@ -473,7 +473,7 @@ def prepare_training_data(model: CausalLM, tokenizer: Any, requests: Sequence[Re
 
 def _forward_without_logits(model: torch.nn.Module) -> dict[str, Any]:
     """Ask for one row of logits where the model allows it: features need hidden states, not [N, T, V] logits."""
-    return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    return {"logits_to_keep": 1} if accepts_logits_to_keep(model) else {}
 
 
 @torch.inference_mode()
