@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import warnings
 import zlib
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import pandas as pd
@@ -158,16 +158,28 @@ def resample_multiplicities(num_units: int, n_boot: int, rng: np.random.Generato
         yield slice(start, start + count), multiplicity
 
 
+def ratio_of_sums(sums: np.ndarray) -> np.ndarray:
+    """``sums[:, 0] / sums[:, 1]`` per row of ``[R, 2+]`` column sums; NaN where the denominator is 0."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(sums[:, 1] > 0, sums[:, 0] / np.where(sums[:, 1] > 0, sums[:, 1], 1.0), np.nan)
+
+
+def bootstrap_pooled(columns: Sequence[np.ndarray], combine: Callable[[np.ndarray], np.ndarray], n_boot: int,
+                     rng: np.random.Generator) -> np.ndarray:
+    """``[n_boot]`` resamples over units (requests, the rows of ``columns``) of a pooled figure: ``combine``
+    maps ``[R, C]`` column sums to ``[R]`` figures (:func:`ratio_of_sums`, a ratio of two such ratios...)."""
+    counters = np.column_stack([np.asarray(column, dtype=np.float64) for column in columns])
+    samples = np.full(n_boot, np.nan)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        for rows, multiplicity in resample_multiplicities(len(counters), n_boot, rng):
+            samples[rows] = combine(multiplicity @ counters)
+    return samples
+
+
 def bootstrap_ratio(numerator: np.ndarray, denominator: np.ndarray, n_boot: int, rng: np.random.Generator) -> np.ndarray:
     """``[n_boot]`` resamples of the pooled ratio ``sum(numerator) / sum(denominator)`` over units
     (requests); NaN where a resample's denominator is 0."""
-    counters = np.column_stack([np.asarray(numerator, dtype=np.float64), np.asarray(denominator, dtype=np.float64)])
-    ratios = np.full(n_boot, np.nan)
-    for rows, multiplicity in resample_multiplicities(len(counters), n_boot, rng):
-        pooled = multiplicity @ counters
-        with np.errstate(divide="ignore", invalid="ignore"):
-            ratios[rows] = np.where(pooled[:, 1] > 0, pooled[:, 0] / np.where(pooled[:, 1] > 0, pooled[:, 1], 1.0), np.nan)
-    return ratios
+    return bootstrap_pooled([numerator, denominator], ratio_of_sums, n_boot, rng)
 
 
 def interval(samples: np.ndarray) -> np.ndarray:

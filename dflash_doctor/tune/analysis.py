@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from dflash_doctor.stats.metrics import NUM_BOOTSTRAP_RESAMPLES, group_rng, interval, resample_multiplicities, summary_group
+from dflash_doctor.stats.metrics import NUM_BOOTSTRAP_RESAMPLES, bootstrap_pooled, group_rng, interval, ratio_of_sums, summary_group
 from dflash_doctor.tune.loads import CONCURRENCY, load_kind, load_of, load_text
 
 OVERALL = "overall"
@@ -34,29 +34,23 @@ OVERALL = "overall"
 
 def pooled(columns: list[np.ndarray], combine, *, seed: int, group: str, n_boot: int = NUM_BOOTSTRAP_RESAMPLES) -> tuple[float, list[float]]:
     """``combine`` of the column sums over requests, and its 95% bootstrap interval over requests."""
-    counters = np.column_stack([np.asarray(c, dtype=np.float64) for c in columns])
-    if len(counters) == 0:
+    if len(columns[0]) == 0:
         return float("nan"), [float("nan"), float("nan")]
+    sums = np.array([[float(np.sum(column)) for column in columns]])
     with np.errstate(divide="ignore", invalid="ignore"):
-        point = float(combine(counters.sum(axis=0)[None, :])[0])
-        samples = np.full(n_boot, np.nan)
-        for rows, multiplicity in resample_multiplicities(len(counters), n_boot, group_rng(seed, group)):
-            samples[rows] = combine(multiplicity @ counters)
+        point = float(combine(sums)[0])
+    samples = bootstrap_pooled(columns, combine, n_boot, group_rng(seed, group))
     return point, [float(x) for x in interval(samples)]
 
 
-def _ratio(sums: np.ndarray) -> np.ndarray:
-    return np.where(sums[:, 1] > 0, sums[:, 0] / np.where(sums[:, 1] > 0, sums[:, 1], 1.0), np.nan)
-
-
 def _tau(sums: np.ndarray) -> np.ndarray:
-    return 1.0 + _ratio(sums)
+    return 1.0 + ratio_of_sums(sums)
 
 
 def _paired_speedup(sums: np.ndarray) -> np.ndarray:
     """columns: decode time and tokens at K = 0, then at K: TPOT(0) / TPOT(K)."""
-    base = _ratio(sums[:, 0:2])
-    spec = _ratio(sums[:, 2:4])
+    base = ratio_of_sums(sums[:, 0:2])
+    spec = ratio_of_sums(sums[:, 2:4])
     return base / spec
 
 
@@ -65,8 +59,8 @@ def _figures(rows: pd.DataFrame, seed: int, group: str) -> dict[str, Any]:
     ones = np.ones(len(rows))
     figures: dict[str, Any] = {"num_requests": int(len(rows)), "num_output_tokens": int(rows["num_output_tokens"].sum())}
     for name, column in (("ttft_s", "ttft_s"), ("e2e_s", "e2e_s")):
-        figures[name], figures[f"{name}_ci"] = pooled([rows[column].to_numpy(), ones], _ratio, seed=seed, group=f"{group}:{name}")
-    figures["tpot_s"], figures["tpot_s_ci"] = pooled([rows["decode_s"].to_numpy(), tokens_after_first], _ratio, seed=seed, group=f"{group}:tpot")
+        figures[name], figures[f"{name}_ci"] = pooled([rows[column].to_numpy(), ones], ratio_of_sums, seed=seed, group=f"{group}:{name}")
+    figures["tpot_s"], figures["tpot_s_ci"] = pooled([rows["decode_s"].to_numpy(), tokens_after_first], ratio_of_sums, seed=seed, group=f"{group}:tpot")
     spec = rows.dropna(subset=["num_drafts"])
     spec = spec[spec["num_drafts"] > 0]
     if len(spec):
@@ -74,7 +68,7 @@ def _figures(rows: pd.DataFrame, seed: int, group: str) -> dict[str, Any]:
         figures["tau"], figures["tau_ci"] = pooled([accepted, drafts], _tau, seed=seed, group=f"{group}:tau")
         wasted = (spec["num_draft_tokens"] - spec["num_accepted_tokens"]).to_numpy()
         figures["rollback_per_token"], figures["rollback_per_token_ci"] = pooled(
-            [wasted, spec["num_output_tokens"].to_numpy()], _ratio, seed=seed, group=f"{group}:rollback")
+            [wasted, spec["num_output_tokens"].to_numpy()], ratio_of_sums, seed=seed, group=f"{group}:rollback")
         figures["step_s"] = float(spec["decode_s"].sum() / spec["num_drafts"].sum())
     return figures
 
