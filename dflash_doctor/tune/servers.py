@@ -17,8 +17,6 @@ import os
 import signal
 import subprocess
 import time
-import urllib.error
-import urllib.request
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +24,7 @@ from typing import Iterator
 
 from dflash_doctor.errors import UsageError
 from dflash_doctor.serving.client import EngineEndpoint, auth_fix
-from dflash_doctor.serving.http import AUTH_STATUSES, bearer
+from dflash_doctor.serving.http import AUTH_STATUSES, Unreachable
 
 K_PLACEHOLDER = "{k}"
 
@@ -75,16 +73,15 @@ def wait_healthy(url: str, process: subprocess.Popen | None, timeout_s: float, l
     """Poll ``GET /v1/models`` (with the API key, if any) until it answers 200; the process dying, the time
     running out or the server refusing the key (401/403: waiting would not change that) is a UsageError."""
     deadline = time.monotonic() + timeout_s
+    endpoint = EngineEndpoint(base_url=url.rstrip("/"), api_key=api_key, timeout_s=5.0, retries=0)  # the loop is the retry
     while True:
         try:
-            with urllib.request.urlopen(urllib.request.Request(url.rstrip("/") + "/v1/models", headers=bearer(api_key)), timeout=5) as response:
-                if response.status == 200:
-                    return
-        except urllib.error.HTTPError as exc:
-            if exc.code in AUTH_STATUSES:
-                raise UsageError(f"{url} answered HTTP {exc.code} to GET /v1/models: "
-                                 f"{auth_fix(EngineEndpoint(base_url=url, api_key=api_key))}.") from None
-        except OSError:
+            answer = endpoint.client.get(endpoint.base_url + "/v1/models")
+            if answer.ok:
+                return
+            if answer.status in AUTH_STATUSES:
+                raise UsageError(f"{url} answered HTTP {answer.status} to GET /v1/models: {auth_fix(endpoint)}.")
+        except Unreachable:
             pass
         where = f"; its output is in {log_path}" if log_path else ""
         if process is not None and process.poll() is not None:
