@@ -234,7 +234,7 @@ def load_causal_lm(model_dir: Path, *, dtype: str = "float32", device: str = "cp
         config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
         refuse_unreplayable(config)
         model = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=torch_dtype(dtype), trust_remote_code=trust_remote_code,
+            model_dir, config=config, dtype=torch_dtype(dtype), trust_remote_code=trust_remote_code,
             attn_implementation=attention_implementation(config), **placement
         )
     except ValueError as exc:
