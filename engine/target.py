@@ -108,9 +108,9 @@ class TapRecorder:
             self.recorded[tap] = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
         return hook
 
-    def features(self, device: torch.device) -> torch.Tensor:
-        """[S, n*H]: the taps of the forward, concatenated in the order asked (a placed target taps several GPUs)."""
-        return torch.cat([self.recorded[tap][0].to(device) for tap in self.taps], dim=-1)
+    def features(self, device: torch.device | str) -> torch.Tensor:
+        """[N, S, n*H]: the taps of the forward, concatenated in the order asked (a placed target taps several GPUs)."""
+        return torch.cat([self.recorded[tap].to(device) for tap in self.taps], dim=-1)
 
 
 class TargetModel:
@@ -164,7 +164,7 @@ class TargetModel:
             if keep > 0:
                 logits.append(out.logits[0, -keep:].float())
             if taps:
-                features.append(recorder.features(self.device))
+                features.append(recorder.features(self.device)[0])
         return TargetOutput(logits=torch.cat(logits) if len(logits) > 1 else logits[0],
                             features=(torch.cat(features) if len(features) > 1 else features[0]) if taps else None)
 

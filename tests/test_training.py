@@ -427,6 +427,23 @@ def test_precomputed_features_train_the_same_draft_as_extracting_them():
         train_dflash_draft(target_model, sequences, prompt_lengths, config, copy.deepcopy(initial), features=features[:-1])
 
 
+def test_features_are_the_hidden_states_of_the_tapped_layers():
+    """The taps recorded by hooks are what ``output_hidden_states`` gives at those indices (the first layer's
+    input, a middle layer's output, the decoder's normed output): exactly one sequence at a time, and to
+    float32 rounding for sequences of unequal length batched together with right padding."""
+    target_model = tiny_target()
+    sequences = [[1, 2, 3, 4, 5], [6, 7, 8], [9, 10, 11, 12, 13, 14, 15], [16, 17]]
+    taps = (0, 2, target_model.config.num_hidden_layers)
+    one_by_one = training.extract_features(target_model, sequences, taps, batch_size=1)
+    batched = training.extract_features(target_model, sequences, taps, batch_size=3)
+    for sequence, alone, padded in zip(sequences, one_by_one, batched):
+        with torch.no_grad():
+            hidden = target_model(input_ids=torch.tensor([sequence]), output_hidden_states=True).hidden_states
+        expected = torch.cat([hidden[i][0] for i in taps], dim=-1)
+        assert torch.equal(alone, expected)
+        torch.testing.assert_close(padded, expected, rtol=1e-4, atol=1e-4)
+
+
 @pytest.fixture(scope="module")
 def target_and_workload(tmp_path_factory):
     """A tiny saved target with a ChatML tokenizer, and a small workload file: `train-draft` end to end in seconds."""

@@ -64,7 +64,7 @@ from dflash_doctor.engine.blocks import context_kv_for, draft_block_hidden
 from dflash_doctor.engine.cache import accepts_logits_to_keep
 from dflash_doctor.engine.dflash_model import DFlashConfig, DFlashDraftModel
 from dflash_doctor.engine.proposers.dflash import DFlashProposer
-from dflash_doctor.engine.target import TargetModel
+from dflash_doctor.engine.target import TapRecorder, TargetModel, tap_points
 from dflash_doctor.engine.teacher import TeacherSequence, slot_table, walk_schedule
 from dflash_doctor.errors import UsageError
 from dflash_doctor.inputs.workloads import Request, encode_request_turn, read_workload_file, save_workload
@@ -482,12 +482,14 @@ def extract_features(target_model: CausalLM, sequences: Sequence[Sequence[int]],
                      dtype: torch.dtype | None = None) -> list[torch.Tensor]:
     """Concatenated taps ``[L_i, n*H]`` for every sequence: one frozen-target pass per sequence, batched.
 
-    Sequences are grouped by length and right-padded; causal attention keeps every real row exactly what
-    an unpadded pass gives, so no attention mask is needed. Results stay on ``device`` in ``dtype`` (default:
-    the target's).
+    Sequences are grouped by length and right-padded; causal attention keeps every real row what an unpadded
+    pass gives (to rounding: the kernels sum in another order), so no attention mask is needed. Only the taps
+    are kept (hooks, :class:`~dflash_doctor.engine.target.TapRecorder`), not every layer's states. Results
+    stay on ``device`` in ``dtype`` (default: the target's).
     """
     extra = _forward_without_logits(target_model)
     model_device = next(target_model.parameters()).device
+    points = tap_points(target_model)
     order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
     features: dict[int, torch.Tensor] = {}  # by sequence index: computed in length order, returned in input order
     for start in range(0, len(order), batch_size):
@@ -496,8 +498,9 @@ def extract_features(target_model: CausalLM, sequences: Sequence[Sequence[int]],
         ids = torch.zeros((len(chunk), width), dtype=torch.long)
         for row, index in enumerate(chunk):
             ids[row, :len(sequences[index])] = torch.tensor(list(sequences[index]))
-        hidden = target_model(input_ids=ids.to(model_device), output_hidden_states=True, **extra).hidden_states
-        taps = torch.cat([hidden[i] for i in hidden_state_indices], dim=-1)  # [n, width, F]
+        with TapRecorder(points, tuple(hidden_state_indices)) as recorder:  # the taps only, not every layer's states
+            target_model(input_ids=ids.to(model_device), **extra)
+        taps = recorder.features(model_device)  # [n, width, F]
         for row, index in enumerate(chunk):
             features[index] = taps[row, :len(sequences[index])].to(device, dtype=dtype or taps.dtype).clone()
     return [features[i] for i in range(len(sequences))]
