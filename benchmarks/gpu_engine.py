@@ -118,10 +118,13 @@ def build(name: str, tiny: bool, device: str, dtype: torch.dtype):
 
 
 class Clock:
-    """Seconds of GPU work between two points: CUDA events on a GPU, the host clock on a CPU."""
+    """Seconds of work between two points: CUDA events on a GPU; on a CPU the host's wall clock, or with
+    ``cpu_time`` the process's CPU seconds (for one-thread runs: other work on a shared machine does not
+    inflate them the way it inflates wall time)."""
 
-    def __init__(self, device: str):
-        self.cuda = device == "cuda"
+    def __init__(self, device: str, *, cpu_time: bool = False):
+        self.cuda = device.startswith("cuda")
+        self.host_clock = time.process_time if cpu_time else time.perf_counter
 
     def time(self, fn) -> tuple[float, object]:
         if self.cuda:
@@ -132,9 +135,9 @@ class Clock:
             end.record()
             end.synchronize()
             return start.elapsed_time(end) / 1e3, result
-        started = time.perf_counter()
+        started = self.host_clock()
         result = fn()
-        return time.perf_counter() - started, result
+        return self.host_clock() - started, result
 
     def median(self, fn, repeats: int) -> float:
         return statistics.median(self.time(fn)[0] for _ in range(repeats))

@@ -22,9 +22,9 @@ Usage: python benchmarks/hybrid_rollback.py [--device cpu] [--hidden 512] [--lay
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
+from gpu_engine import Clock
 from transformers import AutoModelForCausalLM, Qwen3_5TextConfig, Qwen3Config
 
 from dflash_doctor.engine.cache import RollbackCache, snapshot_states
@@ -43,26 +43,8 @@ def shapes(hidden: int, layers: int, vocab: int) -> tuple:
     return {"full attention": Qwen3Config(**common), "hybrid": hybrid}
 
 
-class Timer:
-    """Wall seconds on a GPU; on a CPU the process's CPU seconds (one torch thread), which other work on a
-    shared machine does not inflate the way it inflates wall time."""
-
-    def __init__(self, device: str):
-        self.cuda = device.startswith("cuda")
-        self.clock = time.perf_counter if self.cuda else time.process_time
-
-    def __call__(self, fn) -> float:
-        if self.cuda:
-            torch.cuda.synchronize()
-        started = self.clock()
-        fn()
-        if self.cuda:
-            torch.cuda.synchronize()
-        return self.clock() - started
-
-
 @torch.inference_mode()
-def measure(model, context: torch.Tensor, k: int, accepted: int, repeats: int, timer: Timer, rerun: str) -> tuple[float, float]:
+def measure(model, context: torch.Tensor, k: int, accepted: int, repeats: int, clock: Clock, rerun: str) -> tuple[float, float]:
     """(seconds per step, seconds of its rollback), the fastest of ``repeats``: verify K + 1 tokens, keep
     1 + ``accepted``; ``rerun``: the rollback cache's mode, or "token by token"."""
     target = TargetModel(model)
@@ -82,11 +64,11 @@ def measure(model, context: torch.Tensor, k: int, accepted: int, repeats: int, t
                     target.forward(block[i:i + 1], taps=())
                     if i == accepted:  # the state after the last kept position is the one the next step starts from
                         kept["cache"] = target.cache
-            forward_s = timer(verify)
+            forward_s = clock.time(verify)[0]
             rollback_s = 0.0  # keeping a state is a pointer swap in an engine that stores one per position
         else:
-            forward_s = timer(lambda: target.forward(block, taps=()))
-            rollback_s = timer(lambda: target.crop(base + 1 + accepted))
+            forward_s = clock.time(lambda: target.forward(block, taps=()))[0]
+            rollback_s = clock.time(lambda: target.crop(base + 1 + accepted))[0]
         steps.append(forward_s + rollback_s)
         rollbacks.append(rollback_s)
         _rebuild(target, context)
@@ -114,7 +96,7 @@ def main() -> None:
                         help="which of the hybrid's rollbacks to measure, comma-separated")
     args = parser.parse_args()
     dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
-    timer = Timer(args.device)
+    clock = Clock(args.device, cpu_time=True)  # one torch thread on a CPU
     if args.device == "cpu":
         torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -127,10 +109,10 @@ def main() -> None:
     print(f"torch {torch.__version__} on {args.device} ({dtype}); parameters: {sizes}; context {args.context}, K = {args.k}, "
           f"fastest of {args.repeats}")
     context = torch.randint(10, args.vocab - 10, (args.context,), device=args.device)
-    decode = {name: measure(m, context, 0, 0, args.repeats, timer, "mixers")[0] for name, m in models.items()}
+    decode = {name: measure(m, context, 0, 0, args.repeats, clock, "mixers")[0] for name, m in models.items()}
     snapshot = TargetModel(models["hybrid"])
     snapshot.forward(context, taps=())
-    snapshot_s = min(timer(lambda: snapshot_states(snapshot.cache.cache)) for _ in range(args.repeats))
+    snapshot_s = min(clock.time(lambda: snapshot_states(snapshot.cache.cache))[0] for _ in range(args.repeats))
     print(f"one-token decode step (verify 1, keep 1): full attention {decode['full attention'] * 1e3:.2f} ms, hybrid "
           f"{decode['hybrid'] * 1e3:.2f} ms, ratio {decode['hybrid'] / decode['full attention']:.2f}; the hybrid's "
           f"snapshot of its recurrent states, within each of its forwards: {snapshot_s * 1e3:.2f} ms")
@@ -138,10 +120,10 @@ def main() -> None:
     rollbacks = args.hybrid_rollbacks.split(",")
     print(f"{'accepted n':>10} {'full attn':>10}" + "".join(f" {'hybrid, ' + r:>36}" for r in rollbacks))
     for accepted in (0, args.k // 2, args.k):
-        full, _ = measure(models["full attention"], context, args.k, accepted, args.repeats, timer, "mixers")
+        full, _ = measure(models["full attention"], context, args.k, accepted, args.repeats, clock, "mixers")
         cells = []
         for rerun in rollbacks:
-            step, rollback = measure(models["hybrid"], context, args.k, accepted, args.repeats, timer, rerun)
+            step, rollback = measure(models["hybrid"], context, args.k, accepted, args.repeats, clock, rerun)
             cell = f"{step * 1e3:.2f} x{step / full:.2f}"
             cells.append(cell if rerun == "token by token" else f"{cell} ({rollback * 1e3:.2f}, {rollback / step:.0%})")
         print(f"{accepted:>10} {full * 1e3:>10.2f}" + "".join(f" {cell:>36}" for cell in cells))
