@@ -73,8 +73,8 @@ def demo_ggufs() -> dict[str, Path]:
     }
 
 
-def start_llama_server(target: Path, log_path: Path, *, draft: Path | None = None, spec_type: str | None = None,
-                       n_max: int | None = None, metrics: bool = True, port: int | None = None) -> EngineServer:
+def llama_server_command(target: Path, port: int, *, draft: Path | None = None, spec_type: str | None = None,
+                         n_max: int | str | None = None, metrics: bool = True) -> list[str]:
     """``llama-server -m TARGET [-md DRAFT --spec-type T --spec-draft-n-max N] [--metrics]`` on 127.0.0.1.
 
     One slot (``-np 1``) and a fixed seed, so requests run one at a time as the /metrics deltas need; a
@@ -82,7 +82,6 @@ def start_llama_server(target: Path, log_path: Path, *, draft: Path | None = Non
     of them on two cores shared with the test process (or other jobs) ran 6x slower per token than one (measured).
     """
     require_build()
-    port = port or free_port()
     command = [str(LLAMA_SERVER), "-m", str(target), "--alias", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port),
                "-c", "2048", "-np", "1", "-t", "1", "--seed", "0", "--no-webui"]
     if draft is not None:
@@ -91,6 +90,14 @@ def start_llama_server(target: Path, log_path: Path, *, draft: Path | None = Non
         command += ["--spec-draft-n-max", str(n_max)]
     if metrics:
         command.append("--metrics")
+    return command
+
+
+def start_llama_server(target: Path, log_path: Path, *, draft: Path | None = None, spec_type: str | None = None,
+                       n_max: int | None = None, metrics: bool = True, port: int | None = None) -> EngineServer:
+    """:func:`llama_server_command`, started, on ``port`` or a free one."""
+    port = port or free_port()
+    command = llama_server_command(target, port, draft=draft, spec_type=spec_type, n_max=n_max, metrics=metrics)
     return start_engine_server("llama-server", command, f"http://127.0.0.1:{port}", "/health", log_path, START_TIMEOUT_S)
 
 

@@ -9,12 +9,16 @@ starts: what these tests hold:
 * ``watch`` reads llama.cpp's real ``llamacpp:spec_decode_*`` counters, the per-position ones included;
 * ``--engine-config URL`` reads a running llama-server, and its default n-max of 3 is flagged against the
   15 tokens the demo DFlash block proposes;
-* an autoregressive pair (the F32 target with the shipped Q4_1 as its draft) is measured the same way.
+* an autoregressive pair (the F32 target with the shipped Q4_1 as its draft) is measured the same way;
+* ``tune --launch`` starts llama-server at each K: the overall tau comes from /metrics deltas over each run
+  (llama.cpp counts no steps per request), so the step costs are fitted and a held-out K predicted.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import shlex
 import urllib.request
 from pathlib import Path
 
@@ -30,7 +34,8 @@ from dflash_doctor.telemetry.counts import SeriesKey
 from dflash_doctor.telemetry.engines import read_exposition
 from dflash_doctor.telemetry.exposition import parse_exposition
 from dflash_doctor.telemetry.record import read_windows
-from tests.llama_server import SERVED_NAME, demo_ggufs, start_llama_server
+from tests.llama_server import SERVED_NAME, demo_ggufs, llama_server_command, start_llama_server
+from tests.local_servers import free_port
 from tests.local_servers import stop_servers_on_sigterm  # noqa: F401 - autouse: stops the servers on a CI timeout
 
 pytestmark = pytest.mark.llamacpp
@@ -182,3 +187,29 @@ def test_autoregressive_pair_on_llama_server(ggufs, tmp_path):
     assert run.record.source.details["num_spec_tokens"] == 8
     overall = run.meta["summary"]["overall"]
     assert overall["mean_acceptance_length"] > 3.0, overall  # same weights: the Q4_1 draft agrees on most tokens
+
+
+def test_tune_on_llama_server_fits_its_costs_from_counters_and_judges_classes_by_speed(ggufs, tmp_path):
+    """`tune` launching llama-server at K = 0, 2, 4, 8: llama.cpp names neither K nor its verify steps per
+    request, so each run's overall tau comes from /metrics deltas (and no launch is doubted for a K it does not
+    report), the step costs are fitted from K = 2 and 4 and K = 8 is predicted; a class, which has no tau of
+    its own there, is judged by its measured speedup."""
+    port = free_port()
+    baseline = shlex.join(llama_server_command(ggufs["q4_1"], port))
+    speculative = shlex.join(llama_server_command(ggufs["q4_1"], port, draft=ggufs["dflash"], spec_type="draft-dflash", n_max="{k}"))
+    out = tmp_path / "tune"
+    code, output = cli("tune", "--engine", f"http://127.0.0.1:{port}", "--k", "0,2,4,8", "--fit-k", "2,4",
+                       "--launch-baseline", baseline, "--launch", speculative, *WORKLOAD, "--out", str(out))
+    assert code == 0, output
+    tune = json.loads((out / "tune.json").read_text())
+    assert [server.get("warning") for server in tune["servers"]] == [None] * 5, tune["servers"]
+    assert {server["acceptance_from"] for server in tune["servers"]} == {"/metrics counter deltas over the run (overall only)"}
+    overall = {cell["k"]: cell for cell in tune["cells"] if cell["scope"] == "overall"}
+    for k in (2, 4, 8):
+        assert 1.0 <= overall[k]["tau"] <= k + 1 and overall[k]["acceptance_from"] == "/metrics counter deltas"
+    assert tune["fits"]["1"]["fit_ks"] == [2, 4] and tune["fits"]["1"]["t_decode_s"] > 0
+    (held,) = [p for p in tune["prediction"] if p["held_out"] and p["scope"] == "overall"]
+    assert held["k"] == 8 and math.isfinite(held["speedup_relative_error"])
+    for scope in ("chat", "code", "math"):
+        reason = tune["recommendation"]["1"][scope]["reason"]
+        assert "was priced" not in reason and "K=" in reason, reason

@@ -320,7 +320,8 @@ def _speculation_off(reason: str) -> Recommendation:
 
 def _describe(row: SweepRow, pessimistic: bool) -> str:
     """'2.31x (tau 4.10)' plus the pessimistic speedup for strict classes and a truncation note."""
-    text = f"{_point_speedup(row):.2f}x (tau {row.mean_acceptance_length:.2f}"
+    tau = row.mean_acceptance_length
+    text = f"{_point_speedup(row):.2f}x (tau {'not reported' if tau is None else f'{tau:.2f}'}"
     if pessimistic:
         text += f"; {_pessimistic_speedup(row):.2f}x at the interval's low end"
     if row.estimate == "truncated":

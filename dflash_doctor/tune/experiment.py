@@ -105,15 +105,17 @@ def measure_grid(grid: TuneGrid, config: DoctorConfig, requests, run_dir: Path,
 
 
 def _server_facts(k: int, command: str | None, url: str, model: str | None, runs: list[LoadRun]) -> dict[str, Any]:
-    """What the engine itself said at this K: the K it drafts, and where the acceptance figures came from."""
-    reported = {timed.spec.num_spec_tokens for run in runs for timed in run.requests if timed.spec is not None}
-    per_request = any(timed.spec is not None for run in runs for timed in run.requests)
+    """What the engine itself said at this K: the K it drafts (vLLM says it per request; llama.cpp does not),
+    and where the acceptance figures came from (llama.cpp's responses count draft tokens but not steps)."""
+    specs = [timed.spec for run in runs for timed in run.requests if timed.spec is not None]
+    reported = {spec.num_spec_tokens for spec in specs if spec.num_spec_tokens is not None}
+    per_request = any(spec.num_drafts is not None for spec in specs)
     facts: dict[str, Any] = {"k": k, "url": url, "model": model, "launched": redact(command) if command else None,
-                             "engine_num_spec_tokens": sorted(x for x in reported if x is not None),
+                             "engine_num_spec_tokens": sorted(reported),
                              "acceptance_from": "per-request response metrics" if per_request else
                              "/metrics counter deltas over the run (overall only)" if any(r.counters for r in runs) else "none"}
     if k > 0 and reported and reported != {k}:
-        facts["warning"] = f"the server reports num_spec_tokens {sorted(x for x in reported if x is not None)}, not K={k}: check the launch command"
+        facts["warning"] = f"the server reports num_spec_tokens {sorted(reported)}, not K={k}: check the launch command"
     if k == 0 and any(r.counters and r.counters.num_drafts for r in runs):
         facts["warning"] = "the K=0 server drafted tokens: it is speculating; the baseline must run without a draft"
     return facts
