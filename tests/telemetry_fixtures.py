@@ -12,10 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import shutil
-import signal
-import subprocess
 import time
 import urllib.request
 from collections.abc import Sequence
@@ -26,7 +23,7 @@ from dflash_doctor.telemetry.observation import Observation
 from dflash_doctor.telemetry.record import WatchRecord
 from dflash_doctor.telemetry.verdict import Baseline, Judge, Thresholds
 from dflash_doctor.telemetry.watcher import Unit, Window
-from local_servers import QuietHandler, ThreadedServer, free_port, wait_until_answering
+from local_servers import EngineServer, QuietHandler, ThreadedServer, free_port, start_engine_server
 
 DATA = Path(__file__).parent / "data" / "telemetry"
 
@@ -53,7 +50,7 @@ class MetricsExporter(ThreadedServer):
 
 
 class PrometheusServer:
-    """The real Prometheus binary scraping ``targets`` every second; stopped by its pid."""
+    """The real Prometheus binary scraping ``targets`` every second, started and stopped as the engine servers are."""
 
     def __init__(self, targets: list[str], workdir: Path, *, scrape_interval: str = "1s"):
         self.binary = shutil.which("prometheus")
@@ -74,25 +71,17 @@ class PrometheusServer:
             f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn",
         ]
         self.log = workdir / "prometheus.log"
-        self.process: subprocess.Popen | None = None
+        self.server: EngineServer | None = None
 
     def __enter__(self) -> "PrometheusServer":
         if self.binary is None:
             raise RuntimeError("the prometheus binary is not on PATH; install Debian's package: apt-get install prometheus (.ci/run does)")
-        self.process = subprocess.Popen(self.command, stdout=self.log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
-        not_ready = wait_until_answering(f"{self.url}/-/ready", self.process, timeout_s=60)
-        if not_ready is not None:
-            raise RuntimeError(f"prometheus did not start: {not_ready}: {self.log.read_text()[-2000:]}")
+        self.server = start_engine_server("prometheus", self.command, self.url, "/-/ready", self.log, timeout_s=60)
         return self
 
     def __exit__(self, *exc) -> None:
-        if self.process is not None and self.process.poll() is None:
-            os.kill(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.kill(self.process.pid, signal.SIGKILL)
-                self.process.wait()
+        if self.server is not None:
+            self.server.stop()
 
     def query(self, promql: str) -> list[dict]:
         from urllib.parse import urlencode
