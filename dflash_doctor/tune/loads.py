@@ -11,8 +11,8 @@ once; ``max_concurrency`` caps the requests in flight (a late arrival waits for 
 serve --max-concurrency`` with a rate). The two differ only in when a request starts; the measuring is one path.
 
 Kept apart from :mod:`.measure` (which streams requests with the replay's turn limits, and so imports the
-engine and torch) because the views and the dashboard name load levels too, and a monitoring install must render a tune run without the
-model stack (tests/test_light_install.py).
+engine and torch) because the views and the dashboard name load levels too, and a monitoring install must
+render a tune run without the model stack (tests/test_light_install.py).
 """
 
 from __future__ import annotations

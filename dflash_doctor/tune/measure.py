@@ -26,7 +26,6 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any, Callable
 
-
 from dflash_doctor.errors import UsageError
 from dflash_doctor.inputs.config import DoctorConfig
 from dflash_doctor.inputs.workloads import Request, conversation_turns
