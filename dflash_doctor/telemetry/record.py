@@ -318,7 +318,8 @@ class WatchRecord:
         for row in dropped.to_pylist():
             if self._is_unexpired(row):
                 self._record_expired(SeriesKey(row["model"], row["class"]), _unit_counts(row), 1)
-        self.details["expired"]["through_s"] = through_s
+        previous = self.details["expired"]["through_s"]
+        self.details["expired"]["through_s"] = through_s if previous is None else max(previous, through_s)  # a cut never moves back
         write_run_json(self.run_dir, self.record.to_json())
 
     def close(self, now_s: float | None = None) -> None:
