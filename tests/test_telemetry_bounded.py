@@ -15,6 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dflash_doctor.rundir.load import load_run
+from dflash_doctor.telemetry import record
 from dflash_doctor.telemetry.record import read_units, read_windows
 from dflash_doctor.telemetry.session import WatchSession
 from dflash_doctor.telemetry.settings import WatchSettings
@@ -131,3 +132,21 @@ def test_units_already_in_the_expired_totals_are_not_counted_twice(tmp_path):
     session.close(through_s + 3600.0)
     overall = load_run(run_dir).record.summary.overall
     assert overall is not None and overall.num_drafts == 100 * 240
+
+
+def test_a_cut_that_drops_nothing_leaves_the_expired_totals_alone(tmp_path, monkeypatch):
+    """The first hourly cut of a two-hour retention finds no unit that old: run.json is written once per
+    poll as ever (not once more for the cut), and says nothing has expired yet."""
+    writes = []
+    real_write = record.write_run_json
+    monkeypatch.setattr(record, "write_run_json", lambda run_dir, data: (writes.append(1), real_write(run_dir, data)))
+    session = WatchSession([SyntheticCounters(RATES)], WatchSettings(window_s=300.0, interval_s=30.0, retain_s=7200.0),
+                           run_dir=tmp_path / "run", config={})
+    session.start(1_800_000_000.0)
+    writes.clear()
+    for poll in range(1, 131):  # the first cut comes an hour after the first poll
+        session.step(1_800_000_000.0 + 30.0 * poll)
+    assert pq.read_table(tmp_path / "run" / "units.parquet").num_rows > 0  # the cut was made
+    assert len(writes) == 130
+    assert load_run(tmp_path / "run").record.source.details["expired"] == {"through_s": None, "series": []}
+    session.close(1_800_000_000.0 + 30.0 * 130)

@@ -314,7 +314,10 @@ class WatchRecord:
 
     def _expire_units(self, dropped: pa.Table, through_s: float) -> None:
         """The units at or before ``through_s`` are about to leave the folder: their totals go into run.json
-        first, so a watch killed in between counts them once (see ``__init__``)."""
+        first, so a watch killed in between counts them once (see ``__init__``). A cut that drops nothing
+        leaves run.json alone: ``through_s`` only matters for units that were in the folder when it was made."""
+        if dropped.num_rows == 0:
+            return
         for row in dropped.to_pylist():
             if self._is_unexpired(row):
                 self._record_expired(SeriesKey(row["model"], row["class"]), _unit_counts(row), 1)
