@@ -81,7 +81,23 @@ def test_measure_costs_takes_the_median_after_warmup_with_sync_around_each_timin
     assert costs.t_draft_s == pytest.approx({1: 0.5, 4: 0.5})
     assert (costs.source, costs.device) == ("measured", "fake")
     assert calls["decode"] == 7
-    assert calls["sync"] == 5 * (1 + 2 * 5)  # after warm-up, then before and after each repeat
+    assert calls["sync"] == 1 + 2 * 5 * 5  # after warm-up, then before and after each of 5 steps x 5 repeats
+
+
+def test_a_busy_spell_of_the_machine_slows_every_step_alike():
+    """The machine runs 3x slower through the warm-up and the first two repeats (another process, a
+    thermal dip): timed round-robin, every step keeps its true cost, so no K looks cheaper than it is."""
+    now, calls = [0.0], [0]
+
+    def step(seconds: float) -> None:
+        calls[0] += 1
+        now[0] += seconds * (3.0 if calls[0] <= 5 * (2 + 2) else 1.0)  # 5 steps per round
+
+    costs = measure_costs(lambda: step(1.0), lambda k: step(1.0 + 0.1 * k), lambda k: step(0.5), ks=[1, 4],
+                          warmup=2, repeats=5, clock=lambda: now[0])
+    assert costs.t_decode_s == pytest.approx(1.0)
+    assert costs.t_verify_s == pytest.approx({1: 1.1, 4: 1.4})
+    assert costs.t_draft_s == pytest.approx({1: 0.5, 4: 0.5})
 
 
 # ----------------------------------------------------------------------------- cost profiles

@@ -60,7 +60,10 @@ def measure_costs(
     The closures must do one step's work and nothing else (inputs prepared outside). ``sync`` is called
     before starting and after stopping the clock (``torch.cuda.synchronize`` on a GPU, where kernels run
     asynchronously and the clock would otherwise time only the launch). Warm-up runs absorb one-off
-    costs (allocator growth, kernel autotuning, lazy init); the median resists a stray slow repeat.
+    costs (allocator growth, kernel autotuning, lazy init); the median resists a stray slow repeat. The
+    steps are timed round-robin (every step once per repeat), so a busy spell of the machine slows every
+    step alike instead of one K's: the speedup is a ratio of these times, and a spell that hit only the
+    K = 8 verify used to make K = 8 look best.
     Measure a few K (e.g. 1, 2, 4, 8, 16): :class:`StepCosts` interpolates between them.
     """
     ks = sorted(set(int(k) for k in ks))
@@ -69,24 +72,26 @@ def measure_costs(
     if warmup < 0 or repeats < 1:
         raise ValueError(f"need warmup >= 0 and repeats >= 1, got {warmup}, {repeats}")
     synchronize = sync or (lambda: None)
-
-    def median_seconds(step: Callable[[], None]) -> float:
-        for _ in range(warmup):
+    steps: dict[tuple[str, int], Callable[[], None]] = {("decode", 0): decode_step}
+    steps.update({("verify", k): (lambda k=k: verify_step(k)) for k in ks})
+    steps.update({("draft", k): (lambda k=k: draft_step(k)) for k in ks})
+    for _ in range(warmup):
+        for step in steps.values():
             step()
-        synchronize()
-        durations_s = []
-        for _ in range(repeats):
+    synchronize()
+    durations_s: dict[tuple[str, int], list[float]] = {name: [] for name in steps}
+    for _ in range(repeats):
+        for name, step in steps.items():
             synchronize()
             start = clock()
             step()
             synchronize()
-            durations_s.append(clock() - start)
-        return statistics.median(durations_s)
-
+            durations_s[name].append(clock() - start)
+    median_s = {name: statistics.median(times) for name, times in durations_s.items()}
     return StepCosts(
-        t_decode_s=median_seconds(decode_step),
-        t_verify_s={k: median_seconds(lambda k=k: verify_step(k)) for k in ks},
-        t_draft_s={k: median_seconds(lambda k=k: draft_step(k)) for k in ks},
+        t_decode_s=median_s[("decode", 0)],
+        t_verify_s={k: median_s[("verify", k)] for k in ks},
+        t_draft_s={k: median_s[("draft", k)] for k in ks},
         source="measured",
         device=device,
     )
