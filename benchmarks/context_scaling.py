@@ -1,5 +1,5 @@
 """Peak GPU memory and analysed tokens/s of the teacher-forced pass per context length, with and without
-divergence records (issue 32), on a Qwen3-8B-shaped target (``--target qwen3.5-9b``: a Qwen3.5-9B-shaped
+divergence records, on a Qwen3-8B-shaped target (``--target qwen3.5-9b``: a Qwen3.5-9B-shaped
 hybrid, three gated-delta-net layers to one attention layer, run through the engine's rollback cache) and a
 DFlash-b16 draft (random bf16 weights built from configs by benchmarks/gpu_engine.py, no download).
 

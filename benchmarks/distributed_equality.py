@@ -1,4 +1,4 @@
-"""The distributed paths of the real CLI on tiny saved models, against one process (issue 17).
+"""The distributed paths of the real CLI on tiny saved models, against one process.
 
 Runs ``sweep`` three ways on the same requests and compares the run directories:
 one process on the first device; ``--devices A,B`` (the torchrun launcher, one rank per device); and

@@ -1,4 +1,4 @@
-"""Scaling the teacher-forced analysis over GPUs (issue 17), with random bf16 weights built from configs.
+"""Scaling the teacher-forced analysis over GPUs, with random bf16 weights built from configs.
 
 1. ``data-parallel`` (run it under torchrun): every rank builds a Qwen3-8B-shaped target and a
    DFlash-b16-shaped draft on its GPU, replays its share of the requests (by expected work) through
@@ -207,7 +207,7 @@ def placed(args, tokenizer, dtype) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="Scaling the teacher-forced analysis over GPUs (issue 17).")
+    parser = argparse.ArgumentParser(description="Scaling the teacher-forced analysis over GPUs.")
     parser.add_argument("mode", choices=("data-parallel", "placed", "ratio"))
     parser.add_argument("files", nargs="*", help="ratio: the 1-GPU and the 2-GPU --json files")
     parser.add_argument("--tokenizer", default=str(Path.home() / ".cache/dflash-doctor/test-tokenizers/qwen3"))

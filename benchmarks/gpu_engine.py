@@ -1,6 +1,6 @@
 """GPU figures for the engine on a Qwen3-8B-shaped target and a DFlash-b16-shaped draft (random bf16 weights
-built from configs, no download), measured so that two runs agree (issue 19). ``--target`` picks another
-target shape (issue 26): a Qwen3.5-9B-shaped hybrid (three gated-delta-net layers to one attention layer;
+built from configs, no download), measured so that two runs agree. ``--target`` picks another
+target shape: a Qwen3.5-9B-shaped hybrid (three gated-delta-net layers to one attention layer;
 a rejected draft costs a restore and a re-run of the kept tokens, engine/cache.py) or a gpt-oss-20b-shaped
 MoE with attention sinks and sliding windows (eager attention, as transformers requires).
 

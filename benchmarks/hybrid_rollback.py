@@ -1,5 +1,5 @@
 """What rolling back a hybrid target costs per speculative step, side by side with a full-attention target
-of the same size (issue 26). Random weights built from configs, no download.
+of the same size. Random weights built from configs, no download.
 
 Two targets of one shape: a Qwen3.5-shaped hybrid (three gated-delta-net layers to one attention layer)
 and a Qwen3-shaped full-attention model with the same hidden size, depth and MLP. One step is a verify

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/llamacpp_gap.py embedded=runs/embedded vllm=runs/vllm llama-q4_1=runs/llama ...
 
 The first run is the reference. For each run: tau (bonus included; every engine's figures converted to
-vLLM's definition, ENGINES.md section 0) with its 95% bootstrap interval per class, the mean draft length
+vLLM's definition, docs/definitions.md) with its 95% bootstrap interval per class, the mean draft length
 (draft tokens / verify steps: n-max and the tail convention), and against the reference, turn by turn:
 the share of turns whose prompt has the same number of tokens (chat template and tokeniser) and whose
 output text is identical (same greedy text: same target numerics, or kernels that part only at near-ties).

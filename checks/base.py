@@ -232,7 +232,7 @@ def run_one(check: Check, ctx: CheckContext) -> CheckResult:
 
 
 def exit_code(results: Iterable[CheckResult], fail_on: str = "fail") -> int:
-    """DESIGN.md exit codes from :func:`overall_status`: 1 when the verdict is ``fail`` or ``error`` (or
+    """The exit codes (docs/user-guide.md#exit-codes) from :func:`overall_status`: 1 when the verdict is ``fail`` or ``error`` (or
     ``warn`` with ``fail_on="warn"``), else 0."""
     bad = {Status.FAIL, Status.ERROR} | ({Status.WARN} if fail_on == "warn" else set())
     return 1 if overall_status(r.status for r in results) in bad else 0

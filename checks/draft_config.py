@@ -1,14 +1,14 @@
 """draft-config: does a DFlash draft's config.json fit the target it is served with?
 
 A DFlash draft borrows the target's embedding and LM head and reads hidden states of chosen target
-layers (REFERENCE.md section 1), so its ``hidden_size``, ``fc`` width (len(target_layer_ids) x hidden),
+layers (docs/draft-formats.md), so its ``hidden_size``, ``fc`` width (len(target_layer_ids) x hidden),
 layer ids, RoPE settings and mask id are only meaningful relative to one target. A mismatch often loads
 without an error and silently drafts garbage. The offset probe (fed by the engine through
 ``ctx.record.probes.offset_probe``) catches the classic off-by-one in layer ids (vLLM PR #42704,
 llama.cpp #25792): if reading layer l - 1 or l + 1 gives clearly better acceptance, the ids are shifted.
 
 Every config dialect is first normalised (:mod:`dflash_doctor.models.draft_formats`; an unreadable config fails
-here with the loader's sentence), then the variant rules of issue 12 apply: causal training vs how the
+here with the loader's sentence), then the variant rules apply: causal training vs how the
 engine will attend, layer ids written in another dialect's convention, a mask id that is an ordinary
 special token, a draft that ships its own lm_head / embeddings, and the draft sampling method.
 """
@@ -315,7 +315,7 @@ def variant_findings(ctx: CheckContext, raw: dict[str, Any], normalised) -> list
     return findings
 
 
-#: Tokens each engine drafts per step for a DFlash block of B (REFERENCE.md section 1, ENGINES.md section 8): the
+#: Tokens each engine drafts per step for a DFlash block of B (docs/engines.md#how-each-engine-counts-k): the
 #: setting and the value that uses the whole block, and the engine's default.
 _FULL_BLOCK_SETTINGS = (
     ("vLLM", "speculative_config.num_speculative_tokens", "B - 1", "none (required)"),

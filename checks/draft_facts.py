@@ -1,4 +1,4 @@
-"""Read the few DFlash facts several checks need from a draft's ``config.json`` (REFERENCE.md section 1).
+"""Read the few DFlash facts several checks need from a draft's ``config.json`` (docs/draft-formats.md).
 
 Checkpoints disagree on where things live: older ones keep ``block_size`` at the top level and the mask
 in ``dflash_config``; DFlash2 may move ``block_size`` into ``dflash_config``. These helpers look in both

@@ -1,6 +1,6 @@
 """lossless: does speculative decoding reproduce plain greedy decoding token for token?
 
-At temperature 0 a correct engine is lossless (DESIGN.md): every committed token is the target's own
+At temperature 0 a correct engine is lossless (docs/definitions.md): every committed token is the target's own
 argmax, so the output equals plain decoding. A divergence means the engine changes what the model says,
 which no speedup justifies. One honest exception: in bfloat16 / float16 the batched verify pass and a
 single-token decode step round differently, so where the target's top two tokens are nearly tied the

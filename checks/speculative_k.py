@@ -1,7 +1,7 @@
 """speculative-k: is the configured number of drafted tokens K one that pays?
 
 Every drafted token is verified by the target whether it is accepted or not, so a K past the point
-where drafts are still accepted only adds verify and draft work (REFERENCE.md: vLLM
+where drafts are still accepted only adds verify and draft work (docs/engines.md: vLLM
 ``num_speculative_tokens``, SGLang ``--speculative-num-draft-tokens`` = K + 1). A served K is often
 copied from a model card (15 for a block of 16) rather than measured on the actual traffic; a K sweep
 (run.json ``summary.sweep``) prices every K per class, and the per-position acceptance rates show when

@@ -77,7 +77,7 @@ def prefill_rows_per_forward(device: torch.device) -> int:
     numbers batch-1 decoding gives. A GPU is bound by kernel launches at this model size: prefilling
     2,048 prompts (36-380 tokens, SmolLM2-135M shape, bf16) one by one took 57 s on an H200, and the
     same prompts sorted by length in padded forwards of 256 took 2.9 s; one by one, prefill was most of
-    `train-draft`'s data generation there (issue 16: about 12 minutes instead of 6 for its 25,884 answers).
+    `train-draft`'s data generation there (about 12 minutes instead of 6 for its 25,884 answers; docs/benchmarks.md).
     """
     return 1 if device.type == "cpu" else 256
 

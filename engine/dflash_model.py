@@ -32,7 +32,7 @@ from dflash_doctor.errors import UsageError
 
 
 def default_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]:
-    """The official z-lab formula for layer ids (``dflash`` 0.1.0 ``build_target_layer_ids``, REFERENCE.md section 1):
+    """The official z-lab formula for layer ids (``dflash`` 0.1.0 ``build_target_layer_ids``, docs/draft-formats.md):
     train-draft's default and what engines guess for a config without ids (draft_formats.engine_layer_id_guesses).
 
     One tap -> the middle layer; n taps -> evenly spread from layer 1 to ``L - 3``
@@ -121,7 +121,7 @@ class DFlashConfig:
         required = ["hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"]
         missing = [k for k in required if k not in raw]
         if missing:
-            raise UsageError(f"{source} lacks {', '.join(missing)}; a DFlash draft config needs the Qwen3 keys (see REFERENCE.md section 1).")
+            raise UsageError(f"{source} lacks {', '.join(missing)}; a DFlash draft config needs the Qwen3 keys (see docs/draft-formats.md).")
         block_size = raw.get("block_size", dflash.get("block_size"))
         if block_size is None:
             raise UsageError(f"{source} has no block_size (top-level or in dflash_config), and engines default differently (official dflash "

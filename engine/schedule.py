@@ -39,7 +39,7 @@ def cut_at_stop(accepted: Iterable[int], stop_ids: frozenset[int]) -> int | None
 # ---------------------------------------------------------------------------------------------------
 # The end of a request: the engine's convention
 #
-# Two loops agree step for step everywhere except at the end of a request (issue 12, measured on the demo
+# Two loops agree step for step everywhere except at the end of a request (measured on the demo
 # pair: equal outputs, equal acceptance on every full-block step, different figures on the last ones):
 #
 # * ``vllm`` (vLLM and SGLang, and this tool by default): every step drafts a full block of K; verification

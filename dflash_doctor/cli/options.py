@@ -1,4 +1,4 @@
-"""Shared CLI flags (DESIGN.md "Shared flags"), declared once; :func:`config_command` gives a command the
+"""Shared CLI flags (docs/user-guide.md#shared-flags), declared once; :func:`config_command` gives a command the
 ones it takes.
 
 Every flag that is a :class:`~dflash_doctor.inputs.config.DoctorConfig` field defaults to None, so that

@@ -1,7 +1,7 @@
 """`dflash-doctor tokenizers A B`, `templates A B` and `env`: one check each, fast, no model weights.
 
 A is the target (what the server runs), B the draft. Each prints the check table and exits 0 on
-pass/warn, 1 on fail (or on a warning with --fail-on warn), 2 on bad input (DESIGN.md).
+pass/warn, 1 on fail (or on a warning with --fail-on warn), 2 on bad input (docs/user-guide.md#exit-codes).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ Thinking = Optional[bool]
 
 
 def _finish(ctx: CheckContext, check_id: str, fail_on: str, params: dict | None = None) -> None:
-    """Run one check, print the table, exit with the DESIGN.md code."""
+    """Run one check, print the table, exit with the documented code (docs/user-guide.md#exit-codes)."""
     results = run_checks(ctx, only=[check_id], params={check_id: params or {}})
     print_check_results(results, Console())
     raise typer.Exit(exit_code(results, fail_on))

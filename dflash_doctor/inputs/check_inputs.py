@@ -2,7 +2,7 @@
 
 An argument is a model or tokenizer directory, a ``tokenizer.json``, a ``.gguf`` file (its embedded
 tokenizer and template) or, for templates, a ``.jinja`` file. Nothing is downloaded and no repository
-code runs (``trust_remote_code`` stays off, DESIGN.md).
+code runs (``trust_remote_code`` stays off: a config is data, never code).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ text for SGLang (``--speculative-num-draft-tokens 16 --attention-backend fa3``),
 Everything is normalised into one dict so the rules in rules.toml can ask about K and attention backends
 without caring which engine wrote them.
 
-The engines count K differently (REFERENCE.md section 1): vLLM's ``num_speculative_tokens`` is the
+The engines count K differently (docs/engines.md#how-each-engine-counts-k): vLLM's ``num_speculative_tokens`` is the
 number of drafted tokens (B - 1 for a DFlash block of B), SGLang's ``--speculative-num-draft-tokens``
 counts the block including its root (B), llama.cpp's ``--spec-draft-n-max`` counts drafted tokens like
 vLLM but defaults to 3 (common/common.h) and is clamped to B - 1 for DFlash (common/speculative.cpp).

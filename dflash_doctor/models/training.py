@@ -220,7 +220,7 @@ def _special_ids(target_config: Any, tokenizer: Any = None) -> set[int]:
 
 
 def validate_mask_token_id(mask_token_id: int, target_config: Any, tokenizer: Any = None) -> None:
-    """The mask must be a real embedding row (< vocab) that is not bos/eos/pad/unk (REFERENCE.md section 1)."""
+    """The mask must be a real embedding row (< vocab) that is not bos/eos/pad/unk (docs/draft-formats.md)."""
     vocab = target_config.vocab_size
     if not 0 <= mask_token_id < vocab:
         raise UsageError(f"--mask-token-id {mask_token_id} is outside the target vocabulary (0..{vocab - 1}); pick a reserved token id.")

@@ -3,7 +3,7 @@
 * :func:`lossless_probe`: the live speculative loop must reproduce the target's own unbatched greedy
   decoding token for token; the first divergence is reported with the target's top-2 logit margin.
 * :func:`layer_offset_probe`: acceptance length with the draft's target layer ids shifted by -1, 0, +1
-  (REFERENCE.md section 1); only for draft kinds that read target layers (declared in the draft-kind registry).
+  (docs/draft-formats.md); only for draft kinds that read target layers (declared in the draft-kind registry).
 
 Both reuse the prompts and the target's answers of the replay's first turns: nothing is re-encoded or
 read back from the run directory.
@@ -85,8 +85,8 @@ def layer_offset_probe(pair: Pair, turns: Sequence[Turn],
     means the configured ids are off by one (vLLM PR #42704, llama.cpp #25792). Every anchor, not only
     the ~1/tau of them a live schedule drafts from: the teacher-forced table holds every anchor's run
     anyway, the offsets are compared at the same anchors, and a good draft reads neighbouring layers
-    almost as well as its own, so a short run needs the larger sample to tell them apart (the demo draft
-    of issue 16: offsets -1 and 0 tied at 1.90 over the schedule of 3 requests x 64 tokens).
+    almost as well as its own, so a short run needs the larger sample to tell them apart (an earlier demo
+    draft: offsets -1 and 0 tied at 1.90 over the schedule of 3 requests x 64 tokens).
 
     One target forward per turn taps every layer the three offsets read (each offset's features are
     columns of it, the same numbers a forward of its own would give). ``matches_at_zero``: the replay's

@@ -1,6 +1,6 @@
 """Reproducible failure scenarios on the real demo pair (``dflash-doctor check --scenario NAME``).
 
-Each scenario reproduces a real incident (REFERENCE.md section 2) by changing ONE thing in how the demo
+Each scenario reproduces a real incident (docs/troubleshooting.md#why-drafts-get-rejected) by changing ONE thing in how the demo
 pair is served, so a newcomer can see what the doctor reports for it and a test can assert that the
 checks name the cause and the fix.
 """

@@ -11,7 +11,7 @@ summary overall + by class + sweep, recommendation, checks, probes); :meth:`RunR
 * ``serving-engine``: a running vLLM / SGLang server answered the requests (``--engine URL``);
 * ``telemetry``: production counters were read from a serving engine (``watch``).
 
-Numbers follow ENGINES.md section 0 (vLLM's definitions); NaN is written as null.
+Numbers follow vLLM's definitions (docs/definitions.md); NaN is written as null.
 """
 
 from __future__ import annotations

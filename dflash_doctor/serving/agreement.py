@@ -88,7 +88,7 @@ def serving_setups(draft_causal: bool, num_draft_layers: int) -> list[ServingSet
         ServingSetup("target_layer_ids - 1", layer_offset=-1,
                      cause="the server feeds the draft the target layers one below its target_layer_ids",
                      fix="serve the draft's own target_layer_ids (0-based layer outputs, HF hidden_states[l + 1]); "
-                         "a converted or speculators-format config may store them shifted (REFERENCE.md section 1)"),
+                         "a converted or speculators-format config may store them shifted (docs/draft-formats.md)"),
         ServingSetup("target_layer_ids + 1", layer_offset=+1,
                      cause="the server feeds the draft the target layers one above its target_layer_ids",
                      fix="serve the draft's own target_layer_ids (0-based layer outputs); check the served "

@@ -5,7 +5,7 @@ around one request on an otherwise idle server give that request's figures. A sc
 exposition parser and engine readers as ``watch`` (``telemetry/``): vLLM's
 ``vllm:spec_decode_num_drafts_total``, ``..._num_draft_tokens_total``, ``..._num_accepted_tokens_total``
 and ``..._num_accepted_tokens_per_pos_total{position="i"}``, llama.cpp's same names under ``llamacpp:``
-(ENGINES.md sections 1a, 3); series of the served model only (``model_name``), summed over their other
+(docs/engines.md); series of the served model only (``model_name``), summed over their other
 labels (vLLM's ``engine`` index in data-parallel mode); a counter that went down between the two scrapes
 is a server restart, not a negative count.
 """

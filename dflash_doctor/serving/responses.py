@@ -2,11 +2,11 @@
 response body. ``serving/`` (``check --engine``) and ``telemetry/`` (``watch`` over captured responses)
 both read bodies through :func:`parse_response`, so one body gives one answer.
 
-Each engine reports acceptance in its own fields and with its own definitions (shared/ENGINES.md
-section 0). Everything here converts to vLLM's, the project's: a *draft* is one verify step that carried
+Each engine reports acceptance in its own fields and with its own definitions (docs/definitions.md).
+Everything here converts to vLLM's, the project's: a *draft* is one verify step that carried
 draft tokens, ``num_accepted_tokens`` excludes the bonus token, and ``tau = 1 + accepted / drafts``.
 
-* vLLM (``--per-request-spec-decode-metrics summary|detailed``, ENGINES.md section 1c): top-level
+* vLLM (``--per-request-spec-decode-metrics summary|detailed``, docs/engines.md): top-level
   ``metrics.speculative_decoding`` with the acceptance histogram (index j = verify steps that accepted
   exactly j drafts) and, when ``detailed``, ``per_step_accepted`` / ``per_step_drafted`` in step order.
   The histogram determines the step and accepted counts exactly, so a body without

@@ -1,6 +1,6 @@
 """Acceptance metrics over the ``steps`` table, named and defined as vLLM defines them.
 
-Every number in run.json ``summary`` comes from :func:`summarize`. The conventions (REFERENCE.md §3):
+Every number in run.json ``summary`` comes from :func:`summarize`. The conventions (docs/definitions.md):
 
 * ``num_drafts``: steps that drafted at least one token (plain decode steps, ``num_drafted == 0``, emit
   an output token but are not drafts); ``num_draft_tokens``: tokens drafted; ``num_accepted_tokens``:

@@ -1,4 +1,4 @@
-"""One reader per engine: its Prometheus metric names mapped onto :class:`SpecCounts` (shared/ENGINES.md).
+"""One reader per engine: its Prometheus metric names mapped onto :class:`SpecCounts` (docs/engines.md).
 
 Every reader works by metric name and label, never by line order, and groups series by the model label
 (``model_name``; llama.cpp has none, so the source's own name is used) and, when asked, by a request-class
@@ -18,8 +18,8 @@ What each engine gives, and how it becomes vLLM's definitions:
 * **SGLang** (srt/observability/metrics_collector.py): no draft-token counters; ``spec_verify_calls_total``
   counts verify forwards (= drafts) and ``generation_tokens_total`` output tokens, so tau is SGLang's own
   ``generated / verify calls``, which counts each request's first (prefill) token as accepted: biased up
-  for short outputs (ENGINES.md section 0). Its gauges ``spec_accept_length`` / ``spec_accept_rate`` are
-  averages since the server started (ENGINES.md section 8), reported beside the counts with the model's
+  for short outputs (docs/definitions.md). Its gauges ``spec_accept_length`` / ``spec_accept_rate`` are
+  averages since the server started (docs/engines.md), reported beside the counts with the model's
   verify calls as their weight, so the watcher can take the average over each interval from their change.
 """
 

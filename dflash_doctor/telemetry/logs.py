@@ -1,7 +1,7 @@
 """Parsers for the speculative-decoding lines engines write to their logs, one per engine.
 
 Every parser reads fields by their key (``Accepted: N tokens``), never by position: vLLM reordered the
-fields of its line between versions (shared/ENGINES.md 1b). A line without the engine's marker is
+fields of its line between versions (docs/engines.md). A line without the engine's marker is
 ignored (logs are mostly other things); a line WITH the marker that does not parse is counted in
 :class:`ParseProblems` and reported, never fatal. The format strings each parser follows, with the
 source files they come from, are cited in tests/test_telemetry_logs.py.

@@ -9,7 +9,7 @@ Rules (each alert says which one fired, with the numbers):
   verdict ("too few drafts"), since a handful of drafts says nothing.
 * ``drafting-stopped``: output tokens were generated but no draft was counted (the counters froze or
   vanished) after this series had drafted before - a draft that fell over, a config reload without
-  speculation, or a version whose counters broke (ENGINES.md: a zero counter with drafting enabled).
+  speculation, or a version whose counters broke (docs/engines.md: a zero counter with drafting enabled).
 * ``k-changed``: the number of draft positions differs from the previous window's (or from the
   baseline's / the engine's configured K): someone changed ``num_speculative_tokens``.
 * ``fallback``: with step costs (a baseline sweep's ``summary.sweep.costs`` or ``--cost-profile``) the

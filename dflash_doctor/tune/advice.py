@@ -16,7 +16,7 @@ K differs is named, to route or to accept):
   it; K may be 0); for request rates, which are not batch sizes, the differing K is stated with the advice
   to measure concurrency levels for the ranges; speculation off at every load is "drop --speculative-config".
 * SGLang (DFLASH): ``--speculative-num-draft-tokens K + 1`` (SGLang counts the block's anchor); its
-  batch-size tiers (``--speculative-adaptive``) are EAGLE/EAGLE3 only (ENGINES.md 2d), so differing K
+  batch-size tiers (``--speculative-adaptive``) are EAGLE/EAGLE3 only (docs/engines.md), so differing K
   across loads is stated, not configured.
 * llama.cpp: ``--spec-draft-n-max K``; off is "restart without -md / --spec-type".
 """
