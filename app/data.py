@@ -20,14 +20,14 @@ import numpy as np
 import pandas as pd
 
 from dflash_doctor.errors import UsageError
-from dflash_doctor.rundir.record import OVERALL
+from dflash_doctor.rundir.run_record import OVERALL
 from dflash_doctor.stats.metrics import NUM_BOOTSTRAP_RESAMPLES, bootstrap_ratio, group_rng, interval, summarize, summary_group
-from dflash_doctor.rundir.record import Recommendation, RunRecord, Summary, Sweep
+from dflash_doctor.rundir.run_record import Recommendation, RunRecord, Summary, Sweep
 from dflash_doctor.rundir.load import read_run_meta
 from dflash_doctor.rundir.tables import RUN_JSON, TABLES, TUNE_JSON
 from dflash_doctor.rundir.writer import run_data_files
 from dflash_doctor.rundir.status import STATUS_RANK, VERDICT_NONE, CheckResult, overall_status, status_counts
-from dflash_doctor.telemetry.record import UNITS_FILE, WINDOWS_FILE
+from dflash_doctor.telemetry.watch_record import UNITS_FILE, WINDOWS_FILE
 
 if TYPE_CHECKING:
     from pandas.io.formats.style_render import ExtFormatter

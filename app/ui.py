@@ -15,12 +15,12 @@ from pathlib import Path
 import pandas as pd
 import streamlit as st
 
-from dflash_doctor.report import compare
+from dflash_doctor.report import comparison
 from dflash_doctor.stats import deviations
 from dflash_doctor.stats.gate import Comparison
 from dflash_doctor.app import RUNS_DIR_ENV, data
 from dflash_doctor.errors import UsageError
-from dflash_doctor.rundir.record import Summary
+from dflash_doctor.rundir.run_record import Summary
 from dflash_doctor.report.content import incomplete_note
 from dflash_doctor.report.sanitize import for_markdown_text
 from dflash_doctor.rundir.load import Run, load_run
@@ -199,7 +199,7 @@ def comparison(base_path: str, base_mtime_ns: int, new_path: str, new_mtime_ns: 
     """`dflash-doctor compare` of two runs (same rule and bootstrap), cached per pair and thresholds."""
     base = _load(base_path, base_mtime_ns, ("requests", "steps", "tokens"))  # tokens: the patterns that grew
     new = _load(new_path, new_mtime_ns, ("requests", "steps", "tokens"))
-    return compare.compare_runs(base, new, threshold_tau=threshold_tau, threshold_rate=threshold_rate)
+    return comparison.compare_runs(base, new, threshold_tau=threshold_tau, threshold_rate=threshold_rate)
 
 
 @st.cache_resource(show_spinner="Finding rejection patterns…", max_entries=4)

@@ -45,9 +45,9 @@ from dflash_doctor.engine.dflash_model import DFlashConfig, DFlashDraftModel, ro
 from dflash_doctor.engine.target import TargetModel
 from dflash_doctor.stats.metrics import summarize
 from dflash_doctor.models.pair import Pair, stop_ids_of
-from dflash_doctor.rundir.record import ModelInfo
+from dflash_doctor.rundir.run_record import ModelInfo
 from dflash_doctor.replay.stream import replay_teacher
-from dflash_doctor.rundir.record import RunMeta, RunRecord
+from dflash_doctor.rundir.run_record import RunMeta, RunRecord
 from dflash_doctor.rundir.writer import RunWriter, utc_now
 from dflash_doctor.inputs.workloads import Request
 

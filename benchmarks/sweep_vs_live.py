@@ -23,7 +23,7 @@ import torch
 from dflash_doctor.engine.live import plain_generate, speculative_generate
 from dflash_doctor.engine.proposers.autoregressive import AutoregressiveProposer
 from dflash_doctor.engine.target import TargetModel
-from dflash_doctor.engine.records import StepRecord
+from dflash_doctor.engine.step_records import StepRecord
 from dflash_doctor.engine.teacher import TeacherSequence, slot_table, token_rows, walk_schedule
 from dflash_doctor.engine.batched import generate_greedy_batch
 from engine_overhead import demo_prompts, load_smollm2_pair

@@ -13,7 +13,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 from dflash_doctor.checks.base import Check, CheckContext, CheckResult, Finding, register, skipped
-from dflash_doctor.rundir.record import OVERALL, Metrics, Summary
+from dflash_doctor.rundir.run_record import OVERALL, Metrics, Summary
 
 
 @register

@@ -4,7 +4,7 @@ Acceptance can collapse with nothing wrong in the models: a draft attention back
 DFlash's non-causal block attention, K counted in the other engine's convention, a kernel bug under CUDA
 graphs, a transformers release that reads the draft's config differently. Those facts are collected here
 and matched against ``rules.toml``, a data file of known incompatibilities with their source threads
-(docs/draft-formats.md, docs/troubleshooting.md). :func:`dflash_doctor.inputs.environment.collect_environment` collects them (run.json ``environment``).
+(docs/draft-formats.md, docs/troubleshooting.md). :func:`dflash_doctor.inputs.machine.collect_environment` collects them (run.json ``environment``).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ at a logit of 0.5 the same spacing is 0.002). A fixed margin in logits cannot te
 finding says which was found: the margin, the logit size and the dtype's spacing there. In float32 every
 divergence fails, as before.
 
-Input: ``ctx.record.probes.lossless`` (:class:`~dflash_doctor.rundir.record.LosslessProbe`); absent when
+Input: ``ctx.record.probes.lossless`` (:class:`~dflash_doctor.rundir.run_record.LosslessProbe`); absent when
 no speculative-vs-plain comparison ran (sampling, ``--engine`` without a local pair), which skips the check.
 """
 
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash_doctor.checks.base import Check, CheckContext, CheckResult, Finding, Need, register, skipped
-from dflash_doctor.rundir.record import Divergence, LosslessProbe
+from dflash_doctor.rundir.run_record import Divergence, LosslessProbe
 
 _EXACT_DTYPE = "float32"
 _REDUCED_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}

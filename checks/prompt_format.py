@@ -6,7 +6,7 @@ completions endpoint, a client that skips ``apply_chat_template``), the context 
 training and acceptance drops for every request although every component is "correct". A mix of raw
 and templated prompts halves the damage and hides it in averages.
 
-Inputs: ``ctx.record.probes.prompt_format`` (:class:`~dflash_doctor.rundir.record.PromptFormat`, the counts of
+Inputs: ``ctx.record.probes.prompt_format`` (:class:`~dflash_doctor.rundir.run_record.PromptFormat`, the counts of
 raw and templated prompts; a run without them skips the check) and ``ctx.draft_training_template`` (the
 template the draft was trained with, None when not recorded).
 """
@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dflash_doctor.checks.base import Check, CheckContext, CheckResult, Finding, Need, register, skipped
-from dflash_doctor.rundir.record import PromptFormat
+from dflash_doctor.rundir.run_record import PromptFormat
 
 _FIX = "apply the tokenizer's chat template (use the chat endpoint / apply_chat_template), or train the draft on raw prompts"
 

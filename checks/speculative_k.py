@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dflash_doctor.checks.base import Check, CheckContext, CheckResult, Finding, config_value, register, skipped
-from dflash_doctor.rundir.record import OVERALL, Metrics, Recommendation, RunRecord
+from dflash_doctor.rundir.run_record import OVERALL, Metrics, Recommendation, RunRecord
 from dflash_doctor.stats.speedup import best_speedup, k_that_pays, priced_speedups
 
 

@@ -25,7 +25,7 @@ from dflash_doctor.checks.draft_config import read_safetensors_shapes
 from dflash_doctor.engine.schedule import end_of_request
 from dflash_doctor.errors import UsageError
 from dflash_doctor.inputs.config import DoctorConfig
-from dflash_doctor.inputs.environment import collect_environment
+from dflash_doctor.inputs.machine import collect_environment
 from dflash_doctor.inputs.workloads import Request, load_workload
 from dflash_doctor.models.loading import weights_fingerprint
 from dflash_doctor.models.pair import Pair, load_pair
@@ -34,14 +34,14 @@ from dflash_doctor.replay.probes import layer_offset_probe, lossless_probe, prob
 from dflash_doctor.replay.stream import Replay, replay_live, replay_teacher
 from dflash_doctor.report import render_reports
 from dflash_doctor.rundir.load import Run
-from dflash_doctor.rundir.record import Probes, PromptFormat, RunMeta, RunRecord
+from dflash_doctor.rundir.run_record import Probes, PromptFormat, RunMeta, RunRecord
 from dflash_doctor.rundir.tables import TABLES, read_table_or_empty
 from dflash_doctor.rundir.ownership import claim_run_dir
 from dflash_doctor.rundir.writer import RunWriter, utc_now
 from dflash_doctor.serving.agreement import compare_with_embedded
 from dflash_doctor.serving.client import EngineEndpoint, resolve_model, served_model_file
-from dflash_doctor.serving.engine_settings import engine_settings
-from dflash_doctor.serving.engine_run import measure_engine, start_engine_record
+from dflash_doctor.serving.server_settings import engine_settings
+from dflash_doctor.serving.server_run import measure_engine, start_engine_record
 from dflash_doctor.stages import stage
 from dflash_doctor.stats import deviations
 from dflash_doctor.stats.metrics import summarize
@@ -206,7 +206,7 @@ def run_engine_check(config: DoctorConfig, *, only: Sequence[str] = (), skip: Se
 
     1. Bad input fails before anything is sent: the URL, the server's reachability and model name, and a
        local pair when one is named.
-    2. The workload goes to the server (:mod:`dflash_doctor.serving.engine_run`); its own figures become
+    2. The workload goes to the server (:mod:`dflash_doctor.serving.server_run`); its own figures become
        the run directory.
     3. With a local pair (``--target`` / ``--draft``), the embedded engine replays the same turns
        (:mod:`dflash_doctor.serving.agreement`, stored as ``probes.engine_agreement``) and the

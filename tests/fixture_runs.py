@@ -26,9 +26,9 @@ import pandas as pd
 from dflash_doctor.stats.deviations import categorize
 from dflash_doctor.stats.metrics import summarize, truncate_steps
 from dflash_doctor.rundir.tables import REQUESTS_SCHEMA, STEPS_SCHEMA
-from dflash_doctor.rundir.record import RunMeta, RunRecord
+from dflash_doctor.rundir.run_record import RunMeta, RunRecord
 from dflash_doctor.rundir.writer import RunWriter, utc_now
-from dflash_doctor.rundir.record import StepCosts
+from dflash_doctor.rundir.run_record import StepCosts
 from dflash_doctor.stats.speedup import build_sweep, recommend
 
 HOSTILE_TOKEN_TEXT = "<script>alert(1)</script>"

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from dflash_doctor.telemetry.counts import SeriesKey, SpecCounts
 from dflash_doctor.telemetry.observation import Observation
-from dflash_doctor.telemetry.record import WatchRecord
+from dflash_doctor.telemetry.watch_record import WatchRecord
 from dflash_doctor.telemetry.verdict import Baseline, Judge, Thresholds
 from dflash_doctor.telemetry.watcher import Unit, Window
 from local_servers import EngineServer, QuietHandler, ThreadedServer, free_port, start_engine_server

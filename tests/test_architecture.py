@@ -181,7 +181,7 @@ def _cycles(nodes: list[str], edges: list[Edge]) -> list[list[str]]:
 
 def test_every_module_has_a_layer(graph):
     modules, _ = graph
-    assert "dflash_doctor.rundir.record" in modules and "dflash_doctor.engine.schedule" in modules  # the walk finds the rooms
+    assert "dflash_doctor.rundir.run_record" in modules and "dflash_doctor.engine.schedule" in modules  # the walk finds the rooms
     for module in modules:
         _layer(module)  # raises on a module no prefix covers
 
@@ -210,7 +210,7 @@ def test_the_checker_sees_a_circle_an_upward_import_and_a_local_import(tmp_path)
     edges = [Edge("dflash_doctor.stats.metrics", "dflash_doctor.stats.gate", 1, False),
              Edge("dflash_doctor.stats.gate", "dflash_doctor.stats.metrics", 1, False)]
     assert _cycles(["dflash_doctor.stats.metrics", "dflash_doctor.stats.gate"], edges) == [["dflash_doctor.stats.gate", "dflash_doctor.stats.metrics"]]
-    assert _layer("dflash_doctor.rundir.load") > _layer("dflash_doctor.stats.metrics") > _layer("dflash_doctor.rundir.record")
+    assert _layer("dflash_doctor.rundir.load") > _layer("dflash_doctor.stats.metrics") > _layer("dflash_doctor.rundir.run_record")
     assert _layer("dflash_doctor.pipeline") > _layer("dflash_doctor.checks.base") > _layer("dflash_doctor.models.pair")
     source = tmp_path / "mod.py"
     source.write_text("import os\nfrom dflash_doctor import errors\n\ndef f():\n    from dflash_doctor.stats import metrics\n")

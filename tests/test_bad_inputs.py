@@ -20,11 +20,11 @@ from dflash_doctor.inputs.config import build_config, parse_int_grid, parse_k
 from dflash_doctor.inputs.validation import check_model_folder
 from dflash_doctor.inputs.workloads import load_workload
 from dflash_doctor.rundir.load import load_run
-from dflash_doctor.serving.engine_run import read_completion
+from dflash_doctor.serving.server_run import read_completion
 from dflash_doctor.serving.responses import MalformedResponse, check_measurement, check_response_shape, parse_response
 from dflash_doctor.telemetry.logs import LogContext, parse_log_lines
 from dflash_doctor.telemetry.observation import ParseProblems
-from dflash_doctor.telemetry.responses import parse_response_lines
+from dflash_doctor.telemetry.captured_responses import parse_response_lines
 from tests.local_servers import QuietHandler, ThreadedServer
 from tests.test_cli_engine import tiny_dir  # noqa: F401 (fixture: target/, dflash/, workload.jsonl)
 from tests.test_cli_engine import assert_usage_error, invoke

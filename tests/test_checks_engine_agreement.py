@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dflash_doctor.checks import CheckContext, get_check, run_checks
-from dflash_doctor.rundir.record import Probes
+from dflash_doctor.rundir.run_record import Probes
 from tests.checks_fixtures import record
 
 

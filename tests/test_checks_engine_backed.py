@@ -15,8 +15,8 @@ from dflash_doctor.checks import CheckContext, run_checks
 from dflash_doctor.inputs.config import DoctorConfig
 from dflash_doctor.models.loading import demo_target_path
 from dflash_doctor.serving.client import EngineEndpoint, resolve_model, served_model_file
-from dflash_doctor.serving.engine_run import start_engine_record
-from dflash_doctor.rundir.record import Divergence, LosslessProbe, Probes, PromptFormat, Recommendation, Sweep
+from dflash_doctor.serving.server_run import start_engine_record
+from dflash_doctor.rundir.run_record import Divergence, LosslessProbe, Probes, PromptFormat, Recommendation, Sweep
 from tests.checks_fixtures import metrics, record, sweep_row
 from tests.local_servers import QuietHandler, ThreadedServer
 
@@ -280,7 +280,7 @@ def test_speculative_k_skip_without_sweep_or_rates():
 
 
 def test_speculative_k_errors_when_a_field_it_reads_is_renamed():
-    """A record whose summary calls the sweep by another name (the field renamed in rundir/record.py) makes
+    """A record whose summary calls the sweep by another name (the field renamed in rundir/run_record.py) makes
     the check report an error naming the field: reading run.json dicts, the same rename skipped silently."""
     renamed = dataclasses.make_dataclass("Summary", [("overall", object), ("by_class", dict), ("k_sweep", object)])
     run = _k_ctx(6, {"math": MATH}).record

@@ -8,9 +8,9 @@ import pytest
 from typer.testing import CliRunner
 
 from dflash_doctor.checks import CheckContext, run_checks
-from dflash_doctor.inputs.engine_config import parse_engine_config, parse_engine_config_text
+from dflash_doctor.inputs.server_config import parse_engine_config, parse_engine_config_text
 from dflash_doctor.checks.environment import load_rules
-from dflash_doctor.inputs.environment import collect_environment
+from dflash_doctor.inputs.machine import collect_environment
 from dflash_doctor.cli import app
 from dflash_doctor.errors import UsageError
 

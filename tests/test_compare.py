@@ -7,7 +7,7 @@ import pytest
 from typer.testing import CliRunner
 
 from dflash_doctor.cli import app
-from dflash_doctor.report.compare import compare_runs
+from dflash_doctor.report.comparison import compare_runs
 from dflash_doctor.rundir.load import load_run
 from dflash_doctor.stats.gate import Side, compare_slice
 from dflash_doctor.stats.metrics import NUM_BOOTSTRAP_RESAMPLES

@@ -22,11 +22,11 @@ from typer.testing import CliRunner
 
 import dflash_doctor
 from dflash_doctor.cli import app
-from dflash_doctor.cli.logs import LIBRARIES, configure_logging, progress_shown
+from dflash_doctor.cli.log_setup import LIBRARIES, configure_logging, progress_shown
 from dflash_doctor.cli.options import config_command
 from dflash_doctor.stages import on_stage
 from dflash_doctor.inputs.config import DoctorConfig, discover_config_file
-from dflash_doctor.telemetry.record import read_windows
+from dflash_doctor.telemetry.watch_record import read_windows
 from fixture_runs import make_fixture_run
 from telemetry_fixtures import DATA, MetricsExporter
 from tests.test_cli_engine import pair_args, tiny_dir  # noqa: F401  (tiny_dir is a fixture)

@@ -22,7 +22,7 @@ from dflash_doctor.app import RUNS_DIR_ENV, data
 from dflash_doctor.cli import app as cli_app
 from dflash_doctor.cli.dashboard import port_is_free, streamlit_command
 from dflash_doctor.errors import UsageError
-from dflash_doctor.rundir.record import Metrics, ModelInfo, RunMeta, RunRecord, Summary, TauDistribution
+from dflash_doctor.rundir.run_record import Metrics, ModelInfo, RunMeta, RunRecord, Summary, TauDistribution
 from dflash_doctor.rundir.load import load_run
 from fixture_runs import HOSTILE_TOKEN_TEXT, make_fixture_run
 

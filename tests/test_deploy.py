@@ -2,7 +2,7 @@
 
 * ``promtool check rules`` and ``promtool test rules`` on the shipped unit tests (deploy/prometheus/tests),
   whose input series include alerts that must fire and series that must stay quiet.
-* The recording rules agree with the doctor's own readers (telemetry/engines.py) on the captured real
+* The recording rules agree with the doctor's own readers (telemetry/server_metrics.py) on the captured real
   vLLM, SGLang and llama.cpp metric text: each capture becomes counters growing linearly from 0, and
   the rules' tau and per-position rates must equal the reader's.
 * A rule file with a broken threshold fails its promtool test (the tests can fail).
@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from dflash_doctor.telemetry.counts import SeriesKey
-from dflash_doctor.telemetry.engines import read_exposition
+from dflash_doctor.telemetry.server_metrics import read_exposition
 from dflash_doctor.telemetry.exposition import parse_exposition
 from telemetry_fixtures import DATA
 

@@ -15,7 +15,7 @@ from dflash_doctor.replay import scenarios
 from dflash_doctor.stats import deviations
 from dflash_doctor.inputs.config import build_config
 from dflash_doctor.models.pair import load_pair
-from dflash_doctor.rundir.record import RunMeta, RunRecord
+from dflash_doctor.rundir.run_record import RunMeta, RunRecord
 from dflash_doctor.replay.stream import replay_teacher
 from dflash_doctor.rundir.load import load_run
 from dflash_doctor.rundir.writer import RunWriter

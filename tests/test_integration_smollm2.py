@@ -17,7 +17,7 @@ from dflash_doctor.models.derive import fake_quantize
 from dflash_doctor.engine.live import plain_generate, speculative_generate
 from dflash_doctor.engine.proposers.autoregressive import AutoregressiveProposer
 from dflash_doctor.engine.proposers.dflash import DFlashProposer
-from dflash_doctor.engine.records import StepRecord
+from dflash_doctor.engine.step_records import StepRecord
 from dflash_doctor.engine.target import TargetModel
 from dflash_doctor.engine.teacher import TeacherSequence, slot_table, walk_schedule
 from dflash_doctor.stats.metrics import summarize

@@ -25,15 +25,15 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from dflash_doctor.serving.engine_settings import engine_settings
+from dflash_doctor.serving.server_settings import engine_settings
 from dflash_doctor.cli import app
 from dflash_doctor.models.loading import DEMO_DRAFT_DIR
 from dflash_doctor.rundir.load import load_run
-from dflash_doctor.serving.engine_run import FIGURES_FROM
+from dflash_doctor.serving.server_run import FIGURES_FROM
 from dflash_doctor.telemetry.counts import SeriesKey
-from dflash_doctor.telemetry.engines import read_exposition
+from dflash_doctor.telemetry.server_metrics import read_exposition
 from dflash_doctor.telemetry.exposition import parse_exposition
-from dflash_doctor.telemetry.record import read_windows
+from dflash_doctor.telemetry.watch_record import read_windows
 from tests.llama_server import SERVED_NAME, demo_ggufs, llama_server_command, start_llama_server
 from tests.local_servers import free_port
 from tests.local_servers import stop_servers_on_sigterm  # noqa: F401 - autouse: stops the servers on a CI timeout

@@ -15,7 +15,7 @@ from dflash_doctor.models.pair import load_pair
 from dflash_doctor.replay import probes
 from dflash_doctor.engine.live import plain_generate
 from dflash_doctor.replay.probes import layer_offset_probe, lossless_probe, probe_turns
-from dflash_doctor.rundir.record import LosslessProbe, RunMeta, RunRecord
+from dflash_doctor.rundir.run_record import LosslessProbe, RunMeta, RunRecord
 from dflash_doctor.replay.stream import replay_teacher
 from dflash_doctor.rundir.writer import RunWriter
 from dflash_doctor.inputs.workloads import load_workload

@@ -31,13 +31,13 @@ from dflash_doctor.models.pair import load_pair
 from dflash_doctor.replay import probes
 from dflash_doctor.replay.probes import lossless_probe
 from dflash_doctor.replay.turns import Turn, first_turn_prompt
-from dflash_doctor.rundir.record import Divergence, LosslessProbe, Probes, RunMeta, RunRecord
+from dflash_doctor.rundir.run_record import Divergence, LosslessProbe, Probes, RunMeta, RunRecord
 from dflash_doctor.rundir.writer import RunWriter, utc_now
 from dflash_doctor.models.loading import save_dflash_draft
 from dflash_doctor.report import render_reports
 from dflash_doctor.report.terminal import print_check_results, print_class_summary
 from dflash_doctor.rundir.load import load_run
-from dflash_doctor.telemetry.record import read_units, read_windows
+from dflash_doctor.telemetry.watch_record import read_units, read_windows
 from dflash_doctor.rundir.ownership import LOCK_FILE, claim_run_dir
 from tests.test_cli_engine import one_thread, tiny_dir  # noqa: F401 (fixtures: one torch thread; target/, dflash/, 6 requests)
 from tests.test_cli_engine import assert_usage_error, tiny_tokenizer, write_workload

@@ -10,7 +10,7 @@ import pytest
 from playwright.sync_api import TimeoutError as PlaywrightTimeoutError
 from playwright.sync_api import sync_playwright
 
-from dflash_doctor.report.compare import compare_runs, write_compare_reports
+from dflash_doctor.report.comparison import compare_runs, write_compare_reports
 from dflash_doctor.report import render_reports
 from fixture_runs import HOSTILE_TOKEN_TEXT, make_fixture_run
 

@@ -24,7 +24,7 @@ from dflash_doctor.app import RUNS_DIR_ENV
 from dflash_doctor.cli import app
 from dflash_doctor.models.loading import save_dflash_draft
 from dflash_doctor.rundir.load import load_run
-from dflash_doctor.rundir.record import RunMeta, RunRecord
+from dflash_doctor.rundir.run_record import RunMeta, RunRecord
 from dflash_doctor.rundir.writer import JOURNAL_DIR, RunWriter, journal_path, utc_now
 from tests.test_cli_engine import CLASSES, tiny_tokenizer
 from tests.tiny_models import tiny_dflash, tiny_target

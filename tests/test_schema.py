@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from dflash_doctor.engine.records import StepRecord, TokenRecord
+from dflash_doctor.engine.step_records import StepRecord, TokenRecord
 from dflash_doctor.rundir.tables import STEPS_SCHEMA, StepRow, TokenRow, as_row
 
 

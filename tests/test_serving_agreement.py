@@ -14,7 +14,7 @@ from dflash_doctor.engine.live import speculative_generate
 from dflash_doctor.serving.agreement import (
     CONFIGURED, FIRST_LAYER_CONTEXT_K_NORM, ServingSetup, compare_turn, serving_setups, setup_proposer, summarize_agreement,
 )
-from dflash_doctor.serving.engine_run import EngineTurn
+from dflash_doctor.serving.server_run import EngineTurn
 from dflash_doctor.serving.responses import SpecMeasurement, step_rows
 from dflash_doctor.inputs.workloads import Request
 from tests.tiny_models import tiny_dflash, tiny_target

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from dflash_doctor.serving.engine_run import read_completion
+from dflash_doctor.serving.server_run import read_completion
 from dflash_doctor.serving.responses import (LLAMA_CPP, MalformedResponse, MissingMetrics, histogram_from_per_pos, parse_response,
                                              per_pos_from_histogram, step_rows)
-from dflash_doctor.telemetry.engines import ENGINE_PREFIXES
+from dflash_doctor.telemetry.server_metrics import ENGINE_PREFIXES
 from dflash_doctor.telemetry.observation import ParseProblems
-from dflash_doctor.telemetry.responses import parse_response_lines
+from dflash_doctor.telemetry.captured_responses import parse_response_lines
 
 CAPTURED = Path(__file__).parent / "golden" / "vllm_0.32.0_chat_detailed.json"
 

@@ -11,7 +11,7 @@ from dflash_doctor.errors import UsageError
 from dflash_doctor.stats.metrics import expected_tau_iid, tau_with_ci
 from dflash_doctor.checks import CheckContext, run_checks
 from dflash_doctor.inputs.config import DoctorConfig
-from dflash_doctor.rundir.record import OVERALL, RunMeta, RunRecord, StepCosts, Summary, Sweep, SweepRow
+from dflash_doctor.rundir.run_record import OVERALL, RunMeta, RunRecord, StepCosts, Summary, Sweep, SweepRow
 from dflash_doctor.stats.speedup import (best_speedup, build_sweep, k_that_pays, leviathan_speedup, load_cost_profile, measure_costs,
                                          priced_speedups, recommend, sweep_row)
 

@@ -13,11 +13,11 @@ import pandas as pd
 import pytest
 
 from dflash_doctor.app import data
-from dflash_doctor.report.compare import compare_runs
+from dflash_doctor.report.comparison import compare_runs
 from dflash_doctor.stats.metrics import summarize
 from dflash_doctor.rundir.load import load_run
 from dflash_doctor.rundir.tables import REQUESTS_SCHEMA, STEPS_SCHEMA
-from dflash_doctor.rundir.record import RunMeta, RunRecord
+from dflash_doctor.rundir.run_record import RunMeta, RunRecord
 from dflash_doctor.rundir.writer import RunWriter, utc_now
 from fixture_runs import make_fixture_run
 

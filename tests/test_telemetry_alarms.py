@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dflash_doctor.telemetry.alarms import apply_alarms
 from dflash_doctor.telemetry.counts import SeriesKey, SpecCounts
-from dflash_doctor.telemetry.engines import read_exposition
+from dflash_doctor.telemetry.server_metrics import read_exposition
 from dflash_doctor.telemetry.exposition import parse_exposition
 from dflash_doctor.telemetry.verdict import Baseline, BaselineEntry, Judge, Thresholds, WindowVerdict
 from dflash_doctor.telemetry.watcher import Window

@@ -15,8 +15,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dflash_doctor.rundir.load import load_run
-from dflash_doctor.telemetry import record
-from dflash_doctor.telemetry.record import read_units, read_windows
+from dflash_doctor.telemetry import watch_record
+from dflash_doctor.telemetry.watch_record import read_units, read_windows
 from dflash_doctor.telemetry.session import WatchSession
 from dflash_doctor.telemetry.settings import WatchSettings
 from dflash_doctor.telemetry.watcher import Watcher
@@ -138,8 +138,8 @@ def test_a_cut_that_drops_nothing_leaves_the_expired_totals_alone(tmp_path, monk
     """The first hourly cut of a two-hour retention finds no unit that old: run.json is written once per
     poll as ever (not once more for the cut), and says nothing has expired yet."""
     writes = []
-    real_write = record.write_run_json
-    monkeypatch.setattr(record, "write_run_json", lambda run_dir, data: (writes.append(1), real_write(run_dir, data)))
+    real_write = watch_record.write_run_json
+    monkeypatch.setattr(watch_record, "write_run_json", lambda run_dir, data: (writes.append(1), real_write(run_dir, data)))
     session = WatchSession([SyntheticCounters(RATES)], WatchSettings(window_s=300.0, interval_s=30.0, retain_s=7200.0),
                            run_dir=tmp_path / "run", config={})
     session.start(1_800_000_000.0)

@@ -15,7 +15,7 @@ from prometheus_client import generate_latest
 
 from dflash_doctor.errors import UsageError
 from dflash_doctor.telemetry.counts import SeriesKey, SpecCounts
-from dflash_doctor.telemetry.engines import read_exposition
+from dflash_doctor.telemetry.server_metrics import read_exposition
 from dflash_doctor.telemetry.exporter import VerdictExporter, VerdictGauges
 from dflash_doctor.telemetry.exposition import parse_exposition
 from dflash_doctor.telemetry.verdict import Baseline, Judge, Thresholds, WindowVerdict

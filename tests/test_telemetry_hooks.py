@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from dflash_doctor.cli import app
 from dflash_doctor.telemetry.counts import SeriesKey, SpecCounts
-from dflash_doctor.telemetry.engines import read_exposition
+from dflash_doctor.telemetry.server_metrics import read_exposition
 from dflash_doctor.telemetry.exposition import parse_exposition
 from dflash_doctor.telemetry.hooks import AlertHooks
 from dflash_doctor.telemetry.verdict import Baseline, Judge, Thresholds, WindowVerdict

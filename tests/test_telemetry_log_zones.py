@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 from dflash_doctor.cli import app
 from dflash_doctor.telemetry.logs import LogContext, parse_log_lines
 from dflash_doctor.telemetry.observation import ParseProblems
-from dflash_doctor.telemetry.record import read_windows
+from dflash_doctor.telemetry.watch_record import read_windows
 from dflash_doctor.telemetry.sources import LogFile
 from dflash_doctor.telemetry.watcher import Watcher
 from telemetry_fixtures import DATA

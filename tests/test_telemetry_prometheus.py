@@ -16,9 +16,9 @@ from typer.testing import CliRunner
 
 from dflash_doctor.cli import app
 from dflash_doctor.telemetry.counts import SeriesKey
-from dflash_doctor.telemetry.engines import read_exposition
+from dflash_doctor.telemetry.server_metrics import read_exposition
 from dflash_doctor.telemetry.exposition import parse_exposition
-from dflash_doctor.telemetry.record import read_windows
+from dflash_doctor.telemetry.watch_record import read_windows
 from dflash_doctor.telemetry.sources import PrometheusServer as PrometheusSource
 from telemetry_fixtures import DATA, AuthGateway, MetricsExporter, PrometheusServer
 

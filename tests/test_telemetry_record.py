@@ -15,10 +15,10 @@ from typer.testing import CliRunner
 from dflash_doctor.report import watch_figures
 from dflash_doctor.app import RUNS_DIR_ENV
 from dflash_doctor.cli import app
-from dflash_doctor.report.compare import compare_runs
+from dflash_doctor.report.comparison import compare_runs
 from dflash_doctor.rundir.load import load_run
 from dflash_doctor.telemetry.counts import SeriesKey
-from dflash_doctor.telemetry.record import WatchRecord, read_units, read_windows
+from dflash_doctor.telemetry.watch_record import WatchRecord, read_units, read_windows
 from dflash_doctor.telemetry.verdict import Baseline, Judge, Thresholds
 from dflash_doctor.telemetry.watcher import Unit, Window
 from telemetry_fixtures import WATCH_K, unit_counts, write_watch

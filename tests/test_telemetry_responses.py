@@ -18,7 +18,7 @@ import json
 import pytest
 
 from dflash_doctor.telemetry.observation import ParseProblems
-from dflash_doctor.telemetry.responses import parse_response_lines
+from dflash_doctor.telemetry.captured_responses import parse_response_lines
 from telemetry_fixtures import DATA
 
 

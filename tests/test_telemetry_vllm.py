@@ -21,9 +21,9 @@ from typer.testing import CliRunner
 from dflash_doctor.cli import app
 from dflash_doctor.models.loading import DEMO_DRAFT_DIR, demo_target_path, resolve_model_dir
 from dflash_doctor.telemetry.counts import SeriesKey
-from dflash_doctor.telemetry.engines import read_exposition
+from dflash_doctor.telemetry.server_metrics import read_exposition
 from dflash_doctor.telemetry.exposition import parse_exposition
-from dflash_doctor.telemetry.record import read_windows
+from dflash_doctor.telemetry.watch_record import read_windows
 
 pytestmark = pytest.mark.vllm
 SERVED_NAME = "smollm2-dflash"  # tests/vllm_server.py (issue 13's fixture) serves the demo pair under this name

@@ -15,9 +15,9 @@ from typer.testing import CliRunner
 from dflash_doctor.cli import app
 from dflash_doctor.rundir.load import load_run
 from dflash_doctor.telemetry.counts import SeriesKey, SpecCounts
-from dflash_doctor.telemetry.engines import read_exposition
+from dflash_doctor.telemetry.server_metrics import read_exposition
 from dflash_doctor.telemetry.exposition import parse_exposition
-from dflash_doctor.telemetry.record import read_windows
+from dflash_doctor.telemetry.watch_record import read_windows
 from dflash_doctor.telemetry.sources import MetricsEndpoint
 from dflash_doctor.telemetry.verdict import Baseline, Judge, Thresholds
 from dflash_doctor.telemetry.watcher import Watcher, Window

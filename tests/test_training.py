@@ -19,7 +19,7 @@ from dflash_doctor.engine.dflash_model import DFlashDraftModel
 from dflash_doctor.engine.batched import generate_greedy_batch
 from dflash_doctor.engine.live import plain_generate, speculative_generate
 from dflash_doctor.engine.proposers.dflash import DFlashProposer
-from dflash_doctor.engine.records import StepRecord
+from dflash_doctor.engine.step_records import StepRecord
 from dflash_doctor.engine.target import TargetModel
 from dflash_doctor.errors import UsageError
 from dflash_doctor.models.loading import load_dflash_draft, save_dflash_draft

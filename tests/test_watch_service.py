@@ -18,7 +18,7 @@ import time
 import pytest
 
 from dflash_doctor.rundir.load import load_run
-from dflash_doctor.telemetry.record import read_windows
+from dflash_doctor.telemetry.watch_record import read_windows
 from telemetry_fixtures import DATA, MetricsExporter
 
 LINE = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\+00:00 smollm2-dflash: (\S+)")

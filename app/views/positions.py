@@ -6,7 +6,7 @@ import streamlit as st
 
 from dflash_doctor.report import figures
 from dflash_doctor.app import data, ui
-from dflash_doctor.rundir.record import Summary
+from dflash_doctor.rundir.run_record import Summary
 
 run = ui.current_run(("steps",))
 ui.run_header(run, "Positions")

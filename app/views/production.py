@@ -12,7 +12,7 @@ import streamlit as st
 from dflash_doctor.app import ui
 from dflash_doctor.report import watch_figures
 from dflash_doctor.report.sanitize import for_markdown_text
-from dflash_doctor.telemetry.record import is_watch_run, read_windows, telemetry_details
+from dflash_doctor.telemetry.watch_record import is_watch_run, read_windows, telemetry_details
 
 REFRESH_EVERY_S = 10
 

@@ -10,8 +10,8 @@ from rich.console import Console
 from rich.table import Table
 
 from dflash_doctor.cli.root import app
-from dflash_doctor.rundir.record import OVERALL
-from dflash_doctor.report.compare import compare_runs, write_compare_reports
+from dflash_doctor.rundir.run_record import OVERALL
+from dflash_doctor.report.comparison import compare_runs, write_compare_reports
 from dflash_doctor.report.sanitize import for_terminal
 from dflash_doctor.stats.gate import DEFAULT_THRESHOLD_RATE, DEFAULT_THRESHOLD_TAU, Comparison
 from dflash_doctor.cli import options as opt

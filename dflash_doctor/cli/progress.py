@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from dflash_doctor.engine.live import GenerationResult
-from dflash_doctor.cli.logs import progress_shown
+from dflash_doctor.cli.log_setup import progress_shown
 from dflash_doctor.pipeline import ProgressFactory, no_progress
 from dflash_doctor.stages import StageListener, on_stage
 

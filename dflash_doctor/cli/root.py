@@ -18,7 +18,7 @@ from typer.core import TyperGroup
 from typer.main import get_command_from_info, get_command_name, get_group_from_info
 
 from dflash_doctor import __version__
-from dflash_doctor.cli.logs import configure_logging
+from dflash_doctor.cli.log_setup import configure_logging
 from dflash_doctor.errors import UsageError
 
 # command -> (its module, the first line of its docstring or its group's help), in --help order

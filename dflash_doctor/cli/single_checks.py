@@ -12,8 +12,8 @@ import typer
 from rich.console import Console
 
 from dflash_doctor.checks import CheckContext, exit_code, run_checks
-from dflash_doctor.serving.engine_settings import engine_settings
-from dflash_doctor.inputs.environment import collect_environment
+from dflash_doctor.serving.server_settings import engine_settings
+from dflash_doctor.inputs.machine import collect_environment
 from dflash_doctor.inputs.check_inputs import load_config_json, load_template_spec, load_tokenizer_spec
 from dflash_doctor.report.terminal import print_check_results
 from dflash_doctor.cli.root import app

@@ -26,7 +26,7 @@ from dflash_doctor.models.draft_kinds import DraftKind, LoadOptions, Sampling, g
 from dflash_doctor.stages import stage
 from dflash_doctor.models.loading import DEMO_DRAFT_DIR, demo_target_path, fingerprint, hub_commit, load_causal_lm, resolve_model_dir
 from dflash_doctor.models.placement import target_devices
-from dflash_doctor.rundir.record import ModelInfo
+from dflash_doctor.rundir.run_record import ModelInfo
 from dflash_doctor.stats.deviations import TokenCategories
 from dflash_doctor.stats.speedup import measure_costs
 
@@ -138,7 +138,7 @@ class Pair:
 
 def load_pair(config: DoctorConfig, engine_settings: dict[str, Any] | None = None) -> Pair:
     """Load the configured pair (the built-in demo pair when no model flags are given). ``engine_settings``:
-    the resolved ``--engine-config`` (:func:`dflash_doctor.serving.engine_settings.engine_settings`), whose
+    the resolved ``--engine-config`` (:func:`dflash_doctor.serving.server_settings.engine_settings`), whose
     draft sampling method the proposer models; without one, vLLM's default ``greedy``."""
     from transformers import AutoTokenizer
 

@@ -19,7 +19,7 @@ import torch
 from dflash_doctor.engine.live import plain_generate, speculative_generate
 from dflash_doctor.engine.teacher import TeacherSequence, matched_runs, slot_table
 from dflash_doctor.models.pair import Pair
-from dflash_doctor.rundir.record import Divergence, LosslessProbe
+from dflash_doctor.rundir.run_record import Divergence, LosslessProbe
 from dflash_doctor.replay.turns import Turn
 
 NUM_PROBE_REQUESTS = 3  # first turns replayed again for the lossless check and the layer-offset probe

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from dflash_doctor.rundir.record import Metrics, Recommendation, RunRecord
+from dflash_doctor.rundir.run_record import Metrics, Recommendation, RunRecord
 from dflash_doctor.rundir.load import Run
 from dflash_doctor.rundir.status import CheckResult, overall_status, status_counts
 

@@ -1,7 +1,7 @@
 """Plotly figure builders shared by report.html, compare.html and the Streamlit dashboard.
 
-Every builder is pure: run data in (the record's typed :class:`~dflash_doctor.rundir.record.Summary`,
-:class:`~dflash_doctor.rundir.record.Sweep` and recommendations, a deviation analysis, or a Parquet table as a
+Every builder is pure: run data in (the record's typed :class:`~dflash_doctor.rundir.run_record.Summary`,
+:class:`~dflash_doctor.rundir.run_record.Sweep` and recommendations, a deviation analysis, or a Parquet table as a
 DataFrame), a ``go.Figure`` out. None reads files, prints or mutates its input,
 so the HTML report and the dashboard show the same picture of the same numbers.
 
@@ -18,7 +18,7 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from dflash_doctor.rundir.record import OVERALL, Metrics, Recommendation, Summary, Sweep
+from dflash_doctor.rundir.run_record import OVERALL, Metrics, Recommendation, Summary, Sweep
 
 OVERALL_COLOR = "#222222"
 _PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22", "#7f7f7f")
@@ -196,7 +196,7 @@ def acceptance_along_output_figure(steps: pd.DataFrame, *, bin_size_tokens: int 
 
 
 def compare_tau_figure(rows: Sequence[Mapping[str, Any]]) -> go.Figure:
-    """BASE vs NEW tau per class with intervals, from :func:`dflash_doctor.report.compare.compare_runs` rows."""
+    """BASE vs NEW tau per class with intervals, from :func:`dflash_doctor.report.comparison.compare_runs` rows."""
     title = "tau per class: BASE vs NEW (95% CI)"
     tau_rows = [r for r in rows if r["metric"] == "mean_acceptance_length" and r["base"] is not None and r["new"] is not None]
     if not tau_rows:

@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from dflash_doctor.rundir.record import RunRecord
+from dflash_doctor.rundir.run_record import RunRecord
 from dflash_doctor.report.templating import fmt, pct
 from dflash_doctor.report.sanitize import for_terminal
 from dflash_doctor.rundir.status import VERDICT_NONE, CheckResult, overall_status

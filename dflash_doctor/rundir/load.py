@@ -15,7 +15,7 @@ from typing import Any, Iterable
 import pandas as pd
 
 from dflash_doctor.errors import UsageError
-from dflash_doctor.rundir.record import SCHEMA_VERSION, RunRecord
+from dflash_doctor.rundir.run_record import SCHEMA_VERSION, RunRecord
 from dflash_doctor.rundir.tables import RUN_JSON, TABLES, read_table_or_empty
 from dflash_doctor.rundir.writer import JOURNAL_DIR, read_journal
 from dflash_doctor.stats.metrics import summarize

@@ -1,6 +1,6 @@
 """Writing a run directory: the one source of truth that every view reads.
 
-A run directory holds ``run.json`` (the typed :class:`~dflash_doctor.rundir.record.RunRecord`) and the
+A run directory holds ``run.json`` (the typed :class:`~dflash_doctor.rundir.run_record.RunRecord`) and the
 three tables of :mod:`dflash_doctor.rundir.tables`. It is versioned by ``schema_version`` and loads
 without pickle. The engine streams rows into it through :class:`RunWriter`, so a run stopped in any way
 (Ctrl-C, ``kill -9``, out of memory) keeps every request it finished, readable by every view

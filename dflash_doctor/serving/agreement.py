@@ -34,7 +34,7 @@ import torch
 from dflash_doctor.engine.blocks import block_mask
 from dflash_doctor.engine.proposers.base import Proposal
 from dflash_doctor.engine.proposers.dflash import DFlashProposer
-from dflash_doctor.engine.records import StepRecord
+from dflash_doctor.engine.step_records import StepRecord
 from dflash_doctor.engine.target import TargetModel
 from dflash_doctor.engine.teacher import TeacherSequence, matched_runs, slot_table, walk_schedule
 from dflash_doctor.inputs.workloads import encode_request_turn

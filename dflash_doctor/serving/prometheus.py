@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from dflash_doctor.serving.client import EngineEndpoint, scrape_metrics
 from dflash_doctor.serving.responses import LLAMA_CPP, VLLM, MissingMetrics, SpecMeasurement, histogram_from_per_pos
 from dflash_doctor.telemetry.counts import SeriesKey, SpecCounts
-from dflash_doctor.telemetry.engines import read_exposition
+from dflash_doctor.telemetry.server_metrics import read_exposition
 from dflash_doctor.telemetry.exposition import parse_exposition
 
 # the engines whose counters carry all of a SpecMeasurement's figures (drafts, draft tokens, accepted

@@ -19,7 +19,7 @@ draft tokens, ``num_accepted_tokens`` excludes the bonus token, and ``tau = 1 + 
   counts the prefill's token too and reads high on short outputs; it is kept beside ours, never used as tau.
 * llama.cpp (section 3): ``timings.draft_n`` / ``timings.draft_n_accepted`` only. There is no verify-step
   count, so no tau from the response: ``check --engine`` takes the steps from llama-server's ``/metrics``
-  counters around each request (serving/engine_run.py).
+  counters around each request (serving/server_run.py).
 
 Per-request figures describe one completion: vLLM returns none when n > 1 (section 1c, "only for n == 1"),
 so a body with several completions (SGLang's details list, several choices) has none here either.
@@ -32,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from dflash_doctor.engine.records import StepRecord
+from dflash_doctor.engine.step_records import StepRecord
 from dflash_doctor.inputs.validation import type_error
 from dflash_doctor.serving.client import EngineError
 

@@ -14,7 +14,7 @@ A metric regresses only when BOTH hold:
   seed or request sample does not fail CI either.
 
 Each side (:class:`Side`) carries one run's numbers as its own summary shows them; who builds the sides
-(:mod:`dflash_doctor.report.compare` for runs, :mod:`dflash_doctor.telemetry.canary` for watches) is
+(:mod:`dflash_doctor.report.comparison` for runs, :mod:`dflash_doctor.telemetry.canary` for watches) is
 not the gate's business, so both apply this one rule.
 """
 

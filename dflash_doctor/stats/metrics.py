@@ -30,7 +30,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import pandas as pd
 
-from dflash_doctor.rundir.record import OVERALL, Summary
+from dflash_doctor.rundir.run_record import OVERALL, Summary
 
 CI_LEVEL = 0.95
 NUM_BOOTSTRAP_RESAMPLES = 1000
@@ -282,7 +282,7 @@ def summarize(
     n_boot: int = NUM_BOOTSTRAP_RESAMPLES,
     seed: int = 0,
 ) -> Summary:
-    """run.json ``summary`` (typed: overall and per class :class:`~dflash_doctor.rundir.record.Metrics`)
+    """run.json ``summary`` (typed: overall and per class :class:`~dflash_doctor.rundir.run_record.Metrics`)
     from a steps table.
 
     ``requests`` (optional, the requests table) makes the counts exact where steps alone cannot: requests

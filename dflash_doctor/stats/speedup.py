@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import pandas as pd
 
 from dflash_doctor.errors import UsageError
-from dflash_doctor.rundir.record import OVERALL, Recommendation, StepCosts, Sweep, SweepRow
+from dflash_doctor.rundir.run_record import OVERALL, Recommendation, StepCosts, Sweep, SweepRow
 from dflash_doctor.stats.metrics import expected_tau_iid, tau_with_ci
 
 ESTIMATES = ("exact", "truncated")

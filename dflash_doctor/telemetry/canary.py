@@ -20,13 +20,13 @@ import pandas as pd
 
 from dflash_doctor.stats.gate import DEFAULT_THRESHOLD_RATE, DEFAULT_THRESHOLD_TAU, Comparison, compare_slice, Side
 from dflash_doctor.errors import UsageError
-from dflash_doctor.rundir.record import OVERALL
+from dflash_doctor.rundir.run_record import OVERALL
 from dflash_doctor.stats.metrics import NUM_BOOTSTRAP_RESAMPLES, bootstrap_ratio, group_rng, interval
-from dflash_doctor.rundir.record import RunRecord
+from dflash_doctor.rundir.run_record import RunRecord
 from dflash_doctor.rundir.load import read_run_meta
 from dflash_doctor.rundir.tables import RUN_JSON
 from dflash_doctor.telemetry.counts import MIN_UNITS_FOR_BOOTSTRAP, SpecCounts, rate_intervals, tau_interval
-from dflash_doctor.telemetry.record import is_watch_run, read_units
+from dflash_doctor.telemetry.watch_record import is_watch_run, read_units
 
 
 def split_spec(spec: str | Path) -> tuple[Path, str | None]:

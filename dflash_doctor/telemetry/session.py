@@ -12,12 +12,12 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from dflash_doctor.errors import UsageError
-from dflash_doctor.rundir.record import StepCosts
+from dflash_doctor.rundir.run_record import StepCosts
 from dflash_doctor.telemetry.alarms import apply_alarms
 from dflash_doctor.telemetry.exporter import VerdictExporter
 from dflash_doctor.telemetry.hooks import AlertHooks
 from dflash_doctor.telemetry.logs import log_zone
-from dflash_doctor.telemetry.record import WatchRecord
+from dflash_doctor.telemetry.watch_record import WatchRecord
 from dflash_doctor.telemetry.settings import WatchSettings
 from dflash_doctor.telemetry.sources import LogFile, MetricsEndpoint, PrometheusServer, ResponsesFile, Source, open_source
 from dflash_doctor.telemetry.verdict import Judge, WindowVerdict, load_baseline

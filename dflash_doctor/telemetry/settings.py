@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dflash_doctor.errors import UsageError
-from dflash_doctor.telemetry.engines import READERS
+from dflash_doctor.telemetry.server_metrics import READERS
 from dflash_doctor.telemetry.logs import log_zone
 from dflash_doctor.telemetry.sources import parse_duration_s
 from dflash_doctor.telemetry.verdict import DEFAULT_MIN_DRAFTS, DEFAULT_SPEEDUP_FLOOR, Thresholds

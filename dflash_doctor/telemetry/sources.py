@@ -20,11 +20,11 @@ from typing import Mapping, Protocol
 from dflash_doctor.errors import UsageError
 from dflash_doctor.serving.http import AUTH_STATUSES, HttpClient, Unreachable, bearer
 from dflash_doctor.telemetry.counts import SpecCounts
-from dflash_doctor.telemetry.engines import READERS, Reading, read_exposition
+from dflash_doctor.telemetry.server_metrics import READERS, Reading, read_exposition
 from dflash_doctor.telemetry.exposition import Exposition, Sample, parse_exposition
 from dflash_doctor.telemetry.logs import LogContext, detect_log_engine, parse_log_lines
 from dflash_doctor.telemetry.observation import AVERAGE_WEIGHT, Observation, ParseProblems
-from dflash_doctor.telemetry.responses import parse_response_lines
+from dflash_doctor.telemetry.captured_responses import parse_response_lines
 
 HTTP_TIMEOUT_S = 10.0
 # A failed scrape costs nothing (the next one's difference covers the gap), so a poll retries briefly

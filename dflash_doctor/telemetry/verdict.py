@@ -28,7 +28,7 @@ from pathlib import Path
 from statistics import NormalDist
 from typing import Any
 
-from dflash_doctor.rundir.record import OVERALL, RunRecord, StepCosts
+from dflash_doctor.rundir.run_record import OVERALL, RunRecord, StepCosts
 from dflash_doctor.stats.gate import DEFAULT_THRESHOLD_TAU
 from dflash_doctor.stats.speedup import best_speedup, k_that_pays
 from dflash_doctor.errors import UsageError

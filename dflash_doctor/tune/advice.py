@@ -28,7 +28,7 @@ import json
 from typing import Any
 
 from dflash_doctor.report.templating import ci
-from dflash_doctor.rundir.record import SweepRow
+from dflash_doctor.rundir.run_record import SweepRow
 from dflash_doctor.stats.speedup import recommend
 from dflash_doctor.tune.analysis import OVERALL
 from dflash_doctor.tune.loads import CONCURRENCY, load_label, load_of, load_text

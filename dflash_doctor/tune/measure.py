@@ -2,7 +2,7 @@
 
 A load level (:mod:`.loads`) says when each request starts; the measuring is one path for all of them.
 
-Each request is one streamed OpenAI call (the body :func:`dflash_doctor.serving.engine_run.request_body`
+Each request is one streamed OpenAI call (the body :func:`dflash_doctor.serving.server_run.request_body`
 builds for ``check --engine``, with ``stream`` on and ``stream_options.include_usage`` so the final
 chunk carries the usage and, on vLLM, the per-request ``metrics.speculative_decoding``). Timing follows
 ``vllm bench serve`` (vllm/benchmarks/lib/endpoint_request_func.py): time to first token (TTFT) is the
@@ -32,7 +32,7 @@ from dflash_doctor.inputs.workloads import Request, conversation_turns
 from dflash_doctor.replay.turns import turn_limit
 from dflash_doctor.serving.client import EngineEndpoint, auth_fix
 from dflash_doctor.serving.http import AUTH_STATUSES, bearer
-from dflash_doctor.serving.engine_run import request_body
+from dflash_doctor.serving.server_run import request_body
 from dflash_doctor.serving.prometheus import measurement_between, scrape_counters
 from dflash_doctor.serving.responses import MissingMetrics, SpecMeasurement, parse_response
 from dflash_doctor.tune.loads import LoadLevel

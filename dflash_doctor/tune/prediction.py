@@ -1,6 +1,6 @@
 """The engine's step-cost model fitted from some measured K, and the other K predicted from it.
 
-Model (per load level), in seconds per step, the same terms as :class:`dflash_doctor.rundir.record.StepCosts`:
+Model (per load level), in seconds per step, the same terms as :class:`dflash_doctor.rundir.run_record.StepCosts`:
 
     t_decode            one plain decode step: TPOT measured at K = 0
     step(K) = t_decode + t_draft + slope * K

@@ -1,5 +1,5 @@
 """The engine settings ``--engine-config`` names: a file of launch flags or JSON (parsed by
-:mod:`dflash_doctor.inputs.engine_config`), or a running llama-server's URL, read from what it serves.
+:mod:`dflash_doctor.inputs.server_config`), or a running llama-server's URL, read from what it serves.
 Resolved once per command, before any model loads, so a file and a server give the same dict."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_doctor.errors import UsageError
-from dflash_doctor.inputs.engine_config import is_server_url, llamacpp_settings, parse_engine_config
+from dflash_doctor.inputs.server_config import is_server_url, llamacpp_settings, parse_engine_config
 from dflash_doctor.serving.client import EngineEndpoint, EngineError, call, scrape_metrics
 from dflash_doctor.telemetry.exposition import parse_exposition
 

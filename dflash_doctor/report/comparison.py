@@ -17,7 +17,7 @@ from dflash_doctor.report import figures
 from dflash_doctor.report.html import figure_html, plotly_script
 from dflash_doctor.report.templating import html_env, markdown_env
 from dflash_doctor.rundir.load import Run, load_run
-from dflash_doctor.rundir.record import OVERALL
+from dflash_doctor.rundir.run_record import OVERALL
 from dflash_doctor.stats import deviations
 from dflash_doctor.stats.gate import DEFAULT_THRESHOLD_RATE, DEFAULT_THRESHOLD_TAU, NO_SIDE, Comparison, Side, compare_slice
 from dflash_doctor.stats.metrics import NUM_BOOTSTRAP_RESAMPLES, RequestCounters, group_rng, summarize, summary_group, truncate_steps

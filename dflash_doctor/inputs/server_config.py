@@ -31,7 +31,7 @@ LLAMACPP_DEFAULT_N_MAX = 3  # llama.cpp common/common.h common_params_speculativ
 
 
 def is_server_url(spec: str | Path) -> bool:
-    """``--engine-config`` names a running server (read by :mod:`dflash_doctor.serving.engine_settings`), not a file."""
+    """``--engine-config`` names a running server (read by :mod:`dflash_doctor.serving.server_settings`), not a file."""
     return str(spec).startswith(("http://", "https://"))
 
 

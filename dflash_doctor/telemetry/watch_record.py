@@ -4,7 +4,7 @@ Production has no per-step rows, so ``requests`` / ``steps`` / ``tokens`` are wr
 still loads the directory) and the substance is ``windows.parquet``: one row per series and window with
 vLLM's metric names, the baseline, the net speedup and the alerts (:meth:`WindowVerdict.as_row`), and
 ``units.parquet``, the raw counts between scrapes. The record's ``summary`` pools every unit of the watch,
-per class, in the same :class:`~dflash_doctor.rundir.record.Metrics` a ``check`` run has, so ``report`` and the
+per class, in the same :class:`~dflash_doctor.rundir.run_record.Metrics` a ``check`` run has, so ``report`` and the
 dashboard's overview read it unchanged (requests are not observed: ``num_requests`` is 0);
 ``source.details`` holds what only a watch has (sources, window length, events, alerts).
 
@@ -41,7 +41,7 @@ from dflash_doctor.errors import UsageError
 from dflash_doctor.stats.metrics import conditional_rates
 from dflash_doctor.rundir.load import read_run_meta
 from dflash_doctor.rundir.ownership import claim_run_dir, release_run_dir
-from dflash_doctor.rundir.record import Metrics, ModelInfo, RunMeta, RunRecord, Source, Summary, TauDistribution
+from dflash_doctor.rundir.run_record import Metrics, ModelInfo, RunMeta, RunRecord, Source, Summary, TauDistribution
 from dflash_doctor.rundir.tables import TABLES
 from dflash_doctor.serving.responses import histogram_from_per_pos
 from dflash_doctor.rundir.writer import JOURNAL_DIR, journal_path, read_stream, utc_now, write_run_json

@@ -18,13 +18,13 @@ from pathlib import Path
 from typing import Any
 
 from dflash_doctor.engine.live import GenerationResult
-from dflash_doctor.engine.records import StepRecord
+from dflash_doctor.engine.step_records import StepRecord
 from dflash_doctor.errors import UsageError
 from dflash_doctor.inputs.config import DoctorConfig
-from dflash_doctor.inputs.environment import collect_environment
+from dflash_doctor.inputs.machine import collect_environment
 from dflash_doctor.inputs.workloads import Request, conversation_turns, fill_answers
 from dflash_doctor.replay.turns import turn_limit
-from dflash_doctor.rundir.record import ModelInfo, RunMeta, RunRecord, Source
+from dflash_doctor.rundir.run_record import ModelInfo, RunMeta, RunRecord, Source
 from dflash_doctor.rundir.tables import REQUESTS_SCHEMA, STEPS_SCHEMA, StepRow, as_row, turn_row_id
 from dflash_doctor.rundir.writer import utc_now
 from dflash_doctor.serving.client import EngineEndpoint, EngineError, auth_fix, call

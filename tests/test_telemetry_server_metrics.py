@@ -25,7 +25,7 @@ from __future__ import annotations
 import pytest
 
 from dflash_doctor.telemetry.counts import SeriesKey
-from dflash_doctor.telemetry.engines import detect_engine, read_exposition
+from dflash_doctor.telemetry.server_metrics import detect_engine, read_exposition
 from dflash_doctor.telemetry.exposition import parse_exposition
 from telemetry_fixtures import DATA
 
