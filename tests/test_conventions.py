@@ -47,13 +47,13 @@ def test_without_version_the_tool_still_lists_its_commands():
 
 # ---------------------------------------------------------------------------------------------------- --json
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+USER_GUIDE = Path(__file__).resolve().parents[1] / "docs" / "user-guide.md"
 
 
 def assert_documented(payload: dict) -> None:
-    """Every top-level key of a --json payload is named in README "Machine-readable output" (the contract)."""
-    text = README.read_text(encoding="utf-8")
-    section = text[text.index("### Machine-readable output"):]
+    """Every top-level key of a --json payload is named in docs/user-guide.md "Machine-readable output" (the contract)."""
+    text = USER_GUIDE.read_text(encoding="utf-8")
+    section = text[text.index("## Machine-readable output"):]
     section = section[:section.index("\n## ")]
     assert not [key for key in payload if f"`{key}`" not in section]
 

@@ -1,7 +1,7 @@
 """A monitoring install: `--help`, `watch`, `compare`, `report` and the dashboard without torch and transformers.
 
 Each runs in a subprocess whose import system refuses the model stack (torch, transformers and the packages
-only the model commands need: the README's monitoring install leaves them out), on fixture runs written here.
+only the model commands need: docs/production.md's light install leaves them out), on fixture runs written here.
 Every command's module is loaded only when it runs (cli/root.py COMMANDS); their summaries in
 `dflash-doctor --help` are held equal to their docstrings.
 """
@@ -24,7 +24,7 @@ from telemetry_fixtures import DATA, write_watch
 from tune_fixtures import write_tune_run
 
 REPO = Path(__file__).resolve().parents[1]
-# What the monitoring install of the README leaves out (pyproject's dependencies minus the README's line).
+# What the light install of docs/production.md leaves out (pyproject's dependencies minus that page's line).
 MODEL_STACK = ("torch", "transformers", "tokenizers", "safetensors", "gguf", "accelerate", "huggingface_hub")
 
 BLOCKER = textwrap.dedent(f"""
@@ -114,10 +114,10 @@ def test_the_command_summaries_of_the_root_help_are_the_commands_docstrings():
     assert {name: summary for name, (_, summary) in COMMANDS.items()} == {name: docs[name].strip().splitlines()[0] for name in COMMANDS}
 
 
-def test_the_readme_monitoring_install_is_pyprojects_dependencies_without_the_model_stack():
+def test_the_documented_light_install_is_pyprojects_dependencies_without_the_model_stack():
     dependencies = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
     names = {re.split(r"[<>=\[ ]", d)[0].lower().replace("_", "-") for d in dependencies}
-    readme = (REPO / "README.md").read_text()
-    line = next(line for line in readme.splitlines() if "pip install --no-deps dflash-doctor" in line)
+    page = (REPO / "docs" / "production.md").read_text()
+    line = next(line for line in page.splitlines() if "pip install --no-deps dflash-doctor" in line)
     listed = {re.split(r"[<>=\[ ]", word.strip("'\""))[0].lower() for word in line.split("&&")[1].split()[2:]}
     assert listed - {"prometheus-client"} == names - {m.replace("_", "-") for m in MODEL_STACK} - {"filelock"}
