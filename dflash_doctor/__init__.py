@@ -3,7 +3,7 @@
 OpenMP threads that wait at a barrier sleep instead of spinning (``OMP_WAIT_POLICY=PASSIVE`` unless the
 user set a policy). Set here, before anything imports torch, because libgomp reads it once when it loads.
 Why: on a small machine shared with other work (2 CPU cores, several processes), a spinning thread holds
-a core its sibling needs to finish, and torch's forwards slowed 10-20x (benchmarks/check_stages.py, README).
+a core its sibling needs to finish, and torch's forwards slowed 10-20x (benchmarks/check_stages.py, docs/benchmarks.md).
 The threads and how work is split among them are unchanged, so every figure is bit-identical.
 
 ``__version__`` is read from the installed distribution's metadata, so ``pyproject.toml`` is the one

@@ -22,7 +22,7 @@ never sees later ones), so only the mixers' state updates are redone. Nothing is
 draft is accepted, and never the context. Re-running the whole model over the kept tokens instead
 (``rerun="model"``, also the fallback) cost 36-53 ms per rejecting step on an H200 at the Qwen3.5-9B
 shape, 40-50% of the step; on a CPU the mixers' rollback cost a third to a half of the whole model's
-(6.1 vs 19.7 ms keeping 1 token, 16.3 vs 32.2 ms keeping 4; README).
+(6.1 vs 19.7 ms keeping 1 token, 16.3 vs 32.2 ms keeping 4; docs/benchmarks.md).
 
 Layers of another kind (a cache layer this module does not know how to take back) are refused before
 any work, with the architecture named (:func:`refuse_unreplayable`).

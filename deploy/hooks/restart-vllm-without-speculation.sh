@@ -8,7 +8,7 @@
 # /etc/vllm/spec-off.env holds `VLLM_SPEC_ARGS=`; the watch's user may run exactly the two commands below
 # (sudoers: `dflash-doctor ALL=(root) NOPASSWD: /usr/bin/cp /etc/vllm/spec-off.env /etc/vllm/spec.env,
 # /usr/bin/systemctl restart vllm.service`). Undo by hand once `dflash-doctor check` says the pair is healthy.
-# The watch runs this once per alert episode with DFLASH_DOCTOR_* in the environment (README, "Alert -> hook");
+# The watch runs this once per alert episode with DFLASH_DOCTOR_* in the environment (docs/production.md, "Alert -> hook");
 # try it with --on-alert-dry-run first.
 set -eu
 

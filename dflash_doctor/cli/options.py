@@ -73,7 +73,7 @@ EngineConcurrency = Annotated[Optional[int], typer.Option("--engine-concurrency"
 EngineApiKey = Annotated[Optional[str], typer.Option("--engine-api-key", envvar="OPENAI_API_KEY", show_envvar=True,
                                                      help="API key of the --engine server (sent as a bearer token); env:VAR reads it from the environment. Never written to the run directory.")]
 EngineTimeout = Annotated[Optional[float], typer.Option("--engine-timeout", help="Per-request timeout in seconds against --engine.", show_default=_default("engine_timeout_s"))]
-ConfigFile = Annotated[Optional[str], typer.Option("--config", help="TOML file with the flags' keys plus thresholds (docs: README 'Configuration'). Without it: ./doctor.toml, else [tool.dflash-doctor] in ./pyproject.toml, else doctor.toml in the user config folder. Precedence: flag > DFLASH_DOCTOR_* variable > file > default.", show_default="discovered", **_env("config"))]
+ConfigFile = Annotated[Optional[str], typer.Option("--config", help="TOML file with the flags' keys plus thresholds (docs/user-guide.md#configuration). Without it: ./doctor.toml, else [tool.dflash-doctor] in ./pyproject.toml, else doctor.toml in the user config folder. Precedence: flag > DFLASH_DOCTOR_* variable > file > default.", show_default="discovered", **_env("config"))]
 
 #: Every shared flag by its DoctorConfig field name (``config_file`` is ``--config`` itself).
 FLAGS: dict[str, Any] = {
@@ -112,7 +112,7 @@ REPLAY_FLAGS = ("target", "draft", "draft_kind", "workload", "classes", "max_req
                 "device", "dtype", "out", "overwrite", "seed", "chat_template", "trust_remote_code", "end_of_request")
 
 ExactBlocks = Annotated[bool, typer.Option("--exact-blocks", help="Block drafters: one pass per K instead of estimating smaller K from the largest block.")]
-Json = Annotated[bool, typer.Option("--json", help="Print the result as one JSON object on stdout (keys: README 'Machine-readable output'); everything else goes to stderr.")]
+Json = Annotated[bool, typer.Option("--json", help="Print the result as one JSON object on stdout (keys: docs/user-guide.md#machine-readable-output); everything else goes to stderr.")]
 
 _CONFIG_FIELDS = {f.name for f in dataclasses.fields(DoctorConfig)}
 

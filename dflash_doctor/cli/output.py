@@ -1,7 +1,7 @@
 """`--json`: one JSON object on stdout, the only thing a command prints there when asked for it.
 
 Keys are sorted and NaN is written as null (as in report.json), so the output diffs cleanly and every
-JSON reader parses it; the keys of each command are listed in README "Machine-readable output".
+JSON reader parses it; the keys of each command are listed in docs/user-guide.md "Machine-readable output".
 """
 
 from __future__ import annotations

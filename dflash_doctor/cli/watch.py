@@ -108,7 +108,7 @@ Examples:
 
 
 def watch_json(verdicts: list[WindowVerdict], window: str, session: WatchSession, code: int) -> dict[str, Any]:
-    """`watch --once --json` (README "Machine-readable output"): one ``series`` entry per model/class, each
+    """`watch --once --json` (docs/user-guide.md "Machine-readable output"): one ``series`` entry per model/class, each
     the row ``windows.parquet`` stores; keys are only ever added, ``watch_json_version`` changes if one is
     renamed or removed."""
     return {

@@ -96,7 +96,7 @@ class Comparison:
         return bool(self.regressions)
 
     def as_dict(self) -> dict[str, Any]:
-        """`compare --json` (README "Machine-readable output"): keys are only ever added;
+        """`compare --json` (docs/user-guide.md "Machine-readable output"): keys are only ever added;
         ``compare_json_version`` changes if one is renamed or removed."""
         return {
             "compare_json_version": COMPARE_JSON_VERSION,
