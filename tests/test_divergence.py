@@ -13,7 +13,7 @@ from dflash_doctor.engine.live import plain_generate, speculative_generate
 from dflash_doctor.engine.proposers.autoregressive import AutoregressiveProposer
 from dflash_doctor.engine.target import TargetModel
 from dflash_doctor.engine.teacher import TeacherSequence, slot_table, token_rows, walk_schedule
-from tests.tiny_models import tiny_target
+from tiny_models import tiny_target
 
 FLOAT_COLUMNS = ("target_prob_of_draft", "draft_prob_of_target", "kl_target_draft", "total_variation", "target_entropy",
                  "target_top1_margin")
