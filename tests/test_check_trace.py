@@ -26,7 +26,8 @@ from dflash_doctor.rundir import writer
 from dflash_doctor.stats import deviations, metrics, speedup
 from dflash_doctor.checks import base as checks_base
 from dflash_doctor.cli import app
-from tests.test_cli_engine import CLASSES, pair_args, tiny_dir  # noqa: F401  (tiny_dir is a fixture)
+from cli_helpers import pair_args
+from tiny_models import CLASSES
 
 # The stages of one check, in docs/architecture.md's order: each is entered exactly once.
 STAGES = {
@@ -83,7 +84,7 @@ def test_check_writes_run_json_twice_reads_one_table_back_and_encodes_each_promp
     out = tmp_path / "check"
     counts, order, result = trace_check(["check", *pair_args(tiny_dir, tiny_dir / "dflash", "--k", "4", "--out", out)])
     assert result.exit_code in (0, 1), result.output  # 1: a check fails on random tiny weights; never a crash
-    num_requests = 2 * len(CLASSES)  # tests.test_cli_engine.tiny_dir: 2 single-turn requests per class
+    num_requests = 2 * len(CLASSES)  # the tiny_dir fixture (conftest.py): 2 single-turn requests per class
     assert counts["run_check"] == 1
     assert counts["run.json writes"] == 2
     assert counts["Parquet reads"] == 1  # tokens.parquet for the report's token viewer (never held in memory)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dflash_doctor.checks import CheckContext, run_checks
-from tests.checks_fixtures import metrics, record
+from checks_fixtures import metrics, record
 
 
 def _metrics(tau, conditional=(0.9, 0.8, 0.7), rate=0.6, drafts=200):

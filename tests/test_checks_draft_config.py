@@ -9,7 +9,7 @@ from dflash_doctor.checks import CheckContext, run_checks
 from dflash_doctor.checks.draft_config import read_safetensors_shapes
 from dflash_doctor.inputs.config import build_config
 from dflash_doctor.rundir.run_record import Probes
-from tests.checks_fixtures import record
+from checks_fixtures import record
 
 TARGET = {"hidden_size": 64, "num_hidden_layers": 8, "vocab_size": 300, "rope_theta": 1000000.0, "torch_dtype": "bfloat16"}
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dflash_doctor.checks import CheckContext, get_check, run_checks
 from dflash_doctor.rundir.run_record import Probes
-from tests.checks_fixtures import record
+from checks_fixtures import record
 
 
 def _figures(engine_tau=1.74, embedded_tau=1.73, ci=(-0.04, 0.03), shares=None, prompts_same=8, outputs_same=8, engine_k=15):

@@ -14,11 +14,11 @@ import pytest
 from dflash_doctor.checks import CheckContext, run_checks
 from dflash_doctor.inputs.config import DoctorConfig
 from dflash_doctor.models.loading import demo_target_path
-from dflash_doctor.serving.client import EngineEndpoint, resolve_model, served_model_file
-from dflash_doctor.serving.server_run import start_engine_record
+from dflash_doctor.serving.client import ServerEndpoint, resolve_model, served_model_file
+from dflash_doctor.serving.server_run import start_server_record
 from dflash_doctor.rundir.run_record import Divergence, LosslessProbe, Probes, PromptFormat, Recommendation, Sweep
-from tests.checks_fixtures import metrics, record, sweep_row
-from tests.local_servers import QuietHandler, ThreadedServer
+from checks_fixtures import metrics, record, sweep_row
+from local_servers import QuietHandler, ThreadedServer
 
 
 def _run(check_id, ctx, params=None):
@@ -161,8 +161,8 @@ def _served_by_llama_server(model_file: Path) -> CheckContext:
 
     config = DoctorConfig(draft="drafts/smollm2-dflash")
     with ThreadedServer(LlamaServer) as server:
-        endpoint = resolve_model(EngineEndpoint.from_url(server.base_url))
-        engine_record = start_engine_record(config, endpoint, served_model_file(endpoint))
+        endpoint = resolve_model(ServerEndpoint.from_url(server.base_url))
+        engine_record = start_server_record(config, endpoint, served_model_file(endpoint))
     recorded = {"target": "HuggingFaceTB/SmolLM2-135M-Instruct", "target_weights_fingerprint": "b71fcebb64460445"}
     return CheckContext(draft_config={"model_type": "dflash", "dflash_doctor": recorded}, record=engine_record, config=config)
 

@@ -8,7 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from dflash_doctor.checks import CheckContext, run_checks
-from dflash_doctor.inputs.server_config import parse_engine_config, parse_engine_config_text
+from dflash_doctor.inputs.server_config import parse_server_config, parse_server_config_text
 from dflash_doctor.checks.environment import load_rules
 from dflash_doctor.inputs.machine import collect_environment
 from dflash_doctor.cli import app
@@ -19,7 +19,7 @@ DFLASH_B16 = {"block_size": 16, "dflash_config": {"mask_token_id": 151669, "targ
 
 
 def _env_check(engine_text=None, environment=ENV, draft_config=DFLASH_B16):
-    engine = parse_engine_config_text(engine_text) if engine_text else None
+    engine = parse_server_config_text(engine_text) if engine_text else None
     ctx = CheckContext(environment=environment, draft_config=draft_config, engine_config=engine)
     return run_checks(ctx, only=["environment"])[0]
 
@@ -74,22 +74,22 @@ def test_environment_warn_llamacpp_default_n_max_uses_a_fifth_of_the_dflash_bloc
     assert result.metrics["matched_rules"] == ["llamacpp-dflash-n-max-below-block"]
     assert result.summary == "llama.cpp drafts 3 of the 15 tokens a DFlash block proposes (--spec-draft-n-max defaults to 3)"
     assert result.findings[0].fix.startswith("restart llama-server with --spec-draft-n-max 15")
-    full = parse_engine_config_text("--spec-type draft-dflash --spec-draft-n-max 15 --model-draft d.gguf")
+    full = parse_server_config_text("--spec-type draft-dflash --spec-draft-n-max 15 --model-draft d.gguf")
     assert (full["engine"], full["method"], full["drafted_tokens"], full["draft_model"]) == ("llamacpp", "dflash", 15, "d.gguf")
     assert _env_check("--spec-type draft-dflash --spec-draft-n-max 15").status == "pass"
 
 
 def test_engine_config_parsing_and_bad_input(tmp_path):
-    sglang = parse_engine_config_text("--speculative-algorithm DFLASH --speculative-num-draft-tokens=16 --disable-cuda-graph")
+    sglang = parse_server_config_text("--speculative-algorithm DFLASH --speculative-num-draft-tokens=16 --disable-cuda-graph")
     assert (sglang["engine"], sglang["drafted_tokens"], sglang["cuda_graphs"]) == ("sglang", 15, False)
-    nested = parse_engine_config_text(json.dumps({"speculative_config": json.dumps({"method": "dflash", "num_speculative_tokens": 7})}))
+    nested = parse_server_config_text(json.dumps({"speculative_config": json.dumps({"method": "dflash", "num_speculative_tokens": 7})}))
     assert nested["num_speculative_tokens"] == 7
     with pytest.raises(UsageError, match="neither a vLLM speculative_config nor SGLang"):
-        parse_engine_config_text("--port 8000")
+        parse_server_config_text("--port 8000")
     with pytest.raises(UsageError, match="does not exist"):
-        parse_engine_config(tmp_path / "missing.json")
+        parse_server_config(tmp_path / "missing.json")
     with pytest.raises(UsageError, match="not an integer"):
-        parse_engine_config_text("--speculative-num-draft-tokens lots --speculative-algorithm DFLASH")
+        parse_server_config_text("--speculative-num-draft-tokens lots --speculative-algorithm DFLASH")
 
 
 def test_bad_rules_file_is_a_usage_error(tmp_path):

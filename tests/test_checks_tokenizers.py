@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typer.testing import CliRunner
 
-from checks_fixtures import llama31_tokenizer, qwen3_dir, qwen3_tokenizer, smollm2_tokenizer, tiny_tokenizer  # noqa: F401
+from checks_fixtures import tiny_tokenizer
 from dflash_doctor.checks import CheckContext, run_checks
 from dflash_doctor.cli import app
 

@@ -8,109 +8,26 @@ autoregressive draft, workload files and cost profiles. No network, no real mode
 
 from __future__ import annotations
 
-import copy
 import json
-import re
 from pathlib import Path
 
 import pandas as pd
 import pytest
 import torch
-from typer.testing import CliRunner
 
-from dflash_doctor.cli import app
 from dflash_doctor.engine.proposers.dflash import DFlashProposer
 from dflash_doctor.engine.target import TargetModel
 from dflash_doctor.models.draft_kinds import detect_draft_kind
 from dflash_doctor.inputs.validation import read_config_json
 from dflash_doctor.models.loading import load_dflash_draft, save_dflash_draft
 from dflash_doctor.rundir.load import load_run
-from tests.hub_cache import hub_snapshot, offline_hub_cache
-from tests.tiny_models import VOCAB, tiny_dflash, tiny_target, torch_threads
+from cli_helpers import assert_usage_error, invoke, pair_args
+from hub_cache import hub_snapshot, offline_hub_cache
+from tiny_models import CLASSES, VOCAB, tiny_dflash, tiny_target, write_workload
 
-CHATML = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-# ids 0, 1, 2 are the tiny target's pad, bos and eos; 3 is the DFlash draft's mask token
-SPECIAL_TOKENS = ["<pad>", "<s>", "<|im_end|>", "<mask>", "<|im_start|>", "<unk>"]
-ROLE_WORDS = ["system", "user", "assistant"]
-CLASSES = ("math", "code", "chat")
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 RUN_FILES = ("run.json", "requests.parquet", "steps.parquet", "tokens.parquet")
-
-
-def tiny_tokenizer(vocab_size: int = VOCAB):
-    """A WordLevel tokenizer over ``vocab_size`` ids with ChatML specials and a ChatML chat template."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    words = [f"w{i}" for i in range(vocab_size - len(SPECIAL_TOKENS) - len(ROLE_WORDS))]
-    vocab = {token: index for index, token in enumerate(SPECIAL_TOKENS + ROLE_WORDS + words)}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    backend.add_special_tokens(SPECIAL_TOKENS)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token="<s>", eos_token="<|im_end|>", pad_token="<pad>", unk_token="<unk>",
-        chat_template=CHATML,
-    )
-
-
-def write_workload(path: Path, per_class: int) -> Path:
-    lines = [
-        json.dumps({"id": f"{cls}-{i}", "class": cls, "messages": [{"role": "user", "content": f"w{i} w{i + 7} w{i + 3} w9"}]})
-        for cls in CLASSES
-        for i in range(per_class)
-    ]
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return path
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: thread hand-offs cost more than the matmuls on a busy 2-core machine."""
-    with torch_threads(1):
-        yield
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory) -> Path:
-    """target/ (model + tokenizer), dflash/ (block 6, z-lab layout), ar/ (perturbed copy), workload.jsonl."""
-    root = tmp_path_factory.mktemp("tiny_models")
-    target = tiny_target()
-    tokenizer = tiny_tokenizer()
-    target.save_pretrained(root / "target")
-    tokenizer.save_pretrained(root / "target")
-    save_dflash_draft(tiny_dflash(target, block_size=6), root / "dflash")
-    draft = copy.deepcopy(target)
-    with torch.no_grad():
-        for parameter in draft.parameters():
-            parameter.add_(torch.randn_like(parameter) * 0.01)
-    draft.save_pretrained(root / "ar")
-    tokenizer.save_pretrained(root / "ar")
-    write_workload(root / "workload.jsonl", per_class=2)
-    return root
-
-
-def invoke(*args: str):
-    return CliRunner().invoke(app, [str(a) for a in args])
-
-
-def pair_args(tiny_dir: Path, draft: Path | str, *extra: str) -> list[str]:
-    return ["--target", tiny_dir / "target", "--draft", draft, "--workload", tiny_dir / "workload.jsonl",
-            "--max-new-tokens", "10", *extra]
-
-
-def assert_usage_error(result, *fragments: str) -> None:
-    """Exit 2, no traceback, and one sentence naming the input (the fragments)."""
-    output = result.output
-    assert result.exit_code == 2, output
-    assert "Traceback" not in output
-    message = " ".join(re.sub(r"[│╭╮╰╯─]", " ", output).split())  # a rich error panel wraps lines
-    message = message.split("Error", 1)[-1]
-    assert message.rstrip().endswith("."), message
-    assert not re.search(r"\.\s+[A-Z]", message), f"more than one sentence: {message}"
-    for fragment in fragments:
-        assert fragment in message, f"{fragment!r} not in {message!r}"
 
 
 def edited_dflash(tiny_dir: Path, tmp_path: Path, **dflash_config) -> Path:

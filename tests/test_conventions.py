@@ -29,8 +29,8 @@ from dflash_doctor.inputs.config import DoctorConfig, discover_config_file
 from dflash_doctor.telemetry.watch_record import read_windows
 from fixture_runs import make_fixture_run
 from telemetry_fixtures import DATA, MetricsExporter
-from tests.test_cli_engine import pair_args, tiny_dir  # noqa: F401  (tiny_dir is a fixture)
-from tests.test_serving_client import ReplayServer
+from cli_helpers import pair_args
+from replay_server import ReplayServer
 
 
 def test_version_flag_prints_the_installed_distribution_version_and_runs_no_command():

@@ -18,42 +18,16 @@ import pytest
 from streamlit.testing.v1 import AppTest
 from typer.testing import CliRunner
 
-from dflash_doctor.app import RUNS_DIR_ENV, data
+from dflash_doctor.app import data
 from dflash_doctor.cli import app as cli_app
 from dflash_doctor.cli.dashboard import port_is_free, streamlit_command
 from dflash_doctor.errors import UsageError
 from dflash_doctor.rundir.run_record import Metrics, ModelInfo, RunMeta, RunRecord, Summary, TauDistribution
 from dflash_doctor.rundir.load import load_run
+from dashboard_app import open_app
 from fixture_runs import HOSTILE_TOKEN_TEXT, make_fixture_run
 
-MAIN = Path(__file__).resolve().parents[1] / "app" / "main.py"
 PAGES = ("rejection", "positions", "tokens", "sweep", "compare")
-APP_TIMEOUT_S = 60
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("runs")
-    return {
-        "root": root,
-        "base": make_fixture_run(root / "base", seed=0, num_requests=18),
-        "degraded": make_fixture_run(root / "degraded", seed=1, num_requests=18, degrade=0.35),
-        "nosweep": make_fixture_run(root / "nosweep", seed=2, num_requests=9, with_sweep=False),
-        "empty": make_fixture_run(root / "empty", seed=3, num_requests=0),
-    }
-
-
-def open_app(monkeypatch, runs_dir: Path, run: Path | None = None, page: str | None = None) -> AppTest:
-    """Run the app on ``runs_dir`` with ``run`` open, on ``page`` (default Overview)."""
-    monkeypatch.setenv(RUNS_DIR_ENV, str(runs_dir))
-    at = AppTest.from_file(str(MAIN), default_timeout=APP_TIMEOUT_S)
-    if run is not None:
-        at.session_state["run_path"] = str(run)
-    at.run()
-    if page is not None:
-        at.switch_page(f"views/{page}.py").run()
-    assert not at.exception, [e.value for e in at.exception]
-    return at
 
 
 def texts(elements) -> str:
@@ -67,9 +41,9 @@ def plotly_charts(at: AppTest) -> list:
 # ------------------------------------------------------------------------------------ pages
 
 
-def test_overview_shows_verdict_headline_and_check_fixes(monkeypatch, runs):
-    at = open_app(monkeypatch, runs["root"], runs["base"])
-    run = load_run(runs["base"], tables=())
+def test_overview_shows_verdict_headline_and_check_fixes(monkeypatch, dashboard_runs):
+    at = open_app(monkeypatch, dashboard_runs["root"], dashboard_runs["base"])
+    run = load_run(dashboard_runs["base"], tables=())
     meta = run.meta
     status, sentence = data.run_verdict(run.record.checks)
     assert at.title[0].value == "Overview"
@@ -86,9 +60,9 @@ def test_overview_shows_verdict_headline_and_check_fixes(monkeypatch, runs):
     assert meta["environment"]["torch"] in environment["value"].tolist()
 
 
-def test_rejection_table_matches_summary_and_filters_recompute(monkeypatch, runs):
-    at = open_app(monkeypatch, runs["root"], runs["base"], "rejection")
-    summary = load_run(runs["base"], tables=()).meta["summary"]
+def test_rejection_table_matches_summary_and_filters_recompute(monkeypatch, dashboard_runs):
+    at = open_app(monkeypatch, dashboard_runs["root"], dashboard_runs["base"], "rejection")
+    summary = load_run(dashboard_runs["base"], tables=()).meta["summary"]
     table = at.dataframe[0].value.set_index("class")
     assert table.index[0] == "overall"
     for cls, metrics in summary["by_class"].items():
@@ -108,8 +82,8 @@ def test_rejection_table_matches_summary_and_filters_recompute(monkeypatch, runs
     assert "Recomputed over the 6 requests" in texts(at.caption)
 
 
-def test_rejection_drill_down_opens_the_request_in_the_token_view(monkeypatch, runs):
-    at = open_app(monkeypatch, runs["root"], runs["base"], "rejection")
+def test_rejection_drill_down_opens_the_request_in_the_token_view(monkeypatch, dashboard_runs):
+    at = open_app(monkeypatch, dashboard_runs["root"], dashboard_runs["base"], "rejection")
     at.selectbox(key="drill_class").set_value("code").run()
     first = at.dataframe[1].value["request_id"].iloc[0]
     at.button(key="open_tokens").click().run()
@@ -118,9 +92,9 @@ def test_rejection_drill_down_opens_the_request_in_the_token_view(monkeypatch, r
     assert at.selectbox(key="token_request").value == first
 
 
-def test_positions_page_shows_rates_of_the_summary(monkeypatch, runs):
-    at = open_app(monkeypatch, runs["root"], runs["base"], "positions")
-    summary = load_run(runs["base"], tables=()).meta["summary"]
+def test_positions_page_shows_rates_of_the_summary(monkeypatch, dashboard_runs):
+    at = open_app(monkeypatch, dashboard_runs["root"], dashboard_runs["base"], "positions")
+    summary = load_run(dashboard_runs["base"], tables=()).meta["summary"]
     assert len(plotly_charts(at)) == 3
     pivot = at.dataframe[0].value
     np.testing.assert_allclose(pivot["math"], np.array(summary["by_class"]["math"]["acceptance_rate_per_pos"], dtype=float))
@@ -130,8 +104,8 @@ def test_positions_page_shows_rates_of_the_summary(monkeypatch, runs):
     assert "Weakest slot" in texts(at.caption)
 
 
-def test_tokens_page_escapes_hostile_token_text(monkeypatch, runs):
-    at = open_app(monkeypatch, runs["root"], runs["base"], "tokens")
+def test_tokens_page_escapes_hostile_token_text(monkeypatch, dashboard_runs):
+    at = open_app(monkeypatch, dashboard_runs["root"], dashboard_runs["base"], "tokens")
     at.selectbox(key="token_request").set_value("math-0000").run()
     assert not at.exception
     body = at.get("html")[0].value
@@ -155,9 +129,9 @@ def test_tokens_page_paginates_long_requests(monkeypatch, tmp_path):
     assert at.get("html")[0].value.count('class="dd-step"') == min(data.STEPS_PER_TOKEN_PAGE, num_steps - data.STEPS_PER_TOKEN_PAGE)
 
 
-def test_sweep_page_shows_recommendation_and_costs(monkeypatch, runs):
-    at = open_app(monkeypatch, runs["root"], runs["base"], "sweep")
-    meta = load_run(runs["base"], tables=()).meta
+def test_sweep_page_shows_recommendation_and_costs(monkeypatch, dashboard_runs):
+    at = open_app(monkeypatch, dashboard_runs["root"], dashboard_runs["base"], "sweep")
+    meta = load_run(dashboard_runs["base"], tables=()).meta
     assert len(plotly_charts(at)) == 1
     rec = at.dataframe[0].value.set_index("class")
     assert {c: int(r["k"]) for c, r in meta["recommendation"].items()} == rec["k"].astype(int).to_dict()
@@ -167,15 +141,15 @@ def test_sweep_page_shows_recommendation_and_costs(monkeypatch, runs):
     assert "measured" in texts(at.caption)
 
 
-def test_sweep_page_says_when_the_run_has_no_sweep(monkeypatch, runs):
-    at = open_app(monkeypatch, runs["root"], runs["nosweep"], "sweep")
+def test_sweep_page_says_when_the_run_has_no_sweep(monkeypatch, dashboard_runs):
+    at = open_app(monkeypatch, dashboard_runs["root"], dashboard_runs["nosweep"], "sweep")
     assert "no K sweep" in texts(at.info)
     assert not plotly_charts(at)
 
 
-def test_compare_flags_a_degraded_run_and_names_what_changed(monkeypatch, runs):
-    at = open_app(monkeypatch, runs["root"], runs["degraded"], "compare")
-    at.selectbox(key="compare_base").set_value(str(runs["base"])).run()
+def test_compare_flags_a_degraded_run_and_names_what_changed(monkeypatch, dashboard_runs):
+    at = open_app(monkeypatch, dashboard_runs["root"], dashboard_runs["degraded"], "compare")
+    at.selectbox(key="compare_base").set_value(str(dashboard_runs["base"])).run()
     assert "regression" in texts(at.error)
     tau_rows = at.dataframe[0].value.set_index("class")
     assert tau_rows["regression"].any()
@@ -201,14 +175,14 @@ def test_compare_of_a_run_with_itself_finds_no_regression(monkeypatch, tmp_path)
         ("sweep", "no K sweep"),
     ],
 )
-def test_every_page_explains_an_empty_run(monkeypatch, runs, page, note):
-    at = open_app(monkeypatch, runs["root"], runs["empty"], None if page == "overview" else page)
+def test_every_page_explains_an_empty_run(monkeypatch, dashboard_runs, page, note):
+    at = open_app(monkeypatch, dashboard_runs["root"], dashboard_runs["empty"], None if page == "overview" else page)
     assert note in texts(at.info)
 
 
-def test_compare_with_an_empty_run_says_nothing_was_compared(monkeypatch, runs):
-    at = open_app(monkeypatch, runs["root"], runs["empty"], "compare")
-    at.selectbox(key="compare_base").set_value(str(runs["nosweep"])).run()
+def test_compare_with_an_empty_run_says_nothing_was_compared(monkeypatch, dashboard_runs):
+    at = open_app(monkeypatch, dashboard_runs["root"], dashboard_runs["empty"], "compare")
+    at.selectbox(key="compare_base").set_value(str(dashboard_runs["nosweep"])).run()
     assert "nothing could be compared" in texts(at.warning)
     assert not at.success
     assert set(at.dataframe[0].value["note"]) == {"only in BASE: not compared"}
@@ -220,10 +194,10 @@ def test_no_runs_found_points_to_upload(monkeypatch, tmp_path):
     assert "No run is open" in texts(at.info)
 
 
-def test_uploading_a_zipped_run_opens_it(monkeypatch, runs, tmp_path):
+def test_uploading_a_zipped_run_opens_it(monkeypatch, dashboard_runs, tmp_path):
     buffer = io.BytesIO()
     with zipfile.ZipFile(buffer, "w") as archive:
-        for file in runs["nosweep"].iterdir():
+        for file in dashboard_runs["nosweep"].iterdir():
             archive.write(file, f"my-run/{file.name}")
     at = open_app(monkeypatch, tmp_path)
     at.get("file_uploader")[0].set_value(("my-run.zip", buffer.getvalue(), "application/zip")).run()
@@ -243,10 +217,10 @@ def test_uploading_a_non_run_file_says_what_to_upload(monkeypatch, tmp_path):
 # ------------------------------------------------------------------------------------ data layer
 
 
-def test_find_runs_accepts_a_run_or_a_folder_and_skips_broken_ones(runs, tmp_path):
-    assert data.find_runs(runs["base"]) == [runs["base"]]
-    found = data.find_runs(runs["root"])
-    assert set(found) == {runs["base"], runs["degraded"], runs["nosweep"], runs["empty"]}
+def test_find_runs_accepts_a_run_or_a_folder_and_skips_broken_ones(dashboard_runs, tmp_path):
+    assert data.find_runs(dashboard_runs["base"]) == [dashboard_runs["base"]]
+    found = data.find_runs(dashboard_runs["root"])
+    assert set(found) == {dashboard_runs["base"], dashboard_runs["degraded"], dashboard_runs["nosweep"], dashboard_runs["empty"]}
     (tmp_path / "group" / "broken").mkdir(parents=True)
     (tmp_path / "group" / "broken" / "run.json").write_text("{not json")
     make_fixture_run(tmp_path / "group" / "ok", seed=6, num_requests=3)
@@ -254,10 +228,10 @@ def test_find_runs_accepts_a_run_or_a_folder_and_skips_broken_ones(runs, tmp_pat
     assert data.find_runs(tmp_path / "missing") == []
 
 
-def test_save_upload_writes_only_run_files_inside_dest(runs, tmp_path):
+def test_save_upload_writes_only_run_files_inside_dest(dashboard_runs, tmp_path):
     buffer = io.BytesIO()
     with zipfile.ZipFile(buffer, "w") as archive:
-        archive.writestr("../../escape/run.json", (runs["base"] / "run.json").read_bytes())
+        archive.writestr("../../escape/run.json", (dashboard_runs["base"] / "run.json").read_bytes())
         archive.writestr("../../escape/evil.py", b"print('x')")
     dest = tmp_path / "uploads" / "one"
     assert data.save_upload([("run.zip", buffer.getvalue())], dest) == dest
@@ -279,8 +253,8 @@ def test_save_upload_rejects_what_is_not_a_run(tmp_path, files, named):
         data.save_upload(files, tmp_path / "dest")
 
 
-def test_request_chips_rebuild_the_committed_output(runs):
-    run = load_run(runs["nosweep"])
+def test_request_chips_rebuild_the_committed_output(dashboard_runs):
+    run = load_run(dashboard_runs["nosweep"])
     vocabulary = data.token_vocabulary(run.tokens)
     request = run.requests.iloc[1]
     steps = run.steps[run.steps["request_id"] == request["request_id"]]

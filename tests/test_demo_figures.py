@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 from dflash_doctor.cli import app
 from dflash_doctor.models.loading import DEMO_DRAFT_DIR
 from dflash_doctor.rundir.load import load_run
-from tests.tiny_models import torch_threads
+from tiny_models import torch_threads
 
 pytestmark = pytest.mark.integration
 

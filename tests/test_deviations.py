@@ -9,7 +9,6 @@ import pandas as pd
 import pytest
 import torch
 
-from checks_fixtures import qwen3_tokenizer  # noqa: F401
 
 from dflash_doctor.stats import deviations
 from dflash_doctor.stats.deviations import ConfidenceRule, categorize, deviation_tables

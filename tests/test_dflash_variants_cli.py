@@ -12,8 +12,7 @@ import torch
 from typer.testing import CliRunner
 
 from official_dflash import official_config, official_model, save_official
-from tests.test_cli_engine import tiny_tokenizer, write_workload
-from tiny_models import tiny_target, torch_threads
+from tiny_models import tiny_target, tiny_tokenizer, torch_threads, write_workload
 
 from dflash_doctor.cli import app
 from dflash_doctor.engine.live import plain_generate, speculative_generate

@@ -24,8 +24,8 @@ from dflash_doctor.errors import UsageError
 from dflash_doctor.replay.stream import Replay
 from dflash_doctor.rundir.load import load_run
 from dflash_doctor.inputs.workloads import Request
-from tests.test_cli_engine import pair_args, tiny_dir, write_workload  # noqa: F401  (tiny_dir is a fixture)
-from tests.tiny_models import tiny_target
+from cli_helpers import pair_args
+from tiny_models import tiny_target, write_workload
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -15,7 +15,7 @@ from urllib3.response import HTTPResponse
 from dflash_doctor.errors import UsageError
 from dflash_doctor.serving import http
 from dflash_doctor.serving.http import HttpClient, Unreachable, header_flags, secret
-from tests.local_servers import QuietHandler, ThreadedServer, free_port
+from local_servers import QuietHandler, ThreadedServer, free_port
 
 
 class ScriptedServer(ThreadedServer):

@@ -23,7 +23,7 @@ from dflash_doctor.engine.teacher import TeacherSequence, slot_table, walk_sched
 from dflash_doctor.stats.metrics import summarize
 from dflash_doctor.models.pair import stop_ids_of
 from dflash_doctor.inputs.workloads import encode_turn
-from tests.tiny_models import torch_threads
+from tiny_models import torch_threads
 
 pytestmark = pytest.mark.integration
 

@@ -9,7 +9,7 @@ from dflash_doctor.engine.live import plain_generate, speculative_generate
 from dflash_doctor.engine.proposers.autoregressive import AutoregressiveProposer
 from dflash_doctor.engine.proposers.dflash import DFlashProposer
 from dflash_doctor.engine.target import TargetModel
-from tests.tiny_models import tiny_dflash, tiny_target
+from tiny_models import tiny_dflash, tiny_target
 
 PROMPTS = [[5, 17, 42, 8, 9], [11, 12], [60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70]]
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from dflash_doctor.serving.server_settings import engine_settings
+from dflash_doctor.serving.server_settings import server_settings
 from dflash_doctor.cli import app
 from dflash_doctor.models.loading import DEMO_DRAFT_DIR
 from dflash_doctor.rundir.load import load_run
@@ -34,9 +34,8 @@ from dflash_doctor.telemetry.counts import SeriesKey
 from dflash_doctor.telemetry.server_metrics import read_exposition
 from dflash_doctor.telemetry.exposition import parse_exposition
 from dflash_doctor.telemetry.watch_record import read_windows
-from tests.llama_server import SERVED_NAME, demo_ggufs, llama_server_command, start_llama_server
-from tests.local_servers import free_port
-from tests.local_servers import stop_servers_on_sigterm  # noqa: F401 - autouse: stops the servers on a CI timeout
+from llama_server import SERVED_NAME, demo_ggufs, llama_server_command, start_llama_server
+from local_servers import free_port
 
 pytestmark = pytest.mark.llamacpp
 
@@ -147,7 +146,7 @@ def test_engine_config_reads_the_running_server_and_flags_the_default_n_max(gguf
                            "max_tokens": 24, "temperature": 0}).encode()
         request = urllib.request.Request(f"{server.url}/v1/chat/completions", body, {"Content-Type": "application/json"})
         urllib.request.urlopen(request, timeout=300).read()  # the per-position series appear with the first draft
-        settings = engine_settings(server.url)
+        settings = server_settings(server.url)
         code, output = cli("env", "--engine-config", server.url, "--draft", str(DEMO_DRAFT_DIR), "--fail-on", "warn")
     finally:
         server.stop()

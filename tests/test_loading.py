@@ -14,9 +14,8 @@ from dflash_doctor.inputs.validation import read_config_json
 from dflash_doctor.models import loading
 from dflash_doctor.models.draft_kinds import LoadOptions, detect_draft_kind, get_draft_kind
 from dflash_doctor.errors import UsageError
-from tests.hub_cache import hub_snapshot, offline_hub_cache
-from tests.test_cli_engine import tiny_tokenizer
-from tests.tiny_models import tiny_target
+from hub_cache import hub_snapshot, offline_hub_cache
+from tiny_models import tiny_target, tiny_tokenizer
 
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -102,7 +101,7 @@ CONVERT_IN_A_PROCESS = """
 import sys, time
 from pathlib import Path
 from dflash_doctor.models import loading
-from tests.test_loading import _record_dequantise
+from test_loading import _record_dequantise
 
 gguf, log, ready = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
 loading._dequantise_gguf = lambda path, out: _record_dequantise(path, out, log, seconds=1.0)
@@ -123,7 +122,7 @@ def test_two_processes_loading_one_new_gguf_convert_it_once(tmp_path):
     env = {**os.environ, "DFLASH_DOCTOR_CACHE": str(tmp_path / "cache")}
     processes = [
         subprocess.Popen([sys.executable, "-c", CONVERT_IN_A_PROCESS, str(gguf), str(log), str(ready), name],
-                         cwd=Path(__file__).parents[1], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         cwd=Path(__file__).parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for name in ("a", "b")
     ]
     outputs = [process.communicate(timeout=120) for process in processes]
@@ -141,8 +140,6 @@ def test_weights_fingerprint_is_the_same_in_float32_and_bfloat16_and_moves_with_
     """A draft trained against a bf16 copy of its target must recognise the float32 target (and the
     reverse); a fine-tune that moves the weights must not."""
     import torch
-
-    from tests.tiny_models import tiny_target
 
     model = tiny_target()
     recorded = loading.weights_fingerprint(model)

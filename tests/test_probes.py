@@ -19,8 +19,7 @@ from dflash_doctor.rundir.run_record import LosslessProbe, RunMeta, RunRecord
 from dflash_doctor.replay.stream import replay_teacher
 from dflash_doctor.rundir.writer import RunWriter
 from dflash_doctor.inputs.workloads import load_workload
-from tests.test_cli_engine import tiny_tokenizer, write_workload
-from tests.tiny_models import tiny_dflash, tiny_target, torch_threads
+from tiny_models import tiny_dflash, tiny_target, tiny_tokenizer, torch_threads, write_workload
 
 MAX_NEW_TOKENS = 16
 LAYER_IDS = (1, 2)  # of 4 target layers: offsets -1, 0 and +1 all exist

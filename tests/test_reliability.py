@@ -39,13 +39,13 @@ from dflash_doctor.report.terminal import print_check_results, print_class_summa
 from dflash_doctor.rundir.load import load_run
 from dflash_doctor.telemetry.watch_record import read_units, read_windows
 from dflash_doctor.rundir.ownership import LOCK_FILE, claim_run_dir
-from tests.test_cli_engine import one_thread, tiny_dir  # noqa: F401 (fixtures: one torch thread; target/, dflash/, 6 requests)
-from tests.test_cli_engine import assert_usage_error, tiny_tokenizer, write_workload
-from tests.test_run_journal import write_request
-from tests.checks_fixtures import record
-from tests.fixture_runs import make_fixture_run
-from tests.telemetry_fixtures import DATA, MetricsExporter
-from tests.tiny_models import tiny_dflash, tiny_target
+from cli_helpers import assert_usage_error
+from tiny_models import tiny_dflash, tiny_target, tiny_tokenizer, write_workload
+from checks_fixtures import record
+from fixture_runs import make_fixture_run, write_request
+from telemetry_fixtures import DATA, MetricsExporter
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 CONSOLE_SCRIPT = Path(sys.executable).with_name("dflash-doctor")
 SUBPROCESS_TIMEOUT_S = 300

@@ -26,38 +26,13 @@ from dflash_doctor.models.loading import save_dflash_draft
 from dflash_doctor.rundir.load import load_run
 from dflash_doctor.rundir.run_record import RunMeta, RunRecord
 from dflash_doctor.rundir.writer import JOURNAL_DIR, RunWriter, journal_path, utc_now
-from tests.test_cli_engine import CLASSES, tiny_tokenizer
-from tests.tiny_models import tiny_dflash, tiny_target
+from fixture_runs import request_rows, write_request
+from tiny_models import CLASSES, tiny_dflash, tiny_target, tiny_tokenizer
 
 CONSOLE_SCRIPT = Path(sys.executable).with_name("dflash-doctor")
 MAIN = Path(__file__).resolve().parents[1] / "app" / "main.py"
 REQUESTS_BEFORE_KILL = 4
 REPLAY_TIMEOUT_S = 300
-
-
-def request_rows(request_id: str, num_steps: int) -> dict[str, list[dict]]:
-    """A request's rows in the three tables: ``num_steps`` steps drafting 2 tokens, the first accepted."""
-    steps = [
-        {"request_id": request_id, "class": "math", "step": s, "position": 1 + 2 * s, "k": 2, "num_drafted": 2,
-         "num_accepted": 1, "bonus_token": 5, "draft_time_s": 0.01, "verify_time_s": 0.02}
-        for s in range(num_steps)
-    ]
-    tokens = [
-        {"request_id": request_id, "class": "math", "step": s, "position": 1 + 2 * s + j, "offset": j + 1,
-         "draft_token": 7, "target_token": 7 if j == 0 else 8, "accepted": j == 0}
-        for s in range(num_steps) for j in range(2)
-    ]
-    request = {"request_id": request_id, "class": "math", "subclass": "gsm", "turn": 0, "prompt_num_tokens": 10,
-               "output_token_ids": [7] * (2 * num_steps + 1), "output_text": "x", "num_output_tokens": 2 * num_steps + 1,
-               "num_steps": num_steps, "num_drafts": num_steps, "num_draft_tokens": 2 * num_steps,
-               "num_accepted_tokens": num_steps, "tau": 2.0, "stop_reason": "max_new_tokens", "wall_time_s": 0.1}
-    return {"steps": steps, "tokens": tokens, "requests": [request]}
-
-
-def write_request(writer: RunWriter, request_id: str, num_steps: int = 3) -> None:
-    for table, rows in request_rows(request_id, num_steps).items():
-        writer.add(table, rows)
-    writer.flush()
 
 
 def test_a_run_is_readable_while_it_is_written_and_identical_once_closed(tmp_path):

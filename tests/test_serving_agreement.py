@@ -14,10 +14,10 @@ from dflash_doctor.engine.live import speculative_generate
 from dflash_doctor.serving.agreement import (
     CONFIGURED, FIRST_LAYER_CONTEXT_K_NORM, ServingSetup, compare_turn, serving_setups, setup_proposer, summarize_agreement,
 )
-from dflash_doctor.serving.server_run import EngineTurn
+from dflash_doctor.serving.server_run import ServerTurn
 from dflash_doctor.serving.responses import SpecMeasurement, step_rows
 from dflash_doctor.inputs.workloads import Request
-from tests.tiny_models import tiny_dflash, tiny_target
+from tiny_models import tiny_dflash, tiny_target
 
 
 def test_causal_flip_makes_each_slot_blind_to_later_slots():
@@ -75,11 +75,11 @@ class _Local:
         self.stop_ids = stop_ids
 
 
-def _engine_turn(request_id, prompt, result, k) -> EngineTurn:
+def _engine_turn(request_id, prompt, result, k) -> ServerTurn:
     accepted = [s.num_accepted for s in result.steps]
     measurement = SpecMeasurement("vllm", k, len(accepted), sum(s.num_drafted for s in result.steps), sum(accepted),
                                   per_step_accepted=tuple(accepted), per_step_drafted=tuple(s.num_drafted for s in result.steps))
-    return EngineTurn(request=Request(id=request_id, prompt="x"), turn=0, output_text="", output_token_ids=result.output_ids,
+    return ServerTurn(request=Request(id=request_id, prompt="x"), turn=0, output_text="", output_token_ids=result.output_ids,
                       prompt_token_ids=prompt, prompt_num_tokens=len(prompt), num_output_tokens=len(result.output_ids),
                       stop_reason=result.stop_reason, measurement=measurement, wall_time_s=0.0,
                       steps=step_rows(measurement, result.output_ids))

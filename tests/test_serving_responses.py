@@ -10,7 +10,7 @@ import pytest
 from dflash_doctor.serving.server_run import read_completion
 from dflash_doctor.serving.responses import (LLAMA_CPP, MalformedResponse, MissingMetrics, histogram_from_per_pos, parse_response,
                                              per_pos_from_histogram, step_rows)
-from dflash_doctor.telemetry.server_metrics import ENGINE_PREFIXES
+from dflash_doctor.telemetry.server_metrics import SERVER_PREFIXES
 from dflash_doctor.telemetry.observation import ParseProblems
 from dflash_doctor.telemetry.captured_responses import parse_response_lines
 
@@ -128,7 +128,7 @@ def test_both_readers_name_llama_cpp_as_watch_and_its_metric_namespace_do():
     """ENGINES.md section B: llama.cpp's own identifier is `llamacpp` (`llamacpp:spec_decode_*`), the name
     `watch --engine` takes; serving called it "llama.cpp" and translated between the two."""
     measured, counts, refused = _both({"content": "x", "timings": {"predicted_n": 665, "draft_n": 604, "draft_n_accepted": 515}})
-    assert measured.engine == LLAMA_CPP == "llamacpp" and LLAMA_CPP in ENGINE_PREFIXES
+    assert measured.engine == LLAMA_CPP == "llamacpp" and LLAMA_CPP in SERVER_PREFIXES
     assert (counts.num_draft_tokens, counts.num_accepted_tokens, counts.num_generated_tokens, refused) == (604.0, 515.0, 665.0, 0)
 
 

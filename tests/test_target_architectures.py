@@ -30,10 +30,11 @@ from dflash_doctor.engine.target import TargetModel, attention_implementation
 from dflash_doctor.engine.teacher import TeacherSequence, slot_table, walk_schedule
 from dflash_doctor.errors import UsageError
 from dflash_doctor.models.loading import load_causal_lm, save_dflash_draft
-from tests.target_families import CONFIGS, tiny_family_target
-from tests.test_cli_engine import assert_usage_error, tiny_tokenizer, write_workload
-from tests.test_cli_engine import one_thread  # noqa: F401  (its module-scoped autouse fixture: one thread for tiny models)
-from tests.tiny_models import tiny_dflash
+from target_families import CONFIGS, tiny_family_target
+from cli_helpers import assert_usage_error
+from tiny_models import tiny_dflash, tiny_tokenizer, write_workload
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 FAMILIES = list(CONFIGS)
 HYBRIDS = ["qwen3_5", "qwen3_5_moe", "qwen3_next", "lfm2", "nemotron_h"]

@@ -12,8 +12,8 @@ from dflash_doctor.engine import target as target_module
 from dflash_doctor.engine.proposers.dflash import DFlashProposer
 from dflash_doctor.engine.target import TargetModel
 from dflash_doctor.engine.teacher import TeacherSequence, slot_table
-from tests.target_families import CONFIGS, tiny_family_target
-from tests.tiny_models import tiny_dflash
+from target_families import CONFIGS, tiny_family_target
+from tiny_models import tiny_dflash
 
 
 @pytest.mark.parametrize("family", sorted(CONFIGS))

@@ -1,6 +1,5 @@
 """Teacher-forced replay reproduces the live loop exactly at T = 0, for every K, from one pass."""
 
-import copy
 
 import numpy as np
 import pytest
@@ -11,9 +10,8 @@ from dflash_doctor.engine.proposers.autoregressive import AutoregressiveProposer
 from dflash_doctor.engine.proposers.dflash import DFlashProposer
 from dflash_doctor.engine.target import TargetModel
 from dflash_doctor.engine.teacher import TeacherSequence, slot_table, token_rows, walk_schedule
-from tests.tiny_models import tiny_dflash, tiny_target
+from tiny_models import TEACHER_PROMPTS, draft_that_agrees_often, tiny_dflash, tiny_target
 
-PROMPTS = [[5, 17, 42, 8, 9], [11, 12], [60, 61, 62, 63, 64, 65, 66, 67]]
 STEP_KEYS = ("position", "num_drafted", "num_accepted", "bonus_token")
 
 
@@ -21,23 +19,13 @@ def _strip(steps):
     return [tuple(getattr(s, key) for key in STEP_KEYS) for s in steps]
 
 
-def _draft_that_agrees_often(target_model):
-    """An autoregressive draft close to the target (perturbed copy): long accepted runs AND rejections."""
-    draft = copy.deepcopy(target_model)
-    torch.manual_seed(3)
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.add_(torch.randn_like(p) * 0.004)
-    return draft
-
-
 @pytest.mark.parametrize("max_new", [20, 33])
 def test_autoregressive_every_k_from_one_pass_equals_live(max_new):
     target_model = tiny_target()
-    draft_model = _draft_that_agrees_often(target_model)
+    draft_model = draft_that_agrees_often(target_model)
     stop = frozenset({2})
     accepted_counts = set()
-    for prompt in PROMPTS:
+    for prompt in TEACHER_PROMPTS:
         target = TargetModel(target_model)
         truth = plain_generate(target, torch.tensor(prompt), max_new_tokens=max_new, stop_ids=stop).output_ids
         table, _ = slot_table(target, AutoregressiveProposer(draft_model), TeacherSequence(prompt, truth), 12)
@@ -59,7 +47,7 @@ def test_autoregressive_every_k_from_one_pass_equals_live(max_new):
 def test_dflash_full_block_equals_live():
     target_model = tiny_target()
     draft = tiny_dflash(target_model, block_size=6)
-    for prompt in PROMPTS:
+    for prompt in TEACHER_PROMPTS:
         target = TargetModel(target_model, draft.hidden_state_indices)
         truth = plain_generate(target, torch.tensor(prompt), max_new_tokens=30).output_ids
         for k in (5, 3):  # the live loop drafts blocks of K + 1; one teacher pass per block length

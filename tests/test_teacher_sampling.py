@@ -29,7 +29,9 @@ from dflash_doctor.engine.proposers.dflash import DFlashProposer
 from dflash_doctor.engine.target import TargetModel
 from dflash_doctor.engine.teacher import TeacherSequence, slot_table, walk_schedule
 from dflash_doctor.stats.metrics import tau_with_ci
-from tests.tiny_models import tiny_dflash, tiny_target, torch_threads
+from tiny_models import tiny_dflash, tiny_target
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: 10x slower with 2 threads on a busy machine
 
 VOCAB = 11
 TEMPERATURE = 1.0
@@ -92,13 +94,6 @@ def _teacher_tau(runs, proposer_for=lambda proposer: proposer) -> float:
         accept_probs.append(table.accept_probs[[s.position - 1 for s in _full_k_steps(result)]])
     reach = np.cumprod(np.concatenate(accept_probs), axis=1)
     return float(1.0 + reach[:, :K].sum(axis=1).mean())
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: thread hand-offs cost more than the matmuls (10x slower with 2 threads on a busy machine)."""
-    with torch_threads(1):
-        yield
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,7 @@ from dflash_doctor.engine.proposers.autoregressive import AutoregressiveProposer
 from dflash_doctor.engine.proposers.dflash import DFlashProposer
 from dflash_doctor.engine.target import TargetModel
 from dflash_doctor.engine.teacher import TeacherSequence, slot_table, token_rows, walk_schedule
-from tests.test_teacher import PROMPTS, _draft_that_agrees_often
-from tests.tiny_models import tiny_dflash, tiny_target
+from tiny_models import TEACHER_PROMPTS, draft_that_agrees_often, tiny_dflash, tiny_target
 
 MAX_NEW = 30
 K = 5
@@ -33,7 +32,7 @@ def _pair(kind):
             target_model.lm_head.weight[75] *= 2.0  # the untrained draft leans to token 75: the target often agrees
         draft = tiny_dflash(target_model, block_size=K + 1)
         return target_model, lambda target: DFlashProposer(draft, target)
-    draft = _draft_that_agrees_often(target_model)
+    draft = draft_that_agrees_often(target_model)
     return target_model, lambda target: AutoregressiveProposer(draft)
 
 
@@ -42,7 +41,7 @@ def test_schedule_anchors_get_every_anchors_rows_and_the_live_loops(kind, monkey
     monkeypatch.setattr(teacher, "ANCHOR_CHUNK", 4)  # several draft passes: anchors are chosen pass by pass
     target_model, make = _pair(kind)
     skipped = lazy_runs_past_slot_1 = 0
-    for prompt in PROMPTS:
+    for prompt in TEACHER_PROMPTS:
         target = TargetModel(target_model)
         truth = plain_generate(target, torch.tensor(prompt), max_new_tokens=MAX_NEW).output_ids
         sequence = TeacherSequence(prompt, truth)

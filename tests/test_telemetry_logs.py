@@ -28,13 +28,13 @@ import json
 
 import pytest
 
-from dflash_doctor.telemetry.logs import LogContext, detect_log_engine, parse_log_lines
+from dflash_doctor.telemetry.logs import LogContext, detect_log_server_kind, parse_log_lines
 from dflash_doctor.telemetry.observation import ParseProblems
 from telemetry_fixtures import DATA
 
 
 def parse(lines: list[str], engine: str | None = None):
-    engine = engine or detect_log_engine(lines)
+    engine = engine or detect_log_server_kind(lines)
     problems = ParseProblems()
     ctx = LogContext(model="m", origin="test.log", year=2026, problems=problems)
     return list(parse_log_lines(lines, engine=engine, ctx=ctx)), problems
@@ -95,7 +95,7 @@ def test_sglang_decode_batch_line():
     # Built from report_decode_stats' f-strings, with the "[iter]" option and a TP prefix.
     line = ("[2026-11-30 15:00:00 TP0] Decode batch [1234], #running-req: 9, #cached-token: 0, #token: 11584, token usage: 0.01, "
             "accept len: 3.04, accept rate: 0.68, cuda graph: True, gen throughput (token/s): 22.40, #queue-req: 1")
-    assert detect_log_engine([line]) == "sglang"
+    assert detect_log_server_kind([line]) == "sglang"
     (obs,), problems = parse([line])
     assert obs.reported == {"mean_acceptance_length": 3.04, "draft_acceptance_rate": 0.68, "running_requests": 9.0}
     assert obs.counts.num_drafts is None  # SGLang prints averages, no counts

@@ -25,7 +25,7 @@ from __future__ import annotations
 import pytest
 
 from dflash_doctor.telemetry.counts import SeriesKey
-from dflash_doctor.telemetry.server_metrics import detect_engine, read_exposition
+from dflash_doctor.telemetry.server_metrics import detect_server_kind, read_exposition
 from dflash_doctor.telemetry.exposition import parse_exposition
 from telemetry_fixtures import DATA
 
@@ -116,7 +116,7 @@ def test_llamacpp_current_and_old_names():
 
 def test_trtllm_drafts_are_position_zero_drafts():
     reading = read("trtllm_prometheus.txt")
-    assert detect_engine(parse_exposition((DATA / "trtllm_prometheus.txt").read_text())) == "trtllm"
+    assert detect_server_kind(parse_exposition((DATA / "trtllm_prometheus.txt").read_text())) == "trtllm"
     counts = reading.counts[SeriesKey("nemotron-nano-3")]
     assert counts.num_drafts == 1000 and counts.k == 3
     assert counts.mean_acceptance_length == pytest.approx(1 + 1650 / 1000)

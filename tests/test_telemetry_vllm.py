@@ -57,7 +57,7 @@ def target_dir() -> Path:
 
 
 def test_watch_real_vllm_then_a_forced_drop(target_dir, tmp_path):
-    from tests.vllm_server import start_vllm_server  # the real-vLLM fixture of the `vllm` tests (issue 13)
+    from vllm_server import start_vllm_server
 
     server = start_vllm_server(target_dir, DEMO_DRAFT_DIR, tmp_path / "good.log")
     try:

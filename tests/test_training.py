@@ -24,7 +24,7 @@ from dflash_doctor.engine.target import TargetModel
 from dflash_doctor.errors import UsageError
 from dflash_doctor.models.loading import load_dflash_draft, save_dflash_draft
 from dflash_doctor.models.training import SequenceRecord, TrainConfig, choose_mask_token_id, held_out_steps, sample_anchors, slot_weights, train_dflash_draft, validate_mask_token_id
-from tests.tiny_models import tiny_dflash, tiny_target, torch_threads
+from tiny_models import tiny_dflash, tiny_target, torch_threads
 
 STOP_IDS = frozenset({2})
 NEW_TOKENS = 24
@@ -376,7 +376,7 @@ def test_extra_word_problems_never_use_a_held_out_template():
 
 
 def test_self_written_prompts_start_from_an_empty_user_turn_drop_cut_and_repeated_ones_and_are_cached(tmp_path, monkeypatch):
-    from tests.checks_fixtures import tiny_tokenizer
+    from checks_fixtures import tiny_tokenizer
 
     tokenizer = tiny_tokenizer(["user:", "hello", "how", "are", "you", "?", "tell", "me", "a", "joke"])
     template = "{% for m in messages %}<s> user: {{ m['content'] }} </s>{% endfor %}"
@@ -447,7 +447,7 @@ def test_features_are_the_hidden_states_of_the_tapped_layers():
 @pytest.fixture(scope="module")
 def target_and_workload(tmp_path_factory):
     """A tiny saved target with a ChatML tokenizer, and a small workload file: `train-draft` end to end in seconds."""
-    from tests.test_cli_engine import tiny_tokenizer, write_workload
+    from tiny_models import tiny_tokenizer, write_workload
 
     root = tmp_path_factory.mktemp("train_cli")
     tiny_target().save_pretrained(root / "target")

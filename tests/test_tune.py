@@ -19,11 +19,11 @@ from typer.testing import CliRunner
 from dflash_doctor.app import RUNS_DIR_ENV
 from dflash_doctor.cli import app
 from dflash_doctor.stats.speedup import load_cost_profile
-from dflash_doctor.tune.advice import batch_ranges, engine_settings, recommend_grid
+from dflash_doctor.tune.advice import batch_ranges, settings_per_server, recommend_grid
 from dflash_doctor.tune.analysis import analyse, cell
 from dflash_doctor.inputs.config import build_config
 from dflash_doctor.inputs.workloads import load_workload
-from dflash_doctor.serving.client import EngineEndpoint, resolve_model
+from dflash_doctor.serving.client import ServerEndpoint, resolve_model
 from dflash_doctor.tune.experiment import redact
 from dflash_doctor.tune.loads import CONCURRENCY, REQUEST_RATE, LoadLevel, arrival_offsets
 from dflash_doctor.tune.measure import first_turns, run_load
@@ -101,13 +101,13 @@ def test_vllm_setting_per_batch_size_and_speculation_off():
         return {str(load): {"overall": {"k": k}} for load, k in k_by_load.items()}
 
     assert batch_ranges({1: 4, 8: 2, 32: 0}) == [[1, 1, 4], [2, 8, 2], [9, 32, 0]]
-    mixed = engine_settings(picks({1: 4, 8: 0}))
+    mixed = settings_per_server(picks({1: 4, 8: 0}))
     spec = json.loads(mixed["vllm"].split("'")[1])
     assert spec["num_speculative_tokens"] == 4 and spec["num_speculative_tokens_per_batch_size"] == [[1, 1, 4], [2, 8, 0]]
-    assert '"num_speculative_tokens": 3' in engine_settings(picks({1: 3, 4: 3}))["vllm"]
-    assert engine_settings(picks({1: 3}))["sglang"] == "--speculative-num-draft-tokens 4"
-    assert engine_settings(picks({1: 0, 4: 0}))["vllm"].startswith("speculation off")
-    by_rate = engine_settings({"2": {"overall": {"k": 4}}, "inf": {"overall": {"k": 2}}}, kind=REQUEST_RATE)["vllm"]
+    assert '"num_speculative_tokens": 3' in settings_per_server(picks({1: 3, 4: 3}))["vllm"]
+    assert settings_per_server(picks({1: 3}))["sglang"] == "--speculative-num-draft-tokens 4"
+    assert settings_per_server(picks({1: 0, 4: 0}))["vllm"].startswith("speculation off")
+    by_rate = settings_per_server({"2": {"overall": {"k": 4}}, "inf": {"overall": {"k": 2}}}, kind=REQUEST_RATE)["vllm"]
     assert by_rate.startswith("K differs by load (request rate 2/s: K=4, request rate inf (all at once): K=2)")
     assert "keys on batch size, not arrival rate" in by_rate and "--speculative-config" not in by_rate
 
@@ -288,7 +288,7 @@ def test_an_open_loop_sends_each_request_at_its_offset_while_earlier_ones_are_in
     arrivals: list[tuple[str, float]] = []
     server = fake.start(0, arrivals=arrivals)
     try:
-        endpoint = resolve_model(EngineEndpoint.from_url(f"http://127.0.0.1:{server.server_address[1]}"))
+        endpoint = resolve_model(ServerEndpoint.from_url(f"http://127.0.0.1:{server.server_address[1]}"))
         rate = LoadLevel(REQUEST_RATE, 8.0)
         open_run = run_load(endpoint, requests, config, k=0, load=rate)
         open_arrivals = dict(arrivals)

@@ -28,12 +28,12 @@ from typer.testing import CliRunner
 from dflash_doctor.cli import app
 from dflash_doctor.inputs.config import build_config
 from dflash_doctor.inputs.workloads import load_workload
-from dflash_doctor.serving.client import EngineEndpoint, resolve_model
+from dflash_doctor.serving.client import ServerEndpoint, resolve_model
 from dflash_doctor.tune.loads import CONCURRENCY, LoadLevel
 from dflash_doctor.tune.measure import first_turns, run_load, stream_request
 from dflash_doctor.models.loading import DEMO_DRAFT_DIR, demo_target_path, resolve_model_dir
 from dflash_doctor.stats.speedup import load_cost_profile
-from tests.vllm_server import SERVED_NAME, VLLM_ENV, VLLM_PYTHON, free_port, start_vllm_server, vllm_command
+from vllm_server import SERVED_NAME, VLLM_ENV, VLLM_PYTHON, free_port, start_vllm_server, vllm_command
 
 pytestmark = pytest.mark.vllm
 
@@ -129,7 +129,7 @@ def test_tune_latency_and_throughput_agree_with_vllm_bench_serve(tmp_path):
     config = build_config(max_new_tokens=48)
     server = start_vllm_server(target, DEMO_DRAFT_DIR, tmp_path / "server.log", num_speculative_tokens=0)
     try:
-        endpoint = resolve_model(EngineEndpoint.from_url(server.url))
+        endpoint = resolve_model(ServerEndpoint.from_url(server.url))
         stream_request(endpoint, requests[0], config)  # warm-up, as tune does per server
         # doctor, vllm bench, doctor again: the doctor's two passes pooled sit around the bench's in time,
         # so a machine slowing down or warming up during the test does not count as disagreement

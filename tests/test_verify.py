@@ -9,7 +9,7 @@ from dflash_doctor.engine.proposers.autoregressive import AutoregressiveProposer
 from dflash_doctor.engine.proposers.dflash import DFlashProposer
 from dflash_doctor.engine.target import TargetModel
 from dflash_doctor.engine.verify import greedy_accept, rejection_sample
-from tests.tiny_models import tiny_dflash, tiny_target
+from tiny_models import tiny_dflash, tiny_target
 
 # Chi-square critical values at p = 0.001 (df -> value); a correct sampler fails 1 run in 1000.
 CHI2_CRITICAL_0001 = {3: 16.27, 7: 24.32}

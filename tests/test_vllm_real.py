@@ -28,8 +28,7 @@ from dflash_doctor.cli import app
 from dflash_doctor.models.loading import DEMO_DRAFT_DIR, demo_target_path, resolve_model_dir
 from dflash_doctor.rundir.load import load_run
 from dflash_doctor.serving.agreement import CONFIGURED, FIRST_LAYER_CONTEXT_K_NORM
-from tests.vllm_server import SERVED_NAME, free_port, start_vllm_server
-from tests.local_servers import stop_servers_on_sigterm  # noqa: F401 - autouse: stops the servers on a CI timeout
+from vllm_server import SERVED_NAME, free_port, start_vllm_server
 
 pytestmark = pytest.mark.vllm
 

@@ -1,9 +1,13 @@
-"""Tiny models built from configs in-process (no downloads): a Llama-style target and drafts for it."""
+"""Tiny models built from configs in-process (no downloads): a Llama-style target and drafts for it, the
+ChatML word-level tokenizer that goes with them and a workload file of their words."""
 
 from __future__ import annotations
 
+import copy
+import json
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -14,6 +18,41 @@ from dflash_doctor.engine.target import TargetModel
 
 VOCAB = 97
 PROMPT = [1, 17, 42, 8, 9, 30, 31, 44]
+TEACHER_PROMPTS = [[5, 17, 42, 8, 9], [11, 12], [60, 61, 62, 63, 64, 65, 66, 67]]  # the teacher-forcing tests' prompts
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+# ids 0, 1, 2 are the tiny target's pad, bos and eos; 3 is the DFlash draft's mask token
+SPECIAL_TOKENS = ["<pad>", "<s>", "<|im_end|>", "<mask>", "<|im_start|>", "<unk>"]
+ROLE_WORDS = ["system", "user", "assistant"]
+CLASSES = ("math", "code", "chat")
+
+
+def tiny_tokenizer(vocab_size: int = VOCAB):
+    """A WordLevel tokenizer over ``vocab_size`` ids with ChatML specials and a ChatML chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = [f"w{i}" for i in range(vocab_size - len(SPECIAL_TOKENS) - len(ROLE_WORDS))]
+    vocab = {token: index for index, token in enumerate(SPECIAL_TOKENS + ROLE_WORDS + words)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.add_special_tokens(SPECIAL_TOKENS)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="<|im_end|>", pad_token="<pad>", unk_token="<unk>",
+        chat_template=CHATML,
+    )
+
+
+def write_workload(path: Path, per_class: int) -> Path:
+    lines = [
+        json.dumps({"id": f"{cls}-{i}", "class": cls, "messages": [{"role": "user", "content": f"w{i} w{i + 7} w{i + 3} w9"}]})
+        for cls in CLASSES
+        for i in range(per_class)
+    ]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
 
 
 @contextmanager
@@ -87,3 +126,13 @@ def first_block_logits(draft: DFlashDraftModel, target: LlamaForCausalLM) -> tor
     proposer = DFlashProposer(draft, wrapped)
     proposer.start(torch.tensor(PROMPT), torch.cat([hidden[i][0] for i in draft.hidden_state_indices], dim=-1))
     return proposer.propose(PROMPT[-1], 5, 5).logits
+
+
+def draft_that_agrees_often(target_model):
+    """An autoregressive draft close to the target (perturbed copy): long accepted runs AND rejections."""
+    draft = copy.deepcopy(target_model)
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn_like(p) * 0.004)
+    return draft

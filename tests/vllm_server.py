@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-from local_servers import EngineServer, free_port, start_engine_server  # tests/ is on sys.path under pytest and as a script
+from local_servers import LocalServer, free_port, start_local_server  # tests/ is on sys.path under pytest and as a script
 
 REPO = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
@@ -43,7 +43,7 @@ VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "INFO"}
 
 
 def start_vllm_server(target_dir: Path, draft_dir: Path, log_path: Path, *, num_speculative_tokens: int = 15,
-                      port: int | None = None, api_key: str | None = None) -> EngineServer:
+                      port: int | None = None, api_key: str | None = None) -> LocalServer:
     """Launch ``python -m vllm.entrypoints.openai.api_server`` with the DFlash draft and detailed metrics
     (``num_speculative_tokens=0``: the target alone, no speculation; ``api_key``: readiness is read off
     /health, which needs no key)."""
@@ -54,7 +54,7 @@ def start_vllm_server(target_dir: Path, draft_dir: Path, log_path: Path, *, num_
     command = vllm_command(target_dir, port, speculative_config=json.dumps(spec) if num_speculative_tokens else None, api_key=api_key)
     env = {**os.environ, **VLLM_ENV}
     ready = "/health" if api_key else "/v1/models"
-    return start_engine_server("vLLM", command, f"http://127.0.0.1:{port}", ready, log_path, START_TIMEOUT_S, env)
+    return start_local_server("vLLM", command, f"http://127.0.0.1:{port}", ready, log_path, START_TIMEOUT_S, env)
 
 
 if __name__ == "__main__":

