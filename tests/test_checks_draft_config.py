@@ -85,7 +85,7 @@ def test_draft_config_offset_probe_with_too_few_drafts_only_reports():
     assert enough.status == "fail"
 
 
-# Issue 12: the variant rules (causality, layer-id convention, reserved mask row, own lm_head, draft sampling).
+# The DFlash variants' rules (causality, layer-id convention, reserved mask row, own lm_head, draft sampling).
 
 def _findings(result, severity):
     return [f.message for f in result.findings if f.severity == severity]

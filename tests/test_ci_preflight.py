@@ -1,4 +1,4 @@
-"""`.ci/run` refuses a full disk in one sentence before it installs anything (stop 39's CI run died inside
+"""`.ci/run` refuses a full disk in one sentence before it installs anything (a CI run on a full disk died inside
 ensurepip with exit status 1 and no word about space)."""
 
 from __future__ import annotations

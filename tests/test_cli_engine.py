@@ -204,7 +204,7 @@ def test_sweep_cost_profile_that_does_not_parse(tiny_dir, tmp_path):
 def test_multi_turn_request_with_its_own_limit_records_the_same_turns_live_and_teacher_forced(tiny_dir, tmp_path):
     """A later turn is asked after the answer the target gave under the request's OWN max_new_tokens.
 
-    Issue 15: teacher-forced replay built turn 2's prompt from a 16-token answer while recording the
+    The regression: teacher-forced replay built turn 2's prompt from a 16-token answer while recording the
     4-token one, so its turn-2 continuation answered a prompt the run directory does not hold. The
     live loop (`replay`) and teacher-forced replay (`sweep`) must record identical turns.
     """

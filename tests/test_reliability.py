@@ -1,4 +1,4 @@
-"""Issue 34's regression cases: runs that cannot clobber each other, every finished request journaled
+"""Regression cases of the run's reliability: runs that cannot clobber each other, every finished request journaled
 as it finishes, the lossless check's dtype rule, and refusals with a non-zero exit where there is
 nothing to judge. Each test failed before its fix."""
 

@@ -1,4 +1,4 @@
-"""Engine response parsers: each engine's per-request fields, converted to vLLM's tau (ENGINES.md section 0)."""
+"""Engine response parsers: each engine's per-request fields, converted to vLLM's tau (bonus token included)."""
 
 from __future__ import annotations
 
@@ -104,8 +104,8 @@ SGLANG_DETAILS = {"spec_verify_ct": 20, "spec_num_proposed_drafts": 60, "spec_nu
 
 
 def test_sglang_with_several_completions_has_no_per_request_figures_in_either_reader():
-    """ENGINES.md 1c: per-request figures exist for n == 1 only (vLLM returns null for n > 1); SGLang's details
-    list (2c) holds one object per completion, so two completions are not one request's figures."""
+    """Per-request figures exist for n == 1 only (vLLM returns null for n > 1); SGLang's details
+    list holds one object per completion, so two completions are not one request's figures."""
     one = {"choices": [{"message": {"content": "x"}}], "sglext": {"spec_tokens_details": [SGLANG_DETAILS]}, "usage": {"completion_tokens": 46}}
     measured, counts, refused = _both(one)
     assert measured.num_accepted_tokens == 25 and counts.num_accepted_tokens == 25.0 and refused == 0
@@ -115,7 +115,7 @@ def test_sglang_with_several_completions_has_no_per_request_figures_in_either_re
 
 
 def test_vllm_without_the_accepted_count_is_read_from_its_histogram_and_without_either_is_refused():
-    """ENGINES.md 1c: the histogram (index j = steps accepting exactly j) gives steps and accepted drafts exactly."""
+    """vLLM's histogram (index j = steps accepting exactly j) gives steps and accepted drafts exactly."""
     spec = {"acceptance_histogram": [39, 1, 0, 3], "num_draft_tokens": 129, "num_spec_tokens": 3}
     measured, counts, refused = _both({"metrics": {"speculative_decoding": spec}})
     assert (measured.num_drafts, measured.num_accepted_tokens) == (43, 10) and refused == 0  # telemetry refused it before
@@ -125,7 +125,7 @@ def test_vllm_without_the_accepted_count_is_read_from_its_histogram_and_without_
 
 
 def test_both_readers_name_llama_cpp_as_watch_and_its_metric_namespace_do():
-    """ENGINES.md section B: llama.cpp's own identifier is `llamacpp` (`llamacpp:spec_decode_*`), the name
+    """llama.cpp's own identifier is `llamacpp` (`llamacpp:spec_decode_*`), the name
     `watch --engine` takes; serving called it "llama.cpp" and translated between the two."""
     measured, counts, refused = _both({"content": "x", "timings": {"predicted_n": 665, "draft_n": 604, "draft_n_accepted": 515}})
     assert measured.engine == LLAMA_CPP == "llamacpp" and LLAMA_CPP in SERVER_PREFIXES

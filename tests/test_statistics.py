@@ -1,6 +1,6 @@
 """One statistics module: the run summary, `compare` and the dashboard show the same tau and interval.
 
-Issue 15: ``compare`` counted every step as a draft (vLLM counts only steps that drafted), so for steps
+The regression this holds: ``compare`` counted every step as a draft (vLLM counts only steps that drafted), so for steps
 (4 drafted, 2 accepted), (4, 3), (0, 0) the summary said tau 3.5 and compare 2.67; and there were three
 bootstrap implementations giving three intervals for one run.
 """

@@ -1,4 +1,4 @@
-"""The engine on today's DFlash target families (issue 26): hybrids with gated-delta-net, Mamba2 or
+"""The engine on today's DFlash target families: hybrids with gated-delta-net, Mamba2 or
 short-convolution layers, attention sinks, sliding windows, MLA and MoE, each a tiny model built from
 transformers' own config (tests/target_families.py), fp32 and seeded.
 

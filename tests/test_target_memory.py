@@ -1,4 +1,4 @@
-"""The target pass keeps only what is used (issue 32): taps recorded by hooks equal HF's hidden states, the
+"""The target pass keeps only what is used: taps recorded by hooks equal HF's hidden states, the
 logits of the positions asked for equal the full pass's, and a sequence prefilled in chunks gives the
 same logits, taps and teacher-forced table as one forward, on every target family (hybrids included)."""
 

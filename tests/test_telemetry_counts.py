@@ -28,7 +28,7 @@ def test_metrics_follow_vllm_definitions():
     assert counts.draft_acceptance_rate == pytest.approx(10 / 20)
     assert counts.acceptance_rate_per_pos == pytest.approx([4 / 5, 3 / 5, 2 / 5, 1 / 5])
     assert counts.k == 4
-    # tau = 1 + sum of the unconditional per-position rates (ENGINES.md section 0)
+    # tau = 1 + sum of the unconditional per-position rates (vLLM's definition: bonus token included)
     assert counts.mean_acceptance_length == pytest.approx(1 + sum(counts.acceptance_rate_per_pos))
 
 

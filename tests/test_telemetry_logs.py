@@ -6,7 +6,7 @@ Format strings followed (quoted from the programs' source):
   from it): vllm/v1/spec_decode/metrics.py lines 120-135, ``SpecDecodingLogging.log``:
   ``"SpecDecoding metrics: Mean acceptance length: %.2f, Accepted throughput: %.2f tokens/s, Drafted
   throughput: %.2f tokens/s, Accepted: %d tokens, Drafted: %d tokens, Per-position acceptance rate: %s,
-  Avg Draft acceptance rate: %.1f%%"``; the older order is vllm-project/vllm#24127 (quoted in ENGINES.md 1b).
+  Avg Draft acceptance rate: %.1f%%"``; the older order is vllm-project/vllm#24127.
 * SGLang: python/sglang/srt/managers/scheduler_components/metrics_reporter.py (commit 00df707e),
   ``SchedulerMetricsReporter.report_decode_stats``: ``f"Decode batch{iter_msg}, #running-req:
   {num_running_reqs}, #cached-token: {num_decode_cached_tokens}, {token_usage_msg}"`` +
@@ -16,10 +16,10 @@ Format strings followed (quoted from the programs' source):
   ``SLT_INF(*this, "draft acceptance = %0.5f (%5d accepted / %5d generated), mean len = %5.2f\\n", ...)``,
   prefix ``"slot %12.*s: id %2d | task %d | "`` (tools/server/server-common.h); the PR #24536 form
   ``mean acceptance length = ..., acceptance rate per position = (...)`` and the older
-  ``draft acceptance rate = ...`` are quoted from real logs in ENGINES.md section 3.
+  ``draft acceptance rate = ...`` are quoted from real llama-server logs.
 * TensorRT-LLM: iteration stats (``GET /metrics`` of trtllm-serve) read by tensorrt_llm/metrics/collector.py
   ``log_iteration_stats``: ``specDecodingStats`` with ``numDraftTokens``, ``numAcceptedTokens``,
-  ``acceptanceLength``, ``draftOverhead``; ``numRequestsWithDraftTokens`` per ENGINES.md section 0/4.
+  ``acceptanceLength``, ``draftOverhead``; ``numRequestsWithDraftTokens``.
 """
 
 from __future__ import annotations

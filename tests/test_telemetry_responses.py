@@ -6,9 +6,9 @@
 * SGLang: srt/entrypoints/openai/protocol.py ``SpecTokensDetails`` (``sglext.spec_tokens_details``) and
   srt/managers/tokenizer_manager.py ``_calculate_spec_decoding_metrics`` (``meta_info`` of /generate):
   ``spec_verify_ct``, ``spec_num_proposed_drafts``, ``spec_num_correct_drafts``,
-  ``spec_correct_drafts_histogram`` (ENGINES.md 2c).
+  ``spec_correct_drafts_histogram``.
 * llama.cpp: tools/server/server-task.cpp ``result_timings::to_json``: ``draft_n``, ``draft_n_accepted``
-  only when drafting ran (the real chunk quoted in ENGINES.md section 3).
+  only when drafting ran (a real chunk's fields).
 """
 
 from __future__ import annotations

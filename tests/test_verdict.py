@@ -1,6 +1,6 @@
 """One verdict per run: the exit code, every report format, the terminal and the dashboard agree.
 
-A table of check-status mixes, each with the one verdict every view must show (issue 15: with one
+A table of check-status mixes, each with the one verdict every view must show (they once disagreed: with one
 check in ``error`` the CLI exited 1, report.json said ``warn`` and the dashboard said ``error``; with
 no checks the report said ``pass`` and the dashboard ``none``).
 """
