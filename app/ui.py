@@ -15,7 +15,7 @@ from pathlib import Path
 import pandas as pd
 import streamlit as st
 
-from dflash_doctor.report import comparison
+from dflash_doctor.report.comparison import compare_runs
 from dflash_doctor.stats import deviations
 from dflash_doctor.stats.gate import Comparison
 from dflash_doctor.app import RUNS_DIR_ENV, data
@@ -199,7 +199,7 @@ def comparison(base_path: str, base_mtime_ns: int, new_path: str, new_mtime_ns: 
     """`dflash-doctor compare` of two runs (same rule and bootstrap), cached per pair and thresholds."""
     base = _load(base_path, base_mtime_ns, ("requests", "steps", "tokens"))  # tokens: the patterns that grew
     new = _load(new_path, new_mtime_ns, ("requests", "steps", "tokens"))
-    return comparison.compare_runs(base, new, threshold_tau=threshold_tau, threshold_rate=threshold_rate)
+    return compare_runs(base, new, threshold_tau=threshold_tau, threshold_rate=threshold_rate)
 
 
 @st.cache_resource(show_spinner="Finding rejection patterns…", max_entries=4)

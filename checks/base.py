@@ -48,7 +48,7 @@ class CheckContext:
 
     Tokenizers are transformers tokenizers; ``target_config`` is a ``PretrainedConfig`` or a dict;
     ``draft_config`` is the draft checkpoint's ``config.json`` as a dict; ``engine_config`` is the output
-    of :func:`dflash_doctor.inputs.server_config.parse_engine_config`; ``record`` is the typed run record
+    of :func:`dflash_doctor.inputs.server_config.parse_server_config`; ``record`` is the typed run record
     (summary, recommendation, probes, models): checks read its named fields, so a renamed field fails the
     type checker and the check tests instead of silently reading nothing.
     """

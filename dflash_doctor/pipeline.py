@@ -39,9 +39,9 @@ from dflash_doctor.rundir.tables import TABLES, read_table_or_empty
 from dflash_doctor.rundir.ownership import claim_run_dir
 from dflash_doctor.rundir.writer import RunWriter, utc_now
 from dflash_doctor.serving.agreement import compare_with_embedded
-from dflash_doctor.serving.client import EngineEndpoint, resolve_model, served_model_file
-from dflash_doctor.serving.server_settings import engine_settings
-from dflash_doctor.serving.server_run import measure_engine, start_engine_record
+from dflash_doctor.serving.client import ServerEndpoint, resolve_model, served_model_file
+from dflash_doctor.serving.server_settings import server_settings
+from dflash_doctor.serving.server_run import measure_server, start_server_record
 from dflash_doctor.stages import stage
 from dflash_doctor.stats import deviations
 from dflash_doctor.stats.metrics import summarize
@@ -81,7 +81,7 @@ def _start(config: DoctorConfig, command: str, scenario=None) -> tuple[list[Requ
     """Select the workload and load the pair (a scenario edits them before anything runs)."""
     requests = load_workload(config.workload, classes=config.classes, max_requests=config.max_requests, seed=config.seed)
     config = dataclasses.replace(config, device=sharding.device_for_rank(config, sharding.current_ranks()))
-    pair = load_pair(config, engine_settings(config.engine_config) if config.engine_config else None)
+    pair = load_pair(config, server_settings(config.engine_config) if config.engine_config else None)
     if scenario is not None:
         pair, requests, config = scenario.apply(pair, requests, config)
     return requests, pair, config
@@ -200,7 +200,7 @@ def run_check(config: DoctorConfig, *, scenario=None, only: Sequence[str] = (), 
     return Outcome(run_dir, record, analysis)
 
 
-def run_engine_check(config: DoctorConfig, *, only: Sequence[str] = (), skip: Sequence[str] = (),
+def run_server_check(config: DoctorConfig, *, only: Sequence[str] = (), skip: Sequence[str] = (),
                      progress: ProgressFactory = no_progress, api_key: str | None = None) -> Outcome:
     """`check --engine URL`: measure on the server, replay locally, judge, report.
 
@@ -222,18 +222,18 @@ def run_engine_check(config: DoctorConfig, *, only: Sequence[str] = (), skip: Se
         raise UsageError("check --engine needs the URL of a running OpenAI-compatible server; pass --engine http://host:port.")
     validate_check_params(config.checks, only, skip)
     run_dir = _claim(config, "check")
-    endpoint = resolve_model(EngineEndpoint.from_url(config.engine, model=config.engine_model, timeout_s=config.engine_timeout_s, api_key=api_key))
+    endpoint = resolve_model(ServerEndpoint.from_url(config.engine, model=config.engine_model, timeout_s=config.engine_timeout_s, api_key=api_key))
     requests = load_workload(config.workload, classes=config.classes, max_requests=config.max_requests, seed=config.seed)
     # the embedded replay runs only when the user names a local pair to compare with; a bad one fails
     # before any request is sent
-    local = (load_pair(config, engine_settings(config.engine_config) if config.engine_config else None)
+    local = (load_pair(config, server_settings(config.engine_config) if config.engine_config else None)
              if config.target is not None or config.draft is not None else None)
-    record = start_engine_record(config, endpoint, served_model_file(endpoint))
+    record = start_server_record(config, endpoint, served_model_file(endpoint))
     if local is not None:
         record.models.update({"local target": local.target_info, "local draft": local.draft_info})
     with RunWriter(run_dir, record.to_json()) as writer:
         with progress(sum(r.num_turns for r in requests)) as on_turn:
-            measured = measure_engine(endpoint, requests, config, writer, record, concurrency=config.engine_concurrency, progress=on_turn)
+            measured = measure_server(endpoint, requests, config, writer, record, concurrency=config.engine_concurrency, progress=on_turn)
         record.meta.interrupted = measured.interrupted
         record.summary = summarize(measured.steps_frame(), measured.requests_frame(), seed=config.seed)
         writer.meta = record.to_json()
@@ -292,7 +292,7 @@ def check_context(pair: Pair, requests: Sequence[Request], config: DoctorConfig,
         draft_config=pair.draft_config,
         draft_kind=pair.kind.name,
         environment=record.environment,
-        engine_config=pair.engine_settings,
+        engine_config=pair.server_settings,
         corpus=corpus,
         target_template=pair.chat_template or getattr(pair.tokenizer, "chat_template", None),
         draft_template=getattr(draft_tokenizer, "chat_template", None) if draft_tokenizer is not None else None,

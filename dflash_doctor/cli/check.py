@@ -19,7 +19,7 @@ from dflash_doctor.inputs.config import DoctorConfig
 from dflash_doctor.cli.output import print_json
 from dflash_doctor.replay import scenarios, sharding
 from dflash_doctor.serving.http import secret
-from dflash_doctor.report.terminal import print_check_results, print_class_summary, print_engine_comparison, print_sweep, print_why_rejected
+from dflash_doctor.report.terminal import print_check_results, print_class_summary, print_server_comparison, print_sweep, print_why_rejected
 
 Scenario = Annotated[Optional[str], typer.Option("--scenario", help="Reproduce a real failure on the demo pair; `--scenario list` names them.")]
 Only = Annotated[Optional[str], typer.Option("--only", help="Comma-separated check ids to run (default: all).")]
@@ -56,7 +56,7 @@ def check(
     skip: Skip = None,
     exact_blocks: opt.ExactBlocks = False,
     json_output: opt.Json = False,
-    engine_api_key: opt.EngineApiKey = None,
+    engine_api_key: opt.ServerApiKey = None,
 ) -> None:
     """Is the pair set up right, where does the draft lose, which K to serve? Exit 0 pass/warn, 1 fail or error, 2 bad input.
 
@@ -86,14 +86,14 @@ def check(
     if (code := sharding.launch_ranks(config)) is not None:
         raise typer.Exit(code)
     if config.engine is not None:
-        outcome = run_with_progress(lambda progress: pipeline.run_engine_check(config, only=only_ids, skip=skip_ids, progress=progress, api_key=api_key))
+        outcome = run_with_progress(lambda progress: pipeline.run_server_check(config, only=only_ids, skip=skip_ids, progress=progress, api_key=api_key))
     else:
         outcome = run_with_progress(lambda progress: pipeline.run_check(config, scenario=chosen, only=only_ids, skip=skip_ids,
                                                                         exact_blocks=exact_blocks, progress=progress))
     record = outcome.record
     if config.engine is not None:
         print_class_summary(record, record.source.details.get("num_spec_tokens") or 0, out_console)
-        print_engine_comparison(record, out_console)
+        print_server_comparison(record, out_console)
     else:
         print_class_summary(record, max(record.config["k"]), out_console)
         print_sweep(record, out_console)

@@ -66,13 +66,13 @@ CostProfile = Annotated[Optional[str], typer.Option("--cost-profile", help="TOML
 StrictClasses = Annotated[Optional[str], typer.Option("--strict-classes", help="Comma-separated classes that must never risk a slowdown (capped K, or speculation off).", show_default="none")]
 EndOfRequest = Annotated[Optional[settings.EndOfRequest], typer.Option("--end-of-request", help="vllm: full blocks, as vLLM/SGLang; official: dflash_generate shrinks the last blocks (docs/draft-formats.md).", show_default=_default("end_of_request"))]
 Plotly = Annotated[Optional[settings.PlotlySource], typer.Option("--plotly", help="Where report.html loads plotly.js from: inline (embedded, opens offline) or cdn (4.6 MB smaller, for CI artefacts).", show_default=_default("plotly"), **_env("plotly"))]
-EngineConfig = Annotated[Optional[str], typer.Option("--engine-config", help="vLLM speculative_config JSON, or a file with SGLang/vLLM launch flags, to check against the draft.", show_default="none")]
-Engine = Annotated[Optional[str], typer.Option("--engine", help="URL of a running OpenAI-compatible server (vLLM, SGLang, llama.cpp): measure acceptance there; with --target/--draft also replay locally and compare (engine-agreement).", show_default="no server")]
-EngineModel = Annotated[Optional[str], typer.Option("--engine-model", help="Model name on the --engine server.", show_default="its only model")]
-EngineConcurrency = Annotated[Optional[int], typer.Option("--engine-concurrency", help="Requests in flight at once against --engine.", show_default=_default("engine_concurrency"))]
-EngineApiKey = Annotated[Optional[str], typer.Option("--engine-api-key", envvar="OPENAI_API_KEY", show_envvar=True,
+ServerConfigFile = Annotated[Optional[str], typer.Option("--engine-config", help="vLLM speculative_config JSON, or a file with SGLang/vLLM launch flags, to check against the draft.", show_default="none")]
+ServerUrl = Annotated[Optional[str], typer.Option("--engine", help="URL of a running OpenAI-compatible server (vLLM, SGLang, llama.cpp): measure acceptance there; with --target/--draft also replay locally and compare (engine-agreement).", show_default="no server")]
+ServerModel = Annotated[Optional[str], typer.Option("--engine-model", help="Model name on the --engine server.", show_default="its only model")]
+ServerConcurrency = Annotated[Optional[int], typer.Option("--engine-concurrency", help="Requests in flight at once against --engine.", show_default=_default("engine_concurrency"))]
+ServerApiKey = Annotated[Optional[str], typer.Option("--engine-api-key", envvar="OPENAI_API_KEY", show_envvar=True,
                                                      help="API key of the --engine server (sent as a bearer token); env:VAR reads it from the environment. Never written to the run directory.")]
-EngineTimeout = Annotated[Optional[float], typer.Option("--engine-timeout", help="Per-request timeout in seconds against --engine.", show_default=_default("engine_timeout_s"))]
+ServerTimeout = Annotated[Optional[float], typer.Option("--engine-timeout", help="Per-request timeout in seconds against --engine.", show_default=_default("engine_timeout_s"))]
 ConfigFile = Annotated[Optional[str], typer.Option("--config", help="TOML file with the flags' keys plus thresholds (docs/user-guide.md#configuration). Without it: ./doctor.toml, else [tool.dflash-doctor] in ./pyproject.toml, else doctor.toml in the user config folder. Precedence: flag > DFLASH_DOCTOR_* variable > file > default.", show_default="discovered", **_env("config"))]
 
 #: Every shared flag by its DoctorConfig field name (``config_file`` is ``--config`` itself).
@@ -99,11 +99,11 @@ FLAGS: dict[str, Any] = {
     "strict_classes": StrictClasses,
     "end_of_request": EndOfRequest,
     "plotly": Plotly,
-    "engine_config": EngineConfig,
-    "engine": Engine,
-    "engine_model": EngineModel,
-    "engine_concurrency": EngineConcurrency,
-    "engine_timeout_s": EngineTimeout,
+    "engine_config": ServerConfigFile,
+    "engine": ServerUrl,
+    "engine_model": ServerModel,
+    "engine_concurrency": ServerConcurrency,
+    "engine_timeout_s": ServerTimeout,
     "config_file": ConfigFile,
 }
 

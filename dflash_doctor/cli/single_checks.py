@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 
 from dflash_doctor.checks import CheckContext, exit_code, run_checks
-from dflash_doctor.serving.server_settings import engine_settings
+from dflash_doctor.serving.server_settings import server_settings
 from dflash_doctor.inputs.machine import collect_environment
 from dflash_doctor.inputs.check_inputs import load_config_json, load_template_spec, load_tokenizer_spec
 from dflash_doctor.report.terminal import print_check_results
@@ -72,7 +72,7 @@ def env_command(config: DoctorConfig) -> None:
     """Show versions and hardware, and check them (and --engine-config) against known incompatibilities."""
     ctx = CheckContext(
         environment=collect_environment(),
-        engine_config=engine_settings(config.engine_config) if config.engine_config else None,
+        engine_config=server_settings(config.engine_config) if config.engine_config else None,
         draft_config=load_config_json(config.draft),
         config=config,
     )

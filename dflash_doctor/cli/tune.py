@@ -21,7 +21,7 @@ from dflash_doctor.tune.views import print_tune, write_reports
 
 Launch = Annotated[Optional[str], typer.Option("--launch", help="Shell command starting the server with speculation; {k} is replaced by K (templates for vLLM, SGLang and llama.cpp in docs/tune.md).")]
 LaunchBaseline = Annotated[Optional[str], typer.Option("--launch-baseline", help="The same server without speculation: the K=0 run.")]
-TuneEngine = Annotated[Optional[str], typer.Option("--engine", help="With --launch: the URL the launched server answers at. Without: one running server per K, 0=URL,8=URL.")]
+TuneServers = Annotated[Optional[str], typer.Option("--engine", help="With --launch: the URL the launched server answers at. Without: one running server per K, 0=URL,8=URL.")]
 TuneK = Annotated[str, typer.Option("--k", help="K grid, 0 = speculation off: e.g. 0,2,4,8,15.")]
 Concurrency = Annotated[Optional[str], typer.Option(
     "--concurrency", show_default="1",
@@ -49,7 +49,7 @@ def tune(
     config: DoctorConfig,
     launch: Launch = None,
     launch_baseline: LaunchBaseline = None,
-    engine: TuneEngine = None,
+    engine: TuneServers = None,
     k: TuneK = "0,2,4,8",
     concurrency: Concurrency = None,
     request_rate: RequestRate = None,
@@ -58,7 +58,7 @@ def tune(
     fit_k: FitK = None,
     sweep: SweepDir = None,
     start_timeout: StartTimeout = 900.0,
-    engine_api_key: opt.EngineApiKey = None,
+    engine_api_key: opt.ServerApiKey = None,
 ) -> None:
     """Measure K = 0 (off) and each K on your engine per class and load; fit its step costs, predict the rest, recommend its setting.
 

@@ -35,16 +35,16 @@ def is_server_url(spec: str | Path) -> bool:
     return str(spec).startswith(("http://", "https://"))
 
 
-def parse_engine_config(path: str | Path) -> dict[str, Any]:
+def parse_server_config(path: str | Path) -> dict[str, Any]:
     """Parse ``--engine-config FILE`` (JSON or flags text) into the normalised engine dict."""
     path = Path(path)
     if not path.is_file():
         raise UsageError(f"--engine-config {path} does not exist; pass a vLLM speculative_config JSON or a file with SGLang launch flags.")
     text = path.read_text(encoding="utf-8")
-    return parse_engine_config_text(text, source=str(path))
+    return parse_server_config_text(text, source=str(path))
 
 
-def parse_engine_config_text(text: str, source: str = "<text>") -> dict[str, Any]:
+def parse_server_config_text(text: str, source: str = "<text>") -> dict[str, Any]:
     """Parse JSON (vLLM) or command-line flags (SGLang or vLLM) into the normalised engine dict."""
     stripped = text.strip()
     if stripped.startswith("{"):

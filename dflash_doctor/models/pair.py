@@ -64,7 +64,7 @@ class Pair:
     draft_info: ModelInfo
     chat_template: str | None = None
     sampling: Sampling = Sampling()
-    engine_settings: dict[str, Any] | None = None  # the resolved --engine-config, read once per command
+    server_settings: dict[str, Any] | None = None  # the resolved --engine-config, read once per command
     _token_text: dict[int, str] = field(default_factory=dict, repr=False)
 
     @functools.cached_property
@@ -136,9 +136,9 @@ class Pair:
         )
 
 
-def load_pair(config: DoctorConfig, engine_settings: dict[str, Any] | None = None) -> Pair:
-    """Load the configured pair (the built-in demo pair when no model flags are given). ``engine_settings``:
-    the resolved ``--engine-config`` (:func:`dflash_doctor.serving.server_settings.engine_settings`), whose
+def load_pair(config: DoctorConfig, server_settings: dict[str, Any] | None = None) -> Pair:
+    """Load the configured pair (the built-in demo pair when no model flags are given). ``server_settings``:
+    the resolved ``--engine-config`` (:func:`dflash_doctor.serving.server_settings.server_settings`), whose
     draft sampling method the proposer models; without one, vLLM's default ``greedy``."""
     from transformers import AutoTokenizer
 
@@ -162,7 +162,7 @@ def load_pair(config: DoctorConfig, engine_settings: dict[str, Any] | None = Non
     with stage(f"loading the {kind.name} draft {Path(draft_spec).name}"):
         draft_model = kind.load(draft_dir, target_dir, target_model.config, options)
     target = TargetModel(target_model)
-    sampling = Sampling(temperature=config.temperature, draft_sample_method=engine_settings["draft_sample_method"] if engine_settings else "greedy")
+    sampling = Sampling(temperature=config.temperature, draft_sample_method=server_settings["draft_sample_method"] if server_settings else "greedy")
     target_info = ModelInfo(
         id=target_spec, revision_or_hash=fingerprint(target_dir), hub_commit=hub_commit(target_dir), dtype=config.dtype,
         device=config.device, kind="target",
@@ -193,5 +193,5 @@ def load_pair(config: DoctorConfig, engine_settings: dict[str, Any] | None = Non
         draft_info=draft_info,
         chat_template=read_chat_template(config.chat_template) if config.chat_template else None,
         sampling=sampling,
-        engine_settings=engine_settings,
+        server_settings=server_settings,
     )

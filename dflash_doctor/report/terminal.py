@@ -121,7 +121,7 @@ def print_why_rejected(analysis: dict[str, Any] | None, console: Console, per_cl
         )
 
 
-def print_engine_comparison(record: RunRecord, console: Console) -> None:
+def print_server_comparison(record: RunRecord, console: Console) -> None:
     """Per class: the server's tau beside the embedded replay's on the same outputs (when it ran)."""
     data = record.probes.engine_agreement
     if not data:

@@ -3,7 +3,7 @@
 Requests go through the doctor's one HTTP client (:mod:`dflash_doctor.serving.http`: retries with
 backoff, jitter and ``Retry-After``, a timeout per request). The API key (``--engine-api-key`` or
 ``OPENAI_API_KEY``) is sent as a bearer token, as OpenAI's clients send it. A failed request becomes an
-:class:`EngineError`; the callers turn it into one sentence naming the server, what it said and the fix.
+:class:`ServerError`; the callers turn it into one sentence naming the server, what it said and the fix.
 The body asks every engine for its per-request speculative figures at once (vLLM ``return_token_ids``,
 SGLang ``return_spec_tokens_details``); an engine ignores the fields it does not know.
 """
@@ -24,7 +24,7 @@ METRICS_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
-class EngineEndpoint:
+class ServerEndpoint:
     """Where the server is and how to ask it: base URL (``http://host:port``), model name, API key, timeouts."""
 
     base_url: str
@@ -35,7 +35,7 @@ class EngineEndpoint:
     api_key: str | None = field(default=None, repr=False)  # a secret: never printed, never written
 
     @classmethod
-    def from_url(cls, url: str, **kwargs: Any) -> "EngineEndpoint":
+    def from_url(cls, url: str, **kwargs: Any) -> "ServerEndpoint":
         """Accept ``host:port``, ``http://host:port`` or ``.../v1``; keep the scheme and host only."""
         text = url.strip().rstrip("/")
         if "://" not in text:
@@ -54,7 +54,7 @@ class EngineEndpoint:
         return HttpClient(headers=headers, timeout_s=self.timeout_s, retries=self.retries, backoff_s=self.backoff_s)
 
 
-class EngineError(Exception):
+class ServerError(Exception):
     """A request failed after its retries; ``status`` is the HTTP status (None: no answer at all)."""
 
     def __init__(self, message: str, status: int | None = None, body: str = ""):
@@ -68,25 +68,25 @@ class EngineError(Exception):
         return self.status in AUTH_STATUSES
 
 
-def auth_fix(endpoint: EngineEndpoint) -> str:
-    """The fix for an :attr:`EngineError.auth_refused` answer, for the end of a sentence."""
+def auth_fix(endpoint: ServerEndpoint) -> str:
+    """The fix for an :attr:`ServerError.auth_refused` answer, for the end of a sentence."""
     if endpoint.api_key:
         return f"the server refused the API key given by {API_KEY_FLAGS}; pass the key the server was started with"
     return f"the server wants an API key (it was started with --api-key); pass it with {API_KEY_FLAGS}"
 
 
-def call(endpoint: EngineEndpoint, method: str, path: str, payload: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """One JSON call (retried by the client); raises :class:`EngineError` when it cannot succeed."""
+def call(endpoint: ServerEndpoint, method: str, path: str, payload: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """One JSON call (retried by the client); raises :class:`ServerError` when it cannot succeed."""
     try:
         answer = endpoint.client.request(method, endpoint.base_url + path, payload=payload)
     except Unreachable as exc:
-        raise EngineError(str(exc)) from None
+        raise ServerError(str(exc)) from None
     if not answer.ok:
-        raise EngineError(f"{endpoint.base_url}{path} answered HTTP {answer.status}: {_error_text(answer.text)}", answer.status, answer.text)
+        raise ServerError(f"{endpoint.base_url}{path} answered HTTP {answer.status}: {_error_text(answer.text)}", answer.status, answer.text)
     try:
         return answer.json()
     except json.JSONDecodeError:
-        raise EngineError(f"{endpoint.base_url}{path} answered with something that is not JSON", answer.status, answer.text[:300]) from None
+        raise ServerError(f"{endpoint.base_url}{path} answered with something that is not JSON", answer.status, answer.text[:300]) from None
 
 
 def _error_text(text: str) -> str:
@@ -100,11 +100,11 @@ def _error_text(text: str) -> str:
     return str(message).strip()[:200]
 
 
-def served_models(endpoint: EngineEndpoint) -> list[str]:
+def served_models(endpoint: ServerEndpoint) -> list[str]:
     """The model names the server serves (``GET /v1/models``); unreachable or refused is a UsageError."""
     try:
         body = call(endpoint, "GET", "/v1/models")
-    except EngineError as exc:
+    except ServerError as exc:
         if exc.status is None:
             raise UsageError(f"--engine {endpoint.base_url}: {exc}; start the server or fix the URL.") from None
         if exc.auth_refused:
@@ -116,19 +116,19 @@ def served_models(endpoint: EngineEndpoint) -> list[str]:
     return [str(m["id"]) for m in body.get("data") or [] if isinstance(m, dict) and m.get("id")]
 
 
-def served_model_file(endpoint: EngineEndpoint) -> str | None:
+def served_model_file(endpoint: ServerEndpoint) -> str | None:
     """The model file a llama-server serves (``GET /props``: ``model_path``, the GGUF given to ``-m``),
     which its /v1/models names only by ``--alias`` or that path; None from a server without /props (vLLM,
     SGLang) or one that does not say."""
     try:
         props = call(endpoint, "GET", "/props")
-    except EngineError:
+    except ServerError:
         return None
     path = props.get("model_path") if isinstance(props, dict) else None
     return path if isinstance(path, str) and path else None
 
 
-def resolve_model(endpoint: EngineEndpoint) -> EngineEndpoint:
+def resolve_model(endpoint: ServerEndpoint) -> ServerEndpoint:
     """Check the model name against the server (or take its only model); a wrong name lists the real ones."""
     models = served_models(endpoint)
     if endpoint.model is None:
@@ -140,7 +140,7 @@ def resolve_model(endpoint: EngineEndpoint) -> EngineEndpoint:
     return endpoint
 
 
-def scrape_metrics(endpoint: EngineEndpoint) -> str | None:
+def scrape_metrics(endpoint: ServerEndpoint) -> str | None:
     """The Prometheus text of ``GET /metrics`` (None when the server has none or cannot be read): the fallback source."""
     try:
         answer = endpoint.client.get(endpoint.base_url + "/metrics", timeout_s=min(endpoint.timeout_s, METRICS_TIMEOUT_S))

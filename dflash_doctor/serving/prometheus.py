@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dflash_doctor.serving.client import EngineEndpoint, scrape_metrics
+from dflash_doctor.serving.client import ServerEndpoint, scrape_metrics
 from dflash_doctor.serving.responses import LLAMA_CPP, VLLM, MissingMetrics, SpecMeasurement, histogram_from_per_pos
 from dflash_doctor.telemetry.counts import SeriesKey, SpecCounts
 from dflash_doctor.telemetry.server_metrics import read_exposition
@@ -26,14 +26,14 @@ _FULL_COUNTERS = (VLLM, LLAMA_CPP)
 
 
 @dataclass(frozen=True)
-class EngineCounters:
+class ServerCounters:
     """The served model's cumulative spec-decode counters at one scrape."""
 
     engine: str
     counts: SpecCounts
 
 
-def read_counters(text: str, model: str | None) -> EngineCounters | None:
+def read_counters(text: str, model: str | None) -> ServerCounters | None:
     """``model``'s spec-decode counters on a ``/metrics`` page; None when it has none (no speculation, no
     metrics, or another model's only). ``model=None``, or a page with one model only: that model's."""
     reading = read_exposition(parse_exposition(text), engine=None, default_model=model or "")
@@ -43,16 +43,16 @@ def read_counters(text: str, model: str | None) -> EngineCounters | None:
         series = next(iter(reading.counts.values()))
     if engine is None or series is None or series.num_drafts is None or series.num_draft_tokens is None:
         return None
-    return EngineCounters(engine, series)
+    return ServerCounters(engine, series)
 
 
-def scrape_counters(endpoint: EngineEndpoint) -> EngineCounters | None:
+def scrape_counters(endpoint: ServerEndpoint) -> ServerCounters | None:
     """The served model's spec-decode counters now (None: the server has no readable /metrics page, or none on it)."""
     text = scrape_metrics(endpoint)
     return read_counters(text, endpoint.model) if text else None
 
 
-def measurement_between(before: EngineCounters, after: EngineCounters) -> SpecMeasurement:
+def measurement_between(before: ServerCounters, after: ServerCounters) -> SpecMeasurement:
     """One request's figures from two scrapes around it; the per-position counts give its histogram
     exactly (:func:`~dflash_doctor.serving.responses.histogram_from_per_pos`). Step order is lost."""
     counts, reset = after.counts.since(before.counts)

@@ -34,7 +34,7 @@ from typing import Any, Mapping, Sequence
 
 from dflash_doctor.engine.step_records import StepRecord
 from dflash_doctor.inputs.validation import type_error
-from dflash_doctor.serving.client import EngineError
+from dflash_doctor.serving.client import ServerError
 
 # Which engine a response came from, as detected from its fields.
 VLLM, SGLANG, LLAMA_CPP = "vllm", "sglang", "llamacpp"
@@ -258,7 +258,7 @@ def step_rows(measurement: SpecMeasurement, output_ids: list[int] | None) -> lis
 # The shape of every field the readers take from a completion body
 
 
-class MalformedResponse(EngineError):
+class MalformedResponse(ServerError):
     """A completion body whose fields do not have the shape the engines document (a proxy, a fork, a
     corrupted answer): refused in one sentence instead of a traceback, or numbers no engine can have."""
 
@@ -266,7 +266,7 @@ class MalformedResponse(EngineError):
 _IDS = list[int] | None
 _COUNT = int | None
 # field -> declared type, per object of the body that the readers of this module and of
-# serving/engine_run.read_completion look into
+# serving/server_run.read_completion look into
 _CHOICE_FIELDS = {"message": dict[str, Any] | None, "text": str | None, "token_ids": _IDS, "prompt_token_ids": _IDS,
                   "finish_reason": str | None, "meta_info": dict[str, Any] | None}
 _BODY_FIELDS = {"choices": list[dict[str, Any]] | None, "prompt_token_ids": _IDS, "usage": dict[str, Any] | None,

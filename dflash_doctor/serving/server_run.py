@@ -27,8 +27,8 @@ from dflash_doctor.replay.turns import turn_limit
 from dflash_doctor.rundir.run_record import ModelInfo, RunMeta, RunRecord, Source
 from dflash_doctor.rundir.tables import REQUESTS_SCHEMA, STEPS_SCHEMA, StepRow, as_row, turn_row_id
 from dflash_doctor.rundir.writer import utc_now
-from dflash_doctor.serving.client import EngineEndpoint, EngineError, auth_fix, call
-from dflash_doctor.serving.prometheus import EngineCounters, measurement_between, scrape_counters
+from dflash_doctor.serving.client import ServerEndpoint, ServerError, auth_fix, call
+from dflash_doctor.serving.prometheus import ServerCounters, measurement_between, scrape_counters
 from dflash_doctor.serving.responses import (LLAMA_CPP, MalformedResponse, MissingMetrics, SpecMeasurement, check_measurement, check_response_shape, parse_response,
                                              step_rows)
 
@@ -48,7 +48,7 @@ LLAMA_CPP_WITHOUT_METRICS = (
 
 
 @dataclass
-class EngineTurn:
+class ServerTurn:
     """One answered turn: what was sent, what came back, and the engine's speculative figures."""
 
     request: Request
@@ -69,7 +69,7 @@ class EngineTurn:
         return turn_row_id(self.request.id, self.turn)
 
 
-def request_body(endpoint: EngineEndpoint, request: Request, messages: list[dict[str, Any]] | None,
+def request_body(endpoint: ServerEndpoint, request: Request, messages: list[dict[str, Any]] | None,
                  max_tokens: int, config: DoctorConfig, *, ids_from_probs: bool = False) -> tuple[str, dict[str, Any]]:
     """(path, JSON body) for one turn; asks vLLM for token ids and SGLang for its spec details.
 
@@ -119,8 +119,8 @@ def read_completion(body: dict[str, Any]) -> tuple[str, list[int] | None, list[i
     return text or "", output_ids, prompt_ids, stop_reason, body.get("usage") or {}
 
 
-def ask(endpoint: EngineEndpoint, request: Request, config: DoctorConfig, *, from_counters: bool = False,
-        ids_from_probs: bool = False) -> list[EngineTurn]:
+def ask(endpoint: ServerEndpoint, request: Request, config: DoctorConfig, *, from_counters: bool = False,
+        ids_from_probs: bool = False) -> list[ServerTurn]:
     """All turns of one request, in order; a later turn carries the server's own earlier answers.
 
     ``from_counters``: read each turn's figures from ``/metrics`` scraped before and after it (the
@@ -142,7 +142,7 @@ def ask(endpoint: EngineEndpoint, request: Request, config: DoctorConfig, *, fro
         text, output_ids, prompt_ids, stop_reason, usage = read_completion(body)
         measurement = check_measurement(counted_measurement(before, _counters(endpoint), body) if before is not None else parse_response(body))
         output_ids = [int(t) for t in output_ids] if output_ids is not None else None
-        results.append(EngineTurn(
+        results.append(ServerTurn(
             request=request, turn=turn, output_text=text, output_token_ids=output_ids,
             prompt_token_ids=[int(t) for t in prompt_ids] if prompt_ids is not None else None,
             prompt_num_tokens=int(usage.get("prompt_tokens") or len(prompt_ids or [])),
@@ -154,7 +154,7 @@ def ask(endpoint: EngineEndpoint, request: Request, config: DoctorConfig, *, fro
     return results
 
 
-def counted_measurement(before: EngineCounters, after: EngineCounters, body: dict[str, Any]) -> SpecMeasurement:
+def counted_measurement(before: ServerCounters, after: ServerCounters, body: dict[str, Any]) -> SpecMeasurement:
     """One request's figures from the /metrics counters around it, checked against the draft tokens the
     response itself reports (llama.cpp's ``timings.draft_n``): a difference is other traffic on the server."""
     measurement = measurement_between(before, after)
@@ -168,14 +168,14 @@ def counted_measurement(before: EngineCounters, after: EngineCounters, body: dic
     return measurement
 
 
-def _counters(endpoint: EngineEndpoint) -> EngineCounters:
+def _counters(endpoint: ServerEndpoint) -> ServerCounters:
     counters = scrape_counters(endpoint)
     if counters is None:
         raise MissingMetrics("the server's /metrics page lost its speculative-decoding counters mid-run; keep the server up and retry")
     return counters
 
 
-def figures_source(endpoint: EngineEndpoint, first: Request, config: DoctorConfig) -> tuple[str, list[EngineTurn]]:
+def figures_source(endpoint: ServerEndpoint, first: Request, config: DoctorConfig) -> tuple[str, list[ServerTurn]]:
     """(``"responses"``, the first request's turns) when the server reports per request, or
     (``"counters"``, []) when only its /metrics counters can stand in (the sequential fallback).
 
@@ -197,7 +197,7 @@ def figures_source(endpoint: EngineEndpoint, first: Request, config: DoctorConfi
     return "timings and counters", []
 
 
-def turn_rows(result: EngineTurn) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def turn_rows(result: ServerTurn) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The requests-table row and steps-table rows of one answered turn."""
     m = result.measurement
     row = {
@@ -221,24 +221,24 @@ def turn_rows(result: EngineTurn) -> tuple[dict[str, Any], list[dict[str, Any]]]
     return row, steps
 
 
-def _failure_sentence(endpoint: EngineEndpoint, exc: Exception, done: int, run_dir: Path) -> str:
+def _failure_sentence(endpoint: ServerEndpoint, exc: Exception, done: int, run_dir: Path) -> str:
     kept = f"; the {done} request(s) measured before it are in {run_dir}" if done else ""
     if isinstance(exc, MissingMetrics):
         return f"--engine {endpoint.base_url}: {exc}{kept}."
     if isinstance(exc, MalformedResponse):
         return f"--engine {endpoint.base_url}: {exc}; point --engine at the serving engine itself, not at a proxy that rewrites its answers{kept}."
-    if isinstance(exc, EngineError) and exc.status is None:
+    if isinstance(exc, ServerError) and exc.status is None:
         return f"--engine {endpoint.base_url}: {exc}; check that the server is still up{kept}."
-    if isinstance(exc, EngineError) and exc.auth_refused:
+    if isinstance(exc, ServerError) and exc.auth_refused:
         return f"--engine {endpoint.base_url}: {exc}; {auth_fix(endpoint)}{kept}."
     return f"--engine {endpoint.base_url}: {exc}; fix the request or the server flags{kept}."
 
 
 @dataclass
-class EngineMeasurement:
+class ServerMeasurement:
     """What a server run produced: the answered turns and their table rows (kept for the summary)."""
 
-    turns: list[EngineTurn] = field(default_factory=list)
+    turns: list[ServerTurn] = field(default_factory=list)
     request_rows: list[dict[str, Any]] = field(default_factory=list)
     step_rows: list[dict[str, Any]] = field(default_factory=list)
     interrupted: bool = False
@@ -257,14 +257,14 @@ def _frame(rows: list[dict[str, Any]], schema):
     return pa.Table.from_pylist(rows, schema=schema).to_pandas()
 
 
-def measure_engine(endpoint: EngineEndpoint, requests: list[Request], config: DoctorConfig, writer, record, *,
-                   concurrency: int = 4, progress=None) -> EngineMeasurement:
+def measure_server(endpoint: ServerEndpoint, requests: list[Request], config: DoctorConfig, writer, record, *,
+                   concurrency: int = 4, progress=None) -> ServerMeasurement:
     """Send every request (``concurrency`` at a time) and stream its rows through ``writer``.
 
     The first failure stops sending; rows of finished requests are kept, the record notes the run as
     interrupted, and the failure is raised as one UsageError sentence after the caller closes the writer.
     """
-    measured = EngineMeasurement()
+    measured = ServerMeasurement()
     failure: Exception | None = None
     futures: list = []
     pool = None
@@ -281,7 +281,7 @@ def measure_engine(endpoint: EngineEndpoint, requests: list[Request], config: Do
         for future in [done, *concurrent.futures.as_completed(futures)]:
             try:
                 turns = future.result()
-            except (EngineError, MissingMetrics) as exc:
+            except (ServerError, MissingMetrics) as exc:
                 failure = exc
                 for pending in futures:
                     pending.cancel()
@@ -297,7 +297,7 @@ def measure_engine(endpoint: EngineEndpoint, requests: list[Request], config: Do
                     progress(GenerationResult(output_ids=result.output_token_ids or [], stop_reason=result.stop_reason,
                                               wall_time_s=result.wall_time_s, steps=result.steps))
             writer.flush()
-    except (EngineError, MissingMetrics) as exc:  # the first request, asked alone by figures_source
+    except (ServerError, MissingMetrics) as exc:  # the first request, asked alone by figures_source
         failure = exc
     except KeyboardInterrupt:
         measured.interrupted = True
@@ -306,7 +306,7 @@ def measure_engine(endpoint: EngineEndpoint, requests: list[Request], config: Do
     finally:
         if pool is not None:
             pool.shutdown(wait=not measured.interrupted, cancel_futures=True)
-        record.source.details.update(engine_facts(measured.turns))
+        record.source.details.update(server_facts(measured.turns))
     if failure is not None:
         measured.interrupted = True
         kept = len({t.request.id for t in measured.turns})
@@ -314,7 +314,7 @@ def measure_engine(endpoint: EngineEndpoint, requests: list[Request], config: Do
     return measured
 
 
-def engine_facts(answered: list[EngineTurn]) -> dict[str, Any]:
+def server_facts(answered: list[ServerTurn]) -> dict[str, Any]:
     """What the responses say about the server: engine kind, K, and how exact the step table is."""
     if not answered:
         return {}
@@ -333,7 +333,7 @@ def engine_facts(answered: list[EngineTurn]) -> dict[str, Any]:
     }
 
 
-def start_engine_record(config: DoctorConfig, endpoint: EngineEndpoint, model_file: str | None = None):
+def start_server_record(config: DoctorConfig, endpoint: ServerEndpoint, model_file: str | None = None):
     """The run record of a serving-engine run: ``source`` names the server; the target is what it serves.
     ``model_file``: the file the server says it serves (llama-server's GGUF, :func:`served_model_file`),
     kept in ``source.details`` for the target-identity check."""

@@ -8,14 +8,14 @@ from pathlib import Path
 from typing import Any
 
 from dflash_doctor.errors import UsageError
-from dflash_doctor.inputs.server_config import is_server_url, llamacpp_settings, parse_engine_config
-from dflash_doctor.serving.client import EngineEndpoint, EngineError, call, scrape_metrics
+from dflash_doctor.inputs.server_config import is_server_url, llamacpp_settings, parse_server_config
+from dflash_doctor.serving.client import ServerEndpoint, ServerError, call, scrape_metrics
 from dflash_doctor.telemetry.exposition import parse_exposition
 
 
-def engine_settings(spec: str | Path) -> dict[str, Any]:
+def server_settings(spec: str | Path) -> dict[str, Any]:
     """The normalised engine dict of ``--engine-config`` (a file, or a running llama-server's URL)."""
-    return read_llamacpp_server(str(spec)) if is_server_url(spec) else parse_engine_config(spec)
+    return read_llamacpp_server(str(spec)) if is_server_url(spec) else parse_server_config(spec)
 
 
 def read_llamacpp_server(url: str) -> dict[str, Any]:
@@ -26,10 +26,10 @@ def read_llamacpp_server(url: str) -> dict[str, Any]:
     endpoint reports n-max itself, and ``/props`` shows a fresh request's defaults (``speculative.types`` =
     none) rather than the server's. No endpoint names the draft's file either (``/props``' ``model_path`` is
     the target's), so the draft model is left unknown."""
-    endpoint = EngineEndpoint.from_url(url)
+    endpoint = ServerEndpoint.from_url(url)
     try:
         slots: Any = call(endpoint, "GET", "/slots")  # a JSON list, one object per slot
-    except EngineError as exc:
+    except ServerError as exc:
         raise UsageError(f"--engine-config {url}: {exc}; pass the URL of a running llama-server (its /slots answers).") from None
     slot = slots[0] if isinstance(slots, list) and slots else {}
     types = [t for t in str((slot.get("params") or {}).get("speculative.types") or "").split(",") if t and t != "none"]

@@ -248,7 +248,7 @@ LOG_PARSERS: dict[str, Callable[[str, LogContext], Observation | None]] = {
 }
 
 
-def detect_log_engine(lines: Iterable[str]) -> str | None:
+def detect_log_server_kind(lines: Iterable[str]) -> str | None:
     """The engine whose marker appears first in ``lines`` (None if no line has one)."""
     for line in lines:
         if VLLM_MARKER in line:

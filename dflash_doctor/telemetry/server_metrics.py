@@ -190,7 +190,7 @@ READERS: dict[str, Callable[[Exposition, str, str | None], Reading]] = {
     "llamacpp": _vllm_schema("llamacpp:", "llamacpp"),
     "trtllm": _read_trtllm,
 }
-ENGINE_PREFIXES = {"vllm": ("vllm:",), "sglang": ("sglang:",), "llamacpp": ("llamacpp:",), "trtllm": ("trtllm_", "trtllm:")}
+SERVER_PREFIXES = {"vllm": ("vllm:",), "sglang": ("sglang:",), "llamacpp": ("llamacpp:",), "trtllm": ("trtllm_", "trtllm:")}
 SPEC_METRICS_HINT = {
     "vllm": "vLLM exports vllm:spec_decode_* only with --speculative-config set and without --disable-log-stats",
     "sglang": "SGLang exports sglang:spec_verify_calls_total with --enable-metrics and a --speculative-algorithm",
@@ -199,9 +199,9 @@ SPEC_METRICS_HINT = {
 }
 
 
-def detect_engine(expo: Exposition) -> str | None:
+def detect_server_kind(expo: Exposition) -> str | None:
     """The engine whose metric prefix appears (the first found in READERS order), or None."""
-    for engine, prefixes in ENGINE_PREFIXES.items():
+    for engine, prefixes in SERVER_PREFIXES.items():
         if any(expo.has(prefix) for prefix in prefixes):
             return engine
     return None
@@ -213,7 +213,7 @@ def read_exposition(expo: Exposition, *, engine: str | None, default_model: str,
     Never raises on content: an endpoint with no engine metrics, or an engine without speculative
     counters, gives an empty reading whose note says which, and what to change.
     """
-    engine = engine or detect_engine(expo)
+    engine = engine or detect_server_kind(expo)
     if engine is None:
         return Reading("unknown", notes=["no vllm:, sglang:, llamacpp: or trtllm_ metrics in the scrape: is this a serving engine's /metrics?"])
     reading = READERS[engine](expo, default_model, class_label)

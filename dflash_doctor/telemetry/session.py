@@ -64,7 +64,7 @@ class WatchSession:
         """The Judge's rules, then the production alarms (collapse, per-position decay)."""
         return apply_alarms(self.judge.judge(window), self.judge)
 
-    def _adopt_detected_engine(self) -> None:
+    def _adopt_detected_server_kind(self) -> None:
         """Advice for the one engine the sources turned out to be (all engines' settings when it is not one)."""
         if self.judge.engine is None and len(self.watcher.engines) == 1:
             self.judge.engine = next(iter(self.watcher.engines))
@@ -90,7 +90,7 @@ class WatchSession:
         if scrapes and self.settings.window_given:  # two scrapes one window apart: the counts of that window
             time.sleep(self.settings.window_s)
             self.watcher.poll()
-        self._adopt_detected_engine()
+        self._adopt_detected_server_kind()
         failed = {e.source: e.message for e in self.watcher.events if e.kind == "source-unavailable"}
         if len(failed) == len(sources) and not self.watcher.units:
             raise UsageError(f"no source could be read: {'; '.join(failed.values())}; check the URL/path and that the server is up.")
@@ -118,7 +118,7 @@ class WatchSession:
     def step(self, now_s: float | None = None) -> list[WindowVerdict]:
         """Poll, judge the window ending now (``now_s``, default the wall clock), record and export it."""
         self.watcher.poll(now_s)
-        self._adopt_detected_engine()
+        self._adopt_detected_server_kind()
         windows = self.watcher.current_windows(now_s)
         verdicts = [self._judge(w) for w in windows]
         self._publish([verdicts])

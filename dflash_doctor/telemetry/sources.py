@@ -22,7 +22,7 @@ from dflash_doctor.serving.http import AUTH_STATUSES, HttpClient, Unreachable, b
 from dflash_doctor.telemetry.counts import SpecCounts
 from dflash_doctor.telemetry.server_metrics import READERS, Reading, read_exposition
 from dflash_doctor.telemetry.exposition import Exposition, Sample, parse_exposition
-from dflash_doctor.telemetry.logs import LogContext, detect_log_engine, parse_log_lines
+from dflash_doctor.telemetry.logs import LogContext, detect_log_server_kind, parse_log_lines
 from dflash_doctor.telemetry.observation import AVERAGE_WEIGHT, Observation, ParseProblems
 from dflash_doctor.telemetry.captured_responses import parse_response_lines
 
@@ -70,7 +70,7 @@ def _check_url(url: str, what: str) -> str:
     return url
 
 
-def _check_engine(engine: str | None) -> str | None:
+def _check_server_kind(engine: str | None) -> str | None:
     if engine is not None and engine not in READERS:
         raise UsageError(f"--engine {engine!r} is not one of {', '.join(READERS)}; pick one or leave it out to detect it.")
     return engine
@@ -91,7 +91,7 @@ class MetricsEndpoint:
                  api_key: str | None = None):
         self.url = _check_url(url, "source")
         self._client = _scrape_client(bearer(api_key) or None)
-        self.engine = _check_engine(engine)
+        self.engine = _check_server_kind(engine)
         self.model = model or urllib.parse.urlparse(url).netloc
         self.class_label = class_label
         self.name = url
@@ -177,7 +177,7 @@ class PrometheusServer:
                  headers: Mapping[str, str] | None = None):
         self.url = _check_url(url, "--prometheus").rstrip("/")
         self._client = _scrape_client(headers)
-        self.engine = _check_engine(engine)
+        self.engine = _check_server_kind(engine)
         self.window_s = window_s
         self.class_label = class_label
         self.selector = selector  # extra label matchers, e.g. job="vllm"
@@ -198,14 +198,14 @@ class PrometheusServer:
         extra = f",{self.selector}" if self.selector else ""
         return f'{{__name__=~"{pattern}"{extra}}}'
 
-    def _detect_engine(self) -> str | None:
+    def _detect_server_kind(self) -> str | None:
         for engine, counters in PROMETHEUS_COUNTERS.items():
             if self._query(f"count({self._selector(counters[:1])})"):
                 return engine
         return None
 
     def poll(self) -> list[Observation]:
-        engine = self.engine or self._detect_engine()
+        engine = self.engine or self._detect_server_kind()
         if engine is None:
             _note_once(self.notes, [f"{self.url} has no vllm:, sglang:, llamacpp: or trtllm_ speculative counters in its TSDB (yet)."])
             return []
@@ -286,14 +286,14 @@ class LogFile(_FollowedFile):
     def __init__(self, path: str | Path, *, engine: str | None = None, model: str | None = None, year: int | None = None, zone: datetime.tzinfo | None = None):
         """``zone``: the zone the log's stamps are written in (None: this host's local zone, see logs.py)."""
         super().__init__(path, model=model)
-        self.engine = _check_engine(engine)
+        self.engine = _check_server_kind(engine)
         self.zone = zone
         self._year = year or datetime.datetime.fromtimestamp(self.path.stat().st_mtime, zone).year
 
     def poll(self) -> list[Observation]:
         lines, first = self._tail.new_lines()
         if self.engine is None:
-            self.engine = detect_log_engine(lines)
+            self.engine = detect_log_server_kind(lines)
             if self.engine is None:
                 return []
         self.what = f"{self.engine} metrics"

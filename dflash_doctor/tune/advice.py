@@ -81,7 +81,7 @@ def batch_ranges(k_by_load: dict[int, int]) -> list[list[int]]:
     return ranges
 
 
-def engine_settings(advice: dict[str, dict[str, dict[str, Any]]], draft_method: str = "dflash", kind: str = CONCURRENCY) -> dict[str, str]:
+def settings_per_server(advice: dict[str, dict[str, dict[str, Any]]], draft_method: str = "dflash", kind: str = CONCURRENCY) -> dict[str, str]:
     """The overall recommendation per load (of ``kind``) as vLLM, SGLang and llama.cpp settings (exact flag text)."""
     k_by_load = {float(load): int(picks[OVERALL]["k"]) for load, picks in advice.items() if OVERALL in picks}
     ks = set(k_by_load.values())

@@ -28,8 +28,8 @@ from dflash_doctor.inputs.workloads import load_workload, save_workload
 from dflash_doctor.rundir.tables import TUNE_JSON
 from dflash_doctor.rundir.writer import utc_now
 from dflash_doctor import __version__
-from dflash_doctor.serving.client import EngineEndpoint, resolve_model
-from dflash_doctor.tune.advice import engine_settings, recommend_grid
+from dflash_doctor.serving.client import ServerEndpoint, resolve_model
+from dflash_doctor.tune.advice import settings_per_server, recommend_grid
 from dflash_doctor.tune.analysis import analyse, baseline_drift, fill_from_counters
 from dflash_doctor.tune.loads import CONCURRENCY, LoadLevel, load_text
 from dflash_doctor.tune.measure import LoadRun, TimedRequest, first_turns, run_load, stream_request
@@ -91,7 +91,7 @@ def measure_grid(grid: TuneGrid, config: DoctorConfig, requests, run_dir: Path,
         repeat = sum(1 for s in servers if s["k"] == plan.k)
         log_name = f"server-k{plan.k}.log" if not repeat else f"server-k{plan.k}-repeat.log"
         with serving(plan, run_dir / log_name, grid.start_timeout_s, api_key) as url:
-            endpoint = resolve_model(EngineEndpoint.from_url(url, model=config.engine_model, timeout_s=config.engine_timeout_s, api_key=api_key))
+            endpoint = resolve_model(ServerEndpoint.from_url(url, model=config.engine_model, timeout_s=config.engine_timeout_s, api_key=api_key))
             for request in requests[: grid.warmup_requests]:
                 stream_request(endpoint, request, config)
             for load in grid.loads:
@@ -209,7 +209,7 @@ def run_tune(grid: TuneGrid, config: DoctorConfig, run_dir: Path,
         "prediction": prediction,
         "held_out_error": held_out_error(prediction),
         "recommendation": advice,
-        "engine_settings": engine_settings(advice, "draft_model" if draft_kind == "autoregressive" else "dflash", kind),
+        "engine_settings": settings_per_server(advice, "draft_model" if draft_kind == "autoregressive" else "dflash", kind),
         "cost_profiles": profiles,
         "sweep_dir": sweep_dir,
     }

@@ -30,7 +30,7 @@ from dflash_doctor.errors import UsageError
 from dflash_doctor.inputs.config import DoctorConfig
 from dflash_doctor.inputs.workloads import Request, conversation_turns
 from dflash_doctor.replay.turns import turn_limit
-from dflash_doctor.serving.client import EngineEndpoint, auth_fix
+from dflash_doctor.serving.client import ServerEndpoint, auth_fix
 from dflash_doctor.serving.http import AUTH_STATUSES, bearer
 from dflash_doctor.serving.server_run import request_body
 from dflash_doctor.serving.prometheus import measurement_between, scrape_counters
@@ -88,7 +88,7 @@ def first_turns(requests: list[Request]) -> list[Request]:
     return [dataclasses.replace(r, messages=tuple(conversation_turns(r)[0])) if r.messages is not None else r for r in requests]
 
 
-def streamed_body(endpoint: EngineEndpoint, request: Request, config: DoctorConfig) -> tuple[str, dict[str, Any]]:
+def streamed_body(endpoint: ServerEndpoint, request: Request, config: DoctorConfig) -> tuple[str, dict[str, Any]]:
     """``check --engine``'s body for a one-turn request, streamed with the usage chunk at the end."""
     messages = list(request.messages) if request.messages is not None else None
     path, body = request_body(endpoint, request, messages, turn_limit(request, config.max_new_tokens), config)
@@ -97,7 +97,7 @@ def streamed_body(endpoint: EngineEndpoint, request: Request, config: DoctorConf
     return path, body
 
 
-def stream_request(endpoint: EngineEndpoint, request: Request, config: DoctorConfig,
+def stream_request(endpoint: ServerEndpoint, request: Request, config: DoctorConfig,
                    clock: Callable[[], float] = time.perf_counter) -> TimedRequest:
     """Send one request streamed and time it; a failure is a UsageError naming the server."""
     path, body = streamed_body(endpoint, request, config)
@@ -142,7 +142,7 @@ def stream_request(endpoint: EngineEndpoint, request: Request, config: DoctorCon
     )
 
 
-def run_load(endpoint: EngineEndpoint, requests: list[Request], config: DoctorConfig, *, k: int, load: LoadLevel, repeat: int = 0,
+def run_load(endpoint: ServerEndpoint, requests: list[Request], config: DoctorConfig, *, k: int, load: LoadLevel, repeat: int = 0,
              on_request: Callable[[TimedRequest], None] | None = None) -> LoadRun:
     """Every request once at this load: ``concurrency`` in flight at a time (a closed loop, as ``vllm bench
     serve --request-rate inf --max-concurrency``) or each sent at its arrival offset from ``config.seed``'s

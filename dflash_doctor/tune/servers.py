@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Iterator
 
 from dflash_doctor.errors import UsageError
-from dflash_doctor.serving.client import EngineEndpoint, auth_fix
+from dflash_doctor.serving.client import ServerEndpoint, auth_fix
 from dflash_doctor.serving.http import AUTH_STATUSES, Unreachable
 
 K_PLACEHOLDER = "{k}"
@@ -73,7 +73,7 @@ def wait_healthy(url: str, process: subprocess.Popen | None, timeout_s: float, l
     """Poll ``GET /v1/models`` (with the API key, if any) until it answers 200; the process dying, the time
     running out or the server refusing the key (401/403: waiting would not change that) is a UsageError."""
     deadline = time.monotonic() + timeout_s
-    endpoint = EngineEndpoint(base_url=url.rstrip("/"), api_key=api_key, timeout_s=5.0, retries=0)  # the loop is the retry
+    endpoint = ServerEndpoint(base_url=url.rstrip("/"), api_key=api_key, timeout_s=5.0, retries=0)  # the loop is the retry
     while True:
         try:
             answer = endpoint.client.get(endpoint.base_url + "/v1/models")
