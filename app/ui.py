@@ -212,13 +212,13 @@ def deviation_tables(path: str, mtime_ns: int) -> deviations.DeviationTables:
 
 
 @st.cache_data(show_spinner="Recomputing for the filter…", max_entries=64)
-def deviation_view(path: str, mtime_ns: int, classes: tuple[str, ...], categories: tuple[str, ...]) -> dict:
+def deviation_view(path: str, mtime_ns: int, classes: tuple[str, ...], categories: tuple[str, ...]) -> deviations.DeviationAnalysis:
     """The Deviations page's analysis for one filter: ``overall`` is the selection pooled, ``by_class``
     each selected class (every class when none is selected), cached per filter."""
     tables = deviation_tables(path, mtime_ns)
     shown = classes or tuple(deviations.class_names(tables))
-    return {
-        "definitions": deviations.definitions(tables),
-        "overall": deviations.slice_summary(tables, *deviations.select(tables, classes, categories)),
-        "by_class": {cls: deviations.slice_summary(tables, *deviations.select(tables, (cls,), categories)) for cls in shown},
-    }
+    return deviations.DeviationAnalysis(
+        definitions=deviations.definitions(tables),
+        overall=deviations.slice_summary(tables, *deviations.select(tables, classes, categories)),
+        by_class={cls: deviations.slice_summary(tables, *deviations.select(tables, (cls,), categories)) for cls in shown},
+    )

@@ -114,7 +114,7 @@ def main() -> None:
         grown = deviations.grown_patterns(tables, new_tables)
         compare_s = time.perf_counter() - start
 
-    print(f"{len(tokens):,} drafted tokens, {len(steps):,} steps, {len(requests):,} requests, {len(analysis['by_class'])} classes")
+    print(f"{len(tokens):,} drafted tokens, {len(steps):,} steps, {len(requests):,} requests, {len(analysis.by_class)} classes")
     print(f"{'read the three tables':<40}{read_s:8.2f} s   1.00x")
     print(f"{'deviation analysis (all classes)':<40}{analyze_s:8.2f} s   {analyze_s / read_s:.2f}x of the read")
     print(f"{'patterns that grew (compare, 2 runs)':<40}{compare_s:8.2f} s   {compare_s / read_s:.2f}x of the read")

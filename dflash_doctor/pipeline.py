@@ -56,7 +56,7 @@ class Outcome:
 
     run_dir: Path
     record: RunRecord
-    why_rejected: dict[str, Any] | None = None  # `check`'s deviation analysis (dflash_doctor.stats.deviations), for the terminal
+    why_rejected: deviations.DeviationAnalysis | None = None  # `check`'s deviation analysis (dflash_doctor.stats.deviations), for the terminal
 
 
 def default_run_dir(command: str) -> Path:

@@ -35,10 +35,10 @@ def test_terminal_summary_has_top_patterns_per_class_and_the_bound(runs):
     print_why_rejected(analysis, console)
     text = console.export_text()
     rows = [line for line in text.splitlines() if line.startswith("│")]
-    assert len(rows) == PATTERNS_PER_CLASS * len(analysis["by_class"])
-    for cls, summary in analysis["by_class"].items():
-        assert f"{cls}: tau {summary['tau']:.2f}, attainable <= {summary['attainable_tau']:.2f}" in text
-        assert repr(summary["top_pairs"][0]["target_text"]) in text
+    assert len(rows) == PATTERNS_PER_CLASS * len(analysis.by_class)
+    for cls, summary in analysis.by_class.items():
+        assert f"{cls}: tau {summary.tau:.2f}, attainable <= {summary.attainable_tau:.2f}" in text
+        assert repr(summary.top_pairs[0].target_text) in text
 
 
 def test_terminal_summary_is_silent_without_rejections(runs):
@@ -65,7 +65,7 @@ def test_report_html_section_escapes_tokens_and_links_examples_into_the_viewer(r
     assert links, "top patterns link to their example in the token viewer"
     assert all(link.replace("%23", "#") in ids for link in links)
     analysis = deviations.analyze_run(run)
-    for cls in analysis["by_class"]:
+    for cls in analysis.by_class:
         assert f'data-class="{cls}"' in section
     assert "chart-why-category" in section
 
@@ -74,8 +74,8 @@ def test_report_markdown_section_lists_patterns(runs):
     text = render_markdown(load_run(runs["base"]))
     section = text[text.index("### Why rejected") : text.index("### Models and environment")]
     analysis = deviations.analyze_run(load_run(runs["base"]))
-    for cls, summary in analysis["by_class"].items():
-        assert f"| {cls} | {summary['tau']:.2f} | {summary['attainable_tau']:.2f} |" in section
+    for cls, summary in analysis.by_class.items():
+        assert f"| {cls} | {summary.tau:.2f} | {summary.attainable_tau:.2f} |" in section
     assert section.count("\n| chat | '") == PATTERNS_PER_CLASS
 
 
@@ -99,5 +99,5 @@ def test_empty_tables_give_an_empty_analysis():
     empty = {name: schema.empty_table().to_pandas() for name, schema in TABLES.items()}
     tables = deviations.deviation_tables(empty["tokens"], empty["steps"], empty["requests"])
     analysis = deviations.analyze(tables)
-    assert analysis["by_class"] == {} and analysis["overall"]["tau"] is None and analysis["overall"]["top_pairs"] == []
+    assert analysis.by_class == {} and analysis.overall.tau is None and analysis.overall.top_pairs == []
     assert deviations.grown_patterns(tables, tables) == []

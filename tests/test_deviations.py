@@ -92,10 +92,10 @@ def test_pairs_are_ranked_by_lost_tokens_not_by_count():
 
 def test_top_pairs_carry_an_example_with_its_context():
     tokens, steps, requests = _run([("r", "chat", [_ok(100 + 1), _ok(100 + 2), _miss(7, 103)], 103)])
-    summary = deviations.analyze(deviation_tables(tokens, steps, requests))["by_class"]["chat"]
-    pair = summary["top_pairs"][0]
-    assert (pair["target_text"], pair["draft_text"], pair["count"], pair["lost_tokens"]) == ("<103>", "<7>", 1, 1)
-    assert pair["example"] == {"request_id": "r", "step": 0, "position": 3, "context": "<id 100><101><102>"}
+    summary = deviations.analyze(deviation_tables(tokens, steps, requests)).by_class["chat"]
+    pair = summary.top_pairs[0]
+    assert (pair.target_text, pair.draft_text, pair.count, pair.lost_tokens) == ("<103>", "<7>", 1, 1)
+    assert pair.example == deviations.PatternExample(request_id="r", step=0, position=3, context="<id 100><101><102>")
 
 
 # --------------------------------------------------------------------------- categories
@@ -169,11 +169,13 @@ def test_confident_and_uncertain_misses_split_the_lost_tokens():
         ("r", "math", [_ok(1), _ok(1), _ok(1), _ok(1)], 2),
     ])
     split = deviations.miss_split(*_decided_and_drafts(tokens, steps, requests))
-    assert split["confident"] == {"num_first_rejections": 1, "lost_tokens": 3, "share_of_lost": pytest.approx(3 / 11)}
-    assert split["uncertain"] == {"num_first_rejections": 2, "lost_tokens": 8, "share_of_lost": pytest.approx(8 / 11)}
+    assert (split.confident.num_first_rejections, split.confident.lost_tokens) == (1, 3)
+    assert split.confident.share_of_lost == pytest.approx(3 / 11)
+    assert (split.uncertain.num_first_rejections, split.uncertain.lost_tokens) == (2, 8)
+    assert split.uncertain.share_of_lost == pytest.approx(8 / 11)
     # 4 drafts accepting 1 + 0 + 0 + 4; the confident step is credited its 3 lost tokens.
-    assert split["tau"] == pytest.approx(1 + 5 / 4)
-    assert split["attainable_tau"] == pytest.approx(1 + (5 + 3) / 4)
+    assert split.tau == pytest.approx(1 + 5 / 4)
+    assert split.attainable_tau == pytest.approx(1 + (5 + 3) / 4)
 
 
 def test_attainable_tau_bounds_tau_and_reaches_the_block_when_every_miss_is_confident():
@@ -184,8 +186,8 @@ def test_attainable_tau_bounds_tau_and_reaches_the_block_when_every_miss_is_conf
         slots = [_ok(1)] * n + ([_miss(2, 3, **CONFIDENT)] + [_after(1, 1)] * (4 - n - 1) if n < 4 else [])
         spec.append(("r", "code", slots, 5))
     split = deviations.miss_split(*_decided_and_drafts(*_run(spec)))
-    assert split["attainable_tau"] == pytest.approx(1 + 4)  # every step credited its whole block of 4
-    assert split["tau"] < split["attainable_tau"]
+    assert split.attainable_tau == pytest.approx(1 + 4)  # every step credited its whole block of 4
+    assert split.tau is not None and split.tau < split.attainable_tau
 
 
 def test_attainable_credit_walks_to_the_first_uncertain_miss_in_teacher_forced_rows():
@@ -193,7 +195,7 @@ def test_attainable_credit_walks_to_the_first_uncertain_miss_in_teacher_forced_r
     tokens, steps, requests = _run([("r", "code", step, 3)])
     teacher = deviation_tables(tokens, steps, requests, teacher_forced=True)
     assert teacher.drafts["credited_tokens"].tolist() == [3]  # slots 2-4: a confident miss, a match, a confident miss
-    assert deviations.miss_split(teacher.decided, teacher.drafts)["attainable_tau"] == pytest.approx(1 + 1 + 3)
+    assert deviations.miss_split(teacher.decided, teacher.drafts).attainable_tau == pytest.approx(1 + 1 + 3)
     live = deviation_tables(tokens, steps, requests, teacher_forced=False)
     assert live.drafts["credited_tokens"].tolist() == [5]  # live rows after a rejection say nothing: the whole block
     uncertain_first = deviation_tables(*_run([("r", "code", [_miss(2, 3, **UNSURE), _after(4, 4)], 3)]))
@@ -243,11 +245,16 @@ def test_analyze_slices_by_class_and_overall():
         ("c", "chat", [_miss(4, 5, "special"), _after(1, 1)], 5),
     ])
     analysis = deviations.analyze(deviation_tables(tokens, steps, requests))
-    assert set(analysis["by_class"]) == {"chat", "math"}
-    assert analysis["by_class"]["chat"]["categories"][0]["category"] == "special"
-    assert analysis["overall"]["lost_tokens"] == 1 + 2
-    assert analysis["overall"]["num_drafts"] == 2
-    assert "upper bound" in analysis["definitions"]["attainable_tau"]
+    assert set(analysis.by_class) == {"chat", "math"}
+    assert analysis.by_class["chat"].categories[0].category == "special"
+    assert analysis.overall.lost_tokens == 1 + 2
+    assert analysis.overall.num_drafts == 2
+    assert "upper bound" in analysis.definitions.attainable_tau
+    as_json = analysis.to_json()  # report.json's why_rejected: the same figures, as plain JSON
+    assert as_json["overall"]["confident"] == {"num_first_rejections": analysis.overall.confident.num_first_rejections,
+                                               "lost_tokens": analysis.overall.confident.lost_tokens,
+                                               "share_of_lost": analysis.overall.confident.share_of_lost}
+    assert as_json["by_class"]["chat"]["categories"][0]["category"] == "special"
 
 
 def test_grown_patterns_name_what_got_costlier_per_draft():

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Callable, Iterable
 
 from dflash_doctor.stats import deviations
+from dflash_doctor.stats.deviations import DeviationAnalysis
 from dflash_doctor.errors import UsageError
 from dflash_doctor.report.content import check_counts, class_rows, incomplete_note, report_payload, verdict
 from dflash_doctor.inputs.config import PLOTLY_SOURCES, parse_plotly_source
@@ -35,7 +36,7 @@ def parse_formats(value: str | Iterable[str]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names))
 
 
-def render_markdown(run: Run, analysis: dict[str, Any] | None = None) -> str:
+def render_markdown(run: Run, analysis: DeviationAnalysis | None = None) -> str:
     """report.md: tables only, no scripts or raw HTML, for pull-request comments (``analysis``: as for
     :func:`render_html`)."""
     record = run.record
@@ -46,13 +47,13 @@ def render_markdown(run: Run, analysis: dict[str, Any] | None = None) -> str:
     return text.rstrip("\n") + "\n"
 
 
-def render_json(run: Run, analysis: dict[str, Any] | None = None) -> str:
+def render_json(run: Run, analysis: DeviationAnalysis | None = None) -> str:
     """report.json with sorted keys (stable diffs) and NaN written as null (``analysis``: as for :func:`render_html`)."""
     payload = report_payload(run, analysis if analysis is not None else deviations.analyze_run(run))
     return json.dumps(json_safe(payload), indent=2, sort_keys=True) + "\n"
 
 
-_RENDERERS: dict[str, Callable[[Run, dict[str, Any], str], str]] = {
+_RENDERERS: dict[str, Callable[[Run, DeviationAnalysis, str], str]] = {
     "html": render_html,
     "md": lambda run, analysis, _plotly: render_markdown(run, analysis),
     "json": lambda run, analysis, _plotly: render_json(run, analysis),
@@ -61,7 +62,7 @@ _RENDERERS: dict[str, Callable[[Run, dict[str, Any], str], str]] = {
 
 
 def render_reports(run: Run | Path | str, formats: Iterable[str] = FORMATS, out_dir: Path | str | None = None,
-                   analysis: dict[str, Any] | None = None, plotly: str = "inline") -> list[Path]:
+                   analysis: DeviationAnalysis | None = None, plotly: str = "inline") -> list[Path]:
     """Write the requested reports of ``run`` (a loaded run, or a run directory to load) into
     ``out_dir`` (default: the run directory) and return their paths in the order asked. The deviation
     analysis is computed once for all of them (``analysis``: the caller's, when it has it); ``plotly``:

@@ -9,6 +9,7 @@ from typing import Any, Iterable
 from dflash_doctor.rundir.run_record import Metrics, Recommendation, RunRecord
 from dflash_doctor.rundir.load import Run
 from dflash_doctor.rundir.status import CheckResult, overall_status, status_counts
+from dflash_doctor.stats.deviations import DeviationAnalysis
 
 REPORT_JSON_VERSION = 1
 
@@ -58,7 +59,7 @@ def incomplete_note(run: Run) -> str | None:
     )
 
 
-def report_payload(run: Run, analysis: dict[str, Any]) -> dict[str, Any]:
+def report_payload(run: Run, analysis: DeviationAnalysis) -> dict[str, Any]:
     """report.json: the run's verdict, checks, summary and recommendation with stable, sorted keys.
 
     It is what CI scripts read (``jq .verdict``), so keys only ever get added, and
@@ -77,7 +78,7 @@ def report_payload(run: Run, analysis: dict[str, Any]) -> dict[str, Any]:
         "checks": meta["checks"],
         "summary": meta["summary"],
         "recommendation": meta["recommendation"],
-        "why_rejected": analysis,  # deviation patterns per class (dflash_doctor.stats.deviations.analyze_run)
+        "why_rejected": analysis.to_json(),  # deviation patterns per class (dflash_doctor.stats.deviations.analyze_run)
         "models": meta["models"],
         "environment": meta["environment"],
         "config": meta["config"],

@@ -19,6 +19,7 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from dflash_doctor.rundir.run_record import OVERALL, Metrics, Recommendation, Summary, Sweep
+from dflash_doctor.stats.deviations import BinRow, DeviationAnalysis, SliceAnalysis
 
 OVERALL_COLOR = "#222222"
 _PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22", "#7f7f7f")
@@ -243,14 +244,14 @@ def compare_rates_figure(rows: Sequence[Mapping[str, Any]]) -> go.Figure:
     return fig
 
 
-def _deviation_series(analysis: Mapping[str, Any]) -> list[tuple[str, Mapping[str, Any]]]:
+def _deviation_series(analysis: DeviationAnalysis) -> list[tuple[str, SliceAnalysis]]:
     """(name, slice) for every class of a deviation analysis, then overall; slices with no drafts left out."""
-    by_class = analysis["by_class"]
-    items = [(cls, by_class[cls]) for cls in sorted(by_class)] + [(OVERALL, analysis["overall"])]
-    return [(name, s) for name, s in items if s["num_drafts"]]
+    by_class = analysis.by_class
+    items = [(cls, by_class[cls]) for cls in sorted(by_class)] + [(OVERALL, analysis.overall)]
+    return [(name, s) for name, s in items if s.num_drafts]
 
 
-def category_acceptance_figure(analysis: Mapping[str, Any]) -> go.Figure:
+def category_acceptance_figure(analysis: DeviationAnalysis) -> go.Figure:
     """Acceptance (accepted / decided) by category of the target token, one bar group per class.
 
     ``analysis`` is :func:`dflash_doctor.stats.deviations.analyze`'s output; hover shows each category's
@@ -263,10 +264,10 @@ def category_acceptance_figure(analysis: Mapping[str, Any]) -> go.Figure:
     colors = class_colors(name for name, _ in series)
     fig = go.Figure(layout=dict(title=title, barmode="group", yaxis=dict(title="acceptance", range=[0, 1.05], tickformat=".0%"), **_LAYOUT))
     for name, data in series:
-        rows = data["categories"]
+        rows = data.categories
         fig.add_trace(go.Bar(
-            name=name, marker_color=colors[name], x=[r["category"] for r in rows], y=[r["acceptance_rate"] for r in rows],
-            customdata=[[r["num_decided"], r["share_of_lost"] or 0.0] for r in rows],
+            name=name, marker_color=colors[name], x=[r.category for r in rows], y=[r.acceptance_rate for r in rows],
+            customdata=[[r.num_decided, r.share_of_lost or 0.0] for r in rows],
             hovertemplate="%{x}: %{y:.1%} accepted of %{customdata[0]} decided; %{customdata[1]:.0%} of lost tokens<extra>" + name + "</extra>",
         ))
     return fig
@@ -279,22 +280,27 @@ DEVIATION_AXES = {
 }
 
 
-def acceptance_along_figure(analysis: Mapping[str, Any], key: str) -> go.Figure:
-    """Acceptance (accepted / decided) per bin of ``key`` (a :data:`DEVIATION_AXES` name), one line per class."""
+def _bins(data: SliceAnalysis, key: str) -> list[BinRow]:
+    return getattr(data, key)
+
+
+def acceptance_along_figure(analysis: DeviationAnalysis, key: str) -> go.Figure:
+    """Acceptance (accepted / decided) per bin of ``key`` (a :data:`DEVIATION_AXES` name: a field of
+    :class:`SliceAnalysis`), one line per class."""
     title = f"Acceptance by {DEVIATION_AXES[key]}"
-    series = [(name, data) for name, data in _deviation_series(analysis) if data[key]]
+    series = [(name, data) for name, data in _deviation_series(analysis) if _bins(data, key)]
     if not series:
         return _empty(title, "No drafted tokens in this run.")
     colors = class_colors(name for name, _ in series)
-    labels = {str(r["bin"]) for _, data in series for r in data[key]}
+    labels = {r.bin for _, data in series for r in _bins(data, key)}
     order = sorted(labels, key=lambda label: int("".join(c for c in label.split("-")[0] if c.isdigit()) or 0))  # by lower edge
     fig = go.Figure(layout=dict(title=title, xaxis=dict(title=DEVIATION_AXES[key], type="category", categoryorder="array", categoryarray=order),
                                 yaxis=dict(title="acceptance", range=[0, 1.05], tickformat=".0%"), **_LAYOUT))
     for name, data in series:
-        rows = data[key]
+        rows = _bins(data, key)
         fig.add_trace(go.Scatter(
             name=name, mode="lines+markers", line=dict(color=colors[name], width=3 if name == OVERALL else 2),
-            x=[str(r["bin"]) for r in rows], y=[r["acceptance_rate"] for r in rows], customdata=[r["num_decided"] for r in rows],
+            x=[r.bin for r in rows], y=[r.acceptance_rate for r in rows], customdata=[r.num_decided for r in rows],
             hovertemplate="%{x}: %{y:.1%} of %{customdata} decided tokens<extra>" + name + "</extra>",
         ))
     return fig

@@ -22,6 +22,7 @@ from markupsafe import Markup
 
 from dflash_doctor.report import figures
 from dflash_doctor.stats import deviations
+from dflash_doctor.stats.deviations import DeviationAnalysis, PatternExample
 from dflash_doctor.inputs.config import parse_plotly_source
 from dflash_doctor.report.content import check_counts, class_rows, incomplete_note, verdict
 from dflash_doctor.report.templating import html_env
@@ -140,15 +141,15 @@ def charts(run: Run) -> list[dict[str, Any]]:
     return [{"section": section, "id": f"chart-{name}", "html": figure_html(fig, f"chart-{name}")} for section, name, fig in built]
 
 
-def why_rejected_section(analysis: dict[str, Any], viewer: list[dict[str, Any]]) -> dict[str, Any]:
-    """The deviation analysis (left as it is: report.json shows the same object), its charts, and
+def why_rejected_section(analysis: DeviationAnalysis, viewer: list[dict[str, Any]]) -> dict[str, Any]:
+    """The deviation analysis (the typed record report.json shows as JSON), its charts, and
     ``example_anchor``: where a top pattern's example sits in the token viewer (its step when shown, else
     its request, else None)."""
     shown_steps = {(r["request_id"], s["step"]) for r in viewer for s in r["steps"]}
     shown_requests = {r["request_id"] for r in viewer}
 
-    def example_anchor(example: dict[str, Any]) -> str | None:
-        key = (example["request_id"], example["step"])
+    def example_anchor(example: PatternExample) -> str | None:
+        key = (example.request_id, example.step)
         return step_anchor(*key) if key in shown_steps else request_anchor(key[0]) if key[0] in shown_requests else None
 
     built = [("category", figures.category_acceptance_figure(analysis))]
@@ -166,13 +167,13 @@ def step_anchor(request_id: str, step: int) -> str:
     return f"{request_anchor(request_id)}-step-{step}"
 
 
-def render_html(run: Run, analysis: dict[str, Any] | None = None, plotly: str = "inline") -> str:
+def render_html(run: Run, analysis: DeviationAnalysis | None = None, plotly: str = "inline") -> str:
     """report.html; ``analysis`` is the run's :func:`dflash_doctor.stats.deviations.analyze_run` when the caller has it;
     ``plotly``: where the page loads plotly.js from (:data:`dflash_doctor.inputs.config.PLOTLY_SOURCES`)."""
     record = run.record
     analysis = analysis if analysis is not None else deviations.analyze_run(run)
-    examples = [pair["example"]["request_id"] for summary in analysis["by_class"].values()
-                for pair in summary["top_pairs"][:WHY_REJECTED_EXAMPLES_PER_CLASS]]
+    examples = [pair.example.request_id for summary in analysis.by_class.values()
+                for pair in summary.top_pairs[:WHY_REJECTED_EXAMPLES_PER_CLASS]]
     viewer = token_viewer(run, examples)
     return html_env().get_template("report.html").render(
         run_name=run.name,

@@ -3,8 +3,6 @@ is rejected, the checks with their evidence, and the verdict (:func:`dflash_doct
 
 from __future__ import annotations
 
-from typing import Any
-
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
@@ -13,6 +11,7 @@ from dflash_doctor.rundir.run_record import RunRecord
 from dflash_doctor.report.templating import fmt, pct
 from dflash_doctor.report.sanitize import for_terminal
 from dflash_doctor.rundir.status import VERDICT_NONE, CheckResult, overall_status
+from dflash_doctor.stats.deviations import DeviationAnalysis
 
 STATUS_STYLE = {"pass": "green", "warn": "yellow", "fail": "bold red", "skip": "dim", "error": "magenta", VERDICT_NONE: "dim"}
 
@@ -91,33 +90,33 @@ def _shown(text: str) -> str:
     return escape(repr(text))
 
 
-def print_why_rejected(analysis: dict[str, Any] | None, console: Console, per_class: int = PATTERNS_PER_CLASS) -> None:
+def print_why_rejected(analysis: DeviationAnalysis | None, console: Console, per_class: int = PATTERNS_PER_CLASS) -> None:
     """Why rejected: the costliest first-rejection patterns of each class (:mod:`dflash_doctor.stats.deviations`),
     one line each, then per class the share of lost tokens at confident misses and the attainable tau
     upper bound. report.html / report.md show the full tables."""
     if analysis is None:
         return
-    by_class = analysis["by_class"]
-    if not any(summary["top_pairs"] for summary in by_class.values()):
+    by_class = analysis.by_class
+    if not any(summary.top_pairs for summary in by_class.values()):
         return
     table = Table(title=f"Why rejected: top {per_class} first-rejection patterns per class, by drafted tokens they threw away")
     for column in ("class", "target token", "drafted instead", "category (target / drafted)", "times", "lost tokens", "confident"):
         table.add_column(column, justify="right" if column in ("times", "lost tokens", "confident") else "left")
     for cls, summary in sorted(by_class.items()):
-        for index, pair in enumerate(summary["top_pairs"][:per_class]):
+        for index, pair in enumerate(summary.top_pairs[:per_class]):
             table.add_row(
-                for_terminal(cls) if index == 0 else "", _shown(pair["target_text"]), _shown(pair["draft_text"]),
-                f"{pair['category']} / {pair['draft_category']}",
-                str(pair["count"]), f"{pair['lost_tokens']} ({pct(pair['share_of_lost'], 0)})",
-                f"{pair['num_confident']}/{pair['count']}",
+                for_terminal(cls) if index == 0 else "", _shown(pair.target_text), _shown(pair.draft_text),
+                f"{pair.category} / {pair.draft_category}",
+                str(pair.count), f"{pair.lost_tokens} ({pct(pair.share_of_lost, 0)})",
+                f"{pair.num_confident}/{pair.count}",
             )
     console.print(table)
     for cls, summary in sorted(by_class.items()):
-        worst = summary["costliest_category"]
-        worst_text = f"; costliest: {worst['category']} ({pct(worst['share_of_lost'], 0)} of lost, {pct(worst['acceptance_rate'], 0)} accepted)" if worst else ""
+        worst = summary.costliest_category
+        worst_text = f"; costliest: {worst.category} ({pct(worst.share_of_lost, 0)} of lost, {pct(worst.acceptance_rate, 0)} accepted)" if worst else ""
         console.print(
-            f"  {for_terminal(cls)}: tau {fmt(summary['tau'])}, attainable <= {fmt(summary['attainable_tau'])} "
-            f"(confident misses {pct(summary['confident']['share_of_lost'], 0)} of lost){worst_text}"
+            f"  {for_terminal(cls)}: tau {fmt(summary.tau)}, attainable <= {fmt(summary.attainable_tau)} "
+            f"(confident misses {pct(summary.confident.share_of_lost, 0)} of lost){worst_text}"
         )
 
 
