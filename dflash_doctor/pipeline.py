@@ -277,7 +277,7 @@ def check_context(pair: Pair, requests: Sequence[Request], config: DoctorConfig,
     from transformers import AutoTokenizer
 
     draft_tokenizer = None
-    if pair.kind.ships_tokenizer:
+    if pair.kind.ships_tokenizer and pair.draft_dir is not None:
         try:
             draft_tokenizer = AutoTokenizer.from_pretrained(pair.draft_dir)
         except (OSError, ValueError):
@@ -289,7 +289,7 @@ def check_context(pair: Pair, requests: Sequence[Request], config: DoctorConfig,
         target_tokenizer=pair.tokenizer,
         draft_tokenizer=draft_tokenizer,
         target_config=pair.target.model.config,
-        draft_config=pair.draft_config,
+        draft_config=pair.draft_config or None,  # a speculator without weights has no config.json to check
         draft_kind=pair.kind.name,
         environment=record.environment,
         engine_config=pair.server_settings,
@@ -300,7 +300,7 @@ def check_context(pair: Pair, requests: Sequence[Request], config: DoctorConfig,
         record=record,
         config=config,
         output_token_ids=[t for row in request_rows for t in row["output_token_ids"]],
-        draft_weight_shapes=draft_weight_shapes(pair.draft_dir),
+        draft_weight_shapes=draft_weight_shapes(pair.draft_dir) if pair.draft_dir is not None else {},
     )
 
 

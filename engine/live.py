@@ -120,10 +120,11 @@ def speculative_generate(
         _synchronize(device)  # the previous step's record kernels finish outside the draft time
         t0 = time.perf_counter()
         proposal = proposer.propose(last, k_step, convention.block_k(k, max_new_tokens - position))
+        n_drafted = len(proposal.tokens)  # a lookup proposer may offer fewer than k_step (none: a plain decode step)
         _synchronize(device)
         t1 = time.perf_counter()
         block = torch.cat([torch.tensor([last], device=device), proposal.tokens.to(device)])
-        verified = target.forward(block, taps=taps)  # logits [k_step + 1, V]
+        verified = target.forward(block, taps=taps)  # logits [n_drafted + 1, V]
         _synchronize(device)
         t2 = time.perf_counter()
         if temperature <= 0:
@@ -139,7 +140,7 @@ def speculative_generate(
             num_accepted = convention.accepted_through_stop(stop_at)
         num_committed_drafts = len(accepted)
         committed = 1 + num_committed_drafts  # last + accepted drafts enter the context
-        target.crop(target.cache_length - (k_step + 1) + committed)
+        target.crop(target.cache_length - (n_drafted + 1) + committed)
         features = verified.features[:committed] if verified.features is not None else None
         proposer.accept(block[:committed], features)
         output.extend(accepted)
@@ -152,10 +153,10 @@ def speculative_generate(
             last = next_token
             if next_token in stop_ids:
                 reason = "stop_token"
-        steps.append(StepRecord(step=len(steps), position=position, k=k, num_drafted=k_step, num_accepted=num_accepted,
+        steps.append(StepRecord(step=len(steps), position=position, k=k, num_drafted=n_drafted, num_accepted=num_accepted,
                                 bonus_token=bonus, draft_time_s=t1 - t0, verify_time_s=t2 - t1))
-        if record_tokens and k_step:
-            target_rows = TargetRows.of(verified.logits[:k_step])
+        if record_tokens and n_drafted:
+            target_rows = TargetRows.of(verified.logits[:n_drafted])
             packed = divergence_tensor(proposal.logits, proposal.tokens, target_rows)
             packed = torch.cat([packed, target_rows.tokens[:, None].to(packed.dtype)], dim=1)
             pending.append((packed, len(steps) - 1, position, drafted, num_committed_drafts))

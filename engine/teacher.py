@@ -53,6 +53,7 @@ class SlotTable:
     accept_probs: np.ndarray | None = None
     divergence: np.ndarray = field(default_factory=lambda: np.zeros((0, WIDTH)))
     divergence_start: dict[int, int] = field(default_factory=dict)
+    drafted: np.ndarray | None = None  # [N] slots each anchor's step drafts (Proposer.proposal_lengths); None: all
 
 
 def matched_runs(matches: np.ndarray) -> np.ndarray:
@@ -62,9 +63,10 @@ def matched_runs(matches: np.ndarray) -> np.ndarray:
 
 
 def walk_schedule(matches: np.ndarray, output_ids: list[int], k: int, max_new_tokens: int, stop_ids: frozenset[int],
-                  convention: EndOfRequest = CONVENTIONS["vllm"]) -> list[StepRecord]:
+                  convention: EndOfRequest = CONVENTIONS["vllm"], drafted: np.ndarray | None = None) -> list[StepRecord]:
     """The live loop's steps at K over known matches, with the live loop's schedule (engine/schedule.py);
-    walked, not timed."""
+    walked, not timed. ``drafted`` [N] caps the tokens each anchor's step drafts (a lookup proposer that
+    found fewer than K, or none: a plain decode step), as :attr:`SlotTable.drafted` records them."""
     steps: list[StepRecord] = []
     n_out = len(output_ids)
     i = 0  # output index of the last committed token (output[0] comes from the prefill)
@@ -73,6 +75,8 @@ def walk_schedule(matches: np.ndarray, output_ids: list[int], k: int, max_new_to
     while i + 1 < max_new_tokens and i + 1 < n_out:
         position = i + 1
         k_step = draft_budget(k, max_new_tokens, position)
+        if drafted is not None:
+            k_step = min(k_step, int(drafted[i]))
         n = int(matched_runs(matches[i, :k_step]))
         stop_at = cut_at_stop(output_ids[i + 1 : i + 1 + n], stop_ids)
         if stop_at is not None:
@@ -149,12 +153,16 @@ def slot_table(
     # queue once per pass (only the matched runs that ``full_anchors`` reads are copied per pass). Slots
     # past a block or past the known output are padded / computed, then dropped on the host.
     runs = np.zeros((n_anchor, k), dtype=bool)  # the matched runs so far, for full_anchors
-    guess_parts, match_parts, prob_parts, divergence_parts, recorded = [], [], [], [], []
+    guess_parts, match_parts, prob_parts, divergence_parts, recorded, length_parts = [], [], [], [], [], []
     for start, stop, bk in _draft_passes(block_of):
         anchors = torch.arange(p_len + start, p_len + stop)
         idx = torch.arange(start, stop, device=device)  # output indices
         slot_pos = idx[:, None] + torch.arange(1, bk + 1, device=device)  # output index each slot predicts
         known = slot_pos < n_out
+        lengths = proposer.proposal_lengths(anchors, bk)  # a lookup proposer may draft fewer slots than bk
+        if lengths is not None:
+            known &= torch.arange(bk, device=device) < lengths.to(device)[:, None]
+            length_parts.append(lengths.cpu())
         safe_pos = slot_pos.clamp(max=n_out - 1)
         if full_anchors is None:
             logits = proposer.slot_logits(anchors, bk)  # [A, bk, V]
@@ -196,8 +204,9 @@ def slot_table(
         kept = (rows[:, None] + slot < n_out) & (slot <= block_of[rows][:, None])
         divergence = _host(divergence_parts, divergence)[kept.reshape(-1)]
         divergence_start = dict(zip(rows.tolist(), (np.cumsum(kept.sum(axis=1)) - kept.sum(axis=1)).tolist()))
+    drafted = torch.cat(length_parts).numpy() if length_parts and len(length_parts) == len(guess_parts) else None
     table = SlotTable(guesses=guesses, matches=matches, accept_probs=accept_probs, divergence=divergence,
-                      divergence_start=divergence_start)
+                      divergence_start=divergence_start, drafted=drafted)
     return table, target_pass
 
 

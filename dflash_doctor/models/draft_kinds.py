@@ -21,6 +21,11 @@ Adding a kind (a new draft format, a config dialect of an existing one) is one c
 
 ``--draft-kind auto`` asks each kind's ``detect`` in registration order; ``autoregressive`` is the
 catch-all and stays last (pass ``before=`` to register ahead of it).
+
+A speculator without weights (``ngram``) declares ``from_spec`` instead of a checkpoint loader: the
+user names it as the draft, ``--draft ngram`` or ``--draft ngram:prompt_lookup_min=2,prompt_lookup_max=5``
+(:func:`weightless_kind`), and ``from_spec`` builds its settings module from those settings and the
+target's config.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import torch
 from dflash_doctor.engine.proposers.autoregressive import AutoregressiveProposer
 from dflash_doctor.engine.proposers.base import Proposer
 from dflash_doctor.engine.proposers.dflash import DFlashProposer
+from dflash_doctor.engine.proposers.ngram import NgramProposer, NgramSettings
 from dflash_doctor.engine.target import TargetModel
 from dflash_doctor.errors import UsageError
 from dflash_doctor.models.loading import is_dflash_config, load_causal_lm, load_dflash_draft, validate_autoregressive_pair, validate_dflash_pair
@@ -82,6 +88,9 @@ class DraftKind(Generic[DraftModel]):
     ``engine_agreement``: the serving engines' setups for this kind are modelled
     (:mod:`dflash_doctor.serving.agreement`), so ``check --engine`` with a local pair replays the server's
     answered turns in the embedded engine under each setup.
+    ``from_spec(settings, target_config, options)``: a kind without weights, named by ``--draft NAME``
+    (optionally ``NAME:key=value,...``, the settings as a dict of strings): its module, holding only
+    settings; ``detect`` and ``load`` are then never asked.
     """
 
     name: str
@@ -94,6 +103,7 @@ class DraftKind(Generic[DraftModel]):
     with_layer_ids: Callable[[DraftModel, list[int]], DraftModel] | None = None
     ships_tokenizer: bool = False
     engine_agreement: bool = False
+    from_spec: Callable[[dict[str, str], Any, LoadOptions], DraftModel] | None = None
 
 
 _KINDS: dict[str, DraftKind[Any]] = {}
@@ -128,6 +138,22 @@ def get_draft_kind(name: str) -> DraftKind[Any]:
         close = difflib.get_close_matches(name, list(_KINDS), n=1, cutoff=0.5)
         hint = f"did you mean {close[0]!r}? " if close else ""
         raise UsageError(f"--draft-kind {name!r} is not a draft kind; {hint}pick one of {', '.join(kind_names())}.") from None
+
+
+def weightless_kind(spec: str) -> tuple[DraftKind[Any], dict[str, str]] | None:
+    """The kind a ``--draft`` value names when it names a speculator without weights (``ngram``,
+    ``ngram:prompt_lookup_max=4``), with its settings; None for a checkpoint (a path or hub id)."""
+    name, _, rest = spec.partition(":")
+    kind = _KINDS.get(name)
+    if kind is None or kind.from_spec is None:
+        return None
+    settings: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in rest.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip() or not value.strip():
+            raise UsageError(f"--draft {spec!r}: settings are key=value pairs separated by commas, e.g. {name}:prompt_lookup_max=4.")
+        settings[key.strip()] = value.strip()
+    return kind, settings
 
 
 def detect_draft_kind(config: dict[str, Any]) -> DraftKind[Any]:
@@ -205,3 +231,46 @@ register_draft_kind(DraftKind(
     facts=lambda model: {"vocabulary_check": getattr(model, "vocabulary_check", None)},
     ships_tokenizer=True,
 ))
+
+
+class NgramLookup(torch.nn.Module):
+    """The n-gram speculator's "draft model": its settings and the target's vocabulary width, no weights."""
+
+    def __init__(self, settings: NgramSettings, vocab_size: int, device: str):
+        super().__init__()
+        self.settings = settings
+        self.vocab_size = vocab_size
+        self.device_name = device
+
+
+def _ngram_from_spec(settings: dict[str, str], target_config: Any, options: LoadOptions) -> NgramLookup:
+    known = ("prompt_lookup_min", "prompt_lookup_max")
+    unknown = sorted(set(settings) - set(known))
+    if unknown:
+        raise UsageError(f"--draft ngram: unknown setting {unknown[0]!r}; the settings are {', '.join(known)} (vLLM's names).")
+    try:
+        values = {key: int(value) for key, value in settings.items()}
+        resolved = NgramSettings.resolve(values.get("prompt_lookup_min"), values.get("prompt_lookup_max"),
+                                         max_model_len=getattr(target_config, "max_position_embeddings", None))
+    except ValueError as error:
+        raise UsageError(f"--draft ngram: {error}; pass whole numbers >= 1, e.g. ngram:prompt_lookup_min=2,prompt_lookup_max=5.") from None
+    return NgramLookup(resolved, int(target_config.vocab_size), options.device)
+
+
+def _unused_load(draft_dir: Path, target_dir: Path, target_config: Any, options: LoadOptions) -> Any:
+    raise UsageError("the ngram speculator has no checkpoint to load; pass --draft ngram.")
+
+
+register_draft_kind(DraftKind(
+    name=NgramProposer.kind,
+    description="vLLM's n-gram prompt lookup (no weights): --draft ngram[:prompt_lookup_min=N,prompt_lookup_max=M]",
+    detect=lambda config: False,
+    load=_unused_load,
+    build=lambda model, target, sampling: NgramProposer(model.settings, target.head.out_features, target.head.weight.device),
+    facts=lambda model: {
+        "prompt_lookup_min": model.settings.prompt_lookup_min,
+        "prompt_lookup_max": model.settings.prompt_lookup_max,
+        "max_model_len": model.settings.max_model_len,
+    },
+    from_spec=_ngram_from_spec,
+), before="autoregressive")

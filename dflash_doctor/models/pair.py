@@ -22,7 +22,7 @@ from dflash_doctor.errors import UsageError
 from dflash_doctor.inputs.config import DoctorConfig
 from dflash_doctor.inputs.validation import read_config_json
 from dflash_doctor.inputs.workloads import read_chat_template
-from dflash_doctor.models.draft_kinds import DraftKind, LoadOptions, Sampling, get_draft_kind, resolve_draft_kind
+from dflash_doctor.models.draft_kinds import DraftKind, LoadOptions, Sampling, get_draft_kind, resolve_draft_kind, weightless_kind
 from dflash_doctor.stages import stage
 from dflash_doctor.models.loading import DEMO_DRAFT_DIR, demo_target_path, fingerprint, hub_commit, load_causal_lm, resolve_model_dir
 from dflash_doctor.models.placement import target_devices
@@ -48,7 +48,8 @@ class Pair:
     """A loaded target + draft and everything needed to replay requests through them.
 
     ``target_info`` / ``draft_info`` are the facts run.json records; ``draft_config`` is the draft
-    checkpoint's config.json (the checks read it as written).
+    checkpoint's config.json (the checks read it as written). A speculator without weights (``--draft
+    ngram``) has no ``draft_dir`` and an empty ``draft_config``.
     """
 
     target: TargetModel
@@ -58,7 +59,7 @@ class Pair:
     tokenizer: Any
     stop_ids: frozenset[int]
     target_dir: Path
-    draft_dir: Path
+    draft_dir: Path | None
     draft_config: dict[str, Any]
     target_info: ModelInfo
     draft_info: ModelInfo
@@ -151,16 +152,27 @@ def load_pair(config: DoctorConfig, server_settings: dict[str, Any] | None = Non
     if config.draft is None and not (DEMO_DRAFT_DIR / "config.json").is_file():
         raise UsageError(f"the built-in demo draft is missing from {DEMO_DRAFT_DIR}; reinstall dflash-doctor or pass --draft.")
     target_dir = resolve_model_dir(target_spec)
-    draft_dir = resolve_model_dir(draft_spec)
-    draft_config = read_config_json(draft_dir)
-    kind = resolve_draft_kind(config.draft_kind, draft_config, draft_spec)
+    named = weightless_kind(draft_spec)  # a speculator without weights, named as the draft (--draft ngram)
+    if named is not None:
+        if config.draft_kind not in ("auto", named[0].name):
+            raise UsageError(f"--draft {draft_spec} is the {named[0].name} speculator; drop --draft-kind {config.draft_kind} or pass --draft-kind {named[0].name}.")
+        draft_dir, draft_config, kind = None, {}, named[0]
+    else:
+        draft_dir = resolve_model_dir(draft_spec)
+        draft_config = read_config_json(draft_dir)
+        kind = resolve_draft_kind(config.draft_kind, draft_config, draft_spec)
     with stage(f"loading the target {Path(target_spec).name} ({config.dtype}, {config.device})"):
         target_model = load_causal_lm(target_dir, dtype=config.dtype, device=config.device, trust_remote_code=config.trust_remote_code)
         tokenizer = AutoTokenizer.from_pretrained(target_dir, trust_remote_code=config.trust_remote_code)
     draft_device = target_devices(config.device)[0]  # next to a placed target's embeddings and head
     options = LoadOptions(dtype=config.dtype, device=draft_device, trust_remote_code=config.trust_remote_code)
     with stage(f"loading the {kind.name} draft {Path(draft_spec).name}"):
-        draft_model = kind.load(draft_dir, target_dir, target_model.config, options)
+        if named is not None:
+            assert kind.from_spec is not None
+            draft_model = kind.from_spec(named[1], target_model.config, options)
+        else:
+            assert draft_dir is not None
+            draft_model = kind.load(draft_dir, target_dir, target_model.config, options)
     target = TargetModel(target_model)
     sampling = Sampling(temperature=config.temperature, draft_sample_method=server_settings["draft_sample_method"] if server_settings else "greedy")
     target_info = ModelInfo(
@@ -175,7 +187,8 @@ def load_pair(config: DoctorConfig, server_settings: dict[str, Any] | None = Non
         },
     )
     draft_info = ModelInfo(
-        id=draft_spec, revision_or_hash=fingerprint(draft_dir), hub_commit=hub_commit(draft_dir), dtype=config.dtype,
+        id=draft_spec, revision_or_hash=fingerprint(draft_dir) if draft_dir is not None else draft_spec,
+        hub_commit=hub_commit(draft_dir) if draft_dir is not None else None, dtype=config.dtype,
         device=draft_device, kind=kind.name,
         facts={**kind.facts(draft_model), "draft_sample_method": sampling.draft_sample_method},
     )

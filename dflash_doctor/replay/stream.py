@@ -208,7 +208,7 @@ def replay_teacher(pair: Pair, requests: Sequence[Request], *, ks: tuple[int, ..
             matches = table.matches[:, :k]
             if table.accept_probs is not None:
                 matches = np.cumprod(walk_rng.random(matches.shape) < table.accept_probs[:, :k], axis=1).astype(bool)
-            steps = walk_schedule(matches, result.output_ids, k, turn.max_new_tokens, pair.stop_ids, convention)
+            steps = walk_schedule(matches, result.output_ids, k, turn.max_new_tokens, pair.stop_ids, convention, table.drafted)
             replay.steps_by_k[k].extend(as_row(StepRow(request_id=turn.key, request_class=turn.request.request_class, **vars(s))) for s in steps)
             if k == k_max:
                 if temperature <= 0 and not convention.shrink_last_block:

@@ -8,7 +8,7 @@ Life cycle for one sequence::
 
     start(prompt_ids, prompt_features)         # after the target's prefill
     loop:
-        proposal = propose(last_token, k, block_k)   # k tokens offered for verification
+        proposal = propose(last_token, k, block_k)   # up to k tokens offered for verification
         accept(committed_ids, committed_features)     # [last, d1..dn]: rows now in the target's context
 """
 
@@ -75,6 +75,12 @@ class Proposer(ABC):
     def samples_drafts(self, temperature: float) -> bool:
         """Whether drafts are sampled from ``probs`` at this temperature (False: greedy, one-hot drafts)."""
         return False
+
+    def proposal_lengths(self, anchors: torch.Tensor, k: int) -> torch.Tensor | None:
+        """How many of the ``k`` slots each anchor's step really drafts ([A] on the host), for a proposer whose
+        :meth:`propose` may return fewer than k tokens (a lookup that finds no match drafts none: that step
+        is a plain decode step). None: every step drafts all k (the default)."""
+        return None
 
     @abstractmethod
     def prepare_teacher(self, token_ids: torch.Tensor, features: torch.Tensor | None) -> None:

@@ -1,0 +1,162 @@
+"""Prompt lookup (n-gram) drafting, as vLLM's ``ngram`` speculator does it: no weights, no target states.
+
+The rule (vLLM ``speculative_config = {"method": "ngram", ...}``, ``v1/spec_decode/ngram_proposer.py``):
+
+* The context is the prompt plus every committed output token, the token just sampled included.
+* With fewer than ``prompt_lookup_min`` context tokens nothing is proposed.
+* Otherwise the longest suffix of the context of length n in [``prompt_lookup_min``, ``prompt_lookup_max``]
+  that also occurs earlier in the context is looked up (an earlier occurrence may overlap the suffix);
+  between occurrences of that length the *earliest* one wins. The tokens that followed it are proposed,
+  at most K of them, fewer when the context ends first; K is also capped by ``max_model_len - len(context)``.
+* No match of at least ``prompt_lookup_min`` tokens: nothing is proposed, and the step is a plain decode
+  step (vLLM counts it as no draft at all).
+* Defaults: neither bound set -> both 5; one set -> the other copies it.
+
+vLLM scans the reversed context with a prefix function (KMP) capped at ``prompt_lookup_max``; where
+the same length occurs several times its ``>=`` update keeps the occurrence furthest back. This module
+does the same scan (:func:`ngram_lookup`).
+
+A proposal has no distribution: the verifier treats it as a point mass on each proposed token (vLLM's
+rejection sampler, given no draft probabilities, accepts a token with p_target(token)). Its ``logits``
+rows are that point mass: 0 at the proposed token, -inf elsewhere, so the per-token divergence columns
+hold what a point mass gives (docs/speculators.md): the target's probability of the proposed token, a
+draft probability of the target's token of 1 or 0, a rank of 0 or 1, total variation ``1 - p_target``,
+and an infinite KL unless the target was certain.
+
+Teacher forcing: a proposal at K is the first K tokens of the proposal at a larger K (K only truncates),
+so one pass at K_max is exact for every K. :meth:`NgramProposer.proposal_lengths` tells the replay how
+many slots each step really drafts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from dflash_doctor.engine.proposers.base import Proposal, Proposer, TargetNeeds
+
+#: vLLM's defaults when neither bound is given
+DEFAULT_PROMPT_LOOKUP = 5
+
+
+@dataclass(frozen=True)
+class NgramSettings:
+    """vLLM's ``prompt_lookup_min`` / ``prompt_lookup_max`` and the context cap (``max_model_len``; None: no cap)."""
+
+    prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP
+    prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP
+    max_model_len: int | None = None
+
+    @classmethod
+    def resolve(cls, prompt_lookup_min: int | None = None, prompt_lookup_max: int | None = None,
+                max_model_len: int | None = None) -> "NgramSettings":
+        """vLLM's defaulting: neither -> both 5; one -> the other copies it. Bounds must be >= 1 and min <= max."""
+        if prompt_lookup_min is None and prompt_lookup_max is None:
+            prompt_lookup_min = prompt_lookup_max = DEFAULT_PROMPT_LOOKUP
+        elif prompt_lookup_min is None:
+            prompt_lookup_min = prompt_lookup_max
+        elif prompt_lookup_max is None:
+            prompt_lookup_max = prompt_lookup_min
+        assert prompt_lookup_min is not None and prompt_lookup_max is not None
+        if prompt_lookup_min < 1 or prompt_lookup_max < 1:
+            raise ValueError(f"prompt_lookup_min/max must be >= 1, got {prompt_lookup_min}/{prompt_lookup_max}")
+        if prompt_lookup_min > prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min {prompt_lookup_min} exceeds prompt_lookup_max {prompt_lookup_max}")
+        return cls(prompt_lookup_min, prompt_lookup_max, max_model_len)
+
+
+def ngram_lookup(context: Sequence[int], k: int, settings: NgramSettings) -> list[int]:
+    """The tokens vLLM's n-gram proposer offers after ``context`` (at most ``k``; empty when it finds no match)."""
+    total = len(context)
+    if total < settings.prompt_lookup_min:
+        return []
+    if settings.max_model_len is not None:
+        k = min(k, settings.max_model_len - total)
+    if k <= 0:
+        return []
+    max_n = settings.prompt_lookup_max
+    reversed_ids = context[::-1]
+    # prefix function of the reversed context, kept for its first max_n entries only (longer matches are capped)
+    lps = [0] * max_n
+    longest, position, matched, i = 0, 0, 0, 1
+    while i < total:
+        if reversed_ids[matched] == reversed_ids[i]:
+            matched += 1
+            if matched >= longest:  # ">=": of equal lengths, the one furthest back in the context
+                longest, position = matched, i
+            if i < max_n:
+                lps[i] = matched
+            if matched == max_n:
+                matched = lps[max_n - 1]
+            i += 1
+        elif matched:
+            matched = lps[matched - 1]
+        else:
+            i += 1
+    if longest < settings.prompt_lookup_min:
+        return []
+    start = total - 1 - position + longest  # first token after the matched occurrence
+    return list(context[start : start + min(k, total - start)])
+
+
+class NgramProposer(Proposer):
+    kind = "ngram"
+    needs = TargetNeeds()
+
+    def __init__(self, settings: NgramSettings, vocab_size: int, device: torch.device | str = "cpu"):
+        self.settings = settings
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        self.context: list[int] = []
+
+    def _point_mass(self, tokens: Sequence[int], rows: int) -> torch.Tensor:
+        """[rows, V] logits: 0 at each proposed token, -inf elsewhere (rows past the proposal all -inf)."""
+        logits = torch.full((rows, self.vocab_size), float("-inf"), device=self.device)
+        if tokens:
+            logits[torch.arange(len(tokens), device=self.device), torch.tensor(list(tokens), device=self.device)] = 0.0
+        return logits
+
+    def start(self, prompt_ids: torch.Tensor, prompt_features: torch.Tensor | None) -> None:
+        self.context = prompt_ids.tolist()
+
+    def propose(self, last_token: int, k: int, block_k: int) -> Proposal:
+        tokens = ngram_lookup(self.context + [last_token], k, self.settings)
+        return Proposal(tokens=torch.tensor(tokens, dtype=torch.long, device=self.device),
+                        logits=self._point_mass(tokens, len(tokens)), probs=None)
+
+    def accept(self, committed_ids: torch.Tensor, committed_features: torch.Tensor | None) -> None:
+        self.context.extend(committed_ids.tolist())
+
+    # teacher forcing: anchor a is the index (in prompt + output) of the step's last committed token
+
+    def prepare_teacher(self, token_ids: torch.Tensor, features: torch.Tensor | None) -> None:
+        self._teacher_ids = token_ids.tolist()
+        self._teacher_proposals: dict[tuple[int, int], list[int]] = {}
+
+    def _proposal(self, anchor: int, k: int) -> list[int]:
+        key = (anchor, k)
+        if key not in self._teacher_proposals:
+            self._teacher_proposals[key] = ngram_lookup(self._teacher_ids[: anchor + 1], k, self.settings)
+        return self._teacher_proposals[key]
+
+    def proposal_lengths(self, anchors: torch.Tensor, k: int) -> torch.Tensor:
+        return torch.tensor([len(self._proposal(int(a), k)) for a in anchors.tolist()], dtype=torch.long)
+
+    def slot_logits(self, anchors: torch.Tensor, k: int) -> torch.Tensor:
+        return torch.stack([self._point_mass(self._proposal(int(a), k), k) for a in anchors.tolist()]) if len(anchors) \
+            else torch.empty(0, k, self.vocab_size, device=self.device)
+
+    def slot_scorer(self, anchors: torch.Tensor, k: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """Rows built on demand: a point mass row per (anchor, slot) asked for, no [A, k, V] tensor."""
+        proposals = [self._proposal(int(a), k) for a in anchors.tolist()]
+
+        def scores(rows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+            out = torch.full((len(rows), self.vocab_size), float("-inf"), device=self.device)
+            for m, (row, slot) in enumerate(zip(rows.tolist(), slots.tolist())):
+                if slot < len(proposals[row]):
+                    out[m, proposals[row][slot]] = 0.0
+            return out
+
+        return scores
