@@ -13,6 +13,7 @@ import torch
 from typer.testing import CliRunner
 
 from dflash_doctor.models import training
+from dflash_doctor.models.training import checkpoints, data as training_data
 from dflash_doctor.cli import app
 from dflash_doctor.engine.blocks import context_kv_for, draft_block_hidden
 from dflash_doctor.engine.dflash_model import DFlashDraftModel
@@ -156,16 +157,16 @@ def _small_run(checkpoint_dir, draft, deadline=None, **overrides):
 
 def _stop_after_first_checkpoint(checkpoint_dir, draft, monkeypatch, **overrides):
     """Run until the step-10 checkpoint is written, then stop as Ctrl-C (or a command's time limit) would."""
-    save = training._save_checkpoint
+    save = checkpoints.save_checkpoint
 
     def save_then_die(*args, **kwargs):
         save(*args, **kwargs)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(training, "_save_checkpoint", save_then_die)
+    monkeypatch.setattr(checkpoints, "save_checkpoint", save_then_die)
     with pytest.raises(KeyboardInterrupt):
         _small_run(checkpoint_dir, draft, **overrides)
-    monkeypatch.setattr(training, "_save_checkpoint", save)
+    monkeypatch.setattr(checkpoints, "save_checkpoint", save)
 
 
 def _copy_piece_by_piece(source, destination):
@@ -184,7 +185,7 @@ def _curve(log):
 
 def test_a_run_stopped_halfway_and_resumed_from_a_piecewise_copy_equals_the_straight_run(tmp_path, monkeypatch):
     piece_bytes = 16 * 1024  # the tiny draft and its AdamW moments in several pieces each, as the 48 MB demo draft's are
-    monkeypatch.setattr(training, "CHECKPOINT_PIECE_BYTES", piece_bytes)
+    monkeypatch.setattr(checkpoints, "CHECKPOINT_PIECE_BYTES", piece_bytes)
     initial = tiny_dflash(markov_target(), block_size=6, layer_ids=(0, 2))
     straight = _small_run(tmp_path / "straight", initial)
     _stop_after_first_checkpoint(tmp_path / "stopped", initial, monkeypatch)
@@ -265,7 +266,7 @@ def _flip_last_byte(path):
     (None, {"steps": 40}, r"steps 20 there, 40 now.*--init-from"),
 ])
 def test_a_spoilt_or_foreign_checkpoint_is_refused_in_one_sentence(tmp_path, monkeypatch, spoil, overrides, message):
-    monkeypatch.setattr(training, "CHECKPOINT_PIECE_BYTES", 16 * 1024)
+    monkeypatch.setattr(checkpoints, "CHECKPOINT_PIECE_BYTES", 16 * 1024)
     initial = tiny_dflash(markov_target(), block_size=6, layer_ids=(0, 2))
     _stop_after_first_checkpoint(tmp_path / "run", initial, monkeypatch)
     if spoil is not None:
@@ -298,7 +299,7 @@ def test_every_piece_of_a_demo_size_checkpoint_is_under_16_mib(tmp_path):
     optimizer.step()  # AdamW's moments exist from the first step on
     state = {"identity": {}, "step": 1, "log": [], "optimizer": optimizer.state_dict(), "scheduler": {}, "window": {},
              "generator": torch.Generator().get_state()}
-    training._save_checkpoint(tmp_path / "checkpoint", draft, state, None)
+    checkpoints.save_checkpoint(tmp_path / "checkpoint", draft, state, None)
     sizes = {p.name: p.stat().st_size for p in (tmp_path / "checkpoint").rglob("*") if p.is_file()}
     assert sum(sizes.values()) > 140e6 and max(sizes.values()) < 16 * 2**20, sizes
 
@@ -393,7 +394,7 @@ def test_self_written_prompts_start_from_an_empty_user_turn_drop_cut_and_repeate
         assert kwargs["temperature"] > 0
         return outputs[:len(prompts)]
 
-    monkeypatch.setattr(training, "generate_greedy_batch", fake_generate)
+    monkeypatch.setattr(training_data, "generate_greedy_batch", fake_generate)
     cache = tmp_path / "prompts.jsonl"
     kwargs = dict(cache_path=cache, cache_key={"target": "t"}, stop_ids=frozenset({2}), chat_template=template, batch_size=5)
     requests = training.self_written_prompts(None, tokenizer, 2, **kwargs)

@@ -1,0 +1,169 @@
+"""Resumable checkpoints of a training run: the draft, AdamW's moments and the loop's state, written in pieces
+of at most :data:`CHECKPOINT_PIECE_BYTES` (transformers' sharded layout, nothing pickled) and replaced
+atomically; a resume checks every piece's size and sha256 and the run's identity (hyper-parameters,
+architecture, data, starting weights) before it continues bit for bit.
+
+Its own module because the file format is a contract between runs (a copy of the pieces resumes elsewhere),
+independent of how the loop computes a step.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import hashlib
+import json
+import shutil
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from dflash_doctor.engine.dflash_model import DFlashConfig, DFlashDraftModel
+from dflash_doctor.errors import UsageError
+from dflash_doctor.models.loading import save_dflash_draft, weights_fingerprint
+from dflash_doctor.models.training.config import BOOKKEEPING_FIELDS, TrainConfig
+
+
+CHECKPOINT_DIR_NAME = "checkpoint"  # resumable state inside the out dir
+TRAINING_STATE_FILE = "training_state.json"  # step, loss log, scheduler, RNG, identity and the list of the other pieces
+OPTIMIZER_DIR_NAME = "optimizer"  # AdamW's tensors; beside the weights, a loader of the draft would read them as weights
+CHECKPOINT_PIECE_BYTES = 15 * 2**20  # shard size: with its header every piece stays under 16 MiB (a common per-file limit of copy channels)
+
+
+# What save_checkpoint writes into TRAINING_STATE_FILE: a file without one of them is not a whole checkpoint.
+_STATE_KEYS = frozenset({"identity", "step", "log", "scheduler", "optimizer_param_groups", "generator", "window", "pieces"})
+
+
+def data_fingerprint(sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int]) -> str:
+    digest = hashlib.sha256()
+    for tokens, prompt_length in zip(sequences, prompt_lengths):
+        digest.update(json.dumps([prompt_length, list(tokens)]).encode())
+    return digest.hexdigest()[:20]
+
+
+def _architecture(config: DFlashConfig) -> dict[str, Any]:
+    return {k: v for k, v in dataclasses.asdict(config).items() if k != "extra"}
+
+
+def resume_identity(config: TrainConfig, draft: DFlashDraftModel, data: str) -> dict[str, Any]:
+    """What must match for a checkpoint to be resumed: hyper-parameters, architecture, data and starting weights
+    (``draft`` before training: a fresh one from the seed, or an ``--init-from`` draft)."""
+    train = {k: v for k, v in config.as_dict().items() if k not in BOOKKEEPING_FIELDS}
+    return {"train_config": train, "architecture": _architecture(draft.config), "data": data, "init": weights_fingerprint(draft)}
+
+
+def _sha256(path: Path) -> str:
+    with path.open("rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()
+
+
+def save_checkpoint(path: Path, draft: DFlashDraftModel, state: dict[str, Any], extra_config: dict[str, Any] | None) -> None:
+    """Write a resumable checkpoint in pieces of at most :data:`CHECKPOINT_PIECE_BYTES`, replacing the old one atomically.
+
+    Why pieces: a checkpoint must survive being copied through channels that take files of 16 MiB at
+    most; nothing in it is pickled. The layout follows
+    transformers' sharded checkpoints: ``config.json`` + ``model-0000i-of-0000n.safetensors`` +
+    ``model.safetensors.index.json`` (the draft itself, loadable as is), ``optimizer/optimizer-*.safetensors``
+    (+ index; AdamW's per-parameter tensors keyed ``<parameter index>.<name>``) and
+    :data:`TRAINING_STATE_FILE` (identity, step, loss log, scheduler, optimizer hyper-parameters, the data
+    generator's state, and the size and sha256 of every other piece, so a resume refuses a missing or
+    cut-short copy instead of training from it).
+    """
+    from huggingface_hub import save_torch_state_dict
+
+    staging = path.with_name(path.name + ".tmp")
+    if staging.exists():
+        shutil.rmtree(staging)
+    save_dflash_draft(draft, staging, extra_config=extra_config, max_shard_bytes=CHECKPOINT_PIECE_BYTES)
+    optimizer = state["optimizer"]
+    moments = {f"{index}.{name}": tensor.detach().cpu() for index, entries in optimizer["state"].items() for name, tensor in entries.items()}
+    (staging / OPTIMIZER_DIR_NAME).mkdir()
+    save_torch_state_dict(moments, staging / OPTIMIZER_DIR_NAME, filename_pattern="optimizer{suffix}.safetensors",
+                          max_shard_size=CHECKPOINT_PIECE_BYTES, metadata={"format": "pt"})
+    pieces = {piece.relative_to(staging).as_posix(): {"bytes": piece.stat().st_size, "sha256": _sha256(piece)}
+              for piece in sorted(staging.rglob("*")) if piece.is_file()}
+    record = {"identity": state["identity"], "step": state["step"], "log": state["log"], "scheduler": state["scheduler"],
+              "optimizer_param_groups": optimizer["param_groups"],
+              "generator": base64.b64encode(state["generator"].numpy().tobytes()).decode("ascii"), "window": state["window"],
+              "pieces": pieces}
+    (staging / TRAINING_STATE_FILE).write_text(json.dumps(record) + "\n", encoding="utf-8")
+    previous = path.with_name(path.name + ".old")
+    if path.exists():
+        path.replace(previous)
+    staging.replace(path)
+    if previous.exists():
+        shutil.rmtree(previous)
+
+
+def remove_checkpoint(path: Path) -> None:
+    """Remove the checkpoint in ``path`` and what an interrupted :func:`save_checkpoint` left beside it (its
+    ``.tmp`` staging, the moved-aside ``.old`` that :func:`load_checkpoint` would restore), so a run told
+    to start afresh cannot resume it."""
+    for folder in (path, path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")):
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _identity_difference(saved: dict[str, Any], current: dict[str, Any]) -> str:
+    """What differs between a checkpoint's identity and this run's, in words ("" when nothing does)."""
+    saved_train = saved.get("train_config", {})
+    parts = [f"{name} {saved_train.get(name)} there, {value} now" for name, value in current["train_config"].items()
+             if saved_train.get(name) != value]
+    parts += [f"other {words}" for key, words in (("architecture", "draft architecture"), ("data", "training sequences"),
+                                                   ("init", "starting weights")) if saved.get(key) != current[key]]
+    return "; ".join(parts)
+
+
+def load_checkpoint(path: Path, identity: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
+    """Weights and training state (on the CPU) of the checkpoint in ``path``; None when there is none.
+
+    Every piece is checked against the size and sha256 :data:`TRAINING_STATE_FILE` lists before anything
+    is read, and the run's identity (hyper-parameters, architecture, data, starting weights) must match:
+    each failure is one sentence naming the piece or the difference (UsageError).
+    """
+    from safetensors.torch import load_file
+
+    previous = path.with_name(path.name + ".old")
+    if not path.exists() and previous.is_dir():  # killed between the two renames of save_checkpoint: the last one is whole
+        previous.replace(path)
+    state_file = path / TRAINING_STATE_FILE
+    if not state_file.is_file():
+        if path.is_dir() and any(path.iterdir()):
+            raise UsageError(f"{path} holds checkpoint files but no {TRAINING_STATE_FILE} (the piece that lists the others); "
+                             "copy it too, or remove the folder to start afresh.")
+        return None
+    try:
+        record = json.loads(state_file.read_text(encoding="utf-8"))
+        pieces = dict(record["pieces"])
+        if not _STATE_KEYS <= record.keys():
+            raise KeyError(sorted(_STATE_KEYS - record.keys()))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise UsageError(f"{state_file} is cut short or damaged (not the JSON a checkpoint writes); copy it again.") from None
+    for name, expected in pieces.items():
+        piece = path / name
+        if not piece.is_file():
+            raise UsageError(f"checkpoint piece {piece} is missing; copy all {len(pieces) + 1} pieces of the checkpoint "
+                             f"({TRAINING_STATE_FILE} lists them).")
+        if piece.stat().st_size != expected["bytes"]:
+            raise UsageError(f"checkpoint piece {piece} has {piece.stat().st_size} bytes instead of {expected['bytes']} "
+                             "(cut short in a copy?); copy it again.")
+        if _sha256(piece) != expected["sha256"]:
+            raise UsageError(f"checkpoint piece {piece} is not the file the checkpoint wrote (sha256 differs); copy it again.")
+    difference = _identity_difference(record["identity"], json.loads(json.dumps(identity)))
+    if difference:
+        raise UsageError(f"{path} holds the checkpoint of another training run ({difference}); resume it with its own flags "
+                         "(--steps too: its cosine schedule ends at its own steps), continue its finished draft with "
+                         "--init-from and a fresh --out (new optimizer and schedule), or start afresh with a fresh --out.")
+    weights: dict[str, torch.Tensor] = {}
+    optimizer_state: dict[int, dict[str, torch.Tensor]] = {}
+    for name in pieces:
+        if name.startswith(f"{OPTIMIZER_DIR_NAME}/") and name.endswith(".safetensors"):
+            for key, tensor in load_file(path / name).items():
+                index, _, entry = key.partition(".")
+                optimizer_state.setdefault(int(index), {})[entry] = tensor
+        elif name.endswith(".safetensors"):
+            weights.update(load_file(path / name))
+    generator = torch.frombuffer(bytearray(base64.b64decode(record["generator"])), dtype=torch.uint8)
+    state = {"step": record["step"], "log": record["log"], "scheduler": record["scheduler"], "generator": generator, "window": record["window"],
+             "optimizer": {"state": optimizer_state, "param_groups": record["optimizer_param_groups"]}}
+    return weights, state

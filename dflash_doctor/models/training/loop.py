@@ -1,0 +1,237 @@
+"""The training loop (:func:`train_dflash_draft`) and its objective: the frozen target's tapped features,
+anchors sampled inside each response, the block loss weighted by slot, AdamW with warm-up and cosine decay.
+
+Its own module because it is the recipe itself (the package docstring says why it looks as it does); data,
+checkpoints and evaluation are its inputs and outputs.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Sequence, cast
+
+import torch
+import torch.nn.functional as F
+
+from dflash_doctor.engine.blocks import context_kv_for, draft_block_hidden
+from dflash_doctor.engine.cache import accepts_logits_to_keep
+from dflash_doctor.engine.dflash_model import DFlashDraftModel
+from dflash_doctor.engine.target import TapRecorder, tap_points
+from dflash_doctor.errors import UsageError
+from dflash_doctor.models.training.checkpoints import data_fingerprint, load_checkpoint, resume_identity
+from dflash_doctor.models.training.config import TrainConfig, TrainingResult
+from dflash_doctor.models.training import checkpoints
+
+if TYPE_CHECKING:
+    from dflash_doctor.engine.target import CausalLM
+
+
+def _forward_without_logits(model: torch.nn.Module) -> dict[str, Any]:
+    """Ask for one row of logits where the model allows it: features need hidden states, not [N, T, V] logits."""
+    return {"logits_to_keep": 1} if accepts_logits_to_keep(model) else {}
+
+
+@torch.inference_mode()
+def extract_features(target_model: CausalLM, sequences: Sequence[Sequence[int]], hidden_state_indices: Sequence[int],
+                     *, batch_size: int = 8, device: torch.device | str = "cpu",
+                     dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+    """Concatenated taps ``[L_i, n*H]`` for every sequence: one frozen-target pass per sequence, batched.
+
+    Sequences are grouped by length and right-padded; causal attention keeps every real row what an unpadded
+    pass gives (to rounding: the kernels sum in another order), so no attention mask is needed. Only the taps
+    are kept (hooks, :class:`~dflash_doctor.engine.target.TapRecorder`), not every layer's states. Results
+    stay on ``device`` in ``dtype`` (default: the target's).
+    """
+    extra = _forward_without_logits(target_model)
+    model_device = next(target_model.parameters()).device
+    points = tap_points(target_model)
+    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
+    features: dict[int, torch.Tensor] = {}  # by sequence index: computed in length order, returned in input order
+    for start in range(0, len(order), batch_size):
+        chunk = order[start:start + batch_size]
+        width = max(len(sequences[i]) for i in chunk)
+        ids = torch.zeros((len(chunk), width), dtype=torch.long)
+        for row, index in enumerate(chunk):
+            ids[row, :len(sequences[index])] = torch.tensor(list(sequences[index]))
+        with TapRecorder(points, tuple(hidden_state_indices)) as recorder:  # the taps only, not every layer's states
+            target_model(input_ids=ids.to(model_device), **extra)
+        taps = recorder.features(model_device)  # [n, width, F]
+        for row, index in enumerate(chunk):
+            features[index] = taps[row, :len(sequences[index])].to(device, dtype=dtype or taps.dtype).clone()
+    return [features[i] for i in range(len(sequences))]
+
+
+def slot_weights(block_size: int, gamma: float) -> torch.Tensor:
+    """Loss weight of slots 1..B-1: ``exp(-(j - 1) / gamma)`` -> [B-1], 1.0 for the first drafted slot."""
+    return torch.exp(-torch.arange(block_size - 1, dtype=torch.float32) / gamma)
+
+
+def sample_anchors(prompt_lengths: torch.Tensor, lengths: torch.Tensor, width: int, num_anchors: int,
+                   generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random distinct anchors ``[N, A]`` in each response (positions ``P_i .. L_i - 2``) and their validity.
+
+    An anchor needs one label after it, hence ``L_i - 2``; rows with fewer usable positions than A are
+    filled with invalid anchors.
+    """
+    positions = torch.arange(width)
+    usable = (positions >= prompt_lengths[:, None]) & (positions <= lengths[:, None] - 2)
+    scores = torch.rand(usable.shape, generator=generator).masked_fill(~usable, -1.0)
+    top = scores.topk(min(num_anchors, width), dim=1)
+    return top.indices, top.values >= 0
+
+
+def block_loss(draft: DFlashDraftModel, target_model: CausalLM, token_ids: torch.Tensor, lengths: torch.Tensor,
+               features: torch.Tensor, anchors: torch.Tensor, anchor_valid: torch.Tensor,
+               weights: torch.Tensor) -> tuple[torch.Tensor, int, torch.Tensor]:
+    """Decay-weighted cross-entropy of every block, the number of labels, and accepted tokens per block.
+
+    token_ids [N, T], lengths [N], features [N, T, F], anchors / anchor_valid [N, A], weights [B-1].
+    "Accepted per block" counts the leading slots whose argmax equals the label: what a live step at
+    K = B-1 would accept on these sequences (a running estimate of tau - 1).
+    """
+    block_size = draft.config.block_size
+    n, width = token_ids.shape
+    embedding = cast(torch.nn.Embedding, target_model.get_input_embeddings())
+    hidden = draft_block_hidden(draft, embedding.weight, token_ids, context_kv_for(draft, features),
+                                anchors, anchor_valid, block_size)  # [N, A, B, H]
+    label_positions = anchors[:, :, None] + torch.arange(1, block_size, device=anchors.device)  # [N, A, B-1]
+    label_valid = anchor_valid[:, :, None] & (label_positions < lengths[:, None, None])
+    labels = token_ids.gather(1, label_positions.clamp(max=width - 1).view(n, -1)).view_as(label_positions)
+    rows = hidden[:, :, 1:][label_valid]  # [M, H]
+    head = cast(torch.nn.Linear, target_model.get_output_embeddings())  # a causal LM's vocabulary head
+    logits = head(rows.to(head.weight.dtype)).float()  # [M, V]
+    targets = labels[label_valid]
+    row_weights = weights.to(logits.device).expand_as(label_positions)[label_valid]
+    loss = (row_weights * F.cross_entropy(logits, targets, reduction="none")).sum() / row_weights.sum()
+    with torch.no_grad():
+        correct = torch.zeros_like(label_valid)
+        correct[label_valid] = logits.argmax(dim=-1) == targets
+        accepted = correct.long().cumprod(dim=-1).sum(dim=-1)[anchor_valid]  # [valid blocks]
+    return loss, targets.numel(), accepted.float().mean()
+
+
+def _lr_factor(step: int, total_steps: int, warmup_steps: int) -> float:
+    """Linear warm-up to 1, then cosine decay to 0 at ``total_steps``."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+def train_dflash_draft(target_model: CausalLM, sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int],
+                       config: TrainConfig, draft: DFlashDraftModel, *, checkpoint_dir: Path | None = None,
+                       extra_config: dict[str, Any] | None = None, feature_batch_size: int = 8,
+                       features: Sequence[torch.Tensor] | None = None, deadline: float | None = None,
+                       progress: bool = False) -> TrainingResult:
+    """Train ``draft`` (a new one, or a checkpoint to fine-tune) on ``sequences`` against the frozen target.
+
+    ``sequences[i]`` is prompt + response token ids and ``prompt_lengths[i]`` where the response starts.
+    With ``checkpoint_dir``, a resumable checkpoint (:func:`~dflash_doctor.models.training.checkpoints.save_checkpoint`: pieces under 16 MiB) is
+    written every ``config.checkpoint_every`` steps and at the end, and a run started on a directory that
+    holds one continues from it bit for bit: the same weights and loss log as a run never stopped. It
+    needs the same hyper-parameters, architecture, data and starting weights; ``config.steps`` too, because
+    the cosine schedule is laid out over them (a longer run from a finished draft is a new run that starts
+    from it: ``--init-from``, fresh AdamW moments, its own warm-up and cosine). The target's parameters are
+    frozen in place (``requires_grad_(False)``).
+    ``features`` (one ``[L_i, n*H]`` tensor per sequence, from :func:`extract_features` with the draft's
+    taps) skips the frozen-target pass: runs that differ only in their hyper-parameters share it.
+    ``deadline`` (a :func:`time.perf_counter` value) stops the run at the first loss-log row past it, with a
+    checkpoint there: a command that must end by a time limit stops cleanly, and the same call later goes on
+    bit for bit (a row boundary, so the resumed loss log is the uninterrupted one).
+    """
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    if len(sequences) != len(prompt_lengths) or (features is not None and len(features) != len(sequences)):
+        raise ValueError(f"{len(sequences)} sequences but {len(prompt_lengths)} prompt lengths"
+                         + (f" and {len(features)} feature tensors" if features is not None else ""))
+    usable = [i for i, (tokens, p) in enumerate(zip(sequences, prompt_lengths)) if len(tokens) >= p + 2]
+    if not usable:
+        raise UsageError("no training sequence has two or more response tokens; raise --max-new-tokens or use another workload.")
+    given_features = [features[i] for i in usable] if features is not None else None
+    sequences = [list(sequences[i]) for i in usable]
+    prompt_lengths = [int(prompt_lengths[i]) for i in usable]
+    device = torch.device(config.device)
+    target_model.requires_grad_(False).eval()
+    draft.to(device=device, dtype=torch.float32)
+
+    identity = resume_identity(config, draft, data_fingerprint(sequences, prompt_lengths))
+    generator = torch.Generator().manual_seed(config.seed)
+    optimizer = torch.optim.AdamW(draft.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    warmup_steps = max(1, round(config.warmup_fraction * config.steps))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _lr_factor(s, config.steps, warmup_steps))
+    step, log = 0, []
+    resumed = load_checkpoint(checkpoint_dir, identity) if checkpoint_dir is not None else None
+    if resumed is not None:
+        weights, state = resumed
+        draft.load_state_dict(weights)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        generator.set_state(state["generator"])
+        step, log = int(state["step"]), list(state["log"])
+    resumed_from_step = step
+
+    def checkpoint() -> None:
+        if checkpoint_dir is not None:
+            window = {"loss_sum": float(loss_sum), "accepted_sum": float(accepted_sum), "labels": labels_sum, "steps": window_steps}
+            state = {"identity": identity, "step": step, "log": log, "optimizer": optimizer.state_dict(), "window": window,
+                     "scheduler": scheduler.state_dict(), "generator": generator.get_state()}
+            checkpoints.save_checkpoint(checkpoint_dir, draft, state, extra_config)
+
+    token_tensors = [torch.tensor(s, device=device) for s in sequences]
+    # bf16 on CUDA: the draft reads them under bf16 autocast anyway, and it halves the memory of a large data set
+    features = given_features or extract_features(target_model, sequences, draft.hidden_state_indices, batch_size=feature_batch_size,
+                                                  device=device, dtype=torch.bfloat16 if device.type == "cuda" else None)
+    all_prompt_lengths = torch.tensor(prompt_lengths)
+    all_lengths = torch.tensor([len(s) for s in sequences])
+    weights = slot_weights(draft.config.block_size, config.loss_decay_gamma).to(device)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+    draft.train()
+    columns = (TextColumn("training"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]:.3f}"),
+               TextColumn("accepted/block {task.fields[accepted]:.2f}"), TextColumn("{task.fields[tokens_per_s]:,.0f} label tok/s"),
+               TimeRemainingColumn())
+    # the loss-log row being summed; a checkpoint between two rows carries it, so the resumed log is the straight one
+    window = resumed[1]["window"] if resumed is not None else {"loss_sum": 0.0, "accepted_sum": 0.0, "labels": 0, "steps": 0}
+    loss_sum = torch.full((), window["loss_sum"], device=device)
+    accepted_sum = torch.full((), window["accepted_sum"], device=device)
+    labels_sum, window_steps, window_started = window["labels"], window["steps"], time.perf_counter()
+    with Progress(*columns, disable=not progress) as bar:
+        task = bar.add_task("train", total=config.steps, completed=step, loss=float("nan"), accepted=float("nan"), tokens_per_s=0.0)
+        while step < config.steps:
+            batch = torch.randperm(len(sequences), generator=generator)[: config.batch_size]
+            lengths, batch_prompt_lengths = all_lengths[batch], all_prompt_lengths[batch]
+            width = int(lengths.max())
+            anchors, anchor_valid = sample_anchors(batch_prompt_lengths, lengths, width, config.anchors_per_sequence, generator)
+            token_ids = torch.nn.utils.rnn.pad_sequence([token_tensors[i] for i in batch.tolist()], batch_first=True)
+            batch_features = torch.nn.utils.rnn.pad_sequence([features[i] for i in batch.tolist()], batch_first=True)
+            with autocast:
+                loss, num_labels, accepted = block_loss(draft, target_model, token_ids, lengths.to(device), batch_features,
+                                                        anchors.to(device), anchor_valid.to(device), weights)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(draft.parameters(), config.grad_clip_norm)
+            optimizer.step()
+            scheduler.step()
+            step += 1
+            loss_sum += loss.detach()
+            accepted_sum += accepted
+            labels_sum += num_labels
+            window_steps += 1
+            if step % config.log_every == 0 or step == config.steps:
+                elapsed = time.perf_counter() - window_started
+                row = {"step": step, "loss": float(loss_sum) / window_steps, "accepted_per_block": float(accepted_sum) / window_steps,
+                       "lr": optimizer.param_groups[0]["lr"], "tokens_per_s": float(labels_sum) / max(elapsed, 1e-9)}
+                log.append(row)
+                bar.update(task, completed=step, loss=row["loss"], accepted=row["accepted_per_block"], tokens_per_s=row["tokens_per_s"])
+                loss_sum.zero_()
+                accepted_sum.zero_()
+                labels_sum, window_steps, window_started = 0, 0, time.perf_counter()
+                if deadline is not None and time.perf_counter() > deadline:
+                    break
+            if step % config.checkpoint_every == 0 and step < config.steps:
+                checkpoint()
+    checkpoint()
+    draft.eval()
+    return TrainingResult(draft=draft, log=log, resumed_from_step=resumed_from_step, num_sequences=len(sequences), final_step=step)
