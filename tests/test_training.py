@@ -367,7 +367,7 @@ def test_extra_word_problems_never_use_a_held_out_template():
     from dflash_doctor.inputs.word_problems import TEMPLATES, generate_word_problems
 
     eval_ids = {r.id for r in workloads.load_workload("gsm", split="eval")}
-    eval_templates = {template for request, template in workloads._gsm() if request.id in eval_ids}
+    eval_templates = {template for request, template in workloads.builtin._gsm() if request.id in eval_ids}
     assert eval_templates and eval_templates != set(TEMPLATES)
     extra = workloads.extra_word_problems(300)
     template_of = {f"{p.question}\n{workloads.MATH_INSTRUCTION}": p.template for p in generate_word_problems(300 * len(TEMPLATES), seed=1)}
