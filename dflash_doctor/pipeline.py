@@ -28,11 +28,14 @@ from dflash_doctor.inputs.config import DoctorConfig
 from dflash_doctor.inputs.machine import collect_environment
 from dflash_doctor.inputs.workloads import Request, load_workload
 from dflash_doctor.models.loading import weights_fingerprint
+from dflash_doctor.models.draft_kinds import weightless_kind
+from dflash_doctor.models.loading import DEMO_DRAFT_DIR
 from dflash_doctor.models.pair import Pair, load_pair
 from dflash_doctor.replay import sharding
 from dflash_doctor.replay.probes import layer_offset_probe, lossless_probe, probe_turns
 from dflash_doctor.replay.stream import Replay, replay_live, replay_teacher
 from dflash_doctor.report import render_reports
+from dflash_doctor.report.head_to_head import write_head_to_head
 from dflash_doctor.rundir.load import Run
 from dflash_doctor.rundir.run_record import Probes, PromptFormat, RunMeta, RunRecord
 from dflash_doctor.rundir.tables import TABLES, read_table_or_empty
@@ -44,6 +47,7 @@ from dflash_doctor.serving.server_settings import server_settings
 from dflash_doctor.serving.server_run import measure_server, start_server_record
 from dflash_doctor.stages import stage
 from dflash_doctor.stats import deviations
+from dflash_doctor.stats.head_to_head import Contender, build_head_to_head
 from dflash_doctor.stats.metrics import summarize
 from dflash_doctor.stats.speedup import build_sweep, load_cost_profile, recommend
 
@@ -57,6 +61,7 @@ class Outcome:
     run_dir: Path
     record: RunRecord
     why_rejected: deviations.DeviationAnalysis | None = None  # `check`'s deviation analysis (dflash_doctor.stats.deviations), for the terminal
+    steps_by_k: dict[int, Any] | None = None  # `check`'s steps at every K of the sweep (frames), for a head-to-head
 
 
 def default_run_dir(command: str) -> Path:
@@ -197,7 +202,7 @@ def run_check(config: DoctorConfig, *, scenario=None, only: Sequence[str] = (), 
     run = Run(run_dir, record, replay.requests_frame(), replay.steps_frame(), read_table_or_empty(run_dir / "tokens.parquet", tokens))
     analysis = deviations.analyze_run(run)  # once: every report format and the terminal show it
     render_reports(run, analysis=analysis, plotly=config.plotly)
-    return Outcome(run_dir, record, analysis)
+    return Outcome(run_dir, record, analysis, replay.sweep_frames())
 
 
 def run_server_check(config: DoctorConfig, *, only: Sequence[str] = (), skip: Sequence[str] = (),
@@ -310,3 +315,52 @@ def draft_weight_shapes(draft_dir: Path) -> dict[str, list[int]]:
     for file in sorted(Path(draft_dir).glob("*.safetensors")):
         shapes.update({name.removeprefix("model."): shape for name, shape in read_safetensors_shapes(file).items()})
     return shapes
+
+
+@dataclass
+class HeadToHeadOutcome:
+    """``check --draft A --draft B ...``: the folder holding one sub-folder per speculator's check, each
+    speculator's outcome, and the head-to-head (``head_to_head.json`` / ``.md`` / ``.html`` beside them)."""
+
+    root: Path
+    outcomes: dict[str, Outcome]
+    head_to_head: dict[str, Any]
+
+
+def contender_names(drafts: Sequence[str | None]) -> list[str]:
+    """A short, unique folder and table name per ``--draft``: a weightless speculator's kind name, else
+    the checkpoint's folder name (``None``: the built-in demo draft); a repeat gets ``-2``, ``-3``..."""
+    names: list[str] = []
+    for draft in drafts:
+        named = weightless_kind(draft) if draft is not None else None
+        base = named[0].name if named is not None else Path(draft or DEMO_DRAFT_DIR).name.removesuffix(".gguf") or "draft"
+        name, count = base, 1
+        while name in names:
+            count += 1
+            name = f"{base}-{count}"
+        names.append(name)
+    return names
+
+
+def run_head_to_head(config: DoctorConfig, drafts: Sequence[str | None], *, only: Sequence[str] = (), skip: Sequence[str] = (),
+                     exact_blocks: bool = False, progress: ProgressFactory = no_progress) -> HeadToHeadOutcome:
+    """Each speculator's full ``check`` on the same workload, target and seed (one sub-folder each),
+    then the head-to-head over them (:mod:`dflash_doctor.stats.head_to_head`).
+
+    The target is loaded and its continuations computed once per speculator (each check is the one a
+    single ``--draft`` runs); at T = 0 they are the same greedy text, so the comparison is on identical
+    turns. ``--draft-kind`` applies to the checkpoints; a weightless speculator keeps its own kind."""
+    if config.engine is not None:
+        raise UsageError("--engine measures one served speculator; compare speculators with several --draft and no --engine.")
+    root = _claim(config, "check")
+    outcomes: dict[str, Outcome] = {}
+    for name, draft in zip(contender_names(drafts), drafts):
+        kind = "auto" if draft is not None and weightless_kind(draft) is not None else config.draft_kind
+        one = dataclasses.replace(config, draft=draft, draft_kind=kind, out=str(root / name), overwrite=config.overwrite)
+        outcomes[name] = run_check(one, only=only, skip=skip, exact_blocks=exact_blocks, progress=progress)
+    contenders = [Contender(name, outcome.record, outcome.steps_by_k or {}) for name, outcome in outcomes.items()]
+    data = build_head_to_head(contenders, seed=config.seed).to_json()
+    for name, outcome in outcomes.items():
+        next(s for s in data["speculators"] if s["name"] == name)["run_dir"] = str(outcome.run_dir)
+    write_head_to_head(root, data)
+    return HeadToHeadOutcome(root, outcomes, data)

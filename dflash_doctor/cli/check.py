@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Annotated, Any, Optional
 
@@ -19,11 +20,18 @@ from dflash_doctor.inputs.config import DoctorConfig
 from dflash_doctor.cli.output import print_json
 from dflash_doctor.replay import scenarios, sharding
 from dflash_doctor.serving.http import secret
+from dflash_doctor.report.head_to_head import print_head_to_head
 from dflash_doctor.report.terminal import print_check_results, print_class_summary, print_server_comparison, print_sweep, print_why_rejected
 
 Scenario = Annotated[Optional[str], typer.Option("--scenario", help="Reproduce a real failure on the demo pair; `--scenario list` names them.")]
 Only = Annotated[Optional[str], typer.Option("--only", help="Comma-separated check ids to run (default: all).")]
 Skip = Annotated[Optional[str], typer.Option("--skip", help="Comma-separated check ids to leave out.")]
+Drafts = Annotated[Optional[list[str]], typer.Option(
+    "--draft", help="Draft model: local dir, hub id (org/name or org/name@revision), .gguf file, a speculator without weights "
+    "(ngram, ngram:prompt_lookup_min=2,prompt_lookup_max=5) or demo (the built-in DFlash draft). Repeat it to compare "
+    "speculators head-to-head on the same prompts.", show_default="the built-in demo DFlash draft", envvar="DFLASH_DOCTOR_DRAFT",
+    show_envvar=True)]
+DEMO_DRAFT = "demo"  # --draft demo: the built-in demo draft, as when no --draft is given
 
 
 def _ids(text: str | None) -> list[str]:
@@ -47,7 +55,7 @@ def check_json(outcome: pipeline.Outcome, code: int) -> dict[str, Any]:
 
 
 @app.command(epilog=EPILOG)
-@opt.config_command(*opt.REPLAY_FLAGS, "devices", "fail_on", "cost_profile", "strict_classes", "engine_config",
+@opt.config_command(*(name for name in opt.REPLAY_FLAGS if name != "draft"), "devices", "fail_on", "cost_profile", "strict_classes", "engine_config",
                     "engine", "engine_model", "engine_concurrency", "engine_timeout_s", "plotly")
 def check(
     config: DoctorConfig,
@@ -57,12 +65,19 @@ def check(
     exact_blocks: opt.ExactBlocks = False,
     json_output: opt.Json = False,
     engine_api_key: opt.ServerApiKey = None,
+    drafts: Drafts = None,
 ) -> None:
     """Is the pair set up right, where does the draft lose, which K to serve? Exit 0 pass/warn, 1 fail or error, 2 bad input.
 
     With no model flags it runs the built-in demo pair (SmolLM2-135M-Instruct + its DFlash draft) on CPU.
     """
     out_console = Console(stderr=json_output)
+    chosen_drafts = [None if draft == DEMO_DRAFT else draft for draft in drafts or []]
+    if len(chosen_drafts) == 1:
+        config = dataclasses.replace(config, draft=chosen_drafts[0])
+    if len(chosen_drafts) > 1:
+        _head_to_head(config, chosen_drafts, scenario, only, skip, exact_blocks, json_output, out_console)
+        return
     if scenario == "list":
         table = Table(title="Failure scenarios (dflash-doctor check --scenario NAME)")
         for column in ("name", "reproduces", "named by check"):
@@ -103,5 +118,32 @@ def check(
     code = exit_code(record.checks, config.fail_on)
     if json_output:
         print_json(check_json(outcome, code))
+    if code:
+        raise typer.Exit(code)
+
+
+def _head_to_head(config: DoctorConfig, drafts: list[str | None], scenario: str | None, only: str | None, skip: str | None,
+                  exact_blocks: bool, json_output: bool, out_console: Console) -> None:
+    """``check --draft A --draft B ...``: each speculator's check, then the head-to-head table and verdict.
+    Exit code as for one check, the worst of the speculators' checks."""
+    if scenario is not None:
+        raise UsageError("--scenario reproduces a failure of the demo pair; drop it when comparing several --draft.")
+    if config.devices:
+        raise UsageError("--devices spreads one replay over processes; drop it when comparing several --draft.")
+    only_ids, skip_ids = _ids(only), _ids(skip)
+    for check_id in only_ids + skip_ids:
+        get_check(check_id)
+    result = run_with_progress(lambda progress: pipeline.run_head_to_head(config, drafts, only=only_ids, skip=skip_ids,
+                                                                          exact_blocks=exact_blocks, progress=progress))
+    codes = {}
+    for name, outcome in result.outcomes.items():
+        codes[name] = exit_code(outcome.record.checks, config.fail_on)
+        out_console.print(f"{name}: checks {'pass' if codes[name] == 0 else 'FAIL'} ({outcome.run_dir})")
+    print_head_to_head(result.head_to_head, out_console)
+    out_console.print(f"head-to-head: {result.root} (head_to_head.html, head_to_head.md, head_to_head.json; one check per sub-folder)")
+    code = max(codes.values())
+    if json_output:
+        print_json({"head_to_head": result.head_to_head, "runs": {name: check_json(outcome, codes[name]) for name, outcome in result.outcomes.items()},
+                    "run_dir": str(result.root), "exit_code": code})
     if code:
         raise typer.Exit(code)

@@ -1,0 +1,77 @@
+"""Views of a head-to-head (:mod:`dflash_doctor.stats.head_to_head`): the terminal table, Markdown and a
+self-contained HTML page, all from its JSON form (``head_to_head.json`` in the run directory), so every
+view shows the same numbers."""
+
+from __future__ import annotations
+
+import html
+import json
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+HEADERS = ("scope", "speculator", "best K", "tau [95% CI]", "speedup [95% CI]", "per-position acceptance (unconditional)")
+
+
+def _num(value: Any, digits: int = 2) -> str:
+    return "-" if value is None or value != value else f"{value:.{digits}f}"
+
+
+def table_rows(data: dict[str, Any]) -> list[list[str]]:
+    """One row per (scope, speculator), the verdict's winner first in each scope."""
+    rows = []
+    for scope, result in data["scopes"].items():
+        winner = result["verdict"]["winner"]
+        for row in sorted(result["rows"], key=lambda r: r["speculator"] != winner):
+            tau_lo, tau_hi = (row["tau_ci"] + [None, None])[:2]
+            s_lo, s_hi = row["speedup_ci"]
+            curve = " ".join(_num(rate) for rate in row["acceptance_rate_per_pos"][:8])
+            rows.append([scope, row["speculator"] + (" *" if row["speculator"] == winner else ""), str(row["best_k"]),
+                         f"{_num(row['tau'])} [{_num(tau_lo)}, {_num(tau_hi)}]", f"{_num(row['speedup'])}x [{_num(s_lo)}, {_num(s_hi)}]", curve])
+    return rows
+
+
+def verdicts(data: dict[str, Any]) -> list[str]:
+    return [result["verdict"]["text"] for result in data["scopes"].values()]
+
+
+def print_head_to_head(data: dict[str, Any], console: Console) -> None:
+    table = Table(title="Head-to-head: the same prompts and target (* = the verdict's pick)")
+    for header in HEADERS:
+        table.add_column(header)
+    for row in table_rows(data):
+        table.add_row(*(escape(cell) for cell in row))
+    console.print(table)
+    for text in verdicts(data):
+        console.print(f"  {escape(text)}")
+
+
+def markdown(data: dict[str, Any]) -> str:
+    names = ", ".join(f"`{s['name']}` ({s['kind']}, {s['draft']})" for s in data["speculators"])
+    lines = ["# Head-to-head", "", f"Speculators: {names}. Runs: one sub-folder each.", "",
+             "| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
+    lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in table_rows(data)]
+    lines += ["", "## Verdict", ""] + [f"- {text}" for text in verdicts(data)]
+    lines += ["", "Speedup: tokens emitted x plain decode time / time of the steps, every step priced at the speculator's "
+              "draft time plus the target's verify time for the tokens it really drafted (a step that drafted nothing is a "
+              "plain decode step); the target's times are shared by all speculators. Intervals: paired bootstrap over requests.", ""]
+    return "\n".join(lines)
+
+
+def html_page(data: dict[str, Any]) -> str:
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in HEADERS)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(cell)}</td>" for cell in row) + "</tr>" for row in table_rows(data))
+    items = "".join(f"<li>{html.escape(text)}</li>" for text in verdicts(data))
+    return ("<!doctype html><html><head><meta charset='utf-8'><title>Head-to-head</title>"
+            "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:4px 8px}</style>"
+            f"</head><body><h1>Head-to-head</h1><table><tr>{head}</tr>{body}</table><h2>Verdict</h2><ul>{items}</ul></body></html>")
+
+
+def write_head_to_head(root: Path, data: dict[str, Any]) -> None:
+    """``head_to_head.json``, ``head_to_head.md`` and ``head_to_head.html`` in the head-to-head's folder."""
+    (root / "head_to_head.json").write_text(json.dumps(data, indent=2, allow_nan=True), encoding="utf-8")
+    (root / "head_to_head.md").write_text(markdown(data), encoding="utf-8")
+    (root / "head_to_head.html").write_text(html_page(data), encoding="utf-8")

@@ -1,0 +1,85 @@
+"""`check --draft A --draft B`: the head-to-head table and verdict agree with each speculator's own check."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from cli_helpers import assert_usage_error, invoke, pair_args
+from dflash_doctor.rundir.run_record import StepCosts
+from dflash_doctor.stats.head_to_head import request_totals
+
+NGRAM = "ngram:prompt_lookup_min=1,prompt_lookup_max=3"
+PROFILE = {"t_decode_s": 0.010, "t_verify_s": {"1": 0.011, "4": 0.013, "8": 0.016}, "t_draft_s": {"1": 0.001, "8": 0.004}}
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("h2h")
+    profile = root / "costs.json"
+    profile.write_text(json.dumps(PROFILE))
+    extra = ("--cost-profile", str(profile), "--k", "1-4")
+    both = invoke("check", *pair_args(tiny_dir, tiny_dir / "ar", "--draft", NGRAM, *extra, "--out", root / "both", "--json"))
+    assert both.exit_code in (0, 1), both.output
+    single = {}
+    for name, draft in (("ar", tiny_dir / "ar"), ("ngram", NGRAM)):
+        result = invoke("check", *pair_args(tiny_dir, draft, *extra, "--out", root / name))
+        assert result.exit_code in (0, 1), result.output
+        single[name] = root / name
+    data = json.loads(both.stdout[both.stdout.index("{"):])
+    return root, data, single
+
+
+def test_table_agrees_with_each_speculators_own_check(runs):
+    root, data, single = runs
+    table = data["head_to_head"]
+    assert [s["name"] for s in table["speculators"]] == ["ar", "ngram"]
+    assert json.loads((root / "both" / "head_to_head.json").read_text()) == table
+    assert "Verdict" in (root / "both" / "head_to_head.md").read_text()
+    costs = StepCosts(t_decode_s=PROFILE["t_decode_s"], t_verify_s={int(k): v for k, v in PROFILE["t_verify_s"].items()},
+                      t_draft_s={int(k): v for k, v in PROFILE["t_draft_s"].items()})
+    for name, folder in single.items():
+        own = json.loads((folder / "run.json").read_text())
+        steps = pd.read_parquet(folder / "steps.parquet")
+        assert steps.equals(pd.read_parquet(root / "both" / name / "steps.parquet"))  # the same replay
+        for scope, result in table["scopes"].items():
+            row = next(r for r in result["rows"] if r["speculator"] == name)
+            sweep = own["summary"]["sweep"]["overall" if scope == "overall" else "by_class"]
+            sweep_rows = sweep if scope == "overall" else sweep[scope]
+            at_best = next(r for r in sweep_rows if r["k"] == row["best_k"])
+            assert row["tau"] == pytest.approx(at_best["mean_acceptance_length"])
+            assert row["tau_ci"] == pytest.approx(at_best["mean_acceptance_length_ci"])
+            metrics = own["summary"]["overall"] if scope == "overall" else own["summary"]["by_class"][scope]
+            assert row["acceptance_rate_per_pos"] == pytest.approx(metrics["acceptance_rate_per_pos"], nan_ok=True)
+            # the largest K's speedup, priced independently from the check's own steps
+            scoped = steps if scope == "overall" else steps[steps["class"] == scope]
+            k_max = int(steps["k"].max())
+            emitted, seconds = request_totals(scoped, np.array(sorted(set(scoped["request_id"]))), k_max, costs)
+            assert row["speedup_by_k"][str(k_max)] == pytest.approx(emitted.sum() * costs.t_decode_s / seconds.sum())
+            best = max(sorted(row["speedup_by_k"], key=int), key=lambda k: row["speedup_by_k"][k])
+            assert int(best) == row["best_k"]
+            assert row["speedup_ci"][0] <= row["speedup"] + 1e-9 <= row["speedup_ci"][1] + 2e-9
+
+
+def test_verdict_names_the_faster_speculator(runs):
+    _, data, _ = runs
+    for scope, result in data["head_to_head"]["scopes"].items():
+        rows = {r["speculator"]: r for r in result["rows"]}
+        verdict = result["verdict"]
+        fastest = max(rows, key=lambda name: rows[name]["speedup"])
+        if rows[fastest]["speedup"] < 1:
+            assert verdict["winner"] is None and "plain decoding" in verdict["text"]
+            continue
+        other = next(name for name in rows if name != fastest)
+        assert verdict["winner"] == fastest and verdict["runner_up"] == other
+        assert verdict["ratio"] == pytest.approx(rows[fastest]["speedup"] / rows[other]["speedup"])
+        assert verdict["decisive"] == (verdict["ratio_ci"][0] > 1)
+        assert fastest in verdict["text"]
+
+
+def test_several_drafts_refuse_a_scenario(tiny_dir):
+    result = invoke("check", *pair_args(tiny_dir, tiny_dir / "ar", "--draft", "ngram", "--scenario", "layer-offset"))
+    assert_usage_error(result, "--scenario")
