@@ -13,7 +13,7 @@ import torch
 from typer.testing import CliRunner
 
 from dflash_doctor.models import training
-from dflash_doctor.models.training import checkpoints, data as training_data
+from dflash_doctor.models.training import checkpoints, sequences as training_data
 from dflash_doctor.cli import app
 from dflash_doctor.engine.blocks import context_kv_for, draft_block_hidden
 from dflash_doctor.engine.dflash_model import DFlashDraftModel

@@ -30,12 +30,12 @@ template (transformers renders it in a sandboxed Jinja environment). The engine'
 
 Answers go back as text and are rendered again, as a client of vLLM / SGLang sends them.
 
-The package, by job: :mod:`.requests` (Request, stratified_sample), :mod:`.builtin` (the shipped sets),
+The package, by job: :mod:`.request` (Request, stratified_sample), :mod:`.builtin` (the shipped sets),
 :mod:`.files` (user files in, :func:`save_workload` out), :mod:`.selection` (:func:`load_workload`) and
 :mod:`.conversation` (turns and chat-template rendering). Callers import the names below from here.
 """
 
-from dflash_doctor.inputs.workloads.requests import Request, count_trailing_user_messages, stratified_sample
+from dflash_doctor.inputs.workloads.request import Request, count_trailing_user_messages, stratified_sample
 from dflash_doctor.inputs.workloads.builtin import BUILTIN_NAMES, CODE_INSTRUCTION, DEMO_REQUESTS_PER_CLASS, EVAL_FRACTION, MATH_INSTRUCTION, MT_BENCH_CLASS, NUM_WORD_PROBLEMS, SPLITS, WORD_PROBLEM_SEED, WorkloadInfo, extra_word_problems, list_workloads, load_builtin
 from dflash_doctor.inputs.workloads.files import CHAT_ROLES, FILE_SUFFIXES, read_csv, read_jsonl, read_parquet, read_workload_file, save_workload
 from dflash_doctor.inputs.workloads.selection import load_workload

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from dflash_doctor.inputs.word_problems import TEMPLATES as WORD_PROBLEM_TEMPLATES
 from dflash_doctor.inputs.word_problems import generate_word_problems
-from dflash_doctor.inputs.workloads.requests import Request, stratified_sample
+from dflash_doctor.inputs.workloads.request import Request, stratified_sample
 
 
 SPLITS = ("train", "eval", "all")

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from dflash_doctor.errors import UsageError
-from dflash_doctor.inputs.workloads.requests import Request, count_trailing_user_messages
+from dflash_doctor.inputs.workloads.request import Request, count_trailing_user_messages
 
 
 ANSWER_OF_TURN = "answer_of_turn"  # key marking an assistant placeholder in conversation_turns()

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from dflash_doctor.errors import UsageError
-from dflash_doctor.inputs.workloads.requests import Request
+from dflash_doctor.inputs.workloads.request import Request
 
 
 FILE_SUFFIXES = (".jsonl", ".csv", ".parquet")

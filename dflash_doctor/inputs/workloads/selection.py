@@ -13,7 +13,7 @@ from typing import Sequence
 from dflash_doctor.errors import UsageError
 from dflash_doctor.inputs.workloads.builtin import BUILTIN_NAMES, SPLITS, load_builtin
 from dflash_doctor.inputs.workloads.files import FILE_SUFFIXES, read_workload_file
-from dflash_doctor.inputs.workloads.requests import Request, stratified_sample
+from dflash_doctor.inputs.workloads.request import Request, stratified_sample
 
 
 def load_workload(spec: str, *, classes: Sequence[str] = (), max_requests: int | None = None, seed: int = 0,

@@ -22,7 +22,7 @@ import torch
 from dflash_doctor.engine.dflash_model import DFlashConfig, DFlashDraftModel
 from dflash_doctor.errors import UsageError
 from dflash_doctor.models.loading import save_dflash_draft, weights_fingerprint
-from dflash_doctor.models.training.config import BOOKKEEPING_FIELDS, TrainConfig
+from dflash_doctor.models.training.hyperparams import BOOKKEEPING_FIELDS, TrainConfig
 
 
 CHECKPOINT_DIR_NAME = "checkpoint"  # resumable state inside the out dir

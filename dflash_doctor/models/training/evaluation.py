@@ -17,7 +17,7 @@ from dflash_doctor.engine.target import TargetModel
 from dflash_doctor.engine.teacher import TeacherSequence, slot_table, walk_schedule
 from dflash_doctor.rundir.tables import StepRow, as_row
 from dflash_doctor.stats.metrics import tau_with_ci
-from dflash_doctor.models.training.data import SequenceRecord
+from dflash_doctor.models.training.sequences import SequenceRecord
 
 if TYPE_CHECKING:
     from dflash_doctor.engine.target import CausalLM

@@ -21,7 +21,7 @@ from dflash_doctor.engine.dflash_model import DFlashDraftModel
 from dflash_doctor.engine.target import TapRecorder, tap_points
 from dflash_doctor.errors import UsageError
 from dflash_doctor.models.training.checkpoints import data_fingerprint, load_checkpoint, resume_identity
-from dflash_doctor.models.training.config import TrainConfig, TrainingResult
+from dflash_doctor.models.training.hyperparams import TrainConfig, TrainingResult
 from dflash_doctor.models.training import checkpoints
 
 if TYPE_CHECKING:

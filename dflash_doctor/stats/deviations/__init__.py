@@ -38,14 +38,14 @@ Token categories come from the tokenizer's own token strings (:class:`TokenCateg
 the ``target_category`` column when the run is written, because the views load no tokenizer.
 
 The package, by job: :mod:`.categories` (token categories from a tokenizer, recorded when a run is
-written), :mod:`.tables` (the run's tables joined once into the decided-token frame), :mod:`.analysis`
+written), :mod:`.decided` (the run's tables joined once into the decided-token frame), :mod:`.why_rejected`
 (the statistics, returned as the typed :class:`DeviationAnalysis` every view reads) and :mod:`.patterns`
 (the patterns that grew between two runs, for ``compare``). Callers import the names below from here.
 """
 
 from dflash_doctor.stats.deviations.categories import CATEGORIES, UNCATEGORISED, TokenCategories, categorize, special_token_ids
-from dflash_doctor.stats.deviations.tables import ConfidenceRule, DeviationTables, class_names, deviation_tables, run_tables, select
-from dflash_doctor.stats.deviations.analysis import (
+from dflash_doctor.stats.deviations.decided import ConfidenceRule, DeviationTables, class_names, deviation_tables, run_tables, select
+from dflash_doctor.stats.deviations.why_rejected import (
     CONTEXT_LENGTH_EDGES,
     DEFAULT_TOP_N,
     OUTPUT_POSITION_EDGES,

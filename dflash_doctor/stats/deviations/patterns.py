@@ -11,7 +11,7 @@ from typing import Any
 
 import pandas as pd
 
-from dflash_doctor.stats.deviations.tables import DeviationTables, frame_records
+from dflash_doctor.stats.deviations.decided import DeviationTables, frame_records
 
 GROWTH_MIN_LOST_PER_DRAFT = 0.05  # tokens per draft step: smaller changes are noise on demo-sized runs
 GROWTH_MIN_COUNT = 2  # first rejections NEW must show of a pattern before it is listed

@@ -3,7 +3,7 @@ every deviation statistic reads (:class:`DeviationTables`), and the confidence r
 training could fix.
 
 Its own module because it is the one expensive, vectorised step (a 1M-token run takes seconds,
-``benchmarks/deviations.py``): :mod:`.analysis` and :mod:`.patterns` only group and count its rows.
+``benchmarks/deviations.py``): :mod:`.why_rejected` and :mod:`.patterns` only group and count its rows.
 """
 
 from __future__ import annotations

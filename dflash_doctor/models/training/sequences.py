@@ -21,7 +21,7 @@ from dflash_doctor.engine.batched import generate_greedy_batch
 from dflash_doctor.errors import UsageError
 from dflash_doctor.inputs.workloads import Request, encode_request_turn, read_workload_file, save_workload
 from dflash_doctor.models.loading import fingerprint
-from dflash_doctor.models.training.architecture import chat_template_record
+from dflash_doctor.models.training.new_draft import chat_template_record
 
 if TYPE_CHECKING:
     from dflash_doctor.engine.target import CausalLM

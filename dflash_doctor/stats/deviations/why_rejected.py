@@ -4,7 +4,7 @@ attainable-tau bound (the definitions are :mod:`dflash_doctor.stats.deviations`'
 
 :class:`DeviationAnalysis` is what every view reads: the terminal's "why rejected", report.html / .md, the
 dashboard's Deviations page; report.json holds :meth:`DeviationAnalysis.to_json` under ``why_rejected``.
-The statistics are grouped counts over :class:`~dflash_doctor.stats.deviations.tables.DeviationTables`.
+The statistics are grouped counts over :class:`~dflash_doctor.stats.deviations.decided.DeviationTables`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 
 from dflash_doctor.stats.deviations.categories import CATEGORIES
-from dflash_doctor.stats.deviations.tables import DeviationTables, class_names, frame_records, run_tables, select
+from dflash_doctor.stats.deviations.decided import DeviationTables, class_names, frame_records, run_tables, select
 
 # Bins for acceptance along the sequence: lower edges (tokens). The last bin is open.
 CONTEXT_LENGTH_EDGES = (0, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
