@@ -138,7 +138,7 @@ class SyntheticCounters:
     tau is ``1 + sum(rates)`` however many polls it spans. No HTTP: the watch polls it directly."""
 
     name = "synthetic /metrics"
-    engine = "vllm"
+    server_kind = "vllm"
 
     def __init__(self, rates: Sequence[float], models: Sequence[str] = ("qwen3-8b",), drafts_per_poll: int = 100):
         self.rates = tuple(rates)
@@ -162,7 +162,7 @@ def write_watch(run_dir: Path, rates: list[float], *, baseline_tau: float | None
     """A finished watch of ``num_units`` scrape intervals per class, one window per interval (live-watch shape),
     replacing a watch already in ``run_dir`` (``--overwrite``)."""
     thresholds = Thresholds(min_drafts=10)
-    judge = Judge(Baseline.fixed({"overall": baseline_tau}) if baseline_tau else None, thresholds, engine="vllm")
+    judge = Judge(Baseline.fixed({"overall": baseline_tau}) if baseline_tau else None, thresholds, server_kind="vllm")
     record = WatchRecord(run_dir, {"config": "test"}, {"sources": ["http://x/metrics"], "window_s": 60.0, "interval_s": 60.0,
                                                        "baseline": "fixed", "thresholds": dataclasses.asdict(thresholds)}, overwrite=True)
     for i in range(num_units):

@@ -322,7 +322,7 @@ def test_a_log_line_claiming_impossible_counts_is_refused_as_data(engine, line):
             "llamacpp": "slot print_timing: id  0 | task 5 | draft acceptance = 0.50000 (   20 accepted /    40 generated), mean len =  3.00",
             "trtllm": json.dumps({"specDecodingStats": {"numRequestsWithDraftTokens": 2, "numDraftTokens": 8, "numAcceptedTokens": 3}})}[engine]
     ctx = LogContext(model="m", origin="server.log", year=2026, problems=problems)
-    observations = list(parse_log_lines([good, line], engine=engine, ctx=ctx))
+    observations = list(parse_log_lines([good, line], server_kind=engine, ctx=ctx))
     assert len(observations) == 1 and observations[0].origin == "server.log:1"  # the good line is data, the bad one is not
     assert problems.count == 1 and "server.log:2" in (problems.message("log") or "")
 

@@ -90,7 +90,7 @@ def test_recording_rules_agree_with_the_doctors_reader(tmp_path, capture, engine
     """Counters grow linearly from 0 to the captured value over 10 minutes, so a 5m rate ratio equals the
     whole-capture ratio the reader computes; gauges hold their captured value."""
     expo = parse_exposition((DATA / capture).read_text())
-    reading = read_exposition(expo, engine=engine, default_model=job, class_label=class_label)
+    reading = read_exposition(expo, server_kind=engine, default_model=job, class_label=class_label)
     input_series = []
     for sample in expo.samples:
         values = f"0+{sample.value / 10!r}x10" if sample.name.endswith("_total") else f"{sample.value!r}+0x10"

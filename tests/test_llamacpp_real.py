@@ -64,7 +64,7 @@ def cli(*args: str) -> tuple[int, str]:
 
 def spec_counts(url: str):
     text = urllib.request.urlopen(f"{url}/metrics", timeout=30).read().decode()
-    return read_exposition(parse_exposition(text), engine="llamacpp", default_model=SERVED_NAME).counts[SeriesKey(SERVED_NAME)]
+    return read_exposition(parse_exposition(text), server_kind="llamacpp", default_model=SERVED_NAME).counts[SeriesKey(SERVED_NAME)]
 
 
 @pytest.fixture(scope="module")

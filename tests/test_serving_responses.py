@@ -24,7 +24,7 @@ def test_vllm_summary_payload_from_the_pr_that_added_it():
         "acceptance_histogram": [39, 1, 0, 3], "num_spec_steps": 43, "num_accepted_draft_tokens": 10,
         "num_draft_tokens": 129, "num_spec_tokens": 3}}}
     m = parse_response(body)
-    assert (m.engine, m.num_drafts, m.num_accepted_tokens, m.num_draft_tokens, m.num_spec_tokens) == ("vllm", 43, 10, 129, 3)
+    assert (m.server_kind, m.num_drafts, m.num_accepted_tokens, m.num_draft_tokens, m.num_spec_tokens) == ("vllm", 43, 10, 129, 3)
     assert m.tau == pytest.approx(1.2325581395348837)
     rows = step_rows(m, None)
     assert len(rows) == 43 and all(r.position == -1 for r in rows)  # order unknown without `detailed`
@@ -46,7 +46,7 @@ def test_captured_vllm_response_reads_ids_text_and_steps_that_add_up():
     body = json.loads(CAPTURED.read_text(encoding="utf-8"))
     text, output_ids, prompt_ids, stop_reason, usage = read_completion(body)
     m = parse_response(body)
-    assert m.engine == "vllm" and m.steps_in_order and m.num_spec_tokens == 15
+    assert m.server_kind == "vllm" and m.steps_in_order and m.num_spec_tokens == 15
     assert len(output_ids) == usage["completion_tokens"] and len(prompt_ids) == usage["prompt_tokens"]
     assert text == body["choices"][0]["message"]["content"]
     rows = step_rows(m, output_ids)
@@ -61,7 +61,7 @@ def test_sglang_meta_info_is_converted_to_the_bonus_included_definition():
                "spec_accept_length": 7 / 3, "spec_correct_drafts_histogram": [1, 1, 0, 0, 0, 0, 0, 1]}
     body = {"choices": [{"index": 0, "message": {"content": "x"}, "meta_info": details}], "usage": {"completion_tokens": 7}}
     m = parse_response(body)
-    assert (m.engine, m.num_drafts, m.num_accepted_tokens, m.num_spec_tokens) == ("sglang", 3, 3, 7)
+    assert (m.server_kind, m.num_drafts, m.num_accepted_tokens, m.num_spec_tokens) == ("sglang", 3, 3, 7)
     assert m.tau == pytest.approx(2.0) and m.engine_tau == pytest.approx(7 / 3)
     sglext = {"choices": [{"message": {"content": "x"}}], "sglext": {"spec_tokens_details": {"spec_verify_ct": 4}},
               "usage": {"completion_tokens": 9}}
@@ -70,7 +70,7 @@ def test_sglang_meta_info_is_converted_to_the_bonus_included_definition():
 
 def test_llama_cpp_timings_give_an_acceptance_rate_without_tau():
     m = parse_response({"content": "x", "timings": {"predicted_n": 665, "draft_n": 604, "draft_n_accepted": 515}})
-    assert (m.engine, m.num_draft_tokens, m.num_accepted_tokens, m.tau) == ("llamacpp", 604, 515, None)
+    assert (m.server_kind, m.num_draft_tokens, m.num_accepted_tokens, m.tau) == ("llamacpp", 604, 515, None)
     assert step_rows(m, None) == []
 
 
@@ -128,7 +128,7 @@ def test_both_readers_name_llama_cpp_as_watch_and_its_metric_namespace_do():
     """llama.cpp's own identifier is `llamacpp` (`llamacpp:spec_decode_*`), the name
     `watch --engine` takes; serving called it "llama.cpp" and translated between the two."""
     measured, counts, refused = _both({"content": "x", "timings": {"predicted_n": 665, "draft_n": 604, "draft_n_accepted": 515}})
-    assert measured.engine == LLAMA_CPP == "llamacpp" and LLAMA_CPP in SERVER_PREFIXES
+    assert measured.server_kind == LLAMA_CPP == "llamacpp" and LLAMA_CPP in SERVER_PREFIXES
     assert (counts.num_draft_tokens, counts.num_accepted_tokens, counts.num_generated_tokens, refused) == (604.0, 515.0, 665.0, 0)
 
 

@@ -29,11 +29,11 @@ SERIES = 'class="all",model="smollm2-dflash"'
 
 def counts_of(name: str) -> SpecCounts:
     text = (DATA / f"vllm_metrics_{name}.txt").read_text()
-    return read_exposition(parse_exposition(text), engine="vllm", default_model="x").counts[MODEL]
+    return read_exposition(parse_exposition(text), server_kind="vllm", default_model="x").counts[MODEL]
 
 
 def judged(key: SeriesKey, counts: SpecCounts, baseline_tau: float = 3.0) -> WindowVerdict:
-    judge = Judge(Baseline.fixed({"overall": baseline_tau}), Thresholds(min_drafts=1), engine="vllm")
+    judge = Judge(Baseline.fixed({"overall": baseline_tau}), Thresholds(min_drafts=1), server_kind="vllm")
     return judge.judge(Window(key, 0, 10, counts, [counts]))
 
 

@@ -35,7 +35,7 @@ def capture(name: str) -> str:
 
 
 def counts_of(name: str) -> SpecCounts:
-    return read_exposition(parse_exposition(capture(name)), engine="vllm", default_model="x").counts[MODEL]
+    return read_exposition(parse_exposition(capture(name)), server_kind="vllm", default_model="x").counts[MODEL]
 
 
 def hook_command(tmp_path: Path) -> tuple[str, Path]:
@@ -47,7 +47,7 @@ def hook_command(tmp_path: Path) -> tuple[str, Path]:
 def episode_sequence() -> list[WindowVerdict]:
     """drop, drop, idle, drop (one episode: idle carries no verdict), ok, drop (a second episode)."""
     good = counts_of("good")
-    judge = Judge(Baseline.fixed({"overall": good.mean_acceptance_length}), Thresholds(min_drafts=1), engine="vllm")
+    judge = Judge(Baseline.fixed({"overall": good.mean_acceptance_length}), Thresholds(min_drafts=1), server_kind="vllm")
     windows = ["broken", "broken", None, "broken", "good", "broken"]
     verdicts = []
     for i, name in enumerate(windows):

@@ -43,7 +43,7 @@ def host_zone(monkeypatch):
 
 def parsed_time(line: str, engine: str, zone: dt.tzinfo | None) -> float:
     ctx = LogContext(model="m", origin="test.log", year=2026, problems=ParseProblems(), zone=zone)
-    (observation,) = parse_log_lines([line], engine=engine, ctx=ctx)
+    (observation,) = parse_log_lines([line], server_kind=engine, ctx=ctx)
     assert observation.time_s is not None
     return observation.time_s
 
@@ -72,7 +72,7 @@ def test_live_watch_of_a_log_on_a_host_east_of_utc(host_zone, tmp_path):
     now = time.time()
     log = tmp_path / "vllm.log"
     log.write_text(VLLM_LINE.replace(VLLM_STAMP, time.strftime("%m-%d %H:%M:%S", time.localtime(now - 5))) + "\n")
-    watcher = Watcher([LogFile(log, engine="vllm", model="m")], window_s=60)
+    watcher = Watcher([LogFile(log, server_kind="vllm", model="m")], window_s=60)
     watcher.poll(now)
     (window,) = watcher.current_windows(now)
     assert window.counts.num_accepted_tokens == 7 and window.counts.num_draft_tokens == 105

@@ -33,11 +33,11 @@ from dflash_doctor.telemetry.observation import ParseProblems
 from telemetry_fixtures import DATA
 
 
-def parse(lines: list[str], engine: str | None = None):
-    engine = engine or detect_log_server_kind(lines)
+def parse(lines: list[str], server_kind: str | None = None):
+    server_kind = server_kind or detect_log_server_kind(lines)
     problems = ParseProblems()
     ctx = LogContext(model="m", origin="test.log", year=2026, problems=problems)
-    return list(parse_log_lines(lines, engine=engine, ctx=ctx)), problems
+    return list(parse_log_lines(lines, server_kind=server_kind, ctx=ctx)), problems
 
 
 def test_vllm_real_log_lines():
@@ -71,7 +71,7 @@ def test_vllm_json_log_record():
     record = {"asctime": "2026-11-30 15:40:01,123", "levelname": "INFO", "name": "vllm.v1.spec_decode.metrics",
               "message": "SpecDecoding metrics: Mean acceptance length: 2.00, Accepted throughput: 1.00 tokens/s, Drafted throughput: 3.00 tokens/s, "
                          "Accepted: 30 tokens, Drafted: 90 tokens, Per-position acceptance rate: 0.600, 0.300, 0.100, Avg Draft acceptance rate: 33.3%"}
-    (obs,), _ = parse([json.dumps(record)], engine="vllm")
+    (obs,), _ = parse([json.dumps(record)], server_kind="vllm")
     assert obs.counts.num_drafts == 30 and obs.counts.mean_acceptance_length == pytest.approx(2.0)
     assert obs.time_s is not None
 
@@ -85,7 +85,7 @@ def test_garbage_and_truncated_lines_are_counted_not_fatal():
         "",
         "random text with Drafted: but no marker",
     ]
-    observations, problems = parse(lines, engine="vllm")
+    observations, problems = parse(lines, server_kind="vllm")
     assert len(observations) == 1 and observations[0].counts.num_accepted_tokens == 5
     assert problems.count == 1 and "test.log:2" in problems.examples[0]
     assert "could not be read" in problems.message("vllm metrics")
@@ -101,7 +101,7 @@ def test_sglang_decode_batch_line():
     assert obs.counts.num_drafts is None  # SGLang prints averages, no counts
     assert obs.time_s is not None and problems.count == 0
     prefill = "[2026-11-30 15:00:00] Prefill batch, #new-seq: 1, #new-token: 12, #cached-token: 0, cuda graph: False"
-    assert parse([prefill], engine="sglang")[0] == []
+    assert parse([prefill], server_kind="sglang")[0] == []
 
 
 def test_llamacpp_slot_lines_all_spellings():

@@ -30,7 +30,7 @@ def capture(name: str) -> str:
 
 
 def counts(name: str):
-    return read_exposition(parse_exposition(capture(name)), engine="vllm", default_model="x").counts[MODEL]
+    return read_exposition(parse_exposition(capture(name)), server_kind="vllm", default_model="x").counts[MODEL]
 
 
 def test_window_gives_the_tau_of_the_counter_increase(tmp_path):
@@ -42,7 +42,7 @@ def test_window_gives_the_tau_of_the_counter_increase(tmp_path):
         prometheus.wait_for_samples("count_over_time(vllm:spec_decode_num_drafts_total[1m])", 6)
         source = PrometheusSource(prometheus.url, window_s=60)
         (observation,) = [o for o in source.poll() if o.counts.num_drafts]
-        assert source.engine == "vllm"  # detected through the API
+        assert source.server_kind == "vllm"  # detected through the API
         # exactly the counts the exporter's counters grew by (no extrapolation)
         assert observation.counts.mean_acceptance_length == pytest.approx(window_counts.mean_acceptance_length, rel=1e-6)
         assert observation.counts.k == 15
@@ -60,7 +60,7 @@ def test_counter_reset_is_handled_by_prometheus(tmp_path):
         prometheus.wait_for_samples("count_over_time(vllm:spec_decode_num_drafts_total[1m])", 3)
         exporter.text = capture("broken")
         prometheus.wait_for_samples("count_over_time(vllm:spec_decode_num_drafts_total[1m])", 6)
-        source = PrometheusSource(prometheus.url, window_s=60, engine="vllm")
+        source = PrometheusSource(prometheus.url, window_s=60, server_kind="vllm")
         (observation,) = [o for o in source.poll() if o.counts.num_drafts]
     assert observation.counts.num_drafts > 0
     assert all(v >= 0 for v in observation.counts.num_accepted_tokens_per_pos)

@@ -167,7 +167,7 @@ def test_baseline_from_a_check_run_prices_and_truncates(tmp_path):
     assert baseline.for_class("code").tau == pytest.approx(summary["by_class"]["code"]["mean_acceptance_length"])
     assert baseline.for_class("all").tau == pytest.approx(summary["overall"]["mean_acceptance_length"])
     # production serves K=4 of the baseline's K=8: the baseline is truncated from its per-position rates
-    judge = Judge(baseline, Thresholds(min_drafts=10), engine="vllm")
+    judge = Judge(baseline, Thresholds(min_drafts=10), server_kind="vllm")
     served = unit_counts(400, [0.3, 0.1, 0.05, 0.0])
     verdict = judge.judge(Window(SeriesKey("m", "code"), 0, 60, served, [served]))
     rates = summary["by_class"]["code"]["acceptance_rate_per_pos"]

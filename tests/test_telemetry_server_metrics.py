@@ -32,7 +32,7 @@ from telemetry_fixtures import DATA
 
 def read(name: str, **kwargs):
     expo = parse_exposition((DATA / name).read_text())
-    return read_exposition(expo, engine=kwargs.pop("engine", None), default_model=kwargs.pop("default_model", "src"), **kwargs)
+    return read_exposition(expo, server_kind=kwargs.pop("engine", None), default_model=kwargs.pop("default_model", "src"), **kwargs)
 
 
 def vllm_counts_by_hand(text: str, model: str) -> dict[str, float]:
@@ -50,7 +50,7 @@ def vllm_counts_by_hand(text: str, model: str) -> dict[str, float]:
 def test_vllm_real_capture_tau_is_what_its_counters_imply():
     text = (DATA / "vllm_metrics_good.txt").read_text()
     reading = read("vllm_metrics_good.txt")
-    assert reading.engine == "vllm"
+    assert reading.server_kind == "vllm"
     (key,) = [k for k, c in reading.counts.items() if c.num_drafts]
     by_hand = vllm_counts_by_hand(text, key.model)
     counts = reading.counts[key]
@@ -69,7 +69,7 @@ def test_several_models_on_one_endpoint_stay_apart():
     good = (DATA / "vllm_metrics_good.txt").read_text()
     broken = (DATA / "vllm_metrics_broken.txt").read_text().replace('model_name="smollm2-dflash"', 'model_name="smollm2-broken"')
     samples_only = "\n".join(line for line in broken.splitlines() if not line.startswith("#"))
-    reading = read_exposition(parse_exposition(good + "\n" + samples_only), engine=None, default_model="src")
+    reading = read_exposition(parse_exposition(good + "\n" + samples_only), server_kind=None, default_model="src")
     good_tau = read("vllm_metrics_good.txt").counts[SeriesKey("smollm2-dflash")].mean_acceptance_length
     broken_tau = read("vllm_metrics_broken.txt").counts[SeriesKey("smollm2-dflash")].mean_acceptance_length
     assert reading.counts[SeriesKey("smollm2-dflash")].mean_acceptance_length == pytest.approx(good_tau)
@@ -78,17 +78,17 @@ def test_several_models_on_one_endpoint_stay_apart():
 
 def test_missing_spec_metrics_say_why():
     text = "\n".join(line for line in (DATA / "vllm_metrics_good.txt").read_text().splitlines() if "spec_decode" not in line)
-    reading = read_exposition(parse_exposition(text), engine=None, default_model="src")
-    assert reading.engine == "vllm"
+    reading = read_exposition(parse_exposition(text), server_kind=None, default_model="src")
+    assert reading.server_kind == "vllm"
     assert any("no speculative-decoding counters" in note and "--speculative-config" in note for note in reading.notes)
     assert all(c.num_drafts is None for c in reading.counts.values())
-    nothing = read_exposition(parse_exposition("process_cpu_seconds_total 1.0\n"), engine=None, default_model="src")
-    assert nothing.engine == "unknown" and "serving engine" in nothing.notes[0]
+    nothing = read_exposition(parse_exposition("process_cpu_seconds_total 1.0\n"), server_kind=None, default_model="src")
+    assert nothing.server_kind == "unknown" and "serving engine" in nothing.notes[0]
 
 
 def test_sglang_counts_per_custom_label_class():
     reading = read("sglang_metrics.txt", class_label="cls")
-    assert reading.engine == "sglang"
+    assert reading.server_kind == "sglang"
     code = reading.counts[SeriesKey("glm", "code")]
     chat = reading.counts[SeriesKey("glm", "chat")]
     # SGLang's own definition: generation tokens / verify calls (streaming and non-streaming summed)
@@ -128,4 +128,4 @@ def test_trtllm_drafts_are_position_zero_drafts():
 def test_field_order_does_not_matter():
     text = (DATA / "trtllm_prometheus.txt").read_text()
     shuffled = "\n".join(reversed(text.splitlines()))
-    assert read_exposition(parse_exposition(shuffled), engine=None, default_model="x").counts == read("trtllm_prometheus.txt").counts
+    assert read_exposition(parse_exposition(shuffled), server_kind=None, default_model="x").counts == read("trtllm_prometheus.txt").counts

@@ -29,7 +29,7 @@ def later(calls_code: float, calls_chat: float, accept_length: float, accept_rat
 
 def engine_values(texts: list[str], *, count_since_start: bool = False) -> dict[str, float]:
     with MetricsExporter(texts[0]) as exporter:
-        watcher = Watcher([MetricsEndpoint(exporter.url, engine="sglang")], window_s=1e9, count_since_start=count_since_start)
+        watcher = Watcher([MetricsEndpoint(exporter.url, server_kind="sglang")], window_s=1e9, count_since_start=count_since_start)
         for i, text in enumerate(texts):
             exporter.text = text
             watcher.poll(now=100.0 + i)

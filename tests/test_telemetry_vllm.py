@@ -41,7 +41,7 @@ def send_requests(url: str) -> None:
 
 def scrape_counts(url: str):
     text = urllib.request.urlopen(f"{url}/metrics", timeout=30).read().decode()
-    return read_exposition(parse_exposition(text), engine="vllm", default_model="x").counts[SeriesKey(SERVED_NAME)]
+    return read_exposition(parse_exposition(text), server_kind="vllm", default_model="x").counts[SeriesKey(SERVED_NAME)]
 
 
 def watch(*args: str):

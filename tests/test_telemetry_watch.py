@@ -32,7 +32,7 @@ def capture(name: str) -> str:
 
 
 def counts_of(name: str) -> SpecCounts:
-    return read_exposition(parse_exposition(capture(name)), engine="vllm", default_model="x").counts[MODEL]
+    return read_exposition(parse_exposition(capture(name)), server_kind="vllm", default_model="x").counts[MODEL]
 
 
 def invoke(*args: str):
@@ -80,7 +80,7 @@ def test_no_alert_when_production_matches_the_baseline(tmp_path):
 
 def test_counter_reset_and_failed_scrape_lose_nothing():
     with MetricsExporter(capture("good_1")) as exporter:
-        watcher = Watcher([MetricsEndpoint(exporter.url, engine="vllm")], window_s=1e9)
+        watcher = Watcher([MetricsEndpoint(exporter.url, server_kind="vllm")], window_s=1e9)
         watcher.poll(now=1.0)  # the starting point
         exporter.failing = True
         watcher.poll(now=2.0)  # fails mid-watch
@@ -99,13 +99,13 @@ def test_counter_reset_and_failed_scrape_lose_nothing():
 
 
 def test_window_with_failed_scrape_says_so():
-    judge = Judge(None, Thresholds(), engine="vllm")
+    judge = Judge(None, Thresholds(), server_kind="vllm")
     verdict = judge.judge(Window(MODEL, 0.0, 10.0, SpecCounts(), [], {}, source_unavailable=True))
     assert verdict.status == "source-unavailable" and not verdict.alerts
 
 
 def test_idle_window_and_drafting_stopped():
-    judge = Judge(None, Thresholds(min_drafts=1), engine="vllm")
+    judge = Judge(None, Thresholds(min_drafts=1), server_kind="vllm")
     drafting = counts_of("good")
     judge.judge(Window(MODEL, 0, 10, drafting, [drafting]))
     idle = SpecCounts(num_drafts=0.0, num_draft_tokens=0.0, num_accepted_tokens=0.0, num_accepted_tokens_per_pos=(0.0,) * 15, num_generated_tokens=0.0)
@@ -117,7 +117,7 @@ def test_idle_window_and_drafting_stopped():
 
 
 def test_k_changed_alerts():
-    judge = Judge(None, Thresholds(min_drafts=1), engine="vllm")
+    judge = Judge(None, Thresholds(min_drafts=1), server_kind="vllm")
     k15 = counts_of("good")
     k4 = SpecCounts(num_drafts=100.0, num_draft_tokens=400.0, num_accepted_tokens=80.0, num_accepted_tokens_per_pos=(50.0, 20.0, 8.0, 2.0), num_generated_tokens=180.0)
     assert not judge.judge(Window(MODEL, 0, 10, k15, [k15])).alerts

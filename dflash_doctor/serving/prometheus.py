@@ -29,21 +29,21 @@ _FULL_COUNTERS = (VLLM, LLAMA_CPP)
 class ServerCounters:
     """The served model's cumulative spec-decode counters at one scrape."""
 
-    engine: str
+    server_kind: str
     counts: SpecCounts
 
 
 def read_counters(text: str, model: str | None) -> ServerCounters | None:
     """``model``'s spec-decode counters on a ``/metrics`` page; None when it has none (no speculation, no
     metrics, or another model's only). ``model=None``, or a page with one model only: that model's."""
-    reading = read_exposition(parse_exposition(text), engine=None, default_model=model or "")
-    engine = reading.engine if reading.engine in _FULL_COUNTERS else None
+    reading = read_exposition(parse_exposition(text), server_kind=None, default_model=model or "")
+    server_kind = reading.server_kind if reading.server_kind in _FULL_COUNTERS else None
     series = reading.counts.get(SeriesKey(model or ""))
     if series is None and len(reading.counts) == 1:
         series = next(iter(reading.counts.values()))
-    if engine is None or series is None or series.num_drafts is None or series.num_draft_tokens is None:
+    if server_kind is None or series is None or series.num_drafts is None or series.num_draft_tokens is None:
         return None
-    return ServerCounters(engine, series)
+    return ServerCounters(server_kind, series)
 
 
 def scrape_counters(endpoint: ServerEndpoint) -> ServerCounters | None:
@@ -63,7 +63,7 @@ def measurement_between(before: ServerCounters, after: ServerCounters) -> SpecMe
     per_pos = [round(value) for value in counts.num_accepted_tokens_per_pos or ()]
     histogram = histogram_from_per_pos(drafts, per_pos) if per_pos else None
     return SpecMeasurement(
-        engine=after.engine,
+        server_kind=after.server_kind,
         num_spec_tokens=len(per_pos) or None,
         num_drafts=drafts,
         num_draft_tokens=round(counts.num_draft_tokens or 0.0),

@@ -52,7 +52,7 @@ class SpecMeasurement:
     side by side. ``num_generated_tokens`` is the completion's length as the engine counted it.
     """
 
-    engine: str
+    server_kind: str
     num_spec_tokens: int | None  # K the server drafts per step
     num_drafts: int | None
     num_draft_tokens: int | None
@@ -123,7 +123,7 @@ def parse_vllm(spec: Mapping[str, Any], *, completion_tokens: int | None = None)
     if per_step_accepted is not None and per_step_drafted is not None and len(per_step_accepted) != len(per_step_drafted):
         raise ValueError("vLLM per_step_accepted and per_step_drafted have different lengths")
     return SpecMeasurement(
-        engine=VLLM,
+        server_kind=VLLM,
         num_spec_tokens=spec.get("num_spec_tokens"),
         num_drafts=drafts,
         num_draft_tokens=int(spec["num_draft_tokens"]),
@@ -154,7 +154,7 @@ def parse_sglang(details: Mapping[str, Any], *, completion_tokens: int | None = 
     if proposed is None and k is not None:
         proposed = verify * k
     return SpecMeasurement(
-        engine=SGLANG,
+        server_kind=SGLANG,
         num_spec_tokens=k,
         num_drafts=verify,
         num_draft_tokens=_count(proposed),
@@ -168,7 +168,7 @@ def parse_sglang(details: Mapping[str, Any], *, completion_tokens: int | None = 
 def parse_llama_cpp(timings: Mapping[str, Any]) -> SpecMeasurement:
     """llama.cpp's ``timings.draft_n`` / ``draft_n_accepted``: drafted and accepted tokens, no step count."""
     return SpecMeasurement(
-        engine=LLAMA_CPP,
+        server_kind=LLAMA_CPP,
         num_spec_tokens=None,
         num_drafts=None,
         num_draft_tokens=int(timings.get("draft_n") or 0),

@@ -321,12 +321,12 @@ def server_facts(answered: list[ServerTurn]) -> dict[str, Any]:
     m = answered[0].measurement
     if all(t.measurement.steps_in_order for t in answered):
         steps = "in order (per-step arrays)"
-    elif m.engine == LLAMA_CPP:
+    elif m.server_kind == LLAMA_CPP:
         steps = "histogram only (from /metrics per-position counters; llama.cpp reports no step order)"
     else:
         steps = "histogram only (step order unknown; vLLM --per-request-spec-decode-metrics detailed gives the order)"
     return {
-        "kind": m.engine,
+        "kind": m.server_kind,
         "num_spec_tokens": m.num_spec_tokens,
         "steps": steps,
         "returns_token_ids": all(t.output_token_ids is not None for t in answered),

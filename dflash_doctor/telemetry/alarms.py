@@ -34,7 +34,7 @@ def collapse_alert(verdict: WindowVerdict, judge: Judge) -> Alert | None:
         "collapse", str(key),
         f"{key}: acceptance collapsed - tau {tau:.2f} [{ci[0]:.2f}, {ci[1]:.2f}] over {verdict.window.counts.num_drafts:.0f} drafts at K={verdict.k}: "
         f"drafts are almost never accepted (seen after engine upgrades: vLLM #46435, #49559).",
-        fallback_advice(judge.engine, verdict, judge.baseline, judge.costs, judge.thresholds.speedup_floor),
+        fallback_advice(judge.server_kind, verdict, judge.baseline, judge.costs, judge.thresholds.speedup_floor),
     )
 
 

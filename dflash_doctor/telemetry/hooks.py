@@ -42,7 +42,7 @@ WEBHOOK_RETRIES = 1  # one more try on a refused connection or a 5xx: a lost ale
 JUDGED = ("ok", "alert")  # statuses that carry a verdict: only they end an episode
 
 
-def alert_fields(verdict: WindowVerdict, kind: str, engine: str | None, run_dir: Path) -> dict[str, str]:
+def alert_fields(verdict: WindowVerdict, kind: str, server_kind: str | None, run_dir: Path) -> dict[str, str]:
     """The environment of the hook for one alert of ``verdict`` (strings; empty when unknown)."""
     alert = next(a for a in verdict.alerts if a.kind == kind)
 
@@ -55,7 +55,7 @@ def alert_fields(verdict: WindowVerdict, kind: str, engine: str | None, run_dir:
         "DFLASH_DOCTOR_CLASS": verdict.window.key.cls,
         "DFLASH_DOCTOR_MESSAGE": alert.message,
         "DFLASH_DOCTOR_ADVICE": "\n".join(alert.advice),
-        "DFLASH_DOCTOR_ENGINE": engine or "",
+        "DFLASH_DOCTOR_ENGINE": server_kind or "",
         "DFLASH_DOCTOR_K": text(verdict.k),
         "DFLASH_DOCTOR_TAU": text(verdict.mean_acceptance_length),
         "DFLASH_DOCTOR_BASELINE_TAU": text(verdict.baseline_tau),
@@ -92,7 +92,7 @@ class AlertHooks:
     def enabled(self) -> bool:
         return bool(self._argv) or self.webhook is not None
 
-    def handle(self, verdicts: list[WindowVerdict], engine: str | None, now_s: float | None = None) -> list[Event]:
+    def handle(self, verdicts: list[WindowVerdict], server_kind: str | None, now_s: float | None = None) -> list[Event]:
         """Start the hooks for alerts that begin an episode in this round; events say what was done."""
         now_s = time.time() if now_s is None else now_s
         events = self._reap(now_s)
@@ -106,7 +106,7 @@ class AlertHooks:
                 if episode in self._open:
                     continue
                 self._open.add(episode)
-                events.extend(self._fire(alert_fields(verdict, kind, engine, self.run_dir), now_s))
+                events.extend(self._fire(alert_fields(verdict, kind, server_kind, self.run_dir), now_s))
         return events
 
     def _fire(self, fields: dict[str, str], now_s: float) -> list[Event]:

@@ -262,9 +262,9 @@ def detect_log_server_kind(lines: Iterable[str]) -> str | None:
     return None
 
 
-def parse_log_lines(lines: Iterable[str], *, engine: str, ctx: LogContext, first_line_number: int = 1) -> Iterator[Observation]:
+def parse_log_lines(lines: Iterable[str], *, server_kind: str, ctx: LogContext, first_line_number: int = 1) -> Iterator[Observation]:
     """Observations from log lines; ``ctx.origin`` is updated to ``file:line`` for every line."""
-    parser = LOG_PARSERS[engine]
+    parser = LOG_PARSERS[server_kind]
     base = ctx.origin.rsplit(":", 1)[0] if ctx.origin.rsplit(":", 1)[-1].isdigit() else ctx.origin
     for number, raw in enumerate(lines, start=first_line_number):
         ctx.origin = f"{base}:{number}"

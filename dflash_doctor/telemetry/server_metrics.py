@@ -40,7 +40,7 @@ MODEL_LABEL = "model_name"
 class Reading:
     """What one scrape said: counts per series, the engine's own gauges, and notes for the user."""
 
-    engine: str
+    server_kind: str
     counts: dict[SeriesKey, SpecCounts] = field(default_factory=dict)
     reported: dict[SeriesKey, dict[str, float]] = field(default_factory=dict)  # engine-computed gauges
     configured_k: dict[SeriesKey, int] = field(default_factory=dict)  # K from an info metric, where exported
@@ -80,11 +80,11 @@ def _names(expo: Exposition, *names: str) -> list[Sample]:
     return expo.named(*variants)
 
 
-def _vllm_schema(prefix: str, engine: str) -> Callable[[Exposition, str, str | None], Reading]:
+def _vllm_schema(prefix: str, server_kind: str) -> Callable[[Exposition, str, str | None], Reading]:
     """vLLM's counter schema under ``prefix`` (``vllm:`` or llama.cpp's ``llamacpp:``)."""
 
     def read(expo: Exposition, default_model: str, class_label: str | None) -> Reading:
-        reading = Reading(engine)
+        reading = Reading(server_kind)
         drafts = _sum_by_key(_names(expo, f"{prefix}spec_decode_num_drafts_total"), default_model, class_label)
         draft_tokens = _sum_by_key(_names(expo, f"{prefix}spec_decode_num_draft_tokens_total"), default_model, class_label)
         accepted = _sum_by_key(_names(expo, f"{prefix}spec_decode_num_accepted_tokens_total"), default_model, class_label)
@@ -201,24 +201,24 @@ SPEC_METRICS_HINT = {
 
 def detect_server_kind(expo: Exposition) -> str | None:
     """The engine whose metric prefix appears (the first found in READERS order), or None."""
-    for engine, prefixes in SERVER_PREFIXES.items():
+    for server_kind, prefixes in SERVER_PREFIXES.items():
         if any(expo.has(prefix) for prefix in prefixes):
-            return engine
+            return server_kind
     return None
 
 
-def read_exposition(expo: Exposition, *, engine: str | None, default_model: str, class_label: str | None = None) -> Reading:
-    """Counts per series from one scrape; ``engine=None`` detects it from the metric prefixes.
+def read_exposition(expo: Exposition, *, server_kind: str | None, default_model: str, class_label: str | None = None) -> Reading:
+    """Counts per series from one scrape; ``server_kind=None`` detects it from the metric prefixes.
 
     Never raises on content: an endpoint with no engine metrics, or an engine without speculative
     counters, gives an empty reading whose note says which, and what to change.
     """
-    engine = engine or detect_server_kind(expo)
-    if engine is None:
+    server_kind = server_kind or detect_server_kind(expo)
+    if server_kind is None:
         return Reading("unknown", notes=["no vllm:, sglang:, llamacpp: or trtllm_ metrics in the scrape: is this a serving engine's /metrics?"])
-    reading = READERS[engine](expo, default_model, class_label)
+    reading = READERS[server_kind](expo, default_model, class_label)
     if not any(c.num_drafts is not None or c.num_draft_tokens is not None for c in reading.counts.values()):
-        reading.notes.append(f"no speculative-decoding counters in the {engine} metrics ({SPEC_METRICS_HINT[engine]}).")
+        reading.notes.append(f"no speculative-decoding counters in the {server_kind} metrics ({SPEC_METRICS_HINT[server_kind]}).")
     if expo.num_unreadable_lines:
         reading.notes.append(f"{expo.num_unreadable_lines} unreadable line(s) skipped, first: {expo.first_unreadable_line!r}")
     return reading

@@ -29,10 +29,10 @@ def open_sources(specs: list[str], prometheus: str | None, settings: WatchSettin
     """SOURCE arguments and ``--prometheus`` as sources; none at all is a usage error. The credentials
     (``api_key`` for the /metrics URLs, ``prometheus_headers``) stay inside the sources' HTTP clients."""
     zone = log_zone(settings.log_timezone)
-    sources: list[Source] = [open_source(s, engine=settings.engine, model=settings.model, class_label=settings.class_label, log_zone=zone, api_key=api_key)
+    sources: list[Source] = [open_source(s, server_kind=settings.server_kind, model=settings.model, class_label=settings.class_label, log_zone=zone, api_key=api_key)
                              for s in specs]
     if prometheus:
-        sources.append(PrometheusServer(prometheus, window_s=settings.window_s, engine=settings.engine, class_label=settings.class_label,
+        sources.append(PrometheusServer(prometheus, window_s=settings.window_s, server_kind=settings.server_kind, class_label=settings.class_label,
                                         headers=prometheus_headers))
     if not sources:
         raise UsageError("watch needs at least one SOURCE (a /metrics URL, a log file, a responses .jsonl) or --prometheus URL.")
@@ -47,7 +47,7 @@ class WatchSession:
                  hooks: AlertHooks | None = None, overwrite: bool = False):
         self.settings = settings
         self.once_mode = once
-        self.judge = Judge(load_baseline(settings.baseline), settings.thresholds, engine=settings.engine, costs=costs)
+        self.judge = Judge(load_baseline(settings.baseline), settings.thresholds, server_kind=settings.server_kind, costs=costs)
         # --once on a /metrics URL without --window: "what do its counters say so far" (since the server started)
         self.watcher = Watcher(sources, window_s=settings.window_s, count_since_start=once and not settings.window_given)
         self.run_dir = run_dir
@@ -66,12 +66,12 @@ class WatchSession:
 
     def _adopt_detected_server_kind(self) -> None:
         """Advice for the one engine the sources turned out to be (all engines' settings when it is not one)."""
-        if self.judge.engine is None and len(self.watcher.engines) == 1:
-            self.judge.engine = next(iter(self.watcher.engines))
+        if self.judge.server_kind is None and len(self.watcher.engines) == 1:
+            self.judge.server_kind = next(iter(self.watcher.engines))
 
     def _publish(self, rounds: list[list[WindowVerdict]]) -> None:
         if self.hooks and rounds:  # only the latest round can start an episode (not a file's history)
-            self.watcher.events.extend(self.hooks.handle(rounds[-1], self.judge.engine))
+            self.watcher.events.extend(self.hooks.handle(rounds[-1], self.judge.server_kind))
         for i, verdicts in enumerate(rounds):
             last = i == len(rounds) - 1
             self.record.update(verdicts, self.watcher.units[self._units_recorded:] if last else [], self.watcher.events, self.watcher.source_notes())

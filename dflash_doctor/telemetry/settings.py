@@ -44,7 +44,7 @@ class WatchSettings:
     threshold_tau: float = DEFAULT_THRESHOLD_TAU
     min_drafts: int = DEFAULT_MIN_DRAFTS
     speedup_floor: float = DEFAULT_SPEEDUP_FLOOR
-    engine: str | None = None
+    server_kind: str | None = None
     model: str | None = None
     class_label: str | None = None
     log_timezone: str | None = None  # IANA zone of the logs' stamps; None = this host's local zone
@@ -79,9 +79,11 @@ def build_watch_settings(table: dict[str, Any], **flags: Any) -> WatchSettings:
         values["interval_s"] = parse_duration_s(merged["interval"])
     if "retain" in merged:
         values["retain_s"] = parse_duration_s(merged["retain"])
-    for name in ("baseline", "engine", "model", "class_label", "log_timezone"):
+    for name in ("baseline", "model", "class_label", "log_timezone"):
         if name in merged:
             values[name] = merged[name]
+    if "engine" in merged:  # the flag's and the file key's name: which server wrote the metrics
+        values["server_kind"] = merged["engine"]
     try:
         for name, cast in (("threshold_tau", float), ("min_drafts", int), ("speedup_floor", float)):
             if name in merged:
@@ -93,8 +95,8 @@ def build_watch_settings(table: dict[str, Any], **flags: Any) -> WatchSettings:
         raise UsageError("watch window and interval must be > 0 seconds; fix --window / --interval or the [watch] table.")
     if settings.retain_s is not None and settings.retain_s < settings.window_s:
         raise UsageError(f"watch retain ({settings.retain_s:g} s) is shorter than the window ({settings.window_s:g} s); keep at least one window, e.g. --retain 7d.")
-    if settings.engine is not None and settings.engine not in READERS:
-        raise UsageError(f"engine {settings.engine!r} is not one of {', '.join(READERS)}; pick one or leave it out to detect it.")
+    if settings.server_kind is not None and settings.server_kind not in READERS:
+        raise UsageError(f"engine {settings.server_kind!r} is not one of {', '.join(READERS)}; pick one or leave it out to detect it.")
     settings.thresholds  # validates
     log_zone(settings.log_timezone)  # validates
     return settings

@@ -40,7 +40,7 @@ class SourceUnavailable(Exception):
 class Source(Protocol):
     name: str
     notes: list[str]
-    engine: str | None  # given, or detected by the first successful poll
+    server_kind: str | None  # given, or detected by the first successful poll
 
     def poll(self) -> list[Observation]: ...
 
@@ -70,10 +70,10 @@ def _check_url(url: str, what: str) -> str:
     return url
 
 
-def _check_server_kind(engine: str | None) -> str | None:
-    if engine is not None and engine not in READERS:
-        raise UsageError(f"--engine {engine!r} is not one of {', '.join(READERS)}; pick one or leave it out to detect it.")
-    return engine
+def _check_server_kind(server_kind: str | None) -> str | None:
+    if server_kind is not None and server_kind not in READERS:
+        raise UsageError(f"--engine {server_kind!r} is not one of {', '.join(READERS)}; pick one or leave it out to detect it.")
+    return server_kind
 
 
 def _note_once(notes: list[str], new: list[str]) -> None:
@@ -87,11 +87,11 @@ class MetricsEndpoint:
 
     ``api_key``: sent as a bearer token (llama-server started with ``--api-key`` guards /metrics too)."""
 
-    def __init__(self, url: str, *, engine: str | None = None, model: str | None = None, class_label: str | None = None,
+    def __init__(self, url: str, *, server_kind: str | None = None, model: str | None = None, class_label: str | None = None,
                  api_key: str | None = None):
         self.url = _check_url(url, "source")
         self._client = _scrape_client(bearer(api_key) or None)
-        self.engine = _check_server_kind(engine)
+        self.server_kind = _check_server_kind(server_kind)
         self.model = model or urllib.parse.urlparse(url).netloc
         self.class_label = class_label
         self.name = url
@@ -102,9 +102,9 @@ class MetricsEndpoint:
         text = _http_get(self._client, self.url, "--engine-api-key")
         self.last_text = text
         now = time.time()
-        reading = read_exposition(parse_exposition(text), engine=self.engine, default_model=self.model, class_label=self.class_label)
-        if reading.engine in READERS:
-            self.engine = reading.engine  # detected once, then kept: the advice names this engine's settings
+        reading = read_exposition(parse_exposition(text), server_kind=self.server_kind, default_model=self.model, class_label=self.class_label)
+        if reading.server_kind in READERS:
+            self.server_kind = reading.server_kind  # detected once, then kept: the advice names this engine's settings
         _note_once(self.notes, reading.notes)
         return _observations(reading, now, self.url, cumulative=True)
 
@@ -173,11 +173,11 @@ class PrometheusServer:
     wants ``Authorization`` and often ``X-Scope-OrgID`` (``--prometheus-header``).
     """
 
-    def __init__(self, url: str, *, window_s: float, engine: str | None = None, class_label: str | None = None, selector: str = "",
+    def __init__(self, url: str, *, window_s: float, server_kind: str | None = None, class_label: str | None = None, selector: str = "",
                  headers: Mapping[str, str] | None = None):
         self.url = _check_url(url, "--prometheus").rstrip("/")
         self._client = _scrape_client(headers)
-        self.engine = _check_server_kind(engine)
+        self.server_kind = _check_server_kind(server_kind)
         self.window_s = window_s
         self.class_label = class_label
         self.selector = selector  # extra label matchers, e.g. job="vllm"
@@ -199,19 +199,19 @@ class PrometheusServer:
         return f'{{__name__=~"{pattern}"{extra}}}'
 
     def _detect_server_kind(self) -> str | None:
-        for engine, counters in PROMETHEUS_COUNTERS.items():
+        for server_kind, counters in PROMETHEUS_COUNTERS.items():
             if self._query(f"count({self._selector(counters[:1])})"):
-                return engine
+                return server_kind
         return None
 
     def poll(self) -> list[Observation]:
-        engine = self.engine or self._detect_server_kind()
-        if engine is None:
+        server_kind = self.server_kind or self._detect_server_kind()
+        if server_kind is None:
             _note_once(self.notes, [f"{self.url} has no vllm:, sglang:, llamacpp: or trtllm_ speculative counters in its TSDB (yet)."])
             return []
-        self.engine = engine
+        self.server_kind = server_kind
         window = f"{int(round(self.window_s))}s"
-        counters, gauges = PROMETHEUS_COUNTERS[engine], PROMETHEUS_GAUGES.get(engine, [])
+        counters, gauges = PROMETHEUS_COUNTERS[server_kind], PROMETHEUS_GAUGES.get(server_kind, [])
         samples: list[Sample] = []
         last_time = 0.0
         for series in self._query(f"{self._selector(counters + gauges)}[{window}]"):
@@ -223,7 +223,7 @@ class PrometheusServer:
             last_time = max(last_time, float(series["values"][-1][0]))
             value = counter_increase(values) if name in counters else sum(values) / len(values)
             samples.append(Sample(name, labels, value))
-        reading = read_exposition(Exposition(samples), engine=engine, default_model=self.url, class_label=self.class_label)
+        reading = read_exposition(Exposition(samples), server_kind=server_kind, default_model=self.url, class_label=self.class_label)
         _note_once(self.notes, reading.notes)
         return _observations(reading, last_time or time.time(), self.name, cumulative=False)
 
@@ -283,22 +283,22 @@ class _FollowedFile:
 class LogFile(_FollowedFile):
     """An engine's log file (followed as it grows); the engine is detected from the first metrics line."""
 
-    def __init__(self, path: str | Path, *, engine: str | None = None, model: str | None = None, year: int | None = None, zone: datetime.tzinfo | None = None):
+    def __init__(self, path: str | Path, *, server_kind: str | None = None, model: str | None = None, year: int | None = None, zone: datetime.tzinfo | None = None):
         """``zone``: the zone the log's stamps are written in (None: this host's local zone, see logs.py)."""
         super().__init__(path, model=model)
-        self.engine = _check_server_kind(engine)
+        self.server_kind = _check_server_kind(server_kind)
         self.zone = zone
         self._year = year or datetime.datetime.fromtimestamp(self.path.stat().st_mtime, zone).year
 
     def poll(self) -> list[Observation]:
         lines, first = self._tail.new_lines()
-        if self.engine is None:
-            self.engine = detect_log_server_kind(lines)
-            if self.engine is None:
+        if self.server_kind is None:
+            self.server_kind = detect_log_server_kind(lines)
+            if self.server_kind is None:
                 return []
-        self.what = f"{self.engine} metrics"
+        self.what = f"{self.server_kind} metrics"
         ctx = LogContext(model=self.model, origin=self.name, year=self._year, problems=self.problems, zone=self.zone)
-        observations = list(parse_log_lines(lines, engine=self.engine, ctx=ctx, first_line_number=first))
+        observations = list(parse_log_lines(lines, server_kind=self.server_kind, ctx=ctx, first_line_number=first))
         self._note_problems()
         return observations
 
@@ -307,7 +307,7 @@ class ResponsesFile(_FollowedFile):
     """Captured responses, one JSON object per line (see :mod:`.responses`); followed as it grows."""
 
     what = "response"
-    engine: str | None = None  # each line names its own engine by its fields
+    server_kind: str | None = None  # each line names its own engine by its fields
 
     def poll(self) -> list[Observation]:
         lines, first = self._tail.new_lines()
@@ -326,15 +326,15 @@ def _looks_like_responses(path: Path) -> bool:
     return False
 
 
-def open_source(spec: str, *, engine: str | None = None, model: str | None = None, class_label: str | None = None,
+def open_source(spec: str, *, server_kind: str | None = None, model: str | None = None, class_label: str | None = None,
                 log_zone: datetime.tzinfo | None = None, api_key: str | None = None) -> Source:
     """A SOURCE argument: an http(s) URL is scraped (with ``api_key`` as its bearer token); a file is a log,
     or captured responses if it holds JSON objects."""
     if spec.startswith(("http://", "https://")):
-        return MetricsEndpoint(spec, engine=engine, model=model, class_label=class_label, api_key=api_key)
+        return MetricsEndpoint(spec, server_kind=server_kind, model=model, class_label=class_label, api_key=api_key)
     path = _existing_file(spec)
     if _looks_like_responses(path):
         return ResponsesFile(path, model=model)
-    return LogFile(path, engine=engine, model=model, zone=log_zone)
+    return LogFile(path, server_kind=server_kind, model=model, zone=log_zone)
 
 

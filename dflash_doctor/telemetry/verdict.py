@@ -198,10 +198,10 @@ def _best_k(rates: list[float] | None, k: int, costs: StepCosts) -> tuple[int, f
 class Judge:
     """Applies the rules window after window, remembering what each series did before (K, drafting)."""
 
-    def __init__(self, baseline: Baseline | None, thresholds: Thresholds, *, engine: str | None, costs: StepCosts | None = None):
+    def __init__(self, baseline: Baseline | None, thresholds: Thresholds, *, server_kind: str | None, costs: StepCosts | None = None):
         self.baseline = baseline
         self.thresholds = thresholds
-        self.engine = engine
+        self.server_kind = server_kind
         self.costs = costs or (baseline.costs if baseline else None)
         self._last_k: dict[Any, int] = {}
         self._has_drafted: set[Any] = set()
@@ -284,7 +284,7 @@ class Judge:
             verdict.alerts.append(Alert(
                 "acceptance-drop", str(key),
                 f"{key}: tau {tau:.2f} {ci_text} is below the baseline {base_text} ({self.baseline.description}) by {drop:.2f} > {self.thresholds.threshold_tau:g}, intervals separated.",
-                fallback_advice(self.engine, verdict, self.baseline) if self.costs is None else (),
+                fallback_advice(self.server_kind, verdict, self.baseline) if self.costs is None else (),
             ))
 
     def _check_speedup(self, verdict: WindowVerdict) -> None:
@@ -301,11 +301,11 @@ class Judge:
             verdict.alerts.append(Alert(
                 "fallback", str(key),
                 f"{key}: fall back - net speedup {verdict.speedup:.2f}x at K={verdict.k} (tau {verdict.mean_acceptance_length:.2f}) is below the floor {self.thresholds.speedup_floor:g}x.",
-                fallback_advice(self.engine, verdict, self.baseline, self.costs, self.thresholds.speedup_floor),
+                fallback_advice(self.server_kind, verdict, self.baseline, self.costs, self.thresholds.speedup_floor),
             ))
 
 
-def fallback_advice(engine: str | None, verdict: WindowVerdict, baseline: Baseline | None, costs: StepCosts | None = None, floor: float = DEFAULT_SPEEDUP_FLOOR) -> tuple[str, ...]:
+def fallback_advice(server_kind: str | None, verdict: WindowVerdict, baseline: Baseline | None, costs: StepCosts | None = None, floor: float = DEFAULT_SPEEDUP_FLOOR) -> tuple[str, ...]:
     """The exact engine change, for a human to apply: a smaller K that still pays, else speculation off."""
     k_now = verdict.k or 0
     best_k = verdict.best_k if verdict.best_k is not None else 0
@@ -316,19 +316,19 @@ def fallback_advice(engine: str | None, verdict: WindowVerdict, baseline: Baseli
     running = verdict.window.reported.get("running_requests")
     batch_hi = max(1, int(running)) if running else 256
     lines: list[str] = [f"why: {why}."]
-    if engine in (None, "vllm"):
+    if server_kind in (None, "vllm"):
         if k_new:
             lines.append(f'vLLM: --speculative-config \'{{..., "num_speculative_tokens": {k_new}}}\' (now {k_now})')
         lines.append(f'vLLM: --speculative-config \'{{..., "num_speculative_tokens_per_batch_size": [[1, {batch_hi}, {k_new}]]}}\' '
                      f"(K={k_new} for batch sizes 1..{batch_hi}{', the most requests seen running in this window' if running else ''}; keep other ranges)")
-    if engine in (None, "sglang"):
+    if server_kind in (None, "sglang"):
         if k_new:
             lines.append(f"SGLang: --speculative-num-draft-tokens {k_new + 1} (SGLang counts the anchor: K + 1)")
         else:
             lines.append("SGLang: restart without --speculative-algorithm, or (EAGLE/EAGLE3) --speculative-adaptive with a tier of 0 steps for this batch range")
-    if engine in (None, "llamacpp"):
+    if server_kind in (None, "llamacpp"):
         lines.append(f"llama.cpp: --spec-draft-n-max {k_new}" if k_new else "llama.cpp: restart llama-server without the draft model (-md) / --spec-type")
-    if engine in (None, "trtllm"):
+    if server_kind in (None, "trtllm"):
         lines.extend(_trtllm_gate(verdict, baseline, costs, floor))
     return tuple(lines)
 

@@ -179,7 +179,7 @@ class Watcher:
     @property
     def engines(self) -> set[str]:
         """The engines the sources were given or detected (after a poll)."""
-        return {source.engine for source in self.sources if source.engine}
+        return {source.server_kind for source in self.sources if source.server_kind}
 
     def sources_up(self) -> dict[str, bool]:
         """Per source: whether it answered the last poll."""
