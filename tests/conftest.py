@@ -29,8 +29,29 @@ from tiny_models import tiny_dflash, tiny_target, tiny_tokenizer, torch_threads,
 
 
 # Tests that start the same kind of real server run one after another on one pytest-xdist worker
-# (`--dist loadgroup`): they share its session server, and their timings do not race each other.
+# (`--dist loadgroup`): they share its session server, and their timings do not race each other. The
+# controller schedules by test id alone, so the modules are named here; a test marked `vllm` or
+# `llamacpp` in a module missing below fails at collection.
 SERVER_GROUPS = ("vllm", "llamacpp")
+SERVER_MODULES = {
+    "tests/test_vllm_real.py": "vllm", "tests/test_telemetry_vllm.py": "vllm", "tests/test_tune_vllm.py": "vllm",
+    "tests/test_llamacpp_real.py": "llamacpp", "tests/test_gguf_draft.py": "llamacpp",
+}
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadgroup`, done by module: pytest-xdist 3.8's own grouping renames ``item._nodeid``, which
+    pytest 9.2 no longer reads, so its groups never reach the scheduler. Every test is its own unit except
+    the modules of one server group, which go to one worker together, in order."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ServerGroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return SERVER_MODULES.get(nodeid.split("::", 1)[0], nodeid)
+
+    return ServerGroupScheduling(config, log)
 
 
 def pytest_configure(config):
@@ -48,6 +69,9 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         for group in SERVER_GROUPS:
             if item.get_closest_marker(group) is not None:
+                module = item.nodeid.split("::", 1)[0]
+                if SERVER_MODULES.get(module) != group:
+                    raise pytest.UsageError(f"{module} has tests marked {group}: add it to SERVER_MODULES in tests/conftest.py")
                 item.add_marker(pytest.mark.xdist_group(group))
                 break
 
