@@ -175,9 +175,9 @@ class TurnComparison:
     prompt_matches: bool | None  # None: the engine returned no prompt ids
     outputs_match: bool | None  # None: sampled (T > 0) or no output ids
     first_output_difference: dict[str, Any] | None
-    engine_accepted: list[int]  # per comparable engine step
+    server_accepted: list[int]  # per comparable engine step
     embedded_accepted: dict[str, list[int]]  # setup name -> accepted at the same anchors
-    num_engine_steps: int
+    num_server_steps: int
     embedded_steps: list[StepRecord]  # the embedded live schedule over the same output (configured setup)
     # setup name -> (agreeing, disagreeing) steps' margins, see _deciding_margins
     deciding_margins: dict[str, tuple[list[float], list[float]]] = dataclasses.field(default_factory=dict)
@@ -202,7 +202,7 @@ def compare_turn(engine, setups: list[ServingSetup], proposers: dict[str, tuple]
     margins: dict[str, tuple[list[float], list[float]]] = {}
     first_difference = None
     outputs_match = None
-    logits, hidden_states = _target_pass(engine_target_model(proposers), sequence)
+    logits, hidden_states = _target_pass(shared_target_model(proposers), sequence)
     for setup in setups:
         pair = proposers.get(setup.name)
         if pair is None:
@@ -224,19 +224,19 @@ def compare_turn(engine, setups: list[ServingSetup], proposers: dict[str, tuple]
                 top2 = logits[p_len - 1 + at].topk(2).values
                 first_difference = {"position": at, "engine_token": int(output[at]), "embedded_token": int(greedy[at]),
                                     "target_top2_margin": float(top2[0] - top2[1])}
-    engine_accepted = [int(s.num_accepted) for s in comparable]
+    server_accepted = [int(s.num_accepted) for s in comparable]
     embedded = {name: [_run(m[s.position - 1], s.num_drafted) for s in comparable] for name, m in tables.items()}
     own = walk_schedule(tables[CONFIGURED], list(output), k, max_new_tokens, engine.stop_ids) if CONFIGURED in tables else []
     return TurnComparison(
         request_id=turn.key, request_class=turn.request.request_class,
         prompt_matches=None if our_prompt_ids is None or turn.prompt_token_ids is None else list(our_prompt_ids) == list(turn.prompt_token_ids),
         outputs_match=outputs_match, first_output_difference=first_difference,
-        engine_accepted=engine_accepted, embedded_accepted=embedded, num_engine_steps=len(steps),
+        server_accepted=server_accepted, embedded_accepted=embedded, num_server_steps=len(steps),
         embedded_steps=own, deciding_margins=margins,
     )
 
 
-def engine_target_model(proposers: dict[str, tuple]):
+def shared_target_model(proposers: dict[str, tuple]):
     """The target model every setup shares (each setup has its own TargetModel view of it)."""
     return next(iter(proposers.values()))[1].model
 
@@ -290,21 +290,21 @@ def _pooled(drafts: np.ndarray, accepted: np.ndarray) -> float:
 
 
 def _tau_block(rows: list[tuple[int, int, int, int]], rng: np.random.Generator, n_boot: int) -> dict[str, Any]:
-    """Pooled engine and embedded tau over turns, their bootstrap intervals and the paired difference's."""
-    data = np.asarray(rows, dtype=np.float64).reshape(-1, 4)  # engine drafts, engine accepted, embedded drafts, embedded accepted
-    engine = _pooled(data[:, 0], data[:, 1])
+    """Pooled server and embedded tau over turns, their bootstrap intervals and the paired difference's."""
+    data = np.asarray(rows, dtype=np.float64).reshape(-1, 4)  # server drafts, server accepted, embedded drafts, embedded accepted
+    server = _pooled(data[:, 0], data[:, 1])
     embedded = _pooled(data[:, 2], data[:, 3])
     picks = rng.integers(0, len(data), size=(n_boot, len(data)))
     sample = data[picks]  # [n_boot, N, 4]
     with np.errstate(invalid="ignore", divide="ignore"):
-        boot_engine = 1 + sample[..., 1].sum(1) / sample[..., 0].sum(1)
+        boot_server = 1 + sample[..., 1].sum(1) / sample[..., 0].sum(1)
         boot_embedded = 1 + sample[..., 3].sum(1) / sample[..., 2].sum(1)
     interval = lambda x: [float(v) for v in np.nanpercentile(x, [2.5, 97.5])]  # noqa: E731
     return {
         "num_turns": int(len(data)),
-        "engine_tau": engine, "engine_tau_ci": interval(boot_engine),
+        "engine_tau": server, "engine_tau_ci": interval(boot_server),
         "embedded_tau": embedded, "embedded_tau_ci": interval(boot_embedded),
-        "difference": embedded - engine, "difference_ci": interval(boot_embedded - boot_engine),
+        "difference": embedded - server, "difference_ci": interval(boot_embedded - boot_server),
     }
 
 
@@ -321,19 +321,19 @@ def summarize_agreement(comparisons: list[TurnComparison], answered, *, engine_k
     rows_by_class: dict[str, list] = {}
     turns = []
     for c in comparisons:
-        engine_steps = [s for s in by_key[c.request_id].steps if s.num_drafted > 0]
+        server_steps = [s for s in by_key[c.request_id].steps if s.num_drafted > 0]
         own = [s for s in c.embedded_steps if s.num_drafted > 0]
-        row = (len(engine_steps), sum(s.num_accepted for s in engine_steps), len(own), sum(s.num_accepted for s in own))
+        row = (len(server_steps), sum(s.num_accepted for s in server_steps), len(own), sum(s.num_accepted for s in own))
         rows_by_class.setdefault(c.request_class, []).append(row)
         configured = c.embedded_accepted.get(CONFIGURED, [])
         turns.append({"request_id": c.request_id, "class": c.request_class, "engine_drafts": row[0], "engine_accepted": row[1],
                       "embedded_drafts": row[2], "embedded_accepted": row[3], "outputs_match": c.outputs_match,
-                      "steps_compared": len(configured), "steps_agreeing": sum(e == m for e, m in zip(c.engine_accepted, configured))})
+                      "steps_compared": len(configured), "steps_agreeing": sum(e == m for e, m in zip(c.server_accepted, configured))})
     all_rows = [r for rows in rows_by_class.values() for r in rows]
     per_step: dict[str, dict[str, Any]] = {}
     for name in dict.fromkeys(n for c in comparisons for n in c.embedded_accepted):
         triples = [(e, m, base) for c in comparisons if name in c.embedded_accepted
-                   for e, m, base in zip(c.engine_accepted, c.embedded_accepted[name], c.embedded_accepted[CONFIGURED])]
+                   for e, m, base in zip(c.server_accepted, c.embedded_accepted[name], c.embedded_accepted[CONFIGURED])]
         agree = sum(e == m for e, m, _ in triples)
         # the steps where this setup and the configured one predict differently are the ones that tell them apart
         telling = [(e, m, base) for e, m, base in triples if m != base]
