@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import torch
+
+from dflash_doctor.engine.compiled import CompiledOrEager
 
 TOP_K = 5
 
@@ -52,10 +53,14 @@ def _order_keys(scores: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """int64 keys that order (score, id) pairs by score, then by lower id first: unique per id, so a
     top-k over them has no ties. The float's bits as an int32 keep the order of the non-negative floats;
     flipping the 31 magnitude bits of the negative ones makes a larger magnitude a smaller key; -0.0 is
-    taken as 0.0 (they compare equal)."""
+    taken as 0.0 (they compare equal).
+
+    The id enters as ``INT32_MAX - id``, which stays inside int32 for any id a vocabulary has: a compiler
+    may compute it in the dtype of a kernel index, and Inductor makes an ``arange`` an int32 index on a
+    GPU, where the former ``0xFFFFFFFF - id`` was a constant out of range and failed to compile."""
     bits = torch.where(scores == 0, 0.0, scores.float()).view(torch.int32).long()
     ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-    return ordered * (1 << 32) + (0xFFFFFFFF - ids)
+    return ordered * (1 << 32) + (0x7FFFFFFF - ids)
 
 
 def top_ids(scores: torch.Tensor, k: int = TOP_K) -> torch.Tensor:
@@ -90,8 +95,8 @@ def top_ids(scores: torch.Tensor, k: int = TOP_K) -> torch.Tensor:
 
 
 @functools.cache
-def _fused_columns() -> Callable[..., torch.Tensor]:
-    """:func:`_columns_of` compiled once (shapes dynamic), for GPUs.
+def _fused_columns() -> CompiledOrEager:
+    """:func:`_columns_of` compiled once (shapes dynamic), for GPUs; eager where this torch cannot compile it.
 
     Eager, the columns take about fifteen passes over [A, k, V] float32 tensors (softmax, exp, the
     products and differences of the KL and the total variation, each a temporary written and read
@@ -99,7 +104,7 @@ def _fused_columns() -> Callable[..., torch.Tensor]:
     records 1.8x the teacher-forced pass. Compiled, the elementwise steps (the target's probabilities
     from its log-probabilities included) fuse into the few reductions over the vocabulary, the anchors'
     target rows are gathered inside those kernels, and :func:`top_ids`' chunk maxima are one more."""
-    return torch.compile(_columns_of, dynamic=True)
+    return CompiledOrEager(_columns_of, "divergence columns", dynamic=True)
 
 
 @dataclass(frozen=True)

@@ -2,12 +2,14 @@
 textbook definitions, and the teacher-forced replay must give the live loop's values for the same slots."""
 
 import copy
+import logging
 
 import numpy as np
 import pytest
 import torch
 
 from dflash_doctor.engine import divergence
+from dflash_doctor.engine.compiled import CompiledOrEager
 from dflash_doctor.engine.divergence import TOP_K, TargetRows, divergence_tensor, top_ids, unpack_divergence
 from dflash_doctor.engine.live import plain_generate, speculative_generate
 from dflash_doctor.engine.proposers.autoregressive import AutoregressiveProposer
@@ -131,7 +133,9 @@ def test_compiled_columns_equal_the_eager_ones_with_tied_bf16_scores():
     rows = TargetRows.of(target_logits, pad=4).windows(0, 12, 4)
     anchors = torch.tensor([0, 2, 5, 11])
     draft_tokens = draft_logits[anchors].argmax(-1)
-    compiled = divergence._fused_columns()(draft_logits[anchors], draft_tokens, *rows._fields(), anchors)
+    fused = divergence._fused_columns()
+    compiled = fused(draft_logits[anchors], draft_tokens, *rows._fields(), anchors)
+    assert fused.failure is None  # compiled indeed, not the eager fallback
     eager = divergence._columns(draft_logits[anchors], draft_tokens, rows.take(anchors))
     ids = slice(7, 7 + TOP_K)
     assert torch.equal(compiled[..., 7:], eager[..., 7:]) and torch.equal(compiled[..., 2], eager[..., 2])
@@ -139,6 +143,67 @@ def test_compiled_columns_equal_the_eager_ones_with_tied_bf16_scores():
     scores = draft_logits[anchors].float()
     assert (scores.gather(-1, stable_top(scores)).diff(dim=-1) == 0).any()  # ties among the recorded ids
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
+
+
+def _tied_bf16_inputs():
+    generator = torch.Generator().manual_seed(5)
+    target_logits = (torch.randn(24, 2000, generator=generator) * 3).bfloat16().float()
+    draft_logits = (torch.randn(12, 4, 2000, generator=generator) * 3).bfloat16()
+    rows = TargetRows.of(target_logits, pad=4).windows(0, 12, 4)
+    anchors = torch.tensor([0, 2, 5, 11])
+    return draft_logits[anchors], draft_logits[anchors].argmax(-1), rows, anchors
+
+
+def test_a_compiler_failure_falls_back_to_the_eager_columns_once_with_one_warning(monkeypatch, caplog):
+    """A compiled function that raises (here the Triton error torch 2.11's Inductor gave on a GPU) costs
+    one warning and the eager columns, to the bit; the compiler is not tried again in the process."""
+    tries = []
+
+    def compile_that_fails(fn, **options):
+        def run(*args):
+            tries.append(options)
+            raise ValueError("Scalar 4294967295 is out of range for type int32")
+        return run
+
+    monkeypatch.setattr(torch, "compile", compile_that_fails)
+    fused = CompiledOrEager(divergence._columns_of, "divergence columns", dynamic=True)
+    draft_logits, draft_tokens, rows, anchors = _tied_bf16_inputs()
+    with caplog.at_level(logging.INFO, logger="dflash_doctor"):
+        first = fused(draft_logits, draft_tokens, *rows._fields(), anchors)
+        second = fused(draft_logits, draft_tokens, *rows._fields(), anchors)
+    eager = divergence._columns(draft_logits, draft_tokens, rows.take(anchors))
+    assert torch.equal(first, eager) and torch.equal(second, eager)
+    assert tries == [{"dynamic": True}]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "divergence columns" in warnings[0] and "eagerly" in warnings[0]
+    assert any("out of range for type int32" in r.getMessage() for r in caplog.records if r.levelno == logging.INFO)
+
+
+def test_out_of_memory_in_the_compiled_path_is_raised_not_absorbed(monkeypatch):
+    """The eager columns need more memory than the fused ones: falling back would fail later and slower."""
+    def compile_that_runs_out(fn, **options):
+        def run(*args):
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return run
+
+    monkeypatch.setattr(torch, "compile", compile_that_runs_out)
+    fused = CompiledOrEager(divergence._columns_of, "divergence columns")
+    draft_logits, draft_tokens, rows, anchors = _tied_bf16_inputs()
+    with pytest.raises(torch.OutOfMemoryError):
+        fused(draft_logits, draft_tokens, *rows._fields(), anchors)
+    assert fused.failure is None
+
+
+def test_order_keys_stay_in_int32_for_the_id_part_at_any_vocabulary_size():
+    """The id's part of a key is computed where a compiler may hold it in an int32 kernel index: it must
+    fit there for every id below 2**31, and the keys must still order by score, then lower id first."""
+    ids = torch.tensor([0, 1, 151_935, 2**31 - 1])
+    assert int((0x7FFFFFFF - ids).min()) >= 0 and int((0x7FFFFFFF - ids).max()) <= 2**31 - 1
+    scores = torch.tensor([1.0, 1.0, -0.0, float("-inf")])
+    keys = divergence._order_keys(scores, ids)
+    assert keys[0] > keys[1] > keys[2] > keys[3]
+    extremes = divergence._order_keys(torch.tensor([float("inf"), float("-inf")]), torch.tensor([0, 2**31 - 1]))
+    assert extremes[0] > extremes[1]
 
 
 @pytest.mark.parametrize("k", [2, 5])

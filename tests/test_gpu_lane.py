@@ -1,0 +1,271 @@
+"""The GPU lane: the commands end to end on CUDA, typed as a user types them (`python -m dflash_doctor ...` in a
+subprocess, the shell's way), on the shapes users serve.
+
+- dense: a Qwen3-shaped target (hidden 512, 8 layers, the Qwen3 vocabulary of 151,936 ids) with the real Qwen3
+  tokenizer and chat template, and a 2-layer DFlash draft tapping three of its layers;
+- hybrid: a Qwen3.5-shaped target (three gated-delta-net layers to one attention layer), same tokenizer, with and
+  without flash-linear-attention (transformers runs the gated delta rule through its Triton kernels when it
+  is importable, through its own torch code when not).
+
+Random weights built from configs (no download); the prompts are the built-in `demo` workload. Run by
+`scripts/gpu-tests.sh` on a CUDA machine (`pytest -m gpu`); the default test command deselects the `gpu` mark
+(pyproject.toml's addopts), and a `-m gpu` run on a machine without CUDA fails at once instead of passing empty.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from checks_fixtures import npm_tokenizer_dir
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cuda_machine() -> None:
+    if not torch.cuda.is_available():
+        pytest.fail("the GPU lane (-m gpu) needs a CUDA device; torch sees none", pytrace=False)
+
+BLOCK = 8
+K = str(BLOCK - 1)
+WORKLOAD = ("--workload", "demo", "--max-requests", "6", "--max-new-tokens", "48")
+SHAPE = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+             intermediate_size=1024, vocab_size=151_936, max_position_embeddings=4096, tie_word_embeddings=False,
+             # peaked logits: float32 argmax ties between two devices' roundings stay out of reach
+             initializer_range=0.08)
+HYBRID = dict(layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 2,
+              linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=64, linear_value_head_dim=64,
+              linear_conv_kernel_dim=4)
+# run with transformers' torch fallback of the gated delta rule, as on a machine without flash-linear-attention
+WITHOUT_FLA = "import sys; sys.modules['fla'] = None; sys.modules['causal_conv1d'] = None; "
+
+
+def _save_pair(folder: Path, target_config) -> tuple[Path, Path]:
+    """The target (float32, seeded) and a DFlash draft for it, saved as a user's local folders. The random
+    DFlash draft is rejected nearly always, so `check` rightly fails its speculative-k checks with it."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dflash_doctor.engine.dflash_model import DFlashConfig, DFlashDraftModel
+    from dflash_doctor.models.loading import save_dflash_draft
+
+    torch.manual_seed(0)
+    target = AutoModelForCausalLM.from_config(target_config).float().eval()
+    target.save_pretrained(folder / "target")
+    AutoTokenizer.from_pretrained(npm_tokenizer_dir("qwen3")).save_pretrained(folder / "target")
+    text = target_config.get_text_config()
+    draft = DFlashDraftModel(DFlashConfig(
+        hidden_size=text.hidden_size, num_hidden_layers=2, num_attention_heads=text.num_attention_heads,
+        num_key_value_heads=text.num_key_value_heads, head_dim=text.head_dim, intermediate_size=text.intermediate_size,
+        vocab_size=text.vocab_size, block_size=BLOCK, target_layer_ids=[1, 4, 7], mask_token_id=151_669,
+        num_target_layers=text.num_hidden_layers)).float().eval()
+    save_dflash_draft(draft, folder / "draft")
+    return folder / "target", folder / "draft"
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory) -> tuple[Path, Path]:
+    from transformers import Qwen3Config
+
+    return _save_pair(tmp_path_factory.mktemp("dense"), Qwen3Config(**SHAPE))
+
+
+@pytest.fixture(scope="module")
+def close_draft(dense) -> Path:
+    """An autoregressive draft that agrees with the dense target on nearly every token (its weights plus 1%
+    noise): the pair a `check` passes, so its exit code is 0."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target, _ = dense
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.mul_(1 + 0.01 * torch.randn_like(parameter))
+    folder = target.parent / "close-draft"
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(target).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory) -> tuple[Path, Path]:
+    from transformers import Qwen3_5TextConfig
+
+    return _save_pair(tmp_path_factory.mktemp("hybrid"), Qwen3_5TextConfig(**SHAPE, **HYBRID))
+
+
+def doctor(*args, prelude: str = "") -> subprocess.CompletedProcess:
+    """`dflash-doctor ARGS` in its own process; ``prelude`` is Python run before the CLI starts."""
+    code = f"{prelude}import sys; from dflash_doctor.cli import main; sys.argv[0] = 'dflash-doctor'; main()"
+    return subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"}, timeout=900)
+
+
+def ok(result: subprocess.CompletedProcess) -> None:
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    assert "Traceback" not in result.stderr, result.stderr[-6000:]
+
+
+def outputs(run: Path) -> dict[str, list[int]]:
+    requests = pd.read_parquet(run / "requests.parquet")
+    return {rid: list(ids) for rid, ids in zip(requests["request_id"], requests["output_token_ids"])}
+
+
+def steps(run: Path) -> list[tuple]:
+    table = pd.read_parquet(run / "steps.parquet").sort_values(["request_id", "position"])
+    return list(table[["request_id", "position", "num_drafted", "num_accepted"]].itertuples(index=False, name=None))
+
+
+def check_status(run: Path, check_id: str) -> str:
+    checks = json.loads((run / "run.json").read_text())["checks"]
+    return next(c for c in checks if c["id"] == check_id)["status"]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_check_on_cuda_exits_0_and_is_lossless(dense, close_draft, tmp_path, dtype):
+    """`check` on a pair that deserves a pass, in both dtypes: exit 0, and in bfloat16 the lossless check does
+    not fail a lossless engine (the verify pass and the target's own decoding round differently there)."""
+    target, _ = dense
+    result = doctor("check", "--target", target, "--draft", close_draft, *WORKLOAD, "--k", "4", "--device", "cuda",
+                    "--dtype", dtype, "--out", tmp_path / "check")
+    ok(result)
+    assert check_status(tmp_path / "check", "lossless") == "pass"
+    assert json.loads((tmp_path / "check" / "run.json").read_text())["summary"]["overall"]["mean_acceptance_length"] > 2
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_check_of_a_dflash_draft_on_cuda_runs_the_compiled_columns_to_a_verdict(dense, tmp_path, dtype):
+    """The command of the report that started this lane (a Triton error in the compiled divergence columns ended
+    it): now a verdict. The random draft fails its K checks (exit 1, the code of a failed check), never a crash."""
+    target, draft = dense
+    run = tmp_path / "check"
+    result = doctor("check", "--target", target, "--draft", draft, *WORKLOAD, "--k", K, "--device", "cuda",
+                    "--dtype", dtype, "--out", run)
+    statuses = {c["status"] for c in json.loads((run / "run.json").read_text())["checks"]}
+    assert result.returncode == (1 if "fail" in statuses else 0), result.stderr[-6000:]
+    assert "Traceback" not in result.stderr and "could not compile" not in result.stderr, result.stderr[-6000:]
+    assert check_status(run, "lossless") == "pass"
+    tokens = pd.read_parquet(run / "tokens.parquet")
+    assert len(tokens) > 0 and tokens["target_topk_ids"].map(len).eq(5).all()
+
+
+def test_float32_replay_on_cuda_equals_the_cpus_token_for_token(dense, tmp_path):
+    target, draft = dense
+    runs = {}
+    for device in ("cuda", "cpu"):
+        runs[device] = tmp_path / device
+        ok(doctor("replay", "--target", target, "--draft", draft, *WORKLOAD, "--k", K, "--device", device,
+                  "--dtype", "float32", "--out", runs[device]))
+    assert outputs(runs["cuda"]) == outputs(runs["cpu"])
+    assert steps(runs["cuda"]) == steps(runs["cpu"])
+    cuda, cpu = (pd.read_parquet(runs[d] / "tokens.parquet") for d in ("cuda", "cpu"))
+    assert cuda["draft_token"].tolist() == cpu["draft_token"].tolist()
+    assert cuda["target_topk_ids"].map(list).tolist() == cpu["target_topk_ids"].map(list).tolist()
+
+
+def test_sweep_and_compare_on_cuda(dense, tmp_path):
+    target, draft = dense
+    for name in ("a", "b"):
+        ok(doctor("sweep", "--target", target, "--draft", draft, *WORKLOAD, "--k", "1-7", "--device", "cuda",
+                  "--dtype", "bfloat16", "--out", tmp_path / name))
+    result = doctor("compare", tmp_path / "a", tmp_path / "b")
+    ok(result)
+
+
+@pytest.mark.parametrize("fla", ["with", "without"])
+def test_hybrid_replay_on_cuda_equals_hf_greedy_generate(hybrid, tmp_path, fla):
+    """The engine rolls a hybrid's recurrent state back on rejection: its output must be the target's own greedy
+    text, here against transformers' `generate` on the same GPU and dtype (raw prompts, so that the test
+    tokenises them exactly as the tool does)."""
+    if fla == "with":
+        import fla  # noqa: F401 - scripts/gpu-tests.sh installs the `hybrid` extra; a missing one is a lane failure
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target, draft = hybrid
+    prompts = {f"{cls}-{i}": f"Question {i} about {cls}: explain step by step what happens next." for i in range(2)
+               for cls in ("chat", "code", "math")}
+    workload = tmp_path / "prompts.jsonl"
+    workload.write_text("".join(json.dumps({"id": rid, "class": rid.split("-")[0], "prompt": text}) + "\n"
+                                for rid, text in prompts.items()))
+    out = tmp_path / "replay"
+    ok(doctor("replay", "--target", target, "--draft", draft, "--workload", workload, "--max-new-tokens", "48", "--k", K,
+              "--device", "cuda", "--dtype", "float32", "--out", out, prelude=WITHOUT_FLA if fla == "without" else ""))
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).cuda().eval()
+    produced = outputs(out)
+    assert sorted(produced) == sorted(prompts)
+    for rid, text in prompts.items():
+        ids = torch.tensor([tokenizer(text)["input_ids"]], device="cuda")
+        with torch.inference_mode():
+            greedy = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                    max_new_tokens=len(produced[rid]), eos_token_id=None, pad_token_id=0)
+        assert greedy[0, ids.shape[1]:].tolist() == produced[rid], rid
+
+
+def test_hybrid_check_and_sweep_on_cuda_in_bfloat16(hybrid, tmp_path):
+    target, draft = hybrid
+    ok(doctor("check", "--target", target, "--draft", draft, *WORKLOAD, "--k", K, "--device", "cuda",
+              "--dtype", "bfloat16", "--out", tmp_path / "check"))
+    assert check_status(tmp_path / "check", "lossless") == "pass"
+    ok(doctor("sweep", "--target", target, "--draft", draft, *WORKLOAD, "--k", "1-7", "--device", "cuda",
+              "--dtype", "bfloat16", "--out", tmp_path / "sweep"))
+
+
+def test_train_draft_runs_a_few_steps_on_cuda_and_its_draft_replays(dense, tmp_path):
+    target, _ = dense
+    out = tmp_path / "trained"
+    ok(doctor("train-draft", "--target", target, *WORKLOAD, "--device", "cuda", "--dtype", "bfloat16", "--num-layers", "1",
+              "--block-size", str(BLOCK), "--steps", "20", "--batch-size", "4", "--eval-requests", "0", "--out", out))
+    ok(doctor("replay", "--target", target, "--draft", out, *WORKLOAD, "--k", K, "--device", "cuda",
+              "--dtype", "bfloat16", "--out", tmp_path / "replay"))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="check --devices needs two GPUs")
+def test_check_devices_spreads_the_requests_over_two_gpus(dense, tmp_path):
+    target, draft = dense
+    one, two = tmp_path / "one", tmp_path / "two"
+    ok(doctor("replay", "--target", target, "--draft", draft, *WORKLOAD, "--k", K, "--device", "cuda:0",
+              "--dtype", "float32", "--out", one))
+    ok(doctor("check", "--target", target, "--draft", draft, *WORKLOAD, "--k", K, "--devices", "cuda:0,cuda:1",
+              "--dtype", "float32", "--out", two))
+    assert outputs(one) == outputs(two)
+
+
+def test_a_failing_compiler_on_cuda_gives_the_compiled_columns_eagerly(monkeypatch):
+    """The fallback on the device it exists for: the eager columns equal the compiled ones (integer columns
+    exactly, float columns to float32 rounding), on bf16 scores over the Qwen3 vocabulary."""
+    from dflash_doctor.engine import divergence
+    from dflash_doctor.engine.divergence import TargetRows, divergence_tensor
+
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    target_logits = (torch.randn(40, 151_936, device="cuda", generator=generator) * 3).bfloat16()
+    draft_logits = (torch.randn(20, 7, 151_936, device="cuda", generator=generator) * 3).bfloat16()
+    rows = TargetRows.of(target_logits, pad=7).windows(0, 20, 7)
+    anchors = torch.tensor([0, 3, 8, 19], device="cuda")
+    tokens = draft_logits[anchors].argmax(-1)
+    divergence._fused_columns.cache_clear()
+    compiled = divergence_tensor(draft_logits[anchors], tokens, rows, anchors)
+    assert divergence._fused_columns().failure is None
+
+    def compile_that_fails(fn, **options):
+        def run(*args):
+            raise RuntimeError("an Inductor failure")
+        return run
+
+    monkeypatch.setattr(torch, "compile", compile_that_fails)
+    divergence._fused_columns.cache_clear()
+    try:
+        eager = divergence_tensor(draft_logits[anchors], tokens, rows, anchors)
+        assert divergence._fused_columns().failure is not None
+    finally:
+        divergence._fused_columns.cache_clear()
+    assert torch.equal(compiled[..., 7:], eager[..., 7:]) and torch.equal(compiled[..., 2], eager[..., 2])
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
