@@ -39,6 +39,8 @@ SERVER_MODULES = {
 }
 
 
+# optional: a run without pytest-xdist (`-p no:xdist`, or a machine without it) has no such hook to implement
+@pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """`--dist loadgroup`, done by module: pytest-xdist 3.8's own grouping renames ``item._nodeid``, which
     pytest 9.2 no longer reads, so its groups never reach the scheduler. Every test is its own unit except
