@@ -141,18 +141,24 @@ def test_check_on_cuda_exits_0_and_is_lossless(dense, close_draft, tmp_path, dty
     assert json.loads((tmp_path / "check" / "run.json").read_text())["summary"]["overall"]["mean_acceptance_length"] > 2
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_check_of_a_dflash_draft_on_cuda_runs_the_compiled_columns_to_a_verdict(dense, tmp_path, dtype):
-    """The command of the report that started this lane (a Triton error in the compiled divergence columns ended
-    it): now a verdict. The random draft fails its K checks (exit 1, the code of a failed check), never a crash."""
-    target, draft = dense
-    run = tmp_path / "check"
-    result = doctor("check", "--target", target, "--draft", draft, *WORKLOAD, "--k", K, "--device", "cuda",
-                    "--dtype", dtype, "--out", run)
+def reaches_a_verdict(result: subprocess.CompletedProcess, run: Path) -> None:
+    """`check` with a random DFlash draft: a verdict, never a crash. The draft is rejected nearly always, so its
+    K checks fail and the exit code is 1 (the code of a failed check); the replay itself stays lossless."""
     statuses = {c["status"] for c in json.loads((run / "run.json").read_text())["checks"]}
     assert result.returncode == (1 if "fail" in statuses else 0), result.stderr[-6000:]
     assert "Traceback" not in result.stderr and "could not compile" not in result.stderr, result.stderr[-6000:]
     assert check_status(run, "lossless") == "pass"
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_check_of_a_dflash_draft_on_cuda_runs_the_compiled_columns_to_a_verdict(dense, tmp_path, dtype):
+    """The command of the report that started this lane (a Triton error in the compiled divergence columns ended
+    it) now reaches its verdict, with the per-token records written."""
+    target, draft = dense
+    run = tmp_path / "check"
+    result = doctor("check", "--target", target, "--draft", draft, *WORKLOAD, "--k", K, "--device", "cuda",
+                    "--dtype", dtype, "--out", run)
+    reaches_a_verdict(result, run)
     tokens = pd.read_parquet(run / "tokens.parquet")
     assert len(tokens) > 0 and tokens["target_topk_ids"].map(len).eq(5).all()
 
@@ -212,9 +218,9 @@ def test_hybrid_replay_on_cuda_equals_hf_greedy_generate(hybrid, tmp_path, fla):
 
 def test_hybrid_check_and_sweep_on_cuda_in_bfloat16(hybrid, tmp_path):
     target, draft = hybrid
-    ok(doctor("check", "--target", target, "--draft", draft, *WORKLOAD, "--k", K, "--device", "cuda",
-              "--dtype", "bfloat16", "--out", tmp_path / "check"))
-    assert check_status(tmp_path / "check", "lossless") == "pass"
+    run = tmp_path / "check"
+    reaches_a_verdict(doctor("check", "--target", target, "--draft", draft, *WORKLOAD, "--k", K, "--device", "cuda",
+                             "--dtype", "bfloat16", "--out", run), run)
     ok(doctor("sweep", "--target", target, "--draft", draft, *WORKLOAD, "--k", "1-7", "--device", "cuda",
               "--dtype", "bfloat16", "--out", tmp_path / "sweep"))
 
