@@ -22,9 +22,11 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash_doctor.models.loading import save_dflash_draft
-from dflash_doctor.rundir.load import load_run
-from tests.tiny_models import tiny_dflash, tiny_target, tiny_tokenizer, write_workload
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tests' helpers, imported by bare name there too
+
+from dflash_doctor.models.loading import save_dflash_draft  # noqa: E402
+from dflash_doctor.rundir.load import load_run  # noqa: E402
+from tiny_models import tiny_dflash, tiny_target, tiny_tokenizer, write_workload  # noqa: E402
 
 
 def sweep(root: Path, out: Path, *flags: str) -> float:
