@@ -178,10 +178,12 @@ def empty_home(tmp_path, monkeypatch):
 
 
 def test_a_config_file_value_wins_over_a_flags_shown_default_and_loses_to_the_flag(empty_home):
-    (empty_home / "mine.toml").write_text('dtype = "bfloat16"\nmax_new_tokens = 7\ntrust_remote_code = true\n')
+    (empty_home / "mine.toml").write_text('dtype = "bfloat16"\nmax_new_tokens = 7\ntrust_remote_code = false\n')
     probe, seen = _probe_app()
     assert CliRunner().invoke(probe, ["--config", "mine.toml"]).exit_code == 0
-    assert (seen[-1].dtype, seen[-1].max_new_tokens, seen[-1].trust_remote_code) == ("bfloat16", 7, True)
+    assert (seen[-1].dtype, seen[-1].max_new_tokens, seen[-1].trust_remote_code) == ("bfloat16", 7, False)
+    assert CliRunner().invoke(probe, ["--config", "mine.toml", "--trust-remote-code"]).exit_code == 0
+    assert seen[-1].trust_remote_code is True  # the flag grants it
     assert CliRunner().invoke(probe, ["--config", "mine.toml", "--dtype", "float16"]).exit_code == 0
     assert (seen[-1].dtype, seen[-1].max_new_tokens) == ("float16", 7)
     assert CliRunner().invoke(probe, []).exit_code == 0
@@ -313,3 +315,37 @@ def test_draft_kind_help_names_every_registered_kind():
 
     help_text = DraftKind.__metadata__[0].help
     assert all(name in help_text for name in kind_names()), help_text
+
+
+# A config file may not grant remote code: the doctor.toml or pyproject.toml of whatever folder the tool runs in
+# (a cloned repository, a pull request's checkout) would otherwise make a model's own Python run with no flag.
+_REMOTE_CODE_FILES = [
+    ("doctor.toml", "trust_remote_code = true\n"),
+    ("doctor.toml", "trust-remote-code = true\n"),
+    ("pyproject.toml", '[tool.dflash-doctor]\ntrust_remote_code = true\n'),
+    ("pyproject.toml", '[project]\nname = "x"\n[tool.dflash-doctor]\ndtype = "float32"\ntrust-remote-code = true\n'),
+    ("user", "trust_remote_code = true\n"),
+    ("explicit", "trust_remote_code = true\n"),
+]
+
+
+@pytest.mark.parametrize(("where", "text"), _REMOTE_CODE_FILES)
+def test_a_config_file_cannot_turn_on_remote_code(empty_home, where, text):
+    probe, seen = _probe_app()
+    args: list[str] = []
+    if where == "user":
+        folder = empty_home / "user-config" / "dflash-doctor"
+        folder.mkdir(parents=True)
+        path = folder / "doctor.toml"
+    elif where == "explicit":
+        path = empty_home / "mine.toml"
+        args = ["--config", "mine.toml"]
+    else:
+        path = empty_home / where
+    path.write_text(text)
+    for extra in ([], ["--trust-remote-code"]):  # refused even with the flag: the file's key must go
+        result = CliRunner().invoke(probe, args + extra)
+        assert result.exit_code == 2, result.output
+        assert not seen
+        assert "--trust-remote-code" in result.output and path.name in result.output
+        assert "Traceback" not in result.output

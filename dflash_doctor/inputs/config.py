@@ -188,6 +188,13 @@ def build_config(config_file: str | Path | None = None, **cli_values: Any) -> Do
             expected = type_error(value, _FILE_TYPES[key])
             if expected is not None:
                 raise UsageError(f"config file {config_file}: `{key}` is {value!r}, but it must be {expected}; fix the value.")
+            if key == "trust_remote_code" and value:
+                # Remote code is granted on the command line only: a doctor.toml or pyproject.toml sits in
+                # whatever folder the tool runs in (a cloned repository, a pull request's checkout), so a
+                # file there must not make a model's own Python run. Refused rather than ignored, so nobody
+                # believes the file's setting took effect.
+                raise UsageError(f"config file {config_file} sets trust_remote_code, which only the command-line flag "
+                                 f"--trust-remote-code may grant; remove the key and pass the flag.")
             merged[key] = value
     for key, value in cli_values.items():
         if key not in _FIELDS:
