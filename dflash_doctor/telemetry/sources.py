@@ -27,6 +27,9 @@ from dflash_doctor.telemetry.observation import AVERAGE_WEIGHT, Observation, Par
 from dflash_doctor.telemetry.captured_responses import parse_response_lines
 
 HTTP_TIMEOUT_S = 10.0
+# The whole of one scrape, body included: a page that never ends is cut here, so a live watch's evaluation
+# always finishes (and a SIGTERM is acted on) well inside systemd's and Kubernetes' stop timeouts.
+HTTP_DEADLINE_S = 15.0
 # A failed scrape costs nothing (the next one's difference covers the gap), so a poll retries briefly
 # rather than run into the next interval.
 HTTP_RETRIES = 2
@@ -46,7 +49,7 @@ class Source(Protocol):
 
 
 def _scrape_client(headers: Mapping[str, str] | None = None) -> HttpClient:
-    return HttpClient(headers=headers, timeout_s=HTTP_TIMEOUT_S, retries=HTTP_RETRIES, backoff_s=HTTP_BACKOFF_S)
+    return HttpClient(headers=headers, timeout_s=HTTP_TIMEOUT_S, retries=HTTP_RETRIES, backoff_s=HTTP_BACKOFF_S, deadline_s=HTTP_DEADLINE_S)
 
 
 def _http_get(client: HttpClient, url: str, auth_flag: str, params: Mapping[str, str] | None = None) -> str:

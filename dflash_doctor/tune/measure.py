@@ -21,8 +21,6 @@ import concurrent.futures
 import dataclasses
 import json
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -31,7 +29,7 @@ from dflash_doctor.inputs.config import DoctorConfig
 from dflash_doctor.inputs.workloads import Request, conversation_turns
 from dflash_doctor.replay.turns import turn_limit
 from dflash_doctor.serving.client import ServerEndpoint, auth_fix
-from dflash_doctor.serving.http import AUTH_STATUSES, bearer
+from dflash_doctor.serving.http import AUTH_STATUSES, Unreachable
 from dflash_doctor.serving.server_run import request_body
 from dflash_doctor.serving.prometheus import measurement_between, scrape_counters
 from dflash_doctor.serving.responses import MissingMetrics, SpecMeasurement, parse_response
@@ -101,14 +99,15 @@ def stream_request(endpoint: ServerEndpoint, request: Request, config: DoctorCon
                    clock: Callable[[], float] = time.perf_counter) -> TimedRequest:
     """Send one request streamed and time it; a failure is a UsageError naming the server."""
     path, body = streamed_body(endpoint, request, config)
-    headers = {"Content-Type": "application/json", "Accept": "text/event-stream", **bearer(endpoint.api_key)}
-    req = urllib.request.Request(endpoint.base_url + path, data=json.dumps(body).encode("utf-8"), method="POST", headers=headers)
     started = clock()
     ttft: float | None = None
     final: dict[str, Any] = {}
     try:
-        with urllib.request.urlopen(req, timeout=endpoint.timeout_s) as response:
-            for raw in response:
+        with endpoint.client.stream("POST", endpoint.base_url + path, payload=body, headers={"Accept": "text/event-stream"}) as (status, lines):
+            if status != 200:
+                fix = auth_fix(endpoint) if status in AUTH_STATUSES else "check the server's log and flags"
+                raise UsageError(f"--engine {endpoint.base_url}{path} answered HTTP {status} to request {request.id}; {fix}.")
+            for raw in lines:
                 line = raw.decode("utf-8", errors="replace").strip()
                 if not line.startswith("data:"):
                     continue
@@ -120,10 +119,7 @@ def stream_request(endpoint: ServerEndpoint, request: Request, config: DoctorCon
                     ttft = clock() - started
                 if chunk.get("usage"):
                     final = chunk
-    except urllib.error.HTTPError as exc:
-        fix = auth_fix(endpoint) if exc.code in AUTH_STATUSES else "check the server's log and flags"
-        raise UsageError(f"--engine {endpoint.base_url}{path} answered HTTP {exc.code} to request {request.id}; {fix}.") from None
-    except (urllib.error.URLError, OSError, json.JSONDecodeError) as exc:
+    except (Unreachable, json.JSONDecodeError, AttributeError) as exc:
         raise UsageError(f"--engine {endpoint.base_url}: request {request.id} failed mid-stream ({exc}); "
                          "check that the server is still up.") from None
     e2e = clock() - started
