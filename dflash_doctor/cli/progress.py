@@ -19,6 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 from dflash_doctor.engine.live import GenerationResult
 from dflash_doctor.cli.log_setup import progress_shown
 from dflash_doctor.pipeline import ProgressFactory, no_progress
+from dflash_doctor.processes import exit_code_of
 from dflash_doctor.stages import StageListener, on_stage
 
 
@@ -88,7 +89,7 @@ def run_with_progress(command: Callable[[ProgressFactory], Outcome]) -> Outcome:
             return command(no_progress)
         with on_stage(stage_indicator(console)):
             return command(progress_bar(console))
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM / SIGHUP (dflash_doctor.processes): 128 + the signal
         console.print("[yellow]interrupted[/]: finished requests are kept in the run directory")
-        raise typer.Exit(EXIT_INTERRUPTED)
+        raise typer.Exit(exit_code_of(exc))
 

@@ -11,6 +11,8 @@ imports none of them, and ``watch``, ``compare``, ``report`` and the dashboard n
 from __future__ import annotations
 
 import importlib
+import sys
+import traceback
 
 import click
 import typer
@@ -20,6 +22,11 @@ from typer.main import get_command_from_info, get_command_name, get_group_from_i
 from dflash_doctor import __version__
 from dflash_doctor.cli.log_setup import configure_logging
 from dflash_doctor.errors import UsageError
+from dflash_doctor.processes import EXIT_CRASH, exit_code_of, stop_signals_raise
+
+# what the CLI layer itself raises to end a command with a code or a message: never a crash
+_ENDINGS = tuple({typer.Exit, typer.Abort, click.exceptions.Exit, click.exceptions.Abort, click.ClickException,
+                  *(base for base in typer.BadParameter.__mro__ if base.__name__ == "ClickException")})
 
 # command -> (its module, the first line of its docstring or its group's help), in --help order
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -45,7 +52,30 @@ def registered_command_name(info: typer.models.CommandInfo) -> str:
 
 
 class _CommandsOnDemand(TyperGroup):
-    """The root group: each of :data:`COMMANDS` is imported when asked for, and listed by its summary."""
+    """The root group: each of :data:`COMMANDS` is imported when asked for, and listed by its summary.
+
+    It also keeps the exit codes a contract (:mod:`dflash_doctor.processes`): while a command runs, SIGTERM
+    and SIGHUP raise an interrupt as Ctrl-C does, so the command's cleanup runs (a launched server is
+    stopped), and the command ends with 128 + the signal; an unexpected exception (a bug) prints its
+    traceback and exits :data:`~dflash_doctor.processes.EXIT_CRASH` (70), never 1, which is a finding (a
+    failed check, an alert), nor 2, which is bad input.
+    """
+
+    def invoke(self, ctx):
+        with stop_signals_raise():
+            try:
+                return super().invoke(ctx)
+            except _ENDINGS:
+                raise
+            except KeyboardInterrupt as exc:
+                code = exit_code_of(exc)
+                typer.echo(f"dflash-doctor: interrupted ({exc or 'SIGINT'}); exit {code}", err=True)
+                raise typer.Exit(code) from None
+            except Exception:
+                traceback.print_exc(file=sys.stderr)
+                typer.echo(f"dflash-doctor crashed (an internal error, not your input): exit {EXIT_CRASH}; "
+                           "please report it with the traceback above.", err=True)
+                raise typer.Exit(EXIT_CRASH) from None
 
     def list_commands(self, ctx) -> list[str]:
         return [*COMMANDS, *(name for name in super().list_commands(ctx) if name not in COMMANDS)]
@@ -94,7 +124,9 @@ def _print_version(asked: bool) -> None:
         raise typer.Exit()
 
 
-@app.callback(epilog="Example: dflash-doctor -v check --target ./target --draft ./draft --json > result.json")
+@app.callback(epilog="Example: dflash-doctor -v check --target ./target --draft ./draft --json > result.json\n\n"
+                    "Exit codes (every command): 0 done, 1 a finding (failed check, regression, alert), 2 bad input, "
+                    f"{EXIT_CRASH} a crash (a bug: restart or report it), 128+N ended by signal N (130 Ctrl-C, 143 SIGTERM).")
 def _tool_options(
     version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
                                  help="Print the installed version and exit."),

@@ -12,12 +12,25 @@ from dflash_doctor import pipeline
 from dflash_doctor.cli import options as opt
 from dflash_doctor.cli.root import app
 from dflash_doctor.errors import UsageError
+from dflash_doctor.rundir.ownership import claim_run_dir, release_run_dir
+from dflash_doctor.rundir.tables import TUNE_JSON
 from dflash_doctor.serving.http import secret
 from dflash_doctor.inputs.config import DoctorConfig, parse_int_grid
 from dflash_doctor.tune.experiment import TuneGrid, default_fit_ks, parse_rates, run_tune
 from dflash_doctor.tune.loads import CONCURRENCY, REQUEST_RATE, LoadLevel
 from dflash_doctor.tune.measure import TimedRequest
+from dflash_doctor.tune.servers import plan_servers
 from dflash_doctor.tune.views import print_tune, write_reports
+
+def claim_tune_dir(run_dir: Path, overwrite: bool) -> None:
+    """--out is this tune's before any server starts (rundir.ownership: one live writer, no earlier run
+    replaced unasked); a run directory of another command (a replay, a check) is refused even with
+    --overwrite, since tune's files beside its run.json would leave neither run readable."""
+    if (run_dir / "run.json").is_file() and not (run_dir / TUNE_JSON).is_file():
+        raise UsageError(f"--out {run_dir} holds the run directory of another command (its run.json); "
+                         f"pass a new folder for the tune run.")
+    claim_run_dir(run_dir, overwrite=overwrite)
+
 
 Launch = Annotated[Optional[str], typer.Option("--launch", help="Shell command starting the server with speculation; {k} is replaced by K (templates for vLLM, SGLang and llama.cpp in docs/tune.md).")]
 LaunchBaseline = Annotated[Optional[str], typer.Option("--launch-baseline", help="The same server without speculation: the K=0 run.")]
@@ -44,7 +57,7 @@ StartTimeout = Annotated[float, typer.Option("--start-timeout", help="Seconds to
 @app.command(epilog="Example: dflash-doctor tune --engine 0=http://127.0.0.1:8000,8=http://127.0.0.1:8001 --k 0,8 "
                      "--max-requests 12 (servers you run; --launch/--launch-baseline start them per K: docs/tune.md)")
 @opt.config_command("target", "draft", "draft_kind", "workload", "classes", "max_requests", "max_new_tokens", "temperature",
-                    "device", "dtype", "out", "seed", "chat_template", "strict_classes", "trust_remote_code", "engine_model")
+                    "device", "dtype", "out", "overwrite", "seed", "chat_template", "strict_classes", "trust_remote_code", "engine_model")
 def tune(
     config: DoctorConfig,
     launch: Launch = None,
@@ -90,7 +103,12 @@ def tune(
 
     run_dir = Path(cfg.out) if cfg.out else pipeline.default_run_dir("tune")
     api_key = secret(engine_api_key, "--engine-api-key") if engine_api_key else None
-    outcome = run_tune(grid, cfg, run_dir, on_request=progress, api_key=api_key)
-    write_reports(outcome.run_dir, outcome.result)
+    plan_servers(grid.ks, grid.engine, grid.launch, grid.launch_baseline)  # flag errors before a folder is claimed
+    claim_tune_dir(run_dir, cfg.overwrite)
+    try:
+        outcome = run_tune(grid, cfg, run_dir, on_request=progress, api_key=api_key)
+        write_reports(outcome.run_dir, outcome.result)
+    finally:
+        release_run_dir(run_dir)
     print_tune(outcome.result, Console())
     console.print(f"wrote {outcome.run_dir}")

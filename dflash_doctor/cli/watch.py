@@ -16,6 +16,7 @@ from rich.table import Table
 from dflash_doctor.cli.root import app
 from dflash_doctor.cli import options as opt
 from dflash_doctor.errors import UsageError
+from dflash_doctor.processes import Stopped
 from dflash_doctor.inputs.config import DoctorConfig
 from dflash_doctor.cli.output import print_json
 from dflash_doctor.report.sanitize import for_terminal
@@ -137,7 +138,7 @@ def watch(
     log_timezone: Annotated[Optional[str], typer.Option("--log-timezone", help="Time zone of the log files' stamps, e.g. UTC or Europe/Berlin (default: this host's local zone, as vLLM/SGLang write them).")] = None,
     window: Annotated[Optional[str], typer.Option("--window", help="Window length: 30s, 5m, 1h (default 5m). With --once on a /metrics URL: scrape twice, this far apart.")] = None,
     interval: Annotated[Optional[str], typer.Option("--interval", help="Time between polls when watching live (default 30s).")] = None,
-    once: Annotated[bool, typer.Option("--once", help="One verdict and exit: 0 ok, 1 alert, 2 bad input or no engine series in the sources (for cron/CI).")] = False,
+    once: Annotated[bool, typer.Option("--once", help="One verdict and exit: 0 ok, 1 alert, 2 bad input or no engine series in the sources, 70 a crash (for cron/CI).")] = False,
     retain: Annotated[Optional[str], typer.Option("--retain", help="Keep this much of the time series in the run directory, e.g. 7d (default: all); memory and disk stay flat.")] = None,
     duration: Annotated[Optional[str], typer.Option("--duration", help="Stop watching after this long (default: until Ctrl-C).")] = None,
     baseline: Annotated[Optional[str], typer.Option("--baseline", help="A check/sweep run directory, or the expected tau (one number).")] = None,
@@ -155,8 +156,9 @@ def watch(
     """Watch production acceptance: windowed tau per model/class, alerts vs a baseline, fallback advice.
 
     Exit codes: 0 ok; 1 an alert fired (--once: in the verdict; live: at any time before SIGTERM/SIGINT or
-    --duration ended the watch); 2 bad input, or --out being written by another live process. Off a terminal
-    it prints one plain line per series per evaluation.
+    --duration ended the watch); 2 bad input, or --out being written by another live process; 70 the watch
+    crashed (a bug: restart it; the traceback is on stderr); 128 + N a second signal N cut it short. Off a
+    terminal it prints one plain line per series per evaluation.
 
     --out is this process's for as long as it runs. An earlier watch there is continued (a restarted
     service, a cron --once on one folder): its windows, units and alerts are kept and the new ones
@@ -203,14 +205,18 @@ def watch(
 
 
 class _StopRequests:
-    """SIGTERM / SIGINT end a live watch between evaluations: the one running finishes and is recorded,
-    so the run directory a service manager leaves behind is complete (no half-written window)."""
+    """SIGTERM / SIGINT / SIGHUP end a live watch between evaluations: the one running finishes and is
+    recorded, so the run directory a service manager leaves behind is complete (no half-written window).
+    An evaluation always finishes soon (every scrape has a total deadline, serving/http.py); a second
+    signal ends the watch at once, as an interrupt (exit 128 + the signal)."""
 
     def __init__(self) -> None:
         self.event = threading.Event()
-        self._previous = {sig: signal.signal(sig, self._stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+        self._previous = {sig: signal.signal(sig, self._stop) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
 
     def _stop(self, signum: int, frame: object) -> None:
+        if self.event.is_set():
+            raise Stopped(signum)
         self.event.set()
 
     def restore(self) -> None:

@@ -6,23 +6,26 @@ server without speculation, which no substitution can express for every engine (
 ``--speculative-config``, llama.cpp its ``-md``), so it is its own command: ``--launch-baseline``. The
 doctor starts each command in a new session (its own process group), waits until ``GET /v1/models``
 answers at ``--engine URL``, measures, then stops the group: SIGTERM, SIGKILL after a grace period. The
-server's output goes to ``server-k<K>.log`` in the run directory.
+group is stopped however tune ends: done, an error, Ctrl-C, SIGTERM or SIGHUP
+(:mod:`dflash_doctor.processes`). A port that answers before the launch is refused: whatever serves it
+(another server, or one left over from a tune killed with SIGKILL) would be measured instead of the
+launched one. The server's output goes to ``server-k<K>.log`` in the run directory.
 
 Without ``--launch``, ``--engine`` lists one running server per K: ``0=http://h:8000,8=http://h:8001``.
 """
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import time
+import urllib.parse
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
 from dflash_doctor.errors import UsageError
+from dflash_doctor.processes import port_served, start_group, stop_group
 from dflash_doctor.serving.client import ServerEndpoint, auth_fix
 from dflash_doctor.serving.http import AUTH_STATUSES, Unreachable
 
@@ -91,19 +94,13 @@ def wait_healthy(url: str, process: subprocess.Popen | None, timeout_s: float, l
         time.sleep(1.0)
 
 
-def stop_group(process: subprocess.Popen, grace_s: float = 30.0) -> None:
-    """SIGTERM the launched command's own process group, SIGKILL what outlives ``grace_s`` (engine workers)."""
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            pass
-    try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    process.wait(timeout=grace_s)
+def refuse_served_port(url: str) -> None:
+    """A launch must not find its port served already: that server, not the launched one, would answer."""
+    parts = urllib.parse.urlsplit(url)
+    host, port = parts.hostname or "127.0.0.1", parts.port or (443 if parts.scheme == "https" else 80)
+    if port_served(host, port):
+        raise UsageError(f"--engine {url}: port {port} is already served before tune launched its server (another server, "
+                         f"or one left behind by an earlier run); stop what listens on port {port} or pass a free port in --engine and the --launch commands.")
 
 
 @contextmanager
@@ -113,9 +110,10 @@ def serving(plan: ServerPlan, log_path: Path, start_timeout_s: float, api_key: s
         wait_healthy(plan.url, None, start_timeout_s, None, api_key)
         yield plan.url
         return
+    refuse_served_port(plan.url)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("w") as log:
-        process = subprocess.Popen(["bash", "-c", plan.command], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        process = start_group(["bash", "-c", plan.command], stdout=log, stderr=subprocess.STDOUT)
         try:
             wait_healthy(plan.url, process, start_timeout_s, log_path, api_key)
             yield plan.url
