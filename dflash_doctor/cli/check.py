@@ -28,7 +28,7 @@ Only = Annotated[Optional[str], typer.Option("--only", help="Comma-separated che
 Skip = Annotated[Optional[str], typer.Option("--skip", help="Comma-separated check ids to leave out.")]
 Drafts = Annotated[Optional[list[str]], typer.Option(
     "--draft", help="Draft model: local dir, hub id (org/name or org/name@revision), .gguf file, a speculator without weights "
-    "(ngram, ngram:prompt_lookup_min=2,prompt_lookup_max=5) or demo (the built-in DFlash draft). Repeat it to compare "
+    "(ngram, ngram:prompt_lookup_min=2,prompt_lookup_max=5, suffix, suffix:suffix_decoding_max_tree_depth=24) or demo (the built-in DFlash draft). Repeat it to compare "
     "speculators head-to-head on the same prompts.", show_default="the built-in demo DFlash draft", envvar="DFLASH_DOCTOR_DRAFT",
     show_envvar=True)]
 DEMO_DRAFT = "demo"  # --draft demo: the built-in demo draft, as when no --draft is given

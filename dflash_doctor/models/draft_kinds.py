@@ -37,12 +37,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Generic, TypeVar
 
+import numpy as np
 import torch
 
 from dflash_doctor.engine.proposers.autoregressive import AutoregressiveProposer
 from dflash_doctor.engine.proposers.base import Proposer
 from dflash_doctor.engine.proposers.dflash import DFlashProposer
 from dflash_doctor.engine.proposers.ngram import NgramProposer, NgramSettings
+from dflash_doctor.engine.proposers.suffix import SuffixProposer, SuffixSettings
 from dflash_doctor.engine.target import TargetModel
 from dflash_doctor.errors import UsageError
 from dflash_doctor.models.loading import is_dflash_config, load_causal_lm, load_dflash_draft, validate_autoregressive_pair, validate_dflash_pair
@@ -151,7 +153,7 @@ def weightless_kind(spec: str) -> tuple[DraftKind[Any], dict[str, str]] | None:
     for item in filter(None, (part.strip() for part in rest.split(","))):
         key, eq, value = item.partition("=")
         if not eq or not key.strip() or not value.strip():
-            raise UsageError(f"--draft {spec!r}: settings are key=value pairs separated by commas, e.g. {name}:prompt_lookup_max=4.")
+            raise UsageError(f"--draft {spec!r}: settings are key=value pairs separated by commas, e.g. ngram:prompt_lookup_max=4 or suffix:suffix_decoding_max_tree_depth=16.")
         settings[key.strip()] = value.strip()
     return kind, settings
 
@@ -258,7 +260,7 @@ def _ngram_from_spec(settings: dict[str, str], target_config: Any, options: Load
 
 
 def _unused_load(draft_dir: Path, target_dir: Path, target_config: Any, options: LoadOptions) -> Any:
-    raise UsageError("the ngram speculator has no checkpoint to load; pass --draft ngram.")
+    raise UsageError("a weightless speculator has no checkpoint to load; pass --draft ngram or --draft suffix.")
 
 
 register_draft_kind(DraftKind(
@@ -273,4 +275,60 @@ register_draft_kind(DraftKind(
         "max_model_len": model.settings.max_model_len,
     },
     from_spec=_ngram_from_spec,
+), before="autoregressive")
+
+
+class SuffixLookup(torch.nn.Module):
+    """The suffix speculator's "draft model": its settings and the target's vocabulary width, no weights."""
+
+    def __init__(self, settings: SuffixSettings, vocab_size: int, device: str):
+        super().__init__()
+        self.settings = settings
+        self.vocab_size = vocab_size
+        self.device_name = device
+
+
+#: vLLM's setting names (``suffix_decoding_*``) -> their type; the short names without the prefix are accepted too
+_SUFFIX_SETTINGS: dict[str, type] = {"max_tree_depth": int, "max_cached_requests": int, "max_spec_factor": float, "min_token_prob": float}
+_SUFFIX_EXAMPLE = "suffix:suffix_decoding_max_tree_depth=24,suffix_decoding_min_token_prob=0.1"
+
+
+def _suffix_from_spec(settings: dict[str, str], target_config: Any, options: LoadOptions) -> SuffixLookup:
+    values: dict[str, Any] = {}
+    for key, text in settings.items():
+        short = key.removeprefix("suffix_decoding_")
+        kind = _SUFFIX_SETTINGS.get(short)
+        if kind is None:
+            names = ", ".join(f"suffix_decoding_{name}" for name in _SUFFIX_SETTINGS)
+            raise UsageError(f"--draft suffix: unknown setting {key!r}; the settings are {names} (vLLM's names).")
+        try:
+            value = kind(text)
+        except ValueError:
+            wanted = "a whole number" if kind is int else "a number"
+            raise UsageError(f"--draft suffix: suffix_decoding_{short}={text!r} is not {wanted}; e.g. {_SUFFIX_EXAMPLE}.") from None
+        if kind is float and not np.isfinite(value):
+            raise UsageError(f"--draft suffix: suffix_decoding_{short}={text!r} is not a finite number; e.g. {_SUFFIX_EXAMPLE}.")
+        values[short] = value
+    try:
+        resolved = SuffixSettings(**values, max_model_len=getattr(target_config, "max_position_embeddings", None))
+    except ValueError as error:
+        raise UsageError(f"--draft suffix: {error}, as vLLM requires; e.g. {_SUFFIX_EXAMPLE}.") from None
+    return SuffixLookup(resolved, int(target_config.vocab_size), options.device)
+
+
+register_draft_kind(DraftKind(
+    name=SuffixProposer.kind,
+    description=("vLLM's suffix decoding (Arctic Inference; no weights): --draft suffix[:suffix_decoding_max_tree_depth=24,"
+                 "suffix_decoding_max_cached_requests=10000,suffix_decoding_max_spec_factor=1.0,suffix_decoding_min_token_prob=0.1]"),
+    detect=lambda config: False,
+    load=_unused_load,
+    build=lambda model, target, sampling: SuffixProposer(model.settings, target.head.out_features, target.head.weight.device),
+    facts=lambda model: {
+        "suffix_decoding_max_tree_depth": model.settings.max_tree_depth,
+        "suffix_decoding_max_cached_requests": model.settings.max_cached_requests,
+        "suffix_decoding_max_spec_factor": model.settings.max_spec_factor,
+        "suffix_decoding_min_token_prob": model.settings.min_token_prob,
+        "max_model_len": model.settings.max_model_len,
+    },
+    from_spec=_suffix_from_spec,
 ), before="autoregressive")

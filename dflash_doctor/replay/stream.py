@@ -127,12 +127,13 @@ def replay_live(pair: Pair, requests: Sequence[Request], *, k: int, max_new_toke
     pair = pair.with_sampling(dataclasses.replace(pair.sampling, temperature=temperature, generator=generator))
 
     def generate(pending: Sequence[PendingTurn]) -> list[GenerationResult]:
-        return [
-            speculative_generate(pair.target, pair.proposer, torch.tensor(p.prompt_ids, device=pair.target.device), k=k,
-                                 max_new_tokens=p.max_new_tokens, temperature=temperature, stop_ids=pair.stop_ids, generator=generator,
-                                 convention=convention)
-            for p in pending
-        ]
+        results = []
+        for p in pending:
+            results.append(speculative_generate(pair.target, pair.proposer, torch.tensor(p.prompt_ids, device=pair.target.device), k=k,
+                                                max_new_tokens=p.max_new_tokens, temperature=temperature, stop_ids=pair.stop_ids,
+                                                generator=generator, convention=convention))
+            pair.proposer.finish_request(p.prompt_ids, results[-1].output_ids)
+        return results
 
     return _stream(pair, run_turns(pair, requests, max_new_tokens, generate), writer, Replay(), progress)
 
@@ -178,7 +179,7 @@ def replay_teacher(pair: Pair, requests: Sequence[Request], *, ks: tuple[int, ..
     generator = torch.Generator(device=pair.target.device).manual_seed(seed)
     walk_rng = np.random.default_rng(seed)
     depends = pair.proposer.guesses_depend_on_k
-    block_passes = ks if (exact_blocks and depends) else (k_max,)
+    block_passes = ks if ((exact_blocks or pair.proposer.free_passes) and depends) else (k_max,)
     replay = Replay(
         steps_by_k={k: [] for k in ks},
         estimate_by_k={k: "exact" if (k in block_passes or not depends) else "truncated" for k in ks},
@@ -203,6 +204,7 @@ def replay_teacher(pair: Pair, requests: Sequence[Request], *, ks: tuple[int, ..
                 record_divergence=recorded, full_anchors=full_anchors, target_pass=target_pass,
                 max_new_tokens=turn.max_new_tokens, convention=convention,
             )
+        pair.proposer.finish_request(turn.prompt_ids, result.output_ids)  # in the replay's request order
         for k in ks:
             table = tables.get(k, tables[k_max])
             matches = table.matches[:, :k]

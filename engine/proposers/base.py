@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -71,6 +71,15 @@ class Proposer(ABC):
     #: True when a slot's guess depends on the block length K (a block drafter attends to all its slots),
     #: so guesses for a smaller K are only *estimated* by truncating a longer block.
     guesses_depend_on_k: bool = False
+
+    #: True when a teacher pass costs no draft-model forward (a lookup proposer): with
+    #: ``guesses_depend_on_k`` the replay then runs one exact pass per K without being asked to.
+    free_passes: bool = False
+
+    def finish_request(self, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> None:
+        """The replay is done with one request (called in the replay's request order, after its live run or
+        its teacher-forced passes). A proposer with memory across requests (suffix decoding's tree of
+        earlier responses) takes the request in; the default keeps nothing."""
 
     def samples_drafts(self, temperature: float) -> bool:
         """Whether drafts are sampled from ``probs`` at this temperature (False: greedy, one-hot drafts)."""
