@@ -13,8 +13,8 @@ While a command runs, SIGTERM and SIGHUP raise :class:`Stopped` (a :class:`Keybo
 raises one) in the main thread (:func:`stop_signals_raise`), so every ``finally`` and context manager on
 the way out runs: a launched server is stopped, a run directory closed, its lock given back.
 
-A child process the doctor starts to outlive a single call (a serving engine ``tune`` launches) is
-started by :func:`start_group`: in a session of its own (its own process group, so a terminal's Ctrl-C
+A child process the doctor starts to outlive a single call (a serving engine ``tune`` launches, the
+torchrun of ``--devices``: :func:`run_in_group`) is started by :func:`start_group`: in a session of its own (its own process group, so a terminal's Ctrl-C
 reaches the doctor, which then stops the group in order) and, on Linux, with SIGTERM as its death signal
 (should the doctor be killed outright with SIGKILL). :func:`stop_group` stops the whole group: SIGTERM,
 then SIGKILL to what outlives the grace period, with the stop signals held back meanwhile, so a second
@@ -155,6 +155,17 @@ def stop_group(process: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> None
         settle = time.monotonic() + 5.0  # SIGKILL is not instant: wait briefly for the group to go
         while _group_alive(pgid) and time.monotonic() < settle:
             time.sleep(0.05)
+
+
+def run_in_group(argv: list[str], grace_s: float = STOP_GRACE_S, **popen: Any) -> int:
+    """Run ``argv`` to its end as a process group of its own and return its exit status; however the doctor
+    ends meanwhile (Ctrl-C, SIGTERM, SIGHUP, an exception), the whole group is stopped before it goes on."""
+    process = start_group(argv, **popen)
+    try:
+        return process.wait()
+    except BaseException:
+        stop_group(process, grace_s)
+        raise
 
 
 def port_served(host: str, port: int, timeout_s: float = 1.0) -> bool:

@@ -187,3 +187,41 @@ def test_a_second_tune_on_the_out_of_a_running_one_is_refused(tmp_path):
         first.communicate(timeout=60)
     assert first.returncode == 128 + signal.SIGTERM
     assert not (tmp_path / "run" / ".dflash-doctor.lock").exists()  # the lock went with the first tune
+
+
+def _group_members(pgid: int) -> list[int]:
+    members = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if fields[2] == str(pgid) and fields[0] not in ("Z", "X"):
+                members.append(int(entry.name))
+    return members
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP], ids=lambda s: signal.Signals(s).name)
+def test_a_command_run_to_its_end_in_a_group_is_stopped_with_the_doctor(tmp_path, signum):
+    """processes.run_in_group (the torchrun of --devices): the doctor signalled while it waits leaves no
+    process of that group behind."""
+    leader = tmp_path / "leader"
+    code = ("import sys\nfrom dflash_doctor.processes import run_in_group, stop_signals_raise\n"
+            "with stop_signals_raise():\n"
+            f"    run_in_group(['bash', '-c', 'sleep 600 & echo $$ > {leader}.tmp; mv {leader}.tmp {leader}; wait'])\n")
+    doctor = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(leader, doctor, 30)
+        pgid = int(leader.read_text())
+        assert len(_group_members(pgid)) == 2  # bash and its sleep
+        doctor.send_signal(signum)
+        _, stderr = doctor.communicate(timeout=60)
+    finally:
+        if doctor.poll() is None:
+            doctor.kill()
+    assert doctor.returncode != 0 and ("Stopped" in stderr or "KeyboardInterrupt" in stderr), stderr
+    left = _group_members(pgid)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left

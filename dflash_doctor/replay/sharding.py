@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +29,7 @@ import torch
 from dflash_doctor.errors import UsageError
 from dflash_doctor.inputs.config import DoctorConfig
 from dflash_doctor.inputs.workloads import Request
+from dflash_doctor.processes import run_in_group
 from dflash_doctor.replay.stream import Replay
 from dflash_doctor.rundir.tables import TABLES
 from dflash_doctor.rundir.writer import RunWriter
@@ -232,4 +232,5 @@ def launch_ranks(config: DoctorConfig, argv: Sequence[str] | None = None) -> int
     # torchrun gives every rank one CPU thread unless told otherwise; the replay's CPU side (token rows,
     # schedules) then runs slower than in one process, so share the cores out instead
     threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // len(entries)))
-    return subprocess.run(command, check=False, env={**os.environ, "OMP_NUM_THREADS": threads}).returncode
+    # its own process group, stopped as a whole (SIGTERM first: torchrun ends its ranks) however this command ends
+    return run_in_group(command, env={**os.environ, "OMP_NUM_THREADS": threads})
