@@ -4,6 +4,7 @@ replay against an independent reference written here from the rule: occurrence c
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 
 import numpy as np
@@ -299,3 +300,32 @@ def test_bad_settings_are_one_sentence(spec, fragment):
 def test_cli_refuses_a_bad_setting_with_exit_2(tiny_dir):
     result = invoke("replay", *pair_args(tiny_dir, "suffix:suffix_decoding_min_token_prob=2", "--k", "2"))
     assert_usage_error(result, "suffix_decoding_min_token_prob")
+
+
+def test_head_to_head_accepts_suffix_and_its_sweep_is_exact_for_every_k(tiny_dir, tmp_path):
+    profile = tmp_path / "costs.json"
+    profile.write_text('{"t_decode_s": 0.010, "t_verify_s": {"1": 0.011, "8": 0.016}, "t_draft_s": {"1": 0.001, "8": 0.004}}')
+    result = invoke("check", *pair_args(tiny_dir, "ngram:prompt_lookup_min=1,prompt_lookup_max=3", "--draft", "suffix:suffix_decoding_min_token_prob=0.05",
+                                        "--k", "1-4", "--cost-profile", str(profile), "--out", tmp_path / "run", "--json"))
+    assert result.exit_code in (0, 1), result.output
+    data = json.loads(result.stdout[result.stdout.index("{"):])
+    assert [s["name"] for s in data["head_to_head"]["speculators"]] == ["ngram", "suffix"]
+    run = json.loads((tmp_path / "run" / "suffix" / "run.json").read_text())
+    assert run["models"]["draft"]["suffix_decoding_min_token_prob"] == 0.05
+    assert run["models"]["draft"]["suffix_decoding_max_tree_depth"] == 24
+    rows = run["summary"]["sweep"]["overall"]
+    assert len(rows) > 1 and {r["estimate"] for r in rows} == {"exact"}
+
+
+def test_replay_and_sweep_agree_step_for_step_over_the_workload(tiny_dir, tmp_path):
+    """The live loop (replay) and the teacher-forced sweep carry the global tree over the same request order."""
+    import pandas as pd
+
+    for command in ("replay", "sweep"):
+        result = invoke(command, *pair_args(tiny_dir, "suffix:suffix_decoding_min_token_prob=0.05", "--k", "3", "--out", tmp_path / command))
+        assert result.exit_code == 0, result.output
+    columns = ["request_id", "position", "num_drafted", "num_accepted", "bonus_token"]
+    live = pd.read_parquet(tmp_path / "replay" / "steps.parquet")[columns]
+    teacher = pd.read_parquet(tmp_path / "sweep" / "steps.parquet")[columns]
+    assert live.reset_index(drop=True).equals(teacher.reset_index(drop=True))
+    assert live["num_accepted"].sum() > 0
