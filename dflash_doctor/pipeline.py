@@ -87,6 +87,9 @@ def _start(config: DoctorConfig, command: str, scenario=None) -> tuple[list[Requ
     requests = load_workload(config.workload, classes=config.classes, max_requests=config.max_requests, seed=config.seed)
     config = dataclasses.replace(config, device=sharding.device_for_rank(config, sharding.current_ranks()))
     pair = load_pair(config, server_settings(config.engine_config) if config.engine_config else None)
+    if pair.proposer.remembers_requests and sharding.current_ranks().sharded:
+        raise UsageError(f"the {pair.kind.name} speculator remembers earlier requests in their order, which a replay split over "
+                         "ranks cannot keep; run it in one process, without --devices or torchrun.")
     if scenario is not None:
         pair, requests, config = scenario.apply(pair, requests, config)
     return requests, pair, config

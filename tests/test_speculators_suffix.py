@@ -329,3 +329,10 @@ def test_replay_and_sweep_agree_step_for_step_over_the_workload(tiny_dir, tmp_pa
     teacher = pd.read_parquet(tmp_path / "sweep" / "steps.parquet")[columns]
     assert live.reset_index(drop=True).equals(teacher.reset_index(drop=True))
     assert live["num_accepted"].sum() > 0
+
+
+def test_a_replay_split_over_ranks_is_refused(tiny_dir, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    result = invoke("replay", *pair_args(tiny_dir, "suffix", "--k", "2"))
+    assert_usage_error(result, "suffix speculator remembers earlier requests", "one process")

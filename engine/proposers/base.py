@@ -76,6 +76,10 @@ class Proposer(ABC):
     #: ``guesses_depend_on_k`` the replay then runs one exact pass per K without being asked to.
     free_passes: bool = False
 
+    #: True for a proposer whose guesses depend on the requests before (:meth:`finish_request`): a replay
+    #: split over ranks would give each rank another history, so it runs in one process.
+    remembers_requests: bool = False
+
     def finish_request(self, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> None:
         """The replay is done with one request (called in the replay's request order, after its live run or
         its teacher-forced passes). A proposer with memory across requests (suffix decoding's tree of

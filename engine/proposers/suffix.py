@@ -258,6 +258,7 @@ class SuffixProposer(Proposer):
     needs = TargetNeeds()
     guesses_depend_on_k = True
     free_passes = True
+    remembers_requests = True
 
     def __init__(self, settings: SuffixSettings, vocab_size: int, device: torch.device | str = "cpu"):
         self.settings = settings
