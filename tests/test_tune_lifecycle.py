@@ -20,8 +20,7 @@ import pytest
 from typer.testing import CliRunner
 
 from dflash_doctor.cli import app
-from dflash_doctor.cli import compare as compare_cli
-from dflash_doctor.processes import EXIT_CRASH, STOP_GRACE_S
+from dflash_doctor.processes import STOP_GRACE_S
 from local_servers import QuietHandler, ThreadedServer, free_port
 from tune_fixtures import write_sweep_run, write_workload
 
@@ -117,16 +116,6 @@ def test_a_port_served_before_the_launch_is_refused_in_one_sentence(tmp_path):
     assert result.exit_code == 2, result.output
     assert f"port {other.port} is already served before tune launched its server" in result.output
     assert "Traceback" not in result.output and not pids.exists()  # nothing was launched
-
-
-def test_an_unexpected_exception_exits_with_the_crash_code_not_a_finding(monkeypatch, tmp_path):
-    def broken(*args, **kwargs):
-        raise RuntimeError("a bug")
-
-    monkeypatch.setattr(compare_cli, "compare_runs", broken)
-    result = CliRunner().invoke(app, ["compare", str(tmp_path), str(tmp_path)])
-    assert result.exit_code == EXIT_CRASH, result.output
-    assert "RuntimeError: a bug" in result.output and "crashed" in result.output
 
 
 def _tune_args(tmp_path: Path, out: Path, *extra: str) -> list[str]:
