@@ -13,9 +13,10 @@ from dflash_doctor.cli.root import app
 from dflash_doctor.rundir.run_record import OVERALL
 from dflash_doctor.report.comparison import compare_runs, write_compare_reports
 from dflash_doctor.report.sanitize import for_terminal
-from dflash_doctor.stats.gate import DEFAULT_THRESHOLD_RATE, DEFAULT_THRESHOLD_TAU, Comparison
+from dflash_doctor.stats.gate import DEFAULT_THRESHOLD_RATE, DEFAULT_THRESHOLD_TAU, MAX_TAU_DROP, Comparison
 from dflash_doctor.cli import options as opt
 from dflash_doctor.errors import UsageError
+from dflash_doctor.inputs.validation import finite_number
 from dflash_doctor.inputs.config import DoctorConfig
 from dflash_doctor.cli.output import print_json
 from dflash_doctor.report.templating import ci, fmt, signed
@@ -74,8 +75,9 @@ def compare_command(
 
     Also lists the rejection patterns (target or drafted token categories) whose lost tokens per draft grew; those never change the exit code.
     """
-    if threshold_tau < 0 or threshold_rate < 0:
-        raise UsageError("--threshold-tau and --threshold-rate must be >= 0; pass a drop size such as 0.2 or 0.05.")
+    # finite and in range: nan or inf would pass a plain ">= 0" and then no drop could ever exceed it
+    threshold_tau = finite_number(threshold_tau, "--threshold-tau", minimum=0, maximum=MAX_TAU_DROP, fix="pass a drop in tau such as 0.2")
+    threshold_rate = finite_number(threshold_rate, "--threshold-rate", minimum=0, maximum=1, fix="pass a drop in acceptance rate between 0 and 1 such as 0.05")
     plotly_source = plotly or DoctorConfig.plotly  # a choice Click checked
     comparison = compare_runs(base, new, threshold_tau=threshold_tau, threshold_rate=threshold_rate)
     refusal = _nothing_compared(comparison)

@@ -18,7 +18,7 @@ from typing import Any, Literal
 import platformdirs
 
 from dflash_doctor.errors import UsageError
-from dflash_doctor.inputs.validation import type_error
+from dflash_doctor.inputs.validation import finite_number, type_error
 from dflash_doctor.stats.speedup import load_cost_profile
 
 
@@ -212,9 +212,18 @@ def build_config(config_file: str | Path | None = None, **cli_values: Any) -> Do
     return config
 
 
+#: Keys of ``[thresholds]`` that are numbers, with their range (min, max): checked with every other number.
+NUMERIC_THRESHOLDS: dict[str, tuple[float, float]] = {"confident_max_entropy": (0.0, 1e6), "confident_min_margin": (0.0, 1.0)}
+
+
 def _validate(config: DoctorConfig) -> None:
-    if config.temperature < 0:
-        raise UsageError(f"--temperature {config.temperature} is negative; use 0 for greedy or a positive value.")
+    # every number from a user is finite and in range (nan passes a plain "< 0" check): one rule, validation.finite_number
+    config.temperature = finite_number(config.temperature, "--temperature", minimum=0, maximum=1e6, fix="use 0 for greedy or a positive value")
+    config.engine_timeout_s = finite_number(config.engine_timeout_s, "--engine-timeout", above=0, maximum=86400 * 7,
+                                            fix="pass a positive number of seconds")
+    for key, (low, high) in NUMERIC_THRESHOLDS.items():
+        if key in config.thresholds:
+            config.thresholds[key] = finite_number(config.thresholds[key], f"[thresholds] {key}", minimum=low, maximum=high, fix="fix the config file")
     if config.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens {config.max_new_tokens} must be at least 1.")
     if config.max_requests is not None and config.max_requests < 1:

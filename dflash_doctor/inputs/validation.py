@@ -16,6 +16,7 @@ that do not belong to one reader:
 from __future__ import annotations
 
 import json
+import math
 import struct
 import types
 import typing
@@ -171,3 +172,39 @@ def _describe(expected: Any) -> str:
 def type_error(value: Any, expected: Any) -> str | None:
     """None when ``value`` fits ``expected``, else what it must be (``a number``...) for the refusal."""
     return None if _matches(value, expected) else _describe(expected)
+
+
+def finite_number(value: Any, name: str, *, minimum: float | None = None, maximum: float | None = None,
+                  above: float | None = None, integer: bool = False, fix: str = "fix the value") -> float:
+    """A number a user handed over (flag, config file, environment), refused unless finite and in range.
+
+    The one rule for thresholds, floors, durations and baselines: ``nan`` compares false with everything,
+    so ``nan >= 0`` passes a plain range check and then every ``drop > threshold`` is false too (a gate
+    that never fires); ``inf`` does the same from the other side. ``minimum``/``maximum`` are inclusive,
+    ``above`` exclusive; ``integer`` also refuses 2.5 (never truncated). Strings of a number are read
+    (flags and TOML strings); booleans are not numbers. The sentence names ``name`` and ends with ``fix``."""
+    number: float | None = None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        number = float(value) if not isinstance(value, int) else value
+    elif isinstance(value, str):
+        try:
+            number = float(value.strip())
+        except ValueError:
+            number = None
+    bounds = [b for b in (f">= {minimum:g}" if minimum is not None else "", f"> {above:g}" if above is not None else "",
+                          f"<= {maximum:g}" if maximum is not None else "") if b]
+    wanted = ("a finite integer" if integer else "a finite number") + (" " + " and ".join(bounds) if bounds else "")
+    shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+    refused = UsageError(f"{name} {shown} is not {wanted}; {fix}.")
+    if number is None:
+        raise refused
+    try:
+        if not math.isfinite(number):
+            raise refused
+    except OverflowError:  # an int too large for a float
+        raise refused from None
+    if integer and (isinstance(number, float) and not number.is_integer()):
+        raise refused
+    if (minimum is not None and number < minimum) or (above is not None and number <= above) or (maximum is not None and number > maximum):
+        raise refused
+    return int(number) if integer else float(number)

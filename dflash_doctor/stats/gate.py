@@ -29,6 +29,9 @@ import numpy as np
 from dflash_doctor.stats.metrics import NUM_BOOTSTRAP_RESAMPLES, interval
 
 DEFAULT_THRESHOLD_TAU = 0.2
+#: The largest tau drop a threshold may name: no drafter proposes more than about a hundred tokens a step,
+#: so a larger threshold can never be crossed and would only switch the gate off.
+MAX_TAU_DROP = 100.0
 COMPARE_JSON_VERSION = 1
 DEFAULT_THRESHOLD_RATE = 0.05
 

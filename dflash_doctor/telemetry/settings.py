@@ -21,6 +21,7 @@ chat = 1.7
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,12 +85,11 @@ def build_watch_settings(table: dict[str, Any], **flags: Any) -> WatchSettings:
             values[name] = merged[name]
     if "engine" in merged:  # the flag's and the file key's name: which server wrote the metrics
         values["server_kind"] = merged["engine"]
-    try:
-        for name, cast in (("threshold_tau", float), ("min_drafts", int), ("speedup_floor", float)):
-            if name in merged:
-                values[name] = cast(merged[name])
-    except (TypeError, ValueError):
-        raise UsageError(f"watch {name} {merged[name]!r} is not a number; fix the [watch] table or the flag.") from None
+    for name in ("threshold_tau", "min_drafts", "speedup_floor"):
+        if name in merged:
+            values[name] = merged[name]
+    # Thresholds (telemetry/verdict.py) is the one place these numbers are checked: finite and in range
+    values.update(dataclasses.asdict(Thresholds(**{name: values[name] for name in ("threshold_tau", "min_drafts", "speedup_floor") if name in values})))
     settings = WatchSettings(**values)
     if settings.window_s <= 0 or settings.interval_s <= 0:
         raise UsageError("watch window and interval must be > 0 seconds; fix --window / --interval or the [watch] table.")

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Mapping, Protocol
 
 from dflash_doctor.errors import UsageError
+from dflash_doctor.inputs.validation import finite_number
 from dflash_doctor.serving.http import AUTH_STATUSES, HttpClient, Unreachable, bearer
 from dflash_doctor.telemetry.counts import SpecCounts
 from dflash_doctor.telemetry.server_metrics import READERS, Reading, read_exposition
@@ -141,17 +142,28 @@ PROMETHEUS_COUNTERS = {
 PROMETHEUS_GAUGES = {"vllm": ["vllm:num_requests_running"], "sglang": ["sglang:spec_accept_length", "sglang:spec_accept_rate"], "trtllm": ["trtllm_spec_decode_acceptance_length"]}
 
 
+#: The longest duration a flag or config value may name (ten years): longer ones overflow timestamps.
+MAX_DURATION_S = 10 * 365 * 86400.0
+
+
 def parse_duration_s(text: str) -> float:
     """A Prometheus duration (``30s``, ``5m``, ``1h``) or plain seconds -> seconds."""
     units = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
     text = str(text).strip()
     for suffix in sorted(units, key=len, reverse=True):
         if text.endswith(suffix) and text[: -len(suffix)].replace(".", "", 1).isdigit():
-            return float(text[: -len(suffix)]) * units[suffix]
+            seconds = float(text[: -len(suffix)]) * units[suffix]
+            break
+    else:
+        try:
+            seconds = float(text)
+        except ValueError:
+            raise UsageError(f"duration {text!r} is not a number of seconds or a Prometheus duration like 30s, 5m, 1h; fix it.") from None
+    # nan or inf seconds (or 1e400s) would pass every "> 0" check and make a window that never closes
     try:
-        return float(text)
-    except ValueError:
-        raise UsageError(f"duration {text!r} is not a number of seconds or a Prometheus duration like 30s, 5m, 1h; fix it.") from None
+        return finite_number(seconds, "duration", maximum=MAX_DURATION_S)
+    except UsageError:
+        raise UsageError(f"duration {text!r} is not a finite number of seconds up to ten years; use a duration such as 30s, 5m or 7d.") from None
 
 
 def counter_increase(values: list[float]) -> float:

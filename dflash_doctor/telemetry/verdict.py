@@ -29,9 +29,10 @@ from statistics import NormalDist
 from typing import Any
 
 from dflash_doctor.rundir.run_record import OVERALL, RunRecord, StepCosts
-from dflash_doctor.stats.gate import DEFAULT_THRESHOLD_TAU
+from dflash_doctor.stats.gate import DEFAULT_THRESHOLD_TAU, MAX_TAU_DROP
 from dflash_doctor.stats.speedup import best_speedup, k_that_pays
 from dflash_doctor.errors import UsageError
+from dflash_doctor.inputs.validation import finite_number
 from dflash_doctor.rundir.load import read_run_meta
 from dflash_doctor.telemetry.counts import ALL_CLASSES, window_tau_interval
 from dflash_doctor.telemetry.watcher import Window
@@ -91,8 +92,10 @@ class Baseline:
     def fixed(cls, tau_by_class: dict[str, float]) -> "Baseline":
         entries = {}
         for name, tau in tau_by_class.items():
-            if not isinstance(tau, (int, float)) or tau < 1.0:
+            if not isinstance(tau, (int, float)) or isinstance(tau, bool):
                 raise UsageError(f"baseline tau for {name!r} is {tau!r}; a mean acceptance length is a number >= 1 (bonus token included).")
+            tau = finite_number(tau, f"baseline tau for {name!r}", minimum=1, maximum=MAX_TAU_DROP + 1,
+                                fix="a mean acceptance length is a finite number >= 1 (bonus token included)")
             entries[name] = BaselineEntry(float(tau))
         return cls(entries, "fixed tau " + ", ".join(f"{k}={v:g}" for k, v in tau_by_class.items()))
 
@@ -118,8 +121,12 @@ class Thresholds:
     speedup_floor: float = DEFAULT_SPEEDUP_FLOOR
 
     def __post_init__(self) -> None:
-        if self.threshold_tau < 0 or self.min_drafts < 1 or self.speedup_floor <= 0:
-            raise UsageError("watch thresholds: threshold_tau must be >= 0, min_drafts >= 1 and speedup_floor > 0; fix the [watch] table or the flags.")
+        # the one place watch's thresholds are checked (flags and the [watch] table meet here): finite and
+        # in range, since nan or inf pass a plain ">= 0" and then silence every alert
+        fix = "fix the flag or the [watch] table"
+        object.__setattr__(self, "threshold_tau", finite_number(self.threshold_tau, "watch threshold_tau", minimum=0, maximum=MAX_TAU_DROP, fix=fix))
+        object.__setattr__(self, "min_drafts", finite_number(self.min_drafts, "watch min_drafts", minimum=1, maximum=1e12, integer=True, fix=fix))
+        object.__setattr__(self, "speedup_floor", finite_number(self.speedup_floor, "watch speedup_floor", above=0, maximum=1000, fix=fix))
 
 
 @dataclass(frozen=True)
