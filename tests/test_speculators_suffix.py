@@ -173,7 +173,7 @@ def test_tie_order_and_probabilities_by_hand():
     assert candidates(tree, [9, 1], settings)[0].tokens == [5]
     tree.extend(0, [1, 6])  # 6 led class 1: front of class 2 -> 6, 5, 7
     assert candidates(tree, [9, 1], settings)[0].tokens == [6]
-    assert [c.token for c in tree.find([1]).order] == [6, 5, 7]
+    assert [c.token for c in tree.find([1]).order or []] == [6, 5, 7]
 
 
 @pytest.mark.parametrize("seed", range(6))

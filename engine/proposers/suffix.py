@@ -71,8 +71,10 @@ class _Node:
     def __init__(self, token: int = -1, count: int = 0):
         self.token = token
         self.count = count
-        self.children: dict[int, _Node] = {}
-        self.order: list[_Node] = []  # children by decreasing count, ties in the engine's sibling order
+        # made on the first child (most nodes are leaves): children by token, and the same nodes by
+        # decreasing count with ties in the engine's sibling order
+        self.children: dict[int, _Node] | None = None
+        self.order: list[_Node] | None = None
 
 
 class SuffixTree:
@@ -92,10 +94,12 @@ class SuffixTree:
         if len(active) > self.depth:
             active.popleft()
         for j, node in enumerate(active):
+            if node.children is None:
+                node.children, node.order = {}, []
             child = node.children.get(token)
             if child is None:
                 child = node.children[token] = _Node(token, 1)
-                node.order.append(child)
+                node.order.append(child)  # type: ignore[union-attr]
             else:
                 self._bump(node, child)
             active[j] = child
@@ -112,14 +116,14 @@ class SuffixTree:
             node = self.root
             node.count -= 1
             for token in sequence[start:start + self.depth]:
-                child = node.children.get(token)
+                child = node.children.get(token) if node.children is not None else None
                 if child is None:
                     break
                 if child.count > 1:
                     self._drop(node, child)
                 else:
-                    del node.children[token]
-                    node.order.remove(child)
+                    del node.children[token]  # type: ignore[union-attr]
+                    node.order.remove(child)  # type: ignore[union-attr]
                     break
                 node = child
 
@@ -127,6 +131,7 @@ class SuffixTree:
     def _bump(parent: _Node, child: _Node) -> None:
         """count + 1; led its class -> front of the new class, else its back."""
         order, old = parent.order, child.count
+        assert order is not None
         i = order.index(child)
         led = i == 0 or order[i - 1].count != old
         del order[i]
@@ -143,6 +148,7 @@ class SuffixTree:
     def _drop(parent: _Node, child: _Node) -> None:
         """count - 1: to the front of its new class (behind every sibling still at the old count)."""
         order, old = parent.order, child.count
+        assert order is not None
         i = order.index(child)
         del order[i]
         child.count = old - 1
@@ -151,9 +157,9 @@ class SuffixTree:
         order.insert(i, child)
 
     def find(self, tokens: Sequence[int]) -> _Node | None:
-        node = self.root
+        node: _Node | None = self.root
         for token in tokens:
-            node = node.children.get(token)
+            node = node.children.get(token) if node.children is not None else None  # type: ignore[union-attr]
             if node is None:
                 return None
         return node
@@ -183,7 +189,7 @@ def candidates(tree: SuffixTree, pattern: Sequence[int], settings: SuffixSetting
         tokens: list[int] = []
         scores = [F32(0.0)]
         prob = F32(1.0)
-        while len(tokens) < cap and prob >= floor_prob and node.order:
+        while len(tokens) < cap and prob >= floor_prob and node.order:  # type: ignore[union-attr]
             child = node.order[0]
             prob = F32(prob * (F32(child.count) / F32(node.count)))
             if not prob >= floor_prob:
@@ -269,6 +275,8 @@ class SuffixProposer(Proposer):
         self._teacher_open = False  # a teacher-forced request has begun and not finished
         self._live_open = False  # a live request has begun and not finished
         self._in_trees = 0  # context tokens already in the trees (live)
+        self._teacher_ids: list[int] = []
+        self._anchors: dict[int, tuple[list[Candidate], list[Candidate]]] | None = None  # per anchor, both trees' candidates
 
     def _point_mass(self, tokens: Sequence[int], rows: int) -> torch.Tensor:
         logits = torch.full((rows, self.vocab_size), float("-inf"), device=self.device)
@@ -320,7 +328,7 @@ class SuffixProposer(Proposer):
             return  # another pass (another K) over the same request: the same trees
         self._teacher_open, self._live_open = True, False
         self._teacher_ids = ids
-        self._anchors: dict[int, tuple[list[Candidate], list[Candidate]]] | None = None
+        self._anchors = None
 
     def _walk(self, prompt_len: int) -> None:
         """The request's whole walk: start it, then per output token, add it and keep that anchor's candidates.
@@ -331,7 +339,7 @@ class SuffixProposer(Proposer):
         self._anchors = {}
         for a in range(prompt_len, len(ids)):
             self.cache.add_response([ids[a]])
-            self._anchors[a] = self.cache.candidates(ids[:a + 1])
+            self._anchors[a] = self.cache.candidates(ids[max(a + 1 - self.settings.max_tree_depth, 0):a + 1])
 
     def _proposal(self, anchor: int, k: int) -> list[int]:
         if self._anchors is None:
