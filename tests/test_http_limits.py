@@ -20,7 +20,7 @@ from dflash_doctor.cli import app
 from dflash_doctor.inputs.config import DoctorConfig
 from dflash_doctor.inputs.workloads import Request
 from dflash_doctor.serving.client import ServerEndpoint
-from dflash_doctor.serving.http import AnswerCut, HttpClient
+from dflash_doctor.serving.http import AnswerCut, HttpClient, Unreachable
 from dflash_doctor.telemetry import sources
 from dflash_doctor.tune.measure import stream_request
 from local_servers import QuietHandler, ThreadedServer
@@ -200,3 +200,19 @@ def test_a_live_watch_stuck_on_a_page_that_never_ends_stops_on_sigterm(tmp_path)
     assert time.monotonic() - signalled < sources.HTTP_DEADLINE_S + 10, output
     assert watch.returncode == 0, output
     assert "Traceback" not in output
+
+
+def test_a_server_that_stops_sending_mid_answer_is_one_sentence_with_the_wait():
+    class Stalls(QuietHandler):
+        def do_GET(self):  # noqa: N802
+            self.send_response(200)
+            self.send_header("Content-Length", "100")
+            self.end_headers()
+            self.wfile.write(b"half")
+            self.wfile.flush()
+            time.sleep(5)
+
+    with ThreadedServer(Stalls) as server:
+        with pytest.raises(Unreachable) as failed:
+            HttpClient(retries=0, timeout_s=0.5).get(server.base_url + "/metrics")
+    assert str(failed.value) == f"no complete answer from {server.base_url}/metrics (no data within 0.5 s)"

@@ -126,6 +126,8 @@ def _reason(exc: BaseException, timeout_s: float) -> str:
         if id(current) in seen:
             continue
         seen.add(id(current))
+        if isinstance(current, TimeoutError) or type(current).__name__ in ("ReadTimeoutError", "ConnectTimeoutError"):
+            return f"no data within {timeout_s:g} s"
         if isinstance(current, OSError) and current.strerror:
             return current.strerror
         pending += [e for e in (current.__cause__, current.__context__, getattr(current, "reason", None), *current.args) if isinstance(e, BaseException)]
