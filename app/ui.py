@@ -120,7 +120,7 @@ def _register_upload(files: list[tuple[str, bytes]]) -> None:
     try:
         run_path = str(data.save_upload(files, dest))
     except UsageError as exc:
-        st.error(exc.message)
+        st.error(for_markdown_text(exc.message))
         return
     st.session_state["upload_signature"] = signature
     st.session_state[UPLOADS_KEY] = [run_path, *st.session_state.get(UPLOADS_KEY, [])]
@@ -137,7 +137,7 @@ def current_run(tables: tuple[str, ...] = ()) -> Run:
     try:
         return load(path, tables)
     except UsageError as exc:
-        st.error(exc.message)
+        st.error(for_markdown_text(exc.message))
         st.stop()
 
 
@@ -148,7 +148,7 @@ def run_header(run: Run, page_title: str) -> None:
     st.caption(f"Run **{for_markdown_text(run.name)}** · created {for_markdown_text(run.record.meta.created_at or '?')} · "
                f"target {for_markdown_text(target)} · draft {for_markdown_text(draft)}")
     if not run.complete:
-        st.warning(incomplete_note(run), icon=":material/hourglass_top:")
+        st.warning(for_markdown_text(incomplete_note(run)), icon=":material/hourglass_top:")
 
 
 def has_requests(run: Run) -> bool:

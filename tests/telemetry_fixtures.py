@@ -158,7 +158,8 @@ def directory_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def write_watch(run_dir: Path, rates: list[float], *, baseline_tau: float | None = None, classes=("code", "chat"), num_units: int = 8) -> Path:
+def write_watch(run_dir: Path, rates: list[float], *, baseline_tau: float | None = None, classes=("code", "chat"), num_units: int = 8,
+                model: str = "m", notes: tuple[str, ...] = ()) -> Path:
     """A finished watch of ``num_units`` scrape intervals per class, one window per interval (live-watch shape),
     replacing a watch already in ``run_dir`` (``--overwrite``)."""
     thresholds = Thresholds(min_drafts=10)
@@ -169,9 +170,9 @@ def write_watch(run_dir: Path, rates: list[float], *, baseline_tau: float | None
         verdicts, units = [], []
         for cls in classes:
             counts = unit_counts(200 + 10 * i, rates)
-            key = SeriesKey("m", cls)
+            key = SeriesKey(model, cls)
             units.append(Unit(key, 1_700_000_000.0 + 60 * i, counts, {}, "http://x/metrics"))
             verdicts.append(judge.judge(Window(key, 1_700_000_000.0 + 60 * (i - 1), 1_700_000_000.0 + 60 * i, counts, [counts])))
-        record.update(verdicts, units, [], [])
+        record.update(verdicts, units, [], list(notes) if i == 0 else [])
     record.close()  # a finished watch: its journal consolidated into the Parquet files
     return run_dir

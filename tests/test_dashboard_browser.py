@@ -153,3 +153,45 @@ def test_production_page_refreshes_while_the_watch_writes(browser, tmp_path):
         page.get_by_text("10 alert(s)").first.wait_for(timeout=PAGE_TIMEOUT_MS)
         assert page.locator('[data-testid="stException"]').count() == 0 and dialogs == []
         page.close()
+
+
+def test_production_page_renders_server_labels_as_text(browser, tmp_path):
+    """A model name from a server's /metrics (and a source note) is text on the Production page: the image
+    it spells is never fetched and the link it spells is never rendered, in alerts, series and notes."""
+    import http.server
+    import threading
+
+    hits: list[str] = []
+
+    class Pixel(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            hits.append(self.path)
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    pixel = http.server.ThreadingHTTPServer(("127.0.0.1", free_port()), Pixel)
+    threading.Thread(target=pixel.serve_forever, daemon=True).start()
+    port = pixel.server_address[1]
+    hostile = [f"![x](http://127.0.0.1:{port}/pixel)", "[click](http://evil.example/)", f"<img src=http://127.0.0.1:{port}/html>",
+               "**bold** `code` $x$ <b>html</b>", "https://evil.example/autolink"]
+    write_watch(tmp_path / "runs" / "watch", [0.6, 0.35, 0.2, 0.1], baseline_tau=3.0, num_units=2,
+                model=" ".join(hostile), notes=(" ".join(hostile),))
+    try:
+        with serving(tmp_path / "runs") as (url, _, _):
+            page, dialogs = open_page(browser, url, "production", "alert(s)")
+            page.wait_for_timeout(1500)
+            assert page.locator('[data-testid="stException"]').count() == 0 and dialogs == []
+            for expander in page.locator('[data-testid="stExpander"] summary').all():
+                expander.click()  # open every alert: its message carries the model name too
+            page.wait_for_timeout(1000)
+            assert page.get_by_text("[click](http://evil.example/)").count() > 0  # shown as the text it is
+            assert page.locator('a[href*="evil.example"]').count() == 0
+            assert page.locator(f'img[src*="{port}"]').count() == 0
+            assert page.locator("b:text('html')").count() == 0
+            assert hits == []
+            page.close()
+    finally:
+        pixel.shutdown()

@@ -6,6 +6,7 @@ import streamlit as st
 
 from dflash_doctor.report import figures
 from dflash_doctor.stats import gate
+from dflash_doctor.report.sanitize import for_markdown_text
 from dflash_doctor.app import data, ui
 
 new_run = ui.current_run()
@@ -22,7 +23,7 @@ threshold_rate = controls[2].number_input("rate drop threshold", min_value=0.0, 
 
 result = ui.comparison(base_path, data.run_mtime_ns(base_path), str(new_run.path), data.run_mtime_ns(new_run.path), threshold_tau, threshold_rate)
 for note in result.notes:
-    st.caption(note)
+    st.caption(for_markdown_text(note))
 if not result.rows:
     st.stop()
 
@@ -32,7 +33,7 @@ if all(row.delta is None for row in result.rows):
 elif regressions:
     st.error(
         f"**{len(regressions)} regression(s)** at K={result.k_compared}: "
-        + "; ".join(f"{row.cls} {row.label} {row.base:.3f} → {row.new:.3f}" for row in regressions[:8]),
+        + "; ".join(f"{for_markdown_text(row.cls)} {for_markdown_text(row.label)} {row.base:.3f} → {row.new:.3f}" for row in regressions[:8]),
         icon=ui.STATUS_ICONS["fail"],
     )
 else:

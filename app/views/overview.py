@@ -14,7 +14,7 @@ overall = record.summary.overall
 
 status, sentence = data.run_verdict(record.checks)
 banner = {"fail": st.error, "error": st.error, "warn": st.warning, "pass": st.success}.get(status, st.info)
-banner(f"**Verdict: {status.upper()}** — {sentence}" if status != "none" else sentence, icon=ui.STATUS_ICONS.get(status, ":material/info:"))
+banner(f"**Verdict: {for_markdown_text(status.upper())}** — {for_markdown_text(sentence)}" if status != "none" else for_markdown_text(sentence), icon=ui.STATUS_ICONS.get(status, ":material/info:"))
 
 if overall is not None and overall.num_drafts:
     tau_lo, tau_hi = overall.mean_acceptance_length_ci or [float("nan")] * 2

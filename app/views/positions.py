@@ -5,6 +5,7 @@ separates long-context drift from a bad prompt format."""
 import streamlit as st
 
 from dflash_doctor.report import figures
+from dflash_doctor.report.sanitize import for_markdown_text
 from dflash_doctor.app import data, ui
 from dflash_doctor.rundir.run_record import Summary
 
@@ -33,7 +34,7 @@ chosen = table[table["class"].isin(shown)]
 weakest = data.weakest_slots(chosen)
 st.caption(
     f"Weakest slot (lowest conditional acceptance among slots reached by at least {data.MIN_SLOT_REACH:.0%} of drafts): "
-    + ", ".join(f"**{row['class']}** slot {int(row['slot'])} ({row['conditional']:.0%})" for _, row in weakest.iterrows())
+    + ", ".join(f"**{for_markdown_text(row['class'])}** slot {int(row['slot'])} ({row['conditional']:.0%})" for _, row in weakest.iterrows())
 )
 shown_classes = [c for c in shown if c != "overall"]
 shown_steps = run.steps[run.steps["class"].isin(shown_classes)] if shown_classes else run.steps

@@ -30,8 +30,8 @@ def watch_view(path: str) -> None:
     telemetry = telemetry_details(record)
     windows = read_windows(path)
     st.caption(
-        f"Sources: {', '.join(telemetry['sources']) or '?'} · window {telemetry['window_s']} s · "
-        f"baseline: {telemetry['baseline'] or 'none'} · refreshes every {REFRESH_EVERY_S} s"
+        f"Sources: {for_markdown_text(', '.join(telemetry['sources']) or '?')} · window {for_markdown_text(telemetry['window_s'])} s · "
+        f"baseline: {for_markdown_text(telemetry['baseline'] or 'none')} · refreshes every {REFRESH_EVERY_S} s"
     )
 
     alerts = telemetry["alerts"]
@@ -69,8 +69,9 @@ def watch_view(path: str) -> None:
         st.header("Alerts and fallback advice")
         for alert in reversed(alerts):
             when = pd.Timestamp(alert["time_s"], unit="s", tz="UTC").strftime("%Y-%m-%d %H:%M:%S UTC")
-            with st.expander(f"{when} · **{alert['kind']}** · {alert['series']}", expanded=alert is alerts[-1]):
-                st.markdown(alert["message"])
+            # kind, series and message carry a server's labels (model names from /metrics): escaped, never Markdown
+            with st.expander(f"{when} · **{for_markdown_text(alert['kind'])}** · {for_markdown_text(alert['series'])}", expanded=alert is alerts[-1]):
+                st.markdown(for_markdown_text(alert["message"]))
                 if alert["advice"]:
                     st.code("\n".join(alert["advice"]), language=None)
 
@@ -81,7 +82,7 @@ def watch_view(path: str) -> None:
         if events:
             st.dataframe(pd.DataFrame(events), hide_index=True)
         for note in notes:
-            st.caption(note)
+            st.caption(for_markdown_text(note))
 
 
 watch_view(str(run.path))

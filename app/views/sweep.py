@@ -39,7 +39,7 @@ if (table["estimate"] == "truncated").any():
 
 costs = sweep.step_costs()
 st.subheader("Step costs behind the estimate")
-st.caption(f"Source: **{costs.source}** on **{costs.device}**; plain decode step "
+st.caption(f"Source: **{for_markdown_text(costs.source)}** on **{for_markdown_text(costs.device)}**; plain decode step "
            f"{1000 * costs.t_decode_s:.1f} ms. speedup(K) = tau(K) x t_decode / (t_draft(K) + t_verify(K)).")
 cost_table = data.step_cost_table(sweep)
 st.dataframe(cost_table, column_config={c: st.column_config.NumberColumn(c, format="%.1f") for c in cost_table.columns})

@@ -9,6 +9,7 @@ from pathlib import Path
 import pandas as pd
 import streamlit as st
 
+from dflash_doctor.report.sanitize import for_markdown_text
 from dflash_doctor.app import ui
 from dflash_doctor.rundir.tables import TUNE_JSON
 from dflash_doctor.tune.views import (MEASURED_COLUMNS, PREDICTION_COLUMNS, figures, fit_lines, grid_line, measured_rows, prediction_rows,
@@ -21,19 +22,20 @@ if not found:
     st.stop()
 picked = st.selectbox("Tune run", found)
 result = json.loads((Path(picked) / TUNE_JSON).read_text(encoding="utf-8"))
-st.caption(grid_line(result))
+st.caption(for_markdown_text(grid_line(result)))
 
 st.header("Recommendation")
 for line in recommendation_lines(result):
-    st.markdown(f"- `{line}`" if line.split(":")[0] in result["engine_settings"] else f"- {line}")
+    # tune.json is a file from disk (and its lines name the server's model): escaped for Markdown
+    st.markdown(f"- `{line.replace('`', chr(39))}`" if line.split(":")[0] in result["engine_settings"] else f"- {for_markdown_text(line)}")
 for line in warning_lines(result):
-    st.warning(line)
+    st.warning(for_markdown_text(line))
 for i, (title, fig) in enumerate(figures(result)):
-    st.subheader(title)
+    st.subheader(for_markdown_text(title))
     st.plotly_chart(fig, key=f"tune_fig_{i}")
 st.header("Measured")
 st.dataframe(pd.DataFrame(measured_rows(result), columns=list(MEASURED_COLUMNS)), hide_index=True)
 st.header("Predicted vs measured")
 st.dataframe(pd.DataFrame(prediction_rows(result), columns=list(PREDICTION_COLUMNS)), hide_index=True)
 for line in fit_lines(result):
-    st.markdown(f"- {line}")
+    st.markdown(f"- {for_markdown_text(line)}")

@@ -55,5 +55,7 @@ _MARKDOWN_SPECIALS = re.compile(r"([\\`*_\[\]<>|~$])")
 
 def for_markdown_text(value: Any) -> str:
     """Untrusted text inside a Markdown sentence (the dashboard's captions, boxes and expander labels):
-    inert, every markup character backslash-escaped, and on one line."""
-    return " ".join(_MARKDOWN_SPECIALS.sub(r"\\\1", inert(value)).split("\n"))
+    inert, every markup character backslash-escaped, and on one line. A bare URL's ``://`` (and ``www.``)
+    is escaped as well, so GitHub-flavoured autolinking (Streamlit's Markdown) turns no text into a link."""
+    escaped = " ".join(_MARKDOWN_SPECIALS.sub(r"\\\1", inert(value)).split("\n"))
+    return escaped.replace("://", ":\\/\\/").replace("www.", "www\\.")
