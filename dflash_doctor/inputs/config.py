@@ -19,6 +19,7 @@ import platformdirs
 
 from dflash_doctor.errors import UsageError
 from dflash_doctor.inputs.validation import finite_number, type_error
+from dflash_doctor.serving.http import without_userinfo
 from dflash_doctor.stats.speedup import load_cost_profile
 
 
@@ -116,7 +117,11 @@ class DoctorConfig:
     plotly: str = "inline"  # where report.html loads plotly.js from: inline (offline) | cdn (small CI artefacts)
 
     def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """What run.json records: a URL's ``user:password@`` is kept for the requests only, never written."""
+        values = dataclasses.asdict(self)
+        if values.get("engine"):
+            values["engine"] = without_userinfo(values["engine"])[0]
+        return values
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(DoctorConfig)}

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import re
 import time
 import urllib.parse
 from pathlib import Path
@@ -19,7 +20,7 @@ from typing import Mapping, Protocol
 
 from dflash_doctor.errors import UsageError
 from dflash_doctor.inputs.validation import finite_number
-from dflash_doctor.serving.http import AUTH_STATUSES, HttpClient, Unreachable, bearer
+from dflash_doctor.serving.http import AUTH_STATUSES, HttpClient, Unreachable, bearer, shown
 from dflash_doctor.telemetry.counts import SpecCounts
 from dflash_doctor.telemetry.server_metrics import READERS, Reading, read_exposition
 from dflash_doctor.telemetry.exposition import Exposition, Sample, parse_exposition
@@ -61,16 +62,16 @@ def _http_get(client: HttpClient, url: str, auth_flag: str, params: Mapping[str,
     except Unreachable as exc:
         raise SourceUnavailable(str(exc)) from None
     if answer.status in AUTH_STATUSES:
-        raise SourceUnavailable(f"{url} answered HTTP {answer.status}: it wants credentials or refused the ones sent; pass them with {auth_flag}")
+        raise SourceUnavailable(f"{shown(url)} answered HTTP {answer.status}: it wants credentials or refused the ones sent; pass them with {auth_flag}")
     if not answer.ok:
-        raise SourceUnavailable(f"{url} answered HTTP {answer.status}")
+        raise SourceUnavailable(f"{shown(url)} answered HTTP {answer.status}")
     return answer.text
 
 
 def _check_url(url: str, what: str) -> str:
     parsed = urllib.parse.urlparse(url)
     if parsed.scheme not in ("http", "https") or not parsed.netloc:
-        raise UsageError(f"{what} {url!r} is not an http(s) URL; pass e.g. http://127.0.0.1:8000/metrics.")
+        raise UsageError(f"{what} {shown(url)!r} is not an http(s) URL; pass e.g. http://127.0.0.1:8000/metrics.")
     return url
 
 
@@ -96,9 +97,11 @@ class MetricsEndpoint:
         self.url = _check_url(url, "source")
         self._client = _scrape_client(bearer(api_key) or None)
         self.server_kind = _check_server_kind(server_kind)
-        self.model = model or urllib.parse.urlparse(url).netloc
+        # self.url keeps user:password@ for the request alone (the client turns it into an Authorization
+        # header bound to this host); everything stored or printed uses the URL without it (serving.http.shown)
+        self.model = model or urllib.parse.urlparse(shown(url)).netloc
         self.class_label = class_label
-        self.name = url
+        self.name = shown(url)
         self.notes: list[str] = []
         self.last_text: str | None = None
 
@@ -110,7 +113,7 @@ class MetricsEndpoint:
         if reading.server_kind in READERS:
             self.server_kind = reading.server_kind  # detected once, then kept: the advice names this engine's settings
         _note_once(self.notes, reading.notes)
-        return _observations(reading, now, self.url, cumulative=True)
+        return _observations(reading, now, self.name, cumulative=True)
 
 
 def _observations(reading: Reading, now: float, origin: str, *, cumulative: bool) -> list[Observation]:
@@ -196,14 +199,14 @@ class PrometheusServer:
         self.window_s = window_s
         self.class_label = class_label
         self.selector = selector  # extra label matchers, e.g. job="vllm"
-        self.name = f"prometheus {self.url}"
+        self.name = f"prometheus {shown(self.url)}"
         self.notes: list[str] = []
 
     def _query(self, promql: str) -> list[dict]:
         try:
             payload = json.loads(_http_get(self._client, f"{self.url}/api/v1/query", "--prometheus-header", params={"query": promql}))
         except json.JSONDecodeError:
-            raise SourceUnavailable(f"{self.url} did not answer with Prometheus API JSON") from None
+            raise SourceUnavailable(f"{shown(self.url)} did not answer with Prometheus API JSON") from None
         if payload.get("status") != "success":
             raise SourceUnavailable(f"Prometheus refused {promql!r}: {payload.get('error', 'no reason given')}")
         return payload["data"]["result"]
@@ -222,7 +225,7 @@ class PrometheusServer:
     def poll(self) -> list[Observation]:
         server_kind = self.server_kind or self._detect_server_kind()
         if server_kind is None:
-            _note_once(self.notes, [f"{self.url} has no vllm:, sglang:, llamacpp: or trtllm_ speculative counters in its TSDB (yet)."])
+            _note_once(self.notes, [f"{shown(self.url)} has no vllm:, sglang:, llamacpp: or trtllm_ speculative counters in its TSDB (yet)."])
             return []
         self.server_kind = server_kind
         window = f"{int(round(self.window_s))}s"
@@ -238,7 +241,7 @@ class PrometheusServer:
             last_time = max(last_time, float(series["values"][-1][0]))
             value = counter_increase(values) if name in counters else sum(values) / len(values)
             samples.append(Sample(name, labels, value))
-        reading = read_exposition(Exposition(samples), server_kind=server_kind, default_model=self.url, class_label=self.class_label)
+        reading = read_exposition(Exposition(samples), server_kind=server_kind, default_model=shown(self.url), class_label=self.class_label)
         _note_once(self.notes, reading.notes)
         return _observations(reading, last_time or time.time(), self.name, cumulative=False)
 
@@ -269,10 +272,15 @@ class _TailedFile:
         return lines, first
 
 
+#: ``scheme://user:password@`` in any text that looks like a URL (a Path folds ``//`` to ``/``): the credentials go.
+_USERINFO = re.compile(r"(^[A-Za-z][\w+.-]*:/+)[^/\s@]*@")
+_KEEP_SCHEME = r"\1"
+
+
 def _existing_file(path: str | Path) -> Path:
     path = Path(path)
     if not path.is_file():
-        raise UsageError(f"source {path} is neither an http(s) URL nor an existing file; pass a /metrics URL, a log file or a responses .jsonl.")
+        raise UsageError(f"source {_USERINFO.sub(_KEEP_SCHEME, str(path))} is neither an http(s) URL nor an existing file; pass a /metrics URL, a log file or a responses .jsonl.")
     return path
 
 
