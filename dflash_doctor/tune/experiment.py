@@ -90,18 +90,31 @@ def measure_grid(grid: TuneGrid, config: DoctorConfig, requests, run_dir: Path,
     for plan in plans:
         repeat = sum(1 for s in servers if s["k"] == plan.k)
         log_name = f"server-k{plan.k}.log" if not repeat else f"server-k{plan.k}-repeat.log"
-        with serving(plan, run_dir / log_name, grid.start_timeout_s, api_key) as url:
-            endpoint = resolve_model(ServerEndpoint.from_url(url, model=config.engine_model, timeout_s=config.engine_timeout_s, api_key=api_key))
-            for request in requests[: grid.warmup_requests]:
-                stream_request(endpoint, request, config)
-            for load in grid.loads:
-                def report(timed: TimedRequest, k=plan.k, load=load) -> None:
-                    if on_request is not None:
-                        on_request(k, load, timed)
-                runs.append(run_load(endpoint, requests, config, k=plan.k, load=load, repeat=repeat, on_request=report))
-            servers.append(_server_facts(plan.k, plan.command, url, endpoint.model, runs[-len(grid.loads):]) | {"repeat": repeat})
+        try:
+            runs_and_facts = _measure_server(plan, grid, config, requests, run_dir / log_name, api_key, repeat, on_request)
+        finally:  # the server has stopped (or never started): its copied output loses every secret it printed
+            redact_log(run_dir / log_name, known_secrets(plan.command, api_key))
+        runs.extend(runs_and_facts[0])
+        servers.append(runs_and_facts[1])
         _rows(runs).to_parquet(run_dir / "requests.parquet", index=False)
     return runs, servers
+
+
+def _measure_server(plan, grid: TuneGrid, config: DoctorConfig, requests, log_path: Path, api_key: str | None, repeat: int,
+                    on_request: Callable[[int, LoadLevel, TimedRequest], None] | None) -> tuple[list[LoadRun], dict[str, Any]]:
+    """One K: its server up, warm-up requests, every load; the runs and what the server said about itself."""
+    runs: list[LoadRun] = []
+    with serving(plan, log_path, grid.start_timeout_s, api_key) as url:
+        endpoint = resolve_model(ServerEndpoint.from_url(url, model=config.engine_model, timeout_s=config.engine_timeout_s, api_key=api_key))
+        for request in requests[: grid.warmup_requests]:
+            stream_request(endpoint, request, config)
+        for load in grid.loads:
+            def report(timed: TimedRequest, k=plan.k, load=load) -> None:
+                if on_request is not None:
+                    on_request(k, load, timed)
+            runs.append(run_load(endpoint, requests, config, k=plan.k, load=load, repeat=repeat, on_request=report))
+        facts = _server_facts(plan.k, plan.command, url, endpoint.model, runs[-len(grid.loads):]) | {"repeat": repeat}
+    return runs, facts
 
 
 def _server_facts(k: int, command: str | None, url: str, model: str | None, runs: list[LoadRun]) -> dict[str, Any]:
@@ -110,7 +123,7 @@ def _server_facts(k: int, command: str | None, url: str, model: str | None, runs
     specs = [timed.spec for run in runs for timed in run.requests if timed.spec is not None]
     reported = {spec.num_spec_tokens for spec in specs if spec.num_spec_tokens is not None}
     per_request = any(spec.num_drafts is not None for spec in specs)
-    facts: dict[str, Any] = {"k": k, "url": url, "model": model, "launched": redact(command) if command else None,
+    facts: dict[str, Any] = {"k": k, "url": redact(url), "model": model, "launched": redact(command) if command else None,
                              "engine_num_spec_tokens": sorted(reported),
                              "acceptance_from": "per-request response metrics" if per_request else
                              "/metrics counter deltas over the run (overall only)" if any(r.counters for r in runs) else "none"}
@@ -127,7 +140,38 @@ _SECRET = re.compile(r"((?:--api-key|--hf-token|--token)(?:=|\s+))(\S+)|(\b\w*(?
 def redact(command: str) -> str:
     """The launch command as tune.json records it: values of key/token flags and variables replaced by ***
     (a run directory never holds a secret)."""
-    return _SECRET.sub(lambda m: (m.group(1) or m.group(3)) + "***", command)
+    return _URL_USERINFO.sub(r"\1***@", _SECRET.sub(lambda m: (m.group(1) or m.group(3)) + "***", command))
+
+
+#: ``scheme://user:password@``: the userinfo of any URL in a text.
+_URL_USERINFO = re.compile(r"(\b[A-Za-z][\w+.-]*://)[^/\s@'\"]+@")
+
+
+def known_secrets(command: str | None, api_key: str | None) -> list[str]:
+    """The secret values the tool knows for one server: its --api-key and every key/token value or URL
+    password its launch command holds (the values :func:`redact` hides)."""
+    values = [api_key] if api_key else []
+    for match in _SECRET.finditer(command or ""):
+        values.append((match.group(2) or match.group(4) or "").strip("'\""))
+    for match in _URL_USERINFO.finditer(command or ""):
+        values.extend(part for part in match.group(0).split("//", 1)[1].rstrip("@").split(":") if part)
+    return sorted({v for v in values if len(v) >= 4}, key=len, reverse=True)  # 3-letter "key" values would eat words
+
+
+def redact_log(path: Path, secrets: list[str]) -> None:
+    """Rewrite a server's output (``server-k<K>.log``) with every known secret value, every key/token flag
+    value and every URL's userinfo replaced by ***: real engines print their arguments, key included."""
+    if not path.is_file():
+        return
+    text = path.read_text(encoding="utf-8", errors="replace")
+    cleaned = text
+    for value in secrets:
+        cleaned = cleaned.replace(value, "***")
+    cleaned = redact(cleaned)
+    if cleaned != text:
+        temporary = path.with_name(path.name + ".redacting")
+        temporary.write_text(cleaned, encoding="utf-8")
+        temporary.replace(path)
 
 
 def _rows(runs: list[LoadRun]) -> pd.DataFrame:

@@ -1,0 +1,69 @@
+"""A launched server's output is copied to ``server-k<K>.log`` without the secrets it printed: the
+--engine-api-key value, every key/token value of the launch command and every URL's userinfo (real engines
+print their arguments, key included)."""
+
+from __future__ import annotations
+
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from dflash_doctor.cli import app
+from dflash_doctor.tune.experiment import known_secrets, redact, redact_log
+from test_tune import write_sweep_run, write_workload
+
+TESTS = Path(__file__).resolve().parent
+KEY = "sk-printed-9f3e"
+URL_PASSWORD = "pw-in-url-77c"
+
+#: (launch command, --engine-api-key, text the server printed, secrets that must be gone)
+LOG_CASES = [
+    ("vllm serve t --api-key sk-AAAA1111", None, "non-default args: {'api_key': ['sk-AAAA1111']}", ["sk-AAAA1111"]),
+    ("vllm serve t --api-key=sk-BBBB2222", None, "api_key=sk-BBBB2222 model=t", ["sk-BBBB2222"]),
+    ("HF_TOKEN=hf_CCCC3333 vllm serve t", None, "token hf_CCCC3333 loaded", ["hf_CCCC3333"]),
+    ("llama-server -m m.gguf", "sk-DDDD4444", "args: --api-key sk-DDDD4444 --port 8000", ["sk-DDDD4444"]),
+    ("serve --hf-token 'hf_EEEE5555'", None, "using hf_EEEE5555", ["hf_EEEE5555"]),
+    ("serve --model-url http://bob:FFFF6666@hub:1/m", None, "fetching http://bob:FFFF6666@hub:1/m", ["FFFF6666", "bob:"]),
+    ("serve", None, "upstream https://carol:GGGG7777@10.0.0.1/v1 ready", ["GGGG7777"]),
+    ("serve", None, "MY_SECRET=HHHH8888 OPENAI_API_KEY=IIII9999", ["HHHH8888", "IIII9999"]),
+    ("serve --token JJJJ0000", "KKKK1111", "got --token JJJJ0000, key KKKK1111, again JJJJ0000", ["JJJJ0000", "KKKK1111"]),
+]
+
+
+@pytest.mark.parametrize(("command", "api_key", "printed", "gone"), LOG_CASES)
+def test_a_server_log_loses_every_secret_the_tool_knows(tmp_path, command, api_key, printed, gone):
+    log = tmp_path / "server-k2.log"
+    log.write_text(f"INFO start\n{printed}\nINFO ready\n")
+    redact_log(log, known_secrets(command, api_key))
+    text = log.read_text()
+    assert "INFO start" in text and "INFO ready" in text
+    for secret in gone:
+        assert secret not in text, text
+
+
+def test_redact_hides_url_userinfo_in_launch_commands():
+    assert redact("serve --upstream http://bob:pw@h:1/x") == "serve --upstream http://***@h:1/x"
+
+
+def test_tune_copies_server_output_without_the_keys_it_printed(tmp_path):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    engine = f"{sys.executable} {TESTS / 'fake_spec_engine.py'} --port {port} --k"
+    prefix = f"echo serving with --api-key {KEY} from http://bob:{URL_PASSWORD}@hub:1/m; MY_API_KEY={KEY}"
+    out = tmp_path / "run"
+    result = CliRunner().invoke(app, ["tune", "--launch", f"{prefix} {engine} {{k}}", "--launch-baseline", f"{prefix} {engine} 0",
+                                      "--engine", f"http://127.0.0.1:{port}", "--k", "0,2", "--workload", str(write_workload(tmp_path)),
+                                      "--max-new-tokens", "8", "--start-timeout", "60", "--sweep", str(write_sweep_run(tmp_path, [2])),
+                                      "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    logs = sorted(out.glob("server-k*.log"))
+    assert logs and any("serving with" in log.read_text() for log in logs)
+    for path in out.rglob("*"):
+        if path.is_file():
+            data = path.read_bytes()
+            assert KEY.encode() not in data and URL_PASSWORD.encode() not in data, path
+    assert KEY not in result.output and URL_PASSWORD not in result.output
