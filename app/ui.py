@@ -50,6 +50,14 @@ def discovered_runs(root: str) -> list[str]:
 
 
 @st.cache_data(show_spinner=False, ttl=5)
+def unreadable_runs(root: str) -> list[str]:
+    """Folders under ``root`` whose run.json cannot be read, each with the loader's sentence: skipped, and named."""
+    skipped: list[tuple[Path, str]] = []
+    data.find_runs(root, skipped)
+    return [f"{path.name}: {reason}" for path, reason in skipped]
+
+
+@st.cache_data(show_spinner=False, ttl=5)
 def discovered_tune_runs(root: str) -> list[str]:
     """`tune` runs under ``root``, re-scanned at most every 5 s like :func:`discovered_runs`."""
     return [str(path) for path in data.find_tune_runs(root)]
@@ -97,6 +105,9 @@ def sidebar() -> None:
             st.selectbox("Run", runs, key=RUN_KEY, format_func=run_label, help=f"Runs found under {runs_dir()} and runs uploaded here.")
         else:
             st.info(f"No runs under `{runs_dir()}`. Upload one below, or write one with `dflash-doctor check --out {runs_dir()}/first`.")
+        unreadable = unreadable_runs(str(runs_dir()))
+        if unreadable:
+            st.caption(for_markdown_text(f"{len(unreadable)} folder(s) skipped, their run.json cannot be read; the first: {unreadable[0]}"))
         with st.expander("Upload a run", expanded=not runs):
             uploads = st.file_uploader(
                 "A zip of a run directory, or its run.json and .parquet files",

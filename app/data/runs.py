@@ -33,7 +33,7 @@ RUN_FILE_NAMES = (RUN_JSON, *(f"{name}.parquet" for name in TABLES), WINDOWS_FIL
 MAX_UPLOAD_INFLATED_BYTES = 2 * 1024**3
 
 
-def find_runs(root: Path | str) -> list[Path]:
+def find_runs(root: Path | str, skipped: list[tuple[Path, str]] | None = None) -> list[Path]:
     """Run directories under ``root`` (``root`` itself when it is a run), newest ``created_at`` first.
 
     A folder whose run.json does not parse or has another schema version is skipped here; opening it
@@ -48,7 +48,9 @@ def find_runs(root: Path | str) -> list[Path]:
     for run_json in _files_below(root, RUN_JSON):
         try:
             created_at = str(read_run_meta(run_json.parent).get("created_at", ""))
-        except UsageError:
+        except UsageError as exc:
+            if skipped is not None:  # the sidebar names them, so a run that vanished from the list is explained
+                skipped.append((run_json.parent, exc.message))
             continue
         found.append((created_at, run_json.parent))
     found.sort(key=lambda item: (item[0], str(item[1])), reverse=True)

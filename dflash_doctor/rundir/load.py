@@ -58,6 +58,8 @@ def read_run_meta(run_dir: Path | str) -> dict[str, Any]:
         meta = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise UsageError(f"{path} is not valid JSON ({exc}); re-run the command that wrote it.") from None
+    if not isinstance(meta, dict):
+        raise UsageError(f"{path} holds a JSON {type(meta).__name__}, not a run record object; re-run the command that wrote it.")
     version = meta.get("schema_version")
     if version != SCHEMA_VERSION:
         older = isinstance(version, int) and version < SCHEMA_VERSION
@@ -66,6 +68,13 @@ def read_run_meta(run_dir: Path | str) -> dict[str, Any]:
             + (" (the typed run record); re-run the command that wrote it (check, sweep or replay) to rewrite the run directory."
                if older else "; read it with the dflash-doctor version that wrote it.")
         )
+    # every reader types it with RunRecord.from_json: a field of the wrong shape or type is refused here, once,
+    # in one sentence, instead of an AttributeError deep inside a view
+    try:
+        RunRecord.from_json(meta)
+    except (TypeError, ValueError, AttributeError, KeyError, IndexError) as exc:
+        detail = " ".join(str(exc).split())[:160]
+        raise UsageError(f"{path} has a field of the wrong shape or type ({detail}); re-run the command that wrote it.") from None
     return meta
 
 

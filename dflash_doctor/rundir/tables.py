@@ -20,13 +20,24 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from dflash_doctor.errors import UsageError
+
 RUN_JSON = "run.json"
 TUNE_JSON = "tune.json"  # a `tune` run directory's one result file (its server runs are ordinary runs below it)
 
 def read_table_or_empty(path: Path, schema: pa.Schema) -> pd.DataFrame:
     """A Parquet table as a frame; a missing file reads as the empty table of ``schema`` (every column,
     no rows), so views need no special case for a table a run never wrote."""
-    return pq.read_table(path).to_pandas() if path.is_file() else schema.empty_table().to_pandas()
+    return read_parquet_table(path).to_pandas() if path.is_file() else schema.empty_table().to_pandas()
+
+
+def read_parquet_table(path: Path) -> pa.Table:
+    """A Parquet file of a run directory, refused in one sentence when it is truncated or not Parquet."""
+    try:
+        return pq.read_table(path)
+    except (pa.ArrowException, OSError) as exc:
+        detail = " ".join(str(exc).split())[:160]
+        raise UsageError(f"{path} is not a readable Parquet table ({detail}); re-run the command that wrote it or delete the file.") from None
 
 
 def turn_row_id(request_id: str, turn: int) -> str:

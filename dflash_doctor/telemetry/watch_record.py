@@ -42,7 +42,7 @@ from dflash_doctor.stats.metrics import conditional_rates
 from dflash_doctor.rundir.load import read_run_meta
 from dflash_doctor.rundir.ownership import claim_run_dir, release_run_dir
 from dflash_doctor.rundir.run_record import Metrics, ModelInfo, RunMeta, RunRecord, Source, Summary, TauDistribution
-from dflash_doctor.rundir.tables import TABLES
+from dflash_doctor.rundir.tables import TABLES, read_parquet_table
 from dflash_doctor.serving.responses import histogram_from_per_pos
 from dflash_doctor.rundir.writer import JOURNAL_DIR, journal_path, read_stream, utc_now, write_run_json
 from dflash_doctor.telemetry.counts import ALL_CLASSES, SeriesKey, SpecCounts, rate_intervals, window_tau_interval
@@ -170,12 +170,12 @@ class _JournaledTable:
 
     def consolidated_rows(self) -> list[dict[str, Any]]:
         """The rows of the Parquet file (for a continued watch: the earlier watch's)."""
-        return pq.read_table(self.parquet).cast(self.schema).to_pylist() if self.parquet.is_file() else []
+        return read_parquet_table(self.parquet).cast(self.schema).to_pylist() if self.parquet.is_file() else []
 
 
 def read_time_series(parquet: Path, journal: Path, schema: pa.Schema) -> pa.Table:
     """A watch table: its Parquet rows, then every complete batch of its journal (a watch still going, or killed)."""
-    parts = [pq.read_table(parquet).cast(schema)] if parquet.is_file() else []
+    parts = [read_parquet_table(parquet).cast(schema)] if parquet.is_file() else []
     if journal.is_file():
         parts.append(read_stream(journal, schema))
     return pa.concat_tables(parts) if parts else schema.empty_table()
