@@ -92,3 +92,37 @@ def test_one_bad_run_does_not_break_the_dashboard(monkeypatch, tmp_path, good_ru
     at = open_app(monkeypatch, runs, runs / "a-good")  # asserts no exception on the page
     notes = [caption.value for caption in at.sidebar.caption]
     assert any(f"{len(BAD_META)} folder(s) skipped" in note for note in notes), notes
+
+
+#: tokenizer files that are not a JSON object: truncated, empty, an HTML error page, a list, binary
+BAD_TOKENIZER_JSON = {
+    "truncated": lambda text: text[: len(text) // 2],
+    "empty": lambda text: "",
+    "html": lambda text: "<html><body>404 Not Found</body></html>",
+    "a list": lambda text: "[1, 2, 3]",
+    "binary": lambda text: "\x00\x01\x02garbage",
+}
+
+
+@pytest.mark.parametrize("damage", list(BAD_TOKENIZER_JSON))
+@pytest.mark.parametrize("form", ["folder", "file"])
+def test_a_tokenizer_json_that_is_not_json_is_one_sentence(tmp_path, tiny_dir, damage, form):
+    folder = tmp_path / "tok"
+    shutil.copytree(tiny_dir / "target", folder)
+    path = folder / "tokenizer.json"
+    path.write_text(BAD_TOKENIZER_JSON[damage](path.read_text()))
+    spec = folder if form == "folder" else path
+    assert_usage_error(invoke("tokenizers", spec, tiny_dir / "target"), "tokenizer.json")
+
+
+@pytest.mark.parametrize("damage", ["truncated", "html"])
+def test_a_model_folder_with_a_broken_tokenizer_json_is_refused_before_loading(tmp_path, tiny_dir, damage):
+    from dflash_doctor.inputs.validation import check_model_folder
+
+    folder = tmp_path / "target"
+    shutil.copytree(tiny_dir / "target", folder)
+    path = folder / "tokenizer.json"
+    path.write_text(BAD_TOKENIZER_JSON[damage](path.read_text()))
+    with pytest.raises(UsageError) as caught:
+        check_model_folder(folder)
+    assert "tokenizer.json" in str(caught.value)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_doctor.errors import UsageError
+from dflash_doctor.inputs.validation import TOKENIZER_JSON_FILES, check_tokenizer_json
 
 TEMPLATE_SUFFIXES = (".jinja", ".j2")
 
@@ -30,6 +31,11 @@ def load_tokenizer_spec(spec: str, role: str = "tokenizer") -> Any:
     path = _existing(spec, role)
     if path.suffix in TEMPLATE_SUFFIXES:
         raise UsageError(f"{role} {spec} is a chat template, not a tokenizer; pass a model dir, a tokenizer dir or a tokenizer.json.")
+    folder = path if path.is_dir() else path.parent
+    for name in TOKENIZER_JSON_FILES:  # the tokenizers library answers bad JSON with a bare Exception
+        check_tokenizer_json(path if path.is_file() and path.name == name else folder / name)
+    if path.is_file() and path.suffix == ".json":
+        check_tokenizer_json(path)
     try:
         if path.suffix == ".gguf":
             return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)

@@ -125,9 +125,28 @@ def check_model_folder(model_dir: Path) -> dict[str, Any]:
     """Refuse a model folder whose config.json or safetensors weights are broken (see the module doc);
     returns the config."""
     config = read_config_json(model_dir)
+    check_tokenizer_json(model_dir / "tokenizer.json")
     for weights in sorted(model_dir.glob("*.safetensors")):
         check_safetensors(weights)
     return config
+
+
+#: The JSON files of a tokenizer that the tokenizers library parses (it raises a bare Exception on bad JSON).
+TOKENIZER_JSON_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def check_tokenizer_json(path: Path) -> None:
+    """Refuse a tokenizer file that is not a JSON object (truncated download, an HTML error page saved
+    under its name) in one sentence; a missing file is left to the loader."""
+    if not path.is_file():
+        return
+    try:
+        document = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        detail = " ".join(str(exc).split())[:120]
+        raise UsageError(f"{path} is not valid JSON ({detail}); download the tokenizer again (e.g. hf download ORG/NAME).") from None
+    if not isinstance(document, dict):
+        raise UsageError(f"{path} holds a JSON {type(document).__name__}, not a tokenizer object; download the tokenizer again.")
 
 
 # ----------------------------------------------------------------------------------------------------
