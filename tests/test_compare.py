@@ -90,3 +90,34 @@ def test_a_metric_without_an_interval_is_not_gated_and_says_so():
     tau, rate = compare_slice("overall", base, new, 1, threshold_tau=0.2, threshold_rate=0.05)
     assert not tau.regression and tau.note == "no 95% interval in NEW: not gated"
     assert rate.regression and rate.note == ""  # both intervals there: the rule applies
+
+
+#: run.json edits that make NEW measure something else than BASE, and the words the warning must hold
+_OTHER_INPUTS = [
+    (lambda m: m["models"]["target"].update(id="other/target"), "different targets"),
+    (lambda m: m["models"]["target"].update(revision_or_hash="f" * 64), "different weights"),
+    (lambda m: m["config"].update(workload="other.jsonl"), "different workloads"),
+    (lambda m: m["config"].update(max_new_tokens=7), "different workloads"),
+    (lambda m: m["config"].update(classes=["math"]), "different workloads"),
+    (lambda m: m["config"].update(temperature=0.7), "different workloads"),
+]
+
+
+@pytest.mark.parametrize(("edit", "says"), _OTHER_INPUTS)
+def test_compare_warns_when_the_runs_measured_different_inputs(runs, tmp_path, edit, says):
+    import json
+    import shutil
+
+    other = tmp_path / "other"
+    shutil.copytree(runs["degraded"], other)
+    meta = json.loads((other / "run.json").read_text())
+    edit(meta)
+    (other / "run.json").write_text(json.dumps(meta))
+    comparison = compare_runs(runs["base"], other)
+    assert any(says in note for note in comparison.notes), comparison.notes
+    result = CliRunner().invoke(app, ["compare", str(runs["base"]), str(other), "--out", str(tmp_path / "out")])
+    assert "WARNING" in result.output and says in " ".join(result.output.split())
+
+
+def test_compare_of_the_same_inputs_has_no_input_warning(runs):
+    assert not any("WARNING" in note for note in compare_runs(runs["base"], runs["degraded"]).notes)

@@ -60,6 +60,27 @@ def _sides(run: Run, k: int) -> dict[str, Side]:
 
 
 
+def different_inputs(base_run: Run, new_run: Run) -> list[str]:
+    """Warnings when BASE and NEW did not measure the same thing: another target (its id or file hash) or
+    another workload (file, classes, request cap, tokens per request, temperature). A drop between such
+    runs is not a regression of the draft, so the comparison says so before its numbers."""
+    warnings = []
+    base_target, new_target = base_run.record.models.get("target"), new_run.record.models.get("target")
+    if base_target is not None and new_target is not None:
+        if base_target.id != new_target.id:
+            warnings.append(f"WARNING: the runs have different targets (BASE {base_target.id}, NEW {new_target.id}): "
+                            "a change in tau may come from the target, not the draft.")
+        elif base_target.revision_or_hash != new_target.revision_or_hash:
+            warnings.append(f"WARNING: the target {new_target.id} has different weights in the two runs (hash "
+                            f"{base_target.revision_or_hash[:12]} vs {new_target.revision_or_hash[:12]}).")
+    keys = ("workload", "classes", "max_requests", "max_new_tokens", "temperature")
+    differing = [key for key in keys if base_run.record.config.get(key) != new_run.record.config.get(key)]
+    if differing:
+        shown = "; ".join(f"{key} {base_run.record.config.get(key)!r} vs {new_run.record.config.get(key)!r}" for key in differing)
+        warnings.append(f"WARNING: the runs have different workloads ({shown}): compare runs of the same requests.")
+    return warnings
+
+
 def compare_runs(
     base: Run | Path | str,
     new: Run | Path | str,
@@ -87,6 +108,7 @@ def compare_runs(
     for label, run in (("BASE", base_run), ("NEW", new_run)):
         if not run.complete:
             comparison.notes.append(f"{label} is an incomplete run (still going or stopped before it ended): only the requests it finished are compared.")
+    comparison.notes.extend(different_inputs(base_run, new_run))
     if k_base and k_new and k_base != k_new:
         comparison.notes.append(f"BASE drafted K={k_base} and NEW K={k_new}: compared at K={k} by truncation (an estimate for DFlash drafts).")
     if not k:
