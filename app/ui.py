@@ -125,7 +125,9 @@ def _register_upload(files: list[tuple[str, bytes]]) -> None:
     signature = "|".join(f"{name}:{len(payload)}" for name, payload in sorted(files))
     if st.session_state.get("upload_signature") == signature:
         return  # the uploader hands the same files back on every rerun
-    upload_root = Path(st.session_state.setdefault(UPLOAD_DIR_KEY, tempfile.mkdtemp(prefix="dflash-doctor-upload-")))
+    if UPLOAD_DIR_KEY not in st.session_state:  # one folder per session (setdefault made one per upload, left behind)
+        st.session_state[UPLOAD_DIR_KEY] = tempfile.mkdtemp(prefix="dflash-doctor-upload-")
+    upload_root = Path(st.session_state[UPLOAD_DIR_KEY])
     stem = Path(names[0]).stem if len(names) == 1 else "uploaded-run"
     dest = upload_root / f"{stem}-{len(st.session_state.get(UPLOADS_KEY, [])) + 1}"
     try:
