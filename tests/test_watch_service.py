@@ -46,7 +46,8 @@ def test_piped_watch_prints_lines_as_it_goes_and_stops_cleanly(tmp_path, stop_si
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
         lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=read_lines, args=(process.stdout, lines), daemon=True).start()
+        reader = threading.Thread(target=read_lines, args=(process.stdout, lines), daemon=True)
+        reader.start()
         seen: list[str] = []
         deadline = time.monotonic() + 120
         while sum(bool(LINE.match(line)) for line in seen) < 3 and time.monotonic() < deadline:
@@ -59,7 +60,10 @@ def test_piped_watch_prints_lines_as_it_goes_and_stops_cleanly(tmp_path, stop_si
         assert process.poll() is None, "\n".join(seen)  # the lines came while it ran, not at exit
         process.send_signal(stop_signal)
         assert process.wait(timeout=60) == exit_code, "\n".join(seen)
-    time.sleep(0.2)  # let the reader drain the pipe
+    # The reader ends at the pipe's end of file, after the process's last line: a fixed pause was not always
+    # enough for it to get there with two test workers on two cores (the closing "wrote" line went unread).
+    reader.join(timeout=60)
+    assert not reader.is_alive(), "watch exited but its stdout never reached end of file"
     while not lines.empty():
         seen.append(lines.get())
     output = "\n".join(seen)
