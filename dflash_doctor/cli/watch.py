@@ -190,7 +190,7 @@ def watch(
         print_verdicts(console, latest)
         session.close()
         print_source_news(console, session.watcher, 0, set())
-        console.print(f"wrote {session.run_dir}")
+        console.print(f"wrote {session.run_dir}", soft_wrap=True)
         if not latest:  # a monitor pointed at the wrong thing must not stay green: exit 2 as for a source that is down
             named = ", ".join([*(sources or []), *([prometheus] if prometheus else [])])
             raise UsageError(f"no speculative-decoding series in {named} (empty or unknown /metrics text, or a log without "
@@ -262,6 +262,8 @@ def _watch_live(console: Console, session: WatchSession, stop_after_s: float | N
         stop.restore()
     session.close()
     print_source_news(console, session.watcher, events_shown, notes_shown)
-    console.print(f"wrote {session.run_dir}")
+    # soft_wrap: off a terminal Rich wraps at 80 columns, which split a long path off its "wrote" onto a line of
+    # its own (a log reader, or a script taking the last line, then saw a bare path)
+    console.print(f"wrote {session.run_dir}", soft_wrap=True)
     if alerted:
         raise typer.Exit(EXIT_ALERT)
