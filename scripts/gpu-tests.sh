@@ -24,7 +24,9 @@ python="${PYTHON:-python3}"
 run_lane() {
     export PYTHONSAFEPATH=1
     "$python" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else "the GPU lane needs a CUDA device: torch " + torch.__version__ + " sees none")'
-    "$python" -m pytest -m gpu -q -p no:cacheprovider --durations=15 tests/test_gpu_lane.py "$@"
+    # several workers share the one GPU: most of a test's time is its commands' start-up (imports, the compiled
+    # divergence columns), not GPU work (12 tests took over 10 minutes on one worker on an H200)
+    "$python" -m pytest -m gpu -q -p no:cacheprovider -n "${GPU_LANE_WORKERS:-4}" --durations=15 tests/test_gpu_lane.py "$@"
 }
 
 case "${1:-}" in

@@ -34,8 +34,9 @@ from packaging.version import Version
 
 REPO = Path(__file__).resolve().parent.parent
 EXTRAS = "hybrid"
-# pytest runs the lane; setuptools and wheel build the project on the machine (no build isolation offline)
-LANE_TOOLS = ("pytest>=8", "setuptools>=69", "wheel")
+# pytest (on several workers) runs the lane; setuptools and wheel build the project on the machine (no build
+# isolation offline)
+LANE_TOOLS = ("pytest>=8", "pytest-xdist>=3.5", "setuptools>=69", "wheel")
 NOT_THE_LANES = {"streamlit"}
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux2014_x86_64", "manylinux_2_17_x86_64", "linux_x86_64")
 MACHINE_OWN = re.compile(r"^(torch|triton|nvidia-.*|pytorch-triton.*)$")

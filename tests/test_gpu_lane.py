@@ -44,6 +44,10 @@ SHAPE = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_ke
 HYBRID = dict(layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 2,
               linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=64, linear_value_head_dim=64,
               linear_conv_kernel_dim=4)
+# a gap between two logits, relative to the largest, within which two kernels' summation orders may pick
+# differently (flash-linear-attention's chunked kernel, which verifies K + 1 tokens, and its recurrent one, which
+# decodes one, sum in different orders)
+NEAR_TIE = 2e-3
 # run with transformers' torch fallback of the gated delta rule, as on a machine without flash-linear-attention
 WITHOUT_FLA = "import sys; sys.modules['fla'] = None; sys.modules['causal_conv1d'] = None; "
 
@@ -137,17 +141,24 @@ def test_check_on_cuda_exits_0_and_is_lossless(dense, close_draft, tmp_path, dty
     result = doctor("check", "--target", target, "--draft", close_draft, *WORKLOAD, "--k", "4", "--device", "cuda",
                     "--dtype", dtype, "--out", tmp_path / "check")
     ok(result)
-    assert check_status(tmp_path / "check", "lossless") == "pass"
+    assert lossless_holds(tmp_path / "check", dtype)
     assert json.loads((tmp_path / "check" / "run.json").read_text())["summary"]["overall"]["mean_acceptance_length"] > 2
 
 
-def reaches_a_verdict(result: subprocess.CompletedProcess, run: Path) -> None:
+def lossless_holds(run: Path, dtype: str) -> bool:
+    """The lossless check on an engine that is lossless: a pass in float32; in bfloat16 not a failure (the batched
+    verify pass and one-token decoding round differently there, and where that parts the texts the check warns,
+    measured on the H200: `warn`)."""
+    return check_status(run, "lossless") in ({"pass"} if dtype == "float32" else {"pass", "warn"})
+
+
+def reaches_a_verdict(result: subprocess.CompletedProcess, run: Path, dtype: str) -> None:
     """`check` with a random DFlash draft: a verdict, never a crash. The draft is rejected nearly always, so its
     K checks fail and the exit code is 1 (the code of a failed check); the replay itself stays lossless."""
     statuses = {c["status"] for c in json.loads((run / "run.json").read_text())["checks"]}
     assert result.returncode == (1 if "fail" in statuses else 0), result.stderr[-6000:]
     assert "Traceback" not in result.stderr and "could not compile" not in result.stderr, result.stderr[-6000:]
-    assert check_status(run, "lossless") == "pass"
+    assert lossless_holds(run, dtype)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
@@ -158,7 +169,7 @@ def test_check_of_a_dflash_draft_on_cuda_runs_the_compiled_columns_to_a_verdict(
     run = tmp_path / "check"
     result = doctor("check", "--target", target, "--draft", draft, *WORKLOAD, "--k", K, "--device", "cuda",
                     "--dtype", dtype, "--out", run)
-    reaches_a_verdict(result, run)
+    reaches_a_verdict(result, run, dtype)
     tokens = pd.read_parquet(run / "tokens.parquet")
     assert len(tokens) > 0 and tokens["target_topk_ids"].map(len).eq(5).all()
 
@@ -212,15 +223,28 @@ def test_hybrid_replay_on_cuda_equals_hf_greedy_generate(hybrid, tmp_path, fla):
         ids = torch.tensor([tokenizer(text)["input_ids"]], device="cuda")
         with torch.inference_mode():
             greedy = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                    max_new_tokens=len(produced[rid]), eos_token_id=None, pad_token_id=0)
-        assert greedy[0, ids.shape[1]:].tolist() == produced[rid], rid
+                                    max_new_tokens=len(produced[rid]), eos_token_id=None, pad_token_id=0,
+                                    output_scores=True, return_dict_in_generate=True)
+        expected = greedy.sequences[0, ids.shape[1]:].tolist()
+        ours = [int(token) for token in produced[rid]]
+        parted = next((i for i, (a, b) in enumerate(zip(expected, ours)) if a != b), None)
+        if fla == "without" or parted is None:
+            assert ours == expected, rid
+            continue
+        # flash-linear-attention verifies K + 1 tokens with its chunked kernel and `generate` decodes one token with
+        # its recurrent one: two summation orders, so where two logits are within their rounding the texts may
+        # part (H200, torch 2.11, fla 0.6: one request of six, at a gap of 4.6e-4 of the largest logit). Up to
+        # that point they must agree, and the point must be such a near tie.
+        scores = greedy.scores[parted][0].float()
+        gap = (scores[expected[parted]] - scores[ours[parted]]).item()
+        assert 0 <= gap <= NEAR_TIE * scores.abs().max().item(), (rid, parted, gap)
 
 
 def test_hybrid_check_and_sweep_on_cuda_in_bfloat16(hybrid, tmp_path):
     target, draft = hybrid
     run = tmp_path / "check"
     reaches_a_verdict(doctor("check", "--target", target, "--draft", draft, *WORKLOAD, "--k", K, "--device", "cuda",
-                             "--dtype", "bfloat16", "--out", run), run)
+                             "--dtype", "bfloat16", "--out", run), run, "bfloat16")
     ok(doctor("sweep", "--target", target, "--draft", draft, *WORKLOAD, "--k", "1-7", "--device", "cuda",
               "--dtype", "bfloat16", "--out", tmp_path / "sweep"))
 
