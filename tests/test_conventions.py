@@ -146,7 +146,7 @@ def test_completion_completes_choice_flags():
     result = CliRunner().invoke(app, [], env=env, prog_name="dflash-doctor")
     assert result.output.split() == ["float32", "bfloat16", "float16"]
     env["COMP_WORDS"] = "dflash-doctor sweep --draft-kind "
-    assert CliRunner().invoke(app, [], env=env, prog_name="dflash-doctor").output.split() == ["dflash", "ngram", "autoregressive", "auto"]
+    assert CliRunner().invoke(app, [], env=env, prog_name="dflash-doctor").output.split() == ["dflash", "ngram", "suffix", "autoregressive", "auto"]
     script = CliRunner().invoke(app, ["--show-completion", "bash"], prog_name="dflash-doctor")
     assert script.exit_code == 0 and "_DFLASH_DOCTOR_COMPLETE" in script.output
 
