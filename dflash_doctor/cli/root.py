@@ -25,7 +25,7 @@ from dflash_doctor.errors import UsageError
 from dflash_doctor.processes import EXIT_CRASH, exit_code_of, stop_signals_raise
 
 # what the CLI layer itself raises to end a command with a code or a message: never a crash
-_ENDINGS = tuple({typer.Exit, typer.Abort, click.exceptions.Exit, click.exceptions.Abort, click.ClickException,
+_ENDINGS: tuple[type[BaseException], ...] = tuple({typer.Exit, typer.Abort, click.exceptions.Exit, click.exceptions.Abort, click.ClickException,
                   *(base for base in typer.BadParameter.__mro__ if base.__name__ == "ClickException")})
 
 # command -> (its module, the first line of its docstring or its group's help), in --help order

@@ -174,7 +174,8 @@ class HttpClient:
                 raise AnswerCut(f"no complete answer from {shown(url)} within the {self.deadline_s:g} s deadline")
             try:
                 response = self.session.request(method, current, json=payload, params=params, timeout=timeout, allow_redirects=False,
-                                                stream=True, auth=auth if same else None, headers=extra)
+                                                # a None value removes that session header (requests' documented merge rule)
+                                                stream=True, auth=auth if same else None, headers=extra)  # pyright: ignore[reportArgumentType]
             except requests.RequestException as exc:
                 raise Unreachable(f"no answer from {shown(url)} ({_reason(exc, timeout)})") from None
             location = response.headers.get("Location")
