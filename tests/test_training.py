@@ -276,6 +276,55 @@ def test_a_spoilt_or_foreign_checkpoint_is_refused_in_one_sentence(tmp_path, mon
     assert str(refused.value).count(". ") == 0 and str(refused.value).endswith(".")  # one sentence
 
 
+def _edit_state(checkpoint_dir, **fields):
+    """training_state.json with some fields replaced, as a hand edit or a mix of two checkpoints leaves it
+    (the other pieces keep their sha256: only the state file lists them)."""
+    state_file = checkpoint_dir / training.TRAINING_STATE_FILE
+    record = json.loads(state_file.read_text())
+    for name, value in fields.items():
+        if name == "last_epoch":
+            record["scheduler"]["last_epoch"] = value
+        elif name == "window_steps":
+            record["window"]["steps"] = value
+        else:
+            record[name] = value
+    state_file.write_text(json.dumps(record))
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"step": 99_999}, "claims step 99999 of a 20-step run"),
+    ({"step": 21}, "claims step 21 of a 20-step run"),
+    ({"step": -1}, "claims step -1 of a 20-step run"),
+    ({"step": 10.5}, "step 10.5 is not a whole number"),
+    ({"step": "10"}, "step '10' is not a whole number"),
+    ({"step": True}, "step True is not a whole number"),
+    ({"step": 12}, "learning-rate schedule stands at step 10"),  # the checkpoint of step 10, its step field edited
+    ({"step": 15, "last_epoch": 15}, "loss log and running row add up to another step"),
+    ({"step": 15, "last_epoch": 15, "window_steps": 5}, "optimizer pieces were written at step 10"),
+    ({"log": [{"step": 5}, {"step": 40}]}, "loss log holds rows of steps"),
+    ({"scheduler": None}, "scheduler, loss log or running loss-log row"),
+])
+def test_a_checkpoint_whose_step_is_out_of_range_or_at_odds_with_its_pieces_is_refused(tmp_path, monkeypatch, fields, message):
+    """A resumed step beyond --steps, negative or disagreeing with the schedule, the loss log or AdamW's own
+    step count is refused in one sentence naming the checkpoint folder and what to do, before any step runs."""
+    initial = tiny_dflash(markov_target(), block_size=6, layer_ids=(0, 2))
+    _stop_after_first_checkpoint(tmp_path / "run", initial, monkeypatch)
+    _edit_state(tmp_path / "run", **fields)
+    with pytest.raises(UsageError, match=message) as refused:
+        _small_run(tmp_path / "run", initial)
+    text = str(refused.value)
+    assert text.startswith(str(tmp_path / "run")) and "remove" in text and "copy the checkpoint again" in text
+    assert text.count(". ") == 0 and text.endswith(".")  # one sentence
+
+
+def test_the_untouched_checkpoint_of_the_last_step_still_resumes(tmp_path):
+    """A finished run's checkpoint claims step == --steps: that is consistent, and resuming it trains nothing."""
+    initial = tiny_dflash(markov_target(), block_size=6, layer_ids=(0, 2))
+    done = _small_run(tmp_path / "run", initial)
+    again = _small_run(tmp_path / "run", initial)
+    assert again.resumed_from_step == 20 == again.final_step and _curve(again.log) == _curve(done.log)
+
+
 def test_a_checkpoint_resumes_only_from_the_weights_it_started_from(tmp_path, monkeypatch):
     """--init-from another draft with the same flags is another run: its checkpoint must not be taken over."""
     target = markov_target()
@@ -493,6 +542,15 @@ def test_cli_refuses_a_cut_short_checkpoint_piece_with_exit_2(target_and_workloa
     result = _train_draft(target_and_workload, tmp_path / "run", "--steps", "4")
     assert result.exit_code == 2 and "Traceback" not in result.output
     assert "bytes instead of" in " ".join(result.output.split())
+
+
+def test_cli_refuses_a_checkpoint_that_claims_a_step_beyond_steps_with_exit_2(target_and_workload, tmp_path):
+    assert _train_draft(target_and_workload, tmp_path / "run", "--steps", "4").exit_code == 0
+    _edit_state(tmp_path / "run" / "checkpoint", step=99_999)
+    result = _train_draft(target_and_workload, tmp_path / "run", "--steps", "4")
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    said = "".join(result.output.split())  # the terminal wraps long paths anywhere
+    assert "claimsstep99999ofa4-steprun" in said and "".join(str(tmp_path / "run" / "checkpoint").split()) in said
 
 
 def test_cached_data_only_trains_on_carried_caches_and_refuses_to_generate(target_and_workload, tmp_path):

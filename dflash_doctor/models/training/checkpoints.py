@@ -114,12 +114,49 @@ def _identity_difference(saved: dict[str, Any], current: dict[str, Any]) -> str:
     return "; ".join(parts)
 
 
+def _progress_problem(record: dict[str, Any], steps: int, moment_steps: set[float]) -> str:
+    """What is wrong with a checkpoint's claimed progress, in words ("" when nothing is).
+
+    A resume is refused, not clamped or repaired, when the step is not a whole number in ``0..steps``
+    (``steps`` is the run's ``--steps``, which the identity already matched) or disagrees with what the
+    checkpoint's other parts record of it: the scheduler's position, the loss log's rows and the half-summed
+    row after them, and AdamW's per-parameter step count in the (sha256-checked) optimizer pieces. Such a
+    state was edited or mixed from two checkpoints; clamping it to ``steps`` would end the run at once with
+    a draft and a loss log that belong to no step, and going on from it would not be the run the identity
+    names, so the only sound answers are another copy of the checkpoint or a fresh start.
+    """
+    step = record["step"]
+    if not isinstance(step, int) or isinstance(step, bool):
+        return f"its step {step!r} is not a whole number"
+    if not 0 <= step <= steps:
+        return f"it claims step {step} of a {steps}-step run"
+    try:
+        scheduler_step = record["scheduler"]["last_epoch"]
+        log_steps = [row["step"] for row in record["log"]]
+        window_steps = record["window"]["steps"]
+    except (KeyError, TypeError):
+        return "its scheduler, loss log or running loss-log row is not what a checkpoint writes"
+    if scheduler_step != step:
+        return f"it claims step {step} but its learning-rate schedule stands at step {scheduler_step}"
+    if any(not isinstance(s, int) or isinstance(s, bool) for s in log_steps) or log_steps != sorted(set(log_steps)) \
+            or any(not 0 < s <= step for s in log_steps):
+        return f"it claims step {step} but its loss log holds rows of steps {log_steps[:3]}{'...' if len(log_steps) > 3 else ''}"
+    if window_steps != step - (log_steps[-1] if log_steps else 0):
+        return f"it claims step {step} but its loss log and running row add up to another step"
+    if moment_steps - {float(step)} or (step > 0 and not moment_steps):
+        found = ", ".join(f"{s:g}" for s in sorted(moment_steps)) or "none"
+        return f"it claims step {step} but its optimizer pieces were written at step {found}"
+    return ""
+
+
 def load_checkpoint(path: Path, identity: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
     """Weights and training state (on the CPU) of the checkpoint in ``path``; None when there is none.
 
     Every piece is checked against the size and sha256 :data:`TRAINING_STATE_FILE` lists before anything
     is read, and the run's identity (hyper-parameters, architecture, data, starting weights) must match:
-    each failure is one sentence naming the piece or the difference (UsageError).
+    each failure is one sentence naming the piece or the difference (UsageError). So must the claimed
+    progress (:func:`_progress_problem`): a step beyond ``--steps``, negative, or at odds with the checkpoint's
+    other parts is refused.
     """
     from safetensors.torch import load_file
 
@@ -163,6 +200,11 @@ def load_checkpoint(path: Path, identity: dict[str, Any]) -> tuple[dict[str, tor
                 optimizer_state.setdefault(int(index), {})[entry] = tensor
         elif name.endswith(".safetensors"):
             weights.update(load_file(path / name))
+    moment_steps = {float(entries["step"]) for entries in optimizer_state.values() if "step" in entries}
+    problem = _progress_problem(record, int(identity["train_config"]["steps"]), moment_steps)
+    if problem:
+        raise UsageError(f"{path} does not hold a state this run can continue ({problem}); copy the checkpoint again from the run "
+                         f"that wrote it, or remove {path} to start afresh.")
     generator = torch.frombuffer(bytearray(base64.b64decode(record["generator"])), dtype=torch.uint8)
     state = {"step": record["step"], "log": record["log"], "scheduler": record["scheduler"], "generator": generator, "window": record["window"],
              "optimizer": {"state": optimizer_state, "param_groups": record["optimizer_param_groups"]}}
