@@ -129,3 +129,78 @@ def test_trtllm_iteration_stats_lines():
     observations, problems = parse([json.dumps(s) for s in stats])
     assert [o.counts.mean_acceptance_length for o in observations] == pytest.approx([2.75, 2.25])  # TRT-LLM's own tau agrees
     assert problems.count == 1
+
+
+def _spec_lines():
+    return [line for line in (DATA / "vllm_server_good.log").read_text().splitlines() if "SpecDecoding metrics:" in line]
+
+
+def test_a_followed_log_skips_a_line_over_the_cap_without_holding_it_in_memory(tmp_path, caplog):
+    """A server's log with a 16 MiB line never ended by a newline (a dumped blob): the line is skipped while
+    it is read (peak memory of opening and polling stays a small fraction of it), counted, named in one
+    warning and one note, and the lines after it keep their numbers."""
+    import logging
+    import tracemalloc
+
+    from dflash_doctor.telemetry import sources
+
+    cap = 2**20  # sources.MAX_LINE_BYTES
+    first, second, third = _spec_lines()[:3]
+    log = tmp_path / "server.log"
+    line_bytes = 16 * 2**20
+    with log.open("w") as handle:
+        handle.write(first + "\n")
+        for _ in range(line_bytes // 2**20):
+            handle.write("x" * 2**20)  # unterminated: the server is still writing it
+    caplog.set_level(logging.WARNING, logger="dflash_doctor")
+    tracemalloc.start()
+    try:
+        source = sources.open_source(str(log), server_kind="vllm", model="m")
+        observations = source.poll()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 3 * cap <= line_bytes / 5, peak  # about two pieces of the cap, not the line
+    assert [o.origin for o in observations] == [f"{log}:1"]
+    assert any("1 line(s)" in n and str(log) in n and "longer than 1 MiB" in n for n in source.notes), source.notes
+
+    with log.open("a") as handle:  # the long line ends, a metrics line follows, then another long line
+        handle.write("y" * 2**20 + "\n" + second + "\n" + "z" * (3 * 2**20) + "\n" + third + "\n")
+    tracemalloc.start()
+    try:
+        observations = source.poll()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 3 * cap, peak
+    assert [o.origin for o in observations] == [f"{log}:3", f"{log}:5"]
+    assert any("2 line(s)" in n and str(log) in n for n in source.notes), source.notes
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "longer than" in r.getMessage()]
+    assert len(warnings) == 1 and str(log) in warnings[0].getMessage()
+    assert cap == sources.MAX_LINE_BYTES
+
+
+def test_a_short_unterminated_line_waits_for_its_newline(tmp_path):
+    first, second = _spec_lines()[:2]
+    log = tmp_path / "server.log"
+    log.write_text(first + "\n" + second[:40])
+    from dflash_doctor.telemetry.sources import LogFile
+
+    source = LogFile(log, server_kind="vllm", model="m")
+    assert [o.origin for o in source.poll()] == [f"{log}:1"]
+    with log.open("a") as handle:
+        handle.write(second[40:] + "\n")
+    assert [o.origin for o in source.poll()] == [f"{log}:2"] and not source.notes
+
+
+def test_captured_responses_keep_a_larger_cap_for_a_long_response_body(tmp_path):
+    """One line of captured responses is a whole response body: a 2 MiB completion text is read, not skipped."""
+    from dflash_doctor.telemetry.sources import ResponsesFile, open_source
+
+    record = json.loads((DATA / "vllm_responses_good.jsonl").read_text().splitlines()[0])
+    record["response"]["choices"][0]["message"]["content"] = "word " * (2 * 2**20 // 5)
+    captured = tmp_path / "responses.jsonl"
+    captured.write_text(json.dumps(record) + "\n")
+    source = open_source(str(captured))
+    assert isinstance(source, ResponsesFile)
+    assert len(source.poll()) == 1 and not source.notes

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import re
 import time
 import urllib.parse
@@ -27,6 +28,8 @@ from dflash_doctor.telemetry.exposition import Exposition, Sample, parse_exposit
 from dflash_doctor.telemetry.logs import LogContext, detect_log_server_kind, parse_log_lines
 from dflash_doctor.telemetry.observation import AVERAGE_WEIGHT, Observation, ParseProblems
 from dflash_doctor.telemetry.captured_responses import parse_response_lines
+
+_log = logging.getLogger(__name__)
 
 HTTP_TIMEOUT_S = 10.0
 # The whole of one scrape, body included: a page that never ends is cut here, so a live watch's evaluation
@@ -246,13 +249,31 @@ class PrometheusServer:
         return _observations(reading, last_time or time.time(), self.name, cumulative=False)
 
 
-class _TailedFile:
-    """Reads the lines appended to a file since the last call; starts over when the file shrank (rotation)."""
+#: The longest line a followed log file is read with (the newline included). An engine's metrics line is far
+#: shorter; a longer line (a dumped prompt, a binary blob, a log never ended by a newline) is skipped while it
+#: is read, in small pieces, so it is never held whole in memory.
+MAX_LINE_BYTES = 2**20
+#: The same cap for captured responses: one line is a whole response body (its text, logprobs where asked).
+MAX_RESPONSE_LINE_BYTES = 16 * 2**20
+_SKIP_PIECE_BYTES = 2**16  # the rest of a line over the cap is read (and dropped) in pieces of this size
 
-    def __init__(self, path: Path):
+
+class _TailedFile:
+    """Reads the lines appended to a file since the last call; starts over when the file shrank (rotation).
+
+    Lines are read one at a time with a cap of ``max_line_bytes``: a longer line is passed over in
+    small pieces (even while it is still being written, across calls), counted in
+    ``skipped_long_lines`` and given to the caller as an empty line, so the line numbers of the lines after
+    it stay right. An unterminated line shorter than the cap waits for its newline (it is read again).
+    """
+
+    def __init__(self, path: Path, max_line_bytes: int = MAX_LINE_BYTES):
         self.path = path
+        self.max_line_bytes = max_line_bytes
         self.offset = 0
         self.line_number = 0
+        self.skipped_long_lines = 0
+        self._inside_long_line = False  # the offset is inside a line already counted as too long
 
     def new_lines(self) -> tuple[list[str], int]:
         try:
@@ -260,15 +281,34 @@ class _TailedFile:
         except OSError as exc:
             raise SourceUnavailable(f"{self.path} could not be read ({exc.strerror})") from None
         if size < self.offset:  # truncated or rotated
-            self.offset, self.line_number = 0, 0
+            self.offset, self.line_number, self._inside_long_line = 0, 0, False
+        first = self.line_number + 1
+        lines: list[str] = []
         with self.path.open("rb") as handle:
             handle.seek(self.offset)
-            data = handle.read()
-        complete = data[: data.rfind(b"\n") + 1] if b"\n" in data else b""
-        self.offset += len(complete)
-        first = self.line_number + 1
-        lines = complete.decode("utf-8", errors="replace").splitlines()
-        self.line_number += len(lines)
+            while True:
+                if self._inside_long_line:
+                    piece = handle.readline(_SKIP_PIECE_BYTES)
+                    if not piece:
+                        break  # still being written: go on skipping it next time
+                    self.offset += len(piece)
+                    if piece.endswith(b"\n"):
+                        self._inside_long_line = False
+                        self.line_number += 1
+                        lines.append("")  # its place, so the next lines keep their numbers
+                    continue
+                line = handle.readline(self.max_line_bytes + 1)
+                if line.endswith(b"\n") and len(line) <= self.max_line_bytes:
+                    self.offset += len(line)
+                    pieces = line.decode("utf-8", errors="replace").splitlines()  # a lone \r (a progress bar) parts lines too
+                    self.line_number += len(pieces)
+                    lines.extend(pieces)
+                elif len(line) > self.max_line_bytes:  # over the cap, terminated or not: counted once, skipped to its end
+                    self.offset += len(line)
+                    self.skipped_long_lines += 1
+                    self._inside_long_line = True
+                else:
+                    break  # the end of the file, or a short line not ended yet: read again next time
         return lines, first
 
 
@@ -288,6 +328,7 @@ class _FollowedFile:
     """A file read as it grows, whose unreadable lines are counted into one note."""
 
     what = "metrics"  # named in the note about unreadable lines
+    max_line_bytes = MAX_LINE_BYTES  # a longer line is skipped unread (see _TailedFile)
 
     def __init__(self, path: str | Path, *, model: str | None = None):
         self.path = _existing_file(path)
@@ -295,12 +336,21 @@ class _FollowedFile:
         self.name = str(self.path)
         self.notes: list[str] = []
         self.problems = ParseProblems()
-        self._tail = _TailedFile(self.path)
+        self._tail = _TailedFile(self.path, self.max_line_bytes)
+        self._warned_long_lines = False
 
     def _note_problems(self) -> None:
         message = self.problems.message(self.what)
         if message:
             self.notes = [n for n in self.notes if "could not be read" not in n] + [message]
+        skipped = self._tail.skipped_long_lines
+        if skipped:
+            cap = f"{self.max_line_bytes / 2**20:g} MiB"
+            if not self._warned_long_lines:
+                _log.warning("%s has a line longer than %s; lines that long are skipped, not read", self.name, cap)
+                self._warned_long_lines = True
+            self.notes = [n for n in self.notes if "longer than" not in n] + [
+                f"{skipped} line(s) of {self.name} longer than {cap} were skipped unread"]
 
 
 class LogFile(_FollowedFile):
@@ -330,6 +380,7 @@ class ResponsesFile(_FollowedFile):
     """Captured responses, one JSON object per line (see :mod:`.responses`); followed as it grows."""
 
     what = "response"
+    max_line_bytes = MAX_RESPONSE_LINE_BYTES
     server_kind: str | None = None  # each line names its own engine by its fields
 
     def poll(self) -> list[Observation]:
@@ -341,11 +392,11 @@ class ResponsesFile(_FollowedFile):
 
 def _looks_like_responses(path: Path) -> bool:
     """A JSONL file of response bodies (not TensorRT-LLM iteration stats, which the log parser reads)."""
-    with path.open("r", encoding="utf-8", errors="replace") as handle:
-        for line in handle:
-            if line.strip():
-                stripped = line.strip()
-                return stripped.startswith("{") and "specDecodingStats" not in stripped
+    with path.open("rb") as handle:  # lines read with a cap: the first one may be a huge unterminated one
+        while line := handle.readline(MAX_LINE_BYTES):
+            stripped = line.strip()
+            if stripped:
+                return stripped.startswith(b"{") and b"specDecodingStats" not in stripped
     return False
 
 
