@@ -7,14 +7,18 @@ summarize the in-memory rows -> (sweep + recommendation) -> (probes on the in-me
 the next; nothing is read back from the run directory. The CLI modules parse flags, call one function
 here, print a view of the returned :class:`Outcome` and pick the exit code.
 
-Ctrl-C during the replay keeps every finished request: the tables are closed, run.json is written
-with the summary of what finished (``interrupted``), and :class:`KeyboardInterrupt` propagates.
+Ctrl-C, SIGTERM or SIGHUP during the replay keeps every finished request: the tables are closed, run.json
+is written with the summary of what finished (``interrupted``), and the interrupt propagates as
+:class:`~dflash_doctor.processes.Stopped` of the same signal, so the command exits 128 + that signal. An
+interrupt at any later stage (pricing, probes, checks) reaches the open :class:`RunWriter`, which records
+the run as interrupted too.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
+import signal
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +35,7 @@ from dflash_doctor.models.loading import weights_fingerprint
 from dflash_doctor.models.draft_kinds import weightless_kind
 from dflash_doctor.models.loading import DEMO_DRAFT_DIR
 from dflash_doctor.models.pair import Pair, load_pair
+from dflash_doctor.processes import Stopped
 from dflash_doctor.replay import sharding
 from dflash_doctor.replay.probes import layer_offset_probe, lossless_probe, probe_turns
 from dflash_doctor.replay.stream import Replay, replay_live, replay_teacher
@@ -123,10 +128,11 @@ def _sweep(record: RunRecord, pair: Pair, replay: Replay, config: DoctorConfig) 
 
 
 def _finish(writer: RunWriter, record: RunRecord, replay: Replay) -> None:
-    """run.json gets the final record when the writer closes; an interrupted replay ends the command here."""
+    """run.json gets the final record when the writer closes; an interrupted replay ends the command here,
+    with the signal that interrupted it."""
     writer.meta = record.to_json()
     if replay.interrupted:
-        raise KeyboardInterrupt
+        raise Stopped(replay.interrupt_signal or signal.SIGINT)
 
 
 def run_replay(config: DoctorConfig, *, progress: ProgressFactory = no_progress) -> Outcome:
@@ -248,7 +254,7 @@ def run_server_check(config: DoctorConfig, *, only: Sequence[str] = (), skip: Se
         if measured.failure is not None:
             raise measured.failure
         if measured.interrupted:
-            raise KeyboardInterrupt
+            raise Stopped(measured.interrupt_signal or signal.SIGINT)
         if local is not None and local.kind.engine_agreement:
             record.probes.engine_agreement = compare_with_embedded(local, measured.turns, config, seed=config.seed)
         if local is not None:

@@ -9,9 +9,11 @@ Exit codes are a contract a supervisor (systemd, Kubernetes, CI) can act on; eve
   stderr, and a service should be restarted;
 * 128 + N: ended by signal N (130 Ctrl-C / SIGINT, 143 SIGTERM, 129 SIGHUP), after its cleanup ran.
 
-While a command runs, SIGTERM and SIGHUP raise :class:`Stopped` (a :class:`KeyboardInterrupt`, as Ctrl-C
-raises one) in the main thread (:func:`stop_signals_raise`), so every ``finally`` and context manager on
-the way out runs: a launched server is stopped, a run directory closed, its lock given back.
+While a command runs, SIGINT (Ctrl-C), SIGTERM and SIGHUP raise :class:`Stopped` (a
+:class:`KeyboardInterrupt`) in the main thread (:func:`stop_signals_raise`), so every ``finally`` and context
+manager on the way out runs: a launched server is stopped, a run directory closed and marked interrupted, its
+lock given back. The three are one path: what records an interruption records it whichever signal it was,
+and :func:`signal_of` keeps which one for the exit code.
 
 A child process the doctor starts to outlive a single call (a serving engine ``tune`` launches, the
 torchrun of ``--devices``: :func:`run_in_group`) is started by :func:`start_group`: in a session of its own (its own process group, so a terminal's Ctrl-C
@@ -41,7 +43,7 @@ PR_SET_PDEATHSIG = 1  # linux/prctl.h: the signal a process gets when its parent
 
 
 class Stopped(KeyboardInterrupt):
-    """SIGTERM or SIGHUP asked the command to end; ``exit_code`` is 128 + the signal's number."""
+    """SIGINT, SIGTERM or SIGHUP asked the command to end; ``exit_code`` is 128 + the signal's number."""
 
     def __init__(self, signum: int):
         super().__init__(f"stopped by {signal.Signals(signum).name}")
@@ -49,9 +51,15 @@ class Stopped(KeyboardInterrupt):
         self.exit_code = 128 + signum
 
 
+def signal_of(interrupt: BaseException) -> int:
+    """The signal behind an interrupt: :class:`Stopped`'s own, SIGINT for a plain KeyboardInterrupt (Python's
+    Ctrl-C handler outside :func:`stop_signals_raise`). A number, so it survives pickling (torchrun ranks)."""
+    return int(getattr(interrupt, "signum", signal.SIGINT))
+
+
 def exit_code_of(interrupt: KeyboardInterrupt) -> int:
-    """The exit status for an interrupt: 128 + the signal (Ctrl-C: 130)."""
-    return getattr(interrupt, "exit_code", 128 + signal.SIGINT)
+    """The exit status for an interrupt: 128 + the signal (Ctrl-C: 130, SIGTERM: 143)."""
+    return 128 + signal_of(interrupt)
 
 
 def _raise_stopped(signum: int, _frame: Any) -> None:
@@ -60,13 +68,18 @@ def _raise_stopped(signum: int, _frame: Any) -> None:
 
 @contextmanager
 def stop_signals_raise() -> Iterator[None]:
-    """For the block: SIGTERM and SIGHUP raise :class:`Stopped` in the main thread (SIGINT raises
-    KeyboardInterrupt already); the handlers before are put back after. Outside the main thread (where
-    no handler can be set) the block runs as it is."""
+    """For the block: SIGINT, SIGTERM and SIGHUP raise :class:`Stopped` in the main thread; the handlers
+    before are put back after. Outside the main thread (where no handler can be set) the block runs as it is.
+
+    SIGINT too, not left to Python's own handler: a command started in the background of a non-interactive
+    shell (``cmd &`` in a CI script) inherits SIGINT ignored, and Python then installs no handler, so a
+    ``kill -INT`` (a runner's cancel) went unnoticed and the run ended and was recorded as complete. A SIGINT
+    sent to this process is a request to stop, whoever sends it: it is honoured like SIGTERM, with its own
+    exit code (130)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = {signum: signal.signal(signum, _raise_stopped) for signum in (signal.SIGTERM, signal.SIGHUP)}
+    previous = {signum: signal.signal(signum, _raise_stopped) for signum in STOP_SIGNALS}
     try:
         yield
     finally:

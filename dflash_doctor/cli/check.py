@@ -45,7 +45,7 @@ Examples:
   dflash-doctor check --engine http://localhost:8000 --target ./target --draft ./draft
 
 Exit codes: 0 every check passed or warned; 1 a check failed or errored (with --fail-on warn: also a
-warning); 2 bad input; 130 interrupted (finished requests are kept)."""
+warning); 2 bad input; 128 + the signal when stopped (130 Ctrl-C, 143 SIGTERM; finished requests are kept)."""
 
 
 def check_json(outcome: pipeline.Outcome, code: int) -> dict[str, Any]:

@@ -76,13 +76,13 @@ def stage_indicator(console: Console) -> StageListener:
     return indicator
 
 
-EXIT_INTERRUPTED = 130  # the shell's code for a process ended by SIGINT
 Outcome = TypeVar("Outcome")
 
 
 def run_with_progress(command: Callable[[ProgressFactory], Outcome]) -> Outcome:
     """Run one pipeline command with the progress bar on stderr (none with -q). Ctrl-C: the pipeline has closed the run
-    directory with every finished request, so say so and exit 130 (no traceback)."""
+    directory with every finished request (run.json says ``interrupted``), so say so and exit 128 + the signal
+    (130 Ctrl-C, 143 SIGTERM, 129 SIGHUP; no traceback)."""
     console = Console(stderr=True)
     try:
         if not progress_shown():

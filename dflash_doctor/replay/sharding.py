@@ -150,8 +150,8 @@ def replay_into(run_dir: Path, meta: dict[str, Any], requests: Sequence[Request]
         writer = RunWriter(run_dir, meta)
         try:
             return writer, replay(writer, requests)
-        except BaseException:
-            writer.close()
+        except BaseException as exc:
+            writer.close(interrupted=isinstance(exc, KeyboardInterrupt))
             raise
     mine = [requests[i] for i in shard_requests([work(r) for r in requests], ranks.world_size)[ranks.rank]]
     with RunWriter(part_dir(run_dir, ranks.rank), meta) as part:
@@ -204,6 +204,7 @@ def merge_replays(replays: Sequence[Replay], requests: Sequence[Request]) -> Rep
     position = {request.id: index for index, request in enumerate(requests)}
     turns = sorted((turn for replay in replays for turn in replay.turns), key=lambda t: (position[t.request.id], t.index))
     merged = Replay(turns=turns, estimate_by_k=dict(replays[0].estimate_by_k), interrupted=any(r.interrupted for r in replays),
+                    interrupt_signal=next((r.interrupt_signal for r in replays if r.interrupt_signal is not None), None),
                     full_block_matches={key: matches for replay in replays for key, matches in replay.full_block_matches.items()})
     order = turn_order(merged)
 

@@ -8,8 +8,9 @@ Two ways to get the steps, one turn loop (:mod:`dflash_doctor.replay.turns`):
 
 Both write the requests / steps / tokens rows of each finished turn through the :class:`RunWriter`
 and keep in memory only what the summary needs (request and step rows, never token rows) plus the
-turns themselves, so nothing is read back from disk. Ctrl-C stops between requests: what finished is
-in the tables and in the returned :class:`Replay` (``interrupted``).
+turns themselves, so nothing is read back from disk. Ctrl-C (or SIGTERM / SIGHUP, which
+:mod:`dflash_doctor.processes` turns into the same interrupt) stops between requests: what finished is in
+the tables and in the returned :class:`Replay` (``interrupted``, and ``interrupt_signal`` for the exit code).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from dflash_doctor.engine.live import GenerationResult, plain_generate, speculat
 from dflash_doctor.engine.schedule import CONVENTIONS, EndOfRequest
 from dflash_doctor.engine.teacher import TeacherSequence, slot_table, token_rows, walk_schedule
 from dflash_doctor.models.pair import Pair
+from dflash_doctor.processes import signal_of
 from dflash_doctor.rundir.tables import REQUESTS_SCHEMA, STEPS_SCHEMA, RequestRow, StepRow, TokenRow, as_row
 from dflash_doctor.rundir.writer import RunWriter
 from dflash_doctor.replay.turns import PendingTurn, Turn, run_turns
@@ -54,6 +56,7 @@ class Replay:
     estimate_by_k: dict[int, str] = field(default_factory=dict)
     full_block_matches: dict[str, np.ndarray] = field(default_factory=dict)
     interrupted: bool = False
+    interrupt_signal: int | None = None  # the signal that cut it short (SIGINT, SIGTERM, SIGHUP), for the exit code
 
     def requests_frame(self) -> pd.DataFrame:
         return pd.DataFrame(self.request_rows, columns=list(REQUESTS_SCHEMA.names))
@@ -115,8 +118,8 @@ def _stream(pair: Pair, turns, writer: RunWriter, replay: Replay, progress: Prog
             replay.step_rows.extend(step_rows)
             if progress is not None:
                 progress(turn.result)
-    except KeyboardInterrupt:
-        replay.interrupted = True
+    except KeyboardInterrupt as interrupt:
+        replay.interrupted, replay.interrupt_signal = True, signal_of(interrupt)
     return replay
 
 

@@ -50,9 +50,13 @@ def class_rows(record: RunRecord) -> list[ClassRow]:
 
 
 def incomplete_note(run: Run) -> str | None:
-    """The sentence every view shows for a run read from its journal (still going, or stopped hard)."""
+    """The sentence every view shows for a run read from its journal (still going, or stopped hard) or
+    interrupted (Ctrl-C, SIGTERM, SIGHUP)."""
     if run.complete:
         return None
+    if run.record.meta.interrupted:
+        return (f"Interrupted run: {len(run.requests)} finished request(s) recorded; it was stopped (Ctrl-C or a stop "
+                "signal) before it ended, so what is written at the end (checks, sweep, recommendation) may be missing.")
     return (
         f"Incomplete run: {len(run.requests)} finished request(s) recorded; the run is still going or was stopped "
         "before it ended (checks, sweep and recommendation are written at the end)."

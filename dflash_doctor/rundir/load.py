@@ -27,8 +27,9 @@ class Run:
     (possibly empty).
 
     ``complete`` is False for a run read from its journal: still going, or stopped before it finished
-    (killed, out of memory); its tables hold every request finished so far and, when run.json has no
-    summary yet, the record's summary is computed from them.
+    (killed, out of memory), and for a run interrupted by Ctrl-C, SIGTERM or SIGHUP (run.json says
+    ``interrupted``); its tables hold every request finished so far and, when run.json has no summary
+    yet, the record's summary is computed from them.
     """
 
     path: Path
@@ -91,7 +92,11 @@ def load_run(run_dir: Path | str, tables: Iterable[str] = tuple(TABLES)) -> Run:
     frames: dict[str, pd.DataFrame] = {}
     for name, schema in TABLES.items():
         frames[name] = read_table_or_empty(run_dir / f"{name}.parquet", schema) if name in tables else schema.empty_table().to_pandas()
-    return Run(path=run_dir, record=RunRecord.from_json(meta), requests=frames["requests"], steps=frames["steps"], tokens=frames["tokens"])
+    record = RunRecord.from_json(meta)
+    if record.meta.interrupted and record.summary.overall is None:  # stopped before its summary was written
+        record.summary = summarize(frames["steps"], frames["requests"], seed=record.seed)
+    return Run(path=run_dir, record=record, requests=frames["requests"], steps=frames["steps"], tokens=frames["tokens"],
+               complete=not record.meta.interrupted)
 
 
 def _load_incomplete(run_dir: Path, meta: dict[str, Any]) -> Run:

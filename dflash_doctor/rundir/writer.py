@@ -82,6 +82,11 @@ class RunWriter:
     reads the journal). :meth:`close` consolidates the journal into the three Parquet files, removes
     it and rewrites ``run.json``; ``run.json`` is written at the start, so a run is listed and opened
     from its first second.
+
+    Leaving its ``with`` block on an interrupt (Ctrl-C, or SIGTERM / SIGHUP, which
+    :mod:`dflash_doctor.processes` raise as one) records the run as ``interrupted`` in ``run.json``, at
+    whatever stage the interrupt came: one rule for every signal and every stage, so a stopped run is never
+    written as a finished one.
     """
 
     def __init__(self, run_dir: Path | str, meta: dict[str, Any]):
@@ -119,9 +124,11 @@ class RunWriter:
             self._sinks[name].flush()
             rows.clear()
 
-    def close(self) -> None:
+    def close(self, *, interrupted: bool = False) -> None:
         """Flush, consolidate the journal into the Parquet files (atomically, each via a temporary
-        file), remove the journal and write run.json."""
+        file), remove the journal and write run.json (``interrupted``: marked so, the command was stopped)."""
+        if interrupted:
+            self.meta = {**self.meta, "interrupted": True}
         self.flush()
         for name in TABLES:
             self._streams[name].close()
@@ -138,8 +145,8 @@ class RunWriter:
     def __enter__(self) -> "RunWriter":
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, exc: BaseException | None, traceback: object) -> None:
+        self.close(interrupted=isinstance(exc, KeyboardInterrupt))
 
 
 def read_stream(path: Path, schema: pa.Schema) -> pa.Table:

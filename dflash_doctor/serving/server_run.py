@@ -23,6 +23,7 @@ from dflash_doctor.errors import UsageError
 from dflash_doctor.inputs.config import DoctorConfig
 from dflash_doctor.inputs.machine import collect_environment
 from dflash_doctor.inputs.workloads import Request, conversation_turns, fill_answers
+from dflash_doctor.processes import signal_of
 from dflash_doctor.replay.turns import turn_limit
 from dflash_doctor.rundir.run_record import ModelInfo, RunMeta, RunRecord, Source
 from dflash_doctor.rundir.tables import REQUESTS_SCHEMA, STEPS_SCHEMA, StepRow, as_row, turn_row_id
@@ -242,6 +243,7 @@ class ServerMeasurement:
     request_rows: list[dict[str, Any]] = field(default_factory=list)
     step_rows: list[dict[str, Any]] = field(default_factory=list)
     interrupted: bool = False
+    interrupt_signal: int | None = None  # the signal that cut it short, for the exit code (None: a failure did)
     failure: UsageError | None = None  # raised by the caller once the run directory is closed
 
     def requests_frame(self):
@@ -299,8 +301,8 @@ def measure_server(endpoint: ServerEndpoint, requests: list[Request], config: Do
             writer.flush()
     except (ServerError, MissingMetrics) as exc:  # the first request, asked alone by figures_source
         failure = exc
-    except KeyboardInterrupt:
-        measured.interrupted = True
+    except KeyboardInterrupt as interrupt:
+        measured.interrupted, measured.interrupt_signal = True, signal_of(interrupt)
         for pending in futures:
             pending.cancel()
     finally:
