@@ -19,7 +19,7 @@ import platformdirs
 
 from dflash_doctor.errors import UsageError
 from dflash_doctor.inputs.validation import finite_number, type_error
-from dflash_doctor.serving.http import without_userinfo
+from dflash_doctor.urls import without_userinfo
 from dflash_doctor.stats.speedup import load_cost_profile
 
 

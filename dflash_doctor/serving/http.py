@@ -41,6 +41,7 @@ from requests.adapters import HTTPAdapter
 from urllib3.util.retry import Retry
 
 from dflash_doctor.errors import UsageError
+from dflash_doctor.urls import shown, without_userinfo
 
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
 AUTH_STATUSES = frozenset({401, 403})  # the server wants credentials, or refuses the ones sent
@@ -81,21 +82,6 @@ def _origin(url: str) -> tuple[str, str, int | None]:
     parts = urllib.parse.urlsplit(url)
     scheme = parts.scheme.lower()
     return scheme, (parts.hostname or "").lower(), parts.port or {"http": 80, "https": 443}.get(scheme)
-
-
-def without_userinfo(url: str) -> tuple[str, tuple[str, str] | None]:
-    """The URL without ``user:password@`` and those credentials (None when it has none)."""
-    parts = urllib.parse.urlsplit(url)
-    if parts.username is None and parts.password is None:
-        return url, None
-    host = parts.netloc.rpartition("@")[2]
-    auth = (urllib.parse.unquote(parts.username or ""), urllib.parse.unquote(parts.password or ""))
-    return urllib.parse.urlunsplit(parts._replace(netloc=host)), auth
-
-
-def shown(url: str) -> str:
-    """A URL as messages show it: without its query and without credentials."""
-    return without_userinfo(url.split("?")[0])[0]
 
 
 @dataclass(frozen=True)

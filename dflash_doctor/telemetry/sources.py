@@ -21,7 +21,8 @@ from typing import Mapping, Protocol
 
 from dflash_doctor.errors import UsageError
 from dflash_doctor.inputs.validation import finite_number
-from dflash_doctor.serving.http import AUTH_STATUSES, HttpClient, Unreachable, bearer, shown
+from dflash_doctor.serving.http import AUTH_STATUSES, HttpClient, Unreachable, bearer
+from dflash_doctor.urls import shown
 from dflash_doctor.telemetry.counts import SpecCounts
 from dflash_doctor.telemetry.server_metrics import READERS, Reading, read_exposition
 from dflash_doctor.telemetry.exposition import Exposition, Sample, parse_exposition
@@ -101,7 +102,7 @@ class MetricsEndpoint:
         self._client = _scrape_client(bearer(api_key) or None)
         self.server_kind = _check_server_kind(server_kind)
         # self.url keeps user:password@ for the request alone (the client turns it into an Authorization
-        # header bound to this host); everything stored or printed uses the URL without it (serving.http.shown)
+        # header bound to this host); everything stored or printed uses the URL without it (dflash_doctor.urls.shown)
         self.model = model or urllib.parse.urlparse(shown(url)).netloc
         self.class_label = class_label
         self.name = shown(url)
