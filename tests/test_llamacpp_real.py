@@ -89,14 +89,17 @@ def test_check_engine_reads_steps_from_metrics_deltas_and_says_so(engine_run):
     assert len(requests) >= 6 and (requests["num_drafts"] > 0).all()
     # The run holds what the server counted since the run began, less the first request's first ask (asked once
     # to learn that llama.cpp's responses carry no step count, then again between two scrapes). The repeat is
-    # served from llama.cpp's prompt cache, so it can part from the first ask at a near-tie by a draft or two
-    # (the retrained demo draft: 16 drafts against 15); the first ask is one more answer to the same turn.
+    # served from llama.cpp's prompt cache, so it can part from the first ask at a near tie, after which the two
+    # answers draft differently (16 drafts against 23 seen in CI): held here is that the difference is exactly
+    # one answer of at most --max-new-tokens, drafted in steps of 1 to K + 1 tokens. A run that counted the first
+    # ask or dropped a request would be off by a whole answer.
     window, _ = after.since(before)
-    first = requests.iloc[0]
+    first_ask_tokens = window.num_generated_tokens - requests["num_output_tokens"].sum()
     first_ask_drafts = window.num_drafts - requests["num_drafts"].sum()
     first_ask_accepted = window.num_accepted_tokens - requests["num_accepted_tokens"].sum()
-    assert abs(first_ask_drafts - first["num_drafts"]) <= max(2, 0.1 * first["num_drafts"]), (first_ask_drafts, first["num_drafts"])
-    assert abs(first_ask_accepted - first["num_accepted_tokens"]) <= max(3, 0.15 * first["num_accepted_tokens"]), (first_ask_accepted, first)
+    assert 0 < first_ask_tokens <= 48, (first_ask_tokens, window)
+    assert (first_ask_tokens - 1) / 16 <= first_ask_drafts <= first_ask_tokens, (first_ask_drafts, first_ask_tokens)
+    assert 0 <= first_ask_accepted < first_ask_tokens, (first_ask_accepted, first_ask_tokens)
     # Per request, the per-position histogram accounts for every accepted token and every draft.
     for _, request in requests.iterrows():
         steps = run.steps[run.steps["request_id"] == request["request_id"]]
