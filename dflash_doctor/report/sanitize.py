@@ -50,12 +50,14 @@ def for_xml(value: Any) -> str:
 
 # Markdown's punctuation that can start markup inside a sentence: a link or image ([ ]), emphasis (* _ ~),
 # code (`), HTML (< >), a table cell (|), Streamlit's $ math, and the escape itself
-_MARKDOWN_SPECIALS = re.compile(r"([\\`*_\[\]<>|~$])")
+_MARKDOWN_SPECIALS = re.compile(r"([\\`*_\[\]<>|~$&])")
 
 
 def for_markdown_text(value: Any) -> str:
     """Untrusted text inside a Markdown sentence (the dashboard's captions, boxes and expander labels):
-    inert, every markup character backslash-escaped, and on one line. A bare URL's ``://`` (and ``www.``)
-    is escaped as well, so GitHub-flavoured autolinking (Streamlit's Markdown) turns no text into a link."""
+    inert, every markup character backslash-escaped, and on one line. A bare URL is broken by a zero-width
+    space after its scheme's colon (and inside ``www.``): Streamlit's Markdown links every ``http://`` and
+    ``www.`` it finds in the rendered text, past backslash escapes and character references alike (Chromium
+    showed both as links), and the reader still sees the same characters."""
     escaped = " ".join(_MARKDOWN_SPECIALS.sub(r"\\\1", inert(value)).split("\n"))
-    return escaped.replace("://", ":\\/\\/").replace("www.", "www\\.")
+    return escaped.replace("://", ":\u200b//").replace("www.", "www\u200b.")
