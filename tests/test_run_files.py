@@ -71,8 +71,7 @@ def test_a_damaged_parquet_table_is_one_sentence(tmp_path, good_run, table, dama
     run = tmp_path / "run"
     shutil.copytree(good_run, run)
     path = run / f"{table}.parquet"
-    if not path.is_file():
-        pytest.skip(f"the fixture run has no {table} table")
+    assert path.is_file(), f"the fixture run has no {table} table"
     path.write_bytes(BAD_PARQUET[damage](path.read_bytes()))
     with pytest.raises(UsageError) as caught:
         load_run(run)
