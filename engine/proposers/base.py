@@ -116,3 +116,44 @@ class Proposer(ABC):
         a drafter whose vocabulary head is most of its cost evaluates the head per request instead."""
         logits = self.slot_logits(anchors, k)
         return lambda rows, slots: logits[rows, slots]
+
+
+class TokenListProposer(Proposer):
+    """A weightless proposer whose draft is a list of token ids (n-gram lookup, suffix trees): its logits are a
+    point mass on each proposed token, and its teacher-forced slots are built from ``_proposal(anchor, k)``
+    alone, so every such kind shares one way of turning a token list into the rows the replay reads."""
+
+    def __init__(self, vocab_size: int, device: torch.device | str = "cpu"):
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+
+    def _point_mass(self, tokens: Sequence[int], rows: int) -> torch.Tensor:
+        """[rows, V] logits: 0 at each proposed token, -inf elsewhere (rows past the proposal all -inf)."""
+        logits = torch.full((rows, self.vocab_size), float("-inf"), device=self.device)
+        if tokens:
+            logits[torch.arange(len(tokens), device=self.device), torch.tensor(list(tokens), device=self.device)] = 0.0
+        return logits
+
+    @abstractmethod
+    def _proposal(self, anchor: int, k: int) -> list[int]:
+        """The tokens drafted at teacher-forced anchor ``anchor`` (after prepare_teacher) with K = ``k``."""
+
+    def proposal_lengths(self, anchors: torch.Tensor, k: int) -> torch.Tensor:
+        return torch.tensor([len(self._proposal(int(a), k)) for a in anchors.tolist()], dtype=torch.long)
+
+    def slot_logits(self, anchors: torch.Tensor, k: int) -> torch.Tensor:
+        return torch.stack([self._point_mass(self._proposal(int(a), k), k) for a in anchors.tolist()]) if len(anchors) \
+            else torch.empty(0, k, self.vocab_size, device=self.device)
+
+    def slot_scorer(self, anchors: torch.Tensor, k: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """Rows built on demand: a point mass row per (anchor, slot) asked for, no [A, k, V] tensor."""
+        proposals = [self._proposal(int(a), k) for a in anchors.tolist()]
+
+        def scores(rows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+            out = torch.full((len(rows), self.vocab_size), float("-inf"), device=self.device)
+            for m, (row, slot) in enumerate(zip(rows.tolist(), slots.tolist())):
+                if slot < len(proposals[row]):
+                    out[m, proposals[row][slot]] = 0.0
+            return out
+
+        return scores

@@ -31,11 +31,11 @@ many slots each step really drafts.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
-from dflash_doctor.engine.proposers.base import Proposal, Proposer, TargetNeeds
+from dflash_doctor.engine.proposers.base import Proposal, TargetNeeds, TokenListProposer
 
 #: vLLM's defaults when neither bound is given
 DEFAULT_PROMPT_LOOKUP = 5
@@ -101,22 +101,15 @@ def ngram_lookup(context: Sequence[int], k: int, settings: NgramSettings) -> lis
     return list(context[start : start + min(k, total - start)])
 
 
-class NgramProposer(Proposer):
+class NgramProposer(TokenListProposer):
     kind = "ngram"
     needs = TargetNeeds()
 
     def __init__(self, settings: NgramSettings, vocab_size: int, device: torch.device | str = "cpu"):
+        super().__init__(vocab_size, device)
         self.settings = settings
-        self.vocab_size = vocab_size
-        self.device = torch.device(device)
         self.context: list[int] = []
 
-    def _point_mass(self, tokens: Sequence[int], rows: int) -> torch.Tensor:
-        """[rows, V] logits: 0 at each proposed token, -inf elsewhere (rows past the proposal all -inf)."""
-        logits = torch.full((rows, self.vocab_size), float("-inf"), device=self.device)
-        if tokens:
-            logits[torch.arange(len(tokens), device=self.device), torch.tensor(list(tokens), device=self.device)] = 0.0
-        return logits
 
     def start(self, prompt_ids: torch.Tensor, prompt_features: torch.Tensor | None) -> None:
         self.context = prompt_ids.tolist()
@@ -140,23 +133,3 @@ class NgramProposer(Proposer):
         if key not in self._teacher_proposals:
             self._teacher_proposals[key] = ngram_lookup(self._teacher_ids[: anchor + 1], k, self.settings)
         return self._teacher_proposals[key]
-
-    def proposal_lengths(self, anchors: torch.Tensor, k: int) -> torch.Tensor:
-        return torch.tensor([len(self._proposal(int(a), k)) for a in anchors.tolist()], dtype=torch.long)
-
-    def slot_logits(self, anchors: torch.Tensor, k: int) -> torch.Tensor:
-        return torch.stack([self._point_mass(self._proposal(int(a), k), k) for a in anchors.tolist()]) if len(anchors) \
-            else torch.empty(0, k, self.vocab_size, device=self.device)
-
-    def slot_scorer(self, anchors: torch.Tensor, k: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-        """Rows built on demand: a point mass row per (anchor, slot) asked for, no [A, k, V] tensor."""
-        proposals = [self._proposal(int(a), k) for a in anchors.tolist()]
-
-        def scores(rows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-            out = torch.full((len(rows), self.vocab_size), float("-inf"), device=self.device)
-            for m, (row, slot) in enumerate(zip(rows.tolist(), slots.tolist())):
-                if slot < len(proposals[row]):
-                    out[m, proposals[row][slot]] = 0.0
-            return out
-
-        return scores

@@ -34,12 +34,12 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
 
-from dflash_doctor.engine.proposers.base import Proposal, Proposer, TargetNeeds
+from dflash_doctor.engine.proposers.base import Proposal, TargetNeeds, TokenListProposer
 
 F32 = np.float32
 
@@ -259,7 +259,7 @@ class SuffixCache:
         return max(k, 0)
 
 
-class SuffixProposer(Proposer):
+class SuffixProposer(TokenListProposer):
     kind = "suffix"
     needs = TargetNeeds()
     guesses_depend_on_k = True
@@ -267,9 +267,8 @@ class SuffixProposer(Proposer):
     remembers_requests = True
 
     def __init__(self, settings: SuffixSettings, vocab_size: int, device: torch.device | str = "cpu"):
+        super().__init__(vocab_size, device)
         self.settings = settings
-        self.vocab_size = vocab_size
-        self.device = torch.device(device)
         self.cache = SuffixCache(settings)
         self.context: list[int] = []
         self._teacher_open = False  # a teacher-forced request has begun and not finished
@@ -278,11 +277,6 @@ class SuffixProposer(Proposer):
         self._teacher_ids: list[int] = []
         self._anchors: dict[int, tuple[list[Candidate], list[Candidate]]] | None = None  # per anchor, both trees' candidates
 
-    def _point_mass(self, tokens: Sequence[int], rows: int) -> torch.Tensor:
-        logits = torch.full((rows, self.vocab_size), float("-inf"), device=self.device)
-        if tokens:
-            logits[torch.arange(len(tokens), device=self.device), torch.tensor(list(tokens), device=self.device)] = 0.0
-        return logits
 
     # live loop: start_request at start, the sampled token enters the trees at propose, the accepted drafts at accept
 
@@ -347,22 +341,3 @@ class SuffixProposer(Proposer):
         assert self._anchors is not None
         local, global_ = self._anchors[anchor]
         return choose(local, global_, self.cache.budget(k, anchor + 1))
-
-    def proposal_lengths(self, anchors: torch.Tensor, k: int) -> torch.Tensor:
-        return torch.tensor([len(self._proposal(int(a), k)) for a in anchors.tolist()], dtype=torch.long)
-
-    def slot_logits(self, anchors: torch.Tensor, k: int) -> torch.Tensor:
-        return torch.stack([self._point_mass(self._proposal(int(a), k), k) for a in anchors.tolist()]) if len(anchors) \
-            else torch.empty(0, k, self.vocab_size, device=self.device)
-
-    def slot_scorer(self, anchors: torch.Tensor, k: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-        proposals = [self._proposal(int(a), k) for a in anchors.tolist()]
-
-        def scores(rows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-            out = torch.full((len(rows), self.vocab_size), float("-inf"), device=self.device)
-            for m, (row, slot) in enumerate(zip(rows.tolist(), slots.tolist())):
-                if slot < len(proposals[row]):
-                    out[m, proposals[row][slot]] = 0.0
-            return out
-
-        return scores
