@@ -235,17 +235,18 @@ register_draft_kind(DraftKind(
 ))
 
 
-class NgramLookup(torch.nn.Module):
-    """The n-gram speculator's "draft model": its settings and the target's vocabulary width, no weights."""
+class WeightlessDraft(torch.nn.Module):
+    """A weightless speculator's "draft model" (n-gram lookup, suffix trees): its settings and the target's
+    vocabulary width, no weights."""
 
-    def __init__(self, settings: NgramSettings, vocab_size: int, device: str):
+    def __init__(self, settings: NgramSettings | SuffixSettings, vocab_size: int, device: str):
         super().__init__()
         self.settings = settings
         self.vocab_size = vocab_size
         self.device_name = device
 
 
-def _ngram_from_spec(settings: dict[str, str], target_config: Any, options: LoadOptions) -> NgramLookup:
+def _ngram_from_spec(settings: dict[str, str], target_config: Any, options: LoadOptions) -> WeightlessDraft:
     known = ("prompt_lookup_min", "prompt_lookup_max")
     unknown = sorted(set(settings) - set(known))
     if unknown:
@@ -256,7 +257,7 @@ def _ngram_from_spec(settings: dict[str, str], target_config: Any, options: Load
                                          max_model_len=getattr(target_config, "max_position_embeddings", None))
     except ValueError as error:
         raise UsageError(f"--draft ngram: {error}; pass whole numbers >= 1, e.g. ngram:prompt_lookup_min=2,prompt_lookup_max=5.") from None
-    return NgramLookup(resolved, int(target_config.vocab_size), options.device)
+    return WeightlessDraft(resolved, int(target_config.vocab_size), options.device)
 
 
 def _unused_load(draft_dir: Path, target_dir: Path, target_config: Any, options: LoadOptions) -> Any:
@@ -278,22 +279,13 @@ register_draft_kind(DraftKind(
 ), before="autoregressive")
 
 
-class SuffixLookup(torch.nn.Module):
-    """The suffix speculator's "draft model": its settings and the target's vocabulary width, no weights."""
-
-    def __init__(self, settings: SuffixSettings, vocab_size: int, device: str):
-        super().__init__()
-        self.settings = settings
-        self.vocab_size = vocab_size
-        self.device_name = device
-
 
 #: vLLM's setting names (``suffix_decoding_*``) -> their type; the short names without the prefix are accepted too
 _SUFFIX_SETTINGS: dict[str, type] = {"max_tree_depth": int, "max_cached_requests": int, "max_spec_factor": float, "min_token_prob": float}
 _SUFFIX_EXAMPLE = "suffix:suffix_decoding_max_tree_depth=24,suffix_decoding_min_token_prob=0.1"
 
 
-def _suffix_from_spec(settings: dict[str, str], target_config: Any, options: LoadOptions) -> SuffixLookup:
+def _suffix_from_spec(settings: dict[str, str], target_config: Any, options: LoadOptions) -> WeightlessDraft:
     values: dict[str, Any] = {}
     for key, text in settings.items():
         short = key.removeprefix("suffix_decoding_")
@@ -313,7 +305,7 @@ def _suffix_from_spec(settings: dict[str, str], target_config: Any, options: Loa
         resolved = SuffixSettings(**values, max_model_len=getattr(target_config, "max_position_embeddings", None))
     except ValueError as error:
         raise UsageError(f"--draft suffix: {error}, as vLLM requires; e.g. {_SUFFIX_EXAMPLE}.") from None
-    return SuffixLookup(resolved, int(target_config.vocab_size), options.device)
+    return WeightlessDraft(resolved, int(target_config.vocab_size), options.device)
 
 
 register_draft_kind(DraftKind(
