@@ -124,6 +124,10 @@ class _LayerStates:
     conv_initialized: dict[int, bool]
     recurrent_initialized: dict[int, bool]
     has_previous: dict[int, bool]
+    # the layer's own token count (transformers 5.25 on: ``cumulative_length_linear``, a tensor updated in place),
+    # which the model's position ids are read from: a restore that missed it would place the kept tokens after
+    # the rejected ones (None in releases without it)
+    length: torch.Tensor | None
 
 
 def _clone(states: dict[int, torch.Tensor | None]) -> dict[int, torch.Tensor | None]:
@@ -269,6 +273,7 @@ def snapshot_states(cache: DynamicCache) -> dict[int, _LayerStates]:
             conv_initialized=dict(layer.is_conv_states_initialized),
             recurrent_initialized=dict(layer.is_recurrent_states_initialized),
             has_previous=dict(layer.has_previous_state),
+            length=_token_count(layer),
         )
         for index, layer in enumerate(cache.layers)
         if isinstance(layer, LinearAttentionCacheLayerMixin)
@@ -282,3 +287,10 @@ def restore_states(cache: DynamicCache, states: dict[int, _LayerStates]) -> None
         layer.conv_states, layer.recurrent_states = saved.conv, saved.recurrent
         layer.is_conv_states_initialized, layer.is_recurrent_states_initialized = saved.conv_initialized, saved.recurrent_initialized
         layer.has_previous_state = saved.has_previous
+        if saved.length is not None:
+            layer.cumulative_length_linear.copy_(saved.length)  # in place: transformers marks its address static
+
+
+def _token_count(layer: LinearAttentionCacheLayerMixin) -> torch.Tensor | None:
+    count = getattr(layer, "cumulative_length_linear", None)
+    return count.clone() if isinstance(count, torch.Tensor) else None
