@@ -17,7 +17,7 @@ output equals :func:`plain_generate`'s token for token; under sampling it has th
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -38,9 +38,32 @@ def sample_token(logits: torch.Tensor, temperature: float, generator: torch.Gene
     return int(torch.multinomial(probs, 1, generator=generator).item())
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+class StepClock:
+    """The draft and verify time of each step, read without stalling the GPU.
+
+    On a GPU a mark is a CUDA event recorded in the stream, and the times are read once, when the request
+    ends: a host synchronisation per mark (the plain way to time GPU work from the host) would stop the
+    host from queueing the target's forward while the draft still runs, and those launches are a large
+    part of a step on a fast GPU. The times are the GPU's time between the marks (launch gaps included).
+    On a CPU a mark is the host clock.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def mark(self) -> "torch.cuda.Event | float":
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, start: "torch.cuda.Event | float", end: "torch.cuda.Event | float") -> float:
+        """Seconds between two marks (on a GPU, after ``end`` has completed: call once the request is over)."""
+        if isinstance(start, float) and isinstance(end, float):
+            return end - start
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
 
 
 @dataclass
@@ -111,22 +134,22 @@ def speculative_generate(
     last = sample_token(prefill.logits[-1], temperature, generator)
     output = [last]
     steps: list[StepRecord] = []
+    clock = StepClock(device)
+    marks: list[tuple] = []  # (draft start, draft end = verify start, verify end) of each step
     # per-token records stay on the device until the request ends: one host copy per request
     pending: list[tuple[torch.Tensor, int, int, list[int], int]] = []  # (packed rows, step, position, drafted, accepted)
     reason = "stop_token" if last in stop_ids else "max_new_tokens"
     while reason != "stop_token" and len(output) < max_new_tokens:
         position = len(output)  # output tokens committed before this step
         k_step = draft_budget(k, max_new_tokens, position)
-        _synchronize(device)  # the previous step's record kernels finish outside the draft time
-        t0 = time.perf_counter()
+        t0 = clock.mark()  # after the previous step's record kernels in the stream: they are not draft time
         proposal = proposer.propose(last, k_step, convention.block_k(k, max_new_tokens - position))
         n_drafted = len(proposal.tokens)  # a lookup proposer may offer fewer than k_step (none: a plain decode step)
-        _synchronize(device)
-        t1 = time.perf_counter()
+        t1 = clock.mark()
         block = torch.cat([torch.tensor([last], device=device), proposal.tokens.to(device)])
         verified = target.forward(block, taps=taps)  # logits [n_drafted + 1, V]
-        _synchronize(device)
-        t2 = time.perf_counter()
+        t2 = clock.mark()
+        marks.append((t0, t1, t2))
         if temperature <= 0:
             num_accepted, next_token = greedy_accept(proposal.tokens, verified.logits)
         else:
@@ -154,13 +177,15 @@ def speculative_generate(
             if next_token in stop_ids:
                 reason = "stop_token"
         steps.append(StepRecord(step=len(steps), position=position, k=k, num_drafted=n_drafted, num_accepted=num_accepted,
-                                bonus_token=bonus, draft_time_s=t1 - t0, verify_time_s=t2 - t1))
+                                bonus_token=bonus))
         if record_tokens and n_drafted:
             target_rows = TargetRows.of(verified.logits[:n_drafted])
             packed = divergence_tensor(proposal.logits, proposal.tokens, target_rows)
             packed = torch.cat([packed, target_rows.tokens[:, None].to(packed.dtype)], dim=1)
             pending.append((packed, len(steps) - 1, position, drafted, num_committed_drafts))
     output = output[:max_new_tokens]
+    steps = [replace(step, draft_time_s=clock.seconds(t0, t1), verify_time_s=clock.seconds(t1, t2))
+             for step, (t0, t1, t2) in zip(steps, marks)]
     tokens = _token_rows(pending)
     return GenerationResult(
         output_ids=output, stop_reason=reason, wall_time_s=time.perf_counter() - started, steps=steps, tokens=tokens
