@@ -18,6 +18,7 @@ from transformers.cache_utils import (
     LinearAttentionLayer,
 )
 
+from dflash_doctor.engine.attention import engine_attention
 from dflash_doctor.engine.cache import cache_keyword, has_recurrent_layers, new_cache
 
 if TYPE_CHECKING:
@@ -163,6 +164,7 @@ class _StackedStates(LinearAttentionLayer):
         self.reorder_cache(indices)  # type: ignore[arg-type]
 
 
+@engine_attention
 @torch.inference_mode()
 def generate_greedy_batch(model: CausalLM, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
                           stop_ids: frozenset[int], temperature: float = 0.0,

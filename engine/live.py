@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
+from dflash_doctor.engine.attention import engine_attention
 from dflash_doctor.engine.divergence import TargetRows, divergence_tensor, unpack_divergence
 from dflash_doctor.engine.proposers.base import Proposer
 from dflash_doctor.engine.step_records import StepRecord, TokenRecord
@@ -60,10 +61,11 @@ class StepClock:
 
     def seconds(self, start: "torch.cuda.Event | float", end: "torch.cuda.Event | float") -> float:
         """Seconds between two marks (on a GPU, after ``end`` has completed: call once the request is over)."""
-        if isinstance(start, float) and isinstance(end, float):
-            return end - start
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3
+        if isinstance(start, torch.cuda.Event) and isinstance(end, torch.cuda.Event):
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+        assert isinstance(start, float) and isinstance(end, float), "marks of one clock are of one kind"
+        return end - start
 
 
 @dataclass
@@ -77,6 +79,7 @@ class GenerationResult:
     tokens: list[TokenRecord] = field(default_factory=list)
 
 
+@engine_attention
 @torch.inference_mode()
 def plain_generate(
     target: TargetModel,
@@ -106,6 +109,7 @@ def plain_generate(
 
 
 @torch.inference_mode()
+@engine_attention
 def speculative_generate(
     target: TargetModel,
     proposer: Proposer,

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from dflash_doctor.engine.attention import engine_attention
 from dflash_doctor.engine.cache import rollback_method
 from dflash_doctor.engine.proposers.base import Proposer
 from dflash_doctor.engine.target import TargetModel
@@ -95,6 +96,7 @@ class Pair:
                 f"use --k 1-{max_k}."
             )
 
+    @engine_attention
     @torch.inference_mode()
     def measure_step_costs(self, ks: tuple[int, ...], *, context_tokens: int = 128, repeats: int = 5):
         """Time plain decode, verify of 1 + K tokens and drafting K tokens on this device, at a realistic context."""
