@@ -16,12 +16,18 @@ MoE with attention sinks and sliding windows (eager attention, as transformers r
    attention over the keys each block may see (the masked-out keys a kernel may also touch are not counted).
 3. A profile of one teacher-forced pass: GPU kernel time by kernel family and the top kernels, plus the
    GPU's busy share of the wall time (the rest is launch and synchronisation overhead).
+0. Before all of these, in a process that has run nothing on the GPU yet: the first live-loop call (records
+   off, then records on) against the same call repeated, step by step, to say where a command's one-off
+   warm-up goes.
+4. With ``--official`` (the PyPI ``dflash`` package installed): the live loop against the official
+   ``dflash_generate`` loop on the same weights (ours saved as a z-lab checkpoint and loaded by the official
+   class), records off, both warmed, repeats alternating which runs first; outputs compared token for token.
 
 Warm-ups run every shape the measured runs use (same prompt, same lengths); times come from CUDA events;
 the GPU's clocks, temperature and throttle state are printed before and after.
 
 Usage: python benchmarks/gpu_engine.py [--target qwen3-8b|qwen3.5-9b|gpt-oss-20b] [--repeats 6] [--peak-tflops 790]
-       [--out DIR] [--tiny]
+       [--out DIR] [--official] [--tiny]
 ``--tiny`` runs the same code on a small config on CPU (a smoke test of the script itself).
 """
 
@@ -30,18 +36,23 @@ from __future__ import annotations
 import argparse
 import statistics
 import subprocess
+import tempfile
 import threading
 import time
 from pathlib import Path
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AutoModelForCausalLM, GptOssConfig, Qwen3_5TextConfig, Qwen3Config
 
+from dflash_doctor.engine import attention
 from dflash_doctor.engine.dflash_model import DFlashConfig, DFlashDraftModel, default_target_layer_ids
 from dflash_doctor.engine.live import speculative_generate
+from dflash_doctor.engine.schedule import CONVENTIONS
 from dflash_doctor.engine.proposers.dflash import DFlashProposer
 from dflash_doctor.engine.target import TargetModel, attention_implementation
 from dflash_doctor.engine.teacher import TeacherSequence, slot_table
+from dflash_doctor.models.loading import load_dflash_draft, save_dflash_draft
 
 QWEN3_8B = dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                 intermediate_size=12288, vocab_size=151936)
@@ -246,6 +257,87 @@ def live_step_vs_floor(target_model, draft, device: str, clock: Clock, context: 
               f"{spread(clocks['floor'], 1, 0)} MHz (min/med/max)")
 
 
+@torch.inference_mode()
+def first_run(target_model, draft, device: str, context: int, new_tokens: int) -> None:
+    """The first live-loop calls of a process (records off, then on) against the same calls repeated: the
+    extra time of a first call is the warm-up every command pays once; per-step times say where it goes
+    (all in the first steps: one-off initialisation; spread over the steps: work repeated per new shape)."""
+    k = BLOCK_SIZE - 1
+    target = TargetModel(target_model, draft.hidden_state_indices)
+    proposer = DFlashProposer(draft, target)
+    prompt = torch.randint(0, target_model.config.vocab_size - 2, (context,), device=device)
+
+    def call(record: bool, tokens: torch.Tensor = prompt):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        result = speculative_generate(target, proposer, tokens, k=k, max_new_tokens=new_tokens, record_tokens=record)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - started, result
+
+    print(f"\nfirst calls of this process: context {context}, {new_tokens} new tokens, K={k}, attention backends "
+          f"{attention.ENGINE_SDPA_BACKENDS}")
+    print(f"{'':34}{'whole s':>9}{'steps':>7}{'ms/step':>9}{'first 3 steps ms':>26}{'rest: median step ms':>22}")
+    longer = torch.cat([prompt, prompt[:37]])  # a request of another length: every step meets new shapes
+    for label, record, tokens in (("first call, records off", False, prompt), ("second call, records off", False, prompt),
+                                  ("first call, records on", True, prompt), ("second call, records on", True, prompt),
+                                  (f"records on, new length {len(longer)}", True, longer)):
+        seconds, result = call(record, tokens)
+        step_ms = [1e3 * (s.draft_time_s + s.verify_time_s) for s in result.steps]
+        head = ", ".join(f"{ms:.0f}" for ms in step_ms[:3])
+        rest = statistics.median(step_ms[3:]) if len(step_ms) > 3 else float("nan")
+        print(f"{label:34}{seconds:9.2f}{len(result.steps):7d}{1e3 * seconds / max(1, len(result.steps)):9.1f}"
+              f"{head:>26}{rest:22.1f}")
+
+
+@torch.inference_mode()
+def official_vs_ours(target_model, draft, device: str, dtype: torch.dtype, context: int, new_tokens: int,
+                     repeats: int) -> None:
+    """Time per step of the official ``dflash_generate`` and of our live loop (records off, the official
+    end-of-request convention) on the same weights and prompt; each call includes its prefill."""
+    import dflash.model as official
+
+    if device != "cuda":
+        official._cuda_time = time.perf_counter  # its stats timer synchronises CUDA (the --tiny smoke run)
+    k = BLOCK_SIZE - 1
+    with tempfile.TemporaryDirectory() as scratch:
+        save_dflash_draft(draft, Path(scratch) / "draft")
+        theirs = official.DFlashDraftModel.from_pretrained(Path(scratch) / "draft", dtype=dtype).to(device).eval()
+        ours = load_dflash_draft(Path(scratch) / "draft", dtype=str(dtype).removeprefix("torch."), device=device)
+    target = TargetModel(target_model, ours.hidden_state_indices)
+    proposer = DFlashProposer(ours, target)
+    prompt = torch.randint(0, target_model.config.vocab_size - 2, (context,), device=device)
+    clock = Clock(device)
+
+    def run_ours():
+        result = speculative_generate(target, proposer, prompt, k=k, max_new_tokens=new_tokens, record_tokens=False,
+                                      convention=CONVENTIONS["official"])
+        return result.output_ids, len(result.steps)
+
+    def run_theirs():
+        stats = official.dflash_generate(theirs, target_model, prompt[None], new_tokens, None, block_size=BLOCK_SIZE,
+                                         return_stats=True)
+        return stats.output_ids[0, context:].tolist(), len(stats.acceptance_lengths)
+
+    loops = {"ours": run_ours, "official": run_theirs}
+    outputs = {name: fn() for name, fn in loops.items()}  # warm-up, twice: every shape of the measured runs
+    outputs = {name: fn() for name, fn in loops.items()}
+    per_step: dict[str, list[float]] = {name: [] for name in loops}
+    for r in range(repeats):
+        for name in (("ours", "official") if r % 2 == 0 else ("official", "ours")):
+            seconds, (_, steps) = clock.time(loops[name])
+            per_step[name].append(seconds / steps)
+    same = outputs["ours"][0] == outputs["official"][0][: len(outputs["ours"][0])]
+    print(f"\nlive loop vs the official dflash_generate: context {context}, {new_tokens} new tokens, block "
+          f"{BLOCK_SIZE}, records off, {repeats} repeats each (order alternated), prefill included; outputs "
+          f"{'equal' if same else 'DIFFER'}; steps ours {outputs['ours'][1]}, official {outputs['official'][1]}")
+    for name, values in per_step.items():
+        print(f"  {name:10} ms/step min/med/max {spread(values, 1e3)}")
+    ratio = statistics.median(per_step["official"]) / statistics.median(per_step["ours"])
+    print(f"  official / ours (medians): {ratio:.2f}x")
+
+
 def target_attention_flops(config, length: int) -> float:
     """Causal attention FLOPs of one pass over ``length`` tokens, layer by layer: a full layer sees every
     earlier key, a sliding one at most its window, a gated delta net a state of key x value per head."""
@@ -309,6 +401,9 @@ def teacher_throughput(target_model, draft, device: str, clock: Clock, length: i
     for record in (False, True):  # warm-up with the measured sequence itself: every shape
         _, target_pass = replay(record)
     plain = [clock.time(lambda: replay(False))[0] for _ in range(repeats)]
+    with sdpa_kernel(attention.ENGINE_SDPA_BACKENDS or list(SDPBackend)):  # the live loop's kernels, warmed
+        replay(False)
+        live_loop_backends = [clock.time(lambda: replay(False))[0] for _ in range(repeats)]
     recorded = [clock.time(lambda: replay(True))[0] for _ in range(max(2, repeats // 2))]
     target_s = [clock.time(target_only)[0] for _ in range(repeats)]
     draft_s = [clock.time(lambda: slot_table(target, proposer, sequence, k, record_divergence=False,
@@ -326,6 +421,7 @@ def teacher_throughput(target_model, draft, device: str, clock: Clock, length: i
           "(" + ", ".join(f"{name} {f / 1e12:.1f}" for name, f in flops.items()) + ")")
     print(f"  whole pass, ms min/med/max      {spread(plain, 1e3, 1):>22}  {anchors / statistics.median(plain):,.0f} "
           f"analysed tokens/s; {share(total, plain)}")
+    print(f"  without cuDNN (live loop's)     {spread(live_loop_backends, 1e3, 1):>22}  {share(total, live_loop_backends)}")
     print(f"  with divergence records         {spread(recorded, 1e3, 1):>22}  (records x{statistics.median(recorded) / statistics.median(plain):.2f})")
     print(f"  target forward alone            {spread(target_s, 1e3, 1):>22}  {share(flops['target'], target_s)}")
     print(f"  draft passes alone              {spread(draft_s, 1e3, 1):>22}  {share(draft_flops, draft_s)}")
@@ -385,18 +481,20 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=6)
     parser.add_argument("--peak-tflops", type=float, default=790.0, help="nominal bf16 dense matrix rate of the GPU")
     parser.add_argument("--out", type=Path, default=None, help="folder for the full profile table")
+    parser.add_argument("--official", action="store_true", help="also time the official dflash_generate loop (PyPI dflash)")
     args = parser.parse_args()
     device = "cpu" if args.tiny else "cuda"
     dtype = torch.float32 if args.tiny else torch.bfloat16
     clock = Clock(device)
     torch.manual_seed(0)
     print(f"torch {torch.__version__}; before: {gpu_state(device)}")
-    measured = matmul_rate(device, clock)
-    print(f"measured matrix rate: {measured:.0f} TFLOP/s ({'bf16 8192^3' if device == 'cuda' else 'fp32 512^3'})")
     target_model, draft = build(args.target, args.tiny, device, dtype)
     parameters = sum(p.numel() for p in target_model.parameters())
     print(f"target {args.target}{' (tiny)' if args.tiny else ''}: {parameters / 1e9:.2f}B parameters, attention "
           f"{target_model.config._attn_implementation}, draft taps layers {list(draft.config.target_layer_ids)}")
+    first_run(target_model, draft, device, context=128 if args.tiny else 1024, new_tokens=32 if args.tiny else 96)
+    measured = matmul_rate(device, clock)
+    print(f"measured matrix rate: {measured:.0f} TFLOP/s ({'bf16 8192^3' if device == 'cuda' else 'fp32 512^3'})")
     live_step_vs_floor(target_model, draft, device, clock, context=128 if args.tiny else 1024,
                        new_tokens=32 if args.tiny else 64, repeats=args.repeats)
     peaks = {"nominal": args.peak_tflops, "measured": measured}
@@ -405,6 +503,9 @@ def main() -> None:
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
     profile_teacher(*replay, device=device, out=args.out)
+    if args.official:
+        official_vs_ours(target_model, draft, device, dtype, context=128 if args.tiny else 1024,
+                         new_tokens=32 if args.tiny else 96, repeats=args.repeats)
     print(f"\nafter: {gpu_state(device)}")
 
 

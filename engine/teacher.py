@@ -25,7 +25,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from dflash_doctor.engine.attention import engine_attention
 from dflash_doctor.engine.divergence import WIDTH, TargetRows, divergence_tensor, unpack_divergence
 from dflash_doctor.engine.proposers.base import Proposer
 from dflash_doctor.engine.step_records import StepRecord, TokenRecord
@@ -99,7 +98,6 @@ class TeacherSequence:
 
 
 @torch.inference_mode()
-@engine_attention
 def slot_table(
     target: TargetModel,
     proposer: Proposer,

@@ -37,6 +37,9 @@ EXTRAS = "hybrid"
 # pytest (on several workers) runs the lane; setuptools and wheel build the project on the machine (no build
 # isolation offline)
 LANE_TOOLS = ("pytest>=8", "pytest-xdist>=3.5", "setuptools>=69", "wheel")
+# the official DFlash loop that benchmarks/gpu_engine.py --official times ours against (pure Python; its own
+# requirements are torch and transformers, which the lane has)
+BENCHMARK_ONLY = ("dflash==0.1.0",)
 NOT_THE_LANES = {"streamlit"}
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux2014_x86_64", "manylinux_2_17_x86_64", "linux_x86_64")
 MACHINE_OWN = re.compile(r"^(torch|triton|nvidia-.*|pytorch-triton.*)$")
@@ -134,8 +137,9 @@ def main() -> None:
     wanted = needed(items, read_freeze(args.freeze), args.python_version)
     platform_args = [arg for platform in PLATFORMS for arg in ("--platform", platform)]
     _pip("download", "-q", "--no-deps", "--only-binary=:all:", "--python-version", args.python_version,
-         *platform_args, "-d", str(args.wheel_dir), *(f"{name}=={version}" for name, version in wanted))
-    print(f"{len(wanted)} wheels in {args.wheel_dir}: " + ", ".join(f"{n} {v}" for n, v in wanted))
+         *platform_args, "-d", str(args.wheel_dir), *(f"{name}=={version}" for name, version in wanted), *BENCHMARK_ONLY)
+    print(f"{len(wanted) + len(BENCHMARK_ONLY)} wheels in {args.wheel_dir}: "
+          + ", ".join([f"{n} {v}" for n, v in wanted] + list(BENCHMARK_ONLY)))
 
 
 if __name__ == "__main__":

@@ -145,6 +145,11 @@ def test_check_on_cuda_exits_0_and_is_lossless(dense, close_draft, tmp_path, dty
     assert json.loads((tmp_path / "check" / "run.json").read_text())["summary"]["overall"]["mean_acceptance_length"] > 2
 
 
+def lossless_check(run: Path) -> dict:
+    """The lossless check's entry of run.json (status, message, details): what a failed assertion shows."""
+    return next(c for c in json.loads((run / "run.json").read_text())["checks"] if c["id"] == "lossless")
+
+
 def lossless_holds(run: Path, dtype: str) -> bool:
     """The lossless check on an engine that is lossless: a pass in float32; in bfloat16 not a failure (the batched
     verify pass and one-token decoding round differently there, and where that parts the texts the check warns,
@@ -158,7 +163,7 @@ def reaches_a_verdict(result: subprocess.CompletedProcess, run: Path, dtype: str
     statuses = {c["status"] for c in json.loads((run / "run.json").read_text())["checks"]}
     assert result.returncode == (1 if "fail" in statuses else 0), result.stderr[-6000:]
     assert "Traceback" not in result.stderr and "could not compile" not in result.stderr, result.stderr[-6000:]
-    assert lossless_holds(run, dtype)
+    assert lossless_holds(run, dtype), lossless_check(run)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
