@@ -5,14 +5,17 @@ print their arguments, key included)."""
 from __future__ import annotations
 
 import socket
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from dflash_doctor.cli import app
-from dflash_doctor.tune.experiment import known_secrets, redact, redact_log
+from dflash_doctor.tune.secrets import copy_redacted, known_secrets, redact
+from dflash_doctor.tune.servers import ServerPlan, serving
 from test_tune import write_sweep_run, write_workload
 
 TESTS = Path(__file__).resolve().parent
@@ -36,8 +39,13 @@ LOG_CASES = [
 @pytest.mark.parametrize(("command", "api_key", "printed", "gone"), LOG_CASES)
 def test_a_server_log_loses_every_secret_the_tool_knows(tmp_path, command, api_key, printed, gone):
     log = tmp_path / "server-k2.log"
-    log.write_text(f"INFO start\n{printed}\nINFO ready\n")
-    redact_log(log, known_secrets(command, api_key))
+    server = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdout.write(sys.stdin.read())"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE)
+    copier = copy_redacted(server.stdout, log, known_secrets(command, api_key))
+    server.stdin.write(f"INFO start\n{printed}\nINFO ready\n".encode())
+    server.stdin.close()
+    server.wait()
+    copier.join(timeout=10)
     text = log.read_text()
     assert "INFO start" in text and "INFO ready" in text
     for secret in gone:
@@ -67,3 +75,18 @@ def test_tune_copies_server_output_without_the_keys_it_printed(tmp_path):
             data = path.read_bytes()
             assert KEY.encode() not in data and URL_PASSWORD.encode() not in data, path
     assert KEY not in result.output and URL_PASSWORD not in result.output
+
+
+def test_a_running_server_log_holds_no_secret_before_the_server_stops(tmp_path):
+    """Redacted while copied: a tune killed mid-run (SIGKILL: no clean-up runs) leaves no key on disk either."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    command = f"echo serving with --api-key {KEY}; {sys.executable} {TESTS / 'fake_spec_engine.py'} --port {port} --k 2"
+    log = tmp_path / "server-k2.log"
+    with serving(ServerPlan(k=2, url=f"http://127.0.0.1:{port}", command=command), log, start_timeout_s=60):
+        deadline = time.monotonic() + 10
+        while "serving with" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        text = log.read_text()
+    assert "serving with --api-key ***" in text and KEY not in text, text

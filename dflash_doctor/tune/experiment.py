@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -34,6 +33,7 @@ from dflash_doctor.tune.analysis import analyse, baseline_drift, fill_from_count
 from dflash_doctor.tune.loads import CONCURRENCY, LoadLevel, load_text
 from dflash_doctor.tune.measure import LoadRun, TimedRequest, first_turns, run_load, stream_request
 from dflash_doctor.tune.prediction import fit_costs, held_out_error, predict, sweep_taus
+from dflash_doctor.tune.secrets import redact
 from dflash_doctor.tune.servers import plan_servers, serving
 
 TUNE_SCHEMA_VERSION = 1
@@ -90,10 +90,7 @@ def measure_grid(grid: TuneGrid, config: DoctorConfig, requests, run_dir: Path,
     for plan in plans:
         repeat = sum(1 for s in servers if s["k"] == plan.k)
         log_name = f"server-k{plan.k}.log" if not repeat else f"server-k{plan.k}-repeat.log"
-        try:
-            runs_and_facts = _measure_server(plan, grid, config, requests, run_dir / log_name, api_key, repeat, on_request)
-        finally:  # the server has stopped (or never started): its copied output loses every secret it printed
-            redact_log(run_dir / log_name, known_secrets(plan.command, api_key))
+        runs_and_facts = _measure_server(plan, grid, config, requests, run_dir / log_name, api_key, repeat, on_request)
         runs.extend(runs_and_facts[0])
         servers.append(runs_and_facts[1])
         _rows(runs).to_parquet(run_dir / "requests.parquet", index=False)
@@ -132,46 +129,6 @@ def _server_facts(k: int, command: str | None, url: str, model: str | None, runs
     if k == 0 and any(r.counters and r.counters.num_drafts for r in runs):
         facts["warning"] = "the K=0 server drafted tokens: it is speculating; the baseline must run without a draft"
     return facts
-
-
-_SECRET = re.compile(r"((?:--api-key|--hf-token|--token)(?:=|\s+))(\S+)|(\b\w*(?:API_KEY|TOKEN|SECRET)\w*=)(\S+)", re.IGNORECASE)
-
-
-def redact(command: str) -> str:
-    """The launch command as tune.json records it: values of key/token flags and variables replaced by ***
-    (a run directory never holds a secret)."""
-    return _URL_USERINFO.sub(r"\1***@", _SECRET.sub(lambda m: (m.group(1) or m.group(3)) + "***", command))
-
-
-#: ``scheme://user:password@``: the userinfo of any URL in a text.
-_URL_USERINFO = re.compile(r"(\b[A-Za-z][\w+.-]*://)[^/\s@'\"]+@")
-
-
-def known_secrets(command: str | None, api_key: str | None) -> list[str]:
-    """The secret values the tool knows for one server: its --api-key and every key/token value or URL
-    password its launch command holds (the values :func:`redact` hides)."""
-    values = [api_key] if api_key else []
-    for match in _SECRET.finditer(command or ""):
-        values.append((match.group(2) or match.group(4) or "").strip("'\""))
-    for match in _URL_USERINFO.finditer(command or ""):
-        values.extend(part for part in match.group(0).split("//", 1)[1].rstrip("@").split(":") if part)
-    return sorted({v for v in values if len(v) >= 4}, key=len, reverse=True)  # 3-letter "key" values would eat words
-
-
-def redact_log(path: Path, secrets: list[str]) -> None:
-    """Rewrite a server's output (``server-k<K>.log``) with every known secret value, every key/token flag
-    value and every URL's userinfo replaced by ***: real engines print their arguments, key included."""
-    if not path.is_file():
-        return
-    text = path.read_text(encoding="utf-8", errors="replace")
-    cleaned = text
-    for value in secrets:
-        cleaned = cleaned.replace(value, "***")
-    cleaned = redact(cleaned)
-    if cleaned != text:
-        temporary = path.with_name(path.name + ".redacting")
-        temporary.write_text(cleaned, encoding="utf-8")
-        temporary.replace(path)
 
 
 def _rows(runs: list[LoadRun]) -> pd.DataFrame:

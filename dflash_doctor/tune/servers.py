@@ -9,7 +9,8 @@ answers at ``--engine URL``, measures, then stops the group: SIGTERM, SIGKILL af
 group is stopped however tune ends: done, an error, Ctrl-C, SIGTERM or SIGHUP
 (:mod:`dflash_doctor.processes`). A port that answers before the launch is refused: whatever serves it
 (another server, or one left over from a tune killed with SIGKILL) would be measured instead of the
-launched one. The server's output goes to ``server-k<K>.log`` in the run directory.
+launched one. The server's output goes to ``server-k<K>.log`` in the run directory, redacted as it is copied
+(:mod:`dflash_doctor.tune.secrets`).
 
 Without ``--launch``, ``--engine`` lists one running server per K: ``0=http://h:8000,8=http://h:8001``.
 """
@@ -28,8 +29,11 @@ from dflash_doctor.errors import UsageError
 from dflash_doctor.processes import port_served, start_group, stop_group
 from dflash_doctor.serving.client import ServerEndpoint, auth_fix
 from dflash_doctor.serving.http import AUTH_STATUSES, Unreachable
+from dflash_doctor.tune.secrets import copy_redacted, known_secrets
 
 K_PLACEHOLDER = "{k}"
+#: How long the stopped server's last output may take to reach its log
+COPY_DRAIN_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -112,10 +116,13 @@ def serving(plan: ServerPlan, log_path: Path, start_timeout_s: float, api_key: s
         return
     refuse_served_port(plan.url)
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    with log_path.open("w") as log:
-        process = start_group(["bash", "-c", plan.command], stdout=log, stderr=subprocess.STDOUT)
-        try:
-            wait_healthy(plan.url, process, start_timeout_s, log_path, api_key)
-            yield plan.url
-        finally:
-            stop_group(process)
+    process = start_group(["bash", "-c", plan.command], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    assert process.stdout is not None
+    copier = copy_redacted(process.stdout, log_path, known_secrets(plan.command, api_key))
+    try:
+        wait_healthy(plan.url, process, start_timeout_s, log_path, api_key)
+        yield plan.url
+    finally:
+        stop_group(process)
+        # the output ends with the group; a child that left the group may hold the pipe open: give up on it
+        copier.join(timeout=COPY_DRAIN_S)
