@@ -7,6 +7,9 @@ from __future__ import annotations
 import json
 import logging
 import re
+import shlex
+import subprocess
+import sys
 import warnings
 from contextlib import contextmanager
 from importlib.metadata import version
@@ -147,8 +150,11 @@ def test_completion_completes_choice_flags():
     assert result.output.split() == ["float32", "bfloat16", "float16"]
     env["COMP_WORDS"] = "dflash-doctor sweep --draft-kind "
     assert CliRunner().invoke(app, [], env=env, prog_name="dflash-doctor").output.split() == ["dflash", "ngram", "suffix", "autoregressive", "auto"]
-    script = CliRunner().invoke(app, ["--show-completion", "bash"], prog_name="dflash-doctor")
-    assert script.exit_code == 0 and "_DFLASH_DOCTOR_COMPLETE" in script.output
+    # the script for the shell the user types in, found from the process tree (so run from a real bash: under
+    # a runner started without one, typer finds no shell and exits 1)
+    script = subprocess.run(["bash", "-c", f"{shlex.quote(str(Path(sys.executable).parent / 'dflash-doctor'))} --show-completion"],
+                            capture_output=True, text=True, timeout=120)
+    assert script.returncode == 0 and "_DFLASH_DOCTOR_COMPLETE" in script.stdout, script.stderr
 
 
 # ---------------------------------------------------------------------------------------------------- configuration
