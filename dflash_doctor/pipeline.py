@@ -117,7 +117,7 @@ def _summarize(record: RunRecord, replay: Replay, seed: int) -> None:
 def _sweep(record: RunRecord, pair: Pair, replay: Replay, config: DoctorConfig) -> None:
     """``summary.sweep`` and ``recommendation``: tau and net speedup per K, priced with step costs
     measured here (or from ``--cost-profile``)."""
-    with stage(f"pricing K {min(config.k)}-{max(config.k)}: " + ("cost profile" if config.cost_profile else "timing the steps")
+    with stage(f"pricing K {k_text(config.k)}: " + ("cost profile" if config.cost_profile else "timing the steps")
                + ", intervals per class"):
         costs = load_cost_profile(config.cost_profile) if config.cost_profile else pair.measure_step_costs(config.k)
         sweep = build_sweep(replay.sweep_frames(), costs, replay.estimate_by_k, seed=config.seed)
@@ -185,6 +185,23 @@ def _teacher(pair: Pair, requests: Sequence[Request], config: DoctorConfig, exac
     return sharding.replay_into(run_dir, record.to_json(), requests, replay, work)
 
 
+def check_sweep_ks(asked: Sequence[int], default_k: int) -> tuple[int, ...]:
+    """The K values `check` prices: the user's list or range as given (its largest is the K they serve), or,
+    for one K or none, every K from 1 up to the larger of it and the draft's default, so the recommendation
+    can say whether a smaller K pays better than the one served."""
+    if len(asked) > 1:
+        return tuple(sorted(set(asked)))
+    return tuple(range(1, max((default_k, *asked)) + 1))
+
+
+def k_text(ks: Sequence[int]) -> str:
+    """K values as a person writes them: a range ``1-15`` when they are consecutive, else a list ``2, 4, 8``."""
+    ks = sorted(set(ks))
+    if len(ks) > 2 and ks == list(range(ks[0], ks[-1] + 1)):
+        return f"{ks[0]}-{ks[-1]}"
+    return ", ".join(map(str, ks))
+
+
 def run_check(config: DoctorConfig, *, scenario=None, only: Sequence[str] = (), skip: Sequence[str] = (),
               exact_blocks: bool = False, progress: ProgressFactory = no_progress) -> Outcome:
     """`check`: teacher-forced replay of every K up to the draft's block (and the served K), the sweep,
@@ -195,7 +212,7 @@ def run_check(config: DoctorConfig, *, scenario=None, only: Sequence[str] = (), 
     requests, pair, config = _start(config, "check", scenario)
     served_k = max(config.k) if config.k else None  # the K the user serves, when they said
     pair.check_k_fits(config.k)
-    sweep_config = dataclasses.replace(config, k=tuple(range(1, max(pair.default_k, served_k or 0) + 1)))
+    sweep_config = dataclasses.replace(config, k=check_sweep_ks(config.k, pair.default_k))
     record = _new_record(sweep_config, pair, "check", scenario=scenario.name if scenario is not None else None, served_k=served_k)
     writer, replay = _teacher(pair, requests, sweep_config, exact_blocks, run_dir, record, progress)
     with writer:

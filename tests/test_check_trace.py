@@ -11,6 +11,7 @@ read-back or re-encoding anywhere (a view, a check, a probe) shows up here.
 from __future__ import annotations
 
 import inspect
+import json
 import sys
 from collections import Counter
 from pathlib import Path
@@ -94,3 +95,22 @@ def test_check_writes_run_json_twice_reads_one_table_back_and_encodes_each_promp
     assert {name: counts[name] for name in STAGES} == {name: 1 for name in STAGES}
     assert order == list(STAGES)
     assert Path(out / "report.html").is_file()
+
+
+def test_check_prices_the_k_values_asked_for(tiny_dir, tmp_path):
+    """`check --k 2,4` prices K 2 and 4 and recommends among them (4 is served); `--k 3` prices every K from 1
+    to the draft's default beside the served 3, and the progress line names the K values it prices."""
+    priced = {}
+    for asked in ("2,4", "3"):
+        out = tmp_path / asked.replace(",", "-")
+        result = CliRunner().invoke(app, ["check", *map(str, pair_args(tiny_dir, tiny_dir / "dflash", "--k", asked, "--out", out))])
+        assert result.exit_code in (0, 1), result.output
+        run = json.loads((out / "run.json").read_text())
+        assert run["served_k"] == max(int(k) for k in asked.split(","))
+        priced[asked] = [row["k"] for row in run["summary"]["sweep"]["overall"]]
+        for per_scope in run["recommendation"].values():
+            assert per_scope["k"] in (0, *priced[asked]) and f"K={max(priced[asked]) + 1}" not in per_scope["reason"], per_scope
+    assert priced["2,4"] == [2, 4]
+    assert priced["3"][0] == 1 and priced["3"] == list(range(1, priced["3"][-1] + 1)) and priced["3"][-1] >= 3
+    assert pipeline.check_sweep_ks((), 6) == (1, 2, 3, 4, 5, 6) and pipeline.check_sweep_ks((9,), 6)[-1] == 9
+    assert pipeline.k_text([2, 4, 8]) == "2, 4, 8" and pipeline.k_text(range(1, 16)) == "1-15" and pipeline.k_text([3, 4]) == "3, 4"
