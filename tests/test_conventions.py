@@ -150,9 +150,10 @@ def test_completion_completes_choice_flags():
     assert result.output.split() == ["float32", "bfloat16", "float16"]
     env["COMP_WORDS"] = "dflash-doctor sweep --draft-kind "
     assert CliRunner().invoke(app, [], env=env, prog_name="dflash-doctor").output.split() == ["dflash", "ngram", "suffix", "autoregressive", "auto"]
-    # the script for the shell the user types in, found from the process tree (so run from a real bash: under
-    # a runner started without one, typer finds no shell and exits 1)
-    script = subprocess.run(["bash", "-c", f"{shlex.quote(str(Path(sys.executable).parent / 'dflash-doctor'))} --show-completion"],
+    # the script for the shell the user types in, found from the process tree, so run from a real bash (under a
+    # runner started without one typer finds no shell and exits 1); `; exit $?` keeps bash from exec-ing the
+    # command in its own place, which would leave no bash in the tree
+    script = subprocess.run(["bash", "-c", f"{shlex.quote(str(Path(sys.executable).parent / 'dflash-doctor'))} --show-completion; exit $?"],
                             capture_output=True, text=True, timeout=120)
     assert script.returncode == 0 and "_DFLASH_DOCTOR_COMPLETE" in script.stdout, script.stderr
 
