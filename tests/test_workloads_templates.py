@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import signal
+import time
+
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
 from dflash_doctor.errors import UsageError
+from dflash_doctor.inputs.workloads import conversation
 from dflash_doctor.inputs.workloads import Request, encode_request_turn, encode_turn, load_workload, read_chat_template
 
 # SmolLM2-135M-Instruct's chat template (ChatML with a default system prompt).
@@ -115,6 +119,19 @@ def test_templates_render_in_a_sandbox(smollm2):
     escape = "{{ ''.__class__.__mro__[1].__subclasses__() }}"
     with pytest.raises(UsageError, match="chat template could not render"):
         encode_turn(smollm2, [{"role": "user", "content": "hi"}], chat_template=escape)
+
+
+def test_a_template_that_never_ends_is_stopped_with_one_sentence(smollm2, monkeypatch):
+    """Nested loops of 100,000 each (the sandbox caps one range, not their nesting): 10^10 steps, stopped at the
+    time limit (lowered here), and the next render runs normally: the timer and its handler are put back."""
+    monkeypatch.setattr(conversation, "TEMPLATE_TIME_LIMIT_S", 0.5)
+    endless = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}x"
+    started = time.monotonic()
+    with pytest.raises(UsageError, match=r"did not finish rendering the messages within 0.5 s .*fix the template"):
+        encode_turn(smollm2, [{"role": "user", "content": "hi"}], chat_template=endless)
+    assert time.monotonic() - started < 5
+    assert signal.getsignal(signal.SIGALRM) in (signal.SIG_DFL, signal.SIG_IGN, None) and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+    assert decode(smollm2, encode_turn(smollm2, [{"role": "user", "content": "hi"}], chat_template="{{ messages[0]['content'] }}")).endswith("hi")
 
 
 def test_reserved_template_kwargs_and_unfilled_placeholders_are_refused(smollm2):

@@ -8,8 +8,11 @@ Its own module because it needs a tokenizer and a template, where the rest of th
 
 from __future__ import annotations
 
+import signal
+import threading
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from dflash_doctor.errors import UsageError
 from dflash_doctor.inputs.workloads.request import Request, count_trailing_user_messages
@@ -21,6 +24,37 @@ ANSWER_OF_TURN = "answer_of_turn"  # key marking an assistant placeholder in con
 # apply_chat_template arguments that a template kwarg must not override: they fix how we render.
 _RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "chat_template", "add_generation_prompt", "continue_final_message",
                                        "tokenize", "return_dict", "return_tensors", "tokenizer_kwargs"})
+
+
+#: Seconds one chat-template render may take. Real templates render a conversation in milliseconds; a template
+#: whose loops never end (the sandbox caps each range at 100,000 items, not their nesting) would hang the command.
+TEMPLATE_TIME_LIMIT_S = 10.0
+
+
+class _TemplateTimeout(Exception):
+    """Raised inside a render that ran past :data:`TEMPLATE_TIME_LIMIT_S`."""
+
+
+@contextmanager
+def _render_time_limit(seconds: float) -> Iterator[None]:
+    """Interrupt the block after ``seconds`` with :class:`_TemplateTimeout`: a real-time timer signal, which
+    Python delivers between bytecodes, so a Jinja loop stops where it is. Only the main thread can take a
+    signal; elsewhere (a dashboard session's thread) and where the platform has no timer the block runs
+    unlimited."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        yield
+        return
+
+    def expire(_signum, _frame):
+        raise _TemplateTimeout
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def conversation_turns(request: Request) -> list[list[dict[str, Any]]]:
@@ -94,10 +128,14 @@ def encode_turn(tokenizer: Any, messages: list[dict[str, Any]], *, chat_template
     import jinja2  # transformers' own template dependency; only its exception type is needed here
 
     try:
-        text = tokenizer.apply_chat_template(messages, chat_template=chat_template, add_generation_prompt=True,
-                                             tokenize=False, **kwargs)
+        with _render_time_limit(TEMPLATE_TIME_LIMIT_S):
+            text = tokenizer.apply_chat_template(messages, chat_template=chat_template, add_generation_prompt=True,
+                                                 tokenize=False, **kwargs)
     except jinja2.TemplateError as exc:
         raise UsageError(f"the chat template could not render the messages ({exc}); fix the messages or pass --chat-template FILE.") from None
+    except _TemplateTimeout:
+        raise UsageError(f"the chat template did not finish rendering the messages within {TEMPLATE_TIME_LIMIT_S:g} s "
+                         "(a loop that does not end?); fix the template or pass --chat-template FILE.") from None
     bos = getattr(tokenizer, "bos_token", None)
     return list(tokenizer(text, add_special_tokens=not (bos and text.startswith(bos)))["input_ids"])
 
