@@ -181,6 +181,9 @@ def main() -> None:
     target_model, draft = build(args.target, args.tiny, device, dtype)
     target = TargetModel(target_model, draft.hidden_state_indices)
     proposer = DFlashProposer(draft, target)
+    # the records of a long run, which compiles the columns once they pay (engine/divergence.py); a run below
+    # COMPILE_AFTER_SCORES computes them eagerly (benchmarks/gpu_engine.py times both)
+    divergence._fused_columns().compile_after = 0
     weights = torch.cuda.memory_allocated() / GIB if device == "cuda" else float("nan")
     name = args.target + (" (tiny)" if args.tiny else "")
     print(f"target {name}; torch {torch.__version__}; weights (target + draft) {weights:.1f} GiB; K = {BLOCK_SIZE - 1}; "

@@ -41,8 +41,18 @@ WIDTH = sum(width for _, width in _LAYOUT)
 # per float32 tensor) stay in cache through the dozen passes the columns take, which measured 3x less time
 # than passes over whole [A, k, V] tensors that go to memory each time (the same numbers: every column
 # is computed row by row). A smaller vocabulary gets more rows per block, so that the per-block
-# overhead stays small beside the block's work. A GPU takes whole tensors through :func:`_fused_columns`.
+# overhead stays small beside the block's work. A GPU takes whole tensors through :func:`_fused_columns`
+# once compiling has paid (COMPILE_AFTER_SCORES); before that, its eager columns go in blocks of
+# GPU_BLOCK_SCORES, whose dozen float32 temporaries (256 MiB each) stay small beside any model.
 CPU_BLOCK_SCORES = 16 * 49152
+GPU_BLOCK_SCORES = 1 << 26
+
+# Scores whose columns a GPU computes eagerly before it compiles them. Measured on an H200 (torch 2.11, a 152k
+# vocabulary): eager columns cost about 48 ps per score, compiled ones about 8; a compile took 16 s with empty
+# on-disk caches and 7 s with them filled. At 40 ps saved per score a compile pays after 2e11 to 4e11 scores;
+# 2e11 is about 40 teacher-forced sequences of 2k tokens at K = 15, or 900 live-loop requests of 96 tokens:
+# a small `check` never compiles, a large one compiles after its first tenth or so.
+COMPILE_AFTER_SCORES = 2e11
 
 
 def _block_rows(device: torch.device, total: int, vocab: int) -> int:
@@ -96,7 +106,8 @@ def top_ids(scores: torch.Tensor, k: int = TOP_K) -> torch.Tensor:
 
 @functools.cache
 def _fused_columns() -> CompiledOrEager:
-    """:func:`_columns_of` compiled once (shapes dynamic), for GPUs; eager where this torch cannot compile it.
+    """:func:`_columns_of` compiled once (shapes dynamic), for GPUs, once a run's eager columns reach
+    COMPILE_AFTER_SCORES; eager where this torch cannot compile it.
 
     Eager, the columns take about fifteen passes over [A, k, V] float32 tensors (softmax, exp, the
     products and differences of the KL and the total variation, each a temporary written and read
@@ -104,7 +115,7 @@ def _fused_columns() -> CompiledOrEager:
     records 1.8x the teacher-forced pass. Compiled, the elementwise steps (the target's probabilities
     from its log-probabilities included) fuse into the few reductions over the vocabulary, the anchors'
     target rows are gathered inside those kernels, and :func:`top_ids`' chunk maxima are one more."""
-    return CompiledOrEager(_columns_of, "divergence columns", dynamic=True)
+    return CompiledOrEager(_columns_of, "divergence columns", compile_after=COMPILE_AFTER_SCORES, dynamic=True)
 
 
 @dataclass(frozen=True)
@@ -170,10 +181,13 @@ def divergence_tensor(draft_logits: torch.Tensor, draft_tokens: torch.Tensor, ta
     """
     if draft_tokens.numel() == 0:
         return torch.empty((*draft_tokens.shape, WIDTH), dtype=torch.float64, device=draft_logits.device)
-    if draft_logits.device.type == "cuda":
+    vocab = draft_logits.shape[-1]
+    on_gpu = draft_logits.device.type == "cuda"
+    if on_gpu and _fused_columns().wanted(draft_tokens.numel() * vocab):
         return _fused_columns()(draft_logits, draft_tokens, *target._fields(), entries)
     per_entry = draft_tokens[0].numel() if draft_tokens.dim() > 1 else 1
-    step = max(1, _block_rows(draft_logits.device, draft_tokens.numel(), draft_logits.shape[-1]) // per_entry)
+    block_scores = GPU_BLOCK_SCORES if on_gpu else CPU_BLOCK_SCORES
+    step = max(1, block_scores // max(vocab, 1) // per_entry)
     blocks = []
     for i in range(0, draft_tokens.shape[0], step):
         rows = target.take(slice(i, i + step) if entries is None else entries[i : i + step])

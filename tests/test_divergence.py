@@ -194,6 +194,28 @@ def test_out_of_memory_in_the_compiled_path_is_raised_not_absorbed(monkeypatch):
     assert fused.failure is None
 
 
+def test_small_runs_never_compile_and_a_long_one_compiles_once_the_eager_work_reaches_the_threshold(monkeypatch):
+    """A compile costs seconds that a small `check` never wins back: calls stay eager until their work adds up
+    to ``compile_after``, the call that reaches it and every later one are compiled, and a failure ends it."""
+    compiles = []
+
+    def counting_compile(fn, **options):
+        compiles.append(options)
+        return fn
+
+    monkeypatch.setattr(torch, "compile", counting_compile)
+    fused = CompiledOrEager(divergence._columns_of, "divergence columns", compile_after=100, dynamic=True)
+    assert [fused.wanted(30), fused.wanted(30), fused.wanted(30)] == [False, False, False]
+    assert compiles == []
+    assert fused.wanted(30)  # 120 scores: the eager overhead paid so far is about one compile
+    draft_logits, draft_tokens, rows, anchors = _tied_bf16_inputs()
+    fused(draft_logits, draft_tokens, *rows._fields(), anchors)
+    assert compiles == [{"dynamic": True}] and fused.wanted(1)
+    fused.failure = RuntimeError("a failed compiled call")
+    assert not fused.wanted(10**12)
+    assert divergence._fused_columns().compile_after == divergence.COMPILE_AFTER_SCORES > 0
+
+
 def test_order_keys_stay_in_int32_for_the_id_part_at_any_vocabulary_size():
     """The id's part of a key is computed where a compiler may hold it in an int32 kernel index: it must
     fit there for every id below 2**31, and the keys must still order by score, then lower id first."""

@@ -167,9 +167,10 @@ def reaches_a_verdict(result: subprocess.CompletedProcess, run: Path, dtype: str
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_check_of_a_dflash_draft_on_cuda_runs_the_compiled_columns_to_a_verdict(dense, tmp_path, dtype):
+def test_check_of_a_dflash_draft_on_cuda_reaches_a_verdict_with_token_records(dense, tmp_path, dtype):
     """The command of the report that started this lane (a Triton error in the compiled divergence columns ended
-    it) now reaches its verdict, with the per-token records written."""
+    it) reaches its verdict, with the per-token records written (a run this small computes them eagerly; the
+    compiled columns have their own test below)."""
     target, draft = dense
     run = tmp_path / "check"
     result = doctor("check", "--target", target, "--draft", draft, *WORKLOAD, "--k", K, "--device", "cuda",
@@ -276,7 +277,8 @@ def test_check_devices_spreads_the_requests_over_two_gpus(dense, tmp_path):
 
 def test_a_failing_compiler_on_cuda_gives_the_compiled_columns_eagerly(monkeypatch):
     """The fallback on the device it exists for: the eager columns equal the compiled ones (integer columns
-    exactly, float columns to float32 rounding), on bf16 scores over the Qwen3 vocabulary."""
+    exactly, float columns to float32 rounding), on bf16 scores over the Qwen3 vocabulary; so do the eager
+    blocks a run computes before compiling pays."""
     from dflash_doctor.engine import divergence
     from dflash_doctor.engine.divergence import TargetRows, divergence_tensor
 
@@ -287,8 +289,10 @@ def test_a_failing_compiler_on_cuda_gives_the_compiled_columns_eagerly(monkeypat
     anchors = torch.tensor([0, 3, 8, 19], device="cuda")
     tokens = draft_logits[anchors].argmax(-1)
     divergence._fused_columns.cache_clear()
-    compiled = divergence_tensor(draft_logits[anchors], tokens, rows, anchors)
-    assert divergence._fused_columns().failure is None
+    blocked = divergence_tensor(draft_logits[anchors], tokens, rows, anchors)  # far below COMPILE_AFTER_SCORES
+    fused = divergence._fused_columns()
+    compiled = fused(draft_logits[anchors], tokens, *rows._fields(), anchors)
+    assert fused.failure is None
 
     def compile_that_fails(fn, **options):
         def run(*args):
@@ -298,9 +302,11 @@ def test_a_failing_compiler_on_cuda_gives_the_compiled_columns_eagerly(monkeypat
     monkeypatch.setattr(torch, "compile", compile_that_fails)
     divergence._fused_columns.cache_clear()
     try:
-        eager = divergence_tensor(draft_logits[anchors], tokens, rows, anchors)
-        assert divergence._fused_columns().failure is not None
+        failing = divergence._fused_columns()
+        eager = failing(draft_logits[anchors], tokens, *rows._fields(), anchors)
+        assert failing.failure is not None
     finally:
         divergence._fused_columns.cache_clear()
-    assert torch.equal(compiled[..., 7:], eager[..., 7:]) and torch.equal(compiled[..., 2], eager[..., 2])
-    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
+    for other in (eager, blocked):
+        assert torch.equal(compiled[..., 7:], other[..., 7:]) and torch.equal(compiled[..., 2], other[..., 2])
+        torch.testing.assert_close(compiled, other, rtol=1e-5, atol=1e-6)
