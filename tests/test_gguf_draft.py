@@ -210,3 +210,48 @@ def test_dspark_gguf_equals_its_safetensors_original(target, tmp_path, monkeypat
     loaded = load_dflash_draft(resolve_model_dir(str(path)))
     assert type(loaded) is DSparkDraftModel and loaded.config.markov_rank == 4 and loaded.config.confidence_head
     torch.testing.assert_close(first_block_logits(loaded, target), first_block_logits(load_dflash_draft(original), target), rtol=0, atol=0)
+
+
+def _fields_by_gguf_py(path: Path) -> dict[str, str]:
+    fields = gguf.GGUFReader(str(path)).fields
+    general = {key.removeprefix("general."): field.contents() for key, field in fields.items() if key.startswith("general.")}
+    return {key: value for key, value in general.items() if isinstance(value, str)}
+
+
+@pytest.mark.parametrize("endian", [gguf.GGUFEndian.LITTLE, gguf.GGUFEndian.BIG])
+def test_general_fields_read_from_the_header_equal_gguf_pys_reading(tmp_path, endian):
+    """The metadata reader that skips the tensors and the tokenizer arrays reads what gguf-py's GGUFReader reads,
+    in both byte orders, past arrays of every kind; a damaged or crafted header gives None, at once."""
+    from dflash_doctor.models.gguf_draft import gguf_general_fields
+
+    path = tmp_path / "model.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama", endianess=endian)
+    writer.add_name("Tiny Llama")
+    writer.add_uint32("llama.block_count", 2)
+    writer.add_array("tokenizer.ggml.tokens", ["<s>", "é", "a" * 300])
+    writer.add_array("tokenizer.ggml.scores", [0.5, -1.0, 2.0])
+    writer.add_float64("some.scale", 0.25)
+    writer.add_bool("some.flag", True)
+    writer.add_string("general.organization", "Örg")
+    writer.add_tensor("token_embd.weight", np.ones((3, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    expected = _fields_by_gguf_py(path)
+    assert expected == {"architecture": "llama", "name": "Tiny Llama", "organization": "Örg"}
+    assert gguf_general_fields(path) == expected
+
+    demo = Path(demo_target_path())
+    assert gguf_general_fields(demo) == _fields_by_gguf_py(demo)
+
+    whole = path.read_bytes()
+    truncated = tmp_path / "truncated.gguf"
+    for cut in (3, 10, 30, 60, 200):  # all inside the metadata: the 300-character token ends past byte 200
+        truncated.write_bytes(whole[:cut])
+        assert gguf_general_fields(truncated) is None, cut
+    order = "<" if endian == gguf.GGUFEndian.LITTLE else ">"
+    crafted = tmp_path / "crafted.gguf"  # 2**60 pairs announced, and a key 2**62 bytes long
+    crafted.write_bytes(whole[:16] + np.array([2**60], dtype=order + "u8").tobytes() + np.array([2**62], dtype=order + "u8").tobytes())
+    assert gguf_general_fields(crafted) is None
+    assert gguf_general_fields(tmp_path / "missing.gguf") is None

@@ -110,17 +110,70 @@ TENSOR_NAMES = {
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
 
 
+# GGUF metadata value types (gguf-py's GGUFValueType) -> struct format of one value; 8 is a string, 9 an array
+_SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_STRING, _ARRAY = 8, 9
+
+
 def gguf_general_fields(path: Path) -> dict[str, str] | None:
     """The text fields under ``general.`` of a GGUF file, without the prefix (``architecture``, ``name``,
-    ``basename``, ``size_label``, ``organization``...); None when the file cannot be read here."""
-    from gguf import GGUFReader
+    ``basename``, ``size_label``, ``organization``...); None when the file cannot be read here.
+
+    Read straight from the metadata section (magic, version, counts, then key/value pairs) instead of through
+    gguf-py's GGUFReader, which maps every field and tensor of the file: 3 s for the demo target's tokenizer
+    arrays on every command that names a GGUF target, twice (the loader and the target-identity check), for a
+    few strings. Every length is checked against the file's size, so a damaged or crafted header ends in None.
+    """
+    import mmap
+    import struct
 
     try:
-        fields = GGUFReader(str(path)).fields
-    except (ValueError, OSError):
+        with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            if data[:4] != b"GGUF":
+                return None
+            order = "<" if struct.unpack_from("<I", data, 4)[0] & 0xFFFF else ">"  # a big-endian file's version reads swapped
+            if struct.unpack_from(order + "I", data, 4)[0] < 2:
+                return None  # version 1 had 32-bit counts; no current tool writes it
+            (kv_count,) = struct.unpack_from(order + "Q", data, 16)
+            offset = 24
+            size = len(data)
+
+            def take(count: int) -> int:
+                nonlocal offset
+                if count < 0 or offset + count > size:
+                    raise ValueError("past the end of the file")
+                offset += count
+                return offset - count
+
+            def string() -> bytes:
+                (length,) = struct.unpack_from(order + "Q", data, take(8))
+                start = take(length)
+                return data[start : start + length]
+
+            fields: dict[str, str] = {}
+            for _ in range(kv_count):
+                key = string().decode("utf-8", "replace")
+                (kind,) = struct.unpack_from(order + "I", data, take(4))
+                if kind == _STRING:
+                    value = string()
+                    if key.startswith("general."):
+                        fields[key.removeprefix("general.")] = value.decode("utf-8", "replace")
+                elif kind == _ARRAY:
+                    item, length = struct.unpack_from(order + "IQ", data, take(12))
+                    if item == _STRING:
+                        for _ in range(length):
+                            string()
+                    elif item in _SCALAR_FORMATS:
+                        take(length * struct.calcsize(_SCALAR_FORMATS[item]))
+                    else:
+                        return None  # nested arrays: no GGUF writer emits them
+                elif kind in _SCALAR_FORMATS:
+                    take(struct.calcsize(_SCALAR_FORMATS[kind]))
+                else:
+                    return None
+            return fields
+    except (ValueError, OSError, struct.error):
         return None
-    general = {key.removeprefix("general."): field.contents() for key, field in fields.items() if key.startswith("general.")}
-    return {key: value for key, value in general.items() if isinstance(value, str)}
 
 
 def gguf_architecture(path: Path) -> str | None:
