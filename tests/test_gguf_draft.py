@@ -178,9 +178,9 @@ def _convert(model_dir: Path, out: Path, target_dir: Path) -> Path:
 
 @pytest.mark.llamacpp
 @pytest.mark.parametrize("variant", ["demo", "dflash2"])
-def test_converter_written_gguf_loads_weight_for_weight(variant, tmp_path, monkeypatch):
-    monkeypatch.setenv("DFLASH_DOCTOR_CACHE", str(tmp_path / "cache"))
-    target_dir = resolve_model_dir(str(demo_target_path()))  # the converter reads the target's tokenizer
+def test_converter_written_gguf_loads_weight_for_weight(variant, demo_target_dir, tmp_path, monkeypatch):
+    target_dir = demo_target_dir  # the converter reads the target's tokenizer (converted once per session, in the user cache)
+    monkeypatch.setenv("DFLASH_DOCTOR_CACHE", str(tmp_path / "cache"))  # the draft's GGUF converts from scratch
     draft_dir = DEMO_DRAFT_DIR if variant == "demo" else real_variant(DEMO_DRAFT_DIR, variant, tmp_path / variant)
     path = _convert(draft_dir, tmp_path / "draft.gguf", target_dir)
     from_gguf, original = load_dflash_draft(resolve_model_dir(str(path))), load_dflash_draft(draft_dir)
