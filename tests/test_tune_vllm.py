@@ -33,7 +33,7 @@ from dflash_doctor.tune.loads import CONCURRENCY, LoadLevel
 from dflash_doctor.tune.measure import first_turns, run_load, stream_request
 from dflash_doctor.models.loading import DEMO_DRAFT_DIR, demo_target_path, resolve_model_dir
 from dflash_doctor.stats.speedup import load_cost_profile
-from vllm_server import SERVED_NAME, VLLM_ENV, VLLM_PYTHON, free_port, start_vllm_server, vllm_command
+from vllm_server import API_KEY, SERVED_NAME, VLLM_ENV, VLLM_PYTHON, free_port, vllm_command
 
 pytestmark = pytest.mark.vllm
 
@@ -116,10 +116,12 @@ def _only_user_message(request) -> str:
     return str(request.messages[0]["content"])
 
 
-def test_tune_latency_and_throughput_agree_with_vllm_bench_serve(tmp_path):
+def test_tune_latency_and_throughput_agree_with_vllm_bench_serve(vllm_server, tmp_path):
     """The same server, prompts, output limit and concurrency measured by tune's measuring loop and by
     `vllm bench serve` (the first turns of the demo workload as a ShareGPT file, chat completions, temperature 0): mean TTFT, mean TPOT (vLLM's
-    per-request mean), output tokens/s and requests/s agree within the tolerances above."""
+    per-request mean), output tokens/s and requests/s agree within the tolerances above. The server is the
+    session's (K = 15, an API key): any server serves a comparison of two load generators, and a start of
+    its own cost a minute of CI."""
     target = resolve_model_dir(str(demo_target_path()))
     requests = first_turns(load_workload("demo", max_requests=6, seed=0))
     # the same one-message chats as a ShareGPT file (vllm bench's `custom` dataset needs pandas, absent from .venv-vllm)
@@ -127,22 +129,18 @@ def test_tune_latency_and_throughput_agree_with_vllm_bench_serve(tmp_path):
     sharegpt.write_text(json.dumps([{"id": r.id, "conversations": [{"from": "human", "value": _only_user_message(r)}, {"from": "gpt", "value": "-"}]}
                                     for r in requests]))
     config = build_config(max_new_tokens=48)
-    server = start_vllm_server(target, DEMO_DRAFT_DIR, tmp_path / "server.log", num_speculative_tokens=0)
-    try:
-        endpoint = resolve_model(ServerEndpoint.from_url(server.url))
-        stream_request(endpoint, requests[0], config)  # warm-up, as tune does per server
-        # doctor, vllm bench, doctor again: the doctor's two passes pooled sit around the bench's in time,
-        # so a machine slowing down or warming up during the test does not count as disagreement
-        passes = [run_load(endpoint, requests, config, k=0, load=LoadLevel(CONCURRENCY, 2))]
-        subprocess.run([str(VLLM_PYTHON), "-c", VLLM_BENCH_SERVE, "--backend", "openai-chat",
-                        "--base-url", server.url, "--endpoint", "/v1/chat/completions", "--model", SERVED_NAME, "--tokenizer", str(target),
-                        "--dataset-name", "sharegpt", "--dataset-path", str(sharegpt), "--disable-shuffle", "--sharegpt-output-len", "48",
-                        "--num-prompts", str(len(requests)), "--max-concurrency", "2", "--request-rate", "inf", "--temperature", "0",
-                        "--disable-tqdm", "--save-result", "--result-dir", str(tmp_path), "--result-filename", "bench.json"],
-                       check=True, timeout=600, env={**os.environ, **VLLM_ENV}, stdout=subprocess.DEVNULL)
-        passes.append(run_load(endpoint, requests, config, k=0, load=LoadLevel(CONCURRENCY, 2)))
-    finally:
-        server.stop()
+    endpoint = resolve_model(ServerEndpoint.from_url(vllm_server.url, api_key=API_KEY))
+    stream_request(endpoint, requests[0], config)  # warm-up, as tune does per server
+    # doctor, vllm bench, doctor again: the doctor's two passes pooled sit around the bench's in time,
+    # so a machine slowing down or warming up during the test does not count as disagreement
+    passes = [run_load(endpoint, requests, config, k=15, load=LoadLevel(CONCURRENCY, 2))]
+    subprocess.run([str(VLLM_PYTHON), "-c", VLLM_BENCH_SERVE, "--backend", "openai-chat",
+                    "--base-url", vllm_server.url, "--endpoint", "/v1/chat/completions", "--model", SERVED_NAME, "--tokenizer", str(target),
+                    "--dataset-name", "sharegpt", "--dataset-path", str(sharegpt), "--disable-shuffle", "--sharegpt-output-len", "48",
+                    "--num-prompts", str(len(requests)), "--max-concurrency", "2", "--request-rate", "inf", "--temperature", "0",
+                    "--disable-tqdm", "--save-result", "--result-dir", str(tmp_path), "--result-filename", "bench.json"],
+                   check=True, timeout=600, env={**os.environ, **VLLM_ENV, "OPENAI_API_KEY": API_KEY}, stdout=subprocess.DEVNULL)
+    passes.append(run_load(endpoint, requests, config, k=15, load=LoadLevel(CONCURRENCY, 2)))
     bench = json.loads((tmp_path / "bench.json").read_text())
     timed = [r for run in passes for r in run.requests]
     wall = sum(run.wall_s for run in passes)
