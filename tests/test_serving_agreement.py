@@ -7,6 +7,8 @@ comparison must reproduce the first exactly and name the second. The real server
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -128,3 +130,33 @@ def test_a_stand_in_server_is_reproduced_step_by_step_and_its_setup_named(demo_p
         assert summary["per_step"][CONFIGURED]["share"] <= stats["share"]
         if "target_layer_ids" in served:  # an offset changes many steps; the norm defect alone changes few on this draft
             assert stats["num_telling"] >= 5 and summary["per_step"][CONFIGURED]["share"] < stats["share"], stats
+
+
+def test_an_ngram_server_is_reproduced_step_by_step_with_one_setup():
+    """A speculator without weights has one serving setup, its settings: a stand-in server running vLLM's
+    prompt lookup (the embedded live loop with the n-gram proposer) and listing its steps as vLLM does, the
+    drafted ones only, is reproduced step for step by the teacher-forced replay of its own answer (the
+    undrafted steps between them placed by the embedded rule), with no margins (a point mass has none)."""
+    from dflash_doctor.engine.proposers.ngram import NgramProposer, NgramSettings
+    from dflash_doctor.engine.target import TargetModel
+
+    target_model = tiny_target(seed=1)  # a random target repeats itself rarely: lookups of one token find some of it
+    target = TargetModel(target_model)
+    proposer = NgramProposer(NgramSettings.resolve(1, 3, max_model_len=2048), target_model.config.vocab_size)
+    prompt = [5, 17, 42, 8, 9, 11, 5, 17, 42]
+    k, max_new = 4, 80
+    live = speculative_generate(target, proposer, torch.tensor(prompt), k=k, max_new_tokens=max_new, stop_ids=frozenset())
+    assert sum(s.num_accepted for s in live.steps) > 0  # the lookup found its text again: not a trivial agreement
+    drafted = [s for s in live.steps if s.num_drafted > 0]
+    assert 0 < len(drafted) < len(live.steps)  # undrafted steps in between, as vLLM leaves out of its arrays
+    turn = _engine_turn("r0", prompt, dataclasses.replace(live, steps=drafted), k)
+    assert all(s.position == -1 for s in turn.steps)  # the listed steps cover fewer tokens than the output: not placed
+    comparison = compare_turn(_Local(frozenset()), [ServingSetup(CONFIGURED)], {CONFIGURED: (proposer, target)}, turn, prompt,
+                              k, max_new, 0.0)
+    summary = summarize_agreement([comparison], [turn], engine_k=k, block_size=None)
+    assert summary["outputs"]["num_identical"] == 1
+    assert summary["per_step"][CONFIGURED]["num_steps"] == len(drafted)
+    assert summary["per_step"][CONFIGURED]["share"] == 1.0 and summary["per_step"][CONFIGURED]["embedded_accepted"] > 0
+    # tau as vLLM defines it, over the steps that drafted, on both sides
+    assert summary["tau"]["overall"]["embedded_tau"] == pytest.approx(summary["tau"]["overall"]["engine_tau"])
+    assert comparison.deciding_margins == {}

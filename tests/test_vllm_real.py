@@ -2,7 +2,7 @@
 
 One server start is shared by the session (the ``vllm_server`` fixture of conftest.py, started with an API
 key, so the key's test needs no start of its own); a second one serves a deliberately broken copy of the
-draft. Few prompts, short outputs: these tests add a few minutes
+draft, a third vLLM's n-gram prompt lookup. Few prompts, short outputs: these tests add a few minutes
 on CI's two cores. What they hold:
 
 * at T = 0 vLLM writes exactly the target's greedy text, and accepts what the embedded replay of its
@@ -13,7 +13,8 @@ on CI's two cores. What they hold:
   acceptance step by step, better than any other setup, and where the two part, the embedded draft's
   deciding logit margin is a near-tie (rounding between two kernels), not a different context;
 * the `--engine` run directory renders like any other; a sampled run works; bad endpoints exit 2;
-* a server fed the draft's target layers shifted by one is caught by `engine-agreement`, named.
+* a server fed the draft's target layers shifted by one is caught by `engine-agreement`, named;
+* vLLM's own n-gram speculator (a third start, no draft) is reproduced step for step by `--draft ngram`.
 """
 
 from __future__ import annotations
@@ -171,3 +172,26 @@ def test_a_server_started_with_an_api_key(vllm_server, tmp_path, monkeypatch):
     assert run.meta["summary"]["overall"]["num_drafts"] > 0  # the server's own figures came through
     holding = [p for p in (tmp_path / "run").rglob("*") if p.is_file() and key.encode() in p.read_bytes()]
     assert holding == [], f"the API key was written to {holding}"
+
+
+def test_vllm_prompt_lookup_is_reproduced_by_the_embedded_ngram_replay(demo_target_dir, tmp_path):
+    """vLLM's own n-gram speculator (``method: ngram``, no draft) and the doctor's ``--draft ngram`` with the same
+    settings: the same greedy text, and every server step's accepted count reproduced by the embedded replay
+    (prompt lookup follows from the text alone, so the agreement is exact, not statistical)."""
+    settings = {"prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    server = start_vllm_server(demo_target_dir, None, tmp_path / "server.log", num_speculative_tokens=4, method="ngram",
+                               method_settings=settings)
+    try:
+        code, output = run_check("--engine", server.url, "--target", str(demo_target_dir),
+                                 "--draft", "ngram:" + ",".join(f"{key}={value}" for key, value in settings.items()),
+                                 *WORKLOAD, "--out", str(tmp_path / "run"))
+    finally:
+        server.stop()
+    assert code in (0, 1), output
+    data, check = agreement_of(tmp_path / "run")
+    assert data["num_compared"] == data["num_turns"] >= 6
+    assert data["outputs"]["num_identical"] == data["outputs"]["num_compared"], data["outputs"]
+    steps = data["per_step"][CONFIGURED]
+    assert steps["share"] == 1.0 and steps["engine_accepted"] > 0, steps
+    low, high = data["tau"]["overall"]["difference_ci"]
+    assert low <= 0 <= high and check["status"] != "fail", (data["tau"], check)

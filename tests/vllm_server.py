@@ -44,15 +44,18 @@ def vllm_command(target_dir: Path, port: int, *, speculative_config: str | None,
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "INFO"}
 
 
-def start_vllm_server(target_dir: Path, draft_dir: Path, log_path: Path, *, num_speculative_tokens: int = 15,
-                      port: int | None = None, api_key: str | None = None) -> LocalServer:
+def start_vllm_server(target_dir: Path, draft_dir: Path | None, log_path: Path, *, num_speculative_tokens: int = 15,
+                      port: int | None = None, api_key: str | None = None, method: str = "dflash",
+                      method_settings: dict | None = None) -> LocalServer:
     """Launch ``python -m vllm.entrypoints.openai.api_server`` with the DFlash draft and detailed metrics
     (``num_speculative_tokens=0``: the target alone, no speculation; ``api_key``: readiness is read off
-    /health, which needs no key)."""
+    /health, which needs no key; ``method`` another speculator, e.g. ``ngram`` with no draft and its
+    ``method_settings`` such as ``prompt_lookup_max``)."""
     if not VLLM_PYTHON.is_file():
         raise RuntimeError(f"{VLLM_PYTHON} is missing; run `bash scripts/setup-dev.sh` (it builds the vLLM environment).")
     port = port or free_port()
-    spec = {"method": "dflash", "model": str(draft_dir), "num_speculative_tokens": num_speculative_tokens}
+    spec = {"method": method, **({"model": str(draft_dir)} if draft_dir is not None else {}),
+            "num_speculative_tokens": num_speculative_tokens, **(method_settings or {})}
     command = vllm_command(target_dir, port, speculative_config=json.dumps(spec) if num_speculative_tokens else None, api_key=api_key)
     env = {**os.environ, **VLLM_ENV}
     ready = "/health" if api_key else "/v1/models"

@@ -275,6 +275,8 @@ register_draft_kind(DraftKind(
         "prompt_lookup_max": model.settings.prompt_lookup_max,
         "max_model_len": model.settings.max_model_len,
     },
+    # vLLM's proposals follow from the text and the two settings alone, so its steps replay exactly
+    engine_agreement=True,
     from_spec=_ngram_from_spec,
 ), before="autoregressive")
 

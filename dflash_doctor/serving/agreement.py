@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from dflash_doctor.engine.blocks import block_mask
-from dflash_doctor.engine.proposers.base import Proposal
+from dflash_doctor.engine.proposers.base import Proposal, TokenListProposer
 from dflash_doctor.engine.proposers.dflash import DFlashProposer
 from dflash_doctor.engine.step_records import StepRecord
 from dflash_doctor.engine.target import TargetModel
@@ -194,11 +194,16 @@ def compare_turn(engine, setups: list[ServingSetup], proposers: dict[str, tuple]
     if prompt is None:
         return None
     sequence = TeacherSequence(list(prompt), list(output))
-    steps = [s for s in turn.steps if s.position >= 1 and s.num_drafted > 0]
+    configured = proposers.get(CONFIGURED, (None, None))[0]
+    listed = turn.steps
+    if isinstance(configured, TokenListProposer) and listed and all(s.position < 0 for s in listed):
+        listed = place_steps(configured, list(prompt), list(output), listed, k)
+    steps = [s for s in listed if s.position >= 1 and s.num_drafted > 0]
     # an engine step whose block runs past the returned output cannot be replayed (its accepted tokens
     # beyond max_tokens were dropped by the server), so it is left out of the per-step comparison
     comparable = [s for s in steps if s.position + s.num_drafted <= len(output)]
     tables: dict[str, np.ndarray] = {}
+    drafted: np.ndarray | None = None
     margins: dict[str, tuple[list[float], list[float]]] = {}
     first_difference = None
     outputs_match = None
@@ -208,11 +213,15 @@ def compare_turn(engine, setups: list[ServingSetup], proposers: dict[str, tuple]
         if pair is None:
             continue
         proposer, target = pair
-        features = torch.cat([hidden_states[i][0] for i in proposer.needs.hidden_state_indices], dim=-1)
+        taps = proposer.needs.hidden_state_indices
+        features = torch.cat([hidden_states[i][0] for i in taps], dim=-1) if taps else None
         table, _ = slot_table(target, proposer, sequence, k, record_divergence=False,
                               target_pass=(logits[len(prompt):], features))
         tables[setup.name] = table.matches
-        margins[setup.name] = _deciding_margins(proposer, table.matches, comparable, output, k, len(prompt))
+        if setup.name == CONFIGURED:
+            drafted = table.drafted  # a lookup that found nothing drafts nothing there: a plain decode step
+        if not isinstance(proposer, TokenListProposer):  # a point mass has no runner-up: no margin to read
+            margins[setup.name] = _deciding_margins(proposer, table.matches, comparable, output, k, len(prompt))
         if setup.name != CONFIGURED:
             continue
         if temperature <= 0:
@@ -226,7 +235,8 @@ def compare_turn(engine, setups: list[ServingSetup], proposers: dict[str, tuple]
                                     "target_top2_margin": float(top2[0] - top2[1])}
     server_accepted = [int(s.num_accepted) for s in comparable]
     embedded = {name: [_run(m[s.position - 1], s.num_drafted) for s in comparable] for name, m in tables.items()}
-    own = walk_schedule(tables[CONFIGURED], list(output), k, max_new_tokens, engine.stop_ids) if CONFIGURED in tables else []
+    own = (walk_schedule(tables[CONFIGURED], list(output), k, max_new_tokens, engine.stop_ids, drafted=drafted)
+           if CONFIGURED in tables else [])
     return TurnComparison(
         request_id=turn.key, request_class=turn.request.request_class,
         prompt_matches=None if our_prompt_ids is None or turn.prompt_token_ids is None else list(our_prompt_ids) == list(turn.prompt_token_ids),
@@ -234,6 +244,30 @@ def compare_turn(engine, setups: list[ServingSetup], proposers: dict[str, tuple]
         server_accepted=server_accepted, embedded_accepted=embedded, num_server_steps=len(steps),
         embedded_steps=own, deciding_margins=margins,
     )
+
+
+def place_steps(proposer: TokenListProposer, prompt: list[int], output: list[int], steps: list[StepRecord],
+                k: int) -> list[StepRecord]:
+    """Where the listed (drafted) steps of a speculator that drafts only when it finds something started.
+
+    vLLM's per-step arrays skip the steps without a draft, each of which commits one token. Walking the
+    output from the first decoded token, an anchor where the embedded proposer (the engine's rule, same
+    settings) proposes nothing is such a step; anywhere else the next listed step starts there and
+    commits its accepted tokens plus one. Where the embedded rule and the engine's part, the steps land
+    at other anchors and the per-step comparison shows it: the walk assumes nothing it then checks.
+    """
+    proposer.prepare_teacher(torch.tensor(prompt + output), None)
+    placed: list[StepRecord] = []
+    position = 1
+    for step in steps:
+        while position < len(output) and int(proposer.proposal_lengths(torch.tensor([len(prompt) + position - 1]), k)[0]) == 0:
+            position += 1
+        if position >= len(output):
+            break
+        bonus_at = position + step.num_accepted
+        placed.append(dataclasses.replace(step, position=position, bonus_token=output[bonus_at] if bonus_at < len(output) else -1))
+        position = bonus_at + 1
+    return placed
 
 
 def shared_target_model(proposers: dict[str, tuple]):
@@ -372,17 +406,26 @@ def summarize_agreement(comparisons: list[TurnComparison], answered, *, engine_k
 
 
 def compare_with_embedded(engine, answered, config, *, seed: int = 0) -> dict[str, Any]:
-    """Replay every answered turn in the embedded engine (``engine``: the loaded local Pair) and summarise the agreement."""
+    """Replay every answered turn in the embedded engine (``engine``: the loaded local Pair) and summarise the agreement.
+
+    A draft with weights (DFlash) is replayed under each serving setup a server can get wrong; a speculator
+    without weights (n-gram lookup) has one setup, its settings: its proposals follow from the text alone.
+    """
     draft = engine.draft_model
-    draft_causal = bool(getattr(draft.config, "causal", False))
-    setups = serving_setups(draft_causal, draft.config.num_hidden_layers)
-    proposers = {}
-    for setup in setups:
-        pair = setup_proposer(draft, engine.target.model, setup)
-        if pair is not None:
-            proposers[setup.name] = pair
+    config_of_draft = getattr(draft, "config", None)
+    if config_of_draft is None:  # weightless: the pair's own proposer, over the pair's own target
+        setups = [ServingSetup(CONFIGURED)]
+        proposers = {CONFIGURED: (engine.proposer, engine.target)}
+    else:
+        setups = serving_setups(bool(getattr(config_of_draft, "causal", False)), config_of_draft.num_hidden_layers)
+        proposers = {}
+        for setup in setups:
+            pair = setup_proposer(draft, engine.target.model, setup)
+            if pair is not None:
+                proposers[setup.name] = pair
     engine_k = next((t.measurement.num_spec_tokens for t in answered if t.measurement.num_spec_tokens), None)
-    k = min(engine_k or engine.proposer.max_k, engine.proposer.max_k)
+    limits = [limit for limit in (engine_k, engine.proposer.max_k) if limit]  # an n-gram lookup has no max_k of its own
+    k = min(limits) if limits else engine.default_k
     answers: dict[str, list[str]] = {}
     comparisons = []
     for turn in sorted(answered, key=lambda t: (t.request.id, t.turn)):
@@ -392,6 +435,7 @@ def compare_with_embedded(engine, answered, config, *, seed: int = 0) -> dict[st
         comparison = compare_turn(engine, setups, proposers, turn, ours, k, turn_limit(turn.request, config.max_new_tokens), config.temperature)
         if comparison is not None:
             comparisons.append(comparison)
-    summary = summarize_agreement(comparisons, answered, engine_k=engine_k, block_size=draft.config.block_size, seed=seed)
+    summary = summarize_agreement(comparisons, answered, engine_k=engine_k, block_size=getattr(config_of_draft, "block_size", None),
+                                  seed=seed)
     summary["setups"] = [dataclasses.asdict(s) for s in setups if s.name in proposers]
     return summary

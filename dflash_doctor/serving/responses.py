@@ -229,13 +229,21 @@ def step_rows(measurement: SpecMeasurement, output_ids: list[int] | None) -> lis
     With vLLM's ``detailed`` arrays the rows are the real steps in order: the prefill commits the first
     output token, and each step commits its accepted drafts plus one token, so step s starts at
     ``position = 1 + sum(accepted + 1 for earlier steps)``; ``bonus_token`` is read from the output ids
-    when the engine returned them. With only a histogram the steps are real but their order is not
+    when the engine returned them. vLLM lists only the steps that drafted: a speculator that drafts when it
+    finds something (n-gram lookup, suffix trees) also takes undrafted steps of one token each, and then
+    the listed steps commit fewer tokens than the output holds; their order is known but not where they
+    started, so they get ``position = -1`` (:func:`dflash_doctor.serving.agreement.place_steps` places
+    them with the embedded proposer). With only a histogram the steps are real but their order is not
     known: they are listed by accepted count with ``position = -1``. llama.cpp gives no steps.
     """
     k = measurement.num_spec_tokens or 0
     rows: list[StepRecord] = []
     if measurement.per_step_accepted is not None:
         drafted = measurement.per_step_drafted or (k,) * len(measurement.per_step_accepted)
+        committed = 1 + sum(n_accepted + 1 for n_accepted in measurement.per_step_accepted)
+        if output_ids is not None and committed < len(output_ids):  # undrafted steps between the listed ones
+            return [StepRecord(step=step, position=-1, k=k, num_drafted=n_drafted, num_accepted=n_accepted, bonus_token=-1)
+                    for step, (n_drafted, n_accepted) in enumerate(zip(drafted, measurement.per_step_accepted))]
         position = 1
         for step, (n_drafted, n_accepted) in enumerate(zip(drafted, measurement.per_step_accepted)):
             bonus_at = position + n_accepted
