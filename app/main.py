@@ -20,6 +20,7 @@ PAGES = [
     st.Page(ui.VIEWS / "compare.py", title="Compare", icon=":material/compare_arrows:"),
     st.Page(ui.VIEWS / "production.py", title="Production", icon=":material/sensors:"),
     st.Page(ui.VIEWS / "tune.py", title="Tune", icon=":material/tune:"),
+    st.Page(ui.VIEWS / "head_to_head.py", title="Head-to-head", icon=":material/sports_score:"),
 ]
 
 page = st.navigation(PAGES)

@@ -63,6 +63,11 @@ def discovered_tune_runs(root: str) -> list[str]:
     return [str(path) for path in data.find_tune_runs(root)]
 
 
+def discovered_head_to_heads(root: str) -> list[str]:
+    """Head-to-head folders under ``root`` (``check --draft A --draft B``)."""
+    return [str(path) for path in data.find_head_to_heads(root)]
+
+
 def available_runs() -> list[str]:
     """Uploaded runs of this session first, then the runs found on disk."""
     uploaded = st.session_state.get(UPLOADS_KEY, [])

@@ -9,6 +9,9 @@ import pandas as pd
 import pytest
 
 from cli_helpers import assert_usage_error, invoke, pair_args
+from dashboard_app import open_app
+from dflash_doctor.report.head_to_head import table_rows, verdicts
+from dflash_doctor.report.sanitize import for_markdown_text
 from dflash_doctor.rundir.run_record import StepCosts
 from dflash_doctor.stats.head_to_head import request_totals
 
@@ -78,6 +81,21 @@ def test_verdict_names_the_faster_speculator(runs):
         assert verdict["ratio"] == pytest.approx(rows[fastest]["speedup"] / rows[other]["speedup"])
         assert verdict["decisive"] == (verdict["ratio_ci"][0] > 1)
         assert fastest in verdict["text"]
+
+
+def test_the_dashboard_page_shows_the_same_table_verdict_and_curves(runs, monkeypatch):
+    """The Head-to-head page (Streamlit's AppTest) on the runs folder: the verdicts, the table the terminal and the
+    reports print (same cells), and one curve per speculator for the scope picked."""
+    root, data, _ = runs
+    table = json.loads((root / "both" / "head_to_head.json").read_text())  # --json holds the same, its keys sorted
+    assert table == data["head_to_head"]
+    page = open_app(monkeypatch, root, page="head_to_head")
+    shown = page.dataframe[0].value
+    assert shown.values.tolist() == table_rows(table)
+    markdown = " ".join(str(m.value) for m in page.markdown)
+    assert all(for_markdown_text(text) in markdown for text in verdicts(table))
+    chart = json.loads(page.get("plotly_chart")[0].proto.spec)
+    assert sorted(trace["name"] for trace in chart["data"]) == sorted(s["name"] for s in table["speculators"])
 
 
 def test_several_drafts_refuse_a_scenario(tiny_dir):

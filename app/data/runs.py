@@ -14,7 +14,7 @@ from typing import Iterator, Sequence
 
 from dflash_doctor.errors import UsageError
 from dflash_doctor.rundir.load import read_run_meta
-from dflash_doctor.rundir.tables import RUN_JSON, TABLES, TUNE_JSON
+from dflash_doctor.rundir.tables import HEAD_TO_HEAD_JSON, RUN_JSON, TABLES, TUNE_JSON
 from dflash_doctor.rundir.writer import run_data_files
 from dflash_doctor.telemetry.watch_record import UNITS_FILE, WINDOWS_FILE
 
@@ -61,6 +61,11 @@ def find_tune_runs(root: Path | str) -> list[Path]:
     """`tune` run directories (tune.json) under ``root``, as deep as :func:`find_runs` looks, last name first
     (the default names carry the time)."""
     return sorted((path.parent for path in _files_below(Path(root), TUNE_JSON)), key=str, reverse=True)
+
+
+def find_head_to_heads(root: Path | str) -> list[Path]:
+    """Head-to-head folders (head_to_head.json) under ``root``, as :func:`find_tune_runs` finds tune runs."""
+    return sorted((path.parent for path in _files_below(Path(root), HEAD_TO_HEAD_JSON)), key=str, reverse=True)
 
 
 def _files_below(root: Path, name: str) -> Iterator[Path]:

@@ -108,6 +108,22 @@ def acceptance_by_position_figure(summary: Summary, *, conditional: bool = False
     return fig
 
 
+def head_to_head_positions_figure(scope: str, rows: Sequence[Mapping[str, Any]]) -> go.Figure:
+    """Each speculator's unconditional acceptance r_i per draft slot in one scope of a head-to-head, at its best K."""
+    title = f"Acceptance rate r_i per draft slot, {scope} (unconditional, each at its best K)"
+    series = [(row["speculator"], _none_to_nan(row["acceptance_rate_per_pos"])) for row in rows if row["acceptance_rate_per_pos"]]
+    if not series:
+        return _empty(title, "No speculator drafted in this scope.")
+    colors = class_colors(name for name, _ in series)
+    fig = go.Figure(layout=dict(title=title, **_LAYOUT))
+    for name, rates in series:
+        fig.add_trace(go.Scatter(x=list(range(1, len(rates) + 1)), y=rates, mode="lines+markers", name=name,
+                                 line=dict(color=colors[name]), hovertemplate=f"{name} slot %{{x}}: %{{y:.3f}}<extra></extra>"))
+    fig.update_xaxes(title="draft slot", dtick=1)
+    fig.update_yaxes(title="acceptance", range=[0, 1.02])
+    return fig
+
+
 def acceptance_histogram_figure(summary: Summary) -> go.Figure:
     """Share of steps that accepted 0, 1, ..., K draft tokens, per class (grouped bars).
 

@@ -13,6 +13,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from dflash_doctor.rundir.tables import HEAD_TO_HEAD_JSON
+
 HEADERS = ("scope", "speculator", "best K", "tau [95% CI]", "speedup [95% CI]", "per-position acceptance (unconditional)")
 
 
@@ -72,6 +74,6 @@ def html_page(data: dict[str, Any]) -> str:
 
 def write_head_to_head(root: Path, data: dict[str, Any]) -> None:
     """``head_to_head.json``, ``head_to_head.md`` and ``head_to_head.html`` in the head-to-head's folder."""
-    (root / "head_to_head.json").write_text(json.dumps(data, indent=2, allow_nan=True), encoding="utf-8")
+    (root / HEAD_TO_HEAD_JSON).write_text(json.dumps(data, indent=2, allow_nan=True), encoding="utf-8")
     (root / "head_to_head.md").write_text(markdown(data), encoding="utf-8")
     (root / "head_to_head.html").write_text(html_page(data), encoding="utf-8")

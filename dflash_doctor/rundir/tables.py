@@ -24,6 +24,7 @@ from dflash_doctor.errors import UsageError
 
 RUN_JSON = "run.json"
 TUNE_JSON = "tune.json"  # a `tune` run directory's one result file (its server runs are ordinary runs below it)
+HEAD_TO_HEAD_JSON = "head_to_head.json"  # `check --draft A --draft B`: the comparison above one run per speculator
 
 def read_table_or_empty(path: Path, schema: pa.Schema) -> pd.DataFrame:
     """A Parquet table as a frame; a missing file reads as the empty table of ``schema`` (every column,
