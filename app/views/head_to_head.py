@@ -35,5 +35,5 @@ st.caption("The verdict's pick is marked *; speedups priced at each speculator's
 st.dataframe(pd.DataFrame(table_rows(result), columns=list(HEADERS)), hide_index=True)
 
 st.header("Per-position acceptance")
-scope = st.selectbox("Scope", list(result["scopes"]))
+scope = st.selectbox("Scope", list(result["scopes"])) or "overall"  # None only for an empty list, which a head-to-head never has
 st.plotly_chart(figures.head_to_head_positions_figure(scope, result["scopes"][scope]["rows"]), key="head_to_head_positions")
