@@ -27,7 +27,9 @@ file (keyed by its SHA-256) into the user cache, as GGUF targets are (:mod:`dfla
 from __future__ import annotations
 
 import json
+import mmap
 import re
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -124,9 +126,6 @@ def gguf_general_fields(path: Path) -> dict[str, str] | None:
     arrays on every command that names a GGUF target, twice (the loader and the target-identity check), for a
     few strings. Every length is checked against the file's size, so a damaged or crafted header ends in None.
     """
-    import mmap
-    import struct
-
     try:
         with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
             if data[:4] != b"GGUF":
