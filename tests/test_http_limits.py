@@ -9,6 +9,7 @@ from __future__ import annotations
 import gzip
 import signal
 import subprocess
+import threading
 import sys
 import time
 from pathlib import Path
@@ -119,9 +120,12 @@ class Endless(ThreadedServer):
     def __init__(self, chunk: bytes = b"x" * 1024, gap_s: float = 0.01, body: bytes | None = None, headers: dict[str, str] | None = None):
         owner = self
         self.stop = False
+        self.asked = threading.Event()  # set when the first GET arrives: a client is past its start-up
+
 
         class Handler(QuietHandler):
             def do_GET(self):  # noqa: N802
+                owner.asked.set()
                 if body is not None:
                     self.reply(200, body, "text/plain", headers)
                     return
@@ -189,7 +193,8 @@ def test_a_live_watch_stuck_on_a_page_that_never_ends_stops_on_sigterm(tmp_path)
         watch = subprocess.Popen([sys.executable, "-m", "dflash_doctor", "watch", endless.base_url + "/metrics", "--interval", "1s",
                                   "--out", str(tmp_path / "w")], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         try:
-            time.sleep(4)  # past start-up and into the first scrape
+            # into the first scrape, past start-up (where the handlers are installed); a loaded machine takes seconds
+            assert endless.asked.wait(timeout=120), watch.poll()
             assert watch.poll() is None, watch.communicate()[0]
             signalled = time.monotonic()
             watch.send_signal(signal.SIGTERM)

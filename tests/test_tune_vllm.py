@@ -108,7 +108,11 @@ TPOT_AND_THROUGHPUT_TOLERANCE = 0.20
 VLLM_BENCH_SERVE = ("import sys; from vllm.benchmarks.serve import add_cli_args, main; "
                     "from vllm.utils.argparse_utils import FlexibleArgumentParser; "
                     "parser = FlexibleArgumentParser(); add_cli_args(parser); main(parser.parse_args(sys.argv[1:]))")
-TTFT_TOLERANCE_S = 0.10
+# TTFT is compared in units of the same pass's TPOT: a CPU server shared with another test worker runs one
+# pass ~15% slower than the next (CI: TPOT 97 vs 112 ms, TTFT 558 vs 662 ms, ratios 5.76 vs 5.89), and the
+# ratio cancels the machine's speed while a definition error (TTFT to the role chunk, or to the stream's end)
+# moves it by far more than the tolerance.
+TTFT_IN_TPOTS_TOLERANCE = 0.20
 
 
 def _only_user_message(request) -> str:
@@ -155,4 +159,4 @@ def test_tune_latency_and_throughput_agree_with_vllm_bench_serve(vllm_server, tm
     assert ours["mean_tpot_s"] * 1000 == pytest.approx(bench["mean_tpot_ms"], rel=TPOT_AND_THROUGHPUT_TOLERANCE)
     assert ours["output_throughput"] == pytest.approx(bench["output_throughput"], rel=TPOT_AND_THROUGHPUT_TOLERANCE)
     assert ours["request_throughput"] == pytest.approx(bench["request_throughput"], rel=TPOT_AND_THROUGHPUT_TOLERANCE)
-    assert ours["mean_ttft_s"] == pytest.approx(bench["mean_ttft_ms"] / 1000, abs=TTFT_TOLERANCE_S)
+    assert ours["mean_ttft_s"] / ours["mean_tpot_s"] == pytest.approx(bench["mean_ttft_ms"] / bench["mean_tpot_ms"], rel=TTFT_IN_TPOTS_TOLERANCE)
