@@ -38,7 +38,7 @@ from dflash_doctor.models.pair import Pair, load_pair
 from dflash_doctor.processes import Stopped
 from dflash_doctor.replay import sharding
 from dflash_doctor.replay.probes import layer_offset_probe, lossless_probe, probe_turns
-from dflash_doctor.replay.stream import Replay, replay_live, replay_teacher
+from dflash_doctor.replay.stream import Replay, SharedContinuations, replay_live, replay_teacher
 from dflash_doctor.report import render_reports
 from dflash_doctor.report.head_to_head import write_head_to_head
 from dflash_doctor.rundir.load import Run
@@ -168,9 +168,10 @@ def run_sweep(config: DoctorConfig, *, exact_blocks: bool = False, progress: Pro
 
 
 def _teacher(pair: Pair, requests: Sequence[Request], config: DoctorConfig, exact_blocks: bool, run_dir: Path, record: RunRecord,
-             progress: ProgressFactory) -> tuple[RunWriter, Replay]:
+             progress: ProgressFactory, shared: SharedContinuations | None = None) -> tuple[RunWriter, Replay]:
     """The teacher-forced replay into the run directory (this rank's share under torchrun; rank 0 gets
-    the merged replay, the other ranks end here): the open writer and the replay."""
+    the merged replay, the other ranks end here): the open writer and the replay. ``shared``: the
+    target's answers a head-to-head hands from one speculator's replay to the next."""
 
     if not sharding.current_ranks().is_main:
         progress = no_progress  # one progress bar, rank 0's
@@ -179,7 +180,7 @@ def _teacher(pair: Pair, requests: Sequence[Request], config: DoctorConfig, exac
         with progress(sum(r.num_turns for r in mine)) as on_turn:
             return replay_teacher(pair, mine, ks=config.k, max_new_tokens=config.max_new_tokens, temperature=config.temperature,
                                   seed=config.seed, exact_blocks=exact_blocks, writer=writer, progress=on_turn,
-                                  convention=end_of_request(config.end_of_request))
+                                  convention=end_of_request(config.end_of_request), shared=shared)
 
     work = sharding.work_of(pair.tokenizer, config.max_new_tokens, max(config.k))
     return sharding.replay_into(run_dir, record.to_json(), requests, replay, work)
@@ -203,10 +204,10 @@ def k_text(ks: Sequence[int]) -> str:
 
 
 def run_check(config: DoctorConfig, *, scenario=None, only: Sequence[str] = (), skip: Sequence[str] = (),
-              exact_blocks: bool = False, progress: ProgressFactory = no_progress) -> Outcome:
+              exact_blocks: bool = False, progress: ProgressFactory = no_progress, shared: SharedContinuations | None = None) -> Outcome:
     """`check`: teacher-forced replay of every K up to the draft's block (and the served K), the sweep,
     the probes, every check, run.json, then the reports. The run directory and reports are written even
-    when a check fails, so CI keeps the evidence."""
+    when a check fails, so CI keeps the evidence. ``shared``: see :class:`SharedContinuations`."""
     validate_check_params(config.checks, only, skip)
     run_dir = _claim(config, "check")
     requests, pair, config = _start(config, "check", scenario)
@@ -214,7 +215,7 @@ def run_check(config: DoctorConfig, *, scenario=None, only: Sequence[str] = (), 
     pair.check_k_fits(config.k)
     sweep_config = dataclasses.replace(config, k=check_sweep_ks(config.k, pair.default_k))
     record = _new_record(sweep_config, pair, "check", scenario=scenario.name if scenario is not None else None, served_k=served_k)
-    writer, replay = _teacher(pair, requests, sweep_config, exact_blocks, run_dir, record, progress)
+    writer, replay = _teacher(pair, requests, sweep_config, exact_blocks, run_dir, record, progress, shared)
     with writer:
         _summarize(record, replay, config.seed)
         if replay.interrupted:
@@ -373,17 +374,19 @@ def run_head_to_head(config: DoctorConfig, drafts: Sequence[str | None], *, only
     """Each speculator's full ``check`` on the same workload, target and seed (one sub-folder each),
     then the head-to-head over them (:mod:`dflash_doctor.stats.head_to_head`).
 
-    The target is loaded and its continuations computed once per speculator (each check is the one a
-    single ``--draft`` runs); at T = 0 they are the same greedy text, so the comparison is on identical
-    turns. ``--draft-kind`` applies to the checkpoints; a weightless speculator keeps its own kind."""
+    The target's continuations are generated once, by the first speculator's replay, and reused by the
+    others (:class:`SharedContinuations`): every speculator is judged on the very same turns, and the
+    generation (most of a check's time on a CPU) is not repeated. ``--draft-kind`` applies to the
+    checkpoints; a weightless speculator keeps its own kind."""
     if config.engine is not None:
         raise UsageError("--engine measures one served speculator; compare speculators with several --draft and no --engine.")
     root = _claim(config, "check")
     outcomes: dict[str, Outcome] = {}
+    shared = SharedContinuations()
     for name, draft in zip(contender_names(drafts), drafts):
         kind = "auto" if draft is not None and weightless_kind(draft) is not None else config.draft_kind
         one = dataclasses.replace(config, draft=draft, draft_kind=kind, out=str(root / name), overwrite=config.overwrite)
-        outcomes[name] = run_check(one, only=only, skip=skip, exact_blocks=exact_blocks, progress=progress)
+        outcomes[name] = run_check(one, only=only, skip=skip, exact_blocks=exact_blocks, progress=progress, shared=shared)
     contenders = [Contender(name, outcome.record, outcome.steps_by_k or {}) for name, outcome in outcomes.items()]
     data = build_head_to_head(contenders, seed=config.seed).to_json()
     for name, outcome in outcomes.items():

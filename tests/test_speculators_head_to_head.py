@@ -10,6 +10,8 @@ import pytest
 
 from cli_helpers import assert_usage_error, invoke, pair_args
 from dashboard_app import open_app
+from dflash_doctor.engine.batched import generate_greedy_batch
+from dflash_doctor.replay import stream
 from dflash_doctor.report.head_to_head import table_rows, verdicts
 from dflash_doctor.report.sanitize import for_markdown_text
 from dflash_doctor.rundir.run_record import StepCosts
@@ -25,14 +27,24 @@ def runs(tiny_dir, tmp_path_factory):
     profile = root / "costs.json"
     profile.write_text(json.dumps(PROFILE))
     extra = ("--cost-profile", str(profile), "--k", "1-4")
-    both = invoke("check", *pair_args(tiny_dir, tiny_dir / "ar", "--draft", NGRAM, *extra, "--out", root / "both", "--json"))
+    generated: list[int] = []  # prompts per batched greedy call of the head-to-head
+
+    def counting(model, prompts, **kwargs):
+        generated.append(len(prompts))
+        return generate_greedy_batch(model, prompts, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(stream, "generate_greedy_batch", counting)
+        both = invoke("check", *pair_args(tiny_dir, tiny_dir / "ar", "--draft", NGRAM, *extra, "--out", root / "both", "--json"))
     assert both.exit_code in (0, 1), both.output
+    data = json.loads(both.stdout[both.stdout.index("{"):])
+    # the target's answers are generated once, by the first speculator's replay, and reused by the second
+    assert sum(generated) == len(pd.read_parquet(root / "both" / "ar" / "requests.parquet"))
     single = {}
     for name, draft in (("ar", tiny_dir / "ar"), ("ngram", NGRAM)):
         result = invoke("check", *pair_args(tiny_dir, draft, *extra, "--out", root / name))
         assert result.exit_code in (0, 1), result.output
         single[name] = root / name
-    data = json.loads(both.stdout[both.stdout.index("{"):])
     return root, data, single
 
 

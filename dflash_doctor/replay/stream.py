@@ -141,11 +141,36 @@ def replay_live(pair: Pair, requests: Sequence[Request], *, k: int, max_new_toke
     return _stream(pair, run_turns(pair, requests, max_new_tokens, generate), writer, Replay(), progress)
 
 
-def _continuations(pair: Pair, temperature: float, generator: torch.Generator):
+class SharedContinuations:
+    """The target's answers of one replay, handed to the next replay of the same workload and target.
+
+    A head-to-head (``check --draft A --draft B``) replays the same turns once per speculator, and the
+    target's continuations do not depend on the draft: greedy text at T = 0, and at T > 0 the samples of
+    the same seeded generator drawn in the same order. The first replay generates them (on a CPU the
+    largest part of a check); the others reuse them, so every speculator is judged on the very same
+    turns. A turn is reused only when its prompt ids and token limit are the ones it was generated for
+    (a scenario that edits the prompts generates anew)."""
+
+    def __init__(self) -> None:
+        self._answers: dict[tuple[str, int], tuple[list[int], int, list[int], str]] = {}
+
+    def lookup(self, pending: PendingTurn) -> GenerationResult | None:
+        """A fresh result (no steps or tokens yet) for a turn generated before, else None."""
+        known = self._answers.get((pending.request.id, pending.index))
+        if known is None or known[0] != pending.prompt_ids or known[1] != pending.max_new_tokens:
+            return None
+        return GenerationResult(output_ids=list(known[2]), stop_reason=known[3], wall_time_s=float("nan"))
+
+    def remember(self, pending: PendingTurn, result: GenerationResult) -> None:
+        self._answers[(pending.request.id, pending.index)] = (list(pending.prompt_ids), pending.max_new_tokens,
+                                                              list(result.output_ids), result.stop_reason)
+
+
+def _continuations(pair: Pair, temperature: float, generator: torch.Generator, shared: SharedContinuations | None):
     """The target's own answers: batched greedy at T = 0 (the batch's padded decoding steps may flip a
     near-tie relative to batch-1 decoding, which is why the lossless probe arbitrates a mismatch with
-    unbatched decoding), sampled one by one above."""
-    def generate(pending: Sequence[PendingTurn]) -> list[GenerationResult]:
+    unbatched decoding), sampled one by one above; turns ``shared`` holds already are taken from it."""
+    def generate_new(pending: Sequence[PendingTurn]) -> list[GenerationResult]:
         if temperature > 0:
             return [
                 plain_generate(pair.target, torch.tensor(p.prompt_ids, device=pair.target.device), max_new_tokens=p.max_new_tokens,
@@ -163,15 +188,27 @@ def _continuations(pair: Pair, temperature: float, generator: torch.Generator):
                 results.append(GenerationResult(output_ids=output, stop_reason="stop_token" if stopped else "max_new_tokens", wall_time_s=float("nan")))
         return results
 
+    def generate(pending: Sequence[PendingTurn]) -> list[GenerationResult]:
+        if shared is None:
+            return generate_new(pending)
+        known = [shared.lookup(p) for p in pending]
+        missing = [p for p, result in zip(pending, known) if result is None]
+        fresh = iter(generate_new(missing))
+        results = [result if result is not None else next(fresh) for result in known]
+        for p, result in zip(pending, results):
+            shared.remember(p, result)
+        return results
+
     return generate
 
 
 @torch.inference_mode()
 def replay_teacher(pair: Pair, requests: Sequence[Request], *, ks: tuple[int, ...], max_new_tokens: int, temperature: float,
                    seed: int, exact_blocks: bool, writer: RunWriter, progress: Progress | None = None,
-                   convention: EndOfRequest = CONVENTIONS["vllm"]) -> Replay:
+                   convention: EndOfRequest = CONVENTIONS["vllm"], shared: SharedContinuations | None = None) -> Replay:
     """Teacher-forced replay for every K in ``ks``: the run directory holds the steps and tokens of the
-    largest K; :attr:`Replay.steps_by_k` holds the steps of every K for the sweep.
+    largest K; :attr:`Replay.steps_by_k` holds the steps of every K for the sweep. ``shared``: the target's
+    answers of an earlier replay of the same turns, reused, and this replay's kept for the next.
 
     At T > 0 acceptance is drawn per slot with the exact per-slot probabilities along a sampled target
     trajectory (a Monte-Carlo walk whose expectation is the expected tau(K)).
@@ -225,5 +262,5 @@ def replay_teacher(pair: Pair, requests: Sequence[Request], *, ks: tuple[int, ..
     # requests are annotated and journaled before the next batch generates, so a run killed mid-way keeps
     # them (a chunk of every request would journal nothing until the whole workload was generated).
     chunk = GREEDY_BATCH_SIZE if temperature <= 0 else 1
-    turns = run_turns(pair, requests, max_new_tokens, _continuations(pair, temperature, generator), chunk_size=chunk)
+    turns = run_turns(pair, requests, max_new_tokens, _continuations(pair, temperature, generator, shared), chunk_size=chunk)
     return _stream(pair, turns, writer, replay, progress, annotate)
