@@ -43,14 +43,17 @@ import torch
 from dflash_doctor.engine.proposers.autoregressive import AutoregressiveProposer
 from dflash_doctor.engine.proposers.base import Proposer
 from dflash_doctor.engine.proposers.dflash import DFlashProposer
+from dflash_doctor.engine.proposers.eagle3 import Eagle3Proposer
 from dflash_doctor.engine.proposers.ngram import NgramProposer, NgramSettings
 from dflash_doctor.engine.proposers.suffix import SuffixProposer, SuffixSettings
 from dflash_doctor.engine.target import TargetModel
 from dflash_doctor.errors import UsageError
+from dflash_doctor.models.eagle3_format import is_eagle3_config, load_eagle3_head
 from dflash_doctor.models.loading import is_dflash_config, load_causal_lm, load_dflash_draft, validate_autoregressive_pair, validate_dflash_pair
 
 if TYPE_CHECKING:
     from dflash_doctor.engine.dflash_model import DFlashDraftModel
+    from dflash_doctor.engine.eagle3_model import Eagle3DraftModel
     from dflash_doctor.engine.target import CausalLM
 
 DraftModel = TypeVar("DraftModel", bound=torch.nn.Module)
@@ -325,4 +328,32 @@ register_draft_kind(DraftKind(
         "max_model_len": model.settings.max_model_len,
     },
     from_spec=_suffix_from_spec,
+), before="autoregressive")
+
+
+# ----------------------------------------------------------------------------- eagle3: EAGLE-3 heads (docs/speculators.md#eagle3)
+
+
+def _load_eagle3(draft_dir: Path, target_dir: Path, target_config: Any, options: LoadOptions) -> Eagle3DraftModel:
+    return load_eagle3_head(draft_dir, target_config.get_text_config(), dtype=options.dtype, device=options.device)
+
+
+def _eagle3_with_layer_ids(model: Eagle3DraftModel, layer_ids: list[int]) -> Eagle3DraftModel:
+    """The same weights reading other target layers (a shallow copy with an edited config). The ids keep
+    vLLM's meaning (the state entering layer k), so an offset of +1 reads one layer deeper, as for DFlash."""
+    shifted = copy.copy(model)
+    shifted.config = dataclasses.replace(model.config, aux_layer_ids=list(layer_ids))
+    shifted.facts = {**model.facts, "aux_layer_ids": list(layer_ids)}
+    return shifted
+
+
+register_draft_kind(DraftKind(
+    name=Eagle3Proposer.kind,
+    description="an EAGLE-3 head (speculators or original EAGLE-3 layout) drafting a chain as vLLM's eagle3 method does",
+    detect=is_eagle3_config,
+    load=_load_eagle3,
+    build=lambda model, target, sampling: Eagle3Proposer(model, target),
+    facts=lambda model: dict(model.facts),
+    layer_ids=lambda model: list(model.config.aux_layer_ids),
+    with_layer_ids=_eagle3_with_layer_ids,
 ), before="autoregressive")

@@ -1,0 +1,183 @@
+"""EAGLE-3 drafting as vLLM does it (``speculative_config = {"method": "eagle3", ...}``): a chain, by argmax.
+
+Each step, with ``last`` the token the target just sampled (not yet in its cache):
+
+1. **First pass** over the positions committed since the previous step: their ids shifted left by one
+   (the row at position p takes the embedding of the token at p + 1; the last row takes ``last``), their
+   target aux states combined by ``fc``, at the target's positions. The head's K/V of these rows are
+   cached for every later step. The last row's logits give draft 1.
+2. **Steps 2..K**: one row each, the previous draft token as input, the position after the previous row,
+   and the state the head carried from that row. Their K/V are dropped after the step: vLLM overwrites
+   them with the first-pass rows of the next step (which read the target's states instead).
+
+Drafts are the argmax over the draft vocabulary, mapped to target ids through ``d2t``. vLLM passes no
+draft probabilities for an EAGLE-3 chain, so under sampling verification treats each draft as a point
+mass (accepted with the target's probability of it), as for any greedy draft.
+
+Teacher forcing (the whole sequence known): slot 1 of anchor a (the step whose last committed token
+sits at a) is the first pass's row at a - 1, computed once for the whole sequence. Slot j > 1 is only
+read where slots < j matched, so the previous draft token is the true token: the chain runs on the true
+tokens with the carried state, every anchor of a pass at once, each seeing the first-pass rows before it
+and its own chain rows. A chain's slot j does not depend on K, so one pass at the largest K serves every K.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from dflash_doctor.engine.eagle3_model import Eagle3DraftModel, KeyValue
+from dflash_doctor.engine.proposers.base import Proposal, Proposer, TargetNeeds
+from dflash_doctor.engine.target import TargetModel
+
+
+def _tapped(features: torch.Tensor | None) -> torch.Tensor:
+    """The target's aux states, which the loops pass because the head's needs name the layers to tap."""
+    if features is None:
+        raise ValueError("the EAGLE-3 proposer got no target hidden states; pass taps=proposer.needs.hidden_state_indices")
+    return features
+
+
+class Eagle3Proposer(Proposer):
+    kind = "eagle3"
+    guesses_depend_on_k = False
+
+    def __init__(self, model: Eagle3DraftModel, target: TargetModel):
+        self.model = model
+        self.target = target
+        self.needs = TargetNeeds(hidden_state_indices=model.hidden_state_indices)
+        self._reset()
+
+    def _reset(self) -> None:
+        self.cached: KeyValue | None = None  # the head's K/V of every position that had its first pass
+        self.length = 0  # positions in ``cached``
+        self.pending_ids: list[int] = []  # committed tokens awaiting their first pass (their next token is unknown)
+        self.pending_states: list[torch.Tensor] = []
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.fc.weight.device
+
+    def start(self, prompt_ids: torch.Tensor, prompt_features: torch.Tensor | None) -> None:
+        self._reset()
+        self.accept(prompt_ids, prompt_features)
+
+    def accept(self, committed_ids: torch.Tensor, committed_features: torch.Tensor | None) -> None:
+        self.pending_ids += committed_ids.tolist()
+        self.pending_states.append(_tapped(committed_features))
+
+    @torch.inference_mode()
+    def _first_pass(self, last_token: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the pending rows (ids shifted left, ``last_token`` closing them); cache their K/V and return the
+        last row's normed output and carried state [H] each."""
+        model = self.model
+        ids = torch.tensor(self.pending_ids[1:] + [last_token], device=self.device)
+        positions = torch.arange(self.length, self.length + len(ids), device=self.device)[None]
+        states = model.combine(torch.cat(self.pending_states).to(self.device))[None]
+        normed, carried, (keys, values) = model(model.embed(ids, self.target.embedding)[None], states, positions, self.cached)
+        self.cached = (keys, values) if self.cached is None else \
+            (torch.cat([self.cached[0], keys], dim=2), torch.cat([self.cached[1], values], dim=2))
+        self.length += len(ids)
+        self.pending_ids, self.pending_states = [], []
+        return normed[0, -1], carried[0, -1]
+
+    @torch.inference_mode()
+    def propose(self, last_token: int, k: int, block_k: int) -> Proposal:
+        model = self.model
+        normed, carried = self._first_pass(last_token)
+        chain = self.cached
+        tokens, logits = [], []
+        for step in range(k):
+            if step:
+                position = torch.tensor([[self.length + step - 1]], device=self.device)
+                embeds = model.embed(tokens[-1].view(1, 1), self.target.embedding)
+                assert chain is not None  # the first pass filled it
+                out, state, (keys, values) = model(embeds, carried.view(1, 1, -1), position, chain)
+                chain = (torch.cat([chain[0], keys], dim=2), torch.cat([chain[1], values], dim=2))
+                normed, carried = out[0, -1], state[0, -1]
+            row = model.target_logits(normed, self.target.head)
+            logits.append(row)
+            tokens.append(row.argmax())
+        vocab = self.target.head.out_features
+        return Proposal(
+            tokens=torch.stack(tokens) if tokens else torch.empty(0, dtype=torch.long, device=self.device),
+            logits=torch.stack(logits) if logits else torch.empty(0, vocab, device=self.device),
+            probs=None,
+        )
+
+    # ----------------------------------------------------------------------------- teacher forcing
+
+    @torch.inference_mode()
+    def prepare_teacher(self, token_ids: torch.Tensor, features: torch.Tensor | None) -> None:
+        """The first pass over the whole sequence: every position's normed row, carried state and K/V."""
+        model = self.model
+        ids = token_ids.to(self.device)
+        self._teacher_ids = ids
+        shifted = torch.cat([ids[1:], ids[-1:]])  # the last row's next token is unknown; no anchor reads that row
+        positions = torch.arange(len(ids), device=self.device)[None]
+        states = model.combine(_tapped(features).to(self.device))[None]
+        normed, carried, kv = model(model.embed(shifted, self.target.embedding)[None], states, positions)
+        self._first_normed, self._first_carried, self._first_kv = normed[0], carried[0], kv
+
+    @torch.inference_mode()
+    def _chain_rows(self, anchors: torch.Tensor, k: int) -> torch.Tensor:
+        """Normed rows [A, k, H] of slots 1..k of every anchor: slot 1 from the first pass, the others by the chain
+        on the true tokens, all anchors at once (each sees the first-pass keys before its anchor and its own chain)."""
+        model = self.model
+        ids = self._teacher_ids
+        anchors = anchors.to(self.device)
+        bound = int(anchors.max()) if len(anchors) else 0  # first-pass keys any anchor may see: positions < max anchor
+        prefix_keys, prefix_values = (t[0, :, :bound] for t in self._first_kv)  # [kvh, bound, D]
+        visible = torch.arange(bound, device=self.device)[None] < anchors[:, None]  # [A, bound]
+        rows = [self._first_normed[anchors - 1]]
+        carried = self._first_carried[anchors - 1]  # [A, H]
+        chain_keys: list[torch.Tensor] = []
+        chain_values: list[torch.Tensor] = []
+        for step in range(1, k):
+            position = anchors + step - 1  # the row after the anchor's previous one
+            token = ids[(anchors + step).clamp(max=len(ids) - 1)]  # the true token the previous slot matched
+            q, key, value, residual = model.layer_inputs(model.embed(token, self.target.embedding)[:, None],
+                                                         carried[:, None], position[:, None])
+            chain_keys.append(key)
+            chain_values.append(value)
+            attended = _attend_prefix_and_chain(q, prefix_keys, prefix_values, visible,
+                                                torch.cat(chain_keys, dim=2), torch.cat(chain_values, dim=2))
+            normed, state = model.layer_outputs(attended, residual)
+            rows.append(normed[:, 0])
+            carried = state[:, 0]
+        return torch.stack(rows, dim=1)
+
+    def slot_logits(self, anchors: torch.Tensor, k: int) -> torch.Tensor:
+        with torch.inference_mode():
+            return self.model.target_logits(self._chain_rows(anchors, k), self.target.head)
+
+    def slot_scorer(self, anchors: torch.Tensor, k: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """The chain now, the vocabulary head only for the (anchor, slot) rows asked for."""
+        rows = self._chain_rows(anchors, k)
+
+        @torch.inference_mode()
+        def scores(anchor_rows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+            return self.model.target_logits(rows[anchor_rows, slots], self.target.head)
+
+        return scores
+
+
+def _attend_prefix_and_chain(q: torch.Tensor, prefix_keys: torch.Tensor, prefix_values: torch.Tensor, visible: torch.Tensor,
+                             chain_keys: torch.Tensor, chain_values: torch.Tensor) -> torch.Tensor:
+    """Attention of one query per anchor (q [A, h, 1, D]) over the shared first-pass keys [kvh, T, D] where
+    ``visible`` [A, T] allows them, and the anchor's own chain keys [A, kvh, s, D]; -> [A, h, 1, D].
+
+    The shared keys are never copied per anchor (a [A, kvh, T, D] copy would dominate memory on a long
+    sequence): scores against them are one product per kv head, then one softmax over both parts."""
+    a, h, _, d = q.shape
+    kvh = prefix_keys.shape[0]
+    grouped = q.view(a, kvh, h // kvh, d).float() * d ** -0.5  # [A, kvh, g, D]
+    prefix = torch.einsum("akgd,ktd->akgt", grouped, prefix_keys.float())
+    prefix = prefix.masked_fill(~visible[:, None, None, :], float("-inf"))
+    own = torch.einsum("akgd,aksd->akgs", grouped, chain_keys.float())
+    weights = torch.softmax(torch.cat([prefix, own], dim=-1), dim=-1)
+    t = prefix.shape[-1]
+    out = torch.einsum("akgt,ktd->akgd", weights[..., :t], prefix_values.float()) + \
+        torch.einsum("akgs,aksd->akgd", weights[..., t:], chain_values.float())
+    return out.reshape(a, h, 1, d).to(q.dtype)

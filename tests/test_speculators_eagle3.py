@@ -1,0 +1,338 @@
+"""The eagle3 speculator: EAGLE-3 heads drafted as vLLM drafts them, checked against an independent reference
+written here from vLLM's rule (no cache: every draft step recomputes the head's layer over the whole prefix,
+with its own RMSNorm, RoPE and attention read from the saved tensors by name), the target's own greedy text,
+the teacher-forced sweep, both checkpoint layouts, the refusals, the CLI and the eagle3 checks.
+
+The heads are tiny and built in-process; the main one is trained for a moment on the tiny target's own
+greedy text (slot 1 only) so that drafts are often accepted and acceptance counts mean something."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from cli_helpers import assert_usage_error, invoke, pair_args
+from dflash_doctor.engine.eagle3_model import Eagle3Config, Eagle3DraftModel, NormSwitches
+from dflash_doctor.engine.live import speculative_generate
+from dflash_doctor.engine.proposers.eagle3 import Eagle3Proposer
+from dflash_doctor.engine.target import TargetModel
+from dflash_doctor.engine.teacher import TeacherSequence, slot_table, token_rows, walk_schedule
+from dflash_doctor.models.eagle3_format import VLLM_DEFAULT, aux_layer_ids, checkpoint_layout, load_eagle3_head, norm_switches
+from tiny_models import TEACHER_PROMPTS, tiny_target
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+AUX_IDS = [1, 2, 3]
+DRAFT_VOCAB = 64  # of the tiny target's 97 tokens: a real d2t, and target tokens the head can never propose
+MAX_NEW = 24
+
+
+# ----------------------------------------------------------------------------- building and saving heads
+
+
+def draft_vocabulary(target, size: int = DRAFT_VOCAB) -> list[int]:
+    """The ``size`` target ids the target's greedy text uses most (ties by id), sorted: the draft vocabulary."""
+    counts = torch.zeros(target.config.vocab_size)
+    for prompt in TEACHER_PROMPTS + [[7, 8, 9], [20, 21, 22, 23]]:
+        text = greedy_text(target, prompt, 40)
+        counts += torch.bincount(torch.tensor(text), minlength=len(counts))
+    order = sorted(range(len(counts)), key=lambda i: (-float(counts[i]), i))
+    return sorted(order[:size])
+
+
+def greedy_text(target, prompt: list[int], max_new: int) -> list[int]:
+    """The target's own greedy continuation by transformers' ``generate`` (no stop token: the tiny target's eos is
+    one token like any other here)."""
+    with torch.no_grad():
+        out = target.generate(torch.tensor([prompt]), max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False,
+                              eos_token_id=None, pad_token_id=0, suppress_tokens=None)
+    return out[0, len(prompt):].tolist()
+
+
+def make_head(target, *, layer_type: str = "llama", draft_ids: list[int] | None = None, norms: NormSwitches = NormSwitches(),
+              own_embedding: bool = False, seed: int = 5) -> Eagle3DraftModel:
+    """A random head for ``target`` reading :data:`AUX_IDS` (every weight drawn, norm weights near 1)."""
+    tc = target.config
+    vocab = tc.vocab_size if draft_ids is None else len(draft_ids)
+    cfg = Eagle3Config(layer_type=layer_type, hidden_size=tc.hidden_size, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                       intermediate_size=2 * tc.hidden_size, rms_norm_eps=1e-6, target_hidden_size=tc.hidden_size,
+                       target_vocab_size=tc.vocab_size, draft_vocab_size=vocab, aux_layer_ids=list(AUX_IDS), norms=norms,
+                       rope_theta=10000.0)
+    head = Eagle3DraftModel(cfg, own_embedding=own_embedding, own_lm_head=True)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in head.named_parameters():
+            if "norm" in name:
+                parameter.uniform_(0.7, 1.3)
+            else:
+                parameter.normal_(0, 0.25)
+        if draft_ids is not None:
+            head.d2t.copy_(torch.tensor(draft_ids) - torch.arange(vocab))
+    return head.eval()
+
+
+def train_slot_one(head: Eagle3DraftModel, target, steps: int = 120) -> None:
+    """A few Adam steps on the first-pass objective (row i, reading the target's states at i and the embedding of
+    token i + 1, predicts token i + 2 of the target's greedy text) over the test prompts' own continuations
+    (padding rows included: they only add examples): enough for drafts to be accepted often."""
+    ids = torch.nn.utils.rnn.pad_sequence([torch.tensor(p + greedy_text(target, p, 30)) for p in TEACHER_PROMPTS], batch_first=True)
+    with torch.no_grad():
+        hidden = target(ids, output_hidden_states=True).hidden_states
+    aux = torch.cat([hidden[i] for i in AUX_IDS], dim=-1)
+    draft_of = {int(t): i for i, t in enumerate(head.target_ids())}
+    labels = torch.tensor([[draft_of.get(int(t), -100) for t in row[2:]] for row in ids])
+    embedding = target.get_input_embeddings()
+    positions = torch.arange(ids.shape[1] - 1)[None].expand(len(ids), -1)
+    optimiser = torch.optim.Adam([p for p in head.parameters()], lr=0.02)
+    for _ in range(steps):
+        normed, _, _ = head(head.embed(ids[:, 1:], embedding).detach(), head.combine(aux[:, :-1]), positions)
+        assert head.lm_head is not None
+        loss = F.cross_entropy(head.lm_head(normed[:, :-1]).flatten(0, 1), labels.flatten(), ignore_index=-100)
+        optimiser.zero_grad()
+        loss.backward()
+        optimiser.step()
+    head.eval()
+
+
+def speculators_config(head: Eagle3DraftModel, **overrides) -> dict:
+    cfg = head.config
+    config = {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "transformer_layer_config": {
+            "model_type": cfg.layer_type, "hidden_size": cfg.hidden_size, "num_attention_heads": cfg.num_attention_heads,
+            "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim, "intermediate_size": cfg.intermediate_size,
+            "num_hidden_layers": 1, "rms_norm_eps": cfg.rms_norm_eps, "vocab_size": cfg.target_vocab_size,
+            "rope_theta": cfg.rope_theta, "max_position_embeddings": 512,
+        },
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "target_hidden_size": cfg.target_hidden_size,
+        "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
+        **{name: getattr(cfg.norms, name) for name in ("norm_before_residual", "norm_output", "norm_before_fc", "fc_norm")},
+        "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy",
+                               "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}],
+                               "verifier": {"name_or_path": "tiny-target"}},
+    }
+    config.update(overrides)
+    return {key: value for key, value in config.items() if value is not None}
+
+
+def original_config(head: Eagle3DraftModel, **overrides) -> dict:
+    """SafeAILab's layout: a Llama config of one layer with draft_vocab_size (no norm switches: its layer is the
+    all-False case)."""
+    layer = speculators_config(head)["transformer_layer_config"]
+    config = {**layer, "architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": head.config.draft_vocab_size,
+              "eagle_aux_hidden_state_layer_ids": list(head.config.aux_layer_ids), **overrides}
+    return {key: value for key, value in config.items() if value is not None}
+
+
+def save_head(head: Eagle3DraftModel, folder: Path, config: dict, *, layout: str = "speculators",
+              tensors: dict[str, torch.Tensor] | None = None) -> Path:
+    """The head as a checkpoint folder; ``tensors`` replace or add weights (None values drop them)."""
+    state = {name: tensor.detach().clone().contiguous() for name, tensor in head.state_dict().items()}
+    for name, tensor in (tensors or {}).items():
+        if tensor is None:
+            state.pop(name, None)
+        else:
+            state[name] = tensor
+    if layout == "original":
+        state = {("midlayer." + name.removeprefix("layers.0.")) if name.startswith("layers.0.") else name: t for name, t in state.items()}
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(state, folder / "model.safetensors")
+    (folder / "config.json").write_text(json.dumps(config), encoding="utf-8")
+    return folder
+
+
+# ----------------------------------------------------------------------------- the reference (vLLM's rule, no cache)
+
+
+def rms(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    x = x.float()
+    return weight * (x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
+    """RoPE, half-split (Llama/Qwen3): x [heads, S, D] at positions [S]."""
+    d = x.shape[-1]
+    angles = positions.float()[:, None] * (1.0 / theta ** (torch.arange(0, d, 2).float() / d))[None]
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    return x * cos + torch.cat([-x[..., d // 2:], x[..., : d // 2]], -1) * sin
+
+
+class Reference:
+    """vLLM's EAGLE-3 step computed the slow, obvious way from the saved tensors of a head (checkpoint names)."""
+
+    def __init__(self, state: dict[str, torch.Tensor], config: dict, embedding: torch.Tensor, target_head: torch.Tensor):
+        self.w = {name.removeprefix("midlayer.").removeprefix("layers.0."): t.float() for name, t in state.items()}
+        layer = config.get("transformer_layer_config", config)
+        self.qwen3 = layer["model_type"] == "qwen3"
+        self.heads, self.kv_heads, self.head_dim = layer["num_attention_heads"], layer["num_key_value_heads"], layer["head_dim"]
+        self.switches = {name: config.get(name, name == "norm_before_residual" and "transformer_layer_config" in config)
+                         for name in ("norm_before_residual", "norm_output", "norm_before_fc", "fc_norm")}
+        self.embedding = self.w.get("embed_tokens.weight", embedding.float())
+        self.target_head = target_head.float()
+
+    def combine(self, aux: torch.Tensor) -> torch.Tensor:
+        aux = aux.float()
+        if self.switches["norm_before_fc"]:
+            aux = rms(aux, self.w["input_norm.weight"])
+        if self.switches["fc_norm"]:
+            width = self.w["fc.weight"].shape[1] // len(AUX_IDS)
+            aux = torch.cat([rms(aux[:, i * width:(i + 1) * width], self.w[f"fc_norm.{i}.weight"]) for i in range(len(AUX_IDS))], -1)
+        return aux @ self.w["fc.weight"].T
+
+    def layer(self, ids: list[int], states: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every row, causal attention over all of them: (normed [S, H], carried [S, H])."""
+        w = self.w
+        residual = states
+        hidden = rms(states, w["hidden_norm.weight"])
+        if self.switches["norm_before_residual"]:
+            residual = hidden
+        x = torch.cat([rms(self.embedding[ids], w["input_layernorm.weight"]), hidden], -1)
+        s = len(ids)
+        q = (x @ w["self_attn.q_proj.weight"].T).view(s, self.heads, self.head_dim)
+        k = (x @ w["self_attn.k_proj.weight"].T).view(s, self.kv_heads, self.head_dim)
+        v = (x @ w["self_attn.v_proj.weight"].T).view(s, self.kv_heads, self.head_dim).transpose(0, 1)
+        if self.qwen3:
+            q, k = rms(q, w["self_attn.q_norm.weight"]), rms(k, w["self_attn.k_norm.weight"])
+        q, k = rotate(q.transpose(0, 1), positions), rotate(k.transpose(0, 1), positions)
+        group = self.heads // self.kv_heads
+        k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+        scores = q @ k.transpose(1, 2) / self.head_dim ** 0.5
+        scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+        attended = (scores.softmax(-1) @ v).transpose(0, 1).reshape(s, -1)
+        residual = residual + attended @ w["self_attn.o_proj.weight"].T
+        h = rms(residual, w["post_attention_layernorm.weight"])
+        prenorm = residual + (F.silu(h @ w["mlp.gate_proj.weight"].T) * (h @ w["mlp.up_proj.weight"].T)) @ w["mlp.down_proj.weight"].T
+        normed = rms(prenorm, w["norm.weight"])
+        return normed, normed if self.switches["norm_output"] else prenorm
+
+    def target_id(self, normed: torch.Tensor) -> int:
+        if "lm_head.weight" not in self.w:
+            return int((normed @ self.target_head.T).argmax())
+        draft = int((normed @ self.w["lm_head.weight"].T).argmax())
+        return draft + int(self.w["d2t"][draft]) if "d2t" in self.w else draft
+
+    def drafts(self, target, context: list[int], k: int) -> list[int]:
+        """The k tokens vLLM drafts after ``context`` (its last token just sampled): the first pass over every
+        committed position (ids shifted left), then k - 1 chain rows, the whole layer recomputed for each."""
+        with torch.no_grad():
+            hidden = target(torch.tensor([context[:-1]]), output_hidden_states=True).hidden_states
+        aux = torch.cat([hidden[i][0] for i in AUX_IDS], -1)
+        ids, states = list(context[1:]), self.combine(aux)
+        out: list[int] = []
+        for _ in range(k):
+            normed, carried = self.layer(ids, states, torch.arange(len(ids)))
+            out.append(self.target_id(normed[-1]))
+            ids.append(out[-1])
+            states = torch.cat([states, carried[-1:]])
+        return out
+
+
+def reference_for(head: Eagle3DraftModel, target, config: dict) -> Reference:
+    return Reference(head.state_dict(), config, target.get_input_embeddings().weight.detach(), target.get_output_embeddings().weight.detach())
+
+
+def reference_steps(reference: Reference, target, prompt: list[int], truth: list[int], k: int, max_new: int):
+    """vLLM's greedy loop over the target's own greedy text: (position, drafted, accepted, draft tokens) per step."""
+    steps, i = [], 0  # output index of the last committed token
+    while i + 1 < max_new:
+        budget = min(k, max_new - (i + 1) - 1)
+        drafted = reference.drafts(target, prompt + truth[: i + 1], budget) if budget else []
+        accepted = 0
+        while accepted < len(drafted) and drafted[accepted] == truth[i + 1 + accepted]:
+            accepted += 1
+        steps.append((i + 1, len(drafted), accepted, drafted))
+        i += accepted + 1
+    return steps
+
+
+# ----------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def llama():
+    """The tiny Llama target, a trained head over a 64-token draft vocabulary, and its speculators config."""
+    target = tiny_target()
+    head = make_head(target, draft_ids=draft_vocabulary(target))
+    train_slot_one(head, target)
+    return target, head, speculators_config(head)
+
+
+@pytest.fixture(scope="module")
+def qwen3():
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=8, max_position_embeddings=512, initializer_range=0.3,
+                         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    config._attn_implementation = "sdpa"
+    target = Qwen3ForCausalLM(config).eval()
+    head = make_head(target, layer_type="qwen3", draft_ids=list(range(10, 90)), seed=9)
+    return target, head, speculators_config(head)
+
+
+def live(target, head, prompt: list[int], k: int, max_new: int = MAX_NEW):
+    wrapped = TargetModel(target)
+    return speculative_generate(wrapped, Eagle3Proposer(head, wrapped), torch.tensor(prompt), k=k, max_new_tokens=max_new)
+
+
+# ----------------------------------------------------------------------------- the live loop and the teacher-forced sweep
+
+
+def test_live_loop_is_lossless_and_drafts_as_the_reference(llama):
+    target, head, config = llama
+    reference = reference_for(head, target, config)
+    accepted_any = 0
+    for prompt in TEACHER_PROMPTS:
+        truth = greedy_text(target, prompt, MAX_NEW)
+        for k in (1, 3, 5):
+            run = live(target, head, prompt, k)
+            assert run.output_ids == truth  # lossless: the target's own greedy text
+            expected = reference_steps(reference, target, prompt, truth, k, MAX_NEW)
+            assert [(s.position, s.num_drafted, s.num_accepted) for s in run.steps] == [e[:3] for e in expected], (prompt, k)
+            drafted = [[t.draft_token for t in run.tokens if t.step == s.step] for s in run.steps]
+            assert drafted == [e[3] for e in expected], (prompt, k)
+            accepted_any += sum(s.num_accepted >= 1 for s in run.steps)
+            assert all(t.draft_token in set(head.target_ids().tolist()) for t in run.tokens)
+    assert accepted_any >= 10  # the trained head is often right: the counts above compare something
+
+
+def test_teacher_forced_sweep_equals_the_live_loop(llama):
+    target, head, _ = llama
+    for prompt in TEACHER_PROMPTS:
+        truth = greedy_text(target, prompt, MAX_NEW)
+        wrapped = TargetModel(target)
+        table, _ = slot_table(wrapped, Eagle3Proposer(head, wrapped), TeacherSequence(prompt, truth), 5)
+        for k in (1, 3, 5):
+            run = live(target, head, prompt, k)
+            walked = walk_schedule(table.matches[:, :k], truth, k, MAX_NEW, frozenset())
+            assert [(s.position, s.num_drafted, s.num_accepted, s.bonus_token) for s in walked] == \
+                [(s.position, s.num_drafted, s.num_accepted, s.bonus_token) for s in run.steps], (prompt, k)
+            if k == 5:  # token records up to each step's first miss (after it the teacher chains on the true tokens,
+                # the live loop on its own drafts): the same tokens and divergence columns
+                accepted = {s.step: s.num_accepted for s in run.steps}
+                rows = [r for r in token_rows(table, walked, truth) if r.offset <= accepted[r.step] + 1]
+                mine = [r for r in run.tokens if r.offset <= accepted[r.step] + 1]
+                assert [(r.position, r.draft_token, r.accepted) for r in rows] == [(r.position, r.draft_token, r.accepted) for r in mine]
+                for ours, theirs in zip(rows, mine):
+                    assert ours.target_prob_of_draft == pytest.approx(theirs.target_prob_of_draft, abs=1e-4)
+                    assert ours.draft_prob_of_target == pytest.approx(theirs.draft_prob_of_target, abs=1e-4)
+
+
+def test_qwen3_layer_drafts_as_the_reference(qwen3):
+    target, head, config = qwen3
+    assert head.layer.self_attn.q_norm is not None
+    reference = reference_for(head, target, config)
+    prompt = TEACHER_PROMPTS[0]
+    truth = greedy_text(target, prompt, 16)
+    run = live(target, head, prompt, 4, max_new=16)
+    assert run.output_ids == truth
+    expected = reference_steps(reference, target, prompt, truth, 4, 16)
+    assert [[t.draft_token for t in run.tokens if t.step == s.step] for s in run.steps] == [e[3] for e in expected]
