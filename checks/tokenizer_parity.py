@@ -71,7 +71,8 @@ class TokenizerParity(Check):
             findings += mask_token_findings(ctx, metrics)
         pass_summary = (
             "tokenizers agree on ids, special tokens and the corpus round-trip" if draft is not None
-            else f"DFlash mask token {metrics.get('mask_token_id')} is a reserved row of the target embedding"
+            else f"DFlash mask token {metrics.get('mask_token_id')} is a reserved row of the target embedding" if is_dflash(ctx)
+            else "the target tokenizer's ids fit its embedding (the draft ships no tokenizer: it reads the target's ids)"
         )
         return CheckResult.from_findings(self.id, findings, metrics, pass_summary)
 

@@ -8,7 +8,6 @@ greedy text (slot 1 only) so that drafts are often accepted and acceptance count
 
 from __future__ import annotations
 
-import copy
 import json
 from pathlib import Path
 
@@ -336,3 +335,95 @@ def test_qwen3_layer_drafts_as_the_reference(qwen3):
     assert run.output_ids == truth
     expected = reference_steps(reference, target, prompt, truth, 4, 16)
     assert [[t.draft_token for t in run.tokens if t.step == s.step] for s in run.steps] == [e[3] for e in expected]
+
+
+def first_drafts(head: Eagle3DraftModel, target, prompt: list[int], k: int = 4) -> torch.Tensor:
+    """The logits [k, V] of the first proposal after ``prompt`` (its last token just sampled)."""
+    wrapped = TargetModel(target)
+    proposer = Eagle3Proposer(head, wrapped)
+    out = wrapped.forward(torch.tensor(prompt[:-1]), taps=proposer.needs.hidden_state_indices)
+    proposer.start(torch.tensor(prompt[:-1]), out.features)
+    return proposer.propose(prompt[-1], k, k).logits
+
+
+# ----------------------------------------------------------------------------- checkpoints: layouts, switches, layer ids
+
+
+def test_both_layouts_load_into_the_same_drafts(llama, tmp_path):
+    target, head, config = llama
+    speculators = load_eagle3_head(save_head(head, tmp_path / "spec", config), target.config)
+    original = load_eagle3_head(save_head(head, tmp_path / "orig", original_config(head), layout="original"), target.config)
+    assert speculators.facts["format"] == "speculators" and original.facts["format"] == "original EAGLE-3"
+    prompt = TEACHER_PROMPTS[2]
+    assert torch.equal(first_drafts(speculators, target, prompt), first_drafts(head, target, prompt))
+    assert torch.equal(first_drafts(original, target, prompt), first_drafts(head, target, prompt))
+    # a speculators config that leaves norm_before_residual out is read as vLLM reads it (True): other drafts
+    silent = load_eagle3_head(save_head(head, tmp_path / "silent", speculators_config(head, norm_before_residual=None)), target.config)
+    assert silent.config.norms.norm_before_residual is True
+    recorded = silent.facts["norm_switches"]["norm_before_residual"]
+    assert (recorded["checkpoint"], recorded["vllm"], recorded["trained_default"], recorded["replay"]) == (None, True, False, True)
+    assert not torch.equal(first_drafts(silent, target, prompt), first_drafts(head, target, prompt))
+
+
+@pytest.mark.parametrize("switch", ["norm_before_residual", "norm_output", "norm_before_fc", "fc_norm"])
+def test_each_norm_switch_is_wired_as_vllm_runs_it(switch, tmp_path):
+    """The head with one switch on drafts as the reference does with it on, and otherwise than with it off."""
+    target = tiny_target()
+    head = make_head(target, draft_ids=list(range(5, 85)), norms=NormSwitches(**{switch: True}), seed=11)
+    on = load_eagle3_head(save_head(head, tmp_path / "on", speculators_config(head)), target.config)
+    off = load_eagle3_head(save_head(head, tmp_path / "off", speculators_config(head, **{switch: False})), target.config)
+    assert getattr(on.config.norms, switch) and not getattr(off.config.norms, switch)
+    prompt = TEACHER_PROMPTS[0]
+    assert not torch.allclose(first_drafts(on, target, prompt), first_drafts(off, target, prompt))
+    truth = greedy_text(target, prompt, 12)
+    run = live(target, on, prompt, 4, max_new=12)
+    expected = reference_steps(reference_for(head, target, speculators_config(head)), target, prompt, truth, 4, 12)
+    assert [[t.draft_token for t in run.tokens if t.step == s.step] for s in run.steps] == [e[3] for e in expected]
+
+
+def test_layer_ids_are_looked_up_where_vllm_looks():
+    assert aux_layer_ids({"eagle_aux_hidden_state_layer_ids": [3, 5], "dflash_config": {"target_layer_ids": [1]}}, 36) == \
+        ([3, 5], "eagle_aux_hidden_state_layer_ids")
+    assert aux_layer_ids({"eagle_aux_hidden_state_layer_ids": [], "dflash_config": {"target_layer_ids": [1, 17]},
+                          "eagle_config": {"layer_ids": [4]}}, 36) == ([2, 18], "dflash_config.target_layer_ids + 1")
+    assert aux_layer_ids({"eagle_config": {"layer_ids": [4, 9]}}, 36) == ([4, 9], "eagle_config.layer_ids")
+    assert aux_layer_ids({}, 36) == ([2, 18, 33], VLLM_DEFAULT)  # Qwen3-8B
+    assert aux_layer_ids({}, 32) == ([2, 16, 29], VLLM_DEFAULT)  # Llama-3.1-8B
+    assert aux_layer_ids({}, 80) == ([2, 40, 77], VLLM_DEFAULT)  # Llama-3.3-70B
+
+
+def test_layouts_and_switch_readings_are_recognised(llama):
+    _, head, config = llama
+    assert checkpoint_layout(config) == "speculators"
+    assert checkpoint_layout(original_config(head)) == "original EAGLE-3"
+    assert checkpoint_layout({"dflash_config": {}, "draft_vocab_size": 8, "num_hidden_layers": 1}) is None
+    assert checkpoint_layout({"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1}) is None
+    original = norm_switches(original_config(head))["norm_before_residual"]
+    assert (original.checkpoint, original.replay) == (None, False)  # a Llama config: missing means False in vLLM
+    written = norm_switches(config)["norm_before_residual"]
+    assert (written.checkpoint, written.replay) == (False, False)
+
+
+# ----------------------------------------------------------------------------- the CLI
+
+
+@pytest.fixture(scope="module")
+def head_dir(llama, tmp_path_factory) -> Path:
+    _, head, config = llama
+    return save_head(head, tmp_path_factory.mktemp("eagle3") / "head", config)
+
+
+@pytest.mark.parametrize("case,fragments", [
+    ("fc", ("fc.weight combines 3 target states", "eagle_aux_hidden_state_layer_ids gives 2 layer ids")),
+    ("ids", ("aux layer id 9", "outside the target's 4 layers")),
+    ("d2t", ("d2t has 63 entries", "draft_vocab_size is 64")),
+])
+def test_bad_heads_are_refused_in_one_sentence(llama, tiny_dir, tmp_path, case, fragments):
+    _, head, config = llama
+    if case == "fc":
+        folder = save_head(head, tmp_path / case, speculators_config(head, eagle_aux_hidden_state_layer_ids=[1, 2]))
+    elif case == "ids":
+        folder = save_head(head, tmp_path / case, speculators_config(head, eagle_aux_hidden_state_layer_ids=[1, 2, 9]))
+    else:
+        folder = save_head(head, tmp_path / case, config, tensors={"d2t": head.d2t[:-1].clone()})
+    assert_usage_error(invoke("check", *pair_args(tiny_dir, folder)), *fragments)

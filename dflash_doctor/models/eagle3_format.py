@@ -170,6 +170,24 @@ def _read_tensors(draft_dir: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def proposable_target_ids(draft_dir: Path) -> torch.Tensor | None:
+    """The target ids a head's ``d2t`` maps its draft vocabulary to (the only tokens it can ever propose),
+    read from the checkpoint without building the head; None for a head without ``d2t`` (it drafts over the
+    whole target vocabulary) or without readable weights."""
+    from safetensors import safe_open
+
+    d2t = None
+    for file in sorted(draft_dir.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            name = next((n for n in handle.keys() if n.removeprefix("model.") == "d2t"), None)
+            if name is not None:
+                d2t = handle.get_tensor(name)
+    if d2t is None and not any(draft_dir.glob("*.safetensors")):
+        for file in sorted(draft_dir.glob("*.bin")):
+            d2t = torch.load(file, map_location="cpu", weights_only=True).get("d2t", d2t)
+    return None if d2t is None else torch.arange(d2t.numel()) + d2t.long().reshape(-1)
+
+
 def _layer_settings(config: dict[str, Any], where: str):
     """The layer config as transformers' own config class, which fills the defaults of its model type (Qwen3's
     head_dim 128, Llama's hidden // heads) and reads every RoPE spelling into ``rope_parameters``."""
@@ -288,8 +306,8 @@ def _check_shapes(model: Eagle3DraftModel, state: dict[str, torch.Tensor], where
     if missing:
         raise UsageError(f"{where}: the weights lack {missing[0]}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
                          + " that this config's head needs; restore the weights or the config they were saved with.")
-    for name, tensor in expected.items():
-        if name in state and tuple(state[name].shape) != tuple(tensor.shape):
+    for name, tensor in expected.items():  # d2t is checked by _vocabulary_map, which says what its length means
+        if name in state and name != "d2t" and tuple(state[name].shape) != tuple(tensor.shape):
             raise UsageError(f"{where}: {name} has shape {list(state[name].shape)} where the config implies {list(tensor.shape)}; "
                              "restore the config the weights were saved with.")
 

@@ -50,10 +50,11 @@ class Eagle3Proposer(Proposer):
         self._reset()
 
     def _reset(self) -> None:
-        self.cached: KeyValue | None = None  # the head's K/V of every position that had its first pass
+        self.cached: KeyValue | None = None  # the head's K/V of every position whose first pass is committed
         self.length = 0  # positions in ``cached``
         self.pending_ids: list[int] = []  # committed tokens awaiting their first pass (their next token is unknown)
-        self.pending_states: list[torch.Tensor] = []
+        self.pending_states: torch.Tensor | None = None
+        self.drafted: KeyValue | None = None  # the pending rows' K/V as the last propose() computed them
 
     @property
     def device(self) -> torch.device:
@@ -61,38 +62,44 @@ class Eagle3Proposer(Proposer):
 
     def start(self, prompt_ids: torch.Tensor, prompt_features: torch.Tensor | None) -> None:
         self._reset()
-        self.accept(prompt_ids, prompt_features)
+        self.pending_ids, self.pending_states = prompt_ids.tolist(), _tapped(prompt_features)
 
     def accept(self, committed_ids: torch.Tensor, committed_features: torch.Tensor | None) -> None:
-        self.pending_ids += committed_ids.tolist()
-        self.pending_states.append(_tapped(committed_features))
+        """Keep the first-pass K/V of the previous pending rows (the step's propose() closed them with the token
+        it was given, which is now committed) and make the newly committed rows pending."""
+        if self.drafted is None:
+            raise RuntimeError("Eagle3Proposer.accept() without a propose() since start() or the previous accept()")
+        keys, values = self.drafted
+        self.cached = (keys, values) if self.cached is None else \
+            (torch.cat([self.cached[0], keys], dim=2), torch.cat([self.cached[1], values], dim=2))
+        self.length += keys.shape[2]
+        self.pending_ids, self.pending_states, self.drafted = committed_ids.tolist(), _tapped(committed_features), None
 
     @torch.inference_mode()
     def _first_pass(self, last_token: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run the pending rows (ids shifted left, ``last_token`` closing them); cache their K/V and return the
-        last row's normed output and carried state [H] each."""
+        """Run the pending rows (ids shifted left, ``last_token`` closing them) after the cached ones; keep their K/V
+        for accept() and return the last row's normed output and carried state [H] each. Proposing again
+        before accept() recomputes them (what a timing loop that never commits measures, one step each time)."""
         model = self.model
+        assert self.pending_states is not None, "start() first"
         ids = torch.tensor(self.pending_ids[1:] + [last_token], device=self.device)
         positions = torch.arange(self.length, self.length + len(ids), device=self.device)[None]
-        states = model.combine(torch.cat(self.pending_states).to(self.device))[None]
-        normed, carried, (keys, values) = model(model.embed(ids, self.target.embedding)[None], states, positions, self.cached)
-        self.cached = (keys, values) if self.cached is None else \
-            (torch.cat([self.cached[0], keys], dim=2), torch.cat([self.cached[1], values], dim=2))
-        self.length += len(ids)
-        self.pending_ids, self.pending_states = [], []
+        states = model.combine(self.pending_states.to(self.device))[None]
+        normed, carried, self.drafted = model(model.embed(ids, self.target.embedding)[None], states, positions, self.cached)
         return normed[0, -1], carried[0, -1]
 
     @torch.inference_mode()
     def propose(self, last_token: int, k: int, block_k: int) -> Proposal:
         model = self.model
         normed, carried = self._first_pass(last_token)
-        chain = self.cached
+        assert self.drafted is not None
+        chain = self.drafted if self.cached is None else \
+            (torch.cat([self.cached[0], self.drafted[0]], dim=2), torch.cat([self.cached[1], self.drafted[1]], dim=2))
         tokens, logits = [], []
         for step in range(k):
             if step:
-                position = torch.tensor([[self.length + step - 1]], device=self.device)
+                position = torch.tensor([[chain[0].shape[2]]], device=self.device)  # after the previous row
                 embeds = model.embed(tokens[-1].view(1, 1), self.target.embedding)
-                assert chain is not None  # the first pass filled it
                 out, state, (keys, values) = model(embeds, carried.view(1, 1, -1), position, chain)
                 chain = (torch.cat([chain[0], keys], dim=2), torch.cat([chain[1], values], dim=2))
                 normed, carried = out[0, -1], state[0, -1]
