@@ -62,18 +62,26 @@ def tap_points(model: CausalLM) -> tuple[torch.nn.Module, torch.nn.ModuleList]:
     raise ValueError(f"{type(model).__name__} has no list of {count} decoder layers to tap")
 
 
+#: Tap index of the last decoder layer's output *before* the decoder's final norm. HF's ``hidden_states``
+#: has no entry for it (its last entry is that output after the norm), so it gets an index of its own, past
+#: any layer count. A head trained on the other side of the norm than the one it is handed still drafts
+#: fluent tokens, only fewer of them accepted, so a replay must be able to hand it either side.
+PRE_FINAL_NORM = 1 << 30
+
+
 class TapRecorder:
     """The hidden states of the tapped layers only, recorded by hooks during one forward.
 
     Index ``i`` means what it means in HF's ``output_hidden_states``: 0 the input of the first decoder
     layer (the scaled embeddings), ``i`` the output of layer ``i - 1``, the last the decoder's final
-    (normed) output. Nothing else is kept, where ``output_hidden_states`` keeps all of them.
+    (normed) output; :data:`PRE_FINAL_NORM` the last layer's output before that norm. Nothing else is
+    kept, where ``output_hidden_states`` keeps all of them.
     """
 
     def __init__(self, points: tuple[torch.nn.Module, torch.nn.ModuleList], taps: tuple[int, ...]):
         self.decoder, self.layers = points
         count = len(self.layers) + 1
-        self.taps = tuple(tap % count for tap in taps)
+        self.taps = tuple(tap if tap == PRE_FINAL_NORM else tap % count for tap in taps)
         self.recorded: dict[int, torch.Tensor] = {}
 
     def __enter__(self) -> "TapRecorder":
@@ -82,6 +90,8 @@ class TapRecorder:
         for tap in set(self.taps):
             if tap == 0:
                 handles.append(self.layers[0].register_forward_pre_hook(self._layer_input(tap), with_kwargs=True))
+            elif tap == PRE_FINAL_NORM:
+                handles.append(self.layers[last - 1].register_forward_hook(self._layer_output(tap)))
             elif tap == last:
                 handles.append(self.decoder.register_forward_hook(self._decoder_output(tap)))
             else:

@@ -24,8 +24,8 @@ catch-all and stays last (pass ``before=`` to register ahead of it).
 
 A speculator without weights (``ngram``) declares ``from_spec`` instead of a checkpoint loader: the
 user names it as the draft, ``--draft ngram`` or ``--draft ngram:prompt_lookup_min=2,prompt_lookup_max=5``
-(:func:`weightless_kind`), and ``from_spec`` builds its settings module from those settings and the
-target's config.
+(:func:`weightless_kind`), and ``from_spec`` builds its module from those settings and the target's
+folder and config (``mtp``, a target's own MTP head, reads its weights from the target's checkpoint).
 """
 
 from __future__ import annotations
@@ -43,13 +43,18 @@ import torch
 from dflash_doctor.engine.proposers.autoregressive import AutoregressiveProposer
 from dflash_doctor.engine.proposers.base import Proposer
 from dflash_doctor.engine.proposers.dflash import DFlashProposer
+from dflash_doctor.engine.mtp_model import MtpHead, build_mtp_head
 from dflash_doctor.engine.proposers.eagle3 import Eagle3Proposer
+from dflash_doctor.engine.proposers.mtp import POST_NORM, SIDES, MtpProposer, MtpSettings
 from dflash_doctor.engine.proposers.ngram import NgramProposer, NgramSettings
 from dflash_doctor.engine.proposers.suffix import SuffixProposer, SuffixSettings
 from dflash_doctor.engine.target import TargetModel
 from dflash_doctor.errors import UsageError
 from dflash_doctor.models.eagle3_format import is_eagle3_config, load_eagle3_head
-from dflash_doctor.models.loading import is_dflash_config, load_causal_lm, load_dflash_draft, validate_autoregressive_pair, validate_dflash_pair
+from dflash_doctor.models.mtp_format import LAYOUT_NAMES, read_mtp_checkpoint
+from dflash_doctor.inputs.validation import read_config_json
+from dflash_doctor.models.loading import (is_dflash_config, load_causal_lm, load_dflash_draft, torch_dtype, validate_autoregressive_pair,
+                                          validate_dflash_pair)
 
 if TYPE_CHECKING:
     from dflash_doctor.engine.dflash_model import DFlashDraftModel
@@ -93,9 +98,10 @@ class DraftKind(Generic[DraftModel]):
     ``engine_agreement``: the serving engines' setups for this kind are modelled
     (:mod:`dflash_doctor.serving.agreement`), so ``check --engine`` with a local pair replays the server's
     answered turns in the embedded engine under each setup.
-    ``from_spec(settings, target_config, options)``: a kind without weights, named by ``--draft NAME``
-    (optionally ``NAME:key=value,...``, the settings as a dict of strings): its module, holding only
-    settings; ``detect`` and ``load`` are then never asked.
+    ``from_spec(settings, target_dir, target_config, options)``: a kind without a draft checkpoint, named
+    by ``--draft NAME`` (optionally ``NAME:key=value,...``, the settings as a dict of strings): its module,
+    holding its settings and whatever it reads from the target's folder; ``detect`` and ``load`` are then
+    never asked.
     """
 
     name: str
@@ -108,7 +114,7 @@ class DraftKind(Generic[DraftModel]):
     with_layer_ids: Callable[[DraftModel, list[int]], DraftModel] | None = None
     ships_tokenizer: bool = False
     engine_agreement: bool = False
-    from_spec: Callable[[dict[str, str], Any, LoadOptions], DraftModel] | None = None
+    from_spec: Callable[[dict[str, str], Path, Any, LoadOptions], DraftModel] | None = None
 
 
 _KINDS: dict[str, DraftKind[Any]] = {}
@@ -249,7 +255,7 @@ class WeightlessDraft(torch.nn.Module):
         self.device_name = device
 
 
-def _ngram_from_spec(settings: dict[str, str], target_config: Any, options: LoadOptions) -> WeightlessDraft:
+def _ngram_from_spec(settings: dict[str, str], target_dir: Path, target_config: Any, options: LoadOptions) -> WeightlessDraft:
     known = ("prompt_lookup_min", "prompt_lookup_max")
     unknown = sorted(set(settings) - set(known))
     if unknown:
@@ -290,7 +296,7 @@ _SUFFIX_SETTINGS: dict[str, type] = {"max_tree_depth": int, "max_cached_requests
 _SUFFIX_EXAMPLE = "suffix:suffix_decoding_max_tree_depth=24,suffix_decoding_min_token_prob=0.1"
 
 
-def _suffix_from_spec(settings: dict[str, str], target_config: Any, options: LoadOptions) -> WeightlessDraft:
+def _suffix_from_spec(settings: dict[str, str], target_dir: Path, target_config: Any, options: LoadOptions) -> WeightlessDraft:
     values: dict[str, Any] = {}
     for key, text in settings.items():
         short = key.removeprefix("suffix_decoding_")
@@ -356,4 +362,69 @@ register_draft_kind(DraftKind(
     facts=lambda model: dict(model.facts),
     layer_ids=lambda model: list(model.config.aux_layer_ids),
     with_layer_ids=_eagle3_with_layer_ids,
+), before="autoregressive")
+
+
+# ----------------------------------------------------------------------------- mtp: a target's own MTP head (docs/speculators.md#mtp)
+
+#: which side of the norm each engine hands an MTP head, as far as its source says (docs/speculators.md#mtp)
+MTP_ENGINE_SIDES = {
+    "vllm": {"hidden_state": POST_NORM, "carried_state": POST_NORM},
+}
+_MTP_EXAMPLE = "mtp:hidden_state=post-norm or mtp:hidden_state=post-norm,carried_state=pre-norm"
+
+
+class MtpDraft(torch.nn.Module):
+    """A target's MTP head read from the target's own checkpoint, with the replay's settings."""
+
+    def __init__(self, head: MtpHead, settings: MtpSettings, has_own_head: bool, has_own_embedding: bool):
+        super().__init__()
+        self.head = head
+        self.settings = settings
+        self.has_own_head = has_own_head
+        self.has_own_embedding = has_own_embedding
+
+
+def _mtp_from_spec(settings: dict[str, str], target_dir: Path, target_config: Any, options: LoadOptions) -> MtpDraft:
+    known = ("hidden_state", "carried_state")
+    for key, value in settings.items():
+        if key == "num_speculative_tokens":
+            raise UsageError("--draft mtp: num_speculative_tokens is --k; pass --k N instead of the setting.")
+        if key not in known:
+            raise UsageError(f"--draft mtp: unknown setting {key!r}; the settings are {', '.join(known)}, e.g. {_MTP_EXAMPLE}.")
+        if value not in SIDES:
+            raise UsageError(f"--draft mtp: {key}={value!r} is not {' or '.join(SIDES)}; e.g. {_MTP_EXAMPLE}.")
+    hidden = settings.get("hidden_state", POST_NORM)
+    resolved = MtpSettings(hidden_state=hidden, carried_state=settings.get("carried_state", hidden))
+    checkpoint = read_mtp_checkpoint(target_dir, read_config_json(target_dir), target_dir.name)
+    head = build_mtp_head(checkpoint, target_config, dtype=torch_dtype(options.dtype), device=options.device,
+                          target_name=target_dir.name)
+    return MtpDraft(head, resolved, checkpoint.has_own("head"), checkpoint.has_own("embed_tokens"))
+
+
+def _mtp_facts(model: MtpDraft) -> dict[str, Any]:
+    n = model.head.n_predict
+    return {
+        "layout": LAYOUT_NAMES[model.head.layout],
+        "n_predict": n,
+        "mtp_layer_indices": [model.head.first_layer_index + i for i in range(n)],
+        "step_layer_rule": f"draft step s (0-based) runs MTP layer s % {n}; K must be a multiple of {n} (vLLM)",
+        "hidden_state": model.settings.hidden_state,
+        "carried_state": model.settings.carried_state,
+        "engine_sides": MTP_ENGINE_SIDES,
+        "lm_head": "own (shared_head.head)" if model.has_own_head else "the target's",
+        "embedding": "own (embed_tokens)" if model.has_own_embedding else "the target's",
+        "draft_probabilities": "none: a point mass on each drafted token (vLLM passes none for MTP)",
+    }
+
+
+register_draft_kind(DraftKind(
+    name=MtpProposer.kind,
+    description=("the target's own multi-token-prediction head (DeepSeek-V3/GLM or Qwen3-Next/Qwen3.5 layout, read from the "
+                 "target's checkpoint): --draft mtp[:hidden_state=post-norm|pre-norm,carried_state=post-norm|pre-norm]"),
+    detect=lambda config: False,
+    load=_unused_load,
+    build=lambda model, target, sampling: MtpProposer(model.head, target, model.settings),
+    facts=_mtp_facts,
+    from_spec=_mtp_from_spec,
 ), before="autoregressive")

@@ -171,7 +171,7 @@ def load_pair(config: DoctorConfig, server_settings: dict[str, Any] | None = Non
     with stage(f"loading the {kind.name} draft {Path(draft_spec).name}"):
         if named is not None:
             assert kind.from_spec is not None
-            draft_model = kind.from_spec(named[1], target_model.config, options)
+            draft_model = kind.from_spec(named[1], target_dir, target_model.config, options)
         else:
             assert draft_dir is not None
             draft_model = kind.load(draft_dir, target_dir, target_model.config, options)

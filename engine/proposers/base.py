@@ -26,7 +26,9 @@ class TargetNeeds:
     """What a proposer consumes from target forwards.
 
     hidden_state_indices: HF ``hidden_states`` indices whose rows are concatenated into "features"
-    (for DFlash, ``target_layer_id + 1``). Empty means the target runs without hidden-state output.
+    (for DFlash, ``target_layer_id + 1``; ``-1`` the final output after the decoder's norm,
+    :data:`~dflash_doctor.engine.target.PRE_FINAL_NORM` the same output before it). Empty means the
+    target runs without hidden-state output.
     """
 
     hidden_state_indices: tuple[int, ...] = ()
