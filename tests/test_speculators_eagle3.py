@@ -427,3 +427,86 @@ def test_bad_heads_are_refused_in_one_sentence(llama, tiny_dir, tmp_path, case, 
     else:
         folder = save_head(head, tmp_path / case, config, tensors={"d2t": head.d2t[:-1].clone()})
     assert_usage_error(invoke("check", *pair_args(tiny_dir, folder)), *fragments)
+
+
+def test_check_runs_end_to_end_and_records_the_head(head_dir, tiny_dir, tmp_path):
+    result = invoke("check", *pair_args(tiny_dir, head_dir, "--k", "1-3", "--out", tmp_path / "run"))
+    assert result.exit_code in (0, 1), result.output
+    record = json.loads((tmp_path / "run" / "run.json").read_text())
+    draft = record["models"]["draft"]
+    assert draft["kind"] == "eagle3"
+    assert (draft["format"], draft["aux_layer_ids"], draft["aux_layer_ids_source"]) == ("speculators", AUX_IDS, "eagle_aux_hidden_state_layer_ids")
+    assert draft["draft_vocab_size"] == DRAFT_VOCAB and draft["target_vocab_coverage"] == pytest.approx(DRAFT_VOCAB / 97)
+    assert draft["norm_switches"]["norm_before_residual"]["replay"] is False and draft["default_k"] == 3
+    assert set(record["probes"]["offset_probe"]) == {"-1", "0"}  # the layer-offset probe ran (ids 1..3 of 4 layers: no +1)
+    checks = {c["id"]: c for c in record["checks"]}
+    assert checks["draft-config"]["status"] == "skip"
+    assert "DFlash" not in checks["tokenizer-parity"]["summary"]
+    assert checks["eagle3-config"]["status"] != "skip" and "output_token_coverage" in checks["eagle3-config"]["metrics"]
+
+
+def test_head_to_head_with_ngram_prints_the_table(head_dir, tiny_dir, tmp_path):
+    result = invoke("check", *pair_args(tiny_dir, head_dir, "--draft", "ngram:prompt_lookup_min=1,prompt_lookup_max=3",
+                                        "--k", "1-2", "--out", tmp_path / "h2h"))
+    assert result.exit_code in (0, 1), result.output
+    table = json.loads((tmp_path / "h2h" / "head_to_head.json").read_text())
+    assert [s["name"] for s in table["speculators"]] == ["head", "ngram"]
+    assert "head" in result.output and "ngram" in result.output and "head-to-head:" in result.output
+    assert json.loads((tmp_path / "h2h" / "head" / "run.json").read_text())["models"]["draft"]["kind"] == "eagle3"
+
+
+# ----------------------------------------------------------------------------- the eagle3-config check
+
+
+def eagle3_context(config: dict, *, draft: Path | None = None, output: list[int] | None = None, probe=None):
+    from types import SimpleNamespace
+
+    from dflash_doctor.checks import CheckContext
+    from dflash_doctor.rundir.run_record import Probes
+
+    record = SimpleNamespace(probes=Probes(offset_probe=probe[0], offset_probe_drafts=probe[1]) if probe else Probes())
+    return CheckContext(draft_config=config, draft_kind="eagle3", target_config={"num_hidden_layers": 36},
+                        config=SimpleNamespace(draft=str(draft) if draft else None), output_token_ids=output, record=record)  # pyright: ignore
+
+
+def findings_of(ctx):
+    """The eagle3-config check's result on ``ctx``, run through the registry as every check is."""
+    from dflash_doctor.checks import run_checks
+
+    (result,) = run_checks(ctx, only=["eagle3-config"])
+    return result
+
+
+def test_check_warns_on_missing_layer_ids_and_on_a_norm_switch_vllm_reads_otherwise(llama):
+    _, head, config = llama
+    good = findings_of(eagle3_context(config))
+    assert all(f.severity == "info" for f in good.findings)
+    missing = findings_of(eagle3_context(speculators_config(head, eagle_aux_hidden_state_layer_ids=None, norm_before_residual=None)))
+    assert missing.status == "warn"
+    messages = " ".join(f.message + f.fix for f in missing.findings)
+    assert "vLLM reads its default layers [2, 18, 33]" in messages
+    assert "leaves norm_before_residual out: vLLM runs the head with norm_before_residual = True" in messages
+    assert '"norm_before_residual": false' in messages
+    # the original layout reads a missing switch as False, as its trainer built it: nothing to say
+    assert not any("norm_before_residual" in f.message for f in findings_of(eagle3_context(original_config(head))).findings)
+
+
+def test_check_fails_when_a_shifted_layer_wins_the_offset_probe(llama):
+    _, _, config = llama
+    result = findings_of(eagle3_context(config, probe=({-1: 2.4, 0: 1.5, 1: 1.4}, 200)))
+    assert result.status == "fail" and "eagle_aux_hidden_state_layer_ids = [0, 1, 2]" in result.findings[0].fix
+    assert findings_of(eagle3_context(config, probe=({-1: 1.5, 0: 1.6, 1: 1.4}, 200))).status == "pass"
+    assert findings_of(eagle3_context(config, probe=({-1: 2.4, 0: 1.5}, 10))).status == "pass"  # too few drafts: inconclusive
+
+
+def test_check_judges_vocabulary_coverage_of_the_run(llama, head_dir):
+    _, head, config = llama
+    inside = head.target_ids().tolist()
+    outside = sorted(set(range(97)) - set(inside))
+    covered = findings_of(eagle3_context(config, draft=head_dir, output=inside * 3))
+    assert covered.status == "pass" and covered.metrics["output_token_coverage"] == 1.0
+    mostly = findings_of(eagle3_context(config, draft=head_dir, output=inside + inside[:26] + outside[:10]))  # 90 of 100
+    assert mostly.status == "warn" and mostly.metrics["output_token_coverage"] == pytest.approx(0.9)
+    poor = findings_of(eagle3_context(config, draft=head_dir, output=inside[:10] + outside[:20]))
+    assert poor.status == "fail" and "upper bound" in poor.summary
+    assert poor.metrics["most_missed_tokens"] == outside[:5]

@@ -265,6 +265,7 @@ def read_eagle3_config(config: dict[str, Any], target_config: Any, state: dict[s
     if "embed_tokens.weight" not in state and hidden != target_hidden:
         raise UsageError(f"{where}: the head ships no embed_tokens and its hidden size {hidden} differs from the target's "
                          f"{target_hidden}, so it cannot share the target's embedding; serve it with the target it was trained for.")
+    theta, inv_freq, attention_factor = _rope(settings)
     return Eagle3Config(
         layer_type=model_type, hidden_size=hidden, num_attention_heads=int(settings.num_attention_heads),
         num_key_value_heads=int(getattr(settings, "num_key_value_heads", None) or settings.num_attention_heads),
@@ -272,7 +273,7 @@ def read_eagle3_config(config: dict[str, Any], target_config: Any, state: dict[s
         intermediate_size=int(settings.intermediate_size), rms_norm_eps=float(settings.rms_norm_eps),
         target_hidden_size=target_hidden, target_vocab_size=target_vocab, draft_vocab_size=int(draft_vocab),
         aux_layer_ids=ids, norms=norms, attention_bias=bool(getattr(settings, "attention_bias", False)),
-        **dict(zip(("rope_theta", "rope_inverse_frequencies", "rope_attention_factor"), _rope(settings))),
+        rope_theta=theta, rope_inverse_frequencies=inv_freq, rope_attention_factor=attention_factor,
     )
 
 
