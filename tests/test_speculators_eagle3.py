@@ -477,7 +477,7 @@ def findings_of(ctx):
     return result
 
 
-def test_check_warns_on_missing_layer_ids_and_on_a_norm_switch_vllm_reads_otherwise(llama):
+def test_eagle3_config_warn_on_missing_layer_ids_and_a_norm_switch_vllm_reads_otherwise(llama):
     _, head, config = llama
     good = findings_of(eagle3_context(config))
     assert all(f.severity == "info" for f in good.findings)
@@ -491,7 +491,7 @@ def test_check_warns_on_missing_layer_ids_and_on_a_norm_switch_vllm_reads_otherw
     assert not any("norm_before_residual" in f.message for f in findings_of(eagle3_context(original_config(head))).findings)
 
 
-def test_check_fails_when_a_shifted_layer_wins_the_offset_probe(llama):
+def test_eagle3_config_fail_when_a_shifted_layer_wins_the_offset_probe(llama):
     _, _, config = llama
     result = findings_of(eagle3_context(config, probe=({-1: 2.4, 0: 1.5, 1: 1.4}, 200)))
     assert result.status == "fail" and "eagle_aux_hidden_state_layer_ids = [0, 1, 2]" in result.findings[0].fix
@@ -499,12 +499,16 @@ def test_check_fails_when_a_shifted_layer_wins_the_offset_probe(llama):
     assert findings_of(eagle3_context(config, probe=({-1: 2.4, 0: 1.5}, 10))).status == "pass"  # too few drafts: inconclusive
 
 
-def test_check_judges_vocabulary_coverage_of_the_run(llama, head_dir):
+def test_eagle3_config_pass_when_the_head_covers_the_run(llama, head_dir):
+    _, head, config = llama
+    covered = findings_of(eagle3_context(config, draft=head_dir, output=head.target_ids().tolist() * 3))
+    assert covered.status == "pass" and covered.metrics["output_token_coverage"] == 1.0
+
+
+def test_eagle3_config_warn_and_fail_on_poor_vocabulary_coverage(llama, head_dir):
     _, head, config = llama
     inside = head.target_ids().tolist()
     outside = sorted(set(range(97)) - set(inside))
-    covered = findings_of(eagle3_context(config, draft=head_dir, output=inside * 3))
-    assert covered.status == "pass" and covered.metrics["output_token_coverage"] == 1.0
     mostly = findings_of(eagle3_context(config, draft=head_dir, output=inside + inside[:26] + outside[:10]))  # 90 of 100
     assert mostly.status == "warn" and mostly.metrics["output_token_coverage"] == pytest.approx(0.9)
     poor = findings_of(eagle3_context(config, draft=head_dir, output=inside[:10] + outside[:20]))
