@@ -1,6 +1,6 @@
 """eagle3-config: what vLLM decides for an EAGLE-3 head that the checkpoint leaves unsaid, and what the head can ever propose.
 
-Three things an EAGLE-3 checkpoint can get silently wrong (docs/speculators.md#eagle3):
+Three things an EAGLE-3 checkpoint can get silently wrong (the eagle3 section of docs/speculators.md):
 
 * **Which target layers it reads.** A config without ``eagle_aux_hidden_state_layer_ids`` (and without the
   other keys vLLM falls back to) is served with vLLM's default layers ``(2, L // 2, L - 3)`` (SGLang and the
@@ -13,8 +13,8 @@ Three things an EAGLE-3 checkpoint can get silently wrong (docs/speculators.md#e
 * **Its vocabulary.** The head drafts over its own vocabulary mapped into the target's by ``d2t``; a target
   token outside the map can never be drafted, so the share of the run's output tokens the map covers is an
   upper bound on the acceptance rate at every slot. Below ``coverage_warn_below`` (0.95) it warns, below
-  ``coverage_fail_below`` (0.80) it fails: heads published for a target cover 0.95 and more of ordinary
-  text, so less means the head's vocabulary was chosen for other text (or another target).
+  ``coverage_fail_below`` (0.80) it fails. The thresholds are this check's choice: a draft vocabulary chosen
+  from text like the workload's covers nearly all of it, so a large miss means it was chosen for other text.
 """
 
 from __future__ import annotations

@@ -337,7 +337,7 @@ register_draft_kind(DraftKind(
 ), before="autoregressive")
 
 
-# ----------------------------------------------------------------------------- eagle3: EAGLE-3 heads (docs/speculators.md#eagle3)
+# ----------------------------------------------------------------------------- eagle3: EAGLE-3 heads (the eagle3 section of docs/speculators.md)
 
 
 def _load_eagle3(draft_dir: Path, target_dir: Path, target_config: Any, options: LoadOptions) -> Eagle3DraftModel:

@@ -1,6 +1,6 @@
 """EAGLE-3 checkpoints: recognise both layouts, read them into :class:`Eagle3DraftModel`, validate them against the target.
 
-Two layouts exist (docs/speculators.md#eagle3):
+Two layouts exist (the eagle3 section of docs/speculators.md):
 
 * **speculators** (``speculators_model_type: "eagle3"``, ``architectures: ["Eagle3Speculator"]``): the
   decoder layer's settings under ``transformer_layer_config`` (its ``model_type`` picks a Llama or a Qwen3
