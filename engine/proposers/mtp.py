@@ -82,7 +82,7 @@ class MtpProposer(Proposer):
         self.shared = (target.embedding, target.head)
         decoder = target.model.get_decoder()
         self.rotary = getattr(decoder, "rotary_emb")
-        self.device = head.layers[0].proj.weight.device
+        self.device: torch.device = next(head.parameters()).device
         self._reset()
 
     def _reset(self) -> None:
@@ -111,7 +111,16 @@ class MtpProposer(Proposer):
     @torch.inference_mode()
     def _first_pass(self, last_token: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Run every layer over the pending committed positions (ids shifted left, ``last_token`` at the
-        end), keep their K/V rows, and return layer 0's last row (pre-norm and normed) for slot 1."""
+        end), keep their K/V rows, and return layer 0's last row (pre-norm and normed) for slot 1.
+
+        With nothing pending (a second proposal from the same committed prefix, as the cost probe drafts
+        repeatedly), the last committed position is run again with the new ``last_token``: its row is the
+        only one that depends on it."""
+        if not self.pending_ids:
+            token, state = self._tail
+            self.pending_ids, self.pending_states = [token], [state]
+            self.length -= 1
+            self.committed = [(r[0][..., :-1, :], r[1][..., :-1, :]) if r is not None else None for r in self.committed]
         n = len(self.pending_ids)
         ids = torch.tensor(self.pending_ids[1:] + [last_token], device=self.device)[None]
         states = torch.cat(self.pending_states)[None]
@@ -125,6 +134,7 @@ class MtpProposer(Proposer):
             if layer == 0:
                 rows = (out[0, -1], normed[0, -1])
         self.length += n
+        self._tail = (self.pending_ids[-1], states[0, -1:])
         self.pending_ids, self.pending_states = [], []
         assert rows is not None
         return rows

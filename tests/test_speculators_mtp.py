@@ -1,0 +1,370 @@
+"""The mtp speculator: a target's own MTP head, drafted as vLLM drafts with it, against an independent
+reference written here from vLLM's rule (no cache: the head is recomputed over the whole prefix at every
+slot), on tiny Qwen3.5 and DeepSeek-V3 targets whose MTP weights are written into their safetensors.
+
+The heads are fit to their targets for a few hundred steps (on the post-norm state, as the engines
+train and serve them), so drafts are often accepted and the tests can tell a right replay from a wrong one.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from cli_helpers import assert_usage_error, invoke
+from dflash_doctor.engine.live import plain_generate, speculative_generate
+from dflash_doctor.engine.target import PRE_FINAL_NORM, TapRecorder, TargetModel, tap_points
+from dflash_doctor.engine.teacher import TeacherSequence, slot_table, walk_schedule
+from dflash_doctor.models.draft_kinds import LoadOptions, weightless_kind
+from dflash_doctor.models.loading import load_causal_lm
+from target_families import tiny_family_target
+from tiny_models import tiny_target, tiny_tokenizer, torch_threads, write_workload
+
+PROMPTS = [[5, 17, 42, 8, 9, 30], [11, 12, 13, 60, 61], [70, 3, 44, 21, 9, 9, 50, 6]]
+MAX_NEW = 24
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    with torch_threads(1):
+        yield
+
+
+# ------------------------------------------------------------------------------------------- the reference
+
+
+class ReferenceLayer(torch.nn.Module):
+    """One MTP layer in the engines' terms: enorm/hnorm, eh_proj, a decoder block of the target's class, the
+    output norm; the embedding and head are the target's."""
+
+    def __init__(self, target, index: int):
+        super().__init__()
+        config = copy.deepcopy(target.config)
+        if isinstance(getattr(config, "layer_types", None), list):
+            config.layer_types = list(config.layer_types) + ["full_attention"] * 2
+        last = target.model.layers[-1]
+        self.block = type(last)(config, config.num_hidden_layers + index)
+        self.block.load_state_dict(last.state_dict())  # start from the target's last layer
+        norm = type(target.model.norm)
+        hidden = config.hidden_size
+        self.enorm, self.hnorm, self.onorm = (norm(hidden, eps=config.rms_norm_eps) for _ in range(3))
+        self.proj = torch.nn.Linear(2 * hidden, hidden, bias=False)
+        with torch.no_grad():
+            self.proj.weight.normal_(0, 0.1)
+            self.onorm.weight.uniform_(-2.5, 2.5)  # the two sides of the output norm differ measurably
+
+
+def reference_rows(layer: ReferenceLayer, target, ids, positions, states, zero_first: bool):
+    """The layer over whole rows [B, S] at once (causal), no cache: (block output, normed output)."""
+    embeds = target.model.embed_tokens(ids)
+    if zero_first:
+        embeds = torch.where((positions == 0)[..., None], 0.0, embeds)
+    x = layer.proj(torch.cat([layer.enorm(embeds), layer.hnorm(states)], dim=-1))
+    size = ids.shape[1]
+    mask = torch.full((size, size), torch.finfo(x.dtype).min).triu(1)[None, None]
+    out = layer.block(x, attention_mask=mask, position_ids=positions, position_embeddings=target.model.rotary_emb(x, positions))
+    return out, layer.onorm(out)
+
+
+def target_states(target, tokens: list[int]) -> dict[str, torch.Tensor]:
+    """The target's final state on both sides of its norm, for every position of ``tokens``."""
+    captured = {}
+    hook = target.model.layers[-1].register_forward_hook(lambda m, a, out: captured.update(pre=out[0] if isinstance(out, tuple) else out))
+    with torch.no_grad():
+        post = target(torch.tensor([tokens]), output_hidden_states=True).hidden_states[-1][0]
+    hook.remove()
+    return {"post-norm": post, "pre-norm": captured["pre"][0]}
+
+
+@torch.no_grad()
+def reference_drafts(layers, target, committed: list[int], k: int, zero_first: bool, hidden="post-norm", carried="post-norm"):
+    """vLLM's rule, slowly: slot 1 from the committed rows (ids shifted left, the target's states); slot j > 1
+    from the previous draft, one position on, the carried state; step s runs layer s % n over its
+    committed rows and this step's earlier rows of the same layer."""
+    a = len(committed) - 1
+    states = target_states(target, committed[:-1])[hidden] if a else None
+    rows = {i: ([], [], []) for i in range(len(layers))}  # chain rows per layer: ids, positions, states
+    drafts, carry = [], None
+    for s in range(k):
+        layer = s % len(layers)
+        chain_ids, chain_pos, chain_states = rows[layer]
+        token, position, state = (committed[-1], a - 1, None) if s == 0 else (drafts[-1], a + s - 1, carry)
+        if s:
+            chain_ids.append(token), chain_pos.append(position), chain_states.append(state)
+        ids = torch.tensor([committed[1:] + chain_ids])
+        positions = torch.tensor([list(range(a)) + chain_pos])
+        hidden_rows = torch.cat([states, *[c[None] for c in chain_states]])[None]
+        out, normed = reference_rows(layers[layer], target, ids, positions, hidden_rows, zero_first)
+        drafts.append(int(target.lm_head(normed[0, -1]).argmax()))
+        carry = normed[0, -1] if carried == "post-norm" else out[0, -1]
+    return drafts
+
+
+def reference_steps(layers, target, prompt, truth, k, zero_first, **sides):
+    """vLLM's greedy loop over the target's own greedy text: (position, drafts, accepted) per step."""
+    steps, i = [], 0
+    while i + 1 < MAX_NEW and i + 1 < len(truth):
+        budget = min(k, MAX_NEW - (i + 1) - 1)
+        drafts = reference_drafts(layers, target, prompt + truth[: i + 1], budget, zero_first, **sides) if budget else []
+        accepted = 0
+        while accepted < len(drafts) and i + 1 + accepted < len(truth) and drafts[accepted] == truth[i + 1 + accepted]:
+            accepted += 1
+        steps.append((i + 1, drafts, accepted))
+        i += accepted + 1
+    return steps
+
+
+# ------------------------------------------------------------------------------------------- tiny MTP targets
+
+
+def _fit(layer: ReferenceLayer, target, zero_first: bool, steps: int = 120) -> None:
+    """Fit the layer to guess the target's greedy token two ahead from the post-norm state (its slot 1) on
+    the test prompts' greedy continuations: a random tiny target is no language a small head could learn,
+    but the head can learn these texts, which is all the tests need to see drafts accepted."""
+    sequences = [target.generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None,
+                                 pad_token_id=0) for prompt in PROMPTS]
+    with torch.no_grad():
+        passes = [target(ids, output_hidden_states=True) for ids in sequences]
+    optimiser = torch.optim.Adam(layer.parameters(), lr=1e-2)
+    for _ in range(steps):
+        loss = torch.zeros(())
+        for ids, out in zip(sequences, passes):
+            positions = torch.arange(ids.shape[1] - 1)[None]
+            _, normed = reference_rows(layer, target, ids[:, 1:], positions, out.hidden_states[-1][:, :-1], zero_first)
+            loss = loss + torch.nn.functional.cross_entropy(target.lm_head(normed)[0], out.logits.argmax(-1)[0, 1:])
+        optimiser.zero_grad()
+        loss.backward()
+        optimiser.step()
+    layer.requires_grad_(False)
+
+
+def _checkpoint_block(block: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The block's tensors as checkpoints store them: fused MoE experts split back into one tensor per expert."""
+    tensors = {}
+    for name, tensor in block.state_dict().items():
+        stem, _, kind = name.rpartition(".")
+        if kind == "gate_up_proj":
+            half = tensor.shape[1] // 2
+            for e in range(tensor.shape[0]):
+                tensors[f"{stem}.{e}.gate_proj.weight"] = tensor[e, :half].clone()
+                tensors[f"{stem}.{e}.up_proj.weight"] = tensor[e, half:].clone()
+        elif kind == "down_proj" and tensor.dim() == 3:
+            tensors.update({f"{stem}.{e}.down_proj.weight": tensor[e].clone() for e in range(tensor.shape[0])})
+        else:
+            tensors[name] = tensor.clone()
+    return tensors
+
+
+def write_mtp_target(family: str, folder: Path, n_predict: int = 1):
+    """A tiny ``family`` target with ``n_predict`` MTP layers written into its checkpoint (layer 0 fit to the
+    target, the others as initialised); returns the target module and the reference layers."""
+    target = tiny_family_target(family)
+    with torch.no_grad():
+        target.model.norm.weight.uniform_(-2.5, 2.5)  # its two sides of the final norm differ measurably
+    zero_first = family != "qwen3_5"
+    torch.manual_seed(7)
+    layers = [ReferenceLayer(target, i) for i in range(n_predict)]
+    _fit(layers[0], target, zero_first)
+    for layer in layers[1:]:
+        layer.requires_grad_(False)
+    target.save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    tensors = load_file(folder / "model.safetensors")
+    hidden_count = target.config.num_hidden_layers
+    for i, layer in enumerate(layers):
+        if family == "qwen3_5":
+            tensors.update({"mtp.fc.weight": layer.proj.weight, "mtp.pre_fc_norm_embedding.weight": layer.enorm.weight,
+                            "mtp.pre_fc_norm_hidden.weight": layer.hnorm.weight, "mtp.norm.weight": layer.onorm.weight})
+            prefix = f"mtp.layers.{i}."
+        else:
+            prefix = f"model.layers.{hidden_count + i}."
+            tensors.update({prefix + "eh_proj.weight": layer.proj.weight, prefix + "enorm.weight": layer.enorm.weight,
+                            prefix + "hnorm.weight": layer.hnorm.weight, prefix + "shared_head.norm.weight": layer.onorm.weight})
+        tensors.update({prefix + name: t for name, t in _checkpoint_block(layer.block).items()})
+    save_file({name: t.detach().clone().contiguous() for name, t in tensors.items()}, folder / "model.safetensors",
+              metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config.pop("num_mtp_layers", None)
+    config["mtp_num_hidden_layers" if family == "qwen3_5" else "num_nextn_predict_layers"] = n_predict
+    (folder / "config.json").write_text(json.dumps(config))
+    return target, layers
+
+
+@pytest.fixture(scope="module")
+def built_targets(tmp_path_factory):
+    """Each family's MTP target, written and fit once for the module (family -> folder, target, layers)."""
+    cache: dict = {}
+
+    def get(family: str):
+        if family not in cache:
+            folder = tmp_path_factory.mktemp(family)
+            cache[family] = (folder, *write_mtp_target(family, folder))
+        return cache[family]
+
+    return get
+
+
+@pytest.fixture(params=["qwen3_5", "deepseek_v3"])
+def mtp_target(request, built_targets):
+    return (request.param, *built_targets(request.param))
+
+
+def load(folder: Path, spec: str = "mtp"):
+    model = load_causal_lm(folder)
+    kind, settings = weightless_kind(spec)
+    draft = kind.from_spec(settings, folder, model.config, LoadOptions(dtype="float32", device="cpu"))
+    target = TargetModel(model)
+    return target, lambda: kind.build(draft, target, None), kind.facts(draft)
+
+
+# ------------------------------------------------------------------------------------------- the tests
+
+
+def test_pre_norm_tap_is_the_last_layers_output_before_the_final_norm():
+    model = tiny_target()
+    with torch.no_grad():
+        model.model.norm.weight.uniform_(0.3, 2.5)
+    ids = torch.tensor([[5, 17, 42, 8, 9]])
+    captured = {}
+    hook = model.model.layers[-1].register_forward_hook(lambda m, a, out: captured.update(out=out[0] if isinstance(out, tuple) else out))
+    with torch.no_grad(), TapRecorder(tap_points(model), (PRE_FINAL_NORM, -1)) as recorder:
+        hidden = model(ids, output_hidden_states=True).hidden_states
+    hook.remove()
+    pre, post = recorder.features("cpu").split(model.config.hidden_size, dim=-1)
+    torch.testing.assert_close(pre, captured["out"])
+    torch.testing.assert_close(post, hidden[-1])
+    torch.testing.assert_close(model.model.norm(pre), post)
+    assert (pre - post).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_live_loop_and_teacher_equal_the_reference(mtp_target, k):
+    family, folder, model, layers = mtp_target
+    target, build, facts = load(folder)
+    assert facts["n_predict"] == 1 and facts["hidden_state"] == "post-norm" and facts["lm_head"] == "the target's"
+    accepted = 0
+    for prompt in PROMPTS:
+        generated = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None,
+                                   pad_token_id=0)[0, len(prompt):].tolist()
+        live = speculative_generate(target, build(), torch.tensor(prompt), k=k, max_new_tokens=MAX_NEW)
+        assert live.output_ids == generated  # lossless: the target's own greedy text
+        expected = reference_steps(layers, model, prompt, generated, k, zero_first=family != "qwen3_5")
+        drafts = [[r.draft_token for r in live.tokens if r.step == s.step] for s in live.steps]
+        assert [(s.position, d, s.num_accepted) for s, d in zip(live.steps, drafts)] == expected, (family, prompt)
+        table, _ = slot_table(target, build(), TeacherSequence(prompt, generated), k)
+        walked = walk_schedule(table.matches[:, :k], generated, k, MAX_NEW, frozenset())
+        assert [(s.position, s.num_drafted, s.num_accepted) for s in walked] == \
+            [(s.position, s.num_drafted, s.num_accepted) for s in live.steps]
+        accepted += sum(s.num_accepted for s in live.steps)
+    assert accepted >= 10  # the fit head agrees with its target often: acceptance is not all zero
+
+
+def test_the_pre_norm_side_changes_drafts_and_lowers_acceptance(mtp_target):
+    family, folder, model, layers = mtp_target
+    rates = {}
+    for spec, sides in (("mtp", {}), ("mtp:hidden_state=pre-norm", {"hidden": "pre-norm", "carried": "pre-norm"}),
+                        ("mtp:carried_state=pre-norm", {"carried": "pre-norm"})):
+        target, build, facts = load(folder, spec)
+        drafted = accepted = 0
+        for prompt in PROMPTS:
+            truth = plain_generate(target, torch.tensor(prompt), max_new_tokens=MAX_NEW).output_ids
+            live = speculative_generate(target, build(), torch.tensor(prompt), k=3, max_new_tokens=MAX_NEW)
+            expected = reference_steps(layers, model, prompt, truth, 3, zero_first=family != "qwen3_5", **sides)
+            assert [s.num_accepted for s in live.steps] == [n for _, _, n in expected]
+            drafted += sum(s.num_drafted for s in live.steps)
+            accepted += sum(s.num_accepted for s in live.steps)
+        rates[spec] = accepted / drafted
+    assert rates["mtp:hidden_state=pre-norm"] < rates["mtp"], rates
+    assert rates["mtp:carried_state=pre-norm"] <= rates["mtp"], rates
+
+
+def test_k_above_n_predict_cycles_the_layers_and_must_be_a_multiple(tmp_path):
+    model, layers = write_mtp_target("deepseek_v3", tmp_path, n_predict=2)
+    target, build, facts = load(tmp_path)
+    assert facts["n_predict"] == 2 and facts["mtp_layer_indices"] == [4, 5]
+    prompt = PROMPTS[0]
+    truth = plain_generate(target, torch.tensor(prompt), max_new_tokens=MAX_NEW).output_ids
+    live = speculative_generate(target, build(), torch.tensor(prompt), k=4, max_new_tokens=MAX_NEW)
+    drafts = [[r.draft_token for r in live.tokens if r.step == s.step] for s in live.steps]
+    expected = reference_steps(layers, model, prompt, truth, 4, zero_first=True)
+    assert [(s.position, d, s.num_accepted) for s, d in zip(live.steps, drafts)] == expected
+    only_first = reference_steps(layers[:1], model, prompt, truth, 4, zero_first=True)
+    assert [d for _, d, _ in only_first] != [d for _, d, _ in expected]  # slot 2 really ran the second layer
+    table, _ = slot_table(target, build(), TeacherSequence(prompt, truth), 4)
+    walked = walk_schedule(table.matches[:, :4], truth, 4, MAX_NEW, frozenset())
+    assert [(s.position, s.num_accepted) for s in walked] == [(s.position, s.num_accepted) for s in live.steps]
+    write_workload(tmp_path / "w.jsonl", per_class=1)
+    result = invoke("replay", "--target", tmp_path, "--draft", "mtp", "--workload", tmp_path / "w.jsonl", "--k", "3",
+                    "--max-new-tokens", "8", "--out", tmp_path / "run")
+    assert_usage_error(result, "--k 3", "multiple", "2 MTP layers")
+
+
+def test_a_target_without_an_mtp_head_is_one_sentence(tmp_path):
+    tiny_target().save_pretrained(tmp_path / "target")
+    tiny_tokenizer().save_pretrained(tmp_path / "target")
+    write_workload(tmp_path / "w.jsonl", per_class=1)
+    result = invoke("replay", "--target", tmp_path / "target", "--draft", "mtp", "--workload", tmp_path / "w.jsonl",
+                    "--max-new-tokens", "8", "--out", tmp_path / "run")
+    assert_usage_error(result, "the target target has no MTP head", "num_nextn_predict_layers", "mtp_num_hidden_layers")
+    result = invoke("replay", "--target", tmp_path / "target", "--draft", "mtp:hidden_state=middle", "--workload",
+                    tmp_path / "w.jsonl", "--out", tmp_path / "run2")
+    assert_usage_error(result, "hidden_state='middle'", "post-norm or pre-norm")
+
+
+def test_check_end_to_end_records_the_kind_and_names_the_side(built_targets, tmp_path):
+    folder, *_ = built_targets("deepseek_v3")  # one end-to-end check; the DeepSeek target is the faster one
+    write_workload(tmp_path / "w.jsonl", per_class=1)
+    result = invoke("check", "--target", folder, "--draft", "mtp:hidden_state=pre-norm", "--workload", tmp_path / "w.jsonl",
+                    "--k", "1-2", "--max-new-tokens", "10", "--out", tmp_path / "run")
+    assert result.exit_code in (0, 1), result.output
+    run = json.loads((tmp_path / "run" / "run.json").read_text())
+    draft = run["models"]["draft"]
+    assert draft["kind"] == "mtp" and draft["n_predict"] == 1 and draft["hidden_state"] == "pre-norm"
+    checks = {c["id"]: c for c in run["checks"]}
+    assert checks["mtp-config"]["status"] == "warn" and "post-norm" in json.dumps(checks["mtp-config"])
+    for skipped in ("draft-config", "tokenizer-parity", "chat-template-parity", "target-identity"):
+        assert checks[skipped]["status"] == "skip", skipped
+
+
+# ------------------------------------------------------------------------------------------- the mtp-config check
+
+
+def mtp_config_result(engine: dict | None = None, ks: tuple[int, ...] = (2,), **facts):
+    """The mtp-config check's result for a run whose draft facts are ``facts`` over the defaults."""
+    from types import SimpleNamespace
+
+    from dflash_doctor.checks import CheckContext, run_checks
+    from dflash_doctor.rundir.run_record import ModelInfo
+
+    facts = {"n_predict": 1, "hidden_state": "post-norm", "carried_state": "post-norm",
+             "engine_sides": {"vllm": {"hidden_state": "post-norm", "carried_state": "post-norm"}}, **facts}
+    draft = ModelInfo(id="mtp", revision_or_hash="mtp", dtype="float32", device="cpu", kind="mtp", facts=facts)
+    ctx = CheckContext(record=SimpleNamespace(models={"draft": draft}), engine_config=engine,  # pyright: ignore
+                       config=SimpleNamespace(k=list(ks)))
+    (result,) = run_checks(ctx, only=["mtp-config"])
+    return result
+
+
+def test_mtp_config_pass_on_the_post_norm_side_with_a_servable_k():
+    result = mtp_config_result(engine={"engine": "vllm", "drafted_tokens": 3})
+    assert result.status == "pass" and "post-norm" in result.summary and "vllm: post-norm / post-norm" in result.summary
+
+
+def test_mtp_config_warn_on_the_pre_norm_side_and_on_a_side_the_engine_does_not_pass():
+    carried = mtp_config_result(carried_state="pre-norm")
+    assert carried.status == "warn" and "the head's state carried between slots" in carried.summary
+    served = mtp_config_result(engine={"engine": "vllm", "drafted_tokens": 2}, hidden_state="pre-norm")
+    assert served.status == "warn"
+    assert any(f.fix == "replay with --draft mtp:hidden_state=post-norm" for f in served.findings)
+
+
+def test_mtp_config_fail_when_k_is_not_a_multiple_of_n_predict():
+    result = mtp_config_result(ks=(2, 3), n_predict=2)
+    assert result.status == "fail" and "K=3 is not a multiple" in result.summary
+    assert result.findings[-1].fix == "serve num_speculative_tokens = 2"
+    assert mtp_config_result(engine={"engine": "vllm", "drafted_tokens": 4}, ks=(3,), n_predict=2).status == "pass"
