@@ -95,8 +95,10 @@ def test_exit_code_follows_fail_on():
 
 
 def test_every_registered_check_has_pass_warn_and_fail_tests():
-    """Meta-test: each check id needs test functions test_<id>_pass / _warn / _fail in tests/test_checks*.py."""
-    sources = "\n".join(p.read_text(encoding="utf-8") for p in Path(__file__).parent.glob("test_checks*.py"))
+    """Meta-test: each check id needs test functions test_<id>_pass / _warn / _fail in tests/test_checks*.py, or,
+    for a check of one draft kind, beside that kind's tests in tests/test_speculators_*.py."""
+    folder = Path(__file__).parent
+    sources = "\n".join(p.read_text(encoding="utf-8") for p in [*folder.glob("test_checks*.py"), *folder.glob("test_speculators_*.py")])
     missing = []
     for check_id in registered_ids():
         slug = check_id.replace("-", "_")

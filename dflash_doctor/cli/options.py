@@ -46,7 +46,7 @@ def _complete_draft_kinds(incomplete: str) -> list[str]:
 Target = Annotated[Optional[str], typer.Option("--target", help="Target model: local dir, hub id (org/name or org/name@revision), or .gguf file.", show_default="the built-in demo target", **_env("target"))]
 Draft = Annotated[Optional[str], typer.Option("--draft", help="Draft model: local dir, hub id (org/name or org/name@revision), or .gguf file.", show_default="the built-in demo DFlash draft", **_env("draft"))]
 # A registry (plugins may add kinds), so the words are listed and completed, and get_draft_kind refuses an unknown one.
-DraftKind = Annotated[Optional[str], typer.Option("--draft-kind", help="dflash | autoregressive | auto, ngram or suffix (no weights: --draft ngram, --draft suffix), or a kind a plugin registered (auto: detect from the checkpoint).", show_default=_default("draft_kind"), autocompletion=_complete_draft_kinds)]
+DraftKind = Annotated[Optional[str], typer.Option("--draft-kind", help="dflash | eagle3 | autoregressive | auto; mtp (the target's own MTP head: --draft mtp), ngram or suffix (no weights: --draft ngram, --draft suffix); or a kind a plugin registered (auto: detect from the checkpoint).", show_default=_default("draft_kind"), autocompletion=_complete_draft_kinds)]
 Workload = Annotated[Optional[str], typer.Option("--workload", help="Built-in workload name (see `dflash-doctor workloads`) or a .jsonl/.csv/.parquet file.", show_default=_default("workload"))]
 Classes = Annotated[Optional[str], typer.Option("--classes", help="Comma-separated request classes to keep, e.g. math,code.", show_default="all")]
 MaxRequests = Annotated[Optional[int], typer.Option("--max-requests", help="Replay at most N requests, stratified over classes (seeded).", show_default="all")]
