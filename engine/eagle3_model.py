@@ -22,6 +22,11 @@ proposed.
 
 The module is stateless: callers keep the layer's K/V (the proposer caches the committed positions' rows
 across steps; the teacher-forced pass computes a whole sequence at once).
+
+:func:`teacher_first_pass` and :func:`teacher_chain_rows` are the teacher-forced layout (slot 1 of anchor a
+is the first pass's row at a - 1; slot j chains on the true tokens with the carried state), batched over
+sequences and differentiable: the proposer's sweep runs them under inference mode, ``train-draft`` with
+gradients, so the head is trained in exactly the layout it drafts in.
 """
 
 from __future__ import annotations
@@ -223,3 +228,68 @@ class Eagle3DraftModel(nn.Module):
         scores = self.lm_head(normed).float()
         full = torch.full((*scores.shape[:-1], self.config.target_vocab_size), float("-inf"), device=scores.device)
         return full.index_copy(-1, self.target_ids(), scores)
+
+
+def teacher_first_pass(model: Eagle3DraftModel, target_embedding: nn.Embedding, token_ids: torch.Tensor, aux: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor, KeyValue]:
+    """The first pass over whole sequences, token_ids [N, T] with their aux states [N, T, n*Ht]: row p reads the
+    state at p and the embedding of token p + 1 (the last row repeats its own token: no anchor reads it), causal
+    attention. -> (normed [N, T, H], carried [N, T, H], K/V [N, kvh, T, D] each). Right padding is harmless:
+    causal rows never see what follows them."""
+    shifted = torch.cat([token_ids[:, 1:], token_ids[:, -1:]], dim=1)
+    positions = torch.arange(token_ids.shape[1], device=token_ids.device)[None].expand(len(token_ids), -1)
+    return model(model.embed(shifted, target_embedding), model.combine(aux), positions)
+
+
+def teacher_chain_rows(model: Eagle3DraftModel, target_embedding: nn.Embedding, token_ids: torch.Tensor,
+                       first: tuple[torch.Tensor, torch.Tensor, KeyValue], anchors: torch.Tensor, k: int) -> torch.Tensor:
+    """Normed rows [N, A, k, H] of slots 1..k of every anchor (anchors [N, A], each >= 1), given the first pass
+    ``first`` of :func:`teacher_first_pass`: slot 1 is the first pass's row at a - 1; slot j > 1 reads the true
+    token at a + j - 1 and the state slot j - 1 carried, at the position after slot j - 1's row, attending to
+    the first-pass keys before the anchor and the anchor's own chain keys (what the live loop's chain sees when
+    every earlier draft matched, the only case in which slot j is read)."""
+    first_normed, first_carried, (first_keys, first_values) = first
+    n, width = token_ids.shape
+    a = anchors.shape[1]
+    bound = int(anchors.max()) if anchors.numel() else 0  # first-pass keys any anchor may see: positions < max anchor
+    prefix_keys, prefix_values = first_keys[:, :, :bound], first_values[:, :, :bound]  # [N, kvh, bound, D]
+    visible = torch.arange(bound, device=anchors.device)[None, None] < anchors[..., None]  # [N, A, bound]
+
+    def at_rows(x: torch.Tensor) -> torch.Tensor:  # [N, T, H] -> the rows at a - 1, [N, A, H]
+        return x.gather(1, (anchors - 1)[..., None].expand(-1, -1, x.shape[-1]))
+
+    rows = [at_rows(first_normed)]
+    carried = at_rows(first_carried).reshape(n * a, 1, -1)
+    chain_keys: list[torch.Tensor] = []
+    chain_values: list[torch.Tensor] = []
+    for step in range(1, k):
+        position = (anchors + step - 1).reshape(n * a, 1)  # the row after the anchor's previous one
+        token = token_ids.gather(1, (anchors + step).clamp(max=width - 1))  # the true token the previous slot matched
+        q, key, value, residual = model.layer_inputs(model.embed(token.reshape(n * a, 1), target_embedding), carried, position)
+        chain_keys.append(key.view(n, a, *key.shape[1:]))
+        chain_values.append(value.view(n, a, *value.shape[1:]))
+        attended = attend_prefix_and_chain(q.view(n, a, q.shape[1], q.shape[3]), prefix_keys, prefix_values, visible,
+                                           torch.cat(chain_keys, dim=3), torch.cat(chain_values, dim=3))
+        normed, carried = model.layer_outputs(attended.reshape(n * a, -1, 1, q.shape[3]), residual)
+        rows.append(normed.view(n, a, -1))
+    return torch.stack(rows, dim=2)
+
+
+def attend_prefix_and_chain(q: torch.Tensor, prefix_keys: torch.Tensor, prefix_values: torch.Tensor, visible: torch.Tensor,
+                            chain_keys: torch.Tensor, chain_values: torch.Tensor) -> torch.Tensor:
+    """Attention of one query per anchor (q [N, A, h, D]) over its sequence's first-pass keys [N, kvh, T, D] where
+    ``visible`` [N, A, T] allows them, and the anchor's own chain keys [N, A, kvh, s, D]; -> [N, A, h, D].
+
+    The shared keys are never copied per anchor (a [N, A, kvh, T, D] copy would dominate memory on a long
+    sequence): scores against them are one product per kv head, then one softmax over both parts."""
+    n, a, h, d = q.shape
+    kvh = prefix_keys.shape[1]
+    grouped = q.view(n, a, kvh, h // kvh, d).float() * d ** -0.5  # [N, A, kvh, g, D]
+    prefix = torch.einsum("nakgd,nktd->nakgt", grouped, prefix_keys.float())
+    prefix = prefix.masked_fill(~visible[:, :, None, None, :], float("-inf"))
+    own = torch.einsum("nakgd,naksd->nakgs", grouped, chain_keys.float())
+    weights = torch.softmax(torch.cat([prefix, own], dim=-1), dim=-1)
+    t = prefix.shape[-1]
+    out = torch.einsum("nakgt,nktd->nakgd", weights[..., :t], prefix_values.float()) + \
+        torch.einsum("nakgs,naksd->nakgd", weights[..., t:], chain_values.float())
+    return out.reshape(n, a, h, d).to(q.dtype)

@@ -19,6 +19,8 @@ sits at a) is the first pass's row at a - 1, computed once for the whole sequenc
 read where slots < j matched, so the previous draft token is the true token: the chain runs on the true
 tokens with the carried state, every anchor of a pass at once, each seeing the first-pass rows before it
 and its own chain rows. A chain's slot j does not depend on K, so one pass at the largest K serves every K.
+Both passes live beside the head (:func:`~dflash_doctor.engine.eagle3_model.teacher_chain_rows`): train-draft
+trains the head through the same computation.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import Callable
 
 import torch
 
-from dflash_doctor.engine.eagle3_model import Eagle3DraftModel, KeyValue
+from dflash_doctor.engine.eagle3_model import Eagle3DraftModel, KeyValue, teacher_chain_rows, teacher_first_pass
 from dflash_doctor.engine.proposers.base import Proposal, Proposer, TargetNeeds
 from dflash_doctor.engine.target import TargetModel
 
@@ -118,42 +120,16 @@ class Eagle3Proposer(Proposer):
     @torch.inference_mode()
     def prepare_teacher(self, token_ids: torch.Tensor, features: torch.Tensor | None) -> None:
         """The first pass over the whole sequence: every position's normed row, carried state and K/V."""
-        model = self.model
-        ids = token_ids.to(self.device)
-        self._teacher_ids = ids
-        shifted = torch.cat([ids[1:], ids[-1:]])  # the last row's next token is unknown; no anchor reads that row
-        positions = torch.arange(len(ids), device=self.device)[None]
-        states = model.combine(_tapped(features).to(self.device))[None]
-        normed, carried, kv = model(model.embed(shifted, self.target.embedding)[None], states, positions)
-        self._first_normed, self._first_carried, self._first_kv = normed[0], carried[0], kv
+        self._teacher_ids = token_ids.to(self.device)[None]
+        self._first = teacher_first_pass(self.model, self.target.embedding, self._teacher_ids,
+                                         _tapped(features).to(self.device)[None])
 
     @torch.inference_mode()
     def _chain_rows(self, anchors: torch.Tensor, k: int) -> torch.Tensor:
-        """Normed rows [A, k, H] of slots 1..k of every anchor: slot 1 from the first pass, the others by the chain
-        on the true tokens, all anchors at once (each sees the first-pass keys before its anchor and its own chain)."""
-        model = self.model
-        ids = self._teacher_ids
-        anchors = anchors.to(self.device)
-        bound = int(anchors.max()) if len(anchors) else 0  # first-pass keys any anchor may see: positions < max anchor
-        prefix_keys, prefix_values = (t[0, :, :bound] for t in self._first_kv)  # [kvh, bound, D]
-        visible = torch.arange(bound, device=self.device)[None] < anchors[:, None]  # [A, bound]
-        rows = [self._first_normed[anchors - 1]]
-        carried = self._first_carried[anchors - 1]  # [A, H]
-        chain_keys: list[torch.Tensor] = []
-        chain_values: list[torch.Tensor] = []
-        for step in range(1, k):
-            position = anchors + step - 1  # the row after the anchor's previous one
-            token = ids[(anchors + step).clamp(max=len(ids) - 1)]  # the true token the previous slot matched
-            q, key, value, residual = model.layer_inputs(model.embed(token, self.target.embedding)[:, None],
-                                                         carried[:, None], position[:, None])
-            chain_keys.append(key)
-            chain_values.append(value)
-            attended = _attend_prefix_and_chain(q, prefix_keys, prefix_values, visible,
-                                                torch.cat(chain_keys, dim=2), torch.cat(chain_values, dim=2))
-            normed, state = model.layer_outputs(attended, residual)
-            rows.append(normed[:, 0])
-            carried = state[:, 0]
-        return torch.stack(rows, dim=1)
+        """Normed rows [A, k, H] of slots 1..k of every anchor (:func:`teacher_chain_rows`, the computation
+        train-draft trains), all anchors at once."""
+        return teacher_chain_rows(self.model, self.target.embedding, self._teacher_ids, self._first,
+                                  anchors.to(self.device)[None], k)[0]
 
     def slot_logits(self, anchors: torch.Tensor, k: int) -> torch.Tensor:
         with torch.inference_mode():
@@ -169,22 +145,3 @@ class Eagle3Proposer(Proposer):
 
         return scores
 
-
-def _attend_prefix_and_chain(q: torch.Tensor, prefix_keys: torch.Tensor, prefix_values: torch.Tensor, visible: torch.Tensor,
-                             chain_keys: torch.Tensor, chain_values: torch.Tensor) -> torch.Tensor:
-    """Attention of one query per anchor (q [A, h, 1, D]) over the shared first-pass keys [kvh, T, D] where
-    ``visible`` [A, T] allows them, and the anchor's own chain keys [A, kvh, s, D]; -> [A, h, 1, D].
-
-    The shared keys are never copied per anchor (a [A, kvh, T, D] copy would dominate memory on a long
-    sequence): scores against them are one product per kv head, then one softmax over both parts."""
-    a, h, _, d = q.shape
-    kvh = prefix_keys.shape[0]
-    grouped = q.view(a, kvh, h // kvh, d).float() * d ** -0.5  # [A, kvh, g, D]
-    prefix = torch.einsum("akgd,ktd->akgt", grouped, prefix_keys.float())
-    prefix = prefix.masked_fill(~visible[:, None, None, :], float("-inf"))
-    own = torch.einsum("akgd,aksd->akgs", grouped, chain_keys.float())
-    weights = torch.softmax(torch.cat([prefix, own], dim=-1), dim=-1)
-    t = prefix.shape[-1]
-    out = torch.einsum("akgt,ktd->akgd", weights[..., :t], prefix_values.float()) + \
-        torch.einsum("akgs,aksd->akgd", weights[..., t:], chain_values.float())
-    return out.reshape(a, h, 1, d).to(q.dtype)
