@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import copy
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from dflash_doctor.errors import UsageError
-from dflash_doctor.models.mtp_format import MtpCheckpoint
 
 KeyValue = tuple[torch.Tensor, torch.Tensor]
 
@@ -139,6 +139,24 @@ def _fuse_experts(tensors: dict[str, torch.Tensor], wanted: set[str]) -> dict[st
         parts = ("gate_proj", "up_proj") if kind == "gate_up_proj" else ("down_proj",)
         out[fused] = torch.stack([torch.cat([out.pop(f"{stem}.{e}.{part}.weight") for part in parts]) for e in range(count)])
     return out
+
+
+@dataclass
+class MtpCheckpoint:
+    """The MTP weights of one target: its layout, and per MTP layer the tensors under the head's names."""
+
+    layout: str
+    layers: list[dict[str, torch.Tensor]]
+    first_layer_index: int  # the MTP layers' index after the target's own layers (num_hidden_layers)
+    zero_first_embedding: bool  # the layout masks the token embedding at position 0 (DeepSeek's: nothing precedes it)
+
+    @property
+    def n_predict(self) -> int:
+        return len(self.layers)
+
+    def has_own(self, part: str) -> bool:
+        """Whether the checkpoint ships its own ``head`` / ``embed_tokens`` (else the target's are shared)."""
+        return f"{part}.weight" in self.layers[0]
 
 
 def build_mtp_head(checkpoint: MtpCheckpoint, target_config, *, dtype: torch.dtype, device: str, target_name: str) -> MtpHead:

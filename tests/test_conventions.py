@@ -124,7 +124,7 @@ def _help(*command: str) -> str:
 
 def test_choice_flags_list_their_choices_and_every_flag_its_real_default():
     text = _help("check")
-    for choices in ("<float32|bfloat16|float16>", "<fail|warn>", "<vllm|official>", "<inline|cdn>", "dflash | autoregressive | auto"):
+    for choices in ("<float32|bfloat16|float16>", "<fail|warn>", "<vllm|official>", "<inline|cdn>", "dflash | eagle3 | autoregressive | auto"):
         assert choices in text
     for default in ("default: (float32)", "default: (128)", "default: (cpu)", "default: (auto)", "default: (fail)"):
         assert default in text
@@ -149,7 +149,7 @@ def test_completion_completes_choice_flags():
     result = CliRunner().invoke(app, [], env=env, prog_name="dflash-doctor")
     assert result.output.split() == ["float32", "bfloat16", "float16"]
     env["COMP_WORDS"] = "dflash-doctor sweep --draft-kind "
-    assert CliRunner().invoke(app, [], env=env, prog_name="dflash-doctor").output.split() == ["dflash", "ngram", "suffix", "autoregressive", "auto"]
+    assert CliRunner().invoke(app, [], env=env, prog_name="dflash-doctor").output.split() == ["dflash", "ngram", "suffix", "eagle3", "mtp", "autoregressive", "auto"]
     # the script for the shell the user types in, found from the process tree, so run from a real bash (under a
     # runner started without one typer finds no shell and exits 1); `; exit $?` keeps bash from exec-ing the
     # command in its own place, which would leave no bash in the tree

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -274,10 +275,10 @@ def test_settings_parse_with_vllm_names_and_defaults():
     kind, raw = weightless_kind("suffix")
     assert kind.name == "suffix" and raw == {}
     config = type("Config", (), {"vocab_size": VOCAB, "max_position_embeddings": 512})()
-    module = kind.from_spec(raw, config, type("O", (), {"device": "cpu"})())
+    module = kind.from_spec(raw, Path("."), config, type("O", (), {"device": "cpu"})())
     assert module.settings == SuffixSettings(24, 10000, 1.0, 0.1, 512)
     _, raw = weightless_kind("suffix:suffix_decoding_max_tree_depth=8,max_spec_factor=2,suffix_decoding_min_token_prob=0")
-    assert kind.from_spec(raw, config, type("O", (), {"device": "cpu"})()).settings == SuffixSettings(8, 10000, 2.0, 0.0, 512)
+    assert kind.from_spec(raw, Path("."), config, type("O", (), {"device": "cpu"})()).settings == SuffixSettings(8, 10000, 2.0, 0.0, 512)
 
 
 @pytest.mark.parametrize("spec,fragment", [
@@ -293,7 +294,7 @@ def test_bad_settings_are_one_sentence(spec, fragment):
     kind, raw = weightless_kind(spec)
     config = type("Config", (), {"vocab_size": VOCAB, "max_position_embeddings": 512})()
     with pytest.raises(UsageError) as error:
-        kind.from_spec(raw, config, type("O", (), {"device": "cpu"})())
+        kind.from_spec(raw, Path("."), config, type("O", (), {"device": "cpu"})())
     assert fragment in str(error.value)
 
 

@@ -19,12 +19,12 @@ knows a single layout: per layer ``embedding_norm``, ``hidden_norm``, ``proj``, 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from dflash_doctor.engine.mtp_model import MtpCheckpoint
 from dflash_doctor.errors import UsageError
 
 DEEPSEEK = "deepseek-v3"
@@ -39,28 +39,6 @@ PARTS = {
     QWEN3_NEXT: {"pre_fc_norm_embedding": "embedding_norm", "pre_fc_norm_hidden": "hidden_norm", "fc": "proj",
                  "norm": "output_norm"},
 }
-
-
-@dataclass
-class MtpCheckpoint:
-    """The MTP weights of one target: its layout, and per MTP layer the tensors under the head's names."""
-
-    layout: str
-    layers: list[dict[str, torch.Tensor]]
-    first_layer_index: int  # the MTP layers' index after the target's own layers (num_hidden_layers)
-
-    @property
-    def n_predict(self) -> int:
-        return len(self.layers)
-
-    @property
-    def zero_first_embedding(self) -> bool:
-        """DeepSeek's layout masks the token embedding at position 0 (the engines do: nothing precedes it)."""
-        return self.layout == DEEPSEEK
-
-    def has_own(self, part: str) -> bool:
-        """Whether the checkpoint ships its own ``head`` / ``embed_tokens`` (else the target's are shared)."""
-        return f"{part}.weight" in self.layers[0]
 
 
 def _text_config(config_json: dict[str, Any]) -> dict[str, Any]:
@@ -133,4 +111,4 @@ def read_mtp_checkpoint(target_dir: Path, config_json: dict[str, Any], target_na
                   for part in PARTS[QWEN3_NEXT] if name.startswith(f"mtp.{part}.")}
         layers = [{**shared, **{"block." + name[len(prefix):]: t for name, t in tensors.items() if name.startswith(prefix)}}
                   for prefix in prefixes]
-    return MtpCheckpoint(layout=layout, layers=layers, first_layer_index=first)
+    return MtpCheckpoint(layout=layout, layers=layers, first_layer_index=first, zero_first_embedding=layout == DEEPSEEK)
