@@ -30,6 +30,9 @@ and a resume from it is bit-exact, so a run longer than one sitting is the same 
 (fresh AdamW moments, its own warm-up and cosine); ``--cached-data-only`` refuses to regenerate the cached
 answers.
 
+The same loop trains an EAGLE-3 head (:mod:`.eagle3`, its docstring says why its objective is the chain it
+drafts; :mod:`.eagle3_head` builds a new head and saves it in the speculators layout).
+
 The package, by job: :mod:`.hyperparams` (TrainConfig, TrainingResult), :mod:`.new_draft` (a new draft's
 config, initial weights and mask token), :mod:`.sequences` (the target's own answers, cached), :mod:`.loop` (the
 objective and the loop), :mod:`.checkpoints` (resumable pieces), :mod:`.evaluation` (held-out tau).
@@ -40,7 +43,9 @@ from dflash_doctor.models.training.hyperparams import TrainConfig, TrainingResul
 from dflash_doctor.models.training.new_draft import DEFAULT_NUM_TAPS, chat_template_record, choose_mask_token_id, draft_config_for_target, init_draft_from_target, validate_mask_token_id
 from dflash_doctor.models.training.sequences import EVAL_SEQUENCES_FILE, SAMPLED_SEQUENCES_FILE, SELF_WRITTEN_PROMPTS_FILE, SEQUENCES_FILE, SequenceRecord, data_cache_key, prepare_sequences, prepare_training_data, sampled_sequences, self_written_prompts
 from dflash_doctor.models.training.checkpoints import CHECKPOINT_DIR_NAME, CHECKPOINT_PIECE_BYTES, TRAINING_STATE_FILE, load_checkpoint, remove_checkpoint, save_checkpoint
-from dflash_doctor.models.training.loop import block_loss, extract_features, sample_anchors, slot_weights, train_dflash_draft
+from dflash_doctor.models.training.loop import block_loss, extract_features, sample_anchors, slot_weights, train_dflash_draft, train_loop
+from dflash_doctor.models.training.eagle3_head import DEFAULT_DRAFT_VOCAB_SIZE, DEFAULT_TTT_STEPS, draft_vocabulary, new_eagle3_head, save_eagle3_head, speculators_config, vocabulary_maps
+from dflash_doctor.models.training.eagle3 import chain_loss, chain_rows, draft_index, train_eagle3_head
 from dflash_doctor.models.training.evaluation import held_out_steps, tau_by_class
 
 __all__ = [
@@ -73,6 +78,18 @@ __all__ = [
     "sample_anchors",
     "slot_weights",
     "train_dflash_draft",
+    "train_loop",
+    "DEFAULT_DRAFT_VOCAB_SIZE",
+    "DEFAULT_TTT_STEPS",
+    "draft_vocabulary",
+    "new_eagle3_head",
+    "save_eagle3_head",
+    "speculators_config",
+    "vocabulary_maps",
+    "chain_loss",
+    "chain_rows",
+    "draft_index",
+    "train_eagle3_head",
     "held_out_steps",
     "tau_by_class",
 ]

@@ -19,9 +19,11 @@ from typing import Any, Sequence
 
 import torch
 
-from dflash_doctor.engine.dflash_model import DFlashConfig, DFlashDraftModel
+from dflash_doctor.engine.dflash_model import DFlashDraftModel
+from dflash_doctor.engine.eagle3_model import Eagle3DraftModel
 from dflash_doctor.errors import UsageError
 from dflash_doctor.models.loading import save_dflash_draft, weights_fingerprint
+from dflash_doctor.models.training.eagle3_head import save_eagle3_head
 from dflash_doctor.models.training.hyperparams import BOOKKEEPING_FIELDS, TrainConfig
 
 
@@ -42,15 +44,21 @@ def data_fingerprint(sequences: Sequence[Sequence[int]], prompt_lengths: Sequenc
     return digest.hexdigest()[:20]
 
 
-def _architecture(config: DFlashConfig) -> dict[str, Any]:
-    return {k: v for k, v in dataclasses.asdict(config).items() if k != "extra"}
+def _architecture(draft: DFlashDraftModel | Eagle3DraftModel) -> dict[str, Any]:
+    """The draft's config dataclass as JSON values (a scaled RoPE's frequencies as a list). An EAGLE-3 head adds
+    its kind and its vocabulary map, which the data chose and no parameter records; a DFlash draft's stays what
+    earlier checkpoints recorded, so they still resume."""
+    fields = {k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in dataclasses.asdict(draft.config).items() if k != "extra"}
+    if isinstance(draft, Eagle3DraftModel):
+        fields |= {"kind": "eagle3", "d2t_sha256": hashlib.sha256(draft.d2t.cpu().numpy().tobytes()).hexdigest()[:20]}
+    return fields
 
 
-def resume_identity(config: TrainConfig, draft: DFlashDraftModel, data: str) -> dict[str, Any]:
+def resume_identity(config: TrainConfig, draft: DFlashDraftModel | Eagle3DraftModel, data: str) -> dict[str, Any]:
     """What must match for a checkpoint to be resumed: hyper-parameters, architecture, data and starting weights
     (``draft`` before training: a fresh one from the seed, or an ``--init-from`` draft)."""
     train = {k: v for k, v in config.as_dict().items() if k not in BOOKKEEPING_FIELDS}
-    return {"train_config": train, "architecture": _architecture(draft.config), "data": data, "init": weights_fingerprint(draft)}
+    return {"train_config": train, "architecture": _architecture(draft), "data": data, "init": weights_fingerprint(draft)}
 
 
 def _sha256(path: Path) -> str:
@@ -58,13 +66,27 @@ def _sha256(path: Path) -> str:
         return hashlib.file_digest(handle, "sha256").hexdigest()
 
 
-def save_checkpoint(path: Path, draft: DFlashDraftModel, state: dict[str, Any], extra_config: dict[str, Any] | None) -> None:
+def save_draft(draft: DFlashDraftModel | Eagle3DraftModel, folder: Path, extra_config: dict[str, Any] | None,
+               max_shard_bytes: int | str = "5GB") -> None:
+    """The draft as a folder its kind's loader reads: a DFlash draft in the z-lab layout (``extra_config`` added to
+    its config.json), an EAGLE-3 head in the speculators layout (``extra_config`` IS its config.json: the module
+    does not know its layer config, its K or its target)."""
+    if isinstance(draft, Eagle3DraftModel):
+        if extra_config is None:
+            raise ValueError("an EAGLE-3 head is saved with its config.json (eagle3_head.speculators_config) as extra_config")
+        save_eagle3_head(draft, folder, extra_config, max_shard_bytes=max_shard_bytes)
+    else:
+        save_dflash_draft(draft, folder, extra_config=extra_config, max_shard_bytes=max_shard_bytes)
+
+
+def save_checkpoint(path: Path, draft: DFlashDraftModel | Eagle3DraftModel, state: dict[str, Any],
+                    extra_config: dict[str, Any] | None) -> None:
     """Write a resumable checkpoint in pieces of at most :data:`CHECKPOINT_PIECE_BYTES`, replacing the old one atomically.
 
     Why pieces: a checkpoint must survive being copied through channels that take files of 16 MiB at
     most; nothing in it is pickled. The layout follows
     transformers' sharded checkpoints: ``config.json`` + ``model-0000i-of-0000n.safetensors`` +
-    ``model.safetensors.index.json`` (the draft itself, loadable as is), ``optimizer/optimizer-*.safetensors``
+    ``model.safetensors.index.json`` (the draft itself, loadable as is: :func:`save_draft`), ``optimizer/optimizer-*.safetensors``
     (+ index; AdamW's per-parameter tensors keyed ``<parameter index>.<name>``) and
     :data:`TRAINING_STATE_FILE` (identity, step, loss log, scheduler, optimizer hyper-parameters, the data
     generator's state, and the size and sha256 of every other piece, so a resume refuses a missing or
@@ -75,7 +97,7 @@ def save_checkpoint(path: Path, draft: DFlashDraftModel, state: dict[str, Any], 
     staging = path.with_name(path.name + ".tmp")
     if staging.exists():
         shutil.rmtree(staging)
-    save_dflash_draft(draft, staging, extra_config=extra_config, max_shard_bytes=CHECKPOINT_PIECE_BYTES)
+    save_draft(draft, staging, extra_config, max_shard_bytes=CHECKPOINT_PIECE_BYTES)
     optimizer = state["optimizer"]
     moments = {f"{index}.{name}": tensor.detach().cpu() for index, entries in optimizer["state"].items() for name, tensor in entries.items()}
     (staging / OPTIMIZER_DIR_NAME).mkdir()

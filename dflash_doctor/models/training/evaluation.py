@@ -12,7 +12,9 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 
 from dflash_doctor.engine.dflash_model import DFlashDraftModel
+from dflash_doctor.engine.eagle3_model import Eagle3DraftModel
 from dflash_doctor.engine.proposers.dflash import DFlashProposer
+from dflash_doctor.engine.proposers.eagle3 import Eagle3Proposer
 from dflash_doctor.engine.target import TargetModel
 from dflash_doctor.engine.teacher import TeacherSequence, slot_table, walk_schedule
 from dflash_doctor.rundir.tables import StepRow, as_row
@@ -24,9 +26,11 @@ if TYPE_CHECKING:
 
 
 @torch.inference_mode()
-def held_out_steps(target_model: CausalLM, draft: DFlashDraftModel, records: Sequence[SequenceRecord], *,
+def held_out_steps(target_model: CausalLM, draft: DFlashDraftModel | Eagle3DraftModel, records: Sequence[SequenceRecord], *,
                    stop_ids: frozenset[int], k: int | None = None) -> list[dict[str, Any]]:
     """Per-step rows (``request_id``, ``class``, ``k``, ``num_drafted``, ``num_accepted``...) of the live loop at T = 0.
+
+    ``k``: the step's K, by default a DFlash draft's block size - 1; an EAGLE-3 head, which has no block, needs it.
 
     When a record's response is the target's own greedy continuation, the live loop at temperature 0
     commits exactly those tokens, so teacher-forced replay (:mod:`dflash_doctor.engine.teacher`, through
@@ -36,8 +40,11 @@ def held_out_steps(target_model: CausalLM, draft: DFlashDraftModel, records: Seq
     request share its id (the bootstrap unit).
     """
     target = TargetModel(target_model)
-    proposer = DFlashProposer(draft, target)
-    k = min(k or proposer.max_k, proposer.max_k)
+    proposer = Eagle3Proposer(draft, target) if isinstance(draft, Eagle3DraftModel) else DFlashProposer(draft, target)
+    k = k or proposer.max_k
+    if k is None:
+        raise ValueError("held_out_steps needs k for a draft without a block size (an EAGLE-3 head)")
+    k = min(k, proposer.max_k or k)
     rows = []
     for record in records:
         prompt, output = list(record.token_ids[:record.prompt_length]), list(record.token_ids[record.prompt_length:])

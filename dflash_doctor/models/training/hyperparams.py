@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dflash_doctor.engine.dflash_model import DFlashDraftModel
+from dflash_doctor.engine.eagle3_model import Eagle3DraftModel
 from dflash_doctor.errors import UsageError
 
 
@@ -53,8 +54,8 @@ class TrainConfig:
 class TrainingResult:
     """The trained draft (eval mode) and its loss curve."""
 
-    draft: DFlashDraftModel
-    log: list[dict[str, float]]  # rows {"step", "loss", "accepted_per_block", "lr", "tokens_per_s"}
+    draft: DFlashDraftModel | Eagle3DraftModel
+    log: list[dict[str, float]]  # rows {"step", "loss", "accepted_per_block" (an EAGLE-3 head: per chain), "lr", "tokens_per_s"}
     resumed_from_step: int  # 0 for a fresh run
     num_sequences: int  # sequences that had room for an anchor (two or more response tokens)
     final_step: int  # config.steps, or fewer when the deadline stopped the run (the checkpoint continues it)

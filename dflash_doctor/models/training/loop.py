@@ -1,8 +1,10 @@
-"""The training loop (:func:`train_dflash_draft`) and its objective: the frozen target's tapped features,
-anchors sampled inside each response, the block loss weighted by slot, AdamW with warm-up and cosine decay.
+"""The training loop (:func:`train_loop`) and the DFlash objective (:func:`train_dflash_draft`): the frozen
+target's tapped features, anchors sampled inside each response, the block loss weighted by slot, AdamW with
+warm-up and cosine decay.
 
 Its own module because it is the recipe itself (the package docstring says why it looks as it does); data,
-checkpoints and evaluation are its inputs and outputs.
+checkpoints and evaluation are its inputs and outputs. The loop takes the objective as a function, so an
+EAGLE-3 head (:mod:`.eagle3`) trains through the same schedule, checkpoints, resumes and deadline.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import math
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence, cast
+from typing import TYPE_CHECKING, Any, Callable, Sequence, cast
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +20,7 @@ import torch.nn.functional as F
 from dflash_doctor.engine.blocks import context_kv_for, draft_block_hidden
 from dflash_doctor.engine.cache import accepts_logits_to_keep
 from dflash_doctor.engine.dflash_model import DFlashDraftModel
+from dflash_doctor.engine.eagle3_model import Eagle3DraftModel
 from dflash_doctor.engine.target import TapRecorder, tap_points
 from dflash_doctor.errors import UsageError
 from dflash_doctor.models.training.checkpoints import data_fingerprint, load_checkpoint, resume_identity
@@ -26,6 +29,10 @@ from dflash_doctor.models.training import checkpoints
 
 if TYPE_CHECKING:
     from dflash_doctor.engine.target import CausalLM
+
+#: One step's objective on a padded batch: (token_ids [N, T], lengths [N], features [N, T, F], anchors [N, A],
+#: anchor_valid [N, A]) -> (weighted loss, number of labels, mean accepted tokens per block or chain).
+Objective = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, int, torch.Tensor]]
 
 
 def _forward_without_logits(model: torch.nn.Module) -> dict[str, Any]:
@@ -125,7 +132,25 @@ def train_dflash_draft(target_model: CausalLM, sequences: Sequence[Sequence[int]
                        extra_config: dict[str, Any] | None = None, feature_batch_size: int = 8,
                        features: Sequence[torch.Tensor] | None = None, deadline: float | None = None,
                        progress: bool = False) -> TrainingResult:
-    """Train ``draft`` (a new one, or a checkpoint to fine-tune) on ``sequences`` against the frozen target.
+    """Train a DFlash ``draft`` by :func:`block_loss` through :func:`train_loop` (whose docstring says what the
+    arguments do)."""
+    weights = slot_weights(draft.config.block_size, config.loss_decay_gamma).to(config.device)
+
+    def objective(token_ids: torch.Tensor, lengths: torch.Tensor, features: torch.Tensor, anchors: torch.Tensor,
+                  anchor_valid: torch.Tensor) -> tuple[torch.Tensor, int, torch.Tensor]:
+        return block_loss(draft, target_model, token_ids, lengths, features, anchors, anchor_valid, weights)
+
+    return train_loop(target_model, sequences, prompt_lengths, config, draft, objective, checkpoint_dir=checkpoint_dir,
+                      extra_config=extra_config, feature_batch_size=feature_batch_size, features=features, deadline=deadline,
+                      progress=progress)
+
+
+def train_loop(target_model: CausalLM, sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int],
+               config: TrainConfig, draft: DFlashDraftModel | Eagle3DraftModel, objective: Objective, *,
+               checkpoint_dir: Path | None = None, extra_config: dict[str, Any] | None = None, feature_batch_size: int = 8,
+               features: Sequence[torch.Tensor] | None = None, deadline: float | None = None,
+               progress: bool = False) -> TrainingResult:
+    """Train ``draft`` (a new one, or a checkpoint to fine-tune) on ``sequences`` against the frozen target by ``objective``.
 
     ``sequences[i]`` is prompt + response token ids and ``prompt_lengths[i]`` where the response starts.
     With ``checkpoint_dir``, a resumable checkpoint (:func:`~dflash_doctor.models.training.checkpoints.save_checkpoint`: pieces under 16 MiB) is
@@ -135,8 +160,9 @@ def train_dflash_draft(target_model: CausalLM, sequences: Sequence[Sequence[int]
     the cosine schedule is laid out over them (a longer run from a finished draft is a new run that starts
     from it: ``--init-from``, fresh AdamW moments, its own warm-up and cosine). The target's parameters are
     frozen in place (``requires_grad_(False)``).
-    ``features`` (one ``[L_i, n*H]`` tensor per sequence, from :func:`extract_features` with the draft's
-    taps) skips the frozen-target pass: runs that differ only in their hyper-parameters share it.
+    ``extra_config`` is what :func:`~dflash_doctor.models.training.checkpoints.save_checkpoint` writes beside the
+    weights (its docstring says per kind). ``features`` (one ``[L_i, n*H]`` tensor per sequence, from
+    :func:`extract_features` with the draft's taps) skips the frozen-target pass: runs that differ only in their hyper-parameters share it.
     ``deadline`` (a :func:`time.perf_counter` value) stops the run at the first loss-log row past it, with a
     checkpoint there: a command that must end by a time limit stops cleanly, and the same call later goes on
     bit for bit (a row boundary, so the resumed loss log is the uninterrupted one).
@@ -165,7 +191,8 @@ def train_dflash_draft(target_model: CausalLM, sequences: Sequence[Sequence[int]
     resumed = load_checkpoint(checkpoint_dir, identity) if checkpoint_dir is not None else None
     if resumed is not None:
         weights, state = resumed
-        draft.load_state_dict(weights)
+        own = draft.state_dict()  # a saved folder may carry tensors the module derives (an EAGLE-3 head's t2d)
+        draft.load_state_dict({name: tensor for name, tensor in weights.items() if name in own})
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         generator.set_state(state["generator"])
@@ -185,7 +212,6 @@ def train_dflash_draft(target_model: CausalLM, sequences: Sequence[Sequence[int]
                                                   device=device, dtype=torch.bfloat16 if device.type == "cuda" else None)
     all_prompt_lengths = torch.tensor(prompt_lengths)
     all_lengths = torch.tensor([len(s) for s in sequences])
-    weights = slot_weights(draft.config.block_size, config.loss_decay_gamma).to(device)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
 
     draft.train()
@@ -207,8 +233,8 @@ def train_dflash_draft(target_model: CausalLM, sequences: Sequence[Sequence[int]
             token_ids = torch.nn.utils.rnn.pad_sequence([token_tensors[i] for i in batch.tolist()], batch_first=True)
             batch_features = torch.nn.utils.rnn.pad_sequence([features[i] for i in batch.tolist()], batch_first=True)
             with autocast:
-                loss, num_labels, accepted = block_loss(draft, target_model, token_ids, lengths.to(device), batch_features,
-                                                        anchors.to(device), anchor_valid.to(device), weights)
+                loss, num_labels, accepted = objective(token_ids, lengths.to(device), batch_features, anchors.to(device),
+                                                       anchor_valid.to(device))
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(draft.parameters(), config.grad_clip_norm)
