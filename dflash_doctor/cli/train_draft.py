@@ -404,8 +404,7 @@ def train_draft(
         data_seconds = time.perf_counter() - data_started
         record = {**template_record, "trained_with": f"dflash-doctor {__version__} train-draft",
                   "target": target_spec, "target_weights_fingerprint": weights_fingerprint(target_model)}
-        train_args = dict(checkpoint_dir=out_dir / CHECKPOINT_DIR_NAME, feature_batch_size=min(64, generation_batch_size), progress=True,
-                          deadline=None if time_limit is None else command_started + time_limit)
+        deadline = None if time_limit is None else command_started + time_limit
         eval_k = None
         mask_choice = None
         if draft_kind == "eagle3":
@@ -426,11 +425,13 @@ def train_draft(
         if draft_kind == "eagle3":
             assert isinstance(draft, Eagle3DraftModel) and eval_k is not None
             result = train_eagle3_head(target_model, [r.token_ids for r in records], [r.prompt_length for r in records], config, draft,
-                                       ttt_steps=eval_k, head_config=extra_config, **train_args)
+                                       ttt_steps=eval_k, head_config=extra_config, checkpoint_dir=out_dir / CHECKPOINT_DIR_NAME,
+                                       feature_batch_size=min(64, generation_batch_size), progress=True, deadline=deadline)
         else:
             assert isinstance(draft, DFlashDraftModel)
             result = train_dflash_draft(target_model, [r.token_ids for r in records], [r.prompt_length for r in records], config, draft,
-                                        extra_config=extra_config, **train_args)
+                                        checkpoint_dir=out_dir / CHECKPOINT_DIR_NAME, extra_config=extra_config,
+                                        feature_batch_size=min(64, generation_batch_size), progress=True, deadline=deadline)
         train_seconds = time.perf_counter() - train_started
         evaluation = None
         if eval_records:
@@ -441,6 +442,7 @@ def train_draft(
         eval_seconds = time.perf_counter() - train_started - train_seconds
         save_draft(result.draft, out_dir, extra_config)
         if arch is None:
+            assert isinstance(result.draft, DFlashDraftModel)
             dflash_arch = result.draft.config.to_dict()
             arch = {**dflash_arch, **dflash_arch["dflash_config"]}
         facts = {
