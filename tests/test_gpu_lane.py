@@ -310,3 +310,86 @@ def test_a_failing_compiler_on_cuda_gives_the_compiled_columns_eagerly(monkeypat
     for other in (eager, blocked):
         assert torch.equal(compiled[..., 7:], other[..., 7:]) and torch.equal(compiled[..., 2], other[..., 2])
         torch.testing.assert_close(compiled, other, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------ the other speculators
+
+
+@pytest.fixture(scope="module")
+def eagle3_head(dense) -> Path:
+    """A random EAGLE-3 head for the dense target (speculators layout, a draft vocabulary of 4,096 ids through d2t,
+    aux layers 1, 4, 6): rarely accepted, which is enough to hold the two devices to the same drafts."""
+    from eagle3_heads import save_speculators_head
+    from dflash_doctor.engine.eagle3_model import Eagle3Config, Eagle3DraftModel
+
+    target, _ = dense
+    torch.manual_seed(2)
+    config = Eagle3Config(layer_type="qwen3", hidden_size=SHAPE["hidden_size"], num_attention_heads=SHAPE["num_attention_heads"],
+                          num_key_value_heads=SHAPE["num_key_value_heads"], head_dim=SHAPE["head_dim"],
+                          intermediate_size=SHAPE["intermediate_size"], rms_norm_eps=1e-6, target_hidden_size=SHAPE["hidden_size"],
+                          target_vocab_size=SHAPE["vocab_size"], draft_vocab_size=4096, aux_layer_ids=[1, 4, 6])
+    head = Eagle3DraftModel(config, own_embedding=False, own_lm_head=True).float()
+    with torch.no_grad():
+        for parameter in head.parameters():
+            parameter.normal_(0, 0.08) if parameter.dim() > 1 else parameter.fill_(1.0)
+        head.d2t.copy_(torch.arange(4096) * 30)  # draft id i -> target id 31 i: spread over the vocabulary
+    return save_speculators_head(head, target.parent / "eagle3", verifier=str(target), k=4)
+
+
+@pytest.fixture(scope="module")
+def mtp_target(hybrid) -> Path:
+    """The hybrid target with a Qwen3.5-layout MTP head written into its checkpoint (``mtp.*``: its block a copy of
+    the target's attention layer, random fc and norms), as a user's local folder."""
+    from safetensors.torch import load_file, save_file
+
+    target, _ = hybrid
+    folder = target.parent / "mtp-target"
+    folder.mkdir()
+    for item in target.iterdir():
+        if item.name != "model.safetensors":
+            (folder / item.name).write_bytes(item.read_bytes())
+    tensors = load_file(target / "model.safetensors")
+    attention = HYBRID["layer_types"].index("full_attention")
+    torch.manual_seed(3)
+    hidden = SHAPE["hidden_size"]
+    tensors.update({name.replace(f"model.layers.{attention}.", "mtp.layers.0."): tensor.clone()
+                    for name, tensor in tensors.items() if name.startswith(f"model.layers.{attention}.")})
+    tensors.update({"mtp.fc.weight": torch.randn(hidden, 2 * hidden) * 0.05, "mtp.pre_fc_norm_embedding.weight": torch.ones(hidden),
+                    "mtp.pre_fc_norm_hidden.weight": torch.ones(hidden), "mtp.norm.weight": torch.ones(hidden)})
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((target / "config.json").read_text())
+    config["mtp_num_hidden_layers"] = 1
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def _same_replay_on_both_devices(target: Path, draft: Path | str, tmp_path: Path) -> None:
+    runs = {}
+    for device in ("cuda", "cpu"):
+        runs[device] = tmp_path / device
+        ok(doctor("replay", "--target", target, "--draft", draft, *WORKLOAD, "--k", "4", "--device", device,
+                  "--dtype", "float32", "--out", runs[device]))
+    assert outputs(runs["cuda"]) == outputs(runs["cpu"])
+    assert steps(runs["cuda"]) == steps(runs["cpu"])
+    cuda, cpu = (pd.read_parquet(runs[d] / "tokens.parquet") for d in ("cuda", "cpu"))
+    assert cuda["draft_token"].tolist() == cpu["draft_token"].tolist()
+
+
+def test_eagle3_replay_on_cuda_equals_the_cpus_token_for_token(dense, eagle3_head, tmp_path):
+    target, _ = dense
+    _same_replay_on_both_devices(target, eagle3_head, tmp_path)
+
+
+def test_mtp_replay_of_a_hybrid_target_on_cuda_equals_the_cpus_token_for_token(mtp_target, tmp_path):
+    _same_replay_on_both_devices(mtp_target, "mtp", tmp_path)
+
+
+def test_head_to_head_of_every_speculator_kind_on_cuda_in_bfloat16(dense, eagle3_head, tmp_path):
+    """DFlash, EAGLE-3, n-gram and suffix decoding on one target and one set of turns: a table and a verdict, no crash."""
+    target, draft = dense
+    out = tmp_path / "h2h"
+    result = doctor("check", "--target", target, "--draft", draft, "--draft", eagle3_head, "--draft", "ngram", "--draft", "suffix",
+                    *WORKLOAD, "--device", "cuda", "--dtype", "bfloat16", "--out", out)
+    assert result.returncode in (0, 1) and "Traceback" not in result.stderr, result.stderr[-6000:]
+    table = json.loads((out / "head_to_head.json").read_text())
+    assert [s["name"] for s in table["speculators"]] == ["draft", "eagle3", "ngram", "suffix"]

@@ -113,3 +113,16 @@ def test_the_dashboard_page_shows_the_same_table_verdict_and_curves(runs, monkey
 def test_several_drafts_refuse_a_scenario(tiny_dir):
     result = invoke("check", *pair_args(tiny_dir, tiny_dir / "ar", "--draft", "ngram", "--scenario", "layer-offset"))
     assert_usage_error(result, "--scenario")
+
+
+def test_every_speculator_is_priced_with_the_verify_times_of_the_widest_timing():
+    """A block drafter of 8 slots times verification up to K = 7 and n-gram lookup up to 8: the shared target
+    times come from the wider one, so the lookup's K = 8 is priced (it raised "K=8 was asked" before)."""
+    from dflash_doctor.stats.head_to_head import _shared_costs
+
+    block = StepCosts(t_decode_s=0.01, t_verify_s={1: 0.011, 4: 0.012, 7: 0.014}, t_draft_s={1: 0.002, 7: 0.003})
+    lookup = StepCosts(t_decode_s=0.02, t_verify_s={1: 0.021, 4: 0.022, 8: 0.025}, t_draft_s={1: 0.0001, 8: 0.0001})
+    shared = _shared_costs([block, lookup])
+    assert [c.t_verify_s for c in shared] == [lookup.t_verify_s] * 2 and [c.t_decode_s for c in shared] == [0.02] * 2
+    assert [c.t_draft_s for c in shared] == [block.t_draft_s, lookup.t_draft_s]
+    assert shared[1].speedup(2.0, 8) == pytest.approx(2.0 * 0.02 / (0.0001 + 0.025))

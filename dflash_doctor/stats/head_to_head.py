@@ -95,8 +95,10 @@ def _row_json(row: ContenderRow) -> dict[str, Any]:
 
 
 def _shared_costs(costs: Sequence[StepCosts]) -> list[StepCosts]:
-    """Each speculator's costs with the first one's decode and verify times (the target's, measured once)."""
-    base = costs[0]
+    """Each speculator's costs with one set of decode and verify times: the target's, the same for all of
+    them, taken from the speculator whose check timed verification up to the largest K (the first of
+    those), so a speculator priced at a larger K than the first one's block still finds its verify time."""
+    base = max(costs, key=lambda c: max(c.t_verify_s))
     return [StepCosts(t_decode_s=base.t_decode_s, t_verify_s=base.t_verify_s, t_draft_s=c.t_draft_s, source=c.source, device=c.device)
             for c in costs]
 
