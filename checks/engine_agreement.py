@@ -82,10 +82,11 @@ class EngineAgreementCheck(Check):
                 f"{configured['share']:.0%} as configured",
                 setup["fix"]))
         elif gap_real:
+            simulated = ", ".join(s["name"] for s in data.get("setups") or [] if s["name"] != CONFIGURED)  # the draft kind's own
             findings.append(Finding(
                 "fail", f"the server accepts less than the draft does on the same text: tau {overall['engine_tau']:.2f} vs {overall['embedded_tau']:.2f}",
-                f"{tau_text}; {step_text}" + ("; no simulated setup (layer-id offset, causal flag, context-K norm) reproduces the engine's steps"
-                                              if stepwise else ""),
+                f"{tau_text}; {step_text}" + (f"; no simulated setup ({simulated}) reproduces the engine's steps"
+                                              if stepwise and simulated else ""),
                 "the draft is fine and the serving setup is not: check the mask id, num_speculative_tokens vs the block size, the draft's "
                 "attention backend (must be non-causal capable), a quantised KV cache for the draft, and the chat template the server renders"))
         elif gap <= -self.min_tau_gap and overall["difference_ci"][1] < 0:
