@@ -14,7 +14,8 @@ on CI's two cores. What they hold:
   deciding logit margin is a near-tie (rounding between two kernels), not a different context;
 * the `--engine` run directory renders like any other; a sampled run works; bad endpoints exit 2;
 * a server fed the draft's target layers shifted by one is caught by `engine-agreement`, named;
-* vLLM's own n-gram speculator (a third start, no draft) is reproduced step for step by `--draft ngram`.
+* vLLM's own n-gram speculator (a third start, no draft) is reproduced step for step by `--draft ngram`;
+* vLLM's eagle3 method (a fourth start, an EAGLE-3 head) is reproduced step for step by the embedded head.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from dflash_doctor.cli import app
 from dflash_doctor.models.loading import DEMO_DRAFT_DIR
 from dflash_doctor.rundir.load import load_run
 from dflash_doctor.serving.agreement import CONFIGURED, FIRST_LAYER_CONTEXT_K_NORM
+from eagle3_heads import demo_head
 from vllm_server import API_KEY, SERVED_NAME, free_port, start_vllm_server
 
 pytestmark = pytest.mark.vllm
@@ -195,3 +197,40 @@ def test_vllm_prompt_lookup_is_reproduced_by_the_embedded_ngram_replay(demo_targ
     assert steps["share"] == 1.0 and steps["engine_accepted"] > 0, steps
     low, high = data["tau"]["overall"]["difference_ci"]
     assert low <= 0 <= high and check["status"] != "fail", (data["tau"], check)
+
+
+EAGLE3_K = 4
+
+
+@pytest.fixture
+def demo_eagle3_head(demo_target_dir, tmp_path) -> Path:
+    """The EAGLE-3 head vLLM serves: fitted here in seconds (tests/eagle3_heads.py); a trained head's folder can be
+    returned instead."""
+    return demo_head(demo_target_dir, tmp_path / "eagle3-head", k=EAGLE3_K)
+
+
+def test_vllm_eagle3_is_reproduced_by_the_embedded_eagle3_replay(demo_target_dir, demo_eagle3_head, tmp_path):
+    """vLLM's eagle3 method and the doctor's eagle3 replay of the same head: the same greedy text, and every server
+    step's accepted count reproduced at its anchor by the head as configured, better than by any serving mistake.
+    vLLM 0.32.0 also drafts K on the step that writes a request's last token, where the embedded schedule drafts none:
+    one draft per request more on the engine's side, so the tau difference is a few thousandths, of either sign."""
+    server = start_vllm_server(demo_target_dir, demo_eagle3_head, tmp_path / "server.log", num_speculative_tokens=EAGLE3_K,
+                               method="eagle3")
+    try:
+        code, output = run_check("--engine", server.url, "--target", str(demo_target_dir), "--draft", str(demo_eagle3_head),
+                                 *WORKLOAD, "--out", str(tmp_path / "run"))
+    finally:
+        server.stop()
+    assert code in (0, 1), output
+    data, check = agreement_of(tmp_path / "run")
+    assert data["num_compared"] == data["num_turns"] >= 6
+    assert data["outputs"]["num_identical"] == data["outputs"]["num_compared"], data["outputs"]
+    steps = data["per_step"][CONFIGURED]
+    assert steps["share"] >= 0.98 and steps["engine_accepted"] > 0, data["per_step"]
+    assert all(stats["share"] <= steps["share"] for stats in data["per_step"].values()), data["per_step"]
+    assert "vLLM's default aux layer ids" in data["per_step"]  # the head's ids are not the default: that setup is replayed
+    for turn in data["turns"]:  # the engine's extra last step, left out of the per-step comparison, is the only difference
+        assert turn["engine_drafts"] - turn["embedded_drafts"] in (0, 1), turn
+        assert 0 <= turn["engine_accepted"] - turn["embedded_accepted"] <= EAGLE3_K * (turn["engine_drafts"] - turn["embedded_drafts"]), turn
+    low, high = data["tau"]["overall"]["difference_ci"]
+    assert -0.03 <= low <= high <= 0.03 and check["status"] != "fail", (data["tau"], check)
