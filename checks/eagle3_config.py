@@ -49,6 +49,7 @@ class Eagle3ConfigCheck(Check):
     coverage_fail_below: float = 0.80
     # as draft-config's offset probe: a neighbour fails the check when it accepts this share more tokens per draft
     offset_probe_margin: float = 0.10
+    offset_probe_min_gain: float = 0.05  # and at least this many more tokens per draft (draft-config says why)
     offset_probe_min_drafts: int = 50
 
     def run(self, ctx: CheckContext) -> CheckResult:
@@ -86,7 +87,7 @@ class Eagle3ConfigCheck(Check):
             if best != 0 and drafts is not None and drafts < self.offset_probe_min_drafts:
                 findings.append(Finding("info", f"offset probe inconclusive: {drafts} drafts are too few to judge the aux layer ids",
                                         evidence, "rerun with more --max-requests or --max-new-tokens"))
-            elif best != 0 and gain > self.offset_probe_margin:
+            elif best != 0 and gain > self.offset_probe_margin and probe[best] - probe[0] >= self.offset_probe_min_gain:
                 findings.append(Finding(
                     "fail", f"aux layer ids shifted by {best:+d} give acceptance length {probe[best]:.2f} vs {probe[0]:.2f} as served",
                     evidence, f"write eagle_aux_hidden_state_layer_ids = {[i + best for i in ids]} into config.json"))

@@ -87,9 +87,12 @@ def no_progress(total: int) -> ContextManager[None]:
     return nullcontext(None)
 
 
-def _start(config: DoctorConfig, command: str, scenario=None) -> tuple[list[Request], Pair, DoctorConfig]:
-    """Select the workload and load the pair (a scenario edits them before anything runs)."""
+def _start(config: DoctorConfig, command: str, scenario=None, run_dir: Path | None = None) -> tuple[list[Request], Pair, DoctorConfig]:
+    """Select the workload and load the pair (a scenario edits them before anything runs; one whose incident
+    lives in a checkpoint's files writes the draft it serves into ``run_dir`` first)."""
     requests = load_workload(config.workload, classes=config.classes, max_requests=config.max_requests, seed=config.seed)
+    if scenario is not None and scenario.served_draft is not None and run_dir is not None:
+        config = dataclasses.replace(config, draft=str(scenario.served_draft(run_dir / "served-draft")))
     config = dataclasses.replace(config, device=sharding.device_for_rank(config, sharding.current_ranks()))
     pair = load_pair(config, server_settings(config.engine_config) if config.engine_config else None)
     if pair.proposer.remembers_requests and sharding.current_ranks().sharded:
@@ -210,7 +213,7 @@ def run_check(config: DoctorConfig, *, scenario=None, only: Sequence[str] = (), 
     when a check fails, so CI keeps the evidence. ``shared``: see :class:`SharedContinuations`."""
     validate_check_params(config.checks, only, skip)
     run_dir = _claim(config, "check")
-    requests, pair, config = _start(config, "check", scenario)
+    requests, pair, config = _start(config, "check", scenario, run_dir)
     served_k = max(config.k) if config.k else None  # the K the user serves, when they said
     pair.check_k_fits(config.k)
     sweep_config = dataclasses.replace(config, k=check_sweep_ks(config.k, pair.default_k))

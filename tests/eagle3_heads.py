@@ -97,22 +97,3 @@ def save_speculators_head(head: Eagle3DraftModel, folder: Path, *, verifier: str
     save_file({name: t.detach().clone().contiguous() for name, t in head.state_dict().items()}, folder / "model.safetensors")
     (folder / "config.json").write_text(json.dumps(config, indent=1), encoding="utf-8")
     return folder
-
-
-#: the aux layers of the demo head: not vLLM's default for 30 layers ([2, 15, 27]), so that setup is told apart too
-DEMO_AUX_LAYER_IDS = [3, 15, 27]
-
-
-def demo_head(target_dir: Path, folder: Path, *, k: int) -> Path:
-    """An EAGLE-3 head for the demo target (SmolLM2-135M), fitted in about ten seconds on the prompts of the demo
-    workload's first six requests (seed 0), over a 2048-token draft vocabulary, saved in the speculators layout."""
-    from transformers import AutoTokenizer
-
-    from dflash_doctor.inputs.workloads import encode_request_turn, load_workload
-    from dflash_doctor.models.loading import load_causal_lm
-
-    target = load_causal_lm(target_dir)
-    tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    prompts = [encode_request_turn(tokenizer, request) for request in load_workload("demo", max_requests=6, seed=0)]
-    head = fitted_head(target, prompts, DEMO_AUX_LAYER_IDS, draft_vocab=2048, steps=50, lr=0.003)
-    return save_speculators_head(head, folder, verifier=str(target_dir), k=k)

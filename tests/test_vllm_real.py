@@ -28,10 +28,9 @@ import pytest
 from typer.testing import CliRunner
 
 from dflash_doctor.cli import app
-from dflash_doctor.models.loading import DEMO_DRAFT_DIR
+from dflash_doctor.models.loading import DEMO_DRAFT_DIR, DEMO_EAGLE3_DIR
 from dflash_doctor.rundir.load import load_run
 from dflash_doctor.serving.agreement import CONFIGURED, FIRST_LAYER_CONTEXT_K_NORM
-from eagle3_heads import demo_head
 from vllm_server import API_KEY, SERVED_NAME, free_port, start_vllm_server
 
 pytestmark = pytest.mark.vllm
@@ -202,22 +201,15 @@ def test_vllm_prompt_lookup_is_reproduced_by_the_embedded_ngram_replay(demo_targ
 EAGLE3_K = 4
 
 
-@pytest.fixture
-def demo_eagle3_head(demo_target_dir, tmp_path) -> Path:
-    """The EAGLE-3 head vLLM serves: fitted here in seconds (tests/eagle3_heads.py); a trained head's folder can be
-    returned instead."""
-    return demo_head(demo_target_dir, tmp_path / "eagle3-head", k=EAGLE3_K)
-
-
-def test_vllm_eagle3_is_reproduced_by_the_embedded_eagle3_replay(demo_target_dir, demo_eagle3_head, tmp_path):
-    """vLLM's eagle3 method and the doctor's eagle3 replay of the same head: the same greedy text, and every server
+def test_vllm_eagle3_is_reproduced_by_the_embedded_eagle3_replay(demo_target_dir, tmp_path):
+    """vLLM's eagle3 method and the doctor's eagle3 replay of the built-in EAGLE-3 head (trained for the demo target): the same greedy text, and every server
     step's accepted count reproduced at its anchor by the head as configured, better than by any serving mistake.
     vLLM 0.32.0 also drafts K on the step that writes a request's last token, where the embedded schedule drafts none:
     one draft per request more on the engine's side, so the tau difference is a few thousandths, of either sign."""
-    server = start_vllm_server(demo_target_dir, demo_eagle3_head, tmp_path / "server.log", num_speculative_tokens=EAGLE3_K,
+    server = start_vllm_server(demo_target_dir, DEMO_EAGLE3_DIR, tmp_path / "server.log", num_speculative_tokens=EAGLE3_K,
                                method="eagle3")
     try:
-        code, output = run_check("--engine", server.url, "--target", str(demo_target_dir), "--draft", str(demo_eagle3_head),
+        code, output = run_check("--engine", server.url, "--target", str(demo_target_dir), "--draft", str(DEMO_EAGLE3_DIR),
                                  *WORKLOAD, "--out", str(tmp_path / "run"))
     finally:
         server.stop()

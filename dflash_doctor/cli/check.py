@@ -17,6 +17,7 @@ from dflash_doctor.cli.progress import run_with_progress
 from dflash_doctor.cli.root import app
 from dflash_doctor.errors import UsageError
 from dflash_doctor.inputs.config import DoctorConfig
+from dflash_doctor.models.loading import DEMO_EAGLE3_DIR
 from dflash_doctor.cli.output import print_json
 from dflash_doctor.replay import scenarios, sharding
 from dflash_doctor.serving.http import secret
@@ -28,10 +29,13 @@ Only = Annotated[Optional[str], typer.Option("--only", help="Comma-separated che
 Skip = Annotated[Optional[str], typer.Option("--skip", help="Comma-separated check ids to leave out.")]
 Drafts = Annotated[Optional[list[str]], typer.Option(
     "--draft", help="Draft model: local dir, hub id (org/name or org/name@revision), .gguf file, a speculator without weights "
-    "(ngram, ngram:prompt_lookup_min=2,prompt_lookup_max=5, suffix, suffix:suffix_decoding_max_tree_depth=24) or demo (the built-in DFlash draft). Repeat it to compare "
+    "(ngram, ngram:prompt_lookup_min=2,prompt_lookup_max=5, suffix, suffix:suffix_decoding_max_tree_depth=24, mtp: the target's own MTP head), "
+    "demo (the built-in DFlash draft) or demo-eagle3 (the built-in EAGLE-3 head of the same target). Repeat it to compare "
     "speculators head-to-head on the same prompts.", show_default="the built-in demo DFlash draft", envvar="DFLASH_DOCTOR_DRAFT",
     show_envvar=True)]
 DEMO_DRAFT = "demo"  # --draft demo: the built-in demo draft, as when no --draft is given
+# --draft demo-eagle3: the built-in EAGLE-3 head of the demo target, the other half of the demo's head-to-head
+DEMO_DRAFTS: dict[str, str | None] = {DEMO_DRAFT: None, "demo-eagle3": str(DEMO_EAGLE3_DIR)}
 
 
 def _ids(text: str | None) -> list[str]:
@@ -72,7 +76,7 @@ def check(
     With no model flags it runs the built-in demo pair (SmolLM2-135M-Instruct + its DFlash draft) on CPU.
     """
     out_console = Console(stderr=json_output)
-    chosen_drafts = [None if draft == DEMO_DRAFT else draft for draft in drafts or []]
+    chosen_drafts = [DEMO_DRAFTS.get(draft, draft) for draft in drafts or []]
     if len(chosen_drafts) == 1:
         config = dataclasses.replace(config, draft=chosen_drafts[0])
     if len(chosen_drafts) > 1:

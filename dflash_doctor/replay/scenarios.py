@@ -8,13 +8,16 @@ checks name the cause and the fix.
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 from dflash_doctor.errors import UsageError
 from dflash_doctor.inputs.config import DoctorConfig
 from dflash_doctor.inputs.workloads import Request
 from dflash_doctor.models.derive import fake_quantize
+from dflash_doctor.models.loading import DEMO_EAGLE3_DIR
 from dflash_doctor.models.pair import Pair
 
 # A ChatML template as a different deployment might ship it: another default system prompt. The draft
@@ -31,12 +34,23 @@ MISMATCHED_TEMPLATE = (
 class Scenario:
     """``apply`` returns the loaded pair, the requests and the config as the incident serves them (it
     edits only what it owns: the quantised target is loaded for this run alone); ``expect`` names the check ids that must report the cause (used by the
-    test and shown by ``--scenario list``)."""
+    test and shown by ``--scenario list``).
+
+    ``severity``: what the expected checks say. ``fail`` where the setup is wrong whatever the draft; ``warn``
+    where it is wrong only for some drafts (a head without layer ids is right when it was trained on the
+    engine's default layers), so the check names the risk and the fix without failing every such head.
+
+    ``served_draft``: for an incident that lives in a checkpoint's files (a config.json missing a key),
+    writes the draft folder as it is served into the folder it is given (inside the run directory, where
+    it stays as evidence) and returns it; the pair is then loaded with that draft instead of the demo
+    DFlash draft, so every check reads the files exactly as a server would."""
 
     name: str
     incident: str
     expect: tuple[str, ...]
     apply: Callable[[Pair, list[Request], DoctorConfig], tuple[Pair, list[Request], DoctorConfig]]
+    served_draft: Callable[[Path], Path] | None = None
+    severity: str = "fail"
 
 
 def _template_mismatch(pair: Pair, requests, config):
@@ -75,6 +89,23 @@ def _k_too_large(pair: Pair, requests, config):
     return pair, requests, dataclasses.replace(config, k=(pair.default_k if pair.proposer.max_k else 16,))
 
 
+def _unchanged(pair: Pair, requests, config):
+    return pair, requests, config
+
+
+def _demo_eagle3_without(key: str) -> Callable[[Path], Path]:
+    """The built-in EAGLE-3 head served from a config.json that lacks ``key`` (its weights linked, not copied)."""
+    def write(folder: Path) -> Path:
+        folder.mkdir(parents=True, exist_ok=True)
+        config = json.loads((DEMO_EAGLE3_DIR / "config.json").read_text(encoding="utf-8"))
+        config.pop(key)
+        (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        for weights in DEMO_EAGLE3_DIR.glob("*.safetensors"):
+            (folder / weights.name).symlink_to(weights.resolve())
+        return folder
+    return write
+
+
 SCENARIOS: dict[str, Scenario] = {
     s.name: s
     for s in (
@@ -85,6 +116,12 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario("quantized-target", "the target was quantised to 4 bits after the draft was trained",
                  ("target-identity",), _quantized_target),
         Scenario("k-too-large", "num_speculative_tokens far past the useful range", ("speculative-k",), _k_too_large),
+        Scenario("eagle3-no-layer-ids", "the built-in EAGLE-3 head is shipped without eagle_aux_hidden_state_layer_ids, so vLLM "
+                 "feeds it its default target layers", ("eagle3-config",), _unchanged,
+                 served_draft=_demo_eagle3_without("eagle_aux_hidden_state_layer_ids"), severity="warn"),
+        Scenario("eagle3-norm-switch", "the built-in EAGLE-3 head's config leaves out norm_before_residual, which vLLM reads as "
+                 "true while the head was trained with false", ("eagle3-config",), _unchanged,
+                 served_draft=_demo_eagle3_without("norm_before_residual"), severity="warn"),
     )
 }
 
