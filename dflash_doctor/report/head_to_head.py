@@ -41,12 +41,27 @@ def verdicts(data: dict[str, Any]) -> list[str]:
 
 
 def print_head_to_head(data: dict[str, Any], console: Console) -> None:
-    table = Table(title="Head-to-head: the same prompts and target (* = the verdict's pick)")
-    for header in HEADERS:
-        table.add_column(header)
-    for row in table_rows(data):
-        table.add_row(*(escape(cell) for cell in row))
-    console.print(table)
+    """The same rows as the reports, laid out for a terminal of 80 columns (a CI log's width): the figures in
+    one table, the per-position curves (first six slots) in a second, each scope named once. Nothing is
+    shortened: two drafts of one target often share a long name prefix, and an ellipsis made them
+    indistinguishable."""
+    rows = table_rows(data)
+
+    def scoped(title: str, headers: tuple[str, ...], cells: list[list[str]]) -> Table:
+        table = Table(title=title, pad_edge=False)
+        for header in headers:
+            table.add_column(header, no_wrap=True)
+        for index, row in enumerate(cells):
+            first = index == 0 or row[0] != cells[index - 1][0]
+            if first and index:
+                table.add_section()
+            table.add_row(*(escape(cell) for cell in [row[0] if first else "", *row[1:]]))
+        return table
+
+    console.print(scoped("Head-to-head: the same prompts and target (* = the verdict's pick)",
+                         ("scope", "speculator", "K", "tau [95% CI]", "speedup [95% CI]"), [row[:5] for row in rows]))
+    console.print(scoped("Per-position acceptance (unconditional), slots 1-6", ("scope", "speculator", "slots 1-6"),
+                         [[row[0], row[1], " ".join(row[5].split()[:6])] for row in rows]))
     for text in verdicts(data):
         console.print(f"  {escape(text)}")
 
