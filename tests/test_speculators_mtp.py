@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from cli_helpers import assert_usage_error, invoke
 from dflash_doctor.engine.live import plain_generate, speculative_generate
+from dflash_doctor.engine.proposers.mtp import MtpSettings
 from dflash_doctor.engine.target import PRE_FINAL_NORM, TapRecorder, TargetModel, tap_points
 from dflash_doctor.engine.teacher import TeacherSequence, slot_table, walk_schedule
 from dflash_doctor.models.draft_kinds import LoadOptions, weightless_kind
@@ -246,7 +247,7 @@ def test_pre_norm_tap_is_the_last_layers_output_before_the_final_norm():
 def test_live_loop_and_teacher_equal_the_reference(mtp_target, k):
     family, folder, model, layers = mtp_target
     target, build, facts = load(folder)
-    assert facts["n_predict"] == 1 and facts["hidden_state"] == "post-norm" and facts["lm_head"] == "the target's"
+    assert facts["n_predict"] == 1 and facts["hidden_state"] == facts["carried_state"] == "post-norm" and facts["lm_head"] == "the target's"
     accepted = 0
     for prompt in PROMPTS:
         generated = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None,
@@ -267,7 +268,7 @@ def test_live_loop_and_teacher_equal_the_reference(mtp_target, k):
 def test_the_pre_norm_side_changes_drafts_and_lowers_acceptance(mtp_target):
     family, folder, model, layers = mtp_target
     rates = {}
-    for spec, sides in (("mtp", {}), ("mtp:hidden_state=pre-norm", {"hidden": "pre-norm", "carried": "pre-norm"}),
+    for spec, sides in (("mtp", {}), ("mtp:hidden_state=pre-norm,carried_state=pre-norm", {"hidden": "pre-norm", "carried": "pre-norm"}),
                         ("mtp:carried_state=pre-norm", {"carried": "pre-norm"})):
         target, build, facts = load(folder, spec)
         drafted = accepted = 0
@@ -279,7 +280,7 @@ def test_the_pre_norm_side_changes_drafts_and_lowers_acceptance(mtp_target):
             drafted += sum(s.num_drafted for s in live.steps)
             accepted += sum(s.num_accepted for s in live.steps)
         rates[spec] = accepted / drafted
-    assert rates["mtp:hidden_state=pre-norm"] < rates["mtp"], rates
+    assert rates["mtp:hidden_state=pre-norm,carried_state=pre-norm"] < rates["mtp"], rates
     assert rates["mtp:carried_state=pre-norm"] <= rates["mtp"], rates
 
 
@@ -341,7 +342,7 @@ def mtp_config_result(engine: dict | None = None, ks: tuple[int, ...] = (2,), **
     from dflash_doctor.checks import CheckContext, run_checks
     from dflash_doctor.rundir.run_record import ModelInfo
 
-    facts = {"n_predict": 1, "hidden_state": "post-norm", "carried_state": "post-norm",
+    facts = {"n_predict": 1, "hidden_state": "post-norm", "carried_state": "post-norm", "architecture": "deepseek_v3",
              "engine_sides": {"vllm": {"hidden_state": "post-norm", "carried_state": "post-norm"}}, **facts}
     draft = ModelInfo(id="mtp", revision_or_hash="mtp", dtype="float32", device="cpu", kind="mtp", facts=facts)
     ctx = CheckContext(record=SimpleNamespace(models={"draft": draft}), engine_config=engine,  # pyright: ignore
@@ -361,6 +362,45 @@ def test_mtp_config_warn_on_the_pre_norm_side_and_on_a_side_the_engine_does_not_
     served = mtp_config_result(engine={"engine": "vllm", "drafted_tokens": 2}, hidden_state="pre-norm")
     assert served.status == "warn"
     assert any(f.fix == "replay with --draft mtp:hidden_state=post-norm" for f in served.findings)
+
+
+def test_mtp_config_judges_the_sides_the_engine_passes_for_the_architecture():
+    """GLM's vLLM MTP model carries the pre-norm state: a replay carrying it passes, one carrying the normed state warns."""
+    glm = {"architecture": "glm4_moe", "engine_sides": {"vllm": {"hidden_state": "post-norm", "carried_state": "pre-norm"}}}
+    matched = mtp_config_result(engine={"engine": "vllm", "drafted_tokens": 2}, carried_state="pre-norm", **glm)
+    assert matched.status == "pass" and "glm4_moe" in matched.summary and "vllm: post-norm / pre-norm" in matched.summary
+    normed = mtp_config_result(engine={"engine": "vllm", "drafted_tokens": 2}, **glm)
+    assert normed.status == "warn" and any(f.fix == "replay with --draft mtp:carried_state=pre-norm" for f in normed.findings)
+
+
+def test_default_sides_follow_the_architecture_vllm_runs():
+    """vLLM's Glm4MoeMTPModel carries residual + hidden_states (before the norm), its DeepSeek MTP layer the normed
+    shared_head output, its Qwen3-Next/Qwen3.5 predictors the normed state; an unread architecture is post-norm, unverified."""
+    from dflash_doctor.engine.proposers.mtp import default_mtp_settings, engine_sides
+
+    for architecture in ("glm4_moe", "glm4_moe_lite"):
+        assert default_mtp_settings(architecture) == MtpSettings(hidden_state="post-norm", carried_state="pre-norm")
+    for architecture in ("deepseek_v3", "glm_moe_dsa", "qwen3_next", "qwen3_5_text", "qwen3_5_moe"):
+        assert default_mtp_settings(architecture) == MtpSettings(hidden_state="post-norm", carried_state="post-norm")
+        assert engine_sides("vllm", architecture).verified
+    assert default_mtp_settings("llama") == MtpSettings() and not engine_sides("vllm", "llama").verified
+
+
+def test_the_default_glm_replay_carries_the_pre_norm_state_and_an_explicit_side_wins(tmp_path):
+    """A GLM target's default replay is vLLM's: the pre-norm state carried (drafts equal the reference's on that
+    side), recorded with why; ``mtp:carried_state=post-norm`` still wins. DeepSeek's default stays post-norm."""
+    model, layers = write_mtp_target("glm4_moe", tmp_path)
+    target, build, facts = load(tmp_path)
+    assert facts["architecture"] == "glm4_moe" and (facts["hidden_state"], facts["carried_state"]) == ("post-norm", "pre-norm")
+    assert facts["engine_sides"]["vllm"]["carried_state"] == "pre-norm" and "Glm4MoeMTPModel" in facts["sides_from"]["carried_state"]
+    prompt = PROMPTS[0]
+    truth = plain_generate(target, torch.tensor(prompt), max_new_tokens=MAX_NEW).output_ids
+    live = speculative_generate(target, build(), torch.tensor(prompt), k=3, max_new_tokens=MAX_NEW)
+    drafts = [[r.draft_token for r in live.tokens if r.step == s.step] for s in live.steps]
+    expected = reference_steps(layers, model, prompt, truth, 3, zero_first=True, carried="pre-norm")
+    assert [(s.position, d, s.num_accepted) for s, d in zip(live.steps, drafts)] == expected
+    _, _, explicit = load(tmp_path, "mtp:carried_state=post-norm")
+    assert explicit["carried_state"] == "post-norm" and explicit["sides_from"]["carried_state"].startswith("set:")
 
 
 def test_mtp_config_fail_when_k_is_not_a_multiple_of_n_predict():

@@ -226,3 +226,54 @@ def test_vllm_eagle3_is_reproduced_by_the_embedded_eagle3_replay(demo_target_dir
         assert 0 <= turn["engine_accepted"] - turn["embedded_accepted"] <= EAGLE3_K * (turn["engine_drafts"] - turn["embedded_drafts"]), turn
     low, high = data["tau"]["overall"]["difference_ci"]
     assert -0.03 <= low <= high <= 0.03 and check["status"] != "fail", (data["tau"], check)
+
+
+MTP_K = 2
+
+
+def test_vllm_mtp_is_reproduced_by_the_embedded_mtp_replay(tmp_path, monkeypatch):
+    """vLLM's mtp method on a tiny GLM-4.5 target whose own MTP head is fit to it (tests/test_speculators_mtp.py), and the
+    doctor's ``--draft mtp`` with its default sides: for ``glm4_moe`` vLLM carries the head's state before its norm
+    (Glm4MoeMTPModel), so the default replay must too. Same greedy text, every server step reproduced, tau within a
+    few hundredths (vLLM drafts K once more on each turn's last step, as in the eagle3 test)."""
+    import target_families
+    from test_speculators_mtp import write_mtp_target
+    from tiny_models import write_workload
+
+    base = target_families.CONFIGS["glm4_moe"]
+
+    def servable():  # vLLM's CPU attention wants head sizes of 32 or more
+        config = base()
+        return type(config)(**{**config.to_dict(), "head_dim": 32})
+
+    monkeypatch.setitem(target_families.CONFIGS, "glm4_moe", servable)
+    target = tmp_path / "glm4_moe"
+    target.mkdir()
+    write_mtp_target("glm4_moe", target, 1)
+    config = json.loads((target / "config.json").read_text())
+    # vLLM creates e_score_correction_bias only with noaux_tc (transformers' GLM router always uses it); --max-model-len 2048
+    config.update(topk_method="noaux_tc", scoring_func="sigmoid", max_position_embeddings=2048)
+    (target / "config.json").write_text(json.dumps(config))
+    workload = write_workload(tmp_path / "w.jsonl", per_class=3)  # 9 distinct requests
+    server = start_vllm_server(target, None, tmp_path / "server.log", method="mtp", num_speculative_tokens=MTP_K)
+    try:
+        code, output = run_check("--engine", server.url, "--target", str(target), "--draft", "mtp", "--workload", str(workload),
+                                 "--max-new-tokens", "32", "--seed", "0", "--out", str(tmp_path / "run"))
+    finally:
+        server.stop()
+    assert code in (0, 1), output
+    meta = json.loads((tmp_path / "run" / "run.json").read_text())
+    draft = meta["models"]["local draft"]
+    assert draft["architecture"] == "glm4_moe" and draft["carried_state"] == "pre-norm" and draft["hidden_state"] == "post-norm"
+    data, check = agreement_of(tmp_path / "run")
+    assert data["num_compared"] == data["num_turns"] >= 9
+    assert data["outputs"]["num_identical"] == data["outputs"]["num_compared"], data["outputs"]
+    steps = data["per_step"][CONFIGURED]
+    assert steps["share"] == 1.0 and steps["engine_accepted"] > 0, data["per_step"]
+    for turn in data["turns"]:  # the engine's extra last step, left out of the per-step comparison, is the only difference
+        assert turn["engine_drafts"] - turn["embedded_drafts"] in (0, 1), turn
+        assert 0 <= turn["engine_accepted"] - turn["embedded_accepted"] <= MTP_K, turn
+    low, high = data["tau"]["overall"]["difference_ci"]
+    assert -0.05 <= low <= high <= 0.05 and check["status"] != "fail", (data["tau"], check)
+    mtp_check = next(c for c in meta["checks"] if c["id"] == "mtp-config")
+    assert mtp_check["status"] == "pass", mtp_check

