@@ -13,9 +13,8 @@ import pytest
 import torch
 
 from dflash_doctor.engine.live import speculative_generate
-from dflash_doctor.serving.agreement import (
-    CONFIGURED, FIRST_LAYER_CONTEXT_K_NORM, ServingSetup, compare_turn, serving_setups, setup_proposer, summarize_agreement,
-)
+from dflash_doctor.models.serving_setups import CONFIGURED, FIRST_LAYER_CONTEXT_K_NORM, ServingSetup, serving_setups, setup_proposer
+from dflash_doctor.serving.agreement import compare_turn, summarize_agreement
 from dflash_doctor.serving.server_run import ServerTurn
 from dflash_doctor.serving.responses import SpecMeasurement, step_rows
 from dflash_doctor.inputs.workloads import Request

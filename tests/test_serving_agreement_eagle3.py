@@ -14,7 +14,8 @@ from dflash_doctor.engine.eagle3_model import NormSwitches
 from dflash_doctor.engine.live import speculative_generate
 from dflash_doctor.models.draft_kinds import get_draft_kind
 from dflash_doctor.rundir.run_record import Probes
-from dflash_doctor.serving.agreement import CONFIGURED, compare_turn, summarize_agreement
+from dflash_doctor.models.serving_setups import CONFIGURED
+from dflash_doctor.serving.agreement import compare_turn, summarize_agreement
 from checks_fixtures import record
 from eagle3_heads import fitted_head
 from test_serving_agreement import _engine_turn, _Local

@@ -30,7 +30,7 @@ from typer.testing import CliRunner
 from dflash_doctor.cli import app
 from dflash_doctor.models.loading import DEMO_DRAFT_DIR, DEMO_EAGLE3_DIR
 from dflash_doctor.rundir.load import load_run
-from dflash_doctor.serving.agreement import CONFIGURED, FIRST_LAYER_CONTEXT_K_NORM
+from dflash_doctor.models.serving_setups import CONFIGURED, FIRST_LAYER_CONTEXT_K_NORM
 from vllm_server import API_KEY, SERVED_NAME, free_port, start_vllm_server
 
 pytestmark = pytest.mark.vllm

@@ -33,7 +33,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "check": ("dflash_doctor.cli.check", "Is the pair set up right, where does the draft lose, which K to serve? Exit 0 pass/warn, 1 fail or error, 2 bad input."),
     "replay": ("dflash_doctor.cli.replay", "Replay prompts through the live speculative loop (K = the largest --k) and write a run directory."),
     "sweep": ("dflash_doctor.cli.sweep", "Teacher-forced replay answering every K at once (default K = 1..block-1 or 1-8), net speedup per class, recommended K."),
-    "train-draft": ("dflash_doctor.cli.train_draft", "Train or fine-tune a DFlash draft against a target; writes a z-lab checkpoint and a model card."),
+    "train-draft": ("dflash_doctor.cli.train_draft", "Train or fine-tune a DFlash draft or an EAGLE-3 head against a target; writes the checkpoint and a model card."),
     "tokenizers": ("dflash_doctor.cli.single_checks", "Compare two tokenizers: ids over the whole vocabulary, special tokens, pipeline, corpus round-trip."),
     "templates": ("dflash_doctor.cli.single_checks", "Render canonical conversations with both chat templates and show the first differing bytes."),
     "env": ("dflash_doctor.cli.single_checks", "Show versions and hardware, and check them (and --engine-config) against known incompatibilities."),

@@ -30,6 +30,8 @@ from dflash_doctor.inputs.config import Dtype
 from dflash_doctor.engine.dflash_model import DFlashDraftModel, default_target_layer_ids
 from dflash_doctor.engine.eagle3_model import Eagle3DraftModel
 from dflash_doctor.errors import UsageError
+from dflash_doctor.inputs.validation import read_config_json
+from dflash_doctor.models.eagle3_format import NORM_SWITCHES, default_aux_layer_ids, load_eagle3_head
 from dflash_doctor.rundir.ownership import claim_run_dir, release_run_dir
 from dflash_doctor.models.loading import demo_target_path, weights_fingerprint, load_causal_lm, load_dflash_draft, resolve_model_dir, validate_dflash_pair
 from dflash_doctor.models.pair import stop_ids_of
@@ -229,8 +231,6 @@ def _eagle3_head(target_model, records: list[SequenceRecord], *, target_spec: st
                  ) -> tuple[Eagle3DraftModel, dict[str, Any], dict[str, Any], str | None]:
     """The EAGLE-3 head to train (new, or --init-from an EAGLE-3 head), its config.json, the card's architecture
     facts, and where it started."""
-    from dflash_doctor.inputs.validation import read_config_json
-    from dflash_doctor.models.eagle3_format import NORM_SWITCHES, default_aux_layer_ids, load_eagle3_head
 
     target_config = target_model.config
     num_layers, vocab = int(target_config.num_hidden_layers), int(target_config.vocab_size)

@@ -53,6 +53,7 @@ from dflash_doctor.engine.target import TargetModel
 from dflash_doctor.errors import UsageError
 from dflash_doctor.models.eagle3_format import is_eagle3_config, load_eagle3_head
 from dflash_doctor.models.mtp_format import LAYOUT_NAMES, read_mtp_checkpoint
+from dflash_doctor.models.serving_setups import SetupProposers, dflash_setup_proposers, eagle3_setup_proposers
 from dflash_doctor.inputs.validation import read_config_json
 from dflash_doctor.models.loading import (is_dflash_config, load_causal_lm, load_dflash_draft, torch_dtype, validate_autoregressive_pair,
                                           validate_dflash_pair)
@@ -61,7 +62,6 @@ if TYPE_CHECKING:
     from dflash_doctor.engine.dflash_model import DFlashDraftModel
     from dflash_doctor.engine.eagle3_model import Eagle3DraftModel
     from dflash_doctor.engine.target import CausalLM
-    from dflash_doctor.serving.agreement import SetupProposers
 
 DraftModel = TypeVar("DraftModel", bound=torch.nn.Module)
 
@@ -211,8 +211,6 @@ def _dflash_with_layer_ids(model: DFlashDraftModel, layer_ids: list[int]) -> DFl
 
 
 def _dflash_serving_setups(model: DFlashDraftModel, target_model: CausalLM) -> SetupProposers:
-    from dflash_doctor.serving.agreement import dflash_setup_proposers  # serving imports models: imported on use
-
     return dflash_setup_proposers(model, target_model)
 
 
@@ -368,8 +366,6 @@ def _eagle3_with_layer_ids(model: Eagle3DraftModel, layer_ids: list[int]) -> Eag
 
 
 def _eagle3_serving_setups(model: Eagle3DraftModel, target_model: CausalLM) -> SetupProposers:
-    from dflash_doctor.serving.agreement import eagle3_setup_proposers  # serving imports models: imported on use
-
     return eagle3_setup_proposers(model, target_model)
 
 

@@ -25,6 +25,7 @@ import torch
 
 from dflash_doctor.engine.eagle3_model import LAYER_TYPES, Eagle3DraftModel
 from dflash_doctor.errors import UsageError
+from dflash_doctor.models.eagle3_format import read_eagle3_config
 
 if TYPE_CHECKING:
     from dflash_doctor.engine.target import CausalLM
@@ -92,8 +93,6 @@ def new_eagle3_head(target_model: CausalLM, config: dict[str, Any], draft_ids: S
     """A fresh head shaped by ``config`` (read by the loader itself, so the trained module is the one the saved
     folder loads as): random ``fc`` and layer from ``seed``, ``norm`` from the target's final norm, ``lm_head``
     from the target's head rows ``draft_ids``, ``d2t`` from them; no embedding of its own."""
-    from dflash_doctor.models.eagle3_format import read_eagle3_config
-
     target_config = target_model.config
     width = len(config["eagle_aux_hidden_state_layer_ids"]) * int(target_config.hidden_size)
     shape_only = {"fc.weight": torch.empty(int(config["transformer_layer_config"]["hidden_size"]), width, device="meta")}
