@@ -1,4 +1,6 @@
-"""Train or fine-tune a DFlash draft against a frozen target: the recipe of DFlash (arXiv 2602.06036).
+"""Train or fine-tune a DFlash draft (the recipe of DFlash, arXiv 2602.06036, below) or an EAGLE-3 head
+(:mod:`.eagle3`: the same loop, data, checkpoints and evaluation, with the head's own objective) against a
+frozen target.
 
 Why this recipe: a DFlash draft proposes a whole block in ONE non-causal pass conditioned on the target's
 hidden states, so it is trained in exactly that layout. Every training sequence is a prompt plus the
