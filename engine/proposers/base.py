@@ -34,6 +34,14 @@ class TargetNeeds:
     hidden_state_indices: tuple[int, ...] = ()
 
 
+def required_features(features: torch.Tensor | None, kind: str) -> torch.Tensor:
+    """The target's hidden states a proposer declared in its needs: the loops pass them because the needs name
+    the layers to tap, so None here is a caller that forgot ``taps=proposer.needs.hidden_state_indices``."""
+    if features is None:
+        raise ValueError(f"the {kind} proposer got no target hidden states; pass taps=proposer.needs.hidden_state_indices")
+    return features
+
+
 @dataclass
 class Proposal:
     """``tokens`` [k]; ``logits`` [k, V] the draft's raw scores per slot (for divergence records);

@@ -18,18 +18,11 @@ import torch
 
 from dflash_doctor.engine.blocks import context_kv_for, draft_block_hidden
 from dflash_doctor.engine.dflash_model import DFlashDraftModel
-from dflash_doctor.engine.proposers.base import Proposal, Proposer, TargetNeeds
+from dflash_doctor.engine.proposers.base import Proposal, Proposer, TargetNeeds, required_features
 from dflash_doctor.engine.target import TargetModel
 
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 
-
-
-def _tapped(features: torch.Tensor | None) -> torch.Tensor:
-    """The target's hidden states, which the loops pass because DFlash's needs name the layers to tap."""
-    if features is None:
-        raise ValueError("the DFlash proposer got no target hidden states; pass taps=proposer.needs.hidden_state_indices")
-    return features
 
 class DFlashProposer(Proposer):
     kind = "dflash"
@@ -75,7 +68,7 @@ class DFlashProposer(Proposer):
 
     def start(self, prompt_ids: torch.Tensor, prompt_features: torch.Tensor | None) -> None:
         self.ctx_kv, self.ctx_length = [], 0
-        self._extend_context(_tapped(prompt_features))
+        self._extend_context(required_features(prompt_features, "DFlash"))
 
     @torch.inference_mode()
     def propose(self, last_token: int, k: int, block_k: int) -> Proposal:
@@ -93,13 +86,13 @@ class DFlashProposer(Proposer):
         return Proposal(tokens=tokens, logits=scores, probs=probs)
 
     def accept(self, committed_ids: torch.Tensor, committed_features: torch.Tensor | None) -> None:
-        self._extend_context(_tapped(committed_features))
+        self._extend_context(required_features(committed_features, "DFlash"))
 
     @torch.inference_mode()
     def prepare_teacher(self, token_ids: torch.Tensor, features: torch.Tensor | None) -> None:
         device = self.model.fc.weight.device
         self._teacher_ids = token_ids[None].to(device)
-        self._teacher_ctx_kv = context_kv_for(self.model, _tapped(features)[None].to(device))
+        self._teacher_ctx_kv = context_kv_for(self.model, required_features(features, "DFlash")[None].to(device))
 
     @torch.inference_mode()
     def slot_logits(self, anchors: torch.Tensor, k: int) -> torch.Tensor:

@@ -30,15 +30,8 @@ from typing import Callable
 import torch
 
 from dflash_doctor.engine.eagle3_model import Eagle3DraftModel, KeyValue, teacher_chain_rows, teacher_first_pass
-from dflash_doctor.engine.proposers.base import Proposal, Proposer, TargetNeeds
+from dflash_doctor.engine.proposers.base import Proposal, Proposer, TargetNeeds, required_features
 from dflash_doctor.engine.target import TargetModel
-
-
-def _tapped(features: torch.Tensor | None) -> torch.Tensor:
-    """The target's aux states, which the loops pass because the head's needs name the layers to tap."""
-    if features is None:
-        raise ValueError("the EAGLE-3 proposer got no target hidden states; pass taps=proposer.needs.hidden_state_indices")
-    return features
 
 
 class Eagle3Proposer(Proposer):
@@ -64,7 +57,7 @@ class Eagle3Proposer(Proposer):
 
     def start(self, prompt_ids: torch.Tensor, prompt_features: torch.Tensor | None) -> None:
         self._reset()
-        self.pending_ids, self.pending_states = prompt_ids.tolist(), _tapped(prompt_features)
+        self.pending_ids, self.pending_states = prompt_ids.tolist(), required_features(prompt_features, "EAGLE-3")
 
     def accept(self, committed_ids: torch.Tensor, committed_features: torch.Tensor | None) -> None:
         """Keep the first-pass K/V of the previous pending rows (the step's propose() closed them with the token
@@ -75,7 +68,7 @@ class Eagle3Proposer(Proposer):
         self.cached = (keys, values) if self.cached is None else \
             (torch.cat([self.cached[0], keys], dim=2), torch.cat([self.cached[1], values], dim=2))
         self.length += keys.shape[2]
-        self.pending_ids, self.pending_states, self.drafted = committed_ids.tolist(), _tapped(committed_features), None
+        self.pending_ids, self.pending_states, self.drafted = committed_ids.tolist(), required_features(committed_features, "EAGLE-3"), None
 
     @torch.inference_mode()
     def _first_pass(self, last_token: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,7 +115,7 @@ class Eagle3Proposer(Proposer):
         """The first pass over the whole sequence: every position's normed row, carried state and K/V."""
         self._teacher_ids = token_ids.to(self.device)[None]
         self._first = teacher_first_pass(self.model, self.target.embedding, self._teacher_ids,
-                                         _tapped(features).to(self.device)[None])
+                                         required_features(features, "EAGLE-3").to(self.device)[None])
 
     @torch.inference_mode()
     def _chain_rows(self, anchors: torch.Tensor, k: int) -> torch.Tensor:

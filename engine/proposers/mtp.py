@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash_doctor.engine.mtp_model import KeyValue, MtpHead
-from dflash_doctor.engine.proposers.base import Proposal, Proposer, TargetNeeds
+from dflash_doctor.engine.proposers.base import Proposal, Proposer, TargetNeeds, required_features
 from dflash_doctor.engine.target import PRE_FINAL_NORM, TargetModel
 from dflash_doctor.errors import UsageError
 
@@ -136,12 +136,6 @@ def default_mtp_settings(architecture: str | None, engine: str = DEFAULT_ENGINE)
     return MtpSettings(hidden_state=sides.hidden_state, carried_state=sides.carried_state)
 
 
-def _tapped(features: torch.Tensor | None) -> torch.Tensor:
-    if features is None:
-        raise ValueError("the MTP proposer got no target hidden states; pass taps=proposer.needs.hidden_state_indices")
-    return features
-
-
 class MtpProposer(Proposer):
     kind = "mtp"
     guesses_depend_on_k = False
@@ -177,7 +171,7 @@ class MtpProposer(Proposer):
 
     def accept(self, committed_ids: torch.Tensor, committed_features: torch.Tensor | None) -> None:
         self.pending_ids += committed_ids.tolist()
-        self.pending_states.append(_tapped(committed_features).to(self.device))
+        self.pending_states.append(required_features(committed_features, "MTP").to(self.device))
 
     @torch.inference_mode()
     def _first_pass(self, last_token: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -249,7 +243,7 @@ class MtpProposer(Proposer):
         shifted = torch.cat([ids[1:], ids[-1:]])[None]  # the last row predicts past the known text: never read
         positions = torch.arange(count, device=self.device)[None]
         mask = torch.ones(1, 1, count, count, dtype=torch.bool, device=self.device).tril()
-        states = _tapped(features).to(self.device)[None]
+        states = required_features(features, "MTP").to(self.device)[None]
         self._teacher_rows: list[KeyValue] = []
         for layer in range(self.head.n_predict):
             out, normed, new = self.head.step(layer, shifted, positions, states, self.shared, self.rotary, None, mask)
