@@ -121,6 +121,15 @@ def tiny_dir(tmp_path_factory) -> Path:
 # ------------------------------------------------------------------------------------ real tokenizers
 
 
+@pytest.fixture(scope="module")
+def target_and_workload(tmp_path_factory):
+    """A tiny saved target with a ChatML tokenizer, and a small workload file: `train-draft` end to end in seconds."""
+    root = tmp_path_factory.mktemp("train_cli")
+    tiny_target().save_pretrained(root / "target")
+    tiny_tokenizer().save_pretrained(root / "target")
+    return root / "target", write_workload(root / "workload.jsonl", per_class=4)
+
+
 @pytest.fixture(scope="session")
 def qwen3_dir() -> Path:
     return npm_tokenizer_dir("qwen3")

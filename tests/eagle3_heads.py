@@ -73,17 +73,17 @@ def fitted_head(target, sequences: list[list[int]], aux_layer_ids: list[int], *,
     return head.eval()
 
 
-def save_speculators_head(head: Eagle3DraftModel, folder: Path, *, verifier: str, k: int) -> Path:
-    """The head as a speculators-layout checkpoint (config.json + model.safetensors), every norm switch written."""
+def speculators_layout_config(head: Eagle3DraftModel, *, verifier: str, k: int, max_positions: int = 8192) -> dict:
+    """The head's config.json in the speculators layout, every norm switch written (as the head runs them)."""
     cfg = head.config
-    config = {
+    return {
         "architectures": ["Eagle3Speculator"],
         "speculators_model_type": "eagle3",
         "transformer_layer_config": {
             "model_type": cfg.layer_type, "hidden_size": cfg.hidden_size, "num_attention_heads": cfg.num_attention_heads,
             "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim, "intermediate_size": cfg.intermediate_size,
             "num_hidden_layers": 1, "rms_norm_eps": cfg.rms_norm_eps, "vocab_size": cfg.target_vocab_size,
-            "rope_theta": cfg.rope_theta, "max_position_embeddings": 8192, "hidden_act": "silu",
+            "rope_theta": cfg.rope_theta, "max_position_embeddings": max_positions, "hidden_act": "silu",
         },
         "draft_vocab_size": cfg.draft_vocab_size,
         "target_hidden_size": cfg.target_hidden_size,
@@ -93,7 +93,12 @@ def save_speculators_head(head: Eagle3DraftModel, folder: Path, *, verifier: str
                                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": k}],
                                "verifier": {"name_or_path": verifier}},
     }
+
+
+def save_speculators_head(head: Eagle3DraftModel, folder: Path, *, verifier: str, k: int) -> Path:
+    """The head as a speculators-layout checkpoint (config.json + model.safetensors)."""
     folder.mkdir(parents=True, exist_ok=True)
     save_file({name: t.detach().clone().contiguous() for name, t in head.state_dict().items()}, folder / "model.safetensors")
+    config = speculators_layout_config(head, verifier=verifier, k=k)
     (folder / "config.json").write_text(json.dumps(config, indent=1), encoding="utf-8")
     return folder

@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from cli_helpers import assert_usage_error, invoke, pair_args
+from eagle3_heads import speculators_layout_config
 from dflash_doctor.engine.eagle3_model import Eagle3Config, Eagle3DraftModel, NormSwitches
 from dflash_doctor.engine.live import speculative_generate
 from dflash_doctor.engine.proposers.eagle3 import Eagle3Proposer
@@ -101,25 +102,8 @@ def train_slot_one(head: Eagle3DraftModel, target, steps: int = 120) -> None:
 
 
 def speculators_config(head: Eagle3DraftModel, **overrides) -> dict:
-    cfg = head.config
-    config = {
-        "architectures": ["Eagle3Speculator"],
-        "speculators_model_type": "eagle3",
-        "transformer_layer_config": {
-            "model_type": cfg.layer_type, "hidden_size": cfg.hidden_size, "num_attention_heads": cfg.num_attention_heads,
-            "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim, "intermediate_size": cfg.intermediate_size,
-            "num_hidden_layers": 1, "rms_norm_eps": cfg.rms_norm_eps, "vocab_size": cfg.target_vocab_size,
-            "rope_theta": cfg.rope_theta, "max_position_embeddings": 512,
-        },
-        "draft_vocab_size": cfg.draft_vocab_size,
-        "target_hidden_size": cfg.target_hidden_size,
-        "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
-        **{name: getattr(cfg.norms, name) for name in ("norm_before_residual", "norm_output", "norm_before_fc", "fc_norm")},
-        "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy",
-                               "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}],
-                               "verifier": {"name_or_path": "tiny-target"}},
-    }
-    config.update(overrides)
+    """The head's speculators config.json for the tiny targets; an override of None leaves that key out."""
+    config = {**speculators_layout_config(head, verifier="tiny-target", k=3, max_positions=512), **overrides}
     return {key: value for key, value in config.items() if value is not None}
 
 

@@ -494,17 +494,6 @@ def test_features_are_the_hidden_states_of_the_tapped_layers():
         torch.testing.assert_close(padded, expected, rtol=1e-4, atol=1e-4)
 
 
-@pytest.fixture(scope="module")
-def target_and_workload(tmp_path_factory):
-    """A tiny saved target with a ChatML tokenizer, and a small workload file: `train-draft` end to end in seconds."""
-    from tiny_models import tiny_tokenizer, write_workload
-
-    root = tmp_path_factory.mktemp("train_cli")
-    tiny_target().save_pretrained(root / "target")
-    tiny_tokenizer().save_pretrained(root / "target")
-    return root / "target", write_workload(root / "workload.jsonl", per_class=4)
-
-
 def _train_draft(target_and_workload, out, *args):
     target, workload = target_and_workload
     return CliRunner().invoke(app, ["train-draft", "--target", str(target), "--workload", str(workload), "--device", "cpu",

@@ -16,7 +16,7 @@ from dflash_doctor.models.eagle3_format import load_eagle3_head
 from dflash_doctor.models.training import (SequenceRecord, TrainConfig, chain_rows, draft_vocabulary, extract_features, held_out_steps,
                                            new_eagle3_head, speculators_config, tau_by_class, train_eagle3_head, vocabulary_maps)
 from dflash_doctor.models.training.checkpoints import save_draft
-from tiny_models import tiny_target, tiny_tokenizer, torch_threads, write_workload
+from tiny_models import tiny_target, torch_threads
 
 AUX_IDS = [1, 2, 3]
 TTT = 4
@@ -150,14 +150,6 @@ def test_a_resume_gives_the_same_weights_and_loss_log_as_an_uninterrupted_run(tm
     assert curve(resumed.log) == curve(straight.log)
     for name, tensor in straight.draft.state_dict().items():
         assert torch.equal(tensor, resumed.draft.state_dict()[name]), name
-
-
-@pytest.fixture(scope="module")
-def target_and_workload(tmp_path_factory):
-    root = tmp_path_factory.mktemp("train_eagle3_cli")
-    tiny_target().save_pretrained(root / "target")
-    tiny_tokenizer().save_pretrained(root / "target")
-    return root / "target", write_workload(root / "workload.jsonl", per_class=4)
 
 
 def _train_draft(target_and_workload, out, *args):
