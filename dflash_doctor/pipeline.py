@@ -17,7 +17,6 @@ the run as interrupted too.
 from __future__ import annotations
 
 import dataclasses
-import datetime as _dt
 import signal
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -44,7 +43,7 @@ from dflash_doctor.report.head_to_head import write_head_to_head
 from dflash_doctor.rundir.load import Run
 from dflash_doctor.rundir.run_record import Probes, PromptFormat, RunMeta, RunRecord
 from dflash_doctor.rundir.tables import TABLES, read_table_or_empty
-from dflash_doctor.rundir.ownership import claim_run_dir
+from dflash_doctor.rundir.ownership import claim_run_dir, new_run_dir
 from dflash_doctor.rundir.writer import RunWriter, utc_now
 from dflash_doctor.serving.agreement import compare_with_embedded
 from dflash_doctor.serving.client import ServerEndpoint, resolve_model, served_model_file
@@ -69,15 +68,10 @@ class Outcome:
     steps_by_k: dict[int, Any] | None = None  # `check`'s steps at every K of the sweep (frames), for a head-to-head
 
 
-def default_run_dir(command: str) -> Path:
-    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    return Path("runs") / f"{command}-{stamp}"
-
-
 def _claim(config: DoctorConfig, command: str) -> Path:
     """The run directory, taken for this process before any work (:mod:`dflash_doctor.rundir.ownership`);
     under torchrun rank 0 owns it for every rank (the others write only their part below it)."""
-    run_dir = Path(config.out) if config.out else default_run_dir(command)
+    run_dir = Path(config.out) if config.out else new_run_dir(command)
     if sharding.current_ranks().is_main:
         claim_run_dir(run_dir, overwrite=config.overwrite)
     return run_dir

@@ -38,7 +38,8 @@ from dflash_doctor.report import render_reports
 from dflash_doctor.report.terminal import print_check_results, print_class_summary
 from dflash_doctor.rundir.load import load_run
 from dflash_doctor.telemetry.watch_record import read_units, read_windows
-from dflash_doctor.rundir.ownership import LOCK_FILE, claim_run_dir
+from dflash_doctor.rundir import ownership
+from dflash_doctor.rundir.ownership import LOCK_FILE, claim_run_dir, new_run_dir
 from cli_helpers import assert_usage_error
 from tiny_models import tiny_dflash, tiny_target, tiny_tokenizer, write_workload
 from checks_fixtures import record
@@ -116,6 +117,32 @@ def test_a_refused_claim_leaves_no_empty_folder_and_a_file_is_not_a_folder(tmp_p
     (tmp_path / "file").write_text("x")
     with pytest.raises(Exception, match="is a file, not a folder"):
         claim_run_dir(tmp_path / "file")
+
+
+def test_commands_started_in_the_same_second_without_out_get_folders_of_their_own(tmp_path, monkeypatch):
+    """No --out: each command makes its own runs/<command>-<second> folder, the later ones suffixed, so a script
+    running checks in parallel neither refuses one of them nor lets two write one folder."""
+    class FrozenClock(ownership._dt.datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return cls(2026, 12, 4, 10, 5, 7)
+
+    monkeypatch.setattr(ownership._dt, "datetime", FrozenClock)
+    made = [new_run_dir("check", tmp_path / "runs") for _ in range(3)]
+    assert [p.name for p in made] == ["check-20261204-100507", "check-20261204-100507-2", "check-20261204-100507-3"]
+    assert all(p.is_dir() and not any(p.iterdir()) for p in made)
+    for folder in made:  # each one is a fresh folder its command can claim
+        assert claim_run_dir(folder) is False
+
+
+def test_a_watch_refused_before_it_starts_leaves_no_folder_behind(tmp_path, monkeypatch):
+    """The default folder is made once the baseline and the sources proved good."""
+    monkeypatch.chdir(tmp_path)
+    log = tmp_path / "server.log"
+    log.write_text("plain application log, no spec decode\n")
+    assert_usage_error(invoke("watch", log, "--once", "--baseline", tmp_path / "missing-run"), "missing-run")
+    assert_usage_error(invoke("watch", tmp_path / "missing.log", "--once"), "missing.log")
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
 
 
 def test_a_live_watch_owns_its_out_and_the_next_watch_continues_what_it_left(tmp_path):

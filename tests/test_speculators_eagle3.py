@@ -410,7 +410,6 @@ def test_bad_heads_are_refused_in_one_sentence(llama, tiny_dir, tmp_path, case, 
         folder = save_head(head, tmp_path / case, speculators_config(head, eagle_aux_hidden_state_layer_ids=[1, 2, 9]))
     else:
         folder = save_head(head, tmp_path / case, config, tensors={"d2t": head.d2t[:-1].clone()})
-    # its own --out: a default runs/check-<second> folder collides with another worker's check started in the same second
     assert_usage_error(invoke("check", *pair_args(tiny_dir, folder, "--out", tmp_path / "run")), *fragments)
 
 

@@ -8,11 +8,10 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
-from dflash_doctor import pipeline
 from dflash_doctor.cli import options as opt
 from dflash_doctor.cli.root import app
 from dflash_doctor.errors import UsageError
-from dflash_doctor.rundir.ownership import claim_run_dir, release_run_dir
+from dflash_doctor.rundir.ownership import claim_run_dir, new_run_dir, release_run_dir
 from dflash_doctor.rundir.tables import TUNE_JSON
 from dflash_doctor.serving.http import secret
 from dflash_doctor.inputs.config import DoctorConfig, parse_int_grid
@@ -101,9 +100,9 @@ def tune(
     def progress(k_now: int, load: LoadLevel, timed: TimedRequest) -> None:
         console.print(f"K={k_now} {load.label} {timed.request_id}: {timed.num_output_tokens} tokens in {timed.e2e_s:.2f} s", highlight=False)
 
-    run_dir = Path(cfg.out) if cfg.out else pipeline.default_run_dir("tune")
     api_key = secret(engine_api_key, "--engine-api-key") if engine_api_key else None
     plan_servers(grid.ks, grid.engine, grid.launch, grid.launch_baseline)  # flag errors before a folder is claimed
+    run_dir = Path(cfg.out) if cfg.out else new_run_dir("tune")
     claim_tune_dir(run_dir, cfg.overwrite)
     try:
         outcome = run_tune(grid, cfg, run_dir, on_request=progress, api_key=api_key)

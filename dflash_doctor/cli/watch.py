@@ -171,12 +171,11 @@ def watch(
         min_drafts=min_drafts, speedup_floor=speedup_floor, engine=engine, model=model, class_label=class_label, log_timezone=log_timezone,
         retain=retain,
     )
-    run_dir = Path(config.out or f"runs/watch-{utc_now().replace(':', '').replace('+0000', 'Z')}")
-    hooks = AlertHooks(on_alert, on_alert_webhook, on_alert_dry_run, run_dir)
+    hooks = AlertHooks(on_alert, on_alert_webhook, on_alert_dry_run)
     session = WatchSession(
         open_sources(list(sources or []), prometheus, settings, api_key=secret(engine_api_key, "--engine-api-key") if engine_api_key else None,
                      prometheus_headers=header_flags(list(prometheus_header or []), "--prometheus-header")),
-        settings, run_dir=run_dir,
+        settings, run_dir=Path(config.out) if config.out else None,
         config=config.as_dict(), costs=load_cost_profile(config.cost_profile) if config.cost_profile else None,
         once=once, exporter_port=exporter_port, exporter_address=exporter_address,
         hooks=hooks if hooks.enabled else None, overwrite=overwrite,

@@ -14,13 +14,16 @@ runs first thing in every command that writes a run directory, before any model 
   ``train-draft`` resumes its checkpoint; ``--overwrite`` then starts afresh instead, and a folder
   holding anything else is refused as above.
 
-The lock goes when the writer closes (:func:`release_run_dir`) or when the process exits.
+The lock goes when the writer closes (:func:`release_run_dir`) or when the process exits. A command
+given no ``--out`` writes a folder of its own (:func:`new_run_dir`), which no other process shares.
 """
 
 from __future__ import annotations
 
 import atexit
+import datetime as _dt
 import errno
+import itertools
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -96,6 +99,23 @@ def claim_run_dir(run_dir: Path | str, *, overwrite: bool = False, continuable: 
     release_run_dir(run_dir)
     raise UsageError(f"--out {run_dir} already holds files (an earlier run?); pass a new folder, "
                      f"or --overwrite to replace the run in it.")
+
+
+def new_run_dir(command: str, parent: Path = Path("runs")) -> Path:
+    """A fresh folder for a run given no ``--out``: ``runs/<command>-<YYYYmmdd-HHMMSS>`` in local time, made
+    here. ``mkdir`` fails on a folder that exists, so two commands started in the same second (a script
+    running checks in parallel) get two folders, the later one suffixed ``-2``, ``-3``, ..., instead of
+    one refusing the other or both writing one."""
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    parent.mkdir(parents=True, exist_ok=True)
+    for number in itertools.count(1):
+        candidate = parent / (f"{command}-{stamp}" if number == 1 else f"{command}-{stamp}-{number}")
+        try:
+            candidate.mkdir()
+        except FileExistsError:
+            continue
+        return candidate
+    raise AssertionError("unreachable: itertools.count never ends")
 
 
 def release_run_dir(run_dir: Path | str) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from dflash_doctor.errors import UsageError
+from dflash_doctor.rundir.ownership import new_run_dir
 from dflash_doctor.rundir.run_record import StepCosts
 from dflash_doctor.telemetry.alarms import apply_alarms
 from dflash_doctor.telemetry.exporter import VerdictExporter
@@ -42,7 +43,7 @@ def open_sources(specs: list[str], prometheus: str | None, settings: WatchSettin
 class WatchSession:
     """Owns the pieces of one watch and keeps its run directory current after every evaluation."""
 
-    def __init__(self, sources: list[Source], settings: WatchSettings, *, run_dir: Path, config: dict[str, Any],
+    def __init__(self, sources: list[Source], settings: WatchSettings, *, run_dir: Path | None, config: dict[str, Any],
                  costs: StepCosts | None = None, once: bool = False, exporter_port: int | None = None, exporter_address: str = "127.0.0.1",
                  hooks: AlertHooks | None = None, overwrite: bool = False):
         self.settings = settings
@@ -50,14 +51,17 @@ class WatchSession:
         self.judge = Judge(load_baseline(settings.baseline), settings.thresholds, server_kind=settings.server_kind, costs=costs)
         # --once on a /metrics URL without --window: "what do its counters say so far" (since the server started)
         self.watcher = Watcher(sources, window_s=settings.window_s, count_since_start=once and not settings.window_given)
-        self.run_dir = run_dir
-        self.record = WatchRecord(run_dir, config, {
+        # no --out: a folder of its own, made once the baseline and sources proved good (a refused watch leaves none)
+        self.run_dir = run_dir if run_dir is not None else new_run_dir("watch")
+        self.record = WatchRecord(self.run_dir, config, {
             "sources": [s.name for s in sources], "window_s": settings.window_s, "interval_s": settings.interval_s,
             "baseline": self.judge.baseline.description if self.judge.baseline else None,
             "thresholds": dataclasses.asdict(settings.thresholds),
         }, retain_s=settings.retain_s, overwrite=overwrite)
         self.exporter = VerdictExporter(exporter_port, exporter_address) if exporter_port is not None else None
         self.hooks = hooks
+        if hooks is not None:
+            hooks.run_dir = self.run_dir  # named to the operator's command in DFLASH_DOCTOR_RUN_DIR
         self._units_recorded = 0
 
     def _judge(self, window: Window) -> WindowVerdict:
