@@ -29,6 +29,9 @@ from typing import Any
 from dflash_doctor.checks.base import Check, CheckContext, CheckResult, Finding, Need, register, skipped
 
 CONFIGURED = "as configured"  # the setup name dflash_doctor.serving.agreement gives the draft as configured
+# where to look when the run names no draft kind's own list (runs written before the kinds carried one)
+GENERIC_SERVING_CHECKLIST = ("the served draft's config and num_speculative_tokens against the local ones, and the chat template "
+                             "the server renders")
 
 
 def _ci(values: list[float] | None) -> str:
@@ -87,8 +90,7 @@ class EngineAgreementCheck(Check):
                 "fail", f"the server accepts less than the draft does on the same text: tau {overall['engine_tau']:.2f} vs {overall['embedded_tau']:.2f}",
                 f"{tau_text}; {step_text}" + (f"; no simulated setup ({simulated}) reproduces the engine's steps"
                                               if stepwise and simulated else ""),
-                "the draft is fine and the serving setup is not: check the mask id, num_speculative_tokens vs the block size, the draft's "
-                "attention backend (must be non-causal capable), a quantised KV cache for the draft, and the chat template the server renders"))
+                "the draft is fine and the serving setup is not: check " + (data.get("serving_checklist") or GENERIC_SERVING_CHECKLIST)))
         elif gap <= -self.min_tau_gap and overall["difference_ci"][1] < 0:
             findings.append(Finding(
                 "warn", f"the server accepts more than the embedded replay: tau {overall['engine_tau']:.2f} vs {overall['embedded_tau']:.2f}",

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
+
 from dflash_doctor.checks import CheckContext, get_check, run_checks
+from dflash_doctor.models.draft_kinds import get_draft_kind
 from dflash_doctor.rundir.run_record import Probes
 from checks_fixtures import record
 
@@ -45,12 +48,19 @@ def test_engine_agreement_fail_names_the_layer_offset_the_server_matches():
     assert "target_layer_ids + 1" in finding.message and "sided with target_layer_ids + 1 38 times" in finding.evidence and finding.fix
 
 
-def test_engine_agreement_fail_without_a_matching_setup_lists_what_to_inspect():
+@pytest.mark.parametrize("kind, named", [("dflash", "mask id"), ("eagle3", "eagle_aux_hidden_state_layer_ids"),
+                                         ("mtp", "before or after the final norm"), ("ngram", "prompt_lookup_min"), (None, "served draft's config")])
+def test_engine_agreement_fail_without_a_matching_setup_lists_what_to_inspect_for_the_draft_kind(kind, named):
+    """The fix lists the kind's own serving settings (a run from before the kinds carried one: a general list)."""
     figures = _figures(engine_tau=1.2, embedded_tau=1.73, ci=(0.4, 0.6),
                        shares={"as configured": 0.5, "target_layer_ids + 1": 0.55, "in-block attention causal": 0.6})
+    if kind is not None:
+        figures["serving_checklist"] = get_draft_kind(kind).serving_checklist
     result = _run(figures)
     assert result.status == "fail" and "accepts less" in result.summary
-    assert "mask id" in result.findings[-1].fix
+    fix = result.findings[-1].fix
+    assert named in fix and fix.startswith("the draft is fine and the serving setup is not: check ")
+    assert ("mask id" in fix) == (kind == "dflash")
 
 
 def test_engine_agreement_fail_on_k_above_the_block_and_on_a_different_prompt_rendering():

@@ -29,6 +29,7 @@ from typer.testing import CliRunner
 
 from dflash_doctor.cli import app
 from dflash_doctor.models.loading import DEMO_DRAFT_DIR, DEMO_EAGLE3_DIR
+from dflash_doctor.models.draft_kinds import get_draft_kind
 from dflash_doctor.rundir.load import load_run
 from dflash_doctor.models.serving_setups import CONFIGURED, FIRST_LAYER_CONTEXT_K_NORM
 from vllm_server import API_KEY, SERVED_NAME, free_port, start_vllm_server
@@ -55,10 +56,13 @@ def engine_run(vllm_server, demo_target_dir, tmp_path_factory) -> tuple[int, str
     return code, output, out
 
 
-def agreement_of(run_dir: Path) -> tuple[dict, dict]:
+def agreement_of(run_dir: Path, kind: str = "dflash") -> tuple[dict, dict]:
+    """The engine-agreement figures and check of a `check --engine` run whose local draft is of ``kind``."""
     meta = json.loads((run_dir / "run.json").read_text())
     check = next(c for c in meta["checks"] if c["id"] == "engine-agreement")
-    return meta["probes"]["engine_agreement"], check
+    data = meta["probes"]["engine_agreement"]
+    assert data["serving_checklist"] == get_draft_kind(kind).serving_checklist  # the fix text names the kind's settings
+    return data, check
 
 
 def test_vllm_writes_the_greedy_text_and_accepts_what_the_embedded_replay_of_its_defect_does(engine_run):
@@ -189,7 +193,7 @@ def test_vllm_prompt_lookup_is_reproduced_by_the_embedded_ngram_replay(demo_targ
     finally:
         server.stop()
     assert code in (0, 1), output
-    data, check = agreement_of(tmp_path / "run")
+    data, check = agreement_of(tmp_path / "run", "ngram")
     assert data["num_compared"] == data["num_turns"] >= 6
     assert data["outputs"]["num_identical"] == data["outputs"]["num_compared"], data["outputs"]
     steps = data["per_step"][CONFIGURED]
@@ -214,7 +218,7 @@ def test_vllm_eagle3_is_reproduced_by_the_embedded_eagle3_replay(demo_target_dir
     finally:
         server.stop()
     assert code in (0, 1), output
-    data, check = agreement_of(tmp_path / "run")
+    data, check = agreement_of(tmp_path / "run", "eagle3")
     assert data["num_compared"] == data["num_turns"] >= 6
     assert data["outputs"]["num_identical"] == data["outputs"]["num_compared"], data["outputs"]
     steps = data["per_step"][CONFIGURED]
@@ -265,7 +269,7 @@ def test_vllm_mtp_is_reproduced_by_the_embedded_mtp_replay(tmp_path, monkeypatch
     meta = json.loads((tmp_path / "run" / "run.json").read_text())
     draft = meta["models"]["local draft"]
     assert draft["architecture"] == "glm4_moe" and draft["carried_state"] == "pre-norm" and draft["hidden_state"] == "post-norm"
-    data, check = agreement_of(tmp_path / "run")
+    data, check = agreement_of(tmp_path / "run", "mtp")
     assert data["num_compared"] == data["num_turns"] >= 9
     assert data["outputs"]["num_identical"] == data["outputs"]["num_compared"], data["outputs"]
     steps = data["per_step"][CONFIGURED]

@@ -100,6 +100,8 @@ class DraftKind(Generic[DraftModel]):
     ``engine_agreement``: the serving engines' setups for this kind are modelled
     (:mod:`dflash_doctor.serving.agreement`), so ``check --engine`` with a local pair replays the server's
     answered turns in the embedded engine under each setup.
+    ``serving_checklist``: where to look in the serving setup when the server accepts less than the draft
+    on the same text and none of the modelled setups explains it (the ``engine-agreement`` check's fix).
     ``serving_setups(model, target_model)``: the setups a server can run this kind's draft under (as
     configured, and each mistake or engine defect the replay reproduces exactly), each with its proposer
     over the target (None where the setup cannot apply to this draft); None: one setup, the pair's own
@@ -120,6 +122,7 @@ class DraftKind(Generic[DraftModel]):
     with_layer_ids: Callable[[DraftModel, list[int]], DraftModel] | None = None
     ships_tokenizer: bool = False
     engine_agreement: bool = False
+    serving_checklist: str = ""
     serving_setups: Callable[[DraftModel, CausalLM], SetupProposers] | None = None
     from_spec: Callable[[dict[str, str], Path, Any, LoadOptions], DraftModel] | None = None
 
@@ -242,6 +245,8 @@ register_draft_kind(DraftKind(
     layer_ids=lambda model: list(model.config.target_layer_ids),
     with_layer_ids=_dflash_with_layer_ids,
     engine_agreement=True,
+    serving_checklist=("the mask id, num_speculative_tokens vs the block size, the draft's attention backend (must be "
+                       "non-causal capable), a quantised KV cache for the draft, and the chat template the server renders"),
     serving_setups=_dflash_serving_setups,
 ))
 
@@ -298,6 +303,8 @@ register_draft_kind(DraftKind(
     },
     # vLLM's proposals follow from the text and the two settings alone, so its steps replay exactly
     engine_agreement=True,
+    serving_checklist=("the server's prompt_lookup_min, prompt_lookup_max and num_speculative_tokens against the --draft ngram "
+                       "settings, and the chat template the server renders (the lookup reads the prompt's tokens)"),
     from_spec=_ngram_from_spec,
 ), before="autoregressive")
 
@@ -380,6 +387,9 @@ register_draft_kind(DraftKind(
     with_layer_ids=_eagle3_with_layer_ids,
     # a chain of K every step, so vLLM lists every step: compared anchor by anchor under its setups
     engine_agreement=True,
+    serving_checklist=("the served head's eagle_aux_hidden_state_layer_ids and norm switches against the local config (the "
+                       "eagle3-config check lists both), the draft-to-target vocabulary map the server loads, num_speculative_tokens, "
+                       "a quantised KV cache for the head, and the chat template the server renders"),
     serving_setups=_eagle3_serving_setups,
 ), before="autoregressive")
 
@@ -464,5 +474,8 @@ register_draft_kind(DraftKind(
     # one chain of K every step, a function of the target's states and the text: the replay as configured
     # (the sides vLLM passes for the architecture) reproduces the server's steps (docs/speculators.md#mtp)
     engine_agreement=True,
+    serving_checklist=("which hidden state the engine hands the MTP head, before or after the final norm (the mtp-config "
+                       "check names each engine's choice), num_speculative_tokens against the number of MTP layers, and the "
+                       "chat template the server renders"),
     from_spec=_mtp_from_spec,
 ), before="autoregressive")

@@ -324,4 +324,5 @@ def compare_with_embedded(engine, answered, config, *, seed: int = 0) -> dict[st
     summary = summarize_agreement(comparisons, answered, engine_k=engine_k, block_size=getattr(config_of_draft, "block_size", None),
                                   seed=seed)
     summary["setups"] = [dataclasses.asdict(s) for s in setups if s.name in proposers]
+    summary["serving_checklist"] = engine.kind.serving_checklist
     return summary
