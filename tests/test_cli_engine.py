@@ -15,6 +15,7 @@ import pandas as pd
 import pytest
 import torch
 
+from dflash_doctor import pipeline
 from dflash_doctor.engine.proposers.dflash import DFlashProposer
 from dflash_doctor.engine.target import TargetModel
 from dflash_doctor.models.draft_kinds import detect_draft_kind
@@ -194,11 +195,20 @@ def test_sweep_k_above_the_dflash_block(tiny_dir):
     assert_usage_error(invoke("sweep", *pair_args(tiny_dir, tiny_dir / "dflash", "--k", "99")), "--k 99", "block_size")
 
 
-def test_sweep_cost_profile_that_does_not_parse(tiny_dir, tmp_path):
+@pytest.mark.parametrize("command", ["sweep", "check"])
+def test_a_cost_profile_that_does_not_parse_is_refused_before_any_work(tiny_dir, tmp_path, command, monkeypatch):
+    """Read before the models load: the refusal costs no replay, and no run directory is left behind."""
     profile = tmp_path / "costs.toml"
     profile.write_text("t_decode_s = [0.01\n", encoding="utf-8")
-    result = invoke("sweep", *pair_args(tiny_dir, tiny_dir / "dflash", "--k", "1-5", "--cost-profile", profile))
+
+    def no_replay(*args, **kwargs):
+        raise AssertionError("the pair was loaded before the cost profile was read")
+
+    monkeypatch.setattr(pipeline, "load_pair", no_replay)
+    monkeypatch.chdir(tmp_path)
+    result = invoke(command, *pair_args(tiny_dir, tiny_dir / "dflash", "--k", "1-5", "--cost-profile", profile))
     assert_usage_error(result, "costs.toml")
+    assert not (tmp_path / "runs").exists()
 
 
 def test_multi_turn_request_with_its_own_limit_records_the_same_turns_live_and_teacher_forced(tiny_dir, tmp_path):
