@@ -89,6 +89,7 @@ def _start(config: DoctorConfig, command: str, scenario=None, run_dir: Path | No
         config = dataclasses.replace(config, draft=str(scenario.served_draft(run_dir / "served-draft")))
     config = dataclasses.replace(config, device=sharding.device_for_rank(config, sharding.current_ranks()))
     pair = load_pair(config, server_settings(config.engine_config) if config.engine_config else None)
+    pair.check_k_fits(config.k)  # before a writer opens: a refused --k leaves no run behind
     if pair.proposer.remembers_requests and sharding.current_ranks().sharded:
         raise UsageError(f"the {pair.kind.name} speculator remembers earlier requests in their order, which a replay split over "
                          "ranks cannot keep; run it in one process, without --devices or torchrun.")
@@ -209,7 +210,6 @@ def run_check(config: DoctorConfig, *, scenario=None, only: Sequence[str] = (), 
     run_dir = _claim(config, "check")
     requests, pair, config = _start(config, "check", scenario, run_dir)
     served_k = max(config.k) if config.k else None  # the K the user serves, when they said
-    pair.check_k_fits(config.k)
     sweep_config = dataclasses.replace(config, k=check_sweep_ks(config.k, pair.default_k))
     record = _new_record(sweep_config, pair, "check", scenario=scenario.name if scenario is not None else None, served_k=served_k)
     writer, replay = _teacher(pair, requests, sweep_config, exact_blocks, run_dir, record, progress, shared)

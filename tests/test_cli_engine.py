@@ -191,8 +191,11 @@ def test_malformed_jsonl_line_is_named_by_number(tiny_dir, tmp_path):
     assert_usage_error(result, "broken.jsonl:2")
 
 
-def test_sweep_k_above_the_dflash_block(tiny_dir):
-    assert_usage_error(invoke("sweep", *pair_args(tiny_dir, tiny_dir / "dflash", "--k", "99")), "--k 99", "block_size")
+@pytest.mark.parametrize("command", ["sweep", "replay", "check"])
+def test_k_above_the_dflash_block_is_refused_before_a_run_is_written(tiny_dir, tmp_path, command):
+    out = tmp_path / "run"
+    assert_usage_error(invoke(command, *pair_args(tiny_dir, tiny_dir / "dflash", "--k", "99", "--out", out)), "--k 99", "block_size")
+    assert not (out / "run.json").exists()
 
 
 @pytest.mark.parametrize("command", ["sweep", "check"])
