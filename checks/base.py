@@ -66,8 +66,14 @@ class CheckContext:
     draft_training_template: str | None = None  # the template the draft was trained with, when recorded
     record: RunRecord | None = None
     config: Any = None  # DoctorConfig
-    output_token_ids: list[int] | None = None  # ids the target produced in the run, all requests together
+    output_token_ids_by_class: dict[str, list[int]] | None = None  # ids the target produced in the run, per request class
     draft_weight_shapes: dict[str, list[int]] | None = None  # tensor name (no "model." prefix) -> shape
+
+    @property
+    def output_token_ids(self) -> list[int] | None:
+        """Every id the target produced in the run, all classes together (None when the run gave none)."""
+        by_class = self.output_token_ids_by_class
+        return None if by_class is None else [token for ids in by_class.values() for token in ids]
 
     def value(self, path: str) -> Any:
         """The input at a dotted ``path`` ("record.probes.lossless"); None when any step on the way is None."""

@@ -12,8 +12,9 @@ Three things an EAGLE-3 checkpoint can get silently wrong (the eagle3 section of
   layer than it was trained with. Any switch whose vLLM reading differs from the trainer's default warns.
 * **Its vocabulary.** The head drafts over its own vocabulary mapped into the target's by ``d2t``; a target
   token outside the map can never be drafted, so the share of the run's output tokens the map covers is an
-  upper bound on the acceptance rate at every slot. Below ``coverage_warn_below`` (0.95) it warns, below
-  ``coverage_fail_below`` (0.80) it fails. The thresholds are this check's choice: a draft vocabulary chosen
+  upper bound on the acceptance rate at every slot, measured over the run and per request class. Below
+  ``coverage_warn_below`` (0.95) it warns, below ``coverage_fail_below`` (0.80) it fails, for the run or for
+  any one class. The thresholds are this check's choice: a draft vocabulary chosen
   from text like the workload's covers nearly all of it, so a large miss means it was chosen for other text.
 """
 
@@ -97,7 +98,11 @@ class Eagle3ConfigCheck(Check):
         return findings
 
     def _coverage_findings(self, ctx: CheckContext, metrics: dict[str, Any]) -> list[Finding]:
-        produced = ctx.output_token_ids
+        """Coverage of the run's output tokens by the head's vocabulary, overall and per request class: a
+        class whose text the map leaves out (code beside chat) is judged on its own share, so a run
+        pooled with well covered classes cannot hide it."""
+        by_class = {name: ids for name, ids in (ctx.output_token_ids_by_class or {}).items() if ids}
+        produced = [token for ids in by_class.values() for token in ids]
         draft = config_value(ctx.config, "draft")
         if not produced or not draft:
             return [Finding("info", "vocabulary coverage not measured: the run recorded no output tokens or no draft checkpoint")]
@@ -109,21 +114,39 @@ class Eagle3ConfigCheck(Check):
             metrics["output_token_coverage"] = 1.0
             return [Finding("info", "the head drafts over the whole target vocabulary (no d2t)")]
         covered = set(proposable.tolist())
+        share = _covered_share(produced, covered)
+        shares = {name: _covered_share(ids, covered) for name, ids in sorted(by_class.items())}
+        metrics.update(output_token_coverage=share, output_token_coverage_by_class=shares, draft_vocab_size=len(covered),
+                       num_output_tokens=len(produced))
         missed = [token for token in produced if token not in covered]
-        share = 1.0 - len(missed) / len(produced)
-        metrics.update(output_token_coverage=share, draft_vocab_size=len(covered), num_output_tokens=len(produced))
         counts: dict[int, int] = {}
         for token in missed:
             counts[token] = counts.get(token, 0) + 1
         top = sorted(counts, key=lambda t: (-counts[t], t))[:5]
         metrics["most_missed_tokens"] = top
         shown = ", ".join(f"{_token_text(ctx, t)} x{counts[t]}" for t in top)
+        per_class = "; ".join(f"{name} {value:.1%}" for name, value in shares.items())
         evidence = (f"{len(produced) - len(missed)} of the run's {len(produced)} output tokens are in the head's "
-                    f"{len(covered)}-token vocabulary" + (f"; most often missed: {shown}" if top else ""))
-        message = f"the head can propose {share:.1%} of the tokens the target produced (an upper bound on its acceptance rate)"
-        severity = "fail" if share < self.coverage_fail_below else "warn" if share < self.coverage_warn_below else "info"
-        fix = "use a head whose draft vocabulary was built from text like this workload's (or one without d2t)" if severity != "info" else ""
-        return [Finding(severity, message, evidence, fix)]
+                    f"{len(covered)}-token vocabulary" + (f" (per class: {per_class})" if len(shares) > 1 else "")
+                    + (f"; most often missed: {shown}" if top else ""))
+        fix = "use a head whose draft vocabulary was built from text like this workload's (or one without d2t)"
+        findings = [Finding(self._coverage_severity(share),
+                            f"the head can propose {share:.1%} of the tokens the target produced (an upper bound on its acceptance rate)",
+                            evidence, fix if self._coverage_severity(share) != "info" else "")]
+        if len(shares) > 1:
+            for name, value in shares.items():
+                severity = self._coverage_severity(value)
+                if severity != "info":
+                    findings.append(Finding(severity, f"class {name}: the head can propose {value:.1%} of the tokens the target produced there",
+                                            f"{len(by_class[name])} output tokens of class {name}", fix))
+        return findings
+
+    def _coverage_severity(self, share: float) -> str:
+        return "fail" if share < self.coverage_fail_below else "warn" if share < self.coverage_warn_below else "info"
+
+
+def _covered_share(tokens: list[int], covered: set[int]) -> float:
+    return sum(token in covered for token in tokens) / len(tokens)
 
 
 def _norm_findings(raw: dict[str, Any], metrics: dict[str, Any]) -> list[Finding]:

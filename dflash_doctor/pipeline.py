@@ -300,6 +300,15 @@ def _probes(pair: Pair, requests: Sequence[Request], replay: Replay, config: Doc
     return probes
 
 
+def _output_ids_by_class(request_rows: Sequence[dict[str, Any]]) -> dict[str, list[int]]:
+    """The ids the target produced, per request class, in the rows' order (checks that bound acceptance by
+    what a draft can propose judge each class as well as the run)."""
+    by_class: dict[str, list[int]] = {}
+    for row in request_rows:
+        by_class.setdefault(str(row["class"]), []).extend(int(t) for t in row["output_token_ids"])
+    return by_class
+
+
 def check_context(pair: Pair, requests: Sequence[Request], config: DoctorConfig, record: RunRecord, request_rows: Sequence[dict[str, Any]]):
     """Everything the checks read, gathered once from the loaded pair, the record and the requests rows
     (the replay's, or the server's under ``--engine``)."""
@@ -328,7 +337,7 @@ def check_context(pair: Pair, requests: Sequence[Request], config: DoctorConfig,
         draft_training_template=recorded.get("chat_template"),
         record=record,
         config=config,
-        output_token_ids=[t for row in request_rows for t in row["output_token_ids"]],
+        output_token_ids_by_class=_output_ids_by_class(request_rows),
         draft_weight_shapes=draft_weight_shapes(pair.draft_dir) if pair.draft_dir is not None else {},
     )
 

@@ -97,7 +97,7 @@ def test_tokenizer_parity_fail_dflash_mask_collisions():
     assert eos.status == "fail" and "is the target's eos token" in eos.summary
     out_of_range = _parity(tok, draft_config={"dflash_config": {"mask_token_id": 11}})
     assert out_of_range.status == "fail" and "outside the target embedding (0..10)" in out_of_range.summary
-    produced = _parity(tok, draft_config={"dflash_config": {"mask_token_id": 10}}, output_token_ids=[3, 4, 10])
+    produced = _parity(tok, draft_config={"dflash_config": {"mask_token_id": 10}}, output_token_ids_by_class={"chat": [3, 4], "code": [10]})
     assert produced.status == "fail" and "was produced by the target" in produced.summary
 
 

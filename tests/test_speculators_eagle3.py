@@ -442,7 +442,8 @@ def test_head_to_head_with_ngram_prints_the_table(head_dir, tiny_dir, tmp_path):
 # ----------------------------------------------------------------------------- the eagle3-config check
 
 
-def eagle3_context(config: dict, *, draft: Path | None = None, output: list[int] | None = None, probe=None):
+def eagle3_context(config: dict, *, draft: Path | None = None, output: list[int] | dict[str, list[int]] | None = None, probe=None):
+    """A check context for eagle3-config; ``output``: the run's output ids (one class) or ids per class."""
     from types import SimpleNamespace
 
     from dflash_doctor.checks import CheckContext
@@ -450,7 +451,8 @@ def eagle3_context(config: dict, *, draft: Path | None = None, output: list[int]
 
     record = SimpleNamespace(probes=Probes(offset_probe=probe[0], offset_probe_drafts=probe[1]) if probe else Probes())
     return CheckContext(draft_config=config, draft_kind="eagle3", target_config={"num_hidden_layers": 36},
-                        config=SimpleNamespace(draft=str(draft) if draft else None), output_token_ids=output, record=record)  # pyright: ignore
+                        config=SimpleNamespace(draft=str(draft) if draft else None), record=record,  # pyright: ignore
+                        output_token_ids_by_class={"chat": output} if isinstance(output, list) else output)
 
 
 def findings_of(ctx):
@@ -498,3 +500,21 @@ def test_eagle3_config_warn_and_fail_on_poor_vocabulary_coverage(llama, head_dir
     poor = findings_of(eagle3_context(config, draft=head_dir, output=inside[:10] + outside[:20]))
     assert poor.status == "fail" and "upper bound" in poor.summary
     assert poor.metrics["most_missed_tokens"] == outside[:5]
+
+
+def test_eagle3_config_judges_each_class_so_a_well_covered_run_cannot_hide_a_poor_class(llama, head_dir):
+    """99% of the run is covered (a pass, judged overall) while code, 30 of its 979 tokens, is covered at 70%:
+    a fail naming code, each class's share in the metrics and the evidence."""
+    _, head, config = llama
+    inside = head.target_ids().tolist()
+    outside = sorted(set(range(97)) - set(inside))
+    chat = (inside * 20)[:970 - 21]
+    code = (inside * 2)[:21] + (outside * 3)[:9]
+    result = findings_of(eagle3_context(config, draft=head_dir, output={"chat": chat, "code": code}))
+    metrics = result.metrics
+    assert metrics["output_token_coverage"] == pytest.approx(0.991, abs=1e-3)
+    assert metrics["output_token_coverage_by_class"] == {"chat": 1.0, "code": pytest.approx(0.7)}
+    assert result.status == "fail"
+    failing = [f for f in result.findings if f.severity == "fail"]
+    assert len(failing) == 1 and failing[0].message.startswith("class code: the head can propose 70.0%")
+    assert "per class: chat 100.0%; code 70.0%" in result.findings[0].evidence
