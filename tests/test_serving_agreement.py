@@ -15,9 +15,7 @@ import torch
 from dflash_doctor.engine.live import speculative_generate
 from dflash_doctor.models.serving_setups import CONFIGURED, FIRST_LAYER_CONTEXT_K_NORM, ServingSetup, serving_setups, setup_proposer
 from dflash_doctor.serving.agreement import compare_turn, summarize_agreement
-from dflash_doctor.serving.server_run import ServerTurn
-from dflash_doctor.serving.responses import SpecMeasurement, step_rows
-from dflash_doctor.inputs.workloads import Request
+from server_turns import LocalStops, engine_turn
 from tiny_models import tiny_dflash, tiny_target
 
 
@@ -69,23 +67,6 @@ def test_the_context_k_norm_defect_changes_only_later_layers_context_keys():
     assert all(not s.first_layer_context_k_norm for s in serving_setups(draft_causal=False, num_draft_layers=1))
 
 
-class _Local:
-    """The bits of a loaded pair that compare_turn reads."""
-
-    def __init__(self, stop_ids):
-        self.stop_ids = stop_ids
-
-
-def _engine_turn(request_id, prompt, result, k) -> ServerTurn:
-    accepted = [s.num_accepted for s in result.steps]
-    measurement = SpecMeasurement("vllm", k, len(accepted), sum(s.num_drafted for s in result.steps), sum(accepted),
-                                  per_step_accepted=tuple(accepted), per_step_drafted=tuple(s.num_drafted for s in result.steps))
-    return ServerTurn(request=Request(id=request_id, prompt="x"), turn=0, output_text="", output_token_ids=result.output_ids,
-                      prompt_token_ids=prompt, prompt_num_tokens=len(prompt), num_output_tokens=len(result.output_ids),
-                      stop_reason=result.stop_reason, measurement=measurement, wall_time_s=0.0,
-                      steps=step_rows(measurement, result.output_ids))
-
-
 @pytest.fixture(scope="module")
 def demo_pair():
     """The real SmolLM2-135M-Instruct and the shipped DFlash draft (its acceptance is high enough to tell setups apart)."""
@@ -116,9 +97,9 @@ def test_a_stand_in_server_is_reproduced_step_by_step_and_its_setup_named(demo_p
     for index, question in enumerate(questions):
         prompt = encode_turn(tokenizer, [{"role": "user", "content": question}])
         live = speculative_generate(served_target, served_proposer, torch.tensor(prompt), k=k, max_new_tokens=max_new, stop_ids=stop_ids)
-        turn = _engine_turn(f"r{index}", prompt, live, k)
+        turn = engine_turn(f"r{index}", prompt, live, k)
         turns.append(turn)
-        comparisons.append(compare_turn(_Local(stop_ids), setups, proposers, turn, prompt, k, max_new, 0.0))
+        comparisons.append(compare_turn(LocalStops(stop_ids), setups, proposers, turn, prompt, k, max_new, 0.0))
     summary = summarize_agreement(comparisons, turns, engine_k=k, block_size=16)
     assert summary["outputs"]["num_identical"] == 2 and summary["prompts"]["num_identical"] == 2
     assert summary["per_step"][served]["share"] >= 0.95, summary["per_step"]
@@ -148,9 +129,9 @@ def test_an_ngram_server_is_reproduced_step_by_step_with_one_setup():
     assert sum(s.num_accepted for s in live.steps) > 0  # the lookup found its text again: not a trivial agreement
     drafted = [s for s in live.steps if s.num_drafted > 0]
     assert 0 < len(drafted) < len(live.steps)  # undrafted steps in between, as vLLM leaves out of its arrays
-    turn = _engine_turn("r0", prompt, dataclasses.replace(live, steps=drafted), k)
+    turn = engine_turn("r0", prompt, dataclasses.replace(live, steps=drafted), k)
     assert all(s.position == -1 for s in turn.steps)  # the listed steps cover fewer tokens than the output: not placed
-    comparison = compare_turn(_Local(frozenset()), [ServingSetup(CONFIGURED)], {CONFIGURED: (proposer, target)}, turn, prompt,
+    comparison = compare_turn(LocalStops(frozenset()), [ServingSetup(CONFIGURED)], {CONFIGURED: (proposer, target)}, turn, prompt,
                               k, max_new, 0.0)
     summary = summarize_agreement([comparison], [turn], engine_k=k, block_size=None)
     assert summary["outputs"]["num_identical"] == 1

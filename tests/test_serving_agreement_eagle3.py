@@ -18,7 +18,7 @@ from dflash_doctor.models.serving_setups import CONFIGURED
 from dflash_doctor.serving.agreement import compare_turn, summarize_agreement
 from checks_fixtures import record
 from eagle3_heads import fitted_head
-from test_serving_agreement import _engine_turn, _Local
+from server_turns import LocalStops, engine_turn
 from tiny_models import tiny_target
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -64,10 +64,10 @@ def test_a_stand_in_eagle3_server_is_reproduced_step_by_step_and_its_setup_named
     turns, comparisons = [], []
     for index, prompt in enumerate(PROMPTS):
         live = speculative_generate(served_target, served_proposer, torch.tensor(prompt), k=K, max_new_tokens=MAX_NEW, stop_ids=frozenset())
-        turn = _engine_turn(f"r{index}", prompt, live, K)
+        turn = engine_turn(f"r{index}", prompt, live, K)
         assert all(s.position >= 1 for s in turn.steps)  # a chain drafts every step: vLLM's arrays place them all
         turns.append(turn)
-        comparisons.append(compare_turn(_Local(frozenset()), setups, proposers, turn, prompt, K, MAX_NEW, 0.0))
+        comparisons.append(compare_turn(LocalStops(frozenset()), setups, proposers, turn, prompt, K, MAX_NEW, 0.0))
     summary = summarize_agreement(comparisons, turns, engine_k=K, block_size=None)
     summary["setups"] = [{"name": s.name, "cause": s.cause, "fix": s.fix, "engine_defect": s.engine_defect} for s in setups]
     assert summary["outputs"]["num_identical"] == len(PROMPTS)
