@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from dflash_doctor.cli import app
 from dflash_doctor.tune.secrets import copy_redacted, known_secrets, redact
 from dflash_doctor.tune.servers import ServerPlan, serving
-from test_tune import write_sweep_run, write_workload
+from tune_fixtures import write_sweep_run, write_workload
 
 TESTS = Path(__file__).resolve().parent
 KEY = "sk-printed-9f3e"

@@ -32,6 +32,9 @@ from dflash_doctor.models.loading import DEMO_DRAFT_DIR, DEMO_EAGLE3_DIR
 from dflash_doctor.models.draft_kinds import get_draft_kind
 from dflash_doctor.rundir.load import load_run
 from dflash_doctor.models.serving_setups import CONFIGURED, FIRST_LAYER_CONTEXT_K_NORM
+import target_families
+from mtp_targets import write_mtp_target
+from tiny_models import write_workload
 from vllm_server import API_KEY, SERVED_NAME, free_port, start_vllm_server
 
 pytestmark = pytest.mark.vllm
@@ -236,14 +239,10 @@ MTP_K = 2
 
 
 def test_vllm_mtp_is_reproduced_by_the_embedded_mtp_replay(tmp_path, monkeypatch):
-    """vLLM's mtp method on a tiny GLM-4.5 target whose own MTP head is fit to it (tests/test_speculators_mtp.py), and the
+    """vLLM's mtp method on a tiny GLM-4.5 target whose own MTP head is fit to it (tests/mtp_targets.py), and the
     doctor's ``--draft mtp`` with its default sides: for ``glm4_moe`` vLLM carries the head's state before its norm
     (Glm4MoeMTPModel), so the default replay must too. Same greedy text, every server step reproduced, tau within a
     few hundredths (vLLM drafts K once more on each turn's last step, as in the eagle3 test)."""
-    import target_families
-    from test_speculators_mtp import write_mtp_target
-    from tiny_models import write_workload
-
     base = target_families.CONFIGS["glm4_moe"]
 
     def servable():  # vLLM's CPU attention wants head sizes of 32 or more
