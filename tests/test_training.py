@@ -25,7 +25,7 @@ from dflash_doctor.engine.target import TargetModel
 from dflash_doctor.errors import UsageError
 from dflash_doctor.models.loading import load_dflash_draft, save_dflash_draft
 from dflash_doctor.models.training import SequenceRecord, TrainConfig, choose_mask_token_id, held_out_steps, sample_anchors, slot_weights, train_dflash_draft, validate_mask_token_id
-from tiny_models import tiny_dflash, tiny_target, torch_threads
+from tiny_models import markov_target, tiny_dflash, tiny_target, torch_threads
 
 STOP_IDS = frozenset({2})
 NEW_TOKENS = 24
@@ -37,21 +37,6 @@ def one_thread():
     """Two shared cores: one intra-op thread is ~10x faster for these tiny matrices than two fighting."""
     with torch_threads(1):
         yield
-
-
-def markov_target():
-    """tiny_target with its residual branches zeroed: the greedy continuation depends on the last token only.
-
-    A random deep target's greedy map is a hash of its whole context, which no small draft learns in
-    seconds; this one is a first-order chain (like the local regularity of real text), learnable in a
-    few hundred steps, and still a real transformers model feeding real hidden states.
-    """
-    model = tiny_target()
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-    return model
 
 
 def random_prompts(count: int, seed: int) -> list[list[int]]:

@@ -16,7 +16,7 @@ from dflash_doctor.models.eagle3_format import load_eagle3_head
 from dflash_doctor.models.training import (SequenceRecord, TrainConfig, chain_rows, draft_vocabulary, extract_features, held_out_steps,
                                            new_eagle3_head, speculators_config, tau_by_class, train_eagle3_head, vocabulary_maps)
 from dflash_doctor.models.training.checkpoints import save_draft
-from tiny_models import tiny_target, torch_threads
+from tiny_models import markov_target, torch_threads
 
 AUX_IDS = [1, 2, 3]
 TTT = 4
@@ -28,16 +28,6 @@ STOP_IDS = frozenset({2})
 def one_thread():
     with torch_threads(1):
         yield
-
-
-def markov_target():
-    """tiny_target with its residual branches zeroed: a first-order greedy chain a one-layer head learns in seconds."""
-    model = tiny_target()
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-    return model
 
 
 def greedy_records(target, count: int, seed: int) -> list[SequenceRecord]:

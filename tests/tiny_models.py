@@ -136,3 +136,18 @@ def draft_that_agrees_often(target_model):
         for p in draft.parameters():
             p.add_(torch.randn_like(p) * 0.004)
     return draft
+
+
+def markov_target():
+    """tiny_target with its residual branches zeroed: the greedy continuation depends on the last token only.
+
+    A random deep target's greedy map is a hash of its whole context, which no small draft learns in
+    seconds; this one is a first-order chain (like the local regularity of real text), learnable in a
+    few hundred steps, and still a real transformers model feeding real hidden states.
+    """
+    model = tiny_target()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    return model
