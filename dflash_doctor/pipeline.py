@@ -293,10 +293,13 @@ def _probes(pair: Pair, requests: Sequence[Request], replay: Replay, config: Doc
         target_weights_fingerprint=weights_fingerprint(pair.target.model),
     )
     if config.temperature == 0:
-        probes.lossless = lossless_probe(pair, turns, k=max(config.k), dtype=config.dtype)
-    offset = layer_offset_probe(pair, turns, replay.full_block_matches)
-    if offset is not None:
-        probes.offset_probe, probes.offset_probe_drafts = offset
+        with stage(f"lossless probe: {len(turns)} requests live at K={max(config.k)} vs plain decoding"):
+            probes.lossless = lossless_probe(pair, turns, k=max(config.k), dtype=config.dtype)
+    if pair.kind.with_layer_ids is not None:
+        with stage("layer-offset probe: target layer ids shifted by -1 and +1"):
+            offset = layer_offset_probe(pair, turns, replay.full_block_matches)
+        if offset is not None:
+            probes.offset_probe, probes.offset_probe_drafts = offset
     return probes
 
 
