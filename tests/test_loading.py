@@ -5,7 +5,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,7 @@ from dflash_doctor.inputs.validation import read_config_json
 from dflash_doctor.models import loading
 from dflash_doctor.models.draft_kinds import LoadOptions, detect_draft_kind, get_draft_kind
 from dflash_doctor.errors import UsageError
+from gguf_conversion import record_dequantise
 from hub_cache import hub_snapshot, offline_hub_cache
 from tiny_models import tiny_target, tiny_tokenizer
 
@@ -66,23 +66,12 @@ def test_the_suggested_download_command_exists_in_the_installed_huggingface_hub(
     assert "hf" in {script.name for script in entry_points(group="console_scripts") if script.value.startswith("huggingface_hub")}
 
 
-def _record_dequantise(gguf_path, out_dir, log: Path, seconds: float = 0.0) -> None:
-    """Stands in for the transformers conversion (tens of seconds on a real file): writes a model folder
-    and logs when it started and ended, to see whether two conversions overlapped."""
-    start = time.time()
-    time.sleep(seconds)
-    out_dir.mkdir(parents=True)
-    (out_dir / "config.json").write_text("{}")
-    with log.open("a") as handle:
-        handle.write(f"{os.getpid()} {start} {time.time()}\n")
-
-
 def test_gguf_is_converted_once_and_again_only_when_the_file_changes(tmp_path, monkeypatch):
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"GGUF fake bytes")
     log = tmp_path / "conversions.log"
     monkeypatch.setenv("DFLASH_DOCTOR_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(loading, "_dequantise_gguf", lambda path, out: _record_dequantise(path, out, log))
+    monkeypatch.setattr(loading, "_dequantise_gguf", lambda path, out: record_dequantise(path, out, log))
 
     first = loading.resolve_model_dir(str(gguf))
     assert loading.resolve_model_dir(str(gguf)) == first and len(log.read_text().splitlines()) == 1
@@ -101,10 +90,10 @@ CONVERT_IN_A_PROCESS = """
 import sys, time
 from pathlib import Path
 from dflash_doctor.models import loading
-from test_loading import _record_dequantise
+from gguf_conversion import record_dequantise
 
 gguf, log, ready = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
-loading._dequantise_gguf = lambda path, out: _record_dequantise(path, out, log, seconds=1.0)
+loading._dequantise_gguf = lambda path, out: record_dequantise(path, out, log, seconds=1.0)
 (ready / sys.argv[4]).touch()
 while len(list(ready.iterdir())) < 2:  # both processes imported: start together
     time.sleep(0.01)
