@@ -70,9 +70,17 @@ class Outcome:
 
 def _claim(config: DoctorConfig, command: str) -> Path:
     """The run directory, taken for this process before any work (:mod:`dflash_doctor.rundir.ownership`);
-    under torchrun rank 0 owns it for every rank (the others write only their part below it)."""
-    run_dir = Path(config.out) if config.out else new_run_dir(command)
-    if sharding.current_ranks().is_main:
+    under torchrun rank 0 owns it for every rank (the others write only their part below it), so the
+    ranks need it named (``--devices`` names it for them)."""
+    ranks = sharding.current_ranks()
+    if config.out:
+        run_dir = Path(config.out)
+    elif ranks.sharded:
+        raise UsageError(f"the {ranks.world_size} torchrun ranks must write one run directory; pass --out DIR "
+                         "(the --devices shortcut picks one itself).")
+    else:
+        run_dir = new_run_dir(command)
+    if ranks.is_main:
         claim_run_dir(run_dir, overwrite=config.overwrite)
     return run_dir
 

@@ -24,7 +24,10 @@ from dflash_doctor.errors import UsageError
 from dflash_doctor.replay.stream import Replay
 from dflash_doctor.rundir.load import load_run
 from dflash_doctor.inputs.workloads import Request
-from cli_helpers import pair_args
+from typer.testing import CliRunner
+
+from dflash_doctor.cli import app
+from cli_helpers import assert_usage_error, pair_args
 from tiny_models import tiny_target, write_workload
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -89,15 +92,17 @@ def test_two_gloo_ranks_write_the_run_one_process_writes(tiny_dir, tmp_path):  #
     profile = tmp_path / "costs.json"  # fixed step costs: measured ones differ between any two runs
     profile.write_text(json.dumps({"t_decode_s": 0.01, "t_verify_s": 0.011, "t_draft_s": {str(k): 0.002 * k for k in range(1, 6)}}))
     args = [*pair_args(tiny_dir, tiny_dir / "dflash"), "--workload", workload, "--cost-profile", profile]
-    single, sharded = tmp_path / "single", tmp_path / "sharded"
+    single = tmp_path / "single"
     # Both runs with one thread per process: the float sums behind the token columns (KL, margins) depend on
     # the thread count, so equality to the last bit needs the same arithmetic on both sides.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    for out, extra in ((single, []), (sharded, ["--devices", "cpu,cpu"])):
-        ran = subprocess.run([sys.executable, "-m", "dflash_doctor", "sweep", *map(str, args), "--out", str(out), *extra],
+    # the sharded run without --out: the launcher names one folder for both ranks (runs/sweep-<second>)
+    for extra in (["--out", str(single)], ["--devices", "cpu,cpu"]):
+        ran = subprocess.run([sys.executable, "-m", "dflash_doctor", "sweep", *map(str, args), *extra],
                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
         assert ran.returncode == 0, ran.stderr[-3000:]
-    assert not (sharded / PARTS_DIR).exists()
+    (sharded,) = (tmp_path / "runs").iterdir()
+    assert sharded.name.startswith("sweep-") and not (sharded / PARTS_DIR).exists()
     one, two = load_run(single), load_run(sharded)
     assert len(one.requests) == 10 + 1 and len(one.tokens) > 0
     _frames_equal(one.requests, two.requests)
@@ -105,3 +110,13 @@ def test_two_gloo_ranks_write_the_run_one_process_writes(tiny_dir, tmp_path):  #
     _frames_equal(one.tokens, two.tokens)
     for section in ("summary", "recommendation"):
         assert two.meta[section] == one.meta[section], section
+
+
+def test_torchrun_ranks_without_out_are_refused_before_any_work(tiny_dir, tmp_path, monkeypatch):
+    """Each rank would otherwise name a folder of its own; --devices names one for them (above)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    result = CliRunner().invoke(app, ["sweep", *map(str, pair_args(tiny_dir, tiny_dir / "dflash"))])
+    assert_usage_error(result, "torchrun ranks must write one run directory", "--out DIR")
+    assert not (tmp_path / "runs").exists()

@@ -102,7 +102,7 @@ def check(
     if config.engine is not None and scenario is not None:
         raise UsageError("--scenario reproduces failures on the embedded demo pair; drop it or drop --engine.")
     api_key = secret(engine_api_key, "--engine-api-key") if engine_api_key else None
-    if (code := sharding.launch_ranks(config)) is not None:
+    if (code := sharding.launch_ranks(config, "check")) is not None:
         raise typer.Exit(code)
     if config.engine is not None:
         outcome = run_with_progress(lambda progress: pipeline.run_server_check(config, only=only_ids, skip=skip_ids, progress=progress, api_key=api_key))

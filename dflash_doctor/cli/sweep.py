@@ -18,7 +18,7 @@ from dflash_doctor.report.terminal import print_sweep
 @opt.config_command(*opt.REPLAY_FLAGS, "devices", "cost_profile", "strict_classes")
 def sweep(config: DoctorConfig, exact_blocks: opt.ExactBlocks = False) -> None:
     """Teacher-forced replay answering every K at once (default K = 1..block-1 or 1-8), net speedup per class, recommended K."""
-    if (code := sharding.launch_ranks(config)) is not None:
+    if (code := sharding.launch_ranks(config, "sweep")) is not None:
         raise typer.Exit(code)
     outcome = run_with_progress(lambda progress: pipeline.run_sweep(config, exact_blocks=exact_blocks, progress=progress))
     print_sweep(outcome.record, Console())

@@ -31,6 +31,7 @@ from dflash_doctor.inputs.config import DoctorConfig
 from dflash_doctor.inputs.workloads import Request
 from dflash_doctor.processes import run_in_group
 from dflash_doctor.replay.stream import Replay
+from dflash_doctor.rundir.ownership import new_run_dir
 from dflash_doctor.rundir.tables import TABLES
 from dflash_doctor.rundir.writer import RunWriter
 
@@ -221,15 +222,19 @@ def merge_replays(replays: Sequence[Replay], requests: Sequence[Request]) -> Rep
 # The --devices shortcut
 
 
-def launch_ranks(config: DoctorConfig, argv: Sequence[str] | None = None) -> int | None:
+def launch_ranks(config: DoctorConfig, command_name: str, argv: Sequence[str] | None = None) -> int | None:
     """With ``--devices`` outside torchrun: run this command line under torchrun, one rank per entry (the
     ranks read their entry from the same flag), and return torchrun's exit code; None when there is
-    nothing to launch."""
+    nothing to launch. Without ``--out`` the run directory is made here and handed to every rank, which
+    must all write the same one."""
     if not config.devices or under_torchrun():
         return None
     entries = parse_devices(config.devices)
+    ranks_argv = list(sys.argv[1:] if argv is None else argv)
+    if not config.out:
+        ranks_argv += ["--out", str(new_run_dir(command_name))]
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(len(entries)),
-               "-m", "dflash_doctor", *(sys.argv[1:] if argv is None else argv)]
+               "-m", "dflash_doctor", *ranks_argv]
     # torchrun gives every rank one CPU thread unless told otherwise; the replay's CPU side (token rows,
     # schedules) then runs slower than in one process, so share the cores out instead
     threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // len(entries)))
