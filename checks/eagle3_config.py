@@ -130,9 +130,9 @@ class Eagle3ConfigCheck(Check):
                     f"{len(covered)}-token vocabulary" + (f" (per class: {per_class})" if len(shares) > 1 else "")
                     + (f"; most often missed: {shown}" if top else ""))
         fix = "use a head whose draft vocabulary was built from text like this workload's (or one without d2t)"
-        findings = [Finding(self._coverage_severity(share),
-                            f"the head can propose {share:.1%} of the tokens the target produced (an upper bound on its acceptance rate)",
-                            evidence, fix if self._coverage_severity(share) != "info" else "")]
+        overall = self._coverage_severity(share)
+        findings = [Finding(overall, f"the head can propose {share:.1%} of the tokens the target produced (an upper bound on its acceptance rate)",
+                            evidence, fix if overall != "info" else "")]
         if len(shares) > 1:
             for name, value in shares.items():
                 severity = self._coverage_severity(value)
