@@ -332,8 +332,8 @@ def test_replay_and_sweep_agree_step_for_step_over_the_workload(tiny_dir, tmp_pa
     assert live["num_accepted"].sum() > 0
 
 
-def test_a_replay_split_over_ranks_is_refused(tiny_dir, monkeypatch):
+def test_a_replay_split_over_ranks_is_refused(tiny_dir, monkeypatch, tmp_path):
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
-    result = invoke("replay", *pair_args(tiny_dir, "suffix", "--k", "2"))
+    result = invoke("replay", *pair_args(tiny_dir, "suffix", "--k", "2", "--out", str(tmp_path / "run")))
     assert_usage_error(result, "suffix speculator remembers earlier requests", "one process")
