@@ -114,11 +114,11 @@ class Eagle3ConfigCheck(Check):
             metrics["output_token_coverage"] = 1.0
             return [Finding("info", "the head drafts over the whole target vocabulary (no d2t)")]
         covered = set(proposable.tolist())
-        share = _covered_share(produced, covered)
+        missed = [token for token in produced if token not in covered]
+        share = 1.0 - len(missed) / len(produced)
         shares = {name: _covered_share(ids, covered) for name, ids in sorted(by_class.items())}
         metrics.update(output_token_coverage=share, output_token_coverage_by_class=shares, draft_vocab_size=len(covered),
                        num_output_tokens=len(produced))
-        missed = [token for token in produced if token not in covered]
         counts: dict[int, int] = {}
         for token in missed:
             counts[token] = counts.get(token, 0) + 1

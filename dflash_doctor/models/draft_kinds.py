@@ -213,10 +213,6 @@ def _dflash_with_layer_ids(model: DFlashDraftModel, layer_ids: list[int]) -> DFl
     return shifted
 
 
-def _dflash_serving_setups(model: DFlashDraftModel, target_model: CausalLM) -> SetupProposers:
-    return dflash_setup_proposers(model, target_model)
-
-
 def _load_autoregressive(draft_dir: Path, target_dir: Path, target_config: Any, options: LoadOptions) -> CausalLM:
     model = load_causal_lm(draft_dir, dtype=options.dtype, device=options.device, trust_remote_code=options.trust_remote_code)
     # kept on the model like a DFlash draft's ``draft_format``, for the kind's run.json facts (setattr: a
@@ -247,7 +243,7 @@ register_draft_kind(DraftKind(
     engine_agreement=True,
     serving_checklist=("the mask id, num_speculative_tokens vs the block size, the draft's attention backend (must be "
                        "non-causal capable), a quantised KV cache for the draft, and the chat template the server renders"),
-    serving_setups=_dflash_serving_setups,
+    serving_setups=dflash_setup_proposers,
 ))
 
 register_draft_kind(DraftKind(
@@ -372,10 +368,6 @@ def _eagle3_with_layer_ids(model: Eagle3DraftModel, layer_ids: list[int]) -> Eag
     return shifted
 
 
-def _eagle3_serving_setups(model: Eagle3DraftModel, target_model: CausalLM) -> SetupProposers:
-    return eagle3_setup_proposers(model, target_model)
-
-
 register_draft_kind(DraftKind(
     name=Eagle3Proposer.kind,
     description="an EAGLE-3 head (speculators or original EAGLE-3 layout) drafting a chain as vLLM's eagle3 method does",
@@ -390,7 +382,7 @@ register_draft_kind(DraftKind(
     serving_checklist=("the served head's eagle_aux_hidden_state_layer_ids and norm switches against the local config (the "
                        "eagle3-config check lists both), the draft-to-target vocabulary map the server loads, num_speculative_tokens, "
                        "a quantised KV cache for the head, and the chat template the server renders"),
-    serving_setups=_eagle3_serving_setups,
+    serving_setups=eagle3_setup_proposers,
 ), before="autoregressive")
 
 
@@ -416,12 +408,11 @@ class MtpDraft(torch.nn.Module):
 
 
 def _mtp_from_spec(settings: dict[str, str], target_dir: Path, target_config: Any, options: LoadOptions) -> MtpDraft:
-    known = _MTP_SETTINGS
     for key, value in settings.items():
         if key == "num_speculative_tokens":
             raise UsageError("--draft mtp: num_speculative_tokens is --k; pass --k N instead of the setting.")
-        if key not in known:
-            raise UsageError(f"--draft mtp: unknown setting {key!r}; the settings are {', '.join(known)}, e.g. {_MTP_EXAMPLE}.")
+        if key not in _MTP_SETTINGS:
+            raise UsageError(f"--draft mtp: unknown setting {key!r}; the settings are {', '.join(_MTP_SETTINGS)}, e.g. {_MTP_EXAMPLE}.")
         if value not in SIDES:
             raise UsageError(f"--draft mtp: {key}={value!r} is not {' or '.join(SIDES)}; e.g. {_MTP_EXAMPLE}.")
     architecture = str(getattr(target_config, "model_type", "") or "")
@@ -432,7 +423,7 @@ def _mtp_from_spec(settings: dict[str, str], target_dir: Path, target_config: An
     head = build_mtp_head(checkpoint, target_config, dtype=torch_dtype(options.dtype), device=options.device,
                           target_name=target_dir.name)
     return MtpDraft(head, resolved, checkpoint.has_own("head"), checkpoint.has_own("embed_tokens"), architecture,
-                    tuple(side for side in known if side in settings))
+                    tuple(side for side in _MTP_SETTINGS if side in settings))
 
 
 def _mtp_sides_from(model: MtpDraft) -> dict[str, str]:
@@ -441,7 +432,6 @@ def _mtp_sides_from(model: MtpDraft) -> dict[str, str]:
     source = f"what {DEFAULT_ENGINE} passes for {model.architecture or 'this target'} ({default.model})" + ("" if default.verified else ", unverified")
     return {side: f"set: --draft mtp:{side}={getattr(model.settings, side)}" if side in model.set_by_user
             else f"default: {source}" for side in _MTP_SETTINGS}
-
 
 
 def _mtp_facts(model: MtpDraft) -> dict[str, Any]:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import atexit
 import datetime as _dt
 import errno
-import itertools
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -108,14 +107,14 @@ def new_run_dir(command: str, parent: Path = Path("runs")) -> Path:
     one refusing the other or both writing one."""
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     parent.mkdir(parents=True, exist_ok=True)
-    for number in itertools.count(1):
+    number = 1
+    while True:
         candidate = parent / (f"{command}-{stamp}" if number == 1 else f"{command}-{stamp}-{number}")
         try:
             candidate.mkdir()
+            return candidate
         except FileExistsError:
-            continue
-        return candidate
-    raise AssertionError("unreachable: itertools.count never ends")
+            number += 1
 
 
 def release_run_dir(run_dir: Path | str) -> None:
