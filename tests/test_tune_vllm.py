@@ -111,10 +111,13 @@ SPEED_FREE_TOLERANCE = 0.15
 VLLM_BENCH_SERVE = ("import sys; from vllm.benchmarks.serve import add_cli_args, main; "
                     "from vllm.utils.argparse_utils import FlexibleArgumentParser; "
                     "parser = FlexibleArgumentParser(); add_cli_args(parser); main(parser.parse_args(sys.argv[1:]))")
-# TTFT is compared in units of the same pass's TPOT, which cancels a uniform slow-down (CI: 5.76 vs 5.89) but
-# not the uneven one of the 28% run (5.39 vs 4.37: prefill and decode slowed unequally). A definition error moves
-# it by far more than the tolerance: TTFT to the stream's end reads ~10x, to a role chunk sent before prefill ~0.
-TTFT_IN_TPOTS_TOLERANCE = 0.35
+# TTFT is compared in units of the same pass's TPOT, which cancels a uniform slow-down (CI: 5.76 vs 5.89), within a
+# factor of TTFT_IN_TPOTS_FACTOR either way. TTFT at concurrency 2 depends on whether a request's prefill lands in
+# the same engine step as its neighbour's or waits a whole prefill behind it (~400 ms on this CPU), so it moves
+# with scheduling jitter while TPOT and throughput agree: CI read 5.39 vs 4.37 and 6.28 vs 4.64 in runs whose TPOT
+# agreed within 1.5%. The definition errors this guards move it by far more: TTFT to the stream's end reads ~10x,
+# to a role chunk sent before prefill ~0.
+TTFT_IN_TPOTS_FACTOR = 2.0
 
 
 def _only_user_message(request) -> str:
@@ -164,4 +167,5 @@ def test_tune_latency_and_throughput_agree_with_vllm_bench_serve(vllm_server, tm
     assert ours["request_throughput"] == pytest.approx(bench["request_throughput"], rel=ABSOLUTE_TOLERANCE)
     assert ours["output_throughput"] * ours["mean_tpot_s"] == pytest.approx(bench["output_throughput"] * bench_tpot_s, rel=SPEED_FREE_TOLERANCE)
     assert ours["request_throughput"] * ours["mean_tpot_s"] == pytest.approx(bench["request_throughput"] * bench_tpot_s, rel=SPEED_FREE_TOLERANCE)
-    assert ours["mean_ttft_s"] / ours["mean_tpot_s"] == pytest.approx(bench["mean_ttft_ms"] / 1000 / bench_tpot_s, rel=TTFT_IN_TPOTS_TOLERANCE)
+    ttft_ratio = (ours["mean_ttft_s"] / ours["mean_tpot_s"]) / (bench["mean_ttft_ms"] / 1000 / bench_tpot_s)
+    assert 1 / TTFT_IN_TPOTS_FACTOR <= ttft_ratio <= TTFT_IN_TPOTS_FACTOR, ttft_ratio
