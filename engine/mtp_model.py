@@ -161,21 +161,33 @@ class MtpCheckpoint:
 
 def build_mtp_head(checkpoint: MtpCheckpoint, target_config, *, dtype: torch.dtype, device: str, target_name: str) -> MtpHead:
     """The head module of ``checkpoint`` for a target of ``target_config``, its weights loaded strictly
-    (a tensor the block lacks, or one the checkpoint lacks, is a :class:`UsageError`)."""
+    (a tensor the block lacks, or one the checkpoint lacks, is a :class:`UsageError`).
+
+    The modules are built on the meta device and take the checkpoint's tensors as they are (no copy): an MTP
+    block of a large MoE target is the size of one of its decoder layers (DeepSeek-V3's: 11B parameters), and
+    building it with random float32 weights first held 44 GB more than its bfloat16 weights and spent tens of
+    seconds initialising them (benchmarks/mtp_load.py: peak memory x4.3, time x1.5 on a 0.33B block)."""
     config = copy.deepcopy(target_config.get_text_config())
     if isinstance(getattr(config, "layer_types", None), list):  # the MTP blocks are full-attention layers
         config.layer_types = list(config.layer_types) + ["full_attention"] * checkpoint.n_predict
     layer_class = decoder_layer_class(target_config)
     layers = []
     for i, tensors in enumerate(checkpoint.layers):
-        block = layer_class(config, checkpoint.first_layer_index + i)
-        layer = MtpLayer(config, block, own_head=checkpoint.has_own("head"), own_embedding=checkpoint.has_own("embed_tokens"))
+        with torch.device("meta"):
+            block = layer_class(config, checkpoint.first_layer_index + i)
+            layer = MtpLayer(config, block, own_head=checkpoint.has_own("head"), own_embedding=checkpoint.has_own("embed_tokens"))
         state = _fuse_experts(tensors, set(layer.state_dict()))
-        missing, unexpected = layer.load_state_dict(state, strict=False)
+        missing, unexpected = layer.load_state_dict(state, strict=False, assign=True)
         problem = (missing and f"lacks {missing[0]}") or (unexpected and f"has {unexpected[0]}, which a {layer_class.__name__} does not")
         if problem:
             raise UsageError(f"the MTP layer {i} of the target {target_name} {problem}; pass a checkpoint whose MTP weights "
                              "match its config.json.")
+        # a buffer outside the state dict (none in today's MTP block classes) would have no value to take
+        unset = next((name for name, tensor in layer.named_buffers() if tensor.is_meta), None)
+        if unset is not None:
+            raise UsageError(f"the MTP layer {i} of the target {target_name} is a {layer_class.__name__}, which computes its "
+                             f"buffer {unset} when built, and the MTP replay cannot load such a block yet; compare the "
+                             "target's other speculators (--draft ngram, an EAGLE-3 or DFlash draft) instead.")
         layers.append(layer)
     head = MtpHead(layers, checkpoint.layout, checkpoint.first_layer_index, checkpoint.zero_first_embedding)
     return head.to(device=device, dtype=dtype).eval()

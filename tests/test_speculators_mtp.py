@@ -10,14 +10,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoConfig
 
 from cli_helpers import assert_usage_error, invoke
+from dflash_doctor.engine import mtp_model
 from dflash_doctor.engine.live import plain_generate, speculative_generate
+from dflash_doctor.engine.mtp_model import build_mtp_head
 from dflash_doctor.engine.proposers.mtp import MtpSettings
 from dflash_doctor.engine.target import PRE_FINAL_NORM, TapRecorder, TargetModel, tap_points
 from dflash_doctor.engine.teacher import TeacherSequence, slot_table, walk_schedule
 from dflash_doctor.models.draft_kinds import LoadOptions, weightless_kind
+from dflash_doctor.errors import UsageError
 from dflash_doctor.models.loading import load_causal_lm
+from dflash_doctor.models.mtp_format import read_mtp_checkpoint
 from mtp_targets import MAX_NEW, PROMPTS, reference_steps, write_mtp_target
 from tiny_models import tiny_target, tiny_tokenizer, torch_threads, write_workload
 
@@ -147,6 +152,42 @@ def test_a_target_without_an_mtp_head_is_one_sentence(tmp_path):
     result = invoke("replay", "--target", tmp_path / "target", "--draft", "mtp:hidden_state=middle", "--workload",
                     tmp_path / "w.jsonl", "--out", tmp_path / "run2")
     assert_usage_error(result, "hidden_state='middle'", "post-norm or pre-norm")
+
+
+def _checkpoint(folder: Path):
+    config_json = json.loads((folder / "config.json").read_text())
+    return read_mtp_checkpoint(folder, config_json, folder.name), AutoConfig.from_pretrained(folder)
+
+
+def test_the_head_takes_the_checkpoints_tensors_without_building_random_weights_first(built_targets, monkeypatch):
+    """Built on the meta device: every parameter is the checkpoint's own tensor (no copy in float32 on the CPU),
+    and the weight initialisers only ever see meta tensors (a DeepSeek-V3 MTP block has 11B parameters)."""
+    folder = built_targets("deepseek_v3")[0]
+    checkpoint, config = _checkpoint(folder)
+    initialised_on_meta = []
+    monkeypatch.setattr(torch.nn.Linear, "reset_parameters", lambda module: initialised_on_meta.append(module.weight.is_meta))
+    head = build_mtp_head(checkpoint, config, dtype=torch.float32, device="cpu", target_name="t")
+    assert initialised_on_meta and all(initialised_on_meta)
+    tensors = checkpoint.layers[0]
+    shared = [name for name, parameter in head.layers[0].named_parameters()
+              if name in tensors and parameter.data_ptr() == tensors[name].data_ptr()]
+    assert "proj.weight" in shared and "block.self_attn.o_proj.weight" in shared
+    assert not any(t.is_meta for t in head.parameters()) and not any(t.is_meta for t in head.buffers())
+
+
+def test_a_block_that_computes_a_buffer_when_built_is_refused_in_one_sentence(built_targets, monkeypatch):
+    folder = built_targets("deepseek_v3")[0]
+    checkpoint, config = _checkpoint(folder)
+    real_class = mtp_model.decoder_layer_class(config)
+
+    class WithComputedBuffer(real_class):  # type: ignore[misc, valid-type]
+        def __init__(self, *args):
+            super().__init__(*args)
+            self.register_buffer("table", torch.arange(4.0), persistent=False)
+
+    monkeypatch.setattr(mtp_model, "decoder_layer_class", lambda _config: WithComputedBuffer)
+    with pytest.raises(UsageError, match="computes its buffer block.table when built"):
+        build_mtp_head(checkpoint, config, dtype=torch.float32, device="cpu", target_name="t")
 
 
 def test_check_end_to_end_records_the_kind_and_names_the_side(built_targets, tmp_path):
