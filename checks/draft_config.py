@@ -15,10 +15,7 @@ special token, a draft that ships its own lm_head / embeddings, and the draft sa
 
 from __future__ import annotations
 
-import json
-import struct
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from dflash_doctor.checks.base import Check, CheckContext, CheckResult, Finding, config_value, register, skipped
@@ -29,14 +26,6 @@ from dflash_doctor.errors import UsageError
 
 # fp16 vs bf16 is a real risk (fp16 overflows where bf16 was trained); fp32 vs either is only slower.
 _HALF_DTYPES = {"float16", "bfloat16"}
-
-
-def read_safetensors_shapes(path: str | Path) -> dict[str, list[int]]:
-    """Tensor name -> shape from a .safetensors header (8-byte length + JSON), without reading weights."""
-    with open(path, "rb") as handle:
-        (header_len,) = struct.unpack("<Q", handle.read(8))
-        header = json.loads(handle.read(header_len))
-    return {name: meta["shape"] for name, meta in header.items() if name != "__metadata__"}
 
 
 def _rope(config: Any) -> tuple[Any, Any]:

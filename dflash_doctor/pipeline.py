@@ -24,11 +24,11 @@ from pathlib import Path
 from typing import Any, Callable, ContextManager, Sequence
 
 from dflash_doctor.checks.base import CheckContext, run_checks, validate_check_params
-from dflash_doctor.checks.draft_config import read_safetensors_shapes
 from dflash_doctor.engine.schedule import end_of_request
 from dflash_doctor.errors import UsageError
 from dflash_doctor.inputs.config import DoctorConfig
 from dflash_doctor.inputs.machine import collect_environment
+from dflash_doctor.inputs.validation import safetensors_shapes
 from dflash_doctor.inputs.workloads import Request, load_workload
 from dflash_doctor.models.loading import weights_fingerprint
 from dflash_doctor.models.draft_kinds import weightless_kind
@@ -357,7 +357,7 @@ def draft_weight_shapes(draft_dir: Path) -> dict[str, list[int]]:
     """Tensor shapes of the draft's safetensors (headers only), for draft-config's fc / own-head rules."""
     shapes: dict[str, list[int]] = {}
     for file in sorted(Path(draft_dir).glob("*.safetensors")):
-        shapes.update({name.removeprefix("model."): shape for name, shape in read_safetensors_shapes(file).items()})
+        shapes.update({name.removeprefix("model."): shape for name, shape in safetensors_shapes(file).items()})
     return shapes
 
 

@@ -147,7 +147,17 @@ def _weights(tiny_dir: Path) -> bytes:
     return (tiny_dir / "dflash" / "model.safetensors").read_bytes()
 
 
+def _without_a_shape(raw: bytes) -> bytes:
+    """The same file with one tensor's shape removed from its header."""
+    (length,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + length])
+    del header[next(name for name in header if name != "__metadata__")]["shape"]
+    text = json.dumps(header).encode()
+    return struct.pack("<Q", len(text)) + text + raw[8 + length :]
+
+
 WEIGHTS = [
+    ("tensor_without_shape", _without_a_shape, "has tensors without a valid shape and data_offsets"),
     ("truncated_tail", lambda raw: raw[:-100], "is truncated"),
     ("truncated_half", lambda raw: raw[:len(raw) // 2], "is truncated"),
     ("header_only", lambda raw: raw[:8 + struct.unpack("<Q", raw[:8])[0]], "is truncated"),

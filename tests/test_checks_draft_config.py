@@ -6,8 +6,8 @@ import json
 import struct
 
 from dflash_doctor.checks import CheckContext, run_checks
-from dflash_doctor.checks.draft_config import read_safetensors_shapes
 from dflash_doctor.inputs.config import build_config
+from dflash_doctor.inputs.validation import safetensors_shapes
 from dflash_doctor.rundir.run_record import Probes
 from checks_fixtures import record
 
@@ -70,11 +70,11 @@ def test_draft_config_skips_autoregressive_drafts():
     assert result.status == "skip"
 
 
-def test_read_safetensors_shapes_reads_only_the_header(tmp_path):
+def test_safetensors_shapes_reads_only_the_header(tmp_path):
     header = json.dumps({"fc.weight": {"dtype": "F32", "shape": [4, 12], "data_offsets": [0, 192]}, "__metadata__": {"format": "pt"}}).encode()
     path = tmp_path / "model.safetensors"
     path.write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 192)
-    assert read_safetensors_shapes(path) == {"fc.weight": [4, 12]}
+    assert safetensors_shapes(path) == {"fc.weight": [4, 12]}
 
 
 def test_draft_config_offset_probe_with_too_few_drafts_only_reports():

@@ -92,9 +92,10 @@ def read_config_json(model_dir: Path) -> dict[str, Any]:
     return config
 
 
-def check_safetensors(path: Path) -> None:
-    """Refuse a safetensors file whose header does not parse or whose data is shorter than the header
-    says (an interrupted download): 8 bytes of header length, the JSON header, then the tensors' bytes."""
+def safetensors_header(path: Path) -> dict[str, Any]:
+    """The header of a safetensors file (8 bytes of header length, the JSON header, then the tensors' bytes),
+    read without the weights; a file whose header does not parse, names a tensor without a shape or data
+    offsets, or whose data is shorter than the header says (an interrupted download) is refused."""
     size = path.stat().st_size
     fix = "download or copy the file again"
     with path.open("rb") as handle:
@@ -111,14 +112,21 @@ def check_safetensors(path: Path) -> None:
             raise UsageError(f"weights file {path} has a header that is not JSON, so it is not safetensors; {fix}.") from None
     if not isinstance(header, dict):
         raise UsageError(f"weights file {path} has a header that is not a JSON object, so it is not safetensors; {fix}.")
-    ends = [entry["data_offsets"][1] for name, entry in header.items()
-            if name != "__metadata__" and isinstance(entry, dict) and isinstance(entry.get("data_offsets"), list)
-            and len(entry["data_offsets"]) == 2 and isinstance(entry["data_offsets"][1], int)]
-    if len(ends) != len([name for name in header if name != "__metadata__"]):
-        raise UsageError(f"weights file {path} has tensors without valid data_offsets in its header; {fix}.")
+    tensors = {name: entry for name, entry in header.items() if name != "__metadata__"}
+    ends = [entry["data_offsets"][1] for entry in tensors.values()
+            if isinstance(entry, dict) and isinstance(entry.get("data_offsets"), list) and len(entry["data_offsets"]) == 2
+            and isinstance(entry["data_offsets"][1], int) and isinstance(entry.get("shape"), list)]
+    if len(ends) != len(tensors):
+        raise UsageError(f"weights file {path} has tensors without a valid shape and data_offsets in its header; {fix}.")
     needed = 8 + header_len + max(ends, default=0)
     if size < needed:
         raise UsageError(f"weights file {path} is truncated ({size} bytes, its header needs {needed}); {fix}.")
+    return header
+
+
+def safetensors_shapes(path: Path) -> dict[str, list[int]]:
+    """Tensor name -> shape of a safetensors file, from its checked header alone."""
+    return {name: entry["shape"] for name, entry in safetensors_header(path).items() if name != "__metadata__"}
 
 
 def check_model_folder(model_dir: Path) -> dict[str, Any]:
@@ -127,7 +135,7 @@ def check_model_folder(model_dir: Path) -> dict[str, Any]:
     config = read_config_json(model_dir)
     check_tokenizer_json(model_dir / "tokenizer.json")
     for weights in sorted(model_dir.glob("*.safetensors")):
-        check_safetensors(weights)
+        safetensors_header(weights)
     return config
 
 
