@@ -24,10 +24,7 @@ from dflash_doctor.errors import UsageError
 from dflash_doctor.replay.stream import Replay
 from dflash_doctor.rundir.load import load_run
 from dflash_doctor.inputs.workloads import Request
-from typer.testing import CliRunner
-
-from dflash_doctor.cli import app
-from cli_helpers import assert_usage_error, pair_args
+from cli_helpers import assert_usage_error, invoke, pair_args
 from tiny_models import tiny_target, write_workload
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -117,6 +114,6 @@ def test_torchrun_ranks_without_out_are_refused_before_any_work(tiny_dir, tmp_pa
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    result = CliRunner().invoke(app, ["sweep", *map(str, pair_args(tiny_dir, tiny_dir / "dflash"))])
+    result = invoke("sweep", *pair_args(tiny_dir, tiny_dir / "dflash"))
     assert_usage_error(result, "torchrun ranks must write one run directory", "--out DIR")
     assert not (tmp_path / "runs").exists()
