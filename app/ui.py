@@ -9,7 +9,9 @@ tables, one request's tokens) are ``st.cache_data`` with the same key, so a widg
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
+import weakref
 from pathlib import Path
 
 import pandas as pd
@@ -124,15 +126,31 @@ def sidebar() -> None:
                 _register_upload([(f.name, f.getvalue()) for f in uploads])
 
 
+class UploadFolder:
+    """A session's temp folder of uploaded runs, removed when the session ends.
+
+    Streamlit has no session-end hook, but it drops a session's state when the session ends (the tab closed
+    and the reconnect grace period over, or the server stopped): a ``weakref.finalize`` on this object, kept
+    only in ``st.session_state``, removes the folder then, and at interpreter exit for a server stopped with
+    sessions open. Chosen over sweeping "stale" folders at start, which needs an age threshold that would
+    either delete the folder of a session still open in another server or keep a dead one for hours. A server
+    killed with SIGKILL runs no finalizer: its folders stay in the system temp folder for the OS to clear.
+    """
+
+    def __init__(self) -> None:
+        self.path = Path(tempfile.mkdtemp(prefix="dflash-doctor-upload-"))
+        weakref.finalize(self, shutil.rmtree, self.path, ignore_errors=True)  # lives in weakref's registry until it runs
+
+
 def _register_upload(files: list[tuple[str, bytes]]) -> None:
     """Save an upload as a run directory in this session's temp folder and open it."""
     names = sorted(name for name, _ in files)
     signature = "|".join(f"{name}:{len(payload)}" for name, payload in sorted(files))
     if st.session_state.get("upload_signature") == signature:
         return  # the uploader hands the same files back on every rerun
-    if UPLOAD_DIR_KEY not in st.session_state:  # one folder per session (setdefault made one per upload, left behind)
-        st.session_state[UPLOAD_DIR_KEY] = tempfile.mkdtemp(prefix="dflash-doctor-upload-")
-    upload_root = Path(st.session_state[UPLOAD_DIR_KEY])
+    if UPLOAD_DIR_KEY not in st.session_state:  # one folder per session, removed with it (UploadFolder)
+        st.session_state[UPLOAD_DIR_KEY] = UploadFolder()
+    upload_root = st.session_state[UPLOAD_DIR_KEY].path
     stem = Path(names[0]).stem if len(names) == 1 else "uploaded-run"
     dest = upload_root / f"{stem}-{len(st.session_state.get(UPLOADS_KEY, [])) + 1}"
     try:

@@ -7,8 +7,10 @@ Its own module because it is the dashboard's file-system boundary; the other mod
 from __future__ import annotations
 
 import io
+import lzma
 import shutil
 import zipfile
+import zlib
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -31,6 +33,13 @@ RUN_FILE_NAMES = (RUN_JSON, *(f"{name}.parquet" for name in TABLES), WINDOWS_FIL
 
 # A zip that inflates past this is refused rather than filling the disk (zip bomb guard).
 MAX_UPLOAD_INFLATED_BYTES = 2 * 1024**3
+
+
+# What zipfile raises on a damaged or unsupported member: a corrupt deflate stream (zlib.error), a bad CRC or a
+# central directory that lies about sizes or offsets (BadZipFile), an encrypted member (RuntimeError), a
+# compression method it does not know (NotImplementedError), a truncated stream (EOFError), bad bzip2 or lzma
+# data (OSError, LZMAError).
+_DAMAGED_ZIP_ERRORS = (zipfile.BadZipFile, zlib.error, RuntimeError, NotImplementedError, EOFError, OSError, lzma.LZMAError)
 
 
 def find_runs(root: Path | str, skipped: list[tuple[Path, str]] | None = None) -> list[Path]:
@@ -115,7 +124,7 @@ def _run_files_from_zip(zip_name: str, payload: bytes) -> dict[str, bytes]:
     """The run files inside a zip; when it holds several runs, the shallowest run.json wins."""
     try:
         archive = zipfile.ZipFile(io.BytesIO(payload))
-    except zipfile.BadZipFile:
+    except _DAMAGED_ZIP_ERRORS:
         raise UsageError(f"{zip_name} is not a valid zip file; zip the run directory again (e.g. `zip -r run.zip RUN_DIR`).") from None
     with archive:
         members = [m for m in archive.infolist() if not m.is_dir()]
@@ -125,8 +134,11 @@ def _run_files_from_zip(zip_name: str, payload: bytes) -> dict[str, bytes]:
         if not run_jsons:
             raise UsageError(f"{zip_name} holds no {RUN_JSON}; zip a run directory written by `dflash-doctor check`, `replay` or `sweep`.")
         run_folder = Path(run_jsons[0].filename).parent
-        return {
-            Path(m.filename).name: archive.read(m)
-            for m in members
-            if Path(m.filename).parent == run_folder and Path(m.filename).name in RUN_FILE_NAMES
-        }
+        wanted = [m for m in members if Path(m.filename).parent == run_folder and Path(m.filename).name in RUN_FILE_NAMES]
+        try:
+            return {Path(m.filename).name: archive.read(m) for m in wanted}
+        except _DAMAGED_ZIP_ERRORS as exc:
+            # a zip made on another machine or cut in transit: one sentence in the sidebar, not a traceback
+            detail = " ".join(str(exc).split())[:120] or type(exc).__name__
+            raise UsageError(f"{zip_name} cannot be unpacked ({detail}); zip the run directory again without a password "
+                             "(e.g. `zip -r run.zip RUN_DIR`).") from None

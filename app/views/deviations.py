@@ -14,6 +14,7 @@ import streamlit as st
 from dflash_doctor.report import figures
 from dflash_doctor.stats import deviations
 from dflash_doctor.app import data, ui
+from dflash_doctor.report.sanitize import for_markdown_text
 
 run = ui.current_run(("requests",))
 ui.run_header(run, "Deviations")
@@ -66,7 +67,8 @@ else:
     )
     rows = picked.selection.rows if picked else []
     example = selection.top_pairs[rows[0] if rows else 0].example
-    if st.button(f"Open {example.request_id} at step {example.step} in the token view", icon=":material/text_fields:", key="deviation_open"):
+    open_label = f"Open {for_markdown_text(example.request_id)} at step {example.step} in the token view"  # Markdown
+    if st.button(open_label, icon=":material/text_fields:", key="deviation_open"):
         st.session_state["token_class"] = "all classes"
         st.session_state["token_request"] = example.request_id
         st.session_state[f"token_page_{example.request_id}"] = example.step // data.STEPS_PER_TOKEN_PAGE + 1

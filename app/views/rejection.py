@@ -75,7 +75,8 @@ selection = st.dataframe(
 )
 rows = selection.selection.rows if selection else []
 request_id = class_requests["request_id"].iloc[rows[0]] if rows else class_requests["request_id"].iloc[0]
-if st.button(f"Open request {request_id} in the token view", icon=":material/text_fields:", key="open_tokens"):
+open_label = f"Open request {for_markdown_text(request_id)} in the token view"  # a button label is Markdown
+if st.button(open_label, icon=":material/text_fields:", key="open_tokens"):
     st.session_state["token_class"] = cls
     st.session_state["token_request"] = request_id
     st.switch_page(ui.VIEWS / "tokens.py")

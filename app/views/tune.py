@@ -26,8 +26,12 @@ st.caption(for_markdown_text(grid_line(result)))
 
 st.header("Recommendation")
 for line in recommendation_lines(result):
-    # tune.json is a file from disk (and its lines name the server's model): escaped for Markdown
-    st.markdown(f"- `{line.replace('`', chr(39))}`" if line.split(":")[0] in result["engine_settings"] else f"- {for_markdown_text(line)}")
+    # tune.json is a file from disk (and its lines name the server's model): an engine setting is shown as a code
+    # block, which Streamlit renders as text (a code span in Markdown ends at a blank line and its rest is live)
+    if line.split(":")[0] in result["engine_settings"]:
+        st.code(line, language=None)
+    else:
+        st.markdown(f"- {for_markdown_text(line)}")
 for line in warning_lines(result):
     st.warning(for_markdown_text(line))
 for i, (title, fig) in enumerate(figures(result)):

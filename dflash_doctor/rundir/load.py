@@ -8,6 +8,7 @@ which is why loading sits above :mod:`dflash_doctor.stats` in the layers.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
@@ -57,7 +58,7 @@ def read_run_meta(run_dir: Path | str) -> dict[str, Any]:
         raise UsageError(f"{run_dir} is not a run directory (no {RUN_JSON}); pass a folder written by `dflash-doctor check`, `replay` or `sweep`.")
     try:
         meta = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
         raise UsageError(f"{path} is not valid JSON ({exc}); re-run the command that wrote it.") from None
     if not isinstance(meta, dict):
         raise UsageError(f"{path} holds a JSON {type(meta).__name__}, not a run record object; re-run the command that wrote it.")
@@ -70,13 +71,26 @@ def read_run_meta(run_dir: Path | str) -> dict[str, Any]:
                if older else "; read it with the dflash-doctor version that wrote it.")
         )
     # every reader types it with RunRecord.from_json: a field of the wrong shape or type is refused here, once,
-    # in one sentence, instead of an AttributeError deep inside a view
+    # in one sentence naming the file and the field, instead of an AttributeError deep inside a view
     try:
+        _refuse_non_finite(meta, "")
         RunRecord.from_json(meta)
-    except (TypeError, ValueError, AttributeError, KeyError, IndexError) as exc:
-        detail = " ".join(str(exc).split())[:160]
+    except RecursionError:
+        raise UsageError(f"{path} nests its values too deeply for a run record; re-run the command that wrote it.") from None
+    except ValueError as exc:
+        detail = " ".join(str(exc).split())[:200]
         raise UsageError(f"{path} has a field of the wrong shape or type ({detail}); re-run the command that wrote it.") from None
     return meta
+
+
+def _refuse_non_finite(value: Any, where: str) -> None:
+    """A NaN or infinite number anywhere in run.json (``NaN``, ``Infinity``, ``1e999``) is refused with its path:
+    the writer stores an undefined number as null, so a non-finite one was put there by hand or by another tool."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{where or 'run.json'} is {value!r}, not a finite number (run.json writes an undefined number as null)")
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        _refuse_non_finite(item, f"{where}[{key}]" if isinstance(key, int) else f"{where}.{key}" if where else str(key))
 
 
 def load_run(run_dir: Path | str, tables: Iterable[str] = tuple(TABLES)) -> Run:

@@ -152,9 +152,13 @@ class ModelInfo:
         return {**identity, **self.facts}
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "ModelInfo":
+    def from_json(cls, data: Any, where: str = "model") -> "ModelInfo":
+        """One ``models`` entry of run.json: the identity fields type-checked, every other key a fact."""
+        if not isinstance(data, dict):
+            raise ValueError(f"{where} is {_json_kind(data)}, not an object")
         names = {f.name for f in dataclasses.fields(cls)} - {"facts"}
-        return cls(**{k: v for k, v in data.items() if k in names}, facts={k: v for k, v in data.items() if k not in names})
+        identity = {k: v for k, v in data.items() if k in names}
+        return _from_json(cls, {**identity, "facts": {k: v for k, v in data.items() if k not in names}}, where)
 
 
 @dataclass
@@ -341,18 +345,35 @@ class RunRecord:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "RunRecord":
-        """Parse run.json (already checked for :data:`SCHEMA_VERSION`); a missing section takes its default."""
+        """Parse run.json (already checked for :data:`SCHEMA_VERSION`); a missing section takes its default.
+
+        Every field, nested ones included, is checked against its declared type (null only where the type
+        is Optional), so a reader never meets a value of another type: a bad field raises one ValueError
+        naming its path (``models.target.revision_or_hash is null, not a string``), which
+        :func:`dflash_doctor.rundir.load.read_run_meta` turns into a UsageError naming the file.
+        """
         meta_names = {f.name for f in dataclasses.fields(RunMeta)}
+        config = _from_json(dict[str, Any], data.get("config", {}), "config")
+        seed = config.get("seed")
+        if seed is not None and not (isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed < _INT_LIMIT):
+            raise ValueError(f"config.seed is {seed!r}, not a non-negative integer")  # RunRecord.seed seeds the bootstrap
+        models = _from_json(dict[str, Any], data.get("models", {}), "models")
+        summary = _from_json(Summary, data.get("summary", {}), "summary")
+        if summary.sweep is not None and summary.sweep.costs:
+            try:  # the views re-price the sweep with these costs
+                summary.sweep.step_costs()
+            except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
+                raise ValueError(f"summary.sweep.costs is not a step-cost table ({exc})") from None
         return cls(
-            meta=_from_json(RunMeta, {k: v for k, v in data.items() if k in meta_names}),
-            source=_from_json(Source, data.get("source") or {}),
-            models={name: ModelInfo.from_json(info) for name, info in (data.get("models") or {}).items()},
-            environment=dict(data.get("environment") or {}),
-            config=dict(data.get("config") or {}),
-            summary=_from_json(Summary, data.get("summary") or {}),
-            recommendation=_from_json(dict[str, Recommendation], data.get("recommendation") or {}),
-            checks=[CheckResult.from_dict(c) for c in data.get("checks") or []],
-            probes=_from_json(Probes, data.get("probes") or {}),
+            meta=_from_json(RunMeta, {k: v for k, v in data.items() if k in meta_names}, ""),
+            source=_from_json(Source, data.get("source", {}), "source"),
+            models={name: ModelInfo.from_json(info, f"models.{name}") for name, info in models.items()},
+            environment=_from_json(dict[str, Any], data.get("environment", {}), "environment"),
+            config=config,
+            summary=summary,
+            recommendation=_from_json(dict[str, Recommendation], data.get("recommendation", {}), "recommendation"),
+            checks=_from_json(list[CheckResult], data.get("checks", []), "checks"),
+            probes=_from_json(Probes, data.get("probes", {}), "probes"),
         )
 
 
@@ -370,31 +391,106 @@ def _to_json(value: Any) -> Any:
     return value
 
 
-def _from_json(kind: Any, value: Any) -> Any:
-    """Build ``kind`` (a dataclass, ``list[X]``, ``dict[K, X]``, ``X | None`` or a scalar type) from JSON."""
-    if value is None:
-        return None
+# A count, K or seed in run.json fits the int64 the tables and numpy hold; a larger one is no measurement.
+_INT_LIMIT = 2**63
+
+
+def _from_json(kind: Any, value: Any, where: str = "") -> Any:
+    """Build ``kind`` (a dataclass, ``list[X]``, ``dict[K, X]``, ``X | None``, a Literal or a scalar type) from
+    JSON, checking every value against its declared type on the way; ``where`` is the value's path in run.json,
+    named in the ValueError a value of another type raises.
+
+    Null only where the type is Optional; an int stands for a float (JSON writes 2.0 as 2) but a bool never for
+    a number, and an integer must fit in int64. NaN passes as a float because
+    :func:`dflash_doctor.stats.metrics.summarize` types its undefined ratios through here; a file holding NaN
+    is refused where run.json is read (:func:`dflash_doctor.rundir.load.read_run_meta`).
+    """
+    name = where or "the record"
     origin = get_origin(kind)
+    if value is None:
+        if kind is Any or (origin in (typing.Union, types.UnionType) and type(None) in get_args(kind)):
+            return None
+        raise ValueError(f"{name} is null, not {_type_name(kind)}")
     if origin in (typing.Union, types.UnionType):
         (inner,) = [a for a in get_args(kind) if a is not type(None)]
         if dataclasses.is_dataclass(inner) and value == {}:
             return None  # an empty section (a run with no drafted steps has an empty overall block)
-        return _from_json(inner, value)
+        return _from_json(inner, value, where)
+    if kind is Any:
+        return value
+    if origin is Literal:
+        if value not in get_args(kind):
+            raise ValueError(f"{name} is {value!r}, not {_type_name(kind)}")
+        return value
+    if not _is_a(kind, value):
+        raise ValueError(f"{name} is {_json_kind(value)}, not {_type_name(kind)}")
     if origin is list:
         (item,) = get_args(kind)
-        return [_from_json(item, v) for v in value]
+        return [_from_json(item, v, f"{name}[{i}]") for i, v in enumerate(value)]
     if origin is dict:
         key, item = get_args(kind)
-        return {(int(k) if key is int else k): _from_json(item, v) for k, v in value.items()}
-    if origin is Literal or kind is Any:
-        return value
-    if isinstance(kind, type) and dataclasses.is_dataclass(kind):
+        return {_key(key, k, name): _from_json(item, v, f"{name}.{k}") for k, v in value.items()}
+    if dataclasses.is_dataclass(kind):
         hints = get_type_hints(kind)
-        names = {f.name for f in dataclasses.fields(kind)}
-        unknown = sorted(set(value) - names)
+        fields = dataclasses.fields(kind)
+        unknown = sorted(set(value) - {f.name for f in fields})
         if unknown:
-            raise ValueError(f"{kind.__name__} has no field(s) {unknown}")
-        return kind(**{name: _from_json(hints[name], v) for name, v in value.items()})
-    if kind is float:
-        return float(value)
-    return value
+            raise ValueError(f"{name} has no field(s) {unknown}")
+        missing = [f.name for f in fields if f.name not in value and f.default is dataclasses.MISSING
+                   and f.default_factory is dataclasses.MISSING]
+        if missing:
+            raise ValueError(f"{name} lacks the field(s) {missing}")
+        prefix = f"{where}." if where else ""
+        built = {field_name: _from_json(hints[field_name], v, prefix + field_name) for field_name, v in value.items()}
+        try:
+            return kind(**built)
+        except ValueError as exc:  # the dataclass's own check (a check status, a finding severity)
+            raise ValueError(f"{name}: {exc}") from None
+    return float(value) if kind is float else value
+
+
+def _is_a(kind: Any, value: Any) -> bool:
+    """Whether a JSON ``value`` has the shape of ``kind`` (its items are checked by :func:`_from_json`)."""
+    origin = get_origin(kind) or kind
+    if origin is bool or isinstance(value, bool):
+        return origin is bool and isinstance(value, bool)
+    if origin in (int, float) and isinstance(value, int):
+        return -_INT_LIMIT < value < _INT_LIMIT
+    if origin is float:
+        return isinstance(value, float)
+    if dataclasses.is_dataclass(origin):
+        return isinstance(value, dict)
+    if origin in (int, list, dict, str):
+        return isinstance(value, origin)
+    raise TypeError(f"run.json has no reader for the type {kind!r}")  # a field type this module cannot check
+
+
+def _key(kind: Any, key: Any, where: str) -> Any:
+    """A JSON object key as ``kind`` (int keys are written as strings of ASCII digits)."""
+    if kind is int:
+        text = str(key)
+        if isinstance(key, bool) or not (text.removeprefix("-").isascii() and text.removeprefix("-").isdigit()):
+            raise ValueError(f"{where} has the key {key!r}, not an integer")
+        return int(text)
+    if not isinstance(key, str):
+        raise ValueError(f"{where} has the key {key!r}, not a string")
+    return key
+
+
+def _type_name(kind: Any) -> str:
+    """``kind`` in the words of an error sentence."""
+    origin = get_origin(kind)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in get_args(kind) if a is not type(None)) + " or null"
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in get_args(kind))
+    names = {int: "an integer", float: "a number", str: "a string", bool: "true or false", list: "a list", dict: "an object"}
+    return names.get(origin or kind, "an object")
+
+
+def _json_kind(value: Any) -> str:
+    """What a JSON value is, for an error sentence (a short value is quoted, a container named)."""
+    if isinstance(value, (dict, list)):
+        return "an object" if isinstance(value, dict) else "a list"
+    text = repr(value)
+    return text if len(text) <= 40 else f"{type(value).__name__} {text[:37]}..."

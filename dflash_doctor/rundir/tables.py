@@ -29,7 +29,41 @@ HEAD_TO_HEAD_JSON = "head_to_head.json"  # `check --draft A --draft B`: the comp
 def read_table_or_empty(path: Path, schema: pa.Schema) -> pd.DataFrame:
     """A Parquet table as a frame; a missing file reads as the empty table of ``schema`` (every column,
     no rows), so views need no special case for a table a run never wrote."""
-    return read_parquet_table(path).to_pandas() if path.is_file() else schema.empty_table().to_pandas()
+    return conform(read_parquet_table(path), schema, path).to_pandas() if path.is_file() else schema.empty_table().to_pandas()
+
+
+def conform(table: pa.Table, schema: pa.Schema, path: Path) -> pa.Table:
+    """``table`` checked against its declared ``schema``: every column there, each of the same kind (integers,
+    floats, text, lists, booleans) and its values fitting the declared width, as the schema's table.
+
+    A valid Parquet file with other columns (or a text column where a count belongs) is refused in one sentence
+    naming the file and the column, instead of a KeyError in whichever view reads the column first. A narrower
+    or wider type of the same kind is read (pandas or an older writer may store int64 where int16 is declared),
+    but a value that does not fit is refused, never wrapped; columns beyond the schema are not read.
+    """
+    missing = [name for name in schema.names if name not in table.column_names]
+    if missing:
+        raise UsageError(f"{path} lacks the column(s) {', '.join(missing)} of its table; re-run the command that wrote it.")
+    for declared in schema:
+        actual = table.schema.field(declared.name).type
+        if _kind(actual) != _kind(declared.type):
+            raise UsageError(f"{path} column {declared.name!r} holds {actual} where the run table declares {declared.type}; "
+                             "re-run the command that wrote it.")
+    try:
+        return table.select(schema.names).cast(schema)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
+        detail = " ".join(str(exc).split())[:160]
+        raise UsageError(f"{path} has a value its table's column types cannot hold ({detail}); re-run the command that wrote it.") from None
+
+
+def _kind(arrow_type: pa.DataType) -> str:
+    """The family of an Arrow type, for :func:`conform`: types within one family cast without changing meaning."""
+    for name, test in (("integer", pa.types.is_integer), ("float", pa.types.is_floating), ("boolean", pa.types.is_boolean),
+                       ("text", lambda t: pa.types.is_string(t) or pa.types.is_large_string(t)),
+                       ("list", lambda t: pa.types.is_list(t) or pa.types.is_large_list(t))):
+        if test(arrow_type):
+            return name if name != "list" else f"list of {_kind(arrow_type.value_type)}"
+    return str(arrow_type)
 
 
 def read_parquet_table(path: Path) -> pa.Table:
@@ -126,6 +160,20 @@ class TokenRow:
     draft_category: str = _column(pa.string())  # the same for the drafted token
 
 
+@dataclass
+class CostRow:
+    """One timed step (``costs.parquet``): every raw sample behind ``summary.sweep.costs``, so a report can
+    re-derive the fitted costs and their intervals (:mod:`dflash_doctor.stats.step_costs`)."""
+
+    kind: str = _column(pa.string())  # decode | verify | draft
+    k: int = _column(pa.int16())  # drafted tokens (0 for a decode step)
+    repeat: int = _column(pa.int32())  # the sample's index in the order taken
+    seconds: float = _column(pa.float64())
+    device: str = _column(pa.string())
+
+
+COSTS_FILE = "costs.parquet"  # written once, after the timing; not journaled (it is not per request)
+COSTS_SCHEMA = arrow_schema(CostRow)
 REQUESTS_SCHEMA = arrow_schema(RequestRow)
 STEPS_SCHEMA = arrow_schema(StepRow)
 TOKENS_SCHEMA = arrow_schema(TokenRow)
