@@ -17,8 +17,10 @@ and :func:`signal_of` keeps which one for the exit code.
 
 A child process the doctor starts to outlive a single call (a serving engine ``tune`` launches, the
 torchrun of ``--devices``: :func:`run_in_group`) is started by :func:`start_group`: in a session of its own (its own process group, so a terminal's Ctrl-C
-reaches the doctor, which then stops the group in order) and, on Linux, with SIGTERM as its death signal
-(should the doctor be killed outright with SIGKILL). :func:`stop_group` stops the whole group: SIGTERM,
+reaches the doctor, which then stops the group in order) under a small supervisor (:func:`supervise`, this
+module run as a script) that leads the group and, on Linux, gets SIGTERM as its death signal: should the
+doctor be killed outright with SIGKILL, the supervisor stops the whole group, also the processes a shell
+command forked. :func:`stop_group` stops the whole group: SIGTERM,
 then SIGKILL to what outlives the grace period, with the stop signals held back meanwhile, so a second
 SIGTERM cannot cut the cleanup short.
 """
@@ -110,21 +112,63 @@ def _in_child() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def start_group(argv: list[str], **popen: Any) -> subprocess.Popen:
-    """Start ``argv`` as the leader of a new session (its own process group), stop signals held while it
-    starts so no interrupt falls between the start and the caller's ``try``."""
+def start_group(argv: list[str], grace_s: float = STOP_GRACE_S, **popen: Any) -> subprocess.Popen:
+    """Start ``argv`` in a new session (its own process group) under :func:`supervise`, the group's leader, stop
+    signals held while it starts so no interrupt falls between the start and the caller's ``try``. The returned
+    process is the supervisor; it ends with ``argv``'s exit status."""
+    supervisor = [sys.executable, "-m", "dflash_doctor.processes", str(os.getpid()), str(grace_s), "--", *argv]
     with signals_held():
-        return subprocess.Popen(argv, start_new_session=True, preexec_fn=_in_child, **popen)
+        return subprocess.Popen(supervisor, start_new_session=True, preexec_fn=_in_child, **popen)
 
 
-def _group_alive(pgid: int) -> bool:
-    """Whether a process of group ``pgid`` still runs. On Linux from /proc, where a zombie (ended, waiting
-    for its new parent to reap it; in a container init may never do so) does not count; elsewhere
-    whether the group can be signalled."""
+def supervise(doctor: int, grace_s: float, argv: list[str]) -> int:
+    """Run ``argv`` in this process's group and return its exit status; on SIGTERM, SIGINT or SIGHUP stop the
+    whole group: SIGTERM to every member, SIGKILL to what outlives ``grace_s``.
+
+    Why a process of its own: the death signal :func:`_in_child` sets reaches one process only, and a launch
+    command such as ``source venv/bin/activate; vllm serve ...`` is a shell that forks the real server, which
+    the shell's death does not end. This supervisor gets the death signal when the doctor dies, even by
+    SIGKILL, and then stops every process of the group, however the command started them. ``doctor``: the
+    pid that started it; a doctor already gone when the death signal was set (the signal would never come)
+    stops the group at once."""
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, _raise_stopped)
+    try:
+        if os.getppid() != doctor:
+            raise Stopped(signal.SIGTERM)
+        status = subprocess.Popen(argv).wait()  # not subprocess.call: on an interrupt it SIGKILLs the child at once
+        return status if status >= 0 else 128 - status
+    except Stopped as stop:
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, signal.SIG_IGN)
+        pgid, me = os.getpgid(0), os.getpid()
+        os.killpg(pgid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while _group_alive(pgid, besides=me) and time.monotonic() < deadline:
+            _reap()
+            time.sleep(0.05)
+        if _group_alive(pgid, besides=me):
+            os.killpg(pgid, signal.SIGKILL)  # this process included
+        return stop.exit_code
+
+
+def _reap() -> None:
+    """Collect this process's ended children (a zombie member is not alive, but it is tidier gone)."""
+    try:
+        while os.waitpid(-1, os.WNOHANG)[0]:
+            pass
+    except ChildProcessError:
+        pass
+
+
+def _group_alive(pgid: int, besides: int | None = None) -> bool:
+    """Whether a process of group ``pgid`` (other than ``besides``) still runs. On Linux from /proc, where a
+    zombie (ended, waiting for its new parent to reap it; in a container init may never do so) does not count;
+    elsewhere whether the group can be signalled."""
     proc = "/proc"
     if os.path.isdir(proc):
         for entry in os.listdir(proc):
-            if not entry.isdigit():
+            if not entry.isdigit() or entry == str(besides):
                 continue
             try:
                 with open(f"{proc}/{entry}/stat", encoding="ascii", errors="replace") as handle:
@@ -173,7 +217,7 @@ def stop_group(process: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> None
 def run_in_group(argv: list[str], grace_s: float = STOP_GRACE_S, **popen: Any) -> int:
     """Run ``argv`` to its end as a process group of its own and return its exit status; however the doctor
     ends meanwhile (Ctrl-C, SIGTERM, SIGHUP, an exception), the whole group is stopped before it goes on."""
-    process = start_group(argv, **popen)
+    process = start_group(argv, grace_s, **popen)
     try:
         return process.wait()
     except BaseException:
@@ -188,3 +232,7 @@ def port_served(host: str, port: int, timeout_s: float = 1.0) -> bool:
             return True
     except OSError:
         return False
+
+
+if __name__ == "__main__":  # the supervisor start_group runs: DOCTOR_PID GRACE_S -- ARGV...
+    sys.exit(supervise(int(sys.argv[1]), float(sys.argv[2]), sys.argv[4:]))

@@ -19,6 +19,7 @@ from typing import Annotated, Any, Callable, Optional
 
 import typer
 
+from dflash_doctor.cli.log_setup import progress_shown
 from dflash_doctor.inputs import config as settings
 from dflash_doctor.inputs.config import DoctorConfig, build_config, discover_config_file
 
@@ -63,6 +64,7 @@ FailOn = Annotated[Optional[settings.FailOn], typer.Option("--fail-on", help="Th
 TrustRemoteCode = Annotated[bool, typer.Option("--trust-remote-code", help="Allow model repos to run their own Python code (off by default).")]
 ChatTemplate = Annotated[Optional[str], typer.Option("--chat-template", help="A .jinja file that replaces the target's chat template.", show_default="the target's own")]
 CostProfile = Annotated[Optional[str], typer.Option("--cost-profile", help="TOML/JSON step times measured in your serving engine (see docs/cost-profile.md) instead of timing here.", show_default="timed here")]
+TimingBudget = Annotated[Optional[float], typer.Option("--timing-budget", help="Seconds the step timing may take here: each step kind is re-timed until its median is known within 5% or this is spent.", show_default=_default("timing_budget_s"))]
 StrictClasses = Annotated[Optional[str], typer.Option("--strict-classes", help="Comma-separated classes that must never risk a slowdown (capped K, or speculation off).", show_default="none")]
 EndOfRequest = Annotated[Optional[settings.EndOfRequest], typer.Option("--end-of-request", help="vllm: full blocks, as vLLM/SGLang; official: dflash_generate shrinks the last blocks (docs/draft-formats.md).", show_default=_default("end_of_request"))]
 Plotly = Annotated[Optional[settings.PlotlySource], typer.Option("--plotly", help="Where report.html loads plotly.js from: inline (embedded, opens offline) or cdn (4.6 MB smaller, for CI artefacts).", show_default=_default("plotly"), **_env("plotly"))]
@@ -72,7 +74,7 @@ ServerModel = Annotated[Optional[str], typer.Option("--engine-model", help="Mode
 ServerConcurrency = Annotated[Optional[int], typer.Option("--engine-concurrency", help="Requests in flight at once against --engine.", show_default=_default("engine_concurrency"))]
 ServerApiKey = Annotated[Optional[str], typer.Option("--engine-api-key", envvar="OPENAI_API_KEY", show_envvar=True,
                                                      help="API key of the --engine server (sent as a bearer token); env:VAR reads it from the environment. Never written to the run directory.")]
-ServerTimeout = Annotated[Optional[float], typer.Option("--engine-timeout", help="Per-request timeout in seconds against --engine.", show_default=_default("engine_timeout_s"))]
+ServerTimeout = Annotated[Optional[float], typer.Option("--engine-timeout", help="The most seconds one request to --engine may take, its whole answer included.", show_default=_default("engine_timeout_s"))]
 ConfigFile = Annotated[Optional[str], typer.Option("--config", help="TOML file with the flags' keys plus thresholds (docs/user-guide.md#configuration). Without it: ./doctor.toml, else [tool.dflash-doctor] in ./pyproject.toml, else doctor.toml in the user config folder. Precedence: flag > DFLASH_DOCTOR_* variable > file > default.", show_default="discovered", **_env("config"))]
 
 #: Every shared flag by its DoctorConfig field name (``config_file`` is ``--config`` itself).
@@ -96,6 +98,7 @@ FLAGS: dict[str, Any] = {
     "trust_remote_code": TrustRemoteCode,
     "chat_template": ChatTemplate,
     "cost_profile": CostProfile,
+    "timing_budget_s": TimingBudget,
     "strict_classes": StrictClasses,
     "end_of_request": EndOfRequest,
     "plotly": Plotly,
@@ -121,8 +124,8 @@ def config_command(*names: str) -> Callable[[Callable[..., Any]], Callable[..., 
     """Give a command the shared flags ``names`` (DoctorConfig fields) and ``--config``, in front of its own.
 
     The command's first parameter, ``config: DoctorConfig``, receives them merged by ``build_config``
-    (flag > file > defaults; the file is --config or the discovered one). A switch left off (False)
-    counts as "not given", so a config file can still turn it on.
+    (flag > file > defaults; the file is --config or the discovered one, named on stderr unless -q). A
+    switch left off (False) counts as "not given", so a config file can still turn it on.
     """
     unknown = [name for name in names if name not in _CONFIG_FIELDS]
     if unknown:
@@ -140,7 +143,10 @@ def config_command(*names: str) -> Callable[[Callable[..., Any]], Callable[..., 
         @functools.wraps(command)
         def run(**values: Any) -> Any:
             config_file = values.pop("config_file") or discover_config_file()
-            _log.info("config file: %s", config_file or "none (flags and defaults)")
+            if config_file is None:
+                _log.info("config file: none (flags and defaults)")
+            elif progress_shown():  # without -v: a file picked up from the working directory is never silent
+                typer.echo(f"settings read from {config_file}", err=True)
             flags = {name: values.pop(name) for name in names}
             config = build_config(config_file, **{name: (value or None) if isinstance(value, bool) else value for name, value in flags.items()})
             return command(config, **values)

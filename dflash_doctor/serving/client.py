@@ -18,6 +18,7 @@ from typing import Any, Mapping
 
 from dflash_doctor.errors import UsageError
 from dflash_doctor.serving.http import AUTH_STATUSES, HttpClient, Unreachable, bearer
+from dflash_doctor.urls import shown, without_userinfo
 
 API_KEY_FLAGS = "--engine-api-key (or the OPENAI_API_KEY environment variable)"
 METRICS_TIMEOUT_S = 30.0
@@ -29,14 +30,17 @@ class ServerEndpoint:
 
     base_url: str
     model: str | None = None  # None: the server's only model (asked from /v1/models)
-    timeout_s: float = 300.0
+    timeout_s: float = 300.0  # the most one request may take, its whole answer included (--engine-timeout)
     retries: int = 3
     backoff_s: float = 1.0
     api_key: str | None = field(default=None, repr=False)  # a secret: never printed, never written
+    # a URL's ``user:password@``: sent as basic auth by the client, never part of base_url (which is written and shown)
+    credentials: tuple[str, str] | None = field(default=None, repr=False)
 
     @classmethod
     def from_url(cls, url: str, **kwargs: Any) -> "ServerEndpoint":
-        """Accept ``host:port``, ``http://host:port`` or ``.../v1``; keep the scheme and host only."""
+        """Accept ``host:port``, ``http://host:port`` or ``.../v1``; keep the scheme and host only. Credentials in
+        the URL are taken out of it (:func:`~dflash_doctor.urls.without_userinfo`) into ``credentials``."""
         text = url.strip().rstrip("/")
         if "://" not in text:
             text = "http://" + text
@@ -44,14 +48,16 @@ class ServerEndpoint:
             text = text[: -len("/v1")]
         scheme, _, rest = text.partition("://")
         if scheme not in ("http", "https") or not rest:
-            raise UsageError(f"--engine {url!r} is not an http(s) URL; pass the server's address, e.g. http://127.0.0.1:8000.")
-        return cls(base_url=text, **kwargs)
+            raise UsageError(f"--engine {shown(url)!r} is not an http(s) URL; pass the server's address, e.g. http://127.0.0.1:8000.")
+        base_url, credentials = without_userinfo(text)
+        return cls(base_url=base_url, credentials=credentials, **kwargs)
 
     @cached_property
     def client(self) -> HttpClient:
         """One connection pool per endpoint, shared by the requests in flight."""
         headers = {"Accept": "application/json", **bearer(self.api_key)}
-        return HttpClient(headers=headers, timeout_s=self.timeout_s, retries=self.retries, backoff_s=self.backoff_s)
+        return HttpClient(headers=headers, timeout_s=self.timeout_s, retries=self.retries, backoff_s=self.backoff_s,
+                          deadline_s=self.timeout_s, auth=self.credentials)
 
 
 class ServerError(Exception):

@@ -125,14 +125,15 @@ class HttpClient:
     deadline and a size cap per request, and redirects that keep credentials on their origin.
 
     ``headers`` go with every request to the origin it was made for (``Authorization``, ``X-Scope-OrgID``
-    ...); ``retries`` counts the attempts after the first; ``backoff_s`` is the first wait (doubling, plus up
+    ...), and so does ``auth`` (a URL's ``user:password`` kept out of the URLs the caller shows); ``retries`` counts the attempts after the first; ``backoff_s`` is the first wait (doubling, plus up
     to ``backoff_s`` of jitter). POSTs are retried too: the doctor's POSTs (a completion request, an alert)
     are safe to repeat.
     """
 
     def __init__(self, *, headers: Mapping[str, str] | None = None, timeout_s: float = 30.0, retries: int = 3, backoff_s: float = 1.0,
-                 deadline_s: float | None = None, max_bytes: int = MAX_BYTES):
+                 deadline_s: float | None = None, max_bytes: int = MAX_BYTES, auth: tuple[str, str] | None = None):
         self.timeout_s = timeout_s
+        self.auth = auth  # basic-auth (user, password) for URLs without their own, on their origin only
         self.deadline_s = deadline_s if deadline_s is not None else max(DEADLINE_S, timeout_s)
         self.max_bytes = max_bytes
         self.session = requests.Session()
@@ -151,6 +152,7 @@ class HttpClient:
         """The final response of a request (its body not read yet), redirects followed here: a hop to
         another origin goes without the credentials and the caller's headers."""
         start, auth = without_userinfo(url)
+        auth = auth or self.auth
         origin = _origin(start)
         current: str = start
         for _ in range(MAX_REDIRECTS + 1):

@@ -29,6 +29,7 @@ Engine names are the identifiers of the engines' own metric namespaces and of ``
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -118,10 +119,6 @@ def parse_vllm(spec: Mapping[str, Any], *, completion_tokens: int | None = None)
     if accepted is None or drafts is None or spec.get("num_draft_tokens") is None:
         raise MalformedResponse("the response's `metrics.speculative_decoding` lacks the step, drafted or accepted count "
                                 "(num_spec_steps, num_draft_tokens, num_accepted_draft_tokens) and has no acceptance_histogram to derive them from")
-    per_step_accepted = _ints(spec.get("per_step_accepted"))
-    per_step_drafted = _ints(spec.get("per_step_drafted"))
-    if per_step_accepted is not None and per_step_drafted is not None and len(per_step_accepted) != len(per_step_drafted):
-        raise ValueError("vLLM per_step_accepted and per_step_drafted have different lengths")
     return SpecMeasurement(
         server_kind=VLLM,
         num_spec_tokens=spec.get("num_spec_tokens"),
@@ -129,8 +126,8 @@ def parse_vllm(spec: Mapping[str, Any], *, completion_tokens: int | None = None)
         num_draft_tokens=int(spec["num_draft_tokens"]),
         num_accepted_tokens=accepted,
         acceptance_histogram=histogram,
-        per_step_accepted=per_step_accepted,
-        per_step_drafted=per_step_drafted,
+        per_step_accepted=_ints(spec.get("per_step_accepted")),
+        per_step_drafted=_ints(spec.get("per_step_drafted")),
         num_generated_tokens=completion_tokens,
     )
 
@@ -291,9 +288,27 @@ _NESTED_FIELDS = {
 }
 
 
+#: The largest count or token id a response may hold: no request generates, drafts or accepts 2**31 tokens
+#: (context windows are a few million at most), and no vocabulary is that large; a larger one is a corrupted or
+#: forged answer that would overflow the tables' integer columns.
+MAX_COUNT = 2**31 - 1
+
+
+def _out_of_range(value: Any) -> bool:
+    """A count or id outside 0..MAX_COUNT, or a float that is not finite (JSON's 1e999 and NaN read as floats)."""
+    if isinstance(value, (list, tuple)):
+        return any(_out_of_range(item) for item in value)
+    if isinstance(value, float):
+        return not math.isfinite(value)
+    return isinstance(value, int) and not 0 <= value <= MAX_COUNT
+
+
 def _fields(where: str, obj: Mapping[str, Any], declared: Mapping[str, Any]) -> None:
+    """Every declared field of ``obj`` has its type, and every number in it its range (see :data:`MAX_COUNT`)."""
     for key, expected in declared.items():
         wanted = type_error(obj.get(key), expected)
+        if wanted is None and _out_of_range(obj.get(key)):
+            wanted = "a finite number" if expected == float | None else f"a whole number from 0 to {MAX_COUNT}"
         if wanted is not None:
             raise MalformedResponse(f"the response's `{where}{key}` is {str(obj.get(key))[:60]!r}, but it must be {wanted}")
 
@@ -322,9 +337,49 @@ def check_response_shape(body: Any) -> None:
         _fields(f"sglext.spec_tokens_details[{index}].", item, _NESTED_FIELDS["meta_info"])
 
 
+def _impossible(m: SpecMeasurement) -> str | None:
+    """What in ``m`` no engine can report, or None (see :func:`check_measurement`)."""
+    counts = {"num_spec_tokens": m.num_spec_tokens, "steps": m.num_drafts, "drafted tokens": m.num_draft_tokens,
+              "accepted tokens": m.num_accepted_tokens, "generated tokens": m.num_generated_tokens,
+              "acceptance_histogram": m.acceptance_histogram, "per_step_accepted": m.per_step_accepted,
+              "per_step_drafted": m.per_step_drafted}
+    for name, value in counts.items():
+        items = value if isinstance(value, tuple) else (value,)
+        if any(not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= MAX_COUNT for v in items if v is not None):
+            return f"{name} {str(value)[:60]}, outside the whole numbers 0..{MAX_COUNT}"
+    k, accepted = m.num_spec_tokens, m.num_accepted_tokens
+    if m.num_draft_tokens is not None and accepted > m.num_draft_tokens:
+        return f"{accepted} accepted of {m.num_draft_tokens} drafted tokens"
+    if m.num_drafts is not None and accepted > m.num_drafts * (k or MAX_COUNT):
+        return f"{accepted} accepted tokens in {m.num_drafts} steps" + (f" of at most {k} drafts" if k else "")
+    if m.per_step_accepted is not None and m.per_step_drafted is not None:
+        if len(m.per_step_accepted) != len(m.per_step_drafted):
+            return f"{len(m.per_step_accepted)} per_step_accepted but {len(m.per_step_drafted)} per_step_drafted entries"
+        over = next(((a, d) for a, d in zip(m.per_step_accepted, m.per_step_drafted) if a > d), None)
+        if over is not None:
+            return f"a step that accepted {over[0]} of {over[1]} drafted tokens"
+    steps = (*(m.per_step_accepted or ()), *(m.per_step_drafted or ()))
+    if k and steps and max(steps) > k:
+        return f"a step with {max(steps)} drafted or accepted tokens at num_spec_tokens {k}"
+    return None
+
+
 def check_measurement(measurement: SpecMeasurement) -> SpecMeasurement:
-    """Refuse figures no engine can report: more tokens accepted than drafted."""
-    if measurement.num_draft_tokens and measurement.num_accepted_tokens > measurement.num_draft_tokens:
-        raise MalformedResponse(f"the response claims {measurement.num_accepted_tokens} accepted of {measurement.num_draft_tokens} "
-                                f"drafted tokens, which no engine can report")
+    """Refuse figures no engine can report, whichever way they were read (a response, /metrics deltas): every
+    count a whole number in 0..:data:`MAX_COUNT`, no more tokens accepted than drafted (also of 0 drafted),
+    none accepted beyond K per step (nor without a step), per-step arrays of equal length with no step
+    accepting more than it drafted or than K. Nothing is repaired: an impossible figure is a
+    :class:`MalformedResponse`, and ``tau = 1 + accepted / steps`` is then always in 1..K + 1."""
+    problem = _impossible(measurement)
+    if problem is not None:
+        raise MalformedResponse(f"the response claims {problem}, which no engine can report")
     return measurement
+
+
+def read_measurement(body: Any) -> SpecMeasurement:
+    """The one reader of a server's speculative figures in a response body (``check --engine``'s answers,
+    ``tune``'s final streamed chunk): its fields' types and ranges (:func:`check_response_shape`), then the
+    figures (:func:`parse_response`), then what no engine can report (:func:`check_measurement`).
+    :class:`MissingMetrics` when it carries none, :class:`MalformedResponse` for anything else wrong."""
+    check_response_shape(body)
+    return check_measurement(parse_response(body))

@@ -12,6 +12,7 @@ failure stops the run with one sentence; every request measured before it stays 
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,8 +31,8 @@ from dflash_doctor.rundir.tables import REQUESTS_SCHEMA, STEPS_SCHEMA, StepRow, 
 from dflash_doctor.rundir.writer import utc_now
 from dflash_doctor.serving.client import ServerEndpoint, ServerError, auth_fix, call
 from dflash_doctor.serving.prometheus import ServerCounters, measurement_between, scrape_counters
-from dflash_doctor.serving.responses import (LLAMA_CPP, MalformedResponse, MissingMetrics, SpecMeasurement, check_measurement, check_response_shape, parse_response,
-                                             step_rows)
+from dflash_doctor.serving.responses import (LLAMA_CPP, MalformedResponse, MissingMetrics, SpecMeasurement, check_measurement, check_response_shape,
+                                             read_measurement, step_rows)
 
 FIGURES_FROM = {
     "responses": "the server's per-request metrics in each response",
@@ -141,7 +142,7 @@ def ask(endpoint: ServerEndpoint, request: Request, config: DoctorConfig, *, fro
         wall = time.perf_counter() - started
         check_response_shape(body)
         text, output_ids, prompt_ids, stop_reason, usage = read_completion(body)
-        measurement = check_measurement(counted_measurement(before, _counters(endpoint), body) if before is not None else parse_response(body))
+        measurement = check_measurement(counted_measurement(before, _counters(endpoint), body)) if before is not None else read_measurement(body)
         output_ids = [int(t) for t in output_ids] if output_ids is not None else None
         results.append(ServerTurn(
             request=request, turn=turn, output_text=text, output_token_ids=output_ids,
@@ -222,12 +223,18 @@ def turn_rows(result: ServerTurn) -> tuple[dict[str, Any], list[dict[str, Any]]]
     return row, steps
 
 
+def impossible_answer(endpoint: ServerEndpoint, exc: MalformedResponse, kept: str = "") -> str:
+    """The one sentence for a server that answered something of the wrong shape or impossible (``check --engine``
+    and ``tune``); ``kept`` says what the run directory holds."""
+    return f"--engine {endpoint.base_url}: {exc}; point --engine at the serving engine itself, not at a proxy that rewrites its answers{kept}."
+
+
 def _failure_sentence(endpoint: ServerEndpoint, exc: Exception, done: int, run_dir: Path) -> str:
     kept = f"; the {done} request(s) measured before it are in {run_dir}" if done else ""
     if isinstance(exc, MissingMetrics):
         return f"--engine {endpoint.base_url}: {exc}{kept}."
     if isinstance(exc, MalformedResponse):
-        return f"--engine {endpoint.base_url}: {exc}; point --engine at the serving engine itself, not at a proxy that rewrites its answers{kept}."
+        return impossible_answer(endpoint, exc, kept)
     if isinstance(exc, ServerError) and exc.status is None:
         return f"--engine {endpoint.base_url}: {exc}; check that the server is still up{kept}."
     if isinstance(exc, ServerError) and exc.auth_refused:
@@ -280,7 +287,8 @@ def measure_server(endpoint: ServerEndpoint, requests: list[Request], config: Do
                                ids_from_probs=source == "timings and counters") for request in remaining]
         done: concurrent.futures.Future = concurrent.futures.Future()
         done.set_result(first_turns)
-        for future in [done, *concurrent.futures.as_completed(futures)]:
+        # each request's rows go to the journal as its answer arrives (a lazy chain: a list would wait for all)
+        for future in itertools.chain([done], concurrent.futures.as_completed(futures)):
             try:
                 turns = future.result()
             except (ServerError, MissingMetrics) as exc:

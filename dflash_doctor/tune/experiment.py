@@ -116,7 +116,8 @@ def _measure_server(plan, grid: TuneGrid, config: DoctorConfig, requests, log_pa
 
 def _server_facts(k: int, command: str | None, url: str, model: str | None, runs: list[LoadRun]) -> dict[str, Any]:
     """What the engine itself said at this K: the K it drafts (vLLM says it per request; llama.cpp does not),
-    and where the acceptance figures came from (llama.cpp's responses count draft tokens but not steps)."""
+    and where the acceptance figures came from (llama.cpp's responses count draft tokens but not steps). A K=0
+    server that drafted, by its responses or its /metrics counters, is flagged: it is no baseline."""
     specs = [timed.spec for run in runs for timed in run.requests if timed.spec is not None]
     reported = {spec.num_spec_tokens for spec in specs if spec.num_spec_tokens is not None}
     per_request = any(spec.num_drafts is not None for spec in specs)
@@ -126,7 +127,7 @@ def _server_facts(k: int, command: str | None, url: str, model: str | None, runs
                              "/metrics counter deltas over the run (overall only)" if any(r.counters for r in runs) else "none"}
     if k > 0 and reported and reported != {k}:
         facts["warning"] = f"the server reports num_spec_tokens {sorted(reported)}, not K={k}: check the launch command"
-    if k == 0 and any(r.counters and r.counters.num_drafts for r in runs):
+    if k == 0 and (any(spec.num_draft_tokens or spec.num_drafts for spec in specs) or any(r.counters and r.counters.num_drafts for r in runs)):
         facts["warning"] = "the K=0 server drafted tokens: it is speculating; the baseline must run without a draft"
     return facts
 

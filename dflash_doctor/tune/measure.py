@@ -30,9 +30,9 @@ from dflash_doctor.inputs.workloads import Request, conversation_turns
 from dflash_doctor.replay.turns import turn_limit
 from dflash_doctor.serving.client import ServerEndpoint, auth_fix
 from dflash_doctor.serving.http import AUTH_STATUSES, Unreachable
-from dflash_doctor.serving.server_run import request_body
+from dflash_doctor.serving.server_run import impossible_answer, request_body
 from dflash_doctor.serving.prometheus import measurement_between, scrape_counters
-from dflash_doctor.serving.responses import MissingMetrics, SpecMeasurement, parse_response
+from dflash_doctor.serving.responses import MalformedResponse, MissingMetrics, SpecMeasurement, read_measurement
 from dflash_doctor.tune.loads import LoadLevel
 
 
@@ -117,20 +117,22 @@ def stream_request(endpoint: ServerEndpoint, request: Request, config: DoctorCon
                 chunk = json.loads(data)
                 if ttft is None and chunk.get("choices"):
                     ttft = clock() - started
-                if chunk.get("usage"):
+                if chunk.get("usage") is not None:  # its shape is read_measurement's to judge
                     final = chunk
     except (Unreachable, json.JSONDecodeError, AttributeError) as exc:
         raise UsageError(f"--engine {endpoint.base_url}: request {request.id} failed mid-stream ({exc}); "
                          "check that the server is still up.") from None
     e2e = clock() - started
-    usage = final.get("usage") or {}
-    if not usage:
+    if not final or not final["usage"]:
         raise UsageError(f"--engine {endpoint.base_url} streamed no usage for request {request.id}; the server must "
                          "honour stream_options.include_usage (vLLM, SGLang and llama.cpp do).")
     try:
-        spec: SpecMeasurement | None = parse_response(final)
+        spec: SpecMeasurement | None = read_measurement(final)
     except MissingMetrics:
         spec = None
+    except MalformedResponse as exc:
+        raise UsageError(impossible_answer(endpoint, exc)) from None
+    usage = final["usage"]
     return TimedRequest(
         request_id=request.id, request_class=request.request_class,
         prompt_num_tokens=int(usage.get("prompt_tokens") or 0), num_output_tokens=int(usage.get("completion_tokens") or 0),

@@ -47,15 +47,36 @@ def redact_text(text: str, secrets: list[str]) -> str:
     return redact(text)
 
 
+def _safe_cut(text: bytes, secrets: list[bytes]) -> int:
+    """Where a piece of a long line may be cut so that no secret is split: before the last (longest secret - 1)
+    bytes, which could start a secret that the next piece ends, and before any secret the cut would cross."""
+    cut = len(text) - max((len(value) - 1 for value in secrets), default=0)
+    moved = True
+    while moved and cut > 0:
+        moved = False
+        for value in secrets:
+            start = text.find(value, max(cut - len(value) + 1, 0))
+            if 0 <= start < cut:
+                cut, moved = start, True
+    return max(cut, 0)
+
+
 def copy_redacted(source: IO[bytes], log_path: Path, secrets: list[str]) -> threading.Thread:
     """Copy a server's output, line by line and redacted, into ``log_path`` from a background thread that
     ends when the output does (the server has stopped). The caller joins it after stopping the server."""
 
+    encoded = [value.encode("utf-8") for value in secrets]
+
     def copy() -> None:
+        held = b""  # the end of a line's last piece, not written yet: it may hold the start of a secret
         with source, log_path.open("w", encoding="utf-8") as log:
             while piece := source.readline(LINE_PIECE_BYTES):
-                log.write(redact_text(piece.decode("utf-8", errors="replace"), secrets))
+                text = held + piece
+                cut = len(text) if text.endswith(b"\n") else _safe_cut(text, encoded)
+                text, held = text[:cut], text[cut:]
+                log.write(redact_text(text.decode("utf-8", errors="replace"), secrets))
                 log.flush()  # a failed start quotes the log's tail: it must be on disk already
+            log.write(redact_text(held.decode("utf-8", errors="replace"), secrets))
 
     thread = threading.Thread(target=copy, name=f"copy {log_path.name}", daemon=True)
     thread.start()
