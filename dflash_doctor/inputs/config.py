@@ -9,6 +9,7 @@ happens once, in :func:`build_config`, and names the offending key or flag.
 from __future__ import annotations
 
 import dataclasses
+import re
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -23,21 +24,27 @@ from dflash_doctor.urls import without_userinfo
 from dflash_doctor.stats.speedup import load_cost_profile
 
 
-def parse_int_grid(text: str, flag: str, *, minimum: int) -> tuple[int, ...]:
-    """``8``, a list ``2,4,8``, a range ``1-15`` or a mix, as sorted distinct integers >= ``minimum``.
+#: one item of an integer grid: ``8`` or ``1-15``, ASCII digits only
+_GRID_PART = re.compile(r"[0-9]{1,18}(-[0-9]{1,18})?")
+
+
+def parse_int_grid(text: str, flag: str, *, minimum: int, maximum: int | None = None) -> tuple[int, ...]:
+    """``8``, a list ``2,4,8``, a range ``1-15`` or a mix, as sorted distinct integers in [``minimum``, ``maximum``].
 
     The one parser of integer grids (``--k`` of check/sweep/tune, tune's ``--fit-k`` and ``--concurrency``):
-    a reversed range such as ``8-4`` is refused rather than read as empty."""
+    a reversed range such as ``8-4`` is refused rather than read as empty; ``maximum`` is checked on each
+    number before a range is spelled out, so ``1-10000000000`` is refused rather than allocated."""
     values: list[int] = []
     try:
         for part in text.replace(" ", "").split(","):
+            if not _GRID_PART.fullmatch(part):
+                raise ValueError  # int() also reads "1_000" and other scripts' digits ("٣")
             low, sep, high = part.partition("-")
-            if not sep:
-                values.append(int(low))
-                continue
-            first, last = int(low), int(high)
+            first, last = int(low), int(high) if sep else int(low)
             if first > last:
                 raise ValueError
+            if maximum is not None and last > maximum:
+                raise UsageError(f"{flag} {text!r} must hold integers <= {maximum}; fix the value.")
             values.extend(range(first, last + 1))
     except ValueError:
         raise UsageError(f"{flag} {text!r} is not an integer, a list like 2,4,8 or a range like 1-15; fix the value.") from None
@@ -46,13 +53,22 @@ def parse_int_grid(text: str, flag: str, *, minimum: int) -> tuple[int, ...]:
     return tuple(sorted(set(values)))
 
 
+#: The largest K (draft tokens per step) any command replays: vLLM's own ceiling (its rejection sampler's
+#: ``MAX_SPEC_LEN`` = 128), so no K above it can be served. A block drafter is capped lower by its block
+#: (``Pair.check_k_fits``); this cap is what bounds a speculator without a block (ngram, suffix, an
+#: autoregressive draft), whose verify of 1 + K tokens holds (1 + K) x vocabulary logits (K = 32767 asked
+#: for 45 GB) and whose K is an int16 column of steps.parquet.
+MAX_K = 128
+
+
 def parse_k(value: str | int | list[int] | tuple[int, ...]) -> tuple[int, ...]:
-    """Parse ``--k`` (or a config file's ``k``): an integer, a list or a grid string, as sorted unique ints >= 1."""
+    """Parse ``--k`` (or a config file's ``k``): an integer, a list or a grid string, as sorted unique ints
+    in [1, :data:`MAX_K`]."""
     if isinstance(value, str):
-        return parse_int_grid(value, "--k", minimum=1)
+        return parse_int_grid(value, "--k", minimum=1, maximum=MAX_K)
     values = list(value) if isinstance(value, (list, tuple)) else [value]
-    if not values or any((not isinstance(v, int)) or isinstance(v, bool) or v < 1 for v in values):
-        raise UsageError(f"--k {value!r} must hold integers >= 1; fix the value.")
+    if not values or any((not isinstance(v, int)) or isinstance(v, bool) or not 1 <= v <= MAX_K for v in values):
+        raise UsageError(f"--k {value!r} must hold integers from 1 to {MAX_K} (vLLM's most draft tokens per step); fix the value.")
     return tuple(sorted(set(values)))
 
 

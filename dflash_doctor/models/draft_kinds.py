@@ -33,6 +33,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Generic, TypeVar
@@ -110,6 +111,8 @@ class DraftKind(Generic[DraftModel]):
     by ``--draft NAME`` (optionally ``NAME:key=value,...``, the settings as a dict of strings): its module,
     holding its settings and whatever it reads from the target's folder; ``detect`` and ``load`` are then
     never asked.
+    ``check_settings(settings)``: such a kind's settings read and range-checked with no model (a
+    UsageError for a bad one), so a bad option string is refused when it is read, before anything loads.
     """
 
     name: str
@@ -125,6 +128,7 @@ class DraftKind(Generic[DraftModel]):
     serving_checklist: str = ""
     serving_setups: Callable[[DraftModel, CausalLM], SetupProposers] | None = None
     from_spec: Callable[[dict[str, str], Path, Any, LoadOptions], DraftModel] | None = None
+    check_settings: Callable[[dict[str, str]], object] | None = None
 
 
 _KINDS: dict[str, DraftKind[Any]] = {}
@@ -163,7 +167,11 @@ def get_draft_kind(name: str) -> DraftKind[Any]:
 
 def weightless_kind(spec: str) -> tuple[DraftKind[Any], dict[str, str]] | None:
     """The kind a ``--draft`` value names when it names a speculator without weights (``ngram``,
-    ``ngram:prompt_lookup_max=4``), with its settings; None for a checkpoint (a path or hub id)."""
+    ``ngram:prompt_lookup_max=4``), with its settings; None for a checkpoint (a path or hub id).
+
+    The settings are checked here, where the string is read, so every caller (a head-to-head's up-front
+    pass, the pair's load) refuses a bad one before any model loads: a key given twice is refused (which
+    one was meant?), and the kind's ``check_settings`` reads every value with no model."""
     name, _, rest = spec.partition(":")
     kind = _KINDS.get(name)
     if kind is None or kind.from_spec is None:
@@ -173,8 +181,41 @@ def weightless_kind(spec: str) -> tuple[DraftKind[Any], dict[str, str]] | None:
         key, eq, value = item.partition("=")
         if not eq or not key.strip() or not value.strip():
             raise UsageError(f"--draft {spec!r}: settings are key=value pairs separated by commas, e.g. ngram:prompt_lookup_max=4 or suffix:suffix_decoding_max_tree_depth=16.")
+        if key.strip() in settings:
+            raise UsageError(f"--draft {spec!r}: {key.strip()} is set twice; keep one value.")
         settings[key.strip()] = value.strip()
+    if kind.check_settings is not None:
+        kind.check_settings(settings)
     return kind, settings
+
+
+#: ``1``, ``-3``, ``+12``: a whole number in ASCII digits (``int()`` also reads other scripts' digits and ``1_000``)
+_WHOLE_NUMBER = re.compile(r"[+-]?[0-9]{1,30}")
+#: a decimal number in ASCII (``float()`` also reads ``inf``, ``nan``, other scripts' digits and ``1_0``)
+_DECIMAL = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]{1,4})?")
+
+
+def setting_int(kind: str, key: str, text: str, example: str) -> int:
+    """A speculator setting that is a whole number, written in ASCII digits; anything else is a UsageError
+    (the range is the settings class's to check). At most 30 digits are read: no bound is that long."""
+    if not _WHOLE_NUMBER.fullmatch(text):
+        raise UsageError(f"--draft {kind}: {key}={text!r} is not a whole number in the digits 0-9; e.g. {example}.")
+    return int(text)
+
+
+def setting_float(kind: str, key: str, text: str, example: str) -> float:
+    """A speculator setting that is a number: ASCII decimal, finite in float32 (the engines compute in
+    float32: 1e39 is finite as a Python float and infinite there) and not rounded to 0 (``1e-400``, or
+    ``1e-50`` in float32) when it is not 0, so the value the replay uses is the value the user wrote."""
+    if not _DECIMAL.fullmatch(text):
+        raise UsageError(f"--draft {kind}: {key}={text!r} is not a decimal number; e.g. {example}.")
+    value = float(text)
+    if abs(value) > float(np.finfo(np.float32).max):
+        raise UsageError(f"--draft {kind}: {key}={text!r} does not fit a float32 (above 3.4e38); e.g. {example}.")
+    written_nonzero = re.search(r"[1-9]", text.lower().partition("e")[0]) is not None
+    if written_nonzero and np.float32(value) == 0:
+        raise UsageError(f"--draft {kind}: {key}={text!r} rounds to 0 in float32; write 0 or a larger number, e.g. {example}.")
+    return value
 
 
 def detect_draft_kind(config: dict[str, Any]) -> DraftKind[Any]:
@@ -268,17 +309,24 @@ class WeightlessDraft(torch.nn.Module):
         self.device_name = device
 
 
-def _ngram_from_spec(settings: dict[str, str], target_dir: Path, target_config: Any, options: LoadOptions) -> WeightlessDraft:
+_NGRAM_EXAMPLE = "ngram:prompt_lookup_min=2,prompt_lookup_max=5"
+
+
+def _ngram_settings(settings: dict[str, str]) -> NgramSettings:
+    """The ``--draft ngram:...`` settings, checked with no model (no context cap yet: the target sets it)."""
     known = ("prompt_lookup_min", "prompt_lookup_max")
     unknown = sorted(set(settings) - set(known))
     if unknown:
         raise UsageError(f"--draft ngram: unknown setting {unknown[0]!r}; the settings are {', '.join(known)} (vLLM's names).")
+    values = {key: setting_int("ngram", key, value, _NGRAM_EXAMPLE) for key, value in settings.items()}
     try:
-        values = {key: int(value) for key, value in settings.items()}
-        resolved = NgramSettings.resolve(values.get("prompt_lookup_min"), values.get("prompt_lookup_max"),
-                                         max_model_len=getattr(target_config, "max_position_embeddings", None))
+        return NgramSettings.resolve(values.get("prompt_lookup_min"), values.get("prompt_lookup_max"))
     except ValueError as error:
-        raise UsageError(f"--draft ngram: {error}; pass whole numbers >= 1, e.g. ngram:prompt_lookup_min=2,prompt_lookup_max=5.") from None
+        raise UsageError(f"--draft ngram: {error}; e.g. {_NGRAM_EXAMPLE}.") from None
+
+
+def _ngram_from_spec(settings: dict[str, str], target_dir: Path, target_config: Any, options: LoadOptions) -> WeightlessDraft:
+    resolved = dataclasses.replace(_ngram_settings(settings), max_model_len=getattr(target_config, "max_position_embeddings", None))
     return WeightlessDraft(resolved, int(target_config.vocab_size), options.device)
 
 
@@ -302,6 +350,7 @@ register_draft_kind(DraftKind(
     serving_checklist=("the server's prompt_lookup_min, prompt_lookup_max and num_speculative_tokens against the --draft ngram "
                        "settings, and the chat template the server renders (the lookup reads the prompt's tokens)"),
     from_spec=_ngram_from_spec,
+    check_settings=_ngram_settings,
 ), before="autoregressive")
 
 
@@ -311,7 +360,8 @@ _SUFFIX_SETTINGS: dict[str, type] = {"max_tree_depth": int, "max_cached_requests
 _SUFFIX_EXAMPLE = "suffix:suffix_decoding_max_tree_depth=24,suffix_decoding_min_token_prob=0.1"
 
 
-def _suffix_from_spec(settings: dict[str, str], target_dir: Path, target_config: Any, options: LoadOptions) -> WeightlessDraft:
+def _suffix_settings(settings: dict[str, str], max_model_len: int | None = None) -> SuffixSettings:
+    """The ``--draft suffix:...`` settings, checked with no model (the target sets ``max_model_len`` later)."""
     values: dict[str, Any] = {}
     for key, text in settings.items():
         short = key.removeprefix("suffix_decoding_")
@@ -319,18 +369,18 @@ def _suffix_from_spec(settings: dict[str, str], target_dir: Path, target_config:
         if kind is None:
             names = ", ".join(f"suffix_decoding_{name}" for name in _SUFFIX_SETTINGS)
             raise UsageError(f"--draft suffix: unknown setting {key!r}; the settings are {names} (vLLM's names).")
-        try:
-            value = kind(text)
-        except ValueError:
-            wanted = "a whole number" if kind is int else "a number"
-            raise UsageError(f"--draft suffix: suffix_decoding_{short}={text!r} is not {wanted}; e.g. {_SUFFIX_EXAMPLE}.") from None
-        if kind is float and not np.isfinite(value):
-            raise UsageError(f"--draft suffix: suffix_decoding_{short}={text!r} is not a finite number; e.g. {_SUFFIX_EXAMPLE}.")
-        values[short] = value
+        if short in values:
+            raise UsageError(f"--draft suffix: suffix_decoding_{short} is set twice (with and without the prefix); keep one value.")
+        read = setting_int if kind is int else setting_float
+        values[short] = read("suffix", f"suffix_decoding_{short}", text, _SUFFIX_EXAMPLE)
     try:
-        resolved = SuffixSettings(**values, max_model_len=getattr(target_config, "max_position_embeddings", None))
+        return SuffixSettings(**values, max_model_len=max_model_len)
     except ValueError as error:
         raise UsageError(f"--draft suffix: {error}, as vLLM requires; e.g. {_SUFFIX_EXAMPLE}.") from None
+
+
+def _suffix_from_spec(settings: dict[str, str], target_dir: Path, target_config: Any, options: LoadOptions) -> WeightlessDraft:
+    resolved = _suffix_settings(settings, getattr(target_config, "max_position_embeddings", None))
     return WeightlessDraft(resolved, int(target_config.vocab_size), options.device)
 
 
@@ -349,6 +399,7 @@ register_draft_kind(DraftKind(
         "max_model_len": model.settings.max_model_len,
     },
     from_spec=_suffix_from_spec,
+    check_settings=_suffix_settings,
 ), before="autoregressive")
 
 
@@ -407,7 +458,8 @@ class MtpDraft(torch.nn.Module):
         self.set_by_user = set_by_user
 
 
-def _mtp_from_spec(settings: dict[str, str], target_dir: Path, target_config: Any, options: LoadOptions) -> MtpDraft:
+def _mtp_settings(settings: dict[str, str]) -> dict[str, str]:
+    """The ``--draft mtp:...`` settings, checked with no model: each a known side, each value a side name."""
     for key, value in settings.items():
         if key == "num_speculative_tokens":
             raise UsageError("--draft mtp: num_speculative_tokens is --k; pass --k N instead of the setting.")
@@ -415,6 +467,10 @@ def _mtp_from_spec(settings: dict[str, str], target_dir: Path, target_config: An
             raise UsageError(f"--draft mtp: unknown setting {key!r}; the settings are {', '.join(_MTP_SETTINGS)}, e.g. {_MTP_EXAMPLE}.")
         if value not in SIDES:
             raise UsageError(f"--draft mtp: {key}={value!r} is not {' or '.join(SIDES)}; e.g. {_MTP_EXAMPLE}.")
+    return settings
+
+
+def _mtp_from_spec(settings: dict[str, str], target_dir: Path, target_config: Any, options: LoadOptions) -> MtpDraft:
     architecture = str(getattr(target_config, "model_type", "") or "")
     default = default_mtp_settings(architecture)
     resolved = MtpSettings(hidden_state=settings.get("hidden_state", default.hidden_state),
@@ -468,4 +524,5 @@ register_draft_kind(DraftKind(
                        "check names each engine's choice), num_speculative_tokens against the number of MTP layers, and the "
                        "chat template the server renders"),
     from_spec=_mtp_from_spec,
+    check_settings=_mtp_settings,
 ), before="autoregressive")

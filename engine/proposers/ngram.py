@@ -39,6 +39,9 @@ from dflash_doctor.engine.proposers.base import Proposal, TargetNeeds, TokenList
 
 #: vLLM's defaults when neither bound is given
 DEFAULT_PROMPT_LOOKUP = 5
+#: The longest lookup (and suffix-tree depth, :mod:`.suffix`) accepted: 2**20 tokens, above the context of
+#: any model this tool replays, so a larger bound could never match more and only names a size to allocate.
+MAX_LOOKUP_TOKENS = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -52,7 +55,8 @@ class NgramSettings:
     @classmethod
     def resolve(cls, prompt_lookup_min: int | None = None, prompt_lookup_max: int | None = None,
                 max_model_len: int | None = None) -> "NgramSettings":
-        """vLLM's defaulting: neither -> both 5; one -> the other copies it. Bounds must be >= 1 and min <= max."""
+        """vLLM's defaulting: neither -> both 5; one -> the other copies it. Bounds must be in
+        [1, :data:`MAX_LOOKUP_TOKENS`] and min <= max."""
         if prompt_lookup_min is None and prompt_lookup_max is None:
             prompt_lookup_min = prompt_lookup_max = DEFAULT_PROMPT_LOOKUP
         elif prompt_lookup_min is None:
@@ -60,8 +64,8 @@ class NgramSettings:
         elif prompt_lookup_max is None:
             prompt_lookup_max = prompt_lookup_min
         assert prompt_lookup_min is not None and prompt_lookup_max is not None
-        if prompt_lookup_min < 1 or prompt_lookup_max < 1:
-            raise ValueError(f"prompt_lookup_min/max must be >= 1, got {prompt_lookup_min}/{prompt_lookup_max}")
+        if not (1 <= prompt_lookup_min <= MAX_LOOKUP_TOKENS and 1 <= prompt_lookup_max <= MAX_LOOKUP_TOKENS):
+            raise ValueError(f"prompt_lookup_min/max must be in [1, {MAX_LOOKUP_TOKENS}], got {prompt_lookup_min}/{prompt_lookup_max}")
         if prompt_lookup_min > prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min {prompt_lookup_min} exceeds prompt_lookup_max {prompt_lookup_max}")
         return cls(prompt_lookup_min, prompt_lookup_max, max_model_len)
@@ -76,7 +80,7 @@ def ngram_lookup(context: Sequence[int], k: int, settings: NgramSettings) -> lis
         k = min(k, settings.max_model_len - total)
     if k <= 0:
         return []
-    max_n = settings.prompt_lookup_max
+    max_n = min(settings.prompt_lookup_max, total)  # no match is longer than the context: the same scan, a list that fits
     reversed_ids = context[::-1]
     # prefix function of the reversed context, kept for its first max_n entries only (longer matches are capped)
     lps = [0] * max_n

@@ -40,13 +40,20 @@ import numpy as np
 import torch
 
 from dflash_doctor.engine.proposers.base import Proposal, TargetNeeds, TokenListProposer
+from dflash_doctor.engine.proposers.ngram import MAX_LOOKUP_TOKENS
 
 F32 = np.float32
+#: The most requests the global tree may keep (vLLM's default is 10,000): a count, bounded like every size.
+MAX_CACHED_REQUESTS = 1 << 31
 
 
 @dataclass(frozen=True)
 class SuffixSettings:
-    """vLLM's four ``suffix_decoding_*`` settings (its defaults) and the context cap (``max_model_len``)."""
+    """vLLM's four ``suffix_decoding_*`` settings (its defaults) and the context cap (``max_model_len``).
+
+    Every value is bounded: the depth by :data:`MAX_LOOKUP_TOKENS` (a longer string than any context never
+    matches), the spec factor by the same number (a draft is never longer than the tree is deep, so a larger
+    factor drafts nothing more, and ``m * factor`` stays finite in float32, where the engine computes it)."""
 
     max_tree_depth: int = 24
     max_cached_requests: int = 10000
@@ -55,12 +62,12 @@ class SuffixSettings:
     max_model_len: int | None = None
 
     def __post_init__(self) -> None:
-        if self.max_tree_depth < 1:
-            raise ValueError(f"suffix_decoding_max_tree_depth={self.max_tree_depth} must be >= 1")
-        if self.max_cached_requests < 0:
-            raise ValueError(f"suffix_decoding_max_cached_requests={self.max_cached_requests} must be >= 0")
-        if not self.max_spec_factor >= 0:
-            raise ValueError(f"suffix_decoding_max_spec_factor={self.max_spec_factor} must be >= 0")
+        if not 1 <= self.max_tree_depth <= MAX_LOOKUP_TOKENS:
+            raise ValueError(f"suffix_decoding_max_tree_depth={self.max_tree_depth} must be in [1, {MAX_LOOKUP_TOKENS}]")
+        if not 0 <= self.max_cached_requests <= MAX_CACHED_REQUESTS:
+            raise ValueError(f"suffix_decoding_max_cached_requests={self.max_cached_requests} must be in [0, {MAX_CACHED_REQUESTS}]")
+        if not 0 <= self.max_spec_factor <= MAX_LOOKUP_TOKENS:
+            raise ValueError(f"suffix_decoding_max_spec_factor={self.max_spec_factor} must be in [0, {MAX_LOOKUP_TOKENS}]")
         if not 0 <= self.min_token_prob <= 1:
             raise ValueError(f"suffix_decoding_min_token_prob={self.min_token_prob} must be in [0, 1]")
 

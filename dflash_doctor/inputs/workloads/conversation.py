@@ -8,11 +8,18 @@ Its own module because it needs a tokenizer and a template, where the rest of th
 
 from __future__ import annotations
 
+import functools
+import re
 import signal
 import threading
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Sequence
+
+import jinja2
+from jinja2.compiler import CodeGenerator
+from jinja2.exceptions import SecurityError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from dflash_doctor.errors import UsageError
 from dflash_doctor.inputs.workloads.request import Request, count_trailing_user_messages
@@ -29,6 +36,129 @@ _RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "chat_template", "add_gen
 #: Seconds one chat-template render may take. Real templates render a conversation in milliseconds; a template
 #: whose loops never end (the sandbox caps each range at 100,000 items, not their nesting) would hang the command.
 TEMPLATE_TIME_LIMIT_S = 10.0
+
+#: The most characters (or items) a chat template may build in one string or list, the widest number it may
+#: pass to a function or filter, and the longest prompt it may render: 2**24 (16.8 M) characters, about 4 M
+#: tokens, above the context of any model this tool replays. The time limit cannot stop one C-level operation,
+#: so ``'x' * 10**12`` would ask for 1 TB at once: :class:`BoundedSandbox` checks the size before the operation.
+MAX_TEMPLATE_SIZE = 1 << 24
+
+#: a run of digits in a format string (``'%1000000000d'``, ``'{:>1000000000}'``): a width or a precision
+_FORMAT_NUMBER = re.compile(r"[0-9]+")
+
+
+def _bound(size: int, what: str) -> None:
+    """Refuse, inside the render, an operation that would build more than :data:`MAX_TEMPLATE_SIZE` items."""
+    if size > MAX_TEMPLATE_SIZE:
+        raise SecurityError(f"{what} asks for {size:,} items, above the chat template limit of {MAX_TEMPLATE_SIZE:,}")
+
+
+def _bound_arguments(args: Sequence[Any], kwargs: dict[str, Any], what: str) -> None:
+    """Every number a template passes to a call or filter is a size at most (a width, a count, an indent)."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, int):
+            _bound(abs(value), what)
+
+
+def _bound_format(text: str, what: str) -> None:
+    """A format string's widths and precisions are sizes of the text it builds."""
+    for digits in _FORMAT_NUMBER.findall(text):
+        _bound(int(digits) if len(digits) < 20 else MAX_TEMPLATE_SIZE + 1, what)
+
+
+class _BoundedCodeGenerator(CodeGenerator):
+    """jinja2's code generator, with ``a ~ b`` (no operator method to intercept) joined through
+    :meth:`BoundedSandbox.bounded_concat`, so a loop doubling a string by ``~`` stops at the size limit."""
+
+    def visit_Concat(self, node: Any, frame: Any) -> None:
+        self.write("environment.bounded_concat(")
+        super().visit_Concat(node, frame)
+        self.write(")")
+
+
+class BoundedSandbox(ImmutableSandboxedEnvironment):
+    """transformers' chat-template sandbox (immutable builtins, no private attributes) that also bounds the
+    operators and calls which build large values in one step: repetition and concatenation (``*``, ``+``),
+    powers (``**``), ``%`` formatting, and the numbers and format strings handed to functions, methods and
+    filters. :func:`bounded_chat_templates` makes transformers compile chat templates with it. What no single
+    step can reach (a loop doubling a string) meets the render's time limit or the rendered-size limit."""
+
+    intercepted_binops = frozenset({"*", "+", "**", "%"})
+    code_generator_class = _BoundedCodeGenerator
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.globals.pop("lipsum", None)  # paragraphs of placeholder text: no chat template's business, and a size
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        sized = (str, list, tuple)
+        if operator == "*":
+            for seq, times in ((left, right), (right, left)):
+                if isinstance(seq, sized) and isinstance(times, int):
+                    _bound(len(seq) * times, "a repetition (*)")
+        elif operator == "+" and isinstance(left, sized) and isinstance(right, sized):
+            _bound(len(left) + len(right), "a concatenation (+)")
+        elif operator == "**" and isinstance(left, int) and isinstance(right, int) and right > 0:
+            _bound(abs(left).bit_length() * right // 8, "a power (**), in bytes,")
+        elif operator == "%" and isinstance(left, str):
+            _bound_format(left, "a % format")
+        return super().call_binop(context, operator, left, right)
+
+    @staticmethod
+    def bounded_concat(text: str) -> str:
+        """The result of a ``~`` joined (jinja2 joins the pieces first; one such join is at most twice the
+        limit, and the next one stops)."""
+        _bound(len(text), "a concatenation (~)")
+        return text
+
+    def call(self, context: Any, obj: Any, /, *args: Any, **kwargs: Any) -> Any:
+        _bound_arguments(args, kwargs, f"a call of {getattr(obj, '__name__', 'a function')}")
+        # jinja2 hands str.format out wrapped (its own format checks): the string is the wrapped method's owner
+        owner, name = getattr(getattr(obj, "__wrapped__", obj), "__self__", None), getattr(obj, "__name__", "")
+        if isinstance(owner, str) and name in ("format", "format_map"):
+            _bound_format(owner, "a format string")
+        if isinstance(owner, str) and name == "replace" and len(args) >= 2:
+            old, new = str(args[0]), str(args[1])
+            _bound(len(owner) + (owner.count(old) if old else len(owner) + 1) * len(new), "a replace")
+        return super().call(context, obj, *args, **kwargs)
+
+    def from_string(self, source: Any, *args: Any, **kwargs: Any) -> Any:
+        """Compile with every filter bounded like a call (filters are looked up when a template compiles)."""
+        for name, function in list(self.filters.items()):
+            if not getattr(function, "bounded", False):
+                self.filters[name] = _bounded_filter(name, function)
+        return super().from_string(source, *args, **kwargs)
+
+
+def _bounded_filter(name: str, function: Any) -> Any:
+    """``function`` with its numbers and format strings bounded; jinja2's pass-context markers are kept."""
+
+    @functools.wraps(function)
+    def bounded(*args: Any, **kwargs: Any) -> Any:
+        _bound_arguments(args, kwargs, f"the filter {name}")
+        if name == "format" and args and isinstance(args[0], str):
+            _bound_format(args[0], "the filter format")
+        if name == "join" and len(args) > 1 and isinstance(args[1], (list, tuple)):  # args[0]: jinja2's eval context
+            _bound(sum(len(piece) for piece in args[1] if isinstance(piece, str)), "the filter join")
+        if name == "indent" and args and isinstance(args[0], str):  # the indent is repeated on every line
+            width = kwargs.get("width", args[1] if len(args) > 1 else 4)
+            _bound((args[0].count("\n") + 1) * (width if isinstance(width, int) else len(str(width))), "the filter indent")
+        return function(*args, **kwargs)
+
+    bounded.bounded = True  # type: ignore[attr-defined]
+    return bounded
+
+
+@functools.cache
+def bounded_chat_templates() -> None:
+    """Make transformers compile chat templates in :class:`BoundedSandbox`: it builds its sandbox from the name
+    ``ImmutableSandboxedEnvironment`` of its own module, with its own globals and filters (which stay its
+    own), and caches compiled templates, so the cache is emptied once when the class is swapped. Done once,
+    before the first render this tool asks for."""
+    from transformers.utils import chat_template_utils
+
+    chat_template_utils.ImmutableSandboxedEnvironment = BoundedSandbox
+    chat_template_utils._compile_jinja_template.cache_clear()
 
 
 class _TemplateTimeout(Exception):
@@ -125,17 +255,21 @@ def encode_turn(tokenizer: Any, messages: list[dict[str, Any]], *, chat_template
     reserved = sorted(set(kwargs) & _RESERVED_TEMPLATE_KWARGS)
     if reserved:
         raise UsageError(f"chat_template_kwargs {', '.join(reserved)} would change how dflash-doctor renders prompts; remove them.")
-    import jinja2  # transformers' own template dependency; only its exception type is needed here
-
+    bounded_chat_templates()
     try:
         with _render_time_limit(TEMPLATE_TIME_LIMIT_S):
             text = tokenizer.apply_chat_template(messages, chat_template=chat_template, add_generation_prompt=True,
                                                  tokenize=False, **kwargs)
-    except jinja2.TemplateError as exc:
-        raise UsageError(f"the chat template could not render the messages ({exc}); fix the messages or pass --chat-template FILE.") from None
+    except (jinja2.TemplateError, ArithmeticError, MemoryError) as exc:
+        # ArithmeticError: jinja2's range() above 100,000 items is an OverflowError, 1/0 a ZeroDivisionError
+        raise UsageError(f"the chat template could not render the messages ({type(exc).__name__}: {exc}); "
+                         "fix the template or the messages, or pass --chat-template FILE.") from None
     except _TemplateTimeout:
         raise UsageError(f"the chat template did not finish rendering the messages within {TEMPLATE_TIME_LIMIT_S:g} s "
                          "(a loop that does not end?); fix the template or pass --chat-template FILE.") from None
+    if len(text) > MAX_TEMPLATE_SIZE:
+        raise UsageError(f"the chat template rendered {len(text):,} characters, above the limit of {MAX_TEMPLATE_SIZE:,} "
+                         "(longer than any context window); fix the template or pass --chat-template FILE.")
     bos = getattr(tokenizer, "bos_token", None)
     return list(tokenizer(text, add_special_tokens=not (bos and text.startswith(bos)))["input_ids"])
 
