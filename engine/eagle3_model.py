@@ -143,9 +143,14 @@ class Eagle3DraftModel(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False) if own_lm_head else None
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
         # a plain attribute, not a buffer: RoPE frequencies stay float32 when the head is cast to a half dtype
-        scaled = cfg.rope_inverse_frequencies
-        self.inv_freq = rope_inverse_frequencies(cfg.head_dim, cfg.rope_theta) if scaled is None else scaled
+        self.inv_freq = self.rope_frequencies()
         self.facts = {}
+
+    def rope_frequencies(self) -> torch.Tensor:
+        """The RoPE inverse frequencies of the config (a scaled RoPE's as the loader computed them), on the current
+        default device: a head built on the meta device computes them again once its shapes are checked."""
+        scaled = self.config.rope_inverse_frequencies
+        return rope_inverse_frequencies(self.config.head_dim, self.config.rope_theta) if scaled is None else scaled
 
     @property
     def layer(self) -> Eagle3Layer:

@@ -157,7 +157,7 @@ def _without_a_shape(raw: bytes) -> bytes:
 
 
 WEIGHTS = [
-    ("tensor_without_shape", _without_a_shape, "has tensors without a valid shape and data_offsets"),
+    ("tensor_without_shape", _without_a_shape, "has shape null, not a list of integers >= 0"),
     ("truncated_tail", lambda raw: raw[:-100], "is truncated"),
     ("truncated_half", lambda raw: raw[:len(raw) // 2], "is truncated"),
     ("header_only", lambda raw: raw[:8 + struct.unpack("<Q", raw[:8])[0]], "is truncated"),

@@ -38,8 +38,40 @@ def _layer_ids(value: Any) -> bool:
     return isinstance(value, list) and bool(value) and all(_non_negative_int(v) for v in value)
 
 
+def _layer_ids_or_none(value: Any) -> bool:
+    return value == [] or _layer_ids(value)
+
+
 def _positive_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+
+
+def _finite_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _object(value: Any) -> bool:
+    return isinstance(value, dict)
+
+
+def _list_of_objects(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(item, dict) for item in value)
+
+
+#: Numeric settings of a RoPE scaling (transformers' ``rope_parameters`` / the older ``rope_scaling``).
+ROPE_NUMBERS = ("rope_theta", "factor", "attention_factor", "beta_fast", "beta_slow", "low_freq_factor", "high_freq_factor",
+                "original_max_position_embeddings", "mscale", "mscale_all_dim", "partial_rotary_factor")
+
+
+def _rope_settings(value: Any) -> bool:
+    """A RoPE table: its type a string, its numeric settings finite numbers; transformers 5 nests one table per
+    layer type (``{"full_attention": {...}, "sliding_attention": {...}}``), each checked the same way."""
+    if not isinstance(value, dict):
+        return False
+    if all(isinstance(item, dict) for item in value.values()) and value:
+        return all(_rope_settings(item) for item in value.values())
+    kinds_ok = all(isinstance(value[key], str) for key in ("rope_type", "type") if value.get(key) is not None)
+    return kinds_ok and all(_finite_number(value[key]) for key in ROPE_NUMBERS if value.get(key) is not None)
 
 
 #: Keys of a model's config.json that the loaders read, with the rule and what the fix asks for. A key
@@ -61,20 +93,33 @@ MODEL_CONFIG_KEYS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "max_position_embeddings": (_positive_int, "an integer >= 1"),
     "rms_norm_eps": (_positive_number, "a positive number"),
     "rope_theta": (_positive_number, "a positive number"),
+    "rope_parameters": (_rope_settings, "an object with a string rope_type and finite numbers for its factors"),
+    "rope_scaling": (_rope_settings, "an object with a string rope_type and finite numbers for its factors"),
+    "target_hidden_size": (_positive_int, "an integer >= 1"),
+    "eagle_aux_hidden_state_layer_ids": (_layer_ids_or_none, "a list of integer layer indices >= 0 (empty: vLLM's default)"),
+    "speculative_tokens": (_positive_int, "an integer >= 1"),
+    "speculators_config": (_object, "an object (algorithm, proposal_methods, verifier)"),
+    "proposal_methods": (_list_of_objects, "a list of objects"),
+    "verifier": (_object, "an object (name_or_path, architectures)"),
+    "transformer_layer_config": (_object, "an object holding the decoder layer's settings"),
+    "dflash_config": (_object, "an object"),
+    "eagle_config": (_object, "an object"),
 }
 
 
-def _check_keys(value: Any, path: str, where: Path) -> None:
-    """Apply :data:`MODEL_CONFIG_KEYS` to every object in ``value``, at any depth."""
+def check_config_keys(value: Any, where: Path | str, path: str = "") -> None:
+    """Apply :data:`MODEL_CONFIG_KEYS` to every object in ``value``, at any depth (``where`` names the file)."""
     if isinstance(value, dict):
         for key, item in value.items():
             rule = MODEL_CONFIG_KEYS.get(key)
             if rule is not None and item is not None and not rule[0](item):
-                raise UsageError(f"{where}: `{path}{key}` is {json.dumps(item)}, but it must be {rule[1]}; fix the value.")
-            _check_keys(item, f"{path}{key}.", where)
+                shown = json.dumps(item)
+                shown = shown if len(shown) <= 80 else shown[:77] + "..."
+                raise UsageError(f"{where}: `{path}{key}` is {shown}, but it must be {rule[1]}; fix the value.")
+            check_config_keys(item, where, f"{path}{key}.")
     elif isinstance(value, list):
         for item in value:
-            _check_keys(item, path, where)
+            check_config_keys(item, where, path)
 
 
 def read_config_json(model_dir: Path) -> dict[str, Any]:
@@ -88,14 +133,41 @@ def read_config_json(model_dir: Path) -> dict[str, Any]:
         raise UsageError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno}); fix the file or download it again.") from None
     if not isinstance(config, dict):
         raise UsageError(f"{path} holds a JSON {type(config).__name__}, not an object of model settings; restore the model's config.json.")
-    _check_keys(config, "", path)
+    check_config_keys(config, path)
     return config
+
+
+#: safetensors dtype name -> bytes per element: the dtypes the safetensors library reads into torch tensors.
+SAFETENSORS_DTYPES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E4M3FNUZ": 1, "F8_E5M2": 1, "F8_E5M2FNUZ": 1,
+                      "I16": 2, "U16": 2, "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8,
+                      "F64": 8, "C64": 8}
+
+
+def _tensor_entry_lie(name: str, entry: Any) -> str | None:
+    """What is wrong with one tensor's header entry on its own (None when its dtype, shape and offsets agree)."""
+    if not isinstance(entry, dict):
+        return f"tensor {name!r} has a header entry that is a JSON {type(entry).__name__}, not an object"
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if dtype not in SAFETENSORS_DTYPES:
+        return f"tensor {name!r} has dtype {json.dumps(dtype)}, not one of {', '.join(SAFETENSORS_DTYPES)}"
+    if not isinstance(shape, list) or not all(_non_negative_int(n) and n < 2 ** 63 for n in shape):
+        return f"tensor {name!r} has shape {json.dumps(shape)}, not a list of integers >= 0"
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_non_negative_int(n) for n in offsets)
+            and offsets[0] <= offsets[1]):
+        return f"tensor {name!r} has data_offsets {json.dumps(offsets)}, not two integers 0 <= begin <= end"
+    needed = math.prod(shape) * SAFETENSORS_DTYPES[dtype]
+    if offsets[1] - offsets[0] != needed:
+        return (f"tensor {name!r} spans {offsets[1] - offsets[0]} bytes but its shape {shape} of {dtype} needs {needed}")
+    return None
 
 
 def safetensors_header(path: Path) -> dict[str, Any]:
     """The header of a safetensors file (8 bytes of header length, the JSON header, then the tensors' bytes),
-    read without the weights; a file whose header does not parse, names a tensor without a shape or data
-    offsets, or whose data is shorter than the header says (an interrupted download) is refused."""
+    read without the weights and checked against the file as the safetensors library checks it, so that a
+    lying header is refused here in one sentence instead of inside a loader: ``__metadata__`` maps strings
+    to strings; each tensor has a known dtype, a shape of integers >= 0 and data offsets that span exactly
+    its bytes; and the tensors, in offset order, cover the data without a gap or an overlap up to its last
+    byte (a short file is an interrupted download)."""
     size = path.stat().st_size
     fix = "download or copy the file again"
     with path.open("rb") as handle:
@@ -106,21 +178,34 @@ def safetensors_header(path: Path) -> dict[str, Any]:
         if header_len > size - 8:
             raise UsageError(f"weights file {path} is truncated or not safetensors (its header claims {header_len} bytes of "
                              f"a {size}-byte file); {fix}.")
-        try:
-            header = json.loads(handle.read(header_len))
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            raise UsageError(f"weights file {path} has a header that is not JSON, so it is not safetensors; {fix}.") from None
-    if not isinstance(header, dict):
+        raw = handle.read(header_len)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise UsageError(f"weights file {path} has a header that is not JSON, so it is not safetensors; {fix}.") from None
+    if not isinstance(header, dict) or raw[:1] != b"{":  # the safetensors library reads nothing before the brace
         raise UsageError(f"weights file {path} has a header that is not a JSON object, so it is not safetensors; {fix}.")
+    metadata = header.get("__metadata__", {})
+    if not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
+        raise UsageError(f"weights file {path} has a __metadata__ that is not an object of strings; {fix}.")
     tensors = {name: entry for name, entry in header.items() if name != "__metadata__"}
-    ends = [entry["data_offsets"][1] for entry in tensors.values()
-            if isinstance(entry, dict) and isinstance(entry.get("data_offsets"), list) and len(entry["data_offsets"]) == 2
-            and isinstance(entry["data_offsets"][1], int) and isinstance(entry.get("shape"), list)]
-    if len(ends) != len(tensors):
-        raise UsageError(f"weights file {path} has tensors without a valid shape and data_offsets in its header; {fix}.")
-    needed = 8 + header_len + max(ends, default=0)
-    if size < needed:
-        raise UsageError(f"weights file {path} is truncated ({size} bytes, its header needs {needed}); {fix}.")
+    for name, entry in tensors.items():
+        lie = _tensor_entry_lie(name, entry)
+        if lie is not None:
+            raise UsageError(f"weights file {path}: {lie}, so its header lies about its data; {fix}.")
+    data_size = size - 8 - header_len
+    covered = 0
+    for name, entry in sorted(tensors.items(), key=lambda item: tuple(item[1]["data_offsets"])):
+        begin, end = entry["data_offsets"]
+        if begin != covered:
+            what = "overlaps the tensor before it" if begin < covered else f"leaves bytes {covered}..{begin} unused"
+            raise UsageError(f"weights file {path}: tensor {name!r} starts at byte {begin} of the data and {what}, so its "
+                             f"header lies about its data; {fix}.")
+        covered = end
+    if covered != data_size:
+        state = f"truncated ({data_size} bytes of data, its header needs {covered})" if covered > data_size else \
+            f"longer than its header says ({data_size} bytes of data, its tensors cover {covered})"
+        raise UsageError(f"weights file {path} is {state}; {fix}.")
     return header
 
 

@@ -18,6 +18,7 @@ with one sentence naming the input and the fix (:class:`UsageError`, exit 2).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -76,16 +77,18 @@ def aux_layer_ids(config: dict[str, Any], num_target_layers: int) -> tuple[list[
     ``eagle_aux_hidden_state_layer_ids``, else a DFlash-style ``dflash_config.target_layer_ids`` plus one
     (a DFlash id j reads the output of layer j, which is the state entering layer j + 1), else
     ``eagle_config.layer_ids``, else :func:`default_aux_layer_ids`. An empty list counts as absent, as in vLLM.
+    The ids are taken as written (``read_config_json`` checked their types; :func:`read_eagle3_config` refuses an
+    id that is not a layer of the target), never rounded: 8.5 read as 8 would draft from the wrong layer.
     """
     named = config.get("eagle_aux_hidden_state_layer_ids")
     if named:
-        return [int(i) for i in named], "eagle_aux_hidden_state_layer_ids"
+        return list(named), "eagle_aux_hidden_state_layer_ids"
     dflash = (config.get("dflash_config") or {}).get("target_layer_ids")
     if dflash:
-        return [int(i) + 1 for i in dflash], "dflash_config.target_layer_ids + 1"
+        return [i + 1 for i in dflash], "dflash_config.target_layer_ids + 1"
     eagle = (config.get("eagle_config") or {}).get("layer_ids")
     if eagle:
-        return [int(i) for i in eagle], "eagle_config.layer_ids"
+        return list(eagle), "eagle_config.layer_ids"
     return default_aux_layer_ids(num_target_layers), VLLM_DEFAULT
 
 
@@ -185,12 +188,16 @@ def proposable_target_ids(draft_dir: Path) -> torch.Tensor | None:
     if d2t is None and not any(draft_dir.glob("*.safetensors")):
         for file in sorted(draft_dir.glob("*.bin")):
             d2t = torch.load(file, map_location="cpu", weights_only=True).get("d2t", d2t)
-    return None if d2t is None else torch.arange(d2t.numel()) + d2t.long().reshape(-1)
+    if d2t is None:
+        return None
+    offsets = _offsets(d2t, str(draft_dir))
+    return torch.arange(len(offsets)) + offsets
 
 
 def _layer_settings(config: dict[str, Any], where: str):
     """The layer config as transformers' own config class, which fills the defaults of its model type (Qwen3's
     head_dim 128, Llama's hidden // heads) and reads every RoPE spelling into ``rope_parameters``."""
+    from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig
 
     settings = dict(layer_config(config))
@@ -207,7 +214,12 @@ def _layer_settings(config: dict[str, Any], where: str):
             raise UsageError(f"{where} lacks {key} for the head's decoder layer; restore the config the head was saved with.")
     for key in ("architectures", "auto_map", "transformers_version"):
         settings.pop(key, None)
-    return AutoConfig.for_model(model_type, **settings), model_type
+    try:
+        return AutoConfig.for_model(model_type, **settings), model_type
+    except StrictDataclassError as exc:  # transformers' own validators (e.g. heads that do not divide the hidden size)
+        reason = str(exc).strip().splitlines()[-1].strip().removeprefix("ValueError: ").rstrip(".")
+        raise UsageError(f"{where}: transformers refuses the head's decoder layer settings ({reason}); "
+                         "restore the config the head was saved with.") from None
 
 
 def _rope(settings) -> tuple[float, torch.Tensor | None, float]:
@@ -246,9 +258,9 @@ def read_eagle3_config(config: dict[str, Any], target_config: Any, state: dict[s
         raise UsageError(f"{where}: the head was built for a {layer_vocab}-token vocabulary but the target has {target_vocab} tokens; "
                          "serve the head with the target (and tokenizer) it was trained for.")
     draft_vocab = config.get("draft_vocab_size") or target_vocab  # vLLM: absent means the target's vocabulary
-    bad = [i for i in ids if not 0 <= i < num_target_layers]
+    bad = [i for i in ids if not (isinstance(i, int) and not isinstance(i, bool) and 0 <= i < num_target_layers)]
     if bad:
-        raise UsageError(f"{where}: aux layer id {bad[0]} (from {source}) is outside the target's {num_target_layers} layers "
+        raise UsageError(f"{where}: aux layer id {json.dumps(bad[0])} (from {source}) is outside the target's {num_target_layers} layers "
                          f"(id k reads the state entering layer k, so 0..{num_target_layers - 1}); fix the ids in config.json.")
     fc = state.get("fc.weight")
     if fc is None:
@@ -277,6 +289,15 @@ def read_eagle3_config(config: dict[str, Any], target_config: Any, state: dict[s
     )
 
 
+def _offsets(d2t: torch.Tensor, where: str) -> torch.Tensor:
+    """``d2t`` as it must be saved, one integer offset per draft id, as int64; a float or a 2-D table is refused,
+    never truncated or flattened (either means the file is not the head's map)."""
+    if d2t.dim() != 1 or d2t.dtype.is_floating_point or d2t.dtype.is_complex or d2t.dtype == torch.bool:
+        raise UsageError(f"{where}: d2t is a {d2t.dim()}-D {str(d2t.dtype).removeprefix('torch.')} tensor of shape "
+                         f"{list(d2t.shape)}, not the 1-D integer offsets of a draft vocabulary; restore the d2t saved with this head.")
+    return d2t.long()
+
+
 def _vocabulary_map(state: dict[str, torch.Tensor], cfg: Eagle3Config, where: str) -> torch.Tensor:
     """``d2t`` checked: one offset per draft id, every mapped id inside the target vocabulary, no target id twice.
     A head without ``d2t`` predicts over the whole target vocabulary (zero offsets)."""
@@ -286,7 +307,7 @@ def _vocabulary_map(state: dict[str, torch.Tensor], cfg: Eagle3Config, where: st
             raise UsageError(f"{where}: draft_vocab_size is {cfg.draft_vocab_size} but the weights have no d2t to map draft ids to the "
                              f"target's {cfg.target_vocab_size} tokens; restore d2t from the head's release.")
         return torch.zeros(cfg.draft_vocab_size, dtype=torch.long)
-    d2t = d2t.long().reshape(-1)
+    d2t = _offsets(d2t, where)
     if len(d2t) != cfg.draft_vocab_size:
         raise UsageError(f"{where}: d2t has {len(d2t)} entries but draft_vocab_size is {cfg.draft_vocab_size}; "
                          "restore the d2t saved with this head or fix draft_vocab_size.")
@@ -311,6 +332,9 @@ def _check_shapes(model: Eagle3DraftModel, state: dict[str, torch.Tensor], where
         if name in state and name != "d2t" and tuple(state[name].shape) != tuple(tensor.shape):
             raise UsageError(f"{where}: {name} has shape {list(state[name].shape)} where the config implies {list(tensor.shape)}; "
                              "restore the config the weights were saved with.")
+        if name in state and name != "d2t" and not state[name].is_floating_point():
+            raise UsageError(f"{where}: {name} holds {str(state[name].dtype).removeprefix('torch.')} values, not the floating-point "
+                             "weights of a head; restore the weights from the head's release.")
 
 
 def head_facts(config: dict[str, Any], model: Eagle3DraftModel, num_target_layers: int, ignored: list[str]) -> dict[str, Any]:
@@ -344,7 +368,11 @@ def load_eagle3_head(draft_dir: Path, target_config: Any, *, dtype: str = "float
                          "pass an EAGLE-3 checkpoint or another --draft-kind.")
     state = _read_tensors(draft_dir)
     cfg = read_eagle3_config(config, target_config, state, where)
-    model = Eagle3DraftModel(cfg, own_embedding="embed_tokens.weight" in state, own_lm_head="lm_head.weight" in state)
+    # Built on the meta device, the config's sizes allocate nothing: a config that lies (an intermediate_size of
+    # 1e8 asked for 230 GB of random weights) is refused by the shape check before any weight exists, and the
+    # module then takes the checkpoint's tensors as they are.
+    with torch.device("meta"):
+        model = Eagle3DraftModel(cfg, own_embedding="embed_tokens.weight" in state, own_lm_head="lm_head.weight" in state)
     if model.lm_head is None and cfg.draft_vocab_size != cfg.target_vocab_size:
         raise UsageError(f"{where}: the weights have no lm_head.weight for the {cfg.draft_vocab_size}-token draft vocabulary; "
                          "restore lm_head.weight from the head's release.")
@@ -352,6 +380,7 @@ def load_eagle3_head(draft_dir: Path, target_config: Any, *, dtype: str = "float
     state["d2t"] = _vocabulary_map(state, cfg, where)
     known = model.state_dict()
     ignored = sorted(name for name in state if name not in known)
-    model.load_state_dict({name: tensor for name, tensor in state.items() if name in known})
+    model.load_state_dict({name: tensor for name, tensor in state.items() if name in known}, assign=True)
+    model.inv_freq = model.rope_frequencies()  # computed on the meta device while the shapes were unchecked
     model.facts = head_facts(config, model, int(target_config.num_hidden_layers), ignored)
     return model.to(device=device, dtype=torch_dtype(dtype)).eval()

@@ -38,6 +38,7 @@ import torch
 
 from dflash_doctor.engine.dflash_model import DFLASH2_ARCHITECTURE, DFLASH_ARCHITECTURE, DSPARK_ARCHITECTURE
 from dflash_doctor.errors import UsageError
+from dflash_doctor.inputs.validation import check_config_keys
 
 #: ``dflash.<key>`` -> the z-lab config key it fills (top level, or ``dflash_config.<key>``).
 CONFIG_KEYS = {
@@ -210,6 +211,21 @@ def _config(fields: dict[str, Any], names: list[str], source: str) -> tuple[dict
                          "that states dflash_config.target_layer_ids.")
     if "tokenizer.ggml.mask_token_id" not in fields:
         raise UsageError(f"{source} has no tokenizer.ggml.mask_token_id; convert the draft from a config that states dflash_config.mask_token_id.")
+    layers = arch_keys["target_layers"]
+    if not (isinstance(layers, list) and layers and all(isinstance(i, int) and not isinstance(i, bool) and i >= 1 for i in layers)):
+        raise UsageError(f"{source}: dflash.target_layers is {layers!r}, not a list of integer layer ids >= 1 (the converter writes "
+                         "ours + 1); convert the draft again from its config.json.")
+    mask = fields["tokenizer.ggml.mask_token_id"]
+    if not (isinstance(mask, int) and not isinstance(mask, bool) and mask >= 0):
+        raise UsageError(f"{source}: tokenizer.ggml.mask_token_id is {mask!r}, not an integer token id >= 0; convert the draft "
+                         "again from its config.json.")
+    pattern = arch_keys.get("attention.sliding_window_pattern")
+    if pattern is not None and not (isinstance(pattern, list) and all(isinstance(swa, bool) for swa in pattern)):
+        raise UsageError(f"{source}: dflash.attention.sliding_window_pattern is {pattern!r}, not a list of true/false per layer; "
+                         "convert the draft again from its config.json.")
+    if arch_keys.get("attention.sliding_window") and not (pattern or "block_count" in arch_keys):
+        raise UsageError(f"{source}: dflash.attention.sliding_window is set but neither dflash.block_count nor "
+                         "dflash.attention.sliding_window_pattern says which layers use it; convert the draft again from its config.json.")
     has_selector, has_markov = "selector_hidden.weight" in names, "markov_w1.weight" in names
     if has_markov and arch_keys.get("sample_from_anchor", True):  # llama.cpp's default when the key is absent
         raise UsageError(f"{source}: a DSpark GGUF with dflash.sample_from_anchor = {arch_keys.get('sample_from_anchor', True)} (absent: true) "
@@ -226,6 +242,7 @@ def _config(fields: dict[str, Any], names: list[str], source: str) -> tuple[dict
             config["dflash_config"][name.removeprefix("dflash_config.")] = value
         else:
             config[name] = value
+    check_config_keys(config, f"{source} (its dflash.* metadata read as config.json)")
     value_length = arch_keys.get("attention.value_length", config.get("head_dim"))
     if value_length != config.get("head_dim"):
         raise UsageError(f"{source}: dflash.attention.value_length {value_length} differs from key_length {config.get('head_dim')}; "
@@ -234,15 +251,15 @@ def _config(fields: dict[str, Any], names: list[str], source: str) -> tuple[dict
     config.setdefault("block_size", 16)  # llama.cpp's default when dflash.block_size is absent (common/speculative.cpp)
     window = arch_keys.get("attention.sliding_window")
     if window:
-        pattern = arch_keys.get("attention.sliding_window_pattern") or [True] * config["num_hidden_layers"]
+        pattern = pattern or [True] * config["num_hidden_layers"]
         config.update(use_sliding_window=True, sliding_window=window,
                       layer_types=["sliding_attention" if swa else "full_attention" for swa in pattern])
     if has_markov:  # llama.cpp's confidence head always reads [hidden; markov_w1[prev]]
         config["dflash_config"]["confidence_head"] = "conf_proj.weight" in names
     if any(name.endswith(".attn_sinks.weight") for name in names):  # MiMo's per-head sinks (vLLM: attention_sink_bias)
         config["dflash_config"]["attention_sink_bias"] = True
-    source_ids = [int(i) for i in arch_keys["target_layers"]]
-    config["dflash_config"].update(mask_token_id=int(fields["tokenizer.ggml.mask_token_id"]), target_layer_ids=[i - 1 for i in source_ids])
+    source_ids = list(layers)
+    config["dflash_config"].update(mask_token_id=mask, target_layer_ids=[i - 1 for i in source_ids])
     return config, source_ids
 
 
@@ -272,7 +289,11 @@ def read_gguf_draft(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]
     from gguf import GGUFReader
 
     source = str(path)
-    reader = GGUFReader(source)
+    try:
+        reader = GGUFReader(source)
+    except Exception as exc:  # noqa: BLE001 - a lying count or offset fails anywhere in the parser; all mean a damaged file
+        raise UsageError(f"{source} could not be read as a GGUF file ({type(exc).__name__}: {str(exc)[:120]}); "
+                         "download or convert the draft again.") from None
     names = [t.name for t in reader.tensors]
     state: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:

@@ -24,10 +24,10 @@ import torch
 from dflash_doctor.engine.dflash2_model import CHECKPOINT_KEY_RENAMES, draft_model_class
 from dflash_doctor.engine.cache import refuse_unreplayable
 from dflash_doctor.engine.target import attention_implementation
-from dflash_doctor.engine.dflash_model import VARIANT_ARCHITECTURES, DFlashConfig, DFlashDraftModel
+from dflash_doctor.engine.dflash_model import VARIANT_ARCHITECTURES, DFlashConfig, DFlashDraftModel, rope_type
 from dflash_doctor.errors import UsageError
 from dflash_doctor.stages import stage
-from dflash_doctor.inputs.validation import check_model_folder, read_config_json
+from dflash_doctor.inputs.validation import check_model_folder, read_config_json, safetensors_shapes
 from dflash_doctor.models.draft_formats import normalise_draft_config
 from dflash_doctor.models.gguf_draft import gguf_architecture, write_converted
 from dflash_doctor.models.placement import layer_placement, target_devices
@@ -235,6 +235,12 @@ def load_causal_lm(model_dir: Path, *, dtype: str = "float32", device: str = "cp
     try:
         config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
         refuse_unreplayable(config)
+        refuse_unknown_rope(config, model_dir / "config.json")
+        with torch.device("meta"):  # the shapes the config implies, without allocating a weight
+            implied = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code).state_dict()
+        found = {name: (shape, file) for file in sorted(model_dir.glob("*.safetensors")) for name, shape in safetensors_shapes(file).items()}
+        refuse_mismatched_shapes({name: list(t.shape) for name, t in implied.items()}, found,
+                                 read_config_json(model_dir), model_dir / "config.json")
         model = AutoModelForCausalLM.from_pretrained(
             model_dir, config=config, dtype=torch_dtype(dtype), trust_remote_code=trust_remote_code,
             attn_implementation=attention_implementation(config), **placement
@@ -248,6 +254,38 @@ def load_causal_lm(model_dir: Path, *, dtype: str = "float32", device: str = "cp
         raise
     # transformers decorates PreTrainedModel.to with functools.wraps, which pyright reads as an unbound function.
     return (model if placement else model.to(device)).eval()  # pyright: ignore[reportArgumentType]
+
+
+def refuse_unknown_rope(config, where: Path) -> None:
+    """Refuse a model whose RoPE type transformers cannot build (a ``KeyError`` deep inside its rotary embedding
+    otherwise), by the rule the draft config follows (:func:`dflash_doctor.engine.dflash_model.scaled_rope_config`);
+    transformers 5 nests one table per layer type, each checked."""
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    parameters = getattr(config.get_text_config(), "rope_parameters", None) or {}
+    nested = bool(parameters) and all(isinstance(table, dict) for table in parameters.values())
+    for table in parameters.values() if nested else [parameters]:
+        kind = rope_type(table)
+        if kind != "default" and kind not in ROPE_INIT_FUNCTIONS:
+            raise UsageError(f"{where}: rope type {kind!r} is not one transformers {transformers.__version__} builds (default, "
+                             f"{', '.join(ROPE_INIT_FUNCTIONS)}); fix rope_scaling / rope_parameters or upgrade transformers.")
+
+
+def refuse_mismatched_shapes(implied: dict[str, list[int]], found: dict[str, tuple[list[int], Path]],
+                             config: dict[str, Any], config_path: Path) -> None:
+    """Refuse weights that no longer match their config.json (a size edited after saving) before a loader meets
+    them: ``implied`` are the shapes the module built from the config has, ``found`` each checkpoint tensor's
+    shape and file. The sentence names the file, the tensor and the config keys whose value is the differing size."""
+    for name, shape in implied.items():
+        weights, file = found.get(name, (shape, config_path))
+        if list(weights) == list(shape):
+            continue
+        sizes = [size for size, stored in zip(shape, weights) if size != stored] or list(shape)
+        keys = sorted(key for key, value in config.items() if isinstance(value, int) and not isinstance(value, bool) and value in sizes)
+        named = f" (config key {' / '.join(keys)})" if keys else ""
+        raise UsageError(f"{file}: tensor {name} has shape {list(weights)} where {config_path} implies {list(shape)}{named}; "
+                         "restore the config.json saved with these weights.")
 
 
 def load_dflash_draft(model_dir: Path, *, dtype: str = "float32", device: str = "cpu",
@@ -302,6 +340,10 @@ def build_dflash_draft(cfg, state: dict[str, torch.Tensor], normalised, where: s
         ships_own.remove("lm_head.weight")
     for key in SHARED_WITH_TARGET:
         state.pop(key, None)
+    settings = cfg.to_dict()
+    refuse_mismatched_shapes({name: list(t.shape) for name, t in model.state_dict().items()},
+                             {name: (list(t.shape), Path(where)) for name, t in state.items()},
+                             {**settings, **(settings.get("dflash_config") or {})}, Path(where) / "config.json")
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise UsageError(
