@@ -3,9 +3,15 @@
 Per load level and scope (overall, each class) the K *shown to pay* - the low end of its measured
 speedup's 95% interval at or above 1 - go through the project's one recommender
 (:func:`dflash_doctor.stats.speedup.recommend`: the best K, a conservative K within 95% of it, strict
-classes judged at the low end of tau's interval). Where no K is shown to pay, speculation is off, and the
-reason names the best measured K with its interval: a point speedup of 1.05x whose interval reaches 0.90x
-is a coin toss on the user's server, not a gain.
+classes judged at the low end of their interval). Each pick carries a ``verdict`` read off the intervals:
+
+* ``pays``: some K's interval lies wholly at or above 1; that K is set, and the Ks the measurement cannot
+  tell from it (:func:`dflash_doctor.stats.speedup.within_noise`) are named, shown to pay or not;
+* ``does not pay``: every K's interval lies wholly below 1; speculation off;
+* ``within the noise``: neither; the reason names the best measured K with its interval (a point speedup
+  of 1.05x whose interval reaches 0.90x is a coin toss on the user's server, not a gain) and the Ks within
+  its noise, and the setting stays K = 0 - nothing is turned on that was not shown to pay - while the
+  reason says that more requests per cell can tell.
 
 The overall K per load becomes the engine setting (one server serves every class; a class whose best
 K differs is named, to route or to accept):
@@ -29,7 +35,7 @@ from typing import Any
 
 from dflash_doctor.report.templating import ci
 from dflash_doctor.rundir.run_record import SweepRow
-from dflash_doctor.stats.speedup import recommend
+from dflash_doctor.stats.speedup import k_range_text, recommend, within_noise
 from dflash_doctor.tune.analysis import OVERALL
 from dflash_doctor.tune.loads import CONCURRENCY, load_label, load_of, load_text
 from dflash_doctor.tune.prediction import shown_to_pay
@@ -49,7 +55,24 @@ def _sweep_row(row: dict[str, Any]) -> SweepRow:
     """A measured cell as the sweep row :func:`recommend` ranks (its speedup measured, not priced)."""
     return SweepRow(k=row["k"], mean_acceptance_length=row["mean_acceptance_length"],
                     mean_acceptance_length_ci=list(row["mean_acceptance_length_ci"] or [None, None]),
-                    speedup=row["speedup"], estimate="exact")
+                    speedup=row["speedup"], estimate="exact", speedup_ci=list(row["speedup_ci"] or [None, None]))
+
+
+PAYS, DOES_NOT_PAY, WITHIN_NOISE = "pays", "does not pay", "within the noise"
+
+
+def verdict(rows: list[dict[str, Any]]) -> str:
+    """The scope's verdict from its measured intervals (module doc): a K without an interval is not shown anything."""
+    if any(shown_to_pay(row.get("speedup_ci")) for row in rows):
+        return PAYS
+    highs = [(row.get("speedup_ci") or [None, None])[1] for row in rows]
+    return DOES_NOT_PAY if highs and all(high is not None and high < 1.0 for high in highs) else WITHIN_NOISE
+
+
+def _noise_text(pick_k: int, rows: list[dict[str, Any]]) -> tuple[list[int], str]:
+    """The Ks the measurement cannot tell from ``pick_k`` (itself included) and '; K 2-8 within the noise'."""
+    ks = within_noise(pick_k, [_sweep_row(row) for row in sorted(rows, key=lambda row: row["k"])], None)
+    return ks, (f"; {k_range_text(ks)} within the noise" if len(ks) > 1 else "")
 
 
 def recommend_grid(cells: list[dict[str, Any]], *, strict_classes: tuple[str, ...] = (), strict_max_k: int = 4,
@@ -62,12 +85,36 @@ def recommend_grid(cells: list[dict[str, Any]], *, strict_classes: tuple[str, ..
         paying = {scope: [row for row in scope_rows if shown_to_pay(row.get("speedup_ci"))] for scope, scope_rows in rows.items()}
         picks = recommend({scope: [_sweep_row(row) for row in scope_rows] for scope, scope_rows in paying.items()},
                           conservative_share=conservative_share, strict_classes=strict_classes, strict_max_k=strict_max_k)
-        chosen = {scope: dataclasses.asdict(pick) for scope, pick in picks.items()}
+        # a strict class is judged on the K it may serve only
+        eligible = {scope: [row for row in scope_rows if scope not in strict_classes or row["k"] <= strict_max_k]
+                    for scope, scope_rows in rows.items()}
+        chosen = {scope: dataclasses.asdict(pick) | {"verdict": verdict(eligible[scope])}
+                  for scope, pick in picks.items()}
         for scope, pick in chosen.items():
-            if not paying[scope] and rows[scope]:
-                best = max(rows[scope], key=lambda row: row["speedup"])
-                pick["reason"] = (f"Speculation off: no K is shown to pay (the low end of its speedup's 95% interval at or above 1); "
-                                  f"the best measured, K={best['k']}, ran at {best['speedup']:.2f}x {ci(best['speedup_ci'])}.")
+            if not eligible[scope]:
+                continue
+            if pick["verdict"] == PAYS:
+                # the recommender saw the paying Ks only; the Ks within the noise of its pick are named among all
+                among_paying = pick.get("ks_within_noise") or []
+                pick["ks_within_noise"], noise = _noise_text(pick["k"], eligible[scope])
+                named = f"; {k_range_text(among_paying)} within the noise" if len(among_paying) > 1 else ""
+                if named and named in pick["reason"]:
+                    pick["reason"] = pick["reason"].replace(named, noise, 1)
+                elif noise:
+                    pick["reason"] = pick["reason"].rstrip(".") + noise + "."
+                continue
+            best = max(eligible[scope], key=lambda row: row["speedup"])
+            pick["ks_within_noise"], noise = _noise_text(best["k"], eligible[scope])
+            measured = (f"the best measured, K={best['k']}, ran at {best['speedup']:.2f}x "
+                        f"{ci(best['speedup_ci'])}{noise}")
+            if pick["verdict"] == DOES_NOT_PAY:
+                pick["reason"] = (f"Speculation off: every K is shown not to pay (the high end of its speedup's "
+                                  f"95% interval below 1); {measured}.")
+            else:
+                pick["confidence"] = "uncertain"
+                pick["reason"] = (f"Within the noise: no K is shown to pay (the low end of its speedup's 95% "
+                                  f"interval at or above 1) nor not to pay (the high end below 1); {measured}. The setting stays K=0 "
+                                  f"until more requests per cell (--max-requests) tell.")
         advice[load_text(load)] = chosen
     return advice
 

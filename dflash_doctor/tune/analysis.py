@@ -12,6 +12,9 @@ and the run-level throughput of each cell. Every interval is the project's reque
   output tokens, pooled;
 * ``step_s``: decode time per verify step (sum of decode time / sum of drafts): what one speculative step
   costs on the engine at this load; it feeds the cost fit (:mod:`.prediction`);
+* overall only: ``per_request``, the per-request figures the cost fit resamples for its intervals (one
+  entry per request and pass: request id, pass, decode seconds, tokens after the first, drafts and accepted
+  drafts, 0 where the engine reported none), so a cost interval is re-derivable from tune.json alone;
 * ``speedup``: net speedup of K against K = 0 at the same load, TPOT(0) / TPOT(K), on the requests both
   runs answered, resampled in pairs (the same requests in both numerator and denominator);
 * overall only: ``output_tokens_per_s`` and ``requests_per_s`` of the run, and ``throughput_speedup``,
@@ -73,6 +76,20 @@ def _figures(rows: pd.DataFrame, seed: int, group: str) -> dict[str, Any]:
     return figures
 
 
+def _per_request_figures(rows: pd.DataFrame) -> dict[str, list]:
+    """The columns :func:`dflash_doctor.tune.prediction.fit_costs` resamples: step times per request, paired
+    across K by request id (the same prompts at every K), the pass telling the baseline's two runs apart."""
+    repeat = rows["repeat"] if "repeat" in rows else pd.Series(0, index=rows.index)
+    return {
+        "request_id": [str(x) for x in rows["request_id"]],
+        "repeat": [int(x) for x in repeat.fillna(0)],
+        "decode_s": [float(x) for x in rows["decode_s"]],
+        "tokens": [int(x) for x in (rows["num_output_tokens"] - 1).clip(lower=0)],
+        "drafts": [int(x) for x in rows["num_drafts"].fillna(0)],
+        "accepted": [int(x) for x in rows["num_accepted_tokens"].fillna(0)],
+    }
+
+
 def _per_request(rows: pd.DataFrame) -> pd.DataFrame:
     """Decode time and tokens after the first per request id, summed over repeats (the baseline's two passes)."""
     tokens = (rows["num_output_tokens"] - 1).clip(lower=0)
@@ -117,6 +134,7 @@ def analyse(rows: pd.DataFrame, throughput: dict[tuple[int, Any], dict[str, floa
                 elif len(base):
                     cell["speedup"], cell["speedup_ci"] = _speedup(base, part, seed, group)
                 if scope == OVERALL:
+                    cell["per_request"] = _per_request_figures(part)
                     cell.update(throughput[(int(k), load)])
                     base_rate = throughput.get((0, load), {}).get("output_tokens_per_s")
                     if base_rate:

@@ -3,7 +3,9 @@ report and the dashboard share.
 
 Three tables, one source each: the measured grid (per load, K and scope: tau, net speedup with
 intervals, TTFT, TPOT, end-to-end latency, throughput, rollback compute), predicted vs measured (the K
-held out of the cost fit marked), and the recommendation with the engine settings. Three figures:
+held out of the cost fit marked, the predicted interval carrying the fit's error and tau's, whether the
+measured speedup lies inside it, and the step time predicted vs measured so a miss shows where it came
+from), and the recommendation with its verdict and the engine settings. Three figures:
 speedup vs K per class with intervals, latency (TPOT) vs throughput per K and load, predicted vs measured.
 """
 
@@ -27,8 +29,9 @@ DRIFT_WARNING = 0.15  # baseline drift beyond which the report says the speedups
 
 MEASURED_COLUMNS = ("load", "K", "class", "req", "tau", "tau 95% CI", "speedup", "speedup 95% CI", "TTFT ms", "TPOT ms",
                     "e2e s", "out tok/s", "req/s", "rollback/token")
-PREDICTION_COLUMNS = ("load", "K", "class", "fit/held out", "tau pred", "tau meas", "speedup pred", "pred 95% CI", "speedup meas",
-                      "meas 95% CI", "error", "rel. error", "pays? pred / meas")
+PREDICTION_COLUMNS = ("load", "K", "class", "fit/held out", "tau pred", "tau meas", "step ms pred / meas",
+                      "speedup pred", "pred 95% CI (fit + tau)", "speedup meas", "meas 95% CI", "meas in pred CI?",
+                      "error", "rel. error", "pays? pred / meas")
 
 
 def _ms(value: Any) -> str:
@@ -46,8 +49,10 @@ def measured_rows(result: dict[str, Any]) -> list[tuple[str, ...]]:
 def prediction_rows(result: dict[str, Any]) -> list[tuple[str, ...]]:
     return [(
         load_text(load_of(p)), str(p["k"]), p["scope"], "held out" if p["held_out"] else "fit", fmt(p["predicted_tau"]),
-        fmt(p["measured_tau"]), fmt(p["predicted_speedup"]), ci(p["predicted_speedup_ci"]), fmt(p["measured_speedup"]),
-        ci(p["measured_speedup_ci"]), fmt(p["speedup_error"]), pct(p["speedup_relative_error"]),
+        fmt(p["measured_tau"]), f"{_ms(p.get('predicted_step_s'))} / {_ms(p.get('measured_step_s'))}",
+        fmt(p["predicted_speedup"]), ci(p["predicted_speedup_ci"]), fmt(p["measured_speedup"]),
+        ci(p["measured_speedup_ci"]),
+        _yes_no(p.get("within_interval")), fmt(p["speedup_error"]), pct(p["speedup_relative_error"]),
         f"{_yes_no(p['predicted_pays'])} / {_yes_no(p['measured_pays'])}",
     ) for p in result["prediction"]]
 
@@ -81,8 +86,9 @@ def fit_lines(result: dict[str, Any]) -> list[str]:
     lines = []
     kind = _kind(result)
     for load, f in result["fits"].items():
-        lines.append(f"{load_label(kind, load)}: t_decode {_ms(f['t_decode_s'])} ms, t_draft {_ms(f['t_draft_s'])} ms, verify "
-                     f"+{_ms(f['verify_slope_s'])} ms per drafted token (fitted from K {', '.join(map(str, f['fit_ks']))}; {f['note']}); "
+        lines.append(f"{load_label(kind, load)}: t_decode {_ms_ci(f, 't_decode_s')} ms, "
+                     f"t_draft {_ms_ci(f, 't_draft_s')} ms, verify +{_ms_ci(f, 'verify_slope_s')} ms per drafted token "
+                     f"(fitted from K {', '.join(map(str, f['fit_ks']))}; {f['note']}); "
                      f"profile {result['cost_profiles'].get(load, '-')}")
     for load, drift in result.get("baseline_drift", {}).items():
         lines.append(f"{load_label(kind, load)}: the K=0 baseline measured again after the grid ran {abs(drift):.0%} {'slower' if drift > 0 else 'faster'} per token "
@@ -90,7 +96,22 @@ def fit_lines(result: dict[str, Any]) -> list[str]:
     error = result.get("held_out_error")
     lines.append(f"held-out K, overall: mean absolute speedup error {pct(error)}" if error is not None else
                  "no held-out K: every speculative K was used by the fit (add K to --k or narrow --fit-k)")
+    for p in result["prediction"]:
+        if p["held_out"] and p["scope"] == OVERALL and p.get("tau_relative_error") is not None:
+            inside = {True: "inside the predicted interval", False: "outside the predicted interval",
+                      None: "no predicted interval"}[p.get("within_interval")]
+            lines.append(f"{load_label(kind, load_of(p))}, held-out K={p['k']}: predicted "
+                         f"{fmt(p['predicted_speedup'])}x {ci(p['predicted_speedup_ci'])}, measured "
+                         f"{fmt(p['measured_speedup'])}x ({inside}); the miss splits into tau "
+                         f"{pct(p['tau_relative_error'])}, step time {pct(p.get('step_relative_error'))}, "
+                         f"definitions {pct(p.get('definition_gap'))}")
     return lines
+
+
+def _ms_ci(fit: dict[str, Any], name: str) -> str:
+    """A fitted cost in ms with its 95% interval when the fit has one (a tune.json from before intervals has none)."""
+    bounds = fit.get(f"{name}_ci")
+    return _ms(fit[name]) + (f" {ci([b * 1000.0 for b in bounds], 1)}" if bounds else "")
 
 
 def warning_lines(result: dict[str, Any]) -> list[str]:
@@ -104,7 +125,8 @@ def recommendation_lines(result: dict[str, Any]) -> list[str]:
     kind = _kind(result)
     for load, picks in result["recommendation"].items():
         for scope, pick in picks.items():
-            what = "" if pick["k"] == 0 else f"K={pick['k']} (conservative K={pick['conservative_k']}). "  # the reason starts "Speculation off"
+            # a K = 0 pick's reason starts with its verdict ("Speculation off", "Within the noise")
+            what = "" if pick["k"] == 0 else f"K={pick['k']} (conservative K={pick['conservative_k']}). "
             lines.append(f"{load_label(kind, load)}, {scope}: {what}{pick['reason']}")
     lines += [f"{engine}: {setting}" for engine, setting in result["engine_settings"].items()]
     return lines
