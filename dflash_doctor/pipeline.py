@@ -26,12 +26,13 @@ from typing import Any, Callable, ContextManager, Sequence
 from dflash_doctor.checks.base import CheckContext, run_checks, validate_check_params
 from dflash_doctor.engine.schedule import end_of_request
 from dflash_doctor.errors import UsageError
+from dflash_doctor.inputs.check_inputs import safe_folder_name
 from dflash_doctor.inputs.config import DoctorConfig
 from dflash_doctor.inputs.machine import collect_environment
 from dflash_doctor.inputs.validation import safetensors_shapes
 from dflash_doctor.inputs.workloads import Request, load_workload
 from dflash_doctor.models.loading import weights_fingerprint
-from dflash_doctor.models.draft_kinds import weightless_kind
+from dflash_doctor.models.draft_kinds import resolve_draft_spec, weightless_kind
 from dflash_doctor.models.loading import DEMO_DRAFT_DIR
 from dflash_doctor.models.pair import Pair, load_pair
 from dflash_doctor.processes import Stopped
@@ -377,7 +378,9 @@ def contender_names(drafts: Sequence[str | None]) -> list[str]:
     names: list[str] = []
     for draft in drafts:
         named = weightless_kind(draft) if draft is not None else None
-        base = named[0].name if named is not None else Path(draft or DEMO_DRAFT_DIR).name.removesuffix(".gguf") or "draft"
+        # the resolved folder's name, made a safe folder name: `x/..` names its parent, never `..` beside --out
+        folder = Path(draft or DEMO_DRAFT_DIR).resolve().name.removesuffix(".gguf")
+        base = named[0].name if named is not None else safe_folder_name(folder)
         name, count = base, 1
         while name in names:
             count += 1
@@ -397,11 +400,14 @@ def run_head_to_head(config: DoctorConfig, drafts: Sequence[str | None], *, only
     checkpoints; a weightless speculator keeps its own kind."""
     if config.engine is not None:
         raise UsageError("--engine measures one served speculator; compare speculators with several --draft and no --engine.")
+    kinds = ["auto" if draft is not None and weightless_kind(draft) is not None else config.draft_kind
+             for draft in drafts]
+    for draft, kind in zip(drafts, kinds):  # each --draft refused now if it can be, before a model or folder is made
+        resolve_draft_spec(draft or str(DEMO_DRAFT_DIR), kind)
     root = _claim(config, "check")
     outcomes: dict[str, Outcome] = {}
     shared = SharedContinuations()
-    for name, draft in zip(contender_names(drafts), drafts):
-        kind = "auto" if draft is not None and weightless_kind(draft) is not None else config.draft_kind
+    for name, draft, kind in zip(contender_names(drafts), drafts, kinds):
         one = dataclasses.replace(config, draft=draft, draft_kind=kind, out=str(root / name), overwrite=config.overwrite)
         outcomes[name] = run_check(one, only=only, skip=skip, exact_blocks=exact_blocks, progress=progress, shared=shared)
     contenders = [Contender(name, outcome.record, outcome.steps_by_k or {}) for name, outcome in outcomes.items()]

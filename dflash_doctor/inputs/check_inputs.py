@@ -8,6 +8,7 @@ code runs (``trust_remote_code`` stays off: a config is data, never code).
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,16 @@ from dflash_doctor.errors import UsageError
 from dflash_doctor.inputs.validation import TOKENIZER_JSON_FILES, check_tokenizer_json
 
 TEMPLATE_SUFFIXES = (".jinja", ".j2")
+#: what a folder name made from an input may hold: anything else (a separator, a control character) becomes ``-``
+_UNSAFE_IN_NAME = re.compile(r"[^A-Za-z0-9._@+-]")
+
+
+def safe_folder_name(text: str, fallback: str = "draft") -> str:
+    """``text`` as one folder name that stays inside its parent: characters other than letters, digits and
+    ``._@+-`` become ``-``, and a name of dots only (``.``, ``..``) or nothing is ``fallback``. A head-to-head
+    names each contender's sub-run from its ``--draft``, so ``--draft x/..`` must never name ``..``."""
+    name = _UNSAFE_IN_NAME.sub("-", text)
+    return fallback if not name.strip(".") else name
 
 
 def _existing(spec: str, role: str) -> Path:

@@ -68,7 +68,8 @@ def parse_k(value: str | int | list[int] | tuple[int, ...]) -> tuple[int, ...]:
         return parse_int_grid(value, "--k", minimum=1, maximum=MAX_K)
     values = list(value) if isinstance(value, (list, tuple)) else [value]
     if not values or any((not isinstance(v, int)) or isinstance(v, bool) or not 1 <= v <= MAX_K for v in values):
-        raise UsageError(f"--k {value!r} must hold integers from 1 to {MAX_K} (vLLM's most draft tokens per step); fix the value.")
+        raise UsageError(f"--k {value!r} must hold integers from 1 to {MAX_K} (vLLM's most draft tokens per step); "
+                         "fix the value.")
     return tuple(sorted(set(values)))
 
 

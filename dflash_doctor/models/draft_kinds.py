@@ -56,8 +56,8 @@ from dflash_doctor.models.eagle3_format import is_eagle3_config, load_eagle3_hea
 from dflash_doctor.models.mtp_format import LAYOUT_NAMES, read_mtp_checkpoint
 from dflash_doctor.models.serving_setups import SetupProposers, dflash_setup_proposers, eagle3_setup_proposers
 from dflash_doctor.inputs.validation import read_config_json
-from dflash_doctor.models.loading import (is_dflash_config, load_causal_lm, load_dflash_draft, torch_dtype, validate_autoregressive_pair,
-                                          validate_dflash_pair)
+from dflash_doctor.models.loading import (is_dflash_config, load_causal_lm, load_dflash_draft, resolve_model_dir,
+                                          torch_dtype, validate_autoregressive_pair, validate_dflash_pair)
 
 if TYPE_CHECKING:
     from dflash_doctor.engine.dflash_model import DFlashDraftModel
@@ -216,6 +216,34 @@ def setting_float(kind: str, key: str, text: str, example: str) -> float:
     if written_nonzero and np.float32(value) == 0:
         raise UsageError(f"--draft {kind}: {key}={text!r} rounds to 0 in float32; write 0 or a larger number, e.g. {example}.")
     return value
+
+
+@dataclass(frozen=True)
+class DraftSpec:
+    """A ``--draft`` value resolved without loading weights: its kind, and a weightless speculator's
+    settings (None for a checkpoint) or a checkpoint's folder and config.json."""
+
+    kind: DraftKind[Any]
+    settings: dict[str, str] | None
+    draft_dir: Path | None
+    config: dict[str, Any]
+
+
+def resolve_draft_spec(spec: str, draft_kind: str) -> DraftSpec:
+    """Everything about ``--draft spec`` that needs no weights, refused in one sentence where wrong: a
+    weightless kind's option string (and a ``--draft-kind`` naming another kind), else the checkpoint's
+    existence (a folder with config.json, a hub id in the local cache, a .gguf file), its config and the
+    kind that config names. The pair's load starts here, and a head-to-head runs it on every ``--draft``
+    before the first model loads."""
+    named = weightless_kind(spec)
+    if named is not None:
+        if draft_kind not in (AUTO, named[0].name):
+            raise UsageError(f"--draft {spec} is the {named[0].name} speculator; drop --draft-kind {draft_kind} "
+                             f"or pass --draft-kind {named[0].name}.")
+        return DraftSpec(named[0], named[1], None, {})
+    draft_dir = resolve_model_dir(spec)
+    config = read_config_json(draft_dir)
+    return DraftSpec(resolve_draft_kind(draft_kind, config, spec), None, draft_dir, config)
 
 
 def detect_draft_kind(config: dict[str, Any]) -> DraftKind[Any]:

@@ -21,9 +21,8 @@ from dflash_doctor.engine.proposers.base import Proposer
 from dflash_doctor.engine.target import TargetModel
 from dflash_doctor.errors import UsageError
 from dflash_doctor.inputs.config import DoctorConfig
-from dflash_doctor.inputs.validation import read_config_json
 from dflash_doctor.inputs.workloads import read_chat_template
-from dflash_doctor.models.draft_kinds import DraftKind, LoadOptions, Sampling, get_draft_kind, resolve_draft_kind, weightless_kind
+from dflash_doctor.models.draft_kinds import DraftKind, LoadOptions, Sampling, get_draft_kind, resolve_draft_spec
 from dflash_doctor.stages import stage
 from dflash_doctor.models.loading import DEMO_DRAFT_DIR, demo_target_path, fingerprint, hub_commit, load_causal_lm, resolve_model_dir
 from dflash_doctor.models.placement import target_devices
@@ -154,15 +153,9 @@ def load_pair(config: DoctorConfig, server_settings: dict[str, Any] | None = Non
     if config.draft is None and not (DEMO_DRAFT_DIR / "config.json").is_file():
         raise UsageError(f"the built-in demo draft is missing from {DEMO_DRAFT_DIR}; reinstall dflash-doctor or pass --draft.")
     target_dir = resolve_model_dir(target_spec)
-    named = weightless_kind(draft_spec)  # a speculator without weights, named as the draft (--draft ngram)
-    if named is not None:
-        if config.draft_kind not in ("auto", named[0].name):
-            raise UsageError(f"--draft {draft_spec} is the {named[0].name} speculator; drop --draft-kind {config.draft_kind} or pass --draft-kind {named[0].name}.")
-        draft_dir, draft_config, kind = None, {}, named[0]
-    else:
-        draft_dir = resolve_model_dir(draft_spec)
-        draft_config = read_config_json(draft_dir)
-        kind = resolve_draft_kind(config.draft_kind, draft_config, draft_spec)
+    resolved = resolve_draft_spec(draft_spec, config.draft_kind)  # a weightless speculator (ngram) or a checkpoint
+    kind, draft_dir, draft_config = resolved.kind, resolved.draft_dir, resolved.config
+    named = (kind, resolved.settings) if resolved.settings is not None else None
     with stage(f"loading the target {Path(target_spec).name} ({config.dtype}, {config.device})"):
         target_model = load_causal_lm(target_dir, dtype=config.dtype, device=config.device, trust_remote_code=config.trust_remote_code)
         tokenizer = AutoTokenizer.from_pretrained(target_dir, trust_remote_code=config.trust_remote_code)
