@@ -29,3 +29,4 @@ from dflash_doctor.checks import speculative_k  # noqa: E402,F401
 from dflash_doctor.checks import engine_agreement  # noqa: E402,F401
 from dflash_doctor.checks import eagle3_config  # noqa: E402,F401
 from dflash_doctor.checks import mtp_config  # noqa: E402,F401
+from dflash_doctor.checks import timing  # noqa: E402,F401

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, ContextManager, Sequence
 
+import pyarrow as pa
+
 from dflash_doctor.checks.base import CheckContext, run_checks, validate_check_params
 from dflash_doctor.engine.schedule import end_of_request
 from dflash_doctor.errors import UsageError
@@ -45,7 +47,7 @@ from dflash_doctor.rundir.load import Run
 from dflash_doctor.rundir.run_record import Probes, PromptFormat, RunMeta, RunRecord
 from dflash_doctor.rundir.tables import TABLES, read_table_or_empty
 from dflash_doctor.rundir.ownership import claim_run_dir, new_run_dir
-from dflash_doctor.rundir.writer import RunWriter, utc_now
+from dflash_doctor.rundir.writer import RunWriter, utc_now, write_costs_table
 from dflash_doctor.serving.agreement import compare_with_embedded
 from dflash_doctor.serving.client import ServerEndpoint, resolve_model, served_model_file
 from dflash_doctor.serving.server_settings import server_settings
@@ -55,6 +57,7 @@ from dflash_doctor.stats import deviations
 from dflash_doctor.stats.head_to_head import Contender, build_head_to_head
 from dflash_doctor.stats.metrics import summarize
 from dflash_doctor.stats.speedup import build_sweep, load_cost_profile, recommend
+from dflash_doctor.stats.step_costs import CostSamples, fitted_costs
 
 ProgressFactory = Callable[[int], ContextManager[Callable[[Any], None] | None]]  # total turns -> progress callback
 
@@ -67,6 +70,7 @@ class Outcome:
     record: RunRecord
     why_rejected: deviations.DeviationAnalysis | None = None  # `check`'s deviation analysis (dflash_doctor.stats.deviations), for the terminal
     steps_by_k: dict[int, Any] | None = None  # `check`'s steps at every K of the sweep (frames), for a head-to-head
+    cost_samples: CostSamples | None = None  # `check`'s raw step timings (None: priced with a cost profile), for a head-to-head
 
 
 def _claim(config: DoctorConfig, command: str) -> Path:
@@ -121,17 +125,27 @@ def _summarize(record: RunRecord, replay: Replay, seed: int) -> None:
     record.summary = summarize(replay.steps_frame(), replay.requests_frame(), seed=seed)
 
 
-def _sweep(record: RunRecord, pair: Pair, replay: Replay, config: DoctorConfig) -> None:
-    """``summary.sweep`` and ``recommendation``: tau and net speedup per K, priced with step costs
-    measured here (or from ``--cost-profile``)."""
-    with stage(f"pricing K {k_text(config.k)}: " + ("cost profile" if config.cost_profile else "timing the steps")
-               + ", intervals per class"):
-        costs = load_cost_profile(config.cost_profile) if config.cost_profile else pair.measure_step_costs(config.k)
-        sweep = build_sweep(replay.sweep_frames(), costs, replay.estimate_by_k, seed=config.seed)
-    record.summary.sweep = sweep
+def _sweep(record: RunRecord, pair: Pair, replay: Replay, config: DoctorConfig, run_dir: Path) -> CostSamples | None:
+    """``summary.sweep`` and ``recommendation``: tau and net speedup per K with their intervals, priced with
+    step costs timed here with their spread (raw samples in ``costs.parquet``) or from ``--cost-profile``;
+    returns the samples (None for a profile) for a head-to-head to price with."""
+    source = "cost profile" if config.cost_profile else f"timing the steps (up to {config.timing_budget_s:g} s)"
+    with stage(f"pricing K {k_text(config.k)}: {source}, intervals per class"):
+        if config.cost_profile:
+            samples, costs = None, load_cost_profile(config.cost_profile)
+        else:
+            samples = pair.measure_step_costs(config.k, budget_s=config.timing_budget_s, seed=config.seed)
+            costs = fitted_costs(samples)
+        priced = build_sweep(replay.sweep_frames(), costs, replay.estimate_by_k, cost_samples=samples, seed=config.seed)
+    if samples is not None:
+        write_costs_table(run_dir, pa.Table.from_pandas(samples.to_frame(), preserve_index=False))
+    record.summary.sweep = priced.sweep
     strict_max_k = int(config.thresholds.get("strict_max_k", 4))
     share = float(config.thresholds.get("conservative_share", 0.95))
-    record.recommendation = recommend(sweep.scopes(), conservative_share=share, strict_classes=config.strict_classes, strict_max_k=strict_max_k)
+    record.recommendation = recommend(priced.sweep.scopes(), replicates=priced.replicates,
+                                      timing_violations=samples.violations if samples is not None else (),
+                                      conservative_share=share, strict_classes=config.strict_classes, strict_max_k=strict_max_k)
+    return samples
 
 
 def _finish(writer: RunWriter, record: RunRecord, replay: Replay) -> None:
@@ -169,7 +183,7 @@ def run_sweep(config: DoctorConfig, *, exact_blocks: bool = False, progress: Pro
     with writer:
         _summarize(record, replay, config.seed)
         if not replay.interrupted:
-            _sweep(record, pair, replay, config)
+            _sweep(record, pair, replay, config, run_dir)
         _finish(writer, record, replay)
     return Outcome(run_dir, record)
 
@@ -226,7 +240,7 @@ def run_check(config: DoctorConfig, *, scenario=None, only: Sequence[str] = (), 
         _summarize(record, replay, config.seed)
         if replay.interrupted:
             _finish(writer, record, replay)
-        _sweep(record, pair, replay, sweep_config)
+        cost_samples = _sweep(record, pair, replay, sweep_config, run_dir)
         record.probes = _probes(pair, requests, replay, sweep_config)
         ctx_config = dataclasses.replace(config, k=(served_k,) if served_k else ())
         record.checks = run_checks(check_context(pair, requests, ctx_config, record, replay.request_rows), only=only, skip=skip)
@@ -235,7 +249,7 @@ def run_check(config: DoctorConfig, *, scenario=None, only: Sequence[str] = (), 
     run = Run(run_dir, record, replay.requests_frame(), replay.steps_frame(), read_table_or_empty(run_dir / "tokens.parquet", tokens))
     analysis = deviations.analyze_run(run)  # once: every report format and the terminal show it
     render_reports(run, analysis=analysis, plotly=config.plotly)
-    return Outcome(run_dir, record, analysis, replay.sweep_frames())
+    return Outcome(run_dir, record, analysis, replay.sweep_frames(), cost_samples)
 
 
 def run_server_check(config: DoctorConfig, *, only: Sequence[str] = (), skip: Sequence[str] = (),
@@ -410,7 +424,7 @@ def run_head_to_head(config: DoctorConfig, drafts: Sequence[str | None], *, only
     for name, draft, kind in zip(contender_names(drafts), drafts, kinds):
         one = dataclasses.replace(config, draft=draft, draft_kind=kind, out=str(root / name), overwrite=config.overwrite)
         outcomes[name] = run_check(one, only=only, skip=skip, exact_blocks=exact_blocks, progress=progress, shared=shared)
-    contenders = [Contender(name, outcome.record, outcome.steps_by_k or {}) for name, outcome in outcomes.items()]
+    contenders = [Contender(name, outcome.record, outcome.steps_by_k or {}, outcome.cost_samples) for name, outcome in outcomes.items()]
     data = build_head_to_head(contenders, seed=config.seed).to_json()
     for name, outcome in outcomes.items():
         next(s for s in data["speculators"] if s["name"] == name)["run_dir"] = str(outcome.run_dir)

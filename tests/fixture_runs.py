@@ -314,8 +314,9 @@ def make_fixture_run(
             )
             steps_by_k = {kk: truncate_steps(steps_frame, kk) for kk in range(1, k + 1)}
             estimate_by_k = {kk: "exact" if kk == k else "truncated" for kk in range(1, k + 1)}
-            record.summary.sweep = build_sweep(steps_by_k, costs, estimate_by_k, n_boot=NUM_BOOTSTRAP_RESAMPLES, seed=seed)
-            record.recommendation = recommend(record.summary.sweep.scopes())
+            priced = build_sweep(steps_by_k, costs, estimate_by_k, n_boot=NUM_BOOTSTRAP_RESAMPLES, seed=seed)
+            record.summary.sweep = priced.sweep
+            record.recommendation = recommend(priced.sweep.scopes(), replicates=priced.replicates)
         writer.meta = record.to_json()
     return run_dir
 

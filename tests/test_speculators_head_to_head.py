@@ -90,9 +90,13 @@ def test_verdict_names_the_faster_speculator(runs):
             continue
         other = next(name for name in rows if name != fastest)
         assert verdict["winner"] == fastest and verdict["runner_up"] == other
-        assert verdict["ratio"] == pytest.approx(rows[fastest]["speedup"] / rows[other]["speedup"])
-        assert verdict["decisive"] == (verdict["ratio_ci"][0] > 1)
         assert fastest in verdict["text"]
+        if verdict["ratio"] is None:  # too few conversations or drafted steps to name a winner on
+            assert not verdict["decisive"] and "too few requests" in verdict["text"]
+            continue
+        assert verdict["ratio"] == pytest.approx(rows[fastest]["speedup"] / rows[other]["speedup"])
+        assert verdict["decisive"] == (verdict["ratio_ci"][0] > 1 and rows[fastest]["speedup_ci"][0] >= 1)
+        assert verdict["text"].startswith(("overall: deploy", f"for {scope}: deploy")) == verdict["decisive"]
 
 
 def test_the_dashboard_page_shows_the_same_table_verdict_and_curves(runs, monkeypatch):

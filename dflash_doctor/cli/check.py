@@ -59,7 +59,7 @@ def check_json(outcome: pipeline.Outcome, code: int) -> dict[str, Any]:
 
 
 @app.command(epilog=EPILOG)
-@opt.config_command(*(name for name in opt.REPLAY_FLAGS if name != "draft"), "devices", "fail_on", "cost_profile", "strict_classes", "engine_config",
+@opt.config_command(*(name for name in opt.REPLAY_FLAGS if name != "draft"), "devices", "fail_on", "cost_profile", "timing_budget_s", "strict_classes", "engine_config",
                     "engine", "engine_model", "engine_concurrency", "engine_timeout_s", "plotly")
 def check(
     config: DoctorConfig,

@@ -28,7 +28,7 @@ from dflash_doctor.models.loading import DEMO_DRAFT_DIR, demo_target_path, finge
 from dflash_doctor.models.placement import target_devices
 from dflash_doctor.rundir.run_record import ModelInfo
 from dflash_doctor.stats.deviations import TokenCategories
-from dflash_doctor.stats.speedup import measure_costs
+from dflash_doctor.stats.step_costs import DEFAULT_TIMING_BUDGET_S, CostSamples, measure_step_samples
 
 
 def stop_ids_of(model, tokenizer) -> frozenset[int]:
@@ -97,8 +97,12 @@ class Pair:
 
     @engine_attention
     @torch.inference_mode()
-    def measure_step_costs(self, ks: tuple[int, ...], *, context_tokens: int = 128, repeats: int = 5):
-        """Time plain decode, verify of 1 + K tokens and drafting K tokens on this device, at a realistic context."""
+    def measure_step_costs(self, ks: tuple[int, ...], *, budget_s: float = DEFAULT_TIMING_BUDGET_S,
+                           context_tokens: int = 128, seed: int = 0) -> CostSamples:
+        """Time plain decode, verify of 1 + K tokens and drafting K tokens on this device, at a realistic
+        context, in interleaved rounds until each median is tight or ``budget_s`` is spent
+        (:func:`dflash_doctor.stats.step_costs.measure_step_samples`). A block drafter's draft is one pass
+        whatever K, which the cost model fits as one constant."""
         target, proposer = self.target, self.proposer
         taps = proposer.needs.hidden_state_indices
         device = target.device
@@ -122,9 +126,10 @@ class Pair:
 
         sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
         probe = sorted({k for k in (1, 2, 4, 8, 16) if k < max(ks)} | {max(ks), min(ks)})
-        costs = measure_costs(decode_step, verify_step, draft_step, probe, repeats=repeats, sync=sync, device=str(device))
+        samples = measure_step_samples(decode_step, verify_step, draft_step, probe, flat_draft=self.proposer.max_k is not None,
+                                       budget_s=budget_s, sync=sync, device=str(device), seed=seed)
         target.reset()
-        return costs
+        return samples
 
     def with_sampling(self, sampling: Sampling) -> "Pair":
         """The same pair whose proposer drafts with ``sampling`` (the replay's temperature and generator)."""

@@ -14,6 +14,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from dflash_doctor.rundir.tables import HEAD_TO_HEAD_JSON
+from dflash_doctor.rundir.writer import write_text_atomic
 
 HEADERS = ("scope", "speculator", "best K", "tau [95% CI]", "speedup [95% CI]", "per-position acceptance (unconditional)")
 
@@ -26,7 +27,8 @@ def table_rows(data: dict[str, Any]) -> list[list[str]]:
     """One row per (scope, speculator), the verdict's winner first in each scope."""
     rows = []
     for scope, result in data["scopes"].items():
-        winner = result["verdict"]["winner"]
+        verdict = result["verdict"]
+        winner = verdict["winner"] if verdict["decisive"] else None
         for row in sorted(result["rows"], key=lambda r: r["speculator"] != winner):
             tau_lo, tau_hi = (row["tau_ci"] + [None, None])[:2]
             s_lo, s_hi = row["speedup_ci"]
@@ -38,6 +40,31 @@ def table_rows(data: dict[str, Any]) -> list[list[str]]:
 
 def verdicts(data: dict[str, Any]) -> list[str]:
     return [result["verdict"]["text"] for result in data["scopes"].values()]
+
+
+def _ms(seconds: Any, bounds: Any) -> str:
+    """'12.3 ms [12.0, 12.6]' (the interval when the costs were timed here)."""
+    text = f"{_num(seconds * 1000.0, 3 if seconds < 0.01 else 1)} ms"
+    if isinstance(bounds, list) and len(bounds) == 2 and None not in bounds:
+        text += f" [{_num(bounds[0] * 1000.0, 3 if seconds < 0.01 else 1)}, {_num(bounds[1] * 1000.0, 3 if seconds < 0.01 else 1)}]"
+    return text
+
+
+def cost_lines(data: dict[str, Any]) -> list[str]:
+    """The shared step costs every speedup was priced with, each with its 95% interval: the target's decode and
+    verify times (shared by all speculators), then each speculator's draft time; then any timing that broke
+    the cost model (the advice is not reliable then)."""
+    costs = data["costs"]
+    timed = "t_decode_s_ci" in costs
+    where = f"{costs.get('source', 'measured')}, {costs.get('device', 'unknown device')}"
+    lines = [f"step costs ({where}; {'95% intervals from the timing bootstrap' if timed else 'a profile: taken as exact'}):",
+             "target: decode " + _ms(costs["t_decode_s"], costs.get("t_decode_s_ci"))
+             + "".join(f"; verify K={k} " + _ms(v, costs.get("t_verify_s_ci", {}).get(k)) for k, v in costs["t_verify_s"].items())]
+    for name, table in costs["t_draft_s"].items():
+        bounds = costs.get("t_draft_s_ci", {}).get(name, {})
+        lines.append(f"draft {name}: " + "; ".join(f"K={k} " + _ms(v, bounds.get(k)) for k, v in table.items()))
+    lines += [f"timing not reliable: {violation}" for violation in costs.get("timing_violations", [])]
+    return lines
 
 
 def print_head_to_head(data: dict[str, Any], console: Console) -> None:
@@ -62,6 +89,8 @@ def print_head_to_head(data: dict[str, Any], console: Console) -> None:
                          ("scope", "speculator", "K", "tau [95% CI]", "speedup [95% CI]"), [row[:5] for row in rows]))
     console.print(scoped("Per-position acceptance (unconditional), slots 1-6", ("scope", "speculator", "slots 1-6"),
                          [[row[0], row[1], " ".join(row[5].split()[:6])] for row in rows]))
+    for line in cost_lines(data):
+        console.print(f"  {escape(line)}")
     for text in verdicts(data):
         console.print(f"  {escape(text)}")
 
@@ -72,9 +101,11 @@ def markdown(data: dict[str, Any]) -> str:
              "| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
     lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in table_rows(data)]
     lines += ["", "## Verdict", ""] + [f"- {text}" for text in verdicts(data)]
+    lines += ["", "## Step costs", ""] + [f"- {line}" for line in cost_lines(data)]
     lines += ["", "Speedup: tokens emitted x plain decode time / time of the steps, every step priced at the speculator's "
               "draft time plus the target's verify time for the tokens it really drafted (a step that drafted nothing is a "
-              "plain decode step); the target's times are shared by all speculators. Intervals: paired bootstrap over requests.", ""]
+              "plain decode step); the target's times are shared by all speculators. Intervals: paired bootstrap over "
+              "conversations and step timings together.", ""]
     return "\n".join(lines)
 
 
@@ -82,13 +113,15 @@ def html_page(data: dict[str, Any]) -> str:
     head = "".join(f"<th>{html.escape(h)}</th>" for h in HEADERS)
     body = "".join("<tr>" + "".join(f"<td>{html.escape(cell)}</td>" for cell in row) + "</tr>" for row in table_rows(data))
     items = "".join(f"<li>{html.escape(text)}</li>" for text in verdicts(data))
+    costs = "".join(f"<li>{html.escape(line)}</li>" for line in cost_lines(data))
     return ("<!doctype html><html><head><meta charset='utf-8'><title>Head-to-head</title>"
             "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:4px 8px}</style>"
-            f"</head><body><h1>Head-to-head</h1><table><tr>{head}</tr>{body}</table><h2>Verdict</h2><ul>{items}</ul></body></html>")
+            f"</head><body><h1>Head-to-head</h1><table><tr>{head}</tr>{body}</table><h2>Verdict</h2><ul>{items}</ul>"
+            f"<h2>Step costs</h2><ul>{costs}</ul></body></html>")
 
 
 def write_head_to_head(root: Path, data: dict[str, Any]) -> None:
     """``head_to_head.json``, ``head_to_head.md`` and ``head_to_head.html`` in the head-to-head's folder."""
-    (root / HEAD_TO_HEAD_JSON).write_text(json.dumps(data, indent=2, allow_nan=True), encoding="utf-8")
-    (root / "head_to_head.md").write_text(markdown(data), encoding="utf-8")
-    (root / "head_to_head.html").write_text(html_page(data), encoding="utf-8")
+    write_text_atomic(root / HEAD_TO_HEAD_JSON, json.dumps(data, indent=2, allow_nan=True))
+    write_text_atomic(root / "head_to_head.md", markdown(data))
+    write_text_atomic(root / "head_to_head.html", html_page(data))

@@ -58,6 +58,9 @@ def print_sweep(record: RunRecord, console: Console) -> None:
         rec_table.add_column(column)
     for group, item in record.recommendation.items():
         speedup = f"{item.speedup:.2f}x" if item.speedup else "-"
+        low, high = item.speedup_ci
+        if item.speedup and low is not None and high is not None:
+            speedup += f" [{low:.2f}, {high:.2f}]"
         rec_table.add_row(for_terminal(group), str(item.k), str(item.conservative_k), speedup, for_terminal(item.reason))
     console.print(rec_table)
 

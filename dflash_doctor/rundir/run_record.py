@@ -195,13 +195,18 @@ class Metrics:
 
 @dataclass
 class SweepRow:
-    """tau with its interval and the net speedup at one K; ``estimate`` is exact or truncated."""
+    """tau with its interval and the net speedup at one K; ``estimate`` is exact or truncated.
+
+    ``speedup_ci`` resamples the requests and the step timings together (:mod:`dflash_doctor.stats.step_costs`):
+    the timing noise that can move the advice is inside it. A cost profile without samples is taken as exact,
+    and the interval then covers the requests only."""
 
     k: int
     mean_acceptance_length: float | None
     mean_acceptance_length_ci: list[float | None]
     speedup: float | None
     estimate: str
+    speedup_ci: list[float | None] = field(default_factory=lambda: [None, None])
 
 
 @dataclass
@@ -251,12 +256,22 @@ class Summary:
 
 @dataclass
 class Recommendation:
-    """The K to serve for one class: the best measured speedup, the smallest K within reach of it, why."""
+    """The K to serve for one class: the best measured speedup, the smallest K within reach of it, why.
+
+    ``confidence`` says how far the advice holds: ``clear`` when the best K's speedup interval lies wholly
+    above 1 (K named) or wholly below (speculation off, ``k`` 0); ``uncertain`` when it includes 1 (``k`` is
+    the best K when its point speedup reaches 1, else 0, and the reason says it may not pay);
+    ``unreliable`` when the step timings broke the cost model's physics beyond their noise even after a
+    re-timing: no advice is given (``k`` 0). ``ks_within_noise``: the Ks whose speedup cannot be told
+    from the best one's (a paired interval of their ratio includes 1), the best K among them."""
 
     k: int
     conservative_k: int
     speedup: float | None
     reason: str
+    speedup_ci: list[float | None] = field(default_factory=lambda: [None, None])
+    ks_within_noise: list[int] = field(default_factory=list)
+    confidence: Literal["clear", "uncertain", "unreliable"] = "clear"
 
 
 @dataclass

@@ -21,7 +21,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from dflash_doctor.rundir.ownership import release_run_dir
-from dflash_doctor.rundir.tables import REQUESTS_SCHEMA, RUN_JSON, TABLES
+from dflash_doctor.rundir.tables import COSTS_FILE, COSTS_SCHEMA, REQUESTS_SCHEMA, RUN_JSON, TABLES
 
 def utc_now() -> str:
     """ISO-8601 UTC timestamp, second precision, as stored in ``created_at``."""
@@ -43,12 +43,31 @@ def json_safe(value: Any) -> Any:
     return value
 
 
+def write_text_atomic(path: Path, text: str) -> Path:
+    """Write ``text`` (UTF-8) to ``path`` through ``<name>.tmp`` beside it and a rename: the one writer of
+    run.json and the reports, so a crash or a full disk never leaves half a file (the earlier file stays
+    whole until the new one is) and the temporary file goes when writing fails."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
 def write_run_json(run_dir: Path, meta: dict[str, Any]) -> Path:
-    """Write ``run.json`` atomically (write then rename), so a crash never leaves half a file."""
+    """Write ``run.json`` atomically (:func:`write_text_atomic`)."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    path = run_dir / RUN_JSON
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(json_safe(meta), indent=2, sort_keys=False) + "\n", encoding="utf-8")
+    return write_text_atomic(run_dir / RUN_JSON, json.dumps(json_safe(meta), indent=2, sort_keys=False) + "\n")
+
+
+def write_costs_table(run_dir: Path, table: pa.Table) -> Path:
+    """Write ``costs.parquet`` (the raw step timings) atomically, in the declared schema."""
+    path = run_dir / COSTS_FILE
+    tmp = path.with_name(path.name + ".tmp")
+    pq.write_table(table.select(COSTS_SCHEMA.names).cast(COSTS_SCHEMA), tmp)
     tmp.replace(path)
     return path
 
@@ -98,6 +117,7 @@ class RunWriter:
         shutil.rmtree(self.run_dir / JOURNAL_DIR, ignore_errors=True)
         for name in TABLES:
             (self.run_dir / f"{name}.parquet").unlink(missing_ok=True)
+        (self.run_dir / COSTS_FILE).unlink(missing_ok=True)
         (self.run_dir / JOURNAL_DIR).mkdir()
         self._sinks = {name: pa.OSFile(str(journal_path(self.run_dir, name)), "wb") for name in TABLES}
         self._streams = {name: pa.ipc.new_stream(self._sinks[name], TABLES[name]) for name in TABLES}

@@ -9,13 +9,17 @@ same way for every speculator (docs/speculators.md):
   it *really* drafted; a step that drafted nothing (an n-gram lookup without a match) is a plain
   decode step. A run's own sweep prices every step as a full draft step, which is right for a drafter
   that always drafts K and overstates a lookup speculator that often proposes nothing.
-* The target's decode and verify times come from one speculator's measurement (the first one's) for
-  all of them, so timing noise between runs does not decide the verdict; each keeps its own draft time.
-* ``speedup(K) = tokens emitted x t_decode / time of the steps``, summed over the scope's requests.
+* The target's decode and verify times come from one speculator's timing (the one that timed the
+  largest K) for all of them, so timing noise between runs does not decide the verdict; each keeps its
+  own draft time. Costs are the fitted model of :mod:`dflash_doctor.stats.step_costs`.
+* ``speedup(K) = tokens emitted x t_decode / time of the steps``, summed over the scope's conversations.
 * Best K: the highest point speedup (the smaller K on a tie).
-* Intervals: percentile bootstrap over requests, *paired*: the same resampled requests price every
-  speculator, so the ratio winner / runner-up has an interval of its own. The winner is named outright
-  only when that interval lies above 1.
+* Intervals: percentile bootstrap over conversations (the turns of one conversation are not independent)
+  and the step timings together, *paired*: one draw of conversations and one draw of the target's
+  timings price every speculator, so the ratio leader / runner-up has an interval of its own. "deploy X"
+  is said only when that interval lies above 1, X's own speedup interval lies above plain decoding's
+  1.0x, and the scope holds at least :data:`MIN_CONVERSATIONS` conversations and :data:`MIN_DRAFTS`
+  drafted steps of the leader; otherwise the verdict says "no clear winner" or "too few requests".
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ import pandas as pd
 
 from dflash_doctor.rundir.run_record import OVERALL, RunRecord, StepCosts
 from dflash_doctor.stats.metrics import NUM_BOOTSTRAP_RESAMPLES, group_rng, interval, resample_multiplicities
+from dflash_doctor.stats.speedup import conversation_ids
+from dflash_doctor.stats.step_costs import CostSamples, cost_replicates, fitted_costs, resampled_medians
 
 
 @dataclass(frozen=True)
@@ -37,6 +43,7 @@ class Contender:
     name: str
     record: RunRecord
     steps_by_k: Mapping[int, pd.DataFrame]
+    cost_samples: CostSamples | None = None  # the check's raw step timings (None: priced with a cost profile)
 
 
 @dataclass
@@ -56,8 +63,9 @@ class ContenderRow:
 
 @dataclass
 class Verdict:
-    """Which speculator to deploy in a scope: ``winner`` (None: none beats plain decoding), the ratio of
-    its speedup to the runner-up's with a paired interval, and whether that interval clears 1."""
+    """Which speculator to deploy in a scope: ``winner`` (the leader; None: none beats plain decoding), the
+    ratio of its speedup to the runner-up's with a paired interval, and ``decisive``: whether the advice
+    is clear (the ratio's and the leader's own intervals clear 1, on enough conversations)."""
 
     winner: str | None
     runner_up: str | None
@@ -103,17 +111,61 @@ def _shared_costs(costs: Sequence[StepCosts]) -> list[StepCosts]:
             for c in costs]
 
 
+def _shared_samples(contenders: Sequence[Contender], costs: Sequence[StepCosts]) -> list[CostSamples] | None:
+    """The raw timings behind :func:`_shared_costs`: the target's decode and verify samples of the one
+    speculator whose verify times are shared, each speculator's own draft samples. None when any
+    speculator was priced with a cost profile (no samples: the costs are taken as exact)."""
+    samples = [c.cost_samples for c in contenders]
+    if any(s is None for s in samples):
+        return None
+    base = samples[max(range(len(costs)), key=lambda i: max(costs[i].t_verify_s))]
+    assert base is not None
+    target = {key: v for key, v in base.seconds.items() if key[0] != "draft"}
+    return [CostSamples({**target, **{key: v for key, v in s.seconds.items() if key[0] == "draft"}}, device=s.device,
+                        flat_draft=s.flat_draft, budget_s=s.budget_s, retimed=s.retimed, violations=s.violations)
+            for s in samples if s is not None]
+
+
+def _cost_models(contenders: Sequence[Contender], n_boot: int, seed: int) -> tuple[list[StepCosts], list[list[StepCosts]] | None]:
+    """Each speculator's point costs and, when timed here, ``n_boot`` replicates per speculator: one draw of the
+    target's decode and verify times shared by all of them (paired), its own draws of its draft time."""
+    point = _shared_costs([c.record.summary.sweep.step_costs() for c in contenders])  # type: ignore[union-attr]
+    samples = _shared_samples(contenders, point)
+    if samples is None:
+        return point, None
+    rng = group_rng(seed, "head-to-head:timing")
+    target = resampled_medians({key: v for key, v in samples[0].seconds.items() if key[0] != "draft"}, n_boot, rng)
+    point = [fitted_costs(s) for s in samples]
+    return point, [cost_replicates(s, n_boot, rng, shared=target) for s in samples]
+
+
 def request_totals(steps: pd.DataFrame, request_ids: np.ndarray, k: int, costs: StepCosts) -> tuple[np.ndarray, np.ndarray]:
-    """Per request: tokens emitted and seconds spent by the steps at K (priced as the module says)."""
-    index = pd.Index(request_ids)
-    codes = index.get_indexer(steps["request_id"].to_numpy())
+    """Per conversation (``request_ids`` are conversation ids): tokens emitted and seconds spent by the steps at
+    K (priced as the module says)."""
+    emitted, counts, _ = _step_counts(steps, request_ids)
+    return emitted, _seconds(counts, k, [costs])[:, 0]
+
+
+def _step_counts(steps: pd.DataFrame, units: np.ndarray) -> tuple[np.ndarray, dict[int, np.ndarray], int]:
+    """Per unit: tokens emitted, ``{drafted: steps}`` (0 = a plain decode step) and the number of units."""
+    index = pd.Index(units)
+    codes = index.get_indexer(conversation_ids(steps["request_id"].to_numpy()))
     drafted = steps["num_drafted"].to_numpy(dtype=np.int64)
     accepted = steps["num_accepted"].to_numpy(dtype=np.int64)
-    verify = {n: costs.verify_s(n) for n in np.unique(drafted[drafted > 0]).tolist()}
-    step_s = costs.draft_s(k) + np.array([verify[n] if n > 0 else costs.t_decode_s for n in drafted.tolist()], dtype=np.float64)
     emitted = np.bincount(codes, weights=accepted + 1, minlength=len(index))
-    seconds = np.bincount(codes, weights=step_s, minlength=len(index))
-    return emitted, seconds
+    counts = {int(n): np.bincount(codes[drafted == n], minlength=len(index)).astype(np.float64) for n in np.unique(drafted)}
+    return emitted, counts, len(index)
+
+
+def _seconds(counts: dict[int, np.ndarray], k: int, models: Sequence[StepCosts]) -> np.ndarray:
+    """``[units, models]``: every step costs the draft at K plus the verify of what it drafted (a decode when 0)."""
+    total = None
+    for n, per_unit in counts.items():
+        price = np.array([m.draft_s(k) + (m.verify_s(n) if n > 0 else m.t_decode_s) for m in models])
+        term = np.outer(per_unit, price)
+        total = term if total is None else total + term
+    assert total is not None, "a scope with steps has at least one step count"
+    return total
 
 
 def _scope_steps(steps: pd.DataFrame, scope: str) -> pd.DataFrame:
@@ -127,32 +179,57 @@ def build_head_to_head(contenders: Sequence[Contender], *, n_boot: int = NUM_BOO
     for contender in contenders:
         if contender.record.summary.sweep is None:
             raise ValueError(f"{contender.name}: the run has no sweep to compare")
-    costs = _shared_costs([c.record.summary.sweep.step_costs() for c in contenders])  # type: ignore[union-attr]
+    costs, replicates = _cost_models(contenders, n_boot, seed)
     scope_names = [OVERALL] + sorted(set.intersection(*(set(c.record.summary.by_class) for c in contenders)))
     result = HeadToHead(
         speculators=[{"name": c.name, "draft": c.record.models["draft"].id, "kind": c.record.models["draft"].kind} for c in contenders],
-        costs={"t_decode_s": costs[0].t_decode_s, "t_verify_s": {str(k): v for k, v in sorted(costs[0].t_verify_s.items())},
-               "t_draft_s": {c.name: {str(k): v for k, v in sorted(cost.t_draft_s.items())} for c, cost in zip(contenders, costs)}},
+        costs=_costs_json(contenders, costs, replicates),
     )
     for scope in scope_names:
-        result.scopes[scope] = _scope(contenders, costs, scope, n_boot, seed)
+        result.scopes[scope] = _scope(contenders, costs, replicates, scope, n_boot, seed)
     return result
 
 
-def _scope(contenders: Sequence[Contender], costs: Sequence[StepCosts], scope: str, n_boot: int, seed: int) -> ScopeResult:
+def _costs_json(contenders: Sequence[Contender], costs: Sequence[StepCosts], replicates: list[list[StepCosts]] | None) -> dict[str, Any]:
+    """The shared costs with their spread: each fitted time and, when timed here, its 95% bootstrap interval."""
+    def ci(values: list[float]) -> list[float]:
+        return [float(x) for x in interval(np.asarray(values))]
+
+    block: dict[str, Any] = {
+        "source": costs[0].source, "device": costs[0].device,
+        "t_decode_s": costs[0].t_decode_s, "t_verify_s": {str(k): v for k, v in sorted(costs[0].t_verify_s.items())},
+        "t_draft_s": {c.name: {str(k): v for k, v in sorted(cost.t_draft_s.items())} for c, cost in zip(contenders, costs)},
+    }
+    if replicates is not None:
+        block["t_decode_s_ci"] = ci([m.t_decode_s for m in replicates[0]])
+        block["t_verify_s_ci"] = {str(k): ci([m.t_verify_s[k] for m in replicates[0]]) for k in sorted(costs[0].t_verify_s)}
+        block["t_draft_s_ci"] = {c.name: {str(k): ci([m.t_draft_s[k] for m in reps]) for k in sorted(cost.t_draft_s)}
+                                 for c, cost, reps in zip(contenders, costs, replicates)}
+        block["timing_violations"] = sorted({v for c in contenders if c.cost_samples for v in c.cost_samples.violations})
+    return block
+
+
+def _scope(contenders: Sequence[Contender], costs: Sequence[StepCosts], replicates: list[list[StepCosts]] | None, scope: str,
+           n_boot: int, seed: int) -> ScopeResult:
     all_steps = [_scope_steps(c.steps_by_k[max(c.steps_by_k)], scope) for c in contenders]
-    request_ids = np.array(sorted(set().union(*(set(s["request_id"]) for s in all_steps))))
+    units = np.array(sorted(set().union(*(set(conversation_ids(s["request_id"].to_numpy())) for s in all_steps))))
     rows: list[ContenderRow] = []
-    best_totals: list[tuple[np.ndarray, np.ndarray]] = []
-    for contender, cost in zip(contenders, costs):
+    best: list[tuple[np.ndarray, np.ndarray]] = []  # per contender at its best K: emitted [U], seconds [U, B]
+    decode_b: list[np.ndarray] = []
+    for i, (contender, cost) in enumerate(zip(contenders, costs)):
         by_k: dict[int, float] = {}
-        totals: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        totals: dict[int, tuple[np.ndarray, dict[int, np.ndarray]]] = {}
         for k in sorted(contender.steps_by_k):
-            emitted, seconds = request_totals(_scope_steps(contender.steps_by_k[k], scope), request_ids, k, cost)
-            totals[k] = (emitted, seconds)
-            by_k[k] = float(emitted.sum() * cost.t_decode_s / seconds.sum()) if seconds.sum() > 0 else float("nan")
+            emitted, counts, _ = _step_counts(_scope_steps(contender.steps_by_k[k], scope), units)
+            totals[k] = (emitted, counts)
+            seconds = _seconds(counts, k, [cost])[:, 0].sum() if counts else 0.0
+            by_k[k] = float(emitted.sum() * cost.t_decode_s / seconds) if seconds > 0 else float("nan")
         best_k = max(sorted(by_k), key=lambda k: by_k[k] if np.isfinite(by_k[k]) else -np.inf)
-        best_totals.append(totals[best_k])
+        emitted, counts = totals[best_k]
+        models = replicates[i] if replicates is not None else [cost]
+        seconds_b = _seconds(counts, best_k, models) if counts else np.zeros((len(units), len(models)))
+        best.append((emitted, seconds_b))
+        decode_b.append(np.array([m.t_decode_s for m in models]))
         sweep_rows = {row.k: row for row in contender.record.summary.sweep.scopes().get(scope, [])}  # type: ignore[union-attr]
         sweep_row = sweep_rows.get(best_k)
         metrics = contender.record.summary.scopes().get(scope)
@@ -164,32 +241,51 @@ def _scope(contenders: Sequence[Contender], costs: Sequence[StepCosts], scope: s
             acceptance_rate_per_pos=list(metrics.acceptance_rate_per_pos) if metrics else [],
             num_drafts=int(metrics.num_drafts) if metrics else 0,
         ))
-    # paired bootstrap: one set of resampled requests prices every contender at its best K
+    # paired bootstrap: one draw of conversations and one draw of the timings price every contender at its best K
     boot = np.empty((len(contenders), n_boot))
     rng = group_rng(seed, f"head-to-head:{scope}")
-    for rows_slice, multiplicity in resample_multiplicities(len(request_ids), n_boot, rng):
-        for i, ((emitted, seconds), cost) in enumerate(zip(best_totals, costs)):
+    for rows_slice, multiplicity in resample_multiplicities(len(units), n_boot, rng):
+        for i, (emitted, seconds_b) in enumerate(best):
+            b = np.arange(rows_slice.start, rows_slice.stop) % seconds_b.shape[1]
+            spent = np.einsum("bu,ub->b", multiplicity, seconds_b[:, b])
             with np.errstate(invalid="ignore", divide="ignore"):
-                boot[i, rows_slice] = (multiplicity @ emitted) * cost.t_decode_s / (multiplicity @ seconds)
+                boot[i, rows_slice] = (multiplicity @ emitted) * decode_b[i][b] / spent
     for i, row in enumerate(rows):
         row.speedup_ci = [float(x) for x in interval(boot[i])]
-    return ScopeResult(rows=rows, verdict=_verdict(rows, boot, scope))
+    return ScopeResult(rows=rows, verdict=_verdict(rows, boot, scope, len(units)))
 
 
-def _verdict(rows: list[ContenderRow], boot: np.ndarray, scope: str) -> Verdict:
+MIN_CONVERSATIONS = 5  # fewer independent conversations give a bootstrap too coarse to name a winner on
+MIN_DRAFTS = 10  # a leader that drafted fewer steps in the scope has no acceptance to judge
+
+
+def _verdict(rows: list[ContenderRow], boot: np.ndarray, scope: str, num_units: int) -> Verdict:
     order = sorted(range(len(rows)), key=lambda i: -rows[i].speedup if np.isfinite(rows[i].speedup) else np.inf)
     first, second = order[0], order[1]
     win, run = rows[first], rows[second]
     where = "overall" if scope == OVERALL else f"for {scope}"
+    low, high = win.speedup_ci
+    described = f"{win.speedup:.2f}x [{low:.2f}, {high:.2f}]" if np.isfinite(low) and np.isfinite(high) else f"{win.speedup:.2f}x"
     if not np.isfinite(win.speedup) or win.speedup < 1.0:
+        shown = "is shown to beat" if np.isfinite(high) and high >= 1.0 else "beats"
         return Verdict(None, None, None, None, False,
-                       f"{where}: no speculator beats plain decoding (best {win.speculator} {win.speedup:.2f}x at K={win.best_k}); serve without speculation.")
+                       f"{where}: no speculator {shown} plain decoding (best {win.speculator} {described} at K={win.best_k}); "
+                       "serve without speculation.")
+    if num_units < MIN_CONVERSATIONS or win.num_drafts < MIN_DRAFTS:
+        return Verdict(win.speculator, run.speculator, None, None, False,
+                       f"{where}: too few requests to decide ({num_units} conversation(s), {win.num_drafts} drafted step(s) "
+                       f"for the leader; at least {MIN_CONVERSATIONS} and {MIN_DRAFTS}): {win.speculator} leads at "
+                       f"K={win.best_k} ({described}).")
     with np.errstate(invalid="ignore", divide="ignore"):
         ratios = boot[first] / boot[second]
     ratio = win.speedup / run.speedup if run.speedup > 0 else float("inf")
     ratio_ci = [float(x) for x in interval(ratios[np.isfinite(ratios)])] if np.isfinite(ratios).any() else [float("nan"), float("nan")]
     decisive = bool(np.isfinite(ratio_ci[0]) and ratio_ci[0] > 1.0)
-    head = f"{where}: deploy {win.speculator} at K={win.best_k} ({win.speedup:.2f}x)"
     margin = f"{ratio:.2f}x the speedup of {run.speculator} at K={run.best_k} (95% interval {ratio_ci[0]:.2f}-{ratio_ci[1]:.2f})"
-    text = f"{head}: {margin}." if decisive else f"{head}, but no clear winner: {margin} includes 1."
+    if np.isfinite(low) and low < 1.0:
+        return Verdict(win.speculator, run.speculator, float(ratio), ratio_ci, False,
+                       f"{where}: no clear winner: {win.speculator} leads at K={win.best_k} ({described}) but may not beat "
+                       f"plain decoding; {margin}.")
+    head = f"{where}: deploy {win.speculator} at K={win.best_k} ({described})"
+    text = f"{head}: {margin}." if decisive else f"{where}: no clear winner: {win.speculator} leads at K={win.best_k} ({described}); {margin} includes 1."
     return Verdict(win.speculator, run.speculator, float(ratio), ratio_ci, decisive, text)

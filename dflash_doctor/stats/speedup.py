@@ -8,26 +8,34 @@ to 32 while the right decision flips from +23% to -16%. So the doctor prices eve
 ``t_decode`` is one plain target decode step, ``t_verify(K)`` the target's forward over the 1 + K block
 tokens, ``t_draft(K)`` the draft's cost for K tokens (K sequential steps for an autoregressive draft, one
 block pass for DFlash, which is why its draft term is nearly flat in K). The times come from
-:func:`measure_costs` on the current device, or from a profile a user measured in a serving engine
-(:func:`load_cost_profile`, ``--cost-profile FILE``, format in docs/cost-profile.md).
+:mod:`dflash_doctor.stats.step_costs` on the current device (timed with their spread and fitted under the
+physics of a forward pass), or from a profile a user measured in a serving engine (:func:`load_cost_profile`,
+``--cost-profile FILE``, format in docs/cost-profile.md).
 :func:`leviathan_speedup` is the i.i.d. closed form of Leviathan et al. 2023, kept as a cross-check.
+
+Every speedup has an interval that resamples the requests and the step timings together
+(:func:`build_sweep`), and the advice reads it (:func:`recommend`): a K is named outright only when its
+interval lies above plain decoding's 1.0x, speculation is "off" only when it lies below, and the Ks whose
+speedup cannot be told from the best one's are named with it.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import statistics
-import time
 import tomllib
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Sequence
 
+import numpy as np
 import pandas as pd
 
 from dflash_doctor.errors import UsageError
 from dflash_doctor.rundir.run_record import OVERALL, Recommendation, StepCosts, Sweep, SweepRow
-from dflash_doctor.stats.metrics import expected_tau_iid, tau_with_ci
+from dflash_doctor.stats.metrics import (NUM_BOOTSTRAP_RESAMPLES, expected_tau_iid, group_rng, interval, resample_multiplicities,
+                                         tau_with_ci)
+from dflash_doctor.stats.step_costs import CostSamples, cost_replicates
 
 ESTIMATES = ("exact", "truncated")
 def leviathan_speedup(alpha: float, k: int, c: float) -> float:
@@ -40,66 +48,9 @@ def leviathan_speedup(alpha: float, k: int, c: float) -> float:
     return expected_tau_iid(alpha, k) / (k * c + 1.0)
 
 
-# ----------------------------------------------------------------------------- measuring
-
-
-def measure_costs(
-    decode_step: Callable[[], None],
-    verify_step: Callable[[int], None],
-    draft_step: Callable[[int], None],
-    ks: Iterable[int],
-    *,
-    warmup: int = 2,
-    repeats: int = 5,
-    sync: Callable[[], None] | None = None,
-    device: str = "cpu",
-    clock: Callable[[], float] = time.perf_counter,
-) -> StepCosts:
-    """Time the three step kinds with closures over real models; median of ``repeats`` after ``warmup``.
-
-    The closures must do one step's work and nothing else (inputs prepared outside). ``sync`` is called
-    before starting and after stopping the clock (``torch.cuda.synchronize`` on a GPU, where kernels run
-    asynchronously and the clock would otherwise time only the launch). Warm-up runs absorb one-off
-    costs (allocator growth, kernel autotuning, lazy init); the median resists a stray slow repeat. The
-    steps are timed round-robin (every step once per repeat), so a busy spell of the machine slows every
-    step alike instead of one K's: the speedup is a ratio of these times, and a spell that hit only the
-    K = 8 verify used to make K = 8 look best.
-    Measure a few K (e.g. 1, 2, 4, 8, 16): :class:`StepCosts` interpolates between them.
-    """
-    ks = sorted(set(int(k) for k in ks))
-    if not ks or ks[0] < 1:
-        raise ValueError(f"ks must hold integers >= 1, got {ks}")
-    if warmup < 0 or repeats < 1:
-        raise ValueError(f"need warmup >= 0 and repeats >= 1, got {warmup}, {repeats}")
-    synchronize = sync or (lambda: None)
-    steps: dict[tuple[str, int], Callable[[], None]] = {("decode", 0): decode_step}
-    steps.update({("verify", k): (lambda k=k: verify_step(k)) for k in ks})
-    steps.update({("draft", k): (lambda k=k: draft_step(k)) for k in ks})
-    for _ in range(warmup):
-        for step in steps.values():
-            step()
-    synchronize()
-    durations_s: dict[tuple[str, int], list[float]] = {name: [] for name in steps}
-    for _ in range(repeats):
-        for name, step in steps.items():
-            synchronize()
-            start = clock()
-            step()
-            synchronize()
-            durations_s[name].append(clock() - start)
-    median_s = {name: statistics.median(times) for name, times in durations_s.items()}
-    return StepCosts(
-        t_decode_s=median_s[("decode", 0)],
-        t_verify_s={k: median_s[("verify", k)] for k in ks},
-        t_draft_s={k: median_s[("draft", k)] for k in ks},
-        source="measured",
-        device=device,
-    )
-
-
 # ----------------------------------------------------------------------------- cost profiles
 
-_PROFILE_KEYS = ("t_decode_s", "t_verify_s", "t_draft_s", "device", "source", "notes")
+_PROFILE_KEYS = ("t_decode_s", "t_verify_s", "t_draft_s", "device", "source", "notes", "spread")
 
 
 def load_cost_profile(path: Path | str) -> StepCosts:
@@ -116,8 +67,8 @@ def load_cost_profile(path: Path | str) -> StepCosts:
         16 = 0.0112
 
     ``t_verify_s`` and ``t_draft_s`` are each a number or a ``K -> seconds`` table. ``notes`` is free
-    text; ``source`` is accepted and ignored, so the ``summary.sweep.costs`` block of a run.json is a
-    valid JSON profile. Anything else (a typo, a missing field, a negative time) is a UsageError.
+    text; ``source`` and ``spread`` (the timing's spread, :mod:`dflash_doctor.stats.step_costs`) are accepted
+    and ignored, so the ``summary.sweep.costs`` block of a run.json is a valid JSON profile. Anything else (a typo, a missing field, a negative time) is a UsageError.
     """
     path = Path(path)
     if not path.is_file():
@@ -183,12 +134,61 @@ def _profile_table(path: Path, key: str, value: Any, *, allow_zero: bool) -> dic
 # ----------------------------------------------------------------------------- sweep
 
 
-def sweep_row(k: int, tau: float, tau_ci: list[float], costs: StepCosts, estimate: str) -> SweepRow:
+def sweep_row(k: int, tau: float, tau_ci: list[float], costs: StepCosts, estimate: str,
+              speedup_ci: Sequence[float | None] = (None, None)) -> SweepRow:
     """One row of run.json ``summary.sweep``; ``estimate`` says whether tau came from a run at this K."""
     if estimate not in ESTIMATES:
         raise ValueError(f"estimate must be one of {ESTIMATES}, got {estimate!r}")
     return SweepRow(k=int(k), mean_acceptance_length=float(tau), mean_acceptance_length_ci=[float(x) for x in tau_ci],
-                    speedup=costs.speedup(tau, k), estimate=estimate)
+                    speedup=costs.speedup(tau, k), estimate=estimate,
+                    speedup_ci=[None if x is None or not math.isfinite(x) else float(x) for x in speedup_ci])
+
+
+@dataclass(frozen=True)
+class PricedSweep:
+    """The sweep for run.json and its bootstrap replicates: ``replicates[scope][K]`` holds the speedup of
+    each resample (requests and timings drawn together, the same draw for every K of a scope), which the
+    advice needs to tell two Ks apart (a paired ratio) and run.json does not keep."""
+
+    sweep: Sweep
+    replicates: dict[str, dict[int, np.ndarray]]
+
+
+def conversation_ids(request_ids: np.ndarray) -> np.ndarray:
+    """The bootstrap's unit: the conversation a turn belongs to (``<id>#t<turn>`` -> ``<id>``). The turns of
+    one conversation share its prompt and its history, so resampling them as separate requests would narrow
+    every interval with draws that are not independent."""
+    return np.array([str(r).split("#t", 1)[0] for r in request_ids], dtype=object)
+
+
+def _cost_arrays(costs: StepCosts, cost_samples: CostSamples | None, ks: Sequence[int], n_boot: int,
+                 rng: np.random.Generator) -> tuple[np.ndarray, dict[int, np.ndarray]]:
+    """``(t_decode [B], {K: draft + verify [B]})``: the timing bootstrap, or the point costs repeated when
+    the costs are a profile without samples (taken as exact)."""
+    if cost_samples is None:
+        return np.full(n_boot, costs.t_decode_s), {k: np.full(n_boot, costs.draft_s(k) + costs.verify_s(k)) for k in ks}
+    models = cost_replicates(cost_samples, n_boot, rng)
+    decode = np.array([m.t_decode_s for m in models])
+    return decode, {k: np.array([m.draft_s(k) + m.verify_s(k) for m in models]) for k in ks}
+
+
+def _tau_replicates(frames: Mapping[int, pd.DataFrame], n_boot: int, rng: np.random.Generator) -> dict[int, np.ndarray]:
+    """Pooled tau of every K for one scope, ``n_boot`` resamples of conversations, the same draw for every K."""
+    units = pd.Index(pd.unique(conversation_ids(np.concatenate([f["request_id"].to_numpy() for f in frames.values()]))))
+    counters = {}
+    for k, frame in frames.items():
+        codes = units.get_indexer(conversation_ids(frame["request_id"].to_numpy()))
+        drafted = frame["num_drafted"].to_numpy(dtype=np.int64)
+        accepted = frame["num_accepted"].to_numpy(dtype=np.int64)
+        counters[k] = np.column_stack([np.bincount(codes, weights=drafted > 0, minlength=len(units)),
+                                       np.bincount(codes, weights=accepted, minlength=len(units))])
+    taus = {k: np.full(n_boot, np.nan) for k in frames}
+    for rows, multiplicity in resample_multiplicities(len(units), n_boot, rng):
+        for k, counts in counters.items():
+            pooled = multiplicity @ counts
+            with np.errstate(divide="ignore", invalid="ignore"):
+                taus[k][rows] = 1.0 + pooled[:, 1] / np.where(pooled[:, 0] > 0, pooled[:, 0], np.nan)
+    return taus
 
 
 def build_sweep(
@@ -196,28 +196,50 @@ def build_sweep(
     costs: StepCosts,
     estimate_by_k: dict[int, str],
     *,
-    n_boot: int = 1000,
+    cost_samples: CostSamples | None = None,
+    n_boot: int = NUM_BOOTSTRAP_RESAMPLES,
     seed: int = 0,
-) -> Sweep:
-    """run.json ``summary.sweep``: tau with its interval and speedup per K, overall and per class.
+) -> PricedSweep:
+    """run.json ``summary.sweep``: tau with its interval and speedup with its interval per K, overall and per class.
 
     ``steps_by_k[K]`` holds the steps of a run (live or teacher-forced) at K drafted tokens;
     ``estimate_by_k[K]`` is ``"exact"`` when they are the steps a live run at K takes, ``"truncated"``
     when they were cut down from a larger K (:func:`dflash_doctor.stats.metrics.truncate_steps`).
+    ``costs`` prices the points; ``cost_samples`` (the raw timings ``costs`` was fitted from) puts the
+    timing's noise into the speedup intervals: each resample pairs one draw of conversations with one
+    refit of the costs from resampled timings. Without samples the costs are taken as exact.
     """
     missing = sorted(set(steps_by_k) - set(estimate_by_k))
     if missing:
         raise ValueError(f"estimate_by_k has no entry for K {missing}")
-    overall: list[SweepRow] = []
-    by_class: dict[str, list[SweepRow]] = {}
-    for k in sorted(steps_by_k):
-        steps = steps_by_k[k]
-        tau, tau_ci = tau_with_ci(steps, n_boot=n_boot, seed=seed, group=OVERALL)
-        overall.append(sweep_row(k, tau, tau_ci, costs, estimate_by_k[k]))
-        for cls, class_steps in steps.groupby("class", sort=True):
-            tau, tau_ci = tau_with_ci(class_steps, n_boot=n_boot, seed=seed, group=f"class:{cls}")
-            by_class.setdefault(str(cls), []).append(sweep_row(k, tau, tau_ci, costs, estimate_by_k[k]))
-    return Sweep(overall=overall, by_class=by_class, costs=costs.as_dict())
+    ks = sorted(steps_by_k)
+    decode_b, step_b = _cost_arrays(costs, cost_samples, ks, n_boot, group_rng(seed, "timing"))
+    scopes: dict[str, dict[int, pd.DataFrame]] = {OVERALL: {k: steps_by_k[k] for k in ks}}
+    for k in ks:
+        for cls, class_steps in steps_by_k[k].groupby("class", sort=True):
+            scopes.setdefault(str(cls), {})[k] = class_steps
+    rows_by_scope: dict[str, list[SweepRow]] = {}
+    replicates: dict[str, dict[int, np.ndarray]] = {}
+    for scope, frames in scopes.items():
+        group = OVERALL if scope == OVERALL else f"class:{scope}"
+        taus = _tau_replicates(frames, n_boot, group_rng(seed, f"speedup:{group}"))
+        replicates[scope] = {k: taus[k] * decode_b / step_b[k] for k in frames}
+        rows_by_scope[scope] = []
+        for k, frame in frames.items():
+            tau, tau_ci = tau_with_ci(frame, n_boot=n_boot, seed=seed, group=group)
+            speedup_ci = [float(x) for x in interval(replicates[scope][k])]
+            rows_by_scope[scope].append(sweep_row(k, tau, tau_ci, costs, estimate_by_k[k], speedup_ci))
+    overall = rows_by_scope.pop(OVERALL)
+    sweep = Sweep(overall=overall, by_class=rows_by_scope, costs=_costs_block(costs, cost_samples))
+    return PricedSweep(sweep, replicates)
+
+
+def _costs_block(costs: StepCosts, cost_samples: CostSamples | None) -> dict[str, Any]:
+    """run.json ``summary.sweep.costs``: the fitted costs, plus their spread when they were timed here."""
+    block = costs.as_dict()
+    if cost_samples is not None:
+        block["spread"] = cost_samples.spread()
+    return block
 
 
 # ----------------------------------------------------------------------------- recommendation
@@ -226,19 +248,29 @@ def build_sweep(
 def recommend(
     sweep_rows_by_scope: Mapping[str, Sequence[SweepRow]],
     *,
+    replicates: Mapping[str, Mapping[int, np.ndarray]] | None = None,
+    timing_violations: Sequence[str] = (),
     conservative_share: float = 0.95,
     strict_classes: Iterable[str] = (),
     strict_max_k: int = 4,
 ) -> dict[str, Recommendation]:
     """run.json ``recommendation``: per scope (overall and each class; ``Sweep.scopes()``), the K to serve, a conservative K, the speedup and why.
 
-    * ``k``: the K with the best speedup (the smaller K on a tie); 0 (speculation off) when even the
-      best K is slower than plain decoding.
+    * ``k``: the K with the best point speedup (the smaller K on a tie), named with the interval of its
+      speedup (:class:`dflash_doctor.rundir.run_record.Recommendation` says how ``confidence`` follows from
+      it); 0 (speculation off) when the interval lies below 1.
+    * ``ks_within_noise``: the Ks whose speedup the measurement cannot tell from the best (``replicates``:
+      the paired bootstrap of :func:`build_sweep`; without them, the Ks whose interval reaches the best
+      point speedup).
     * ``conservative_k``: the smallest K whose speedup is within ``conservative_share`` of the best:
       fewer wasted verify tokens and less exposure if acceptance drops, for almost the same gain.
-    * Strict classes (they must never risk a slowdown) only consider K <= ``strict_max_k`` and rank each
-      K by its speedup at the *low* end of tau's 95% interval (speedup is proportional to tau); if that
-      pessimistic speedup is below 1 at every such K, speculation is off.
+    * Strict classes (they must never risk a slowdown) only consider K <= ``strict_max_k``, rank each K by
+      the low end of its speedup interval, and speculate only when that low end reaches 1.
+    * ``timing_violations``: the step timings broke the cost model's physics even after a re-timing
+      (:mod:`dflash_doctor.stats.step_costs`); no advice is given on them.
+
+    A row without a speedup interval (a sweep written before intervals) takes tau's: at fixed costs the
+    speedup is proportional to tau.
     """
     if not 0.0 < conservative_share <= 1.0:
         raise ValueError(f"conservative_share must be in (0, 1], got {conservative_share}")
@@ -246,19 +278,29 @@ def recommend(
         raise ValueError(f"strict_max_k must be >= 1, got {strict_max_k}")
     strict = set(strict_classes)
     return {
-        name: _recommend_one(rows, conservative_share, strict_max_k if name in strict else None)
+        name: _recommend_one(rows, (replicates or {}).get(name), tuple(timing_violations), conservative_share,
+                             strict_max_k if name in strict else None)
         for name, rows in sweep_rows_by_scope.items()
     }
 
 
-def _pessimistic_speedup(row: SweepRow) -> float:
-    """Speedup at the low end of tau's interval; the point speedup when the row has no usable interval."""
+def speedup_interval(row: SweepRow) -> tuple[float, float] | None:
+    """The row's speedup interval (tau's scaled when the row has none); None when neither is known."""
     speedup = _point_speedup(row)
-    ci = row.mean_acceptance_length_ci or [None, None]
-    low, tau = ci[0], row.mean_acceptance_length
-    if low is None or not math.isfinite(low) or not tau:
-        return speedup
-    return speedup * min(low, tau) / tau
+    low, high = (row.speedup_ci or [None, None])[:2]
+    if low is not None and high is not None and math.isfinite(low) and math.isfinite(high):
+        return float(low), float(high)
+    tau = row.mean_acceptance_length
+    tau_low, tau_high = (row.mean_acceptance_length_ci or [None, None])[:2]
+    if tau is None or not tau or tau_low is None or tau_high is None or not (math.isfinite(tau_low) and math.isfinite(tau_high)):
+        return None
+    return speedup * min(tau_low, tau) / tau, speedup * max(tau_high, tau) / tau
+
+
+def _pessimistic_speedup(row: SweepRow) -> float:
+    """Speedup at the low end of its interval; the point speedup when the row has no usable interval."""
+    bounds = speedup_interval(row)
+    return _point_speedup(row) if bounds is None else bounds[0]
 
 
 def _point_speedup(row: SweepRow) -> float:
@@ -291,7 +333,36 @@ def k_that_pays(best: tuple[int, float], floor: float = 1.0) -> int:
     return k if speedup >= floor else 0
 
 
-def _recommend_one(rows: Sequence[SweepRow], share: float, strict_max_k: int | None) -> Recommendation:
+def within_noise(best_k: int, candidates: Sequence[SweepRow], replicates: Mapping[int, np.ndarray] | None) -> list[int]:
+    """The Ks (the best among them) whose speedup cannot be told from the best K's: the 95% interval of the
+    paired ratio speedup(K) / speedup(best) reaches 1; without replicates, the K's interval reaches the
+    best point speedup."""
+    best = next(row for row in candidates if row.k == best_k)
+    ks = []
+    for row in candidates:
+        if row.k == best_k:
+            ks.append(row.k)
+        elif replicates is not None and row.k in replicates and best_k in replicates:
+            with np.errstate(divide="ignore", invalid="ignore"):
+                ratios = replicates[row.k] / replicates[best_k]
+            finite = ratios[np.isfinite(ratios)]
+            if len(finite) and interval(finite)[1] >= 1.0:
+                ks.append(row.k)
+        elif (bounds := speedup_interval(row)) is not None and bounds[1] >= _point_speedup(best):
+            ks.append(row.k)
+    return ks
+
+
+def k_range_text(ks: Sequence[int]) -> str:
+    """``K 2-8`` for consecutive Ks, ``K 2, 4, 8`` otherwise (the Ks a measurement cannot tell apart)."""
+    ks = sorted(ks)
+    if len(ks) > 2 and ks == list(range(ks[0], ks[-1] + 1)):
+        return f"K {ks[0]}-{ks[-1]}"
+    return "K " + ", ".join(map(str, ks))
+
+
+def _recommend_one(rows: Sequence[SweepRow], replicates: Mapping[int, np.ndarray] | None, violations: tuple[str, ...],
+                   share: float, strict_max_k: int | None) -> Recommendation:
     candidates = sorted((row for row in rows if _is_priced(row)), key=lambda row: row.k)
     strict = strict_max_k is not None
     score = _point_speedup
@@ -299,36 +370,51 @@ def _recommend_one(rows: Sequence[SweepRow], share: float, strict_max_k: int | N
     if strict_max_k is not None:
         candidates = [row for row in candidates if row.k <= strict_max_k]
         score = _pessimistic_speedup
-        note = f" (strict class: K <= {strict_max_k}, judged at the low end of tau's 95% interval)"
+        note = f" (strict class: K <= {strict_max_k}, judged at the low end of the speedup's 95% interval)"
+    if violations:
+        return Recommendation(k=0, conservative_k=0, speedup=None, confidence="unreliable",
+                              reason=f"No advice: the step timings broke the cost model beyond their noise ({violations[0]}); "
+                                     "rerun on a quiet machine, give the timing more time (--timing-budget) or price with "
+                                     "--cost-profile.")
     if not candidates:
         swept = f"no K <= {strict_max_k}" if strict else "no K"
         return _speculation_off(f"Speculation off: {swept} was priced (no draft steps or no sweep rows){note}.")
 
     best_k, best_score = best_speedup({row.k: score(row) for row in candidates})
     best = next(row for row in candidates if row.k == best_k)
-    described = _describe(best, strict)
-    if k_that_pays((best_k, best_score)) == 0:
-        slower = "possibly slower" if strict else "slower"
-        return _speculation_off(f"Speculation off: even the best, K={best.k}, runs at {described}, {slower} than plain decoding{note}.")
+    bounds = speedup_interval(best)
+    noise_ks = within_noise(best_k, candidates, replicates)
+    ci = [bounds[0], bounds[1]] if bounds is not None else [None, None]
+    described = _describe(best, bounds)
+    if bounds is not None and bounds[1] < 1.0:
+        return _speculation_off(f"Speculation off: even the best, K={best.k}, runs at {described}, slower than plain "
+                                f"decoding{note}.", ci)
+    pays = bounds is None or bounds[0] >= 1.0
+    if (strict or k_that_pays((best_k, _point_speedup(best))) == 0) and not pays:
+        return Recommendation(k=0, conservative_k=0, speedup=1.0, speedup_ci=ci, ks_within_noise=noise_ks, confidence="uncertain",
+                              reason=f"Speculation may not pay: the best, K={best.k}, runs at {described}, within the noise of "
+                                     f"plain decoding{note}; off until more requests or a longer timing tell.")
     conservative = next(row for row in candidates if score(row) >= share * best_score)
     if conservative.k == best.k:
         tail = f"no smaller K keeps {share:.0%} of it"
     else:
         tail = f"K={conservative.k} keeps {score(conservative) / best_score:.0%} of it at {_point_speedup(conservative):.2f}x"
+    noise = f"; {k_range_text(noise_ks)} within the noise" if len(noise_ks) > 1 else ""
+    doubt = "" if pays else "; it may not pay: its interval includes plain decoding's 1.0x"
     return Recommendation(k=int(best.k), conservative_k=int(conservative.k), speedup=float(_point_speedup(best)),
-                          reason=f"K={best.k} is the best at {described}; {tail}{note}.")
+                          speedup_ci=ci, ks_within_noise=noise_ks, confidence="clear" if pays else "uncertain",
+                          reason=f"K={best.k} is the best at {described}{noise}{doubt}; {tail}{note}.")
 
 
-def _speculation_off(reason: str) -> Recommendation:
-    return Recommendation(k=0, conservative_k=0, speedup=1.0, reason=reason)
+def _speculation_off(reason: str, speedup_ci: list[float | None] | None = None) -> Recommendation:
+    return Recommendation(k=0, conservative_k=0, speedup=1.0, reason=reason, speedup_ci=speedup_ci or [None, None])
 
 
-def _describe(row: SweepRow, pessimistic: bool) -> str:
-    """'2.31x (tau 4.10)' plus the pessimistic speedup for strict classes and a truncation note."""
+def _describe(row: SweepRow, bounds: tuple[float, float] | None) -> str:
+    """'2.31x [2.10, 2.52] (tau 4.10)' with a truncation note."""
     tau = row.mean_acceptance_length
-    text = f"{_point_speedup(row):.2f}x (tau {'not reported' if tau is None else f'{tau:.2f}'}"
-    if pessimistic:
-        text += f"; {_pessimistic_speedup(row):.2f}x at the interval's low end"
+    spread = f" [{bounds[0]:.2f}, {bounds[1]:.2f}]" if bounds is not None else ""
+    text = f"{_point_speedup(row):.2f}x{spread} (tau {'not reported' if tau is None else f'{tau:.2f}'}"
     if row.estimate == "truncated":
         text += ", truncated estimate"
     return text + ")"

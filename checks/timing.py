@@ -1,0 +1,59 @@
+"""timing: can the step costs that price every K be trusted?
+
+The K advice and a head-to-head's verdict are ratios of step times (docs/speedup.md). They are timed here
+in interleaved rounds until each median is known within 5% or the time budget runs out
+(:mod:`dflash_doctor.stats.step_costs`), then fitted under the physics of a forward pass: verifying more
+tokens never costs less, and no verify costs less than a decode. A timing whose raw medians break that
+order beyond their own intervals even after a re-timing was taken on a machine too busy to price on:
+the check warns and the recommendation gives no advice. A median still looser than the target when the
+budget ran out is worth knowing (the intervals carry it) but changes nothing by itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dflash_doctor.checks.base import Check, CheckContext, CheckResult, Finding, register, skipped
+from dflash_doctor.rundir.run_record import RunRecord
+
+
+@register
+@dataclass(frozen=True)
+class TimingCheck(Check):
+    """The step timings obey the cost model's physics within their noise."""
+
+    id = "timing"
+    title = "Step timing"
+    needs = ("record",)  # record.summary.sweep.costs: the fitted costs and their spread
+
+    def run(self, ctx: CheckContext) -> CheckResult:
+        record: RunRecord = ctx.value("record")
+        sweep = record.summary.sweep
+        if sweep is None or not sweep.costs:
+            return skipped(self.id, "the run priced no K")
+        if sweep.costs.get("source") == "profile":
+            return skipped(self.id, f"priced with a cost profile ({sweep.costs.get('device', 'unknown device')}), not timed here")
+        spread = sweep.costs.get("spread")
+        if not isinstance(spread, dict):
+            return skipped(self.id, "the run's costs carry no spread (timed before intervals were kept)")
+        findings = [Finding("warn", f"the step timings break the cost model: {violation}; the K advice is withheld",
+                            evidence=f"re-timed {', '.join(spread.get('retimed') or []) or 'nothing'} once; raw samples in costs.parquet",
+                            fix="rerun on a quiet machine, give the timing more time (--timing-budget) or price with --cost-profile")
+                    for violation in spread.get("violations") or []]
+        target = float(spread.get("target_relative_half_width", 0.05))
+        loose = {name: width for name, width in _half_widths(spread).items() if not width <= target}
+        if loose:
+            worst = max(loose, key=loose.get)
+            findings.append(Finding("info", f"{len(loose)} step kind(s) timed looser than +-{target:.0%} within the "
+                                    f"{spread.get('budget_s', 0):g} s budget (worst {worst}: +-{loose[worst]:.1%}); "
+                                    "the speedup intervals carry it"))
+        metrics = {"half_widths": _half_widths(spread), "violations": list(spread.get("violations") or [])}
+        return CheckResult.from_findings(self.id, findings, metrics, "step costs obey the physics within their noise")
+
+
+def _half_widths(spread: dict) -> dict[str, float]:
+    """``{"decode": w, "verify@4": w, "draft@4": w}`` from run.json's ``costs.spread``."""
+    widths = {"decode": float(spread.get("decode", float("inf")))}
+    for kind in ("verify", "draft"):
+        widths.update({f"{kind}@{k}": float(w) for k, w in (spread.get(kind) or {}).items()})
+    return widths
