@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Iterable, Mapping, TypeVar
 
 from dflash_doctor.errors import UsageError
-from dflash_doctor.inputs.validation import type_error
+from dflash_doctor.inputs.validation import finite_number, type_error
 from dflash_doctor.rundir.run_record import RunRecord
 from dflash_doctor.rundir.status import (  # noqa: F401 (re-exported: checks import their vocabulary from here)
     SEVERITIES,
@@ -180,6 +180,10 @@ def make_check(check_id: str, params: Mapping[str, Any] | None = None) -> Check:
         expected = type_error(value, declared[key])
         if expected is not None:
             raise UsageError(f"check {check_id!r} parameter {key!r} is {value!r}, but it must be {expected}; fix [checks.{check_id}].")
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            # A check's numbers are thresholds, shares and counts, all >= 0; nan compares false with
+            # everything, so `tau < nan` never fails a run and the gate is silently off (inf likewise).
+            finite_number(value, f"check {check_id!r} parameter {key!r}", minimum=0, fix=f"fix [checks.{check_id}]")
     return cls(**params)
 
 

@@ -10,9 +10,13 @@ imports none of them, and ``watch``, ``compare``, ``report`` and the dashboard n
 
 from __future__ import annotations
 
+import errno
 import importlib
+import os
+import select
 import sys
 import traceback
+from typing import NoReturn
 
 import click
 import typer
@@ -51,6 +55,39 @@ def registered_command_name(info: typer.models.CommandInfo) -> str:
     return info.name or get_command_name(info.callback.__name__ if info.callback else "")
 
 
+#: OSError numbers that say the machine's storage, not the doctor, failed: exit 2 with a sentence, not a crash
+#: (70 asks a supervisor to restart, into the same full disk).
+ENVIRONMENT_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
+
+
+def _crash() -> NoReturn:
+    """An unexpected exception (a bug): its traceback and exit :data:`EXIT_CRASH`."""
+    traceback.print_exc(file=sys.stderr)
+    typer.echo(f"dflash-doctor crashed (an internal error, not your input): exit {EXIT_CRASH}; "
+               "please report it with the traceback above.", err=True)
+    raise typer.Exit(EXIT_CRASH) from None
+
+
+def _stdout_is_closed() -> bool:
+    """Whether stdout is a pipe whose reader has gone: poll reports an error on such a write end (Linux, the
+    BSDs, macOS); False where it cannot tell (no file descriptor, no poll), so the error stays a crash."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both of the last two
+        return False
+
+
+def _stdout_closed() -> NoReturn:
+    """The reader of stdout went away (``| head -1``): end quietly with 0, as ``head`` users expect. Python's
+    recipe (docs of the signal module, "Note on SIGPIPE"): stdout goes to devnull, so the interpreter's
+    last flush of what is still buffered cannot fail again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    raise typer.Exit(0) from None
+
+
 class _CommandsOnDemand(TyperGroup):
     """The root group: each of :data:`COMMANDS` is imported when asked for, and listed by its summary.
 
@@ -58,7 +95,9 @@ class _CommandsOnDemand(TyperGroup):
     and SIGHUP raise an interrupt as Ctrl-C does, so the command's cleanup runs (a launched server is
     stopped), and the command ends with 128 + the signal; an unexpected exception (a bug) prints its
     traceback and exits :data:`~dflash_doctor.processes.EXIT_CRASH` (70), never 1, which is a finding (a
-    failed check, an alert), nor 2, which is bad input.
+    failed check, an alert), nor 2, which is bad input. A full disk or a read-only file system
+    (:data:`ENVIRONMENT_ERRNOS`) is the user's environment: exit 2 with its own sentence. A closed stdout
+    ends the command quietly with 0.
     """
 
     def invoke(self, ctx):
@@ -71,11 +110,20 @@ class _CommandsOnDemand(TyperGroup):
                 code = exit_code_of(exc)
                 typer.echo(f"dflash-doctor: interrupted ({exc or 'SIGINT'}); exit {code}", err=True)
                 raise typer.Exit(code) from None
+            except SystemExit as exc:
+                if isinstance(exc.__context__, BrokenPipeError):  # rich's Console exits 1 on a closed stdout
+                    _stdout_closed()
+                raise
+            except OSError as exc:
+                if isinstance(exc, BrokenPipeError) and _stdout_is_closed():  # not a server's socket closing
+                    _stdout_closed()
+                if exc.errno not in ENVIRONMENT_ERRNOS:
+                    _crash()
+                raise UsageError(f"writing {exc.filename or 'the output'} failed ({exc.strerror}: the disk or quota is "
+                                 f"full, or the file system is read-only); free space or pass --out a folder on "
+                                 f"another disk.") from None
             except Exception:
-                traceback.print_exc(file=sys.stderr)
-                typer.echo(f"dflash-doctor crashed (an internal error, not your input): exit {EXIT_CRASH}; "
-                           "please report it with the traceback above.", err=True)
-                raise typer.Exit(EXIT_CRASH) from None
+                _crash()
 
     def list_commands(self, ctx) -> list[str]:
         return [*COMMANDS, *(name for name in super().list_commands(ctx) if name not in COMMANDS)]

@@ -15,6 +15,7 @@ from dflash_doctor.rundir.ownership import claim_run_dir, new_run_dir, release_r
 from dflash_doctor.rundir.tables import TUNE_JSON
 from dflash_doctor.serving.http import secret
 from dflash_doctor.inputs.config import DoctorConfig, parse_int_grid
+from dflash_doctor.inputs.validation import finite_number
 from dflash_doctor.tune.experiment import TuneGrid, default_fit_ks, parse_rates, run_tune
 from dflash_doctor.tune.loads import CONCURRENCY, REQUEST_RATE, LoadLevel
 from dflash_doctor.tune.measure import TimedRequest
@@ -78,6 +79,8 @@ def tune(
     open loop (--request-rate: requests arrive at a rate, Poisson or --burstiness, whatever is in flight, as
     production traffic does: latency then includes queueing when the server falls behind)."""
     cfg = config
+    start_timeout = finite_number(start_timeout, "--start-timeout", above=0, maximum=86400 * 7,
+                                  fix="pass a positive number of seconds")  # nan: a deadline never passed
     ks = parse_int_grid(k, "--k", minimum=0)
     fit_ks = parse_int_grid(fit_k, "--fit-k", minimum=1) if fit_k else default_fit_ks(ks)
     if not set(fit_ks) <= set(ks):

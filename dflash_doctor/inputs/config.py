@@ -180,8 +180,14 @@ def discover_config_file(folder: Path | None = None) -> Path | None:
     pyproject = folder / "pyproject.toml"
     if pyproject.is_file() and _pyproject_table(_read_toml(pyproject)) is not None:
         return pyproject
-    user_file = Path(platformdirs.user_config_dir(PYPROJECT_TABLE)) / CONFIG_FILE_NAME
+    user_file = user_config_folder() / CONFIG_FILE_NAME
     return user_file if user_file.is_file() else None
+
+
+def user_config_folder() -> Path:
+    """The user's own config folder (platformdirs: ``$XDG_CONFIG_HOME/dflash-doctor``, else
+    ``~/.config/dflash-doctor`` on Linux): the one place a config file may hold :data:`GUARDED_KEYS`."""
+    return Path(platformdirs.user_config_dir(PYPROJECT_TABLE))
 
 
 def read_config_file(path: Path | str) -> dict[str, Any]:
@@ -199,9 +205,52 @@ def read_config_file(path: Path | str) -> dict[str, Any]:
     return table
 
 
+@dataclass(frozen=True)
+class GuardedKey:
+    """A config-file key that reaches outside this machine or outside the run folder (see :data:`GUARDED_KEYS`)."""
+
+    flag: str  # the command-line flag that sets it instead
+    reach: str  # what it does, for the refusal: "sends your API key and the prompts to that server"
+    user_folder: bool  # whether a file in the user config folder may set it (False: the flag only)
+    with_key: str | None = None  # guarded only when the command also gets this key on (``out`` with ``overwrite``)
+
+
+#: The keys a config file may not set unless it lives in the user's own config folder
+#: (:func:`user_config_folder`). The tool reads ``./doctor.toml`` and ``./pyproject.toml`` from whatever
+#: folder it runs in, and that folder is often someone else's (a cloned repository, a pull request's
+#: checkout): a key there must not run a model's own Python (``trust_remote_code``: the flag only, from
+#: any file), send ``OPENAI_API_KEY`` and the workload's prompts to a server of its choosing (``engine``)
+#: or replace files in a folder it chose (``overwrite``; ``out`` when ``--overwrite`` is given). A file
+#: that tries is refused, not skipped, so nobody believes its setting took effect. (``--engine-api-key``,
+#: tune's ``--launch`` and watch's sources are flags only: no config file holds them.)
+GUARDED_KEYS: dict[str, GuardedKey] = {
+    "trust_remote_code": GuardedKey("--trust-remote-code", "runs a model's own Python", user_folder=False),
+    "engine": GuardedKey("--engine", "sends your API key and the workload's prompts to that server", user_folder=True),
+    "overwrite": GuardedKey("--overwrite", "replaces the files already in the run folder", user_folder=True),
+    "out": GuardedKey("--out", "with --overwrite replaces the files of a folder the file chose", user_folder=True,
+                      with_key="overwrite"),
+}
+
+
+def _refuse_guarded_keys(path: Path, file_values: dict[str, Any], merged: dict[str, Any], given: set[str]) -> None:
+    """Refuse the first :data:`GUARDED_KEYS` key that ``path`` sets (``file_values``) in one sentence, unless
+    the file lives in the user config folder and the key may come from there. A key with ``with_key`` counts
+    only when the command runs with the file's value (``given``: the keys a flag set) and that key on."""
+    for key, guard in GUARDED_KEYS.items():
+        if not file_values.get(key) or (guard.with_key and (key in given or not merged.get(guard.with_key))):
+            continue
+        folder = user_config_folder()
+        if guard.user_folder and path.resolve().is_relative_to(folder.resolve()):
+            continue
+        where = f"the command-line flag {guard.flag}" + (f" or a config file in {folder}" if guard.user_folder else "")
+        raise UsageError(f"config file {path} sets {key}, which {guard.reach} and only {where} may set; "
+                         f"remove the key and pass {guard.flag} on the command line.")
+
+
 def build_config(config_file: str | Path | None = None, **cli_values: Any) -> DoctorConfig:
-    """Merge defaults < file < CLI (a CLI value of None means "not given") and validate once."""
-    merged: dict[str, Any] = {}
+    """Merge defaults < file < CLI (a CLI value of None means "not given") and validate once; a file's
+    :data:`GUARDED_KEYS` are refused unless it lives in the user config folder."""
+    file_values: dict[str, Any] = {}
     if config_file is not None:
         for key, value in read_config_file(config_file).items():
             key = key.replace("-", "_")
@@ -210,19 +259,17 @@ def build_config(config_file: str | Path | None = None, **cli_values: Any) -> Do
             expected = type_error(value, _FILE_TYPES[key])
             if expected is not None:
                 raise UsageError(f"config file {config_file}: `{key}` is {value!r}, but it must be {expected}; fix the value.")
-            if key == "trust_remote_code" and value:
-                # Remote code is granted on the command line only: a doctor.toml or pyproject.toml sits in
-                # whatever folder the tool runs in (a cloned repository, a pull request's checkout), so a
-                # file there must not make a model's own Python run. Refused rather than ignored, so nobody
-                # believes the file's setting took effect.
-                raise UsageError(f"config file {config_file} sets trust_remote_code, which only the command-line flag "
-                                 f"--trust-remote-code may grant; remove the key and pass the flag.")
-            merged[key] = value
+            file_values[key] = value
+    merged = dict(file_values)
+    given = set()
     for key, value in cli_values.items():
         if key not in _FIELDS:
             raise TypeError(f"build_config got an unknown field {key!r}")
         if value is not None and value != ():
             merged[key] = value
+            given.add(key)
+    if config_file is not None:
+        _refuse_guarded_keys(Path(config_file), file_values, merged, given)
     if "k" in merged:
         merged["k"] = parse_k(merged["k"])
     for key in _TUPLE_FIELDS:
@@ -234,8 +281,15 @@ def build_config(config_file: str | Path | None = None, **cli_values: Any) -> Do
     return config
 
 
-#: Keys of ``[thresholds]`` that are numbers, with their range (min, max): checked with every other number.
-NUMERIC_THRESHOLDS: dict[str, tuple[float, float]] = {"confident_max_entropy": (0.0, 1e6), "confident_min_margin": (0.0, 1.0)}
+#: Every key ``[thresholds]`` may hold, with the range :func:`finite_number` holds it to: checked with every
+#: other number before any work (an unknown key is refused, not ignored: a misspelt threshold would leave
+#: its default silently in force). Read by the deviation analysis (``confident_*``) and the K recommendation.
+THRESHOLDS: dict[str, dict[str, Any]] = {
+    "confident_max_entropy": {"minimum": 0.0, "maximum": 1e6},
+    "confident_min_margin": {"minimum": 0.0, "maximum": 1.0},
+    "strict_max_k": {"minimum": 1, "maximum": 1024, "integer": True},
+    "conservative_share": {"above": 0.0, "maximum": 1.0},
+}
 
 
 def _validate(config: DoctorConfig) -> None:
@@ -243,9 +297,10 @@ def _validate(config: DoctorConfig) -> None:
     config.temperature = finite_number(config.temperature, "--temperature", minimum=0, maximum=1e6, fix="use 0 for greedy or a positive value")
     config.engine_timeout_s = finite_number(config.engine_timeout_s, "--engine-timeout", above=0, maximum=86400 * 7,
                                             fix="pass a positive number of seconds")
-    for key, (low, high) in NUMERIC_THRESHOLDS.items():
-        if key in config.thresholds:
-            config.thresholds[key] = finite_number(config.thresholds[key], f"[thresholds] {key}", minimum=low, maximum=high, fix="fix the config file")
+    for key, value in config.thresholds.items():
+        if key not in THRESHOLDS:
+            raise UsageError(f"[thresholds] has no key {key!r}; remove it or use one of {', '.join(THRESHOLDS)}.")
+        config.thresholds[key] = finite_number(value, f"[thresholds] {key}", **THRESHOLDS[key], fix="fix the config file")
     if config.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens {config.max_new_tokens} must be at least 1.")
     if config.max_requests is not None and config.max_requests < 1:

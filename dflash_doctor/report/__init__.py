@@ -19,7 +19,7 @@ from dflash_doctor.report.html import render_html
 from dflash_doctor.report.junit import render_junit
 from dflash_doctor.report.templating import markdown_env
 from dflash_doctor.rundir.load import Run, load_run
-from dflash_doctor.rundir.writer import json_safe
+from dflash_doctor.rundir.writer import json_safe, write_text_atomic
 
 FORMATS = ("html", "md", "json", "junit")
 FILENAMES = {"html": "report.html", "md": "report.md", "json": "report.json", "junit": "junit.xml"}
@@ -79,6 +79,6 @@ def render_reports(run: Run | Path | str, formats: Iterable[str] = FORMATS, out_
     written = []
     for name in formats:
         path = target_dir / FILENAMES[name]
-        path.write_text(_RENDERERS[name](run, analysis, plotly), encoding="utf-8")
+        write_text_atomic(path, _RENDERERS[name](run, analysis, plotly))
         written.append(path)
     return written

@@ -18,6 +18,7 @@ from dflash_doctor.report.html import figure_html, plotly_script
 from dflash_doctor.report.templating import html_env, markdown_env
 from dflash_doctor.rundir.load import Run, load_run
 from dflash_doctor.rundir.run_record import OVERALL
+from dflash_doctor.rundir.writer import write_text_atomic
 from dflash_doctor.stats import deviations
 from dflash_doctor.stats.gate import DEFAULT_THRESHOLD_RATE, DEFAULT_THRESHOLD_TAU, NO_SIDE, Comparison, Side, compare_slice
 from dflash_doctor.stats.metrics import NUM_BOOTSTRAP_RESAMPLES, RequestCounters, group_rng, summarize, summary_group, truncate_steps
@@ -163,6 +164,6 @@ def write_compare_reports(comparison: Comparison, out_dir: Path | str, plotly: s
     written = []
     for kind, text in (("html", render_compare_html(comparison, plotly)), ("md", render_compare_markdown(comparison))):
         path = out_dir / COMPARE_FILENAMES[kind]
-        path.write_text(text, encoding="utf-8")
+        write_text_atomic(path, text)
         written.append(path)
     return written

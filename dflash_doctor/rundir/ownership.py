@@ -89,8 +89,14 @@ def claim_run_dir(run_dir: Path | str, *, overwrite: bool = False, continuable: 
     run_dir = Path(run_dir)
     if run_dir.exists() and not run_dir.is_dir():
         raise UsageError(f"--out {run_dir} is a file, not a folder; pass a folder for the run directory.")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    _lock(run_dir)
+    if run_dir.is_symlink() and not run_dir.exists():
+        raise UsageError(f"--out {run_dir} is a link to {os.readlink(run_dir)}, which does not exist; "
+                         f"create that folder or pass another --out.")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        _lock(run_dir)
+    except OSError as exc:  # a folder the user cannot write (/proc/x, read-only, another user's): bad input
+        raise UsageError(f"--out {run_dir} cannot be written ({exc.strerror}); pass a folder you can write to.") from None
     if overwrite or not any(entry.name != LOCK_FILE for entry in run_dir.iterdir()):
         return False
     if continuable is not None and continuable(run_dir):
@@ -106,15 +112,19 @@ def new_run_dir(command: str, parent: Path = Path("runs")) -> Path:
     running checks in parallel) get two folders, the later one suffixed ``-2``, ``-3``, ..., instead of
     one refusing the other or both writing one."""
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    parent.mkdir(parents=True, exist_ok=True)
     number = 1
-    while True:
-        candidate = parent / (f"{command}-{stamp}" if number == 1 else f"{command}-{stamp}-{number}")
-        try:
-            candidate.mkdir()
-            return candidate
-        except FileExistsError:
-            number += 1
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        while True:
+            candidate = parent / (f"{command}-{stamp}" if number == 1 else f"{command}-{stamp}-{number}")
+            try:
+                candidate.mkdir()
+                return candidate
+            except FileExistsError:
+                number += 1
+    except OSError as exc:  # a working directory the user cannot write in (or `runs` is a file)
+        raise UsageError(f"no run directory can be made in {parent} ({exc.strerror}); "
+                         f"pass --out a folder you can write to.") from None
 
 
 def release_run_dir(run_dir: Path | str) -> None:
