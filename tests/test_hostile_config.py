@@ -6,6 +6,7 @@ asserts that a recording server got nothing and that a folder the file aimed at 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import random
 import re
@@ -16,6 +17,7 @@ from typer.testing import CliRunner
 
 from cli_helpers import assert_usage_error, invoke
 from recording_server import recording_server
+from dflash_doctor.cli.log_setup import OURS
 from dflash_doctor.checks.base import get_check, make_check, registered_ids
 from dflash_doctor.cli.options import config_command
 from dflash_doctor.errors import UsageError
@@ -38,7 +40,11 @@ def cloned_repo(tmp_path, monkeypatch):
     monkeypatch.setenv("OPENAI_API_KEY", SECRET)
     for name in ("DFLASH_DOCTOR_CONFIG", "DFLASH_DOCTOR_TARGET", "DFLASH_DOCTOR_DRAFT"):
         monkeypatch.delenv(name, raising=False)
-    return repo
+    ours = logging.getLogger(OURS)  # the default verbosity, whatever -q an earlier test of this process passed
+    level = ours.level
+    ours.setLevel(logging.WARNING)
+    yield repo
+    ours.setLevel(level)
 
 
 # (break, file written relative to the repository, its text ({url}: the recording server), flags, sentence fragments)
