@@ -139,7 +139,8 @@ class UploadFolder:
 
     def __init__(self) -> None:
         self.path = Path(tempfile.mkdtemp(prefix="dflash-doctor-upload-"))
-        weakref.finalize(self, shutil.rmtree, self.path, ignore_errors=True)  # lives in weakref's registry until it runs
+        # the finalizer lives in weakref's registry until it runs: nothing else needs to keep it
+        weakref.finalize(self, shutil.rmtree, self.path, ignore_errors=True)
 
 
 def _register_upload(files: list[tuple[str, bytes]]) -> None:

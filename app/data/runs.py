@@ -39,7 +39,8 @@ MAX_UPLOAD_INFLATED_BYTES = 2 * 1024**3
 # central directory that lies about sizes or offsets (BadZipFile), an encrypted member (RuntimeError), a
 # compression method it does not know (NotImplementedError), a truncated stream (EOFError), bad bzip2 or lzma
 # data (OSError, LZMAError).
-_DAMAGED_ZIP_ERRORS = (zipfile.BadZipFile, zlib.error, RuntimeError, NotImplementedError, EOFError, OSError, lzma.LZMAError)
+_DAMAGED_ZIP_ERRORS = (zipfile.BadZipFile, zlib.error, RuntimeError, NotImplementedError, EOFError, OSError,
+                       lzma.LZMAError)
 
 
 def find_runs(root: Path | str, skipped: list[tuple[Path, str]] | None = None) -> list[Path]:
@@ -134,11 +135,13 @@ def _run_files_from_zip(zip_name: str, payload: bytes) -> dict[str, bytes]:
         if not run_jsons:
             raise UsageError(f"{zip_name} holds no {RUN_JSON}; zip a run directory written by `dflash-doctor check`, `replay` or `sweep`.")
         run_folder = Path(run_jsons[0].filename).parent
-        wanted = [m for m in members if Path(m.filename).parent == run_folder and Path(m.filename).name in RUN_FILE_NAMES]
+        wanted = [m for m in members
+                  if Path(m.filename).parent == run_folder and Path(m.filename).name in RUN_FILE_NAMES]
         try:
             return {Path(m.filename).name: archive.read(m) for m in wanted}
         except _DAMAGED_ZIP_ERRORS as exc:
             # a zip made on another machine or cut in transit: one sentence in the sidebar, not a traceback
             detail = " ".join(str(exc).split())[:120] or type(exc).__name__
-            raise UsageError(f"{zip_name} cannot be unpacked ({detail}); zip the run directory again without a password "
+            raise UsageError(f"{zip_name} cannot be unpacked ({detail}); "
+                             "zip the run directory again without a password "
                              "(e.g. `zip -r run.zip RUN_DIR`).") from None

@@ -28,7 +28,8 @@ if overall is not None and overall.num_drafts:
     cols[3].metric("Output tokens", f"{overall.num_output_tokens:,}")
     cols[4].metric("Recommended K (overall)", str(best.k) if best else "—",
                    # a tooltip is Markdown and the reason comes from run.json (an upload, a folder dropped in): escaped
-                   help=for_markdown_text(best.reason) if best and best.reason else "Run `dflash-doctor sweep` for a recommendation.")
+                   help=for_markdown_text(best.reason) if best and best.reason
+                   else "Run `dflash-doctor sweep` for a recommendation.")
     left, right = st.columns(2)
     left.plotly_chart(figures.tau_by_class_figure(record.summary), key="overview_tau")
     right.plotly_chart(figures.acceptance_histogram_figure(record.summary), key="overview_histogram")

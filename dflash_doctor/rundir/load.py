@@ -76,7 +76,8 @@ def read_run_meta(run_dir: Path | str) -> dict[str, Any]:
         _refuse_non_finite(meta, "")
         RunRecord.from_json(meta)
     except RecursionError:
-        raise UsageError(f"{path} nests its values too deeply for a run record; re-run the command that wrote it.") from None
+        raise UsageError(f"{path} nests its values too deeply for a run record; "
+                         "re-run the command that wrote it.") from None
     except ValueError as exc:
         detail = " ".join(str(exc).split())[:200]
         raise UsageError(f"{path} has a field of the wrong shape or type ({detail}); re-run the command that wrote it.") from None
@@ -87,7 +88,8 @@ def _refuse_non_finite(value: Any, where: str) -> None:
     """A NaN or infinite number anywhere in run.json (``NaN``, ``Infinity``, ``1e999``) is refused with its path:
     the writer stores an undefined number as null, so a non-finite one was put there by hand or by another tool."""
     if isinstance(value, float) and not math.isfinite(value):
-        raise ValueError(f"{where or 'run.json'} is {value!r}, not a finite number (run.json writes an undefined number as null)")
+        raise ValueError(f"{where or 'run.json'} is {value!r}, not a finite number "
+                         "(run.json writes an undefined number as null)")
     items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
     for key, item in items:
         _refuse_non_finite(item, f"{where}[{key}]" if isinstance(key, int) else f"{where}.{key}" if where else str(key))

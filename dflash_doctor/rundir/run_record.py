@@ -371,7 +371,8 @@ class RunRecord:
         config = _from_json(dict[str, Any], data.get("config", {}), "config")
         seed = config.get("seed")
         if seed is not None and not (isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed < _INT_LIMIT):
-            raise ValueError(f"config.seed is {seed!r}, not a non-negative integer")  # RunRecord.seed seeds the bootstrap
+            # RunRecord.seed seeds the bootstrap of a recomputed summary
+            raise ValueError(f"config.seed is {seed!r}, not a non-negative integer")
         models = _from_json(dict[str, Any], data.get("models", {}), "models")
         summary = _from_json(Summary, data.get("summary", {}), "summary")
         if summary.sweep is not None and summary.sweep.costs:
@@ -499,7 +500,8 @@ def _type_name(kind: Any) -> str:
         return " or ".join(_type_name(a) for a in get_args(kind) if a is not type(None)) + " or null"
     if origin is Literal:
         return "one of " + ", ".join(repr(a) for a in get_args(kind))
-    names = {int: "an integer", float: "a number", str: "a string", bool: "true or false", list: "a list", dict: "an object"}
+    names = {int: "an integer", float: "a number", str: "a string", bool: "true or false", list: "a list",
+             dict: "an object"}
     return names.get(origin or kind, "an object")
 
 

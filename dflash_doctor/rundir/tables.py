@@ -29,7 +29,9 @@ HEAD_TO_HEAD_JSON = "head_to_head.json"  # `check --draft A --draft B`: the comp
 def read_table_or_empty(path: Path, schema: pa.Schema) -> pd.DataFrame:
     """A Parquet table as a frame; a missing file reads as the empty table of ``schema`` (every column,
     no rows), so views need no special case for a table a run never wrote."""
-    return conform(read_parquet_table(path), schema, path).to_pandas() if path.is_file() else schema.empty_table().to_pandas()
+    if not path.is_file():
+        return schema.empty_table().to_pandas()
+    return conform(read_parquet_table(path), schema, path).to_pandas()
 
 
 def conform(table: pa.Table, schema: pa.Schema, path: Path) -> pa.Table:
@@ -43,22 +45,26 @@ def conform(table: pa.Table, schema: pa.Schema, path: Path) -> pa.Table:
     """
     missing = [name for name in schema.names if name not in table.column_names]
     if missing:
-        raise UsageError(f"{path} lacks the column(s) {', '.join(missing)} of its table; re-run the command that wrote it.")
+        raise UsageError(f"{path} lacks the column(s) {', '.join(missing)} of its table; "
+                         "re-run the command that wrote it.")
     for declared in schema:
         actual = table.schema.field(declared.name).type
         if _kind(actual) != _kind(declared.type):
-            raise UsageError(f"{path} column {declared.name!r} holds {actual} where the run table declares {declared.type}; "
+            raise UsageError(f"{path} column {declared.name!r} holds {actual} "
+                             f"where the run table declares {declared.type}; "
                              "re-run the command that wrote it.")
     try:
         return table.select(schema.names).cast(schema)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
         detail = " ".join(str(exc).split())[:160]
-        raise UsageError(f"{path} has a value its table's column types cannot hold ({detail}); re-run the command that wrote it.") from None
+        raise UsageError(f"{path} has a value its table's column types cannot hold ({detail}); "
+                         "re-run the command that wrote it.") from None
 
 
 def _kind(arrow_type: pa.DataType) -> str:
     """The family of an Arrow type, for :func:`conform`: types within one family cast without changing meaning."""
-    for name, test in (("integer", pa.types.is_integer), ("float", pa.types.is_floating), ("boolean", pa.types.is_boolean),
+    for name, test in (("integer", pa.types.is_integer), ("float", pa.types.is_floating),
+                       ("boolean", pa.types.is_boolean),
                        ("text", lambda t: pa.types.is_string(t) or pa.types.is_large_string(t)),
                        ("list", lambda t: pa.types.is_list(t) or pa.types.is_large_list(t))):
         if test(arrow_type):
