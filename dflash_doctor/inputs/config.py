@@ -121,6 +121,7 @@ class DoctorConfig:
     trust_remote_code: bool = False
     chat_template: str | None = None  # a .jinja file overriding the target's template
     cost_profile: str | None = None  # TOML/JSON step times measured in a serving engine
+    timing_budget_s: float = 20.0  # seconds for timing the step costs here (stats/step_costs.py); a cost profile needs none
     engine_config: str | None = None  # vLLM speculative_config JSON or SGLang launch flags
     end_of_request: str = "vllm"  # vllm (full blocks, vLLM/SGLang) | official (dflash_generate): engine/schedule.py
     strict_classes: tuple[str, ...] = ()  # classes that get a capped K, or no speculation if it would not pay
@@ -311,6 +312,8 @@ def _validate(config: DoctorConfig) -> None:
         raise UsageError(f"--engine-timeout {config.engine_timeout_s} must be a positive number of seconds.")
     if config.fail_on not in FAIL_ON:
         raise UsageError(f"--fail-on {config.fail_on!r} is not one of {', '.join(FAIL_ON)}; pick one.")
+    config.timing_budget_s = finite_number(config.timing_budget_s, "--timing-budget", minimum=0, maximum=86400,
+                                           fix="pass the seconds the step timing may take, e.g. 20")
     if config.cost_profile is not None:
         load_cost_profile(config.cost_profile)  # a profile that does not parse fails before any model work
     if config.end_of_request not in END_OF_REQUEST:
