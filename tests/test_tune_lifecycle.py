@@ -45,9 +45,11 @@ def _wait_for(path: Path, process: subprocess.Popen, timeout_s: float = 60.0) ->
         time.sleep(0.1)
 
 
-def _start_tune(tmp_path: Path, mode: str, port: int) -> tuple[subprocess.Popen, Path]:
+def _start_tune(tmp_path: Path, mode: str, port: int, after: str = "") -> tuple[subprocess.Popen, Path]:
+    """tune launching fake_tree_engine.py; ``after``: more of the shell command line after it (a compound
+    command: bash then forks the engine instead of becoming it)."""
     pids = tmp_path / "pids"
-    command = f"{sys.executable} {TESTS / 'fake_tree_engine.py'} --port {port} --pids {pids} --mode {mode} --k {{k}}"
+    command = f"{sys.executable} {TESTS / 'fake_tree_engine.py'} --port {port} --pids {pids} --mode {mode} --k {{k}}{after}"
     tune = subprocess.Popen(
         [sys.executable, "-m", "dflash_doctor", "tune", "--launch", command, "--engine", f"http://127.0.0.1:{port}", "--k", "2",
          "--workload", str(write_workload(tmp_path)), "--max-new-tokens", "8", "--start-timeout", "60",
@@ -90,6 +92,23 @@ def test_a_signal_to_tune_stops_the_whole_process_tree_it_launched(tmp_path, pha
     assert tune.returncode == 128 + signum, stderr
     assert "Traceback" not in stderr, stderr
     assert took < STOP_GRACE_S, took  # the server ended on SIGTERM, not on the SIGKILL after the grace period
+    _assert_tree_gone(pids, port)
+
+
+@pytest.mark.parametrize("after", ["", "; echo after"], ids=["simple", "compound"])
+def test_tune_killed_outright_leaves_no_process_of_the_server_it_launched(tmp_path, after):
+    """kill -9 runs no cleanup in tune: the supervisor leading the server's group stops it (the death signal
+    alone reached only the shell of a compound command, which forked the server)."""
+    port = free_port()
+    tune, pids = _start_tune(tmp_path, "serve", port, after)
+    try:
+        _wait_for(Path(str(pids) + ".request"), tune)
+        tune.kill()
+        tune.communicate(timeout=60)
+    finally:
+        if tune.poll() is None:
+            tune.kill()
+    assert tune.returncode == -signal.SIGKILL
     _assert_tree_gone(pids, port)
 
 
@@ -198,12 +217,12 @@ def test_a_command_run_to_its_end_in_a_group_is_stopped_with_the_doctor(tmp_path
     leader = tmp_path / "leader"
     code = ("import sys\nfrom dflash_doctor.processes import run_in_group, stop_signals_raise\n"
             "with stop_signals_raise():\n"
-            f"    run_in_group(['bash', '-c', 'sleep 600 & echo $$ > {leader}.tmp; mv {leader}.tmp {leader}; wait'])\n")
+            f"    run_in_group(['bash', '-c', 'sleep 600 & ps -o pgid= $$ > {leader}.tmp; mv {leader}.tmp {leader}; wait'])\n")
     doctor = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stderr=subprocess.PIPE, text=True)
     try:
         _wait_for(leader, doctor, 30)
         pgid = int(leader.read_text())
-        assert len(_group_members(pgid)) == 2  # bash and its sleep
+        assert len(_group_members(pgid)) == 3  # the supervisor, bash and its sleep
         doctor.send_signal(signum)
         _, stderr = doctor.communicate(timeout=60)
     finally:

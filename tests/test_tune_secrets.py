@@ -4,6 +4,8 @@ print their arguments, key included)."""
 
 from __future__ import annotations
 
+import io
+import random
 import socket
 import subprocess
 import sys
@@ -14,7 +16,7 @@ import pytest
 from typer.testing import CliRunner
 
 from dflash_doctor.cli import app
-from dflash_doctor.tune.secrets import copy_redacted, known_secrets, redact
+from dflash_doctor.tune.secrets import LINE_PIECE_BYTES, copy_redacted, known_secrets, redact
 from dflash_doctor.tune.servers import ServerPlan, serving
 from tune_fixtures import write_sweep_run, write_workload
 
@@ -90,3 +92,34 @@ def test_a_running_server_log_holds_no_secret_before_the_server_stops(tmp_path):
             time.sleep(0.05)
         text = log.read_text()
     assert "serving with --api-key ***" in text and KEY not in text, text
+
+
+def _copied(tmp_path: Path, output: bytes, secrets: list[str]) -> str:
+    log = tmp_path / "server.log"
+    copy_redacted(io.BytesIO(output), log, secrets).join(timeout=30)
+    return log.read_text(encoding="utf-8")
+
+
+def test_a_key_across_the_cut_of_a_long_line_is_still_redacted(tmp_path):
+    """A line longer than LINE_PIECE_BYTES is copied piece by piece; a key straddling the cut stays whole."""
+    for before in range(LINE_PIECE_BYTES - len(KEY), LINE_PIECE_BYTES + 1):
+        copied = _copied(tmp_path, b"x" * before + KEY.encode() + b" tail\nnext line\n", [KEY])
+        assert KEY not in copied and copied == "x" * before + "*** tail\nnext line\n"
+
+
+SECRETS = ["SECRETKEY-ONE-0001", "sk-TWO2", "PASSWORD-THREE-33333333"]
+SECRET_FUZZ_CASES = 400
+
+
+def test_fuzzed_long_lines_lose_every_secret_and_keep_everything_else(tmp_path, monkeypatch):
+    """Seeded random lines (pieces of 16 bytes here) with the secrets planted anywhere, also across cuts and
+    side by side: the log is the output with each secret replaced, byte for byte."""
+    monkeypatch.setattr("dflash_doctor.tune.secrets.LINE_PIECE_BYTES", 16)
+    rng = random.Random(4)
+    for _ in range(SECRET_FUZZ_CASES):
+        parts = [rng.choice(["ab", "ba ", "aab", "\n", *SECRETS]) for _ in range(rng.randint(1, 30))]
+        output = "".join(parts)
+        expected = output
+        for value in sorted(SECRETS, key=len, reverse=True):
+            expected = expected.replace(value, "***")
+        assert _copied(tmp_path, output.encode(), sorted(SECRETS, key=len, reverse=True)) == expected, output

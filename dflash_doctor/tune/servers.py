@@ -30,6 +30,7 @@ from dflash_doctor.processes import port_served, start_group, stop_group
 from dflash_doctor.serving.client import ServerEndpoint, auth_fix
 from dflash_doctor.serving.http import AUTH_STATUSES, Unreachable
 from dflash_doctor.tune.secrets import copy_redacted, known_secrets
+from dflash_doctor.urls import shown
 
 K_PLACEHOLDER = "{k}"
 #: How long the stopped server's last output may take to reach its log
@@ -87,14 +88,14 @@ def wait_healthy(url: str, process: subprocess.Popen | None, timeout_s: float, l
             if answer.ok:
                 return
             if answer.status in AUTH_STATUSES:
-                raise UsageError(f"{url} answered HTTP {answer.status} to GET /v1/models: {auth_fix(endpoint)}.")
+                raise UsageError(f"{shown(url)} answered HTTP {answer.status} to GET /v1/models: {auth_fix(endpoint)}.")
         except Unreachable:
             pass
         where = f"; its output is in {log_path}" if log_path else ""
         if process is not None and process.poll() is not None:
-            raise UsageError(f"the launched server exited with code {process.returncode} before {url} answered{where}; fix the --launch command.")
+            raise UsageError(f"the launched server exited with code {process.returncode} before {shown(url)} answered{where}; fix the --launch command.")
         if time.monotonic() > deadline:
-            raise UsageError(f"{url} did not answer GET /v1/models within {timeout_s:.0f} s{where}; fix the URL or raise --start-timeout.")
+            raise UsageError(f"{shown(url)} did not answer GET /v1/models within {timeout_s:.0f} s{where}; fix the URL or raise --start-timeout.")
         time.sleep(1.0)
 
 
@@ -103,7 +104,7 @@ def refuse_served_port(url: str) -> None:
     parts = urllib.parse.urlsplit(url)
     host, port = parts.hostname or "127.0.0.1", parts.port or (443 if parts.scheme == "https" else 80)
     if port_served(host, port):
-        raise UsageError(f"--engine {url}: port {port} is already served before tune launched its server (another server, "
+        raise UsageError(f"--engine {shown(url)}: port {port} is already served before tune launched its server (another server, "
                          f"or one left behind by an earlier run); stop what listens on port {port} or pass a free port in --engine and the --launch commands.")
 
 
