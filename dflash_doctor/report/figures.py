@@ -171,6 +171,7 @@ def speedup_by_k_figure(sweep: Sweep | None, recommendation: Mapping[str, Recomm
                 legendgroup=name,
                 line=dict(color=colors[name]),
                 marker=dict(symbol=["circle" if r.estimate == "exact" else "circle-open" for r in rows]),
+                error_y=_interval_bars([r.speedup for r in rows], [r.speedup_ci for r in rows]),
                 customdata=[[r.mean_acceptance_length, r.estimate] for r in rows],
                 hovertemplate=f"{name} K=%{{x}}: %{{y:.2f}}x, tau %{{customdata[0]:.2f}} (%{{customdata[1]}})<extra></extra>",
             )
@@ -187,6 +188,16 @@ def speedup_by_k_figure(sweep: Sweep | None, recommendation: Mapping[str, Recomm
     fig.update_xaxes(title="K (draft tokens per step)", dtick=1)
     fig.update_yaxes(title="speedup over plain decoding (x)", rangemode="tozero")
     return fig
+
+
+def _interval_bars(points: list[float | None], intervals: list[list[float | None]]) -> dict:
+    """Plotly asymmetric error bars from 95% intervals (none where a point or its interval is unknown): the
+    speedup's interval carries the timing's noise, and the advice is read from it."""
+    def gap(point: float | None, bound: float | None) -> float:
+        return float("nan") if point is None or bound is None else abs(bound - point)
+
+    return dict(type="data", symmetric=False, array=[gap(p, ci[1]) for p, ci in zip(points, intervals)],
+                arrayminus=[gap(p, ci[0]) for p, ci in zip(points, intervals)], thickness=1)
 
 
 def acceptance_along_output_figure(steps: pd.DataFrame, *, bin_size_tokens: int = 32) -> go.Figure:
