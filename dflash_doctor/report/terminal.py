@@ -59,7 +59,7 @@ def print_sweep(record: RunRecord, console: Console) -> None:
     for group, item in record.recommendation.items():
         speedup = f"{item.speedup:.2f}x" if item.speedup else "-"
         low, high = item.speedup_ci
-        if item.speedup and low is not None and high is not None:
+        if item.k and low is not None and high is not None:  # off: 1.00x is plain decoding, the best K's interval is in why
             speedup += f" [{low:.2f}, {high:.2f}]"
         rec_table.add_row(for_terminal(group), str(item.k), str(item.conservative_k), speedup, for_terminal(item.reason))
     console.print(rec_table)
