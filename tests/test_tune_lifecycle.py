@@ -63,12 +63,19 @@ def _assert_tree_gone(pids: Path, port: int) -> None:
     deadline = time.monotonic() + 10  # init reaps the orphaned worker
     while not all(_gone(pid) for pid in tree) and time.monotonic() < deadline:
         time.sleep(0.1)
-    left = [pid for pid in tree if not _gone(pid)]
+    left = {pid: _command_line(pid) for pid in tree if not _gone(pid)}
     for pid in left:  # leave nothing behind for the next test, then fail
         os.kill(pid, signal.SIGKILL)
     assert not left, f"processes of the launched server left running: {left}"
     with socket.socket() as sock:
         assert sock.connect_ex(("127.0.0.1", port)) != 0, "the launched server's port still answers"
+
+
+def _command_line(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return "?"
 
 
 # (phase the signal arrives in, the engine's mode, the signal)
@@ -229,7 +236,7 @@ def test_a_command_run_to_its_end_in_a_group_is_stopped_with_the_doctor(tmp_path
         if doctor.poll() is None:
             doctor.kill()
     assert doctor.returncode != 0 and ("Stopped" in stderr or "KeyboardInterrupt" in stderr), stderr
-    left = _group_members(pgid)
+    left = {pid: _command_line(pid) for pid in _group_members(pgid)}
     for pid in left:
         os.kill(pid, signal.SIGKILL)
     assert not left
