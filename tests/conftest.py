@@ -56,6 +56,12 @@ def pytest_xdist_make_scheduler(config, log):
     return ServerGroupScheduling(config, log)
 
 
+# Commands run through the CLI in tests time their step costs for at most 2 s (the default is 20 s): most tests
+# read acceptance, checks or files, not prices, and the intervals only widen. A test about the timing passes
+# --timing-budget itself (tests/test_advice_under_load.py).
+os.environ.setdefault("DFLASH_DOCTOR_TIMING_BUDGET_S", "2")
+
+
 def pytest_configure(config):
     """Under pytest-xdist each worker gets its share of the cores for torch's intra-op threads (a module or
     test asking for a number of threads with ``torch_threads`` still gets it): two workers of two threads
