@@ -11,7 +11,10 @@ Per scope (overall and each class) the check compares the speedup at the configu
 it warns when K gives up more than ``speedup_loss_share`` of the best (plain decoding counts as a
 candidate at 1.0x), fails when K is slower than plain decoding while some K is faster, and fails when
 slot K is accepted in fewer than ``slot_rate_floor`` of the steps. A configured K equal to the run's
-``recommendation`` for the scope is never flagged: the measured speedups already chose it.
+``recommendation`` for the scope is never flagged: the measured speedups already chose it; nor is a K
+the recommendation names within the noise of the best (the measurement cannot tell them apart), and
+"slower than plain decoding" fails only when the K's whole speedup interval lies below 1 (else it warns).
+When the step timings were not reliable (the ``timing`` check), no K is judged on speed.
 
 The configured K is the engine's (``--engine-config``: ``drafted_tokens``) when given, else the largest
 ``--k`` of the run.
@@ -24,7 +27,7 @@ from typing import Any
 
 from dflash_doctor.checks.base import Check, CheckContext, CheckResult, Finding, config_value, register, skipped
 from dflash_doctor.rundir.run_record import OVERALL, Metrics, Recommendation, RunRecord
-from dflash_doctor.stats.speedup import best_speedup, k_that_pays, priced_speedups
+from dflash_doctor.stats.speedup import best_speedup, k_that_pays, priced_speedups, speedup_interval
 
 
 def _configured_k(ctx: CheckContext) -> tuple[int | None, str]:
@@ -71,16 +74,18 @@ class SpeculativeKCheck(Check):
         per_scope: dict[str, dict[str, Any]] = {}
         for scope in dict.fromkeys([*scope_metrics, *sweep_rows]):
             speedups = priced_speedups(sweep_rows.get(scope) or [])
+            intervals = {row.k: speedup_interval(row) for row in sweep_rows.get(scope) or [] if row.k in speedups}
             taus = {row.k: row.mean_acceptance_length for row in sweep_rows.get(scope) or []}
             scope_findings, per_scope[scope] = self._judge_scope(scope, k, speedups, taus, scope_metrics.get(scope),
-                                                                 record.recommendation.get(scope))
+                                                                 record.recommendation.get(scope), intervals)
             findings += scope_findings
         metrics = {"configured_k": k, "k_source": k_source, "by_scope": per_scope}
         pass_summary = f"K={k} ({k_source}) is within {self.speedup_loss_share:.0%} of the best speedup and inside the useful range"
         return CheckResult.from_findings(self.id, findings, metrics, pass_summary)
 
     def _judge_scope(self, scope: str, k: int, speedups: dict[int, float], taus: dict[int, float | None], metrics: Metrics | None,
-                     recommended: Recommendation | None) -> tuple[list[Finding], dict[str, Any]]:
+                     recommended: Recommendation | None,
+                     bounds: dict[int, tuple[float, float] | None]) -> tuple[list[Finding], dict[str, Any]]:
         label = _scope_label(scope)
         best = best_speedup(speedups) if speedups else None
         rates = (metrics.acceptance_rate_per_pos if metrics is not None else None) or []
@@ -97,10 +102,14 @@ class SpeculativeKCheck(Check):
                  "slot_rate_at_k": slot_rate, "suggested_k": serve_k}
         if k == serve_k:
             return [], facts
+        if recommended is not None and recommended.confidence == "unreliable":
+            return [Finding("info", f"{label}: K={k} not judged: the step timings were not reliable (see the timing check)")], facts
+        if recommended is not None and k in recommended.ks_within_noise:
+            return [], facts  # the measurement cannot tell K from the best: nothing to change
         fix = self._fix(scope, serve_k)
         findings = []
         if k in speedups and best is not None:
-            findings += self._speedup_findings(label, k, speedups, taus, best, fix)
+            findings += self._speedup_findings(label, k, speedups, taus, best, fix, bounds.get(k))
         elif best is not None:
             swept = list(speedups)
             findings.append(Finding("info", f"{label}: K={k} was not part of the sweep (K {swept[0]}..{swept[-1]})",
@@ -113,12 +122,16 @@ class SpeculativeKCheck(Check):
         return findings, facts
 
     def _speedup_findings(self, label: str, k: int, speedups: dict[int, float], taus: dict[int, float | None],
-                          best: tuple[int, float], fix: str) -> list[Finding]:
+                          best: tuple[int, float], fix: str, bounds: tuple[float, float] | None) -> list[Finding]:
         speedup, (best_k, best_value) = speedups[k], best
         evidence = "speedup by K: " + ", ".join(f"{row_k}: {value:.2f}x" for row_k, value in speedups.items())
+        if bounds is not None:
+            evidence += f"; K={k}: 95% interval [{bounds[0]:.2f}, {bounds[1]:.2f}]"
         if speedup < 1.0 < best_value:
-            return [Finding("fail", f"{label}: K={k} is slower than plain decoding ({speedup:.2f}x) while K={best_k} "
-                                    f"runs at {best_value:.2f}x", evidence, fix)]
+            # slower for sure only when the whole interval (requests and step timings) lies below plain decoding
+            severity, how = ("fail", "is slower") if bounds is None or bounds[1] < 1.0 else ("warn", "may be slower")
+            return [Finding(severity, f"{label}: K={k} {how} than plain decoding ({speedup:.2f}x) while K={best_k} "
+                                      f"runs at {best_value:.2f}x", evidence, fix)]
         target_speedup, target_name = (best_value, f"K={best_k}") if best_value >= 1.0 else (1.0, "plain decoding")
         if speedup < (1.0 - self.speedup_loss_share) * target_speedup:
             loss = 1.0 - speedup / target_speedup
