@@ -1,8 +1,12 @@
 """Head-to-head page: several speculators on the same prompts and target (`check --draft A --draft B`,
-head_to_head.json) - the verdict per class, the table the terminal and the reports print (tau and the priced
-speedup at each one's best K, with intervals), and the per-position acceptance curves side by side.
-Head-to-heads sit beside the other runs under the dashboard's folder; each speculator's own run is in a
-sub-folder and opens in the sidebar like any run."""
+head_to_head.json) - the decision page head_to_head.html is, live: the verdict per class with the setting to
+type in each engine, the table the terminal and the reports print (tau and the priced speedup at each one's
+best K, with intervals), the per-position acceptance curves side by side, the step costs with their spread,
+and each sub-run's checks, report, command, date and machine. Head-to-heads sit beside the other runs under
+the dashboard's folder; each speculator's own run is in a sub-folder and opens in the sidebar like any run.
+
+Every string of head_to_head.json comes from a file on disk: Markdown gets it through ``for_markdown_text``,
+settings and commands go through ``st.code`` (shown as text, never rendered)."""
 
 import json
 from pathlib import Path
@@ -12,7 +16,7 @@ import streamlit as st
 
 from dflash_doctor.app import ui
 from dflash_doctor.report import figures
-from dflash_doctor.report.head_to_head import HEADERS, table_rows, verdicts
+from dflash_doctor.report.head_to_head import HEADERS, cost_lines, settings_heading, settings_lines, sub_run_rows, table_rows
 from dflash_doctor.report.sanitize import for_markdown_text
 from dflash_doctor.rundir.tables import HEAD_TO_HEAD_JSON
 
@@ -24,12 +28,19 @@ if not found:
     st.stop()
 picked = st.selectbox("Head-to-head", found)
 result = json.loads((Path(picked) / HEAD_TO_HEAD_JSON).read_text(encoding="utf-8"))
-# names and drafts come from a file on disk: escaped for Markdown
-st.caption(for_markdown_text("Speculators: " + ", ".join(f"{s['name']} ({s['kind']}, {s['draft']})" for s in result["speculators"])))
+runs = sub_run_rows(result)
+st.caption(for_markdown_text("Speculators: " + ", ".join(f"{s['name']} ({s['kind']}, {s.get('draft_shown', s['draft'])})"
+                                                         for s in result["speculators"])))
+if runs:
+    st.caption(for_markdown_text(f"{runs[0]['created_at']} · {runs[0]['machine']} · dflash-doctor {runs[0]['tool_version']}"))
 
 st.header("Verdict")
-for text in verdicts(result):
-    st.markdown(f"- {for_markdown_text(text)}")
+for scope_result in result["scopes"].values():
+    verdict = scope_result["verdict"]
+    st.markdown(f"- {for_markdown_text(verdict['text'])}")
+    if settings_lines(verdict):
+        st.caption(for_markdown_text(settings_heading(verdict)))
+        st.code("\n".join(f"{engine}: {setting}" for engine, setting in settings_lines(verdict)), language=None)
 st.header("Table")
 st.caption("The verdict's pick is marked *; speedups priced at each speculator's best K, intervals paired over requests.")
 st.dataframe(pd.DataFrame(table_rows(result), columns=list(HEADERS)), hide_index=True)
@@ -37,3 +48,15 @@ st.dataframe(pd.DataFrame(table_rows(result), columns=list(HEADERS)), hide_index
 st.header("Per-position acceptance")
 scope = st.selectbox("Scope", list(result["scopes"])) or "overall"  # None only for an empty list, which a head-to-head never has
 st.plotly_chart(figures.head_to_head_positions_figure(scope, result["scopes"][scope]["rows"]), key="head_to_head_positions")
+
+st.header("Step costs")
+st.code("\n".join(cost_lines(result)), language=None)
+
+if runs:
+    st.header("Sub-runs")
+    st.caption("Each speculator's own check: its verdict, what warned or failed, and its folder (open it in the sidebar).")
+    st.dataframe(pd.DataFrame([{"speculator": r["name"], "verdict": r["verdict"], "warnings and failures": r["flagged"],
+                                "report": r["report"], "date": r["created_at"], "machine": r["machine"],
+                                "tool": r["tool_version"]} for r in runs]), hide_index=True)
+    st.caption("Commands (paths relative to the head-to-head folder):")
+    st.code("\n".join(f"{r['command']}   # {r['name']}" for r in runs), language=None)

@@ -21,7 +21,8 @@ from dflash_doctor.models.loading import DEMO_EAGLE3_DIR
 from dflash_doctor.cli.output import print_json
 from dflash_doctor.replay import scenarios, sharding
 from dflash_doctor.serving.http import secret
-from dflash_doctor.report.head_to_head import print_head_to_head
+from dflash_doctor.report.head_to_head import check_verdict, print_head_to_head, sub_run_line
+from dflash_doctor.report.sanitize import for_terminal
 from dflash_doctor.report.terminal import print_check_results, print_class_summary, print_server_comparison, print_sweep, print_why_rejected
 
 Scenario = Annotated[Optional[str], typer.Option("--scenario", help="Reproduce a real failure on the demo pair; `--scenario list` names them.")]
@@ -128,8 +129,9 @@ def check(
 
 def _head_to_head(config: DoctorConfig, drafts: list[str | None], scenario: str | None, only: str | None, skip: str | None,
                   exact_blocks: bool, json_output: bool, out_console: Console) -> None:
-    """``check --draft A --draft B ...``: each speculator's check, then the head-to-head table and verdict.
-    Exit code as for one check, the worst of the speculators' checks."""
+    """``check --draft A --draft B ...``: each speculator's check, then the head-to-head table and verdict, then
+    one line per speculator with its check verdict (pass / warn / fail) and the checks that warned or failed.
+    Exit code as for one check over every speculator's checks: 1 when any sub-run's verdict meets --fail-on."""
     if scenario is not None:
         raise UsageError("--scenario reproduces a failure of the demo pair; drop it when comparing several --draft.")
     if config.devices:
@@ -140,10 +142,11 @@ def _head_to_head(config: DoctorConfig, drafts: list[str | None], scenario: str 
     result = run_with_progress(lambda progress: pipeline.run_head_to_head(config, drafts, only=only_ids, skip=skip_ids,
                                                                           exact_blocks=exact_blocks, progress=progress))
     codes = {}
-    for name, outcome in result.outcomes.items():
-        codes[name] = exit_code(outcome.record.checks, config.fail_on)
-        out_console.print(f"{name}: checks {'pass' if codes[name] == 0 else 'FAIL'} ({outcome.run_dir})")
     print_head_to_head(result.head_to_head, out_console)
+    for name, outcome in result.outcomes.items():  # each sub-run's own verdict word and what warned or failed
+        codes[name] = exit_code(outcome.record.checks, config.fail_on)
+        verdict, flagged = check_verdict((check.id, check.status) for check in outcome.record.checks)
+        out_console.print(f"{for_terminal(sub_run_line(name, verdict, flagged))}: {for_terminal(outcome.run_dir)}/report.html")
     out_console.print(f"head-to-head: {result.root} (head_to_head.html, head_to_head.md, head_to_head.json; one check per sub-folder)")
     code = max(codes.values())
     if json_output:

@@ -1,22 +1,38 @@
 """Views of a head-to-head (:mod:`dflash_doctor.stats.head_to_head`): the terminal table, Markdown and a
 self-contained HTML page, all from its JSON form (``head_to_head.json`` in the run directory), so every
-view shows the same numbers."""
+view shows the same numbers.
+
+The Markdown and HTML pages are the page an engineer forwards: the verdict per class with the setting to
+type in each engine, the step costs with their spread, tau and the per-position curves side by side, and
+each sub-run's checks with a link to its report, its command, date, machine and tool version. Those facts
+are read from each sub-run's run.json when the head-to-head is written (:func:`describe_sub_runs`) and kept
+in head_to_head.json, so the dashboard shows the same without reading the sub-runs again. Paths in the
+pages are relative to the head-to-head folder: a page moved or mailed with its folder still links, and it
+never carries the layout of the machine it ran on.
+"""
 
 from __future__ import annotations
 
 import html
 import json
+import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable, Mapping
 
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from dflash_doctor.rundir.tables import HEAD_TO_HEAD_JSON
+from dflash_doctor.inputs.config import DoctorConfig
+from dflash_doctor.report.sanitize import for_terminal
+from dflash_doctor.report.templating import markdown_cell
+from dflash_doctor.rundir.status import Status, overall_status
+from dflash_doctor.rundir.tables import HEAD_TO_HEAD_JSON, RUN_JSON
 from dflash_doctor.rundir.writer import write_text_atomic
 
 HEADERS = ("scope", "speculator", "best K", "tau [95% CI]", "speedup [95% CI]", "per-position acceptance (unconditional)")
+FLAGGED = (Status.FAIL, Status.ERROR, Status.WARN)  # the statuses a sub-run's line names, worst first
+ENGINES = ("vLLM", "SGLang", "llama.cpp")
 
 
 def _num(value: Any, digits: int = 2) -> str:
@@ -67,6 +83,179 @@ def cost_lines(data: dict[str, Any]) -> list[str]:
     return lines
 
 
+# ------------------------------------------------------------------------------------------ sub-runs and settings
+
+
+def check_verdict(checks: Iterable[tuple[str, str]]) -> tuple[str, list[str]]:
+    """A sub-run's verdict (:func:`~dflash_doctor.rundir.status.overall_status`, the one the single ``check``
+    prints) and the ids of its checks that warned, failed or errored, worst first: a head-to-head must not
+    say "pass" for a speculator whose own check warned."""
+    pairs = list(checks)
+    flagged = [check_id for status in FLAGGED for check_id, own in pairs if own == status]
+    return overall_status(status for _, status in pairs), flagged
+
+
+def sub_run_line(name: str, verdict: str, flagged: list[str]) -> str:
+    """``eagle3: warn (acceptance, eagle3-config)``: one speculator's verdict word and what it names."""
+    return f"{name}: {verdict}" + (f" ({', '.join(flagged)})" if flagged else "")
+
+
+#: the package's built-in drafts: named by their --draft word, not by where the package is installed
+_DEMO_FOLDER = Path(__file__).resolve().parent.parent / "demo"
+_DEMO_WORDS = {"smollm2-135m-dflash": "demo", "smollm2-135m-eagle3": "demo-eagle3"}
+
+
+def _shown_path(value: Any, root: Path) -> str:
+    """A path as the pages show it: a built-in demo draft by its --draft word, another absolute path relative
+    to the head-to-head folder, anything else (a hub id, a speculator's settings) as given."""
+    text = str(value)
+    if not os.path.isabs(text):
+        return text
+    path = Path(text).resolve()
+    if path.parent == _DEMO_FOLDER and path.name in _DEMO_WORDS:
+        return _DEMO_WORDS[path.name]
+    return os.path.relpath(path, Path(root).resolve())
+
+
+#: DoctorConfig fields that name a file or folder (shown relative to the head-to-head folder in a command)
+_PATH_FIELDS = ("target", "draft", "workload", "chat_template", "cost_profile", "engine_config")
+#: the fields a sub-run's command repeats when they differ from the default (those that change what is measured)
+_COMMAND_FIELDS = ("target", "draft", "draft_kind", "workload", "classes", "max_requests", "max_new_tokens", "temperature",
+                   "k", "device", "dtype", "seed", "chat_template", "cost_profile", "timing_budget_s", "end_of_request",
+                   "engine_config", "strict_classes")
+
+
+def _flag_value(name: str, value: Any, root: Path) -> str:
+    if name == "k":
+        ks = sorted(int(k) for k in value)
+        return f"{ks[0]}-{ks[-1]}" if len(ks) > 2 and ks == list(range(ks[0], ks[-1] + 1)) else ",".join(map(str, ks))
+    if isinstance(value, (list, tuple)):
+        return ",".join(map(str, value))
+    return _shown_path(value, root) if name in _PATH_FIELDS else str(value)
+
+
+def sub_run_command(config: Mapping[str, Any], root: Path) -> str:
+    """The ``dflash-doctor check`` that repeats one sub-run alone, from its run.json ``config`` (the values that
+    differ from the defaults; paths relative to the head-to-head folder; no draft: the built-in demo)."""
+    defaults = DoctorConfig().as_dict()
+    words = ["dflash-doctor", "check"]
+    for name in _COMMAND_FIELDS:
+        value = config.get(name)
+        if value is None or value == defaults.get(name) or (isinstance(value, (list, tuple)) and not value
+                                                              and not defaults.get(name)):
+            continue
+        flag = "--timing-budget" if name == "timing_budget_s" else "--" + name.replace("_", "-")
+        words.append(f"{flag} {_quoted(_flag_value(name, value, root))}")
+    return " ".join(words)
+
+
+def _quoted(text: str) -> str:
+    return text if text and all(c.isalnum() or c in "-_./:=,@+" for c in text) else "'" + text.replace("'", "'\\''") + "'"
+
+
+def _machine(environment: Mapping[str, Any], device: Any) -> str:
+    parts = [environment.get("gpu") or device, environment.get("platform"),
+             *(f"{name} {environment[name]}" for name in ("python", "torch", "transformers") if environment.get(name))]
+    return ", ".join(str(part) for part in parts if part)
+
+
+#: vLLM's ``speculative_config`` method per kind (docs/speculators.md) and the kind settings it takes
+_VLLM_METHODS = {"dflash": "dflash", "eagle3": "eagle3", "ngram": "ngram", "suffix": "suffix", "mtp": "mtp",
+                 "autoregressive": "draft_model"}
+_VLLM_SETTINGS = {"ngram": ("prompt_lookup_min", "prompt_lookup_max"),
+                  "suffix": ("suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
+                             "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob")}
+_WEIGHTLESS = ("ngram", "suffix", "mtp")  # served from settings or the target's own checkpoint: no "model"
+
+
+def engine_settings(kind: str, draft: str, facts: Mapping[str, Any], k: int) -> dict[str, str]:
+    """What to type in each engine to serve this speculator at K: vLLM's ``--speculative-config`` (its method,
+    the draft as DRAFT for a checkpoint, the kind's own settings as the run used them), and SGLang's and
+    llama.cpp's flags where the engine serves the kind. K is counted as the single ``check``'s
+    speculative-k advice counts it: vLLM and llama.cpp the drafted tokens, SGLang with the anchor (K + 1)."""
+    spec: dict[str, Any] = {"method": _VLLM_METHODS.get(kind, kind)}
+    if kind not in _WEIGHTLESS:
+        spec["model"] = "DRAFT"
+    spec.update({key: facts[key] for key in _VLLM_SETTINGS.get(kind, ()) if key in facts})
+    spec["num_speculative_tokens"] = k
+    not_served = f"not named for a {kind} speculator here: serve it with vLLM (docs/speculators.md)"
+    sglang = {"dflash": f"--speculative-algorithm DFLASH --speculative-draft-model-path DRAFT --speculative-num-draft-tokens {k + 1}",
+              "eagle3": (f"--speculative-algorithm EAGLE3 --speculative-draft-model-path DRAFT --speculative-num-steps {k} "
+                         f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}")}
+    llamacpp = {"dflash": f"-md DRAFT.gguf --spec-type draft-dflash --spec-draft-n-max {k}",
+                "autoregressive": f"-md DRAFT.gguf --spec-draft-n-max {k}"}
+    return {"vLLM": f"--speculative-config '{json.dumps(spec)}'", "SGLang": sglang.get(kind, not_served),
+            "llama.cpp": llamacpp.get(kind, not_served)}
+
+
+def describe_sub_runs(root: Path, data: dict[str, Any]) -> None:
+    """Add to ``data`` (in place) what the pages show beyond the statistics, read from each sub-run's run.json:
+    per speculator its report link, command, date, machine, tool version and checks with their verdict; per
+    scope whose verdict names a leader, the setting to type in each engine at the verdict's K (``settings``)
+    and what DRAFT stands for. A speculator without a run folder (an older head-to-head) is left as it is."""
+    facts: dict[str, tuple[str, str, dict[str, Any]]] = {}
+    for speculator in data["speculators"]:
+        run_dir = speculator.get("run_dir")
+        if not run_dir or not (Path(run_dir) / RUN_JSON).is_file():
+            continue
+        record = json.loads((Path(run_dir) / RUN_JSON).read_text(encoding="utf-8"))
+        checks = [{"id": c["id"], "status": c["status"], "summary": c.get("summary", "")} for c in record.get("checks", [])]
+        verdict, flagged = check_verdict((c["id"], c["status"]) for c in checks)
+        draft = record.get("models", {}).get("draft", {})
+        speculator.update({
+            "folder": _shown_path(run_dir, root), "report": _shown_path(Path(run_dir) / "report.html", root),
+            "command": sub_run_command(record.get("config", {}), root), "created_at": record.get("created_at", ""),
+            "machine": _machine(record.get("environment", {}), draft.get("device")),
+            "tool_version": record.get("tool_version", ""), "verdict": verdict, "flagged": flagged, "checks": checks,
+        })
+        speculator["draft_shown"] = _shown_path(speculator["draft"], root)
+        facts[speculator["name"]] = (speculator["kind"], speculator["draft_shown"], draft)
+    for result in data["scopes"].values():
+        verdict = result["verdict"]
+        leader = next((row for row in result["rows"] if row["speculator"] == verdict["winner"]), None)
+        if leader is not None and verdict["winner"] in facts:
+            kind, draft, draft_facts = facts[verdict["winner"]]
+            verdict["settings"] = engine_settings(kind, draft, draft_facts, int(leader["best_k"]))
+            verdict["settings_k"] = int(leader["best_k"])
+            verdict["draft_shown"] = draft
+
+
+def settings_lines(verdict: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """(engine, setting) rows for a scope's verdict, the DRAFT placeholder explained last; none without a leader."""
+    settings = verdict.get("settings") or {}
+    if not settings:
+        return []
+    rows = [(engine, settings[engine]) for engine in ENGINES if engine in settings]
+    return rows + [("DRAFT", f"the draft {verdict.get('draft_shown', '')} on the serving machine")]
+
+
+def settings_heading(verdict: Mapping[str, Any]) -> str:
+    """What the settings are for: the deployment the verdict names, or the leader's when it is not decisive."""
+    what = f"{verdict['winner']} at K={verdict.get('settings_k')}"
+    return f"to deploy {what}:" if verdict["decisive"] else f"if you deploy the leader anyway ({what}; not decided):"
+
+
+def sub_run_rows(data: dict[str, Any]) -> list[dict[str, str]]:
+    """One row per sub-run for the pages: its verdict line, the warned/failed checks with their summaries,
+    its folder, report link, command, date, machine and tool version."""
+    rows = []
+    for speculator in data["speculators"]:
+        if "verdict" not in speculator:
+            continue
+        by_id = {c["id"]: c for c in speculator["checks"]}
+        rows.append({
+            "name": speculator["name"], "kind": speculator["kind"], "line": sub_run_line(speculator["name"], speculator["verdict"], speculator["flagged"]),
+            "verdict": speculator["verdict"],
+            "flagged": "; ".join(f"{i} ({by_id[i]['status']}): {by_id[i]['summary']}" for i in speculator["flagged"]) or "none",
+            "report": speculator["report"], "folder": speculator["folder"], "command": speculator["command"],
+            "created_at": speculator["created_at"], "machine": speculator["machine"], "tool_version": speculator["tool_version"],
+        })
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------- the views
+
+
 def print_head_to_head(data: dict[str, Any], console: Console) -> None:
     """The same rows as the reports, laid out for a terminal of 80 columns (a CI log's width): the figures in
     one table, the per-position curves (first six slots) in a second, each scope named once. Nothing is
@@ -91,37 +280,122 @@ def print_head_to_head(data: dict[str, Any], console: Console) -> None:
                          [[row[0], row[1], " ".join(row[5].split()[:6])] for row in rows]))
     for line in cost_lines(data):
         console.print(f"  {escape(line)}")
-    for text in verdicts(data):
-        console.print(f"  {escape(text)}")
+    for result in data["scopes"].values():
+        console.print(f"  {for_terminal(result['verdict']['text'])}")
+        if settings_lines(result["verdict"]):
+            console.print(f"    {for_terminal(settings_heading(result['verdict']))}")
+        for engine, setting in settings_lines(result["verdict"]):
+            console.print(f"    {for_terminal(engine)}: {for_terminal(setting)}", soft_wrap=True)
 
 
 def markdown(data: dict[str, Any]) -> str:
-    names = ", ".join(f"`{s['name']}` ({s['kind']}, {s['draft']})" for s in data["speculators"])
-    lines = ["# Head-to-head", "", f"Speculators: {names}. Runs: one sub-folder each.", "",
-             "| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
-    lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in table_rows(data)]
-    lines += ["", "## Verdict", ""] + [f"- {text}" for text in verdicts(data)]
-    lines += ["", "## Step costs", ""] + [f"- {line}" for line in cost_lines(data)]
-    lines += ["", "Speedup: tokens emitted x plain decode time / time of the steps, every step priced at the speculator's "
-              "draft time plus the target's verify time for the tokens it really drafted (a step that drafted nothing is a "
-              "plain decode step); the target's times are shared by all speculators. Intervals: paired bootstrap over "
-              "conversations and step timings together.", ""]
+    """head_to_head.md: the decision first (verdicts with the settings to type), then the table and curves,
+    the step costs with their spread, and each sub-run's checks, report, command, date and machine."""
+    cell = markdown_cell
+    names = ", ".join(f"`{cell(s['name'])}` ({cell(s['kind'])}, {cell(s.get('draft_shown', s['draft']))})"
+                      for s in data["speculators"])
+    lines = ["# Head-to-head", "", f"Speculators: {names}; the same prompts and target, one sub-folder each.", "",
+             "## Verdict", ""]
+    for result in data["scopes"].values():
+        verdict = result["verdict"]
+        lines.append(f"- {cell(verdict['text'])}")
+        if settings_lines(verdict):
+            lines.append(f"  {cell(settings_heading(verdict))}")
+            lines += [f"  - {cell(engine)}: `{setting.replace('`', '')}`" if engine in ENGINES else f"  - {cell(engine)}: {cell(setting)}"
+                      for engine, setting in settings_lines(verdict)]
+    lines += ["", "## Table", "", "| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
+    lines += ["| " + " | ".join(cell(c) for c in row) + " |" for row in table_rows(data)]
+    lines += ["", "## Step costs", ""] + [f"- {cell(line)}" for line in cost_lines(data)]
+    runs = sub_run_rows(data)
+    if runs:
+        lines += ["", "## Sub-runs", "", "| speculator | verdict | warnings and failures | report | date | machine | tool |",
+                  "|---|---|---|---|---|---|---|"]
+        lines += [f"| {cell(r['name'])} | {cell(r['verdict'])} | {cell(r['flagged'])} | [report.html]({r['report'].replace(' ', '%20')}) "
+                  f"| {cell(r['created_at'])} | {cell(r['machine'])} | {cell(r['tool_version'])} |" for r in runs]
+        lines += ["", "Commands (paths relative to this folder):", ""]
+        lines += [f"- {cell(r['name'])}: `{r['command'].replace('`', '')}`" for r in runs]
+    lines += ["", _METHOD, ""]
     return "\n".join(lines)
 
 
+_METHOD = ("Speedup: tokens emitted x plain decode time / time of the steps, every step priced at the speculator's "
+           "draft time plus the target's verify time for the tokens it really drafted (a step that drafted nothing is a "
+           "plain decode step); the target's times are shared by all speculators. Intervals: paired bootstrap over "
+           "conversations and step timings together. \"deploy X\" is said only when X's speedup interval and the "
+           "interval of its ratio to the runner-up both lie above 1, on enough conversations.")
+
+
+def _curves_svg(scope: str, rows: list[dict[str, Any]]) -> str:
+    """The per-position acceptance curves of one scope as a small inline SVG (the page opens offline)."""
+    width, height, pad = 360, 160, 28
+    slots = max((len(row["acceptance_rate_per_pos"]) for row in rows), default=0)
+    if not slots:
+        return ""
+    colours = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b")
+    step, span = (width - 2 * pad) / max(slots - 1, 1), height - 2 * pad
+    parts = [f"<svg width='{width}' height='{height}' role='img' aria-label='{html.escape(scope, quote=True)}'>",
+             f"<line x1='{pad}' y1='{height - pad}' x2='{width - pad}' y2='{height - pad}' stroke='#999'/>",
+             f"<line x1='{pad}' y1='{pad}' x2='{pad}' y2='{height - pad}' stroke='#999'/>",
+             f"<text x='{pad}' y='{height - 8}' font-size='10'>slot 1</text>",
+             f"<text x='{width - pad - 30}' y='{height - 8}' font-size='10'>slot {slots}</text>",
+             f"<text x='2' y='{pad}' font-size='10'>1.0</text>"]
+    for index, row in enumerate(rows):
+        colour = colours[index % len(colours)]
+        points = " ".join(f"{pad + step * i:.1f},{height - pad - span * r:.1f}" for i, r in enumerate(row["acceptance_rate_per_pos"]) if r is not None and r == r)
+        parts.append(f"<polyline fill='none' stroke='{colour}' stroke-width='2' points='{points}'/>")
+        parts.append(f"<text x='{width - pad + 2}' y='{pad + 12 * index}' font-size='10' fill='{colour}'>"
+                     f"{html.escape(row['speculator'])}</text>")
+    return "".join(parts) + "</svg>"
+
+
 def html_page(data: dict[str, Any]) -> str:
-    head = "".join(f"<th>{html.escape(h)}</th>" for h in HEADERS)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(cell)}</td>" for cell in row) + "</tr>" for row in table_rows(data))
-    items = "".join(f"<li>{html.escape(text)}</li>" for text in verdicts(data))
-    costs = "".join(f"<li>{html.escape(line)}</li>" for line in cost_lines(data))
-    return ("<!doctype html><html><head><meta charset='utf-8'><title>Head-to-head</title>"
-            "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:4px 8px}</style>"
-            f"</head><body><h1>Head-to-head</h1><table><tr>{head}</tr>{body}</table><h2>Verdict</h2><ul>{items}</ul>"
-            f"<h2>Step costs</h2><ul>{costs}</ul></body></html>")
+    """head_to_head.html, self-contained (no script, no remote asset): the same sections as :func:`markdown`,
+    with the per-position curves drawn per scope beside the table's figures."""
+    e = html.escape
+    names = ", ".join(f"<code>{e(s['name'])}</code> ({e(s['kind'])}, {e(s.get('draft_shown', s['draft']))})" for s in data["speculators"])
+    runs = sub_run_rows(data)
+    first = runs[0] if runs else None
+    header = (f"<p class='muted'>{e(first['created_at'])} &middot; {e(first['machine'])} &middot; dflash-doctor "
+              f"{e(first['tool_version'])}</p>") if first else ""
+    verdict_items = []
+    for result in data["scopes"].values():
+        verdict = result["verdict"]
+        item = f"<li class='{'decided' if verdict['decisive'] else 'open'}'>{e(verdict['text'])}"
+        if settings_lines(verdict):
+            item += f"<div>{e(settings_heading(verdict))}</div><table class='settings'>" + "".join(
+                f"<tr><th>{e(engine)}</th><td>{'<code>' + e(setting) + '</code>' if engine in ENGINES else e(setting)}</td></tr>"
+                for engine, setting in settings_lines(verdict)) + "</table>"
+        verdict_items.append(item + "</li>")
+    head = "".join(f"<th>{e(h)}</th>" for h in HEADERS)
+    body = "".join("<tr>" + "".join(f"<td>{e(c)}</td>" for c in row) + "</tr>" for row in table_rows(data))
+    curves = "".join(f"<figure><figcaption>{e(scope)}</figcaption>{_curves_svg(scope, result['rows'])}</figure>"
+                     for scope, result in data["scopes"].items())
+    costs = "".join(f"<li>{e(line)}</li>" for line in cost_lines(data))
+    sub_runs = ""
+    if runs:
+        sub_runs = ("<h2>Sub-runs</h2><table><tr><th>speculator</th><th>verdict</th><th>warnings and failures</th><th>report</th>"
+                    "<th>date</th><th>machine</th><th>tool</th></tr>" + "".join(
+                        f"<tr><td>{e(r['name'])}</td><td class='{e(r['verdict'])}'>{e(r['verdict'])}</td><td>{e(r['flagged'])}</td>"
+                        f"<td><a href='{e(r['report'], quote=True)}'>{e(r['report'])}</a></td><td>{e(r['created_at'])}</td>"
+                        f"<td>{e(r['machine'])}</td><td>{e(r['tool_version'])}</td></tr>" for r in runs)
+                    + "</table><p>Commands (paths relative to this folder):</p><ul>"
+                    + "".join(f"<li>{e(r['name'])}: <code>{e(r['command'])}</code></li>" for r in runs) + "</ul>")
+    return ("<!doctype html><html><head><meta charset='utf-8'><title>Head-to-head</title><style>"
+            "body{font-family:sans-serif;margin:2em;max-width:80em}table{border-collapse:collapse;margin:.5em 0}"
+            "td,th{border:1px solid #ccc;padding:4px 8px;text-align:left;vertical-align:top}.muted{color:#666}"
+            "li.decided{font-weight:bold}.fail,.error{color:#b00}.warn{color:#a60}.pass{color:#070}"
+            "figure{display:inline-block;margin:0 1em 1em 0}code{white-space:pre-wrap}</style></head><body>"
+            f"<h1>Head-to-head</h1>{header}<p>Speculators: {names}; the same prompts and target, one sub-folder each.</p>"
+            f"<h2>Verdict</h2><ul>{''.join(verdict_items)}</ul>"
+            f"<h2>Table</h2><table><tr>{head}</tr>{body}</table>"
+            f"<h2>Per-position acceptance (unconditional, each at its best K)</h2>{curves}"
+            f"<h2>Step costs</h2><ul>{costs}</ul>{sub_runs}<p class='muted'>{e(_METHOD)}</p></body></html>")
 
 
 def write_head_to_head(root: Path, data: dict[str, Any]) -> None:
-    """``head_to_head.json``, ``head_to_head.md`` and ``head_to_head.html`` in the head-to-head's folder."""
+    """``head_to_head.json``, ``head_to_head.md`` and ``head_to_head.html`` in the head-to-head's folder, after
+    :func:`describe_sub_runs` added the sub-runs' facts and the engine settings to ``data``."""
+    describe_sub_runs(root, data)
     write_text_atomic(root / HEAD_TO_HEAD_JSON, json.dumps(data, indent=2, allow_nan=True))
     write_text_atomic(root / "head_to_head.md", markdown(data))
     write_text_atomic(root / "head_to_head.html", html_page(data))
