@@ -207,7 +207,7 @@ def fit_costs(cells: list[dict[str, Any]], load: Any, fit_ks: tuple[int, ...], *
         t_decode, steps, weights = sampled.t_decode, sampled.steps, _weights(sampled)
     draft, slope = _fit(np.array(ks, dtype=np.float64), t_decode, steps[None, :], weights, len(ks))
     notes = [f"one fit K ({ks[0]}): verification taken as flat in K" if len(ks) == 1 else
-             f"weighted least squares over {len(ks)} K under slope >= 0 and t_draft >= 0"]
+             f"weighted least squares over {len(ks)} K, slope and t_draft held at 0 or above"]
     if len(ks) > 1 and _free_slope(np.array(ks, dtype=np.float64), steps - t_decode, weights) < 0:
         notes.append("the measured step times fall with K (timing noise): verification taken as flat")
     intervals: dict[str, Any] = {}
