@@ -24,9 +24,10 @@ absent without ``--engine`` or without a local pair, which skips the check.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from dflash_doctor.checks.base import Check, CheckContext, CheckResult, Finding, Need, register, skipped
+from dflash_doctor.rundir.engine_agreement import (EngineAgreement, OutputAgreement, PromptAgreement, SetupRecord,
+                                                   SetupSteps)
 
 CONFIGURED = "as configured"  # the setup name dflash_doctor.serving.agreement gives the draft as configured
 # where to look when the run names no draft kind's own list (runs written before the kinds carried one)
@@ -54,99 +55,113 @@ class EngineAgreementCheck(Check):
     min_steps: int = 20  # fewer comparable engine steps are too few to judge
 
     def run(self, ctx: CheckContext) -> CheckResult:
-        data: dict[str, Any] = ctx.value("record.probes.engine_agreement")
-        overall = (data.get("tau") or {}).get("overall")
-        per_step = data.get("per_step") or {}
-        configured = per_step.get(CONFIGURED) or {}
-        stepwise = (configured.get("num_steps") or 0) >= self.min_steps
-        engine_drafts = sum(turn["engine_drafts"] for turn in data.get("turns") or [])
+        data: EngineAgreement = ctx.value("record.probes.engine_agreement")
+        overall = data.tau.overall
+        per_step = data.per_step
+        configured = per_step.get(CONFIGURED)
+        stepwise = configured is not None and configured.num_steps >= self.min_steps
+        engine_drafts = sum(turn.engine_drafts for turn in data.turns)
         if not overall or (not stepwise and engine_drafts < self.min_steps):
-            return skipped(self.id, f"fewer than {self.min_steps} engine steps could be replayed (need output token ids from the server)")
+            return skipped(self.id, f"fewer than {self.min_steps} engine steps could be replayed "
+                                    "(need output token ids from the server)")
         findings: list[Finding] = []
         findings += self._k_findings(data)
-        findings += self._prompt_findings(data)
-        findings += self._output_findings(data)
-        gap = overall["difference"]
-        gap_real = gap >= self.min_tau_gap and overall["difference_ci"][0] > 0
+        findings += self._prompt_findings(data.prompts)
+        findings += self._output_findings(data.outputs)
+        gap = overall.difference
+        gap_real = gap >= self.min_tau_gap and overall.difference_ci[0] > 0
         explanation = self._best_setup(per_step, configured) if stepwise else None
-        tau_text = (f"engine tau {overall['engine_tau']:.2f} {_ci(overall['engine_tau_ci'])} vs embedded {overall['embedded_tau']:.2f} "
-                    f"{_ci(overall['embedded_tau_ci'])} on the same outputs (difference {gap:+.2f}, 95% CI {_ci(overall['difference_ci'])})")
-        step_text = (f"per-step acceptance reproduced on {configured['num_agreeing']}/{configured['num_steps']} engine steps ({configured['share']:.0%})"
-                     if stepwise else f"the engine reports no step order ({engine_drafts} steps as a histogram): compared on tau alone")
+        tau_text = (f"engine tau {overall.engine_tau:.2f} {_ci(overall.engine_tau_ci)} vs embedded "
+                    f"{overall.embedded_tau:.2f} {_ci(overall.embedded_tau_ci)} on the same outputs "
+                    f"(difference {gap:+.2f}, 95% CI {_ci(overall.difference_ci)})")
+        step_text = (f"per-step acceptance reproduced on {configured.num_agreeing}/{configured.num_steps} engine steps "
+                     f"({configured.share:.0%})" if stepwise else
+                     f"the engine reports no step order ({engine_drafts} steps as a histogram): compared on tau alone")
         if explanation is not None:
             name, stats = explanation
-            setup = next((s for s in data.get("setups") or [] if s["name"] == name), {"cause": name, "fix": ""})
+            setup = next((s for s in data.setups if s.name == name), SetupRecord(name, cause=name))
             # an engine defect that costs no acceptance on these turns is worth knowing, not a failed check
-            severity = "warn" if setup.get("engine_defect") and not gap_real else "fail"
+            severity = "warn" if setup.engine_defect and not gap_real else "fail"
             findings.append(Finding(
-                severity, f"the server behaves like the draft with {name}: {setup['cause']}",
-                f"{tau_text}; on the {stats['num_telling']} engine steps where the two setups predict differently the server "
-                f"sided with {name} {stats['num_siding']} times; it reproduces {stats['share']:.0%} of all steps against "
-                f"{configured['share']:.0%} as configured",
-                setup["fix"]))
+                severity, f"the server behaves like the draft with {name}: {setup.cause}",
+                f"{tau_text}; on the {stats.num_telling} engine steps where the two setups predict differently the "
+                f"server sided with {name} {stats.num_siding} times; it reproduces {stats.share:.0%} of all steps "
+                f"against {configured.share:.0%} as configured",
+                setup.fix))
         elif gap_real:
-            simulated = ", ".join(s["name"] for s in data.get("setups") or [] if s["name"] != CONFIGURED)  # the draft kind's own
+            simulated = ", ".join(s.name for s in data.setups if s.name != CONFIGURED)  # the draft kind's own
             findings.append(Finding(
-                "fail", f"the server accepts less than the draft does on the same text: tau {overall['engine_tau']:.2f} vs {overall['embedded_tau']:.2f}",
+                "fail", f"the server accepts less than the draft does on the same text: tau {overall.engine_tau:.2f} "
+                        f"vs {overall.embedded_tau:.2f}",
                 f"{tau_text}; {step_text}" + (f"; no simulated setup ({simulated}) reproduces the engine's steps"
                                               if stepwise and simulated else ""),
-                "the draft is fine and the serving setup is not: check " + (data.get("serving_checklist") or GENERIC_SERVING_CHECKLIST)))
-        elif gap <= -self.min_tau_gap and overall["difference_ci"][1] < 0:
+                "the draft is fine and the serving setup is not: check "
+                + (data.serving_checklist or GENERIC_SERVING_CHECKLIST)))
+        elif gap <= -self.min_tau_gap and overall.difference_ci[1] < 0:
             findings.append(Finding(
-                "warn", f"the server accepts more than the embedded replay: tau {overall['engine_tau']:.2f} vs {overall['embedded_tau']:.2f}",
-                tau_text, "the server may run a different draft or K than the local one given with --draft: compare the served config"))
-        elif stepwise and configured["share"] < self.step_agreement_warn_below:
+                "warn", f"the server accepts more than the embedded replay: tau {overall.engine_tau:.2f} "
+                        f"vs {overall.embedded_tau:.2f}",
+                tau_text, "the server may run a different draft or K than the local one given with --draft: "
+                          "compare the served config"))
+        elif stepwise and configured.share < self.step_agreement_warn_below:
             findings.append(Finding(
-                "warn", f"tau agrees but only {configured['share']:.0%} of the engine's steps are reproduced step by step",
-                f"{tau_text}; {step_text}", "compare the served draft config with the local one; numerics alone part only near-ties"))
-        margins = data.get("deciding_margins") or {}
+                "warn", f"tau agrees but only {configured.share:.0%} of the engine's steps are reproduced step by step",
+                f"{tau_text}; {step_text}", "compare the served draft config with the local one; numerics alone part "
+                                            "only near-ties"))
+        margins = data.deciding_margins
         metrics = {
-            "engine_tau": overall["engine_tau"], "embedded_tau": overall["embedded_tau"], "difference_ci": overall["difference_ci"],
-            "per_step_share": {name: stats.get("share") for name, stats in per_step.items()},
-            "median_margin_disagreeing": margins.get("median_disagreeing"), "median_margin_agreeing": margins.get("median_agreeing"),
+            "engine_tau": overall.engine_tau, "embedded_tau": overall.embedded_tau,
+            "difference_ci": overall.difference_ci,
+            "per_step_share": {name: stats.share for name, stats in per_step.items()},
+            "median_margin_disagreeing": margins.median_disagreeing, "median_margin_agreeing": margins.median_agreeing,
         }
-        return CheckResult.from_findings(self.id, findings, metrics, f"server and embedded replay agree: {tau_text}; {step_text}")
+        return CheckResult.from_findings(self.id, findings, metrics,
+                                         f"server and embedded replay agree: {tau_text}; {step_text}")
 
-    def _best_setup(self, per_step: dict[str, Any], configured: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
-        candidates = [(name, stats) for name, stats in per_step.items() if name != CONFIGURED and stats.get("share") is not None]
+    def _best_setup(self, per_step: dict[str, SetupSteps], configured: SetupSteps) -> tuple[str, SetupSteps] | None:
+        candidates = [(name, stats) for name, stats in per_step.items()
+                      if name != CONFIGURED and stats.share is not None]
         if not candidates:
             return None
-        def siding(stats: dict[str, Any]) -> float:
-            telling = stats.get("num_telling") or 0
-            return stats["num_siding"] / telling if telling >= self.min_telling_steps else 0.0
+
+        def siding(stats: SetupSteps) -> float:
+            return stats.num_siding / stats.num_telling if stats.num_telling >= self.min_telling_steps else 0.0
 
         name, stats = max(candidates, key=lambda item: siding(item[1]))
-        if siding(stats) >= self.explains_share and stats["share"] > configured["share"]:
+        if siding(stats) >= self.explains_share and stats.share > configured.share:
             return name, stats
         return None
 
-    def _k_findings(self, data: dict[str, Any]) -> list[Finding]:
-        k, block = data.get("engine_k"), data.get("draft_block_size")
+    def _k_findings(self, data: EngineAgreement) -> list[Finding]:
+        k, block = data.engine_k, data.draft_block_size
         if k is None or block is None or k <= block - 1:
             return []
         return [Finding("fail", f"the server drafts K = {k} tokens per step but the draft's block holds {block - 1}",
                         f"engine num_spec_tokens {k}, draft block_size {block}",
-                        f"set num_speculative_tokens to {block - 1} (vLLM) or --speculative-num-draft-tokens {block} (SGLang)")]
+                        f"set num_speculative_tokens to {block - 1} (vLLM) or --speculative-num-draft-tokens {block} "
+                        "(SGLang)")]
 
-    def _prompt_findings(self, data: dict[str, Any]) -> list[Finding]:
-        prompts = data.get("prompts") or {}
-        compared, same = prompts.get("num_compared") or 0, prompts.get("num_identical") or 0
+    def _prompt_findings(self, prompts: PromptAgreement) -> list[Finding]:
+        compared, same = prompts.num_compared, prompts.num_identical
         if not compared or same == compared:
             return []
-        return [Finding("fail", f"the server rendered {compared - same} of {compared} prompts into different token ids than the target's chat template",
-                        f"first requests: {', '.join(prompts.get('differing') or [])}",
-                        "serve with the target's own chat template (vLLM --chat-template) and send the same messages; the draft was trained on that rendering")]
+        return [Finding("fail", f"the server rendered {compared - same} of {compared} prompts into different token ids "
+                                "than the target's chat template",
+                        f"first requests: {', '.join(prompts.differing)}",
+                        "serve with the target's own chat template (vLLM --chat-template) and send the same messages; "
+                        "the draft was trained on that rendering")]
 
-    def _output_findings(self, data: dict[str, Any]) -> list[Finding]:
-        outputs = data.get("outputs") or {}
-        compared, same = outputs.get("num_compared") or 0, outputs.get("num_identical") or 0
-        if not compared or same == compared:
+    def _output_findings(self, outputs: OutputAgreement) -> list[Finding]:
+        compared, same = outputs.num_compared, outputs.num_identical
+        if not compared or same == compared or not outputs.differences:
             return []
-        first = (outputs.get("differences") or [{}])[0]
-        margin = first.get("target_top2_margin")
-        near_tie = margin is not None and margin < 0.05
+        first = outputs.differences[0]
+        margin = first.target_top2_margin
+        near_tie = margin < 0.05
         return [Finding("info" if near_tie else "warn",
                         f"{compared - same} of {compared} server outputs are not the target's greedy text at T = 0",
-                        f"first: request {first.get('request_id')} at output token {first.get('position')} (target top-2 margin {margin})",
+                        f"first: request {first.request_id} at output token {first.position} "
+                        f"(target top-2 margin {margin})",
                         "a near-tie broken by different kernels is harmless" if near_tie else
-                        "the server runs a different target (quantisation, revision) or samples: compare the served weights")]
+                        "the server runs a different target (quantisation, revision) or samples: "
+                        "compare the served weights")]

@@ -101,15 +101,15 @@ def test_a_stand_in_server_is_reproduced_step_by_step_and_its_setup_named(demo_p
         turns.append(turn)
         comparisons.append(compare_turn(LocalStops(stop_ids), setups, proposers, turn, prompt, k, max_new, 0.0))
     summary = summarize_agreement(comparisons, turns, engine_k=k, block_size=16)
-    assert summary["outputs"]["num_identical"] == 2 and summary["prompts"]["num_identical"] == 2
-    assert summary["per_step"][served]["share"] >= 0.95, summary["per_step"]
-    assert summary["per_step"][served]["embedded_accepted"] > 0  # not a trivial all-zero agreement
+    assert summary.outputs.num_identical == 2 and summary.prompts.num_identical == 2
+    assert summary.per_step[served].share >= 0.95, summary.per_step
+    assert summary.per_step[served].embedded_accepted > 0  # not a trivial all-zero agreement
     if served != CONFIGURED:
-        stats = summary["per_step"][served]
-        assert stats["num_siding"] >= 0.9 * stats["num_telling"], stats
-        assert summary["per_step"][CONFIGURED]["share"] <= stats["share"]
+        stats = summary.per_step[served]
+        assert stats.num_siding >= 0.9 * stats.num_telling, stats
+        assert summary.per_step[CONFIGURED].share <= stats.share
         if "target_layer_ids" in served:  # an offset changes many steps; the norm defect alone changes few on this draft
-            assert stats["num_telling"] >= 5 and summary["per_step"][CONFIGURED]["share"] < stats["share"], stats
+            assert stats.num_telling >= 5 and summary.per_step[CONFIGURED].share < stats.share, stats
 
 
 def test_an_ngram_server_is_reproduced_step_by_step_with_one_setup():
@@ -134,9 +134,9 @@ def test_an_ngram_server_is_reproduced_step_by_step_with_one_setup():
     comparison = compare_turn(LocalStops(frozenset()), [ServingSetup(CONFIGURED)], {CONFIGURED: (proposer, target)}, turn, prompt,
                               k, max_new, 0.0)
     summary = summarize_agreement([comparison], [turn], engine_k=k, block_size=None)
-    assert summary["outputs"]["num_identical"] == 1
-    assert summary["per_step"][CONFIGURED]["num_steps"] == len(drafted)
-    assert summary["per_step"][CONFIGURED]["share"] == 1.0 and summary["per_step"][CONFIGURED]["embedded_accepted"] > 0
+    assert summary.outputs.num_identical == 1
+    assert summary.per_step[CONFIGURED].num_steps == len(drafted)
+    assert summary.per_step[CONFIGURED].share == 1.0 and summary.per_step[CONFIGURED].embedded_accepted > 0
     # tau as vLLM defines it, over the steps that drafted, on both sides
-    assert summary["tau"]["overall"]["embedded_tau"] == pytest.approx(summary["tau"]["overall"]["engine_tau"])
+    assert summary.tau.overall.embedded_tau == pytest.approx(summary.tau.overall.engine_tau)
     assert comparison.deciding_margins == {}

@@ -68,18 +68,17 @@ def test_a_stand_in_eagle3_server_is_reproduced_step_by_step_and_its_setup_named
         assert all(s.position >= 1 for s in turn.steps)  # a chain drafts every step: vLLM's arrays place them all
         turns.append(turn)
         comparisons.append(compare_turn(LocalStops(frozenset()), setups, proposers, turn, prompt, K, MAX_NEW, 0.0))
-    summary = summarize_agreement(comparisons, turns, engine_k=K, block_size=None)
-    summary["setups"] = [{"name": s.name, "cause": s.cause, "fix": s.fix, "engine_defect": s.engine_defect} for s in setups]
-    assert summary["outputs"]["num_identical"] == len(PROMPTS)
-    stats = summary["per_step"][served]
-    assert stats["share"] == 1.0 and stats["embedded_accepted"] > 0, summary["per_step"]
+    summary = summarize_agreement(comparisons, turns, engine_k=K, block_size=None, setups=setups)
+    assert summary.outputs.num_identical == len(PROMPTS)
+    stats = summary.per_step[served]
+    assert stats.share == 1.0 and stats.embedded_accepted > 0, summary.per_step
     result = get_check("engine-agreement")().run(CheckContext(record=record(probes=Probes(engine_agreement=summary))))
     if served == CONFIGURED:
-        assert result.status == "pass", (result.summary, summary["per_step"])
-        assert summary["tau"]["overall"]["embedded_tau"] == pytest.approx(summary["tau"]["overall"]["engine_tau"])
+        assert result.status == "pass", (result.summary, summary.per_step)
+        assert summary.tau.overall.embedded_tau == pytest.approx(summary.tau.overall.engine_tau)
     else:
-        assert stats["num_telling"] >= 10 and stats["num_siding"] == stats["num_telling"], stats
-        assert summary["per_step"][CONFIGURED]["share"] < stats["share"]
+        assert stats.num_telling >= 10 and stats.num_siding == stats.num_telling, stats
+        assert summary.per_step[CONFIGURED].share < stats.share
         named = next(f for f in result.findings if f.severity == "fail")
         setup = next(s for s in setups if s.name == served)
-        assert result.status == "fail" and f"with {served}:" in named.message and named.fix == setup.fix, (result.summary, summary["per_step"])
+        assert result.status == "fail" and f"with {served}:" in named.message and named.fix == setup.fix, (result.summary, summary.per_step)

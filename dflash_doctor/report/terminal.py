@@ -131,13 +131,14 @@ def print_server_comparison(record: RunRecord, console: Console) -> None:
     table = Table(title=f"Server ({record.source.details.get('kind')}) vs embedded replay on the same outputs (tau, bonus included)")
     for column in ("class", "turns", "server tau", "95% CI", "embedded tau", "95% CI", "difference [95% CI]"):
         table.add_column(column)
-    blocks = [("overall", data["tau"]["overall"]), *data["tau"]["by_class"].items()]
+    blocks = [("overall", data.tau.overall), *data.tau.by_class.items()]
     for name, block in blocks:
         if not block:
             continue
         ci = lambda v: f"[{v[0]:.2f}, {v[1]:.2f}]"  # noqa: E731
-        table.add_row(for_terminal(name), str(block["num_turns"]), f"{block['engine_tau']:.3f}", ci(block["engine_tau_ci"]),
-                      f"{block['embedded_tau']:.3f}", ci(block["embedded_tau_ci"]), f"{block['difference']:+.3f} {ci(block['difference_ci'])}")
+        table.add_row(for_terminal(name), str(block.num_turns), f"{block.engine_tau:.3f}", ci(block.engine_tau_ci),
+                      f"{block.embedded_tau:.3f}", ci(block.embedded_tau_ci),
+                      f"{block.difference:+.3f} {ci(block.difference_ci)}")
     console.print(table)
-    shares = ", ".join(f"{name} {stats['share']:.0%}" for name, stats in data["per_step"].items() if stats.get("share") is not None)
+    shares = ", ".join(f"{name} {stats.share:.0%}" for name, stats in data.per_step.items() if stats.share is not None)
     console.print(f"per-step acceptance reproduced at the engine's own anchors: {shares}")

@@ -26,6 +26,7 @@ import numpy as np
 
 from dflash_doctor import __version__
 from dflash_doctor.errors import UsageError
+from dflash_doctor.rundir.engine_agreement import JSON_NAME, EngineAgreement
 from dflash_doctor.rundir.status import CheckResult
 
 OVERALL = "overall"  # the summary's scope over every request, next to the per-class scopes
@@ -320,7 +321,7 @@ class Probes:
     target_weights_fingerprint: str | None = None
     # `check --engine` with a local pair: the server against the embedded replay of the same turns
     # (dflash_doctor/serving/agreement.py summarize_agreement; judged by the engine-agreement check)
-    engine_agreement: dict[str, Any] | None = None
+    engine_agreement: EngineAgreement | None = None
 
 
 @dataclass
@@ -399,12 +400,17 @@ class RunRecord:
 def _to_json(value: Any) -> Any:
     """Dataclasses to dicts (None fields of optional sections kept as null), tuples to lists."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _to_json(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return {_json_name(f): _to_json(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, dict):
         return {str(k): _to_json(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_to_json(v) for v in value]
     return value
+
+
+def _json_name(f: dataclasses.Field) -> str:
+    """A field's run.json key: its name, or the ``json_name`` its metadata gives where the key is no Python name."""
+    return f.metadata.get(JSON_NAME, f.name)
 
 
 # A count, K or seed in run.json fits the int64 the tables and numpy hold; a larger one is no measurement.
@@ -448,16 +454,16 @@ def _from_json(kind: Any, value: Any, where: str = "") -> Any:
         return {_key(key, k, name): _from_json(item, v, f"{name}.{k}") for k, v in value.items()}
     if dataclasses.is_dataclass(kind):
         hints = get_type_hints(kind)
-        fields = dataclasses.fields(kind)
-        unknown = sorted(set(value) - {f.name for f in fields})
+        fields = {_json_name(f): f for f in dataclasses.fields(kind)}
+        unknown = sorted(set(value) - set(fields))
         if unknown:
             raise ValueError(f"{name} has no field(s) {unknown}")
-        missing = [f.name for f in fields if f.name not in value and f.default is dataclasses.MISSING
+        missing = [key for key, f in fields.items() if key not in value and f.default is dataclasses.MISSING
                    and f.default_factory is dataclasses.MISSING]
         if missing:
             raise ValueError(f"{name} lacks the field(s) {missing}")
         prefix = f"{where}." if where else ""
-        built = {field_name: _from_json(hints[field_name], v, prefix + field_name) for field_name, v in value.items()}
+        built = {fields[key].name: _from_json(hints[fields[key].name], v, prefix + key) for key, v in value.items()}
         try:
             return kind(**built)
         except ValueError as exc:  # the dataclass's own check (a check status, a finding severity)

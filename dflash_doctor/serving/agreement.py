@@ -33,8 +33,8 @@ The embedded tau printed beside the engine's walks the embedded live schedule ov
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
@@ -45,6 +45,9 @@ from dflash_doctor.engine.teacher import TeacherSequence, matched_runs, slot_tab
 from dflash_doctor.inputs.workloads import encode_request_turn
 from dflash_doctor.models.serving_setups import CONFIGURED, ServingSetup
 from dflash_doctor.replay.turns import turn_limit
+from dflash_doctor.rundir.engine_agreement import (DecidingMargins, EngineAgreement, OutputAgreement, OutputDifference,
+                                                   PromptAgreement, SetupRecord, SetupSteps, TauByScope, TauComparison,
+                                                   TurnAgreement)
 
 AGREEING_MARGIN_SAMPLE = 16  # agreeing steps per turn whose margin is measured, for scale (every disagreeing one is)
 
@@ -61,7 +64,7 @@ class TurnComparison:
     request_class: str
     prompt_matches: bool | None  # None: the engine returned no prompt ids
     outputs_match: bool | None  # None: sampled (T > 0) or no output ids
-    first_output_difference: dict[str, Any] | None
+    first_output_difference: OutputDifference | None
     server_accepted: list[int]  # per comparable engine step
     embedded_accepted: dict[str, list[int]]  # setup name -> accepted at the same anchors
     num_server_steps: int
@@ -118,8 +121,9 @@ def compare_turn(engine, setups: list[ServingSetup], proposers: dict[str, tuple]
             if not outputs_match:
                 at = next(i for i, (a, b) in enumerate(zip(greedy, output)) if a != b)
                 top2 = logits[p_len - 1 + at].topk(2).values
-                first_difference = {"position": at, "engine_token": int(output[at]), "embedded_token": int(greedy[at]),
-                                    "target_top2_margin": float(top2[0] - top2[1])}
+                first_difference = OutputDifference(turn.key, at, engine_token=int(output[at]),
+                                                    embedded_token=int(greedy[at]),
+                                                    target_top2_margin=float(top2[0] - top2[1]))
     server_accepted = [int(s.num_accepted) for s in comparable]
     embedded = {name: [_run(m[s.position - 1], s.num_drafted) for s in comparable] for name, m in tables.items()}
     own = (walk_schedule(tables[CONFIGURED], list(output), k, max_new_tokens, engine.stop_ids, drafted=drafted)
@@ -210,7 +214,7 @@ def _pooled(drafts: np.ndarray, accepted: np.ndarray) -> float:
     return float(1.0 + accepted.sum() / total) if total else float("nan")
 
 
-def _tau_block(rows: list[tuple[int, int, int, int]], rng: np.random.Generator, n_boot: int) -> dict[str, Any]:
+def _tau_block(rows: list[tuple[int, int, int, int]], rng: np.random.Generator, n_boot: int) -> TauComparison:
     """Pooled server and embedded tau over turns, their bootstrap intervals and the paired difference's."""
     data = np.asarray(rows, dtype=np.float64).reshape(-1, 4)  # server drafts, server accepted, embedded drafts, embedded accepted
     server = _pooled(data[:, 0], data[:, 1])
@@ -221,17 +225,21 @@ def _tau_block(rows: list[tuple[int, int, int, int]], rng: np.random.Generator, 
         boot_server = 1 + sample[..., 1].sum(1) / sample[..., 0].sum(1)
         boot_embedded = 1 + sample[..., 3].sum(1) / sample[..., 2].sum(1)
     interval = lambda x: [float(v) for v in np.nanpercentile(x, [2.5, 97.5])]  # noqa: E731
-    return {
-        "num_turns": int(len(data)),
-        "engine_tau": server, "engine_tau_ci": interval(boot_server),
-        "embedded_tau": embedded, "embedded_tau_ci": interval(boot_embedded),
-        "difference": embedded - server, "difference_ci": interval(boot_embedded - boot_server),
-    }
+    return TauComparison(
+        num_turns=int(len(data)),
+        engine_tau=server, engine_tau_ci=interval(boot_server),
+        embedded_tau=embedded, embedded_tau_ci=interval(boot_embedded),
+        difference=embedded - server, difference_ci=interval(boot_embedded - boot_server),
+    )
 
 
 def summarize_agreement(comparisons: list[TurnComparison], answered, *, engine_k: int | None, block_size: int | None,
-                        seed: int = 0, n_boot: int = 1000) -> dict[str, Any]:
+                        setups: Sequence[ServingSetup] = (), serving_checklist: str = "", seed: int = 0,
+                        n_boot: int = 1000) -> EngineAgreement:
     """The figures the ``engine-agreement`` check judges (stored in run.json ``probes.engine_agreement``).
+
+    ``setups``: the simulated serving setups that were replayed, stored with the figures so the check can
+    name the one the server behaves like; ``serving_checklist``: the draft kind's own list of where to look.
 
     tau per class: the engine's own steps against the embedded live schedule over the same outputs,
     with bootstrap intervals over turns and for the paired difference (embedded - engine). Per-step
@@ -247,52 +255,63 @@ def summarize_agreement(comparisons: list[TurnComparison], answered, *, engine_k
         row = (len(server_steps), sum(s.num_accepted for s in server_steps), len(own), sum(s.num_accepted for s in own))
         rows_by_class.setdefault(c.request_class, []).append(row)
         configured = c.embedded_accepted.get(CONFIGURED, [])
-        turns.append({"request_id": c.request_id, "class": c.request_class, "engine_drafts": row[0], "engine_accepted": row[1],
-                      "embedded_drafts": row[2], "embedded_accepted": row[3], "outputs_match": c.outputs_match,
-                      "steps_compared": len(configured), "steps_agreeing": sum(e == m for e, m in zip(c.server_accepted, configured))})
+        turns.append(TurnAgreement(
+            c.request_id, c.request_class, engine_drafts=row[0], engine_accepted=row[1], embedded_drafts=row[2],
+            embedded_accepted=row[3], outputs_match=c.outputs_match, steps_compared=len(configured),
+            steps_agreeing=sum(e == m for e, m in zip(c.server_accepted, configured))))
     all_rows = [r for rows in rows_by_class.values() for r in rows]
-    per_step: dict[str, dict[str, Any]] = {}
+    per_step: dict[str, SetupSteps] = {}
     for name in dict.fromkeys(n for c in comparisons for n in c.embedded_accepted):
         triples = [(e, m, base) for c in comparisons if name in c.embedded_accepted
                    for e, m, base in zip(c.server_accepted, c.embedded_accepted[name], c.embedded_accepted[CONFIGURED])]
         agree = sum(e == m for e, m, _ in triples)
         # the steps where this setup and the configured one predict differently are the ones that tell them apart
         telling = [(e, m, base) for e, m, base in triples if m != base]
-        per_step[name] = {"num_steps": len(triples), "num_agreeing": agree, "share": agree / len(triples) if triples else None,
-                          "num_telling": len(telling), "num_siding": sum(e == m for e, m, _ in telling),
-                          "embedded_accepted": sum(m for _, m, _ in triples), "engine_accepted": sum(e for e, _, _ in triples)}
+        per_step[name] = SetupSteps(
+            num_steps=len(triples), num_agreeing=agree, share=agree / len(triples) if triples else None,
+            num_telling=len(telling), num_siding=sum(e == m for e, m, _ in telling),
+            embedded_accepted=sum(m for _, m, _ in triples), engine_accepted=sum(e for e, _, _ in triples))
     outputs = [c for c in comparisons if c.outputs_match is not None]
     prompts = [c for c in comparisons if c.prompt_matches is not None]
     # margins where the engine parts from the setup it behaves like (the first of the best shares: configured on a tie)
-    closest = max(per_step, key=lambda name: per_step[name]["share"] or 0.0) if per_step else CONFIGURED
+    closest = max(per_step, key=lambda name: per_step[name].share or 0.0) if per_step else CONFIGURED
     agree_margins = [m for c in comparisons for m in c.deciding_margins.get(closest, ([], []))[0]]
     disagree_margins = [m for c in comparisons for m in c.deciding_margins.get(closest, ([], []))[1]]
     median = lambda xs: float(np.median(xs)) if xs else None  # noqa: E731
-    return {
-        "num_turns": len(answered),
-        "num_compared": len(comparisons),
-        "engine_k": engine_k,
-        "draft_block_size": block_size,
-        "prompts": {"num_compared": len(prompts), "num_identical": sum(1 for c in prompts if c.prompt_matches),
-                    "differing": [c.request_id for c in prompts if not c.prompt_matches][:10]},
-        "outputs": {"num_compared": len(outputs), "num_identical": sum(1 for c in outputs if c.outputs_match),
-                    "differences": [{"request_id": c.request_id, **(c.first_output_difference or {})} for c in outputs if not c.outputs_match][:10]},
-        "tau": {
-            "overall": _tau_block(all_rows, rng, n_boot) if all_rows else None,
-            "by_class": {cls: _tau_block(rows, rng, n_boot) for cls, rows in sorted(rows_by_class.items())},
-        },
-        "per_step": per_step,
-        "turns": turns,
-        "deciding_margins": {
-            "setup": closest,
-            "num_agreeing": len(agree_margins), "median_agreeing": median(agree_margins),
-            "num_disagreeing": len(disagree_margins), "median_disagreeing": median(disagree_margins),
-            "disagreeing": sorted(disagree_margins)[:50],
-        },
-    }
+    return EngineAgreement(
+        num_turns=len(answered),
+        num_compared=len(comparisons),
+        engine_k=engine_k,
+        draft_block_size=block_size,
+        prompts=PromptAgreement(num_compared=len(prompts), num_identical=sum(1 for c in prompts if c.prompt_matches),
+                                differing=[c.request_id for c in prompts if not c.prompt_matches][:10]),
+        outputs=OutputAgreement(num_compared=len(outputs), num_identical=sum(1 for c in outputs if c.outputs_match),
+                                differences=[c.first_output_difference for c in outputs
+                                             if c.first_output_difference is not None][:10]),
+        tau=TauByScope(
+            overall=_tau_block(all_rows, rng, n_boot) if all_rows else None,
+            by_class={cls: _tau_block(rows, rng, n_boot) for cls, rows in sorted(rows_by_class.items())},
+        ),
+        per_step=per_step,
+        turns=turns,
+        deciding_margins=DecidingMargins(
+            setup=closest,
+            num_agreeing=len(agree_margins), median_agreeing=median(agree_margins),
+            num_disagreeing=len(disagree_margins), median_disagreeing=median(disagree_margins),
+            disagreeing=sorted(disagree_margins)[:50],
+        ),
+        setups=[_stored(s) for s in setups],
+        serving_checklist=serving_checklist,
+    )
 
 
-def compare_with_embedded(engine, answered, config, *, seed: int = 0) -> dict[str, Any]:
+def _stored(setup: ServingSetup) -> SetupRecord:
+    """A replayed setup as run.json stores it (its layer ids a list, as JSON has no tuple)."""
+    fields = dataclasses.asdict(setup)
+    return SetupRecord(**{**fields, "layer_ids": None if setup.layer_ids is None else list(setup.layer_ids)})
+
+
+def compare_with_embedded(engine, answered, config, *, seed: int = 0) -> EngineAgreement:
     """Replay every answered turn in the embedded engine (``engine``: the loaded local Pair) and summarise the agreement.
 
     The draft is replayed under each serving setup its kind declares (``DraftKind.serving_setups``); a kind
@@ -321,8 +340,7 @@ def compare_with_embedded(engine, answered, config, *, seed: int = 0) -> dict[st
         comparison = compare_turn(engine, setups, proposers, turn, ours, k, turn_limit(turn.request, config.max_new_tokens), config.temperature)
         if comparison is not None:
             comparisons.append(comparison)
-    summary = summarize_agreement(comparisons, answered, engine_k=engine_k, block_size=getattr(config_of_draft, "block_size", None),
-                                  seed=seed)
-    summary["setups"] = [dataclasses.asdict(s) for s in setups if s.name in proposers]
-    summary["serving_checklist"] = engine.kind.serving_checklist
-    return summary
+    return summarize_agreement(comparisons, answered, engine_k=engine_k,
+                               block_size=getattr(config_of_draft, "block_size", None),
+                               setups=[s for s in setups if s.name in proposers],
+                               serving_checklist=engine.kind.serving_checklist, seed=seed)
