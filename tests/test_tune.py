@@ -173,7 +173,7 @@ def test_tune_measures_fake_engines_fits_their_costs_and_recommends(tmp_path, fa
 
     dashboard = _dashboard_tune_page(monkeypatch, tmp_path)
     assert len(list(dashboard.get("plotly_chart"))) == 3
-    assert any("--speculative-config" in str(m.value) for m in dashboard.markdown)
+    assert any("--speculative-config" in str(block.value) for block in dashboard.code)  # engine settings shown as code, never as Markdown
 
 
 def _dashboard_tune_page(monkeypatch, runs_dir: Path) -> AppTest:
