@@ -11,7 +11,6 @@ import re
 import urllib.request
 
 import pytest
-from prometheus_client import generate_latest
 
 from dflash_doctor.errors import UsageError
 from dflash_doctor.telemetry.counts import SeriesKey, SpecCounts
@@ -21,6 +20,10 @@ from dflash_doctor.telemetry.exposition import parse_exposition
 from dflash_doctor.telemetry.verdict import Baseline, Judge, Thresholds, WindowVerdict
 from dflash_doctor.telemetry.watcher import Window
 from telemetry_fixtures import DATA, free_port
+
+# the exporter extra (pip install -e ".[exporter]"); without it this module is skipped with the reason
+generate_latest = pytest.importorskip("prometheus_client", reason="prometheus-client is the exporter extra: "
+                                      "pip install -e \".[exporter]\" (scripts/setup-dev.sh installs it)").generate_latest
 
 MODEL = SeriesKey("smollm2-dflash")
 OTHER = SeriesKey("other-model", "code")

@@ -4,39 +4,48 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
-from dflash_doctor import pipeline
-from dflash_doctor.checks.base import exit_code, get_check
 from dflash_doctor.cli import options as opt
-from dflash_doctor.cli.progress import run_with_progress
 from dflash_doctor.cli.root import app
 from dflash_doctor.errors import UsageError
 from dflash_doctor.inputs.config import DoctorConfig
-from dflash_doctor.models.loading import DEMO_EAGLE3_DIR
 from dflash_doctor.cli.output import print_json
-from dflash_doctor.replay import scenarios, sharding
 from dflash_doctor.serving.http import secret
 from dflash_doctor.report.head_to_head import check_verdict, print_head_to_head, sub_run_line
 from dflash_doctor.report.sanitize import for_terminal
 from dflash_doctor.report.terminal import print_check_results, print_class_summary, print_server_comparison, print_sweep, print_why_rejected
 
+if TYPE_CHECKING:
+    from dflash_doctor import pipeline
+
 Scenario = Annotated[Optional[str], typer.Option("--scenario", help="Reproduce a real failure on the demo pair; `--scenario list` names them.")]
 Only = Annotated[Optional[str], typer.Option("--only", help="Comma-separated check ids to run (default: all).")]
 Skip = Annotated[Optional[str], typer.Option("--skip", help="Comma-separated check ids to leave out.")]
 Drafts = Annotated[Optional[list[str]], typer.Option(
-    "--draft", help="Draft model: local dir, hub id (org/name or org/name@revision), .gguf file, a speculator without weights "
+    "--draft", metavar="PATH|ORG/NAME|KIND", help="Draft model: local dir, hub id (org/name or org/name@revision), .gguf file, a speculator without weights "
     "(ngram, ngram:prompt_lookup_min=2,prompt_lookup_max=5, suffix, suffix:suffix_decoding_max_tree_depth=24, mtp: the target's own MTP head), "
     "demo (the built-in DFlash draft) or demo-eagle3 (the built-in EAGLE-3 head of the same target). Repeat it to compare "
     "speculators head-to-head on the same prompts.", show_default="the built-in demo DFlash draft", envvar="DFLASH_DOCTOR_DRAFT",
     show_envvar=True)]
 DEMO_DRAFT = "demo"  # --draft demo: the built-in demo draft, as when no --draft is given
-# --draft demo-eagle3: the built-in EAGLE-3 head of the demo target, the other half of the demo's head-to-head
-DEMO_DRAFTS: dict[str, str | None] = {DEMO_DRAFT: None, "demo-eagle3": str(DEMO_EAGLE3_DIR)}
+DEMO_EAGLE3 = "demo-eagle3"  # the built-in EAGLE-3 head of the demo target, the other half of the demo's head-to-head
+
+
+def _heavy_imports():
+    """The modules that run a check, imported when it runs: they import torch (seconds), which ``check --help``
+    must not (tests/test_help_and_light_lane.py)."""
+    from dflash_doctor import pipeline
+    from dflash_doctor.checks.base import exit_code, get_check
+    from dflash_doctor.cli.progress import run_with_progress
+    from dflash_doctor.models.loading import DEMO_EAGLE3_DIR
+    from dflash_doctor.replay import scenarios, sharding
+
+    return pipeline, exit_code, get_check, run_with_progress, DEMO_EAGLE3_DIR, scenarios, sharding
 
 
 def _ids(text: str | None) -> list[str]:
@@ -61,7 +70,7 @@ def check_json(outcome: pipeline.Outcome, code: int) -> dict[str, Any]:
 
 @app.command(epilog=EPILOG)
 @opt.config_command(*(name for name in opt.REPLAY_FLAGS if name != "draft"), "devices", "fail_on", "cost_profile", "timing_budget_s", "strict_classes", "engine_config",
-                    "engine", "engine_model", "engine_concurrency", "engine_timeout_s", "plotly")
+                    "engine", "engine_model", "engine_concurrency", "engine_timeout_s", "plotly", beside={"drafts": "target"})
 def check(
     config: DoctorConfig,
     scenario: Scenario = None,
@@ -77,7 +86,9 @@ def check(
     With no model flags it runs the built-in demo pair (SmolLM2-135M-Instruct + its DFlash draft) on CPU.
     """
     out_console = Console(stderr=json_output)
-    chosen_drafts = [DEMO_DRAFTS.get(draft, draft) for draft in drafts or []]
+    pipeline, exit_code, get_check, run_with_progress, demo_eagle3_dir, scenarios, sharding = _heavy_imports()
+    demo_drafts: dict[str, str | None] = {DEMO_DRAFT: None, DEMO_EAGLE3: str(demo_eagle3_dir)}
+    chosen_drafts = [demo_drafts.get(draft, draft) for draft in drafts or []]
     if len(chosen_drafts) == 1:
         config = dataclasses.replace(config, draft=chosen_drafts[0])
     if len(chosen_drafts) > 1:
@@ -132,6 +143,7 @@ def _head_to_head(config: DoctorConfig, drafts: list[str | None], scenario: str 
     """``check --draft A --draft B ...``: each speculator's check, then the head-to-head table and verdict, then
     one line per speculator with its check verdict (pass / warn / fail) and the checks that warned or failed.
     Exit code as for one check over every speculator's checks: 1 when any sub-run's verdict meets --fail-on."""
+    pipeline, exit_code, get_check, run_with_progress, *_ = _heavy_imports()
     if scenario is not None:
         raise UsageError("--scenario reproduces a failure of the demo pair; drop it when comparing several --draft.")
     if config.devices:

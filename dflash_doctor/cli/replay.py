@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from rich.console import Console
 
-from dflash_doctor import pipeline
 from dflash_doctor.cli import options as opt
-from dflash_doctor.cli.progress import run_with_progress
 from dflash_doctor.cli.root import app
 from dflash_doctor.inputs.config import DoctorConfig
 
@@ -15,6 +13,10 @@ from dflash_doctor.inputs.config import DoctorConfig
 @opt.config_command(*opt.REPLAY_FLAGS)
 def replay(config: DoctorConfig) -> None:
     """Replay prompts through the live speculative loop (K = the largest --k) and write a run directory."""
+    # imported here, not above: they import torch, which `replay --help` must not
+    from dflash_doctor import pipeline
+    from dflash_doctor.cli.progress import run_with_progress
+
     outcome = run_with_progress(lambda progress: pipeline.run_replay(config, progress=progress))
     console = Console(stderr=True)
     overall = outcome.record.summary.overall

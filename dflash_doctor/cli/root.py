@@ -142,13 +142,11 @@ class _CommandsOnDemand(TyperGroup):
         return super().get_command(ctx, cmd_name)
 
     def format_commands(self, ctx, formatter) -> None:
-        names = self.list_commands(ctx)
-        limit = formatter.width - 6 - max(len(name) for name in names)
         rows = []
-        for name in names:
-            command = self.commands.get(name) or click.Command(name, help=COMMANDS[name][1])  # click's own cut of the summary
-            if not command.hidden:
-                rows.append((name, command.get_short_help_str(limit)))
+        for name in self.list_commands(ctx):
+            command = self.commands.get(name) or click.Command(name, help=COMMANDS[name][1])
+            if not command.hidden:  # the whole summary, wrapped by write_dl at the terminal's width: never cut with "..."
+                rows.append((name, command.get_short_help_str(limit=sys.maxsize)))
         with formatter.section("Commands"):
             formatter.write_dl(rows)
 
@@ -162,6 +160,8 @@ app = typer.Typer(
     # can hide the rest of the sentence, which is where the fix is.
     rich_markup_mode=None,
     add_completion=True,
+    # click lays help out at most 80 columns wide (and cut summaries near 45 characters): the terminal's width instead
+    context_settings={"max_content_width": 240},
 )
 
 
@@ -183,7 +183,9 @@ def _tool_options(
                                      "huggingface_hub (hidden by default), -vv debug."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Errors only: no progress bars, no warnings."),
 ) -> None:
-    """Diagnose why a speculative draft (DFlash or autoregressive) is rejected, and what to do about it."""
+    """Diagnose why a speculator is rejected and what to do about it: a DFlash draft (dflash), an EAGLE-3 head (eagle3), a
+    target's own MTP head (mtp), n-gram prompt lookup (ngram), suffix decoding (suffix) or an autoregressive draft model
+    (autoregressive); several of them head to head on the same prompts (check --draft A --draft B)."""
     if verbose and quiet:
         raise UsageError("-v and -q ask for opposite things; pass one of them.")
     configure_logging(-1 if quiet else verbose)

@@ -6,12 +6,13 @@ pass/warn, 1 on fail (or on a warning with --fail-on warn), 2 on bad input (docs
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 from rich.console import Console
 
-from dflash_doctor.checks import CheckContext, exit_code, run_checks
+if TYPE_CHECKING:
+    from dflash_doctor.checks import CheckContext
 from dflash_doctor.serving.server_settings import server_settings
 from dflash_doctor.inputs.machine import collect_environment
 from dflash_doctor.inputs.check_inputs import load_config_json, load_template_spec, load_tokenizer_spec
@@ -27,6 +28,8 @@ Thinking = Optional[bool]
 
 def _finish(ctx: CheckContext, check_id: str, fail_on: str, params: dict | None = None) -> None:
     """Run one check, print the table, exit with the documented code (docs/user-guide.md#exit-codes)."""
+    from dflash_doctor.checks import exit_code, run_checks  # torch: not for --help
+
     results = run_checks(ctx, only=[check_id], params={check_id: params or {}})
     print_check_results(results, Console())
     raise typer.Exit(exit_code(results, fail_on))
@@ -36,6 +39,8 @@ def _finish(ctx: CheckContext, check_id: str, fail_on: str, params: dict | None 
 @config_command("fail_on")
 def tokenizers_command(config: DoctorConfig, target: TargetArg, draft: DraftArg) -> None:
     """Compare two tokenizers: ids over the whole vocabulary, special tokens, pipeline, corpus round-trip."""
+    from dflash_doctor.checks import CheckContext  # torch: not for --help
+
     ctx = CheckContext(
         target_tokenizer=load_tokenizer_spec(target, "target"),
         draft_tokenizer=load_tokenizer_spec(draft, "draft"),
@@ -56,6 +61,8 @@ def templates_command(
     draft_enable_thinking: Annotated[Thinking, typer.Option("--draft-enable-thinking/--draft-disable-thinking", help="Pin enable_thinking for the draft's template, e.g. as it was trained.")] = None,
 ) -> None:
     """Render canonical conversations with both chat templates and show the first differing bytes."""
+    from dflash_doctor.checks import CheckContext  # torch: not for --help
+
     target_template, target_tokenizer = load_template_spec(target, "target")
     draft_template, draft_tokenizer = load_template_spec(draft, "draft")
     ctx = CheckContext(
@@ -70,6 +77,8 @@ def templates_command(
 @config_command("engine_config", "draft", "fail_on")
 def env_command(config: DoctorConfig) -> None:
     """Show versions and hardware, and check them (and --engine-config) against known incompatibilities."""
+    from dflash_doctor.checks import CheckContext  # torch: not for --help
+
     ctx = CheckContext(
         environment=collect_environment(),
         engine_config=server_settings(config.engine_config) if config.engine_config else None,

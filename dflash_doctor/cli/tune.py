@@ -16,9 +16,7 @@ from dflash_doctor.rundir.tables import TUNE_JSON
 from dflash_doctor.serving.http import secret
 from dflash_doctor.inputs.config import DoctorConfig, parse_int_grid
 from dflash_doctor.inputs.validation import finite_number
-from dflash_doctor.tune.experiment import TuneGrid, default_fit_ks, parse_rates, run_tune
 from dflash_doctor.tune.loads import CONCURRENCY, REQUEST_RATE, LoadLevel
-from dflash_doctor.tune.measure import TimedRequest
 from dflash_doctor.tune.servers import plan_servers
 from dflash_doctor.tune.views import print_tune, write_reports
 
@@ -78,6 +76,10 @@ def tune(
     Load is a closed loop (--concurrency: a fixed number of requests in flight, a benchmark's batch size) or an
     open loop (--request-rate: requests arrive at a rate, Poisson or --burstiness, whatever is in flight, as
     production traffic does: latency then includes queueing when the server falls behind)."""
+    # imported here, not above: the experiment imports torch (through the replay's turn rules), which `tune --help` must not
+    from dflash_doctor.tune.experiment import TuneGrid, default_fit_ks, parse_rates, run_tune
+    from dflash_doctor.tune.measure import TimedRequest
+
     cfg = config
     start_timeout = finite_number(start_timeout, "--start-timeout", above=0, maximum=86400 * 7,
                                   fix="pass a positive number of seconds")  # nan: a deadline never passed
