@@ -3,7 +3,7 @@
 Builds the tokens / steps / requests tables with numpy (no model), writes them as a run's Parquet
 files, and prints side by side: reading the tables (what every view pays anyway), the deviation
 analysis of one run (report section, terminal summary, dashboard page) and the pattern growth between
-two runs (``compare``). Not a test: nothing asserts; the issue's target is seconds, not minutes.
+two runs (``compare``). Not a test: nothing asserts; it should take seconds, not minutes.
 
     python benchmarks/deviations.py [--num-tokens 1000000] [--k 8] [--num-requests 2000]
 """

@@ -247,7 +247,7 @@ def _hybrid_tap_findings(ids: list[int], kinds: list[str] | None) -> list[Findin
 
 
 def variant_findings(ctx: CheckContext, raw: dict[str, Any], normalised) -> list[Finding]:
-    """Issue-12 rules: causality, layer-id convention, reserved mask row, own lm_head, draft sampling."""
+    """The DFlash format rules: causality, layer-id convention, reserved mask row, own lm_head, draft sampling."""
     draft = normalised.config
     dflash = draft.get("dflash_config") or {}
     findings: list[Finding] = []

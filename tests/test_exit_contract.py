@@ -1,4 +1,4 @@
-"""Issue 49, "exit contract": 70 means a bug and nothing else. A NaN start timeout, an --out that cannot be
+"""The exit contract: 70 means a bug and nothing else. A NaN start timeout, an --out that cannot be
 written, a full disk and a closed stdout are the user's input or environment: exit 2 with one sentence (a full
 disk leaves the earlier reports whole), or, for a reader that went away (``| head -1``), a quiet 0."""
 

@@ -1,4 +1,4 @@
-"""Issue 49, "config files in the working directory" and "NaN gates": a doctor.toml or pyproject.toml in the
+"""Config files in the working directory and NaN gates: a doctor.toml or pyproject.toml in the
 folder the tool runs in (a cloned repository) may not send the user's key anywhere, replace files outside the
 run, or switch a gate off with a non-finite or unknown threshold. One row per break; every refused row also
 asserts that a recording server got nothing and that a folder the file aimed at kept its file."""

@@ -1,4 +1,4 @@
-"""The dashboard against hostile runs (issue 49, class "dashboard and readers"), through AppTest (no browser).
+"""The dashboard against hostile runs (the class "dashboard and readers"), through AppTest (no browser).
 
 * Every string a page takes from a run directory, tune.json or an upload reaches Streamlit's Markdown (bodies,
   labels, ``help=`` tooltips, expander labels) only escaped: each page is driven on a run whose every string

@@ -1,4 +1,4 @@
-"""Issue 49, "unbounded sizes" and "head-to-head inputs": every size is bounded when it is read, before any
+"""Unbounded sizes and head-to-head inputs: every size is bounded when it is read, before any
 model loads (speculator option strings, ``--k``, a chat template's operators), and every ``--draft`` of a
 head-to-head is resolved before the first contender runs, each under a folder name that stays inside ``--out``.
 

@@ -1,4 +1,4 @@
-"""Readers of a run directory against damaged or hostile files (issue 49, class "dashboard and readers").
+"""Readers of a run directory against damaged or hostile files (the class "dashboard and readers").
 
 run.json is typed once where it is read (:meth:`RunRecord.from_json` via ``read_run_meta``): a field of another
 type, a null where the type is not Optional, a NaN or an integer past int64 is one sentence naming the file and

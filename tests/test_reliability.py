@@ -261,7 +261,7 @@ def test_rounding_at_is_the_spacing_torch_gives_the_dtype():
 
 
 @pytest.mark.parametrize("dtype, margin, top1, status", [
-    ("bfloat16", 0.062, 15.0, "warn"),   # the case: one bf16 step at a logit of 15 (a fixed 0.05 called it a loss)
+    ("bfloat16", 0.062, 15.0, "warn"),   # the reported case: one bf16 step at a logit of 15 (a fixed 0.05 called it a loss)
     ("bfloat16", 0.062, 0.5, "fail"),    # the same margin at a small logit is 32 steps: a real preference
     ("float16", 0.062, 15.0, "fail"),    # float16 keeps 11 bits: 0.0078 steps at 15
     ("float32", 0.001, 15.0, "fail"),    # float32 is exact enough: every divergence is a loss, as before

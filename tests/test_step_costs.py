@@ -248,7 +248,7 @@ def test_a_timing_that_breaks_the_physics_gets_no_advice_and_a_timing_warning():
 
 
 def test_two_noisy_timings_of_one_machine_never_give_opposite_confident_advice():
-    """The issue's failure: seven minutes apart, 0.77x 'off' and 2.3x 'K=4'. Simulate many pairs of timings of
+    """The reported failure: seven minutes apart, 0.77x 'off' and 2.3x 'K=4'. Simulate many pairs of timings of
     one machine whose true best speedup is near 1 with heavy-tailed noise: whenever both runs are confident,
     they agree."""
     steps = workload((1, 2, 4))

@@ -2,7 +2,7 @@
 
 Format strings followed (quoted from the programs' source):
 
-* vLLM 0.32.0 (the real server in /work/vllm-env, and tests/data/telemetry/vllm_server_*.log captured
+* vLLM 0.32.0 (the real server in .venv-vllm, and tests/data/telemetry/vllm_server_*.log captured
   from it): vllm/v1/spec_decode/metrics.py lines 120-135, ``SpecDecodingLogging.log``:
   ``"SpecDecoding metrics: Mean acceptance length: %.2f, Accepted throughput: %.2f tokens/s, Drafted
   throughput: %.2f tokens/s, Accepted: %d tokens, Drafted: %d tokens, Per-position acceptance rate: %s,

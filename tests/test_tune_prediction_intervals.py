@@ -109,7 +109,7 @@ def test_a_falling_verify_cost_is_fitted_flat_and_no_cost_goes_negative():
 
 
 def test_a_verify_step_cheaper_than_a_decode_is_held_at_a_decode_and_named():
-    """A step at K = 4 timed below a plain decode step beyond its noise (the issue's 199 ms against 321 ms):
+    """A step at K = 4 timed below a plain decode step beyond its noise (the reported 199 ms against 321 ms):
     no cost goes below a decode step and the note says the costs are not reliable."""
     cheap = {2: 0.030, 4: 0.012, 8: 0.040}
     fitted = fit_costs(grid_cells(random.Random(2), noise=0.02, step_of=cheap.get), 1, (2, 4))
