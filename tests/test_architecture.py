@@ -8,6 +8,10 @@
   accelerate, streamlit ... are heavy, and some are optional); :data:`LAZY_IMPORTS` lists the exceptions
   among our own modules, each with its reason.
 * pyproject.toml lists every package of the tree, so a new room cannot silently drop out of an install.
+* What differs between draft kinds is declared in the kind registry (models/draft_kinds.py): no module
+  outside it branches on a kind's name (``if draft_kind == "eagle3"``), so a new kind is one entry. The
+  kind names are read from the registry (the one import of this file); :data:`KIND_BRANCHES_STANDING`
+  lists the branches that stand for now, each with its reason.
 
 ``if TYPE_CHECKING:`` imports count as module-level imports: an annotation pointing upwards is a layer
 crossed all the same.
@@ -49,6 +53,17 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 
 # (importing module, imported module) -> why it may stay function-local. Keep this short.
 LAZY_IMPORTS: dict[tuple[str, str], str] = {}
+
+REGISTRY_MODULE = "dflash_doctor.models.draft_kinds"
+# (module, the comparison as ast.unparse writes it) -> why it stands. Keep this short; remove an entry when it goes.
+KIND_BRANCHES_STANDING: dict[tuple[str, str], str] = {
+    ("dflash_doctor.tune.experiment", "draft_kind == 'autoregressive'"):
+        "the engine setting's method per kind; tune/ is being reworked (issue 53), then it reads the registry",
+    ("dflash_doctor.checks.draft_facts", "ctx.draft_kind in ('dflash', 'autoregressive')"):
+        "a check context from before a pair was loaded names the kind or leaves it to the config's shape",
+    ("dflash_doctor.checks.draft_facts", "ctx.draft_kind == 'dflash'"): "the same: the DFlash checks' scope",
+    ("dflash_doctor.checks.mtp_config", "draft.kind != 'mtp'"): "the mtp-config check judges MTP heads only",
+}
 
 
 def _package_dirs() -> dict[str, Path]:
@@ -223,3 +238,49 @@ def test_pyproject_lists_every_package_of_the_tree(graph):
     packages = {name for name, path in modules.items() if path.name == "__init__.py"}
     listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     assert listed == packages
+
+
+def _kind_branches(source: str, names: set[str]) -> list[tuple[int, str]]:
+    """Comparisons of a kind variable (an expression whose text names a kind: ``draft_kind``, ``kind.name``,
+    ``ctx.draft_kind``) with a registered kind's name, alone or in a tuple/list/set: (line, comparison)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Compare):
+            continue
+        sides = [node.left, *node.comparators]
+        literals = [s for s in sides if isinstance(s, ast.Constant)]
+        literals += [e for s in sides if isinstance(s, (ast.Tuple, ast.List, ast.Set)) for e in s.elts
+                     if isinstance(e, ast.Constant)]
+        variables = [s for s in sides if not isinstance(s, (ast.Constant, ast.Tuple, ast.List, ast.Set))]
+        if any(c.value in names for c in literals) and any("kind" in ast.unparse(v).lower() for v in variables):
+            found.append((node.lineno, ast.unparse(node)))
+    return found
+
+
+@pytest.fixture(scope="module")
+def kind_names() -> set[str]:
+    from dflash_doctor.models.draft_kinds import AUTO, kind_names
+
+    return set(kind_names()) - {AUTO}
+
+
+def test_no_branch_on_a_kind_name_outside_the_registry(graph, kind_names):
+    modules, _ = graph
+    assert {"dflash", "eagle3"} <= kind_names
+    branches = {(name, text): line for name, path in modules.items() if name != REGISTRY_MODULE
+                for line, text in _kind_branches(path.read_text(encoding="utf-8"), kind_names)}
+    offending = [f"{name}:{line}: {text} (declare the difference in the kind's registry entry)"
+                 for (name, text), line in branches.items() if (name, text) not in KIND_BRANCHES_STANDING]
+    assert offending == []
+    assert sorted(set(KIND_BRANCHES_STANDING) - set(branches)) == []  # an entry whose branch went is removed
+
+
+def test_the_registry_rule_sees_a_branch_on_a_kind_name(kind_names):
+    """The rule above would pass on a tree with no kind names; show it catches each form of the branch."""
+    source = ("def f(draft_kind, kind, ctx, config):\n"
+              "    if draft_kind == 'eagle3': pass\n"
+              "    if 'dflash' != kind.name: pass\n"
+              "    if ctx.draft_kind in ('ngram', 'suffix'): pass\n"
+              "    if config.get('model_type') == 'eagle3': pass\n"  # a config value, not a kind variable
+              "    if draft_kind == 'auto': pass\n")  # not a kind: the detection order
+    assert [line for line, _ in _kind_branches(source, kind_names)] == [2, 3, 4]

@@ -55,6 +55,7 @@ from dflash_doctor.errors import UsageError
 from dflash_doctor.models.eagle3_format import is_eagle3_config, load_eagle3_head
 from dflash_doctor.models.mtp_format import LAYOUT_NAMES, read_mtp_checkpoint
 from dflash_doctor.models.serving_setups import SetupProposers, dflash_setup_proposers, eagle3_setup_proposers
+from dflash_doctor.models.training.recipes import DFLASH_TRAINING, EAGLE3_TRAINING, TrainingRecipe
 from dflash_doctor.inputs.validation import read_config_json
 from dflash_doctor.models.loading import (is_dflash_config, load_causal_lm, load_dflash_draft, resolve_model_dir,
                                           torch_dtype, validate_autoregressive_pair, validate_dflash_pair)
@@ -113,6 +114,8 @@ class DraftKind(Generic[DraftModel]):
     never asked.
     ``check_settings(settings)``: such a kind's settings read and range-checked with no model (a
     UsageError for a bad one), so a bad option string is refused when it is read, before anything loads.
+    ``training``: how ``train-draft`` trains this kind (its flags, draft, objective and model card:
+    :mod:`dflash_doctor.models.training.recipes`); None for a kind it does not train.
     """
 
     name: str
@@ -129,6 +132,7 @@ class DraftKind(Generic[DraftModel]):
     serving_setups: Callable[[DraftModel, CausalLM], SetupProposers] | None = None
     from_spec: Callable[[dict[str, str], Path, Any, LoadOptions], DraftModel] | None = None
     check_settings: Callable[[dict[str, str]], object] | None = None
+    training: TrainingRecipe | None = None
 
 
 _KINDS: dict[str, DraftKind[Any]] = {}
@@ -313,6 +317,7 @@ register_draft_kind(DraftKind(
     serving_checklist=("the mask id, num_speculative_tokens vs the block size, the draft's attention backend (must be "
                        "non-causal capable), a quantised KV cache for the draft, and the chat template the server renders"),
     serving_setups=dflash_setup_proposers,
+    training=DFLASH_TRAINING,
 ))
 
 register_draft_kind(DraftKind(
@@ -462,6 +467,7 @@ register_draft_kind(DraftKind(
                        "eagle3-config check lists both), the draft-to-target vocabulary map the server loads, num_speculative_tokens, "
                        "a quantised KV cache for the head, and the chat template the server renders"),
     serving_setups=eagle3_setup_proposers,
+    training=EAGLE3_TRAINING,
 ), before="autoregressive")
 
 
