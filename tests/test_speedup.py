@@ -196,7 +196,7 @@ def test_rows_without_a_price_are_ignored():
 
 def test_sweep_row_refuses_an_unknown_estimate_kind():
     with pytest.raises(ValueError):
-        sweep_row(2, 2.0, [1.9, 2.1], costs_flat_draft(), "guessed")
+        sweep_row(2, 2.0, [1.9, 2.1], 1.5, "guessed")
 
 
 def test_the_k_that_pays_is_one_rule_for_recommend_and_the_speculative_k_check():

@@ -7,8 +7,8 @@ same way for every speculator (docs/speculators.md):
 
 * Every step costs the speculator's own draft time at K plus the target's verify time for the tokens
   it *really* drafted; a step that drafted nothing (an n-gram lookup without a match) is a plain
-  decode step. A run's own sweep prices every step as a full draft step, which is right for a drafter
-  that always drafts K and overstates a lookup speculator that often proposes nothing.
+  decode step - the pricing of every sweep (:class:`dflash_doctor.stats.speedup.StepPrices`), so a
+  speculator's row here and its own check's sweep agree when they share costs.
 * The target's decode and verify times come from one speculator's timing (the one that timed the
   largest K) for all of them, so timing noise between runs does not decide the verdict; each keeps its
   own draft time. Costs are the fitted model of :mod:`dflash_doctor.stats.step_costs`.
@@ -32,7 +32,7 @@ import pandas as pd
 
 from dflash_doctor.rundir.run_record import OVERALL, RunRecord, StepCosts
 from dflash_doctor.stats.metrics import NUM_BOOTSTRAP_RESAMPLES, group_rng, interval, resample_multiplicities
-from dflash_doctor.stats.speedup import conversation_ids
+from dflash_doctor.stats.speedup import StepPrices, UnitSteps, max_drafted, units_of
 from dflash_doctor.stats.step_costs import CostSamples, cost_replicates, fitted_costs, resampled_medians
 
 
@@ -139,35 +139,6 @@ def _cost_models(contenders: Sequence[Contender], n_boot: int, seed: int) -> tup
     return point, [cost_replicates(s, n_boot, rng, shared=target) for s in samples]
 
 
-def request_totals(steps: pd.DataFrame, request_ids: np.ndarray, k: int, costs: StepCosts) -> tuple[np.ndarray, np.ndarray]:
-    """Per conversation (``request_ids`` are conversation ids): tokens emitted and seconds spent by the steps at
-    K (priced as the module says)."""
-    emitted, counts, _ = _step_counts(steps, request_ids)
-    return emitted, _seconds(counts, k, [costs])[:, 0]
-
-
-def _step_counts(steps: pd.DataFrame, units: np.ndarray) -> tuple[np.ndarray, dict[int, np.ndarray], int]:
-    """Per unit: tokens emitted, ``{drafted: steps}`` (0 = a plain decode step) and the number of units."""
-    index = pd.Index(units)
-    codes = index.get_indexer(conversation_ids(steps["request_id"].to_numpy()))
-    drafted = steps["num_drafted"].to_numpy(dtype=np.int64)
-    accepted = steps["num_accepted"].to_numpy(dtype=np.int64)
-    emitted = np.bincount(codes, weights=accepted + 1, minlength=len(index))
-    counts = {int(n): np.bincount(codes[drafted == n], minlength=len(index)).astype(np.float64) for n in np.unique(drafted)}
-    return emitted, counts, len(index)
-
-
-def _seconds(counts: dict[int, np.ndarray], k: int, models: Sequence[StepCosts]) -> np.ndarray:
-    """``[units, models]``: every step costs the draft at K plus the verify of what it drafted (a decode when 0)."""
-    total = None
-    for n, per_unit in counts.items():
-        price = np.array([m.draft_s(k) + (m.verify_s(n) if n > 0 else m.t_decode_s) for m in models])
-        term = np.outer(per_unit, price)
-        total = term if total is None else total + term
-    assert total is not None, "a scope with steps has at least one step count"
-    return total
-
-
 def _scope_steps(steps: pd.DataFrame, scope: str) -> pd.DataFrame:
     return steps if scope == OVERALL else steps[steps["class"] == scope]
 
@@ -211,25 +182,18 @@ def _costs_json(contenders: Sequence[Contender], costs: Sequence[StepCosts], rep
 
 def _scope(contenders: Sequence[Contender], costs: Sequence[StepCosts], replicates: list[list[StepCosts]] | None, scope: str,
            n_boot: int, seed: int) -> ScopeResult:
-    all_steps = [_scope_steps(c.steps_by_k[max(c.steps_by_k)], scope) for c in contenders]
-    units = np.array(sorted(set().union(*(set(conversation_ids(s["request_id"].to_numpy())) for s in all_steps))))
+    frames = [{k: _scope_steps(steps, scope) for k, steps in c.steps_by_k.items()} for c in contenders]
+    units = units_of(f[max(f)] for f in frames)
     rows: list[ContenderRow] = []
-    best: list[tuple[np.ndarray, np.ndarray]] = []  # per contender at its best K: emitted [U], seconds [U, B]
-    decode_b: list[np.ndarray] = []
-    for i, (contender, cost) in enumerate(zip(contenders, costs)):
-        by_k: dict[int, float] = {}
-        totals: dict[int, tuple[np.ndarray, dict[int, np.ndarray]]] = {}
-        for k in sorted(contender.steps_by_k):
-            emitted, counts, _ = _step_counts(_scope_steps(contender.steps_by_k[k], scope), units)
-            totals[k] = (emitted, counts)
-            seconds = _seconds(counts, k, [cost])[:, 0].sum() if counts else 0.0
-            by_k[k] = float(emitted.sum() * cost.t_decode_s / seconds) if seconds > 0 else float("nan")
-        best_k = max(sorted(by_k), key=lambda k: by_k[k] if np.isfinite(by_k[k]) else -np.inf)
-        emitted, counts = totals[best_k]
-        models = replicates[i] if replicates is not None else [cost]
-        seconds_b = _seconds(counts, best_k, models) if counts else np.zeros((len(units), len(models)))
-        best.append((emitted, seconds_b))
-        decode_b.append(np.array([m.t_decode_s for m in models]))
+    best: list[tuple[int, UnitSteps, StepPrices]] = []  # per contender: its best K, its steps there, its resampled prices
+    for contender, cost, own, models in zip(contenders, costs, frames, replicates or [None] * len(costs)):
+        ks = sorted(own)
+        largest = max_drafted(own.values())
+        point = StepPrices.of([cost], ks, largest)
+        counts = {k: UnitSteps.of(frame, units, largest) for k, frame in own.items()}
+        by_k = {k: counts[k].point_speedup(point, k) for k in ks}
+        best_k = max(ks, key=lambda k: by_k[k] if np.isfinite(by_k[k]) else -np.inf)
+        best.append((best_k, counts[best_k], StepPrices.of(models or [cost], ks, largest)))
         sweep_rows = {row.k: row for row in contender.record.summary.sweep.scopes().get(scope, [])}  # type: ignore[union-attr]
         sweep_row = sweep_rows.get(best_k)
         metrics = contender.record.summary.scopes().get(scope)
@@ -245,11 +209,8 @@ def _scope(contenders: Sequence[Contender], costs: Sequence[StepCosts], replicat
     boot = np.empty((len(contenders), n_boot))
     rng = group_rng(seed, f"head-to-head:{scope}")
     for rows_slice, multiplicity in resample_multiplicities(len(units), n_boot, rng):
-        for i, (emitted, seconds_b) in enumerate(best):
-            b = np.arange(rows_slice.start, rows_slice.stop) % seconds_b.shape[1]
-            spent = np.einsum("bu,ub->b", multiplicity, seconds_b[:, b])
-            with np.errstate(invalid="ignore", divide="ignore"):
-                boot[i, rows_slice] = (multiplicity @ emitted) * decode_b[i][b] / spent
+        for i, (k, unit_steps, prices) in enumerate(best):
+            boot[i, rows_slice] = unit_steps.replicates(prices, k, multiplicity, rows_slice)
     for i, row in enumerate(rows):
         row.speedup_ci = [float(x) for x in interval(boot[i])]
     return ScopeResult(rows=rows, verdict=_verdict(rows, boot, scope, len(units)))

@@ -134,13 +134,13 @@ def _profile_table(path: Path, key: str, value: Any, *, allow_zero: bool) -> dic
 # ----------------------------------------------------------------------------- sweep
 
 
-def sweep_row(k: int, tau: float, tau_ci: list[float], costs: StepCosts, estimate: str,
+def sweep_row(k: int, tau: float, tau_ci: list[float], speedup: float, estimate: str,
               speedup_ci: Sequence[float | None] = (None, None)) -> SweepRow:
     """One row of run.json ``summary.sweep``; ``estimate`` says whether tau came from a run at this K."""
     if estimate not in ESTIMATES:
         raise ValueError(f"estimate must be one of {ESTIMATES}, got {estimate!r}")
     return SweepRow(k=int(k), mean_acceptance_length=float(tau), mean_acceptance_length_ci=[float(x) for x in tau_ci],
-                    speedup=costs.speedup(tau, k), estimate=estimate,
+                    speedup=float(speedup), estimate=estimate,
                     speedup_ci=[None if x is None or not math.isfinite(x) else float(x) for x in speedup_ci])
 
 
@@ -161,34 +161,80 @@ def conversation_ids(request_ids: np.ndarray) -> np.ndarray:
     return np.array([str(r).split("#t", 1)[0] for r in request_ids], dtype=object)
 
 
-def _cost_arrays(costs: StepCosts, cost_samples: CostSamples | None, ks: Sequence[int], n_boot: int,
-                 rng: np.random.Generator) -> tuple[np.ndarray, dict[int, np.ndarray]]:
-    """``(t_decode [B], {K: draft + verify [B]})``: the timing bootstrap, or the point costs repeated when
-    the costs are a profile without samples (taken as exact)."""
-    if cost_samples is None:
-        return np.full(n_boot, costs.t_decode_s), {k: np.full(n_boot, costs.draft_s(k) + costs.verify_s(k)) for k in ks}
-    models = cost_replicates(cost_samples, n_boot, rng)
-    decode = np.array([m.t_decode_s for m in models])
-    return decode, {k: np.array([m.draft_s(k) + m.verify_s(k) for m in models]) for k in ks}
+# ----------------------------------------------------------------------------- pricing steps
 
 
-def _tau_replicates(frames: Mapping[int, pd.DataFrame], n_boot: int, rng: np.random.Generator) -> dict[int, np.ndarray]:
-    """Pooled tau of every K for one scope, ``n_boot`` resamples of conversations, the same draw for every K."""
-    units = pd.Index(pd.unique(conversation_ids(np.concatenate([f["request_id"].to_numpy() for f in frames.values()]))))
-    counters = {}
-    for k, frame in frames.items():
+@dataclass(frozen=True)
+class StepPrices:
+    """What one step costs under B cost models (one per timing resample, or the point costs alone): ``decode``
+    [B]; ``draft`` [B, K] at each K of ``ks``; ``verify`` [B, N + 1] with the target's time for a step that drafted
+    n tokens in column n (column 0: nothing drafted, a plain decode step).
+
+    Every step is priced by what it *really* drafted: an n-gram lookup without a match costs a decode step, a
+    request's shortened last block verifies fewer tokens. For a drafter that drafts K on every step this is
+    exactly ``tau x t_decode / (t_draft(K) + t_verify(K))``. A verify of fewer tokens than a cost table's
+    smallest K is priced at that smallest K (never cheaper: the table does not reach lower)."""
+
+    ks: tuple[int, ...]
+    decode: np.ndarray
+    draft: np.ndarray
+    verify: np.ndarray
+
+    @classmethod
+    def of(cls, models: Sequence[StepCosts], ks: Sequence[int], max_drafted: int) -> "StepPrices":
+        def verify(model: StepCosts, n: int) -> float:
+            return model.t_decode_s if n == 0 else model.verify_s(max(n, min(model.t_verify_s)))
+
+        return cls(tuple(ks), np.array([m.t_decode_s for m in models]),
+                   np.array([[m.draft_s(k) for k in ks] for m in models]),
+                   np.array([[verify(m, n) for n in range(max_drafted + 1)] for m in models]))
+
+    def speedup(self, k: int, emitted: np.ndarray, steps: np.ndarray, by_drafted: np.ndarray, models: np.ndarray) -> np.ndarray:
+        """Tokens emitted x t_decode / seconds of the steps, for pooled counts ``[c]``, ``[c]``, ``[c, N + 1]``
+        each priced by cost model ``models[c]``."""
+        draft = self.draft[models, self.ks.index(k)]
+        spent = np.einsum("cn,cn->c", by_drafted, self.verify[models, : by_drafted.shape[1]]) + steps * draft
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return emitted * self.decode[models] / spent
+
+
+@dataclass(frozen=True)
+class UnitSteps:
+    """The steps at one K summed per unit (conversation): tokens emitted, steps, steps by tokens drafted ``[U, N + 1]``."""
+
+    emitted: np.ndarray
+    steps: np.ndarray
+    by_drafted: np.ndarray
+
+    @classmethod
+    def of(cls, frame: pd.DataFrame, units: pd.Index, max_drafted: int) -> "UnitSteps":
         codes = units.get_indexer(conversation_ids(frame["request_id"].to_numpy()))
         drafted = frame["num_drafted"].to_numpy(dtype=np.int64)
         accepted = frame["num_accepted"].to_numpy(dtype=np.int64)
-        counters[k] = np.column_stack([np.bincount(codes, weights=drafted > 0, minlength=len(units)),
-                                       np.bincount(codes, weights=accepted, minlength=len(units))])
-    taus = {k: np.full(n_boot, np.nan) for k in frames}
-    for rows, multiplicity in resample_multiplicities(len(units), n_boot, rng):
-        for k, counts in counters.items():
-            pooled = multiplicity @ counts
-            with np.errstate(divide="ignore", invalid="ignore"):
-                taus[k][rows] = 1.0 + pooled[:, 1] / np.where(pooled[:, 0] > 0, pooled[:, 0], np.nan)
-    return taus
+        cells = np.bincount(codes * (max_drafted + 1) + drafted, minlength=len(units) * (max_drafted + 1))
+        return cls(np.bincount(codes, weights=accepted + 1, minlength=len(units)),
+                   np.bincount(codes, minlength=len(units)).astype(np.float64),
+                   cells.reshape(len(units), max_drafted + 1).astype(np.float64))
+
+    def point_speedup(self, prices: StepPrices, k: int) -> float:
+        """The speedup of every unit taken once, under the first cost model of ``prices``."""
+        return float(prices.speedup(k, self.emitted.sum(keepdims=True), self.steps.sum(keepdims=True),
+                                    self.by_drafted.sum(axis=0, keepdims=True), np.zeros(1, dtype=np.int64))[0])
+
+    def replicates(self, prices: StepPrices, k: int, multiplicity: np.ndarray, rows: slice) -> np.ndarray:
+        """Speedup of each resample in ``multiplicity`` ``[c, U]`` (resamples ``rows`` of the bootstrap), each
+        priced by its own cost model (``rows`` modulo the models: one model = the costs taken as exact)."""
+        models = np.arange(rows.start, rows.stop) % len(prices.decode)
+        return prices.speedup(k, multiplicity @ self.emitted, multiplicity @ self.steps, multiplicity @ self.by_drafted, models)
+
+
+def max_drafted(frames: Iterable[pd.DataFrame]) -> int:
+    return max([int(f["num_drafted"].max()) for f in frames if len(f)] + [0])
+
+
+def units_of(frames: Iterable[pd.DataFrame]) -> pd.Index:
+    """The bootstrap units (conversations) of some steps, in order of appearance."""
+    return pd.Index(pd.unique(np.concatenate([conversation_ids(f["request_id"].to_numpy()) for f in frames])))
 
 
 def build_sweep(
@@ -205,6 +251,7 @@ def build_sweep(
     ``steps_by_k[K]`` holds the steps of a run (live or teacher-forced) at K drafted tokens;
     ``estimate_by_k[K]`` is ``"exact"`` when they are the steps a live run at K takes, ``"truncated"``
     when they were cut down from a larger K (:func:`dflash_doctor.stats.metrics.truncate_steps`).
+    tau is vLLM's (per drafted step); the speedup prices every step by what it drafted (:class:`StepPrices`).
     ``costs`` prices the points; ``cost_samples`` (the raw timings ``costs`` was fitted from) puts the
     timing's noise into the speedup intervals: each resample pairs one draw of conversations with one
     refit of the costs from resampled timings. Without samples the costs are taken as exact.
@@ -213,7 +260,10 @@ def build_sweep(
     if missing:
         raise ValueError(f"estimate_by_k has no entry for K {missing}")
     ks = sorted(steps_by_k)
-    decode_b, step_b = _cost_arrays(costs, cost_samples, ks, n_boot, group_rng(seed, "timing"))
+    largest = max_drafted(steps_by_k.values())
+    point = StepPrices.of([costs], ks, largest)
+    models = [costs] if cost_samples is None else cost_replicates(cost_samples, n_boot, group_rng(seed, "timing"))
+    resampled = StepPrices.of(models, ks, largest)
     scopes: dict[str, dict[int, pd.DataFrame]] = {OVERALL: {k: steps_by_k[k] for k in ks}}
     for k in ks:
         for cls, class_steps in steps_by_k[k].groupby("class", sort=True):
@@ -222,13 +272,17 @@ def build_sweep(
     replicates: dict[str, dict[int, np.ndarray]] = {}
     for scope, frames in scopes.items():
         group = OVERALL if scope == OVERALL else f"class:{scope}"
-        taus = _tau_replicates(frames, n_boot, group_rng(seed, f"speedup:{group}"))
-        replicates[scope] = {k: taus[k] * decode_b / step_b[k] for k in frames}
+        units = units_of(frames.values())
+        counts = {k: UnitSteps.of(frame, units, largest) for k, frame in frames.items()}
+        replicates[scope] = {k: np.full(n_boot, np.nan) for k in frames}
+        for rows, multiplicity in resample_multiplicities(len(units), n_boot, group_rng(seed, f"speedup:{group}")):
+            for k, unit_steps in counts.items():
+                replicates[scope][k][rows] = unit_steps.replicates(resampled, k, multiplicity, rows)
         rows_by_scope[scope] = []
         for k, frame in frames.items():
             tau, tau_ci = tau_with_ci(frame, n_boot=n_boot, seed=seed, group=group)
             speedup_ci = [float(x) for x in interval(replicates[scope][k])]
-            rows_by_scope[scope].append(sweep_row(k, tau, tau_ci, costs, estimate_by_k[k], speedup_ci))
+            rows_by_scope[scope].append(sweep_row(k, tau, tau_ci, counts[k].point_speedup(point, k), estimate_by_k[k], speedup_ci))
     overall = rows_by_scope.pop(OVERALL)
     sweep = Sweep(overall=overall, by_class=rows_by_scope, costs=_costs_block(costs, cost_samples))
     return PricedSweep(sweep, replicates)
