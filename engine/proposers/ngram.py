@@ -12,6 +12,27 @@ The rule (vLLM ``speculative_config = {"method": "ngram", ...}``, ``v1/spec_deco
   step (vLLM counts it as no draft at all).
 * Defaults: neither bound set -> both 5; one set -> the other copies it.
 
+Worked examples (:func:`ngram_lookup`, min 2, max 3). The suffix [2, 3] of [1, 2, 3, 4, 2, 3] occurred
+earlier, followed by 4, 2, 3; K = 4 asks for four tokens but the context ends after three:
+
+>>> from dflash_doctor.engine.proposers.ngram import NgramSettings, ngram_lookup
+>>> ngram_lookup([1, 2, 3, 4, 2, 3], 4, NgramSettings(prompt_lookup_min=2, prompt_lookup_max=3))
+[4, 2, 3]
+
+The longest suffix wins, and an occurrence may overlap it: [1, 2, 3] (length 3) begins the context, so its
+continuation is the suffix itself:
+
+>>> ngram_lookup([1, 2, 3, 1, 2, 3], 4, NgramSettings(prompt_lookup_min=2, prompt_lookup_max=3))
+[1, 2, 3]
+
+Of two earlier occurrences of one length the earliest wins ([1, 2] followed by 9, not by 7). In
+[1, 2, 3, 4, 2, 5] neither [2, 5] nor [4, 2, 5] occurred before: nothing is proposed, a plain decode step:
+
+>>> ngram_lookup([5, 1, 2, 9, 1, 2, 7, 1, 2], 4, NgramSettings(prompt_lookup_min=2, prompt_lookup_max=3))
+[9, 1, 2, 7]
+>>> ngram_lookup([1, 2, 3, 4, 2, 5], 4, NgramSettings(prompt_lookup_min=2, prompt_lookup_max=3))
+[]
+
 vLLM scans the reversed context with a prefix function (KMP) capped at ``prompt_lookup_max``; where
 the same length occurs several times its ``>=`` update keeps the occurrence furthest back. This module
 does the same scan (:func:`ngram_lookup`).

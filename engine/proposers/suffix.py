@@ -19,6 +19,29 @@ The rule (vLLM ``speculative_config = {"method": "suffix", ...}``; docs/speculat
   count's class when it led its old class, else its back; a child whose count falls goes to the front
   of its new class. The probabilities and scores are computed in float32, as the engine does.
 
+Worked example (the defaults: depth 24, spec factor 1, min probability 0.1), the local tree of the prompt
+[1, 2, 3, 4, 1, 2, 3, 5, 1, 2]. Matching the last token 2 (m = 1, one token allowed): 3 followed it twice
+in three, probability 2/3, score 2/3. Matching [1, 2] (m = 2, two tokens allowed): 3 (2/3), then 4 (4 and
+5 each followed [1, 2, 3] once; the child added first leads), probability 2/3 * 1/2, score 2/3 + 1/3 = 1.
+The better score wins; at K = 1 both drafts are cut to [3] and the tie goes to the longer match:
+
+>>> from dflash_doctor.engine.proposers.suffix import SuffixCache, SuffixSettings, choose
+>>> cache = SuffixCache(SuffixSettings())
+>>> context = [1, 2, 3, 4, 1, 2, 3, 5, 1, 2]
+>>> cache.start_request(context)
+>>> choose(*cache.candidates(context), cache.budget(4, len(context)))
+[3, 4]
+>>> choose(*cache.candidates(context), cache.budget(1, len(context)))
+[3]
+
+The global tree holds responses only. After the response [3, 4, 6], a request [9, 3] whose own text never
+continued 3 is offered what followed 3 in that response (m = 1: one token):
+
+>>> cache.add_response([3, 4, 6])
+>>> cache.start_request([9, 3])
+>>> choose(*cache.candidates([9, 3]), cache.budget(4, 2))
+[4]
+
 Teacher forcing: the trees at a step depend only on the text before it (never on K or the schedule),
 so each anchor's candidate drafts (one per match length, before the K cap) are computed once per request
 in one walk over its output; any K then picks from them exactly. A proposal at K is *not* always the
