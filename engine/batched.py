@@ -168,12 +168,14 @@ class _StackedStates(LinearAttentionLayer):
 @torch.inference_mode()
 def generate_greedy_batch(model: CausalLM, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
                           stop_ids: frozenset[int], temperature: float = 0.0,
-                          prefill_rows: int | None = None) -> list[list[int]]:
+                          prefill_rows: int | None = None, past_end: int = 0) -> list[list[int]]:
     """The target's continuations of several prompts, every decoding step one batched forward.
 
     Greedy by default: then each continuation equals :func:`dflash_doctor.engine.live.plain_generate` at
     temperature 0 (a test checks it in fp32). ``temperature`` > 0 samples instead (extra training data).
-    Each continuation ends at (and includes) its first stop token, or after ``max_new_tokens``.
+    Each continuation ends at (and includes) its first stop token, or after ``max_new_tokens``; with
+    ``past_end``, it goes on for that many tokens past that end (the target's tokens that an engine drafting
+    past a request's end verifies its last step against), which the caller splits off.
 
     Distinct prompts are prefilled ``prefill_rows`` at a time (default :func:`prefill_rows_per_forward`:
     alone on a CPU, exactly as batch-1 decoding prefills, where a batch padded to its longest prompt did
@@ -192,7 +194,8 @@ def generate_greedy_batch(model: CausalLM, prompts: Sequence[Sequence[int]], *, 
     lengths = torch.tensor([len(p) for p in prompts], device=device)
     width = int(lengths.max())
     layers: list[CacheLayerMixin | LinearAttentionCacheLayerMixin | DummyLayer] = [
-        _batched_layer([prefilled[i][layer] for i in source], width, max_new_tokens) for layer in range(len(prefilled[0]))]
+        _batched_layer([prefilled[i][layer] for i in source], width, max_new_tokens + past_end)
+        for layer in range(len(prefilled[0]))]
     cache = DynamicCache()
     cache.layers = layers
     del prefilled  # the batched copy replaces them
@@ -200,7 +203,8 @@ def generate_greedy_batch(model: CausalLM, prompts: Sequence[Sequence[int]], *, 
     next_logits = torch.stack([last_logits[i] for i in source])
     responses: list[list[int]] = [[] for _ in prompts]
     rows = list(range(len(prompts)))  # prompt index of each batch row
-    for step in range(max_new_tokens):
+    ends: list[int | None] = [None] * len(prompts)  # each continuation's length once it has ended
+    for step in range(max_new_tokens + past_end):
         if temperature > 0:
             tokens = torch.multinomial(torch.softmax(next_logits.float() / temperature, dim=-1), 1)[:, 0]
         else:
@@ -208,9 +212,11 @@ def generate_greedy_batch(model: CausalLM, prompts: Sequence[Sequence[int]], *, 
         going = []
         for position, (row, token) in enumerate(zip(rows, tokens.tolist())):
             responses[row].append(token)
-            if token not in stop_ids:
+            if ends[row] is None and (token in stop_ids or step + 1 == max_new_tokens):
+                ends[row] = step + 1
+            if ends[row] is None or step + 1 < ends[row] + past_end:
                 going.append(position)
-        if not going or step + 1 == max_new_tokens:
+        if not going:
             break
         if len(going) < len(rows):
             keep = torch.tensor(going, device=device)

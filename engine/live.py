@@ -7,7 +7,7 @@ One sequence at a time, as a user's request is served. Each step:
 3. the acceptance rule keeps ``d1..dn`` and yields the next token (bonus or replacement);
 4. both KV caches are cropped to the committed length; the proposer receives the committed rows.
 
-The schedule (the draft budget ``remaining - 1`` and the stop-token cut) lives in
+The schedule (the draft budget, the stop-token cut and what the last step counts) lives in
 :mod:`dflash_doctor.engine.schedule`; teacher-forced replay (:mod:`dflash_doctor.engine.teacher`) walks
 the same one. The target's forwards tap the hidden states the proposer declares in ``proposer.needs``:
 the loop reads the declaration, nobody wires it into the target. Lossless: at temperature 0 the
@@ -26,7 +26,7 @@ from dflash_doctor.engine.attention import engine_attention
 from dflash_doctor.engine.divergence import TargetRows, divergence_tensor, unpack_divergence
 from dflash_doctor.engine.proposers.base import Proposer
 from dflash_doctor.engine.step_records import StepRecord, TokenRecord
-from dflash_doctor.engine.schedule import CONVENTIONS, EndOfRequest, cut_at_stop, draft_budget
+from dflash_doctor.engine.schedule import CONVENTIONS, EndOfRequest, cut_at_stop
 from dflash_doctor.engine.target import TargetModel
 from dflash_doctor.engine.verify import greedy_accept, rejection_sample
 
@@ -70,13 +70,18 @@ class StepClock:
 
 @dataclass
 class GenerationResult:
-    """Output of one request: committed tokens and, for speculative runs, per-step and per-token records."""
+    """Output of one request: committed tokens and, for speculative runs, per-step and per-token records.
+
+    ``tail_ids``: the target's tokens past the answer's end, under a convention that drafts past it
+    (:mod:`dflash_doctor.engine.schedule`): the greedy ones a teacher-forced replay verifies the last step's drafts
+    against, or what the live loop's last step sampled past the end."""
 
     output_ids: list[int]
     stop_reason: str  # "stop_token" | "max_new_tokens"
     wall_time_s: float
     steps: list[StepRecord] = field(default_factory=list)
     tokens: list[TokenRecord] = field(default_factory=list)
+    tail_ids: list[int] = field(default_factory=list)
 
 
 @engine_attention
@@ -121,12 +126,13 @@ def speculative_generate(
     stop_ids: frozenset[int] = frozenset(),
     generator: torch.Generator | None = None,
     record_tokens: bool = True,
-    convention: EndOfRequest = CONVENTIONS["vllm"],
+    convention: EndOfRequest = CONVENTIONS["llamacpp"],
 ) -> GenerationResult:
     """Generate with speculative decoding; ``k`` draft tokens per step (capped by the proposer's max_k).
 
-    ``convention`` decides the block length and the stop-token count of the last steps
-    (:mod:`dflash_doctor.engine.schedule`)."""
+    ``convention`` decides the drafts, the block length and the count of the last steps
+    (:mod:`dflash_doctor.engine.schedule`); by default every draft stays inside the budget, the rule whose
+    teacher-forced replay needs no tokens past the end."""
     if proposer.max_k is not None:
         k = min(k, proposer.max_k)
     device = target.device
@@ -143,9 +149,10 @@ def speculative_generate(
     # per-token records stay on the device until the request ends: one host copy per request
     pending: list[tuple[torch.Tensor, int, int, list[int], int]] = []  # (packed rows, step, position, drafted, accepted)
     reason = "stop_token" if last in stop_ids else "max_new_tokens"
+    tail: list[int] = []
     while reason != "stop_token" and len(output) < max_new_tokens:
         position = len(output)  # output tokens committed before this step
-        k_step = draft_budget(k, max_new_tokens, position)
+        k_step = convention.draft_budget(k, max_new_tokens, position)
         t0 = clock.mark()  # after the previous step's record kernels in the stream: they are not draft time
         proposal = proposer.propose(last, k_step, convention.block_k(k, max_new_tokens - position))
         n_drafted = len(proposal.tokens)  # a lookup proposer may offer fewer than k_step (none: a plain decode step)
@@ -155,16 +162,16 @@ def speculative_generate(
         t2 = clock.mark()
         marks.append((t0, t1, t2))
         if temperature <= 0:
-            num_accepted, next_token = greedy_accept(proposal.tokens, verified.logits)
+            run, next_token = greedy_accept(proposal.tokens, verified.logits)
         else:
             target_probs = torch.softmax(verified.logits / temperature, dim=-1)
-            num_accepted, next_token = rejection_sample(proposal.tokens, target_probs, proposal.probs, generator)
+            run, next_token = rejection_sample(proposal.tokens, target_probs, proposal.probs, generator)
         drafted = proposal.tokens.tolist()
-        accepted = drafted[:num_accepted]
+        accepted = drafted[:run][: max_new_tokens - position]  # the output keeps what fits the budget
         stop_at = cut_at_stop(accepted, stop_ids)
-        if stop_at is not None:  # an accepted stop token ends the request; nothing after it counts
+        if stop_at is not None:  # an accepted stop token ends the request; nothing after it enters the output
             accepted = accepted[: stop_at + 1]
-            num_accepted = convention.accepted_through_stop(stop_at)
+        num_accepted = convention.num_accepted(run, stop_at)
         num_committed_drafts = len(accepted)
         committed = 1 + num_committed_drafts  # last + accepted drafts enter the context
         target.crop(target.cache_length - (n_drafted + 1) + committed)
@@ -174,12 +181,15 @@ def speculative_generate(
         bonus = -1
         if stop_at is not None:
             reason = "stop_token"
-        else:
+        elif len(output) < max_new_tokens:  # else the bonus token lies past the budget: the output ends without it
             output.append(next_token)
             bonus = next_token
             last = next_token
             if next_token in stop_ids:
                 reason = "stop_token"
+        # what the step sampled that the output does not keep: past the end, on the last step (vLLM's suffix
+        # cache keeps it with the response)
+        tail = (drafted[:run] + [next_token])[len(accepted) + (bonus != -1):] if convention.drafts_past_end else []
         steps.append(StepRecord(step=len(steps), position=position, k=k, num_drafted=n_drafted, num_accepted=num_accepted,
                                 bonus_token=bonus))
         if record_tokens and n_drafted:
@@ -190,10 +200,9 @@ def speculative_generate(
     output = output[:max_new_tokens]
     steps = [replace(step, draft_time_s=clock.seconds(t0, t1), verify_time_s=clock.seconds(t1, t2))
              for step, (t0, t1, t2) in zip(steps, marks)]
-    tokens = _token_rows(pending)
-    return GenerationResult(
-        output_ids=output, stop_reason=reason, wall_time_s=time.perf_counter() - started, steps=steps, tokens=tokens
-    )
+    tokens = [t for t in _token_rows(pending) if t.position < max_new_tokens]  # drafts past the budget are no output
+    return GenerationResult(output_ids=output, stop_reason=reason, wall_time_s=time.perf_counter() - started, steps=steps,
+                            tokens=tokens, tail_ids=tail)
 
 
 def _token_rows(pending: list[tuple[torch.Tensor, int, int, list[int], int]]) -> list[TokenRecord]:

@@ -1,5 +1,5 @@
-"""The speculative schedule, written once: how many tokens a step may draft, where a stop token cuts it,
-and how the engine being modelled drafts and counts the last steps of a request (:class:`EndOfRequest`).
+"""The speculative schedule, written once: where a stop token cuts a step, and how the engine being modelled
+drafts and counts the last steps of a request (:class:`EndOfRequest`).
 
 The live loop (:mod:`dflash_doctor.engine.live`) runs this schedule on a real target; teacher-forced
 replay (:mod:`dflash_doctor.engine.teacher`) walks the same schedule over known matches. Sharing these
@@ -14,21 +14,12 @@ from typing import Iterable
 from dflash_doctor.errors import UsageError
 
 
-def draft_budget(k: int, max_new_tokens: int, position: int) -> int:
-    """Tokens the step at ``position`` (output tokens committed before it) may draft.
-
-    Capped at ``remaining - 1`` so the step's bonus token still fits: a step never drafts past
-    ``max_new_tokens``. The last step of a request may therefore draft 0 tokens (a plain decode step,
-    which vLLM does not count as a draft).
-    """
-    return min(k, max_new_tokens - position - 1)
-
-
 def cut_at_stop(accepted: Iterable[int], stop_ids: frozenset[int]) -> int | None:
     """Index of the first stop token among the accepted draft tokens, None when there is none.
 
-    An accepted stop token ends the request: the step accepts up to and including it, nothing after it
-    is compared, and no bonus token follows.
+    An accepted stop token ends the request: the output keeps the drafts up to and including it and no
+    bonus token follows (how many drafts the step counts is the convention's:
+    :meth:`EndOfRequest.num_accepted`).
     """
     for index, token in enumerate(accepted):
         if token in stop_ids:
@@ -39,16 +30,25 @@ def cut_at_stop(accepted: Iterable[int], stop_ids: frozenset[int]) -> int | None
 # ---------------------------------------------------------------------------------------------------
 # The end of a request: the engine's convention
 #
-# Two loops agree step for step everywhere except at the end of a request (measured on the demo
-# pair: equal outputs, equal acceptance on every full-block step, different figures on the last ones):
+# Loops agree step for step everywhere except at the end of a request (measured on the demo pair: equal
+# outputs, equal acceptance on every full-block step, different figures on the last ones):
 #
-# * ``vllm`` (vLLM and SGLang, and this tool by default): every step drafts a full block of K; verification
-#   uses only the ``min(K, remaining - 1)`` drafts that fit the budget. A draft stop token that is accepted
-#   ends the request and counts as an accepted draft (the step emitted ``accepted + 1`` tokens up to it).
-# * ``official`` (PyPI ``dflash`` ``dflash_generate``): the last blocks shrink to ``min(K, remaining)``
-#   drafts, which changes a block drafter's guesses (every slot attends to the whole block), and a step
-#   that stops on an accepted draft counts the tokens produced up to and including the stop token, so the
-#   stop token takes the bonus token's place in that step's acceptance length.
+# * ``vllm`` (vLLM 0.32, and this tool by default): every step drafts K, however few tokens the request has
+#   left: vLLM's scheduler trims a step's drafts only for the token budget and the model length
+#   (``v1/core/sched/scheduler.py`` ``schedule``), never for ``max_tokens``. Its rejection sampler knows no
+#   stop tokens nor ``max_tokens``: a step counts every draft it accepts (``num_accepted =
+#   len(generated) - 1`` in ``update_from_output``), past an accepted stop token and past ``max_tokens``,
+#   and the output is cut afterwards (``_update_request_with_output``). So the step that writes a request's
+#   last token drafts K (even with one token left) and counts the drafts that equal the target's greedy
+#   tokens past the answer's end; a replay needs those tokens (``TeacherSequence.tail_ids``).
+# * ``llamacpp`` (llama.cpp's server, ``get_n_draft_max``): a step drafts at most ``remaining - 1`` tokens,
+#   so its bonus token still fits, and an accepted stop token ends the count (the step counts the drafts
+#   up to and including it). The step with one token left is a plain decode step (no draft).
+# * ``official`` (PyPI ``dflash`` ``dflash_generate``): drafts as ``llamacpp``, but the last blocks shrink
+#   to ``min(K, remaining)`` slots, which changes a block drafter's guesses (every slot attends to the
+#   whole block), and a step that stops on an accepted draft counts the tokens produced up to and
+#   including the stop token, so the stop token takes the bonus token's place in that step's acceptance
+#   length.
 #
 # A run records which convention it used (``run.json`` config ``end_of_request``).
 
@@ -58,19 +58,30 @@ class EndOfRequest:
     name: str
     shrink_last_block: bool  # block of min(K, remaining) drafts instead of K
     stop_replaces_bonus: bool  # an accepted stop draft is the step's last counted token
+    drafts_past_end: bool  # drafts K to the end and counts accepted drafts past max_tokens and a stop token
+
+    def draft_budget(self, k: int, max_new_tokens: int, position: int) -> int:
+        """Tokens the step at ``position`` (output tokens committed before it) may draft: K, or, for a loop that
+        keeps every draft inside the budget, ``remaining - 1`` so that the step's bonus token still fits
+        (the last step may then draft 0 tokens: a plain decode step, which no engine counts as a draft)."""
+        return k if self.drafts_past_end else min(k, max_new_tokens - position - 1)
 
     def block_k(self, k: int, remaining: int) -> int:
         """Block length (drafted slots) of a step with ``remaining`` tokens left in the budget."""
         return min(k, remaining) if self.shrink_last_block else k
 
-    def accepted_through_stop(self, stop_at: int) -> int:
-        """``num_accepted`` of a step whose accepted drafts hold a stop token at index ``stop_at``."""
+    def num_accepted(self, run: int, stop_at: int | None) -> int:
+        """``num_accepted`` of a step whose drafts match for ``run`` tokens and whose accepted drafts hold a
+        stop token at index ``stop_at`` (None: none)."""
+        if stop_at is None or self.drafts_past_end:
+            return run
         return stop_at if self.stop_replaces_bonus else stop_at + 1
 
 
 CONVENTIONS = {
-    "vllm": EndOfRequest("vllm", shrink_last_block=False, stop_replaces_bonus=False),
-    "official": EndOfRequest("official", shrink_last_block=True, stop_replaces_bonus=True),
+    "vllm": EndOfRequest("vllm", shrink_last_block=False, stop_replaces_bonus=False, drafts_past_end=True),
+    "llamacpp": EndOfRequest("llamacpp", shrink_last_block=False, stop_replaces_bonus=False, drafts_past_end=False),
+    "official": EndOfRequest("official", shrink_last_block=True, stop_replaces_bonus=True, drafts_past_end=False),
 }
 
 

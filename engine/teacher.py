@@ -5,7 +5,9 @@ committed text is known once that continuation is known. A draft token can only 
 earlier token of its block matched, i.e. while the draft saw exactly the true prefix. So the draft's
 guesses under teacher forcing (:meth:`Proposer.slot_logits`) decide every acceptance, and walking the
 live loop's schedule (start, accept n, jump n + 1) over them reproduces the live loop's steps for any K:
-same ``k`` cap (``remaining - 1``), same stop-token rule (:mod:`dflash_doctor.engine.live`).
+same draft budget, same stop-token rule, same last step (:mod:`dflash_doctor.engine.schedule`). An engine that
+drafts past the end (vLLM) verifies its last step's drafts against the target's greedy tokens past the
+answer's end: the replay knows them as the sequence's ``tail_ids`` (generated with the answer, at T = 0).
 
 For a chain (autoregressive) draft one pass answers every K exactly. A block drafter's guesses depend on
 its block length; one pass at block K_max is exact for K_max and a *truncated estimate* for smaller K,
@@ -19,17 +21,21 @@ and p(draft token) for a greedy draft, which gives the expected tau(K).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from dflash_doctor.engine.batched import generate_greedy_batch
 from dflash_doctor.engine.divergence import WIDTH, TargetRows, divergence_tensor, unpack_divergence
 from dflash_doctor.engine.proposers.base import Proposer
 from dflash_doctor.engine.step_records import StepRecord, TokenRecord
-from dflash_doctor.engine.schedule import CONVENTIONS, EndOfRequest, cut_at_stop, draft_budget
+from dflash_doctor.engine.schedule import CONVENTIONS, EndOfRequest, cut_at_stop
 from dflash_doctor.engine.target import TargetModel
+
+if TYPE_CHECKING:
+    from dflash_doctor.engine.target import CausalLM
 
 ANCHOR_CHUNK = 64  # anchors per draft pass: bounds the [A*B, T + A*B] attention mask on small machines
 
@@ -63,10 +69,12 @@ def matched_runs(matches: np.ndarray) -> np.ndarray:
 
 
 def walk_schedule(matches: np.ndarray, output_ids: list[int], k: int, max_new_tokens: int, stop_ids: frozenset[int],
-                  convention: EndOfRequest = CONVENTIONS["vllm"], drafted: np.ndarray | None = None) -> list[StepRecord]:
+                  convention: EndOfRequest = CONVENTIONS["llamacpp"], drafted: np.ndarray | None = None) -> list[StepRecord]:
     """The live loop's steps at K over known matches, with the live loop's schedule (engine/schedule.py);
     walked, not timed. ``drafted`` [N] caps the tokens each anchor's step drafts (a lookup proposer that
-    found fewer than K, or none: a plain decode step), as :attr:`SlotTable.drafted` records them."""
+    found fewer than K, or none: a plain decode step), as :attr:`SlotTable.drafted` records them. Slots past
+    the output match only where the table knew the target's tokens there (``TeacherSequence.tail_ids``); the
+    default convention keeps every draft inside the budget and needs none."""
     steps: list[StepRecord] = []
     n_out = len(output_ids)
     i = 0  # output index of the last committed token (output[0] comes from the prefill)
@@ -74,27 +82,51 @@ def walk_schedule(matches: np.ndarray, output_ids: list[int], k: int, max_new_to
         return steps
     while i + 1 < max_new_tokens and i + 1 < n_out:
         position = i + 1
-        k_step = draft_budget(k, max_new_tokens, position)
+        k_step = convention.draft_budget(k, max_new_tokens, position)
         if drafted is not None:
             k_step = min(k_step, int(drafted[i]))
-        n = int(matched_runs(matches[i, :k_step]))
-        stop_at = cut_at_stop(output_ids[i + 1 : i + 1 + n], stop_ids)
-        if stop_at is not None:
-            n = convention.accepted_through_stop(stop_at)
-        bonus = output_ids[i + n + 1] if stop_at is None and i + n + 1 < n_out else -1
-        steps.append(StepRecord(step=len(steps), position=position, k=k, num_drafted=k_step, num_accepted=n, bonus_token=bonus))
+        run = int(matched_runs(matches[i, :k_step]))
+        kept = min(run, max_new_tokens - position)  # accepted drafts the output keeps
+        stop_at = cut_at_stop(output_ids[i + 1 : i + 1 + kept], stop_ids)
+        end = i + 1 + (kept if stop_at is None else stop_at + 1)  # output index after the step's kept drafts
+        bonus = output_ids[end] if stop_at is None and end < min(n_out, max_new_tokens) else -1
+        steps.append(StepRecord(step=len(steps), position=position, k=k, num_drafted=k_step,
+                                num_accepted=convention.num_accepted(run, stop_at), bonus_token=bonus))
         if stop_at is not None or bonus == -1 or bonus in stop_ids:
             break
-        i += n + 1
+        i = end
     return steps
+
+
+def greedy_tail(model: CausalLM, prompt_ids: list[int], output_ids: list[int], n: int) -> list[int]:
+    """The target's ``n`` greedy tokens past the output's end (past its stop token or max_tokens): what an engine that
+    drafts past the end verifies its last step's drafts against (:attr:`TeacherSequence.tail_ids`)."""
+    if n <= 0:
+        return []
+    return generate_greedy_batch(model, [list(prompt_ids) + list(output_ids)], max_new_tokens=n, stop_ids=frozenset())[0]
+
+
+def sampled_past_end(steps: list[StepRecord], tail_ids: list[int], n_out: int) -> list[int]:
+    """The tokens a request's last step sampled past its output (the accepted drafts there and the bonus token),
+    as far as ``tail_ids`` knows them: vLLM's suffix cache keeps them with the response, as the live loop's
+    :attr:`GenerationResult.tail_ids` does."""
+    if not steps:
+        return []
+    last = steps[-1]
+    return tail_ids[: max(last.position + last.num_accepted + 1 - n_out, 0)]
 
 
 @dataclass
 class TeacherSequence:
-    """One replayed turn: the prompt and the target's own continuation (greedy, sampled or recorded)."""
+    """One replayed turn: the prompt and the target's own continuation (greedy, sampled or recorded).
+
+    ``tail_ids``: the target's greedy tokens past the continuation's end (past max_tokens or its stop token), which
+    the drafts of an engine's last step are verified against when it drafts past the end; none: those slots never
+    match."""
 
     prompt_ids: list[int]
     output_ids: list[int]
+    tail_ids: list[int] = field(default_factory=list)
 
 
 @torch.inference_mode()
@@ -109,15 +141,15 @@ def slot_table(
     full_anchors: Callable[[np.ndarray], Iterable[int]] | None = None,
     target_pass: tuple[torch.Tensor, torch.Tensor | None] | None = None,
     max_new_tokens: int | None = None,
-    convention: EndOfRequest = CONVENTIONS["vllm"],
+    convention: EndOfRequest = CONVENTIONS["llamacpp"],
 ) -> tuple[SlotTable, tuple[torch.Tensor, torch.Tensor | None]]:
     """Guesses and matches for every anchor of ``sequence`` at block length ``k``.
 
     Under a convention that shrinks the last blocks (the official loop), the anchors within ``k`` of
     ``max_new_tokens`` are drafted with the block the live loop would use there (their slots past it stay
     unmatched; the schedule never drafts them). Returns the table and the target pass (the logits of
-    the output positions [n_out, V], row i predicting output[i + 1]; the features of every position)
-    so several K can reuse one target forward. The prompt's positions get no logits: they predict
+    the output and tail positions [n_out + tail, V], row i predicting output[i + 1]; the features of every
+    position) so several K can reuse one target forward. The prompt's positions get no logits: they predict
     nothing a slot drafts, and on a long context the vocabulary head over them would be most of the
     pass's memory.
 
@@ -131,7 +163,8 @@ def slot_table(
     decide, as a schedule walk does. None: every slot of every anchor (divergence for all of them).
     """
     device = target.device
-    ids = torch.tensor(sequence.prompt_ids + sequence.output_ids, device=device)
+    known_ids = sequence.output_ids + sequence.tail_ids  # the truth the slots are matched against
+    ids = torch.tensor(sequence.prompt_ids + known_ids, device=device)
     p_len, n_out = len(sequence.prompt_ids), len(sequence.output_ids)
     if target_pass is None:
         target.reset()
@@ -140,7 +173,7 @@ def slot_table(
         target_pass = (out.logits, out.features)
     target_logits, features = target_pass
     proposer.prepare_teacher(ids, features)
-    truth = torch.tensor(sequence.output_ids, device=device)
+    truth = torch.tensor(known_ids, device=device)
     n_anchor = max(n_out - 1, 0)
     sampled = temperature > 0
     if sampled and full_anchors is not None:
@@ -158,12 +191,12 @@ def slot_table(
         anchors = torch.arange(p_len + start, p_len + stop)
         idx = torch.arange(start, stop, device=device)  # output indices
         slot_pos = idx[:, None] + torch.arange(1, bk + 1, device=device)  # output index each slot predicts
-        known = slot_pos < n_out
+        known = slot_pos < len(known_ids)
         lengths = proposer.proposal_lengths(anchors, bk)  # a lookup proposer may draft fewer slots than bk
         if lengths is not None:
             known &= torch.arange(bk, device=device) < lengths.to(device)[:, None]
             length_parts.append(lengths.cpu())
-        safe_pos = slot_pos.clamp(max=n_out - 1)
+        safe_pos = slot_pos.clamp(max=len(known_ids) - 1)
         if full_anchors is None:
             logits = proposer.slot_logits(anchors, bk)  # [A, bk, V]
             guess = logits.argmax(dim=-1)

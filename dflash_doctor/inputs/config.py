@@ -85,9 +85,10 @@ DTYPES: tuple[str, ...] = typing.get_args(Dtype)
 #: Which verdict turns the exit code to 1: ``fail`` only, or ``warn`` as well.
 FailOn = Literal["fail", "warn"]
 FAIL_ON: tuple[str, ...] = typing.get_args(FailOn)
-#: How a block drafter's last blocks end (dflash_doctor.engine.schedule): ``vllm`` full blocks (vLLM,
-#: SGLang) or ``official`` (dflash_generate shrinks them).
-EndOfRequest = Literal["vllm", "official"]
+#: How a request's last steps draft and count (dflash_doctor.engine.schedule): ``vllm`` K drafts to the end,
+#: counted past max_tokens and a stop token; ``llamacpp`` drafts capped at the tokens left; ``official``
+#: (dflash_generate) shrinks the last blocks too.
+EndOfRequest = Literal["vllm", "llamacpp", "official"]
 END_OF_REQUEST: tuple[str, ...] = typing.get_args(EndOfRequest)
 
 
@@ -123,7 +124,7 @@ class DoctorConfig:
     cost_profile: str | None = None  # TOML/JSON step times measured in a serving engine
     timing_budget_s: float = 20.0  # seconds for timing the step costs here (stats/step_costs.py); a cost profile needs none
     engine_config: str | None = None  # vLLM speculative_config JSON or SGLang launch flags
-    end_of_request: str = "vllm"  # vllm (full blocks, vLLM/SGLang) | official (dflash_generate): engine/schedule.py
+    end_of_request: str = "vllm"  # vllm | llamacpp | official (dflash_generate): engine/schedule.py
     strict_classes: tuple[str, ...] = ()  # classes that get a capped K, or no speculation if it would not pay
     engine: str | None = None  # URL of a running OpenAI-compatible server to measure (check --engine)
     engine_model: str | None = None  # model name on that server; None = its only model

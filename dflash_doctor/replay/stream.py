@@ -26,7 +26,7 @@ import torch
 from dflash_doctor.engine.batched import generate_greedy_batch
 from dflash_doctor.engine.live import GenerationResult, plain_generate, speculative_generate
 from dflash_doctor.engine.schedule import CONVENTIONS, EndOfRequest
-from dflash_doctor.engine.teacher import TeacherSequence, slot_table, token_rows, walk_schedule
+from dflash_doctor.engine.teacher import TeacherSequence, sampled_past_end, slot_table, token_rows, walk_schedule
 from dflash_doctor.models.pair import Pair
 from dflash_doctor.processes import signal_of
 from dflash_doctor.rundir.tables import REQUESTS_SCHEMA, STEPS_SCHEMA, RequestRow, StepRow, TokenRow, as_row
@@ -135,7 +135,7 @@ def replay_live(pair: Pair, requests: Sequence[Request], *, k: int, max_new_toke
             results.append(speculative_generate(pair.target, pair.proposer, torch.tensor(p.prompt_ids, device=pair.target.device), k=k,
                                                 max_new_tokens=p.max_new_tokens, temperature=temperature, stop_ids=pair.stop_ids,
                                                 generator=generator, convention=convention))
-            pair.proposer.finish_request(p.prompt_ids, results[-1].output_ids)
+            pair.proposer.finish_request(p.prompt_ids, results[-1].output_ids + results[-1].tail_ids)
         return results
 
     return _stream(pair, run_turns(pair, requests, max_new_tokens, generate), writer, Replay(), progress)
@@ -149,27 +149,31 @@ class SharedContinuations:
     the same seeded generator drawn in the same order. The first replay generates them (on a CPU the
     largest part of a check); the others reuse them, so every speculator is judged on the very same
     turns. A turn is reused only when its prompt ids and token limit are the ones it was generated for
-    (a scenario that edits the prompts generates anew)."""
+    (a scenario that edits the prompts generates anew), and when its tail past the end is as long as the
+    replay needs (a larger K needs more)."""
 
     def __init__(self) -> None:
-        self._answers: dict[tuple[str, int], tuple[list[int], int, list[int], str]] = {}
+        self._answers: dict[tuple[str, int], tuple[list[int], int, list[int], str, list[int]]] = {}
 
-    def lookup(self, pending: PendingTurn) -> GenerationResult | None:
+    def lookup(self, pending: PendingTurn, past_end: int) -> GenerationResult | None:
         """A fresh result (no steps or tokens yet) for a turn generated before, else None."""
         known = self._answers.get((pending.request.id, pending.index))
-        if known is None or known[0] != pending.prompt_ids or known[1] != pending.max_new_tokens:
+        if known is None or known[0] != pending.prompt_ids or known[1] != pending.max_new_tokens or len(known[4]) < past_end:
             return None
-        return GenerationResult(output_ids=list(known[2]), stop_reason=known[3], wall_time_s=float("nan"))
+        return GenerationResult(output_ids=list(known[2]), stop_reason=known[3], wall_time_s=float("nan"),
+                                tail_ids=list(known[4][:past_end]))
 
     def remember(self, pending: PendingTurn, result: GenerationResult) -> None:
         self._answers[(pending.request.id, pending.index)] = (list(pending.prompt_ids), pending.max_new_tokens,
-                                                              list(result.output_ids), result.stop_reason)
+                                                              list(result.output_ids), result.stop_reason, list(result.tail_ids))
 
 
-def _continuations(pair: Pair, temperature: float, generator: torch.Generator, shared: SharedContinuations | None):
+def _continuations(pair: Pair, temperature: float, generator: torch.Generator, shared: SharedContinuations | None,
+                   past_end: int = 0):
     """The target's own answers: batched greedy at T = 0 (the batch's padded decoding steps may flip a
     near-tie relative to batch-1 decoding, which is why the lossless probe arbitrates a mismatch with
-    unbatched decoding), sampled one by one above; turns ``shared`` holds already are taken from it."""
+    unbatched decoding), sampled one by one above; turns ``shared`` holds already are taken from it. At
+    T = 0 each answer comes with ``past_end`` greedy tokens past its end (:attr:`GenerationResult.tail_ids`)."""
     def generate_new(pending: Sequence[PendingTurn]) -> list[GenerationResult]:
         if temperature > 0:
             return [
@@ -181,17 +185,19 @@ def _continuations(pair: Pair, temperature: float, generator: torch.Generator, s
         for start in range(0, len(pending), GREEDY_BATCH_SIZE):
             batch = pending[start:start + GREEDY_BATCH_SIZE]
             outputs = generate_greedy_batch(pair.target.model, [p.prompt_ids for p in batch], max_new_tokens=max(p.max_new_tokens for p in batch),
-                                            stop_ids=pair.stop_ids)
+                                            stop_ids=pair.stop_ids, past_end=past_end)
             for item, output in zip(batch, outputs, strict=True):
-                output = output[:item.max_new_tokens]
-                stopped = bool(output) and output[-1] in pair.stop_ids
-                results.append(GenerationResult(output_ids=output, stop_reason="stop_token" if stopped else "max_new_tokens", wall_time_s=float("nan")))
+                end = next((i + 1 for i, token in enumerate(output[:item.max_new_tokens]) if token in pair.stop_ids),
+                           min(len(output), item.max_new_tokens))
+                stopped = bool(output) and output[end - 1] in pair.stop_ids
+                results.append(GenerationResult(output_ids=output[:end], stop_reason="stop_token" if stopped else "max_new_tokens",
+                                                wall_time_s=float("nan"), tail_ids=output[end:end + past_end]))
         return results
 
     def generate(pending: Sequence[PendingTurn]) -> list[GenerationResult]:
         if shared is None:
             return generate_new(pending)
-        known = [shared.lookup(p) for p in pending]
+        known = [shared.lookup(p, past_end) for p in pending]
         missing = [p for p, result in zip(pending, known) if result is None]
         fresh = iter(generate_new(missing))
         results = [result if result is not None else next(fresh) for result in known]
@@ -227,7 +233,7 @@ def replay_teacher(pair: Pair, requests: Sequence[Request], *, ks: tuple[int, ..
 
     def annotate(turn: Turn) -> None:
         result = turn.result
-        sequence = TeacherSequence(turn.prompt_ids, result.output_ids)
+        sequence = TeacherSequence(turn.prompt_ids, result.output_ids, result.tail_ids)
 
         def drafted_from(matches: np.ndarray) -> list[int]:
             """The anchors K_max's schedule drafts from: the only ones the tokens table has rows for."""
@@ -244,7 +250,6 @@ def replay_teacher(pair: Pair, requests: Sequence[Request], *, ks: tuple[int, ..
                 record_divergence=recorded, full_anchors=full_anchors, target_pass=target_pass,
                 max_new_tokens=turn.max_new_tokens, convention=convention,
             )
-        pair.proposer.finish_request(turn.prompt_ids, result.output_ids)  # in the replay's request order
         for k in ks:
             table = tables.get(k, tables[k_max])
             matches = table.matches[:, :k]
@@ -253,14 +258,20 @@ def replay_teacher(pair: Pair, requests: Sequence[Request], *, ks: tuple[int, ..
             steps = walk_schedule(matches, result.output_ids, k, turn.max_new_tokens, pair.stop_ids, convention, table.drafted)
             replay.steps_by_k[k].extend(as_row(StepRow(request_id=turn.key, request_class=turn.request.request_class, **vars(s))) for s in steps)
             if k == k_max:
-                if temperature <= 0 and not convention.shrink_last_block:
-                    replay.full_block_matches[turn.key] = table.matches
+                if temperature <= 0 and not convention.shrink_last_block:  # the probe reads runs inside the output
+                    inside = np.arange(len(table.matches))[:, None] + np.arange(1, k + 1) < len(result.output_ids)
+                    replay.full_block_matches[turn.key] = table.matches & inside
                 result.steps = steps
                 result.tokens = token_rows(tables[k_max], steps, result.output_ids)
+        # in the replay's request order, with what K_max's last step sampled past the end (vLLM's suffix cache keeps it)
+        pair.proposer.finish_request(turn.prompt_ids, result.output_ids + sampled_past_end(result.steps, result.tail_ids,
+                                                                                            len(result.output_ids)))
 
     # Greedy continuations are batched across requests, one batch of requests at a time: each batch's
     # requests are annotated and journaled before the next batch generates, so a run killed mid-way keeps
     # them (a chunk of every request would journal nothing until the whole workload was generated).
     chunk = GREEDY_BATCH_SIZE if temperature <= 0 else 1
-    turns = run_turns(pair, requests, max_new_tokens, _continuations(pair, temperature, generator, shared), chunk_size=chunk)
+    past_end = k_max - 1 if convention.drafts_past_end else 0  # the tokens the last step's drafts may reach past the end
+    turns = run_turns(pair, requests, max_new_tokens, _continuations(pair, temperature, generator, shared, past_end),
+                      chunk_size=chunk)
     return _stream(pair, turns, writer, replay, progress, annotate)

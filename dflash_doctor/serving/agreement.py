@@ -40,11 +40,13 @@ import numpy as np
 import torch
 
 from dflash_doctor.engine.proposers.base import TokenListProposer
+from dflash_doctor.engine.schedule import CONVENTIONS, EndOfRequest, end_of_request
 from dflash_doctor.engine.step_records import StepRecord
-from dflash_doctor.engine.teacher import TeacherSequence, matched_runs, slot_table, walk_schedule
+from dflash_doctor.engine.teacher import TeacherSequence, greedy_tail, matched_runs, sampled_past_end, slot_table, walk_schedule
 from dflash_doctor.inputs.workloads import encode_request_turn
 from dflash_doctor.models.serving_setups import CONFIGURED, ServingSetup
 from dflash_doctor.replay.turns import turn_limit
+from dflash_doctor.serving.responses import LLAMA_CPP, VLLM
 from dflash_doctor.rundir.engine_agreement import (DecidingMargins, EngineAgreement, OutputAgreement, OutputDifference,
                                                    PromptAgreement, SetupRecord, SetupSteps, TauByScope, TauComparison,
                                                    TurnAgreement)
@@ -75,29 +77,36 @@ class TurnComparison:
 
 @torch.inference_mode()
 def compare_turn(engine, setups: list[ServingSetup], proposers: dict[str, tuple], turn, our_prompt_ids: list[int] | None,
-                 k: int, max_new_tokens: int, temperature: float) -> TurnComparison | None:
-    """Compare one engine turn with the embedded replay; None when the engine returned no output ids."""
+                 k: int, max_new_tokens: int, temperature: float,
+                 convention: EndOfRequest = CONVENTIONS["llamacpp"]) -> TurnComparison | None:
+    """Compare one engine turn with the embedded replay; None when the engine returned no output ids.
+
+    ``convention``: how the engine drafts and counts a request's last step. One that drafts past the end
+    (vLLM) verifies the last step's drafts against the target's greedy tokens past the output, which the
+    target generates here (at T = 0), so every engine step is compared, the last one included."""
     output = turn.output_token_ids
     if not output or len(output) < 2:
         return None
     prompt = turn.prompt_token_ids if turn.prompt_token_ids is not None else our_prompt_ids
     if prompt is None:
         return None
-    sequence = TeacherSequence(list(prompt), list(output))
+    model = shared_target_model(proposers)
+    tail = greedy_tail(model, prompt, output, k - 1) if convention.drafts_past_end and temperature <= 0 else []
+    sequence = TeacherSequence(list(prompt), list(output), tail)
     configured = proposers.get(CONFIGURED, (None, None))[0]
     listed = turn.steps
     if isinstance(configured, TokenListProposer) and listed and all(s.position < 0 for s in listed):
         listed = place_steps(configured, list(prompt), list(output), listed, k)
     steps = [s for s in listed if s.position >= 1 and s.num_drafted > 0]
-    # an engine step whose block runs past the returned output cannot be replayed (its accepted tokens
-    # beyond max_tokens were dropped by the server), so it is left out of the per-step comparison
-    comparable = [s for s in steps if s.position + s.num_drafted <= len(output)]
+    # an engine step whose block runs past the known tokens (the output and the tail) cannot be replayed (the
+    # server dropped its tokens past the end), so it is left out of the per-step comparison
+    comparable = [s for s in steps if s.position + s.num_drafted <= len(output) + len(tail)]
     tables: dict[str, np.ndarray] = {}
     drafted: np.ndarray | None = None
     margins: dict[str, tuple[list[float], list[float]]] = {}
     first_difference = None
     outputs_match = None
-    logits, hidden_states = _target_pass(shared_target_model(proposers), sequence)
+    logits, hidden_states = _target_pass(model, sequence)
     for setup in setups:
         pair = proposers.get(setup.name)
         if pair is None:
@@ -126,8 +135,10 @@ def compare_turn(engine, setups: list[ServingSetup], proposers: dict[str, tuple]
                                                     target_top2_margin=float(top2[0] - top2[1]))
     server_accepted = [int(s.num_accepted) for s in comparable]
     embedded = {name: [_run(m[s.position - 1], s.num_drafted) for s in comparable] for name, m in tables.items()}
-    own = (walk_schedule(tables[CONFIGURED], list(output), k, max_new_tokens, engine.stop_ids, drafted=drafted)
+    own = (walk_schedule(tables[CONFIGURED], list(output), k, max_new_tokens, engine.stop_ids, convention, drafted)
            if CONFIGURED in tables else [])
+    if configured is not None:  # in the order served, with what the engine's last step sampled past the end
+        configured.finish_request(list(prompt), list(output) + sampled_past_end(steps, tail, len(output)))
     return TurnComparison(
         request_id=turn.key, request_class=turn.request.request_class,
         prompt_matches=None if our_prompt_ids is None or turn.prompt_token_ids is None else list(our_prompt_ids) == list(turn.prompt_token_ids),
@@ -168,8 +179,8 @@ def shared_target_model(proposers: dict[str, tuple]):
 
 @torch.inference_mode()
 def _target_pass(model, sequence: TeacherSequence):
-    """One target forward over prompt + output: logits [T, V] and every layer's hidden states, shared by all setups."""
-    ids = torch.tensor(sequence.prompt_ids + sequence.output_ids, device=next(model.parameters()).device)
+    """One target forward over prompt + output + tail: logits [T, V] and every layer's hidden states, shared by all setups."""
+    ids = torch.tensor(sequence.prompt_ids + sequence.output_ids + sequence.tail_ids, device=next(model.parameters()).device)
     out = model(input_ids=ids[None], output_hidden_states=True, use_cache=False)
     return out.logits[0].float(), out.hidden_states
 
@@ -331,13 +342,19 @@ def compare_with_embedded(engine, answered, config, *, seed: int = 0) -> EngineA
     engine_k = next((t.measurement.num_spec_tokens for t in answered if t.measurement.num_spec_tokens), None)
     limits = [limit for limit in (engine_k, engine.proposer.max_k) if limit]  # an n-gram lookup has no max_k of its own
     k = min(limits) if limits else engine.default_k
+    # the engine decides how a request's last step drafts and counts; the configuration names it for an engine
+    # whose rule is not read here (SGLang)
+    kinds = {t.measurement.server_kind for t in answered}
+    kind = kinds.pop() if len(kinds) == 1 else None
+    convention = CONVENTIONS[kind] if kind in (VLLM, LLAMA_CPP) else end_of_request(config.end_of_request)
     answers: dict[str, list[str]] = {}
     comparisons = []
     for turn in sorted(answered, key=lambda t: (t.request.id, t.turn)):
         previous = answers.setdefault(turn.request.id, [])
         ours = encode_request_turn(engine.tokenizer, turn.request, previous, chat_template=engine.chat_template)
         previous.append(turn.output_text)
-        comparison = compare_turn(engine, setups, proposers, turn, ours, k, turn_limit(turn.request, config.max_new_tokens), config.temperature)
+        comparison = compare_turn(engine, setups, proposers, turn, ours, k, turn_limit(turn.request, config.max_new_tokens),
+                                  config.temperature, convention)
         if comparison is not None:
             comparisons.append(comparison)
     return summarize_agreement(comparisons, answered, engine_k=engine_k,

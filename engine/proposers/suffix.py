@@ -306,6 +306,7 @@ class SuffixProposer(TokenListProposer):
         self._in_trees = 0  # context tokens already in the trees (live)
         self._teacher_ids: list[int] = []
         self._anchors: dict[int, tuple[list[Candidate], list[Candidate]]] | None = None  # per anchor, both trees' candidates
+        self._walked = 0  # teacher ids already in the trees
 
 
     # live loop: start_request at start, the sampled token enters the trees at propose, the accepted drafts at accept
@@ -335,11 +336,13 @@ class SuffixProposer(TokenListProposer):
 
     def finish_request(self, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> None:
         """The replay is done with this request: its whole output is in the trees, as the engine adds the
-        last step's sampled tokens too. A teacher-forced request too short to have any anchor (one output
-        token) enters them here."""
+        last step's sampled tokens too (``output_ids`` then holds those past the end as well). A teacher-forced
+        request too short to have any anchor (one output token) enters them here."""
         if self._teacher_open and self._anchors is None:
             self.cache.start_request(list(prompt_ids))
             self.cache.add_response(list(output_ids))
+        elif self._teacher_open:  # the walk stopped at the last anchor asked for
+            self.cache.add_response(list(output_ids)[self._walked - len(prompt_ids):])
         elif self._live_open:  # the last step's sampled token has not been proposed from: it enters now
             self.cache.add_response(list(output_ids)[self._in_trees - len(prompt_ids):])
         self._teacher_open = self._live_open = False
@@ -354,20 +357,22 @@ class SuffixProposer(TokenListProposer):
         self._teacher_ids = ids
         self._anchors = None
 
-    def _walk(self, prompt_len: int) -> None:
-        """The request's whole walk: start it, then per output token, add it and keep that anchor's candidates.
-
-        The prompt ends where the first anchor sits (the teacher asks for anchors from output index 0)."""
+    def _walk(self, anchor: int) -> None:
+        """The request's walk up to ``anchor``: started at the first anchor asked for (the teacher asks from output
+        index 0, where the prompt ends), then per output token, add it and keep that anchor's candidates. It
+        stops at the last anchor asked for: the ids past it (the target's tokens past the output's end) enter
+        the trees only as far as the engine sampled them (:meth:`finish_request`)."""
         ids = self._teacher_ids
-        self.cache.start_request(ids[:prompt_len])
-        self._anchors = {}
-        for a in range(prompt_len, len(ids)):
+        if self._anchors is None:
+            self.cache.start_request(ids[:anchor])
+            self._anchors, self._walked = {}, anchor
+        for a in range(self._walked, anchor + 1):
             self.cache.add_response([ids[a]])
             self._anchors[a] = self.cache.candidates(ids[max(a + 1 - self.settings.max_tree_depth, 0):a + 1])
+        self._walked = max(self._walked, anchor + 1)
 
     def _proposal(self, anchor: int, k: int) -> list[int]:
-        if self._anchors is None:
-            self._walk(anchor)
+        self._walk(anchor)
         assert self._anchors is not None
         local, global_ = self._anchors[anchor]
         return choose(local, global_, self.cache.budget(k, anchor + 1))
