@@ -5,8 +5,9 @@ in interleaved rounds until each median is known within 5% or the time budget ru
 (:mod:`dflash_doctor.stats.step_costs`), then fitted under the physics of a forward pass: verifying more
 tokens never costs less, and no verify costs less than a decode. A timing whose raw medians break that
 order beyond their own intervals even after a re-timing was taken on a machine too busy to price on:
-the check warns and the recommendation gives no advice. A median still looser than the target when the
-budget ran out is worth knowing (the intervals carry it) but changes nothing by itself.
+the check warns and the recommendation gives no advice (``[checks.timing] fail_on_violation = true``
+makes it fail, for a CI lane whose runner is meant to be quiet). A median still looser than the target when
+the budget ran out is worth knowing (the intervals carry it) but changes nothing by itself.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ class TimingCheck(Check):
     title = "Step timing"
     needs = ("record",)  # record.summary.sweep.costs: the fitted costs and their spread
 
+    fail_on_violation: bool = False  # a timing that breaks the physics fails instead of warning
+
     def run(self, ctx: CheckContext) -> CheckResult:
         record: RunRecord = ctx.value("record")
         sweep = record.summary.sweep
@@ -36,7 +39,8 @@ class TimingCheck(Check):
         spread = sweep.costs.get("spread")
         if not isinstance(spread, dict):
             return skipped(self.id, "the run's costs carry no spread (timed before intervals were kept)")
-        findings = [Finding("warn", f"the step timings break the cost model: {violation}; the K advice is withheld",
+        severity = "fail" if self.fail_on_violation else "warn"
+        findings = [Finding(severity, f"the step timings break the cost model: {violation}; the K advice is withheld",
                             evidence=f"re-timed {', '.join(spread.get('retimed') or []) or 'nothing'} once; raw samples in costs.parquet",
                             fix="rerun on a quiet machine, give the timing more time (--timing-budget) or price with --cost-profile")
                     for violation in spread.get("violations") or []]
