@@ -1,6 +1,6 @@
 """timing: can the step costs that price every K be trusted?
 
-The K advice and a head-to-head's verdict are ratios of step times (docs/speedup.md). They are timed here
+The K advice and a head-to-head's verdict are ratios of step times (docs/definitions.md#net-speedup). They are timed here
 in interleaved rounds until each median is known within 5% or the time budget runs out
 (:mod:`dflash_doctor.stats.step_costs`), then fitted under the physics of a forward pass: verifying more
 tokens never costs less, and no verify costs less than a decode. A timing whose raw medians break that

@@ -289,3 +289,41 @@ def test_time_steps_extends_given_samples_for_a_retiming():
     timed = time_steps({DECODE: lambda: machine.run("decode", 0)}, budget_s=0.0, clock=machine.clock,
                        start={DECODE: [1.0, 1.0]})
     assert len(timed[DECODE]) == 2 + 6
+
+
+# ----------------------------------------------------------------------------- the head-to-head's verdict
+
+
+def _contender(name: str, steps: dict[int, pd.DataFrame], samples: CostSamples):
+    from dflash_doctor.rundir.run_record import ModelInfo
+    from dflash_doctor.stats.head_to_head import Contender
+    from dflash_doctor.stats.metrics import summarize
+
+    summary = summarize(steps[max(steps)])
+    summary.sweep = build_sweep(steps, fitted_costs(samples), {k: "exact" for k in steps}, cost_samples=samples, n_boot=200).sweep
+    models = {"target": ModelInfo("t", "0", "float32", "cpu", "target"), "draft": ModelInfo(name, "0", "float32", "cpu", name)}
+    return Contender(name, RunRecord(meta=RunMeta(command="check"), models=models, summary=summary), steps, samples)
+
+
+def test_a_head_to_head_names_no_winner_on_one_conversation_and_pairs_the_timing():
+    """The probe's case: a class verdict drawn from one drafted step of one conversation (its two turns were
+    resampled as two requests). Now the unit is the conversation, and too few of them give no winner."""
+    from dflash_doctor.stats.head_to_head import build_head_to_head
+
+    keys = [DECODE, ("verify", 4), ("draft", 4)]
+    rng = np.random.default_rng(7)
+    timing = {key: list(physical(*key) * rng.lognormal(0.0, 0.05, 12)) for key in keys}
+    good = {"r0": [4] * 3, "r0#t1": [4] * 3}
+    poor = {"r0": [0] * 3, "r0#t1": [1] * 3}
+    first = _contender("good", {4: steps_frame(4, good)}, table(timing))
+    second = _contender("poor", {4: steps_frame(4, poor)}, table({**timing, ("draft", 4): [0.0001] * 12}))
+    verdict = build_head_to_head([first, second], n_boot=200).scopes[OVERALL].verdict
+    assert not verdict.decisive and "too few requests to decide (1 conversation(s)" in verdict.text
+
+    many = {f"r{i}": [4] * 12 for i in range(8)}
+    few = {f"r{i}": [0] * 12 for i in range(8)}
+    result = build_head_to_head([_contender("good", {4: steps_frame(4, many)}, table(timing)),
+                                 _contender("poor", {4: steps_frame(4, few)}, table(timing))], n_boot=200)
+    verdict = result.scopes[OVERALL].verdict
+    assert verdict.decisive and verdict.text.startswith("overall: deploy good at K=4")
+    assert len(result.costs["t_decode_s_ci"]) == 2 and set(result.costs["t_draft_s_ci"]) == {"good", "poor"}
