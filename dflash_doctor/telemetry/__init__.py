@@ -8,8 +8,8 @@ turns them into windows of the same metrics every other view uses (``num_drafts`
 token, vLLM's definition), compares each window with a baseline, and says when to fall back.
 
 Layout: :mod:`.counts` (the window arithmetic and its interval), :mod:`.exposition` (Prometheus text
-format), :mod:`.engines` (one reader per engine's metric names), :mod:`.logs` and :mod:`.responses`
+format), :mod:`.server_metrics` (one reader per engine's metric names), :mod:`.logs` and :mod:`.captured_responses`
 (one parser per engine's log line / response payload), :mod:`.sources` (where numbers come from),
 :mod:`.watcher` (windows over time, counter resets, scrape failures), :mod:`.verdict` (alerts and the
-fallback advice), :mod:`.record` (the run directory), :mod:`.exporter` (optional Prometheus gauges).
+fallback advice), :mod:`.watch_record` (the run directory), :mod:`.exporter` (optional Prometheus gauges).
 """
