@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 from cli_helpers import assert_usage_error, invoke
 from fixture_runs import make_fixture_run
 from recording_server import recording_server
-from dflash_doctor.cli import tune as tune_cli
+from dflash_doctor.tune import experiment as tune_experiment
 from dflash_doctor.cli.root import _CommandsOnDemand
 from dflash_doctor.processes import EXIT_CRASH
 
@@ -29,7 +29,7 @@ def test_tune_start_timeout_is_finite_and_positive_before_any_server_starts(tmp_
     def launched(*args, **kwargs):
         raise AssertionError("tune went on to launch a server")
 
-    monkeypatch.setattr(tune_cli, "run_tune", launched)
+    monkeypatch.setattr(tune_experiment, "run_tune", launched)
     result = invoke("tune", "--engine", "http://127.0.0.1:9", "--k", "0,2", f"--start-timeout={value}",
                     "--launch-baseline", "sleep 1000", "--launch", "sleep 1000 {k}", "--out", tmp_path / "t")
     assert_usage_error(result, f"--start-timeout {float(value)}", "seconds")
