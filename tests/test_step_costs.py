@@ -327,3 +327,18 @@ def test_a_head_to_head_names_no_winner_on_one_conversation_and_pairs_the_timing
     verdict = result.scopes[OVERALL].verdict
     assert verdict.decisive and verdict.text.startswith("overall: deploy good at K=4")
     assert len(result.costs["t_decode_s_ci"]) == 2 and set(result.costs["t_draft_s_ci"]) == {"good", "poor"}
+
+
+def test_a_head_to_head_shares_the_timing_of_the_speculator_that_verified_the_largest_k():
+    """A block drafter of 8 slots times verification up to K = 7, an n-gram lookup up to 8: the lookup's K = 8 is
+    priced from the wider timing's samples (the GPU lane's head-to-head failed with "K=8 was asked")."""
+    from dflash_doctor.stats.head_to_head import build_head_to_head
+
+    rng = np.random.default_rng(8)
+    block = {key: list(physical(*key) * rng.lognormal(0.0, 0.05, 8)) for key in [DECODE, ("verify", 7), ("draft", 7)]}
+    lookup = {key: list(physical(*key) * rng.lognormal(0.0, 0.05, 8)) for key in [DECODE, ("verify", 8), ("draft", 8)]}
+    conversations = {f"r{i}": [3] * 10 for i in range(6)}
+    result = build_head_to_head([_contender("block", {7: steps_frame(7, conversations)}, table(block)),
+                                 _contender("lookup", {8: steps_frame(8, conversations)}, table(lookup))], n_boot=100)
+    assert result.costs["t_verify_s"].keys() == {"8"} and result.costs["t_verify_s_ci"].keys() == {"8"}
+    assert all(np.isfinite(row.speedup) for row in result.scopes[OVERALL].rows)

@@ -102,24 +102,28 @@ def _row_json(row: ContenderRow) -> dict[str, Any]:
     return data
 
 
+def _widest(costs: Sequence[StepCosts]) -> int:
+    """The speculator whose check timed verification up to the largest K (the first of those): its target
+    times are shared, so a speculator priced at a larger K than another's block still finds its verify time."""
+    return max(range(len(costs)), key=lambda i: max(costs[i].t_verify_s))
+
+
 def _shared_costs(costs: Sequence[StepCosts]) -> list[StepCosts]:
     """Each speculator's costs with one set of decode and verify times: the target's, the same for all of
-    them, taken from the speculator whose check timed verification up to the largest K (the first of
-    those), so a speculator priced at a larger K than the first one's block still finds its verify time."""
-    base = max(costs, key=lambda c: max(c.t_verify_s))
+    them, taken from :func:`_widest`; each keeps its own draft times."""
+    base = costs[_widest(costs)]
     return [StepCosts(t_decode_s=base.t_decode_s, t_verify_s=base.t_verify_s, t_draft_s=c.t_draft_s, source=c.source, device=c.device)
             for c in costs]
 
 
-def _shared_samples(contenders: Sequence[Contender], costs: Sequence[StepCosts]) -> list[CostSamples] | None:
-    """The raw timings behind :func:`_shared_costs`: the target's decode and verify samples of the one
-    speculator whose verify times are shared, each speculator's own draft samples. None when any
-    speculator was priced with a cost profile (no samples: the costs are taken as exact)."""
+def _shared_samples(contenders: Sequence[Contender], widest: int) -> list[CostSamples] | None:
+    """The raw timings behind :func:`_shared_costs`: the target's decode and verify samples of the ``widest``
+    speculator, each speculator's own draft samples. None when any speculator was priced with a cost profile
+    (no samples: the costs are taken as exact)."""
     samples = [c.cost_samples for c in contenders]
-    if any(s is None for s in samples):
+    base = samples[widest]
+    if base is None or any(s is None for s in samples):
         return None
-    base = samples[max(range(len(costs)), key=lambda i: max(costs[i].t_verify_s))]
-    assert base is not None
     target = {key: v for key, v in base.seconds.items() if key[0] != "draft"}
     return [CostSamples({**target, **{key: v for key, v in s.seconds.items() if key[0] == "draft"}}, device=s.device,
                         flat_draft=s.flat_draft, budget_s=s.budget_s, retimed=s.retimed, violations=s.violations)
@@ -129,14 +133,13 @@ def _shared_samples(contenders: Sequence[Contender], costs: Sequence[StepCosts])
 def _cost_models(contenders: Sequence[Contender], n_boot: int, seed: int) -> tuple[list[StepCosts], list[list[StepCosts]] | None]:
     """Each speculator's point costs and, when timed here, ``n_boot`` replicates per speculator: one draw of the
     target's decode and verify times shared by all of them (paired), its own draws of its draft time."""
-    point = _shared_costs([c.record.summary.sweep.step_costs() for c in contenders])  # type: ignore[union-attr]
-    samples = _shared_samples(contenders, point)
+    own = [c.record.summary.sweep.step_costs() for c in contenders]  # type: ignore[union-attr]
+    samples = _shared_samples(contenders, _widest(own))
     if samples is None:
-        return point, None
+        return _shared_costs(own), None
     rng = group_rng(seed, "head-to-head:timing")
     target = resampled_medians({key: v for key, v in samples[0].seconds.items() if key[0] != "draft"}, n_boot, rng)
-    point = [fitted_costs(s) for s in samples]
-    return point, [cost_replicates(s, n_boot, rng, shared=target) for s in samples]
+    return [fitted_costs(s) for s in samples], [cost_replicates(s, n_boot, rng, shared=target) for s in samples]
 
 
 def _scope_steps(steps: pd.DataFrame, scope: str) -> pd.DataFrame:
