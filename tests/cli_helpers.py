@@ -31,3 +31,9 @@ def assert_usage_error(result, *fragments: str) -> None:
     assert not re.search(r"\.\s+[A-Z]", message), f"more than one sentence: {message}"
     for fragment in fragments:
         assert fragment in message, f"{fragment!r} not in {message!r}"
+
+
+def drafted_inside_the_answer(steps, max_new_tokens: int) -> int:
+    """Drafted tokens at output positions inside the budget: the ones with a token record. Under the vllm
+    end-of-request rule the last step drafts K past the end, counted in the step, with no output to compare."""
+    return int((steps["num_drafted"].clip(upper=(max_new_tokens - steps["position"]).clip(lower=0))).sum())

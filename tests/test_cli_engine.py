@@ -22,7 +22,7 @@ from dflash_doctor.models.draft_kinds import detect_draft_kind
 from dflash_doctor.inputs.validation import read_config_json
 from dflash_doctor.models.loading import load_dflash_draft, save_dflash_draft
 from dflash_doctor.rundir.load import load_run
-from cli_helpers import assert_usage_error, invoke, pair_args
+from cli_helpers import assert_usage_error, drafted_inside_the_answer, invoke, pair_args
 from hub_cache import hub_snapshot, offline_hub_cache
 from tiny_models import CLASSES, VOCAB, tiny_dflash, tiny_target, write_workload
 
@@ -71,7 +71,7 @@ def test_replay_detects_dflash_and_writes_a_run_directory(tiny_dir, tmp_path):
     assert run.meta["models"]["draft"]["block_size"] == 6
     assert sorted(run.requests["request_id"]) == sorted(f"{c}-{i}" for c in CLASSES for i in range(2))
     assert (run.steps["num_drafted"] <= 5).all() and run.steps["num_drafted"].max() == 5
-    assert len(run.tokens) == run.steps["num_drafted"].sum()
+    assert len(run.tokens) == drafted_inside_the_answer(run.steps, run.meta["config"]["max_new_tokens"])
     assert run.meta["summary"]["overall"]["num_drafts"] == int((run.steps["num_drafted"] > 0).sum())
 
 

@@ -124,7 +124,7 @@ def _help(*command: str) -> str:
 
 def test_choice_flags_list_their_choices_and_every_flag_its_real_default():
     text = _help("check")
-    for choices in ("<float32|bfloat16|float16>", "<fail|warn>", "<vllm|official>", "<inline|cdn>", "dflash | eagle3 | autoregressive | auto"):
+    for choices in ("<float32|bfloat16|float16>", "<fail|warn>", "<vllm|llamacpp|official>", "<inline|cdn>", "dflash | eagle3 | autoregressive | auto"):
         assert choices in text
     for default in ("default: (float32)", "default: (128)", "default: (cpu)", "default: (auto)", "default: (fail)"):
         assert default in text
