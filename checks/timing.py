@@ -47,7 +47,7 @@ class TimingCheck(Check):
         target = float(spread.get("target_relative_half_width", 0.05))
         loose = {name: width for name, width in _half_widths(spread).items() if not width <= target}
         if loose:
-            worst = max(loose, key=loose.get)
+            worst = max(loose, key=lambda name: loose[name])
             findings.append(Finding("info", f"{len(loose)} step kind(s) timed looser than +-{target:.0%} within the "
                                     f"{spread.get('budget_s', 0):g} s budget (worst {worst}: +-{loose[worst]:.1%}); "
                                     "the speedup intervals carry it"))

@@ -208,7 +208,7 @@ class UnitSteps:
 
     @classmethod
     def of(cls, frame: pd.DataFrame, units: pd.Index, max_drafted: int) -> "UnitSteps":
-        codes = units.get_indexer(conversation_ids(frame["request_id"].to_numpy()))
+        codes = units.get_indexer(pd.Index(conversation_ids(frame["request_id"].to_numpy())))
         drafted = frame["num_drafted"].to_numpy(dtype=np.int64)
         accepted = frame["num_accepted"].to_numpy(dtype=np.int64)
         cells = np.bincount(codes * (max_drafted + 1) + drafted, minlength=len(units) * (max_drafted + 1))
@@ -438,7 +438,7 @@ def _recommend_one(rows: Sequence[SweepRow], replicates: Mapping[int, np.ndarray
     best = next(row for row in candidates if row.k == best_k)
     bounds = speedup_interval(best)
     noise_ks = within_noise(best_k, candidates, replicates)
-    ci = [bounds[0], bounds[1]] if bounds is not None else [None, None]
+    ci: list[float | None] = [bounds[0], bounds[1]] if bounds is not None else [None, None]
     described = _describe(best, bounds)
     if bounds is not None and bounds[1] < 1.0:
         return _speculation_off(f"Speculation off: even the best, K={best.k}, runs at {described}, slower than plain "

@@ -118,9 +118,10 @@ class CostSamples:
     @classmethod
     def from_frame(cls, frame: pd.DataFrame, *, flat_draft: bool) -> "CostSamples":
         """Inverse of :meth:`to_frame` (the model settings are not in the table: the run record has them)."""
+        ordered = frame.sort_values("repeat")
         seconds: dict[StepKey, tuple[float, ...]] = {}
-        for (kind, k), group in frame.sort_values("repeat").groupby(["kind", "k"], sort=True):
-            seconds[(str(kind), int(k))] = tuple(float(v) for v in group["seconds"])
+        for kind, k, value in zip(ordered["kind"].astype(str), ordered["k"].astype(int), ordered["seconds"].astype(float)):
+            seconds[(kind, k)] = (*seconds.get((kind, k), ()), value)
         device = str(frame["device"].iloc[0]) if len(frame) else "unknown"
         return cls(seconds=seconds, device=device, flat_draft=flat_draft)
 
@@ -262,13 +263,13 @@ def _describe(key: StepKey) -> str:
 def isotonic(values: Sequence[float], weights: Sequence[float]) -> np.ndarray:
     """Weighted least-squares non-decreasing fit (pool adjacent violators): a falling pair is replaced by
     its weighted mean, so the more precise measurement moves least."""
-    blocks: list[list[float]] = []  # [weighted mean, weight, count]
+    blocks: list[tuple[float, float, int]] = []  # (weighted mean, weight, count)
     for value, weight in zip(values, weights):
-        blocks.append([float(value), float(weight), 1])
+        blocks.append((float(value), float(weight), 1))
         while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
             mean2, w2, n2 = blocks.pop()
             mean1, w1, n1 = blocks.pop()
-            blocks.append([(mean1 * w1 + mean2 * w2) / (w1 + w2), w1 + w2, n1 + n2])
+            blocks.append(((mean1 * w1 + mean2 * w2) / (w1 + w2), w1 + w2, n1 + n2))
     return np.array([mean for mean, _, count in blocks for _ in range(count)], dtype=np.float64)
 
 
