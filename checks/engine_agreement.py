@@ -35,8 +35,11 @@ GENERIC_SERVING_CHECKLIST = ("the served draft's config and num_speculative_toke
                              "the server renders")
 
 
-def _ci(values: list[float] | None) -> str:
-    return f"[{values[0]:.2f}, {values[1]:.2f}]" if values else "[-]"
+def _ci(values: list[float | None]) -> str:
+    """``[low, high]``, or ``[-]`` where run.json holds no interval (null: the bootstrap had nothing to pool)."""
+    if len(values) > 1 and values[0] is not None and values[1] is not None:
+        return f"[{values[0]:.2f}, {values[1]:.2f}]"
+    return "[-]"
 
 
 @register
@@ -59,9 +62,11 @@ class EngineAgreementCheck(Check):
         overall = data.tau.overall
         per_step = data.per_step
         configured = per_step.get(CONFIGURED)
-        stepwise = configured is not None and configured.num_steps >= self.min_steps
+        # the configured draft's share of the engine's steps it reproduces, when enough came in step order to judge
+        share = configured.share if configured is not None and configured.num_steps >= self.min_steps else None
+        stepwise = configured if share is not None else None  # None: compared on tau alone
         engine_drafts = sum(turn.engine_drafts for turn in data.turns)
-        if not overall or (not stepwise and engine_drafts < self.min_steps):
+        if not overall or overall.difference is None or (stepwise is None and engine_drafts < self.min_steps):
             return skipped(self.id, f"fewer than {self.min_steps} engine steps could be replayed "
                                     "(need output token ids from the server)")
         findings: list[Finding] = []
@@ -69,13 +74,14 @@ class EngineAgreementCheck(Check):
         findings += self._prompt_findings(data.prompts)
         findings += self._output_findings(data.outputs)
         gap = overall.difference
-        gap_real = gap >= self.min_tau_gap and overall.difference_ci[0] > 0
-        explanation = self._best_setup(per_step, configured) if stepwise else None
+        low, high = overall.difference_ci[0], overall.difference_ci[1]
+        gap_real = gap >= self.min_tau_gap and low is not None and low > 0
+        explanation = self._best_setup(per_step, share) if share is not None else None
         tau_text = (f"engine tau {overall.engine_tau:.2f} {_ci(overall.engine_tau_ci)} vs embedded "
                     f"{overall.embedded_tau:.2f} {_ci(overall.embedded_tau_ci)} on the same outputs "
                     f"(difference {gap:+.2f}, 95% CI {_ci(overall.difference_ci)})")
-        step_text = (f"per-step acceptance reproduced on {configured.num_agreeing}/{configured.num_steps} engine steps "
-                     f"({configured.share:.0%})" if stepwise else
+        step_text = (f"per-step acceptance reproduced on {stepwise.num_agreeing}/{stepwise.num_steps} engine steps "
+                     f"({share:.0%})" if stepwise is not None else
                      f"the engine reports no step order ({engine_drafts} steps as a histogram): compared on tau alone")
         if explanation is not None:
             name, stats = explanation
@@ -86,7 +92,7 @@ class EngineAgreementCheck(Check):
                 severity, f"the server behaves like the draft with {name}: {setup.cause}",
                 f"{tau_text}; on the {stats.num_telling} engine steps where the two setups predict differently the "
                 f"server sided with {name} {stats.num_siding} times; it reproduces {stats.share:.0%} of all steps "
-                f"against {configured.share:.0%} as configured",
+                f"against {share:.0%} as configured",
                 setup.fix))
         elif gap_real:
             simulated = ", ".join(s.name for s in data.setups if s.name != CONFIGURED)  # the draft kind's own
@@ -94,18 +100,18 @@ class EngineAgreementCheck(Check):
                 "fail", f"the server accepts less than the draft does on the same text: tau {overall.engine_tau:.2f} "
                         f"vs {overall.embedded_tau:.2f}",
                 f"{tau_text}; {step_text}" + (f"; no simulated setup ({simulated}) reproduces the engine's steps"
-                                              if stepwise and simulated else ""),
+                                              if stepwise is not None and simulated else ""),
                 "the draft is fine and the serving setup is not: check "
                 + (data.serving_checklist or GENERIC_SERVING_CHECKLIST)))
-        elif gap <= -self.min_tau_gap and overall.difference_ci[1] < 0:
+        elif gap <= -self.min_tau_gap and high is not None and high < 0:
             findings.append(Finding(
                 "warn", f"the server accepts more than the embedded replay: tau {overall.engine_tau:.2f} "
                         f"vs {overall.embedded_tau:.2f}",
                 tau_text, "the server may run a different draft or K than the local one given with --draft: "
                           "compare the served config"))
-        elif stepwise and configured.share < self.step_agreement_warn_below:
+        elif share is not None and share < self.step_agreement_warn_below:
             findings.append(Finding(
-                "warn", f"tau agrees but only {configured.share:.0%} of the engine's steps are reproduced step by step",
+                "warn", f"tau agrees but only {share:.0%} of the engine's steps are reproduced step by step",
                 f"{tau_text}; {step_text}", "compare the served draft config with the local one; numerics alone part "
                                             "only near-ties"))
         margins = data.deciding_margins
@@ -118,8 +124,10 @@ class EngineAgreementCheck(Check):
         return CheckResult.from_findings(self.id, findings, metrics,
                                          f"server and embedded replay agree: {tau_text}; {step_text}")
 
-    def _best_setup(self, per_step: dict[str, SetupSteps], configured: SetupSteps) -> tuple[str, SetupSteps] | None:
-        candidates = [(name, stats) for name, stats in per_step.items()
+    def _best_setup(self, per_step: dict[str, SetupSteps], configured_share: float) -> tuple[str, SetupSteps] | None:
+        """The simulated setup the engine sides with on its telling steps and that reproduces more of its steps
+        than the configured draft (its share ``configured_share``); None when no setup does."""
+        candidates = [(name, stats, stats.share) for name, stats in per_step.items()
                       if name != CONFIGURED and stats.share is not None]
         if not candidates:
             return None
@@ -127,8 +135,8 @@ class EngineAgreementCheck(Check):
         def siding(stats: SetupSteps) -> float:
             return stats.num_siding / stats.num_telling if stats.num_telling >= self.min_telling_steps else 0.0
 
-        name, stats = max(candidates, key=lambda item: siding(item[1]))
-        if siding(stats) >= self.explains_share and stats.share > configured.share:
+        name, stats, share = max(candidates, key=lambda item: siding(item[1]))
+        if siding(stats) >= self.explains_share and share > configured_share:
             return name, stats
         return None
 

@@ -214,7 +214,8 @@ def generate_greedy_batch(model: CausalLM, prompts: Sequence[Sequence[int]], *, 
             responses[row].append(token)
             if ends[row] is None and (token in stop_ids or step + 1 == max_new_tokens):
                 ends[row] = step + 1
-            if ends[row] is None or step + 1 < ends[row] + past_end:
+            end = ends[row]
+            if end is None or step + 1 < end + past_end:
                 going.append(position)
         if not going:
             break

@@ -452,7 +452,7 @@ def _from_json(kind: Any, value: Any, where: str = "") -> Any:
     if origin is dict:
         key, item = get_args(kind)
         return {_key(key, k, name): _from_json(item, v, f"{name}.{k}") for k, v in value.items()}
-    if dataclasses.is_dataclass(kind):
+    if isinstance(kind, type) and dataclasses.is_dataclass(kind):  # the class, never an instance
         hints = get_type_hints(kind)
         fields = {_json_name(f): f for f in dataclasses.fields(kind)}
         unknown = sorted(set(value) - set(fields))

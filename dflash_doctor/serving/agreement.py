@@ -236,7 +236,9 @@ def _tau_block(rows: list[tuple[int, int, int, int]], rng: np.random.Generator, 
     with np.errstate(invalid="ignore", divide="ignore"):
         boot_server = 1 + sample[..., 1].sum(1) / sample[..., 0].sum(1)
         boot_embedded = 1 + sample[..., 3].sum(1) / sample[..., 2].sum(1)
-    interval = lambda x: [float(v) for v in np.nanpercentile(x, [2.5, 97.5])]  # noqa: E731
+    def interval(x: np.ndarray) -> list[float | None]:
+        return [float(v) for v in np.nanpercentile(x, [2.5, 97.5])]
+
     return TauComparison(
         num_turns=int(len(data)),
         engine_tau=server, engine_tau_ci=interval(boot_server),

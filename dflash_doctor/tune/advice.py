@@ -88,7 +88,7 @@ def recommend_grid(cells: list[dict[str, Any]], *, strict_classes: tuple[str, ..
         # a strict class is judged on the K it may serve only
         eligible = {scope: [row for row in scope_rows if scope not in strict_classes or row["k"] <= strict_max_k]
                     for scope, scope_rows in rows.items()}
-        chosen = {scope: dataclasses.asdict(pick) | {"verdict": verdict(eligible[scope])}
+        chosen: dict[str, dict[str, Any]] = {scope: dataclasses.asdict(pick) | {"verdict": verdict(eligible[scope])}
                   for scope, pick in picks.items()}
         for scope, pick in chosen.items():
             if not eligible[scope]:

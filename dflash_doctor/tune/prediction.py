@@ -163,10 +163,11 @@ def _drift_spread(base: dict[str, list]) -> float | None:
 
 def _resample(cells: list[dict[str, Any]], load: Any, ks: list[int], seed: int, n_boot: int) -> _Resampled | None:
     """The bootstrap of t_decode and step(K) at ``ks`` (see the module doc); None without per-request figures."""
-    base = cell(cells, load, 0)
-    measured = [cell(cells, load, k) for k in ks]
-    if any(c is None or c.get("per_request") is None for c in [base, *measured]):
+    found = [cell(cells, load, k) for k in (0, *ks)]
+    complete = [c for c in found if c is not None and c.get("per_request") is not None]
+    if len(complete) < len(found):
         return None
+    base, measured = complete[0], complete[1:]
     figures = [base["per_request"]] + [c["per_request"] for c in measured]
     ids = {r: i for i, r in enumerate(sorted({r for f in figures for r in f["request_id"]}))}
     columns = [_by_request(base["per_request"], ids, "tokens", None)]
@@ -195,13 +196,14 @@ def fit_costs(cells: list[dict[str, Any]], load: Any, fit_ks: tuple[int, ...], *
     base = cell(cells, load, 0)
     if base is None or not base.get("tpot_s"):
         return None
-    ks = [k for k in fit_ks if (c := cell(cells, load, k)) is not None and c.get("step_s")]
+    step_times = [(k, c["step_s"]) for k in fit_ks if (c := cell(cells, load, k)) is not None and c.get("step_s")]
+    ks = [k for k, _ in step_times]
     if not ks:
         return None
     sampled = _resample(cells, load, ks, seed, n_boot)
     if sampled is None:  # cells without per-request figures: the point fit alone, equal weights
         t_decode = float(base["tpot_s"])
-        steps = np.array([cell(cells, load, k)["step_s"] for k in ks], dtype=np.float64)
+        steps = np.array([step for _, step in step_times], dtype=np.float64)
         weights = np.ones(len(ks))
     else:
         t_decode, steps, weights = sampled.t_decode, sampled.steps, _weights(sampled)

@@ -141,8 +141,9 @@ def _bounded_filter(name: str, function: Any) -> Any:
         if name == "join" and len(args) > 1 and isinstance(args[1], (list, tuple)):  # args[0]: jinja2's eval context
             _bound(sum(len(piece) for piece in args[1] if isinstance(piece, str)), "the filter join")
         if name == "indent" and args and isinstance(args[0], str):  # the indent is repeated on every line
+            num_lines = args[0].count("\n") + 1
             width = kwargs.get("width", args[1] if len(args) > 1 else 4)
-            _bound((args[0].count("\n") + 1) * (width if isinstance(width, int) else len(str(width))), "the filter indent")
+            _bound(num_lines * (width if isinstance(width, int) else len(str(width))), "the filter indent")
         return function(*args, **kwargs)
 
     bounded.bounded = True  # type: ignore[attr-defined]
@@ -157,7 +158,8 @@ def bounded_chat_templates() -> None:
     before the first render this tool asks for."""
     from transformers.utils import chat_template_utils
 
-    chat_template_utils.ImmutableSandboxedEnvironment = BoundedSandbox
+    # a name the module imported from jinja2, not one it exports: set as the attribute it is
+    setattr(chat_template_utils, "ImmutableSandboxedEnvironment", BoundedSandbox)
     chat_template_utils._compile_jinja_template.cache_clear()
 
 

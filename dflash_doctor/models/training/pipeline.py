@@ -153,17 +153,18 @@ def _train_in(out_dir: Path, request: TrainDraftRequest, recipe: TrainingRecipe,
     """:func:`train_draft` once --out is claimed: data, draft, training, held-out tau and the outputs."""
     from transformers import AutoTokenizer  # heavy: loaded when a training starts
 
-    seed, workload, device = request.seed, request.workload, request.device
+    seed, workload, device, dtype = request.seed, request.workload, request.device, request.dtype
+    assert seed is not None and workload is not None and device is not None and dtype is not None  # from _checked
     target_spec = request.target or str(demo_target_path())
     target_dir = resolve_model_dir(target_spec)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     template_text = read_chat_template(request.chat_template) if request.chat_template else None
     served_template = template_text or getattr(tokenizer, "chat_template", None)
-    target_model = load_causal_lm(target_dir, dtype=request.dtype, device=device)
+    target_model = load_causal_lm(target_dir, dtype=dtype, device=device)
     stop_ids = stop_ids_of(target_model, tokenizer)
 
     template_record = chat_template_record(served_template)
-    cache_key = data_cache_key(target_dir, max_new_tokens=request.max_new_tokens, dtype=request.dtype,
+    cache_key = data_cache_key(target_dir, max_new_tokens=request.max_new_tokens, dtype=dtype,
                                chat_template=served_template, use_recorded_responses=request.use_recorded_responses)
     data_started = time.perf_counter()
     if request.self_written_prompts:

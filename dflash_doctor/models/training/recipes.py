@@ -59,7 +59,7 @@ class BuiltDraft:
     held-out walk (None: the draft's own), how its mask token was chosen (DFlash) and the card's architecture
     facts when they are known before training (None: read from the trained draft)."""
 
-    draft: torch.nn.Module
+    draft: DFlashDraftModel | Eagle3DraftModel
     extra_config: dict[str, Any]
     init_note: str | None
     eval_k: int | None
@@ -119,6 +119,7 @@ def _check_init_flags(draft_config, given: dict[str, Any]) -> None:
 def _dflash_draft(inputs: BuildInputs) -> BuiltDraft:
     """The DFlash draft to train (new, or --init-from), how its mask token was chosen, and where it started."""
     request, target_model, layer_ids = inputs.request, inputs.target_model, inputs.layer_ids
+    assert request.device is not None  # filled by the pipeline before any recipe builds
     used_ids = {t for r in inputs.records for t in r.token_ids}
     init_note = request.init_from
     mask_token_id = request.mask_token_id
@@ -216,6 +217,7 @@ def _eagle3_head(inputs: BuildInputs) -> BuiltDraft:
     """The EAGLE-3 head to train (new, or --init-from an EAGLE-3 head), its config.json, the card's architecture
     facts, and where it started."""
     request, target_model, aux_ids = inputs.request, inputs.target_model, inputs.layer_ids
+    assert request.device is not None and request.seed is not None  # filled by the pipeline before any recipe builds
     init_from, draft_vocab_size, target_spec = request.init_from, request.draft_vocab_size, inputs.target_spec
     ttt_steps = DEFAULT_TTT_STEPS if request.ttt_steps is None else request.ttt_steps
     target_config = target_model.config
