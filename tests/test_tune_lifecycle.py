@@ -67,8 +67,16 @@ def _assert_tree_gone(pids: Path, port: int) -> None:
     for pid in left:  # leave nothing behind for the next test, then fail
         os.kill(pid, signal.SIGKILL)
     assert not left, f"processes of the launched server left running: {left}"
+    # the tree is gone, so its listening socket is closed; poll a moment (a busy machine reaps late) before calling
+    # an answer a leftover server's
+    while time.monotonic() < deadline + 5 and _answers(port):
+        time.sleep(0.1)
+    assert not _answers(port), "the launched server's port still answers"
+
+
+def _answers(port: int) -> bool:
     with socket.socket() as sock:
-        assert sock.connect_ex(("127.0.0.1", port)) != 0, "the launched server's port still answers"
+        return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
 def _command_line(pid: int) -> str:
