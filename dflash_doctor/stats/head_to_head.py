@@ -24,7 +24,7 @@ same way for every speculator (docs/speculators.md):
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -125,8 +125,7 @@ def _shared_samples(contenders: Sequence[Contender], widest: int) -> list[CostSa
     if base is None or any(s is None for s in samples):
         return None
     target = {key: v for key, v in base.seconds.items() if key[0] != "draft"}
-    return [CostSamples({**target, **{key: v for key, v in s.seconds.items() if key[0] == "draft"}}, device=s.device,
-                        flat_draft=s.flat_draft, budget_s=s.budget_s, retimed=s.retimed, violations=s.violations)
+    return [replace(s, seconds={**target, **{key: v for key, v in s.seconds.items() if key[0] == "draft"}})
             for s in samples if s is not None]
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping, Sequence
 
 import numpy as np
@@ -214,9 +214,8 @@ def measure_step_samples(
     retimed = time_steps({key: steps[key] for key in suspects}, budget_s=budget_s / 2.0, sync=sync, clock=clock,
                          seed=seed + 1, start={key: samples.seconds[key] for key in suspects}, target=0.0)
     merged = {**samples.seconds, **{key: tuple(v) for key, v in retimed.items()}}
-    again = CostSamples(merged, device=device, flat_draft=flat_draft, budget_s=budget_s, retimed=tuple(suspects))
-    return CostSamples(merged, device=device, flat_draft=flat_draft, budget_s=budget_s, retimed=tuple(suspects),
-                       violations=tuple(physics_violations(again)))
+    again = replace(samples, seconds=merged, retimed=tuple(suspects))
+    return replace(again, violations=tuple(physics_violations(again)))
 
 
 # ----------------------------------------------------------------------------- the physics
