@@ -65,9 +65,14 @@ def engine_run(vllm_server, demo_target_dir, tmp_path_factory) -> tuple[int, str
     return code, output, out
 
 
-def assert_every_step_reproduced(data: dict, check: dict) -> None:
-    """Every engine step of every turn compared (the last ones included) and reproduced, the same drafts and accepted
-    tokens per turn, and the same tau to the last digit."""
+def assert_every_step_reproduced(data: dict, check: dict, *, min_turns: int = 6) -> None:
+    """Every turn compared with the same greedy text, every engine step of every turn compared (the last ones
+    included) and reproduced by the configured setup, the same drafts and accepted tokens per turn, and the same tau
+    to the last digit."""
+    assert data["num_compared"] == data["num_turns"] >= min_turns
+    assert data["outputs"]["num_identical"] == data["outputs"]["num_compared"], data["outputs"]
+    steps = data["per_step"][CONFIGURED]
+    assert steps["share"] == 1.0 and steps["engine_accepted"] > 0, data["per_step"]
     for turn in data["turns"]:
         assert turn["steps_compared"] == turn["engine_drafts"] and turn["steps_agreeing"] == turn["steps_compared"], turn
         assert (turn["engine_drafts"], turn["engine_accepted"]) == (turn["embedded_drafts"], turn["embedded_accepted"]), turn
@@ -215,10 +220,6 @@ def test_vllm_prompt_lookup_is_reproduced_by_the_embedded_ngram_replay(demo_targ
         server.stop()
     assert code in (0, 1), output
     data, check = agreement_of(tmp_path / "run", "ngram")
-    assert data["num_compared"] == data["num_turns"] >= 6
-    assert data["outputs"]["num_identical"] == data["outputs"]["num_compared"], data["outputs"]
-    steps = data["per_step"][CONFIGURED]
-    assert steps["share"] == 1.0 and steps["engine_accepted"] > 0, steps
     assert_every_step_reproduced(data, check)
 
 
@@ -237,10 +238,6 @@ def test_vllm_suffix_decoding_is_reproduced_by_the_embedded_suffix_replay(demo_t
         server.stop()
     assert code in (0, 1), output
     data, check = agreement_of(tmp_path / "run", "suffix")
-    assert data["num_compared"] == data["num_turns"] >= 6
-    assert data["outputs"]["num_identical"] == data["outputs"]["num_compared"], data["outputs"]
-    steps = data["per_step"][CONFIGURED]
-    assert steps["share"] == 1.0 and steps["engine_accepted"] > 0, steps
     assert_every_step_reproduced(data, check)
 
 
@@ -260,13 +257,10 @@ def test_vllm_eagle3_is_reproduced_by_the_embedded_eagle3_replay(demo_target_dir
         server.stop()
     assert code in (0, 1), output
     data, check = agreement_of(tmp_path / "run", "eagle3")
-    assert data["num_compared"] == data["num_turns"] >= 6
-    assert data["outputs"]["num_identical"] == data["outputs"]["num_compared"], data["outputs"]
+    assert_every_step_reproduced(data, check)
     steps = data["per_step"][CONFIGURED]
-    assert steps["share"] == 1.0 and steps["engine_accepted"] > 0, data["per_step"]
     assert all(stats["share"] <= steps["share"] for stats in data["per_step"].values()), data["per_step"]
     assert "vLLM's default aux layer ids" in data["per_step"]  # the head's ids are not the default: that setup is replayed
-    assert_every_step_reproduced(data, check)
 
 
 MTP_K = 2
@@ -310,10 +304,6 @@ def test_vllm_mtp_is_reproduced_by_the_embedded_mtp_replay(family, tmp_path, mon
     draft = meta["models"]["local draft"]
     assert draft["architecture"] == family and draft["carried_state"] == carried and draft["hidden_state"] == "post-norm"
     data, check = agreement_of(tmp_path / "run", "mtp")
-    assert data["num_compared"] == data["num_turns"] >= 9
-    assert data["outputs"]["num_identical"] == data["outputs"]["num_compared"], data["outputs"]
-    steps = data["per_step"][CONFIGURED]
-    assert steps["share"] == 1.0 and steps["engine_accepted"] > 0, data["per_step"]
-    assert_every_step_reproduced(data, check)
+    assert_every_step_reproduced(data, check, min_turns=9)
     mtp_check = next(c for c in meta["checks"] if c["id"] == "mtp-config")
     assert mtp_check["status"] == "pass", mtp_check
