@@ -26,8 +26,12 @@ def rejection_rate_figure(table: pd.DataFrame) -> go.Figure:
             x=table["class"],
             y=table["rejection_rate"],
             marker_color=[colors[c] for c in table["class"]],
-            error_y=dict(type="data", symmetric=False, array=table["rejection_rate_hi"] - table["rejection_rate"],
-                         arrayminus=table["rejection_rate"] - table["rejection_rate_lo"]),
+            error_y=dict(
+                type="data",
+                symmetric=False,
+                array=table["rejection_rate_hi"] - table["rejection_rate"],
+                arrayminus=table["rejection_rate"] - table["rejection_rate_lo"],
+            ),
             customdata=table[["rejection_rate_lo", "rejection_rate_hi", "num_draft_tokens"]].to_numpy(),
             hovertemplate="%{x}: %{y:.1%} rejected [%{customdata[0]:.1%}, %{customdata[1]:.1%}]<br>%{customdata[2]:,} drafted tokens<extra></extra>",
         ),
@@ -52,8 +56,16 @@ def request_tau_figure(requests: pd.DataFrame) -> go.Figure:
     for cls in sorted(drafted["class"].unique()):
         group = drafted[drafted["class"] == cls]
         fig.add_trace(
-            go.Box(y=group["tau"], name=cls, marker_color=colors[cls], boxpoints="all", jitter=0.4, pointpos=0,
-                   customdata=group[["request_id"]].to_numpy(), hovertemplate="%{customdata[0]}: tau %{y:.2f}<extra></extra>")
+            go.Box(
+                y=group["tau"],
+                name=cls,
+                marker_color=colors[cls],
+                boxpoints="all",
+                jitter=0.4,
+                pointpos=0,
+                customdata=group[["request_id"]].to_numpy(),
+                hovertemplate="%{customdata[0]}: tau %{y:.2f}<extra></extra>",
+            )
         )
     fig.update_layout(showlegend=False)
     fig.update_yaxes(title="tau (tokens per step)", rangemode="tozero")
@@ -89,4 +101,3 @@ def token_divergence_figure(tokens: pd.DataFrame, status: pd.Series) -> go.Figur
     fig.update_xaxes(title="output position (tokens)")
     fig.update_yaxes(title="KL(target || draft) (nats)", rangemode="tozero")
     return fig
-

@@ -36,7 +36,13 @@ UPLOAD_DIR_KEY = "upload_dir"
 VIEWS = Path(__file__).parent / "views"
 
 # Material icons (the browser needs no emoji font); also the colour of each check status.
-STATUS_ICONS = {"pass": ":material/check_circle:", "warn": ":material/warning:", "fail": ":material/cancel:", "error": ":material/bug_report:", "skip": ":material/skip_next:"}
+STATUS_ICONS = {
+    "pass": ":material/check_circle:",
+    "warn": ":material/warning:",
+    "fail": ":material/cancel:",
+    "error": ":material/bug_report:",
+    "skip": ":material/skip_next:",
+}
 STATUS_COLORS = {"pass": "#d3f0dc", "warn": "#fdf0c8", "fail": "#fcd9d7", "error": "#fcd9d7", "skip": "#ececec"}
 
 
@@ -109,12 +115,24 @@ def sidebar() -> None:
         if runs:
             if st.session_state.get(RUN_KEY) not in runs:
                 st.session_state[RUN_KEY] = runs[0]
-            st.selectbox("Run", runs, key=RUN_KEY, format_func=run_label, help=f"Runs found under {runs_dir()} and runs uploaded here.")
+            st.selectbox(
+                "Run",
+                runs,
+                key=RUN_KEY,
+                format_func=run_label,
+                help=f"Runs found under {runs_dir()} and runs uploaded here.",
+            )
         else:
-            st.info(f"No runs under `{runs_dir()}`. Upload one below, or write one with `dflash-doctor check --out {runs_dir()}/first`.")
+            st.info(
+                f"No runs under `{runs_dir()}`. Upload one below, or write one with `dflash-doctor check --out {runs_dir()}/first`."
+            )
         unreadable = unreadable_runs(str(runs_dir()))
         if unreadable:
-            st.caption(for_markdown_text(f"{len(unreadable)} folder(s) skipped, their run.json cannot be read; the first: {unreadable[0]}"))
+            st.caption(
+                for_markdown_text(
+                    f"{len(unreadable)} folder(s) skipped, their run.json cannot be read; the first: {unreadable[0]}"
+                )
+            )
         with st.expander("Upload a run", expanded=not runs):
             uploads = st.file_uploader(
                 "A zip of a run directory, or its run.json and .parquet files",
@@ -182,8 +200,10 @@ def run_header(run: Run, page_title: str) -> None:
     """Page title plus one caption line naming the run, so screenshots say what they show."""
     st.title(page_title)
     target, draft = (info.id if (info := run.record.models.get(role)) else "?" for role in ("target", "draft"))
-    st.caption(f"Run **{for_markdown_text(run.name)}** · created {for_markdown_text(run.record.meta.created_at or '?')} · "
-               f"target {for_markdown_text(target)} · draft {for_markdown_text(draft)}")
+    st.caption(
+        f"Run **{for_markdown_text(run.name)}** · created {for_markdown_text(run.record.meta.created_at or '?')} · "
+        f"target {for_markdown_text(target)} · draft {for_markdown_text(draft)}"
+    )
     if not run.complete:
         st.warning(for_markdown_text(incomplete_note(run)), icon=":material/hourglass_top:")
 
@@ -191,7 +211,9 @@ def run_header(run: Run, page_title: str) -> None:
 def has_requests(run: Run) -> bool:
     """True when the run holds requests with drafts; otherwise explains why the page is empty."""
     if run.requests.empty or int(run.requests["num_drafts"].sum()) == 0:
-        st.info("This run has no drafted requests yet (empty or interrupted before the first request finished); nothing to break down.")
+        st.info(
+            "This run has no drafted requests yet (empty or interrupted before the first request finished); nothing to break down."
+        )
         return False
     return True
 
@@ -232,7 +254,9 @@ def request_slice(path: str, mtime_ns: int, request_id: str) -> tuple[pd.DataFra
 
 
 @st.cache_data(show_spinner="Comparing runs…", max_entries=16)
-def comparison(base_path: str, base_mtime_ns: int, new_path: str, new_mtime_ns: int, threshold_tau: float, threshold_rate: float) -> Comparison:
+def comparison(
+    base_path: str, base_mtime_ns: int, new_path: str, new_mtime_ns: int, threshold_tau: float, threshold_rate: float
+) -> Comparison:
     """`dflash-doctor compare` of two runs (same rule and bootstrap), cached per pair and thresholds."""
     base = _load(base_path, base_mtime_ns, ("requests", "steps", "tokens"))  # tokens: the patterns that grew
     new = _load(new_path, new_mtime_ns, ("requests", "steps", "tokens"))
@@ -249,7 +273,9 @@ def deviation_tables(path: str, mtime_ns: int) -> deviations.DeviationTables:
 
 
 @st.cache_data(show_spinner="Recomputing for the filter…", max_entries=64)
-def deviation_view(path: str, mtime_ns: int, classes: tuple[str, ...], categories: tuple[str, ...]) -> deviations.DeviationAnalysis:
+def deviation_view(
+    path: str, mtime_ns: int, classes: tuple[str, ...], categories: tuple[str, ...]
+) -> deviations.DeviationAnalysis:
     """The Deviations page's analysis for one filter: ``overall`` is the selection pooled, ``by_class``
     each selected class (every class when none is selected), cached per filter."""
     tables = deviation_tables(path, mtime_ns)
@@ -257,5 +283,7 @@ def deviation_view(path: str, mtime_ns: int, classes: tuple[str, ...], categorie
     return deviations.DeviationAnalysis(
         definitions=deviations.definitions(tables),
         overall=deviations.slice_summary(tables, *deviations.select(tables, classes, categories)),
-        by_class={cls: deviations.slice_summary(tables, *deviations.select(tables, (cls,), categories)) for cls in shown},
+        by_class={
+            cls: deviations.slice_summary(tables, *deviations.select(tables, (cls,), categories)) for cls in shown
+        },
     )

@@ -124,7 +124,10 @@ def _patch(clock: StageClock) -> None:
         setattr(owner, attr, timed)
         if not is_class:  # `from module import fn` copies elsewhere
             for other in list(sys.modules.values()):
-                if getattr(other, "__name__", "").startswith("dflash_doctor") and getattr(other, attr, None) is original:
+                if (
+                    getattr(other, "__name__", "").startswith("dflash_doctor")
+                    and getattr(other, attr, None) is original
+                ):
                     setattr(other, attr, timed)
 
 
@@ -183,9 +186,13 @@ def print_stages(label: str, result: dict) -> None:
     timed = [0.0, 0.0]
     for path, wall, cpu in sorted(result["stages"], key=lambda item: item[0]):
         timed = [timed[0] + wall, timed[1] + cpu]
-        print(f"{'  ' * (len(path) - 1) + path[-1]:58s} {wall:8.1f} {wall / total:6.1%} {cpu:8.1f} {cpu / total_cpu:6.1%}")
+        print(
+            f"{'  ' * (len(path) - 1) + path[-1]:58s} {wall:8.1f} {wall / total:6.1%} {cpu:8.1f} {cpu / total_cpu:6.1%}"
+        )
     wall, cpu = total - timed[0], total_cpu - timed[1]
-    print(f"{'other (CLI, workload, untimed code)':58s} {wall:8.1f} {wall / total:6.1%} {cpu:8.1f} {cpu / total_cpu:6.1%}")
+    print(
+        f"{'other (CLI, workload, untimed code)':58s} {wall:8.1f} {wall / total:6.1%} {cpu:8.1f} {cpu / total_cpu:6.1%}"
+    )
 
 
 def main() -> None:
@@ -195,7 +202,9 @@ def main() -> None:
     parser.add_argument("--keep", type=Path, help="keep each check's run directory here (to diff their report.json)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--run-dir", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("check_args", nargs="*", help="after --: extra `check` flags (default: none, the default check)")
+    parser.add_argument(
+        "check_args", nargs="*", help="after --: extra `check` flags (default: none, the default check)"
+    )
     args = parser.parse_args()
     if args.child:
         child(Path(args.child), args.check_args, args.run_dir)
@@ -207,8 +216,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         tree = stage_revision(args.baseline, Path(scratch))
         pairs = [
-            (measure(tree, f"{args.baseline} (round {r + 1})", args.check_args, args.keep),
-             measure(None, f"this tree (round {r + 1})", args.check_args, args.keep))
+            (
+                measure(tree, f"{args.baseline} (round {r + 1})", args.check_args, args.keep),
+                measure(None, f"this tree (round {r + 1})", args.check_args, args.keep),
+            )
             for r in range(args.rounds)
         ]
     for index, (base, new) in enumerate(pairs, 1):
@@ -217,8 +228,10 @@ def main() -> None:
     print(f"\n`{shown}`: baseline {args.baseline} vs this tree (ratio = baseline / this tree)")
     print("round  baseline wall s  this tree wall s  ratio   baseline CPU s  this tree CPU s  ratio")
     for index, (base, new) in enumerate(pairs, 1):
-        print(f"{index:5d}  {base['total_s']:15.1f}  {new['total_s']:16.1f}  {base['total_s'] / new['total_s']:5.2f}x"
-              f"  {base['total_cpu_s']:15.1f}  {new['total_cpu_s']:15.1f}  {base['total_cpu_s'] / new['total_cpu_s']:5.2f}x")
+        print(
+            f"{index:5d}  {base['total_s']:15.1f}  {new['total_s']:16.1f}  {base['total_s'] / new['total_s']:5.2f}x"
+            f"  {base['total_cpu_s']:15.1f}  {new['total_cpu_s']:15.1f}  {base['total_cpu_s'] / new['total_cpu_s']:5.2f}x"
+        )
 
 
 if __name__ == "__main__":

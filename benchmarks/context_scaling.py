@@ -141,16 +141,19 @@ class Figures(NamedTuple):
         return self.records_s / self.pass_s
 
 
-def measure(target: TargetModel, proposer: DFlashProposer, context: int, args: argparse.Namespace, device: str,
-            clock: Clock) -> Figures:
+def measure(
+    target: TargetModel, proposer: DFlashProposer, context: int, args: argparse.Namespace, device: str, clock: Clock
+) -> Figures:
     vocab = target.head.weight.shape[0]
     ids = torch.randint(0, vocab - 2, (context + args.output_tokens,)).tolist()
     sequence = TeacherSequence(ids[:context], ids[context:])
     long = context >= args.long
     figures: list[float] = []
     for record in (False, True):
+
         def one_pass(record: bool = record) -> None:
             slot_table(target, proposer, sequence, BLOCK_SIZE - 1, record_divergence=record)
+
         if not long:
             one_pass()  # warm-up: every shape of this length
         reset_peak(device)
@@ -167,12 +170,18 @@ def per_run(values: list[float], form: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true")
-    parser.add_argument("--target", choices=sorted(TARGETS), default="qwen3-8b", help="the target's shape (gpu_engine.py)")
-    parser.add_argument("--contexts", default="64,4096,16384,32768,65536,131072", help="prompt lengths, comma-separated")
+    parser.add_argument(
+        "--target", choices=sorted(TARGETS), default="qwen3-8b", help="the target's shape (gpu_engine.py)"
+    )
+    parser.add_argument(
+        "--contexts", default="64,4096,16384,32768,65536,131072", help="prompt lengths, comma-separated"
+    )
     parser.add_argument("--output-tokens", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--runs", type=int, default=1, help="measure every length this many times (one column each)")
-    parser.add_argument("--long", type=int, default=32768, help="prompt length from which each pass runs once, unwarmed")
+    parser.add_argument(
+        "--long", type=int, default=32768, help="prompt length from which each pass runs once, unwarmed"
+    )
     args = parser.parse_args()
     device = "cpu" if args.tiny else "cuda"
     dtype = torch.float32 if args.tiny else torch.bfloat16
@@ -186,8 +195,10 @@ def main() -> None:
     divergence._fused_columns().compile_after = 0
     weights = torch.cuda.memory_allocated() / GIB if device == "cuda" else float("nan")
     name = args.target + (" (tiny)" if args.tiny else "")
-    print(f"target {name}; torch {torch.__version__}; weights (target + draft) {weights:.1f} GiB; K = {BLOCK_SIZE - 1}; "
-          f"{args.output_tokens} output tokens; {args.runs} run(s)")
+    print(
+        f"target {name}; torch {torch.__version__}; weights (target + draft) {weights:.1f} GiB; K = {BLOCK_SIZE - 1}; "
+        f"{args.output_tokens} output tokens; {args.runs} run(s)"
+    )
     for line in fused_against_eager(target, proposer, device):
         print(line)
     contexts = [int(c) for c in args.contexts.split(",")]
@@ -196,20 +207,30 @@ def main() -> None:
         for context in contexts:
             figures = measure(target, proposer, context, args, device, clock)
             runs[context].append(figures)
-            print(f"  run {run + 1}, {context}: pass {figures.pass_s * 1e3:.0f} ms, peak {figures.pass_peak_gib:.1f} GiB; "
-                  f"records {figures.records_s * 1e3:.0f} ms, peak {figures.records_peak_gib:.1f} GiB", flush=True)
-    print(f"\n{name}, {args.output_tokens} output tokens, K = {BLOCK_SIZE - 1}" + (" (run 1 / run 2 / ...)" if args.runs > 1 else ""))
+            print(
+                f"  run {run + 1}, {context}: pass {figures.pass_s * 1e3:.0f} ms, peak {figures.pass_peak_gib:.1f} GiB; "
+                f"records {figures.records_s * 1e3:.0f} ms, peak {figures.records_peak_gib:.1f} GiB",
+                flush=True,
+            )
+    print(
+        f"\n{name}, {args.output_tokens} output tokens, K = {BLOCK_SIZE - 1}"
+        + (" (run 1 / run 2 / ...)" if args.runs > 1 else "")
+    )
     print("| prompt tokens | peak GiB (pass / records) | pass ms | analysed tok/s | records ratio |")
     print("|---|---|---|---|---|")
     for context in contexts:
         figures = runs[context]
         peaks = f"{max(f.pass_peak_gib for f in figures):.1f} / {max(f.records_peak_gib for f in figures):.1f}"
-        print(f"| {context:,} | {peaks} | {per_run([f.pass_s * 1e3 for f in figures], '{:,.0f}')} | "
-              f"{per_run([args.output_tokens / f.pass_s for f in figures], '{:,.0f}')} | "
-              f"{per_run([f.ratio for f in figures], 'x{:.2f}')} |")
+        print(
+            f"| {context:,} | {peaks} | {per_run([f.pass_s * 1e3 for f in figures], '{:,.0f}')} | "
+            f"{per_run([args.output_tokens / f.pass_s for f in figures], '{:,.0f}')} | "
+            f"{per_run([f.ratio for f in figures], 'x{:.2f}')} |"
+        )
     if args.runs > 1:
+
         def spread(values: list[float]) -> float:
             return max(values) / min(values) - 1
+
         worst = max(max(spread([f.pass_s for f in runs[c]]), spread([f.ratio for f in runs[c]])) for c in contexts)
         print(f"runs agree within {100 * worst:.1f}% (largest spread of a pass time or a records ratio over the runs)")
     if len(contexts) >= 2:
@@ -219,8 +240,10 @@ def main() -> None:
     if device == "cuda":
         total = torch.cuda.get_device_properties(0).total_memory / GIB
         longest = runs[contexts[-1]][0]
-        print(f"longest prompt ({contexts[-1]:,} tokens): peak {max(longest.pass_peak_gib, longest.records_peak_gib):.1f} GiB "
-              f"of the GPU's {total:.1f} GiB")
+        print(
+            f"longest prompt ({contexts[-1]:,} tokens): peak {max(longest.pass_peak_gib, longest.records_peak_gib):.1f} GiB "
+            f"of the GPU's {total:.1f} GiB"
+        )
 
 
 if __name__ == "__main__":

@@ -69,10 +69,18 @@ def main() -> None:
         root = Path(tmp)
         start = time.perf_counter()
         run = make_fixture_run(root / "big", seed=0, num_requests=args.num_requests, num_tokens_target=args.num_tokens)
-        other = make_fixture_run(root / "big-degraded", seed=1, num_requests=args.num_requests, num_tokens_target=args.num_tokens, degrade=0.2)
+        other = make_fixture_run(
+            root / "big-degraded",
+            seed=1,
+            num_requests=args.num_requests,
+            num_tokens_target=args.num_tokens,
+            degrade=0.2,
+        )
         tables = load_run(run)
-        print(f"run: {len(tables.tokens):,} token rows, {len(tables.steps):,} steps, {len(tables.requests):,} requests "
-              f"(written in {time.perf_counter() - start:.1f} s)")
+        print(
+            f"run: {len(tables.tokens):,} token rows, {len(tables.steps):,} steps, {len(tables.requests):,} requests "
+            f"(written in {time.perf_counter() - start:.1f} s)"
+        )
         os.environ[RUNS_DIR_ENV] = str(root)
 
         print(f"{'page':<12}{'cold s':>10}{'warm s':>10}{'widget s':>10}")

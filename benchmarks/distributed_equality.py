@@ -22,7 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tests' helpers, imported by bare name there too
+sys.path.insert(
+    0, str(Path(__file__).resolve().parents[1] / "tests")
+)  # the tests' helpers, imported by bare name there too
 
 from dflash_doctor.models.loading import save_dflash_draft  # noqa: E402
 from dflash_doctor.rundir.load import load_run  # noqa: E402
@@ -30,10 +32,25 @@ from tiny_models import tiny_dflash, tiny_target, tiny_tokenizer, write_workload
 
 
 def sweep(root: Path, out: Path, *flags: str) -> float:
-    args = ["--target", root / "target", "--draft", root / "dflash", "--workload", root / "workload.jsonl", "--max-new-tokens", "16",
-            "--cost-profile", root / "costs.json", "--out", out, *flags]
+    args = [
+        "--target",
+        root / "target",
+        "--draft",
+        root / "dflash",
+        "--workload",
+        root / "workload.jsonl",
+        "--max-new-tokens",
+        "16",
+        "--cost-profile",
+        root / "costs.json",
+        "--out",
+        out,
+        *flags,
+    ]
     start = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "dflash_doctor", "sweep", *map(str, args)], capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "dflash_doctor", "sweep", *map(str, args)], capture_output=True, text=True
+    )
     if done.returncode != 0:
         print(done.stdout[-2000:], done.stderr[-4000:])
         raise SystemExit(f"sweep {' '.join(flags)} failed ({done.returncode})")
@@ -42,10 +59,21 @@ def sweep(root: Path, out: Path, *flags: str) -> float:
 
 def compare(one: Path, other: Path) -> str:
     a, b = load_run(one), load_run(other)
-    identical = all(getattr(a, t).reset_index(drop=True).equals(getattr(b, t).reset_index(drop=True)) for t in ("requests", "steps", "tokens"))
-    identical = identical and a.meta["summary"] == b.meta["summary"] and a.meta["recommendation"] == b.meta["recommendation"]
+    identical = all(
+        getattr(a, t).reset_index(drop=True).equals(getattr(b, t).reset_index(drop=True))
+        for t in ("requests", "steps", "tokens")
+    )
+    identical = (
+        identical and a.meta["summary"] == b.meta["summary"] and a.meta["recommendation"] == b.meta["recommendation"]
+    )
     same_tokens = a.requests["output_token_ids"].map(list).tolist() == b.requests["output_token_ids"].map(list).tolist()
-    gap = float(np.nanmax(np.abs(a.tokens["target_prob_of_draft"].to_numpy() - b.tokens["target_prob_of_draft"].to_numpy()))) if same_tokens else float("nan")
+    gap = (
+        float(
+            np.nanmax(np.abs(a.tokens["target_prob_of_draft"].to_numpy() - b.tokens["target_prob_of_draft"].to_numpy()))
+        )
+        if same_tokens
+        else float("nan")
+    )
     return f"identical={identical} same continuations={same_tokens} largest target_prob_of_draft gap={gap:.2e} ({len(a.requests)} turns)"
 
 
@@ -61,13 +89,19 @@ def main() -> None:
         tiny_tokenizer().save_pretrained(root / "target")
         save_dflash_draft(tiny_dflash(target, block_size=6, layer_ids=(0, 3, 5)), root / "dflash")
         write_workload(root / "workload.jsonl", per_class=6)
-        (root / "costs.json").write_text(json.dumps({"t_decode_s": 0.01, "t_verify_s": 0.011, "t_draft_s": {str(k): 0.002 * k for k in range(1, 6)}}))
+        (root / "costs.json").write_text(
+            json.dumps({"t_decode_s": 0.01, "t_verify_s": 0.011, "t_draft_s": {str(k): 0.002 * k for k in range(1, 6)}})
+        )
         seconds = sweep(root, root / "single", "--device", first)
         print(f"one process on {first}: {seconds:.1f} s")
         seconds = sweep(root, root / "ranks", "--devices", args.devices)
-        print(f"--devices {args.devices} (torchrun, one rank each): {seconds:.1f} s; vs one process: {compare(root / 'single', root / 'ranks')}")
+        print(
+            f"--devices {args.devices} (torchrun, one rank each): {seconds:.1f} s; vs one process: {compare(root / 'single', root / 'ranks')}"
+        )
         seconds = sweep(root, root / "placed", "--device", args.devices)
-        print(f"--device {args.devices} (one target placed over both): {seconds:.1f} s; vs one process: {compare(root / 'single', root / 'placed')}")
+        print(
+            f"--device {args.devices} (one target placed over both): {seconds:.1f} s; vs one process: {compare(root / 'single', root / 'placed')}"
+        )
 
 
 if __name__ == "__main__":

@@ -51,14 +51,54 @@ from dflash_doctor.rundir.run_record import RunMeta, RunRecord
 from dflash_doctor.rundir.writer import RunWriter, utc_now
 from dflash_doctor.inputs.workloads import Request
 
-QWEN3_8B = (Qwen3Config, Qwen3ForCausalLM, dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                intermediate_size=12288))
-QWEN25_72B = (Qwen2Config, Qwen2ForCausalLM, dict(hidden_size=8192, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
-                                                  intermediate_size=29568))
-TINY = (Qwen3Config, Qwen3ForCausalLM, dict(hidden_size=64, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                            intermediate_size=128))
+QWEN3_8B = (
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    dict(
+        hidden_size=4096,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=12288,
+    ),
+)
+QWEN25_72B = (
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    dict(
+        hidden_size=8192, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8, intermediate_size=29568
+    ),
+)
+TINY = (
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    dict(
+        hidden_size=64,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+    ),
+)
 CLASSES = ("math", "code", "chat")
-WORDS = ("the", "number", "of", "apples", "def", "return", "list", "hello", "friend", "seven", "times", "print", "why", "is")
+WORDS = (
+    "the",
+    "number",
+    "of",
+    "apples",
+    "def",
+    "return",
+    "list",
+    "hello",
+    "friend",
+    "seven",
+    "times",
+    "print",
+    "why",
+    "is",
+)
 
 
 def random_init(model: torch.nn.Module) -> None:
@@ -74,7 +114,9 @@ def random_init(model: torch.nn.Module) -> None:
 def build_target(family, vocab: int, devices: list[str], dtype: torch.dtype) -> torch.nn.Module:
     """The target on meta, each module materialised on its device (placed over several), then random."""
     config_type, model_type, shape = family
-    config = config_type(**shape, vocab_size=vocab, max_position_embeddings=8192, rope_theta=1e6, tie_word_embeddings=False)
+    config = config_type(
+        **shape, vocab_size=vocab, max_position_embeddings=8192, rope_theta=1e6, tie_word_embeddings=False
+    )
     config._attn_implementation = "sdpa"
     with torch.device("meta"):
         model = model_type(config).to(dtype)
@@ -94,15 +136,25 @@ def build_draft(shape: dict, vocab: int, mask_id: int, device: str, dtype: torch
     ids = [1 + i * (layers - 2) // 4 for i in range(5)] if layers >= 12 else [1, 2, 3]
     head_dim = shape.get("head_dim", shape["hidden_size"] // shape["num_attention_heads"])
     cfg = DFlashConfig(
-        hidden_size=shape["hidden_size"], num_hidden_layers=5 if layers >= 12 else 2, num_attention_heads=shape["num_attention_heads"],
-        num_key_value_heads=shape["num_key_value_heads"], head_dim=head_dim, intermediate_size=shape["intermediate_size"],
-        vocab_size=vocab, block_size=16, target_layer_ids=ids, mask_token_id=mask_id, num_target_layers=layers,
+        hidden_size=shape["hidden_size"],
+        num_hidden_layers=5 if layers >= 12 else 2,
+        num_attention_heads=shape["num_attention_heads"],
+        num_key_value_heads=shape["num_key_value_heads"],
+        head_dim=head_dim,
+        intermediate_size=shape["intermediate_size"],
+        vocab_size=vocab,
+        block_size=16,
+        target_layer_ids=ids,
+        mask_token_id=mask_id,
+        num_target_layers=layers,
     )
     with torch.device("meta"):
         draft = DFlashDraftModel(cfg).to(dtype)
     draft.to_empty(device=device)
     random_init(draft)
-    draft.inv_freq = rope_inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(device)  # a buffer computed at construction
+    draft.inv_freq = rope_inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(
+        device
+    )  # a buffer computed at construction
     return draft.eval()
 
 
@@ -114,19 +166,37 @@ def build_pair(family, tokenizer, devices: list[str], dtype: torch.dtype) -> Pai
     target = TargetModel(target_model)
     dtype_name, device = str(dtype).removeprefix("torch."), ",".join(devices)
     return Pair(
-        target=target, draft_model=draft_model, kind=kind, proposer=kind.build(draft_model, target, Sampling()), tokenizer=tokenizer,
-        stop_ids=stop_ids_of(target_model, tokenizer), target_dir=Path("random"), draft_dir=Path("random"), draft_config={},
-        target_info=ModelInfo(id="random-target", revision_or_hash="random", dtype=dtype_name, device=device, kind="target"),
-        draft_info=ModelInfo(id="random-draft", revision_or_hash="random", dtype=dtype_name, device=device, kind="dflash",
-                             facts=kind.facts(draft_model)),
+        target=target,
+        draft_model=draft_model,
+        kind=kind,
+        proposer=kind.build(draft_model, target, Sampling()),
+        tokenizer=tokenizer,
+        stop_ids=stop_ids_of(target_model, tokenizer),
+        target_dir=Path("random"),
+        draft_dir=Path("random"),
+        draft_config={},
+        target_info=ModelInfo(
+            id="random-target", revision_or_hash="random", dtype=dtype_name, device=device, kind="target"
+        ),
+        draft_info=ModelInfo(
+            id="random-draft",
+            revision_or_hash="random",
+            dtype=dtype_name,
+            device=device,
+            kind="dflash",
+            facts=kind.facts(draft_model),
+        ),
     )
 
 
 def workload(num_requests: int, prompt_words: int) -> list[Request]:
     """Raw prompts of about ``prompt_words`` tokens in three classes (distinct, so no two are alike)."""
     return [
-        Request(id=f"{CLASSES[i % 3]}-{i}", request_class=CLASSES[i % 3],
-                prompt=" ".join(WORDS[(i * 7 + j * (i % 5 + 1)) % len(WORDS)] for j in range(prompt_words)))
+        Request(
+            id=f"{CLASSES[i % 3]}-{i}",
+            request_class=CLASSES[i % 3],
+            prompt=" ".join(WORDS[(i * 7 + j * (i % 5 + 1)) % len(WORDS)] for j in range(prompt_words)),
+        )
         for i in range(num_requests)
     ]
 
@@ -137,14 +207,23 @@ def analyse(pair: Pair, requests: list[Request], run_dir: Path, max_new_tokens: 
 
     def replay(writer, mine):
         start = time.perf_counter()
-        result = replay_teacher(pair, mine, ks=ks, max_new_tokens=max_new_tokens, temperature=0.0, seed=0, exact_blocks=False,
-                                writer=writer)
-        print(f"rank {sharding.current_ranks().rank}: {len(mine)} requests replayed in {time.perf_counter() - start:.2f} s "
-              "(before the merge)", flush=True)
+        result = replay_teacher(
+            pair, mine, ks=ks, max_new_tokens=max_new_tokens, temperature=0.0, seed=0, exact_blocks=False, writer=writer
+        )
+        print(
+            f"rank {sharding.current_ranks().rank}: {len(mine)} requests replayed in {time.perf_counter() - start:.2f} s "
+            "(before the merge)",
+            flush=True,
+        )
         return result
 
-    writer, merged = sharding.replay_into(run_dir, RunRecord(meta=RunMeta(command="sweep", created_at=utc_now())).to_json(), requests, replay,
-                                          sharding.work_of(pair.tokenizer, max_new_tokens, ks[-1]))
+    writer, merged = sharding.replay_into(
+        run_dir,
+        RunRecord(meta=RunMeta(command="sweep", created_at=utc_now())).to_json(),
+        requests,
+        replay,
+        sharding.work_of(pair.tokenizer, max_new_tokens, ks[-1]),
+    )
     writer.close()
     return merged
 
@@ -162,8 +241,20 @@ def data_parallel(args, tokenizer, dtype) -> None:
     device = "cpu" if args.tiny else f"cuda:{ranks.local_rank}"
     pair = build_pair(TINY if args.tiny else QWEN3_8B, tokenizer, [device], dtype)
     warm = workload(3, 16)
-    with tempfile.TemporaryDirectory() as scratch, RunWriter(Path(scratch) / "warm", {}) as writer:  # warm kernels, this rank alone
-        replay_teacher(pair, warm, ks=tuple(range(1, 16)), max_new_tokens=16, temperature=0.0, seed=0, exact_blocks=False, writer=writer)
+    with (
+        tempfile.TemporaryDirectory() as scratch,
+        RunWriter(Path(scratch) / "warm", {}) as writer,
+    ):  # warm kernels, this rank alone
+        replay_teacher(
+            pair,
+            warm,
+            ks=tuple(range(1, 16)),
+            max_new_tokens=16,
+            temperature=0.0,
+            seed=0,
+            exact_blocks=False,
+            writer=writer,
+        )
     synchronise([device])
     if ranks.sharded:
         dist.init_process_group(backend="gloo")  # replay_into gathers over it, then closes it
@@ -174,10 +265,18 @@ def data_parallel(args, tokenizer, dtype) -> None:
     seconds = time.perf_counter() - start
     tokens = sum(row["num_output_tokens"] for row in merged.request_rows)
     tau = summarize(merged.steps_frame(), merged.requests_frame(), seed=0).overall.mean_acceptance_length
-    result = {"gpus": ranks.world_size, "requests": len(merged.request_rows), "analysed_tokens": tokens, "seconds": seconds,
-              "tokens_per_s": tokens / seconds, "tau_k15": tau}
-    print(f"data-parallel over {ranks.world_size} rank(s): {len(merged.request_rows)} requests, {tokens} tokens analysed at "
-          f"K=1..15 in {seconds:.2f} s = {tokens / seconds:,.0f} analysed tokens/s (tau at K=15 {tau:.3f})")
+    result = {
+        "gpus": ranks.world_size,
+        "requests": len(merged.request_rows),
+        "analysed_tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds,
+        "tau_k15": tau,
+    }
+    print(
+        f"data-parallel over {ranks.world_size} rank(s): {len(merged.request_rows)} requests, {tokens} tokens analysed at "
+        f"K=1..15 in {seconds:.2f} s = {tokens / seconds:,.0f} analysed tokens/s (tau at K=15 {tau:.3f})"
+    )
     if args.json:
         Path(args.json).write_text(json.dumps(result))
 
@@ -190,7 +289,9 @@ def placed(args, tokenizer, dtype) -> None:
     built = time.perf_counter() - started
     params = sum(p.numel() * p.element_size() for p in pair.target.model.parameters()) / 1e9
     per_device = {d: round(torch.cuda.memory_allocated(d) / 2**30, 1) for d in devices if d.startswith("cuda")}
-    print(f"placed target: {params:.1f} GB of bf16 weights over {', '.join(devices)} (built in {built:.1f} s); GiB allocated per GPU {per_device}")
+    print(
+        f"placed target: {params:.1f} GB of bf16 weights over {', '.join(devices)} (built in {built:.1f} s); GiB allocated per GPU {per_device}"
+    )
     requests = workload(args.requests, args.prompt_words)
     start = time.perf_counter()
     merged = analyse(pair, requests, Path(args.run_dir), args.max_new_tokens)
@@ -199,11 +300,17 @@ def placed(args, tokenizer, dtype) -> None:
     tokens = sum(row["num_output_tokens"] for row in merged.request_rows)
     summary = summarize(merged.steps_frame(), merged.requests_frame(), seed=0)
     peak = {d: round(torch.cuda.max_memory_allocated(d) / 2**30, 1) for d in devices if d.startswith("cuda")}
-    print(f"placed target end to end: {len(merged.request_rows)} requests, {tokens} tokens analysed at K=1..15 in {seconds:.2f} s "
-          f"= {tokens / seconds:,.1f} analysed tokens/s; tau at K=15 {summary.overall.mean_acceptance_length:.3f}; "
-          f"classes {sorted(summary.by_class)}; peak GiB per GPU {peak}")
+    print(
+        f"placed target end to end: {len(merged.request_rows)} requests, {tokens} tokens analysed at K=1..15 in {seconds:.2f} s "
+        f"= {tokens / seconds:,.1f} analysed tokens/s; tau at K=15 {summary.overall.mean_acceptance_length:.3f}; "
+        f"classes {sorted(summary.by_class)}; peak GiB per GPU {peak}"
+    )
     if args.json:
-        Path(args.json).write_text(json.dumps({"devices": devices, "weights_gb": params, "tokens": tokens, "seconds": seconds, "peak_gib": peak}))
+        Path(args.json).write_text(
+            json.dumps(
+                {"devices": devices, "weights_gb": params, "tokens": tokens, "seconds": seconds, "peak_gib": peak}
+            )
+        )
 
 
 def main() -> None:
@@ -221,8 +328,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.mode == "ratio":
         one, two = (json.loads(Path(f).read_text()) for f in args.files)
-        print(f"analysed tokens/s: 1 GPU {one['tokens_per_s']:,.0f}, {two['gpus']} GPUs {two['tokens_per_s']:,.0f}; "
-              f"scaling {two['tokens_per_s'] / one['tokens_per_s']:.2f}x")
+        print(
+            f"analysed tokens/s: 1 GPU {one['tokens_per_s']:,.0f}, {two['gpus']} GPUs {two['tokens_per_s']:,.0f}; "
+            f"scaling {two['tokens_per_s'] / one['tokens_per_s']:.2f}x"
+        )
         return
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     dtype = torch.float32 if args.tiny else torch.bfloat16

@@ -33,7 +33,13 @@ from dflash_doctor.engine.proposers.autoregressive import AutoregressiveProposer
 from dflash_doctor.engine.proposers.dflash import DFlashProposer
 from dflash_doctor.engine.proposers.base import Proposer
 from dflash_doctor.engine.target import TargetModel
-from dflash_doctor.models.loading import DEMO_DRAFT_DIR, demo_target_path, load_causal_lm, load_dflash_draft, resolve_model_dir
+from dflash_doctor.models.loading import (
+    DEMO_DRAFT_DIR,
+    demo_target_path,
+    load_causal_lm,
+    load_dflash_draft,
+    resolve_model_dir,
+)
 from dflash_doctor.models.pair import stop_ids_of
 from dflash_doctor.inputs.workloads import encode_request_turn, load_workload
 
@@ -162,7 +168,12 @@ def measure(
                 steps += len(result.output_ids)
             else:
                 result = speculative_generate(
-                    target, make_proposer(target), prompt, k=k, max_new_tokens=max_new_tokens, stop_ids=stop_ids,
+                    target,
+                    make_proposer(target),
+                    prompt,
+                    k=k,
+                    max_new_tokens=max_new_tokens,
+                    stop_ids=stop_ids,
                     record_tokens=record_tokens,
                 )
                 steps += len(result.steps)
@@ -188,22 +199,50 @@ def main() -> None:
     dflash = pair.dflash_draft
     dflash_k = dflash.config.block_size - 1
     configs = [
-        (f"autoregressive 4-bit draft, K={args.ar_k}", pair.quantized_draft,
-         lambda t: AutoregressiveProposer(pair.quantized_draft), args.ar_k, ()),
-        (f"demo DFlash draft, K={dflash_k}", dflash, lambda t: DFlashProposer(dflash, t), dflash_k, dflash.hidden_state_indices),
+        (
+            f"autoregressive 4-bit draft, K={args.ar_k}",
+            pair.quantized_draft,
+            lambda t: AutoregressiveProposer(pair.quantized_draft),
+            args.ar_k,
+            (),
+        ),
+        (
+            f"demo DFlash draft, K={dflash_k}",
+            dflash,
+            lambda t: DFlashProposer(dflash, t),
+            dflash_k,
+            dflash.hidden_state_indices,
+        ),
     ]
-    print(f"CPU, torch {torch.__version__}, {torch.get_num_threads()} threads; SmolLM2-135M-Instruct fp32; "
-          f"{len(prompts)} prompts x {args.max_new_tokens} new tokens (prompt lengths {[len(p) for p in prompts]})")
+    print(
+        f"CPU, torch {torch.__version__}, {torch.get_num_threads()} threads; SmolLM2-135M-Instruct fp32; "
+        f"{len(prompts)} prompts x {args.max_new_tokens} new tokens (prompt lengths {[len(p) for p in prompts]})"
+    )
     common = dict(max_new_tokens=args.max_new_tokens, stop_ids=pair.stop_ids)
     # warm-up: first calls allocate caches and pick kernels
     measure(pair.target_model, None, None, prompts[:1], k=0, **{**common, "max_new_tokens": 4})
     print(measure(pair.target_model, None, None, prompts, k=0, **common).line("plain greedy decoding (reference)"))
     for label, draft_model, make_proposer, k, taps in configs:
-        measure(pair.target_model, draft_model, make_proposer, prompts[:1], k=k, hidden_state_indices=taps,
-                **{**common, "max_new_tokens": 4})
+        measure(
+            pair.target_model,
+            draft_model,
+            make_proposer,
+            prompts[:1],
+            k=k,
+            hidden_state_indices=taps,
+            **{**common, "max_new_tokens": 4},
+        )
         for record in (True, False):
-            m = measure(pair.target_model, draft_model, make_proposer, prompts, k=k, record_tokens=record,
-                        hidden_state_indices=taps, **common)
+            m = measure(
+                pair.target_model,
+                draft_model,
+                make_proposer,
+                prompts,
+                k=k,
+                record_tokens=record,
+                hidden_state_indices=taps,
+                **common,
+            )
             print(m.line(f"{label}{'' if record else ', no token records'}"))
         if args.profile:
             profiler = cProfile.Profile()

@@ -60,20 +60,53 @@ from dflash_doctor.engine.teacher import TeacherSequence, slot_table
 from dflash_doctor.models.loading import load_dflash_draft, save_dflash_draft
 from dflash_doctor.stats.step_costs import MIN_ROUNDS, TARGET_RELATIVE_HALF_WIDTH, median_interval, relative_half_width
 
-QWEN3_8B = dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                intermediate_size=12288, vocab_size=151936)
-TINY = dict(hidden_size=64, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-            intermediate_size=128, vocab_size=1000)
+QWEN3_8B = dict(
+    hidden_size=4096,
+    num_hidden_layers=36,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    intermediate_size=12288,
+    vocab_size=151936,
+)
+TINY = dict(
+    hidden_size=64,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=128,
+    vocab_size=1000,
+)
 # transformers' Qwen3_5TextConfig defaults are the Qwen3.5-9B text shape (hidden 4096, 32 layers, 8 of them
 # attention with 16 x 256 heads, 24 gated delta nets with 16 key / 32 value heads of 128, vocab 248,320)
 TARGETS = {
-    "qwen3-8b": lambda tiny: Qwen3Config(**(TINY if tiny else QWEN3_8B), max_position_embeddings=8192, rope_theta=1e6,
-                                         tie_word_embeddings=False),
-    "qwen3.5-9b": lambda tiny: Qwen3_5TextConfig(**(dict(TINY, num_hidden_layers=8, linear_num_key_heads=2, linear_num_value_heads=4,
-                                                         linear_key_head_dim=16, linear_value_head_dim=16) if tiny else {}),
-                                                 tie_word_embeddings=False),
-    "gpt-oss-20b": lambda tiny: GptOssConfig(**(dict(TINY, num_local_experts=4, num_experts_per_tok=2) if tiny else dict(
-        num_hidden_layers=24, num_local_experts=32, num_experts_per_tok=4)), tie_word_embeddings=False),
+    "qwen3-8b": lambda tiny: Qwen3Config(
+        **(TINY if tiny else QWEN3_8B), max_position_embeddings=8192, rope_theta=1e6, tie_word_embeddings=False
+    ),
+    "qwen3.5-9b": lambda tiny: Qwen3_5TextConfig(
+        **(
+            dict(
+                TINY,
+                num_hidden_layers=8,
+                linear_num_key_heads=2,
+                linear_num_value_heads=4,
+                linear_key_head_dim=16,
+                linear_value_head_dim=16,
+            )
+            if tiny
+            else {}
+        ),
+        tie_word_embeddings=False,
+    ),
+    "gpt-oss-20b": lambda tiny: GptOssConfig(
+        **(
+            dict(TINY, num_local_experts=4, num_experts_per_tok=2)
+            if tiny
+            else dict(num_hidden_layers=24, num_local_experts=32, num_experts_per_tok=4)
+        ),
+        tie_word_embeddings=False,
+    ),
 }
 BLOCK_SIZE = 16
 OFFICIAL_BUDGET_S = 120.0  # the official-loop comparison's timing budget: rounds stop when tight or past this
@@ -125,10 +158,17 @@ def build(name: str, tiny: bool, device: str, dtype: torch.dtype):
     layers = config.num_hidden_layers
     ids = default_target_layer_ids(layers, 5) if not tiny else [1, 2, 3]
     draft_cfg = DFlashConfig(
-        hidden_size=config.hidden_size, num_hidden_layers=2 if tiny else 5,
-        num_attention_heads=config.num_attention_heads, num_key_value_heads=config.num_key_value_heads,
-        head_dim=config.head_dim, intermediate_size=config.intermediate_size, vocab_size=config.vocab_size,
-        block_size=BLOCK_SIZE, target_layer_ids=ids, mask_token_id=config.vocab_size - 1, num_target_layers=layers,
+        hidden_size=config.hidden_size,
+        num_hidden_layers=2 if tiny else 5,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        intermediate_size=config.intermediate_size,
+        vocab_size=config.vocab_size,
+        block_size=BLOCK_SIZE,
+        target_layer_ids=ids,
+        mask_token_id=config.vocab_size - 1,
+        num_target_layers=layers,
     )
     with torch.device(device):
         draft = DFlashDraftModel(draft_cfg).to(dtype).eval()
@@ -172,8 +212,9 @@ def gpu_state(device: str) -> str:
         return "cpu"
     fields = "clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu,power.draw,pstate,clocks_throttle_reasons.active"
     try:
-        out = subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader"], capture_output=True,
-                             text=True, timeout=20).stdout.strip()
+        out = subprocess.run(
+            ["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader"], capture_output=True, text=True, timeout=20
+        ).stdout.strip()
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"nvidia-smi unavailable ({exc})"
     return f"{torch.cuda.get_device_name()}: sm clock, max sm clock, mem clock, temp, power, pstate, throttle = {out}"
@@ -191,7 +232,9 @@ def matmul_rate(device: str, clock: Clock) -> float:
 
 
 @torch.inference_mode()
-def live_step_vs_floor(target_model, draft, device: str, clock: Clock, context: int, new_tokens: int, repeats: int) -> None:
+def live_step_vs_floor(
+    target_model, draft, device: str, clock: Clock, context: int, new_tokens: int, repeats: int
+) -> None:
     k = BLOCK_SIZE - 1
     target = TargetModel(target_model, draft.hidden_state_indices)
     proposer = DFlashProposer(draft, target)
@@ -241,9 +284,11 @@ def live_step_vs_floor(target_model, draft, device: str, clock: Clock, context: 
             runs[record].append((step, floor_s))
             if position == 0:
                 first[record].append(step / floor_s)
-    print(f"\nlive loop: context {context}, {new_tokens} new tokens, K={k}, {repeats} repeats (records on/off order "
-          f"alternated), prefill {prefill_s * 1e3:.1f} ms subtracted; floor = one draft block + verify over "
-          f"{BLOCK_SIZE} tokens + one host round trip, {FLOOR_STEPS} steps at context {len(floor_prompt)}")
+    print(
+        f"\nlive loop: context {context}, {new_tokens} new tokens, K={k}, {repeats} repeats (records on/off order "
+        f"alternated), prefill {prefill_s * 1e3:.1f} ms subtracted; floor = one draft block + verify over "
+        f"{BLOCK_SIZE} tokens + one host round trip, {FLOOR_STEPS} steps at context {len(floor_prompt)}"
+    )
     print(f"{'':26}{'step ms min/med/max':>26} {'floor ms min/med/max':>26} {'ratio min/med/max':>22}")
     for record in (True, False):
         steps, floors = [s for s, _ in runs[record]], [f for _, f in runs[record]]
@@ -254,14 +299,22 @@ def live_step_vs_floor(target_model, draft, device: str, clock: Clock, context: 
     off = statistics.median(s for s, _ in runs[False])
     # the floor does not depend on which loop ran before it: all floor runs estimate the same quantity
     pooled = statistics.median(f for record in runs for _, f in runs[record])
-    print(f"median step / median of all {2 * repeats} floor runs ({pooled * 1e3:.2f} ms): with records {on / pooled:.3f}, "
-          f"without {off / pooled:.3f}")
-    firsts = ", ".join(f"{'with' if record else 'without'} {statistics.median(first[record]):.3f}" for record in first if first[record])
-    print(f"records cost {1e3 * (on - off):+.2f} ms per step (median with - median without); ratio when measured first "
-          f"in its pair: {firsts}")
+    print(
+        f"median step / median of all {2 * repeats} floor runs ({pooled * 1e3:.2f} ms): with records {on / pooled:.3f}, "
+        f"without {off / pooled:.3f}"
+    )
+    firsts = ", ".join(
+        f"{'with' if record else 'without'} {statistics.median(first[record]):.3f}" for record in first if first[record]
+    )
+    print(
+        f"records cost {1e3 * (on - off):+.2f} ms per step (median with - median without); ratio when measured first "
+        f"in its pair: {firsts}"
+    )
     if all(clocks.values()) and None not in clocks["loop"] + clocks["floor"]:
-        print(f"mean SM clock during loop runs {spread(clocks['loop'], 1, 0)} MHz, during floor runs "
-              f"{spread(clocks['floor'], 1, 0)} MHz (min/med/max)")
+        print(
+            f"mean SM clock during loop runs {spread(clocks['loop'], 1, 0)} MHz, during floor runs "
+            f"{spread(clocks['floor'], 1, 0)} MHz (min/med/max)"
+        )
 
 
 @torch.inference_mode()
@@ -283,24 +336,33 @@ def first_run(target_model, draft, device: str, context: int, new_tokens: int) -
             torch.cuda.synchronize()
         return time.perf_counter() - started, result
 
-    print(f"\nfirst calls of this process: context {context}, {new_tokens} new tokens, K={k}, attention backends "
-          f"{attention.ENGINE_SDPA_BACKENDS}")
+    print(
+        f"\nfirst calls of this process: context {context}, {new_tokens} new tokens, K={k}, attention backends "
+        f"{attention.ENGINE_SDPA_BACKENDS}"
+    )
     print(f"{'':34}{'whole s':>9}{'steps':>7}{'ms/step':>9}{'first 3 steps ms':>26}{'rest: median step ms':>22}")
     longer = torch.cat([prompt, prompt[:37]])  # a request of another length: every step meets new shapes
-    for label, record, tokens in (("first call, records off", False, prompt), ("second call, records off", False, prompt),
-                                  ("first call, records on", True, prompt), ("second call, records on", True, prompt),
-                                  (f"records on, new length {len(longer)}", True, longer)):
+    for label, record, tokens in (
+        ("first call, records off", False, prompt),
+        ("second call, records off", False, prompt),
+        ("first call, records on", True, prompt),
+        ("second call, records on", True, prompt),
+        (f"records on, new length {len(longer)}", True, longer),
+    ):
         seconds, result = call(record, tokens)
         step_ms = [1e3 * (s.draft_time_s + s.verify_time_s) for s in result.steps]
         head = ", ".join(f"{ms:.0f}" for ms in step_ms[:3])
         rest = statistics.median(step_ms[3:]) if len(step_ms) > 3 else float("nan")
-        print(f"{label:34}{seconds:9.2f}{len(result.steps):7d}{1e3 * seconds / max(1, len(result.steps)):9.1f}"
-              f"{head:>26}{rest:22.1f}")
+        print(
+            f"{label:34}{seconds:9.2f}{len(result.steps):7d}{1e3 * seconds / max(1, len(result.steps)):9.1f}"
+            f"{head:>26}{rest:22.1f}"
+        )
 
 
 @torch.inference_mode()
-def official_vs_ours(target_model, draft, device: str, dtype: torch.dtype, context: int, new_tokens: int,
-                     repeats: int) -> None:
+def official_vs_ours(
+    target_model, draft, device: str, dtype: torch.dtype, context: int, new_tokens: int, repeats: int
+) -> None:
     """Time per step of the official ``dflash_generate`` and of our live loop (records off, the official
     end-of-request convention) on the same weights and prompt; each call includes its prefill."""
     import dflash.model as official
@@ -318,13 +380,21 @@ def official_vs_ours(target_model, draft, device: str, dtype: torch.dtype, conte
     clock = Clock(device)
 
     def run_ours():
-        result = speculative_generate(target, proposer, prompt, k=k, max_new_tokens=new_tokens, record_tokens=False,
-                                      convention=CONVENTIONS["official"])
+        result = speculative_generate(
+            target,
+            proposer,
+            prompt,
+            k=k,
+            max_new_tokens=new_tokens,
+            record_tokens=False,
+            convention=CONVENTIONS["official"],
+        )
         return result.output_ids, len(result.steps)
 
     def run_theirs():
-        stats = official.dflash_generate(theirs, target_model, prompt[None], new_tokens, None, block_size=BLOCK_SIZE,
-                                         return_stats=True)
+        stats = official.dflash_generate(
+            theirs, target_model, prompt[None], new_tokens, None, block_size=BLOCK_SIZE, return_stats=True
+        )
         return stats.output_ids[0, context:].tolist(), len(stats.acceptance_lengths)
 
     loops = {"ours": run_ours, "official": run_theirs}
@@ -334,10 +404,12 @@ def official_vs_ours(target_model, draft, device: str, dtype: torch.dtype, conte
     ratios: list[float] = []  # official / ours per round: paired, so a slow spell of the machine cancels
     started = time.perf_counter()
     for r in range(max(repeats, MIN_ROUNDS) * 10):
-        if r >= max(repeats, MIN_ROUNDS) and (relative_half_width(ratios) <= TARGET_RELATIVE_HALF_WIDTH
-                                               or time.perf_counter() - started > OFFICIAL_BUDGET_S):
+        if r >= max(repeats, MIN_ROUNDS) and (
+            relative_half_width(ratios) <= TARGET_RELATIVE_HALF_WIDTH
+            or time.perf_counter() - started > OFFICIAL_BUDGET_S
+        ):
             break
-        for name in (("ours", "official") if r % 2 == 0 else ("official", "ours")):
+        for name in ("ours", "official") if r % 2 == 0 else ("official", "ours"):
             seconds, (_, steps) = clock.time(loops[name])
             per_step[name].append(seconds / steps)
         ratios.append(per_step["official"][-1] / per_step["ours"][-1])
@@ -346,14 +418,18 @@ def official_vs_ours(target_model, draft, device: str, dtype: torch.dtype, conte
     # in bfloat16 the two loops' attention kernels differ (ours: FlashAttention; theirs: torch's choice, cuDNN on
     # an H100/H200), so random weights' near ties may go either way: where they part is printed, not hidden
     agreement = "equal" if parted is None and len(ours_ids) == len(theirs_ids) else f"part at token {parted}"
-    print(f"\nlive loop vs the official dflash_generate: context {context}, {new_tokens} new tokens, block "
-          f"{BLOCK_SIZE}, records off, {len(ratios)} paired rounds (order alternated, until the ratio's interval is within "
-          f"+-{TARGET_RELATIVE_HALF_WIDTH:.0%} or {OFFICIAL_BUDGET_S:g} s), prefill included; outputs "
-          f"{agreement}; steps ours {outputs['ours'][1]}, official {outputs['official'][1]}")
+    print(
+        f"\nlive loop vs the official dflash_generate: context {context}, {new_tokens} new tokens, block "
+        f"{BLOCK_SIZE}, records off, {len(ratios)} paired rounds (order alternated, until the ratio's interval is within "
+        f"+-{TARGET_RELATIVE_HALF_WIDTH:.0%} or {OFFICIAL_BUDGET_S:g} s), prefill included; outputs "
+        f"{agreement}; steps ours {outputs['ours'][1]}, official {outputs['official'][1]}"
+    )
     for name, values in per_step.items():
         print(f"  {name:10} ms/step min/med/max {spread(values, 1e3)}")
     ratio, low, high = median_interval(ratios)
-    print(f"  official / ours: {ratio:.2f}x [{low:.2f}, {high:.2f}] (median of the paired rounds' ratios, 95% interval)")
+    print(
+        f"  official / ours: {ratio:.2f}x [{low:.2f}, {high:.2f}] (median of the paired rounds' ratios, 95% interval)"
+    )
 
 
 def target_attention_flops(config, length: int) -> float:
@@ -364,7 +440,9 @@ def target_attention_flops(config, length: int) -> float:
     flops = 0.0
     for kind in kinds:
         if kind == "linear_attention":  # state update and read-out: ~2 multiply-adds per state entry and token
-            flops += 4 * config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim * length
+            flops += (
+                4 * config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim * length
+            )
         elif kind == "sliding_attention":
             flops += full * sum(min(i + 1, config.sliding_window) for i in range(length))
         else:
@@ -379,8 +457,12 @@ def teacher_flops(target_model, draft, prompt_len: int, n_out: int, k: int) -> d
     length = prompt_len + n_out
     anchors = n_out - 1
     head = tc.hidden_size * tc.vocab_size
-    routed = getattr(tc, "num_experts_per_tok", 1) / getattr(tc, "num_local_experts", getattr(tc, "num_experts", 1) or 1)
-    t_linear = sum(p.numel() * (1 if p.dim() == 2 else routed) for p in target_model.model.layers.parameters() if p.dim() >= 2)
+    routed = getattr(tc, "num_experts_per_tok", 1) / getattr(
+        tc, "num_local_experts", getattr(tc, "num_experts", 1) or 1
+    )
+    t_linear = sum(
+        p.numel() * (1 if p.dim() == 2 else routed) for p in target_model.model.layers.parameters() if p.dim() >= 2
+    )
     t_attention = target_attention_flops(tc, length)
     kv = dc.num_key_value_heads * dc.head_dim
     fc = draft.fc.weight.numel()
@@ -399,8 +481,9 @@ def teacher_flops(target_model, draft, prompt_len: int, n_out: int, k: int) -> d
 
 
 @torch.inference_mode()
-def teacher_throughput(target_model, draft, device: str, clock: Clock, length: int, repeats: int,
-                       peaks: dict[str, float]) -> tuple:
+def teacher_throughput(
+    target_model, draft, device: str, clock: Clock, length: int, repeats: int, peaks: dict[str, float]
+) -> tuple:
     target = TargetModel(target_model, draft.hidden_state_indices)
     proposer = DFlashProposer(draft, target)
     ids = torch.randint(0, target_model.config.vocab_size - 2, (length,)).tolist()
@@ -430,8 +513,12 @@ def teacher_throughput(target_model, draft, device: str, clock: Clock, length: i
     replay(True)  # the compile
     recorded = [clock.time(lambda: replay(True))[0] for _ in range(max(2, repeats // 2))]
     target_s = [clock.time(target_only)[0] for _ in range(repeats)]
-    draft_s = [clock.time(lambda: slot_table(target, proposer, sequence, k, record_divergence=False,
-                                             target_pass=target_pass))[0] for _ in range(repeats)]
+    draft_s = [
+        clock.time(lambda: slot_table(target, proposer, sequence, k, record_divergence=False, target_pass=target_pass))[
+            0
+        ]
+        for _ in range(repeats)
+    ]
     flops = teacher_flops(target_model, draft, prompt_len, len(sequence.output_ids), k)
     total = sum(flops.values())
     draft_flops = total - flops["target"]
@@ -439,15 +526,25 @@ def teacher_throughput(target_model, draft, device: str, clock: Clock, length: i
 
     def share(f: float, seconds: list[float]) -> str:
         rate = f / statistics.median(seconds) / 1e12
-        return f"{rate:.0f} TFLOP/s = " + ", ".join(f"{100 * rate / peak:.1f}% of {name} {peak:.0f}" for name, peak in peaks.items())
+        return f"{rate:.0f} TFLOP/s = " + ", ".join(
+            f"{100 * rate / peak:.1f}% of {name} {peak:.0f}" for name, peak in peaks.items()
+        )
 
-    print(f"\nteacher-forced replay: {length} tokens ({anchors} anchors x K={k}); {total / 1e12:.1f} TFLOP counted "
-          "(" + ", ".join(f"{name} {f / 1e12:.1f}" for name, f in flops.items()) + ")")
-    print(f"  whole pass, ms min/med/max      {spread(plain, 1e3, 1):>22}  {anchors / statistics.median(plain):,.0f} "
-          f"analysed tokens/s; {share(total, plain)}")
-    print(f"  without cuDNN (live loop's)     {spread(live_loop_backends, 1e3, 1):>22}  {share(total, live_loop_backends)}")
+    print(
+        f"\nteacher-forced replay: {length} tokens ({anchors} anchors x K={k}); {total / 1e12:.1f} TFLOP counted "
+        "(" + ", ".join(f"{name} {f / 1e12:.1f}" for name, f in flops.items()) + ")"
+    )
+    print(
+        f"  whole pass, ms min/med/max      {spread(plain, 1e3, 1):>22}  {anchors / statistics.median(plain):,.0f} "
+        f"analysed tokens/s; {share(total, plain)}"
+    )
+    print(
+        f"  without cuDNN (live loop's)     {spread(live_loop_backends, 1e3, 1):>22}  {share(total, live_loop_backends)}"
+    )
     for label, times in ((f"records, {eager_label}", recorded_eager), ("records, compiled", recorded)):
-        print(f"  with {label:27}{spread(times, 1e3, 1):>22}  (records x{statistics.median(times) / statistics.median(plain):.2f})")
+        print(
+            f"  with {label:27}{spread(times, 1e3, 1):>22}  (records x{statistics.median(times) / statistics.median(plain):.2f})"
+        )
     print(f"  target forward alone            {spread(target_s, 1e3, 1):>22}  {share(flops['target'], target_s)}")
     print(f"  draft passes alone              {spread(draft_s, 1e3, 1):>22}  {share(draft_flops, draft_s)}")
     return target, proposer, sequence, k
@@ -488,8 +585,10 @@ def profile_teacher(target, proposer, sequence, k: int, device: str, out: Path |
     families: dict[str, float] = {}
     for name, (spent, _) in kernels.items():
         families[kernel_family(name)] = families.get(kernel_family(name), 0.0) + spent / 1e6
-    print(f"\nprofile of one teacher-forced pass (profiler on): wall {wall * 1e3:.1f} ms, kernels {busy * 1e3:.1f} ms "
-          f"({100 * busy / wall:.0f}% busy; the rest is launch / sync overhead)")
+    print(
+        f"\nprofile of one teacher-forced pass (profiler on): wall {wall * 1e3:.1f} ms, kernels {busy * 1e3:.1f} ms "
+        f"({100 * busy / wall:.0f}% busy; the rest is launch / sync overhead)"
+    )
     for family, spent in sorted(families.items(), key=lambda item: -item[1]):
         print(f"  {family:24}{spent * 1e3:9.1f} ms {100 * spent / busy:5.1f}%")
     print("  top kernels:")
@@ -506,10 +605,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=6)
     parser.add_argument("--peak-tflops", type=float, default=790.0, help="nominal bf16 dense matrix rate of the GPU")
     parser.add_argument("--out", type=Path, default=None, help="folder for the full profile table")
-    parser.add_argument("--official", action="store_true", help="also time the official dflash_generate loop (PyPI dflash)")
-    parser.add_argument("--first-calls", action="store_true",
-                        help="section 0 only (run it twice, in two processes, to see what torch's on-disk compile "
-                             "caches save a command's second run)")
+    parser.add_argument(
+        "--official", action="store_true", help="also time the official dflash_generate loop (PyPI dflash)"
+    )
+    parser.add_argument(
+        "--first-calls",
+        action="store_true",
+        help="section 0 only (run it twice, in two processes, to see what torch's on-disk compile "
+        "caches save a command's second run)",
+    )
     args = parser.parse_args()
     device = "cpu" if args.tiny else "cuda"
     dtype = torch.float32 if args.tiny else torch.bfloat16
@@ -518,24 +622,41 @@ def main() -> None:
     print(f"torch {torch.__version__}; before: {gpu_state(device)}")
     target_model, draft = build(args.target, args.tiny, device, dtype)
     parameters = sum(p.numel() for p in target_model.parameters())
-    print(f"target {args.target}{' (tiny)' if args.tiny else ''}: {parameters / 1e9:.2f}B parameters, attention "
-          f"{target_model.config._attn_implementation}, draft taps layers {list(draft.config.target_layer_ids)}")
+    print(
+        f"target {args.target}{' (tiny)' if args.tiny else ''}: {parameters / 1e9:.2f}B parameters, attention "
+        f"{target_model.config._attn_implementation}, draft taps layers {list(draft.config.target_layer_ids)}"
+    )
     first_run(target_model, draft, device, context=128 if args.tiny else 1024, new_tokens=32 if args.tiny else 96)
     if args.first_calls:
         return
     measured = matmul_rate(device, clock)
     print(f"measured matrix rate: {measured:.0f} TFLOP/s ({'bf16 8192^3' if device == 'cuda' else 'fp32 512^3'})")
-    live_step_vs_floor(target_model, draft, device, clock, context=128 if args.tiny else 1024,
-                       new_tokens=32 if args.tiny else 64, repeats=args.repeats)
+    live_step_vs_floor(
+        target_model,
+        draft,
+        device,
+        clock,
+        context=128 if args.tiny else 1024,
+        new_tokens=32 if args.tiny else 64,
+        repeats=args.repeats,
+    )
     peaks = {"nominal": args.peak_tflops, "measured": measured}
-    replay = teacher_throughput(target_model, draft, device, clock, length=256 if args.tiny else 2112,
-                                repeats=args.repeats, peaks=peaks)
+    replay = teacher_throughput(
+        target_model, draft, device, clock, length=256 if args.tiny else 2112, repeats=args.repeats, peaks=peaks
+    )
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
     profile_teacher(*replay, device=device, out=args.out)
     if args.official:
-        official_vs_ours(target_model, draft, device, dtype, context=128 if args.tiny else 1024,
-                         new_tokens=32 if args.tiny else 96, repeats=args.repeats)
+        official_vs_ours(
+            target_model,
+            draft,
+            device,
+            dtype,
+            context=128 if args.tiny else 1024,
+            new_tokens=32 if args.tiny else 96,
+            repeats=args.repeats,
+        )
     print(f"\nafter: {gpu_state(device)}")
 
 

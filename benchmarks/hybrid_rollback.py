@@ -33,18 +33,34 @@ from dflash_doctor.engine.target import TargetModel
 
 def shapes(hidden: int, layers: int, vocab: int) -> tuple:
     heads = max(hidden // 128, 2)
-    common = dict(hidden_size=hidden, num_hidden_layers=layers, intermediate_size=3 * hidden, num_attention_heads=heads,
-                  num_key_value_heads=max(heads // 4, 1), head_dim=128 if hidden >= 256 else hidden // heads,
-                  vocab_size=vocab, max_position_embeddings=16384, tie_word_embeddings=False)
+    common = dict(
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        intermediate_size=3 * hidden,
+        num_attention_heads=heads,
+        num_key_value_heads=max(heads // 4, 1),
+        head_dim=128 if hidden >= 256 else hidden // heads,
+        vocab_size=vocab,
+        max_position_embeddings=16384,
+        tie_word_embeddings=False,
+    )
     linear_heads = max(hidden // 256, 1)
-    hybrid = Qwen3_5TextConfig(**common, layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"] * (layers // 4),
-                               linear_num_key_heads=linear_heads, linear_num_value_heads=2 * linear_heads,
-                               linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4)
+    hybrid = Qwen3_5TextConfig(
+        **common,
+        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"] * (layers // 4),
+        linear_num_key_heads=linear_heads,
+        linear_num_value_heads=2 * linear_heads,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+    )
     return {"full attention": Qwen3Config(**common), "hybrid": hybrid}
 
 
 @torch.inference_mode()
-def measure(model, context: torch.Tensor, k: int, accepted: int, repeats: int, clock: Clock, rerun: str) -> tuple[float, float]:
+def measure(
+    model, context: torch.Tensor, k: int, accepted: int, repeats: int, clock: Clock, rerun: str
+) -> tuple[float, float]:
     """(seconds per step, seconds of its rollback), the fastest of ``repeats``: verify K + 1 tokens, keep
     1 + ``accepted``; ``rerun``: the rollback cache's mode, or "token by token"."""
     target = TargetModel(model)
@@ -61,9 +77,10 @@ def measure(model, context: torch.Tensor, k: int, accepted: int, repeats: int, c
 
             def verify():
                 for i in range(k + 1):
-                    target.forward(block[i:i + 1], taps=())
+                    target.forward(block[i : i + 1], taps=())
                     if i == accepted:  # the state after the last kept position is the one the next step starts from
                         kept["cache"] = target.cache
+
             forward_s = clock.time(verify)[0]
             rollback_s = 0.0  # keeping a state is a pointer swap in an engine that stores one per position
         else:
@@ -92,8 +109,11 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--k", type=int, default=15)
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--hybrid-rollbacks", default="mixers,model,token by token",
-                        help="which of the hybrid's rollbacks to measure, comma-separated")
+    parser.add_argument(
+        "--hybrid-rollbacks",
+        default="mixers,model,token by token",
+        help="which of the hybrid's rollbacks to measure, comma-separated",
+    )
     args = parser.parse_args()
     dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
     clock = Clock(args.device, cpu_time=True)  # one torch thread on a CPU
@@ -106,16 +126,20 @@ def main() -> None:
         with torch.device(args.device):
             models[name] = AutoModelForCausalLM.from_config(config).to(dtype).eval()
     sizes = ", ".join(f"{name} {sum(p.numel() for p in m.parameters()) / 1e6:.1f}M" for name, m in models.items())
-    print(f"torch {torch.__version__} on {args.device} ({dtype}); parameters: {sizes}; context {args.context}, K = {args.k}, "
-          f"fastest of {args.repeats}")
+    print(
+        f"torch {torch.__version__} on {args.device} ({dtype}); parameters: {sizes}; context {args.context}, K = {args.k}, "
+        f"fastest of {args.repeats}"
+    )
     context = torch.randint(10, args.vocab - 10, (args.context,), device=args.device)
     decode = {name: measure(m, context, 0, 0, args.repeats, clock, "mixers")[0] for name, m in models.items()}
     snapshot = TargetModel(models["hybrid"])
     snapshot.forward(context, taps=())
     snapshot_s = min(clock.time(lambda: snapshot_states(snapshot.cache.cache))[0] for _ in range(args.repeats))
-    print(f"one-token decode step (verify 1, keep 1): full attention {decode['full attention'] * 1e3:.2f} ms, hybrid "
-          f"{decode['hybrid'] * 1e3:.2f} ms, ratio {decode['hybrid'] / decode['full attention']:.2f}; the hybrid's "
-          f"snapshot of its recurrent states, within each of its forwards: {snapshot_s * 1e3:.2f} ms")
+    print(
+        f"one-token decode step (verify 1, keep 1): full attention {decode['full attention'] * 1e3:.2f} ms, hybrid "
+        f"{decode['hybrid'] * 1e3:.2f} ms, ratio {decode['hybrid'] / decode['full attention']:.2f}; the hybrid's "
+        f"snapshot of its recurrent states, within each of its forwards: {snapshot_s * 1e3:.2f} ms"
+    )
     print("per step: ms, ratio to full attention, (rollback ms, its share of the step)")
     rollbacks = args.hybrid_rollbacks.split(",")
     print(f"{'accepted n':>10} {'full attn':>10}" + "".join(f" {'hybrid, ' + r:>36}" for r in rollbacks))

@@ -33,7 +33,11 @@ def main() -> None:
     runs = {name: load_run(Path(path)) for name, _, path in (item.partition("=") for item in args.runs)}
     reference = next(iter(runs.values())).requests.set_index("request_id")
     classes = sorted(next(iter(runs.values())).meta["summary"]["by_class"])
-    print("| run | " + " | ".join(["overall", *classes]) + " | draft tokens / step | same prompt length | same output text |")
+    print(
+        "| run | "
+        + " | ".join(["overall", *classes])
+        + " | draft tokens / step | same prompt length | same output text |"
+    )
     print("|---" * (len(classes) + 5) + "|")
     for name, run in runs.items():
         summary = run.meta["summary"]

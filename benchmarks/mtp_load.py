@@ -31,11 +31,26 @@ from dflash_doctor.models.mtp_format import read_mtp_checkpoint
 
 
 def _config(hidden: int, experts: int) -> DeepseekV3Config:
-    return DeepseekV3Config(hidden_size=hidden, intermediate_size=4 * hidden, moe_intermediate_size=hidden // 2 * 3 // 2,
-                            n_routed_experts=experts, num_experts_per_tok=8, n_group=1, topk_group=1, num_hidden_layers=1,
-                            first_k_dense_replace=0, num_attention_heads=16, num_key_value_heads=16, q_lora_rank=hidden // 2,
-                            kv_lora_rank=hidden // 4, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
-                            vocab_size=32000, num_nextn_predict_layers=1)
+    return DeepseekV3Config(
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        moe_intermediate_size=hidden // 2 * 3 // 2,
+        n_routed_experts=experts,
+        num_experts_per_tok=8,
+        n_group=1,
+        topk_group=1,
+        num_hidden_layers=1,
+        first_k_dense_replace=0,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        q_lora_rank=hidden // 2,
+        kv_lora_rank=hidden // 4,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=128,
+        v_head_dim=128,
+        vocab_size=32000,
+        num_nextn_predict_layers=1,
+    )
 
 
 def write_target(folder: Path, hidden: int, experts: int) -> None:
@@ -52,7 +67,9 @@ def write_target(folder: Path, hidden: int, experts: int) -> None:
             rows = tensor.shape[1] // len(parts)
             for e in range(tensor.shape[0]):
                 for part in parts:
-                    tensors[f"{prefix}{stem}.{e}.{part}.weight"] = torch.randn(rows, tensor.shape[2], dtype=torch.bfloat16) * 0.02
+                    tensors[f"{prefix}{stem}.{e}.{part}.weight"] = (
+                        torch.randn(rows, tensor.shape[2], dtype=torch.bfloat16) * 0.02
+                    )
         else:
             tensors[prefix + name] = torch.randn(tensor.shape, dtype=torch.bfloat16) * 0.02
     for name in ("enorm", "hnorm", "shared_head.norm"):
@@ -68,11 +85,19 @@ def build_random_first(checkpoint, target_config, *, dtype: torch.dtype) -> MtpH
     layer_class = decoder_layer_class(target_config)
     layers = []
     for i, tensors in enumerate(checkpoint.layers):
-        layer = MtpLayer(config, layer_class(config, checkpoint.first_layer_index + i), own_head=checkpoint.has_own("head"),
-                         own_embedding=checkpoint.has_own("embed_tokens"))
+        layer = MtpLayer(
+            config,
+            layer_class(config, checkpoint.first_layer_index + i),
+            own_head=checkpoint.has_own("head"),
+            own_embedding=checkpoint.has_own("embed_tokens"),
+        )
         layer.load_state_dict(_fuse_experts(tensors, set(layer.state_dict())), strict=True)
         layers.append(layer)
-    return MtpHead(layers, checkpoint.layout, checkpoint.first_layer_index, checkpoint.zero_first_embedding).to(dtype=dtype).eval()
+    return (
+        MtpHead(layers, checkpoint.layout, checkpoint.first_layer_index, checkpoint.zero_first_embedding)
+        .to(dtype=dtype)
+        .eval()
+    )
 
 
 def _rss_mib() -> float:
@@ -115,17 +140,27 @@ def main() -> None:
         for repeat in range(args.repeats):
             order = ["meta", "random-first"] if repeat % 2 == 0 else ["random-first", "meta"]
             for way in order:
-                out = subprocess.run([sys.executable, __file__, "--dtype", args.dtype, "--child", str(folder), way],
-                                     check=True, capture_output=True, text=True).stdout
+                out = subprocess.run(
+                    [sys.executable, __file__, "--dtype", args.dtype, "--child", str(folder), way],
+                    check=True,
+                    capture_output=True,
+                    text=True,
+                ).stdout
                 results[way].append(json.loads(out.strip().splitlines()[-1]))
     parameters = results["meta"][0]["parameters"]
-    print(f"MTP layer: {parameters / 1e9:.2f}B parameters ({args.experts} experts, hidden {args.hidden}), checkpoint "
-          f"{size_mib:.0f} MiB bf16, head built in {args.dtype}, {args.repeats} repeats (order alternated), fastest shown")
-    best = {way: (min(r["seconds"] for r in rows), min(r["peak_above_mib"] for r in rows)) for way, rows in results.items()}
+    print(
+        f"MTP layer: {parameters / 1e9:.2f}B parameters ({args.experts} experts, hidden {args.hidden}), checkpoint "
+        f"{size_mib:.0f} MiB bf16, head built in {args.dtype}, {args.repeats} repeats (order alternated), fastest shown"
+    )
+    best = {
+        way: (min(r["seconds"] for r in rows), min(r["peak_above_mib"] for r in rows)) for way, rows in results.items()
+    }
     for way, (seconds, peak) in best.items():
         print(f"  {way:<13} {seconds:7.2f} s   peak RSS above the read checkpoint {peak:8.0f} MiB")
-    print(f"  random-first / meta: time x{best['random-first'][0] / best['meta'][0]:.1f}, "
-          f"peak memory x{best['random-first'][1] / max(best['meta'][1], 1.0):.1f}")
+    print(
+        f"  random-first / meta: time x{best['random-first'][0] / best['meta'][0]:.1f}, "
+        f"peak memory x{best['random-first'][1] / max(best['meta'][1], 1.0):.1f}"
+    )
 
 
 if __name__ == "__main__":

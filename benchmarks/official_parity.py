@@ -27,7 +27,13 @@ from dflash_doctor.engine.schedule import CONVENTIONS  # noqa: E402
 from dflash_doctor.engine.live import speculative_generate  # noqa: E402
 from dflash_doctor.engine.proposers.dflash import DFlashProposer  # noqa: E402
 from dflash_doctor.engine.target import TargetModel  # noqa: E402
-from dflash_doctor.models.loading import DEMO_DRAFT_DIR, demo_target_path, load_causal_lm, load_dflash_draft, resolve_model_dir  # noqa: E402
+from dflash_doctor.models.loading import (  # noqa: E402
+    DEMO_DRAFT_DIR,
+    demo_target_path,
+    load_causal_lm,
+    load_dflash_draft,
+    resolve_model_dir,
+)
 from dflash_doctor.models.pair import stop_ids_of  # noqa: E402
 from dflash_doctor.inputs.workloads import encode_request_turn, load_workload  # noqa: E402
 
@@ -36,21 +42,40 @@ def compare(target_model, official_draft, ours, prompts, stop_ids, k, max_new):
     block = k + 1
     wrapped = TargetModel(target_model, ours.hidden_state_indices)
     proposer = DFlashProposer(ours, wrapped)
-    row = {"requests": 0, "outputs_equal": 0, "steps_official": 0, "equal_official": 0, "steps_full_block": 0,
-           "equal_vllm": 0, "official_lengths": [], "ours_lengths": []}
+    row = {
+        "requests": 0,
+        "outputs_equal": 0,
+        "steps_official": 0,
+        "equal_official": 0,
+        "steps_full_block": 0,
+        "equal_vllm": 0,
+        "official_lengths": [],
+        "ours_lengths": [],
+    }
     for prompt in prompts:
-        official_out, official_lengths = official_generate(official_draft, target_model, prompt, max_new_tokens=max_new,
-                                                           stop_ids=sorted(stop_ids), block_size=block)
+        official_out, official_lengths = official_generate(
+            official_draft, target_model, prompt, max_new_tokens=max_new, stop_ids=sorted(stop_ids), block_size=block
+        )
         results = {}
         for name in ("official", "vllm"):
-            result = speculative_generate(wrapped, proposer, torch.tensor(prompt), k=k, max_new_tokens=max_new,
-                                          stop_ids=frozenset(stop_ids), convention=CONVENTIONS[name], record_tokens=False)
+            result = speculative_generate(
+                wrapped,
+                proposer,
+                torch.tensor(prompt),
+                k=k,
+                max_new_tokens=max_new,
+                stop_ids=frozenset(stop_ids),
+                convention=CONVENTIONS[name],
+                record_tokens=False,
+            )
             results[name] = (result.output_ids, [s.num_accepted + 1 for s in result.steps], result.steps)
         out, lengths, _ = results["official"]
         row["requests"] += 1
         row["outputs_equal"] += out == official_out and results["vllm"][0] == official_out
         row["steps_official"] += len(official_lengths)
-        row["equal_official"] += sum(a == b for a, b in zip(lengths, official_lengths)) if len(lengths) == len(official_lengths) else 0
+        row["equal_official"] += (
+            sum(a == b for a, b in zip(lengths, official_lengths)) if len(lengths) == len(official_lengths) else 0
+        )
         for step, length, official_length in zip(results["vllm"][2], results["vllm"][1], official_lengths):
             if max_new - step.position >= k:
                 row["steps_full_block"] += 1
@@ -78,7 +103,9 @@ def main() -> None:
     requests = load_workload("demo", max_requests=args.max_requests, seed=0)
     prompts = [encode_request_turn(tokenizer, r, []) for r in requests]
     print(f"demo workload: {len(prompts)} first turns, {args.max_new_tokens} new tokens, K = {args.k}")
-    print("variant   requests  outputs=  steps(all)  equal(official conv.)  full-block steps  equal(vllm conv.)  tau official  tau ours")
+    print(
+        "variant   requests  outputs=  steps(all)  equal(official conv.)  full-block steps  equal(vllm conv.)  tau official  tau ours"
+    )
     from dflash.model import DFlash2DraftModel, DFlashDraftModel
 
     for variant in args.variants.split(","):
@@ -90,8 +117,11 @@ def main() -> None:
         row = compare(target_model, official_draft, ours, prompts, stop_ids, args.k, args.max_new_tokens)
         tau_official = sum(row["official_lengths"]) / max(1, len(row["official_lengths"]))
         tau_ours = sum(row["ours_lengths"]) / max(1, len(row["ours_lengths"]))
-        print(f"{variant:9} {row['requests']:8}  {row['outputs_equal']:8}  {row['steps_official']:10}  {row['equal_official']:21}  "
-              f"{row['steps_full_block']:16}  {row['equal_vllm']:17}  {tau_official:12.3f}  {tau_ours:8.3f}", flush=True)
+        print(
+            f"{variant:9} {row['requests']:8}  {row['outputs_equal']:8}  {row['steps_official']:10}  {row['equal_official']:21}  "
+            f"{row['steps_full_block']:16}  {row['equal_vllm']:17}  {tau_official:12.3f}  {tau_ours:8.3f}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

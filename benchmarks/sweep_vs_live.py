@@ -55,8 +55,10 @@ def main() -> None:
     prompts = demo_prompts(pair.tokenizer, args.requests)
     ks = list(range(1, args.k_max + 1))
     max_new = args.max_new_tokens
-    print(f"CPU, torch {torch.__version__}, {torch.get_num_threads()} threads; SmolLM2-135M-Instruct fp32 target, "
-          f"4-bit fake-quantised draft; {len(prompts)} prompts x {max_new} new tokens; K = 1..{args.k_max}")
+    print(
+        f"CPU, torch {torch.__version__}, {torch.get_num_threads()} threads; SmolLM2-135M-Instruct fp32 target, "
+        f"4-bit fake-quantised draft; {len(prompts)} prompts x {max_new} new tokens; K = 1..{args.k_max}"
+    )
     plain_generate(TargetModel(model), prompts[0], max_new_tokens=4)  # warm-up
 
     started = time.perf_counter()
@@ -64,7 +66,9 @@ def main() -> None:
     # As `sweep` does: the greedy continuations of all prompts in one batched generate.
     outputs = generate_greedy_batch(model, [p.tolist() for p in prompts], max_new_tokens=max_new, stop_ids=stop_ids)
     for prompt, output in zip(prompts, outputs):
-        table, _ = slot_table(TargetModel(model), AutoregressiveProposer(draft), TeacherSequence(prompt.tolist(), output), max(ks))
+        table, _ = slot_table(
+            TargetModel(model), AutoregressiveProposer(draft), TeacherSequence(prompt.tolist(), output), max(ks)
+        )
         for k in ks:
             steps = walk_schedule(table.matches[:, :k], output, k, max_new, stop_ids)
             teacher_steps[k].append(steps)
@@ -76,8 +80,14 @@ def main() -> None:
     for k in ks:
         started = time.perf_counter()
         for prompt in prompts:
-            result = speculative_generate(TargetModel(model), AutoregressiveProposer(draft), prompt, k=k,
-                                          max_new_tokens=max_new, stop_ids=stop_ids)
+            result = speculative_generate(
+                TargetModel(model),
+                AutoregressiveProposer(draft),
+                prompt,
+                k=k,
+                max_new_tokens=max_new,
+                stop_ids=stop_ids,
+            )
             live_steps[k].append(result.steps)
         live_s_by_k[k] = time.perf_counter() - started
     live_s = sum(live_s_by_k.values())
@@ -87,11 +97,15 @@ def main() -> None:
     for k in ks:
         equal = all(step_keys(a) == step_keys(b) for a, b in zip(live_steps[k], teacher_steps[k]))
         all_equal &= equal
-        print(f"{k:>3} {pooled_tau(live_steps[k]):9.4f} {pooled_tau(teacher_steps[k]):12.4f} {'yes' if equal else 'NO':>12} "
-              f"{live_s_by_k[k]:8.2f}")
+        print(
+            f"{k:>3} {pooled_tau(live_steps[k]):9.4f} {pooled_tau(teacher_steps[k]):12.4f} {'yes' if equal else 'NO':>12} "
+            f"{live_s_by_k[k]:8.2f}"
+        )
     print(f"\nlive loop, once per K: {live_s:8.2f} s")
     print(f"teacher-forced replay: {teacher_s:8.2f} s  (greedy continuation + one pass at K={max(ks)} + walks)")
-    print(f"ratio: {live_s / teacher_s:.1f}x less wall time; per-step results identical for every K: {'yes' if all_equal else 'NO'}")
+    print(
+        f"ratio: {live_s / teacher_s:.1f}x less wall time; per-step results identical for every K: {'yes' if all_equal else 'NO'}"
+    )
 
 
 if __name__ == "__main__":

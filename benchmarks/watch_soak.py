@@ -59,9 +59,15 @@ def main() -> None:
             seconds = time.perf_counter() - started
             if i in (start, polls):
                 gc.collect()  # the heap in use, not cyclic garbage the collector has not reached yet
-                marks[f"after {i * args.interval_s / 3600:g} h"] = (tracemalloc.get_traced_memory()[0] / 2**20, directory_bytes(run_dir), seconds)
+                marks[f"after {i * args.interval_s / 3600:g} h"] = (
+                    tracemalloc.get_traced_memory()[0] / 2**20,
+                    directory_bytes(run_dir),
+                    seconds,
+                )
         session.close(clock)
-        print(f"{polls} polls every {args.interval_s:g} s (simulated), {len(MODELS)} models, K={K}, retain {args.retain}")
+        print(
+            f"{polls} polls every {args.interval_s:g} s (simulated), {len(MODELS)} models, K={K}, retain {args.retain}"
+        )
         print(f"{'':>14} {'heap MiB':>9} {'run dir KiB':>12} {'s per poll':>11}")
         for name, (heap, disk, seconds) in marks.items():
             print(f"{name:>14} {heap:9.2f} {disk / 1024:12.1f} {seconds:11.4f}")

@@ -38,8 +38,11 @@ class AcceptanceCheck(Check):
         scopes: dict[str, Metrics | None] = {OVERALL: summary.overall}
         scopes.update({f"class {name}": metrics for name, metrics in summary.by_class.items()})
         # a scope that drafted has a tau (tokens per step), so every judged scope has one
-        judged = {name: m for name, m in scopes.items()
-                  if m is not None and m.num_drafts >= self.min_drafts and m.mean_acceptance_length is not None}
+        judged = {
+            name: m
+            for name, m in scopes.items()
+            if m is not None and m.num_drafts >= self.min_drafts and m.mean_acceptance_length is not None
+        }
         if not judged:
             return skipped(self.id, f"the run has no scope with at least {self.min_drafts} drafts")
 
@@ -52,8 +55,11 @@ class AcceptanceCheck(Check):
         findings += self._perfect_findings(judged)
         metrics = {"tau": taus, "num_scopes_judged": len(judged)}
         overall = taus.get(OVERALL)
-        pass_summary = f"tau {overall:.2f} overall; every class above {self.tau_warn_below}" if overall is not None \
+        pass_summary = (
+            f"tau {overall:.2f} overall; every class above {self.tau_warn_below}"
+            if overall is not None
             else f"every class above tau {self.tau_warn_below}"
+        )
         return CheckResult.from_findings(self.id, findings, metrics, pass_summary)
 
     def _tau_findings(self, name: str, m: Metrics) -> list[Finding]:
@@ -61,20 +67,33 @@ class AcceptanceCheck(Check):
         if tau is None or tau >= self.tau_warn_below:
             return []
         ci = m.mean_acceptance_length_ci
-        evidence = f"tau {tau:.2f}" + (f" (95% CI {ci[0]:.2f}-{ci[1]:.2f})" if ci else "") + f" over {m.num_drafts} drafts"
+        evidence = (
+            f"tau {tau:.2f}" + (f" (95% CI {ci[0]:.2f}-{ci[1]:.2f})" if ci else "") + f" over {m.num_drafts} drafts"
+        )
         severity = "fail" if tau < self.tau_fail_below else "warn"
         limit = self.tau_fail_below if severity == "fail" else self.tau_warn_below
-        return [Finding(severity, f"{name}: mean acceptance length {tau:.2f} is below {limit}", evidence,
-                        "check the tokenizer, chat-template and draft-config findings first; then lower K for this class (`dflash-doctor sweep`)")]
+        return [
+            Finding(
+                severity,
+                f"{name}: mean acceptance length {tau:.2f} is below {limit}",
+                evidence,
+                "check the tokenizer, chat-template and draft-config findings first; then lower K for this class (`dflash-doctor sweep`)",
+            )
+        ]
 
     def _collapse_findings(self, name: str, m: Metrics) -> list[Finding]:
         rates = m.conditional_acceptance_rate_per_pos
         for position, rate in enumerate(rates[: self.collapse_within_positions]):
             if rate is not None and rate < self.conditional_rate_floor:
                 shown = ", ".join(f"{r:.2f}" for r in rates[: self.collapse_within_positions + 2] if r is not None)
-                return [Finding("warn", f"{name}: acceptance collapses at draft slot {position + 1} (conditional rate {rate:.2f})",
-                                f"conditional rates a_i: {shown}",
-                                "drafted tokens past this slot are mostly wasted verify work: lower K, or look for a feature/offset bug")]
+                return [
+                    Finding(
+                        "warn",
+                        f"{name}: acceptance collapses at draft slot {position + 1} (conditional rate {rate:.2f})",
+                        f"conditional rates a_i: {shown}",
+                        "drafted tokens past this slot are mostly wasted verify work: lower K, or look for a feature/offset bug",
+                    )
+                ]
         return []
 
     def _class_gap_findings(self, taus: dict[str, float]) -> list[Finding]:
@@ -85,15 +104,25 @@ class AcceptanceCheck(Check):
         for name, tau in classes.items():
             others = statistics.median(t for n, t in classes.items() if n != name)
             if tau < self.class_gap_ratio * others:
-                findings.append(Finding("warn", f"{name} is far below the other classes: tau {tau:.2f} vs median {others:.2f}",
-                                        f"ratio {tau / others:.2f} < {self.class_gap_ratio}",
-                                        "the draft was likely not trained on this kind of prompt: serve this class with a smaller K or none"))
+                findings.append(
+                    Finding(
+                        "warn",
+                        f"{name} is far below the other classes: tau {tau:.2f} vs median {others:.2f}",
+                        f"ratio {tau / others:.2f} < {self.class_gap_ratio}",
+                        "the draft was likely not trained on this kind of prompt: serve this class with a smaller K or none",
+                    )
+                )
         return findings
 
     def _perfect_findings(self, judged: dict[str, Metrics]) -> list[Finding]:
         rates = {name: m.draft_acceptance_rate for name, m in judged.items()}
         if all(rate is not None and rate >= self.perfect_rate for rate in rates.values()):
-            return [Finding("fail", "every drafted token was accepted in every class: suspiciously perfect",
-                            ", ".join(f"{name} {rate:.3f}" for name, rate in rates.items()),
-                            "the draft probably reads the target's own outputs or IS the target: check --draft and the target layer ids")]
+            return [
+                Finding(
+                    "fail",
+                    "every drafted token was accepted in every class: suspiciously perfect",
+                    ", ".join(f"{name} {rate:.3f}" for name, rate in rates.items()),
+                    "the draft probably reads the target's own outputs or IS the target: check --draft and the target layer ids",
+                )
+            ]
         return []

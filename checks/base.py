@@ -32,6 +32,7 @@ from dflash_doctor.rundir.status import (  # noqa: F401 (re-exported: checks imp
     worst_severity,
 )
 
+
 @dataclass(frozen=True)
 class Need:
     """An input whose absence the check explains in its own sentence rather than the runner's
@@ -66,7 +67,9 @@ class CheckContext:
     draft_training_template: str | None = None  # the template the draft was trained with, when recorded
     record: RunRecord | None = None
     config: Any = None  # DoctorConfig
-    output_token_ids_by_class: dict[str, list[int]] | None = None  # ids the target produced in the run, per request class
+    output_token_ids_by_class: dict[str, list[int]] | None = (
+        None  # ids the target produced in the run, per request class
+    )
     draft_weight_shapes: dict[str, list[int]] | None = None  # tensor name (no "model." prefix) -> shape
 
     @property
@@ -160,9 +163,7 @@ def get_check(check_id: str) -> type[Check]:
         return _REGISTRY[check_id]
     except KeyError:
         hint = _did_you_mean(check_id, _REGISTRY)
-        raise UsageError(
-            f"unknown check {check_id!r}; {hint}pick one of {', '.join(_REGISTRY)}."
-        ) from None
+        raise UsageError(f"unknown check {check_id!r}; {hint}pick one of {', '.join(_REGISTRY)}.") from None
 
 
 def make_check(check_id: str, params: Mapping[str, Any] | None = None) -> Check:
@@ -179,7 +180,9 @@ def make_check(check_id: str, params: Mapping[str, Any] | None = None) -> Check:
     for key, value in params.items():
         expected = type_error(value, declared[key])
         if expected is not None:
-            raise UsageError(f"check {check_id!r} parameter {key!r} is {value!r}, but it must be {expected}; fix [checks.{check_id}].")
+            raise UsageError(
+                f"check {check_id!r} parameter {key!r} is {value!r}, but it must be {expected}; fix [checks.{check_id}]."
+            )
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             # A check's numbers are thresholds, shares and counts, all >= 0; nan compares false with
             # everything, so `tau < nan` never fails a run and the gate is silently off (inf likewise).
@@ -195,7 +198,9 @@ def validate_check_params(tables: Mapping[str, Any], only: Iterable[str] = (), s
         get_check(check_id)
     for check_id, params in tables.items():
         if not isinstance(params, Mapping):
-            raise UsageError(f"[checks.{check_id}] must be a table of parameters, not {params!r}; write it as a TOML table.")
+            raise UsageError(
+                f"[checks.{check_id}] must be a table of parameters, not {params!r}; write it as a TOML table."
+            )
         make_check(check_id, params)
 
 
@@ -251,4 +256,3 @@ def exit_code(results: Iterable[CheckResult], fail_on: str = "fail") -> int:
 def skipped(check_id: str, reason: str) -> CheckResult:
     """A ``skip`` result decided inside a check (an input is present but unusable for this check)."""
     return CheckResult(check_id, "skip", f"skipped: {reason}")
-

@@ -51,13 +51,24 @@ class TemplateSide:
     bos_token: str = ""
     eos_token: str = ""
 
-    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool, enable_thinking: bool | None, tools: list | None = None) -> str:
+    def render(
+        self,
+        messages: list[dict[str, str]],
+        add_generation_prompt: bool,
+        enable_thinking: bool | None,
+        tools: list | None = None,
+    ) -> str:
         """Render like ``apply_chat_template(tokenize=False)``; a template error is returned as a marker."""
         extra: dict[str, Any] = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
         try:
             rendered, _ = render_jinja_template(
-                conversations=[messages], tools=tools, chat_template=self.template,
-                add_generation_prompt=add_generation_prompt, bos_token=self.bos_token, eos_token=self.eos_token, **extra,
+                conversations=[messages],
+                tools=tools,
+                chat_template=self.template,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token,
+                eos_token=self.eos_token,
+                **extra,
             )
         except Exception as exc:  # a template may refuse a case (e.g. no system role): that is an output too
             return f"<template error: {exc}>"
@@ -104,32 +115,40 @@ class ChatTemplateParity(Check):
             metrics["comparisons"][other.name] = {k: v for k, v in comparison.items() if k != "differences"}
             findings += self._difference_findings(target, other, comparison)
             findings += injected_system_findings(target, other)
-        return CheckResult.from_findings(self.id, findings, metrics, "templates render every canonical conversation identically")
+        return CheckResult.from_findings(
+            self.id, findings, metrics, "templates render every canonical conversation identically"
+        )
 
-    def _difference_findings(self, target: TemplateSide, other: TemplateSide, comparison: dict[str, Any]) -> list[Finding]:
+    def _difference_findings(
+        self, target: TemplateSide, other: TemplateSide, comparison: dict[str, Any]
+    ) -> list[Finding]:
         differences = comparison["differences"]
         if not differences:
             return []
         first = differences[0]
-        findings = [Finding(
-            "fail",
-            f"{target.name} and {other.name} templates differ in {len(differences)}/{comparison['num_cases']} renders "
-            f"(first: {first['case']} at byte {first['byte_offset']})",
-            " | ".join(
-                f"{d['case']} @byte {d['byte_offset']}: {target.name} {d['a']!r} vs {other.name} {d['b']!r}"
-                for d in differences[: self.max_examples]
-            ),
-            f"serve with the {other.name} template (--chat-template), or retrain the draft on the served format",
-        )]
+        findings = [
+            Finding(
+                "fail",
+                f"{target.name} and {other.name} templates differ in {len(differences)}/{comparison['num_cases']} renders "
+                f"(first: {first['case']} at byte {first['byte_offset']})",
+                " | ".join(
+                    f"{d['case']} @byte {d['byte_offset']}: {target.name} {d['a']!r} vs {other.name} {d['b']!r}"
+                    for d in differences[: self.max_examples]
+                ),
+                f"serve with the {other.name} template (--chat-template), or retrain the draft on the served format",
+            )
+        ]
         thinking = [d for d in differences if d["thinking_tags_a"] != d["thinking_tags_b"]]
         if thinking:
             d = thinking[0]
-            findings.append(Finding(
-                "fail",
-                f"thinking tags differ between {target.name} and {other.name} renders ({d['case']})",
-                f"{target.name} tags {d['thinking_tags_a']} vs {other.name} tags {d['thinking_tags_b']}",
-                "serve with the enable_thinking setting the draft was trained with (z-lab #133, #60)",
-            ))
+            findings.append(
+                Finding(
+                    "fail",
+                    f"thinking tags differ between {target.name} and {other.name} renders ({d['case']})",
+                    f"{target.name} tags {d['thinking_tags_a']} vs {other.name} tags {d['thinking_tags_b']}",
+                    "serve with the enable_thinking setting the draft was trained with (z-lab #133, #60)",
+                )
+            )
         return findings
 
 
@@ -158,8 +177,12 @@ class RenderCase:
     tools: tuple[dict[str, Any], ...] | None = None
 
     def render(self, side: TemplateSide) -> str:
-        return side.render(CONVERSATIONS[self.conversation], self.add_generation_prompt, self.enable_thinking,
-                           list(self.tools) if self.tools else None)
+        return side.render(
+            CONVERSATIONS[self.conversation],
+            self.add_generation_prompt,
+            self.enable_thinking,
+            list(self.tools) if self.tools else None,
+        )
 
 
 def render_cases(a: TemplateSide, b: TemplateSide) -> list[RenderCase]:
@@ -188,7 +211,9 @@ def _label(case_a: RenderCase, case_b: RenderCase, a: TemplateSide, b: TemplateS
     return name + f" thinking {a.name}={case_a.enable_thinking} {b.name}={case_b.enable_thinking}"
 
 
-def compare_templates(a: TemplateSide, b: TemplateSide, thinking_a: bool | None = None, thinking_b: bool | None = None) -> dict[str, Any]:
+def compare_templates(
+    a: TemplateSide, b: TemplateSide, thinking_a: bool | None = None, thinking_b: bool | None = None
+) -> dict[str, Any]:
     """Render every case with both sides; list the cases whose outputs differ, with the first differing bytes.
 
     ``thinking_a`` / ``thinking_b`` pin one side's enable_thinking (e.g. the draft's training setting)
@@ -204,10 +229,20 @@ def compare_templates(a: TemplateSide, b: TemplateSide, thinking_a: bool | None 
     for case_a, case_b in pairs:
         text_a, text_b = case_a.render(a), case_b.render(b)
         if text_a != text_b:
-            differences.append({"case": _label(case_a, case_b, a, b), **first_difference(text_a, text_b),
-                                "thinking_tags_a": _tags(text_a), "thinking_tags_b": _tags(text_b)})
-    return {"num_cases": len(pairs), "num_different": len(differences), "differences": differences,
-            "different_cases": [d["case"] for d in differences]}
+            differences.append(
+                {
+                    "case": _label(case_a, case_b, a, b),
+                    **first_difference(text_a, text_b),
+                    "thinking_tags_a": _tags(text_a),
+                    "thinking_tags_b": _tags(text_b),
+                }
+            )
+    return {
+        "num_cases": len(pairs),
+        "num_different": len(differences),
+        "differences": differences,
+        "different_cases": [d["case"] for d in differences],
+    }
 
 
 def _tags(text: str) -> dict[str, int]:
@@ -220,8 +255,8 @@ def first_difference(a: str, b: str) -> dict[str, Any]:
     start = max(0, index - DIFF_CONTEXT_CHARS)
     return {
         "byte_offset": len(a[:index].encode("utf-8")),
-        "a": a[start:index + DIFF_CONTEXT_CHARS],
-        "b": b[start:index + DIFF_CONTEXT_CHARS],
+        "a": a[start : index + DIFF_CONTEXT_CHARS],
+        "b": b[start : index + DIFF_CONTEXT_CHARS],
     }
 
 
@@ -248,13 +283,16 @@ def injected_system_findings(target: TemplateSide, other: TemplateSide) -> list[
         if text is None:
             continue
         same = injected[target.name] == injected[other.name]
-        findings.append(Finding(
-            "info" if same else "warn",
-            f"{side.name} template injects a default system prompt when the conversation has none",
-            repr(text[:200]),
-            "harmless when both sides inject the same text" if same
-            else "train and serve with the same default system prompt, or pass an explicit system message",
-        ))
+        findings.append(
+            Finding(
+                "info" if same else "warn",
+                f"{side.name} template injects a default system prompt when the conversation has none",
+                repr(text[:200]),
+                "harmless when both sides inject the same text"
+                if same
+                else "train and serve with the same default system prompt, or pass an explicit system message",
+            )
+        )
     return findings
 
 
@@ -265,9 +303,11 @@ def double_bos_findings(side: TemplateSide) -> list[Finding]:
     rendered = side.render(CONVERSATIONS["single-turn"], True, None)
     if not rendered.startswith(side.bos_token) or not special_tokens(side.tokenizer)["add_bos"]:
         return []
-    return [Finding(
-        "warn",
-        f"{side.name} template writes {side.bos_token!r} and its tokenizer adds another: double BOS",
-        f"render starts with {rendered[:40]!r}; tokenizer.encode adds bos id {side.tokenizer.bos_token_id}",
-        "encode rendered chats with add_special_tokens=False (as apply_chat_template does), or drop bos_token from the template",
-    )]
+    return [
+        Finding(
+            "warn",
+            f"{side.name} template writes {side.bos_token!r} and its tokenizer adds another: double BOS",
+            f"render starts with {rendered[:40]!r}; tokenizer.encode adds bos id {side.tokenizer.bos_token_id}",
+            "encode rendered chats with add_special_tokens=False (as apply_chat_template does), or drop bos_token from the template",
+        )
+    ]

@@ -26,7 +26,13 @@ from typing import Any
 from dflash_doctor.checks.base import Check, CheckContext, CheckResult, Finding, config_value, register, skipped
 from dflash_doctor.checks.draft_config import decoder_config
 from dflash_doctor.errors import UsageError
-from dflash_doctor.models.eagle3_format import VLLM_DEFAULT, aux_layer_ids, is_eagle3_config, norm_switches, proposable_target_ids
+from dflash_doctor.models.eagle3_format import (
+    VLLM_DEFAULT,
+    aux_layer_ids,
+    is_eagle3_config,
+    norm_switches,
+    proposable_target_ids,
+)
 from dflash_doctor.models.loading import resolve_model_dir
 
 KIND = "eagle3"
@@ -64,10 +70,16 @@ class Eagle3ConfigCheck(Check):
             findings += self._layer_findings(ctx, raw, int(num_layers), metrics)
         findings += _norm_findings(raw, metrics)
         findings += self._coverage_findings(ctx, metrics)
-        return CheckResult.from_findings(self.id, findings, metrics,
-                                         "the head names its layers and norm switches, and its vocabulary covers the run's tokens")
+        return CheckResult.from_findings(
+            self.id,
+            findings,
+            metrics,
+            "the head names its layers and norm switches, and its vocabulary covers the run's tokens",
+        )
 
-    def _layer_findings(self, ctx: CheckContext, raw: dict[str, Any], num_layers: int, metrics: dict[str, Any]) -> list[Finding]:
+    def _layer_findings(
+        self, ctx: CheckContext, raw: dict[str, Any], num_layers: int, metrics: dict[str, Any]
+    ) -> list[Finding]:
         ids, source = aux_layer_ids(raw, num_layers)
         metrics.update(aux_layer_ids=ids, aux_layer_ids_source=source)
         probe = {int(k): float(v) for k, v in (ctx.value("record.probes.offset_probe") or {}).items()}
@@ -75,26 +87,48 @@ class Eagle3ConfigCheck(Check):
         evidence = _probe_evidence(probe, drafts)
         findings = []
         if source == VLLM_DEFAULT:
-            findings.append(Finding(
-                "warn", f"the head names no aux layer ids, so vLLM reads its default layers {ids} (2, L // 2, L - 3 of the "
-                        f"target's {num_layers}; SGLang and the original EAGLE-3 code pick the same)",
-                evidence or "a head trained on other layers reads the wrong states and accepts almost nothing, with no error",
-                "write eagle_aux_hidden_state_layer_ids = the layers the head was trained on (its model card or training "
-                "config) into config.json"))
+            findings.append(
+                Finding(
+                    "warn",
+                    f"the head names no aux layer ids, so vLLM reads its default layers {ids} (2, L // 2, L - 3 of the "
+                    f"target's {num_layers}; SGLang and the original EAGLE-3 code pick the same)",
+                    evidence
+                    or "a head trained on other layers reads the wrong states and accepts almost nothing, with no error",
+                    "write eagle_aux_hidden_state_layer_ids = the layers the head was trained on (its model card or training "
+                    "config) into config.json",
+                )
+            )
         if probe and 0 in probe:
             metrics["offset_probe"] = probe
             best = max(probe, key=probe.__getitem__)
             gain = (probe[best] - 1.0) / max(probe[0] - 1.0, 1e-9) - 1.0
             if best != 0 and drafts is not None and drafts < self.offset_probe_min_drafts:
-                findings.append(Finding("info", f"offset probe inconclusive: {drafts} drafts are too few to judge the aux layer ids",
-                                        evidence, "rerun with more --max-requests or --max-new-tokens"))
+                findings.append(
+                    Finding(
+                        "info",
+                        f"offset probe inconclusive: {drafts} drafts are too few to judge the aux layer ids",
+                        evidence,
+                        "rerun with more --max-requests or --max-new-tokens",
+                    )
+                )
             elif best != 0 and gain > self.offset_probe_margin and probe[best] - probe[0] >= self.offset_probe_min_gain:
-                findings.append(Finding(
-                    "fail", f"aux layer ids shifted by {best:+d} give acceptance length {probe[best]:.2f} vs {probe[0]:.2f} as served",
-                    evidence, f"write eagle_aux_hidden_state_layer_ids = {[i + best for i in ids]} into config.json"))
+                findings.append(
+                    Finding(
+                        "fail",
+                        f"aux layer ids shifted by {best:+d} give acceptance length {probe[best]:.2f} vs {probe[0]:.2f} as served",
+                        evidence,
+                        f"write eagle_aux_hidden_state_layer_ids = {[i + best for i in ids]} into config.json",
+                    )
+                )
             else:
-                findings.append(Finding("info", f"aux layer ids {ids} (from {source}): no neighbouring layers accept "
-                                                f"{self.offset_probe_margin:.0%} more", evidence))
+                findings.append(
+                    Finding(
+                        "info",
+                        f"aux layer ids {ids} (from {source}): no neighbouring layers accept "
+                        f"{self.offset_probe_margin:.0%} more",
+                        evidence,
+                    )
+                )
         return findings
 
     def _coverage_findings(self, ctx: CheckContext, metrics: dict[str, Any]) -> list[Finding]:
@@ -105,7 +139,11 @@ class Eagle3ConfigCheck(Check):
         produced = [token for ids in by_class.values() for token in ids]
         draft = config_value(ctx.config, "draft")
         if not produced or not draft:
-            return [Finding("info", "vocabulary coverage not measured: the run recorded no output tokens or no draft checkpoint")]
+            return [
+                Finding(
+                    "info", "vocabulary coverage not measured: the run recorded no output tokens or no draft checkpoint"
+                )
+            ]
         try:
             proposable = proposable_target_ids(resolve_model_dir(str(draft)))
         except UsageError:  # the checkpoint has moved since the run: nothing to measure against
@@ -117,8 +155,12 @@ class Eagle3ConfigCheck(Check):
         missed = [token for token in produced if token not in covered]
         share = 1.0 - len(missed) / len(produced)
         shares = {name: _covered_share(ids, covered) for name, ids in sorted(by_class.items())}
-        metrics.update(output_token_coverage=share, output_token_coverage_by_class=shares, draft_vocab_size=len(covered),
-                       num_output_tokens=len(produced))
+        metrics.update(
+            output_token_coverage=share,
+            output_token_coverage_by_class=shares,
+            draft_vocab_size=len(covered),
+            num_output_tokens=len(produced),
+        )
         counts: dict[int, int] = {}
         for token in missed:
             counts[token] = counts.get(token, 0) + 1
@@ -126,19 +168,34 @@ class Eagle3ConfigCheck(Check):
         metrics["most_missed_tokens"] = top
         shown = ", ".join(f"{_token_text(ctx, t)} x{counts[t]}" for t in top)
         per_class = "; ".join(f"{name} {value:.1%}" for name, value in shares.items())
-        evidence = (f"{len(produced) - len(missed)} of the run's {len(produced)} output tokens are in the head's "
-                    f"{len(covered)}-token vocabulary" + (f" (per class: {per_class})" if len(shares) > 1 else "")
-                    + (f"; most often missed: {shown}" if top else ""))
+        evidence = (
+            f"{len(produced) - len(missed)} of the run's {len(produced)} output tokens are in the head's "
+            f"{len(covered)}-token vocabulary"
+            + (f" (per class: {per_class})" if len(shares) > 1 else "")
+            + (f"; most often missed: {shown}" if top else "")
+        )
         fix = "use a head whose draft vocabulary was built from text like this workload's (or one without d2t)"
         overall = self._coverage_severity(share)
-        findings = [Finding(overall, f"the head can propose {share:.1%} of the tokens the target produced (an upper bound on its acceptance rate)",
-                            evidence, fix if overall != "info" else "")]
+        findings = [
+            Finding(
+                overall,
+                f"the head can propose {share:.1%} of the tokens the target produced (an upper bound on its acceptance rate)",
+                evidence,
+                fix if overall != "info" else "",
+            )
+        ]
         if len(shares) > 1:
             for name, value in shares.items():
                 severity = self._coverage_severity(value)
                 if severity != "info":
-                    findings.append(Finding(severity, f"class {name}: the head can propose {value:.1%} of the tokens the target produced there",
-                                            f"{len(by_class[name])} output tokens of class {name}", fix))
+                    findings.append(
+                        Finding(
+                            severity,
+                            f"class {name}: the head can propose {value:.1%} of the tokens the target produced there",
+                            f"{len(by_class[name])} output tokens of class {name}",
+                            fix,
+                        )
+                    )
         return findings
 
     def _coverage_severity(self, share: float) -> str:
@@ -155,12 +212,16 @@ def _norm_findings(raw: dict[str, Any], metrics: dict[str, Any]) -> list[Finding
     findings = []
     for name, switch in switches.items():
         if switch.checkpoint is None and switch.vllm != switch.trained:
-            findings.append(Finding(
-                "warn", f"config.json leaves {name} out: vLLM runs the head with {name} = {switch.vllm}, the trainer's "
-                        f"default is {switch.trained}",
-                f"the replay followed vLLM ({switch.replay}); a head trained with the other value is served with another layer",
-                f"write \"{name}\": {str(switch.trained).lower()} into config.json (or {str(switch.vllm).lower()} if the "
-                "head was trained that way)"))
+            findings.append(
+                Finding(
+                    "warn",
+                    f"config.json leaves {name} out: vLLM runs the head with {name} = {switch.vllm}, the trainer's "
+                    f"default is {switch.trained}",
+                    f"the replay followed vLLM ({switch.replay}); a head trained with the other value is served with another layer",
+                    f'write "{name}": {str(switch.trained).lower()} into config.json (or {str(switch.vllm).lower()} if the '
+                    "head was trained that way)",
+                )
+            )
     return findings
 
 
@@ -174,4 +235,3 @@ def _probe_evidence(probe: dict[int, float], drafts: Any) -> str:
 def _token_text(ctx: CheckContext, token: int) -> str:
     tokenizer = ctx.target_tokenizer
     return f"{token} {tokenizer.decode([token])!r}" if tokenizer is not None else str(token)
-

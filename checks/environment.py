@@ -26,8 +26,6 @@ from dflash_doctor.errors import UsageError
 MATCHER_OPS = ("eq", "ne", "gt", "ge", "lt", "le", "in", "not_in", "version", "exists")
 
 
-
-
 def _minor(version: str | None) -> str | None:
     try:
         parsed = Version(str(version))
@@ -68,7 +66,9 @@ class Rule:
         return all(_matches(facts, fact, matcher) for fact, matcher in self.when.items())
 
     def finding(self, facts: dict[str, Any]) -> Finding:
-        return Finding(self.severity, _fill(self.message, facts), f"rule {self.id}; source: {self.source}", _fill(self.fix, facts))
+        return Finding(
+            self.severity, _fill(self.message, facts), f"rule {self.id}; source: {self.source}", _fill(self.fix, facts)
+        )
 
 
 def _fill(text: str, facts: dict[str, Any]) -> str:
@@ -113,7 +113,9 @@ def _matches(facts: dict[str, Any], fact: str, matcher: Any) -> bool:
                 return False
         if op in ("gt", "ge", "lt", "le"):
             try:
-                ok = {"gt": value > expected, "ge": value >= expected, "lt": value < expected, "le": value <= expected}[op]
+                ok = {"gt": value > expected, "ge": value >= expected, "lt": value < expected, "le": value <= expected}[
+                    op
+                ]
             except TypeError:
                 return False
             if not ok:
@@ -135,7 +137,9 @@ def load_rules(path: str | Path | None = None) -> list[Rule]:
     else:
         path = Path(path)
         if not path.is_file():
-            raise UsageError(f"rules file {path} does not exist; pass an existing TOML file (see checks/rules.toml for the format).")
+            raise UsageError(
+                f"rules file {path} does not exist; pass an existing TOML file (see checks/rules.toml for the format)."
+            )
         text, where = path.read_text(encoding="utf-8"), str(path)
     try:
         data = tomllib.loads(text)
@@ -148,11 +152,15 @@ def load_rules(path: str | Path | None = None) -> list[Rule]:
         if missing:
             raise UsageError(f"rules file {where}: rule {rule_id!r} lacks {', '.join(missing)}; add them.")
         if entry["severity"] not in SEVERITIES:
-            raise UsageError(f"rules file {where}: rule {rule_id!r} severity {entry['severity']!r} is not one of {', '.join(SEVERITIES)}.")
+            raise UsageError(
+                f"rules file {where}: rule {rule_id!r} severity {entry['severity']!r} is not one of {', '.join(SEVERITIES)}."
+            )
         for fact, matcher in entry["when"].items():
             unknown = [op for op in matcher if op not in MATCHER_OPS] if isinstance(matcher, dict) else []
             if unknown:
-                raise UsageError(f"rules file {where}: rule {rule_id!r} condition on {fact} uses unknown operator {unknown[0]!r}; use one of {', '.join(MATCHER_OPS)}.")
+                raise UsageError(
+                    f"rules file {where}: rule {rule_id!r} condition on {fact} uses unknown operator {unknown[0]!r}; use one of {', '.join(MATCHER_OPS)}."
+                )
         rules.append(Rule(**{k: entry[k] for k in ("id", "severity", "message", "fix", "source", "when")}))
     return rules
 

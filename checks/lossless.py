@@ -46,10 +46,14 @@ def _describe(divergence: Divergence, dtype: str) -> str:
     top1 = divergence.top1_logit
     margin_text = "" if margin is None else f"; target top-2 logit margin {float(margin):.3f}"
     if margin is not None and top1 is not None and dtype in _REDUCED_DTYPES:
-        margin_text += f" at logit {float(top1):.2f}, where {dtype} rounds in steps of {rounding_at(dtype, float(top1)):.4f}"
-    return (f"request {divergence.request_id}, output token {divergence.position}: "
-            f"speculative {divergence.speculative_token} {divergence.speculative_text!r} vs "
-            f"plain {divergence.plain_token} {divergence.plain_text!r}{margin_text}")
+        margin_text += (
+            f" at logit {float(top1):.2f}, where {dtype} rounds in steps of {rounding_at(dtype, float(top1)):.4f}"
+        )
+    return (
+        f"request {divergence.request_id}, output token {divergence.position}: "
+        f"speculative {divergence.speculative_token} {divergence.speculative_text!r} vs "
+        f"plain {divergence.plain_token} {divergence.plain_text!r}{margin_text}"
+    )
 
 
 @register
@@ -59,7 +63,9 @@ class LosslessCheck(Check):
 
     id = "lossless"
     title = "Lossless"
-    needs = (Need("record.probes.lossless", "no speculative-vs-plain comparison was run (run.json has no probes.lossless)"),)
+    needs = (
+        Need("record.probes.lossless", "no speculative-vs-plain comparison was run (run.json has no probes.lossless)"),
+    )
 
     near_tie_ulps: float = 2.0  # a top-2 gap within this many of the dtype's rounding steps at the top logit can flip
 
@@ -72,12 +78,18 @@ class LosslessCheck(Check):
         dtype = (lossless.dtype or "unknown").replace("torch.", "")
         divergences = lossless.divergences
         near_ties = [d for d in divergences if self._is_near_tie(d, dtype)]
-        metrics = {"num_requests": num_requests, "num_identical": num_identical, "dtype": dtype,
-                   "identical_share": num_identical / num_requests, "num_divergences": len(divergences),
-                   "num_near_tie_divergences": len(near_ties)}
+        metrics = {
+            "num_requests": num_requests,
+            "num_identical": num_identical,
+            "dtype": dtype,
+            "identical_share": num_identical / num_requests,
+            "num_divergences": len(divergences),
+            "num_near_tie_divergences": len(near_ties),
+        }
         if num_identical >= num_requests:
-            return CheckResult.from_findings(self.id, [], metrics,
-                                             f"all {num_requests} requests match plain decoding token for token ({dtype})")
+            return CheckResult.from_findings(
+                self.id, [], metrics, f"all {num_requests} requests match plain decoding token for token ({dtype})"
+            )
         diverged = f"{num_requests - num_identical} of {num_requests} requests diverge from plain decoding"
         unexplained = [d for d in divergences if d not in near_ties]
         if divergences and not unexplained:
@@ -86,7 +98,8 @@ class LosslessCheck(Check):
                 f"{diverged}, explained by {dtype} rounding of a near-tie "
                 "(batched verify vs single-token decode numerics, z-lab #57, vLLM #54928)",
                 _describe(near_ties[0], dtype),
-                "compare in float32 to confirm (--dtype float32): a lossless engine then matches exactly")
+                "compare in float32 to confirm (--dtype float32): a lossless engine then matches exactly",
+            )
         else:
             evidence = _describe(unexplained[0], dtype) if unexplained else "no divergence details were recorded"
             finding = Finding(
@@ -94,7 +107,8 @@ class LosslessCheck(Check):
                 f"{diverged}: the speculative output differs from plain decoding: the engine is not lossless",
                 evidence,
                 "check the attention backend (verify must give the same logits as single-token decode), the KV-cache "
-                "rollback after rejected drafts, and the acceptance rule (greedy: accept while draft == target argmax)")
+                "rollback after rejected drafts, and the acceptance rule (greedy: accept while draft == target argmax)",
+            )
         return CheckResult.from_findings(self.id, [finding], metrics, "")
 
     def _is_near_tie(self, divergence: Divergence, dtype: str) -> bool:

@@ -22,7 +22,10 @@ from dataclasses import dataclass
 from dflash_doctor.checks.base import Check, CheckContext, CheckResult, Finding, config_value, register, skipped
 
 SIDES = ("hidden_state", "carried_state")
-WHAT = {"hidden_state": "the target's state handed to the head", "carried_state": "the head's state carried between slots"}
+WHAT = {
+    "hidden_state": "the target's state handed to the head",
+    "carried_state": "the head's state carried between slots",
+}
 
 
 @register
@@ -44,34 +47,66 @@ class MtpConfigCheck(Check):
         engine_sides: dict[str, dict[str, str]] = facts.get("engine_sides") or {}
         findings: list[Finding] = []
         architecture = facts.get("architecture") or "this architecture"
-        described = ", ".join(f"{engine}: {sides['hidden_state']} / {sides['carried_state']}"
-                              + ("" if sides.get("verified", True) else " (unverified)") for engine, sides in engine_sides.items())
-        evidence = (f"replay: hidden_state={used['hidden_state']}, carried_state={used['carried_state']}; "
-                    f"engines for {architecture} (handed / carried): {described}")
+        described = ", ".join(
+            f"{engine}: {sides['hidden_state']} / {sides['carried_state']}"
+            + ("" if sides.get("verified", True) else " (unverified)")
+            for engine, sides in engine_sides.items()
+        )
+        evidence = (
+            f"replay: hidden_state={used['hidden_state']}, carried_state={used['carried_state']}; "
+            f"engines for {architecture} (handed / carried): {described}"
+        )
         fix = f"replay with --draft mtp (no side set: the sides vLLM passes for {architecture}) to measure what a current server accepts"
         for side in SIDES:
             passed = {sides[side] for sides in engine_sides.values()}
             if passed and used[side] not in passed:
-                findings.append(Finding("warn", f"the replay handed the MTP head the {used[side]} side for {WHAT[side]}, which no "
-                                        f"engine listed passes for {architecture}; its acceptance is that of a misconfigured engine",
-                                        evidence, fix))
+                findings.append(
+                    Finding(
+                        "warn",
+                        f"the replay handed the MTP head the {used[side]} side for {WHAT[side]}, which no "
+                        f"engine listed passes for {architecture}; its acceptance is that of a misconfigured engine",
+                        evidence,
+                        fix,
+                    )
+                )
         engine = (ctx.engine_config or {}).get("engine")
         served = engine_sides.get(engine) if engine else None
         if served is not None:
             for side in SIDES:
                 if used[side] != served[side]:
-                    findings.append(Finding("warn", f"{engine} passes the {served[side]} side for {WHAT[side]}, the replay "
-                                            f"used {used[side]}: its acceptance is not the server's", evidence,
-                                            f"replay with --draft mtp:{side}={served[side]}"))
+                    findings.append(
+                        Finding(
+                            "warn",
+                            f"{engine} passes the {served[side]} side for {WHAT[side]}, the replay "
+                            f"used {used[side]}: its acceptance is not the server's",
+                            evidence,
+                            f"replay with --draft mtp:{side}={served[side]}",
+                        )
+                    )
         n_predict = int(facts.get("n_predict") or 1)
         drafted = (ctx.engine_config or {}).get("drafted_tokens")
         ks = [int(drafted)] if drafted is not None else [int(k) for k in config_value(ctx.config, "k") or []]
         for k in ks:
             if k % n_predict:
-                findings.append(Finding("fail", f"K={k} is not a multiple of the head's {n_predict} MTP layers, which vLLM refuses",
-                                        f"n_predict={n_predict}; draft step s runs MTP layer s % {n_predict}",
-                                        f"serve num_speculative_tokens = {n_predict * max(1, k // n_predict)}"))
-        metrics = {"hidden_state": used["hidden_state"], "carried_state": used["carried_state"], "engine_sides": engine_sides,
-                   "architecture": facts.get("architecture"), "n_predict": n_predict, "engine": engine}
-        return CheckResult.from_findings(self.id, findings, metrics,
-                                         f"the replay handed the MTP head the sides the engines pass for {architecture} ({evidence})")
+                findings.append(
+                    Finding(
+                        "fail",
+                        f"K={k} is not a multiple of the head's {n_predict} MTP layers, which vLLM refuses",
+                        f"n_predict={n_predict}; draft step s runs MTP layer s % {n_predict}",
+                        f"serve num_speculative_tokens = {n_predict * max(1, k // n_predict)}",
+                    )
+                )
+        metrics = {
+            "hidden_state": used["hidden_state"],
+            "carried_state": used["carried_state"],
+            "engine_sides": engine_sides,
+            "architecture": facts.get("architecture"),
+            "n_predict": n_predict,
+            "engine": engine,
+        }
+        return CheckResult.from_findings(
+            self.id,
+            findings,
+            metrics,
+            f"the replay handed the MTP head the sides the engines pass for {architecture} ({evidence})",
+        )

@@ -28,7 +28,12 @@ class PromptFormatCheck(Check):
 
     id = "prompt-format"
     title = "Prompt format"
-    needs = (Need("record.probes.prompt_format", "the run recorded no prompt-format counts (run.json has no probes.prompt_format)"),)
+    needs = (
+        Need(
+            "record.probes.prompt_format",
+            "the run recorded no prompt-format counts (run.json has no probes.prompt_format)",
+        ),
+    )
 
     def run(self, ctx: CheckContext) -> CheckResult:
         counts: PromptFormat = ctx.value("record.probes.prompt_format")
@@ -37,22 +42,48 @@ class PromptFormatCheck(Check):
         if num_prompts == 0:
             return skipped(self.id, "the run has no prompts")
         trained_templated = bool(ctx.draft_training_template)
-        metrics = {"num_raw_prompts": num_raw, "num_templated": num_templated,
-                   "draft_trained_on_template": trained_templated if ctx.draft_training_template is not None else None}
+        metrics = {
+            "num_raw_prompts": num_raw,
+            "num_templated": num_templated,
+            "draft_trained_on_template": trained_templated if ctx.draft_training_template is not None else None,
+        }
         evidence = f"{num_raw} raw and {num_templated} chat-templated prompts; draft training template " + (
-            "recorded" if trained_templated else "not recorded")
+            "recorded" if trained_templated else "not recorded"
+        )
         findings: list[Finding] = []
         if num_raw == num_prompts and trained_templated:
-            findings.append(Finding("fail", "prompts reach the target without the chat template (raw text) but the draft "
-                                            "was trained on templated conversations", evidence, _FIX))
+            findings.append(
+                Finding(
+                    "fail",
+                    "prompts reach the target without the chat template (raw text) but the draft "
+                    "was trained on templated conversations",
+                    evidence,
+                    _FIX,
+                )
+            )
         elif 0 < num_raw < num_prompts:
-            findings.append(Finding("warn", f"{num_raw} of {num_prompts} prompts reach the target as raw text, the others "
-                                            "chat-templated: the draft sees two prompt formats", evidence,
-                                    "send every prompt in the format the draft was trained on: " + _FIX))
+            findings.append(
+                Finding(
+                    "warn",
+                    f"{num_raw} of {num_prompts} prompts reach the target as raw text, the others "
+                    "chat-templated: the draft sees two prompt formats",
+                    evidence,
+                    "send every prompt in the format the draft was trained on: " + _FIX,
+                )
+            )
         elif num_raw == num_prompts:
-            findings.append(Finding("info", "every prompt is raw text and the draft records no training template, so "
-                                            "whether it was trained on templated conversations is unknown", evidence,
-                                    "record the training template in the draft (dflash-doctor train-draft does)"))
-        pass_summary = (f"all {num_prompts} prompts are chat-templated" if num_raw == 0
-                        else f"all {num_prompts} prompts are raw text; the draft records no training template")
+            findings.append(
+                Finding(
+                    "info",
+                    "every prompt is raw text and the draft records no training template, so "
+                    "whether it was trained on templated conversations is unknown",
+                    evidence,
+                    "record the training template in the draft (dflash-doctor train-draft does)",
+                )
+            )
+        pass_summary = (
+            f"all {num_prompts} prompts are chat-templated"
+            if num_raw == 0
+            else f"all {num_prompts} prompts are raw text; the draft records no training template"
+        )
         return CheckResult.from_findings(self.id, findings, metrics, pass_summary)

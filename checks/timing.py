@@ -35,22 +35,34 @@ class TimingCheck(Check):
         if sweep is None or not sweep.costs:
             return skipped(self.id, "the run priced no K")
         if sweep.costs.get("source") == "profile":
-            return skipped(self.id, f"priced with a cost profile ({sweep.costs.get('device', 'unknown device')}), not timed here")
+            return skipped(
+                self.id, f"priced with a cost profile ({sweep.costs.get('device', 'unknown device')}), not timed here"
+            )
         spread = sweep.costs.get("spread")
         if not isinstance(spread, dict):
             return skipped(self.id, "the run's costs carry no spread (timed before intervals were kept)")
         severity = "fail" if self.fail_on_violation else "warn"
-        findings = [Finding(severity, f"the step timings break the cost model: {violation}; the K advice is withheld",
-                            evidence=f"re-timed {', '.join(spread.get('retimed') or []) or 'nothing'} once; raw samples in costs.parquet",
-                            fix="rerun on a quiet machine, give the timing more time (--timing-budget) or price with --cost-profile")
-                    for violation in spread.get("violations") or []]
+        findings = [
+            Finding(
+                severity,
+                f"the step timings break the cost model: {violation}; the K advice is withheld",
+                evidence=f"re-timed {', '.join(spread.get('retimed') or []) or 'nothing'} once; raw samples in costs.parquet",
+                fix="rerun on a quiet machine, give the timing more time (--timing-budget) or price with --cost-profile",
+            )
+            for violation in spread.get("violations") or []
+        ]
         target = float(spread.get("target_relative_half_width", 0.05))
         loose = {name: width for name, width in _half_widths(spread).items() if not width <= target}
         if loose:
             worst = max(loose, key=lambda name: loose[name])
-            findings.append(Finding("info", f"{len(loose)} step kind(s) timed looser than +-{target:.0%} within the "
-                                    f"{spread.get('budget_s', 0):g} s budget (worst {worst}: +-{loose[worst]:.1%}); "
-                                    "the speedup intervals carry it"))
+            findings.append(
+                Finding(
+                    "info",
+                    f"{len(loose)} step kind(s) timed looser than +-{target:.0%} within the "
+                    f"{spread.get('budget_s', 0):g} s budget (worst {worst}: +-{loose[worst]:.1%}); "
+                    "the speedup intervals carry it",
+                )
+            )
         metrics = {"half_widths": _half_widths(spread), "violations": list(spread.get("violations") or [])}
         return CheckResult.from_findings(self.id, findings, metrics, "step costs obey the physics within their noise")
 

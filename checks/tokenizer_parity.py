@@ -66,12 +66,19 @@ class TokenizerParity(Check):
             findings += vocab_size_findings("draft", metrics["vocab_sizes"]["draft"])
             findings += self._compare(target, draft, ctx.corpus or [], metrics)
         elif is_dflash(ctx):
-            findings.append(Finding("info", "no draft tokenizer given: a DFlash draft embeds and decodes with the target's, so only its mask token is checked"))
+            findings.append(
+                Finding(
+                    "info",
+                    "no draft tokenizer given: a DFlash draft embeds and decodes with the target's, so only its mask token is checked",
+                )
+            )
         if is_dflash(ctx):
             findings += mask_token_findings(ctx, metrics)
         pass_summary = (
-            "tokenizers agree on ids, special tokens and the corpus round-trip" if draft is not None
-            else f"DFlash mask token {metrics.get('mask_token_id')} is a reserved row of the target embedding" if is_dflash(ctx)
+            "tokenizers agree on ids, special tokens and the corpus round-trip"
+            if draft is not None
+            else f"DFlash mask token {metrics.get('mask_token_id')} is a reserved row of the target embedding"
+            if is_dflash(ctx)
             else "the target tokenizer's ids fit its embedding (the draft ships no tokenizer: it reads the target's ids)"
         )
         return CheckResult.from_findings(self.id, findings, metrics, pass_summary)
@@ -81,30 +88,36 @@ class TokenizerParity(Check):
         sizes = metrics["vocab_sizes"]
         target_rows, draft_rows = sizes["target"]["config_vocab_size"], sizes["draft"]["config_vocab_size"]
         if target_rows is not None and draft_rows is not None and target_rows != draft_rows:
-            findings.append(Finding(
-                "fail",
-                f"embedding sizes differ: target config.vocab_size {target_rows} vs draft {draft_rows}",
-                "verification compares logits over the same vocabulary rows (vLLM #7252, #10913)",
-                "use a draft trained for this target's vocabulary (same tokenizer and vocab_size)",
-            ))
+            findings.append(
+                Finding(
+                    "fail",
+                    f"embedding sizes differ: target config.vocab_size {target_rows} vs draft {draft_rows}",
+                    "verification compares logits over the same vocabulary rows (vLLM #7252, #10913)",
+                    "use a draft trained for this target's vocabulary (same tokenizer and vocab_size)",
+                )
+            )
 
         identity = vocab_identity(target.get_vocab(), draft.get_vocab(), self.max_examples)
         metrics["vocab_identity"] = identity
         if identity["num_different_id"]:
-            findings.append(Finding(
-                "fail",
-                f"{identity['num_different_id']} of {identity['num_shared']} shared token strings map to different ids",
-                "; ".join(f"{t!r}: target {a} vs draft {b}" for t, a, b in identity["different_id_examples"]),
-                "the draft was built for another tokenizer: use a draft trained with the target's tokenizer",
-            ))
+            findings.append(
+                Finding(
+                    "fail",
+                    f"{identity['num_different_id']} of {identity['num_shared']} shared token strings map to different ids",
+                    "; ".join(f"{t!r}: target {a} vs draft {b}" for t, a, b in identity["different_id_examples"]),
+                    "the draft was built for another tokenizer: use a draft trained with the target's tokenizer",
+                )
+            )
         for side, other, key in (("target", "draft", "only_in_target"), ("draft", "target", "only_in_draft")):
             if identity[f"num_{key}"]:
-                findings.append(Finding(
-                    "warn",
-                    f"{identity[f'num_{key}']} tokens exist only in the {side} tokenizer",
-                    ", ".join(repr(t) for t in identity[f"{key}_examples"]),
-                    f"the {other} can never propose or accept these ids; align the tokenizers (added tokens?)",
-                ))
+                findings.append(
+                    Finding(
+                        "warn",
+                        f"{identity[f'num_{key}']} tokens exist only in the {side} tokenizer",
+                        ", ".join(repr(t) for t in identity[f"{key}_examples"]),
+                        f"the {other} can never propose or accept these ids; align the tokenizers (added tokens?)",
+                    )
+                )
 
         target_special, draft_special = special_tokens(target), special_tokens(draft)
         metrics["special_tokens"] = {"target": target_special, "draft": draft_special}
@@ -112,42 +125,51 @@ class TokenizerParity(Check):
             a, b = target_special[f"{name}_token_id"], draft_special[f"{name}_token_id"]
             if a != b:
                 generation_relevant = name in ("bos", "eos")
-                findings.append(Finding(
-                    "fail" if generation_relevant else "info",
-                    f"{name} token differs: target {a} ({target_special[f'{name}_token']!r}) vs draft {b} ({draft_special[f'{name}_token']!r})",
-                    "a draft trained with another bos/eos conditions on, and stops at, other ids" if generation_relevant
-                    else f"{name} never reaches the model during greedy decoding of one sequence",
-                    "use the target's tokenizer files for the draft (special_tokens_map / tokenizer_config.json)",
-                ))
+                findings.append(
+                    Finding(
+                        "fail" if generation_relevant else "info",
+                        f"{name} token differs: target {a} ({target_special[f'{name}_token']!r}) vs draft {b} ({draft_special[f'{name}_token']!r})",
+                        "a draft trained with another bos/eos conditions on, and stops at, other ids"
+                        if generation_relevant
+                        else f"{name} never reaches the model during greedy decoding of one sequence",
+                        "use the target's tokenizer files for the draft (special_tokens_map / tokenizer_config.json)",
+                    )
+                )
         for flag in ("add_bos", "add_eos"):
             if target_special[flag] != draft_special[flag]:
-                findings.append(Finding(
-                    "warn",
-                    f"{flag} differs: target {target_special[flag]} vs draft {draft_special[flag]}",
-                    f"encoding 'a' adds {target_special['added_prefix']}/{target_special['added_suffix']} (target) vs {draft_special['added_prefix']}/{draft_special['added_suffix']} (draft)",
-                    "make both tokenizers add the same special tokens, or the draft sees a missing or doubled BOS",
-                ))
+                findings.append(
+                    Finding(
+                        "warn",
+                        f"{flag} differs: target {target_special[flag]} vs draft {draft_special[flag]}",
+                        f"encoding 'a' adds {target_special['added_prefix']}/{target_special['added_suffix']} (target) vs {draft_special['added_prefix']}/{draft_special['added_suffix']} (draft)",
+                        "make both tokenizers add the same special tokens, or the draft sees a missing or doubled BOS",
+                    )
+                )
 
         added = added_tokens_diff(target, draft, self.max_examples)
         metrics["added_tokens"] = {k: v for k, v in added.items() if k.startswith("num_")}
         if added["num_only_in_target"] or added["num_only_in_draft"] or added["num_different"]:
-            findings.append(Finding(
-                "warn",
-                f"added tokens differ: {added['num_only_in_target']} only in target, {added['num_only_in_draft']} only in draft, {added['num_different']} with another id or special flag",
-                f"target only: {added['only_in_target']}; draft only: {added['only_in_draft']}; different: {added['different']}",
-                "add the same tokens (same ids, same special flag) to both tokenizers",
-            ))
+            findings.append(
+                Finding(
+                    "warn",
+                    f"added tokens differ: {added['num_only_in_target']} only in target, {added['num_only_in_draft']} only in draft, {added['num_different']} with another id or special flag",
+                    f"target only: {added['only_in_target']}; draft only: {added['only_in_draft']}; different: {added['different']}",
+                    "add the same tokens (same ids, same special flag) to both tokenizers",
+                )
+            )
 
         parts_target, parts_draft = pipeline_parts(target), pipeline_parts(draft)
         differing_parts = [p for p in parts_target if parts_target[p] != parts_draft.get(p)]
         metrics["pipeline_differences"] = differing_parts
         for part in differing_parts:
-            findings.append(Finding(
-                "warn",
-                f"tokenizer {part} differs",
-                f"target {_short_json(parts_target[part])} vs draft {_short_json(parts_draft.get(part))}",
-                "use the target's tokenizer.json for the draft: the same vocabulary split differently is still a different input",
-            ))
+            findings.append(
+                Finding(
+                    "warn",
+                    f"tokenizer {part} differs",
+                    f"target {_short_json(parts_target[part])} vs draft {_short_json(parts_draft.get(part))}",
+                    "use the target's tokenizer.json for the draft: the same vocabulary split differently is still a different input",
+                )
+            )
 
         texts = list(workload_texts) + list(BUILTIN_CORPUS)
         trip = round_trip(target, draft, texts, self.max_examples)
@@ -155,12 +177,14 @@ class TokenizerParity(Check):
         share = trip["identical_share"]
         if share < self.round_trip_warn_below:
             severity = "fail" if share < self.round_trip_fail_below else "warn"
-            findings.append(Finding(
-                severity,
-                f"corpus round-trip: {trip['num_identical']}/{trip['num_texts']} texts ({share:.0%}) tokenise to identical ids",
-                " | ".join(trip["examples"]),
-                "the draft sees other id sequences than it was trained on: retrain or swap in the target's tokenizer",
-            ))
+            findings.append(
+                Finding(
+                    severity,
+                    f"corpus round-trip: {trip['num_identical']}/{trip['num_texts']} texts ({share:.0%}) tokenise to identical ids",
+                    " | ".join(trip["examples"]),
+                    "the draft sees other id sequences than it was trained on: retrain or swap in the target's tokenizer",
+                )
+            )
         return findings
 
 
@@ -187,28 +211,34 @@ def vocab_size_findings(side: str, sizes: VocabSizes) -> list[Finding]:
     rows, total, base = sizes["config_vocab_size"], sizes["len_tokenizer"], sizes["tokenizer_vocab_size"]
     evidence = f"config.vocab_size {rows}, len(tokenizer) {total}, tokenizer.vocab_size {base}"
     if rows is not None and rows < total:
-        findings.append(Finding(
-            "fail",
-            f"{side} tokenizer has {total} tokens but its model has only {rows} embedding rows",
-            evidence,
-            f"ids {rows}..{total - 1} index past the embedding: pair the {side} model with the tokenizer it was trained with",
-        ))
+        findings.append(
+            Finding(
+                "fail",
+                f"{side} tokenizer has {total} tokens but its model has only {rows} embedding rows",
+                evidence,
+                f"ids {rows}..{total - 1} index past the embedding: pair the {side} model with the tokenizer it was trained with",
+            )
+        )
     elif rows is not None and rows > total:
         multiple = next((m for m in (256, 128, 64) if rows % m == 0), None)
         padding = f", padded to a multiple of {multiple}" if multiple else ""
-        findings.append(Finding(
-            "info",
-            f"{side} embedding has {rows - total} rows the tokenizer never produces{padding}",
-            evidence,
-            "harmless padding for kernel efficiency; compare len(tokenizer), not config.vocab_size, between models",
-        ))
+        findings.append(
+            Finding(
+                "info",
+                f"{side} embedding has {rows - total} rows the tokenizer never produces{padding}",
+                evidence,
+                "harmless padding for kernel efficiency; compare len(tokenizer), not config.vocab_size, between models",
+            )
+        )
     if total > base:
-        findings.append(Finding(
-            "info",
-            f"{side} tokenizer has {total - base} added tokens on top of its {base}-token base vocabulary",
-            evidence,
-            "tokenizer.vocab_size excludes added tokens; len(tokenizer) is the number of ids it can produce",
-        ))
+        findings.append(
+            Finding(
+                "info",
+                f"{side} tokenizer has {total - base} added tokens on top of its {base}-token base vocabulary",
+                evidence,
+                "tokenizer.vocab_size excludes added tokens; len(tokenizer) is the number of ids it can produce",
+            )
+        )
     return findings
 
 
@@ -243,7 +273,7 @@ def special_tokens(tokenizer: Any) -> dict[str, Any]:
     plain = tokenizer.encode("a", add_special_tokens=False)
     full = tokenizer.encode("a", add_special_tokens=True)
     start = _find_sub(full, plain)
-    prefix, suffix = (full[:start], full[start + len(plain):]) if start >= 0 else (full, [])
+    prefix, suffix = (full[:start], full[start + len(plain) :]) if start >= 0 else (full, [])
     facts["added_prefix"], facts["added_suffix"] = prefix, suffix
     facts["add_bos"] = bool(prefix) and facts["bos_token_id"] in prefix
     facts["add_eos"] = bool(suffix) and facts["eos_token_id"] in suffix
@@ -252,13 +282,14 @@ def special_tokens(tokenizer: Any) -> dict[str, Any]:
 
 def _find_sub(sequence: list[int], sub: list[int]) -> int:
     for i in range(len(sequence) - len(sub) + 1):
-        if sequence[i:i + len(sub)] == sub:
+        if sequence[i : i + len(sub)] == sub:
             return i
     return -1
 
 
 def added_tokens_diff(target: Any, draft: Any, max_examples: int) -> dict[str, Any]:
     """Added tokens by content: present on one side only, or with another id / special flag."""
+
     def table(tokenizer: Any) -> dict[str, tuple[int, bool]]:
         return {tok.content: (idx, bool(tok.special)) for idx, tok in tokenizer.added_tokens_decoder.items()}
 
@@ -310,9 +341,11 @@ def round_trip(target: Any, draft: Any, texts: list[str], max_examples: int) -> 
             continue
         if len(examples) < max_examples:
             first = next((i for i, (x, y) in enumerate(zip(ids_a, ids_b)) if x != y), min(len(ids_a), len(ids_b)))
-            pieces_a = target.convert_ids_to_tokens(ids_a[first:first + 4])
-            pieces_b = draft.convert_ids_to_tokens(ids_b[first:first + 4])
-            examples.append(f"{text[:40]!r}: token {first}: target {ids_a[first:first + 4]} {pieces_a} vs draft {ids_b[first:first + 4]} {pieces_b}")
+            pieces_a = target.convert_ids_to_tokens(ids_a[first : first + 4])
+            pieces_b = draft.convert_ids_to_tokens(ids_b[first : first + 4])
+            examples.append(
+                f"{text[:40]!r}: token {first}: target {ids_a[first : first + 4]} {pieces_a} vs draft {ids_b[first : first + 4]} {pieces_b}"
+            )
     total = len(texts)
     return {
         "num_texts": total,
@@ -326,19 +359,31 @@ def mask_token_findings(ctx: CheckContext, metrics: dict[str, Any]) -> list[Find
     """A DFlash mask id must index a real embedding row that no prompt or output ever contains."""
     mask = mask_token_id(ctx.draft_config)
     if mask is None:
-        return [Finding("warn", "DFlash draft config records no mask_token_id",
-                        "dflash_config.mask_token_id is missing from the draft's config.json",
-                        "set dflash_config.mask_token_id to the reserved row the draft was trained with")]
+        return [
+            Finding(
+                "warn",
+                "DFlash draft config records no mask_token_id",
+                "dflash_config.mask_token_id is missing from the draft's config.json",
+                "set dflash_config.mask_token_id to the reserved row the draft was trained with",
+            )
+        ]
     tokenizer = ctx.target_tokenizer
     rows = config_value(ctx.target_config, "vocab_size") or len(tokenizer)
     metrics["mask_token_id"] = mask
     if not 0 <= mask < rows:
-        return [Finding("fail", f"mask token id {mask} is outside the target embedding (0..{rows - 1})",
-                        f"target vocab_size {rows}",
-                        "set dflash_config.mask_token_id to a reserved row below the target's vocab_size")]
+        return [
+            Finding(
+                "fail",
+                f"mask token id {mask} is outside the target embedding (0..{rows - 1})",
+                f"target vocab_size {rows}",
+                "set dflash_config.mask_token_id to a reserved row below the target's vocab_size",
+            )
+        ]
     findings = []
     reserved_ids = {
-        "bos": tokenizer.bos_token_id, "eos": tokenizer.eos_token_id, "pad": tokenizer.pad_token_id,
+        "bos": tokenizer.bos_token_id,
+        "eos": tokenizer.eos_token_id,
+        "pad": tokenizer.pad_token_id,
     }
     config_eos = config_value(ctx.target_config, "eos_token_id")
     for eos in config_eos if isinstance(config_eos, list) else [config_eos]:
@@ -346,24 +391,44 @@ def mask_token_findings(ctx: CheckContext, metrics: dict[str, Any]) -> list[Find
             reserved_ids["config eos"] = eos
     for name, token_id in reserved_ids.items():
         if token_id is not None and mask == token_id:
-            findings.append(Finding("fail", f"mask token id {mask} is the target's {name} token",
-                                    f"{name}_token_id = {token_id}",
-                                    "pick a reserved row that is not bos/eos/pad (e.g. Qwen3 151669, Llama-3.1 128002)"))
+            findings.append(
+                Finding(
+                    "fail",
+                    f"mask token id {mask} is the target's {name} token",
+                    f"{name}_token_id = {token_id}",
+                    "pick a reserved row that is not bos/eos/pad (e.g. Qwen3 151669, Llama-3.1 128002)",
+                )
+            )
     produced = output_token_ids(ctx)
     if produced is not None and mask in produced:
-        findings.append(Finding("fail", f"mask token id {mask} was produced by the target in this run's outputs",
-                                "a mask id the model emits collides with real text (z-lab #73)",
-                                "pick a reserved row the target never generates"))
+        findings.append(
+            Finding(
+                "fail",
+                f"mask token id {mask} was produced by the target in this run's outputs",
+                "a mask id the model emits collides with real text (z-lab #73)",
+                "pick a reserved row the target never generates",
+            )
+        )
     if mask >= len(tokenizer):
-        findings.append(Finding("info", f"mask token id {mask} is a padding row of the target embedding",
-                                f"len(tokenizer) {len(tokenizer)} <= {mask} < vocab_size {rows}: the tokenizer never produces it"))
+        findings.append(
+            Finding(
+                "info",
+                f"mask token id {mask} is a padding row of the target embedding",
+                f"len(tokenizer) {len(tokenizer)} <= {mask} < vocab_size {rows}: the tokenizer never produces it",
+            )
+        )
     else:
         added = tokenizer.added_tokens_decoder.get(mask)
         text = tokenizer.convert_ids_to_tokens(mask)
         if added is not None and added.special:
             findings.append(Finding("info", f"mask token id {mask} is the reserved special token {text!r}"))
         else:
-            findings.append(Finding("warn", f"mask token id {mask} is the ordinary token {text!r}",
-                                    "text can produce this id, so a prompt or output can contain the mask",
-                                    "use a reserved special token or a padding row as the mask"))
+            findings.append(
+                Finding(
+                    "warn",
+                    f"mask token id {mask} is the ordinary token {text!r}",
+                    "text can produce this id, so a prompt or output can contain the mask",
+                    "use a reserved special token or a padding row as the mask",
+                )
+            )
     return findings

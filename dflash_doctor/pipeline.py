@@ -68,9 +68,13 @@ class Outcome:
 
     run_dir: Path
     record: RunRecord
-    why_rejected: deviations.DeviationAnalysis | None = None  # `check`'s deviation analysis (dflash_doctor.stats.deviations), for the terminal
+    why_rejected: deviations.DeviationAnalysis | None = (
+        None  # `check`'s deviation analysis (dflash_doctor.stats.deviations), for the terminal
+    )
     steps_by_k: dict[int, Any] | None = None  # `check`'s steps at every K of the sweep (frames), for a head-to-head
-    cost_samples: CostSamples | None = None  # `check`'s raw step timings (None: priced with a cost profile), for a head-to-head
+    cost_samples: CostSamples | None = (
+        None  # `check`'s raw step timings (None: priced with a cost profile), for a head-to-head
+    )
 
 
 def _claim(config: DoctorConfig, command: str) -> Path:
@@ -81,8 +85,10 @@ def _claim(config: DoctorConfig, command: str) -> Path:
     if config.out:
         run_dir = Path(config.out)
     elif ranks.sharded:
-        raise UsageError(f"the {ranks.world_size} torchrun ranks must write one run directory; pass --out DIR "
-                         "(the --devices shortcut picks one itself).")
+        raise UsageError(
+            f"the {ranks.world_size} torchrun ranks must write one run directory; pass --out DIR "
+            "(the --devices shortcut picks one itself)."
+        )
     else:
         run_dir = new_run_dir(command)
     if ranks.is_main:
@@ -94,18 +100,24 @@ def no_progress(total: int) -> ContextManager[None]:
     return nullcontext(None)
 
 
-def _start(config: DoctorConfig, command: str, scenario=None, run_dir: Path | None = None) -> tuple[list[Request], Pair, DoctorConfig]:
+def _start(
+    config: DoctorConfig, command: str, scenario=None, run_dir: Path | None = None
+) -> tuple[list[Request], Pair, DoctorConfig]:
     """Select the workload and load the pair (a scenario edits them before anything runs; one whose incident
     lives in a checkpoint's files writes the draft it serves into ``run_dir`` first)."""
-    requests = load_workload(config.workload, classes=config.classes, max_requests=config.max_requests, seed=config.seed)
+    requests = load_workload(
+        config.workload, classes=config.classes, max_requests=config.max_requests, seed=config.seed
+    )
     if scenario is not None and scenario.served_draft is not None and run_dir is not None:
         config = dataclasses.replace(config, draft=str(scenario.served_draft(run_dir / "served-draft")))
     config = dataclasses.replace(config, device=sharding.device_for_rank(config, sharding.current_ranks()))
     pair = load_pair(config, server_settings(config.engine_config) if config.engine_config else None)
     pair.check_k_fits(config.k)  # before a writer opens: a refused --k leaves no run behind
     if pair.proposer.remembers_requests and sharding.current_ranks().sharded:
-        raise UsageError(f"the {pair.kind.name} speculator remembers earlier requests in their order, which a replay split over "
-                         "ranks cannot keep; run it in one process, without --devices or torchrun.")
+        raise UsageError(
+            f"the {pair.kind.name} speculator remembers earlier requests in their order, which a replay split over "
+            "ranks cannot keep; run it in one process, without --devices or torchrun."
+        )
     if scenario is not None:
         pair, requests, config = scenario.apply(pair, requests, config)
     return requests, pair, config
@@ -142,9 +154,14 @@ def _sweep(record: RunRecord, pair: Pair, replay: Replay, config: DoctorConfig, 
     record.summary.sweep = priced.sweep
     strict_max_k = int(config.thresholds.get("strict_max_k", 4))
     share = float(config.thresholds.get("conservative_share", 0.95))
-    record.recommendation = recommend(priced.sweep.scopes(), replicates=priced.replicates,
-                                      timing_violations=samples.violations if samples is not None else (),
-                                      conservative_share=share, strict_classes=config.strict_classes, strict_max_k=strict_max_k)
+    record.recommendation = recommend(
+        priced.sweep.scopes(),
+        replicates=priced.replicates,
+        timing_violations=samples.violations if samples is not None else (),
+        conservative_share=share,
+        strict_classes=config.strict_classes,
+        strict_max_k=strict_max_k,
+    )
     return samples
 
 
@@ -164,8 +181,17 @@ def run_replay(config: DoctorConfig, *, progress: ProgressFactory = no_progress)
     record = _new_record(config, pair, "replay")
     with RunWriter(run_dir, record.to_json()) as writer:
         with progress(sum(r.num_turns for r in requests)) as on_turn:
-            replay = replay_live(pair, requests, k=k, max_new_tokens=config.max_new_tokens, temperature=config.temperature,
-                                 seed=config.seed, writer=writer, progress=on_turn, convention=end_of_request(config.end_of_request))
+            replay = replay_live(
+                pair,
+                requests,
+                k=k,
+                max_new_tokens=config.max_new_tokens,
+                temperature=config.temperature,
+                seed=config.seed,
+                writer=writer,
+                progress=on_turn,
+                convention=end_of_request(config.end_of_request),
+            )
         _summarize(record, replay, config.seed)
         _finish(writer, record, replay)
     return Outcome(run_dir, record)
@@ -188,8 +214,16 @@ def run_sweep(config: DoctorConfig, *, exact_blocks: bool = False, progress: Pro
     return Outcome(run_dir, record)
 
 
-def _teacher(pair: Pair, requests: Sequence[Request], config: DoctorConfig, exact_blocks: bool, run_dir: Path, record: RunRecord,
-             progress: ProgressFactory, shared: SharedContinuations | None = None) -> tuple[RunWriter, Replay]:
+def _teacher(
+    pair: Pair,
+    requests: Sequence[Request],
+    config: DoctorConfig,
+    exact_blocks: bool,
+    run_dir: Path,
+    record: RunRecord,
+    progress: ProgressFactory,
+    shared: SharedContinuations | None = None,
+) -> tuple[RunWriter, Replay]:
     """The teacher-forced replay into the run directory (this rank's share under torchrun; rank 0 gets
     the merged replay, the other ranks end here): the open writer and the replay. ``shared``: the
     target's answers a head-to-head hands from one speculator's replay to the next."""
@@ -199,9 +233,19 @@ def _teacher(pair: Pair, requests: Sequence[Request], config: DoctorConfig, exac
 
     def replay(writer: RunWriter, mine: Sequence[Request]) -> Replay:
         with progress(sum(r.num_turns for r in mine)) as on_turn:
-            return replay_teacher(pair, mine, ks=config.k, max_new_tokens=config.max_new_tokens, temperature=config.temperature,
-                                  seed=config.seed, exact_blocks=exact_blocks, writer=writer, progress=on_turn,
-                                  convention=end_of_request(config.end_of_request), shared=shared)
+            return replay_teacher(
+                pair,
+                mine,
+                ks=config.k,
+                max_new_tokens=config.max_new_tokens,
+                temperature=config.temperature,
+                seed=config.seed,
+                exact_blocks=exact_blocks,
+                writer=writer,
+                progress=on_turn,
+                convention=end_of_request(config.end_of_request),
+                shared=shared,
+            )
 
     work = sharding.work_of(pair.tokenizer, config.max_new_tokens, max(config.k))
     return sharding.replay_into(run_dir, record.to_json(), requests, replay, work)
@@ -224,8 +268,16 @@ def k_text(ks: Sequence[int]) -> str:
     return ", ".join(map(str, ks))
 
 
-def run_check(config: DoctorConfig, *, scenario=None, only: Sequence[str] = (), skip: Sequence[str] = (),
-              exact_blocks: bool = False, progress: ProgressFactory = no_progress, shared: SharedContinuations | None = None) -> Outcome:
+def run_check(
+    config: DoctorConfig,
+    *,
+    scenario=None,
+    only: Sequence[str] = (),
+    skip: Sequence[str] = (),
+    exact_blocks: bool = False,
+    progress: ProgressFactory = no_progress,
+    shared: SharedContinuations | None = None,
+) -> Outcome:
     """`check`: teacher-forced replay of every K up to the draft's block (and the served K), the sweep,
     the probes, every check, run.json, then the reports. The run directory and reports are written even
     when a check fails, so CI keeps the evidence. ``shared``: see :class:`SharedContinuations`."""
@@ -234,7 +286,9 @@ def run_check(config: DoctorConfig, *, scenario=None, only: Sequence[str] = (), 
     requests, pair, config = _start(config, "check", scenario, run_dir)
     served_k = max(config.k) if config.k else None  # the K the user serves, when they said
     sweep_config = dataclasses.replace(config, k=check_sweep_ks(config.k, pair.default_k))
-    record = _new_record(sweep_config, pair, "check", scenario=scenario.name if scenario is not None else None, served_k=served_k)
+    record = _new_record(
+        sweep_config, pair, "check", scenario=scenario.name if scenario is not None else None, served_k=served_k
+    )
     writer, replay = _teacher(pair, requests, sweep_config, exact_blocks, run_dir, record, progress, shared)
     with writer:
         _summarize(record, replay, config.seed)
@@ -243,17 +297,31 @@ def run_check(config: DoctorConfig, *, scenario=None, only: Sequence[str] = (), 
         cost_samples = _sweep(record, pair, replay, sweep_config, run_dir)
         record.probes = _probes(pair, requests, replay, sweep_config)
         ctx_config = dataclasses.replace(config, k=(served_k,) if served_k else ())
-        record.checks = run_checks(check_context(pair, requests, ctx_config, record, replay.request_rows), only=only, skip=skip)
+        record.checks = run_checks(
+            check_context(pair, requests, ctx_config, record, replay.request_rows), only=only, skip=skip
+        )
         _finish(writer, record, replay)
     tokens = TABLES["tokens"]  # token rows are never held in memory: the report's token viewer reads them back
-    run = Run(run_dir, record, replay.requests_frame(), replay.steps_frame(), read_table_or_empty(run_dir / "tokens.parquet", tokens))
+    run = Run(
+        run_dir,
+        record,
+        replay.requests_frame(),
+        replay.steps_frame(),
+        read_table_or_empty(run_dir / "tokens.parquet", tokens),
+    )
     analysis = deviations.analyze_run(run)  # once: every report format and the terminal show it
     render_reports(run, analysis=analysis, plotly=config.plotly)
     return Outcome(run_dir, record, analysis, replay.sweep_frames(), cost_samples)
 
 
-def run_server_check(config: DoctorConfig, *, only: Sequence[str] = (), skip: Sequence[str] = (),
-                     progress: ProgressFactory = no_progress, api_key: str | None = None) -> Outcome:
+def run_server_check(
+    config: DoctorConfig,
+    *,
+    only: Sequence[str] = (),
+    skip: Sequence[str] = (),
+    progress: ProgressFactory = no_progress,
+    api_key: str | None = None,
+) -> Outcome:
     """`check --engine URL`: measure on the server, replay locally, judge, report.
 
     1. Bad input fails before anything is sent: the URL, the server's reachability and model name, and a
@@ -271,21 +339,34 @@ def run_server_check(config: DoctorConfig, *, only: Sequence[str] = (), skip: Se
     ``config``, so no run directory or report can hold it.
     """
     if config.engine is None:
-        raise UsageError("check --engine needs the URL of a running OpenAI-compatible server; pass --engine http://host:port.")
+        raise UsageError(
+            "check --engine needs the URL of a running OpenAI-compatible server; pass --engine http://host:port."
+        )
     validate_check_params(config.checks, only, skip)
     run_dir = _claim(config, "check")
-    endpoint = resolve_model(ServerEndpoint.from_url(config.engine, model=config.engine_model, timeout_s=config.engine_timeout_s, api_key=api_key))
-    requests = load_workload(config.workload, classes=config.classes, max_requests=config.max_requests, seed=config.seed)
+    endpoint = resolve_model(
+        ServerEndpoint.from_url(
+            config.engine, model=config.engine_model, timeout_s=config.engine_timeout_s, api_key=api_key
+        )
+    )
+    requests = load_workload(
+        config.workload, classes=config.classes, max_requests=config.max_requests, seed=config.seed
+    )
     # the embedded replay runs only when the user names a local pair to compare with; a bad one fails
     # before any request is sent
-    local = (load_pair(config, server_settings(config.engine_config) if config.engine_config else None)
-             if config.target is not None or config.draft is not None else None)
+    local = (
+        load_pair(config, server_settings(config.engine_config) if config.engine_config else None)
+        if config.target is not None or config.draft is not None
+        else None
+    )
     record = start_server_record(config, endpoint, served_model_file(endpoint))
     if local is not None:
         record.models.update({"local target": local.target_info, "local draft": local.draft_info})
     with RunWriter(run_dir, record.to_json()) as writer:
         with progress(sum(r.num_turns for r in requests)) as on_turn:
-            measured = measure_server(endpoint, requests, config, writer, record, concurrency=config.engine_concurrency, progress=on_turn)
+            measured = measure_server(
+                endpoint, requests, config, writer, record, concurrency=config.engine_concurrency, progress=on_turn
+            )
         record.meta.interrupted = measured.interrupted
         record.summary = summarize(measured.steps_frame(), measured.requests_frame(), seed=config.seed)
         writer.meta = record.to_json()
@@ -301,8 +382,16 @@ def run_server_check(config: DoctorConfig, *, only: Sequence[str] = (), skip: Se
             ctx = CheckContext(record=record, config=config)
         record.checks = run_checks(ctx, only=only, skip=skip)
         writer.meta = record.to_json()
-    render_reports(Run(run_dir, record, measured.requests_frame(), measured.steps_frame(), TABLES["tokens"].empty_table().to_pandas()),
-                   plotly=config.plotly)
+    render_reports(
+        Run(
+            run_dir,
+            record,
+            measured.requests_frame(),
+            measured.steps_frame(),
+            TABLES["tokens"].empty_table().to_pandas(),
+        ),
+        plotly=config.plotly,
+    )
     return Outcome(run_dir, record)
 
 
@@ -335,7 +424,13 @@ def _output_ids_by_class(request_rows: Sequence[dict[str, Any]]) -> dict[str, li
     return by_class
 
 
-def check_context(pair: Pair, requests: Sequence[Request], config: DoctorConfig, record: RunRecord, request_rows: Sequence[dict[str, Any]]):
+def check_context(
+    pair: Pair,
+    requests: Sequence[Request],
+    config: DoctorConfig,
+    record: RunRecord,
+    request_rows: Sequence[dict[str, Any]],
+):
     """Everything the checks read, gathered once from the loaded pair, the record and the requests rows
     (the replay's, or the server's under ``--engine``)."""
     from transformers import AutoTokenizer
@@ -403,8 +498,15 @@ def contender_names(drafts: Sequence[str | None]) -> list[str]:
     return names
 
 
-def run_head_to_head(config: DoctorConfig, drafts: Sequence[str | None], *, only: Sequence[str] = (), skip: Sequence[str] = (),
-                     exact_blocks: bool = False, progress: ProgressFactory = no_progress) -> HeadToHeadOutcome:
+def run_head_to_head(
+    config: DoctorConfig,
+    drafts: Sequence[str | None],
+    *,
+    only: Sequence[str] = (),
+    skip: Sequence[str] = (),
+    exact_blocks: bool = False,
+    progress: ProgressFactory = no_progress,
+) -> HeadToHeadOutcome:
     """Each speculator's full ``check`` on the same workload, target and seed (one sub-folder each),
     then the head-to-head over them (:mod:`dflash_doctor.stats.head_to_head`).
 
@@ -413,18 +515,28 @@ def run_head_to_head(config: DoctorConfig, drafts: Sequence[str | None], *, only
     generation (most of a check's time on a CPU) is not repeated. ``--draft-kind`` applies to the
     checkpoints; a weightless speculator keeps its own kind."""
     if config.engine is not None:
-        raise UsageError("--engine measures one served speculator; compare speculators with several --draft and no --engine.")
-    kinds = ["auto" if draft is not None and weightless_kind(draft) is not None else config.draft_kind
-             for draft in drafts]
+        raise UsageError(
+            "--engine measures one served speculator; compare speculators with several --draft and no --engine."
+        )
+    kinds = [
+        "auto" if draft is not None and weightless_kind(draft) is not None else config.draft_kind for draft in drafts
+    ]
     for draft, kind in zip(drafts, kinds):  # each --draft refused now if it can be, before a model or folder is made
         resolve_draft_spec(draft or str(DEMO_DRAFT_DIR), kind)
     root = _claim(config, "check")
     outcomes: dict[str, Outcome] = {}
     shared = SharedContinuations()
     for name, draft, kind in zip(contender_names(drafts), drafts, kinds):
-        one = dataclasses.replace(config, draft=draft, draft_kind=kind, out=str(root / name), overwrite=config.overwrite)
-        outcomes[name] = run_check(one, only=only, skip=skip, exact_blocks=exact_blocks, progress=progress, shared=shared)
-    contenders = [Contender(name, outcome.record, outcome.steps_by_k or {}, outcome.cost_samples) for name, outcome in outcomes.items()]
+        one = dataclasses.replace(
+            config, draft=draft, draft_kind=kind, out=str(root / name), overwrite=config.overwrite
+        )
+        outcomes[name] = run_check(
+            one, only=only, skip=skip, exact_blocks=exact_blocks, progress=progress, shared=shared
+        )
+    contenders = [
+        Contender(name, outcome.record, outcome.steps_by_k or {}, outcome.cost_samples)
+        for name, outcome in outcomes.items()
+    ]
     data = build_head_to_head(contenders, seed=config.seed).to_json()
     for name, outcome in outcomes.items():
         next(s for s in data["speculators"] if s["name"] == name)["run_dir"] = str(outcome.run_dir)

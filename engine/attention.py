@@ -24,8 +24,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 #: The backends the live loop allows, in torch's order of preference; None lets torch choose from all
 #: (benchmarks/gpu_engine.py sets it to compare).
-ENGINE_SDPA_BACKENDS: list[SDPBackend] | None = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-                                                  SDPBackend.MATH]
+ENGINE_SDPA_BACKENDS: list[SDPBackend] | None = [
+    SDPBackend.FLASH_ATTENTION,
+    SDPBackend.EFFICIENT_ATTENTION,
+    SDPBackend.MATH,
+]
 
 P = ParamSpec("P")
 R = TypeVar("R")

@@ -47,10 +47,12 @@ class _GrowingLayer(DynamicLayer):
         self.keys, self.values = self._key_buffer[:, :, :length], self._value_buffer[:, :, :length]
         return self.keys, self.values
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         end = self._length + key_states.shape[2]
-        self._key_buffer[:, :, self._length:end] = key_states
-        self._value_buffer[:, :, self._length:end] = value_states
+        self._key_buffer[:, :, self._length : end] = key_states
+        self._value_buffer[:, :, self._length : end] = value_states
         return self._set_length(end)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
@@ -62,7 +64,7 @@ def _left_padded(states: Sequence[torch.Tensor], width: int, room: int) -> torch
     """[rows, heads, width + room, dim], each row's states ending at column ``width``, zeros before."""
     buffer = states[0].new_zeros((len(states), states[0].shape[0], width + room, states[0].shape[-1]))
     for row, state in enumerate(states):
-        buffer[row, :, width - state.shape[1]:width] = state
+        buffer[row, :, width - state.shape[1] : width] = state
     return buffer
 
 
@@ -86,11 +88,14 @@ def prefill_rows_per_forward(device: torch.device) -> int:
 #: A prompt's state in one cache layer: (keys, values) as [heads, length, dim] for an attention layer,
 #: the per-index (conv, recurrent) states without the batch axis for a recurrent layer, None for a layer
 #: that keeps nothing (a hybrid's MoE block).
-RowState = tuple[torch.Tensor, torch.Tensor] | tuple[dict[int, torch.Tensor | None], dict[int, torch.Tensor | None]] | None
+RowState = (
+    tuple[torch.Tensor, torch.Tensor] | tuple[dict[int, torch.Tensor | None], dict[int, torch.Tensor | None]] | None
+)
 
 
-def _prefill(model: CausalLM, prompts: list[tuple[int, ...]], rows_per_forward: int
-             ) -> tuple[list[list[RowState]], list[torch.Tensor]]:
+def _prefill(
+    model: CausalLM, prompts: list[tuple[int, ...]], rows_per_forward: int
+) -> tuple[list[list[RowState]], list[torch.Tensor]]:
     """Each prompt's cache, per layer (:data:`RowState`), and its last position's logits.
 
     Prompts go ``rows_per_forward`` at a time, sorted by length so that a forward pads little: left-padded,
@@ -106,16 +111,22 @@ def _prefill(model: CausalLM, prompts: list[tuple[int, ...]], rows_per_forward: 
     logits: list[torch.Tensor] = [torch.empty(0)] * len(prompts)
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     for start in range(0, len(order), rows_per_forward):
-        chunk = order[start:start + rows_per_forward]
+        chunk = order[start : start + rows_per_forward]
         lengths = torch.tensor([len(prompts[i]) for i in chunk], device=device)
         width = int(lengths.max())
         ids = torch.zeros((len(chunk), width), dtype=torch.long, device=device)
         for row, i in enumerate(chunk):
-            ids[row, width - len(prompts[i]):] = torch.tensor(prompts[i], device=device)
+            ids[row, width - len(prompts[i]) :] = torch.tensor(prompts[i], device=device)
         mask = _left_padding_mask(lengths, width)
         cache = new_cache(model.config)
-        out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(dim=1) - 1).clamp(min=0),
-                    use_cache=True, logits_to_keep=1, **{keyword: cache})
+        out = model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=(mask.cumsum(dim=1) - 1).clamp(min=0),
+            use_cache=True,
+            logits_to_keep=1,
+            **{keyword: cache},
+        )
         for row, i in enumerate(chunk):
             states[i] = [_row_state(layer, row, width - len(prompts[i])) for layer in cache.layers]
             logits[i] = out.logits[row, -1]
@@ -128,14 +139,18 @@ def _row_state(layer, row: int, begin: int) -> RowState:
     if isinstance(layer, DummyLayer):
         return None
     if isinstance(layer, LinearAttentionLayer):
-        return tuple({i: None if state is None else state[row] for i, state in states.items()}
-                     for states in (layer.conv_states, layer.recurrent_states))  # type: ignore[return-value]
+        return tuple(
+            {i: None if state is None else state[row] for i, state in states.items()}
+            for states in (layer.conv_states, layer.recurrent_states)
+        )  # type: ignore[return-value]
     if not isinstance(layer, DynamicLayer) or layer.keys is None or layer.values is None:
         raise RuntimeError(f"the prefill left a {type(layer).__name__} without key/value states in the cache")
     return layer.keys[row, :, begin:], layer.values[row, :, begin:]
 
 
-def _batched_layer(rows: list[RowState], width: int, room: int) -> CacheLayerMixin | LinearAttentionCacheLayerMixin | DummyLayer:
+def _batched_layer(
+    rows: list[RowState], width: int, room: int
+) -> CacheLayerMixin | LinearAttentionCacheLayerMixin | DummyLayer:
     """One decoding cache layer holding every row's prefilled state (:data:`RowState` of one layer)."""
     if rows[0] is None:
         return DummyLayer()
@@ -150,13 +165,19 @@ class _StackedStates(LinearAttentionLayer):
 
     def __init__(self, rows):
         super().__init__(number_of_states=len(rows[0][0]))
-        for which, (states, initialized) in enumerate(((self.conv_states, self.is_conv_states_initialized),
-                                                      (self.recurrent_states, self.is_recurrent_states_initialized))):
+        for which, (states, initialized) in enumerate(
+            (
+                (self.conv_states, self.is_conv_states_initialized),
+                (self.recurrent_states, self.is_recurrent_states_initialized),
+            )
+        ):
             for i in states:
                 parts = [row[which][i] for row in rows]
                 if parts[0] is not None:
                     states[i], initialized[i], self.has_previous_state[i] = torch.stack(parts), True, True
-        first = next(state for state in (*self.conv_states.values(), *self.recurrent_states.values()) if state is not None)
+        first = next(
+            state for state in (*self.conv_states.values(), *self.recurrent_states.values()) if state is not None
+        )
         self.device, self.dtype = first.device, first.dtype
         self.conv_kernel_size = {i: None if state is None else state.shape[-1] for i, state in self.conv_states.items()}
 
@@ -166,9 +187,16 @@ class _StackedStates(LinearAttentionLayer):
 
 @engine_attention
 @torch.inference_mode()
-def generate_greedy_batch(model: CausalLM, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
-                          stop_ids: frozenset[int], temperature: float = 0.0,
-                          prefill_rows: int | None = None, past_end: int = 0) -> list[list[int]]:
+def generate_greedy_batch(
+    model: CausalLM,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    stop_ids: frozenset[int],
+    temperature: float = 0.0,
+    prefill_rows: int | None = None,
+    past_end: int = 0,
+) -> list[list[int]]:
     """The target's continuations of several prompts, every decoding step one batched forward.
 
     Greedy by default: then each continuation equals :func:`dflash_doctor.engine.live.plain_generate` at
@@ -195,7 +223,8 @@ def generate_greedy_batch(model: CausalLM, prompts: Sequence[Sequence[int]], *, 
     width = int(lengths.max())
     layers: list[CacheLayerMixin | LinearAttentionCacheLayerMixin | DummyLayer] = [
         _batched_layer([prefilled[i][layer] for i in source], width, max_new_tokens + past_end)
-        for layer in range(len(prefilled[0]))]
+        for layer in range(len(prefilled[0]))
+    ]
     cache = DynamicCache()
     cache.layers = layers
     del prefilled  # the batched copy replaces them
@@ -225,7 +254,12 @@ def generate_greedy_batch(model: CausalLM, prompts: Sequence[Sequence[int]], *, 
             attention_mask, tokens, lengths = attention_mask[keep], tokens[keep], lengths[keep]
             rows = [rows[i] for i in going]
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones((len(rows), 1))], dim=1)
-        out = model(input_ids=tokens[:, None], attention_mask=attention_mask, position_ids=(lengths + step)[:, None],
-                    use_cache=True, **{keyword: cache})
+        out = model(
+            input_ids=tokens[:, None],
+            attention_mask=attention_mask,
+            position_ids=(lengths + step)[:, None],
+            use_cache=True,
+            **{keyword: cache},
+        )
         next_logits = out.logits[:, -1]
     return responses

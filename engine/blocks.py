@@ -26,7 +26,9 @@ def block_mask(anchors: torch.Tensor, anchor_valid: torch.Tensor, context_length
     device = anchors.device
     ctx_pos = torch.arange(context_length, device=device)
     sees_ctx = (ctx_pos[None, None, :] < anchors[:, :, None]) & anchor_valid[:, :, None]  # [N, A, T]
-    sees_ctx = sees_ctx[:, :, None, :].expand(n, a, block_size, context_length).reshape(n, a * block_size, context_length)
+    sees_ctx = (
+        sees_ctx[:, :, None, :].expand(n, a, block_size, context_length).reshape(n, a * block_size, context_length)
+    )
     block_id = torch.arange(a, device=device).repeat_interleave(block_size)  # [A*B]
     same_block = block_id[:, None] == block_id[None, :]  # [A*B, A*B]
     mask = torch.cat([sees_ctx, same_block[None].expand(n, -1, -1)], dim=-1)

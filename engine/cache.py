@@ -97,10 +97,14 @@ def rollback_method(config: PretrainedConfig) -> str:
 def refuse_unreplayable(config: PretrainedConfig) -> None:
     """Stop, before any work, at a target whose cache the engine cannot roll back exactly (one sentence
     naming the architecture and the layer kind): counting acceptances on it would be silently wrong."""
-    unknown = sorted({type(layer).__name__ for layer in DynamicCache(config=config).layers if type(layer) not in ROLLBACK_LAYERS})
+    unknown = sorted(
+        {type(layer).__name__ for layer in DynamicCache(config=config).layers if type(layer) not in ROLLBACK_LAYERS}
+    )
     if unknown:
-        raise UsageError(f"{config.model_type} targets keep {', '.join(unknown)} cache layers, which the engine cannot "
-                         f"roll back after a rejected draft; replay this target with an engine that serves it.")
+        raise UsageError(
+            f"{config.model_type} targets keep {', '.join(unknown)} cache layers, which the engine cannot "
+            f"roll back after a rejected draft; replay this target with an engine that serves it."
+        )
 
 
 def crop_key_values(cache: DynamicCache, length: int) -> None:
@@ -153,10 +157,15 @@ def recurrent_mixers(model: torch.nn.Module, config: PretrainedConfig) -> list[t
     """The modules that update a recurrent layer's state (Qwen3.5's ``linear_attn``, Nemotron-H's Mamba2
     ``mixer``, LFM2's short ``conv``): for each recurrent cache layer, the innermost module carrying its
     ``layer_idx`` (a decoder block may carry it too)."""
-    recurrent = {i for i, layer in enumerate(DynamicCache(config=config).layers) if isinstance(layer, LinearAttentionLayer)}
+    recurrent = {
+        i for i, layer in enumerate(DynamicCache(config=config).layers) if isinstance(layer, LinearAttentionLayer)
+    }
     named = {name: module for name, module in model.named_modules() if getattr(module, "layer_idx", None) in recurrent}
-    return [module for name, module in named.items()
-            if not any(other.startswith(name + ".") and named[other].layer_idx == module.layer_idx for other in named)]
+    return [
+        module
+        for name, module in named.items()
+        if not any(other.startswith(name + ".") and named[other].layer_idx == module.layer_idx for other in named)
+    ]
 
 
 #: The calls each rollback cache records in the forward under way, keyed by its transformers cache.
@@ -179,7 +188,9 @@ def _on_prefix(call: MixerCall, kept: int) -> MixerCall | None:
         hidden, args, kwargs = args[0], args[1:], kwargs
     else:
         hidden, kwargs = kwargs.get("hidden_states"), {k: v for k, v in kwargs.items() if k != "hidden_states"}
-    if not isinstance(hidden, torch.Tensor) or any(isinstance(value, torch.Tensor) for value in (*args, *kwargs.values())):
+    if not isinstance(hidden, torch.Tensor) or any(
+        isinstance(value, torch.Tensor) for value in (*args, *kwargs.values())
+    ):
         return None
     return module, (hidden[:, :kept], *args), kwargs
 
@@ -245,7 +256,9 @@ class RollbackCache:
             crop_key_values(self.cache, length)
             self.length = length
             return
-        at = next((i for i, c in enumerate(self._checkpoints) if c.length <= length <= c.length + len(c.token_ids)), None)
+        at = next(
+            (i for i, c in enumerate(self._checkpoints) if c.length <= length <= c.length + len(c.token_ids)), None
+        )
         if at is None:
             raise RuntimeError(f"a recurrent cache rolls back only past its last release, not to length {length}")
         checkpoint = self._checkpoints[at]
@@ -269,7 +282,8 @@ def snapshot_states(cache: DynamicCache) -> dict[int, _LayerStates]:
     """Copies of every recurrent layer's states (their tensors are updated in place by the next forward)."""
     return {
         index: _LayerStates(
-            conv=_clone(layer.conv_states), recurrent=_clone(layer.recurrent_states),
+            conv=_clone(layer.conv_states),
+            recurrent=_clone(layer.recurrent_states),
             conv_initialized=dict(layer.is_conv_states_initialized),
             recurrent_initialized=dict(layer.is_recurrent_states_initialized),
             has_previous=dict(layer.has_previous_state),
@@ -285,7 +299,10 @@ def restore_states(cache: DynamicCache, states: dict[int, _LayerStates]) -> None
         layer = cache.layers[index]
         assert isinstance(layer, LinearAttentionCacheLayerMixin)
         layer.conv_states, layer.recurrent_states = saved.conv, saved.recurrent
-        layer.is_conv_states_initialized, layer.is_recurrent_states_initialized = saved.conv_initialized, saved.recurrent_initialized
+        layer.is_conv_states_initialized, layer.is_recurrent_states_initialized = (
+            saved.conv_initialized,
+            saved.recurrent_initialized,
+        )
         layer.has_previous_state = saved.has_previous
         if saved.length is not None:
             layer.cumulative_length_linear.copy_(saved.length)  # in place: transformers marks its address static

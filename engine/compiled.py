@@ -63,8 +63,12 @@ class CompiledOrEager:
                 raise
             except Exception as error:  # noqa: BLE001 - any compiler failure; the eager call below re-raises real bugs
                 self.failure = error
-                _log.warning("torch %s could not compile the %s (%s); computing them eagerly: same values, slower "
-                             "(-v says why)", torch.__version__, self.what, type(error).__name__)
+                _log.warning(
+                    "torch %s could not compile the %s (%s); computing them eagerly: same values, slower (-v says why)",
+                    torch.__version__,
+                    self.what,
+                    type(error).__name__,
+                )
                 _log.info("the compiler's error: %s", _first_lines(error))
         return self.fn(*args)
 

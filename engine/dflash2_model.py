@@ -41,7 +41,9 @@ class GroupedDynamicCausalConv(nn.Module):
     def __init__(self, hidden_size: int, kernel_size: int, group_size: int):
         super().__init__()
         if hidden_size % group_size:
-            raise UsageError(f"dflash_config.conv_group_size {group_size} does not divide hidden_size {hidden_size}; fix the draft config.")
+            raise UsageError(
+                f"dflash_config.conv_group_size {group_size} does not divide hidden_size {hidden_size}; fix the draft config."
+            )
         self.kernel_size = kernel_size
         self.group_size = group_size
         self.groups = hidden_size // group_size
@@ -79,7 +81,9 @@ class CandidateSelector(nn.Module):
         self.successor_codebook = nn.Embedding(vocab_size, rank)
         self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)
 
-    def scores(self, projected: torch.Tensor, unary: torch.Tensor, candidates: torch.Tensor, predecessor: torch.Tensor) -> torch.Tensor:
+    def scores(
+        self, projected: torch.Tensor, unary: torch.Tensor, candidates: torch.Tensor, predecessor: torch.Tensor
+    ) -> torch.Tensor:
         """Candidate scores [..., top_k] of one slot: projected [..., r], unary/candidates [..., top_k], predecessor [...]."""
         query = self.predecessor_codebook(predecessor) * projected  # [..., r]
         return unary + (self.successor_codebook(candidates) * query[..., None, :]).sum(-1)
@@ -89,8 +93,14 @@ class DFlash2DraftModel(DFlashDraftModel):
     def __init__(self, cfg: DFlashConfig):
         kernel, group, rank, top_k = cfg.conv_kernel_size, cfg.conv_group_size, cfg.selector_rank, cfg.selector_top_k
         if kernel is None or group is None or rank is None or top_k is None:
-            missing = [k for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k") if getattr(cfg, k) is None]
-            raise UsageError(f"the DFlash 2 config lacks dflash_config.{missing[0]}; add it (the value the draft was trained with).")
+            missing = [
+                k
+                for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+                if getattr(cfg, k) is None
+            ]
+            raise UsageError(
+                f"the DFlash 2 config lacks dflash_config.{missing[0]}; add it (the value the draft was trained with)."
+            )
         super().__init__(cfg)
         for layer in self.layers:
             layer.attention_conv = GroupedDynamicCausalConv(cfg.hidden_size, kernel, group)
@@ -139,10 +149,13 @@ class DFlash2DraftModel(DFlashDraftModel):
 
 #: Safetensors names of the codebooks in DFlash 2 checkpoints (no ``.weight``) -> our parameter names.
 CHECKPOINT_KEY_RENAMES = {
-    f"candidate_selector.{name}": f"candidate_selector.{name}.weight" for name in ("predecessor_codebook", "successor_codebook")
+    f"candidate_selector.{name}": f"candidate_selector.{name}.weight"
+    for name in ("predecessor_codebook", "successor_codebook")
 }
 
 
 def draft_model_class(cfg: DFlashConfig) -> type[DFlashDraftModel]:
     """The module for a config's architecture (the one place that maps it)."""
-    return {DFLASH2_ARCHITECTURE: DFlash2DraftModel, DSPARK_ARCHITECTURE: DSparkDraftModel}.get(cfg.architecture, DFlashDraftModel)
+    return {DFLASH2_ARCHITECTURE: DFlash2DraftModel, DSPARK_ARCHITECTURE: DSparkDraftModel}.get(
+        cfg.architecture, DFlashDraftModel
+    )

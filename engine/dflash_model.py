@@ -121,15 +121,21 @@ class DFlashConfig:
         required = ["hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"]
         missing = [k for k in required if k not in raw]
         if missing:
-            raise UsageError(f"{source} lacks {', '.join(missing)}; a DFlash draft config needs the Qwen3 keys (see docs/draft-formats.md).")
+            raise UsageError(
+                f"{source} lacks {', '.join(missing)}; a DFlash draft config needs the Qwen3 keys (see docs/draft-formats.md)."
+            )
         block_size = raw.get("block_size", dflash.get("block_size"))
         if block_size is None:
-            raise UsageError(f"{source} has no block_size (top-level or in dflash_config), and engines default differently (official dflash "
-                             "0.1.0 and llama.cpp 16, speculators 8; z-lab's DFlash 2 drafts are trained with 8); add the block size the "
-                             "draft was trained with.")
+            raise UsageError(
+                f"{source} has no block_size (top-level or in dflash_config), and engines default differently (official dflash "
+                "0.1.0 and llama.cpp 16, speculators 8; z-lab's DFlash 2 drafts are trained with 8); add the block size the "
+                "draft was trained with."
+            )
         mask_token_id = dflash.get("mask_token_id", raw.get("mask_token_id"))
         if mask_token_id is None:
-            raise UsageError(f"{source} has no dflash_config.mask_token_id; add the reserved token id the draft uses as mask.")
+            raise UsageError(
+                f"{source} has no dflash_config.mask_token_id; add the reserved token id the draft uses as mask."
+            )
         num_target_layers = raw.get("num_target_layers")
         layer_ids = dflash.get("target_layer_ids", raw.get("target_layer_ids"))
         if layer_ids is None:  # engines guess differently (draft_formats.engine_layer_id_guesses): never guess
@@ -192,12 +198,26 @@ class DFlashConfig:
 
 #: Keys read from ``dflash_config`` (falling back to the top level), as the official ``_draft_value`` does.
 _DFLASH_CONFIG_KEYS = (
-    "input_embedding_scale", "output_multiplier", "final_logit_softcapping",
-    "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k",
-    "attention_sink_bias", "attention_value_scale", "markov_rank", "confidence_head", "confidence_head_with_markov",
+    "input_embedding_scale",
+    "output_multiplier",
+    "final_logit_softcapping",
+    "conv_kernel_size",
+    "conv_group_size",
+    "selector_rank",
+    "selector_top_k",
+    "attention_sink_bias",
+    "attention_value_scale",
+    "markov_rank",
+    "confidence_head",
+    "confidence_head_with_markov",
 )
-_DEFAULTS = {"input_embedding_scale": 1.0, "output_multiplier": 1.0, "attention_sink_bias": False, "confidence_head": False,
-             "confidence_head_with_markov": True}
+_DEFAULTS = {
+    "input_embedding_scale": 1.0,
+    "output_multiplier": 1.0,
+    "attention_sink_bias": False,
+    "confidence_head": False,
+    "confidence_head_with_markov": True,
+}
 
 
 class RMSNorm(nn.Module):
@@ -245,20 +265,28 @@ def scaled_rope_config(cfg: DFlashConfig):
     scaling = dict(cfg.rope_scaling or {})
     kind = rope_type(scaling)
     if kind not in ROPE_INIT_FUNCTIONS:
-        raise UsageError(f"rope_scaling type {kind!r} in the draft config is not supported; use one of default, "
-                         f"{', '.join(ROPE_INIT_FUNCTIONS)} (transformers' RoPE types).")
+        raise UsageError(
+            f"rope_scaling type {kind!r} in the draft config is not supported; use one of default, "
+            f"{', '.join(ROPE_INIT_FUNCTIONS)} (transformers' RoPE types)."
+        )
     if scaling.get("partial_rotary_factor", 1.0) != 1.0:
-        raise UsageError("rope_scaling.partial_rotary_factor in the draft config is not supported (a DFlash draft "
-                         "rotates whole heads, as Qwen3); remove it or set it to 1.0.")
+        raise UsageError(
+            "rope_scaling.partial_rotary_factor in the draft config is not supported (a DFlash draft "
+            "rotates whole heads, as Qwen3); remove it or set it to 1.0."
+        )
     scaling.pop("type", None)
     try:
         return Qwen3Config(
-            hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads, head_dim=cfg.head_dim,
+            hidden_size=cfg.hidden_size,
+            num_attention_heads=cfg.num_attention_heads,
+            head_dim=cfg.head_dim,
             max_position_embeddings=cfg.max_position_embeddings,
             rope_parameters={**scaling, "rope_type": kind, "rope_theta": cfg.rope_theta},
         )
     except KeyError as exc:  # transformers' validation names the missing keys
-        raise UsageError(f"the draft config's rope_scaling is incomplete ({exc.args[0]}); copy the target's rope_scaling into it.") from None
+        raise UsageError(
+            f"the draft config's rope_scaling is incomplete ({exc.args[0]}); copy the target's rope_scaling into it."
+        ) from None
 
 
 def scaled_rope_parameters(rope_config, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
@@ -269,8 +297,9 @@ def scaled_rope_parameters(rope_config, seq_len: int | None = None) -> tuple[tor
     return ROPE_INIT_FUNCTIONS[rope_config.rope_parameters["rope_type"]](rope_config, None, seq_len=seq_len)
 
 
-def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype,
-                attention_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(
+    positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype, attention_factor: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sign-folded sin [B, 1, S, D] for ``positions`` [B, S], computed once per pass for every layer.
 
     The half-split rotation is ``x * cos + cat(-x2, x1) * sin``; folding the sign into ``sin``
@@ -302,10 +331,13 @@ class DFlashAttention(nn.Module):
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
         self.value_scale = cfg.attention_value_scale
-        self.attention_sink_bias = nn.Parameter(torch.zeros(cfg.num_attention_heads)) if cfg.attention_sink_bias else None
+        self.attention_sink_bias = (
+            nn.Parameter(torch.zeros(cfg.num_attention_heads)) if cfg.attention_sink_bias else None
+        )
 
-    def project_kv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                   k_norm: RMSNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def project_kv(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], k_norm: RMSNorm | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """K (normed, rotated) and V for rows ``x`` [B, T, H] with ``rope`` tables for their positions -> [B, kvh, T, D] each.
 
         ``k_norm``: another layer's key norm instead of this layer's own (an engine quirk to reproduce, see
@@ -323,10 +355,12 @@ class DFlashAttention(nn.Module):
         express, so that path computes the softmax itself in float32."""
         sinks = self.attention_sink_bias
         if sinks is None:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads)
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads
+            )
         groups = self.num_heads // self.num_kv_heads
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        scores = (q.float() @ k.float().transpose(-1, -2)) * self.head_dim ** -0.5
+        scores = (q.float() @ k.float().transpose(-1, -2)) * self.head_dim**-0.5
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
         sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
@@ -434,7 +468,11 @@ class DFlashDraftModel(nn.Module):
         (without its cache that keeps the longest length seen, so the tables depend on the positions only);
         rows rotated in an earlier pass keep their rotation, as a KV cache does."""
         inv_freq = self.inv_freq
-        if self.rope_config is not None and rope_type(self.config.rope_scaling) in LENGTH_DEPENDENT_ROPE and positions.numel():
+        if (
+            self.rope_config is not None
+            and rope_type(self.config.rope_scaling) in LENGTH_DEPENDENT_ROPE
+            and positions.numel()
+        ):
             inv_freq = scaled_rope_parameters(self.rope_config, seq_len=int(positions.max()) + 1)[0]
         return rope_tables(positions, inv_freq, dtype, self.rope_attention_factor)
 
@@ -443,7 +481,9 @@ class DFlashDraftModel(nn.Module):
         """HF ``hidden_states`` indices to tap: layer id ``l`` is ``hidden_states[l + 1]`` (0 = embeddings)."""
         return tuple(layer + 1 for layer in self.config.target_layer_ids)
 
-    def context_kv(self, target_features: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def context_kv(
+        self, target_features: torch.Tensor, positions: torch.Tensor
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per-layer K/V of context rows: ``target_features`` [B, T, n*H] (concatenated taps) at ``positions`` [B, T]."""
         ctx = self.hidden_norm(self.fc(target_features))
         rope = self.rope(positions, ctx.dtype)
@@ -513,12 +553,18 @@ class DFlashDraftModel(nn.Module):
         if capped:
             logits = torch.tanh(logits / cap) * cap
         if head is not lm_head:
-            full = torch.full((*logits.shape[:-1], self.config.vocab_size), float("-inf"), dtype=logits.dtype, device=logits.device)
+            full = torch.full(
+                (*logits.shape[:-1], self.config.vocab_size), float("-inf"), dtype=logits.dtype, device=logits.device
+            )
             logits = full.index_copy(-1, self.draft_to_target, logits)
         return logits
 
     def draft_tokens(
-        self, hidden: torch.Tensor, anchor_token: int, lm_head: nn.Module, temperature: float,
+        self,
+        hidden: torch.Tensor,
+        anchor_token: int,
+        lm_head: nn.Module,
+        temperature: float,
         generator: torch.Generator | None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Tokens for the drafted slots ``hidden`` [k, H]: (tokens [k], scores [k, V], probs [k, V] | None).

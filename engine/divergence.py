@@ -145,7 +145,9 @@ class TargetRows:
             target_logits = torch.cat([target_logits, target_logits[-1:].expand(pad, -1)])
         step = _block_rows(target_logits.device, target_logits.shape[0], target_logits.shape[-1])
         blocks = [cls._block(target_logits[i : i + step]) for i in range(0, max(target_logits.shape[0], 1), step)]
-        return blocks[0] if len(blocks) == 1 else cls(*(torch.cat(parts) for parts in zip(*(b._fields() for b in blocks))))
+        return (
+            blocks[0] if len(blocks) == 1 else cls(*(torch.cat(parts) for parts in zip(*(b._fields() for b in blocks))))
+        )
 
     @classmethod
     def _block(cls, target_logits: torch.Tensor) -> "TargetRows":
@@ -153,14 +155,20 @@ class TargetRows:
         p = log_p.exp()
         topk_ids = top_ids(target_logits)
         top2 = p.gather(-1, topk_ids[:, :2])  # softmax keeps the order: the two largest probabilities
-        return cls(log_p=log_p, entropy=-(p * log_p).sum(dim=-1), top1_margin=top2[:, 0] - top2[:, 1],
-                   topk_ids=topk_ids, tokens=topk_ids[:, 0])
+        return cls(
+            log_p=log_p,
+            entropy=-(p * log_p).sum(dim=-1),
+            top1_margin=top2[:, 0] - top2[:, 1],
+            topk_ids=topk_ids,
+            tokens=topk_ids[:, 0],
+        )
 
     def _fields(self) -> tuple[torch.Tensor, ...]:
         return (self.log_p, self.entropy, self.top1_margin, self.topk_ids, self.tokens)
 
     def windows(self, first: int, count: int, k: int) -> "TargetRows":
         """[count, k, ...] views: element [a, j] is row ``first + a + j`` (the slots of ``count`` consecutive anchors)."""
+
         def view(x: torch.Tensor) -> torch.Tensor:
             return x.unfold(0, k, 1)[first : first + count].movedim(-1, 1)
 
@@ -172,8 +180,9 @@ class TargetRows:
 
 
 @torch.inference_mode()
-def divergence_tensor(draft_logits: torch.Tensor, draft_tokens: torch.Tensor, target: TargetRows,
-                      entries: torch.Tensor | None = None) -> torch.Tensor:
+def divergence_tensor(
+    draft_logits: torch.Tensor, draft_tokens: torch.Tensor, target: TargetRows, entries: torch.Tensor | None = None
+) -> torch.Tensor:
     """The columns of every slot packed as float64 [..., WIDTH], on the logits' device (no host copy).
 
     ``draft_logits`` [..., V] and ``draft_tokens`` [...] index the slots as ``target``'s rows do, or as
@@ -195,9 +204,16 @@ def divergence_tensor(draft_logits: torch.Tensor, draft_tokens: torch.Tensor, ta
     return blocks[0] if len(blocks) == 1 else torch.cat(blocks)
 
 
-def _columns_of(draft_logits: torch.Tensor, draft_tokens: torch.Tensor, log_p: torch.Tensor, entropy: torch.Tensor,
-                top1_margin: torch.Tensor, topk_ids: torch.Tensor, tokens: torch.Tensor,
-                entries: torch.Tensor | None) -> torch.Tensor:
+def _columns_of(
+    draft_logits: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    log_p: torch.Tensor,
+    entropy: torch.Tensor,
+    top1_margin: torch.Tensor,
+    topk_ids: torch.Tensor,
+    tokens: torch.Tensor,
+    entries: torch.Tensor | None,
+) -> torch.Tensor:
     """:func:`_columns` over whole tensors, the target's fields passed one by one (what a compiled function takes)."""
     target = TargetRows(log_p, entropy, top1_margin, topk_ids, tokens)
     return _columns(draft_logits, draft_tokens, target if entries is None else target.take(entries))

@@ -90,7 +90,9 @@ class Eagle3Attention(nn.Module):
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps) if cfg.layer_type == "qwen3" else None
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps) if cfg.layer_type == "qwen3" else None
 
-    def project(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def project(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [B, h, S, D], k and v [B, kvh, S, D] of rows ``x`` [B, S, 2H], q and k rotated."""
         b, s, _ = x.shape
         q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim)
@@ -110,11 +112,13 @@ class Eagle3Layer(nn.Module):
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Eagle3Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = nn.ModuleDict({
-            "gate_proj": nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False),
-            "up_proj": nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False),
-            "down_proj": nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False),
-        })
+        self.mlp = nn.ModuleDict(
+            {
+                "gate_proj": nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False),
+                "up_proj": nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False),
+                "down_proj": nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False),
+            }
+        )
 
 
 class Eagle3DraftModel(nn.Module):
@@ -134,8 +138,11 @@ class Eagle3DraftModel(nn.Module):
         self.config = cfg
         width = len(cfg.aux_layer_ids) * cfg.target_hidden_size
         self.input_norm = RMSNorm(width, cfg.rms_norm_eps) if cfg.norms.norm_before_fc else None
-        self.fc_norm = nn.ModuleList([RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps) for _ in cfg.aux_layer_ids]) \
-            if cfg.norms.fc_norm else None
+        self.fc_norm = (
+            nn.ModuleList([RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps) for _ in cfg.aux_layer_ids])
+            if cfg.norms.fc_norm
+            else None
+        )
         self.fc = nn.Linear(width, cfg.hidden_size, bias=False)
         self.embed_tokens = nn.Embedding(cfg.target_vocab_size, cfg.hidden_size) if own_embedding else None
         self.layers = nn.ModuleList([Eagle3Layer(cfg)])
@@ -187,8 +194,9 @@ class Eagle3DraftModel(nn.Module):
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return rope_tables(positions, self.inv_freq, self.dtype, self.config.rope_attention_factor)
 
-    def layer_inputs(self, embeds: torch.Tensor, state: torch.Tensor, positions: torch.Tensor
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def layer_inputs(
+        self, embeds: torch.Tensor, state: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The layer up to attention: q [B, h, S, D], this pass's K/V rows and the residual [B, S, H]."""
         layer = self.layer
         normed_state = layer.hidden_norm(state)
@@ -209,8 +217,9 @@ class Eagle3DraftModel(nn.Module):
         normed = self.norm(prenorm)
         return normed, normed if self.config.norms.norm_output else prenorm
 
-    def forward(self, embeds: torch.Tensor, state: torch.Tensor, positions: torch.Tensor, past: KeyValue | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor, KeyValue]:
+    def forward(
+        self, embeds: torch.Tensor, state: torch.Tensor, positions: torch.Tensor, past: KeyValue | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, KeyValue]:
         """Rows [B, S] after ``past`` K/V rows (every past row precedes them; the rows attend causally among
         themselves): (normed [B, S, H], carried state [B, S, H], this pass's K/V rows)."""
         q, k, v, residual = self.layer_inputs(embeds, state, positions)
@@ -235,8 +244,9 @@ class Eagle3DraftModel(nn.Module):
         return full.index_copy(-1, self.target_ids(), scores)
 
 
-def teacher_first_pass(model: Eagle3DraftModel, target_embedding: nn.Embedding, token_ids: torch.Tensor, aux: torch.Tensor
-                       ) -> tuple[torch.Tensor, torch.Tensor, KeyValue]:
+def teacher_first_pass(
+    model: Eagle3DraftModel, target_embedding: nn.Embedding, token_ids: torch.Tensor, aux: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, KeyValue]:
     """The first pass over whole sequences, token_ids [N, T] with their aux states [N, T, n*Ht]: row p reads the
     state at p and the embedding of token p + 1 (the last row repeats its own token: no anchor reads it), causal
     attention. -> (normed [N, T, H], carried [N, T, H], K/V [N, kvh, T, D] each). Right padding is harmless:
@@ -246,8 +256,14 @@ def teacher_first_pass(model: Eagle3DraftModel, target_embedding: nn.Embedding, 
     return model(model.embed(shifted, target_embedding), model.combine(aux), positions)
 
 
-def teacher_chain_rows(model: Eagle3DraftModel, target_embedding: nn.Embedding, token_ids: torch.Tensor,
-                       first: tuple[torch.Tensor, torch.Tensor, KeyValue], anchors: torch.Tensor, k: int) -> torch.Tensor:
+def teacher_chain_rows(
+    model: Eagle3DraftModel,
+    target_embedding: nn.Embedding,
+    token_ids: torch.Tensor,
+    first: tuple[torch.Tensor, torch.Tensor, KeyValue],
+    anchors: torch.Tensor,
+    k: int,
+) -> torch.Tensor:
     """Normed rows [N, A, k, H] of slots 1..k of every anchor (anchors [N, A], each >= 1), given the first pass
     ``first`` of :func:`teacher_first_pass`: slot 1 is the first pass's row at a - 1; slot j > 1 reads the true
     token at a + j - 1 and the state slot j - 1 carried, at the position after slot j - 1's row, attending to
@@ -270,18 +286,32 @@ def teacher_chain_rows(model: Eagle3DraftModel, target_embedding: nn.Embedding, 
     for step in range(1, k):
         position = (anchors + step - 1).reshape(n * a, 1)  # the row after the anchor's previous one
         token = token_ids.gather(1, (anchors + step).clamp(max=width - 1))  # the true token the previous slot matched
-        q, key, value, residual = model.layer_inputs(model.embed(token.reshape(n * a, 1), target_embedding), carried, position)
+        q, key, value, residual = model.layer_inputs(
+            model.embed(token.reshape(n * a, 1), target_embedding), carried, position
+        )
         chain_keys.append(key.view(n, a, *key.shape[1:]))
         chain_values.append(value.view(n, a, *value.shape[1:]))
-        attended = attend_prefix_and_chain(q.view(n, a, q.shape[1], q.shape[3]), prefix_keys, prefix_values, visible,
-                                           torch.cat(chain_keys, dim=3), torch.cat(chain_values, dim=3))
+        attended = attend_prefix_and_chain(
+            q.view(n, a, q.shape[1], q.shape[3]),
+            prefix_keys,
+            prefix_values,
+            visible,
+            torch.cat(chain_keys, dim=3),
+            torch.cat(chain_values, dim=3),
+        )
         normed, carried = model.layer_outputs(attended.reshape(n * a, -1, 1, q.shape[3]), residual)
         rows.append(normed.view(n, a, -1))
     return torch.stack(rows, dim=2)
 
 
-def attend_prefix_and_chain(q: torch.Tensor, prefix_keys: torch.Tensor, prefix_values: torch.Tensor, visible: torch.Tensor,
-                            chain_keys: torch.Tensor, chain_values: torch.Tensor) -> torch.Tensor:
+def attend_prefix_and_chain(
+    q: torch.Tensor,
+    prefix_keys: torch.Tensor,
+    prefix_values: torch.Tensor,
+    visible: torch.Tensor,
+    chain_keys: torch.Tensor,
+    chain_values: torch.Tensor,
+) -> torch.Tensor:
     """Attention of one query per anchor (q [N, A, h, D]) over its sequence's first-pass keys [N, kvh, T, D] where
     ``visible`` [N, A, T] allows them, and the anchor's own chain keys [N, A, kvh, s, D]; -> [N, A, h, D].
 
@@ -289,12 +319,13 @@ def attend_prefix_and_chain(q: torch.Tensor, prefix_keys: torch.Tensor, prefix_v
     sequence): scores against them are one product per kv head, then one softmax over both parts."""
     n, a, h, d = q.shape
     kvh = prefix_keys.shape[1]
-    grouped = q.view(n, a, kvh, h // kvh, d).float() * d ** -0.5  # [N, A, kvh, g, D]
+    grouped = q.view(n, a, kvh, h // kvh, d).float() * d**-0.5  # [N, A, kvh, g, D]
     prefix = torch.einsum("nakgd,nktd->nakgt", grouped, prefix_keys.float())
     prefix = prefix.masked_fill(~visible[:, :, None, None, :], float("-inf"))
     own = torch.einsum("nakgd,naksd->nakgs", grouped, chain_keys.float())
     weights = torch.softmax(torch.cat([prefix, own], dim=-1), dim=-1)
     t = prefix.shape[-1]
-    out = torch.einsum("nakgt,nktd->nakgd", weights[..., :t], prefix_values.float()) + \
-        torch.einsum("nakgs,naksd->nakgd", weights[..., t:], chain_values.float())
+    out = torch.einsum("nakgt,nktd->nakgd", weights[..., :t], prefix_values.float()) + torch.einsum(
+        "nakgs,naksd->nakgd", weights[..., t:], chain_values.float()
+    )
     return out.reshape(n, a, h, d).to(q.dtype)

@@ -147,7 +147,9 @@ def speculative_generate(
     clock = StepClock(device)
     marks: list[tuple] = []  # (draft start, draft end = verify start, verify end) of each step
     # per-token records stay on the device until the request ends: one host copy per request
-    pending: list[tuple[torch.Tensor, int, int, list[int], int]] = []  # (packed rows, step, position, drafted, accepted)
+    pending: list[
+        tuple[torch.Tensor, int, int, list[int], int]
+    ] = []  # (packed rows, step, position, drafted, accepted)
     reason = "stop_token" if last in stop_ids else "max_new_tokens"
     tail: list[int] = []
     while reason != "stop_token" and len(output) < max_new_tokens:
@@ -189,20 +191,36 @@ def speculative_generate(
                 reason = "stop_token"
         # what the step sampled that the output does not keep: past the end, on the last step (vLLM's suffix
         # cache keeps it with the response)
-        tail = (drafted[:run] + [next_token])[len(accepted) + (bonus != -1):] if convention.drafts_past_end else []
-        steps.append(StepRecord(step=len(steps), position=position, k=k, num_drafted=n_drafted, num_accepted=num_accepted,
-                                bonus_token=bonus))
+        tail = (drafted[:run] + [next_token])[len(accepted) + (bonus != -1) :] if convention.drafts_past_end else []
+        steps.append(
+            StepRecord(
+                step=len(steps),
+                position=position,
+                k=k,
+                num_drafted=n_drafted,
+                num_accepted=num_accepted,
+                bonus_token=bonus,
+            )
+        )
         if record_tokens and n_drafted:
             target_rows = TargetRows.of(verified.logits[:n_drafted])
             packed = divergence_tensor(proposal.logits, proposal.tokens, target_rows)
             packed = torch.cat([packed, target_rows.tokens[:, None].to(packed.dtype)], dim=1)
             pending.append((packed, len(steps) - 1, position, drafted, num_committed_drafts))
     output = output[:max_new_tokens]
-    steps = [replace(step, draft_time_s=clock.seconds(t0, t1), verify_time_s=clock.seconds(t1, t2))
-             for step, (t0, t1, t2) in zip(steps, marks)]
+    steps = [
+        replace(step, draft_time_s=clock.seconds(t0, t1), verify_time_s=clock.seconds(t1, t2))
+        for step, (t0, t1, t2) in zip(steps, marks)
+    ]
     tokens = [t for t in _token_rows(pending) if t.position < max_new_tokens]  # drafts past the budget are no output
-    return GenerationResult(output_ids=output, stop_reason=reason, wall_time_s=time.perf_counter() - started, steps=steps,
-                            tokens=tokens, tail_ids=tail)
+    return GenerationResult(
+        output_ids=output,
+        stop_reason=reason,
+        wall_time_s=time.perf_counter() - started,
+        steps=steps,
+        tokens=tokens,
+        tail_ids=tail,
+    )
 
 
 def _token_rows(pending: list[tuple[torch.Tensor, int, int, list[int], int]]) -> list[TokenRecord]:
@@ -216,8 +234,15 @@ def _token_rows(pending: list[tuple[torch.Tensor, int, int, list[int], int]]) ->
     for _, step, position, drafted, num_committed_drafts in pending:
         for i in range(len(drafted)):
             flat = len(tokens)
-            tokens.append(TokenRecord(
-                step=step, position=position + i, offset=i + 1, draft_token=drafted[i], target_token=target_list[flat],
-                accepted=i < num_committed_drafts, **{name: values[flat] for name, values in columns.items()},
-            ))
+            tokens.append(
+                TokenRecord(
+                    step=step,
+                    position=position + i,
+                    offset=i + 1,
+                    draft_token=drafted[i],
+                    target_token=target_list[flat],
+                    accepted=i < num_committed_drafts,
+                    **{name: values[flat] for name, values in columns.items()},
+                )
+            )
     return tokens

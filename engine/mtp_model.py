@@ -56,8 +56,10 @@ def decoder_layer_class(config) -> type[nn.Module]:
     module = sys.modules.get(model_class.__module__) if model_class is not None else None
     names = [n for n in getattr(model_class, "_no_split_modules", None) or [] if n.endswith("DecoderLayer")]
     if module is None or not names:
-        raise UsageError(f"transformers has no decoder layer for the {config.model_type} architecture to build its MTP "
-                         "block from; replay this target's MTP head with an engine that serves it.")
+        raise UsageError(
+            f"transformers has no decoder layer for the {config.model_type} architecture to build its MTP "
+            "block from; replay this target's MTP head with an engine that serves it."
+        )
     return getattr(module, names[0])
 
 
@@ -92,9 +94,17 @@ class MtpHead(nn.Module):
     def n_predict(self) -> int:
         return len(self.layers)
 
-    def step(self, layer: int, token_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
-             shared: tuple[nn.Embedding, nn.Linear], rotary: nn.Module, past: KeyValue | None,
-             mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, KeyValue]:
+    def step(
+        self,
+        layer: int,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        shared: tuple[nn.Embedding, nn.Linear],
+        rotary: nn.Module,
+        past: KeyValue | None,
+        mask: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, KeyValue]:
         """Run MTP layer ``layer`` over ``token_ids`` / ``positions`` [B, S] with the hidden states [B, S, H].
 
         ``shared``: the target's embedding and head (used where the layer has none); ``rotary``: the
@@ -112,8 +122,9 @@ class MtpHead(nn.Module):
         x = mtp.proj(torch.cat([mtp.embedding_norm(embeds), mtp.hidden_norm(hidden.to(dtype))], dim=-1))
         rows = KeyValueRows(past)
         additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
-        out = mtp.block(x, attention_mask=additive, position_ids=positions, cache=rows,
-                        position_embeddings=rotary(x, positions))
+        out = mtp.block(
+            x, attention_mask=additive, position_ids=positions, cache=rows, position_embeddings=rotary(x, positions)
+        )
         out = out[0] if isinstance(out, tuple) else out
         assert rows.new is not None, "the block's attention did not read its K/V rows"
         return out, mtp.output_norm(out), rows.new
@@ -131,13 +142,17 @@ def _fuse_experts(tensors: dict[str, torch.Tensor], wanted: set[str]) -> dict[st
     fused ``experts.gate_up_proj`` [E, 2I, H] / ``experts.down_proj`` [E, H, I] that transformers' MoE
     modules hold (transformers converts them the same way when it loads the target's own layers)."""
     out = dict(tensors)
-    for fused in sorted(name for name in wanted if name.endswith(("experts.gate_up_proj", "experts.down_proj")) and name not in tensors):
+    for fused in sorted(
+        name for name in wanted if name.endswith(("experts.gate_up_proj", "experts.down_proj")) and name not in tensors
+    ):
         stem, _, kind = fused.rpartition(".")
         count = sum(1 for name in tensors if name.startswith(stem + ".") and name.endswith(".down_proj.weight"))
         if count == 0:
             continue
         parts = ("gate_proj", "up_proj") if kind == "gate_up_proj" else ("down_proj",)
-        out[fused] = torch.stack([torch.cat([out.pop(f"{stem}.{e}.{part}.weight") for part in parts]) for e in range(count)])
+        out[fused] = torch.stack(
+            [torch.cat([out.pop(f"{stem}.{e}.{part}.weight") for part in parts]) for e in range(count)]
+        )
     return out
 
 
@@ -159,7 +174,9 @@ class MtpCheckpoint:
         return f"{part}.weight" in self.layers[0]
 
 
-def build_mtp_head(checkpoint: MtpCheckpoint, target_config, *, dtype: torch.dtype, device: str, target_name: str) -> MtpHead:
+def build_mtp_head(
+    checkpoint: MtpCheckpoint, target_config, *, dtype: torch.dtype, device: str, target_name: str
+) -> MtpHead:
     """The head module of ``checkpoint`` for a target of ``target_config``, its weights loaded strictly
     (a tensor the block lacks, or one the checkpoint lacks, is a :class:`UsageError`).
 
@@ -175,19 +192,27 @@ def build_mtp_head(checkpoint: MtpCheckpoint, target_config, *, dtype: torch.dty
     for i, tensors in enumerate(checkpoint.layers):
         with torch.device("meta"):
             block = layer_class(config, checkpoint.first_layer_index + i)
-            layer = MtpLayer(config, block, own_head=checkpoint.has_own("head"), own_embedding=checkpoint.has_own("embed_tokens"))
+            layer = MtpLayer(
+                config, block, own_head=checkpoint.has_own("head"), own_embedding=checkpoint.has_own("embed_tokens")
+            )
         state = _fuse_experts(tensors, set(layer.state_dict()))
         missing, unexpected = layer.load_state_dict(state, strict=False, assign=True)
-        problem = (missing and f"lacks {missing[0]}") or (unexpected and f"has {unexpected[0]}, which a {layer_class.__name__} does not")
+        problem = (missing and f"lacks {missing[0]}") or (
+            unexpected and f"has {unexpected[0]}, which a {layer_class.__name__} does not"
+        )
         if problem:
-            raise UsageError(f"the MTP layer {i} of the target {target_name} {problem}; pass a checkpoint whose MTP weights "
-                             "match its config.json.")
+            raise UsageError(
+                f"the MTP layer {i} of the target {target_name} {problem}; pass a checkpoint whose MTP weights "
+                "match its config.json."
+            )
         # a buffer outside the state dict (none in today's MTP block classes) would have no value to take
         unset = next((name for name, tensor in layer.named_buffers() if tensor.is_meta), None)
         if unset is not None:
-            raise UsageError(f"the MTP layer {i} of the target {target_name} is a {layer_class.__name__}, which computes its "
-                             f"buffer {unset} when built, and the MTP replay cannot load such a block yet; compare the "
-                             "target's other speculators (--draft ngram, an EAGLE-3 or DFlash draft) instead.")
+            raise UsageError(
+                f"the MTP layer {i} of the target {target_name} is a {layer_class.__name__}, which computes its "
+                f"buffer {unset} when built, and the MTP replay cannot load such a block yet; compare the "
+                "target's other speculators (--draft ngram, an EAGLE-3 or DFlash draft) instead."
+            )
         layers.append(layer)
     head = MtpHead(layers, checkpoint.layout, checkpoint.first_layer_index, checkpoint.zero_first_embedding)
     return head.to(device=device, dtype=dtype).eval()

@@ -89,4 +89,6 @@ def end_of_request(name: str) -> EndOfRequest:
     try:
         return CONVENTIONS[name]
     except KeyError:
-        raise UsageError(f"end_of_request {name!r} is not one of {', '.join(CONVENTIONS)}; pick the engine you serve with.") from None
+        raise UsageError(
+            f"end_of_request {name!r} is not one of {', '.join(CONVENTIONS)}; pick the engine you serve with."
+        ) from None

@@ -106,16 +106,19 @@ class TapRecorder:
     def _layer_input(self, tap: int):
         def hook(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
             self.recorded[tap] = args[0] if args else kwargs["hidden_states"]
+
         return hook
 
     def _layer_output(self, tap: int):
         def hook(module: torch.nn.Module, args: tuple, output: Any) -> None:
             self.recorded[tap] = output[0] if isinstance(output, tuple) else output
+
         return hook
 
     def _decoder_output(self, tap: int):
         def hook(module: torch.nn.Module, args: tuple, output: Any) -> None:
             self.recorded[tap] = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
+
         return hook
 
     def features(self, device: torch.device | str) -> torch.Tensor:
@@ -152,7 +155,9 @@ class TargetModel:
         self.cache.crop(length)
 
     @torch.inference_mode()
-    def forward(self, token_ids: torch.Tensor, taps: tuple[int, ...] | None = None, logits_from: int = 0) -> TargetOutput:
+    def forward(
+        self, token_ids: torch.Tensor, taps: tuple[int, ...] | None = None, logits_from: int = 0
+    ) -> TargetOutput:
         """Run ``token_ids`` [S] after the cached prefix; the cache grows by S.
 
         ``taps``: HF ``hidden_states`` indices concatenated into ``features`` (a proposer's declared
@@ -175,8 +180,10 @@ class TargetModel:
                 logits.append(out.logits[0, -keep:].float())
             if taps:
                 features.append(recorder.features(self.device)[0])
-        return TargetOutput(logits=torch.cat(logits) if len(logits) > 1 else logits[0],
-                            features=(torch.cat(features) if len(features) > 1 else features[0]) if taps else None)
+        return TargetOutput(
+            logits=torch.cat(logits) if len(logits) > 1 else logits[0],
+            features=(torch.cat(features) if len(features) > 1 else features[0]) if taps else None,
+        )
 
     @property
     def embedding(self) -> torch.nn.Embedding:

@@ -68,8 +68,15 @@ def matched_runs(matches: np.ndarray) -> np.ndarray:
     return np.cumprod(matches, axis=-1).sum(axis=-1)
 
 
-def walk_schedule(matches: np.ndarray, output_ids: list[int], k: int, max_new_tokens: int, stop_ids: frozenset[int],
-                  convention: EndOfRequest = CONVENTIONS["llamacpp"], drafted: np.ndarray | None = None) -> list[StepRecord]:
+def walk_schedule(
+    matches: np.ndarray,
+    output_ids: list[int],
+    k: int,
+    max_new_tokens: int,
+    stop_ids: frozenset[int],
+    convention: EndOfRequest = CONVENTIONS["llamacpp"],
+    drafted: np.ndarray | None = None,
+) -> list[StepRecord]:
     """The live loop's steps at K over known matches, with the live loop's schedule (engine/schedule.py);
     walked, not timed. ``drafted`` [N] caps the tokens each anchor's step drafts (a lookup proposer that
     found fewer than K, or none: a plain decode step), as :attr:`SlotTable.drafted` records them. Slots past
@@ -90,8 +97,16 @@ def walk_schedule(matches: np.ndarray, output_ids: list[int], k: int, max_new_to
         stop_at = cut_at_stop(output_ids[i + 1 : i + 1 + kept], stop_ids)
         end = i + 1 + (kept if stop_at is None else stop_at + 1)  # output index after the step's kept drafts
         bonus = output_ids[end] if stop_at is None and end < min(n_out, max_new_tokens) else -1
-        steps.append(StepRecord(step=len(steps), position=position, k=k, num_drafted=k_step,
-                                num_accepted=convention.num_accepted(run, stop_at), bonus_token=bonus))
+        steps.append(
+            StepRecord(
+                step=len(steps),
+                position=position,
+                k=k,
+                num_drafted=k_step,
+                num_accepted=convention.num_accepted(run, stop_at),
+                bonus_token=bonus,
+            )
+        )
         if stop_at is not None or bonus == -1 or bonus in stop_ids:
             break
         i = end
@@ -103,7 +118,9 @@ def greedy_tail(model: CausalLM, prompt_ids: list[int], output_ids: list[int], n
     drafts past the end verifies its last step's drafts against (:attr:`TeacherSequence.tail_ids`)."""
     if n <= 0:
         return []
-    return generate_greedy_batch(model, [list(prompt_ids) + list(output_ids)], max_new_tokens=n, stop_ids=frozenset())[0]
+    return generate_greedy_batch(model, [list(prompt_ids) + list(output_ids)], max_new_tokens=n, stop_ids=frozenset())[
+        0
+    ]
 
 
 def sampled_past_end(steps: list[StepRecord], tail_ids: list[int], n_out: int) -> list[int]:
@@ -238,13 +255,20 @@ def slot_table(
         divergence = _host(divergence_parts, divergence)[kept.reshape(-1)]
         divergence_start = dict(zip(rows.tolist(), (np.cumsum(kept.sum(axis=1)) - kept.sum(axis=1)).tolist()))
     drafted = torch.cat(length_parts).numpy() if length_parts and len(length_parts) == len(guess_parts) else None
-    table = SlotTable(guesses=guesses, matches=matches, accept_probs=accept_probs, divergence=divergence,
-                      divergence_start=divergence_start, drafted=drafted)
+    table = SlotTable(
+        guesses=guesses,
+        matches=matches,
+        accept_probs=accept_probs,
+        divergence=divergence,
+        divergence_start=divergence_start,
+        drafted=drafted,
+    )
     return table, target_pass
 
 
-def _matched_runs(scorer: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], truth: torch.Tensor,
-                  known: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _matched_runs(
+    scorer: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], truth: torch.Tensor, known: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Guesses and matches [A, bk] of each anchor's matched run, slot by slot: slot j is scored only for
     the anchors whose slots < j all matched (guess -1 and no match elsewhere)."""
     guess = torch.full(truth.shape, -1, dtype=torch.long, device=truth.device)
@@ -297,8 +321,14 @@ def token_rows(table: SlotTable, steps: list[StepRecord], output_ids: list[int])
         slots += [(step, i, j) for j in range(1, min(step.num_drafted, n_out - 1 - i) + 1)]
     columns = unpack_divergence(table.divergence[[table.divergence_start[i] + j - 1 for _, i, j in slots]])
     return [
-        TokenRecord(step=step.step, position=i + j, offset=j, draft_token=int(table.guesses[i, j - 1]),
-                    target_token=int(output_ids[i + j]), accepted=j <= step.num_accepted,
-                    **{name: values[row] for name, values in columns.items()})
+        TokenRecord(
+            step=step.step,
+            position=i + j,
+            offset=j,
+            draft_token=int(table.guesses[i, j - 1]),
+            target_token=int(output_ids[i + j]),
+            accepted=j <= step.num_accepted,
+            **{name: values[row] for name, values in columns.items()},
+        )
         for row, (step, i, j) in enumerate(slots)
     ]

@@ -32,7 +32,22 @@ from transformers import AutoTokenizer
 from dflash_doctor.engine.dflash_model import DFlashDraftModel, default_target_layer_ids
 from dflash_doctor.models.loading import demo_target_path, load_causal_lm, resolve_model_dir
 from dflash_doctor.models.pair import stop_ids_of
-from dflash_doctor.models.training import DEFAULT_NUM_TAPS, SELF_WRITTEN_PROMPTS_FILE, TrainConfig, choose_mask_token_id, data_cache_key, draft_config_for_target, extract_features, held_out_steps, init_draft_from_target, prepare_sequences, prepare_training_data, self_written_prompts, tau_by_class, train_dflash_draft
+from dflash_doctor.models.training import (
+    DEFAULT_NUM_TAPS,
+    SELF_WRITTEN_PROMPTS_FILE,
+    TrainConfig,
+    choose_mask_token_id,
+    data_cache_key,
+    draft_config_for_target,
+    extract_features,
+    held_out_steps,
+    init_draft_from_target,
+    prepare_sequences,
+    prepare_training_data,
+    self_written_prompts,
+    tau_by_class,
+    train_dflash_draft,
+)
 from dflash_doctor.inputs.workloads import extra_word_problems, load_workload
 
 LR = 1e-3
@@ -42,18 +57,33 @@ TRAIN_PROBE_REQUESTS = 48  # training requests (greedy answers) measured like th
 
 def variants(samples: int, batch_size: int) -> list[dict]:
     """Rows of the table: the reference, then one lever at a time on top of it."""
-    reference = {"name": f"reference: all prompts, greedy + {samples} sampled answers, scratch, 2 layers, gamma 7, block 16, "
-                         f"batch {batch_size}", "lever": "reference",
-                 "answers": "sampled", "init": False, "layers": 2, "gamma": 7.0, "block": 16, "batch": batch_size}
+    reference = {
+        "name": f"reference: all prompts, greedy + {samples} sampled answers, scratch, 2 layers, gamma 7, block 16, "
+        f"batch {batch_size}",
+        "lever": "reference",
+        "answers": "sampled",
+        "init": False,
+        "layers": 2,
+        "gamma": 7.0,
+        "block": 16,
+        "batch": batch_size,
+    }
     # ordered by what the longer run's recipe depends on, so a run cut short by --deadline measures those first
-    return [reference,
-            {**reference, "name": "init from the target's last layers", "lever": "init", "init": True},
-            {**reference, "name": "3 layers", "lever": "layers3", "layers": 3},
-            {**reference, "name": "gamma 4 (steeper slot decay)", "lever": "gamma4", "gamma": 4.0},
-            {**reference, "name": f"batch {4 * batch_size} (4x the sequences seen)", "lever": "batch4", "batch": 4 * batch_size},
-            {**reference, "name": "greedy answers only (no sampled ones)", "lever": "answers", "answers": "greedy"},
-            {**reference, "name": "block size 8 (served K = 7)", "lever": "block8", "block": 8},
-            {**reference, "name": "gamma 12 (flatter slot decay)", "lever": "gamma12", "gamma": 12.0}]
+    return [
+        reference,
+        {**reference, "name": "init from the target's last layers", "lever": "init", "init": True},
+        {**reference, "name": "3 layers", "lever": "layers3", "layers": 3},
+        {**reference, "name": "gamma 4 (steeper slot decay)", "lever": "gamma4", "gamma": 4.0},
+        {
+            **reference,
+            "name": f"batch {4 * batch_size} (4x the sequences seen)",
+            "lever": "batch4",
+            "batch": 4 * batch_size,
+        },
+        {**reference, "name": "greedy answers only (no sampled ones)", "lever": "answers", "answers": "greedy"},
+        {**reference, "name": "block size 8 (served K = 7)", "lever": "block8", "block": 8},
+        {**reference, "name": "gamma 12 (flatter slot decay)", "lever": "gamma12", "gamma": 12.0},
+    ]
 
 
 def main() -> None:
@@ -61,7 +91,9 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--dtype", default=None, help="Target dtype for data and training (default: bfloat16 on CUDA, else float32).")
+    parser.add_argument(
+        "--dtype", default=None, help="Target dtype for data and training (default: bfloat16 on CUDA, else float32)."
+    )
     parser.add_argument("--extra-word-problems", type=int, default=3000)
     parser.add_argument("--self-written-prompts", type=int, default=2000)
     parser.add_argument("--samples-per-prompt", type=int, default=3)
@@ -69,7 +101,9 @@ def main() -> None:
     parser.add_argument("--eval-requests", type=int, default=48)
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--rows", default="", help="Comma-separated levers to run (default: all).")
-    parser.add_argument("--deadline", type=float, default=None, help="Unix time: rows that would end after it are left for a later run.")
+    parser.add_argument(
+        "--deadline", type=float, default=None, help="Unix time: rows that would end after it are left for a later run."
+    )
     parser.add_argument("--tiny", action="store_true", help="CPU smoke test: a handful of requests, short answers.")
     args = parser.parse_args()
     started = time.perf_counter()
@@ -88,31 +122,77 @@ def main() -> None:
     served_key = data_cache_key(target_dir, max_new_tokens=args.max_new_tokens, dtype="float32", chat_template=template)
 
     held_out = load_workload("mix", split="eval", max_requests=args.eval_requests)
-    eval_records = prepare_sequences(served, tokenizer, held_out, cache_path=out / FLOAT32_EVAL_FILE, cache_key=served_key,
-                                     max_new_tokens=args.max_new_tokens, stop_ids=stop_ids, batch_size=args.generation_batch_size)
+    eval_records = prepare_sequences(
+        served,
+        tokenizer,
+        held_out,
+        cache_path=out / FLOAT32_EVAL_FILE,
+        cache_key=served_key,
+        max_new_tokens=args.max_new_tokens,
+        stop_ids=stop_ids,
+        batch_size=args.generation_batch_size,
+    )
     base = load_workload("mix", split="train", max_requests=12 if args.tiny else None)
     extra = extra_word_problems(args.extra_word_problems) if args.extra_word_problems else []
-    written = self_written_prompts(target, tokenizer, args.self_written_prompts, cache_path=out / SELF_WRITTEN_PROMPTS_FILE,
-                                   cache_key=key, stop_ids=stop_ids, batch_size=args.generation_batch_size) if args.self_written_prompts else []
+    written = (
+        self_written_prompts(
+            target,
+            tokenizer,
+            args.self_written_prompts,
+            cache_path=out / SELF_WRITTEN_PROMPTS_FILE,
+            cache_key=key,
+            stop_ids=stop_ids,
+            batch_size=args.generation_batch_size,
+        )
+        if args.self_written_prompts
+        else []
+    )
     records, _ = prepare_training_data(
-        target, tokenizer, base + extra + written, [], out_dir=out, cache_key=key, max_new_tokens=args.max_new_tokens,
-        stop_ids=stop_ids, samples_per_prompt=args.samples_per_prompt, batch_size=args.generation_batch_size, progress=False)
+        target,
+        tokenizer,
+        base + extra + written,
+        [],
+        out_dir=out,
+        cache_key=key,
+        max_new_tokens=args.max_new_tokens,
+        stop_ids=stop_ids,
+        samples_per_prompt=args.samples_per_prompt,
+        batch_size=args.generation_batch_size,
+        progress=False,
+    )
     data_seconds = time.perf_counter() - started
     records = [r for r in records if len(r.token_ids) >= r.prompt_length + 2]
-    greedy = [i for i, r in enumerate(records) if r.turn < 1000]  # sampled answers are stored as turn 1000 * (s + 1) + t
-    probe_ids = sorted({records[i].request_id for i in greedy})[::max(1, len(greedy) // TRAIN_PROBE_REQUESTS)][:TRAIN_PROBE_REQUESTS]
+    greedy = [
+        i for i, r in enumerate(records) if r.turn < 1000
+    ]  # sampled answers are stored as turn 1000 * (s + 1) + t
+    probe_ids = sorted({records[i].request_id for i in greedy})[:: max(1, len(greedy) // TRAIN_PROBE_REQUESTS)][
+        :TRAIN_PROBE_REQUESTS
+    ]
     train_probe = [records[i] for i in greedy if records[i].request_id in set(probe_ids)]
     used_ids = {t for r in records for t in r.token_ids}
     mask = choose_mask_token_id(tokenizer, target.config, used_ids, template)
     layer_ids = default_target_layer_ids(target.config.num_hidden_layers, DEFAULT_NUM_TAPS)
-    print(f"data: {len(base)} mix + {len(extra)} extra GSM + {len(written)} target-written prompts; {len(greedy)} greedy + "
-          f"{len(records) - len(greedy)} sampled sequences, {sum(len(r.response_ids) for r in records):,} response tokens; "
-          f"{len(eval_records)} held-out turns; {data_seconds:.0f} s", flush=True)
+    print(
+        f"data: {len(base)} mix + {len(extra)} extra GSM + {len(written)} target-written prompts; {len(greedy)} greedy + "
+        f"{len(records) - len(greedy)} sampled sequences, {sum(len(r.response_ids) for r in records):,} response tokens; "
+        f"{len(eval_records)} held-out turns; {data_seconds:.0f} s",
+        flush=True,
+    )
 
     t0 = time.perf_counter()
-    probe = DFlashDraftModel(draft_config_for_target(target.config, block_size=16, num_layers=1, mask_token_id=mask, target_layer_ids=layer_ids))
-    features = extract_features(target, [r.token_ids for r in records], probe.hidden_state_indices, batch_size=64, device=device,
-                                dtype=torch.bfloat16 if device == "cuda" else None)
+    probe = DFlashDraftModel(
+        draft_config_for_target(
+            target.config, block_size=16, num_layers=1, mask_token_id=mask, target_layer_ids=layer_ids
+        )
+    )
+    features = extract_features(
+        target,
+        [r.token_ids for r in records],
+        probe.hidden_state_indices,
+        batch_size=64,
+        device=device,
+        dtype=torch.bfloat16 if device == "cuda" else None,
+    )
     print(f"features: {time.perf_counter() - t0:.0f} s", flush=True)
 
     results_path = out / "ablation.json"
@@ -128,43 +208,93 @@ def main() -> None:
             print(f"left for a later run (about {estimate:.0f} s): {row['name']}", flush=True)
             continue
         torch.manual_seed(0)
-        draft = DFlashDraftModel(draft_config_for_target(target.config, block_size=row["block"], num_layers=row["layers"],
-                                                         mask_token_id=mask, target_layer_ids=layer_ids))
+        draft = DFlashDraftModel(
+            draft_config_for_target(
+                target.config,
+                block_size=row["block"],
+                num_layers=row["layers"],
+                mask_token_id=mask,
+                target_layer_ids=layer_ids,
+            )
+        )
         if row["init"]:
             init_draft_from_target(draft, target)
         chosen = greedy if row["answers"] == "greedy" else range(len(records))
-        config = TrainConfig(steps=args.steps, batch_size=row["batch"], lr=LR, loss_decay_gamma=row["gamma"], device=device,
-                             log_every=max(1, args.steps // 10))
+        config = TrainConfig(
+            steps=args.steps,
+            batch_size=row["batch"],
+            lr=LR,
+            loss_decay_gamma=row["gamma"],
+            device=device,
+            log_every=max(1, args.steps // 10),
+        )
         t0 = time.perf_counter()
-        result = train_dflash_draft(target, [records[i].token_ids for i in chosen], [records[i].prompt_length for i in chosen], config,
-                                    draft, features=[features[i] for i in chosen])
+        result = train_dflash_draft(
+            target,
+            [records[i].token_ids for i in chosen],
+            [records[i].prompt_length for i in chosen],
+            config,
+            draft,
+            features=[features[i] for i in chosen],
+        )
         train_seconds = time.perf_counter() - t0
         t0 = time.perf_counter()
         tau = tau_by_class(held_out_steps(served, result.draft, eval_records, stop_ids=stop_ids))
         train_tau = tau_by_class(held_out_steps(target, result.draft, train_probe, stop_ids=stop_ids))
         eval_seconds = time.perf_counter() - t0
         size_mb = sum(p.numel() for p in result.draft.parameters()) * 4 / 1e6
-        summary["rows"].append({**row, "steps": args.steps, "sequences_seen": args.steps * row["batch"], "num_sequences": result.num_sequences,
-                                "train_seconds": train_seconds, "eval_seconds": eval_seconds, "size_mb_float32": size_mb,
-                                "final_train_loss": result.log[-1]["loss"], "tau": tau, "train_tau": train_tau})
-        summary.update({"data_seconds": data_seconds, "steps": args.steps, "lr": LR, "dtype": dtype,
-                        "eval_requests": len({r.request_id for r in eval_records}), "train_probe_requests": len(probe_ids)})
+        summary["rows"].append(
+            {
+                **row,
+                "steps": args.steps,
+                "sequences_seen": args.steps * row["batch"],
+                "num_sequences": result.num_sequences,
+                "train_seconds": train_seconds,
+                "eval_seconds": eval_seconds,
+                "size_mb_float32": size_mb,
+                "final_train_loss": result.log[-1]["loss"],
+                "tau": tau,
+                "train_tau": train_tau,
+            }
+        )
+        summary.update(
+            {
+                "data_seconds": data_seconds,
+                "steps": args.steps,
+                "lr": LR,
+                "dtype": dtype,
+                "eval_requests": len({r.request_id for r in eval_records}),
+                "train_probe_requests": len(probe_ids),
+            }
+        )
         results_path.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
-        print(f"{row['name']}: " + ", ".join(f"{c} {v['tau']:.2f} [{v['tau_ci'][0]:.2f}, {v['tau_ci'][1]:.2f}]" for c, v in tau.items())
-              + f"; train-set overall {train_tau['overall']['tau']:.2f} ({train_seconds:.0f} s train, {eval_seconds:.0f} s eval, "
-              f"{size_mb:.0f} MB)", flush=True)
+        print(
+            f"{row['name']}: "
+            + ", ".join(f"{c} {v['tau']:.2f} [{v['tau_ci'][0]:.2f}, {v['tau_ci'][1]:.2f}]" for c, v in tau.items())
+            + f"; train-set overall {train_tau['overall']['tau']:.2f} ({train_seconds:.0f} s train, {eval_seconds:.0f} s eval, "
+            f"{size_mb:.0f} MB)",
+            flush=True,
+        )
         del draft, result
         if device == "cuda":
             torch.cuda.empty_cache()
 
     if summary["rows"]:
         classes = list(summary["rows"][0]["tau"])
-        lines = ["| variant | sequences seen | " + " | ".join(classes) + " | train-set overall | train s |",
-                 "|---|---|" + "---|" * (len(classes) + 2)]
+        lines = [
+            "| variant | sequences seen | " + " | ".join(classes) + " | train-set overall | train s |",
+            "|---|---|" + "---|" * (len(classes) + 2),
+        ]
         for row in summary["rows"]:
-            cells = [f"{row['tau'][c]['tau']:.2f} [{row['tau'][c]['tau_ci'][0]:.2f}, {row['tau'][c]['tau_ci'][1]:.2f}]" for c in classes]
-            lines.append(f"| {row['name']} | {row['sequences_seen']:,} | " + " | ".join(cells)
-                         + f" | {row['train_tau']['overall']['tau']:.2f} | {row['train_seconds']:.0f} |")
+            cells = [
+                f"{row['tau'][c]['tau']:.2f} [{row['tau'][c]['tau_ci'][0]:.2f}, {row['tau'][c]['tau_ci'][1]:.2f}]"
+                for c in classes
+            ]
+            lines.append(
+                f"| {row['name']} | {row['sequences_seen']:,} | "
+                + " | ".join(cells)
+                + f" | {row['train_tau']['overall']['tau']:.2f} | {row['train_seconds']:.0f} |"
+            )
         (out / "ablation.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
         print("\n".join(lines), flush=True)
 

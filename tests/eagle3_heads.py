@@ -29,8 +29,17 @@ def draft_vocabulary(sequences: list[list[int]], size: int, target_vocab: int) -
     return sorted(used + [next(filler) for _ in range(size - len(used))])
 
 
-def fitted_head(target, sequences: list[list[int]], aux_layer_ids: list[int], *, draft_vocab: int, steps: int = 120,
-                lr: float = 0.02, norms: NormSwitches = NormSwitches(), seed: int = 0) -> Eagle3DraftModel:
+def fitted_head(
+    target,
+    sequences: list[list[int]],
+    aux_layer_ids: list[int],
+    *,
+    draft_vocab: int,
+    steps: int = 120,
+    lr: float = 0.02,
+    norms: NormSwitches = NormSwitches(),
+    seed: int = 0,
+) -> Eagle3DraftModel:
     """A head shaped like one layer of ``target`` (its heads, head size, MLP width and RoPE), over the ``draft_vocab``
     target ids the target's greedy choices on ``sequences`` use most, reading ``aux_layer_ids`` (vLLM's meaning:
     HF ``hidden_states[k]``), its slot 1 fitted on ``sequences``. Its ``lm_head`` starts from the target's output
@@ -38,11 +47,21 @@ def fitted_head(target, sequences: list[list[int]], aux_layer_ids: list[int], *,
     tc = target.config
     rope = getattr(tc, "rope_parameters", None) or {}
     heads = int(tc.num_attention_heads)
-    cfg = Eagle3Config(layer_type="llama", hidden_size=tc.hidden_size, num_attention_heads=heads,
-                       num_key_value_heads=int(tc.num_key_value_heads), head_dim=int(getattr(tc, "head_dim", None) or tc.hidden_size // heads),
-                       intermediate_size=int(tc.intermediate_size), rms_norm_eps=float(tc.rms_norm_eps), target_hidden_size=tc.hidden_size,
-                       target_vocab_size=tc.vocab_size, draft_vocab_size=draft_vocab, aux_layer_ids=list(aux_layer_ids), norms=norms,
-                       rope_theta=float(rope.get("rope_theta", getattr(tc, "rope_theta", 10000.0))))
+    cfg = Eagle3Config(
+        layer_type="llama",
+        hidden_size=tc.hidden_size,
+        num_attention_heads=heads,
+        num_key_value_heads=int(tc.num_key_value_heads),
+        head_dim=int(getattr(tc, "head_dim", None) or tc.hidden_size // heads),
+        intermediate_size=int(tc.intermediate_size),
+        rms_norm_eps=float(tc.rms_norm_eps),
+        target_hidden_size=tc.hidden_size,
+        target_vocab_size=tc.vocab_size,
+        draft_vocab_size=draft_vocab,
+        aux_layer_ids=list(aux_layer_ids),
+        norms=norms,
+        rope_theta=float(rope.get("rope_theta", getattr(tc, "rope_theta", 10000.0))),
+    )
     torch.manual_seed(seed)
     head = Eagle3DraftModel(cfg, own_embedding=False, own_lm_head=True)
     ids = torch.nn.utils.rnn.pad_sequence([torch.tensor(s) for s in sequences], batch_first=True)
@@ -80,25 +99,41 @@ def speculators_layout_config(head: Eagle3DraftModel, *, verifier: str, k: int, 
         "architectures": ["Eagle3Speculator"],
         "speculators_model_type": "eagle3",
         "transformer_layer_config": {
-            "model_type": cfg.layer_type, "hidden_size": cfg.hidden_size, "num_attention_heads": cfg.num_attention_heads,
-            "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim, "intermediate_size": cfg.intermediate_size,
-            "num_hidden_layers": 1, "rms_norm_eps": cfg.rms_norm_eps, "vocab_size": cfg.target_vocab_size,
-            "rope_theta": cfg.rope_theta, "max_position_embeddings": max_positions, "hidden_act": "silu",
+            "model_type": cfg.layer_type,
+            "hidden_size": cfg.hidden_size,
+            "num_attention_heads": cfg.num_attention_heads,
+            "num_key_value_heads": cfg.num_key_value_heads,
+            "head_dim": cfg.head_dim,
+            "intermediate_size": cfg.intermediate_size,
+            "num_hidden_layers": 1,
+            "rms_norm_eps": cfg.rms_norm_eps,
+            "vocab_size": cfg.target_vocab_size,
+            "rope_theta": cfg.rope_theta,
+            "max_position_embeddings": max_positions,
+            "hidden_act": "silu",
         },
         "draft_vocab_size": cfg.draft_vocab_size,
         "target_hidden_size": cfg.target_hidden_size,
         "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
-        **{name: getattr(cfg.norms, name) for name in ("norm_before_residual", "norm_output", "norm_before_fc", "fc_norm")},
-        "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy",
-                               "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": k}],
-                               "verifier": {"name_or_path": verifier}},
+        **{
+            name: getattr(cfg.norms, name)
+            for name in ("norm_before_residual", "norm_output", "norm_before_fc", "fc_norm")
+        },
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": k}],
+            "verifier": {"name_or_path": verifier},
+        },
     }
 
 
 def save_speculators_head(head: Eagle3DraftModel, folder: Path, *, verifier: str, k: int) -> Path:
     """The head as a speculators-layout checkpoint (config.json + model.safetensors)."""
     folder.mkdir(parents=True, exist_ok=True)
-    save_file({name: t.detach().clone().contiguous() for name, t in head.state_dict().items()}, folder / "model.safetensors")
+    save_file(
+        {name: t.detach().clone().contiguous() for name, t in head.state_dict().items()}, folder / "model.safetensors"
+    )
     config = speculators_layout_config(head, verifier=verifier, k=k)
     (folder / "config.json").write_text(json.dumps(config, indent=1), encoding="utf-8")
     return folder

@@ -48,8 +48,13 @@ def per_step_accepted(prompt: str, k: int, max_tokens: int) -> list[int]:
     return steps
 
 
-def make_handler(k: int, costs: FakeCosts, per_request: bool = True, arrivals: list[tuple[str, float]] | None = None,
-                 api_key: str | None = None):
+def make_handler(
+    k: int,
+    costs: FakeCosts,
+    per_request: bool = True,
+    arrivals: list[tuple[str, float]] | None = None,
+    api_key: str | None = None,
+):
     """``per_request=False``: a server started without per-request metrics; only ``/metrics`` counts.
     ``arrivals``: each request's (prompt, time.perf_counter() when it arrived) is appended to it.
     ``api_key``: like ``vllm serve --api-key``, every /v1 path and /metrics answers 401 without that bearer token."""
@@ -59,10 +64,15 @@ def make_handler(k: int, costs: FakeCosts, per_request: bool = True, arrivals: l
 
     def exposition() -> str:
         label = f'model_name="{MODEL}"'
-        lines = [f"vllm:spec_decode_num_drafts_total{{{label}}} {totals['drafts']}",
-                 f"vllm:spec_decode_num_draft_tokens_total{{{label}}} {totals['draft_tokens']}",
-                 f"vllm:spec_decode_num_accepted_tokens_total{{{label}}} {totals['accepted']}"]
-        lines += [f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{label},position="{i}"}} {n}' for i, n in enumerate(per_pos)]
+        lines = [
+            f"vllm:spec_decode_num_drafts_total{{{label}}} {totals['drafts']}",
+            f"vllm:spec_decode_num_draft_tokens_total{{{label}}} {totals['draft_tokens']}",
+            f"vllm:spec_decode_num_accepted_tokens_total{{{label}}} {totals['accepted']}",
+        ]
+        lines += [
+            f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{label},position="{i}"}} {n}'
+            for i, n in enumerate(per_pos)
+        ]
         return "\n".join(lines) + "\n" if k else ""
 
     class Handler(QuietHandler):
@@ -111,7 +121,10 @@ def make_handler(k: int, costs: FakeCosts, per_request: bool = True, arrivals: l
             for accepted in per_step:
                 time.sleep(costs.step_s(k))
                 send(text_chunk(accepted + 1))
-            final = {"choices": [], "usage": {"prompt_tokens": len(prompt.split()), "completion_tokens": n, "total_tokens": n}}
+            final = {
+                "choices": [],
+                "usage": {"prompt_tokens": len(prompt.split()), "completion_tokens": n, "total_tokens": n},
+            }
             with lock:
                 totals["drafts"] += len(per_step)
                 totals["draft_tokens"] += k * len(per_step)
@@ -123,10 +136,17 @@ def make_handler(k: int, costs: FakeCosts, per_request: bool = True, arrivals: l
                 histogram = [0] * (k + 1)
                 for a in per_step:
                     histogram[a] += 1
-                final["metrics"] = {"speculative_decoding": {
-                    "num_spec_tokens": k, "num_spec_steps": len(per_step), "num_draft_tokens": k * len(per_step),
-                    "num_accepted_draft_tokens": sum(per_step), "acceptance_histogram": histogram,
-                    "per_step_accepted": per_step, "per_step_drafted": [k] * len(per_step)}}
+                final["metrics"] = {
+                    "speculative_decoding": {
+                        "num_spec_tokens": k,
+                        "num_spec_steps": len(per_step),
+                        "num_draft_tokens": k * len(per_step),
+                        "num_accepted_draft_tokens": sum(per_step),
+                        "acceptance_histogram": histogram,
+                        "per_step_accepted": per_step,
+                        "per_step_drafted": [k] * len(per_step),
+                    }
+                }
             send(final)
             self.wfile.write(b"data: [DONE]\n\n")
             self.wfile.flush()
@@ -134,8 +154,14 @@ def make_handler(k: int, costs: FakeCosts, per_request: bool = True, arrivals: l
     return Handler
 
 
-def start(k: int, costs: FakeCosts = FakeCosts(), port: int = 0, per_request: bool = True,
-          arrivals: list[tuple[str, float]] | None = None, api_key: str | None = None) -> ThreadingHTTPServer:
+def start(
+    k: int,
+    costs: FakeCosts = FakeCosts(),
+    port: int = 0,
+    per_request: bool = True,
+    arrivals: list[tuple[str, float]] | None = None,
+    api_key: str | None = None,
+) -> ThreadingHTTPServer:
     """Serve in a daemon thread; ``server.server_address[1]`` is the port; ``shutdown()`` stops it."""
     server = ThreadingHTTPServer(("127.0.0.1", port), make_handler(k, costs, per_request, arrivals, api_key))
     server.daemon_threads = True

@@ -49,9 +49,45 @@ T_VERIFY_BASE_S = 0.021
 T_VERIFY_PER_TOKEN_S = 0.0012
 
 _WORDS = [
-    "the", " of", " and", " to", " in", " is", " x", " =", " +", " 2", " def", " return", "(", ")", ":",
-    " for", " i", " range", " sum", " answer", " We", " so", " then", " print", "\n", " total", " each",
-    " number", " if", " else", " value", " list", " step", " it", " can", " be", " a", " that", " this",
+    "the",
+    " of",
+    " and",
+    " to",
+    " in",
+    " is",
+    " x",
+    " =",
+    " +",
+    " 2",
+    " def",
+    " return",
+    "(",
+    ")",
+    ":",
+    " for",
+    " i",
+    " range",
+    " sum",
+    " answer",
+    " We",
+    " so",
+    " then",
+    " print",
+    "\n",
+    " total",
+    " each",
+    " number",
+    " if",
+    " else",
+    " value",
+    " list",
+    " step",
+    " it",
+    " can",
+    " be",
+    " a",
+    " that",
+    " this",
 ]
 
 
@@ -126,8 +162,16 @@ def _request_rows(
                     "total_variation": float(rng.uniform(0.0, 0.2) if matches else rng.uniform(0.3, 0.9)),
                     "target_entropy": float(rng.gamma(2.0, 0.4)),
                     "target_top1_margin": max(0.0, 2.0 * target_prob - 1.0) if matches else 0.5 * (1.0 - target_prob),
-                    "draft_topk_ids": [int(draft_ids[idx]), int(target_ids[idx]), int((draft_ids[idx] + 3) % VOCAB_SIZE)],
-                    "target_topk_ids": [int(target_ids[idx]), int(draft_ids[idx]), int((target_ids[idx] + 5) % VOCAB_SIZE)],
+                    "draft_topk_ids": [
+                        int(draft_ids[idx]),
+                        int(target_ids[idx]),
+                        int((draft_ids[idx] + 3) % VOCAB_SIZE),
+                    ],
+                    "target_topk_ids": [
+                        int(target_ids[idx]),
+                        int(draft_ids[idx]),
+                        int((target_ids[idx] + 5) % VOCAB_SIZE),
+                    ],
                     "target_category": _token_category(int(target_ids[idx])),
                     "draft_category": _token_category(int(draft_ids[idx])),
                 }
@@ -181,7 +225,14 @@ def _checks() -> list[dict[str, Any]]:
             "status": "pass",
             "summary": "Target and draft tokenizers encode the probe corpus identically.",
             "metrics": {"num_probe_texts": 200, "num_mismatches": 0},
-            "findings": [{"severity": "info", "message": "Vocab sizes agree (512 rows, 512 tokens).", "evidence": "config.vocab_size=512, len(tokenizer)=512", "fix": ""}],
+            "findings": [
+                {
+                    "severity": "info",
+                    "message": "Vocab sizes agree (512 rows, 512 tokens).",
+                    "evidence": "config.vocab_size=512, len(tokenizer)=512",
+                    "fix": "",
+                }
+            ],
         },
         {
             "id": "chat_template",
@@ -217,7 +268,14 @@ def _checks() -> list[dict[str, Any]]:
             "status": "error",
             "summary": "The check raised RuntimeError: probe model missing.",
             "metrics": {},
-            "findings": [{"severity": "fail", "message": "RuntimeError: probe model missing", "evidence": "Traceback (most recent call last): ...", "fix": ""}],
+            "findings": [
+                {
+                    "severity": "fail",
+                    "message": "RuntimeError: probe model missing",
+                    "evidence": "Traceback (most recent call last): ...",
+                    "fix": "",
+                }
+            ],
         },
     ]
 
@@ -264,7 +322,13 @@ def make_fixture_run(
     ).to_json()
     meta["created_at"] = "2026-01-01T00:00:00+00:00"
     meta["models"] = {
-        "target": {"id": "fixture/target-135m", "revision_or_hash": "sha256:0f1e2d3c", "dtype": "float32", "device": "cpu", "kind": "target"},
+        "target": {
+            "id": "fixture/target-135m",
+            "revision_or_hash": "sha256:0f1e2d3c",
+            "dtype": "float32",
+            "device": "cpu",
+            "kind": "target",
+        },
         "draft": {
             "id": "fixture/dflash-b9",
             "revision_or_hash": "sha256:a1b2c3d4",
@@ -327,19 +391,51 @@ def make_fixture_run(
 def request_rows(request_id: str, num_steps: int) -> dict[str, list[dict]]:
     """A request's rows in the three tables: ``num_steps`` steps drafting 2 tokens, the first accepted."""
     steps = [
-        {"request_id": request_id, "class": "math", "step": s, "position": 1 + 2 * s, "k": 2, "num_drafted": 2,
-         "num_accepted": 1, "bonus_token": 5, "draft_time_s": 0.01, "verify_time_s": 0.02}
+        {
+            "request_id": request_id,
+            "class": "math",
+            "step": s,
+            "position": 1 + 2 * s,
+            "k": 2,
+            "num_drafted": 2,
+            "num_accepted": 1,
+            "bonus_token": 5,
+            "draft_time_s": 0.01,
+            "verify_time_s": 0.02,
+        }
         for s in range(num_steps)
     ]
     tokens = [
-        {"request_id": request_id, "class": "math", "step": s, "position": 1 + 2 * s + j, "offset": j + 1,
-         "draft_token": 7, "target_token": 7 if j == 0 else 8, "accepted": j == 0}
-        for s in range(num_steps) for j in range(2)
+        {
+            "request_id": request_id,
+            "class": "math",
+            "step": s,
+            "position": 1 + 2 * s + j,
+            "offset": j + 1,
+            "draft_token": 7,
+            "target_token": 7 if j == 0 else 8,
+            "accepted": j == 0,
+        }
+        for s in range(num_steps)
+        for j in range(2)
     ]
-    request = {"request_id": request_id, "class": "math", "subclass": "gsm", "turn": 0, "prompt_num_tokens": 10,
-               "output_token_ids": [7] * (2 * num_steps + 1), "output_text": "x", "num_output_tokens": 2 * num_steps + 1,
-               "num_steps": num_steps, "num_drafts": num_steps, "num_draft_tokens": 2 * num_steps,
-               "num_accepted_tokens": num_steps, "tau": 2.0, "stop_reason": "max_new_tokens", "wall_time_s": 0.1}
+    request = {
+        "request_id": request_id,
+        "class": "math",
+        "subclass": "gsm",
+        "turn": 0,
+        "prompt_num_tokens": 10,
+        "output_token_ids": [7] * (2 * num_steps + 1),
+        "output_text": "x",
+        "num_output_tokens": 2 * num_steps + 1,
+        "num_steps": num_steps,
+        "num_drafts": num_steps,
+        "num_draft_tokens": 2 * num_steps,
+        "num_accepted_tokens": num_steps,
+        "tau": 2.0,
+        "stop_reason": "max_new_tokens",
+        "wall_time_s": 0.1,
+    }
     return {"steps": steps, "tokens": tokens, "requests": [request]}
 
 

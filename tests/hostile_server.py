@@ -35,21 +35,26 @@ DRIP_S = 0.5  # the pause between two bytes of a ``drip`` answer
 def _set(**fields: Any) -> Callable[[dict, dict], None]:
     def change(spec: dict, usage: dict) -> None:
         spec.update(fields)
+
     return change
 
 
-def _steps(accepted: int | None = None, drafted: int | None = None, extra_drafted: int = 0) -> Callable[[dict, dict], None]:
+def _steps(
+    accepted: int | None = None, drafted: int | None = None, extra_drafted: int = 0
+) -> Callable[[dict, dict], None]:
     def change(spec: dict, usage: dict) -> None:
         n = len(spec["per_step_accepted"])
         if accepted is not None:
             spec["per_step_accepted"] = [accepted] * n
         spec["per_step_drafted"] = [K if drafted is None else drafted] * (n + extra_drafted)
+
     return change
 
 
 def _usage(value: Any) -> Callable[[dict, dict], None]:
     def change(spec: dict, usage: dict) -> None:
         usage["__replace__"] = value
+
     return change
 
 
@@ -59,7 +64,9 @@ MODES: dict[str, Callable[[dict, dict], None] | None] = {
     "slow": None,
     "drip": None,
     "unequal": _steps(extra_drafted=3),
-    "negative": _set(num_accepted_draft_tokens=-5, acceptance_histogram=None, per_step_accepted=None, per_step_drafted=None),
+    "negative": _set(
+        num_accepted_draft_tokens=-5, acceptance_histogram=None, per_step_accepted=None, per_step_drafted=None
+    ),
     "negative_step": _steps(accepted=-1),
     "negsteps": _set(num_spec_steps=-3, acceptance_histogram=None),
     "acc_gt_drafted": _set(num_accepted_draft_tokens=10**3),
@@ -85,9 +92,14 @@ def answer(mode: str, max_tokens: int) -> tuple[dict, dict]:
     """(``metrics.speculative_decoding``, ``usage``) of one answer in ``mode``."""
     steps = [1] * max(1, (max_tokens - 1) // 2)
     spec: dict[str, Any] = {
-        "num_spec_tokens": K, "num_spec_steps": len(steps), "num_draft_tokens": K * len(steps),
-        "num_accepted_draft_tokens": sum(steps), "acceptance_histogram": [len(steps) if j == 1 else 0 for j in range(K + 1)],
-        "per_step_accepted": steps, "per_step_drafted": [K] * len(steps)}
+        "num_spec_tokens": K,
+        "num_spec_steps": len(steps),
+        "num_draft_tokens": K * len(steps),
+        "num_accepted_draft_tokens": sum(steps),
+        "acceptance_histogram": [len(steps) if j == 1 else 0 for j in range(K + 1)],
+        "per_step_accepted": steps,
+        "per_step_drafted": [K] * len(steps),
+    }
     usage: dict[str, Any] = {"prompt_tokens": 3, "completion_tokens": max_tokens, "total_tokens": max_tokens + 3}
     change = MODES[mode]
     if change is not None:
@@ -118,15 +130,38 @@ def make_handler(mode: str, log: Path | None):
             if body.get("stream"):
                 self.stream(body, max_tokens, spec, usage)
             else:
-                choice: dict[str, Any] = {"index": 0, "finish_reason": "length", "token_ids": list(range(100, 100 + max_tokens))}
+                choice: dict[str, Any] = {
+                    "index": 0,
+                    "finish_reason": "length",
+                    "token_ids": list(range(100, 100 + max_tokens)),
+                }
                 text = "x " * max_tokens
-                choice.update({"message": {"role": "assistant", "content": text}} if "messages" in body else {"text": text})
-                self.send_body(json.dumps({"id": "x", "choices": [choice], "prompt_token_ids": [1, 2, 3], "usage": usage,
-                                           "metrics": {"speculative_decoding": spec}}).encode())
+                choice.update(
+                    {"message": {"role": "assistant", "content": text}} if "messages" in body else {"text": text}
+                )
+                self.send_body(
+                    json.dumps(
+                        {
+                            "id": "x",
+                            "choices": [choice],
+                            "prompt_token_ids": [1, 2, 3],
+                            "usage": usage,
+                            "metrics": {"speculative_decoding": spec},
+                        }
+                    ).encode()
+                )
             if log is not None:
                 with lock, log.open("a") as handle:
-                    handle.write(json.dumps({"path": self.path, "stream": bool(body.get("stream")),
-                                             "authorization": self.headers.get("Authorization")}) + "\n")
+                    handle.write(
+                        json.dumps(
+                            {
+                                "path": self.path,
+                                "stream": bool(body.get("stream")),
+                                "authorization": self.headers.get("Authorization"),
+                            }
+                        )
+                        + "\n"
+                    )
 
         def send_body(self, data: bytes) -> None:
             self.send_response(200)
@@ -143,7 +178,9 @@ def make_handler(mode: str, log: Path | None):
 
         def stream(self, body: dict, max_tokens: int, spec: dict, usage: Any) -> None:
             chat = "messages" in body
-            chunks = [{"choices": [{"index": 0, "delta": {"content": "x "}} if chat else {"index": 0, "text": "x "}]}] * max_tokens
+            chunks = [
+                {"choices": [{"index": 0, "delta": {"content": "x "}} if chat else {"index": 0, "text": "x "}]}
+            ] * max_tokens
             chunks.append({"choices": [], "usage": usage, "metrics": {"speculative_decoding": spec}})
             data = b"".join(f"data: {json.dumps(chunk)}\n\n".encode() for chunk in chunks) + b"data: [DONE]\n\n"
             self.send_response(200)

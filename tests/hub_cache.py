@@ -20,7 +20,9 @@ def offline_hub_cache(monkeypatch, folder: Path) -> Path:
     return folder
 
 
-def hub_snapshot(cache: Path, repo_id: str, commit: str, files: dict[str, str] | Path, refs: tuple[str, ...] = ("main",)) -> Path:
+def hub_snapshot(
+    cache: Path, repo_id: str, commit: str, files: dict[str, str] | Path, refs: tuple[str, ...] = ("main",)
+) -> Path:
     """The snapshot folder of ``repo_id`` at ``commit``, holding ``files`` (name -> text) or a copy of a folder;
     each ref in ``refs`` (a branch or tag) points at the commit."""
     repo = cache / f"models--{repo_id.replace('/', '--')}"

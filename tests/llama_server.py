@@ -22,7 +22,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from local_servers import LocalServer, free_port, start_local_server  # tests/ is on sys.path under pytest and as a script
+from local_servers import (
+    LocalServer,
+    free_port,
+    start_local_server,
+)  # tests/ is on sys.path under pytest and as a script
 
 REPO = Path(__file__).resolve().parent.parent
 LLAMA_CPP_VERSION = "0.3.36"  # llama-cpp-python's sdist version; scripts/build-llama-server.sh builds the same
@@ -35,7 +39,9 @@ START_TIMEOUT_S = 300.0
 
 def require_build() -> None:
     if not LLAMA_SERVER.is_file() or not CONVERTER.is_file():
-        raise RuntimeError(f"{LLAMA_SERVER} is missing; run `bash scripts/build-llama-server.sh` (setup-dev.sh runs it).")
+        raise RuntimeError(
+            f"{LLAMA_SERVER} is missing; run `bash scripts/build-llama-server.sh` (setup-dev.sh runs it)."
+        )
 
 
 def convert_to_gguf(model_dir: Path, out: Path, *, outtype: str = "f32", target_dir: Path | None = None) -> Path:
@@ -73,8 +79,15 @@ def demo_ggufs() -> dict[str, Path]:
     }
 
 
-def llama_server_command(target: Path, port: int, *, draft: Path | None = None, spec_type: str | None = None,
-                         n_max: int | str | None = None, metrics: bool = True) -> list[str]:
+def llama_server_command(
+    target: Path,
+    port: int,
+    *,
+    draft: Path | None = None,
+    spec_type: str | None = None,
+    n_max: int | str | None = None,
+    metrics: bool = True,
+) -> list[str]:
     """``llama-server -m TARGET [-md DRAFT --spec-type T --spec-draft-n-max N] [--metrics]`` on 127.0.0.1.
 
     One slot (``-np 1``) and a fixed seed, so requests run one at a time as the /metrics deltas need; a
@@ -82,8 +95,26 @@ def llama_server_command(target: Path, port: int, *, draft: Path | None = None, 
     of them on two cores shared with the test process (or other jobs) ran 6x slower per token than one (measured).
     """
     require_build()
-    command = [str(LLAMA_SERVER), "-m", str(target), "--alias", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port),
-               "-c", "2048", "-np", "1", "-t", "1", "--seed", "0", "--no-webui"]
+    command = [
+        str(LLAMA_SERVER),
+        "-m",
+        str(target),
+        "--alias",
+        SERVED_NAME,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "-c",
+        "2048",
+        "-np",
+        "1",
+        "-t",
+        "1",
+        "--seed",
+        "0",
+        "--no-webui",
+    ]
     if draft is not None:
         command += ["-md", str(draft), "--spec-type", spec_type or "draft-simple"]
     if n_max is not None:
@@ -93,8 +124,16 @@ def llama_server_command(target: Path, port: int, *, draft: Path | None = None, 
     return command
 
 
-def start_llama_server(target: Path, log_path: Path, *, draft: Path | None = None, spec_type: str | None = None,
-                       n_max: int | None = None, metrics: bool = True, port: int | None = None) -> LocalServer:
+def start_llama_server(
+    target: Path,
+    log_path: Path,
+    *,
+    draft: Path | None = None,
+    spec_type: str | None = None,
+    n_max: int | None = None,
+    metrics: bool = True,
+    port: int | None = None,
+) -> LocalServer:
     """:func:`llama_server_command`, started, on ``port`` or a free one."""
     port = port or free_port()
     command = llama_server_command(target, port, draft=draft, spec_type=spec_type, n_max=n_max, metrics=metrics)
@@ -112,11 +151,21 @@ if __name__ == "__main__":
     parser.add_argument("--log", default="llama-server.log")
     args = parser.parse_args()
     ggufs = demo_ggufs()
-    drafts = {"dflash": (ggufs["dflash"], "draft-dflash"), "autoregressive": (ggufs["q4_1"], "draft-simple"), "none": (None, None)}
+    drafts = {
+        "dflash": (ggufs["dflash"], "draft-dflash"),
+        "autoregressive": (ggufs["q4_1"], "draft-simple"),
+        "none": (None, None),
+    }
     draft_path, kind = drafts[args.draft]
     target_path = ggufs["f32"] if args.draft == "autoregressive" else ggufs[args.target]
-    running = start_llama_server(target_path, Path(args.log), draft=draft_path, spec_type=kind,
-                                 n_max=args.n_max if draft_path else None, port=args.port)
+    running = start_llama_server(
+        target_path,
+        Path(args.log),
+        draft=draft_path,
+        spec_type=kind,
+        n_max=args.n_max if draft_path else None,
+        port=args.port,
+    )
     print(f"serving {SERVED_NAME} at {running.url} (pid {running.process.pid}); Ctrl-C stops it", flush=True)
     try:
         running.process.wait()

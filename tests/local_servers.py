@@ -38,7 +38,9 @@ class QuietHandler(BaseHTTPRequestHandler):
     def log_message(self, *args) -> None:
         pass
 
-    def reply(self, status: int, body: bytes = b"", content_type: str | None = None, headers: dict[str, str] | None = None) -> None:
+    def reply(
+        self, status: int, body: bytes = b"", content_type: str | None = None, headers: dict[str, str] | None = None
+    ) -> None:
         """Answer ``status`` with ``body`` (its length always sent, so a client never waits for more)."""
         self.send_response(status)
         if content_type is not None:
@@ -117,8 +119,15 @@ class LocalServer:
         self.process.wait(timeout=30)
 
 
-def start_local_server(name: str, command: list[str], url: str, ready_path: str, log_path: Path, timeout_s: float,
-                        env: dict[str, str] | None = None) -> LocalServer:
+def start_local_server(
+    name: str,
+    command: list[str],
+    url: str,
+    ready_path: str,
+    log_path: Path,
+    timeout_s: float,
+    env: dict[str, str] | None = None,
+) -> LocalServer:
     """Launch ``command`` in a new session (so it can be stopped by its group alone), logging to ``log_path``,
     and wait until ``url + ready_path`` answers; a server that exits or never answers is stopped and its log
     tail raised."""

@@ -55,14 +55,18 @@ def reference_rows(layer: ReferenceLayer, target, ids, positions, states, zero_f
     x = layer.proj(torch.cat([layer.enorm(embeds), layer.hnorm(states)], dim=-1))
     size = ids.shape[1]
     mask = torch.full((size, size), torch.finfo(x.dtype).min).triu(1)[None, None]
-    out = layer.block(x, attention_mask=mask, position_ids=positions, position_embeddings=target.model.rotary_emb(x, positions))
+    out = layer.block(
+        x, attention_mask=mask, position_ids=positions, position_embeddings=target.model.rotary_emb(x, positions)
+    )
     return out, layer.onorm(out)
 
 
 def target_states(target, tokens: list[int]) -> dict[str, torch.Tensor]:
     """The target's final state on both sides of its norm, for every position of ``tokens``."""
     captured = {}
-    hook = target.model.layers[-1].register_forward_hook(lambda m, a, out: captured.update(pre=out[0] if isinstance(out, tuple) else out))
+    hook = target.model.layers[-1].register_forward_hook(
+        lambda m, a, out: captured.update(pre=out[0] if isinstance(out, tuple) else out)
+    )
     with torch.no_grad():
         post = target(torch.tensor([tokens]), output_hidden_states=True).hidden_states[-1][0]
     hook.remove()
@@ -70,7 +74,9 @@ def target_states(target, tokens: list[int]) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def reference_drafts(layers, target, committed: list[int], k: int, zero_first: bool, hidden="post-norm", carried="post-norm"):
+def reference_drafts(
+    layers, target, committed: list[int], k: int, zero_first: bool, hidden="post-norm", carried="post-norm"
+):
     """vLLM's rule, slowly: slot 1 from the committed rows (ids shifted left, the target's states); slot j > 1
     from the previous draft, one position on, the carried state; step s runs layer s % n over its
     committed rows and this step's earlier rows of the same layer."""
@@ -98,7 +104,9 @@ def reference_steps(layers, target, prompt, truth, k, zero_first, **sides):
     steps, i = [], 0
     while i + 1 < MAX_NEW and i + 1 < len(truth):
         budget = min(k, MAX_NEW - (i + 1) - 1)
-        drafts = reference_drafts(layers, target, prompt + truth[: i + 1], budget, zero_first, **sides) if budget else []
+        drafts = (
+            reference_drafts(layers, target, prompt + truth[: i + 1], budget, zero_first, **sides) if budget else []
+        )
         accepted = 0
         while accepted < len(drafts) and i + 1 + accepted < len(truth) and drafts[accepted] == truth[i + 1 + accepted]:
             accepted += 1
@@ -114,8 +122,12 @@ def _fit(layer: ReferenceLayer, target, zero_first: bool, steps: int = 120) -> N
     """Fit the layer to guess the target's greedy token two ahead from the post-norm state (its slot 1) on
     the test prompts' greedy continuations: a random tiny target is no language a small head could learn,
     but the head can learn these texts, which is all the tests need to see drafts accepted."""
-    sequences = [target.generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None,
-                                 pad_token_id=0) for prompt in PROMPTS]
+    sequences = [
+        target.generate(
+            torch.tensor([prompt]), max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+        for prompt in PROMPTS
+    ]
     with torch.no_grad():
         passes = [target(ids, output_hidden_states=True) for ids in sequences]
     optimiser = torch.optim.Adam(layer.parameters(), lr=1e-2)
@@ -166,16 +178,31 @@ def write_mtp_target(family: str, folder: Path, n_predict: int = 1):
     hidden_count = target.config.num_hidden_layers
     for i, layer in enumerate(layers):
         if family == "qwen3_5":
-            tensors.update({"mtp.fc.weight": layer.proj.weight, "mtp.pre_fc_norm_embedding.weight": layer.enorm.weight,
-                            "mtp.pre_fc_norm_hidden.weight": layer.hnorm.weight, "mtp.norm.weight": layer.onorm.weight})
+            tensors.update(
+                {
+                    "mtp.fc.weight": layer.proj.weight,
+                    "mtp.pre_fc_norm_embedding.weight": layer.enorm.weight,
+                    "mtp.pre_fc_norm_hidden.weight": layer.hnorm.weight,
+                    "mtp.norm.weight": layer.onorm.weight,
+                }
+            )
             prefix = f"mtp.layers.{i}."
         else:
             prefix = f"model.layers.{hidden_count + i}."
-            tensors.update({prefix + "eh_proj.weight": layer.proj.weight, prefix + "enorm.weight": layer.enorm.weight,
-                            prefix + "hnorm.weight": layer.hnorm.weight, prefix + "shared_head.norm.weight": layer.onorm.weight})
+            tensors.update(
+                {
+                    prefix + "eh_proj.weight": layer.proj.weight,
+                    prefix + "enorm.weight": layer.enorm.weight,
+                    prefix + "hnorm.weight": layer.hnorm.weight,
+                    prefix + "shared_head.norm.weight": layer.onorm.weight,
+                }
+            )
         tensors.update({prefix + name: t for name, t in _checkpoint_block(layer.block).items()})
-    save_file({name: t.detach().clone().contiguous() for name, t in tensors.items()}, folder / "model.safetensors",
-              metadata={"format": "pt"})
+    save_file(
+        {name: t.detach().clone().contiguous() for name, t in tensors.items()},
+        folder / "model.safetensors",
+        metadata={"format": "pt"},
+    )
     config = json.loads((folder / "config.json").read_text())
     config.pop("num_mtp_layers", None)
     config["mtp_num_hidden_layers" if family == "qwen3_5" else "num_nextn_predict_layers"] = n_predict

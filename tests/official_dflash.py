@@ -18,13 +18,17 @@ import torch
 
 # installed by scripts/setup-dev.sh (pip install --no-deps dflash==0.1.0), not by `pip install -e ".[test]"`: a test
 # module that imports this one is skipped, with this reason, where it is missing (the light lane of CONTRIBUTING.md)
-official = pytest.importorskip("dflash.model", reason="the official dflash 0.1.0 oracle is installed by scripts/setup-dev.sh")
+official = pytest.importorskip(
+    "dflash.model", reason="the official dflash 0.1.0 oracle is installed by scripts/setup-dev.sh"
+)
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "full": {},
     "sliding": {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 4},
     "causal": {"is_causal": True},
-    "scaled": {"dflash_config": {"input_embedding_scale": 0.9, "output_multiplier": 1.1, "final_logit_softcapping": 3.0}},
+    "scaled": {
+        "dflash_config": {"input_embedding_scale": 0.9, "output_multiplier": 1.1, "final_logit_softcapping": 3.0}
+    },
     "dflash2": {
         "architecture": "DFlash2DraftModel",
         "dflash_config": {"conv_kernel_size": 3, "conv_group_size": 8, "selector_rank": 6, "selector_top_k": 4},
@@ -40,16 +44,30 @@ def official_config(target, variant: str, *, block_size: int = 6, layer_ids=(0, 
     tc = target.config
     layer_types = spec.get("layer_types", ["full_attention", "full_attention"])
     cfg = Qwen3Config(
-        vocab_size=tc.vocab_size, hidden_size=tc.hidden_size, intermediate_size=2 * tc.hidden_size,
-        num_hidden_layers=len(layer_types), num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-        rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=512, attention_bias=False,
-        tie_word_embeddings=False, use_sliding_window="sliding_window" in spec, sliding_window=spec.get("sliding_window"),
+        vocab_size=tc.vocab_size,
+        hidden_size=tc.hidden_size,
+        intermediate_size=2 * tc.hidden_size,
+        num_hidden_layers=len(layer_types),
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        max_position_embeddings=512,
+        attention_bias=False,
+        tie_word_embeddings=False,
+        use_sliding_window="sliding_window" in spec,
+        sliding_window=spec.get("sliding_window"),
         layer_types=layer_types,
     )
     cfg.architectures = [spec.get("architecture", "DFlashDraftModel")]
     cfg.block_size = block_size
     cfg.num_target_layers = tc.num_hidden_layers
-    cfg.dflash_config = {"mask_token_id": mask_token_id, "target_layer_ids": list(layer_ids), **spec.get("dflash_config", {})}
+    cfg.dflash_config = {
+        "mask_token_id": mask_token_id,
+        "target_layer_ids": list(layer_ids),
+        **spec.get("dflash_config", {}),
+    }
     if "is_causal" in spec:
         cfg.is_causal = spec["is_causal"]
     cfg._attn_implementation = "sdpa"
@@ -86,19 +104,33 @@ def save_official(model, out_dir: Path) -> Path:
     return out_dir
 
 
-def official_generate(model, target, prompt: list[int], *, max_new_tokens: int, stop_ids: list[int] | None,
-                      block_size: int | None = None, temperature: float = 0.0):
+def official_generate(
+    model,
+    target,
+    prompt: list[int],
+    *,
+    max_new_tokens: int,
+    stop_ids: list[int] | None,
+    block_size: int | None = None,
+    temperature: float = 0.0,
+):
     """Official ``dflash_generate`` with stats: (output token ids after the prompt, per-step acceptance lengths)."""
     real_timer = official._cuda_time
     official._cuda_time = time.perf_counter  # its timer synchronises CUDA; on CPU a plain clock
     try:
         stats = official.dflash_generate(
-            model, target, torch.tensor([prompt]), max_new_tokens, stop_ids, temperature=temperature,
-            block_size=block_size, return_stats=True,
+            model,
+            target,
+            torch.tensor([prompt]),
+            max_new_tokens,
+            stop_ids,
+            temperature=temperature,
+            block_size=block_size,
+            return_stats=True,
         )
     finally:
         official._cuda_time = real_timer
-    return stats.output_ids[0, len(prompt):].tolist(), list(stats.acceptance_lengths)
+    return stats.output_ids[0, len(prompt) :].tolist(), list(stats.acceptance_lengths)
 
 
 #: Variants of a real z-lab draft (the shipped demo draft) that exercise each new code path.
@@ -120,8 +152,12 @@ def real_variant(draft_dir: Path, variant: str, out_dir: Path, seed: int = 0) ->
     raw = json.loads((draft_dir / "config.json").read_text(encoding="utf-8"))
     raw.pop("dflash_doctor", None)
     if variant == "sliding":
-        raw.update(layer_types=["sliding_attention"] + raw["layer_types"][1:], sliding_window=64, use_sliding_window=True,
-                   max_window_layers=0)
+        raw.update(
+            layer_types=["sliding_attention"] + raw["layer_types"][1:],
+            sliding_window=64,
+            use_sliding_window=True,
+            max_window_layers=0,
+        )
     elif variant == "scaled":
         raw["dflash_config"].update(input_embedding_scale=0.9, output_multiplier=1.1, final_logit_softcapping=30.0)
     elif variant == "causal":
@@ -130,7 +166,11 @@ def real_variant(draft_dir: Path, variant: str, out_dir: Path, seed: int = 0) ->
         raw["architectures"] = ["DFlash2DraftModel"]
         raw["dflash_config"].update(conv_kernel_size=3, conv_group_size=64, selector_rank=16, selector_top_k=8)
     cfg = Qwen3Config(**{k: v for k, v in raw.items() if k not in ("dflash_config", "block_size", "num_target_layers")})
-    cfg.dflash_config, cfg.block_size, cfg.num_target_layers = raw["dflash_config"], raw["block_size"], raw["num_target_layers"]
+    cfg.dflash_config, cfg.block_size, cfg.num_target_layers = (
+        raw["dflash_config"],
+        raw["block_size"],
+        raw["num_target_layers"],
+    )
     cfg.architectures = raw["architectures"]
     cfg._attn_implementation = "sdpa"
     cls = official.DFlash2DraftModel if variant == "dflash2" else official.DFlashDraftModel

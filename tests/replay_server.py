@@ -30,7 +30,11 @@ class ReplayServer(ThreadedServer):
         class Handler(QuietHandler):
             def _refused(self) -> bool:
                 owner.authorizations.append(self.headers.get("Authorization"))
-                if owner.api_key is None or not self.path.startswith("/v1") or self.headers.get("Authorization") == f"Bearer {owner.api_key}":
+                if (
+                    owner.api_key is None
+                    or not self.path.startswith("/v1")
+                    or self.headers.get("Authorization") == f"Bearer {owner.api_key}"
+                ):
                     return False
                 self.reply_json({"error": "Unauthorized"}, 401)
                 return True
@@ -65,11 +69,15 @@ class ReplayServer(ThreadedServer):
         spec = CAPTURED["metrics"]["speculative_decoding"]
         n = len(self.bodies)
         labels = f'engine="0",model_name="{MODEL}"'
-        lines = [f"vllm:spec_decode_num_drafts_total{{{labels}}} {n * spec['num_spec_steps']}.0",
-                 f"vllm:spec_decode_num_drafts_created{{{labels}}} 1.7e9",
-                 f"vllm:spec_decode_num_draft_tokens_total{{{labels}}} {n * spec['num_draft_tokens']}.0",
-                 f"vllm:spec_decode_num_accepted_tokens_total{{{labels}}} {n * spec['num_accepted_draft_tokens']}.0"]
+        lines = [
+            f"vllm:spec_decode_num_drafts_total{{{labels}}} {n * spec['num_spec_steps']}.0",
+            f"vllm:spec_decode_num_drafts_created{{{labels}}} 1.7e9",
+            f"vllm:spec_decode_num_draft_tokens_total{{{labels}}} {n * spec['num_draft_tokens']}.0",
+            f"vllm:spec_decode_num_accepted_tokens_total{{{labels}}} {n * spec['num_accepted_draft_tokens']}.0",
+        ]
         for position in range(spec["num_spec_tokens"]):
             reached = sum(a > position for a in spec["per_step_accepted"])
-            lines.append(f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{labels},position="{position}"}} {n * reached}.0')
+            lines.append(
+                f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{labels},position="{position}"}} {n * reached}.0'
+            )
         return "# TYPE vllm:spec_decode_num_drafts_total counter\n" + "\n".join(lines) + "\n"

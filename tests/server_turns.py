@@ -22,9 +22,25 @@ class LocalStops:
 def engine_turn(request_id, prompt, result, k) -> ServerTurn:
     """The live loop's ``result`` for ``prompt`` as a server at ``k`` reports it (vLLM's per-step arrays)."""
     accepted = [s.num_accepted for s in result.steps]
-    measurement = SpecMeasurement("vllm", k, len(accepted), sum(s.num_drafted for s in result.steps), sum(accepted),
-                                  per_step_accepted=tuple(accepted), per_step_drafted=tuple(s.num_drafted for s in result.steps))
-    return ServerTurn(request=Request(id=request_id, prompt="x"), turn=0, output_text="", output_token_ids=result.output_ids,
-                      prompt_token_ids=prompt, prompt_num_tokens=len(prompt), num_output_tokens=len(result.output_ids),
-                      stop_reason=result.stop_reason, measurement=measurement, wall_time_s=0.0,
-                      steps=step_rows(measurement, result.output_ids))
+    measurement = SpecMeasurement(
+        "vllm",
+        k,
+        len(accepted),
+        sum(s.num_drafted for s in result.steps),
+        sum(accepted),
+        per_step_accepted=tuple(accepted),
+        per_step_drafted=tuple(s.num_drafted for s in result.steps),
+    )
+    return ServerTurn(
+        request=Request(id=request_id, prompt="x"),
+        turn=0,
+        output_text="",
+        output_token_ids=result.output_ids,
+        prompt_token_ids=prompt,
+        prompt_num_tokens=len(prompt),
+        num_output_tokens=len(result.output_ids),
+        stop_reason=result.stop_reason,
+        measurement=measurement,
+        wall_time_s=0.0,
+        steps=step_rows(measurement, result.output_ids),
+    )

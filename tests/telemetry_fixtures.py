@@ -67,15 +67,20 @@ class PrometheusServer:
             encoding="utf-8",
         )
         self.command = [
-            self.binary or "prometheus", f"--config.file={config}", f"--storage.tsdb.path={workdir / 'tsdb'}",
-            f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn",
+            self.binary or "prometheus",
+            f"--config.file={config}",
+            f"--storage.tsdb.path={workdir / 'tsdb'}",
+            f"--web.listen-address=127.0.0.1:{self.port}",
+            "--log.level=warn",
         ]
         self.log = workdir / "prometheus.log"
         self.server: LocalServer | None = None
 
     def __enter__(self) -> "PrometheusServer":
         if self.binary is None:
-            raise RuntimeError("the prometheus binary is not on PATH; install Debian's package: apt-get install prometheus (.ci/run does)")
+            raise RuntimeError(
+                "the prometheus binary is not on PATH; install Debian's package: apt-get install prometheus (.ci/run does)"
+            )
         self.server = start_local_server("prometheus", self.command, self.url, "/-/ready", self.log, timeout_s=60)
         return self
 
@@ -114,7 +119,7 @@ class AuthGateway(ThreadedServer):
                     gateway.refused += 1
                     self.reply(401)
                     return
-                with urllib.request.urlopen(upstream + self.path[len(prefix):], timeout=10) as response:
+                with urllib.request.urlopen(upstream + self.path[len(prefix) :], timeout=10) as response:
                     self.reply(200, response.read(), "application/json")
 
         super().__init__(Handler)
@@ -128,8 +133,13 @@ def unit_counts(drafts: float, rates: Sequence[float], generated: float | None =
     """Counts of ``drafts`` drafts of ``len(rates)`` tokens, slot i accepted at ``rates[i]`` (whole tokens, as
     an engine counts them)."""
     per_pos = tuple(float(round(r * drafts)) for r in rates)
-    return SpecCounts(num_drafts=float(drafts), num_draft_tokens=float(drafts * len(rates)), num_accepted_tokens=float(sum(per_pos)),
-                      num_accepted_tokens_per_pos=per_pos, num_generated_tokens=generated if generated is not None else drafts + sum(per_pos))
+    return SpecCounts(
+        num_drafts=float(drafts),
+        num_draft_tokens=float(drafts * len(rates)),
+        num_accepted_tokens=float(sum(per_pos)),
+        num_accepted_tokens_per_pos=per_pos,
+        num_generated_tokens=generated if generated is not None else drafts + sum(per_pos),
+    )
 
 
 class SyntheticCounters:
@@ -158,21 +168,41 @@ def directory_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def write_watch(run_dir: Path, rates: list[float], *, baseline_tau: float | None = None, classes=("code", "chat"), num_units: int = 8,
-                model: str = "m", notes: tuple[str, ...] = ()) -> Path:
+def write_watch(
+    run_dir: Path,
+    rates: list[float],
+    *,
+    baseline_tau: float | None = None,
+    classes=("code", "chat"),
+    num_units: int = 8,
+    model: str = "m",
+    notes: tuple[str, ...] = (),
+) -> Path:
     """A finished watch of ``num_units`` scrape intervals per class, one window per interval (live-watch shape),
     replacing a watch already in ``run_dir`` (``--overwrite``)."""
     thresholds = Thresholds(min_drafts=10)
     judge = Judge(Baseline.fixed({"overall": baseline_tau}) if baseline_tau else None, thresholds, server_kind="vllm")
-    record = WatchRecord(run_dir, {"config": "test"}, {"sources": ["http://x/metrics"], "window_s": 60.0, "interval_s": 60.0,
-                                                       "baseline": "fixed", "thresholds": dataclasses.asdict(thresholds)}, overwrite=True)
+    record = WatchRecord(
+        run_dir,
+        {"config": "test"},
+        {
+            "sources": ["http://x/metrics"],
+            "window_s": 60.0,
+            "interval_s": 60.0,
+            "baseline": "fixed",
+            "thresholds": dataclasses.asdict(thresholds),
+        },
+        overwrite=True,
+    )
     for i in range(num_units):
         verdicts, units = [], []
         for cls in classes:
             counts = unit_counts(200 + 10 * i, rates)
             key = SeriesKey(model, cls)
             units.append(Unit(key, 1_700_000_000.0 + 60 * i, counts, {}, "http://x/metrics"))
-            verdicts.append(judge.judge(Window(key, 1_700_000_000.0 + 60 * (i - 1), 1_700_000_000.0 + 60 * i, counts, [counts])))
+            verdicts.append(
+                judge.judge(Window(key, 1_700_000_000.0 + 60 * (i - 1), 1_700_000_000.0 + 60 * i, counts, [counts]))
+            )
         record.update(verdicts, units, [], list(notes) if i == 0 else [])
     record.close()  # a finished watch: its journal consolidated into the Parquet files
     return run_dir

@@ -24,16 +24,33 @@ def _burn(stop_at: float) -> None:
 
 
 def _check(tiny_dir, out) -> dict:
-    result = invoke("check", *pair_args(tiny_dir, tiny_dir / "dflash", "--k", "1-5", "--max-requests", "6",
-                                        "--timing-budget", "4", "--out", out, "--only", "timing"))
+    result = invoke(
+        "check",
+        *pair_args(
+            tiny_dir,
+            tiny_dir / "dflash",
+            "--k",
+            "1-5",
+            "--max-requests",
+            "6",
+            "--timing-budget",
+            "4",
+            "--out",
+            out,
+            "--only",
+            "timing",
+        ),
+    )
     assert result.exit_code in (0, 1), result.output
     return json.loads((out / "run.json").read_text())
 
 
 def test_a_busy_machine_never_turns_confident_advice_into_its_opposite(tiny_dir, tmp_path):
     quiet = _check(tiny_dir, tmp_path / "quiet")
-    burners = [multiprocessing.get_context("spawn").Process(target=_burn, args=(time.monotonic() + 120,), daemon=True)
-               for _ in range(os.cpu_count() or 2)]
+    burners = [
+        multiprocessing.get_context("spawn").Process(target=_burn, args=(time.monotonic() + 120,), daemon=True)
+        for _ in range(os.cpu_count() or 2)
+    ]
     for burner in burners:
         burner.start()
     try:
@@ -56,4 +73,6 @@ def test_a_busy_machine_never_turns_confident_advice_into_its_opposite(tiny_dir,
         repeats = samples.groupby(["kind", "k"]).size()
         assert repeats.min() >= 6
         assert run["summary"]["sweep"]["costs"]["spread"]["repeats"]["decode"] == int(repeats.loc[("decode", 0)])
-        assert all(row["speedup_ci"][0] <= row["speedup"] <= row["speedup_ci"][1] for row in run["summary"]["sweep"]["overall"])
+        assert all(
+            row["speedup_ci"][0] <= row["speedup"] <= row["speedup_ci"][1] for row in run["summary"]["sweep"]["overall"]
+        )

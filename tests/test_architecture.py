@@ -57,10 +57,14 @@ LAZY_IMPORTS: dict[tuple[str, str], str] = {}
 REGISTRY_MODULE = "dflash_doctor.models.draft_kinds"
 # (module, the comparison as ast.unparse writes it) -> why it stands. Keep this short; remove an entry when it goes.
 KIND_BRANCHES_STANDING: dict[tuple[str, str], str] = {
-    ("dflash_doctor.tune.experiment", "draft_kind == 'autoregressive'"):
-        "the engine setting's method per kind; tune/ is being reworked, then it reads the registry",
-    ("dflash_doctor.checks.draft_facts", "ctx.draft_kind in ('dflash', 'autoregressive')"):
-        "a check context from before a pair was loaded names the kind or leaves it to the config's shape",
+    (
+        "dflash_doctor.tune.experiment",
+        "draft_kind == 'autoregressive'",
+    ): "the engine setting's method per kind; tune/ is being reworked, then it reads the registry",
+    (
+        "dflash_doctor.checks.draft_facts",
+        "ctx.draft_kind in ('dflash', 'autoregressive')",
+    ): "a check context from before a pair was loaded names the kind or leaves it to the config's shape",
     ("dflash_doctor.checks.draft_facts", "ctx.draft_kind == 'dflash'"): "the same: the DFlash checks' scope",
     ("dflash_doctor.checks.mtp_config", "draft.kind != 'mtp'"): "the mtp-config check judges MTP heads only",
 }
@@ -99,7 +103,9 @@ class Edge:
 
 def _type_checking_block(node: ast.If) -> bool:
     test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def _module_level_nodes(tree: ast.Module) -> set[int]:
@@ -134,7 +140,9 @@ def _edges(modules: dict[str, Path]) -> list[Edge]:
                     anchor = anchor[: len(anchor) - (node.level - 1)]
                     base = ".".join([*anchor, base] if base else anchor)
                 # `from package import module` imports the module; `from module import name` the module
-                targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names]
+                targets = [
+                    f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names
+                ]
             for target in targets:
                 if target.split(".")[0] == PACKAGE and target in modules and target != name:
                     edges.append(Edge(name, target, node.lineno, id(node) not in module_level))
@@ -143,8 +151,12 @@ def _edges(modules: dict[str, Path]) -> list[Edge]:
 
 def _layer(module: str) -> int:
     best = max(
-        ((index, prefix) for index, (_, prefixes) in enumerate(LAYERS) for prefix in prefixes
-         if module == prefix or module.startswith(prefix + ".")),
+        (
+            (index, prefix)
+            for index, (_, prefixes) in enumerate(LAYERS)
+            for prefix in prefixes
+            if module == prefix or module.startswith(prefix + ".")
+        ),
         key=lambda item: len(item[1]),
     )
     return best[0]
@@ -196,7 +208,9 @@ def _cycles(nodes: list[str], edges: list[Edge]) -> list[list[str]]:
 
 def test_every_module_has_a_layer(graph):
     modules, _ = graph
-    assert "dflash_doctor.rundir.run_record" in modules and "dflash_doctor.engine.schedule" in modules  # the walk finds the rooms
+    assert (
+        "dflash_doctor.rundir.run_record" in modules and "dflash_doctor.engine.schedule" in modules
+    )  # the walk finds the rooms
     for module in modules:
         _layer(module)  # raises on a module no prefix covers
 
@@ -208,8 +222,11 @@ def test_no_import_circle(graph):
 
 def test_rooms_import_downwards_only(graph):
     _, edges = graph
-    upward = [f"{e.source}:{e.line} imports {e.target} ({LAYERS[_layer(e.source)][0]} -> {LAYERS[_layer(e.target)][0]})"
-              for e in edges if _layer(e.target) > _layer(e.source)]
+    upward = [
+        f"{e.source}:{e.line} imports {e.target} ({LAYERS[_layer(e.source)][0]} -> {LAYERS[_layer(e.target)][0]})"
+        for e in edges
+        if _layer(e.target) > _layer(e.source)
+    ]
     assert upward == []
 
 
@@ -220,20 +237,33 @@ LAZY_IMPORTERS = ("dflash_doctor.cli.",)
 
 def test_no_function_local_import_of_our_own_modules(graph):
     _, edges = graph
-    local = [f"{e.source}:{e.line} imports {e.target} inside a function" for e in edges
-             if e.local and (e.source, e.target) not in LAZY_IMPORTS and not e.source.startswith(LAZY_IMPORTERS)]
+    local = [
+        f"{e.source}:{e.line} imports {e.target} inside a function"
+        for e in edges
+        if e.local and (e.source, e.target) not in LAZY_IMPORTS and not e.source.startswith(LAZY_IMPORTERS)
+    ]
     assert local == []
 
 
 def test_the_checker_sees_a_circle_an_upward_import_and_a_local_import(tmp_path):
     """The rules above would pass on an empty graph too: show they catch each kind of offence."""
-    edges = [Edge("dflash_doctor.stats.metrics", "dflash_doctor.stats.gate", 1, False),
-             Edge("dflash_doctor.stats.gate", "dflash_doctor.stats.metrics", 1, False)]
-    assert _cycles(["dflash_doctor.stats.metrics", "dflash_doctor.stats.gate"], edges) == [["dflash_doctor.stats.gate", "dflash_doctor.stats.metrics"]]
-    assert _layer("dflash_doctor.rundir.load") > _layer("dflash_doctor.stats.metrics") > _layer("dflash_doctor.rundir.run_record")
+    edges = [
+        Edge("dflash_doctor.stats.metrics", "dflash_doctor.stats.gate", 1, False),
+        Edge("dflash_doctor.stats.gate", "dflash_doctor.stats.metrics", 1, False),
+    ]
+    assert _cycles(["dflash_doctor.stats.metrics", "dflash_doctor.stats.gate"], edges) == [
+        ["dflash_doctor.stats.gate", "dflash_doctor.stats.metrics"]
+    ]
+    assert (
+        _layer("dflash_doctor.rundir.load")
+        > _layer("dflash_doctor.stats.metrics")
+        > _layer("dflash_doctor.rundir.run_record")
+    )
     assert _layer("dflash_doctor.pipeline") > _layer("dflash_doctor.checks.base") > _layer("dflash_doctor.models.pair")
     source = tmp_path / "mod.py"
-    source.write_text("import os\nfrom dflash_doctor import errors\n\ndef f():\n    from dflash_doctor.stats import metrics\n")
+    source.write_text(
+        "import os\nfrom dflash_doctor import errors\n\ndef f():\n    from dflash_doctor.stats import metrics\n"
+    )
     nodes = _module_level_nodes(ast.parse(source.read_text()))
     assert len(nodes) == 2  # the function's import is not module level
 
@@ -254,8 +284,13 @@ def _kind_branches(source: str, names: set[str]) -> list[tuple[int, str]]:
             continue
         sides = [node.left, *node.comparators]
         literals = [s for s in sides if isinstance(s, ast.Constant)]
-        literals += [e for s in sides if isinstance(s, (ast.Tuple, ast.List, ast.Set)) for e in s.elts
-                     if isinstance(e, ast.Constant)]
+        literals += [
+            e
+            for s in sides
+            if isinstance(s, (ast.Tuple, ast.List, ast.Set))
+            for e in s.elts
+            if isinstance(e, ast.Constant)
+        ]
         variables = [s for s in sides if not isinstance(s, (ast.Constant, ast.Tuple, ast.List, ast.Set))]
         if any(c.value in names for c in literals) and any("kind" in ast.unparse(v).lower() for v in variables):
             found.append((node.lineno, ast.unparse(node)))
@@ -272,20 +307,29 @@ def kind_names() -> set[str]:
 def test_no_branch_on_a_kind_name_outside_the_registry(graph, kind_names):
     modules, _ = graph
     assert {"dflash", "eagle3"} <= kind_names
-    branches = {(name, text): line for name, path in modules.items() if name != REGISTRY_MODULE
-                for line, text in _kind_branches(path.read_text(encoding="utf-8"), kind_names)}
-    offending = [f"{name}:{line}: {text} (declare the difference in the kind's registry entry)"
-                 for (name, text), line in branches.items() if (name, text) not in KIND_BRANCHES_STANDING]
+    branches = {
+        (name, text): line
+        for name, path in modules.items()
+        if name != REGISTRY_MODULE
+        for line, text in _kind_branches(path.read_text(encoding="utf-8"), kind_names)
+    }
+    offending = [
+        f"{name}:{line}: {text} (declare the difference in the kind's registry entry)"
+        for (name, text), line in branches.items()
+        if (name, text) not in KIND_BRANCHES_STANDING
+    ]
     assert offending == []
     assert sorted(set(KIND_BRANCHES_STANDING) - set(branches)) == []  # an entry whose branch went is removed
 
 
 def test_the_registry_rule_sees_a_branch_on_a_kind_name(kind_names):
     """The rule above would pass on a tree with no kind names; show it catches each form of the branch."""
-    source = ("def f(draft_kind, kind, ctx, config):\n"
-              "    if draft_kind == 'eagle3': pass\n"
-              "    if 'dflash' != kind.name: pass\n"
-              "    if ctx.draft_kind in ('ngram', 'suffix'): pass\n"
-              "    if config.get('model_type') == 'eagle3': pass\n"  # a config value, not a kind variable
-              "    if draft_kind == 'auto': pass\n")  # not a kind: the detection order
+    source = (
+        "def f(draft_kind, kind, ctx, config):\n"
+        "    if draft_kind == 'eagle3': pass\n"
+        "    if 'dflash' != kind.name: pass\n"
+        "    if ctx.draft_kind in ('ngram', 'suffix'): pass\n"
+        "    if config.get('model_type') == 'eagle3': pass\n"  # a config value, not a kind variable
+        "    if draft_kind == 'auto': pass\n"
+    )  # not a kind: the detection order
     assert [line for line, _ in _kind_branches(source, kind_names)] == [2, 3, 4]

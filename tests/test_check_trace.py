@@ -103,14 +103,22 @@ def test_check_prices_the_k_values_asked_for(tiny_dir, tmp_path):
     priced = {}
     for asked in ("2,4", "3"):
         out = tmp_path / asked.replace(",", "-")
-        result = CliRunner().invoke(app, ["check", *map(str, pair_args(tiny_dir, tiny_dir / "dflash", "--k", asked, "--out", out))])
+        result = CliRunner().invoke(
+            app, ["check", *map(str, pair_args(tiny_dir, tiny_dir / "dflash", "--k", asked, "--out", out))]
+        )
         assert result.exit_code in (0, 1), result.output
         run = json.loads((out / "run.json").read_text())
         assert run["served_k"] == max(int(k) for k in asked.split(","))
         priced[asked] = [row["k"] for row in run["summary"]["sweep"]["overall"]]
         for per_scope in run["recommendation"].values():
-            assert per_scope["k"] in (0, *priced[asked]) and f"K={max(priced[asked]) + 1}" not in per_scope["reason"], per_scope
+            assert per_scope["k"] in (0, *priced[asked]) and f"K={max(priced[asked]) + 1}" not in per_scope["reason"], (
+                per_scope
+            )
     assert priced["2,4"] == [2, 4]
     assert priced["3"][0] == 1 and priced["3"] == list(range(1, priced["3"][-1] + 1)) and priced["3"][-1] >= 3
     assert pipeline.check_sweep_ks((), 6) == (1, 2, 3, 4, 5, 6) and pipeline.check_sweep_ks((9,), 6)[-1] == 9
-    assert pipeline.k_text([2, 4, 8]) == "2, 4, 8" and pipeline.k_text(range(1, 16)) == "1-15" and pipeline.k_text([3, 4]) == "3, 4"
+    assert (
+        pipeline.k_text([2, 4, 8]) == "2, 4, 8"
+        and pipeline.k_text(range(1, 16)) == "1-15"
+        and pipeline.k_text([3, 4]) == "3, 4"
+    )

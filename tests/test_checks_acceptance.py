@@ -7,8 +7,13 @@ from checks_fixtures import metrics, record
 
 
 def _metrics(tau, conditional=(0.9, 0.8, 0.7), rate=0.6, drafts=200):
-    return metrics(num_drafts=drafts, mean_acceptance_length=tau, mean_acceptance_length_ci=[tau - 0.1, tau + 0.1],
-                   conditional_acceptance_rate_per_pos=list(conditional), draft_acceptance_rate=rate)
+    return metrics(
+        num_drafts=drafts,
+        mean_acceptance_length=tau,
+        mean_acceptance_length_ci=[tau - 0.1, tau + 0.1],
+        conditional_acceptance_rate_per_pos=list(conditional),
+        draft_acceptance_rate=rate,
+    )
 
 
 def _check(overall, by_class=None, params=None):
@@ -23,7 +28,10 @@ def test_acceptance_pass_healthy_run():
 
 
 def test_acceptance_warn_low_tau_class_collapse_and_gap():
-    result = _check(_metrics(3.5), {"math": _metrics(5.0), "code": _metrics(4.8), "chat": _metrics(1.8, conditional=(0.5, 0.2, 0.1))})
+    result = _check(
+        _metrics(3.5),
+        {"math": _metrics(5.0), "code": _metrics(4.8), "chat": _metrics(1.8, conditional=(0.5, 0.2, 0.1))},
+    )
     assert result.status == "warn"
     messages = [f.message for f in result.findings]
     assert "class chat: mean acceptance length 1.80 is below 2.0" in messages
@@ -38,7 +46,9 @@ def test_acceptance_fail_below_hard_threshold_and_params_apply():
 
 
 def test_acceptance_fail_suspiciously_perfect():
-    result = _check(_metrics(16.0, conditional=(1.0,) * 3, rate=1.0), {"math": _metrics(16.0, conditional=(1.0,) * 3, rate=1.0)})
+    result = _check(
+        _metrics(16.0, conditional=(1.0,) * 3, rate=1.0), {"math": _metrics(16.0, conditional=(1.0,) * 3, rate=1.0)}
+    )
     assert result.status == "fail"
     assert "suspiciously perfect" in result.summary
 

@@ -29,13 +29,25 @@ def _run(check_id, ctx, params=None):
 
 
 def _divergence(margin, request_id="r3", position=17, top1_logit=15.0):
-    return Divergence(request_id=request_id, position=position, speculative_token=1234, plain_token=987,
-                      speculative_text=" four", plain_text=" 4", top2_margin=margin, top1_logit=top1_logit)
+    return Divergence(
+        request_id=request_id,
+        position=position,
+        speculative_token=1234,
+        plain_token=987,
+        speculative_text=" four",
+        plain_text=" 4",
+        top2_margin=margin,
+        top1_logit=top1_logit,
+    )
 
 
 def _lossless(dtype="float32", divergences=(), num_requests=8):
-    probe = LosslessProbe(num_requests=num_requests, num_identical=num_requests - len(divergences), dtype=dtype,
-                          divergences=list(divergences))
+    probe = LosslessProbe(
+        num_requests=num_requests,
+        num_identical=num_requests - len(divergences),
+        dtype=dtype,
+        divergences=list(divergences),
+    )
     return CheckContext(record=record(probes=Probes(lossless=probe)))
 
 
@@ -105,8 +117,10 @@ def test_prompt_format_warn_mixed_formats():
 def test_prompt_format_fail_raw_prompts_for_a_templated_draft():
     result = _run("prompt-format", _prompts(12, 0))
     assert result.status == "fail"
-    assert result.summary == ("prompts reach the target without the chat template (raw text) but the draft "
-                              "was trained on templated conversations")
+    assert result.summary == (
+        "prompts reach the target without the chat template (raw text) but the draft "
+        "was trained on templated conversations"
+    )
     assert "apply_chat_template" in result.fix and "12 raw and 0 chat-templated" in result.findings[0].evidence
 
 
@@ -118,10 +132,17 @@ def test_prompt_format_skip_without_counts():
 
 
 def _identity(served_fingerprint, recorded=None, target="HuggingFaceTB/SmolLM2-135M-Instruct"):
-    recorded = {"target": "SmolLM2-135M-Instruct", "target_weights_fingerprint": "b71fcebb64460445"} if recorded is None else recorded
+    recorded = (
+        {"target": "SmolLM2-135M-Instruct", "target_weights_fingerprint": "b71fcebb64460445"}
+        if recorded is None
+        else recorded
+    )
     probes = Probes(target_weights_fingerprint=served_fingerprint)
-    return CheckContext(draft_config={"model_type": "dflash", "dflash_doctor": recorded}, record=record(probes=probes),
-                        config=DoctorConfig(target=target, draft="drafts/smollm2-dflash"))
+    return CheckContext(
+        draft_config={"model_type": "dflash", "dflash_doctor": recorded},
+        record=record(probes=probes),
+        config=DoctorConfig(target=target, draft="drafts/smollm2-dflash"),
+    )
 
 
 def test_target_identity_pass_same_weights():
@@ -134,8 +155,10 @@ def test_target_identity_fail_changed_weights_names_both_fingerprints_and_the_re
     assert result.status == "fail" and "target changed under the draft" in result.summary
     evidence = result.findings[0].evidence
     assert "b71fcebb64460445" in evidence and "0123456789abcdef" in evidence
-    assert ("dflash-doctor train-draft --init-from drafts/smollm2-dflash --target HuggingFaceTB/SmolLM2-135M-Instruct"
-            in result.fix) and "dflash-doctor compare" in result.fix
+    assert (
+        "dflash-doctor train-draft --init-from drafts/smollm2-dflash --target HuggingFaceTB/SmolLM2-135M-Instruct"
+        in result.fix
+    ) and "dflash-doctor compare" in result.fix
 
 
 def test_target_identity_warn_different_name_when_weights_cannot_be_compared():
@@ -152,8 +175,19 @@ def _served_by_llama_server(model_file: Path) -> CheckContext:
     class LlamaServer(QuietHandler):
         def do_GET(self):  # noqa: N802 (http.server API)
             if self.path == "/v1/models":
-                self.reply_json({"object": "list", "data": [{"id": "smollm2", "object": "model", "owned_by": "llamacpp",
-                                                             "meta": {"n_vocab": 49152, "n_params": 134515008}}]})
+                self.reply_json(
+                    {
+                        "object": "list",
+                        "data": [
+                            {
+                                "id": "smollm2",
+                                "object": "model",
+                                "owned_by": "llamacpp",
+                                "meta": {"n_vocab": 49152, "n_params": 134515008},
+                            }
+                        ],
+                    }
+                )
             elif self.path == "/props":
                 self.reply_json({"model_path": str(model_file), "total_slots": 1, "build_info": "b6000-0000000"})
             else:
@@ -164,7 +198,9 @@ def _served_by_llama_server(model_file: Path) -> CheckContext:
         endpoint = resolve_model(ServerEndpoint.from_url(server.base_url))
         engine_record = start_server_record(config, endpoint, served_model_file(endpoint))
     recorded = {"target": "HuggingFaceTB/SmolLM2-135M-Instruct", "target_weights_fingerprint": "b71fcebb64460445"}
-    return CheckContext(draft_config={"model_type": "dflash", "dflash_doctor": recorded}, record=engine_record, config=config)
+    return CheckContext(
+        draft_config={"model_type": "dflash", "dflash_doctor": recorded}, record=engine_record, config=config
+    )
 
 
 def test_target_identity_reads_the_gguf_a_llama_server_serves_instead_of_warning_on_its_alias():
@@ -189,10 +225,13 @@ def test_target_identity_still_warns_when_the_served_gguf_holds_another_model(tm
     assert "trained against 'HuggingFaceTB/SmolLM2-135M-Instruct' but 'Qwen3 8B (the GGUF" in result.summary
 
 
-@pytest.mark.parametrize("served, status", [
-    ("/srv/models/SmolLM2-135M-Instruct-Q4_K_M.gguf", "skip"),  # not on this host: its file name
-    ("/srv/models/Qwen3-8B-Q4_K_M.gguf", "warn"),
-])
+@pytest.mark.parametrize(
+    "served, status",
+    [
+        ("/srv/models/SmolLM2-135M-Instruct-Q4_K_M.gguf", "skip"),  # not on this host: its file name
+        ("/srv/models/Qwen3-8B-Q4_K_M.gguf", "warn"),
+    ],
+)
 def test_target_identity_compares_the_file_name_of_a_gguf_not_on_this_host(served, status):
     assert _run("target-identity", _identity(None, target=served)).status == status
 
@@ -221,8 +260,12 @@ CHAT = [1.2, 1.4, 1.5, 1.45, 1.3, 1.1, 0.95, 0.9]
 def _k_ctx(k, by_class_speedups, rates_by_class=None, engine_config=None, recommendation=None):
     rates_by_class = rates_by_class or {name: HEALTHY_RATES for name in by_class_speedups}
     sweep = Sweep(overall=_rows(MATH), by_class={n: _rows(s) for n, s in by_class_speedups.items()}, costs={})
-    run = record(overall=_scope(HEALTHY_RATES), by_class={n: _scope(r) for n, r in rates_by_class.items()}, sweep=sweep,
-                 recommendation=recommendation)
+    run = record(
+        overall=_scope(HEALTHY_RATES),
+        by_class={n: _scope(r) for n, r in rates_by_class.items()},
+        sweep=sweep,
+        recommendation=recommendation,
+    )
     return CheckContext(record=run, config=DoctorConfig(k=(k,)), engine_config=engine_config)
 
 
@@ -237,17 +280,25 @@ def test_speculative_k_warn_configured_k_loses_a_share_of_the_best():
     assert result.status == "warn"
     messages = [f.message for f in result.findings]
     assert "class math: K=3 gives 1.90x, 16% below K=6 at 2.25x" in messages
-    assert result.fix == "serve num_speculative_tokens=6 (vLLM; SGLang --speculative-num-draft-tokens 7; llama.cpp --spec-draft-n-max 6)"
+    assert (
+        result.fix
+        == "serve num_speculative_tokens=6 (vLLM; SGLang --speculative-num-draft-tokens 7; llama.cpp --spec-draft-n-max 6)"
+    )
     math_finding = next(f for f in result.findings if f.message.startswith("class math"))
     assert math_finding.evidence.endswith("; tau 1.90 at K=3 against 2.80 at K=6")  # the acceptance K=3 leaves unused
     math_fix = math_finding.fix
-    assert math_fix == "serve num_speculative_tokens=6 for math (vLLM; SGLang --speculative-num-draft-tokens 7; llama.cpp --spec-draft-n-max 6)"
+    assert (
+        math_fix
+        == "serve num_speculative_tokens=6 for math (vLLM; SGLang --speculative-num-draft-tokens 7; llama.cpp --spec-draft-n-max 6)"
+    )
     assert _run("speculative-k", _k_ctx(3, {"math": MATH}), {"speedup_loss_share": 0.2}).status == "pass"
 
 
 def test_speculative_k_warn_not_raised_for_the_recommended_k():
-    recommendation = {"overall": Recommendation(k=3, conservative_k=3, speedup=1.9, reason="strict"),
-                      "math": Recommendation(k=3, conservative_k=3, speedup=1.9, reason="strict")}
+    recommendation = {
+        "overall": Recommendation(k=3, conservative_k=3, speedup=1.9, reason="strict"),
+        "math": Recommendation(k=3, conservative_k=3, speedup=1.9, reason="strict"),
+    }
     assert _run("speculative-k", _k_ctx(3, {"math": MATH}, recommendation=recommendation)).status == "pass"
 
 
@@ -257,17 +308,24 @@ def test_speculative_k_fail_slower_than_plain_decoding_while_a_smaller_k_pays():
     assert result.metrics["configured_k"] == 8 and result.metrics["k_source"] == "engine config"
     assert result.status == "fail"
     assert "class chat: K=8 is slower than plain decoding (0.90x) while K=3 runs at 1.50x" in result.summary
-    assert result.fix.startswith("serve num_speculative_tokens=") and "for chat" in [
-        f.fix for f in result.findings if f.message.startswith("class chat")][0]
+    assert (
+        result.fix.startswith("serve num_speculative_tokens=")
+        and "for chat" in [f.fix for f in result.findings if f.message.startswith("class chat")][0]
+    )
 
 
 def test_speculative_k_fail_past_the_useful_range():
     rates = [0.9, 0.7, 0.5, 0.3, 0.2, 0.1, 0.05, 0.03, 0.02, 0.015, 0.01, 0.008, 0.006, 0.005, 0.004]
-    ctx = CheckContext(record=record(overall=_scope(rates), by_class={"chat": _scope(rates)}), config=DoctorConfig(k=(15,)))
+    ctx = CheckContext(
+        record=record(overall=_scope(rates), by_class={"chat": _scope(rates)}), config=DoctorConfig(k=(15,))
+    )
     result = _run("speculative-k", ctx)
     assert result.status == "fail"
     assert result.summary.startswith("overall: K=15 is far past the useful range: slot 15 is accepted in 0.4% of steps")
-    assert result.fix == "serve num_speculative_tokens=9 (vLLM; SGLang --speculative-num-draft-tokens 10; llama.cpp --spec-draft-n-max 9)"
+    assert (
+        result.fix
+        == "serve num_speculative_tokens=9 (vLLM; SGLang --speculative-num-draft-tokens 10; llama.cpp --spec-draft-n-max 9)"
+    )
     few_drafts = CheckContext(record=record(overall=_scope(rates, drafts=5)), config=DoctorConfig(k=(15,)))
     assert _run("speculative-k", few_drafts).status == "pass"
 

@@ -9,7 +9,17 @@ from pathlib import Path
 
 import pytest
 
-from dflash_doctor.checks import CheckContext, CheckResult, Finding, Need, exit_code, get_check, register, registered_ids, run_checks
+from dflash_doctor.checks import (
+    CheckContext,
+    CheckResult,
+    Finding,
+    Need,
+    exit_code,
+    get_check,
+    register,
+    registered_ids,
+    run_checks,
+)
 from dflash_doctor.checks import base
 from dflash_doctor.errors import UsageError
 
@@ -49,14 +59,27 @@ def test_unknown_id_suggests_the_closest():
 
 
 def test_missing_needs_skip_and_a_raising_check_errors_while_others_run(scratch_registry):
-    register(_define("dummy-needs", lambda self, ctx: CheckResult("dummy-needs", "pass", "ok"), needs=("draft_config", "target_tokenizer|target_template")))
+    register(
+        _define(
+            "dummy-needs",
+            lambda self, ctx: CheckResult("dummy-needs", "pass", "ok"),
+            needs=("draft_config", "target_tokenizer|target_template"),
+        )
+    )
 
     def boom(self, ctx):
         raise RuntimeError("exploded on purpose")
 
     register(_define("dummy-boom", boom))
     register(_define("dummy-ok", lambda self, ctx: CheckResult("dummy-ok", "pass", f"threshold {self.threshold}")))
-    results = {r.id: r for r in run_checks(CheckContext(draft_config={"a": 1}), only=["dummy-needs", "dummy-boom", "dummy-ok"], params={"dummy-ok": {"threshold": 2.5}})}
+    results = {
+        r.id: r
+        for r in run_checks(
+            CheckContext(draft_config={"a": 1}),
+            only=["dummy-needs", "dummy-boom", "dummy-ok"],
+            params={"dummy-ok": {"threshold": 2.5}},
+        )
+    }
     assert results["dummy-needs"].status == "skip"
     assert "target_tokenizer or target_template" in results["dummy-needs"].summary
     assert results["dummy-boom"].status == "error" and "exploded on purpose" in results["dummy-boom"].summary
@@ -77,7 +100,11 @@ def test_skip_list_and_config_file_params(scratch_registry):
 
 
 def test_status_follows_the_worst_finding_and_to_dict_matches_run_json():
-    findings = [Finding("info", "note"), Finding("warn", "careful", "ev", "do x"), Finding("fail", "broken", "ev2", "do y")]
+    findings = [
+        Finding("info", "note"),
+        Finding("warn", "careful", "ev", "do x"),
+        Finding("fail", "broken", "ev2", "do y"),
+    ]
     result = CheckResult.from_findings("x", findings, {"m": 1}, "all good")
     assert result.status == "fail" and result.summary == "broken (+1 more)" and result.fix == "do y"
     assert CheckResult.from_findings("x", findings[:1], {}, "all good").status == "pass"
@@ -98,7 +125,9 @@ def test_every_registered_check_has_pass_warn_and_fail_tests():
     """Meta-test: each check id needs test functions test_<id>_pass / _warn / _fail in tests/test_checks*.py, or,
     for a check of one draft kind, beside that kind's tests in tests/test_speculators_*.py."""
     folder = Path(__file__).parent
-    sources = "\n".join(p.read_text(encoding="utf-8") for p in [*folder.glob("test_checks*.py"), *folder.glob("test_speculators_*.py")])
+    sources = "\n".join(
+        p.read_text(encoding="utf-8") for p in [*folder.glob("test_checks*.py"), *folder.glob("test_speculators_*.py")]
+    )
     missing = []
     for check_id in registered_ids():
         slug = check_id.replace("-", "_")
@@ -123,9 +152,16 @@ def test_every_need_is_a_path_of_typed_fields():
 
 
 def test_a_need_with_its_own_sentence_skips_in_those_words_and_a_dotted_need_names_its_path(scratch_registry):
-    register(_define("worded", lambda self, ctx: CheckResult("worded", "pass", "ok"),
-            needs=(Need("record.probes.lossless", "no comparison ran"),)))
-    register(_define("dotted", lambda self, ctx: CheckResult("dotted", "pass", "ok"), needs=("record.probes.prompt_format",)))
+    register(
+        _define(
+            "worded",
+            lambda self, ctx: CheckResult("worded", "pass", "ok"),
+            needs=(Need("record.probes.lossless", "no comparison ran"),),
+        )
+    )
+    register(
+        _define("dotted", lambda self, ctx: CheckResult("dotted", "pass", "ok"), needs=("record.probes.prompt_format",))
+    )
     worded, dotted = run_checks(CheckContext(), only=["worded", "dotted"])
     assert (worded.status, worded.summary) == ("skip", "skipped: no comparison ran")
     assert (dotted.status, dotted.summary) == ("skip", "skipped: needs record.probes.prompt_format")

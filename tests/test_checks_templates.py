@@ -55,18 +55,25 @@ def test_chat_template_parity_fail_qwen3_thinking_true_vs_false(qwen3_tokenizer)
     assert result.status == "fail"
     difference = result.findings[0]
     assert "served and draft training templates differ" in difference.message
-    assert "served '>\\n<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' vs draft training '>\\n<|im_start|>assistant\\n'" in difference.evidence
+    assert (
+        "served '>\\n<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' vs draft training '>\\n<|im_start|>assistant\\n'"
+        in difference.evidence
+    )
     assert any(f.message.startswith("thinking tags differ") for f in result.findings)
 
 
 def test_chat_template_parity_pass_qwen3_against_itself_both_thinking_modes(qwen3_tokenizer):
-    result = run_checks(CheckContext(target_tokenizer=qwen3_tokenizer, draft_tokenizer=qwen3_tokenizer), only=["chat-template-parity"])[0]
+    result = run_checks(
+        CheckContext(target_tokenizer=qwen3_tokenizer, draft_tokenizer=qwen3_tokenizer), only=["chat-template-parity"]
+    )[0]
     assert result.status == "pass"
     assert result.metrics["comparisons"]["draft"]["num_cases"] == 13  # 3 conversations x 2 gen x 2 thinking + tools
 
 
 def test_chat_template_parity_fail_smollm2_vs_qwen3(smollm2_tokenizer, qwen3_tokenizer):
-    result = run_checks(CheckContext(target_tokenizer=smollm2_tokenizer, draft_tokenizer=qwen3_tokenizer), only=["chat-template-parity"])[0]
+    result = run_checks(
+        CheckContext(target_tokenizer=smollm2_tokenizer, draft_tokenizer=qwen3_tokenizer), only=["chat-template-parity"]
+    )[0]
     assert result.status == "fail"
     messages = [f.message for f in result.findings]
     assert "served template injects a default system prompt when the conversation has none" in messages
@@ -74,7 +81,10 @@ def test_chat_template_parity_fail_smollm2_vs_qwen3(smollm2_tokenizer, qwen3_tok
 
 
 def test_chat_template_parity_warn_llama31_double_bos(llama31_tokenizer):
-    result = run_checks(CheckContext(target_tokenizer=llama31_tokenizer, draft_tokenizer=llama31_tokenizer), only=["chat-template-parity"])[0]
+    result = run_checks(
+        CheckContext(target_tokenizer=llama31_tokenizer, draft_tokenizer=llama31_tokenizer),
+        only=["chat-template-parity"],
+    )[0]
     assert result.status == "warn"
     assert "'<|begin_of_text|>' and its tokenizer adds another: double BOS" in result.summary
 
@@ -84,7 +94,9 @@ def test_templates_command_with_jinja_file_and_thinking_pins(qwen3_dir, tmp_path
     (tmp_path / "chatml.jinja").write_text(CHATML, encoding="utf-8")
     same = runner.invoke(app, ["templates", str(tmp_path / "chatml.jinja"), str(tmp_path / "chatml.jinja")])
     assert same.exit_code == 0, same.output
-    pinned = runner.invoke(app, ["templates", str(qwen3_dir), str(qwen3_dir), "--target-disable-thinking", "--draft-enable-thinking"])
+    pinned = runner.invoke(
+        app, ["templates", str(qwen3_dir), str(qwen3_dir), "--target-disable-thinking", "--draft-enable-thinking"]
+    )
     assert pinned.exit_code == 1
     assert "<think>" in pinned.output
     bad = runner.invoke(app, ["templates", str(tmp_path / "missing.jinja"), str(qwen3_dir)])

@@ -10,22 +10,43 @@ from dflash_doctor.rundir.run_record import RunMeta, RunRecord, Summary
 from dflash_doctor.stats.speedup import build_sweep, load_cost_profile
 from dflash_doctor.stats.step_costs import DECODE, CostSamples, fitted_costs, physics_violations
 
-STEPS = pd.DataFrame([{"request_id": f"r{i}", "class": "chat", "step": j, "position": 0, "k": 4, "num_drafted": 4,
-                       "num_accepted": (i + j) % 5} for i in range(6) for j in range(10)])
+STEPS = pd.DataFrame(
+    [
+        {
+            "request_id": f"r{i}",
+            "class": "chat",
+            "step": j,
+            "position": 0,
+            "k": 4,
+            "num_drafted": 4,
+            "num_accepted": (i + j) % 5,
+        }
+        for i in range(6)
+        for j in range(10)
+    ]
+)
 
 
 def _record(seconds: dict, *, retimed_violations: bool) -> RunRecord:
     samples = CostSamples({key: tuple(v) for key, v in seconds.items()}, device="cpu", flat_draft=True)
     if retimed_violations:
-        samples = CostSamples(samples.seconds, device="cpu", flat_draft=True, retimed=(("verify", 4),),
-                              violations=tuple(physics_violations(samples)))
+        samples = CostSamples(
+            samples.seconds,
+            device="cpu",
+            flat_draft=True,
+            retimed=(("verify", 4),),
+            violations=tuple(physics_violations(samples)),
+        )
     priced = build_sweep({4: STEPS}, fitted_costs(samples), {4: "exact"}, cost_samples=samples, n_boot=50)
     return RunRecord(meta=RunMeta(command="check"), summary=Summary(sweep=priced.sweep))
 
 
 def _quiet(rng: np.random.Generator) -> dict:
-    return {DECODE: 0.010 * rng.lognormal(0, 0.01, 12), ("verify", 4): 0.012 * rng.lognormal(0, 0.01, 12),
-            ("draft", 4): 0.002 * rng.lognormal(0, 0.01, 12)}
+    return {
+        DECODE: 0.010 * rng.lognormal(0, 0.01, 12),
+        ("verify", 4): 0.012 * rng.lognormal(0, 0.01, 12),
+        ("draft", 4): 0.002 * rng.lognormal(0, 0.01, 12),
+    }
 
 
 def _broken() -> dict:
@@ -34,7 +55,9 @@ def _broken() -> dict:
 
 
 def test_timing_pass_when_the_medians_obey_the_physics():
-    result = make_check("timing").run(CheckContext(record=_record(_quiet(np.random.default_rng(0)), retimed_violations=True)))
+    result = make_check("timing").run(
+        CheckContext(record=_record(_quiet(np.random.default_rng(0)), retimed_violations=True))
+    )
     assert result.status == "pass" and result.metrics["violations"] == []
     assert result.metrics["half_widths"]["decode"] <= 0.05
 
@@ -46,7 +69,9 @@ def test_timing_warn_names_a_verify_cheaper_than_a_decode_after_the_retiming():
 
 
 def test_timing_fail_when_the_config_asks_a_broken_timing_to_fail():
-    result = make_check("timing", {"fail_on_violation": True}).run(CheckContext(record=_record(_broken(), retimed_violations=True)))
+    result = make_check("timing", {"fail_on_violation": True}).run(
+        CheckContext(record=_record(_broken(), retimed_violations=True))
+    )
     assert result.status == "fail"
 
 

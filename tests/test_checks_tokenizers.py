@@ -12,7 +12,9 @@ WORDS = ["the", "cat", "sat", "on", "mat", "1", "2", "3"]
 
 
 def _parity(target, draft=None, **ctx_fields):
-    return run_checks(CheckContext(target_tokenizer=target, draft_tokenizer=draft, **ctx_fields), only=["tokenizer-parity"])[0]
+    return run_checks(
+        CheckContext(target_tokenizer=target, draft_tokenizer=draft, **ctx_fields), only=["tokenizer-parity"]
+    )[0]
 
 
 def _messages(result, severity):
@@ -40,7 +42,9 @@ def test_tokenizer_parity_fail_on_swapped_ids_with_examples():
     result = _parity(tiny_tokenizer(WORDS), tiny_tokenizer(swapped), corpus=["the cat"])
     assert result.status == "fail"
     assert "2 of 11 shared token strings map to different ids" in result.summary
-    assert "'the': target 3 vs draft 4" in result.findings[0].evidence or any("'the': target 3 vs draft 4" in f.evidence for f in result.findings)
+    assert "'the': target 3 vs draft 4" in result.findings[0].evidence or any(
+        "'the': target 3 vs draft 4" in f.evidence for f in result.findings
+    )
     round_trip = next(f for f in result.findings if f.message.startswith("corpus round-trip"))
     assert round_trip.severity == "fail" and "'the cat'" in round_trip.evidence
 
@@ -50,7 +54,10 @@ def test_tokenizer_parity_fail_when_tokenizer_exceeds_embedding_and_explains_pad
     result = _parity(tok, tok, target_config={"vocab_size": 8}, draft_config={"vocab_size": 128})
     assert result.status == "fail"
     assert "target tokenizer has 11 tokens but its model has only 8 embedding rows" in _messages(result, "fail")
-    assert any("draft embedding has 117 rows the tokenizer never produces, padded to a multiple of 128" in m for m in _messages(result, "info"))
+    assert any(
+        "draft embedding has 117 rows the tokenizer never produces, padded to a multiple of 128" in m
+        for m in _messages(result, "info")
+    )
 
 
 def test_tokenizer_parity_pass_smollm2_against_itself(smollm2_tokenizer):
@@ -77,12 +84,20 @@ def test_tokenizer_parity_fail_smollm2_against_llama31_add_bos(smollm2_tokenizer
 
 
 def test_tokenizer_parity_pass_dflash_mask_rows_of_real_tokenizers(qwen3_tokenizer, llama31_tokenizer):
-    qwen = _parity(qwen3_tokenizer, draft_config={"dflash_config": {"mask_token_id": 151669}}, target_config={"vocab_size": 151936})
+    qwen = _parity(
+        qwen3_tokenizer, draft_config={"dflash_config": {"mask_token_id": 151669}}, target_config={"vocab_size": 151936}
+    )
     assert qwen.status == "pass" and "151669" in qwen.summary
     assert "mask token id 151669 is a padding row of the target embedding" in _messages(qwen, "info")
-    llama = _parity(llama31_tokenizer, draft_config={"dflash_config": {"mask_token_id": 128002}}, target_config={"vocab_size": 128256})
+    llama = _parity(
+        llama31_tokenizer,
+        draft_config={"dflash_config": {"mask_token_id": 128002}},
+        target_config={"vocab_size": 128256},
+    )
     assert llama.status == "pass"
-    assert "mask token id 128002 is the reserved special token '<|reserved_special_token_0|>'" in _messages(llama, "info")
+    assert "mask token id 128002 is the reserved special token '<|reserved_special_token_0|>'" in _messages(
+        llama, "info"
+    )
 
 
 def test_tokenizer_parity_warn_dflash_mask_is_an_ordinary_token():
@@ -97,7 +112,11 @@ def test_tokenizer_parity_fail_dflash_mask_collisions():
     assert eos.status == "fail" and "is the target's eos token" in eos.summary
     out_of_range = _parity(tok, draft_config={"dflash_config": {"mask_token_id": 11}})
     assert out_of_range.status == "fail" and "outside the target embedding (0..10)" in out_of_range.summary
-    produced = _parity(tok, draft_config={"dflash_config": {"mask_token_id": 10}}, output_token_ids_by_class={"chat": [3, 4], "code": [10]})
+    produced = _parity(
+        tok,
+        draft_config={"dflash_config": {"mask_token_id": 10}},
+        output_token_ids_by_class={"chat": [3, 4], "code": [10]},
+    )
     assert produced.status == "fail" and "was produced by the target" in produced.summary
 
 

@@ -46,14 +46,31 @@ def edited_dflash(tiny_dir: Path, tmp_path: Path, **dflash_config) -> Path:
 # Good input: run directories
 
 
-def test_hub_ids_at_a_revision_load_from_the_cache_and_run_json_records_the_snapshot_commits(tiny_dir, tmp_path, monkeypatch):
+def test_hub_ids_at_a_revision_load_from_the_cache_and_run_json_records_the_snapshot_commits(
+    tiny_dir, tmp_path, monkeypatch
+):
     cache = offline_hub_cache(monkeypatch, tmp_path / "hub")
     target_commit, draft_commit = "1" * 40, "2" * 40
     hub_snapshot(cache, "org/tiny-target", target_commit, tiny_dir / "target", refs=("v1",))
     hub_snapshot(cache, "org/tiny-dflash", draft_commit, tiny_dir / "dflash")
     out = tmp_path / "run"
-    result = invoke("replay", "--target", "org/tiny-target@v1", "--draft", "org/tiny-dflash", "--workload", tiny_dir / "workload.jsonl",
-                    "--max-requests", "1", "--max-new-tokens", "10", "--k", "3", "--out", out)
+    result = invoke(
+        "replay",
+        "--target",
+        "org/tiny-target@v1",
+        "--draft",
+        "org/tiny-dflash",
+        "--workload",
+        tiny_dir / "workload.jsonl",
+        "--max-requests",
+        "1",
+        "--max-new-tokens",
+        "10",
+        "--k",
+        "3",
+        "--out",
+        out,
+    )
     assert result.exit_code == 0, result.output
     models = json.loads((out / "run.json").read_text())["models"]
     assert models["target"]["id"] == "org/tiny-target@v1" and models["target"]["hub_commit"] == target_commit
@@ -63,7 +80,9 @@ def test_hub_ids_at_a_revision_load_from_the_cache_and_run_json_records_the_snap
 
 def test_replay_detects_dflash_and_writes_a_run_directory(tiny_dir, tmp_path):
     out = tmp_path / "run"
-    result = invoke("replay", *pair_args(tiny_dir, tiny_dir / "dflash", "--draft-kind", "auto", "--k", "5", "--out", out))
+    result = invoke(
+        "replay", *pair_args(tiny_dir, tiny_dir / "dflash", "--draft-kind", "auto", "--k", "5", "--out", out)
+    )
     assert result.exit_code == 0, result.output
     assert all((out / name).is_file() for name in RUN_FILES)
     run = load_run(out)
@@ -78,8 +97,12 @@ def test_replay_detects_dflash_and_writes_a_run_directory(tiny_dir, tmp_path):
 def test_sweep_detects_autoregressive_and_recommends_a_k(tiny_dir, tmp_path):
     out = tmp_path / "sweep"
     profile = tmp_path / "costs.json"
-    profile.write_text(json.dumps({"t_decode_s": 0.01, "t_verify_s": 0.011, "t_draft_s": {"1": 0.002, "2": 0.004, "3": 0.006}}))
-    result = invoke("sweep", *pair_args(tiny_dir, tiny_dir / "ar", "--k", "1-3", "--cost-profile", profile, "--out", out))
+    profile.write_text(
+        json.dumps({"t_decode_s": 0.01, "t_verify_s": 0.011, "t_draft_s": {"1": 0.002, "2": 0.004, "3": 0.006}})
+    )
+    result = invoke(
+        "sweep", *pair_args(tiny_dir, tiny_dir / "ar", "--k", "1-3", "--cost-profile", profile, "--out", out)
+    )
     assert result.exit_code == 0, result.output
     assert all((out / name).is_file() for name in RUN_FILES)
     meta = json.loads((out / "run.json").read_text())
@@ -96,8 +119,23 @@ def test_sweep_detects_autoregressive_and_recommends_a_k(tiny_dir, tmp_path):
 def test_max_requests_samples_every_class(tiny_dir, tmp_path):
     workload = write_workload(tmp_path / "nine.jsonl", per_class=3)
     out = tmp_path / "run"
-    result = invoke("replay", "--target", tiny_dir / "target", "--draft", tiny_dir / "ar", "--workload", workload,
-                    "--max-requests", "3", "--max-new-tokens", "6", "--k", "2", "--out", out)
+    result = invoke(
+        "replay",
+        "--target",
+        tiny_dir / "target",
+        "--draft",
+        tiny_dir / "ar",
+        "--workload",
+        workload,
+        "--max-requests",
+        "3",
+        "--max-new-tokens",
+        "6",
+        "--k",
+        "2",
+        "--out",
+        out,
+    )
     assert result.exit_code == 0, result.output
     requests = pd.read_parquet(out / "requests.parquet")
     assert len(requests) == 3
@@ -144,7 +182,9 @@ def test_draft_kind_auto_tells_dflash_from_autoregressive(tiny_dir):
 
 def test_missing_target_path(tiny_dir, tmp_path):
     missing = tmp_path / "no-such-model"
-    result = invoke("replay", "--target", missing, "--draft", tiny_dir / "dflash", "--workload", tiny_dir / "workload.jsonl")
+    result = invoke(
+        "replay", "--target", missing, "--draft", tiny_dir / "dflash", "--workload", tiny_dir / "workload.jsonl"
+    )
     assert_usage_error(result, "no-such-model")
 
 
@@ -186,7 +226,7 @@ def test_empty_workload_file(tiny_dir, tmp_path):
 def test_malformed_jsonl_line_is_named_by_number(tiny_dir, tmp_path):
     broken = tmp_path / "broken.jsonl"
     good = json.dumps({"messages": [{"role": "user", "content": "w1 w2"}]})
-    broken.write_text(f"{good}\n{{\"messages\": [\n{good}\n", encoding="utf-8")
+    broken.write_text(f'{good}\n{{"messages": [\n{good}\n', encoding="utf-8")
     result = invoke("replay", "--target", tiny_dir / "target", "--draft", tiny_dir / "dflash", "--workload", broken)
     assert_usage_error(result, "broken.jsonl:2")
 
@@ -194,7 +234,9 @@ def test_malformed_jsonl_line_is_named_by_number(tiny_dir, tmp_path):
 @pytest.mark.parametrize("command", ["sweep", "replay", "check"])
 def test_k_above_the_dflash_block_is_refused_before_a_run_is_written(tiny_dir, tmp_path, command):
     out = tmp_path / "run"
-    assert_usage_error(invoke(command, *pair_args(tiny_dir, tiny_dir / "dflash", "--k", "99", "--out", out)), "--k 99", "block_size")
+    assert_usage_error(
+        invoke(command, *pair_args(tiny_dir, tiny_dir / "dflash", "--k", "99", "--out", out)), "--k 99", "block_size"
+    )
     assert not (out / "run.json").exists()
 
 
@@ -222,15 +264,36 @@ def test_multi_turn_request_with_its_own_limit_records_the_same_turns_live_and_t
     live loop (`replay`) and teacher-forced replay (`sweep`) must record identical turns.
     """
     workload = tmp_path / "two_turns.jsonl"
-    workload.write_text(json.dumps({
-        "id": "conv", "class": "chat", "max_new_tokens": 4,
-        "messages": [{"role": "user", "content": "w1 w8 w3 w9"}, {"role": "user", "content": "w5 w2 w7"}],
-    }) + "\n", encoding="utf-8")
+    workload.write_text(
+        json.dumps(
+            {
+                "id": "conv",
+                "class": "chat",
+                "max_new_tokens": 4,
+                "messages": [{"role": "user", "content": "w1 w8 w3 w9"}, {"role": "user", "content": "w5 w2 w7"}],
+            }
+        )
+        + "\n",
+        encoding="utf-8",
+    )
     outputs = {}
     for command in ("replay", "sweep"):
         out = tmp_path / command
-        result = invoke(command, "--target", tiny_dir / "target", "--draft", tiny_dir / "ar", "--workload", workload,
-                        "--max-new-tokens", "16", "--k", "3", "--out", out)
+        result = invoke(
+            command,
+            "--target",
+            tiny_dir / "target",
+            "--draft",
+            tiny_dir / "ar",
+            "--workload",
+            workload,
+            "--max-new-tokens",
+            "16",
+            "--k",
+            "3",
+            "--out",
+            out,
+        )
         assert result.exit_code == 0, result.output
         requests = load_run(out).requests.sort_values("turn")
         assert requests["turn"].tolist() == [0, 1]

@@ -68,10 +68,16 @@ def test_cli_exit_codes_and_written_reports(runs, tmp_path):
 
 
 def test_cli_plotly_cdn_writes_a_small_compare_page_linking_plotly_js(runs, tmp_path):
-    result = CliRunner().invoke(app, ["compare", str(runs["base"]), str(runs["reseeded"][0]), "--plotly", "cdn", "--out", str(tmp_path)])
+    result = CliRunner().invoke(
+        app, ["compare", str(runs["base"]), str(runs["reseeded"][0]), "--plotly", "cdn", "--out", str(tmp_path)]
+    )
     assert result.exit_code == 0, result.output
     html = (tmp_path / "compare.html").read_text()
-    assert len(html.encode()) < 200_000 and html.count('src="https://cdn.plot.ly/plotly-') == 1 and "plotly.js v" not in html
+    assert (
+        len(html.encode()) < 200_000
+        and html.count('src="https://cdn.plot.ly/plotly-') == 1
+        and "plotly.js v" not in html
+    )
 
 
 def test_cli_bad_input_exits_2(runs, tmp_path):

@@ -56,16 +56,32 @@ USER_GUIDE = Path(__file__).resolve().parents[1] / "docs" / "user-guide.md"
 def assert_documented(payload: dict) -> None:
     """Every top-level key of a --json payload is named in docs/user-guide.md "Machine-readable output" (the contract)."""
     text = USER_GUIDE.read_text(encoding="utf-8")
-    section = text[text.index("## Machine-readable output"):]
-    section = section[:section.index("\n## ")]
+    section = text[text.index("## Machine-readable output") :]
+    section = section[: section.index("\n## ")]
     assert not [key for key in payload if f"`{key}`" not in section]
-
 
 
 def test_check_json_is_report_json_plus_run_dir_and_exit_code_and_alone_on_stdout(tmp_path):
     with ReplayServer() as server:
-        result = CliRunner().invoke(app, ["check", "--engine", server.url, "--workload", "demo", "--max-requests", "2",
-                                          "--classes", "math", "--max-new-tokens", "96", "--out", str(tmp_path / "run"), "--json"])
+        result = CliRunner().invoke(
+            app,
+            [
+                "check",
+                "--engine",
+                server.url,
+                "--workload",
+                "demo",
+                "--max-requests",
+                "2",
+                "--classes",
+                "math",
+                "--max-new-tokens",
+                "96",
+                "--out",
+                str(tmp_path / "run"),
+                "--json",
+            ],
+        )
     assert result.exit_code in (0, 1), result.output
     payload = json.loads(result.stdout)  # nothing but the object on stdout: the tables went to stderr
     report = json.loads((tmp_path / "run" / "report.json").read_text())
@@ -79,11 +95,16 @@ def test_check_json_is_report_json_plus_run_dir_and_exit_code_and_alone_on_stdou
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("compare")
-    return {"base": make_fixture_run(root / "base", seed=0), "degraded": make_fixture_run(root / "degraded", seed=0, degrade=0.4)}
+    return {
+        "base": make_fixture_run(root / "base", seed=0),
+        "degraded": make_fixture_run(root / "degraded", seed=0, degrade=0.4),
+    }
 
 
 def test_compare_json_names_each_regression_and_the_exit_code(runs, tmp_path):
-    result = CliRunner().invoke(app, ["compare", str(runs["base"]), str(runs["degraded"]), "--out", str(tmp_path), "--json"])
+    result = CliRunner().invoke(
+        app, ["compare", str(runs["base"]), str(runs["degraded"]), "--out", str(tmp_path), "--json"]
+    )
     assert result.exit_code == 1, result.output
     payload = json.loads(result.stdout)
     assert payload["compare_json_version"] == 1 and payload["regression"] is True and payload["exit_code"] == 1
@@ -98,12 +119,17 @@ def test_compare_json_names_each_regression_and_the_exit_code(runs, tmp_path):
 def test_watch_once_json_holds_one_windows_row_per_series(tmp_path):
     text = (DATA / "vllm_metrics_good.txt").read_text()
     with MetricsExporter(text) as exporter:
-        result = CliRunner().invoke(app, ["watch", exporter.url, "--once", "--baseline", "1.5", "--out", str(tmp_path / "run"), "--json"])
+        result = CliRunner().invoke(
+            app, ["watch", exporter.url, "--once", "--baseline", "1.5", "--out", str(tmp_path / "run"), "--json"]
+        )
     assert result.exit_code == 0, result.output
     payload = json.loads(result.stdout)
     (series,) = payload["series"]
     (row,) = read_windows(tmp_path / "run").to_dict("records")
-    assert series["mean_acceptance_length"] == pytest.approx(row["mean_acceptance_length"]) and series["model"] == row["model"]
+    assert (
+        series["mean_acceptance_length"] == pytest.approx(row["mean_acceptance_length"])
+        and series["model"] == row["model"]
+    )
     assert payload["verdict"] == "ok" and payload["exit_code"] == 0 and payload["run_dir"] == str(tmp_path / "run")
     assert payload["watch_json_version"] == 1
     assert_documented(payload)
@@ -124,7 +150,13 @@ def _help(*command: str) -> str:
 
 def test_choice_flags_list_their_choices_and_every_flag_its_real_default():
     text = _help("check")
-    for choices in ("<float32|bfloat16|float16>", "<fail|warn>", "<vllm|llamacpp|official>", "<inline|cdn>", "dflash | eagle3 | autoregressive | auto"):
+    for choices in (
+        "<float32|bfloat16|float16>",
+        "<fail|warn>",
+        "<vllm|llamacpp|official>",
+        "<inline|cdn>",
+        "dflash | eagle3 | autoregressive | auto",
+    ):
         assert choices in text
     for default in ("default: (float32)", "default: (128)", "default: (cpu)", "default: (auto)", "default: (fail)"):
         assert default in text
@@ -149,12 +181,24 @@ def test_completion_completes_choice_flags():
     result = CliRunner().invoke(app, [], env=env, prog_name="dflash-doctor")
     assert result.output.split() == ["float32", "bfloat16", "float16"]
     env["COMP_WORDS"] = "dflash-doctor sweep --draft-kind "
-    assert CliRunner().invoke(app, [], env=env, prog_name="dflash-doctor").output.split() == ["dflash", "ngram", "suffix", "eagle3", "mtp", "autoregressive", "auto"]
+    assert CliRunner().invoke(app, [], env=env, prog_name="dflash-doctor").output.split() == [
+        "dflash",
+        "ngram",
+        "suffix",
+        "eagle3",
+        "mtp",
+        "autoregressive",
+        "auto",
+    ]
     # the script for the shell the user types in, found from the process tree, so run from a real bash (under a
     # runner started without one typer finds no shell and exits 1); `; exit $?` keeps bash from exec-ing the
     # command in its own place, which would leave no bash in the tree
-    script = subprocess.run(["bash", "-c", f"{shlex.quote(str(Path(sys.executable).parent / 'dflash-doctor'))} --show-completion; exit $?"],
-                            capture_output=True, text=True, timeout=120)
+    script = subprocess.run(
+        ["bash", "-c", f"{shlex.quote(str(Path(sys.executable).parent / 'dflash-doctor'))} --show-completion; exit $?"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert script.returncode == 0 and "_DFLASH_DOCTOR_COMPLETE" in script.stdout, script.stderr
 
 
@@ -194,7 +238,11 @@ def test_a_config_file_value_wins_over_a_flags_shown_default_and_loses_to_the_fl
     assert CliRunner().invoke(probe, ["--config", "mine.toml", "--dtype", "float16"]).exit_code == 0
     assert (seen[-1].dtype, seen[-1].max_new_tokens) == ("float16", 7)
     assert CliRunner().invoke(probe, []).exit_code == 0
-    assert (seen[-1].dtype, seen[-1].max_new_tokens, seen[-1].trust_remote_code) == ("float32", 128, False)  # DoctorConfig's defaults
+    assert (seen[-1].dtype, seen[-1].max_new_tokens, seen[-1].trust_remote_code) == (
+        "float32",
+        128,
+        False,
+    )  # DoctorConfig's defaults
 
 
 def test_config_discovery_order_doctor_toml_then_pyproject_then_user_folder(empty_home):
@@ -239,7 +287,10 @@ def test_an_unknown_choice_is_refused_with_exit_2(empty_home):
 def restored_logging():
     """configure_logging changes process-wide logging; put the levels, handlers and bars back after the test."""
     names = ["", "dflash_doctor", *LIBRARIES]
-    saved = {name: (logging.getLogger(name).level, list(logging.getLogger(name).handlers), logging.getLogger(name).propagate) for name in names}
+    saved = {
+        name: (logging.getLogger(name).level, list(logging.getLogger(name).handlers), logging.getLogger(name).propagate)
+        for name in names
+    }
     bars = (transformers_logging.is_progress_bar_enabled(), hub_utils.are_progress_bars_disabled())
     yield
     for name, (level, handlers, propagate) in saved.items():
@@ -255,7 +306,9 @@ def _log_each(capsys, verbosity: int) -> str:
     """stderr after configuring ``verbosity`` and logging one record of each source."""
     with warnings.catch_warnings():  # pytest records warnings itself; here they must reach logging as in the CLI
         warnings.simplefilter("always")
-        logging.captureWarnings(False)  # forget a capture an earlier CLI call in this process set up under pytest's recorder
+        logging.captureWarnings(
+            False
+        )  # forget a capture an earlier CLI call in this process set up under pytest's recorder
         configure_logging(verbosity)
         logging.getLogger("dflash_doctor.replay").info("ours-info")
         logging.getLogger("dflash_doctor.models").warning("ours-warning")
@@ -303,14 +356,24 @@ def test_sweep_announces_loading_and_pricing_as_stages(tiny_dir, tmp_path, resto
         yield
 
     with on_stage(record):
-        result = CliRunner().invoke(app, ["sweep", *map(str, pair_args(tiny_dir, tiny_dir / "dflash", "--k", "1-3", "--out", tmp_path / "run"))])
+        result = CliRunner().invoke(
+            app, ["sweep", *map(str, pair_args(tiny_dir, tiny_dir / "dflash", "--k", "1-3", "--out", tmp_path / "run"))]
+        )
     assert result.exit_code == 0, result.output
-    assert [text.split(" ")[:3] for text in seen] == [["loading", "the", "target"], ["loading", "the", "dflash"], ["pricing", "K", "1-3:"]]
+    assert [text.split(" ")[:3] for text in seen] == [
+        ["loading", "the", "target"],
+        ["loading", "the", "dflash"],
+        ["pricing", "K", "1-3:"],
+    ]
     assert "✓ loading the target target" in result.stderr  # the CLI's own indicator, ticked when done
 
 
 def test_report_format_completes_the_last_item_of_its_list():
-    env = {"_DFLASH_DOCTOR_COMPLETE": "complete_bash", "COMP_WORDS": "dflash-doctor report RUN --format html,j", "COMP_CWORD": "4"}
+    env = {
+        "_DFLASH_DOCTOR_COMPLETE": "complete_bash",
+        "COMP_WORDS": "dflash-doctor report RUN --format html,j",
+        "COMP_CWORD": "4",
+    }
     assert CliRunner().invoke(app, [], env=env, prog_name="dflash-doctor").output.split() == ["html,json", "html,junit"]
 
 
@@ -329,7 +392,7 @@ def test_draft_kind_help_names_every_registered_kind():
 _REMOTE_CODE_FILES = [
     ("doctor.toml", "trust_remote_code = true\n"),
     ("doctor.toml", "trust-remote-code = true\n"),
-    ("pyproject.toml", '[tool.dflash-doctor]\ntrust_remote_code = true\n'),
+    ("pyproject.toml", "[tool.dflash-doctor]\ntrust_remote_code = true\n"),
     ("pyproject.toml", '[project]\nname = "x"\n[tool.dflash-doctor]\ndtype = "float32"\ntrust-remote-code = true\n'),
     ("user", "trust_remote_code = true\n"),
     ("explicit", "trust_remote_code = true\n"),

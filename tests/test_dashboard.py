@@ -68,7 +68,11 @@ def test_rejection_table_matches_summary_and_filters_recompute(monkeypatch, dash
     for cls, metrics in summary["by_class"].items():
         assert table.loc[cls, "tau"] == pytest.approx(metrics["mean_acceptance_length"])
         assert table.loc[cls, "rejection_rate"] == pytest.approx(1 - metrics["draft_acceptance_rate"])
-        assert table.loc[cls, "rejection_rate_lo"] <= table.loc[cls, "rejection_rate"] <= table.loc[cls, "rejection_rate_hi"]
+        assert (
+            table.loc[cls, "rejection_rate_lo"]
+            <= table.loc[cls, "rejection_rate"]
+            <= table.loc[cls, "rejection_rate_hi"]
+        )
     worst = min(summary["by_class"], key=lambda c: summary["by_class"][c]["mean_acceptance_length"])
     assert at.selectbox(key="drill_class").value == worst
     drill = at.dataframe[1].value
@@ -97,10 +101,14 @@ def test_positions_page_shows_rates_of_the_summary(monkeypatch, dashboard_runs):
     summary = load_run(dashboard_runs["base"], tables=()).meta["summary"]
     assert len(plotly_charts(at)) == 3
     pivot = at.dataframe[0].value
-    np.testing.assert_allclose(pivot["math"], np.array(summary["by_class"]["math"]["acceptance_rate_per_pos"], dtype=float))
+    np.testing.assert_allclose(
+        pivot["math"], np.array(summary["by_class"]["math"]["acceptance_rate_per_pos"], dtype=float)
+    )
     at.segmented_control(key="positions_metric").set_value("conditional").run()
     pivot = at.dataframe[0].value
-    np.testing.assert_allclose(pivot["chat"], np.array(summary["by_class"]["chat"]["conditional_acceptance_rate_per_pos"], dtype=float))
+    np.testing.assert_allclose(
+        pivot["chat"], np.array(summary["by_class"]["chat"]["conditional_acceptance_rate_per_pos"], dtype=float)
+    )
     assert "Weakest slot" in texts(at.caption)
 
 
@@ -126,7 +134,9 @@ def test_tokens_page_paginates_long_requests(monkeypatch, tmp_path):
     pager = at.get("pagination")[0]
     pager.set_value(2).run()
     assert f"Steps {data.STEPS_PER_TOKEN_PAGE}–" in texts(at.caption)
-    assert at.get("html")[0].value.count('class="dd-step"') == min(data.STEPS_PER_TOKEN_PAGE, num_steps - data.STEPS_PER_TOKEN_PAGE)
+    assert at.get("html")[0].value.count('class="dd-step"') == min(
+        data.STEPS_PER_TOKEN_PAGE, num_steps - data.STEPS_PER_TOKEN_PAGE
+    )
 
 
 def test_sweep_page_shows_recommendation_and_costs(monkeypatch, dashboard_runs):
@@ -220,7 +230,12 @@ def test_uploading_a_non_run_file_says_what_to_upload(monkeypatch, tmp_path):
 def test_find_runs_accepts_a_run_or_a_folder_and_skips_broken_ones(dashboard_runs, tmp_path):
     assert data.find_runs(dashboard_runs["base"]) == [dashboard_runs["base"]]
     found = data.find_runs(dashboard_runs["root"])
-    assert set(found) == {dashboard_runs["base"], dashboard_runs["degraded"], dashboard_runs["nosweep"], dashboard_runs["empty"]}
+    assert set(found) == {
+        dashboard_runs["base"],
+        dashboard_runs["degraded"],
+        dashboard_runs["nosweep"],
+        dashboard_runs["empty"],
+    }
     (tmp_path / "group" / "broken").mkdir(parents=True)
     (tmp_path / "group" / "broken" / "run.json").write_text("{not json")
     make_fixture_run(tmp_path / "group" / "ok", seed=6, num_requests=3)
@@ -291,11 +306,20 @@ def test_prompt_length_buckets_are_half_open():
 
 def test_weakest_slot_ignores_slots_that_few_drafts_reach():
     chat = Metrics(
-        num_requests=10, num_output_tokens=300, num_drafts=100, num_draft_tokens=500, num_accepted_tokens=151,
-        num_accepted_tokens_per_pos=[80, 40, 30, 1, 0], mean_acceptance_length=2.51, mean_acceptance_length_ci=[2.3, 2.7],
-        acceptance_rate_per_pos=[0.8, 0.4, 0.3, 0.01, 0.0], acceptance_rate_per_pos_ci=[],  # a telemetry summary has no per-slot intervals
-        conditional_acceptance_rate_per_pos=[0.8, 0.5, 0.75, 0.033, 0.0], draft_acceptance_rate=0.302,
-        acceptance_histogram=[20, 40, 10, 29, 1, 0], request_tau=TauDistribution(None, None, None, None),
+        num_requests=10,
+        num_output_tokens=300,
+        num_drafts=100,
+        num_draft_tokens=500,
+        num_accepted_tokens=151,
+        num_accepted_tokens_per_pos=[80, 40, 30, 1, 0],
+        mean_acceptance_length=2.51,
+        mean_acceptance_length_ci=[2.3, 2.7],
+        acceptance_rate_per_pos=[0.8, 0.4, 0.3, 0.01, 0.0],
+        acceptance_rate_per_pos_ci=[],  # a telemetry summary has no per-slot intervals
+        conditional_acceptance_rate_per_pos=[0.8, 0.5, 0.75, 0.033, 0.0],
+        draft_acceptance_rate=0.302,
+        acceptance_histogram=[20, 40, 10, 29, 1, 0],
+        request_tau=TauDistribution(None, None, None, None),
         wasted_verify_tokens_per_output_token=None,
     )
     summary = Summary(by_class={"chat": chat})

@@ -22,7 +22,14 @@ from telemetry_fixtures import write_watch
 pytestmark = pytest.mark.browser
 
 CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update", "--disable-sync", "--no-first-run"]
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
 ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts" / "dashboard"
 SERVER_START_TIMEOUT_S = 90
 PAGE_TIMEOUT_MS = 60_000
@@ -58,8 +65,18 @@ def serving(root: Path):
     port = free_port()
     log = root / "server.log"  # a file, not a pipe: a full pipe would stall the server mid-test
     process = subprocess.Popen(
-        [sys.executable, "-c", "from dflash_doctor.cli import main; main()", "dashboard", str(root), "--port", str(port)],
-        stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
+        [
+            sys.executable,
+            "-c",
+            "from dflash_doctor.cli import main; main()",
+            "dashboard",
+            str(root),
+            "--port",
+            str(port),
+        ],
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
     url = f"http://127.0.0.1:{port}"
     not_started = wait_until_answering(f"{url}/_stcore/health", process, SERVER_START_TIMEOUT_S)
@@ -85,7 +102,9 @@ def browser():
 
 
 def open_page(browser, url: str, path: str, must_see: str):
-    page = browser.new_page(viewport={"width": 1440, "height": 2400})  # Streamlit scrolls inside the page: a tall window shows it all
+    page = browser.new_page(
+        viewport={"width": 1440, "height": 2400}
+    )  # Streamlit scrolls inside the page: a tall window shows it all
     dialogs: list[str] = []
     page.on("dialog", lambda dialog: (dialogs.append(dialog.message), dialog.dismiss()))
     page.goto(f"{url}/{path}", timeout=PAGE_TIMEOUT_MS)
@@ -178,10 +197,21 @@ def test_production_page_renders_server_labels_as_text(browser, tmp_path):
     pixel = http.server.ThreadingHTTPServer(("127.0.0.1", free_port()), Pixel)
     threading.Thread(target=pixel.serve_forever, daemon=True).start()
     port = pixel.server_address[1]
-    hostile = [f"![x](http://127.0.0.1:{port}/pixel)", "[click](http://evil.example/)", f"<img src=http://127.0.0.1:{port}/html>",
-               "**bold** `code` $x$ <b>html</b>", "https://evil.example/autolink"]
-    write_watch(tmp_path / "runs" / "watch", [0.6, 0.35, 0.2, 0.1], baseline_tau=3.0, num_units=2,
-                model=" ".join(hostile), notes=(" ".join(hostile),))
+    hostile = [
+        f"![x](http://127.0.0.1:{port}/pixel)",
+        "[click](http://evil.example/)",
+        f"<img src=http://127.0.0.1:{port}/html>",
+        "**bold** `code` $x$ <b>html</b>",
+        "https://evil.example/autolink",
+    ]
+    write_watch(
+        tmp_path / "runs" / "watch",
+        [0.6, 0.35, 0.2, 0.1],
+        baseline_tau=3.0,
+        num_units=2,
+        model=" ".join(hostile),
+        notes=(" ".join(hostile),),
+    )
     try:
         with serving(tmp_path / "runs") as (url, _, _):
             page, dialogs = open_page(browser, url, "production", "alert(s)")

@@ -27,12 +27,18 @@ HOSTILE = [
 ]
 
 #: Markup that survived escaping: a link or image target, an HTML tag, emphasis, code, math, a table cell, a heading.
-_LIVE_MARKUP = re.compile(r"(?<!\\)\]\(|(?<!\\)<[a-z/]|(?<!\\)\*\*bold|(?<!\\)__under|(?<!\\)~~strike|(?<!\\)`code|(?<!\\)\$x|(?<!\\)\| table|\n# heading|https?://evil|(?<!\\)www\.evil")
+_LIVE_MARKUP = re.compile(
+    r"(?<!\\)\]\(|(?<!\\)<[a-z/]|(?<!\\)\*\*bold|(?<!\\)__under|(?<!\\)~~strike|(?<!\\)`code|(?<!\\)\$x|(?<!\\)\| table|\n# heading|https?://evil|(?<!\\)www\.evil"
+)
 _WORDS = ("evil", "127.0.0.1", "bold", "code", "cell", "heading", "escaped")
 
 
 def _markdown_sources(at) -> list[str]:
-    sources = [element.value for kind in ("markdown", "caption", "error", "warning", "info", "success") for element in getattr(at, kind)]
+    sources = [
+        element.value
+        for kind in ("markdown", "caption", "error", "warning", "info", "success")
+        for element in getattr(at, kind)
+    ]
     sources += [expander.label for expander in at.expander]
     return sources
 
@@ -40,7 +46,14 @@ def _markdown_sources(at) -> list[str]:
 @pytest.mark.parametrize("label", HOSTILE)
 def test_production_page_escapes_server_labels(monkeypatch, tmp_path, label):
     runs = tmp_path / "runs"
-    watch = write_watch(runs / "watch", [0.6, 0.35, 0.2, 0.1], baseline_tau=3.0, num_units=2, model=label, notes=(f"source note {label}",))
+    watch = write_watch(
+        runs / "watch",
+        [0.6, 0.35, 0.2, 0.1],
+        baseline_tau=3.0,
+        num_units=2,
+        model=label,
+        notes=(f"source note {label}",),
+    )
     at = open_app(monkeypatch, runs, watch, "production")
     sources = _markdown_sources(at)
     carrying = [text for text in sources if any(word in text for word in _WORDS)]

@@ -48,7 +48,8 @@ def test_a_stop_signal_to_the_command_stops_its_streamlit_server(tmp_path, stop_
     log = tmp_path / "dashboard.log"
     command = subprocess.Popen(
         [str(CONSOLE_SCRIPT), "dashboard", str(tmp_path / "runs"), "--port", str(port)],
-        stdout=log.open("w"), stderr=subprocess.STDOUT,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
     )
     server_pids: list[int] = []
     try:

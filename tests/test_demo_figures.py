@@ -51,7 +51,11 @@ def test_readme_check_excerpt_quotes_a_fresh_run(demo_summary):
         assert row is not None, f"README's acceptance table has no {name} row"
         low, high = metrics["mean_acceptance_length_ci"]
         positions = ", ".join(f"{p:.2f}" for p in metrics["acceptance_rate_per_pos"][:5])
-        assert (row[2], row[3], row[4]) == (f"{metrics['mean_acceptance_length']:.2f}", f"[{low:.2f}, {high:.2f}]", positions), name
+        assert (row[2], row[3], row[4]) == (
+            f"{metrics['mean_acceptance_length']:.2f}",
+            f"[{low:.2f}, {high:.2f}]",
+            positions,
+        ), name
 
 
 def test_benchmarks_demo_paragraph_scenarios_and_card_quote_a_fresh_run(demo_summary):
@@ -59,7 +63,9 @@ def test_benchmarks_demo_paragraph_scenarios_and_card_quote_a_fresh_run(demo_sum
     taus = {name: f"{demo_summary[name]['mean_acceptance_length']:.2f}" for name in CLASSES}
     sentence = f"tau {taus['overall']} overall, chat {taus['chat']}, code {taus['code']}, math {taus['math']}"
     assert sentence in " ".join(benchmarks.split()), f"docs/benchmarks.md's demo-pair paragraph should say: {sentence}"
-    dflash_scenarios = benchmarks.split("### Failure scenarios on the demo pair")[1].split("\n#")[0]  # the DFlash draft's table
+    dflash_scenarios = benchmarks.split("### Failure scenarios on the demo pair")[1].split("\n#")[
+        0
+    ]  # the DFlash draft's table
     scenario_rows = re.findall(r"^\| `[a-z-]+` \| `[a-z-]+` \| (.+) \|$", dflash_scenarios, flags=re.MULTILINE)
     assert len(scenario_rows) == 5, scenario_rows
     for row in scenario_rows:  # "before" is the healthy pair, this run

@@ -21,7 +21,9 @@ PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
 def _transformers_floor() -> str:
     """The lowest transformers the project's dependencies admit (its ``>=`` bound)."""
     text = PYPROJECT.read_text(encoding="utf-8")
-    requirement = next(Requirement(line.strip().strip('",')) for line in text.splitlines() if line.strip().startswith('"transformers'))
+    requirement = next(
+        Requirement(line.strip().strip('",')) for line in text.splitlines() if line.strip().startswith('"transformers')
+    )
     return next(spec.version for spec in requirement.specifier if spec.operator == ">=")
 
 
@@ -32,9 +34,13 @@ def test_the_demo_raises_no_environment_warning_on_any_admitted_transformers(dra
     draft_config = json.loads((draft_dir / "config.json").read_text(encoding="utf-8"))
     floor = tuple(int(part) for part in _transformers_floor().split(".")[:2])
     installed = collect_environment()
-    versions = [installed["transformers"]] + [f"{floor[0]}.{minor}.0" for minor in range(floor[1], floor[1] + 8)] + ["6.0.0"]
+    versions = (
+        [installed["transformers"]] + [f"{floor[0]}.{minor}.0" for minor in range(floor[1], floor[1] + 8)] + ["6.0.0"]
+    )
     for version in versions:
-        ctx = CheckContext(draft_config=draft_config, draft_kind=kind, environment={**installed, "transformers": version})
+        ctx = CheckContext(
+            draft_config=draft_config, draft_kind=kind, environment={**installed, "transformers": version}
+        )
         result = EnvironmentCheck().run(ctx)
         assert result.status == "pass", (version, [f.message for f in result.findings if f.severity != "info"])
 

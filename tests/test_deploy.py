@@ -36,7 +36,9 @@ METRIC_NAME = re.compile(r"\b((?:dflash|vllm|sglang|llamacpp):[A-Za-z0-9_:]+|dfl
 def promtool(*args: str, cwd: Path = RULES) -> subprocess.CompletedProcess:
     binary = shutil.which("promtool")
     if binary is None:
-        raise RuntimeError("promtool is not on PATH; install Debian's package: apt-get install prometheus (.ci/run does)")
+        raise RuntimeError(
+            "promtool is not on PATH; install Debian's package: apt-get install prometheus (.ci/run does)"
+        )
     return subprocess.run([binary, *args], cwd=cwd, capture_output=True, text=True, timeout=300)
 
 
@@ -64,7 +66,12 @@ def test_a_broken_threshold_fails_the_unit_tests(tmp_path):
     (tmp_path / "tests").mkdir()
     alerts = (RULES / "alert.rules.yml").read_text()
     assert "dflash_doctor_last_evaluation_timestamp_seconds > 600" in alerts
-    (tmp_path / "alert.rules.yml").write_text(alerts.replace("dflash_doctor_last_evaluation_timestamp_seconds > 600", "dflash_doctor_last_evaluation_timestamp_seconds > 3600"))
+    (tmp_path / "alert.rules.yml").write_text(
+        alerts.replace(
+            "dflash_doctor_last_evaluation_timestamp_seconds > 600",
+            "dflash_doctor_last_evaluation_timestamp_seconds > 3600",
+        )
+    )
     shutil.copy(RULES / "tests" / "exporter.test.yml", tmp_path / "tests")
     result = promtool("test", "rules", "tests/exporter.test.yml", cwd=tmp_path)
     assert result.returncode != 0
@@ -81,11 +88,14 @@ def _series(labels: dict[str, str]) -> str:
     return "{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}"
 
 
-@pytest.mark.parametrize(("capture", "engine", "class_label", "job"), [
-    ("vllm_metrics_good.txt", "vllm", None, "vllm"),
-    ("sglang_metrics.txt", "sglang", "cls", "sglang"),
-    ("llamacpp_metrics.txt", "llamacpp", None, "qwen3-llama"),
-])
+@pytest.mark.parametrize(
+    ("capture", "engine", "class_label", "job"),
+    [
+        ("vllm_metrics_good.txt", "vllm", None, "vllm"),
+        ("sglang_metrics.txt", "sglang", "cls", "sglang"),
+        ("llamacpp_metrics.txt", "llamacpp", None, "qwen3-llama"),
+    ],
+)
 def test_recording_rules_agree_with_the_doctors_reader(tmp_path, capture, engine, class_label, job):
     """Counters grow linearly from 0 to the captured value over 10 minutes, so a 5m rate ratio equals the
     whole-capture ratio the reader computes; gauges hold their captured value."""
@@ -109,15 +119,27 @@ def test_recording_rules_agree_with_the_doctors_reader(tmp_path, capture, engine
         for position, rate in enumerate(counts.acceptance_rate_per_pos or []):
             per_pos_samples.append({"labels": labels_of(key, position=str(position)), "value": _round(rate)})
     assert tau_samples, f"the reader found no tau in {capture}"
-    expr_tests = [{"expr": "round(dflash:mean_acceptance_length:rate5m, 0.001)", "eval_time": "10m", "exp_samples": tau_samples}]
+    expr_tests = [
+        {"expr": "round(dflash:mean_acceptance_length:rate5m, 0.001)", "eval_time": "10m", "exp_samples": tau_samples}
+    ]
     if per_pos_samples:
-        expr_tests.append({"expr": "round(dflash:acceptance_rate_per_pos:rate5m, 0.001)", "eval_time": "10m", "exp_samples": per_pos_samples})
+        expr_tests.append(
+            {
+                "expr": "round(dflash:acceptance_rate_per_pos:rate5m, 0.001)",
+                "eval_time": "10m",
+                "exp_samples": per_pos_samples,
+            }
+        )
     test_file = tmp_path / "agreement.test.yml"
-    test_file.write_text(yaml.safe_dump({
-        "rule_files": [str(RULES / "recording.rules.yml")],
-        "evaluation_interval": "30s",
-        "tests": [{"interval": "1m", "input_series": input_series, "promql_expr_test": expr_tests}],
-    }))
+    test_file.write_text(
+        yaml.safe_dump(
+            {
+                "rule_files": [str(RULES / "recording.rules.yml")],
+                "evaluation_interval": "30s",
+                "tests": [{"interval": "1m", "input_series": input_series, "promql_expr_test": expr_tests}],
+            }
+        )
+    )
     result = promtool("test", "rules", str(test_file), cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
 
@@ -163,8 +185,12 @@ def test_dashboard_expressions_parse_and_name_existing_series(tmp_path):
             rules.append({"record": f"panel_{panel['id']}_{target['refId']}", "expr": re.sub(r"\$\w+", ".*", expr)})
     unknown = named - known
     assert not unknown, f"dashboard queries name series nothing produces: {sorted(unknown)}"
-    assert recorded_names() - named <= {"dflash:spec_decode_accepted_tokens:rate5m", "dflash:spec_decode_draft_tokens:rate5m",
-                                        "dflash:spec_decode_accepted_tokens_per_pos:rate5m", "dflash:acceptance_rate_per_pos:avg6h_offset1h"}
+    assert recorded_names() - named <= {
+        "dflash:spec_decode_accepted_tokens:rate5m",
+        "dflash:spec_decode_draft_tokens:rate5m",
+        "dflash:spec_decode_accepted_tokens_per_pos:rate5m",
+        "dflash:acceptance_rate_per_pos:avg6h_offset1h",
+    }
     (tmp_path / "panels.rules.yml").write_text(yaml.safe_dump({"groups": [{"name": "panels", "rules": rules}]}))
     result = promtool("check", "rules", "panels.rules.yml", cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -202,7 +228,9 @@ def test_service_examples_use_real_watch_flags():
     assert manifest["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] == str(port)
 
 
-@pytest.mark.parametrize("alert, acts", [("collapse", True), ("fallback", True), ("acceptance-drop", False), ("drafting-stopped", False)])
+@pytest.mark.parametrize(
+    "alert, acts", [("collapse", True), ("fallback", True), ("acceptance-drop", False), ("drafting-stopped", False)]
+)
 def test_restart_hook_acts_only_on_collapse_and_fallback(tmp_path, alert, acts):
     """The shipped hook under sh, with `logger` and `sudo` replaced by recorders on PATH."""
     calls = tmp_path / "calls"
@@ -210,12 +238,22 @@ def test_restart_hook_acts_only_on_collapse_and_fallback(tmp_path, alert, acts):
         stub = tmp_path / name
         stub.write_text(f'#!/bin/sh\necho "{name} $*" >> {calls}\n')
         stub.chmod(0o755)
-    env = {"PATH": f"{tmp_path}:/usr/bin:/bin", "DFLASH_DOCTOR_ALERT": alert, "DFLASH_DOCTOR_MODEL": "qwen3-8b",
-           "DFLASH_DOCTOR_MESSAGE": "tau 1.02", "DFLASH_DOCTOR_ADVICE": "vLLM: --speculative-config ..."}
-    result = subprocess.run(["sh", str(DEPLOY / "hooks" / "restart-vllm-without-speculation.sh")], env=env, capture_output=True, text=True)
+    env = {
+        "PATH": f"{tmp_path}:/usr/bin:/bin",
+        "DFLASH_DOCTOR_ALERT": alert,
+        "DFLASH_DOCTOR_MODEL": "qwen3-8b",
+        "DFLASH_DOCTOR_MESSAGE": "tau 1.02",
+        "DFLASH_DOCTOR_ADVICE": "vLLM: --speculative-config ...",
+    }
+    result = subprocess.run(
+        ["sh", str(DEPLOY / "hooks" / "restart-vllm-without-speculation.sh")], env=env, capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stderr
     recorded = calls.read_text().splitlines() if calls.exists() else []
     if acts:
-        assert recorded[-2:] == ["sudo -n /usr/bin/cp /etc/vllm/spec-off.env /etc/vllm/spec.env", "sudo -n /usr/bin/systemctl restart vllm.service"]
+        assert recorded[-2:] == [
+            "sudo -n /usr/bin/cp /etc/vllm/spec-off.env /etc/vllm/spec.env",
+            "sudo -n /usr/bin/systemctl restart vllm.service",
+        ]
     else:
         assert recorded == []

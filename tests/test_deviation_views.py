@@ -86,9 +86,13 @@ def test_reports_of_a_run_without_tokens_say_so(runs):
 
 
 def test_compare_lists_patterns_that_grew(runs):
-    result = CliRunner().invoke(cli_app, ["compare", str(runs["base"]), str(runs["degraded"]), "--out", str(runs["degraded"])])
+    result = CliRunner().invoke(
+        cli_app, ["compare", str(runs["base"]), str(runs["degraded"]), "--out", str(runs["degraded"])]
+    )
     assert "Rejection patterns that grew" in result.output
-    grown = deviations.grown_patterns(deviations.run_tables(load_run(runs["base"])), deviations.run_tables(load_run(runs["degraded"])))
+    grown = deviations.grown_patterns(
+        deviations.run_tables(load_run(runs["base"])), deviations.run_tables(load_run(runs["degraded"]))
+    )
     assert grown and f"{grown[0]['growth']:+.3f}" in result.output
     md = (runs["degraded"] / "compare.md").read_text()
     assert "### Rejection patterns that grew" in md and f"| {grown[0]['class']} | {grown[0]['kind']} |" in md

@@ -39,8 +39,16 @@ def demo_pair_runs(tmp_path_factory):
             pair, requests, _ = scenarios.get_scenario(name).apply(pair, requests, config)
         record = RunRecord(meta=RunMeta(command="check"), config=config.as_dict())
         with RunWriter(root / name, record.to_json()) as writer:
-            replay_teacher(pair, requests, ks=(pair.default_k,), max_new_tokens=MAX_NEW_TOKENS, temperature=0.0,
-                           seed=config.seed, exact_blocks=False, writer=writer)
+            replay_teacher(
+                pair,
+                requests,
+                ks=(pair.default_k,),
+                max_new_tokens=MAX_NEW_TOKENS,
+                temperature=0.0,
+                seed=config.seed,
+                exact_blocks=False,
+                writer=writer,
+            )
         runs[name] = load_run(root / name)
     return runs
 
@@ -49,8 +57,12 @@ def _special_first_rejections(run) -> list[tuple[str, str]]:
     """(target text, drafted text) of every first rejection with a special token on either side."""
     tables = deviations.run_tables(run)
     decided = tables.decided
-    rows = decided[decided["first_rejection"] & ((decided["category"] == "special") | (decided["draft_category"] == "special"))]
-    return [(tables.text(target), tables.text(draft)) for target, draft in zip(rows["target_token"], rows["draft_token"])]
+    rows = decided[
+        decided["first_rejection"] & ((decided["category"] == "special") | (decided["draft_category"] == "special"))
+    ]
+    return [
+        (tables.text(target), tables.text(draft)) for target, draft in zip(rows["target_token"], rows["draft_token"])
+    ]
 
 
 def test_template_mismatch_brings_template_token_rejections_the_healthy_run_never_has(demo_pair_runs):

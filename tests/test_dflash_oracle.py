@@ -54,7 +54,12 @@ def _ours(target, draft, prompt, convention, stop_ids=(), temperature=0.0, **pro
     wrapped = TargetModel(target, draft.hidden_state_indices)
     proposer = DFlashProposer(draft, wrapped, temperature=temperature, **proposer_args)
     result = speculative_generate(
-        wrapped, proposer, torch.tensor(prompt), k=BLOCK - 1, max_new_tokens=MAX_NEW, stop_ids=frozenset(stop_ids),
+        wrapped,
+        proposer,
+        torch.tensor(prompt),
+        k=BLOCK - 1,
+        max_new_tokens=MAX_NEW,
+        stop_ids=frozenset(stop_ids),
         convention=CONVENTIONS[convention],
     )
     return result.output_ids, [step.num_accepted + 1 for step in result.steps], result.steps
@@ -102,7 +107,12 @@ def test_variant_keys_change_the_draft(variant, target, tmp_path):
         proposer = DFlashProposer(ours, TargetModel(target, ours.hidden_state_indices))
         proposer.start(torch.tensor(prompt), features[0])
         embeds = ours.embed_block(target.get_input_embeddings().weight, block[0])[None]
-        hidden = ours(embeds, torch.arange(len(prompt), len(prompt) + BLOCK)[None], proposer.ctx_kv, torch.arange(len(prompt))[None])
+        hidden = ours(
+            embeds,
+            torch.arange(len(prompt), len(prompt) + BLOCK)[None],
+            proposer.ctx_kv,
+            torch.arange(len(prompt))[None],
+        )
         plain = ours.compute_logits(hidden, target.lm_head)
     assert (plain - official_logits).abs().max() > 1e-2
 
@@ -122,7 +132,9 @@ def test_greedy_outputs_and_acceptance_equal_official(pair, target):
     longest = 0
     stops_tested = 0
     for prompt in PROMPTS:
-        official_out, official_lengths = official_generate(official_draft, target, prompt, max_new_tokens=MAX_NEW, stop_ids=None)
+        official_out, official_lengths = official_generate(
+            official_draft, target, prompt, max_new_tokens=MAX_NEW, stop_ids=None
+        )
         out, lengths, _ = _ours(target, ours, prompt, "official")
         assert out == official_out
         assert lengths == official_lengths
@@ -130,7 +142,9 @@ def test_greedy_outputs_and_acceptance_equal_official(pair, target):
         stop = _stop_inside_a_run(official_out, official_lengths)
         if stop is None or stop in official_out[:1]:
             continue
-        official_out, official_lengths = official_generate(official_draft, target, prompt, max_new_tokens=MAX_NEW, stop_ids=[stop])
+        official_out, official_lengths = official_generate(
+            official_draft, target, prompt, max_new_tokens=MAX_NEW, stop_ids=[stop]
+        )
         out, lengths, _ = _ours(target, ours, prompt, "official", stop_ids=[stop])
         assert (out, lengths) == (official_out, official_lengths)
         stops_tested += 1
@@ -143,7 +157,9 @@ def test_vllm_convention_differs_only_at_the_end(pair, target):
     variant, official_draft, ours = pair
     compared = 0
     for prompt in PROMPTS:
-        official_out, official_lengths = official_generate(official_draft, target, prompt, max_new_tokens=MAX_NEW, stop_ids=None)
+        official_out, official_lengths = official_generate(
+            official_draft, target, prompt, max_new_tokens=MAX_NEW, stop_ids=None
+        )
         out, lengths, steps = _ours(target, ours, prompt, "vllm")
         assert out == official_out
         for step, length, official_length in zip(steps, lengths, official_lengths):
@@ -162,8 +178,13 @@ def test_probabilistic_drafts_use_the_official_distribution(pair, target):
     prompt = PROMPTS[0]
     features, block, official_hidden, official_logits = _official_block(official_draft, target, prompt)
     wrapped = TargetModel(target, ours.hidden_state_indices)
-    proposer = DFlashProposer(ours, wrapped, temperature=temperature, draft_sample_method="probabilistic",
-                              generator=torch.Generator().manual_seed(0))
+    proposer = DFlashProposer(
+        ours,
+        wrapped,
+        temperature=temperature,
+        draft_sample_method="probabilistic",
+        generator=torch.Generator().manual_seed(0),
+    )
     proposer.start(torch.tensor(prompt), features[0])
     proposal = proposer.propose(prompt[-1], BLOCK - 1, BLOCK - 1)
     slots = official_hidden[:, 1:]
@@ -203,18 +224,29 @@ def test_probabilistic_drafts_run_through_rejection_sampling(pair, target):
     for _ in range(2):
         wrapped = TargetModel(target, ours.hidden_state_indices)
         generator = torch.Generator().manual_seed(7)
-        proposer = DFlashProposer(ours, wrapped, temperature=0.8, draft_sample_method="probabilistic", generator=generator)
+        proposer = DFlashProposer(
+            ours, wrapped, temperature=0.8, draft_sample_method="probabilistic", generator=generator
+        )
         drafted = []
         original = proposer.propose
 
         def spy(*args, **kwargs):
             proposal = original(*args, **kwargs)
-            drafted.append(proposal.probs.gather(-1, proposal.tokens[:, None]).min().item() if len(proposal.tokens) else 1.0)
+            drafted.append(
+                proposal.probs.gather(-1, proposal.tokens[:, None]).min().item() if len(proposal.tokens) else 1.0
+            )
             return proposal
 
         proposer.propose = spy
-        result = speculative_generate(wrapped, proposer, torch.tensor(PROMPTS[0]), k=BLOCK - 1, max_new_tokens=20,
-                                      temperature=0.8, generator=generator)
+        result = speculative_generate(
+            wrapped,
+            proposer,
+            torch.tensor(PROMPTS[0]),
+            k=BLOCK - 1,
+            max_new_tokens=20,
+            temperature=0.8,
+            generator=generator,
+        )
         assert min(drafted) > 0
         runs.append(result.output_ids)
     assert runs[0] == runs[1] and len(runs[0]) == 20
@@ -228,11 +260,20 @@ ORIGINAL_LENGTH = 16  # short enough that a prompt plus a block passes it
 ROPE_SCALINGS = {
     "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": ORIGINAL_LENGTH},
     "dynamic": {"rope_type": "dynamic", "factor": 3.0},
-    "longrope": {"rope_type": "longrope", "short_factor": [1.0, 1.5, 2.0, 3.0], "long_factor": [2.0, 4.0, 8.0, 16.0],
-                 "original_max_position_embeddings": ORIGINAL_LENGTH},
+    "longrope": {
+        "rope_type": "longrope",
+        "short_factor": [1.0, 1.5, 2.0, 3.0],
+        "long_factor": [2.0, 4.0, 8.0, 16.0],
+        "original_max_position_embeddings": ORIGINAL_LENGTH,
+    },
     "linear": {"rope_type": "linear", "factor": 2.0},
-    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": ORIGINAL_LENGTH},
+    "llama3": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": ORIGINAL_LENGTH,
+    },
 }
 
 
@@ -276,6 +317,8 @@ def test_scaled_rope_draft_logits_equal_official(kind, target, tmp_path):
     proposer = DFlashProposer(ours, TargetModel(target, ours.hidden_state_indices))
     proposer.start(torch.tensor(prompt), features[0])
     embeds = ours.embed_block(target.get_input_embeddings().weight, block[0])[None]
-    hidden = ours(embeds, torch.arange(len(prompt), len(prompt) + BLOCK)[None], proposer.ctx_kv, torch.arange(len(prompt))[None])
+    hidden = ours(
+        embeds, torch.arange(len(prompt), len(prompt) + BLOCK)[None], proposer.ctx_kv, torch.arange(len(prompt))[None]
+    )
     torch.testing.assert_close(hidden, official_hidden, rtol=0, atol=2e-5)
     torch.testing.assert_close(ours.compute_logits(hidden, target.lm_head), official_logits, rtol=0, atol=1e-4)

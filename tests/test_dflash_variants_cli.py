@@ -26,7 +26,13 @@ from dflash_doctor.rundir.load import load_run
 PROMPTS = [[1, 17, 42, 8, 9, 30, 31, 44], [1, 60, 61, 5, 22]]
 STEP_KEYS = ("position", "num_drafted", "num_accepted", "bonus_token")
 VARIANTS = ("sliding", "causal", "scaled", "dflash2")
-DIVERGENCE_COLUMNS = ("target_prob_of_draft", "draft_prob_of_target", "total_variation", "target_entropy", "target_top1_margin")
+DIVERGENCE_COLUMNS = (
+    "target_prob_of_draft",
+    "draft_prob_of_target",
+    "total_variation",
+    "target_entropy",
+    "target_top1_margin",
+)
 
 
 @pytest.fixture(scope="module")
@@ -49,13 +55,28 @@ def test_teacher_forced_replay_equals_live(variant, convention, target, tmp_path
     for prompt in PROMPTS:
         wrapped = TargetModel(target, draft.hidden_state_indices)
         truth = plain_generate(wrapped, torch.tensor(prompt), max_new_tokens=30, stop_ids=stop).output_ids
-        table, _ = slot_table(wrapped, DFlashProposer(draft, wrapped), TeacherSequence(prompt, truth), 5, max_new_tokens=30,
-                              convention=rule)
-        live = speculative_generate(wrapped, DFlashProposer(draft, wrapped), torch.tensor(prompt), k=5, max_new_tokens=30,
-                                    stop_ids=stop, convention=rule)
+        table, _ = slot_table(
+            wrapped,
+            DFlashProposer(draft, wrapped),
+            TeacherSequence(prompt, truth),
+            5,
+            max_new_tokens=30,
+            convention=rule,
+        )
+        live = speculative_generate(
+            wrapped,
+            DFlashProposer(draft, wrapped),
+            torch.tensor(prompt),
+            k=5,
+            max_new_tokens=30,
+            stop_ids=stop,
+            convention=rule,
+        )
         assert live.output_ids == truth
         walked = walk_schedule(table.matches, truth, 5, 30, stop, rule)
-        assert [tuple(getattr(s, k) for k in STEP_KEYS) for s in walked] == [tuple(getattr(s, k) for k in STEP_KEYS) for s in live.steps]
+        assert [tuple(getattr(s, k) for k in STEP_KEYS) for s in walked] == [
+            tuple(getattr(s, k) for k in STEP_KEYS) for s in live.steps
+        ]
         accepted.update(s.num_accepted for s in live.steps)
     assert max(accepted) >= 1
 
@@ -72,12 +93,21 @@ def test_teacher_forced_divergence_equals_live(variant, convention, target, tmp_
     for prompt in PROMPTS:
         wrapped = TargetModel(target, draft.hidden_state_indices)
         truth = plain_generate(wrapped, torch.tensor(prompt), max_new_tokens=max_new).output_ids
-        table, _ = slot_table(wrapped, DFlashProposer(draft, wrapped), TeacherSequence(prompt, truth), k,
-                              max_new_tokens=max_new, convention=rule)
-        live = speculative_generate(wrapped, DFlashProposer(draft, wrapped), torch.tensor(prompt), k=k,
-                                    max_new_tokens=max_new, convention=rule)
-        replayed = {row.position: row for row in token_rows(table, walk_schedule(table.matches, truth, k, max_new,
-                                                                                      frozenset(), rule), truth)}
+        table, _ = slot_table(
+            wrapped,
+            DFlashProposer(draft, wrapped),
+            TeacherSequence(prompt, truth),
+            k,
+            max_new_tokens=max_new,
+            convention=rule,
+        )
+        live = speculative_generate(
+            wrapped, DFlashProposer(draft, wrapped), torch.tensor(prompt), k=k, max_new_tokens=max_new, convention=rule
+        )
+        replayed = {
+            row.position: row
+            for row in token_rows(table, walk_schedule(table.matches, truth, k, max_new, frozenset(), rule), truth)
+        }
         num_accepted = {s.step: s.num_accepted for s in live.steps}
         for row in live.tokens:
             if row.offset > num_accepted[row.step] + 1:
@@ -107,8 +137,23 @@ def pair_dir(target, tmp_path_factory):
 @pytest.mark.parametrize("variant", ["dflash2", "sliding"])
 def test_check_runs_end_to_end_on_variant_drafts(variant, pair_dir, tmp_path):
     out = tmp_path / "check"
-    args = ["check", "--target", pair_dir / "target", "--draft", pair_dir / variant, "--workload", pair_dir / "workload.jsonl",
-            "--max-new-tokens", "10", "--k", "5", "--plotly", "cdn", "--out", out]
+    args = [
+        "check",
+        "--target",
+        pair_dir / "target",
+        "--draft",
+        pair_dir / variant,
+        "--workload",
+        pair_dir / "workload.jsonl",
+        "--max-new-tokens",
+        "10",
+        "--k",
+        "5",
+        "--plotly",
+        "cdn",
+        "--out",
+        out,
+    ]
     result = CliRunner().invoke(app, [str(a) for a in args])
     assert result.exit_code in (0, 1), result.output  # 1 = a check failed on random weights; never a crash or a refusal
     assert all((out / name).is_file() for name in ("report.html", "report.md", "report.json", "junit.xml"))
@@ -123,10 +168,27 @@ def test_replay_records_the_end_of_request_convention(pair_dir, tmp_path):
     runs = {}
     for convention in ("vllm", "official"):
         out = tmp_path / convention
-        args = ["replay", "--target", pair_dir / "target", "--draft", pair_dir / "dflash2", "--workload", pair_dir / "workload.jsonl",
-                "--max-new-tokens", "12", "--k", "5", "--end-of-request", convention, "--out", out]
+        args = [
+            "replay",
+            "--target",
+            pair_dir / "target",
+            "--draft",
+            pair_dir / "dflash2",
+            "--workload",
+            pair_dir / "workload.jsonl",
+            "--max-new-tokens",
+            "12",
+            "--k",
+            "5",
+            "--end-of-request",
+            convention,
+            "--out",
+            out,
+        ]
         result = CliRunner().invoke(app, [str(a) for a in args])
         assert result.exit_code == 0, result.output
         runs[convention] = load_run(out)
         assert runs[convention].record.config["end_of_request"] == convention
-    assert list(runs["vllm"].requests["output_token_ids"].map(list)) == list(runs["official"].requests["output_token_ids"].map(list))
+    assert list(runs["vllm"].requests["output_token_ids"].map(list)) == list(
+        runs["official"].requests["output_token_ids"].map(list)
+    )

@@ -38,14 +38,25 @@ def test_shares_cover_every_request_once_and_balance_expected_work_not_counts():
     loads = [sum(work[i] for i in share) for share in shares]
     assert loads == [15, 15]  # dealt by count (every other request) the ranks would carry 23 and 7
     assert shares == shard_requests(list(work), 2)  # deterministic
-    assert shard_requests(work, 3) == [[0, 6], [2, 7], [1, 3, 4, 5]]  # 8 | 8 | 5 + 3, then each small one to the lightest: 10 each
+    assert shard_requests(work, 3) == [
+        [0, 6],
+        [2, 7],
+        [1, 3, 4, 5],
+    ]  # 8 | 8 | 5 + 3, then each small one to the lightest: 10 each
 
 
 def test_expected_work_counts_prompt_tokens_once_and_new_tokens_at_every_k():
     words = len  # a tokenizer stand-in: one token per character
     prompt = Request(id="p", prompt="abcd")
-    chat = Request(id="c", messages=({"role": "user", "content": "ab"}, {"role": "assistant", "content": "cd"},
-                                     {"role": "user", "content": "e"}), max_new_tokens=3)
+    chat = Request(
+        id="c",
+        messages=(
+            {"role": "user", "content": "ab"},
+            {"role": "assistant", "content": "cd"},
+            {"role": "user", "content": "e"},
+        ),
+        max_new_tokens=3,
+    )
     assert expected_work(prompt, words, max_new_tokens=10, k=4) == 4 + 10 * 5
     assert expected_work(chat, words, max_new_tokens=10, k=4) == len("ab\ncd\ne") + 3 * 5  # its own max_new_tokens
 
@@ -83,11 +94,25 @@ def _frames_equal(left: pd.DataFrame, right: pd.DataFrame) -> None:
 def test_two_gloo_ranks_write_the_run_one_process_writes(tiny_dir, tmp_path):  # noqa: F811
     workload = write_workload(tmp_path / "workload.jsonl", per_class=3)
     with workload.open("a", encoding="utf-8") as file:  # a two-turn request: its turns stay together and in order
-        file.write(json.dumps({"id": "chat-two-turns", "class": "chat", "messages": [
-            {"role": "user", "content": "w4 w5"}, {"role": "assistant", "content": "w6"}, {"role": "user", "content": "w7"},
-            {"role": "user", "content": "w8 w9"}]}) + "\n")
+        file.write(
+            json.dumps(
+                {
+                    "id": "chat-two-turns",
+                    "class": "chat",
+                    "messages": [
+                        {"role": "user", "content": "w4 w5"},
+                        {"role": "assistant", "content": "w6"},
+                        {"role": "user", "content": "w7"},
+                        {"role": "user", "content": "w8 w9"},
+                    ],
+                }
+            )
+            + "\n"
+        )
     profile = tmp_path / "costs.json"  # fixed step costs: measured ones differ between any two runs
-    profile.write_text(json.dumps({"t_decode_s": 0.01, "t_verify_s": 0.011, "t_draft_s": {str(k): 0.002 * k for k in range(1, 6)}}))
+    profile.write_text(
+        json.dumps({"t_decode_s": 0.01, "t_verify_s": 0.011, "t_draft_s": {str(k): 0.002 * k for k in range(1, 6)}})
+    )
     args = [*pair_args(tiny_dir, tiny_dir / "dflash"), "--workload", workload, "--cost-profile", profile]
     single = tmp_path / "single"
     # Both runs with one thread per process: the float sums behind the token columns (KL, margins) depend on
@@ -95,8 +120,14 @@ def test_two_gloo_ranks_write_the_run_one_process_writes(tiny_dir, tmp_path):  #
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     # the sharded run without --out: the launcher names one folder for both ranks (runs/sweep-<second>)
     for extra in (["--out", str(single)], ["--devices", "cpu,cpu"]):
-        ran = subprocess.run([sys.executable, "-m", "dflash_doctor", "sweep", *map(str, args), *extra],
-                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        ran = subprocess.run(
+            [sys.executable, "-m", "dflash_doctor", "sweep", *map(str, args), *extra],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert ran.returncode == 0, ran.stderr[-3000:]
     (sharded,) = (tmp_path / "runs").iterdir()
     assert sharded.name.startswith("sweep-") and not (sharded / PARTS_DIR).exists()

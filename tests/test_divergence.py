@@ -17,8 +17,14 @@ from dflash_doctor.engine.target import TargetModel
 from dflash_doctor.engine.teacher import TeacherSequence, slot_table, token_rows, walk_schedule
 from tiny_models import tiny_target
 
-FLOAT_COLUMNS = ("target_prob_of_draft", "draft_prob_of_target", "kl_target_draft", "total_variation", "target_entropy",
-                 "target_top1_margin")
+FLOAT_COLUMNS = (
+    "target_prob_of_draft",
+    "draft_prob_of_target",
+    "kl_target_draft",
+    "total_variation",
+    "target_entropy",
+    "target_top1_margin",
+)
 
 
 def test_packed_columns_equal_the_definitions():
@@ -163,6 +169,7 @@ def test_a_compiler_failure_falls_back_to_the_eager_columns_once_with_one_warnin
         def run(*args):
             tries.append(options)
             raise ValueError("Scalar 4294967295 is out of range for type int32")
+
         return run
 
     monkeypatch.setattr(torch, "compile", compile_that_fails)
@@ -181,9 +188,11 @@ def test_a_compiler_failure_falls_back_to_the_eager_columns_once_with_one_warnin
 
 def test_out_of_memory_in_the_compiled_path_is_raised_not_absorbed(monkeypatch):
     """The eager columns need more memory than the fused ones: falling back would fail later and slower."""
+
     def compile_that_runs_out(fn, **options):
         def run(*args):
             raise torch.OutOfMemoryError("CUDA out of memory")
+
         return run
 
     monkeypatch.setattr(torch, "compile", compile_that_runs_out)
@@ -239,12 +248,16 @@ def test_teacher_rows_carry_the_live_loops_divergence(k):
             parameter.add_(torch.randn_like(parameter) * 0.004)
     prompt = [5, 17, 42, 8, 9]
     truth = plain_generate(TargetModel(target_model), torch.tensor(prompt), max_new_tokens=30).output_ids
-    live = speculative_generate(TargetModel(target_model), AutoregressiveProposer(draft_model), torch.tensor(prompt),
-                                k=k, max_new_tokens=30)
-    table, _ = slot_table(TargetModel(target_model), AutoregressiveProposer(draft_model), TeacherSequence(prompt, truth), k)
+    live = speculative_generate(
+        TargetModel(target_model), AutoregressiveProposer(draft_model), torch.tensor(prompt), k=k, max_new_tokens=30
+    )
+    table, _ = slot_table(
+        TargetModel(target_model), AutoregressiveProposer(draft_model), TeacherSequence(prompt, truth), k
+    )
     replayed = token_rows(table, walk_schedule(table.matches, truth, k, 30, frozenset()), truth)
-    on_true_prefix = [row for row in live.tokens if row.offset <= 1 + sum(
-        s.num_accepted for s in live.steps if s.step == row.step)]
+    on_true_prefix = [
+        row for row in live.tokens if row.offset <= 1 + sum(s.num_accepted for s in live.steps if s.step == row.step)
+    ]
     by_position = {row.position: row for row in replayed}
     assert len(on_true_prefix) > 10
     for row in on_true_prefix:

@@ -71,19 +71,34 @@ def test_every_relative_link_reaches_a_file_and_heading_of_the_repository(page):
 
 def test_no_file_points_to_notes_outside_the_repository():
     texts = [path for pattern in ("*.md", "*.py", "*.sh", "*.toml") for path in _tracked(pattern)]
-    pointing = [f"{path.relative_to(REPO)}:{number}" for path in texts if path != Path(__file__).resolve()
-                for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if OUTSIDE_NOTES.search(line)]
+    pointing = [
+        f"{path.relative_to(REPO)}:{number}"
+        for path in texts
+        if path != Path(__file__).resolve()
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if OUTSIDE_NOTES.search(line)
+    ]
     assert not pointing, pointing
 
 
 # words that point outside the repository: the tracker's issues ("issue 49", "the issue's case", "Issue-12"), the
 # lent development machines ("lent", "leases") and absolute paths of a development machine's home or work folders
-OUTSIDE_WORDS = re.compile(r"\bissues?[- ]?#?\d+\b|\bthe issue'?s\b|\bthis issue\b|\blease[sd]?\b|\blent\b"
-                           r"|(?<![\w.~$/-])/(home|work|Users|root)/", flags=re.IGNORECASE)
+OUTSIDE_WORDS = re.compile(
+    r"\bissues?[- ]?#?\d+\b|\bthe issue'?s\b|\bthis issue\b|\blease[sd]?\b|\blent\b"
+    r"|(?<![\w.~$/-])/(home|work|Users|root)/",
+    flags=re.IGNORECASE,
+)
 
 
 def test_outside_words_are_found_in_any_case():
-    for line in ("Issue-12 rules", "see ISSUE 49", "the Issue's case", "a lease of the machine", "/work/main/x", "/home/me"):
+    for line in (
+        "Issue-12 rules",
+        "see ISSUE 49",
+        "the Issue's case",
+        "a lease of the machine",
+        "/work/main/x",
+        "/home/me",
+    ):
         assert OUTSIDE_WORDS.search(line), line
     for line in ("vllm-project/vllm#41559", "transformers #45307", "~/.cache/dflash-doctor", "issues a warning"):
         assert not OUTSIDE_WORDS.search(line), line
@@ -91,9 +106,16 @@ def test_outside_words_are_found_in_any_case():
 
 def test_no_file_or_shipped_json_speaks_of_issues_leases_or_a_machines_paths():
     """Markdown, code, scripts, TOML and every JSON file shipped in the package (demo cards and logs included)."""
-    texts = [path for pattern in ("*.md", "*.py", "*.sh", "*.toml", "dflash_doctor/**.json") for path in _tracked(pattern)]
+    texts = [
+        path for pattern in ("*.md", "*.py", "*.sh", "*.toml", "dflash_doctor/**.json") for path in _tracked(pattern)
+    ]
     assert any(path.suffix == ".json" for path in texts)  # the shipped demo logs are read
-    found = [f"{path.relative_to(REPO)}:{number}: {match.group(0)}" for path in texts if path != Path(__file__).resolve()
-             for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
-             for match in [OUTSIDE_WORDS.search(line)] if match]
+    found = [
+        f"{path.relative_to(REPO)}:{number}: {match.group(0)}"
+        for path in texts
+        if path != Path(__file__).resolve()
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        for match in [OUTSIDE_WORDS.search(line)]
+        if match
+    ]
     assert not found, found

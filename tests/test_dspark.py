@@ -37,10 +37,23 @@ def target():
 
 def _config(target, architecture: str) -> DFlashConfig:
     tc = target.config
-    return DFlashConfig(hidden_size=tc.hidden_size, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                        intermediate_size=2 * tc.hidden_size, vocab_size=tc.vocab_size, block_size=6, target_layer_ids=[0, 2],
-                        mask_token_id=3, num_target_layers=tc.num_hidden_layers, rope_theta=10000.0, architecture=architecture,
-                        markov_rank=4, confidence_head=True)
+    return DFlashConfig(
+        hidden_size=tc.hidden_size,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=2 * tc.hidden_size,
+        vocab_size=tc.vocab_size,
+        block_size=6,
+        target_layer_ids=[0, 2],
+        mask_token_id=3,
+        num_target_layers=tc.num_hidden_layers,
+        rope_theta=10000.0,
+        architecture=architecture,
+        markov_rank=4,
+        confidence_head=True,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -55,14 +68,33 @@ def dspark(target):
 
 def _speculators_dir(model, tmp_path, **overrides):
     cfg = model.config
-    layer = {"model_type": "qwen3", "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_hidden_layers,
-             "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,
-             "intermediate_size": cfg.intermediate_size, "vocab_size": cfg.vocab_size, "rope_theta": cfg.rope_theta, "rms_norm_eps": cfg.rms_norm_eps}
-    config = {"speculators_model_type": "dspark", "architectures": ["DSparkSpeculator"], "transformer_layer_config": layer,
-              "aux_hidden_state_layer_ids": [i + 1 for i in cfg.target_layer_ids], "mask_token_id": cfg.mask_token_id,
-              "block_size": cfg.block_size, "draft_vocab_size": cfg.vocab_size, "markov_rank": cfg.markov_rank,
-              "markov_head_type": "vanilla", "enable_confidence_head": True, "confidence_head_with_markov": True,
-              "sample_from_anchor": False, **overrides}
+    layer = {
+        "model_type": "qwen3",
+        "hidden_size": cfg.hidden_size,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "intermediate_size": cfg.intermediate_size,
+        "vocab_size": cfg.vocab_size,
+        "rope_theta": cfg.rope_theta,
+        "rms_norm_eps": cfg.rms_norm_eps,
+    }
+    config = {
+        "speculators_model_type": "dspark",
+        "architectures": ["DSparkSpeculator"],
+        "transformer_layer_config": layer,
+        "aux_hidden_state_layer_ids": [i + 1 for i in cfg.target_layer_ids],
+        "mask_token_id": cfg.mask_token_id,
+        "block_size": cfg.block_size,
+        "draft_vocab_size": cfg.vocab_size,
+        "markov_rank": cfg.markov_rank,
+        "markov_head_type": "vanilla",
+        "enable_confidence_head": True,
+        "confidence_head_with_markov": True,
+        "sample_from_anchor": False,
+        **overrides,
+    }
     tmp_path.mkdir(parents=True, exist_ok=True)
     (tmp_path / "config.json").write_text(json.dumps(config), encoding="utf-8")
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, tmp_path / "model.safetensors")
@@ -80,10 +112,16 @@ def test_speculators_dspark_drafts_the_llama_cpp_markov_chain(dspark, target, tm
     spec_dir = _speculators_dir(dspark, tmp_path / "spec")
     assert detect_draft_kind(read_config_json(spec_dir)).name == "dflash"
     loaded = load_dflash_draft(spec_dir)
-    assert type(loaded) is DSparkDraftModel and loaded.draft_format is not None and loaded.draft_format["dialect"] == "speculators"
+    assert (
+        type(loaded) is DSparkDraftModel
+        and loaded.draft_format is not None
+        and loaded.draft_format["dialect"] == "speculators"
+    )
     assert hasattr(loaded, "confidence_head")  # loaded, and not used (vLLM's DSpark proposer leaves it out too)
     base = DFlashDraftModel(_config(target, "DFlashDraftModel")).eval()
-    base.load_state_dict({k: v for k, v in dspark.state_dict().items() if not k.startswith(("markov_head", "confidence_head"))})
+    base.load_state_dict(
+        {k: v for k, v in dspark.state_dict().items() if not k.startswith(("markov_head", "confidence_head"))}
+    )
     wrapped, features = _features(target, loaded, PROMPT)
     proposer = DFlashProposer(loaded, wrapped)
     proposer.start(torch.tensor(PROMPT), features)
@@ -109,7 +147,9 @@ def test_dspark_teacher_replay_equals_live(dspark, target):
         truth = plain_generate(wrapped, torch.tensor(prompt), max_new_tokens=30).output_ids
         for k in (5, 3):
             table, _ = slot_table(wrapped, DFlashProposer(dspark, wrapped), TeacherSequence(prompt, truth), k)
-            live = speculative_generate(wrapped, DFlashProposer(dspark, wrapped), torch.tensor(prompt), k=k, max_new_tokens=30)
+            live = speculative_generate(
+                wrapped, DFlashProposer(dspark, wrapped), torch.tensor(prompt), k=k, max_new_tokens=30
+            )
             assert live.output_ids == truth
             walked = walk_schedule(table.matches, truth, k, 30, frozenset())
             assert [(s.position, s.num_accepted) for s in walked] == [(s.position, s.num_accepted) for s in live.steps]
@@ -119,18 +159,23 @@ def test_our_dspark_layout_round_trips_and_states_its_layout(dspark, target, tmp
     saved = save_dflash_draft(dspark, tmp_path / "saved")
     config = json.loads((saved / "config.json").read_text())
     assert config["dflash_config"]["sample_from_anchor"] is False and config["dflash_config"]["markov_rank"] == 4
-    torch.testing.assert_close(first_block_logits(load_dflash_draft(saved), target), first_block_logits(dspark, target), rtol=0, atol=0)
+    torch.testing.assert_close(
+        first_block_logits(load_dflash_draft(saved), target), first_block_logits(dspark, target), rtol=0, atol=0
+    )
     del config["dflash_config"]["sample_from_anchor"]
     with pytest.raises(UsageError, match="without sample_from_anchor = false is anchor-first"):
         normalise_draft_config(config)
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"sample_from_anchor": None}, r"sample_from_anchor = True \(its default\)"),
-    ({"sample_from_anchor": True}, "the anchor-first layout this tool does not model"),
-    ({"markov_head_type": "gated"}, "markov_head_type 'gated' is not the vanilla Markov head"),
-    ({"draft_vocab_size": 32}, "over its own 32-token vocabulary is not modelled"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"sample_from_anchor": None}, r"sample_from_anchor = True \(its default\)"),
+        ({"sample_from_anchor": True}, "the anchor-first layout this tool does not model"),
+        ({"markov_head_type": "gated"}, "markov_head_type 'gated' is not the vanilla Markov head"),
+        ({"draft_vocab_size": 32}, "over its own 32-token vocabulary is not modelled"),
+    ],
+)
 def test_dspark_layouts_this_tool_does_not_model_are_refused(change, message, dspark, tmp_path):
     config = json.loads((_speculators_dir(dspark, tmp_path)).joinpath("config.json").read_text())
     config.update(change)

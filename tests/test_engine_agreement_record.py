@@ -48,12 +48,19 @@ def test_the_check_judges_an_old_run_as_it_did_before_the_typing():
     assert json.dumps(result.to_dict(), indent=2) + "\n" == (OLD_RUN.parent / "check_result.json").read_text()
 
 
-@pytest.mark.parametrize("path, value, named", [
-    (("turns", 0, "class"), 3, "probes.engine_agreement.turns[0].class is 3, not a string"),
-    (("per_step", "as configured", "share"), "high", "probes.engine_agreement.per_step.as configured.share is 'high'"),
-    (("tau", "overall", "engine_tau_ci"), None, "probes.engine_agreement.tau.overall.engine_tau_ci is null"),
-    (("outputs", "differences", 0, "position"), True, "outputs.differences[0].position is True, not an integer"),
-])
+@pytest.mark.parametrize(
+    "path, value, named",
+    [
+        (("turns", 0, "class"), 3, "probes.engine_agreement.turns[0].class is 3, not a string"),
+        (
+            ("per_step", "as configured", "share"),
+            "high",
+            "probes.engine_agreement.per_step.as configured.share is 'high'",
+        ),
+        (("tau", "overall", "engine_tau_ci"), None, "probes.engine_agreement.tau.overall.engine_tau_ci is null"),
+        (("outputs", "differences", 0, "position"), True, "outputs.differences[0].position is True, not an integer"),
+    ],
+)
 def test_a_mistyped_field_of_the_block_is_refused_by_its_path(path, value, named):
     data = _old_run()
     holder = data["probes"]["engine_agreement"]

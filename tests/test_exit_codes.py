@@ -28,7 +28,11 @@ CRASHES = [
     (["watch", "http://127.0.0.1:1/metrics", "--once"], "dflash_doctor.cli.watch", "build_watch_settings"),
     (["compare", "{tmp}", "{tmp}"], "dflash_doctor.cli.compare", "compare_runs"),
     (["report", "{tmp}"], "dflash_doctor.cli.report", "render_reports"),
-    (["tune", "--engine", "0=http://127.0.0.1:1", "--k", "0", "--out", "{tmp}/tune"], "dflash_doctor.tune.experiment", "run_tune"),
+    (
+        ["tune", "--engine", "0=http://127.0.0.1:1", "--k", "0", "--out", "{tmp}/tune"],
+        "dflash_doctor.tune.experiment",
+        "run_tune",
+    ),
 ]
 
 

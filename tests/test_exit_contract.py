@@ -24,19 +24,33 @@ from dflash_doctor.processes import EXIT_CRASH
 
 # ------------------------------------------------------------------------------------- D2-D3: tune --start-timeout
 
+
 @pytest.mark.parametrize("value", ["nan", "inf", "-5", "0"])
 def test_tune_start_timeout_is_finite_and_positive_before_any_server_starts(tmp_path, monkeypatch, value):
     def launched(*args, **kwargs):
         raise AssertionError("tune went on to launch a server")
 
     monkeypatch.setattr(tune_experiment, "run_tune", launched)
-    result = invoke("tune", "--engine", "http://127.0.0.1:9", "--k", "0,2", f"--start-timeout={value}",
-                    "--launch-baseline", "sleep 1000", "--launch", "sleep 1000 {k}", "--out", tmp_path / "t")
+    result = invoke(
+        "tune",
+        "--engine",
+        "http://127.0.0.1:9",
+        "--k",
+        "0,2",
+        f"--start-timeout={value}",
+        "--launch-baseline",
+        "sleep 1000",
+        "--launch",
+        "sleep 1000 {k}",
+        "--out",
+        tmp_path / "t",
+    )
     assert_usage_error(result, f"--start-timeout {float(value)}", "seconds")
     assert not (tmp_path / "t").exists()
 
 
 # ----------------------------------------------------------------------------------- I1, I2: --out that cannot be
+
 
 def _dangling(tmp_path: Path) -> str:
     (tmp_path / "dang").symlink_to(tmp_path / "nonexistent" / "deep" / "x")
@@ -74,6 +88,7 @@ def test_an_out_that_cannot_be_written_is_bad_input(tmp_path, monkeypatch, name,
 
 # ------------------------------------------------------------------------------------ I3: a full disk while writing
 
+
 def _full_disk(number: int):
     """Path.write_text on a disk that fills up halfway through the text (what ENOSPC leaves behind)."""
 
@@ -107,9 +122,18 @@ def test_another_os_error_is_still_a_crash(tmp_path, monkeypatch):
 
 # -------------------------------------------------------------------------------------- I4: a closed stdout
 
+
 def _compare_args(tmp_path: Path) -> list[str]:
-    return ["compare", str(make_fixture_run(tmp_path / "a", num_requests=6)), str(make_fixture_run(tmp_path / "b", num_requests=6)),
-            "--json", "--out", str(tmp_path / "cmp"), "--plotly", "cdn"]
+    return [
+        "compare",
+        str(make_fixture_run(tmp_path / "a", num_requests=6)),
+        str(make_fixture_run(tmp_path / "b", num_requests=6)),
+        "--json",
+        "--out",
+        str(tmp_path / "cmp"),
+        "--plotly",
+        "cdn",
+    ]
 
 
 PIPE_ROWS = [  # (how the command writes stdout, its arguments)
@@ -122,8 +146,12 @@ PIPE_ROWS = [  # (how the command writes stdout, its arguments)
 @pytest.mark.parametrize(("name", "args"), PIPE_ROWS, ids=[row[0] for row in PIPE_ROWS])
 def test_a_closed_stdout_ends_quietly_with_0(tmp_path, name, args):
     """The reader is gone before the first byte (``| head -0``): the worst case of ``| head -1``."""
-    process = subprocess.Popen([sys.executable, "-m", "dflash_doctor", *args(tmp_path)], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, cwd=tmp_path)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "dflash_doctor", *args(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=tmp_path,
+    )
     process.stdout.close()
     stderr = process.stderr.read().decode()
     assert process.wait(timeout=300) == 0, stderr

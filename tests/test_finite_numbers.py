@@ -29,7 +29,10 @@ def _flag_values(*extra: str) -> list[str]:
 # ------------------------------------------------------------------------------------------- the helper itself
 
 
-@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf"), 10**400, -1, -1e-9, 1e300, "x", "nan", "inf", True, None, [1], {}])
+@pytest.mark.parametrize(
+    "value",
+    [float("nan"), float("inf"), float("-inf"), 10**400, -1, -1e-9, 1e300, "x", "nan", "inf", True, None, [1], {}],
+)
 def test_finite_number_refuses_in_one_sentence(value):
     with pytest.raises(UsageError) as caught:
         finite_number(value, "--knob", minimum=0, maximum=100, fix="pass 0.2")
@@ -52,9 +55,15 @@ def test_finite_number_accepts_numbers_in_range(value, expected):
 
 
 # 1.5 is out of range for a rate only (a tau drop of 1.5 is a fair threshold)
-@pytest.mark.parametrize(("flag", "value"), [(flag, value) for flag in ("--threshold-tau", "--threshold-rate")
-                                             for value in _flag_values("1e9") + ["1.5"]
-                                             if (flag, value) != ("--threshold-tau", "1.5")])
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [
+        (flag, value)
+        for flag in ("--threshold-tau", "--threshold-rate")
+        for value in _flag_values("1e9") + ["1.5"]
+        if (flag, value) != ("--threshold-tau", "1.5")
+    ],
+)
 def test_compare_refuses_a_threshold_that_would_switch_the_gate_off(tmp_path, flag, value):
     result = invoke("compare", tmp_path / "a", tmp_path / "b", f"{flag}={value}")
     if value in ("abc", "0x10", "1,5"):  # Click refuses these itself: still exit 2 without a traceback
@@ -72,10 +81,29 @@ def _fair(name: str, value) -> bool:
     return (name == "threshold_tau" and value == 0) or (value == 2.5 and name != "min_drafts")
 
 
-@pytest.mark.parametrize(("name", "value"), [
-    (name, value) for name in ("threshold_tau", "speedup_floor", "min_drafts")
-    for value in (float("nan"), float("inf"), float("-inf"), -1, 0, 1e300, 10**400, "nan", "inf", "abc", True, [1], 2.5)
-    if not _fair(name, value)])
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        (name, value)
+        for name in ("threshold_tau", "speedup_floor", "min_drafts")
+        for value in (
+            float("nan"),
+            float("inf"),
+            float("-inf"),
+            -1,
+            0,
+            1e300,
+            10**400,
+            "nan",
+            "inf",
+            "abc",
+            True,
+            [1],
+            2.5,
+        )
+        if not _fair(name, value)
+    ],
+)
 def test_watch_thresholds_from_the_table_or_flags_are_finite_and_in_range(name, value):
     for table, flags in (({name: value}, {}), ({}, {name: value})):
         with pytest.raises(UsageError) as caught:
@@ -120,21 +148,26 @@ def test_watch_flags_refuse_non_finite_values(tmp_path, flag, value):
     assert result.exit_code == 2, result.output
     assert "Traceback" not in result.output
     named = {"--threshold-tau": "threshold_tau", "--speedup-floor": "speedup_floor", "--min-drafts": "min"}.get(flag)
-    assert (named in result.output) if named else ("duration" in result.output or "window and interval" in result.output)
+    assert (
+        (named in result.output) if named else ("duration" in result.output or "window and interval" in result.output)
+    )
 
 
 # ------------------------------------------------------------------------------------------- config-file numbers
 
 
 @pytest.mark.parametrize("toml_value", ["nan", "+nan", "inf", "-inf", "+inf", "-1.0", "1e300"])
-@pytest.mark.parametrize(("key", "label"), [
-    ("temperature", "--temperature"),
-    ("engine_timeout_s", "--engine-timeout"),
-    ("thresholds.confident_max_entropy", "confident_max_entropy"),
-    ("thresholds.confident_min_margin", "confident_min_margin"),
-    ("watch.threshold_tau", "threshold_tau"),
-    ("watch.speedup_floor", "speedup_floor"),
-])
+@pytest.mark.parametrize(
+    ("key", "label"),
+    [
+        ("temperature", "--temperature"),
+        ("engine_timeout_s", "--engine-timeout"),
+        ("thresholds.confident_max_entropy", "confident_max_entropy"),
+        ("thresholds.confident_min_margin", "confident_min_margin"),
+        ("watch.threshold_tau", "threshold_tau"),
+        ("watch.speedup_floor", "speedup_floor"),
+    ],
+)
 def test_config_file_numbers_are_finite_and_in_range(tmp_path, toml_value, key, label):
     section, _, name = key.rpartition(".")
     text = f"[{section}]\n{name} = {toml_value}\n" if section else f"{name} = {toml_value}\n"

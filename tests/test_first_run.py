@@ -26,5 +26,7 @@ def test_the_demo_gguf_converts_from_an_empty_cache_into_the_drafts_target(tmp_p
     recorded = read_config_json(loading.DEMO_DRAFT_DIR)["dflash_doctor"]["target_weights_fingerprint"]
     assert loading.weights_fingerprint(loading.load_causal_lm(model_dir)) == recorded
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True
+    )
     assert prompt.endswith("<|im_start|>assistant\n")

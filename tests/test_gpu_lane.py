@@ -34,16 +34,31 @@ def cuda_machine() -> None:
     if not torch.cuda.is_available():
         pytest.fail("the GPU lane (-m gpu) needs a CUDA device; torch sees none", pytrace=False)
 
+
 BLOCK = 8
 K = str(BLOCK - 1)
 WORKLOAD = ("--workload", "demo", "--max-requests", "6", "--max-new-tokens", "48")
-SHAPE = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
-             intermediate_size=1024, vocab_size=151_936, max_position_embeddings=4096, tie_word_embeddings=False,
-             # peaked logits: float32 argmax ties between two devices' roundings stay out of reach
-             initializer_range=0.08)
-HYBRID = dict(layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 2,
-              linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=64, linear_value_head_dim=64,
-              linear_conv_kernel_dim=4)
+SHAPE = dict(
+    hidden_size=512,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=64,
+    intermediate_size=1024,
+    vocab_size=151_936,
+    max_position_embeddings=4096,
+    tie_word_embeddings=False,
+    # peaked logits: float32 argmax ties between two devices' roundings stay out of reach
+    initializer_range=0.08,
+)
+HYBRID = dict(
+    layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 2,
+    linear_num_key_heads=4,
+    linear_num_value_heads=8,
+    linear_key_head_dim=64,
+    linear_value_head_dim=64,
+    linear_conv_kernel_dim=4,
+)
 # a gap between two logits, relative to the largest, within which two kernels' summation orders may pick
 # differently (flash-linear-attention's chunked kernel, which verifies K + 1 tokens, and its recurrent one, which
 # decodes one, sum in different orders)
@@ -65,11 +80,25 @@ def _save_pair(folder: Path, target_config) -> tuple[Path, Path]:
     target.save_pretrained(folder / "target")
     AutoTokenizer.from_pretrained(npm_tokenizer_dir("qwen3")).save_pretrained(folder / "target")
     text = target_config.get_text_config()
-    draft = DFlashDraftModel(DFlashConfig(
-        hidden_size=text.hidden_size, num_hidden_layers=2, num_attention_heads=text.num_attention_heads,
-        num_key_value_heads=text.num_key_value_heads, head_dim=text.head_dim, intermediate_size=text.intermediate_size,
-        vocab_size=text.vocab_size, block_size=BLOCK, target_layer_ids=[1, 4, 7], mask_token_id=151_669,
-        num_target_layers=text.num_hidden_layers)).float().eval()
+    draft = (
+        DFlashDraftModel(
+            DFlashConfig(
+                hidden_size=text.hidden_size,
+                num_hidden_layers=2,
+                num_attention_heads=text.num_attention_heads,
+                num_key_value_heads=text.num_key_value_heads,
+                head_dim=text.head_dim,
+                intermediate_size=text.intermediate_size,
+                vocab_size=text.vocab_size,
+                block_size=BLOCK,
+                target_layer_ids=[1, 4, 7],
+                mask_token_id=151_669,
+                num_target_layers=text.num_hidden_layers,
+            )
+        )
+        .float()
+        .eval()
+    )
     save_dflash_draft(draft, folder / "draft")
     return folder / "target", folder / "draft"
 
@@ -109,8 +138,13 @@ def hybrid(tmp_path_factory) -> tuple[Path, Path]:
 def doctor(*args, prelude: str = "") -> subprocess.CompletedProcess:
     """`dflash-doctor ARGS` in its own process; ``prelude`` is Python run before the CLI starts."""
     code = f"{prelude}import sys; from dflash_doctor.cli import main; sys.argv[0] = 'dflash-doctor'; main()"
-    return subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1"}, timeout=900)
+    return subprocess.run(
+        [sys.executable, "-c", code, *map(str, args)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        timeout=900,
+    )
 
 
 def ok(result: subprocess.CompletedProcess) -> None:
@@ -138,8 +172,22 @@ def test_check_on_cuda_exits_0_and_is_lossless(dense, close_draft, tmp_path, dty
     """`check` on a pair that deserves a pass, in both dtypes: exit 0, and in bfloat16 the lossless check does
     not fail a lossless engine (the verify pass and the target's own decoding round differently there)."""
     target, _ = dense
-    result = doctor("check", "--target", target, "--draft", close_draft, *WORKLOAD, "--k", "4", "--device", "cuda",
-                    "--dtype", dtype, "--out", tmp_path / "check")
+    result = doctor(
+        "check",
+        "--target",
+        target,
+        "--draft",
+        close_draft,
+        *WORKLOAD,
+        "--k",
+        "4",
+        "--device",
+        "cuda",
+        "--dtype",
+        dtype,
+        "--out",
+        tmp_path / "check",
+    )
     ok(result)
     assert lossless_holds(tmp_path / "check", dtype)
     assert json.loads((tmp_path / "check" / "run.json").read_text())["summary"]["overall"]["mean_acceptance_length"] > 2
@@ -173,8 +221,22 @@ def test_check_of_a_dflash_draft_on_cuda_reaches_a_verdict_with_token_records(de
     compiled columns have their own test below)."""
     target, draft = dense
     run = tmp_path / "check"
-    result = doctor("check", "--target", target, "--draft", draft, *WORKLOAD, "--k", K, "--device", "cuda",
-                    "--dtype", dtype, "--out", run)
+    result = doctor(
+        "check",
+        "--target",
+        target,
+        "--draft",
+        draft,
+        *WORKLOAD,
+        "--k",
+        K,
+        "--device",
+        "cuda",
+        "--dtype",
+        dtype,
+        "--out",
+        run,
+    )
     reaches_a_verdict(result, run, dtype)
     tokens = pd.read_parquet(run / "tokens.parquet")
     assert len(tokens) > 0 and tokens["target_topk_ids"].map(len).eq(5).all()
@@ -185,8 +247,24 @@ def test_float32_replay_on_cuda_equals_the_cpus_token_for_token(dense, tmp_path)
     runs = {}
     for device in ("cuda", "cpu"):
         runs[device] = tmp_path / device
-        ok(doctor("replay", "--target", target, "--draft", draft, *WORKLOAD, "--k", K, "--device", device,
-                  "--dtype", "float32", "--out", runs[device]))
+        ok(
+            doctor(
+                "replay",
+                "--target",
+                target,
+                "--draft",
+                draft,
+                *WORKLOAD,
+                "--k",
+                K,
+                "--device",
+                device,
+                "--dtype",
+                "float32",
+                "--out",
+                runs[device],
+            )
+        )
     assert outputs(runs["cuda"]) == outputs(runs["cpu"])
     assert steps(runs["cuda"]) == steps(runs["cpu"])
     cuda, cpu = (pd.read_parquet(runs[d] / "tokens.parquet") for d in ("cuda", "cpu"))
@@ -197,8 +275,24 @@ def test_float32_replay_on_cuda_equals_the_cpus_token_for_token(dense, tmp_path)
 def test_sweep_and_compare_on_cuda(dense, tmp_path):
     target, draft = dense
     for name in ("a", "b"):
-        ok(doctor("sweep", "--target", target, "--draft", draft, *WORKLOAD, "--k", "1-7", "--device", "cuda",
-                  "--dtype", "bfloat16", "--out", tmp_path / name))
+        ok(
+            doctor(
+                "sweep",
+                "--target",
+                target,
+                "--draft",
+                draft,
+                *WORKLOAD,
+                "--k",
+                "1-7",
+                "--device",
+                "cuda",
+                "--dtype",
+                "bfloat16",
+                "--out",
+                tmp_path / name,
+            )
+        )
     result = doctor("compare", tmp_path / "a", tmp_path / "b")
     ok(result)
 
@@ -213,14 +307,40 @@ def test_hybrid_replay_on_cuda_equals_hf_greedy_generate(hybrid, tmp_path, fla):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     target, draft = hybrid
-    prompts = {f"{cls}-{i}": f"Question {i} about {cls}: explain step by step what happens next." for i in range(2)
-               for cls in ("chat", "code", "math")}
+    prompts = {
+        f"{cls}-{i}": f"Question {i} about {cls}: explain step by step what happens next."
+        for i in range(2)
+        for cls in ("chat", "code", "math")
+    }
     workload = tmp_path / "prompts.jsonl"
-    workload.write_text("".join(json.dumps({"id": rid, "class": rid.split("-")[0], "prompt": text}) + "\n"
-                                for rid, text in prompts.items()))
+    workload.write_text(
+        "".join(
+            json.dumps({"id": rid, "class": rid.split("-")[0], "prompt": text}) + "\n" for rid, text in prompts.items()
+        )
+    )
     out = tmp_path / "replay"
-    ok(doctor("replay", "--target", target, "--draft", draft, "--workload", workload, "--max-new-tokens", "48", "--k", K,
-              "--device", "cuda", "--dtype", "float32", "--out", out, prelude=WITHOUT_FLA if fla == "without" else ""))
+    ok(
+        doctor(
+            "replay",
+            "--target",
+            target,
+            "--draft",
+            draft,
+            "--workload",
+            workload,
+            "--max-new-tokens",
+            "48",
+            "--k",
+            K,
+            "--device",
+            "cuda",
+            "--dtype",
+            "float32",
+            "--out",
+            out,
+            prelude=WITHOUT_FLA if fla == "without" else "",
+        )
+    )
     tokenizer = AutoTokenizer.from_pretrained(target)
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).cuda().eval()
     produced = outputs(out)
@@ -228,10 +348,17 @@ def test_hybrid_replay_on_cuda_equals_hf_greedy_generate(hybrid, tmp_path, fla):
     for rid, text in prompts.items():
         ids = torch.tensor([tokenizer(text)["input_ids"]], device="cuda")
         with torch.inference_mode():
-            greedy = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                    max_new_tokens=len(produced[rid]), eos_token_id=None, pad_token_id=0,
-                                    output_scores=True, return_dict_in_generate=True)
-        expected = greedy.sequences[0, ids.shape[1]:].tolist()
+            greedy = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=len(produced[rid]),
+                eos_token_id=None,
+                pad_token_id=0,
+                output_scores=True,
+                return_dict_in_generate=True,
+            )
+        expected = greedy.sequences[0, ids.shape[1] :].tolist()
         ours = [int(token) for token in produced[rid]]
         parted = next((i for i, (a, b) in enumerate(zip(expected, ours)) if a != b), None)
         if fla == "without" or parted is None:
@@ -249,29 +376,133 @@ def test_hybrid_replay_on_cuda_equals_hf_greedy_generate(hybrid, tmp_path, fla):
 def test_hybrid_check_and_sweep_on_cuda_in_bfloat16(hybrid, tmp_path):
     target, draft = hybrid
     run = tmp_path / "check"
-    reaches_a_verdict(doctor("check", "--target", target, "--draft", draft, *WORKLOAD, "--k", K, "--device", "cuda",
-                             "--dtype", "bfloat16", "--out", run), run, "bfloat16")
-    ok(doctor("sweep", "--target", target, "--draft", draft, *WORKLOAD, "--k", "1-7", "--device", "cuda",
-              "--dtype", "bfloat16", "--out", tmp_path / "sweep"))
+    reaches_a_verdict(
+        doctor(
+            "check",
+            "--target",
+            target,
+            "--draft",
+            draft,
+            *WORKLOAD,
+            "--k",
+            K,
+            "--device",
+            "cuda",
+            "--dtype",
+            "bfloat16",
+            "--out",
+            run,
+        ),
+        run,
+        "bfloat16",
+    )
+    ok(
+        doctor(
+            "sweep",
+            "--target",
+            target,
+            "--draft",
+            draft,
+            *WORKLOAD,
+            "--k",
+            "1-7",
+            "--device",
+            "cuda",
+            "--dtype",
+            "bfloat16",
+            "--out",
+            tmp_path / "sweep",
+        )
+    )
 
 
 def test_train_draft_runs_a_few_steps_on_cuda_and_its_draft_replays(dense, tmp_path):
     target, _ = dense
     out = tmp_path / "trained"
-    ok(doctor("train-draft", "--target", target, *WORKLOAD, "--device", "cuda", "--dtype", "bfloat16", "--num-layers", "1",
-              "--block-size", str(BLOCK), "--steps", "20", "--batch-size", "4", "--eval-requests", "0", "--out", out))
-    ok(doctor("replay", "--target", target, "--draft", out, *WORKLOAD, "--k", K, "--device", "cuda",
-              "--dtype", "bfloat16", "--out", tmp_path / "replay"))
+    ok(
+        doctor(
+            "train-draft",
+            "--target",
+            target,
+            *WORKLOAD,
+            "--device",
+            "cuda",
+            "--dtype",
+            "bfloat16",
+            "--num-layers",
+            "1",
+            "--block-size",
+            str(BLOCK),
+            "--steps",
+            "20",
+            "--batch-size",
+            "4",
+            "--eval-requests",
+            "0",
+            "--out",
+            out,
+        )
+    )
+    ok(
+        doctor(
+            "replay",
+            "--target",
+            target,
+            "--draft",
+            out,
+            *WORKLOAD,
+            "--k",
+            K,
+            "--device",
+            "cuda",
+            "--dtype",
+            "bfloat16",
+            "--out",
+            tmp_path / "replay",
+        )
+    )
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="check --devices needs two GPUs")
 def test_check_devices_spreads_the_requests_over_two_gpus(dense, tmp_path):
     target, draft = dense
     one, two = tmp_path / "one", tmp_path / "two"
-    ok(doctor("replay", "--target", target, "--draft", draft, *WORKLOAD, "--k", K, "--device", "cuda:0",
-              "--dtype", "float32", "--out", one))
-    ok(doctor("check", "--target", target, "--draft", draft, *WORKLOAD, "--k", K, "--devices", "cuda:0,cuda:1",
-              "--dtype", "float32", "--out", two))
+    ok(
+        doctor(
+            "replay",
+            "--target",
+            target,
+            "--draft",
+            draft,
+            *WORKLOAD,
+            "--k",
+            K,
+            "--device",
+            "cuda:0",
+            "--dtype",
+            "float32",
+            "--out",
+            one,
+        )
+    )
+    ok(
+        doctor(
+            "check",
+            "--target",
+            target,
+            "--draft",
+            draft,
+            *WORKLOAD,
+            "--k",
+            K,
+            "--devices",
+            "cuda:0,cuda:1",
+            "--dtype",
+            "float32",
+            "--out",
+            two,
+        )
+    )
     assert outputs(one) == outputs(two)
 
 
@@ -297,6 +528,7 @@ def test_a_failing_compiler_on_cuda_gives_the_compiled_columns_eagerly(monkeypat
     def compile_that_fails(fn, **options):
         def run(*args):
             raise RuntimeError("an Inductor failure")
+
         return run
 
     monkeypatch.setattr(torch, "compile", compile_that_fails)
@@ -324,10 +556,19 @@ def eagle3_head(dense) -> Path:
 
     target, _ = dense
     torch.manual_seed(2)
-    config = Eagle3Config(layer_type="qwen3", hidden_size=SHAPE["hidden_size"], num_attention_heads=SHAPE["num_attention_heads"],
-                          num_key_value_heads=SHAPE["num_key_value_heads"], head_dim=SHAPE["head_dim"],
-                          intermediate_size=SHAPE["intermediate_size"], rms_norm_eps=1e-6, target_hidden_size=SHAPE["hidden_size"],
-                          target_vocab_size=SHAPE["vocab_size"], draft_vocab_size=4096, aux_layer_ids=[1, 4, 6])
+    config = Eagle3Config(
+        layer_type="qwen3",
+        hidden_size=SHAPE["hidden_size"],
+        num_attention_heads=SHAPE["num_attention_heads"],
+        num_key_value_heads=SHAPE["num_key_value_heads"],
+        head_dim=SHAPE["head_dim"],
+        intermediate_size=SHAPE["intermediate_size"],
+        rms_norm_eps=1e-6,
+        target_hidden_size=SHAPE["hidden_size"],
+        target_vocab_size=SHAPE["vocab_size"],
+        draft_vocab_size=4096,
+        aux_layer_ids=[1, 4, 6],
+    )
     head = Eagle3DraftModel(config, own_embedding=False, own_lm_head=True).float()
     with torch.no_grad():
         for parameter in head.parameters():
@@ -346,14 +587,27 @@ def mtp_target(tmp_path_factory) -> Path:
     from safetensors.torch import load_file, save_file
     from transformers import Qwen3_5TextConfig
 
-    target, _ = _save_pair(tmp_path_factory.mktemp("mtp"), Qwen3_5TextConfig(**SHAPE, layer_types=["full_attention"] * 8))
+    target, _ = _save_pair(
+        tmp_path_factory.mktemp("mtp"), Qwen3_5TextConfig(**SHAPE, layer_types=["full_attention"] * 8)
+    )
     tensors = load_file(target / "model.safetensors")
     torch.manual_seed(3)
     hidden = SHAPE["hidden_size"]
-    tensors.update({name.replace("model.layers.0.", "mtp.layers.0."): tensor.clone()
-                    for name, tensor in tensors.items() if name.startswith("model.layers.0.")})
-    tensors.update({"mtp.fc.weight": torch.randn(hidden, 2 * hidden) * 0.05, "mtp.pre_fc_norm_embedding.weight": torch.ones(hidden),
-                    "mtp.pre_fc_norm_hidden.weight": torch.ones(hidden), "mtp.norm.weight": torch.ones(hidden)})
+    tensors.update(
+        {
+            name.replace("model.layers.0.", "mtp.layers.0."): tensor.clone()
+            for name, tensor in tensors.items()
+            if name.startswith("model.layers.0.")
+        }
+    )
+    tensors.update(
+        {
+            "mtp.fc.weight": torch.randn(hidden, 2 * hidden) * 0.05,
+            "mtp.pre_fc_norm_embedding.weight": torch.ones(hidden),
+            "mtp.pre_fc_norm_hidden.weight": torch.ones(hidden),
+            "mtp.norm.weight": torch.ones(hidden),
+        }
+    )
     save_file(tensors, target / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((target / "config.json").read_text())
     config["mtp_num_hidden_layers"] = 1
@@ -365,8 +619,24 @@ def _same_replay_on_both_devices(target: Path, draft: Path | str, tmp_path: Path
     runs = {}
     for device in ("cuda", "cpu"):
         runs[device] = tmp_path / device
-        ok(doctor("replay", "--target", target, "--draft", draft, *WORKLOAD, "--k", "4", "--device", device,
-                  "--dtype", "float32", "--out", runs[device]))
+        ok(
+            doctor(
+                "replay",
+                "--target",
+                target,
+                "--draft",
+                draft,
+                *WORKLOAD,
+                "--k",
+                "4",
+                "--device",
+                device,
+                "--dtype",
+                "float32",
+                "--out",
+                runs[device],
+            )
+        )
     assert outputs(runs["cuda"]) == outputs(runs["cpu"])
     assert steps(runs["cuda"]) == steps(runs["cpu"])
     cuda, cpu = (pd.read_parquet(runs[d] / "tokens.parquet") for d in ("cuda", "cpu"))
@@ -386,8 +656,26 @@ def test_head_to_head_of_every_speculator_kind_on_cuda_in_bfloat16(dense, eagle3
     """DFlash, EAGLE-3, n-gram and suffix decoding on one target and one set of turns: a table and a verdict, no crash."""
     target, draft = dense
     out = tmp_path / "h2h"
-    result = doctor("check", "--target", target, "--draft", draft, "--draft", eagle3_head, "--draft", "ngram", "--draft", "suffix",
-                    *WORKLOAD, "--device", "cuda", "--dtype", "bfloat16", "--out", out)
+    result = doctor(
+        "check",
+        "--target",
+        target,
+        "--draft",
+        draft,
+        "--draft",
+        eagle3_head,
+        "--draft",
+        "ngram",
+        "--draft",
+        "suffix",
+        *WORKLOAD,
+        "--device",
+        "cuda",
+        "--dtype",
+        "bfloat16",
+        "--out",
+        out,
+    )
     assert result.returncode in (0, 1) and "Traceback" not in result.stderr, result.stderr[-6000:]
     table = json.loads((out / "head_to_head.json").read_text())
     assert [s["name"] for s in table["speculators"]] == ["draft", "eagle3", "ngram", "suffix"]

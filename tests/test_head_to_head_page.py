@@ -17,53 +17,99 @@ import pytest
 from cli_helpers import invoke, pair_args
 from dashboard_app import open_app
 from dflash_doctor.checks.speculative_k import SpeculativeKCheck
-from dflash_doctor.report.head_to_head import (check_verdict, describe_sub_runs, engine_settings, html_page, markdown,
-                                               sub_run_line, write_head_to_head)
+from dflash_doctor.report.head_to_head import (
+    check_verdict,
+    describe_sub_runs,
+    engine_settings,
+    html_page,
+    markdown,
+    sub_run_line,
+    write_head_to_head,
+)
 from dflash_doctor.rundir.tables import HEAD_TO_HEAD_JSON, RUN_JSON
 
 HOSTILE = "<script>alert(1)</script>](http://tracker.example/p.png)"
 
 
 def _row(name: str, k: int, speedup: float, low: float, high: float) -> dict:
-    return {"speculator": name, "best_k": k, "tau": 2.5, "tau_ci": [2.4, 2.6], "speedup": speedup, "speedup_ci": [low, high],
-            "speedup_by_k": {str(k): speedup}, "acceptance_rate_per_pos": [0.8, 0.6, 0.4], "num_drafts": 50}
+    return {
+        "speculator": name,
+        "best_k": k,
+        "tau": 2.5,
+        "tau_ci": [2.4, 2.6],
+        "speedup": speedup,
+        "speedup_ci": [low, high],
+        "speedup_by_k": {str(k): speedup},
+        "acceptance_rate_per_pos": [0.8, 0.6, 0.4],
+        "num_drafts": 50,
+    }
 
 
 def _verdict(text: str, decisive: bool, winner: str | None = "eagle3") -> dict:
-    return {"winner": winner, "runner_up": "ngram" if winner else None, "ratio": 1.4, "ratio_ci": [1.2, 1.6],
-            "decisive": decisive, "text": text}
+    return {
+        "winner": winner,
+        "runner_up": "ngram" if winner else None,
+        "ratio": 1.4,
+        "ratio_ci": [1.2, 1.6],
+        "decisive": decisive,
+        "text": text,
+    }
 
 
 def _head_to_head(root: Path, checks: dict[str, list[tuple[str, str]]]) -> dict:
     """A head-to-head of an EAGLE-3 head (decisive overall, undecided for code) and n-gram lookup, with each
     sub-run's run.json under ``root`` as the pipeline leaves them before the pages are written."""
-    kinds = {"eagle3": ("eagle3", str(root.parent / "models" / "head")),
-             "ngram": ("ngram", "ngram:prompt_lookup_min=2,prompt_lookup_max=5")}
+    kinds = {
+        "eagle3": ("eagle3", str(root.parent / "models" / "head")),
+        "ngram": ("ngram", "ngram:prompt_lookup_min=2,prompt_lookup_max=5"),
+    }
     for name, (kind, draft) in kinds.items():
         (root / name).mkdir(parents=True)
         facts = {"prompt_lookup_min": 2, "prompt_lookup_max": 5} if kind == "ngram" else {}
         record = {
-            "command": "check", "tool_version": "9.9.9", "created_at": "2026-12-01T10:00:00+00:00",
+            "command": "check",
+            "tool_version": "9.9.9",
+            "created_at": "2026-12-01T10:00:00+00:00",
             "environment": {"platform": "Linux-test", "python": "3.11.7", "torch": "2.13.0", "gpu": "NVIDIA H200"},
             "models": {"draft": {"id": draft, "kind": kind, "device": "cuda", **facts}},
-            "config": {"target": str(root.parent / "models" / "target"), "draft": draft, "workload": "demo",
-                       "k": [1, 2, 3, 4], "max_new_tokens": 64, "seed": 0, "device": "cuda", "classes": []},
+            "config": {
+                "target": str(root.parent / "models" / "target"),
+                "draft": draft,
+                "workload": "demo",
+                "k": [1, 2, 3, 4],
+                "max_new_tokens": 64,
+                "seed": 0,
+                "device": "cuda",
+                "classes": [],
+            },
             "checks": [{"id": i, "status": s, "summary": f"{i} said {s}"} for i, s in checks[name]],
         }
         (root / name / RUN_JSON).write_text(json.dumps(record))
     return {
-        "speculators": [{"name": name, "draft": draft, "kind": kind, "run_dir": str(root / name)}
-                        for name, (kind, draft) in kinds.items()],
-        "costs": {"source": "measured", "device": "cuda", "t_decode_s": 0.02, "t_verify_s": {"3": 0.025},
-                  "t_draft_s": {"eagle3": {"3": 0.004}, "ngram": {"3": 0.0001}},
-                  "t_decode_s_ci": [0.019, 0.021], "t_verify_s_ci": {"3": [0.024, 0.026]},
-                  "t_draft_s_ci": {"eagle3": {"3": [0.0039, 0.0041]}, "ngram": {"3": [0.00009, 0.00011]}},
-                  "timing_violations": []},
+        "speculators": [
+            {"name": name, "draft": draft, "kind": kind, "run_dir": str(root / name)}
+            for name, (kind, draft) in kinds.items()
+        ],
+        "costs": {
+            "source": "measured",
+            "device": "cuda",
+            "t_decode_s": 0.02,
+            "t_verify_s": {"3": 0.025},
+            "t_draft_s": {"eagle3": {"3": 0.004}, "ngram": {"3": 0.0001}},
+            "t_decode_s_ci": [0.019, 0.021],
+            "t_verify_s_ci": {"3": [0.024, 0.026]},
+            "t_draft_s_ci": {"eagle3": {"3": [0.0039, 0.0041]}, "ngram": {"3": [0.00009, 0.00011]}},
+            "timing_violations": [],
+        },
         "scopes": {
-            "overall": {"rows": [_row("eagle3", 3, 1.9, 1.7, 2.1), _row("ngram", 3, 1.3, 1.2, 1.4)],
-                        "verdict": _verdict("overall: deploy eagle3 at K=3 (1.90x [1.70, 2.10])", True)},
-            "code": {"rows": [_row("eagle3", 2, 1.2, 0.9, 1.5), _row("ngram", 4, 1.1, 0.9, 1.3)],
-                     "verdict": _verdict("for code: no clear winner: eagle3 leads at K=2", False)},
+            "overall": {
+                "rows": [_row("eagle3", 3, 1.9, 1.7, 2.1), _row("ngram", 3, 1.3, 1.2, 1.4)],
+                "verdict": _verdict("overall: deploy eagle3 at K=3 (1.90x [1.70, 2.10])", True),
+            },
+            "code": {
+                "rows": [_row("eagle3", 2, 1.2, 0.9, 1.5), _row("ngram", 4, 1.1, 0.9, 1.3)],
+                "verdict": _verdict("for code: no clear winner: eagle3 leads at K=2", False),
+            },
         },
     }
 
@@ -71,16 +117,26 @@ def _head_to_head(root: Path, checks: dict[str, list[tuple[str, str]]]) -> dict:
 @pytest.fixture
 def page(tmp_path):
     root = tmp_path / "runs" / "h2h"
-    data = _head_to_head(root, {"eagle3": [("acceptance", "warn"), ("eagle3-config", "warn"), ("lossless", "pass")],
-                                "ngram": [("lossless", "pass"), ("timing", "pass")]})
+    data = _head_to_head(
+        root,
+        {
+            "eagle3": [("acceptance", "warn"), ("eagle3-config", "warn"), ("lossless", "pass")],
+            "ngram": [("lossless", "pass"), ("timing", "pass")],
+        },
+    )
     write_head_to_head(root, data)
     return root, data
 
 
 def test_a_warned_sub_run_is_named_warn_with_its_check_ids():
-    verdict, flagged = check_verdict([("lossless", "pass"), ("acceptance", "warn"), ("eagle3-config", "fail"), ("x", "skip")])
+    verdict, flagged = check_verdict(
+        [("lossless", "pass"), ("acceptance", "warn"), ("eagle3-config", "fail"), ("x", "skip")]
+    )
     assert (verdict, flagged) == ("fail", ["eagle3-config", "acceptance"])
-    assert sub_run_line("eagle3", *check_verdict([("acceptance", "warn"), ("lossless", "pass")])) == "eagle3: warn (acceptance)"
+    assert (
+        sub_run_line("eagle3", *check_verdict([("acceptance", "warn"), ("lossless", "pass")]))
+        == "eagle3: warn (acceptance)"
+    )
     assert sub_run_line("ngram", *check_verdict([("lossless", "pass")])) == "ngram: pass"
 
 
@@ -99,7 +155,10 @@ def test_the_html_page_links_each_report_and_holds_costs_settings_checks_and_pro
     assert "--speculative-algorithm EAGLE3" in text and "--speculative-num-draft-tokens 4" in text
     # the undecided class names the leader's setting as a choice, not a decision
     assert "if you deploy the leader anyway (eagle3 at K=2; not decided):" in text
-    assert "dflash-doctor check --target ../models/target --draft ../models/head --max-new-tokens 64 --k 1-4 --device cuda" in text
+    assert (
+        "dflash-doctor check --target ../models/target --draft ../models/head --max-new-tokens 64 --k 1-4 --device cuda"
+        in text
+    )
     saved = json.loads((root / HEAD_TO_HEAD_JSON).read_text())
     assert saved == data and saved["speculators"][0]["verdict"] == "warn"
 
@@ -116,15 +175,24 @@ def test_the_settings_count_k_as_the_single_checks_advice_does():
     """vLLM and llama.cpp count the drafted tokens, SGLang the anchor too: the same numbers as speculative-k's fix."""
     for k in (1, 3, 7):
         fix = SpeculativeKCheck._fix("overall", k)
-        numbers = re.findall(r"num_speculative_tokens=(\d+).*--speculative-num-draft-tokens (\d+).*--spec-draft-n-max (\d+)", fix)[0]
+        numbers = re.findall(
+            r"num_speculative_tokens=(\d+).*--speculative-num-draft-tokens (\d+).*--spec-draft-n-max (\d+)", fix
+        )[0]
         dflash = engine_settings("dflash", "x", {}, k)
         assert f'"num_speculative_tokens": {numbers[0]}' in dflash["vLLM"]
         assert f"--speculative-num-draft-tokens {numbers[1]}" in dflash["SGLang"]
         assert f"--spec-draft-n-max {numbers[2]}" in dflash["llama.cpp"]
     ngram = engine_settings("ngram", "ngram", {"prompt_lookup_min": 2, "prompt_lookup_max": 5, "max_model_len": 9}, 4)
-    assert json.loads(ngram["vLLM"].split("'")[1]) == {"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 5,
-                                                        "num_speculative_tokens": 4}
-    assert json.loads(engine_settings("mtp", "mtp", {}, 2)["vLLM"].split("'")[1]) == {"method": "mtp", "num_speculative_tokens": 2}
+    assert json.loads(ngram["vLLM"].split("'")[1]) == {
+        "method": "ngram",
+        "prompt_lookup_min": 2,
+        "prompt_lookup_max": 5,
+        "num_speculative_tokens": 4,
+    }
+    assert json.loads(engine_settings("mtp", "mtp", {}, 2)["vLLM"].split("'")[1]) == {
+        "method": "mtp",
+        "num_speculative_tokens": 2,
+    }
     assert "serve it with vLLM" in ngram["SGLang"]
 
 
@@ -163,9 +231,26 @@ def cli_run(tiny_dir, tmp_path_factory):
     """One head-to-head of the tiny pair's DFlash draft and n-gram lookup, priced with a profile, --fail-on warn."""
     root = tmp_path_factory.mktemp("h2h_page")
     profile = root / "costs.json"
-    profile.write_text(json.dumps({"t_decode_s": 0.010, "t_verify_s": {"1": 0.011, "2": 0.012}, "t_draft_s": {"1": 0.001, "2": 0.002}}))
-    result = invoke("check", *pair_args(tiny_dir, tiny_dir / "dflash", "--draft", "ngram:prompt_lookup_min=1,prompt_lookup_max=3",
-                                        "--cost-profile", profile, "--k", "1-2", "--fail-on", "warn", "--out", root / "h2h"))
+    profile.write_text(
+        json.dumps({"t_decode_s": 0.010, "t_verify_s": {"1": 0.011, "2": 0.012}, "t_draft_s": {"1": 0.001, "2": 0.002}})
+    )
+    result = invoke(
+        "check",
+        *pair_args(
+            tiny_dir,
+            tiny_dir / "dflash",
+            "--draft",
+            "ngram:prompt_lookup_min=1,prompt_lookup_max=3",
+            "--cost-profile",
+            profile,
+            "--k",
+            "1-2",
+            "--fail-on",
+            "warn",
+            "--out",
+            root / "h2h",
+        ),
+    )
     return root / "h2h", result
 
 
@@ -191,7 +276,8 @@ def test_the_written_page_links_each_sub_run_of_a_real_head_to_head(cli_run):
     data = json.loads((root / HEAD_TO_HEAD_JSON).read_text())
     assert [s["verdict"] for s in data["speculators"]] == [
         check_verdict((c["id"], c["status"]) for c in json.loads((root / n / RUN_JSON).read_text())["checks"])[0]
-        for n in ("dflash", "ngram")]
+        for n in ("dflash", "ngram")
+    ]
 
 
 def test_a_copied_page_still_renders_without_the_sub_run_facts(page):
@@ -199,6 +285,16 @@ def test_a_copied_page_still_renders_without_the_sub_run_facts(page):
     _, data = page
     older = copy.deepcopy(data)
     for speculator in older["speculators"]:
-        for key in ("verdict", "flagged", "checks", "report", "folder", "command", "created_at", "machine", "tool_version"):
+        for key in (
+            "verdict",
+            "flagged",
+            "checks",
+            "report",
+            "folder",
+            "command",
+            "created_at",
+            "machine",
+            "tool_version",
+        ):
             speculator.pop(key)
     assert "Sub-runs" not in html_page(older) and "Verdict" in markdown(older)

@@ -45,8 +45,23 @@ def _help(*args: str, columns: int = 120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300, env=env)
 
 
-@pytest.mark.parametrize("command", ["check", "sweep", "tune", "replay", "tokenizers", "templates", "env", "compare", "watch",
-                                     "report", "workloads", "dashboard"])
+@pytest.mark.parametrize(
+    "command",
+    [
+        "check",
+        "sweep",
+        "tune",
+        "replay",
+        "tokenizers",
+        "templates",
+        "env",
+        "compare",
+        "watch",
+        "report",
+        "workloads",
+        "dashboard",
+    ],
+)
 def test_no_commands_help_imports_torch(command):
     result = _help(command, "--help")
     assert "Usage: dflash-doctor" in result.stdout, result.stderr
@@ -68,9 +83,16 @@ def test_check_help_lists_draft_beside_target_and_paths_as_paths():
     text = _help("check", "--help").stdout
     options = re.findall(r"^  (--[a-z-]+)", text, flags=re.M)
     assert options[options.index("--target") + 1] == "--draft", options
-    for option, metavar in (("--target", "PATH|ORG/NAME"), ("--draft", "PATH|ORG/NAME|KIND"), ("--workload", "NAME|PATH"),
-                            ("--out", "DIR"), ("--chat-template", "PATH"), ("--cost-profile", "PATH"),
-                            ("--engine-config", "PATH"), ("--config", "PATH")):
+    for option, metavar in (
+        ("--target", "PATH|ORG/NAME"),
+        ("--draft", "PATH|ORG/NAME|KIND"),
+        ("--workload", "NAME|PATH"),
+        ("--out", "DIR"),
+        ("--chat-template", "PATH"),
+        ("--cost-profile", "PATH"),
+        ("--engine-config", "PATH"),
+        ("--config", "PATH"),
+    ):
         assert re.search(rf"^  {re.escape(option)} {re.escape(metavar)}\s", text, flags=re.M), option
 
 
@@ -116,5 +138,9 @@ def test_the_light_lane_collects_with_no_error_without_the_optional_packages():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=REPO)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert " error" not in result.stdout.splitlines()[-1], result.stdout[-2000:]
-    for reason in ("official dflash 0.1.0 oracle", "playwright is installed", "prometheus-client is the exporter extra"):
+    for reason in (
+        "official dflash 0.1.0 oracle",
+        "playwright is installed",
+        "prometheus-client is the exporter extra",
+    ):
         assert reason in result.stdout, reason

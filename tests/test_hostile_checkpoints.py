@@ -30,8 +30,14 @@ from dflash_doctor.models.loading import DEMO_EAGLE3_DIR, load_causal_lm, load_d
 from tiny_models import tiny_target
 
 #: The demo head's target (SmolLM2-135M) as far as the head's loader reads it.
-TARGET = LlamaConfig(hidden_size=576, num_hidden_layers=30, vocab_size=49152, intermediate_size=1536,
-                     num_attention_heads=9, num_key_value_heads=3)
+TARGET = LlamaConfig(
+    hidden_size=576,
+    num_hidden_layers=30,
+    vocab_size=49152,
+    intermediate_size=1536,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+)
 
 
 def split(raw: bytes) -> tuple[dict, bytes]:
@@ -86,14 +92,25 @@ def _set(mapping: dict, path: str, value) -> None:
 
 HEADER_LIES = [  # B1-B8
     ("B1 norm shape 100x", lambda h: h["norm.weight"].update(shape=[57600]), "tensor 'norm.weight' spans"),
-    ("B2 offsets reversed", lambda h: h["norm.weight"].update(data_offsets=h["norm.weight"]["data_offsets"][::-1]),
-     "tensor 'norm.weight' has data_offsets"),
+    (
+        "B2 offsets reversed",
+        lambda h: h["norm.weight"].update(data_offsets=h["norm.weight"]["data_offsets"][::-1]),
+        "tensor 'norm.weight' has data_offsets",
+    ),
     ("B3 dtype Q99", lambda h: h["norm.weight"].update(dtype="Q99"), "tensor 'norm.weight' has dtype \"Q99\""),
     ("B4 offsets overlap d2t", _overlap_previous, "overlaps the tensor before it"),
     ("B5 shape -1", lambda h: h["fc.weight"].update(shape=[-1, 576]), "tensor 'fc.weight' has shape [-1, 576]"),
     ("B6 shape string", lambda h: h["norm.weight"].update(shape=["576"]), "tensor 'norm.weight' has shape [\"576\"]"),
-    ("B7 offset -8", lambda h: h["d2t"].update(data_offsets=[-8, h["d2t"]["data_offsets"][1]]), "tensor 'd2t' has data_offsets [-8"),
-    ("B8 metadata list", lambda h: h.update(__metadata__=["format", "pt"]), "__metadata__ that is not an object of strings"),
+    (
+        "B7 offset -8",
+        lambda h: h["d2t"].update(data_offsets=[-8, h["d2t"]["data_offsets"][1]]),
+        "tensor 'd2t' has data_offsets [-8",
+    ),
+    (
+        "B8 metadata list",
+        lambda h: h.update(__metadata__=["format", "pt"]),
+        "__metadata__ that is not an object of strings",
+    ),
     ("gap: a tensor dropped", lambda h: h.pop("norm.weight"), "unused"),
 ]
 
@@ -109,17 +126,33 @@ def test_a_lying_safetensors_header_is_refused_before_any_loader(tmp_path, name,
 
 
 CONFIG_LIES = [  # B9-B18
-    ("B9 target_hidden_size 576x", lambda c: _set(c, "target_hidden_size", "576x"), "`target_hidden_size` is \"576x\""),
-    ("B10 layer ids strings", lambda c: _set(c, "eagle_aux_hidden_state_layer_ids", ["8", "x", "24"]),
-     "`eagle_aux_hidden_state_layer_ids` is [\"8\", \"x\", \"24\"]"),
-    ("B11 layer ids a dict", lambda c: _set(c, "eagle_aux_hidden_state_layer_ids", {"a": 1}), "`eagle_aux_hidden_state_layer_ids` is {"),
-    ("B12 speculative_tokens seven", lambda c: _set(c["speculators_config"]["proposal_methods"][0], "speculative_tokens", "seven"),
-     "`speculators_config.proposal_methods.speculative_tokens` is \"seven\""),
+    ("B9 target_hidden_size 576x", lambda c: _set(c, "target_hidden_size", "576x"), '`target_hidden_size` is "576x"'),
+    (
+        "B10 layer ids strings",
+        lambda c: _set(c, "eagle_aux_hidden_state_layer_ids", ["8", "x", "24"]),
+        '`eagle_aux_hidden_state_layer_ids` is ["8", "x", "24"]',
+    ),
+    (
+        "B11 layer ids a dict",
+        lambda c: _set(c, "eagle_aux_hidden_state_layer_ids", {"a": 1}),
+        "`eagle_aux_hidden_state_layer_ids` is {",
+    ),
+    (
+        "B12 speculative_tokens seven",
+        lambda c: _set(c["speculators_config"]["proposal_methods"][0], "speculative_tokens", "seven"),
+        '`speculators_config.proposal_methods.speculative_tokens` is "seven"',
+    ),
     ("B13 speculators_config a list", lambda c: _set(c, "speculators_config", [1]), "`speculators_config` is [1]"),
-    ("B15 rope factor abc", lambda c: _set(c, "transformer_layer_config.rope_parameters", {"rope_type": "yarn", "factor": "abc"}),
-     "`transformer_layer_config.rope_parameters` is"),
-    ("B18 layer id 8.5", lambda c: _set(c, "eagle_aux_hidden_state_layer_ids", [8.5, 16, 24]),
-     "`eagle_aux_hidden_state_layer_ids` is [8.5, 16, 24]"),
+    (
+        "B15 rope factor abc",
+        lambda c: _set(c, "transformer_layer_config.rope_parameters", {"rope_type": "yarn", "factor": "abc"}),
+        "`transformer_layer_config.rope_parameters` is",
+    ),
+    (
+        "B18 layer id 8.5",
+        lambda c: _set(c, "eagle_aux_hidden_state_layer_ids", [8.5, 16, 24]),
+        "`eagle_aux_hidden_state_layer_ids` is [8.5, 16, 24]",
+    ),
 ]
 
 
@@ -129,20 +162,38 @@ def test_an_eagle3_config_value_of_the_wrong_type_is_refused_naming_the_key(tmp_
     for read in (check_model_folder, lambda folder: load_eagle3_head(folder, TARGET)):
         with pytest.raises(UsageError) as refused:
             read(head)
-        assert str(head / "config.json") in refused.value.message and fragment in refused.value.message, refused.value.message
+        assert str(head / "config.json") in refused.value.message and fragment in refused.value.message, (
+            refused.value.message
+        )
 
 
 HEAD_LIES = [  # the loader's own checks: B14, B16-B17 (sizes confirmed by the weights before any allocation), B19-B20
-    ("B14 heads do not divide", {"config": lambda c: _set(c, "transformer_layer_config.num_attention_heads", 7)},
-     "not a multiple of the number of attention heads (7)"),
-    ("B16 intermediate_size 1e8", {"config": lambda c: _set(c, "transformer_layer_config.intermediate_size", 10**8)},
-     "has shape [1536, 576] where the config implies [100000000, 576]"),
-    ("B17 draft_vocab_size 1e11", {"config": lambda c: _set(c, "draft_vocab_size", 10**11)},
-     "lm_head.weight has shape [8192, 576] where the config implies [100000000000, 576]"),
-    ("B19 d2t 2-D", {"tensors": lambda s: s.update(d2t=s["d2t"].reshape(64, 128))}, "d2t is a 2-D int64 tensor of shape [64, 128]"),
+    (
+        "B14 heads do not divide",
+        {"config": lambda c: _set(c, "transformer_layer_config.num_attention_heads", 7)},
+        "not a multiple of the number of attention heads (7)",
+    ),
+    (
+        "B16 intermediate_size 1e8",
+        {"config": lambda c: _set(c, "transformer_layer_config.intermediate_size", 10**8)},
+        "has shape [1536, 576] where the config implies [100000000, 576]",
+    ),
+    (
+        "B17 draft_vocab_size 1e11",
+        {"config": lambda c: _set(c, "draft_vocab_size", 10**11)},
+        "lm_head.weight has shape [8192, 576] where the config implies [100000000000, 576]",
+    ),
+    (
+        "B19 d2t 2-D",
+        {"tensors": lambda s: s.update(d2t=s["d2t"].reshape(64, 128))},
+        "d2t is a 2-D int64 tensor of shape [64, 128]",
+    ),
     ("B20 d2t float", {"tensors": lambda s: s.update(d2t=s["d2t"].double() + 0.5)}, "d2t is a 1-D float64 tensor"),
-    ("weights of an integer dtype", {"tensors": lambda s: s.update({"norm.weight": s["norm.weight"].int()})},
-     "norm.weight holds int32 values"),
+    (
+        "weights of an integer dtype",
+        {"tensors": lambda s: s.update({"norm.weight": s["norm.weight"].int()})},
+        "norm.weight holds int32 values",
+    ),
 ]
 
 
@@ -151,7 +202,9 @@ def test_an_eagle3_head_whose_config_lies_is_refused_before_allocating(tmp_path,
     head = head_copy(tmp_path, **change)
     with pytest.raises(UsageError) as refused:
         load_eagle3_head(head, TARGET)
-    assert str(head / "config.json") in refused.value.message and fragment in refused.value.message, refused.value.message
+    assert str(head / "config.json") in refused.value.message and fragment in refused.value.message, (
+        refused.value.message
+    )
 
 
 def test_the_unchanged_demo_head_loads_with_real_weights(tmp_path):
@@ -161,15 +214,29 @@ def test_the_unchanged_demo_head_loads_with_real_weights(tmp_path):
     assert torch.equal(head.fc.weight, load_file(DEMO_EAGLE3_DIR / "model.safetensors")["fc.weight"].float())
 
 
-@pytest.mark.parametrize("name, change, fragment", [
-    ("B1", {"header": HEADER_LIES[0][1]}, "tensor 'norm.weight' spans"),
-    ("B9", {"config": CONFIG_LIES[0][1]}, "`target_hidden_size` is \"576x\""),
-    ("B18", {"config": CONFIG_LIES[-1][1]}, "[8.5, 16, 24]"),
-])
+@pytest.mark.parametrize(
+    "name, change, fragment",
+    [
+        ("B1", {"header": HEADER_LIES[0][1]}, "tensor 'norm.weight' spans"),
+        ("B9", {"config": CONFIG_LIES[0][1]}, '`target_hidden_size` is "576x"'),
+        ("B18", {"config": CONFIG_LIES[-1][1]}, "[8.5, 16, 24]"),
+    ],
+)
 def test_the_cli_refuses_a_hostile_head_with_exit_2(tiny_dir, tmp_path, name, change, fragment):
     head = head_copy(tmp_path, **change)
-    result = invoke("replay", "--target", tiny_dir / "target", "--draft", head, "--workload", tiny_dir / "workload.jsonl",
-                    "--max-new-tokens", "4", "--out", tmp_path / "run")
+    result = invoke(
+        "replay",
+        "--target",
+        tiny_dir / "target",
+        "--draft",
+        head,
+        "--workload",
+        tiny_dir / "workload.jsonl",
+        "--max-new-tokens",
+        "4",
+        "--out",
+        tmp_path / "run",
+    )
     assert_usage_error(result, str(head), fragment)
 
 
@@ -179,9 +246,15 @@ def test_the_cli_refuses_a_hostile_head_with_exit_2(tiny_dir, tmp_path, name, ch
 
 def write_dflash_gguf(path: Path, *, keys=None) -> Path:
     writer = gguf.GGUFWriter(str(path), "dflash")
-    for add in keys if keys is not None else [lambda w: w.add_uint32("dflash.block_count", 1),
-                                               lambda w: w.add_array("dflash.target_layers", [1, 2]),
-                                               lambda w: w.add_uint32("tokenizer.ggml.mask_token_id", 3)]:
+    for add in (
+        keys
+        if keys is not None
+        else [
+            lambda w: w.add_uint32("dflash.block_count", 1),
+            lambda w: w.add_array("dflash.target_layers", [1, 2]),
+            lambda w: w.add_uint32("tokenizer.ggml.mask_token_id", 3),
+        ]
+    ):
         add(writer)
     writer.add_tensor("output_norm.weight", np.ones(8, np.float32))
     writer.write_header_to_file()
@@ -199,16 +272,46 @@ def _count_lie(path: Path) -> None:
 
 GGUF_LIES = [
     ("tensor count 2^40", None, _count_lie, "could not be read as a GGUF file"),
-    ("target_layers a string", [lambda w: w.add_uint32("dflash.block_count", 1), lambda w: w.add_string("dflash.target_layers", "abc"),
-                                lambda w: w.add_uint32("tokenizer.ggml.mask_token_id", 3)], None, "dflash.target_layers is 'abc'"),
-    ("mask id a string", [lambda w: w.add_uint32("dflash.block_count", 1), lambda w: w.add_array("dflash.target_layers", [1, 2]),
-                          lambda w: w.add_string("tokenizer.ggml.mask_token_id", "3")], None, "tokenizer.ggml.mask_token_id is '3'"),
-    ("window without block_count", [lambda w: w.add_array("dflash.target_layers", [1, 2]),
-                                    lambda w: w.add_uint32("tokenizer.ggml.mask_token_id", 3),
-                                    lambda w: w.add_uint32("dflash.attention.sliding_window", 64)], None,
-     "dflash.attention.sliding_window is set but neither dflash.block_count"),
-    ("block_count a string", [lambda w: w.add_string("dflash.block_count", "two"), lambda w: w.add_array("dflash.target_layers", [1, 2]),
-                              lambda w: w.add_uint32("tokenizer.ggml.mask_token_id", 3)], None, "`num_hidden_layers` is \"two\""),
+    (
+        "target_layers a string",
+        [
+            lambda w: w.add_uint32("dflash.block_count", 1),
+            lambda w: w.add_string("dflash.target_layers", "abc"),
+            lambda w: w.add_uint32("tokenizer.ggml.mask_token_id", 3),
+        ],
+        None,
+        "dflash.target_layers is 'abc'",
+    ),
+    (
+        "mask id a string",
+        [
+            lambda w: w.add_uint32("dflash.block_count", 1),
+            lambda w: w.add_array("dflash.target_layers", [1, 2]),
+            lambda w: w.add_string("tokenizer.ggml.mask_token_id", "3"),
+        ],
+        None,
+        "tokenizer.ggml.mask_token_id is '3'",
+    ),
+    (
+        "window without block_count",
+        [
+            lambda w: w.add_array("dflash.target_layers", [1, 2]),
+            lambda w: w.add_uint32("tokenizer.ggml.mask_token_id", 3),
+            lambda w: w.add_uint32("dflash.attention.sliding_window", 64),
+        ],
+        None,
+        "dflash.attention.sliding_window is set but neither dflash.block_count",
+    ),
+    (
+        "block_count a string",
+        [
+            lambda w: w.add_string("dflash.block_count", "two"),
+            lambda w: w.add_array("dflash.target_layers", [1, 2]),
+            lambda w: w.add_uint32("tokenizer.ggml.mask_token_id", 3),
+        ],
+        None,
+        '`num_hidden_layers` is "two"',
+    ),
 ]
 
 
@@ -224,7 +327,9 @@ def test_a_crafted_dflash_gguf_is_refused_in_one_sentence(tmp_path, name, keys, 
 
 def test_the_well_formed_minimal_gguf_is_read(tmp_path):
     config, state = read_gguf_draft(write_dflash_gguf(tmp_path / "draft.gguf"))
-    assert config["dflash_config"] == {"mask_token_id": 3, "target_layer_ids": [0, 1]} and list(state) == ["norm.weight"]
+    assert config["dflash_config"] == {"mask_token_id": 3, "target_layer_ids": [0, 1]} and list(state) == [
+        "norm.weight"
+    ]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -241,11 +346,15 @@ def _edited_target(tmp_path: Path, edit) -> Path:
 
 
 def test_a_target_with_an_unknown_rope_type_is_refused(tmp_path):
-    folder = _edited_target(tmp_path, lambda c: c.update(rope_parameters={"rope_type": "weird_new_type", "factor": 2.0,
-                                                                          "rope_theta": 10000.0}))
+    folder = _edited_target(
+        tmp_path,
+        lambda c: c.update(rope_parameters={"rope_type": "weird_new_type", "factor": 2.0, "rope_theta": 10000.0}),
+    )
     with pytest.raises(UsageError) as refused:
         load_causal_lm(folder)
-    assert "rope type 'weird_new_type'" in refused.value.message and str(folder / "config.json") in refused.value.message
+    assert (
+        "rope type 'weird_new_type'" in refused.value.message and str(folder / "config.json") in refused.value.message
+    )
 
 
 def test_a_target_whose_config_no_longer_matches_its_weights_is_refused(tmp_path):
@@ -265,7 +374,9 @@ def test_a_dflash_draft_whose_config_no_longer_matches_its_weights_is_refused(ti
     with pytest.raises(UsageError) as refused:
         load_dflash_draft(draft)
     message = refused.value.message
-    assert "mlp.gate_proj.weight" in message and "(config key intermediate_size)" in message and str(draft) in message, message
+    assert (
+        "mlp.gate_proj.weight" in message and "(config key intermediate_size)" in message and str(draft) in message
+    ), message
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -276,8 +387,16 @@ HOSTILE = [None, -1, 0, 1, 2**64, 2**70, 3.5, "4", True, [], [1], [0, 0], [4, 2]
 
 
 def _small_file(path: Path) -> bytes:
-    save_file({"a": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.ones(4, dtype=torch.bfloat16),
-               "c": torch.arange(5, dtype=torch.int64), "z": torch.zeros(0, 3, dtype=torch.int8)}, path, metadata={"format": "pt"})
+    save_file(
+        {
+            "a": torch.arange(6, dtype=torch.float32).reshape(2, 3),
+            "b": torch.ones(4, dtype=torch.bfloat16),
+            "c": torch.arange(5, dtype=torch.int64),
+            "z": torch.zeros(0, 3, dtype=torch.int8),
+        },
+        path,
+        metadata={"format": "pt"},
+    )
     return path.read_bytes()
 
 
@@ -326,6 +445,8 @@ def test_fuzzed_safetensors_headers_are_refused_or_load(tmp_path):
             outcomes["refused"] += 1
             continue
         tensors = load_file(path)
-        assert {n: list(t.shape) for n, t in tensors.items()} == {n: e["shape"] for n, e in checked.items() if n != "__metadata__"}
+        assert {n: list(t.shape) for n, t in tensors.items()} == {
+            n: e["shape"] for n, e in checked.items() if n != "__metadata__"
+        }
         outcomes["loaded"] += 1
     assert outcomes["refused"] > FUZZ_CASES // 2 and outcomes["loaded"] > 0, outcomes

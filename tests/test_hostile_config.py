@@ -49,35 +49,112 @@ def cloned_repo(tmp_path, monkeypatch):
 
 # (break, file written relative to the repository, its text ({url}: the recording server), flags, sentence fragments)
 REFUSED = [
-    ("C1 engine in ./doctor.toml", "doctor.toml",
-     'engine = "{url}"\nmax_requests = 1\nmax_new_tokens = 4\nout = "./escaped"\n', [], ["doctor.toml sets engine", "--engine"]),
-    ("C1 engine in ./pyproject.toml", "pyproject.toml", PYPROJECT + 'engine = "{url}"\nmax_requests = 1\n', [],
-     ["pyproject.toml sets engine", "--engine"]),
+    (
+        "C1 engine in ./doctor.toml",
+        "doctor.toml",
+        'engine = "{url}"\nmax_requests = 1\nmax_new_tokens = 4\nout = "./escaped"\n',
+        [],
+        ["doctor.toml sets engine", "--engine"],
+    ),
+    (
+        "C1 engine in ./pyproject.toml",
+        "pyproject.toml",
+        PYPROJECT + 'engine = "{url}"\nmax_requests = 1\n',
+        [],
+        ["pyproject.toml sets engine", "--engine"],
+    ),
     ("C1 engine even beside the flag", "doctor.toml", 'engine = "{url}"\n', ["--engine", "{url}"], ["sets engine"]),
-    ("C1 engine in a --config file outside the user folder", "../mine.toml", 'engine = "{url}"\n', ["--config", "../mine.toml"],
-     ["mine.toml sets engine"]),
-    ("C2 out + overwrite", "doctor.toml", 'out = "../victim"\noverwrite = true\n', ["--engine", "{url}"],
-     ["doctor.toml sets overwrite", "--overwrite"]),
-    ("C2 the file's out with the flag --overwrite", "doctor.toml", 'out = "../victim"\n', ["--engine", "{url}", "--overwrite"],
-     ["doctor.toml sets out", "--out"]),
-    ("C2 out + overwrite in pyproject", "pyproject.toml", PYPROJECT + 'out = "../victim"\noverwrite = true\n', ["--engine", "{url}"],
-     ["sets overwrite"]),
-    ("C3 tau_fail_below = nan", "doctor.toml",
-     "[checks.acceptance]\ntau_fail_below = nan\ntau_warn_below = nan\nconditional_rate_floor = nan\nmin_drafts = 1\n",
-     ["--engine", "{url}"], ["'acceptance' parameter 'tau_fail_below' nan", "finite"]),
-    ("C3 tau_warn_below = inf", "doctor.toml", "[checks.acceptance]\ntau_warn_below = inf\n", ["--engine", "{url}"],
-     ["'tau_warn_below' inf"]),
-    ("C3 a negative count", "doctor.toml", "[checks.acceptance]\nmin_drafts = -5\n", ["--engine", "{url}"], ["'min_drafts' -5", ">= 0"]),
-    ("C3 nan in pyproject", "pyproject.toml", PYPROJECT + "[tool.dflash-doctor.checks.speculative-k]\nslot_rate_floor = -inf\n",
-     ["--engine", "{url}"], ["'slot_rate_floor' -inf"]),
-    ("C4 unknown threshold keys", "pyproject.toml", PYPROJECT + "[tool.dflash-doctor.thresholds]\ntau = nan\nacceptance_fail_tau = nan\n",
-     ["--engine", "{url}"], ["[thresholds] has no key 'tau'", "strict_max_k"]),
-    ("C4 strict_max_k = 0", "doctor.toml", "[thresholds]\nstrict_max_k = 0\n", ["--engine", "{url}"], ["[thresholds] strict_max_k 0"]),
-    ("C4 strict_max_k = 2.5", "doctor.toml", "[thresholds]\nstrict_max_k = 2.5\n", ["--engine", "{url}"], ["strict_max_k 2.5", "integer"]),
-    ("C4 conservative_share = nan", "doctor.toml", "[thresholds]\nconservative_share = nan\n", ["--engine", "{url}"],
-     ["conservative_share nan"]),
-    ("C4 conservative_share = 1.5", "doctor.toml", "[thresholds]\nconservative_share = 1.5\n", ["--engine", "{url}"],
-     ["conservative_share 1.5", "<= 1"]),
+    (
+        "C1 engine in a --config file outside the user folder",
+        "../mine.toml",
+        'engine = "{url}"\n',
+        ["--config", "../mine.toml"],
+        ["mine.toml sets engine"],
+    ),
+    (
+        "C2 out + overwrite",
+        "doctor.toml",
+        'out = "../victim"\noverwrite = true\n',
+        ["--engine", "{url}"],
+        ["doctor.toml sets overwrite", "--overwrite"],
+    ),
+    (
+        "C2 the file's out with the flag --overwrite",
+        "doctor.toml",
+        'out = "../victim"\n',
+        ["--engine", "{url}", "--overwrite"],
+        ["doctor.toml sets out", "--out"],
+    ),
+    (
+        "C2 out + overwrite in pyproject",
+        "pyproject.toml",
+        PYPROJECT + 'out = "../victim"\noverwrite = true\n',
+        ["--engine", "{url}"],
+        ["sets overwrite"],
+    ),
+    (
+        "C3 tau_fail_below = nan",
+        "doctor.toml",
+        "[checks.acceptance]\ntau_fail_below = nan\ntau_warn_below = nan\nconditional_rate_floor = nan\nmin_drafts = 1\n",
+        ["--engine", "{url}"],
+        ["'acceptance' parameter 'tau_fail_below' nan", "finite"],
+    ),
+    (
+        "C3 tau_warn_below = inf",
+        "doctor.toml",
+        "[checks.acceptance]\ntau_warn_below = inf\n",
+        ["--engine", "{url}"],
+        ["'tau_warn_below' inf"],
+    ),
+    (
+        "C3 a negative count",
+        "doctor.toml",
+        "[checks.acceptance]\nmin_drafts = -5\n",
+        ["--engine", "{url}"],
+        ["'min_drafts' -5", ">= 0"],
+    ),
+    (
+        "C3 nan in pyproject",
+        "pyproject.toml",
+        PYPROJECT + "[tool.dflash-doctor.checks.speculative-k]\nslot_rate_floor = -inf\n",
+        ["--engine", "{url}"],
+        ["'slot_rate_floor' -inf"],
+    ),
+    (
+        "C4 unknown threshold keys",
+        "pyproject.toml",
+        PYPROJECT + "[tool.dflash-doctor.thresholds]\ntau = nan\nacceptance_fail_tau = nan\n",
+        ["--engine", "{url}"],
+        ["[thresholds] has no key 'tau'", "strict_max_k"],
+    ),
+    (
+        "C4 strict_max_k = 0",
+        "doctor.toml",
+        "[thresholds]\nstrict_max_k = 0\n",
+        ["--engine", "{url}"],
+        ["[thresholds] strict_max_k 0"],
+    ),
+    (
+        "C4 strict_max_k = 2.5",
+        "doctor.toml",
+        "[thresholds]\nstrict_max_k = 2.5\n",
+        ["--engine", "{url}"],
+        ["strict_max_k 2.5", "integer"],
+    ),
+    (
+        "C4 conservative_share = nan",
+        "doctor.toml",
+        "[thresholds]\nconservative_share = nan\n",
+        ["--engine", "{url}"],
+        ["conservative_share nan"],
+    ),
+    (
+        "C4 conservative_share = 1.5",
+        "doctor.toml",
+        "[thresholds]\nconservative_share = 1.5\n",
+        ["--engine", "{url}"],
+        ["conservative_share 1.5", "<= 1"],
+    ),
 ]
 
 
@@ -117,11 +194,14 @@ def test_the_user_config_folder_may_set_the_guarded_keys_and_the_terminal_names_
     assert f"settings read from {folder / 'doctor.toml'}" in result.stderr
 
 
-@pytest.mark.parametrize(("text", "flags", "expected"), [
-    ('out = "runs/ci"\nmax_new_tokens = 5\n', [], ("runs/ci", False, 5)),  # out alone: a new or empty folder only
-    ('out = "runs/ci"\n', ["--out", "mine", "--overwrite"], ("mine", True, 128)),  # the file's out is not used
-    ("overwrite = false\n", [], (None, False, 128)),  # a guarded key switched off asks for nothing
-])
+@pytest.mark.parametrize(
+    ("text", "flags", "expected"),
+    [
+        ('out = "runs/ci"\nmax_new_tokens = 5\n', [], ("runs/ci", False, 5)),  # out alone: a new or empty folder only
+        ('out = "runs/ci"\n', ["--out", "mine", "--overwrite"], ("mine", True, 128)),  # the file's out is not used
+        ("overwrite = false\n", [], (None, False, 128)),  # a guarded key switched off asks for nothing
+    ],
+)
 def test_a_working_directory_file_keeps_its_harmless_settings_and_is_named(cloned_repo, text, flags, expected):
     (cloned_repo / "doctor.toml").write_text(text)
     probe, seen = _probe_app()
@@ -137,6 +217,7 @@ def test_no_config_file_prints_no_settings_line(cloned_repo):
 
 
 # ------------------------------------------------------------------------------------------- fuzzed numbers
+
 
 def _number_fields(check_id: str) -> list[dataclasses.Field]:
     return [f for f in dataclasses.fields(get_check(check_id)) if f.type in ("int", "float", int, float)]
@@ -178,10 +259,16 @@ def test_fuzzed_thresholds_are_refused_out_of_range_or_unknown():
         key = rng.choice(list(THRESHOLDS))
         bounds = THRESHOLDS[key]
         low = bounds.get("minimum", bounds.get("above"))
-        bad = rng.choice([math.nan, math.inf, -math.inf, low - rng.uniform(0.001, 1e6), bounds["maximum"] + rng.uniform(0.001, 1e6)])
+        bad = rng.choice(
+            [math.nan, math.inf, -math.inf, low - rng.uniform(0.001, 1e6), bounds["maximum"] + rng.uniform(0.001, 1e6)]
+        )
         with pytest.raises(UsageError, match=re.escape(f"[thresholds] {key}")):
             build_config(None, thresholds={key: bad})
-        good = rng.randint(max(1, int(low)), int(bounds["maximum"])) if bounds.get("integer") else rng.uniform(low, bounds["maximum"])
+        good = (
+            rng.randint(max(1, int(low)), int(bounds["maximum"]))
+            if bounds.get("integer")
+            else rng.uniform(low, bounds["maximum"])
+        )
         if good > low or "minimum" in bounds:
             assert build_config(None, thresholds={key: good}).thresholds[key] == good
         unknown = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz_") for _ in range(rng.randint(1, 20)))

@@ -29,8 +29,10 @@ from dflash_doctor.app import data
 from dflash_doctor.errors import UsageError
 
 #: One string per Markdown hazard: an image that fetches, a link, raw HTML, and blank lines that end a code span.
-HOSTILE = ("x\n\n![x](http://127.0.0.1:9/pixel-md.png) [click](http://evil.example/) <img src=http://127.0.0.1:9/h.png>"
-           "\n\n`code` **bold**")
+HOSTILE = (
+    "x\n\n![x](http://127.0.0.1:9/pixel-md.png) [click](http://evil.example/) <img src=http://127.0.0.1:9/h.png>"
+    "\n\n`code` **bold**"
+)
 #: Fields whose values are a fixed vocabulary the record refuses otherwise (a check status, a finding severity...).
 _VOCABULARY = {"schema_version", "status", "severity", "kind", "estimate", "confidence", "created_at", "source"}
 #: Element types whose text Streamlit shows as text (code blocks, st.text, JSON, tables, charts).
@@ -104,12 +106,25 @@ def test_the_recommended_k_tooltip_is_escaped(monkeypatch, hostile_runs):
 
 def _tune_result(setting: str) -> dict[str, Any]:
     """A tune.json of one concurrency and two K (what `tune` writes, reduced to what the Tune page reads)."""
-    cell = {"concurrency": 1, "k": 2, "scope": "overall", "num_requests": 4, "tau": 2.0, "tau_ci": [1.8, 2.2],
-            "speedup": 1.3, "speedup_ci": [1.1, 1.5], "output_tokens_per_s": 50.0, "tpot_s": 0.02}
+    cell = {
+        "concurrency": 1,
+        "k": 2,
+        "scope": "overall",
+        "num_requests": 4,
+        "tau": 2.0,
+        "tau_ci": [1.8, 2.2],
+        "speedup": 1.3,
+        "speedup_ci": [1.1, 1.5],
+        "output_tokens_per_s": 50.0,
+        "tpot_s": 0.02,
+    }
     return {
         "grid": {"loads": [1], "k": [0, 2], "fit_k": [2], "max_concurrency": None, "num_requests": 4},
         "cells": [cell, {**cell, "k": 0, "tau": None, "tau_ci": None, "speedup": 1.0, "speedup_ci": None}],
-        "prediction": [], "fits": {}, "cost_profiles": {}, "servers": [{"k": 2, "warning": HOSTILE}],
+        "prediction": [],
+        "fits": {},
+        "cost_profiles": {},
+        "servers": [{"k": 2, "warning": HOSTILE}],
         "recommendation": {"1": {"overall": {"k": 2, "conservative_k": 2, "reason": HOSTILE}}},
         "engine_settings": {"vllm": setting, "sglang": HOSTILE},
     }
@@ -129,8 +144,10 @@ def test_tune_page_shows_engine_settings_as_text(monkeypatch, tmp_path):
 # ----------------------------------------------------------------------------- one bad run among good ones
 
 
-@pytest.mark.parametrize("field, value", [("created_at", None), ("models.target.revision_or_hash", None),
-                                          ("summary.overall.acceptance_rate_per_pos", None)])
+@pytest.mark.parametrize(
+    "field, value",
+    [("created_at", None), ("models.target.revision_or_hash", None), ("summary.overall.acceptance_rate_per_pos", None)],
+)
 def test_one_bad_run_is_one_refused_run_and_the_others_render(monkeypatch, tmp_path, field, value):
     runs = tmp_path / "runs"
     good = make_fixture_run(runs / "good", num_requests=6)
@@ -171,10 +188,10 @@ def _damaged_zip(files: dict[str, bytes], how: str) -> bytes:
     stored = how in ("bad crc",)
     raw = _zip(files, zipfile.ZIP_STORED if stored else zipfile.ZIP_DEFLATED)
     local, central = raw.find(b"PK\x03\x04"), raw.find(b"PK\x01\x02")
-    name_length, extra_length = (int.from_bytes(raw[at:at + 2], "little") for at in (local + 26, local + 28))
+    name_length, extra_length = (int.from_bytes(raw[at : at + 2], "little") for at in (local + 26, local + 28))
     data = local + 30 + name_length + extra_length
     if how == "corrupt deflate":
-        raw[data:data + 8] = bytes(b ^ 0xFF for b in raw[data:data + 8])
+        raw[data : data + 8] = bytes(b ^ 0xFF for b in raw[data : data + 8])
     elif how == "bad crc":
         raw[data] ^= 0x01
     elif how == "encrypted":
@@ -182,16 +199,24 @@ def _damaged_zip(files: dict[str, bytes], how: str) -> bytes:
         raw[central + 8] |= 1
     elif how.startswith("method "):
         for offset in (local + 8, central + 10):
-            raw[offset:offset + 2] = int(how.split()[1]).to_bytes(2, "little")
+            raw[offset : offset + 2] = int(how.split()[1]).to_bytes(2, "little")
     elif how == "central directory size lie":
-        raw[central + 24:central + 28] = (100).to_bytes(4, "little")
+        raw[central + 24 : central + 28] = (100).to_bytes(4, "little")
     elif how == "central directory offset lie":
-        raw[central + 42:central + 46] = (10**6).to_bytes(4, "little")
+        raw[central + 42 : central + 46] = (10**6).to_bytes(4, "little")
     return bytes(raw)
 
 
-DAMAGES = ["corrupt deflate", "bad crc", "encrypted", "method 99", "method 97", "method 12",
-           "central directory size lie", "central directory offset lie"]
+DAMAGES = [
+    "corrupt deflate",
+    "bad crc",
+    "encrypted",
+    "method 99",
+    "method 97",
+    "method 12",
+    "central directory size lie",
+    "central directory offset lie",
+]
 
 
 @pytest.fixture(scope="module")

@@ -56,13 +56,18 @@ def test_a_bad_option_string_is_refused_where_it_is_read(spec, fragment):
     assert fragment in str(error.value)
 
 
-@pytest.mark.parametrize("spec,expected", [
-    ("ngram:prompt_lookup_min=+2,prompt_lookup_max=0005", NgramSettings(2, 5)),
-    (f"ngram:prompt_lookup_max={MAX_LOOKUP_TOKENS}", NgramSettings(MAX_LOOKUP_TOKENS, MAX_LOOKUP_TOKENS)),
-    ("suffix:suffix_decoding_min_token_prob=0.0,max_spec_factor=1E3",
-     SuffixSettings(min_token_prob=0.0, max_spec_factor=1000.0)),
-    ("suffix:suffix_decoding_min_token_prob=1e-30", SuffixSettings(min_token_prob=1e-30)),
-])
+@pytest.mark.parametrize(
+    "spec,expected",
+    [
+        ("ngram:prompt_lookup_min=+2,prompt_lookup_max=0005", NgramSettings(2, 5)),
+        (f"ngram:prompt_lookup_max={MAX_LOOKUP_TOKENS}", NgramSettings(MAX_LOOKUP_TOKENS, MAX_LOOKUP_TOKENS)),
+        (
+            "suffix:suffix_decoding_min_token_prob=0.0,max_spec_factor=1E3",
+            SuffixSettings(min_token_prob=0.0, max_spec_factor=1000.0),
+        ),
+        ("suffix:suffix_decoding_min_token_prob=1e-30", SuffixSettings(min_token_prob=1e-30)),
+    ],
+)
 def test_values_in_range_are_read_as_written(spec, expected):
     kind, settings = weightless_kind(spec)
     assert kind.check_settings(settings) == expected
@@ -77,16 +82,40 @@ def test_the_largest_lookup_allocates_for_the_context_only():
 
 
 def test_the_cli_refuses_a_huge_lookup_with_exit_2(tiny_dir, tmp_path):
-    result = invoke("replay", *pair_args(tiny_dir, "ngram:prompt_lookup_min=1,prompt_lookup_max=99999999999999999999",
-                                         "--k", "4", "--max-requests", "1", "--out", tmp_path / "run"))
+    result = invoke(
+        "replay",
+        *pair_args(
+            tiny_dir,
+            "ngram:prompt_lookup_min=1,prompt_lookup_max=99999999999999999999",
+            "--k",
+            "4",
+            "--max-requests",
+            "1",
+            "--out",
+            tmp_path / "run",
+        ),
+    )
     assert_usage_error(result, "prompt_lookup_max")
 
 
 # ----------------------------------------------------------------------------- A4-A5: K
 
 
-@pytest.mark.parametrize("value", ["100000", "32767", f"{MAX_K + 1}", f"1-{MAX_K + 1}", "1-10000000000000", "4,129",
-                                   [4, 100000], 32767, "\u0663", "1_0"])
+@pytest.mark.parametrize(
+    "value",
+    [
+        "100000",
+        "32767",
+        f"{MAX_K + 1}",
+        f"1-{MAX_K + 1}",
+        "1-10000000000000",
+        "4,129",
+        [4, 100000],
+        32767,
+        "\u0663",
+        "1_0",
+    ],
+)
 def test_k_above_the_cap_or_not_ascii_is_refused(value):
     with pytest.raises(UsageError, match="--k"):
         parse_k(value)
@@ -113,8 +142,10 @@ HOSTILE_TEMPLATES = [
     ("{{ 1000000000000 * ['x'] }}", "a repetition (*)"),
     ("{{ 'x' * 20000000 }}", "a repetition (*)"),  # just above the limit
     ("{% set s = 'x' * 10000000 %}{{ s + s }}", "a concatenation (+)"),
-    ("{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}",
-     "a concatenation (~)"),
+    (
+        "{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}",
+        "a concatenation (~)",
+    ),
     ("{{ 7 ** 100000000 }}", "a power (**)"),
     ("{{ '%1000000000000d' % 1 }}", "a % format"),
     ("{{ '{:>1000000000000}'.format(1) }}", "a format string"),
@@ -172,19 +203,42 @@ def test_a_bad_later_draft_is_refused_before_any_model_loads(tiny_dir, tmp_path,
         raise AssertionError("a model was loaded before every --draft was checked")
 
     monkeypatch.setattr(pipeline, "load_pair", no_load)
-    for drafts in (["ngram", "/nonexistent/x"], ["ngram", "suffix:max_spec_factor=1e39"],
-                   [tiny_dir / "dflash", tiny_dir / "nothing.gguf"], ["ngram", "org/not-in-the-cache"]):
+    for drafts in (
+        ["ngram", "/nonexistent/x"],
+        ["ngram", "suffix:max_spec_factor=1e39"],
+        [tiny_dir / "dflash", tiny_dir / "nothing.gguf"],
+        ["ngram", "org/not-in-the-cache"],
+    ):
         args = [arg for draft in drafts for arg in ("--draft", draft)]
-        result = invoke("check", "--target", tiny_dir / "target", *args, "--workload", tiny_dir / "workload.jsonl",
-                        "--out", tmp_path / "h2h")
+        result = invoke(
+            "check",
+            "--target",
+            tiny_dir / "target",
+            *args,
+            "--workload",
+            tiny_dir / "workload.jsonl",
+            "--out",
+            tmp_path / "h2h",
+        )
         assert result.exit_code == 2 and "Traceback" not in result.output, result.output
         assert not (tmp_path / "h2h").exists()
 
 
-@pytest.mark.parametrize("text,expected", [
-    ("..", "draft"), (".", "draft"), ("", "draft"), ("...", "draft"), ("a/b", "a-b"), ("a\\b", "a-b"),
-    ("model", "model"), ("Qwen3-8B@main", "Qwen3-8B@main"), ("na\nme", "na-me"), ("mod\u00e8le", "mod-le"),
-])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("..", "draft"),
+        (".", "draft"),
+        ("", "draft"),
+        ("...", "draft"),
+        ("a/b", "a-b"),
+        ("a\\b", "a-b"),
+        ("model", "model"),
+        ("Qwen3-8B@main", "Qwen3-8B@main"),
+        ("na\nme", "na-me"),
+        ("mod\u00e8le", "mod-le"),
+    ],
+)
 def test_a_folder_name_from_an_input_is_one_safe_name(text, expected):
     assert safe_folder_name(text) == expected
 
@@ -220,15 +274,57 @@ def test_a_traversal_draft_never_names_a_folder_outside_out(tiny_dir, tmp_path, 
 # ----------------------------------------------------------------------------- fuzz: option strings and K
 
 FUZZ_CASES = 400
-_KEYS = {"ngram": ["prompt_lookup_min", "prompt_lookup_max"],
-         "suffix": ["suffix_decoding_max_tree_depth", "max_tree_depth", "suffix_decoding_max_cached_requests",
-                    "suffix_decoding_max_spec_factor", "max_spec_factor", "suffix_decoding_min_token_prob",
-                    "min_token_prob"],
-         "mtp": ["hidden_state", "carried_state", "num_speculative_tokens"]}
-_PIECES = ["0", "1", "2", "5", "-1", "+3", "24", "1048576", "1048577", "2147483648", "99999999999999999999", "1e3",
-           "1E-7", "1e-400", "1e39", "3.4e38", "0.5", ".5", "5.", "nan", "inf", "-inf", "\u0663", "\uff15", "1_0",
-           "0x10", " ", "",
-           "pre-norm", "post-norm", "=", ",", "\u00e9", "9" * 40, "1e", "--"]
+_KEYS = {
+    "ngram": ["prompt_lookup_min", "prompt_lookup_max"],
+    "suffix": [
+        "suffix_decoding_max_tree_depth",
+        "max_tree_depth",
+        "suffix_decoding_max_cached_requests",
+        "suffix_decoding_max_spec_factor",
+        "max_spec_factor",
+        "suffix_decoding_min_token_prob",
+        "min_token_prob",
+    ],
+    "mtp": ["hidden_state", "carried_state", "num_speculative_tokens"],
+}
+_PIECES = [
+    "0",
+    "1",
+    "2",
+    "5",
+    "-1",
+    "+3",
+    "24",
+    "1048576",
+    "1048577",
+    "2147483648",
+    "99999999999999999999",
+    "1e3",
+    "1E-7",
+    "1e-400",
+    "1e39",
+    "3.4e38",
+    "0.5",
+    ".5",
+    "5.",
+    "nan",
+    "inf",
+    "-inf",
+    "\u0663",
+    "\uff15",
+    "1_0",
+    "0x10",
+    " ",
+    "",
+    "pre-norm",
+    "post-norm",
+    "=",
+    ",",
+    "\u00e9",
+    "9" * 40,
+    "1e",
+    "--",
+]
 
 
 def _fuzz_value(rng: random.Random) -> str:

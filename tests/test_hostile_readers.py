@@ -48,6 +48,7 @@ def _set(path: tuple, value: Any):
         for key in path[:-1]:
             node = node[key]
         node[path[-1]] = value
+
     return change
 
 
@@ -56,19 +57,33 @@ def _commands(base: Path, run: Path, out: Path) -> dict[str, list]:
     return {
         "compare": ["compare", base, run],
         "report": ["report", run, "--format", "md,json,junit", "--out", out / "report"],
-        "watch": ["watch", WATCH_SOURCE, "--once", "--window", "1h", "--min-drafts", "1", "--baseline", run,
-                  "--out", out / "watch"],
+        "watch": [
+            "watch",
+            WATCH_SOURCE,
+            "--once",
+            "--window",
+            "1h",
+            "--min-drafts",
+            "1",
+            "--baseline",
+            run,
+            "--out",
+            out / "watch",
+        ],
     }
 
 
 # ----------------------------------------------------------------------------- the probe's three null fields
 
 
-@pytest.mark.parametrize("command, path, field", [
-    ("compare", ("models", "target", "revision_or_hash"), "models.target.revision_or_hash"),
-    ("report", ("created_at",), "created_at"),
-    ("watch", ("summary", "overall", "acceptance_rate_per_pos"), "summary.overall.acceptance_rate_per_pos"),
-])
+@pytest.mark.parametrize(
+    "command, path, field",
+    [
+        ("compare", ("models", "target", "revision_or_hash"), "models.target.revision_or_hash"),
+        ("report", ("created_at",), "created_at"),
+        ("watch", ("summary", "overall", "acceptance_rate_per_pos"), "summary.overall.acceptance_rate_per_pos"),
+    ],
+)
 def test_a_null_field_is_one_sentence_naming_the_file_and_the_field(good_runs, tmp_path, command, path, field):
     good, _ = good_runs
     bad = _copy_with(good, tmp_path / "bad", _set(path, None))
@@ -130,8 +145,23 @@ def _paths(value: Any, prefix: tuple = ()) -> Iterator[tuple]:
 
 
 #: The mutations of one field: null, other types, non-finite and huge numbers, nested containers.
-MUTATIONS = [None, "x", "", 7, -1, True, 2.5, float("nan"), float("inf"), 10**30, 1e308,
-             [], [[1, "x"]], {}, {"a": {"b": None}}]
+MUTATIONS = [
+    None,
+    "x",
+    "",
+    7,
+    -1,
+    True,
+    2.5,
+    float("nan"),
+    float("inf"),
+    10**30,
+    1e308,
+    [],
+    [[1, "x"]],
+    {},
+    {"a": {"b": None}},
+]
 #: One class stands for the others (the fixture's classes are math, code and chat), and a list's first item for
 #: its other items: the fuzz then reaches every kind of field (about 120 paths) in a few hundred cases.
 _REPEATS = {"math", "code"}
@@ -140,8 +170,12 @@ _REPEATS = {"math", "code"}
 def _fuzz_cases(meta: dict) -> list[tuple[tuple, Any]]:
     """Every distinct field path of ``meta`` set to null, and to one other mutation drawn with a fixed seed."""
     rng = random.Random(FUZZ_SEED)
-    paths = [p for p in _paths(meta) if p[0] != "schema_version"  # another version is its own sentence
-             and not any(key in _REPEATS or (isinstance(key, int) and key > 0) for key in p)]
+    paths = [
+        p
+        for p in _paths(meta)
+        if p[0] != "schema_version"  # another version is its own sentence
+        and not any(key in _REPEATS or (isinstance(key, int) and key > 0) for key in p)
+    ]
     return [case for path in paths for case in ((path, None), (path, rng.choice(MUTATIONS[1:])))]
 
 

@@ -34,19 +34,45 @@ REFUSED = ("which no engine can report", "but it must be")
 
 def _workload(folder: Path, n: int = 2) -> Path:
     path = folder / "workload.jsonl"
-    path.write_text("".join(json.dumps({"id": f"r{i}", "class": "chat", "prompt": f"say {i}"}) + "\n" for i in range(n)))
+    path.write_text(
+        "".join(json.dumps({"id": f"r{i}", "class": "chat", "prompt": f"say {i}"}) + "\n" for i in range(n))
+    )
     return path
 
 
 def _check(url: str, tmp_path: Path, *extra: str):
-    return invoke("check", "--engine", url, "--workload", _workload(tmp_path), "--max-new-tokens", "16",
-                  "--out", tmp_path / "run", *extra)
+    return invoke(
+        "check",
+        "--engine",
+        url,
+        "--workload",
+        _workload(tmp_path),
+        "--max-new-tokens",
+        "16",
+        "--out",
+        tmp_path / "run",
+        *extra,
+    )
 
 
 def _tune(url: str, tmp_path: Path):
-    return invoke("tune", "--engine", f"0={url},2={url}", "--k", "0,2", "--workload", _workload(tmp_path),
-                  "--max-new-tokens", "16", "--start-timeout", "10", "--sweep", write_sweep_run(tmp_path, [2]),
-                  "--out", tmp_path / "tune")
+    return invoke(
+        "tune",
+        "--engine",
+        f"0={url},2={url}",
+        "--k",
+        "0,2",
+        "--workload",
+        _workload(tmp_path),
+        "--max-new-tokens",
+        "16",
+        "--start-timeout",
+        "10",
+        "--sweep",
+        write_sweep_run(tmp_path, [2]),
+        "--out",
+        tmp_path / "tune",
+    )
 
 
 @pytest.mark.parametrize("mode", HOSTILE)
@@ -82,23 +108,61 @@ def test_a_baseline_server_whose_answers_carry_drafts_is_flagged(tmp_path):
 # ----------------------------------------------------------------------------------------------------
 # Fuzz: every mutation of a good answer is either read as possible figures or refused as MalformedResponse
 
-HOSTILE_VALUES = [-1, -(10**30), 10**30, MAX_COUNT + 1, 2.5, float("nan"), float("inf"), float("-inf"), "7", "", [], {}, None,
-                  True, [-1], [10**30], [1.5], ["1"], [0] * 40, [K + 1] * 3, [0], 0, 1, 3, 100]
-SPEC_FIELDS = ["num_spec_tokens", "num_spec_steps", "num_draft_tokens", "num_accepted_draft_tokens", "acceptance_histogram",
-               "per_step_accepted", "per_step_drafted"]
+HOSTILE_VALUES = [
+    -1,
+    -(10**30),
+    10**30,
+    MAX_COUNT + 1,
+    2.5,
+    float("nan"),
+    float("inf"),
+    float("-inf"),
+    "7",
+    "",
+    [],
+    {},
+    None,
+    True,
+    [-1],
+    [10**30],
+    [1.5],
+    ["1"],
+    [0] * 40,
+    [K + 1] * 3,
+    [0],
+    0,
+    1,
+    3,
+    100,
+]
+SPEC_FIELDS = [
+    "num_spec_tokens",
+    "num_spec_steps",
+    "num_draft_tokens",
+    "num_accepted_draft_tokens",
+    "acceptance_histogram",
+    "per_step_accepted",
+    "per_step_drafted",
+]
 FUZZ_CASES = 600
 
 
 def _mutated(rng: random.Random) -> dict:
     spec, usage = answer("good", rng.choice([2, 9, 16]))
-    body = {"choices": [{"index": 0, "text": "x", "token_ids": [1, 2]}], "usage": usage, "metrics": {"speculative_decoding": spec}}
+    body = {
+        "choices": [{"index": 0, "text": "x", "token_ids": [1, 2]}],
+        "usage": usage,
+        "metrics": {"speculative_decoding": spec},
+    }
     for _ in range(rng.randint(1, 3)):
         where = rng.random()
         value = rng.choice(HOSTILE_VALUES)
         if where < 0.75:
             spec[rng.choice(SPEC_FIELDS)] = value
         elif where < 0.9:
-            body["usage"] = value if rng.random() < 0.3 else {**usage, rng.choice(["prompt_tokens", "completion_tokens"]): value}
+            body["usage"] = (
+                value if rng.random() < 0.3 else {**usage, rng.choice(["prompt_tokens", "completion_tokens"]): value}
+            )
         else:
             body["metrics"] = value if rng.random() < 0.5 else {"speculative_decoding": value}
     return body
@@ -118,8 +182,16 @@ def test_fuzzed_answers_are_read_as_possible_figures_or_refused():
             outcomes["missing"] += 1
             continue
         outcomes["read"] += 1
-        counts = [m.num_drafts, m.num_draft_tokens, m.num_accepted_tokens, m.num_spec_tokens, m.num_generated_tokens,
-                  *(m.per_step_accepted or ()), *(m.per_step_drafted or ()), *(m.acceptance_histogram or ())]
+        counts = [
+            m.num_drafts,
+            m.num_draft_tokens,
+            m.num_accepted_tokens,
+            m.num_spec_tokens,
+            m.num_generated_tokens,
+            *(m.per_step_accepted or ()),
+            *(m.per_step_drafted or ()),
+            *(m.acceptance_histogram or ()),
+        ]
         assert all(type(c) is int and 0 <= c <= MAX_COUNT for c in counts if c is not None), (body, m)
         assert m.num_draft_tokens is None or m.num_accepted_tokens <= m.num_draft_tokens, (body, m)
         if m.tau is not None:
@@ -148,8 +220,18 @@ def test_a_password_in_the_engine_url_is_used_but_never_written(tmp_path):
     secret = "PW-PLANTED-4977"
     log = tmp_path / "server.log"
     with hostile_server("good", log) as url:
-        result = invoke("check", "--engine", url.replace("http://", f"http://alice:{secret}@"), "--workload", _workload(tmp_path),
-                        "--max-new-tokens", "16", "--out", tmp_path / "run", "--json")
+        result = invoke(
+            "check",
+            "--engine",
+            url.replace("http://", f"http://alice:{secret}@"),
+            "--workload",
+            _workload(tmp_path),
+            "--max-new-tokens",
+            "16",
+            "--out",
+            tmp_path / "run",
+            "--json",
+        )
     assert result.exit_code in (0, 1), result.output
     sent = [json.loads(line)["authorization"] for line in log.read_text().splitlines()]
     assert sent and all(a and a.startswith("Basic ") for a in sent)  # the credentials were sent, as basic auth
@@ -172,13 +254,35 @@ def _rows_kept(run: Path) -> int:
 @pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGTERM], ids=lambda s: signal.Signals(s).name)
 def test_a_stopped_server_measurement_keeps_every_answered_request(tmp_path, signum):
     port, log, out = free_port(), tmp_path / "answered.log", tmp_path / "run"
-    server = subprocess.Popen([sys.executable, str(TESTS / "hostile_server.py"), "--port", str(port), "--mode", "slow", "--log", str(log)])
+    server = subprocess.Popen(
+        [sys.executable, str(TESTS / "hostile_server.py"), "--port", str(port), "--mode", "slow", "--log", str(log)]
+    )
     check = None
     try:
-        check = subprocess.Popen([sys.executable, "-m", "dflash_doctor", "check", "--engine", f"http://127.0.0.1:{port}",
-                                  "--workload", str(_workload(tmp_path, 8)), "--max-requests", "8", "--max-new-tokens", "16",
-                                  "--engine-concurrency", "1", "--out", str(out)],
-                                 cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        check = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "dflash_doctor",
+                "check",
+                "--engine",
+                f"http://127.0.0.1:{port}",
+                "--workload",
+                str(_workload(tmp_path, 8)),
+                "--max-requests",
+                "8",
+                "--max-new-tokens",
+                "16",
+                "--engine-concurrency",
+                "1",
+                "--out",
+                str(out),
+            ],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         deadline = time.monotonic() + 120
         while not log.is_file() or len(log.read_text().splitlines()) < 3:
             assert check.poll() is None, check.communicate()

@@ -63,7 +63,9 @@ def test_the_backoff_doubles_and_carries_random_jitter():
         answer = HttpClient(retries=3, backoff_s=0.2).get(server.url)
     assert answer.status == 200 and len(server.arrivals) == 4
     first, second, third = server.gaps()
-    assert first < 0.5 and second >= 0.4 and third >= 0.8  # urllib3: no wait before the first retry, then 2x, 4x backoff
+    assert (
+        first < 0.5 and second >= 0.4 and third >= 0.8
+    )  # urllib3: no wait before the first retry, then 2x, 4x backoff
     # the jitter, read off the client's own Retry: after two failures the wait is 0.4 s plus up to 0.2 s, random
     retry = HttpClient(retries=3, backoff_s=0.2).session.get_adapter("http://x").max_retries
     for _ in range(2):
@@ -90,9 +92,13 @@ def test_secrets_and_header_flags_read_the_environment(monkeypatch):
     monkeypatch.delenv("NOT_SET_ANYWHERE", raising=False)
     assert secret("env:PROM_TOKEN", "--engine-api-key") == "tok-123"
     assert secret("plain", "--engine-api-key") == "plain"
-    assert header_flags(["Authorization=Bearer $PROM_TOKEN", "X-Scope-OrgID=${PROM_TOKEN}-org", "X-Cost=$$5"], "--prometheus-header") == {
-        "Authorization": "Bearer tok-123", "X-Scope-OrgID": "tok-123-org", "X-Cost": "$5"}
-    with pytest.raises(UsageError, match="--prometheus-header Authorization names the environment variable NOT_SET_ANYWHERE, which is not set"):
+    assert header_flags(
+        ["Authorization=Bearer $PROM_TOKEN", "X-Scope-OrgID=${PROM_TOKEN}-org", "X-Cost=$$5"], "--prometheus-header"
+    ) == {"Authorization": "Bearer tok-123", "X-Scope-OrgID": "tok-123-org", "X-Cost": "$5"}
+    with pytest.raises(
+        UsageError,
+        match="--prometheus-header Authorization names the environment variable NOT_SET_ANYWHERE, which is not set",
+    ):
         header_flags(["Authorization=env:NOT_SET_ANYWHERE"], "--prometheus-header")
     with pytest.raises(UsageError, match="is not NAME=VALUE"):
         header_flags(["Bearer tok"], "--prometheus-header")

@@ -66,7 +66,12 @@ def _credentials(seen: dict[str, str]) -> dict[str, str]:
 
 
 # redirect status x how the other origin differs (host name, port) x the request's method
-REDIRECT_CASES = [(status, differs, method) for status in (301, 302, 303, 307, 308) for differs in ("host", "port") for method in ("GET", "POST")]
+REDIRECT_CASES = [
+    (status, differs, method)
+    for status in (301, 302, 303, 307, 308)
+    for differs in ("host", "port")
+    for method in ("GET", "POST")
+]
 
 
 @pytest.mark.parametrize("status, differs, method", REDIRECT_CASES)
@@ -108,7 +113,9 @@ def test_tune_s_streamed_request_keeps_the_api_key_on_its_host(status):
     with Recorder() as other, Recorder(status) as origin:
         origin.target = other.base_url.replace("127.0.0.1", "localhost") + "/v1/completions"
         endpoint = ServerEndpoint(base_url=origin.base_url + "/go", model="m", api_key="sk-secret", retries=0)
-        timed = stream_request(endpoint, Request(id="r1", request_class="chat", prompt="hello"), DoctorConfig(max_new_tokens=4))
+        timed = stream_request(
+            endpoint, Request(id="r1", request_class="chat", prompt="hello"), DoctorConfig(max_new_tokens=4)
+        )
     assert timed.num_output_tokens == 1
     assert origin.seen[0][2]["Authorization"] == "Bearer sk-secret"
     assert len(other.seen) == 1 and "Authorization" not in other.seen[0][2]
@@ -117,11 +124,16 @@ def test_tune_s_streamed_request_keeps_the_api_key_on_its_host(status):
 class Endless(ThreadedServer):
     """Answers every GET with a body that never ends (``chunk`` every ``gap_s``), or ``body`` at once."""
 
-    def __init__(self, chunk: bytes = b"x" * 1024, gap_s: float = 0.01, body: bytes | None = None, headers: dict[str, str] | None = None):
+    def __init__(
+        self,
+        chunk: bytes = b"x" * 1024,
+        gap_s: float = 0.01,
+        body: bytes | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         owner = self
         self.stop = False
         self.asked = threading.Event()  # set when the first GET arrives: a client is past its start-up
-
 
         class Handler(QuietHandler):
             def do_GET(self):  # noqa: N802
@@ -149,11 +161,25 @@ class Endless(ThreadedServer):
 
 # (server, client limits, what the one sentence says)
 LIMIT_CASES = [
-    ("endless-trickle", lambda: Endless(b"# x\n", 0.05), {"deadline_s": 1.0}, "was still sending after the 1 s deadline"),
-    ("endless-fast", lambda: Endless(b"y" * 65536, 0.0), {"deadline_s": 60.0, "max_bytes": 2**20}, "sent more than 1 MiB"),
+    (
+        "endless-trickle",
+        lambda: Endless(b"# x\n", 0.05),
+        {"deadline_s": 1.0},
+        "was still sending after the 1 s deadline",
+    ),
+    (
+        "endless-fast",
+        lambda: Endless(b"y" * 65536, 0.0),
+        {"deadline_s": 60.0, "max_bytes": 2**20},
+        "sent more than 1 MiB",
+    ),
     ("large-body", lambda: Endless(body=b"z" * (2 * 2**20)), {"max_bytes": 2**20}, "sent more than 1 MiB"),
-    ("gzip-bomb", lambda: Endless(body=gzip.compress(b"0" * (8 * 2**20)), headers={"Content-Encoding": "gzip"}),
-     {"max_bytes": 2**20}, "sent more than 1 MiB"),
+    (
+        "gzip-bomb",
+        lambda: Endless(body=gzip.compress(b"0" * (8 * 2**20)), headers={"Content-Encoding": "gzip"}),
+        {"max_bytes": 2**20},
+        "sent more than 1 MiB",
+    ),
 ]
 
 
@@ -162,7 +188,9 @@ def test_an_answer_past_the_deadline_or_the_size_cap_is_cut_in_one_sentence(name
     started = time.monotonic()
     with server() as endless:
         with pytest.raises(AnswerCut) as cut:
-            HttpClient(retries=0, timeout_s=5, **limits).get(endless.base_url.replace("http://", "http://u:pw@") + "/metrics")
+            HttpClient(retries=0, timeout_s=5, **limits).get(
+                endless.base_url.replace("http://", "http://u:pw@") + "/metrics"
+            )
     assert says in str(cut.value) and "pw" not in str(cut.value)
     assert time.monotonic() - started < 20
 
@@ -182,7 +210,9 @@ def test_watch_once_on_a_metrics_page_that_never_ends_returns(tmp_path, monkeypa
     monkeypatch.setattr(sources, "HTTP_DEADLINE_S", 1.0)
     with Endless(b"# HELP x y\n", 0.02) as endless:
         started = time.monotonic()
-        result = CliRunner().invoke(app, ["watch", endless.base_url + "/metrics", "--once", "--out", str(tmp_path / "w")])
+        result = CliRunner().invoke(
+            app, ["watch", endless.base_url + "/metrics", "--once", "--out", str(tmp_path / "w")]
+        )
     assert time.monotonic() - started < 30
     assert result.exit_code == 2, result.output
     assert "deadline" in result.output and "Traceback" not in result.output
@@ -190,8 +220,23 @@ def test_watch_once_on_a_metrics_page_that_never_ends_returns(tmp_path, monkeypa
 
 def test_a_live_watch_stuck_on_a_page_that_never_ends_stops_on_sigterm(tmp_path):
     with Endless(b"# HELP x y\n", 0.02) as endless:
-        watch = subprocess.Popen([sys.executable, "-m", "dflash_doctor", "watch", endless.base_url + "/metrics", "--interval", "1s",
-                                  "--out", str(tmp_path / "w")], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        watch = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "dflash_doctor",
+                "watch",
+                endless.base_url + "/metrics",
+                "--interval",
+                "1s",
+                "--out",
+                str(tmp_path / "w"),
+            ],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         try:
             # into the first scrape, past start-up (where the handlers are installed); a loaded machine takes seconds
             assert endless.asked.wait(timeout=120), watch.poll()

@@ -55,17 +55,30 @@ def test_demo_pair_variants_equal_the_official_loop(variant, smollm2, tmp_path):
     proposer = DFlashProposer(ours, target)
     full_block_steps = 0
     for prompt in prompts:
-        official_out, official_lengths = official_generate(official_draft, model, prompt, max_new_tokens=MAX_NEW_TOKENS,
-                                                           stop_ids=sorted(stop_ids), block_size=K + 1)
+        official_out, official_lengths = official_generate(
+            official_draft, model, prompt, max_new_tokens=MAX_NEW_TOKENS, stop_ids=sorted(stop_ids), block_size=K + 1
+        )
         for convention in ("official", "vllm"):
-            result = speculative_generate(target, proposer, torch.tensor(prompt), k=K, max_new_tokens=MAX_NEW_TOKENS,
-                                          stop_ids=stop_ids, convention=CONVENTIONS[convention], record_tokens=False)
+            result = speculative_generate(
+                target,
+                proposer,
+                torch.tensor(prompt),
+                k=K,
+                max_new_tokens=MAX_NEW_TOKENS,
+                stop_ids=stop_ids,
+                convention=CONVENTIONS[convention],
+                record_tokens=False,
+            )
             lengths = [step.num_accepted + 1 for step in result.steps]
             assert result.output_ids == official_out
             if convention == "official":
                 assert lengths == official_lengths
             else:
-                full = [(a, b) for step, a, b in zip(result.steps, lengths, official_lengths) if MAX_NEW_TOKENS - step.position >= K]
+                full = [
+                    (a, b)
+                    for step, a, b in zip(result.steps, lengths, official_lengths)
+                    if MAX_NEW_TOKENS - step.position >= K
+                ]
                 assert all(a == b for a, b in full)
                 full_block_steps += len(full)
     assert full_block_steps > 0

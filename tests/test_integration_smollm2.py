@@ -98,7 +98,13 @@ def _counters(steps_by_request: list[list[StepRecord]]) -> dict:
     """tau, per-position counters and histogram of a set of runs, through the same code run.json uses."""
     rows = [{"request_id": str(i), "class": "c", **vars(s)} for i, steps in enumerate(steps_by_request) for s in steps]
     overall = summarize(pd.DataFrame(rows), n_boot=1).overall
-    keys = ("num_drafts", "num_accepted_tokens", "num_accepted_tokens_per_pos", "mean_acceptance_length", "acceptance_histogram")
+    keys = (
+        "num_drafts",
+        "num_accepted_tokens",
+        "num_accepted_tokens_per_pos",
+        "mean_acceptance_length",
+        "acceptance_histogram",
+    )
     return {key: getattr(overall, key) for key in keys}
 
 
@@ -115,7 +121,10 @@ def test_target_as_its_own_draft_accepts_every_token(smollm2, prompts, greedy_ou
 def quantized_live_runs(smollm2, prompts, quantized_draft):
     """Live runs of the quantized draft, {K: [result per prompt]}; shared by the lossless and teacher tests."""
     model, _, stop_ids = smollm2
-    return {k: [_live(model, lambda _t: AutoregressiveProposer(quantized_draft), p, k, stop_ids) for p in prompts] for k in TEACHER_KS}
+    return {
+        k: [_live(model, lambda _t: AutoregressiveProposer(quantized_draft), p, k, stop_ids) for p in prompts]
+        for k in TEACHER_KS
+    }
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +132,10 @@ def dflash_live_runs(smollm2, prompts, demo_dflash):
     """Live runs of the demo DFlash draft at its full block (K = block_size - 1), one per prompt."""
     model, _, stop_ids = smollm2
     k = demo_dflash.config.block_size - 1
-    return [_live(model, lambda t: DFlashProposer(demo_dflash, t), p, k, stop_ids, demo_dflash.hidden_state_indices) for p in prompts]
+    return [
+        _live(model, lambda t: DFlashProposer(demo_dflash, t), p, k, stop_ids, demo_dflash.hidden_state_indices)
+        for p in prompts
+    ]
 
 
 def test_quantized_draft_is_partially_accepted_and_lossless(greedy_outputs, quantized_live_runs):
@@ -145,17 +157,26 @@ def _step_keys(steps: list[StepRecord]) -> list[tuple]:
     return [tuple(getattr(s, c) for c in STEP_KEYS) for s in steps]
 
 
-def test_teacher_replay_equals_live_loop_for_quantized_draft(smollm2, prompts, greedy_outputs, quantized_draft, quantized_live_runs):
+def test_teacher_replay_equals_live_loop_for_quantized_draft(
+    smollm2, prompts, greedy_outputs, quantized_draft, quantized_live_runs
+):
     """One teacher-forced pass at K = 8 answers K = 1, 3 and 8 exactly as three live runs do."""
     model, _, stop_ids = smollm2
     tables = [
-        slot_table(TargetModel(model), AutoregressiveProposer(quantized_draft), TeacherSequence(p.tolist(), out),
-                   max(TEACHER_KS), record_divergence=False)[0]
+        slot_table(
+            TargetModel(model),
+            AutoregressiveProposer(quantized_draft),
+            TeacherSequence(p.tolist(), out),
+            max(TEACHER_KS),
+            record_divergence=False,
+        )[0]
         for p, out in zip(prompts, greedy_outputs)
     ]
     for k in TEACHER_KS:
         live_steps = [r.steps for r in quantized_live_runs[k]]
-        walked_steps = [walk_schedule(t.matches[:, :k], out, k, MAX_NEW_TOKENS, stop_ids) for t, out in zip(tables, greedy_outputs)]
+        walked_steps = [
+            walk_schedule(t.matches[:, :k], out, k, MAX_NEW_TOKENS, stop_ids) for t, out in zip(tables, greedy_outputs)
+        ]
         for walked, live in zip(walked_steps, live_steps):
             assert _step_keys(walked) == _step_keys(live), f"k={k}"
         assert _counters(walked_steps) == _counters(live_steps), f"k={k}"
@@ -163,14 +184,21 @@ def test_teacher_replay_equals_live_loop_for_quantized_draft(smollm2, prompts, g
     assert longest_run >= 3  # the schedule had long accepted runs, not only rejections
 
 
-def test_teacher_replay_equals_live_loop_for_demo_dflash_full_block(smollm2, prompts, greedy_outputs, demo_dflash, dflash_live_runs):
+def test_teacher_replay_equals_live_loop_for_demo_dflash_full_block(
+    smollm2, prompts, greedy_outputs, demo_dflash, dflash_live_runs
+):
     model, _, stop_ids = smollm2
     k = demo_dflash.config.block_size - 1
     walked_steps = []
     for prompt, expected in zip(prompts, greedy_outputs):
         target = TargetModel(model, demo_dflash.hidden_state_indices)
-        table, _ = slot_table(target, DFlashProposer(demo_dflash, target), TeacherSequence(prompt.tolist(), expected), k,
-                              record_divergence=False)
+        table, _ = slot_table(
+            target,
+            DFlashProposer(demo_dflash, target),
+            TeacherSequence(prompt.tolist(), expected),
+            k,
+            record_divergence=False,
+        )
         walked_steps.append(walk_schedule(table.matches, expected, k, MAX_NEW_TOKENS, stop_ids))
     live_steps = [r.steps for r in dflash_live_runs]
     for walked, live in zip(walked_steps, live_steps):

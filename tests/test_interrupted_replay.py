@@ -41,25 +41,43 @@ def _finished_requests(run_dir: Path) -> int:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="POSIX signals to a child process")
-@pytest.mark.parametrize("command, stop_signal, background", [
-    ("replay", signal.SIGINT, False),
-    ("replay", signal.SIGINT, True),  # started as `dflash-doctor replay ... &` in a CI script
-    ("replay", signal.SIGTERM, False),
-    ("replay", signal.SIGHUP, False),
-    ("check", signal.SIGTERM, False),
-])
-def test_a_signal_during_the_replay_is_recorded_as_an_interruption_and_exits_128_plus_it(tiny_dir, tmp_path, command, stop_signal,
-                                                                                        background):
+@pytest.mark.parametrize(
+    "command, stop_signal, background",
+    [
+        ("replay", signal.SIGINT, False),
+        ("replay", signal.SIGINT, True),  # started as `dflash-doctor replay ... &` in a CI script
+        ("replay", signal.SIGTERM, False),
+        ("replay", signal.SIGHUP, False),
+        ("check", signal.SIGTERM, False),
+    ],
+)
+def test_a_signal_during_the_replay_is_recorded_as_an_interruption_and_exits_128_plus_it(
+    tiny_dir, tmp_path, command, stop_signal, background
+):
     workload = write_workload(tmp_path / "workload.jsonl", per_class=NUM_REQUESTS // 3)
     out = tmp_path / "run"
     log = tmp_path / "command.log"
     extra = ["--only", "acceptance"] if command == "check" else []
-    argv = [str(CONSOLE_SCRIPT), command, "--target", str(tiny_dir / "target"), "--draft", str(tiny_dir / "dflash"),
-            "--workload", str(workload), "--max-new-tokens", "200", "--out", str(out), *extra]
+    argv = [
+        str(CONSOLE_SCRIPT),
+        command,
+        "--target",
+        str(tiny_dir / "target"),
+        "--draft",
+        str(tiny_dir / "dflash"),
+        "--workload",
+        str(workload),
+        "--max-new-tokens",
+        "200",
+        "--out",
+        str(out),
+        *extra,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with log.open("w") as output:
-        process = subprocess.Popen(argv, stdout=output, stderr=subprocess.STDOUT, env=env,
-                                   preexec_fn=_ignore_sigint if background else None)
+        process = subprocess.Popen(
+            argv, stdout=output, stderr=subprocess.STDOUT, env=env, preexec_fn=_ignore_sigint if background else None
+        )
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
         while _finished_requests(out) < 1 and process.poll() is None and time.monotonic() < deadline:
@@ -94,6 +112,8 @@ def test_an_interrupt_after_the_replay_still_marks_the_run_interrupted(tiny_dir,
         raise Stopped(signal.SIGTERM)
 
     monkeypatch.setattr(pipeline, "_sweep", stopped_while_pricing)
-    result = invoke("check", *pair_args(tiny_dir, tiny_dir / "dflash", "--only", "acceptance", "--out", tmp_path / "run"))
+    result = invoke(
+        "check", *pair_args(tiny_dir, tiny_dir / "dflash", "--only", "acceptance", "--out", tmp_path / "run")
+    )
     assert result.exit_code == 143, result.output
     assert read_run_meta(tmp_path / "run")["interrupted"] is True and not load_run(tmp_path / "run").complete

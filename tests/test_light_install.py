@@ -41,11 +41,19 @@ BLOCKER = textwrap.dedent(f"""
 
 
 def without_model_stack(code: str, *args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", BLOCKER + textwrap.dedent(code), *args], capture_output=True, text=True, timeout=300, cwd=cwd)
+    return subprocess.run(
+        [sys.executable, "-c", BLOCKER + textwrap.dedent(code), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=cwd,
+    )
 
 
 def cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return without_model_stack("from dflash_doctor.cli import main\nsys.argv[0] = 'dflash-doctor'\nmain()", *args, cwd=cwd)
+    return without_model_stack(
+        "from dflash_doctor.cli import main\nsys.argv[0] = 'dflash-doctor'\nmain()", *args, cwd=cwd
+    )
 
 
 def test_the_blocker_blocks():
@@ -56,9 +64,13 @@ def test_the_blocker_blocks():
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("runs")
-    return {"root": root, "base": make_fixture_run(root / "base", seed=0, num_requests=9),
-            "new": make_fixture_run(root / "new", seed=1, num_requests=9, degrade=0.35),
-            "watch": write_watch(root / "watch", [0.8, 0.6, 0.4, 0.2]), "tune": write_tune_run(root / "tuning")}
+    return {
+        "root": root,
+        "base": make_fixture_run(root / "base", seed=0, num_requests=9),
+        "new": make_fixture_run(root / "new", seed=1, num_requests=9, degrade=0.35),
+        "watch": write_watch(root / "watch", [0.8, 0.6, 0.4, 0.2]),
+        "tune": write_tune_run(root / "tuning"),
+    }
 
 
 def test_help_watch_compare_and_report_run_without_the_model_stack(runs, tmp_path):
@@ -112,7 +124,9 @@ def test_the_command_summaries_of_the_root_help_are_the_commands_docstrings():
         __import__(module)
     docs = {registered_command_name(info): info.callback.__doc__ for info in app.registered_commands if info.callback}
     docs.update({group.name: group.typer_instance.info.help for group in app.registered_groups})
-    assert {name: summary for name, (_, summary) in COMMANDS.items()} == {name: docs[name].strip().splitlines()[0] for name in COMMANDS}
+    assert {name: summary for name, (_, summary) in COMMANDS.items()} == {
+        name: docs[name].strip().splitlines()[0] for name in COMMANDS
+    }
 
 
 def test_the_documented_light_install_is_pyprojects_dependencies_without_the_model_stack():

@@ -63,8 +63,12 @@ def test_stop_token_ends_generation_like_plain_decoding():
     stop = frozenset({reference[9]})  # a token the target emits mid-way
     plain = plain_generate(TargetModel(target_model), torch.tensor(PROMPTS[0]), max_new_tokens=30, stop_ids=stop)
     spec = speculative_generate(
-        TargetModel(target_model), AutoregressiveProposer(copy.deepcopy(target_model)), torch.tensor(PROMPTS[0]),
-        k=4, max_new_tokens=30, stop_ids=stop,
+        TargetModel(target_model),
+        AutoregressiveProposer(copy.deepcopy(target_model)),
+        torch.tensor(PROMPTS[0]),
+        k=4,
+        max_new_tokens=30,
+        stop_ids=stop,
     )
     assert spec.output_ids == plain.output_ids
     assert spec.output_ids[-1] in stop and spec.stop_reason == "stop_token"
@@ -73,7 +77,11 @@ def test_stop_token_ends_generation_like_plain_decoding():
 def test_token_records_describe_each_drafted_token():
     target_model = tiny_target()
     result = speculative_generate(
-        TargetModel(target_model), AutoregressiveProposer(tiny_target(seed=5)), torch.tensor(PROMPTS[0]), k=3, max_new_tokens=16
+        TargetModel(target_model),
+        AutoregressiveProposer(tiny_target(seed=5)),
+        torch.tensor(PROMPTS[0]),
+        k=3,
+        max_new_tokens=16,
     )
     assert len(result.tokens) == sum(s.num_drafted for s in result.steps)
     for row in result.tokens:
@@ -95,8 +103,13 @@ def test_block_pass_equals_the_live_drafter_for_every_anchor():
         features = torch.cat([hidden[i] for i in draft.hidden_state_indices], dim=-1)  # [1, T, F]
         anchors = torch.tensor([[3, 6, 8]])
         block_hidden = draft_block_hidden(
-            draft, target_model.get_input_embeddings().weight, sequence[None], context_kv_for(draft, features), anchors,
-            torch.ones_like(anchors, dtype=torch.bool), 5,
+            draft,
+            target_model.get_input_embeddings().weight,
+            sequence[None],
+            context_kv_for(draft, features),
+            anchors,
+            torch.ones_like(anchors, dtype=torch.bool),
+            5,
         )
         batched = target_model.lm_head(block_hidden[0, :, 1:])  # [A, 4, V]
     for i, anchor in enumerate(anchors[0].tolist()):

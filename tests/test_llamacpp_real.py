@@ -49,8 +49,13 @@ def ggufs() -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def dflash_server(ggufs, tmp_path_factory):
-    server = start_llama_server(ggufs["q4_1"], tmp_path_factory.mktemp("llama") / "dflash.log",
-                                draft=ggufs["dflash"], spec_type="draft-dflash", n_max=15)
+    server = start_llama_server(
+        ggufs["q4_1"],
+        tmp_path_factory.mktemp("llama") / "dflash.log",
+        draft=ggufs["dflash"],
+        spec_type="draft-dflash",
+        n_max=15,
+    )
     yield server
     server.stop()
 
@@ -64,7 +69,9 @@ def cli(*args: str) -> tuple[int, str]:
 
 def spec_counts(url: str):
     text = urllib.request.urlopen(f"{url}/metrics", timeout=30).read().decode()
-    return read_exposition(parse_exposition(text), server_kind="llamacpp", default_model=SERVED_NAME).counts[SeriesKey(SERVED_NAME)]
+    return read_exposition(parse_exposition(text), server_kind="llamacpp", default_model=SERVED_NAME).counts[
+        SeriesKey(SERVED_NAME)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -73,8 +80,18 @@ def engine_run(dflash_server, ggufs, tmp_path_factory):
     own counters read before and after it."""
     before = spec_counts(dflash_server.url)
     out = tmp_path_factory.mktemp("engine-run") / "run"
-    code, output = cli("check", "--engine", dflash_server.url, "--target", str(ggufs["q4_1"]), "--draft", str(DEMO_DRAFT_DIR),
-                       *WORKLOAD, "--out", str(out))
+    code, output = cli(
+        "check",
+        "--engine",
+        dflash_server.url,
+        "--target",
+        str(ggufs["q4_1"]),
+        "--draft",
+        str(DEMO_DRAFT_DIR),
+        *WORKLOAD,
+        "--out",
+        str(out),
+    )
     return code, output, load_run(out), before, spec_counts(dflash_server.url)
 
 
@@ -129,8 +146,17 @@ def test_engine_agreement_compares_tau_on_llamacpp_own_text(engine_run):
 
 def test_watch_reads_llamacpp_real_counters_per_position(dflash_server, engine_run, tmp_path):
     counts = spec_counts(dflash_server.url)
-    code, output = cli("watch", f"{dflash_server.url}/metrics", "--once", "--min-drafts", "20", "--model", SERVED_NAME,
-                       "--out", str(tmp_path / "watch"))
+    code, output = cli(
+        "watch",
+        f"{dflash_server.url}/metrics",
+        "--once",
+        "--min-drafts",
+        "20",
+        "--model",
+        SERVED_NAME,
+        "--out",
+        str(tmp_path / "watch"),
+    )
     assert code == 0, output
     expected = 1 + counts.num_accepted_tokens / counts.num_drafts
     assert f"tau {expected:.2f}" in output and "K=15" in output
@@ -143,11 +169,21 @@ def test_watch_reads_llamacpp_real_counters_per_position(dflash_server, engine_r
 
 def test_engine_config_reads_the_running_server_and_flags_the_default_n_max(ggufs, tmp_path):
     """Without --spec-draft-n-max llama.cpp drafts 3 tokens of the 15 a DFlash block proposes."""
-    server = start_llama_server(ggufs["q4_1"], tmp_path / "default-n-max.log", draft=ggufs["dflash"], spec_type="draft-dflash")
+    server = start_llama_server(
+        ggufs["q4_1"], tmp_path / "default-n-max.log", draft=ggufs["dflash"], spec_type="draft-dflash"
+    )
     try:
-        body = json.dumps({"model": SERVED_NAME, "messages": [{"role": "user", "content": "Count from 1 to 20."}],
-                           "max_tokens": 24, "temperature": 0}).encode()
-        request = urllib.request.Request(f"{server.url}/v1/chat/completions", body, {"Content-Type": "application/json"})
+        body = json.dumps(
+            {
+                "model": SERVED_NAME,
+                "messages": [{"role": "user", "content": "Count from 1 to 20."}],
+                "max_tokens": 24,
+                "temperature": 0,
+            }
+        ).encode()
+        request = urllib.request.Request(
+            f"{server.url}/v1/chat/completions", body, {"Content-Type": "application/json"}
+        )
         urllib.request.urlopen(request, timeout=300).read()  # the per-position series appear with the first draft
         settings = server_settings(server.url)
         code, output = cli("env", "--engine-config", server.url, "--draft", str(DEMO_DRAFT_DIR), "--fail-on", "warn")
@@ -167,8 +203,14 @@ def test_a_server_that_does_not_speculate_or_has_no_metrics_is_named(ggufs, tmp_
     finally:
         plain.stop()
     assert code == 2 and "not speculating" in output and "llama.cpp -md DRAFT --spec-type" in output, output
-    unmetered = start_llama_server(ggufs["q4_1"], tmp_path / "no-metrics.log", draft=ggufs["dflash"],
-                                   spec_type="draft-dflash", n_max=15, metrics=False)
+    unmetered = start_llama_server(
+        ggufs["q4_1"],
+        tmp_path / "no-metrics.log",
+        draft=ggufs["dflash"],
+        spec_type="draft-dflash",
+        n_max=15,
+        metrics=False,
+    )
     try:
         code, output = cli("check", "--engine", unmetered.url, *WORKLOAD, "--out", str(tmp_path / "unmetered"))
     finally:
@@ -178,10 +220,25 @@ def test_a_server_that_does_not_speculate_or_has_no_metrics_is_named(ggufs, tmp_
 
 def test_autoregressive_pair_on_llama_server(ggufs, tmp_path):
     """The F32 target drafted for by its own Q4_1 copy: the same weights quantised, so most drafts hold."""
-    server = start_llama_server(ggufs["f32"], tmp_path / "ar.log", draft=ggufs["q4_1"], spec_type="draft-simple", n_max=8)
+    server = start_llama_server(
+        ggufs["f32"], tmp_path / "ar.log", draft=ggufs["q4_1"], spec_type="draft-simple", n_max=8
+    )
     try:
-        code, output = cli("check", "--engine", server.url, "--workload", "demo", "--max-requests", "3",
-                           "--max-new-tokens", "48", "--seed", "0", "--out", str(tmp_path / "ar"))
+        code, output = cli(
+            "check",
+            "--engine",
+            server.url,
+            "--workload",
+            "demo",
+            "--max-requests",
+            "3",
+            "--max-new-tokens",
+            "48",
+            "--seed",
+            "0",
+            "--out",
+            str(tmp_path / "ar"),
+        )
     finally:
         server.stop()
     assert code in (0, 1), output
@@ -198,14 +255,32 @@ def test_tune_on_llama_server_fits_its_costs_from_counters_and_judges_classes_by
     its own there, is judged by its measured speedup."""
     port = free_port()
     baseline = shlex.join(llama_server_command(ggufs["q4_1"], port))
-    speculative = shlex.join(llama_server_command(ggufs["q4_1"], port, draft=ggufs["dflash"], spec_type="draft-dflash", n_max="{k}"))
+    speculative = shlex.join(
+        llama_server_command(ggufs["q4_1"], port, draft=ggufs["dflash"], spec_type="draft-dflash", n_max="{k}")
+    )
     out = tmp_path / "tune"
-    code, output = cli("tune", "--engine", f"http://127.0.0.1:{port}", "--k", "0,2,4,8", "--fit-k", "2,4",
-                       "--launch-baseline", baseline, "--launch", speculative, *WORKLOAD, "--out", str(out))
+    code, output = cli(
+        "tune",
+        "--engine",
+        f"http://127.0.0.1:{port}",
+        "--k",
+        "0,2,4,8",
+        "--fit-k",
+        "2,4",
+        "--launch-baseline",
+        baseline,
+        "--launch",
+        speculative,
+        *WORKLOAD,
+        "--out",
+        str(out),
+    )
     assert code == 0, output
     tune = json.loads((out / "tune.json").read_text())
     assert [server.get("warning") for server in tune["servers"]] == [None] * 5, tune["servers"]
-    assert {server["acceptance_from"] for server in tune["servers"]} == {"/metrics counter deltas over the run (overall only)"}
+    assert {server["acceptance_from"] for server in tune["servers"]} == {
+        "/metrics counter deltas over the run (overall only)"
+    }
     overall = {cell["k"]: cell for cell in tune["cells"] if cell["scope"] == "overall"}
     for k in (2, 4, 8):
         assert 1.0 <= overall[k]["tau"] <= k + 1 and overall[k]["acceptance_from"] == "/metrics counter deltas"

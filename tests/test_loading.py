@@ -63,7 +63,9 @@ def test_the_suggested_download_command_exists_in_the_installed_huggingface_hub(
     console scripts: ``hf`` replaced ``huggingface-cli``)."""
     from importlib.metadata import entry_points
 
-    assert "hf" in {script.name for script in entry_points(group="console_scripts") if script.value.startswith("huggingface_hub")}
+    assert "hf" in {
+        script.name for script in entry_points(group="console_scripts") if script.value.startswith("huggingface_hub")
+    }
 
 
 def test_gguf_is_converted_once_and_again_only_when_the_file_changes(tmp_path, monkeypatch):
@@ -110,8 +112,14 @@ def test_two_processes_loading_one_new_gguf_convert_it_once(tmp_path):
     ready.mkdir()
     env = {**os.environ, "DFLASH_DOCTOR_CACHE": str(tmp_path / "cache")}
     processes = [
-        subprocess.Popen([sys.executable, "-c", CONVERT_IN_A_PROCESS, str(gguf), str(log), str(ready), name],
-                         cwd=Path(__file__).parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, "-c", CONVERT_IN_A_PROCESS, str(gguf), str(log), str(ready), name],
+            cwd=Path(__file__).parent,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for name in ("a", "b")
     ]
     outputs = [process.communicate(timeout=120) for process in processes]

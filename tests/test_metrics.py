@@ -9,7 +9,14 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from dflash_doctor.stats.metrics import conditional_rates, expected_tau_iid, summarize, tau_from_rates, tau_with_ci, truncate_steps
+from dflash_doctor.stats.metrics import (
+    conditional_rates,
+    expected_tau_iid,
+    summarize,
+    tau_from_rates,
+    tau_with_ci,
+    truncate_steps,
+)
 
 
 def make_steps(accepted_by_request: dict[str, list[int]], *, k: int, classes: dict[str, str]) -> pd.DataFrame:
@@ -142,7 +149,9 @@ def test_ci_brackets_the_estimate_and_narrows_with_more_requests():
         assert low < block.mean_acceptance_length < high
         for rate, (rate_low, rate_high) in zip(block.acceptance_rate_per_pos, block.acceptance_rate_per_pos_ci):
             assert rate_low <= rate <= rate_high
-    few_width, many_width = (block.mean_acceptance_length_ci[1] - block.mean_acceptance_length_ci[0] for block in (few, many))
+    few_width, many_width = (
+        block.mean_acceptance_length_ci[1] - block.mean_acceptance_length_ci[0] for block in (few, many)
+    )
     assert many_width < few_width / 3  # sqrt(40) ~ 6x narrower in theory
     # and it covers the true tau of i.i.d. acceptance
     low, high = many.mean_acceptance_length_ci

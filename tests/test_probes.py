@@ -36,13 +36,25 @@ def replayed(tmp_path_factory):
         target.save_pretrained(root / "target")
         tiny_tokenizer().save_pretrained(root / "target")
         save_dflash_draft(tiny_dflash(target, block_size=6, layer_ids=LAYER_IDS), root / "dflash")
-        config = build_config(target=str(root / "target"), draft=str(root / "dflash"),
-                              workload=str(write_workload(root / "workload.jsonl", per_class=1)), max_new_tokens=MAX_NEW_TOKENS)
+        config = build_config(
+            target=str(root / "target"),
+            draft=str(root / "dflash"),
+            workload=str(write_workload(root / "workload.jsonl", per_class=1)),
+            max_new_tokens=MAX_NEW_TOKENS,
+        )
         pair = load_pair(config)
         requests = load_workload(config.workload, seed=config.seed)
         with RunWriter(root / "run", RunRecord(meta=RunMeta(command="sweep")).to_json()) as writer:
-            replay = replay_teacher(pair, requests, ks=tuple(range(1, pair.default_k + 1)), max_new_tokens=MAX_NEW_TOKENS,
-                                    temperature=0.0, seed=config.seed, exact_blocks=False, writer=writer)
+            replay = replay_teacher(
+                pair,
+                requests,
+                ks=tuple(range(1, pair.default_k + 1)),
+                max_new_tokens=MAX_NEW_TOKENS,
+                temperature=0.0,
+                seed=config.seed,
+                exact_blocks=False,
+                writer=writer,
+            )
         yield pair, replay
 
 
@@ -60,8 +72,13 @@ def test_layer_offset_probe_equals_each_offset_drafted_alone(replayed):
         proposer = pair.with_draft(draft).proposer
         drafts = accepted = 0
         for turn in turns:
-            table, _ = slot_table(pair.target, proposer, TeacherSequence(turn.prompt_ids, turn.output_ids), pair.default_k,
-                                  record_divergence=False)
+            table, _ = slot_table(
+                pair.target,
+                proposer,
+                TeacherSequence(turn.prompt_ids, turn.output_ids),
+                pair.default_k,
+                record_divergence=False,
+            )
             for row in table.matches.tolist():  # every anchor drafts; its run ends at the first miss
                 drafts += 1
                 accepted += next((j for j, hit in enumerate(row) if not hit), len(row))
@@ -71,22 +88,36 @@ def test_layer_offset_probe_equals_each_offset_drafted_alone(replayed):
     assert layer_offset_probe(pair, turns) == (expected, drafts_by_offset[0])
 
 
-def test_lossless_probe_decodes_unbatched_only_where_the_live_loop_differs_from_the_batched_answer(replayed, monkeypatch):
+def test_lossless_probe_decodes_unbatched_only_where_the_live_loop_differs_from_the_batched_answer(
+    replayed, monkeypatch
+):
     """Equal to the replay's batched answer: identical, no decoding. Different from it: an unbatched
     decoding arbitrates (a padding near-tie is no loss); different from both: a divergence against it."""
     pair, replay = replayed
     turns = probe_turns(replay.turns)
     decoded = []
-    monkeypatch.setattr(probes, "plain_generate", lambda *args, **kwargs: decoded.append(1) or plain_generate(*args, **kwargs))
+    monkeypatch.setattr(
+        probes, "plain_generate", lambda *args, **kwargs: decoded.append(1) or plain_generate(*args, **kwargs)
+    )
     k = pair.default_k
 
-    assert lossless_probe(pair, turns, k, "float32") == LosslessProbe(num_requests=len(turns), num_identical=len(turns), dtype="float32")
+    assert lossless_probe(pair, turns, k, "float32") == LosslessProbe(
+        num_requests=len(turns), num_identical=len(turns), dtype="float32"
+    )
     assert decoded == []  # the live loop reproduced every batched answer: nothing decoded again
 
-    flipped = [dataclasses.replace(t, result=dataclasses.replace(t.result, output_ids=[t.output_ids[0] + 1, *t.output_ids[1:]]))
-               for t in turns]
+    flipped = [
+        dataclasses.replace(
+            t, result=dataclasses.replace(t.result, output_ids=[t.output_ids[0] + 1, *t.output_ids[1:]])
+        )
+        for t in turns
+    ]
     probe = lossless_probe(pair, flipped, k, "float32")
-    assert (probe.num_identical, probe.divergences, len(decoded)) == (len(turns), [], len(turns))  # unbatched decoding agreed
+    assert (probe.num_identical, probe.divergences, len(decoded)) == (
+        len(turns),
+        [],
+        len(turns),
+    )  # unbatched decoding agreed
 
     live_generate = probes.speculative_generate
 

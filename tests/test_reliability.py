@@ -53,8 +53,19 @@ SUBPROCESS_TIMEOUT_S = 300
 
 
 def pair_args(tiny_dir: Path, out: Path, *extra: str) -> list[str]:
-    return ["--target", str(tiny_dir / "target"), "--draft", str(tiny_dir / "dflash"), "--workload", str(tiny_dir / "workload.jsonl"),
-            "--max-new-tokens", "8", "--out", str(out), *extra]
+    return [
+        "--target",
+        str(tiny_dir / "target"),
+        "--draft",
+        str(tiny_dir / "dflash"),
+        "--workload",
+        str(tiny_dir / "workload.jsonl"),
+        "--max-new-tokens",
+        "8",
+        "--out",
+        str(out),
+        *extra,
+    ]
 
 
 def invoke(*args: str):
@@ -69,12 +80,21 @@ def assert_refused_while_a_killed_process_held(run_dir: Path, command: list[str]
     """``dflash-doctor COMMAND`` on ``run_dir`` while another live process holds it: exit 2 in one sentence
     naming that process, nothing written. The holder is then killed (kill -9), leaving its lock stale."""
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time\nfrom dflash_doctor.rundir.ownership import claim_run_dir\n"
-         "claim_run_dir(sys.argv[1]); print('claimed', flush=True); time.sleep(600)", str(run_dir)],
-        stdout=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-c",
+            "import sys, time\nfrom dflash_doctor.rundir.ownership import claim_run_dir\n"
+            "claim_run_dir(sys.argv[1]); print('claimed', flush=True); time.sleep(600)",
+            str(run_dir),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "claimed"
-        second = subprocess.run([str(CONSOLE_SCRIPT), *command], capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
+        second = subprocess.run(
+            [str(CONSOLE_SCRIPT), *command], capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S
+        )
         assert second.returncode == 2 and "Traceback" not in second.stderr, second.stderr
         assert f"being written by another dflash-doctor process (pid {holder.pid})" in " ".join(second.stderr.split())
         assert sorted(p.name for p in run_dir.iterdir()) == [LOCK_FILE]  # the refused process wrote nothing
@@ -87,8 +107,13 @@ def test_a_second_process_writing_the_same_out_is_refused_and_a_stale_lock_is_ta
     run_dir = tmp_path / "shared"
     assert_refused_while_a_killed_process_held(run_dir, ["replay", *pair_args(tiny_dir, run_dir)])
     # the holder was killed: its lock is stale and the next run takes the folder over
-    result = subprocess.run([str(CONSOLE_SCRIPT), "replay", *pair_args(tiny_dir, run_dir)], capture_output=True, text=True,
-                            timeout=SUBPROCESS_TIMEOUT_S, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    result = subprocess.run(
+        [str(CONSOLE_SCRIPT), "replay", *pair_args(tiny_dir, run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=SUBPROCESS_TIMEOUT_S,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert result.returncode == 0, result.stderr
     run = load_run(run_dir)
     assert run.complete and len(run.requests) == 6
@@ -122,6 +147,7 @@ def test_a_refused_claim_leaves_no_empty_folder_and_a_file_is_not_a_folder(tmp_p
 def test_commands_started_in_the_same_second_without_out_get_folders_of_their_own(tmp_path, monkeypatch):
     """No --out: each command makes its own runs/<command>-<second> folder, the later ones suffixed, so a script
     running checks in parallel neither refuses one of them nor lets two write one folder."""
+
     class FrozenClock(ownership._dt.datetime):
         @classmethod
         def now(cls, tz=None):
@@ -154,44 +180,96 @@ def test_a_live_watch_owns_its_out_and_the_next_watch_continues_what_it_left(tmp
         fresh = invoke("watch", exporter.url, "--once", "--out", tmp_path / "fresh")
         assert fresh.exit_code == 0, fresh.output
         windows_per_once = len(read_windows(tmp_path / "fresh"))
-        live = subprocess.Popen([sys.executable, "-m", "dflash_doctor", "watch", exporter.url, "--interval", "0.3", "--window", "30s",
-                                 "--min-drafts", "1", "--out", str(run_dir)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        live = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "dflash_doctor",
+                "watch",
+                exporter.url,
+                "--interval",
+                "0.3",
+                "--window",
+                "30s",
+                "--min-drafts",
+                "1",
+                "--out",
+                str(run_dir),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         try:
             deadline = time.monotonic() + 120
-            while (not (run_dir / "run.json").is_file() or len(read_windows(run_dir)) < 2) and time.monotonic() < deadline:
+            while (
+                not (run_dir / "run.json").is_file() or len(read_windows(run_dir)) < 2
+            ) and time.monotonic() < deadline:
                 if exporter.scrapes >= 2:
                     exporter.text = metrics  # more requests arrive: the next windows have drafts
                 time.sleep(0.2)
             assert live.poll() is None and len(read_windows(run_dir)) >= 2
-            second = subprocess.run([str(CONSOLE_SCRIPT), "watch", exporter.url, "--once", "--out", str(run_dir)],
-                                    capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
+            second = subprocess.run(
+                [str(CONSOLE_SCRIPT), "watch", exporter.url, "--once", "--out", str(run_dir)],
+                capture_output=True,
+                text=True,
+                timeout=SUBPROCESS_TIMEOUT_S,
+            )
             assert second.returncode == 2 and "Traceback" not in second.stderr, second.stderr
             assert f"being written by another dflash-doctor process (pid {live.pid})" in " ".join(second.stderr.split())
         finally:
             live.send_signal(signal.SIGKILL)
             live.wait(timeout=30)
-        assert (run_dir / "journal").is_dir() and (run_dir / LOCK_FILE).is_file()  # killed mid-watch: nothing consolidated
+        assert (run_dir / "journal").is_dir() and (
+            run_dir / LOCK_FILE
+        ).is_file()  # killed mid-watch: nothing consolidated
         windows, units = len(read_windows(run_dir)), len(read_units(run_dir))
         continued = invoke("watch", exporter.url, "--once", "--out", run_dir)
         assert continued.exit_code == 0, continued.output
         assert len(read_windows(run_dir)) == windows + windows_per_once and len(read_units(run_dir)) > units
         assert not (run_dir / "journal").exists() and not (run_dir / LOCK_FILE).exists()
         overall = load_run(run_dir).record.summary.overall
-        assert overall is not None and overall.num_drafts == read_units(run_dir)["num_drafts"].sum()  # pools the earlier units too
+        assert (
+            overall is not None and overall.num_drafts == read_units(run_dir)["num_drafts"].sum()
+        )  # pools the earlier units too
         replaced = invoke("watch", exporter.url, "--once", "--out", run_dir, "--overwrite")
         assert replaced.exit_code == 0, replaced.output
         assert len(read_windows(run_dir)) == windows_per_once
         (tmp_path / "notes").mkdir()
         (tmp_path / "notes" / "todo.txt").write_text("mine")
-        assert_usage_error(invoke("watch", exporter.url, "--once", "--out", tmp_path / "notes"), "already holds files", "--overwrite")
+        assert_usage_error(
+            invoke("watch", exporter.url, "--once", "--out", tmp_path / "notes"), "already holds files", "--overwrite"
+        )
     assert sorted(p.name for p in (tmp_path / "notes").iterdir()) == ["todo.txt"]
 
 
 def test_train_draft_owns_its_out_resumes_its_own_and_keeps_a_foreign_folder_unless_overwrite(tiny_dir, tmp_path):
     def train(out: Path, *extra: str) -> list[str]:
-        return ["train-draft", "--target", str(tiny_dir / "target"), "--workload", str(tiny_dir / "workload.jsonl"), "--steps", "2",
-                "--batch-size", "2", "--anchors-per-sequence", "2", "--max-new-tokens", "4", "--eval-requests", "0",
-                "--block-size", "4", "--num-layers", "1", "--device", "cpu", "--out", str(out), *extra]
+        return [
+            "train-draft",
+            "--target",
+            str(tiny_dir / "target"),
+            "--workload",
+            str(tiny_dir / "workload.jsonl"),
+            "--steps",
+            "2",
+            "--batch-size",
+            "2",
+            "--anchors-per-sequence",
+            "2",
+            "--max-new-tokens",
+            "4",
+            "--eval-requests",
+            "0",
+            "--block-size",
+            "4",
+            "--num-layers",
+            "1",
+            "--device",
+            "cpu",
+            "--out",
+            str(out),
+            *extra,
+        ]
 
     def resumed_from_step(out: Path) -> int:
         return json.loads((out / "training_log.json").read_text())["resumed_from_step"]
@@ -240,8 +318,13 @@ main()
 
 def test_check_killed_during_the_greedy_continuations_keeps_the_requests_of_finished_batches(tiny_dir, tmp_path):
     run_dir = tmp_path / "killed"
-    result = subprocess.run([sys.executable, "-c", KILLED_ON_SECOND_BATCH, "check", *pair_args(tiny_dir, run_dir)],
-                            capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    result = subprocess.run(
+        [sys.executable, "-c", KILLED_ON_SECOND_BATCH, "check", *pair_args(tiny_dir, run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=SUBPROCESS_TIMEOUT_S,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert result.returncode == -signal.SIGKILL, result.stderr
     run = load_run(run_dir)
     assert not run.complete
@@ -260,16 +343,32 @@ def test_rounding_at_is_the_spacing_torch_gives_the_dtype():
         assert [rounding_at(dtype, float(v)) for v in values.float()] == spacing.tolist()
 
 
-@pytest.mark.parametrize("dtype, margin, top1, status", [
-    ("bfloat16", 0.062, 15.0, "warn"),   # the reported case: one bf16 step at a logit of 15 (a fixed 0.05 called it a loss)
-    ("bfloat16", 0.062, 0.5, "fail"),    # the same margin at a small logit is 32 steps: a real preference
-    ("float16", 0.062, 15.0, "fail"),    # float16 keeps 11 bits: 0.0078 steps at 15
-    ("float32", 0.001, 15.0, "fail"),    # float32 is exact enough: every divergence is a loss, as before
-    ("bfloat16", 0.01, None, "fail"),    # a record without the top logit cannot be judged a near-tie
-])
+@pytest.mark.parametrize(
+    "dtype, margin, top1, status",
+    [
+        (
+            "bfloat16",
+            0.062,
+            15.0,
+            "warn",
+        ),  # the reported case: one bf16 step at a logit of 15 (a fixed 0.05 called it a loss)
+        ("bfloat16", 0.062, 0.5, "fail"),  # the same margin at a small logit is 32 steps: a real preference
+        ("float16", 0.062, 15.0, "fail"),  # float16 keeps 11 bits: 0.0078 steps at 15
+        ("float32", 0.001, 15.0, "fail"),  # float32 is exact enough: every divergence is a loss, as before
+        ("bfloat16", 0.01, None, "fail"),  # a record without the top logit cannot be judged a near-tie
+    ],
+)
 def test_lossless_judges_a_margin_against_the_dtype_rounding_at_its_logit(dtype, margin, top1, status):
-    divergence = Divergence(request_id="r", position=3, speculative_token=1, plain_token=2, speculative_text="a",
-                            plain_text="b", top2_margin=margin, top1_logit=top1)
+    divergence = Divergence(
+        request_id="r",
+        position=3,
+        speculative_token=1,
+        plain_token=2,
+        speculative_text="a",
+        plain_text="b",
+        top2_margin=margin,
+        top1_logit=top1,
+    )
     probe = LosslessProbe(num_requests=2, num_identical=1, dtype=dtype, divergences=[divergence])
     result = run_checks(CheckContext(record=record(probes=Probes(lossless=probe))), only=["lossless"])[0]
     assert result.status == status
@@ -288,8 +387,12 @@ def bf16_pair(tmp_path_factory):
     tiny_tokenizer().save_pretrained(root / "target")
     save_dflash_draft(tiny_dflash(target, block_size=6), root / "dflash")
     workload = write_workload(root / "workload.jsonl", per_class=1)
-    pairs = {dtype: load_pair(build_config(target=str(root / "target"), draft=str(root / "dflash"), workload=str(workload), dtype=dtype))
-             for dtype in ("bfloat16", "float32")}
+    pairs = {
+        dtype: load_pair(
+            build_config(target=str(root / "target"), draft=str(root / "dflash"), workload=str(workload), dtype=dtype)
+        )
+        for dtype in ("bfloat16", "float32")
+    }
     return pairs, load_workload(str(workload))[0]
 
 
@@ -299,7 +402,9 @@ def flipped_at_the_parting_token(pair, request, monkeypatch, pick) -> tuple[str,
     prompt = first_turn_prompt(pair, request)
     plain = plain_generate(pair.target, torch.tensor(prompt), max_new_tokens=16, stop_ids=pair.stop_ids).output_ids
     pair.target.reset()
-    logits = pair.target.forward(torch.tensor(prompt + plain), taps=()).logits[len(prompt) - 1:len(prompt) - 1 + len(plain)]
+    logits = pair.target.forward(torch.tensor(prompt + plain), taps=()).logits[
+        len(prompt) - 1 : len(prompt) - 1 + len(plain)
+    ]
     pair.target.reset()
     top = logits.float().topk(2)
     margins = (top.values[:, 0] - top.values[:, 1]).tolist()
@@ -307,9 +412,14 @@ def flipped_at_the_parting_token(pair, request, monkeypatch, pick) -> tuple[str,
     roundings = [rounding_at("bfloat16", v) for v in top.values[:, 0].tolist()]
     position = pick(margins, roundings)
     flipped = plain[:position] + [int(top.indices[position, 1])]
-    monkeypatch.setattr(probes, "speculative_generate", lambda *a, **kw: GenerationResult(output_ids=list(flipped), stop_reason="max_new_tokens",
-                                                                                          wall_time_s=0.0))
-    turn = Turn(request, 0, prompt, 16, GenerationResult(output_ids=plain, stop_reason="max_new_tokens", wall_time_s=0.0))
+    monkeypatch.setattr(
+        probes,
+        "speculative_generate",
+        lambda *a, **kw: GenerationResult(output_ids=list(flipped), stop_reason="max_new_tokens", wall_time_s=0.0),
+    )
+    turn = Turn(
+        request, 0, prompt, 16, GenerationResult(output_ids=plain, stop_reason="max_new_tokens", wall_time_s=0.0)
+    )
     probe = lossless_probe(pair, [turn], k=4, dtype=dtype)
     assert [d.position for d in probe.divergences] == [position]
     result = run_checks(CheckContext(record=record(probes=Probes(lossless=probe))), only=["lossless"])[0]
@@ -322,7 +432,9 @@ def test_a_bf16_divergence_at_a_near_tie_warns_and_a_clear_one_fails_on_a_real_c
     nearest = lambda margins, roundings: min(range(len(margins)), key=lambda i: margins[i] / roundings[i])  # noqa: E731
     clearest = lambda margins, roundings: max(range(len(margins)), key=lambda i: margins[i] / roundings[i])  # noqa: E731
     status, found = flipped_at_the_parting_token(pair, request, monkeypatch, nearest)
-    assert found["margin"] <= 2 * found["rounding"], found  # the fixture's output has a near-tie (a margin of one bf16 step)
+    assert found["margin"] <= 2 * found["rounding"], (
+        found
+    )  # the fixture's output has a near-tie (a margin of one bf16 step)
     assert status == "warn", found
     status, found = flipped_at_the_parting_token(pair, request, monkeypatch, clearest)
     assert found["margin"] > 2 * found["rounding"] and status == "fail", found
@@ -351,18 +463,24 @@ def test_compare_with_a_run_that_finished_no_request_exits_2_instead_of_passing(
 # 5. watch --once on a source with no engine series
 
 
-@pytest.mark.parametrize("text", ["", "<html><body>It works!</body></html>\n", "process_cpu_seconds_total 3.2\nup 1\n", "\x00\x01garbage{{"])
+@pytest.mark.parametrize(
+    "text", ["", "<html><body>It works!</body></html>\n", "process_cpu_seconds_total 3.2\nup 1\n", "\x00\x01garbage{{"]
+)
 def test_watch_once_on_metrics_without_engine_series_exits_2(tmp_path, text):
     with MetricsExporter(text) as exporter:
         result = invoke("watch", exporter.url, "--once", "--out", tmp_path / "run")
     assert_usage_error(result, "no speculative-decoding series in http://127.0.0.1", "/metrics URL or log file")
 
 
-@pytest.mark.parametrize("content", [bytes(range(256)) * 8, b"", "plain application log, no spec decode\n".encode() * 20])
+@pytest.mark.parametrize(
+    "content", [bytes(range(256)) * 8, b"", "plain application log, no spec decode\n".encode() * 20]
+)
 def test_watch_once_on_a_log_without_engine_lines_exits_2(tmp_path, content):
     log = tmp_path / "server.log"
     log.write_bytes(content)
-    assert_usage_error(invoke("watch", log, "--once", "--out", tmp_path / "run"), f"no speculative-decoding series in {log}")
+    assert_usage_error(
+        invoke("watch", log, "--once", "--out", tmp_path / "run"), f"no speculative-decoding series in {log}"
+    )
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -393,13 +511,19 @@ def test_every_report_format_carries_user_text_inertly(hostile_run, tmp_path):
     for suffix, text in by_suffix.items():
         assert not any(c in text for c in RAW_CONTROLS), suffix
     assert "evil\\x1b]0;pwned\\x07" in by_suffix[".md"] and "&lt;b&gt;" in by_suffix[".md"]
-    assert "](" not in by_suffix[".md"] and "![seen]\\(http://tracker.example/p.png)" in by_suffix[".md"]  # no image, no link
+    assert (
+        "](" not in by_suffix[".md"] and "![seen]\\(http://tracker.example/p.png)" in by_suffix[".md"]
+    )  # no image, no link
     assert "<b>b</b>" not in by_suffix[".html"]
     payload = json.loads(by_suffix[".json"])  # JSON escapes control characters itself: the value comes back exact
     assert {check["summary"] for check in payload["checks"]} == {f"summary {HOSTILE} {TRACKER}"}
     root = ET.fromstring(by_suffix[".xml"])  # every CI parses it: no XML-invalid character
     failure = root.find(".//failure")
-    assert failure is not None and f"summary evil\\x1b]0;pwned\\x07\\x1b[2J[bold red]x[/]|`<b>b</b>\\x00\\x9b\\ufffe {TRACKER}" == failure.get("message")
+    assert (
+        failure is not None
+        and f"summary evil\\x1b]0;pwned\\x07\\x1b[2J[bold red]x[/]|`<b>b</b>\\x00\\x9b\\ufffe {TRACKER}"
+        == failure.get("message")
+    )
 
 
 def test_the_terminal_views_show_control_sequences_as_text(hostile_run):
@@ -413,7 +537,9 @@ def test_the_terminal_views_show_control_sequences_as_text(hostile_run):
     assert "evil\\x1b]0;pwned\\x07\\x1b[2J[bold red]x[/]" in shown  # the markup is text, not a style
     compared = invoke("compare", hostile_run, hostile_run, "--out", hostile_run.parent / "compare")
     assert compared.exit_code == 0, compared.output
-    assert not any(c in compared.output for c in RAW_CONTROLS) and "\\x1b" in compared.output  # the cell wraps: shown as text
+    assert (
+        not any(c in compared.output for c in RAW_CONTROLS) and "\\x1b" in compared.output
+    )  # the cell wraps: shown as text
 
 
 def test_the_dashboard_shows_user_text_without_markup(hostile_run, monkeypatch):
@@ -422,7 +548,9 @@ def test_the_dashboard_shows_user_text_without_markup(hostile_run, monkeypatch):
     dashboard.session_state["run_path"] = str(hostile_run)
     dashboard.run()
     assert not dashboard.exception, [e.value for e in dashboard.exception]
-    markdown = [str(e.value) for kind in ("markdown", "caption", "error", "warning", "info") for e in dashboard.get(kind)]
+    markdown = [
+        str(e.value) for kind in ("markdown", "caption", "error", "warning", "info") for e in dashboard.get(kind)
+    ]
     labels = [str(e.label) for e in dashboard.get("expander")]
     hostile = [text for text in markdown + labels if "evil" in text]
     assert hostile, "the check texts are shown"

@@ -50,13 +50,17 @@ def _assert_close(actual, expected, where="$"):
         for i, (a, e) in enumerate(zip(actual, expected)):
             _assert_close(a, e, f"{where}[{i}]")
     elif isinstance(expected, float) and not isinstance(actual, bool):
-        assert isinstance(actual, (int, float)) and math.isclose(actual, expected, rel_tol=FLOAT_REL_TOL, abs_tol=1e-12), f"{where}: {actual} != {expected}"
+        assert isinstance(actual, (int, float)) and math.isclose(
+            actual, expected, rel_tol=FLOAT_REL_TOL, abs_tol=1e-12
+        ), f"{where}: {actual} != {expected}"
     else:
         assert actual == expected, f"{where}: {actual!r} != {expected!r}"
 
 
 def test_golden_refresh_switch_is_off():
-    assert os.environ.get(REFRESH_ENV) != "1", f"unset {REFRESH_ENV}: it rewrites the golden files instead of checking them"
+    assert os.environ.get(REFRESH_ENV) != "1", (
+        f"unset {REFRESH_ENV}: it rewrites the golden files instead of checking them"
+    )
 
 
 def test_report_json_matches_golden(fixture_run):
@@ -68,7 +72,9 @@ def test_report_json_matches_golden(fixture_run):
 def test_report_md_matches_golden(fixture_run):
     actual = render_markdown(load_run(fixture_run))
     expected = _refresh_or_read("report.md", actual)
-    assert _NUMBER.split(actual) == _NUMBER.split(expected), "report.md text (numbers aside) differs from tests/golden/report.md"
+    assert _NUMBER.split(actual) == _NUMBER.split(expected), (
+        "report.md text (numbers aside) differs from tests/golden/report.md"
+    )
     for a, e in zip(_NUMBER.findall(actual), _NUMBER.findall(expected), strict=True):
         assert abs(float(a) - float(e)) <= MARKDOWN_NUMBER_ABS_TOL, f"report.md number {a} != golden {e}"
 
@@ -79,7 +85,10 @@ def test_report_json_keys_are_sorted_and_verdict_follows_checks(fixture_run):
     assert list(payload) == sorted(payload)
     assert payload["verdict"] == "fail"  # the fixture has a failing layer_offset check
     assert payload["check_counts"] == {"pass": 1, "warn": 1, "fail": 1, "skip": 1, "error": 1}
-    assert payload["summary"]["by_class"]["math"]["mean_acceptance_length"] > payload["summary"]["by_class"]["chat"]["mean_acceptance_length"]
+    assert (
+        payload["summary"]["by_class"]["math"]["mean_acceptance_length"]
+        > payload["summary"]["by_class"]["chat"]["mean_acceptance_length"]
+    )
 
 
 def test_junit_has_the_shape_ci_tools_parse(fixture_run, tmp_path):
@@ -147,13 +156,17 @@ def cdn_script_tag() -> str:
 
     bundle = plotly.offline.get_plotlyjs().encode("utf-8")
     integrity = "sha256-" + base64.b64encode(hashlib.sha256(bundle).digest()).decode()
-    return (f'<script charset="utf-8" src="https://cdn.plot.ly/plotly-{plotly.offline.get_plotlyjs_version()}.min.js" '
-            f'integrity="{integrity}" crossorigin="anonymous"></script>')
+    return (
+        f'<script charset="utf-8" src="https://cdn.plot.ly/plotly-{plotly.offline.get_plotlyjs_version()}.min.js" '
+        f'integrity="{integrity}" crossorigin="anonymous"></script>'
+    )
 
 
 def test_plotly_cdn_links_plotly_js_instead_of_embedding_it(fixture_run, tmp_path):
     for source in ("inline", "cdn"):
-        result = CliRunner().invoke(app, ["report", str(fixture_run), "--format", "html", "--plotly", source, "--out", str(tmp_path / source)])
+        result = CliRunner().invoke(
+            app, ["report", str(fixture_run), "--format", "html", "--plotly", source, "--out", str(tmp_path / source)]
+        )
         assert result.exit_code == 0, result.output
     inline, cdn = ((tmp_path / source / "report.html").read_text() for source in ("inline", "cdn"))
     assert len(inline.encode()) > 4_000_000 and len(cdn.encode()) < 500_000  # the 4.6 MB bundle is the difference
@@ -184,7 +197,9 @@ def test_report_cli_writes_requested_formats(fixture_run, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["junit.xml", "report.md"]
 
 
-@pytest.mark.parametrize("args", [["report", "{missing}"], ["report", "{run}", "--format", "pdf"], ["report", "{run}", "--plotly", "web"]])
+@pytest.mark.parametrize(
+    "args", [["report", "{missing}"], ["report", "{run}", "--format", "pdf"], ["report", "{run}", "--plotly", "web"]]
+)
 def test_report_cli_bad_input_exits_2_with_one_sentence(fixture_run, tmp_path, args):
     args = [a.format(missing=tmp_path / "nope", run=fixture_run) for a in args]
     result = CliRunner().invoke(app, args)

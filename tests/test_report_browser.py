@@ -13,13 +13,22 @@ from dflash_doctor.report import render_reports
 from fixture_runs import HOSTILE_TOKEN_TEXT, make_fixture_run
 
 # playwright drives Chromium; a test install without it skips this module with the reason (CONTRIBUTING.md)
-sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is installed by scripts/setup-dev.sh with Chromium")
+sync_api = pytest.importorskip(
+    "playwright.sync_api", reason="playwright is installed by scripts/setup-dev.sh with Chromium"
+)
 PlaywrightTimeoutError, sync_playwright = sync_api.TimeoutError, sync_api.sync_playwright
 
 pytestmark = pytest.mark.browser
 
 CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update", "--disable-sync", "--no-first-run"]
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +62,8 @@ def open_offline(browser, path: Path):
     page.goto(path.resolve().as_uri(), wait_until="load")
     try:  # newPlot draws asynchronously; the assertions below report what did not render
         page.wait_for_function(
-            "() => Array.from(document.querySelectorAll('.plotly-graph-div')).every(d => d.querySelector('.main-svg'))", timeout=15_000
+            "() => Array.from(document.querySelectorAll('.plotly-graph-div')).every(d => d.querySelector('.main-svg'))",
+            timeout=15_000,
         )
     except PlaywrightTimeoutError:
         pass
@@ -75,10 +85,16 @@ def test_report_html_renders_offline_with_hostile_token_as_text(browser, tmp_pat
     assert num_charts == 10 and num_rendered == num_charts  # 6 acceptance and sweep charts, 4 "Why rejected"
     assert errors == [] and blocked == []
     # the hostile string is a token's visible text, and no <script> element came from it
-    hostile_spans = page.evaluate("(t) => Array.from(document.querySelectorAll('.viewer .tok')).filter(s => s.textContent === t).length", HOSTILE_TOKEN_TEXT)
+    hostile_spans = page.evaluate(
+        "(t) => Array.from(document.querySelectorAll('.viewer .tok')).filter(s => s.textContent === t).length",
+        HOSTILE_TOKEN_TEXT,
+    )
     assert hostile_spans == 1
     assert page.evaluate("() => document.querySelectorAll('.viewer script').length") == 0
-    title = page.evaluate("(t) => Array.from(document.querySelectorAll('.viewer .tok')).find(s => s.textContent === t).title", HOSTILE_TOKEN_TEXT)
+    title = page.evaluate(
+        "(t) => Array.from(document.querySelectorAll('.viewer .tok')).find(s => s.textContent === t).title",
+        HOSTILE_TOKEN_TEXT,
+    )
     assert "target prob" in title and HOSTILE_TOKEN_TEXT in title
     page.context.close()
 

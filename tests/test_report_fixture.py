@@ -18,16 +18,26 @@ def test_fixture_tables_agree_with_each_other(run):
     requests, steps, tokens = run.requests, run.steps, run.tokens
     assert len(tokens) == len(steps) * FIXTURE_K_MAX
     per_request = steps.groupby("request_id")["num_accepted"].sum()
-    assert requests.set_index("request_id")["num_accepted_tokens"].sort_index().tolist() == per_request.sort_index().tolist()
+    assert (
+        requests.set_index("request_id")["num_accepted_tokens"].sort_index().tolist()
+        == per_request.sort_index().tolist()
+    )
     accepted_tokens = tokens.groupby(["request_id", "step"])["accepted"].sum()
-    assert (accepted_tokens.to_numpy() == steps.set_index(["request_id", "step"]).loc[accepted_tokens.index, "num_accepted"].to_numpy()).all()
+    assert (
+        accepted_tokens.to_numpy()
+        == steps.set_index(["request_id", "step"]).loc[accepted_tokens.index, "num_accepted"].to_numpy()
+    ).all()
     assert (tokens.loc[tokens["accepted"], "draft_token"] == tokens.loc[tokens["accepted"], "target_token"]).all()
     assert (tokens["draft_text"] == HOSTILE_TOKEN_TEXT).sum() == 1
 
 
 def test_fixture_classes_differ_and_degrade_lowers_tau(run, tmp_path):
     by_class = run.meta["summary"]["by_class"]
-    assert by_class["math"]["mean_acceptance_length"] > by_class["code"]["mean_acceptance_length"] > by_class["chat"]["mean_acceptance_length"]
+    assert (
+        by_class["math"]["mean_acceptance_length"]
+        > by_class["code"]["mean_acceptance_length"]
+        > by_class["chat"]["mean_acceptance_length"]
+    )
     degraded = load_run(make_fixture_run(tmp_path / "degraded", seed=3, degrade=0.4)).meta["summary"]["overall"]
     assert degraded["mean_acceptance_length"] < run.meta["summary"]["overall"]["mean_acceptance_length"] - 0.5
 
@@ -62,5 +72,9 @@ def test_figures_draw_one_series_per_class_plus_overall(run):
 
 def test_figures_of_an_empty_run_explain_themselves(tmp_path):
     empty = load_run(make_fixture_run(tmp_path / "empty", num_requests=0))
-    for fig in (figures.tau_by_class_figure(empty.record.summary), figures.speedup_by_k_figure(None, {}), figures.acceptance_along_output_figure(empty.steps)):
+    for fig in (
+        figures.tau_by_class_figure(empty.record.summary),
+        figures.speedup_by_k_figure(None, {}),
+        figures.acceptance_along_output_figure(empty.steps),
+    ):
         assert not fig.data and fig.layout.annotations[0].text

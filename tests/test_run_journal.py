@@ -38,7 +38,9 @@ REPLAY_TIMEOUT_S = 300
 
 def test_a_run_is_readable_while_it_is_written_and_identical_once_closed(tmp_path):
     run_dir = tmp_path / "run"
-    writer = RunWriter(run_dir, RunRecord(meta=RunMeta(command="replay", created_at=utc_now()), config={"seed": 0}).to_json())
+    writer = RunWriter(
+        run_dir, RunRecord(meta=RunMeta(command="replay", created_at=utc_now()), config={"seed": 0}).to_json()
+    )
     assert load_run(run_dir).requests.empty and not load_run(run_dir).complete  # run.json from the start
     write_request(writer, "a")
     write_request(writer, "b", num_steps=4)
@@ -99,8 +101,11 @@ def tiny_pair(tmp_path_factory) -> Path:
     tiny_tokenizer().save_pretrained(root / "target")
     save_dflash_draft(tiny_dflash(target, block_size=6), root / "dflash")
     lines = [
-        json.dumps({"id": f"{cls}-{i}", "class": cls, "messages": [{"role": "user", "content": f"w{i % 50} w{i % 7} w3 w9"}]})
-        for i in range(2000) for cls in CLASSES
+        json.dumps(
+            {"id": f"{cls}-{i}", "class": cls, "messages": [{"role": "user", "content": f"w{i % 50} w{i % 7} w3 w9"}]}
+        )
+        for i in range(2000)
+        for cls in CLASSES
     ]
     (root / "workload.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
     return root
@@ -108,10 +113,26 @@ def tiny_pair(tmp_path_factory) -> Path:
 
 def test_a_replay_killed_with_sigkill_keeps_every_finished_request_for_every_view(tiny_pair, tmp_path, monkeypatch):
     run_dir = tmp_path / "runs" / "killed"
-    command = [str(CONSOLE_SCRIPT), "replay", "--target", str(tiny_pair / "target"), "--draft", str(tiny_pair / "dflash"),
-               "--workload", str(tiny_pair / "workload.jsonl"), "--max-new-tokens", "40", "--k", "5", "--out", str(run_dir)]
+    command = [
+        str(CONSOLE_SCRIPT),
+        "replay",
+        "--target",
+        str(tiny_pair / "target"),
+        "--draft",
+        str(tiny_pair / "dflash"),
+        "--workload",
+        str(tiny_pair / "workload.jsonl"),
+        "--max-new-tokens",
+        "40",
+        "--k",
+        "5",
+        "--out",
+        str(run_dir),
+    ]
     log = tmp_path / "replay.log"
-    process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    process = subprocess.Popen(
+        command, stdout=log.open("w"), stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     try:
         deadline = time.monotonic() + REPLAY_TIMEOUT_S
         seen = 0
@@ -133,7 +154,9 @@ def test_a_replay_killed_with_sigkill_keeps_every_finished_request_for_every_vie
     assert not (run_dir / "requests.parquet").exists()  # nothing was consolidated: the journal is all there is
     finished = set(run.requests["request_id"])
     assert set(run.steps["request_id"]) == finished and set(run.tokens["request_id"]) == finished
-    assert run.steps.groupby("request_id").size().to_dict() == dict(zip(run.requests["request_id"], run.requests["num_steps"]))
+    assert run.steps.groupby("request_id").size().to_dict() == dict(
+        zip(run.requests["request_id"], run.requests["num_steps"])
+    )
     assert len(run.tokens) == drafted_inside_the_answer(run.steps, run.meta["config"]["max_new_tokens"])
     assert run.meta["summary"]["overall"]["num_requests"] == len(run.requests)
 

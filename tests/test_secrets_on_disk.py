@@ -47,7 +47,9 @@ def test_an_unreachable_source_is_named_without_its_credentials(tmp_path, userin
 
 @pytest.mark.parametrize("userinfo", USERINFOS)
 def test_a_bad_source_url_is_refused_without_its_credentials(tmp_path, userinfo):
-    result = CliRunner().invoke(app, ["watch", f"ftp://{userinfo}@127.0.0.1:1/metrics", "--once", "--out", str(tmp_path / "w")])
+    result = CliRunner().invoke(
+        app, ["watch", f"ftp://{userinfo}@127.0.0.1:1/metrics", "--once", "--out", str(tmp_path / "w")]
+    )
     assert result.exit_code == 2 and SECRET not in result.output
 
 

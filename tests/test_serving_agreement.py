@@ -13,7 +13,13 @@ import pytest
 import torch
 
 from dflash_doctor.engine.live import speculative_generate
-from dflash_doctor.models.serving_setups import CONFIGURED, FIRST_LAYER_CONTEXT_K_NORM, ServingSetup, serving_setups, setup_proposer
+from dflash_doctor.models.serving_setups import (
+    CONFIGURED,
+    FIRST_LAYER_CONTEXT_K_NORM,
+    ServingSetup,
+    serving_setups,
+    setup_proposer,
+)
 from dflash_doctor.serving.agreement import compare_turn, summarize_agreement
 from server_turns import LocalStops, engine_turn
 from tiny_models import tiny_dflash, tiny_target
@@ -41,7 +47,9 @@ def test_causal_flip_makes_each_slot_blind_to_later_slots():
 def test_layer_offset_setups_stay_inside_the_target():
     target_model = tiny_target(layers=4)
     draft = tiny_dflash(target_model, layer_ids=(0, 3))
-    names = {s.name: setup_proposer(draft, target_model, s) for s in serving_setups(draft_causal=False, num_draft_layers=2)}
+    names = {
+        s.name: setup_proposer(draft, target_model, s) for s in serving_setups(draft_causal=False, num_draft_layers=2)
+    }
     assert names["target_layer_ids - 1"] is None and names["target_layer_ids + 1"] is None  # 0-1 and 3+1 fall off
     assert names[CONFIGURED] is not None and names["in-block attention causal"] is not None
     assert names[f"in-block attention causal, {FIRST_LAYER_CONTEXT_K_NORM.name}"] is not None
@@ -72,7 +80,13 @@ def demo_pair():
     """The real SmolLM2-135M-Instruct and the shipped DFlash draft (its acceptance is high enough to tell setups apart)."""
     from transformers import AutoTokenizer
 
-    from dflash_doctor.models.loading import DEMO_DRAFT_DIR, demo_target_path, load_causal_lm, load_dflash_draft, resolve_model_dir
+    from dflash_doctor.models.loading import (
+        DEMO_DRAFT_DIR,
+        demo_target_path,
+        load_causal_lm,
+        load_dflash_draft,
+        resolve_model_dir,
+    )
     from dflash_doctor.models.pair import stop_ids_of
 
     target_dir = resolve_model_dir(str(demo_target_path()))
@@ -83,7 +97,9 @@ def demo_pair():
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("served", [CONFIGURED, "target_layer_ids + 1", f"target_layer_ids + 1, {FIRST_LAYER_CONTEXT_K_NORM.name}"])
+@pytest.mark.parametrize(
+    "served", [CONFIGURED, "target_layer_ids + 1", f"target_layer_ids + 1, {FIRST_LAYER_CONTEXT_K_NORM.name}"]
+)
 def test_a_stand_in_server_is_reproduced_step_by_step_and_its_setup_named(demo_pair, served):
     from dflash_doctor.inputs.workloads import encode_turn
 
@@ -96,7 +112,9 @@ def test_a_stand_in_server_is_reproduced_step_by_step_and_its_setup_named(demo_p
     questions = ("What is 12 times 7? Explain step by step.", "Write a Python function that reverses a string.")
     for index, question in enumerate(questions):
         prompt = encode_turn(tokenizer, [{"role": "user", "content": question}])
-        live = speculative_generate(served_target, served_proposer, torch.tensor(prompt), k=k, max_new_tokens=max_new, stop_ids=stop_ids)
+        live = speculative_generate(
+            served_target, served_proposer, torch.tensor(prompt), k=k, max_new_tokens=max_new, stop_ids=stop_ids
+        )
         turn = engine_turn(f"r{index}", prompt, live, k)
         turns.append(turn)
         comparisons.append(compare_turn(LocalStops(stop_ids), setups, proposers, turn, prompt, k, max_new, 0.0))
@@ -108,7 +126,9 @@ def test_a_stand_in_server_is_reproduced_step_by_step_and_its_setup_named(demo_p
         stats = summary.per_step[served]
         assert stats.num_siding >= 0.9 * stats.num_telling, stats
         assert summary.per_step[CONFIGURED].share <= stats.share
-        if "target_layer_ids" in served:  # an offset changes many steps; the norm defect alone changes few on this draft
+        if (
+            "target_layer_ids" in served
+        ):  # an offset changes many steps; the norm defect alone changes few on this draft
             assert stats.num_telling >= 5 and summary.per_step[CONFIGURED].share < stats.share, stats
 
 
@@ -125,14 +145,24 @@ def test_an_ngram_server_is_reproduced_step_by_step_with_one_setup():
     proposer = NgramProposer(NgramSettings.resolve(1, 3, max_model_len=2048), target_model.config.vocab_size)
     prompt = [5, 17, 42, 8, 9, 11, 5, 17, 42]
     k, max_new = 4, 80
-    live = speculative_generate(target, proposer, torch.tensor(prompt), k=k, max_new_tokens=max_new, stop_ids=frozenset())
+    live = speculative_generate(
+        target, proposer, torch.tensor(prompt), k=k, max_new_tokens=max_new, stop_ids=frozenset()
+    )
     assert sum(s.num_accepted for s in live.steps) > 0  # the lookup found its text again: not a trivial agreement
     drafted = [s for s in live.steps if s.num_drafted > 0]
     assert 0 < len(drafted) < len(live.steps)  # undrafted steps in between, as vLLM leaves out of its arrays
     turn = engine_turn("r0", prompt, dataclasses.replace(live, steps=drafted), k)
     assert all(s.position == -1 for s in turn.steps)  # the listed steps cover fewer tokens than the output: not placed
-    comparison = compare_turn(LocalStops(frozenset()), [ServingSetup(CONFIGURED)], {CONFIGURED: (proposer, target)}, turn, prompt,
-                              k, max_new, 0.0)
+    comparison = compare_turn(
+        LocalStops(frozenset()),
+        [ServingSetup(CONFIGURED)],
+        {CONFIGURED: (proposer, target)},
+        turn,
+        prompt,
+        k,
+        max_new,
+        0.0,
+    )
     summary = summarize_agreement([comparison], [turn], engine_k=k, block_size=None)
     assert summary.outputs.num_identical == 1
     assert summary.per_step[CONFIGURED].num_steps == len(drafted)

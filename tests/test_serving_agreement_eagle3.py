@@ -26,8 +26,16 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 LAYERS = 8
 AUX_IDS = [1, 3, 6]  # vLLM's default for 8 layers is [2, 4, 5]: a server falling back to it reads other states
 K, MAX_NEW = 4, 40
-PROMPTS = [[5, 17, 42, 8, 9], [60, 61, 3, 22, 40, 41], [11, 12, 13, 70, 71], [30, 31, 90, 8], [44, 45, 46, 47, 6, 7],
-           [81, 19, 20, 55], [23, 24, 25, 26, 27], [64, 9, 10, 88, 89, 33]]
+PROMPTS = [
+    [5, 17, 42, 8, 9],
+    [60, 61, 3, 22, 40, 41],
+    [11, 12, 13, 70, 71],
+    [30, 31, 90, 8],
+    [44, 45, 46, 47, 6, 7],
+    [81, 19, 20, 55],
+    [23, 24, 25, 26, 27],
+    [64, 9, 10, 88, 89, 33],
+]
 
 
 @pytest.fixture(scope="module")
@@ -36,9 +44,22 @@ def pair():
     eagle3 kind's setups built for them (norm_before_residual written True: flipping it reads False)."""
     target = tiny_target(layers=LAYERS)
     with torch.no_grad():
-        texts = [p + target.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, do_sample=False,
-                                     eos_token_id=None, pad_token_id=0, suppress_tokens=None)[0, len(p):].tolist() for p in PROMPTS]
-    head = fitted_head(target, texts, AUX_IDS, draft_vocab=72, steps=150, lr=0.02, norms=NormSwitches(norm_before_residual=True))
+        texts = [
+            p
+            + target.generate(
+                torch.tensor([p]),
+                max_new_tokens=MAX_NEW,
+                min_new_tokens=MAX_NEW,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+                suppress_tokens=None,
+            )[0, len(p) :].tolist()
+            for p in PROMPTS
+        ]
+    head = fitted_head(
+        target, texts, AUX_IDS, draft_vocab=72, steps=150, lr=0.02, norms=NormSwitches(norm_before_residual=True)
+    )
     kind = get_draft_kind("eagle3")
     assert kind.engine_agreement and kind.serving_setups is not None
     built = kind.serving_setups(head, target)
@@ -48,22 +69,34 @@ def pair():
 def test_the_eagle3_setups_are_declared_with_a_cause_and_a_fix(pair):
     _, setups, proposers = pair
     names = [s.name for s in setups]
-    assert names == [CONFIGURED, "aux layer ids - 1", "aux layer ids + 1", "vLLM's default aux layer ids", "norm_before_residual = False"]
+    assert names == [
+        CONFIGURED,
+        "aux layer ids - 1",
+        "aux layer ids + 1",
+        "vLLM's default aux layer ids",
+        "norm_before_residual = False",
+    ]
     assert all(s.cause and s.fix for s in setups if s.name != CONFIGURED)
     assert set(proposers) == set(names)  # ids 0..7 stay inside the 8 layers
     assert proposers["aux layer ids + 1"][0].needs.hidden_state_indices == (2, 4, 7)
     assert proposers["vLLM's default aux layer ids"][0].needs.hidden_state_indices == (2, 4, 5)
     flipped = proposers["norm_before_residual = False"][0].model
-    assert not flipped.config.norms.norm_before_residual and flipped.fc is proposers[CONFIGURED][0].model.fc  # a view, weights shared
+    assert (
+        not flipped.config.norms.norm_before_residual and flipped.fc is proposers[CONFIGURED][0].model.fc
+    )  # a view, weights shared
 
 
-@pytest.mark.parametrize("served", [CONFIGURED, "aux layer ids + 1", "vLLM's default aux layer ids", "norm_before_residual = False"])
+@pytest.mark.parametrize(
+    "served", [CONFIGURED, "aux layer ids + 1", "vLLM's default aux layer ids", "norm_before_residual = False"]
+)
 def test_a_stand_in_eagle3_server_is_reproduced_step_by_step_and_its_setup_named(pair, served):
     target, setups, proposers = pair
     served_proposer, served_target = proposers[served]
     turns, comparisons = [], []
     for index, prompt in enumerate(PROMPTS):
-        live = speculative_generate(served_target, served_proposer, torch.tensor(prompt), k=K, max_new_tokens=MAX_NEW, stop_ids=frozenset())
+        live = speculative_generate(
+            served_target, served_proposer, torch.tensor(prompt), k=K, max_new_tokens=MAX_NEW, stop_ids=frozenset()
+        )
         turn = engine_turn(f"r{index}", prompt, live, K)
         assert all(s.position >= 1 for s in turn.steps)  # a chain drafts every step: vLLM's arrays place them all
         turns.append(turn)
@@ -81,4 +114,7 @@ def test_a_stand_in_eagle3_server_is_reproduced_step_by_step_and_its_setup_named
         assert summary.per_step[CONFIGURED].share < stats.share
         named = next(f for f in result.findings if f.severity == "fail")
         setup = next(s for s in setups if s.name == served)
-        assert result.status == "fail" and f"with {served}:" in named.message and named.fix == setup.fix, (result.summary, summary.per_step)
+        assert result.status == "fail" and f"with {served}:" in named.message and named.fix == setup.fix, (
+            result.summary,
+            summary.per_step,
+        )

@@ -20,6 +20,7 @@ from dflash_doctor.serving.responses import MissingMetrics
 from local_servers import free_port
 from replay_server import CAPTURED, MODEL, ReplayServer
 
+
 def test_retries_a_503_with_backoff_then_reads_the_answer():
     with ReplayServer(plan=["503", "503"]) as server:
         endpoint = ServerEndpoint.from_url(server.url, model=MODEL, backoff_s=0.01)
@@ -43,15 +44,33 @@ def test_url_forms_and_model_resolution():
 def test_without_per_request_metrics_the_metrics_counters_stand_in_one_request_at_a_time(tmp_path):
     out = tmp_path / "run"
     with ReplayServer(plan=["no-metrics"] * 20) as server:
-        result = CliRunner().invoke(app, ["check", "--engine", server.url, "--workload", "demo", "--max-requests", "2",
-                                          "--classes", "math", "--max-new-tokens", "96", "--out", str(out)])
+        result = CliRunner().invoke(
+            app,
+            [
+                "check",
+                "--engine",
+                server.url,
+                "--workload",
+                "demo",
+                "--max-requests",
+                "2",
+                "--classes",
+                "math",
+                "--max-new-tokens",
+                "96",
+                "--out",
+                str(out),
+            ],
+        )
     assert result.exit_code in (0, 1), result.output
     run = load_run(out)
     spec = CAPTURED["metrics"]["speculative_decoding"]
     assert "/metrics counters" in run.record.source.details["figures_from"]
     assert run.meta["summary"]["overall"]["mean_acceptance_length"] == pytest.approx(spec["mean_acceptance_length"])
     first = run.steps[run.steps["request_id"] == run.requests["request_id"].iloc[0]]
-    assert sorted(first["num_accepted"]) == sorted(spec["per_step_accepted"])  # the histogram, rebuilt from per-position counts
+    assert sorted(first["num_accepted"]) == sorted(
+        spec["per_step_accepted"]
+    )  # the histogram, rebuilt from per-position counts
 
 
 def _scrape(models: dict[str, tuple[int, int, int, list[int]]]) -> str:
@@ -60,11 +79,15 @@ def _scrape(models: dict[str, tuple[int, int, int, list[int]]]) -> str:
     for model, (drafts, draft_tokens, accepted, per_pos) in models.items():
         for engine in ("0", "1"):
             labels = f'engine="{engine}",model_name="{model}"'
-            lines += [f"vllm:spec_decode_num_drafts_total{{{labels}}} {drafts / 2}",
-                      f"vllm:spec_decode_num_draft_tokens_total{{{labels}}} {draft_tokens / 2}",
-                      f"vllm:spec_decode_num_accepted_tokens_total{{{labels}}} {accepted / 2}"]
-            lines += [f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{labels},position="{i}"}} {count / 2}'
-                      for i, count in enumerate(per_pos)]
+            lines += [
+                f"vllm:spec_decode_num_drafts_total{{{labels}}} {drafts / 2}",
+                f"vllm:spec_decode_num_draft_tokens_total{{{labels}}} {draft_tokens / 2}",
+                f"vllm:spec_decode_num_accepted_tokens_total{{{labels}}} {accepted / 2}",
+            ]
+            lines += [
+                f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{labels},position="{i}"}} {count / 2}'
+                for i, count in enumerate(per_pos)
+            ]
     return "\n".join(lines) + "\n"
 
 
@@ -85,10 +108,30 @@ def test_missing_metrics_stop_the_run_naming_the_flag_and_keep_what_was_measured
     out = tmp_path / "run"
     with ReplayServer(plan=["ok", "ok", "no-metrics"]) as server:
         server.metrics_text = lambda: "# no speculation here\n"
-        result = CliRunner().invoke(app, ["check", "--engine", server.url, "--engine-concurrency", "1", "--workload", "demo",
-                                          "--max-requests", "3", "--classes", "math", "--max-new-tokens", "8", "--out", str(out)])
+        result = CliRunner().invoke(
+            app,
+            [
+                "check",
+                "--engine",
+                server.url,
+                "--engine-concurrency",
+                "1",
+                "--workload",
+                "demo",
+                "--max-requests",
+                "3",
+                "--classes",
+                "math",
+                "--max-new-tokens",
+                "8",
+                "--out",
+                str(out),
+            ],
+        )
     assert result.exit_code == 2, result.output
-    assert "--per-request-spec-decode-metrics detailed" in result.output and "measured before it are in" in result.output
+    assert (
+        "--per-request-spec-decode-metrics detailed" in result.output and "measured before it are in" in result.output
+    )
     run = load_run(out)
     assert len(run.requests) == 2 and run.record.meta.interrupted is True  # the two answered turns are kept
     assert server.bodies[0]["return_token_ids"] is True and server.bodies[0]["n"] == 1
@@ -97,15 +140,36 @@ def test_missing_metrics_stop_the_run_naming_the_flag_and_keep_what_was_measured
 def test_a_server_run_records_its_source_and_the_engine(tmp_path):
     out = tmp_path / "run"
     with ReplayServer() as server:
-        result = CliRunner().invoke(app, ["check", "--engine", server.url, "--workload", "demo", "--max-requests", "2",
-                                          "--classes", "code", "--max-new-tokens", "96", "--out", str(out)])
+        result = CliRunner().invoke(
+            app,
+            [
+                "check",
+                "--engine",
+                server.url,
+                "--workload",
+                "demo",
+                "--max-requests",
+                "2",
+                "--classes",
+                "code",
+                "--max-new-tokens",
+                "96",
+                "--out",
+                str(out),
+            ],
+        )
     assert result.exit_code in (0, 1), result.output
     run = load_run(out)
     source = run.record.source
     assert (source.kind, source.url) == ("serving-engine", server.url)
-    assert source.details == {"model": MODEL, "kind": "vllm", "num_spec_tokens": 15,
-                              "figures_from": "the server's per-request metrics in each response",
-                              "steps": "in order (per-step arrays)", "returns_token_ids": True}
+    assert source.details == {
+        "model": MODEL,
+        "kind": "vllm",
+        "num_spec_tokens": 15,
+        "figures_from": "the server's per-request metrics in each response",
+        "steps": "in order (per-step arrays)",
+        "returns_token_ids": True,
+    }
     spec = CAPTURED["metrics"]["speculative_decoding"]
     assert run.meta["summary"]["overall"]["num_drafts"] == len(run.requests) * spec["num_spec_steps"]
     assert run.meta["summary"]["overall"]["mean_acceptance_length"] == pytest.approx(spec["mean_acceptance_length"])
@@ -115,13 +179,27 @@ def test_an_api_key_is_sent_as_a_bearer_token_a_refusal_names_the_flag_and_no_fi
     key = "sk-doctor-test-7f3a9c"
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
     monkeypatch.setenv("DOCTOR_TEST_ENGINE_KEY", key)
-    args = ["check", "--engine", "", "--workload", "demo", "--max-requests", "2", "--classes", "code", "--max-new-tokens", "16"]
+    args = [
+        "check",
+        "--engine",
+        "",
+        "--workload",
+        "demo",
+        "--max-requests",
+        "2",
+        "--classes",
+        "code",
+        "--max-new-tokens",
+        "16",
+    ]
     runner = CliRunner()
     with ReplayServer(api_key=key) as server:
         args[2] = server.url
         without = runner.invoke(app, [*args, "--out", str(tmp_path / "without")])
         wrong = runner.invoke(app, [*args, "--engine-api-key", "sk-wrong", "--out", str(tmp_path / "wrong")])
-        from_flag = runner.invoke(app, [*args, "--engine-api-key", "env:DOCTOR_TEST_ENGINE_KEY", "--out", str(tmp_path / "flag")])
+        from_flag = runner.invoke(
+            app, [*args, "--engine-api-key", "env:DOCTOR_TEST_ENGINE_KEY", "--out", str(tmp_path / "flag")]
+        )
         from_env = runner.invoke(app, [*args, "--out", str(tmp_path / "env")], env={"OPENAI_API_KEY": key})
     assert without.exit_code == 2 and "HTTP 401" in without.output and "pass it with --engine-api-key" in without.output
     assert "not an OpenAI-compatible" not in without.output

@@ -24,7 +24,13 @@ from dflash_doctor.engine.live import speculative_generate
 from dflash_doctor.engine.proposers.eagle3 import Eagle3Proposer
 from dflash_doctor.engine.target import TargetModel
 from dflash_doctor.engine.teacher import TeacherSequence, slot_table, token_rows, walk_schedule
-from dflash_doctor.models.eagle3_format import VLLM_DEFAULT, aux_layer_ids, checkpoint_layout, load_eagle3_head, norm_switches
+from dflash_doctor.models.eagle3_format import (
+    VLLM_DEFAULT,
+    aux_layer_ids,
+    checkpoint_layout,
+    load_eagle3_head,
+    norm_switches,
+)
 from tiny_models import TEACHER_PROMPTS, tiny_target
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -51,20 +57,45 @@ def greedy_text(target, prompt: list[int], max_new: int) -> list[int]:
     """The target's own greedy continuation by transformers' ``generate`` (no stop token: the tiny target's eos is
     one token like any other here)."""
     with torch.no_grad():
-        out = target.generate(torch.tensor([prompt]), max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False,
-                              eos_token_id=None, pad_token_id=0, suppress_tokens=None)
-    return out[0, len(prompt):].tolist()
+        out = target.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=max_new,
+            min_new_tokens=max_new,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+            suppress_tokens=None,
+        )
+    return out[0, len(prompt) :].tolist()
 
 
-def make_head(target, *, layer_type: str = "llama", draft_ids: list[int] | None = None, norms: NormSwitches = NormSwitches(),
-              own_embedding: bool = False, seed: int = 5) -> Eagle3DraftModel:
+def make_head(
+    target,
+    *,
+    layer_type: str = "llama",
+    draft_ids: list[int] | None = None,
+    norms: NormSwitches = NormSwitches(),
+    own_embedding: bool = False,
+    seed: int = 5,
+) -> Eagle3DraftModel:
     """A random head for ``target`` reading :data:`AUX_IDS` (every weight drawn, norm weights near 1)."""
     tc = target.config
     vocab = tc.vocab_size if draft_ids is None else len(draft_ids)
-    cfg = Eagle3Config(layer_type=layer_type, hidden_size=tc.hidden_size, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                       intermediate_size=2 * tc.hidden_size, rms_norm_eps=1e-6, target_hidden_size=tc.hidden_size,
-                       target_vocab_size=tc.vocab_size, draft_vocab_size=vocab, aux_layer_ids=list(AUX_IDS), norms=norms,
-                       rope_theta=10000.0)
+    cfg = Eagle3Config(
+        layer_type=layer_type,
+        hidden_size=tc.hidden_size,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=2 * tc.hidden_size,
+        rms_norm_eps=1e-6,
+        target_hidden_size=tc.hidden_size,
+        target_vocab_size=tc.vocab_size,
+        draft_vocab_size=vocab,
+        aux_layer_ids=list(AUX_IDS),
+        norms=norms,
+        rope_theta=10000.0,
+    )
     head = Eagle3DraftModel(cfg, own_embedding=own_embedding, own_lm_head=True)
     torch.manual_seed(seed)
     with torch.no_grad():
@@ -82,7 +113,9 @@ def train_slot_one(head: Eagle3DraftModel, target, steps: int = 120) -> None:
     """A few Adam steps on the first-pass objective (row i, reading the target's states at i and the embedding of
     token i + 1, predicts token i + 2 of the target's greedy text) over the test prompts' own continuations
     (padding rows included: they only add examples): enough for drafts to be accepted often."""
-    ids = torch.nn.utils.rnn.pad_sequence([torch.tensor(p + greedy_text(target, p, 30)) for p in TEACHER_PROMPTS], batch_first=True)
+    ids = torch.nn.utils.rnn.pad_sequence(
+        [torch.tensor(p + greedy_text(target, p, 30)) for p in TEACHER_PROMPTS], batch_first=True
+    )
     with torch.no_grad():
         hidden = target(ids, output_hidden_states=True).hidden_states
     aux = torch.cat([hidden[i] for i in AUX_IDS], dim=-1)
@@ -111,13 +144,24 @@ def original_config(head: Eagle3DraftModel, **overrides) -> dict:
     """SafeAILab's layout: a Llama config of one layer with draft_vocab_size (no norm switches: its layer is the
     all-False case)."""
     layer = speculators_config(head)["transformer_layer_config"]
-    config = {**layer, "architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": head.config.draft_vocab_size,
-              "eagle_aux_hidden_state_layer_ids": list(head.config.aux_layer_ids), **overrides}
+    config = {
+        **layer,
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "draft_vocab_size": head.config.draft_vocab_size,
+        "eagle_aux_hidden_state_layer_ids": list(head.config.aux_layer_ids),
+        **overrides,
+    }
     return {key: value for key, value in config.items() if value is not None}
 
 
-def save_head(head: Eagle3DraftModel, folder: Path, config: dict, *, layout: str = "speculators",
-              tensors: dict[str, torch.Tensor] | None = None) -> Path:
+def save_head(
+    head: Eagle3DraftModel,
+    folder: Path,
+    config: dict,
+    *,
+    layout: str = "speculators",
+    tensors: dict[str, torch.Tensor] | None = None,
+) -> Path:
     """The head as a checkpoint folder; ``tensors`` replace or add weights (None values drop them)."""
     state = {name: tensor.detach().clone().contiguous() for name, tensor in head.state_dict().items()}
     for name, tensor in (tensors or {}).items():
@@ -126,7 +170,10 @@ def save_head(head: Eagle3DraftModel, folder: Path, config: dict, *, layout: str
         else:
             state[name] = tensor
     if layout == "original":
-        state = {("midlayer." + name.removeprefix("layers.0.")) if name.startswith("layers.0.") else name: t for name, t in state.items()}
+        state = {
+            ("midlayer." + name.removeprefix("layers.0.")) if name.startswith("layers.0.") else name: t
+            for name, t in state.items()
+        }
     folder.mkdir(parents=True, exist_ok=True)
     save_file(state, folder / "model.safetensors")
     (folder / "config.json").write_text(json.dumps(config), encoding="utf-8")
@@ -146,19 +193,27 @@ def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float = 10000.0) -> 
     d = x.shape[-1]
     angles = positions.float()[:, None] * (1.0 / theta ** (torch.arange(0, d, 2).float() / d))[None]
     cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
-    return x * cos + torch.cat([-x[..., d // 2:], x[..., : d // 2]], -1) * sin
+    return x * cos + torch.cat([-x[..., d // 2 :], x[..., : d // 2]], -1) * sin
 
 
 class Reference:
     """vLLM's EAGLE-3 step computed the slow, obvious way from the saved tensors of a head (checkpoint names)."""
 
-    def __init__(self, state: dict[str, torch.Tensor], config: dict, embedding: torch.Tensor, target_head: torch.Tensor):
+    def __init__(
+        self, state: dict[str, torch.Tensor], config: dict, embedding: torch.Tensor, target_head: torch.Tensor
+    ):
         self.w = {name.removeprefix("midlayer.").removeprefix("layers.0."): t.float() for name, t in state.items()}
         layer = config.get("transformer_layer_config", config)
         self.qwen3 = layer["model_type"] == "qwen3"
-        self.heads, self.kv_heads, self.head_dim = layer["num_attention_heads"], layer["num_key_value_heads"], layer["head_dim"]
-        self.switches = {name: config.get(name, name == "norm_before_residual" and "transformer_layer_config" in config)
-                         for name in ("norm_before_residual", "norm_output", "norm_before_fc", "fc_norm")}
+        self.heads, self.kv_heads, self.head_dim = (
+            layer["num_attention_heads"],
+            layer["num_key_value_heads"],
+            layer["head_dim"],
+        )
+        self.switches = {
+            name: config.get(name, name == "norm_before_residual" and "transformer_layer_config" in config)
+            for name in ("norm_before_residual", "norm_output", "norm_before_fc", "fc_norm")
+        }
         self.embedding = self.w.get("embed_tokens.weight", embedding.float())
         self.target_head = target_head.float()
 
@@ -168,7 +223,10 @@ class Reference:
             aux = rms(aux, self.w["input_norm.weight"])
         if self.switches["fc_norm"]:
             width = self.w["fc.weight"].shape[1] // len(AUX_IDS)
-            aux = torch.cat([rms(aux[:, i * width:(i + 1) * width], self.w[f"fc_norm.{i}.weight"]) for i in range(len(AUX_IDS))], -1)
+            aux = torch.cat(
+                [rms(aux[:, i * width : (i + 1) * width], self.w[f"fc_norm.{i}.weight"]) for i in range(len(AUX_IDS))],
+                -1,
+            )
         return aux @ self.w["fc.weight"].T
 
     def layer(self, ids: list[int], states: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -188,12 +246,15 @@ class Reference:
         q, k = rotate(q.transpose(0, 1), positions), rotate(k.transpose(0, 1), positions)
         group = self.heads // self.kv_heads
         k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
-        scores = q @ k.transpose(1, 2) / self.head_dim ** 0.5
+        scores = q @ k.transpose(1, 2) / self.head_dim**0.5
         scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
         attended = (scores.softmax(-1) @ v).transpose(0, 1).reshape(s, -1)
         residual = residual + attended @ w["self_attn.o_proj.weight"].T
         h = rms(residual, w["post_attention_layernorm.weight"])
-        prenorm = residual + (F.silu(h @ w["mlp.gate_proj.weight"].T) * (h @ w["mlp.up_proj.weight"].T)) @ w["mlp.down_proj.weight"].T
+        prenorm = (
+            residual
+            + (F.silu(h @ w["mlp.gate_proj.weight"].T) * (h @ w["mlp.up_proj.weight"].T)) @ w["mlp.down_proj.weight"].T
+        )
         normed = rms(prenorm, w["norm.weight"])
         return normed, normed if self.switches["norm_output"] else prenorm
 
@@ -220,7 +281,12 @@ class Reference:
 
 
 def reference_for(head: Eagle3DraftModel, target, config: dict) -> Reference:
-    return Reference(head.state_dict(), config, target.get_input_embeddings().weight.detach(), target.get_output_embeddings().weight.detach())
+    return Reference(
+        head.state_dict(),
+        config,
+        target.get_input_embeddings().weight.detach(),
+        target.get_output_embeddings().weight.detach(),
+    )
 
 
 def reference_steps(reference: Reference, target, prompt: list[int], truth: list[int], k: int, max_new: int):
@@ -252,9 +318,21 @@ def llama():
 @pytest.fixture(scope="module")
 def qwen3():
     torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=8, max_position_embeddings=512, initializer_range=0.3,
-                         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    config = Qwen3Config(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=512,
+        initializer_range=0.3,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     config._attn_implementation = "sdpa"
     target = Qwen3ForCausalLM(config).eval()
     head = make_head(target, layer_type="qwen3", draft_ids=list(range(10, 90)), seed=9)
@@ -263,7 +341,9 @@ def qwen3():
 
 def live(target, head, prompt: list[int], k: int, max_new: int = MAX_NEW):
     wrapped = TargetModel(target)
-    return speculative_generate(wrapped, Eagle3Proposer(head, wrapped), torch.tensor(prompt), k=k, max_new_tokens=max_new)
+    return speculative_generate(
+        wrapped, Eagle3Proposer(head, wrapped), torch.tensor(prompt), k=k, max_new_tokens=max_new
+    )
 
 
 # ----------------------------------------------------------------------------- the live loop and the teacher-forced sweep
@@ -279,7 +359,10 @@ def test_live_loop_is_lossless_and_drafts_as_the_reference(llama):
             run = live(target, head, prompt, k)
             assert run.output_ids == truth  # lossless: the target's own greedy text
             expected = reference_steps(reference, target, prompt, truth, k, MAX_NEW)
-            assert [(s.position, s.num_drafted, s.num_accepted) for s in run.steps] == [e[:3] for e in expected], (prompt, k)
+            assert [(s.position, s.num_drafted, s.num_accepted) for s in run.steps] == [e[:3] for e in expected], (
+                prompt,
+                k,
+            )
             drafted = [[t.draft_token for t in run.tokens if t.step == s.step] for s in run.steps]
             assert drafted == [e[3] for e in expected], (prompt, k)
             accepted_any += sum(s.num_accepted >= 1 for s in run.steps)
@@ -296,14 +379,17 @@ def test_teacher_forced_sweep_equals_the_live_loop(llama):
         for k in (1, 3, 5):
             run = live(target, head, prompt, k)
             walked = walk_schedule(table.matches[:, :k], truth, k, MAX_NEW, frozenset())
-            assert [(s.position, s.num_drafted, s.num_accepted, s.bonus_token) for s in walked] == \
-                [(s.position, s.num_drafted, s.num_accepted, s.bonus_token) for s in run.steps], (prompt, k)
+            assert [(s.position, s.num_drafted, s.num_accepted, s.bonus_token) for s in walked] == [
+                (s.position, s.num_drafted, s.num_accepted, s.bonus_token) for s in run.steps
+            ], (prompt, k)
             if k == 5:  # token records up to each step's first miss (after it the teacher chains on the true tokens,
                 # the live loop on its own drafts): the same tokens and divergence columns
                 accepted = {s.step: s.num_accepted for s in run.steps}
                 rows = [r for r in token_rows(table, walked, truth) if r.offset <= accepted[r.step] + 1]
                 mine = [r for r in run.tokens if r.offset <= accepted[r.step] + 1]
-                assert [(r.position, r.draft_token, r.accepted) for r in rows] == [(r.position, r.draft_token, r.accepted) for r in mine]
+                assert [(r.position, r.draft_token, r.accepted) for r in rows] == [
+                    (r.position, r.draft_token, r.accepted) for r in mine
+                ]
                 for ours, theirs in zip(rows, mine):
                     assert ours.target_prob_of_draft == pytest.approx(theirs.target_prob_of_draft, abs=1e-4)
                     assert ours.draft_prob_of_target == pytest.approx(theirs.draft_prob_of_target, abs=1e-4)
@@ -336,16 +422,25 @@ def first_drafts(head: Eagle3DraftModel, target, prompt: list[int], k: int = 4) 
 def test_both_layouts_load_into_the_same_drafts(llama, tmp_path):
     target, head, config = llama
     speculators = load_eagle3_head(save_head(head, tmp_path / "spec", config), target.config)
-    original = load_eagle3_head(save_head(head, tmp_path / "orig", original_config(head), layout="original"), target.config)
+    original = load_eagle3_head(
+        save_head(head, tmp_path / "orig", original_config(head), layout="original"), target.config
+    )
     assert speculators.facts["format"] == "speculators" and original.facts["format"] == "original EAGLE-3"
     prompt = TEACHER_PROMPTS[2]
     assert torch.equal(first_drafts(speculators, target, prompt), first_drafts(head, target, prompt))
     assert torch.equal(first_drafts(original, target, prompt), first_drafts(head, target, prompt))
     # a speculators config that leaves norm_before_residual out is read as vLLM reads it (True): other drafts
-    silent = load_eagle3_head(save_head(head, tmp_path / "silent", speculators_config(head, norm_before_residual=None)), target.config)
+    silent = load_eagle3_head(
+        save_head(head, tmp_path / "silent", speculators_config(head, norm_before_residual=None)), target.config
+    )
     assert silent.config.norms.norm_before_residual is True
     recorded = silent.facts["norm_switches"]["norm_before_residual"]
-    assert (recorded["checkpoint"], recorded["vllm"], recorded["trained_default"], recorded["replay"]) == (None, True, False, True)
+    assert (recorded["checkpoint"], recorded["vllm"], recorded["trained_default"], recorded["replay"]) == (
+        None,
+        True,
+        False,
+        True,
+    )
     assert not torch.equal(first_drafts(silent, target, prompt), first_drafts(head, target, prompt))
 
 
@@ -355,7 +450,9 @@ def test_each_norm_switch_is_wired_as_vllm_runs_it(switch, tmp_path):
     target = tiny_target()
     head = make_head(target, draft_ids=list(range(5, 85)), norms=NormSwitches(**{switch: True}), seed=11)
     on = load_eagle3_head(save_head(head, tmp_path / "on", speculators_config(head)), target.config)
-    off = load_eagle3_head(save_head(head, tmp_path / "off", speculators_config(head, **{switch: False})), target.config)
+    off = load_eagle3_head(
+        save_head(head, tmp_path / "off", speculators_config(head, **{switch: False})), target.config
+    )
     assert getattr(on.config.norms, switch) and not getattr(off.config.norms, switch)
     prompt = TEACHER_PROMPTS[0]
     assert not torch.allclose(first_drafts(on, target, prompt), first_drafts(off, target, prompt))
@@ -366,10 +463,17 @@ def test_each_norm_switch_is_wired_as_vllm_runs_it(switch, tmp_path):
 
 
 def test_layer_ids_are_looked_up_where_vllm_looks():
-    assert aux_layer_ids({"eagle_aux_hidden_state_layer_ids": [3, 5], "dflash_config": {"target_layer_ids": [1]}}, 36) == \
-        ([3, 5], "eagle_aux_hidden_state_layer_ids")
-    assert aux_layer_ids({"eagle_aux_hidden_state_layer_ids": [], "dflash_config": {"target_layer_ids": [1, 17]},
-                          "eagle_config": {"layer_ids": [4]}}, 36) == ([2, 18], "dflash_config.target_layer_ids + 1")
+    assert aux_layer_ids(
+        {"eagle_aux_hidden_state_layer_ids": [3, 5], "dflash_config": {"target_layer_ids": [1]}}, 36
+    ) == ([3, 5], "eagle_aux_hidden_state_layer_ids")
+    assert aux_layer_ids(
+        {
+            "eagle_aux_hidden_state_layer_ids": [],
+            "dflash_config": {"target_layer_ids": [1, 17]},
+            "eagle_config": {"layer_ids": [4]},
+        },
+        36,
+    ) == ([2, 18], "dflash_config.target_layer_ids + 1")
     assert aux_layer_ids({"eagle_config": {"layer_ids": [4, 9]}}, 36) == ([4, 9], "eagle_config.layer_ids")
     assert aux_layer_ids({}, 36) == ([2, 18, 33], VLLM_DEFAULT)  # Qwen3-8B
     assert aux_layer_ids({}, 32) == ([2, 16, 29], VLLM_DEFAULT)  # Llama-3.1-8B
@@ -397,11 +501,14 @@ def head_dir(llama, tmp_path_factory) -> Path:
     return save_head(head, tmp_path_factory.mktemp("eagle3") / "head", config)
 
 
-@pytest.mark.parametrize("case,fragments", [
-    ("fc", ("fc.weight combines 3 target states", "eagle_aux_hidden_state_layer_ids gives 2 layer ids")),
-    ("ids", ("aux layer id 9", "outside the target's 4 layers")),
-    ("d2t", ("d2t has 63 entries", "draft_vocab_size is 64")),
-])
+@pytest.mark.parametrize(
+    "case,fragments",
+    [
+        ("fc", ("fc.weight combines 3 target states", "eagle_aux_hidden_state_layer_ids gives 2 layer ids")),
+        ("ids", ("aux layer id 9", "outside the target's 4 layers")),
+        ("d2t", ("d2t has 63 entries", "draft_vocab_size is 64")),
+    ],
+)
 def test_bad_heads_are_refused_in_one_sentence(llama, tiny_dir, tmp_path, case, fragments):
     _, head, config = llama
     if case == "fc":
@@ -419,10 +526,19 @@ def test_check_runs_end_to_end_and_records_the_head(head_dir, tiny_dir, tmp_path
     record = json.loads((tmp_path / "run" / "run.json").read_text())
     draft = record["models"]["draft"]
     assert draft["kind"] == "eagle3"
-    assert (draft["format"], draft["aux_layer_ids"], draft["aux_layer_ids_source"]) == ("speculators", AUX_IDS, "eagle_aux_hidden_state_layer_ids")
-    assert draft["draft_vocab_size"] == DRAFT_VOCAB and draft["target_vocab_coverage"] == pytest.approx(DRAFT_VOCAB / 97)
+    assert (draft["format"], draft["aux_layer_ids"], draft["aux_layer_ids_source"]) == (
+        "speculators",
+        AUX_IDS,
+        "eagle_aux_hidden_state_layer_ids",
+    )
+    assert draft["draft_vocab_size"] == DRAFT_VOCAB and draft["target_vocab_coverage"] == pytest.approx(
+        DRAFT_VOCAB / 97
+    )
     assert draft["norm_switches"]["norm_before_residual"]["replay"] is False and draft["default_k"] == 3
-    assert set(record["probes"]["offset_probe"]) == {"-1", "0"}  # the layer-offset probe ran (ids 1..3 of 4 layers: no +1)
+    assert set(record["probes"]["offset_probe"]) == {
+        "-1",
+        "0",
+    }  # the layer-offset probe ran (ids 1..3 of 4 layers: no +1)
     checks = {c["id"]: c for c in record["checks"]}
     assert checks["draft-config"]["status"] == "skip"
     assert "DFlash" not in checks["tokenizer-parity"]["summary"]
@@ -430,8 +546,19 @@ def test_check_runs_end_to_end_and_records_the_head(head_dir, tiny_dir, tmp_path
 
 
 def test_head_to_head_with_ngram_prints_the_table(head_dir, tiny_dir, tmp_path):
-    result = invoke("check", *pair_args(tiny_dir, head_dir, "--draft", "ngram:prompt_lookup_min=1,prompt_lookup_max=3",
-                                        "--k", "1-2", "--out", tmp_path / "h2h"))
+    result = invoke(
+        "check",
+        *pair_args(
+            tiny_dir,
+            head_dir,
+            "--draft",
+            "ngram:prompt_lookup_min=1,prompt_lookup_max=3",
+            "--k",
+            "1-2",
+            "--out",
+            tmp_path / "h2h",
+        ),
+    )
     assert result.exit_code in (0, 1), result.output
     table = json.loads((tmp_path / "h2h" / "head_to_head.json").read_text())
     assert [s["name"] for s in table["speculators"]] == ["head", "ngram"]
@@ -442,7 +569,9 @@ def test_head_to_head_with_ngram_prints_the_table(head_dir, tiny_dir, tmp_path):
 # ----------------------------------------------------------------------------- the eagle3-config check
 
 
-def eagle3_context(config: dict, *, draft: Path | None = None, output: list[int] | dict[str, list[int]] | None = None, probe=None):
+def eagle3_context(
+    config: dict, *, draft: Path | None = None, output: list[int] | dict[str, list[int]] | None = None, probe=None
+):
     """A check context for eagle3-config; ``output``: the run's output ids (one class) or ids per class."""
     from types import SimpleNamespace
 
@@ -450,9 +579,14 @@ def eagle3_context(config: dict, *, draft: Path | None = None, output: list[int]
     from dflash_doctor.rundir.run_record import Probes
 
     record = SimpleNamespace(probes=Probes(offset_probe=probe[0], offset_probe_drafts=probe[1]) if probe else Probes())
-    return CheckContext(draft_config=config, draft_kind="eagle3", target_config={"num_hidden_layers": 36},
-                        config=SimpleNamespace(draft=str(draft) if draft else None), record=record,  # pyright: ignore
-                        output_token_ids_by_class={"chat": output} if isinstance(output, list) else output)
+    return CheckContext(
+        draft_config=config,
+        draft_kind="eagle3",
+        target_config={"num_hidden_layers": 36},
+        config=SimpleNamespace(draft=str(draft) if draft else None),
+        record=record,  # pyright: ignore
+        output_token_ids_by_class={"chat": output} if isinstance(output, list) else output,
+    )
 
 
 def findings_of(ctx):
@@ -467,14 +601,18 @@ def test_eagle3_config_warn_on_missing_layer_ids_and_a_norm_switch_vllm_reads_ot
     _, head, config = llama
     good = findings_of(eagle3_context(config))
     assert all(f.severity == "info" for f in good.findings)
-    missing = findings_of(eagle3_context(speculators_config(head, eagle_aux_hidden_state_layer_ids=None, norm_before_residual=None)))
+    missing = findings_of(
+        eagle3_context(speculators_config(head, eagle_aux_hidden_state_layer_ids=None, norm_before_residual=None))
+    )
     assert missing.status == "warn"
     messages = " ".join(f.message + f.fix for f in missing.findings)
     assert "vLLM reads its default layers [2, 18, 33]" in messages
     assert "leaves norm_before_residual out: vLLM runs the head with norm_before_residual = True" in messages
     assert '"norm_before_residual": false' in messages
     # the original layout reads a missing switch as False, as its trainer built it: nothing to say
-    assert not any("norm_before_residual" in f.message for f in findings_of(eagle3_context(original_config(head))).findings)
+    assert not any(
+        "norm_before_residual" in f.message for f in findings_of(eagle3_context(original_config(head))).findings
+    )
 
 
 def test_eagle3_config_fail_when_a_shifted_layer_wins_the_offset_probe(llama):
@@ -482,7 +620,9 @@ def test_eagle3_config_fail_when_a_shifted_layer_wins_the_offset_probe(llama):
     result = findings_of(eagle3_context(config, probe=({-1: 2.4, 0: 1.5, 1: 1.4}, 200)))
     assert result.status == "fail" and "eagle_aux_hidden_state_layer_ids = [0, 1, 2]" in result.findings[0].fix
     assert findings_of(eagle3_context(config, probe=({-1: 1.5, 0: 1.6, 1: 1.4}, 200))).status == "pass"
-    assert findings_of(eagle3_context(config, probe=({-1: 2.4, 0: 1.5}, 10))).status == "pass"  # too few drafts: inconclusive
+    assert (
+        findings_of(eagle3_context(config, probe=({-1: 2.4, 0: 1.5}, 10))).status == "pass"
+    )  # too few drafts: inconclusive
 
 
 def test_eagle3_config_pass_when_the_head_covers_the_run(llama, head_dir):
@@ -495,7 +635,9 @@ def test_eagle3_config_warn_and_fail_on_poor_vocabulary_coverage(llama, head_dir
     _, head, config = llama
     inside = head.target_ids().tolist()
     outside = sorted(set(range(97)) - set(inside))
-    mostly = findings_of(eagle3_context(config, draft=head_dir, output=inside + inside[:26] + outside[:10]))  # 90 of 100
+    mostly = findings_of(
+        eagle3_context(config, draft=head_dir, output=inside + inside[:26] + outside[:10])
+    )  # 90 of 100
     assert mostly.status == "warn" and mostly.metrics["output_token_coverage"] == pytest.approx(0.9)
     poor = findings_of(eagle3_context(config, draft=head_dir, output=inside[:10] + outside[:20]))
     assert poor.status == "fail" and "upper bound" in poor.summary
@@ -508,7 +650,7 @@ def test_eagle3_config_judges_each_class_so_a_well_covered_run_cannot_hide_a_poo
     _, head, config = llama
     inside = head.target_ids().tolist()
     outside = sorted(set(range(97)) - set(inside))
-    chat = (inside * 20)[:970 - 21]
+    chat = (inside * 20)[: 970 - 21]
     code = (inside * 2)[:21] + (outside * 3)[:9]
     result = findings_of(eagle3_context(config, draft=head_dir, output={"chat": chat, "code": code}))
     metrics = result.metrics

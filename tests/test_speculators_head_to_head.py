@@ -16,7 +16,11 @@ from dflash_doctor.report.sanitize import for_markdown_text
 from dflash_doctor.rundir.run_record import StepCosts
 
 NGRAM = "ngram:prompt_lookup_min=1,prompt_lookup_max=3"
-PROFILE = {"t_decode_s": 0.010, "t_verify_s": {"1": 0.011, "4": 0.013, "8": 0.016}, "t_draft_s": {"1": 0.001, "8": 0.004}}
+PROFILE = {
+    "t_decode_s": 0.010,
+    "t_verify_s": {"1": 0.011, "4": 0.013, "8": 0.016},
+    "t_draft_s": {"1": 0.001, "8": 0.004},
+}
 
 
 @pytest.fixture(scope="module")
@@ -33,9 +37,11 @@ def runs(tiny_dir, tmp_path_factory):
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(stream, "generate_greedy_batch", counting)
-        both = invoke("check", *pair_args(tiny_dir, tiny_dir / "ar", "--draft", NGRAM, *extra, "--out", root / "both", "--json"))
+        both = invoke(
+            "check", *pair_args(tiny_dir, tiny_dir / "ar", "--draft", NGRAM, *extra, "--out", root / "both", "--json")
+        )
     assert both.exit_code in (0, 1), both.output
-    data = json.loads(both.stdout[both.stdout.index("{"):])
+    data = json.loads(both.stdout[both.stdout.index("{") :])
     # the target's answers are generated once, by the first speculator's replay, and reused by the second
     assert sum(generated) == len(pd.read_parquet(root / "both" / "ar" / "requests.parquet"))
     single = {}
@@ -52,8 +58,11 @@ def test_table_agrees_with_each_speculators_own_check(runs):
     assert [s["name"] for s in table["speculators"]] == ["ar", "ngram"]
     assert json.loads((root / "both" / "head_to_head.json").read_text()) == table
     assert "Verdict" in (root / "both" / "head_to_head.md").read_text()
-    costs = StepCosts(t_decode_s=PROFILE["t_decode_s"], t_verify_s={int(k): v for k, v in PROFILE["t_verify_s"].items()},
-                      t_draft_s={int(k): v for k, v in PROFILE["t_draft_s"].items()})
+    costs = StepCosts(
+        t_decode_s=PROFILE["t_decode_s"],
+        t_verify_s={int(k): v for k, v in PROFILE["t_verify_s"].items()},
+        t_draft_s={int(k): v for k, v in PROFILE["t_draft_s"].items()},
+    )
     for name, folder in single.items():
         own = json.loads((folder / "run.json").read_text())
         steps = pd.read_parquet(folder / "steps.parquet")
@@ -72,7 +81,9 @@ def test_table_agrees_with_each_speculators_own_check(runs):
             scoped = steps if scope == "overall" else steps[steps["class"] == scope]
             k_max = int(steps["k"].max())
             emitted = (scoped["num_accepted"] + 1).sum()
-            seconds = sum(costs.draft_s(k_max) + (costs.verify_s(n) if n else costs.t_decode_s) for n in scoped["num_drafted"])
+            seconds = sum(
+                costs.draft_s(k_max) + (costs.verify_s(n) if n else costs.t_decode_s) for n in scoped["num_drafted"]
+            )
             assert row["speedup_by_k"][str(k_max)] == pytest.approx(emitted * costs.t_decode_s / seconds)
             assert row["speedup"] == pytest.approx(next(r for r in sweep_rows if r["k"] == row["best_k"])["speedup"])
             best = max(sorted(row["speedup_by_k"], key=int), key=lambda k: row["speedup_by_k"][k])

@@ -69,7 +69,9 @@ def test_pre_norm_tap_is_the_last_layers_output_before_the_final_norm():
         model.model.norm.weight.uniform_(0.3, 2.5)
     ids = torch.tensor([[5, 17, 42, 8, 9]])
     captured = {}
-    hook = model.model.layers[-1].register_forward_hook(lambda m, a, out: captured.update(out=out[0] if isinstance(out, tuple) else out))
+    hook = model.model.layers[-1].register_forward_hook(
+        lambda m, a, out: captured.update(out=out[0] if isinstance(out, tuple) else out)
+    )
     with torch.no_grad(), TapRecorder(tap_points(model), (PRE_FINAL_NORM, -1)) as recorder:
         hidden = model(ids, output_hidden_states=True).hidden_states
     hook.remove()
@@ -84,11 +86,16 @@ def test_pre_norm_tap_is_the_last_layers_output_before_the_final_norm():
 def test_live_loop_and_teacher_equal_the_reference(mtp_target, k):
     family, folder, model, layers = mtp_target
     target, build, facts = load(folder)
-    assert facts["n_predict"] == 1 and facts["hidden_state"] == facts["carried_state"] == "post-norm" and facts["lm_head"] == "the target's"
+    assert (
+        facts["n_predict"] == 1
+        and facts["hidden_state"] == facts["carried_state"] == "post-norm"
+        and facts["lm_head"] == "the target's"
+    )
     accepted = 0
     for prompt in PROMPTS:
-        generated = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None,
-                                   pad_token_id=0)[0, len(prompt):].tolist()
+        generated = model.generate(
+            torch.tensor([prompt]), max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None, pad_token_id=0
+        )[0, len(prompt) :].tolist()
         live = speculative_generate(target, build(), torch.tensor(prompt), k=k, max_new_tokens=MAX_NEW)
         assert live.output_ids == generated  # lossless: the target's own greedy text
         expected = reference_steps(layers, model, prompt, generated, k, zero_first=family != "qwen3_5")
@@ -96,8 +103,9 @@ def test_live_loop_and_teacher_equal_the_reference(mtp_target, k):
         assert [(s.position, d, s.num_accepted) for s, d in zip(live.steps, drafts)] == expected, (family, prompt)
         table, _ = slot_table(target, build(), TeacherSequence(prompt, generated), k)
         walked = walk_schedule(table.matches[:, :k], generated, k, MAX_NEW, frozenset())
-        assert [(s.position, s.num_drafted, s.num_accepted) for s in walked] == \
-            [(s.position, s.num_drafted, s.num_accepted) for s in live.steps]
+        assert [(s.position, s.num_drafted, s.num_accepted) for s in walked] == [
+            (s.position, s.num_drafted, s.num_accepted) for s in live.steps
+        ]
         accepted += sum(s.num_accepted for s in live.steps)
     assert accepted >= 10  # the fit head agrees with its target often: acceptance is not all zero
 
@@ -105,8 +113,11 @@ def test_live_loop_and_teacher_equal_the_reference(mtp_target, k):
 def test_the_pre_norm_side_changes_drafts_and_lowers_acceptance(mtp_target):
     family, folder, model, layers = mtp_target
     rates = {}
-    for spec, sides in (("mtp", {}), ("mtp:hidden_state=pre-norm,carried_state=pre-norm", {"hidden": "pre-norm", "carried": "pre-norm"}),
-                        ("mtp:carried_state=pre-norm", {"carried": "pre-norm"})):
+    for spec, sides in (
+        ("mtp", {}),
+        ("mtp:hidden_state=pre-norm,carried_state=pre-norm", {"hidden": "pre-norm", "carried": "pre-norm"}),
+        ("mtp:carried_state=pre-norm", {"carried": "pre-norm"}),
+    ):
         target, build, facts = load(folder, spec)
         drafted = accepted = 0
         for prompt in PROMPTS:
@@ -137,8 +148,21 @@ def test_k_above_n_predict_cycles_the_layers_and_must_be_a_multiple(tmp_path):
     walked = walk_schedule(table.matches[:, :4], truth, 4, MAX_NEW, frozenset())
     assert [(s.position, s.num_accepted) for s in walked] == [(s.position, s.num_accepted) for s in live.steps]
     write_workload(tmp_path / "w.jsonl", per_class=1)
-    result = invoke("replay", "--target", tmp_path, "--draft", "mtp", "--workload", tmp_path / "w.jsonl", "--k", "3",
-                    "--max-new-tokens", "8", "--out", tmp_path / "run")
+    result = invoke(
+        "replay",
+        "--target",
+        tmp_path,
+        "--draft",
+        "mtp",
+        "--workload",
+        tmp_path / "w.jsonl",
+        "--k",
+        "3",
+        "--max-new-tokens",
+        "8",
+        "--out",
+        tmp_path / "run",
+    )
     assert_usage_error(result, "--k 3", "multiple", "2 MTP layers")
 
 
@@ -146,11 +170,31 @@ def test_a_target_without_an_mtp_head_is_one_sentence(tmp_path):
     tiny_target().save_pretrained(tmp_path / "target")
     tiny_tokenizer().save_pretrained(tmp_path / "target")
     write_workload(tmp_path / "w.jsonl", per_class=1)
-    result = invoke("replay", "--target", tmp_path / "target", "--draft", "mtp", "--workload", tmp_path / "w.jsonl",
-                    "--max-new-tokens", "8", "--out", tmp_path / "run")
+    result = invoke(
+        "replay",
+        "--target",
+        tmp_path / "target",
+        "--draft",
+        "mtp",
+        "--workload",
+        tmp_path / "w.jsonl",
+        "--max-new-tokens",
+        "8",
+        "--out",
+        tmp_path / "run",
+    )
     assert_usage_error(result, "the target target has no MTP head", "num_nextn_predict_layers", "mtp_num_hidden_layers")
-    result = invoke("replay", "--target", tmp_path / "target", "--draft", "mtp:hidden_state=middle", "--workload",
-                    tmp_path / "w.jsonl", "--out", tmp_path / "run2")
+    result = invoke(
+        "replay",
+        "--target",
+        tmp_path / "target",
+        "--draft",
+        "mtp:hidden_state=middle",
+        "--workload",
+        tmp_path / "w.jsonl",
+        "--out",
+        tmp_path / "run2",
+    )
     assert_usage_error(result, "hidden_state='middle'", "post-norm or pre-norm")
 
 
@@ -165,12 +209,17 @@ def test_the_head_takes_the_checkpoints_tensors_without_building_random_weights_
     folder = built_targets("deepseek_v3")[0]
     checkpoint, config = _checkpoint(folder)
     initialised_on_meta = []
-    monkeypatch.setattr(torch.nn.Linear, "reset_parameters", lambda module: initialised_on_meta.append(module.weight.is_meta))
+    monkeypatch.setattr(
+        torch.nn.Linear, "reset_parameters", lambda module: initialised_on_meta.append(module.weight.is_meta)
+    )
     head = build_mtp_head(checkpoint, config, dtype=torch.float32, device="cpu", target_name="t")
     assert initialised_on_meta and all(initialised_on_meta)
     tensors = checkpoint.layers[0]
-    shared = [name for name, parameter in head.layers[0].named_parameters()
-              if name in tensors and parameter.data_ptr() == tensors[name].data_ptr()]
+    shared = [
+        name
+        for name, parameter in head.layers[0].named_parameters()
+        if name in tensors and parameter.data_ptr() == tensors[name].data_ptr()
+    ]
     assert "proj.weight" in shared and "block.self_attn.o_proj.weight" in shared
     assert not any(t.is_meta for t in head.parameters()) and not any(t.is_meta for t in head.buffers())
 
@@ -193,8 +242,21 @@ def test_a_block_that_computes_a_buffer_when_built_is_refused_in_one_sentence(bu
 def test_check_end_to_end_records_the_kind_and_names_the_side(built_targets, tmp_path):
     folder, *_ = built_targets("deepseek_v3")  # one end-to-end check; the DeepSeek target is the faster one
     write_workload(tmp_path / "w.jsonl", per_class=1)
-    result = invoke("check", "--target", folder, "--draft", "mtp:hidden_state=pre-norm", "--workload", tmp_path / "w.jsonl",
-                    "--k", "1-2", "--max-new-tokens", "10", "--out", tmp_path / "run")
+    result = invoke(
+        "check",
+        "--target",
+        folder,
+        "--draft",
+        "mtp:hidden_state=pre-norm",
+        "--workload",
+        tmp_path / "w.jsonl",
+        "--k",
+        "1-2",
+        "--max-new-tokens",
+        "10",
+        "--out",
+        tmp_path / "run",
+    )
     assert result.exit_code in (0, 1), result.output
     run = json.loads((tmp_path / "run" / "run.json").read_text())
     draft = run["models"]["draft"]
@@ -215,11 +277,20 @@ def mtp_config_result(engine: dict | None = None, ks: tuple[int, ...] = (2,), **
     from dflash_doctor.checks import CheckContext, run_checks
     from dflash_doctor.rundir.run_record import ModelInfo
 
-    facts = {"n_predict": 1, "hidden_state": "post-norm", "carried_state": "post-norm", "architecture": "deepseek_v3",
-             "engine_sides": {"vllm": {"hidden_state": "post-norm", "carried_state": "post-norm"}}, **facts}
+    facts = {
+        "n_predict": 1,
+        "hidden_state": "post-norm",
+        "carried_state": "post-norm",
+        "architecture": "deepseek_v3",
+        "engine_sides": {"vllm": {"hidden_state": "post-norm", "carried_state": "post-norm"}},
+        **facts,
+    }
     draft = ModelInfo(id="mtp", revision_or_hash="mtp", dtype="float32", device="cpu", kind="mtp", facts=facts)
-    ctx = CheckContext(record=SimpleNamespace(models={"draft": draft}), engine_config=engine,  # pyright: ignore
-                       config=SimpleNamespace(k=list(ks)))
+    ctx = CheckContext(
+        record=SimpleNamespace(models={"draft": draft}),
+        engine_config=engine,  # pyright: ignore
+        config=SimpleNamespace(k=list(ks)),
+    )
     (result,) = run_checks(ctx, only=["mtp-config"])
     return result
 
@@ -239,11 +310,18 @@ def test_mtp_config_warn_on_the_pre_norm_side_and_on_a_side_the_engine_does_not_
 
 def test_mtp_config_judges_the_sides_the_engine_passes_for_the_architecture():
     """GLM's vLLM MTP model carries the pre-norm state: a replay carrying it passes, one carrying the normed state warns."""
-    glm = {"architecture": "glm4_moe", "engine_sides": {"vllm": {"hidden_state": "post-norm", "carried_state": "pre-norm"}}}
+    glm = {
+        "architecture": "glm4_moe",
+        "engine_sides": {"vllm": {"hidden_state": "post-norm", "carried_state": "pre-norm"}},
+    }
     matched = mtp_config_result(engine={"engine": "vllm", "drafted_tokens": 2}, carried_state="pre-norm", **glm)
-    assert matched.status == "pass" and "glm4_moe" in matched.summary and "vllm: post-norm / pre-norm" in matched.summary
+    assert (
+        matched.status == "pass" and "glm4_moe" in matched.summary and "vllm: post-norm / pre-norm" in matched.summary
+    )
     normed = mtp_config_result(engine={"engine": "vllm", "drafted_tokens": 2}, **glm)
-    assert normed.status == "warn" and any(f.fix == "replay with --draft mtp:carried_state=pre-norm" for f in normed.findings)
+    assert normed.status == "warn" and any(
+        f.fix == "replay with --draft mtp:carried_state=pre-norm" for f in normed.findings
+    )
 
 
 def test_default_sides_follow_the_architecture_vllm_runs():
@@ -264,8 +342,14 @@ def test_the_default_glm_replay_carries_the_pre_norm_state_and_an_explicit_side_
     side), recorded with why; ``mtp:carried_state=post-norm`` still wins. DeepSeek's default stays post-norm."""
     model, layers = write_mtp_target("glm4_moe", tmp_path)
     target, build, facts = load(tmp_path)
-    assert facts["architecture"] == "glm4_moe" and (facts["hidden_state"], facts["carried_state"]) == ("post-norm", "pre-norm")
-    assert facts["engine_sides"]["vllm"]["carried_state"] == "pre-norm" and "Glm4MoeMTPModel" in facts["sides_from"]["carried_state"]
+    assert facts["architecture"] == "glm4_moe" and (facts["hidden_state"], facts["carried_state"]) == (
+        "post-norm",
+        "pre-norm",
+    )
+    assert (
+        facts["engine_sides"]["vllm"]["carried_state"] == "pre-norm"
+        and "Glm4MoeMTPModel" in facts["sides_from"]["carried_state"]
+    )
     prompt = PROMPTS[0]
     truth = plain_generate(target, torch.tensor(prompt), max_new_tokens=MAX_NEW).output_ids
     live = speculative_generate(target, build(), torch.tensor(prompt), k=3, max_new_tokens=MAX_NEW)

@@ -25,11 +25,11 @@ def reference_lookup(context: list[int], k: int, lo: int, hi: int, max_model_len
     if k <= 0:
         return []
     for n in range(min(hi, total - 1), lo - 1, -1):
-        suffix = context[total - n:]
+        suffix = context[total - n :]
         for start in range(0, total - n):  # every start but the suffix's own, earliest first
-            if context[start:start + n] == suffix:
+            if context[start : start + n] == suffix:
                 follow = start + n
-                return context[follow:follow + k]
+                return context[follow : follow + k]
     return []
 
 
@@ -64,14 +64,18 @@ def test_scan_equals_the_reference_on_random_contexts(seed):
         assert got == reference_lookup(context, k, lo, hi, cap), (context, lo, hi, k, cap)
 
 
-def reference_steps(prompt: list[int], truth: list[int], k: int, max_new: int, lo: int, hi: int) -> list[tuple[int, int, int]]:
+def reference_steps(
+    prompt: list[int], truth: list[int], k: int, max_new: int, lo: int, hi: int
+) -> list[tuple[int, int, int]]:
     """vLLM's greedy loop over the target's own greedy text: (position, drafted, accepted) per step."""
     steps, i = [], 0  # output index of the last committed token
     while i + 1 < max_new and i + 1 < len(truth):
         budget = min(k, max_new - (i + 1) - 1)
         proposal = reference_lookup(prompt + truth[: i + 1], budget, lo, hi)
         accepted = 0
-        while accepted < len(proposal) and i + 1 + accepted < len(truth) and proposal[accepted] == truth[i + 1 + accepted]:
+        while (
+            accepted < len(proposal) and i + 1 + accepted < len(truth) and proposal[accepted] == truth[i + 1 + accepted]
+        ):
             accepted += 1
         steps.append((i + 1, len(proposal), accepted))
         i += accepted + 1
@@ -89,21 +93,30 @@ def test_live_loop_and_teacher_equal_the_reference(lo, hi):
     drafted_any = 0
     for prompt in PROMPTS:
         truth = plain_generate(TargetModel(target_model), torch.tensor(prompt), max_new_tokens=max_new).output_ids
-        table, _ = slot_table(TargetModel(target_model), NgramProposer(settings, VOCAB), TeacherSequence(prompt, truth), 8)
+        table, _ = slot_table(
+            TargetModel(target_model), NgramProposer(settings, VOCAB), TeacherSequence(prompt, truth), 8
+        )
         for k in (1, 3, 8):
-            live = speculative_generate(TargetModel(target_model), NgramProposer(settings, VOCAB), torch.tensor(prompt),
-                                        k=k, max_new_tokens=max_new)
+            live = speculative_generate(
+                TargetModel(target_model),
+                NgramProposer(settings, VOCAB),
+                torch.tensor(prompt),
+                k=k,
+                max_new_tokens=max_new,
+            )
             assert live.output_ids == truth  # lossless: the target's own greedy text
             expected = reference_steps(prompt, truth, k, max_new, lo, hi)
             assert [(s.position, s.num_drafted, s.num_accepted) for s in live.steps] == expected, (prompt, k)
             walked = walk_schedule(table.matches[:, :k], truth, k, max_new, frozenset(), drafted=table.drafted)
-            assert [(s.position, s.num_drafted, s.num_accepted, s.bonus_token) for s in walked] == \
-                [(s.position, s.num_drafted, s.num_accepted, s.bonus_token) for s in live.steps], (prompt, k)
+            assert [(s.position, s.num_drafted, s.num_accepted, s.bonus_token) for s in walked] == [
+                (s.position, s.num_drafted, s.num_accepted, s.bonus_token) for s in live.steps
+            ], (prompt, k)
             drafted_any += sum(s.num_drafted for s in live.steps)
             if k == 8:  # token records: the teacher's rows equal the live loop's, a point mass per proposal
                 rows = token_rows(table, walked, truth)
-                assert [(r.position, r.draft_token, r.accepted) for r in rows] == \
-                    [(r.position, r.draft_token, r.accepted) for r in live.tokens]
+                assert [(r.position, r.draft_token, r.accepted) for r in rows] == [
+                    (r.position, r.draft_token, r.accepted) for r in live.tokens
+                ]
                 for r in live.tokens:
                     assert r.draft_prob_of_target == (1.0 if r.draft_token == r.target_token else 0.0)
                     assert r.total_variation == pytest.approx(1.0 - r.target_prob_of_draft, abs=1e-5)

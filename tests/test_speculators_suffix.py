@@ -55,7 +55,7 @@ class ReferenceTree:
         kids.remove(token)
         self.count[s] = old - 1
         if old == 1:  # the string and everything under it are gone
-            for key in [key for key in self.count if key[:len(s)] == s]:
+            for key in [key for key in self.count if key[: len(s)] == s]:
                 del self.count[key]
                 self.kids.pop(key, None)
             return False
@@ -128,13 +128,15 @@ class ReferenceEngine:
 
     def speculate(self, context: list[int], k: int) -> list[int]:
         budget = k if self.s.max_model_len is None else max(min(k, self.s.max_model_len - len(context) - 1), 0)
-        pattern = context[-self.s.max_tree_depth:]
+        pattern = context[-self.s.max_tree_depth :]
         local = self.local.draft(pattern, budget, self.s.max_spec_factor, self.s.min_token_prob)
         other = self.global_tree.draft(pattern, budget, self.s.max_spec_factor, self.s.min_token_prob)
         return local[2] if local[0] >= other[0] else other[2]
 
 
-def reference_run(engine: ReferenceEngine, prompt: list[int], truth: list[int], k: int, max_new: int) -> list[tuple[int, int, int]]:
+def reference_run(
+    engine: ReferenceEngine, prompt: list[int], truth: list[int], k: int, max_new: int
+) -> list[tuple[int, int, int]]:
     """vLLM's greedy loop over the target's own greedy text: (position, drafted, accepted) per step; the
     proposal is drafted at K and the step uses what fits the budget."""
     engine.start(prompt)
@@ -143,12 +145,14 @@ def reference_run(engine: ReferenceEngine, prompt: list[int], truth: list[int], 
     while i + 1 < max_new and i + 1 < len(truth):
         proposal = engine.speculate(prompt + truth[: i + 1], k)[: min(k, max_new - (i + 1) - 1)]
         accepted = 0
-        while accepted < len(proposal) and i + 1 + accepted < len(truth) and proposal[accepted] == truth[i + 1 + accepted]:
+        while (
+            accepted < len(proposal) and i + 1 + accepted < len(truth) and proposal[accepted] == truth[i + 1 + accepted]
+        ):
             accepted += 1
         steps.append((i + 1, len(proposal), accepted))
-        engine.add(truth[i + 1: i + accepted + 2])
+        engine.add(truth[i + 1 : i + accepted + 2])
         i += accepted + 1
-    engine.add(truth[i + 1:])  # only when the loop stopped early; vLLM adds what the last step sampled
+    engine.add(truth[i + 1 :])  # only when the loop stopped early; vLLM adds what the last step sampled
     return steps
 
 
@@ -181,8 +185,11 @@ def test_tie_order_and_probabilities_by_hand():
 def test_tree_equals_the_reference_on_random_sequences(seed):
     rng = np.random.default_rng(seed)
     depth = int(rng.integers(2, 7))
-    settings = SuffixSettings(max_tree_depth=depth, max_spec_factor=float(rng.choice([0.5, 1.0, 2.0])),
-                              min_token_prob=float(rng.choice([0.0, 0.1, 0.3])))
+    settings = SuffixSettings(
+        max_tree_depth=depth,
+        max_spec_factor=float(rng.choice([0.5, 1.0, 2.0])),
+        min_token_prob=float(rng.choice([0.0, 0.1, 0.3])),
+    )
     tree, ref = SuffixTree(depth), ReferenceTree(depth)
     for step in range(300):
         if rng.random() < 0.05 and len(tree.sequences) > 1:
@@ -203,10 +210,17 @@ def test_tree_equals_the_reference_on_random_sequences(seed):
 
 # ------------------------------------------------------------------------------------------- the loops
 
-PROMPTS = [[5, 17, 42, 8, 9, 5, 17, 42, 8, 9, 5, 17], [11, 12, 13, 11, 12], [60, 61, 62, 63, 64, 65, 66, 67],
-           [5, 17, 42, 8, 9, 5, 17, 42, 8, 9, 5, 17]]
-SETTINGS = [SuffixSettings(), SuffixSettings(max_tree_depth=6, max_cached_requests=1, max_spec_factor=2.0, min_token_prob=0.2),
-            SuffixSettings(max_cached_requests=0, max_spec_factor=0.5, min_token_prob=0.0)]
+PROMPTS = [
+    [5, 17, 42, 8, 9, 5, 17, 42, 8, 9, 5, 17],
+    [11, 12, 13, 11, 12],
+    [60, 61, 62, 63, 64, 65, 66, 67],
+    [5, 17, 42, 8, 9, 5, 17, 42, 8, 9, 5, 17],
+]
+SETTINGS = [
+    SuffixSettings(),
+    SuffixSettings(max_tree_depth=6, max_cached_requests=1, max_spec_factor=2.0, min_token_prob=0.2),
+    SuffixSettings(max_cached_requests=0, max_spec_factor=0.5, min_token_prob=0.0),
+]
 
 
 @pytest.fixture(scope="module")
@@ -217,13 +231,17 @@ def target_model():
 @pytest.mark.parametrize("settings", SETTINGS, ids=["defaults", "small", "no-global"])
 def test_live_loop_and_teacher_equal_the_reference_across_requests(target_model, settings):
     max_new = 40
-    truths = [plain_generate(TargetModel(target_model), torch.tensor(p), max_new_tokens=max_new).output_ids for p in PROMPTS]
+    truths = [
+        plain_generate(TargetModel(target_model), torch.tensor(p), max_new_tokens=max_new).output_ids for p in PROMPTS
+    ]
     drafted_any = 0
     for k in (1, 3, 8):
         live_proposer, teacher_proposer = SuffixProposer(settings, VOCAB), SuffixProposer(settings, VOCAB)
         reference = ReferenceEngine(settings)
         for prompt, truth in zip(PROMPTS, truths):  # one proposer over the requests, in order: the global tree carries
-            live = speculative_generate(TargetModel(target_model), live_proposer, torch.tensor(prompt), k=k, max_new_tokens=max_new)
+            live = speculative_generate(
+                TargetModel(target_model), live_proposer, torch.tensor(prompt), k=k, max_new_tokens=max_new
+            )
             live_proposer.finish_request(prompt, live.output_ids)
             assert live.output_ids == truth  # lossless: the target's own greedy text
             expected = reference_run(reference, prompt, truth, k, max_new)
@@ -233,8 +251,9 @@ def test_live_loop_and_teacher_equal_the_reference_across_requests(target_model,
                 table, _ = slot_table(TargetModel(target_model), teacher_proposer, TeacherSequence(prompt, truth), bk)
             teacher_proposer.finish_request(prompt, truth)
             walked = walk_schedule(table.matches[:, :k], truth, k, max_new, frozenset(), drafted=table.drafted)
-            assert [(s.position, s.num_drafted, s.num_accepted, s.bonus_token) for s in walked] == \
-                [(s.position, s.num_drafted, s.num_accepted, s.bonus_token) for s in live.steps], (prompt, k)
+            assert [(s.position, s.num_drafted, s.num_accepted, s.bonus_token) for s in walked] == [
+                (s.position, s.num_drafted, s.num_accepted, s.bonus_token) for s in live.steps
+            ], (prompt, k)
             for r in live.tokens:
                 assert r.draft_prob_of_target == (1.0 if r.draft_token == r.target_token else 0.0)
             drafted_any += sum(s.num_drafted for s in live.steps)
@@ -248,7 +267,9 @@ def test_the_global_tree_carries_earlier_responses_in_order(target_model):
     def accepted(settings: SuffixSettings, requests: int) -> list[int]:
         proposer, out = SuffixProposer(settings, VOCAB), []
         for _ in range(requests):
-            result = speculative_generate(TargetModel(target_model), proposer, torch.tensor(prompt), k=k, max_new_tokens=max_new)
+            result = speculative_generate(
+                TargetModel(target_model), proposer, torch.tensor(prompt), k=k, max_new_tokens=max_new
+            )
             proposer.finish_request(prompt, result.output_ids)
             out.append(sum(s.num_accepted for s in result.steps))
         return out
@@ -277,19 +298,26 @@ def test_settings_parse_with_vllm_names_and_defaults():
     config = type("Config", (), {"vocab_size": VOCAB, "max_position_embeddings": 512})()
     module = kind.from_spec(raw, Path("."), config, type("O", (), {"device": "cpu"})())
     assert module.settings == SuffixSettings(24, 10000, 1.0, 0.1, 512)
-    _, raw = weightless_kind("suffix:suffix_decoding_max_tree_depth=8,max_spec_factor=2,suffix_decoding_min_token_prob=0")
-    assert kind.from_spec(raw, Path("."), config, type("O", (), {"device": "cpu"})()).settings == SuffixSettings(8, 10000, 2.0, 0.0, 512)
+    _, raw = weightless_kind(
+        "suffix:suffix_decoding_max_tree_depth=8,max_spec_factor=2,suffix_decoding_min_token_prob=0"
+    )
+    assert kind.from_spec(raw, Path("."), config, type("O", (), {"device": "cpu"})()).settings == SuffixSettings(
+        8, 10000, 2.0, 0.0, 512
+    )
 
 
-@pytest.mark.parametrize("spec,fragment", [
-    ("suffix:suffix_decoding_max_tree_depth=0", "suffix_decoding_max_tree_depth=0 must be in [1, "),
-    ("suffix:suffix_decoding_max_cached_requests=-1", "must be in [0, "),
-    ("suffix:suffix_decoding_max_spec_factor=-0.5", "must be in [0, "),
-    ("suffix:suffix_decoding_min_token_prob=1.5", "must be in [0, 1]"),
-    ("suffix:suffix_decoding_max_tree_depth=2.5", "is not a whole number"),
-    ("suffix:suffix_decoding_min_token_prob=nan", "is not a decimal number"),
-    ("suffix:depth=3", "unknown setting 'depth'"),
-])
+@pytest.mark.parametrize(
+    "spec,fragment",
+    [
+        ("suffix:suffix_decoding_max_tree_depth=0", "suffix_decoding_max_tree_depth=0 must be in [1, "),
+        ("suffix:suffix_decoding_max_cached_requests=-1", "must be in [0, "),
+        ("suffix:suffix_decoding_max_spec_factor=-0.5", "must be in [0, "),
+        ("suffix:suffix_decoding_min_token_prob=1.5", "must be in [0, 1]"),
+        ("suffix:suffix_decoding_max_tree_depth=2.5", "is not a whole number"),
+        ("suffix:suffix_decoding_min_token_prob=nan", "is not a decimal number"),
+        ("suffix:depth=3", "unknown setting 'depth'"),
+    ],
+)
 def test_bad_settings_are_one_sentence(spec, fragment):
     with pytest.raises(UsageError) as error:  # refused where the string is read, before any model
         weightless_kind(spec)
@@ -303,11 +331,27 @@ def test_cli_refuses_a_bad_setting_with_exit_2(tiny_dir):
 
 def test_head_to_head_accepts_suffix_and_its_sweep_is_exact_for_every_k(tiny_dir, tmp_path):
     profile = tmp_path / "costs.json"
-    profile.write_text('{"t_decode_s": 0.010, "t_verify_s": {"1": 0.011, "8": 0.016}, "t_draft_s": {"1": 0.001, "8": 0.004}}')
-    result = invoke("check", *pair_args(tiny_dir, "ngram:prompt_lookup_min=1,prompt_lookup_max=3", "--draft", "suffix:suffix_decoding_min_token_prob=0.05",
-                                        "--k", "1-4", "--cost-profile", str(profile), "--out", tmp_path / "run", "--json"))
+    profile.write_text(
+        '{"t_decode_s": 0.010, "t_verify_s": {"1": 0.011, "8": 0.016}, "t_draft_s": {"1": 0.001, "8": 0.004}}'
+    )
+    result = invoke(
+        "check",
+        *pair_args(
+            tiny_dir,
+            "ngram:prompt_lookup_min=1,prompt_lookup_max=3",
+            "--draft",
+            "suffix:suffix_decoding_min_token_prob=0.05",
+            "--k",
+            "1-4",
+            "--cost-profile",
+            str(profile),
+            "--out",
+            tmp_path / "run",
+            "--json",
+        ),
+    )
     assert result.exit_code in (0, 1), result.output
-    data = json.loads(result.stdout[result.stdout.index("{"):])
+    data = json.loads(result.stdout[result.stdout.index("{") :])
     assert [s["name"] for s in data["head_to_head"]["speculators"]] == ["ngram", "suffix"]
     run = json.loads((tmp_path / "run" / "suffix" / "run.json").read_text())
     assert run["models"]["draft"]["suffix_decoding_min_token_prob"] == 0.05
@@ -321,7 +365,10 @@ def test_replay_and_sweep_agree_step_for_step_over_the_workload(tiny_dir, tmp_pa
     import pandas as pd
 
     for command in ("replay", "sweep"):
-        result = invoke(command, *pair_args(tiny_dir, "suffix:suffix_decoding_min_token_prob=0.05", "--k", "3", "--out", tmp_path / command))
+        result = invoke(
+            command,
+            *pair_args(tiny_dir, "suffix:suffix_decoding_min_token_prob=0.05", "--k", "3", "--out", tmp_path / command),
+        )
         assert result.exit_code == 0, result.output
     columns = ["request_id", "position", "num_drafted", "num_accepted", "bonus_token"]
     live = pd.read_parquet(tmp_path / "replay" / "steps.parquet")[columns]

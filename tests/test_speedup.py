@@ -12,12 +12,22 @@ from dflash_doctor.stats.metrics import expected_tau_iid, tau_with_ci
 from dflash_doctor.checks import CheckContext, run_checks
 from dflash_doctor.inputs.config import DoctorConfig
 from dflash_doctor.rundir.run_record import OVERALL, RunMeta, RunRecord, StepCosts, Summary, Sweep, SweepRow
-from dflash_doctor.stats.speedup import (best_speedup, build_sweep, k_that_pays, leviathan_speedup, load_cost_profile,
-                                         priced_speedups, recommend, sweep_row)
+from dflash_doctor.stats.speedup import (
+    best_speedup,
+    build_sweep,
+    k_that_pays,
+    leviathan_speedup,
+    load_cost_profile,
+    priced_speedups,
+    recommend,
+    sweep_row,
+)
 
 
 def costs_flat_draft() -> StepCosts:
-    return StepCosts(t_decode_s=0.010, t_verify_s={1: 0.011, 5: 0.015}, t_draft_s={1: 0.002}, source="profile", device="test")
+    return StepCosts(
+        t_decode_s=0.010, t_verify_s={1: 0.011, 5: 0.015}, t_draft_s={1: 0.002}, source="profile", device="test"
+    )
 
 
 # ----------------------------------------------------------------------------- cost model
@@ -142,8 +152,16 @@ def test_build_sweep_prices_every_k_per_class_with_the_costs():
 
 def hand_sweep(speedups: dict[int, float], *, tau_low_share: float = 0.97) -> list[SweepRow]:
     """Rows with tau = speedup (unit costs) and a tau interval whose low end is tau_low_share of tau."""
-    return [SweepRow(k=k, mean_acceptance_length=s, mean_acceptance_length_ci=[s * tau_low_share, s * 1.02], speedup=s, estimate="exact")
-            for k, s in speedups.items()]
+    return [
+        SweepRow(
+            k=k,
+            mean_acceptance_length=s,
+            mean_acceptance_length_ci=[s * tau_low_share, s * 1.02],
+            speedup=s,
+            estimate="exact",
+        )
+        for k, s in speedups.items()
+    ]
 
 
 def test_recommend_picks_the_best_k_and_the_smallest_k_within_the_share():
@@ -189,7 +207,11 @@ def test_any_class_is_off_when_every_k_is_a_slowdown():
 
 def test_rows_without_a_price_are_ignored():
     rows = hand_sweep({1: 1.4, 2: 1.6})
-    rows.append(SweepRow(k=3, mean_acceptance_length=None, mean_acceptance_length_ci=[None, None], speedup=None, estimate="exact"))
+    rows.append(
+        SweepRow(
+            k=3, mean_acceptance_length=None, mean_acceptance_length_ci=[None, None], speedup=None, estimate="exact"
+        )
+    )
     assert recommend({"chat": rows})["chat"].k == 2
     assert recommend({"chat": []})["chat"].k == 0
 
@@ -206,10 +228,14 @@ def test_the_k_that_pays_is_one_rule_for_recommend_and_the_speculative_k_check()
     assert best_speedup({3: 1.4, 1: 1.2, 2: 1.4}) == (2, 1.4)
     assert (k_that_pays((2, 1.0)), k_that_pays((2, 0.99)), k_that_pays((2, 1.1), floor=1.2)) == (2, 0, 0)
     for speedups, expected in (([1.0, 0.8], 1), ([0.9, 0.95], 0), ([1.2, 1.3, 1.3], 2)):
-        rows = [SweepRow(k=k, mean_acceptance_length=2.0, mean_acceptance_length_ci=[1.9, 2.1], speedup=s, estimate="exact")
-                for k, s in enumerate(speedups, start=1)]
+        rows = [
+            SweepRow(k=k, mean_acceptance_length=2.0, mean_acceptance_length_ci=[1.9, 2.1], speedup=s, estimate="exact")
+            for k, s in enumerate(speedups, start=1)
+        ]
         assert priced_speedups(rows) == dict(enumerate(speedups, start=1))
         assert recommend({OVERALL: rows})[OVERALL].k == expected
-        record = RunRecord(meta=RunMeta(command="sweep"), summary=Summary(sweep=Sweep(overall=rows, by_class={}, costs={})))
+        record = RunRecord(
+            meta=RunMeta(command="sweep"), summary=Summary(sweep=Sweep(overall=rows, by_class={}, costs={}))
+        )
         check = run_checks(CheckContext(record=record, config=DoctorConfig(k=(9,))), only=["speculative-k"])[0]
         assert check.metrics["by_scope"][OVERALL]["suggested_k"] == expected

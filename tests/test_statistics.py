@@ -25,22 +25,42 @@ from fixture_runs import make_fixture_run
 def _write_run(run_dir, steps: list[tuple[str, str, int, int]]):
     """A run directory from (request id, class, num_drafted, num_accepted) steps at K = 4."""
     step_rows = [
-        {"request_id": rid, "class": cls, "step": i, "position": i, "k": 4, "num_drafted": drafted,
-         "num_accepted": accepted, "bonus_token": 1, "draft_time_s": 0.0, "verify_time_s": 0.0}
+        {
+            "request_id": rid,
+            "class": cls,
+            "step": i,
+            "position": i,
+            "k": 4,
+            "num_drafted": drafted,
+            "num_accepted": accepted,
+            "bonus_token": 1,
+            "draft_time_s": 0.0,
+            "verify_time_s": 0.0,
+        }
         for i, (rid, cls, drafted, accepted) in enumerate(steps)
     ]
     request_rows = []
     for rid in dict.fromkeys(r["request_id"] for r in step_rows):
         mine = [r for r in step_rows if r["request_id"] == rid]
-        request_rows.append({
-            "request_id": rid, "class": mine[0]["class"], "subclass": "", "turn": 0, "prompt_num_tokens": 3,
-            "output_token_ids": [1] * sum(r["num_accepted"] + 1 for r in mine), "output_text": "x",
-            "num_output_tokens": sum(r["num_accepted"] + 1 for r in mine), "num_steps": len(mine),
-            "num_drafts": sum(r["num_drafted"] > 0 for r in mine),
-            "num_draft_tokens": sum(r["num_drafted"] for r in mine),
-            "num_accepted_tokens": sum(r["num_accepted"] for r in mine),
-            "tau": None, "stop_reason": "max_new_tokens", "wall_time_s": 0.0,
-        })
+        request_rows.append(
+            {
+                "request_id": rid,
+                "class": mine[0]["class"],
+                "subclass": "",
+                "turn": 0,
+                "prompt_num_tokens": 3,
+                "output_token_ids": [1] * sum(r["num_accepted"] + 1 for r in mine),
+                "output_text": "x",
+                "num_output_tokens": sum(r["num_accepted"] + 1 for r in mine),
+                "num_steps": len(mine),
+                "num_drafts": sum(r["num_drafted"] > 0 for r in mine),
+                "num_draft_tokens": sum(r["num_drafted"] for r in mine),
+                "num_accepted_tokens": sum(r["num_accepted"] for r in mine),
+                "tau": None,
+                "stop_reason": "max_new_tokens",
+                "wall_time_s": 0.0,
+            }
+        )
     meta = RunRecord(meta=RunMeta(command="replay", created_at=utc_now()), config={"k": [4], "seed": 0}).to_json()
     with RunWriter(run_dir, meta) as writer:
         writer.add("requests", request_rows)
@@ -48,7 +68,8 @@ def _write_run(run_dir, steps: list[tuple[str, str, int, int]]):
         writer.flush()
         record = RunRecord.from_json(meta)
         record.summary = summarize(
-            pd.DataFrame(step_rows, columns=list(STEPS_SCHEMA.names)), pd.DataFrame(request_rows, columns=list(REQUESTS_SCHEMA.names))
+            pd.DataFrame(step_rows, columns=list(STEPS_SCHEMA.names)),
+            pd.DataFrame(request_rows, columns=list(REQUESTS_SCHEMA.names)),
         )
         writer.meta = record.to_json()
     return run_dir

@@ -15,8 +15,18 @@ import pytest
 from dflash_doctor.checks import CheckContext, run_checks
 from dflash_doctor.rundir.run_record import OVERALL, RunMeta, RunRecord, Summary
 from dflash_doctor.stats.speedup import build_sweep, load_cost_profile, recommend
-from dflash_doctor.stats.step_costs import (DECODE, CostSamples, cost_replicates, fitted_costs, isotonic, measure_step_samples,
-                                            median_interval, physics_violations, relative_half_width, time_steps)
+from dflash_doctor.stats.step_costs import (
+    DECODE,
+    CostSamples,
+    cost_replicates,
+    fitted_costs,
+    isotonic,
+    measure_step_samples,
+    median_interval,
+    physics_violations,
+    relative_half_width,
+    time_steps,
+)
 
 
 class FakeMachine:
@@ -40,9 +50,18 @@ class FakeMachine:
         self.now += self.cost(kind, k, call)
 
     def measure(self, ks, *, flat_draft=True, budget_s=60.0, seed=0) -> CostSamples:
-        return measure_step_samples(lambda: self.run("decode", 0), lambda k: self.run("verify", k),
-                                    lambda k: self.run("draft", k), ks, flat_draft=flat_draft, budget_s=budget_s,
-                                    sync=self.sync, device="fake", clock=self.clock, seed=seed)
+        return measure_step_samples(
+            lambda: self.run("decode", 0),
+            lambda k: self.run("verify", k),
+            lambda k: self.run("draft", k),
+            ks,
+            flat_draft=flat_draft,
+            budget_s=budget_s,
+            sync=self.sync,
+            device="fake",
+            clock=self.clock,
+            seed=seed,
+        )
 
 
 def physical(kind: str, k: int) -> float:
@@ -67,8 +86,9 @@ def test_median_interval_brackets_the_median_and_needs_six_samples():
 
 def test_the_median_interval_covers_the_true_median_about_95_percent_of_the_time():
     rng = np.random.default_rng(1)
-    hits = sum(low <= np.log(2) <= high for low, high in
-               (median_interval(rng.exponential(1.0, 30))[1:] for _ in range(2000)))
+    hits = sum(
+        low <= np.log(2) <= high for low, high in (median_interval(rng.exponential(1.0, 30))[1:] for _ in range(2000))
+    )
     assert 0.93 <= hits / 2000 <= 0.99
 
 
@@ -122,8 +142,15 @@ def table(seconds: dict[tuple[str, int], list[float]], flat_draft: bool = True) 
 
 def test_a_verify_cheaper_than_a_decode_beyond_the_noise_is_named():
     tight = [1.0, 1.01, 0.99, 1.0, 1.02, 0.98, 1.0]
-    samples = table({DECODE: [0.321 * x for x in tight], ("verify", 2): [0.430 * x for x in tight],
-                     ("verify", 4): [0.199 * x for x in tight], ("draft", 2): [0.01] * 7, ("draft", 4): [0.01] * 7})
+    samples = table(
+        {
+            DECODE: [0.321 * x for x in tight],
+            ("verify", 2): [0.430 * x for x in tight],
+            ("verify", 4): [0.199 * x for x in tight],
+            ("draft", 2): [0.01] * 7,
+            ("draft", 4): [0.01] * 7,
+        }
+    )
     (sentence,) = [v for v in physics_violations(samples) if "decode" in v]
     assert "a verify of 5 tokens timed 0.199 ms" not in sentence and "a verify of 5 tokens" in sentence
     costs = fitted_costs(samples)
@@ -132,14 +159,21 @@ def test_a_verify_cheaper_than_a_decode_beyond_the_noise_is_named():
 
 def test_a_noisy_but_consistent_table_breaks_nothing():
     rng = np.random.default_rng(3)
-    noisy = {key: list(physical(*key) * rng.lognormal(0.0, 0.3, 12)) for key in
-             [DECODE, ("verify", 1), ("verify", 2), ("draft", 1), ("draft", 2)]}
+    noisy = {
+        key: list(physical(*key) * rng.lognormal(0.0, 0.3, 12))
+        for key in [DECODE, ("verify", 1), ("verify", 2), ("draft", 1), ("draft", 2)]
+    }
     assert physics_violations(table(noisy)) == []
 
 
 def test_a_block_draft_is_one_cost_whatever_k_and_an_autoregressive_one_grows():
-    seconds = {DECODE: [1.0] * 6, ("verify", 1): [1.1] * 6, ("verify", 4): [1.4] * 6,
-               ("draft", 1): [0.2] * 6, ("draft", 4): [0.3] * 6}
+    seconds = {
+        DECODE: [1.0] * 6,
+        ("verify", 1): [1.1] * 6,
+        ("verify", 4): [1.4] * 6,
+        ("draft", 1): [0.2] * 6,
+        ("draft", 4): [0.3] * 6,
+    }
     flat = fitted_costs(table(seconds, flat_draft=True)).t_draft_s
     assert flat[1] == flat[4] and 0.2 < flat[1] < 0.3  # one cost, the precision-weighted mean of both Ks
     assert fitted_costs(table(seconds, flat_draft=False)).t_draft_s == pytest.approx({1: 0.2, 4: 0.3})
@@ -164,8 +198,11 @@ def test_a_spike_on_one_k_is_retimed_and_the_advice_is_withheld_only_if_it_persi
 
 
 def steps_frame(k: int, accepted_by_request: dict[str, list[int]], cls: str = "chat") -> pd.DataFrame:
-    rows = [{"request_id": rid, "class": cls, "step": i, "position": 0, "k": k, "num_drafted": k, "num_accepted": min(a, k)}
-            for rid, accepted in accepted_by_request.items() for i, a in enumerate(accepted)]
+    rows = [
+        {"request_id": rid, "class": cls, "step": i, "position": 0, "k": k, "num_drafted": k, "num_accepted": min(a, k)}
+        for rid, accepted in accepted_by_request.items()
+        for i, a in enumerate(accepted)
+    ]
     return pd.DataFrame(rows)
 
 
@@ -182,7 +219,9 @@ def test_speedup_intervals_widen_with_the_timing_noise_and_contain_the_point():
     widths = []
     for noise in (0.01, 0.3):
         samples = table({key: list(physical(*key) * rng.lognormal(0.0, noise, 20)) for key in keys})
-        priced = build_sweep(steps, fitted_costs(samples), {k: "exact" for k in steps}, cost_samples=samples, n_boot=300)
+        priced = build_sweep(
+            steps, fitted_costs(samples), {k: "exact" for k in steps}, cost_samples=samples, n_boot=300
+        )
         row = priced.sweep.overall[-1]
         assert row.speedup_ci[0] <= row.speedup <= row.speedup_ci[1]
         widths.append(row.speedup_ci[1] - row.speedup_ci[0])
@@ -207,8 +246,18 @@ def hand_replicates(centres: dict[int, float], noise: float, seed: int = 0) -> d
 
 def rows_from(replicates: dict[int, np.ndarray], centres: dict[int, float]):
     from dflash_doctor.rundir.run_record import SweepRow
-    return [SweepRow(k=k, mean_acceptance_length=2.0, mean_acceptance_length_ci=[1.9, 2.1], speedup=c, estimate="exact",
-                     speedup_ci=list(np.quantile(replicates[k], [0.025, 0.975]))) for k, c in centres.items()]
+
+    return [
+        SweepRow(
+            k=k,
+            mean_acceptance_length=2.0,
+            mean_acceptance_length_ci=[1.9, 2.1],
+            speedup=c,
+            estimate="exact",
+            speedup_ci=list(np.quantile(replicates[k], [0.025, 0.975])),
+        )
+        for k, c in centres.items()
+    ]
 
 
 def test_the_advice_names_the_ks_it_cannot_tell_apart_and_pays_only_above_one():
@@ -219,11 +268,14 @@ def test_the_advice_names_the_ks_it_cannot_tell_apart_and_pays_only_above_one():
     assert result.ks_within_noise == [2, 4] and "K 2, 4 within the noise" in result.reason
 
 
-@pytest.mark.parametrize(("centres", "k", "confidence", "starts"), [
-    ({1: 0.80, 2: 0.85}, 0, "clear", "Speculation off"),
-    ({1: 0.95, 2: 0.98}, 0, "uncertain", "Speculation may not pay"),
-    ({1: 1.00, 2: 1.04}, 2, "uncertain", "K=2 is the best"),
-])
+@pytest.mark.parametrize(
+    ("centres", "k", "confidence", "starts"),
+    [
+        ({1: 0.80, 2: 0.85}, 0, "clear", "Speculation off"),
+        ({1: 0.95, 2: 0.98}, 0, "uncertain", "Speculation may not pay"),
+        ({1: 1.00, 2: 1.04}, 2, "uncertain", "K=2 is the best"),
+    ],
+)
 def test_speculation_is_off_only_when_the_whole_interval_lies_below_one(centres, k, confidence, starts):
     replicates = hand_replicates(centres, 0.06)
     result = recommend({"chat": rows_from(replicates, centres)}, replicates={"chat": replicates})["chat"]
@@ -234,14 +286,20 @@ def test_a_timing_that_breaks_the_physics_gets_no_advice_and_a_timing_warning():
     centres = {1: 1.3, 2: 1.5}
     replicates = hand_replicates(centres, 0.02)
     violation = "a verify of 5 tokens timed 199 ms, below a decode step at 321 ms, beyond both medians' 95% intervals"
-    result = recommend({OVERALL: rows_from(replicates, centres)}, replicates={OVERALL: replicates},
-                       timing_violations=[violation])[OVERALL]
+    result = recommend(
+        {OVERALL: rows_from(replicates, centres)}, replicates={OVERALL: replicates}, timing_violations=[violation]
+    )[OVERALL]
     assert (result.k, result.confidence) == (0, "unreliable") and result.reason.startswith("No advice")
 
-    samples = CostSamples({DECODE: (0.321,) * 6, ("verify", 4): (0.199,) * 6, ("draft", 4): (0.01,) * 6}, device="cpu",
-                          flat_draft=True, violations=(violation,))
-    priced = build_sweep({4: steps_frame(4, {"r0": [2] * 10})}, fitted_costs(samples), {4: "exact"}, cost_samples=samples,
-                         n_boot=50)
+    samples = CostSamples(
+        {DECODE: (0.321,) * 6, ("verify", 4): (0.199,) * 6, ("draft", 4): (0.01,) * 6},
+        device="cpu",
+        flat_draft=True,
+        violations=(violation,),
+    )
+    priced = build_sweep(
+        {4: steps_frame(4, {"r0": [2] * 10})}, fitted_costs(samples), {4: "exact"}, cost_samples=samples, n_boot=50
+    )
     record = RunRecord(meta=RunMeta(command="check"), summary=Summary(sweep=priced.sweep))
     (check,) = run_checks(CheckContext(record=record), only=["timing"])
     assert check.status == "warn" and "break the cost model" in check.summary
@@ -260,7 +318,9 @@ def test_two_noisy_timings_of_one_machine_never_give_opposite_confident_advice()
     def advice(seed: int) -> tuple[int, str]:
         rng = np.random.default_rng(seed)
         samples = table({key: list(near_one(*key) * rng.lognormal(0.0, 0.4, 8)) for key in keys})
-        priced = build_sweep(steps, fitted_costs(samples), {k: "exact" for k in steps}, cost_samples=samples, n_boot=200)
+        priced = build_sweep(
+            steps, fitted_costs(samples), {k: "exact" for k in steps}, cost_samples=samples, n_boot=200
+        )
         result = recommend(priced.sweep.scopes(), replicates=priced.replicates)[OVERALL]
         return result.k, result.confidence
 
@@ -271,8 +331,13 @@ def test_two_noisy_timings_of_one_machine_never_give_opposite_confident_advice()
 
 def test_costs_and_spread_round_trip_through_run_json_and_a_profile(tmp_path):
     samples = FakeMachine(jittered(6)).measure([1, 2])
-    priced = build_sweep({2: steps_frame(2, {"r0": [1] * 10, "r1": [2] * 10})}, fitted_costs(samples), {2: "exact"},
-                         cost_samples=samples, n_boot=50)
+    priced = build_sweep(
+        {2: steps_frame(2, {"r0": [1] * 10, "r1": [2] * 10})},
+        fitted_costs(samples),
+        {2: "exact"},
+        cost_samples=samples,
+        n_boot=50,
+    )
     block = json.loads(json.dumps(priced.sweep.costs))
     assert block["spread"]["flat_draft"] is True and block["spread"]["repeats"]["decode"] >= 6
     path = tmp_path / "costs.json"
@@ -286,8 +351,9 @@ def test_costs_and_spread_round_trip_through_run_json_and_a_profile(tmp_path):
 
 def test_time_steps_extends_given_samples_for_a_retiming():
     machine = FakeMachine(lambda kind, k, call: 1.0)
-    timed = time_steps({DECODE: lambda: machine.run("decode", 0)}, budget_s=0.0, clock=machine.clock,
-                       start={DECODE: [1.0, 1.0]})
+    timed = time_steps(
+        {DECODE: lambda: machine.run("decode", 0)}, budget_s=0.0, clock=machine.clock, start={DECODE: [1.0, 1.0]}
+    )
     assert len(timed[DECODE]) == 2 + 6
 
 
@@ -300,8 +366,13 @@ def _contender(name: str, steps: dict[int, pd.DataFrame], samples: CostSamples):
     from dflash_doctor.stats.metrics import summarize
 
     summary = summarize(steps[max(steps)])
-    summary.sweep = build_sweep(steps, fitted_costs(samples), {k: "exact" for k in steps}, cost_samples=samples, n_boot=200).sweep
-    models = {"target": ModelInfo("t", "0", "float32", "cpu", "target"), "draft": ModelInfo(name, "0", "float32", "cpu", name)}
+    summary.sweep = build_sweep(
+        steps, fitted_costs(samples), {k: "exact" for k in steps}, cost_samples=samples, n_boot=200
+    ).sweep
+    models = {
+        "target": ModelInfo("t", "0", "float32", "cpu", "target"),
+        "draft": ModelInfo(name, "0", "float32", "cpu", name),
+    }
     return Contender(name, RunRecord(meta=RunMeta(command="check"), models=models, summary=summary), steps, samples)
 
 
@@ -322,8 +393,13 @@ def test_a_head_to_head_names_no_winner_on_one_conversation_and_pairs_the_timing
 
     many = {f"r{i}": [4] * 12 for i in range(8)}
     few = {f"r{i}": [0] * 12 for i in range(8)}
-    result = build_head_to_head([_contender("good", {4: steps_frame(4, many)}, table(timing)),
-                                 _contender("poor", {4: steps_frame(4, few)}, table(timing))], n_boot=200)
+    result = build_head_to_head(
+        [
+            _contender("good", {4: steps_frame(4, many)}, table(timing)),
+            _contender("poor", {4: steps_frame(4, few)}, table(timing)),
+        ],
+        n_boot=200,
+    )
     verdict = result.scopes[OVERALL].verdict
     assert verdict.decisive and verdict.text.startswith("overall: deploy good at K=4")
     assert len(result.costs["t_decode_s_ci"]) == 2 and set(result.costs["t_draft_s_ci"]) == {"good", "poor"}
@@ -338,7 +414,12 @@ def test_a_head_to_head_shares_the_timing_of_the_speculator_that_verified_the_la
     block = {key: list(physical(*key) * rng.lognormal(0.0, 0.05, 8)) for key in [DECODE, ("verify", 7), ("draft", 7)]}
     lookup = {key: list(physical(*key) * rng.lognormal(0.0, 0.05, 8)) for key in [DECODE, ("verify", 8), ("draft", 8)]}
     conversations = {f"r{i}": [3] * 10 for i in range(6)}
-    result = build_head_to_head([_contender("block", {7: steps_frame(7, conversations)}, table(block)),
-                                 _contender("lookup", {8: steps_frame(8, conversations)}, table(lookup))], n_boot=100)
+    result = build_head_to_head(
+        [
+            _contender("block", {7: steps_frame(7, conversations)}, table(block)),
+            _contender("lookup", {8: steps_frame(8, conversations)}, table(lookup)),
+        ],
+        n_boot=100,
+    )
     assert result.costs["t_verify_s"].keys() == {"8"} and result.costs["t_verify_s_ci"].keys() == {"8"}
     assert all(np.isfinite(row.speedup) for row in result.scopes[OVERALL].rows)

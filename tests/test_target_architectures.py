@@ -49,8 +49,10 @@ def _steps(steps):
 
 
 def _hf_greedy(model, prompt: list[int]) -> list[int]:
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    out = model.generate(
+        torch.tensor([prompt]), max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    return out[0, len(prompt) :].tolist()
 
 
 def _perturbed(model, scale: float):
@@ -104,14 +106,20 @@ def test_replay_equals_generate_and_sweep_equals_replay(family):
     partial = 0  # steps that kept some drafted tokens and rolled back others: a multi-token re-run on a hybrid
     for prompt, truth in zip(PROMPTS, truths):
         assert plain_generate(TargetModel(model), torch.tensor(prompt), max_new_tokens=MAX_NEW).output_ids == truth
-        live = speculative_generate(TargetModel(model), AutoregressiveProposer(draft), torch.tensor(prompt), k=K,
-                                    max_new_tokens=MAX_NEW)
+        live = speculative_generate(
+            TargetModel(model), AutoregressiveProposer(draft), torch.tensor(prompt), k=K, max_new_tokens=MAX_NEW
+        )
         assert live.output_ids == truth
         partial += sum(0 < s.num_accepted < s.num_drafted for s in live.steps)
         table, _ = slot_table(TargetModel(model), AutoregressiveProposer(draft), TeacherSequence(prompt, truth), K)
         assert _steps(walk_schedule(table.matches, truth, K, MAX_NEW, frozenset())) == _steps(live.steps)
-        itself = speculative_generate(TargetModel(model), AutoregressiveProposer(copy.deepcopy(model)), torch.tensor(prompt),
-                                      k=K, max_new_tokens=MAX_NEW)
+        itself = speculative_generate(
+            TargetModel(model),
+            AutoregressiveProposer(copy.deepcopy(model)),
+            torch.tensor(prompt),
+            k=K,
+            max_new_tokens=MAX_NEW,
+        )
         assert itself.output_ids == truth
         assert all(s.num_accepted == s.num_drafted for s in itself.steps)
     assert partial, "the draft never accepted part of a block: the rollback of kept tokens went untested"
@@ -125,7 +133,9 @@ def test_dflash_draft_replays_live_equal_to_teacher_forced(family):
     target = TargetModel(model, draft.hidden_state_indices)
     for prompt in PROMPTS:
         truth = plain_generate(target, torch.tensor(prompt), max_new_tokens=MAX_NEW).output_ids
-        live = speculative_generate(target, DFlashProposer(draft, target), torch.tensor(prompt), k=K, max_new_tokens=MAX_NEW)
+        live = speculative_generate(
+            target, DFlashProposer(draft, target), torch.tensor(prompt), k=K, max_new_tokens=MAX_NEW
+        )
         assert live.output_ids == truth
         table, _ = slot_table(target, DFlashProposer(draft, target), TeacherSequence(prompt, truth), K)
         assert _steps(walk_schedule(table.matches, truth, K, MAX_NEW, frozenset())) == _steps(live.steps)
@@ -141,8 +151,12 @@ def test_taps_read_the_stream_after_each_decoder_layer(family):
     model = tiny_family_target(family)
     layers = model.model.layers
     outputs: dict[int, torch.Tensor] = {}
-    hooks = [layer.register_forward_hook(lambda _m, _a, out, i=i: outputs.__setitem__(i, out[0] if isinstance(out, tuple) else out))
-             for i, layer in enumerate(layers)]
+    hooks = [
+        layer.register_forward_hook(
+            lambda _m, _a, out, i=i: outputs.__setitem__(i, out[0] if isinstance(out, tuple) else out)
+        )
+        for i, layer in enumerate(layers)
+    ]
     ids = list(range(len(layers) - 1))
     features = TargetModel(model).forward(torch.tensor(PROMPTS[0]), taps=tuple(i + 1 for i in ids)).features
     for hook in hooks:
@@ -154,7 +168,10 @@ def test_taps_read_the_stream_after_each_decoder_layer(family):
 def test_attention_kernel_per_architecture_and_recorded(tmp_path):
     """gpt-oss's sinks have no SDPA path: eager, chosen at load; the others keep SDPA."""
     assert {family: attention_implementation(CONFIGS[family]()) for family in ("gpt_oss", "qwen3_5", "llama")} == {
-        "gpt_oss": "eager", "qwen3_5": "sdpa", "llama": "sdpa"}
+        "gpt_oss": "eager",
+        "qwen3_5": "sdpa",
+        "llama": "sdpa",
+    }
     tiny_family_target("gpt_oss").save_pretrained(tmp_path)
     assert load_causal_lm(tmp_path).config._attn_implementation == "eager"
 
@@ -170,7 +187,10 @@ def test_unrollbackable_cache_is_refused_before_any_work(tmp_path):
     (tmp_path / "falcon" / "config.json").write_text(json.dumps({"model_type": "falcon_h1"}))
     (tmp_path / "unknown").mkdir()
     (tmp_path / "unknown" / "config.json").write_text(json.dumps({"model_type": "mamba9000"}))
-    for folder, fragments in (("falcon", ("falcon_h1", "LinearAttentionAndFullAttentionLayer")), ("unknown", ("mamba9000",))):
+    for folder, fragments in (
+        ("falcon", ("falcon_h1", "LinearAttentionAndFullAttentionLayer")),
+        ("unknown", ("mamba9000",)),
+    ):
         with pytest.raises(UsageError) as refused:
             load_causal_lm(tmp_path / folder)
         assert all(fragment in str(refused.value) for fragment in fragments)
@@ -181,11 +201,18 @@ def test_draft_config_validates_layer_ids_against_a_nested_hybrid_target():
     the kinds of the tapped layers are reported."""
     text = CONFIGS["qwen3_5"]().to_dict()
     target = {"model_type": "qwen3_5", "text_config": text}
-    draft = {"architectures": ["DFlashDraftModel"], "hidden_size": text["hidden_size"], "num_target_layers": 4, "block_size": 4,
-             "dflash_config": {"mask_token_id": 3, "target_layer_ids": [0, 3]}}
+    draft = {
+        "architectures": ["DFlashDraftModel"],
+        "hidden_size": text["hidden_size"],
+        "num_target_layers": 4,
+        "block_size": 4,
+        "dflash_config": {"mask_token_id": 3, "target_layer_ids": [0, 3]},
+    }
     ctx = CheckContext(draft_config=draft, target_config=target, config=build_config(k="3"))
     result = run_checks(ctx, only=["draft-config"])[0]
-    assert "target_layer_ids tap layers 0 (linear_attention), 3 (full_attention) of a hybrid target" in [f.message for f in result.findings]
+    assert "target_layer_ids tap layers 0 (linear_attention), 3 (full_attention) of a hybrid target" in [
+        f.message for f in result.findings
+    ]
     draft["dflash_config"]["target_layer_ids"] = [0, 4]
     result = run_checks(ctx, only=["draft-config"])[0]
     assert result.status == "fail"
@@ -199,13 +226,29 @@ def test_check_end_to_end_on_a_hybrid_target(tmp_path):
     save_dflash_draft(tiny_dflash(target, block_size=K + 1, layer_ids=(0, 2)), tmp_path / "dflash")
     write_workload(tmp_path / "workload.jsonl", per_class=1)
     out = tmp_path / "check"
-    args = ["check", "--target", tmp_path / "target", "--draft", tmp_path / "dflash", "--workload", tmp_path / "workload.jsonl",
-            "--max-new-tokens", "8", "--k", str(K), "--out", out]
+    args = [
+        "check",
+        "--target",
+        tmp_path / "target",
+        "--draft",
+        tmp_path / "dflash",
+        "--workload",
+        tmp_path / "workload.jsonl",
+        "--max-new-tokens",
+        "8",
+        "--k",
+        str(K),
+        "--out",
+        out,
+    ]
     result = CliRunner().invoke(app, [str(a) for a in args])
     assert result.exit_code in (0, 1), result.output  # 1 = a check failed on random weights; never a crash or a refusal
     run = json.loads((out / "run.json").read_text())
     facts = run["models"]["target"]  # a model's facts are stored flat
-    assert (facts["attn_implementation"], facts["cache_rollback"]) == ("sdpa", "restore recurrent states, re-run kept tokens")
+    assert (facts["attn_implementation"], facts["cache_rollback"]) == (
+        "sdpa",
+        "restore recurrent states, re-run kept tokens",
+    )
     lossless = next(c for c in run["checks"] if c["id"] == "lossless")
     assert lossless["status"] == "pass", lossless
 
@@ -216,6 +259,18 @@ def test_replay_refuses_an_unrollbackable_target_in_one_sentence(tmp_path):
     tiny_family_target("qwen3").save_pretrained(tmp_path / "draft")
     tiny_tokenizer().save_pretrained(tmp_path / "draft")
     write_workload(tmp_path / "workload.jsonl", per_class=1)
-    result = CliRunner().invoke(app, ["replay", "--target", str(tmp_path / "falcon"), "--draft", str(tmp_path / "draft"),
-                                      "--workload", str(tmp_path / "workload.jsonl"), "--out", str(tmp_path / "run")])
+    result = CliRunner().invoke(
+        app,
+        [
+            "replay",
+            "--target",
+            str(tmp_path / "falcon"),
+            "--draft",
+            str(tmp_path / "draft"),
+            "--workload",
+            str(tmp_path / "workload.jsonl"),
+            "--out",
+            str(tmp_path / "run"),
+        ],
+    )
     assert_usage_error(result, "falcon_h1", "cannot roll back")

@@ -1,6 +1,5 @@
 """Teacher-forced replay reproduces the live loop exactly at T = 0, for every K, from one pass."""
 
-
 import numpy as np
 import pytest
 import torch
@@ -31,8 +30,12 @@ def test_autoregressive_every_k_from_one_pass_equals_live(max_new):
         table, _ = slot_table(target, AutoregressiveProposer(draft_model), TeacherSequence(prompt, truth), 12)
         for k in (1, 2, 3, 5, 8, 12):
             live = speculative_generate(
-                TargetModel(target_model), AutoregressiveProposer(draft_model), torch.tensor(prompt), k=k,
-                max_new_tokens=max_new, stop_ids=stop,
+                TargetModel(target_model),
+                AutoregressiveProposer(draft_model),
+                torch.tensor(prompt),
+                k=k,
+                max_new_tokens=max_new,
+                stop_ids=stop,
             )
             assert live.output_ids == truth
             walked = walk_schedule(table.matches[:, :k], truth, k, max_new, stop)
@@ -52,7 +55,9 @@ def test_dflash_full_block_equals_live():
         truth = plain_generate(target, torch.tensor(prompt), max_new_tokens=30).output_ids
         for k in (5, 3):  # the live loop drafts blocks of K + 1; one teacher pass per block length
             table, _ = slot_table(target, DFlashProposer(draft, target), TeacherSequence(prompt, truth), k)
-            live = speculative_generate(target, DFlashProposer(draft, target), torch.tensor(prompt), k=k, max_new_tokens=30)
+            live = speculative_generate(
+                target, DFlashProposer(draft, target), torch.tensor(prompt), k=k, max_new_tokens=30
+            )
             assert live.output_ids == truth
             assert _strip(walk_schedule(table.matches, truth, k, 30, frozenset())) == _strip(live.steps)
 
@@ -65,5 +70,7 @@ def test_walk_schedule_on_a_hand_made_table():
     matches[7] = [True, True, True]  # anchor 7: k capped to max_new - 8 - 1 = 1
     steps = walk_schedule(matches, list(range(100, 110)), 3, 10, frozenset())
     assert [(s.position, s.num_drafted, s.num_accepted, s.bonus_token) for s in steps] == [
-        (1, 3, 2, 103), (4, 3, 3, 107), (8, 1, 1, 109),
+        (1, 3, 2, 103),
+        (4, 3, 3, 107),
+        (8, 1, 1, 109),
     ]

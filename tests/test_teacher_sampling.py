@@ -66,8 +66,14 @@ def _live_runs(target_model, draft_model, make_proposer):
         target = TargetModel(target_model, getattr(draft_model, "hidden_state_indices", ()))
         proposer = make_proposer(target, generator)
         result = speculative_generate(
-            target, proposer, torch.tensor(PROMPT), k=K, max_new_tokens=MAX_NEW_TOKENS, temperature=TEMPERATURE,
-            generator=generator, record_tokens=False,
+            target,
+            proposer,
+            torch.tensor(PROMPT),
+            k=K,
+            max_new_tokens=MAX_NEW_TOKENS,
+            temperature=TEMPERATURE,
+            generator=generator,
+            record_tokens=False,
         )
         assert len(result.output_ids) == MAX_NEW_TOKENS  # no stop ids: every anchor exists
         runs.append((target, proposer, result))
@@ -79,7 +85,11 @@ def _full_k_steps(result) -> list[dict]:
 
 
 def _live_tau_ci(runs) -> tuple[float, list[float]]:
-    rows = [{"request_id": str(seed), "class": "c", **vars(s)} for seed, (_, _, r) in enumerate(runs) for s in _full_k_steps(r)]
+    rows = [
+        {"request_id": str(seed), "class": "c", **vars(s)}
+        for seed, (_, _, r) in enumerate(runs)
+        for s in _full_k_steps(r)
+    ]
     return tau_with_ci(pd.DataFrame(rows))
 
 
@@ -89,8 +99,14 @@ def _teacher_tau(runs, proposer_for=lambda proposer: proposer) -> float:
     acceptance probabilities."""
     accept_probs = []
     for target, proposer, result in runs:
-        table, _ = slot_table(target, proposer_for(proposer), TeacherSequence(PROMPT, result.output_ids), K,
-                              temperature=TEMPERATURE, record_divergence=False)
+        table, _ = slot_table(
+            target,
+            proposer_for(proposer),
+            TeacherSequence(PROMPT, result.output_ids),
+            K,
+            temperature=TEMPERATURE,
+            record_divergence=False,
+        )
         accept_probs.append(table.accept_probs[[s.position - 1 for s in _full_k_steps(result)]])
     reach = np.cumprod(np.concatenate(accept_probs), axis=1)
     return float(1.0 + reach[:, :K].sum(axis=1).mean())
@@ -104,7 +120,9 @@ def target_model():
 def test_sampled_autoregressive_draft(target_model):
     draft = _perturbed_copy(target_model, scale=0.15)
     runs = _live_runs(
-        target_model, draft, lambda _target, generator: AutoregressiveProposer(draft, temperature=TEMPERATURE, generator=generator)
+        target_model,
+        draft,
+        lambda _target, generator: AutoregressiveProposer(draft, temperature=TEMPERATURE, generator=generator),
     )
     live_tau, (low, high) = _live_tau_ci(runs)
     assert 1.2 < live_tau < 1 + 0.9 * K  # neither almost nothing nor almost everything accepted: the test has teeth
@@ -136,6 +154,8 @@ def test_greedy_draft_walk_on_the_sampled_output_is_the_live_run(dflash_runs):
         table, _ = slot_table(target, proposer, TeacherSequence(PROMPT, result.output_ids), K, record_divergence=False)
         walked = walk_schedule(table.matches, result.output_ids, K, MAX_NEW_TOKENS, frozenset())
         keys = ("position", "num_drafted", "num_accepted", "bonus_token")
-        assert [tuple(getattr(s, c) for c in keys) for s in walked] == [tuple(getattr(s, c) for c in keys) for s in result.steps]
+        assert [tuple(getattr(s, c) for c in keys) for s in walked] == [
+            tuple(getattr(s, c) for c in keys) for s in result.steps
+        ]
         rejected += sum(s.num_accepted < s.num_drafted for s in result.steps)
     assert rejected > 0

@@ -18,10 +18,25 @@ from tiny_models import TEACHER_PROMPTS, draft_that_agrees_often, tiny_dflash, t
 
 MAX_NEW = 30
 K = 5
-FLOAT_COLUMNS = ("target_prob_of_draft", "draft_prob_of_target", "kl_target_draft", "total_variation", "target_entropy",
-                 "target_top1_margin")
-EXACT_COLUMNS = ("step", "position", "offset", "draft_token", "target_token", "accepted", "target_rank_in_draft",
-                 "draft_topk_ids", "target_topk_ids")
+FLOAT_COLUMNS = (
+    "target_prob_of_draft",
+    "draft_prob_of_target",
+    "kl_target_draft",
+    "total_variation",
+    "target_entropy",
+    "target_top1_margin",
+)
+EXACT_COLUMNS = (
+    "step",
+    "position",
+    "offset",
+    "draft_token",
+    "target_token",
+    "accepted",
+    "target_rank_in_draft",
+    "draft_topk_ids",
+    "target_topk_ids",
+)
 
 
 def _pair(kind):
@@ -54,8 +69,9 @@ def test_schedule_anchors_get_every_anchors_rows_and_the_live_loops(kind, monkey
         # the matched runs are every slot's matches up to the first miss: the same steps at every K
         assert np.array_equal(chosen.matches, np.cumprod(every.matches, axis=1).astype(bool))
         for k in range(1, K + 1):
-            assert walk_schedule(chosen.matches[:, :k], truth, k, MAX_NEW, frozenset()) == \
-                walk_schedule(every.matches[:, :k], truth, k, MAX_NEW, frozenset())
+            assert walk_schedule(chosen.matches[:, :k], truth, k, MAX_NEW, frozenset()) == walk_schedule(
+                every.matches[:, :k], truth, k, MAX_NEW, frozenset()
+            )
         steps = walk_schedule(chosen.matches, truth, K, MAX_NEW, frozenset())
         anchors = {s.position - 1 for s in steps}
         assert set(chosen.divergence_start) == anchors
@@ -87,4 +103,6 @@ def test_full_anchors_refuse_sampling():
     target_model, make = _pair("autoregressive")
     target = TargetModel(target_model)
     with pytest.raises(ValueError, match="T = 0"):
-        slot_table(target, make(target), TeacherSequence([5, 6], [7, 8, 9]), K, temperature=1.0, full_anchors=lambda m: ())
+        slot_table(
+            target, make(target), TeacherSequence([5, 6], [7, 8, 9]), K, temperature=1.0, full_anchors=lambda m: ()
+        )

@@ -18,9 +18,16 @@ MODEL = SeriesKey("qwen3-8b")
 BASE_RATES = (0.6, 0.5, 0.4, 0.3)  # a check run's per-position rates, K = 4, tau 2.8
 
 
-def judged(per_pos: tuple[float, ...], drafts: float = 1000.0, baseline_rates: tuple[float, ...] | None = BASE_RATES) -> WindowVerdict:
-    counts = SpecCounts(num_drafts=drafts, num_draft_tokens=4 * drafts, num_accepted_tokens=sum(per_pos),
-                        num_accepted_tokens_per_pos=per_pos, num_generated_tokens=drafts + sum(per_pos))
+def judged(
+    per_pos: tuple[float, ...], drafts: float = 1000.0, baseline_rates: tuple[float, ...] | None = BASE_RATES
+) -> WindowVerdict:
+    counts = SpecCounts(
+        num_drafts=drafts,
+        num_draft_tokens=4 * drafts,
+        num_accepted_tokens=sum(per_pos),
+        num_accepted_tokens_per_pos=per_pos,
+        num_generated_tokens=drafts + sum(per_pos),
+    )
     entry = BaselineEntry(tau=1.0 + sum(BASE_RATES), tau_ci=(2.7, 2.9), rates=baseline_rates)
     judge = Judge(Baseline({"overall": entry}, "check run"), Thresholds(min_drafts=50), server_kind="vllm")
     return apply_alarms(judge.judge(Window(MODEL, 0.0, 300.0, counts, [counts])), judge)
@@ -45,7 +52,9 @@ def test_too_few_drafts_near_tau_one_is_not_a_collapse():
 
 
 def test_a_real_drop_is_not_a_collapse():
-    counts = read_exposition(parse_exposition((DATA / "vllm_metrics_broken.txt").read_text()), server_kind="vllm", default_model="x").counts[SeriesKey("smollm2-dflash")]
+    counts = read_exposition(
+        parse_exposition((DATA / "vllm_metrics_broken.txt").read_text()), server_kind="vllm", default_model="x"
+    ).counts[SeriesKey("smollm2-dflash")]
     judge = Judge(Baseline.fixed({"overall": 1.56}), Thresholds(min_drafts=50), server_kind="vllm")
     verdict = apply_alarms(judge.judge(Window(SeriesKey("smollm2-dflash"), 0.0, 300.0, counts, [counts])), judge)
     assert kinds(verdict) == ["acceptance-drop"]

@@ -26,7 +26,10 @@ RATES = (0.7, 0.4, 0.3, 0.1)  # tau 2.5 in every window
 
 
 def test_forgetting_old_units_leaves_the_windows_unchanged():
-    keeping, forgetting = Watcher([SyntheticCounters(RATES)], window_s=30.0), Watcher([SyntheticCounters(RATES)], window_s=30.0)
+    keeping, forgetting = (
+        Watcher([SyntheticCounters(RATES)], window_s=30.0),
+        Watcher([SyntheticCounters(RATES)], window_s=30.0),
+    )
     for i in range(200):
         now = 1000.0 + 10.0 * i
         keeping.poll(now)
@@ -54,7 +57,12 @@ def test_a_day_of_30_second_polls_keeps_memory_and_disk_flat(tmp_path):
     after 24 h are within 1.25x of what they were after 3 h (past the first retention periods and the
     filling of the summary's bounded sample); a watch that rewrote or kept everything grows 4x and more."""
     run_dir = tmp_path / "watch"
-    session = WatchSession([SyntheticCounters(RATES)], WatchSettings(window_s=300.0, interval_s=30.0, retain_s=3600.0), run_dir=run_dir, config={})
+    session = WatchSession(
+        [SyntheticCounters(RATES)],
+        WatchSettings(window_s=300.0, interval_s=30.0, retain_s=3600.0),
+        run_dir=run_dir,
+        config={},
+    )
     clock = 1_800_000_000.0
     session.start(clock)
     marks: dict[int, tuple[int, int]] = {}
@@ -81,11 +89,15 @@ def test_a_day_of_30_second_polls_keeps_memory_and_disk_flat(tmp_path):
 
 
 def test_a_watch_still_going_is_read_from_its_journal(tmp_path):
-    session = WatchSession([SyntheticCounters(RATES)], WatchSettings(window_s=60.0, interval_s=30.0), run_dir=tmp_path / "run", config={})
+    session = WatchSession(
+        [SyntheticCounters(RATES)], WatchSettings(window_s=60.0, interval_s=30.0), run_dir=tmp_path / "run", config={}
+    )
     session.start(1000.0)
     for i in range(1, 6):
         session.step(1000.0 + 30.0 * i)
-    assert (tmp_path / "run" / "journal" / "windows.arrows").is_file() and not (tmp_path / "run" / "windows.parquet").exists()
+    assert (tmp_path / "run" / "journal" / "windows.arrows").is_file() and not (
+        tmp_path / "run" / "windows.parquet"
+    ).exists()
     assert len(read_windows(tmp_path / "run")) == 5 and len(read_units(tmp_path / "run")) == 5
     assert load_run(tmp_path / "run").complete is False  # every view can open it meanwhile
     session.close()
@@ -94,7 +106,12 @@ def test_a_watch_still_going_is_read_from_its_journal(tmp_path):
 
 def _watch_hours(run_dir, hours: float, clock: float) -> float:
     """A watch with a one-hour retention polling every 30 s for ``hours`` on a simulated clock, then closed."""
-    session = WatchSession([SyntheticCounters(RATES)], WatchSettings(window_s=300.0, interval_s=30.0, retain_s=3600.0), run_dir=run_dir, config={})
+    session = WatchSession(
+        [SyntheticCounters(RATES)],
+        WatchSettings(window_s=300.0, interval_s=30.0, retain_s=3600.0),
+        run_dir=run_dir,
+        config={},
+    )
     session.start(clock)
     for _ in range(int(hours * 120)):
         clock += 30.0
@@ -127,7 +144,12 @@ def test_units_already_in_the_expired_totals_are_not_counted_twice(tmp_path):
     units = pq.read_table(run_dir / "units.parquet")
     stale = units.slice(0, 10).set_column(0, "end_s", pa.array([through_s - 30.0 * i for i in range(10)]))
     pq.write_table(pa.concat_tables([stale, units]), run_dir / "units.parquet")
-    session = WatchSession([SyntheticCounters(RATES)], WatchSettings(window_s=300.0, interval_s=30.0, retain_s=3600.0), run_dir=run_dir, config={})
+    session = WatchSession(
+        [SyntheticCounters(RATES)],
+        WatchSettings(window_s=300.0, interval_s=30.0, retain_s=3600.0),
+        run_dir=run_dir,
+        config={},
+    )
     session.start(through_s + 3600.0)
     session.close(through_s + 3600.0)
     overall = load_run(run_dir).record.summary.overall
@@ -139,9 +161,15 @@ def test_a_cut_that_drops_nothing_leaves_the_expired_totals_alone(tmp_path, monk
     poll as ever (not once more for the cut), and says nothing has expired yet."""
     writes = []
     real_write = watch_record.write_run_json
-    monkeypatch.setattr(watch_record, "write_run_json", lambda run_dir, data: (writes.append(1), real_write(run_dir, data)))
-    session = WatchSession([SyntheticCounters(RATES)], WatchSettings(window_s=300.0, interval_s=30.0, retain_s=7200.0),
-                           run_dir=tmp_path / "run", config={})
+    monkeypatch.setattr(
+        watch_record, "write_run_json", lambda run_dir, data: (writes.append(1), real_write(run_dir, data))
+    )
+    session = WatchSession(
+        [SyntheticCounters(RATES)],
+        WatchSettings(window_s=300.0, interval_s=30.0, retain_s=7200.0),
+        run_dir=tmp_path / "run",
+        config={},
+    )
     session.start(1_800_000_000.0)
     writes.clear()
     for poll in range(1, 131):  # the first cut comes an hour after the first poll

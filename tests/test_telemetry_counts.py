@@ -80,7 +80,11 @@ def test_interval_from_histogram_covers_the_truth():
 
 def test_interval_without_per_position_counts_is_wider():
     counts = counts_from_lengths([0, 1, 3, 4, 2] * 40, k=4)
-    bounded = SpecCounts(num_drafts=counts.num_drafts, num_draft_tokens=counts.num_draft_tokens, num_accepted_tokens=counts.num_accepted_tokens)
+    bounded = SpecCounts(
+        num_drafts=counts.num_drafts,
+        num_draft_tokens=counts.num_draft_tokens,
+        num_accepted_tokens=counts.num_accepted_tokens,
+    )
     exact = tau_interval(counts)
     worst_case = tau_interval(bounded)
     assert worst_case[1] - worst_case[0] > exact[1] - exact[0]
@@ -90,7 +94,9 @@ def test_interval_without_per_position_counts_is_wider():
 def test_bootstrap_over_scrape_intervals_sees_between_interval_spread():
     # Each scrape interval is dominated by one kind of request: tau 1.2 or 3.0. The count-based interval
     # (independent drafts) is narrow; the bootstrap over intervals is not - and the window keeps the wider.
-    units = [counts_from_lengths([0] * 40 + [1] * 10, 4) if i % 2 else counts_from_lengths([2] * 50, 4) for i in range(8)]
+    units = [
+        counts_from_lengths([0] * 40 + [1] * 10, 4) if i % 2 else counts_from_lengths([2] * 50, 4) for i in range(8)
+    ]
     pooled = total(units)
     narrow = tau_interval(pooled)
     spread = bootstrap_tau_interval(units)
@@ -107,7 +113,7 @@ def test_exposition_reads_by_name_and_label_and_counts_garbage():
         "this is not a sample\n"
         'vllm:spec_decode_num_drafts_total{model_name="b"} 1e3 1700000000000\n'
         "plain_metric 7\n"
-        "broken_value{a=\"b\"} abc\n"
+        'broken_value{a="b"} abc\n'
     )
     expo = parse_exposition(text)
     drafts = expo.named("vllm:spec_decode_num_drafts_total")

@@ -22,8 +22,10 @@ from dflash_doctor.telemetry.watcher import Window
 from telemetry_fixtures import DATA, free_port
 
 # the exporter extra (pip install -e ".[exporter]"); without it this module is skipped with the reason
-generate_latest = pytest.importorskip("prometheus_client", reason="prometheus-client is the exporter extra: "
-                                      "pip install -e \".[exporter]\" (scripts/setup-dev.sh installs it)").generate_latest
+generate_latest = pytest.importorskip(
+    "prometheus_client",
+    reason='prometheus-client is the exporter extra: pip install -e ".[exporter]" (scripts/setup-dev.sh installs it)',
+).generate_latest
 
 MODEL = SeriesKey("smollm2-dflash")
 OTHER = SeriesKey("other-model", "code")
@@ -97,6 +99,8 @@ def test_exporter_serves_on_the_address_given():
     exporter = VerdictExporter(port, "127.0.0.1")
     exporter.publish([judged(MODEL, counts_of("good"))], {}, 5.0)
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    assert value(text, "dflash_doctor_mean_acceptance_length") == pytest.approx(counts_of("good").mean_acceptance_length)
+    assert value(text, "dflash_doctor_mean_acceptance_length") == pytest.approx(
+        counts_of("good").mean_acceptance_length
+    )
     with pytest.raises(UsageError, match="--exporter-address"):
         VerdictExporter(port, "127.0.0.1")  # taken by the first

@@ -48,7 +48,9 @@ def hook_command(tmp_path: Path) -> tuple[str, Path]:
 def episode_sequence() -> list[WindowVerdict]:
     """drop, drop, idle, drop (one episode: idle carries no verdict), ok, drop (a second episode)."""
     good = counts_of("good")
-    judge = Judge(Baseline.fixed({"overall": good.mean_acceptance_length}), Thresholds(min_drafts=1), server_kind="vllm")
+    judge = Judge(
+        Baseline.fixed({"overall": good.mean_acceptance_length}), Thresholds(min_drafts=1), server_kind="vllm"
+    )
     windows = ["broken", "broken", None, "broken", "good", "broken"]
     verdicts = []
     for i, name in enumerate(windows):
@@ -83,7 +85,12 @@ def test_dry_run_runs_nothing_and_says_what_it_would_run(tmp_path):
     hooks.close()
     assert not record.exists()
     assert len(events) == 2
-    assert all(e.message.startswith("dry run, would run for acceptance-drop on smollm2-dflash [all]: DFLASH_DOCTOR_ALERT=acceptance-drop") for e in events)
+    assert all(
+        e.message.startswith(
+            "dry run, would run for acceptance-drop on smollm2-dflash [all]: DFLASH_DOCTOR_ALERT=acceptance-drop"
+        )
+        for e in events
+    )
 
 
 def test_webhook_receives_one_post_per_episode(tmp_path):
@@ -106,11 +113,27 @@ def test_watch_once_runs_the_hook_and_checks_its_flags(tmp_path):
     runner = CliRunner()
     baseline = f"{counts_of('good').mean_acceptance_length:.4f}"
     with MetricsExporter(capture("broken")) as exporter:
-        result = runner.invoke(app, ["watch", exporter.url, "--once", "--baseline", baseline, "--min-drafts", "20",
-                                     "--on-alert", command, "--out", str(tmp_path / "run")])
+        result = runner.invoke(
+            app,
+            [
+                "watch",
+                exporter.url,
+                "--once",
+                "--baseline",
+                baseline,
+                "--min-drafts",
+                "20",
+                "--on-alert",
+                command,
+                "--out",
+                str(tmp_path / "run"),
+            ],
+        )
     assert result.exit_code == 1, result.output
     assert "alert-hook:" in result.output and "exited with status 0" in result.output
     (fired,) = [json.loads(line) for line in record.read_text().splitlines()]
     assert fired["DFLASH_DOCTOR_RUN_DIR"] == str(tmp_path / "run")
-    bad = runner.invoke(app, ["watch", str(DATA / "vllm_server_good.log"), "--once", "--on-alert-webhook", "ftp://alerts"])
+    bad = runner.invoke(
+        app, ["watch", str(DATA / "vllm_server_good.log"), "--once", "--on-alert-webhook", "ftp://alerts"]
+    )
     assert bad.exit_code == 2 and "--on-alert-webhook 'ftp://alerts' is not an http(s) URL" in bad.output

@@ -23,15 +23,20 @@ from dflash_doctor.telemetry.sources import LogFile
 from dflash_doctor.telemetry.watcher import Watcher
 from telemetry_fixtures import DATA
 
-VLLM_LINE = next(line for line in (DATA / "vllm_server_good.log").read_text().splitlines() if "SpecDecoding metrics:" in line)
+VLLM_LINE = next(
+    line for line in (DATA / "vllm_server_good.log").read_text().splitlines() if "SpecDecoding metrics:" in line
+)
 VLLM_STAMP = "11-30 15:51:53"
-SGLANG_LINE = ("[2026-11-30 15:51:53] Decode batch, #running-req: 4, #cached-token: 0, #token: 900, token usage: 0.01, "
-               "accept len: 2.10, accept rate: 0.40, cuda graph: True, gen throughput (token/s): 50.00, #queue-req: 0")
+SGLANG_LINE = (
+    "[2026-11-30 15:51:53] Decode batch, #running-req: 4, #cached-token: 0, #token: 900, token usage: 0.01, "
+    "accept len: 2.10, accept rate: 0.40, cuda graph: True, gen throughput (token/s): 50.00, #queue-req: 0"
+)
 
 
 @pytest.fixture
 def host_zone(monkeypatch):
     """Set this process's local zone for one test (restored afterwards)."""
+
     def switch(name: str) -> None:
         monkeypatch.setenv("TZ", name)
         time.tzset()
@@ -87,7 +92,10 @@ def test_log_timezone_flag_reads_a_log_from_another_zone(host_zone, tmp_path):
     os.utime(log, (utc(2026, 12, 1), utc(2026, 12, 1)))  # vLLM's stamp has no year: it is the file's
     runner = CliRunner()
     args = ["watch", str(log), "--once", "--window", "1m", "--min-drafts", "1"]
-    for flags, expected in ((["--log-timezone", "UTC"], utc(2026, 11, 30, 15, 51, 53)), ([], utc(2026, 11, 30, 10, 21, 53))):
+    for flags, expected in (
+        (["--log-timezone", "UTC"], utc(2026, 11, 30, 15, 51, 53)),
+        ([], utc(2026, 11, 30, 10, 21, 53)),
+    ):
         out = tmp_path / f"run{len(flags)}"
         result = runner.invoke(app, [*args, *flags, "--out", str(out)])
         assert result.exit_code == 0, result.output

@@ -58,9 +58,11 @@ def test_vllm_real_log_lines():
 
 
 def test_vllm_field_order_changed_between_versions():
-    old = ("(APIServer pid=2236552) INFO 09-09 11:51:35 [metrics.py:96] SpecDecoding metrics: Draft acceptance rate: 88.8%, "
-           "Mean acceptance length: 5.44, Accepted throughput: 4.37 tokens/s, Drafted throughput: 4.92 tokens/s, "
-           "Accepted: 262 tokens, Drafted: 295 tokens, Per-position acceptance rate: 0.983, 0.949, 0.915, 0.881, 0.712")
+    old = (
+        "(APIServer pid=2236552) INFO 09-09 11:51:35 [metrics.py:96] SpecDecoding metrics: Draft acceptance rate: 88.8%, "
+        "Mean acceptance length: 5.44, Accepted throughput: 4.37 tokens/s, Drafted throughput: 4.92 tokens/s, "
+        "Accepted: 262 tokens, Drafted: 295 tokens, Per-position acceptance rate: 0.983, 0.949, 0.915, 0.881, 0.712"
+    )
     (obs,), _ = parse([old])
     assert obs.counts.num_drafts == 59 and obs.counts.num_accepted_tokens == 262
     assert obs.counts.mean_acceptance_length == pytest.approx(5.44, abs=0.005)
@@ -68,9 +70,13 @@ def test_vllm_field_order_changed_between_versions():
 
 
 def test_vllm_json_log_record():
-    record = {"asctime": "2026-11-30 15:40:01,123", "levelname": "INFO", "name": "vllm.v1.spec_decode.metrics",
-              "message": "SpecDecoding metrics: Mean acceptance length: 2.00, Accepted throughput: 1.00 tokens/s, Drafted throughput: 3.00 tokens/s, "
-                         "Accepted: 30 tokens, Drafted: 90 tokens, Per-position acceptance rate: 0.600, 0.300, 0.100, Avg Draft acceptance rate: 33.3%"}
+    record = {
+        "asctime": "2026-11-30 15:40:01,123",
+        "levelname": "INFO",
+        "name": "vllm.v1.spec_decode.metrics",
+        "message": "SpecDecoding metrics: Mean acceptance length: 2.00, Accepted throughput: 1.00 tokens/s, Drafted throughput: 3.00 tokens/s, "
+        "Accepted: 30 tokens, Drafted: 90 tokens, Per-position acceptance rate: 0.600, 0.300, 0.100, Avg Draft acceptance rate: 33.3%",
+    }
     (obs,), _ = parse([json.dumps(record)], server_kind="vllm")
     assert obs.counts.num_drafts == 30 and obs.counts.mean_acceptance_length == pytest.approx(2.0)
     assert obs.time_s is not None
@@ -93,8 +99,10 @@ def test_garbage_and_truncated_lines_are_counted_not_fatal():
 
 def test_sglang_decode_batch_line():
     # Built from report_decode_stats' f-strings, with the "[iter]" option and a TP prefix.
-    line = ("[2026-11-30 15:00:00 TP0] Decode batch [1234], #running-req: 9, #cached-token: 0, #token: 11584, token usage: 0.01, "
-            "accept len: 3.04, accept rate: 0.68, cuda graph: True, gen throughput (token/s): 22.40, #queue-req: 1")
+    line = (
+        "[2026-11-30 15:00:00 TP0] Decode batch [1234], #running-req: 9, #cached-token: 0, #token: 11584, token usage: 0.01, "
+        "accept len: 3.04, accept rate: 0.68, cuda graph: True, gen throughput (token/s): 22.40, #queue-req: 1"
+    )
     assert detect_log_server_kind([line]) == "sglang"
     (obs,), problems = parse([line])
     assert obs.reported == {"mean_acceptance_length": 3.04, "draft_acceptance_rate": 0.68, "running_requests": 9.0}
@@ -106,8 +114,10 @@ def test_sglang_decode_batch_line():
 
 def test_llamacpp_slot_lines_all_spellings():
     current = "0.06.896.015 I slot print_timing: id  1 | task 0 | draft acceptance = 0.64479 (  167 accepted /   259 generated), mean len =  2.92"
-    pr_24536 = ("0.06.896.015 I slot print_timing: id  1 | task 0 | draft acceptance = 0.64479 (  167 accepted /   259 generated), "
-                "mean acceptance length =  2.92, acceptance rate per position = (0.805, 0.632, 0.483)")
+    pr_24536 = (
+        "0.06.896.015 I slot print_timing: id  1 | task 0 | draft acceptance = 0.64479 (  167 accepted /   259 generated), "
+        "mean acceptance length =  2.92, acceptance rate per position = (0.805, 0.632, 0.483)"
+    )
     older = "slot print_timing: id  0 | task 5 | draft acceptance rate = 0.71901 (  174 accepted /   242 generated)"
     (a,), _ = parse([current])
     (b,), _ = parse([pr_24536])
@@ -120,19 +130,45 @@ def test_llamacpp_slot_lines_all_spellings():
 
 def test_trtllm_iteration_stats_lines():
     stats = [
-        {"iter": 10, "iterLatencyMS": 21.5, "numActiveRequests": 4,
-         "specDecodingStats": {"numDraftTokens": 12, "numAcceptedTokens": 7, "numRequestsWithDraftTokens": 4, "acceptanceLength": 2.75, "iterLatencyMS": 21.5, "draftOverhead": 0.21}},
-        {"iter": 11, "iterLatencyMS": 20.9, "numActiveRequests": 4,
-         "specDecodingStats": {"numDraftTokens": 12, "numAcceptedTokens": 5, "numRequestsWithDraftTokens": 4, "acceptanceLength": 2.25, "iterLatencyMS": 20.9, "draftOverhead": 0.2}},
+        {
+            "iter": 10,
+            "iterLatencyMS": 21.5,
+            "numActiveRequests": 4,
+            "specDecodingStats": {
+                "numDraftTokens": 12,
+                "numAcceptedTokens": 7,
+                "numRequestsWithDraftTokens": 4,
+                "acceptanceLength": 2.75,
+                "iterLatencyMS": 21.5,
+                "draftOverhead": 0.21,
+            },
+        },
+        {
+            "iter": 11,
+            "iterLatencyMS": 20.9,
+            "numActiveRequests": 4,
+            "specDecodingStats": {
+                "numDraftTokens": 12,
+                "numAcceptedTokens": 5,
+                "numRequestsWithDraftTokens": 4,
+                "acceptanceLength": 2.25,
+                "iterLatencyMS": 20.9,
+                "draftOverhead": 0.2,
+            },
+        },
         {"iter": 12, "specDecodingStats": {"numDraftTokens": "n/a"}},
     ]
     observations, problems = parse([json.dumps(s) for s in stats])
-    assert [o.counts.mean_acceptance_length for o in observations] == pytest.approx([2.75, 2.25])  # TRT-LLM's own tau agrees
+    assert [o.counts.mean_acceptance_length for o in observations] == pytest.approx(
+        [2.75, 2.25]
+    )  # TRT-LLM's own tau agrees
     assert problems.count == 1
 
 
 def _spec_lines():
-    return [line for line in (DATA / "vllm_server_good.log").read_text().splitlines() if "SpecDecoding metrics:" in line]
+    return [
+        line for line in (DATA / "vllm_server_good.log").read_text().splitlines() if "SpecDecoding metrics:" in line
+    ]
 
 
 def test_a_followed_log_skips_a_line_over_the_cap_without_holding_it_in_memory(tmp_path, caplog):

@@ -36,7 +36,10 @@ def counts(name: str):
 def test_window_gives_the_tau_of_the_counter_increase(tmp_path):
     window_counts, reset = counts("good").since(counts("good_1"))
     assert not reset
-    with MetricsExporter(capture("good_1")) as exporter, PrometheusServer([f"127.0.0.1:{exporter.port}"], tmp_path) as prometheus:
+    with (
+        MetricsExporter(capture("good_1")) as exporter,
+        PrometheusServer([f"127.0.0.1:{exporter.port}"], tmp_path) as prometheus,
+    ):
         prometheus.wait_for_samples("count_over_time(vllm:spec_decode_num_drafts_total[1m])", 3)
         exporter.text = capture("good")  # more requests were served
         prometheus.wait_for_samples("count_over_time(vllm:spec_decode_num_drafts_total[1m])", 6)
@@ -44,19 +47,42 @@ def test_window_gives_the_tau_of_the_counter_increase(tmp_path):
         (observation,) = [o for o in source.poll() if o.counts.num_drafts]
         assert source.server_kind == "vllm"  # detected through the API
         # exactly the counts the exporter's counters grew by (no extrapolation)
-        assert observation.counts.mean_acceptance_length == pytest.approx(window_counts.mean_acceptance_length, rel=1e-6)
+        assert observation.counts.mean_acceptance_length == pytest.approx(
+            window_counts.mean_acceptance_length, rel=1e-6
+        )
         assert observation.counts.k == 15
-        assert observation.counts.acceptance_rate_per_pos == pytest.approx(window_counts.acceptance_rate_per_pos, rel=1e-6)
+        assert observation.counts.acceptance_rate_per_pos == pytest.approx(
+            window_counts.acceptance_rate_per_pos, rel=1e-6
+        )
 
-        result = CliRunner().invoke(app, ["watch", "--prometheus", prometheus.url, "--window", "60s", "--once", "--min-drafts", "1", "--out", str(tmp_path / "run")])
+        result = CliRunner().invoke(
+            app,
+            [
+                "watch",
+                "--prometheus",
+                prometheus.url,
+                "--window",
+                "60s",
+                "--once",
+                "--min-drafts",
+                "1",
+                "--out",
+                str(tmp_path / "run"),
+            ],
+        )
     assert result.exit_code == 0, result.output
     assert f"{window_counts.mean_acceptance_length:.2f}" in re.sub(r"\s+", " ", result.output)
-    assert read_windows(tmp_path / "run")["mean_acceptance_length"].iloc[0] == pytest.approx(window_counts.mean_acceptance_length, rel=1e-6)
+    assert read_windows(tmp_path / "run")["mean_acceptance_length"].iloc[0] == pytest.approx(
+        window_counts.mean_acceptance_length, rel=1e-6
+    )
 
 
 def test_counter_reset_is_handled_by_prometheus(tmp_path):
     # good -> broken (restart: counters go down) -> broken grows; rate() must never go negative.
-    with MetricsExporter(capture("good")) as exporter, PrometheusServer([f"127.0.0.1:{exporter.port}"], tmp_path) as prometheus:
+    with (
+        MetricsExporter(capture("good")) as exporter,
+        PrometheusServer([f"127.0.0.1:{exporter.port}"], tmp_path) as prometheus,
+    ):
         prometheus.wait_for_samples("count_over_time(vllm:spec_decode_num_drafts_total[1m])", 3)
         exporter.text = capture("broken")
         prometheus.wait_for_samples("count_over_time(vllm:spec_decode_num_drafts_total[1m])", 6)
@@ -70,8 +96,13 @@ def test_unreachable_prometheus_is_a_clear_exit_2(tmp_path):
     from telemetry_fixtures import free_port
 
     port = free_port()
-    result = CliRunner().invoke(app, ["watch", "--prometheus", f"http://127.0.0.1:{port}", "--once", "--out", str(tmp_path / "run")])
-    assert result.exit_code == 2 and f"no answer from http://127.0.0.1:{port}/api/v1/query (Connection refused)" in result.output
+    result = CliRunner().invoke(
+        app, ["watch", "--prometheus", f"http://127.0.0.1:{port}", "--once", "--out", str(tmp_path / "run")]
+    )
+    assert (
+        result.exit_code == 2
+        and f"no answer from http://127.0.0.1:{port}/api/v1/query (Connection refused)" in result.output
+    )
 
 
 def test_a_managed_prometheus_gets_its_headers_from_the_environment_and_no_file_holds_them(tmp_path, monkeypatch):
@@ -79,17 +110,32 @@ def test_a_managed_prometheus_gets_its_headers_from_the_environment_and_no_file_
     monkeypatch.setenv("PROM_TOKEN", token)
     required = {"Authorization": f"Bearer {token}", "X-Scope-OrgID": "tenant-1"}
     window_counts, _ = counts("good").since(counts("good_1"))
-    with MetricsExporter(capture("good_1")) as exporter, PrometheusServer([f"127.0.0.1:{exporter.port}"], tmp_path) as prometheus:
+    with (
+        MetricsExporter(capture("good_1")) as exporter,
+        PrometheusServer([f"127.0.0.1:{exporter.port}"], tmp_path) as prometheus,
+    ):
         prometheus.wait_for_samples("count_over_time(vllm:spec_decode_num_drafts_total[1m])", 3)
         exporter.text = capture("good")
         prometheus.wait_for_samples("count_over_time(vllm:spec_decode_num_drafts_total[1m])", 6)
         with AuthGateway(prometheus.url, required) as gateway:
             watch = ["watch", "--prometheus", gateway.url, "--window", "60s", "--once", "--min-drafts", "1"]
             refused = CliRunner().invoke(app, [*watch, "--out", str(tmp_path / "refused")])
-            result = CliRunner().invoke(app, [*watch, "--prometheus-header", "Authorization=Bearer $PROM_TOKEN",
-                                              "--prometheus-header", "X-Scope-OrgID=tenant-1", "--out", str(tmp_path / "run")])
+            result = CliRunner().invoke(
+                app,
+                [
+                    *watch,
+                    "--prometheus-header",
+                    "Authorization=Bearer $PROM_TOKEN",
+                    "--prometheus-header",
+                    "X-Scope-OrgID=tenant-1",
+                    "--out",
+                    str(tmp_path / "run"),
+                ],
+            )
     assert refused.exit_code == 2 and "HTTP 401" in refused.output and "--prometheus-header" in refused.output
     assert result.exit_code == 0, result.output
-    assert read_windows(tmp_path / "run")["mean_acceptance_length"].iloc[0] == pytest.approx(window_counts.mean_acceptance_length, rel=1e-6)
+    assert read_windows(tmp_path / "run")["mean_acceptance_length"].iloc[0] == pytest.approx(
+        window_counts.mean_acceptance_length, rel=1e-6
+    )
     holding = [p for p in (tmp_path / "run").rglob("*") if p.is_file() and token.encode() in p.read_bytes()]
     assert holding == [], f"the token was written to {holding}"

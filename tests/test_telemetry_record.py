@@ -24,6 +24,8 @@ from dflash_doctor.telemetry.watcher import Unit, Window
 from telemetry_fixtures import WATCH_K, unit_counts, write_watch
 
 MAIN = Path(__file__).resolve().parents[1] / "app" / "main.py"
+
+
 def test_watch_run_loads_everywhere(tmp_path):
     run_dir = write_watch(tmp_path / "watch", [0.6, 0.35, 0.2, 0.1], baseline_tau=3.0)
     run = load_run(run_dir)
@@ -73,7 +75,9 @@ def test_production_page_shows_series_and_alerts(monkeypatch, tmp_path):
     assert "16 alert(s)" in at.error[0].value
     shown = at.dataframe[0].value
     assert set(shown["class"]) == {"code", "chat"}
-    assert shown["mean_acceptance_length"].iloc[0] == pytest.approx(read_windows(run_dir).sort_values("end_s")["mean_acceptance_length"].iloc[-1])
+    assert shown["mean_acceptance_length"].iloc[0] == pytest.approx(
+        read_windows(run_dir).sort_values("end_s")["mean_acceptance_length"].iloc[-1]
+    )
     assert any("num_speculative_tokens" in code.value for code in at.code)
 
 
@@ -145,11 +149,21 @@ def test_production_page_on_a_check_run_says_what_it_needs(monkeypatch, tmp_path
 
 
 def test_canary_between_two_label_values_of_one_watch(tmp_path):
-    record = WatchRecord(tmp_path / "w", {}, {"sources": ["x"], "window_s": 60.0, "interval_s": 60.0, "baseline": None, "thresholds": {}})
+    record = WatchRecord(
+        tmp_path / "w", {}, {"sources": ["x"], "window_s": 60.0, "interval_s": 60.0, "baseline": None, "thresholds": {}}
+    )
     for i in range(8):
         stable = unit_counts(200, [0.6, 0.35, 0.2, 0.1])
         canary = unit_counts(200, [0.3, 0.1, 0.05, 0.0])
-        record.update([], [Unit(SeriesKey("m", "stable"), 60.0 * i, stable, {}, "x"), Unit(SeriesKey("m", "canary"), 60.0 * i, canary, {}, "x")], [], [])
+        record.update(
+            [],
+            [
+                Unit(SeriesKey("m", "stable"), 60.0 * i, stable, {}, "x"),
+                Unit(SeriesKey("m", "canary"), 60.0 * i, canary, {}, "x"),
+            ],
+            [],
+            [],
+        )
     comparison = compare_runs(f"{tmp_path / 'w'}#stable", f"{tmp_path / 'w'}#canary")
     assert comparison.has_regression and {r.cls for r in comparison.rows} == {"overall"}
     assert not compare_runs(f"{tmp_path / 'w'}#canary", f"{tmp_path / 'w'}#stable").has_regression  # an improvement

@@ -41,13 +41,30 @@ def test_vllm_real_responses_per_class():
 
 
 def test_sglang_and_llamacpp_payloads():
-    sglang = {"id": "x", "model": "qwen", "choices": [{"index": 0, "message": {"content": "hi"}}],
-              "sglext": {"spec_tokens_details": {"spec_verify_ct": 20, "spec_num_proposed_drafts": 60, "spec_num_correct_drafts": 25,
-                                                 "spec_accept_length": 2.3, "spec_accept_rate": 0.42, "spec_correct_drafts_histogram": [5, 7, 6, 2]}},
-              "usage": {"completion_tokens": 46}}
-    llamacpp = {"content": "hi", "timings": {"prompt_n": 4, "predicted_n": 665, "draft_n": 604, "draft_n_accepted": 515}}
+    sglang = {
+        "id": "x",
+        "model": "qwen",
+        "choices": [{"index": 0, "message": {"content": "hi"}}],
+        "sglext": {
+            "spec_tokens_details": {
+                "spec_verify_ct": 20,
+                "spec_num_proposed_drafts": 60,
+                "spec_num_correct_drafts": 25,
+                "spec_accept_length": 2.3,
+                "spec_accept_rate": 0.42,
+                "spec_correct_drafts_histogram": [5, 7, 6, 2],
+            }
+        },
+        "usage": {"completion_tokens": 46},
+    }
+    llamacpp = {
+        "content": "hi",
+        "timings": {"prompt_n": 4, "predicted_n": 665, "draft_n": 604, "draft_n_accepted": 515},
+    }
     plain = {"content": "no speculation", "timings": {"prompt_n": 4, "predicted_n": 10}}
-    observations, problems = parse([json.dumps({"class": "code", "response": sglang}), json.dumps(llamacpp), json.dumps(plain), "not json"])
+    observations, problems = parse(
+        [json.dumps({"class": "code", "response": sglang}), json.dumps(llamacpp), json.dumps(plain), "not json"]
+    )
     assert problems.count == 1
     sg, lc = observations
     assert sg.key.model == "qwen" and sg.key.cls == "code"

@@ -32,7 +32,9 @@ from telemetry_fixtures import DATA
 
 def read(name: str, **kwargs):
     expo = parse_exposition((DATA / name).read_text())
-    return read_exposition(expo, server_kind=kwargs.pop("engine", None), default_model=kwargs.pop("default_model", "src"), **kwargs)
+    return read_exposition(
+        expo, server_kind=kwargs.pop("engine", None), default_model=kwargs.pop("default_model", "src"), **kwargs
+    )
 
 
 def vllm_counts_by_hand(text: str, model: str) -> dict[str, float]:
@@ -67,7 +69,11 @@ def test_vllm_real_capture_tau_is_what_its_counters_imply():
 def test_several_models_on_one_endpoint_stay_apart():
     # Two real captures (the good and the broken draft) served under two model names on one endpoint.
     good = (DATA / "vllm_metrics_good.txt").read_text()
-    broken = (DATA / "vllm_metrics_broken.txt").read_text().replace('model_name="smollm2-dflash"', 'model_name="smollm2-broken"')
+    broken = (
+        (DATA / "vllm_metrics_broken.txt")
+        .read_text()
+        .replace('model_name="smollm2-dflash"', 'model_name="smollm2-broken"')
+    )
     samples_only = "\n".join(line for line in broken.splitlines() if not line.startswith("#"))
     reading = read_exposition(parse_exposition(good + "\n" + samples_only), server_kind=None, default_model="src")
     good_tau = read("vllm_metrics_good.txt").counts[SeriesKey("smollm2-dflash")].mean_acceptance_length
@@ -77,12 +83,16 @@ def test_several_models_on_one_endpoint_stay_apart():
 
 
 def test_missing_spec_metrics_say_why():
-    text = "\n".join(line for line in (DATA / "vllm_metrics_good.txt").read_text().splitlines() if "spec_decode" not in line)
+    text = "\n".join(
+        line for line in (DATA / "vllm_metrics_good.txt").read_text().splitlines() if "spec_decode" not in line
+    )
     reading = read_exposition(parse_exposition(text), server_kind=None, default_model="src")
     assert reading.server_kind == "vllm"
     assert any("no speculative-decoding counters" in note and "--speculative-config" in note for note in reading.notes)
     assert all(c.num_drafts is None for c in reading.counts.values())
-    nothing = read_exposition(parse_exposition("process_cpu_seconds_total 1.0\n"), server_kind=None, default_model="src")
+    nothing = read_exposition(
+        parse_exposition("process_cpu_seconds_total 1.0\n"), server_kind=None, default_model="src"
+    )
     assert nothing.server_kind == "unknown" and "serving engine" in nothing.notes[0]
 
 
@@ -128,4 +138,7 @@ def test_trtllm_drafts_are_position_zero_drafts():
 def test_field_order_does_not_matter():
     text = (DATA / "trtllm_prometheus.txt").read_text()
     shuffled = "\n".join(reversed(text.splitlines()))
-    assert read_exposition(parse_exposition(shuffled), server_kind=None, default_model="x").counts == read("trtllm_prometheus.txt").counts
+    assert (
+        read_exposition(parse_exposition(shuffled), server_kind=None, default_model="x").counts
+        == read("trtllm_prometheus.txt").counts
+    )

@@ -20,8 +20,14 @@ FIRST = (DATA / "sglang_metrics.txt").read_text()
 
 def later(calls_code: float, calls_chat: float, accept_length: float, accept_rate: float) -> str:
     """The capture with other counter and gauge values (same names, labels and layout)."""
-    text = FIRST.replace('cls="code",engine_type="unified",model_name="glm"} 1000.0', f'cls="code",engine_type="unified",model_name="glm"}} {calls_code}')
-    text = text.replace('cls="chat",engine_type="unified",model_name="glm"} 500.0', f'cls="chat",engine_type="unified",model_name="glm"}} {calls_chat}')
+    text = FIRST.replace(
+        'cls="code",engine_type="unified",model_name="glm"} 1000.0',
+        f'cls="code",engine_type="unified",model_name="glm"}} {calls_code}',
+    )
+    text = text.replace(
+        'cls="chat",engine_type="unified",model_name="glm"} 500.0',
+        f'cls="chat",engine_type="unified",model_name="glm"}} {calls_chat}',
+    )
     text = text.replace("} 3.04", f"}} {accept_length}").replace("} 0.68", f"}} {accept_rate}")
     assert text.count(f"}} {accept_length}") == 2 and f"}} {calls_code}" in text
     return text
@@ -29,7 +35,9 @@ def later(calls_code: float, calls_chat: float, accept_length: float, accept_rat
 
 def engine_values(texts: list[str], *, count_since_start: bool = False) -> dict[str, float]:
     with MetricsExporter(texts[0]) as exporter:
-        watcher = Watcher([MetricsEndpoint(exporter.url, server_kind="sglang")], window_s=1e9, count_since_start=count_since_start)
+        watcher = Watcher(
+            [MetricsEndpoint(exporter.url, server_kind="sglang")], window_s=1e9, count_since_start=count_since_start
+        )
         for i, text in enumerate(texts):
             exporter.text = text
             watcher.poll(now=100.0 + i)

@@ -27,14 +27,25 @@ from vllm_server import API_KEY, SERVED_NAME, start_vllm_server
 
 pytestmark = pytest.mark.vllm
 
-PROMPTS = ["What is 17 times 23? Explain step by step.", "Write a Python function that reverses a string.",
-           "Tell me a short story about a cat.", "If a train travels 60 km in 1.5 hours, what is its speed?"]
+PROMPTS = [
+    "What is 17 times 23? Explain step by step.",
+    "Write a Python function that reverses a string.",
+    "Tell me a short story about a cat.",
+    "If a train travels 60 km in 1.5 hours, what is its speed?",
+]
 
 
 def send_requests(url: str, api_key: str | None = None) -> None:
     headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
     for prompt in PROMPTS:
-        body = json.dumps({"model": SERVED_NAME, "messages": [{"role": "user", "content": prompt}], "max_tokens": 64, "temperature": 0}).encode()
+        body = json.dumps(
+            {
+                "model": SERVED_NAME,
+                "messages": [{"role": "user", "content": prompt}],
+                "max_tokens": 64,
+                "temperature": 0,
+            }
+        ).encode()
         request = urllib.request.Request(f"{url}/v1/chat/completions", body, headers)
         urllib.request.urlopen(request, timeout=600).read()
 
@@ -72,8 +83,18 @@ def test_watch_real_vllm_then_a_forced_drop(vllm_server, demo_target_dir, tmp_pa
     server = start_vllm_server(demo_target_dir, broken, tmp_path / "broken.log")
     try:
         send_requests(server.url)
-        code, output = watch(f"{server.url}/metrics", "--once", "--baseline", str(tmp_path / "good"), "--min-drafts", "20",
-                             "--cost-profile", str(costs), "--out", str(tmp_path / "broken"))
+        code, output = watch(
+            f"{server.url}/metrics",
+            "--once",
+            "--baseline",
+            str(tmp_path / "good"),
+            "--min-drafts",
+            "20",
+            "--cost-profile",
+            str(costs),
+            "--out",
+            str(tmp_path / "broken"),
+        )
     finally:
         server.stop()
     assert code == 1, output

@@ -59,7 +59,18 @@ def test_forced_drop_alerts_with_fallback_advice(tmp_path):
     # Step times where the good draft pays (about 1.2x) and the broken one does not.
     cost_profile.write_text("t_decode_s = 0.010\nt_draft_s = 0.002\n[t_verify_s]\n1 = 0.0105\n15 = 0.012\n")
     with MetricsExporter(capture("broken")) as exporter:
-        result, text = invoke(exporter.url, "--once", "--baseline", f"{good.mean_acceptance_length:.4f}", "--cost-profile", str(cost_profile), "--min-drafts", "20", "--out", str(tmp_path / "run"))
+        result, text = invoke(
+            exporter.url,
+            "--once",
+            "--baseline",
+            f"{good.mean_acceptance_length:.4f}",
+            "--cost-profile",
+            str(cost_profile),
+            "--min-drafts",
+            "20",
+            "--out",
+            str(tmp_path / "run"),
+        )
     assert result.exit_code == 1, result.output
     assert "acceptance-drop" in text and "fallback" in text and "fall back" in text
     assert "num_speculative_tokens" in text and "num_speculative_tokens_per_batch_size" in text
@@ -74,7 +85,16 @@ def test_forced_drop_alerts_with_fallback_advice(tmp_path):
 def test_no_alert_when_production_matches_the_baseline(tmp_path):
     good = counts_of("good")
     with MetricsExporter(capture("good")) as exporter:
-        result, _ = invoke(exporter.url, "--once", "--baseline", f"{good.mean_acceptance_length:.4f}", "--min-drafts", "20", "--out", str(tmp_path / "run"))
+        result, _ = invoke(
+            exporter.url,
+            "--once",
+            "--baseline",
+            f"{good.mean_acceptance_length:.4f}",
+            "--min-drafts",
+            "20",
+            "--out",
+            str(tmp_path / "run"),
+        )
     assert result.exit_code == 0, result.output
 
 
@@ -108,10 +128,22 @@ def test_idle_window_and_drafting_stopped():
     judge = Judge(None, Thresholds(min_drafts=1), server_kind="vllm")
     drafting = counts_of("good")
     judge.judge(Window(MODEL, 0, 10, drafting, [drafting]))
-    idle = SpecCounts(num_drafts=0.0, num_draft_tokens=0.0, num_accepted_tokens=0.0, num_accepted_tokens_per_pos=(0.0,) * 15, num_generated_tokens=0.0)
+    idle = SpecCounts(
+        num_drafts=0.0,
+        num_draft_tokens=0.0,
+        num_accepted_tokens=0.0,
+        num_accepted_tokens_per_pos=(0.0,) * 15,
+        num_generated_tokens=0.0,
+    )
     verdict = judge.judge(Window(MODEL, 10, 20, idle, [idle]))
     assert verdict.status == "idle" and not verdict.alerts
-    stopped = SpecCounts(num_drafts=0.0, num_draft_tokens=0.0, num_accepted_tokens=0.0, num_accepted_tokens_per_pos=(0.0,) * 15, num_generated_tokens=500.0)
+    stopped = SpecCounts(
+        num_drafts=0.0,
+        num_draft_tokens=0.0,
+        num_accepted_tokens=0.0,
+        num_accepted_tokens_per_pos=(0.0,) * 15,
+        num_generated_tokens=500.0,
+    )
     verdict = judge.judge(Window(MODEL, 20, 30, stopped, [stopped]))
     assert [a.kind for a in verdict.alerts] == ["drafting-stopped"]
 
@@ -119,7 +151,13 @@ def test_idle_window_and_drafting_stopped():
 def test_k_changed_alerts():
     judge = Judge(None, Thresholds(min_drafts=1), server_kind="vllm")
     k15 = counts_of("good")
-    k4 = SpecCounts(num_drafts=100.0, num_draft_tokens=400.0, num_accepted_tokens=80.0, num_accepted_tokens_per_pos=(50.0, 20.0, 8.0, 2.0), num_generated_tokens=180.0)
+    k4 = SpecCounts(
+        num_drafts=100.0,
+        num_draft_tokens=400.0,
+        num_accepted_tokens=80.0,
+        num_accepted_tokens_per_pos=(50.0, 20.0, 8.0, 2.0),
+        num_generated_tokens=180.0,
+    )
     assert not judge.judge(Window(MODEL, 0, 10, k15, [k15])).alerts
     verdict = judge.judge(Window(MODEL, 10, 20, k4, [k4]))
     assert [a.kind for a in verdict.alerts] == ["k-changed"] and "K=15 to K=4" in verdict.alerts[0].message
@@ -146,7 +184,11 @@ def test_missing_metric_is_a_clear_note_not_a_crash(tmp_path):
 def test_unreachable_endpoint_and_bad_input_exit_2(tmp_path):
     port = free_port()
     result, out = invoke(f"http://127.0.0.1:{port}/metrics", "--once", "--out", str(tmp_path / "run"))
-    assert result.exit_code == 2 and f"no answer from http://127.0.0.1:{port}/metrics (Connection refused)" in out and "Traceback" not in out
+    assert (
+        result.exit_code == 2
+        and f"no answer from http://127.0.0.1:{port}/metrics (Connection refused)" in out
+        and "Traceback" not in out
+    )
     result, out = invoke(str(tmp_path / "nope.log"), "--once")
     assert result.exit_code == 2 and "neither an http(s) URL nor an existing file" in out
     result, out = invoke(str(DATA / "vllm_server_good.log"), "--once", "--window", "-5")
@@ -158,7 +200,10 @@ def test_unreachable_endpoint_and_bad_input_exit_2(tmp_path):
 def test_log_file_with_garbage_lines(tmp_path):
     log = tmp_path / "vllm.log"
     real = (DATA / "vllm_server_good.log").read_text().splitlines()
-    garbage = ["\x00\x01garbage", "(APIServer pid=1) INFO 11-30 15:00:00 [metrics.py:120] SpecDecoding metrics: Mean acc"]
+    garbage = [
+        "\x00\x01garbage",
+        "(APIServer pid=1) INFO 11-30 15:00:00 [metrics.py:120] SpecDecoding metrics: Mean acc",
+    ]
     log.write_text("\n".join(garbage + real + garbage) + "\n")
     result, out = invoke(str(log), "--once", "--window", "1h", "--min-drafts", "1", "--out", str(tmp_path / "run"))
     assert result.exit_code == 0, result.output
@@ -168,7 +213,16 @@ def test_log_file_with_garbage_lines(tmp_path):
 
 
 def test_captured_responses_per_class(tmp_path):
-    result, out = invoke(str(DATA / "vllm_responses_good.jsonl"), "--once", "--window", "1h", "--min-drafts", "1", "--out", str(tmp_path / "run"))
+    result, out = invoke(
+        str(DATA / "vllm_responses_good.jsonl"),
+        "--once",
+        "--window",
+        "1h",
+        "--min-drafts",
+        "1",
+        "--out",
+        str(tmp_path / "run"),
+    )
     assert result.exit_code == 0, result.output
     windows = read_windows(tmp_path / "run")
     assert set(windows["class"]) == {"math", "code", "chat"}
@@ -179,41 +233,63 @@ def test_live_watch_writes_a_window_per_poll(tmp_path):
     import time
 
     with MetricsExporter(capture("good_1")) as exporter:
+
         def serve_more_after_two_scrapes():  # more requests arrive while watch is running
             while exporter.scrapes < 2:
                 time.sleep(0.05)
             exporter.text = capture("good")
 
         threading.Thread(target=serve_more_after_two_scrapes, daemon=True).start()
-        result, out = invoke(exporter.url, "--interval", "0.5", "--window", "30s", "--duration", "3", "--min-drafts", "1", "--out", str(tmp_path / "run"))
+        result, out = invoke(
+            exporter.url,
+            "--interval",
+            "0.5",
+            "--window",
+            "30s",
+            "--duration",
+            "3",
+            "--min-drafts",
+            "1",
+            "--out",
+            str(tmp_path / "run"),
+        )
     assert result.exit_code == 0, result.output
     windows = read_windows(tmp_path / "run")
     assert len(windows) >= 3
     increase, _ = counts_of("good").since(counts_of("good_1"))
     # the last window (30 s) holds exactly the counters' increase since the first scrape
-    assert windows.sort_values("end_s")["mean_acceptance_length"].iloc[-1] == pytest.approx(increase.mean_acceptance_length)
+    assert windows.sort_values("end_s")["mean_acceptance_length"].iloc[-1] == pytest.approx(
+        increase.mean_acceptance_length
+    )
 
 
 def test_config_file_watch_table(tmp_path):
     good = counts_of("good")
     config = tmp_path / "doctor.toml"
-    config.write_text(f'[watch]\nmin_drafts = 20\nthreshold_tau = 0.05\n[watch.baseline_tau]\noverall = {good.mean_acceptance_length + 0.5:.3f}\n')
+    config.write_text(
+        f"[watch]\nmin_drafts = 20\nthreshold_tau = 0.05\n[watch.baseline_tau]\noverall = {good.mean_acceptance_length + 0.5:.3f}\n"
+    )
     with MetricsExporter(capture("good")) as exporter:
         result, out = invoke(exporter.url, "--once", "--config", str(config), "--out", str(tmp_path / "run"))
         assert result.exit_code == 1 and "acceptance-drop" in out  # the table's baseline is 0.5 above production
         # a flag beats the file: with a larger threshold the same drop does not alert
-        result, out = invoke(exporter.url, "--once", "--config", str(config), "--threshold-tau", "1.0", "--out", str(tmp_path / "run2"))
+        result, out = invoke(
+            exporter.url, "--once", "--config", str(config), "--threshold-tau", "1.0", "--out", str(tmp_path / "run2")
+        )
         assert result.exit_code == 0, out
     config.write_text("[watch]\nwindw = '5m'\n")
     result, out = invoke(str(DATA / "vllm_server_good.log"), "--once", "--config", str(config))
     assert result.exit_code == 2 and "unknown key(s) windw" in out
 
 
-@pytest.mark.parametrize("name, extra, series", [
-    ("sglang_metrics.txt", ["--class-label", "cls"], {("glm", "code"), ("glm", "chat"), ("glm", "all")}),
-    ("llamacpp_metrics.txt", ["--model", "llama-server"], {("llama-server", "all")}),
-    ("trtllm_prometheus.txt", [], {("nemotron-nano-3", "all")}),
-])
+@pytest.mark.parametrize(
+    "name, extra, series",
+    [
+        ("sglang_metrics.txt", ["--class-label", "cls"], {("glm", "code"), ("glm", "chat"), ("glm", "all")}),
+        ("llamacpp_metrics.txt", ["--model", "llama-server"], {("llama-server", "all")}),
+        ("trtllm_prometheus.txt", [], {("nemotron-nano-3", "all")}),
+    ],
+)
 def test_other_engines_through_watch(tmp_path, name, extra, series):
     with MetricsExporter((DATA / name).read_text()) as exporter:
         result, out = invoke(exporter.url, "--once", "--min-drafts", "1", *extra, "--out", str(tmp_path / "run"))
@@ -225,8 +301,11 @@ def test_other_engines_through_watch(tmp_path, name, extra, series):
 
 def test_sglang_log_is_shown_not_judged(tmp_path):
     # Lines in SGLang's report_decode_stats format (see test_telemetry_logs.py for the source).
-    lines = [f"[2026-11-30 15:00:{10 * i:02d}] Decode batch, #running-req: 4, #cached-token: 0, #token: 900, token usage: 0.01, "
-             f"accept len: {value:.2f}, accept rate: 0.40, cuda graph: True, gen throughput (token/s): 50.00, #queue-req: 0" for i, value in enumerate([2.1, 2.3, 2.2, 2.4, 2.0])]
+    lines = [
+        f"[2026-11-30 15:00:{10 * i:02d}] Decode batch, #running-req: 4, #cached-token: 0, #token: 900, token usage: 0.01, "
+        f"accept len: {value:.2f}, accept rate: 0.40, cuda graph: True, gen throughput (token/s): 50.00, #queue-req: 0"
+        for i, value in enumerate([2.1, 2.3, 2.2, 2.4, 2.0])
+    ]
     log = tmp_path / "sglang.log"
     log.write_text("\n".join(lines) + "\n")
     result, out = invoke(str(log), "--once", "--window", "1h", "--baseline", "5.0", "--out", str(tmp_path / "run"))

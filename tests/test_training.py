@@ -24,7 +24,16 @@ from dflash_doctor.engine.step_records import StepRecord
 from dflash_doctor.engine.target import TargetModel
 from dflash_doctor.errors import UsageError
 from dflash_doctor.models.loading import load_dflash_draft, save_dflash_draft
-from dflash_doctor.models.training import SequenceRecord, TrainConfig, choose_mask_token_id, held_out_steps, sample_anchors, slot_weights, train_dflash_draft, validate_mask_token_id
+from dflash_doctor.models.training import (
+    SequenceRecord,
+    TrainConfig,
+    choose_mask_token_id,
+    held_out_steps,
+    sample_anchors,
+    slot_weights,
+    train_dflash_draft,
+    validate_mask_token_id,
+)
 from tiny_models import markov_target, tiny_dflash, tiny_target, torch_threads
 
 STOP_IDS = frozenset({2})
@@ -41,8 +50,10 @@ def one_thread():
 
 def random_prompts(count: int, seed: int) -> list[list[int]]:
     generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(4, 97, (int(torch.randint(3, 9, (1,), generator=generator)),), generator=generator).tolist()
-            for _ in range(count)]
+    return [
+        torch.randint(4, 97, (int(torch.randint(3, 9, (1,), generator=generator)),), generator=generator).tolist()
+        for _ in range(count)
+    ]
 
 
 def live_steps(target_model, draft, prompts) -> list[StepRecord]:
@@ -51,8 +62,15 @@ def live_steps(target_model, draft, prompts) -> list[StepRecord]:
     proposer = DFlashProposer(draft, target)
     rows = []
     for prompt in prompts:
-        result = speculative_generate(target, proposer, torch.tensor(prompt), k=draft.config.block_size - 1,
-                                      max_new_tokens=NEW_TOKENS, stop_ids=STOP_IDS, record_tokens=False)
+        result = speculative_generate(
+            target,
+            proposer,
+            torch.tensor(prompt),
+            k=draft.config.block_size - 1,
+            max_new_tokens=NEW_TOKENS,
+            stop_ids=STOP_IDS,
+            record_tokens=False,
+        )
         rows += result.steps
     return rows
 
@@ -67,18 +85,29 @@ def trained():
     prompts = random_prompts(300, seed=5)
     responses = []
     for start in range(0, len(prompts), 100):
-        responses += generate_greedy_batch(target_model, prompts[start:start + 100], max_new_tokens=NEW_TOKENS,
-                                           stop_ids=STOP_IDS)
+        responses += generate_greedy_batch(
+            target_model, prompts[start : start + 100], max_new_tokens=NEW_TOKENS, stop_ids=STOP_IDS
+        )
     train_prompts, held_out = prompts[:-NUM_HELD_OUT], prompts[-NUM_HELD_OUT:]
     sequences = [p + r for p, r in zip(train_prompts, responses)]
     initial = tiny_dflash(target_model, block_size=6, layer_ids=(0, 2))
     untrained_rows = live_steps(target_model, initial, held_out)
     config = TrainConfig(steps=300, batch_size=16, anchors_per_sequence=8, lr=3e-3, log_every=25)
-    result = train_dflash_draft(target_model, sequences, [len(p) for p in train_prompts], config, copy.deepcopy(initial))
-    records = [SequenceRecord(str(i), "tiny", 0, len(p), p + r)
-               for i, (p, r) in enumerate(zip(held_out, responses[-NUM_HELD_OUT:]))]
-    return SimpleNamespace(target=target_model, result=result, held_out=held_out, records=records,
-                           untrained_rows=untrained_rows, trained_rows=live_steps(target_model, result.draft, held_out))
+    result = train_dflash_draft(
+        target_model, sequences, [len(p) for p in train_prompts], config, copy.deepcopy(initial)
+    )
+    records = [
+        SequenceRecord(str(i), "tiny", 0, len(p), p + r)
+        for i, (p, r) in enumerate(zip(held_out, responses[-NUM_HELD_OUT:]))
+    ]
+    return SimpleNamespace(
+        target=target_model,
+        result=result,
+        held_out=held_out,
+        records=records,
+        untrained_rows=untrained_rows,
+        trained_rows=live_steps(target_model, result.draft, held_out),
+    )
 
 
 def test_training_raises_live_acceptance_well_above_the_untrained_draft(trained):
@@ -92,8 +121,9 @@ def test_training_raises_live_acceptance_well_above_the_untrained_draft(trained)
 def test_block_pass_acceptance_walks_the_live_schedule(trained):
     """held_out_steps (teacher-forced, no live loop) gives the live loop's steps on greedy continuations."""
     walked = held_out_steps(trained.target, trained.result.draft, trained.records, stop_ids=STOP_IDS)
-    assert [(r["num_drafted"], r["num_accepted"]) for r in walked] == \
-        [(r.num_drafted, r.num_accepted) for r in trained.trained_rows]
+    assert [(r["num_drafted"], r["num_accepted"]) for r in walked] == [
+        (r.num_drafted, r.num_accepted) for r in trained.trained_rows
+    ]
 
 
 def test_saved_checkpoint_reloads_with_identical_logits(trained, tmp_path):
@@ -102,14 +132,21 @@ def test_saved_checkpoint_reloads_with_identical_logits(trained, tmp_path):
     reloaded = load_dflash_draft(tmp_path)
     assert reloaded.config.extra["dflash_doctor"]["chat_template"] == "{{ messages }}"
     sequence = torch.tensor(trained.records[0].token_ids)
-    features = torch.cat([trained.target(sequence[None], output_hidden_states=True).hidden_states[i]
-                          for i in draft.hidden_state_indices], dim=-1).detach()
+    features = torch.cat(
+        [
+            trained.target(sequence[None], output_hidden_states=True).hidden_states[i]
+            for i in draft.hidden_state_indices
+        ],
+        dim=-1,
+    ).detach()
     anchors = torch.tensor([[trained.records[0].prompt_length, trained.records[0].prompt_length + 3]])
     valid = torch.ones_like(anchors, dtype=torch.bool)
     embed = trained.target.get_input_embeddings().weight
     with torch.no_grad():
         before = draft_block_hidden(draft, embed, sequence[None], context_kv_for(draft, features), anchors, valid, 6)
-        after = draft_block_hidden(reloaded, embed, sequence[None], context_kv_for(reloaded, features), anchors, valid, 6)
+        after = draft_block_hidden(
+            reloaded, embed, sequence[None], context_kv_for(reloaded, features), anchors, valid, 6
+        )
     assert torch.equal(trained.target.lm_head(before), trained.target.lm_head(after))
 
 
@@ -134,10 +171,26 @@ def _small_run(checkpoint_dir, draft, deadline=None, **overrides):
     target_model = markov_target()
     prompts = random_prompts(24, seed=3)
     responses = generate_greedy_batch(target_model, prompts, max_new_tokens=12, stop_ids=STOP_IDS)
-    config = TrainConfig(**{"steps": 20, "batch_size": 4, "anchors_per_sequence": 4, "lr": 3e-3, "checkpoint_every": 10,
-                            "log_every": 5, **overrides})
-    return train_dflash_draft(target_model, [p + r for p, r in zip(prompts, responses)], [len(p) for p in prompts], config,
-                              copy.deepcopy(draft), checkpoint_dir=checkpoint_dir, deadline=deadline)
+    config = TrainConfig(
+        **{
+            "steps": 20,
+            "batch_size": 4,
+            "anchors_per_sequence": 4,
+            "lr": 3e-3,
+            "checkpoint_every": 10,
+            "log_every": 5,
+            **overrides,
+        }
+    )
+    return train_dflash_draft(
+        target_model,
+        [p + r for p, r in zip(prompts, responses)],
+        [len(p) for p in prompts],
+        config,
+        copy.deepcopy(draft),
+        checkpoint_dir=checkpoint_dir,
+        deadline=deadline,
+    )
 
 
 def _stop_after_first_checkpoint(checkpoint_dir, draft, monkeypatch, **overrides):
@@ -169,18 +222,31 @@ def _curve(log):
 
 
 def test_a_run_stopped_halfway_and_resumed_from_a_piecewise_copy_equals_the_straight_run(tmp_path, monkeypatch):
-    piece_bytes = 16 * 1024  # the tiny draft and its AdamW moments in several pieces each, as the 48 MB demo draft's are
+    piece_bytes = (
+        16 * 1024
+    )  # the tiny draft and its AdamW moments in several pieces each, as the 48 MB demo draft's are
     monkeypatch.setattr(checkpoints, "CHECKPOINT_PIECE_BYTES", piece_bytes)
     initial = tiny_dflash(markov_target(), block_size=6, layer_ids=(0, 2))
     straight = _small_run(tmp_path / "straight", initial)
     _stop_after_first_checkpoint(tmp_path / "stopped", initial, monkeypatch)
     names = _copy_piece_by_piece(tmp_path / "stopped", tmp_path / "copied")
-    assert sum(n.startswith("model-") for n in names) > 1 and sum(n.startswith("optimizer/optimizer-") for n in names) > 1
-    assert {"config.json", "model.safetensors.index.json", "optimizer/optimizer.safetensors.index.json", training.TRAINING_STATE_FILE} <= set(names)
+    assert (
+        sum(n.startswith("model-") for n in names) > 1 and sum(n.startswith("optimizer/optimizer-") for n in names) > 1
+    )
+    assert {
+        "config.json",
+        "model.safetensors.index.json",
+        "optimizer/optimizer.safetensors.index.json",
+        training.TRAINING_STATE_FILE,
+    } <= set(names)
     assert not any(n.endswith((".pt", ".pth", ".bin", ".pkl")) for n in names)  # nothing pickled
     # a shard holds at most piece_bytes of tensors; its JSON header (names, shapes, offsets) comes on top
-    assert all((tmp_path / "copied" / n).stat().st_size <= piece_bytes + 2048 for n in names if n.endswith(".safetensors"))
-    assert torch.equal(load_dflash_draft(tmp_path / "copied").fc.weight, _tensor_in_checkpoint(tmp_path / "copied", "fc.weight"))
+    assert all(
+        (tmp_path / "copied" / n).stat().st_size <= piece_bytes + 2048 for n in names if n.endswith(".safetensors")
+    )
+    assert torch.equal(
+        load_dflash_draft(tmp_path / "copied").fc.weight, _tensor_in_checkpoint(tmp_path / "copied", "fc.weight")
+    )
 
     resumed = _small_run(tmp_path / "copied", initial)
     assert resumed.resumed_from_step == 10
@@ -202,7 +268,9 @@ def test_a_checkpoint_between_two_loss_log_rows_resumes_to_the_straight_log(tmp_
 def test_a_deadline_stops_at_a_log_row_with_a_checkpoint_and_the_rerun_equals_the_straight_run(tmp_path):
     initial = tiny_dflash(markov_target(), block_size=6, layer_ids=(0, 2))
     straight = _small_run(tmp_path / "straight", initial)
-    stopped = _small_run(tmp_path / "run", initial, deadline=time.perf_counter())  # already past: the first row stops it
+    stopped = _small_run(
+        tmp_path / "run", initial, deadline=time.perf_counter()
+    )  # already past: the first row stops it
     assert stopped.final_step == 5 and [row["step"] for row in stopped.log] == [5]
     resumed = _small_run(tmp_path / "run", initial)
     assert resumed.resumed_from_step == 5 and resumed.final_step == 20
@@ -239,17 +307,24 @@ def _flip_last_byte(path):
     path.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("spoil, overrides, message", [
-    (lambda c: next(c.glob("optimizer/optimizer-*.safetensors")).unlink(), {}, r"optimizer-\d{5}-of-\d{5}\.safetensors is missing"),
-    (lambda c: _truncate(next(c.glob("model-*.safetensors"))), {}, "bytes instead of"),
-    (lambda c: _flip_last_byte(next(c.glob("model-*.safetensors"))), {}, "sha256 differs"),
-    (lambda c: _truncate(c / training.TRAINING_STATE_FILE), {}, "cut short or damaged"),
-    (lambda c: (c / training.TRAINING_STATE_FILE).write_text('{"pieces": {}}'), {}, "cut short or damaged"),
-    (lambda c: (c / training.TRAINING_STATE_FILE).write_text("[1, 2]"), {}, "cut short or damaged"),
-    (lambda c: (c / training.TRAINING_STATE_FILE).unlink(), {}, "no training_state.json"),
-    (None, {"lr": 1e-3}, r"lr 0.003 there, 0.001 now"),
-    (None, {"steps": 40}, r"steps 20 there, 40 now.*--init-from"),
-])
+@pytest.mark.parametrize(
+    "spoil, overrides, message",
+    [
+        (
+            lambda c: next(c.glob("optimizer/optimizer-*.safetensors")).unlink(),
+            {},
+            r"optimizer-\d{5}-of-\d{5}\.safetensors is missing",
+        ),
+        (lambda c: _truncate(next(c.glob("model-*.safetensors"))), {}, "bytes instead of"),
+        (lambda c: _flip_last_byte(next(c.glob("model-*.safetensors"))), {}, "sha256 differs"),
+        (lambda c: _truncate(c / training.TRAINING_STATE_FILE), {}, "cut short or damaged"),
+        (lambda c: (c / training.TRAINING_STATE_FILE).write_text('{"pieces": {}}'), {}, "cut short or damaged"),
+        (lambda c: (c / training.TRAINING_STATE_FILE).write_text("[1, 2]"), {}, "cut short or damaged"),
+        (lambda c: (c / training.TRAINING_STATE_FILE).unlink(), {}, "no training_state.json"),
+        (None, {"lr": 1e-3}, r"lr 0.003 there, 0.001 now"),
+        (None, {"steps": 40}, r"steps 20 there, 40 now.*--init-from"),
+    ],
+)
 def test_a_spoilt_or_foreign_checkpoint_is_refused_in_one_sentence(tmp_path, monkeypatch, spoil, overrides, message):
     monkeypatch.setattr(checkpoints, "CHECKPOINT_PIECE_BYTES", 16 * 1024)
     initial = tiny_dflash(markov_target(), block_size=6, layer_ids=(0, 2))
@@ -276,20 +351,25 @@ def _edit_state(checkpoint_dir, **fields):
     state_file.write_text(json.dumps(record))
 
 
-@pytest.mark.parametrize("fields, message", [
-    ({"step": 99_999}, "claims step 99999 of a 20-step run"),
-    ({"step": 21}, "claims step 21 of a 20-step run"),
-    ({"step": -1}, "claims step -1 of a 20-step run"),
-    ({"step": 10.5}, "step 10.5 is not a whole number"),
-    ({"step": "10"}, "step '10' is not a whole number"),
-    ({"step": True}, "step True is not a whole number"),
-    ({"step": 12}, "learning-rate schedule stands at step 10"),  # the checkpoint of step 10, its step field edited
-    ({"step": 15, "last_epoch": 15}, "loss log and running row add up to another step"),
-    ({"step": 15, "last_epoch": 15, "window_steps": 5}, "optimizer pieces were written at step 10"),
-    ({"log": [{"step": 5}, {"step": 40}]}, "loss log holds rows of steps"),
-    ({"scheduler": None}, "scheduler, loss log or running loss-log row"),
-])
-def test_a_checkpoint_whose_step_is_out_of_range_or_at_odds_with_its_pieces_is_refused(tmp_path, monkeypatch, fields, message):
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"step": 99_999}, "claims step 99999 of a 20-step run"),
+        ({"step": 21}, "claims step 21 of a 20-step run"),
+        ({"step": -1}, "claims step -1 of a 20-step run"),
+        ({"step": 10.5}, "step 10.5 is not a whole number"),
+        ({"step": "10"}, "step '10' is not a whole number"),
+        ({"step": True}, "step True is not a whole number"),
+        ({"step": 12}, "learning-rate schedule stands at step 10"),  # the checkpoint of step 10, its step field edited
+        ({"step": 15, "last_epoch": 15}, "loss log and running row add up to another step"),
+        ({"step": 15, "last_epoch": 15, "window_steps": 5}, "optimizer pieces were written at step 10"),
+        ({"log": [{"step": 5}, {"step": 40}]}, "loss log holds rows of steps"),
+        ({"scheduler": None}, "scheduler, loss log or running loss-log row"),
+    ],
+)
+def test_a_checkpoint_whose_step_is_out_of_range_or_at_odds_with_its_pieces_is_refused(
+    tmp_path, monkeypatch, fields, message
+):
     """A resumed step beyond --steps, negative or disagreeing with the schedule, the loss log or AdamW's own
     step count is refused in one sentence naming the checkpoint folder and what to do, before any step runs."""
     initial = tiny_dflash(markov_target(), block_size=6, layer_ids=(0, 2))
@@ -323,16 +403,36 @@ def test_every_piece_of_a_demo_size_checkpoint_is_under_16_mib(tmp_path):
     moments) in checkpoint pieces that each pass the GPU machine's 16 MiB file limit."""
     from transformers import LlamaConfig
 
-    smollm2 = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                          num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0, max_position_embeddings=8192)
-    draft = DFlashDraftModel(training.draft_config_for_target(smollm2, block_size=16, num_layers=3, target_layer_ids=[1, 10, 18, 27],
-                                                              mask_token_id=16))
+    smollm2 = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        rms_norm_eps=1e-5,
+        rope_theta=100000.0,
+        max_position_embeddings=8192,
+    )
+    draft = DFlashDraftModel(
+        training.draft_config_for_target(
+            smollm2, block_size=16, num_layers=3, target_layer_ids=[1, 10, 18, 27], mask_token_id=16
+        )
+    )
     optimizer = torch.optim.AdamW(draft.parameters())
     for parameter in draft.parameters():
         parameter.grad = torch.zeros_like(parameter)
     optimizer.step()  # AdamW's moments exist from the first step on
-    state = {"identity": {}, "step": 1, "log": [], "optimizer": optimizer.state_dict(), "scheduler": {}, "window": {},
-             "generator": torch.Generator().get_state()}
+    state = {
+        "identity": {},
+        "step": 1,
+        "log": [],
+        "optimizer": optimizer.state_dict(),
+        "scheduler": {},
+        "window": {},
+        "generator": torch.Generator().get_state(),
+    }
     checkpoints.save_checkpoint(tmp_path / "checkpoint", draft, state, None)
     sizes = {p.name: p.stat().st_size for p in (tmp_path / "checkpoint").rglob("*") if p.is_file()}
     assert sum(sizes.values()) > 140e6 and max(sizes.values()) < 16 * 2**20, sizes
@@ -352,8 +452,14 @@ def test_anchors_stay_inside_the_response_with_room_for_a_label():
 
 def test_mask_choice_skips_special_template_and_used_tokens():
     tokens = {i: SimpleNamespace(content=f"<t{i}>", special=True) for i in range(6)}
-    tokenizer = SimpleNamespace(added_tokens_decoder=tokens, chat_template="<t4>{{ m }}", bos_token_id=1, eos_token_id=2,
-                                pad_token_id=0, unk_token_id=None)
+    tokenizer = SimpleNamespace(
+        added_tokens_decoder=tokens,
+        chat_template="<t4>{{ m }}",
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        unk_token_id=None,
+    )
     config = SimpleNamespace(vocab_size=100, bos_token_id=1, eos_token_id=2)
     assert choose_mask_token_id(tokenizer, config, used_ids=[]) == 5
     assert choose_mask_token_id(tokenizer, config, used_ids=[5]) == 3  # 4 is in the template
@@ -365,13 +471,16 @@ def test_mask_choice_skips_special_template_and_used_tokens():
         validate_mask_token_id(100, config)
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["--steps", "0"], "--steps"),
-    (["--target-layer-ids", "1,x"], "--target-layer-ids"),
-    (["--target", "/no/such/model", "--steps", "3"], "/no/such/model"),
-    (["--extra-word-problems", "-1"], "--extra-word-problems"),
-    (["--init-from", "some-draft", "--init-from-target"], "--init-from-target"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--steps", "0"], "--steps"),
+        (["--target-layer-ids", "1,x"], "--target-layer-ids"),
+        (["--target", "/no/such/model", "--steps", "3"], "/no/such/model"),
+        (["--extra-word-problems", "-1"], "--extra-word-problems"),
+        (["--init-from", "some-draft", "--init-from-target"], "--init-from-target"),
+    ],
+)
 def test_cli_bad_input_exits_2_with_one_sentence(args, needle, tmp_path):
     result = CliRunner().invoke(app, ["train-draft", "--out", str(tmp_path / "out"), *args])
     assert result.exit_code == 2, result.output
@@ -404,39 +513,54 @@ def test_extra_word_problems_never_use_a_held_out_template():
     eval_templates = {template for request, template in workloads.builtin._gsm() if request.id in eval_ids}
     assert eval_templates and eval_templates != set(TEMPLATES)
     extra = workloads.extra_word_problems(300)
-    template_of = {f"{p.question}\n{workloads.MATH_INSTRUCTION}": p.template for p in generate_word_problems(300 * len(TEMPLATES), seed=1)}
+    template_of = {
+        f"{p.question}\n{workloads.MATH_INSTRUCTION}": p.template
+        for p in generate_word_problems(300 * len(TEMPLATES), seed=1)
+    }
     used = {template_of[r.messages[0]["content"]] for r in extra}
     assert len(extra) == 300 and len({r.id for r in extra}) == 300
     assert used == set(TEMPLATES) - eval_templates  # every train template, no held-out one
 
 
-def test_self_written_prompts_start_from_an_empty_user_turn_drop_cut_and_repeated_ones_and_are_cached(tmp_path, monkeypatch):
+def test_self_written_prompts_start_from_an_empty_user_turn_drop_cut_and_repeated_ones_and_are_cached(
+    tmp_path, monkeypatch
+):
     from checks_fixtures import tiny_tokenizer
 
     tokenizer = tiny_tokenizer(["user:", "hello", "how", "are", "you", "?", "tell", "me", "a", "joke"])
     template = "{% for m in messages %}<s> user: {{ m['content'] }} </s>{% endfor %}"
-    ids = {w: tokenizer.convert_tokens_to_ids(w) for w in ["hello", "how", "are", "you", "?", "tell", "me", "a", "joke"]}
-    outputs = [[ids["how"], ids["are"], ids["you"], ids["?"], 2],  # finished question
-               [ids["how"], ids["are"], ids["you"], ids["?"], 2],  # repeated: dropped
-               [ids["tell"], ids["me"], ids["a"]],  # cut by the length limit: dropped
-               [2],  # empty: dropped
-               [ids["tell"], ids["me"], ids["a"], ids["joke"], 2]]
+    ids = {
+        w: tokenizer.convert_tokens_to_ids(w) for w in ["hello", "how", "are", "you", "?", "tell", "me", "a", "joke"]
+    }
+    outputs = [
+        [ids["how"], ids["are"], ids["you"], ids["?"], 2],  # finished question
+        [ids["how"], ids["are"], ids["you"], ids["?"], 2],  # repeated: dropped
+        [ids["tell"], ids["me"], ids["a"]],  # cut by the length limit: dropped
+        [2],  # empty: dropped
+        [ids["tell"], ids["me"], ids["a"], ids["joke"], 2],
+    ]
     seen_prompts = []
 
     def fake_generate(model, prompts, **kwargs):
         seen_prompts.extend(prompts)
         assert kwargs["temperature"] > 0
-        return outputs[:len(prompts)]
+        return outputs[: len(prompts)]
 
     monkeypatch.setattr(training_data, "generate_greedy_batch", fake_generate)
     cache = tmp_path / "prompts.jsonl"
-    kwargs = dict(cache_path=cache, cache_key={"target": "t"}, stop_ids=frozenset({2}), chat_template=template, batch_size=5)
+    kwargs = dict(
+        cache_path=cache, cache_key={"target": "t"}, stop_ids=frozenset({2}), chat_template=template, batch_size=5
+    )
     requests = training.self_written_prompts(None, tokenizer, 2, **kwargs)
     assert [r.messages[0]["content"] for r in requests] == ["how are you ?", "tell me a joke"]
     assert {r.request_class for r in requests} == {"chat"}
-    assert seen_prompts[0] == tokenizer("<s> user:", add_special_tokens=False)["input_ids"]  # the template up to the content
+    assert (
+        seen_prompts[0] == tokenizer("<s> user:", add_special_tokens=False)["input_ids"]
+    )  # the template up to the content
     seen_prompts.clear()
-    assert training.self_written_prompts(None, tokenizer, 2, **kwargs) == requests and not seen_prompts  # read from the cache
+    assert (
+        training.self_written_prompts(None, tokenizer, 2, **kwargs) == requests and not seen_prompts
+    )  # read from the cache
 
 
 def test_precomputed_features_train_the_same_draft_as_extracting_them():
@@ -451,15 +575,25 @@ def test_precomputed_features_train_the_same_draft_as_extracting_them():
     config = TrainConfig(steps=6, batch_size=4, anchors_per_sequence=4, lr=3e-3, log_every=2)
     features = training.extract_features(target_model, sequences, initial.hidden_state_indices)
     own = train_dflash_draft(target_model, sequences, prompt_lengths, config, copy.deepcopy(initial))
-    shared = train_dflash_draft(target_model, sequences, prompt_lengths, config, copy.deepcopy(initial), features=features)
+    shared = train_dflash_draft(
+        target_model, sequences, prompt_lengths, config, copy.deepcopy(initial), features=features
+    )
     assert own.num_sequences == shared.num_sequences == sum(len(r) >= 2 for r in responses)
     for name, tensor in own.draft.state_dict().items():
         assert torch.equal(tensor, shared.draft.state_dict()[name]), name
-    blind = train_dflash_draft(target_model, sequences, prompt_lengths, config, copy.deepcopy(initial),
-                               features=[torch.zeros_like(f) for f in features])
+    blind = train_dflash_draft(
+        target_model,
+        sequences,
+        prompt_lengths,
+        config,
+        copy.deepcopy(initial),
+        features=[torch.zeros_like(f) for f in features],
+    )
     assert not torch.equal(blind.draft.fc.weight, own.draft.fc.weight)  # the given features are the ones trained on
     with pytest.raises(ValueError, match="feature tensors"):
-        train_dflash_draft(target_model, sequences, prompt_lengths, config, copy.deepcopy(initial), features=features[:-1])
+        train_dflash_draft(
+            target_model, sequences, prompt_lengths, config, copy.deepcopy(initial), features=features[:-1]
+        )
 
 
 def test_features_are_the_hidden_states_of_the_tapped_layers():
@@ -481,12 +615,38 @@ def test_features_are_the_hidden_states_of_the_tapped_layers():
 
 def _train_draft(target_and_workload, out, *args):
     target, workload = target_and_workload
-    return CliRunner().invoke(app, ["train-draft", "--target", str(target), "--workload", str(workload), "--device", "cpu",
-                                    "--num-layers", "1", "--batch-size", "4", "--anchors-per-sequence", "4", "--max-new-tokens", "8",
-                                    "--eval-requests", "0", "--checkpoint-every", "2", "--out", str(out), *args])
+    return CliRunner().invoke(
+        app,
+        [
+            "train-draft",
+            "--target",
+            str(target),
+            "--workload",
+            str(workload),
+            "--device",
+            "cpu",
+            "--num-layers",
+            "1",
+            "--batch-size",
+            "4",
+            "--anchors-per-sequence",
+            "4",
+            "--max-new-tokens",
+            "8",
+            "--eval-requests",
+            "0",
+            "--checkpoint-every",
+            "2",
+            "--out",
+            str(out),
+            *args,
+        ],
+    )
 
 
-def test_a_longer_run_continues_a_finished_draft_through_init_from_and_not_by_stretching_steps(target_and_workload, tmp_path):
+def test_a_longer_run_continues_a_finished_draft_through_init_from_and_not_by_stretching_steps(
+    target_and_workload, tmp_path
+):
     """--steps is the cosine schedule's length: a finished run asked for more steps is refused (exit 2, one
     sentence saying what to do), and --init-from its folder starts a new run from its weights."""
     from dflash_doctor.models.loading import weights_fingerprint
@@ -497,16 +657,28 @@ def test_a_longer_run_continues_a_finished_draft_through_init_from_and_not_by_st
     assert longer.exit_code == 2 and "Traceback" not in longer.output
     assert "steps 4 there, 8 now" in " ".join(longer.output.split()) and "--init-from" in longer.output
 
-    second = _train_draft(target_and_workload, tmp_path / "second", "--steps", "4", "--init-from", str(tmp_path / "first"),
-                          "--batch-seed", "1")
+    second = _train_draft(
+        target_and_workload,
+        tmp_path / "second",
+        "--steps",
+        "4",
+        "--init-from",
+        str(tmp_path / "first"),
+        "--batch-seed",
+        "1",
+    )
     assert second.exit_code == 0, second.output
     state = json.loads((tmp_path / "second" / "checkpoint" / training.TRAINING_STATE_FILE).read_text())
     assert state["identity"]["init"] == weights_fingerprint(load_dflash_draft(tmp_path / "first"))
     facts = json.loads((tmp_path / "second" / "training_log.json").read_text())
     assert state["step"] == 4 and facts["init_from"] == str(tmp_path / "first") and facts["train_config"]["seed"] == 1
     # --batch-seed draws other batches from the same data: the answers (seeded by --seed) are the first run's
-    assert (tmp_path / "second" / training.SEQUENCES_FILE).read_text() == (tmp_path / "first" / training.SEQUENCES_FILE).read_text()
-    assert not torch.equal(load_dflash_draft(tmp_path / "second").fc.weight, load_dflash_draft(tmp_path / "first").fc.weight)
+    assert (tmp_path / "second" / training.SEQUENCES_FILE).read_text() == (
+        tmp_path / "first" / training.SEQUENCES_FILE
+    ).read_text()
+    assert not torch.equal(
+        load_dflash_draft(tmp_path / "second").fc.weight, load_dflash_draft(tmp_path / "first").fc.weight
+    )
 
 
 def test_cli_refuses_a_cut_short_checkpoint_piece_with_exit_2(target_and_workload, tmp_path):
@@ -538,7 +710,9 @@ def test_cached_data_only_trains_on_carried_caches_and_refuses_to_generate(targe
     assert _train_draft(target_and_workload, carried, "--steps", "2", "--cached-data-only").exit_code == 0
 
     before = (carried / training.SEQUENCES_FILE).read_text()
-    other_key = _train_draft(target_and_workload, carried, "--steps", "2", "--cached-data-only", "--max-new-tokens", "9")
+    other_key = _train_draft(
+        target_and_workload, carried, "--steps", "2", "--cached-data-only", "--max-new-tokens", "9"
+    )
     assert other_key.exit_code == 2 and "Traceback" not in other_key.output
     assert "lacks 12 of the 12 answers" in " ".join(other_key.output.split())
     assert (carried / training.SEQUENCES_FILE).read_text() == before
@@ -550,7 +724,10 @@ def test_time_limit_stops_training_cleanly_and_the_same_command_finishes_it(targ
     stopped = _train_draft(target_and_workload, tmp_path / "run", "--steps", "12", "--time-limit", "0.001")
     assert stopped.exit_code == 0, stopped.output
     facts = json.loads((tmp_path / "run" / "training_log.json").read_text())
-    assert facts["final_step"] == 10 and "Stopped by --time-limit at step 10 of 12" in (tmp_path / "run" / "README.md").read_text()
+    assert (
+        facts["final_step"] == 10
+        and "Stopped by --time-limit at step 10 of 12" in (tmp_path / "run" / "README.md").read_text()
+    )
     assert "run the same command again" in " ".join(stopped.output.split())
     finished = _train_draft(target_and_workload, tmp_path / "run", "--steps", "12")
     assert finished.exit_code == 0, finished.output

@@ -40,7 +40,9 @@ def _gone(pid: int) -> bool:
 def _wait_for(path: Path, process: subprocess.Popen, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not path.exists():
-        assert process.poll() is None, f"tune ended early with {process.returncode}: {process.stderr.read() if process.stderr else ''}"
+        assert process.poll() is None, (
+            f"tune ended early with {process.returncode}: {process.stderr.read() if process.stderr else ''}"
+        )
         assert time.monotonic() < deadline, f"{path} never appeared"
         time.sleep(0.1)
 
@@ -49,12 +51,37 @@ def _start_tune(tmp_path: Path, mode: str, port: int, after: str = "") -> tuple[
     """tune launching fake_tree_engine.py; ``after``: more of the shell command line after it (a compound
     command: bash then forks the engine instead of becoming it)."""
     pids = tmp_path / "pids"
-    command = f"{sys.executable} {TESTS / 'fake_tree_engine.py'} --port {port} --pids {pids} --mode {mode} --k {{k}}{after}"
+    command = (
+        f"{sys.executable} {TESTS / 'fake_tree_engine.py'} --port {port} --pids {pids} --mode {mode} --k {{k}}{after}"
+    )
     tune = subprocess.Popen(
-        [sys.executable, "-m", "dflash_doctor", "tune", "--launch", command, "--engine", f"http://127.0.0.1:{port}", "--k", "2",
-         "--workload", str(write_workload(tmp_path)), "--max-new-tokens", "8", "--start-timeout", "60",
-         "--sweep", str(write_sweep_run(tmp_path, [2])), "--out", str(tmp_path / "run")],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-m",
+            "dflash_doctor",
+            "tune",
+            "--launch",
+            command,
+            "--engine",
+            f"http://127.0.0.1:{port}",
+            "--k",
+            "2",
+            "--workload",
+            str(write_workload(tmp_path)),
+            "--max-new-tokens",
+            "8",
+            "--start-timeout",
+            "60",
+            "--sweep",
+            str(write_sweep_run(tmp_path, [2])),
+            "--out",
+            str(tmp_path / "run"),
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     return tune, pids
 
 
@@ -87,11 +114,16 @@ def _command_line(pid: int) -> str:
 
 
 # (phase the signal arrives in, the engine's mode, the signal)
-SIGNAL_CASES = [(phase, mode, signum) for phase, mode in (("starting", "silent"), ("measuring", "serve"))
-                for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)]
+SIGNAL_CASES = [
+    (phase, mode, signum)
+    for phase, mode in (("starting", "silent"), ("measuring", "serve"))
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+]
 
 
-@pytest.mark.parametrize("phase, mode, signum", SIGNAL_CASES, ids=[f"{p}-{signal.Signals(s).name}" for p, _, s in SIGNAL_CASES])
+@pytest.mark.parametrize(
+    "phase, mode, signum", SIGNAL_CASES, ids=[f"{p}-{signal.Signals(s).name}" for p, _, s in SIGNAL_CASES]
+)
 def test_a_signal_to_tune_stops_the_whole_process_tree_it_launched(tmp_path, phase, mode, signum):
     port = free_port()
     tune, pids = _start_tune(tmp_path, mode, port)
@@ -143,19 +175,47 @@ def test_a_port_served_before_the_launch_is_refused_in_one_sentence(tmp_path):
 
     pids = tmp_path / "pids"
     with ThreadedServer(Answering) as other:
-        command = f"{sys.executable} {TESTS / 'fake_tree_engine.py'} --port {other.port} --pids {pids} --mode serve --k {{k}}"
-        result = CliRunner().invoke(app, ["tune", "--launch", command, "--engine", other.base_url, "--k", "2",
-                                          "--workload", str(write_workload(tmp_path)), "--sweep", str(write_sweep_run(tmp_path, [2])),
-                                          "--out", str(tmp_path / "run")])
+        command = (
+            f"{sys.executable} {TESTS / 'fake_tree_engine.py'} --port {other.port} --pids {pids} --mode serve --k {{k}}"
+        )
+        result = CliRunner().invoke(
+            app,
+            [
+                "tune",
+                "--launch",
+                command,
+                "--engine",
+                other.base_url,
+                "--k",
+                "2",
+                "--workload",
+                str(write_workload(tmp_path)),
+                "--sweep",
+                str(write_sweep_run(tmp_path, [2])),
+                "--out",
+                str(tmp_path / "run"),
+            ],
+        )
     assert result.exit_code == 2, result.output
     assert f"port {other.port} is already served before tune launched its server" in result.output
     assert "Traceback" not in result.output and not pids.exists()  # nothing was launched
 
 
 def _tune_args(tmp_path: Path, out: Path, *extra: str) -> list[str]:
-    return ["tune", "--engine", "0=http://127.0.0.1:1", "--k", "0", "--workload", str(write_workload(tmp_path)),
-            "--sweep", str(write_sweep_run(tmp_path, [2])) if not (tmp_path / "sweep").exists() else str(tmp_path / "sweep"),
-            "--out", str(out), *extra]
+    return [
+        "tune",
+        "--engine",
+        "0=http://127.0.0.1:1",
+        "--k",
+        "0",
+        "--workload",
+        str(write_workload(tmp_path)),
+        "--sweep",
+        str(write_sweep_run(tmp_path, [2])) if not (tmp_path / "sweep").exists() else str(tmp_path / "sweep"),
+        "--out",
+        str(out),
+        *extra,
+    ]
 
 
 def _replay_run(folder: Path) -> Path:
@@ -187,7 +247,11 @@ OUT_CASES = [
 ]
 
 
-@pytest.mark.parametrize("make, extra, says", OUT_CASES, ids=["replay-run", "replay-run-overwrite", "earlier-tune", "locked", "locked-overwrite"])
+@pytest.mark.parametrize(
+    "make, extra, says",
+    OUT_CASES,
+    ids=["replay-run", "replay-run-overwrite", "earlier-tune", "locked", "locked-overwrite"],
+)
 def test_tune_owns_its_out_and_refuses_a_folder_it_may_not_write(tmp_path, make, extra, says):
     out = make(tmp_path / "out")
     before = sorted(p.name for p in out.iterdir())
@@ -230,9 +294,11 @@ def test_a_command_run_to_its_end_in_a_group_is_stopped_with_the_doctor(tmp_path
     """processes.run_in_group (the torchrun of --devices): the doctor signalled while it waits leaves no
     process of that group behind."""
     leader = tmp_path / "leader"
-    code = ("import sys\nfrom dflash_doctor.processes import run_in_group, stop_signals_raise\n"
-            "with stop_signals_raise():\n"
-            f"    run_in_group(['bash', '-c', 'sleep 600 & ps -o pgid= $$ > {leader}.tmp; mv {leader}.tmp {leader}; wait'])\n")
+    code = (
+        "import sys\nfrom dflash_doctor.processes import run_in_group, stop_signals_raise\n"
+        "with stop_signals_raise():\n"
+        f"    run_in_group(['bash', '-c', 'sleep 600 & ps -o pgid= $$ > {leader}.tmp; mv {leader}.tmp {leader}; wait'])\n"
+    )
     doctor = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stderr=subprocess.PIPE, text=True)
     try:
         _wait_for(leader, doctor, 30)

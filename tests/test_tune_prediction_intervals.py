@@ -20,15 +20,24 @@ ALPHA = 0.6  # per-position acceptance of the simulated draft
 
 
 def true_tau(k: int) -> float:
-    return 1.0 + sum(ALPHA ** i for i in range(1, k + 1))
+    return 1.0 + sum(ALPHA**i for i in range(1, k + 1))
 
 
 def true_step(k: int, slope: float = SLOPE) -> float:
     return T_DECODE + T_DRAFT + slope * k
 
 
-def grid_cells(rng: random.Random, *, noise: float, ks=(2, 4, 8), num_requests: int = 12, slope: float = SLOPE,
-               step_of=None, spike: tuple[int, float, int] | None = None, drift: float = 0.0) -> list[dict]:
+def grid_cells(
+    rng: random.Random,
+    *,
+    noise: float,
+    ks=(2, 4, 8),
+    num_requests: int = 12,
+    slope: float = SLOPE,
+    step_of=None,
+    spike: tuple[int, float, int] | None = None,
+    drift: float = 0.0,
+) -> list[dict]:
     """Overall cells at concurrency 1 as :func:`dflash_doctor.tune.analysis.analyse` writes them (the figures
     the fit reads): each request's decode time is its steps times the true step cost times a lognormal
     factor of spread ``noise``; ``spike`` = (K, factor, requests): that many requests of K ran ``factor``
@@ -48,8 +57,14 @@ def grid_cells(rng: random.Random, *, noise: float, ks=(2, 4, 8), num_requests: 
     cells = [_cell(0, base)]
     cells[0]["tpot_s"] = sum(base["decode_s"]) / sum(base["tokens"])
     for k in ks:
-        figures = {"request_id": list(ids), "repeat": [0] * num_requests,
-                   "decode_s": [], "tokens": [], "drafts": [], "accepted": []}
+        figures = {
+            "request_id": list(ids),
+            "repeat": [0] * num_requests,
+            "decode_s": [],
+            "tokens": [],
+            "drafts": [],
+            "accepted": [],
+        }
         for i in range(num_requests):
             drafts = rng.randint(15, 30)
             accepted = round(drafts * (true_tau(k) - 1.0))
@@ -189,9 +204,11 @@ def test_within_interval_asks_whether_the_measurement_lies_in_the_prediction():
 
 
 def test_cells_without_per_request_figures_get_a_point_fit_and_no_interval():
-    cells = [{"concurrency": 1, "k": 0, "scope": "overall", "tpot_s": 0.010},
-             {"concurrency": 1, "k": 2, "scope": "overall", "step_s": 0.020, "tau": 2.0, "speedup": 1.0},
-             {"concurrency": 1, "k": 4, "scope": "overall", "step_s": 0.024, "tau": 2.4, "speedup": 1.0}]
+    cells = [
+        {"concurrency": 1, "k": 0, "scope": "overall", "tpot_s": 0.010},
+        {"concurrency": 1, "k": 2, "scope": "overall", "step_s": 0.020, "tau": 2.0, "speedup": 1.0},
+        {"concurrency": 1, "k": 4, "scope": "overall", "step_s": 0.024, "tau": 2.4, "speedup": 1.0},
+    ]
     fitted = fit_costs(cells, 1, (2, 4))
     assert fitted.verify_slope_s == pytest.approx(0.002) and fitted.t_decode_s_ci is None
     row = predict(cells, {1: fitted}, {"overall": {4: (2.4, [2.3, 2.5])}})[0]
@@ -199,14 +216,26 @@ def test_cells_without_per_request_figures_get_a_point_fit_and_no_interval():
 
 
 def _measured(k: int, speedup: float, low: float, high: float) -> dict:
-    return {"concurrency": 1, "k": k, "scope": "overall", "tau": 2.0, "tau_ci": [1.8, 2.2], "speedup": speedup,
-            "speedup_ci": [low, high]}
+    return {
+        "concurrency": 1,
+        "k": k,
+        "scope": "overall",
+        "tau": 2.0,
+        "tau_ci": [1.8, 2.2],
+        "speedup": speedup,
+        "speedup_ci": [low, high],
+    }
 
 
 def test_the_advice_says_pays_does_not_pay_or_within_the_noise_from_the_intervals():
-    pays = recommend_grid([_measured(2, 1.20, 1.05, 1.35), _measured(4, 1.25, 1.10, 1.40),
-                           _measured(8, 1.00, 0.70, 1.30),
-                           _measured(16, 0.80, 0.75, 0.85)])["1"]["overall"]
+    pays = recommend_grid(
+        [
+            _measured(2, 1.20, 1.05, 1.35),
+            _measured(4, 1.25, 1.10, 1.40),
+            _measured(8, 1.00, 0.70, 1.30),
+            _measured(16, 0.80, 0.75, 0.85),
+        ]
+    )["1"]["overall"]
     assert pays["verdict"] == "pays" and pays["k"] == 4 and pays["ks_within_noise"] == [2, 4, 8]
     assert "K 2, 4, 8 within the noise" in pays["reason"]
 

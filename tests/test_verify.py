@@ -1,6 +1,5 @@
 """Acceptance rules on hand-written tensors, and the lossless property under sampling."""
 
-
 import pytest
 import torch
 
@@ -78,12 +77,20 @@ def test_live_loop_under_sampling_matches_target_sampling(draft_kind):
         target.hidden_state_indices = draft.hidden_state_indices
         proposer = DFlashProposer(draft, target)
     else:
-        proposer = AutoregressiveProposer(tiny_target(seed=9, vocab=vocab), temperature=temperature, generator=generator)
+        proposer = AutoregressiveProposer(
+            tiny_target(seed=9, vocab=vocab), temperature=temperature, generator=generator
+        )
     counts = torch.zeros(vocab)
     for _ in range(1000):
         out = speculative_generate(
-            target, proposer, torch.tensor(prompt), k=3, max_new_tokens=3, temperature=temperature,
-            generator=generator, record_tokens=False,
+            target,
+            proposer,
+            torch.tensor(prompt),
+            k=3,
+            max_new_tokens=3,
+            temperature=temperature,
+            generator=generator,
+            record_tokens=False,
         ).output_ids
         counts[out[1]] += 1  # the first token comes from prefill; the second from a verified step
     exact = _exact_pair_distribution(target_model, prompt, temperature).view(vocab, vocab).sum(dim=0)

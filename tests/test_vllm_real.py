@@ -60,8 +60,18 @@ def run_check(*args: str) -> tuple[int, str]:
 def engine_run(vllm_server, demo_target_dir, tmp_path_factory) -> tuple[int, str, Path]:
     """`check --engine` with the local demo pair: measured on vLLM, replayed in the embedded engine."""
     out = tmp_path_factory.mktemp("engine-run") / "run"
-    code, output = run_check("--engine", vllm_server.url, *KEY, "--target", str(demo_target_dir), "--draft", str(DEMO_DRAFT_DIR),
-                             *WORKLOAD, "--out", str(out))
+    code, output = run_check(
+        "--engine",
+        vllm_server.url,
+        *KEY,
+        "--target",
+        str(demo_target_dir),
+        "--draft",
+        str(DEMO_DRAFT_DIR),
+        *WORKLOAD,
+        "--out",
+        str(out),
+    )
     return code, output, out
 
 
@@ -74,8 +84,13 @@ def assert_every_step_reproduced(data: dict, check: dict, *, min_turns: int = 6)
     steps = data["per_step"][CONFIGURED]
     assert steps["share"] == 1.0 and steps["engine_accepted"] > 0, data["per_step"]
     for turn in data["turns"]:
-        assert turn["steps_compared"] == turn["engine_drafts"] and turn["steps_agreeing"] == turn["steps_compared"], turn
-        assert (turn["engine_drafts"], turn["engine_accepted"]) == (turn["embedded_drafts"], turn["embedded_accepted"]), turn
+        assert turn["steps_compared"] == turn["engine_drafts"] and turn["steps_agreeing"] == turn["steps_compared"], (
+            turn
+        )
+        assert (turn["engine_drafts"], turn["engine_accepted"]) == (
+            turn["embedded_drafts"],
+            turn["embedded_accepted"],
+        ), turn
     overall = data["tau"]["overall"]
     assert overall["engine_tau"] == overall["embedded_tau"] and overall["difference"] == 0.0, overall
     assert check["status"] == "pass", check
@@ -99,7 +114,9 @@ def test_vllm_writes_the_greedy_text_and_accepts_what_the_embedded_replay_of_its
     assert code in (0, 1), output
     data, check = agreement_of(run_dir)
     assert data["num_compared"] == data["num_turns"] >= 6
-    assert data["prompts"]["num_identical"] == data["prompts"]["num_compared"], data["prompts"]  # same rendered prompt ids
+    assert data["prompts"]["num_identical"] == data["prompts"]["num_compared"], data[
+        "prompts"
+    ]  # same rendered prompt ids
     assert data["outputs"]["num_identical"] == data["outputs"]["num_compared"], data["outputs"]  # same greedy text
     defect = data["per_step"][FIRST_LAYER_CONTEXT_K_NORM.name]
     assert defect["engine_accepted"] == pytest.approx(defect["embedded_accepted"], rel=0.02), defect
@@ -108,7 +125,10 @@ def test_vllm_writes_the_greedy_text_and_accepts_what_the_embedded_replay_of_its
     if low <= 0 <= high:  # tau agrees within the paired bootstrap interval: the defect is worth a warning at most
         assert check["status"] != "fail", check
     else:  # the embedded draft as configured accepts more on the same text: the defect is named as the cause
-        assert low > 0 and check["status"] == "fail" and FIRST_LAYER_CONTEXT_K_NORM.name in check["summary"], (overall, check)
+        assert low > 0 and check["status"] == "fail" and FIRST_LAYER_CONTEXT_K_NORM.name in check["summary"], (
+            overall,
+            check,
+        )
 
 
 def test_vllm_cpu_context_key_norm_defect_is_reproduced_step_by_step(engine_run):
@@ -117,7 +137,9 @@ def test_vllm_cpu_context_key_norm_defect_is_reproduced_step_by_step(engine_run)
     _, _, run_dir = engine_run
     data, check = agreement_of(run_dir)
     defect = data["per_step"][FIRST_LAYER_CONTEXT_K_NORM.name]
-    assert all(turn["steps_compared"] == turn["engine_drafts"] for turn in data["turns"]), data["turns"]  # the last steps too
+    assert all(turn["steps_compared"] == turn["engine_drafts"] for turn in data["turns"]), data[
+        "turns"
+    ]  # the last steps too
     assert defect["share"] >= 0.95, data["per_step"]
     assert all(stats["share"] <= defect["share"] for stats in data["per_step"].values()), data["per_step"]
     if defect["num_telling"]:
@@ -141,7 +163,9 @@ def test_engine_run_directory_is_a_normal_run(engine_run):
     for name in ("report.html", "report.md", "report.json", "junit.xml"):
         assert (run_dir / name).is_file()
     assert "engine-agreement" in (run_dir / "report.md").read_text()
-    assert not [p for p in run_dir.rglob("*") if p.is_file() and API_KEY.encode() in p.read_bytes()]  # --engine-api-key is never written
+    assert not [
+        p for p in run_dir.rglob("*") if p.is_file() and API_KEY.encode() in p.read_bytes()
+    ]  # --engine-api-key is never written
     assert "Server (vllm) vs embedded replay" in output
     rerender = CliRunner().invoke(app, ["report", str(run_dir), "--format", "html,md"])
     assert rerender.exit_code == 0, rerender.output
@@ -149,8 +173,23 @@ def test_engine_run_directory_is_a_normal_run(engine_run):
 
 def test_sampled_run_on_the_server_alone(vllm_server, tmp_path):
     out = tmp_path / "sampled"
-    code, output = run_check("--engine", vllm_server.url, *KEY, "--workload", "demo", "--max-requests", "3", "--max-new-tokens", "32",
-                             "--temperature", "0.8", "--seed", "3", "--out", str(out))
+    code, output = run_check(
+        "--engine",
+        vllm_server.url,
+        *KEY,
+        "--workload",
+        "demo",
+        "--max-requests",
+        "3",
+        "--max-new-tokens",
+        "32",
+        "--temperature",
+        "0.8",
+        "--seed",
+        "3",
+        "--out",
+        str(out),
+    )
     assert code in (0, 1), output
     run = load_run(out)
     assert len(run.requests) >= 3 and len(run.steps) > 0
@@ -176,8 +215,17 @@ def test_a_server_reading_the_layer_ids_off_by_one_is_caught_and_named(demo_targ
     (broken / "config.json").write_text(json.dumps(config))
     server = start_vllm_server(demo_target_dir, broken, tmp_path / "server.log")
     try:
-        code, output = run_check("--engine", server.url, "--target", str(demo_target_dir), "--draft", str(DEMO_DRAFT_DIR),
-                                 *WORKLOAD, "--out", str(tmp_path / "run"))
+        code, output = run_check(
+            "--engine",
+            server.url,
+            "--target",
+            str(demo_target_dir),
+            "--draft",
+            str(DEMO_DRAFT_DIR),
+            *WORKLOAD,
+            "--out",
+            str(tmp_path / "run"),
+        )
     finally:
         server.stop()
     assert code == 1, output
@@ -195,9 +243,24 @@ def test_a_server_started_with_an_api_key(vllm_server, tmp_path, monkeypatch):
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
     code, refused = run_check("--engine", vllm_server.url, *WORKLOAD)
     monkeypatch.setenv("OPENAI_API_KEY", key)
-    keyed, output = run_check("--engine", vllm_server.url, "--workload", "demo", "--max-requests", "1", "--max-new-tokens", "16",
-                              "--out", str(tmp_path / "run"))
-    assert code == 2 and "HTTP 401" in refused and "--engine-api-key" in refused and "not an OpenAI-compatible" not in refused
+    keyed, output = run_check(
+        "--engine",
+        vllm_server.url,
+        "--workload",
+        "demo",
+        "--max-requests",
+        "1",
+        "--max-new-tokens",
+        "16",
+        "--out",
+        str(tmp_path / "run"),
+    )
+    assert (
+        code == 2
+        and "HTTP 401" in refused
+        and "--engine-api-key" in refused
+        and "not an OpenAI-compatible" not in refused
+    )
     assert keyed in (0, 1), output
     run = load_run(tmp_path / "run")
     assert run.meta["summary"]["overall"]["num_drafts"] > 0  # the server's own figures came through
@@ -210,12 +273,26 @@ def test_vllm_prompt_lookup_is_reproduced_by_the_embedded_ngram_replay(demo_targ
     settings: the same greedy text, and every server step's accepted count reproduced by the embedded replay
     (prompt lookup follows from the text alone, so the agreement is exact, not statistical)."""
     settings = {"prompt_lookup_min": 2, "prompt_lookup_max": 4}
-    server = start_vllm_server(demo_target_dir, None, tmp_path / "server.log", num_speculative_tokens=4, method="ngram",
-                               method_settings=settings)
+    server = start_vllm_server(
+        demo_target_dir,
+        None,
+        tmp_path / "server.log",
+        num_speculative_tokens=4,
+        method="ngram",
+        method_settings=settings,
+    )
     try:
-        code, output = run_check("--engine", server.url, "--target", str(demo_target_dir),
-                                 "--draft", "ngram:" + ",".join(f"{key}={value}" for key, value in settings.items()),
-                                 *WORKLOAD, "--out", str(tmp_path / "run"))
+        code, output = run_check(
+            "--engine",
+            server.url,
+            "--target",
+            str(demo_target_dir),
+            "--draft",
+            "ngram:" + ",".join(f"{key}={value}" for key, value in settings.items()),
+            *WORKLOAD,
+            "--out",
+            str(tmp_path / "run"),
+        )
     finally:
         server.stop()
     assert code in (0, 1), output
@@ -230,10 +307,23 @@ def test_vllm_suffix_decoding_is_reproduced_by_the_embedded_suffix_replay(demo_t
     """vLLM's suffix method (Arctic Inference's trees, vLLM's default settings) and the doctor's ``--draft suffix``: the
     same greedy text and every step reproduced. One request at a time: the global tree holds every earlier response
     (with what each last step sampled past the end), so the order served is the order replayed."""
-    server = start_vllm_server(demo_target_dir, None, tmp_path / "server.log", num_speculative_tokens=SUFFIX_K, method="suffix")
+    server = start_vllm_server(
+        demo_target_dir, None, tmp_path / "server.log", num_speculative_tokens=SUFFIX_K, method="suffix"
+    )
     try:
-        code, output = run_check("--engine", server.url, "--engine-concurrency", "1", "--target", str(demo_target_dir),
-                                 "--draft", "suffix", *WORKLOAD, "--out", str(tmp_path / "run"))
+        code, output = run_check(
+            "--engine",
+            server.url,
+            "--engine-concurrency",
+            "1",
+            "--target",
+            str(demo_target_dir),
+            "--draft",
+            "suffix",
+            *WORKLOAD,
+            "--out",
+            str(tmp_path / "run"),
+        )
     finally:
         server.stop()
     assert code in (0, 1), output
@@ -248,11 +338,21 @@ def test_vllm_eagle3_is_reproduced_by_the_embedded_eagle3_replay(demo_target_dir
     """vLLM's eagle3 method and the doctor's eagle3 replay of the built-in EAGLE-3 head (trained for the demo target): the
     same greedy text, and every server step's accepted count reproduced at its anchor by the head as configured, the
     last steps included (vLLM drafts K there too), better than by any serving mistake, and the same tau."""
-    server = start_vllm_server(demo_target_dir, DEMO_EAGLE3_DIR, tmp_path / "server.log", num_speculative_tokens=EAGLE3_K,
-                               method="eagle3")
+    server = start_vllm_server(
+        demo_target_dir, DEMO_EAGLE3_DIR, tmp_path / "server.log", num_speculative_tokens=EAGLE3_K, method="eagle3"
+    )
     try:
-        code, output = run_check("--engine", server.url, "--target", str(demo_target_dir), "--draft", str(DEMO_EAGLE3_DIR),
-                                 *WORKLOAD, "--out", str(tmp_path / "run"))
+        code, output = run_check(
+            "--engine",
+            server.url,
+            "--target",
+            str(demo_target_dir),
+            "--draft",
+            str(DEMO_EAGLE3_DIR),
+            *WORKLOAD,
+            "--out",
+            str(tmp_path / "run"),
+        )
     finally:
         server.stop()
     assert code in (0, 1), output
@@ -260,7 +360,9 @@ def test_vllm_eagle3_is_reproduced_by_the_embedded_eagle3_replay(demo_target_dir
     assert_every_step_reproduced(data, check)
     steps = data["per_step"][CONFIGURED]
     assert all(stats["share"] <= steps["share"] for stats in data["per_step"].values()), data["per_step"]
-    assert "vLLM's default aux layer ids" in data["per_step"]  # the head's ids are not the default: that setup is replayed
+    assert (
+        "vLLM's default aux layer ids" in data["per_step"]
+    )  # the head's ids are not the default: that setup is replayed
 
 
 MTP_K = 2
@@ -295,14 +397,30 @@ def test_vllm_mtp_is_reproduced_by_the_embedded_mtp_replay(family, tmp_path, mon
     workload = write_workload(tmp_path / "w.jsonl", per_class=3)  # 9 distinct requests
     server = start_vllm_server(target, None, tmp_path / "server.log", method="mtp", num_speculative_tokens=MTP_K)
     try:
-        code, output = run_check("--engine", server.url, "--target", str(target), "--draft", "mtp", "--workload", str(workload),
-                                 "--max-new-tokens", "32", "--seed", "0", "--out", str(tmp_path / "run"))
+        code, output = run_check(
+            "--engine",
+            server.url,
+            "--target",
+            str(target),
+            "--draft",
+            "mtp",
+            "--workload",
+            str(workload),
+            "--max-new-tokens",
+            "32",
+            "--seed",
+            "0",
+            "--out",
+            str(tmp_path / "run"),
+        )
     finally:
         server.stop()
     assert code in (0, 1), output
     meta = json.loads((tmp_path / "run" / "run.json").read_text())
     draft = meta["models"]["local draft"]
-    assert draft["architecture"] == family and draft["carried_state"] == carried and draft["hidden_state"] == "post-norm"
+    assert (
+        draft["architecture"] == family and draft["carried_state"] == carried and draft["hidden_state"] == "post-norm"
+    )
     data, check = agreement_of(tmp_path / "run", "mtp")
     assert_every_step_reproduced(data, check, min_turns=9)
     mtp_check = next(c for c in meta["checks"] if c["id"] == "mtp-config")

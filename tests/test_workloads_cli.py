@@ -28,7 +28,9 @@ def test_workloads_lists_every_builtin_set_with_counts_per_class():
 
 def test_show_prints_a_few_requests_of_every_class(tmp_path):
     saved = tmp_path / "picked.jsonl"
-    result = CliRunner().invoke(app, ["workloads", "show", "mix", "-n", "3", "--max-requests", "9", "--save", str(saved)], env=WIDE)
+    result = CliRunner().invoke(
+        app, ["workloads", "show", "mix", "-n", "3", "--max-requests", "9", "--save", str(saved)], env=WIDE
+    )
     assert result.exit_code == 0, result.output
     output = flat(result.output)
     assert "mix: 9 requests (chat 3, code 3, math 3)" in output
@@ -52,8 +54,10 @@ def test_malformed_file_exits_2_with_one_sentence_naming_file_and_line(tmp_path)
 
 
 def test_unknown_workload_and_class_exit_2():
-    for args, fragment in ((["workloads", "show", "mtbench"], "did you mean 'mt-bench'?"),
-                           (["workloads", "show", "demo", "--classes", "poetry"], "--classes poetry")):
+    for args, fragment in (
+        (["workloads", "show", "mtbench"], "did you mean 'mt-bench'?"),
+        (["workloads", "show", "demo", "--classes", "poetry"], "--classes poetry"),
+    ):
         result = CliRunner().invoke(app, args, env=WIDE)
         assert result.exit_code == 2, result.output
         assert fragment in flat(result.output)

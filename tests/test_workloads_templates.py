@@ -58,7 +58,8 @@ def test_chatml_renders_with_the_generation_prompt_and_a_single_bos(smollm2):
     ids = encode_turn(smollm2, [{"role": "user", "content": "What is 2+2?"}])
     assert decode(smollm2, ids) == (
         "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
-        "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n")
+        "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
+    )
     assert ids[0] == smollm2.convert_tokens_to_ids("<|im_start|>") != ids[1]
 
 
@@ -83,17 +84,25 @@ def test_second_turn_is_asked_after_the_targets_own_answer(smollm2):
     second = decode(smollm2, encode_request_turn(smollm2, request, ["f(2) = 0."]))
     q1, q2 = (m["content"] for m in request.messages)
     assert first.endswith(f"<|im_start|>user\n{q1}<|im_end|>\n<|im_start|>assistant\n") and q2 not in first
-    assert second.endswith(f"user\n{q1}<|im_end|>\n<|im_start|>assistant\nf(2) = 0.<|im_end|>\n"
-                           f"<|im_start|>user\n{q2}<|im_end|>\n<|im_start|>assistant\n")
+    assert second.endswith(
+        f"user\n{q1}<|im_end|>\n<|im_start|>assistant\nf(2) = 0.<|im_end|>\n"
+        f"<|im_start|>user\n{q2}<|im_end|>\n<|im_start|>assistant\n"
+    )
     with pytest.raises(ValueError, match="has 2 turn"):
         encode_request_turn(smollm2, request, ["a", "b"])
 
 
 def test_template_kwargs_reach_the_template_and_the_caller_overrides_the_request(smollm2):
-    request = Request(id="q", messages=({"role": "user", "content": "hi"},), chat_template_kwargs={"enable_thinking": False})
+    request = Request(
+        id="q", messages=({"role": "user", "content": "hi"},), chat_template_kwargs={"enable_thinking": False}
+    )
     thinking_off = decode(smollm2, encode_request_turn(smollm2, request, chat_template=THINKING_TEMPLATE))
-    thinking_on = decode(smollm2, encode_request_turn(smollm2, request, chat_template=THINKING_TEMPLATE,
-                                                      template_kwargs={"enable_thinking": True}))
+    thinking_on = decode(
+        smollm2,
+        encode_request_turn(
+            smollm2, request, chat_template=THINKING_TEMPLATE, template_kwargs={"enable_thinking": True}
+        ),
+    )
     assert thinking_off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert thinking_on.endswith("<|im_start|>assistant\n")
 
@@ -101,7 +110,10 @@ def test_template_kwargs_reach_the_template_and_the_caller_overrides_the_request
 def test_chat_template_file_overrides_the_tokenizers_own(smollm2, tmp_path):
     (tmp_path / "plain.jinja").write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}A:")
     template = read_chat_template(tmp_path / "plain.jinja")
-    assert decode(smollm2, encode_turn(smollm2, [{"role": "user", "content": "hi"}], chat_template=template)) == "<|im_start|>[user] hi\nA:"
+    assert (
+        decode(smollm2, encode_turn(smollm2, [{"role": "user", "content": "hi"}], chat_template=template))
+        == "<|im_start|>[user] hi\nA:"
+    )
     with pytest.raises(UsageError, match="--chat-template .*missing.jinja does not exist"):
         read_chat_template(tmp_path / "missing.jinja")
 
@@ -130,12 +142,18 @@ def test_a_template_that_never_ends_is_stopped_with_one_sentence(smollm2, monkey
     with pytest.raises(UsageError, match=r"did not finish rendering the messages within 0.5 s .*fix the template"):
         encode_turn(smollm2, [{"role": "user", "content": "hi"}], chat_template=endless)
     assert time.monotonic() - started < 5
-    assert signal.getsignal(signal.SIGALRM) in (signal.SIG_DFL, signal.SIG_IGN, None) and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
-    assert decode(smollm2, encode_turn(smollm2, [{"role": "user", "content": "hi"}], chat_template="{{ messages[0]['content'] }}")).endswith("hi")
+    assert signal.getsignal(signal.SIGALRM) in (signal.SIG_DFL, signal.SIG_IGN, None) and signal.getitimer(
+        signal.ITIMER_REAL
+    ) == (0.0, 0.0)
+    assert decode(
+        smollm2, encode_turn(smollm2, [{"role": "user", "content": "hi"}], chat_template="{{ messages[0]['content'] }}")
+    ).endswith("hi")
 
 
 def test_reserved_template_kwargs_and_unfilled_placeholders_are_refused(smollm2):
     with pytest.raises(UsageError, match="add_generation_prompt"):
         encode_turn(smollm2, [{"role": "user", "content": "hi"}], template_kwargs={"add_generation_prompt": False})
     with pytest.raises(ValueError, match="fill_answers"):
-        encode_turn(smollm2, [{"role": "assistant", "content": None, "answer_of_turn": 0}, {"role": "user", "content": "q"}])
+        encode_turn(
+            smollm2, [{"role": "assistant", "content": None, "answer_of_turn": 0}, {"role": "user", "content": "q"}]
+        )

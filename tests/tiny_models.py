@@ -40,14 +40,20 @@ def tiny_tokenizer(vocab_size: int = VOCAB):
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     backend.add_special_tokens(SPECIAL_TOKENS)
     return PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token="<s>", eos_token="<|im_end|>", pad_token="<pad>", unk_token="<unk>",
+        tokenizer_object=backend,
+        bos_token="<s>",
+        eos_token="<|im_end|>",
+        pad_token="<pad>",
+        unk_token="<unk>",
         chat_template=CHATML,
     )
 
 
 def write_workload(path: Path, per_class: int) -> Path:
     lines = [
-        json.dumps({"id": f"{cls}-{i}", "class": cls, "messages": [{"role": "user", "content": f"w{i} w{i + 7} w{i + 3} w9"}]})
+        json.dumps(
+            {"id": f"{cls}-{i}", "class": cls, "messages": [{"role": "user", "content": f"w{i} w{i + 7} w{i + 3} w9"}]}
+        )
         for cls in CLASSES
         for i in range(per_class)
     ]
@@ -89,8 +95,17 @@ def tiny_target(seed: int = 0, *, vocab: int = VOCAB, hidden: int = 32, layers: 
     return LlamaForCausalLM(config).eval()
 
 
-def tiny_dflash(target: LlamaForCausalLM, seed: int = 1, *, block_size: int = 6, layer_ids=(0, 2), num_layers: int = 2,
-                mask_token_id: int = 3, layer_types=None, sliding_window=None) -> DFlashDraftModel:
+def tiny_dflash(
+    target: LlamaForCausalLM,
+    seed: int = 1,
+    *,
+    block_size: int = 6,
+    layer_ids=(0, 2),
+    num_layers: int = 2,
+    mask_token_id: int = 3,
+    layer_types=None,
+    sliding_window=None,
+) -> DFlashDraftModel:
     torch.manual_seed(seed)
     tc = target.config
     cfg = DFlashConfig(

@@ -14,18 +14,29 @@ from dflash_doctor.cli import app
 import fake_spec_engine as fake
 
 MAX_TOKENS = 24
-PROMPTS = {"m1": ("math", "math: add 2 and 3"), "m2": ("math", "math: halve 10"),
-           "c1": ("chat", "chat: say hello"), "c2": ("chat", "chat: name a colour")}
+PROMPTS = {
+    "m1": ("math", "math: add 2 and 3"),
+    "m2": ("math", "math: halve 10"),
+    "c1": ("chat", "chat: say hello"),
+    "c2": ("chat", "chat: name a colour"),
+}
 
 
 def write_workload(folder: Path) -> Path:
     path = folder / "workload.jsonl"
-    path.write_text("".join(json.dumps({"id": rid, "class": cls, "prompt": text}) + "\n" for rid, (cls, text) in PROMPTS.items()))
+    path.write_text(
+        "".join(json.dumps({"id": rid, "class": cls, "prompt": text}) + "\n" for rid, (cls, text) in PROMPTS.items())
+    )
     return path
 
 
 def expected_tau(scope: str, k: int) -> float:
-    steps = [a for rid, (cls, text) in PROMPTS.items() if scope in ("overall", cls) for a in fake.per_step_accepted(text, k, MAX_TOKENS)]
+    steps = [
+        a
+        for rid, (cls, text) in PROMPTS.items()
+        if scope in ("overall", cls)
+        for a in fake.per_step_accepted(text, k, MAX_TOKENS)
+    ]
     return 1.0 + sum(steps) / len(steps)
 
 
@@ -33,11 +44,21 @@ def write_sweep_run(folder: Path, ks: list[int]) -> Path:
     """A sweep run directory whose teacher-forced tau is the fake engine's exact tau (a perfect prediction of acceptance)."""
     run_dir = folder / "sweep"
     run_dir.mkdir()
+
     def rows(scope: str) -> list[dict]:
-        return [{"k": k, "mean_acceptance_length": expected_tau(scope, k), "mean_acceptance_length_ci": [expected_tau(scope, k)] * 2} for k in ks]
+        return [
+            {
+                "k": k,
+                "mean_acceptance_length": expected_tau(scope, k),
+                "mean_acceptance_length_ci": [expected_tau(scope, k)] * 2,
+            }
+            for k in ks
+        ]
 
     sweep = {"overall": rows("overall"), "by_class": {"math": rows("math"), "chat": rows("chat")}}
-    (run_dir / "run.json").write_text(json.dumps({"summary": {"sweep": sweep}, "models": {"draft": {"kind": "dflash"}}}))
+    (run_dir / "run.json").write_text(
+        json.dumps({"summary": {"sweep": sweep}, "models": {"draft": {"kind": "dflash"}}})
+    )
     return run_dir
 
 
@@ -48,9 +69,24 @@ def write_tune_run(root: Path, ks: tuple[int, ...] = (0, 2)) -> Path:
     try:
         engine = ",".join(f"{k}=http://127.0.0.1:{s.server_address[1]}" for k, s in servers.items())
         out = root / "tune"
-        result = CliRunner().invoke(app, ["tune", "--engine", engine, "--k", ",".join(map(str, ks)), "--workload", str(write_workload(root)),
-                                          "--max-new-tokens", str(MAX_TOKENS), "--sweep", str(write_sweep_run(root, [k for k in ks if k])),
-                                          "--out", str(out)])
+        result = CliRunner().invoke(
+            app,
+            [
+                "tune",
+                "--engine",
+                engine,
+                "--k",
+                ",".join(map(str, ks)),
+                "--workload",
+                str(write_workload(root)),
+                "--max-new-tokens",
+                str(MAX_TOKENS),
+                "--sweep",
+                str(write_sweep_run(root, [k for k in ks if k])),
+                "--out",
+                str(out),
+            ],
+        )
     finally:
         for server in servers.values():
             server.shutdown()

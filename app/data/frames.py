@@ -13,7 +13,14 @@ import numpy as np
 import pandas as pd
 
 from dflash_doctor.rundir.run_record import OVERALL
-from dflash_doctor.stats.metrics import NUM_BOOTSTRAP_RESAMPLES, bootstrap_ratio, group_rng, interval, summarize, summary_group
+from dflash_doctor.stats.metrics import (
+    NUM_BOOTSTRAP_RESAMPLES,
+    bootstrap_ratio,
+    group_rng,
+    interval,
+    summarize,
+    summary_group,
+)
 from dflash_doctor.rundir.run_record import Recommendation, RunRecord, Summary, Sweep
 from dflash_doctor.rundir.status import STATUS_RANK, VERDICT_NONE, CheckResult, overall_status, status_counts
 
@@ -27,10 +34,20 @@ PROMPT_LENGTH_EDGES = (0, 128, 512, 2048, 8192)
 
 def checks_table(checks: Iterable[CheckResult]) -> pd.DataFrame:
     """One row per check, worst status first (what needs attention leads the page)."""
-    rows = [{"status": check.status, "check": check.id, "summary": check.summary, "findings": len(check.findings)} for check in checks]
+    rows = [
+        {"status": check.status, "check": check.id, "summary": check.summary, "findings": len(check.findings)}
+        for check in checks
+    ]
     frame = pd.DataFrame(rows, columns=["status", "check", "summary", "findings"])
-    order = frame["status"].map({status.value: rank for rank, status in enumerate(STATUS_RANK)}).fillna(len(STATUS_RANK))
-    return frame.assign(_order=order).sort_values(["_order", "check"], kind="stable").drop(columns="_order").reset_index(drop=True)
+    order = (
+        frame["status"].map({status.value: rank for rank, status in enumerate(STATUS_RANK)}).fillna(len(STATUS_RANK))
+    )
+    return (
+        frame.assign(_order=order)
+        .sort_values(["_order", "check"], kind="stable")
+        .drop(columns="_order")
+        .reset_index(drop=True)
+    )
 
 
 def facts_table(facts: dict[str, Any]) -> pd.DataFrame:
@@ -74,7 +91,9 @@ def filter_requests(
     return requests[keep]
 
 
-def bootstrap_ratio_ci(numerator: np.ndarray, denominator: np.ndarray, *, seed: int = 0, group: str = OVERALL) -> tuple[float, float]:
+def bootstrap_ratio_ci(
+    numerator: np.ndarray, denominator: np.ndarray, *, seed: int = 0, group: str = OVERALL
+) -> tuple[float, float]:
     """95% CI of ``sum(numerator) / sum(denominator)`` resampling requests (rows), through the same
     bootstrap and interval as the summary's (:mod:`dflash_doctor.stats.metrics`)."""
     samples = bootstrap_ratio(numerator, denominator, NUM_BOOTSTRAP_RESAMPLES, group_rng(seed, group))
@@ -83,8 +102,17 @@ def bootstrap_ratio_ci(numerator: np.ndarray, denominator: np.ndarray, *, seed: 
 
 
 CLASS_TABLE_COLUMNS = [
-    "class", "num_requests", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
-    "tau", "tau_lo", "tau_hi", "rejection_rate", "rejection_rate_lo", "rejection_rate_hi",
+    "class",
+    "num_requests",
+    "num_drafts",
+    "num_draft_tokens",
+    "num_accepted_tokens",
+    "tau",
+    "tau_lo",
+    "tau_hi",
+    "rejection_rate",
+    "rejection_rate_lo",
+    "rejection_rate_hi",
 ]
 
 
@@ -106,7 +134,10 @@ def class_table(summary: Summary, requests: pd.DataFrame, *, seed: int = 0) -> p
             continue
         members = requests if cls == "overall" else requests[requests["class"] == cls]
         accepted_lo, accepted_hi = bootstrap_ratio_ci(
-            members["num_accepted_tokens"].to_numpy(), members["num_draft_tokens"].to_numpy(), seed=seed, group=summary_group(cls)
+            members["num_accepted_tokens"].to_numpy(),
+            members["num_draft_tokens"].to_numpy(),
+            seed=seed,
+            group=summary_group(cls),
         )
         tau_lo, tau_hi = metrics.mean_acceptance_length_ci
         rows.append(
@@ -119,7 +150,9 @@ def class_table(summary: Summary, requests: pd.DataFrame, *, seed: int = 0) -> p
                 "tau": metrics.mean_acceptance_length,
                 "tau_lo": tau_lo,
                 "tau_hi": tau_hi,
-                "rejection_rate": 1.0 - metrics.draft_acceptance_rate if metrics.draft_acceptance_rate is not None else None,
+                "rejection_rate": 1.0 - metrics.draft_acceptance_rate
+                if metrics.draft_acceptance_rate is not None
+                else None,
                 "rejection_rate_lo": 1.0 - accepted_hi,
                 "rejection_rate_hi": 1.0 - accepted_lo,
             }
@@ -131,7 +164,17 @@ def class_table(summary: Summary, requests: pd.DataFrame, *, seed: int = 0) -> p
 
 def class_requests(requests: pd.DataFrame, cls: str) -> pd.DataFrame:
     """The drill-down: one class's requests, lowest tau first (the worst ones are what to read)."""
-    columns = ["request_id", "subclass", "length_bucket", "prompt_num_tokens", "num_output_tokens", "num_drafts", "tau", "acceptance_rate", "stop_reason"]
+    columns = [
+        "request_id",
+        "subclass",
+        "length_bucket",
+        "prompt_num_tokens",
+        "num_output_tokens",
+        "num_drafts",
+        "tau",
+        "acceptance_rate",
+        "stop_reason",
+    ]
     chosen = requests[requests["class"] == cls]
     draft_tokens = chosen["num_draft_tokens"].where(chosen["num_draft_tokens"] > 0)
     chosen = chosen.assign(acceptance_rate=chosen["num_accepted_tokens"] / draft_tokens)
@@ -155,7 +198,16 @@ def position_table(summary: Summary) -> pd.DataFrame:
         cis = metrics.acceptance_rate_per_pos_ci or [[None, None]] * len(rates)  # telemetry may lack the intervals
         conditional = metrics.conditional_acceptance_rate_per_pos
         for slot, (rate, (lo, hi), cond) in enumerate(zip(rates, cis, conditional), start=1):
-            rows.append({"class": cls, "slot": slot, "unconditional": rate, "unconditional_lo": lo, "unconditional_hi": hi, "conditional": cond})
+            rows.append(
+                {
+                    "class": cls,
+                    "slot": slot,
+                    "unconditional": rate,
+                    "unconditional_lo": lo,
+                    "unconditional_hi": hi,
+                    "conditional": cond,
+                }
+            )
     return pd.DataFrame(rows, columns=POSITION_COLUMNS).astype({c: "float64" for c in POSITION_COLUMNS[2:]})
 
 
@@ -200,10 +252,16 @@ def sweep_table(sweep: Sweep) -> pd.DataFrame:
 def step_cost_table(sweep: Sweep) -> pd.DataFrame:
     """The draft and verify milliseconds per K behind the sweep's speedups."""
     costs = sweep.step_costs()
-    return pd.DataFrame({
-        "draft ms": {k: 1000 * v for k, v in costs.t_draft_s.items()},
-        "verify ms": {k: 1000 * v for k, v in costs.t_verify_s.items()},
-    }).rename_axis("K").sort_index()
+    return (
+        pd.DataFrame(
+            {
+                "draft ms": {k: 1000 * v for k, v in costs.t_draft_s.items()},
+                "verify ms": {k: 1000 * v for k, v in costs.t_verify_s.items()},
+            }
+        )
+        .rename_axis("K")
+        .sort_index()
+    )
 
 
 def recommendation_table(recommendation: dict[str, Recommendation]) -> pd.DataFrame:
@@ -219,7 +277,12 @@ def recommendation_table(recommendation: dict[str, Recommendation]) -> pd.DataFr
         for cls, rec in recommendation.items()
     ]
     frame = pd.DataFrame(rows, columns=["class", "k", "conservative_k", "speedup", "reason"])
-    return frame.assign(_first=frame["class"] != "overall").sort_values(["_first", "class"]).drop(columns="_first").reset_index(drop=True)
+    return (
+        frame.assign(_first=frame["class"] != "overall")
+        .sort_values(["_first", "class"])
+        .drop(columns="_first")
+        .reset_index(drop=True)
+    )
 
 
 def run_verdict(checks: Sequence[CheckResult]) -> tuple[str, str]:
@@ -228,7 +291,10 @@ def run_verdict(checks: Sequence[CheckResult]) -> tuple[str, str]:
     statuses = [check.status for check in checks]
     status = overall_status(statuses)
     if status == VERDICT_NONE:
-        return status, "No checks were recorded in this run (replay/sweep runs have none; `dflash-doctor check` adds them)."
+        return (
+            status,
+            "No checks were recorded in this run (replay/sweep runs have none; `dflash-doctor check` adds them).",
+        )
     counts = status_counts(statuses)
     words = {"fail": "failed", "error": "errored", "warn": "warned", "pass": "passed", "skip": "skipped"}
     parts = [f"{counts[s]} {words[s]}" for s in STATUS_RANK if counts[s]]

@@ -39,8 +39,15 @@ MAX_UPLOAD_INFLATED_BYTES = 2 * 1024**3
 # central directory that lies about sizes or offsets (BadZipFile), an encrypted member (RuntimeError), a
 # compression method it does not know (NotImplementedError), a truncated stream (EOFError), bad bzip2 or lzma
 # data (OSError, LZMAError).
-_DAMAGED_ZIP_ERRORS = (zipfile.BadZipFile, zlib.error, RuntimeError, NotImplementedError, EOFError, OSError,
-                       lzma.LZMAError)
+_DAMAGED_ZIP_ERRORS = (
+    zipfile.BadZipFile,
+    zlib.error,
+    RuntimeError,
+    NotImplementedError,
+    EOFError,
+    OSError,
+    lzma.LZMAError,
+)
 
 
 def find_runs(root: Path | str, skipped: list[tuple[Path, str]] | None = None) -> list[Path]:
@@ -111,7 +118,9 @@ def save_upload(files: Sequence[tuple[str, bytes]], dest: Path) -> Path:
                 f"Uploaded file {base!r} is not part of a run; upload a .zip of a run directory or files named {', '.join(RUN_FILE_NAMES)}."
             )
     if RUN_JSON not in chosen:
-        raise UsageError(f"The upload has no {RUN_JSON}; include the run directory's {RUN_JSON} (it holds the summary and checks).")
+        raise UsageError(
+            f"The upload has no {RUN_JSON}; include the run directory's {RUN_JSON} (it holds the summary and checks)."
+        )
     if dest.exists():
         shutil.rmtree(dest)
     dest.mkdir(parents=True)
@@ -126,22 +135,33 @@ def _run_files_from_zip(zip_name: str, payload: bytes) -> dict[str, bytes]:
     try:
         archive = zipfile.ZipFile(io.BytesIO(payload))
     except _DAMAGED_ZIP_ERRORS:
-        raise UsageError(f"{zip_name} is not a valid zip file; zip the run directory again (e.g. `zip -r run.zip RUN_DIR`).") from None
+        raise UsageError(
+            f"{zip_name} is not a valid zip file; zip the run directory again (e.g. `zip -r run.zip RUN_DIR`)."
+        ) from None
     with archive:
         members = [m for m in archive.infolist() if not m.is_dir()]
         if sum(m.file_size for m in members) > MAX_UPLOAD_INFLATED_BYTES:
-            raise UsageError(f"{zip_name} inflates to more than {MAX_UPLOAD_INFLATED_BYTES // 1024**3} GiB; upload only run.json and the .parquet files.")
-        run_jsons = sorted((m for m in members if Path(m.filename).name == RUN_JSON), key=lambda m: m.filename.count("/"))
+            raise UsageError(
+                f"{zip_name} inflates to more than {MAX_UPLOAD_INFLATED_BYTES // 1024**3} GiB; upload only run.json and the .parquet files."
+            )
+        run_jsons = sorted(
+            (m for m in members if Path(m.filename).name == RUN_JSON), key=lambda m: m.filename.count("/")
+        )
         if not run_jsons:
-            raise UsageError(f"{zip_name} holds no {RUN_JSON}; zip a run directory written by `dflash-doctor check`, `replay` or `sweep`.")
+            raise UsageError(
+                f"{zip_name} holds no {RUN_JSON}; zip a run directory written by `dflash-doctor check`, `replay` or `sweep`."
+            )
         run_folder = Path(run_jsons[0].filename).parent
-        wanted = [m for m in members
-                  if Path(m.filename).parent == run_folder and Path(m.filename).name in RUN_FILE_NAMES]
+        wanted = [
+            m for m in members if Path(m.filename).parent == run_folder and Path(m.filename).name in RUN_FILE_NAMES
+        ]
         try:
             return {Path(m.filename).name: archive.read(m) for m in wanted}
         except _DAMAGED_ZIP_ERRORS as exc:
             # a zip made on another machine or cut in transit: one sentence in the sidebar, not a traceback
             detail = " ".join(str(exc).split())[:120] or type(exc).__name__
-            raise UsageError(f"{zip_name} cannot be unpacked ({detail}); "
-                             "zip the run directory again without a password "
-                             "(e.g. `zip -r run.zip RUN_DIR`).") from None
+            raise UsageError(
+                f"{zip_name} cannot be unpacked ({detail}); "
+                "zip the run directory again without a password "
+                "(e.g. `zip -r run.zip RUN_DIR`)."
+            ) from None

@@ -72,7 +72,15 @@ def request_chips(steps: pd.DataFrame, tokens: pd.DataFrame, vocabulary: dict[in
                 kind = "accepted" if slot["accepted"] else "rejected"
                 chips.append(TokenChip(str(slot["draft_text"]), kind, int(step["step"]), int(slot["offset"]), evidence))
         bonus_text = token_label(step["bonus_token"], vocabulary)
-        chips.append(TokenChip(bonus_text, "target", int(step["step"]), 0, f"step {step['step']}: token committed by the target after {num_accepted} accepted"))
+        chips.append(
+            TokenChip(
+                bonus_text,
+                "target",
+                int(step["step"]),
+                0,
+                f"step {step['step']}: token committed by the target after {num_accepted} accepted",
+            )
+        )
         blocks.append(chips)
     return blocks
 
@@ -100,9 +108,12 @@ def visible_token_text(text: str) -> str:
 
 def chips_html(blocks: Sequence[Sequence[TokenChip]]) -> str:
     """HTML of the coloured request. Every token text and tooltip is escaped: token text is untrusted."""
-    parts = [CHIP_CSS, '<div class="dd-legend"><span class="dd-tok dd-accepted">accepted draft</span>'
-             '<span class="dd-tok dd-rejected">rejected draft</span><span class="dd-tok dd-target">target token</span>'
-             '<span>│ = step boundary</span></div><div class="dd-tokens">']
+    parts = [
+        CHIP_CSS,
+        '<div class="dd-legend"><span class="dd-tok dd-accepted">accepted draft</span>'
+        '<span class="dd-tok dd-rejected">rejected draft</span><span class="dd-tok dd-target">target token</span>'
+        '<span>│ = step boundary</span></div><div class="dd-tokens">',
+    ]
     for chips in blocks:
         parts.append('<span class="dd-step">')
         for chip in chips:
@@ -131,7 +142,9 @@ def slot_status(tokens: pd.DataFrame, steps: pd.DataFrame) -> pd.Series:
     """accepted / rejected / unused per drafted token (unused: after the step's first refusal)."""
     accepted_per_step = steps.set_index("step")["num_accepted"]
     num_accepted = tokens["step"].map(accepted_per_step)
-    status = np.where(tokens["accepted"], "accepted", np.where(tokens["offset"] == num_accepted + 1, "rejected", "unused"))
+    status = np.where(
+        tokens["accepted"], "accepted", np.where(tokens["offset"] == num_accepted + 1, "rejected", "unused")
+    )
     return pd.Series(status, index=tokens.index, name="status")
 
 

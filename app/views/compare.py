@@ -13,15 +13,35 @@ new_run = ui.current_run()
 ui.run_header(new_run, "Compare")
 others = [path for path in ui.available_runs() if path != str(new_run.path)]
 if not others:
-    st.info("Comparing needs a second run: start the dashboard on a folder holding two runs, or upload another run in the sidebar.")
+    st.info(
+        "Comparing needs a second run: start the dashboard on a folder holding two runs, or upload another run in the sidebar."
+    )
     st.stop()
 
 controls = st.columns([3, 1, 1])
-base_path = controls[0].selectbox("BASE run (the open run is NEW)", others, format_func=ui.run_label, key="compare_base")
-threshold_tau = controls[1].number_input("tau drop threshold", min_value=0.0, value=gate.DEFAULT_THRESHOLD_TAU, step=0.05, key="compare_threshold_tau")
-threshold_rate = controls[2].number_input("rate drop threshold", min_value=0.0, max_value=1.0, value=gate.DEFAULT_THRESHOLD_RATE, step=0.01, key="compare_threshold_rate")
+base_path = controls[0].selectbox(
+    "BASE run (the open run is NEW)", others, format_func=ui.run_label, key="compare_base"
+)
+threshold_tau = controls[1].number_input(
+    "tau drop threshold", min_value=0.0, value=gate.DEFAULT_THRESHOLD_TAU, step=0.05, key="compare_threshold_tau"
+)
+threshold_rate = controls[2].number_input(
+    "rate drop threshold",
+    min_value=0.0,
+    max_value=1.0,
+    value=gate.DEFAULT_THRESHOLD_RATE,
+    step=0.01,
+    key="compare_threshold_rate",
+)
 
-result = ui.comparison(base_path, data.run_mtime_ns(base_path), str(new_run.path), data.run_mtime_ns(new_run.path), threshold_tau, threshold_rate)
+result = ui.comparison(
+    base_path,
+    data.run_mtime_ns(base_path),
+    str(new_run.path),
+    data.run_mtime_ns(new_run.path),
+    threshold_tau,
+    threshold_rate,
+)
 for note in result.notes:
     st.caption(for_markdown_text(note))
 if not result.rows:
@@ -33,11 +53,17 @@ if all(row.delta is None for row in result.rows):
 elif regressions:
     st.error(
         f"**{len(regressions)} regression(s)** at K={result.k_compared}: "
-        + "; ".join(f"{for_markdown_text(row.cls)} {for_markdown_text(row.label)} {row.base:.3f} → {row.new:.3f}" for row in regressions[:8]),
+        + "; ".join(
+            f"{for_markdown_text(row.cls)} {for_markdown_text(row.label)} {row.base:.3f} → {row.new:.3f}"
+            for row in regressions[:8]
+        ),
         icon=ui.STATUS_ICONS["fail"],
     )
 else:
-    st.success(f"No regression at K={result.k_compared}: no class dropped by more than the thresholds with separated intervals.", icon=ui.STATUS_ICONS["pass"])
+    st.success(
+        f"No regression at K={result.k_compared}: no class dropped by more than the thresholds with separated intervals.",
+        icon=ui.STATUS_ICONS["pass"],
+    )
 
 rows = [row.as_dict() for row in result.rows]
 st.plotly_chart(figures.compare_tau_figure(rows), key="compare_tau")
@@ -45,10 +71,17 @@ st.plotly_chart(figures.compare_tau_figure(rows), key="compare_tau")
 table = data.comparison_table(rows)
 st.subheader("tau per class")
 tau_table = table[table["metric"] == "tau"].drop(columns="metric")
-st.dataframe(tau_table.style.apply(data.highlight_regressions, axis=1).format(data.COMPARISON_FORMATS, na_rep="—"), hide_index=True)
+st.dataframe(
+    tau_table.style.apply(data.highlight_regressions, axis=1).format(data.COMPARISON_FORMATS, na_rep="—"),
+    hide_index=True,
+)
 st.subheader("Per-slot acceptance r_i")
 slot_table = table[table["metric"] != "tau"]
-st.dataframe(slot_table.style.apply(data.highlight_regressions, axis=1).format(data.COMPARISON_FORMATS, na_rep="—"), hide_index=True, height=320)
+st.dataframe(
+    slot_table.style.apply(data.highlight_regressions, axis=1).format(data.COMPARISON_FORMATS, na_rep="—"),
+    hide_index=True,
+    height=320,
+)
 
 st.subheader("What changed between the runs")
 changed = data.changed_facts(ui.load(base_path).record, new_run.record)

@@ -16,23 +16,38 @@ import streamlit as st
 
 from dflash_doctor.app import ui
 from dflash_doctor.report import figures
-from dflash_doctor.report.head_to_head import HEADERS, cost_lines, settings_heading, settings_lines, sub_run_rows, table_rows
+from dflash_doctor.report.head_to_head import (
+    HEADERS,
+    cost_lines,
+    settings_heading,
+    settings_lines,
+    sub_run_rows,
+    table_rows,
+)
 from dflash_doctor.report.sanitize import for_markdown_text
 from dflash_doctor.rundir.tables import HEAD_TO_HEAD_JSON
 
 st.title("Head-to-head: which speculator to deploy")
 found = ui.discovered_head_to_heads(str(ui.runs_dir()))
 if not found:
-    st.info(f"No head-to-head under `{ui.runs_dir()}`. Write one with `dflash-doctor check --draft A --draft ngram "
-            f"--out {ui.runs_dir()}/h2h ...` (docs/speculators.md).")
+    st.info(
+        f"No head-to-head under `{ui.runs_dir()}`. Write one with `dflash-doctor check --draft A --draft ngram "
+        f"--out {ui.runs_dir()}/h2h ...` (docs/speculators.md)."
+    )
     st.stop()
 picked = st.selectbox("Head-to-head", found)
 result = json.loads((Path(picked) / HEAD_TO_HEAD_JSON).read_text(encoding="utf-8"))
 runs = sub_run_rows(result)
-st.caption(for_markdown_text("Speculators: " + ", ".join(f"{s['name']} ({s['kind']}, {s.get('draft_shown', s['draft'])})"
-                                                         for s in result["speculators"])))
+st.caption(
+    for_markdown_text(
+        "Speculators: "
+        + ", ".join(f"{s['name']} ({s['kind']}, {s.get('draft_shown', s['draft'])})" for s in result["speculators"])
+    )
+)
 if runs:
-    st.caption(for_markdown_text(f"{runs[0]['created_at']} · {runs[0]['machine']} · dflash-doctor {runs[0]['tool_version']}"))
+    st.caption(
+        for_markdown_text(f"{runs[0]['created_at']} · {runs[0]['machine']} · dflash-doctor {runs[0]['tool_version']}")
+    )
 
 st.header("Verdict")
 for scope_result in result["scopes"].values():
@@ -42,21 +57,43 @@ for scope_result in result["scopes"].values():
         st.caption(for_markdown_text(settings_heading(verdict)))
         st.code("\n".join(f"{engine}: {setting}" for engine, setting in settings_lines(verdict)), language=None)
 st.header("Table")
-st.caption("The verdict's pick is marked *; speedups priced at each speculator's best K, intervals paired over requests.")
+st.caption(
+    "The verdict's pick is marked *; speedups priced at each speculator's best K, intervals paired over requests."
+)
 st.dataframe(pd.DataFrame(table_rows(result), columns=list(HEADERS)), hide_index=True)
 
 st.header("Per-position acceptance")
-scope = st.selectbox("Scope", list(result["scopes"])) or "overall"  # None only for an empty list, which a head-to-head never has
-st.plotly_chart(figures.head_to_head_positions_figure(scope, result["scopes"][scope]["rows"]), key="head_to_head_positions")
+scope = (
+    st.selectbox("Scope", list(result["scopes"])) or "overall"
+)  # None only for an empty list, which a head-to-head never has
+st.plotly_chart(
+    figures.head_to_head_positions_figure(scope, result["scopes"][scope]["rows"]), key="head_to_head_positions"
+)
 
 st.header("Step costs")
 st.code("\n".join(cost_lines(result)), language=None)
 
 if runs:
     st.header("Sub-runs")
-    st.caption("Each speculator's own check: its verdict, what warned or failed, and its folder (open it in the sidebar).")
-    st.dataframe(pd.DataFrame([{"speculator": r["name"], "verdict": r["verdict"], "warnings and failures": r["flagged"],
-                                "report": r["report"], "date": r["created_at"], "machine": r["machine"],
-                                "tool": r["tool_version"]} for r in runs]), hide_index=True)
+    st.caption(
+        "Each speculator's own check: its verdict, what warned or failed, and its folder (open it in the sidebar)."
+    )
+    st.dataframe(
+        pd.DataFrame(
+            [
+                {
+                    "speculator": r["name"],
+                    "verdict": r["verdict"],
+                    "warnings and failures": r["flagged"],
+                    "report": r["report"],
+                    "date": r["created_at"],
+                    "machine": r["machine"],
+                    "tool": r["tool_version"],
+                }
+                for r in runs
+            ]
+        ),
+        hide_index=True,
+    )
     st.caption("Commands (paths relative to the head-to-head folder):")
     st.code("\n".join(f"{r['command']}   # {r['name']}" for r in runs), language=None)

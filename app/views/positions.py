@@ -34,13 +34,18 @@ chosen = table[table["class"].isin(shown)]
 weakest = data.weakest_slots(chosen)
 st.caption(
     f"Weakest slot (lowest conditional acceptance among slots reached by at least {data.MIN_SLOT_REACH:.0%} of drafts): "
-    + ", ".join(f"**{for_markdown_text(row['class'])}** slot {int(row['slot'])} ({row['conditional']:.0%})" for _, row in weakest.iterrows())
+    + ", ".join(
+        f"**{for_markdown_text(row['class'])}** slot {int(row['slot'])} ({row['conditional']:.0%})"
+        for _, row in weakest.iterrows()
+    )
 )
 shown_classes = [c for c in shown if c != "overall"]
 shown_steps = run.steps[run.steps["class"].isin(shown_classes)] if shown_classes else run.steps
 st.plotly_chart(figures.acceptance_along_output_figure(shown_steps), key="positions_along_output")
 
 st.subheader("Per-slot rates")
-metric = st.segmented_control("Rate", ["unconditional", "conditional"], default="unconditional", key="positions_metric", required=True)
+metric = st.segmented_control(
+    "Rate", ["unconditional", "conditional"], default="unconditional", key="positions_metric", required=True
+)
 pivot = chosen.pivot(index="slot", columns="class", values=metric)[[c for c in shown if c in set(chosen["class"])]]
 st.dataframe(pivot, column_config={c: st.column_config.NumberColumn(c, format="percent") for c in pivot.columns})

@@ -19,7 +19,9 @@ REFRESH_EVERY_S = 10
 run = ui.current_run()
 ui.run_header(run, "Production")
 if not is_watch_run(run.record):
-    st.info("This page shows runs written by `dflash-doctor watch` (production telemetry). Open a watch run in the sidebar.")
+    st.info(
+        "This page shows runs written by `dflash-doctor watch` (production telemetry). Open a watch run in the sidebar."
+    )
     st.stop()
 
 
@@ -36,26 +38,50 @@ def watch_view(path: str) -> None:
 
     alerts = telemetry["alerts"]
     if alerts:
-        st.error(f"**{len(alerts)} alert(s)** in this watch; the latest: {for_markdown_text(alerts[-1]['message'])}", icon=":material/notifications_active:")
+        st.error(
+            f"**{len(alerts)} alert(s)** in this watch; the latest: {for_markdown_text(alerts[-1]['message'])}",
+            icon=":material/notifications_active:",
+        )
     elif not windows.empty:
         st.success("No alert in this watch.", icon=":material/check_circle:")
 
     if windows.empty:
-        st.info(f"No window yet: the watch has not finished its first window (this page looks again every {REFRESH_EVERY_S} s).")
+        st.info(
+            f"No window yet: the watch has not finished its first window (this page looks again every {REFRESH_EVERY_S} s)."
+        )
         return
 
     latest = windows.sort_values("end_s").groupby(["model", "class"], sort=True).tail(1)
     st.header("Latest window")
     st.dataframe(
-        latest[["model", "class", "status", "k", "num_drafts", "mean_acceptance_length", "mean_acceptance_length_lo", "mean_acceptance_length_hi",
-                "baseline_tau", "engine_mean_acceptance_length", "draft_acceptance_rate", "speedup", "best_k"]],
+        latest[
+            [
+                "model",
+                "class",
+                "status",
+                "k",
+                "num_drafts",
+                "mean_acceptance_length",
+                "mean_acceptance_length_lo",
+                "mean_acceptance_length_hi",
+                "baseline_tau",
+                "engine_mean_acceptance_length",
+                "draft_acceptance_rate",
+                "speedup",
+                "best_k",
+            ]
+        ],
         hide_index=True,
         column_config={
-            "mean_acceptance_length": st.column_config.NumberColumn("tau", format="%.2f", help="1 + accepted / drafts, bonus included (vLLM's definition)."),
+            "mean_acceptance_length": st.column_config.NumberColumn(
+                "tau", format="%.2f", help="1 + accepted / drafts, bonus included (vLLM's definition)."
+            ),
             "mean_acceptance_length_lo": st.column_config.NumberColumn("95% lo", format="%.2f"),
             "mean_acceptance_length_hi": st.column_config.NumberColumn("95% hi", format="%.2f"),
             "baseline_tau": st.column_config.NumberColumn("baseline", format="%.2f"),
-            "engine_mean_acceptance_length": st.column_config.NumberColumn("engine's tau", format="%.2f", help="What the engine itself printed or exported, where it does."),
+            "engine_mean_acceptance_length": st.column_config.NumberColumn(
+                "engine's tau", format="%.2f", help="What the engine itself printed or exported, where it does."
+            ),
             "draft_acceptance_rate": st.column_config.NumberColumn("accepted/drafted", format="%.3f"),
             "speedup": st.column_config.NumberColumn("net speedup", format="%.2fx"),
         },
@@ -70,7 +96,10 @@ def watch_view(path: str) -> None:
         for alert in reversed(alerts):
             when = pd.Timestamp(alert["time_s"], unit="s", tz="UTC").strftime("%Y-%m-%d %H:%M:%S UTC")
             # kind, series and message carry a server's labels (model names from /metrics): escaped, never Markdown
-            with st.expander(f"{when} · **{for_markdown_text(alert['kind'])}** · {for_markdown_text(alert['series'])}", expanded=alert is alerts[-1]):
+            with st.expander(
+                f"{when} · **{for_markdown_text(alert['kind'])}** · {for_markdown_text(alert['series'])}",
+                expanded=alert is alerts[-1],
+            ):
                 st.markdown(for_markdown_text(alert["message"]))
                 if alert["advice"]:
                     st.code("\n".join(alert["advice"]), language=None)

@@ -14,13 +14,21 @@ if not ui.has_requests(run):
 
 requests = data.with_length_bucket(run.requests)
 filters = st.columns(3)
-classes = filters[0].multiselect("Class", sorted(requests["class"].unique()), key="filter_class", placeholder="all classes")
-subclasses = filters[1].multiselect("Subclass", sorted(requests["subclass"].dropna().unique()), key="filter_subclass", placeholder="all subclasses")
-buckets = filters[2].multiselect(
-    "Prompt length (tokens)", sorted(requests["length_bucket"].unique(), key=lambda b: int(b.lstrip("<>=").split("-")[0])),
-    key="filter_length", placeholder="all lengths",
+classes = filters[0].multiselect(
+    "Class", sorted(requests["class"].unique()), key="filter_class", placeholder="all classes"
 )
-summary, table, chosen = ui.class_view(str(run.path), data.run_mtime_ns(run.path), tuple(classes), tuple(subclasses), tuple(buckets))
+subclasses = filters[1].multiselect(
+    "Subclass", sorted(requests["subclass"].dropna().unique()), key="filter_subclass", placeholder="all subclasses"
+)
+buckets = filters[2].multiselect(
+    "Prompt length (tokens)",
+    sorted(requests["length_bucket"].unique(), key=lambda b: int(b.lstrip("<>=").split("-")[0])),
+    key="filter_length",
+    placeholder="all lengths",
+)
+summary, table, chosen = ui.class_view(
+    str(run.path), data.run_mtime_ns(run.path), tuple(classes), tuple(subclasses), tuple(buckets)
+)
 if table.empty:
     st.warning("No drafted request matches these filters; clear one of them.")
     st.stop()
@@ -28,7 +36,9 @@ if classes or subclasses or buckets:
     st.caption(f"Recomputed over the {len(chosen):,} requests that match the filters (same bootstrap as the report).")
 
 left, right = st.columns(2)
-tau_event = left.plotly_chart(figures.tau_by_class_figure(summary), key="tau_chart", on_select="rerun", selection_mode="points")
+tau_event = left.plotly_chart(
+    figures.tau_by_class_figure(summary), key="tau_chart", on_select="rerun", selection_mode="points"
+)
 right.plotly_chart(charts.rejection_rate_figure(table), key="rejection_chart")
 
 st.dataframe(
@@ -61,7 +71,9 @@ assert cls is not None, "drill_options is never empty: the table has a row per c
 
 st.plotly_chart(charts.request_tau_figure(chosen), key="request_tau_chart")
 class_requests = data.class_requests(chosen, cls)
-st.caption(f"{len(class_requests):,} requests of class **{for_markdown_text(cls)}**, lowest tau first. Select a row to open its tokens.")
+st.caption(
+    f"{len(class_requests):,} requests of class **{for_markdown_text(cls)}**, lowest tau first. Select a row to open its tokens."
+)
 selection = st.dataframe(
     class_requests,
     hide_index=True,

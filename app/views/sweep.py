@@ -22,24 +22,37 @@ st.plotly_chart(figures.speedup_by_k_figure(sweep, recommendation), key="sweep_s
 if recommendation:
     st.subheader("Recommended K per class")
     rec = data.recommendation_table(recommendation)
-    st.dataframe(rec, hide_index=True, column_config={"k": "K", "conservative_k": "conservative K",
-                                                       "speedup": st.column_config.NumberColumn(format="%.2fx"),
-                                                       "reason": st.column_config.TextColumn(width="large")})
+    st.dataframe(
+        rec,
+        hide_index=True,
+        column_config={
+            "k": "K",
+            "conservative_k": "conservative K",
+            "speedup": st.column_config.NumberColumn(format="%.2fx"),
+            "reason": st.column_config.TextColumn(width="large"),
+        },
+    )
     off = rec[rec["k"] == 0]["class"].tolist()
     if off:
-        st.warning(f"Speculation off recommended for: {for_markdown_text(', '.join(off))} (no K beats plain decoding there).")
+        st.warning(
+            f"Speculation off recommended for: {for_markdown_text(', '.join(off))} (no K beats plain decoding there)."
+        )
 
 table = data.sweep_table(sweep)
 st.subheader("Speedup by K")
 pivot = table.pivot(index="k", columns="class", values="speedup")
 st.dataframe(pivot, column_config={c: st.column_config.NumberColumn(c, format="%.2fx") for c in pivot.columns})
 if (table["estimate"] == "truncated").any():
-    st.caption("Some rows are truncation estimates: tau(K) read off a run at a larger K. Exact for autoregressive drafts; "
-               "for DFlash a shorter block changes the draft's own predictions, so re-run at that K to confirm.")
+    st.caption(
+        "Some rows are truncation estimates: tau(K) read off a run at a larger K. Exact for autoregressive drafts; "
+        "for DFlash a shorter block changes the draft's own predictions, so re-run at that K to confirm."
+    )
 
 costs = sweep.step_costs()
 st.subheader("Step costs behind the estimate")
-st.caption(f"Source: **{for_markdown_text(costs.source)}** on **{for_markdown_text(costs.device)}**; plain decode step "
-           f"{1000 * costs.t_decode_s:.1f} ms. speedup(K) = tau(K) x t_decode / (t_draft(K) + t_verify(K)).")
+st.caption(
+    f"Source: **{for_markdown_text(costs.source)}** on **{for_markdown_text(costs.device)}**; plain decode step "
+    f"{1000 * costs.t_decode_s:.1f} ms. speedup(K) = tau(K) x t_decode / (t_draft(K) + t_verify(K))."
+)
 cost_table = data.step_cost_table(sweep)
 st.dataframe(cost_table, column_config={c: st.column_config.NumberColumn(c, format="%.1f") for c in cost_table.columns})

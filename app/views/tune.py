@@ -12,13 +12,24 @@ import streamlit as st
 from dflash_doctor.report.sanitize import for_markdown_text
 from dflash_doctor.app import ui
 from dflash_doctor.rundir.tables import TUNE_JSON
-from dflash_doctor.tune.views import (MEASURED_COLUMNS, PREDICTION_COLUMNS, figures, fit_lines, grid_line, measured_rows, prediction_rows,
-                                     recommendation_lines, warning_lines)
+from dflash_doctor.tune.views import (
+    MEASURED_COLUMNS,
+    PREDICTION_COLUMNS,
+    figures,
+    fit_lines,
+    grid_line,
+    measured_rows,
+    prediction_rows,
+    recommendation_lines,
+    warning_lines,
+)
 
 st.title("Tune: K on your engine")
 found = ui.discovered_tune_runs(str(ui.runs_dir()))
 if not found:
-    st.info(f"No tune run under `{ui.runs_dir()}`. Write one with `dflash-doctor tune --out {ui.runs_dir()}/tune ...` (docs/tune.md).")
+    st.info(
+        f"No tune run under `{ui.runs_dir()}`. Write one with `dflash-doctor tune --out {ui.runs_dir()}/tune ...` (docs/tune.md)."
+    )
     st.stop()
 picked = st.selectbox("Tune run", found)
 result = json.loads((Path(picked) / TUNE_JSON).read_text(encoding="utf-8"))

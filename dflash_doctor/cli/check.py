@@ -18,20 +18,37 @@ from dflash_doctor.cli.output import print_json
 from dflash_doctor.serving.http import secret
 from dflash_doctor.report.head_to_head import check_verdict, print_head_to_head, sub_run_line
 from dflash_doctor.report.sanitize import for_terminal
-from dflash_doctor.report.terminal import print_check_results, print_class_summary, print_server_comparison, print_sweep, print_why_rejected
+from dflash_doctor.report.terminal import (
+    print_check_results,
+    print_class_summary,
+    print_server_comparison,
+    print_sweep,
+    print_why_rejected,
+)
 
 if TYPE_CHECKING:
     from dflash_doctor import pipeline
 
-Scenario = Annotated[Optional[str], typer.Option("--scenario", help="Reproduce a real failure on the demo pair; `--scenario list` names them.")]
+Scenario = Annotated[
+    Optional[str],
+    typer.Option("--scenario", help="Reproduce a real failure on the demo pair; `--scenario list` names them."),
+]
 Only = Annotated[Optional[str], typer.Option("--only", help="Comma-separated check ids to run (default: all).")]
 Skip = Annotated[Optional[str], typer.Option("--skip", help="Comma-separated check ids to leave out.")]
-Drafts = Annotated[Optional[list[str]], typer.Option(
-    "--draft", metavar="PATH|ORG/NAME|KIND", help="Draft model: local dir, hub id (org/name or org/name@revision), .gguf file, a speculator without weights "
-    "(ngram, ngram:prompt_lookup_min=2,prompt_lookup_max=5, suffix, suffix:suffix_decoding_max_tree_depth=24, mtp: the target's own MTP head), "
-    "demo (the built-in DFlash draft) or demo-eagle3 (the built-in EAGLE-3 head of the same target). Repeat it to compare "
-    "speculators head-to-head on the same prompts.", show_default="the built-in demo DFlash draft", envvar="DFLASH_DOCTOR_DRAFT",
-    show_envvar=True)]
+Drafts = Annotated[
+    Optional[list[str]],
+    typer.Option(
+        "--draft",
+        metavar="PATH|ORG/NAME|KIND",
+        help="Draft model: local dir, hub id (org/name or org/name@revision), .gguf file, a speculator without weights "
+        "(ngram, ngram:prompt_lookup_min=2,prompt_lookup_max=5, suffix, suffix:suffix_decoding_max_tree_depth=24, mtp: the target's own MTP head), "
+        "demo (the built-in DFlash draft) or demo-eagle3 (the built-in EAGLE-3 head of the same target). Repeat it to compare "
+        "speculators head-to-head on the same prompts.",
+        show_default="the built-in demo DFlash draft",
+        envvar="DFLASH_DOCTOR_DRAFT",
+        show_envvar=True,
+    ),
+]
 DEMO_DRAFT = "demo"  # --draft demo: the built-in demo draft, as when no --draft is given
 DEMO_EAGLE3 = "demo-eagle3"  # the built-in EAGLE-3 head of the demo target, the other half of the demo's head-to-head
 
@@ -65,12 +82,29 @@ warning); 2 bad input; 128 + the signal when stopped (130 Ctrl-C, 143 SIGTERM; f
 def check_json(outcome: pipeline.Outcome, code: int) -> dict[str, Any]:
     """`check --json`: report.json's keys (written by the pipeline in the run directory) plus where the run
     is and the exit code, so a script needs neither the run directory's name nor a second read."""
-    return {**json.loads((outcome.run_dir / "report.json").read_text(encoding="utf-8")), "run_dir": str(outcome.run_dir), "exit_code": code}
+    return {
+        **json.loads((outcome.run_dir / "report.json").read_text(encoding="utf-8")),
+        "run_dir": str(outcome.run_dir),
+        "exit_code": code,
+    }
 
 
 @app.command(epilog=EPILOG)
-@opt.config_command(*(name for name in opt.REPLAY_FLAGS if name != "draft"), "devices", "fail_on", "cost_profile", "timing_budget_s", "strict_classes", "engine_config",
-                    "engine", "engine_model", "engine_concurrency", "engine_timeout_s", "plotly", beside={"drafts": "target"})
+@opt.config_command(
+    *(name for name in opt.REPLAY_FLAGS if name != "draft"),
+    "devices",
+    "fail_on",
+    "cost_profile",
+    "timing_budget_s",
+    "strict_classes",
+    "engine_config",
+    "engine",
+    "engine_model",
+    "engine_concurrency",
+    "engine_timeout_s",
+    "plotly",
+    beside={"drafts": "target"},
+)
 def check(
     config: DoctorConfig,
     scenario: Scenario = None,
@@ -110,17 +144,26 @@ def check(
     for check_id in only_ids + skip_ids:
         get_check(check_id)  # an unknown id fails now, with "did you mean", before any model work
     if config.engine is not None and config.devices:
-        raise UsageError("--devices spreads the local replay over processes, --engine measures a server; drop one of them.")
+        raise UsageError(
+            "--devices spreads the local replay over processes, --engine measures a server; drop one of them."
+        )
     if config.engine is not None and scenario is not None:
         raise UsageError("--scenario reproduces failures on the embedded demo pair; drop it or drop --engine.")
     api_key = secret(engine_api_key, "--engine-api-key") if engine_api_key else None
     if (code := sharding.launch_ranks(config, "check")) is not None:
         raise typer.Exit(code)
     if config.engine is not None:
-        outcome = run_with_progress(lambda progress: pipeline.run_server_check(config, only=only_ids, skip=skip_ids, progress=progress, api_key=api_key))
+        outcome = run_with_progress(
+            lambda progress: pipeline.run_server_check(
+                config, only=only_ids, skip=skip_ids, progress=progress, api_key=api_key
+            )
+        )
     else:
-        outcome = run_with_progress(lambda progress: pipeline.run_check(config, scenario=chosen, only=only_ids, skip=skip_ids,
-                                                                        exact_blocks=exact_blocks, progress=progress))
+        outcome = run_with_progress(
+            lambda progress: pipeline.run_check(
+                config, scenario=chosen, only=only_ids, skip=skip_ids, exact_blocks=exact_blocks, progress=progress
+            )
+        )
     record = outcome.record
     if config.engine is not None:
         print_class_summary(record, record.source.details.get("num_spec_tokens") or 0, out_console)
@@ -138,8 +181,16 @@ def check(
         raise typer.Exit(code)
 
 
-def _head_to_head(config: DoctorConfig, drafts: list[str | None], scenario: str | None, only: str | None, skip: str | None,
-                  exact_blocks: bool, json_output: bool, out_console: Console) -> None:
+def _head_to_head(
+    config: DoctorConfig,
+    drafts: list[str | None],
+    scenario: str | None,
+    only: str | None,
+    skip: str | None,
+    exact_blocks: bool,
+    json_output: bool,
+    out_console: Console,
+) -> None:
     """``check --draft A --draft B ...``: each speculator's check, then the head-to-head table and verdict, then
     one line per speculator with its check verdict (pass / warn / fail) and the checks that warned or failed.
     Exit code as for one check over every speculator's checks: 1 when any sub-run's verdict meets --fail-on."""
@@ -151,18 +202,31 @@ def _head_to_head(config: DoctorConfig, drafts: list[str | None], scenario: str 
     only_ids, skip_ids = _ids(only), _ids(skip)
     for check_id in only_ids + skip_ids:
         get_check(check_id)
-    result = run_with_progress(lambda progress: pipeline.run_head_to_head(config, drafts, only=only_ids, skip=skip_ids,
-                                                                          exact_blocks=exact_blocks, progress=progress))
+    result = run_with_progress(
+        lambda progress: pipeline.run_head_to_head(
+            config, drafts, only=only_ids, skip=skip_ids, exact_blocks=exact_blocks, progress=progress
+        )
+    )
     codes = {}
     print_head_to_head(result.head_to_head, out_console)
     for name, outcome in result.outcomes.items():  # each sub-run's own verdict word and what warned or failed
         codes[name] = exit_code(outcome.record.checks, config.fail_on)
         verdict, flagged = check_verdict((check.id, check.status) for check in outcome.record.checks)
-        out_console.print(f"{for_terminal(sub_run_line(name, verdict, flagged))}: {for_terminal(outcome.run_dir)}/report.html")
-    out_console.print(f"head-to-head: {result.root} (head_to_head.html, head_to_head.md, head_to_head.json; one check per sub-folder)")
+        out_console.print(
+            f"{for_terminal(sub_run_line(name, verdict, flagged))}: {for_terminal(outcome.run_dir)}/report.html"
+        )
+    out_console.print(
+        f"head-to-head: {result.root} (head_to_head.html, head_to_head.md, head_to_head.json; one check per sub-folder)"
+    )
     code = max(codes.values())
     if json_output:
-        print_json({"head_to_head": result.head_to_head, "runs": {name: check_json(outcome, codes[name]) for name, outcome in result.outcomes.items()},
-                    "run_dir": str(result.root), "exit_code": code})
+        print_json(
+            {
+                "head_to_head": result.head_to_head,
+                "runs": {name: check_json(outcome, codes[name]) for name, outcome in result.outcomes.items()},
+                "run_dir": str(result.root),
+                "exit_code": code,
+            }
+        )
     if code:
         raise typer.Exit(code)

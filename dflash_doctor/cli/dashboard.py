@@ -40,13 +40,23 @@ def app_main_path() -> Path:
 def streamlit_command(host: str, port: int) -> list[str]:
     """The exact command the dashboard runs: headless (no browser opened), no usage statistics."""
     return [
-        sys.executable, "-m", "streamlit", "run", str(app_main_path()),
-        "--server.headless", "true",
-        "--server.address", host,
-        "--server.port", str(port),
-        "--browser.gatherUsageStats", "false",
-        "--server.fileWatcherType", "none",
-        "--client.toolbarMode", "viewer",  # no "Deploy" button: this is a local viewer
+        sys.executable,
+        "-m",
+        "streamlit",
+        "run",
+        str(app_main_path()),
+        "--server.headless",
+        "true",
+        "--server.address",
+        host,
+        "--server.port",
+        str(port),
+        "--browser.gatherUsageStats",
+        "false",
+        "--server.fileWatcherType",
+        "none",
+        "--client.toolbarMode",
+        "viewer",  # no "Deploy" button: this is a local viewer
     ]
 
 
@@ -63,18 +73,27 @@ def port_is_free(host: str, port: int) -> bool:
 
 @app.command("dashboard", epilog="Example: dflash-doctor dashboard runs --port 8501")
 def dashboard(
-    runs_dir: Annotated[Optional[Path], typer.Argument(help="A folder of run directories, or one run directory (default: ./runs).", show_default=False)] = None,
+    runs_dir: Annotated[
+        Optional[Path],
+        typer.Argument(help="A folder of run directories, or one run directory (default: ./runs).", show_default=False),
+    ] = None,
     port: Annotated[int, typer.Option("--port", help="Port to serve on.")] = DEFAULT_PORT,
-    host: Annotated[str, typer.Option("--host", help="Address to bind; keep 127.0.0.1 unless you mean to share the run data.")] = DEFAULT_HOST,
+    host: Annotated[
+        str, typer.Option("--host", help="Address to bind; keep 127.0.0.1 unless you mean to share the run data.")
+    ] = DEFAULT_HOST,
 ) -> None:
     """Launch the interactive dashboard: rejection by class, positions, tokens, sweep and run comparison."""
     folder = runs_dir if runs_dir is not None else Path("runs")
     if runs_dir is not None and not runs_dir.is_dir():
-        raise UsageError(f"RUNS_DIR {runs_dir} is not a folder; pass a folder of run directories (e.g. runs/) or one run directory.")
+        raise UsageError(
+            f"RUNS_DIR {runs_dir} is not a folder; pass a folder of run directories (e.g. runs/) or one run directory."
+        )
     if not 1 <= port <= 65535:
         raise UsageError(f"--port {port} is outside 1-65535; pass a free port such as {DEFAULT_PORT}.")
     if not port_is_free(host, port):
-        raise UsageError(f"--port {port} on {host} is already in use (or the address is not local); pass another --port.")
+        raise UsageError(
+            f"--port {port} on {host} is already in use (or the address is not local); pass another --port."
+        )
     env = {**os.environ, RUNS_DIR_ENV: str(folder.resolve())}
     typer.echo(f"dflash-doctor dashboard: http://{host}:{port}  (runs from {folder.resolve()}; Ctrl-C to stop)")
     returncode, stopped = serve(streamlit_command(host, port), env)
@@ -99,7 +118,9 @@ def serve(command: list[str], env: dict[str, str]) -> tuple[int, bool]:
     a failure, however the server reports it.
     """
     server = subprocess.Popen(
-        command, env=env, process_group=0,
+        command,
+        env=env,
+        process_group=0,
         preexec_fn=_stop_when_parent_dies if sys.platform.startswith("linux") else None,
     )
     stopped = False

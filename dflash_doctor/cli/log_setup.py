@@ -27,7 +27,9 @@ OURS = "dflash_doctor"
 # Loggers of the libraries the tool drives; every other logger stays at the root's level (theirs).
 LIBRARIES = ("transformers", "huggingface_hub", "accelerate", "torch", "py.warnings")
 
-_HANDLER = RichHandler(console=Console(stderr=True), show_time=False, show_path=False, markup=False, rich_tracebacks=False)
+_HANDLER = RichHandler(
+    console=Console(stderr=True), show_time=False, show_path=False, markup=False, rich_tracebacks=False
+)
 
 
 def configure_logging(verbosity: int) -> None:
@@ -49,7 +51,9 @@ def configure_logging(verbosity: int) -> None:
     # The libraries are imported by the commands that need them, after this runs (a monitoring install has
     # none of them): their import-time settings come from the environment; a library already imported (a
     # test's process) is set directly.
-    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "0" if verbosity >= 1 else "1"  # read by huggingface_hub and transformers
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = (
+        "0" if verbosity >= 1 else "1"
+    )  # read by huggingface_hub and transformers
     os.environ["TRANSFORMERS_VERBOSITY"] = logging.getLevelName(theirs).lower()
     transformers_logging = sys.modules.get("transformers.utils.logging")
     if transformers_logging is not None:

@@ -30,8 +30,13 @@ def progress_bar(console: Console) -> Callable[[int], AbstractContextManager[Cal
     @contextmanager
     def factory(total_turns: int) -> Iterator[Callable[[GenerationResult], None]]:
         bar = Progress(
-            TextColumn("[bold]replay"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[stats]}"),
-            TimeElapsedColumn(), console=console, transient=False,
+            TextColumn("[bold]replay"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[stats]}"),
+            TimeElapsedColumn(),
+            console=console,
+            transient=False,
         )
         task = bar.add_task("replay", total=total_turns, stats="")
         totals = {"tokens": 0, "drafts": 0, "accepted": 0}
@@ -62,8 +67,14 @@ def stage_indicator(console: Console) -> StageListener:
     def indicator(description: str) -> Iterator[None]:
         outermost = not shown
         if outermost:
-            shown.append(Progress(SpinnerColumn(finished_text="[green]✓"), TextColumn("{task.description}"), TimeElapsedColumn(),
-                                  console=console))
+            shown.append(
+                Progress(
+                    SpinnerColumn(finished_text="[green]✓"),
+                    TextColumn("{task.description}"),
+                    TimeElapsedColumn(),
+                    console=console,
+                )
+            )
             shown[0].start()
         task = shown[0].add_task(description, total=1)
         try:
@@ -92,4 +103,3 @@ def run_with_progress(command: Callable[[ProgressFactory], Outcome]) -> Outcome:
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM / SIGHUP (dflash_doctor.processes): 128 + the signal
         console.print("[yellow]interrupted[/]: finished requests are kept in the run directory")
         raise typer.Exit(exit_code_of(exc))
-

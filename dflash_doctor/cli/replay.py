@@ -20,7 +20,11 @@ def replay(config: DoctorConfig) -> None:
     outcome = run_with_progress(lambda progress: pipeline.run_replay(config, progress=progress))
     console = Console(stderr=True)
     overall = outcome.record.summary.overall
-    tau = overall.mean_acceptance_length if overall is not None and overall.mean_acceptance_length is not None else float("nan")
+    tau = (
+        overall.mean_acceptance_length
+        if overall is not None and overall.mean_acceptance_length is not None
+        else float("nan")
+    )
     console.print(
         f"wrote {outcome.run_dir}  tau {tau:.2f} over {overall.num_drafts if overall else 0} drafts, "
         f"{overall.num_requests if overall else 0} requests"

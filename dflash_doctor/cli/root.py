@@ -29,24 +29,71 @@ from dflash_doctor.errors import UsageError
 from dflash_doctor.processes import EXIT_CRASH, exit_code_of, stop_signals_raise
 
 # what the CLI layer itself raises to end a command with a code or a message: never a crash
-_ENDINGS: tuple[type[BaseException], ...] = tuple({typer.Exit, typer.Abort, click.exceptions.Exit, click.exceptions.Abort, click.ClickException,
-                  *(base for base in typer.BadParameter.__mro__ if base.__name__ == "ClickException")})
+_ENDINGS: tuple[type[BaseException], ...] = tuple(
+    {
+        typer.Exit,
+        typer.Abort,
+        click.exceptions.Exit,
+        click.exceptions.Abort,
+        click.ClickException,
+        *(base for base in typer.BadParameter.__mro__ if base.__name__ == "ClickException"),
+    }
+)
 
 # command -> (its module, the first line of its docstring or its group's help), in --help order
 COMMANDS: dict[str, tuple[str, str]] = {
-    "check": ("dflash_doctor.cli.check", "Is the pair set up right, where does the draft lose, which K to serve? Exit 0 pass/warn, 1 fail or error, 2 bad input."),
-    "replay": ("dflash_doctor.cli.replay", "Replay prompts through the live speculative loop (K = the largest --k) and write a run directory."),
-    "sweep": ("dflash_doctor.cli.sweep", "Teacher-forced replay answering every K at once (default K = 1..block-1 or 1-8), net speedup per class, recommended K."),
-    "train-draft": ("dflash_doctor.cli.train_draft", "Train or fine-tune a DFlash draft or an EAGLE-3 head against a target; writes the checkpoint and a model card."),
-    "tokenizers": ("dflash_doctor.cli.single_checks", "Compare two tokenizers: ids over the whole vocabulary, special tokens, pipeline, corpus round-trip."),
-    "templates": ("dflash_doctor.cli.single_checks", "Render canonical conversations with both chat templates and show the first differing bytes."),
-    "env": ("dflash_doctor.cli.single_checks", "Show versions and hardware, and check them (and --engine-config) against known incompatibilities."),
-    "compare": ("dflash_doctor.cli.compare", "Per-class regression gate: exit 1 when tau or a per-position rate drops past its threshold with separated 95% intervals; exit 2 when a run has no drafted steps (nothing to compare)."),
-    "report": ("dflash_doctor.cli.report", "Re-render a run as report.html, report.md, report.json and junit.xml (no model is loaded)."),
-    "dashboard": ("dflash_doctor.cli.dashboard", "Launch the interactive dashboard: rejection by class, positions, tokens, sweep and run comparison."),
-    "watch": ("dflash_doctor.cli.watch", "Watch production acceptance: windowed tau per model/class, alerts vs a baseline, fallback advice."),
-    "tune": ("dflash_doctor.cli.tune", "Measure K = 0 (off) and each K on your engine per class and load; fit its step costs, predict the rest, recommend its setting."),
-    "workloads": ("dflash_doctor.cli.workloads", "List the built-in prompt sets with counts per class; `show NAME` prints a few requests."),
+    "check": (
+        "dflash_doctor.cli.check",
+        "Is the pair set up right, where does the draft lose, which K to serve? Exit 0 pass/warn, 1 fail or error, 2 bad input.",
+    ),
+    "replay": (
+        "dflash_doctor.cli.replay",
+        "Replay prompts through the live speculative loop (K = the largest --k) and write a run directory.",
+    ),
+    "sweep": (
+        "dflash_doctor.cli.sweep",
+        "Teacher-forced replay answering every K at once (default K = 1..block-1 or 1-8), net speedup per class, recommended K.",
+    ),
+    "train-draft": (
+        "dflash_doctor.cli.train_draft",
+        "Train or fine-tune a DFlash draft or an EAGLE-3 head against a target; writes the checkpoint and a model card.",
+    ),
+    "tokenizers": (
+        "dflash_doctor.cli.single_checks",
+        "Compare two tokenizers: ids over the whole vocabulary, special tokens, pipeline, corpus round-trip.",
+    ),
+    "templates": (
+        "dflash_doctor.cli.single_checks",
+        "Render canonical conversations with both chat templates and show the first differing bytes.",
+    ),
+    "env": (
+        "dflash_doctor.cli.single_checks",
+        "Show versions and hardware, and check them (and --engine-config) against known incompatibilities.",
+    ),
+    "compare": (
+        "dflash_doctor.cli.compare",
+        "Per-class regression gate: exit 1 when tau or a per-position rate drops past its threshold with separated 95% intervals; exit 2 when a run has no drafted steps (nothing to compare).",
+    ),
+    "report": (
+        "dflash_doctor.cli.report",
+        "Re-render a run as report.html, report.md, report.json and junit.xml (no model is loaded).",
+    ),
+    "dashboard": (
+        "dflash_doctor.cli.dashboard",
+        "Launch the interactive dashboard: rejection by class, positions, tokens, sweep and run comparison.",
+    ),
+    "watch": (
+        "dflash_doctor.cli.watch",
+        "Watch production acceptance: windowed tau per model/class, alerts vs a baseline, fallback advice.",
+    ),
+    "tune": (
+        "dflash_doctor.cli.tune",
+        "Measure K = 0 (off) and each K on your engine per class and load; fit its step costs, predict the rest, recommend its setting.",
+    ),
+    "workloads": (
+        "dflash_doctor.cli.workloads",
+        "List the built-in prompt sets with counts per class; `show NAME` prints a few requests.",
+    ),
 }
 
 
@@ -63,8 +110,11 @@ ENVIRONMENT_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
 def _crash() -> NoReturn:
     """An unexpected exception (a bug): its traceback and exit :data:`EXIT_CRASH`."""
     traceback.print_exc(file=sys.stderr)
-    typer.echo(f"dflash-doctor crashed (an internal error, not your input): exit {EXIT_CRASH}; "
-               "please report it with the traceback above.", err=True)
+    typer.echo(
+        f"dflash-doctor crashed (an internal error, not your input): exit {EXIT_CRASH}; "
+        "please report it with the traceback above.",
+        err=True,
+    )
     raise typer.Exit(EXIT_CRASH) from None
 
 
@@ -119,9 +169,11 @@ class _CommandsOnDemand(TyperGroup):
                     _stdout_closed()
                 if exc.errno not in ENVIRONMENT_ERRNOS:
                     _crash()
-                raise UsageError(f"writing {exc.filename or 'the output'} failed ({exc.strerror}: the disk or quota is "
-                                 f"full, or the file system is read-only); free space or pass --out a folder on "
-                                 f"another disk.") from None
+                raise UsageError(
+                    f"writing {exc.filename or 'the output'} failed ({exc.strerror}: the disk or quota is "
+                    f"full, or the file system is read-only); free space or pass --out a folder on "
+                    f"another disk."
+                ) from None
             except Exception:
                 _crash()
 
@@ -133,19 +185,28 @@ class _CommandsOnDemand(TyperGroup):
             importlib.import_module(COMMANDS[cmd_name][0])  # registers its command(s) on `app`
             for info in app.registered_commands:
                 if registered_command_name(info) == cmd_name:
-                    self.commands[cmd_name] = get_command_from_info(info, pretty_exceptions_short=app.pretty_exceptions_short,
-                                                                    rich_markup_mode=self.rich_markup_mode)
+                    self.commands[cmd_name] = get_command_from_info(
+                        info,
+                        pretty_exceptions_short=app.pretty_exceptions_short,
+                        rich_markup_mode=self.rich_markup_mode,
+                    )
             for group in app.registered_groups:
                 if group.name == cmd_name:
-                    self.commands[cmd_name] = get_group_from_info(group, pretty_exceptions_short=app.pretty_exceptions_short,
-                                                                  suggest_commands=True, rich_markup_mode=self.rich_markup_mode)
+                    self.commands[cmd_name] = get_group_from_info(
+                        group,
+                        pretty_exceptions_short=app.pretty_exceptions_short,
+                        suggest_commands=True,
+                        rich_markup_mode=self.rich_markup_mode,
+                    )
         return super().get_command(ctx, cmd_name)
 
     def format_commands(self, ctx, formatter) -> None:
         rows = []
         for name in self.list_commands(ctx):
             command = self.commands.get(name) or click.Command(name, help=COMMANDS[name][1])
-            if not command.hidden:  # the whole summary, wrapped by write_dl at the terminal's width: never cut with "..."
+            if (
+                not command.hidden
+            ):  # the whole summary, wrapped by write_dl at the terminal's width: never cut with "..."
                 rows.append((name, command.get_short_help_str(limit=sys.maxsize)))
         with formatter.section("Commands"):
             formatter.write_dl(rows)
@@ -172,15 +233,24 @@ def _print_version(asked: bool) -> None:
         raise typer.Exit()
 
 
-@app.callback(epilog="Example: dflash-doctor -v check --target ./target --draft ./draft --json > result.json\n\n"
-                    "Exit codes (every command): 0 done, 1 a finding (failed check, regression, alert), 2 bad input, "
-                    f"{EXIT_CRASH} a crash (a bug: restart or report it), 128+N ended by signal N (130 Ctrl-C, 143 SIGTERM).")
+@app.callback(
+    epilog="Example: dflash-doctor -v check --target ./target --draft ./draft --json > result.json\n\n"
+    "Exit codes (every command): 0 done, 1 a finding (failed check, regression, alert), 2 bad input, "
+    f"{EXIT_CRASH} a crash (a bug: restart or report it), 128+N ended by signal N (130 Ctrl-C, 143 SIGTERM)."
+)
 def _tool_options(
-    version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
-                                 help="Print the installed version and exit."),
-    verbose: int = typer.Option(0, "--verbose", "-v", count=True, show_default=False,
-                                help="More on stderr: -v info and the warnings and download bars of transformers and "
-                                     "huggingface_hub (hidden by default), -vv debug."),
+    version: bool = typer.Option(
+        False, "--version", callback=_print_version, is_eager=True, help="Print the installed version and exit."
+    ),
+    verbose: int = typer.Option(
+        0,
+        "--verbose",
+        "-v",
+        count=True,
+        show_default=False,
+        help="More on stderr: -v info and the warnings and download bars of transformers and "
+        "huggingface_hub (hidden by default), -vv debug.",
+    ),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Errors only: no progress bars, no warnings."),
 ) -> None:
     """Diagnose why a speculator is rejected and what to do about it: a DFlash draft (dflash), an EAGLE-3 head (eagle3), a

@@ -21,7 +21,12 @@ from dflash_doctor.cli.root import app
 from dflash_doctor.cli.options import config_command
 from dflash_doctor.inputs.config import DoctorConfig
 
-TargetArg = Annotated[str, typer.Argument(help="Target side: model dir, tokenizer dir, tokenizer.json or .gguf (templates: also a .jinja file).")]
+TargetArg = Annotated[
+    str,
+    typer.Argument(
+        help="Target side: model dir, tokenizer dir, tokenizer.json or .gguf (templates: also a .jinja file)."
+    ),
+]
 DraftArg = Annotated[str, typer.Argument(help="Draft side, same forms as the target.")]
 Thinking = Optional[bool]
 
@@ -57,8 +62,20 @@ def templates_command(
     config: DoctorConfig,
     target: TargetArg,
     draft: DraftArg,
-    target_enable_thinking: Annotated[Thinking, typer.Option("--target-enable-thinking/--target-disable-thinking", help="Pin enable_thinking for the served template (default: render both ways).")] = None,
-    draft_enable_thinking: Annotated[Thinking, typer.Option("--draft-enable-thinking/--draft-disable-thinking", help="Pin enable_thinking for the draft's template, e.g. as it was trained.")] = None,
+    target_enable_thinking: Annotated[
+        Thinking,
+        typer.Option(
+            "--target-enable-thinking/--target-disable-thinking",
+            help="Pin enable_thinking for the served template (default: render both ways).",
+        ),
+    ] = None,
+    draft_enable_thinking: Annotated[
+        Thinking,
+        typer.Option(
+            "--draft-enable-thinking/--draft-disable-thinking",
+            help="Pin enable_thinking for the draft's template, e.g. as it was trained.",
+        ),
+    ] = None,
 ) -> None:
     """Render canonical conversations with both chat templates and show the first differing bytes."""
     from dflash_doctor.checks import CheckContext  # torch: not for --help
@@ -66,10 +83,20 @@ def templates_command(
     target_template, target_tokenizer = load_template_spec(target, "target")
     draft_template, draft_tokenizer = load_template_spec(draft, "draft")
     ctx = CheckContext(
-        target_tokenizer=target_tokenizer, draft_tokenizer=draft_tokenizer,
-        target_template=target_template, draft_template=draft_template, config=config,
+        target_tokenizer=target_tokenizer,
+        draft_tokenizer=draft_tokenizer,
+        target_template=target_template,
+        draft_template=draft_template,
+        config=config,
     )
-    pins = {k: v for k, v in {"target_enable_thinking": target_enable_thinking, "draft_enable_thinking": draft_enable_thinking}.items() if v is not None}
+    pins = {
+        k: v
+        for k, v in {
+            "target_enable_thinking": target_enable_thinking,
+            "draft_enable_thinking": draft_enable_thinking,
+        }.items()
+        if v is not None
+    }
     _finish(ctx, "chat-template-parity", config.fail_on, pins)
 
 

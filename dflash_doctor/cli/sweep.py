@@ -22,6 +22,8 @@ def sweep(config: DoctorConfig, exact_blocks: opt.ExactBlocks = False) -> None:
 
     if (code := sharding.launch_ranks(config, "sweep")) is not None:
         raise typer.Exit(code)
-    outcome = run_with_progress(lambda progress: pipeline.run_sweep(config, exact_blocks=exact_blocks, progress=progress))
+    outcome = run_with_progress(
+        lambda progress: pipeline.run_sweep(config, exact_blocks=exact_blocks, progress=progress)
+    )
     print_sweep(outcome.record, Console())
     Console(stderr=True).print(f"wrote {outcome.run_dir}")

@@ -39,7 +39,21 @@ def _fmt(value: float | None, digits: int = 2) -> str:
 
 def verdict_table(verdicts: list[WindowVerdict], title: str) -> Table:
     """One row per series; columns with nothing to show (no baseline, no costs, ...) are left out."""
-    columns: dict[str, list[str]] = {name: [] for name in ("series", "K", "drafts", "tau", "95% CI", "baseline", "r_1..r_3", "engine tau", "speedup", "status")}
+    columns: dict[str, list[str]] = {
+        name: []
+        for name in (
+            "series",
+            "K",
+            "drafts",
+            "tau",
+            "95% CI",
+            "baseline",
+            "r_1..r_3",
+            "engine tau",
+            "speedup",
+            "status",
+        )
+    }
     for v in verdicts:
         ci = v.mean_acceptance_length_ci
         drafts = v.window.counts.num_drafts
@@ -52,8 +66,12 @@ def verdict_table(verdicts: list[WindowVerdict], title: str) -> Table:
         columns["r_1..r_3"].append(", ".join(f"{r:.2f}" for r in (v.acceptance_rate_per_pos or [])[:3]) or "-")
         columns["engine tau"].append(_fmt(v.window.reported.get("mean_acceptance_length")))
         columns["speedup"].append("-" if v.speedup is None else f"{v.speedup:.2f}x")
-        columns["status"].append("[bold red]ALERT: " + ", ".join(a.kind for a in v.alerts) + "[/]" if v.alerts else v.status)
-    shown = [name for name, values in columns.items() if name in ("series", "tau", "status") or any(x != "-" for x in values)]
+        columns["status"].append(
+            "[bold red]ALERT: " + ", ".join(a.kind for a in v.alerts) + "[/]" if v.alerts else v.status
+        )
+    shown = [
+        name for name, values in columns.items() if name in ("series", "tau", "status") or any(x != "-" for x in values)
+    ]
     table = Table(title=title)
     for name in shown:
         table.add_column(name, justify="right" if name in ("K", "drafts", "tau", "speedup") else "left")
@@ -128,29 +146,127 @@ def watch_json(verdicts: list[WindowVerdict], window: str, session: WatchSession
 @opt.config_command("cost_profile", "out")
 def watch(
     config: DoctorConfig,
-    sources: Annotated[Optional[list[str]], typer.Argument(help="Engine /metrics URLs, log files, or captured responses (.jsonl).", show_default=False)] = None,
-    prometheus: Annotated[Optional[str], typer.Option("--prometheus", help="A Prometheus server URL: each counter's increase over the window is read through its HTTP API.")] = None,
-    prometheus_header: Annotated[Optional[list[str]], typer.Option("--prometheus-header", help="NAME=VALUE header sent to --prometheus (repeatable), e.g. 'Authorization=Bearer $TOKEN' or X-Scope-OrgID=tenant; env:VAR or $VAR read the value from the environment. Never written to the run directory.")] = None,
-    engine_api_key: Annotated[Optional[str], typer.Option("--engine-api-key", envvar="OPENAI_API_KEY", show_envvar=True, help="Bearer token for the /metrics URLs (llama-server --api-key guards /metrics); env:VAR reads it from the environment.")] = None,
-    engine: Annotated[Optional[str], typer.Option("--engine", help="vllm | sglang | llamacpp | trtllm (default: detected from the metric names / log lines).")] = None,
-    model: Annotated[Optional[str], typer.Option("--model", help="Series name for sources without a model label (logs, llama.cpp).")] = None,
-    class_label: Annotated[Optional[str], typer.Option("--class-label", help="Label holding the request class (e.g. an SGLang custom label).")] = None,
-    log_timezone: Annotated[Optional[str], typer.Option("--log-timezone", help="Time zone of the log files' stamps, e.g. UTC or Europe/Berlin (default: this host's local zone, as vLLM/SGLang write them).")] = None,
-    window: Annotated[Optional[str], typer.Option("--window", help="Window length: 30s, 5m, 1h (default 5m). With --once on a /metrics URL: scrape twice, this far apart.")] = None,
-    interval: Annotated[Optional[str], typer.Option("--interval", help="Time between polls when watching live (default 30s).")] = None,
-    once: Annotated[bool, typer.Option("--once", help="One verdict and exit: 0 ok, 1 alert, 2 bad input or no engine series in the sources, 70 a crash (for cron/CI).")] = False,
-    retain: Annotated[Optional[str], typer.Option("--retain", help="Keep this much of the time series in the run directory, e.g. 7d (default: all); memory and disk stay flat.")] = None,
-    duration: Annotated[Optional[str], typer.Option("--duration", help="Stop watching after this long (default: until Ctrl-C).")] = None,
-    baseline: Annotated[Optional[str], typer.Option("--baseline", help="A check/sweep run directory, or the expected tau (one number).")] = None,
-    threshold_tau: Annotated[Optional[float], typer.Option("--threshold-tau", help="Smallest tau drop below the baseline that alerts (default 0.2).")] = None,
-    min_drafts: Annotated[Optional[int], typer.Option("--min-drafts", help="Windows with fewer drafts get no verdict (default 50).")] = None,
-    speedup_floor: Annotated[Optional[float], typer.Option("--speedup-floor", help="Net speedup below which to fall back (default 1.0).")] = None,
-    exporter_port: Annotated[Optional[int], typer.Option("--exporter-port", help="Serve watch's own verdict gauges for Prometheus/Alertmanager on PORT.")] = None,
-    exporter_address: Annotated[str, typer.Option("--exporter-address", help="Address the exporter binds (0.0.0.0: scrapable from other hosts/pods).")] = "127.0.0.1",
-    on_alert: Annotated[Optional[str], typer.Option("--on-alert", help="Command run when an alert starts (once per episode), with the alert, model and engine change in DFLASH_DOCTOR_* variables.")] = None,
-    on_alert_webhook: Annotated[Optional[str], typer.Option("--on-alert-webhook", help="URL that receives the same alert as a JSON POST, once per episode.")] = None,
-    on_alert_dry_run: Annotated[bool, typer.Option("--on-alert-dry-run", help="Print what --on-alert / --on-alert-webhook would run or post, and do neither.")] = False,
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Start a new watch in --out, replacing the watch there (without it an earlier watch in --out is continued, and a folder holding anything else is refused).")] = False,
+    sources: Annotated[
+        Optional[list[str]],
+        typer.Argument(help="Engine /metrics URLs, log files, or captured responses (.jsonl).", show_default=False),
+    ] = None,
+    prometheus: Annotated[
+        Optional[str],
+        typer.Option(
+            "--prometheus",
+            help="A Prometheus server URL: each counter's increase over the window is read through its HTTP API.",
+        ),
+    ] = None,
+    prometheus_header: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            "--prometheus-header",
+            help="NAME=VALUE header sent to --prometheus (repeatable), e.g. 'Authorization=Bearer $TOKEN' or X-Scope-OrgID=tenant; env:VAR or $VAR read the value from the environment. Never written to the run directory.",
+        ),
+    ] = None,
+    engine_api_key: Annotated[
+        Optional[str],
+        typer.Option(
+            "--engine-api-key",
+            envvar="OPENAI_API_KEY",
+            show_envvar=True,
+            help="Bearer token for the /metrics URLs (llama-server --api-key guards /metrics); env:VAR reads it from the environment.",
+        ),
+    ] = None,
+    engine: Annotated[
+        Optional[str],
+        typer.Option(
+            "--engine", help="vllm | sglang | llamacpp | trtllm (default: detected from the metric names / log lines)."
+        ),
+    ] = None,
+    model: Annotated[
+        Optional[str], typer.Option("--model", help="Series name for sources without a model label (logs, llama.cpp).")
+    ] = None,
+    class_label: Annotated[
+        Optional[str],
+        typer.Option("--class-label", help="Label holding the request class (e.g. an SGLang custom label)."),
+    ] = None,
+    log_timezone: Annotated[
+        Optional[str],
+        typer.Option(
+            "--log-timezone",
+            help="Time zone of the log files' stamps, e.g. UTC or Europe/Berlin (default: this host's local zone, as vLLM/SGLang write them).",
+        ),
+    ] = None,
+    window: Annotated[
+        Optional[str],
+        typer.Option(
+            "--window",
+            help="Window length: 30s, 5m, 1h (default 5m). With --once on a /metrics URL: scrape twice, this far apart.",
+        ),
+    ] = None,
+    interval: Annotated[
+        Optional[str], typer.Option("--interval", help="Time between polls when watching live (default 30s).")
+    ] = None,
+    once: Annotated[
+        bool,
+        typer.Option(
+            "--once",
+            help="One verdict and exit: 0 ok, 1 alert, 2 bad input or no engine series in the sources, 70 a crash (for cron/CI).",
+        ),
+    ] = False,
+    retain: Annotated[
+        Optional[str],
+        typer.Option(
+            "--retain",
+            help="Keep this much of the time series in the run directory, e.g. 7d (default: all); memory and disk stay flat.",
+        ),
+    ] = None,
+    duration: Annotated[
+        Optional[str], typer.Option("--duration", help="Stop watching after this long (default: until Ctrl-C).")
+    ] = None,
+    baseline: Annotated[
+        Optional[str], typer.Option("--baseline", help="A check/sweep run directory, or the expected tau (one number).")
+    ] = None,
+    threshold_tau: Annotated[
+        Optional[float],
+        typer.Option("--threshold-tau", help="Smallest tau drop below the baseline that alerts (default 0.2)."),
+    ] = None,
+    min_drafts: Annotated[
+        Optional[int], typer.Option("--min-drafts", help="Windows with fewer drafts get no verdict (default 50).")
+    ] = None,
+    speedup_floor: Annotated[
+        Optional[float], typer.Option("--speedup-floor", help="Net speedup below which to fall back (default 1.0).")
+    ] = None,
+    exporter_port: Annotated[
+        Optional[int],
+        typer.Option("--exporter-port", help="Serve watch's own verdict gauges for Prometheus/Alertmanager on PORT."),
+    ] = None,
+    exporter_address: Annotated[
+        str,
+        typer.Option(
+            "--exporter-address", help="Address the exporter binds (0.0.0.0: scrapable from other hosts/pods)."
+        ),
+    ] = "127.0.0.1",
+    on_alert: Annotated[
+        Optional[str],
+        typer.Option(
+            "--on-alert",
+            help="Command run when an alert starts (once per episode), with the alert, model and engine change in DFLASH_DOCTOR_* variables.",
+        ),
+    ] = None,
+    on_alert_webhook: Annotated[
+        Optional[str],
+        typer.Option("--on-alert-webhook", help="URL that receives the same alert as a JSON POST, once per episode."),
+    ] = None,
+    on_alert_dry_run: Annotated[
+        bool,
+        typer.Option(
+            "--on-alert-dry-run", help="Print what --on-alert / --on-alert-webhook would run or post, and do neither."
+        ),
+    ] = False,
+    overwrite: Annotated[
+        bool,
+        typer.Option(
+            "--overwrite",
+            help="Start a new watch in --out, replacing the watch there (without it an earlier watch in --out is continued, and a folder holding anything else is refused).",
+        ),
+    ] = False,
     json_output: opt.Json = False,
 ) -> None:
     """Watch production acceptance: windowed tau per model/class, alerts vs a baseline, fallback advice.
@@ -167,18 +283,37 @@ def watch(
     if json_output and not once:
         raise UsageError("--json prints one verdict, so it needs --once; add --once or drop --json.")
     settings = build_watch_settings(
-        config.watch, window=window, interval=interval, baseline=baseline, threshold_tau=threshold_tau,
-        min_drafts=min_drafts, speedup_floor=speedup_floor, engine=engine, model=model, class_label=class_label, log_timezone=log_timezone,
+        config.watch,
+        window=window,
+        interval=interval,
+        baseline=baseline,
+        threshold_tau=threshold_tau,
+        min_drafts=min_drafts,
+        speedup_floor=speedup_floor,
+        engine=engine,
+        model=model,
+        class_label=class_label,
+        log_timezone=log_timezone,
         retain=retain,
     )
     hooks = AlertHooks(on_alert, on_alert_webhook, on_alert_dry_run)
     session = WatchSession(
-        open_sources(list(sources or []), prometheus, settings, api_key=secret(engine_api_key, "--engine-api-key") if engine_api_key else None,
-                     prometheus_headers=header_flags(list(prometheus_header or []), "--prometheus-header")),
-        settings, run_dir=Path(config.out) if config.out else None,
-        config=config.as_dict(), costs=load_cost_profile(config.cost_profile) if config.cost_profile else None,
-        once=once, exporter_port=exporter_port, exporter_address=exporter_address,
-        hooks=hooks if hooks.enabled else None, overwrite=overwrite,
+        open_sources(
+            list(sources or []),
+            prometheus,
+            settings,
+            api_key=secret(engine_api_key, "--engine-api-key") if engine_api_key else None,
+            prometheus_headers=header_flags(list(prometheus_header or []), "--prometheus-header"),
+        ),
+        settings,
+        run_dir=Path(config.out) if config.out else None,
+        config=config.as_dict(),
+        costs=load_cost_profile(config.cost_profile) if config.cost_profile else None,
+        once=once,
+        exporter_port=exporter_port,
+        exporter_address=exporter_address,
+        hooks=hooks if hooks.enabled else None,
+        overwrite=overwrite,
     )
     console = Console(stderr=json_output)
     if once:
@@ -192,8 +327,10 @@ def watch(
         console.print(f"wrote {session.run_dir}", soft_wrap=True)
         if not latest:  # a monitor pointed at the wrong thing must not stay green: exit 2 as for a source that is down
             named = ", ".join([*(sources or []), *([prometheus] if prometheus else [])])
-            raise UsageError(f"no speculative-decoding series in {named} (empty or unknown /metrics text, or a log without "
-                             f"spec-decode lines); point watch at the serving engine's /metrics URL or log file.")
+            raise UsageError(
+                f"no speculative-decoding series in {named} (empty or unknown /metrics text, or a log without "
+                f"spec-decode lines); point watch at the serving engine's /metrics URL or log file."
+            )
         code = EXIT_ALERT if any(v.alerts for v in latest) else 0
         if json_output:
             print_json(watch_json(latest, window, session, code))
@@ -244,7 +381,10 @@ def _watch_live(console: Console, session: WatchSession, stop_after_s: float | N
             verdicts = session.step()
             alerted = alerted or any(v.alerts for v in verdicts)
             if live:
-                live.update(verdict_table(verdicts, f"last {session.settings.window_s:g} s, at {time.strftime('%H:%M:%S')}"), refresh=True)
+                live.update(
+                    verdict_table(verdicts, f"last {session.settings.window_s:g} s, at {time.strftime('%H:%M:%S')}"),
+                    refresh=True,
+                )
                 print_verdicts(live.console, [v for v in verdicts if v.alerts])
             else:
                 stamp = utc_now()

@@ -15,7 +15,15 @@ from rich.table import Table
 
 from dflash_doctor.cli.root import app
 from dflash_doctor.cli.options import Classes, MaxRequests, Seed
-from dflash_doctor.inputs.workloads import SPLITS, Request, conversation_turns, list_workloads, load_workload, save_workload, stratified_sample
+from dflash_doctor.inputs.workloads import (
+    SPLITS,
+    Request,
+    conversation_turns,
+    list_workloads,
+    load_workload,
+    save_workload,
+    stratified_sample,
+)
 
 PREVIEW_CHARS = 160  # of each message shown by `show`
 
@@ -38,10 +46,17 @@ def workloads(ctx: typer.Context) -> None:
         table.add_column(column, overflow="fold")
     for info in list_workloads():
         classes = ", ".join(f"{name} {count}" for name, count in info.class_counts.items())
-        table.add_row(f"[bold]{info.name}[/bold]\n{info.description}", classes,
-                      f"{info.split_counts['train']} / {info.split_counts['eval']}", info.source, info.licence)
+        table.add_row(
+            f"[bold]{info.name}[/bold]\n{info.description}",
+            classes,
+            f"{info.split_counts['train']} / {info.split_counts['eval']}",
+            info.source,
+            info.licence,
+        )
     Console().print(table)
-    Console().print("A .jsonl, .csv or .parquet file also works as --workload (see `dflash-doctor workloads show FILE`).")
+    Console().print(
+        "A .jsonl, .csv or .parquet file also works as --workload (see `dflash-doctor workloads show FILE`)."
+    )
 
 
 def _preview(text: str | None) -> str:
@@ -68,7 +83,9 @@ def _print_request(console: Console, request: Request) -> None:
         console.print(f"  {message['role']}: {_preview(content)}", highlight=False, markup=False)
 
 
-@workloads_app.command("show", epilog="Example: dflash-doctor workloads show demo --classes math --count 5 --save math.jsonl")
+@workloads_app.command(
+    "show", epilog="Example: dflash-doctor workloads show demo --classes math --count 5 --save math.jsonl"
+)
 def show(
     name: Annotated[str, typer.Argument(help="Built-in workload name or a .jsonl/.csv/.parquet file.")],
     count: Annotated[int, typer.Option("--count", "-n", min=1, help="How many requests to print.")] = 3,
@@ -76,11 +93,19 @@ def show(
     classes: Classes = None,
     max_requests: MaxRequests = None,
     seed: Seed = None,
-    save: Annotated[Optional[str], typer.Option("--save", help="Also write the selected requests to this .jsonl/.csv/.parquet file.")] = None,
+    save: Annotated[
+        Optional[str],
+        typer.Option("--save", help="Also write the selected requests to this .jsonl/.csv/.parquet file."),
+    ] = None,
 ) -> None:
     """Print a few requests of a workload (stratified over classes), after the same validation as `check`."""
-    requests = load_workload(name, classes=tuple(c.strip() for c in (classes or "").split(",") if c.strip()),
-                             max_requests=max_requests, seed=seed or 0, split=split)
+    requests = load_workload(
+        name,
+        classes=tuple(c.strip() for c in (classes or "").split(",") if c.strip()),
+        max_requests=max_requests,
+        seed=seed or 0,
+        split=split,
+    )
     console = Console()
     per_class = ", ".join(f"{c} {n}" for c, n in sorted(Counter(r.request_class for r in requests).items()))
     console.print(f"{name}: {len(requests)} requests ({per_class})", highlight=False)

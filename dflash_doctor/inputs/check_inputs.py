@@ -31,7 +31,9 @@ def safe_folder_name(text: str, fallback: str = "draft") -> str:
 def _existing(spec: str, role: str) -> Path:
     path = Path(spec).expanduser()
     if not path.exists():
-        raise UsageError(f"{role} {spec} does not exist; pass a model dir, a tokenizer dir, a tokenizer.json, a .gguf or a .jinja file.")
+        raise UsageError(
+            f"{role} {spec} does not exist; pass a model dir, a tokenizer dir, a tokenizer.json, a .gguf or a .jinja file."
+        )
     return path
 
 
@@ -41,7 +43,9 @@ def load_tokenizer_spec(spec: str, role: str = "tokenizer") -> Any:
 
     path = _existing(spec, role)
     if path.suffix in TEMPLATE_SUFFIXES:
-        raise UsageError(f"{role} {spec} is a chat template, not a tokenizer; pass a model dir, a tokenizer dir or a tokenizer.json.")
+        raise UsageError(
+            f"{role} {spec} is a chat template, not a tokenizer; pass a model dir, a tokenizer dir or a tokenizer.json."
+        )
     folder = path if path.is_dir() else path.parent
     for name in TOKENIZER_JSON_FILES:  # the tokenizers library answers bad JSON with a bare Exception
         check_tokenizer_json(path if path.is_file() and path.name == name else folder / name)
@@ -56,7 +60,9 @@ def load_tokenizer_spec(spec: str, role: str = "tokenizer") -> Any:
             return PreTrainedTokenizerFast(tokenizer_file=str(path))
         return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except (OSError, ValueError, KeyError, json.JSONDecodeError) as exc:
-        raise UsageError(f"{role} {spec} could not be loaded as a tokenizer ({str(exc).splitlines()[0]}); pass a folder with tokenizer.json.") from None
+        raise UsageError(
+            f"{role} {spec} could not be loaded as a tokenizer ({str(exc).splitlines()[0]}); pass a folder with tokenizer.json."
+        ) from None
 
 
 def load_template_spec(spec: str, role: str = "template") -> tuple[str, Any]:

@@ -47,7 +47,9 @@ def parse_int_grid(text: str, flag: str, *, minimum: int, maximum: int | None = 
                 raise UsageError(f"{flag} {text!r} must hold integers <= {maximum}; fix the value.")
             values.extend(range(first, last + 1))
     except ValueError:
-        raise UsageError(f"{flag} {text!r} is not an integer, a list like 2,4,8 or a range like 1-15; fix the value.") from None
+        raise UsageError(
+            f"{flag} {text!r} is not an integer, a list like 2,4,8 or a range like 1-15; fix the value."
+        ) from None
     if not values or min(values) < minimum:
         raise UsageError(f"{flag} {text!r} must hold integers >= {minimum}; fix the value.")
     return tuple(sorted(set(values)))
@@ -68,10 +70,10 @@ def parse_k(value: str | int | list[int] | tuple[int, ...]) -> tuple[int, ...]:
         return parse_int_grid(value, "--k", minimum=1, maximum=MAX_K)
     values = list(value) if isinstance(value, (list, tuple)) else [value]
     if not values or any((not isinstance(v, int)) or isinstance(v, bool) or not 1 <= v <= MAX_K for v in values):
-        raise UsageError(f"--k {value!r} must hold integers from 1 to {MAX_K} (vLLM's most draft tokens per step); "
-                         "fix the value.")
+        raise UsageError(
+            f"--k {value!r} must hold integers from 1 to {MAX_K} (vLLM's most draft tokens per step); fix the value."
+        )
     return tuple(sorted(set(values)))
-
 
 
 # The settings that take one of a few words: each a Literal (the CLI shows and completes its choices) and
@@ -122,7 +124,9 @@ class DoctorConfig:
     trust_remote_code: bool = False
     chat_template: str | None = None  # a .jinja file overriding the target's template
     cost_profile: str | None = None  # TOML/JSON step times measured in a serving engine
-    timing_budget_s: float = 20.0  # seconds for timing the step costs here (stats/step_costs.py); a cost profile needs none
+    timing_budget_s: float = (
+        20.0  # seconds for timing the step costs here (stats/step_costs.py); a cost profile needs none
+    )
     engine_config: str | None = None  # vLLM speculative_config JSON or SGLang launch flags
     end_of_request: str = "vllm"  # vllm | llamacpp | official (dflash_generate): engine/schedule.py
     strict_classes: tuple[str, ...] = ()  # classes that get a capped K, or no speculation if it would not pay
@@ -132,7 +136,9 @@ class DoctorConfig:
     engine_timeout_s: float = 300.0  # per-request timeout against the server
     thresholds: dict[str, Any] = field(default_factory=dict)
     checks: dict[str, dict[str, Any]] = field(default_factory=dict)  # per-check parameters
-    watch: dict[str, Any] = field(default_factory=dict)  # `watch` settings: window, baseline, thresholds (telemetry/settings.py)
+    watch: dict[str, Any] = field(
+        default_factory=dict
+    )  # `watch` settings: window, baseline, thresholds (telemetry/settings.py)
     plotly: str = "inline"  # where report.html loads plotly.js from: inline (offline) | cdn (small CI artefacts)
 
     def as_dict(self) -> dict[str, Any]:
@@ -229,8 +235,12 @@ GUARDED_KEYS: dict[str, GuardedKey] = {
     "trust_remote_code": GuardedKey("--trust-remote-code", "runs a model's own Python", user_folder=False),
     "engine": GuardedKey("--engine", "sends your API key and the workload's prompts to that server", user_folder=True),
     "overwrite": GuardedKey("--overwrite", "replaces the files already in the run folder", user_folder=True),
-    "out": GuardedKey("--out", "with --overwrite replaces the files of a folder the file chose", user_folder=True,
-                      with_key="overwrite"),
+    "out": GuardedKey(
+        "--out",
+        "with --overwrite replaces the files of a folder the file chose",
+        user_folder=True,
+        with_key="overwrite",
+    ),
 }
 
 
@@ -245,8 +255,10 @@ def _refuse_guarded_keys(path: Path, file_values: dict[str, Any], merged: dict[s
         if guard.user_folder and path.resolve().is_relative_to(folder.resolve()):
             continue
         where = f"the command-line flag {guard.flag}" + (f" or a config file in {folder}" if guard.user_folder else "")
-        raise UsageError(f"config file {path} sets {key}, which {guard.reach} and only {where} may set; "
-                         f"remove the key and pass {guard.flag} on the command line.")
+        raise UsageError(
+            f"config file {path} sets {key}, which {guard.reach} and only {where} may set; "
+            f"remove the key and pass {guard.flag} on the command line."
+        )
 
 
 def build_config(config_file: str | Path | None = None, **cli_values: Any) -> DoctorConfig:
@@ -257,10 +269,14 @@ def build_config(config_file: str | Path | None = None, **cli_values: Any) -> Do
         for key, value in read_config_file(config_file).items():
             key = key.replace("-", "_")
             if key not in _FIELDS:
-                raise UsageError(f"config file {config_file}: unknown key {key!r}; remove it or use one of {', '.join(sorted(_FIELDS))}.")
+                raise UsageError(
+                    f"config file {config_file}: unknown key {key!r}; remove it or use one of {', '.join(sorted(_FIELDS))}."
+                )
             expected = type_error(value, _FILE_TYPES[key])
             if expected is not None:
-                raise UsageError(f"config file {config_file}: `{key}` is {value!r}, but it must be {expected}; fix the value.")
+                raise UsageError(
+                    f"config file {config_file}: `{key}` is {value!r}, but it must be {expected}; fix the value."
+                )
             file_values[key] = value
     merged = dict(file_values)
     given = set()
@@ -296,13 +312,18 @@ THRESHOLDS: dict[str, dict[str, Any]] = {
 
 def _validate(config: DoctorConfig) -> None:
     # every number from a user is finite and in range (nan passes a plain "< 0" check): one rule, validation.finite_number
-    config.temperature = finite_number(config.temperature, "--temperature", minimum=0, maximum=1e6, fix="use 0 for greedy or a positive value")
-    config.engine_timeout_s = finite_number(config.engine_timeout_s, "--engine-timeout", above=0, maximum=86400 * 7,
-                                            fix="pass a positive number of seconds")
+    config.temperature = finite_number(
+        config.temperature, "--temperature", minimum=0, maximum=1e6, fix="use 0 for greedy or a positive value"
+    )
+    config.engine_timeout_s = finite_number(
+        config.engine_timeout_s, "--engine-timeout", above=0, maximum=86400 * 7, fix="pass a positive number of seconds"
+    )
     for key, value in config.thresholds.items():
         if key not in THRESHOLDS:
             raise UsageError(f"[thresholds] has no key {key!r}; remove it or use one of {', '.join(THRESHOLDS)}.")
-        config.thresholds[key] = finite_number(value, f"[thresholds] {key}", **THRESHOLDS[key], fix="fix the config file")
+        config.thresholds[key] = finite_number(
+            value, f"[thresholds] {key}", **THRESHOLDS[key], fix="fix the config file"
+        )
     if config.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens {config.max_new_tokens} must be at least 1.")
     if config.max_requests is not None and config.max_requests < 1:
@@ -313,12 +334,19 @@ def _validate(config: DoctorConfig) -> None:
         raise UsageError(f"--engine-timeout {config.engine_timeout_s} must be a positive number of seconds.")
     if config.fail_on not in FAIL_ON:
         raise UsageError(f"--fail-on {config.fail_on!r} is not one of {', '.join(FAIL_ON)}; pick one.")
-    config.timing_budget_s = finite_number(config.timing_budget_s, "--timing-budget", minimum=0, maximum=86400,
-                                           fix="pass the seconds the step timing may take, e.g. 20")
+    config.timing_budget_s = finite_number(
+        config.timing_budget_s,
+        "--timing-budget",
+        minimum=0,
+        maximum=86400,
+        fix="pass the seconds the step timing may take, e.g. 20",
+    )
     if config.cost_profile is not None:
         load_cost_profile(config.cost_profile)  # a profile that does not parse fails before any model work
     if config.end_of_request not in END_OF_REQUEST:
-        raise UsageError(f"end_of_request {config.end_of_request!r} is not one of {', '.join(END_OF_REQUEST)}; pick the loop you model.")
+        raise UsageError(
+            f"end_of_request {config.end_of_request!r} is not one of {', '.join(END_OF_REQUEST)}; pick the loop you model."
+        )
     parse_plotly_source(config.plotly)
     if config.dtype not in DTYPES:
         raise UsageError(f"--dtype {config.dtype!r} is not one of {', '.join(DTYPES)}; pick one.")

@@ -40,7 +40,10 @@ def _nvidia_smi() -> dict[str, str]:
     try:
         out = subprocess.run(
             ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=NVIDIA_SMI_TIMEOUT_S, check=True,
+            capture_output=True,
+            text=True,
+            timeout=NVIDIA_SMI_TIMEOUT_S,
+            check=True,
         ).stdout
     except (OSError, subprocess.SubprocessError):
         return {}

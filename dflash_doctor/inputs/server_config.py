@@ -39,7 +39,9 @@ def parse_server_config(path: str | Path) -> dict[str, Any]:
     """Parse ``--engine-config FILE`` (JSON or flags text) into the normalised engine dict."""
     path = Path(path)
     if not path.is_file():
-        raise UsageError(f"--engine-config {path} does not exist; pass a vLLM speculative_config JSON or a file with SGLang launch flags.")
+        raise UsageError(
+            f"--engine-config {path} does not exist; pass a vLLM speculative_config JSON or a file with SGLang launch flags."
+        )
     text = path.read_text(encoding="utf-8")
     return parse_server_config_text(text, source=str(path))
 
@@ -51,7 +53,9 @@ def parse_server_config_text(text: str, source: str = "<text>") -> dict[str, Any
         try:
             data = json.loads(stripped)
         except json.JSONDecodeError as exc:
-            raise UsageError(f"--engine-config {source} looks like JSON but does not parse ({exc}); fix the file.") from None
+            raise UsageError(
+                f"--engine-config {source} looks like JSON but does not parse ({exc}); fix the file."
+            ) from None
         return _from_vllm_json(data, source)
     flags = _parse_flags(text, source)
     if any(marker.lstrip("-").replace("-", "_") in flags for marker in _VLLM_MARKERS):
@@ -60,8 +64,12 @@ def parse_server_config_text(text: str, source: str = "<text>") -> dict[str, Any
         return _from_sglang_flags(flags, source)
     if any(marker.lstrip("-").replace("-", "_") in flags for marker in _LLAMACPP_MARKERS):
         n_max = _int_or_none(flags.get("spec_draft_n_max"), "--spec-draft-n-max", source)
-        return llamacpp_settings(flags.get("spec_type"), flags.get("spec_draft_model") or flags.get("model_draft"),
-                                LLAMACPP_DEFAULT_N_MAX if n_max is None else n_max, source)
+        return llamacpp_settings(
+            flags.get("spec_type"),
+            flags.get("spec_draft_model") or flags.get("model_draft"),
+            LLAMACPP_DEFAULT_N_MAX if n_max is None else n_max,
+            source,
+        )
     raise UsageError(
         f"--engine-config {source} has neither a vLLM speculative_config nor SGLang --speculative-* flags; "
         "pass the JSON given to --speculative-config, the SGLang launch flags or llama-server's --spec-* flags."
@@ -111,12 +119,19 @@ def _from_vllm_json(data: dict[str, Any], source: str) -> dict[str, Any]:
         try:
             speculative = json.loads(speculative)
         except json.JSONDecodeError as exc:
-            raise UsageError(f"--engine-config {source}: speculative_config is a string that is not JSON ({exc}); fix it.") from None
+            raise UsageError(
+                f"--engine-config {source}: speculative_config is a string that is not JSON ({exc}); fix it."
+            ) from None
     if not isinstance(speculative, dict) or not ({"num_speculative_tokens", "method", "model"} & speculative.keys()):
-        raise UsageError(f"--engine-config {source} has no speculative_config (num_speculative_tokens / method / model); pass the vLLM speculative_config JSON.")
+        raise UsageError(
+            f"--engine-config {source} has no speculative_config (num_speculative_tokens / method / model); pass the vLLM speculative_config JSON."
+        )
     outer = data if "speculative_config" in data else {}
-    attention = outer.get("attention_backend") or (outer.get("attention_config") or {}).get("backend") \
+    attention = (
+        outer.get("attention_backend")
+        or (outer.get("attention_config") or {}).get("backend")
         or (outer.get("env") or {}).get("VLLM_ATTENTION_BACKEND")
+    )
     compilation = outer.get("compilation_config") or {}
     cudagraph_mode = str(compilation.get("cudagraph_mode", "")).upper() if isinstance(compilation, dict) else ""
     cuda_graphs = not outer.get("enforce_eager", False) and cudagraph_mode != "NONE"
@@ -130,7 +145,9 @@ def _from_vllm_flags(flags: dict[str, Any], source: str) -> dict[str, Any]:
     except json.JSONDecodeError:
         speculative = None
     if not isinstance(speculative, dict):
-        raise UsageError(f"--engine-config {source}: --speculative-config must be followed by a JSON object; quote it with single quotes.")
+        raise UsageError(
+            f"--engine-config {source}: --speculative-config must be followed by a JSON object; quote it with single quotes."
+        )
     cuda_graphs = not flags.get("enforce_eager", False)
     return _vllm_result(speculative, flags.get("attention_backend"), cuda_graphs, source)
 
@@ -155,7 +172,9 @@ def _draft_sample_method(value: Any, source: str) -> str:
     """vLLM's ``draft_sample_method``: ``greedy`` (its default) or ``probabilistic``."""
     method = "greedy" if value is None else str(value).lower()
     if method not in ("greedy", "probabilistic"):
-        raise UsageError(f"--engine-config {source}: draft_sample_method {value!r} is not greedy or probabilistic; fix the value.")
+        raise UsageError(
+            f"--engine-config {source}: draft_sample_method {value!r} is not greedy or probabilistic; fix the value."
+        )
     return method
 
 
@@ -170,7 +189,9 @@ def _from_sglang_flags(flags: dict[str, Any], source: str) -> dict[str, Any]:
         "draft_model": flags.get("speculative_draft_model_path"),
         "speculative_num_draft_tokens": num_draft_tokens,
         "drafted_tokens": None if num_draft_tokens is None else num_draft_tokens - 1,
-        "dflash_block_size": _int_or_none(flags.get("speculative_dflash_block_size"), "--speculative-dflash-block-size", source),
+        "dflash_block_size": _int_or_none(
+            flags.get("speculative_dflash_block_size"), "--speculative-dflash-block-size", source
+        ),
         "attention_backend": None if attention is None else str(attention).lower(),
         "draft_attention_backend": None if draft_attention is None else str(draft_attention).lower(),
         "cuda_graphs": not flags.get("disable_cuda_graph", False),

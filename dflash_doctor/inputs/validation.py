@@ -59,8 +59,19 @@ def _list_of_objects(value: Any) -> bool:
 
 
 #: Numeric settings of a RoPE scaling (transformers' ``rope_parameters`` / the older ``rope_scaling``).
-ROPE_NUMBERS = ("rope_theta", "factor", "attention_factor", "beta_fast", "beta_slow", "low_freq_factor", "high_freq_factor",
-                "original_max_position_embeddings", "mscale", "mscale_all_dim", "partial_rotary_factor")
+ROPE_NUMBERS = (
+    "rope_theta",
+    "factor",
+    "attention_factor",
+    "beta_fast",
+    "beta_slow",
+    "low_freq_factor",
+    "high_freq_factor",
+    "original_max_position_embeddings",
+    "mscale",
+    "mscale_all_dim",
+    "partial_rotary_factor",
+)
 
 
 def _rope_settings(value: Any) -> bool:
@@ -96,7 +107,10 @@ MODEL_CONFIG_KEYS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "rope_parameters": (_rope_settings, "an object with a string rope_type and finite numbers for its factors"),
     "rope_scaling": (_rope_settings, "an object with a string rope_type and finite numbers for its factors"),
     "target_hidden_size": (_positive_int, "an integer >= 1"),
-    "eagle_aux_hidden_state_layer_ids": (_layer_ids_or_none, "a list of integer layer indices >= 0 (empty: vLLM's default)"),
+    "eagle_aux_hidden_state_layer_ids": (
+        _layer_ids_or_none,
+        "a list of integer layer indices >= 0 (empty: vLLM's default)",
+    ),
     "speculative_tokens": (_positive_int, "an integer >= 1"),
     "speculators_config": (_object, "an object (algorithm, proposal_methods, verifier)"),
     "proposal_methods": (_list_of_objects, "a list of objects"),
@@ -130,17 +144,38 @@ def read_config_json(model_dir: Path) -> dict[str, Any]:
     except UnicodeDecodeError:
         raise UsageError(f"{path} is not UTF-8 text; restore the model's config.json.") from None
     except json.JSONDecodeError as exc:
-        raise UsageError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno}); fix the file or download it again.") from None
+        raise UsageError(
+            f"{path} is not valid JSON ({exc.msg} at line {exc.lineno}); fix the file or download it again."
+        ) from None
     if not isinstance(config, dict):
-        raise UsageError(f"{path} holds a JSON {type(config).__name__}, not an object of model settings; restore the model's config.json.")
+        raise UsageError(
+            f"{path} holds a JSON {type(config).__name__}, not an object of model settings; restore the model's config.json."
+        )
     check_config_keys(config, path)
     return config
 
 
 #: safetensors dtype name -> bytes per element: the dtypes the safetensors library reads into torch tensors.
-SAFETENSORS_DTYPES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E4M3FNUZ": 1, "F8_E5M2": 1, "F8_E5M2FNUZ": 1,
-                      "I16": 2, "U16": 2, "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8,
-                      "F64": 8, "C64": 8}
+SAFETENSORS_DTYPES = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E4M3": 1,
+    "F8_E4M3FNUZ": 1,
+    "F8_E5M2": 1,
+    "F8_E5M2FNUZ": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
+    "C64": 8,
+}
 
 
 def _tensor_entry_lie(name: str, entry: Any) -> str | None:
@@ -150,14 +185,18 @@ def _tensor_entry_lie(name: str, entry: Any) -> str | None:
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
     if dtype not in SAFETENSORS_DTYPES:
         return f"tensor {name!r} has dtype {json.dumps(dtype)}, not one of {', '.join(SAFETENSORS_DTYPES)}"
-    if not isinstance(shape, list) or not all(_non_negative_int(n) and n < 2 ** 63 for n in shape):
+    if not isinstance(shape, list) or not all(_non_negative_int(n) and n < 2**63 for n in shape):
         return f"tensor {name!r} has shape {json.dumps(shape)}, not a list of integers >= 0"
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_non_negative_int(n) for n in offsets)
-            and offsets[0] <= offsets[1]):
+    if not (
+        isinstance(offsets, list)
+        and len(offsets) == 2
+        and all(_non_negative_int(n) for n in offsets)
+        and offsets[0] <= offsets[1]
+    ):
         return f"tensor {name!r} has data_offsets {json.dumps(offsets)}, not two integers 0 <= begin <= end"
     needed = math.prod(shape) * SAFETENSORS_DTYPES[dtype]
     if offsets[1] - offsets[0] != needed:
-        return (f"tensor {name!r} spans {offsets[1] - offsets[0]} bytes but its shape {shape} of {dtype} needs {needed}")
+        return f"tensor {name!r} spans {offsets[1] - offsets[0]} bytes but its shape {shape} of {dtype} needs {needed}"
     return None
 
 
@@ -176,15 +215,21 @@ def safetensors_header(path: Path) -> dict[str, Any]:
             raise UsageError(f"weights file {path} is {size} bytes, too short to be safetensors; {fix}.")
         (header_len,) = struct.unpack("<Q", head)
         if header_len > size - 8:
-            raise UsageError(f"weights file {path} is truncated or not safetensors (its header claims {header_len} bytes of "
-                             f"a {size}-byte file); {fix}.")
+            raise UsageError(
+                f"weights file {path} is truncated or not safetensors (its header claims {header_len} bytes of "
+                f"a {size}-byte file); {fix}."
+            )
         raw = handle.read(header_len)
     try:
         header = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError):
-        raise UsageError(f"weights file {path} has a header that is not JSON, so it is not safetensors; {fix}.") from None
+        raise UsageError(
+            f"weights file {path} has a header that is not JSON, so it is not safetensors; {fix}."
+        ) from None
     if not isinstance(header, dict) or raw[:1] != b"{":  # the safetensors library reads nothing before the brace
-        raise UsageError(f"weights file {path} has a header that is not a JSON object, so it is not safetensors; {fix}.")
+        raise UsageError(
+            f"weights file {path} has a header that is not a JSON object, so it is not safetensors; {fix}."
+        )
     metadata = header.get("__metadata__", {})
     if not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
         raise UsageError(f"weights file {path} has a __metadata__ that is not an object of strings; {fix}.")
@@ -199,12 +244,17 @@ def safetensors_header(path: Path) -> dict[str, Any]:
         begin, end = entry["data_offsets"]
         if begin != covered:
             what = "overlaps the tensor before it" if begin < covered else f"leaves bytes {covered}..{begin} unused"
-            raise UsageError(f"weights file {path}: tensor {name!r} starts at byte {begin} of the data and {what}, so its "
-                             f"header lies about its data; {fix}.")
+            raise UsageError(
+                f"weights file {path}: tensor {name!r} starts at byte {begin} of the data and {what}, so its "
+                f"header lies about its data; {fix}."
+            )
         covered = end
     if covered != data_size:
-        state = f"truncated ({data_size} bytes of data, its header needs {covered})" if covered > data_size else \
-            f"longer than its header says ({data_size} bytes of data, its tensors cover {covered})"
+        state = (
+            f"truncated ({data_size} bytes of data, its header needs {covered})"
+            if covered > data_size
+            else f"longer than its header says ({data_size} bytes of data, its tensors cover {covered})"
+        )
         raise UsageError(f"weights file {path} is {state}; {fix}.")
     return header
 
@@ -237,9 +287,13 @@ def check_tokenizer_json(path: Path) -> None:
         document = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         detail = " ".join(str(exc).split())[:120]
-        raise UsageError(f"{path} is not valid JSON ({detail}); download the tokenizer again (e.g. hf download ORG/NAME).") from None
+        raise UsageError(
+            f"{path} is not valid JSON ({detail}); download the tokenizer again (e.g. hf download ORG/NAME)."
+        ) from None
     if not isinstance(document, dict):
-        raise UsageError(f"{path} holds a JSON {type(document).__name__}, not a tokenizer object; download the tokenizer again.")
+        raise UsageError(
+            f"{path} holds a JSON {type(document).__name__}, not a tokenizer object; download the tokenizer again."
+        )
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -263,7 +317,11 @@ def _matches(value: Any, expected: Any) -> bool:
     if expected is int:
         return isinstance(value, int) and not isinstance(value, bool)
     if origin in (tuple, list):
-        return isinstance(value, (tuple, list)) and all(_matches(v, args[0]) for v in value) if args else isinstance(value, (tuple, list))
+        return (
+            isinstance(value, (tuple, list)) and all(_matches(v, args[0]) for v in value)
+            if args
+            else isinstance(value, (tuple, list))
+        )
     if origin is dict:
         return isinstance(value, dict) and all(_matches(k, args[0]) and _matches(v, args[1]) for k, v in value.items())
     return isinstance(value, expected)
@@ -286,8 +344,16 @@ def type_error(value: Any, expected: Any) -> str | None:
     return None if _matches(value, expected) else _describe(expected)
 
 
-def finite_number(value: Any, name: str, *, minimum: float | None = None, maximum: float | None = None,
-                  above: float | None = None, integer: bool = False, fix: str = "fix the value") -> float:
+def finite_number(
+    value: Any,
+    name: str,
+    *,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    above: float | None = None,
+    integer: bool = False,
+    fix: str = "fix the value",
+) -> float:
     """A number a user handed over (flag, config file, environment), refused unless finite and in range.
 
     The one rule for thresholds, floors, durations and baselines: ``nan`` compares false with everything,
@@ -303,8 +369,15 @@ def finite_number(value: Any, name: str, *, minimum: float | None = None, maximu
             number = float(value.strip())
         except ValueError:
             number = None
-    bounds = [b for b in (f">= {minimum:g}" if minimum is not None else "", f"> {above:g}" if above is not None else "",
-                          f"<= {maximum:g}" if maximum is not None else "") if b]
+    bounds = [
+        b
+        for b in (
+            f">= {minimum:g}" if minimum is not None else "",
+            f"> {above:g}" if above is not None else "",
+            f"<= {maximum:g}" if maximum is not None else "",
+        )
+        if b
+    ]
     wanted = ("a finite integer" if integer else "a finite number") + (" " + " and ".join(bounds) if bounds else "")
     shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
     refused = UsageError(f"{name} {shown} is not {wanted}; {fix}.")
@@ -317,6 +390,10 @@ def finite_number(value: Any, name: str, *, minimum: float | None = None, maximu
         raise refused from None
     if integer and (isinstance(number, float) and not number.is_integer()):
         raise refused
-    if (minimum is not None and number < minimum) or (above is not None and number <= above) or (maximum is not None and number > maximum):
+    if (
+        (minimum is not None and number < minimum)
+        or (above is not None and number <= above)
+        or (maximum is not None and number > maximum)
+    ):
         raise refused
     return int(number) if integer else float(number)

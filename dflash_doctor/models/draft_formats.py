@@ -38,59 +38,162 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from dflash_doctor.engine.dflash_model import DSPARK_ARCHITECTURE, VARIANT_ARCHITECTURES, default_target_layer_ids, variant_architecture
+from dflash_doctor.engine.dflash_model import (
+    DSPARK_ARCHITECTURE,
+    VARIANT_ARCHITECTURES,
+    default_target_layer_ids,
+    variant_architecture,
+)
 from dflash_doctor.errors import UsageError
 
 #: Hugging Face / bookkeeping keys that do not change what the draft computes.
 INERT_KEYS = frozenset(
     {
-        "_name_or_path", "architectures", "attention_dropout", "auto_map", "bos_token_id", "chunk_size_feed_forward",
-        "dtype", "torch_dtype", "eos_token_id", "id2label", "label2id", "initializer_range", "is_encoder_decoder",
-        "model_type", "output_attentions", "output_hidden_states", "pad_token_id", "problem_type", "return_dict",
-        "transformers_version", "use_cache", "dflash_doctor", "max_window_layers", "tokenizer_class",
+        "_name_or_path",
+        "architectures",
+        "attention_dropout",
+        "auto_map",
+        "bos_token_id",
+        "chunk_size_feed_forward",
+        "dtype",
+        "torch_dtype",
+        "eos_token_id",
+        "id2label",
+        "label2id",
+        "initializer_range",
+        "is_encoder_decoder",
+        "model_type",
+        "output_attentions",
+        "output_hidden_states",
+        "pad_token_id",
+        "problem_type",
+        "return_dict",
+        "transformers_version",
+        "use_cache",
+        "dflash_doctor",
+        "max_window_layers",
+        "tokenizer_class",
     }
 )
 #: Keys the draft config reader interprets (top level).
 MODEL_KEYS = frozenset(
     {
-        "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
-        "vocab_size", "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters", "max_position_embeddings",
-        "layer_types", "sliding_window", "use_sliding_window", "attention_bias", "tie_word_embeddings", "hidden_act",
-        "block_size", "num_target_layers", "target_layer_ids", "mask_token_id", "is_causal", "dflash_config",
-        "input_embedding_scale", "output_multiplier", "final_logit_softcapping", "conv_kernel_size", "conv_group_size",
-        "selector_rank", "selector_top_k", "draft_vocab_size", "target_hidden_size",
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "intermediate_size",
+        "vocab_size",
+        "rms_norm_eps",
+        "rope_theta",
+        "rope_scaling",
+        "rope_parameters",
+        "max_position_embeddings",
+        "layer_types",
+        "sliding_window",
+        "use_sliding_window",
+        "attention_bias",
+        "tie_word_embeddings",
+        "hidden_act",
+        "block_size",
+        "num_target_layers",
+        "target_layer_ids",
+        "mask_token_id",
+        "is_causal",
+        "dflash_config",
+        "input_embedding_scale",
+        "output_multiplier",
+        "final_logit_softcapping",
+        "conv_kernel_size",
+        "conv_group_size",
+        "selector_rank",
+        "selector_top_k",
+        "draft_vocab_size",
+        "target_hidden_size",
     }
 )
 #: Keys read inside ``dflash_config``.
 DFLASH_CONFIG_KEYS = frozenset(
     {
-        "mask_token_id", "target_layer_ids", "block_size", "causal", "input_embedding_scale", "output_multiplier",
-        "final_logit_softcapping", "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k",
-        "num_target_layers", "attention_sink_bias", "attention_value_scale",
-        "markov_rank", "confidence_head", "confidence_head_with_markov",
+        "mask_token_id",
+        "target_layer_ids",
+        "block_size",
+        "causal",
+        "input_embedding_scale",
+        "output_multiplier",
+        "final_logit_softcapping",
+        "conv_kernel_size",
+        "conv_group_size",
+        "selector_rank",
+        "selector_top_k",
+        "num_target_layers",
+        "attention_sink_bias",
+        "attention_value_scale",
+        "markov_rank",
+        "confidence_head",
+        "confidence_head_with_markov",
     }
 )
 #: Known keys whose non-default value changes the computation in a way this tool does not model.
 UNSUPPORTED = {
     "use_swa": (False, "a sliding window forced on every layer"),
-    "sample_from_anchor": (False, "the anchor-first layout where slot k predicts position p + k + 1 (DSpark's convention: "
-                                  "vLLM refuses it for DFlash, speculators requires false, llama.cpp reads it only for draft-dspark)"),
-    "projector_type": (None, "another projector (domino: a GRU correction loop over the drafted slots, SGLang dflash_utils.py)"),
+    "sample_from_anchor": (
+        False,
+        "the anchor-first layout where slot k predicts position p + k + 1 (DSpark's convention: "
+        "vLLM refuses it for DFlash, speculators requires false, llama.cpp reads it only for draft-dspark)",
+    ),
+    "projector_type": (
+        None,
+        "another projector (domino: a GRU correction loop over the drafted slots, SGLang dflash_utils.py)",
+    ),
     "use_aux_hidden_state": (True, "drafting without target hidden states"),
 }
 ARCHITECTURES = {**dict.fromkeys(VARIANT_ARCHITECTURES.values(), "zlab"), "Qwen3DFlashDraftModel": "nemo"}
 #: A DSpark draft (DFlash + a Markov head over the draft logits, optionally a confidence head): vLLM serves it with
 #: its own proposer (v1/spec_decode/dspark.py), llama.cpp with --spec-type draft-dspark; names from both and speculators.
 DSPARK_ARCHITECTURES = frozenset({"Qwen3DSparkModel", "DSparkSpeculator", "Lfm2DSparkDraftModel", "LingDSparkModel"})
-DSPARK_KEYS = frozenset({"markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov", "dspark_target_layer_ids"})
+DSPARK_KEYS = frozenset(
+    {
+        "markov_rank",
+        "markov_head_type",
+        "enable_confidence_head",
+        "confidence_head_with_markov",
+        "dspark_target_layer_ids",
+    }
+)
 SPECULATORS_KEYS = frozenset(
     {
-        "speculators_model_type", "speculators_config", "speculators_version", "transformer_layer_config",
-        "aux_hidden_state_layer_ids", "mask_token_id", "block_size", "draft_vocab_size", "target_hidden_size",
-        "sliding_window_non_causal", "layer_types", "use_sliding_window", "sliding_window", "max_window_layers",
-        "max_anchors", "proposal_speculative_tokens", "architectures", "transformers_version", "dtype", "torch_dtype",
-        "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "input_embedding_scale",
-        "output_multiplier", "final_logit_softcapping", "norm_before_residual", "has_no_defaults_at_init", "auto_map",
+        "speculators_model_type",
+        "speculators_config",
+        "speculators_version",
+        "transformer_layer_config",
+        "aux_hidden_state_layer_ids",
+        "mask_token_id",
+        "block_size",
+        "draft_vocab_size",
+        "target_hidden_size",
+        "sliding_window_non_causal",
+        "layer_types",
+        "use_sliding_window",
+        "sliding_window",
+        "max_window_layers",
+        "max_anchors",
+        "proposal_speculative_tokens",
+        "architectures",
+        "transformers_version",
+        "dtype",
+        "torch_dtype",
+        "conv_kernel_size",
+        "conv_group_size",
+        "selector_rank",
+        "selector_top_k",
+        "input_embedding_scale",
+        "output_multiplier",
+        "final_logit_softcapping",
+        "norm_before_residual",
+        "has_no_defaults_at_init",
+        "auto_map",
         "sample_from_anchor",
     }
 )
@@ -109,8 +212,12 @@ class NormalisedDraft:
     draft_vocab_size: int | None = None  # set when the draft predicts over its own, smaller vocabulary
 
     def facts(self) -> dict[str, Any]:
-        return {"dialect": self.dialect, "layer_id_offset": self.layer_id_offset, "source_layer_ids": self.source_layer_ids,
-                "draft_vocab_size": self.draft_vocab_size}
+        return {
+            "dialect": self.dialect,
+            "layer_id_offset": self.layer_id_offset,
+            "source_layer_ids": self.source_layer_ids,
+            "draft_vocab_size": self.draft_vocab_size,
+        }
 
 
 def _refuse_unknown(keys, allowed, where: str, source: str) -> None:
@@ -125,7 +232,9 @@ def _refuse_unknown(keys, allowed, where: str, source: str) -> None:
 def _refuse_unsupported(table: dict[str, Any], where: str, source: str) -> None:
     for key, (neutral, meaning) in UNSUPPORTED.items():
         if key in table and table[key] != neutral:
-            raise UsageError(f"{source}: {where}{key} = {table[key]!r} asks for {meaning}, which this tool does not model; use a draft without it.")
+            raise UsageError(
+                f"{source}: {where}{key} = {table[key]!r} asks for {meaning}, which this tool does not model; use a draft without it."
+            )
 
 
 def _refuse_flat_dspark(raw: dict[str, Any], source: str) -> None:
@@ -135,24 +244,36 @@ def _refuse_flat_dspark(raw: dict[str, Any], source: str) -> None:
     keys = sorted(k for k in raw if k in DSPARK_KEYS)
     if named or keys:
         what = named[0] if named else f"key {keys[0]!r}"
-        raise UsageError(f"{source}: {what} marks a DSpark draft in a flat export, which this tool reads only in the speculators layout "
-                         "(speculators_model_type dspark with sample_from_anchor false); convert it or use a DFlash draft.")
+        raise UsageError(
+            f"{source}: {what} marks a DSpark draft in a flat export, which this tool reads only in the speculators layout "
+            "(speculators_model_type dspark with sample_from_anchor false); convert it or use a DFlash draft."
+        )
 
 
 def _dspark_keys(raw: dict[str, Any], source: str) -> dict[str, Any]:
     """The Markov / confidence head keys of a speculators DSpark config (engine/dspark_model.py); the anchor-first
     layout (speculators' DSpark default) and the gated / rnn heads are refused by name."""
     if raw.get("sample_from_anchor", True) is not False:
-        raise UsageError(f"{source}: a speculators DSpark draft with sample_from_anchor = {raw.get('sample_from_anchor', True)!r} (its default) "
-                         "predicts position p + k + 1 from slot k, the anchor-first layout this tool does not model; use one trained "
-                         "with sample_from_anchor false.")
+        raise UsageError(
+            f"{source}: a speculators DSpark draft with sample_from_anchor = {raw.get('sample_from_anchor', True)!r} (its default) "
+            "predicts position p + k + 1 from slot k, the anchor-first layout this tool does not model; use one trained "
+            "with sample_from_anchor false."
+        )
     if raw.get("markov_head_type", "vanilla") != "vanilla":
-        raise UsageError(f"{source}: markov_head_type {raw['markov_head_type']!r} is not the vanilla Markov head this tool models "
-                         "(llama.cpp refuses it too); use a vanilla DSpark draft.")
+        raise UsageError(
+            f"{source}: markov_head_type {raw['markov_head_type']!r} is not the vanilla Markov head this tool models "
+            "(llama.cpp refuses it too); use a vanilla DSpark draft."
+        )
     if raw.get("draft_vocab_size") not in (None, (raw.get("transformer_layer_config") or {}).get("vocab_size")):
-        raise UsageError(f"{source}: a DSpark draft over its own {raw['draft_vocab_size']}-token vocabulary is not modelled; use a full-vocabulary one.")
-    return {"markov_rank": raw.get("markov_rank", 256), "confidence_head": raw.get("enable_confidence_head", True),
-            "confidence_head_with_markov": raw.get("confidence_head_with_markov", True), "sample_from_anchor": False}
+        raise UsageError(
+            f"{source}: a DSpark draft over its own {raw['draft_vocab_size']}-token vocabulary is not modelled; use a full-vocabulary one."
+        )
+    return {
+        "markov_rank": raw.get("markov_rank", 256),
+        "confidence_head": raw.get("enable_confidence_head", True),
+        "confidence_head_with_markov": raw.get("confidence_head_with_markov", True),
+        "sample_from_anchor": False,
+    }
 
 
 def _rope_from_parameters(out: dict[str, Any]) -> None:
@@ -175,7 +296,9 @@ def _qwen3_window(out: dict[str, Any]) -> None:
         out["sliding_window"] = None
     if out.get("layer_types") is None and use:
         first_sliding = out.get("max_window_layers", 0) or 0
-        out["layer_types"] = ["sliding_attention" if i >= first_sliding else "full_attention" for i in range(out["num_hidden_layers"])]
+        out["layer_types"] = [
+            "sliding_attention" if i >= first_sliding else "full_attention" for i in range(out["num_hidden_layers"])
+        ]
     out.pop("max_window_layers", None)
 
 
@@ -186,7 +309,9 @@ def _from_zlab(raw: dict[str, Any], source: str, dialect: str) -> NormalisedDraf
     _refuse_unknown(raw, INERT_KEYS | MODEL_KEYS | set(UNSUPPORTED), "", source)
     _refuse_unknown(dflash, DFLASH_CONFIG_KEYS | set(UNSUPPORTED), "dflash_config ", source)
     if raw.get("hidden_act", "silu") != "silu":
-        raise UsageError(f"{source}: hidden_act {raw['hidden_act']!r} is not silu, the DFlash MLP; use a DFlash draft checkpoint.")
+        raise UsageError(
+            f"{source}: hidden_act {raw['hidden_act']!r} is not silu, the DFlash MLP; use a DFlash draft checkpoint."
+        )
     out = {k: v for k, v in raw.items() if k in MODEL_KEYS or k in INERT_KEYS}  # inert keys ride along as extras
     out["dflash_config"] = {k: v for k, v in dflash.items() if k in DFLASH_CONFIG_KEYS}
     if "block_size" in dflash:
@@ -198,31 +323,49 @@ def _from_zlab(raw: dict[str, Any], source: str, dialect: str) -> NormalisedDraf
     _rope_from_parameters(out)
     _qwen3_window(out)
     out["architectures"] = [variant_architecture(raw.get("architectures") or [])]
-    if out["architectures"] == [DSPARK_ARCHITECTURE] and dflash.get("sample_from_anchor", raw.get("sample_from_anchor")) is not False:
-        raise UsageError(f"{source}: a DSparkDraftModel config without sample_from_anchor = false is anchor-first (DSpark's default), "
-                         "a layout this tool does not model; use a draft trained with sample_from_anchor false.")
+    if (
+        out["architectures"] == [DSPARK_ARCHITECTURE]
+        and dflash.get("sample_from_anchor", raw.get("sample_from_anchor")) is not False
+    ):
+        raise UsageError(
+            f"{source}: a DSparkDraftModel config without sample_from_anchor = false is anchor-first (DSpark's default), "
+            "a layout this tool does not model; use a draft trained with sample_from_anchor false."
+        )
     ids = out["dflash_config"].get("target_layer_ids", out.get("target_layer_ids"))
     draft_vocab = raw.get("draft_vocab_size")
     draft_vocab = None if draft_vocab in (None, out.get("vocab_size")) else int(draft_vocab)
     origin = (raw.get("dflash_doctor") or {}).get("source_format")  # a draft this tool converted (a GGUF file)
     if origin:
-        return NormalisedDraft(config=out, dialect=origin["dialect"], layer_id_offset=origin["layer_id_offset"],
-                               source_layer_ids=origin["source_layer_ids"], draft_vocab_size=draft_vocab)
-    return NormalisedDraft(config=out, dialect=dialect, layer_id_offset=0, source_layer_ids=list(ids or []), draft_vocab_size=draft_vocab)
+        return NormalisedDraft(
+            config=out,
+            dialect=origin["dialect"],
+            layer_id_offset=origin["layer_id_offset"],
+            source_layer_ids=origin["source_layer_ids"],
+            draft_vocab_size=draft_vocab,
+        )
+    return NormalisedDraft(
+        config=out, dialect=dialect, layer_id_offset=0, source_layer_ids=list(ids or []), draft_vocab_size=draft_vocab
+    )
 
 
 def _from_speculators(raw: dict[str, Any], source: str) -> NormalisedDraft:
     kind = raw["speculators_model_type"]
     if kind not in VARIANT_ARCHITECTURES:
-        raise UsageError(f"{source}: speculators_model_type {kind!r} is not a DFlash draft (dflash, dflash2 or dspark); pass a DFlash checkpoint.")
+        raise UsageError(
+            f"{source}: speculators_model_type {kind!r} is not a DFlash draft (dflash, dflash2 or dspark); pass a DFlash checkpoint."
+        )
     dspark = _dspark_keys(raw, source) if kind == "dspark" else {}
     _refuse_unsupported(raw, "", source)
     _refuse_unknown(raw, SPECULATORS_KEYS | (DSPARK_KEYS if dspark else set()), "", source)
     layer = raw.get("transformer_layer_config")
     if not isinstance(layer, dict):
-        raise UsageError(f"{source}: a speculators DFlash config needs transformer_layer_config (the draft decoder); add it.")
+        raise UsageError(
+            f"{source}: a speculators DFlash config needs transformer_layer_config (the draft decoder); add it."
+        )
     if "mask_token_id" not in raw:
-        raise UsageError(f"{source}: speculators config lacks mask_token_id; add it (the value the draft was trained with).")
+        raise UsageError(
+            f"{source}: speculators config lacks mask_token_id; add it (the value the draft was trained with)."
+        )
     _refuse_unknown(layer, INERT_KEYS | MODEL_KEYS | {"layer_types"}, "transformer_layer_config ", source)
     out = {k: v for k, v in layer.items() if k in MODEL_KEYS}
     for key in ("layer_types", "use_sliding_window", "sliding_window", "max_window_layers"):
@@ -231,18 +374,31 @@ def _from_speculators(raw: dict[str, Any], source: str) -> NormalisedDraft:
     source_ids = [int(i) for i in raw["aux_hidden_state_layer_ids"]]
     ids = [i - 1 for i in source_ids]
     if min(ids) < 0:
-        raise UsageError(f"{source}: aux_hidden_state_layer_ids {source_ids} hold 0, but speculators ids are layer + 1; fix the ids.")
+        raise UsageError(
+            f"{source}: aux_hidden_state_layer_ids {source_ids} hold 0, but speculators ids are layer + 1; fix the ids."
+        )
     block_size = raw.get("block_size")
     if block_size is None:
         tokens = raw.get("proposal_speculative_tokens")
         methods = (raw.get("speculators_config") or {}).get("proposal_methods") or []
-        tokens = tokens if tokens is not None else next((m.get("speculative_tokens") for m in methods if "speculative_tokens" in m), None)
+        tokens = (
+            tokens
+            if tokens is not None
+            else next((m.get("speculative_tokens") for m in methods if "speculative_tokens" in m), None)
+        )
         block_size = SPECULATORS_DEFAULT_BLOCK_SIZE if tokens is None else int(tokens) + 1
     out["block_size"] = block_size
     out["dflash_config"] = {"mask_token_id": raw["mask_token_id"], "target_layer_ids": ids}
     out["dflash_config"]["causal"] = not raw.get("sliding_window_non_causal", True)
-    for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k",
-                "input_embedding_scale", "output_multiplier", "final_logit_softcapping"):
+    for key in (
+        "conv_kernel_size",
+        "conv_group_size",
+        "selector_rank",
+        "selector_top_k",
+        "input_embedding_scale",
+        "output_multiplier",
+        "final_logit_softcapping",
+    ):
         if raw.get(key) is not None:
             out["dflash_config"][key] = raw[key]
     out["dflash_config"].update(dspark)
@@ -251,12 +407,16 @@ def _from_speculators(raw: dict[str, Any], source: str) -> NormalisedDraft:
     _qwen3_window(out)
     draft_vocab = raw.get("draft_vocab_size")
     draft_vocab = None if draft_vocab in (None, out.get("vocab_size")) else int(draft_vocab)
-    return NormalisedDraft(config=out, dialect="speculators", layer_id_offset=1, source_layer_ids=source_ids, draft_vocab_size=draft_vocab)
+    return NormalisedDraft(
+        config=out, dialect="speculators", layer_id_offset=1, source_layer_ids=source_ids, draft_vocab_size=draft_vocab
+    )
 
 
 def stated_layer_ids(raw: dict[str, Any]) -> list[int] | None:
     """The target layer ids a config states, in its own dialect's convention (None when it states none)."""
-    ids = (raw.get("dflash_config") or {}).get("target_layer_ids", raw.get("target_layer_ids", raw.get("aux_hidden_state_layer_ids")))
+    ids = (raw.get("dflash_config") or {}).get(
+        "target_layer_ids", raw.get("target_layer_ids", raw.get("aux_hidden_state_layer_ids"))
+    )
     return None if ids is None else [int(i) for i in ids]
 
 
@@ -294,19 +454,33 @@ def engine_layer_id_guesses(raw: dict[str, Any], served_target_layers: int | Non
     return guesses
 
 
-def missing_layer_ids_sentence(raw: dict[str, Any], source: str, served_target_layers: int | None, card: str | None) -> str:
+def missing_layer_ids_sentence(
+    raw: dict[str, Any], source: str, served_target_layers: int | None, card: str | None
+) -> str:
     """One sentence for a draft without target_layer_ids: what each engine would tap, and what to write."""
-    guesses = "; ".join(f"{engine} {ids}" if ids is not None else f"{engine} unknown without the target's layer count"
-                        for engine, ids in engine_layer_id_guesses(raw, served_target_layers).items())
+    guesses = "; ".join(
+        f"{engine} {ids}" if ids is not None else f"{engine} unknown without the target's layer count"
+        for engine, ids in engine_layer_id_guesses(raw, served_target_layers).items()
+    )
     trained = card_layer_ids(card)
-    fix = (f"write dflash_config.target_layer_ids = {trained} (what its model card says it was trained with)" if trained
-           else "write dflash_config.target_layer_ids = the ids it was trained with (its model card or training config)")
-    return (f"{source} states no target_layer_ids, so engines tap different layers ({guesses}; llama.cpp refuses a GGUF "
-            f"without dflash.target_layers); {fix}.")
+    fix = (
+        f"write dflash_config.target_layer_ids = {trained} (what its model card says it was trained with)"
+        if trained
+        else "write dflash_config.target_layer_ids = the ids it was trained with (its model card or training config)"
+    )
+    return (
+        f"{source} states no target_layer_ids, so engines tap different layers ({guesses}; llama.cpp refuses a GGUF "
+        f"without dflash.target_layers); {fix}."
+    )
 
 
-def normalise_draft_config(raw: dict[str, Any], source: str = "config.json", *, served_target_layers: int | None = None,
-                           card: str | None = None) -> NormalisedDraft:
+def normalise_draft_config(
+    raw: dict[str, Any],
+    source: str = "config.json",
+    *,
+    served_target_layers: int | None = None,
+    card: str | None = None,
+) -> NormalisedDraft:
     """The z-lab config for any dialect above (GGUF drafts are converted by :mod:`dflash_doctor.models.gguf_draft`).
 
     A config without target layer ids is refused, naming what each engine would guess for
@@ -321,7 +495,9 @@ def normalise_draft_config(raw: dict[str, Any], source: str = "config.json", *, 
     named = [a for a in architectures if a in ARCHITECTURES]
     unknown_arch = [a for a in architectures if a not in ARCHITECTURES]
     if unknown_arch:
-        raise UsageError(f"{source}: architecture {unknown_arch[0]!r} is not a DFlash draft this tool reads ({', '.join(ARCHITECTURES)}); pass a DFlash checkpoint.")
+        raise UsageError(
+            f"{source}: architecture {unknown_arch[0]!r} is not a DFlash draft this tool reads ({', '.join(ARCHITECTURES)}); pass a DFlash checkpoint."
+        )
     dialect = ARCHITECTURES[named[0]] if named else "zlab"
     if dialect == "zlab" and ("rope_parameters" in raw or "block_size" in (raw.get("dflash_config") or {})):
         dialect = "zlab-nested"

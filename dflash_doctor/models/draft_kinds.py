@@ -46,8 +46,15 @@ from dflash_doctor.engine.proposers.base import Proposer
 from dflash_doctor.engine.proposers.dflash import DFlashProposer
 from dflash_doctor.engine.mtp_model import MtpHead, build_mtp_head
 from dflash_doctor.engine.proposers.eagle3 import Eagle3Proposer
-from dflash_doctor.engine.proposers.mtp import (DEFAULT_ENGINE, MTP_ENGINE_SIDES, SIDES, MtpProposer, MtpSettings,
-                                                default_mtp_settings, engine_sides)
+from dflash_doctor.engine.proposers.mtp import (
+    DEFAULT_ENGINE,
+    MTP_ENGINE_SIDES,
+    SIDES,
+    MtpProposer,
+    MtpSettings,
+    default_mtp_settings,
+    engine_sides,
+)
 from dflash_doctor.engine.proposers.ngram import NgramProposer, NgramSettings
 from dflash_doctor.engine.proposers.suffix import SuffixProposer, SuffixSettings
 from dflash_doctor.engine.target import TargetModel
@@ -57,8 +64,15 @@ from dflash_doctor.models.mtp_format import LAYOUT_NAMES, read_mtp_checkpoint
 from dflash_doctor.models.serving_setups import SetupProposers, dflash_setup_proposers, eagle3_setup_proposers
 from dflash_doctor.models.training.recipes import DFLASH_TRAINING, EAGLE3_TRAINING, TrainingRecipe
 from dflash_doctor.inputs.validation import read_config_json
-from dflash_doctor.models.loading import (is_dflash_config, load_causal_lm, load_dflash_draft, resolve_model_dir,
-                                          torch_dtype, validate_autoregressive_pair, validate_dflash_pair)
+from dflash_doctor.models.loading import (
+    is_dflash_config,
+    load_causal_lm,
+    load_dflash_draft,
+    resolve_model_dir,
+    torch_dtype,
+    validate_autoregressive_pair,
+    validate_dflash_pair,
+)
 
 if TYPE_CHECKING:
     from dflash_doctor.engine.dflash_model import DFlashDraftModel
@@ -166,7 +180,9 @@ def get_draft_kind(name: str) -> DraftKind[Any]:
     except KeyError:
         close = difflib.get_close_matches(name, list(_KINDS), n=1, cutoff=0.5)
         hint = f"did you mean {close[0]!r}? " if close else ""
-        raise UsageError(f"--draft-kind {name!r} is not a draft kind; {hint}pick one of {', '.join(kind_names())}.") from None
+        raise UsageError(
+            f"--draft-kind {name!r} is not a draft kind; {hint}pick one of {', '.join(kind_names())}."
+        ) from None
 
 
 def weightless_kind(spec: str) -> tuple[DraftKind[Any], dict[str, str]] | None:
@@ -184,7 +200,9 @@ def weightless_kind(spec: str) -> tuple[DraftKind[Any], dict[str, str]] | None:
     for item in filter(None, (part.strip() for part in rest.split(","))):
         key, eq, value = item.partition("=")
         if not eq or not key.strip() or not value.strip():
-            raise UsageError(f"--draft {spec!r}: settings are key=value pairs separated by commas, e.g. ngram:prompt_lookup_max=4 or suffix:suffix_decoding_max_tree_depth=16.")
+            raise UsageError(
+                f"--draft {spec!r}: settings are key=value pairs separated by commas, e.g. ngram:prompt_lookup_max=4 or suffix:suffix_decoding_max_tree_depth=16."
+            )
         if key.strip() in settings:
             raise UsageError(f"--draft {spec!r}: {key.strip()} is set twice; keep one value.")
         settings[key.strip()] = value.strip()
@@ -218,7 +236,9 @@ def setting_float(kind: str, key: str, text: str, example: str) -> float:
         raise UsageError(f"--draft {kind}: {key}={text!r} does not fit a float32 (above 3.4e38); e.g. {example}.")
     written_nonzero = re.search(r"[1-9]", text.lower().partition("e")[0]) is not None
     if written_nonzero and np.float32(value) == 0:
-        raise UsageError(f"--draft {kind}: {key}={text!r} rounds to 0 in float32; write 0 or a larger number, e.g. {example}.")
+        raise UsageError(
+            f"--draft {kind}: {key}={text!r} rounds to 0 in float32; write 0 or a larger number, e.g. {example}."
+        )
     return value
 
 
@@ -242,8 +262,10 @@ def resolve_draft_spec(spec: str, draft_kind: str) -> DraftSpec:
     named = weightless_kind(spec)
     if named is not None:
         if draft_kind not in (AUTO, named[0].name):
-            raise UsageError(f"--draft {spec} is the {named[0].name} speculator; drop --draft-kind {draft_kind} "
-                             f"or pass --draft-kind {named[0].name}.")
+            raise UsageError(
+                f"--draft {spec} is the {named[0].name} speculator; drop --draft-kind {draft_kind} "
+                f"or pass --draft-kind {named[0].name}."
+            )
         return DraftSpec(named[0], named[1], None, {})
     draft_dir = resolve_model_dir(spec)
     config = read_config_json(draft_dir)
@@ -274,7 +296,9 @@ def resolve_draft_kind(name: str, config: dict[str, Any], spec: str) -> DraftKin
 
 
 def _load_dflash(draft_dir: Path, target_dir: Path, target_config: Any, options: LoadOptions) -> DFlashDraftModel:
-    model = load_dflash_draft(draft_dir, dtype=options.dtype, device=options.device, served_target_layers=target_config.num_hidden_layers)
+    model = load_dflash_draft(
+        draft_dir, dtype=options.dtype, device=options.device, served_target_layers=target_config.num_hidden_layers
+    )
     validate_dflash_pair(model.config, target_config)
     return model
 
@@ -287,48 +311,62 @@ def _dflash_with_layer_ids(model: DFlashDraftModel, layer_ids: list[int]) -> DFl
 
 
 def _load_autoregressive(draft_dir: Path, target_dir: Path, target_config: Any, options: LoadOptions) -> CausalLM:
-    model = load_causal_lm(draft_dir, dtype=options.dtype, device=options.device, trust_remote_code=options.trust_remote_code)
+    model = load_causal_lm(
+        draft_dir, dtype=options.dtype, device=options.device, trust_remote_code=options.trust_remote_code
+    )
     # kept on the model like a DFlash draft's ``draft_format``, for the kind's run.json facts (setattr: a
     # transformers model declares no such attribute, and nn.Module's typed __setattr__ expects tensors)
     setattr(model, "vocabulary_check", validate_autoregressive_pair(draft_dir, target_dir, model.config, target_config))
     return model
 
 
-register_draft_kind(DraftKind(
-    name=DFlashProposer.kind,
-    description="DFlash block-diffusion drafter, DFlash or DFlash 2, in any dialect (z-lab, speculators, NeMo: docs/draft-formats.md)",
-    detect=is_dflash_config,
-    load=_load_dflash,
-    build=lambda model, target, sampling: DFlashProposer(
-        model, target, temperature=sampling.temperature, draft_sample_method=sampling.draft_sample_method, generator=sampling.generator,
-    ),
-    facts=lambda model: {
-        "block_size": model.config.block_size,
-        "target_layer_ids": list(model.config.target_layer_ids),
-        "mask_token_id": model.config.mask_token_id,
-        "num_layers": model.config.num_hidden_layers,
-        "architecture": model.config.architecture,
-        "causal_layers": [model.config.layer_is_causal(i) for i in range(model.config.num_hidden_layers)],
-        "format": model.draft_format,
-    },
-    layer_ids=lambda model: list(model.config.target_layer_ids),
-    with_layer_ids=_dflash_with_layer_ids,
-    engine_agreement=True,
-    serving_checklist=("the mask id, num_speculative_tokens vs the block size, the draft's attention backend (must be "
-                       "non-causal capable), a quantised KV cache for the draft, and the chat template the server renders"),
-    serving_setups=dflash_setup_proposers,
-    training=DFLASH_TRAINING,
-))
+register_draft_kind(
+    DraftKind(
+        name=DFlashProposer.kind,
+        description="DFlash block-diffusion drafter, DFlash or DFlash 2, in any dialect (z-lab, speculators, NeMo: docs/draft-formats.md)",
+        detect=is_dflash_config,
+        load=_load_dflash,
+        build=lambda model, target, sampling: DFlashProposer(
+            model,
+            target,
+            temperature=sampling.temperature,
+            draft_sample_method=sampling.draft_sample_method,
+            generator=sampling.generator,
+        ),
+        facts=lambda model: {
+            "block_size": model.config.block_size,
+            "target_layer_ids": list(model.config.target_layer_ids),
+            "mask_token_id": model.config.mask_token_id,
+            "num_layers": model.config.num_hidden_layers,
+            "architecture": model.config.architecture,
+            "causal_layers": [model.config.layer_is_causal(i) for i in range(model.config.num_hidden_layers)],
+            "format": model.draft_format,
+        },
+        layer_ids=lambda model: list(model.config.target_layer_ids),
+        with_layer_ids=_dflash_with_layer_ids,
+        engine_agreement=True,
+        serving_checklist=(
+            "the mask id, num_speculative_tokens vs the block size, the draft's attention backend (must be "
+            "non-causal capable), a quantised KV cache for the draft, and the chat template the server renders"
+        ),
+        serving_setups=dflash_setup_proposers,
+        training=DFLASH_TRAINING,
+    )
+)
 
-register_draft_kind(DraftKind(
-    name=AutoregressiveProposer.kind,
-    description="a classic autoregressive draft: any causal LM sharing the target's tokenizer (the catch-all)",
-    detect=lambda config: True,
-    load=_load_autoregressive,
-    build=lambda model, target, sampling: AutoregressiveProposer(model, temperature=sampling.temperature, generator=sampling.generator),
-    facts=lambda model: {"vocabulary_check": getattr(model, "vocabulary_check", None)},
-    ships_tokenizer=True,
-))
+register_draft_kind(
+    DraftKind(
+        name=AutoregressiveProposer.kind,
+        description="a classic autoregressive draft: any causal LM sharing the target's tokenizer (the catch-all)",
+        detect=lambda config: True,
+        load=_load_autoregressive,
+        build=lambda model, target, sampling: AutoregressiveProposer(
+            model, temperature=sampling.temperature, generator=sampling.generator
+        ),
+        facts=lambda model: {"vocabulary_check": getattr(model, "vocabulary_check", None)},
+        ships_tokenizer=True,
+    )
+)
 
 
 class WeightlessDraft(torch.nn.Module):
@@ -350,7 +388,9 @@ def _ngram_settings(settings: dict[str, str]) -> NgramSettings:
     known = ("prompt_lookup_min", "prompt_lookup_max")
     unknown = sorted(set(settings) - set(known))
     if unknown:
-        raise UsageError(f"--draft ngram: unknown setting {unknown[0]!r}; the settings are {', '.join(known)} (vLLM's names).")
+        raise UsageError(
+            f"--draft ngram: unknown setting {unknown[0]!r}; the settings are {', '.join(known)} (vLLM's names)."
+        )
     values = {key: setting_int("ngram", key, value, _NGRAM_EXAMPLE) for key, value in settings.items()}
     try:
         return NgramSettings.resolve(values.get("prompt_lookup_min"), values.get("prompt_lookup_max"))
@@ -358,8 +398,12 @@ def _ngram_settings(settings: dict[str, str]) -> NgramSettings:
         raise UsageError(f"--draft ngram: {error}; e.g. {_NGRAM_EXAMPLE}.") from None
 
 
-def _ngram_from_spec(settings: dict[str, str], target_dir: Path, target_config: Any, options: LoadOptions) -> WeightlessDraft:
-    resolved = dataclasses.replace(_ngram_settings(settings), max_model_len=getattr(target_config, "max_position_embeddings", None))
+def _ngram_from_spec(
+    settings: dict[str, str], target_dir: Path, target_config: Any, options: LoadOptions
+) -> WeightlessDraft:
+    resolved = dataclasses.replace(
+        _ngram_settings(settings), max_model_len=getattr(target_config, "max_position_embeddings", None)
+    )
     return WeightlessDraft(resolved, int(target_config.vocab_size), options.device)
 
 
@@ -367,29 +411,40 @@ def _unused_load(draft_dir: Path, target_dir: Path, target_config: Any, options:
     raise UsageError("a weightless speculator has no checkpoint to load; pass --draft ngram or --draft suffix.")
 
 
-register_draft_kind(DraftKind(
-    name=NgramProposer.kind,
-    description="vLLM's n-gram prompt lookup (no weights): --draft ngram[:prompt_lookup_min=N,prompt_lookup_max=M]",
-    detect=lambda config: False,
-    load=_unused_load,
-    build=lambda model, target, sampling: NgramProposer(model.settings, target.head.out_features, target.head.weight.device),
-    facts=lambda model: {
-        "prompt_lookup_min": model.settings.prompt_lookup_min,
-        "prompt_lookup_max": model.settings.prompt_lookup_max,
-        "max_model_len": model.settings.max_model_len,
-    },
-    # vLLM's proposals follow from the text and the two settings alone, so its steps replay exactly
-    engine_agreement=True,
-    serving_checklist=("the server's prompt_lookup_min, prompt_lookup_max and num_speculative_tokens against the --draft ngram "
-                       "settings, and the chat template the server renders (the lookup reads the prompt's tokens)"),
-    from_spec=_ngram_from_spec,
-    check_settings=_ngram_settings,
-), before="autoregressive")
-
+register_draft_kind(
+    DraftKind(
+        name=NgramProposer.kind,
+        description="vLLM's n-gram prompt lookup (no weights): --draft ngram[:prompt_lookup_min=N,prompt_lookup_max=M]",
+        detect=lambda config: False,
+        load=_unused_load,
+        build=lambda model, target, sampling: NgramProposer(
+            model.settings, target.head.out_features, target.head.weight.device
+        ),
+        facts=lambda model: {
+            "prompt_lookup_min": model.settings.prompt_lookup_min,
+            "prompt_lookup_max": model.settings.prompt_lookup_max,
+            "max_model_len": model.settings.max_model_len,
+        },
+        # vLLM's proposals follow from the text and the two settings alone, so its steps replay exactly
+        engine_agreement=True,
+        serving_checklist=(
+            "the server's prompt_lookup_min, prompt_lookup_max and num_speculative_tokens against the --draft ngram "
+            "settings, and the chat template the server renders (the lookup reads the prompt's tokens)"
+        ),
+        from_spec=_ngram_from_spec,
+        check_settings=_ngram_settings,
+    ),
+    before="autoregressive",
+)
 
 
 #: vLLM's setting names (``suffix_decoding_*``) -> their type; the short names without the prefix are accepted too
-_SUFFIX_SETTINGS: dict[str, type] = {"max_tree_depth": int, "max_cached_requests": int, "max_spec_factor": float, "min_token_prob": float}
+_SUFFIX_SETTINGS: dict[str, type] = {
+    "max_tree_depth": int,
+    "max_cached_requests": int,
+    "max_spec_factor": float,
+    "min_token_prob": float,
+}
 _SUFFIX_EXAMPLE = "suffix:suffix_decoding_max_tree_depth=24,suffix_decoding_min_token_prob=0.1"
 
 
@@ -403,7 +458,9 @@ def _suffix_settings(settings: dict[str, str], max_model_len: int | None = None)
             names = ", ".join(f"suffix_decoding_{name}" for name in _SUFFIX_SETTINGS)
             raise UsageError(f"--draft suffix: unknown setting {key!r}; the settings are {names} (vLLM's names).")
         if short in values:
-            raise UsageError(f"--draft suffix: suffix_decoding_{short} is set twice (with and without the prefix); keep one value.")
+            raise UsageError(
+                f"--draft suffix: suffix_decoding_{short} is set twice (with and without the prefix); keep one value."
+            )
         read = setting_int if kind is int else setting_float
         values[short] = read("suffix", f"suffix_decoding_{short}", text, _SUFFIX_EXAMPLE)
     try:
@@ -412,33 +469,44 @@ def _suffix_settings(settings: dict[str, str], max_model_len: int | None = None)
         raise UsageError(f"--draft suffix: {error}, as vLLM requires; e.g. {_SUFFIX_EXAMPLE}.") from None
 
 
-def _suffix_from_spec(settings: dict[str, str], target_dir: Path, target_config: Any, options: LoadOptions) -> WeightlessDraft:
+def _suffix_from_spec(
+    settings: dict[str, str], target_dir: Path, target_config: Any, options: LoadOptions
+) -> WeightlessDraft:
     resolved = _suffix_settings(settings, getattr(target_config, "max_position_embeddings", None))
     return WeightlessDraft(resolved, int(target_config.vocab_size), options.device)
 
 
-register_draft_kind(DraftKind(
-    name=SuffixProposer.kind,
-    description=("vLLM's suffix decoding (Arctic Inference; no weights): --draft suffix[:suffix_decoding_max_tree_depth=24,"
-                 "suffix_decoding_max_cached_requests=10000,suffix_decoding_max_spec_factor=1.0,suffix_decoding_min_token_prob=0.1]"),
-    detect=lambda config: False,
-    load=_unused_load,
-    build=lambda model, target, sampling: SuffixProposer(model.settings, target.head.out_features, target.head.weight.device),
-    facts=lambda model: {
-        "suffix_decoding_max_tree_depth": model.settings.max_tree_depth,
-        "suffix_decoding_max_cached_requests": model.settings.max_cached_requests,
-        "suffix_decoding_max_spec_factor": model.settings.max_spec_factor,
-        "suffix_decoding_min_token_prob": model.settings.min_token_prob,
-        "max_model_len": model.settings.max_model_len,
-    },
-    # the trees follow from the text, the settings and the responses before: replayed in the order served, exactly
-    engine_agreement=True,
-    serving_checklist=("the server's suffix_decoding_* settings and num_speculative_tokens against the --draft suffix "
-                       "settings, requests sent one at a time (--engine-concurrency 1: the global tree holds the responses "
-                       "in the order served, and a fresh server holds no others), and the chat template the server renders"),
-    from_spec=_suffix_from_spec,
-    check_settings=_suffix_settings,
-), before="autoregressive")
+register_draft_kind(
+    DraftKind(
+        name=SuffixProposer.kind,
+        description=(
+            "vLLM's suffix decoding (Arctic Inference; no weights): --draft suffix[:suffix_decoding_max_tree_depth=24,"
+            "suffix_decoding_max_cached_requests=10000,suffix_decoding_max_spec_factor=1.0,suffix_decoding_min_token_prob=0.1]"
+        ),
+        detect=lambda config: False,
+        load=_unused_load,
+        build=lambda model, target, sampling: SuffixProposer(
+            model.settings, target.head.out_features, target.head.weight.device
+        ),
+        facts=lambda model: {
+            "suffix_decoding_max_tree_depth": model.settings.max_tree_depth,
+            "suffix_decoding_max_cached_requests": model.settings.max_cached_requests,
+            "suffix_decoding_max_spec_factor": model.settings.max_spec_factor,
+            "suffix_decoding_min_token_prob": model.settings.min_token_prob,
+            "max_model_len": model.settings.max_model_len,
+        },
+        # the trees follow from the text, the settings and the responses before: replayed in the order served, exactly
+        engine_agreement=True,
+        serving_checklist=(
+            "the server's suffix_decoding_* settings and num_speculative_tokens against the --draft suffix "
+            "settings, requests sent one at a time (--engine-concurrency 1: the global tree holds the responses "
+            "in the order served, and a fresh server holds no others), and the chat template the server renders"
+        ),
+        from_spec=_suffix_from_spec,
+        check_settings=_suffix_settings,
+    ),
+    before="autoregressive",
+)
 
 
 # ----------------------------------------------------------------------------- eagle3: EAGLE-3 heads (the eagle3 section of docs/speculators.md)
@@ -457,23 +525,28 @@ def _eagle3_with_layer_ids(model: Eagle3DraftModel, layer_ids: list[int]) -> Eag
     return shifted
 
 
-register_draft_kind(DraftKind(
-    name=Eagle3Proposer.kind,
-    description="an EAGLE-3 head (speculators or original EAGLE-3 layout) drafting a chain as vLLM's eagle3 method does",
-    detect=is_eagle3_config,
-    load=_load_eagle3,
-    build=lambda model, target, sampling: Eagle3Proposer(model, target),
-    facts=lambda model: dict(model.facts),
-    layer_ids=lambda model: list(model.config.aux_layer_ids),
-    with_layer_ids=_eagle3_with_layer_ids,
-    # a chain of K every step, so vLLM lists every step: compared anchor by anchor under its setups
-    engine_agreement=True,
-    serving_checklist=("the served head's eagle_aux_hidden_state_layer_ids and norm switches against the local config (the "
-                       "eagle3-config check lists both), the draft-to-target vocabulary map the server loads, num_speculative_tokens, "
-                       "a quantised KV cache for the head, and the chat template the server renders"),
-    serving_setups=eagle3_setup_proposers,
-    training=EAGLE3_TRAINING,
-), before="autoregressive")
+register_draft_kind(
+    DraftKind(
+        name=Eagle3Proposer.kind,
+        description="an EAGLE-3 head (speculators or original EAGLE-3 layout) drafting a chain as vLLM's eagle3 method does",
+        detect=is_eagle3_config,
+        load=_load_eagle3,
+        build=lambda model, target, sampling: Eagle3Proposer(model, target),
+        facts=lambda model: dict(model.facts),
+        layer_ids=lambda model: list(model.config.aux_layer_ids),
+        with_layer_ids=_eagle3_with_layer_ids,
+        # a chain of K every step, so vLLM lists every step: compared anchor by anchor under its setups
+        engine_agreement=True,
+        serving_checklist=(
+            "the served head's eagle_aux_hidden_state_layer_ids and norm switches against the local config (the "
+            "eagle3-config check lists both), the draft-to-target vocabulary map the server loads, num_speculative_tokens, "
+            "a quantised KV cache for the head, and the chat template the server renders"
+        ),
+        serving_setups=eagle3_setup_proposers,
+        training=EAGLE3_TRAINING,
+    ),
+    before="autoregressive",
+)
 
 
 # ----------------------------------------------------------------------------- mtp: a target's own MTP head (docs/speculators.md#mtp)
@@ -486,8 +559,15 @@ class MtpDraft(torch.nn.Module):
     """A target's MTP head read from the target's own checkpoint, with the replay's settings: each side the
     user did not set is what the default engine passes for the target's architecture (``model_type``)."""
 
-    def __init__(self, head: MtpHead, settings: MtpSettings, has_own_head: bool, has_own_embedding: bool,
-                 architecture: str = "", set_by_user: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        head: MtpHead,
+        settings: MtpSettings,
+        has_own_head: bool,
+        has_own_embedding: bool,
+        architecture: str = "",
+        set_by_user: tuple[str, ...] = (),
+    ):
         super().__init__()
         self.head = head
         self.settings = settings
@@ -503,7 +583,9 @@ def _mtp_settings(settings: dict[str, str]) -> dict[str, str]:
         if key == "num_speculative_tokens":
             raise UsageError("--draft mtp: num_speculative_tokens is --k; pass --k N instead of the setting.")
         if key not in _MTP_SETTINGS:
-            raise UsageError(f"--draft mtp: unknown setting {key!r}; the settings are {', '.join(_MTP_SETTINGS)}, e.g. {_MTP_EXAMPLE}.")
+            raise UsageError(
+                f"--draft mtp: unknown setting {key!r}; the settings are {', '.join(_MTP_SETTINGS)}, e.g. {_MTP_EXAMPLE}."
+            )
         if value not in SIDES:
             raise UsageError(f"--draft mtp: {key}={value!r} is not {' or '.join(SIDES)}; e.g. {_MTP_EXAMPLE}.")
     return settings
@@ -512,21 +594,36 @@ def _mtp_settings(settings: dict[str, str]) -> dict[str, str]:
 def _mtp_from_spec(settings: dict[str, str], target_dir: Path, target_config: Any, options: LoadOptions) -> MtpDraft:
     architecture = str(getattr(target_config, "model_type", "") or "")
     default = default_mtp_settings(architecture)
-    resolved = MtpSettings(hidden_state=settings.get("hidden_state", default.hidden_state),
-                           carried_state=settings.get("carried_state", default.carried_state))
+    resolved = MtpSettings(
+        hidden_state=settings.get("hidden_state", default.hidden_state),
+        carried_state=settings.get("carried_state", default.carried_state),
+    )
     checkpoint = read_mtp_checkpoint(target_dir, read_config_json(target_dir), target_dir.name)
-    head = build_mtp_head(checkpoint, target_config, dtype=torch_dtype(options.dtype), device=options.device,
-                          target_name=target_dir.name)
-    return MtpDraft(head, resolved, checkpoint.has_own("head"), checkpoint.has_own("embed_tokens"), architecture,
-                    tuple(side for side in _MTP_SETTINGS if side in settings))
+    head = build_mtp_head(
+        checkpoint, target_config, dtype=torch_dtype(options.dtype), device=options.device, target_name=target_dir.name
+    )
+    return MtpDraft(
+        head,
+        resolved,
+        checkpoint.has_own("head"),
+        checkpoint.has_own("embed_tokens"),
+        architecture,
+        tuple(side for side in _MTP_SETTINGS if side in settings),
+    )
 
 
 def _mtp_sides_from(model: MtpDraft) -> dict[str, str]:
     """Per side, where the replay's value came from: the user's setting, or the default engine for this architecture."""
     default = engine_sides(DEFAULT_ENGINE, model.architecture)
-    source = f"what {DEFAULT_ENGINE} passes for {model.architecture or 'this target'} ({default.model})" + ("" if default.verified else ", unverified")
-    return {side: f"set: --draft mtp:{side}={getattr(model.settings, side)}" if side in model.set_by_user
-            else f"default: {source}" for side in _MTP_SETTINGS}
+    source = f"what {DEFAULT_ENGINE} passes for {model.architecture or 'this target'} ({default.model})" + (
+        "" if default.verified else ", unverified"
+    )
+    return {
+        side: f"set: --draft mtp:{side}={getattr(model.settings, side)}"
+        if side in model.set_by_user
+        else f"default: {source}"
+        for side in _MTP_SETTINGS
+    }
 
 
 def _mtp_facts(model: MtpDraft) -> dict[str, Any]:
@@ -540,28 +637,37 @@ def _mtp_facts(model: MtpDraft) -> dict[str, Any]:
         "hidden_state": model.settings.hidden_state,
         "carried_state": model.settings.carried_state,
         "sides_from": _mtp_sides_from(model),
-        "engine_sides": {engine: engine_sides(engine, model.architecture).as_facts(model.architecture) for engine in MTP_ENGINE_SIDES},
+        "engine_sides": {
+            engine: engine_sides(engine, model.architecture).as_facts(model.architecture) for engine in MTP_ENGINE_SIDES
+        },
         "lm_head": "own (shared_head.head)" if model.has_own_head else "the target's",
         "embedding": "own (embed_tokens)" if model.has_own_embedding else "the target's",
         "draft_probabilities": "none: a point mass on each drafted token (vLLM passes none for MTP)",
     }
 
 
-register_draft_kind(DraftKind(
-    name=MtpProposer.kind,
-    description=("the target's own multi-token-prediction head (DeepSeek-V3/GLM or Qwen3-Next/Qwen3.5 layout, read from the "
-                 "target's checkpoint): --draft mtp[:hidden_state=post-norm|pre-norm,carried_state=post-norm|pre-norm]; unset sides: what vLLM "
-                 "passes for the target's architecture"),
-    detect=lambda config: False,
-    load=_unused_load,
-    build=lambda model, target, sampling: MtpProposer(model.head, target, model.settings),
-    facts=_mtp_facts,
-    # one chain of K every step, a function of the target's states and the text: the replay as configured
-    # (the sides vLLM passes for the architecture) reproduces the server's steps (docs/speculators.md#mtp)
-    engine_agreement=True,
-    serving_checklist=("which hidden state the engine hands the MTP head, before or after the final norm (the mtp-config "
-                       "check names each engine's choice), num_speculative_tokens against the number of MTP layers, and the "
-                       "chat template the server renders"),
-    from_spec=_mtp_from_spec,
-    check_settings=_mtp_settings,
-), before="autoregressive")
+register_draft_kind(
+    DraftKind(
+        name=MtpProposer.kind,
+        description=(
+            "the target's own multi-token-prediction head (DeepSeek-V3/GLM or Qwen3-Next/Qwen3.5 layout, read from the "
+            "target's checkpoint): --draft mtp[:hidden_state=post-norm|pre-norm,carried_state=post-norm|pre-norm]; unset sides: what vLLM "
+            "passes for the target's architecture"
+        ),
+        detect=lambda config: False,
+        load=_unused_load,
+        build=lambda model, target, sampling: MtpProposer(model.head, target, model.settings),
+        facts=_mtp_facts,
+        # one chain of K every step, a function of the target's states and the text: the replay as configured
+        # (the sides vLLM passes for the architecture) reproduces the server's steps (docs/speculators.md#mtp)
+        engine_agreement=True,
+        serving_checklist=(
+            "which hidden state the engine hands the MTP head, before or after the final norm (the mtp-config "
+            "check names each engine's choice), num_speculative_tokens against the number of MTP layers, and the "
+            "chat template the server renders"
+        ),
+        from_spec=_mtp_from_spec,
+        check_settings=_mtp_settings,
+    ),
+    before="autoregressive",
+)

@@ -43,6 +43,7 @@ NORM_SWITCHES = ("norm_before_residual", "norm_output", "norm_before_fc", "fc_no
 #: defaults all four to False, and the original EAGLE-3 code has none of them (its layer is the False case).
 TRAINED_DEFAULTS = dict.fromkeys(NORM_SWITCHES, False)
 
+
 def checkpoint_layout(config: dict[str, Any]) -> str | None:
     """:data:`SPECULATORS`, :data:`ORIGINAL`, or None for a config of another kind."""
     if config.get("speculators_model_type") == "eagle3" or "Eagle3Speculator" in (config.get("architectures") or []):
@@ -112,12 +113,19 @@ class NormSwitch:
             return "written in the checkpoint"
         if self.vllm == self.trained:
             return "not written; vLLM and the trainer agree on the default"
-        return (f"not written; vLLM reads a missing {self.name} as {self.vllm} while the head was trained with "
-                f"{self.trained}: the replay follows vLLM")
+        return (
+            f"not written; vLLM reads a missing {self.name} as {self.vllm} while the head was trained with "
+            f"{self.trained}: the replay follows vLLM"
+        )
 
     def to_json(self) -> dict[str, Any]:
-        return {"checkpoint": self.checkpoint, "vllm": self.vllm, "trained_default": self.trained, "replay": self.replay,
-                "why": self.why}
+        return {
+            "checkpoint": self.checkpoint,
+            "vllm": self.vllm,
+            "trained_default": self.trained,
+            "replay": self.replay,
+            "why": self.why,
+        }
 
 
 def norm_switches(config: dict[str, Any]) -> dict[str, NormSwitch]:
@@ -130,7 +138,9 @@ def norm_switches(config: dict[str, Any]) -> dict[str, NormSwitch]:
         written = config.get(name)
         checkpoint = None if written is None else bool(written)
         vllm_default = name == "norm_before_residual" and layout == SPECULATORS
-        switches[name] = NormSwitch(name, checkpoint, vllm_default if checkpoint is None else checkpoint, TRAINED_DEFAULTS[name])
+        switches[name] = NormSwitch(
+            name, checkpoint, vllm_default if checkpoint is None else checkpoint, TRAINED_DEFAULTS[name]
+        )
     return switches
 
 
@@ -163,7 +173,9 @@ def _read_tensors(draft_dir: Path) -> dict[str, torch.Tensor]:
     else:
         bins = sorted(draft_dir.glob("*.bin"))
         if not bins:
-            raise UsageError(f"{draft_dir} has no .safetensors or .bin weights; an EAGLE-3 head needs its weights next to config.json.")
+            raise UsageError(
+                f"{draft_dir} has no .safetensors or .bin weights; an EAGLE-3 head needs its weights next to config.json."
+            )
         for file in bins:
             raw.update(torch.load(file, map_location="cpu", weights_only=True))
     state = {}
@@ -203,23 +215,31 @@ def _layer_settings(config: dict[str, Any], where: str):
     settings = dict(layer_config(config))
     model_type = settings.pop("model_type", "llama")
     if model_type not in LAYER_TYPES:
-        raise UsageError(f"{where}: the head's decoder layer is a {model_type!r} layer; the replay builds "
-                         f"{' and '.join(LAYER_TYPES)} layers, so convert the head or replay it with an engine.")
+        raise UsageError(
+            f"{where}: the head's decoder layer is a {model_type!r} layer; the replay builds "
+            f"{' and '.join(LAYER_TYPES)} layers, so convert the head or replay it with an engine."
+        )
     layers = settings.get("num_hidden_layers", 1)
     if layers != 1:
-        raise UsageError(f"{where}: the head has {layers} decoder layers; the replay models EAGLE-3 heads of one layer, "
-                         "so replay this head with an engine (check --engine).")
+        raise UsageError(
+            f"{where}: the head has {layers} decoder layers; the replay models EAGLE-3 heads of one layer, "
+            "so replay this head with an engine (check --engine)."
+        )
     for key in ("hidden_size", "num_attention_heads", "intermediate_size"):
         if key not in settings:
-            raise UsageError(f"{where} lacks {key} for the head's decoder layer; restore the config the head was saved with.")
+            raise UsageError(
+                f"{where} lacks {key} for the head's decoder layer; restore the config the head was saved with."
+            )
     for key in ("architectures", "auto_map", "transformers_version"):
         settings.pop(key, None)
     try:
         return AutoConfig.for_model(model_type, **settings), model_type
     except StrictDataclassError as exc:  # transformers' own validators (e.g. heads that do not divide the hidden size)
         reason = str(exc).strip().splitlines()[-1].strip().removeprefix("ValueError: ").rstrip(".")
-        raise UsageError(f"{where}: transformers refuses the head's decoder layer settings ({reason}); "
-                         "restore the config the head was saved with.") from None
+        raise UsageError(
+            f"{where}: transformers refuses the head's decoder layer settings ({reason}); "
+            "restore the config the head was saved with."
+        ) from None
 
 
 def _rope(settings) -> tuple[float, torch.Tensor | None, float]:
@@ -232,13 +252,17 @@ def _rope(settings) -> tuple[float, torch.Tensor | None, float]:
     if kind == "default":
         return theta, None, 1.0
     if kind in ("dynamic", "longrope") or kind not in ROPE_INIT_FUNCTIONS:
-        raise UsageError(f"the head's RoPE type {kind!r} is not replayed (it changes with the sequence length or is unknown); "
-                         "replay this head with an engine (check --engine).")
+        raise UsageError(
+            f"the head's RoPE type {kind!r} is not replayed (it changes with the sequence length or is unknown); "
+            "replay this head with an engine (check --engine)."
+        )
     inv_freq, factor = ROPE_INIT_FUNCTIONS[kind](settings, None)
     return theta, inv_freq.float(), float(factor)
 
 
-def read_eagle3_config(config: dict[str, Any], target_config: Any, state: dict[str, torch.Tensor], where: str) -> Eagle3Config:
+def read_eagle3_config(
+    config: dict[str, Any], target_config: Any, state: dict[str, torch.Tensor], where: str
+) -> Eagle3Config:
     """The head's shape from its config (and its weights where the config is silent), checked against the target."""
     settings, model_type = _layer_settings(config, where)
     num_target_layers = int(target_config.num_hidden_layers)
@@ -247,45 +271,73 @@ def read_eagle3_config(config: dict[str, Any], target_config: Any, state: dict[s
     switches = norm_switches(config)
     norms = NormSwitches(**{name: switch.replay for name, switch in switches.items()})
     if norms.norm_before_fc and norms.fc_norm:
-        raise UsageError(f"{where} sets both norm_before_fc and fc_norm, which exclude each other; keep the one the head was trained with.")
+        raise UsageError(
+            f"{where} sets both norm_before_fc and fc_norm, which exclude each other; keep the one the head was trained with."
+        )
     hidden = int(settings.hidden_size)
     stated_target_hidden = config.get("target_hidden_size")
     if stated_target_hidden is not None and int(stated_target_hidden) != target_hidden:
-        raise UsageError(f"{where}: target_hidden_size is {stated_target_hidden} but the target's hidden size is {target_hidden}; "
-                         "serve the head with the target it was trained for.")
+        raise UsageError(
+            f"{where}: target_hidden_size is {stated_target_hidden} but the target's hidden size is {target_hidden}; "
+            "serve the head with the target it was trained for."
+        )
     layer_vocab = getattr(settings, "vocab_size", None)
     if layer_vocab is not None and int(layer_vocab) != target_vocab:
-        raise UsageError(f"{where}: the head was built for a {layer_vocab}-token vocabulary but the target has {target_vocab} tokens; "
-                         "serve the head with the target (and tokenizer) it was trained for.")
+        raise UsageError(
+            f"{where}: the head was built for a {layer_vocab}-token vocabulary but the target has {target_vocab} tokens; "
+            "serve the head with the target (and tokenizer) it was trained for."
+        )
     draft_vocab = config.get("draft_vocab_size") or target_vocab  # vLLM: absent means the target's vocabulary
     bad = [i for i in ids if not (isinstance(i, int) and not isinstance(i, bool) and 0 <= i < num_target_layers)]
     if bad:
-        raise UsageError(f"{where}: aux layer id {json.dumps(bad[0])} (from {source}) is outside the target's {num_target_layers} layers "
-                         f"(id k reads the state entering layer k, so 0..{num_target_layers - 1}); fix the ids in config.json.")
+        raise UsageError(
+            f"{where}: aux layer id {json.dumps(bad[0])} (from {source}) is outside the target's {num_target_layers} layers "
+            f"(id k reads the state entering layer k, so 0..{num_target_layers - 1}); fix the ids in config.json."
+        )
     fc = state.get("fc.weight")
     if fc is None:
-        raise UsageError(f"{where}: the weights have no fc.weight; an EAGLE-3 head combines the target's states with it, so restore the weights.")
+        raise UsageError(
+            f"{where}: the weights have no fc.weight; an EAGLE-3 head combines the target's states with it, so restore the weights."
+        )
     width = int(fc.shape[1])
     if width % target_hidden:
-        raise UsageError(f"{where}: fc.weight takes {width} inputs, not a whole number of the target's {target_hidden}-wide states; "
-                         "serve the head with the target it was trained for.")
+        raise UsageError(
+            f"{where}: fc.weight takes {width} inputs, not a whole number of the target's {target_hidden}-wide states; "
+            "serve the head with the target it was trained for."
+        )
     if width != len(ids) * target_hidden:
-        fix = (f"write eagle_aux_hidden_state_layer_ids with the {width // target_hidden} layer ids it was trained on into config.json"
-               if source == VLLM_DEFAULT else f"make {source} name {width // target_hidden} layers")
-        raise UsageError(f"{where}: fc.weight combines {width // target_hidden} target states but {source} gives {len(ids)} layer ids "
-                         f"{ids}; {fix}.")
+        fix = (
+            f"write eagle_aux_hidden_state_layer_ids with the {width // target_hidden} layer ids it was trained on into config.json"
+            if source == VLLM_DEFAULT
+            else f"make {source} name {width // target_hidden} layers"
+        )
+        raise UsageError(
+            f"{where}: fc.weight combines {width // target_hidden} target states but {source} gives {len(ids)} layer ids "
+            f"{ids}; {fix}."
+        )
     if "embed_tokens.weight" not in state and hidden != target_hidden:
-        raise UsageError(f"{where}: the head ships no embed_tokens and its hidden size {hidden} differs from the target's "
-                         f"{target_hidden}, so it cannot share the target's embedding; serve it with the target it was trained for.")
+        raise UsageError(
+            f"{where}: the head ships no embed_tokens and its hidden size {hidden} differs from the target's "
+            f"{target_hidden}, so it cannot share the target's embedding; serve it with the target it was trained for."
+        )
     theta, inv_freq, attention_factor = _rope(settings)
     return Eagle3Config(
-        layer_type=model_type, hidden_size=hidden, num_attention_heads=int(settings.num_attention_heads),
+        layer_type=model_type,
+        hidden_size=hidden,
+        num_attention_heads=int(settings.num_attention_heads),
         num_key_value_heads=int(getattr(settings, "num_key_value_heads", None) or settings.num_attention_heads),
         head_dim=int(getattr(settings, "head_dim", None) or hidden // int(settings.num_attention_heads)),
-        intermediate_size=int(settings.intermediate_size), rms_norm_eps=float(settings.rms_norm_eps),
-        target_hidden_size=target_hidden, target_vocab_size=target_vocab, draft_vocab_size=int(draft_vocab),
-        aux_layer_ids=ids, norms=norms, attention_bias=bool(getattr(settings, "attention_bias", False)),
-        rope_theta=theta, rope_inverse_frequencies=inv_freq, rope_attention_factor=attention_factor,
+        intermediate_size=int(settings.intermediate_size),
+        rms_norm_eps=float(settings.rms_norm_eps),
+        target_hidden_size=target_hidden,
+        target_vocab_size=target_vocab,
+        draft_vocab_size=int(draft_vocab),
+        aux_layer_ids=ids,
+        norms=norms,
+        attention_bias=bool(getattr(settings, "attention_bias", False)),
+        rope_theta=theta,
+        rope_inverse_frequencies=inv_freq,
+        rope_attention_factor=attention_factor,
     )
 
 
@@ -293,8 +345,10 @@ def _offsets(d2t: torch.Tensor, where: str) -> torch.Tensor:
     """``d2t`` as it must be saved, one integer offset per draft id, as int64; a float or a 2-D table is refused,
     never truncated or flattened (either means the file is not the head's map)."""
     if d2t.dim() != 1 or d2t.dtype.is_floating_point or d2t.dtype.is_complex or d2t.dtype == torch.bool:
-        raise UsageError(f"{where}: d2t is a {d2t.dim()}-D {str(d2t.dtype).removeprefix('torch.')} tensor of shape "
-                         f"{list(d2t.shape)}, not the 1-D integer offsets of a draft vocabulary; restore the d2t saved with this head.")
+        raise UsageError(
+            f"{where}: d2t is a {d2t.dim()}-D {str(d2t.dtype).removeprefix('torch.')} tensor of shape "
+            f"{list(d2t.shape)}, not the 1-D integer offsets of a draft vocabulary; restore the d2t saved with this head."
+        )
     return d2t.long()
 
 
@@ -304,21 +358,29 @@ def _vocabulary_map(state: dict[str, torch.Tensor], cfg: Eagle3Config, where: st
     d2t = state.get("d2t")
     if d2t is None:
         if cfg.draft_vocab_size != cfg.target_vocab_size:
-            raise UsageError(f"{where}: draft_vocab_size is {cfg.draft_vocab_size} but the weights have no d2t to map draft ids to the "
-                             f"target's {cfg.target_vocab_size} tokens; restore d2t from the head's release.")
+            raise UsageError(
+                f"{where}: draft_vocab_size is {cfg.draft_vocab_size} but the weights have no d2t to map draft ids to the "
+                f"target's {cfg.target_vocab_size} tokens; restore d2t from the head's release."
+            )
         return torch.zeros(cfg.draft_vocab_size, dtype=torch.long)
     d2t = _offsets(d2t, where)
     if len(d2t) != cfg.draft_vocab_size:
-        raise UsageError(f"{where}: d2t has {len(d2t)} entries but draft_vocab_size is {cfg.draft_vocab_size}; "
-                         "restore the d2t saved with this head or fix draft_vocab_size.")
+        raise UsageError(
+            f"{where}: d2t has {len(d2t)} entries but draft_vocab_size is {cfg.draft_vocab_size}; "
+            "restore the d2t saved with this head or fix draft_vocab_size."
+        )
     mapped = torch.arange(len(d2t)) + d2t
     outside = ((mapped < 0) | (mapped >= cfg.target_vocab_size)).nonzero()
     if len(outside):
         i = int(outside[0])
-        raise UsageError(f"{where}: d2t maps draft id {i} to target id {int(mapped[i])}, outside the target's {cfg.target_vocab_size} "
-                         "tokens; the head belongs to another target, serve it with that one.")
+        raise UsageError(
+            f"{where}: d2t maps draft id {i} to target id {int(mapped[i])}, outside the target's {cfg.target_vocab_size} "
+            "tokens; the head belongs to another target, serve it with that one."
+        )
     if len(mapped.unique()) != len(mapped):
-        raise UsageError(f"{where}: d2t maps several draft ids to the same target id; restore the d2t saved with this head.")
+        raise UsageError(
+            f"{where}: d2t maps several draft ids to the same target id; restore the d2t saved with this head."
+        )
     return d2t
 
 
@@ -326,18 +388,27 @@ def _check_shapes(model: Eagle3DraftModel, state: dict[str, torch.Tensor], where
     expected = model.state_dict()
     missing = sorted(set(expected) - set(state) - {"d2t"})
     if missing:
-        raise UsageError(f"{where}: the weights lack {missing[0]}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
-                         + " that this config's head needs; restore the weights or the config they were saved with.")
+        raise UsageError(
+            f"{where}: the weights lack {missing[0]}"
+            + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+            + " that this config's head needs; restore the weights or the config they were saved with."
+        )
     for name, tensor in expected.items():  # d2t is checked by _vocabulary_map, which says what its length means
         if name in state and name != "d2t" and tuple(state[name].shape) != tuple(tensor.shape):
-            raise UsageError(f"{where}: {name} has shape {list(state[name].shape)} where the config implies {list(tensor.shape)}; "
-                             "restore the config the weights were saved with.")
+            raise UsageError(
+                f"{where}: {name} has shape {list(state[name].shape)} where the config implies {list(tensor.shape)}; "
+                "restore the config the weights were saved with."
+            )
         if name in state and name != "d2t" and not state[name].is_floating_point():
-            raise UsageError(f"{where}: {name} holds {str(state[name].dtype).removeprefix('torch.')} values, not the floating-point "
-                             "weights of a head; restore the weights from the head's release.")
+            raise UsageError(
+                f"{where}: {name} holds {str(state[name].dtype).removeprefix('torch.')} values, not the floating-point "
+                "weights of a head; restore the weights from the head's release."
+            )
 
 
-def head_facts(config: dict[str, Any], model: Eagle3DraftModel, num_target_layers: int, ignored: list[str]) -> dict[str, Any]:
+def head_facts(
+    config: dict[str, Any], model: Eagle3DraftModel, num_target_layers: int, ignored: list[str]
+) -> dict[str, Any]:
     """What run.json records about the head: its layout, which layers it reads and why, its vocabulary, and each
     norm switch as the checkpoint writes it and as the replay runs it."""
     cfg = model.config
@@ -358,24 +429,32 @@ def head_facts(config: dict[str, Any], model: Eagle3DraftModel, num_target_layer
     }
 
 
-def load_eagle3_head(draft_dir: Path, target_config: Any, *, dtype: str = "float32", device: str = "cpu") -> Eagle3DraftModel:
+def load_eagle3_head(
+    draft_dir: Path, target_config: Any, *, dtype: str = "float32", device: str = "cpu"
+) -> Eagle3DraftModel:
     """The head of ``draft_dir`` in either layout, validated against ``target_config``, on ``device`` in ``dtype``;
     the kind's run.json facts land on ``model.facts``."""
     config = read_config_json(draft_dir)
     where = str(draft_dir / "config.json")
     if checkpoint_layout(config) is None:
-        raise UsageError(f"{where} is not an EAGLE-3 head (no speculators_model_type eagle3, no draft_vocab_size with one layer); "
-                         "pass an EAGLE-3 checkpoint or another --draft-kind.")
+        raise UsageError(
+            f"{where} is not an EAGLE-3 head (no speculators_model_type eagle3, no draft_vocab_size with one layer); "
+            "pass an EAGLE-3 checkpoint or another --draft-kind."
+        )
     state = _read_tensors(draft_dir)
     cfg = read_eagle3_config(config, target_config, state, where)
     # Built on the meta device, the config's sizes allocate nothing: a config that lies (an intermediate_size of
     # 1e8 asked for 230 GB of random weights) is refused by the shape check before any weight exists, and the
     # module then takes the checkpoint's tensors as they are.
     with torch.device("meta"):
-        model = Eagle3DraftModel(cfg, own_embedding="embed_tokens.weight" in state, own_lm_head="lm_head.weight" in state)
+        model = Eagle3DraftModel(
+            cfg, own_embedding="embed_tokens.weight" in state, own_lm_head="lm_head.weight" in state
+        )
     if model.lm_head is None and cfg.draft_vocab_size != cfg.target_vocab_size:
-        raise UsageError(f"{where}: the weights have no lm_head.weight for the {cfg.draft_vocab_size}-token draft vocabulary; "
-                         "restore lm_head.weight from the head's release.")
+        raise UsageError(
+            f"{where}: the weights have no lm_head.weight for the {cfg.draft_vocab_size}-token draft vocabulary; "
+            "restore lm_head.weight from the head's release."
+        )
     _check_shapes(model, state, where)
     state["d2t"] = _vocabulary_map(state, cfg, where)
     known = model.state_dict()

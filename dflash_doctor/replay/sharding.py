@@ -58,7 +58,9 @@ class Ranks:
 
 def current_ranks() -> Ranks:
     """The torchrun environment of this process (a plain process is rank 0 of 1)."""
-    return Ranks(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0)))
+    return Ranks(
+        int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
+    )
 
 
 def under_torchrun() -> bool:
@@ -70,7 +72,9 @@ def expected_work(request: Request, count_tokens: Callable[[str], int], max_new_
     message's text, or the raw prompt) and each of its turns' new tokens once, and the draft guesses K
     slots for each new token (its block passes and the divergence columns, most of a replay's time on
     short contexts). The request's own ``max_new_tokens`` wins over the run's, as in replay."""
-    text = request.prompt if request.messages is None else "\n".join(str(m.get("content", "")) for m in request.messages)
+    text = (
+        request.prompt if request.messages is None else "\n".join(str(m.get("content", "")) for m in request.messages)
+    )
     new_tokens = request.num_turns * (request.max_new_tokens or max_new_tokens)
     return count_tokens(text or "") + new_tokens * (1 + k)
 
@@ -104,8 +108,14 @@ def parse_devices(entries: Sequence[str]) -> list[str]:
     ranks = []
     for entry in entries:
         group = [d.strip() for d in entry.split(GROUP_SEPARATOR) if d.strip()]
-        if not group or any(not _is_device(d) for d in group) or (len(group) > 1 and any(not d.startswith("cuda:") for d in group)):
-            raise UsageError(f"--devices entry {entry!r} is not a device like cuda:0 or cpu, or GPUs joined by + like cuda:0+cuda:1; fix the list.")
+        if (
+            not group
+            or any(not _is_device(d) for d in group)
+            or (len(group) > 1 and any(not d.startswith("cuda:") for d in group))
+        ):
+            raise UsageError(
+                f"--devices entry {entry!r} is not a device like cuda:0 or cpu, or GPUs joined by + like cuda:0+cuda:1; fix the list."
+            )
         ranks.append(",".join(group))
     return ranks
 
@@ -124,8 +134,10 @@ def device_for_rank(config: DoctorConfig, ranks: Ranks) -> str:
     if config.devices:
         entries = parse_devices(config.devices)
         if len(entries) != ranks.world_size:
-            raise UsageError(f"--devices lists {len(entries)} ranks but torchrun started {ranks.world_size}; "
-                             f"give --nproc-per-node {len(entries)} or drop --devices.")
+            raise UsageError(
+                f"--devices lists {len(entries)} ranks but torchrun started {ranks.world_size}; "
+                f"give --nproc-per-node {len(entries)} or drop --devices."
+            )
         return entries[ranks.rank]
     if ranks.sharded and config.device == "cuda":
         return f"cuda:{ranks.local_rank}"
@@ -136,9 +148,13 @@ def device_for_rank(config: DoctorConfig, ranks: Ranks) -> str:
 # The sharded replay and the merge
 
 
-def replay_into(run_dir: Path, meta: dict[str, Any], requests: Sequence[Request],
-                replay: Callable[[RunWriter, Sequence[Request]], Replay],
-                work: Callable[[Request], float]) -> tuple[RunWriter, Replay]:
+def replay_into(
+    run_dir: Path,
+    meta: dict[str, Any],
+    requests: Sequence[Request],
+    replay: Callable[[RunWriter, Sequence[Request]], Replay],
+    work: Callable[[Request], float],
+) -> tuple[RunWriter, Replay]:
     """Run ``replay`` over ``requests`` into the run directory and return the open writer and the replay.
     ``work``: a request's expected cost (:func:`expected_work`), by which the ranks share them.
 
@@ -165,8 +181,17 @@ def replay_into(run_dir: Path, meta: dict[str, Any], requests: Sequence[Request]
     writer = RunWriter(run_dir, meta)
     merged = merge_replays(replays, requests)
     order = turn_order(merged)
-    writer.append({name: _sorted(pa.concat_tables([pq.read_table(part_dir(run_dir, r) / f"{name}.parquet") for r in range(ranks.world_size)]), order)
-                   for name in TABLES})
+    writer.append(
+        {
+            name: _sorted(
+                pa.concat_tables(
+                    [pq.read_table(part_dir(run_dir, r) / f"{name}.parquet") for r in range(ranks.world_size)]
+                ),
+                order,
+            )
+            for name in TABLES
+        }
+    )
     shutil.rmtree(run_dir / PARTS_DIR)
     return writer, merged
 
@@ -181,7 +206,9 @@ def _gather(replay: Replay, ranks: Ranks) -> list[Replay]:
 
     if not dist.is_initialized():
         dist.init_process_group(backend="gloo")
-    gathered: list[Any] | None = [None] * ranks.world_size if ranks.is_main else None  # slots gather_object fills with replays
+    gathered: list[Any] | None = (
+        [None] * ranks.world_size if ranks.is_main else None
+    )  # slots gather_object fills with replays
     dist.gather_object(replay, gathered, dst=0)
     dist.barrier()
     dist.destroy_process_group()
@@ -203,10 +230,16 @@ def merge_replays(replays: Sequence[Replay], requests: Sequence[Request]) -> Rep
     """One replay of ``requests`` from the ranks' replays, in the order one process makes them: request
     by request in input order, each request's turns in order."""
     position = {request.id: index for index, request in enumerate(requests)}
-    turns = sorted((turn for replay in replays for turn in replay.turns), key=lambda t: (position[t.request.id], t.index))
-    merged = Replay(turns=turns, estimate_by_k=dict(replays[0].estimate_by_k), interrupted=any(r.interrupted for r in replays),
-                    interrupt_signal=next((r.interrupt_signal for r in replays if r.interrupt_signal is not None), None),
-                    full_block_matches={key: matches for replay in replays for key, matches in replay.full_block_matches.items()})
+    turns = sorted(
+        (turn for replay in replays for turn in replay.turns), key=lambda t: (position[t.request.id], t.index)
+    )
+    merged = Replay(
+        turns=turns,
+        estimate_by_k=dict(replays[0].estimate_by_k),
+        interrupted=any(r.interrupted for r in replays),
+        interrupt_signal=next((r.interrupt_signal for r in replays if r.interrupt_signal is not None), None),
+        full_block_matches={key: matches for replay in replays for key, matches in replay.full_block_matches.items()},
+    )
     order = turn_order(merged)
 
     def ordered(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -214,7 +247,9 @@ def merge_replays(replays: Sequence[Replay], requests: Sequence[Request]) -> Rep
 
     merged.request_rows = ordered([row for replay in replays for row in replay.request_rows])
     merged.step_rows = ordered([row for replay in replays for row in replay.step_rows])
-    merged.steps_by_k = {k: ordered([row for replay in replays for row in replay.steps_by_k.get(k, [])]) for k in replays[0].steps_by_k}
+    merged.steps_by_k = {
+        k: ordered([row for replay in replays for row in replay.steps_by_k.get(k, [])]) for k in replays[0].steps_by_k
+    }
     return merged
 
 
@@ -233,8 +268,17 @@ def launch_ranks(config: DoctorConfig, command_name: str, argv: Sequence[str] | 
     ranks_argv = list(sys.argv[1:] if argv is None else argv)
     if not config.out:
         ranks_argv += ["--out", str(new_run_dir(command_name))]
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(len(entries)),
-               "-m", "dflash_doctor", *ranks_argv]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(len(entries)),
+        "-m",
+        "dflash_doctor",
+        *ranks_argv,
+    ]
     # torchrun gives every rank one CPU thread unless told otherwise; the replay's CPU side (token rows,
     # schedules) then runs slower than in one process, so share the cores out instead
     threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // len(entries)))

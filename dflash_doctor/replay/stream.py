@@ -94,9 +94,17 @@ def _rows(pair: Pair, turn: Turn) -> tuple[dict[str, Any], list[dict[str, Any]],
     )
     step_rows = [as_row(StepRow(request_id=turn.key, request_class=cls, **vars(s))) for s in result.steps]
     token_rows_ = [
-        as_row(TokenRow(request_id=turn.key, request_class=cls, **vars(t),
-                        draft_text=pair.decode_token(t.draft_token), target_text=pair.decode_token(t.target_token),
-                        draft_category=pair.token_category(t.draft_token), target_category=pair.token_category(t.target_token)))
+        as_row(
+            TokenRow(
+                request_id=turn.key,
+                request_class=cls,
+                **vars(t),
+                draft_text=pair.decode_token(t.draft_token),
+                target_text=pair.decode_token(t.target_token),
+                draft_category=pair.token_category(t.draft_token),
+                target_category=pair.token_category(t.target_token),
+            )
+        )
         for t in result.tokens
     ]
     return as_row(request_row), step_rows, token_rows_
@@ -123,8 +131,18 @@ def _stream(pair: Pair, turns, writer: RunWriter, replay: Replay, progress: Prog
     return replay
 
 
-def replay_live(pair: Pair, requests: Sequence[Request], *, k: int, max_new_tokens: int, temperature: float, seed: int,
-                writer: RunWriter, progress: Progress | None = None, convention: EndOfRequest = CONVENTIONS["vllm"]) -> Replay:
+def replay_live(
+    pair: Pair,
+    requests: Sequence[Request],
+    *,
+    k: int,
+    max_new_tokens: int,
+    temperature: float,
+    seed: int,
+    writer: RunWriter,
+    progress: Progress | None = None,
+    convention: EndOfRequest = CONVENTIONS["vllm"],
+) -> Replay:
     """Every turn through the live speculative loop at ``k`` drafted tokens per step."""
     generator = torch.Generator(device=pair.target.device).manual_seed(seed)
     pair = pair.with_sampling(dataclasses.replace(pair.sampling, temperature=temperature, generator=generator))
@@ -132,9 +150,19 @@ def replay_live(pair: Pair, requests: Sequence[Request], *, k: int, max_new_toke
     def generate(pending: Sequence[PendingTurn]) -> list[GenerationResult]:
         results = []
         for p in pending:
-            results.append(speculative_generate(pair.target, pair.proposer, torch.tensor(p.prompt_ids, device=pair.target.device), k=k,
-                                                max_new_tokens=p.max_new_tokens, temperature=temperature, stop_ids=pair.stop_ids,
-                                                generator=generator, convention=convention))
+            results.append(
+                speculative_generate(
+                    pair.target,
+                    pair.proposer,
+                    torch.tensor(p.prompt_ids, device=pair.target.device),
+                    k=k,
+                    max_new_tokens=p.max_new_tokens,
+                    temperature=temperature,
+                    stop_ids=pair.stop_ids,
+                    generator=generator,
+                    convention=convention,
+                )
+            )
             pair.proposer.finish_request(p.prompt_ids, results[-1].output_ids + results[-1].tail_ids)
         return results
 
@@ -158,40 +186,75 @@ class SharedContinuations:
     def lookup(self, pending: PendingTurn, past_end: int) -> GenerationResult | None:
         """A fresh result (no steps or tokens yet) for a turn generated before, else None."""
         known = self._answers.get((pending.request.id, pending.index))
-        if known is None or known[0] != pending.prompt_ids or known[1] != pending.max_new_tokens or len(known[4]) < past_end:
+        if (
+            known is None
+            or known[0] != pending.prompt_ids
+            or known[1] != pending.max_new_tokens
+            or len(known[4]) < past_end
+        ):
             return None
-        return GenerationResult(output_ids=list(known[2]), stop_reason=known[3], wall_time_s=float("nan"),
-                                tail_ids=list(known[4][:past_end]))
+        return GenerationResult(
+            output_ids=list(known[2]),
+            stop_reason=known[3],
+            wall_time_s=float("nan"),
+            tail_ids=list(known[4][:past_end]),
+        )
 
     def remember(self, pending: PendingTurn, result: GenerationResult) -> None:
-        self._answers[(pending.request.id, pending.index)] = (list(pending.prompt_ids), pending.max_new_tokens,
-                                                              list(result.output_ids), result.stop_reason, list(result.tail_ids))
+        self._answers[(pending.request.id, pending.index)] = (
+            list(pending.prompt_ids),
+            pending.max_new_tokens,
+            list(result.output_ids),
+            result.stop_reason,
+            list(result.tail_ids),
+        )
 
 
-def _continuations(pair: Pair, temperature: float, generator: torch.Generator, shared: SharedContinuations | None,
-                   past_end: int = 0):
+def _continuations(
+    pair: Pair, temperature: float, generator: torch.Generator, shared: SharedContinuations | None, past_end: int = 0
+):
     """The target's own answers: batched greedy at T = 0 (the batch's padded decoding steps may flip a
     near-tie relative to batch-1 decoding, which is why the lossless probe arbitrates a mismatch with
     unbatched decoding), sampled one by one above; turns ``shared`` holds already are taken from it. At
     T = 0 each answer comes with ``past_end`` greedy tokens past its end (:attr:`GenerationResult.tail_ids`)."""
+
     def generate_new(pending: Sequence[PendingTurn]) -> list[GenerationResult]:
         if temperature > 0:
             return [
-                plain_generate(pair.target, torch.tensor(p.prompt_ids, device=pair.target.device), max_new_tokens=p.max_new_tokens,
-                               temperature=temperature, stop_ids=pair.stop_ids, generator=generator)
+                plain_generate(
+                    pair.target,
+                    torch.tensor(p.prompt_ids, device=pair.target.device),
+                    max_new_tokens=p.max_new_tokens,
+                    temperature=temperature,
+                    stop_ids=pair.stop_ids,
+                    generator=generator,
+                )
                 for p in pending
             ]
         results = []
         for start in range(0, len(pending), GREEDY_BATCH_SIZE):
-            batch = pending[start:start + GREEDY_BATCH_SIZE]
-            outputs = generate_greedy_batch(pair.target.model, [p.prompt_ids for p in batch], max_new_tokens=max(p.max_new_tokens for p in batch),
-                                            stop_ids=pair.stop_ids, past_end=past_end)
+            batch = pending[start : start + GREEDY_BATCH_SIZE]
+            outputs = generate_greedy_batch(
+                pair.target.model,
+                [p.prompt_ids for p in batch],
+                max_new_tokens=max(p.max_new_tokens for p in batch),
+                stop_ids=pair.stop_ids,
+                past_end=past_end,
+            )
             for item, output in zip(batch, outputs, strict=True):
-                end = next((i + 1 for i, token in enumerate(output[:item.max_new_tokens]) if token in pair.stop_ids),
-                           min(len(output), item.max_new_tokens))
+                end = next(
+                    (i + 1 for i, token in enumerate(output[: item.max_new_tokens]) if token in pair.stop_ids),
+                    min(len(output), item.max_new_tokens),
+                )
                 stopped = bool(output) and output[end - 1] in pair.stop_ids
-                results.append(GenerationResult(output_ids=output[:end], stop_reason="stop_token" if stopped else "max_new_tokens",
-                                                wall_time_s=float("nan"), tail_ids=output[end:end + past_end]))
+                results.append(
+                    GenerationResult(
+                        output_ids=output[:end],
+                        stop_reason="stop_token" if stopped else "max_new_tokens",
+                        wall_time_s=float("nan"),
+                        tail_ids=output[end : end + past_end],
+                    )
+                )
         return results
 
     def generate(pending: Sequence[PendingTurn]) -> list[GenerationResult]:
@@ -209,9 +272,20 @@ def _continuations(pair: Pair, temperature: float, generator: torch.Generator, s
 
 
 @torch.inference_mode()
-def replay_teacher(pair: Pair, requests: Sequence[Request], *, ks: tuple[int, ...], max_new_tokens: int, temperature: float,
-                   seed: int, exact_blocks: bool, writer: RunWriter, progress: Progress | None = None,
-                   convention: EndOfRequest = CONVENTIONS["vllm"], shared: SharedContinuations | None = None) -> Replay:
+def replay_teacher(
+    pair: Pair,
+    requests: Sequence[Request],
+    *,
+    ks: tuple[int, ...],
+    max_new_tokens: int,
+    temperature: float,
+    seed: int,
+    exact_blocks: bool,
+    writer: RunWriter,
+    progress: Progress | None = None,
+    convention: EndOfRequest = CONVENTIONS["vllm"],
+    shared: SharedContinuations | None = None,
+) -> Replay:
     """Teacher-forced replay for every K in ``ks``: the run directory holds the steps and tokens of the
     largest K; :attr:`Replay.steps_by_k` holds the steps of every K for the sweep. ``shared``: the target's
     answers of an earlier replay of the same turns, reused, and this replay's kept for the next.
@@ -237,7 +311,12 @@ def replay_teacher(pair: Pair, requests: Sequence[Request], *, ks: tuple[int, ..
 
         def drafted_from(matches: np.ndarray) -> list[int]:
             """The anchors K_max's schedule drafts from: the only ones the tokens table has rows for."""
-            return [s.position - 1 for s in walk_schedule(matches, result.output_ids, k_max, turn.max_new_tokens, pair.stop_ids, convention)]
+            return [
+                s.position - 1
+                for s in walk_schedule(
+                    matches, result.output_ids, k_max, turn.max_new_tokens, pair.stop_ids, convention
+                )
+            ]
 
         tables: dict[int, Any] = {}
         target_pass = None
@@ -246,17 +325,28 @@ def replay_teacher(pair: Pair, requests: Sequence[Request], *, ks: tuple[int, ..
             # at T = 0 only the recorded schedule's anchors need every slot; the sweep reads matched runs
             full_anchors = None if temperature > 0 else (drafted_from if recorded else lambda matches: ())
             tables[block_k], target_pass = slot_table(
-                pair.target, pair.proposer, sequence, block_k, temperature=temperature,
-                record_divergence=recorded, full_anchors=full_anchors, target_pass=target_pass,
-                max_new_tokens=turn.max_new_tokens, convention=convention,
+                pair.target,
+                pair.proposer,
+                sequence,
+                block_k,
+                temperature=temperature,
+                record_divergence=recorded,
+                full_anchors=full_anchors,
+                target_pass=target_pass,
+                max_new_tokens=turn.max_new_tokens,
+                convention=convention,
             )
         for k in ks:
             table = tables.get(k, tables[k_max])
             matches = table.matches[:, :k]
             if table.accept_probs is not None:
                 matches = np.cumprod(walk_rng.random(matches.shape) < table.accept_probs[:, :k], axis=1).astype(bool)
-            steps = walk_schedule(matches, result.output_ids, k, turn.max_new_tokens, pair.stop_ids, convention, table.drafted)
-            replay.steps_by_k[k].extend(as_row(StepRow(request_id=turn.key, request_class=turn.request.request_class, **vars(s))) for s in steps)
+            steps = walk_schedule(
+                matches, result.output_ids, k, turn.max_new_tokens, pair.stop_ids, convention, table.drafted
+            )
+            replay.steps_by_k[k].extend(
+                as_row(StepRow(request_id=turn.key, request_class=turn.request.request_class, **vars(s))) for s in steps
+            )
             if k == k_max:
                 if temperature <= 0 and not convention.shrink_last_block:  # the probe reads runs inside the output
                     inside = np.arange(len(table.matches))[:, None] + np.arange(1, k + 1) < len(result.output_ids)
@@ -264,14 +354,18 @@ def replay_teacher(pair: Pair, requests: Sequence[Request], *, ks: tuple[int, ..
                 result.steps = steps
                 result.tokens = token_rows(tables[k_max], steps, result.output_ids)
         # in the replay's request order, with what K_max's last step sampled past the end (vLLM's suffix cache keeps it)
-        pair.proposer.finish_request(turn.prompt_ids, result.output_ids + sampled_past_end(result.steps, result.tail_ids,
-                                                                                            len(result.output_ids)))
+        pair.proposer.finish_request(
+            turn.prompt_ids, result.output_ids + sampled_past_end(result.steps, result.tail_ids, len(result.output_ids))
+        )
 
     # Greedy continuations are batched across requests, one batch of requests at a time: each batch's
     # requests are annotated and journaled before the next batch generates, so a run killed mid-way keeps
     # them (a chunk of every request would journal nothing until the whole workload was generated).
     chunk = GREEDY_BATCH_SIZE if temperature <= 0 else 1
-    past_end = k_max - 1 if convention.drafts_past_end else 0  # the tokens the last step's drafts may reach past the end
-    turns = run_turns(pair, requests, max_new_tokens, _continuations(pair, temperature, generator, shared, past_end),
-                      chunk_size=chunk)
+    past_end = (
+        k_max - 1 if convention.drafts_past_end else 0
+    )  # the tokens the last step's drafts may reach past the end
+    turns = run_turns(
+        pair, requests, max_new_tokens, _continuations(pair, temperature, generator, shared, past_end), chunk_size=chunk
+    )
     return _stream(pair, turns, writer, replay, progress, annotate)

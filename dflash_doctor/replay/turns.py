@@ -73,19 +73,25 @@ def first_turn_prompt(pair: Pair, request: Request) -> list[int]:
     return encode_request_turn(pair.tokenizer, request, [], chat_template=pair.chat_template)
 
 
-def refuse_past_context(pair: Pair, request: Request, index: int, prompt_ids: Sequence[int], max_new_tokens: int) -> None:
+def refuse_past_context(
+    pair: Pair, request: Request, index: int, prompt_ids: Sequence[int], max_new_tokens: int
+) -> None:
     """Refuse a turn whose prompt plus token limit runs past the target's positions
     (``max_position_embeddings``), before its prefill: past them the model has no position to give
     (an error, or a prefill that never finishes), and a serving engine refuses such a request too."""
     limit = getattr(pair.target.model.config, "max_position_embeddings", None)
     if limit and len(prompt_ids) + max_new_tokens > limit:
         turn = f" turn {index + 1}" if index else ""
-        raise UsageError(f"request {request.id!r}{turn}: its prompt of {len(prompt_ids)} tokens plus up to {max_new_tokens} new tokens "
-                         f"runs past the target's {limit} positions (max_position_embeddings); shorten the prompt or lower "
-                         f"--max-new-tokens / the request's max_new_tokens.")
+        raise UsageError(
+            f"request {request.id!r}{turn}: its prompt of {len(prompt_ids)} tokens plus up to {max_new_tokens} new tokens "
+            f"runs past the target's {limit} positions (max_position_embeddings); shorten the prompt or lower "
+            f"--max-new-tokens / the request's max_new_tokens."
+        )
 
 
-def run_turns(pair: Pair, requests: Sequence[Request], max_new_tokens: int, generate: GenerateBatch, *, chunk_size: int = 1) -> Iterator[Turn]:
+def run_turns(
+    pair: Pair, requests: Sequence[Request], max_new_tokens: int, generate: GenerateBatch, *, chunk_size: int = 1
+) -> Iterator[Turn]:
     """Generate every turn of ``requests``; yields each request's turns, in order, once the request is done.
 
     ``chunk_size`` requests are generated together, turn by turn; within a turn the pending prompts are
@@ -97,15 +103,21 @@ def run_turns(pair: Pair, requests: Sequence[Request], max_new_tokens: int, gene
     for request in requests:
         refuse_past_context(pair, request, 0, first_prompts[request.id], turn_limit(request, max_new_tokens))
     for start in range(0, len(requests), chunk_size):
-        chunk = list(requests[start:start + chunk_size])
+        chunk = list(requests[start : start + chunk_size])
         answers: dict[str, list[str]] = {r.id: [] for r in chunk}
         done: dict[tuple[str, int], Turn] = {}
         for index in range(max(r.num_turns for r in chunk)):
             pending = [
-                PendingTurn(r, index, first_prompts[r.id] if index == 0 else
-                            encode_request_turn(pair.tokenizer, r, answers[r.id], chat_template=pair.chat_template),
-                            turn_limit(r, max_new_tokens))
-                for r in chunk if r.num_turns > index
+                PendingTurn(
+                    r,
+                    index,
+                    first_prompts[r.id]
+                    if index == 0
+                    else encode_request_turn(pair.tokenizer, r, answers[r.id], chat_template=pair.chat_template),
+                    turn_limit(r, max_new_tokens),
+                )
+                for r in chunk
+                if r.num_turns > index
             ]
             if index:
                 for item in pending:

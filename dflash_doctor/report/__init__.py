@@ -24,7 +24,18 @@ from dflash_doctor.rundir.writer import json_safe, write_text_atomic
 FORMATS = ("html", "md", "json", "junit")
 FILENAMES = {"html": "report.html", "md": "report.md", "json": "report.json", "junit": "junit.xml"}
 
-__all__ = ["FORMATS", "FILENAMES", "PLOTLY_SOURCES", "parse_formats", "parse_plotly_source", "render_reports", "render_markdown", "render_json", "render_html", "render_junit"]
+__all__ = [
+    "FORMATS",
+    "FILENAMES",
+    "PLOTLY_SOURCES",
+    "parse_formats",
+    "parse_plotly_source",
+    "render_reports",
+    "render_markdown",
+    "render_json",
+    "render_html",
+    "render_junit",
+]
 
 
 def parse_formats(value: str | Iterable[str]) -> tuple[str, ...]:
@@ -32,7 +43,9 @@ def parse_formats(value: str | Iterable[str]) -> tuple[str, ...]:
     names = [part.strip().lower() for part in (value.split(",") if isinstance(value, str) else value) if part.strip()]
     unknown = [name for name in names if name not in FORMATS]
     if unknown or not names:
-        raise UsageError(f"--format {','.join(unknown) or repr(value)} is not a report format; use a comma-separated list of {','.join(FORMATS)}.")
+        raise UsageError(
+            f"--format {','.join(unknown) or repr(value)} is not a report format; use a comma-separated list of {','.join(FORMATS)}."
+        )
     return tuple(dict.fromkeys(names))
 
 
@@ -40,9 +53,19 @@ def render_markdown(run: Run, analysis: DeviationAnalysis | None = None) -> str:
     """report.md: tables only, no scripts or raw HTML, for pull-request comments (``analysis``: as for
     :func:`render_html`)."""
     record = run.record
-    text = markdown_env().get_template("report.md").render(
-        run_name=run.name, incomplete=incomplete_note(run), record=record, verdict=verdict(record.checks), counts=check_counts(record.checks),
-        checks=record.checks, rows=class_rows(record), why=analysis if analysis is not None else deviations.analyze_run(run),
+    text = (
+        markdown_env()
+        .get_template("report.md")
+        .render(
+            run_name=run.name,
+            incomplete=incomplete_note(run),
+            record=record,
+            verdict=verdict(record.checks),
+            counts=check_counts(record.checks),
+            checks=record.checks,
+            rows=class_rows(record),
+            why=analysis if analysis is not None else deviations.analyze_run(run),
+        )
     )
     return text.rstrip("\n") + "\n"
 
@@ -61,8 +84,13 @@ _RENDERERS: dict[str, Callable[[Run, DeviationAnalysis, str], str]] = {
 }
 
 
-def render_reports(run: Run | Path | str, formats: Iterable[str] = FORMATS, out_dir: Path | str | None = None,
-                   analysis: DeviationAnalysis | None = None, plotly: str = "inline") -> list[Path]:
+def render_reports(
+    run: Run | Path | str,
+    formats: Iterable[str] = FORMATS,
+    out_dir: Path | str | None = None,
+    analysis: DeviationAnalysis | None = None,
+    plotly: str = "inline",
+) -> list[Path]:
     """Write the requested reports of ``run`` (a loaded run, or a run directory to load) into
     ``out_dir`` (default: the run directory) and return their paths in the order asked. The deviation
     analysis is computed once for all of them (``analysis``: the caller's, when it has it); ``plotly``:

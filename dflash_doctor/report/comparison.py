@@ -20,8 +20,22 @@ from dflash_doctor.rundir.load import Run, load_run
 from dflash_doctor.rundir.run_record import OVERALL
 from dflash_doctor.rundir.writer import write_text_atomic
 from dflash_doctor.stats import deviations
-from dflash_doctor.stats.gate import DEFAULT_THRESHOLD_RATE, DEFAULT_THRESHOLD_TAU, NO_SIDE, Comparison, Side, compare_slice
-from dflash_doctor.stats.metrics import NUM_BOOTSTRAP_RESAMPLES, RequestCounters, group_rng, summarize, summary_group, truncate_steps
+from dflash_doctor.stats.gate import (
+    DEFAULT_THRESHOLD_RATE,
+    DEFAULT_THRESHOLD_TAU,
+    NO_SIDE,
+    Comparison,
+    Side,
+    compare_slice,
+)
+from dflash_doctor.stats.metrics import (
+    NUM_BOOTSTRAP_RESAMPLES,
+    RequestCounters,
+    group_rng,
+    summarize,
+    summary_group,
+    truncate_steps,
+)
 from dflash_doctor.telemetry.canary import compare_watch_runs, is_watch_dir
 
 
@@ -55,10 +69,16 @@ def _sides(run: Run, k: int) -> dict[str, Side]:
         request_ids = pd.unique(chosen["request_id"].to_numpy())
         counters = RequestCounters(chosen, request_ids, k)
         tau_samples, rate_samples = counters.bootstrap(NUM_BOOTSTRAP_RESAMPLES, group_rng(seed, summary_group(cls)))
-        sides[cls] = Side(metrics.num_requests, metrics.mean_acceptance_length, metrics.mean_acceptance_length_ci,
-                           metrics.acceptance_rate_per_pos, metrics.acceptance_rate_per_pos_ci, tau_samples, rate_samples)
+        sides[cls] = Side(
+            metrics.num_requests,
+            metrics.mean_acceptance_length,
+            metrics.mean_acceptance_length_ci,
+            metrics.acceptance_rate_per_pos,
+            metrics.acceptance_rate_per_pos_ci,
+            tau_samples,
+            rate_samples,
+        )
     return sides
-
 
 
 def different_inputs(base_run: Run, new_run: Run) -> list[str]:
@@ -69,15 +89,21 @@ def different_inputs(base_run: Run, new_run: Run) -> list[str]:
     base_target, new_target = base_run.record.models.get("target"), new_run.record.models.get("target")
     if base_target is not None and new_target is not None:
         if base_target.id != new_target.id:
-            warnings.append(f"WARNING: the runs have different targets (BASE {base_target.id}, NEW {new_target.id}): "
-                            "a change in tau may come from the target, not the draft.")
+            warnings.append(
+                f"WARNING: the runs have different targets (BASE {base_target.id}, NEW {new_target.id}): "
+                "a change in tau may come from the target, not the draft."
+            )
         elif base_target.revision_or_hash != new_target.revision_or_hash:
-            warnings.append(f"WARNING: the target {new_target.id} has different weights in the two runs (hash "
-                            f"{base_target.revision_or_hash[:12]} vs {new_target.revision_or_hash[:12]}).")
+            warnings.append(
+                f"WARNING: the target {new_target.id} has different weights in the two runs (hash "
+                f"{base_target.revision_or_hash[:12]} vs {new_target.revision_or_hash[:12]})."
+            )
     keys = ("workload", "classes", "max_requests", "max_new_tokens", "temperature")
     differing = [key for key in keys if base_run.record.config.get(key) != new_run.record.config.get(key)]
     if differing:
-        shown = "; ".join(f"{key} {base_run.record.config.get(key)!r} vs {new_run.record.config.get(key)!r}" for key in differing)
+        shown = "; ".join(
+            f"{key} {base_run.record.config.get(key)!r} vs {new_run.record.config.get(key)!r}" for key in differing
+        )
         warnings.append(f"WARNING: the runs have different workloads ({shown}): compare runs of the same requests.")
     return warnings
 
@@ -105,13 +131,19 @@ def compare_runs(
     _, k_new = _steps_at_largest_k(new_run)
     k = min(k_base, k_new) if k_base and k_new else max(k_base, k_new)
     comparison = Comparison(base_run.path, new_run.path, threshold_tau, threshold_rate, k)
-    comparison.grown_patterns = deviations.grown_patterns(deviations.run_tables(base_run), deviations.run_tables(new_run))
+    comparison.grown_patterns = deviations.grown_patterns(
+        deviations.run_tables(base_run), deviations.run_tables(new_run)
+    )
     for label, run in (("BASE", base_run), ("NEW", new_run)):
         if not run.complete:
-            comparison.notes.append(f"{label} is an incomplete run (still going or stopped before it ended): only the requests it finished are compared.")
+            comparison.notes.append(
+                f"{label} is an incomplete run (still going or stopped before it ended): only the requests it finished are compared."
+            )
     comparison.notes.extend(different_inputs(base_run, new_run))
     if k_base and k_new and k_base != k_new:
-        comparison.notes.append(f"BASE drafted K={k_base} and NEW K={k_new}: compared at K={k} by truncation (an estimate for DFlash drafts).")
+        comparison.notes.append(
+            f"BASE drafted K={k_base} and NEW K={k_new}: compared at K={k} by truncation (an estimate for DFlash drafts)."
+        )
     if not k:
         comparison.notes.append("Neither run has drafted steps: nothing to compare.")
         return comparison
@@ -119,7 +151,9 @@ def compare_runs(
     new_sides = _sides(new_run, k) if k_new else {}
     classes = sorted((set(base_sides) | set(new_sides)) - {OVERALL})
     for cls in [*classes, OVERALL]:
-        comparison.rows += compare_slice(cls, base_sides.get(cls, NO_SIDE), new_sides.get(cls, NO_SIDE), k, threshold_tau, threshold_rate)
+        comparison.rows += compare_slice(
+            cls, base_sides.get(cls, NO_SIDE), new_sides.get(cls, NO_SIDE), k, threshold_tau, threshold_rate
+        )
     return comparison
 
 

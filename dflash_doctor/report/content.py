@@ -46,7 +46,10 @@ class ClassRow:
 
 def class_rows(record: RunRecord) -> list[ClassRow]:
     """One row per class (name order) then overall: the summary's metrics plus that scope's recommendation."""
-    return [ClassRow(name, metrics, record.recommendation.get(name)) for name, metrics in record.summary.classes_then_overall()]
+    return [
+        ClassRow(name, metrics, record.recommendation.get(name))
+        for name, metrics in record.summary.classes_then_overall()
+    ]
 
 
 def incomplete_note(run: Run) -> str | None:
@@ -55,8 +58,10 @@ def incomplete_note(run: Run) -> str | None:
     if run.complete:
         return None
     if run.record.meta.interrupted:
-        return (f"Interrupted run: {len(run.requests)} finished request(s) recorded; it was stopped (Ctrl-C or a stop "
-                "signal) before it ended, so what is written at the end (checks, sweep, recommendation) may be missing.")
+        return (
+            f"Interrupted run: {len(run.requests)} finished request(s) recorded; it was stopped (Ctrl-C or a stop "
+            "signal) before it ended, so what is written at the end (checks, sweep, recommendation) may be missing."
+        )
     return (
         f"Incomplete run: {len(run.requests)} finished request(s) recorded; the run is still going or was stopped "
         "before it ended (checks, sweep and recommendation are written at the end)."

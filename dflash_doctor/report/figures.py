@@ -22,9 +22,25 @@ from dflash_doctor.rundir.run_record import OVERALL, Metrics, Recommendation, Su
 from dflash_doctor.stats.deviations import BinRow, DeviationAnalysis, SliceAnalysis
 
 OVERALL_COLOR = "#222222"
-_PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22", "#7f7f7f")
+_PALETTE = (
+    "#1f77b4",
+    "#ff7f0e",
+    "#2ca02c",
+    "#d62728",
+    "#9467bd",
+    "#8c564b",
+    "#e377c2",
+    "#17becf",
+    "#bcbd22",
+    "#7f7f7f",
+)
 FIGURE_HEIGHT_PX = 380
-_LAYOUT = dict(template="plotly_white", height=FIGURE_HEIGHT_PX, margin=dict(l=60, r=20, t=50, b=50), legend=dict(orientation="h", y=-0.2))
+_LAYOUT = dict(
+    template="plotly_white",
+    height=FIGURE_HEIGHT_PX,
+    margin=dict(l=60, r=20, t=50, b=50),
+    legend=dict(orientation="h", y=-0.2),
+)
 
 
 def class_colors(classes: Iterable[str]) -> dict[str, str]:
@@ -62,7 +78,12 @@ def tau_by_class_figure(summary: Summary) -> go.Figure:
             x=names,
             y=tau,
             marker_color=[colors[n] for n in names],
-            error_y=dict(type="data", symmetric=False, array=[hi - t for t, (_, hi) in zip(tau, ci)], arrayminus=[t - lo for t, (lo, _) in zip(tau, ci)]),
+            error_y=dict(
+                type="data",
+                symmetric=False,
+                array=[hi - t for t, (_, hi) in zip(tau, ci)],
+                arrayminus=[t - lo for t, (lo, _) in zip(tau, ci)],
+            ),
             customdata=[[lo, hi, m.num_requests] for (lo, hi), (_, m) in zip(ci, series)],
             hovertemplate="%{x}: tau %{y:.2f} [%{customdata[0]:.2f}, %{customdata[1]:.2f}]<br>%{customdata[2]} requests<extra></extra>",
         ),
@@ -78,7 +99,11 @@ def acceptance_by_position_figure(summary: Summary, *, conditional: bool = False
     The unconditional curve is what tau is made of (tau = 1 + sum r_i); the conditional one shows at
     which slot the draft starts to lose, independent of the slots before it.
     """
-    title = "Conditional acceptance a_i per draft slot" if conditional else "Acceptance rate r_i per draft slot (unconditional, 95% CI)"
+    title = (
+        "Conditional acceptance a_i per draft slot"
+        if conditional
+        else "Acceptance rate r_i per draft slot (unconditional, 95% CI)"
+    )
 
     def rates_of(metrics: Metrics) -> list[float | None]:
         return metrics.conditional_acceptance_rate_per_pos if conditional else metrics.acceptance_rate_per_pos
@@ -96,12 +121,28 @@ def acceptance_by_position_figure(summary: Summary, *, conditional: bool = False
             lo = _none_to_nan([pair[0] for pair in ci])
             hi = _none_to_nan([pair[1] for pair in ci])
             fig.add_trace(
-                go.Scatter(x=slots + slots[::-1], y=hi + lo[::-1], fill="toself", fillcolor=colors[name], opacity=0.15,
-                           line=dict(width=0), hoverinfo="skip", showlegend=False, legendgroup=name)
+                go.Scatter(
+                    x=slots + slots[::-1],
+                    y=hi + lo[::-1],
+                    fill="toself",
+                    fillcolor=colors[name],
+                    opacity=0.15,
+                    line=dict(width=0),
+                    hoverinfo="skip",
+                    showlegend=False,
+                    legendgroup=name,
+                )
             )
         fig.add_trace(
-            go.Scatter(x=slots, y=rates, mode="lines+markers", name=name, legendgroup=name, line=dict(color=colors[name]),
-                       hovertemplate=f"{name} slot %{{x}}: %{{y:.3f}}<extra></extra>")
+            go.Scatter(
+                x=slots,
+                y=rates,
+                mode="lines+markers",
+                name=name,
+                legendgroup=name,
+                line=dict(color=colors[name]),
+                hovertemplate=f"{name} slot %{{x}}: %{{y:.3f}}<extra></extra>",
+            )
         )
     fig.update_xaxes(title="draft slot", dtick=1)
     fig.update_yaxes(title="acceptance", range=[0, 1.02])
@@ -111,14 +152,26 @@ def acceptance_by_position_figure(summary: Summary, *, conditional: bool = False
 def head_to_head_positions_figure(scope: str, rows: Sequence[Mapping[str, Any]]) -> go.Figure:
     """Each speculator's unconditional acceptance r_i per draft slot in one scope of a head-to-head, at its best K."""
     title = f"Acceptance rate r_i per draft slot, {scope} (unconditional, each at its best K)"
-    series = [(row["speculator"], _none_to_nan(row["acceptance_rate_per_pos"])) for row in rows if row["acceptance_rate_per_pos"]]
+    series = [
+        (row["speculator"], _none_to_nan(row["acceptance_rate_per_pos"]))
+        for row in rows
+        if row["acceptance_rate_per_pos"]
+    ]
     if not series:
         return _empty(title, "No speculator drafted in this scope.")
     colors = class_colors(name for name, _ in series)
     fig = go.Figure(layout=dict(title=title, **_LAYOUT))
     for name, rates in series:
-        fig.add_trace(go.Scatter(x=list(range(1, len(rates) + 1)), y=rates, mode="lines+markers", name=name,
-                                 line=dict(color=colors[name]), hovertemplate=f"{name} slot %{{x}}: %{{y:.3f}}<extra></extra>"))
+        fig.add_trace(
+            go.Scatter(
+                x=list(range(1, len(rates) + 1)),
+                y=rates,
+                mode="lines+markers",
+                name=name,
+                line=dict(color=colors[name]),
+                hovertemplate=f"{name} slot %{{x}}: %{{y:.3f}}<extra></extra>",
+            )
+        )
     fig.update_xaxes(title="draft slot", dtick=1)
     fig.update_yaxes(title="acceptance", range=[0, 1.02])
     return fig
@@ -139,8 +192,14 @@ def acceptance_histogram_figure(summary: Summary) -> go.Figure:
     for name, metrics in series:
         counts = np.asarray(metrics.acceptance_histogram, dtype=float)
         fig.add_trace(
-            go.Bar(x=list(range(len(counts))), y=counts / counts.sum(), name=name, marker_color=colors[name], customdata=counts,
-                   hovertemplate=f"{name}: %{{x}} accepted in %{{y:.1%}} of steps (%{{customdata:.0f}})<extra></extra>")
+            go.Bar(
+                x=list(range(len(counts))),
+                y=counts / counts.sum(),
+                name=name,
+                marker_color=colors[name],
+                customdata=counts,
+                hovertemplate=f"{name}: %{{x}} accepted in %{{y:.1%}} of steps (%{{customdata:.0f}})<extra></extra>",
+            )
         )
     fig.update_xaxes(title="accepted draft tokens in the step", dtick=1)
     fig.update_yaxes(title="share of steps", tickformat=".0%")
@@ -154,7 +213,11 @@ def speedup_by_k_figure(sweep: Sweep | None, recommendation: Mapping[str, Recomm
     1x is plain decoding: below it speculation costs time.
     """
     title = "Estimated speedup vs K (star = recommended K)"
-    named = [] if sweep is None else [(cls, sweep.by_class[cls]) for cls in sorted(sweep.by_class)] + [(OVERALL, sweep.overall)]
+    named = (
+        []
+        if sweep is None
+        else [(cls, sweep.by_class[cls]) for cls in sorted(sweep.by_class)] + [(OVERALL, sweep.overall)]
+    )
     rows_by_name = {name: rows for name, rows in named if rows}
     if not rows_by_name:
         return _empty(title, "This run has no K sweep (run `dflash-doctor sweep`).")
@@ -180,9 +243,16 @@ def speedup_by_k_figure(sweep: Sweep | None, recommendation: Mapping[str, Recomm
         chosen = next((r for r in rows if rec and r.k == rec.k), None)
         if chosen is not None:
             fig.add_trace(
-                go.Scatter(x=[chosen.k], y=[chosen.speedup], mode="markers", marker=dict(symbol="star", size=16, color=colors[name], line=dict(width=1, color="black")),
-                           name=f"{name}: K={chosen.k}", legendgroup=name, showlegend=False,
-                           hovertemplate=f"{name}: recommended K=%{{x}} (%{{y:.2f}}x)<extra></extra>")
+                go.Scatter(
+                    x=[chosen.k],
+                    y=[chosen.speedup],
+                    mode="markers",
+                    marker=dict(symbol="star", size=16, color=colors[name], line=dict(width=1, color="black")),
+                    name=f"{name}: K={chosen.k}",
+                    legendgroup=name,
+                    showlegend=False,
+                    hovertemplate=f"{name}: recommended K=%{{x}} (%{{y:.2f}}x)<extra></extra>",
+                )
             )
     fig.add_hline(y=1.0, line_dash="dash", line_color="grey")
     fig.update_xaxes(title="K (draft tokens per step)", dtick=1)
@@ -193,11 +263,17 @@ def speedup_by_k_figure(sweep: Sweep | None, recommendation: Mapping[str, Recomm
 def _interval_bars(points: list[float | None], intervals: list[list[float | None]]) -> dict:
     """Plotly asymmetric error bars from 95% intervals (none where a point or its interval is unknown): the
     speedup's interval carries the timing's noise, and the advice is read from it."""
+
     def gap(point: float | None, bound: float | None) -> float:
         return float("nan") if point is None or bound is None else abs(bound - point)
 
-    return dict(type="data", symmetric=False, array=[gap(p, ci[1]) for p, ci in zip(points, intervals)],
-                arrayminus=[gap(p, ci[0]) for p, ci in zip(points, intervals)], thickness=1)
+    return dict(
+        type="data",
+        symmetric=False,
+        array=[gap(p, ci[1]) for p, ci in zip(points, intervals)],
+        arrayminus=[gap(p, ci[0]) for p, ci in zip(points, intervals)],
+        thickness=1,
+    )
 
 
 def acceptance_along_output_figure(steps: pd.DataFrame, *, bin_size_tokens: int = 32) -> go.Figure:
@@ -215,8 +291,15 @@ def acceptance_along_output_figure(steps: pd.DataFrame, *, bin_size_tokens: int 
     for name, group in [(c, frame[frame["class"] == c]) for c in sorted(frame["class"].unique())] + [(OVERALL, frame)]:
         by_bin = group.groupby("position_bin")["num_accepted"].agg(["mean", "size"]).reset_index()
         fig.add_trace(
-            go.Scatter(x=by_bin["position_bin"], y=by_bin["mean"], customdata=by_bin["size"], mode="lines+markers", name=name,
-                       line=dict(color=colors[name]), hovertemplate=f"{name} from token %{{x}}: %{{y:.2f}} accepted/step (%{{customdata}} steps)<extra></extra>")
+            go.Scatter(
+                x=by_bin["position_bin"],
+                y=by_bin["mean"],
+                customdata=by_bin["size"],
+                mode="lines+markers",
+                name=name,
+                line=dict(color=colors[name]),
+                hovertemplate=f"{name} from token %{{x}}: %{{y:.2f}} accepted/step (%{{customdata}} steps)<extra></extra>",
+            )
         )
     fig.update_xaxes(title="output position of the step (tokens)")
     fig.update_yaxes(title="accepted draft tokens per step", rangemode="tozero")
@@ -226,7 +309,9 @@ def acceptance_along_output_figure(steps: pd.DataFrame, *, bin_size_tokens: int 
 def compare_tau_figure(rows: Sequence[Mapping[str, Any]]) -> go.Figure:
     """BASE vs NEW tau per class with intervals, from :func:`dflash_doctor.report.comparison.compare_runs` rows."""
     title = "tau per class: BASE vs NEW (95% CI)"
-    tau_rows = [r for r in rows if r["metric"] == "mean_acceptance_length" and r["base"] is not None and r["new"] is not None]
+    tau_rows = [
+        r for r in rows if r["metric"] == "mean_acceptance_length" and r["base"] is not None and r["new"] is not None
+    ]
     if not tau_rows:
         return _empty(title, "No class has drafted steps in both runs.")
     fig = go.Figure(layout=dict(title=title, barmode="group", **_LAYOUT))
@@ -234,9 +319,16 @@ def compare_tau_figure(rows: Sequence[Mapping[str, Any]]) -> go.Figure:
         values = [r[side] for r in tau_rows]
         fig.add_trace(
             go.Bar(
-                x=[r["class"] for r in tau_rows], y=values, name=side.upper(), marker_color=color,
-                error_y=dict(type="data", symmetric=False, array=[r[f"{side}_ci"][1] - v for r, v in zip(tau_rows, values)],
-                             arrayminus=[v - r[f"{side}_ci"][0] for r, v in zip(tau_rows, values)]),
+                x=[r["class"] for r in tau_rows],
+                y=values,
+                name=side.upper(),
+                marker_color=color,
+                error_y=dict(
+                    type="data",
+                    symmetric=False,
+                    array=[r[f"{side}_ci"][1] - v for r, v in zip(tau_rows, values)],
+                    arrayminus=[v - r[f"{side}_ci"][0] for r, v in zip(tau_rows, values)],
+                ),
                 hovertemplate=f"{side.upper()} %{{x}}: tau %{{y:.2f}}<extra></extra>",
             )
         )
@@ -258,10 +350,21 @@ def compare_rates_figure(rows: Sequence[Mapping[str, Any]]) -> go.Figure:
         deltas = [r["delta"] for r in mine]
         fig.add_trace(
             go.Scatter(
-                x=[r["slot"] for r in mine], y=deltas, mode="lines+markers", name=name, line=dict(color=colors[name]),
-                marker=dict(symbol=["x" if r["regression"] else "circle" for r in mine], size=[12 if r["regression"] else 7 for r in mine]),
-                error_y=dict(type="data", symmetric=False, array=[r["delta_ci"][1] - d for r, d in zip(mine, deltas)],
-                             arrayminus=[d - r["delta_ci"][0] for r, d in zip(mine, deltas)]),
+                x=[r["slot"] for r in mine],
+                y=deltas,
+                mode="lines+markers",
+                name=name,
+                line=dict(color=colors[name]),
+                marker=dict(
+                    symbol=["x" if r["regression"] else "circle" for r in mine],
+                    size=[12 if r["regression"] else 7 for r in mine],
+                ),
+                error_y=dict(
+                    type="data",
+                    symmetric=False,
+                    array=[r["delta_ci"][1] - d for r, d in zip(mine, deltas)],
+                    arrayminus=[d - r["delta_ci"][0] for r, d in zip(mine, deltas)],
+                ),
                 hovertemplate=f"{name} slot %{{x}}: %{{y:+.3f}}<extra></extra>",
             )
         )
@@ -289,14 +392,25 @@ def category_acceptance_figure(analysis: DeviationAnalysis) -> go.Figure:
     if not series:
         return _empty(title, "No drafted tokens in this run.")
     colors = class_colors(name for name, _ in series)
-    fig = go.Figure(layout=dict(title=title, barmode="group", yaxis=dict(title="acceptance", range=[0, 1.05], tickformat=".0%"), **_LAYOUT))
+    fig = go.Figure(
+        layout=dict(
+            title=title, barmode="group", yaxis=dict(title="acceptance", range=[0, 1.05], tickformat=".0%"), **_LAYOUT
+        )
+    )
     for name, data in series:
         rows = data.categories
-        fig.add_trace(go.Bar(
-            name=name, marker_color=colors[name], x=[r.category for r in rows], y=[r.acceptance_rate for r in rows],
-            customdata=[[r.num_decided, r.share_of_lost or 0.0] for r in rows],
-            hovertemplate="%{x}: %{y:.1%} accepted of %{customdata[0]} decided; %{customdata[1]:.0%} of lost tokens<extra>" + name + "</extra>",
-        ))
+        fig.add_trace(
+            go.Bar(
+                name=name,
+                marker_color=colors[name],
+                x=[r.category for r in rows],
+                y=[r.acceptance_rate for r in rows],
+                customdata=[[r.num_decided, r.share_of_lost or 0.0] for r in rows],
+                hovertemplate="%{x}: %{y:.1%} accepted of %{customdata[0]} decided; %{customdata[1]:.0%} of lost tokens<extra>"
+                + name
+                + "</extra>",
+            )
+        )
     return fig
 
 
@@ -320,14 +434,28 @@ def acceptance_along_figure(analysis: DeviationAnalysis, key: str) -> go.Figure:
         return _empty(title, "No drafted tokens in this run.")
     colors = class_colors(name for name, _ in series)
     labels = {r.bin for _, data in series for r in _bins(data, key)}
-    order = sorted(labels, key=lambda label: int("".join(c for c in label.split("-")[0] if c.isdigit()) or 0))  # by lower edge
-    fig = go.Figure(layout=dict(title=title, xaxis=dict(title=DEVIATION_AXES[key], type="category", categoryorder="array", categoryarray=order),
-                                yaxis=dict(title="acceptance", range=[0, 1.05], tickformat=".0%"), **_LAYOUT))
+    order = sorted(
+        labels, key=lambda label: int("".join(c for c in label.split("-")[0] if c.isdigit()) or 0)
+    )  # by lower edge
+    fig = go.Figure(
+        layout=dict(
+            title=title,
+            xaxis=dict(title=DEVIATION_AXES[key], type="category", categoryorder="array", categoryarray=order),
+            yaxis=dict(title="acceptance", range=[0, 1.05], tickformat=".0%"),
+            **_LAYOUT,
+        )
+    )
     for name, data in series:
         rows = _bins(data, key)
-        fig.add_trace(go.Scatter(
-            name=name, mode="lines+markers", line=dict(color=colors[name], width=3 if name == OVERALL else 2),
-            x=[r.bin for r in rows], y=[r.acceptance_rate for r in rows], customdata=[r.num_decided for r in rows],
-            hovertemplate="%{x}: %{y:.1%} of %{customdata} decided tokens<extra>" + name + "</extra>",
-        ))
+        fig.add_trace(
+            go.Scatter(
+                name=name,
+                mode="lines+markers",
+                line=dict(color=colors[name], width=3 if name == OVERALL else 2),
+                x=[r.bin for r in rows],
+                y=[r.acceptance_rate for r in rows],
+                customdata=[r.num_decided for r in rows],
+                hovertemplate="%{x}: %{y:.1%} of %{customdata} decided tokens<extra>" + name + "</extra>",
+            )
+        )
     return fig

@@ -30,7 +30,14 @@ from dflash_doctor.rundir.status import Status, overall_status
 from dflash_doctor.rundir.tables import HEAD_TO_HEAD_JSON, RUN_JSON
 from dflash_doctor.rundir.writer import write_text_atomic
 
-HEADERS = ("scope", "speculator", "best K", "tau [95% CI]", "speedup [95% CI]", "per-position acceptance (unconditional)")
+HEADERS = (
+    "scope",
+    "speculator",
+    "best K",
+    "tau [95% CI]",
+    "speedup [95% CI]",
+    "per-position acceptance (unconditional)",
+)
 FLAGGED = (Status.FAIL, Status.ERROR, Status.WARN)  # the statuses a sub-run's line names, worst first
 ENGINES = ("vLLM", "SGLang", "llama.cpp")
 
@@ -49,8 +56,16 @@ def table_rows(data: dict[str, Any]) -> list[list[str]]:
             tau_lo, tau_hi = (row["tau_ci"] + [None, None])[:2]
             s_lo, s_hi = row["speedup_ci"]
             curve = " ".join(_num(rate) for rate in row["acceptance_rate_per_pos"][:8])
-            rows.append([scope, row["speculator"] + (" *" if row["speculator"] == winner else ""), str(row["best_k"]),
-                         f"{_num(row['tau'])} [{_num(tau_lo)}, {_num(tau_hi)}]", f"{_num(row['speedup'])}x [{_num(s_lo)}, {_num(s_hi)}]", curve])
+            rows.append(
+                [
+                    scope,
+                    row["speculator"] + (" *" if row["speculator"] == winner else ""),
+                    str(row["best_k"]),
+                    f"{_num(row['tau'])} [{_num(tau_lo)}, {_num(tau_hi)}]",
+                    f"{_num(row['speedup'])}x [{_num(s_lo)}, {_num(s_hi)}]",
+                    curve,
+                ]
+            )
     return rows
 
 
@@ -73,9 +88,14 @@ def cost_lines(data: dict[str, Any]) -> list[str]:
     costs = data["costs"]
     timed = "t_decode_s_ci" in costs
     where = f"{costs.get('source', 'measured')}, {costs.get('device', 'unknown device')}"
-    lines = [f"step costs ({where}; {'95% intervals from the timing bootstrap' if timed else 'a profile: taken as exact'}):",
-             "target: decode " + _ms(costs["t_decode_s"], costs.get("t_decode_s_ci"))
-             + "".join(f"; verify K={k} " + _ms(v, costs.get("t_verify_s_ci", {}).get(k)) for k, v in costs["t_verify_s"].items())]
+    lines = [
+        f"step costs ({where}; {'95% intervals from the timing bootstrap' if timed else 'a profile: taken as exact'}):",
+        "target: decode "
+        + _ms(costs["t_decode_s"], costs.get("t_decode_s_ci"))
+        + "".join(
+            f"; verify K={k} " + _ms(v, costs.get("t_verify_s_ci", {}).get(k)) for k, v in costs["t_verify_s"].items()
+        ),
+    ]
     for name, table in costs["t_draft_s"].items():
         bounds = costs.get("t_draft_s_ci", {}).get(name, {})
         lines.append(f"draft {name}: " + "; ".join(f"K={k} " + _ms(v, bounds.get(k)) for k, v in table.items()))
@@ -120,9 +140,26 @@ def _shown_path(value: Any, root: Path) -> str:
 #: DoctorConfig fields that name a file or folder (shown relative to the head-to-head folder in a command)
 _PATH_FIELDS = ("target", "draft", "workload", "chat_template", "cost_profile", "engine_config")
 #: the fields a sub-run's command repeats when they differ from the default (those that change what is measured)
-_COMMAND_FIELDS = ("target", "draft", "draft_kind", "workload", "classes", "max_requests", "max_new_tokens", "temperature",
-                   "k", "device", "dtype", "seed", "chat_template", "cost_profile", "timing_budget_s", "end_of_request",
-                   "engine_config", "strict_classes")
+_COMMAND_FIELDS = (
+    "target",
+    "draft",
+    "draft_kind",
+    "workload",
+    "classes",
+    "max_requests",
+    "max_new_tokens",
+    "temperature",
+    "k",
+    "device",
+    "dtype",
+    "seed",
+    "chat_template",
+    "cost_profile",
+    "timing_budget_s",
+    "end_of_request",
+    "engine_config",
+    "strict_classes",
+)
 
 
 def _flag_value(name: str, value: Any, root: Path) -> str:
@@ -141,8 +178,11 @@ def sub_run_command(config: Mapping[str, Any], root: Path) -> str:
     words = ["dflash-doctor", "check"]
     for name in _COMMAND_FIELDS:
         value = config.get(name)
-        if value is None or value == defaults.get(name) or (isinstance(value, (list, tuple)) and not value
-                                                              and not defaults.get(name)):
+        if (
+            value is None
+            or value == defaults.get(name)
+            or (isinstance(value, (list, tuple)) and not value and not defaults.get(name))
+        ):
             continue
         flag = "--timing-budget" if name == "timing_budget_s" else "--" + name.replace("_", "-")
         words.append(f"{flag} {_quoted(_flag_value(name, value, root))}")
@@ -150,21 +190,38 @@ def sub_run_command(config: Mapping[str, Any], root: Path) -> str:
 
 
 def _quoted(text: str) -> str:
-    return text if text and all(c.isalnum() or c in "-_./:=,@+" for c in text) else "'" + text.replace("'", "'\\''") + "'"
+    return (
+        text if text and all(c.isalnum() or c in "-_./:=,@+" for c in text) else "'" + text.replace("'", "'\\''") + "'"
+    )
 
 
 def _machine(environment: Mapping[str, Any], device: Any) -> str:
-    parts = [environment.get("gpu") or device, environment.get("platform"),
-             *(f"{name} {environment[name]}" for name in ("python", "torch", "transformers") if environment.get(name))]
+    parts = [
+        environment.get("gpu") or device,
+        environment.get("platform"),
+        *(f"{name} {environment[name]}" for name in ("python", "torch", "transformers") if environment.get(name)),
+    ]
     return ", ".join(str(part) for part in parts if part)
 
 
 #: vLLM's ``speculative_config`` method per kind (docs/speculators.md) and the kind settings it takes
-_VLLM_METHODS = {"dflash": "dflash", "eagle3": "eagle3", "ngram": "ngram", "suffix": "suffix", "mtp": "mtp",
-                 "autoregressive": "draft_model"}
-_VLLM_SETTINGS = {"ngram": ("prompt_lookup_min", "prompt_lookup_max"),
-                  "suffix": ("suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
-                             "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob")}
+_VLLM_METHODS = {
+    "dflash": "dflash",
+    "eagle3": "eagle3",
+    "ngram": "ngram",
+    "suffix": "suffix",
+    "mtp": "mtp",
+    "autoregressive": "draft_model",
+}
+_VLLM_SETTINGS = {
+    "ngram": ("prompt_lookup_min", "prompt_lookup_max"),
+    "suffix": (
+        "suffix_decoding_max_tree_depth",
+        "suffix_decoding_max_cached_requests",
+        "suffix_decoding_max_spec_factor",
+        "suffix_decoding_min_token_prob",
+    ),
+}
 _WEIGHTLESS = ("ngram", "suffix", "mtp")  # served from settings or the target's own checkpoint: no "model"
 
 
@@ -179,13 +236,22 @@ def engine_settings(kind: str, draft: str, facts: Mapping[str, Any], k: int) -> 
     spec.update({key: facts[key] for key in _VLLM_SETTINGS.get(kind, ()) if key in facts})
     spec["num_speculative_tokens"] = k
     not_served = f"not named for a {kind} speculator here: serve it with vLLM (docs/speculators.md)"
-    sglang = {"dflash": f"--speculative-algorithm DFLASH --speculative-draft-model-path DRAFT --speculative-num-draft-tokens {k + 1}",
-              "eagle3": (f"--speculative-algorithm EAGLE3 --speculative-draft-model-path DRAFT --speculative-num-steps {k} "
-                         f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}")}
-    llamacpp = {"dflash": f"-md DRAFT.gguf --spec-type draft-dflash --spec-draft-n-max {k}",
-                "autoregressive": f"-md DRAFT.gguf --spec-draft-n-max {k}"}
-    return {"vLLM": f"--speculative-config '{json.dumps(spec)}'", "SGLang": sglang.get(kind, not_served),
-            "llama.cpp": llamacpp.get(kind, not_served)}
+    sglang = {
+        "dflash": f"--speculative-algorithm DFLASH --speculative-draft-model-path DRAFT --speculative-num-draft-tokens {k + 1}",
+        "eagle3": (
+            f"--speculative-algorithm EAGLE3 --speculative-draft-model-path DRAFT --speculative-num-steps {k} "
+            f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}"
+        ),
+    }
+    llamacpp = {
+        "dflash": f"-md DRAFT.gguf --spec-type draft-dflash --spec-draft-n-max {k}",
+        "autoregressive": f"-md DRAFT.gguf --spec-draft-n-max {k}",
+    }
+    return {
+        "vLLM": f"--speculative-config '{json.dumps(spec)}'",
+        "SGLang": sglang.get(kind, not_served),
+        "llama.cpp": llamacpp.get(kind, not_served),
+    }
 
 
 def describe_sub_runs(root: Path, data: dict[str, Any]) -> None:
@@ -199,15 +265,24 @@ def describe_sub_runs(root: Path, data: dict[str, Any]) -> None:
         if not run_dir or not (Path(run_dir) / RUN_JSON).is_file():
             continue
         record = json.loads((Path(run_dir) / RUN_JSON).read_text(encoding="utf-8"))
-        checks = [{"id": c["id"], "status": c["status"], "summary": c.get("summary", "")} for c in record.get("checks", [])]
+        checks = [
+            {"id": c["id"], "status": c["status"], "summary": c.get("summary", "")} for c in record.get("checks", [])
+        ]
         verdict, flagged = check_verdict((c["id"], c["status"]) for c in checks)
         draft = record.get("models", {}).get("draft", {})
-        speculator.update({
-            "folder": _shown_path(run_dir, root), "report": _shown_path(Path(run_dir) / "report.html", root),
-            "command": sub_run_command(record.get("config", {}), root), "created_at": record.get("created_at", ""),
-            "machine": _machine(record.get("environment", {}), draft.get("device")),
-            "tool_version": record.get("tool_version", ""), "verdict": verdict, "flagged": flagged, "checks": checks,
-        })
+        speculator.update(
+            {
+                "folder": _shown_path(run_dir, root),
+                "report": _shown_path(Path(run_dir) / "report.html", root),
+                "command": sub_run_command(record.get("config", {}), root),
+                "created_at": record.get("created_at", ""),
+                "machine": _machine(record.get("environment", {}), draft.get("device")),
+                "tool_version": record.get("tool_version", ""),
+                "verdict": verdict,
+                "flagged": flagged,
+                "checks": checks,
+            }
+        )
         speculator["draft_shown"] = _shown_path(speculator["draft"], root)
         facts[speculator["name"]] = (speculator["kind"], speculator["draft_shown"], draft)
     for result in data["scopes"].values():
@@ -243,13 +318,24 @@ def sub_run_rows(data: dict[str, Any]) -> list[dict[str, str]]:
         if "verdict" not in speculator:
             continue
         by_id = {c["id"]: c for c in speculator["checks"]}
-        rows.append({
-            "name": speculator["name"], "kind": speculator["kind"], "line": sub_run_line(speculator["name"], speculator["verdict"], speculator["flagged"]),
-            "verdict": speculator["verdict"],
-            "flagged": "; ".join(f"{i} ({by_id[i]['status']}): {by_id[i]['summary']}" for i in speculator["flagged"]) or "none",
-            "report": speculator["report"], "folder": speculator["folder"], "command": speculator["command"],
-            "created_at": speculator["created_at"], "machine": speculator["machine"], "tool_version": speculator["tool_version"],
-        })
+        rows.append(
+            {
+                "name": speculator["name"],
+                "kind": speculator["kind"],
+                "line": sub_run_line(speculator["name"], speculator["verdict"], speculator["flagged"]),
+                "verdict": speculator["verdict"],
+                "flagged": "; ".join(
+                    f"{i} ({by_id[i]['status']}): {by_id[i]['summary']}" for i in speculator["flagged"]
+                )
+                or "none",
+                "report": speculator["report"],
+                "folder": speculator["folder"],
+                "command": speculator["command"],
+                "created_at": speculator["created_at"],
+                "machine": speculator["machine"],
+                "tool_version": speculator["tool_version"],
+            }
+        )
     return rows
 
 
@@ -274,10 +360,20 @@ def print_head_to_head(data: dict[str, Any], console: Console) -> None:
             table.add_row(*(escape(cell) for cell in [row[0] if first else "", *row[1:]]))
         return table
 
-    console.print(scoped("Head-to-head: the same prompts and target (* = the verdict's pick)",
-                         ("scope", "speculator", "K", "tau [95% CI]", "speedup [95% CI]"), [row[:5] for row in rows]))
-    console.print(scoped("Per-position acceptance (unconditional), slots 1-6", ("scope", "speculator", "slots 1-6"),
-                         [[row[0], row[1], " ".join(row[5].split()[:6])] for row in rows]))
+    console.print(
+        scoped(
+            "Head-to-head: the same prompts and target (* = the verdict's pick)",
+            ("scope", "speculator", "K", "tau [95% CI]", "speedup [95% CI]"),
+            [row[:5] for row in rows],
+        )
+    )
+    console.print(
+        scoped(
+            "Per-position acceptance (unconditional), slots 1-6",
+            ("scope", "speculator", "slots 1-6"),
+            [[row[0], row[1], " ".join(row[5].split()[:6])] for row in rows],
+        )
+    )
     for line in cost_lines(data):
         console.print(f"  {escape(line)}")
     for result in data["scopes"].values():
@@ -292,37 +388,59 @@ def markdown(data: dict[str, Any]) -> str:
     """head_to_head.md: the decision first (verdicts with the settings to type), then the table and curves,
     the step costs with their spread, and each sub-run's checks, report, command, date and machine."""
     cell = markdown_cell
-    names = ", ".join(f"`{cell(s['name'])}` ({cell(s['kind'])}, {cell(s.get('draft_shown', s['draft']))})"
-                      for s in data["speculators"])
-    lines = ["# Head-to-head", "", f"Speculators: {names}; the same prompts and target, one sub-folder each.", "",
-             "## Verdict", ""]
+    names = ", ".join(
+        f"`{cell(s['name'])}` ({cell(s['kind'])}, {cell(s.get('draft_shown', s['draft']))})"
+        for s in data["speculators"]
+    )
+    lines = [
+        "# Head-to-head",
+        "",
+        f"Speculators: {names}; the same prompts and target, one sub-folder each.",
+        "",
+        "## Verdict",
+        "",
+    ]
     for result in data["scopes"].values():
         verdict = result["verdict"]
         lines.append(f"- {cell(verdict['text'])}")
         if settings_lines(verdict):
             lines.append(f"  {cell(settings_heading(verdict))}")
-            lines += [f"  - {cell(engine)}: `{setting.replace('`', '')}`" if engine in ENGINES else f"  - {cell(engine)}: {cell(setting)}"
-                      for engine, setting in settings_lines(verdict)]
+            lines += [
+                f"  - {cell(engine)}: `{setting.replace('`', '')}`"
+                if engine in ENGINES
+                else f"  - {cell(engine)}: {cell(setting)}"
+                for engine, setting in settings_lines(verdict)
+            ]
     lines += ["", "## Table", "", "| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
     lines += ["| " + " | ".join(cell(c) for c in row) + " |" for row in table_rows(data)]
     lines += ["", "## Step costs", ""] + [f"- {cell(line)}" for line in cost_lines(data)]
     runs = sub_run_rows(data)
     if runs:
-        lines += ["", "## Sub-runs", "", "| speculator | verdict | warnings and failures | report | date | machine | tool |",
-                  "|---|---|---|---|---|---|---|"]
-        lines += [f"| {cell(r['name'])} | {cell(r['verdict'])} | {cell(r['flagged'])} | [report.html]({r['report'].replace(' ', '%20')}) "
-                  f"| {cell(r['created_at'])} | {cell(r['machine'])} | {cell(r['tool_version'])} |" for r in runs]
+        lines += [
+            "",
+            "## Sub-runs",
+            "",
+            "| speculator | verdict | warnings and failures | report | date | machine | tool |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {cell(r['name'])} | {cell(r['verdict'])} | {cell(r['flagged'])} | [report.html]({r['report'].replace(' ', '%20')}) "
+            f"| {cell(r['created_at'])} | {cell(r['machine'])} | {cell(r['tool_version'])} |"
+            for r in runs
+        ]
         lines += ["", "Commands (paths relative to this folder):", ""]
         lines += [f"- {cell(r['name'])}: `{r['command'].replace('`', '')}`" for r in runs]
     lines += ["", _METHOD, ""]
     return "\n".join(lines)
 
 
-_METHOD = ("Speedup: tokens emitted x plain decode time / time of the steps, every step priced at the speculator's "
-           "draft time plus the target's verify time for the tokens it really drafted (a step that drafted nothing is a "
-           "plain decode step); the target's times are shared by all speculators. Intervals: paired bootstrap over "
-           "conversations and step timings together. \"deploy X\" is said only when X's speedup interval and the "
-           "interval of its ratio to the runner-up both lie above 1, on enough conversations.")
+_METHOD = (
+    "Speedup: tokens emitted x plain decode time / time of the steps, every step priced at the speculator's "
+    "draft time plus the target's verify time for the tokens it really drafted (a step that drafted nothing is a "
+    "plain decode step); the target's times are shared by all speculators. Intervals: paired bootstrap over "
+    'conversations and step timings together. "deploy X" is said only when X\'s speedup interval and the '
+    "interval of its ratio to the runner-up both lie above 1, on enough conversations."
+)
 
 
 def _curves_svg(scope: str, rows: list[dict[str, Any]]) -> str:
@@ -333,18 +451,26 @@ def _curves_svg(scope: str, rows: list[dict[str, Any]]) -> str:
         return ""
     colours = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b")
     step, span = (width - 2 * pad) / max(slots - 1, 1), height - 2 * pad
-    parts = [f"<svg width='{width}' height='{height}' role='img' aria-label='{html.escape(scope, quote=True)}'>",
-             f"<line x1='{pad}' y1='{height - pad}' x2='{width - pad}' y2='{height - pad}' stroke='#999'/>",
-             f"<line x1='{pad}' y1='{pad}' x2='{pad}' y2='{height - pad}' stroke='#999'/>",
-             f"<text x='{pad}' y='{height - 8}' font-size='10'>slot 1</text>",
-             f"<text x='{width - pad - 30}' y='{height - 8}' font-size='10'>slot {slots}</text>",
-             f"<text x='2' y='{pad}' font-size='10'>1.0</text>"]
+    parts = [
+        f"<svg width='{width}' height='{height}' role='img' aria-label='{html.escape(scope, quote=True)}'>",
+        f"<line x1='{pad}' y1='{height - pad}' x2='{width - pad}' y2='{height - pad}' stroke='#999'/>",
+        f"<line x1='{pad}' y1='{pad}' x2='{pad}' y2='{height - pad}' stroke='#999'/>",
+        f"<text x='{pad}' y='{height - 8}' font-size='10'>slot 1</text>",
+        f"<text x='{width - pad - 30}' y='{height - 8}' font-size='10'>slot {slots}</text>",
+        f"<text x='2' y='{pad}' font-size='10'>1.0</text>",
+    ]
     for index, row in enumerate(rows):
         colour = colours[index % len(colours)]
-        points = " ".join(f"{pad + step * i:.1f},{height - pad - span * r:.1f}" for i, r in enumerate(row["acceptance_rate_per_pos"]) if r is not None and r == r)
+        points = " ".join(
+            f"{pad + step * i:.1f},{height - pad - span * r:.1f}"
+            for i, r in enumerate(row["acceptance_rate_per_pos"])
+            if r is not None and r == r
+        )
         parts.append(f"<polyline fill='none' stroke='{colour}' stroke-width='2' points='{points}'/>")
-        parts.append(f"<text x='{width - pad + 2}' y='{pad + 12 * index}' font-size='10' fill='{colour}'>"
-                     f"{html.escape(row['speculator'])}</text>")
+        parts.append(
+            f"<text x='{width - pad + 2}' y='{pad + 12 * index}' font-size='10' fill='{colour}'>"
+            f"{html.escape(row['speculator'])}</text>"
+        )
     return "".join(parts) + "</svg>"
 
 
@@ -352,44 +478,68 @@ def html_page(data: dict[str, Any]) -> str:
     """head_to_head.html, self-contained (no script, no remote asset): the same sections as :func:`markdown`,
     with the per-position curves drawn per scope beside the table's figures."""
     e = html.escape
-    names = ", ".join(f"<code>{e(s['name'])}</code> ({e(s['kind'])}, {e(s.get('draft_shown', s['draft']))})" for s in data["speculators"])
+    names = ", ".join(
+        f"<code>{e(s['name'])}</code> ({e(s['kind'])}, {e(s.get('draft_shown', s['draft']))})"
+        for s in data["speculators"]
+    )
     runs = sub_run_rows(data)
     first = runs[0] if runs else None
-    header = (f"<p class='muted'>{e(first['created_at'])} &middot; {e(first['machine'])} &middot; dflash-doctor "
-              f"{e(first['tool_version'])}</p>") if first else ""
+    header = (
+        (
+            f"<p class='muted'>{e(first['created_at'])} &middot; {e(first['machine'])} &middot; dflash-doctor "
+            f"{e(first['tool_version'])}</p>"
+        )
+        if first
+        else ""
+    )
     verdict_items = []
     for result in data["scopes"].values():
         verdict = result["verdict"]
         item = f"<li class='{'decided' if verdict['decisive'] else 'open'}'>{e(verdict['text'])}"
         if settings_lines(verdict):
-            item += f"<div>{e(settings_heading(verdict))}</div><table class='settings'>" + "".join(
-                f"<tr><th>{e(engine)}</th><td>{'<code>' + e(setting) + '</code>' if engine in ENGINES else e(setting)}</td></tr>"
-                for engine, setting in settings_lines(verdict)) + "</table>"
+            item += (
+                f"<div>{e(settings_heading(verdict))}</div><table class='settings'>"
+                + "".join(
+                    f"<tr><th>{e(engine)}</th><td>{'<code>' + e(setting) + '</code>' if engine in ENGINES else e(setting)}</td></tr>"
+                    for engine, setting in settings_lines(verdict)
+                )
+                + "</table>"
+            )
         verdict_items.append(item + "</li>")
     head = "".join(f"<th>{e(h)}</th>" for h in HEADERS)
     body = "".join("<tr>" + "".join(f"<td>{e(c)}</td>" for c in row) + "</tr>" for row in table_rows(data))
-    curves = "".join(f"<figure><figcaption>{e(scope)}</figcaption>{_curves_svg(scope, result['rows'])}</figure>"
-                     for scope, result in data["scopes"].items())
+    curves = "".join(
+        f"<figure><figcaption>{e(scope)}</figcaption>{_curves_svg(scope, result['rows'])}</figure>"
+        for scope, result in data["scopes"].items()
+    )
     costs = "".join(f"<li>{e(line)}</li>" for line in cost_lines(data))
     sub_runs = ""
     if runs:
-        sub_runs = ("<h2>Sub-runs</h2><table><tr><th>speculator</th><th>verdict</th><th>warnings and failures</th><th>report</th>"
-                    "<th>date</th><th>machine</th><th>tool</th></tr>" + "".join(
-                        f"<tr><td>{e(r['name'])}</td><td class='{e(r['verdict'])}'>{e(r['verdict'])}</td><td>{e(r['flagged'])}</td>"
-                        f"<td><a href='{e(r['report'], quote=True)}'>{e(r['report'])}</a></td><td>{e(r['created_at'])}</td>"
-                        f"<td>{e(r['machine'])}</td><td>{e(r['tool_version'])}</td></tr>" for r in runs)
-                    + "</table><p>Commands (paths relative to this folder):</p><ul>"
-                    + "".join(f"<li>{e(r['name'])}: <code>{e(r['command'])}</code></li>" for r in runs) + "</ul>")
-    return ("<!doctype html><html><head><meta charset='utf-8'><title>Head-to-head</title><style>"
-            "body{font-family:sans-serif;margin:2em;max-width:80em}table{border-collapse:collapse;margin:.5em 0}"
-            "td,th{border:1px solid #ccc;padding:4px 8px;text-align:left;vertical-align:top}.muted{color:#666}"
-            "li.decided{font-weight:bold}.fail,.error{color:#b00}.warn{color:#a60}.pass{color:#070}"
-            "figure{display:inline-block;margin:0 1em 1em 0}code{white-space:pre-wrap}</style></head><body>"
-            f"<h1>Head-to-head</h1>{header}<p>Speculators: {names}; the same prompts and target, one sub-folder each.</p>"
-            f"<h2>Verdict</h2><ul>{''.join(verdict_items)}</ul>"
-            f"<h2>Table</h2><table><tr>{head}</tr>{body}</table>"
-            f"<h2>Per-position acceptance (unconditional, each at its best K)</h2>{curves}"
-            f"<h2>Step costs</h2><ul>{costs}</ul>{sub_runs}<p class='muted'>{e(_METHOD)}</p></body></html>")
+        sub_runs = (
+            "<h2>Sub-runs</h2><table><tr><th>speculator</th><th>verdict</th><th>warnings and failures</th><th>report</th>"
+            "<th>date</th><th>machine</th><th>tool</th></tr>"
+            + "".join(
+                f"<tr><td>{e(r['name'])}</td><td class='{e(r['verdict'])}'>{e(r['verdict'])}</td><td>{e(r['flagged'])}</td>"
+                f"<td><a href='{e(r['report'], quote=True)}'>{e(r['report'])}</a></td><td>{e(r['created_at'])}</td>"
+                f"<td>{e(r['machine'])}</td><td>{e(r['tool_version'])}</td></tr>"
+                for r in runs
+            )
+            + "</table><p>Commands (paths relative to this folder):</p><ul>"
+            + "".join(f"<li>{e(r['name'])}: <code>{e(r['command'])}</code></li>" for r in runs)
+            + "</ul>"
+        )
+    return (
+        "<!doctype html><html><head><meta charset='utf-8'><title>Head-to-head</title><style>"
+        "body{font-family:sans-serif;margin:2em;max-width:80em}table{border-collapse:collapse;margin:.5em 0}"
+        "td,th{border:1px solid #ccc;padding:4px 8px;text-align:left;vertical-align:top}.muted{color:#666}"
+        "li.decided{font-weight:bold}.fail,.error{color:#b00}.warn{color:#a60}.pass{color:#070}"
+        "figure{display:inline-block;margin:0 1em 1em 0}code{white-space:pre-wrap}</style></head><body>"
+        f"<h1>Head-to-head</h1>{header}<p>Speculators: {names}; the same prompts and target, one sub-folder each.</p>"
+        f"<h2>Verdict</h2><ul>{''.join(verdict_items)}</ul>"
+        f"<h2>Table</h2><table><tr>{head}</tr>{body}</table>"
+        f"<h2>Per-position acceptance (unconditional, each at its best K)</h2>{curves}"
+        f"<h2>Step costs</h2><ul>{costs}</ul>{sub_runs}<p class='muted'>{e(_METHOD)}</p></body></html>"
+    )
 
 
 def write_head_to_head(root: Path, data: dict[str, Any]) -> None:

@@ -33,8 +33,6 @@ NEWLINE_MARK = "\u21b5"  # shown before a newline inside a token so whitespace s
 _PLOTLY_CONFIG = {"displaylogo": False, "responsive": True}
 
 
-
-
 @lru_cache(maxsize=2)
 def plotly_script(source: str = "inline") -> Markup:
     """The page's one ``<script>`` for plotly.js (see :data:`dflash_doctor.inputs.config.PLOTLY_SOURCES`). The CDN tag names the
@@ -73,10 +71,22 @@ def _step_pieces(step_tokens: pd.DataFrame, bonus_token: int | None) -> list[dic
             pieces.append({"kind": "accepted", "text": _visible(row["draft_text"]), "title": _hover(row)})
             continue
         pieces.append({"kind": "rejected", "text": _visible(row["draft_text"]), "title": _hover(row)})
-        pieces.append({"kind": "correction", "text": _visible(row["target_text"]), "title": f"target token committed instead: {row['target_text']!r}"})
+        pieces.append(
+            {
+                "kind": "correction",
+                "text": _visible(row["target_text"]),
+                "title": f"target token committed instead: {row['target_text']!r}",
+            }
+        )
         return pieces
     if bonus_token is not None:
-        pieces.append({"kind": "bonus", "text": "+", "title": f"bonus token id {bonus_token} (all {len(pieces)} draft tokens accepted)"})
+        pieces.append(
+            {
+                "kind": "bonus",
+                "text": "+",
+                "title": f"bonus token id {bonus_token} (all {len(pieces)} draft tokens accepted)",
+            }
+        )
     return pieces
 
 
@@ -102,7 +112,10 @@ def token_viewer(run: Run, extra_request_ids: Iterable[str] = ()) -> list[dict[s
     if run.requests.empty or run.tokens.empty:
         return []
     tokens_by_request = {rid: group for rid, group in run.tokens.groupby("request_id", sort=False)}
-    bonus_by_step = {(r["request_id"], r["step"]): r["bonus_token"] for r in run.steps[["request_id", "step", "bonus_token"]].to_dict("records")}
+    bonus_by_step = {
+        (r["request_id"], r["step"]): r["bonus_token"]
+        for r in run.steps[["request_id", "step", "bonus_token"]].to_dict("records")
+    }
     requests = run.requests.set_index("request_id").to_dict("index")
     viewer = []
     for request_id in dict.fromkeys([*sample_requests(run), *extra_request_ids]):
@@ -110,9 +123,16 @@ def token_viewer(run: Run, extra_request_ids: Iterable[str] = ()) -> list[dict[s
         if request_tokens is None:
             continue
         steps = []
-        for step, step_tokens in itertools.islice(request_tokens.groupby("step", sort=True), MAX_VIEWER_STEPS_PER_REQUEST):
+        for step, step_tokens in itertools.islice(
+            request_tokens.groupby("step", sort=True), MAX_VIEWER_STEPS_PER_REQUEST
+        ):
             # pandas types a group key as any scalar; the steps table's "step" column holds ints (schema.py)
-            steps.append({"step": int(cast(int, step)), "pieces": _step_pieces(step_tokens, bonus_by_step.get((request_id, step)))})
+            steps.append(
+                {
+                    "step": int(cast(int, step)),
+                    "pieces": _step_pieces(step_tokens, bonus_by_step.get((request_id, step))),
+                }
+            )
         request = requests[request_id]
         viewer.append(
             {
@@ -138,7 +158,10 @@ def charts(run: Run) -> list[dict[str, Any]]:
         ("acceptance", "acceptance-along-output", figures.acceptance_along_output_figure(run.steps)),
         ("sweep", "speedup-by-k", figures.speedup_by_k_figure(summary.sweep, run.record.recommendation)),
     ]
-    return [{"section": section, "id": f"chart-{name}", "html": figure_html(fig, f"chart-{name}")} for section, name, fig in built]
+    return [
+        {"section": section, "id": f"chart-{name}", "html": figure_html(fig, f"chart-{name}")}
+        for section, name, fig in built
+    ]
 
 
 def why_rejected_section(analysis: DeviationAnalysis, viewer: list[dict[str, Any]]) -> dict[str, Any]:
@@ -153,7 +176,10 @@ def why_rejected_section(analysis: DeviationAnalysis, viewer: list[dict[str, Any
         return step_anchor(*key) if key in shown_steps else request_anchor(key[0]) if key[0] in shown_requests else None
 
     built = [("category", figures.category_acceptance_figure(analysis))]
-    built += [(key.replace("by_", "").replace("_", "-"), figures.acceptance_along_figure(analysis, key)) for key in figures.DEVIATION_AXES]
+    built += [
+        (key.replace("by_", "").replace("_", "-"), figures.acceptance_along_figure(analysis, key))
+        for key in figures.DEVIATION_AXES
+    ]
     charts = [{"id": f"chart-why-{name}", "html": figure_html(fig, f"chart-why-{name}")} for name, fig in built]
     return {"analysis": analysis, "charts": charts, "example_anchor": example_anchor}
 
@@ -172,22 +198,29 @@ def render_html(run: Run, analysis: DeviationAnalysis | None = None, plotly: str
     ``plotly``: where the page loads plotly.js from (:data:`dflash_doctor.inputs.config.PLOTLY_SOURCES`)."""
     record = run.record
     analysis = analysis if analysis is not None else deviations.analyze_run(run)
-    examples = [pair.example.request_id for summary in analysis.by_class.values()
-                for pair in summary.top_pairs[:WHY_REJECTED_EXAMPLES_PER_CLASS]]
+    examples = [
+        pair.example.request_id
+        for summary in analysis.by_class.values()
+        for pair in summary.top_pairs[:WHY_REJECTED_EXAMPLES_PER_CLASS]
+    ]
     viewer = token_viewer(run, examples)
-    return html_env().get_template("report.html").render(
-        run_name=run.name,
-        incomplete=incomplete_note(run),
-        record=record,
-        verdict=verdict(record.checks),
-        counts=check_counts(record.checks),
-        checks=record.checks,
-        rows=class_rows(record),
-        step_costs=record.summary.sweep.step_costs() if record.summary.sweep is not None else None,
-        charts=charts(run),
-        viewer=viewer,
-        why=why_rejected_section(analysis, viewer),
-        step_anchor=step_anchor,
-        request_anchor=request_anchor,
-        plotly_script=plotly_script(plotly),
+    return (
+        html_env()
+        .get_template("report.html")
+        .render(
+            run_name=run.name,
+            incomplete=incomplete_note(run),
+            record=record,
+            verdict=verdict(record.checks),
+            counts=check_counts(record.checks),
+            checks=record.checks,
+            rows=class_rows(record),
+            step_costs=record.summary.sweep.step_costs() if record.summary.sweep is not None else None,
+            charts=charts(run),
+            viewer=viewer,
+            why=why_rejected_section(analysis, viewer),
+            step_anchor=step_anchor,
+            request_anchor=request_anchor,
+            plotly_script=plotly_script(plotly),
+        )
     )

@@ -35,14 +35,24 @@ def render_junit(run: Run) -> str:
     """The junit.xml text for the run's checks (ElementTree escapes every attribute and text)."""
     checks = run.record.checks
     totals = {status: sum(1 for c in checks if c.status == status) for status in ("fail", "error", "skip")}
-    counts = {"tests": str(len(checks)), "failures": str(totals["fail"]), "errors": str(totals["error"]), "skipped": str(totals["skip"]), "time": "0"}
+    counts = {
+        "tests": str(len(checks)),
+        "failures": str(totals["fail"]),
+        "errors": str(totals["error"]),
+        "skipped": str(totals["skip"]),
+        "time": "0",
+    }
     root = ET.Element("testsuites", {"name": SUITE_NAME, **counts})
     suite = ET.SubElement(root, "testsuite", {"name": SUITE_NAME, "timestamp": run.record.meta.created_at, **counts})
     for check in checks:
-        case = ET.SubElement(suite, "testcase", {"classname": TESTCASE_CLASSNAME, "name": for_xml(check.id), "time": "0"})
+        case = ET.SubElement(
+            suite, "testcase", {"classname": TESTCASE_CLASSNAME, "name": for_xml(check.id), "time": "0"}
+        )
         child = _CHILD_BY_STATUS.get(check.status)
         if child is not None:
-            element = ET.SubElement(case, child, {"message": for_xml(check.summary or check.status), "type": check.status})
+            element = ET.SubElement(
+                case, child, {"message": for_xml(check.summary or check.status), "type": check.status}
+            )
             element.text = for_xml(_findings_text(check)) or None
         elif check.status == "warn":
             ET.SubElement(case, "system-out").text = for_xml(f"WARN: {check.summary}\n{_findings_text(check)}")

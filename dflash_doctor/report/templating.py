@@ -82,8 +82,14 @@ def html_text(value: Any) -> Any:
 @lru_cache(maxsize=None)
 def html_env() -> jinja2.Environment:
     """Environment for ``*.html`` templates: autoescape always on, control characters inert."""
-    return _register(jinja2.Environment(loader=jinja2.PackageLoader(TEMPLATE_PACKAGE, TEMPLATE_DIR), autoescape=True,
-                                        finalize=html_text, undefined=jinja2.StrictUndefined))
+    return _register(
+        jinja2.Environment(
+            loader=jinja2.PackageLoader(TEMPLATE_PACKAGE, TEMPLATE_DIR),
+            autoescape=True,
+            finalize=html_text,
+            undefined=jinja2.StrictUndefined,
+        )
+    )
 
 
 @lru_cache(maxsize=None)

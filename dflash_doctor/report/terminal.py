@@ -13,7 +13,14 @@ from dflash_doctor.report.sanitize import for_terminal
 from dflash_doctor.rundir.status import VERDICT_NONE, CheckResult, overall_status
 from dflash_doctor.stats.deviations import DeviationAnalysis
 
-STATUS_STYLE = {"pass": "green", "warn": "yellow", "fail": "bold red", "skip": "dim", "error": "magenta", VERDICT_NONE: "dim"}
+STATUS_STYLE = {
+    "pass": "green",
+    "warn": "yellow",
+    "fail": "bold red",
+    "skip": "dim",
+    "error": "magenta",
+    VERDICT_NONE: "dim",
+}
 
 
 def print_class_summary(record: RunRecord, k: int, console: Console) -> None:
@@ -25,8 +32,13 @@ def print_class_summary(record: RunRecord, k: int, console: Console) -> None:
         tau = metrics.mean_acceptance_length
         lo, hi = metrics.mean_acceptance_length_ci
         rates = ", ".join(f"{r:.2f}" for r in metrics.acceptance_rate_per_pos[:5] if r is not None)
-        table.add_row(for_terminal(name), str(metrics.num_requests), f"{tau:.2f}" if tau else "-",
-                      f"[{lo:.2f}, {hi:.2f}]" if lo is not None and hi is not None else "-", rates)
+        table.add_row(
+            for_terminal(name),
+            str(metrics.num_requests),
+            f"{tau:.2f}" if tau else "-",
+            f"[{lo:.2f}, {hi:.2f}]" if lo is not None and hi is not None else "-",
+            rates,
+        )
     console.print(table)
 
 
@@ -59,9 +71,13 @@ def print_sweep(record: RunRecord, console: Console) -> None:
     for group, item in record.recommendation.items():
         speedup = f"{item.speedup:.2f}x" if item.speedup else "-"
         low, high = item.speedup_ci
-        if item.k and low is not None and high is not None:  # off: 1.00x is plain decoding, the best K's interval is in why
+        if (
+            item.k and low is not None and high is not None
+        ):  # off: 1.00x is plain decoding, the best K's interval is in why
             speedup += f" [{low:.2f}, {high:.2f}]"
-        rec_table.add_row(for_terminal(group), str(item.k), str(item.conservative_k), speedup, for_terminal(item.reason))
+        rec_table.add_row(
+            for_terminal(group), str(item.k), str(item.conservative_k), speedup, for_terminal(item.reason)
+        )
     console.print(rec_table)
 
 
@@ -72,13 +88,20 @@ def print_check_results(results: list[CheckResult], console: Console) -> None:
         table.add_column(column, overflow="fold")
     for result in results:
         style = STATUS_STYLE[result.status]
-        table.add_row(f"[{style}]{result.status}[/]", for_terminal(result.id), for_terminal(result.summary), for_terminal(result.fix))
+        table.add_row(
+            f"[{style}]{result.status}[/]",
+            for_terminal(result.id),
+            for_terminal(result.summary),
+            for_terminal(result.fix),
+        )
     console.print(table)
     for result in results:
         for finding in result.findings:
             if finding.severity == "info":
                 continue
-            console.print(f"[{STATUS_STYLE[finding.severity]}]{finding.severity}[/] {for_terminal(result.id)}: {for_terminal(finding.message)}")
+            console.print(
+                f"[{STATUS_STYLE[finding.severity]}]{finding.severity}[/] {for_terminal(result.id)}: {for_terminal(finding.message)}"
+            )
             if finding.evidence:
                 console.print(f"    evidence: {for_terminal(finding.evidence)}", soft_wrap=True)
     verdict = overall_status(r.status for r in results)
@@ -93,7 +116,9 @@ def _shown(text: str) -> str:
     return escape(repr(text))
 
 
-def print_why_rejected(analysis: DeviationAnalysis | None, console: Console, per_class: int = PATTERNS_PER_CLASS) -> None:
+def print_why_rejected(
+    analysis: DeviationAnalysis | None, console: Console, per_class: int = PATTERNS_PER_CLASS
+) -> None:
     """Why rejected: the costliest first-rejection patterns of each class (:mod:`dflash_doctor.stats.deviations`),
     one line each, then per class the share of lost tokens at confident misses and the attainable tau
     upper bound. report.html / report.md show the full tables."""
@@ -102,21 +127,38 @@ def print_why_rejected(analysis: DeviationAnalysis | None, console: Console, per
     by_class = analysis.by_class
     if not any(summary.top_pairs for summary in by_class.values()):
         return
-    table = Table(title=f"Why rejected: top {per_class} first-rejection patterns per class, by drafted tokens they threw away")
-    for column in ("class", "target token", "drafted instead", "category (target / drafted)", "times", "lost tokens", "confident"):
+    table = Table(
+        title=f"Why rejected: top {per_class} first-rejection patterns per class, by drafted tokens they threw away"
+    )
+    for column in (
+        "class",
+        "target token",
+        "drafted instead",
+        "category (target / drafted)",
+        "times",
+        "lost tokens",
+        "confident",
+    ):
         table.add_column(column, justify="right" if column in ("times", "lost tokens", "confident") else "left")
     for cls, summary in sorted(by_class.items()):
         for index, pair in enumerate(summary.top_pairs[:per_class]):
             table.add_row(
-                for_terminal(cls) if index == 0 else "", _shown(pair.target_text), _shown(pair.draft_text),
+                for_terminal(cls) if index == 0 else "",
+                _shown(pair.target_text),
+                _shown(pair.draft_text),
                 f"{pair.category} / {pair.draft_category}",
-                str(pair.count), f"{pair.lost_tokens} ({pct(pair.share_of_lost, 0)})",
+                str(pair.count),
+                f"{pair.lost_tokens} ({pct(pair.share_of_lost, 0)})",
                 f"{pair.num_confident}/{pair.count}",
             )
     console.print(table)
     for cls, summary in sorted(by_class.items()):
         worst = summary.costliest_category
-        worst_text = f"; costliest: {worst.category} ({pct(worst.share_of_lost, 0)} of lost, {pct(worst.acceptance_rate, 0)} accepted)" if worst else ""
+        worst_text = (
+            f"; costliest: {worst.category} ({pct(worst.share_of_lost, 0)} of lost, {pct(worst.acceptance_rate, 0)} accepted)"
+            if worst
+            else ""
+        )
         console.print(
             f"  {for_terminal(cls)}: tau {fmt(summary.tau)}, attainable <= {fmt(summary.attainable_tau)} "
             f"(confident misses {pct(summary.confident.share_of_lost, 0)} of lost){worst_text}"
@@ -128,7 +170,9 @@ def print_server_comparison(record: RunRecord, console: Console) -> None:
     data = record.probes.engine_agreement
     if not data:
         return
-    table = Table(title=f"Server ({record.source.details.get('kind')}) vs embedded replay on the same outputs (tau, bonus included)")
+    table = Table(
+        title=f"Server ({record.source.details.get('kind')}) vs embedded replay on the same outputs (tau, bonus included)"
+    )
     for column in ("class", "turns", "server tau", "95% CI", "embedded tau", "95% CI", "difference [95% CI]"):
         table.add_column(column)
     blocks = [("overall", data.tau.overall), *data.tau.by_class.items()]
@@ -136,9 +180,15 @@ def print_server_comparison(record: RunRecord, console: Console) -> None:
         if not block:
             continue
         ci = lambda v: f"[{v[0]:.2f}, {v[1]:.2f}]"  # noqa: E731
-        table.add_row(for_terminal(name), str(block.num_turns), f"{block.engine_tau:.3f}", ci(block.engine_tau_ci),
-                      f"{block.embedded_tau:.3f}", ci(block.embedded_tau_ci),
-                      f"{block.difference:+.3f} {ci(block.difference_ci)}")
+        table.add_row(
+            for_terminal(name),
+            str(block.num_turns),
+            f"{block.engine_tau:.3f}",
+            ci(block.engine_tau_ci),
+            f"{block.embedded_tau:.3f}",
+            ci(block.embedded_tau_ci),
+            f"{block.difference:+.3f} {ci(block.difference_ci)}",
+        )
     console.print(table)
     shares = ", ".join(f"{name} {stats.share:.0%}" for name, stats in data.per_step.items() if stats.share is not None)
     console.print(f"per-step acceptance reproduced at the engine's own anchors: {shares}")

@@ -42,20 +42,51 @@ def tau_timeline_figure(windows: pd.DataFrame) -> go.Figure:
         color = colors[name]
         band = rows.dropna(subset=["mean_acceptance_length_lo", "mean_acceptance_length_hi"])
         if not band.empty:
-            fig.add_trace(go.Scatter(x=list(band["time"]) + list(band["time"])[::-1],
-                                     y=list(band["mean_acceptance_length_hi"]) + list(band["mean_acceptance_length_lo"])[::-1],
-                                     fill="toself", line=dict(width=0), fillcolor=color, opacity=0.15, hoverinfo="skip", showlegend=False))
-        fig.add_trace(go.Scatter(x=rows["time"], y=rows["mean_acceptance_length"], mode="lines+markers", name=name, line=dict(color=color),
-                                 hovertemplate="%{x}<br>tau %{y:.2f}<extra>" + name + "</extra>"))
+            fig.add_trace(
+                go.Scatter(
+                    x=list(band["time"]) + list(band["time"])[::-1],
+                    y=list(band["mean_acceptance_length_hi"]) + list(band["mean_acceptance_length_lo"])[::-1],
+                    fill="toself",
+                    line=dict(width=0),
+                    fillcolor=color,
+                    opacity=0.15,
+                    hoverinfo="skip",
+                    showlegend=False,
+                )
+            )
+        fig.add_trace(
+            go.Scatter(
+                x=rows["time"],
+                y=rows["mean_acceptance_length"],
+                mode="lines+markers",
+                name=name,
+                line=dict(color=color),
+                hovertemplate="%{x}<br>tau %{y:.2f}<extra>" + name + "</extra>",
+            )
+        )
         if rows["baseline_tau"].notna().any():
-            fig.add_trace(go.Scatter(x=rows["time"], y=rows["baseline_tau"], mode="lines", name=f"{name} baseline", line=dict(color=color, dash="dash")))
+            fig.add_trace(
+                go.Scatter(
+                    x=rows["time"],
+                    y=rows["baseline_tau"],
+                    mode="lines",
+                    name=f"{name} baseline",
+                    line=dict(color=color, dash="dash"),
+                )
+            )
         alerted = rows[rows["alerts"].map(_any_alert)]
         if not alerted.empty:
-            fig.add_trace(go.Scatter(
-                x=alerted["time"], y=alerted["mean_acceptance_length"].fillna(1.0), mode="markers", name=f"{name} alert",
-                marker=dict(symbol="x", size=12, color="#d62728"),
-                customdata=[", ".join(kinds) for kinds in alerted["alerts"]], hovertemplate="%{x}<br>ALERT: %{customdata}<extra></extra>",
-            ))
+            fig.add_trace(
+                go.Scatter(
+                    x=alerted["time"],
+                    y=alerted["mean_acceptance_length"].fillna(1.0),
+                    mode="markers",
+                    name=f"{name} alert",
+                    marker=dict(symbol="x", size=12, color="#d62728"),
+                    customdata=[", ".join(kinds) for kinds in alerted["alerts"]],
+                    hovertemplate="%{x}<br>ALERT: %{customdata}<extra></extra>",
+                )
+            )
     fig.update_yaxes(title="tau (tokens per step)")
     return fig
 
@@ -71,7 +102,11 @@ def speedup_timeline_figure(windows: pd.DataFrame, floor: float = 1.0) -> go.Fig
     fig = go.Figure(layout=dict(title=title, **_LAYOUT))
     for key, rows in frame.groupby("series", sort=True):
         name = str(key)
-        fig.add_trace(go.Scatter(x=rows["time"], y=rows["speedup"], mode="lines+markers", name=name, line=dict(color=colors[name])))
+        fig.add_trace(
+            go.Scatter(
+                x=rows["time"], y=rows["speedup"], mode="lines+markers", name=name, line=dict(color=colors[name])
+            )
+        )
     fig.add_hline(y=floor, line=dict(color="#d62728", dash="dot"), annotation_text=f"floor {floor:g}x")
     fig.update_yaxes(title="speedup vs plain decoding", tickformat=".2f")
     return fig

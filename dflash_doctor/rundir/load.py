@@ -55,20 +55,27 @@ def read_run_meta(run_dir: Path | str) -> dict[str, Any]:
     run_dir = Path(run_dir)
     path = run_dir / RUN_JSON
     if not path.is_file():
-        raise UsageError(f"{run_dir} is not a run directory (no {RUN_JSON}); pass a folder written by `dflash-doctor check`, `replay` or `sweep`.")
+        raise UsageError(
+            f"{run_dir} is not a run directory (no {RUN_JSON}); pass a folder written by `dflash-doctor check`, `replay` or `sweep`."
+        )
     try:
         meta = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
         raise UsageError(f"{path} is not valid JSON ({exc}); re-run the command that wrote it.") from None
     if not isinstance(meta, dict):
-        raise UsageError(f"{path} holds a JSON {type(meta).__name__}, not a run record object; re-run the command that wrote it.")
+        raise UsageError(
+            f"{path} holds a JSON {type(meta).__name__}, not a run record object; re-run the command that wrote it."
+        )
     version = meta.get("schema_version")
     if version != SCHEMA_VERSION:
         older = isinstance(version, int) and version < SCHEMA_VERSION
         raise UsageError(
             f"{path} has schema_version {version!r} but this dflash-doctor reads {SCHEMA_VERSION}"
-            + (" (the typed run record); re-run the command that wrote it (check, sweep or replay) to rewrite the run directory."
-               if older else "; read it with the dflash-doctor version that wrote it.")
+            + (
+                " (the typed run record); re-run the command that wrote it (check, sweep or replay) to rewrite the run directory."
+                if older
+                else "; read it with the dflash-doctor version that wrote it."
+            )
         )
     # every reader types it with RunRecord.from_json: a field of the wrong shape or type is refused here, once,
     # in one sentence naming the file and the field, instead of an AttributeError deep inside a view
@@ -76,11 +83,14 @@ def read_run_meta(run_dir: Path | str) -> dict[str, Any]:
         _refuse_non_finite(meta, "")
         RunRecord.from_json(meta)
     except RecursionError:
-        raise UsageError(f"{path} nests its values too deeply for a run record; "
-                         "re-run the command that wrote it.") from None
+        raise UsageError(
+            f"{path} nests its values too deeply for a run record; re-run the command that wrote it."
+        ) from None
     except ValueError as exc:
         detail = " ".join(str(exc).split())[:200]
-        raise UsageError(f"{path} has a field of the wrong shape or type ({detail}); re-run the command that wrote it.") from None
+        raise UsageError(
+            f"{path} has a field of the wrong shape or type ({detail}); re-run the command that wrote it."
+        ) from None
     return meta
 
 
@@ -88,8 +98,9 @@ def _refuse_non_finite(value: Any, where: str) -> None:
     """A NaN or infinite number anywhere in run.json (``NaN``, ``Infinity``, ``1e999``) is refused with its path:
     the writer stores an undefined number as null, so a non-finite one was put there by hand or by another tool."""
     if isinstance(value, float) and not math.isfinite(value):
-        raise ValueError(f"{where or 'run.json'} is {value!r}, not a finite number "
-                         "(run.json writes an undefined number as null)")
+        raise ValueError(
+            f"{where or 'run.json'} is {value!r}, not a finite number (run.json writes an undefined number as null)"
+        )
     items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
     for key, item in items:
         _refuse_non_finite(item, f"{where}[{key}]" if isinstance(key, int) else f"{where}.{key}" if where else str(key))
@@ -107,12 +118,22 @@ def load_run(run_dir: Path | str, tables: Iterable[str] = tuple(TABLES)) -> Run:
         return _load_incomplete(run_dir, meta)
     frames: dict[str, pd.DataFrame] = {}
     for name, schema in TABLES.items():
-        frames[name] = read_table_or_empty(run_dir / f"{name}.parquet", schema) if name in tables else schema.empty_table().to_pandas()
+        frames[name] = (
+            read_table_or_empty(run_dir / f"{name}.parquet", schema)
+            if name in tables
+            else schema.empty_table().to_pandas()
+        )
     record = RunRecord.from_json(meta)
     if record.meta.interrupted and record.summary.overall is None:  # stopped before its summary was written
         record.summary = summarize(frames["steps"], frames["requests"], seed=record.seed)
-    return Run(path=run_dir, record=record, requests=frames["requests"], steps=frames["steps"], tokens=frames["tokens"],
-               complete=not record.meta.interrupted)
+    return Run(
+        path=run_dir,
+        record=record,
+        requests=frames["requests"],
+        steps=frames["steps"],
+        tokens=frames["tokens"],
+        complete=not record.meta.interrupted,
+    )
 
 
 def _load_incomplete(run_dir: Path, meta: dict[str, Any]) -> Run:

@@ -75,13 +75,19 @@ def _lock(run_dir: Path) -> None:
         if owner == os.getpid():
             return
         if owner is not None and _alive(owner):
-            raise UsageError(f"--out {run_dir} is being written by another dflash-doctor process (pid {owner}); "
-                             f"wait for it to finish or pass another --out.")
+            raise UsageError(
+                f"--out {run_dir} is being written by another dflash-doctor process (pid {owner}); "
+                f"wait for it to finish or pass another --out."
+            )
         lock.unlink(missing_ok=True)  # stale: its process is gone
-    raise UsageError(f"--out {run_dir} was claimed by another dflash-doctor process at the same moment; pass another --out.")
+    raise UsageError(
+        f"--out {run_dir} was claimed by another dflash-doctor process at the same moment; pass another --out."
+    )
 
 
-def claim_run_dir(run_dir: Path | str, *, overwrite: bool = False, continuable: Callable[[Path], bool] | None = None) -> bool:
+def claim_run_dir(
+    run_dir: Path | str, *, overwrite: bool = False, continuable: Callable[[Path], bool] | None = None
+) -> bool:
     """Take ``run_dir`` for this process before any work, or refuse in one sentence (see the module doc).
 
     Returns whether the command goes on with what the folder holds: ``continuable`` (the command's own
@@ -90,20 +96,26 @@ def claim_run_dir(run_dir: Path | str, *, overwrite: bool = False, continuable: 
     if run_dir.exists() and not run_dir.is_dir():
         raise UsageError(f"--out {run_dir} is a file, not a folder; pass a folder for the run directory.")
     if run_dir.is_symlink() and not run_dir.exists():
-        raise UsageError(f"--out {run_dir} is a link to {os.readlink(run_dir)}, which does not exist; "
-                         f"create that folder or pass another --out.")
+        raise UsageError(
+            f"--out {run_dir} is a link to {os.readlink(run_dir)}, which does not exist; "
+            f"create that folder or pass another --out."
+        )
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         _lock(run_dir)
     except OSError as exc:  # a folder the user cannot write (/proc/x, read-only, another user's): bad input
-        raise UsageError(f"--out {run_dir} cannot be written ({exc.strerror}); pass a folder you can write to.") from None
+        raise UsageError(
+            f"--out {run_dir} cannot be written ({exc.strerror}); pass a folder you can write to."
+        ) from None
     if overwrite or not any(entry.name != LOCK_FILE for entry in run_dir.iterdir()):
         return False
     if continuable is not None and continuable(run_dir):
         return True
     release_run_dir(run_dir)
-    raise UsageError(f"--out {run_dir} already holds files (an earlier run?); pass a new folder, "
-                     f"or --overwrite to replace the run in it.")
+    raise UsageError(
+        f"--out {run_dir} already holds files (an earlier run?); pass a new folder, "
+        f"or --overwrite to replace the run in it."
+    )
 
 
 def new_run_dir(command: str, parent: Path = Path("runs")) -> Path:
@@ -123,8 +135,9 @@ def new_run_dir(command: str, parent: Path = Path("runs")) -> Path:
             except FileExistsError:
                 number += 1
     except OSError as exc:  # a working directory the user cannot write in (or `runs` is a file)
-        raise UsageError(f"no run directory can be made in {parent} ({exc.strerror}); "
-                         f"pass --out a folder you can write to.") from None
+        raise UsageError(
+            f"no run directory can be made in {parent} ({exc.strerror}); pass --out a folder you can write to."
+        ) from None
 
 
 def release_run_dir(run_dir: Path | str) -> None:

@@ -458,8 +458,11 @@ def _from_json(kind: Any, value: Any, where: str = "") -> Any:
         unknown = sorted(set(value) - set(fields))
         if unknown:
             raise ValueError(f"{name} has no field(s) {unknown}")
-        missing = [key for key, f in fields.items() if key not in value and f.default is dataclasses.MISSING
-                   and f.default_factory is dataclasses.MISSING]
+        missing = [
+            key
+            for key, f in fields.items()
+            if key not in value and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        ]
         if missing:
             raise ValueError(f"{name} lacks the field(s) {missing}")
         prefix = f"{where}." if where else ""
@@ -506,8 +509,14 @@ def _type_name(kind: Any) -> str:
         return " or ".join(_type_name(a) for a in get_args(kind) if a is not type(None)) + " or null"
     if origin is Literal:
         return "one of " + ", ".join(repr(a) for a in get_args(kind))
-    names = {int: "an integer", float: "a number", str: "a string", bool: "true or false", list: "a list",
-             dict: "an object"}
+    names = {
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        bool: "true or false",
+        list: "a list",
+        dict: "an object",
+    }
     return names.get(origin or kind, "an object")
 
 

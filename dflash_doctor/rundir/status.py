@@ -87,7 +87,9 @@ class CheckResult:
             raise ValueError(f"check status {self.status!r} is not one of {STATUSES}")
 
     @classmethod
-    def from_findings(cls, check_id: str, findings: list[Finding], metrics: dict[str, Any], pass_summary: str) -> "CheckResult":
+    def from_findings(
+        cls, check_id: str, findings: list[Finding], metrics: dict[str, Any], pass_summary: str
+    ) -> "CheckResult":
         """Status = the worst finding's severity; summary = that finding's message (or ``pass_summary``).
 
         One rule for every check keeps verdicts comparable: any ``fail`` finding fails the check, any

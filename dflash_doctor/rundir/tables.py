@@ -26,6 +26,7 @@ RUN_JSON = "run.json"
 TUNE_JSON = "tune.json"  # a `tune` run directory's one result file (its server runs are ordinary runs below it)
 HEAD_TO_HEAD_JSON = "head_to_head.json"  # `check --draft A --draft B`: the comparison above one run per speculator
 
+
 def read_table_or_empty(path: Path, schema: pa.Schema) -> pd.DataFrame:
     """A Parquet table as a frame; a missing file reads as the empty table of ``schema`` (every column,
     no rows), so views need no special case for a table a run never wrote."""
@@ -45,28 +46,35 @@ def conform(table: pa.Table, schema: pa.Schema, path: Path) -> pa.Table:
     """
     missing = [name for name in schema.names if name not in table.column_names]
     if missing:
-        raise UsageError(f"{path} lacks the column(s) {', '.join(missing)} of its table; "
-                         "re-run the command that wrote it.")
+        raise UsageError(
+            f"{path} lacks the column(s) {', '.join(missing)} of its table; re-run the command that wrote it."
+        )
     for declared in schema:
         actual = table.schema.field(declared.name).type
         if _kind(actual) != _kind(declared.type):
-            raise UsageError(f"{path} column {declared.name!r} holds {actual} "
-                             f"where the run table declares {declared.type}; "
-                             "re-run the command that wrote it.")
+            raise UsageError(
+                f"{path} column {declared.name!r} holds {actual} "
+                f"where the run table declares {declared.type}; "
+                "re-run the command that wrote it."
+            )
     try:
         return table.select(schema.names).cast(schema)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
         detail = " ".join(str(exc).split())[:160]
-        raise UsageError(f"{path} has a value its table's column types cannot hold ({detail}); "
-                         "re-run the command that wrote it.") from None
+        raise UsageError(
+            f"{path} has a value its table's column types cannot hold ({detail}); re-run the command that wrote it."
+        ) from None
 
 
 def _kind(arrow_type: pa.DataType) -> str:
     """The family of an Arrow type, for :func:`conform`: types within one family cast without changing meaning."""
-    for name, test in (("integer", pa.types.is_integer), ("float", pa.types.is_floating),
-                       ("boolean", pa.types.is_boolean),
-                       ("text", lambda t: pa.types.is_string(t) or pa.types.is_large_string(t)),
-                       ("list", lambda t: pa.types.is_list(t) or pa.types.is_large_list(t))):
+    for name, test in (
+        ("integer", pa.types.is_integer),
+        ("float", pa.types.is_floating),
+        ("boolean", pa.types.is_boolean),
+        ("text", lambda t: pa.types.is_string(t) or pa.types.is_large_string(t)),
+        ("list", lambda t: pa.types.is_list(t) or pa.types.is_large_list(t)),
+    ):
         if test(arrow_type):
             return name if name != "list" else f"list of {_kind(arrow_type.value_type)}"
     return str(arrow_type)
@@ -78,7 +86,9 @@ def read_parquet_table(path: Path) -> pa.Table:
         return pq.read_table(path)
     except (pa.ArrowException, OSError) as exc:
         detail = " ".join(str(exc).split())[:160]
-        raise UsageError(f"{path} is not a readable Parquet table ({detail}); re-run the command that wrote it or delete the file.") from None
+        raise UsageError(
+            f"{path} is not a readable Parquet table ({detail}); re-run the command that wrote it or delete the file."
+        ) from None
 
 
 def turn_row_id(request_id: str, turn: int) -> str:
@@ -159,10 +169,16 @@ class TokenRow:
     kl_target_draft: float = _column(pa.float32())
     total_variation: float = _column(pa.float32())
     target_entropy: float = _column(pa.float32())
-    target_top1_margin: float = _column(pa.float32())  # p1 - p2 of the target at T = 1: a miss near a tie is irreducible
-    draft_topk_ids: list[int] = _column(pa.list_(pa.int32()))  # top 5 by score, ties lowest id first: the first is the argmax
+    target_top1_margin: float = _column(
+        pa.float32()
+    )  # p1 - p2 of the target at T = 1: a miss near a tie is irreducible
+    draft_topk_ids: list[int] = _column(
+        pa.list_(pa.int32())
+    )  # top 5 by score, ties lowest id first: the first is the argmax
     target_topk_ids: list[int] = _column(pa.list_(pa.int32()))
-    target_category: str = _column(pa.string())  # dflash_doctor.stats.deviations.CATEGORIES, from the target tokenizer's pieces
+    target_category: str = _column(
+        pa.string()
+    )  # dflash_doctor.stats.deviations.CATEGORIES, from the target tokenizer's pieces
     draft_category: str = _column(pa.string())  # the same for the drafted token
 
 

@@ -23,6 +23,7 @@ import pyarrow.parquet as pq
 from dflash_doctor.rundir.ownership import release_run_dir
 from dflash_doctor.rundir.tables import COSTS_FILE, COSTS_SCHEMA, REQUESTS_SCHEMA, RUN_JSON, TABLES
 
+
 def utc_now() -> str:
     """ISO-8601 UTC timestamp, second precision, as stored in ``created_at``."""
     return _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()

@@ -42,14 +42,30 @@ import torch
 from dflash_doctor.engine.proposers.base import TokenListProposer
 from dflash_doctor.engine.schedule import CONVENTIONS, EndOfRequest, end_of_request
 from dflash_doctor.engine.step_records import StepRecord
-from dflash_doctor.engine.teacher import TeacherSequence, greedy_tail, matched_runs, sampled_past_end, slot_table, walk_schedule
+from dflash_doctor.engine.teacher import (
+    TeacherSequence,
+    greedy_tail,
+    matched_runs,
+    sampled_past_end,
+    slot_table,
+    walk_schedule,
+)
 from dflash_doctor.inputs.workloads import encode_request_turn
 from dflash_doctor.models.serving_setups import CONFIGURED, ServingSetup
 from dflash_doctor.replay.turns import turn_limit
 from dflash_doctor.serving.responses import LLAMA_CPP, VLLM
-from dflash_doctor.rundir.engine_agreement import (DecidingMargins, EngineAgreement, OutputAgreement, OutputDifference,
-                                                   PromptAgreement, SetupRecord, SetupSteps, TauByScope, TauComparison,
-                                                   TurnAgreement)
+from dflash_doctor.rundir.engine_agreement import (
+    DecidingMargins,
+    EngineAgreement,
+    OutputAgreement,
+    OutputDifference,
+    PromptAgreement,
+    SetupRecord,
+    SetupSteps,
+    TauByScope,
+    TauComparison,
+    TurnAgreement,
+)
 
 AGREEING_MARGIN_SAMPLE = 16  # agreeing steps per turn whose margin is measured, for scale (every disagreeing one is)
 
@@ -76,9 +92,17 @@ class TurnComparison:
 
 
 @torch.inference_mode()
-def compare_turn(engine, setups: list[ServingSetup], proposers: dict[str, tuple], turn, our_prompt_ids: list[int] | None,
-                 k: int, max_new_tokens: int, temperature: float,
-                 convention: EndOfRequest = CONVENTIONS["llamacpp"]) -> TurnComparison | None:
+def compare_turn(
+    engine,
+    setups: list[ServingSetup],
+    proposers: dict[str, tuple],
+    turn,
+    our_prompt_ids: list[int] | None,
+    k: int,
+    max_new_tokens: int,
+    temperature: float,
+    convention: EndOfRequest = CONVENTIONS["llamacpp"],
+) -> TurnComparison | None:
     """Compare one engine turn with the embedded replay; None when the engine returned no output ids.
 
     ``convention``: how the engine drafts and counts a request's last step. One that drafts past the end
@@ -114,8 +138,9 @@ def compare_turn(engine, setups: list[ServingSetup], proposers: dict[str, tuple]
         proposer, target = pair
         taps = proposer.needs.hidden_state_indices
         features = torch.cat([hidden_states[i][0] for i in taps], dim=-1) if taps else None
-        table, _ = slot_table(target, proposer, sequence, k, record_divergence=False,
-                              target_pass=(logits[len(prompt):], features))
+        table, _ = slot_table(
+            target, proposer, sequence, k, record_divergence=False, target_pass=(logits[len(prompt) :], features)
+        )
         tables[setup.name] = table.matches
         if setup.name == CONFIGURED:
             drafted = table.drafted  # a lookup that found nothing drafts nothing there: a plain decode step
@@ -130,26 +155,46 @@ def compare_turn(engine, setups: list[ServingSetup], proposers: dict[str, tuple]
             if not outputs_match:
                 at = next(i for i, (a, b) in enumerate(zip(greedy, output)) if a != b)
                 top2 = logits[p_len - 1 + at].topk(2).values
-                first_difference = OutputDifference(turn.key, at, engine_token=int(output[at]),
-                                                    embedded_token=int(greedy[at]),
-                                                    target_top2_margin=float(top2[0] - top2[1]))
+                first_difference = OutputDifference(
+                    turn.key,
+                    at,
+                    engine_token=int(output[at]),
+                    embedded_token=int(greedy[at]),
+                    target_top2_margin=float(top2[0] - top2[1]),
+                )
     server_accepted = [int(s.num_accepted) for s in comparable]
     embedded = {name: [_run(m[s.position - 1], s.num_drafted) for s in comparable] for name, m in tables.items()}
-    own = (walk_schedule(tables[CONFIGURED], list(output), k, max_new_tokens, engine.stop_ids, convention, drafted)
-           if CONFIGURED in tables else [])
+    own = (
+        walk_schedule(tables[CONFIGURED], list(output), k, max_new_tokens, engine.stop_ids, convention, drafted)
+        if CONFIGURED in tables
+        else []
+    )
     if configured is not None:  # in the order served, with what the engine's last step sampled past the end
         configured.finish_request(list(prompt), list(output) + sampled_past_end(steps, tail, len(output)))
     return TurnComparison(
-        request_id=turn.key, request_class=turn.request.request_class,
-        prompt_matches=None if our_prompt_ids is None or turn.prompt_token_ids is None else list(our_prompt_ids) == list(turn.prompt_token_ids),
-        outputs_match=outputs_match, first_output_difference=first_difference,
-        server_accepted=server_accepted, embedded_accepted=embedded, num_server_steps=len(steps),
-        embedded_steps=own, deciding_margins=margins,
+        request_id=turn.key,
+        request_class=turn.request.request_class,
+        prompt_matches=None
+        if our_prompt_ids is None or turn.prompt_token_ids is None
+        else list(our_prompt_ids) == list(turn.prompt_token_ids),
+        outputs_match=outputs_match,
+        first_output_difference=first_difference,
+        server_accepted=server_accepted,
+        embedded_accepted=embedded,
+        num_server_steps=len(steps),
+        embedded_steps=own,
+        deciding_margins=margins,
     )
 
 
-def place_steps(proposer: TokenListProposer, prompt: list[int], output: list[int], steps: list[StepRecord],
-                k: int, tail: list[int] | None = None) -> list[StepRecord]:
+def place_steps(
+    proposer: TokenListProposer,
+    prompt: list[int],
+    output: list[int],
+    steps: list[StepRecord],
+    k: int,
+    tail: list[int] | None = None,
+) -> list[StepRecord]:
     """Where the listed (drafted) steps of a speculator that drafts only when it finds something started.
 
     vLLM's per-step arrays skip the steps without a draft, each of which commits one token. Walking the
@@ -163,12 +208,17 @@ def place_steps(proposer: TokenListProposer, prompt: list[int], output: list[int
     placed: list[StepRecord] = []
     position = 1
     for step in steps:
-        while position < len(output) and int(proposer.proposal_lengths(torch.tensor([len(prompt) + position - 1]), k)[0]) == 0:
+        while (
+            position < len(output)
+            and int(proposer.proposal_lengths(torch.tensor([len(prompt) + position - 1]), k)[0]) == 0
+        ):
             position += 1
         if position >= len(output):
             break
         bonus_at = position + step.num_accepted
-        placed.append(dataclasses.replace(step, position=position, bonus_token=output[bonus_at] if bonus_at < len(output) else -1))
+        placed.append(
+            dataclasses.replace(step, position=position, bonus_token=output[bonus_at] if bonus_at < len(output) else -1)
+        )
         position = bonus_at + 1
     return placed
 
@@ -181,13 +231,16 @@ def shared_target_model(proposers: dict[str, tuple]):
 @torch.inference_mode()
 def _target_pass(model, sequence: TeacherSequence):
     """One target forward over prompt + output + tail: logits [T, V] and every layer's hidden states, shared by all setups."""
-    ids = torch.tensor(sequence.prompt_ids + sequence.output_ids + sequence.tail_ids, device=next(model.parameters()).device)
+    ids = torch.tensor(
+        sequence.prompt_ids + sequence.output_ids + sequence.tail_ids, device=next(model.parameters()).device
+    )
     out = model(input_ids=ids[None], output_hidden_states=True, use_cache=False)
     return out.logits[0].float(), out.hidden_states
 
 
-def _deciding_margins(proposer, matches: np.ndarray, steps: list[StepRecord], output: list[int], k: int,
-                      prompt_len: int) -> tuple[list[float], list[float]]:
+def _deciding_margins(
+    proposer, matches: np.ndarray, steps: list[StepRecord], output: list[int], k: int, prompt_len: int
+) -> tuple[list[float], list[float]]:
     """The embedded draft's logit margin at the slot that decides each step: (agreeing, disagreeing) steps.
 
     The deciding slot is the first one where the two engines' outcomes can differ (slot min(ours,
@@ -228,7 +281,9 @@ def _pooled(drafts: np.ndarray, accepted: np.ndarray) -> float:
 
 def _tau_block(rows: list[tuple[int, int, int, int]], rng: np.random.Generator, n_boot: int) -> TauComparison:
     """Pooled server and embedded tau over turns, their bootstrap intervals and the paired difference's."""
-    data = np.asarray(rows, dtype=np.float64).reshape(-1, 4)  # server drafts, server accepted, embedded drafts, embedded accepted
+    data = np.asarray(rows, dtype=np.float64).reshape(
+        -1, 4
+    )  # server drafts, server accepted, embedded drafts, embedded accepted
     server = _pooled(data[:, 0], data[:, 1])
     embedded = _pooled(data[:, 2], data[:, 3])
     picks = rng.integers(0, len(data), size=(n_boot, len(data)))
@@ -236,20 +291,32 @@ def _tau_block(rows: list[tuple[int, int, int, int]], rng: np.random.Generator, 
     with np.errstate(invalid="ignore", divide="ignore"):
         boot_server = 1 + sample[..., 1].sum(1) / sample[..., 0].sum(1)
         boot_embedded = 1 + sample[..., 3].sum(1) / sample[..., 2].sum(1)
+
     def interval(x: np.ndarray) -> list[float | None]:
         return [float(v) for v in np.nanpercentile(x, [2.5, 97.5])]
 
     return TauComparison(
         num_turns=int(len(data)),
-        engine_tau=server, engine_tau_ci=interval(boot_server),
-        embedded_tau=embedded, embedded_tau_ci=interval(boot_embedded),
-        difference=embedded - server, difference_ci=interval(boot_embedded - boot_server),
+        engine_tau=server,
+        engine_tau_ci=interval(boot_server),
+        embedded_tau=embedded,
+        embedded_tau_ci=interval(boot_embedded),
+        difference=embedded - server,
+        difference_ci=interval(boot_embedded - boot_server),
     )
 
 
-def summarize_agreement(comparisons: list[TurnComparison], answered, *, engine_k: int | None, block_size: int | None,
-                        setups: Sequence[ServingSetup] = (), serving_checklist: str = "", seed: int = 0,
-                        n_boot: int = 1000) -> EngineAgreement:
+def summarize_agreement(
+    comparisons: list[TurnComparison],
+    answered,
+    *,
+    engine_k: int | None,
+    block_size: int | None,
+    setups: Sequence[ServingSetup] = (),
+    serving_checklist: str = "",
+    seed: int = 0,
+    n_boot: int = 1000,
+) -> EngineAgreement:
     """The figures the ``engine-agreement`` check judges (stored in run.json ``probes.engine_agreement``).
 
     ``setups``: the simulated serving setups that were replayed, stored with the figures so the check can
@@ -269,22 +336,40 @@ def summarize_agreement(comparisons: list[TurnComparison], answered, *, engine_k
         row = (len(server_steps), sum(s.num_accepted for s in server_steps), len(own), sum(s.num_accepted for s in own))
         rows_by_class.setdefault(c.request_class, []).append(row)
         configured = c.embedded_accepted.get(CONFIGURED, [])
-        turns.append(TurnAgreement(
-            c.request_id, c.request_class, engine_drafts=row[0], engine_accepted=row[1], embedded_drafts=row[2],
-            embedded_accepted=row[3], outputs_match=c.outputs_match, steps_compared=len(configured),
-            steps_agreeing=sum(e == m for e, m in zip(c.server_accepted, configured))))
+        turns.append(
+            TurnAgreement(
+                c.request_id,
+                c.request_class,
+                engine_drafts=row[0],
+                engine_accepted=row[1],
+                embedded_drafts=row[2],
+                embedded_accepted=row[3],
+                outputs_match=c.outputs_match,
+                steps_compared=len(configured),
+                steps_agreeing=sum(e == m for e, m in zip(c.server_accepted, configured)),
+            )
+        )
     all_rows = [r for rows in rows_by_class.values() for r in rows]
     per_step: dict[str, SetupSteps] = {}
     for name in dict.fromkeys(n for c in comparisons for n in c.embedded_accepted):
-        triples = [(e, m, base) for c in comparisons if name in c.embedded_accepted
-                   for e, m, base in zip(c.server_accepted, c.embedded_accepted[name], c.embedded_accepted[CONFIGURED])]
+        triples = [
+            (e, m, base)
+            for c in comparisons
+            if name in c.embedded_accepted
+            for e, m, base in zip(c.server_accepted, c.embedded_accepted[name], c.embedded_accepted[CONFIGURED])
+        ]
         agree = sum(e == m for e, m, _ in triples)
         # the steps where this setup and the configured one predict differently are the ones that tell them apart
         telling = [(e, m, base) for e, m, base in triples if m != base]
         per_step[name] = SetupSteps(
-            num_steps=len(triples), num_agreeing=agree, share=agree / len(triples) if triples else None,
-            num_telling=len(telling), num_siding=sum(e == m for e, m, _ in telling),
-            embedded_accepted=sum(m for _, m, _ in triples), engine_accepted=sum(e for e, _, _ in triples))
+            num_steps=len(triples),
+            num_agreeing=agree,
+            share=agree / len(triples) if triples else None,
+            num_telling=len(telling),
+            num_siding=sum(e == m for e, m, _ in telling),
+            embedded_accepted=sum(m for _, m, _ in triples),
+            engine_accepted=sum(e for e, _, _ in triples),
+        )
     outputs = [c for c in comparisons if c.outputs_match is not None]
     prompts = [c for c in comparisons if c.prompt_matches is not None]
     # margins where the engine parts from the setup it behaves like (the first of the best shares: configured on a tie)
@@ -297,11 +382,16 @@ def summarize_agreement(comparisons: list[TurnComparison], answered, *, engine_k
         num_compared=len(comparisons),
         engine_k=engine_k,
         draft_block_size=block_size,
-        prompts=PromptAgreement(num_compared=len(prompts), num_identical=sum(1 for c in prompts if c.prompt_matches),
-                                differing=[c.request_id for c in prompts if not c.prompt_matches][:10]),
-        outputs=OutputAgreement(num_compared=len(outputs), num_identical=sum(1 for c in outputs if c.outputs_match),
-                                differences=[c.first_output_difference for c in outputs
-                                             if c.first_output_difference is not None][:10]),
+        prompts=PromptAgreement(
+            num_compared=len(prompts),
+            num_identical=sum(1 for c in prompts if c.prompt_matches),
+            differing=[c.request_id for c in prompts if not c.prompt_matches][:10],
+        ),
+        outputs=OutputAgreement(
+            num_compared=len(outputs),
+            num_identical=sum(1 for c in outputs if c.outputs_match),
+            differences=[c.first_output_difference for c in outputs if c.first_output_difference is not None][:10],
+        ),
         tau=TauByScope(
             overall=_tau_block(all_rows, rng, n_boot) if all_rows else None,
             by_class={cls: _tau_block(rows, rng, n_boot) for cls, rows in sorted(rows_by_class.items())},
@@ -310,8 +400,10 @@ def summarize_agreement(comparisons: list[TurnComparison], answered, *, engine_k
         turns=turns,
         deciding_margins=DecidingMargins(
             setup=closest,
-            num_agreeing=len(agree_margins), median_agreeing=median(agree_margins),
-            num_disagreeing=len(disagree_margins), median_disagreeing=median(disagree_margins),
+            num_agreeing=len(agree_margins),
+            median_agreeing=median(agree_margins),
+            num_disagreeing=len(disagree_margins),
+            median_disagreeing=median(disagree_margins),
             disagreeing=sorted(disagree_margins)[:50],
         ),
         setups=[_stored(s) for s in setups],
@@ -356,11 +448,25 @@ def compare_with_embedded(engine, answered, config, *, seed: int = 0) -> EngineA
         previous = answers.setdefault(turn.request.id, [])
         ours = encode_request_turn(engine.tokenizer, turn.request, previous, chat_template=engine.chat_template)
         previous.append(turn.output_text)
-        comparison = compare_turn(engine, setups, proposers, turn, ours, k, turn_limit(turn.request, config.max_new_tokens),
-                                  config.temperature, convention)
+        comparison = compare_turn(
+            engine,
+            setups,
+            proposers,
+            turn,
+            ours,
+            k,
+            turn_limit(turn.request, config.max_new_tokens),
+            config.temperature,
+            convention,
+        )
         if comparison is not None:
             comparisons.append(comparison)
-    return summarize_agreement(comparisons, answered, engine_k=engine_k,
-                               block_size=getattr(config_of_draft, "block_size", None),
-                               setups=[s for s in setups if s.name in proposers],
-                               serving_checklist=engine.kind.serving_checklist, seed=seed)
+    return summarize_agreement(
+        comparisons,
+        answered,
+        engine_k=engine_k,
+        block_size=getattr(config_of_draft, "block_size", None),
+        setups=[s for s in setups if s.name in proposers],
+        serving_checklist=engine.kind.serving_checklist,
+        seed=seed,
+    )

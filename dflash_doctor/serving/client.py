@@ -48,7 +48,9 @@ class ServerEndpoint:
             text = text[: -len("/v1")]
         scheme, _, rest = text.partition("://")
         if scheme not in ("http", "https") or not rest:
-            raise UsageError(f"--engine {shown(url)!r} is not an http(s) URL; pass the server's address, e.g. http://127.0.0.1:8000.")
+            raise UsageError(
+                f"--engine {shown(url)!r} is not an http(s) URL; pass the server's address, e.g. http://127.0.0.1:8000."
+            )
         base_url, credentials = without_userinfo(text)
         return cls(base_url=base_url, credentials=credentials, **kwargs)
 
@@ -56,8 +58,14 @@ class ServerEndpoint:
     def client(self) -> HttpClient:
         """One connection pool per endpoint, shared by the requests in flight."""
         headers = {"Accept": "application/json", **bearer(self.api_key)}
-        return HttpClient(headers=headers, timeout_s=self.timeout_s, retries=self.retries, backoff_s=self.backoff_s,
-                          deadline_s=self.timeout_s, auth=self.credentials)
+        return HttpClient(
+            headers=headers,
+            timeout_s=self.timeout_s,
+            retries=self.retries,
+            backoff_s=self.backoff_s,
+            deadline_s=self.timeout_s,
+            auth=self.credentials,
+        )
 
 
 class ServerError(Exception):
@@ -88,11 +96,17 @@ def call(endpoint: ServerEndpoint, method: str, path: str, payload: Mapping[str,
     except Unreachable as exc:
         raise ServerError(str(exc)) from None
     if not answer.ok:
-        raise ServerError(f"{endpoint.base_url}{path} answered HTTP {answer.status}: {_error_text(answer.text)}", answer.status, answer.text)
+        raise ServerError(
+            f"{endpoint.base_url}{path} answered HTTP {answer.status}: {_error_text(answer.text)}",
+            answer.status,
+            answer.text,
+        )
     try:
         return answer.json()
     except json.JSONDecodeError:
-        raise ServerError(f"{endpoint.base_url}{path} answered with something that is not JSON", answer.status, answer.text[:300]) from None
+        raise ServerError(
+            f"{endpoint.base_url}{path} answered with something that is not JSON", answer.status, answer.text[:300]
+        ) from None
 
 
 def _error_text(text: str) -> str:
@@ -115,10 +129,14 @@ def served_models(endpoint: ServerEndpoint) -> list[str]:
             raise UsageError(f"--engine {endpoint.base_url}: {exc}; start the server or fix the URL.") from None
         if exc.auth_refused:
             raise UsageError(f"--engine {endpoint.base_url}: {exc}; {auth_fix(endpoint)}.") from None
-        raise UsageError(f"--engine {endpoint.base_url} is not an OpenAI-compatible server ({exc}); pass the URL of the server's OpenAI API.") from None
+        raise UsageError(
+            f"--engine {endpoint.base_url} is not an OpenAI-compatible server ({exc}); pass the URL of the server's OpenAI API."
+        ) from None
     if not isinstance(body, dict) or not isinstance(body.get("data") or [], list):
-        raise UsageError(f"--engine {endpoint.base_url}: GET /v1/models answered {str(body)[:60]!r}, not an OpenAI model list "
-                         f"({{\"data\": [...]}}); pass the URL of the server's OpenAI API.")
+        raise UsageError(
+            f"--engine {endpoint.base_url}: GET /v1/models answered {str(body)[:60]!r}, not an OpenAI model list "
+            f'({{"data": [...]}}); pass the URL of the server\'s OpenAI API.'
+        )
     return [str(m["id"]) for m in body.get("data") or [] if isinstance(m, dict) and m.get("id")]
 
 
@@ -139,17 +157,23 @@ def resolve_model(endpoint: ServerEndpoint) -> ServerEndpoint:
     models = served_models(endpoint)
     if endpoint.model is None:
         if len(models) != 1:
-            raise UsageError(f"--engine {endpoint.base_url} serves {len(models)} models ({', '.join(models) or 'none'}); pick one with --engine-model.")
+            raise UsageError(
+                f"--engine {endpoint.base_url} serves {len(models)} models ({', '.join(models) or 'none'}); pick one with --engine-model."
+            )
         return dataclasses.replace(endpoint, model=models[0])
     if endpoint.model not in models:
-        raise UsageError(f"--engine-model {endpoint.model!r} is not served by {endpoint.base_url}; it serves {', '.join(models) or 'nothing'}.")
+        raise UsageError(
+            f"--engine-model {endpoint.model!r} is not served by {endpoint.base_url}; it serves {', '.join(models) or 'nothing'}."
+        )
     return endpoint
 
 
 def scrape_metrics(endpoint: ServerEndpoint) -> str | None:
     """The Prometheus text of ``GET /metrics`` (None when the server has none or cannot be read): the fallback source."""
     try:
-        answer = endpoint.client.get(endpoint.base_url + "/metrics", timeout_s=min(endpoint.timeout_s, METRICS_TIMEOUT_S))
+        answer = endpoint.client.get(
+            endpoint.base_url + "/metrics", timeout_s=min(endpoint.timeout_s, METRICS_TIMEOUT_S)
+        )
     except Unreachable:
         return None
     return answer.text if answer.ok else None

@@ -116,7 +116,11 @@ def _reason(exc: BaseException, timeout_s: float) -> str:
             return f"no data within {timeout_s:g} s"
         if isinstance(current, OSError) and current.strerror:
             return current.strerror
-        pending += [e for e in (current.__cause__, current.__context__, getattr(current, "reason", None), *current.args) if isinstance(e, BaseException)]
+        pending += [
+            e
+            for e in (current.__cause__, current.__context__, getattr(current, "reason", None), *current.args)
+            if isinstance(e, BaseException)
+        ]
     return type(exc).__name__
 
 
@@ -130,8 +134,17 @@ class HttpClient:
     are safe to repeat.
     """
 
-    def __init__(self, *, headers: Mapping[str, str] | None = None, timeout_s: float = 30.0, retries: int = 3, backoff_s: float = 1.0,
-                 deadline_s: float | None = None, max_bytes: int = MAX_BYTES, auth: tuple[str, str] | None = None):
+    def __init__(
+        self,
+        *,
+        headers: Mapping[str, str] | None = None,
+        timeout_s: float = 30.0,
+        retries: int = 3,
+        backoff_s: float = 1.0,
+        deadline_s: float | None = None,
+        max_bytes: int = MAX_BYTES,
+        auth: tuple[str, str] | None = None,
+    ):
         self.timeout_s = timeout_s
         self.auth = auth  # basic-auth (user, password) for URLs without their own, on their origin only
         self.deadline_s = deadline_s if deadline_s is not None else max(DEADLINE_S, timeout_s)
@@ -140,15 +153,35 @@ class HttpClient:
         self.session.headers.update(headers or {})
         # what never crosses to another origin: the credentials, and every header the caller chose
         self._private = {name: None for name in (*CREDENTIAL_HEADERS, *(headers or {}))}
-        retry = _Retry(total=retries, connect=retries, read=retries, status=retries, other=0, redirect=0,
-                       backoff_factor=backoff_s, backoff_jitter=backoff_s, status_forcelist=RETRY_STATUSES,
-                       allowed_methods=None, raise_on_status=False, raise_on_redirect=False, respect_retry_after_header=True)
+        retry = _Retry(
+            total=retries,
+            connect=retries,
+            read=retries,
+            status=retries,
+            other=0,
+            redirect=0,
+            backoff_factor=backoff_s,
+            backoff_jitter=backoff_s,
+            status_forcelist=RETRY_STATUSES,
+            allowed_methods=None,
+            raise_on_status=False,
+            raise_on_redirect=False,
+            respect_retry_after_header=True,
+        )
         adapter = HTTPAdapter(max_retries=retry, pool_maxsize=POOL_SIZE)
         self.session.mount("http://", adapter)
         self.session.mount("https://", adapter)
 
-    def _open(self, method: str, url: str, payload: Mapping[str, Any] | None, params: Mapping[str, str] | None,
-              timeout: float, ends_at: float, headers: Mapping[str, str] | None = None) -> requests.Response:
+    def _open(
+        self,
+        method: str,
+        url: str,
+        payload: Mapping[str, Any] | None,
+        params: Mapping[str, str] | None,
+        timeout: float,
+        ends_at: float,
+        headers: Mapping[str, str] | None = None,
+    ) -> requests.Response:
         """The final response of a request (its body not read yet), redirects followed here: a hop to
         another origin goes without the credentials and the caller's headers."""
         start, auth = without_userinfo(url)
@@ -161,16 +194,27 @@ class HttpClient:
             if time.monotonic() > ends_at:
                 raise AnswerCut(f"no complete answer from {shown(url)} within the {self.deadline_s:g} s deadline")
             try:
-                response = self.session.request(method, current, json=payload, params=params, timeout=timeout, allow_redirects=False,
-                                                # a None value removes that session header (requests' documented merge rule)
-                                                stream=True, auth=auth if same else None, headers=extra)  # pyright: ignore[reportArgumentType]
+                response = self.session.request(
+                    method,
+                    current,
+                    json=payload,
+                    params=params,
+                    timeout=timeout,
+                    allow_redirects=False,
+                    # a None value removes that session header (requests' documented merge rule)
+                    stream=True,
+                    auth=auth if same else None,
+                    headers=extra,
+                )  # pyright: ignore[reportArgumentType]
             except requests.RequestException as exc:
                 raise Unreachable(f"no answer from {shown(url)} ({_reason(exc, timeout)})") from None
             location = response.headers.get("Location")
             if response.status_code not in REDIRECT_STATUSES or not location:
                 return response
             response.close()
-            current = without_userinfo(urllib.parse.urljoin(current, location))[0]  # a Location's own user:password is not used
+            current = without_userinfo(urllib.parse.urljoin(current, location))[
+                0
+            ]  # a Location's own user:password is not used
             params = None  # the Location carries its own query
             if response.status_code == 303 or (response.status_code in (301, 302) and method == "POST"):
                 method, payload = ("HEAD" if method == "HEAD" else "GET"), None
@@ -182,18 +226,26 @@ class HttpClient:
         try:
             while True:
                 if time.monotonic() > ends_at:
-                    raise AnswerCut(f"{shown(url)} was still sending after the {self.deadline_s:g} s deadline; "
-                                    f"an answer that never ends is cut off")
+                    raise AnswerCut(
+                        f"{shown(url)} was still sending after the {self.deadline_s:g} s deadline; "
+                        f"an answer that never ends is cut off"
+                    )
                 chunk = response.raw.read1(_READ_SIZE, decode_content=True)
                 if not chunk:
                     return
                 size += len(chunk)
                 if size > self.max_bytes:
-                    raise AnswerCut(f"{shown(url)} sent more than {self.max_bytes / 2**20:g} MiB; an answer that large is cut off")
+                    raise AnswerCut(
+                        f"{shown(url)} sent more than {self.max_bytes / 2**20:g} MiB; an answer that large is cut off"
+                    )
                 yield chunk
         except AnswerCut:
             raise
-        except (requests.RequestException, OSError, ValueError) as exc:  # urllib3's read errors are OSError / ValueError kin
+        except (
+            requests.RequestException,
+            OSError,
+            ValueError,
+        ) as exc:  # urllib3's read errors are OSError / ValueError kin
             raise Unreachable(f"no complete answer from {shown(url)} ({_reason(exc, self.timeout_s)})") from None
         except Exception as exc:  # urllib3.exceptions.HTTPError (ProtocolError, ReadTimeoutError ...)
             if type(exc).__module__.startswith("urllib3"):
@@ -202,8 +254,15 @@ class HttpClient:
         finally:
             response.close()
 
-    def request(self, method: str, url: str, *, payload: Mapping[str, Any] | None = None, params: Mapping[str, str] | None = None,
-                timeout_s: float | None = None) -> Answer:
+    def request(
+        self,
+        method: str,
+        url: str,
+        *,
+        payload: Mapping[str, Any] | None = None,
+        params: Mapping[str, str] | None = None,
+        timeout_s: float | None = None,
+    ) -> Answer:
         """One request (a JSON body when ``payload`` is given); :class:`Unreachable` when nothing answered,
         :class:`AnswerCut` when the answer ran past the deadline or the size cap."""
         timeout = timeout_s or self.timeout_s
@@ -216,8 +275,14 @@ class HttpClient:
         return self.request("GET", url, params=params, timeout_s=timeout_s)
 
     @contextmanager
-    def stream(self, method: str, url: str, *, payload: Mapping[str, Any] | None = None,
-               headers: Mapping[str, str] | None = None) -> Iterator[tuple[int, Iterator[bytes]]]:
+    def stream(
+        self,
+        method: str,
+        url: str,
+        *,
+        payload: Mapping[str, Any] | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> Iterator[tuple[int, Iterator[bytes]]]:
         """A streamed request: (status, its body's lines as they arrive), under the deadline and the size
         cap; ``headers`` are added to this request only (and, as the client's own, kept on its origin)."""
         ends_at = time.monotonic() + self.deadline_s
@@ -245,14 +310,18 @@ def secret(value: str, flag: str) -> str:
     text with ``$VAR`` / ``${VAR}`` in it (``Bearer $TOKEN``; ``$$`` is a literal ``$``). A variable that
     is not set is a UsageError naming the flag."""
     if value.startswith("env:"):
-        name = value[len("env:"):]
+        name = value[len("env:") :]
         if name not in os.environ:
-            raise UsageError(f"{flag} names the environment variable {name}, which is not set; export it or pass the value.")
+            raise UsageError(
+                f"{flag} names the environment variable {name}, which is not set; export it or pass the value."
+            )
         return os.environ[name]
     try:
         return string.Template(value).substitute(os.environ)
     except KeyError as exc:
-        raise UsageError(f"{flag} names the environment variable {exc.args[0]}, which is not set; export it or pass the value.") from None
+        raise UsageError(
+            f"{flag} names the environment variable {exc.args[0]}, which is not set; export it or pass the value."
+        ) from None
     except ValueError:
         raise UsageError(f"{flag} has a lone '$' that names no variable; write $$ for a literal dollar sign.") from None
 
@@ -264,7 +333,9 @@ def header_flags(values: list[str], flag: str) -> dict[str, str]:
         name, sep, value = item.partition("=")
         name = name.strip()
         if not sep or not _HEADER_NAME.match(name):
-            raise UsageError(f"{flag} {name or item!r} is not NAME=VALUE with an HTTP header name; pass e.g. {flag} 'X-Scope-OrgID=tenant-1'.")
+            raise UsageError(
+                f"{flag} {name or item!r} is not NAME=VALUE with an HTTP header name; pass e.g. {flag} 'X-Scope-OrgID=tenant-1'."
+            )
         resolved = secret(value.strip(), f"{flag} {name}")
         if "\n" in resolved or "\r" in resolved:
             raise UsageError(f"{flag} {name}: the value holds a line break, which no header can carry; fix the value.")

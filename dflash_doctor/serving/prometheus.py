@@ -57,8 +57,9 @@ def measurement_between(before: ServerCounters, after: ServerCounters) -> SpecMe
     exactly (:func:`~dflash_doctor.serving.responses.histogram_from_per_pos`). Step order is lost."""
     counts, reset = after.counts.since(before.counts)
     if reset:
-        raise MissingMetrics("the server's /metrics counters went down during a request (the server restarted); "
-                             "retry once it stays up")
+        raise MissingMetrics(
+            "the server's /metrics counters went down during a request (the server restarted); retry once it stays up"
+        )
     drafts = round(counts.num_drafts or 0.0)
     per_pos = [round(value) for value in counts.num_accepted_tokens_per_pos or ()]
     histogram = histogram_from_per_pos(drafts, per_pos) if per_pos else None

@@ -117,8 +117,10 @@ def parse_vllm(spec: Mapping[str, Any], *, completion_tokens: int | None = None)
         accepted = int(sum(per_pos_from_histogram(histogram))) if accepted is None else accepted
         drafts = sum(histogram) if drafts is None else drafts
     if accepted is None or drafts is None or spec.get("num_draft_tokens") is None:
-        raise MalformedResponse("the response's `metrics.speculative_decoding` lacks the step, drafted or accepted count "
-                                "(num_spec_steps, num_draft_tokens, num_accepted_draft_tokens) and has no acceptance_histogram to derive them from")
+        raise MalformedResponse(
+            "the response's `metrics.speculative_decoding` lacks the step, drafted or accepted count "
+            "(num_spec_steps, num_draft_tokens, num_accepted_draft_tokens) and has no acceptance_histogram to derive them from"
+        )
     return SpecMeasurement(
         server_kind=VLLM,
         num_spec_tokens=spec.get("num_spec_tokens"),
@@ -239,23 +241,39 @@ def step_rows(measurement: SpecMeasurement, output_ids: list[int] | None) -> lis
         drafted = measurement.per_step_drafted or (k,) * len(measurement.per_step_accepted)
         committed = 1 + sum(n_accepted + 1 for n_accepted in measurement.per_step_accepted)
         if output_ids is not None and committed < len(output_ids):  # undrafted steps between the listed ones
-            return [StepRecord(step=step, position=-1, k=k, num_drafted=n_drafted, num_accepted=n_accepted, bonus_token=-1)
-                    for step, (n_drafted, n_accepted) in enumerate(zip(drafted, measurement.per_step_accepted))]
+            return [
+                StepRecord(step=step, position=-1, k=k, num_drafted=n_drafted, num_accepted=n_accepted, bonus_token=-1)
+                for step, (n_drafted, n_accepted) in enumerate(zip(drafted, measurement.per_step_accepted))
+            ]
         position = 1
         for step, (n_drafted, n_accepted) in enumerate(zip(drafted, measurement.per_step_accepted)):
             bonus_at = position + n_accepted
             bonus = output_ids[bonus_at] if output_ids is not None and bonus_at < len(output_ids) else -1
-            rows.append(StepRecord(step=step, position=position, k=k, num_drafted=n_drafted, num_accepted=n_accepted, bonus_token=bonus))
+            rows.append(
+                StepRecord(
+                    step=step, position=position, k=k, num_drafted=n_drafted, num_accepted=n_accepted, bonus_token=bonus
+                )
+            )
             position += n_accepted + 1
         return rows
     if measurement.acceptance_histogram is not None and measurement.num_drafts:
         # Drafts of varying length (llama.cpp's draft-simple stops early; every engine shortens the last ones)
         # are known only on average here; a step that accepted j tokens drafted at least j.
-        per_step_drafted = round(measurement.num_draft_tokens / measurement.num_drafts) if measurement.num_draft_tokens else k
+        per_step_drafted = (
+            round(measurement.num_draft_tokens / measurement.num_drafts) if measurement.num_draft_tokens else k
+        )
         for n_accepted, count in enumerate(measurement.acceptance_histogram):
             for _ in range(count):
-                rows.append(StepRecord(step=len(rows), position=-1, k=k, num_drafted=max(per_step_drafted, n_accepted),
-                                       num_accepted=n_accepted, bonus_token=-1))
+                rows.append(
+                    StepRecord(
+                        step=len(rows),
+                        position=-1,
+                        k=k,
+                        num_drafted=max(per_step_drafted, n_accepted),
+                        num_accepted=n_accepted,
+                        bonus_token=-1,
+                    )
+                )
     return rows
 
 
@@ -272,18 +290,44 @@ _IDS = list[int] | None
 _COUNT = int | None
 # field -> declared type, per object of the body that the readers of this module and of
 # serving/server_run.read_completion look into
-_CHOICE_FIELDS = {"message": dict[str, Any] | None, "text": str | None, "token_ids": _IDS, "prompt_token_ids": _IDS,
-                  "finish_reason": str | None, "meta_info": dict[str, Any] | None}
-_BODY_FIELDS = {"choices": list[dict[str, Any]] | None, "prompt_token_ids": _IDS, "usage": dict[str, Any] | None,
-                "metrics": dict[str, Any] | None, "timings": dict[str, Any] | None, "meta_info": dict[str, Any] | None,
-                "sglext": dict[str, Any] | None}
+_CHOICE_FIELDS = {
+    "message": dict[str, Any] | None,
+    "text": str | None,
+    "token_ids": _IDS,
+    "prompt_token_ids": _IDS,
+    "finish_reason": str | None,
+    "meta_info": dict[str, Any] | None,
+}
+_BODY_FIELDS = {
+    "choices": list[dict[str, Any]] | None,
+    "prompt_token_ids": _IDS,
+    "usage": dict[str, Any] | None,
+    "metrics": dict[str, Any] | None,
+    "timings": dict[str, Any] | None,
+    "meta_info": dict[str, Any] | None,
+    "sglext": dict[str, Any] | None,
+}
 _NESTED_FIELDS = {
     "message": {"content": str | None},
     "usage": {"prompt_tokens": _COUNT, "completion_tokens": _COUNT},
-    "speculative_decoding": {"num_accepted_draft_tokens": _COUNT, "num_spec_steps": _COUNT, "num_draft_tokens": _COUNT,
-                             "num_spec_tokens": _COUNT, "acceptance_histogram": _IDS, "per_step_accepted": _IDS, "per_step_drafted": _IDS},
-    "meta_info": {"output_token_ids": _IDS, "completion_tokens": _COUNT, "spec_verify_ct": _COUNT, "spec_num_correct_drafts": _COUNT,
-                  "spec_num_proposed_drafts": _COUNT, "spec_correct_drafts_histogram": _IDS, "spec_accept_length": float | None},
+    "speculative_decoding": {
+        "num_accepted_draft_tokens": _COUNT,
+        "num_spec_steps": _COUNT,
+        "num_draft_tokens": _COUNT,
+        "num_spec_tokens": _COUNT,
+        "acceptance_histogram": _IDS,
+        "per_step_accepted": _IDS,
+        "per_step_drafted": _IDS,
+    },
+    "meta_info": {
+        "output_token_ids": _IDS,
+        "completion_tokens": _COUNT,
+        "spec_verify_ct": _COUNT,
+        "spec_num_correct_drafts": _COUNT,
+        "spec_num_proposed_drafts": _COUNT,
+        "spec_correct_drafts_histogram": _IDS,
+        "spec_accept_length": float | None,
+    },
     "timings": {"draft_n": _COUNT, "draft_n_accepted": _COUNT},
 }
 
@@ -310,7 +354,9 @@ def _fields(where: str, obj: Mapping[str, Any], declared: Mapping[str, Any]) -> 
         if wanted is None and _out_of_range(obj.get(key)):
             wanted = "a finite number" if expected == float | None else f"a whole number from 0 to {MAX_COUNT}"
         if wanted is not None:
-            raise MalformedResponse(f"the response's `{where}{key}` is {str(obj.get(key))[:60]!r}, but it must be {wanted}")
+            raise MalformedResponse(
+                f"the response's `{where}{key}` is {str(obj.get(key))[:60]!r}, but it must be {wanted}"
+            )
 
 
 def check_response_shape(body: Any) -> None:
@@ -333,19 +379,29 @@ def check_response_shape(body: Any) -> None:
     details = (body.get("sglext") or {}).get("spec_tokens_details")
     for index, item in enumerate(details if isinstance(details, list) else [details] if details is not None else []):
         if not isinstance(item, Mapping):
-            raise MalformedResponse(f"the response's `sglext.spec_tokens_details` holds {str(item)[:60]!r}, not an object")
+            raise MalformedResponse(
+                f"the response's `sglext.spec_tokens_details` holds {str(item)[:60]!r}, not an object"
+            )
         _fields(f"sglext.spec_tokens_details[{index}].", item, _NESTED_FIELDS["meta_info"])
 
 
 def _impossible(m: SpecMeasurement) -> str | None:
     """What in ``m`` no engine can report, or None (see :func:`check_measurement`)."""
-    counts = {"num_spec_tokens": m.num_spec_tokens, "steps": m.num_drafts, "drafted tokens": m.num_draft_tokens,
-              "accepted tokens": m.num_accepted_tokens, "generated tokens": m.num_generated_tokens,
-              "acceptance_histogram": m.acceptance_histogram, "per_step_accepted": m.per_step_accepted,
-              "per_step_drafted": m.per_step_drafted}
+    counts = {
+        "num_spec_tokens": m.num_spec_tokens,
+        "steps": m.num_drafts,
+        "drafted tokens": m.num_draft_tokens,
+        "accepted tokens": m.num_accepted_tokens,
+        "generated tokens": m.num_generated_tokens,
+        "acceptance_histogram": m.acceptance_histogram,
+        "per_step_accepted": m.per_step_accepted,
+        "per_step_drafted": m.per_step_drafted,
+    }
     for name, value in counts.items():
         items = value if isinstance(value, tuple) else (value,)
-        if any(not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= MAX_COUNT for v in items if v is not None):
+        if any(
+            not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= MAX_COUNT for v in items if v is not None
+        ):
             return f"{name} {str(value)[:60]}, outside the whole numbers 0..{MAX_COUNT}"
     k, accepted = m.num_spec_tokens, m.num_accepted_tokens
     if m.num_draft_tokens is not None and accepted > m.num_draft_tokens:
@@ -354,7 +410,9 @@ def _impossible(m: SpecMeasurement) -> str | None:
         return f"{accepted} accepted tokens in {m.num_drafts} steps" + (f" of at most {k} drafts" if k else "")
     if m.per_step_accepted is not None and m.per_step_drafted is not None:
         if len(m.per_step_accepted) != len(m.per_step_drafted):
-            return f"{len(m.per_step_accepted)} per_step_accepted but {len(m.per_step_drafted)} per_step_drafted entries"
+            return (
+                f"{len(m.per_step_accepted)} per_step_accepted but {len(m.per_step_drafted)} per_step_drafted entries"
+            )
         over = next(((a, d) for a, d in zip(m.per_step_accepted, m.per_step_drafted) if a > d), None)
         if over is not None:
             return f"a step that accepted {over[0]} of {over[1]} drafted tokens"

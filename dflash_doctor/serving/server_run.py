@@ -31,16 +31,24 @@ from dflash_doctor.rundir.tables import REQUESTS_SCHEMA, STEPS_SCHEMA, StepRow, 
 from dflash_doctor.rundir.writer import utc_now
 from dflash_doctor.serving.client import ServerEndpoint, ServerError, auth_fix, call
 from dflash_doctor.serving.prometheus import ServerCounters, measurement_between, scrape_counters
-from dflash_doctor.serving.responses import (LLAMA_CPP, MalformedResponse, MissingMetrics, SpecMeasurement, check_measurement, check_response_shape,
-                                             read_measurement, step_rows)
+from dflash_doctor.serving.responses import (
+    LLAMA_CPP,
+    MalformedResponse,
+    MissingMetrics,
+    SpecMeasurement,
+    check_measurement,
+    check_response_shape,
+    read_measurement,
+    step_rows,
+)
 
 FIGURES_FROM = {
     "responses": "the server's per-request metrics in each response",
     "counters": "the server's /metrics counters scraped around each request, one request at a time "
-                "(the server reports no per-request metrics; other traffic on it would leak in; step order unknown)",
+    "(the server reports no per-request metrics; other traffic on it would leak in; step order unknown)",
     "timings and counters": "llama.cpp's timings per response (draft tokens, accepted tokens), with the verify steps and "
-                            "per-position acceptances from its /metrics counters scraped around each request, one request "
-                            "at a time (llama.cpp returns no verify-step count per request; step order unknown)",
+    "per-position acceptances from its /metrics counters scraped around each request, one request "
+    "at a time (llama.cpp returns no verify-step count per request; step order unknown)",
 }
 
 LLAMA_CPP_WITHOUT_METRICS = (
@@ -71,8 +79,15 @@ class ServerTurn:
         return turn_row_id(self.request.id, self.turn)
 
 
-def request_body(endpoint: ServerEndpoint, request: Request, messages: list[dict[str, Any]] | None,
-                 max_tokens: int, config: DoctorConfig, *, ids_from_probs: bool = False) -> tuple[str, dict[str, Any]]:
+def request_body(
+    endpoint: ServerEndpoint,
+    request: Request,
+    messages: list[dict[str, Any]] | None,
+    max_tokens: int,
+    config: DoctorConfig,
+    *,
+    ids_from_probs: bool = False,
+) -> tuple[str, dict[str, Any]]:
     """(path, JSON body) for one turn; asks vLLM for token ids and SGLang for its spec details.
 
     ``ids_from_probs``: llama.cpp returns output token ids only with its token probabilities
@@ -121,8 +136,14 @@ def read_completion(body: dict[str, Any]) -> tuple[str, list[int] | None, list[i
     return text or "", output_ids, prompt_ids, stop_reason, body.get("usage") or {}
 
 
-def ask(endpoint: ServerEndpoint, request: Request, config: DoctorConfig, *, from_counters: bool = False,
-        ids_from_probs: bool = False) -> list[ServerTurn]:
+def ask(
+    endpoint: ServerEndpoint,
+    request: Request,
+    config: DoctorConfig,
+    *,
+    from_counters: bool = False,
+    ids_from_probs: bool = False,
+) -> list[ServerTurn]:
     """All turns of one request, in order; a later turn carries the server's own earlier answers.
 
     ``from_counters``: read each turn's figures from ``/metrics`` scraped before and after it (the
@@ -142,16 +163,29 @@ def ask(endpoint: ServerEndpoint, request: Request, config: DoctorConfig, *, fro
         wall = time.perf_counter() - started
         check_response_shape(body)
         text, output_ids, prompt_ids, stop_reason, usage = read_completion(body)
-        measurement = check_measurement(counted_measurement(before, _counters(endpoint), body)) if before is not None else read_measurement(body)
+        measurement = (
+            check_measurement(counted_measurement(before, _counters(endpoint), body))
+            if before is not None
+            else read_measurement(body)
+        )
         output_ids = [int(t) for t in output_ids] if output_ids is not None else None
-        results.append(ServerTurn(
-            request=request, turn=turn, output_text=text, output_token_ids=output_ids,
-            prompt_token_ids=[int(t) for t in prompt_ids] if prompt_ids is not None else None,
-            prompt_num_tokens=int(usage.get("prompt_tokens") or len(prompt_ids or [])),
-            num_output_tokens=len(output_ids) if output_ids is not None else int(usage.get("completion_tokens") or 0),
-            stop_reason=stop_reason, measurement=measurement, wall_time_s=wall,
-            steps=step_rows(measurement, output_ids),
-        ))
+        results.append(
+            ServerTurn(
+                request=request,
+                turn=turn,
+                output_text=text,
+                output_token_ids=output_ids,
+                prompt_token_ids=[int(t) for t in prompt_ids] if prompt_ids is not None else None,
+                prompt_num_tokens=int(usage.get("prompt_tokens") or len(prompt_ids or [])),
+                num_output_tokens=len(output_ids)
+                if output_ids is not None
+                else int(usage.get("completion_tokens") or 0),
+                stop_reason=stop_reason,
+                measurement=measurement,
+                wall_time_s=wall,
+                steps=step_rows(measurement, output_ids),
+            )
+        )
         answers.append(text)
     return results
 
@@ -173,7 +207,9 @@ def counted_measurement(before: ServerCounters, after: ServerCounters, body: dic
 def _counters(endpoint: ServerEndpoint) -> ServerCounters:
     counters = scrape_counters(endpoint)
     if counters is None:
-        raise MissingMetrics("the server's /metrics page lost its speculative-decoding counters mid-run; keep the server up and retry")
+        raise MissingMetrics(
+            "the server's /metrics page lost its speculative-decoding counters mid-run; keep the server up and retry"
+        )
     return counters
 
 
@@ -219,7 +255,10 @@ def turn_rows(result: ServerTurn) -> tuple[dict[str, Any], list[dict[str, Any]]]
         "stop_reason": result.stop_reason,
         "wall_time_s": result.wall_time_s,
     }
-    steps = [as_row(StepRow(request_id=result.key, request_class=result.request.request_class, **vars(s))) for s in result.steps]
+    steps = [
+        as_row(StepRow(request_id=result.key, request_class=result.request.request_class, **vars(s)))
+        for s in result.steps
+    ]
     return row, steps
 
 
@@ -266,8 +305,16 @@ def _frame(rows: list[dict[str, Any]], schema):
     return pa.Table.from_pylist(rows, schema=schema).to_pandas()
 
 
-def measure_server(endpoint: ServerEndpoint, requests: list[Request], config: DoctorConfig, writer, record, *,
-                   concurrency: int = 4, progress=None) -> ServerMeasurement:
+def measure_server(
+    endpoint: ServerEndpoint,
+    requests: list[Request],
+    config: DoctorConfig,
+    writer,
+    record,
+    *,
+    concurrency: int = 4,
+    progress=None,
+) -> ServerMeasurement:
     """Send every request (``concurrency`` at a time) and stream its rows through ``writer``.
 
     The first failure stops sending; rows of finished requests are kept, the record notes the run as
@@ -283,8 +330,17 @@ def measure_server(endpoint: ServerEndpoint, requests: list[Request], config: Do
         from_counters = source != "responses"
         pool = concurrent.futures.ThreadPoolExecutor(max_workers=1 if from_counters else max(1, concurrency))
         remaining = requests[1:] if first_turns else requests
-        futures = [pool.submit(ask, endpoint, request, config, from_counters=from_counters,
-                               ids_from_probs=source == "timings and counters") for request in remaining]
+        futures = [
+            pool.submit(
+                ask,
+                endpoint,
+                request,
+                config,
+                from_counters=from_counters,
+                ids_from_probs=source == "timings and counters",
+            )
+            for request in remaining
+        ]
         done: concurrent.futures.Future = concurrent.futures.Future()
         done.set_result(first_turns)
         # each request's rows go to the journal as its answer arrives (a lazy chain: a list would wait for all)
@@ -304,8 +360,14 @@ def measure_server(endpoint: ServerEndpoint, requests: list[Request], config: Do
                 measured.request_rows.append(row)
                 measured.step_rows.extend(steps)
                 if progress is not None:
-                    progress(GenerationResult(output_ids=result.output_token_ids or [], stop_reason=result.stop_reason,
-                                              wall_time_s=result.wall_time_s, steps=result.steps))
+                    progress(
+                        GenerationResult(
+                            output_ids=result.output_token_ids or [],
+                            stop_reason=result.stop_reason,
+                            wall_time_s=result.wall_time_s,
+                            steps=result.steps,
+                        )
+                    )
             writer.flush()
     except (ServerError, MissingMetrics) as exc:  # the first request, asked alone by figures_source
         failure = exc
@@ -349,9 +411,17 @@ def start_server_record(config: DoctorConfig, endpoint: ServerEndpoint, model_fi
     kept in ``source.details`` for the target-identity check."""
     return RunRecord(
         meta=RunMeta(command="check", created_at=utc_now()),
-        source=Source(kind="serving-engine", description=f"the server at {endpoint.base_url} (its own per-request figures)",
-                      url=endpoint.base_url, details={"model": endpoint.model, **({"model_file": model_file} if model_file else {})}),
-        models={"target": ModelInfo(id=endpoint.model or "", revision_or_hash="", dtype="", device=endpoint.base_url, kind="target")},
+        source=Source(
+            kind="serving-engine",
+            description=f"the server at {endpoint.base_url} (its own per-request figures)",
+            url=endpoint.base_url,
+            details={"model": endpoint.model, **({"model_file": model_file} if model_file else {})},
+        ),
+        models={
+            "target": ModelInfo(
+                id=endpoint.model or "", revision_or_hash="", dtype="", device=endpoint.base_url, kind="target"
+            )
+        },
         environment=collect_environment(None),
         config=config.as_dict(),
     )

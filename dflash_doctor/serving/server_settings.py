@@ -30,14 +30,23 @@ def read_llamacpp_server(url: str) -> dict[str, Any]:
     try:
         slots: Any = call(endpoint, "GET", "/slots")  # a JSON list, one object per slot
     except ServerError as exc:
-        raise UsageError(f"--engine-config {url}: {exc}; pass the URL of a running llama-server (its /slots answers).") from None
+        raise UsageError(
+            f"--engine-config {url}: {exc}; pass the URL of a running llama-server (its /slots answers)."
+        ) from None
     slot = slots[0] if isinstance(slots, list) and slots else {}
     types = [t for t in str((slot.get("params") or {}).get("speculative.types") or "").split(",") if t and t != "none"]
     metrics = scrape_metrics(endpoint)
     if metrics is None:
-        raise UsageError(f"--engine-config {url}: the server has no /metrics; restart llama-server with --metrics so its draft size can be read.")
-    positions = {s.labels.get("position") for s in parse_exposition(metrics).named("llamacpp:spec_decode_num_accepted_tokens_per_pos_total")}
+        raise UsageError(
+            f"--engine-config {url}: the server has no /metrics; restart llama-server with --metrics so its draft size can be read."
+        )
+    positions = {
+        s.labels.get("position")
+        for s in parse_exposition(metrics).named("llamacpp:spec_decode_num_accepted_tokens_per_pos_total")
+    }
     if not positions:
-        raise UsageError(f"--engine-config {url}: the server has drafted nothing yet, so its draft size is not on /metrics; "
-                         "send it one request (or pass its launch flags in a file) and retry.")
+        raise UsageError(
+            f"--engine-config {url}: the server has drafted nothing yet, so its draft size is not on /metrics; "
+            "send it one request (or pass its launch flags in a file) and retry."
+        )
     return llamacpp_settings(types[0] if types else None, None, len(positions), url)

@@ -131,7 +131,9 @@ class Side:
     rate_samples: np.ndarray  # [n_boot, k]
 
 
-NO_SIDE = Side(0, None, None, [], [], np.full(NUM_BOOTSTRAP_RESAMPLES, np.nan), np.full((NUM_BOOTSTRAP_RESAMPLES, 0), np.nan))
+NO_SIDE = Side(
+    0, None, None, [], [], np.full(NUM_BOOTSTRAP_RESAMPLES, np.nan), np.full((NUM_BOOTSTRAP_RESAMPLES, 0), np.nan)
+)
 
 
 def _ci(values: Any) -> tuple[float, float] | None:
@@ -145,7 +147,9 @@ def _finite(value: Any) -> float | None:
     return None if value is None or np.isnan(value) else float(value)
 
 
-def compare_slice(cls: str, base: Side, new: Side, k: int, threshold_tau: float, threshold_rate: float) -> list[MetricComparison]:
+def compare_slice(
+    cls: str, base: Side, new: Side, k: int, threshold_tau: float, threshold_rate: float
+) -> list[MetricComparison]:
     """tau and r_1..r_k of one class in both runs, each with base/new/delta intervals and a verdict."""
     note = ""
     if base.num_units == 0 or new.num_units == 0:
@@ -158,15 +162,33 @@ def compare_slice(cls: str, base: Side, new: Side, k: int, threshold_tau: float,
         return side.rate_samples[:, i] if i < side.rate_samples.shape[1] else np.full(NUM_BOOTSTRAP_RESAMPLES, np.nan)
 
     # (metric, slot, base value, base ci, new value, new ci, base samples, new samples, threshold)
-    metrics = [(
-        "mean_acceptance_length", None, base.tau, base.tau_ci, new.tau, new.tau_ci,
-        base.tau_samples, new.tau_samples, threshold_tau,
-    )]
-    metrics += [(
-        "acceptance_rate_per_pos", i + 1,
-        at(base.rates, i), at(base.rate_cis, i), at(new.rates, i), at(new.rate_cis, i),
-        samples(base, i), samples(new, i), threshold_rate,
-    ) for i in range(k)]
+    metrics = [
+        (
+            "mean_acceptance_length",
+            None,
+            base.tau,
+            base.tau_ci,
+            new.tau,
+            new.tau_ci,
+            base.tau_samples,
+            new.tau_samples,
+            threshold_tau,
+        )
+    ]
+    metrics += [
+        (
+            "acceptance_rate_per_pos",
+            i + 1,
+            at(base.rates, i),
+            at(base.rate_cis, i),
+            at(new.rates, i),
+            at(new.rate_cis, i),
+            samples(base, i),
+            samples(new, i),
+            threshold_rate,
+        )
+        for i in range(k)
+    ]
     rows = []
     for metric, slot, base_value, base_ci, new_value, new_ci, base_samples, new_samples, threshold in metrics:
         base_value, new_value, base_ci, new_ci = _finite(base_value), _finite(new_value), _ci(base_ci), _ci(new_ci)
@@ -180,17 +202,26 @@ def compare_slice(cls: str, base: Side, new: Side, k: int, threshold_tau: float,
         elif not note:
             # the rule needs both intervals: without one a drop cannot be told from noise, so it is not
             # gated, and the row says so instead of reading like a pass
-            missing = [label for label, value, ci in (("BASE", base_value, base_ci), ("NEW", new_value, new_ci)) if value is None or ci is None]
+            missing = [
+                label
+                for label, value, ci in (("BASE", base_value, base_ci), ("NEW", new_value, new_ci))
+                if value is None or ci is None
+            ]
             row_note = f"no 95% interval in {' and '.join(missing)}: not gated"
         rows.append(
             MetricComparison(
-                cls=cls, metric=metric, slot=slot,
-                base=base_value, base_ci=base_ci, new=new_value, new_ci=new_ci,
-                delta=delta, delta_ci=delta_ci, threshold=threshold,
+                cls=cls,
+                metric=metric,
+                slot=slot,
+                base=base_value,
+                base_ci=base_ci,
+                new=new_value,
+                new_ci=new_ci,
+                delta=delta,
+                delta_ci=delta_ci,
+                threshold=threshold,
                 regression=regression,
                 note=row_note,
             )
         )
     return rows
-
-

@@ -91,8 +91,10 @@ class HeadToHead:
         return {
             "speculators": self.speculators,
             "costs": self.costs,
-            "scopes": {name: {"rows": [_row_json(row) for row in scope.rows], "verdict": asdict(scope.verdict)}
-                       for name, scope in self.scopes.items()},
+            "scopes": {
+                name: {"rows": [_row_json(row) for row in scope.rows], "verdict": asdict(scope.verdict)}
+                for name, scope in self.scopes.items()
+            },
         }
 
 
@@ -112,8 +114,16 @@ def _shared_costs(costs: Sequence[StepCosts]) -> list[StepCosts]:
     """Each speculator's costs with one set of decode and verify times: the target's, the same for all of
     them, taken from :func:`_widest`; each keeps its own draft times."""
     base = costs[_widest(costs)]
-    return [StepCosts(t_decode_s=base.t_decode_s, t_verify_s=base.t_verify_s, t_draft_s=c.t_draft_s, source=c.source, device=c.device)
-            for c in costs]
+    return [
+        StepCosts(
+            t_decode_s=base.t_decode_s,
+            t_verify_s=base.t_verify_s,
+            t_draft_s=c.t_draft_s,
+            source=c.source,
+            device=c.device,
+        )
+        for c in costs
+    ]
 
 
 def _shared_samples(contenders: Sequence[Contender], widest: int) -> list[CostSamples] | None:
@@ -125,11 +135,16 @@ def _shared_samples(contenders: Sequence[Contender], widest: int) -> list[CostSa
     if base is None or any(s is None for s in samples):
         return None
     target = {key: v for key, v in base.seconds.items() if key[0] != "draft"}
-    return [replace(s, seconds={**target, **{key: v for key, v in s.seconds.items() if key[0] == "draft"}})
-            for s in samples if s is not None]
+    return [
+        replace(s, seconds={**target, **{key: v for key, v in s.seconds.items() if key[0] == "draft"}})
+        for s in samples
+        if s is not None
+    ]
 
 
-def _cost_models(contenders: Sequence[Contender], n_boot: int, seed: int) -> tuple[list[StepCosts], list[list[StepCosts]] | None]:
+def _cost_models(
+    contenders: Sequence[Contender], n_boot: int, seed: int
+) -> tuple[list[StepCosts], list[list[StepCosts]] | None]:
     """Each speculator's point costs and, when timed here, ``n_boot`` replicates per speculator: one draw of the
     target's decode and verify times shared by all of them (paired), its own draws of its draft time."""
     own = [c.record.summary.sweep.step_costs() for c in contenders]  # type: ignore[union-attr]
@@ -145,7 +160,9 @@ def _scope_steps(steps: pd.DataFrame, scope: str) -> pd.DataFrame:
     return steps if scope == OVERALL else steps[steps["class"] == scope]
 
 
-def build_head_to_head(contenders: Sequence[Contender], *, n_boot: int = NUM_BOOTSTRAP_RESAMPLES, seed: int = 0) -> HeadToHead:
+def build_head_to_head(
+    contenders: Sequence[Contender], *, n_boot: int = NUM_BOOTSTRAP_RESAMPLES, seed: int = 0
+) -> HeadToHead:
     """The table and the verdicts, overall and per class (the classes every contender ran)."""
     if len(contenders) < 2:
         raise ValueError("a head-to-head needs at least two speculators")
@@ -155,7 +172,10 @@ def build_head_to_head(contenders: Sequence[Contender], *, n_boot: int = NUM_BOO
     costs, replicates = _cost_models(contenders, n_boot, seed)
     scope_names = [OVERALL] + sorted(set.intersection(*(set(c.record.summary.by_class) for c in contenders)))
     result = HeadToHead(
-        speculators=[{"name": c.name, "draft": c.record.models["draft"].id, "kind": c.record.models["draft"].kind} for c in contenders],
+        speculators=[
+            {"name": c.name, "draft": c.record.models["draft"].id, "kind": c.record.models["draft"].kind}
+            for c in contenders
+        ],
         costs=_costs_json(contenders, costs, replicates),
     )
     for scope in scope_names:
@@ -163,31 +183,52 @@ def build_head_to_head(contenders: Sequence[Contender], *, n_boot: int = NUM_BOO
     return result
 
 
-def _costs_json(contenders: Sequence[Contender], costs: Sequence[StepCosts], replicates: list[list[StepCosts]] | None) -> dict[str, Any]:
+def _costs_json(
+    contenders: Sequence[Contender], costs: Sequence[StepCosts], replicates: list[list[StepCosts]] | None
+) -> dict[str, Any]:
     """The shared costs with their spread: each fitted time and, when timed here, its 95% bootstrap interval."""
+
     def ci(values: list[float]) -> list[float]:
         return [float(x) for x in interval(np.asarray(values))]
 
     block: dict[str, Any] = {
-        "source": costs[0].source, "device": costs[0].device,
-        "t_decode_s": costs[0].t_decode_s, "t_verify_s": {str(k): v for k, v in sorted(costs[0].t_verify_s.items())},
-        "t_draft_s": {c.name: {str(k): v for k, v in sorted(cost.t_draft_s.items())} for c, cost in zip(contenders, costs)},
+        "source": costs[0].source,
+        "device": costs[0].device,
+        "t_decode_s": costs[0].t_decode_s,
+        "t_verify_s": {str(k): v for k, v in sorted(costs[0].t_verify_s.items())},
+        "t_draft_s": {
+            c.name: {str(k): v for k, v in sorted(cost.t_draft_s.items())} for c, cost in zip(contenders, costs)
+        },
     }
     if replicates is not None:
         block["t_decode_s_ci"] = ci([m.t_decode_s for m in replicates[0]])
-        block["t_verify_s_ci"] = {str(k): ci([m.t_verify_s[k] for m in replicates[0]]) for k in sorted(costs[0].t_verify_s)}
-        block["t_draft_s_ci"] = {c.name: {str(k): ci([m.t_draft_s[k] for m in reps]) for k in sorted(cost.t_draft_s)}
-                                 for c, cost, reps in zip(contenders, costs, replicates)}
-        block["timing_violations"] = sorted({v for c in contenders if c.cost_samples for v in c.cost_samples.violations})
+        block["t_verify_s_ci"] = {
+            str(k): ci([m.t_verify_s[k] for m in replicates[0]]) for k in sorted(costs[0].t_verify_s)
+        }
+        block["t_draft_s_ci"] = {
+            c.name: {str(k): ci([m.t_draft_s[k] for m in reps]) for k in sorted(cost.t_draft_s)}
+            for c, cost, reps in zip(contenders, costs, replicates)
+        }
+        block["timing_violations"] = sorted(
+            {v for c in contenders if c.cost_samples for v in c.cost_samples.violations}
+        )
     return block
 
 
-def _scope(contenders: Sequence[Contender], costs: Sequence[StepCosts], replicates: list[list[StepCosts]] | None, scope: str,
-           n_boot: int, seed: int) -> ScopeResult:
+def _scope(
+    contenders: Sequence[Contender],
+    costs: Sequence[StepCosts],
+    replicates: list[list[StepCosts]] | None,
+    scope: str,
+    n_boot: int,
+    seed: int,
+) -> ScopeResult:
     frames = [{k: _scope_steps(steps, scope) for k, steps in c.steps_by_k.items()} for c in contenders]
     units = units_of(f[max(f)] for f in frames)
     rows: list[ContenderRow] = []
-    best: list[tuple[int, UnitSteps, StepPrices]] = []  # per contender: its best K, its steps there, its resampled prices
+    best: list[
+        tuple[int, UnitSteps, StepPrices]
+    ] = []  # per contender: its best K, its steps there, its resampled prices
     for contender, cost, own, models in zip(contenders, costs, frames, replicates or [None] * len(costs)):
         ks = sorted(own)
         largest = max_drafted(own.values())
@@ -199,14 +240,19 @@ def _scope(contenders: Sequence[Contender], costs: Sequence[StepCosts], replicat
         sweep_rows = {row.k: row for row in contender.record.summary.sweep.scopes().get(scope, [])}  # type: ignore[union-attr]
         sweep_row = sweep_rows.get(best_k)
         metrics = contender.record.summary.scopes().get(scope)
-        rows.append(ContenderRow(
-            speculator=contender.name, best_k=best_k,
-            tau=sweep_row.mean_acceptance_length if sweep_row else None,
-            tau_ci=list(sweep_row.mean_acceptance_length_ci) if sweep_row else [None, None],
-            speedup=by_k[best_k], speedup_ci=[float("nan"), float("nan")], speedup_by_k=by_k,
-            acceptance_rate_per_pos=list(metrics.acceptance_rate_per_pos) if metrics else [],
-            num_drafts=int(metrics.num_drafts) if metrics else 0,
-        ))
+        rows.append(
+            ContenderRow(
+                speculator=contender.name,
+                best_k=best_k,
+                tau=sweep_row.mean_acceptance_length if sweep_row else None,
+                tau_ci=list(sweep_row.mean_acceptance_length_ci) if sweep_row else [None, None],
+                speedup=by_k[best_k],
+                speedup_ci=[float("nan"), float("nan")],
+                speedup_by_k=by_k,
+                acceptance_rate_per_pos=list(metrics.acceptance_rate_per_pos) if metrics else [],
+                num_drafts=int(metrics.num_drafts) if metrics else 0,
+            )
+        )
     # paired bootstrap: one draw of conversations and one draw of the timings price every contender at its best K
     boot = np.empty((len(contenders), n_boot))
     rng = group_rng(seed, f"head-to-head:{scope}")
@@ -228,27 +274,57 @@ def _verdict(rows: list[ContenderRow], boot: np.ndarray, scope: str, num_units: 
     win, run = rows[first], rows[second]
     where = "overall" if scope == OVERALL else f"for {scope}"
     low, high = win.speedup_ci
-    described = f"{win.speedup:.2f}x [{low:.2f}, {high:.2f}]" if np.isfinite(low) and np.isfinite(high) else f"{win.speedup:.2f}x"
+    described = (
+        f"{win.speedup:.2f}x [{low:.2f}, {high:.2f}]"
+        if np.isfinite(low) and np.isfinite(high)
+        else f"{win.speedup:.2f}x"
+    )
     if not np.isfinite(win.speedup) or win.speedup < 1.0:
         shown = "is shown to beat" if np.isfinite(high) and high >= 1.0 else "beats"
-        return Verdict(None, None, None, None, False,
-                       f"{where}: no speculator {shown} plain decoding (best {win.speculator} {described} at K={win.best_k}); "
-                       "serve without speculation.")
+        return Verdict(
+            None,
+            None,
+            None,
+            None,
+            False,
+            f"{where}: no speculator {shown} plain decoding (best {win.speculator} {described} at K={win.best_k}); "
+            "serve without speculation.",
+        )
     if num_units < MIN_CONVERSATIONS or win.num_drafts < MIN_DRAFTS:
-        return Verdict(win.speculator, run.speculator, None, None, False,
-                       f"{where}: too few requests to decide ({num_units} conversation(s), {win.num_drafts} drafted step(s) "
-                       f"for the leader; at least {MIN_CONVERSATIONS} and {MIN_DRAFTS}): {win.speculator} leads at "
-                       f"K={win.best_k} ({described}).")
+        return Verdict(
+            win.speculator,
+            run.speculator,
+            None,
+            None,
+            False,
+            f"{where}: too few requests to decide ({num_units} conversation(s), {win.num_drafts} drafted step(s) "
+            f"for the leader; at least {MIN_CONVERSATIONS} and {MIN_DRAFTS}): {win.speculator} leads at "
+            f"K={win.best_k} ({described}).",
+        )
     with np.errstate(invalid="ignore", divide="ignore"):
         ratios = boot[first] / boot[second]
     ratio = win.speedup / run.speedup if run.speedup > 0 else float("inf")
-    ratio_ci = [float(x) for x in interval(ratios[np.isfinite(ratios)])] if np.isfinite(ratios).any() else [float("nan"), float("nan")]
+    ratio_ci = (
+        [float(x) for x in interval(ratios[np.isfinite(ratios)])]
+        if np.isfinite(ratios).any()
+        else [float("nan"), float("nan")]
+    )
     decisive = bool(np.isfinite(ratio_ci[0]) and ratio_ci[0] > 1.0)
     margin = f"{ratio:.2f}x the speedup of {run.speculator} at K={run.best_k} (95% interval {ratio_ci[0]:.2f}-{ratio_ci[1]:.2f})"
     if np.isfinite(low) and low < 1.0:
-        return Verdict(win.speculator, run.speculator, float(ratio), ratio_ci, False,
-                       f"{where}: no clear winner: {win.speculator} leads at K={win.best_k} ({described}) but may not beat "
-                       f"plain decoding; {margin}.")
+        return Verdict(
+            win.speculator,
+            run.speculator,
+            float(ratio),
+            ratio_ci,
+            False,
+            f"{where}: no clear winner: {win.speculator} leads at K={win.best_k} ({described}) but may not beat "
+            f"plain decoding; {margin}.",
+        )
     head = f"{where}: deploy {win.speculator} at K={win.best_k} ({described})"
-    text = f"{head}: {margin}." if decisive else f"{where}: no clear winner: {win.speculator} leads at K={win.best_k} ({described}); {margin} includes 1."
+    text = (
+        f"{head}: {margin}."
+        if decisive
+        else f"{where}: no clear winner: {win.speculator} leads at K={win.best_k} ({described}); {margin} includes 1."
+    )
     return Verdict(win.speculator, run.speculator, float(ratio), ratio_ci, decisive, text)

@@ -83,7 +83,9 @@ def truncate_steps(steps: pd.DataFrame, k: int) -> pd.DataFrame:
     truncated = steps.copy()
     drafted = truncated["num_drafted"].to_numpy()
     truncated["num_drafted"] = np.minimum(drafted, k).astype(truncated["num_drafted"].dtype)
-    truncated["num_accepted"] = np.minimum(truncated["num_accepted"].to_numpy(), k).astype(truncated["num_accepted"].dtype)
+    truncated["num_accepted"] = np.minimum(truncated["num_accepted"].to_numpy(), k).astype(
+        truncated["num_accepted"].dtype
+    )
     truncated["k"] = np.minimum(truncated["k"].to_numpy(), k).astype(truncated["k"].dtype)
     return truncated
 
@@ -164,8 +166,9 @@ def ratio_of_sums(sums: np.ndarray) -> np.ndarray:
         return np.where(sums[:, 1] > 0, sums[:, 0] / np.where(sums[:, 1] > 0, sums[:, 1], 1.0), np.nan)
 
 
-def bootstrap_pooled(columns: Sequence[np.ndarray], combine: Callable[[np.ndarray], np.ndarray], n_boot: int,
-                     rng: np.random.Generator) -> np.ndarray:
+def bootstrap_pooled(
+    columns: Sequence[np.ndarray], combine: Callable[[np.ndarray], np.ndarray], n_boot: int, rng: np.random.Generator
+) -> np.ndarray:
     """``[n_boot]`` resamples over units (requests, the rows of ``columns``) of a pooled figure: ``combine``
     maps ``[R, C]`` column sums to ``[R]`` figures (:func:`ratio_of_sums`, a ratio of two such ratios...)."""
     counters = np.column_stack([np.asarray(column, dtype=np.float64) for column in columns])
@@ -176,7 +179,9 @@ def bootstrap_pooled(columns: Sequence[np.ndarray], combine: Callable[[np.ndarra
     return samples
 
 
-def bootstrap_ratio(numerator: np.ndarray, denominator: np.ndarray, n_boot: int, rng: np.random.Generator) -> np.ndarray:
+def bootstrap_ratio(
+    numerator: np.ndarray, denominator: np.ndarray, n_boot: int, rng: np.random.Generator
+) -> np.ndarray:
     """``[n_boot]`` resamples of the pooled ratio ``sum(numerator) / sum(denominator)`` over units
     (requests); NaN where a resample's denominator is 0."""
     return bootstrap_pooled([numerator, denominator], ratio_of_sums, n_boot, rng)
@@ -311,14 +316,19 @@ def summarize(
             tokens = int(output_tokens.reindex(request_ids).fillna(0).sum())
         return _metrics(selected_steps, request_ids, tokens, num_slots, n_boot, group_rng(seed, group))
 
-    summary: dict[str, Any] = {OVERALL: block(summary_group(OVERALL), steps, request_class.index.to_numpy()), "by_class": {}}
+    summary: dict[str, Any] = {
+        OVERALL: block(summary_group(OVERALL), steps, request_class.index.to_numpy()),
+        "by_class": {},
+    }
     for cls in sorted(request_class.unique()):
         ids = request_class.index[request_class.to_numpy() == cls].to_numpy()
         summary["by_class"][str(cls)] = block(summary_group(str(cls)), steps[steps["class"] == cls], ids)
     return Summary.from_json(summary)
 
 
-def tau_with_ci(steps: pd.DataFrame, *, n_boot: int = NUM_BOOTSTRAP_RESAMPLES, seed: int = 0, group: str = "overall") -> tuple[float, list[float]]:
+def tau_with_ci(
+    steps: pd.DataFrame, *, n_boot: int = NUM_BOOTSTRAP_RESAMPLES, seed: int = 0, group: str = "overall"
+) -> tuple[float, list[float]]:
     """Pooled tau and its bootstrap interval over requests, without the rest of the summary (for sweeps)."""
     _check_steps(steps)
     request_ids = pd.unique(steps["request_id"].to_numpy())

@@ -33,11 +33,19 @@ import pandas as pd
 
 from dflash_doctor.errors import UsageError
 from dflash_doctor.rundir.run_record import OVERALL, Recommendation, StepCosts, Sweep, SweepRow
-from dflash_doctor.stats.metrics import (NUM_BOOTSTRAP_RESAMPLES, expected_tau_iid, group_rng, interval, resample_multiplicities,
-                                         tau_with_ci)
+from dflash_doctor.stats.metrics import (
+    NUM_BOOTSTRAP_RESAMPLES,
+    expected_tau_iid,
+    group_rng,
+    interval,
+    resample_multiplicities,
+    tau_with_ci,
+)
 from dflash_doctor.stats.step_costs import CostSamples, cost_replicates
 
 ESTIMATES = ("exact", "truncated")
+
+
 def leviathan_speedup(alpha: float, k: int, c: float) -> float:
     """Leviathan et al. 2023 walltime speedup with i.i.d. acceptance ``alpha``, K drafted tokens, cost ratio c.
 
@@ -75,27 +83,37 @@ def load_cost_profile(path: Path | str) -> StepCosts:
         raise UsageError(f"cost profile {path} does not exist; pass an existing .toml or .json file to --cost-profile.")
     suffix = path.suffix.lower()
     if suffix not in (".toml", ".json"):
-        raise UsageError(f"cost profile {path} must be a .toml or .json file; rename it or convert it (see docs/cost-profile.md).")
+        raise UsageError(
+            f"cost profile {path} must be a .toml or .json file; rename it or convert it (see docs/cost-profile.md)."
+        )
     try:
         text = path.read_text(encoding="utf-8")
         data = tomllib.loads(text) if suffix == ".toml" else json.loads(text)
     except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as exc:
         kind = "TOML" if suffix == ".toml" else "JSON"
-        raise UsageError(f"cost profile {path} is not valid {kind} ({exc}); fix the file (see docs/cost-profile.md).") from None
+        raise UsageError(
+            f"cost profile {path} is not valid {kind} ({exc}); fix the file (see docs/cost-profile.md)."
+        ) from None
     if not isinstance(data, dict):
-        raise UsageError(f"cost profile {path} must hold an object with t_decode_s, t_verify_s and t_draft_s; fix the file.")
+        raise UsageError(
+            f"cost profile {path} must hold an object with t_decode_s, t_verify_s and t_draft_s; fix the file."
+        )
 
     unknown = sorted(set(data) - set(_PROFILE_KEYS))
     if unknown:
         raise UsageError(f"cost profile {path} has unknown keys {unknown}; use only {', '.join(_PROFILE_KEYS)}.")
     missing = [key for key in ("t_decode_s", "t_verify_s", "t_draft_s") if key not in data]
     if missing:
-        raise UsageError(f"cost profile {path} lacks {', '.join(missing)}; add the step times in seconds (see docs/cost-profile.md).")
+        raise UsageError(
+            f"cost profile {path} lacks {', '.join(missing)}; add the step times in seconds (see docs/cost-profile.md)."
+        )
 
     t_decode_s = _profile_seconds(path, "t_decode_s", data["t_decode_s"], allow_zero=False)
     device = data.get("device", f"profile {path.name}")
     if not isinstance(device, str):
-        raise UsageError(f"cost profile {path}: device must be a string describing where the times were measured; fix it.")
+        raise UsageError(
+            f"cost profile {path}: device must be a string describing where the times were measured; fix it."
+        )
     return StepCosts(
         t_decode_s=t_decode_s,
         t_verify_s=_profile_table(path, "t_verify_s", data["t_verify_s"], allow_zero=False),
@@ -126,7 +144,9 @@ def _profile_table(path: Path, key: str, value: Any, *, allow_zero: bool) -> dic
         except ValueError:
             k = 0
         if k < 1:
-            raise UsageError(f"cost profile {path}: {key} has key {k_text!r}, not a K >= 1; use integer keys like 1, 4, 16.")
+            raise UsageError(
+                f"cost profile {path}: {key} has key {k_text!r}, not a K >= 1; use integer keys like 1, 4, 16."
+            )
         table[k] = _profile_seconds(path, f"{key}.{k_text}", seconds, allow_zero=allow_zero)
     return table
 
@@ -134,14 +154,25 @@ def _profile_table(path: Path, key: str, value: Any, *, allow_zero: bool) -> dic
 # ----------------------------------------------------------------------------- sweep
 
 
-def sweep_row(k: int, tau: float, tau_ci: list[float], speedup: float, estimate: str,
-              speedup_ci: Sequence[float | None] = (None, None)) -> SweepRow:
+def sweep_row(
+    k: int,
+    tau: float,
+    tau_ci: list[float],
+    speedup: float,
+    estimate: str,
+    speedup_ci: Sequence[float | None] = (None, None),
+) -> SweepRow:
     """One row of run.json ``summary.sweep``; ``estimate`` says whether tau came from a run at this K."""
     if estimate not in ESTIMATES:
         raise ValueError(f"estimate must be one of {ESTIMATES}, got {estimate!r}")
-    return SweepRow(k=int(k), mean_acceptance_length=float(tau), mean_acceptance_length_ci=[float(x) for x in tau_ci],
-                    speedup=float(speedup), estimate=estimate,
-                    speedup_ci=[None if x is None or not math.isfinite(x) else float(x) for x in speedup_ci])
+    return SweepRow(
+        k=int(k),
+        mean_acceptance_length=float(tau),
+        mean_acceptance_length_ci=[float(x) for x in tau_ci],
+        speedup=float(speedup),
+        estimate=estimate,
+        speedup_ci=[None if x is None or not math.isfinite(x) else float(x) for x in speedup_ci],
+    )
 
 
 @dataclass(frozen=True)
@@ -185,11 +216,16 @@ class StepPrices:
         def verify(model: StepCosts, n: int) -> float:
             return model.t_decode_s if n == 0 else model.verify_s(max(n, min(model.t_verify_s)))
 
-        return cls(tuple(ks), np.array([m.t_decode_s for m in models]),
-                   np.array([[m.draft_s(k) for k in ks] for m in models]),
-                   np.array([[verify(m, n) for n in range(max_drafted + 1)] for m in models]))
+        return cls(
+            tuple(ks),
+            np.array([m.t_decode_s for m in models]),
+            np.array([[m.draft_s(k) for k in ks] for m in models]),
+            np.array([[verify(m, n) for n in range(max_drafted + 1)] for m in models]),
+        )
 
-    def speedup(self, k: int, emitted: np.ndarray, steps: np.ndarray, by_drafted: np.ndarray, models: np.ndarray) -> np.ndarray:
+    def speedup(
+        self, k: int, emitted: np.ndarray, steps: np.ndarray, by_drafted: np.ndarray, models: np.ndarray
+    ) -> np.ndarray:
         """Tokens emitted x t_decode / seconds of the steps, for pooled counts ``[c]``, ``[c]``, ``[c, N + 1]``
         each priced by cost model ``models[c]``."""
         draft = self.draft[models, self.ks.index(k)]
@@ -212,20 +248,31 @@ class UnitSteps:
         drafted = frame["num_drafted"].to_numpy(dtype=np.int64)
         accepted = frame["num_accepted"].to_numpy(dtype=np.int64)
         cells = np.bincount(codes * (max_drafted + 1) + drafted, minlength=len(units) * (max_drafted + 1))
-        return cls(np.bincount(codes, weights=accepted + 1, minlength=len(units)),
-                   np.bincount(codes, minlength=len(units)).astype(np.float64),
-                   cells.reshape(len(units), max_drafted + 1).astype(np.float64))
+        return cls(
+            np.bincount(codes, weights=accepted + 1, minlength=len(units)),
+            np.bincount(codes, minlength=len(units)).astype(np.float64),
+            cells.reshape(len(units), max_drafted + 1).astype(np.float64),
+        )
 
     def point_speedup(self, prices: StepPrices, k: int) -> float:
         """The speedup of every unit taken once, under the first cost model of ``prices``."""
-        return float(prices.speedup(k, self.emitted.sum(keepdims=True), self.steps.sum(keepdims=True),
-                                    self.by_drafted.sum(axis=0, keepdims=True), np.zeros(1, dtype=np.int64))[0])
+        return float(
+            prices.speedup(
+                k,
+                self.emitted.sum(keepdims=True),
+                self.steps.sum(keepdims=True),
+                self.by_drafted.sum(axis=0, keepdims=True),
+                np.zeros(1, dtype=np.int64),
+            )[0]
+        )
 
     def replicates(self, prices: StepPrices, k: int, multiplicity: np.ndarray, rows: slice) -> np.ndarray:
         """Speedup of each resample in ``multiplicity`` ``[c, U]`` (resamples ``rows`` of the bootstrap), each
         priced by its own cost model (``rows`` modulo the models: one model = the costs taken as exact)."""
         models = np.arange(rows.start, rows.stop) % len(prices.decode)
-        return prices.speedup(k, multiplicity @ self.emitted, multiplicity @ self.steps, multiplicity @ self.by_drafted, models)
+        return prices.speedup(
+            k, multiplicity @ self.emitted, multiplicity @ self.steps, multiplicity @ self.by_drafted, models
+        )
 
 
 def max_drafted(frames: Iterable[pd.DataFrame]) -> int:
@@ -282,7 +329,9 @@ def build_sweep(
         for k, frame in frames.items():
             tau, tau_ci = tau_with_ci(frame, n_boot=n_boot, seed=seed, group=group)
             speedup_ci = [float(x) for x in interval(replicates[scope][k])]
-            rows_by_scope[scope].append(sweep_row(k, tau, tau_ci, counts[k].point_speedup(point, k), estimate_by_k[k], speedup_ci))
+            rows_by_scope[scope].append(
+                sweep_row(k, tau, tau_ci, counts[k].point_speedup(point, k), estimate_by_k[k], speedup_ci)
+            )
     overall = rows_by_scope.pop(OVERALL)
     sweep = Sweep(overall=overall, by_class=rows_by_scope, costs=_costs_block(costs, cost_samples))
     return PricedSweep(sweep, replicates)
@@ -332,8 +381,13 @@ def recommend(
         raise ValueError(f"strict_max_k must be >= 1, got {strict_max_k}")
     strict = set(strict_classes)
     return {
-        name: _recommend_one(rows, (replicates or {}).get(name), tuple(timing_violations), conservative_share,
-                             strict_max_k if name in strict else None)
+        name: _recommend_one(
+            rows,
+            (replicates or {}).get(name),
+            tuple(timing_violations),
+            conservative_share,
+            strict_max_k if name in strict else None,
+        )
         for name, rows in sweep_rows_by_scope.items()
     }
 
@@ -346,7 +400,13 @@ def speedup_interval(row: SweepRow) -> tuple[float, float] | None:
         return float(low), float(high)
     tau = row.mean_acceptance_length
     tau_low, tau_high = (row.mean_acceptance_length_ci or [None, None])[:2]
-    if tau is None or not tau or tau_low is None or tau_high is None or not (math.isfinite(tau_low) and math.isfinite(tau_high)):
+    if (
+        tau is None
+        or not tau
+        or tau_low is None
+        or tau_high is None
+        or not (math.isfinite(tau_low) and math.isfinite(tau_high))
+    ):
         return None
     return speedup * min(tau_low, tau) / tau, speedup * max(tau_high, tau) / tau
 
@@ -415,8 +475,13 @@ def k_range_text(ks: Sequence[int]) -> str:
     return "K " + ", ".join(map(str, ks))
 
 
-def _recommend_one(rows: Sequence[SweepRow], replicates: Mapping[int, np.ndarray] | None, violations: tuple[str, ...],
-                   share: float, strict_max_k: int | None) -> Recommendation:
+def _recommend_one(
+    rows: Sequence[SweepRow],
+    replicates: Mapping[int, np.ndarray] | None,
+    violations: tuple[str, ...],
+    share: float,
+    strict_max_k: int | None,
+) -> Recommendation:
     candidates = sorted((row for row in rows if _is_priced(row)), key=lambda row: row.k)
     strict = strict_max_k is not None
     score = _point_speedup
@@ -426,10 +491,15 @@ def _recommend_one(rows: Sequence[SweepRow], replicates: Mapping[int, np.ndarray
         score = _pessimistic_speedup
         note = f" (strict class: K <= {strict_max_k}, judged at the low end of the speedup's 95% interval)"
     if violations:
-        return Recommendation(k=0, conservative_k=0, speedup=None, confidence="unreliable",
-                              reason=f"No advice: the step timings broke the cost model beyond their noise ({violations[0]}); "
-                                     "rerun on a quiet machine, give the timing more time (--timing-budget) or price with "
-                                     "--cost-profile.")
+        return Recommendation(
+            k=0,
+            conservative_k=0,
+            speedup=None,
+            confidence="unreliable",
+            reason=f"No advice: the step timings broke the cost model beyond their noise ({violations[0]}); "
+            "rerun on a quiet machine, give the timing more time (--timing-budget) or price with "
+            "--cost-profile.",
+        )
     if not candidates:
         swept = f"no K <= {strict_max_k}" if strict else "no K"
         return _speculation_off(f"Speculation off: {swept} was priced (no draft steps or no sweep rows){note}.")
@@ -441,13 +511,21 @@ def _recommend_one(rows: Sequence[SweepRow], replicates: Mapping[int, np.ndarray
     ci: list[float | None] = [bounds[0], bounds[1]] if bounds is not None else [None, None]
     described = _describe(best, bounds)
     if bounds is not None and bounds[1] < 1.0:
-        return _speculation_off(f"Speculation off: even the best, K={best.k}, runs at {described}, slower than plain "
-                                f"decoding{note}.", ci)
+        return _speculation_off(
+            f"Speculation off: even the best, K={best.k}, runs at {described}, slower than plain decoding{note}.", ci
+        )
     pays = bounds is None or bounds[0] >= 1.0
     if (strict or k_that_pays((best_k, _point_speedup(best))) == 0) and not pays:
-        return Recommendation(k=0, conservative_k=0, speedup=1.0, speedup_ci=ci, ks_within_noise=noise_ks, confidence="uncertain",
-                              reason=f"Speculation may not pay: the best, K={best.k}, runs at {described}, within the noise of "
-                                     f"plain decoding{note}; off until more requests or a longer timing tell.")
+        return Recommendation(
+            k=0,
+            conservative_k=0,
+            speedup=1.0,
+            speedup_ci=ci,
+            ks_within_noise=noise_ks,
+            confidence="uncertain",
+            reason=f"Speculation may not pay: the best, K={best.k}, runs at {described}, within the noise of "
+            f"plain decoding{note}; off until more requests or a longer timing tell.",
+        )
     conservative = next(row for row in candidates if score(row) >= share * best_score)
     if conservative.k == best.k:
         tail = f"no smaller K keeps {share:.0%} of it"
@@ -455,9 +533,15 @@ def _recommend_one(rows: Sequence[SweepRow], replicates: Mapping[int, np.ndarray
         tail = f"K={conservative.k} keeps {score(conservative) / best_score:.0%} of it at {_point_speedup(conservative):.2f}x"
     noise = f"; {k_range_text(noise_ks)} within the noise" if len(noise_ks) > 1 else ""
     doubt = "" if pays else "; it may not pay: its interval includes plain decoding's 1.0x"
-    return Recommendation(k=int(best.k), conservative_k=int(conservative.k), speedup=float(_point_speedup(best)),
-                          speedup_ci=ci, ks_within_noise=noise_ks, confidence="clear" if pays else "uncertain",
-                          reason=f"K={best.k} is the best at {described}{noise}{doubt}; {tail}{note}.")
+    return Recommendation(
+        k=int(best.k),
+        conservative_k=int(conservative.k),
+        speedup=float(_point_speedup(best)),
+        speedup_ci=ci,
+        ks_within_noise=noise_ks,
+        confidence="clear" if pays else "uncertain",
+        reason=f"K={best.k} is the best at {described}{noise}{doubt}; {tail}{note}.",
+    )
 
 
 def _speculation_off(reason: str, speedup_ci: list[float | None] | None = None) -> Recommendation:

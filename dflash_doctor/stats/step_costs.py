@@ -93,6 +93,7 @@ class CostSamples:
     def spread(self) -> dict[str, object]:
         """run.json ``summary.sweep.costs.spread``: each kind's median interval as a relative half-width,
         and the repeats behind it (the figures a report prints next to the costs)."""
+
         def half(key: StepKey) -> float:
             return relative_half_width(self.seconds[key])
 
@@ -111,8 +112,11 @@ class CostSamples:
     def to_frame(self) -> pd.DataFrame:
         """The run directory's ``costs.parquet``: kind, K, repeat, seconds, device - every raw sample, so any
         report can re-derive the fitted costs and their intervals."""
-        rows = [(kind, k, repeat, seconds, self.device)
-                for (kind, k), values in sorted(self.seconds.items()) for repeat, seconds in enumerate(values)]
+        rows = [
+            (kind, k, repeat, seconds, self.device)
+            for (kind, k), values in sorted(self.seconds.items())
+            for repeat, seconds in enumerate(values)
+        ]
         return pd.DataFrame(rows, columns=["kind", "k", "repeat", "seconds", "device"])
 
     @classmethod
@@ -120,7 +124,9 @@ class CostSamples:
         """Inverse of :meth:`to_frame` (the model settings are not in the table: the run record has them)."""
         ordered = frame.sort_values("repeat")
         seconds: dict[StepKey, tuple[float, ...]] = {}
-        for kind, k, value in zip(ordered["kind"].astype(str), ordered["k"].astype(int), ordered["seconds"].astype(float)):
+        for kind, k, value in zip(
+            ordered["kind"].astype(str), ordered["k"].astype(int), ordered["seconds"].astype(float)
+        ):
             seconds[(kind, k)] = (*seconds.get((kind, k), ()), value)
         device = str(frame["device"].iloc[0]) if len(frame) else "unknown"
         return cls(seconds=seconds, device=device, flat_draft=flat_draft)
@@ -206,13 +212,22 @@ def measure_step_samples(
         for step in steps.values():
             step()
     timed = time_steps(steps, budget_s=budget_s, sync=sync, clock=clock, seed=seed)
-    samples = CostSamples({key: tuple(v) for key, v in timed.items()}, device=device, flat_draft=flat_draft, budget_s=budget_s)
+    samples = CostSamples(
+        {key: tuple(v) for key, v in timed.items()}, device=device, flat_draft=flat_draft, budget_s=budget_s
+    )
     broken = _violating_pairs(samples)
     if not broken:
         return samples
     suspects = sorted({key for pair in broken for key in pair})
-    retimed = time_steps({key: steps[key] for key in suspects}, budget_s=budget_s / 2.0, sync=sync, clock=clock,
-                         seed=seed + 1, start={key: samples.seconds[key] for key in suspects}, target=0.0)
+    retimed = time_steps(
+        {key: steps[key] for key in suspects},
+        budget_s=budget_s / 2.0,
+        sync=sync,
+        clock=clock,
+        seed=seed + 1,
+        start={key: samples.seconds[key] for key in suspects},
+        target=0.0,
+    )
     merged = {**samples.seconds, **{key: tuple(v) for key, v in retimed.items()}}
     again = replace(samples, seconds=merged, retimed=tuple(suspects))
     return replace(again, violations=tuple(physics_violations(again)))
@@ -238,7 +253,7 @@ def _violating_pairs(samples: CostSamples) -> list[tuple[StepKey, StepKey]]:
     pairs = []
     for chain in _ordered_chains(samples):
         for i, cheaper in enumerate(chain):
-            for dearer in chain[i + 1:]:
+            for dearer in chain[i + 1 :]:
                 if intervals[dearer][2] < intervals[cheaper][1]:
                     pairs.append((cheaper, dearer))
     return pairs
@@ -249,8 +264,10 @@ def physics_violations(samples: CostSamples) -> list[str]:
     sentences = []
     for cheaper, dearer in _violating_pairs(samples):
         low, high = (median_interval(samples.seconds[key])[0] * 1000.0 for key in (cheaper, dearer))
-        sentences.append(f"{_describe(dearer)} timed {high:.3g} ms, below {_describe(cheaper)} at {low:.3g} ms, "
-                         "beyond both medians' 95% intervals")
+        sentences.append(
+            f"{_describe(dearer)} timed {high:.3g} ms, below {_describe(cheaper)} at {low:.3g} ms, "
+            "beyond both medians' 95% intervals"
+        )
     return sentences
 
 
@@ -279,8 +296,9 @@ def _precision(values: Sequence[float]) -> float:
     return 1.0 / (half * half)
 
 
-def fit_step_costs(medians: Mapping[StepKey, float], precisions: Mapping[StepKey, float], *, flat_draft: bool,
-                   device: str) -> StepCosts:
+def fit_step_costs(
+    medians: Mapping[StepKey, float], precisions: Mapping[StepKey, float], *, flat_draft: bool, device: str
+) -> StepCosts:
     """The physical cost model through the medians: target forwards non-decreasing in tokens, the draft flat
     in K (block drafter) or non-decreasing in K; each median weighted by its precision."""
     verify_ks = sorted(k for kind, k in medians if kind == "verify")
@@ -295,8 +313,13 @@ def fit_step_costs(medians: Mapping[StepKey, float], precisions: Mapping[StepKey
         draft = np.full(len(draft_keys), flat)
     else:
         draft = isotonic(draft_values, draft_weights)
-    return StepCosts(t_decode_s=float(target[0]), t_verify_s={k: float(v) for k, v in zip(verify_ks, target[1:])},
-                     t_draft_s={k: float(v) for k, v in zip(draft_ks, draft)}, source="measured", device=device)
+    return StepCosts(
+        t_decode_s=float(target[0]),
+        t_verify_s={k: float(v) for k, v in zip(verify_ks, target[1:])},
+        t_draft_s={k: float(v) for k, v in zip(draft_ks, draft)},
+        source="measured",
+        device=device,
+    )
 
 
 def fitted_costs(samples: CostSamples) -> StepCosts:
@@ -306,7 +329,9 @@ def fitted_costs(samples: CostSamples) -> StepCosts:
     return fit_step_costs(medians, precisions, flat_draft=samples.flat_draft, device=samples.device)
 
 
-def resampled_medians(seconds: Mapping[StepKey, Sequence[float]], n_boot: int, rng: np.random.Generator) -> dict[StepKey, np.ndarray]:
+def resampled_medians(
+    seconds: Mapping[StepKey, Sequence[float]], n_boot: int, rng: np.random.Generator
+) -> dict[StepKey, np.ndarray]:
     """``{kind: medians [n_boot]}``: each kind's samples drawn with replacement ``n_boot`` times."""
     medians = {}
     for key, values in sorted(seconds.items()):
@@ -315,8 +340,9 @@ def resampled_medians(seconds: Mapping[StepKey, Sequence[float]], n_boot: int, r
     return medians
 
 
-def cost_replicates(samples: CostSamples, n_boot: int, rng: np.random.Generator, *,
-                    shared: Mapping[StepKey, np.ndarray] | None = None) -> list[StepCosts]:
+def cost_replicates(
+    samples: CostSamples, n_boot: int, rng: np.random.Generator, *, shared: Mapping[StepKey, np.ndarray] | None = None
+) -> list[StepCosts]:
     """The timing bootstrap: ``n_boot`` cost models, each fitted through the medians of every kind's samples
     resampled with replacement (precisions kept from the full sample: they weight, not price).
 
@@ -325,5 +351,12 @@ def cost_replicates(samples: CostSamples, n_boot: int, rng: np.random.Generator,
     precisions = {key: _precision(values) for key, values in samples.seconds.items()}
     own = {key: values for key, values in samples.seconds.items() if shared is None or key not in shared}
     medians = {**resampled_medians(own, n_boot, rng), **(shared or {})}
-    return [fit_step_costs({key: float(m[b]) for key, m in medians.items() if key in samples.seconds}, precisions,
-                           flat_draft=samples.flat_draft, device=samples.device) for b in range(n_boot)]
+    return [
+        fit_step_costs(
+            {key: float(m[b]) for key, m in medians.items() if key in samples.seconds},
+            precisions,
+            flat_draft=samples.flat_draft,
+            device=samples.device,
+        )
+        for b in range(n_boot)
+    ]

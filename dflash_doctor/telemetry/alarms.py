@@ -31,7 +31,8 @@ def collapse_alert(verdict: WindowVerdict, judge: Judge) -> Alert | None:
         return None
     key = verdict.window.key
     return Alert(
-        "collapse", str(key),
+        "collapse",
+        str(key),
         f"{key}: acceptance collapsed - tau {tau:.2f} [{ci[0]:.2f}, {ci[1]:.2f}] over {verdict.window.counts.num_drafts:.0f} drafts at K={verdict.k}: "
         f"drafts are almost never accepted (seen after engine upgrades: vLLM #46435, #49559).",
         fallback_advice(judge.server_kind, verdict, judge.baseline, judge.costs, judge.thresholds.speedup_floor),
@@ -46,17 +47,26 @@ def position_decay_alert(verdict: WindowVerdict, judge: Judge) -> Alert | None:
     base = entry.rates
     if rates[0] < HELD_FACTOR * base[0]:
         return None  # the whole block dropped: acceptance-drop / collapse say so
-    decayed = [i for i in range(1, min(len(rates), len(base))) if base[i] >= MIN_BASELINE_RATE and intervals[i][1] < DECAY_FACTOR * base[i]]
+    decayed = [
+        i
+        for i in range(1, min(len(rates), len(base)))
+        if base[i] >= MIN_BASELINE_RATE and intervals[i][1] < DECAY_FACTOR * base[i]
+    ]
     if not decayed:
         return None
     key = verdict.window.key
-    shown = ", ".join(f"r_{i} {rates[i]:.3f} vs {base[i]:.3f}" for i in decayed[:4]) + (", ..." if len(decayed) > 4 else "")
+    shown = ", ".join(f"r_{i} {rates[i]:.3f} vs {base[i]:.3f}" for i in decayed[:4]) + (
+        ", ..." if len(decayed) > 4 else ""
+    )
     return Alert(
-        "position-decay", str(key),
+        "position-decay",
+        str(key),
         f"{key}: decay toward the end of the block - position(s) {', '.join(map(str, decayed))} accept under {DECAY_FACTOR:g}x their baseline rate "
         f"({shown}) while position 0 holds ({rates[0]:.3f} vs {base[0]:.3f}).",
-        (f"why: later draft positions lost acceptance while the first held; compare the window's context lengths with the draft's training, "
-         f"and a served K={verdict.k} with the draft's trained block size (`dflash-doctor check` of the pair on prompts like production's shows where drafts start to miss).",),
+        (
+            f"why: later draft positions lost acceptance while the first held; compare the window's context lengths with the draft's training, "
+            f"and a served K={verdict.k} with the draft's trained block size (`dflash-doctor check` of the pair on prompts like production's shows where drafts start to miss).",
+        ),
     )
 
 

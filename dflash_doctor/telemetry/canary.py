@@ -57,9 +57,19 @@ def _side(units: pd.DataFrame, k: int, group: str) -> Side:
     rows = units[units["num_drafts"].fillna(0) > 0]
     rows = rows[rows["num_accepted_tokens_per_pos"].map(lambda v: _positions(v) >= k)]
     drafts = rows["num_drafts"].to_numpy(dtype=float)  # [N]
-    per_pos = np.array([list(v)[:k] for v in rows["num_accepted_tokens_per_pos"]], dtype=float).reshape(len(rows), k)  # [N, K]
+    per_pos = np.array([list(v)[:k] for v in rows["num_accepted_tokens_per_pos"]], dtype=float).reshape(
+        len(rows), k
+    )  # [N, K]
     if not len(rows):
-        return Side(0, None, None, [], [], np.full(NUM_BOOTSTRAP_RESAMPLES, np.nan), np.full((NUM_BOOTSTRAP_RESAMPLES, k), np.nan))
+        return Side(
+            0,
+            None,
+            None,
+            [],
+            [],
+            np.full(NUM_BOOTSTRAP_RESAMPLES, np.nan),
+            np.full((NUM_BOOTSTRAP_RESAMPLES, k), np.nan),
+        )
     total_drafts, total_per_pos = drafts.sum(), per_pos.sum(axis=0)
     resample = lambda numerator: bootstrap_ratio(numerator, drafts, NUM_BOOTSTRAP_RESAMPLES, group_rng(0, group))  # noqa: E731
     tau_samples = 1.0 + resample(per_pos.sum(axis=1))  # [B]
@@ -69,19 +79,39 @@ def _side(units: pd.DataFrame, k: int, group: str) -> Side:
         tau_ci = list(interval(tau_samples))
         rate_cis = [list(ci) for ci in interval(rate_samples)]
     else:
-        pooled = SpecCounts(num_drafts=total_drafts, num_accepted_tokens=float(total_per_pos.sum()), num_accepted_tokens_per_pos=tuple(total_per_pos))
+        pooled = SpecCounts(
+            num_drafts=total_drafts,
+            num_accepted_tokens=float(total_per_pos.sum()),
+            num_accepted_tokens_per_pos=tuple(total_per_pos),
+        )
         pooled_tau_ci = tau_interval(pooled)
         tau_ci, rate_cis = list(pooled_tau_ci) if pooled_tau_ci is not None else None, rate_intervals(pooled)
-    return Side(len(rows), 1.0 + float(rates.sum()), tau_ci, [float(r) for r in rates], rate_cis or [], tau_samples, rate_samples)
+    return Side(
+        len(rows),
+        1.0 + float(rates.sum()),
+        tau_ci,
+        [float(r) for r in rates],
+        rate_cis or [],
+        tau_samples,
+        rate_samples,
+    )
 
 
-def compare_watch_runs(base: str | Path, new: str | Path, *, threshold_tau: float = DEFAULT_THRESHOLD_TAU, threshold_rate: float = DEFAULT_THRESHOLD_RATE) -> Comparison:
+def compare_watch_runs(
+    base: str | Path,
+    new: str | Path,
+    *,
+    threshold_tau: float = DEFAULT_THRESHOLD_TAU,
+    threshold_rate: float = DEFAULT_THRESHOLD_RATE,
+) -> Comparison:
     """Per class (and overall) tau and per-position rates of two watch runs, compare's rule."""
     (base_path, base_cls), (new_path, new_cls) = split_spec(base), split_spec(new)
     base_units, new_units = read_units(base_path), read_units(new_path)
     for cls, units, spec in ((base_cls, base_units, base), (new_cls, new_units, new)):
         if cls is not None and not (units["class"] == cls).any():
-            raise UsageError(f"{spec}: the watch has no series of class {cls!r}; its classes are {', '.join(sorted(set(units['class']))) or 'none'}.")
+            raise UsageError(
+                f"{spec}: the watch has no series of class {cls!r}; its classes are {', '.join(sorted(set(units['class']))) or 'none'}."
+            )
     if base_cls is not None or new_cls is not None:  # two label values: the two slices, compared as one
         base_units = base_units[base_units["class"] == base_cls] if base_cls else base_units
         new_units = new_units[new_units["class"] == new_cls] if new_cls else new_units
@@ -90,14 +120,22 @@ def compare_watch_runs(base: str | Path, new: str | Path, *, threshold_tau: floa
     k = min(k_base, k_new)
     comparison = Comparison(base_path, new_path, threshold_tau, threshold_rate, k)
     if base_cls is not None or new_cls is not None:
-        comparison.notes.append(f"BASE = {base_cls or 'every series'} of {base_path.name}, NEW = {new_cls or 'every series'} of {new_path.name}.")
+        comparison.notes.append(
+            f"BASE = {base_cls or 'every series'} of {base_path.name}, NEW = {new_cls or 'every series'} of {new_path.name}."
+        )
     if not k:
-        comparison.notes.append("one of the watches has no scrape interval with per-position counts (needs an engine exporting them, e.g. vLLM): nothing compared.")
+        comparison.notes.append(
+            "one of the watches has no scrape interval with per-position counts (needs an engine exporting them, e.g. vLLM): nothing compared."
+        )
         return comparison
     if k_base != k_new:
         comparison.notes.append(f"BASE drafted K={k_base} and NEW K={k_new}: compared at K={k} by truncation.")
     classes = sorted(set(base_units["class"]) | set(new_units["class"]))
-    slices = [(cls, base_units[base_units["class"] == cls], new_units[new_units["class"] == cls]) for cls in classes if cls != "all"]
+    slices = [
+        (cls, base_units[base_units["class"] == cls], new_units[new_units["class"] == cls])
+        for cls in classes
+        if cls != "all"
+    ]
     slices.append((OVERALL, base_units, new_units))
     few = False
     for cls, base_slice, new_slice in slices:
@@ -105,7 +143,9 @@ def compare_watch_runs(base: str | Path, new: str | Path, *, threshold_tau: floa
         few = few or 0 < min(base_side.num_units, new_side.num_units) < MIN_UNITS_FOR_BOOTSTRAP
         comparison.rows += compare_slice(cls, base_side, new_side, k, threshold_tau, threshold_rate)
     if few:
-        comparison.notes.append(f"a side has fewer than {MIN_UNITS_FOR_BOOTSTRAP} scrape intervals: its intervals come from the counts (drafts treated as independent).")
+        comparison.notes.append(
+            f"a side has fewer than {MIN_UNITS_FOR_BOOTSTRAP} scrape intervals: its intervals come from the counts (drafts treated as independent)."
+        )
     return comparison
 
 

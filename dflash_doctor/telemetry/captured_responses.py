@@ -14,7 +14,14 @@ import datetime as _dt
 import json
 from typing import Any, Iterable, Iterator
 
-from dflash_doctor.serving.responses import MalformedResponse, MissingMetrics, SpecMeasurement, check_response_shape, parse_response, per_pos_from_histogram
+from dflash_doctor.serving.responses import (
+    MalformedResponse,
+    MissingMetrics,
+    SpecMeasurement,
+    check_response_shape,
+    parse_response,
+    per_pos_from_histogram,
+)
 from dflash_doctor.telemetry.counts import ALL_CLASSES, SeriesKey, SpecCounts
 from dflash_doctor.telemetry.observation import Observation, ParseProblems
 
@@ -26,8 +33,12 @@ def spec_counts(measurement: SpecMeasurement) -> SpecCounts:
         num_drafts=None if measurement.num_drafts is None else float(measurement.num_drafts),
         num_draft_tokens=None if measurement.num_draft_tokens is None else float(measurement.num_draft_tokens),
         num_accepted_tokens=float(measurement.num_accepted_tokens),
-        num_accepted_tokens_per_pos=per_pos_from_histogram(histogram) if histogram is not None and len(histogram) > 1 else None,
-        num_generated_tokens=None if measurement.num_generated_tokens is None else float(measurement.num_generated_tokens),
+        num_accepted_tokens_per_pos=per_pos_from_histogram(histogram)
+        if histogram is not None and len(histogram) > 1
+        else None,
+        num_generated_tokens=None
+        if measurement.num_generated_tokens is None
+        else float(measurement.num_generated_tokens),
     )
 
 
@@ -42,7 +53,9 @@ def _time(value: Any) -> float | None:
     return None
 
 
-def parse_response_lines(lines: Iterable[str], *, default_model: str, origin: str, problems: ParseProblems, first_line_number: int = 1) -> Iterator[Observation]:
+def parse_response_lines(
+    lines: Iterable[str], *, default_model: str, origin: str, problems: ParseProblems, first_line_number: int = 1
+) -> Iterator[Observation]:
     """One observation per response that carries speculative metrics; other lines are counted as problems.
 
     A response without speculative metrics (speculation off, or the server flag not set) is not an error
@@ -76,4 +89,6 @@ def parse_response_lines(lines: Iterable[str], *, default_model: str, origin: st
         cls = record.get("class") or ALL_CLASSES
         model = str(body.get("model") or record.get("model") or default_model)
         time_s = _time(record.get("time")) or _time(body.get("created"))
-        yield Observation(SeriesKey(model, str(cls)), counts, cumulative=False, time_s=time_s, origin=where, reported={})
+        yield Observation(
+            SeriesKey(model, str(cls)), counts, cumulative=False, time_s=time_s, origin=where, reported={}
+        )

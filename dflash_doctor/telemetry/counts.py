@@ -67,10 +67,19 @@ class SpecCounts:
         """Why these counts cannot be an engine's (a corrupted or forged line), or None: negative counts,
         more tokens accepted than drafted, or more drafts accepting position i than drafts at all. Such
         counts are refused as data; they would give a tau or rate no engine can have."""
-        values = [self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens, *(self.num_accepted_tokens_per_pos or ())]
+        values = [
+            self.num_drafts,
+            self.num_draft_tokens,
+            self.num_accepted_tokens,
+            *(self.num_accepted_tokens_per_pos or ()),
+        ]
         if any(v is not None and v < 0 for v in values):
             return "a negative count"
-        if self.num_accepted_tokens is not None and self.num_draft_tokens is not None and self.num_accepted_tokens > self.num_draft_tokens:
+        if (
+            self.num_accepted_tokens is not None
+            and self.num_draft_tokens is not None
+            and self.num_accepted_tokens > self.num_draft_tokens
+        ):
             return f"{self.num_accepted_tokens:g} tokens accepted of {self.num_draft_tokens:g} drafted"
         if self.num_drafts is not None and any(v > self.num_drafts for v in self.num_accepted_tokens_per_pos or ()):
             return f"a position accepted by more drafts than the {self.num_drafts:g} drafted"
@@ -94,7 +103,9 @@ class SpecCounts:
         for name in _COUNT_FIELDS:
             now, before = getattr(self, name), getattr(earlier, name)
             values[name] = None if now is None else now - (before or 0.0)
-        values["num_accepted_tokens_per_pos"] = _subtract_per_pos(self.num_accepted_tokens_per_pos, earlier.num_accepted_tokens_per_pos)
+        values["num_accepted_tokens_per_pos"] = _subtract_per_pos(
+            self.num_accepted_tokens_per_pos, earlier.num_accepted_tokens_per_pos
+        )
         return SpecCounts(**values), False
 
     def plus(self, other: "SpecCounts") -> "SpecCounts":
@@ -103,7 +114,9 @@ class SpecCounts:
         for name in _COUNT_FIELDS:
             a, b = getattr(self, name), getattr(other, name)
             values[name] = None if a is None and b is None else (a or 0.0) + (b or 0.0)
-        values["num_accepted_tokens_per_pos"] = _add_per_pos(self.num_accepted_tokens_per_pos, other.num_accepted_tokens_per_pos)
+        values["num_accepted_tokens_per_pos"] = _add_per_pos(
+            self.num_accepted_tokens_per_pos, other.num_accepted_tokens_per_pos
+        )
         return SpecCounts(**values)
 
     def _flat(self) -> list[float | None]:
@@ -247,7 +260,9 @@ def bootstrap_tau_interval(units: Sequence[SpecCounts], *, seed: int = 0) -> tup
     return (float(lo), float(hi))
 
 
-def window_tau_interval(counts: SpecCounts, units: Sequence[SpecCounts] = (), num_units: int | None = None) -> tuple[float, float] | None:
+def window_tau_interval(
+    counts: SpecCounts, units: Sequence[SpecCounts] = (), num_units: int | None = None
+) -> tuple[float, float] | None:
     """The wider of the count-based and the scrape-interval bootstrap intervals (either may be absent).
 
     ``units``: every unit of ``counts``, or a uniform sample of its ``num_units`` (a days-long watch keeps

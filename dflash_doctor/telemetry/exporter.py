@@ -22,14 +22,23 @@ from dflash_doctor.telemetry.verdict import WindowVerdict
 if TYPE_CHECKING:
     import prometheus_client
 
-ALERT_KINDS = ("acceptance-drop", "drafting-stopped", "k-changed", "fallback", "collapse", "position-decay")  # verdict.py, alarms.py
+ALERT_KINDS = (
+    "acceptance-drop",
+    "drafting-stopped",
+    "k-changed",
+    "fallback",
+    "collapse",
+    "position-decay",
+)  # verdict.py, alarms.py
 
 
 def _prometheus_client():
     try:
         import prometheus_client
     except ImportError:
-        raise UsageError("--exporter-port needs prometheus-client; install it with `pip install 'dflash-doctor[exporter]'`.") from None
+        raise UsageError(
+            "--exporter-port needs prometheus-client; install it with `pip install 'dflash-doctor[exporter]'`."
+        ) from None
     return prometheus_client
 
 
@@ -53,17 +62,33 @@ class VerdictGauges:
 
         # per series, value from the verdict (None -> the series is removed from that gauge)
         self.series_gauges = {
-            "mean_acceptance_length": gauge("dflash_doctor_mean_acceptance_length", "Window tau (1 + accepted/drafts, bonus included)."),
-            "lower": gauge("dflash_doctor_mean_acceptance_length_lower", "Lower bound of the window tau's 95% interval."),
-            "upper": gauge("dflash_doctor_mean_acceptance_length_upper", "Upper bound of the window tau's 95% interval."),
+            "mean_acceptance_length": gauge(
+                "dflash_doctor_mean_acceptance_length", "Window tau (1 + accepted/drafts, bonus included)."
+            ),
+            "lower": gauge(
+                "dflash_doctor_mean_acceptance_length_lower", "Lower bound of the window tau's 95% interval."
+            ),
+            "upper": gauge(
+                "dflash_doctor_mean_acceptance_length_upper", "Upper bound of the window tau's 95% interval."
+            ),
             "baseline": gauge("dflash_doctor_baseline_mean_acceptance_length", "Baseline tau at the served K."),
-            "speedup": gauge("dflash_doctor_net_speedup", "Net speedup of the window over plain decoding (needs step costs)."),
+            "speedup": gauge(
+                "dflash_doctor_net_speedup", "Net speedup of the window over plain decoding (needs step costs)."
+            ),
             "drafts": gauge("dflash_doctor_window_drafts", "Drafts (verify steps with a draft) counted in the window."),
         }
-        self.alert = gauge("dflash_doctor_alert", "1 while an alert of this kind holds for the series.", series + ("kind",))
-        self.source_up = gauge("dflash_doctor_source_up", "1 when the source answered watch's last poll, 0 when it failed.", ("source",))
-        self.last_evaluation = gauge("dflash_doctor_last_evaluation_timestamp_seconds", "Unix time of watch's last evaluation.", ())
-        client.Info("dflash_doctor_build", "The dflash-doctor version serving these gauges.", registry=self.registry).info({"version": _doctor_version()})
+        self.alert = gauge(
+            "dflash_doctor_alert", "1 while an alert of this kind holds for the series.", series + ("kind",)
+        )
+        self.source_up = gauge(
+            "dflash_doctor_source_up", "1 when the source answered watch's last poll, 0 when it failed.", ("source",)
+        )
+        self.last_evaluation = gauge(
+            "dflash_doctor_last_evaluation_timestamp_seconds", "Unix time of watch's last evaluation.", ()
+        )
+        client.Info(
+            "dflash_doctor_build", "The dflash-doctor version serving these gauges.", registry=self.registry
+        ).info({"version": _doctor_version()})
         self._series: set[tuple[str, str]] = set()
         self._shown: set[tuple[int, tuple[str, ...]]] = set()  # (gauge, labels) pairs holding a value
 
@@ -120,4 +145,6 @@ class VerdictExporter(VerdictGauges):
         try:
             _prometheus_client().start_http_server(port, addr=address, registry=self.registry)
         except OSError as exc:
-            raise UsageError(f"--exporter-port {port} cannot be bound on {address} ({exc.strerror}); pick a free port or another --exporter-address.") from None
+            raise UsageError(
+                f"--exporter-port {port} cannot be bound on {address} ({exc.strerror}); pick a free port or another --exporter-address."
+            ) from None

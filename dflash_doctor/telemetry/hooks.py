@@ -75,18 +75,26 @@ class AlertHooks:
     _argv: list[str] = field(init=False, default_factory=list)
     _open: set[tuple[str, str, str]] = field(init=False, default_factory=set)  # (model, class, kind) in an episode
     _running: list[tuple[subprocess.Popen, str]] = field(init=False, default_factory=list)
-    _client: HttpClient = field(init=False, default_factory=lambda: HttpClient(timeout_s=WEBHOOK_TIMEOUT_S, retries=WEBHOOK_RETRIES))
+    _client: HttpClient = field(
+        init=False, default_factory=lambda: HttpClient(timeout_s=WEBHOOK_TIMEOUT_S, retries=WEBHOOK_RETRIES)
+    )
 
     def __post_init__(self) -> None:
         if self.command is not None:
             try:
                 self._argv = shlex.split(self.command)
             except ValueError as exc:
-                raise UsageError(f"--on-alert {self.command!r} cannot be split into a command ({exc}); fix its quoting.") from None
+                raise UsageError(
+                    f"--on-alert {self.command!r} cannot be split into a command ({exc}); fix its quoting."
+                ) from None
             if not self._argv:
-                raise UsageError("--on-alert is empty; pass the command to run, e.g. --on-alert /etc/dflash-doctor/on-alert.sh.")
+                raise UsageError(
+                    "--on-alert is empty; pass the command to run, e.g. --on-alert /etc/dflash-doctor/on-alert.sh."
+                )
         if self.webhook is not None and not self.webhook.startswith(("http://", "https://")):
-            raise UsageError(f"--on-alert-webhook {self.webhook!r} is not an http(s) URL; pass the URL that receives the alert JSON.")
+            raise UsageError(
+                f"--on-alert-webhook {self.webhook!r} is not an http(s) URL; pass the URL that receives the alert JSON."
+            )
 
     @property
     def enabled(self) -> bool:
@@ -100,7 +108,9 @@ class AlertHooks:
             key = verdict.window.key
             kinds = {alert.kind for alert in verdict.alerts}
             if verdict.status in JUDGED:
-                self._open -= {episode for episode in self._open if episode[:2] == (key.model, key.cls) and episode[2] not in kinds}
+                self._open -= {
+                    episode for episode in self._open if episode[:2] == (key.model, key.cls) and episode[2] not in kinds
+                }
             for kind in sorted(kinds):
                 episode = (key.model, key.cls, kind)
                 if episode in self._open:
@@ -117,15 +127,32 @@ class AlertHooks:
         if self._argv:
             if self.dry_run:
                 env_text = " ".join(f"{k}={shlex.quote(v)}" for k, v in fields.items())
-                events.append(Event(now_s, HOOK_EVENT, self.command or "", f"dry run, would run for {what}: {env_text} {shlex.join(self._argv)}"))
+                events.append(
+                    Event(
+                        now_s,
+                        HOOK_EVENT,
+                        self.command or "",
+                        f"dry run, would run for {what}: {env_text} {shlex.join(self._argv)}",
+                    )
+                )
             else:
                 try:
-                    process = subprocess.Popen(self._argv, env={**os.environ, **fields, "DFLASH_DOCTOR_ALERT_JSON": payload}, stdin=subprocess.DEVNULL)
+                    process = subprocess.Popen(
+                        self._argv,
+                        env={**os.environ, **fields, "DFLASH_DOCTOR_ALERT_JSON": payload},
+                        stdin=subprocess.DEVNULL,
+                    )
                 except OSError as exc:
-                    events.append(Event(now_s, HOOK_EVENT, self.command or "", f"could not start for {what}: {exc.strerror or exc}"))
+                    events.append(
+                        Event(
+                            now_s, HOOK_EVENT, self.command or "", f"could not start for {what}: {exc.strerror or exc}"
+                        )
+                    )
                 else:
                     self._running.append((process, what))
-                    events.append(Event(now_s, HOOK_EVENT, self.command or "", f"started for {what} (pid {process.pid})"))
+                    events.append(
+                        Event(now_s, HOOK_EVENT, self.command or "", f"started for {what} (pid {process.pid})")
+                    )
         if self.webhook is not None:
             events.append(Event(now_s, HOOK_EVENT, self.webhook, self._post(fields, payload, what)))
         return events

@@ -47,7 +47,9 @@ def log_zone(name: str | None) -> _dt.tzinfo | None:
     try:
         return ZoneInfo(name)
     except (ZoneInfoNotFoundError, ValueError):
-        raise UsageError(f"--log-timezone {name!r} is not a time zone name; pass an IANA name such as UTC or Europe/Berlin.") from None
+        raise UsageError(
+            f"--log-timezone {name!r} is not a time zone name; pass an IANA name such as UTC or Europe/Berlin."
+        ) from None
 
 
 def wall_clock_s(stamp: _dt.datetime, zone: _dt.tzinfo | None) -> float:
@@ -76,7 +78,9 @@ def _number(pattern: str, text: str, cast: Callable[[str], float] = float) -> fl
 # ---- vLLM -------------------------------------------------------------------------------------------
 
 VLLM_MARKER = "SpecDecoding metrics:"
-_VLLM_PREFIX = re.compile(r"\((?P<proc>[^()\s]+) pid=(?P<pid>\d+)\)\s+(?P<level>[A-Z]+)\s+(?P<ts>\d\d-\d\d \d\d:\d\d:\d\d)")
+_VLLM_PREFIX = re.compile(
+    r"\((?P<proc>[^()\s]+) pid=(?P<pid>\d+)\)\s+(?P<level>[A-Z]+)\s+(?P<ts>\d\d-\d\d \d\d:\d\d:\d\d)"
+)
 
 
 def _vllm_time(line: str, ctx: LogContext) -> float | None:
@@ -109,14 +113,28 @@ def parse_vllm_line(line: str, ctx: LogContext) -> Observation | None:
         return None
     rates = [float(x) for x in per_pos_match.group(1).split(", ")]
     num_drafts = _vllm_num_drafts(drafted, accepted, rates, tau)
-    reported = {name: value for name, value in (("mean_acceptance_length", tau), ("draft_acceptance_rate", None if rate is None else rate / 100.0)) if value is not None}
+    reported = {
+        name: value
+        for name, value in (
+            ("mean_acceptance_length", tau),
+            ("draft_acceptance_rate", None if rate is None else rate / 100.0),
+        )
+        if value is not None
+    }
     counts = SpecCounts(
         num_drafts=float(num_drafts),
         num_draft_tokens=float(drafted),
         num_accepted_tokens=float(accepted),
         num_accepted_tokens_per_pos=tuple(float(round(r * num_drafts)) for r in rates),
     )
-    return Observation(SeriesKey(ctx.model), counts, cumulative=False, time_s=time_s or _vllm_time(text, ctx), reported=reported, origin=ctx.origin)
+    return Observation(
+        SeriesKey(ctx.model),
+        counts,
+        cumulative=False,
+        time_s=time_s or _vllm_time(text, ctx),
+        reported=reported,
+        origin=ctx.origin,
+    )
 
 
 def _vllm_num_drafts(drafted: float, accepted: float, rates: list[float], tau: float | None) -> float:
@@ -169,7 +187,9 @@ def parse_sglang_line(line: str, ctx: LogContext) -> Observation | None:
         reported["draft_acceptance_rate"] = rate
     if running is not None:
         reported["running_requests"] = float(running)
-    return Observation(SeriesKey(ctx.model), SpecCounts(), cumulative=False, time_s=time_s, reported=reported, origin=ctx.origin)
+    return Observation(
+        SeriesKey(ctx.model), SpecCounts(), cumulative=False, time_s=time_s, reported=reported, origin=ctx.origin
+    )
 
 
 # ---- llama.cpp --------------------------------------------------------------------------------------
@@ -186,7 +206,9 @@ def parse_llamacpp_line(line: str, ctx: LogContext) -> Observation | None:
     """
     if LLAMACPP_MARKER not in line or "generated" not in line:
         return None
-    match = re.search(r"draft acceptance(?: rate)? = (?P<ratio>[\d.]+) \(\s*(?P<acc>\d+) accepted /\s*(?P<gen>\d+) generated\)", line)
+    match = re.search(
+        r"draft acceptance(?: rate)? = (?P<ratio>[\d.]+) \(\s*(?P<acc>\d+) accepted /\s*(?P<gen>\d+) generated\)", line
+    )
     if match is None:
         ctx.problems.add(ctx.origin, line)
         return None
@@ -203,11 +225,18 @@ def parse_llamacpp_line(line: str, ctx: LogContext) -> Observation | None:
     time_s = None
     if time_match:  # llama.cpp stamps time since the server started (minutes.seconds.ms.us)
         time_s = int(time_match.group("min")) * 60 + int(time_match.group("sec")) + int(time_match.group("ms")) / 1e3
-    counts = SpecCounts(num_drafts=num_drafts, num_draft_tokens=float(generated), num_accepted_tokens=float(accepted), num_accepted_tokens_per_pos=per_pos)
+    counts = SpecCounts(
+        num_drafts=num_drafts,
+        num_draft_tokens=float(generated),
+        num_accepted_tokens=float(accepted),
+        num_accepted_tokens_per_pos=per_pos,
+    )
     reported = {"draft_acceptance_rate": float(match.group("ratio"))}
     if tau is not None:
         reported["mean_acceptance_length"] = tau
-    return Observation(SeriesKey(ctx.model), counts, cumulative=False, time_s=time_s, reported=reported, origin=ctx.origin)
+    return Observation(
+        SeriesKey(ctx.model), counts, cumulative=False, time_s=time_s, reported=reported, origin=ctx.origin
+    )
 
 
 # ---- TensorRT-LLM -----------------------------------------------------------------------------------
@@ -237,7 +266,9 @@ def parse_trtllm_line(line: str, ctx: LogContext) -> Observation | None:
     if isinstance(stats.get("acceptanceLength"), (int, float)):
         reported["mean_acceptance_length"] = float(stats["acceptanceLength"])
     counts = SpecCounts(num_drafts=drafts, num_draft_tokens=draft_tokens, num_accepted_tokens=accepted)
-    return Observation(SeriesKey(ctx.model), counts, cumulative=False, time_s=time_s, reported=reported, origin=ctx.origin)
+    return Observation(
+        SeriesKey(ctx.model), counts, cumulative=False, time_s=time_s, reported=reported, origin=ctx.origin
+    )
 
 
 LOG_PARSERS: dict[str, Callable[[str, LogContext], Observation | None]] = {
@@ -262,7 +293,9 @@ def detect_log_server_kind(lines: Iterable[str]) -> str | None:
     return None
 
 
-def parse_log_lines(lines: Iterable[str], *, server_kind: str, ctx: LogContext, first_line_number: int = 1) -> Iterator[Observation]:
+def parse_log_lines(
+    lines: Iterable[str], *, server_kind: str, ctx: LogContext, first_line_number: int = 1
+) -> Iterator[Observation]:
     """Observations from log lines; ``ctx.origin`` is updated to ``file:line`` for every line."""
     parser = LOG_PARSERS[server_kind]
     base = ctx.origin.rsplit(":", 1)[0] if ctx.origin.rsplit(":", 1)[-1].isdigit() else ctx.origin

@@ -44,7 +44,9 @@ class Reading:
     counts: dict[SeriesKey, SpecCounts] = field(default_factory=dict)
     reported: dict[SeriesKey, dict[str, float]] = field(default_factory=dict)  # engine-computed gauges
     configured_k: dict[SeriesKey, int] = field(default_factory=dict)  # K from an info metric, where exported
-    averages_since_start: tuple[str, ...] = ()  # reported values averaged since the server started (weight: AVERAGE_WEIGHT)
+    averages_since_start: tuple[
+        str, ...
+    ] = ()  # reported values averaged since the server started (weight: AVERAGE_WEIGHT)
     notes: list[str] = field(default_factory=list)
 
 
@@ -61,7 +63,9 @@ def _sum_by_key(samples: list[Sample], default_model: str, class_label: str | No
     return dict(sums)
 
 
-def _sum_by_key_and_position(samples: list[Sample], position_label: str, default_model: str, class_label: str | None) -> dict[SeriesKey, tuple[float, ...]]:
+def _sum_by_key_and_position(
+    samples: list[Sample], position_label: str, default_model: str, class_label: str | None
+) -> dict[SeriesKey, tuple[float, ...]]:
     """Per-position counters as dense tuples; a missing position inside the range counts 0."""
     by_key: dict[SeriesKey, dict[int, float]] = defaultdict(lambda: defaultdict(float))
     for sample in samples:
@@ -86,17 +90,32 @@ def _vllm_schema(prefix: str, server_kind: str) -> Callable[[Exposition, str, st
     def read(expo: Exposition, default_model: str, class_label: str | None) -> Reading:
         reading = Reading(server_kind)
         drafts = _sum_by_key(_names(expo, f"{prefix}spec_decode_num_drafts_total"), default_model, class_label)
-        draft_tokens = _sum_by_key(_names(expo, f"{prefix}spec_decode_num_draft_tokens_total"), default_model, class_label)
-        accepted = _sum_by_key(_names(expo, f"{prefix}spec_decode_num_accepted_tokens_total"), default_model, class_label)
-        per_pos = _sum_by_key_and_position(_names(expo, f"{prefix}spec_decode_num_accepted_tokens_per_pos_total"), "position", default_model, class_label)
+        draft_tokens = _sum_by_key(
+            _names(expo, f"{prefix}spec_decode_num_draft_tokens_total"), default_model, class_label
+        )
+        accepted = _sum_by_key(
+            _names(expo, f"{prefix}spec_decode_num_accepted_tokens_total"), default_model, class_label
+        )
+        per_pos = _sum_by_key_and_position(
+            _names(expo, f"{prefix}spec_decode_num_accepted_tokens_per_pos_total"),
+            "position",
+            default_model,
+            class_label,
+        )
         generated_name = "vllm:generation_tokens_total" if prefix == "vllm:" else "llamacpp:tokens_predicted_total"
         generated = _sum_by_key(_names(expo, generated_name), default_model, class_label)
         if prefix == "llamacpp:" and not draft_tokens:
             # Builds before PR #26389 export token totals only (tau needs the number of drafts).
             draft_tokens = _sum_by_key(_names(expo, "llamacpp:n_drafted_total"), default_model, class_label)
-            accepted = _sum_by_key(_names(expo, "llamacpp:n_accepted_total", "llamacpp:n_drafted_accepted_total"), default_model, class_label)
+            accepted = _sum_by_key(
+                _names(expo, "llamacpp:n_accepted_total", "llamacpp:n_drafted_accepted_total"),
+                default_model,
+                class_label,
+            )
             if draft_tokens:
-                reading.notes.append("this llama.cpp build exports llamacpp:n_drafted_total / n_accepted_total only: acceptance rate but no tau (no draft count).")
+                reading.notes.append(
+                    "this llama.cpp build exports llamacpp:n_drafted_total / n_accepted_total only: acceptance rate but no tau (no draft count)."
+                )
         keys = set(drafts) | set(draft_tokens) | set(accepted) | set(per_pos)
         for key in keys:
             reading.counts[key] = SpecCounts(
@@ -121,10 +140,18 @@ def _vllm_schema(prefix: str, server_kind: str) -> Callable[[Exposition, str, st
 def _read_trtllm(expo: Exposition, default_model: str, class_label: str | None) -> Reading:
     reading = Reading("trtllm")
     for prefix in ("trtllm_", "trtllm:"):  # behind NVIDIA Dynamo the prefix is rewritten to "trtllm:"
-        draft_tokens = _sum_by_key(_names(expo, f"{prefix}spec_decode_num_draft_tokens_total"), default_model, class_label)
-        accepted = _sum_by_key(_names(expo, f"{prefix}spec_decode_num_accepted_tokens_total"), default_model, class_label)
-        drafted_pos = _sum_by_key_and_position(_names(expo, f"{prefix}spec_decode_drafted_tokens_total"), "token_position", default_model, class_label)
-        accepted_pos = _sum_by_key_and_position(_names(expo, f"{prefix}spec_decode_accepted_tokens_total"), "token_position", default_model, class_label)
+        draft_tokens = _sum_by_key(
+            _names(expo, f"{prefix}spec_decode_num_draft_tokens_total"), default_model, class_label
+        )
+        accepted = _sum_by_key(
+            _names(expo, f"{prefix}spec_decode_num_accepted_tokens_total"), default_model, class_label
+        )
+        drafted_pos = _sum_by_key_and_position(
+            _names(expo, f"{prefix}spec_decode_drafted_tokens_total"), "token_position", default_model, class_label
+        )
+        accepted_pos = _sum_by_key_and_position(
+            _names(expo, f"{prefix}spec_decode_accepted_tokens_total"), "token_position", default_model, class_label
+        )
         generated = _sum_by_key(_names(expo, f"{prefix}generation_tokens_total"), default_model, class_label)
         gauge = _sum_by_key(_names(expo, f"{prefix}spec_decode_acceptance_length"), default_model, class_label)
         for key in set(draft_tokens) | set(accepted) | set(drafted_pos) | set(accepted_pos):
@@ -170,7 +197,10 @@ def _read_sglang(expo: Exposition, default_model: str, class_label: str | None) 
     calls_by_model: dict[str, float] = defaultdict(float)
     for key, calls in verify_calls.items():
         calls_by_model[key.model] += calls
-    for gauge_name, metric in (("sglang:spec_accept_length", "mean_acceptance_length"), ("sglang:spec_accept_rate", "draft_acceptance_rate")):
+    for gauge_name, metric in (
+        ("sglang:spec_accept_length", "mean_acceptance_length"),
+        ("sglang:spec_accept_rate", "draft_acceptance_rate"),
+    ):
         for sample in _names(expo, gauge_name):
             key = _key(sample, default_model, class_label)
             reported = reading.reported.setdefault(key, {})
@@ -190,7 +220,12 @@ READERS: dict[str, Callable[[Exposition, str, str | None], Reading]] = {
     "llamacpp": _vllm_schema("llamacpp:", "llamacpp"),
     "trtllm": _read_trtllm,
 }
-SERVER_PREFIXES = {"vllm": ("vllm:",), "sglang": ("sglang:",), "llamacpp": ("llamacpp:",), "trtllm": ("trtllm_", "trtllm:")}
+SERVER_PREFIXES = {
+    "vllm": ("vllm:",),
+    "sglang": ("sglang:",),
+    "llamacpp": ("llamacpp:",),
+    "trtllm": ("trtllm_", "trtllm:"),
+}
 SPEC_METRICS_HINT = {
     "vllm": "vLLM exports vllm:spec_decode_* only with --speculative-config set and without --disable-log-stats",
     "sglang": "SGLang exports sglang:spec_verify_calls_total with --enable-metrics and a --speculative-algorithm",
@@ -207,7 +242,9 @@ def detect_server_kind(expo: Exposition) -> str | None:
     return None
 
 
-def read_exposition(expo: Exposition, *, server_kind: str | None, default_model: str, class_label: str | None = None) -> Reading:
+def read_exposition(
+    expo: Exposition, *, server_kind: str | None, default_model: str, class_label: str | None = None
+) -> Reading:
     """Counts per series from one scrape; ``server_kind=None`` detects it from the metric prefixes.
 
     Never raises on content: an endpoint with no engine metrics, or an engine without speculative
@@ -215,10 +252,19 @@ def read_exposition(expo: Exposition, *, server_kind: str | None, default_model:
     """
     server_kind = server_kind or detect_server_kind(expo)
     if server_kind is None:
-        return Reading("unknown", notes=["no vllm:, sglang:, llamacpp: or trtllm_ metrics in the scrape: is this a serving engine's /metrics?"])
+        return Reading(
+            "unknown",
+            notes=[
+                "no vllm:, sglang:, llamacpp: or trtllm_ metrics in the scrape: is this a serving engine's /metrics?"
+            ],
+        )
     reading = READERS[server_kind](expo, default_model, class_label)
     if not any(c.num_drafts is not None or c.num_draft_tokens is not None for c in reading.counts.values()):
-        reading.notes.append(f"no speculative-decoding counters in the {server_kind} metrics ({SPEC_METRICS_HINT[server_kind]}).")
+        reading.notes.append(
+            f"no speculative-decoding counters in the {server_kind} metrics ({SPEC_METRICS_HINT[server_kind]})."
+        )
     if expo.num_unreadable_lines:
-        reading.notes.append(f"{expo.num_unreadable_lines} unreadable line(s) skipped, first: {expo.first_unreadable_line!r}")
+        reading.notes.append(
+            f"{expo.num_unreadable_lines} unreadable line(s) skipped, first: {expo.first_unreadable_line!r}"
+        )
     return reading

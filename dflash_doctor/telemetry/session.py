@@ -20,44 +20,98 @@ from dflash_doctor.telemetry.hooks import AlertHooks
 from dflash_doctor.telemetry.logs import log_zone
 from dflash_doctor.telemetry.watch_record import WatchRecord
 from dflash_doctor.telemetry.settings import WatchSettings
-from dflash_doctor.telemetry.sources import LogFile, MetricsEndpoint, PrometheusServer, ResponsesFile, Source, open_source
+from dflash_doctor.telemetry.sources import (
+    LogFile,
+    MetricsEndpoint,
+    PrometheusServer,
+    ResponsesFile,
+    Source,
+    open_source,
+)
 from dflash_doctor.telemetry.verdict import Judge, WindowVerdict, load_baseline
 from dflash_doctor.telemetry.watcher import Watcher, Window
 
 
-def open_sources(specs: list[str], prometheus: str | None, settings: WatchSettings, *, api_key: str | None = None,
-                 prometheus_headers: Mapping[str, str] | None = None) -> list[Source]:
+def open_sources(
+    specs: list[str],
+    prometheus: str | None,
+    settings: WatchSettings,
+    *,
+    api_key: str | None = None,
+    prometheus_headers: Mapping[str, str] | None = None,
+) -> list[Source]:
     """SOURCE arguments and ``--prometheus`` as sources; none at all is a usage error. The credentials
     (``api_key`` for the /metrics URLs, ``prometheus_headers``) stay inside the sources' HTTP clients."""
     zone = log_zone(settings.log_timezone)
-    sources: list[Source] = [open_source(s, server_kind=settings.server_kind, model=settings.model, class_label=settings.class_label, log_zone=zone, api_key=api_key)
-                             for s in specs]
+    sources: list[Source] = [
+        open_source(
+            s,
+            server_kind=settings.server_kind,
+            model=settings.model,
+            class_label=settings.class_label,
+            log_zone=zone,
+            api_key=api_key,
+        )
+        for s in specs
+    ]
     if prometheus:
-        sources.append(PrometheusServer(prometheus, window_s=settings.window_s, server_kind=settings.server_kind, class_label=settings.class_label,
-                                        headers=prometheus_headers))
+        sources.append(
+            PrometheusServer(
+                prometheus,
+                window_s=settings.window_s,
+                server_kind=settings.server_kind,
+                class_label=settings.class_label,
+                headers=prometheus_headers,
+            )
+        )
     if not sources:
-        raise UsageError("watch needs at least one SOURCE (a /metrics URL, a log file, a responses .jsonl) or --prometheus URL.")
+        raise UsageError(
+            "watch needs at least one SOURCE (a /metrics URL, a log file, a responses .jsonl) or --prometheus URL."
+        )
     return sources
 
 
 class WatchSession:
     """Owns the pieces of one watch and keeps its run directory current after every evaluation."""
 
-    def __init__(self, sources: list[Source], settings: WatchSettings, *, run_dir: Path | None, config: dict[str, Any],
-                 costs: StepCosts | None = None, once: bool = False, exporter_port: int | None = None, exporter_address: str = "127.0.0.1",
-                 hooks: AlertHooks | None = None, overwrite: bool = False):
+    def __init__(
+        self,
+        sources: list[Source],
+        settings: WatchSettings,
+        *,
+        run_dir: Path | None,
+        config: dict[str, Any],
+        costs: StepCosts | None = None,
+        once: bool = False,
+        exporter_port: int | None = None,
+        exporter_address: str = "127.0.0.1",
+        hooks: AlertHooks | None = None,
+        overwrite: bool = False,
+    ):
         self.settings = settings
         self.once_mode = once
-        self.judge = Judge(load_baseline(settings.baseline), settings.thresholds, server_kind=settings.server_kind, costs=costs)
+        self.judge = Judge(
+            load_baseline(settings.baseline), settings.thresholds, server_kind=settings.server_kind, costs=costs
+        )
         # --once on a /metrics URL without --window: "what do its counters say so far" (since the server started)
-        self.watcher = Watcher(sources, window_s=settings.window_s, count_since_start=once and not settings.window_given)
+        self.watcher = Watcher(
+            sources, window_s=settings.window_s, count_since_start=once and not settings.window_given
+        )
         # no --out: a folder of its own, made once the baseline and sources proved good (a refused watch leaves none)
         self.run_dir = run_dir if run_dir is not None else new_run_dir("watch")
-        self.record = WatchRecord(self.run_dir, config, {
-            "sources": [s.name for s in sources], "window_s": settings.window_s, "interval_s": settings.interval_s,
-            "baseline": self.judge.baseline.description if self.judge.baseline else None,
-            "thresholds": dataclasses.asdict(settings.thresholds),
-        }, retain_s=settings.retain_s, overwrite=overwrite)
+        self.record = WatchRecord(
+            self.run_dir,
+            config,
+            {
+                "sources": [s.name for s in sources],
+                "window_s": settings.window_s,
+                "interval_s": settings.interval_s,
+                "baseline": self.judge.baseline.description if self.judge.baseline else None,
+                "thresholds": dataclasses.asdict(settings.thresholds),
+            },
+            retain_s=settings.retain_s,
+            overwrite=overwrite,
+        )
         self.exporter = VerdictExporter(exporter_port, exporter_address) if exporter_port is not None else None
         self.hooks = hooks
         if hooks is not None:
@@ -78,7 +132,12 @@ class WatchSession:
             self.watcher.events.extend(self.hooks.handle(rounds[-1], self.judge.server_kind))
         for i, verdicts in enumerate(rounds):
             last = i == len(rounds) - 1
-            self.record.update(verdicts, self.watcher.units[self._units_recorded:] if last else [], self.watcher.events, self.watcher.source_notes())
+            self.record.update(
+                verdicts,
+                self.watcher.units[self._units_recorded :] if last else [],
+                self.watcher.events,
+                self.watcher.source_notes(),
+            )
         self._units_recorded = len(self.watcher.units)
         if self.exporter and rounds:
             self.exporter.publish(rounds[-1], self.watcher.sources_up(), time.time())
@@ -97,7 +156,9 @@ class WatchSession:
         self._adopt_detected_server_kind()
         failed = {e.source: e.message for e in self.watcher.events if e.kind == "source-unavailable"}
         if len(failed) == len(sources) and not self.watcher.units:
-            raise UsageError(f"no source could be read: {'; '.join(failed.values())}; check the URL/path and that the server is up.")
+            raise UsageError(
+                f"no source could be read: {'; '.join(failed.values())}; check the URL/path and that the server is up."
+            )
         if files and not live:
             rounds = [[self._judge(w) for w in windows] for windows in self.watcher.tumbling_windows()]
         else:

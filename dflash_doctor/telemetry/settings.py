@@ -56,7 +56,20 @@ class WatchSettings:
         return Thresholds(self.threshold_tau, self.min_drafts, self.speedup_floor)
 
 
-_FILE_KEYS = {"window", "interval", "baseline", "baseline_tau", "threshold_tau", "min_drafts", "speedup_floor", "engine", "model", "class_label", "log_timezone", "retain"}
+_FILE_KEYS = {
+    "window",
+    "interval",
+    "baseline",
+    "baseline_tau",
+    "threshold_tau",
+    "min_drafts",
+    "speedup_floor",
+    "engine",
+    "model",
+    "class_label",
+    "log_timezone",
+    "retain",
+}
 
 
 def build_watch_settings(table: dict[str, Any], **flags: Any) -> WatchSettings:
@@ -69,7 +82,9 @@ def build_watch_settings(table: dict[str, Any], **flags: Any) -> WatchSettings:
         if "baseline" in table:
             raise UsageError("[watch] has both baseline and baseline_tau; keep one.")
         if not isinstance(table["baseline_tau"], dict):
-            raise UsageError("[watch] baseline_tau must be a table of class = tau, e.g. [watch.baseline_tau] code = 2.4.")
+            raise UsageError(
+                "[watch] baseline_tau must be a table of class = tau, e.g. [watch.baseline_tau] code = 2.4."
+            )
         merged["baseline"] = dict(table["baseline_tau"])
     merged.update({key: value for key, value in flags.items() if value is not None})
     values: dict[str, Any] = {}
@@ -89,16 +104,26 @@ def build_watch_settings(table: dict[str, Any], **flags: Any) -> WatchSettings:
         if name in merged:
             values[name] = merged[name]
     # Thresholds (telemetry/verdict.py) is the one place these numbers are checked: finite and in range
-    values.update(dataclasses.asdict(Thresholds(**{name: values[name] for name in ("threshold_tau", "min_drafts", "speedup_floor") if name in values})))
+    values.update(
+        dataclasses.asdict(
+            Thresholds(
+                **{name: values[name] for name in ("threshold_tau", "min_drafts", "speedup_floor") if name in values}
+            )
+        )
+    )
     settings = WatchSettings(**values)
     if settings.window_s <= 0 or settings.interval_s <= 0:
-        raise UsageError("watch window and interval must be > 0 seconds; fix --window / --interval or the [watch] table.")
+        raise UsageError(
+            "watch window and interval must be > 0 seconds; fix --window / --interval or the [watch] table."
+        )
     if settings.retain_s is not None and settings.retain_s < settings.window_s:
-        raise UsageError(f"watch retain ({settings.retain_s:g} s) is shorter than the window ({settings.window_s:g} s); keep at least one window, e.g. --retain 7d.")
+        raise UsageError(
+            f"watch retain ({settings.retain_s:g} s) is shorter than the window ({settings.window_s:g} s); keep at least one window, e.g. --retain 7d."
+        )
     if settings.server_kind is not None and settings.server_kind not in READERS:
-        raise UsageError(f"engine {settings.server_kind!r} is not one of {', '.join(READERS)}; pick one or leave it out to detect it.")
+        raise UsageError(
+            f"engine {settings.server_kind!r} is not one of {', '.join(READERS)}; pick one or leave it out to detect it."
+        )
     settings.thresholds  # validates
     log_zone(settings.log_timezone)  # validates
     return settings
-
-

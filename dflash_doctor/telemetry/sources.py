@@ -55,7 +55,13 @@ class Source(Protocol):
 
 
 def _scrape_client(headers: Mapping[str, str] | None = None) -> HttpClient:
-    return HttpClient(headers=headers, timeout_s=HTTP_TIMEOUT_S, retries=HTTP_RETRIES, backoff_s=HTTP_BACKOFF_S, deadline_s=HTTP_DEADLINE_S)
+    return HttpClient(
+        headers=headers,
+        timeout_s=HTTP_TIMEOUT_S,
+        retries=HTTP_RETRIES,
+        backoff_s=HTTP_BACKOFF_S,
+        deadline_s=HTTP_DEADLINE_S,
+    )
 
 
 def _http_get(client: HttpClient, url: str, auth_flag: str, params: Mapping[str, str] | None = None) -> str:
@@ -66,7 +72,9 @@ def _http_get(client: HttpClient, url: str, auth_flag: str, params: Mapping[str,
     except Unreachable as exc:
         raise SourceUnavailable(str(exc)) from None
     if answer.status in AUTH_STATUSES:
-        raise SourceUnavailable(f"{shown(url)} answered HTTP {answer.status}: it wants credentials or refused the ones sent; pass them with {auth_flag}")
+        raise SourceUnavailable(
+            f"{shown(url)} answered HTTP {answer.status}: it wants credentials or refused the ones sent; pass them with {auth_flag}"
+        )
     if not answer.ok:
         raise SourceUnavailable(f"{shown(url)} answered HTTP {answer.status}")
     return answer.text
@@ -81,7 +89,9 @@ def _check_url(url: str, what: str) -> str:
 
 def _check_server_kind(server_kind: str | None) -> str | None:
     if server_kind is not None and server_kind not in READERS:
-        raise UsageError(f"--engine {server_kind!r} is not one of {', '.join(READERS)}; pick one or leave it out to detect it.")
+        raise UsageError(
+            f"--engine {server_kind!r} is not one of {', '.join(READERS)}; pick one or leave it out to detect it."
+        )
     return server_kind
 
 
@@ -96,8 +106,15 @@ class MetricsEndpoint:
 
     ``api_key``: sent as a bearer token (llama-server started with ``--api-key`` guards /metrics too)."""
 
-    def __init__(self, url: str, *, server_kind: str | None = None, model: str | None = None, class_label: str | None = None,
-                 api_key: str | None = None):
+    def __init__(
+        self,
+        url: str,
+        *,
+        server_kind: str | None = None,
+        model: str | None = None,
+        class_label: str | None = None,
+        api_key: str | None = None,
+    ):
         self.url = _check_url(url, "source")
         self._client = _scrape_client(bearer(api_key) or None)
         self.server_kind = _check_server_kind(server_kind)
@@ -113,7 +130,9 @@ class MetricsEndpoint:
         text = _http_get(self._client, self.url, "--engine-api-key")
         self.last_text = text
         now = time.time()
-        reading = read_exposition(parse_exposition(text), server_kind=self.server_kind, default_model=self.model, class_label=self.class_label)
+        reading = read_exposition(
+            parse_exposition(text), server_kind=self.server_kind, default_model=self.model, class_label=self.class_label
+        )
         if reading.server_kind in READERS:
             self.server_kind = reading.server_kind  # detected once, then kept: the advice names this engine's settings
         _note_once(self.notes, reading.notes)
@@ -130,23 +149,51 @@ def _observations(reading: Reading, now: float, origin: str, *, cumulative: bool
         if key in reading.configured_k:
             reported["configured_k"] = float(reading.configured_k[key])
         counts = reading.counts.get(key, SpecCounts())
-        result.append(Observation(key, counts, cumulative=cumulative, time_s=now, reported=reported, origin=origin,
-                                  averages_since_start=reading.averages_since_start if cumulative else ()))
+        result.append(
+            Observation(
+                key,
+                counts,
+                cumulative=cumulative,
+                time_s=now,
+                reported=reported,
+                origin=origin,
+                averages_since_start=reading.averages_since_start if cumulative else (),
+            )
+        )
     return result
 
 
 # The series watch reads from a Prometheus server, per engine: counters, and gauges (window averages the
 # engine computed itself, averaged again over the window).
 PROMETHEUS_COUNTERS = {
-    "vllm": ["vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total", "vllm:spec_decode_num_accepted_tokens_total",
-             "vllm:spec_decode_num_accepted_tokens_per_pos_total", "vllm:generation_tokens_total"],
+    "vllm": [
+        "vllm:spec_decode_num_drafts_total",
+        "vllm:spec_decode_num_draft_tokens_total",
+        "vllm:spec_decode_num_accepted_tokens_total",
+        "vllm:spec_decode_num_accepted_tokens_per_pos_total",
+        "vllm:generation_tokens_total",
+    ],
     "sglang": ["sglang:spec_verify_calls_total", "sglang:generation_tokens_total"],
-    "llamacpp": ["llamacpp:spec_decode_num_drafts_total", "llamacpp:spec_decode_num_draft_tokens_total", "llamacpp:spec_decode_num_accepted_tokens_total",
-                 "llamacpp:spec_decode_num_accepted_tokens_per_pos_total", "llamacpp:tokens_predicted_total"],
-    "trtllm": ["trtllm_spec_decode_num_draft_tokens_total", "trtllm_spec_decode_num_accepted_tokens_total", "trtllm_spec_decode_drafted_tokens_total",
-               "trtllm_spec_decode_accepted_tokens_total", "trtllm_generation_tokens_total"],
+    "llamacpp": [
+        "llamacpp:spec_decode_num_drafts_total",
+        "llamacpp:spec_decode_num_draft_tokens_total",
+        "llamacpp:spec_decode_num_accepted_tokens_total",
+        "llamacpp:spec_decode_num_accepted_tokens_per_pos_total",
+        "llamacpp:tokens_predicted_total",
+    ],
+    "trtllm": [
+        "trtllm_spec_decode_num_draft_tokens_total",
+        "trtllm_spec_decode_num_accepted_tokens_total",
+        "trtllm_spec_decode_drafted_tokens_total",
+        "trtllm_spec_decode_accepted_tokens_total",
+        "trtllm_generation_tokens_total",
+    ],
 }
-PROMETHEUS_GAUGES = {"vllm": ["vllm:num_requests_running"], "sglang": ["sglang:spec_accept_length", "sglang:spec_accept_rate"], "trtllm": ["trtllm_spec_decode_acceptance_length"]}
+PROMETHEUS_GAUGES = {
+    "vllm": ["vllm:num_requests_running"],
+    "sglang": ["sglang:spec_accept_length", "sglang:spec_accept_rate"],
+    "trtllm": ["trtllm_spec_decode_acceptance_length"],
+}
 
 
 #: The longest duration a flag or config value may name (ten years): longer ones overflow timestamps.
@@ -165,12 +212,16 @@ def parse_duration_s(text: str) -> float:
         try:
             seconds = float(text)
         except ValueError:
-            raise UsageError(f"duration {text!r} is not a number of seconds or a Prometheus duration like 30s, 5m, 1h; fix it.") from None
+            raise UsageError(
+                f"duration {text!r} is not a number of seconds or a Prometheus duration like 30s, 5m, 1h; fix it."
+            ) from None
     # nan or inf seconds (or 1e400s) would pass every "> 0" check and make a window that never closes
     try:
         return finite_number(seconds, "duration", maximum=MAX_DURATION_S)
     except UsageError:
-        raise UsageError(f"duration {text!r} is not a finite number of seconds up to ten years; use a duration such as 30s, 5m or 7d.") from None
+        raise UsageError(
+            f"duration {text!r} is not a finite number of seconds up to ten years; use a duration such as 30s, 5m or 7d."
+        ) from None
 
 
 def counter_increase(values: list[float]) -> float:
@@ -195,8 +246,16 @@ class PrometheusServer:
     wants ``Authorization`` and often ``X-Scope-OrgID`` (``--prometheus-header``).
     """
 
-    def __init__(self, url: str, *, window_s: float, server_kind: str | None = None, class_label: str | None = None, selector: str = "",
-                 headers: Mapping[str, str] | None = None):
+    def __init__(
+        self,
+        url: str,
+        *,
+        window_s: float,
+        server_kind: str | None = None,
+        class_label: str | None = None,
+        selector: str = "",
+        headers: Mapping[str, str] | None = None,
+    ):
         self.url = _check_url(url, "--prometheus").rstrip("/")
         self._client = _scrape_client(headers)
         self.server_kind = _check_server_kind(server_kind)
@@ -208,7 +267,9 @@ class PrometheusServer:
 
     def _query(self, promql: str) -> list[dict]:
         try:
-            payload = json.loads(_http_get(self._client, f"{self.url}/api/v1/query", "--prometheus-header", params={"query": promql}))
+            payload = json.loads(
+                _http_get(self._client, f"{self.url}/api/v1/query", "--prometheus-header", params={"query": promql})
+            )
         except json.JSONDecodeError:
             raise SourceUnavailable(f"{shown(self.url)} did not answer with Prometheus API JSON") from None
         if payload.get("status") != "success":
@@ -229,7 +290,12 @@ class PrometheusServer:
     def poll(self) -> list[Observation]:
         server_kind = self.server_kind or self._detect_server_kind()
         if server_kind is None:
-            _note_once(self.notes, [f"{shown(self.url)} has no vllm:, sglang:, llamacpp: or trtllm_ speculative counters in its TSDB (yet)."])
+            _note_once(
+                self.notes,
+                [
+                    f"{shown(self.url)} has no vllm:, sglang:, llamacpp: or trtllm_ speculative counters in its TSDB (yet)."
+                ],
+            )
             return []
         self.server_kind = server_kind
         window = f"{int(round(self.window_s))}s"
@@ -245,7 +311,9 @@ class PrometheusServer:
             last_time = max(last_time, float(series["values"][-1][0]))
             value = counter_increase(values) if name in counters else sum(values) / len(values)
             samples.append(Sample(name, labels, value))
-        reading = read_exposition(Exposition(samples), server_kind=server_kind, default_model=shown(self.url), class_label=self.class_label)
+        reading = read_exposition(
+            Exposition(samples), server_kind=server_kind, default_model=shown(self.url), class_label=self.class_label
+        )
         _note_once(self.notes, reading.notes)
         return _observations(reading, last_time or time.time(), self.name, cumulative=False)
 
@@ -301,10 +369,14 @@ class _TailedFile:
                 line = handle.readline(self.max_line_bytes + 1)
                 if line.endswith(b"\n") and len(line) <= self.max_line_bytes:
                     self.offset += len(line)
-                    pieces = line.decode("utf-8", errors="replace").splitlines()  # a lone \r (a progress bar) parts lines too
+                    pieces = line.decode(
+                        "utf-8", errors="replace"
+                    ).splitlines()  # a lone \r (a progress bar) parts lines too
                     self.line_number += len(pieces)
                     lines.extend(pieces)
-                elif len(line) > self.max_line_bytes:  # over the cap, terminated or not: counted once, skipped to its end
+                elif (
+                    len(line) > self.max_line_bytes
+                ):  # over the cap, terminated or not: counted once, skipped to its end
                     self.offset += len(line)
                     self.skipped_long_lines += 1
                     self._inside_long_line = True
@@ -321,7 +393,9 @@ _KEEP_SCHEME = r"\1"
 def _existing_file(path: str | Path) -> Path:
     path = Path(path)
     if not path.is_file():
-        raise UsageError(f"source {_USERINFO.sub(_KEEP_SCHEME, str(path))} is neither an http(s) URL nor an existing file; pass a /metrics URL, a log file or a responses .jsonl.")
+        raise UsageError(
+            f"source {_USERINFO.sub(_KEEP_SCHEME, str(path))} is neither an http(s) URL nor an existing file; pass a /metrics URL, a log file or a responses .jsonl."
+        )
     return path
 
 
@@ -351,13 +425,22 @@ class _FollowedFile:
                 _log.warning("%s has a line longer than %s; lines that long are skipped, not read", self.name, cap)
                 self._warned_long_lines = True
             self.notes = [n for n in self.notes if "longer than" not in n] + [
-                f"{skipped} line(s) of {self.name} longer than {cap} were skipped unread"]
+                f"{skipped} line(s) of {self.name} longer than {cap} were skipped unread"
+            ]
 
 
 class LogFile(_FollowedFile):
     """An engine's log file (followed as it grows); the engine is detected from the first metrics line."""
 
-    def __init__(self, path: str | Path, *, server_kind: str | None = None, model: str | None = None, year: int | None = None, zone: datetime.tzinfo | None = None):
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        server_kind: str | None = None,
+        model: str | None = None,
+        year: int | None = None,
+        zone: datetime.tzinfo | None = None,
+    ):
         """``zone``: the zone the log's stamps are written in (None: this host's local zone, see logs.py)."""
         super().__init__(path, model=model)
         self.server_kind = _check_server_kind(server_kind)
@@ -386,7 +469,11 @@ class ResponsesFile(_FollowedFile):
 
     def poll(self) -> list[Observation]:
         lines, first = self._tail.new_lines()
-        observations = list(parse_response_lines(lines, default_model=self.model, origin=self.name, problems=self.problems, first_line_number=first))
+        observations = list(
+            parse_response_lines(
+                lines, default_model=self.model, origin=self.name, problems=self.problems, first_line_number=first
+            )
+        )
         self._note_problems()
         return observations
 
@@ -401,8 +488,15 @@ def _looks_like_responses(path: Path) -> bool:
     return False
 
 
-def open_source(spec: str, *, server_kind: str | None = None, model: str | None = None, class_label: str | None = None,
-                log_zone: datetime.tzinfo | None = None, api_key: str | None = None) -> Source:
+def open_source(
+    spec: str,
+    *,
+    server_kind: str | None = None,
+    model: str | None = None,
+    class_label: str | None = None,
+    log_zone: datetime.tzinfo | None = None,
+    api_key: str | None = None,
+) -> Source:
     """A SOURCE argument: an http(s) URL is scraped (with ``api_key`` as its bearer token); a file is a log,
     or captured responses if it holds JSON objects."""
     if spec.startswith(("http://", "https://")):
@@ -411,5 +505,3 @@ def open_source(spec: str, *, server_kind: str | None = None, model: str | None 
     if _looks_like_responses(path):
         return ResponsesFile(path, model=model)
     return LogFile(path, server_kind=server_kind, model=model, zone=log_zone)
-
-

@@ -59,7 +59,11 @@ class Baseline:
     costs: StepCosts | None = None
 
     def for_class(self, cls: str) -> BaselineEntry | None:
-        return self.entries.get(cls) or self.entries.get(OVERALL if cls == ALL_CLASSES else cls) or self.entries.get(OVERALL)
+        return (
+            self.entries.get(cls)
+            or self.entries.get(OVERALL if cls == ALL_CLASSES else cls)
+            or self.entries.get(OVERALL)
+        )
 
     @classmethod
     def from_run(cls, run_dir: str | Path) -> "Baseline":
@@ -80,11 +84,15 @@ class Baseline:
             entries[name] = BaselineEntry(
                 tau=float(tau),
                 tau_ci=(low, high) if low is not None and high is not None else None,
-                rates=tuple(known_rates) if known_rates and len(known_rates) == len(metrics.acceptance_rate_per_pos) else None,
+                rates=tuple(known_rates)
+                if known_rates and len(known_rates) == len(metrics.acceptance_rate_per_pos)
+                else None,
                 request_tau_sd=sd,
             )
         if not entries:
-            raise UsageError(f"baseline run {run_dir} has no mean_acceptance_length in its summary; pass a run written by `dflash-doctor check` or `sweep`.")
+            raise UsageError(
+                f"baseline run {run_dir} has no mean_acceptance_length in its summary; pass a run written by `dflash-doctor check` or `sweep`."
+            )
         costs = summary.sweep.step_costs() if summary.sweep is not None and summary.sweep.costs else None
         return cls(entries, f"run {Path(run_dir).name}", costs)
 
@@ -93,9 +101,16 @@ class Baseline:
         entries = {}
         for name, tau in tau_by_class.items():
             if not isinstance(tau, (int, float)) or isinstance(tau, bool):
-                raise UsageError(f"baseline tau for {name!r} is {tau!r}; a mean acceptance length is a number >= 1 (bonus token included).")
-            tau = finite_number(tau, f"baseline tau for {name!r}", minimum=1, maximum=MAX_TAU_DROP + 1,
-                                fix="a mean acceptance length is a finite number >= 1 (bonus token included)")
+                raise UsageError(
+                    f"baseline tau for {name!r} is {tau!r}; a mean acceptance length is a number >= 1 (bonus token included)."
+                )
+            tau = finite_number(
+                tau,
+                f"baseline tau for {name!r}",
+                minimum=1,
+                maximum=MAX_TAU_DROP + 1,
+                fix="a mean acceptance length is a finite number >= 1 (bonus token included)",
+            )
             entries[name] = BaselineEntry(float(tau))
         return cls(entries, "fixed tau " + ", ".join(f"{k}={v:g}" for k, v in tau_by_class.items()))
 
@@ -124,9 +139,21 @@ class Thresholds:
         # the one place watch's thresholds are checked (flags and the [watch] table meet here): finite and
         # in range, since nan or inf pass a plain ">= 0" and then silence every alert
         fix = "fix the flag or the [watch] table"
-        object.__setattr__(self, "threshold_tau", finite_number(self.threshold_tau, "watch threshold_tau", minimum=0, maximum=MAX_TAU_DROP, fix=fix))
-        object.__setattr__(self, "min_drafts", finite_number(self.min_drafts, "watch min_drafts", minimum=1, maximum=1e12, integer=True, fix=fix))
-        object.__setattr__(self, "speedup_floor", finite_number(self.speedup_floor, "watch speedup_floor", above=0, maximum=1000, fix=fix))
+        object.__setattr__(
+            self,
+            "threshold_tau",
+            finite_number(self.threshold_tau, "watch threshold_tau", minimum=0, maximum=MAX_TAU_DROP, fix=fix),
+        )
+        object.__setattr__(
+            self,
+            "min_drafts",
+            finite_number(self.min_drafts, "watch min_drafts", minimum=1, maximum=1e12, integer=True, fix=fix),
+        )
+        object.__setattr__(
+            self,
+            "speedup_floor",
+            finite_number(self.speedup_floor, "watch speedup_floor", above=0, maximum=1000, fix=fix),
+        )
 
 
 @dataclass(frozen=True)
@@ -162,29 +189,55 @@ class WindowVerdict:
         ci = self.mean_acceptance_length_ci or (None, None)
         base_ci = self.baseline_tau_ci or (None, None)
         return {
-            "end_s": w.end_s, "start_s": w.start_s, "model": w.key.model, "class": w.key.cls, "status": self.status,
-            "num_drafts": c.num_drafts, "num_draft_tokens": c.num_draft_tokens, "num_accepted_tokens": c.accepted,
-            "num_accepted_tokens_per_pos": list(c.num_accepted_tokens_per_pos) if c.num_accepted_tokens_per_pos is not None else None,
+            "end_s": w.end_s,
+            "start_s": w.start_s,
+            "model": w.key.model,
+            "class": w.key.cls,
+            "status": self.status,
+            "num_drafts": c.num_drafts,
+            "num_draft_tokens": c.num_draft_tokens,
+            "num_accepted_tokens": c.accepted,
+            "num_accepted_tokens_per_pos": list(c.num_accepted_tokens_per_pos)
+            if c.num_accepted_tokens_per_pos is not None
+            else None,
             "num_generated_tokens": c.num_generated_tokens,
-            "mean_acceptance_length": self.mean_acceptance_length, "mean_acceptance_length_lo": ci[0], "mean_acceptance_length_hi": ci[1],
-            "draft_acceptance_rate": self.draft_acceptance_rate, "acceptance_rate_per_pos": self.acceptance_rate_per_pos,
-            "k": self.k, "baseline_tau": self.baseline_tau, "baseline_tau_lo": base_ci[0], "baseline_tau_hi": base_ci[1],
+            "mean_acceptance_length": self.mean_acceptance_length,
+            "mean_acceptance_length_lo": ci[0],
+            "mean_acceptance_length_hi": ci[1],
+            "draft_acceptance_rate": self.draft_acceptance_rate,
+            "acceptance_rate_per_pos": self.acceptance_rate_per_pos,
+            "k": self.k,
+            "baseline_tau": self.baseline_tau,
+            "baseline_tau_lo": base_ci[0],
+            "baseline_tau_hi": base_ci[1],
             "engine_mean_acceptance_length": w.reported.get("mean_acceptance_length"),
-            "speedup": self.speedup, "best_k": self.best_k, "best_speedup": self.best_speedup,
-            "alerts": [a.kind for a in self.alerts], "alert_messages": [a.message for a in self.alerts],
-            "advice": [line for a in self.alerts for line in a.advice], "notes": self.notes,
+            "speedup": self.speedup,
+            "best_k": self.best_k,
+            "best_speedup": self.best_speedup,
+            "alerts": [a.kind for a in self.alerts],
+            "alert_messages": [a.message for a in self.alerts],
+            "advice": [line for a in self.alerts for line in a.advice],
+            "notes": self.notes,
         }
 
 
 def _baseline_at_k(entry: BaselineEntry, k: int | None) -> tuple[float, tuple[float, float] | None, str | None]:
     """The baseline's tau at the served K: truncated from its per-position rates when K is smaller."""
     if k is None or entry.rates is None or k >= len(entry.rates):
-        note = None if k is None or entry.rates is None or k == len(entry.rates) else f"baseline drafted K={len(entry.rates)} and production K={k}: compared as is"
+        note = (
+            None
+            if k is None or entry.rates is None or k == len(entry.rates)
+            else f"baseline drafted K={len(entry.rates)} and production K={k}: compared as is"
+        )
         return entry.tau, entry.tau_ci, note
     tau_k = 1.0 + sum(entry.rates[:k])
     shift = tau_k - entry.tau
     ci = (entry.tau_ci[0] + shift, entry.tau_ci[1] + shift) if entry.tau_ci else None
-    return tau_k, ci, f"baseline truncated from K={len(entry.rates)} to the served K={k} (an estimate for DFlash blocks)"
+    return (
+        tau_k,
+        ci,
+        f"baseline truncated from K={len(entry.rates)} to the served K={k} (an estimate for DFlash blocks)",
+    )
 
 
 def _best_k(rates: list[float] | None, k: int, costs: StepCosts) -> tuple[int, float]:
@@ -205,7 +258,14 @@ def _best_k(rates: list[float] | None, k: int, costs: StepCosts) -> tuple[int, f
 class Judge:
     """Applies the rules window after window, remembering what each series did before (K, drafting)."""
 
-    def __init__(self, baseline: Baseline | None, thresholds: Thresholds, *, server_kind: str | None, costs: StepCosts | None = None):
+    def __init__(
+        self,
+        baseline: Baseline | None,
+        thresholds: Thresholds,
+        *,
+        server_kind: str | None,
+        costs: StepCosts | None = None,
+    ):
         self.baseline = baseline
         self.thresholds = thresholds
         self.server_kind = server_kind
@@ -230,18 +290,32 @@ class Judge:
         if window.is_empty:
             verdict.status = "source-unavailable" if window.source_unavailable else "no-data"
             if window.source_unavailable:
-                verdict.notes.append("the source could not be read in this window; its counts arrive with the next successful scrape")
+                verdict.notes.append(
+                    "the source could not be read in this window; its counts arrive with the next successful scrape"
+                )
             else:
-                verdict.notes.append("nothing reported in this window (vLLM logs idle windows at DEBUG level: a quiet log is not a stopped draft)")
+                verdict.notes.append(
+                    "nothing reported in this window (vLLM logs idle windows at DEBUG level: a quiet log is not a stopped draft)"
+                )
             return verdict
         if drafts == 0 and generated > 0:
             if key in self._has_drafted:
-                verdict.alerts.append(Alert("drafting-stopped", str(key), f"{key}: {generated:.0f} tokens generated but no draft counted in this window (it drafted before): the draft stopped or its counters broke."))
+                verdict.alerts.append(
+                    Alert(
+                        "drafting-stopped",
+                        str(key),
+                        f"{key}: {generated:.0f} tokens generated but no draft counted in this window (it drafted before): the draft stopped or its counters broke.",
+                    )
+                )
             else:
                 verdict.status = "no-speculation"
-                verdict.notes.append("tokens are generated but no draft has been counted yet: speculation is off for this series, or its counters are not exported")
+                verdict.notes.append(
+                    "tokens are generated but no draft has been counted yet: speculation is off for this series, or its counters are not exported"
+                )
         elif counts.num_drafts is None and "mean_acceptance_length" in window.reported:
-            verdict.notes.append("the engine reports averages only (SGLang log lines): shown as the engine's tau, not judged (no counts for an interval)")
+            verdict.notes.append(
+                "the engine reports averages only (SGLang log lines): shown as the engine's tau, not judged (no counts for an interval)"
+            )
         elif drafts == 0 and counts.mean_acceptance_length is None:
             verdict.status = "idle"
             verdict.notes.append("no tokens generated in this window (idle)")
@@ -249,7 +323,9 @@ class Judge:
         self._check_k(verdict)
         if drafts > 0 and drafts < self.thresholds.min_drafts:
             verdict.status = "too-few-drafts"
-            verdict.notes.append(f"{drafts:.0f} drafts (< min_drafts {self.thresholds.min_drafts}): no acceptance verdict")
+            verdict.notes.append(
+                f"{drafts:.0f} drafts (< min_drafts {self.thresholds.min_drafts}): no acceptance verdict"
+            )
         elif drafts > 0:
             self._check_drop(verdict)
             self._check_speedup(verdict)
@@ -264,9 +340,19 @@ class Judge:
         previous = self._last_k.get(key)
         configured = verdict.window.reported.get("configured_k")
         if previous is not None and previous != k:
-            verdict.alerts.append(Alert("k-changed", str(key), f"{key}: the draft length changed from K={previous} to K={k}; re-run `dflash-doctor sweep` for the new K before trusting the old baseline."))
+            verdict.alerts.append(
+                Alert(
+                    "k-changed",
+                    str(key),
+                    f"{key}: the draft length changed from K={previous} to K={k}; re-run `dflash-doctor sweep` for the new K before trusting the old baseline.",
+                )
+            )
         elif configured is not None and verdict.window.counts.k not in (None, int(configured)):
-            verdict.alerts.append(Alert("k-changed", str(key), f"{key}: the engine is configured for K={int(configured)} but drafts K={k}."))
+            verdict.alerts.append(
+                Alert(
+                    "k-changed", str(key), f"{key}: the engine is configured for K={int(configured)} but drafts K={k}."
+                )
+            )
         self._last_k[key] = k
 
     def _check_drop(self, verdict: WindowVerdict) -> None:
@@ -288,11 +374,14 @@ class Judge:
             key = verdict.window.key
             ci_text = f"[{ci[0]:.2f}, {ci[1]:.2f}]"
             base_text = f"{base_tau:.2f}" + (f" [{base_ci[0]:.2f}, {base_ci[1]:.2f}]" if base_ci else "")
-            verdict.alerts.append(Alert(
-                "acceptance-drop", str(key),
-                f"{key}: tau {tau:.2f} {ci_text} is below the baseline {base_text} ({self.baseline.description}) by {drop:.2f} > {self.thresholds.threshold_tau:g}, intervals separated.",
-                fallback_advice(self.server_kind, verdict, self.baseline) if self.costs is None else (),
-            ))
+            verdict.alerts.append(
+                Alert(
+                    "acceptance-drop",
+                    str(key),
+                    f"{key}: tau {tau:.2f} {ci_text} is below the baseline {base_text} ({self.baseline.description}) by {drop:.2f} > {self.thresholds.threshold_tau:g}, intervals separated.",
+                    fallback_advice(self.server_kind, verdict, self.baseline) if self.costs is None else (),
+                )
+            )
 
     def _check_speedup(self, verdict: WindowVerdict) -> None:
         if self.costs is None or verdict.mean_acceptance_length is None or not verdict.k:
@@ -305,36 +394,60 @@ class Judge:
         verdict.best_k, verdict.best_speedup = _best_k(verdict.acceptance_rate_per_pos, verdict.k, self.costs)
         if verdict.speedup < self.thresholds.speedup_floor:
             key = verdict.window.key
-            verdict.alerts.append(Alert(
-                "fallback", str(key),
-                f"{key}: fall back - net speedup {verdict.speedup:.2f}x at K={verdict.k} (tau {verdict.mean_acceptance_length:.2f}) is below the floor {self.thresholds.speedup_floor:g}x.",
-                fallback_advice(self.server_kind, verdict, self.baseline, self.costs, self.thresholds.speedup_floor),
-            ))
+            verdict.alerts.append(
+                Alert(
+                    "fallback",
+                    str(key),
+                    f"{key}: fall back - net speedup {verdict.speedup:.2f}x at K={verdict.k} (tau {verdict.mean_acceptance_length:.2f}) is below the floor {self.thresholds.speedup_floor:g}x.",
+                    fallback_advice(
+                        self.server_kind, verdict, self.baseline, self.costs, self.thresholds.speedup_floor
+                    ),
+                )
+            )
 
 
-def fallback_advice(server_kind: str | None, verdict: WindowVerdict, baseline: Baseline | None, costs: StepCosts | None = None, floor: float = DEFAULT_SPEEDUP_FLOOR) -> tuple[str, ...]:
+def fallback_advice(
+    server_kind: str | None,
+    verdict: WindowVerdict,
+    baseline: Baseline | None,
+    costs: StepCosts | None = None,
+    floor: float = DEFAULT_SPEEDUP_FLOOR,
+) -> tuple[str, ...]:
     """The exact engine change, for a human to apply: a smaller K that still pays, else speculation off."""
     k_now = verdict.k or 0
     best_k = verdict.best_k if verdict.best_k is not None else 0
     k_new = k_that_pays((best_k, verdict.best_speedup), floor) if verdict.best_speedup is not None else 0
     pays = k_new > 0
-    why = (f"K={k_new} prices at {verdict.best_speedup:.2f}x from this window's per-position rates" if pays
-           else "no K pays at this acceptance" if costs is not None else "no step costs given (--cost-profile or a baseline run with a sweep) to price a smaller K")
+    why = (
+        f"K={k_new} prices at {verdict.best_speedup:.2f}x from this window's per-position rates"
+        if pays
+        else "no K pays at this acceptance"
+        if costs is not None
+        else "no step costs given (--cost-profile or a baseline run with a sweep) to price a smaller K"
+    )
     running = verdict.window.reported.get("running_requests")
     batch_hi = max(1, int(running)) if running else 256
     lines: list[str] = [f"why: {why}."]
     if server_kind in (None, "vllm"):
         if k_new:
-            lines.append(f'vLLM: --speculative-config \'{{..., "num_speculative_tokens": {k_new}}}\' (now {k_now})')
-        lines.append(f'vLLM: --speculative-config \'{{..., "num_speculative_tokens_per_batch_size": [[1, {batch_hi}, {k_new}]]}}\' '
-                     f"(K={k_new} for batch sizes 1..{batch_hi}{', the most requests seen running in this window' if running else ''}; keep other ranges)")
+            lines.append(f"vLLM: --speculative-config '{{..., \"num_speculative_tokens\": {k_new}}}' (now {k_now})")
+        lines.append(
+            f"vLLM: --speculative-config '{{..., \"num_speculative_tokens_per_batch_size\": [[1, {batch_hi}, {k_new}]]}}' "
+            f"(K={k_new} for batch sizes 1..{batch_hi}{', the most requests seen running in this window' if running else ''}; keep other ranges)"
+        )
     if server_kind in (None, "sglang"):
         if k_new:
             lines.append(f"SGLang: --speculative-num-draft-tokens {k_new + 1} (SGLang counts the anchor: K + 1)")
         else:
-            lines.append("SGLang: restart without --speculative-algorithm, or (EAGLE/EAGLE3) --speculative-adaptive with a tier of 0 steps for this batch range")
+            lines.append(
+                "SGLang: restart without --speculative-algorithm, or (EAGLE/EAGLE3) --speculative-adaptive with a tier of 0 steps for this batch range"
+            )
     if server_kind in (None, "llamacpp"):
-        lines.append(f"llama.cpp: --spec-draft-n-max {k_new}" if k_new else "llama.cpp: restart llama-server without the draft model (-md) / --spec-type")
+        lines.append(
+            f"llama.cpp: --spec-draft-n-max {k_new}"
+            if k_new
+            else "llama.cpp: restart llama-server without the draft model (-md) / --spec-type"
+        )
     if server_kind in (None, "trtllm"):
         lines.extend(_trtllm_gate(verdict, baseline, costs, floor))
     return tuple(lines)
@@ -345,7 +458,9 @@ def _trtllm_gate(verdict: WindowVerdict, baseline: Baseline | None, costs: StepC
     paying, and a window of completed requests long enough that the baseline stays clear of it."""
     k = verdict.k
     if not k or costs is None:
-        return ["TensorRT-LLM: speculative_config acceptance_rate_threshold / acceptance_rate_window_size need step costs (--cost-profile) to be computed"]
+        return [
+            "TensorRT-LLM: speculative_config acceptance_rate_threshold / acceptance_rate_window_size need step costs (--cost-profile) to be computed"
+        ]
     try:
         tau_break_even = floor * (costs.draft_s(k) + costs.verify_s(k)) / costs.t_decode_s
     except UsageError:

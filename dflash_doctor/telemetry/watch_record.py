@@ -60,23 +60,47 @@ CONSOLIDATE_EVERY_S = 3600.0
 
 UNITS_SCHEMA = pa.schema(
     [
-        ("end_s", pa.float64()), ("model", pa.string()), ("class", pa.string()), ("source", pa.string()),
-        ("num_drafts", pa.float64()), ("num_draft_tokens", pa.float64()), ("num_accepted_tokens", pa.float64()),
-        ("num_accepted_tokens_per_pos", pa.list_(pa.float64())), ("num_generated_tokens", pa.float64()),
+        ("end_s", pa.float64()),
+        ("model", pa.string()),
+        ("class", pa.string()),
+        ("source", pa.string()),
+        ("num_drafts", pa.float64()),
+        ("num_draft_tokens", pa.float64()),
+        ("num_accepted_tokens", pa.float64()),
+        ("num_accepted_tokens_per_pos", pa.list_(pa.float64())),
+        ("num_generated_tokens", pa.float64()),
     ]
 )
 
 WINDOWS_SCHEMA = pa.schema(
     [
-        ("end_s", pa.float64()), ("start_s", pa.float64()), ("model", pa.string()), ("class", pa.string()), ("status", pa.string()),
-        ("num_drafts", pa.float64()), ("num_draft_tokens", pa.float64()), ("num_accepted_tokens", pa.float64()),
-        ("num_accepted_tokens_per_pos", pa.list_(pa.float64())), ("num_generated_tokens", pa.float64()),
-        ("mean_acceptance_length", pa.float64()), ("mean_acceptance_length_lo", pa.float64()), ("mean_acceptance_length_hi", pa.float64()),
-        ("draft_acceptance_rate", pa.float64()), ("acceptance_rate_per_pos", pa.list_(pa.float64())), ("k", pa.int32()),
-        ("baseline_tau", pa.float64()), ("baseline_tau_lo", pa.float64()), ("baseline_tau_hi", pa.float64()),
+        ("end_s", pa.float64()),
+        ("start_s", pa.float64()),
+        ("model", pa.string()),
+        ("class", pa.string()),
+        ("status", pa.string()),
+        ("num_drafts", pa.float64()),
+        ("num_draft_tokens", pa.float64()),
+        ("num_accepted_tokens", pa.float64()),
+        ("num_accepted_tokens_per_pos", pa.list_(pa.float64())),
+        ("num_generated_tokens", pa.float64()),
+        ("mean_acceptance_length", pa.float64()),
+        ("mean_acceptance_length_lo", pa.float64()),
+        ("mean_acceptance_length_hi", pa.float64()),
+        ("draft_acceptance_rate", pa.float64()),
+        ("acceptance_rate_per_pos", pa.list_(pa.float64())),
+        ("k", pa.int32()),
+        ("baseline_tau", pa.float64()),
+        ("baseline_tau_lo", pa.float64()),
+        ("baseline_tau_hi", pa.float64()),
         ("engine_mean_acceptance_length", pa.float64()),
-        ("speedup", pa.float64()), ("best_k", pa.int32()), ("best_speedup", pa.float64()),
-        ("alerts", pa.list_(pa.string())), ("alert_messages", pa.list_(pa.string())), ("advice", pa.list_(pa.string())), ("notes", pa.list_(pa.string())),
+        ("speedup", pa.float64()),
+        ("best_k", pa.int32()),
+        ("best_speedup", pa.float64()),
+        ("alerts", pa.list_(pa.string())),
+        ("alert_messages", pa.list_(pa.string())),
+        ("advice", pa.list_(pa.string())),
+        ("notes", pa.list_(pa.string())),
     ]
 )
 
@@ -143,7 +167,9 @@ class _JournaledTable:
             self._stream.write_batch(pa.RecordBatch.from_pylist(rows, schema=self.schema))
             self._sink.flush()
 
-    def _write_parquet(self, keep_after_s: float | None, before_dropping: Callable[[pa.Table, float], None] | None = None) -> None:
+    def _write_parquet(
+        self, keep_after_s: float | None, before_dropping: Callable[[pa.Table, float], None] | None = None
+    ) -> None:
         """Parquet := its rows plus the journal's (those ending after ``keep_after_s``), atomically; the
         journal file is removed. ``before_dropping`` is shown the rows left out, and the cut, first."""
         table = read_time_series(self.parquet, self.journal, self.schema)
@@ -158,8 +184,13 @@ class _JournaledTable:
         tmp.replace(self.parquet)
         self.journal.unlink(missing_ok=True)
 
-    def consolidate(self, keep_after_s: float | None, *, reopen: bool,
-                    before_dropping: Callable[[pa.Table, float], None] | None = None) -> None:
+    def consolidate(
+        self,
+        keep_after_s: float | None,
+        *,
+        reopen: bool,
+        before_dropping: Callable[[pa.Table, float], None] | None = None,
+    ) -> None:
         """Fold the journal into the Parquet file (:meth:`_write_parquet`); the journal starts empty again
         (``reopen``) or is gone."""
         self._stream.close()
@@ -185,8 +216,15 @@ class WatchRecord:
     """Writes a watch's run directory: :meth:`update` after every evaluation appends to it, :meth:`close`
     consolidates it; ``retain_s`` (None: keep everything) bounds how far back its time series reach."""
 
-    def __init__(self, run_dir: Path | str, config: dict[str, Any], telemetry: WatchSetup, *, retain_s: float | None = None,
-                 overwrite: bool = False):
+    def __init__(
+        self,
+        run_dir: Path | str,
+        config: dict[str, Any],
+        telemetry: WatchSetup,
+        *,
+        retain_s: float | None = None,
+        overwrite: bool = False,
+    ):
         self.run_dir = Path(run_dir)
         continues = claim_run_dir(self.run_dir, overwrite=overwrite, continuable=holds_watch_run)
         earlier = RunRecord.from_json(read_run_meta(self.run_dir)) if continues else None
@@ -194,15 +232,25 @@ class WatchRecord:
         # A continued watch's summary pools the earlier units too: those the retention dropped as totals,
         # those still in the folder one by one. A unit at or before ``through_s`` is in the totals already
         # (a watch killed between writing run.json and the Parquet file leaves it in the folder as well).
-        expired = dict(earlier.source.details.get("expired") or {}) if earlier else {}  # watches before 2026-12 kept none
+        expired = (
+            dict(earlier.source.details.get("expired") or {}) if earlier else {}
+        )  # watches before 2026-12 kept none
         urls = [s for s in telemetry.get("sources", []) if str(s).startswith(("http://", "https://", "prometheus "))]
         self.record = RunRecord(
             meta=RunMeta(command="watch", created_at=earlier.meta.created_at if earlier else utc_now()),
-            source=Source(kind=SOURCE_TELEMETRY, description="production telemetry read by `dflash-doctor watch`",
-                          url=urls[0].removeprefix("prometheus ") if urls else None,
-                          details={**telemetry, "retain_s": retain_s, "events": [], "notes": [],
-                                   "alerts": telemetry_details(earlier)["alerts"] if earlier else [],
-                                   "expired": {"through_s": expired.get("through_s"), "series": []}}),
+            source=Source(
+                kind=SOURCE_TELEMETRY,
+                description="production telemetry read by `dflash-doctor watch`",
+                url=urls[0].removeprefix("prometheus ") if urls else None,
+                details={
+                    **telemetry,
+                    "retain_s": retain_s,
+                    "events": [],
+                    "notes": [],
+                    "alerts": telemetry_details(earlier)["alerts"] if earlier else [],
+                    "expired": {"through_s": expired.get("through_s"), "series": []},
+                },
+            ),
             config=dict(config),
         )
         self._windows = _JournaledTable(self.run_dir, WINDOWS_FILE, WINDOWS_SCHEMA, keep_earlier=continues)
@@ -210,7 +258,9 @@ class WatchRecord:
         self._totals: dict[SeriesKey | None, SpecCounts] = {}  # None: every series pooled
         self._num_units: dict[SeriesKey | None, int] = {}
         self._samples: dict[SeriesKey | None, list[SpecCounts]] = {}
-        self._sampled_from: dict[SeriesKey | None, int] = {}  # units the samples were drawn from (not the expired totals)
+        self._sampled_from: dict[
+            SeriesKey | None, int
+        ] = {}  # units the samples were drawn from (not the expired totals)
         self._rng = random.Random(0)  # the samples' draws: the same watch gives the same summary
         self._consolidated_at: float | None = None
         for entry in expired.get("series", []):
@@ -276,13 +326,35 @@ class WatchRecord:
         self._windows.append([verdict.as_row() for verdict in verdicts])
         for verdict in verdicts:
             for alert in verdict.alerts:
-                self.details["alerts"].append({"time_s": verdict.window.end_s, "kind": alert.kind, "series": alert.series, "message": alert.message, "advice": list(alert.advice)})
-        kept = [unit for unit in units if unit.counts.num_drafts is not None or unit.counts.num_generated_tokens is not None]
-        self._units.append([{"end_s": unit.end_s, "model": unit.key.model, "class": unit.key.cls, "source": unit.source, **unit.counts.as_dict()}
-                            for unit in kept])
+                self.details["alerts"].append(
+                    {
+                        "time_s": verdict.window.end_s,
+                        "kind": alert.kind,
+                        "series": alert.series,
+                        "message": alert.message,
+                        "advice": list(alert.advice),
+                    }
+                )
+        kept = [
+            unit for unit in units if unit.counts.num_drafts is not None or unit.counts.num_generated_tokens is not None
+        ]
+        self._units.append(
+            [
+                {
+                    "end_s": unit.end_s,
+                    "model": unit.key.model,
+                    "class": unit.key.cls,
+                    "source": unit.source,
+                    **unit.counts.as_dict(),
+                }
+                for unit in kept
+            ]
+        )
         for unit in kept:
             self._take_unit(unit.key, unit.counts)
-        self.details["events"] = [{"time_s": e.time_s, "kind": e.kind, "source": e.source, "message": e.message} for e in events]
+        self.details["events"] = [
+            {"time_s": e.time_s, "kind": e.kind, "source": e.source, "message": e.message} for e in events
+        ]
         self.details["notes"] = list(notes)
         now_s = max([v.window.end_s for v in verdicts] + [u.end_s for u in kept], default=None)
         if now_s is not None:
@@ -295,7 +367,9 @@ class WatchRecord:
         served = sorted({key.model for key in self._totals if key is not None})
         # The served model is the run's target (one model), or "served N" roles; identity beyond the name is not observable.
         self.record.models = {
-            ("target" if len(served) == 1 else f"served {i + 1}"): ModelInfo(id=name, revision_or_hash="unknown (served)", dtype="unknown", device="serving engine", kind="target")
+            ("target" if len(served) == 1 else f"served {i + 1}"): ModelInfo(
+                id=name, revision_or_hash="unknown (served)", dtype="unknown", device="serving engine", kind="target"
+            )
             for i, name in enumerate(served)
         }
         self.record.summary = self._summary()
@@ -322,7 +396,9 @@ class WatchRecord:
             if self._is_unexpired(row):
                 self._record_expired(SeriesKey(row["model"], row["class"]), _unit_counts(row), 1)
         previous = self.details["expired"]["through_s"]
-        self.details["expired"]["through_s"] = through_s if previous is None else max(previous, through_s)  # a cut never moves back
+        self.details["expired"]["through_s"] = (
+            through_s if previous is None else max(previous, through_s)
+        )  # a cut never moves back
         write_run_json(self.run_dir, self.record.to_json())
 
     def close(self, now_s: float | None = None) -> None:
@@ -340,13 +416,19 @@ class WatchRecord:
                 continue
             name = str(key) if several_models else key.cls
             by_class[name] = _summary_block(self._totals[key], self._samples[key], self._num_units[key])
-        overall = _summary_block(self._totals[None], self._samples[None], self._num_units[None]) if None in self._totals else None
+        overall = (
+            _summary_block(self._totals[None], self._samples[None], self._num_units[None])
+            if None in self._totals
+            else None
+        )
         return Summary(overall=overall, by_class=by_class)
 
 
 def _read(run_dir: Path | str, file_name: str, schema: pa.Schema) -> pd.DataFrame:
     run_dir = Path(run_dir)
-    return read_time_series(run_dir / file_name, journal_path(run_dir, file_name.removesuffix(".parquet")), schema).to_pandas()
+    return read_time_series(
+        run_dir / file_name, journal_path(run_dir, file_name.removesuffix(".parquet")), schema
+    ).to_pandas()
 
 
 def read_windows(run_dir: Path | str) -> pd.DataFrame:
@@ -357,7 +439,6 @@ def read_windows(run_dir: Path | str) -> pd.DataFrame:
 def read_units(run_dir: Path | str) -> pd.DataFrame:
     """The units of a watch run: the counts between consecutive scrapes (or per line / response)."""
     return _read(run_dir, UNITS_FILE, UNITS_SCHEMA)
-
 
 
 class WatchSetup(TypedDict):
@@ -378,14 +459,21 @@ class WatchDetails(WatchSetup):
     events: list[dict[str, Any]]  # time_s, kind, source, message
     alerts: list[dict[str, Any]]  # time_s, kind, series, message, advice (list of engine settings)
     notes: list[str]
-    expired: dict[str, Any]  # through_s (the last retention cut, or None) and series: per model and class, num_units and the counts
+    expired: dict[
+        str, Any
+    ]  # through_s (the last retention cut, or None) and series: per model and class, num_units and the counts
 
 
 def _unit_counts(row: dict[str, Any]) -> SpecCounts:
     """The counts of a ``units.parquet`` row."""
     per_pos = row["num_accepted_tokens_per_pos"]
-    return SpecCounts(num_drafts=row["num_drafts"], num_draft_tokens=row["num_draft_tokens"], num_accepted_tokens=row["num_accepted_tokens"],
-                      num_accepted_tokens_per_pos=None if per_pos is None else tuple(per_pos), num_generated_tokens=row["num_generated_tokens"])
+    return SpecCounts(
+        num_drafts=row["num_drafts"],
+        num_draft_tokens=row["num_draft_tokens"],
+        num_accepted_tokens=row["num_accepted_tokens"],
+        num_accepted_tokens_per_pos=None if per_pos is None else tuple(per_pos),
+        num_generated_tokens=row["num_generated_tokens"],
+    )
 
 
 def holds_watch_run(run_dir: Path) -> bool:
@@ -405,5 +493,3 @@ def is_watch_run(record: RunRecord) -> bool:
 def telemetry_details(record: RunRecord) -> WatchDetails:
     """A watch run's :class:`WatchDetails` (``record`` is a watch run: :func:`is_watch_run`)."""
     return cast(WatchDetails, record.source.details)  # written by WatchRecord with exactly these keys
-
-

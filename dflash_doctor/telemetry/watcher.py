@@ -79,7 +79,9 @@ class Watcher:
         self._snapshots: dict[tuple[str, SeriesKey], SpecCounts] = {}
         self._keys_by_source: dict[str, set[SeriesKey]] = {}
         self._unavailable_at: dict[str, float] = {}
-        self._averages: dict[tuple[str, SeriesKey], tuple[float | None, dict[str, float]]] = {}  # last since-start averages
+        self._averages: dict[
+            tuple[str, SeriesKey], tuple[float | None, dict[str, float]]
+        ] = {}  # last since-start averages
         self._polled_at: float | None = None
 
     @property
@@ -106,7 +108,11 @@ class Watcher:
         # A scrape counts up to the poll; files and Prometheus carry their own clock.
         end_s = now if observation.cumulative or observation.time_s is None else observation.time_s
         counts = observation.counts
-        reported = self._interval_averages(source, observation) if observation.averages_since_start else dict(observation.reported)
+        reported = (
+            self._interval_averages(source, observation)
+            if observation.averages_since_start
+            else dict(observation.reported)
+        )
         if observation.cumulative:
             previous = self._snapshots.get((source, key))
             self._snapshots[(source, key)] = counts
@@ -116,7 +122,14 @@ class Watcher:
             else:
                 counts, reset = counts.since(previous)
                 if reset:
-                    self.events.append(Event(now, "counter-reset", source, f"{key}: counters went down (server restart?); counting from zero again"))
+                    self.events.append(
+                        Event(
+                            now,
+                            "counter-reset",
+                            source,
+                            f"{key}: counters went down (server restart?); counting from zero again",
+                        )
+                    )
         self.units.append(Unit(key, end_s, counts, reported, source))
 
     def forget_units_before(self, time_s: float) -> None:
@@ -131,12 +144,22 @@ class Watcher:
         previous_weight, previous = self._averages.get((source, observation.key), (None, None))
         self._averages[(source, observation.key)] = (weight, observation.reported)
         first_counted = previous is None and self.count_since_start  # counts since start: so is the average
-        restarted = weight is not None and previous_weight is not None and weight < previous_weight  # averages start over
+        restarted = (
+            weight is not None and previous_weight is not None and weight < previous_weight
+        )  # averages start over
         for name in [n for n in observation.averages_since_start if n in reported]:
             if first_counted or restarted:
                 continue
-            if weight is not None and previous_weight is not None and previous and name in previous and weight > previous_weight:
-                reported[name] = (reported[name] * weight - previous[name] * previous_weight) / (weight - previous_weight)
+            if (
+                weight is not None
+                and previous_weight is not None
+                and previous
+                and name in previous
+                and weight > previous_weight
+            ):
+                reported[name] = (reported[name] * weight - previous[name] * previous_weight) / (
+                    weight - previous_weight
+                )
             else:
                 del reported[name]
         return reported

@@ -46,16 +46,28 @@ def _rows(cells: list[dict[str, Any]], load: Any, scope: str) -> list[dict[str, 
     for c in cells:
         # tau is informative only (a class on llama.cpp has none: its counters pool the run): the speedup is measured
         if load_of(c) == load and c["scope"] == scope and c["k"] > 0 and c.get("speedup") is not None:
-            rows.append({"k": c["k"], "mean_acceptance_length": c.get("tau"), "mean_acceptance_length_ci": c.get("tau_ci"),
-                         "speedup": c["speedup"], "speedup_ci": c.get("speedup_ci")})
+            rows.append(
+                {
+                    "k": c["k"],
+                    "mean_acceptance_length": c.get("tau"),
+                    "mean_acceptance_length_ci": c.get("tau_ci"),
+                    "speedup": c["speedup"],
+                    "speedup_ci": c.get("speedup_ci"),
+                }
+            )
     return rows
 
 
 def _sweep_row(row: dict[str, Any]) -> SweepRow:
     """A measured cell as the sweep row :func:`recommend` ranks (its speedup measured, not priced)."""
-    return SweepRow(k=row["k"], mean_acceptance_length=row["mean_acceptance_length"],
-                    mean_acceptance_length_ci=list(row["mean_acceptance_length_ci"] or [None, None]),
-                    speedup=row["speedup"], estimate="exact", speedup_ci=list(row["speedup_ci"] or [None, None]))
+    return SweepRow(
+        k=row["k"],
+        mean_acceptance_length=row["mean_acceptance_length"],
+        mean_acceptance_length_ci=list(row["mean_acceptance_length_ci"] or [None, None]),
+        speedup=row["speedup"],
+        estimate="exact",
+        speedup_ci=list(row["speedup_ci"] or [None, None]),
+    )
 
 
 PAYS, DOES_NOT_PAY, WITHIN_NOISE = "pays", "does not pay", "within the noise"
@@ -75,21 +87,36 @@ def _noise_text(pick_k: int, rows: list[dict[str, Any]]) -> tuple[list[int], str
     return ks, (f"; {k_range_text(ks)} within the noise" if len(ks) > 1 else "")
 
 
-def recommend_grid(cells: list[dict[str, Any]], *, strict_classes: tuple[str, ...] = (), strict_max_k: int = 4,
-                   conservative_share: float = 0.95) -> dict[str, dict[str, dict[str, Any]]]:
+def recommend_grid(
+    cells: list[dict[str, Any]],
+    *,
+    strict_classes: tuple[str, ...] = (),
+    strict_max_k: int = 4,
+    conservative_share: float = 0.95,
+) -> dict[str, dict[str, dict[str, Any]]]:
     """``{load text: {scope: recommendation}}`` from the measured speedups (load text: :func:`load_text`)."""
     advice: dict[str, dict[str, dict[str, Any]]] = {}
     for load in sorted({load_of(c) for c in cells}):
         scopes = sorted({c["scope"] for c in cells if load_of(c) == load}, key=lambda s: (s != OVERALL, s))
         rows = {scope: _rows(cells, load, scope) for scope in scopes}
-        paying = {scope: [row for row in scope_rows if shown_to_pay(row.get("speedup_ci"))] for scope, scope_rows in rows.items()}
-        picks = recommend({scope: [_sweep_row(row) for row in scope_rows] for scope, scope_rows in paying.items()},
-                          conservative_share=conservative_share, strict_classes=strict_classes, strict_max_k=strict_max_k)
+        paying = {
+            scope: [row for row in scope_rows if shown_to_pay(row.get("speedup_ci"))]
+            for scope, scope_rows in rows.items()
+        }
+        picks = recommend(
+            {scope: [_sweep_row(row) for row in scope_rows] for scope, scope_rows in paying.items()},
+            conservative_share=conservative_share,
+            strict_classes=strict_classes,
+            strict_max_k=strict_max_k,
+        )
         # a strict class is judged on the K it may serve only
-        eligible = {scope: [row for row in scope_rows if scope not in strict_classes or row["k"] <= strict_max_k]
-                    for scope, scope_rows in rows.items()}
-        chosen: dict[str, dict[str, Any]] = {scope: dataclasses.asdict(pick) | {"verdict": verdict(eligible[scope])}
-                  for scope, pick in picks.items()}
+        eligible = {
+            scope: [row for row in scope_rows if scope not in strict_classes or row["k"] <= strict_max_k]
+            for scope, scope_rows in rows.items()
+        }
+        chosen: dict[str, dict[str, Any]] = {
+            scope: dataclasses.asdict(pick) | {"verdict": verdict(eligible[scope])} for scope, pick in picks.items()
+        }
         for scope, pick in chosen.items():
             if not eligible[scope]:
                 continue
@@ -105,16 +132,21 @@ def recommend_grid(cells: list[dict[str, Any]], *, strict_classes: tuple[str, ..
                 continue
             best = max(eligible[scope], key=lambda row: row["speedup"])
             pick["ks_within_noise"], noise = _noise_text(best["k"], eligible[scope])
-            measured = (f"the best measured, K={best['k']}, ran at {best['speedup']:.2f}x "
-                        f"{ci(best['speedup_ci'])}{noise}")
+            measured = (
+                f"the best measured, K={best['k']}, ran at {best['speedup']:.2f}x {ci(best['speedup_ci'])}{noise}"
+            )
             if pick["verdict"] == DOES_NOT_PAY:
-                pick["reason"] = (f"Speculation off: every K is shown not to pay (the high end of its speedup's "
-                                  f"95% interval below 1); {measured}.")
+                pick["reason"] = (
+                    f"Speculation off: every K is shown not to pay (the high end of its speedup's "
+                    f"95% interval below 1); {measured}."
+                )
             else:
                 pick["confidence"] = "uncertain"
-                pick["reason"] = (f"Within the noise: no K is shown to pay (the low end of its speedup's 95% "
-                                  f"interval at or above 1) nor not to pay (the high end below 1); {measured}. The setting stays K=0 "
-                                  f"until more requests per cell (--max-requests) tell.")
+                pick["reason"] = (
+                    f"Within the noise: no K is shown to pay (the low end of its speedup's 95% "
+                    f"interval at or above 1) nor not to pay (the high end below 1); {measured}. The setting stays K=0 "
+                    f"until more requests per cell (--max-requests) tell."
+                )
         advice[load_text(load)] = chosen
     return advice
 
@@ -128,7 +160,9 @@ def batch_ranges(k_by_load: dict[int, int]) -> list[list[int]]:
     return ranges
 
 
-def settings_per_server(advice: dict[str, dict[str, dict[str, Any]]], draft_method: str = "dflash", kind: str = CONCURRENCY) -> dict[str, str]:
+def settings_per_server(
+    advice: dict[str, dict[str, dict[str, Any]]], draft_method: str = "dflash", kind: str = CONCURRENCY
+) -> dict[str, str]:
     """The overall recommendation per load (of ``kind``) as vLLM, SGLang and llama.cpp settings (exact flag text)."""
     k_by_load = {float(load): int(picks[OVERALL]["k"]) for load, picks in advice.items() if OVERALL in picks}
     ks = set(k_by_load.values())
@@ -142,18 +176,28 @@ def settings_per_server(advice: dict[str, dict[str, dict[str, Any]]], draft_meth
     if len(ks) == 1:
         k = ks.pop()
         vllm = f'--speculative-config \'{{"method": "{draft_method}", "model": DRAFT, "num_speculative_tokens": {k}}}\''
-        return {"vllm": vllm, "sglang": f"--speculative-num-draft-tokens {k + 1}", "llama.cpp": f"--spec-draft-n-max {k}"}
+        return {
+            "vllm": vllm,
+            "sglang": f"--speculative-num-draft-tokens {k + 1}",
+            "llama.cpp": f"--spec-draft-n-max {k}",
+        }
     differs = f"K differs by load ({loads})"
     if kind == CONCURRENCY:
-        spec = {"method": draft_method, "model": "DRAFT", "num_speculative_tokens": max(ks),
-                "num_speculative_tokens_per_batch_size": batch_ranges({int(load): k for load, k in k_by_load.items()})}
+        spec = {
+            "method": draft_method,
+            "model": "DRAFT",
+            "num_speculative_tokens": max(ks),
+            "num_speculative_tokens_per_batch_size": batch_ranges({int(load): k for load, k in k_by_load.items()}),
+        }
         vllm = f"--speculative-config '{json.dumps(spec)}'"
     else:
-        vllm = (f"{differs}; num_speculative_tokens_per_batch_size keys on batch size, not arrival rate: measure "
-                f"--concurrency levels for its ranges, or num_speculative_tokens K for the rate you serve most")
+        vllm = (
+            f"{differs}; num_speculative_tokens_per_batch_size keys on batch size, not arrival rate: measure "
+            f"--concurrency levels for its ranges, or num_speculative_tokens K for the rate you serve most"
+        )
     return {
         "vllm": vllm,
         "sglang": f"{differs}; DFLASH has no batch-size tiers (--speculative-adaptive is EAGLE/EAGLE3 only): "
-                  f"--speculative-num-draft-tokens K+1 for the load you serve most",
+        f"--speculative-num-draft-tokens K+1 for the load you serve most",
         "llama.cpp": f"{differs}; llama.cpp has one K per server: --spec-draft-n-max K for the load you serve most",
     }

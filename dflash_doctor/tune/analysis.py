@@ -29,13 +29,22 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from dflash_doctor.stats.metrics import NUM_BOOTSTRAP_RESAMPLES, bootstrap_pooled, group_rng, interval, ratio_of_sums, summary_group
+from dflash_doctor.stats.metrics import (
+    NUM_BOOTSTRAP_RESAMPLES,
+    bootstrap_pooled,
+    group_rng,
+    interval,
+    ratio_of_sums,
+    summary_group,
+)
 from dflash_doctor.tune.loads import CONCURRENCY, load_kind, load_of, load_text
 
 OVERALL = "overall"
 
 
-def pooled(columns: list[np.ndarray], combine, *, seed: int, group: str, n_boot: int = NUM_BOOTSTRAP_RESAMPLES) -> tuple[float, list[float]]:
+def pooled(
+    columns: list[np.ndarray], combine, *, seed: int, group: str, n_boot: int = NUM_BOOTSTRAP_RESAMPLES
+) -> tuple[float, list[float]]:
     """``combine`` of the column sums over requests, and its 95% bootstrap interval over requests."""
     if len(columns[0]) == 0:
         return float("nan"), [float("nan"), float("nan")]
@@ -60,10 +69,17 @@ def _paired_speedup(sums: np.ndarray) -> np.ndarray:
 def _figures(rows: pd.DataFrame, seed: int, group: str) -> dict[str, Any]:
     tokens_after_first = (rows["num_output_tokens"] - 1).clip(lower=0).to_numpy()
     ones = np.ones(len(rows))
-    figures: dict[str, Any] = {"num_requests": int(len(rows)), "num_output_tokens": int(rows["num_output_tokens"].sum())}
+    figures: dict[str, Any] = {
+        "num_requests": int(len(rows)),
+        "num_output_tokens": int(rows["num_output_tokens"].sum()),
+    }
     for name, column in (("ttft_s", "ttft_s"), ("e2e_s", "e2e_s")):
-        figures[name], figures[f"{name}_ci"] = pooled([rows[column].to_numpy(), ones], ratio_of_sums, seed=seed, group=f"{group}:{name}")
-    figures["tpot_s"], figures["tpot_s_ci"] = pooled([rows["decode_s"].to_numpy(), tokens_after_first], ratio_of_sums, seed=seed, group=f"{group}:tpot")
+        figures[name], figures[f"{name}_ci"] = pooled(
+            [rows[column].to_numpy(), ones], ratio_of_sums, seed=seed, group=f"{group}:{name}"
+        )
+    figures["tpot_s"], figures["tpot_s_ci"] = pooled(
+        [rows["decode_s"].to_numpy(), tokens_after_first], ratio_of_sums, seed=seed, group=f"{group}:tpot"
+    )
     spec = rows.dropna(subset=["num_drafts"])
     spec = spec[spec["num_drafts"] > 0]
     if len(spec):
@@ -71,7 +87,8 @@ def _figures(rows: pd.DataFrame, seed: int, group: str) -> dict[str, Any]:
         figures["tau"], figures["tau_ci"] = pooled([accepted, drafts], _tau, seed=seed, group=f"{group}:tau")
         wasted = (spec["num_draft_tokens"] - spec["num_accepted_tokens"]).to_numpy()
         figures["rollback_per_token"], figures["rollback_per_token_ci"] = pooled(
-            [wasted, spec["num_output_tokens"].to_numpy()], ratio_of_sums, seed=seed, group=f"{group}:rollback")
+            [wasted, spec["num_output_tokens"].to_numpy()], ratio_of_sums, seed=seed, group=f"{group}:rollback"
+        )
         figures["step_s"] = float(spec["decode_s"].sum() / spec["num_drafts"].sum())
     return figures
 
@@ -108,13 +125,18 @@ def baseline_drift(rows: pd.DataFrame) -> dict[str, float]:
     base = rows[rows["k"] == 0]
     drift = {}
     for load, at_load in base.groupby(load_kind(rows)):
-        passes = [part["decode_s"].sum() / (part["num_output_tokens"] - 1).clip(lower=0).sum() for _, part in at_load.groupby("repeat")]
+        passes = [
+            part["decode_s"].sum() / (part["num_output_tokens"] - 1).clip(lower=0).sum()
+            for _, part in at_load.groupby("repeat")
+        ]
         if len(passes) == 2:
             drift[load_text(load)] = float(passes[1] / passes[0] - 1.0)
     return drift
 
 
-def analyse(rows: pd.DataFrame, throughput: dict[tuple[int, Any], dict[str, float]], *, seed: int = 0) -> list[dict[str, Any]]:
+def analyse(
+    rows: pd.DataFrame, throughput: dict[tuple[int, Any], dict[str, float]], *, seed: int = 0
+) -> list[dict[str, Any]]:
     """One cell per (load, K, scope): the figures above; ``throughput[(K, load)]`` holds the run-level
     ``output_tokens_per_s`` and ``requests_per_s``."""
     cells: list[dict[str, Any]] = []
@@ -125,7 +147,9 @@ def analyse(rows: pd.DataFrame, throughput: dict[tuple[int, Any], dict[str, floa
         for k in sorted(at_load["k"].unique()):
             cell_rows = at_load[at_load["k"] == k]
             scopes = [(OVERALL, cell_rows, base_all)] + [
-                (str(cls), part, base_all[base_all["class"] == cls]) for cls, part in cell_rows.groupby("class", sort=True)]
+                (str(cls), part, base_all[base_all["class"] == cls])
+                for cls, part in cell_rows.groupby("class", sort=True)
+            ]
             for scope, part, base in scopes:
                 group = f"{'c' if kind == CONCURRENCY else 'r'}{load_text(load)}:k{k}:{summary_group(scope)}"
                 cell = {kind: load, "k": int(k), "scope": scope, **_figures(part, seed, group)}
@@ -145,12 +169,14 @@ def analyse(rows: pd.DataFrame, throughput: dict[tuple[int, Any], dict[str, floa
 
 def _finite(cell: dict[str, Any]) -> dict[str, Any]:
     """NaN figures become None, so tune.json stays strict JSON (a rate of inf is written "inf": :func:`dflash_doctor.tune.experiment.strict_json`)."""
+
     def clean(value):
         if isinstance(value, float) and not math.isfinite(value):
             return None
         if isinstance(value, list):
             return [clean(v) for v in value]
         return value
+
     return {key: clean(value) for key, value in cell.items()}
 
 
@@ -169,6 +195,8 @@ def fill_from_counters(cells: list[dict[str, Any]], rows: pd.DataFrame, counters
             continue
         part = rows[(rows["k"] == c["k"]) & (rows[load_kind(c)] == load_of(c))]
         c["tau"], c["tau_ci"] = measured.tau, None
-        c["rollback_per_token"] = (measured.num_draft_tokens - measured.num_accepted_tokens) / max(int(part["num_output_tokens"].sum()), 1)
+        c["rollback_per_token"] = (measured.num_draft_tokens - measured.num_accepted_tokens) / max(
+            int(part["num_output_tokens"].sum()), 1
+        )
         c["step_s"] = float(part["decode_s"].sum()) / measured.num_drafts
         c["acceptance_from"] = "/metrics counter deltas"

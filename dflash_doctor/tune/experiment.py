@@ -62,7 +62,9 @@ def parse_rates(text: str) -> tuple[float, ...]:
     except ValueError:
         rates = set()
     if not rates or any(math.isnan(rate) or rate <= 0 for rate in rates):
-        raise UsageError(f"--request-rate {text!r} must be requests per second above 0, comma-separated, like 2,4,inf; fix the value.")
+        raise UsageError(
+            f"--request-rate {text!r} must be requests per second above 0, comma-separated, like 2,4,inf; fix the value."
+        )
     return tuple(sorted(rates))
 
 
@@ -77,9 +79,14 @@ class TuneOutcome:
     result: dict[str, Any]
 
 
-def measure_grid(grid: TuneGrid, config: DoctorConfig, requests, run_dir: Path,
-                 on_request: Callable[[int, LoadLevel, TimedRequest], None] | None = None,
-                 api_key: str | None = None) -> tuple[list[LoadRun], list[dict[str, Any]]]:
+def measure_grid(
+    grid: TuneGrid,
+    config: DoctorConfig,
+    requests,
+    run_dir: Path,
+    on_request: Callable[[int, LoadLevel, TimedRequest], None] | None = None,
+    api_key: str | None = None,
+) -> tuple[list[LoadRun], list[dict[str, Any]]]:
     """Every K on its server, every load on it; returns the runs and what each server said about itself.
     ``api_key`` (the servers' --api-key) goes with every request, health poll and /metrics scrape."""
     runs: list[LoadRun] = []
@@ -97,20 +104,32 @@ def measure_grid(grid: TuneGrid, config: DoctorConfig, requests, run_dir: Path,
     return runs, servers
 
 
-def _measure_server(plan, grid: TuneGrid, config: DoctorConfig, requests, log_path: Path, api_key: str | None, repeat: int,
-                    on_request: Callable[[int, LoadLevel, TimedRequest], None] | None) -> tuple[list[LoadRun], dict[str, Any]]:
+def _measure_server(
+    plan,
+    grid: TuneGrid,
+    config: DoctorConfig,
+    requests,
+    log_path: Path,
+    api_key: str | None,
+    repeat: int,
+    on_request: Callable[[int, LoadLevel, TimedRequest], None] | None,
+) -> tuple[list[LoadRun], dict[str, Any]]:
     """One K: its server up, warm-up requests, every load; the runs and what the server said about itself."""
     runs: list[LoadRun] = []
     with serving(plan, log_path, grid.start_timeout_s, api_key) as url:
-        endpoint = resolve_model(ServerEndpoint.from_url(url, model=config.engine_model, timeout_s=config.engine_timeout_s, api_key=api_key))
+        endpoint = resolve_model(
+            ServerEndpoint.from_url(url, model=config.engine_model, timeout_s=config.engine_timeout_s, api_key=api_key)
+        )
         for request in requests[: grid.warmup_requests]:
             stream_request(endpoint, request, config)
         for load in grid.loads:
+
             def report(timed: TimedRequest, k=plan.k, load=load) -> None:
                 if on_request is not None:
                     on_request(k, load, timed)
+
             runs.append(run_load(endpoint, requests, config, k=plan.k, load=load, repeat=repeat, on_request=report))
-        facts = _server_facts(plan.k, plan.command, url, endpoint.model, runs[-len(grid.loads):]) | {"repeat": repeat}
+        facts = _server_facts(plan.k, plan.command, url, endpoint.model, runs[-len(grid.loads) :]) | {"repeat": repeat}
     return runs, facts
 
 
@@ -121,13 +140,24 @@ def _server_facts(k: int, command: str | None, url: str, model: str | None, runs
     specs = [timed.spec for run in runs for timed in run.requests if timed.spec is not None]
     reported = {spec.num_spec_tokens for spec in specs if spec.num_spec_tokens is not None}
     per_request = any(spec.num_drafts is not None for spec in specs)
-    facts: dict[str, Any] = {"k": k, "url": redact(url), "model": model, "launched": redact(command) if command else None,
-                             "engine_num_spec_tokens": sorted(reported),
-                             "acceptance_from": "per-request response metrics" if per_request else
-                             "/metrics counter deltas over the run (overall only)" if any(r.counters for r in runs) else "none"}
+    facts: dict[str, Any] = {
+        "k": k,
+        "url": redact(url),
+        "model": model,
+        "launched": redact(command) if command else None,
+        "engine_num_spec_tokens": sorted(reported),
+        "acceptance_from": "per-request response metrics"
+        if per_request
+        else "/metrics counter deltas over the run (overall only)"
+        if any(r.counters for r in runs)
+        else "none",
+    }
     if k > 0 and reported and reported != {k}:
         facts["warning"] = f"the server reports num_spec_tokens {sorted(reported)}, not K={k}: check the launch command"
-    if k == 0 and (any(spec.num_draft_tokens or spec.num_drafts for spec in specs) or any(r.counters and r.counters.num_drafts for r in runs)):
+    if k == 0 and (
+        any(spec.num_draft_tokens or spec.num_drafts for spec in specs)
+        or any(r.counters and r.counters.num_drafts for r in runs)
+    ):
         facts["warning"] = "the K=0 server drafted tokens: it is speculating; the baseline must run without a draft"
     return facts
 
@@ -146,11 +176,17 @@ def run_throughput(runs: list[LoadRun]) -> dict[tuple[int, Any], dict[str, float
     for key, group in cells.items():
         wall = sum(run.wall_s for run in group)
         tokens = sum(r.num_output_tokens for run in group for r in run.requests)
-        figures[key] = {"output_tokens_per_s": tokens / wall, "requests_per_s": sum(len(run.requests) for run in group) / wall, "wall_s": wall}
+        figures[key] = {
+            "output_tokens_per_s": tokens / wall,
+            "requests_per_s": sum(len(run.requests) for run in group) / wall,
+            "wall_s": wall,
+        }
     return figures
 
 
-def teacher_sweep(grid: TuneGrid, config: DoctorConfig, workload_path: Path, run_dir: Path) -> tuple[dict[str, Any], str, str]:
+def teacher_sweep(
+    grid: TuneGrid, config: DoctorConfig, workload_path: Path, run_dir: Path
+) -> tuple[dict[str, Any], str, str]:
     """(``summary.sweep``, its run directory, the draft kind) of the doctor's teacher-forced replay of the same prompts."""
     if grid.sweep_dir is not None:
         sweep_dir = Path(grid.sweep_dir)
@@ -158,21 +194,37 @@ def teacher_sweep(grid: TuneGrid, config: DoctorConfig, workload_path: Path, run
             run = json.loads((sweep_dir / "run.json").read_text(encoding="utf-8"))
             sweep = run["summary"]["sweep"]
         except (OSError, ValueError, KeyError, TypeError):
-            raise UsageError(f"--sweep {sweep_dir} is not a finished sweep run directory (run.json with summary.sweep); run `dflash-doctor sweep` first.") from None
+            raise UsageError(
+                f"--sweep {sweep_dir} is not a finished sweep run directory (run.json with summary.sweep); run `dflash-doctor sweep` first."
+            ) from None
     else:
         spec_ks = tuple(k for k in grid.ks if k > 0)
-        sweep_config = dataclasses.replace(config, workload=str(workload_path), max_requests=None, classes=(), k=spec_ks,
-                                           out=str(run_dir / "sweep"), cost_profile=None)
+        sweep_config = dataclasses.replace(
+            config,
+            workload=str(workload_path),
+            max_requests=None,
+            classes=(),
+            k=spec_ks,
+            out=str(run_dir / "sweep"),
+            cost_profile=None,
+        )
         outcome = pipeline.run_sweep(sweep_config)
         sweep_dir, run = outcome.run_dir, outcome.record.to_json()
         sweep = run["summary"]["sweep"]
     return sweep, str(sweep_dir), str(((run.get("models") or {}).get("draft") or {}).get("kind") or "dflash")
 
 
-def run_tune(grid: TuneGrid, config: DoctorConfig, run_dir: Path,
-             on_request: Callable[[int, LoadLevel, TimedRequest], None] | None = None, api_key: str | None = None) -> TuneOutcome:
+def run_tune(
+    grid: TuneGrid,
+    config: DoctorConfig,
+    run_dir: Path,
+    on_request: Callable[[int, LoadLevel, TimedRequest], None] | None = None,
+    api_key: str | None = None,
+) -> TuneOutcome:
     """The whole experiment; see the module doc."""
-    requests = first_turns(load_workload(config.workload, classes=config.classes, max_requests=config.max_requests, seed=config.seed))
+    requests = first_turns(
+        load_workload(config.workload, classes=config.classes, max_requests=config.max_requests, seed=config.seed)
+    )
     if not requests:
         raise UsageError(f"--workload {config.workload} selected no requests; widen --classes or --max-requests.")
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -184,11 +236,17 @@ def run_tune(grid: TuneGrid, config: DoctorConfig, run_dir: Path,
     throughput = run_throughput(runs)
     cells = analyse(rows, throughput, seed=config.seed)
     fill_from_counters(cells, rows, {(run.k, run.load.value): run.counters for run in runs if run.counters is not None})
-    fits = {load.value: fitted for load in grid.loads if (fitted := fit_costs(cells, load.value, grid.fit_ks)) is not None}
+    fits = {
+        load.value: fitted for load in grid.loads if (fitted := fit_costs(cells, load.value, grid.fit_ks)) is not None
+    }
     prediction = predict(cells, fits, sweep_taus(sweep))
     strict_max_k = int(config.thresholds.get("strict_max_k", 4))
-    advice = recommend_grid(cells, strict_classes=config.strict_classes, strict_max_k=strict_max_k,
-                            conservative_share=float(config.thresholds.get("conservative_share", 0.95)))
+    advice = recommend_grid(
+        cells,
+        strict_classes=config.strict_classes,
+        strict_max_k=strict_max_k,
+        conservative_share=float(config.thresholds.get("conservative_share", 0.95)),
+    )
     profiles = {}
     for load in grid.loads:
         if (fitted := fits.get(load.value)) is None:
@@ -199,11 +257,21 @@ def run_tune(grid: TuneGrid, config: DoctorConfig, run_dir: Path,
         profiles[load_text(load.value)] = name
     kind = grid.loads[0].kind
     result = {
-        "schema_version": TUNE_SCHEMA_VERSION, "tool_version": __version__, "created_at": utc_now(),
+        "schema_version": TUNE_SCHEMA_VERSION,
+        "tool_version": __version__,
+        "created_at": utc_now(),
         "config": config.as_dict(),
-        "grid": {"k": list(grid.ks), "loads": [load.value for load in grid.loads],
-                 **({} if kind == CONCURRENCY else {"burstiness": grid.loads[0].burstiness, "max_concurrency": grid.loads[0].max_concurrency}),
-                 "fit_k": list(grid.fit_ks), "num_requests": len(requests)},
+        "grid": {
+            "k": list(grid.ks),
+            "loads": [load.value for load in grid.loads],
+            **(
+                {}
+                if kind == CONCURRENCY
+                else {"burstiness": grid.loads[0].burstiness, "max_concurrency": grid.loads[0].max_concurrency}
+            ),
+            "fit_k": list(grid.fit_ks),
+            "num_requests": len(requests),
+        },
         "baseline_drift": baseline_drift(rows),
         "servers": servers,
         "cells": cells,
@@ -211,7 +279,9 @@ def run_tune(grid: TuneGrid, config: DoctorConfig, run_dir: Path,
         "prediction": prediction,
         "held_out_error": held_out_error(prediction),
         "recommendation": advice,
-        "engine_settings": settings_per_server(advice, "draft_model" if draft_kind == "autoregressive" else "dflash", kind),
+        "engine_settings": settings_per_server(
+            advice, "draft_model" if draft_kind == "autoregressive" else "dflash", kind
+        ),
         "cost_profiles": profiles,
         "sweep_dir": sweep_dir,
     }

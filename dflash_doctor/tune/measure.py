@@ -60,9 +60,17 @@ class TimedRequest:
     def as_row(self, k: int, load: LoadLevel, repeat: int) -> dict[str, Any]:
         spec = self.spec
         return {
-            "k": k, load.kind: load.value, "repeat": repeat, "request_id": self.request_id, "class": self.request_class,
-            "prompt_num_tokens": self.prompt_num_tokens, "num_output_tokens": self.num_output_tokens,
-            "ttft_s": self.ttft_s, "tpot_s": self.tpot_s, "e2e_s": self.e2e_s, "decode_s": self.decode_s,
+            "k": k,
+            load.kind: load.value,
+            "repeat": repeat,
+            "request_id": self.request_id,
+            "class": self.request_class,
+            "prompt_num_tokens": self.prompt_num_tokens,
+            "num_output_tokens": self.num_output_tokens,
+            "ttft_s": self.ttft_s,
+            "tpot_s": self.tpot_s,
+            "e2e_s": self.e2e_s,
+            "decode_s": self.decode_s,
             "num_drafts": spec.num_drafts if spec else None,
             "num_draft_tokens": spec.num_draft_tokens if spec else None,
             "num_accepted_tokens": spec.num_accepted_tokens if spec else None,
@@ -83,7 +91,10 @@ class LoadRun:
 
 def first_turns(requests: list[Request]) -> list[Request]:
     """Each request cut to its first turn (see the module doc for why); the sweep replays the same list."""
-    return [dataclasses.replace(r, messages=tuple(conversation_turns(r)[0])) if r.messages is not None else r for r in requests]
+    return [
+        dataclasses.replace(r, messages=tuple(conversation_turns(r)[0])) if r.messages is not None else r
+        for r in requests
+    ]
 
 
 def streamed_body(endpoint: ServerEndpoint, request: Request, config: DoctorConfig) -> tuple[str, dict[str, Any]]:
@@ -95,23 +106,28 @@ def streamed_body(endpoint: ServerEndpoint, request: Request, config: DoctorConf
     return path, body
 
 
-def stream_request(endpoint: ServerEndpoint, request: Request, config: DoctorConfig,
-                   clock: Callable[[], float] = time.perf_counter) -> TimedRequest:
+def stream_request(
+    endpoint: ServerEndpoint, request: Request, config: DoctorConfig, clock: Callable[[], float] = time.perf_counter
+) -> TimedRequest:
     """Send one request streamed and time it; a failure is a UsageError naming the server."""
     path, body = streamed_body(endpoint, request, config)
     started = clock()
     ttft: float | None = None
     final: dict[str, Any] = {}
     try:
-        with endpoint.client.stream("POST", endpoint.base_url + path, payload=body, headers={"Accept": "text/event-stream"}) as (status, lines):
+        with endpoint.client.stream(
+            "POST", endpoint.base_url + path, payload=body, headers={"Accept": "text/event-stream"}
+        ) as (status, lines):
             if status != 200:
                 fix = auth_fix(endpoint) if status in AUTH_STATUSES else "check the server's log and flags"
-                raise UsageError(f"--engine {endpoint.base_url}{path} answered HTTP {status} to request {request.id}; {fix}.")
+                raise UsageError(
+                    f"--engine {endpoint.base_url}{path} answered HTTP {status} to request {request.id}; {fix}."
+                )
             for raw in lines:
                 line = raw.decode("utf-8", errors="replace").strip()
                 if not line.startswith("data:"):
                     continue
-                data = line[len("data:"):].strip()
+                data = line[len("data:") :].strip()
                 if data == "[DONE]":
                     break
                 chunk = json.loads(data)
@@ -120,12 +136,16 @@ def stream_request(endpoint: ServerEndpoint, request: Request, config: DoctorCon
                 if chunk.get("usage") is not None:  # its shape is read_measurement's to judge
                     final = chunk
     except (Unreachable, json.JSONDecodeError, AttributeError) as exc:
-        raise UsageError(f"--engine {endpoint.base_url}: request {request.id} failed mid-stream ({exc}); "
-                         "check that the server is still up.") from None
+        raise UsageError(
+            f"--engine {endpoint.base_url}: request {request.id} failed mid-stream ({exc}); "
+            "check that the server is still up."
+        ) from None
     e2e = clock() - started
     if not final or not final["usage"]:
-        raise UsageError(f"--engine {endpoint.base_url} streamed no usage for request {request.id}; the server must "
-                         "honour stream_options.include_usage (vLLM, SGLang and llama.cpp do).")
+        raise UsageError(
+            f"--engine {endpoint.base_url} streamed no usage for request {request.id}; the server must "
+            "honour stream_options.include_usage (vLLM, SGLang and llama.cpp do)."
+        )
     try:
         spec: SpecMeasurement | None = read_measurement(final)
     except MissingMetrics:
@@ -134,14 +154,26 @@ def stream_request(endpoint: ServerEndpoint, request: Request, config: DoctorCon
         raise UsageError(impossible_answer(endpoint, exc)) from None
     usage = final["usage"]
     return TimedRequest(
-        request_id=request.id, request_class=request.request_class,
-        prompt_num_tokens=int(usage.get("prompt_tokens") or 0), num_output_tokens=int(usage.get("completion_tokens") or 0),
-        ttft_s=ttft if ttft is not None else e2e, e2e_s=e2e, spec=spec,
+        request_id=request.id,
+        request_class=request.request_class,
+        prompt_num_tokens=int(usage.get("prompt_tokens") or 0),
+        num_output_tokens=int(usage.get("completion_tokens") or 0),
+        ttft_s=ttft if ttft is not None else e2e,
+        e2e_s=e2e,
+        spec=spec,
     )
 
 
-def run_load(endpoint: ServerEndpoint, requests: list[Request], config: DoctorConfig, *, k: int, load: LoadLevel, repeat: int = 0,
-             on_request: Callable[[TimedRequest], None] | None = None) -> LoadRun:
+def run_load(
+    endpoint: ServerEndpoint,
+    requests: list[Request],
+    config: DoctorConfig,
+    *,
+    k: int,
+    load: LoadLevel,
+    repeat: int = 0,
+    on_request: Callable[[TimedRequest], None] | None = None,
+) -> LoadRun:
     """Every request once at this load: ``concurrency`` in flight at a time (a closed loop, as ``vllm bench
     serve --request-rate inf --max-concurrency``) or each sent at its arrival offset from ``config.seed``'s
     schedule (an open loop, as ``--request-rate``); the /metrics counters around the run give its

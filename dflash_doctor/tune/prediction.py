@@ -92,7 +92,9 @@ class FittedCosts:
         return {
             "device": device,
             "notes": f"fitted by dflash-doctor tune at {self.load} from K {', '.join(map(str, self.fit_ks))}: {self.note}",
-            "t_decode_s": self.t_decode_s, "t_verify_s": verify, "t_draft_s": {"1": self.t_draft_s},
+            "t_decode_s": self.t_decode_s,
+            "t_verify_s": verify,
+            "t_draft_s": {"1": self.t_draft_s},
         }
 
 
@@ -106,8 +108,10 @@ def constrained_fit(ks: np.ndarray, extra: np.ndarray, weights: np.ndarray) -> t
     spread_k = float(w @ (ks - mean_k) ** 2)
     slope_free = ((extra - mean_y[:, None]) @ (w * (ks - mean_k))) / spread_k if spread_k > 0 else np.zeros(len(extra))
     draft_free = mean_y - slope_free * mean_k
-    candidates = [(np.maximum(mean_y, 0.0), np.zeros(len(extra))),
-                  (np.zeros(len(extra)), np.maximum((extra @ (w * ks)) / float(w @ ks ** 2), 0.0))]
+    candidates = [
+        (np.maximum(mean_y, 0.0), np.zeros(len(extra))),
+        (np.zeros(len(extra)), np.maximum((extra @ (w * ks)) / float(w @ ks**2), 0.0)),
+    ]
 
     def loss(draft: np.ndarray, slope: np.ndarray) -> np.ndarray:
         return ((extra - draft[:, None] - slope[:, None] * ks) ** 2) @ w
@@ -134,8 +138,9 @@ class _Resampled:
     drift_spread: float | None
 
 
-def _by_request(figures: dict[str, list], ids: dict[str, int], denominator: str,
-                step_s: float | None) -> tuple[np.ndarray, np.ndarray]:
+def _by_request(
+    figures: dict[str, list], ids: dict[str, int], denominator: str, step_s: float | None
+) -> tuple[np.ndarray, np.ndarray]:
     """Decode seconds and the denominator (tokens, or drafts) summed per request id over passes, as [R] columns.
     A cell whose drafts came only from /metrics counters (no per-request drafts) resamples its tokens,
     scaled so the pooled figure is the cell's ``step_s``."""
@@ -147,7 +152,9 @@ def _by_request(figures: dict[str, list], ids: dict[str, int], denominator: str,
     elif denominator == "drafts" and step_s:
         tokens = np.asarray(figures["tokens"], dtype=np.float64)
         counts = tokens * (decode.sum() / step_s) / tokens.sum()
-    return np.bincount(index, weights=decode, minlength=len(ids)), np.bincount(index, weights=counts, minlength=len(ids))
+    return np.bincount(index, weights=decode, minlength=len(ids)), np.bincount(
+        index, weights=counts, minlength=len(ids)
+    )
 
 
 def _drift_spread(base: dict[str, list]) -> float | None:
@@ -188,8 +195,14 @@ def _resample(cells: list[dict[str, Any]], load: Any, ks: list[int], seed: int, 
     return _Resampled(np.array(ks, dtype=np.float64), float(point[0]), point[1:], times[:, 0], times[:, 1:], spread)
 
 
-def fit_costs(cells: list[dict[str, Any]], load: Any, fit_ks: tuple[int, ...], *, seed: int = 0,
-              n_boot: int = NUM_BOOTSTRAP_RESAMPLES) -> FittedCosts | None:
+def fit_costs(
+    cells: list[dict[str, Any]],
+    load: Any,
+    fit_ks: tuple[int, ...],
+    *,
+    seed: int = 0,
+    n_boot: int = NUM_BOOTSTRAP_RESAMPLES,
+) -> FittedCosts | None:
     """The constrained weighted fit of step(K) - t_decode = t_draft + slope * K over the fit K measured at
     this load, with its bootstrap intervals; None when K = 0 or every fit K lacks a step time (the engine
     reported no drafts)."""
@@ -208,22 +221,38 @@ def fit_costs(cells: list[dict[str, Any]], load: Any, fit_ks: tuple[int, ...], *
     else:
         t_decode, steps, weights = sampled.t_decode, sampled.steps, _weights(sampled)
     draft, slope = _fit(np.array(ks, dtype=np.float64), t_decode, steps[None, :], weights, len(ks))
-    notes = [f"one fit K ({ks[0]}): verification taken as flat in K" if len(ks) == 1 else
-             f"weighted least squares over {len(ks)} K, slope and t_draft held at 0 or above"]
+    notes = [
+        f"one fit K ({ks[0]}): verification taken as flat in K"
+        if len(ks) == 1
+        else f"weighted least squares over {len(ks)} K, slope and t_draft held at 0 or above"
+    ]
     if len(ks) > 1 and _free_slope(np.array(ks, dtype=np.float64), steps - t_decode, weights) < 0:
         notes.append("the measured step times fall with K (timing noise): verification taken as flat")
     intervals: dict[str, Any] = {}
     if sampled is not None:
         drafts_b, slopes_b = _fit(sampled.ks, sampled.t_decode_b, sampled.steps_b, weights, len(ks))
-        intervals = {"t_decode_s_ci": _bounds(sampled.t_decode_b), "t_draft_s_ci": _bounds(drafts_b),
-                     "verify_slope_s_ci": _bounds(slopes_b), "drift_spread": sampled.drift_spread}
+        intervals = {
+            "t_decode_s_ci": _bounds(sampled.t_decode_b),
+            "t_draft_s_ci": _bounds(drafts_b),
+            "verify_slope_s_ci": _bounds(slopes_b),
+            "drift_spread": sampled.drift_spread,
+        }
         below_share = (sampled.steps_b < sampled.t_decode_b[:, None]).mean(axis=0)
         below = [k for k, share in zip(ks, below_share) if share > 0.975]
         if below:
-            notes.append(f"the step at K {', '.join(map(str, below))} measured below a plain decode step beyond its "
-                         "noise (a measuring problem: the fit holds it at a decode step; these costs are not reliable)")
-    return FittedCosts(load_label(load_kind(base), load), float(t_decode), float(draft[0]), float(slope[0]), tuple(ks),
-                       "; ".join(notes), **intervals)
+            notes.append(
+                f"the step at K {', '.join(map(str, below))} measured below a plain decode step beyond its "
+                "noise (a measuring problem: the fit holds it at a decode step; these costs are not reliable)"
+            )
+    return FittedCosts(
+        load_label(load_kind(base), load),
+        float(t_decode),
+        float(draft[0]),
+        float(slope[0]),
+        tuple(ks),
+        "; ".join(notes),
+        **intervals,
+    )
 
 
 def _weights(sampled: _Resampled) -> np.ndarray:
@@ -238,8 +267,9 @@ def _free_slope(ks: np.ndarray, extra: np.ndarray, weights: np.ndarray) -> float
     return float(((extra - extra @ w) @ (w * (ks - w @ ks))) / spread) if spread > 0 else 0.0
 
 
-def _fit(ks: np.ndarray, t_decode: float | np.ndarray, steps: np.ndarray, weights: np.ndarray,
-         num_ks: int) -> tuple[np.ndarray, np.ndarray]:
+def _fit(
+    ks: np.ndarray, t_decode: float | np.ndarray, steps: np.ndarray, weights: np.ndarray, num_ks: int
+) -> tuple[np.ndarray, np.ndarray]:
     """(t_draft, slope) per row of ``steps``; one fit K: the slope is 0 and t_draft what is left, at 0 or above."""
     extra = steps - np.reshape(t_decode, (-1, 1))
     if num_ks == 1:
@@ -254,6 +284,7 @@ def _bounds(samples: np.ndarray) -> list[float] | None:
 
 def sweep_taus(sweep: dict[str, Any]) -> dict[str, dict[int, tuple[float, list[float] | None]]]:
     """``{scope: {K: (tau, its 95% interval)}}`` from a run.json ``summary.sweep`` block (the teacher-forced prediction)."""
+
     def by_k(rows: list[dict[str, Any]]) -> dict[int, tuple[float, list[float] | None]]:
         return {int(r["k"]): (float(r["mean_acceptance_length"]), r.get("mean_acceptance_length_ci")) for r in rows}
 
@@ -268,9 +299,14 @@ def _tau_draws(tau: float, tau_ci: Sequence[float | None] | None, rng: np.random
     return tau + z * np.where(z < 0, tau - float(tau_ci[0]), float(tau_ci[1]) - tau) / Z_95
 
 
-def predict(cells: list[dict[str, Any]], fits: dict[Any, FittedCosts],
-            taus: dict[str, dict[int, tuple[float, list[float] | None]]], *, seed: int = 0,
-            n_boot: int = NUM_BOOTSTRAP_RESAMPLES) -> list[dict[str, Any]]:
+def predict(
+    cells: list[dict[str, Any]],
+    fits: dict[Any, FittedCosts],
+    taus: dict[str, dict[int, tuple[float, list[float] | None]]],
+    *,
+    seed: int = 0,
+    n_boot: int = NUM_BOOTSTRAP_RESAMPLES,
+) -> list[dict[str, Any]]:
     """Predicted vs measured speedup and tau for every measured (load, K > 0, scope) the sweep covers.
 
     The predicted speedup's interval is the bootstrap of the module doc (requests, drift, tau, refit);
@@ -281,8 +317,9 @@ def predict(cells: list[dict[str, Any]], fits: dict[Any, FittedCosts],
     for load, fitted in fits.items():
         sampled = _resample(cells, load, list(fitted.fit_ks), seed, n_boot)
         if sampled is not None:
-            drafts_b, slopes_b = _fit(sampled.ks, sampled.t_decode_b, sampled.steps_b, _weights(sampled),
-                                      len(fitted.fit_ks))
+            drafts_b, slopes_b = _fit(
+                sampled.ks, sampled.t_decode_b, sampled.steps_b, _weights(sampled), len(fitted.fit_ks)
+            )
             replicates[load] = (sampled.t_decode_b, drafts_b, slopes_b)
     rows = []
     for measured in cells:
@@ -301,23 +338,37 @@ def predict(cells: list[dict[str, Any]], fits: dict[Any, FittedCosts],
             with np.errstate(divide="ignore", invalid="ignore"):
                 predicted_ci = _bounds(tau_b * t_decode_b / (t_decode_b + drafts_b + slopes_b * k))
         speedup, tau, step = measured.get("speedup"), measured.get("tau"), measured.get("step_s")
-        rows.append({
-            load_kind(measured): load, "k": k, "scope": measured["scope"], "held_out": k not in fitted.fit_ks,
-            "predicted_tau": tau_sweep, "measured_tau": tau, "measured_tau_ci": measured.get("tau_ci"),
-            "predicted_speedup": predicted, "predicted_speedup_ci": predicted_ci,
-            "measured_speedup": speedup, "measured_speedup_ci": measured.get("speedup_ci"),
-            "speedup_error": predicted - speedup if speedup is not None else None,
-            "speedup_relative_error": predicted / speedup - 1.0 if speedup else None,
-            "tau_error": tau_sweep - tau if tau is not None else None,
-            "tau_relative_error": tau_sweep / tau - 1.0 if tau else None,
-            "predicted_step_s": fitted.step_s(k), "measured_step_s": step,
-            "step_relative_error": fitted.step_s(k) / step - 1.0 if step else None,
-            "definition_gap": (speedup * step / (fitted.t_decode_s * tau) - 1.0
-                               if measured["scope"] == OVERALL and speedup and step and tau else None),
-            "within_interval": _inside(speedup, predicted_ci),
-            "prediction_within_measured_interval": _inside(predicted, measured.get("speedup_ci")),
-            "predicted_pays": shown_to_pay(predicted_ci), "measured_pays": shown_to_pay(measured.get("speedup_ci")),
-        })
+        rows.append(
+            {
+                load_kind(measured): load,
+                "k": k,
+                "scope": measured["scope"],
+                "held_out": k not in fitted.fit_ks,
+                "predicted_tau": tau_sweep,
+                "measured_tau": tau,
+                "measured_tau_ci": measured.get("tau_ci"),
+                "predicted_speedup": predicted,
+                "predicted_speedup_ci": predicted_ci,
+                "measured_speedup": speedup,
+                "measured_speedup_ci": measured.get("speedup_ci"),
+                "speedup_error": predicted - speedup if speedup is not None else None,
+                "speedup_relative_error": predicted / speedup - 1.0 if speedup else None,
+                "tau_error": tau_sweep - tau if tau is not None else None,
+                "tau_relative_error": tau_sweep / tau - 1.0 if tau else None,
+                "predicted_step_s": fitted.step_s(k),
+                "measured_step_s": step,
+                "step_relative_error": fitted.step_s(k) / step - 1.0 if step else None,
+                "definition_gap": (
+                    speedup * step / (fitted.t_decode_s * tau) - 1.0
+                    if measured["scope"] == OVERALL and speedup and step and tau
+                    else None
+                ),
+                "within_interval": _inside(speedup, predicted_ci),
+                "prediction_within_measured_interval": _inside(predicted, measured.get("speedup_ci")),
+                "predicted_pays": shown_to_pay(predicted_ci),
+                "measured_pays": shown_to_pay(measured.get("speedup_ci")),
+            }
+        )
     return rows
 
 
@@ -334,5 +385,9 @@ def _inside(value: float | None, bounds: Sequence[float | None] | None) -> bool 
 
 def held_out_error(rows: list[dict[str, Any]]) -> float | None:
     """Mean absolute relative speedup error over the held-out K, overall scope: the prediction's one score."""
-    errors = [abs(r["speedup_relative_error"]) for r in rows if r["held_out"] and r["scope"] == OVERALL and r["speedup_relative_error"] is not None]
+    errors = [
+        abs(r["speedup_relative_error"])
+        for r in rows
+        if r["held_out"] and r["scope"] == OVERALL and r["speedup_relative_error"] is not None
+    ]
     return float(np.mean(errors)) if errors else None

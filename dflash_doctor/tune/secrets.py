@@ -13,7 +13,9 @@ import threading
 from pathlib import Path
 from typing import IO
 
-_SECRET = re.compile(r"((?:--api-key|--hf-token|--token)(?:=|\s+))(\S+)|(\b\w*(?:API_KEY|TOKEN|SECRET)\w*=)(\S+)", re.IGNORECASE)
+_SECRET = re.compile(
+    r"((?:--api-key|--hf-token|--token)(?:=|\s+))(\S+)|(\b\w*(?:API_KEY|TOKEN|SECRET)\w*=)(\S+)", re.IGNORECASE
+)
 
 #: ``scheme://user:password@``: the userinfo of any URL in a text.
 _URL_USERINFO = re.compile(r"(\b[A-Za-z][\w+.-]*://)[^/\s@'\"]+@")

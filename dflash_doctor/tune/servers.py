@@ -46,20 +46,34 @@ class ServerPlan:
     command: str | None = None
 
 
-def plan_servers(grid: tuple[int, ...], engine: str | None, launch: str | None, launch_baseline: str | None) -> list[ServerPlan]:
+def plan_servers(
+    grid: tuple[int, ...], engine: str | None, launch: str | None, launch_baseline: str | None
+) -> list[ServerPlan]:
     """One plan per K of the grid from the flags; every inconsistency is one UsageError sentence."""
     if launch is not None:
         if K_PLACEHOLDER not in launch:
-            raise UsageError(f"--launch {launch!r} has no {K_PLACEHOLDER} placeholder; put it where the command sets the number of draft tokens.")
+            raise UsageError(
+                f"--launch {launch!r} has no {K_PLACEHOLDER} placeholder; put it where the command sets the number of draft tokens."
+            )
         if not engine or "=" in engine:
-            raise UsageError("--launch needs --engine URL: the one address the launched server listens on, e.g. http://127.0.0.1:8000.")
+            raise UsageError(
+                "--launch needs --engine URL: the one address the launched server listens on, e.g. http://127.0.0.1:8000."
+            )
         if 0 in grid and not launch_baseline:
-            raise UsageError("the K grid holds 0 (speculation off) but --launch-baseline is missing; give the same command without the draft, or drop 0 from --k.")
-        return [ServerPlan(k, engine, launch_baseline if k == 0 else launch.replace(K_PLACEHOLDER, str(k))) for k in grid]
+            raise UsageError(
+                "the K grid holds 0 (speculation off) but --launch-baseline is missing; give the same command without the draft, or drop 0 from --k."
+            )
+        return [
+            ServerPlan(k, engine, launch_baseline if k == 0 else launch.replace(K_PLACEHOLDER, str(k))) for k in grid
+        ]
     if launch_baseline is not None:
-        raise UsageError("--launch-baseline is only used with --launch; give both, or list running servers with --engine 0=URL,8=URL.")
+        raise UsageError(
+            "--launch-baseline is only used with --launch; give both, or list running servers with --engine 0=URL,8=URL."
+        )
     if not engine:
-        raise UsageError("tune needs servers: --launch 'COMMAND {k}' with --launch-baseline and --engine URL, or --engine 0=URL,8=URL for servers you run.")
+        raise UsageError(
+            "tune needs servers: --launch 'COMMAND {k}' with --launch-baseline and --engine URL, or --engine 0=URL,8=URL for servers you run."
+        )
     urls: dict[int, str] = {}
     for item in engine.split(","):
         k_text, sep, url = item.partition("=")
@@ -68,20 +82,27 @@ def plan_servers(grid: tuple[int, ...], engine: str | None, launch: str | None, 
         except ValueError:
             k = -1
         if not sep or k < 0 or not url.strip():
-            raise UsageError(f"--engine {engine!r}: without --launch it lists one running server per K as K=URL, e.g. 0=http://127.0.0.1:8000,8=http://127.0.0.1:8001.")
+            raise UsageError(
+                f"--engine {engine!r}: without --launch it lists one running server per K as K=URL, e.g. 0=http://127.0.0.1:8000,8=http://127.0.0.1:8001."
+            )
         urls[k] = url.strip()
     missing = [k for k in grid if k not in urls]
     if missing:
-        raise UsageError(f"--engine names no server for K {missing}; add K=URL for each K of --k ({', '.join(map(str, grid))}).")
+        raise UsageError(
+            f"--engine names no server for K {missing}; add K=URL for each K of --k ({', '.join(map(str, grid))})."
+        )
     return [ServerPlan(k, urls[k]) for k in grid]
 
 
-def wait_healthy(url: str, process: subprocess.Popen | None, timeout_s: float, log_path: Path | None,
-                 api_key: str | None = None) -> None:
+def wait_healthy(
+    url: str, process: subprocess.Popen | None, timeout_s: float, log_path: Path | None, api_key: str | None = None
+) -> None:
     """Poll ``GET /v1/models`` (with the API key, if any) until it answers 200; the process dying, the time
     running out or the server refusing the key (401/403: waiting would not change that) is a UsageError."""
     deadline = time.monotonic() + timeout_s
-    endpoint = ServerEndpoint(base_url=url.rstrip("/"), api_key=api_key, timeout_s=5.0, retries=0)  # the loop is the retry
+    endpoint = ServerEndpoint(
+        base_url=url.rstrip("/"), api_key=api_key, timeout_s=5.0, retries=0
+    )  # the loop is the retry
     while True:
         try:
             answer = endpoint.client.get(endpoint.base_url + "/v1/models")
@@ -93,9 +114,13 @@ def wait_healthy(url: str, process: subprocess.Popen | None, timeout_s: float, l
             pass
         where = f"; its output is in {log_path}" if log_path else ""
         if process is not None and process.poll() is not None:
-            raise UsageError(f"the launched server exited with code {process.returncode} before {shown(url)} answered{where}; fix the --launch command.")
+            raise UsageError(
+                f"the launched server exited with code {process.returncode} before {shown(url)} answered{where}; fix the --launch command."
+            )
         if time.monotonic() > deadline:
-            raise UsageError(f"{shown(url)} did not answer GET /v1/models within {timeout_s:.0f} s{where}; fix the URL or raise --start-timeout.")
+            raise UsageError(
+                f"{shown(url)} did not answer GET /v1/models within {timeout_s:.0f} s{where}; fix the URL or raise --start-timeout."
+            )
         time.sleep(1.0)
 
 
@@ -104,8 +129,10 @@ def refuse_served_port(url: str) -> None:
     parts = urllib.parse.urlsplit(url)
     host, port = parts.hostname or "127.0.0.1", parts.port or (443 if parts.scheme == "https" else 80)
     if port_served(host, port):
-        raise UsageError(f"--engine {shown(url)}: port {port} is already served before tune launched its server (another server, "
-                         f"or one left behind by an earlier run); stop what listens on port {port} or pass a free port in --engine and the --launch commands.")
+        raise UsageError(
+            f"--engine {shown(url)}: port {port} is already served before tune launched its server (another server, "
+            f"or one left behind by an earlier run); stop what listens on port {port} or pass a free port in --engine and the --launch commands."
+        )
 
 
 @contextmanager

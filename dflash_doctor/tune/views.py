@@ -27,11 +27,39 @@ from dflash_doctor.tune.loads import CONCURRENCY, load_kind, load_label, load_of
 
 DRIFT_WARNING = 0.15  # baseline drift beyond which the report says the speedups are unsteady
 
-MEASURED_COLUMNS = ("load", "K", "class", "req", "tau", "tau 95% CI", "speedup", "speedup 95% CI", "TTFT ms", "TPOT ms",
-                    "e2e s", "out tok/s", "req/s", "rollback/token")
-PREDICTION_COLUMNS = ("load", "K", "class", "fit/held out", "tau pred", "tau meas", "step ms pred / meas",
-                      "speedup pred", "pred 95% CI (fit + tau)", "speedup meas", "meas 95% CI", "meas in pred CI?",
-                      "error", "rel. error", "pays? pred / meas")
+MEASURED_COLUMNS = (
+    "load",
+    "K",
+    "class",
+    "req",
+    "tau",
+    "tau 95% CI",
+    "speedup",
+    "speedup 95% CI",
+    "TTFT ms",
+    "TPOT ms",
+    "e2e s",
+    "out tok/s",
+    "req/s",
+    "rollback/token",
+)
+PREDICTION_COLUMNS = (
+    "load",
+    "K",
+    "class",
+    "fit/held out",
+    "tau pred",
+    "tau meas",
+    "step ms pred / meas",
+    "speedup pred",
+    "pred 95% CI (fit + tau)",
+    "speedup meas",
+    "meas 95% CI",
+    "meas in pred CI?",
+    "error",
+    "rel. error",
+    "pays? pred / meas",
+)
 
 
 def _ms(value: Any) -> str:
@@ -39,22 +67,48 @@ def _ms(value: Any) -> str:
 
 
 def measured_rows(result: dict[str, Any]) -> list[tuple[str, ...]]:
-    return [(
-        load_text(load_of(c)), str(c["k"]), c["scope"], str(c["num_requests"]), fmt(c.get("tau")), ci(c.get("tau_ci")),
-        fmt(c.get("speedup")), ci(c.get("speedup_ci")), _ms(c.get("ttft_s")), _ms(c.get("tpot_s")), fmt(c.get("e2e_s")),
-        fmt(c.get("output_tokens_per_s"), 1), fmt(c.get("requests_per_s")), fmt(c.get("rollback_per_token")),
-    ) for c in result["cells"]]
+    return [
+        (
+            load_text(load_of(c)),
+            str(c["k"]),
+            c["scope"],
+            str(c["num_requests"]),
+            fmt(c.get("tau")),
+            ci(c.get("tau_ci")),
+            fmt(c.get("speedup")),
+            ci(c.get("speedup_ci")),
+            _ms(c.get("ttft_s")),
+            _ms(c.get("tpot_s")),
+            fmt(c.get("e2e_s")),
+            fmt(c.get("output_tokens_per_s"), 1),
+            fmt(c.get("requests_per_s")),
+            fmt(c.get("rollback_per_token")),
+        )
+        for c in result["cells"]
+    ]
 
 
 def prediction_rows(result: dict[str, Any]) -> list[tuple[str, ...]]:
-    return [(
-        load_text(load_of(p)), str(p["k"]), p["scope"], "held out" if p["held_out"] else "fit", fmt(p["predicted_tau"]),
-        fmt(p["measured_tau"]), f"{_ms(p.get('predicted_step_s'))} / {_ms(p.get('measured_step_s'))}",
-        fmt(p["predicted_speedup"]), ci(p["predicted_speedup_ci"]), fmt(p["measured_speedup"]),
-        ci(p["measured_speedup_ci"]),
-        _yes_no(p.get("within_interval")), fmt(p["speedup_error"]), pct(p["speedup_relative_error"]),
-        f"{_yes_no(p['predicted_pays'])} / {_yes_no(p['measured_pays'])}",
-    ) for p in result["prediction"]]
+    return [
+        (
+            load_text(load_of(p)),
+            str(p["k"]),
+            p["scope"],
+            "held out" if p["held_out"] else "fit",
+            fmt(p["predicted_tau"]),
+            fmt(p["measured_tau"]),
+            f"{_ms(p.get('predicted_step_s'))} / {_ms(p.get('measured_step_s'))}",
+            fmt(p["predicted_speedup"]),
+            ci(p["predicted_speedup_ci"]),
+            fmt(p["measured_speedup"]),
+            ci(p["measured_speedup_ci"]),
+            _yes_no(p.get("within_interval")),
+            fmt(p["speedup_error"]),
+            pct(p["speedup_relative_error"]),
+            f"{_yes_no(p['predicted_pays'])} / {_yes_no(p['measured_pays'])}",
+        )
+        for p in result["prediction"]
+    ]
 
 
 def _yes_no(value: bool | None) -> str:
@@ -75,36 +129,57 @@ def grid_line(result: dict[str, Any]) -> str:
     """The grid in one sentence: K, the loads and how they were sent, requests per cell, the fit K."""
     grid, kind = result["grid"], _kind(result)
     loads = ", ".join(load_text(load) for load in grid["loads"])
-    sent = (f"loads: concurrency {loads} (closed loop: that many requests in flight)" if kind == CONCURRENCY else
-            f"loads: request rate {loads} per second (open loop: gamma arrivals of burstiness {fmt(grid['burstiness'])}, 1 = Poisson; "
-            + ("no cap on requests in flight)" if grid["max_concurrency"] is None else f"at most {grid['max_concurrency']} in flight)"))
-    return (f"K grid {grid['k']} (0 = speculation off), {sent}, {grid['num_requests']} requests per cell, "
-            f"costs fitted from K {grid['fit_k']}.")
+    sent = (
+        f"loads: concurrency {loads} (closed loop: that many requests in flight)"
+        if kind == CONCURRENCY
+        else f"loads: request rate {loads} per second (open loop: gamma arrivals of burstiness {fmt(grid['burstiness'])}, 1 = Poisson; "
+        + (
+            "no cap on requests in flight)"
+            if grid["max_concurrency"] is None
+            else f"at most {grid['max_concurrency']} in flight)"
+        )
+    )
+    return (
+        f"K grid {grid['k']} (0 = speculation off), {sent}, {grid['num_requests']} requests per cell, "
+        f"costs fitted from K {grid['fit_k']}."
+    )
 
 
 def fit_lines(result: dict[str, Any]) -> list[str]:
     lines = []
     kind = _kind(result)
     for load, f in result["fits"].items():
-        lines.append(f"{load_label(kind, load)}: t_decode {_ms_ci(f, 't_decode_s')} ms, "
-                     f"t_draft {_ms_ci(f, 't_draft_s')} ms, verify +{_ms_ci(f, 'verify_slope_s')} ms per drafted token "
-                     f"(fitted from K {', '.join(map(str, f['fit_ks']))}; {f['note']}); "
-                     f"profile {result['cost_profiles'].get(load, '-')}")
+        lines.append(
+            f"{load_label(kind, load)}: t_decode {_ms_ci(f, 't_decode_s')} ms, "
+            f"t_draft {_ms_ci(f, 't_draft_s')} ms, verify +{_ms_ci(f, 'verify_slope_s')} ms per drafted token "
+            f"(fitted from K {', '.join(map(str, f['fit_ks']))}; {f['note']}); "
+            f"profile {result['cost_profiles'].get(load, '-')}"
+        )
     for load, drift in result.get("baseline_drift", {}).items():
-        lines.append(f"{load_label(kind, load)}: the K=0 baseline measured again after the grid ran {abs(drift):.0%} {'slower' if drift > 0 else 'faster'} per token "
-                     f"({'the machine was steady' if abs(drift) <= DRIFT_WARNING else 'the machine drifted: every speedup carries about half of it as extra error'})")
+        lines.append(
+            f"{load_label(kind, load)}: the K=0 baseline measured again after the grid ran {abs(drift):.0%} {'slower' if drift > 0 else 'faster'} per token "
+            f"({'the machine was steady' if abs(drift) <= DRIFT_WARNING else 'the machine drifted: every speedup carries about half of it as extra error'})"
+        )
     error = result.get("held_out_error")
-    lines.append(f"held-out K, overall: mean absolute speedup error {pct(error)}" if error is not None else
-                 "no held-out K: every speculative K was used by the fit (add K to --k or narrow --fit-k)")
+    lines.append(
+        f"held-out K, overall: mean absolute speedup error {pct(error)}"
+        if error is not None
+        else "no held-out K: every speculative K was used by the fit (add K to --k or narrow --fit-k)"
+    )
     for p in result["prediction"]:
         if p["held_out"] and p["scope"] == OVERALL and p.get("tau_relative_error") is not None:
-            inside = {True: "inside the predicted interval", False: "outside the predicted interval",
-                      None: "no predicted interval"}[p.get("within_interval")]
-            lines.append(f"{load_label(kind, load_of(p))}, held-out K={p['k']}: predicted "
-                         f"{fmt(p['predicted_speedup'])}x {ci(p['predicted_speedup_ci'])}, measured "
-                         f"{fmt(p['measured_speedup'])}x ({inside}); the miss splits into tau "
-                         f"{pct(p['tau_relative_error'])}, step time {pct(p.get('step_relative_error'))}, "
-                         f"definitions {pct(p.get('definition_gap'))}")
+            inside = {
+                True: "inside the predicted interval",
+                False: "outside the predicted interval",
+                None: "no predicted interval",
+            }[p.get("within_interval")]
+            lines.append(
+                f"{load_label(kind, load_of(p))}, held-out K={p['k']}: predicted "
+                f"{fmt(p['predicted_speedup'])}x {ci(p['predicted_speedup_ci'])}, measured "
+                f"{fmt(p['measured_speedup'])}x ({inside}); the miss splits into tau "
+                f"{pct(p['tau_relative_error'])}, step time {pct(p.get('step_relative_error'))}, "
+                f"definitions {pct(p.get('definition_gap'))}"
+            )
     return lines
 
 
@@ -133,8 +208,14 @@ def recommendation_lines(result: dict[str, Any]) -> list[str]:
 
 
 def print_tune(result: dict[str, Any], console: Console) -> None:
-    for title, columns, rows in (("Measured on the engine (speedup = TPOT at K=0 / TPOT at K, same requests and load)", MEASURED_COLUMNS, measured_rows(result)),
-                                 ("Predicted (fitted step costs x teacher-forced tau) vs measured", PREDICTION_COLUMNS, prediction_rows(result))):
+    for title, columns, rows in (
+        (
+            "Measured on the engine (speedup = TPOT at K=0 / TPOT at K, same requests and load)",
+            MEASURED_COLUMNS,
+            measured_rows(result),
+        ),
+        ("Predicted (fitted step costs x teacher-forced tau) vs measured", PREDICTION_COLUMNS, prediction_rows(result)),
+    ):
         table = Table(title=title)
         for column in columns:
             table.add_column(column)
@@ -156,10 +237,13 @@ def render_markdown(result: dict[str, Any]) -> str:
     parts = [
         "# dflash-doctor tune\n",
         f"{grid_line(result)} Definitions: vLLM's (tau = 1 + accepted / drafts; TTFT, TPOT as `vllm bench serve`).\n",
-        "## Measured\n", _md_table(MEASURED_COLUMNS, measured_rows(result)),
-        "\n## Predicted vs measured\n", _md_table(PREDICTION_COLUMNS, prediction_rows(result)),
+        "## Measured\n",
+        _md_table(MEASURED_COLUMNS, measured_rows(result)),
+        "\n## Predicted vs measured\n",
+        _md_table(PREDICTION_COLUMNS, prediction_rows(result)),
         "\n" + "".join(f"- {markdown_cell(line)}\n" for line in fit_lines(result)),
-        "\n## Recommendation\n", "".join(f"- {markdown_cell(line)}\n" for line in recommendation_lines(result)),
+        "\n## Recommendation\n",
+        "".join(f"- {markdown_cell(line)}\n" for line in recommendation_lines(result)),
     ]
     if warnings := warning_lines(result):
         parts += ["\n## Warnings\n", "".join(f"- {markdown_cell(w)}\n" for w in warnings)]
@@ -173,33 +257,68 @@ def figures(result: dict[str, Any]) -> list[tuple[str, go.Figure]]:
     for load in result["grid"]["loads"]:
         for scope in sorted({c["scope"] for c in cells}, key=lambda s: (s != OVERALL, s)):
             points = [c for c in cells if load_of(c) == load and c["scope"] == scope and c.get("speedup") is not None]
-            lows = [c["speedup"] - (c.get("speedup_ci") or [c["speedup"]])[0] if (c.get("speedup_ci") or [None])[0] is not None else 0 for c in points]
-            highs = [(c.get("speedup_ci") or [None, c["speedup"]])[1] - c["speedup"] if (c.get("speedup_ci") or [None, None])[1] is not None else 0 for c in points]
-            speedup.add_trace(go.Scatter(x=[c["k"] for c in points], y=[c["speedup"] for c in points], mode="lines+markers",
-                                         name=f"{scope} @ {_short(kind, load)}", error_y={"type": "data", "symmetric": False, "array": highs, "arrayminus": lows}))
+            lows = [
+                c["speedup"] - (c.get("speedup_ci") or [c["speedup"]])[0]
+                if (c.get("speedup_ci") or [None])[0] is not None
+                else 0
+                for c in points
+            ]
+            highs = [
+                (c.get("speedup_ci") or [None, c["speedup"]])[1] - c["speedup"]
+                if (c.get("speedup_ci") or [None, None])[1] is not None
+                else 0
+                for c in points
+            ]
+            speedup.add_trace(
+                go.Scatter(
+                    x=[c["k"] for c in points],
+                    y=[c["speedup"] for c in points],
+                    mode="lines+markers",
+                    name=f"{scope} @ {_short(kind, load)}",
+                    error_y={"type": "data", "symmetric": False, "array": highs, "arrayminus": lows},
+                )
+            )
     speedup.add_hline(y=1.0, line_dash="dot")
     speedup.update_layout(xaxis_title="K (draft tokens per step; 0 = off)", yaxis_title="net speedup vs K=0 (95% CI)")
 
     tradeoff = go.Figure()
     for k in result["grid"]["k"]:
         points = [c for c in cells if c["k"] == k and c["scope"] == OVERALL and c.get("output_tokens_per_s")]
-        tradeoff.add_trace(go.Scatter(x=[c["output_tokens_per_s"] for c in points], y=[(c.get("tpot_s") or 0) * 1000 for c in points],
-                                      mode="lines+markers+text", text=[_short(kind, load_of(c)) for c in points], name=f"K={k}"))
+        tradeoff.add_trace(
+            go.Scatter(
+                x=[c["output_tokens_per_s"] for c in points],
+                y=[(c.get("tpot_s") or 0) * 1000 for c in points],
+                mode="lines+markers+text",
+                text=[_short(kind, load_of(c)) for c in points],
+                name=f"K={k}",
+            )
+        )
     tradeoff.update_layout(xaxis_title="output tokens/s", yaxis_title="TPOT (ms)")
 
     held = go.Figure()
     for held_out in (False, True):
         points = [p for p in result["prediction"] if p["held_out"] == held_out and p["measured_speedup"] is not None]
-        held.add_trace(go.Scatter(x=[p["measured_speedup"] for p in points], y=[p["predicted_speedup"] for p in points], mode="markers",
-                                  text=[f"K={p['k']} {p['scope']} {_short(kind, load_of(p))}" for p in points],
-                                  name="held-out K" if held_out else "fit K"))
+        held.add_trace(
+            go.Scatter(
+                x=[p["measured_speedup"] for p in points],
+                y=[p["predicted_speedup"] for p in points],
+                mode="markers",
+                text=[f"K={p['k']} {p['scope']} {_short(kind, load_of(p))}" for p in points],
+                name="held-out K" if held_out else "fit K",
+            )
+        )
     values = [v for p in result["prediction"] for v in (p["measured_speedup"], p["predicted_speedup"]) if v is not None]
     if values:
         low, high = min(values + [1.0]) * 0.9, max(values + [1.0]) * 1.1
-        held.add_trace(go.Scatter(x=[low, high], y=[low, high], mode="lines", line={"dash": "dot"}, name="predicted = measured"))
+        held.add_trace(
+            go.Scatter(x=[low, high], y=[low, high], mode="lines", line={"dash": "dot"}, name="predicted = measured")
+        )
     held.update_layout(xaxis_title="measured speedup", yaxis_title="predicted speedup")
-    return [("Net speedup vs K per class", speedup), ("Latency vs throughput per K and load", tradeoff),
-            ("Predicted vs measured speedup", held)]
+    return [
+        ("Net speedup vs K per class", speedup),
+        ("Latency vs throughput per K and load", tradeoff),
+        ("Predicted vs measured speedup", held),
+    ]
 
 
 def _html_table(columns: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
@@ -213,16 +332,21 @@ def _items(lines: list[str]) -> str:
 
 
 def render_html(result: dict[str, Any]) -> str:
-    charts = "".join(f"<h2>{html.escape(title)}</h2>{figure_html(fig, f'tune-fig-{i}')}" for i, (title, fig) in enumerate(figures(result)))
+    charts = "".join(
+        f"<h2>{html.escape(title)}</h2>{figure_html(fig, f'tune-fig-{i}')}"
+        for i, (title, fig) in enumerate(figures(result))
+    )
     warnings = warning_lines(result)
-    return ("<!doctype html><html><head><meta charset='utf-8'><title>dflash-doctor tune</title>"
-            "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:2px 6px}</style>"
-            f"{plotly_script()}</head><body><h1>dflash-doctor tune</h1>"
-            f"<h2>Recommendation</h2>{_items(recommendation_lines(result))}"
-            f"{f'<h2>Warnings</h2>{_items(warnings)}' if warnings else ''}{charts}"
-            f"<h2>Measured</h2>{_html_table(MEASURED_COLUMNS, measured_rows(result))}"
-            f"<h2>Predicted vs measured</h2>{_html_table(PREDICTION_COLUMNS, prediction_rows(result))}{_items(fit_lines(result))}"
-            "</body></html>")
+    return (
+        "<!doctype html><html><head><meta charset='utf-8'><title>dflash-doctor tune</title>"
+        "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:2px 6px}</style>"
+        f"{plotly_script()}</head><body><h1>dflash-doctor tune</h1>"
+        f"<h2>Recommendation</h2>{_items(recommendation_lines(result))}"
+        f"{f'<h2>Warnings</h2>{_items(warnings)}' if warnings else ''}{charts}"
+        f"<h2>Measured</h2>{_html_table(MEASURED_COLUMNS, measured_rows(result))}"
+        f"<h2>Predicted vs measured</h2>{_html_table(PREDICTION_COLUMNS, prediction_rows(result))}{_items(fit_lines(result))}"
+        "</body></html>"
+    )
 
 
 def write_reports(run_dir: Path, result: dict[str, Any]) -> list[Path]:

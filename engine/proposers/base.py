@@ -38,7 +38,9 @@ def required_features(features: torch.Tensor | None, kind: str) -> torch.Tensor:
     """The target's hidden states a proposer declared in its needs: the loops pass them because the needs name
     the layers to tap, so None here is a caller that forgot ``taps=proposer.needs.hidden_state_indices``."""
     if features is None:
-        raise ValueError(f"the {kind} proposer got no target hidden states; pass taps=proposer.needs.hidden_state_indices")
+        raise ValueError(
+            f"the {kind} proposer got no target hidden states; pass taps=proposer.needs.hidden_state_indices"
+        )
     return features
 
 
@@ -152,8 +154,11 @@ class TokenListProposer(Proposer):
         return torch.tensor([len(self._proposal(int(a), k)) for a in anchors.tolist()], dtype=torch.long)
 
     def slot_logits(self, anchors: torch.Tensor, k: int) -> torch.Tensor:
-        return torch.stack([self._point_mass(self._proposal(int(a), k), k) for a in anchors.tolist()]) if len(anchors) \
+        return (
+            torch.stack([self._point_mass(self._proposal(int(a), k), k) for a in anchors.tolist()])
+            if len(anchors)
             else torch.empty(0, k, self.vocab_size, device=self.device)
+        )
 
     def slot_scorer(self, anchors: torch.Tensor, k: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
         """Rows built on demand: a point mass row per (anchor, slot) asked for, no [A, k, V] tensor."""

@@ -29,8 +29,13 @@ class DFlashProposer(Proposer):
     guesses_depend_on_k = True
 
     def __init__(
-        self, model: DFlashDraftModel, target: TargetModel, *, temperature: float = 0.0,
-        draft_sample_method: str = "greedy", generator: torch.Generator | None = None,
+        self,
+        model: DFlashDraftModel,
+        target: TargetModel,
+        *,
+        temperature: float = 0.0,
+        draft_sample_method: str = "greedy",
+        generator: torch.Generator | None = None,
     ):
         if draft_sample_method not in DRAFT_SAMPLE_METHODS:
             raise ValueError(f"draft_sample_method {draft_sample_method!r} is not one of {DRAFT_SAMPLE_METHODS}")
@@ -61,7 +66,9 @@ class DFlashProposer(Proposer):
         positions = torch.arange(self.ctx_length, self.ctx_length + n, device=features.device)[None]
         new = self.model.context_kv(features[None].to(self.model.fc.weight.dtype), positions)
         if self.ctx_kv:
-            self.ctx_kv = [(torch.cat([k, nk], dim=2), torch.cat([v, nv], dim=2)) for (k, v), (nk, nv) in zip(self.ctx_kv, new)]
+            self.ctx_kv = [
+                (torch.cat([k, nk], dim=2), torch.cat([v, nv], dim=2)) for (k, v), (nk, nv) in zip(self.ctx_kv, new)
+            ]
         else:
             self.ctx_kv = new
         self.ctx_length += n
@@ -128,8 +135,13 @@ class DFlashProposer(Proposer):
         anchors = anchors.to(ids.device, non_blocking=True)  # the pass's one host-to-device copy
         ctx_kv = [(key[:, :, :bound], value[:, :, :bound]) for key, value in self._teacher_ctx_kv]
         hidden = draft_block_hidden(
-            self.model, self._embedding_weight(), ids[:, :bound], ctx_kv, anchors[None],
-            torch.ones(anchors.shape, dtype=torch.bool, device=ids.device)[None], k + 1,
+            self.model,
+            self._embedding_weight(),
+            ids[:, :bound],
+            ctx_kv,
+            anchors[None],
+            torch.ones(anchors.shape, dtype=torch.bool, device=ids.device)[None],
+            k + 1,
         )
         previous = (anchors[:, None] + torch.arange(k, device=ids.device)).clamp(max=ids.shape[1] - 1)
         return hidden[0, :, 1:], ids[0, previous]

@@ -65,10 +65,17 @@ class Eagle3Proposer(Proposer):
         if self.drafted is None:
             raise RuntimeError("Eagle3Proposer.accept() without a propose() since start() or the previous accept()")
         keys, values = self.drafted
-        self.cached = (keys, values) if self.cached is None else \
-            (torch.cat([self.cached[0], keys], dim=2), torch.cat([self.cached[1], values], dim=2))
+        self.cached = (
+            (keys, values)
+            if self.cached is None
+            else (torch.cat([self.cached[0], keys], dim=2), torch.cat([self.cached[1], values], dim=2))
+        )
         self.length += keys.shape[2]
-        self.pending_ids, self.pending_states, self.drafted = committed_ids.tolist(), required_features(committed_features, "EAGLE-3"), None
+        self.pending_ids, self.pending_states, self.drafted = (
+            committed_ids.tolist(),
+            required_features(committed_features, "EAGLE-3"),
+            None,
+        )
 
     @torch.inference_mode()
     def _first_pass(self, last_token: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,7 +87,9 @@ class Eagle3Proposer(Proposer):
         ids = torch.tensor(self.pending_ids[1:] + [last_token], device=self.device)
         positions = torch.arange(self.length, self.length + len(ids), device=self.device)[None]
         states = model.combine(self.pending_states.to(self.device))[None]
-        normed, carried, self.drafted = model(model.embed(ids, self.target.embedding)[None], states, positions, self.cached)
+        normed, carried, self.drafted = model(
+            model.embed(ids, self.target.embedding)[None], states, positions, self.cached
+        )
         return normed[0, -1], carried[0, -1]
 
     @torch.inference_mode()
@@ -88,8 +97,14 @@ class Eagle3Proposer(Proposer):
         model = self.model
         normed, carried = self._first_pass(last_token)
         assert self.drafted is not None
-        chain = self.drafted if self.cached is None else \
-            (torch.cat([self.cached[0], self.drafted[0]], dim=2), torch.cat([self.cached[1], self.drafted[1]], dim=2))
+        chain = (
+            self.drafted
+            if self.cached is None
+            else (
+                torch.cat([self.cached[0], self.drafted[0]], dim=2),
+                torch.cat([self.cached[1], self.drafted[1]], dim=2),
+            )
+        )
         tokens, logits = [], []
         for step in range(k):
             if step:
@@ -114,15 +129,20 @@ class Eagle3Proposer(Proposer):
     def prepare_teacher(self, token_ids: torch.Tensor, features: torch.Tensor | None) -> None:
         """The first pass over the whole sequence: every position's normed row, carried state and K/V."""
         self._teacher_ids = token_ids.to(self.device)[None]
-        self._first = teacher_first_pass(self.model, self.target.embedding, self._teacher_ids,
-                                         required_features(features, "EAGLE-3").to(self.device)[None])
+        self._first = teacher_first_pass(
+            self.model,
+            self.target.embedding,
+            self._teacher_ids,
+            required_features(features, "EAGLE-3").to(self.device)[None],
+        )
 
     @torch.inference_mode()
     def _chain_rows(self, anchors: torch.Tensor, k: int) -> torch.Tensor:
         """Normed rows [A, k, H] of slots 1..k of every anchor (:func:`teacher_chain_rows`, the computation
         train-draft trains), all anchors at once."""
-        return teacher_chain_rows(self.model, self.target.embedding, self._teacher_ids, self._first,
-                                  anchors.to(self.device)[None], k)[0]
+        return teacher_chain_rows(
+            self.model, self.target.embedding, self._teacher_ids, self._first, anchors.to(self.device)[None], k
+        )[0]
 
     def slot_logits(self, anchors: torch.Tensor, k: int) -> torch.Tensor:
         with torch.inference_mode():
@@ -137,4 +157,3 @@ class Eagle3Proposer(Proposer):
             return self.model.target_logits(rows[anchor_rows, slots], self.target.head)
 
         return scores
-

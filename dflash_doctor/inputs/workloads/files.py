@@ -25,7 +25,9 @@ def _text_content(content: Any, source: str) -> str | None:
         return content
     if isinstance(content, list) and all(isinstance(p, dict) for p in content):
         if any(p.get("type") != "text" or not isinstance(p.get("text"), str) for p in content):
-            raise UsageError(f"{source}: only text content parts are supported (no images or audio); remove the other parts.")
+            raise UsageError(
+                f"{source}: only text content parts are supported (no images or audio); remove the other parts."
+            )
         return "\n".join(p["text"] for p in content)
     raise UsageError(f"{source}: a message `content` must be a string or a list of text parts; fix that line.")
 
@@ -37,20 +39,26 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 def _parse_messages(messages: Any, source: str) -> tuple[dict[str, Any], ...]:
     if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
-        raise UsageError(f"{source}: `messages` must be a non-empty list of {{\"role\", \"content\"}} objects; fix that line.")
+        raise UsageError(
+            f'{source}: `messages` must be a non-empty list of {{"role", "content"}} objects; fix that line.'
+        )
     parsed = []
     for message in messages:
         if not isinstance(message.get("role"), str):
             raise UsageError(f"{source}: every message needs a string `role`; fix that line.")
         if message["role"] not in CHAT_ROLES:
-            raise UsageError(f"{source}: role {message['role']!r} is not a chat role ({', '.join(CHAT_ROLES)}); rename it "
-                             f"(ShareGPT's human and gpt are user and assistant).")
+            raise UsageError(
+                f"{source}: role {message['role']!r} is not a chat role ({', '.join(CHAT_ROLES)}); rename it "
+                f"(ShareGPT's human and gpt are user and assistant)."
+            )
         content = _text_content(message.get("content"), source)
         if content is None and not (message["role"] == "assistant" and message.get("tool_calls")):
             raise UsageError(f"{source}: a {message['role']} message has no `content`; add the text.")
         parsed.append({**message, "content": content})
     if parsed[-1]["role"] == "assistant":
-        raise UsageError(f"{source}: the last message is from the assistant, so there is nothing to answer; end with a user message.")
+        raise UsageError(
+            f"{source}: the last message is from the assistant, so there is nothing to answer; end with a user message."
+        )
     return tuple(parsed)
 
 
@@ -84,7 +92,10 @@ def _request_from_record(record: Any, source: str, default_id: str) -> Request:
         messages = _parse_messages(messages, source)
     elif not isinstance(prompt, str):
         raise UsageError(f"{source}: `prompt` must be a string; fix that line.")
-    max_new = next((record[k] for k in ("max_new_tokens", "max_tokens", "max_completion_tokens") if record.get(k) is not None), None)
+    max_new = next(
+        (record[k] for k in ("max_new_tokens", "max_tokens", "max_completion_tokens") if record.get(k) is not None),
+        None,
+    )
     if max_new is not None and (not isinstance(max_new, int) or isinstance(max_new, bool) or max_new < 1):
         raise UsageError(f"{source}: `max_new_tokens` must be a positive integer; fix that line.")
     kwargs = record.get("chat_template_kwargs") or {}
@@ -99,8 +110,16 @@ def _request_from_record(record: Any, source: str, default_id: str) -> Request:
     request_id = record.get("id", default_id)
     if not isinstance(request_id, (str, int)) or isinstance(request_id, bool):
         raise UsageError(f"{source}: `id` must be a string or an integer; fix that line.")
-    return Request(id=str(request_id), request_class=request_class, subclass=subclass, messages=messages, prompt=prompt,
-                   max_new_tokens=max_new, chat_template_kwargs=dict(kwargs), response=_response_text(record.get("response"), source))
+    return Request(
+        id=str(request_id),
+        request_class=request_class,
+        subclass=subclass,
+        messages=messages,
+        prompt=prompt,
+        max_new_tokens=max_new,
+        chat_template_kwargs=dict(kwargs),
+        response=_response_text(record.get("response"), source),
+    )
 
 
 def _checked(requests: list[Request], sources: list[str], path: Path) -> list[Request]:
@@ -110,7 +129,9 @@ def _checked(requests: list[Request], sources: list[str], path: Path) -> list[Re
     first_seen: dict[str, str] = {}
     for request, source in zip(requests, sources):
         if request.id in first_seen:
-            raise UsageError(f"{source}: id {request.id!r} is already used at {first_seen[request.id]}; give every request its own id.")
+            raise UsageError(
+                f"{source}: id {request.id!r} is already used at {first_seen[request.id]}; give every request its own id."
+            )
         first_seen[request.id] = source
     return requests
 
@@ -175,7 +196,9 @@ def read_csv(path: Path | str) -> list[Request]:
                 source = f"{path}:{row_line}"
                 if None in row:  # DictReader files cells beyond the header under None
                     raise UsageError(f"{source}: the row has more cells than the header has columns; {quoting}.")
-                requests.append(_request_from_record(_decode_flat_record(row, source), source, default_id=str(row_line)))
+                requests.append(
+                    _request_from_record(_decode_flat_record(row, source), source, default_id=str(row_line))
+                )
                 sources.append(source)
         except csv.Error as exc:
             raise UsageError(f"{path}:{reader.line_num}: the CSV is malformed ({exc}); {quoting}.") from None
@@ -199,11 +222,15 @@ def read_parquet(path: Path | str) -> list[Request]:
     try:
         rows = pq.read_table(path).to_pylist()
     except Exception as exc:  # pyarrow raises several types for a corrupt or non-Parquet file
-        raise UsageError(f"workload file {path} is not a readable Parquet file ({exc}); rewrite it or use JSONL.") from None
+        raise UsageError(
+            f"workload file {path} is not a readable Parquet file ({exc}); rewrite it or use JSONL."
+        ) from None
     requests, sources = [], []
     for row_number, row in enumerate(rows, start=1):
         source = f"{path} row {row_number}"
-        requests.append(_request_from_record(_decode_flat_record(_drop_nulls(row), source), source, default_id=str(row_number)))
+        requests.append(
+            _request_from_record(_decode_flat_record(_drop_nulls(row), source), source, default_id=str(row_number))
+        )
         sources.append(source)
     return _checked(requests, sources, path)
 
@@ -211,7 +238,9 @@ def read_parquet(path: Path | str) -> list[Request]:
 def _existing(path: Path | str) -> Path:
     path = Path(path)
     if not path.is_file():
-        raise UsageError(f"workload file {path} does not exist; pass an existing {'/'.join(FILE_SUFFIXES)} file or a built-in workload name.")
+        raise UsageError(
+            f"workload file {path} does not exist; pass an existing {'/'.join(FILE_SUFFIXES)} file or a built-in workload name."
+        )
     return path
 
 
@@ -221,11 +250,15 @@ def read_workload_file(path: Path | str) -> list[Request]:
     readers = {".jsonl": read_jsonl, ".csv": read_csv, ".parquet": read_parquet}
     reader = readers.get(path.suffix.lower())
     if reader is None:
-        raise UsageError(f"workload file {path} has suffix {path.suffix or '(none)'}; use a {'/'.join(FILE_SUFFIXES)} file.")
+        raise UsageError(
+            f"workload file {path} has suffix {path.suffix or '(none)'}; use a {'/'.join(FILE_SUFFIXES)} file."
+        )
     try:
         return reader(path)
     except UnicodeDecodeError:
-        raise UsageError(f"workload file {_first_undecodable(path)} is not UTF-8 text; re-save the file as UTF-8.") from None
+        raise UsageError(
+            f"workload file {_first_undecodable(path)} is not UTF-8 text; re-save the file as UTF-8."
+        ) from None
 
 
 def _first_undecodable(path: Path) -> str:
@@ -268,8 +301,7 @@ def save_workload(requests: Iterable[Request], path: Path | str) -> Path:
     if suffix == ".jsonl":
         path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
         return path
-    flat = [{k: json.dumps(v, ensure_ascii=False) if k in _JSON_COLUMNS else v for k, v in r.items()}
-            for r in records]
+    flat = [{k: json.dumps(v, ensure_ascii=False) if k in _JSON_COLUMNS else v for k, v in r.items()} for r in records]
     columns = list(dict.fromkeys(k for r in flat for k in r))
     if suffix == ".csv":
         with path.open("w", encoding="utf-8", newline="") as handle:

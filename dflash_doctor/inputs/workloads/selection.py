@@ -16,8 +16,9 @@ from dflash_doctor.inputs.workloads.files import FILE_SUFFIXES, read_workload_fi
 from dflash_doctor.inputs.workloads.request import Request, stratified_sample
 
 
-def load_workload(spec: str, *, classes: Sequence[str] = (), max_requests: int | None = None, seed: int = 0,
-                  split: str = "eval") -> list[Request]:
+def load_workload(
+    spec: str, *, classes: Sequence[str] = (), max_requests: int | None = None, seed: int = 0, split: str = "eval"
+) -> list[Request]:
     """The requests to replay: a built-in name or a .jsonl/.csv/.parquet file, filtered and sampled.
 
     ``split`` (train | eval | all) applies to built-in sets; a user file is always used whole (keep
@@ -45,19 +46,25 @@ def _workload_path(spec: str) -> Path:
     path = Path(spec).expanduser()
     if path.is_file():
         if path.suffix.lower() not in FILE_SUFFIXES:
-            raise UsageError(f"workload file {path} has suffix {path.suffix or '(none)'}; use a {'/'.join(FILE_SUFFIXES)} file.")
+            raise UsageError(
+                f"workload file {path} has suffix {path.suffix or '(none)'}; use a {'/'.join(FILE_SUFFIXES)} file."
+            )
         return path
     close = difflib.get_close_matches(spec, BUILTIN_NAMES, n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
-    raise UsageError(f"workload {spec!r} is neither a built-in workload{hint} nor an existing {'/'.join(FILE_SUFFIXES)} file; "
-                     f"pass one of {', '.join(BUILTIN_NAMES)} or a file path.")
+    raise UsageError(
+        f"workload {spec!r} is neither a built-in workload{hint} nor an existing {'/'.join(FILE_SUFFIXES)} file; "
+        f"pass one of {', '.join(BUILTIN_NAMES)} or a file path."
+    )
 
 
 def _select_classes(requests: list[Request], classes: Sequence[str], spec: str) -> list[Request]:
     available = {r.request_class for r in requests} | {r.subclass for r in requests if r.subclass}
     unknown = [c for c in classes if c not in available]
     if unknown:
-        raise UsageError(f"--classes {','.join(unknown)}: workload {spec} has no request of that class; "
-                         f"use some of {', '.join(sorted(available))}.")
+        raise UsageError(
+            f"--classes {','.join(unknown)}: workload {spec} has no request of that class; "
+            f"use some of {', '.join(sorted(available))}."
+        )
     wanted = set(classes)
     return [r for r in requests if r.request_class in wanted or r.subclass in wanted]

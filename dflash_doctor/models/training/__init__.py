@@ -42,11 +42,51 @@ Callers import the names below from here.
 """
 
 from dflash_doctor.models.training.hyperparams import TrainConfig, TrainingResult
-from dflash_doctor.models.training.new_draft import DEFAULT_NUM_TAPS, chat_template_record, choose_mask_token_id, draft_config_for_target, init_draft_from_target, validate_mask_token_id
-from dflash_doctor.models.training.sequences import EVAL_SEQUENCES_FILE, SAMPLED_SEQUENCES_FILE, SELF_WRITTEN_PROMPTS_FILE, SEQUENCES_FILE, SequenceRecord, data_cache_key, prepare_sequences, prepare_training_data, sampled_sequences, self_written_prompts
-from dflash_doctor.models.training.checkpoints import CHECKPOINT_DIR_NAME, CHECKPOINT_PIECE_BYTES, TRAINING_STATE_FILE, load_checkpoint, remove_checkpoint, save_checkpoint
-from dflash_doctor.models.training.loop import block_loss, extract_features, sample_anchors, slot_weights, train_dflash_draft, train_loop
-from dflash_doctor.models.training.eagle3_head import DEFAULT_DRAFT_VOCAB_SIZE, DEFAULT_TTT_STEPS, draft_vocabulary, new_eagle3_head, save_eagle3_head, speculators_config, vocabulary_maps
+from dflash_doctor.models.training.new_draft import (
+    DEFAULT_NUM_TAPS,
+    chat_template_record,
+    choose_mask_token_id,
+    draft_config_for_target,
+    init_draft_from_target,
+    validate_mask_token_id,
+)
+from dflash_doctor.models.training.sequences import (
+    EVAL_SEQUENCES_FILE,
+    SAMPLED_SEQUENCES_FILE,
+    SELF_WRITTEN_PROMPTS_FILE,
+    SEQUENCES_FILE,
+    SequenceRecord,
+    data_cache_key,
+    prepare_sequences,
+    prepare_training_data,
+    sampled_sequences,
+    self_written_prompts,
+)
+from dflash_doctor.models.training.checkpoints import (
+    CHECKPOINT_DIR_NAME,
+    CHECKPOINT_PIECE_BYTES,
+    TRAINING_STATE_FILE,
+    load_checkpoint,
+    remove_checkpoint,
+    save_checkpoint,
+)
+from dflash_doctor.models.training.loop import (
+    block_loss,
+    extract_features,
+    sample_anchors,
+    slot_weights,
+    train_dflash_draft,
+    train_loop,
+)
+from dflash_doctor.models.training.eagle3_head import (
+    DEFAULT_DRAFT_VOCAB_SIZE,
+    DEFAULT_TTT_STEPS,
+    draft_vocabulary,
+    new_eagle3_head,
+    save_eagle3_head,
+    speculators_config,
+    vocabulary_maps,
+)
 from dflash_doctor.models.training.eagle3 import chain_loss, chain_rows, draft_index, train_eagle3_head
 from dflash_doctor.models.training.evaluation import held_out_steps, tau_by_class
 

@@ -52,8 +52,15 @@ def model_card(facts: dict[str, Any], recipe: TrainingRecipe) -> str:
         "",
         "## Loss curve",
         "",
-        *([f"Stopped by --time-limit at step {facts['final_step']} of {train['steps']}: the same command goes on from "
-           "the checkpoint.", ""] if facts["final_step"] < train["steps"] else []),
+        *(
+            [
+                f"Stopped by --time-limit at step {facts['final_step']} of {train['steps']}: the same command goes on from "
+                "the checkpoint.",
+                "",
+            ]
+            if facts["final_step"] < train["steps"]
+            else []
+        ),
         f"`{sparkline([row['loss'] for row in log])}`",
         "",
         f"| step | loss | accepted per {recipe.card_unit} | lr |",

@@ -43,17 +43,31 @@ def draft_index(head: Eagle3DraftModel) -> torch.Tensor:
     return index
 
 
-def chain_rows(head: Eagle3DraftModel, embedding: torch.nn.Embedding, token_ids: torch.Tensor, features: torch.Tensor,
-               anchors: torch.Tensor, k: int) -> torch.Tensor:
+def chain_rows(
+    head: Eagle3DraftModel,
+    embedding: torch.nn.Embedding,
+    token_ids: torch.Tensor,
+    features: torch.Tensor,
+    anchors: torch.Tensor,
+    k: int,
+) -> torch.Tensor:
     """Normed rows [N, A, k, H] of slots 1..k of every anchor of a right-padded batch (token_ids [N, T], features
     [N, T, n*Ht], anchors [N, A], each >= 1): the first pass, then the chain."""
     first = teacher_first_pass(head, embedding, token_ids, features)
     return teacher_chain_rows(head, embedding, token_ids, first, anchors, k)
 
 
-def chain_loss(head: Eagle3DraftModel, embedding: torch.nn.Embedding, token_ids: torch.Tensor, lengths: torch.Tensor,
-               features: torch.Tensor, anchors: torch.Tensor, anchor_valid: torch.Tensor, weights: torch.Tensor,
-               draft_of: torch.Tensor) -> tuple[torch.Tensor, int, torch.Tensor]:
+def chain_loss(
+    head: Eagle3DraftModel,
+    embedding: torch.nn.Embedding,
+    token_ids: torch.Tensor,
+    lengths: torch.Tensor,
+    features: torch.Tensor,
+    anchors: torch.Tensor,
+    anchor_valid: torch.Tensor,
+    weights: torch.Tensor,
+    draft_of: torch.Tensor,
+) -> tuple[torch.Tensor, int, torch.Tensor]:
     """Decay-weighted cross-entropy of every chain over the draft vocabulary, the number of labels, and accepted
     tokens per chain (leading slots whose argmax is the label: what a live step at K = T accepts here).
 
@@ -82,11 +96,21 @@ def chain_loss(head: Eagle3DraftModel, embedding: torch.nn.Embedding, token_ids:
     return loss, chosen.numel(), accepted.float().mean()
 
 
-def train_eagle3_head(target_model: CausalLM, sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int],
-                      config: TrainConfig, head: Eagle3DraftModel, *, ttt_steps: int, head_config: dict[str, Any],
-                      checkpoint_dir: Path | None = None, feature_batch_size: int = 8,
-                      features: Sequence[torch.Tensor] | None = None, deadline: float | None = None,
-                      progress: bool = False) -> TrainingResult:
+def train_eagle3_head(
+    target_model: CausalLM,
+    sequences: Sequence[Sequence[int]],
+    prompt_lengths: Sequence[int],
+    config: TrainConfig,
+    head: Eagle3DraftModel,
+    *,
+    ttt_steps: int,
+    head_config: dict[str, Any],
+    checkpoint_dir: Path | None = None,
+    feature_batch_size: int = 8,
+    features: Sequence[torch.Tensor] | None = None,
+    deadline: float | None = None,
+    progress: bool = False,
+) -> TrainingResult:
     """Train ``head`` by :func:`chain_loss` over ``ttt_steps`` chain slots through :func:`.loop.train_loop` (whose
     docstring says what the other arguments do); ``head_config`` is the config.json its checkpoints carry."""
     if head.lm_head is None:
@@ -95,10 +119,26 @@ def train_eagle3_head(target_model: CausalLM, sequences: Sequence[Sequence[int]]
     draft_of = draft_index(head).to(config.device)
     embedding = cast(torch.nn.Embedding, target_model.get_input_embeddings())
 
-    def objective(token_ids: torch.Tensor, lengths: torch.Tensor, batch_features: torch.Tensor, anchors: torch.Tensor,
-                  anchor_valid: torch.Tensor) -> tuple[torch.Tensor, int, torch.Tensor]:
+    def objective(
+        token_ids: torch.Tensor,
+        lengths: torch.Tensor,
+        batch_features: torch.Tensor,
+        anchors: torch.Tensor,
+        anchor_valid: torch.Tensor,
+    ) -> tuple[torch.Tensor, int, torch.Tensor]:
         return chain_loss(head, embedding, token_ids, lengths, batch_features, anchors, anchor_valid, weights, draft_of)
 
-    return train_loop(target_model, sequences, prompt_lengths, config, head, objective, checkpoint_dir=checkpoint_dir,
-                      extra_config=head_config, feature_batch_size=feature_batch_size, features=features, deadline=deadline,
-                      progress=progress)
+    return train_loop(
+        target_model,
+        sequences,
+        prompt_lengths,
+        config,
+        head,
+        objective,
+        checkpoint_dir=checkpoint_dir,
+        extra_config=head_config,
+        feature_batch_size=feature_batch_size,
+        features=features,
+        deadline=deadline,
+        progress=progress,
+    )

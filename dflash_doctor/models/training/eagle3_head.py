@@ -30,7 +30,9 @@ from dflash_doctor.models.eagle3_format import read_eagle3_config
 if TYPE_CHECKING:
     from dflash_doctor.engine.target import CausalLM
 
-DEFAULT_DRAFT_VOCAB_SIZE = 32000  # the speculators library's and EAGLE-3's usual size; capped at the target's vocabulary
+DEFAULT_DRAFT_VOCAB_SIZE = (
+    32000  # the speculators library's and EAGLE-3's usual size; capped at the target's vocabulary
+)
 DEFAULT_TTT_STEPS = 7  # chain slots trained (training-time test), also the K written into speculators_config
 
 #: Every norm switch written explicitly, all False (how the head is built and trained): vLLM reads a missing
@@ -38,7 +40,14 @@ DEFAULT_TTT_STEPS = 7  # chain slots trained (training-time test), also the K wr
 NORM_SWITCH_VALUES = {"norm_before_residual": False, "norm_output": False, "norm_before_fc": False, "fc_norm": False}
 
 # keys of the target's config that describe the whole target, not the head's one layer
-_TARGET_ONLY_KEYS = ("architectures", "auto_map", "transformers_version", "layer_types", "_name_or_path", "max_window_layers")
+_TARGET_ONLY_KEYS = (
+    "architectures",
+    "auto_map",
+    "transformers_version",
+    "layer_types",
+    "_name_or_path",
+    "max_window_layers",
+)
 
 
 def draft_vocabulary(responses: Sequence[Sequence[int]], target_vocab_size: int, size: int) -> tuple[list[int], float]:
@@ -62,14 +71,17 @@ def vocabulary_maps(draft_ids: Sequence[int], target_vocab_size: int) -> tuple[t
     return ids - torch.arange(len(ids)), t2d
 
 
-def speculators_config(target_model: CausalLM, *, aux_layer_ids: Sequence[int], draft_vocab_size: int, ttt_steps: int,
-                       target_spec: str) -> dict[str, Any]:
+def speculators_config(
+    target_model: CausalLM, *, aux_layer_ids: Sequence[int], draft_vocab_size: int, ttt_steps: int, target_spec: str
+) -> dict[str, Any]:
     """config.json of a new head for ``target_model`` in the speculators layout (without the ``dflash_doctor`` record)."""
     target_config = target_model.config
     model_type = getattr(target_config, "model_type", None)
     if model_type not in LAYER_TYPES:
-        raise UsageError(f"--draft-kind eagle3 builds the head from a {' or '.join(LAYER_TYPES)} layer but target {target_spec} is a "
-                         f"{model_type!r} model; train a DFlash draft for it (--draft-kind dflash).")
+        raise UsageError(
+            f"--draft-kind eagle3 builds the head from a {' or '.join(LAYER_TYPES)} layer but target {target_spec} is a "
+            f"{model_type!r} model; train a DFlash draft for it (--draft-kind dflash)."
+        )
     layer = {key: value for key, value in target_config.to_dict().items() if key not in _TARGET_ONLY_KEYS}
     layer.update(num_hidden_layers=1, model_type=model_type)
     return {
@@ -84,18 +96,25 @@ def speculators_config(target_model: CausalLM, *, aux_layer_ids: Sequence[int], 
             "algorithm": "eagle3",
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(ttt_steps)}],
             "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": target_spec, "architectures": list(getattr(target_config, "architectures", None) or [])},
+            "verifier": {
+                "name_or_path": target_spec,
+                "architectures": list(getattr(target_config, "architectures", None) or []),
+            },
         },
     }
 
 
-def new_eagle3_head(target_model: CausalLM, config: dict[str, Any], draft_ids: Sequence[int], *, seed: int) -> Eagle3DraftModel:
+def new_eagle3_head(
+    target_model: CausalLM, config: dict[str, Any], draft_ids: Sequence[int], *, seed: int
+) -> Eagle3DraftModel:
     """A fresh head shaped by ``config`` (read by the loader itself, so the trained module is the one the saved
     folder loads as): random ``fc`` and layer from ``seed``, ``norm`` from the target's final norm, ``lm_head``
     from the target's head rows ``draft_ids``, ``d2t`` from them; no embedding of its own."""
     target_config = target_model.config
     width = len(config["eagle_aux_hidden_state_layer_ids"]) * int(target_config.hidden_size)
-    shape_only = {"fc.weight": torch.empty(int(config["transformer_layer_config"]["hidden_size"]), width, device="meta")}
+    shape_only = {
+        "fc.weight": torch.empty(int(config["transformer_layer_config"]["hidden_size"]), width, device="meta")
+    }
     cfg = read_eagle3_config(config, target_config, shape_only, "the new EAGLE-3 head's config")
     torch.manual_seed(seed)
     head = Eagle3DraftModel(cfg, own_embedding=False, own_lm_head=True)
@@ -106,12 +125,16 @@ def new_eagle3_head(target_model: CausalLM, config: dict[str, Any], draft_ids: S
     d2t, _ = vocabulary_maps(draft_ids, cfg.target_vocab_size)
     with torch.no_grad():
         head.norm.weight.copy_(final_norm.weight.float())
-        head.lm_head.weight.copy_(target_head.weight[torch.tensor(list(draft_ids), device=target_head.weight.device)].float())
+        head.lm_head.weight.copy_(
+            target_head.weight[torch.tensor(list(draft_ids), device=target_head.weight.device)].float()
+        )
         head.d2t.copy_(d2t)
     return head
 
 
-def save_eagle3_head(head: Eagle3DraftModel, folder: Path, config: dict[str, Any], *, max_shard_bytes: int | str = "5GB") -> Path:
+def save_eagle3_head(
+    head: Eagle3DraftModel, folder: Path, config: dict[str, Any], *, max_shard_bytes: int | str = "5GB"
+) -> Path:
     """``config`` as config.json and the head's tensors with ``t2d`` added, under the names vLLM's EAGLE-3 loader
     and :mod:`dflash_doctor.models.eagle3_format` read (``fc.weight``, ``layers.0.*``, ``norm.weight``,
     ``lm_head.weight``, ``d2t``, ``t2d``); sharded like transformers when over ``max_shard_bytes``."""

@@ -26,8 +26,14 @@ if TYPE_CHECKING:
 
 
 @torch.inference_mode()
-def held_out_steps(target_model: CausalLM, draft: DFlashDraftModel | Eagle3DraftModel, records: Sequence[SequenceRecord], *,
-                   stop_ids: frozenset[int], k: int | None = None) -> list[dict[str, Any]]:
+def held_out_steps(
+    target_model: CausalLM,
+    draft: DFlashDraftModel | Eagle3DraftModel,
+    records: Sequence[SequenceRecord],
+    *,
+    stop_ids: frozenset[int],
+    k: int | None = None,
+) -> list[dict[str, Any]]:
     """Per-step rows (``request_id``, ``class``, ``k``, ``num_drafted``, ``num_accepted``...) of the live loop at T = 0.
 
     ``k``: the step's K, by default a DFlash draft's block size - 1; an EAGLE-3 head, which has no block, needs it.
@@ -47,13 +53,15 @@ def held_out_steps(target_model: CausalLM, draft: DFlashDraftModel | Eagle3Draft
     k = min(k, proposer.max_k or k)
     rows = []
     for record in records:
-        prompt, output = list(record.token_ids[:record.prompt_length]), list(record.token_ids[record.prompt_length:])
+        prompt, output = list(record.token_ids[: record.prompt_length]), list(record.token_ids[record.prompt_length :])
         if not output:
             continue
         table, _ = slot_table(target, proposer, TeacherSequence(prompt, output), k, record_divergence=False)
         limit = len(output) + (1 if output[-1] in stop_ids else 0)
-        rows += [as_row(StepRow(request_id=record.request_id, request_class=record.request_class, **vars(step)))
-                 for step in walk_schedule(table.matches, output, k, limit, stop_ids)]
+        rows += [
+            as_row(StepRow(request_id=record.request_id, request_class=record.request_class, **vars(step)))
+            for step in walk_schedule(table.matches, output, k, limit, stop_ids)
+        ]
     return rows
 
 

@@ -37,9 +37,15 @@ class TrainConfig:
     log_every: int = 10  # steps between rows of the loss curve
 
     def __post_init__(self) -> None:
-        positive = {"--steps": self.steps, "--batch-size": self.batch_size, "--anchors-per-sequence": self.anchors_per_sequence,
-                    "--lr": self.lr, "--loss-decay-gamma": self.loss_decay_gamma, "--checkpoint-every": self.checkpoint_every,
-                    "log_every": self.log_every}
+        positive = {
+            "--steps": self.steps,
+            "--batch-size": self.batch_size,
+            "--anchors-per-sequence": self.anchors_per_sequence,
+            "--lr": self.lr,
+            "--loss-decay-gamma": self.loss_decay_gamma,
+            "--checkpoint-every": self.checkpoint_every,
+            "log_every": self.log_every,
+        }
         for flag, value in positive.items():
             if not value > 0:
                 raise UsageError(f"{flag} {value} must be positive; pass a value above 0.")
@@ -55,7 +61,9 @@ class TrainingResult:
     """The trained draft (eval mode) and its loss curve."""
 
     draft: DFlashDraftModel | Eagle3DraftModel
-    log: list[dict[str, float]]  # rows {"step", "loss", "accepted_per_block" (an EAGLE-3 head: per chain), "lr", "tokens_per_s"}
+    log: list[
+        dict[str, float]
+    ]  # rows {"step", "loss", "accepted_per_block" (an EAGLE-3 head: per chain), "lr", "tokens_per_s"}
     resumed_from_step: int  # 0 for a fresh run
     num_sequences: int  # sequences that had room for an anchor (two or more response tokens)
     final_step: int  # config.steps, or fewer when the deadline stopped the run (the checkpoint continues it)

@@ -32,7 +32,9 @@ if TYPE_CHECKING:
 
 #: One step's objective on a padded batch: (token_ids [N, T], lengths [N], features [N, T, F], anchors [N, A],
 #: anchor_valid [N, A]) -> (weighted loss, number of labels, mean accepted tokens per block or chain).
-Objective = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, int, torch.Tensor]]
+Objective = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, int, torch.Tensor]
+]
 
 
 def _forward_without_logits(model: torch.nn.Module) -> dict[str, Any]:
@@ -41,9 +43,15 @@ def _forward_without_logits(model: torch.nn.Module) -> dict[str, Any]:
 
 
 @torch.inference_mode()
-def extract_features(target_model: CausalLM, sequences: Sequence[Sequence[int]], hidden_state_indices: Sequence[int],
-                     *, batch_size: int = 8, device: torch.device | str = "cpu",
-                     dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+def extract_features(
+    target_model: CausalLM,
+    sequences: Sequence[Sequence[int]],
+    hidden_state_indices: Sequence[int],
+    *,
+    batch_size: int = 8,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype | None = None,
+) -> list[torch.Tensor]:
     """Concatenated taps ``[L_i, n*H]`` for every sequence: one frozen-target pass per sequence, batched.
 
     Sequences are grouped by length and right-padded; causal attention keeps every real row what an unpadded
@@ -57,16 +65,16 @@ def extract_features(target_model: CausalLM, sequences: Sequence[Sequence[int]],
     order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
     features: dict[int, torch.Tensor] = {}  # by sequence index: computed in length order, returned in input order
     for start in range(0, len(order), batch_size):
-        chunk = order[start:start + batch_size]
+        chunk = order[start : start + batch_size]
         width = max(len(sequences[i]) for i in chunk)
         ids = torch.zeros((len(chunk), width), dtype=torch.long)
         for row, index in enumerate(chunk):
-            ids[row, :len(sequences[index])] = torch.tensor(list(sequences[index]))
+            ids[row, : len(sequences[index])] = torch.tensor(list(sequences[index]))
         with TapRecorder(points, tuple(hidden_state_indices)) as recorder:  # the taps only, not every layer's states
             target_model(input_ids=ids.to(model_device), **extra)
         taps = recorder.features(model_device)  # [n, width, F]
         for row, index in enumerate(chunk):
-            features[index] = taps[row, :len(sequences[index])].to(device, dtype=dtype or taps.dtype).clone()
+            features[index] = taps[row, : len(sequences[index])].to(device, dtype=dtype or taps.dtype).clone()
     return [features[i] for i in range(len(sequences))]
 
 
@@ -75,8 +83,9 @@ def slot_weights(block_size: int, gamma: float) -> torch.Tensor:
     return torch.exp(-torch.arange(block_size - 1, dtype=torch.float32) / gamma)
 
 
-def sample_anchors(prompt_lengths: torch.Tensor, lengths: torch.Tensor, width: int, num_anchors: int,
-                   generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_anchors(
+    prompt_lengths: torch.Tensor, lengths: torch.Tensor, width: int, num_anchors: int, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Random distinct anchors ``[N, A]`` in each response (positions ``P_i .. L_i - 2``) and their validity.
 
     An anchor needs one label after it, hence ``L_i - 2``; rows with fewer usable positions than A are
@@ -89,9 +98,16 @@ def sample_anchors(prompt_lengths: torch.Tensor, lengths: torch.Tensor, width: i
     return top.indices, top.values >= 0
 
 
-def block_loss(draft: DFlashDraftModel, target_model: CausalLM, token_ids: torch.Tensor, lengths: torch.Tensor,
-               features: torch.Tensor, anchors: torch.Tensor, anchor_valid: torch.Tensor,
-               weights: torch.Tensor) -> tuple[torch.Tensor, int, torch.Tensor]:
+def block_loss(
+    draft: DFlashDraftModel,
+    target_model: CausalLM,
+    token_ids: torch.Tensor,
+    lengths: torch.Tensor,
+    features: torch.Tensor,
+    anchors: torch.Tensor,
+    anchor_valid: torch.Tensor,
+    weights: torch.Tensor,
+) -> tuple[torch.Tensor, int, torch.Tensor]:
     """Decay-weighted cross-entropy of every block, the number of labels, and accepted tokens per block.
 
     token_ids [N, T], lengths [N], features [N, T, F], anchors / anchor_valid [N, A], weights [B-1].
@@ -101,8 +117,9 @@ def block_loss(draft: DFlashDraftModel, target_model: CausalLM, token_ids: torch
     block_size = draft.config.block_size
     n, width = token_ids.shape
     embedding = cast(torch.nn.Embedding, target_model.get_input_embeddings())
-    hidden = draft_block_hidden(draft, embedding.weight, token_ids, context_kv_for(draft, features),
-                                anchors, anchor_valid, block_size)  # [N, A, B, H]
+    hidden = draft_block_hidden(
+        draft, embedding.weight, token_ids, context_kv_for(draft, features), anchors, anchor_valid, block_size
+    )  # [N, A, B, H]
     label_positions = anchors[:, :, None] + torch.arange(1, block_size, device=anchors.device)  # [N, A, B-1]
     label_valid = anchor_valid[:, :, None] & (label_positions < lengths[:, None, None])
     labels = token_ids.gather(1, label_positions.clamp(max=width - 1).view(n, -1)).view_as(label_positions)
@@ -127,29 +144,64 @@ def _lr_factor(step: int, total_steps: int, warmup_steps: int) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
-def train_dflash_draft(target_model: CausalLM, sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int],
-                       config: TrainConfig, draft: DFlashDraftModel, *, checkpoint_dir: Path | None = None,
-                       extra_config: dict[str, Any] | None = None, feature_batch_size: int = 8,
-                       features: Sequence[torch.Tensor] | None = None, deadline: float | None = None,
-                       progress: bool = False) -> TrainingResult:
+def train_dflash_draft(
+    target_model: CausalLM,
+    sequences: Sequence[Sequence[int]],
+    prompt_lengths: Sequence[int],
+    config: TrainConfig,
+    draft: DFlashDraftModel,
+    *,
+    checkpoint_dir: Path | None = None,
+    extra_config: dict[str, Any] | None = None,
+    feature_batch_size: int = 8,
+    features: Sequence[torch.Tensor] | None = None,
+    deadline: float | None = None,
+    progress: bool = False,
+) -> TrainingResult:
     """Train a DFlash ``draft`` by :func:`block_loss` through :func:`train_loop` (whose docstring says what the
     arguments do)."""
     weights = slot_weights(draft.config.block_size, config.loss_decay_gamma).to(config.device)
 
-    def objective(token_ids: torch.Tensor, lengths: torch.Tensor, features: torch.Tensor, anchors: torch.Tensor,
-                  anchor_valid: torch.Tensor) -> tuple[torch.Tensor, int, torch.Tensor]:
+    def objective(
+        token_ids: torch.Tensor,
+        lengths: torch.Tensor,
+        features: torch.Tensor,
+        anchors: torch.Tensor,
+        anchor_valid: torch.Tensor,
+    ) -> tuple[torch.Tensor, int, torch.Tensor]:
         return block_loss(draft, target_model, token_ids, lengths, features, anchors, anchor_valid, weights)
 
-    return train_loop(target_model, sequences, prompt_lengths, config, draft, objective, checkpoint_dir=checkpoint_dir,
-                      extra_config=extra_config, feature_batch_size=feature_batch_size, features=features, deadline=deadline,
-                      progress=progress)
+    return train_loop(
+        target_model,
+        sequences,
+        prompt_lengths,
+        config,
+        draft,
+        objective,
+        checkpoint_dir=checkpoint_dir,
+        extra_config=extra_config,
+        feature_batch_size=feature_batch_size,
+        features=features,
+        deadline=deadline,
+        progress=progress,
+    )
 
 
-def train_loop(target_model: CausalLM, sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int],
-               config: TrainConfig, draft: DFlashDraftModel | Eagle3DraftModel, objective: Objective, *,
-               checkpoint_dir: Path | None = None, extra_config: dict[str, Any] | None = None, feature_batch_size: int = 8,
-               features: Sequence[torch.Tensor] | None = None, deadline: float | None = None,
-               progress: bool = False) -> TrainingResult:
+def train_loop(
+    target_model: CausalLM,
+    sequences: Sequence[Sequence[int]],
+    prompt_lengths: Sequence[int],
+    config: TrainConfig,
+    draft: DFlashDraftModel | Eagle3DraftModel,
+    objective: Objective,
+    *,
+    checkpoint_dir: Path | None = None,
+    extra_config: dict[str, Any] | None = None,
+    feature_batch_size: int = 8,
+    features: Sequence[torch.Tensor] | None = None,
+    deadline: float | None = None,
+    progress: bool = False,
+) -> TrainingResult:
     """Train ``draft`` (a new one, or a checkpoint to fine-tune) on ``sequences`` against the frozen target by ``objective``.
 
     ``sequences[i]`` is prompt + response token ids and ``prompt_lengths[i]`` where the response starts.
@@ -170,11 +222,15 @@ def train_loop(target_model: CausalLM, sequences: Sequence[Sequence[int]], promp
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     if len(sequences) != len(prompt_lengths) or (features is not None and len(features) != len(sequences)):
-        raise ValueError(f"{len(sequences)} sequences but {len(prompt_lengths)} prompt lengths"
-                         + (f" and {len(features)} feature tensors" if features is not None else ""))
+        raise ValueError(
+            f"{len(sequences)} sequences but {len(prompt_lengths)} prompt lengths"
+            + (f" and {len(features)} feature tensors" if features is not None else "")
+        )
     usable = [i for i, (tokens, p) in enumerate(zip(sequences, prompt_lengths)) if len(tokens) >= p + 2]
     if not usable:
-        raise UsageError("no training sequence has two or more response tokens; raise --max-new-tokens or use another workload.")
+        raise UsageError(
+            "no training sequence has two or more response tokens; raise --max-new-tokens or use another workload."
+        )
     given_features = [features[i] for i in usable] if features is not None else None
     sequences = [list(sequences[i]) for i in usable]
     prompt_lengths = [int(prompt_lengths[i]) for i in usable]
@@ -201,40 +257,71 @@ def train_loop(target_model: CausalLM, sequences: Sequence[Sequence[int]], promp
 
     def checkpoint() -> None:
         if checkpoint_dir is not None:
-            window = {"loss_sum": float(loss_sum), "accepted_sum": float(accepted_sum), "labels": labels_sum, "steps": window_steps}
-            state = {"identity": identity, "step": step, "log": log, "optimizer": optimizer.state_dict(), "window": window,
-                     "scheduler": scheduler.state_dict(), "generator": generator.get_state()}
+            window = {
+                "loss_sum": float(loss_sum),
+                "accepted_sum": float(accepted_sum),
+                "labels": labels_sum,
+                "steps": window_steps,
+            }
+            state = {
+                "identity": identity,
+                "step": step,
+                "log": log,
+                "optimizer": optimizer.state_dict(),
+                "window": window,
+                "scheduler": scheduler.state_dict(),
+                "generator": generator.get_state(),
+            }
             checkpoints.save_checkpoint(checkpoint_dir, draft, state, extra_config)
 
     token_tensors = [torch.tensor(s, device=device) for s in sequences]
     # bf16 on CUDA: the draft reads them under bf16 autocast anyway, and it halves the memory of a large data set
-    features = given_features or extract_features(target_model, sequences, draft.hidden_state_indices, batch_size=feature_batch_size,
-                                                  device=device, dtype=torch.bfloat16 if device.type == "cuda" else None)
+    features = given_features or extract_features(
+        target_model,
+        sequences,
+        draft.hidden_state_indices,
+        batch_size=feature_batch_size,
+        device=device,
+        dtype=torch.bfloat16 if device.type == "cuda" else None,
+    )
     all_prompt_lengths = torch.tensor(prompt_lengths)
     all_lengths = torch.tensor([len(s) for s in sequences])
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
 
     draft.train()
-    columns = (TextColumn("training"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]:.3f}"),
-               TextColumn("accepted/block {task.fields[accepted]:.2f}"), TextColumn("{task.fields[tokens_per_s]:,.0f} label tok/s"),
-               TimeRemainingColumn())
+    columns = (
+        TextColumn("training"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("loss {task.fields[loss]:.3f}"),
+        TextColumn("accepted/block {task.fields[accepted]:.2f}"),
+        TextColumn("{task.fields[tokens_per_s]:,.0f} label tok/s"),
+        TimeRemainingColumn(),
+    )
     # the loss-log row being summed; a checkpoint between two rows carries it, so the resumed log is the straight one
-    window = resumed[1]["window"] if resumed is not None else {"loss_sum": 0.0, "accepted_sum": 0.0, "labels": 0, "steps": 0}
+    window = (
+        resumed[1]["window"] if resumed is not None else {"loss_sum": 0.0, "accepted_sum": 0.0, "labels": 0, "steps": 0}
+    )
     loss_sum = torch.full((), window["loss_sum"], device=device)
     accepted_sum = torch.full((), window["accepted_sum"], device=device)
     labels_sum, window_steps, window_started = window["labels"], window["steps"], time.perf_counter()
     with Progress(*columns, disable=not progress) as bar:
-        task = bar.add_task("train", total=config.steps, completed=step, loss=float("nan"), accepted=float("nan"), tokens_per_s=0.0)
+        task = bar.add_task(
+            "train", total=config.steps, completed=step, loss=float("nan"), accepted=float("nan"), tokens_per_s=0.0
+        )
         while step < config.steps:
             batch = torch.randperm(len(sequences), generator=generator)[: config.batch_size]
             lengths, batch_prompt_lengths = all_lengths[batch], all_prompt_lengths[batch]
             width = int(lengths.max())
-            anchors, anchor_valid = sample_anchors(batch_prompt_lengths, lengths, width, config.anchors_per_sequence, generator)
+            anchors, anchor_valid = sample_anchors(
+                batch_prompt_lengths, lengths, width, config.anchors_per_sequence, generator
+            )
             token_ids = torch.nn.utils.rnn.pad_sequence([token_tensors[i] for i in batch.tolist()], batch_first=True)
             batch_features = torch.nn.utils.rnn.pad_sequence([features[i] for i in batch.tolist()], batch_first=True)
             with autocast:
-                loss, num_labels, accepted = objective(token_ids, lengths.to(device), batch_features, anchors.to(device),
-                                                       anchor_valid.to(device))
+                loss, num_labels, accepted = objective(
+                    token_ids, lengths.to(device), batch_features, anchors.to(device), anchor_valid.to(device)
+                )
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(draft.parameters(), config.grad_clip_norm)
@@ -247,10 +334,21 @@ def train_loop(target_model: CausalLM, sequences: Sequence[Sequence[int]], promp
             window_steps += 1
             if step % config.log_every == 0 or step == config.steps:
                 elapsed = time.perf_counter() - window_started
-                row = {"step": step, "loss": float(loss_sum) / window_steps, "accepted_per_block": float(accepted_sum) / window_steps,
-                       "lr": optimizer.param_groups[0]["lr"], "tokens_per_s": float(labels_sum) / max(elapsed, 1e-9)}
+                row = {
+                    "step": step,
+                    "loss": float(loss_sum) / window_steps,
+                    "accepted_per_block": float(accepted_sum) / window_steps,
+                    "lr": optimizer.param_groups[0]["lr"],
+                    "tokens_per_s": float(labels_sum) / max(elapsed, 1e-9),
+                }
                 log.append(row)
-                bar.update(task, completed=step, loss=row["loss"], accepted=row["accepted_per_block"], tokens_per_s=row["tokens_per_s"])
+                bar.update(
+                    task,
+                    completed=step,
+                    loss=row["loss"],
+                    accepted=row["accepted_per_block"],
+                    tokens_per_s=row["tokens_per_s"],
+                )
                 loss_sum.zero_()
                 accepted_sum.zero_()
                 labels_sum, window_steps, window_started = 0, 0, time.perf_counter()
@@ -260,4 +358,6 @@ def train_loop(target_model: CausalLM, sequences: Sequence[Sequence[int]], promp
                 checkpoint()
     checkpoint()
     draft.eval()
-    return TrainingResult(draft=draft, log=log, resumed_from_step=resumed_from_step, num_sequences=len(sequences), final_step=step)
+    return TrainingResult(
+        draft=draft, log=log, resumed_from_step=resumed_from_step, num_sequences=len(sequences), final_step=step
+    )

@@ -22,8 +22,9 @@ if TYPE_CHECKING:
 DEFAULT_NUM_TAPS = 4  # target layers a new draft conditions on (DFlash uses 5 for 36-layer targets)
 
 
-def draft_config_for_target(target_config: Any, *, block_size: int, num_layers: int, target_layer_ids: Sequence[int],
-                            mask_token_id: int) -> DFlashConfig:
+def draft_config_for_target(
+    target_config: Any, *, block_size: int, num_layers: int, target_layer_ids: Sequence[int], mask_token_id: int
+) -> DFlashConfig:
     """A new draft's config: the target's width, heads and RoPE base (it shares the target's embeddings)."""
     num_target_layers = target_config.num_hidden_layers
     if block_size < 2:
@@ -32,7 +33,9 @@ def draft_config_for_target(target_config: Any, *, block_size: int, num_layers: 
         raise UsageError(f"--num-layers {num_layers} must be at least 1.")
     bad = [layer for layer in target_layer_ids if not 0 <= layer < num_target_layers]
     if not target_layer_ids or bad:
-        raise UsageError(f"--target-layer-ids {list(target_layer_ids)} must name layers 0..{num_target_layers - 1} of the target; fix the list.")
+        raise UsageError(
+            f"--target-layer-ids {list(target_layer_ids)} must name layers 0..{num_target_layers - 1} of the target; fix the list."
+        )
     validate_mask_token_id(mask_token_id, target_config)
     rope = getattr(target_config, "rope_parameters", None) or {}
     heads = target_config.num_attention_heads
@@ -67,7 +70,9 @@ def init_draft_from_target(draft: DFlashDraftModel, target_model: CausalLM) -> l
     stack = list(decoder.get_submodule("layers").children())
     chosen = list(range(len(stack) - draft.config.num_hidden_layers, len(stack)))
     if chosen[0] < 0:
-        raise UsageError(f"--init-from-target: the draft has {draft.config.num_hidden_layers} layers but the target only {len(stack)}; use fewer --num-layers.")
+        raise UsageError(
+            f"--init-from-target: the draft has {draft.config.num_hidden_layers} layers but the target only {len(stack)}; use fewer --num-layers."
+        )
     with torch.no_grad():
         for layer, index in zip(draft.layers, chosen):
             source = stack[index].state_dict()
@@ -93,12 +98,18 @@ def validate_mask_token_id(mask_token_id: int, target_config: Any, tokenizer: An
     """The mask must be a real embedding row (< vocab) that is not bos/eos/pad/unk (docs/draft-formats.md)."""
     vocab = target_config.vocab_size
     if not 0 <= mask_token_id < vocab:
-        raise UsageError(f"--mask-token-id {mask_token_id} is outside the target vocabulary (0..{vocab - 1}); pick a reserved token id.")
+        raise UsageError(
+            f"--mask-token-id {mask_token_id} is outside the target vocabulary (0..{vocab - 1}); pick a reserved token id."
+        )
     if mask_token_id in _special_ids(target_config, tokenizer):
-        raise UsageError(f"--mask-token-id {mask_token_id} is the target's bos/eos/pad/unk token; pick a reserved token the target never generates.")
+        raise UsageError(
+            f"--mask-token-id {mask_token_id} is the target's bos/eos/pad/unk token; pick a reserved token the target never generates."
+        )
 
 
-def choose_mask_token_id(tokenizer: Any, target_config: Any, used_ids: Iterable[int], chat_template: str | None = None) -> int:
+def choose_mask_token_id(
+    tokenizer: Any, target_config: Any, used_ids: Iterable[int], chat_template: str | None = None
+) -> int:
     """The highest-id special token that is not bos/eos/pad/unk, not in the chat template and never in the data.
 
     Why: the mask row must be a real embedding row (the draft embeds masks with the target's own
@@ -110,17 +121,25 @@ def choose_mask_token_id(tokenizer: Any, target_config: Any, used_ids: Iterable[
     template = chat_template or getattr(tokenizer, "chat_template", None) or ""
     candidates = []
     for token_id, added in getattr(tokenizer, "added_tokens_decoder", {}).items():
-        if getattr(added, "special", False) and token_id < target_config.vocab_size and token_id not in forbidden \
-                and added.content not in template:
+        if (
+            getattr(added, "special", False)
+            and token_id < target_config.vocab_size
+            and token_id not in forbidden
+            and added.content not in template
+        ):
             candidates.append(int(token_id))
     if not candidates:
-        raise UsageError("the target tokenizer has no reserved special token that is free to serve as the mask; "
-                         "pass --mask-token-id with an id the target never generates.")
+        raise UsageError(
+            "the target tokenizer has no reserved special token that is free to serve as the mask; "
+            "pass --mask-token-id with an id the target never generates."
+        )
     return max(candidates)
 
 
 def chat_template_record(chat_template: str | None) -> dict[str, Any]:
     """What config.json records under ``dflash_doctor`` so checks can compare the served template with this one."""
     text = chat_template or ""
-    return {"chat_template_sha256": hashlib.sha256(text.encode("utf-8")).hexdigest() if text else None,
-            "chat_template": chat_template}
+    return {
+        "chat_template_sha256": hashlib.sha256(text.encode("utf-8")).hexdigest() if text else None,
+        "chat_template": chat_template,
+    }

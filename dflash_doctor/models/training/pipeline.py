@@ -36,8 +36,13 @@ from dflash_doctor.models.training.hyperparams import TrainConfig
 from dflash_doctor.models.training.new_draft import chat_template_record
 from dflash_doctor.models.training.recipes import BuildInputs, TrainingRecipe, parse_layer_ids
 from dflash_doctor.models.training.request import TrainDraftRequest
-from dflash_doctor.models.training.sequences import (SELF_WRITTEN_PROMPTS_FILE, SEQUENCES_FILE, data_cache_key,
-                                                     prepare_training_data, self_written_prompts)
+from dflash_doctor.models.training.sequences import (
+    SELF_WRITTEN_PROMPTS_FILE,
+    SEQUENCES_FILE,
+    data_cache_key,
+    prepare_training_data,
+    self_written_prompts,
+)
 from dflash_doctor.rundir.ownership import claim_run_dir, release_run_dir
 
 TRAINING_LOG_FILE = "training_log.json"
@@ -58,8 +63,10 @@ class TrainingOutcome:
 def holds_training(out_dir: Path) -> bool:
     """Whether ``out_dir`` holds what an earlier train-draft wrote (its checkpoint, cached data or log): the
     command goes on there (resumes, or rewrites the outputs of a finished training)."""
-    return any((out_dir / name).exists()
-               for name in (CHECKPOINT_DIR_NAME, SEQUENCES_FILE, SELF_WRITTEN_PROMPTS_FILE, TRAINING_LOG_FILE))
+    return any(
+        (out_dir / name).exists()
+        for name in (CHECKPOINT_DIR_NAME, SEQUENCES_FILE, SELF_WRITTEN_PROMPTS_FILE, TRAINING_LOG_FILE)
+    )
 
 
 def trainable_kinds() -> dict[str, TrainingRecipe]:
@@ -74,13 +81,16 @@ def recipe_for(request: TrainDraftRequest) -> TrainingRecipe:
     trainable = trainable_kinds()
     recipe = trainable.get(request.draft_kind)
     if recipe is None:
-        raise UsageError(f"--draft-kind {request.draft_kind!r} is not one train-draft trains; "
-                         f"pass {' or '.join(trainable)}.")
+        raise UsageError(
+            f"--draft-kind {request.draft_kind!r} is not one train-draft trains; pass {' or '.join(trainable)}."
+        )
     for other in trainable.values():
         for flag, name in other.own_flags if other is not recipe else ():
             if getattr(request, name) not in (None, False):
-                raise UsageError(f"{flag} shapes {other.owner} only and means nothing with --draft-kind "
-                                 f"{request.draft_kind}; drop it or change --draft-kind.")
+                raise UsageError(
+                    f"{flag} shapes {other.owner} only and means nothing with --draft-kind "
+                    f"{request.draft_kind}; drop it or change --draft-kind."
+                )
     return recipe
 
 
@@ -90,12 +100,16 @@ def _checked(request: TrainDraftRequest) -> tuple[TrainDraftRequest, TrainingRec
     device = request.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise UsageError(f"--device {device} was asked for but no CUDA device is available; use --device cpu.")
-    for flag, value in {"--max-new-tokens": request.max_new_tokens,
-                        "--generation-batch-size": request.generation_batch_size}.items():
+    for flag, value in {
+        "--max-new-tokens": request.max_new_tokens,
+        "--generation-batch-size": request.generation_batch_size,
+    }.items():
         if value < 1:
             raise UsageError(f"{flag} {value} must be at least 1.")
-    for flag, value in {"--extra-word-problems": request.extra_word_problems,
-                        "--self-written-prompts": request.self_written_prompts}.items():
+    for flag, value in {
+        "--extra-word-problems": request.extra_word_problems,
+        "--self-written-prompts": request.self_written_prompts,
+    }.items():
         if value < 0:
             raise UsageError(f"{flag} {value} must be 0 or more.")
     recipe = recipe_for(request)
@@ -106,9 +120,13 @@ def _checked(request: TrainDraftRequest) -> tuple[TrainDraftRequest, TrainingRec
         raise UsageError(f"--time-limit {request.time_limit} must be positive (seconds).")
     if request.eval_requests < 0:
         raise UsageError(f"--eval-requests {request.eval_requests} must be 0 or more.")
-    filled = dataclasses.replace(request, device=device,
-                                 dtype=request.dtype or ("bfloat16" if device.startswith("cuda") else "float32"),
-                                 seed=0 if request.seed is None else request.seed, workload=request.workload or "mix")
+    filled = dataclasses.replace(
+        request,
+        device=device,
+        dtype=request.dtype or ("bfloat16" if device.startswith("cuda") else "float32"),
+        seed=0 if request.seed is None else request.seed,
+        workload=request.workload or "mix",
+    )
     return filled, recipe
 
 
@@ -123,19 +141,26 @@ def train_draft(request: TrainDraftRequest, say: Callable[[str], None]) -> Train
     request, recipe = _checked(request)
     assert request.seed is not None and request.workload is not None and request.device is not None
     seed, workload = request.seed, request.workload
-    config = TrainConfig(steps=request.steps, batch_size=request.batch_size,
-                         anchors_per_sequence=request.anchors_per_sequence, lr=request.lr,
-                         loss_decay_gamma=request.loss_decay_gamma,
-                         seed=seed if request.batch_seed is None else request.batch_seed, device=request.device,
-                         checkpoint_every=request.checkpoint_every)
+    config = TrainConfig(
+        steps=request.steps,
+        batch_size=request.batch_size,
+        anchors_per_sequence=request.anchors_per_sequence,
+        lr=request.lr,
+        loss_decay_gamma=request.loss_decay_gamma,
+        seed=seed if request.batch_seed is None else request.batch_seed,
+        device=request.device,
+        checkpoint_every=request.checkpoint_every,
+    )
     flag, name = recipe.layer_ids_flag
     layer_ids = None if getattr(request, name) is None else parse_layer_ids(getattr(request, name), flag)
     class_list = tuple(c.strip() for c in (request.classes or "").split(",") if c.strip())
     requests = load_workload(workload, classes=class_list, max_requests=request.max_requests, seed=seed, split="train")
     requests += extra_word_problems(request.extra_word_problems) if request.extra_word_problems else []
     if request.use_recorded_responses and not any(r.response is not None and r.num_turns == 1 for r in requests):
-        raise UsageError(f"--use-recorded-responses: workload {workload} has no single-turn request with a recorded "
-                         "`response`; drop the flag or use a file whose lines carry a response.")
+        raise UsageError(
+            f"--use-recorded-responses: workload {workload} has no single-turn request with a recorded "
+            "`response`; drop the flag or use a file whose lines carry a response."
+        )
 
     out_dir = Path(request.out)
     claim_run_dir(out_dir, overwrite=request.overwrite, continuable=holds_training)
@@ -147,9 +172,17 @@ def train_draft(request: TrainDraftRequest, say: Callable[[str], None]) -> Train
         release_run_dir(out_dir)
 
 
-def _train_in(out_dir: Path, request: TrainDraftRequest, recipe: TrainingRecipe, config: TrainConfig,
-              layer_ids: list[int] | None, requests: list, class_list: tuple[str, ...], command_started: float,
-              say: Callable[[str], None]) -> TrainingOutcome:
+def _train_in(
+    out_dir: Path,
+    request: TrainDraftRequest,
+    recipe: TrainingRecipe,
+    config: TrainConfig,
+    layer_ids: list[int] | None,
+    requests: list,
+    class_list: tuple[str, ...],
+    command_started: float,
+    say: Callable[[str], None],
+) -> TrainingOutcome:
     """:func:`train_draft` once --out is claimed: data, draft, training, held-out tau and the outputs."""
     from transformers import AutoTokenizer  # heavy: loaded when a training starts
 
@@ -164,48 +197,96 @@ def _train_in(out_dir: Path, request: TrainDraftRequest, recipe: TrainingRecipe,
     stop_ids = stop_ids_of(target_model, tokenizer)
 
     template_record = chat_template_record(served_template)
-    cache_key = data_cache_key(target_dir, max_new_tokens=request.max_new_tokens, dtype=dtype,
-                               chat_template=served_template, use_recorded_responses=request.use_recorded_responses)
+    cache_key = data_cache_key(
+        target_dir,
+        max_new_tokens=request.max_new_tokens,
+        dtype=dtype,
+        chat_template=served_template,
+        use_recorded_responses=request.use_recorded_responses,
+    )
     data_started = time.perf_counter()
     if request.self_written_prompts:
-        requests += self_written_prompts(target_model, tokenizer, request.self_written_prompts,
-                                         cache_path=out_dir / SELF_WRITTEN_PROMPTS_FILE, cache_key=cache_key,
-                                         stop_ids=stop_ids, chat_template=template_text,
-                                         batch_size=request.generation_batch_size, seed=seed,
-                                         generate=not request.cached_data_only)
+        requests += self_written_prompts(
+            target_model,
+            tokenizer,
+            request.self_written_prompts,
+            cache_path=out_dir / SELF_WRITTEN_PROMPTS_FILE,
+            cache_key=cache_key,
+            stop_ids=stop_ids,
+            chat_template=template_text,
+            batch_size=request.generation_batch_size,
+            seed=seed,
+            generate=not request.cached_data_only,
+        )
     say(f"[bold]train-draft[/]: {len(requests)} train requests from {workload} -> {out_dir}")
-    held_out = (load_workload(workload, classes=class_list, max_requests=request.eval_requests, seed=seed, split="eval")
-                if request.eval_requests and workload in BUILTIN_NAMES else [])
+    held_out = (
+        load_workload(workload, classes=class_list, max_requests=request.eval_requests, seed=seed, split="eval")
+        if request.eval_requests and workload in BUILTIN_NAMES
+        else []
+    )
     records, eval_records = prepare_training_data(
-        target_model, tokenizer, requests, held_out, out_dir=out_dir, cache_key=cache_key,
-        max_new_tokens=request.max_new_tokens, stop_ids=stop_ids, chat_template=template_text,
-        use_recorded_responses=request.use_recorded_responses, samples_per_prompt=request.samples_per_prompt,
-        sample_temperature=request.sample_temperature, batch_size=request.generation_batch_size, seed=seed,
-        generate=not request.cached_data_only)
+        target_model,
+        tokenizer,
+        requests,
+        held_out,
+        out_dir=out_dir,
+        cache_key=cache_key,
+        max_new_tokens=request.max_new_tokens,
+        stop_ids=stop_ids,
+        chat_template=template_text,
+        use_recorded_responses=request.use_recorded_responses,
+        samples_per_prompt=request.samples_per_prompt,
+        sample_temperature=request.sample_temperature,
+        batch_size=request.generation_batch_size,
+        seed=seed,
+        generate=not request.cached_data_only,
+    )
 
     data_seconds = time.perf_counter() - data_started
-    provenance = {**template_record, "trained_with": f"dflash-doctor {__version__} train-draft",
-                  "target": target_spec, "target_weights_fingerprint": weights_fingerprint(target_model)}
+    provenance = {
+        **template_record,
+        "trained_with": f"dflash-doctor {__version__} train-draft",
+        "target": target_spec,
+        "target_weights_fingerprint": weights_fingerprint(target_model),
+    }
     deadline = None if request.time_limit is None else command_started + request.time_limit
-    built = recipe.build(BuildInputs(request, layer_ids, target_model, tokenizer, records, served_template,
-                                     target_spec, provenance))
+    built = recipe.build(
+        BuildInputs(request, layer_ids, target_model, tokenizer, records, served_template, target_spec, provenance)
+    )
     train_started = time.perf_counter()
-    initial_steps = (held_out_steps(target_model, built.draft.to(device), eval_records, stop_ids=stop_ids,
-                                    k=built.eval_k) if eval_records else [])
-    result = recipe.train(target_model, [r.token_ids for r in records], [r.prompt_length for r in records], config,
-                          built, checkpoint_dir=out_dir / CHECKPOINT_DIR_NAME,
-                          feature_batch_size=min(64, request.generation_batch_size), progress=True, deadline=deadline)
+    initial_steps = (
+        held_out_steps(target_model, built.draft.to(device), eval_records, stop_ids=stop_ids, k=built.eval_k)
+        if eval_records
+        else []
+    )
+    result = recipe.train(
+        target_model,
+        [r.token_ids for r in records],
+        [r.prompt_length for r in records],
+        config,
+        built,
+        checkpoint_dir=out_dir / CHECKPOINT_DIR_NAME,
+        feature_batch_size=min(64, request.generation_batch_size),
+        progress=True,
+        deadline=deadline,
+    )
     train_seconds = time.perf_counter() - train_started
     evaluation = None
     if eval_records:
         trained_steps = held_out_steps(target_model, result.draft, eval_records, stop_ids=stop_ids, k=built.eval_k)
-        evaluation = {"num_requests": len({r.request_id for r in eval_records}),
-                      "trained": tau_by_class(trained_steps), "initial": tau_by_class(initial_steps)}
+        evaluation = {
+            "num_requests": len({r.request_id for r in eval_records}),
+            "trained": tau_by_class(trained_steps),
+            "initial": tau_by_class(initial_steps),
+        }
 
     eval_seconds = time.perf_counter() - train_started - train_seconds
     save_draft(result.draft, out_dir, built.extra_config)
-    responses = ("recorded `response` of single-turn requests, the rest regenerated by the target (batched greedy)"
-                 if request.use_recorded_responses else "regenerated by the target (batched greedy)")
+    responses = (
+        "recorded `response` of single-turn requests, the rest regenerated by the target (batched greedy)"
+        if request.use_recorded_responses
+        else "regenerated by the target (batched greedy)"
+    )
     facts = {
         "tool_version": __version__,
         "created_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -216,12 +297,18 @@ def _train_in(out_dir: Path, request: TrainDraftRequest, recipe: TrainingRecipe,
         "mask_choice": built.mask_choice,
         "chat_template_sha256": template_record["chat_template_sha256"],
         "train_config": config.as_dict(),
-        "data": {"workload": workload, "num_requests": len(requests),
-                 "extra_word_problems": request.extra_word_problems,
-                 "self_written_prompts": request.self_written_prompts, "samples_per_prompt": request.samples_per_prompt,
-                 "sample_temperature": request.sample_temperature, "num_sequences": result.num_sequences,
-                 "num_response_tokens": sum(len(r.response_ids) for r in records),
-                 "max_new_tokens": request.max_new_tokens, "responses": responses},
+        "data": {
+            "workload": workload,
+            "num_requests": len(requests),
+            "extra_word_problems": request.extra_word_problems,
+            "self_written_prompts": request.self_written_prompts,
+            "samples_per_prompt": request.samples_per_prompt,
+            "sample_temperature": request.sample_temperature,
+            "num_sequences": result.num_sequences,
+            "num_response_tokens": sum(len(r.response_ids) for r in records),
+            "max_new_tokens": request.max_new_tokens,
+            "responses": responses,
+        },
         "resumed_from_step": result.resumed_from_step,
         "final_step": result.final_step,
         # wall time of this invocation: a segment's budget is planned from them (data read from the cache takes seconds)

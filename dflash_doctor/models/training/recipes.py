@@ -27,12 +27,22 @@ from dflash_doctor.inputs.validation import read_config_json
 from dflash_doctor.models.eagle3_format import NORM_SWITCHES, default_aux_layer_ids, load_eagle3_head
 from dflash_doctor.models.loading import load_dflash_draft, resolve_model_dir, validate_dflash_pair
 from dflash_doctor.models.training.eagle3 import train_eagle3_head
-from dflash_doctor.models.training.eagle3_head import (DEFAULT_DRAFT_VOCAB_SIZE, DEFAULT_TTT_STEPS, draft_vocabulary,
-                                                       new_eagle3_head, speculators_config)
+from dflash_doctor.models.training.eagle3_head import (
+    DEFAULT_DRAFT_VOCAB_SIZE,
+    DEFAULT_TTT_STEPS,
+    draft_vocabulary,
+    new_eagle3_head,
+    speculators_config,
+)
 from dflash_doctor.models.training.hyperparams import TrainConfig, TrainingResult
 from dflash_doctor.models.training.loop import train_dflash_draft
-from dflash_doctor.models.training.new_draft import (DEFAULT_NUM_TAPS, choose_mask_token_id, draft_config_for_target,
-                                                     init_draft_from_target, validate_mask_token_id)
+from dflash_doctor.models.training.new_draft import (
+    DEFAULT_NUM_TAPS,
+    choose_mask_token_id,
+    draft_config_for_target,
+    init_draft_from_target,
+    validate_mask_token_id,
+)
 from dflash_doctor.models.training.request import TrainDraftRequest
 from dflash_doctor.models.training.sequences import SequenceRecord
 
@@ -99,8 +109,9 @@ def parse_layer_ids(text: str, flag: str) -> list[int]:
     try:
         return [int(x) for x in text.replace(" ", "").split(",") if x]
     except ValueError:
-        raise UsageError(f"{flag} {text!r} is not a comma-separated list of integers like 1,9,17,25; "
-                         "fix the value.") from None
+        raise UsageError(
+            f"{flag} {text!r} is not a comma-separated list of integers like 1,9,17,25; fix the value."
+        ) from None
 
 
 # ----------------------------------------------------------------------------- DFlash
@@ -108,12 +119,18 @@ def parse_layer_ids(text: str, flag: str) -> list[int]:
 
 def _check_init_flags(draft_config, given: dict[str, Any]) -> None:
     """With --init-from the architecture comes from the checkpoint; an explicit flag that disagrees is a mistake."""
-    current = {"--block-size": draft_config.block_size, "--num-layers": draft_config.num_hidden_layers,
-               "--target-layer-ids": list(draft_config.target_layer_ids), "--mask-token-id": draft_config.mask_token_id}
+    current = {
+        "--block-size": draft_config.block_size,
+        "--num-layers": draft_config.num_hidden_layers,
+        "--target-layer-ids": list(draft_config.target_layer_ids),
+        "--mask-token-id": draft_config.mask_token_id,
+    }
     for flag, value in given.items():
         if value is not None and value != current[flag]:
-            raise UsageError(f"{flag} {value} differs from the --init-from checkpoint's {current[flag]}; drop the flag "
-                             "(fine-tuning keeps the checkpoint's architecture) or train from scratch.")
+            raise UsageError(
+                f"{flag} {value} differs from the --init-from checkpoint's {current[flag]}; drop the flag "
+                "(fine-tuning keeps the checkpoint's architecture) or train from scratch."
+            )
 
 
 def _dflash_draft(inputs: BuildInputs) -> BuiltDraft:
@@ -126,40 +143,63 @@ def _dflash_draft(inputs: BuildInputs) -> BuiltDraft:
     if request.init_from:
         draft = load_dflash_draft(resolve_model_dir(request.init_from), device=request.device)
         validate_dflash_pair(draft.config, target_model.config)
-        _check_init_flags(draft.config, {"--block-size": request.block_size, "--num-layers": request.num_layers,
-                                         "--target-layer-ids": layer_ids, "--mask-token-id": mask_token_id})
+        _check_init_flags(
+            draft.config,
+            {
+                "--block-size": request.block_size,
+                "--num-layers": request.num_layers,
+                "--target-layer-ids": layer_ids,
+                "--mask-token-id": mask_token_id,
+            },
+        )
         mask_choice = "kept from the --init-from checkpoint"
     else:
         num_target_layers = target_model.config.num_hidden_layers
         if mask_token_id is None:
-            mask_token_id = choose_mask_token_id(inputs.tokenizer, target_model.config, used_ids,
-                                                 inputs.served_template)
-            mask_choice = ("the highest-id special token that is not bos/eos/pad/unk, not in the chat template and "
-                           "never in the data")
+            mask_token_id = choose_mask_token_id(
+                inputs.tokenizer, target_model.config, used_ids, inputs.served_template
+            )
+            mask_choice = (
+                "the highest-id special token that is not bos/eos/pad/unk, not in the chat template and "
+                "never in the data"
+            )
         else:
             validate_mask_token_id(mask_token_id, target_model.config, inputs.tokenizer)
             mask_choice = "given by --mask-token-id"
         torch.manual_seed(request.seed)
-        draft = DFlashDraftModel(draft_config_for_target(
-            target_model.config, block_size=16 if request.block_size is None else request.block_size,
-            num_layers=2 if request.num_layers is None else request.num_layers,
-            target_layer_ids=layer_ids or default_target_layer_ids(num_target_layers,
-                                                                   min(DEFAULT_NUM_TAPS, num_target_layers)),
-            mask_token_id=mask_token_id))
+        draft = DFlashDraftModel(
+            draft_config_for_target(
+                target_model.config,
+                block_size=16 if request.block_size is None else request.block_size,
+                num_layers=2 if request.num_layers is None else request.num_layers,
+                target_layer_ids=layer_ids
+                or default_target_layer_ids(num_target_layers, min(DEFAULT_NUM_TAPS, num_target_layers)),
+                mask_token_id=mask_token_id,
+            )
+        )
         if request.init_from_target:
             copied = init_draft_from_target(draft, target_model)
             init_note = f"the target's layers {copied} and final norm (--init-from-target)"
     if draft.config.mask_token_id in used_ids:
-        raise UsageError(f"mask token id {draft.config.mask_token_id} occurs in the training sequences; pick with "
-                         "--mask-token-id a reserved id the target never generates.")
+        raise UsageError(
+            f"mask token id {draft.config.mask_token_id} occurs in the training sequences; pick with "
+            "--mask-token-id a reserved id the target never generates."
+        )
     return BuiltDraft(draft, {"dflash_doctor": inputs.provenance}, init_note, eval_k=None, mask_choice=mask_choice)
 
 
-def _train_dflash(target_model, sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int], config: TrainConfig,
-                  built: BuiltDraft, **loop_options) -> TrainingResult:
+def _train_dflash(
+    target_model,
+    sequences: Sequence[Sequence[int]],
+    prompt_lengths: Sequence[int],
+    config: TrainConfig,
+    built: BuiltDraft,
+    **loop_options,
+) -> TrainingResult:
     assert isinstance(built.draft, DFlashDraftModel)
-    return train_dflash_draft(target_model, sequences, prompt_lengths, config, built.draft,
-                              extra_config=built.extra_config, **loop_options)
+    return train_dflash_draft(
+        target_model, sequences, prompt_lengths, config, built.draft, extra_config=built.extra_config, **loop_options
+    )
 
 
 def _dflash_architecture(built: BuiltDraft, trained: torch.nn.Module) -> dict[str, Any]:
@@ -189,9 +229,13 @@ def _dflash_card_head(facts: dict[str, Any]) -> list[str]:
 
 DFLASH_TRAINING = TrainingRecipe(
     owner="a DFlash draft",
-    own_flags=(("--block-size", "block_size"), ("--num-layers", "num_layers"),
-               ("--target-layer-ids", "target_layer_ids"), ("--mask-token-id", "mask_token_id"),
-               ("--init-from-target", "init_from_target")),
+    own_flags=(
+        ("--block-size", "block_size"),
+        ("--num-layers", "num_layers"),
+        ("--target-layer-ids", "target_layer_ids"),
+        ("--mask-token-id", "mask_token_id"),
+        ("--init-from-target", "init_from_target"),
+    ),
     layer_ids_flag=("--target-layer-ids", "target_layer_ids"),
     check=lambda request: None,  # its flags are checked against the target once it is loaded
     build=_dflash_draft,
@@ -222,39 +266,53 @@ def _eagle3_head(inputs: BuildInputs) -> BuiltDraft:
     ttt_steps = DEFAULT_TTT_STEPS if request.ttt_steps is None else request.ttt_steps
     target_config = target_model.config
     num_layers, vocab = int(target_config.num_hidden_layers), int(target_config.vocab_size)
-    responses = [r.token_ids[r.prompt_length:] for r in inputs.records]
+    responses = [r.token_ids[r.prompt_length :] for r in inputs.records]
     if aux_ids is not None:
         if not aux_ids:
-            raise UsageError("--aux-layer-ids names no layer; pass ids like 8,16,24 or drop the flag for vLLM's "
-                             "default.")
+            raise UsageError(
+                "--aux-layer-ids names no layer; pass ids like 8,16,24 or drop the flag for vLLM's default."
+            )
         bad = [i for i in aux_ids if not 0 <= i < num_layers]
         if bad:
-            raise UsageError(f"--aux-layer-ids {bad[0]} is outside the target's {num_layers} layers (id k reads the "
-                             f"state entering layer k, so 0..{num_layers - 1}); pick ids in that range.")
+            raise UsageError(
+                f"--aux-layer-ids {bad[0]} is outside the target's {num_layers} layers (id k reads the "
+                f"state entering layer k, so 0..{num_layers - 1}); pick ids in that range."
+            )
     if draft_vocab_size is not None and draft_vocab_size > vocab:
-        raise UsageError(f"--draft-vocab-size {draft_vocab_size} exceeds the target's {vocab}-token vocabulary; "
-                         f"pass at most {vocab}.")
+        raise UsageError(
+            f"--draft-vocab-size {draft_vocab_size} exceeds the target's {vocab}-token vocabulary; "
+            f"pass at most {vocab}."
+        )
     if init_from:
         folder = resolve_model_dir(init_from)
         head = load_eagle3_head(folder, target_config, device=request.device)
         if head.lm_head is None:
-            raise UsageError(f"--init-from {init_from} drafts with the target's lm_head, which train-draft does not "
-                             "train; train a head from scratch instead (drop --init-from).")
-        for flag, given, kept in (("--aux-layer-ids", aux_ids, head.config.aux_layer_ids),
-                                  ("--draft-vocab-size", draft_vocab_size, head.config.draft_vocab_size)):
+            raise UsageError(
+                f"--init-from {init_from} drafts with the target's lm_head, which train-draft does not "
+                "train; train a head from scratch instead (drop --init-from)."
+            )
+        for flag, given, kept in (
+            ("--aux-layer-ids", aux_ids, head.config.aux_layer_ids),
+            ("--draft-vocab-size", draft_vocab_size, head.config.draft_vocab_size),
+        ):
             if given is not None and given != kept:
-                raise UsageError(f"{flag} {given} differs from the --init-from head's {kept}; drop the flag "
-                                 "(fine-tuning keeps the head's architecture) or train from scratch.")
+                raise UsageError(
+                    f"{flag} {given} differs from the --init-from head's {kept}; drop the flag "
+                    "(fine-tuning keeps the head's architecture) or train from scratch."
+                )
         config = {key: value for key, value in read_config_json(folder).items() if key != "dflash_doctor"}
         # as the replay ran them: written explicitly
         config |= {name: getattr(head.config.norms, name) for name in NORM_SWITCHES}
         config["eagle_aux_hidden_state_layer_ids"] = list(head.config.aux_layer_ids)
         architectures = list(getattr(target_config, "architectures", None) or [])
         proposal = {"proposal_type": "greedy", "speculative_tokens": ttt_steps}
-        config["speculators_config"] = {**config.get("speculators_config", {}), "algorithm": "eagle3",
-                                        "proposal_methods": [proposal],
-                                        "default_proposal_method": "greedy",
-                                        "verifier": {"name_or_path": target_spec, "architectures": architectures}}
+        config["speculators_config"] = {
+            **config.get("speculators_config", {}),
+            "algorithm": "eagle3",
+            "proposal_methods": [proposal],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": target_spec, "architectures": architectures},
+        }
         proposable = set(head.target_ids().tolist())
         total = sum(len(r) for r in responses)
         coverage = sum(1 for r in responses for t in r if t in proposable) / total if total else 0.0
@@ -262,27 +320,54 @@ def _eagle3_head(inputs: BuildInputs) -> BuiltDraft:
     else:
         size = min(DEFAULT_DRAFT_VOCAB_SIZE, vocab) if draft_vocab_size is None else draft_vocab_size
         draft_ids, coverage = draft_vocabulary(responses, vocab, size)
-        config = speculators_config(target_model, aux_layer_ids=aux_ids or default_aux_layer_ids(num_layers),
-                                    draft_vocab_size=size, ttt_steps=ttt_steps, target_spec=target_spec)
+        config = speculators_config(
+            target_model,
+            aux_layer_ids=aux_ids or default_aux_layer_ids(num_layers),
+            draft_vocab_size=size,
+            ttt_steps=ttt_steps,
+            target_spec=target_spec,
+        )
         head = new_eagle3_head(target_model, config, draft_ids, seed=request.seed)
         init_note = None
     config["dflash_doctor"] = inputs.provenance
     cfg = head.config
-    arch = {"layer_type": cfg.layer_type, "hidden_size": cfg.hidden_size,
-            "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
-            "head_dim": cfg.head_dim,
-            "intermediate_size": cfg.intermediate_size, "aux_layer_ids": list(cfg.aux_layer_ids),
-            "num_target_layers": num_layers, "vllm_default_aux_layer_ids": default_aux_layer_ids(num_layers),
-            "draft_vocab_size": cfg.draft_vocab_size, "target_vocab_size": cfg.target_vocab_size,
-            "draft_vocab_coverage": coverage, "ttt_steps": ttt_steps}
+    arch = {
+        "layer_type": cfg.layer_type,
+        "hidden_size": cfg.hidden_size,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "intermediate_size": cfg.intermediate_size,
+        "aux_layer_ids": list(cfg.aux_layer_ids),
+        "num_target_layers": num_layers,
+        "vllm_default_aux_layer_ids": default_aux_layer_ids(num_layers),
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "target_vocab_size": cfg.target_vocab_size,
+        "draft_vocab_coverage": coverage,
+        "ttt_steps": ttt_steps,
+    }
     return BuiltDraft(head, config, init_note, eval_k=ttt_steps, architecture=arch)
 
 
-def _train_eagle3(target_model, sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int], config: TrainConfig,
-                  built: BuiltDraft, **loop_options) -> TrainingResult:
+def _train_eagle3(
+    target_model,
+    sequences: Sequence[Sequence[int]],
+    prompt_lengths: Sequence[int],
+    config: TrainConfig,
+    built: BuiltDraft,
+    **loop_options,
+) -> TrainingResult:
     assert isinstance(built.draft, Eagle3DraftModel) and built.eval_k is not None
-    return train_eagle3_head(target_model, sequences, prompt_lengths, config, built.draft, ttt_steps=built.eval_k,
-                             head_config=built.extra_config, **loop_options)
+    return train_eagle3_head(
+        target_model,
+        sequences,
+        prompt_lengths,
+        config,
+        built.draft,
+        ttt_steps=built.eval_k,
+        head_config=built.extra_config,
+        **loop_options,
+    )
 
 
 def _eagle3_architecture(built: BuiltDraft, trained: torch.nn.Module) -> dict[str, Any]:
@@ -293,8 +378,9 @@ def _eagle3_architecture(built: BuiltDraft, trained: torch.nn.Module) -> dict[st
 
 def _eagle3_card_head(facts: dict[str, Any]) -> list[str]:
     arch = facts["architecture"]
-    speculative_config = ('{"method": "eagle3", "model": "<this folder>", '
-                          f'"num_speculative_tokens": {arch["ttt_steps"]}}}')
+    speculative_config = (
+        f'{{"method": "eagle3", "model": "<this folder>", "num_speculative_tokens": {arch["ttt_steps"]}}}'
+    )
     return [
         f"# EAGLE-3 head for `{facts['target']}`",
         "",
@@ -320,8 +406,11 @@ def _eagle3_card_head(facts: dict[str, Any]) -> list[str]:
 
 EAGLE3_TRAINING = TrainingRecipe(
     owner="an EAGLE-3 head (--draft-kind eagle3)",
-    own_flags=(("--aux-layer-ids", "aux_layer_ids"), ("--draft-vocab-size", "draft_vocab_size"),
-               ("--ttt-steps", "ttt_steps")),
+    own_flags=(
+        ("--aux-layer-ids", "aux_layer_ids"),
+        ("--draft-vocab-size", "draft_vocab_size"),
+        ("--ttt-steps", "ttt_steps"),
+    ),
     layer_ids_flag=("--aux-layer-ids", "aux_layer_ids"),
     check=_check_eagle3_flags,
     build=_eagle3_head,

@@ -43,8 +43,21 @@ written), :mod:`.decided` (the run's tables joined once into the decided-token f
 (the patterns that grew between two runs, for ``compare``). Callers import the names below from here.
 """
 
-from dflash_doctor.stats.deviations.categories import CATEGORIES, UNCATEGORISED, TokenCategories, categorize, special_token_ids
-from dflash_doctor.stats.deviations.decided import ConfidenceRule, DeviationTables, class_names, deviation_tables, run_tables, select
+from dflash_doctor.stats.deviations.categories import (
+    CATEGORIES,
+    UNCATEGORISED,
+    TokenCategories,
+    categorize,
+    special_token_ids,
+)
+from dflash_doctor.stats.deviations.decided import (
+    ConfidenceRule,
+    DeviationTables,
+    class_names,
+    deviation_tables,
+    run_tables,
+    select,
+)
 from dflash_doctor.stats.deviations.why_rejected import (
     CONTEXT_LENGTH_EDGES,
     DEFAULT_TOP_N,
@@ -67,13 +80,47 @@ from dflash_doctor.stats.deviations.why_rejected import (
     pair_table,
     slice_summary,
 )
-from dflash_doctor.stats.deviations.patterns import GROWTH_MIN_LOST_PER_DRAFT, PATTERN_KINDS, grown_patterns, pattern_costs
+from dflash_doctor.stats.deviations.patterns import (
+    GROWTH_MIN_LOST_PER_DRAFT,
+    PATTERN_KINDS,
+    grown_patterns,
+    pattern_costs,
+)
 
 __all__ = [
-    "CATEGORIES", "UNCATEGORISED", "TokenCategories", "categorize", "special_token_ids",
-    "ConfidenceRule", "DeviationTables", "class_names", "deviation_tables", "run_tables", "select",
-    "CONTEXT_LENGTH_EDGES", "DEFAULT_TOP_N", "OUTPUT_POSITION_EDGES", "BinRow", "CategoryRow", "Definitions",
-    "DeviationAnalysis", "MissShare", "MissSplit", "PatternExample", "RejectionPair", "SliceAnalysis", "analyze",
-    "analyze_run", "binned_acceptance", "category_table", "definitions", "miss_split", "pair_table", "slice_summary",
-    "GROWTH_MIN_LOST_PER_DRAFT", "PATTERN_KINDS", "grown_patterns", "pattern_costs",
+    "CATEGORIES",
+    "UNCATEGORISED",
+    "TokenCategories",
+    "categorize",
+    "special_token_ids",
+    "ConfidenceRule",
+    "DeviationTables",
+    "class_names",
+    "deviation_tables",
+    "run_tables",
+    "select",
+    "CONTEXT_LENGTH_EDGES",
+    "DEFAULT_TOP_N",
+    "OUTPUT_POSITION_EDGES",
+    "BinRow",
+    "CategoryRow",
+    "Definitions",
+    "DeviationAnalysis",
+    "MissShare",
+    "MissSplit",
+    "PatternExample",
+    "RejectionPair",
+    "SliceAnalysis",
+    "analyze",
+    "analyze_run",
+    "binned_acceptance",
+    "category_table",
+    "definitions",
+    "miss_split",
+    "pair_table",
+    "slice_summary",
+    "GROWTH_MIN_LOST_PER_DRAFT",
+    "PATTERN_KINDS",
+    "grown_patterns",
+    "pattern_costs",
 ]

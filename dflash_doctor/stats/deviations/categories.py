@@ -32,12 +32,73 @@ WORD_START_MARKERS = ("Ġ", "▁")
 # "if", "return", "class" are left out: in prose they are words). Identifiers are mostly recognised by
 # their shape (snake_case, camelCase, dunder, letters mixed with digits), which needs no list.
 CODE_WORDS = frozenset(
-    {w for w in keyword.kwlist if w not in {"and", "as", "for", "if", "in", "is", "not", "or", "with", "while", "from",
-                                            "try", "pass", "break", "continue", "class", "return", "import", "global",
-                                            "else", "raise", "yield", "del"}}
-    | {"self", "cls", "args", "kwargs", "len", "enumerate", "isinstance", "dict", "str", "int", "bool", "tuple",
-       "const", "var", "let", "func", "fn", "void", "null", "nullptr", "undefined", "println", "printf", "std",
-       "struct", "typedef", "namespace", "elif", "endif", "ifdef", "bool", "usize", "u8", "i32", "def"}
+    {
+        w
+        for w in keyword.kwlist
+        if w
+        not in {
+            "and",
+            "as",
+            "for",
+            "if",
+            "in",
+            "is",
+            "not",
+            "or",
+            "with",
+            "while",
+            "from",
+            "try",
+            "pass",
+            "break",
+            "continue",
+            "class",
+            "return",
+            "import",
+            "global",
+            "else",
+            "raise",
+            "yield",
+            "del",
+        }
+    }
+    | {
+        "self",
+        "cls",
+        "args",
+        "kwargs",
+        "len",
+        "enumerate",
+        "isinstance",
+        "dict",
+        "str",
+        "int",
+        "bool",
+        "tuple",
+        "const",
+        "var",
+        "let",
+        "func",
+        "fn",
+        "void",
+        "null",
+        "nullptr",
+        "undefined",
+        "println",
+        "printf",
+        "std",
+        "struct",
+        "typedef",
+        "namespace",
+        "elif",
+        "endif",
+        "ifdef",
+        "bool",
+        "usize",
+        "u8",
+        "i32",
+        "def",
+    }
 )
 _CODE_SHAPE = re.compile(
     r"^(?=\w*_)(?=\w*[A-Za-z])\w+$"  # an underscore among word characters: snake_case, _private, __dunder__

@@ -41,8 +41,21 @@ class ConfidenceRule:
 CONTEXT_TOKENS_SHOWN = 12  # output tokens of context printed before an example rejection
 
 _DECIDED_COLUMNS = (
-    "class", "request_id", "step", "position", "offset", "draft_token", "target_token",
-    "accepted", "first_rejection", "lost_tokens", "confident", "category", "draft_category", "context_tokens", "turn",
+    "class",
+    "request_id",
+    "step",
+    "position",
+    "offset",
+    "draft_token",
+    "target_token",
+    "accepted",
+    "first_rejection",
+    "lost_tokens",
+    "confident",
+    "category",
+    "draft_category",
+    "context_tokens",
+    "turn",
 )
 
 
@@ -63,7 +76,9 @@ class DeviationTables:
     output_ids: dict[str, Any]  # request id -> output token ids, for the example contexts
     rule: ConfidenceRule
     margin_recorded: bool
-    teacher_forced: bool  # rows after a first rejection are on the committed context (check / sweep), not live-loop rows
+    teacher_forced: (
+        bool  # rows after a first rejection are on the committed context (check / sweep), not live-loop rows
+    )
 
     def text(self, token_id: int) -> str:
         return self.vocabulary.get(int(token_id), f"<id {int(token_id)}>")
@@ -73,9 +88,9 @@ class DeviationTables:
         output = self.output_ids.get(request_id)
         if output is None:
             return ""
-        return "".join(self.text(t) for t in np.asarray(output)[max(0, position - CONTEXT_TOKENS_SHOWN) : position].tolist())
-
-
+        return "".join(
+            self.text(t) for t in np.asarray(output)[max(0, position - CONTEXT_TOKENS_SHOWN) : position].tolist()
+        )
 
 
 def _vocabulary(tokens: pd.DataFrame) -> dict[int, str]:
@@ -83,18 +98,28 @@ def _vocabulary(tokens: pd.DataFrame) -> dict[int, str]:
     vocabulary: dict[int, str] = {}
     for ids, texts in (("draft_token", "draft_text"), ("target_token", "target_text")):
         first = ~tokens[ids].duplicated().to_numpy()
-        vocabulary.update(zip(tokens[ids].to_numpy()[first].tolist(), tokens[texts].iloc[np.flatnonzero(first)].tolist()))
+        vocabulary.update(
+            zip(tokens[ids].to_numpy()[first].tolist(), tokens[texts].iloc[np.flatnonzero(first)].tolist())
+        )
     return vocabulary
 
 
-def deviation_tables(tokens: pd.DataFrame, steps: pd.DataFrame, requests: pd.DataFrame,
-                     rule: ConfidenceRule = ConfidenceRule(), *, teacher_forced: bool = True) -> DeviationTables:
+def deviation_tables(
+    tokens: pd.DataFrame,
+    steps: pd.DataFrame,
+    requests: pd.DataFrame,
+    rule: ConfidenceRule = ConfidenceRule(),
+    *,
+    teacher_forced: bool = True,
+) -> DeviationTables:
     """Join the three tables once into the frames every statistic reads (vectorised, no per-row Python).
 
     Request ids are factorised once across the three tables; a token finds its step through an int64
     key ``(request code << 32) + step``, and its request through the code.
     """
-    codes, names = pd.factorize(pd.concat([steps["request_id"], tokens["request_id"], requests["request_id"]], ignore_index=True))
+    codes, names = pd.factorize(
+        pd.concat([steps["request_id"], tokens["request_id"], requests["request_id"]], ignore_index=True)
+    )
     step_codes = codes[: len(steps)].astype(np.int64)
     token_codes = codes[len(steps) : len(steps) + len(tokens)].astype(np.int64)
     request_of_code = np.full(len(names), -1, dtype=np.int64)
@@ -108,7 +133,11 @@ def deviation_tables(tokens: pd.DataFrame, steps: pd.DataFrame, requests: pd.Dat
     ended_by_rejection = steps["bonus_token"].to_numpy()[at] != -1
     accepted = tokens["accepted"].to_numpy(dtype=bool) & (at >= 0)
     first_rejection = (
-        (at >= 0) & ~accepted & (tokens["offset"].to_numpy() == num_accepted + 1) & ended_by_rejection & (num_accepted < num_drafted)
+        (at >= 0)
+        & ~accepted
+        & (tokens["offset"].to_numpy() == num_accepted + 1)
+        & ended_by_rejection
+        & (num_accepted < num_drafted)
     )
     rows = np.flatnonzero(accepted | first_rejection)
     rejection = first_rejection[rows]
@@ -126,7 +155,8 @@ def deviation_tables(tokens: pd.DataFrame, steps: pd.DataFrame, requests: pd.Dat
     turn = np.where(has_request, requests["turn"].to_numpy(dtype=np.int64)[request_rows], 0)
     class_codes, class_names = pd.factorize(steps["class"])
     category, draft_category = (
-        tokens[column].iloc[rows].fillna(UNCATEGORISED).astype("category").to_numpy() if column in tokens.columns
+        tokens[column].iloc[rows].fillna(UNCATEGORISED).astype("category").to_numpy()
+        if column in tokens.columns
         else pd.Categorical([UNCATEGORISED] * len(rows))
         for column in ("target_category", "draft_category")
     )
@@ -153,7 +183,10 @@ def deviation_tables(tokens: pd.DataFrame, steps: pd.DataFrame, requests: pd.Dat
     )
 
     credited = _credited_tokens(
-        steps, at, tokens["offset"].to_numpy(dtype=np.int64), confident_first=first_rejection & target_sure,
+        steps,
+        at,
+        tokens["offset"].to_numpy(dtype=np.int64),
+        confident_first=first_rejection & target_sure,
         uncertain_miss=(tokens["draft_token"].to_numpy() != tokens["target_token"].to_numpy()) & ~target_sure,
         teacher_forced=teacher_forced,
     )
@@ -166,13 +199,26 @@ def deviation_tables(tokens: pd.DataFrame, steps: pd.DataFrame, requests: pd.Dat
         }
     )
     return DeviationTables(
-        decided=decided, drafts=drafts, vocabulary=_vocabulary(tokens),
-        output_ids=dict(zip(requests["request_id"], requests["output_token_ids"])) if "output_token_ids" in requests else {},
-        rule=rule, margin_recorded=margin_recorded, teacher_forced=teacher_forced,
+        decided=decided,
+        drafts=drafts,
+        vocabulary=_vocabulary(tokens),
+        output_ids=dict(zip(requests["request_id"], requests["output_token_ids"]))
+        if "output_token_ids" in requests
+        else {},
+        rule=rule,
+        margin_recorded=margin_recorded,
+        teacher_forced=teacher_forced,
     )
 
 
-def _credited_tokens(steps: pd.DataFrame, at: np.ndarray, offset: np.ndarray, confident_first: np.ndarray, uncertain_miss: np.ndarray, teacher_forced: bool) -> np.ndarray:
+def _credited_tokens(
+    steps: pd.DataFrame,
+    at: np.ndarray,
+    offset: np.ndarray,
+    confident_first: np.ndarray,
+    uncertain_miss: np.ndarray,
+    teacher_forced: bool,
+) -> np.ndarray:
     """Tokens each step would add if its confident misses were accepted (the attainable-tau credit), per step.
 
     Teacher-forced rows after the first rejection still hold the draft's guess and the target's token on
@@ -198,7 +244,9 @@ def _credited_tokens(steps: pd.DataFrame, at: np.ndarray, offset: np.ndarray, co
 
 def frame_records(frame: pd.DataFrame) -> list[dict[str, Any]]:
     """A frame's rows as dicts of plain Python values (numpy scalars unwrapped)."""
-    return [{str(k): (v.item() if hasattr(v, "item") else v) for k, v in row.items()} for row in frame.to_dict("records")]
+    return [
+        {str(k): (v.item() if hasattr(v, "item") else v) for k, v in row.items()} for row in frame.to_dict("records")
+    ]
 
 
 def class_names(tables: DeviationTables) -> list[str]:
@@ -206,7 +254,9 @@ def class_names(tables: DeviationTables) -> list[str]:
     return sorted(str(c) for c in tables.drafts["class"].unique())
 
 
-def select(tables: DeviationTables, classes: Iterable[str] = (), categories: Iterable[str] = ()) -> tuple[pd.DataFrame, pd.DataFrame]:
+def select(
+    tables: DeviationTables, classes: Iterable[str] = (), categories: Iterable[str] = ()
+) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Decided tokens and drafts of the given classes (all when empty), decided tokens further narrowed
     to target categories (the dashboard's filters; tau and the bound stay per class)."""
     decided, drafts = tables.decided, tables.drafts
@@ -224,5 +274,10 @@ def run_tables(run: Any) -> DeviationTables:
     thresholds it was configured with. ``check`` and ``sweep`` replay teacher-forced; ``replay`` runs
     the live loop."""
     thresholds = run.record.config.get("thresholds") or {}
-    return deviation_tables(run.tokens, run.steps, run.requests, ConfidenceRule.from_thresholds(thresholds),
-                            teacher_forced=run.record.meta.command != "replay")
+    return deviation_tables(
+        run.tokens,
+        run.steps,
+        run.requests,
+        ConfidenceRule.from_thresholds(thresholds),
+        teacher_forced=run.record.meta.command != "replay",
+    )

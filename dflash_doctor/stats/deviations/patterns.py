@@ -36,7 +36,9 @@ def pattern_costs(tables: DeviationTables) -> pd.DataFrame:
     for kind, column in PATTERN_KINDS.items():
         for scope in ("class", "overall"):
             by = (["class"] if scope == "class" else []) + [column]
-            grouped = rejections.groupby(by, observed=True)["lost_tokens"].agg(lost_tokens="sum", count="size").reset_index()
+            grouped = (
+                rejections.groupby(by, observed=True)["lost_tokens"].agg(lost_tokens="sum", count="size").reset_index()
+            )
             grouped = grouped[grouped["lost_tokens"] > 0]
             grouped["pattern"] = grouped[column].astype(str)
             grouped["class"] = grouped["class"].astype(str) if scope == "class" else "overall"
@@ -49,19 +51,32 @@ def pattern_costs(tables: DeviationTables) -> pd.DataFrame:
     return costs
 
 
-def grown_patterns(base: DeviationTables, new: DeviationTables, *, min_growth: float = GROWTH_MIN_LOST_PER_DRAFT,
-                   min_count: int = GROWTH_MIN_COUNT, top_n: int = GROWTH_TOP_N) -> list[dict[str, Any]]:
+def grown_patterns(
+    base: DeviationTables,
+    new: DeviationTables,
+    *,
+    min_growth: float = GROWTH_MIN_LOST_PER_DRAFT,
+    min_count: int = GROWTH_MIN_COUNT,
+    top_n: int = GROWTH_TOP_N,
+) -> list[dict[str, Any]]:
     """Patterns whose lost tokens per draft step grew by at least ``min_growth`` from BASE to NEW and that
     NEW saw at least ``min_count`` times (a single new pair is chance): at most ``top_n`` per class and
     kind, classes in name order then overall, largest growth first (e.g. special tokens after a template change)."""
     keys = ["class", "kind", "pattern"]
     base_costs = pattern_costs(base).set_index(keys)
     new_costs = pattern_costs(new).set_index(keys)
-    merged = pd.concat(
-        {"lost_per_draft_base": base_costs["lost_per_draft"], "lost_per_draft_new": new_costs["lost_per_draft"],
-         "count_new": new_costs["count"]},
-        axis=1,
-    ).fillna(0.0).reset_index()
+    merged = (
+        pd.concat(
+            {
+                "lost_per_draft_base": base_costs["lost_per_draft"],
+                "lost_per_draft_new": new_costs["lost_per_draft"],
+                "count_new": new_costs["count"],
+            },
+            axis=1,
+        )
+        .fillna(0.0)
+        .reset_index()
+    )
     merged["growth"] = merged["lost_per_draft_new"] - merged["lost_per_draft_base"]
     grown = merged[(merged["growth"] >= min_growth) & (merged["count_new"] >= min_count)]
     grown = grown.assign(is_overall=grown["class"] == "overall").sort_values(

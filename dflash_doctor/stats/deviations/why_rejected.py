@@ -151,7 +151,9 @@ def _bin_labels(edges: tuple[int, ...]) -> list[str]:
 def _bin(values: pd.Series, edges: tuple[int, ...]) -> pd.Series:
     """Each value's bin label (an ordered categorical, on ``values``' index)."""
     codes = np.searchsorted(np.asarray(edges), values.to_numpy(), side="right") - 1
-    labels = pd.Categorical.from_codes(np.clip(codes, 0, len(edges) - 1), categories=pd.Index(_bin_labels(edges)), ordered=True)
+    labels = pd.Categorical.from_codes(
+        np.clip(codes, 0, len(edges) - 1), categories=pd.Index(_bin_labels(edges)), ordered=True
+    )
     return pd.Series(labels, index=values.index)
 
 
@@ -183,15 +185,26 @@ def pair_table(decided: pd.DataFrame) -> pd.DataFrame:
     rejections = decided[decided["first_rejection"].to_numpy()]
     total_lost = rejections["lost_tokens"].sum()
     if rejections.empty:
-        return pd.DataFrame(columns=["target_token", "draft_token", "count", "lost_tokens", "num_confident",
-                                     "share_of_lost", "example_row"])
+        return pd.DataFrame(
+            columns=[
+                "target_token",
+                "draft_token",
+                "count",
+                "lost_tokens",
+                "num_confident",
+                "share_of_lost",
+                "example_row",
+            ]
+        )
     grouped = rejections.groupby(["target_token", "draft_token"], sort=False).agg(
         count=("lost_tokens", "size"),
         lost_tokens=("lost_tokens", "sum"),
         num_confident=("confident", "sum"),
     )
     first = rejections.drop_duplicates(["target_token", "draft_token"])
-    grouped["example_row"] = pd.Series(first.index.to_numpy(), index=pd.MultiIndex.from_frame(first[["target_token", "draft_token"]]))
+    grouped["example_row"] = pd.Series(
+        first.index.to_numpy(), index=pd.MultiIndex.from_frame(first[["target_token", "draft_token"]])
+    )
     grouped["share_of_lost"] = grouped["lost_tokens"] / total_lost
     grouped = grouped.reset_index().sort_values(["lost_tokens", "count"], ascending=False, kind="stable")
     return grouped.reset_index(drop=True)
@@ -233,7 +246,9 @@ def miss_split(decided: pd.DataFrame, drafts: pd.DataFrame) -> MissSplit:
     )
 
 
-def slice_summary(tables: DeviationTables, decided: pd.DataFrame, drafts: pd.DataFrame, top_n: int = DEFAULT_TOP_N) -> SliceAnalysis:
+def slice_summary(
+    tables: DeviationTables, decided: pd.DataFrame, drafts: pd.DataFrame, top_n: int = DEFAULT_TOP_N
+) -> SliceAnalysis:
     """Every statistic of one slice of ``tables`` (a class, or the whole run)."""
     pairs = pair_table(decided).head(top_n)
     top_pairs = []
@@ -253,7 +268,9 @@ def slice_summary(tables: DeviationTables, decided: pd.DataFrame, drafts: pd.Dat
                 share_of_lost=float(row["share_of_lost"]),
                 num_confident=int(row["num_confident"]),
                 example=PatternExample(
-                    request_id=request_id, step=int(example["step"]), position=position,
+                    request_id=request_id,
+                    step=int(example["step"]),
+                    position=position,
                     context=tables.context_before(request_id, position),
                 ),
             )
@@ -292,14 +309,21 @@ def definitions(tables: DeviationTables) -> Definitions:
         acceptance_rate="accepted / decided, where decided = accepted or first rejection",
         confident_miss=(
             f"first rejection with target entropy <= {tables.rule.max_entropy} nats"
-            + (f" and top-1 margin >= {tables.rule.min_margin}" if tables.margin_recorded else " (no margin recorded in this run)")
+            + (
+                f" and top-1 margin >= {tables.rule.min_margin}"
+                if tables.margin_recorded
+                else " (no margin recorded in this run)"
+            )
         ),
         attainable_tau=(
             "upper bound: 1 + (accepted + credited) / num_drafts, tau being vLLM's mean acceptance length (bonus included); "
-            + ("a step whose first rejection is a confident miss is credited the slots after it up to its first uncertain miss "
-               "(teacher-forced rows: the draft's guesses on the committed context)" if tables.teacher_forced else
-               "a step whose first rejection is a confident miss is credited its whole remaining block (live-loop rows after "
-               "a rejection are not on the committed context)")
+            + (
+                "a step whose first rejection is a confident miss is credited the slots after it up to its first uncertain miss "
+                "(teacher-forced rows: the draft's guesses on the committed context)"
+                if tables.teacher_forced
+                else "a step whose first rejection is a confident miss is credited its whole remaining block (live-loop rows after "
+                "a rejection are not on the committed context)"
+            )
         ),
         confident_max_entropy=tables.rule.max_entropy,
         confident_min_margin=tables.rule.min_margin if tables.margin_recorded else None,
