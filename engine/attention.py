@@ -35,7 +35,15 @@ R = TypeVar("R")
 
 
 def engine_attention(fn: Callable[P, R]) -> Callable[P, R]:
-    """Run ``fn`` with attention restricted to :data:`ENGINE_SDPA_BACKENDS` (read at each call)."""
+    """Run ``fn`` with attention restricted to :data:`ENGINE_SDPA_BACKENDS` (read at each call).
+
+    Args:
+        fn: the function to wrap, typically a live-loop entry point (a decorator's argument).
+
+    Returns:
+        ``fn`` wrapped: the same signature and result, each call inside ``sdpa_kernel`` of the backends
+        (or unrestricted while :data:`ENGINE_SDPA_BACKENDS` is None).
+    """
 
     @functools.wraps(fn)
     def restricted(*args: P.args, **kwargs: P.kwargs) -> R:

@@ -81,6 +81,12 @@ def prefill_rows_per_forward(device: torch.device) -> int:
     2,048 prompts (36-380 tokens, SmolLM2-135M shape, bf16) one by one took 57 s on an H200, and the
     same prompts sorted by length in padded forwards of 256 took 2.9 s; one by one, prefill was most of
     `train-draft`'s data generation there (about 12 minutes instead of 6 for its 25,884 answers; docs/benchmarks.md).
+
+    Args:
+        device: the device the target runs on; only its type (``cpu`` or not) matters.
+
+    Returns:
+        The number of prompts per prefill forward: 1 on a CPU, 256 on any other device.
     """
     return 1 if device.type == "cpu" else 256
 
@@ -201,16 +207,30 @@ def generate_greedy_batch(
 
     Greedy by default: then each continuation equals :func:`dflash_doctor.engine.live.plain_generate` at
     temperature 0 (a test checks it in fp32). ``temperature`` > 0 samples instead (extra training data).
-    Each continuation ends at (and includes) its first stop token, or after ``max_new_tokens``; with
-    ``past_end``, it goes on for that many tokens past that end (the target's tokens that an engine drafting
+    With ``past_end``, a continuation goes on past its end (the target's tokens that an engine drafting
     past a request's end verifies its last step against), which the caller splits off.
 
-    Distinct prompts are prefilled ``prefill_rows`` at a time (default :func:`prefill_rows_per_forward`:
-    alone on a CPU, exactly as batch-1 decoding prefills, where a batch padded to its longest prompt did
-    three times the prefill work on the demo workload; in length-sorted padded forwards on a GPU), and
-    repeated prompts (several sampled answers) share one prefill. The decoding steps run batched over
-    the prompts' caches, left-padded to one length (the padding masked out, each row at its own
-    positions); a row leaves the batch at its stop token.
+    Distinct prompts are prefilled ``prefill_rows`` at a time (alone on a CPU, exactly as batch-1 decoding
+    prefills, where a batch padded to its longest prompt did three times the prefill work on the demo
+    workload; in length-sorted padded forwards on a GPU), and repeated prompts (several sampled answers)
+    share one prefill. The decoding steps run batched over the prompts' caches, left-padded to one length
+    (the padding masked out, each row at its own positions); a row leaves the batch at its stop token.
+
+    Args:
+        model: the target causal LM; its first parameter's device is where the batch runs.
+        prompts: the prompts' token ids; a prompt may repeat (its answers then share one prefill).
+        max_new_tokens: the most tokens a continuation has before ``past_end`` (its end when no stop
+            token comes first).
+        stop_ids: token ids that end a continuation (the stop token is kept in it).
+        temperature: 0 for greedy decoding; > 0 samples from the softmax of logits / ``temperature``.
+        prefill_rows: distinct prompts per prefill forward; None takes :func:`prefill_rows_per_forward`
+            of the model's device.
+        past_end: how many tokens each continuation goes on for past its end (stop token or
+            ``max_new_tokens``), 0 for none.
+
+    Returns:
+        One list of generated token ids per prompt, in the prompts' order: the continuation up to and
+        including its first stop token (or ``max_new_tokens`` tokens), followed by up to ``past_end`` more.
     """
     device = next(model.parameters()).device
     keyword = cache_keyword(model)

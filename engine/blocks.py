@@ -17,10 +17,19 @@ from dflash_doctor.engine.dflash_model import DFlashDraftModel
 
 
 def block_mask(anchors: torch.Tensor, anchor_valid: torch.Tensor, context_length: int, block_size: int) -> torch.Tensor:
-    """Boolean attention mask [N, 1, A*B, T + A*B] (True = may attend).
+    """Boolean attention mask of every anchor's block over the context and its own block.
 
-    anchors: [N, A] anchor positions; anchor_valid: [N, A] False for padding anchors (their rows still
-    see their own block so that softmax stays finite).
+    Padding anchors' rows still see their own block, so that softmax stays finite.
+
+    Args:
+        anchors: [N, A] anchor positions in each sequence.
+        anchor_valid: [N, A] bool, False for padding anchors (their rows see no context).
+        context_length: T, the number of context positions (the padded sequence length).
+        block_size: B, the rows of one block (the anchor's row included).
+
+    Returns:
+        [N, 1, A*B, T + A*B] bool, True where a block row may attend: context positions strictly before
+        its anchor, then the rows of its own block.
     """
     n, a = anchors.shape
     device = anchors.device
@@ -37,14 +46,27 @@ def block_mask(anchors: torch.Tensor, anchor_valid: torch.Tensor, context_length
 
 def draft_block_hidden(
     draft: DFlashDraftModel,
-    embedding_weight: torch.Tensor,  # [V, H] the target's input embedding matrix
-    token_ids: torch.Tensor,  # [N, T] the known sequences (padded)
-    ctx_kv: list[tuple[torch.Tensor, torch.Tensor]],  # per layer [N, kvh, T, D], from draft.context_kv
-    anchors: torch.Tensor,  # [N, A]
-    anchor_valid: torch.Tensor,  # [N, A] bool
+    embedding_weight: torch.Tensor,
+    token_ids: torch.Tensor,
+    ctx_kv: list[tuple[torch.Tensor, torch.Tensor]],
+    anchors: torch.Tensor,
+    anchor_valid: torch.Tensor,
     block_size: int,
 ) -> torch.Tensor:
-    """Draft hidden states for every block: [N, A, B, H] (slot 0 is the anchor token's row)."""
+    """Draft hidden states for every anchor's block, all in one pass of the draft.
+
+    Args:
+        draft: the DFlash draft model.
+        embedding_weight: [V, H] the target's input embedding matrix (the draft shares it).
+        token_ids: [N, T] the known sequences, padded.
+        ctx_kv: per draft layer, the context keys and values [N, kvh, T, D] from :func:`context_kv_for`.
+        anchors: [N, A] anchor positions.
+        anchor_valid: [N, A] bool, False for padding anchors.
+        block_size: B, the rows of one block (the anchor's row included).
+
+    Returns:
+        [N, A, B, H] hidden states; slot 0 is the anchor token's row, slot j predicts ``token[a + j]``.
+    """
     n, t = token_ids.shape
     a = anchors.shape[1]
     device = token_ids.device
@@ -59,7 +81,15 @@ def draft_block_hidden(
 
 
 def context_kv_for(draft: DFlashDraftModel, features: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per-layer context K/V for whole sequences of tapped target features [N, T, F] at positions 0..T-1."""
+    """Per-layer context K/V for whole sequences of tapped target features, computed once for every block.
+
+    Args:
+        draft: the DFlash draft model (its ``fc`` weight's dtype is the one the features are cast to).
+        features: [N, T, F] tapped target hidden states, at positions 0..T-1.
+
+    Returns:
+        One (keys, values) pair per draft layer, each [N, kvh, T, D].
+    """
     n, t, _ = features.shape
     positions = torch.arange(t, device=features.device)[None].expand(n, -1)
     return draft.context_kv(features.to(draft.fc.weight.dtype), positions)

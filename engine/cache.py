@@ -59,13 +59,28 @@ ROLLBACK_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer
 
 
 def cache_keyword(model: torch.nn.Module) -> str:
-    """The forward() keyword for the KV cache: transformers renamed ``past_key_values`` to ``cache`` (5.2x)."""
+    """The forward() keyword for the KV cache: transformers renamed ``past_key_values`` to ``cache`` (5.2x).
+
+    Args:
+        model: the model whose ``forward`` signature is read.
+
+    Returns:
+        ``"cache"`` when ``forward`` takes that keyword, else ``"past_key_values"``.
+    """
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def accepts_logits_to_keep(model: torch.nn.Module) -> bool:
-    """Whether forward() takes ``logits_to_keep`` (transformers' causal LMs do; an older or custom model may
-    not): with it a forward that needs only the last rows' logits skips the [T, V] projection of the rest."""
+    """Whether forward() takes ``logits_to_keep``: with it a forward that needs only the last rows' logits
+    skips the [T, V] projection of the rest.
+
+    Args:
+        model: the model whose ``forward`` signature is read (transformers' causal LMs take the keyword; an
+            older or custom model may not).
+
+    Returns:
+        True when ``forward`` has a ``logits_to_keep`` parameter.
+    """
     return "logits_to_keep" in inspect.signature(model.forward).parameters
 
 
@@ -76,6 +91,12 @@ def new_cache(config: PretrainedConfig) -> DynamicCache:
     rows; sliding windows are applied by the attention mask), as the engine always used. A hybrid
     target gets its own layer kinds from its config, except that sliding-window layers keep all their
     rows too: a window-sized buffer cannot be cropped back past tokens it has already dropped.
+
+    Args:
+        config: the target's transformers config.
+
+    Returns:
+        A fresh transformers ``DynamicCache``, layered per its config for a hybrid target.
     """
     if not has_recurrent_layers(config):
         return DynamicCache()
@@ -85,18 +106,42 @@ def new_cache(config: PretrainedConfig) -> DynamicCache:
 
 
 def has_recurrent_layers(config: PretrainedConfig) -> bool:
-    """Whether a target of ``config`` keeps recurrent or convolution states (a hybrid or state-space model)."""
+    """Whether a target keeps recurrent or convolution states (a hybrid or state-space model), which a
+    rollback must snapshot and re-run instead of cropping.
+
+    Args:
+        config: the target's transformers config.
+
+    Returns:
+        True when any layer of the cache its config lays out is a linear-attention (recurrent) layer.
+    """
     return any(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in DynamicCache(config=config).layers)
 
 
 def rollback_method(config: PretrainedConfig) -> str:
-    """How a rejected draft leaves a target of ``config``'s cache (recorded in run.json's target facts)."""
+    """How a rejected draft leaves a target's cache, recorded in run.json's target facts.
+
+    Args:
+        config: the target's transformers config.
+
+    Returns:
+        ``"restore recurrent states, re-run kept tokens"`` for a target with recurrent layers, else
+        ``"crop key/value rows"``.
+    """
     return "restore recurrent states, re-run kept tokens" if has_recurrent_layers(config) else "crop key/value rows"
 
 
 def refuse_unreplayable(config: PretrainedConfig) -> None:
-    """Stop, before any work, at a target whose cache the engine cannot roll back exactly (one sentence
-    naming the architecture and the layer kind): counting acceptances on it would be silently wrong."""
+    """Stop, before any work, at a target whose cache the engine cannot roll back exactly: counting
+    acceptances on it would be silently wrong.
+
+    Args:
+        config: the target's transformers config.
+
+    Raises:
+        UsageError: when its cache holds a layer kind outside :data:`ROLLBACK_LAYERS` (one sentence naming
+            the architecture and the layer kind).
+    """
     unknown = sorted(
         {type(layer).__name__ for layer in DynamicCache(config=config).layers if type(layer) not in ROLLBACK_LAYERS}
     )
@@ -113,7 +158,12 @@ def crop_key_values(cache: DynamicCache, length: int) -> None:
     Layer by layer, so that a hybrid cache's recurrent layers (whose own crop refuses) are left alone.
 
     The crop is by a negative count (remove N): that means the same in every transformers version,
-    while a positive argument changed meaning (absolute length -> refused)."""
+    while a positive argument changed meaning (absolute length -> refused).
+
+    Args:
+        cache: the cache to crop in place.
+        length: positions to keep; a layer already that short or shorter is left as it is.
+    """
     for layer in cache.layers:
         if isinstance(layer, DynamicLayer) and layer.is_initialized:
             excess = layer.get_seq_length() - length
@@ -155,8 +205,16 @@ class _Checkpoint:
 
 def recurrent_mixers(model: torch.nn.Module, config: PretrainedConfig) -> list[torch.nn.Module]:
     """The modules that update a recurrent layer's state (Qwen3.5's ``linear_attn``, Nemotron-H's Mamba2
-    ``mixer``, LFM2's short ``conv``): for each recurrent cache layer, the innermost module carrying its
-    ``layer_idx`` (a decoder block may carry it too)."""
+    ``mixer``, LFM2's short ``conv``), whose calls a rollback can re-run on the kept positions.
+
+    Args:
+        model: the target model whose modules are searched.
+        config: its transformers config, which says which cache layers are recurrent.
+
+    Returns:
+        For each recurrent cache layer, the innermost module carrying its ``layer_idx`` (a decoder block
+        may carry it too), in the model's module order.
+    """
     recurrent = {
         i for i, layer in enumerate(DynamicCache(config=config).layers) if isinstance(layer, LinearAttentionLayer)
     }
@@ -279,7 +337,14 @@ class RollbackCache:
 
 
 def snapshot_states(cache: DynamicCache) -> dict[int, _LayerStates]:
-    """Copies of every recurrent layer's states (their tensors are updated in place by the next forward)."""
+    """Copies of every recurrent layer's states, taken because the next forward updates their tensors in place.
+
+    Args:
+        cache: the cache whose recurrent layers are copied (its attention layers are not).
+
+    Returns:
+        The copied states keyed by layer index, for :func:`restore_states`.
+    """
     return {
         index: _LayerStates(
             conv=_clone(layer.conv_states),
@@ -295,6 +360,15 @@ def snapshot_states(cache: DynamicCache) -> dict[int, _LayerStates]:
 
 
 def restore_states(cache: DynamicCache, states: dict[int, _LayerStates]) -> None:
+    """Put a :func:`snapshot_states` snapshot back into the recurrent layers, undoing the forwards since.
+
+    The snapshot's tensors become the layers' own (no copy), so a snapshot is restored once; the token
+    count is copied in place, because transformers marks its address static.
+
+    Args:
+        cache: the cache the snapshot was taken from.
+        states: the snapshot, keyed by layer index.
+    """
     for index, saved in states.items():
         layer = cache.layers[index]
         assert isinstance(layer, LinearAttentionCacheLayerMixin)

@@ -155,7 +155,15 @@ CHECKPOINT_KEY_RENAMES = {
 
 
 def draft_model_class(cfg: DFlashConfig) -> type[DFlashDraftModel]:
-    """The module for a config's architecture (the one place that maps it)."""
+    """The module class for a config's architecture (the one place that maps it).
+
+    Args:
+        cfg: the draft's config; its ``architecture`` picks the class.
+
+    Returns:
+        :class:`DFlash2DraftModel` or :class:`DSparkDraftModel` for their architectures, plain
+        :class:`DFlashDraftModel` for any other.
+    """
     return {DFLASH2_ARCHITECTURE: DFlash2DraftModel, DSPARK_ARCHITECTURE: DSparkDraftModel}.get(
         cfg.architecture, DFlashDraftModel
     )

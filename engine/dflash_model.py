@@ -35,8 +35,13 @@ def default_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]
     """The official z-lab formula for layer ids (``dflash`` 0.1.0 ``build_target_layer_ids``, docs/draft-formats.md):
     train-draft's default and what engines guess for a config without ids (draft_formats.engine_layer_id_guesses).
 
-    One tap -> the middle layer; n taps -> evenly spread from layer 1 to ``L - 3``
-    (L=36, n=5 -> [1, 9, 17, 25, 33]).
+    Args:
+        num_target_layers: L, the target's decoder layer count.
+        num_taps: n, how many target layers the draft reads (>= 1).
+
+    Returns:
+        n layer indices: one tap -> the middle layer ``L // 2``; n taps -> evenly spread from layer 1 to
+        ``L - 3``, rounded (L=36, n=5 -> [1, 9, 17, 25, 33]).
     """
     if num_taps == 1:
         return [num_target_layers // 2]
@@ -51,8 +56,15 @@ DFLASH_ARCHITECTURE, DFLASH2_ARCHITECTURE, DSPARK_ARCHITECTURE = VARIANT_ARCHITE
 
 
 def variant_architecture(architectures: Sequence[str]) -> str:
-    """The variant a config's ``architectures`` names: DFlash 2 or DSpark when it lists one, else plain DFlash
-    (a dialect's own name too, such as NeMo's ``Qwen3DFlashDraftModel``, or none)."""
+    """The variant a config's ``architectures`` names, the one key the engine picks a draft module by.
+
+    Args:
+        architectures: the ``architectures`` list of the draft's config.json (may be empty).
+
+    Returns:
+        ``DFlash2DraftModel`` or ``DSparkDraftModel`` when the list names one, else ``DFlashDraftModel``
+        (for a dialect's own name too, such as NeMo's ``Qwen3DFlashDraftModel``, or none).
+    """
     return next((a for a in (DFLASH2_ARCHITECTURE, DSPARK_ARCHITECTURE) if a in architectures), DFLASH_ARCHITECTURE)
 
 
@@ -238,7 +250,15 @@ class RMSNorm(nn.Module):
 
 def rope_inverse_frequencies(head_dim: int, theta: float) -> torch.Tensor:
     """Inverse frequencies of plain RoPE (no ``rope_scaling``), computed in float64 as the official code's
-    checkpoints were proven against (tests/test_dflash_oracle.py)."""
+    checkpoints were proven against (tests/test_dflash_oracle.py).
+
+    Args:
+        head_dim: D, the rotated head size (even).
+        theta: the RoPE base (``rope_theta``).
+
+    Returns:
+        [D/2] float32 inverse frequencies ``theta ** (-2i / D)``.
+    """
     return (1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))).float()
 
 
@@ -249,7 +269,14 @@ LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 
 
 def rope_type(scaling: dict[str, Any] | None) -> str:
-    """The ``rope_scaling`` type (``default`` when there is none); older configs name it ``type``."""
+    """The ``rope_scaling`` type, read from either key the configs use (older configs name it ``type``).
+
+    Args:
+        scaling: the config's ``rope_scaling`` mapping, or None.
+
+    Returns:
+        Its ``rope_type`` (else ``type``); ``"default"`` when there is none.
+    """
     scaling = scaling or {}
     return scaling.get("rope_type", scaling.get("type", "default"))
 
@@ -258,7 +285,20 @@ def scaled_rope_config(cfg: DFlashConfig):
     """The draft's config as the transformers Qwen3 config its scaled RoPE (linear, llama3, yarn, dynamic,
     longrope...) is computed from, by transformers' own ``ROPE_INIT_FUNCTIONS``: what the official DFlash
     module (a transformers ``Qwen3RotaryEmbedding``) computes, yarn's attention factor included. Built once
-    per draft; a type, key or setting the draft cannot apply is refused here, by name."""
+    per draft, so that a setting the draft cannot apply is refused here, by name, before any work.
+
+    Args:
+        cfg: the draft's config, with its ``rope_scaling``, ``rope_theta``, head sizes and
+            ``max_position_embeddings``.
+
+    Returns:
+        A transformers ``Qwen3Config`` whose ``rope_parameters`` hold the scaling, for
+        :func:`scaled_rope_parameters`.
+
+    Raises:
+        UsageError: when the rope type is not one of transformers', ``partial_rotary_factor`` is not 1, or
+            the type's required keys are missing.
+    """
     from transformers import Qwen3Config
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -290,8 +330,16 @@ def scaled_rope_config(cfg: DFlashConfig):
 
 
 def scaled_rope_parameters(rope_config, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies and attention factor for :func:`scaled_rope_config`'s config; ``seq_len``: the
-    longest position + 1 of the pass, for :data:`LENGTH_DEPENDENT_ROPE`."""
+    """Inverse frequencies and attention factor of a scaled RoPE, by transformers' own init function.
+
+    Args:
+        rope_config: the config :func:`scaled_rope_config` built.
+        seq_len: the longest position + 1 of the pass, for :data:`LENGTH_DEPENDENT_ROPE`; None for the
+            other types.
+
+    Returns:
+        (inverse frequencies [D/2], attention factor), as transformers' ``ROPE_INIT_FUNCTIONS`` give them.
+    """
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     return ROPE_INIT_FUNCTIONS[rope_config.rope_parameters["rope_type"]](rope_config, None, seq_len=seq_len)
@@ -300,11 +348,21 @@ def scaled_rope_parameters(rope_config, seq_len: int | None = None) -> tuple[tor
 def rope_tables(
     positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype, attention_factor: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sign-folded sin [B, 1, S, D] for ``positions`` [B, S], computed once per pass for every layer.
+    """cos and sign-folded sin for ``positions``, computed once per pass for every layer.
 
     The half-split rotation is ``x * cos + cat(-x2, x1) * sin``; folding the sign into ``sin``
     (``cat(-s, s)``) turns the rotated term into ``roll(x) * sin`` with the same values. A scaled RoPE's
     ``attention_factor`` (yarn's mscale) multiplies both in float32, as transformers does.
+
+    Args:
+        positions: [B, S] absolute positions.
+        inv_freq: [D/2] inverse frequencies (:func:`rope_inverse_frequencies` or
+            :func:`scaled_rope_parameters`).
+        dtype: the dtype the tables are cast to (the activations').
+        attention_factor: multiplies cos and sin; 1.0 for plain RoPE.
+
+    Returns:
+        (cos, signed sin), each [B, 1, S, D] in ``dtype``, for :func:`apply_rope`.
     """
     angles = positions.to(torch.float32)[..., None] * inv_freq.to(positions.device)  # [B, S, D/2]
     cos, sin = angles.cos(), angles.sin()
@@ -314,7 +372,15 @@ def rope_tables(
 
 
 def apply_rope(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Rotate ``x`` [B, heads, S, D] with :func:`rope_tables` (half-split convention, as Qwen3/Llama)."""
+    """Rotate queries or keys by their positions (half-split convention, as Qwen3/Llama).
+
+    Args:
+        x: [B, heads, S, D] queries or keys.
+        rope: (cos, signed sin) from :func:`rope_tables` for the same positions.
+
+    Returns:
+        The rotated ``x``, same shape.
+    """
     cos, signed_sin = rope
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 

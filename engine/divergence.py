@@ -74,16 +74,23 @@ def _order_keys(scores: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 
 def top_ids(scores: torch.Tensor, k: int = TOP_K) -> torch.Tensor:
-    """Ids of the ``k`` highest scores along the last axis, highest first, equal scores lowest id first
-    (the first ``k`` of a stable descending sort; the first is ``argmax``'s).
+    """Ids of the ``k`` highest scores along the last axis, the same on every device.
 
-    torch.topk leaves the order of equal scores to its kernel (a CPU heap, a GPU's bitonic network), and
-    bf16 scores of a 152k vocabulary tie within the top five in about a third of the rows, so its ids would
-    depend on the device. Selected in three stages, each exact: the maximum of each chunk of scores (the
-    only pass over the whole vocabulary, one plain reduction, where torch.topk over 152k bf16 scores was
-    most of the records' GPU time); the ``k`` best chunks by (maximum, lower chunk first), which hold the
-    ``k`` best scores (one of them has at most ``k - 1`` better scores, so at most ``k - 1`` chunks rank
-    above its own); the ``k`` best of those chunks' scores, ranked by :func:`_order_keys` (no ties left).
+    Highest first, equal scores lowest id first (the first ``k`` of a stable descending sort; the first is
+    ``argmax``'s). torch.topk leaves the order of equal scores to its kernel (a CPU heap, a GPU's bitonic
+    network), and bf16 scores of a 152k vocabulary tie within the top five in about a third of the rows, so
+    its ids would depend on the device. Selected in three stages, each exact: the maximum of each chunk of
+    scores (the only pass over the whole vocabulary, one plain reduction, where torch.topk over 152k bf16
+    scores was most of the records' GPU time); the ``k`` best chunks by (maximum, lower chunk first), which
+    hold the ``k`` best scores (one of them has at most ``k - 1`` better scores, so at most ``k - 1`` chunks
+    rank above its own); the ``k`` best of those chunks' scores, ranked by :func:`_order_keys` (no ties left).
+
+    Args:
+        scores: [..., V] logits or probabilities, V the vocabulary size (V >= k).
+        k: how many ids per row.
+
+    Returns:
+        [..., k] int64 vocabulary ids, highest score first.
     """
     vocab = scores.shape[-1]
     # chunks of about sqrt(vocab / k) scores, about as many chunk maxima as candidates: the fewest keys in
@@ -183,10 +190,19 @@ class TargetRows:
 def divergence_tensor(
     draft_logits: torch.Tensor, draft_tokens: torch.Tensor, target: TargetRows, entries: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """The columns of every slot packed as float64 [..., WIDTH], on the logits' device (no host copy).
+    """The divergence columns of every drafted slot packed in one float64 tensor, left on the logits' device
+    so that the caller copies to the host once (:func:`unpack_divergence`).
 
-    ``draft_logits`` [..., V] and ``draft_tokens`` [...] index the slots as ``target``'s rows do, or as
-    its first-dimension ``entries`` do (a subset of the anchors of :meth:`TargetRows.windows`).
+    Args:
+        draft_logits: [..., V] the draft's logits of each slot, indexed as ``target``'s rows are, or as
+            its ``entries`` are.
+        draft_tokens: [...] the token the draft proposed at each slot.
+        target: the target's rows for the same slots (:meth:`TargetRows.windows` views).
+        entries: indices along ``target``'s first dimension (a subset of its anchors) that the slots
+            belong to; None when the slots are ``target``'s rows in order.
+
+    Returns:
+        [..., WIDTH] float64 on the logits' device: per slot the columns of ``_LAYOUT`` in order.
     """
     if draft_tokens.numel() == 0:
         return torch.empty((*draft_tokens.shape, WIDTH), dtype=torch.float64, device=draft_logits.device)
@@ -241,7 +257,16 @@ def _columns(draft_logits: torch.Tensor, draft_tokens: torch.Tensor, target: Tar
 
 
 def unpack_divergence(packed: np.ndarray) -> dict[str, list]:
-    """Host-side columns (lists, one entry per row) from a :func:`divergence_tensor` copied with ``.numpy()``."""
+    """The ``tokens.parquet`` divergence columns from a :func:`divergence_tensor` copied to the host.
+
+    Args:
+        packed: [rows, WIDTH] float64, a :func:`divergence_tensor` flattened to rows and copied with
+            ``.numpy()``.
+
+    Returns:
+        Column name -> one entry per row: a float, an int for the rank, a list of TOP_K ints for the
+        top-k id columns.
+    """
     columns: dict[str, list] = {}
     start = 0
     for name, width in _LAYOUT:

@@ -247,10 +247,22 @@ class Eagle3DraftModel(nn.Module):
 def teacher_first_pass(
     model: Eagle3DraftModel, target_embedding: nn.Embedding, token_ids: torch.Tensor, aux: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, KeyValue]:
-    """The first pass over whole sequences, token_ids [N, T] with their aux states [N, T, n*Ht]: row p reads the
-    state at p and the embedding of token p + 1 (the last row repeats its own token: no anchor reads it), causal
-    attention. -> (normed [N, T, H], carried [N, T, H], K/V [N, kvh, T, D] each). Right padding is harmless:
-    causal rows never see what follows them."""
+    """The EAGLE-3 head's first pass over whole sequences, once for every anchor, with causal attention.
+
+    Row p reads the aux state at p and the embedding of token p + 1 (the last row repeats its own token:
+    no anchor reads it). Right padding is harmless: causal rows never see what follows them.
+
+    Args:
+        model: the EAGLE-3 draft head.
+        target_embedding: the target's input embedding (the head embeds with it).
+        token_ids: [N, T] the known sequences, right-padded.
+        aux: [N, T, n*Ht] the target's tapped hidden states at every position, concatenated over its n
+            tapped layers.
+
+    Returns:
+        (normed [N, T, H], carried [N, T, H], (keys, values) [N, kvh, T, D] each), what
+        :func:`teacher_chain_rows` takes as ``first``.
+    """
     shifted = torch.cat([token_ids[:, 1:], token_ids[:, -1:]], dim=1)
     positions = torch.arange(token_ids.shape[1], device=token_ids.device)[None].expand(len(token_ids), -1)
     return model(model.embed(shifted, target_embedding), model.combine(aux), positions)
@@ -264,11 +276,24 @@ def teacher_chain_rows(
     anchors: torch.Tensor,
     k: int,
 ) -> torch.Tensor:
-    """Normed rows [N, A, k, H] of slots 1..k of every anchor (anchors [N, A], each >= 1), given the first pass
-    ``first`` of :func:`teacher_first_pass`: slot 1 is the first pass's row at a - 1; slot j > 1 reads the true
-    token at a + j - 1 and the state slot j - 1 carried, at the position after slot j - 1's row, attending to
-    the first-pass keys before the anchor and the anchor's own chain keys (what the live loop's chain sees when
-    every earlier draft matched, the only case in which slot j is read)."""
+    """The head's normed rows of slots 1..k of every anchor, as the live loop's chain computes them when every
+    earlier draft matched (the only case in which slot j is read).
+
+    Slot 1 is the first pass's row at a - 1; slot j > 1 reads the true token at a + j - 1 and the state
+    slot j - 1 carried, at the position after slot j - 1's row, attending to the first-pass keys before the
+    anchor and the anchor's own chain keys.
+
+    Args:
+        model: the EAGLE-3 draft head.
+        target_embedding: the target's input embedding.
+        token_ids: [N, T] the known sequences.
+        first: the first pass of :func:`teacher_first_pass` over ``token_ids``.
+        anchors: [N, A] anchor positions, each >= 1.
+        k: the slots per anchor (the block length), >= 1.
+
+    Returns:
+        [N, A, k, H] normed rows, slot j - 1 at index j - 1, for the head's logits.
+    """
     first_normed, first_carried, (first_keys, first_values) = first
     n, width = token_ids.shape
     a = anchors.shape[1]
@@ -312,11 +337,22 @@ def attend_prefix_and_chain(
     chain_keys: torch.Tensor,
     chain_values: torch.Tensor,
 ) -> torch.Tensor:
-    """Attention of one query per anchor (q [N, A, h, D]) over its sequence's first-pass keys [N, kvh, T, D] where
-    ``visible`` [N, A, T] allows them, and the anchor's own chain keys [N, A, kvh, s, D]; -> [N, A, h, D].
+    """Attention of one query per anchor over its sequence's first-pass keys and its own chain keys.
 
     The shared keys are never copied per anchor (a [N, A, kvh, T, D] copy would dominate memory on a long
-    sequence): scores against them are one product per kv head, then one softmax over both parts."""
+    sequence): scores against them are one product per kv head, then one softmax over both parts.
+
+    Args:
+        q: [N, A, h, D] one query per anchor (h heads, a multiple of kvh).
+        prefix_keys: [N, kvh, T, D] the first-pass keys of each sequence, shared by its anchors.
+        prefix_values: [N, kvh, T, D] the matching values.
+        visible: [N, A, T] bool, True where an anchor's query may see a first-pass key.
+        chain_keys: [N, A, kvh, s, D] each anchor's own chain keys (all visible).
+        chain_values: [N, A, kvh, s, D] the matching values.
+
+    Returns:
+        [N, A, h, D] the attention outputs, in ``q``'s dtype (computed in float32).
+    """
     n, a, h, d = q.shape
     kvh = prefix_keys.shape[1]
     grouped = q.view(n, a, kvh, h // kvh, d).float() * d**-0.5  # [N, A, kvh, g, D]

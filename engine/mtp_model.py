@@ -48,8 +48,18 @@ class KeyValueRows:
 
 
 def decoder_layer_class(config) -> type[nn.Module]:
-    """transformers' decoder-layer class of the target's architecture (the one class its model's
-    ``_no_split_modules`` names as a decoder layer)."""
+    """transformers' decoder-layer class of the target's architecture, which an MTP block is built as.
+
+    Args:
+        config: the target's transformers config; its type finds the causal-LM class.
+
+    Returns:
+        The first class that the model's ``_no_split_modules`` names as a ``...DecoderLayer``.
+
+    Raises:
+        UsageError: when transformers has no causal-LM class for the architecture or it names no decoder
+            layer.
+    """
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
@@ -177,13 +187,27 @@ class MtpCheckpoint:
 def build_mtp_head(
     checkpoint: MtpCheckpoint, target_config, *, dtype: torch.dtype, device: str, target_name: str
 ) -> MtpHead:
-    """The head module of ``checkpoint`` for a target of ``target_config``, its weights loaded strictly
-    (a tensor the block lacks, or one the checkpoint lacks, is a :class:`UsageError`).
+    """The head module of ``checkpoint`` for a target of ``target_config``, its weights loaded strictly.
 
     The modules are built on the meta device and take the checkpoint's tensors as they are (no copy): an MTP
     block of a large MoE target is the size of one of its decoder layers (DeepSeek-V3's: 11B parameters), and
     building it with random float32 weights first held 44 GB more than its bfloat16 weights and spent tens of
-    seconds initialising them (benchmarks/mtp_load.py: peak memory x4.3, time x1.5 on a 0.33B block)."""
+    seconds initialising them (benchmarks/mtp_load.py: peak memory x4.3, time x1.5 on a 0.33B block).
+
+    Args:
+        checkpoint: the MTP layers' tensors read from the target's checkpoint.
+        target_config: the target's transformers config (its text config shapes the blocks).
+        dtype: the dtype the head is cast to.
+        device: the device the head is moved to, e.g. ``"cuda"``.
+        target_name: the target's name, for the error messages.
+
+    Returns:
+        The head in eval mode, on ``device`` in ``dtype``.
+
+    Raises:
+        UsageError: when a layer's tensors and its block's parameters differ (a tensor the block lacks, or
+            one the checkpoint lacks), or the block computes a buffer when built.
+    """
     config = copy.deepcopy(target_config.get_text_config())
     if isinstance(getattr(config, "layer_types", None), list):  # the MTP blocks are full-attention layers
         config.layer_types = list(config.layer_types) + ["full_attention"] * checkpoint.n_predict

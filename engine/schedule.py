@@ -15,11 +15,18 @@ from dflash_doctor.errors import UsageError
 
 
 def cut_at_stop(accepted: Iterable[int], stop_ids: frozenset[int]) -> int | None:
-    """Index of the first stop token among the accepted draft tokens, None when there is none.
+    """Index of the first stop token among the accepted draft tokens, where the step and the request end.
 
     An accepted stop token ends the request: the output keeps the drafts up to and including it and no
     bonus token follows (how many drafts the step counts is the convention's:
     :meth:`EndOfRequest.num_accepted`).
+
+    Args:
+        accepted: the step's accepted draft tokens, in order.
+        stop_ids: the token ids that end a request.
+
+    Returns:
+        The 0-based index of the first stop token in ``accepted``, None when there is none.
     """
     for index, token in enumerate(accepted):
         if token in stop_ids:
@@ -86,6 +93,17 @@ CONVENTIONS = {
 
 
 def end_of_request(name: str) -> EndOfRequest:
+    """The end-of-request convention a run names (``run.json`` config ``end_of_request``), by its name.
+
+    Args:
+        name: ``vllm``, ``llamacpp`` or ``official`` (the keys of :data:`CONVENTIONS`).
+
+    Returns:
+        The convention of that name.
+
+    Raises:
+        UsageError: when ``name`` is not one of them.
+    """
     try:
         return CONVENTIONS[name]
     except KeyError:

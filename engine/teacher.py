@@ -63,8 +63,15 @@ class SlotTable:
 
 
 def matched_runs(matches: np.ndarray) -> np.ndarray:
-    """Accepted tokens of each draft: the run of matches before the first miss along the last axis
-    (all of them when none misses). A row [K] gives a 0-d array, a table [N, K] one run per anchor."""
+    """Accepted tokens of each draft: the run of matches before the first miss along the last axis.
+
+    Args:
+        matches: [..., K] bool, whether each slot's guess equals the true token: a row [K] or a table
+            [N, K] (one row per anchor).
+
+    Returns:
+        The run length (0..K; K when none misses) of each row: a 0-d array for a row, [N] for a table.
+    """
     return np.cumprod(matches, axis=-1).sum(axis=-1)
 
 
@@ -78,10 +85,26 @@ def walk_schedule(
     drafted: np.ndarray | None = None,
 ) -> list[StepRecord]:
     """The live loop's steps at K over known matches, with the live loop's schedule (engine/schedule.py);
-    walked, not timed. ``drafted`` [N] caps the tokens each anchor's step drafts (a lookup proposer that
-    found fewer than K, or none: a plain decode step), as :attr:`SlotTable.drafted` records them. Slots past
-    the output match only where the table knew the target's tokens there (``TeacherSequence.tail_ids``); the
-    default convention keeps every draft inside the budget and needs none."""
+    walked, not timed.
+
+    Slots past the output match only where the table knew the target's tokens there
+    (``TeacherSequence.tail_ids``); the default convention keeps every draft inside the budget and needs none.
+
+    Args:
+        matches: [N, K'] bool (K' >= k), row i the guesses of the step whose last committed token is
+            output[i] (:attr:`SlotTable.matches`).
+        output_ids: the target's continuation (output[0] comes from the prefill).
+        k: the draft length K asked of every step.
+        max_new_tokens: the request's token budget.
+        stop_ids: token ids that end the request.
+        convention: how the engine modelled drafts and counts the last steps.
+        drafted: [N] the tokens each anchor's step may draft at most (a lookup proposer that found fewer
+            than K, or none: a plain decode step), as :attr:`SlotTable.drafted` records them; None: K.
+
+    Returns:
+        The steps in order, untimed; empty when the first output token is a stop token or the output
+        has one token.
+    """
     steps: list[StepRecord] = []
     n_out = len(output_ids)
     i = 0  # output index of the last committed token (output[0] comes from the prefill)
@@ -114,8 +137,18 @@ def walk_schedule(
 
 
 def greedy_tail(model: CausalLM, prompt_ids: list[int], output_ids: list[int], n: int) -> list[int]:
-    """The target's ``n`` greedy tokens past the output's end (past its stop token or max_tokens): what an engine that
-    drafts past the end verifies its last step's drafts against (:attr:`TeacherSequence.tail_ids`)."""
+    """The target's greedy tokens past the output's end (past its stop token or max_tokens): what an engine
+    that drafts past the end verifies its last step's drafts against (:attr:`TeacherSequence.tail_ids`).
+
+    Args:
+        model: the target causal LM.
+        prompt_ids: the request's prompt tokens.
+        output_ids: the target's continuation of it, stop token included.
+        n: how many tokens past the end; 0 or less for none.
+
+    Returns:
+        The ``n`` greedy tokens that follow ``prompt_ids + output_ids`` (no stop token ends them).
+    """
     if n <= 0:
         return []
     return generate_greedy_batch(model, [list(prompt_ids) + list(output_ids)], max_new_tokens=n, stop_ids=frozenset())[
@@ -124,9 +157,19 @@ def greedy_tail(model: CausalLM, prompt_ids: list[int], output_ids: list[int], n
 
 
 def sampled_past_end(steps: list[StepRecord], tail_ids: list[int], n_out: int) -> list[int]:
-    """The tokens a request's last step sampled past its output (the accepted drafts there and the bonus token),
-    as far as ``tail_ids`` knows them: vLLM's suffix cache keeps them with the response, as the live loop's
-    :attr:`GenerationResult.tail_ids` does."""
+    """The tokens a request's last step sampled past its output (the accepted drafts there and the bonus
+    token), as far as ``tail_ids`` knows them: vLLM's suffix cache keeps them with the response, as the
+    live loop's :attr:`GenerationResult.tail_ids` does.
+
+    Args:
+        steps: the request's steps, walked or run.
+        tail_ids: the target's greedy tokens past the output's end.
+        n_out: the output's length in tokens.
+
+    Returns:
+        The first tokens of ``tail_ids`` that the last step reached past ``n_out``; empty when there are no
+        steps or the last step ended inside the output.
+    """
     if not steps:
         return []
     last = steps[-1]
@@ -160,24 +203,44 @@ def slot_table(
     max_new_tokens: int | None = None,
     convention: EndOfRequest = CONVENTIONS["llamacpp"],
 ) -> tuple[SlotTable, tuple[torch.Tensor, torch.Tensor | None]]:
-    """Guesses and matches for every anchor of ``sequence`` at block length ``k``.
+    """Guesses and matches for every anchor of ``sequence`` at block length ``k``, from one target forward.
 
     Under a convention that shrinks the last blocks (the official loop), the anchors within ``k`` of
     ``max_new_tokens`` are drafted with the block the live loop would use there (their slots past it stay
-    unmatched; the schedule never drafts them). Returns the table and the target pass (the logits of
-    the output and tail positions [n_out + tail, V], row i predicting output[i + 1]; the features of every
-    position) so several K can reuse one target forward. The prompt's positions get no logits: they predict
-    nothing a slot drafts, and on a long context the vocabulary head over them would be most of the
-    pass's memory.
+    unmatched; the schedule never drafts them). The target pass is returned so that several K can reuse
+    one target forward. The prompt's positions get no logits: they predict nothing a slot drafts, and on a
+    long context the vocabulary head over them would be most of the pass's memory.
 
-    ``full_anchors`` (T = 0 only) names the anchors whose every slot is needed (guesses, and divergence
-    rows with ``record_divergence``): the ones the recorded schedule drafts from, about 1 / tau of them.
-    Every other anchor only needs its matched run, which is all a schedule walk reads (the first miss
-    ends a step), so its slot j is evaluated only where slots < j matched: about 1.6 of 15 slots at the
-    demo's acceptance, and the draft's vocabulary head and the divergence columns over the full
-    vocabulary are most of a replay's time. It is called once per draft pass with the matched runs of
-    the anchors before the pass's end (later rows False), so it must name anchors that earlier rows
-    decide, as a schedule walk does. None: every slot of every anchor (divergence for all of them).
+    ``full_anchors`` names the anchors whose every slot is needed: the ones the recorded schedule drafts
+    from, about 1 / tau of them. Every other anchor only needs its matched run, which is all a schedule walk
+    reads (the first miss ends a step), so its slot j is evaluated only where slots < j matched: about 1.6
+    of 15 slots at the demo's acceptance, and the draft's vocabulary head and the divergence columns over
+    the full vocabulary are most of a replay's time.
+
+    Args:
+        target: the target model (reset before and after its forward).
+        proposer: the draft's proposer, prepared here for ``sequence``.
+        sequence: the prompt, the target's continuation and its tail.
+        k: the block length (slots per anchor), >= 1.
+        temperature: 0 for greedy matching; > 0 also records each slot's acceptance probability.
+        record_divergence: whether to compute the divergence columns of the evaluated anchors.
+        full_anchors: (T = 0 only) given the matched runs so far ([N, k] bool, rows past the current
+            draft pass False), the anchors whose every slot is needed (guesses, and divergence rows with
+            ``record_divergence``); called once per draft pass, so it must name anchors that earlier rows
+            decide, as a schedule walk does. None: every slot of every anchor (divergence for all of them).
+        target_pass: the target pass an earlier call returned for the same sequence; None runs it.
+        max_new_tokens: the request's token budget, for a convention that shrinks the last blocks; None:
+            every block has ``k`` slots.
+        convention: the end-of-request convention whose block lengths are used.
+
+    Returns:
+        (the slot table, the target pass): the pass is (the logits of the output and tail positions
+        [n_out + tail, V], row i predicting output[i + 1]; the tapped features of every position, or None
+        when the proposer taps none).
+
+    Raises:
+        ValueError: when ``full_anchors`` is given with ``temperature`` > 0 (under sampling every slot's
+            acceptance probability is read).
     """
     device = target.device
     known_ids = sequence.output_ids + sequence.tail_ids  # the truth the slots are matched against
@@ -309,10 +372,17 @@ def _host(parts: list[torch.Tensor], empty: np.ndarray) -> np.ndarray:
 
 
 def token_rows(table: SlotTable, steps: list[StepRecord], output_ids: list[int]) -> list[TokenRecord]:
-    """Token records for the drafted slots of ``steps`` whose true token is known (their anchors'
-    divergence rows must have been recorded).
+    """Token records for the drafted slots of ``steps`` whose true token is known.
 
-    ``target_token`` is the target's token on the committed (true) context.
+    Args:
+        table: the slot table the steps were walked from; the divergence rows of the steps' anchors must
+            have been recorded.
+        steps: the steps whose drafted slots are recorded.
+        output_ids: the target's continuation (the true tokens).
+
+    Returns:
+        One record per drafted slot inside the output, step by step; ``target_token`` is the target's
+        token on the committed (true) context.
     """
     n_out = len(output_ids)
     slots: list[tuple[StepRecord, int, int]] = []  # (step, its anchor's output index i, offset j)

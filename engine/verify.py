@@ -18,7 +18,14 @@ import torch
 def greedy_accept(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
     """Temperature 0: accept the longest prefix equal to the target's argmax; the bonus is the argmax after it.
 
-    draft_tokens: [k] long; target_logits: [k + 1, V] (row i scores the token after block[:i + 1]).
+    Args:
+        draft_tokens: [k] long, the drafted tokens.
+        target_logits: [k + 1, V] the target's scores of the verified block; row i scores the token after
+            block[:i + 1] (the block being the last committed token and the drafts).
+
+    Returns:
+        (num_accepted, next_token): the accepted prefix's length 0..k, and the target's argmax after it
+        (the bonus when all k pass, else the replacement of the first rejected draft).
     """
     posterior = target_logits.argmax(dim=-1)  # [k + 1]
     k = draft_tokens.shape[0]
@@ -33,10 +40,21 @@ def rejection_sample(
     draft_probs: torch.Tensor | None,
     generator: torch.Generator | None = None,
 ) -> tuple[int, int]:
-    """Lossless speculative sampling.
+    """Lossless speculative sampling: the emitted tokens are distributed exactly as the target's.
 
-    draft_tokens: [k]; target_probs p: [k + 1, V]; draft_probs q: [k, V], or None for a greedy (one-hot)
-    draft, where min(1, p/q) = p(x) and the residual is p with x zeroed.
+    A greedy draft is the one-hot case, where min(1, p/q) = p(x) and the residual is p with x zeroed.
+
+    Args:
+        draft_tokens: [k] long, the drafted tokens x.
+        target_probs: [k + 1, V] the target's distributions p, row i for draft i, row k for the bonus.
+        draft_probs: [k, V] the distributions q the drafts were sampled from, or None for a greedy
+            (one-hot) draft.
+        generator: the random generator for the uniform draws and the resampling; None uses torch's.
+
+    Returns:
+        (num_accepted, next_token): the accepted prefix's length 0..k, and the bonus token drawn from row
+        k when all pass, else the replacement drawn from the normalised residual max(p - q, 0) of the first
+        rejected slot.
     """
     k = draft_tokens.shape[0]
     rows = torch.arange(k, device=draft_tokens.device)

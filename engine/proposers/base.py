@@ -35,8 +35,21 @@ class TargetNeeds:
 
 
 def required_features(features: torch.Tensor | None, kind: str) -> torch.Tensor:
-    """The target's hidden states a proposer declared in its needs: the loops pass them because the needs name
-    the layers to tap, so None here is a caller that forgot ``taps=proposer.needs.hidden_state_indices``."""
+    """The target's hidden states a proposer declared in its needs, checked present.
+
+    The loops pass them because the needs name the layers to tap, so None here is a caller that forgot
+    ``taps=proposer.needs.hidden_state_indices`` (a programming error, not bad input).
+
+    Args:
+        features: the tapped hidden states the loop passed, or None.
+        kind: the proposer's kind, for the error message.
+
+    Returns:
+        ``features``, unchanged.
+
+    Raises:
+        ValueError: when ``features`` is None.
+    """
     if features is None:
         raise ValueError(
             f"the {kind} proposer got no target hidden states; pass taps=proposer.needs.hidden_state_indices"

@@ -162,13 +162,30 @@ DEFAULT_ENGINE = "vllm"
 
 
 def engine_sides(engine: str, architecture: str | None) -> EngineSides:
-    """What ``engine`` hands an MTP head of a target of ``model_type`` ``architecture``."""
+    """What ``engine`` hands an MTP head of a target, as far as the engine's source says.
+
+    Args:
+        engine: the serving engine's name, e.g. ``"vllm"``.
+        architecture: the target's ``model_type``, or None when unknown.
+
+    Returns:
+        The sides :data:`MTP_ENGINE_SIDES` records for the pair, else :data:`UNVERIFIED_VLLM` (post-norm on
+        both sides, marked unverified).
+    """
     known = MTP_ENGINE_SIDES.get(engine, {})
     return known.get(architecture or "", UNVERIFIED_VLLM)
 
 
 def default_mtp_settings(architecture: str | None, engine: str = DEFAULT_ENGINE) -> MtpSettings:
-    """The sides ``engine`` passes for ``architecture``: the replay's default."""
+    """The sides ``engine`` passes for ``architecture``: the replay's default.
+
+    Args:
+        architecture: the target's ``model_type``, or None when unknown.
+        engine: the serving engine whose sides are taken.
+
+    Returns:
+        MTP settings with the hidden and carried sides of :func:`engine_sides`, everything else default.
+    """
     sides = engine_sides(engine, architecture)
     return MtpSettings(hidden_state=sides.hidden_state, carried_state=sides.carried_state)
 

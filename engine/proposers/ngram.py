@@ -99,7 +99,18 @@ class NgramSettings:
 
 
 def ngram_lookup(context: Sequence[int], k: int, settings: NgramSettings) -> list[int]:
-    """The tokens vLLM's n-gram proposer offers after ``context`` (at most ``k``; empty when it finds no match)."""
+    """The tokens vLLM's n-gram proposer offers after ``context`` (the rule and worked examples: module docstring).
+
+    Args:
+        context: the prompt and every committed output token, the token just sampled included.
+        k: the most tokens to propose; also capped by ``settings.max_model_len - len(context)``.
+        settings: the lookup's n-gram bounds and model length.
+
+    Returns:
+        The tokens that followed the earliest earlier occurrence of the context's longest matching suffix, at
+        most ``k``; empty when no suffix of at least ``prompt_lookup_min`` tokens occurred before (a plain
+        decode step).
+    """
     total = len(context)
     if total < settings.prompt_lookup_min:
         return []

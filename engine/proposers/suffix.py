@@ -213,8 +213,23 @@ class Candidate:
 def candidates(
     tree: SuffixTree, pattern: Sequence[int], settings: SuffixSettings, limit: int | None = None
 ) -> list[Candidate]:
-    """The greedy path of each match length (1 .. len(pattern) - 1, up to the first that does not match),
-    at most ``floor(m * factor + 1e-6)`` tokens (and ``limit``), stopped below ``min_token_prob``."""
+    """Each match length's draft from one tree, computed once so that any budget can pick from them exactly.
+
+    The greedy path follows the most frequent child from the matched node, multiplying ``child count /
+    node count`` into a running float32 probability, and stops before a token whose probability falls
+    below ``min_token_prob``.
+
+    Args:
+        tree: the local or global suffix tree.
+        pattern: the last ``max_tree_depth`` context tokens.
+        settings: the suffix settings (``max_spec_factor``, ``min_token_prob``).
+        limit: the most tokens per draft (the engine's cap by the model length); None for no cap beyond
+            the spec factor's.
+
+    Returns:
+        One candidate per match length m = 1 .. len(pattern) - 1, up to the first m whose last m tokens
+        are not in the tree; each at most ``floor(m * max_spec_factor + 1e-6)`` tokens (and ``limit``).
+    """
     out: list[Candidate] = []
     factor, floor_prob = F32(settings.max_spec_factor), F32(settings.min_token_prob)
     for m in range(1, len(pattern)):
@@ -240,7 +255,16 @@ def candidates(
 
 
 def choose(local: list[Candidate], global_: list[Candidate], budget: int) -> list[int]:
-    """The draft at a budget of ``budget`` tokens: best score per tree (ties to the longer match), local on a tie."""
+    """The draft at a budget of ``budget`` tokens: best score per tree (ties to the longer match), local on a tie.
+
+    Args:
+        local: the local tree's candidates, shortest match first (:func:`candidates`).
+        global_: the global tree's candidates, shortest match first.
+        budget: the most tokens the draft may have (each candidate is cut to it before scoring).
+
+    Returns:
+        The winning candidate's tokens cut to ``budget``; empty when no candidate has a token.
+    """
 
     def best(cands: list[Candidate]) -> tuple[F32, list[int]]:
         score, tokens = F32(0.0), []
