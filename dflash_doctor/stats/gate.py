@@ -150,7 +150,22 @@ def _finite(value: Any) -> float | None:
 def compare_slice(
     cls: str, base: Side, new: Side, k: int, threshold_tau: float, threshold_rate: float
 ) -> list[MetricComparison]:
-    """tau and r_1..r_k of one class in both runs, each with base/new/delta intervals and a verdict."""
+    """tau and r_1..r_k of one class in both runs, each with base/new/delta intervals and the gate's verdict.
+
+    A row regresses only when its drop exceeds the threshold and the two intervals separate (module
+    docstring); a row missing a value or an interval on either side is not gated, and its note says so.
+
+    Args:
+        cls: the class's name, or ``overall``.
+        base: the BASE run's numbers for the class (:data:`NO_SIDE` when the class is not in it).
+        new: the NEW run's numbers for the class.
+        k: the compared draft length: rates are compared at slots 1..k.
+        threshold_tau: the smallest tau drop (tokens per step) that can regress.
+        threshold_rate: the smallest per-slot rate drop (a probability) that can regress.
+
+    Returns:
+        k + 1 rows: tau first, then the rate at each slot 1..k.
+    """
     note = ""
     if base.num_units == 0 or new.num_units == 0:
         note = f"only in {'NEW' if base.num_units == 0 else 'BASE'}: not compared"

@@ -42,12 +42,26 @@ _REQUIRED_STEP_COLUMNS = ("request_id", "class", "k", "num_drafted", "num_accept
 
 
 def tau_from_rates(rates: np.ndarray | list[float]) -> float:
-    """tau = 1 + sum of unconditional per-slot rates r_i (the bonus token is the 1)."""
+    """tau, tokens per draft step, from the unconditional per-slot rates (the bonus token is the 1).
+
+    Args:
+        rates: r_i, the unconditional probability of accepting at least i + 1 tokens, slot by slot.
+
+    Returns:
+        1 + sum of ``rates``.
+    """
     return 1.0 + float(np.sum(np.asarray(rates, dtype=np.float64)))
 
 
 def conditional_rates(rates: np.ndarray | list[float]) -> np.ndarray:
-    """a_i = r_i / r_{i-1} with r_{-1} = 1; NaN where the previous slot was never reached."""
+    """a_i = r_i / r_{i-1} with r_{-1} = 1: slot i's acceptance given it was reached.
+
+    Args:
+        rates: r_i, the unconditional per-slot rates.
+
+    Returns:
+        [len(rates)] float64 conditional rates; NaN where the previous slot was never reached.
+    """
     rates = np.asarray(rates, dtype=np.float64)
     previous = np.concatenate([[1.0], rates[:-1]])
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -58,7 +72,17 @@ def expected_tau_iid(alpha: float, k: int) -> float:
     """Leviathan et al. 2023: tokens per step with i.i.d. acceptance ``alpha`` and ``k`` drafted tokens.
 
     ``(1 - alpha^(k+1)) / (1 - alpha)``, which is ``1 + alpha + ... + alpha^k``: the general
-    ``tau_from_rates`` with r_i = alpha^(i+1). At alpha = 1 every token is accepted: k + 1.
+    ``tau_from_rates`` with r_i = alpha^(i+1).
+
+    Args:
+        alpha: the per-token acceptance probability, in [0, 1].
+        k: drafted tokens per step.
+
+    Returns:
+        The expected tokens per step, between 1 and k + 1 (k + 1 at alpha = 1: every token is accepted).
+
+    Raises:
+        ValueError: when ``alpha`` is outside [0, 1].
     """
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha must be a probability, got {alpha}")
@@ -77,6 +101,16 @@ def truncate_steps(steps: pd.DataFrame, k: int) -> pd.DataFrame:
     depend on K; an estimate for a DFlash draft, whose shorter block changes its own predictions
     (bidirectional attention inside the block). Either way the live schedule at k would visit other
     positions, so rows built this way carry ``estimate = "truncated"`` in a sweep.
+
+    Args:
+        steps: a steps table (``num_drafted``, ``num_accepted``, ``k`` columns among others).
+        k: the smaller draft length, >= 1.
+
+    Returns:
+        A copy of ``steps`` with ``num_drafted``, ``num_accepted`` and ``k`` capped at ``k`` (dtypes kept).
+
+    Raises:
+        ValueError: when ``k`` < 1.
     """
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
@@ -146,9 +180,18 @@ class RequestCounters:
 
 
 def resample_multiplicities(num_units: int, n_boot: int, rng: np.random.Generator):
-    """The request-level bootstrap: yields ``(rows, multiplicity)`` chunks, ``multiplicity[b, r]`` being
-    how often unit r is drawn in resample b (``[rows, R]``). Every bootstrap in the project pools
-    per-request counters through this one generator, so one pooled sum is one matrix product."""
+    """The request-level bootstrap, in chunks: every bootstrap in the project pools per-request counters
+    through this one generator, so one pooled sum is one matrix product.
+
+    Args:
+        num_units: R, the units (requests) resampled with replacement; 0 yields nothing.
+        n_boot: the number of resamples in all.
+        rng: the random generator the draws come from.
+
+    Yields:
+        ``(rows, multiplicity)``: ``rows`` the slice of resample indices in the chunk, ``multiplicity``
+        ``[rows, R]`` how often unit r is drawn in resample b; chunks keep it near 4M cells.
+    """
     if num_units == 0:
         return
     chunk = max(1, _BOOTSTRAP_CELLS_PER_CHUNK // num_units)
@@ -161,7 +204,14 @@ def resample_multiplicities(num_units: int, n_boot: int, rng: np.random.Generato
 
 
 def ratio_of_sums(sums: np.ndarray) -> np.ndarray:
-    """``sums[:, 0] / sums[:, 1]`` per row of ``[R, 2+]`` column sums; NaN where the denominator is 0."""
+    """Each resample's pooled ratio from its column sums: the ``combine`` of :func:`bootstrap_ratio`.
+
+    Args:
+        sums: [B, 2+] per-resample column sums, numerator in column 0, denominator in column 1.
+
+    Returns:
+        [B] ``sums[:, 0] / sums[:, 1]``; NaN where the denominator is 0.
+    """
     with np.errstate(divide="ignore", invalid="ignore"):
         return np.where(sums[:, 1] > 0, sums[:, 0] / np.where(sums[:, 1] > 0, sums[:, 1], 1.0), np.nan)
 
@@ -169,8 +219,19 @@ def ratio_of_sums(sums: np.ndarray) -> np.ndarray:
 def bootstrap_pooled(
     columns: Sequence[np.ndarray], combine: Callable[[np.ndarray], np.ndarray], n_boot: int, rng: np.random.Generator
 ) -> np.ndarray:
-    """``[n_boot]`` resamples over units (requests, the rows of ``columns``) of a pooled figure: ``combine``
-    maps ``[R, C]`` column sums to ``[R]`` figures (:func:`ratio_of_sums`, a ratio of two such ratios...)."""
+    """Resamples over units (requests) of a pooled figure, every resample pooling its units' counters exactly
+    as the point estimate does.
+
+    Args:
+        columns: C per-unit counters, each [R].
+        combine: maps [B, C] column sums of a chunk of resamples to its [B] figures
+            (:func:`ratio_of_sums`, a ratio of two such ratios...).
+        n_boot: the number of resamples.
+        rng: the random generator the resamples are drawn with.
+
+    Returns:
+        [n_boot] the figure of each resample; all NaN when there are no units.
+    """
     counters = np.column_stack([np.asarray(column, dtype=np.float64) for column in columns])
     samples = np.full(n_boot, np.nan)
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -182,14 +243,30 @@ def bootstrap_pooled(
 def bootstrap_ratio(
     numerator: np.ndarray, denominator: np.ndarray, n_boot: int, rng: np.random.Generator
 ) -> np.ndarray:
-    """``[n_boot]`` resamples of the pooled ratio ``sum(numerator) / sum(denominator)`` over units
-    (requests); NaN where a resample's denominator is 0."""
+    """Resamples of the pooled ratio ``sum(numerator) / sum(denominator)`` over units (requests).
+
+    Args:
+        numerator: [R] per-unit numerator counts.
+        denominator: [R] per-unit denominator counts.
+        n_boot: the number of resamples.
+        rng: the random generator the resamples are drawn with.
+
+    Returns:
+        [n_boot] pooled ratios; NaN where a resample's denominator is 0.
+    """
     return bootstrap_pooled([numerator, denominator], ratio_of_sums, n_boot, rng)
 
 
 def interval(samples: np.ndarray) -> np.ndarray:
-    """The one confidence interval: the plain 95% percentile interval of bootstrap resamples along
-    axis 0, ``[2]`` or ``[S, 2]``; NaN where every resample was undefined."""
+    """The one confidence interval: the plain 95% percentile interval of bootstrap resamples.
+
+    Args:
+        samples: [B] or [B, S] resamples along axis 0 (NaN for an undefined resample).
+
+    Returns:
+        ``[2]`` or ``[S, 2]`` (lower, upper) bounds, NaN resamples ignored; NaN where every resample was
+        undefined or there are none.
+    """
     tail = (1.0 - CI_LEVEL) / 2.0
     if samples.shape[0] == 0 or np.isnan(samples).all(axis=0).all():
         shape = (2,) if samples.ndim == 1 else (samples.shape[1], 2)
@@ -201,13 +278,28 @@ def interval(samples: np.ndarray) -> np.ndarray:
 
 
 def summary_group(scope: str) -> str:
-    """The bootstrap group name of a summary scope (``overall`` or a class): it seeds that scope's
-    resamples, so anyone recomputing a scope's interval draws the same resamples."""
+    """The bootstrap group name of a summary scope: it seeds that scope's resamples, so anyone recomputing a
+    scope's interval draws the same resamples.
+
+    Args:
+        scope: ``overall`` or a workload class's name.
+
+    Returns:
+        ``overall`` for the overall scope, ``class:<name>`` for a class.
+    """
     return OVERALL if scope == OVERALL else f"class:{scope}"
 
 
 def group_rng(seed: int, group: str) -> np.random.Generator:
-    """A generator per group that depends on the seed and the group's name, not on the group's order."""
+    """A generator per group that depends on the seed and the group's name, not on the group's order.
+
+    Args:
+        seed: the run's bootstrap seed.
+        group: the group's name (:func:`summary_group`).
+
+    Returns:
+        A numpy generator seeded with the seed and the name's CRC-32.
+    """
     return np.random.default_rng([seed, zlib.crc32(group.encode("utf-8"))])
 
 
@@ -287,15 +379,28 @@ def summarize(
     n_boot: int = NUM_BOOTSTRAP_RESAMPLES,
     seed: int = 0,
 ) -> Summary:
-    """run.json ``summary`` (typed: overall and per class :class:`~dflash_doctor.rundir.run_record.Metrics`)
-    from a steps table.
+    """run.json ``summary`` from a steps table: every number the summary holds comes from here.
 
-    ``requests`` (optional, the requests table) makes the counts exact where steps alone cannot: requests
-    that never reached a step still count in ``num_requests``, and ``num_output_tokens`` is the real
-    output length (the last step of a request may be cut by EOS or max-new-tokens, and the first token
-    may come from prefill); without it output tokens are estimated as accepted + 1 per step.
-    ``num_slots`` fixes the length of the per-position lists (default: the largest K in ``steps``).
-    Undefined ratios (no drafts) are NaN, written as null in run.json.
+    ``requests`` makes the counts exact where steps alone cannot: requests that never reached a step still
+    count in ``num_requests``, and ``num_output_tokens`` is the real output length (the last step of a
+    request may be cut by EOS or max-new-tokens, and the first token may come from prefill).
+
+    Args:
+        steps: the steps table (``request_id``, ``class``, ``k``, ``num_drafted``, ``num_accepted``).
+        requests: the requests table (``request_id``, ``class``, ``num_output_tokens``), or None: output
+            tokens are then estimated as accepted + 1 per step.
+        num_slots: the length of the per-position lists; None: the largest K (or drafted count) in ``steps``.
+        n_boot: bootstrap resamples per interval, >= 1.
+        seed: the bootstrap seed (each scope draws from :func:`group_rng` of it).
+
+    Returns:
+        The typed summary, overall and per class
+        (:class:`~dflash_doctor.rundir.run_record.Metrics`); undefined ratios (no drafts) are NaN, written
+        as null in run.json.
+
+    Raises:
+        ValueError: when ``steps`` lacks a column, has an accepted count outside 0..num_drafted or above
+            ``num_slots``, or ``n_boot`` < 1.
     """
     _check_steps(steps)
     if n_boot < 1:
@@ -329,7 +434,21 @@ def summarize(
 def tau_with_ci(
     steps: pd.DataFrame, *, n_boot: int = NUM_BOOTSTRAP_RESAMPLES, seed: int = 0, group: str = "overall"
 ) -> tuple[float, list[float]]:
-    """Pooled tau and its bootstrap interval over requests, without the rest of the summary (for sweeps)."""
+    """Pooled tau and its bootstrap interval over requests, without the rest of the summary (for sweeps).
+
+    Args:
+        steps: the steps table of one group (``request_id``, ``class``, ``k``, ``num_drafted``,
+            ``num_accepted``).
+        n_boot: bootstrap resamples.
+        seed: the bootstrap seed.
+        group: the group's name, which with ``seed`` picks its resamples (:func:`group_rng`).
+
+    Returns:
+        (tau, [lower, upper]): NaN for tau when no step drafted, NaN bounds when no resample is defined.
+
+    Raises:
+        ValueError: when ``steps`` lacks a column or has an accepted count outside 0..num_drafted.
+    """
     _check_steps(steps)
     request_ids = pd.unique(steps["request_id"].to_numpy())
     counters = RequestCounters(steps, request_ids, _resolve_num_slots(steps, None))

@@ -109,8 +109,18 @@ _WORD_INNER = "'\u2019-"  # apostrophes and hyphens inside words ("'ve", "don't"
 
 
 def categorize(piece: str, text: str, special: bool) -> str:
-    """Category of one token from its tokenizer piece (``convert_ids_to_tokens``), its decoded text and
-    whether the tokenizer marks it special. Pure, so it is tested on hand-written strings."""
+    """Category of one token (a key of :data:`CATEGORIES`). Pure, so it is tested on hand-written strings.
+
+    Args:
+        piece: the tokenizer's piece for the token (``convert_ids_to_tokens``), whose word-start marker
+            (``Ġ``, ``▁``) tells a word start from a continuation.
+        text: the token's decoded text.
+        special: whether the tokenizer marks the token special.
+
+    Returns:
+        ``special``, ``whitespace``, ``number``, ``punctuation``, ``code``, ``word_start``,
+        ``word_continuation`` or ``other``.
+    """
     if special:
         return "special"
     stripped = text.strip()
@@ -134,8 +144,16 @@ def categorize(piece: str, text: str, special: bool) -> str:
 
 
 def special_token_ids(tokenizer: Any) -> frozenset[int]:
-    """Ids the tokenizer itself treats as special: its special tokens and added tokens flagged special
-    (chat-template markers such as ``<|im_start|>`` are added special tokens in most chat models)."""
+    """Ids the tokenizer itself treats as special, so that chat-template markers such as ``<|im_start|>``
+    (added special tokens in most chat models) count as special.
+
+    Args:
+        tokenizer: a transformers tokenizer (read through ``all_special_ids`` and ``added_tokens_decoder``;
+            either may be missing).
+
+    Returns:
+        Its special tokens' ids and those of its added tokens flagged special.
+    """
     ids = set(getattr(tokenizer, "all_special_ids", []) or [])
     for token_id, added in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items():
         if getattr(added, "special", False):

@@ -116,6 +116,18 @@ def deviation_tables(
 
     Request ids are factorised once across the three tables; a token finds its step through an int64
     key ``(request code << 32) + step``, and its request through the code.
+
+    Args:
+        tokens: the run's ``tokens`` table (drafted tokens with their divergence columns and texts).
+        steps: the run's ``steps`` table.
+        requests: the run's ``requests`` table (prompt length, turn, output ids where recorded).
+        rule: the thresholds that make a first rejection a confident miss.
+        teacher_forced: whether the rows come from teacher-forced replay (``check``, ``sweep``), whose rows
+            after a first rejection are on the committed context; False for the live loop (``replay``).
+
+    Returns:
+        The decided tokens (accepted ones and first rejections), the draft steps with their attainable
+        credit, and the run's vocabulary and output ids (:class:`DeviationTables`).
     """
     codes, names = pd.factorize(
         pd.concat([steps["request_id"], tokens["request_id"], requests["request_id"]], ignore_index=True)
@@ -243,22 +255,45 @@ def _credited_tokens(
 
 
 def frame_records(frame: pd.DataFrame) -> list[dict[str, Any]]:
-    """A frame's rows as dicts of plain Python values (numpy scalars unwrapped)."""
+    """A frame's rows as dicts of plain Python values (numpy scalars unwrapped), ready for JSON.
+
+    Args:
+        frame: any data frame.
+
+    Returns:
+        One dict per row, column name -> value.
+    """
     return [
         {str(k): (v.item() if hasattr(v, "item") else v) for k, v in row.items()} for row in frame.to_dict("records")
     ]
 
 
 def class_names(tables: DeviationTables) -> list[str]:
-    """The request classes that drafted, sorted."""
+    """The request classes that drafted, sorted (the ones a view offers).
+
+    Args:
+        tables: one run's deviation tables.
+
+    Returns:
+        The classes of the draft steps, as strings in name order.
+    """
     return sorted(str(c) for c in tables.drafts["class"].unique())
 
 
 def select(
     tables: DeviationTables, classes: Iterable[str] = (), categories: Iterable[str] = ()
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """Decided tokens and drafts of the given classes (all when empty), decided tokens further narrowed
-    to target categories (the dashboard's filters; tau and the bound stay per class)."""
+    """Decided tokens and drafts narrowed to the dashboard's filters; tau and the bound stay per class, so
+    drafts are narrowed by class only.
+
+    Args:
+        tables: one run's deviation tables.
+        classes: request classes to keep; empty keeps all.
+        categories: target-token categories the decided tokens are narrowed to; empty keeps all.
+
+    Returns:
+        (decided tokens, drafts) after the filters.
+    """
     decided, drafts = tables.decided, tables.drafts
     classes, categories = list(classes), list(categories)
     if classes:
@@ -270,9 +305,15 @@ def select(
 
 
 def run_tables(run: Any) -> DeviationTables:
-    """:func:`deviation_tables` of a loaded :class:`~dflash_doctor.rundir.load.Run`, with the confidence
-    thresholds it was configured with. ``check`` and ``sweep`` replay teacher-forced; ``replay`` runs
-    the live loop."""
+    """:func:`deviation_tables` of a loaded run, with the confidence thresholds it was configured with.
+
+    Args:
+        run: a loaded :class:`~dflash_doctor.rundir.load.Run`; its command says how its rows were made
+            (``check`` and ``sweep`` replay teacher-forced; ``replay`` runs the live loop).
+
+    Returns:
+        The run's deviation tables.
+    """
     thresholds = run.record.config.get("thresholds") or {}
     return deviation_tables(
         run.tokens,

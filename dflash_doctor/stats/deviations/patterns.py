@@ -25,8 +25,17 @@ PATTERN_KINDS = {"category": "category", "drafted category": "draft_category"}
 
 
 def pattern_costs(tables: DeviationTables) -> pd.DataFrame:
-    """Lost tokens per draft step of every pattern (:data:`PATTERN_KINDS`), per class and overall: the
-    unit ``compare`` diffs. Per draft step so runs of different sizes compare."""
+    """Lost tokens per draft step of every pattern (:data:`PATTERN_KINDS`), per class and overall: the unit
+    ``compare`` diffs. Per draft step so runs of different sizes compare.
+
+    Args:
+        tables: one run's deviation tables (its decided slots and its drafts).
+
+    Returns:
+        One row per (class, kind, pattern) with lost tokens > 0: ``class`` (or ``overall``), ``kind`` (a
+        key of :data:`PATTERN_KINDS`), ``pattern`` (the category), ``lost_tokens``, ``count`` (first
+        rejections), ``num_drafts`` of the class and ``lost_per_draft``.
+    """
     decided, drafts = tables.decided, tables.drafts
     num_drafts = drafts.groupby("class", observed=True).size()
     num_drafts.index = num_drafts.index.astype(str)
@@ -59,9 +68,21 @@ def grown_patterns(
     min_count: int = GROWTH_MIN_COUNT,
     top_n: int = GROWTH_TOP_N,
 ) -> list[dict[str, Any]]:
-    """Patterns whose lost tokens per draft step grew by at least ``min_growth`` from BASE to NEW and that
-    NEW saw at least ``min_count`` times (a single new pair is chance): at most ``top_n`` per class and
-    kind, classes in name order then overall, largest growth first (e.g. special tokens after a template change)."""
+    """Patterns whose lost tokens per draft step grew from BASE to NEW (e.g. special tokens after a template
+    change): what ``compare`` lists beside its gate, never a regression by itself.
+
+    Args:
+        base: the BASE run's deviation tables.
+        new: the NEW run's deviation tables.
+        min_growth: the smallest growth listed, in lost tokens per draft step.
+        min_count: the fewest first rejections NEW must show of a pattern (a single new pair is chance).
+        top_n: the most patterns listed per class and kind.
+
+    Returns:
+        Records (``class``, ``kind``, ``pattern``, ``lost_per_draft_base``, ``lost_per_draft_new``,
+        ``growth``, ``count_new``): classes in name order then overall, largest growth first within a class
+        and kind.
+    """
     keys = ["class", "kind", "pattern"]
     base_costs = pattern_costs(base).set_index(keys)
     new_costs = pattern_costs(new).set_index(keys)

@@ -162,7 +162,17 @@ def _share(part: float, whole: float) -> float | None:
 
 
 def category_table(decided: pd.DataFrame) -> pd.DataFrame:
-    """Acceptance and lost tokens per target-token category, most lost first."""
+    """Acceptance and lost tokens per target-token category, most lost first: which kind of token costs the
+    draft most.
+
+    Args:
+        decided: decided tokens (:attr:`DeviationTables.decided`, possibly narrowed by :func:`select`).
+
+    Returns:
+        One row per category: ``category``, ``num_decided``, ``num_accepted``, ``num_first_rejections``,
+        ``lost_tokens``, ``acceptance_rate`` and ``share_of_lost`` (NaN when nothing was lost), by lost
+        tokens then decided count, descending.
+    """
     total_lost = decided["lost_tokens"].sum()
     grouped = decided.groupby("category", observed=True).agg(
         num_decided=("accepted", "size"),
@@ -178,9 +188,15 @@ def category_table(decided: pd.DataFrame) -> pd.DataFrame:
 
 
 def pair_table(decided: pd.DataFrame) -> pd.DataFrame:
-    """First-rejection pairs (target token, draft token): count, lost tokens, share, most lost first.
+    """First-rejection pairs (target token, draft token): the exact confusions that cost the most.
 
-    Each row also names its first occurrence (``example_row``, an index into ``decided``).
+    Args:
+        decided: decided tokens (:attr:`DeviationTables.decided`, possibly narrowed).
+
+    Returns:
+        One row per pair: ``target_token``, ``draft_token``, ``count``, ``lost_tokens``, ``num_confident``,
+        ``share_of_lost`` and ``example_row`` (the index in ``decided`` of its first occurrence), most lost
+        first; empty, with those columns, when there is no first rejection.
     """
     rejections = decided[decided["first_rejection"].to_numpy()]
     total_lost = rejections["lost_tokens"].sum()
@@ -211,7 +227,17 @@ def pair_table(decided: pd.DataFrame) -> pd.DataFrame:
 
 
 def binned_acceptance(decided: pd.DataFrame, column: str, edges: tuple[int, ...] | None) -> pd.DataFrame:
-    """Acceptance (accepted / decided) and lost tokens per bin of ``column``; ``edges=None`` groups by value."""
+    """Acceptance (accepted / decided) and lost tokens along one column, e.g. context length or turn.
+
+    Args:
+        decided: decided tokens (:attr:`DeviationTables.decided`, possibly narrowed).
+        column: the column binned, e.g. ``context_tokens``, ``position`` or ``turn``.
+        edges: the bins' lower edges in tokens, ascending (the last bin is open); None groups by value.
+
+    Returns:
+        One row per non-empty bin, in bin order: ``bin`` (its label, or the value), ``num_decided``,
+        ``num_accepted``, ``lost_tokens`` and ``acceptance_rate``.
+    """
     keys = _bin(decided[column], edges) if edges is not None else decided[column]
     grouped = decided.groupby(keys, observed=True).agg(
         num_decided=("accepted", "size"), num_accepted=("accepted", "sum"), lost_tokens=("lost_tokens", "sum")
@@ -222,7 +248,16 @@ def binned_acceptance(decided: pd.DataFrame, column: str, edges: tuple[int, ...]
 
 
 def miss_split(decided: pd.DataFrame, drafts: pd.DataFrame) -> MissSplit:
-    """Confident vs uncertain first rejections, their share of lost tokens, tau and the attainable bound."""
+    """Confident vs uncertain first rejections, their share of lost tokens, tau and the attainable bound: how
+    much training that fixes confident misses could gain.
+
+    Args:
+        decided: decided tokens of the slice.
+        drafts: draft steps of the slice (:attr:`DeviationTables.drafts`), with their credited tokens.
+
+    Returns:
+        The split; tau and the attainable tau are None without drafts, a share None when nothing was lost.
+    """
     rejections = decided[decided["first_rejection"].to_numpy()]
     total_lost = int(rejections["lost_tokens"].sum())
     confident = rejections["confident"].to_numpy()
@@ -249,7 +284,18 @@ def miss_split(decided: pd.DataFrame, drafts: pd.DataFrame) -> MissSplit:
 def slice_summary(
     tables: DeviationTables, decided: pd.DataFrame, drafts: pd.DataFrame, top_n: int = DEFAULT_TOP_N
 ) -> SliceAnalysis:
-    """Every statistic of one slice of ``tables`` (a class, or the whole run)."""
+    """Every statistic of one slice of ``tables`` (a class, or the whole run).
+
+    Args:
+        tables: the run's deviation tables (for token texts and example contexts).
+        decided: the slice's decided tokens.
+        drafts: the slice's draft steps.
+        top_n: the most first-rejection pairs listed.
+
+    Returns:
+        The slice's pairs (each with its first example), categories, acceptance by context length, output
+        position and turn, and the miss split.
+    """
     pairs = pair_table(decided).head(top_n)
     top_pairs = []
     for row in pairs.to_dict("records"):
@@ -294,7 +340,15 @@ def slice_summary(
 
 
 def analyze(tables: DeviationTables, top_n: int = DEFAULT_TOP_N) -> DeviationAnalysis:
-    """The deviation analysis of a run: per class and overall (the report's "Why rejected" section)."""
+    """The deviation analysis of a run: per class and overall (the report's "Why rejected" section).
+
+    Args:
+        tables: the run's deviation tables.
+        top_n: the most first-rejection pairs listed per slice.
+
+    Returns:
+        The definitions, the overall slice and one slice per class that drafted.
+    """
     return DeviationAnalysis(
         definitions=definitions(tables),
         overall=slice_summary(tables, tables.decided, tables.drafts, top_n),
@@ -303,7 +357,16 @@ def analyze(tables: DeviationTables, top_n: int = DEFAULT_TOP_N) -> DeviationAna
 
 
 def definitions(tables: DeviationTables) -> Definitions:
-    """How each figure is computed for this run's confidence rule and rows."""
+    """How each figure is computed for this run's confidence rule and rows, so that every view states the
+    same definitions.
+
+    Args:
+        tables: the run's deviation tables (their rule, whether a margin was recorded, whether the rows are
+            teacher-forced).
+
+    Returns:
+        The definitions' texts and the thresholds in force (the margin's None when the run recorded none).
+    """
     return Definitions(
         lost_tokens="drafted tokens a step threw away at its first rejection: num_drafted - num_accepted",
         acceptance_rate="accepted / decided, where decided = accepted or first rejection",
@@ -332,5 +395,13 @@ def definitions(tables: DeviationTables) -> Definitions:
 
 
 def analyze_run(run: Any, top_n: int = DEFAULT_TOP_N) -> DeviationAnalysis:
-    """:func:`analyze` of a loaded run (all three tables loaded)."""
+    """:func:`analyze` of a loaded run.
+
+    Args:
+        run: a loaded :class:`~dflash_doctor.rundir.load.Run` with all three tables loaded.
+        top_n: the most first-rejection pairs listed per slice.
+
+    Returns:
+        The run's deviation analysis.
+    """
     return analyze(run_tables(run), top_n)
