@@ -3,10 +3,13 @@
 The K advice and a head-to-head's verdict are ratios of step times (docs/definitions.md#net-speedup). They are timed here
 in interleaved rounds until each median is known within 5% or the time budget runs out
 (:mod:`dflash_doctor.stats.step_costs`), then fitted under the physics of a forward pass: verifying more
-tokens never costs less, and no verify costs less than a decode. A timing whose raw medians break that
-order beyond their own intervals even after a re-timing was taken on a machine too busy to price on:
-the check warns and the recommendation gives no advice (``[checks.timing] fail_on_violation = true``
-makes it fail, for a CI lane whose runner is meant to be quiet). A median still looser than the target when
+tokens never costs less, and no verify costs less than a decode. Raw medians that break that order beyond
+their own intervals are re-timed once. If the re-timing breaks it again on its own samples, the kernels
+of this machine really run that shape faster (a CPU GEMM may do 16 rows in less time than 9): the check
+warns, names the pair, and the advice on the Ks whose costs the fit pooled is marked uncertain. If only the
+pooled samples still break it, the two timings disagree - the machine changed under the measurement - and
+the recommendation gives no advice: the check warns (``[checks.timing] fail_on_violation = true`` makes it
+fail, for a CI lane whose runner is meant to be quiet). A median still looser than the target when
 the budget ran out is worth knowing (the intervals carry it) but changes nothing by itself.
 """
 
@@ -42,14 +45,26 @@ class TimingCheck(Check):
         if not isinstance(spread, dict):
             return skipped(self.id, "the run's costs carry no spread (timed before intervals were kept)")
         severity = "fail" if self.fail_on_violation else "warn"
+        retimed = ", ".join(spread.get("retimed") or []) or "nothing"
         findings = [
             Finding(
                 severity,
-                f"the step timings break the cost model: {violation}; the K advice is withheld",
-                evidence=f"re-timed {', '.join(spread.get('retimed') or []) or 'nothing'} once; raw samples in costs.parquet",
+                f"the step timings changed while they were taken: {violation}; the K advice is withheld",
+                evidence=f"re-timed {retimed} once; raw samples in costs.parquet",
                 fix="rerun on a quiet machine, give the timing more time (--timing-budget) or price with --cost-profile",
             )
             for violation in spread.get("violations") or []
+        ]
+        ks = ", ".join(map(str, spread.get("shape_effect_ks") or []))
+        findings += [
+            Finding(
+                "warn",
+                f"this machine's kernels break the cost model's order: {effect}; "
+                f"the costs of K {ks} are pooled and advice on them is marked uncertain",
+                evidence=f"re-timed {retimed} once and the break held; raw samples in costs.parquet",
+                fix="price with a --cost-profile measured on the serving hardware, whose kernels are the ones that count",
+            )
+            for effect in spread.get("shape_effects") or []
         ]
         target = float(spread.get("target_relative_half_width", 0.05))
         loose = {name: width for name, width in _half_widths(spread).items() if not width <= target}
@@ -63,7 +78,11 @@ class TimingCheck(Check):
                     "the speedup intervals carry it",
                 )
             )
-        metrics = {"half_widths": _half_widths(spread), "violations": list(spread.get("violations") or [])}
+        metrics = {
+            "half_widths": _half_widths(spread),
+            "violations": list(spread.get("violations") or []),
+            "shape_effects": list(spread.get("shape_effects") or []),
+        }
         return CheckResult.from_findings(self.id, findings, metrics, "step costs obey the physics within their noise")
 
 

@@ -353,6 +353,8 @@ def recommend(
     *,
     replicates: Mapping[str, Mapping[int, np.ndarray]] | None = None,
     timing_violations: Sequence[str] = (),
+    shape_effects: Sequence[str] = (),
+    shape_effect_ks: Iterable[int] = (),
     conservative_share: float = 0.95,
     strict_classes: Iterable[str] = (),
     strict_max_k: int = 4,
@@ -369,8 +371,11 @@ def recommend(
       fewer wasted verify tokens and less exposure if acceptance drops, for almost the same gain.
     * Strict classes (they must never risk a slowdown) only consider K <= ``strict_max_k``, rank each K by
       the low end of its speedup interval, and speculate only when that low end reaches 1.
-    * ``timing_violations``: the step timings broke the cost model's physics even after a re-timing
-      (:mod:`dflash_doctor.stats.step_costs`); no advice is given on them.
+    * ``timing_violations``: the step timings broke the cost model's physics and the re-timing disagreed
+      with the first timing (:mod:`dflash_doctor.stats.step_costs`); no advice is given on them.
+    * ``shape_effects`` / ``shape_effect_ks``: breaks the re-timing reproduced (this machine's kernels price
+      those shapes out of order); the fit pools those costs, so a best K among ``shape_effect_ks`` is at
+      most ``uncertain`` and the reason names the effect.
 
     A row without a speedup interval (a sweep written before intervals) takes tau's: at fixed costs the
     speedup is proportional to tau.
@@ -385,6 +390,7 @@ def recommend(
             rows,
             (replicates or {}).get(name),
             tuple(timing_violations),
+            _ShapeEffects(tuple(shape_effects), frozenset(shape_effect_ks)),
             conservative_share,
             strict_max_k if name in strict else None,
         )
@@ -475,10 +481,25 @@ def k_range_text(ks: Sequence[int]) -> str:
     return "K " + ", ".join(map(str, ks))
 
 
+@dataclass(frozen=True)
+class _ShapeEffects:
+    """Reproduced breaks of the cost model's order (sentences) and the Ks whose pooled costs they touch."""
+
+    sentences: tuple[str, ...]
+    ks: frozenset[int]
+
+    def doubt(self, k: int) -> str:
+        """The reason's clause for advice on ``k``: empty unless a shape effect pooled its costs."""
+        if k not in self.ks or not self.sentences:
+            return ""
+        return f"; its costs are pooled with a neighbour's because {self.sentences[0]}"
+
+
 def _recommend_one(
     rows: Sequence[SweepRow],
     replicates: Mapping[int, np.ndarray] | None,
     violations: tuple[str, ...],
+    shape_effects: _ShapeEffects,
     share: float,
     strict_max_k: int | None,
 ) -> Recommendation:
@@ -496,7 +517,7 @@ def _recommend_one(
             conservative_k=0,
             speedup=None,
             confidence="unreliable",
-            reason=f"No advice: the step timings broke the cost model beyond their noise ({violations[0]}); "
+            reason=f"No advice: the step timings changed while they were taken ({violations[0]}); "
             "rerun on a quiet machine, give the timing more time (--timing-budget) or price with "
             "--cost-profile.",
         )
@@ -533,13 +554,15 @@ def _recommend_one(
         tail = f"K={conservative.k} keeps {score(conservative) / best_score:.0%} of it at {_point_speedup(conservative):.2f}x"
     noise = f"; {k_range_text(noise_ks)} within the noise" if len(noise_ks) > 1 else ""
     doubt = "" if pays else "; it may not pay: its interval includes plain decoding's 1.0x"
+    pooled = shape_effects.doubt(best.k)
+    doubt += pooled
     return Recommendation(
         k=int(best.k),
         conservative_k=int(conservative.k),
         speedup=float(_point_speedup(best)),
         speedup_ci=ci,
         ks_within_noise=noise_ks,
-        confidence="clear" if pays else "uncertain",
+        confidence="clear" if pays and not pooled else "uncertain",
         reason=f"K={best.k} is the best at {described}{noise}{doubt}; {tail}{note}.",
     )
 
