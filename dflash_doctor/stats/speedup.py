@@ -47,11 +47,19 @@ ESTIMATES = ("exact", "truncated")
 
 
 def leviathan_speedup(alpha: float, k: int, c: float) -> float:
-    """Leviathan et al. 2023 walltime speedup with i.i.d. acceptance ``alpha``, K drafted tokens, cost ratio c.
+    """Leviathan et al. 2023 walltime speedup with i.i.d. acceptance: the textbook figure beside the measured one.
 
-    ``(1 - alpha^(k+1)) / ((1 - alpha)(k c + 1))`` with c = draft step / target step. It is the general
-    form with t_draft(K) = K c t_decode and t_verify(K) = t_decode (verifying K + 1 tokens costs one
-    decode step), which holds only while verification stays memory-bound.
+    ``(1 - alpha^(k+1)) / ((1 - alpha)(k c + 1))`` is the general form with t_draft(K) = K c t_decode and
+    t_verify(K) = t_decode (verifying K + 1 tokens costs one decode step), which holds only while
+    verification stays memory-bound.
+
+    Args:
+        alpha: the chance each draft token is accepted, in [0, 1].
+        k: draft tokens per step, >= 1.
+        c: one draft step's cost over one target decode step.
+
+    Returns:
+        The speedup over plain decoding (1.0 = as fast).
     """
     return expected_tau_iid(alpha, k) / (k * c + 1.0)
 
@@ -76,7 +84,16 @@ def load_cost_profile(path: Path | str) -> StepCosts:
 
     ``t_verify_s`` and ``t_draft_s`` are each a number or a ``K -> seconds`` table. ``notes`` is free
     text; ``source`` and ``spread`` (the timing's spread, :mod:`dflash_doctor.stats.step_costs`) are accepted
-    and ignored, so the ``summary.sweep.costs`` block of a run.json is a valid JSON profile. Anything else (a typo, a missing field, a negative time) is a UsageError.
+    and ignored, so the ``summary.sweep.costs`` block of a run.json is a valid JSON profile.
+
+    Args:
+        path: the profile file, ``.toml`` or ``.json``.
+
+    Returns:
+        The step costs, ``source`` "profile", taken as exact.
+
+    Raises:
+        UsageError: the file is missing or unreadable, or holds a typo, a missing field or a negative time.
     """
     path = Path(path)
     if not path.is_file():
@@ -162,7 +179,19 @@ def sweep_row(
     estimate: str,
     speedup_ci: Sequence[float | None] = (None, None),
 ) -> SweepRow:
-    """One row of run.json ``summary.sweep``; ``estimate`` says whether tau came from a run at this K."""
+    """One row of run.json ``summary.sweep``, its floats made plain for JSON.
+
+    Args:
+        k: draft tokens per step.
+        tau: mean acceptance length (vLLM's, per drafted step).
+        tau_ci: tau's 95% interval ``[low, high]``.
+        speedup: net speedup over plain decoding at this K.
+        estimate: ``"exact"`` when tau came from a run at this K, ``"truncated"`` when cut down from a larger K.
+        speedup_ci: the speedup's 95% interval ``[low, high]`` (None where not known).
+
+    Returns:
+        The sweep row.
+    """
     if estimate not in ESTIMATES:
         raise ValueError(f"estimate must be one of {ESTIMATES}, got {estimate!r}")
     return SweepRow(
@@ -186,9 +215,17 @@ class PricedSweep:
 
 
 def conversation_ids(request_ids: np.ndarray) -> np.ndarray:
-    """The bootstrap's unit: the conversation a turn belongs to (``<id>#t<turn>`` -> ``<id>``). The turns of
-    one conversation share its prompt and its history, so resampling them as separate requests would narrow
-    every interval with draws that are not independent."""
+    """The bootstrap's unit: the conversation a turn belongs to.
+
+    The turns of one conversation share its prompt and its history, so resampling them as separate requests
+    would narrow every interval with draws that are not independent.
+
+    Args:
+        request_ids: request ids of steps, ``<id>#t<turn>`` for a later turn.
+
+    Returns:
+        The conversation id of each (``<id>``), same shape.
+    """
     return np.array([str(r).split("#t", 1)[0] for r in request_ids], dtype=object)
 
 
@@ -276,11 +313,26 @@ class UnitSteps:
 
 
 def max_drafted(frames: Iterable[pd.DataFrame]) -> int:
+    """The widest draft any step made: the Ks a timing must price.
+
+    Args:
+        frames: steps tables (``num_drafted`` per step).
+
+    Returns:
+        The largest ``num_drafted``, 0 when no step drafted.
+    """
     return max([int(f["num_drafted"].max()) for f in frames if len(f)] + [0])
 
 
 def units_of(frames: Iterable[pd.DataFrame]) -> pd.Index:
-    """The bootstrap units (conversations) of some steps, in order of appearance."""
+    """The bootstrap units (conversations) of some steps, in order of appearance.
+
+    Args:
+        frames: steps tables (``request_id`` per step).
+
+    Returns:
+        The distinct conversation ids.
+    """
     return pd.Index(pd.unique(np.concatenate([conversation_ids(f["request_id"].to_numpy()) for f in frames])))
 
 
@@ -293,15 +345,23 @@ def build_sweep(
     n_boot: int = NUM_BOOTSTRAP_RESAMPLES,
     seed: int = 0,
 ) -> PricedSweep:
-    """run.json ``summary.sweep``: tau with its interval and speedup with its interval per K, overall and per class.
+    """run.json ``summary.sweep``: tau and speedup with their intervals per K, overall and per class.
 
-    ``steps_by_k[K]`` holds the steps of a run (live or teacher-forced) at K drafted tokens;
-    ``estimate_by_k[K]`` is ``"exact"`` when they are the steps a live run at K takes, ``"truncated"``
-    when they were cut down from a larger K (:func:`dflash_doctor.stats.metrics.truncate_steps`).
     tau is vLLM's (per drafted step); the speedup prices every step by what it drafted (:class:`StepPrices`).
-    ``costs`` prices the points; ``cost_samples`` (the raw timings ``costs`` was fitted from) puts the
-    timing's noise into the speedup intervals: each resample pairs one draw of conversations with one
-    refit of the costs from resampled timings. Without samples the costs are taken as exact.
+    Each resample pairs one draw of conversations with one refit of the costs from resampled timings, so the
+    intervals carry both the requests' and the timing's noise.
+
+    Args:
+        steps_by_k: per K, the steps of a run (live or teacher-forced) at K drafted tokens.
+        costs: the step costs that price the points.
+        estimate_by_k: per K, ``"exact"`` when its steps are the ones a live run at K takes, ``"truncated"``
+            when they were cut down from a larger K (:func:`dflash_doctor.stats.metrics.truncate_steps`).
+        cost_samples: the raw timings ``costs`` was fitted from; None takes the costs as exact.
+        n_boot: bootstrap resamples.
+        seed: seeds the resamples.
+
+    Returns:
+        The sweep and, per scope, the speedup replicates of every K (the paired draws :func:`recommend` compares).
     """
     missing = sorted(set(steps_by_k) - set(estimate_by_k))
     if missing:
@@ -359,26 +419,36 @@ def recommend(
     strict_classes: Iterable[str] = (),
     strict_max_k: int = 4,
 ) -> dict[str, Recommendation]:
-    """run.json ``recommendation``: per scope (overall and each class; ``Sweep.scopes()``), the K to serve, a conservative K, the speedup and why.
+    """run.json ``recommendation``: per scope, the K to serve, a conservative K, the speedup and why.
 
     * ``k``: the K with the best point speedup (the smaller K on a tie), named with the interval of its
       speedup (:class:`dflash_doctor.rundir.run_record.Recommendation` says how ``confidence`` follows from
       it); 0 (speculation off) when the interval lies below 1.
-    * ``ks_within_noise``: the Ks whose speedup the measurement cannot tell from the best (``replicates``:
-      the paired bootstrap of :func:`build_sweep`; without them, the Ks whose interval reaches the best
-      point speedup).
+    * ``ks_within_noise``: the Ks whose speedup the measurement cannot tell from the best.
     * ``conservative_k``: the smallest K whose speedup is within ``conservative_share`` of the best:
       fewer wasted verify tokens and less exposure if acceptance drops, for almost the same gain.
     * Strict classes (they must never risk a slowdown) only consider K <= ``strict_max_k``, rank each K by
       the low end of its speedup interval, and speculate only when that low end reaches 1.
-    * ``timing_violations``: the step timings broke the cost model's physics and the re-timing disagreed
-      with the first timing (:mod:`dflash_doctor.stats.step_costs`); no advice is given on them.
-    * ``shape_effects`` / ``shape_effect_ks``: breaks the re-timing reproduced (this machine's kernels price
-      those shapes out of order); the fit pools those costs, so a best K among ``shape_effect_ks`` is at
-      most ``uncertain`` and the reason names the effect.
 
     A row without a speedup interval (a sweep written before intervals) takes tau's: at fixed costs the
     speedup is proportional to tau.
+
+    Args:
+        sweep_rows_by_scope: the sweep's rows per scope (overall and each class; ``Sweep.scopes()``).
+        replicates: per scope and K, the paired bootstrap speedups of :func:`build_sweep`; without them, the Ks
+            within noise are those whose interval reaches the best point speedup.
+        timing_violations: breaks of the cost model's physics the first timing and the re-timing disagreed
+            on (:mod:`dflash_doctor.stats.step_costs`); no advice is given on them.
+        shape_effects: breaks the re-timing reproduced (this machine's kernels price those shapes out of
+            order); the fit pooled those costs.
+        shape_effect_ks: the Ks whose costs a shape effect pooled; a best K among them is at most
+            ``uncertain`` and the reason names the effect.
+        conservative_share: the share of the best speedup the conservative K keeps, in (0, 1].
+        strict_classes: the classes judged at the low end of their intervals.
+        strict_max_k: the largest K a strict class may take, >= 1.
+
+    Returns:
+        Per scope, the recommendation.
     """
     if not 0.0 < conservative_share <= 1.0:
         raise ValueError(f"conservative_share must be in (0, 1], got {conservative_share}")
@@ -399,7 +469,14 @@ def recommend(
 
 
 def speedup_interval(row: SweepRow) -> tuple[float, float] | None:
-    """The row's speedup interval (tau's scaled when the row has none); None when neither is known."""
+    """A row's speedup interval, tau's scaled when the row has none (a sweep written before intervals).
+
+    Args:
+        row: one sweep row.
+
+    Returns:
+        ``(low, high)``, or None when neither interval is known.
+    """
     speedup = _point_speedup(row)
     low, high = (row.speedup_ci or [None, None])[:2]
     if low is not None and high is not None and math.isfinite(low) and math.isfinite(high):
@@ -433,30 +510,61 @@ def _is_priced(row: SweepRow) -> bool:
 
 
 def priced_speedups(rows: Iterable[SweepRow]) -> dict[int, float]:
-    """``{K: speedup}`` of the sweep rows that were priced (a finite speedup at K >= 1), in K order."""
+    """The speedups the advice may choose from: rows priced at a finite speedup and K >= 1.
+
+    Args:
+        rows: sweep rows of one scope.
+
+    Returns:
+        ``{K: speedup}`` in K order.
+    """
     return {row.k: _point_speedup(row) for row in sorted(rows, key=lambda row: row.k) if _is_priced(row)}
 
 
 def best_speedup(speedups: Mapping[int, float]) -> tuple[int, float]:
-    """``(K, speedup)`` with the highest speedup of a non-empty ``{K: speedup}``, the smallest K on a tie
-    (fewer wasted verify tokens for the same gain)."""
+    """The best K of some priced speedups, the smallest K on a tie (fewer wasted verify tokens for the same gain).
+
+    Args:
+        speedups: ``{K: speedup}``, not empty.
+
+    Returns:
+        ``(K, speedup)`` of the best.
+    """
     k = max(sorted(speedups), key=speedups.__getitem__)
     return k, speedups[k]
 
 
 def k_that_pays(best: tuple[int, float], floor: float = 1.0) -> int:
-    """The best K when its speedup reaches ``floor`` (plain decoding runs at 1.0x), else 0: speculation off.
+    """The best K when its speedup reaches ``floor``, else 0: speculation off.
 
     The one rule behind run.json's ``recommendation``, the speculative-k check's suggested K and watch's
-    fallback advice, so the three never name different Ks for the same prices."""
+    fallback advice, so the three never name different Ks for the same prices.
+
+    Args:
+        best: ``(K, speedup)`` of the best K.
+        floor: the speedup the K must reach (plain decoding runs at 1.0x).
+
+    Returns:
+        The K to serve, 0 for speculation off.
+    """
     k, speedup = best
     return k if speedup >= floor else 0
 
 
 def within_noise(best_k: int, candidates: Sequence[SweepRow], replicates: Mapping[int, np.ndarray] | None) -> list[int]:
-    """The Ks (the best among them) whose speedup cannot be told from the best K's: the 95% interval of the
-    paired ratio speedup(K) / speedup(best) reaches 1; without replicates, the K's interval reaches the
-    best point speedup."""
+    """The Ks whose speedup the measurement cannot tell from the best K's.
+
+    A K is within the noise when the 95% interval of the paired ratio speedup(K) / speedup(best) reaches 1;
+    without replicates, when the K's own interval reaches the best point speedup.
+
+    Args:
+        best_k: the best K, one of ``candidates``.
+        candidates: the priced sweep rows of one scope.
+        replicates: per K, the paired bootstrap speedups; None when the sweep has none.
+
+    Returns:
+        The Ks within the noise, the best among them, in the candidates' order.
+    """
     best = next(row for row in candidates if row.k == best_k)
     ks = []
     for row in candidates:
@@ -474,7 +582,14 @@ def within_noise(best_k: int, candidates: Sequence[SweepRow], replicates: Mappin
 
 
 def k_range_text(ks: Sequence[int]) -> str:
-    """``K 2-8`` for consecutive Ks, ``K 2, 4, 8`` otherwise (the Ks a measurement cannot tell apart)."""
+    """The Ks a measurement cannot tell apart, worded for a reason.
+
+    Args:
+        ks: the Ks, in any order.
+
+    Returns:
+        ``K 2-8`` for three or more consecutive Ks, ``K 2, 4, 8`` otherwise.
+    """
     ks = sorted(ks)
     if len(ks) > 2 and ks == list(range(ks[0], ks[-1] + 1)):
         return f"K {ks[0]}-{ks[-1]}"

@@ -48,11 +48,18 @@ _Z95 = 1.959964
 
 
 def median_interval(values: Sequence[float] | np.ndarray) -> tuple[float, float, float]:
-    """``(median, low, high)``: the distribution-free 95% interval of a median from order statistics.
+    """The median and its distribution-free 95% interval, from order statistics.
 
     Step times are skewed (a preempted repeat is 10x the others), so no normal approximation: the
     interval is the pair of order statistics whose ranks a Binomial(n, 1/2) brackets with 95%. With fewer
-    than :data:`MIN_ROUNDS` samples no such pair exists and the interval is the whole range."""
+    than :data:`MIN_ROUNDS` samples no such pair exists and the interval is the whole range.
+
+    Args:
+        values: the samples of one step kind, seconds, in any order.
+
+    Returns:
+        ``(median, low, high)``; all NaN for no samples.
+    """
     x = np.sort(np.asarray(values, dtype=np.float64))
     n = len(x)
     if n == 0:
@@ -67,7 +74,14 @@ def median_interval(values: Sequence[float] | np.ndarray) -> tuple[float, float,
 
 
 def relative_half_width(values: Sequence[float] | np.ndarray) -> float:
-    """Half the width of the median's 95% interval over the median (inf when it cannot be told)."""
+    """How tightly a median is known: the stopping rule of :func:`time_steps` and the spread a report prints.
+
+    Args:
+        values: the samples of one step kind, seconds.
+
+    Returns:
+        Half the width of the median's 95% interval over the median; inf when the median is not positive.
+    """
     median, low, high = median_interval(values)
     return (high - low) / 2.0 / median if median > 0 else math.inf
 
@@ -162,9 +176,24 @@ def time_steps(
     """Interleaved rounds of every step until each median is known within ``target`` or ``budget_s`` is spent.
 
     Each round runs the kinds still short of ``target`` (every kind for the first ``min_rounds``) once, in
-    a fresh seeded random order; ``sync`` is called before starting and after stopping each clock (CUDA
-    kernels run asynchronously). The budget is checked between rounds, so at least ``min_rounds`` rounds
-    run whatever it says."""
+    a fresh seeded random order, so a busy spell of the machine spreads over every kind instead of landing
+    on one. The budget is checked between rounds, so at least ``min_rounds`` rounds run whatever it says.
+
+    Args:
+        steps: per step kind, a closure doing one step's work and nothing else.
+        budget_s: seconds of timing after which no new round starts.
+        sync: called before starting and after stopping each clock (CUDA kernels run asynchronously);
+            None on a CPU.
+        clock: seconds, monotonic (a fake one in tests).
+        target: the relative half-width of a median's 95% interval that counts as tight (0 times until the
+            budget is spent).
+        min_rounds: rounds every kind runs whatever the budget says.
+        max_rounds: the most rounds, whatever the budget and the spread.
+        seed: seeds the order of each round.
+
+    Returns:
+        Per step kind, the seconds of each timed call, in the order taken.
+    """
     rng = np.random.default_rng(seed)
     synchronize = sync or (lambda: None)
     samples: dict[StepKey, list[float]] = {key: [] for key in steps}
@@ -201,14 +230,30 @@ def measure_step_samples(
     clock: Callable[[], float] = time.perf_counter,
     seed: int = 0,
 ) -> CostSamples:
-    """Time decode, verify at each K and draft at each K with closures over real models (each does one
-    step's work and nothing else); re-time once what breaks the physics beyond its noise.
+    """Time decode, verify at each K and draft at each K; re-time once what breaks the physics beyond its noise.
 
     Warm-up runs absorb one-off costs (allocator growth, autotuning, lazy init). A re-timing gets half
     the budget again and runs only the kinds a break names, interleaved as before. A break its own
     samples show again is a ``shape_effects`` entry (the kernels' order, priced pooled); one that only
     the pooled samples still show is a ``violations`` entry (the timings disagree: the ``timing`` check
-    and the advice read both)."""
+    and the advice read both).
+
+    Args:
+        decode_step: one plain decode step of the target (one token).
+        verify_step: one verify forward of 1 + K tokens, given K.
+        draft_step: one draft of K tokens, given K.
+        ks: the draft lengths to price, each >= 1.
+        flat_draft: True for a block drafter (one cost whatever K), False for an autoregressive one.
+        budget_s: seconds for the first timing; a re-timing gets half of it again.
+        warmup: untimed calls of every step before the timing.
+        sync: device synchronisation around each timed call (CUDA); None on a CPU.
+        device: the device name kept with the samples.
+        clock: seconds, monotonic (a fake one in tests).
+        seed: seeds the order of the rounds (the re-timing uses ``seed + 1``).
+
+    Returns:
+        The samples of both timings, with the kinds re-timed, the shape effects and the violations.
+    """
     ks = sorted(set(int(k) for k in ks))
     if not ks or ks[0] < 1:
         raise ValueError(f"ks must hold integers >= 1, got {ks}")
@@ -286,7 +331,14 @@ def _violating_pairs(samples: CostSamples) -> list[tuple[StepKey, StepKey]]:
 
 
 def physics_violations(samples: CostSamples) -> list[str]:
-    """One sentence per pair of step kinds whose timed medians break the physics beyond their noise."""
+    """The breaks of the cost model's order in one timing, worded for a finding.
+
+    Args:
+        samples: one timing's samples.
+
+    Returns:
+        One sentence per pair of step kinds whose medians break the physics beyond both 95% intervals.
+    """
     return [_break_sentence(samples, pair) for pair in _violating_pairs(samples)]
 
 
@@ -306,8 +358,17 @@ def _describe(key: StepKey) -> str:
 
 
 def isotonic(values: Sequence[float], weights: Sequence[float]) -> np.ndarray:
-    """Weighted least-squares non-decreasing fit (pool adjacent violators): a falling pair is replaced by
-    its weighted mean, so the more precise measurement moves least."""
+    """Weighted least-squares non-decreasing fit (pool adjacent violators).
+
+    A falling pair is replaced by its weighted mean, so the more precise measurement moves least.
+
+    Args:
+        values: the points in the order the fit must not fall along.
+        weights: each point's weight (its precision), > 0.
+
+    Returns:
+        The fitted values, one per point, non-decreasing.
+    """
     blocks: list[tuple[float, float, int]] = []  # (weighted mean, weight, count)
     for value, weight in zip(values, weights):
         blocks.append((float(value), float(weight), 1))
@@ -328,8 +389,20 @@ def _precision(values: Sequence[float]) -> float:
 def fit_step_costs(
     medians: Mapping[StepKey, float], precisions: Mapping[StepKey, float], *, flat_draft: bool, device: str
 ) -> StepCosts:
-    """The physical cost model through the medians: target forwards non-decreasing in tokens, the draft flat
-    in K (block drafter) or non-decreasing in K; each median weighted by its precision."""
+    """The physical cost model through the medians, each weighted by its precision.
+
+    Target forwards are non-decreasing in tokens (decode, then verify of 1 + K); the draft is one cost whatever
+    K for a block drafter, non-decreasing in K for an autoregressive one.
+
+    Args:
+        medians: per step kind, the median seconds.
+        precisions: per step kind, 1 / variance of its median (:func:`_precision`).
+        flat_draft: True for a block drafter.
+        device: the device name the costs were timed on.
+
+    Returns:
+        The fitted step costs (``source`` "measured").
+    """
     verify_ks = sorted(k for kind, k in medians if kind == "verify")
     draft_ks = sorted(k for kind, k in medians if kind == "draft")
     target_keys = [DECODE, *(("verify", k) for k in verify_ks)]
@@ -352,7 +425,14 @@ def fit_step_costs(
 
 
 def fitted_costs(samples: CostSamples) -> StepCosts:
-    """:func:`fit_step_costs` through the samples' medians."""
+    """:func:`fit_step_costs` through a timing's medians: the point costs every speedup is priced with.
+
+    Args:
+        samples: one timing's samples.
+
+    Returns:
+        The fitted step costs.
+    """
     medians = {key: float(np.median(values)) for key, values in samples.seconds.items()}
     precisions = {key: _precision(values) for key, values in samples.seconds.items()}
     return fit_step_costs(medians, precisions, flat_draft=samples.flat_draft, device=samples.device)
@@ -361,7 +441,16 @@ def fitted_costs(samples: CostSamples) -> StepCosts:
 def resampled_medians(
     seconds: Mapping[StepKey, Sequence[float]], n_boot: int, rng: np.random.Generator
 ) -> dict[StepKey, np.ndarray]:
-    """``{kind: medians [n_boot]}``: each kind's samples drawn with replacement ``n_boot`` times."""
+    """The medians of bootstrap resamples of each step kind: the timing's share of a speedup interval.
+
+    Args:
+        seconds: per step kind, its samples.
+        n_boot: resamples per kind.
+        rng: the random generator the resamples draw from.
+
+    Returns:
+        Per step kind, an array of ``n_boot`` medians.
+    """
     medians = {}
     for key, values in sorted(seconds.items()):
         data = np.asarray(values, dtype=np.float64)
@@ -372,11 +461,20 @@ def resampled_medians(
 def cost_replicates(
     samples: CostSamples, n_boot: int, rng: np.random.Generator, *, shared: Mapping[StepKey, np.ndarray] | None = None
 ) -> list[StepCosts]:
-    """The timing bootstrap: ``n_boot`` cost models, each fitted through the medians of every kind's samples
-    resampled with replacement (precisions kept from the full sample: they weight, not price).
+    """The timing bootstrap: cost models fitted through resampled medians.
 
-    ``shared``: resampled medians to use for those kinds instead of drawing (a head-to-head prices every
-    speculator with one draw of the target's decode and verify times, so their ratio is paired)."""
+    Precisions are kept from the full sample: they weight the fit, they do not price.
+
+    Args:
+        samples: one timing's samples.
+        n_boot: cost models to fit.
+        rng: the random generator the resamples draw from.
+        shared: resampled medians to use for those kinds instead of drawing (a head-to-head prices every
+            speculator with one draw of the target's decode and verify times, so their ratio is paired).
+
+    Returns:
+        ``n_boot`` fitted step costs, one per resample.
+    """
     precisions = {key: _precision(values) for key, values in samples.seconds.items()}
     own = {key: values for key, values in samples.seconds.items() if shared is None or key not in shared}
     medians = {**resampled_medians(own, n_boot, rng), **(shared or {})}
