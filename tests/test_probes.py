@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from dflash_doctor.inputs.config import build_config
+from dflash_doctor.engine.kernels import kernel_paths
 from dflash_doctor.engine.teacher import TeacherSequence, slot_table
 from dflash_doctor.models.loading import save_dflash_draft
 from dflash_doctor.models.pair import load_pair
@@ -102,7 +103,7 @@ def test_lossless_probe_decodes_unbatched_only_where_the_live_loop_differs_from_
     k = pair.default_k
 
     assert lossless_probe(pair, turns, k, "float32") == LosslessProbe(
-        num_requests=len(turns), num_identical=len(turns), dtype="float32"
+        num_requests=len(turns), num_identical=len(turns), dtype="float32", kernels=kernel_paths(pair.target.model)
     )
     assert decoded == []  # the live loop reproduced every batched answer: nothing decoded again
 

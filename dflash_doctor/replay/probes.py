@@ -11,12 +11,16 @@ read back from the run directory.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 import numpy as np
 import torch
 
+from dflash_doctor.engine.kernels import kernel_paths
 from dflash_doctor.engine.live import plain_generate, speculative_generate
+from dflash_doctor.engine.step_records import StepRecord
+from dflash_doctor.engine.target import TargetModel
 from dflash_doctor.engine.teacher import TeacherSequence, matched_runs, slot_table
 from dflash_doctor.models.pair import Pair
 from dflash_doctor.rundir.run_record import Divergence, LosslessProbe
@@ -39,12 +43,14 @@ def lossless_probe(pair: Pair, turns: Sequence[Turn], k: int, dtype: str) -> Los
     output differs from that, an unbatched decoding, decoded here to arbitrate. The left padding of a
     batch can flip a near-tie that batch-1 decoding does not, so a mismatch with the batched answer alone
     is no evidence of loss; a divergence is reported against the unbatched decoding, with the target's
-    top-2 logit margin at the first differing token.
+    top-2 logit margin at the first differing token and both kernel paths' scores there
+    (:func:`kernel_path_evidence`). The kernels the target runs (:func:`~dflash_doctor.engine.kernels.kernel_paths`)
+    are recorded with the probe.
     """
-    probe = LosslessProbe(num_requests=0, num_identical=0, dtype=dtype)
+    probe = LosslessProbe(num_requests=0, num_identical=0, dtype=dtype, kernels=kernel_paths(pair.target.model))
     for turn in turns:
         prompt = torch.tensor(turn.prompt_ids, device=pair.target.device)
-        live = speculative_generate(
+        result = speculative_generate(
             pair.target,
             pair.proposer,
             prompt,
@@ -52,7 +58,8 @@ def lossless_probe(pair: Pair, turns: Sequence[Turn], k: int, dtype: str) -> Los
             max_new_tokens=turn.max_new_tokens,
             stop_ids=pair.stop_ids,
             record_tokens=False,
-        ).output_ids
+        )
+        live = result.output_ids
         probe.num_requests += 1
         if live == turn.output_ids:
             probe.num_identical += 1
@@ -69,19 +76,82 @@ def lossless_probe(pair: Pair, turns: Sequence[Turn], k: int, dtype: str) -> Los
         logits = pair.target.forward(context, taps=(), logits_from=len(context) - 1).logits[-1]
         pair.target.reset()
         top2 = logits.topk(2).values
-        probe.divergences.append(
-            Divergence(
-                request_id=turn.key,
-                position=position,
-                speculative_token=live[position] if position < len(live) else -1,
-                plain_token=plain[position] if position < len(plain) else -1,
-                speculative_text=pair.decode_token(live[position]) if position < len(live) else "",
-                plain_text=pair.decode_token(plain[position]) if position < len(plain) else "",
-                top2_margin=float(top2[0] - top2[1]),
-                top1_logit=float(top2[0]),
-            )
+        divergence = Divergence(
+            request_id=turn.key,
+            position=position,
+            speculative_token=live[position] if position < len(live) else -1,
+            plain_token=plain[position] if position < len(plain) else -1,
+            speculative_text=pair.decode_token(live[position]) if position < len(live) else "",
+            plain_text=pair.decode_token(plain[position]) if position < len(plain) else "",
+            top2_margin=float(top2[0] - top2[1]),
+            top1_logit=float(top2[0]),
         )
+        lengths = verify_forwards(result.steps, position)
+        if lengths is not None and position < min(len(live), len(plain)):
+            tokens = plain[:position] + live[position:]  # the committed prefix, then what the live loop fed after it
+            divergence = kernel_path_evidence(divergence, pair.target, prompt, tokens, lengths)
+        probe.divergences.append(divergence)
     return probe
+
+
+def verify_forwards(steps: Sequence[StepRecord], position: int) -> list[int] | None:
+    """The lengths of the live loop's forwards over its output tokens, after the prefill, up to the one that
+    scored output ``position``: each earlier step's committed tokens (what its forward left in the cache once
+    the rejected drafts were rolled back out: a recurrent layer re-runs them through the same kernel a forward
+    of that length calls), then that step's whole block (the last committed token and its drafts). None where
+    the live loop left no steps to follow."""
+    scoring = [s for s in steps if s.position <= position]
+    if not scoring:
+        return None
+    return [b.position - a.position for a, b in zip(scoring, scoring[1:])] + [scoring[-1].num_drafted + 1]
+
+
+@torch.inference_mode()
+def rescore(
+    target: TargetModel, prompt: torch.Tensor, tokens: Sequence[int], lengths: Sequence[int], position: int
+) -> torch.Tensor:
+    """The target's logits [V] for output token ``position``: the prompt prefilled, then ``tokens`` (the output
+    from its first token on) fed in forwards of ``lengths`` tokens until one scores that position (row ``i`` of
+    a forward starting at output token ``start`` scores output token ``start + i + 1``). All ones is plain
+    decoding's path, :func:`verify_forwards` the live loop's; nothing is rolled back on either, so a rollback
+    defect shows in neither."""
+    target.reset()
+    row = target.forward(prompt, taps=(), logits_from=len(prompt) - 1).logits[-1]
+    start = 0
+    for length in lengths:
+        if position <= start:
+            break
+        out = target.forward(torch.tensor(list(tokens[start : start + length]), device=prompt.device), taps=())
+        if position <= start + length:
+            row = out.logits[position - start - 1]
+        start += length
+    target.reset()
+    if start < position:
+        raise ValueError(f"forwards of {start} output tokens do not reach output token {position}")
+    return row
+
+
+def kernel_path_evidence(
+    divergence: Divergence, target: TargetModel, prompt: torch.Tensor, tokens: Sequence[int], lengths: Sequence[int]
+) -> Divergence:
+    """``divergence`` with its position scored both ways on the same committed prefix (``tokens`` up to it, then
+    what the live loop fed after it): through the verify path (the live loop's multi-token forwards,
+    ``lengths``) and through the decode path (one token per forward, as plain decoding did); each path's top-2
+    tokens and margin, and the largest difference between the two paths' logits there. On a hybrid target
+    the two paths run different recurrent kernels (chunked and recurrent); where they part as the outputs did,
+    or disagree by the margin, the divergence is the kernels' numerics, not the engine's doing."""
+    position = divergence.position
+    verify = rescore(target, prompt, tokens, lengths, position)
+    decode = rescore(target, prompt, tokens, [1] * position, position)
+    (verify_values, verify_ids), (decode_values, decode_ids) = verify.topk(2), decode.topk(2)
+    return dataclasses.replace(
+        divergence,
+        verify_top2=verify_ids.tolist(),
+        verify_margin=float(verify_values[0] - verify_values[1]),
+        decode_top2=decode_ids.tolist(),
+        decode_margin=float(decode_values[0] - decode_values[1]),
+        path_disagreement=float((verify - decode).abs().max()),
+    )
 
 
 @torch.inference_mode()

@@ -277,7 +277,13 @@ class Recommendation:
 
 @dataclass
 class Divergence:
-    """Where the live speculative loop first left the target's own decoding."""
+    """Where the live speculative loop first left the target's own decoding.
+
+    The ``verify_*`` / ``decode_*`` fields: the position scored again on the same committed prefix through the
+    live loop's multi-token forwards and through one-token forwards (``kernel_path_evidence`` in
+    dflash_doctor/replay/probes.py), each path's top-2 tokens and margin; ``path_disagreement``: the largest
+    difference between those two rows of logits (on a hybrid target the two paths run different recurrent
+    kernels). None in runs recorded before they were measured, and where the live loop left no steps to follow."""
 
     request_id: str
     position: int
@@ -287,6 +293,11 @@ class Divergence:
     plain_text: str
     top2_margin: float
     top1_logit: float | None = None  # the target's top logit there: the dtype's rounding is relative to it
+    verify_top2: list[int] | None = None
+    verify_margin: float | None = None
+    decode_top2: list[int] | None = None
+    decode_margin: float | None = None
+    path_disagreement: float | None = None
 
 
 @dataclass
@@ -298,6 +309,8 @@ class LosslessProbe:
     num_identical: int
     dtype: str
     divergences: list[Divergence] = field(default_factory=list)
+    # the kernels the target computed with (:func:`dflash_doctor.engine.kernels.kernel_paths`); empty in older runs
+    kernels: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
