@@ -58,10 +58,6 @@ REGISTRY_MODULE = "dflash_doctor.models.draft_kinds"
 # (module, the comparison as ast.unparse writes it) -> why it stands. Keep this short; remove an entry when it goes.
 KIND_BRANCHES_STANDING: dict[tuple[str, str], str] = {
     (
-        "dflash_doctor.tune.experiment",
-        "draft_kind == 'autoregressive'",
-    ): "the engine setting's method per kind; tune/ is being reworked, then it reads the registry",
-    (
         "dflash_doctor.checks.draft_facts",
         "ctx.draft_kind in ('dflash', 'autoregressive')",
     ): "a check context from before a pair was loaded names the kind or leaves it to the config's shape",

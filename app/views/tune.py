@@ -3,15 +3,13 @@ throughput per K and load, predicted vs measured, the measured grid and the reco
 Tune runs sit beside the other runs under the dashboard's folder; they are picked here, not in the sidebar
 (they hold a grid of server runs, not one run.json)."""
 
-import json
-from pathlib import Path
-
 import pandas as pd
 import streamlit as st
 
 from dflash_doctor.report.sanitize import for_markdown_text
 from dflash_doctor.app import ui
-from dflash_doctor.rundir.tables import TUNE_JSON
+from dflash_doctor.errors import UsageError
+from dflash_doctor.tune.result import read_tune_result
 from dflash_doctor.tune.views import (
     MEASURED_COLUMNS,
     PREDICTION_COLUMNS,
@@ -32,14 +30,18 @@ if not found:
     )
     st.stop()
 picked = st.selectbox("Tune run", found)
-result = json.loads((Path(picked) / TUNE_JSON).read_text(encoding="utf-8"))
+try:
+    result = read_tune_result(picked)
+except UsageError as exc:
+    st.error(for_markdown_text(exc.message))
+    st.stop()
 st.caption(for_markdown_text(grid_line(result)))
 
 st.header("Recommendation")
 for line in recommendation_lines(result):
     # tune.json is a file from disk (and its lines name the server's model): an engine setting is shown as a code
     # block, which Streamlit renders as text (a code span in Markdown ends at a blank line and its rest is live)
-    if line.split(":")[0] in result["engine_settings"]:
+    if line.split(":")[0] in result.engine_settings:
         st.code(line, language=None)
     else:
         st.markdown(f"- {for_markdown_text(line)}")

@@ -14,6 +14,7 @@ Adding a kind (a new draft format, a config dialect of an existing one) is one c
         detect=lambda config: "dflash2_config" in config,   # recognise its config.json
         load=load_my_draft,          # (draft_dir, target_dir, target_config, LoadOptions) -> module; raise UsageError
         build=lambda model, target, sampling: MyProposer(model, target),
+        vllm_method="dflash",        # vLLM's speculative_config "method" serving it
         facts=lambda model: {"block_size": ...},               # extra run.json models.draft facts
         layer_ids=lambda model: list(model.config.target_layer_ids),        # or None: reads no target layers
         with_layer_ids=lambda model, ids: my_copy_reading(ids),             # or None
@@ -109,6 +110,8 @@ class DraftKind(Generic[DraftModel]):
     ``load(draft_dir, target_dir, target_config, options)``: the draft module, validated against the
     target; a pair that cannot work raises :class:`UsageError` with one sentence and the fix.
     ``build(model, target, sampling)``: the proposer that drives it in the engine's loops.
+    ``vllm_method``: the ``"method"`` of vLLM's ``--speculative-config`` that serves this kind (what ``tune``
+    writes into the vLLM setting it recommends).
     ``facts(model)``: kind-specific facts for run.json ``models.draft`` (block size, layer ids...).
     ``layer_ids(model)``: the target layers it reads, or None for a draft that reads none; with
     ``with_layer_ids(model, ids)`` (a copy reading other layers) it enables the layer-offset probe.
@@ -137,6 +140,7 @@ class DraftKind(Generic[DraftModel]):
     detect: Callable[[dict[str, Any]], bool]
     load: Callable[[Path, Path, Any, LoadOptions], DraftModel]
     build: Callable[[DraftModel, TargetModel, Sampling], Proposer]
+    vllm_method: str
     facts: Callable[[DraftModel], dict[str, Any]] = lambda model: {}
     layer_ids: Callable[[DraftModel], list[int]] | None = None
     with_layer_ids: Callable[[DraftModel, list[int]], DraftModel] | None = None
@@ -323,6 +327,7 @@ def _load_autoregressive(draft_dir: Path, target_dir: Path, target_config: Any, 
 register_draft_kind(
     DraftKind(
         name=DFlashProposer.kind,
+        vllm_method="dflash",
         description="DFlash block-diffusion drafter, DFlash or DFlash 2, in any dialect (z-lab, speculators, NeMo: docs/draft-formats.md)",
         detect=is_dflash_config,
         load=_load_dflash,
@@ -357,6 +362,7 @@ register_draft_kind(
 register_draft_kind(
     DraftKind(
         name=AutoregressiveProposer.kind,
+        vllm_method="draft_model",
         description="a classic autoregressive draft: any causal LM sharing the target's tokenizer (the catch-all)",
         detect=lambda config: True,
         load=_load_autoregressive,
@@ -414,6 +420,7 @@ def _unused_load(draft_dir: Path, target_dir: Path, target_config: Any, options:
 register_draft_kind(
     DraftKind(
         name=NgramProposer.kind,
+        vllm_method="ngram",
         description="vLLM's n-gram prompt lookup (no weights): --draft ngram[:prompt_lookup_min=N,prompt_lookup_max=M]",
         detect=lambda config: False,
         load=_unused_load,
@@ -479,6 +486,7 @@ def _suffix_from_spec(
 register_draft_kind(
     DraftKind(
         name=SuffixProposer.kind,
+        vllm_method="suffix",
         description=(
             "vLLM's suffix decoding (Arctic Inference; no weights): --draft suffix[:suffix_decoding_max_tree_depth=24,"
             "suffix_decoding_max_cached_requests=10000,suffix_decoding_max_spec_factor=1.0,suffix_decoding_min_token_prob=0.1]"
@@ -528,6 +536,7 @@ def _eagle3_with_layer_ids(model: Eagle3DraftModel, layer_ids: list[int]) -> Eag
 register_draft_kind(
     DraftKind(
         name=Eagle3Proposer.kind,
+        vllm_method="eagle3",
         description="an EAGLE-3 head (speculators or original EAGLE-3 layout) drafting a chain as vLLM's eagle3 method does",
         detect=is_eagle3_config,
         load=_load_eagle3,
@@ -649,6 +658,7 @@ def _mtp_facts(model: MtpDraft) -> dict[str, Any]:
 register_draft_kind(
     DraftKind(
         name=MtpProposer.kind,
+        vllm_method="mtp",
         description=(
             "the target's own multi-token-prediction head (DeepSeek-V3/GLM or Qwen3-Next/Qwen3.5 layout, read from the "
             "target's checkpoint): --draft mtp[:hidden_state=post-norm|pre-norm,carried_state=post-norm|pre-norm]; unset sides: what vLLM "

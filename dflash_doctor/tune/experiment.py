@@ -24,6 +24,7 @@ from dflash_doctor import pipeline
 from dflash_doctor.errors import UsageError
 from dflash_doctor.inputs.config import DoctorConfig
 from dflash_doctor.inputs.workloads import load_workload, save_workload
+from dflash_doctor.models.draft_kinds import DraftKind, get_draft_kind
 from dflash_doctor.rundir.tables import TUNE_JSON
 from dflash_doctor.rundir.writer import utc_now
 from dflash_doctor import __version__
@@ -33,10 +34,9 @@ from dflash_doctor.tune.analysis import analyse, baseline_drift, fill_from_count
 from dflash_doctor.tune.loads import CONCURRENCY, LoadLevel, load_text
 from dflash_doctor.tune.measure import LoadRun, TimedRequest, first_turns, run_load, stream_request
 from dflash_doctor.tune.prediction import fit_costs, held_out_error, predict, sweep_taus
+from dflash_doctor.tune.result import TUNE_SCHEMA_VERSION, TuneResult
 from dflash_doctor.tune.secrets import redact
 from dflash_doctor.tune.servers import plan_servers, serving
-
-TUNE_SCHEMA_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -73,10 +73,10 @@ def default_fit_ks(ks: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(k for k in ks if k > 0)[:2]
 
 
-@dataclass
+@dataclass(frozen=True)
 class TuneOutcome:
     run_dir: Path
-    result: dict[str, Any]
+    result: TuneResult
 
 
 def measure_grid(
@@ -186,8 +186,8 @@ def run_throughput(runs: list[LoadRun]) -> dict[tuple[int, Any], dict[str, float
 
 def teacher_sweep(
     grid: TuneGrid, config: DoctorConfig, workload_path: Path, run_dir: Path
-) -> tuple[dict[str, Any], str, str]:
-    """(``summary.sweep``, its run directory, the draft kind) of the doctor's teacher-forced replay of the same prompts."""
+) -> tuple[dict[str, Any], str, DraftKind[Any]]:
+    """(``summary.sweep``, its run directory, the draft's kind) of the doctor's teacher-forced replay of the same prompts."""
     if grid.sweep_dir is not None:
         sweep_dir = Path(grid.sweep_dir)
         try:
@@ -211,7 +211,15 @@ def teacher_sweep(
         outcome = pipeline.run_sweep(sweep_config)
         sweep_dir, run = outcome.run_dir, outcome.record.to_json()
         sweep = run["summary"]["sweep"]
-    return sweep, str(sweep_dir), str(((run.get("models") or {}).get("draft") or {}).get("kind") or "dflash")
+    name = str(((run.get("models") or {}).get("draft") or {}).get("kind") or "dflash")
+    try:
+        kind = get_draft_kind(name)
+    except UsageError:
+        raise UsageError(
+            f"--sweep {sweep_dir} names the draft kind {name!r}, which this dflash-doctor does not know; "
+            "run `dflash-doctor sweep` again with this version."
+        ) from None
+    return sweep, str(sweep_dir), kind
 
 
 def run_tune(
@@ -256,7 +264,7 @@ def run_tune(
         (run_dir / name).write_text(json.dumps(fitted.as_profile(max(max(grid.ks), 16), device), indent=2) + "\n")
         profiles[load_text(load.value)] = name
     kind = grid.loads[0].kind
-    result = {
+    raw = {
         "schema_version": TUNE_SCHEMA_VERSION,
         "tool_version": __version__,
         "created_at": utc_now(),
@@ -279,24 +287,23 @@ def run_tune(
         "prediction": prediction,
         "held_out_error": held_out_error(prediction),
         "recommendation": advice,
-        "engine_settings": settings_per_server(
-            advice, "draft_model" if draft_kind == "autoregressive" else "dflash", kind
-        ),
+        "engine_settings": settings_per_server(advice, draft_kind.vllm_method, kind),
         "cost_profiles": profiles,
         "sweep_dir": sweep_dir,
     }
-    result = strict_json(result)
-    (run_dir / TUNE_JSON).write_text(json.dumps(result, indent=2, allow_nan=False) + "\n")
+    # typed once, through the reader's checks: what is written is what every view (and a later read) sees
+    result = TuneResult.from_json(strict_json(raw))
+    (run_dir / TUNE_JSON).write_text(json.dumps(result.to_json(), indent=2, allow_nan=False) + "\n")
     return TuneOutcome(run_dir, result)
 
 
 def strict_json(value: Any) -> Any:
-    """``value`` with every infinite number written "inf" (``vllm bench serve``'s result file writes a
-    request rate of inf so), so tune.json stays strict JSON and reads back as it was written."""
+    """``value`` as tune.json reads back: every infinite number written "inf" (``vllm bench serve``'s result
+    file writes a request rate of inf so), so tune.json stays strict JSON, and every tuple a list."""
     if isinstance(value, float) and math.isinf(value):
         return "inf" if value > 0 else "-inf"
     if isinstance(value, dict):
         return {key: strict_json(item) for key, item in value.items()}
-    if isinstance(value, list):
+    if isinstance(value, (list, tuple)):
         return [strict_json(item) for item in value]
     return value

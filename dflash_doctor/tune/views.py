@@ -1,4 +1,4 @@
-"""Views of a tune run (``tune.json``): terminal tables, report.md, report.html, and the figures the
+"""Views of a tune run (its typed :class:`~dflash_doctor.tune.result.TuneResult`, ``tune.json``): terminal tables, report.md, report.html, and the figures the
 report and the dashboard share.
 
 Three tables, one source each: the measured grid (per load, K and scope: tau, net speedup with
@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import html
 from pathlib import Path
-from typing import Any
-
 import plotly.graph_objects as go
 from rich.console import Console
 from rich.markup import escape
@@ -23,7 +21,8 @@ from rich.table import Table
 from dflash_doctor.report.html import figure_html, plotly_script
 from dflash_doctor.report.templating import ci, fmt, markdown_cell, pct
 from dflash_doctor.tune.analysis import OVERALL
-from dflash_doctor.tune.loads import CONCURRENCY, load_kind, load_label, load_of, load_text
+from dflash_doctor.tune.loads import CONCURRENCY, load_label, load_text
+from dflash_doctor.tune.result import Load, TuneResult
 
 DRIFT_WARNING = 0.15  # baseline drift beyond which the report says the speedups are unsteady
 
@@ -62,52 +61,52 @@ PREDICTION_COLUMNS = (
 )
 
 
-def _ms(value: Any) -> str:
+def _ms(value: float | None) -> str:
     return fmt(value * 1000.0 if value is not None else None, 1)
 
 
-def measured_rows(result: dict[str, Any]) -> list[tuple[str, ...]]:
+def measured_rows(result: TuneResult) -> list[tuple[str, ...]]:
     return [
         (
-            load_text(load_of(c)),
-            str(c["k"]),
-            c["scope"],
-            str(c["num_requests"]),
-            fmt(c.get("tau")),
-            ci(c.get("tau_ci")),
-            fmt(c.get("speedup")),
-            ci(c.get("speedup_ci")),
-            _ms(c.get("ttft_s")),
-            _ms(c.get("tpot_s")),
-            fmt(c.get("e2e_s")),
-            fmt(c.get("output_tokens_per_s"), 1),
-            fmt(c.get("requests_per_s")),
-            fmt(c.get("rollback_per_token")),
+            load_text(c.load),
+            str(c.k),
+            c.scope,
+            str(c.num_requests),
+            fmt(c.tau),
+            ci(c.tau_ci),
+            fmt(c.speedup),
+            ci(c.speedup_ci),
+            _ms(c.ttft_s),
+            _ms(c.tpot_s),
+            fmt(c.e2e_s),
+            fmt(c.output_tokens_per_s, 1),
+            fmt(c.requests_per_s),
+            fmt(c.rollback_per_token),
         )
-        for c in result["cells"]
+        for c in result.cells
     ]
 
 
-def prediction_rows(result: dict[str, Any]) -> list[tuple[str, ...]]:
+def prediction_rows(result: TuneResult) -> list[tuple[str, ...]]:
     return [
         (
-            load_text(load_of(p)),
-            str(p["k"]),
-            p["scope"],
-            "held out" if p["held_out"] else "fit",
-            fmt(p["predicted_tau"]),
-            fmt(p["measured_tau"]),
-            f"{_ms(p.get('predicted_step_s'))} / {_ms(p.get('measured_step_s'))}",
-            fmt(p["predicted_speedup"]),
-            ci(p["predicted_speedup_ci"]),
-            fmt(p["measured_speedup"]),
-            ci(p["measured_speedup_ci"]),
-            _yes_no(p.get("within_interval")),
-            fmt(p["speedup_error"]),
-            pct(p["speedup_relative_error"]),
-            f"{_yes_no(p['predicted_pays'])} / {_yes_no(p['measured_pays'])}",
+            load_text(p.load),
+            str(p.k),
+            p.scope,
+            "held out" if p.held_out else "fit",
+            fmt(p.predicted_tau),
+            fmt(p.measured_tau),
+            f"{_ms(p.predicted_step_s)} / {_ms(p.measured_step_s)}",
+            fmt(p.predicted_speedup),
+            ci(p.predicted_speedup_ci),
+            fmt(p.measured_speedup),
+            ci(p.measured_speedup_ci),
+            _yes_no(p.within_interval),
+            fmt(p.speedup_error),
+            pct(p.speedup_relative_error),
+            f"{_yes_no(p.predicted_pays)} / {_yes_no(p.measured_pays)}",
         )
-        for p in result["prediction"]
+        for p in result.prediction
     ]
 
 
@@ -115,99 +114,93 @@ def _yes_no(value: bool | None) -> str:
     return "?" if value is None else "yes" if value else "no"
 
 
-def _kind(result: dict[str, Any]) -> str:
-    """The run's kind of load: the key its cells carry it under."""
-    return load_kind(result["cells"][0])
-
-
-def _short(kind: str, load: Any) -> str:
+def _short(kind: str, load: Load) -> str:
     """A load level in a figure's legend: c8 (concurrency), r2/s (request rate)."""
     return f"c{load_text(load)}" if kind == CONCURRENCY else f"r{load_text(load)}/s"
 
 
-def grid_line(result: dict[str, Any]) -> str:
+def grid_line(result: TuneResult) -> str:
     """The grid in one sentence: K, the loads and how they were sent, requests per cell, the fit K."""
-    grid, kind = result["grid"], _kind(result)
-    loads = ", ".join(load_text(load) for load in grid["loads"])
+    grid = result.grid
+    loads = ", ".join(load_text(load) for load in grid.loads)
     sent = (
         f"loads: concurrency {loads} (closed loop: that many requests in flight)"
-        if kind == CONCURRENCY
-        else f"loads: request rate {loads} per second (open loop: gamma arrivals of burstiness {fmt(grid['burstiness'])}, 1 = Poisson; "
+        if result.load_kind == CONCURRENCY
+        else f"loads: request rate {loads} per second (open loop: gamma arrivals of burstiness {fmt(grid.burstiness)}, 1 = Poisson; "
         + (
             "no cap on requests in flight)"
-            if grid["max_concurrency"] is None
-            else f"at most {grid['max_concurrency']} in flight)"
+            if grid.max_concurrency is None
+            else f"at most {grid.max_concurrency} in flight)"
         )
     )
     return (
-        f"K grid {grid['k']} (0 = speculation off), {sent}, {grid['num_requests']} requests per cell, "
-        f"costs fitted from K {grid['fit_k']}."
+        f"K grid {grid.k} (0 = speculation off), {sent}, {grid.num_requests} requests per cell, "
+        f"costs fitted from K {grid.fit_k}."
     )
 
 
-def fit_lines(result: dict[str, Any]) -> list[str]:
+def fit_lines(result: TuneResult) -> list[str]:
     lines = []
-    kind = _kind(result)
-    for load, f in result["fits"].items():
+    kind = result.load_kind
+    for load, f in result.fits.items():
         lines.append(
-            f"{load_label(kind, load)}: t_decode {_ms_ci(f, 't_decode_s')} ms, "
-            f"t_draft {_ms_ci(f, 't_draft_s')} ms, verify +{_ms_ci(f, 'verify_slope_s')} ms per drafted token "
-            f"(fitted from K {', '.join(map(str, f['fit_ks']))}; {f['note']}); "
-            f"profile {result['cost_profiles'].get(load, '-')}"
+            f"{load_label(kind, load)}: t_decode {_ms_ci(f.t_decode_s, f.t_decode_s_ci)} ms, "
+            f"t_draft {_ms_ci(f.t_draft_s, f.t_draft_s_ci)} ms, verify +{_ms_ci(f.verify_slope_s, f.verify_slope_s_ci)} ms per drafted token "
+            f"(fitted from K {', '.join(map(str, f.fit_ks))}; {f.note}); "
+            f"profile {result.cost_profiles.get(load, '-')}"
         )
-    for load, drift in result.get("baseline_drift", {}).items():
+    for load, drift in result.baseline_drift.items():
         lines.append(
             f"{load_label(kind, load)}: the K=0 baseline measured again after the grid ran {abs(drift):.0%} {'slower' if drift > 0 else 'faster'} per token "
             f"({'the machine was steady' if abs(drift) <= DRIFT_WARNING else 'the machine drifted: every speedup carries about half of it as extra error'})"
         )
-    error = result.get("held_out_error")
+    error = result.held_out_error
     lines.append(
         f"held-out K, overall: mean absolute speedup error {pct(error)}"
         if error is not None
         else "no held-out K: every speculative K was used by the fit (add K to --k or narrow --fit-k)"
     )
-    for p in result["prediction"]:
-        if p["held_out"] and p["scope"] == OVERALL and p.get("tau_relative_error") is not None:
+    for p in result.prediction:
+        if p.held_out and p.scope == OVERALL and p.tau_relative_error is not None:
             inside = {
                 True: "inside the predicted interval",
                 False: "outside the predicted interval",
                 None: "no predicted interval",
-            }[p.get("within_interval")]
+            }[p.within_interval]
             lines.append(
-                f"{load_label(kind, load_of(p))}, held-out K={p['k']}: predicted "
-                f"{fmt(p['predicted_speedup'])}x {ci(p['predicted_speedup_ci'])}, measured "
-                f"{fmt(p['measured_speedup'])}x ({inside}); the miss splits into tau "
-                f"{pct(p['tau_relative_error'])}, step time {pct(p.get('step_relative_error'))}, "
-                f"definitions {pct(p.get('definition_gap'))}"
+                f"{load_label(kind, p.load)}, held-out K={p.k}: predicted "
+                f"{fmt(p.predicted_speedup)}x {ci(p.predicted_speedup_ci)}, measured "
+                f"{fmt(p.measured_speedup)}x ({inside}); the miss splits into tau "
+                f"{pct(p.tau_relative_error)}, step time {pct(p.step_relative_error)}, "
+                f"definitions {pct(p.definition_gap)}"
             )
     return lines
 
 
-def _ms_ci(fit: dict[str, Any], name: str) -> str:
-    """A fitted cost in ms with its 95% interval when the fit has one (a tune.json from before intervals has none)."""
-    bounds = fit.get(f"{name}_ci")
-    return _ms(fit[name]) + (f" {ci([b * 1000.0 for b in bounds], 1)}" if bounds else "")
+def _ms_ci(value: float, bounds: list[float] | None) -> str:
+    """A fitted cost in ms with its 95% interval when the fit has one (cells without per-request figures give none)."""
+    return _ms(value) + (f" {ci([b * 1000.0 for b in bounds], 1)}" if bounds else "")
 
 
-def warning_lines(result: dict[str, Any]) -> list[str]:
+def warning_lines(result: TuneResult) -> list[str]:
     """What a server said that puts its K's figures in doubt (a K = 0 server that drafted, another K than asked):
     every view shows them next to the recommendation, which they can invalidate."""
-    return [f"K={s['k']}: {s['warning']}" for s in result["servers"] if s.get("warning")]
+    return [f"K={s.k}: {s.warning}" for s in result.servers if s.warning]
 
 
-def recommendation_lines(result: dict[str, Any]) -> list[str]:
+def recommendation_lines(result: TuneResult) -> list[str]:
     lines = []
-    kind = _kind(result)
-    for load, picks in result["recommendation"].items():
+    kind = result.load_kind
+    for load, picks in result.recommendation.items():
         for scope, pick in picks.items():
             # a K = 0 pick's reason starts with its verdict ("Speculation off", "Within the noise")
-            what = "" if pick["k"] == 0 else f"K={pick['k']} (conservative K={pick['conservative_k']}). "
-            lines.append(f"{load_label(kind, load)}, {scope}: {what}{pick['reason']}")
-    lines += [f"{engine}: {setting}" for engine, setting in result["engine_settings"].items()]
+            what = "" if pick.k == 0 else f"K={pick.k} (conservative K={pick.conservative_k}). "
+            lines.append(f"{load_label(kind, load)}, {scope}: {what}{pick.reason}")
+    lines += [f"{engine}: {setting}" for engine, setting in result.engine_settings.items()]
     return lines
 
 
-def print_tune(result: dict[str, Any], console: Console) -> None:
+def print_tune(result: TuneResult, console: Console) -> None:
     for title, columns, rows in (
         (
             "Measured on the engine (speedup = TPOT at K=0 / TPOT at K, same requests and load)",
@@ -233,7 +226,7 @@ def _md_table(columns: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
     return head + "".join("| " + " | ".join(str(markdown_cell(x)) for x in row) + " |\n" for row in rows)
 
 
-def render_markdown(result: dict[str, Any]) -> str:
+def render_markdown(result: TuneResult) -> str:
     parts = [
         "# dflash-doctor tune\n",
         f"{grid_line(result)} Definitions: vLLM's (tau = 1 + accepted / drafts; TTFT, TPOT as `vllm bench serve`).\n",
@@ -250,46 +243,46 @@ def render_markdown(result: dict[str, Any]) -> str:
     return "".join(parts)
 
 
-def figures(result: dict[str, Any]) -> list[tuple[str, go.Figure]]:
+def _error_bar(value: float, bounds: list[float | None] | None, side: int) -> float:
+    """How far the interval's ``side`` end (0 low, 1 high) lies below or above ``value``; 0 where there is no such end."""
+    end = (bounds or [None, None])[side]
+    return 0 if end is None else (value - end if side == 0 else end - value)
+
+
+def figures(result: TuneResult) -> list[tuple[str, go.Figure]]:
     """(title, figure) for the report and the dashboard."""
-    cells, kind = result["cells"], _kind(result)
+    cells, kind = result.cells, result.load_kind
     speedup = go.Figure()
-    for load in result["grid"]["loads"]:
-        for scope in sorted({c["scope"] for c in cells}, key=lambda s: (s != OVERALL, s)):
-            points = [c for c in cells if load_of(c) == load and c["scope"] == scope and c.get("speedup") is not None]
-            lows = [
-                c["speedup"] - (c.get("speedup_ci") or [c["speedup"]])[0]
-                if (c.get("speedup_ci") or [None])[0] is not None
-                else 0
-                for c in points
-            ]
-            highs = [
-                (c.get("speedup_ci") or [None, c["speedup"]])[1] - c["speedup"]
-                if (c.get("speedup_ci") or [None, None])[1] is not None
-                else 0
-                for c in points
-            ]
+    for load in result.grid.loads:
+        for scope in sorted({c.scope for c in cells}, key=lambda s: (s != OVERALL, s)):
+            points = [(c.k, c.speedup, c.speedup_ci) for c in cells if c.load == load and c.scope == scope]
+            points = [(k, value, bounds) for k, value, bounds in points if value is not None]
             speedup.add_trace(
                 go.Scatter(
-                    x=[c["k"] for c in points],
-                    y=[c["speedup"] for c in points],
+                    x=[k for k, _, _ in points],
+                    y=[value for _, value, _ in points],
                     mode="lines+markers",
                     name=f"{scope} @ {_short(kind, load)}",
-                    error_y={"type": "data", "symmetric": False, "array": highs, "arrayminus": lows},
+                    error_y={
+                        "type": "data",
+                        "symmetric": False,
+                        "array": [_error_bar(value, bounds, 1) for _, value, bounds in points],
+                        "arrayminus": [_error_bar(value, bounds, 0) for _, value, bounds in points],
+                    },
                 )
             )
     speedup.add_hline(y=1.0, line_dash="dot")
     speedup.update_layout(xaxis_title="K (draft tokens per step; 0 = off)", yaxis_title="net speedup vs K=0 (95% CI)")
 
     tradeoff = go.Figure()
-    for k in result["grid"]["k"]:
-        points = [c for c in cells if c["k"] == k and c["scope"] == OVERALL and c.get("output_tokens_per_s")]
+    for k in result.grid.k:
+        points = [c for c in cells if c.k == k and c.scope == OVERALL and c.output_tokens_per_s]
         tradeoff.add_trace(
             go.Scatter(
-                x=[c["output_tokens_per_s"] for c in points],
-                y=[(c.get("tpot_s") or 0) * 1000 for c in points],
+                x=[c.output_tokens_per_s for c in points],
+                y=[(c.tpot_s or 0) * 1000 for c in points],
                 mode="lines+markers+text",
-                text=[_short(kind, load_of(c)) for c in points],
+                text=[_short(kind, c.load) for c in points],
                 name=f"K={k}",
             )
         )
@@ -297,17 +290,17 @@ def figures(result: dict[str, Any]) -> list[tuple[str, go.Figure]]:
 
     held = go.Figure()
     for held_out in (False, True):
-        points = [p for p in result["prediction"] if p["held_out"] == held_out and p["measured_speedup"] is not None]
+        points = [p for p in result.prediction if p.held_out == held_out and p.measured_speedup is not None]
         held.add_trace(
             go.Scatter(
-                x=[p["measured_speedup"] for p in points],
-                y=[p["predicted_speedup"] for p in points],
+                x=[p.measured_speedup for p in points],
+                y=[p.predicted_speedup for p in points],
                 mode="markers",
-                text=[f"K={p['k']} {p['scope']} {_short(kind, load_of(p))}" for p in points],
+                text=[f"K={p.k} {p.scope} {_short(kind, p.load)}" for p in points],
                 name="held-out K" if held_out else "fit K",
             )
         )
-    values = [v for p in result["prediction"] for v in (p["measured_speedup"], p["predicted_speedup"]) if v is not None]
+    values = [v for p in result.prediction for v in (p.measured_speedup, p.predicted_speedup) if v is not None]
     if values:
         low, high = min(values + [1.0]) * 0.9, max(values + [1.0]) * 1.1
         held.add_trace(
@@ -331,7 +324,7 @@ def _items(lines: list[str]) -> str:
     return "<ul>" + "".join(f"<li>{html.escape(line)}</li>" for line in lines) + "</ul>"
 
 
-def render_html(result: dict[str, Any]) -> str:
+def render_html(result: TuneResult) -> str:
     charts = "".join(
         f"<h2>{html.escape(title)}</h2>{figure_html(fig, f'tune-fig-{i}')}"
         for i, (title, fig) in enumerate(figures(result))
@@ -349,7 +342,7 @@ def render_html(result: dict[str, Any]) -> str:
     )
 
 
-def write_reports(run_dir: Path, result: dict[str, Any]) -> list[Path]:
+def write_reports(run_dir: Path, result: TuneResult) -> list[Path]:
     md, page = run_dir / "report.md", run_dir / "report.html"
     md.write_text(render_markdown(result), encoding="utf-8")
     page.write_text(render_html(result), encoding="utf-8")
