@@ -2,17 +2,28 @@
 
 At temperature 0 a correct engine is lossless (docs/definitions.md): every committed token is the target's own
 argmax, so the output equals plain decoding. A divergence means the engine changes what the model says,
-which no speedup justifies. One honest exception: in bfloat16 / float16 the batched verify pass and a
-single-token decode step round differently, so where the target's top two tokens are nearly tied the
-argmax can flip (z-lab #57, vLLM #54928). A divergence at such a near-tie is a warning to confirm in
-float32; a divergence anywhere else, or in float32, is a broken engine.
+which no speedup justifies. One honest exception: the speculative loop scores k + 1 tokens per forward and
+plain decoding one, and the two can compute the same logits differently; where the target's top two tokens
+are nearly tied that difference can flip the argmax. It comes from two places, and the check names which:
 
-The dtype rule: a near-tie is a target top-2 logit margin within ``near_tie_ulps`` units of the
-dtype's rounding at the size of the top logit (:func:`rounding_at`: bfloat16 keeps 8 significant bits,
-so at a logit of 15 its spacing is 0.0625, and a margin of 0.062 there is rounding, not a preference;
-at a logit of 0.5 the same spacing is 0.002). A fixed margin in logits cannot tell the two apart. The
-finding says which was found: the margin, the logit size and the dtype's spacing there. In float32 every
-divergence fails, as before.
+* the target's kernels. A hybrid target's recurrent layers (gated delta net in Qwen3.5 / Qwen3-Next) run a
+  chunked kernel over k + 1 tokens and a recurrent one over a single token, which sum in different orders at
+  their own internal precision (flash-linear-attention's on a GPU is well below float32's). The probe
+  (:func:`dflash_doctor.replay.probes.kernel_path_evidence`) scores the diverging position again on the same
+  committed prefix both ways, without any rollback, and records each path's top-2 tokens and margin and the
+  largest difference between the two rows of logits, beside the kernels the target ran
+  (:func:`dflash_doctor.engine.kernels.kernel_paths`). The divergence is the kernels' numerics when the two
+  paths part as the outputs did (the verify path prefers the speculative token, the decode path the plain
+  one), or when the speculative token is the decode path's runner-up by a margin within the paths' measured
+  disagreement. Where both paths agree with plain decoding and the margin exceeds their disagreement, the
+  kernels cannot explain the speculative token: a rollback or acceptance defect, which fails.
+* the dtype's rounding (z-lab #57, vLLM #54928). In bfloat16 / float16 a near-tie is a top-2 logit margin
+  within ``near_tie_ulps`` units of the dtype's rounding at the size of the top logit (:func:`rounding_at`:
+  bfloat16 keeps 8 significant bits, so at a logit of 15 its spacing is 0.0625, and a margin of 0.062 there
+  is rounding, not a preference; at a logit of 0.5 the same spacing is 0.002). A fixed margin in logits
+  cannot tell the two apart. This rule also judges records written before the kernel paths were measured.
+
+An explained divergence warns (confirm it); any other fails, in float32 too.
 
 Input: ``ctx.record.probes.lossless`` (:class:`~dflash_doctor.rundir.run_record.LosslessProbe`); absent when
 no speculative-vs-plain comparison ran (sampling, ``--engine`` without a local pair), which skips the check.
@@ -27,7 +38,6 @@ import torch
 from dflash_doctor.checks.base import Check, CheckContext, CheckResult, Finding, Need, register, skipped
 from dflash_doctor.rundir.run_record import Divergence, LosslessProbe
 
-_EXACT_DTYPE = "float32"
 _REDUCED_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -41,7 +51,8 @@ def rounding_at(dtype: str, value: float) -> float:
 
 def _describe(divergence: Divergence, dtype: str) -> str:
     """One line naming the request, the output index and both tokens (id and text) at the divergence,
-    with the target's top-2 margin against the dtype's rounding at its top logit where both are known."""
+    with the target's top-2 margin against the dtype's rounding at its top logit where both are known, and
+    the two kernel paths' scores there where they were measured."""
     margin = divergence.top2_margin
     top1 = divergence.top1_logit
     margin_text = "" if margin is None else f"; target top-2 logit margin {float(margin):.3f}"
@@ -49,17 +60,50 @@ def _describe(divergence: Divergence, dtype: str) -> str:
         margin_text += (
             f" at logit {float(top1):.2f}, where {dtype} rounds in steps of {rounding_at(dtype, float(top1)):.4f}"
         )
+    paths_text = ""
+    if _has_path_evidence(divergence):
+        paths_text = (
+            f"; verify path (multi-token forwards) top-2 {divergence.verify_top2} "
+            f"margin {divergence.verify_margin:.3g}, decode path (one token per forward) top-2 "
+            f"{divergence.decode_top2} margin {divergence.decode_margin:.3g}, their logits differ by up to "
+            f"{divergence.path_disagreement:.3g} there"
+        )
     return (
         f"request {divergence.request_id}, output token {divergence.position}: "
         f"speculative {divergence.speculative_token} {divergence.speculative_text!r} vs "
-        f"plain {divergence.plain_token} {divergence.plain_text!r}{margin_text}"
+        f"plain {divergence.plain_token} {divergence.plain_text!r}{margin_text}{paths_text}"
     )
+
+
+def _has_path_evidence(divergence: Divergence) -> bool:
+    return None not in (
+        divergence.verify_top2,
+        divergence.verify_margin,
+        divergence.decode_top2,
+        divergence.decode_margin,
+        divergence.path_disagreement,
+    )
+
+
+def _kernels_text(kernels: dict[str, str]) -> str:
+    """The kernels in a line: each recurrent mixer class with what its entry points run, then the attention
+    implementation, the float32 matmul precision and the dtype (``"kernels not recorded"`` for an older run)."""
+    if not kernels:
+        return "kernels not recorded"
+    by_class: dict[str, list[str]] = {}
+    for key, runs in kernels.items():
+        if "." in key:
+            by_class.setdefault(key.split(".", 1)[0], []).append(runs)
+    parts = [f"{name} runs {', '.join(runs)}" for name, runs in by_class.items()]
+    parts += [f"{key} {value}" for key, value in kernels.items() if "." not in key]
+    return "; ".join(parts)
 
 
 @register
 @dataclass(frozen=True)
 class LosslessCheck(Check):
-    """Speculative output equals plain greedy decoding; a reduced-precision near-tie only warns."""
+    """Speculative output equals plain greedy decoding; a divergence the target's kernels or a reduced-precision
+    near-tie explain only warns."""
 
     id = "lossless"
     title = "Lossless"
@@ -77,13 +121,15 @@ class LosslessCheck(Check):
         num_identical = lossless.num_identical
         dtype = (lossless.dtype or "unknown").replace("torch.", "")
         divergences = lossless.divergences
-        near_ties = [d for d in divergences if self._is_near_tie(d, dtype)]
+        by_kernels = [d for d in divergences if _is_kernel_numerics(d)]
+        near_ties = [d for d in divergences if d not in by_kernels and self._is_near_tie(d, dtype)]
         metrics = {
             "num_requests": num_requests,
             "num_identical": num_identical,
             "dtype": dtype,
             "identical_share": num_identical / num_requests,
             "num_divergences": len(divergences),
+            "num_kernel_numerics_divergences": len(by_kernels),
             "num_near_tie_divergences": len(near_ties),
         }
         if num_identical >= num_requests:
@@ -91,8 +137,20 @@ class LosslessCheck(Check):
                 self.id, [], metrics, f"all {num_requests} requests match plain decoding token for token ({dtype})"
             )
         diverged = f"{num_requests - num_identical} of {num_requests} requests diverge from plain decoding"
-        unexplained = [d for d in divergences if d not in near_ties]
-        if divergences and not unexplained:
+        unexplained = [d for d in divergences if d not in by_kernels and d not in near_ties]
+        if divergences and not unexplained and by_kernels:
+            first = by_kernels[0]
+            also = f", the rest by {dtype} rounding of a near-tie" if near_ties else ""
+            finding = Finding(
+                "warn",
+                f"{diverged}, explained by the target's kernels: on the same prefix its verify path (multi-token "
+                f"forwards) and decode path (one token per forward) disagree by up to {first.path_disagreement:.3g} "
+                f"in the logits, enough to flip a top-2 margin of {first.decode_margin:.3g}{also}",
+                f"{_describe(first, dtype)}; {_kernels_text(lossless.kernels)}",
+                "confirm with a target whose verify and decode passes run one kernel (attention layers only), where a "
+                "lossless engine matches exactly; a divergence where both kernel paths agree fails this check",
+            )
+        elif divergences and not unexplained:
             finding = Finding(
                 "warn",
                 f"{diverged}, explained by {dtype} rounding of a near-tie "
@@ -118,3 +176,16 @@ class LosslessCheck(Check):
         if dtype not in _REDUCED_DTYPES or margin is None or top1 is None:
             return False
         return float(margin) <= self.near_tie_ulps * rounding_at(dtype, float(top1))
+
+
+def _is_kernel_numerics(divergence: Divergence) -> bool:
+    """The target's two kernel paths, on the same committed prefix, part as the outputs did (the verify path's
+    argmax is the speculative token, the decode path's the plain one), or the speculative token is the decode
+    path's runner-up by a margin within the paths' measured disagreement. A record without the two paths'
+    scores cannot be judged so."""
+    if not _has_path_evidence(divergence):
+        return False
+    verify_top2, decode_top2 = divergence.verify_top2 or [], divergence.decode_top2 or []
+    margin, disagreement = divergence.decode_margin or 0.0, divergence.path_disagreement or 0.0
+    parted = verify_top2[:1] == [divergence.speculative_token] and decode_top2[:1] == [divergence.plain_token]
+    return parted or (divergence.speculative_token in decode_top2 and margin <= disagreement)
