@@ -42,7 +42,7 @@ from dflash_doctor.replay import sharding
 from dflash_doctor.replay.probes import layer_offset_probe, lossless_probe, probe_turns
 from dflash_doctor.replay.stream import Replay, SharedContinuations, replay_live, replay_teacher
 from dflash_doctor.report import render_reports
-from dflash_doctor.report.head_to_head import write_head_to_head
+from dflash_doctor.report.head_to_head import describe_sub_runs, write_head_to_head
 from dflash_doctor.rundir.load import Run
 from dflash_doctor.rundir.run_record import Probes, PromptFormat, RunMeta, RunRecord
 from dflash_doctor.rundir.tables import TABLES, read_table_or_empty
@@ -54,7 +54,7 @@ from dflash_doctor.serving.server_settings import server_settings
 from dflash_doctor.serving.server_run import measure_server, start_server_record
 from dflash_doctor.stages import stage
 from dflash_doctor.stats import deviations
-from dflash_doctor.stats.head_to_head import Contender, build_head_to_head
+from dflash_doctor.stats.head_to_head import Contender, HeadToHead, build_head_to_head
 from dflash_doctor.stats.metrics import summarize
 from dflash_doctor.stats.speedup import build_sweep, load_cost_profile, recommend
 from dflash_doctor.stats.step_costs import CostSamples, fitted_costs
@@ -480,7 +480,7 @@ class HeadToHeadOutcome:
 
     root: Path
     outcomes: dict[str, Outcome]
-    head_to_head: dict[str, Any]
+    head_to_head: HeadToHead  # as head_to_head.json holds it, the sub-runs' facts included
 
 
 def contender_names(drafts: Sequence[str | None]) -> list[str]:
@@ -536,11 +536,9 @@ def run_head_to_head(
             one, only=only, skip=skip, exact_blocks=exact_blocks, progress=progress, shared=shared
         )
     contenders = [
-        Contender(name, outcome.record, outcome.steps_by_k or {}, outcome.cost_samples)
+        Contender(name, outcome.record, outcome.steps_by_k or {}, outcome.cost_samples, outcome.run_dir)
         for name, outcome in outcomes.items()
     ]
-    data = build_head_to_head(contenders, seed=config.seed).to_json()
-    for name, outcome in outcomes.items():
-        next(s for s in data["speculators"] if s["name"] == name)["run_dir"] = str(outcome.run_dir)
-    write_head_to_head(root, data)
-    return HeadToHeadOutcome(root, outcomes, data)
+    head_to_head = describe_sub_runs(root, build_head_to_head(contenders, seed=config.seed))
+    write_head_to_head(root, head_to_head)
+    return HeadToHeadOutcome(root, outcomes, head_to_head)

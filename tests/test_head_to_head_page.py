@@ -6,10 +6,10 @@ follows --fail-on over every sub-run."""
 
 from __future__ import annotations
 
-import copy
 import html
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -27,6 +27,7 @@ from dflash_doctor.report.head_to_head import (
     write_head_to_head,
 )
 from dflash_doctor.rundir.tables import HEAD_TO_HEAD_JSON, RUN_JSON
+from dflash_doctor.stats.head_to_head import HeadToHead, read_head_to_head
 
 HOSTILE = "<script>alert(1)</script>](http://tracker.example/p.png)"
 
@@ -124,8 +125,9 @@ def page(tmp_path):
             "ngram": [("lossless", "pass"), ("timing", "pass")],
         },
     )
-    write_head_to_head(root, data)
-    return root, data
+    described = describe_sub_runs(root, HeadToHead.from_json(data))
+    write_head_to_head(root, described)
+    return root, described
 
 
 def test_a_warned_sub_run_is_named_warn_with_its_check_ids():
@@ -159,8 +161,8 @@ def test_the_html_page_links_each_report_and_holds_costs_settings_checks_and_pro
         "dflash-doctor check --target ../models/target --draft ../models/head --max-new-tokens 64 --k 1-4 --device cuda"
         in text
     )
-    saved = json.loads((root / HEAD_TO_HEAD_JSON).read_text())
-    assert saved == data and saved["speculators"][0]["verdict"] == "warn"
+    saved = read_head_to_head(root)
+    assert saved == data and saved.speculators[0].sub_run is not None and saved.speculators[0].sub_run.verdict == "warn"
 
 
 def test_no_page_carries_an_absolute_path(page):
@@ -205,8 +207,8 @@ def test_hostile_names_stay_text_in_both_pages(tmp_path):
         for row in scope["rows"]:
             row["speculator"] += HOSTILE
         scope["verdict"]["winner"] += HOSTILE
-    describe_sub_runs(root, data)
-    page_html, page_md = html_page(data), markdown(data)
+    described = describe_sub_runs(root, HeadToHead.from_json(data))
+    page_html, page_md = html_page(described), markdown(described)
     assert "<script>" not in page_html and "&lt;script&gt;" in page_html
     assert "<script>" not in page_md and "](http" not in page_md
 
@@ -273,28 +275,16 @@ def test_the_written_page_links_each_sub_run_of_a_real_head_to_head(cli_run):
     for name in ("dflash", "ngram"):
         assert f"href='{name}/report.html'" in text and (root / name / "report.html").is_file()
     assert str(root) not in text and str(root) not in (root / "head_to_head.md").read_text()
-    data = json.loads((root / HEAD_TO_HEAD_JSON).read_text())
-    assert [s["verdict"] for s in data["speculators"]] == [
+    data = read_head_to_head(root)
+    assert [s.sub_run.verdict for s in data.speculators if s.sub_run is not None] == [
         check_verdict((c["id"], c["status"]) for c in json.loads((root / n / RUN_JSON).read_text())["checks"])[0]
         for n in ("dflash", "ngram")
     ]
 
 
 def test_a_copied_page_still_renders_without_the_sub_run_facts(page):
-    """An older head_to_head.json (no sub-run facts) still renders: the pages leave those sections out."""
+    """A head-to-head whose sub-runs were not there to describe (no sub-run facts) still renders: the pages
+    leave those sections out."""
     _, data = page
-    older = copy.deepcopy(data)
-    for speculator in older["speculators"]:
-        for key in (
-            "verdict",
-            "flagged",
-            "checks",
-            "report",
-            "folder",
-            "command",
-            "created_at",
-            "machine",
-            "tool_version",
-        ):
-            speculator.pop(key)
+    older = replace(data, speculators=[replace(s, sub_run=None) for s in data.speculators])
     assert "Sub-runs" not in html_page(older) and "Verdict" in markdown(older)

@@ -14,6 +14,7 @@ from dflash_doctor.replay import stream
 from dflash_doctor.report.head_to_head import table_rows, verdicts
 from dflash_doctor.report.sanitize import for_markdown_text
 from dflash_doctor.rundir.run_record import StepCosts
+from dflash_doctor.stats.head_to_head import read_head_to_head
 
 NGRAM = "ngram:prompt_lookup_min=1,prompt_lookup_max=3"
 PROFILE = {
@@ -117,13 +118,14 @@ def test_the_dashboard_page_shows_the_same_table_verdict_and_curves(runs, monkey
     root, data, _ = runs
     table = json.loads((root / "both" / "head_to_head.json").read_text())  # --json holds the same, its keys sorted
     assert table == data["head_to_head"]
+    typed = read_head_to_head(root / "both")
     page = open_app(monkeypatch, root, page="head_to_head")
     shown = page.dataframe[0].value
-    assert shown.values.tolist() == table_rows(table)
+    assert shown.values.tolist() == table_rows(typed)
     markdown = " ".join(str(m.value) for m in page.markdown)
-    assert all(for_markdown_text(text) in markdown for text in verdicts(table))
+    assert all(for_markdown_text(text) in markdown for text in verdicts(typed))
     chart = json.loads(page.get("plotly_chart")[0].proto.spec)
-    assert sorted(trace["name"] for trace in chart["data"]) == sorted(s["name"] for s in table["speculators"])
+    assert sorted(trace["name"] for trace in chart["data"]) == sorted(s.name for s in typed.speculators)
 
 
 def test_several_drafts_refuse_a_scenario(tiny_dir):

@@ -8,24 +8,23 @@ the dashboard's folder; each speculator's own run is in a sub-folder and opens i
 Every string of head_to_head.json comes from a file on disk: Markdown gets it through ``for_markdown_text``,
 settings and commands go through ``st.code`` (shown as text, never rendered)."""
 
-import json
-from pathlib import Path
-
 import pandas as pd
 import streamlit as st
 
 from dflash_doctor.app import ui
+from dflash_doctor.errors import UsageError
 from dflash_doctor.report import figures
 from dflash_doctor.report.head_to_head import (
     HEADERS,
     cost_lines,
     settings_heading,
     settings_lines,
+    shown_draft,
     sub_run_rows,
     table_rows,
 )
 from dflash_doctor.report.sanitize import for_markdown_text
-from dflash_doctor.rundir.tables import HEAD_TO_HEAD_JSON
+from dflash_doctor.stats.head_to_head import read_head_to_head
 
 st.title("Head-to-head: which speculator to deploy")
 found = ui.discovered_head_to_heads(str(ui.runs_dir()))
@@ -36,13 +35,14 @@ if not found:
     )
     st.stop()
 picked = st.selectbox("Head-to-head", found)
-result = json.loads((Path(picked) / HEAD_TO_HEAD_JSON).read_text(encoding="utf-8"))
+try:
+    result = read_head_to_head(picked)
+except UsageError as exc:
+    st.error(for_markdown_text(exc.message))
+    st.stop()
 runs = sub_run_rows(result)
 st.caption(
-    for_markdown_text(
-        "Speculators: "
-        + ", ".join(f"{s['name']} ({s['kind']}, {s.get('draft_shown', s['draft'])})" for s in result["speculators"])
-    )
+    for_markdown_text("Speculators: " + ", ".join(f"{s.name} ({s.kind}, {shown_draft(s)})" for s in result.speculators))
 )
 if runs:
     st.caption(
@@ -50,9 +50,9 @@ if runs:
     )
 
 st.header("Verdict")
-for scope_result in result["scopes"].values():
-    verdict = scope_result["verdict"]
-    st.markdown(f"- {for_markdown_text(verdict['text'])}")
+for scope_result in result.scopes.values():
+    verdict = scope_result.verdict
+    st.markdown(f"- {for_markdown_text(verdict.text)}")
     if settings_lines(verdict):
         st.caption(for_markdown_text(settings_heading(verdict)))
         st.code("\n".join(f"{engine}: {setting}" for engine, setting in settings_lines(verdict)), language=None)
@@ -64,11 +64,9 @@ st.dataframe(pd.DataFrame(table_rows(result), columns=list(HEADERS)), hide_index
 
 st.header("Per-position acceptance")
 scope = (
-    st.selectbox("Scope", list(result["scopes"])) or "overall"
+    st.selectbox("Scope", list(result.scopes)) or "overall"
 )  # None only for an empty list, which a head-to-head never has
-st.plotly_chart(
-    figures.head_to_head_positions_figure(scope, result["scopes"][scope]["rows"]), key="head_to_head_positions"
-)
+st.plotly_chart(figures.head_to_head_positions_figure(scope, result.scopes[scope].rows), key="head_to_head_positions")
 
 st.header("Step costs")
 st.code("\n".join(cost_lines(result)), language=None)

@@ -222,7 +222,7 @@ def _head_to_head(
     if json_output:
         print_json(
             {
-                "head_to_head": result.head_to_head,
+                "head_to_head": result.head_to_head.to_json(),
                 "runs": {name: check_json(outcome, codes[name]) for name, outcome in result.outcomes.items()},
                 "run_dir": str(result.root),
                 "exit_code": code,

@@ -20,6 +20,7 @@ import plotly.graph_objects as go
 
 from dflash_doctor.rundir.run_record import OVERALL, Metrics, Recommendation, Summary, Sweep
 from dflash_doctor.stats.deviations import BinRow, DeviationAnalysis, SliceAnalysis
+from dflash_doctor.stats.head_to_head import ContenderRow
 
 OVERALL_COLOR = "#222222"
 _PALETTE = (
@@ -149,13 +150,11 @@ def acceptance_by_position_figure(summary: Summary, *, conditional: bool = False
     return fig
 
 
-def head_to_head_positions_figure(scope: str, rows: Sequence[Mapping[str, Any]]) -> go.Figure:
+def head_to_head_positions_figure(scope: str, rows: Sequence[ContenderRow]) -> go.Figure:
     """Each speculator's unconditional acceptance r_i per draft slot in one scope of a head-to-head, at its best K."""
     title = f"Acceptance rate r_i per draft slot, {scope} (unconditional, each at its best K)"
     series = [
-        (row["speculator"], _none_to_nan(row["acceptance_rate_per_pos"]))
-        for row in rows
-        if row["acceptance_rate_per_pos"]
+        (row.speculator, _none_to_nan(row.acceptance_rate_per_pos)) for row in rows if row.acceptance_rate_per_pos
     ]
     if not series:
         return _empty(title, "No speculator drafted in this scope.")

@@ -1,6 +1,7 @@
 """Views of a head-to-head (:mod:`dflash_doctor.stats.head_to_head`): the terminal table, Markdown and a
-self-contained HTML page, all from its JSON form (``head_to_head.json`` in the run directory), so every
-view shows the same numbers.
+self-contained HTML page, all from the typed :class:`~dflash_doctor.stats.head_to_head.HeadToHead` that
+``head_to_head.json`` holds (the dashboard reads it back with ``read_head_to_head``), so every view shows the
+same numbers.
 
 The Markdown and HTML pages are the page an engineer forwards: the verdict per class with the setting to
 type in each engine, the step costs with their spread, tau and the per-position curves side by side, and
@@ -16,8 +17,9 @@ from __future__ import annotations
 import html
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 from rich.console import Console
 from rich.markup import escape
@@ -29,6 +31,15 @@ from dflash_doctor.report.templating import markdown_cell
 from dflash_doctor.rundir.status import Status, overall_status
 from dflash_doctor.rundir.tables import HEAD_TO_HEAD_JSON, RUN_JSON
 from dflash_doctor.rundir.writer import write_text_atomic
+from dflash_doctor.stats.head_to_head import (
+    ContenderRow,
+    DeploySettings,
+    HeadToHead,
+    Speculator,
+    SubRun,
+    SubRunCheck,
+    Verdict,
+)
 
 HEADERS = (
     "scope",
@@ -46,60 +57,59 @@ def _num(value: Any, digits: int = 2) -> str:
     return "-" if value is None or value != value else f"{value:.{digits}f}"
 
 
-def table_rows(data: dict[str, Any]) -> list[list[str]]:
+def table_rows(head_to_head: HeadToHead) -> list[list[str]]:
     """One row per (scope, speculator), the verdict's winner first in each scope."""
     rows = []
-    for scope, result in data["scopes"].items():
-        verdict = result["verdict"]
-        winner = verdict["winner"] if verdict["decisive"] else None
-        for row in sorted(result["rows"], key=lambda r: r["speculator"] != winner):
-            tau_lo, tau_hi = (row["tau_ci"] + [None, None])[:2]
-            s_lo, s_hi = row["speedup_ci"]
-            curve = " ".join(_num(rate) for rate in row["acceptance_rate_per_pos"][:8])
+    for scope, result in head_to_head.scopes.items():
+        winner = result.verdict.winner if result.verdict.decisive else None
+        for row in sorted(result.rows, key=lambda r: r.speculator != winner):
+            tau_lo, tau_hi = [*row.tau_ci, None, None][:2]
+            s_lo, s_hi = row.speedup_ci
+            curve = " ".join(_num(rate) for rate in row.acceptance_rate_per_pos[:8])
             rows.append(
                 [
                     scope,
-                    row["speculator"] + (" *" if row["speculator"] == winner else ""),
-                    str(row["best_k"]),
-                    f"{_num(row['tau'])} [{_num(tau_lo)}, {_num(tau_hi)}]",
-                    f"{_num(row['speedup'])}x [{_num(s_lo)}, {_num(s_hi)}]",
+                    row.speculator + (" *" if row.speculator == winner else ""),
+                    str(row.best_k),
+                    f"{_num(row.tau)} [{_num(tau_lo)}, {_num(tau_hi)}]",
+                    f"{_num(row.speedup)}x [{_num(s_lo)}, {_num(s_hi)}]",
                     curve,
                 ]
             )
     return rows
 
 
-def verdicts(data: dict[str, Any]) -> list[str]:
-    return [result["verdict"]["text"] for result in data["scopes"].values()]
+def verdicts(head_to_head: HeadToHead) -> list[str]:
+    return [result.verdict.text for result in head_to_head.scopes.values()]
 
 
-def _ms(seconds: Any, bounds: Any) -> str:
+def _ms(seconds: float, bounds: list[float] | None) -> str:
     """'12.3 ms [12.0, 12.6]' (the interval when the costs were timed here)."""
     text = f"{_num(seconds * 1000.0, 3 if seconds < 0.01 else 1)} ms"
-    if isinstance(bounds, list) and len(bounds) == 2 and None not in bounds:
+    if bounds is not None and len(bounds) == 2:
         text += f" [{_num(bounds[0] * 1000.0, 3 if seconds < 0.01 else 1)}, {_num(bounds[1] * 1000.0, 3 if seconds < 0.01 else 1)}]"
     return text
 
 
-def cost_lines(data: dict[str, Any]) -> list[str]:
+def cost_lines(head_to_head: HeadToHead) -> list[str]:
     """The shared step costs every speedup was priced with, each with its 95% interval: the target's decode and
     verify times (shared by all speculators), then each speculator's draft time; then any timing that broke
     the cost model (the advice is not reliable then)."""
-    costs = data["costs"]
-    timed = "t_decode_s_ci" in costs
-    where = f"{costs.get('source', 'measured')}, {costs.get('device', 'unknown device')}"
+    costs, spread = head_to_head.costs, head_to_head.costs.spread
     lines = [
-        f"step costs ({where}; {'95% intervals from the timing bootstrap' if timed else 'a profile: taken as exact'}):",
+        f"step costs ({costs.source}, {costs.device}; "
+        f"{'95% intervals from the timing bootstrap' if spread else 'a profile: taken as exact'}):",
         "target: decode "
-        + _ms(costs["t_decode_s"], costs.get("t_decode_s_ci"))
+        + _ms(costs.t_decode_s, spread.t_decode_s_ci if spread else None)
         + "".join(
-            f"; verify K={k} " + _ms(v, costs.get("t_verify_s_ci", {}).get(k)) for k, v in costs["t_verify_s"].items()
+            f"; verify K={k} " + _ms(v, spread.t_verify_s_ci.get(k) if spread else None)
+            for k, v in costs.t_verify_s.items()
         ),
     ]
-    for name, table in costs["t_draft_s"].items():
-        bounds = costs.get("t_draft_s_ci", {}).get(name, {})
+    for name, table in costs.t_draft_s.items():
+        bounds = spread.t_draft_s_ci.get(name, {}) if spread else {}
         lines.append(f"draft {name}: " + "; ".join(f"K={k} " + _ms(v, bounds.get(k)) for k, v in table.items()))
-    lines += [f"timing not reliable: {violation}" for violation in costs.get("timing_violations", [])]
+    lines += [f"timing not reliable: {violation}" for violation in (spread.timing_violations if spread else [])]
     return lines
 
 
@@ -254,100 +264,104 @@ def engine_settings(kind: str, draft: str, facts: Mapping[str, Any], k: int) -> 
     }
 
 
-def describe_sub_runs(root: Path, data: dict[str, Any]) -> None:
-    """Add to ``data`` (in place) what the pages show beyond the statistics, read from each sub-run's run.json:
-    per speculator its report link, command, date, machine, tool version and checks with their verdict; per
-    scope whose verdict names a leader, the setting to type in each engine at the verdict's K (``settings``)
-    and what DRAFT stands for. A speculator without a run folder (an older head-to-head) is left as it is."""
+def describe_sub_runs(root: Path, head_to_head: HeadToHead) -> HeadToHead:
+    """The head-to-head with what the pages show beyond the statistics, read from each sub-run's run.json: per
+    speculator its report link, command, date, machine, tool version and checks with their verdict; per scope
+    whose verdict names a leader, the setting to type in each engine at the verdict's K and what DRAFT stands
+    for. A speculator without a run folder (or whose folder has no run.json) is left as it is."""
     facts: dict[str, tuple[str, str, dict[str, Any]]] = {}
-    for speculator in data["speculators"]:
-        run_dir = speculator.get("run_dir")
+    speculators = []
+    for speculator in head_to_head.speculators:
+        run_dir = speculator.run_dir
         if not run_dir or not (Path(run_dir) / RUN_JSON).is_file():
+            speculators.append(speculator)
             continue
         record = json.loads((Path(run_dir) / RUN_JSON).read_text(encoding="utf-8"))
-        checks = [
-            {"id": c["id"], "status": c["status"], "summary": c.get("summary", "")} for c in record.get("checks", [])
-        ]
-        verdict, flagged = check_verdict((c["id"], c["status"]) for c in checks)
+        checks = [SubRunCheck(c["id"], c["status"], c.get("summary", "")) for c in record.get("checks", [])]
+        verdict, flagged = check_verdict((c.id, c.status) for c in checks)
         draft = record.get("models", {}).get("draft", {})
-        speculator.update(
-            {
-                "folder": _shown_path(run_dir, root),
-                "report": _shown_path(Path(run_dir) / "report.html", root),
-                "command": sub_run_command(record.get("config", {}), root),
-                "created_at": record.get("created_at", ""),
-                "machine": _machine(record.get("environment", {}), draft.get("device")),
-                "tool_version": record.get("tool_version", ""),
-                "verdict": verdict,
-                "flagged": flagged,
-                "checks": checks,
-            }
+        sub_run = SubRun(
+            folder=_shown_path(run_dir, root),
+            report=_shown_path(Path(run_dir) / "report.html", root),
+            command=sub_run_command(record.get("config", {}), root),
+            created_at=record.get("created_at", ""),
+            machine=_machine(record.get("environment", {}), draft.get("device")),
+            tool_version=record.get("tool_version", ""),
+            verdict=verdict,
+            flagged=flagged,
+            checks=checks,
+            draft_shown=_shown_path(speculator.draft, root),
         )
-        speculator["draft_shown"] = _shown_path(speculator["draft"], root)
-        facts[speculator["name"]] = (speculator["kind"], speculator["draft_shown"], draft)
-    for result in data["scopes"].values():
-        verdict = result["verdict"]
-        leader = next((row for row in result["rows"] if row["speculator"] == verdict["winner"]), None)
-        if leader is not None and verdict["winner"] in facts:
-            kind, draft, draft_facts = facts[verdict["winner"]]
-            verdict["settings"] = engine_settings(kind, draft, draft_facts, int(leader["best_k"]))
-            verdict["settings_k"] = int(leader["best_k"])
-            verdict["draft_shown"] = draft
+        speculators.append(replace(speculator, sub_run=sub_run))
+        facts[speculator.name] = (speculator.kind, sub_run.draft_shown, draft)
+    scopes = {}
+    for name, result in head_to_head.scopes.items():
+        verdict = result.verdict
+        leader = next((row for row in result.rows if row.speculator == verdict.winner), None)
+        if leader is not None and verdict.winner in facts:
+            kind, draft, draft_facts = facts[verdict.winner]
+            k = int(leader.best_k)
+            verdict = replace(verdict, deploy=DeploySettings(engine_settings(kind, draft, draft_facts, k), k, draft))
+        scopes[name] = replace(result, verdict=verdict)
+    return replace(head_to_head, speculators=speculators, scopes=scopes)
 
 
-def settings_lines(verdict: Mapping[str, Any]) -> list[tuple[str, str]]:
+def settings_lines(verdict: Verdict) -> list[tuple[str, str]]:
     """(engine, setting) rows for a scope's verdict, the DRAFT placeholder explained last; none without a leader."""
-    settings = verdict.get("settings") or {}
-    if not settings:
+    if verdict.deploy is None or not verdict.deploy.settings:
         return []
+    settings = verdict.deploy.settings
     rows = [(engine, settings[engine]) for engine in ENGINES if engine in settings]
-    return rows + [("DRAFT", f"the draft {verdict.get('draft_shown', '')} on the serving machine")]
+    return rows + [("DRAFT", f"the draft {verdict.deploy.draft_shown} on the serving machine")]
 
 
-def settings_heading(verdict: Mapping[str, Any]) -> str:
+def settings_heading(verdict: Verdict) -> str:
     """What the settings are for: the deployment the verdict names, or the leader's when it is not decisive."""
-    what = f"{verdict['winner']} at K={verdict.get('settings_k')}"
-    return f"to deploy {what}:" if verdict["decisive"] else f"if you deploy the leader anyway ({what}; not decided):"
+    what = f"{verdict.winner} at K={verdict.deploy.settings_k if verdict.deploy is not None else None}"
+    return f"to deploy {what}:" if verdict.decisive else f"if you deploy the leader anyway ({what}; not decided):"
 
 
-def sub_run_rows(data: dict[str, Any]) -> list[dict[str, str]]:
+def sub_run_rows(head_to_head: HeadToHead) -> list[dict[str, str]]:
     """One row per sub-run for the pages: its verdict line, the warned/failed checks with their summaries,
     its folder, report link, command, date, machine and tool version."""
     rows = []
-    for speculator in data["speculators"]:
-        if "verdict" not in speculator:
+    for speculator in head_to_head.speculators:
+        run = speculator.sub_run
+        if run is None:
             continue
-        by_id = {c["id"]: c for c in speculator["checks"]}
+        by_id = {c.id: c for c in run.checks}
         rows.append(
             {
-                "name": speculator["name"],
-                "kind": speculator["kind"],
-                "line": sub_run_line(speculator["name"], speculator["verdict"], speculator["flagged"]),
-                "verdict": speculator["verdict"],
-                "flagged": "; ".join(
-                    f"{i} ({by_id[i]['status']}): {by_id[i]['summary']}" for i in speculator["flagged"]
-                )
-                or "none",
-                "report": speculator["report"],
-                "folder": speculator["folder"],
-                "command": speculator["command"],
-                "created_at": speculator["created_at"],
-                "machine": speculator["machine"],
-                "tool_version": speculator["tool_version"],
+                "name": speculator.name,
+                "kind": speculator.kind,
+                "line": sub_run_line(speculator.name, run.verdict, run.flagged),
+                "verdict": run.verdict,
+                "flagged": "; ".join(f"{i} ({by_id[i].status}): {by_id[i].summary}" for i in run.flagged) or "none",
+                "report": run.report,
+                "folder": run.folder,
+                "command": run.command,
+                "created_at": run.created_at,
+                "machine": run.machine,
+                "tool_version": run.tool_version,
             }
         )
     return rows
 
 
+def shown_draft(speculator: Speculator) -> str:
+    """The draft as the pages name it: relative to the head-to-head folder once the sub-run was described."""
+    return speculator.sub_run.draft_shown if speculator.sub_run is not None else speculator.draft
+
+
 # ------------------------------------------------------------------------------------------------- the views
 
 
-def print_head_to_head(data: dict[str, Any], console: Console) -> None:
+def print_head_to_head(head_to_head: HeadToHead, console: Console) -> None:
     """The same rows as the reports, laid out for a terminal of 80 columns (a CI log's width): the figures in
     one table, the per-position curves (first six slots) in a second, each scope named once. Nothing is
     shortened: two drafts of one target often share a long name prefix, and an ellipsis made them
     indistinguishable."""
-    rows = table_rows(data)
+    rows = table_rows(head_to_head)
 
     def scoped(title: str, headers: tuple[str, ...], cells: list[list[str]]) -> Table:
         table = Table(title=title, pad_edge=False)
@@ -374,24 +388,21 @@ def print_head_to_head(data: dict[str, Any], console: Console) -> None:
             [[row[0], row[1], " ".join(row[5].split()[:6])] for row in rows],
         )
     )
-    for line in cost_lines(data):
+    for line in cost_lines(head_to_head):
         console.print(f"  {escape(line)}")
-    for result in data["scopes"].values():
-        console.print(f"  {for_terminal(result['verdict']['text'])}")
-        if settings_lines(result["verdict"]):
-            console.print(f"    {for_terminal(settings_heading(result['verdict']))}")
-        for engine, setting in settings_lines(result["verdict"]):
+    for result in head_to_head.scopes.values():
+        console.print(f"  {for_terminal(result.verdict.text)}")
+        if settings_lines(result.verdict):
+            console.print(f"    {for_terminal(settings_heading(result.verdict))}")
+        for engine, setting in settings_lines(result.verdict):
             console.print(f"    {for_terminal(engine)}: {for_terminal(setting)}", soft_wrap=True)
 
 
-def markdown(data: dict[str, Any]) -> str:
+def markdown(head_to_head: HeadToHead) -> str:
     """head_to_head.md: the decision first (verdicts with the settings to type), then the table and curves,
     the step costs with their spread, and each sub-run's checks, report, command, date and machine."""
     cell = markdown_cell
-    names = ", ".join(
-        f"`{cell(s['name'])}` ({cell(s['kind'])}, {cell(s.get('draft_shown', s['draft']))})"
-        for s in data["speculators"]
-    )
+    names = ", ".join(f"`{cell(s.name)}` ({cell(s.kind)}, {cell(shown_draft(s))})" for s in head_to_head.speculators)
     lines = [
         "# Head-to-head",
         "",
@@ -400,9 +411,9 @@ def markdown(data: dict[str, Any]) -> str:
         "## Verdict",
         "",
     ]
-    for result in data["scopes"].values():
-        verdict = result["verdict"]
-        lines.append(f"- {cell(verdict['text'])}")
+    for result in head_to_head.scopes.values():
+        verdict = result.verdict
+        lines.append(f"- {cell(verdict.text)}")
         if settings_lines(verdict):
             lines.append(f"  {cell(settings_heading(verdict))}")
             lines += [
@@ -412,9 +423,9 @@ def markdown(data: dict[str, Any]) -> str:
                 for engine, setting in settings_lines(verdict)
             ]
     lines += ["", "## Table", "", "| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
-    lines += ["| " + " | ".join(cell(c) for c in row) + " |" for row in table_rows(data)]
-    lines += ["", "## Step costs", ""] + [f"- {cell(line)}" for line in cost_lines(data)]
-    runs = sub_run_rows(data)
+    lines += ["| " + " | ".join(cell(c) for c in row) + " |" for row in table_rows(head_to_head)]
+    lines += ["", "## Step costs", ""] + [f"- {cell(line)}" for line in cost_lines(head_to_head)]
+    runs = sub_run_rows(head_to_head)
     if runs:
         lines += [
             "",
@@ -443,10 +454,10 @@ _METHOD = (
 )
 
 
-def _curves_svg(scope: str, rows: list[dict[str, Any]]) -> str:
+def _curves_svg(scope: str, rows: Sequence[ContenderRow]) -> str:
     """The per-position acceptance curves of one scope as a small inline SVG (the page opens offline)."""
     width, height, pad = 360, 160, 28
-    slots = max((len(row["acceptance_rate_per_pos"]) for row in rows), default=0)
+    slots = max((len(row.acceptance_rate_per_pos) for row in rows), default=0)
     if not slots:
         return ""
     colours = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b")
@@ -463,26 +474,23 @@ def _curves_svg(scope: str, rows: list[dict[str, Any]]) -> str:
         colour = colours[index % len(colours)]
         points = " ".join(
             f"{pad + step * i:.1f},{height - pad - span * r:.1f}"
-            for i, r in enumerate(row["acceptance_rate_per_pos"])
+            for i, r in enumerate(row.acceptance_rate_per_pos)
             if r is not None and r == r
         )
         parts.append(f"<polyline fill='none' stroke='{colour}' stroke-width='2' points='{points}'/>")
         parts.append(
             f"<text x='{width - pad + 2}' y='{pad + 12 * index}' font-size='10' fill='{colour}'>"
-            f"{html.escape(row['speculator'])}</text>"
+            f"{html.escape(row.speculator)}</text>"
         )
     return "".join(parts) + "</svg>"
 
 
-def html_page(data: dict[str, Any]) -> str:
+def html_page(head_to_head: HeadToHead) -> str:
     """head_to_head.html, self-contained (no script, no remote asset): the same sections as :func:`markdown`,
     with the per-position curves drawn per scope beside the table's figures."""
     e = html.escape
-    names = ", ".join(
-        f"<code>{e(s['name'])}</code> ({e(s['kind'])}, {e(s.get('draft_shown', s['draft']))})"
-        for s in data["speculators"]
-    )
-    runs = sub_run_rows(data)
+    names = ", ".join(f"<code>{e(s.name)}</code> ({e(s.kind)}, {e(shown_draft(s))})" for s in head_to_head.speculators)
+    runs = sub_run_rows(head_to_head)
     first = runs[0] if runs else None
     header = (
         (
@@ -493,9 +501,9 @@ def html_page(data: dict[str, Any]) -> str:
         else ""
     )
     verdict_items = []
-    for result in data["scopes"].values():
-        verdict = result["verdict"]
-        item = f"<li class='{'decided' if verdict['decisive'] else 'open'}'>{e(verdict['text'])}"
+    for result in head_to_head.scopes.values():
+        verdict = result.verdict
+        item = f"<li class='{'decided' if verdict.decisive else 'open'}'>{e(verdict.text)}"
         if settings_lines(verdict):
             item += (
                 f"<div>{e(settings_heading(verdict))}</div><table class='settings'>"
@@ -507,12 +515,12 @@ def html_page(data: dict[str, Any]) -> str:
             )
         verdict_items.append(item + "</li>")
     head = "".join(f"<th>{e(h)}</th>" for h in HEADERS)
-    body = "".join("<tr>" + "".join(f"<td>{e(c)}</td>" for c in row) + "</tr>" for row in table_rows(data))
+    body = "".join("<tr>" + "".join(f"<td>{e(c)}</td>" for c in row) + "</tr>" for row in table_rows(head_to_head))
     curves = "".join(
-        f"<figure><figcaption>{e(scope)}</figcaption>{_curves_svg(scope, result['rows'])}</figure>"
-        for scope, result in data["scopes"].items()
+        f"<figure><figcaption>{e(scope)}</figcaption>{_curves_svg(scope, result.rows)}</figure>"
+        for scope, result in head_to_head.scopes.items()
     )
-    costs = "".join(f"<li>{e(line)}</li>" for line in cost_lines(data))
+    costs = "".join(f"<li>{e(line)}</li>" for line in cost_lines(head_to_head))
     sub_runs = ""
     if runs:
         sub_runs = (
@@ -542,10 +550,9 @@ def html_page(data: dict[str, Any]) -> str:
     )
 
 
-def write_head_to_head(root: Path, data: dict[str, Any]) -> None:
-    """``head_to_head.json``, ``head_to_head.md`` and ``head_to_head.html`` in the head-to-head's folder, after
-    :func:`describe_sub_runs` added the sub-runs' facts and the engine settings to ``data``."""
-    describe_sub_runs(root, data)
-    write_text_atomic(root / HEAD_TO_HEAD_JSON, json.dumps(data, indent=2, allow_nan=True))
-    write_text_atomic(root / "head_to_head.md", markdown(data))
-    write_text_atomic(root / "head_to_head.html", html_page(data))
+def write_head_to_head(root: Path, head_to_head: HeadToHead) -> None:
+    """``head_to_head.json``, ``head_to_head.md`` and ``head_to_head.html`` in the head-to-head's folder (the
+    pages show the sub-runs' facts and engine settings once :func:`describe_sub_runs` has added them)."""
+    write_text_atomic(root / HEAD_TO_HEAD_JSON, json.dumps(head_to_head.to_json(), indent=2, allow_nan=True))
+    write_text_atomic(root / "head_to_head.md", markdown(head_to_head))
+    write_text_atomic(root / "head_to_head.html", html_page(head_to_head))

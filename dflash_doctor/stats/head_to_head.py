@@ -24,13 +24,17 @@ same way for every speculator (docs/speculators.md):
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+import json
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 import pandas as pd
 
-from dflash_doctor.rundir.run_record import OVERALL, RunRecord, StepCosts
+from dflash_doctor.errors import UsageError
+from dflash_doctor.rundir.run_record import OVERALL, RunRecord, StepCosts, _from_json, _to_json
+from dflash_doctor.rundir.tables import HEAD_TO_HEAD_JSON
 from dflash_doctor.stats.metrics import NUM_BOOTSTRAP_RESAMPLES, group_rng, interval, resample_multiplicities
 from dflash_doctor.stats.speedup import StepPrices, UnitSteps, max_drafted, units_of
 from dflash_doctor.stats.step_costs import CostSamples, cost_replicates, fitted_costs, resampled_medians
@@ -44,9 +48,10 @@ class Contender:
     record: RunRecord
     steps_by_k: Mapping[int, pd.DataFrame]
     cost_samples: CostSamples | None = None  # the check's raw step timings (None: priced with a cost profile)
+    run_dir: Path | None = None  # its sub-run's folder, which the pages link to
 
 
-@dataclass
+@dataclass(frozen=True)
 class ContenderRow:
     """One speculator in one scope, at its best K."""
 
@@ -61,7 +66,18 @@ class ContenderRow:
     num_drafts: int
 
 
-@dataclass
+@dataclass(frozen=True)
+class DeploySettings:
+    """What to type in each engine to serve a verdict's leader (``settings``: engine -> setting) at
+    ``settings_k``, and what the DRAFT placeholder stands for (``draft_shown``). Read from the sub-runs when
+    the head-to-head is written, so it is absent for a leader whose sub-run has no run.json."""
+
+    settings: dict[str, str]
+    settings_k: int
+    draft_shown: str
+
+
+@dataclass(frozen=True)
 class Verdict:
     """Which speculator to deploy in a scope: ``winner`` (the leader; None: none beats plain decoding), the
     ratio of its speedup to the runner-up's with a paired interval, and ``decisive``: whether the advice
@@ -73,35 +89,193 @@ class Verdict:
     ratio_ci: list[float] | None
     decisive: bool
     text: str
+    deploy: DeploySettings | None = None  # stored flat beside the fields above
 
 
-@dataclass
+@dataclass(frozen=True)
 class ScopeResult:
     rows: list[ContenderRow]
     verdict: Verdict
 
 
-@dataclass
+@dataclass(frozen=True)
+class CostSpread:
+    """The 95% bootstrap intervals of the shared costs (present when the costs were timed here, not a profile)
+    and the timings that broke the cost model's physics."""
+
+    t_decode_s_ci: list[float]
+    t_verify_s_ci: dict[int, list[float]]
+    t_draft_s_ci: dict[str, dict[int, list[float]]]  # speculator -> K -> interval
+    timing_violations: list[str]
+
+
+@dataclass(frozen=True)
+class SharedCosts:
+    """The costs every speedup was priced with: the target's decode and verify times (shared by all
+    speculators) and each speculator's own draft time per K, with their spread when timed here."""
+
+    source: str
+    device: str
+    t_decode_s: float
+    t_verify_s: dict[int, float]
+    t_draft_s: dict[str, dict[int, float]]  # speculator -> K -> seconds
+    spread: CostSpread | None = None  # stored flat beside the fields above
+
+
+@dataclass(frozen=True)
+class SubRunCheck:
+    id: str
+    status: str
+    summary: str
+
+
+@dataclass(frozen=True)
+class SubRun:
+    """What the pages show of a speculator's own check, read from its run.json when the head-to-head is
+    written (paths relative to the head-to-head folder): its verdict word and flagged checks, report, command,
+    date, machine and tool version."""
+
+    folder: str
+    report: str
+    command: str
+    created_at: str
+    machine: str
+    tool_version: str
+    verdict: str
+    flagged: list[str]
+    checks: list[SubRunCheck]
+    draft_shown: str
+
+
+@dataclass(frozen=True)
+class Speculator:
+    """One speculator of the head-to-head: its table name, draft and kind, its sub-run's folder (``run_dir``;
+    None in a head-to-head built without one) and that sub-run's facts (None when it has no run.json)."""
+
+    name: str
+    draft: str
+    kind: str
+    run_dir: str | None = None
+    sub_run: SubRun | None = None  # stored flat beside the fields above
+
+
+@dataclass(frozen=True)
 class HeadToHead:
-    speculators: list[dict[str, Any]]
-    costs: dict[str, Any]
-    scopes: dict[str, ScopeResult] = field(default_factory=dict)
+    """The head-to-head as ``head_to_head.json`` holds it: only :meth:`to_json` and :meth:`from_json` know
+    that layout (groups of optional keys stored flat beside their parent's fields); every view reads this."""
+
+    speculators: list[Speculator]
+    costs: SharedCosts
+    scopes: dict[str, ScopeResult]
 
     def to_json(self) -> dict[str, Any]:
+        """The JSON form, key for key in the order head_to_head.json has always had.
+
+        Returns:
+            A dict for :func:`json.dumps`; an absent optional group leaves out its keys.
+        """
         return {
-            "speculators": self.speculators,
-            "costs": self.costs,
+            "speculators": [_flat(s, "sub_run") for s in self.speculators],
+            "costs": _flat(self.costs, "spread"),
             "scopes": {
-                name: {"rows": [_row_json(row) for row in scope.rows], "verdict": asdict(scope.verdict)}
+                name: {"rows": [_to_json(row) for row in scope.rows], "verdict": _flat(scope.verdict, "deploy")}
                 for name, scope in self.scopes.items()
             },
         }
 
+    @classmethod
+    def from_json(cls, data: Any) -> "HeadToHead":
+        """Parse the JSON form, every field checked against its declared type.
 
-def _row_json(row: ContenderRow) -> dict[str, Any]:
-    data = asdict(row)
-    data["speedup_by_k"] = {str(k): v for k, v in row.speedup_by_k.items()}
+        Args:
+            data: head_to_head.json's content, as :func:`json.loads` gives it.
+
+        Returns:
+            The typed head-to-head.
+
+        Raises:
+            ValueError: one sentence naming the path of a missing, unknown or mistyped field
+                (:func:`read_head_to_head` turns it into a UsageError naming the file).
+        """
+        top = _object(data, "the head-to-head", ("speculators", "costs", "scopes"))
+        speculators = _from_json(list[dict[str, Any]], top["speculators"], "speculators")
+        scopes = _from_json(dict[str, dict[str, Any]], top["scopes"], "scopes")
+        return cls(
+            speculators=[
+                _grouped(Speculator, s, f"speculators[{i}]", "sub_run", SubRun) for i, s in enumerate(speculators)
+            ],
+            costs=_grouped(SharedCosts, top["costs"], "costs", "spread", CostSpread),
+            scopes={name: _scope_from_json(scope, f"scopes.{name}") for name, scope in scopes.items()},
+        )
+
+
+def _scope_from_json(data: dict[str, Any], where: str) -> ScopeResult:
+    scope = _object(data, where, ("rows", "verdict"))
+    return ScopeResult(
+        rows=_from_json(list[ContenderRow], scope["rows"], f"{where}.rows"),
+        verdict=_grouped(Verdict, scope["verdict"], f"{where}.verdict", "deploy", DeploySettings),
+    )
+
+
+def _object(data: Any, where: str, keys: tuple[str, ...]) -> dict[str, Any]:
+    """``data`` as an object with exactly ``keys``, else a ValueError naming ``where``."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{where} is not an object")
+    if set(data) != set(keys):
+        raise ValueError(f"{where} has the keys {sorted(data)}, not {list(keys)}")
     return data
+
+
+def _flat(value: Any, group: str) -> dict[str, Any]:
+    """A dataclass as JSON with its optional ``group`` field's keys stored flat after the others (none when it
+    is None): head_to_head.json's layout since the sub-run facts and engine settings were added to it."""
+    data = _to_json(value)
+    inner = data.pop(group)
+    return {**data, **(inner or {})}
+
+
+def _grouped(kind: Any, data: Any, where: str, group: str, group_kind: Any) -> Any:
+    """Parse an object holding ``kind``'s fields and, all or none of them, ``group_kind``'s fields stored flat
+    beside them (the inverse of :func:`_flat`)."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{where} is not an object")
+    if group in data:
+        raise ValueError(f"{where} has no field(s) {[group]}")
+    names = {f.name for f in fields(group_kind)}
+    inner = {k: v for k, v in data.items() if k in names}
+    built = _from_json(kind, {k: v for k, v in data.items() if k not in names}, where)
+    return replace(built, **{group: _from_json(group_kind, inner, where)}) if inner else built
+
+
+def read_head_to_head(folder: Path | str) -> HeadToHead:
+    """Read and type a head-to-head folder's ``head_to_head.json``: the one reader of the report, the dashboard
+    and the tests.
+
+    Args:
+        folder: the folder ``check --draft A --draft B ...`` wrote.
+
+    Returns:
+        The typed head-to-head.
+
+    Raises:
+        UsageError: the file is missing, not JSON, or has a field of the wrong shape or type (one written by
+            another version of dflash-doctor): one sentence naming the file and the fix.
+    """
+    path = Path(folder) / HEAD_TO_HEAD_JSON
+    rerun = "re-run the `dflash-doctor check --draft A --draft B ...` that wrote it."
+    if not path.is_file():
+        raise UsageError(
+            f"{folder} holds no {HEAD_TO_HEAD_JSON}; pass a folder written by `dflash-doctor check --draft A --draft B ...`."
+        )
+    try:
+        return HeadToHead.from_json(json.loads(path.read_text(encoding="utf-8")))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UsageError(f"{path} is not valid JSON ({exc}); {rerun}") from None
+    except RecursionError:
+        raise UsageError(f"{path} nests its values too deeply for a head-to-head; {rerun}") from None
+    except ValueError as exc:
+        detail = " ".join(str(exc).split())[:200]
+        raise UsageError(f"{path} has a field of the wrong shape or type ({detail}); {rerun}") from None
 
 
 def _widest(costs: Sequence[StepCosts]) -> int:
@@ -171,48 +345,48 @@ def build_head_to_head(
             raise ValueError(f"{contender.name}: the run has no sweep to compare")
     costs, replicates = _cost_models(contenders, n_boot, seed)
     scope_names = [OVERALL] + sorted(set.intersection(*(set(c.record.summary.by_class) for c in contenders)))
-    result = HeadToHead(
+    return HeadToHead(
         speculators=[
-            {"name": c.name, "draft": c.record.models["draft"].id, "kind": c.record.models["draft"].kind}
+            Speculator(
+                name=c.name,
+                draft=c.record.models["draft"].id,
+                kind=c.record.models["draft"].kind,
+                run_dir=str(c.run_dir) if c.run_dir is not None else None,
+            )
             for c in contenders
         ],
-        costs=_costs_json(contenders, costs, replicates),
+        costs=_shared_costs_with_spread(contenders, costs, replicates),
+        scopes={scope: _scope(contenders, costs, replicates, scope, n_boot, seed) for scope in scope_names},
     )
-    for scope in scope_names:
-        result.scopes[scope] = _scope(contenders, costs, replicates, scope, n_boot, seed)
-    return result
 
 
-def _costs_json(
+def _shared_costs_with_spread(
     contenders: Sequence[Contender], costs: Sequence[StepCosts], replicates: list[list[StepCosts]] | None
-) -> dict[str, Any]:
+) -> SharedCosts:
     """The shared costs with their spread: each fitted time and, when timed here, its 95% bootstrap interval."""
 
     def ci(values: list[float]) -> list[float]:
         return [float(x) for x in interval(np.asarray(values))]
 
-    block: dict[str, Any] = {
-        "source": costs[0].source,
-        "device": costs[0].device,
-        "t_decode_s": costs[0].t_decode_s,
-        "t_verify_s": {str(k): v for k, v in sorted(costs[0].t_verify_s.items())},
-        "t_draft_s": {
-            c.name: {str(k): v for k, v in sorted(cost.t_draft_s.items())} for c, cost in zip(contenders, costs)
-        },
-    }
+    spread = None
     if replicates is not None:
-        block["t_decode_s_ci"] = ci([m.t_decode_s for m in replicates[0]])
-        block["t_verify_s_ci"] = {
-            str(k): ci([m.t_verify_s[k] for m in replicates[0]]) for k in sorted(costs[0].t_verify_s)
-        }
-        block["t_draft_s_ci"] = {
-            c.name: {str(k): ci([m.t_draft_s[k] for m in reps]) for k in sorted(cost.t_draft_s)}
-            for c, cost, reps in zip(contenders, costs, replicates)
-        }
-        block["timing_violations"] = sorted(
-            {v for c in contenders if c.cost_samples for v in c.cost_samples.violations}
+        spread = CostSpread(
+            t_decode_s_ci=ci([m.t_decode_s for m in replicates[0]]),
+            t_verify_s_ci={k: ci([m.t_verify_s[k] for m in replicates[0]]) for k in sorted(costs[0].t_verify_s)},
+            t_draft_s_ci={
+                c.name: {k: ci([m.t_draft_s[k] for m in reps]) for k in sorted(cost.t_draft_s)}
+                for c, cost, reps in zip(contenders, costs, replicates)
+            },
+            timing_violations=sorted({v for c in contenders if c.cost_samples for v in c.cost_samples.violations}),
         )
-    return block
+    return SharedCosts(
+        source=costs[0].source,
+        device=costs[0].device,
+        t_decode_s=costs[0].t_decode_s,
+        t_verify_s=dict(sorted(costs[0].t_verify_s.items())),
+        t_draft_s={c.name: dict(sorted(cost.t_draft_s.items())) for c, cost in zip(contenders, costs)},
+        spread=spread,
+    )
 
 
 def _scope(
@@ -225,18 +399,27 @@ def _scope(
 ) -> ScopeResult:
     frames = [{k: _scope_steps(steps, scope) for k, steps in c.steps_by_k.items()} for c in contenders]
     units = units_of(f[max(f)] for f in frames)
-    rows: list[ContenderRow] = []
+    by_ks: list[dict[int, float]] = []  # per contender: its point speedup at each K
     best: list[
         tuple[int, UnitSteps, StepPrices]
     ] = []  # per contender: its best K, its steps there, its resampled prices
-    for contender, cost, own, models in zip(contenders, costs, frames, replicates or [None] * len(costs)):
+    for cost, own, models in zip(costs, frames, replicates or [None] * len(costs)):
         ks = sorted(own)
         largest = max_drafted(own.values())
         point = StepPrices.of([cost], ks, largest)
         counts = {k: UnitSteps.of(frame, units, largest) for k, frame in own.items()}
         by_k = {k: counts[k].point_speedup(point, k) for k in ks}
         best_k = max(ks, key=lambda k: by_k[k] if np.isfinite(by_k[k]) else -np.inf)
+        by_ks.append(by_k)
         best.append((best_k, counts[best_k], StepPrices.of(models or [cost], ks, largest)))
+    # paired bootstrap: one draw of conversations and one draw of the timings price every contender at its best K
+    boot = np.empty((len(contenders), n_boot))
+    rng = group_rng(seed, f"head-to-head:{scope}")
+    for rows_slice, multiplicity in resample_multiplicities(len(units), n_boot, rng):
+        for i, (k, unit_steps, prices) in enumerate(best):
+            boot[i, rows_slice] = unit_steps.replicates(prices, k, multiplicity, rows_slice)
+    rows: list[ContenderRow] = []
+    for i, (contender, by_k, (best_k, _, _)) in enumerate(zip(contenders, by_ks, best)):
         sweep_rows = {row.k: row for row in contender.record.summary.sweep.scopes().get(scope, [])}  # type: ignore[union-attr]
         sweep_row = sweep_rows.get(best_k)
         metrics = contender.record.summary.scopes().get(scope)
@@ -247,20 +430,12 @@ def _scope(
                 tau=sweep_row.mean_acceptance_length if sweep_row else None,
                 tau_ci=list(sweep_row.mean_acceptance_length_ci) if sweep_row else [None, None],
                 speedup=by_k[best_k],
-                speedup_ci=[float("nan"), float("nan")],
+                speedup_ci=[float(x) for x in interval(boot[i])],
                 speedup_by_k=by_k,
                 acceptance_rate_per_pos=list(metrics.acceptance_rate_per_pos) if metrics else [],
                 num_drafts=int(metrics.num_drafts) if metrics else 0,
             )
         )
-    # paired bootstrap: one draw of conversations and one draw of the timings price every contender at its best K
-    boot = np.empty((len(contenders), n_boot))
-    rng = group_rng(seed, f"head-to-head:{scope}")
-    for rows_slice, multiplicity in resample_multiplicities(len(units), n_boot, rng):
-        for i, (k, unit_steps, prices) in enumerate(best):
-            boot[i, rows_slice] = unit_steps.replicates(prices, k, multiplicity, rows_slice)
-    for i, row in enumerate(rows):
-        row.speedup_ci = [float(x) for x in interval(boot[i])]
     return ScopeResult(rows=rows, verdict=_verdict(rows, boot, scope, len(units)))
 
 
