@@ -60,13 +60,13 @@ def _mixer_kernels(mixer: torch.nn.Module, device: str) -> dict[str, str]:
         held = {name: getattr(module, name) for name in forward.__code__.co_names if hasattr(module, name)}
     found = {}
     for entry in held.values():
-        resolved = _resolve(entry, device)
+        resolved = resolve_kernel(entry, device)
         if resolved is not None:
             found[resolved[0]] = resolved[1]
     return found
 
 
-def _resolve(entry: Any, device: str) -> tuple[str, str] | None:
+def resolve_kernel(entry: Any, device: str) -> tuple[str, str] | None:
     """(the entry point's torch function name, ``"package function"`` it runs on ``device``), or None for
     anything that is not a kernel dispatcher."""
     if isinstance(entry, torch.nn.Module):  # a kernels-package wrapper of a function
