@@ -105,29 +105,15 @@ def test_the_recommended_k_tooltip_is_escaped(monkeypatch, hostile_runs):
 
 
 def _tune_result(setting: str) -> dict[str, Any]:
-    """A tune.json of one concurrency and two K (what `tune` writes, reduced to what the Tune page reads)."""
-    cell = {
-        "concurrency": 1,
-        "k": 2,
-        "scope": "overall",
-        "num_requests": 4,
-        "tau": 2.0,
-        "tau_ci": [1.8, 2.2],
-        "speedup": 1.3,
-        "speedup_ci": [1.1, 1.5],
-        "output_tokens_per_s": 50.0,
-        "tpot_s": 0.02,
-    }
-    return {
-        "grid": {"loads": [1], "k": [0, 2], "fit_k": [2], "max_concurrency": None, "num_requests": 4},
-        "cells": [cell, {**cell, "k": 0, "tau": None, "tau_ci": None, "speedup": 1.0, "speedup_ci": None}],
-        "prediction": [],
-        "fits": {},
-        "cost_profiles": {},
-        "servers": [{"k": 2, "warning": HOSTILE}],
-        "recommendation": {"1": {"overall": {"k": 2, "conservative_k": 2, "reason": HOSTILE}}},
-        "engine_settings": {"vllm": setting, "sglang": HOSTILE},
-    }
+    """A tune.json `tune` wrote (tests/data/tune-result-2026-12-04), its engine settings, a server's warning and a
+    recommendation's reason replaced by hostile text."""
+    result = json.loads(
+        (Path(__file__).parent / "data" / "tune-result-2026-12-04" / "concurrency" / "tune.json").read_text()
+    )
+    result["servers"][0]["warning"] = HOSTILE
+    result["recommendation"]["1"]["overall"]["reason"] = HOSTILE
+    result["engine_settings"] = {"vllm": setting, "sglang": HOSTILE}
+    return result
 
 
 def test_tune_page_shows_engine_settings_as_text(monkeypatch, tmp_path):
