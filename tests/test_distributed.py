@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from dflash_doctor.models.placement import placement_of
-from dflash_doctor.replay.sharding import PARTS_DIR, expected_work, merge_replays, parse_devices, shard_requests
+from dflash_doctor.replay.sharding import expected_work, merge_replays, parse_devices, shard_requests
+from dflash_doctor.rundir.writer import PARTS_DIR
 from dflash_doctor.errors import UsageError
 from dflash_doctor.replay.stream import Replay
 from dflash_doctor.rundir.load import load_run

@@ -15,15 +15,11 @@ own target may span several GPUs (:mod:`dflash_doctor.models.placement`).
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 
 from dflash_doctor.errors import UsageError
@@ -32,10 +28,8 @@ from dflash_doctor.inputs.workloads import Request
 from dflash_doctor.processes import run_in_group
 from dflash_doctor.replay.stream import Replay
 from dflash_doctor.rundir.ownership import new_run_dir
-from dflash_doctor.rundir.tables import TABLES
-from dflash_doctor.rundir.writer import RunWriter
+from dflash_doctor.rundir.writer import RunWriter, part_dir
 
-PARTS_DIR = "parts"
 GROUP_SEPARATOR = "+"  # joins the GPUs of one rank's target in --devices: cuda:0+cuda:1
 
 
@@ -159,8 +153,10 @@ def replay_into(
     ``work``: a request's expected cost (:func:`expected_work`), by which the ranks share them.
 
     In one process that is ``replay(RunWriter(run_dir), requests)``. Under torchrun each rank replays its
-    share into ``parts/rank-<r>``; rank 0 returns the merged replay with every part's rows in its writer;
-    any other rank leaves the command here (``SystemExit(0)``) once rank 0 has its replay.
+    share into its part (:func:`~dflash_doctor.rundir.writer.part_dir`); rank 0 returns the merged replay and
+    the writer :meth:`~dflash_doctor.rundir.writer.RunWriter.from_parts` fills with every part's rows in its
+    order; any other rank leaves the command here (``SystemExit(0)``) once rank 0 has its replay. The run
+    directory is handed to the writer twice per rank (its part, then rank 0's merge), once in one process.
     """
     ranks = current_ranks()
     if not ranks.sharded:
@@ -178,26 +174,8 @@ def replay_into(
     replays = _gather(result, ranks)
     if not ranks.is_main:
         raise SystemExit(0)
-    writer = RunWriter(run_dir, meta)
     merged = merge_replays(replays, requests)
-    order = turn_order(merged)
-    writer.append(
-        {
-            name: _sorted(
-                pa.concat_tables(
-                    [pq.read_table(part_dir(run_dir, r) / f"{name}.parquet") for r in range(ranks.world_size)]
-                ),
-                order,
-            )
-            for name in TABLES
-        }
-    )
-    shutil.rmtree(run_dir / PARTS_DIR)
-    return writer, merged
-
-
-def part_dir(run_dir: Path, rank: int) -> Path:
-    return Path(run_dir) / PARTS_DIR / f"rank-{rank}"
+    return RunWriter.from_parts(run_dir, meta, ranks.world_size, turn_order(merged)), merged
 
 
 def _gather(replay: Replay, ranks: Ranks) -> list[Replay]:
@@ -218,12 +196,6 @@ def _gather(replay: Replay, ranks: Ranks) -> list[Replay]:
 def turn_order(replay: Replay) -> dict[str, int]:
     """Position of each turn's row id in the replay's (already canonical) turn order."""
     return {turn.key: position for position, turn in enumerate(replay.turns)}
-
-
-def _sorted(table: pa.Table, order: dict[str, int]) -> pa.Table:
-    """Rows in the order of their turn (stable: the steps and tokens of a turn keep theirs)."""
-    keys = np.array([order[key] for key in table.column("request_id").to_pylist()], dtype=np.int64)
-    return table.take(pa.array(np.argsort(keys, kind="stable")))
 
 
 def merge_replays(replays: Sequence[Replay], requests: Sequence[Request]) -> Replay:

@@ -14,8 +14,9 @@ import json
 import math
 import shutil
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -74,6 +75,7 @@ def write_costs_table(run_dir: Path, table: pa.Table) -> Path:
 
 
 JOURNAL_DIR = "journal"
+PARTS_DIR = "parts"  # a sharded replay's per-rank run directories, merged into the run directory and removed
 # The order a finished request's rows are appended in: its requests row last, so that row is the commit
 # mark of its steps and tokens (a reader keeps steps/tokens only of requests it has a row for).
 JOURNAL_ORDER = ("steps", "tokens", "requests")
@@ -82,6 +84,12 @@ JOURNAL_ORDER = ("steps", "tokens", "requests")
 def journal_path(run_dir: Path, table: str) -> Path:
     """The append-only journal of one table: an Arrow IPC stream, one record batch per finished request."""
     return run_dir / JOURNAL_DIR / f"{table}.arrows"
+
+
+def part_dir(run_dir: Path | str, rank: int) -> Path:
+    """Where one torchrun rank writes its share of a sharded replay: a run directory of its own below the run's,
+    which :meth:`RunWriter.from_parts` merges."""
+    return Path(run_dir) / PARTS_DIR / f"rank-{rank}"
 
 
 def run_data_files(run_dir: Path | str) -> list[Path]:
@@ -123,6 +131,26 @@ class RunWriter:
         self._sinks = {name: pa.OSFile(str(journal_path(self.run_dir, name)), "wb") for name in TABLES}
         self._streams = {name: pa.ipc.new_stream(self._sinks[name], TABLES[name]) for name in TABLES}
         write_run_json(self.run_dir, meta)
+
+    @classmethod
+    def from_parts(
+        cls, run_dir: Path | str, meta: dict[str, Any], world_size: int, order: Mapping[str, int]
+    ) -> "RunWriter":
+        """The run directory's writer holding the rows of every rank's part (:func:`part_dir`), each table's rows
+        in ``order`` of their ``request_id`` (the position of each turn in the merged replay), the parts removed:
+        the run directory one process writes of the same requests. The layout of the parts and their merge live
+        here, with the rest of the run directory's; the ranks and their replays are
+        :mod:`dflash_doctor.replay.sharding`'s."""
+        writer = cls(run_dir, meta)
+        parts = [part_dir(run_dir, rank) for rank in range(world_size)]
+        writer.append(
+            {
+                name: _in_order(pa.concat_tables([pq.read_table(part / f"{name}.parquet") for part in parts]), order)
+                for name in TABLES
+            }
+        )
+        shutil.rmtree(Path(run_dir) / PARTS_DIR)
+        return writer
 
     def add(self, table: str, rows: Iterable[dict[str, Any]]) -> None:
         self._buffers[table].extend(rows)
@@ -168,6 +196,12 @@ class RunWriter:
 
     def __exit__(self, exc_type: object, exc: BaseException | None, traceback: object) -> None:
         self.close(interrupted=isinstance(exc, KeyboardInterrupt))
+
+
+def _in_order(table: pa.Table, order: Mapping[str, int]) -> pa.Table:
+    """Rows in the order of their turn (stable: the steps and tokens of a turn keep theirs)."""
+    keys = np.array([order[key] for key in table.column("request_id").to_pylist()], dtype=np.int64)
+    return table.take(pa.array(np.argsort(keys, kind="stable")))
 
 
 def read_stream(path: Path, schema: pa.Schema) -> pa.Table:
