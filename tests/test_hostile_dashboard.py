@@ -105,10 +105,10 @@ def test_the_recommended_k_tooltip_is_escaped(monkeypatch, hostile_runs):
 
 
 def _tune_result(setting: str) -> dict[str, Any]:
-    """A tune.json `tune` wrote (tests/data/tune-result-2026-12-04), its engine settings, a server's warning and a
+    """A tune.json `tune` wrote (tests/fixtures/tune-result-2026-12-04), its engine settings, a server's warning and a
     recommendation's reason replaced by hostile text."""
     result = json.loads(
-        (Path(__file__).parent / "data" / "tune-result-2026-12-04" / "concurrency" / "tune.json").read_text()
+        (Path(__file__).parent / "fixtures" / "tune-result-2026-12-04" / "concurrency" / "tune.json").read_text()
     )
     result["servers"][0]["warning"] = HOSTILE
     result["recommendation"]["1"]["overall"]["reason"] = HOSTILE

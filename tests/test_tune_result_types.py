@@ -23,7 +23,7 @@ import fake_spec_engine as fake
 from dashboard_app import open_app
 from tune_fixtures import MAX_TOKENS, write_sweep_run, write_workload
 
-WRITTEN_BEFORE = Path(__file__).resolve().parent / "data" / "tune-result-2026-12-04"
+WRITTEN_BEFORE = Path(__file__).resolve().parent / "fixtures" / "tune-result-2026-12-04"
 RUNS = ("concurrency", "request-rate", "counters")
 
 
