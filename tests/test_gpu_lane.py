@@ -418,10 +418,10 @@ def test_hybrid_check_and_sweep_on_cuda_in_bfloat16(hybrid, tmp_path):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_hybrid_check_on_cuda_is_not_called_lossy_for_its_kernels_numerics(hybrid, tmp_path, dtype):
-    """Issue 51: on the Qwen3.5 shape with flash-linear-attention, `check --dtype float32` failed lossless at a
-    top-2 margin of 0.002 (the verify pass runs fla's chunked kernel, plain decoding its recurrent one). The engine
-    is lossless, so the check passes or warns, never fails; a warning carries each divergence's two kernel paths
-    measured, and the probe records the fla kernels it found in the loaded target."""
+    """Measured on an H200: on the Qwen3.5 shape with flash-linear-attention, `check --dtype float32` failed
+    lossless at a top-2 margin of 0.002 (the verify pass runs fla's chunked kernel, plain decoding its recurrent
+    one). The engine is lossless, so the check passes or warns, never fails; a warning carries each divergence's
+    two kernel paths measured, and the probe records the fla kernels it found in the loaded target."""
     import fla  # noqa: F401 - scripts/gpu-tests.sh installs the `hybrid` extra; a missing one is a lane failure
 
     target, draft = hybrid

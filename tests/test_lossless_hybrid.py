@@ -1,4 +1,4 @@
-"""The lossless check on hybrid targets (issue 51): which kernels the target ran, the verify and decode paths
+"""The lossless check on hybrid targets: which kernels the target ran, the verify and decode paths
 scored again at a divergence, and the rule that tells the kernels' numerics from an engine defect.
 
 On a CPU in float32 with transformers' torch fallbacks: tiny Qwen3.5 / Qwen3-Next targets (three gated-delta-net
