@@ -165,6 +165,18 @@ def test_the_html_page_links_each_report_and_holds_costs_settings_checks_and_pro
     assert saved == data and saved.speculators[0].sub_run is not None and saved.speculators[0].sub_run.verdict == "warn"
 
 
+def test_a_relative_out_links_each_report_from_the_head_to_head_folder(tmp_path, monkeypatch):
+    """`--out runs/h2h` names the sub-runs from the working folder (runs/h2h/eagle3); the page lies in
+    runs/h2h, so its links must read eagle3/report.html, not runs/h2h/eagle3/report.html."""
+    monkeypatch.chdir(tmp_path)
+    root = Path("runs") / "h2h"
+    described = describe_sub_runs(root, HeadToHead.from_json(_head_to_head(root, {"eagle3": [], "ngram": []})))
+    assert [(s.sub_run.folder, s.sub_run.report) for s in described.speculators if s.sub_run] == [
+        ("eagle3", "eagle3/report.html"),
+        ("ngram", "ngram/report.html"),
+    ]
+
+
 def test_no_page_carries_an_absolute_path(page):
     root, _ = page
     for name in ("head_to_head.html", "head_to_head.md"):

@@ -280,9 +280,10 @@ def describe_sub_runs(root: Path, head_to_head: HeadToHead) -> HeadToHead:
         checks = [SubRunCheck(c["id"], c["status"], c.get("summary", "")) for c in record.get("checks", [])]
         verdict, flagged = check_verdict((c.id, c.status) for c in checks)
         draft = record.get("models", {}).get("draft", {})
+        folder = Path(run_dir).resolve()  # a relative --out names it from the working folder, not from root
         sub_run = SubRun(
-            folder=_shown_path(run_dir, root),
-            report=_shown_path(Path(run_dir) / "report.html", root),
+            folder=_shown_path(folder, root),
+            report=_shown_path(folder / "report.html", root),
             command=sub_run_command(record.get("config", {}), root),
             created_at=record.get("created_at", ""),
             machine=_machine(record.get("environment", {}), draft.get("device")),
