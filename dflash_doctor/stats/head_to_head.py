@@ -337,7 +337,20 @@ def _scope_steps(steps: pd.DataFrame, scope: str) -> pd.DataFrame:
 def build_head_to_head(
     contenders: Sequence[Contender], *, n_boot: int = NUM_BOOTSTRAP_RESAMPLES, seed: int = 0
 ) -> HeadToHead:
-    """The table and the verdicts, overall and per class (the classes every contender ran)."""
+    """The table and the verdicts, overall and per class (the classes every contender ran).
+
+    Every speculator is priced with one paired draw of the widest contender's timing, so the ratio of two
+    speedups carries no timing noise the two do not share.
+
+    Args:
+        contenders: the speculators' sub-runs (record, steps per K, cost samples, folder), at least two.
+        n_boot: bootstrap resamples behind every interval.
+        seed: seeds the resamples.
+
+    Returns:
+        The head-to-head, built once: speculators, shared costs with their spread, and per scope the rows and
+        the verdict.
+    """
     if len(contenders) < 2:
         raise ValueError("a head-to-head needs at least two speculators")
     for contender in contenders:
