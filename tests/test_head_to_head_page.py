@@ -167,14 +167,22 @@ def test_the_html_page_links_each_report_and_holds_costs_settings_checks_and_pro
 
 def test_a_relative_out_links_each_report_from_the_head_to_head_folder(tmp_path, monkeypatch):
     """`--out runs/h2h` names the sub-runs from the working folder (runs/h2h/eagle3); the page lies in
-    runs/h2h, so its links must read eagle3/report.html, not runs/h2h/eagle3/report.html."""
+    runs/h2h, so its links must read eagle3/report.html, not runs/h2h/eagle3/report.html; a `--target`
+    typed relative to the working folder is named from the head-to-head folder in the commands too."""
     monkeypatch.chdir(tmp_path)
     root = Path("runs") / "h2h"
-    described = describe_sub_runs(root, HeadToHead.from_json(_head_to_head(root, {"eagle3": [], "ngram": []})))
-    assert [(s.sub_run.folder, s.sub_run.report) for s in described.speculators if s.sub_run] == [
+    data = _head_to_head(root, {"eagle3": [], "ngram": []})
+    (tmp_path / "models" / "target").mkdir(parents=True)
+    record = json.loads((root / "ngram" / RUN_JSON).read_text())
+    record["config"]["target"] = "models/target"
+    (root / "ngram" / RUN_JSON).write_text(json.dumps(record))
+    described = describe_sub_runs(root, HeadToHead.from_json(data))
+    runs = {s.name: s.sub_run for s in described.speculators if s.sub_run}
+    assert [(r.folder, r.report) for r in runs.values()] == [
         ("eagle3", "eagle3/report.html"),
         ("ngram", "ngram/report.html"),
     ]
+    assert "--target ../../models/target " in runs["ngram"].command
 
 
 def test_no_page_carries_an_absolute_path(page):

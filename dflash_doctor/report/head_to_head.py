@@ -136,10 +136,13 @@ _DEMO_WORDS = {"smollm2-135m-dflash": "demo", "smollm2-135m-eagle3": "demo-eagle
 
 
 def _shown_path(value: Any, root: Path) -> str:
-    """A path as the pages show it: a built-in demo draft by its --draft word, another absolute path relative
-    to the head-to-head folder, anything else (a hub id, a speculator's settings) as given."""
+    """A path as the pages show it: a built-in demo draft by its --draft word, another path relative to the
+    head-to-head folder, anything else (a hub id, a speculator's settings) as given.
+
+    A relative path is one the sub-run was given from the working folder (``--target models/x``): the pages
+    are written by the same process, from the same folder, so one that exists there is named from ``root``."""
     text = str(value)
-    if not os.path.isabs(text):
+    if not os.path.isabs(text) and not Path(text).exists():
         return text
     path = Path(text).resolve()
     if path.parent == _DEMO_FOLDER and path.name in _DEMO_WORDS:
