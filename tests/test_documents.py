@@ -47,7 +47,9 @@ def test_github_anchors_follow_githubs_rule():
     assert github_anchors(page) == {"dflash-doctor", "the-run-directory", "tune-on-vllm-k-x-load", "gpu", "gpu-1"}
 
 
-MARKDOWN = _tracked("*.md")
+# the documents a reader follows links in; a recorded program output under tests/fixtures/ links the sub-run folders
+# it was written beside, which are not kept
+MARKDOWN = [path for path in _tracked("*.md") if not path.is_relative_to(REPO / "tests" / "fixtures")]
 
 
 @pytest.mark.parametrize("page", MARKDOWN, ids=lambda p: str(p.relative_to(REPO)))
