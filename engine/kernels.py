@@ -28,10 +28,20 @@ from dflash_doctor.engine.cache import has_recurrent_layers, recurrent_mixers
 
 
 def kernel_paths(model: torch.nn.Module) -> dict[str, str]:
-    """The kernels ``model`` computes with, by name: its dtype and device, its attention implementation, the
-    float32 matmul precision (and on CUDA whether cuDNN convolutions use TF32), and for each recurrent mixer
-    class each kernel entry point with what it runs on this device (``"fla chunk_gated_delta_rule"``,
-    ``"transformers torch_chunk_gated_delta_rule"``), keyed ``Class.entry_point``."""
+    """The kernels a target computes with: what the lossless rule needs to judge a divergence's numerics.
+
+    Read from the loaded modules, never from a model name: a verify pass and a decode step of a hybrid target
+    can run different kernels (a chunked and a recurrent gated-delta-net), whose rounding differs.
+
+    Args:
+        model: the loaded target.
+
+    Returns:
+        By name: its dtype and device, its attention implementation, the float32 matmul precision (and on
+        CUDA whether cuDNN convolutions use TF32), and for each recurrent mixer class each kernel entry point
+        with what it runs on this device (``"fla chunk_gated_delta_rule"``,
+        ``"transformers torch_chunk_gated_delta_rule"``), keyed ``Class.entry_point``.
+    """
     parameter = next(model.parameters())
     device = parameter.device.type
     config: Any = getattr(model, "config")
@@ -67,8 +77,16 @@ def _mixer_kernels(mixer: torch.nn.Module, device: str) -> dict[str, str]:
 
 
 def resolve_kernel(entry: Any, device: str) -> tuple[str, str] | None:
-    """(the entry point's torch function name, ``"package function"`` it runs on ``device``), or None for
-    anything that is not a kernel dispatcher."""
+    """What a recurrent mixer's kernel entry point runs on a device (an fla kernel or transformers' torch fallback).
+
+    Args:
+        entry: the attribute a mixer holds for one kernel (a function or a hub-kernel dispatcher).
+        device: ``"cuda"`` or ``"cpu"``: a dispatcher may pick a different function per device.
+
+    Returns:
+        ``(the entry point's torch function name, "package function")``, or None for anything that is not a
+        kernel dispatcher.
+    """
     if isinstance(entry, torch.nn.Module):  # a kernels-package wrapper of a function
         swapped = vars(entry).get("forward")  # ``kernelize`` put a hub kernel in its place
         entry = _nonlocals(type(entry).forward).get("func")
