@@ -27,6 +27,14 @@ def cut_at_stop(accepted: Iterable[int], stop_ids: frozenset[int]) -> int | None
 
     Returns:
         The 0-based index of the first stop token in ``accepted``, None when there is none.
+
+    Example: drafts 7, 2, 9, 2 accepted with stop tokens {2, 5}: the request ends at the first 2, and the
+    9 after it never enters the output.
+
+    >>> cut_at_stop([7, 2, 9, 2], frozenset({2, 5}))
+    1
+    >>> cut_at_stop([7, 9], frozenset({2})) is None
+    True
     """
     for index, token in enumerate(accepted):
         if token in stop_ids:
@@ -70,16 +78,43 @@ class EndOfRequest:
     def draft_budget(self, k: int, max_new_tokens: int, position: int) -> int:
         """Tokens the step at ``position`` (output tokens committed before it) may draft: K, or, for a loop that
         keeps every draft inside the budget, ``remaining - 1`` so that the step's bonus token still fits
-        (the last step may then draft 0 tokens: a plain decode step, which no engine counts as a draft)."""
+        (the last step may then draft 0 tokens: a plain decode step, which no engine counts as a draft).
+
+        Example: K = 4 and a budget of 10 tokens. At position 8 (two tokens left) vLLM drafts 4 anyway,
+        while llama.cpp and the official loop draft 1, so that the step's bonus token is the tenth; at
+        position 9 (one left) they draft none.
+
+        >>> [CONVENTIONS[name].draft_budget(4, 10, 8) for name in ("vllm", "llamacpp", "official")]
+        [4, 1, 1]
+        >>> [CONVENTIONS[name].draft_budget(4, 10, 9) for name in ("vllm", "llamacpp", "official")]
+        [4, 0, 0]
+        """
         return k if self.drafts_past_end else min(k, max_new_tokens - position - 1)
 
     def block_k(self, k: int, remaining: int) -> int:
-        """Block length (drafted slots) of a step with ``remaining`` tokens left in the budget."""
+        """Block length (drafted slots) of a step with ``remaining`` tokens left in the budget.
+
+        Example: K = 4 with two tokens left: only the official loop shrinks the block to 2 slots (a block
+        drafter's guesses then change, every slot attending to the whole block).
+
+        >>> [CONVENTIONS[name].block_k(4, 2) for name in ("vllm", "llamacpp", "official")]
+        [4, 4, 2]
+        """
         return min(k, remaining) if self.shrink_last_block else k
 
     def num_accepted(self, run: int, stop_at: int | None) -> int:
         """``num_accepted`` of a step whose drafts match for ``run`` tokens and whose accepted drafts hold a
-        stop token at index ``stop_at`` (None: none)."""
+        stop token at index ``stop_at`` (None: none).
+
+        Example: drafts d1 d2 d3 all match (run 3) and d2 is a stop token (index 1). vLLM counts all three,
+        llama.cpp the drafts up to and including the stop token, the official loop one (the stop token
+        takes the bonus token's place); without a stop token all three count 3.
+
+        >>> [CONVENTIONS[name].num_accepted(3, 1) for name in ("vllm", "llamacpp", "official")]
+        [3, 2, 1]
+        >>> [CONVENTIONS[name].num_accepted(3, None) for name in ("vllm", "llamacpp", "official")]
+        [3, 3, 3]
+        """
         if stop_at is None or self.drafts_past_end:
             return run
         return stop_at if self.stop_replaces_bonus else stop_at + 1
