@@ -331,7 +331,7 @@ def _packed_rows(step: Step, records: "torch.cuda.Stream | None") -> torch.Tenso
     """
     if records is None:
         return _pack(step)
-    records.wait_stream(torch.cuda.current_stream())
+    records.wait_stream(torch.cuda.current_stream(records.device))
     with torch.cuda.stream(records):
         packed = _pack(step)
     for tensor in (step.proposal.logits, step.proposal.tokens, step.verify_logits):
