@@ -33,7 +33,10 @@ def rejection_rate_figure(table: pd.DataFrame) -> go.Figure:
                 arrayminus=table["rejection_rate"] - table["rejection_rate_lo"],
             ),
             customdata=table[["rejection_rate_lo", "rejection_rate_hi", "num_draft_tokens"]].to_numpy(),
-            hovertemplate="%{x}: %{y:.1%} rejected [%{customdata[0]:.1%}, %{customdata[1]:.1%}]<br>%{customdata[2]:,} drafted tokens<extra></extra>",
+            hovertemplate=(
+                "%{x}: %{y:.1%} rejected [%{customdata[0]:.1%}, "
+                "%{customdata[1]:.1%}]<br>%{customdata[2]:,} drafted tokens<extra></extra>"
+            ),
         ),
         layout=dict(title=title, **_LAYOUT),
     )

@@ -124,7 +124,8 @@ def sidebar() -> None:
             )
         else:
             st.info(
-                f"No runs under `{runs_dir()}`. Upload one below, or write one with `dflash-doctor check --out {runs_dir()}/first`."
+                f"No runs under `{runs_dir()}`. Upload one below, or write "
+                f"one with `dflash-doctor check --out {runs_dir()}/first`."
             )
         unreadable = unreadable_runs(str(runs_dir()))
         if unreadable:
@@ -212,7 +213,8 @@ def has_requests(run: Run) -> bool:
     """True when the run holds requests with drafts; otherwise explains why the page is empty."""
     if run.requests.empty or int(run.requests["num_drafts"].sum()) == 0:
         st.info(
-            "This run has no drafted requests yet (empty or interrupted before the first request finished); nothing to break down."
+            "This run has no drafted requests yet (empty or interrupted "
+            "before the first request finished); nothing to break down."
         )
         return False
     return True

@@ -115,7 +115,8 @@ def save_upload(files: Sequence[tuple[str, bytes]], dest: Path) -> Path:
             chosen[base] = payload
         else:
             raise UsageError(
-                f"Uploaded file {base!r} is not part of a run; upload a .zip of a run directory or files named {', '.join(RUN_FILE_NAMES)}."
+                f"Uploaded file {base!r} is not part of a run; upload a .zip of "
+                f"a run directory or files named {', '.join(RUN_FILE_NAMES)}."
             )
     if RUN_JSON not in chosen:
         raise UsageError(
@@ -142,14 +143,16 @@ def _run_files_from_zip(zip_name: str, payload: bytes) -> dict[str, bytes]:
         members = [m for m in archive.infolist() if not m.is_dir()]
         if sum(m.file_size for m in members) > MAX_UPLOAD_INFLATED_BYTES:
             raise UsageError(
-                f"{zip_name} inflates to more than {MAX_UPLOAD_INFLATED_BYTES // 1024**3} GiB; upload only run.json and the .parquet files."
+                f"{zip_name} inflates to more than {MAX_UPLOAD_INFLATED_BYTES // 1024**3} "
+                "GiB; upload only run.json and the .parquet files."
             )
         run_jsons = sorted(
             (m for m in members if Path(m.filename).name == RUN_JSON), key=lambda m: m.filename.count("/")
         )
         if not run_jsons:
             raise UsageError(
-                f"{zip_name} holds no {RUN_JSON}; zip a run directory written by `dflash-doctor check`, `replay` or `sweep`."
+                f"{zip_name} holds no {RUN_JSON}; zip a run directory "
+                "written by `dflash-doctor check`, `replay` or `sweep`."
             )
         run_folder = Path(run_jsons[0].filename).parent
         wanted = [

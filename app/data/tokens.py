@@ -66,8 +66,10 @@ def request_chips(steps: pd.DataFrame, tokens: pd.DataFrame, vocabulary: dict[in
                 if slot["offset"] > num_accepted + 1:
                     break
                 evidence = (
-                    f"step {step['step']} slot {slot['offset']} | draft {slot['draft_text']!r} target {slot['target_text']!r} | "
-                    f"p_target(draft)={slot['target_prob_of_draft']:.3f} KL={slot['kl_target_draft']:.3f} TV={slot['total_variation']:.3f}"
+                    f"step {step['step']} slot {slot['offset']} | draft "
+                    f"{slot['draft_text']!r} target {slot['target_text']!r} | "
+                    f"p_target(draft)={slot['target_prob_of_draft']:.3f} "
+                    f"KL={slot['kl_target_draft']:.3f} TV={slot['total_variation']:.3f}"
                 )
                 kind = "accepted" if slot["accepted"] else "rejected"
                 chips.append(TokenChip(str(slot["draft_text"]), kind, int(step["step"]), int(slot["offset"]), evidence))
@@ -87,7 +89,8 @@ def request_chips(steps: pd.DataFrame, tokens: pd.DataFrame, vocabulary: dict[in
 
 CHIP_CSS = """
 <style>
-.dd-tokens{font-family:ui-monospace,SFMono-Regular,Menlo,monospace;font-size:0.86rem;line-height:1.9;white-space:pre-wrap;word-break:break-word}
+.dd-tokens{font-family:ui-monospace,SFMono-Regular,Menlo,monospace;font-size:0.86rem;line-height:1.9;\
+white-space:pre-wrap;word-break:break-word}
 .dd-step{border-left:2px solid #c9ced6;padding-left:1px;margin-left:1px}
 .dd-tok{border-radius:3px;padding:1px 1px}
 .dd-accepted{background:#d3f0dc;color:#14532d}

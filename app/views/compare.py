@@ -14,7 +14,8 @@ ui.run_header(new_run, "Compare")
 others = [path for path in ui.available_runs() if path != str(new_run.path)]
 if not others:
     st.info(
-        "Comparing needs a second run: start the dashboard on a folder holding two runs, or upload another run in the sidebar."
+        "Comparing needs a second run: start the dashboard on a folder "
+        "holding two runs, or upload another run in the sidebar."
     )
     st.stop()
 
@@ -61,7 +62,8 @@ elif regressions:
     )
 else:
     st.success(
-        f"No regression at K={result.k_compared}: no class dropped by more than the thresholds with separated intervals.",
+        f"No regression at K={result.k_compared}: no class dropped "
+        "by more than the thresholds with separated intervals.",
         icon=ui.STATUS_ICONS["pass"],
     )
 

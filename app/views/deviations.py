@@ -24,7 +24,8 @@ path, mtime_ns = str(run.path), data.run_mtime_ns(run.path)
 tables = ui.deviation_tables(path, mtime_ns)
 if tables.decided.empty:
     st.info(
-        "This run recorded no drafted tokens (a replay written without token detail), so there are no rejection patterns."
+        "This run recorded no drafted tokens (a replay written "
+        "without token detail), so there are no rejection patterns."
     )
     st.stop()
 
@@ -62,7 +63,8 @@ facts[2].metric(
 facts[3].metric("Lost tokens", f"{selection.lost_tokens:,}", help=definitions.lost_tokens)
 if categories:
     st.caption(
-        "tau and the attainable bound cover the selected classes; the category filter narrows the patterns and charts below."
+        "tau and the attainable bound cover the selected classes; "
+        "the category filter narrows the patterns and charts below."
     )
 
 st.subheader("Costliest first rejections")

@@ -33,7 +33,8 @@ right.plotly_chart(figures.acceptance_by_position_figure(subset, conditional=Tru
 chosen = table[table["class"].isin(shown)]
 weakest = data.weakest_slots(chosen)
 st.caption(
-    f"Weakest slot (lowest conditional acceptance among slots reached by at least {data.MIN_SLOT_REACH:.0%} of drafts): "
+    "Weakest slot (lowest conditional acceptance among slots "
+    f"reached by at least {data.MIN_SLOT_REACH:.0%} of drafts): "
     + ", ".join(
         f"**{for_markdown_text(row['class'])}** slot {int(row['slot'])} ({row['conditional']:.0%})"
         for _, row in weakest.iterrows()

@@ -32,7 +32,8 @@ def watch_view(path: str) -> None:
     telemetry = telemetry_details(record)
     windows = read_windows(path)
     st.caption(
-        f"Sources: {for_markdown_text(', '.join(telemetry['sources']) or '?')} · window {for_markdown_text(telemetry['window_s'])} s · "
+        f"Sources: {for_markdown_text(', '.join(telemetry['sources']) or '?')} "
+        f"· window {for_markdown_text(telemetry['window_s'])} s · "
         f"baseline: {for_markdown_text(telemetry['baseline'] or 'none')} · refreshes every {REFRESH_EVERY_S} s"
     )
 
@@ -47,7 +48,8 @@ def watch_view(path: str) -> None:
 
     if windows.empty:
         st.info(
-            f"No window yet: the watch has not finished its first window (this page looks again every {REFRESH_EVERY_S} s)."
+            "No window yet: the watch has not finished its first "
+            f"window (this page looks again every {REFRESH_EVERY_S} s)."
         )
         return
 

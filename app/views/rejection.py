@@ -72,7 +72,8 @@ assert cls is not None, "drill_options is never empty: the table has a row per c
 st.plotly_chart(charts.request_tau_figure(chosen), key="request_tau_chart")
 class_requests = data.class_requests(chosen, cls)
 st.caption(
-    f"{len(class_requests):,} requests of class **{for_markdown_text(cls)}**, lowest tau first. Select a row to open its tokens."
+    f"{len(class_requests):,} requests of class **{for_markdown_text(cls)}**, "
+    "lowest tau first. Select a row to open its tokens."
 )
 selection = st.dataframe(
     class_requests,

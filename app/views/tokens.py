@@ -48,7 +48,8 @@ facts[4].metric("Prompt tokens", f"{int(request['prompt_num_tokens']):,}")
 
 if tokens.empty:
     st.info(
-        "This run stored no per-token records for this request (replays written without token detail); the output text follows."
+        "This run stored no per-token records for this request (replays "
+        "written without token detail); the output text follows."
     )
     st.text(str(request["output_text"]))
     st.stop()
@@ -71,7 +72,10 @@ st.subheader("Draft candidates vs target candidates")
 page_status = status.loc[shown_tokens.index]
 decided = shown_tokens[page_status != "unused"]
 slot_labels = {
-    index: f"step {row.step} slot {row.offset}: draft {row.draft_text!r} vs target {row.target_text!r} ({page_status[index]})"
+    index: (
+        f"step {row.step} slot {row.offset}: draft {row.draft_text!r} "
+        f"vs target {row.target_text!r} ({page_status[index]})"
+    )
     for index, row in zip(decided.index, decided.itertuples(index=False))
 }
 rejected = [index for index in slot_labels if page_status[index] == "rejected"]

@@ -26,7 +26,8 @@ st.title("Tune: K on your engine")
 found = ui.discovered_tune_runs(str(ui.runs_dir()))
 if not found:
     st.info(
-        f"No tune run under `{ui.runs_dir()}`. Write one with `dflash-doctor tune --out {ui.runs_dir()}/tune ...` (docs/tune.md)."
+        f"No tune run under `{ui.runs_dir()}`. Write one with "
+        f"`dflash-doctor tune --out {ui.runs_dir()}/tune ...` (docs/tune.md)."
     )
     st.stop()
 picked = st.selectbox("Tune run", found)
