@@ -14,11 +14,15 @@ Adding a kind (a new draft format, a config dialect of an existing one) is one c
         detect=lambda config: "dflash2_config" in config,   # recognise its config.json
         load=load_my_draft,          # (draft_dir, target_dir, target_config, LoadOptions) -> module; raise UsageError
         build=lambda model, target, sampling: MyProposer(model, target),
-        vllm_method="dflash",        # vLLM's speculative_config "method" serving it
+        serving=KindServing(name="dflash2", vllm_method="dflash", sglang="...", llamacpp="..."),  # how engines serve it
         facts=lambda model: {"block_size": ...},               # extra run.json models.draft facts
         layer_ids=lambda model: list(model.config.target_layer_ids),        # or None: reads no target layers
         with_layer_ids=lambda model, ids: my_copy_reading(ids),             # or None
     ), before="autoregressive")
+
+``register_draft_kind`` registers the serving declaration in :mod:`dflash_doctor.models.kind_serving`, where
+the views without torch (the head-to-head pages) read it; a built-in kind's ``KindServing`` is written in that
+module (so those views know it without importing this one) and referenced here.
 
 ``--draft-kind auto`` asks each kind's ``detect`` in registration order; ``autoregressive`` is the
 catch-all and stays last (pass ``before=`` to register ahead of it).
@@ -60,6 +64,16 @@ from dflash_doctor.engine.proposers.ngram import NgramProposer, NgramSettings
 from dflash_doctor.engine.proposers.suffix import SuffixProposer, SuffixSettings
 from dflash_doctor.engine.target import TargetModel
 from dflash_doctor.errors import UsageError
+from dflash_doctor.models.kind_serving import (
+    AUTOREGRESSIVE,
+    DFLASH,
+    EAGLE3,
+    MTP,
+    NGRAM,
+    SUFFIX,
+    KindServing,
+    register_kind_serving,
+)
 from dflash_doctor.models.eagle3_format import is_eagle3_config, load_eagle3_head
 from dflash_doctor.models.mtp_format import LAYOUT_NAMES, read_mtp_checkpoint
 from dflash_doctor.models.serving_setups import SetupProposers, dflash_setup_proposers, eagle3_setup_proposers
@@ -110,8 +124,9 @@ class DraftKind(Generic[DraftModel]):
     ``load(draft_dir, target_dir, target_config, options)``: the draft module, validated against the
     target; a pair that cannot work raises :class:`UsageError` with one sentence and the fix.
     ``build(model, target, sampling)``: the proposer that drives it in the engine's loops.
-    ``vllm_method``: the ``"method"`` of vLLM's ``--speculative-config`` that serves this kind (what ``tune``
-    writes into the vLLM setting it recommends).
+    ``serving``: how the serving engines serve this kind (vLLM's method and settings, SGLang's and llama.cpp's
+    flags: :class:`~dflash_doctor.models.kind_serving.KindServing`, readable without torch); ``tune`` and the
+    head-to-head write their settings from it.
     ``facts(model)``: kind-specific facts for run.json ``models.draft`` (block size, layer ids...).
     ``layer_ids(model)``: the target layers it reads, or None for a draft that reads none; with
     ``with_layer_ids(model, ids)`` (a copy reading other layers) it enables the layer-offset probe.
@@ -140,7 +155,7 @@ class DraftKind(Generic[DraftModel]):
     detect: Callable[[dict[str, Any]], bool]
     load: Callable[[Path, Path, Any, LoadOptions], DraftModel]
     build: Callable[[DraftModel, TargetModel, Sampling], Proposer]
-    vllm_method: str
+    serving: KindServing
     facts: Callable[[DraftModel], dict[str, Any]] = lambda model: {}
     layer_ids: Callable[[DraftModel], list[int]] | None = None
     with_layer_ids: Callable[[DraftModel, list[int]], DraftModel] | None = None
@@ -158,14 +173,20 @@ AUTO = "auto"
 
 
 def register_draft_kind(kind: DraftKind[DraftModel], *, before: str | None = None) -> DraftKind[DraftModel]:
-    """Add a kind; a second kind with the same name is refused. ``before`` puts it ahead of an existing
+    """Add a kind, and its serving to :mod:`~dflash_doctor.models.kind_serving` (where the views without torch
+    read it); a second kind with the same name is refused. ``before`` puts it ahead of an existing
     kind in ``--draft-kind auto`` detection order (a specific kind must come before a catch-all)."""
     if kind.name in _KINDS or kind.name == AUTO:
         raise ValueError(f"draft kind {kind.name!r} is already registered")
     if (kind.layer_ids is None) != (kind.with_layer_ids is None):
         raise ValueError(f"draft kind {kind.name!r}: declare both layer_ids and with_layer_ids, or neither")
+    if kind.serving.name != kind.name:
+        raise ValueError(f"draft kind {kind.name!r}: its serving declares the kind {kind.serving.name!r}")
+    if (kind.from_spec is None) != kind.serving.has_checkpoint:
+        raise ValueError(f"draft kind {kind.name!r}: declare from_spec exactly when its serving has no checkpoint")
     items = list(_KINDS.items())
     position = len(items) if before is None else [name for name, _ in items].index(get_draft_kind(before).name)
+    register_kind_serving(kind.serving)
     items.insert(position, (kind.name, kind))
     _KINDS.clear()
     _KINDS.update(items)
@@ -327,7 +348,7 @@ def _load_autoregressive(draft_dir: Path, target_dir: Path, target_config: Any, 
 register_draft_kind(
     DraftKind(
         name=DFlashProposer.kind,
-        vllm_method="dflash",
+        serving=DFLASH,
         description="DFlash block-diffusion drafter, DFlash or DFlash 2, in any dialect (z-lab, speculators, NeMo: docs/draft-formats.md)",
         detect=is_dflash_config,
         load=_load_dflash,
@@ -362,7 +383,7 @@ register_draft_kind(
 register_draft_kind(
     DraftKind(
         name=AutoregressiveProposer.kind,
-        vllm_method="draft_model",
+        serving=AUTOREGRESSIVE,
         description="a classic autoregressive draft: any causal LM sharing the target's tokenizer (the catch-all)",
         detect=lambda config: True,
         load=_load_autoregressive,
@@ -420,7 +441,7 @@ def _unused_load(draft_dir: Path, target_dir: Path, target_config: Any, options:
 register_draft_kind(
     DraftKind(
         name=NgramProposer.kind,
-        vllm_method="ngram",
+        serving=NGRAM,
         description="vLLM's n-gram prompt lookup (no weights): --draft ngram[:prompt_lookup_min=N,prompt_lookup_max=M]",
         detect=lambda config: False,
         load=_unused_load,
@@ -486,7 +507,7 @@ def _suffix_from_spec(
 register_draft_kind(
     DraftKind(
         name=SuffixProposer.kind,
-        vllm_method="suffix",
+        serving=SUFFIX,
         description=(
             "vLLM's suffix decoding (Arctic Inference; no weights): --draft suffix[:suffix_decoding_max_tree_depth=24,"
             "suffix_decoding_max_cached_requests=10000,suffix_decoding_max_spec_factor=1.0,suffix_decoding_min_token_prob=0.1]"
@@ -536,7 +557,7 @@ def _eagle3_with_layer_ids(model: Eagle3DraftModel, layer_ids: list[int]) -> Eag
 register_draft_kind(
     DraftKind(
         name=Eagle3Proposer.kind,
-        vllm_method="eagle3",
+        serving=EAGLE3,
         description="an EAGLE-3 head (speculators or original EAGLE-3 layout) drafting a chain as vLLM's eagle3 method does",
         detect=is_eagle3_config,
         load=_load_eagle3,
@@ -658,7 +679,7 @@ def _mtp_facts(model: MtpDraft) -> dict[str, Any]:
 register_draft_kind(
     DraftKind(
         name=MtpProposer.kind,
-        vllm_method="mtp",
+        serving=MTP,
         description=(
             "the target's own multi-token-prediction head (DeepSeek-V3/GLM or Qwen3-Next/Qwen3.5 layout, read from the "
             "target's checkpoint): --draft mtp[:hidden_state=post-norm|pre-norm,carried_state=post-norm|pre-norm]; unset sides: what vLLM "

@@ -26,6 +26,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from dflash_doctor.inputs.config import DoctorConfig
+from dflash_doctor.models.kind_serving import KindServing, kind_serving
 from dflash_doctor.report.sanitize import for_terminal
 from dflash_doctor.report.templating import markdown_cell
 from dflash_doctor.rundir.status import Status, overall_status
@@ -217,53 +218,25 @@ def _machine(environment: Mapping[str, Any], device: Any) -> str:
     return ", ".join(str(part) for part in parts if part)
 
 
-#: vLLM's ``speculative_config`` method per kind (docs/speculators.md) and the kind settings it takes
-_VLLM_METHODS = {
-    "dflash": "dflash",
-    "eagle3": "eagle3",
-    "ngram": "ngram",
-    "suffix": "suffix",
-    "mtp": "mtp",
-    "autoregressive": "draft_model",
-}
-_VLLM_SETTINGS = {
-    "ngram": ("prompt_lookup_min", "prompt_lookup_max"),
-    "suffix": (
-        "suffix_decoding_max_tree_depth",
-        "suffix_decoding_max_cached_requests",
-        "suffix_decoding_max_spec_factor",
-        "suffix_decoding_min_token_prob",
-    ),
-}
-_WEIGHTLESS = ("ngram", "suffix", "mtp")  # served from settings or the target's own checkpoint: no "model"
-
-
 def engine_settings(kind: str, draft: str, facts: Mapping[str, Any], k: int) -> dict[str, str]:
-    """What to type in each engine to serve this speculator at K: vLLM's ``--speculative-config`` (its method,
-    the draft as DRAFT for a checkpoint, the kind's own settings as the run used them), and SGLang's and
-    llama.cpp's flags where the engine serves the kind. K is counted as the single ``check``'s
-    speculative-k advice counts it: vLLM and llama.cpp the drafted tokens, SGLang with the anchor (K + 1)."""
-    spec: dict[str, Any] = {"method": _VLLM_METHODS.get(kind, kind)}
-    if kind not in _WEIGHTLESS:
+    """What to type in each engine to serve this speculator at K, from the kind's serving declaration
+    (:mod:`dflash_doctor.models.kind_serving`): vLLM's ``--speculative-config`` (its method, the draft as DRAFT
+    for a kind with a checkpoint, the kind's own settings as the run used them), and SGLang's and llama.cpp's
+    flags where the engine serves the kind. A kind this install does not declare is named as vLLM's method,
+    with its checkpoint. K is counted as the single ``check``'s speculative-k advice counts it: vLLM and
+    llama.cpp the drafted tokens, SGLang with the anchor (K + 1)."""
+    serving = kind_serving(kind) or KindServing(name=kind, vllm_method=kind)
+    spec: dict[str, Any] = {"method": serving.vllm_method}
+    if serving.has_checkpoint:
         spec["model"] = "DRAFT"
-    spec.update({key: facts[key] for key in _VLLM_SETTINGS.get(kind, ()) if key in facts})
+    spec.update({key: facts[key] for key in serving.vllm_settings if key in facts})
     spec["num_speculative_tokens"] = k
     not_served = f"not named for a {kind} speculator here: serve it with vLLM (docs/speculators.md)"
-    sglang = {
-        "dflash": f"--speculative-algorithm DFLASH --speculative-draft-model-path DRAFT --speculative-num-draft-tokens {k + 1}",
-        "eagle3": (
-            f"--speculative-algorithm EAGLE3 --speculative-draft-model-path DRAFT --speculative-num-steps {k} "
-            f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}"
-        ),
-    }
-    llamacpp = {
-        "dflash": f"-md DRAFT.gguf --spec-type draft-dflash --spec-draft-n-max {k}",
-        "autoregressive": f"-md DRAFT.gguf --spec-draft-n-max {k}",
-    }
+    flags = {"k": k, "k_with_anchor": k + 1}
     return {
         "vLLM": f"--speculative-config '{json.dumps(spec)}'",
-        "SGLang": sglang.get(kind, not_served),
-        "llama.cpp": llamacpp.get(kind, not_served),
+        "SGLang": not_served if serving.sglang is None else serving.sglang.format(**flags),
+        "llama.cpp": not_served if serving.llamacpp is None else serving.llamacpp.format(**flags),
     }
 
 
