@@ -8,10 +8,11 @@
   accelerate, streamlit ... are heavy, and some are optional); :data:`LAZY_IMPORTS` lists the exceptions
   among our own modules, each with its reason.
 * pyproject.toml lists every package of the tree, so a new room cannot silently drop out of an install.
-* What differs between draft kinds is declared in the kind registry (models/draft_kinds.py): no module
-  outside it branches on a kind's name (``if draft_kind == "eagle3"``), so a new kind is one entry. The
-  kind names are read from the registry (the one import of this file); :data:`KIND_BRANCHES_STANDING`
-  lists the branches that stand for now, each with its reason.
+* What differs between draft kinds is declared in the kind registry (models/draft_kinds.py, and its
+  torch-free serving half models/kind_serving.py): no module outside it branches on a kind's name
+  (``if draft_kind == "eagle3"``) or keeps a table keyed by kind names (``{"dflash": ..., "eagle3": ...}``),
+  so a new kind is one entry. The kind names are read from the registry (the one import of this file);
+  :data:`KIND_BRANCHES_STANDING` and :data:`KIND_TABLES_STANDING` list what stands for now, each with its reason.
 
 ``if TYPE_CHECKING:`` imports count as module-level imports: an annotation pointing upwards is a layer
 crossed all the same.
@@ -54,7 +55,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 # (importing module, imported module) -> why it may stay function-local. Keep this short.
 LAZY_IMPORTS: dict[tuple[str, str], str] = {}
 
-REGISTRY_MODULE = "dflash_doctor.models.draft_kinds"
+REGISTRY_MODULES = ("dflash_doctor.models.draft_kinds", "dflash_doctor.models.kind_serving")
 # (module, the comparison as ast.unparse writes it) -> why it stands. Keep this short; remove an entry when it goes.
 KIND_BRANCHES_STANDING: dict[tuple[str, str], str] = {
     (
@@ -63,6 +64,13 @@ KIND_BRANCHES_STANDING: dict[tuple[str, str], str] = {
     ): "a check context from before a pair was loaded names the kind or leaves it to the config's shape",
     ("dflash_doctor.checks.draft_facts", "ctx.draft_kind == 'dflash'"): "the same: the DFlash checks' scope",
     ("dflash_doctor.checks.mtp_config", "draft.kind != 'mtp'"): "the mtp-config check judges MTP heads only",
+}
+# (module, the table's keys as _kind_tables writes them) -> why it stands. Keep this short too.
+KIND_TABLES_STANDING: dict[tuple[str, str], str] = {
+    (
+        "dflash_doctor.engine.dflash_model",
+        "dflash, dflash2, dspark",
+    ): "keyed by the DFlash variants speculators names (the engine's draft modules), one of them called like the kind",
 }
 
 
@@ -306,7 +314,7 @@ def test_no_branch_on_a_kind_name_outside_the_registry(graph, kind_names):
     branches = {
         (name, text): line
         for name, path in modules.items()
-        if name != REGISTRY_MODULE
+        if name not in REGISTRY_MODULES
         for line, text in _kind_branches(path.read_text(encoding="utf-8"), kind_names)
     }
     offending = [
@@ -329,3 +337,57 @@ def test_the_registry_rule_sees_a_branch_on_a_kind_name(kind_names):
         "    if draft_kind == 'auto': pass\n"
     )  # not a kind: the detection order
     assert [line for line, _ in _kind_branches(source, kind_names)] == [2, 3, 4]
+
+
+def _kind_tables(source: str, names: set[str]) -> list[tuple[int, str]]:
+    """Tables keyed by a registered kind's name: a dict literal with such a key (``{"dflash": ..., **more}``)
+    or a ``dict(...)`` call with such a keyword: (line, its literal keys sorted, comma-separated)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Dict):
+            keys = [k.value for k in node.keys if isinstance(k, ast.Constant) and isinstance(k.value, str)]
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "dict":
+            keys = [keyword.arg for keyword in node.keywords if keyword.arg is not None]
+        else:
+            continue
+        if names & set(keys):
+            found.append((node.lineno, ", ".join(sorted(keys))))
+    return sorted(found)
+
+
+def test_no_table_keyed_by_kind_names_outside_the_registry(graph, kind_names):
+    modules, _ = graph
+    tables = {
+        (name, keys): line
+        for name, path in modules.items()
+        if name not in REGISTRY_MODULES
+        for line, keys in _kind_tables(path.read_text(encoding="utf-8"), kind_names)
+    }
+    offending = [
+        f"{name}:{line}: a table keyed by {keys} (declare it in the kind's registry entry or its KindServing)"
+        for (name, keys), line in tables.items()
+        if (name, keys) not in KIND_TABLES_STANDING
+    ]
+    assert offending == []
+    assert sorted(set(KIND_TABLES_STANDING) - set(tables)) == []  # an entry whose table went is removed
+
+
+def test_the_registry_rule_sees_a_table_keyed_by_kind_names(kind_names):
+    """The rule above would pass on a tree with no kind names; show it catches each form of the table."""
+    source = (
+        "METHODS = {'dflash': 'dflash', 'autoregressive': 'draft_model'}\n"
+        "def f(kind, k, more):\n"
+        "    flags = dict(eagle3=f'--steps {k}', ngram='')\n"
+        "    table = {**more, 'mtp': 2}\n"
+        "    spec = {'method': 'dflash', 'model': 'DRAFT'}\n"  # a kind's name as a value: not a table of kinds
+        "    order = {'auto': 0}\n"  # not a kind: the detection order
+        "    return {\n"
+        "        'suffix': 1,\n"
+        "    }.get(kind)\n"
+    )
+    assert _kind_tables(source, kind_names) == [
+        (1, "autoregressive, dflash"),
+        (3, "eagle3, ngram"),
+        (4, "mtp"),
+        (7, "suffix"),
+    ]
