@@ -1,11 +1,14 @@
 """The real speculative loop: prefill, draft, verify, commit accepted tokens plus the bonus, roll back.
 
-One sequence at a time, as a user's request is served. Each step:
+One sequence at a time, as a user's request is served. Each step (:func:`speculative_step`, the lossless core):
 
 1. the proposer drafts k tokens after the last committed token (``last``, not yet in the target cache);
 2. the target scores ``[last, d1..dk]`` in one forward (k + 1 rows of logits);
 3. the acceptance rule keeps ``d1..dn`` and yields the next token (bonus or replacement);
 4. both KV caches are cropped to the committed length; the proposer receives the committed rows.
+
+The loop around the steps (:func:`speculative_generate`) walks the schedule, counts each step, times
+it and packs its records; only the step decides tokens.
 
 The schedule (the draft budget, the stop-token cut and what the last step counts) lives in
 :mod:`dflash_doctor.engine.schedule`; teacher-forced replay (:mod:`dflash_doctor.engine.teacher`) walks
