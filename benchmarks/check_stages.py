@@ -230,7 +230,8 @@ def main() -> None:
     for index, (base, new) in enumerate(pairs, 1):
         print(
             f"{index:5d}  {base['total_s']:15.1f}  {new['total_s']:16.1f}  {base['total_s'] / new['total_s']:5.2f}x"
-            f"  {base['total_cpu_s']:15.1f}  {new['total_cpu_s']:15.1f}  {base['total_cpu_s'] / new['total_cpu_s']:5.2f}x"
+            f"  {base['total_cpu_s']:15.1f}  {new['total_cpu_s']:15.1f}  "
+            f"{base['total_cpu_s'] / new['total_cpu_s']:5.2f}x"
         )
 
 

@@ -17,7 +17,10 @@ import time
 
 from dflash_doctor.cli.root import COMMANDS
 
-SHIPPED = "import sys\nfrom dflash_doctor.cli import main\nsys.argv[0] = 'dflash-doctor'\ntry:\n    main()\nfinally:\n    print('torch imported:', 'torch' in sys.modules, file=sys.stderr)\n"
+SHIPPED = (
+    "import sys\nfrom dflash_doctor.cli import main\nsys.argv[0] = 'dflash-doctor'\ntry:\n    "
+    "main()\nfinally:\n    print('torch imported:', 'torch' in sys.modules, file=sys.stderr)\n"
+)
 EAGER = "".join(f"import {module}\n" for module in dict.fromkeys(m for m, _ in COMMANDS.values())) + SHIPPED
 
 

@@ -208,7 +208,8 @@ def main() -> None:
             figures = measure(target, proposer, context, args, device, clock)
             runs[context].append(figures)
             print(
-                f"  run {run + 1}, {context}: pass {figures.pass_s * 1e3:.0f} ms, peak {figures.pass_peak_gib:.1f} GiB; "
+                f"  run {run + 1}, {context}: "
+                f"pass {figures.pass_s * 1e3:.0f} ms, peak {figures.pass_peak_gib:.1f} GiB; "
                 f"records {figures.records_s * 1e3:.0f} ms, peak {figures.records_peak_gib:.1f} GiB",
                 flush=True,
             )
@@ -241,7 +242,8 @@ def main() -> None:
         total = torch.cuda.get_device_properties(0).total_memory / GIB
         longest = runs[contexts[-1]][0]
         print(
-            f"longest prompt ({contexts[-1]:,} tokens): peak {max(longest.pass_peak_gib, longest.records_peak_gib):.1f} GiB "
+            f"longest prompt ({contexts[-1]:,} tokens): peak "
+            f"{max(longest.pass_peak_gib, longest.records_peak_gib):.1f} GiB "
             f"of the GPU's {total:.1f} GiB"
         )
 

@@ -149,13 +149,15 @@ def main() -> None:
         compare_s = time.perf_counter() - start
 
     print(
-        f"{len(tokens):,} drafted tokens, {len(steps):,} steps, {len(requests):,} requests, {len(analysis.by_class)} classes"
+        f"{len(tokens):,} drafted tokens, {len(steps):,} steps, "
+        f"{len(requests):,} requests, {len(analysis.by_class)} classes"
     )
     print(f"{'read the three tables':<40}{read_s:8.2f} s   1.00x")
     print(f"{'deviation analysis (all classes)':<40}{analyze_s:8.2f} s   {analyze_s / read_s:.2f}x of the read")
     print(f"{'patterns that grew (compare, 2 runs)':<40}{compare_s:8.2f} s   {compare_s / read_s:.2f}x of the read")
     print(
-        f"top grown pattern: {grown[0]['class']} {grown[0]['kind']} {grown[0]['pattern']} (+{grown[0]['growth']:.2f} lost tokens per draft)"
+        f"top grown pattern: {grown[0]['class']} {grown[0]['kind']} "
+        f"{grown[0]['pattern']} (+{grown[0]['growth']:.2f} lost tokens per draft)"
     )
 
 

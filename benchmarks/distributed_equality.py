@@ -74,7 +74,10 @@ def compare(one: Path, other: Path) -> str:
         if same_tokens
         else float("nan")
     )
-    return f"identical={identical} same continuations={same_tokens} largest target_prob_of_draft gap={gap:.2e} ({len(a.requests)} turns)"
+    return (
+        f"identical={identical} same continuations={same_tokens} largest "
+        f"target_prob_of_draft gap={gap:.2e} ({len(a.requests)} turns)"
+    )
 
 
 def main() -> None:
@@ -96,11 +99,13 @@ def main() -> None:
         print(f"one process on {first}: {seconds:.1f} s")
         seconds = sweep(root, root / "ranks", "--devices", args.devices)
         print(
-            f"--devices {args.devices} (torchrun, one rank each): {seconds:.1f} s; vs one process: {compare(root / 'single', root / 'ranks')}"
+            f"--devices {args.devices} (torchrun, one rank each): {seconds:.1f} s; "
+            f"vs one process: {compare(root / 'single', root / 'ranks')}"
         )
         seconds = sweep(root, root / "placed", "--device", args.devices)
         print(
-            f"--device {args.devices} (one target placed over both): {seconds:.1f} s; vs one process: {compare(root / 'single', root / 'placed')}"
+            f"--device {args.devices} (one target placed over both): {seconds:.1f} s; "
+            f"vs one process: {compare(root / 'single', root / 'placed')}"
         )
 
 

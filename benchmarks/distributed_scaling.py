@@ -211,7 +211,8 @@ def analyse(pair: Pair, requests: list[Request], run_dir: Path, max_new_tokens: 
             pair, mine, ks=ks, max_new_tokens=max_new_tokens, temperature=0.0, seed=0, exact_blocks=False, writer=writer
         )
         print(
-            f"rank {sharding.current_ranks().rank}: {len(mine)} requests replayed in {time.perf_counter() - start:.2f} s "
+            f"rank {sharding.current_ranks().rank}: {len(mine)} "
+            f"requests replayed in {time.perf_counter() - start:.2f} s "
             "(before the merge)",
             flush=True,
         )
@@ -274,7 +275,8 @@ def data_parallel(args, tokenizer, dtype) -> None:
         "tau_k15": tau,
     }
     print(
-        f"data-parallel over {ranks.world_size} rank(s): {len(merged.request_rows)} requests, {tokens} tokens analysed at "
+        f"data-parallel over {ranks.world_size} rank(s): "
+        f"{len(merged.request_rows)} requests, {tokens} tokens analysed at "
         f"K=1..15 in {seconds:.2f} s = {tokens / seconds:,.0f} analysed tokens/s (tau at K=15 {tau:.3f})"
     )
     if args.json:
@@ -290,7 +292,8 @@ def placed(args, tokenizer, dtype) -> None:
     params = sum(p.numel() * p.element_size() for p in pair.target.model.parameters()) / 1e9
     per_device = {d: round(torch.cuda.memory_allocated(d) / 2**30, 1) for d in devices if d.startswith("cuda")}
     print(
-        f"placed target: {params:.1f} GB of bf16 weights over {', '.join(devices)} (built in {built:.1f} s); GiB allocated per GPU {per_device}"
+        f"placed target: {params:.1f} GB of bf16 weights over {', '.join(devices)} "
+        f"(built in {built:.1f} s); GiB allocated per GPU {per_device}"
     )
     requests = workload(args.requests, args.prompt_words)
     start = time.perf_counter()
@@ -301,7 +304,8 @@ def placed(args, tokenizer, dtype) -> None:
     summary = summarize(merged.steps_frame(), merged.requests_frame(), seed=0)
     peak = {d: round(torch.cuda.max_memory_allocated(d) / 2**30, 1) for d in devices if d.startswith("cuda")}
     print(
-        f"placed target end to end: {len(merged.request_rows)} requests, {tokens} tokens analysed at K=1..15 in {seconds:.2f} s "
+        f"placed target end to end: {len(merged.request_rows)} requests, "
+        f"{tokens} tokens analysed at K=1..15 in {seconds:.2f} s "
         f"= {tokens / seconds:,.1f} analysed tokens/s; tau at K=15 {summary.overall.mean_acceptance_length:.3f}; "
         f"classes {sorted(summary.by_class)}; peak GiB per GPU {peak}"
     )

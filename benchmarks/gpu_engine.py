@@ -300,7 +300,8 @@ def live_step_vs_floor(
     # the floor does not depend on which loop ran before it: all floor runs estimate the same quantity
     pooled = statistics.median(f for record in runs for _, f in runs[record])
     print(
-        f"median step / median of all {2 * repeats} floor runs ({pooled * 1e3:.2f} ms): with records {on / pooled:.3f}, "
+        f"median step / median of all {2 * repeats} floor runs "
+        f"({pooled * 1e3:.2f} ms): with records {on / pooled:.3f}, "
         f"without {off / pooled:.3f}"
     )
     firsts = ", ".join(
@@ -420,7 +421,8 @@ def official_vs_ours(
     agreement = "equal" if parted is None and len(ours_ids) == len(theirs_ids) else f"part at token {parted}"
     print(
         f"\nlive loop vs the official dflash_generate: context {context}, {new_tokens} new tokens, block "
-        f"{BLOCK_SIZE}, records off, {len(ratios)} paired rounds (order alternated, until the ratio's interval is within "
+        f"{BLOCK_SIZE}, records off, {len(ratios)} paired rounds "
+        "(order alternated, until the ratio's interval is within "
         f"+-{TARGET_RELATIVE_HALF_WIDTH:.0%} or {OFFICIAL_BUDGET_S:g} s), prefill included; outputs "
         f"{agreement}; steps ours {outputs['ours'][1]}, official {outputs['official'][1]}"
     )
@@ -539,11 +541,13 @@ def teacher_throughput(
         f"analysed tokens/s; {share(total, plain)}"
     )
     print(
-        f"  without cuDNN (live loop's)     {spread(live_loop_backends, 1e3, 1):>22}  {share(total, live_loop_backends)}"
+        f"  without cuDNN (live loop's)     {spread(live_loop_backends, 1e3, 1):>22}  "
+        f"{share(total, live_loop_backends)}"
     )
     for label, times in ((f"records, {eager_label}", recorded_eager), ("records, compiled", recorded)):
         print(
-            f"  with {label:27}{spread(times, 1e3, 1):>22}  (records x{statistics.median(times) / statistics.median(plain):.2f})"
+            f"  with {label:27}{spread(times, 1e3, 1):>22}  (records "
+            f"x{statistics.median(times) / statistics.median(plain):.2f})"
         )
     print(f"  target forward alone            {spread(target_s, 1e3, 1):>22}  {share(flops['target'], target_s)}")
     print(f"  draft passes alone              {spread(draft_s, 1e3, 1):>22}  {share(draft_flops, draft_s)}")

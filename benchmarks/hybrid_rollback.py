@@ -13,8 +13,9 @@ forward over K + 1 tokens at a fixed context followed by the rollback to the kep
 - hybrid, per-position states without a custom kernel: verify token by token, K + 1 forwards of one
   token each, so that the state after every position exists and is simply kept.
 
-Printed: milliseconds per step (the fastest of --repeats: other work on a shared machine only adds time) for n = 0, K / 2 and K accepted, the hybrid / full
-ratio of each, and the rollback's own share. ``--device cuda`` runs it on a GPU in bf16.
+Printed: milliseconds per step (the fastest of --repeats: other work on a shared machine only adds time) for
+n = 0, K / 2 and K accepted, the hybrid / full ratio of each, and the rollback's own share. ``--device cuda`` runs it on
+a GPU in bf16.
 
 Usage: python benchmarks/hybrid_rollback.py [--device cpu] [--hidden 512] [--layers 8] [--context 512] [--k 15]
 """
@@ -127,7 +128,8 @@ def main() -> None:
             models[name] = AutoModelForCausalLM.from_config(config).to(dtype).eval()
     sizes = ", ".join(f"{name} {sum(p.numel() for p in m.parameters()) / 1e6:.1f}M" for name, m in models.items())
     print(
-        f"torch {torch.__version__} on {args.device} ({dtype}); parameters: {sizes}; context {args.context}, K = {args.k}, "
+        f"torch {torch.__version__} on {args.device} ({dtype}); "
+        f"parameters: {sizes}; context {args.context}, K = {args.k}, "
         f"fastest of {args.repeats}"
     )
     context = torch.randint(10, args.vocab - 10, (args.context,), device=args.device)

@@ -104,7 +104,8 @@ def main() -> None:
     prompts = [encode_request_turn(tokenizer, r, []) for r in requests]
     print(f"demo workload: {len(prompts)} first turns, {args.max_new_tokens} new tokens, K = {args.k}")
     print(
-        "variant   requests  outputs=  steps(all)  equal(official conv.)  full-block steps  equal(vllm conv.)  tau official  tau ours"
+        "variant   requests  outputs=  steps(all)  equal(official conv.)  "
+        "full-block steps  equal(vllm conv.)  tau official  tau ours"
     )
     from dflash.model import DFlash2DraftModel, DFlashDraftModel
 
@@ -118,7 +119,8 @@ def main() -> None:
         tau_official = sum(row["official_lengths"]) / max(1, len(row["official_lengths"]))
         tau_ours = sum(row["ours_lengths"]) / max(1, len(row["ours_lengths"]))
         print(
-            f"{variant:9} {row['requests']:8}  {row['outputs_equal']:8}  {row['steps_official']:10}  {row['equal_official']:21}  "
+            f"{variant:9} {row['requests']:8}  {row['outputs_equal']:8}  "
+            f"{row['steps_official']:10}  {row['equal_official']:21}  "
             f"{row['steps_full_block']:16}  {row['equal_vllm']:17}  {tau_official:12.3f}  {tau_ours:8.3f}",
             flush=True,
         )

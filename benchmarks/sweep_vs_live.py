@@ -7,8 +7,8 @@ weights), K = 1..15, over the same few prompts of the built-in ``demo`` workload
 * teacher: the target's greedy continuations (one batched ``generate`` over all prompts), ONE teacher-forced
   ``slot_table`` at K = 15 with divergence records, then ``walk_schedule`` per K (as ``sweep`` runs it).
 
-Prints both wall times, their ratio (the teacher-forced sweep aims to be >= 20x faster) and tau per K side by side; the teacher's
-steps must equal the live loop's exactly, and the script says whether they did.
+Prints both wall times, their ratio (the teacher-forced sweep aims to be >= 20x faster) and tau per K side by side; the
+teacher's steps must equal the live loop's exactly, and the script says whether they did.
 
     python benchmarks/sweep_vs_live.py [--requests 3] [--max-new-tokens 32] [--k-max 15] [--threads 2]
 """
@@ -98,13 +98,15 @@ def main() -> None:
         equal = all(step_keys(a) == step_keys(b) for a, b in zip(live_steps[k], teacher_steps[k]))
         all_equal &= equal
         print(
-            f"{k:>3} {pooled_tau(live_steps[k]):9.4f} {pooled_tau(teacher_steps[k]):12.4f} {'yes' if equal else 'NO':>12} "
+            f"{k:>3} {pooled_tau(live_steps[k]):9.4f} "
+            f"{pooled_tau(teacher_steps[k]):12.4f} {'yes' if equal else 'NO':>12} "
             f"{live_s_by_k[k]:8.2f}"
         )
     print(f"\nlive loop, once per K: {live_s:8.2f} s")
     print(f"teacher-forced replay: {teacher_s:8.2f} s  (greedy continuation + one pass at K={max(ks)} + walks)")
     print(
-        f"ratio: {live_s / teacher_s:.1f}x less wall time; per-step results identical for every K: {'yes' if all_equal else 'NO'}"
+        f"ratio: {live_s / teacher_s:.1f}x less wall time; per-step "
+        f"results identical for every K: {'yes' if all_equal else 'NO'}"
     )
 
 

@@ -4,8 +4,8 @@ A synthetic vLLM-shaped counter source (two models, K = 15, 100 drafts per model
 every 30 simulated seconds through the real WatchSession (judge, alarms, run directory), for
 ``--hours`` (default 24: 2880 polls) with ``--retain`` (default 1h; 0 keeps everything). After
 ``--start-hours`` (default 3: past the first retention periods and the filling of the summary's bounded
-sample) and at the end it prints the Python heap in use (tracemalloc, after a full collection), the run directory's bytes and the
-seconds one poll takes, and the end/start ratios. Flat state means ratios near 1. Not a test, nothing
+sample) and at the end it prints the Python heap in use (tracemalloc, after a full collection), the run directory's
+bytes and the seconds one poll takes, and the end/start ratios. Flat state means ratios near 1. Not a test, nothing
 asserts (tests/test_telemetry_bounded.py holds the same day to stated ratios).
 
     python benchmarks/watch_soak.py [--hours 24] [--interval-s 30] [--retain 1h] [--start-hours 3]
