@@ -15,7 +15,8 @@ uses, so a later `train-draft --dtype bfloat16 --out <same dir>` with the same d
 nothing. Rows already in ``ablation.json`` are kept and skipped (a run cut short continues), and rows
 that would not end before ``--deadline`` are left for the next run.
 
-Usage (GPU): python scripts/draft_ablation.py --out runs/draft --steps 400 --extra-word-problems 3000 --self-written-prompts 2000
+Usage (GPU): python scripts/draft_ablation.py --out runs/draft --steps 400 --extra-word-problems 3000
+    --self-written-prompts 2000
 Smoke test (CPU, tiny sizes): python scripts/draft_ablation.py --out /tmp/abl --steps 2 --tiny
 """
 
@@ -173,8 +174,10 @@ def main() -> None:
     mask = choose_mask_token_id(tokenizer, target.config, used_ids, template)
     layer_ids = default_target_layer_ids(target.config.num_hidden_layers, DEFAULT_NUM_TAPS)
     print(
-        f"data: {len(base)} mix + {len(extra)} extra GSM + {len(written)} target-written prompts; {len(greedy)} greedy + "
-        f"{len(records) - len(greedy)} sampled sequences, {sum(len(r.response_ids) for r in records):,} response tokens; "
+        f"data: {len(base)} mix + {len(extra)} extra GSM + "
+        f"{len(written)} target-written prompts; {len(greedy)} greedy + "
+        f"{len(records) - len(greedy)} sampled sequences, "
+        f"{sum(len(r.response_ids) for r in records):,} response tokens; "
         f"{len(eval_records)} held-out turns; {data_seconds:.0f} s",
         flush=True,
     )
@@ -271,7 +274,8 @@ def main() -> None:
         print(
             f"{row['name']}: "
             + ", ".join(f"{c} {v['tau']:.2f} [{v['tau_ci'][0]:.2f}, {v['tau_ci'][1]:.2f}]" for c, v in tau.items())
-            + f"; train-set overall {train_tau['overall']['tau']:.2f} ({train_seconds:.0f} s train, {eval_seconds:.0f} s eval, "
+            + f"; train-set overall {train_tau['overall']['tau']:.2f} "
+            f"({train_seconds:.0f} s train, {eval_seconds:.0f} s eval, "
             f"{size_mb:.0f} MB)",
             flush=True,
         )
