@@ -77,7 +77,8 @@ class AcceptanceCheck(Check):
                 severity,
                 f"{name}: mean acceptance length {tau:.2f} is below {limit}",
                 evidence,
-                "check the tokenizer, chat-template and draft-config findings first; then lower K for this class (`dflash-doctor sweep`)",
+                "check the tokenizer, chat-template and draft-config findings "
+                "first; then lower K for this class (`dflash-doctor sweep`)",
             )
         ]
 
@@ -91,7 +92,8 @@ class AcceptanceCheck(Check):
                         "warn",
                         f"{name}: acceptance collapses at draft slot {position + 1} (conditional rate {rate:.2f})",
                         f"conditional rates a_i: {shown}",
-                        "drafted tokens past this slot are mostly wasted verify work: lower K, or look for a feature/offset bug",
+                        "drafted tokens past this slot are mostly wasted "
+                        "verify work: lower K, or look for a feature/offset bug",
                     )
                 ]
         return []
@@ -109,7 +111,8 @@ class AcceptanceCheck(Check):
                         "warn",
                         f"{name} is far below the other classes: tau {tau:.2f} vs median {others:.2f}",
                         f"ratio {tau / others:.2f} < {self.class_gap_ratio}",
-                        "the draft was likely not trained on this kind of prompt: serve this class with a smaller K or none",
+                        "the draft was likely not trained on this kind of "
+                        "prompt: serve this class with a smaller K or none",
                     )
                 )
         return findings
@@ -122,7 +125,8 @@ class AcceptanceCheck(Check):
                     "fail",
                     "every drafted token was accepted in every class: suspiciously perfect",
                     ", ".join(f"{name} {rate:.3f}" for name, rate in rates.items()),
-                    "the draft probably reads the target's own outputs or IS the target: check --draft and the target layer ids",
+                    "the draft probably reads the target's own outputs or "
+                    "IS the target: check --draft and the target layer ids",
                 )
             ]
         return []

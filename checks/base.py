@@ -181,7 +181,8 @@ def make_check(check_id: str, params: Mapping[str, Any] | None = None) -> Check:
         expected = type_error(value, declared[key])
         if expected is not None:
             raise UsageError(
-                f"check {check_id!r} parameter {key!r} is {value!r}, but it must be {expected}; fix [checks.{check_id}]."
+                f"check {check_id!r} parameter {key!r} is {value!r}, "
+                f"but it must be {expected}; fix [checks.{check_id}]."
             )
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             # A check's numbers are thresholds, shares and counts, all >= 0; nan compares false with
@@ -247,8 +248,8 @@ def run_one(check: Check, ctx: CheckContext) -> CheckResult:
 
 
 def exit_code(results: Iterable[CheckResult], fail_on: str = "fail") -> int:
-    """The exit codes (docs/user-guide.md#exit-codes) from :func:`overall_status`: 1 when the verdict is ``fail`` or ``error`` (or
-    ``warn`` with ``fail_on="warn"``), else 0."""
+    """The exit codes (docs/user-guide.md#exit-codes) from :func:`overall_status`: 1 when the verdict is ``fail`` or
+    ``error`` (or ``warn`` with ``fail_on="warn"``), else 0."""
     bad = {Status.FAIL, Status.ERROR} | ({Status.WARN} if fail_on == "warn" else set())
     return 1 if overall_status(r.status for r in results) in bad else 0
 

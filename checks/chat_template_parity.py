@@ -129,7 +129,8 @@ class ChatTemplateParity(Check):
         findings = [
             Finding(
                 "fail",
-                f"{target.name} and {other.name} templates differ in {len(differences)}/{comparison['num_cases']} renders "
+                f"{target.name} and {other.name} templates differ in "
+                f"{len(differences)}/{comparison['num_cases']} renders "
                 f"(first: {first['case']} at byte {first['byte_offset']})",
                 " | ".join(
                     f"{d['case']} @byte {d['byte_offset']}: {target.name} {d['a']!r} vs {other.name} {d['b']!r}"
@@ -308,6 +309,7 @@ def double_bos_findings(side: TemplateSide) -> list[Finding]:
             "warn",
             f"{side.name} template writes {side.bos_token!r} and its tokenizer adds another: double BOS",
             f"render starts with {rendered[:40]!r}; tokenizer.encode adds bos id {side.tokenizer.bos_token_id}",
-            "encode rendered chats with add_special_tokens=False (as apply_chat_template does), or drop bos_token from the template",
+            "encode rendered chats with add_special_tokens=False (as "
+            "apply_chat_template does), or drop bos_token from the template",
         )
     ]

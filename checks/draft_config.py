@@ -276,7 +276,8 @@ class DraftConfigCheck(Check):
                     f"layer ids shifted by {best_offset:+d} give acceptance length {probe[best_offset]:.2f} vs "
                     f"{probe[0]:.2f} as configured",
                     _offset_evidence(probe),
-                    f"shift dflash_config.target_layer_ids by {best_offset:+d} (off-by-one: vLLM PR #42704, llama.cpp #25792)",
+                    f"shift dflash_config.target_layer_ids by {best_offset:+d} "
+                    "(off-by-one: vLLM PR #42704, llama.cpp #25792)",
                 )
             ]
         if best_offset == 0:
@@ -284,7 +285,8 @@ class DraftConfigCheck(Check):
         return [
             Finding(
                 "info",
-                f"offset probe: no shifted layer ids accept {self.offset_probe_margin:.0%} more tokens than the configured ones "
+                "offset probe: no shifted layer ids accept "
+                f"{self.offset_probe_margin:.0%} more tokens than the configured ones "
                 f"(offset {best_offset:+d}: {probe[best_offset]:.2f} vs {probe[0]:.2f})",
                 _offset_evidence(probe),
             )

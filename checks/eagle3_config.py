@@ -1,4 +1,5 @@
-"""eagle3-config: what vLLM decides for an EAGLE-3 head that the checkpoint leaves unsaid, and what the head can ever propose.
+"""eagle3-config: what vLLM decides for an EAGLE-3 head that the checkpoint leaves unsaid,
+and what the head can ever propose.
 
 Three things an EAGLE-3 checkpoint can get silently wrong (the eagle3 section of docs/speculators.md):
 
@@ -93,8 +94,12 @@ class Eagle3ConfigCheck(Check):
                     f"the head names no aux layer ids, so vLLM reads its default layers {ids} (2, L // 2, L - 3 of the "
                     f"target's {num_layers}; SGLang and the original EAGLE-3 code pick the same)",
                     evidence
-                    or "a head trained on other layers reads the wrong states and accepts almost nothing, with no error",
-                    "write eagle_aux_hidden_state_layer_ids = the layers the head was trained on (its model card or training "
+                    or (
+                        "a head trained on other layers reads the wrong "
+                        "states and accepts almost nothing, with no error"
+                    ),
+                    "write eagle_aux_hidden_state_layer_ids = the layers "
+                    "the head was trained on (its model card or training "
                     "config) into config.json",
                 )
             )
@@ -115,7 +120,8 @@ class Eagle3ConfigCheck(Check):
                 findings.append(
                     Finding(
                         "fail",
-                        f"aux layer ids shifted by {best:+d} give acceptance length {probe[best]:.2f} vs {probe[0]:.2f} as served",
+                        f"aux layer ids shifted by {best:+d} give acceptance "
+                        f"length {probe[best]:.2f} vs {probe[0]:.2f} as served",
                         evidence,
                         f"write eagle_aux_hidden_state_layer_ids = {[i + best for i in ids]} into config.json",
                     )
@@ -179,7 +185,8 @@ class Eagle3ConfigCheck(Check):
         findings = [
             Finding(
                 overall,
-                f"the head can propose {share:.1%} of the tokens the target produced (an upper bound on its acceptance rate)",
+                f"the head can propose {share:.1%} of the tokens the "
+                "target produced (an upper bound on its acceptance rate)",
                 evidence,
                 fix if overall != "info" else "",
             )
@@ -217,8 +224,10 @@ def _norm_findings(raw: dict[str, Any], metrics: dict[str, Any]) -> list[Finding
                     "warn",
                     f"config.json leaves {name} out: vLLM runs the head with {name} = {switch.vllm}, the trainer's "
                     f"default is {switch.trained}",
-                    f"the replay followed vLLM ({switch.replay}); a head trained with the other value is served with another layer",
-                    f'write "{name}": {str(switch.trained).lower()} into config.json (or {str(switch.vllm).lower()} if the '
+                    f"the replay followed vLLM ({switch.replay}); a head "
+                    "trained with the other value is served with another layer",
+                    f'write "{name}": {str(switch.trained).lower()} into '
+                    f"config.json (or {str(switch.vllm).lower()} if the "
                     "head was trained that way)",
                 )
             )

@@ -4,7 +4,8 @@ Acceptance can collapse with nothing wrong in the models: a draft attention back
 DFlash's non-causal block attention, K counted in the other engine's convention, a kernel bug under CUDA
 graphs, a transformers release that reads the draft's config differently. Those facts are collected here
 and matched against ``rules.toml``, a data file of known incompatibilities with their source threads
-(docs/draft-formats.md, docs/troubleshooting.md). :func:`dflash_doctor.inputs.machine.collect_environment` collects them (run.json ``environment``).
+(docs/draft-formats.md, docs/troubleshooting.md). :func:`dflash_doctor.inputs.machine.collect_environment` collects them
+(run.json ``environment``).
 """
 
 from __future__ import annotations
@@ -153,13 +154,15 @@ def load_rules(path: str | Path | None = None) -> list[Rule]:
             raise UsageError(f"rules file {where}: rule {rule_id!r} lacks {', '.join(missing)}; add them.")
         if entry["severity"] not in SEVERITIES:
             raise UsageError(
-                f"rules file {where}: rule {rule_id!r} severity {entry['severity']!r} is not one of {', '.join(SEVERITIES)}."
+                f"rules file {where}: rule {rule_id!r} severity "
+                f"{entry['severity']!r} is not one of {', '.join(SEVERITIES)}."
             )
         for fact, matcher in entry["when"].items():
             unknown = [op for op in matcher if op not in MATCHER_OPS] if isinstance(matcher, dict) else []
             if unknown:
                 raise UsageError(
-                    f"rules file {where}: rule {rule_id!r} condition on {fact} uses unknown operator {unknown[0]!r}; use one of {', '.join(MATCHER_OPS)}."
+                    f"rules file {where}: rule {rule_id!r} condition on {fact} uses "
+                    f"unknown operator {unknown[0]!r}; use one of {', '.join(MATCHER_OPS)}."
                 )
         rules.append(Rule(**{k: entry[k] for k in ("id", "severity", "message", "fix", "source", "when")}))
     return rules
@@ -190,5 +193,8 @@ class EnvironmentCheck(Check):
         findings = [rule.finding(facts) for rule in matched]
         metrics = {"facts": facts, "num_rules": len(rules), "matched_rules": [rule.id for rule in matched]}
         env = ctx.environment or {}
-        summary = f"no known incompatibility ({len(rules)} rules; torch {env.get('torch')}, transformers {env.get('transformers')})"
+        summary = (
+            f"no known incompatibility ({len(rules)} rules; torch "
+            f"{env.get('torch')}, transformers {env.get('transformers')})"
+        )
         return CheckResult.from_findings(self.id, findings, metrics, summary)

@@ -56,7 +56,10 @@ class MtpConfigCheck(Check):
             f"replay: hidden_state={used['hidden_state']}, carried_state={used['carried_state']}; "
             f"engines for {architecture} (handed / carried): {described}"
         )
-        fix = f"replay with --draft mtp (no side set: the sides vLLM passes for {architecture}) to measure what a current server accepts"
+        fix = (
+            "replay with --draft mtp (no side set: the sides vLLM passes "
+            f"for {architecture}) to measure what a current server accepts"
+        )
         for side in SIDES:
             passed = {sides[side] for sides in engine_sides.values()}
             if passed and used[side] not in passed:

@@ -18,7 +18,10 @@ from dataclasses import dataclass
 from dflash_doctor.checks.base import Check, CheckContext, CheckResult, Finding, Need, register, skipped
 from dflash_doctor.rundir.run_record import PromptFormat
 
-_FIX = "apply the tokenizer's chat template (use the chat endpoint / apply_chat_template), or train the draft on raw prompts"
+_FIX = (
+    "apply the tokenizer's chat template (use the chat endpoint "
+    "/ apply_chat_template), or train the draft on raw prompts"
+)
 
 
 @register

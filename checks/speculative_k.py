@@ -83,7 +83,10 @@ class SpeculativeKCheck(Check):
             )
             findings += scope_findings
         metrics = {"configured_k": k, "k_source": k_source, "by_scope": per_scope}
-        pass_summary = f"K={k} ({k_source}) is within {self.speedup_loss_share:.0%} of the best speedup and inside the useful range"
+        pass_summary = (
+            f"K={k} ({k_source}) is within {self.speedup_loss_share:.0%} "
+            "of the best speedup and inside the useful range"
+        )
         return CheckResult.from_findings(self.id, findings, metrics, pass_summary)
 
     def _judge_scope(
@@ -204,6 +207,7 @@ class SpeculativeKCheck(Check):
         if serve_k == 0:
             return f"turn speculation off{where}: no K beats plain decoding"
         return (
-            f"serve num_speculative_tokens={serve_k}{where} (vLLM; SGLang --speculative-num-draft-tokens {serve_k + 1}; "
+            f"serve num_speculative_tokens={serve_k}{where} (vLLM; "
+            f"SGLang --speculative-num-draft-tokens {serve_k + 1}; "
             f"llama.cpp --spec-draft-n-max {serve_k})"
         )

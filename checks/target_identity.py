@@ -147,6 +147,7 @@ class TargetIdentityCheck(Check):
         draft = config_value(ctx.config, "draft") or "<draft>"
         target = config_value(ctx.config, "target") or "<new target>"
         return (
-            f"fine-tune the draft on the new target: `dflash-doctor train-draft --init-from {draft} --target {target}`, "
+            "fine-tune the draft on the new target: `dflash-doctor train-draft "
+            f"--init-from {draft} --target {target}`, "
             "then compare runs with `dflash-doctor compare`"
         )

@@ -1,7 +1,7 @@
 """timing: can the step costs that price every K be trusted?
 
-The K advice and a head-to-head's verdict are ratios of step times (docs/definitions.md#net-speedup). They are timed here
-in interleaved rounds until each median is known within 5% or the time budget runs out
+The K advice and a head-to-head's verdict are ratios of step times (docs/definitions.md#net-speedup). They are timed
+here in interleaved rounds until each median is known within 5% or the time budget runs out
 (:mod:`dflash_doctor.stats.step_costs`), then fitted under the physics of a forward pass: verifying more
 tokens never costs less, and no verify costs less than a decode. Raw medians that break that order beyond
 their own intervals are re-timed once. If the re-timing breaks it again on its own samples, the kernels
@@ -51,7 +51,9 @@ class TimingCheck(Check):
                 severity,
                 f"the step timings changed while they were taken: {violation}; the K advice is withheld",
                 evidence=f"re-timed {retimed} once; raw samples in costs.parquet",
-                fix="rerun on a quiet machine, give the timing more time (--timing-budget) or price with --cost-profile",
+                fix=(
+                    "rerun on a quiet machine, give the timing more time (--timing-budget) or price with --cost-profile"
+                ),
             )
             for violation in spread.get("violations") or []
         ]
@@ -62,7 +64,10 @@ class TimingCheck(Check):
                 f"this machine's kernels break the cost model's order: {effect}; "
                 f"the costs of K {ks} are pooled and advice on them is marked uncertain",
                 evidence=f"re-timed {retimed} once and the break held; raw samples in costs.parquet",
-                fix="price with a --cost-profile measured on the serving hardware, whose kernels are the ones that count",
+                fix=(
+                    "price with a --cost-profile measured on the serving "
+                    "hardware, whose kernels are the ones that count"
+                ),
             )
             for effect in spread.get("shape_effects") or []
         ]

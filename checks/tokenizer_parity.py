@@ -69,7 +69,8 @@ class TokenizerParity(Check):
             findings.append(
                 Finding(
                     "info",
-                    "no draft tokenizer given: a DFlash draft embeds and decodes with the target's, so only its mask token is checked",
+                    "no draft tokenizer given: a DFlash draft embeds and decodes "
+                    "with the target's, so only its mask token is checked",
                 )
             )
         if is_dflash(ctx):
@@ -79,7 +80,9 @@ class TokenizerParity(Check):
             if draft is not None
             else f"DFlash mask token {metrics.get('mask_token_id')} is a reserved row of the target embedding"
             if is_dflash(ctx)
-            else "the target tokenizer's ids fit its embedding (the draft ships no tokenizer: it reads the target's ids)"
+            else (
+                "the target tokenizer's ids fit its embedding (the draft ships no tokenizer: it reads the target's ids)"
+            )
         )
         return CheckResult.from_findings(self.id, findings, metrics, pass_summary)
 
@@ -103,7 +106,8 @@ class TokenizerParity(Check):
             findings.append(
                 Finding(
                     "fail",
-                    f"{identity['num_different_id']} of {identity['num_shared']} shared token strings map to different ids",
+                    f"{identity['num_different_id']} of {identity['num_shared']} "
+                    "shared token strings map to different ids",
                     "; ".join(f"{t!r}: target {a} vs draft {b}" for t, a, b in identity["different_id_examples"]),
                     "the draft was built for another tokenizer: use a draft trained with the target's tokenizer",
                 )
@@ -128,7 +132,8 @@ class TokenizerParity(Check):
                 findings.append(
                     Finding(
                         "fail" if generation_relevant else "info",
-                        f"{name} token differs: target {a} ({target_special[f'{name}_token']!r}) vs draft {b} ({draft_special[f'{name}_token']!r})",
+                        f"{name} token differs: target {a} ({target_special[f'{name}_token']!r}) "
+                        f"vs draft {b} ({draft_special[f'{name}_token']!r})",
                         "a draft trained with another bos/eos conditions on, and stops at, other ids"
                         if generation_relevant
                         else f"{name} never reaches the model during greedy decoding of one sequence",
@@ -141,7 +146,8 @@ class TokenizerParity(Check):
                     Finding(
                         "warn",
                         f"{flag} differs: target {target_special[flag]} vs draft {draft_special[flag]}",
-                        f"encoding 'a' adds {target_special['added_prefix']}/{target_special['added_suffix']} (target) vs {draft_special['added_prefix']}/{draft_special['added_suffix']} (draft)",
+                        f"encoding 'a' adds {target_special['added_prefix']}/{target_special['added_suffix']} "
+                        f"(target) vs {draft_special['added_prefix']}/{draft_special['added_suffix']} (draft)",
                         "make both tokenizers add the same special tokens, or the draft sees a missing or doubled BOS",
                     )
                 )
@@ -152,8 +158,11 @@ class TokenizerParity(Check):
             findings.append(
                 Finding(
                     "warn",
-                    f"added tokens differ: {added['num_only_in_target']} only in target, {added['num_only_in_draft']} only in draft, {added['num_different']} with another id or special flag",
-                    f"target only: {added['only_in_target']}; draft only: {added['only_in_draft']}; different: {added['different']}",
+                    f"added tokens differ: {added['num_only_in_target']} only "
+                    f"in target, {added['num_only_in_draft']} only in draft, "
+                    f"{added['num_different']} with another id or special flag",
+                    f"target only: {added['only_in_target']}; draft only: "
+                    f"{added['only_in_draft']}; different: {added['different']}",
                     "add the same tokens (same ids, same special flag) to both tokenizers",
                 )
             )
@@ -167,7 +176,8 @@ class TokenizerParity(Check):
                     "warn",
                     f"tokenizer {part} differs",
                     f"target {_short_json(parts_target[part])} vs draft {_short_json(parts_draft.get(part))}",
-                    "use the target's tokenizer.json for the draft: the same vocabulary split differently is still a different input",
+                    "use the target's tokenizer.json for the draft: the same "
+                    "vocabulary split differently is still a different input",
                 )
             )
 
@@ -180,9 +190,11 @@ class TokenizerParity(Check):
             findings.append(
                 Finding(
                     severity,
-                    f"corpus round-trip: {trip['num_identical']}/{trip['num_texts']} texts ({share:.0%}) tokenise to identical ids",
+                    f"corpus round-trip: {trip['num_identical']}/{trip['num_texts']} "
+                    f"texts ({share:.0%}) tokenise to identical ids",
                     " | ".join(trip["examples"]),
-                    "the draft sees other id sequences than it was trained on: retrain or swap in the target's tokenizer",
+                    "the draft sees other id sequences than it was "
+                    "trained on: retrain or swap in the target's tokenizer",
                 )
             )
         return findings
@@ -216,7 +228,8 @@ def vocab_size_findings(side: str, sizes: VocabSizes) -> list[Finding]:
                 "fail",
                 f"{side} tokenizer has {total} tokens but its model has only {rows} embedding rows",
                 evidence,
-                f"ids {rows}..{total - 1} index past the embedding: pair the {side} model with the tokenizer it was trained with",
+                f"ids {rows}..{total - 1} index past the embedding: pair "
+                f"the {side} model with the tokenizer it was trained with",
             )
         )
     elif rows is not None and rows > total:
@@ -344,7 +357,8 @@ def round_trip(target: Any, draft: Any, texts: list[str], max_examples: int) -> 
             pieces_a = target.convert_ids_to_tokens(ids_a[first : first + 4])
             pieces_b = draft.convert_ids_to_tokens(ids_b[first : first + 4])
             examples.append(
-                f"{text[:40]!r}: token {first}: target {ids_a[first : first + 4]} {pieces_a} vs draft {ids_b[first : first + 4]} {pieces_b}"
+                f"{text[:40]!r}: token {first}: target {ids_a[first : first + 4]} "
+                f"{pieces_a} vs draft {ids_b[first : first + 4]} {pieces_b}"
             )
     total = len(texts)
     return {
