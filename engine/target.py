@@ -29,11 +29,18 @@ if TYPE_CHECKING:
 
 
 def attention_implementation(config) -> str:
-    """The attention kernel the engine runs a target with: SDPA where transformers runs the architecture
-    with it, else eager (gpt-oss: its attention sinks have no SDPA path, and transformers refuses SDPA).
+    """The attention kernel the engine runs a target with: SDPA where transformers runs the architecture with it.
 
-    Chosen once at load and kept by the model, so the live loop and the teacher-forced pass (one model
-    object) compute with the same kernel and sweep tau stays equal to replay tau."""
+    Else eager (gpt-oss: its attention sinks have no SDPA path, and transformers refuses SDPA). Chosen once at
+    load and kept by the model, so the live loop and the teacher-forced pass (one model object) compute with the
+    same kernel and sweep tau stays equal to replay tau.
+
+    Args:
+        config: the target's transformers config.
+
+    Returns:
+        ``"sdpa"`` or ``"eager"``, as transformers' ``attn_implementation`` takes it.
+    """
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
@@ -52,8 +59,15 @@ class TargetOutput:
 
 
 def tap_points(model: CausalLM) -> tuple[torch.nn.Module, torch.nn.ModuleList]:
-    """The decoder (its output is HF's last ``hidden_states``) and its blocks (their outputs are the
-    others): the ModuleList of ``num_hidden_layers`` modules in the model's decoder."""
+    """Where the engine reads a target's hidden states: the decoder and its blocks.
+
+    Args:
+        model: the loaded target.
+
+    Returns:
+        ``(decoder, blocks)``: the decoder (its output is HF's last ``hidden_states``) and the ModuleList of its
+        ``num_hidden_layers`` blocks (their outputs are the others).
+    """
     count = model.config.get_text_config().num_hidden_layers
     decoder = model.get_decoder()
     for module in decoder.modules():
