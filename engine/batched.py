@@ -163,7 +163,12 @@ def _batched_layer(
     first, _ = rows[0]
     if isinstance(first, dict):
         return _StackedStates(rows)
-    return _GrowingLayer([row[0] for row in rows], [row[1] for row in rows], width=width, room=room)  # type: ignore[index]
+    return _GrowingLayer(
+        [row[0] for row in rows],  # type: ignore[index]
+        [row[1] for row in rows],  # type: ignore[index]
+        width=width,
+        room=room,
+    )
 
 
 class _StackedStates(LinearAttentionLayer):

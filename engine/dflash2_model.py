@@ -42,7 +42,8 @@ class GroupedDynamicCausalConv(nn.Module):
         super().__init__()
         if hidden_size % group_size:
             raise UsageError(
-                f"dflash_config.conv_group_size {group_size} does not divide hidden_size {hidden_size}; fix the draft config."
+                f"dflash_config.conv_group_size {group_size} does not "
+                f"divide hidden_size {hidden_size}; fix the draft config."
             )
         self.kernel_size = kernel_size
         self.group_size = group_size
@@ -84,7 +85,8 @@ class CandidateSelector(nn.Module):
     def scores(
         self, projected: torch.Tensor, unary: torch.Tensor, candidates: torch.Tensor, predecessor: torch.Tensor
     ) -> torch.Tensor:
-        """Candidate scores [..., top_k] of one slot: projected [..., r], unary/candidates [..., top_k], predecessor [...]."""
+        """Candidate scores [..., top_k] of one slot: projected [...,
+        r], unary/candidates [..., top_k], predecessor [...]."""
         query = self.predecessor_codebook(predecessor) * projected  # [..., r]
         return unary + (self.successor_codebook(candidates) * query[..., None, :]).sum(-1)
 

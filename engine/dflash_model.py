@@ -105,7 +105,8 @@ class DFlashConfig:
     # (weights ``layers.{i}.self_attn.attention_sink_bias``) and a factor on every value row, context and block.
     attention_sink_bias: bool = False
     attention_value_scale: float | None = None
-    # DSpark (architecture DSparkDraftModel, engine/dspark_model.py): the Markov head's rank and the (unused) confidence head.
+    # DSpark (architecture DSparkDraftModel, engine/dspark_model.py):
+    # the Markov head's rank and the (unused) confidence head.
     markov_rank: int | None = None
     confidence_head: bool = False
     confidence_head_with_markov: bool = True
@@ -134,13 +135,16 @@ class DFlashConfig:
         missing = [k for k in required if k not in raw]
         if missing:
             raise UsageError(
-                f"{source} lacks {', '.join(missing)}; a DFlash draft config needs the Qwen3 keys (see docs/draft-formats.md)."
+                f"{source} lacks {', '.join(missing)}; a DFlash draft "
+                "config needs the Qwen3 keys (see docs/draft-formats.md)."
             )
         block_size = raw.get("block_size", dflash.get("block_size"))
         if block_size is None:
             raise UsageError(
-                f"{source} has no block_size (top-level or in dflash_config), and engines default differently (official dflash "
-                "0.1.0 and llama.cpp 16, speculators 8; z-lab's DFlash 2 drafts are trained with 8); add the block size the "
+                f"{source} has no block_size (top-level or in dflash_config), "
+                "and engines default differently (official dflash "
+                "0.1.0 and llama.cpp 16, speculators 8; z-lab's DFlash "
+                "2 drafts are trained with 8); add the block size the "
                 "draft was trained with."
             )
         mask_token_id = dflash.get("mask_token_id", raw.get("mask_token_id"))
@@ -404,7 +408,8 @@ class DFlashAttention(nn.Module):
     def project_kv(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], k_norm: RMSNorm | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K (normed, rotated) and V for rows ``x`` [B, T, H] with ``rope`` tables for their positions -> [B, kvh, T, D] each.
+        """K (normed, rotated) and V for rows ``x`` [B, T, H] with
+        ``rope`` tables for their positions -> [B, kvh, T, D] each.
 
         ``k_norm``: another layer's key norm instead of this layer's own (an engine quirk to reproduce, see
         :attr:`DFlashDraftModel.context_k_norm_layer`)."""
@@ -550,7 +555,8 @@ class DFlashDraftModel(nn.Module):
     def context_kv(
         self, target_features: torch.Tensor, positions: torch.Tensor
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per-layer K/V of context rows: ``target_features`` [B, T, n*H] (concatenated taps) at ``positions`` [B, T]."""
+        """Per-layer K/V of context rows: ``target_features`` [B,
+        T, n*H] (concatenated taps) at ``positions`` [B, T]."""
         ctx = self.hidden_norm(self.fc(target_features))
         rope = self.rope(positions, ctx.dtype)
         layers = [cast(DFlashLayer, layer).self_attn for layer in self.layers]

@@ -174,7 +174,8 @@ class TargetRows:
         return (self.log_p, self.entropy, self.top1_margin, self.topk_ids, self.tokens)
 
     def windows(self, first: int, count: int, k: int) -> "TargetRows":
-        """[count, k, ...] views: element [a, j] is row ``first + a + j`` (the slots of ``count`` consecutive anchors)."""
+        """[count, k, ...] views: element [a, j] is row ``first + a + j``
+        (the slots of ``count`` consecutive anchors)."""
 
         def view(x: torch.Tensor) -> torch.Tensor:
             return x.unfold(0, k, 1)[first : first + count].movedim(-1, 1)

@@ -26,7 +26,8 @@ from dflash_doctor.errors import UsageError
 
 
 class MarkovHead(nn.Module):
-    """speculators' vanilla ``MarkovHead``: ``markov_w1`` [V, r] embeds the previous token, ``markov_w2`` maps it to a bias [V]."""
+    """speculators' vanilla ``MarkovHead``: ``markov_w1`` [V, r]
+    embeds the previous token, ``markov_w2`` maps it to a bias [V]."""
 
     def __init__(self, vocab_size: int, rank: int):
         super().__init__()

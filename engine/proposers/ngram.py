@@ -91,7 +91,8 @@ class NgramSettings:
         assert prompt_lookup_min is not None and prompt_lookup_max is not None
         if not (1 <= prompt_lookup_min <= MAX_LOOKUP_TOKENS and 1 <= prompt_lookup_max <= MAX_LOOKUP_TOKENS):
             raise ValueError(
-                f"prompt_lookup_min/max must be in [1, {MAX_LOOKUP_TOKENS}], got {prompt_lookup_min}/{prompt_lookup_max}"
+                f"prompt_lookup_min/max must be in [1, {MAX_LOOKUP_TOKENS}], "
+                f"got {prompt_lookup_min}/{prompt_lookup_max}"
             )
         if prompt_lookup_min > prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min {prompt_lookup_min} exceeds prompt_lookup_max {prompt_lookup_max}")
