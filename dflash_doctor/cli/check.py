@@ -41,8 +41,10 @@ Drafts = Annotated[
         "--draft",
         metavar="PATH|ORG/NAME|KIND",
         help="Draft model: local dir, hub id (org/name or org/name@revision), .gguf file, a speculator without weights "
-        "(ngram, ngram:prompt_lookup_min=2,prompt_lookup_max=5, suffix, suffix:suffix_decoding_max_tree_depth=24, mtp: the target's own MTP head), "
-        "demo (the built-in DFlash draft) or demo-eagle3 (the built-in EAGLE-3 head of the same target). Repeat it to compare "
+        "(ngram, ngram:prompt_lookup_min=2,prompt_lookup_max=5, suffix, "
+        "suffix:suffix_decoding_max_tree_depth=24, mtp: the target's own MTP head), "
+        "demo (the built-in DFlash draft) or demo-eagle3 (the built-in "
+        "EAGLE-3 head of the same target). Repeat it to compare "
         "speculators head-to-head on the same prompts.",
         show_default="the built-in demo DFlash draft",
         envvar="DFLASH_DOCTOR_DRAFT",
@@ -115,7 +117,8 @@ def check(
     engine_api_key: opt.ServerApiKey = None,
     drafts: Drafts = None,
 ) -> None:
-    """Is the pair set up right, where does the draft lose, which K to serve? Exit 0 pass/warn, 1 fail or error, 2 bad input.
+    """Is the pair set up right, where does the draft lose, which
+    K to serve? Exit 0 pass/warn, 1 fail or error, 2 bad input.
 
     With no model flags it runs the built-in demo pair (SmolLM2-135M-Instruct + its DFlash draft) on CPU.
     """

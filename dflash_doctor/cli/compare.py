@@ -40,7 +40,8 @@ def _nothing_compared(comparison: Comparison) -> str | None:
         if value is None
     ]
     return (
-        f"{' and '.join(empty)} {'has' if len(empty) == 1 else 'have'} no drafted steps (no finished request), so nothing "
+        f"{' and '.join(empty)} {'has' if len(empty) == 1 else 'have'} "
+        "no drafted steps (no finished request), so nothing "
         f"was compared; compare two runs that both finished requests."
     )
 
@@ -48,7 +49,10 @@ def _nothing_compared(comparison: Comparison) -> str | None:
 def _table(comparison: Comparison) -> Table:
     """tau per class, then every regressed per-position rate (unchanged rates would drown the table)."""
     table = Table(
-        title=f"NEW {for_terminal(comparison.new_path.name)} vs BASE {for_terminal(comparison.base_path.name)} (K={comparison.k_compared})"
+        title=(
+            f"NEW {for_terminal(comparison.new_path.name)} vs BASE "
+            f"{for_terminal(comparison.base_path.name)} (K={comparison.k_compared})"
+        )
     )
     for column in ("class", "metric", "BASE", "BASE 95% CI", "NEW", "NEW 95% CI", "delta", "verdict"):
         table.add_column(column, justify="right" if column in ("BASE", "NEW", "delta") else "left")
@@ -106,9 +110,11 @@ def compare_command(
     plotly: opt.Plotly = None,
     json_output: opt.Json = False,
 ) -> None:
-    """Per-class regression gate: exit 1 when tau or a per-position rate drops past its threshold with separated 95% intervals; exit 2 when a run has no drafted steps (nothing to compare).
+    """Per-class regression gate: exit 1 when tau or a per-position rate drops past its threshold
+    with separated 95% intervals; exit 2 when a run has no drafted steps (nothing to compare).
 
-    Also lists the rejection patterns (target or drafted token categories) whose lost tokens per draft grew; those never change the exit code.
+    Also lists the rejection patterns (target or drafted token categories)
+    whose lost tokens per draft grew; those never change the exit code.
     """
     # finite and in range: nan or inf would pass a plain ">= 0" and then no drop could ever exceed it
     threshold_tau = finite_number(

@@ -69,7 +69,11 @@ DraftKind = Annotated[
     Optional[str],
     typer.Option(
         "--draft-kind",
-        help="dflash | eagle3 | autoregressive | auto; mtp (the target's own MTP head: --draft mtp), ngram or suffix (no weights: --draft ngram, --draft suffix); or a kind a plugin registered (auto: detect from the checkpoint).",
+        help=(
+            "dflash | eagle3 | autoregressive | auto; mtp (the target's own MTP head: "
+            "--draft mtp), ngram or suffix (no weights: --draft ngram, --draft "
+            "suffix); or a kind a plugin registered (auto: detect from the checkpoint)."
+        ),
         show_default=_default("draft_kind"),
         autocompletion=_complete_draft_kinds,
     ),
@@ -122,7 +126,10 @@ Devices = Annotated[
     Optional[str],
     typer.Option(
         "--devices",
-        help="Spread the requests over several devices, one torchrun process each: cuda:0,cuda:1 (cuda:0+cuda:1 gives one process a target over two GPUs).",
+        help=(
+            "Spread the requests over several devices, one torchrun process each: "
+            "cuda:0,cuda:1 (cuda:0+cuda:1 gives one process a target over two GPUs)."
+        ),
         show_default="one process",
     ),
 ]
@@ -178,7 +185,10 @@ TimingBudget = Annotated[
     Optional[float],
     typer.Option(
         "--timing-budget",
-        help="Seconds the step timing may take here: each step kind is re-timed until its median is known within 5% or this is spent.",
+        help=(
+            "Seconds the step timing may take here: each step kind is "
+            "re-timed until its median is known within 5% or this is spent."
+        ),
         show_default=_default("timing_budget_s"),
         **_env("timing_budget_s"),
     ),
@@ -195,7 +205,11 @@ EndOfRequest = Annotated[
     Optional[settings.EndOfRequest],
     typer.Option(
         "--end-of-request",
-        help="How a request's last steps draft and count: vllm (K drafts to the end, counted as vLLM/SGLang count them), llamacpp (drafts capped at the tokens left), official (dflash_generate shrinks the last blocks); docs/draft-formats.md.",
+        help=(
+            "How a request's last steps draft and count: vllm (K drafts to the end, counted "
+            "as vLLM/SGLang count them), llamacpp (drafts capped at the tokens left), "
+            "official (dflash_generate shrinks the last blocks); docs/draft-formats.md."
+        ),
         show_default=_default("end_of_request"),
     ),
 ]
@@ -203,7 +217,10 @@ Plotly = Annotated[
     Optional[settings.PlotlySource],
     typer.Option(
         "--plotly",
-        help="Where report.html loads plotly.js from: inline (embedded, opens offline) or cdn (4.6 MB smaller, for CI artefacts).",
+        help=(
+            "Where report.html loads plotly.js from: inline (embedded, "
+            "opens offline) or cdn (4.6 MB smaller, for CI artefacts)."
+        ),
         show_default=_default("plotly"),
         **_env("plotly"),
     ),
@@ -222,7 +239,10 @@ ServerUrl = Annotated[
     typer.Option(
         "--engine",
         metavar="URL",
-        help="URL of a running OpenAI-compatible server (vLLM, SGLang, llama.cpp): measure acceptance there; with --target/--draft also replay locally and compare (engine-agreement).",
+        help=(
+            "URL of a running OpenAI-compatible server (vLLM, SGLang, llama.cpp): measure acceptance "
+            "there; with --target/--draft also replay locally and compare (engine-agreement)."
+        ),
         show_default="no server",
     ),
 ]
@@ -244,7 +264,10 @@ ServerApiKey = Annotated[
         "--engine-api-key",
         envvar="OPENAI_API_KEY",
         show_envvar=True,
-        help="API key of the --engine server (sent as a bearer token); env:VAR reads it from the environment. Never written to the run directory.",
+        help=(
+            "API key of the --engine server (sent as a bearer token); env:VAR "
+            "reads it from the environment. Never written to the run directory."
+        ),
     ),
 ]
 ServerTimeout = Annotated[
@@ -260,7 +283,11 @@ ConfigFile = Annotated[
     typer.Option(
         "--config",
         metavar="PATH",
-        help="TOML file with the flags' keys plus thresholds (docs/user-guide.md#configuration). Without it: ./doctor.toml, else [tool.dflash-doctor] in ./pyproject.toml, else doctor.toml in the user config folder. Precedence: flag > DFLASH_DOCTOR_* variable > file > default.",
+        help=(
+            "TOML file with the flags' keys plus thresholds (docs/user-guide.md#configuration). Without "
+            "it: ./doctor.toml, else [tool.dflash-doctor] in ./pyproject.toml, else doctor.toml in the "
+            "user config folder. Precedence: flag > DFLASH_DOCTOR_* variable > file > default."
+        ),
         show_default="discovered",
         **_env("config"),
     ),
@@ -330,7 +357,10 @@ Json = Annotated[
     bool,
     typer.Option(
         "--json",
-        help="Print the result as one JSON object on stdout (keys: docs/user-guide.md#machine-readable-output); everything else goes to stderr.",
+        help=(
+            "Print the result as one JSON object on stdout (keys: "
+            "docs/user-guide.md#machine-readable-output); everything else goes to stderr."
+        ),
     ),
 ]
 

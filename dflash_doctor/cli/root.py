@@ -44,7 +44,8 @@ _ENDINGS: tuple[type[BaseException], ...] = tuple(
 COMMANDS: dict[str, tuple[str, str]] = {
     "check": (
         "dflash_doctor.cli.check",
-        "Is the pair set up right, where does the draft lose, which K to serve? Exit 0 pass/warn, 1 fail or error, 2 bad input.",
+        "Is the pair set up right, where does the draft lose, which "
+        "K to serve? Exit 0 pass/warn, 1 fail or error, 2 bad input.",
     ),
     "replay": (
         "dflash_doctor.cli.replay",
@@ -52,11 +53,13 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "sweep": (
         "dflash_doctor.cli.sweep",
-        "Teacher-forced replay answering every K at once (default K = 1..block-1 or 1-8), net speedup per class, recommended K.",
+        "Teacher-forced replay answering every K at once (default K "
+        "= 1..block-1 or 1-8), net speedup per class, recommended K.",
     ),
     "train-draft": (
         "dflash_doctor.cli.train_draft",
-        "Train or fine-tune a DFlash draft or an EAGLE-3 head against a target; writes the checkpoint and a model card.",
+        "Train or fine-tune a DFlash draft or an EAGLE-3 head "
+        "against a target; writes the checkpoint and a model card.",
     ),
     "tokenizers": (
         "dflash_doctor.cli.single_checks",
@@ -72,7 +75,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "compare": (
         "dflash_doctor.cli.compare",
-        "Per-class regression gate: exit 1 when tau or a per-position rate drops past its threshold with separated 95% intervals; exit 2 when a run has no drafted steps (nothing to compare).",
+        "Per-class regression gate: exit 1 when tau or a per-position rate drops past its threshold "
+        "with separated 95% intervals; exit 2 when a run has no drafted steps (nothing to compare).",
     ),
     "report": (
         "dflash_doctor.cli.report",
@@ -88,7 +92,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "tune": (
         "dflash_doctor.cli.tune",
-        "Measure K = 0 (off) and each K on your engine per class and load; fit its step costs, predict the rest, recommend its setting.",
+        "Measure K = 0 (off) and each K on your engine per class and load; "
+        "fit its step costs, predict the rest, recommend its setting.",
     ),
     "workloads": (
         "dflash_doctor.cli.workloads",
@@ -253,9 +258,9 @@ def _tool_options(
     ),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Errors only: no progress bars, no warnings."),
 ) -> None:
-    """Diagnose why a speculator is rejected and what to do about it: a DFlash draft (dflash), an EAGLE-3 head (eagle3), a
-    target's own MTP head (mtp), n-gram prompt lookup (ngram), suffix decoding (suffix) or an autoregressive draft model
-    (autoregressive); several of them head to head on the same prompts (check --draft A --draft B)."""
+    """Diagnose why a speculator is rejected and what to do about it: a DFlash draft (dflash), an EAGLE-3 head (eagle3),
+    a target's own MTP head (mtp), n-gram prompt lookup (ngram), suffix decoding (suffix) or an autoregressive draft
+    model (autoregressive); several of them head to head on the same prompts (check --draft A --draft B)."""
     if verbose and quiet:
         raise UsageError("-v and -q ask for opposite things; pass one of them.")
     configure_logging(-1 if quiet else verbose)

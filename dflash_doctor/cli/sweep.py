@@ -14,7 +14,8 @@ from dflash_doctor.report.terminal import print_sweep
 @app.command(epilog="Example: dflash-doctor sweep --target ./target --draft ./draft --k 1-8 --max-requests 40")
 @opt.config_command(*opt.REPLAY_FLAGS, "devices", "cost_profile", "timing_budget_s", "strict_classes")
 def sweep(config: DoctorConfig, exact_blocks: opt.ExactBlocks = False) -> None:
-    """Teacher-forced replay answering every K at once (default K = 1..block-1 or 1-8), net speedup per class, recommended K."""
+    """Teacher-forced replay answering every K at once (default K
+    = 1..block-1 or 1-8), net speedup per class, recommended K."""
     # imported here, not above: they import torch, which `sweep --help` must not
     from dflash_doctor import pipeline
     from dflash_doctor.cli.progress import run_with_progress

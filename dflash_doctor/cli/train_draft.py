@@ -29,7 +29,9 @@ from dflash_doctor.models.training.request import DEFAULT_OUT, TrainDraftRequest
 
 @app.command(
     "train-draft",
-    epilog="Example: dflash-doctor train-draft --target ./target --workload prompts.jsonl --steps 2000 --out ./my-draft",
+    epilog=(
+        "Example: dflash-doctor train-draft --target ./target --workload prompts.jsonl --steps 2000 --out ./my-draft"
+    ),
 )
 def train_draft(
     target: Target = None,
@@ -40,28 +42,40 @@ def train_draft(
         str,
         typer.Option(
             "--draft-kind",
-            help="dflash: a DFlash draft (z-lab layout); eagle3: an EAGLE-3 head (speculators layout, vLLM method eagle3).",
+            help=(
+                "dflash: a DFlash draft (z-lab layout); eagle3: an "
+                "EAGLE-3 head (speculators layout, vLLM method eagle3)."
+            ),
         ),
     ] = "dflash",
     aux_layer_ids: Annotated[
         Optional[str],
         typer.Option(
             "--aux-layer-ids",
-            help="eagle3: target layers the head reads, vLLM's meaning (id k = the state entering layer k), e.g. 8,16,24 (default vLLM's 2,L//2,L-3).",
+            help=(
+                "eagle3: target layers the head reads, vLLM's meaning (id k = the "
+                "state entering layer k), e.g. 8,16,24 (default vLLM's 2,L//2,L-3)."
+            ),
         ),
     ] = None,
     draft_vocab_size: Annotated[
         Optional[int],
         typer.Option(
             "--draft-vocab-size",
-            help=f"eagle3: draft vocabulary, the most frequent response tokens (default min({DEFAULT_DRAFT_VOCAB_SIZE}, target vocabulary)).",
+            help=(
+                "eagle3: draft vocabulary, the most frequent response tokens "
+                f"(default min({DEFAULT_DRAFT_VOCAB_SIZE}, target vocabulary))."
+            ),
         ),
     ] = None,
     ttt_steps: Annotated[
         Optional[int],
         typer.Option(
             "--ttt-steps",
-            help=f"eagle3: chain slots trained (training-time test) and the K written into config.json (default {DEFAULT_TTT_STEPS}).",
+            help=(
+                "eagle3: chain slots trained (training-time test) and the "
+                f"K written into config.json (default {DEFAULT_TTT_STEPS})."
+            ),
         ),
     ] = None,
     block_size: Annotated[
@@ -88,7 +102,10 @@ def train_draft(
         Optional[str],
         typer.Option(
             "--init-from",
-            help="A draft of --draft-kind to start from (fine-tune after a target update, or continue a finished run with a fresh optimizer and schedule); keeps its architecture.",
+            help=(
+                "A draft of --draft-kind to start from (fine-tune after a target update, or continue "
+                "a finished run with a fresh optimizer and schedule); keeps its architecture."
+            ),
         ),
     ] = None,
     init_from_target: Annotated[
@@ -159,14 +176,20 @@ def train_draft(
         bool,
         typer.Option(
             "--cached-data-only",
-            help="Train on the answers already cached in --out (carried from the run that made them); refuse instead of generating any.",
+            help=(
+                "Train on the answers already cached in --out (carried from "
+                "the run that made them); refuse instead of generating any."
+            ),
         ),
     ] = False,
     time_limit: Annotated[
         Optional[float],
         typer.Option(
             "--time-limit",
-            help="Wall seconds from the start after which training stops at the next loss-log row (checkpoint written, held-out pass and outputs as usual); the same command goes on later.",
+            help=(
+                "Wall seconds from the start after which training stops at the next loss-log row "
+                "(checkpoint written, held-out pass and outputs as usual); the same command goes on later."
+            ),
         ),
     ] = None,
     checkpoint_every: Annotated[
@@ -183,21 +206,31 @@ def train_draft(
         Optional[int],
         typer.Option(
             "--batch-seed",
-            help="Seed of the batches and anchors drawn each step (default: --seed, which also seeds the data). Give each --init-from continuation its own, or it redraws the earlier run's batches.",
+            help=(
+                "Seed of the batches and anchors drawn each step (default: --seed, which also seeds the "
+                "data). Give each --init-from continuation its own, or it redraws the earlier run's batches."
+            ),
         ),
     ] = None,
     out: Annotated[
         str,
         typer.Option(
             "--out",
-            help="Output folder: the draft, its model card, caches and checkpoint/ (an earlier train-draft there is resumed; every file of it under 16 MiB).",
+            help=(
+                "Output folder: the draft, its model card, caches and checkpoint/ (an "
+                "earlier train-draft there is resumed; every file of it under 16 MiB)."
+            ),
         ),
     ] = DEFAULT_OUT,
     overwrite: Annotated[
         bool,
         typer.Option(
             "--overwrite",
-            help="Train afresh in --out: an earlier training's checkpoint there is removed (cached target responses are reused when they match) and a folder holding other files is written into. Without it an earlier train-draft in --out is resumed and a folder holding anything else is refused.",
+            help=(
+                "Train afresh in --out: an earlier training's checkpoint there is removed (cached target "
+                "responses are reused when they match) and a folder holding other files is written into. Without "
+                "it an earlier train-draft in --out is resumed and a folder holding anything else is refused."
+            ),
         ),
     ] = False,
 ) -> None:

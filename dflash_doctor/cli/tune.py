@@ -37,7 +37,10 @@ Launch = Annotated[
     Optional[str],
     typer.Option(
         "--launch",
-        help="Shell command starting the server with speculation; {k} is replaced by K (templates for vLLM, SGLang and llama.cpp in docs/tune.md).",
+        help=(
+            "Shell command starting the server with speculation; {k} is replaced "
+            "by K (templates for vLLM, SGLang and llama.cpp in docs/tune.md)."
+        ),
     ),
 ]
 LaunchBaseline = Annotated[
@@ -73,7 +76,10 @@ Burstiness = Annotated[
     typer.Option(
         "--burstiness",
         show_default="1",
-        help="With --request-rate: gamma shape of the inter-arrival times (1 = Poisson, below 1 burstier, above 1 steadier).",
+        help=(
+            "With --request-rate: gamma shape of the inter-arrival "
+            "times (1 = Poisson, below 1 burstier, above 1 steadier)."
+        ),
     ),
 ]
 MaxConcurrency = Annotated[
@@ -81,7 +87,10 @@ MaxConcurrency = Annotated[
     typer.Option(
         "--max-concurrency",
         show_default="no cap",
-        help="With --request-rate: at most this many requests in flight; a later arrival waits for a slot (`vllm bench serve --max-concurrency`).",
+        help=(
+            "With --request-rate: at most this many requests in flight; a later "
+            "arrival waits for a slot (`vllm bench serve --max-concurrency`)."
+        ),
     ),
 ]
 FitK = Annotated[
@@ -138,12 +147,14 @@ def tune(
     start_timeout: StartTimeout = 900.0,
     engine_api_key: opt.ServerApiKey = None,
 ) -> None:
-    """Measure K = 0 (off) and each K on your engine per class and load; fit its step costs, predict the rest, recommend its setting.
+    """Measure K = 0 (off) and each K on your engine per class and
+    load; fit its step costs, predict the rest, recommend its setting.
 
     Load is a closed loop (--concurrency: a fixed number of requests in flight, a benchmark's batch size) or an
     open loop (--request-rate: requests arrive at a rate, Poisson or --burstiness, whatever is in flight, as
     production traffic does: latency then includes queueing when the server falls behind)."""
-    # imported here, not above: the experiment imports torch (through the replay's turn rules), which `tune --help` must not
+    # imported here, not above: the experiment imports torch (through
+    # the replay's turn rules), which `tune --help` must not
     from dflash_doctor.tune.experiment import TuneGrid, default_fit_ks, parse_rates, run_tune
     from dflash_doctor.tune.measure import TimedRequest
 

@@ -95,7 +95,8 @@ def verdict_line(v: WindowVerdict) -> str:
 
 
 def print_verdicts(console: Console, verdicts: list[WindowVerdict], *, lines: bool = True) -> None:
-    """One line per series (unless ``lines`` is off: printed already), then every alert with its advice and the notes on each window."""
+    """One line per series (unless ``lines`` is off: printed already),
+    then every alert with its advice and the notes on each window."""
     for v in verdicts:
         if lines:
             console.print(verdict_line(v), soft_wrap=True)
@@ -161,7 +162,11 @@ def watch(
         Optional[list[str]],
         typer.Option(
             "--prometheus-header",
-            help="NAME=VALUE header sent to --prometheus (repeatable), e.g. 'Authorization=Bearer $TOKEN' or X-Scope-OrgID=tenant; env:VAR or $VAR read the value from the environment. Never written to the run directory.",
+            help=(
+                "NAME=VALUE header sent to --prometheus (repeatable), e.g. "
+                "'Authorization=Bearer $TOKEN' or X-Scope-OrgID=tenant; env:VAR or $VAR "
+                "read the value from the environment. Never written to the run directory."
+            ),
         ),
     ] = None,
     engine_api_key: Annotated[
@@ -170,7 +175,10 @@ def watch(
             "--engine-api-key",
             envvar="OPENAI_API_KEY",
             show_envvar=True,
-            help="Bearer token for the /metrics URLs (llama-server --api-key guards /metrics); env:VAR reads it from the environment.",
+            help=(
+                "Bearer token for the /metrics URLs (llama-server --api-key "
+                "guards /metrics); env:VAR reads it from the environment."
+            ),
         ),
     ] = None,
     engine: Annotated[
@@ -190,14 +198,19 @@ def watch(
         Optional[str],
         typer.Option(
             "--log-timezone",
-            help="Time zone of the log files' stamps, e.g. UTC or Europe/Berlin (default: this host's local zone, as vLLM/SGLang write them).",
+            help=(
+                "Time zone of the log files' stamps, e.g. UTC or Europe/Berlin "
+                "(default: this host's local zone, as vLLM/SGLang write them)."
+            ),
         ),
     ] = None,
     window: Annotated[
         Optional[str],
         typer.Option(
             "--window",
-            help="Window length: 30s, 5m, 1h (default 5m). With --once on a /metrics URL: scrape twice, this far apart.",
+            help=(
+                "Window length: 30s, 5m, 1h (default 5m). With --once on a /metrics URL: scrape twice, this far apart."
+            ),
         ),
     ] = None,
     interval: Annotated[
@@ -207,14 +220,20 @@ def watch(
         bool,
         typer.Option(
             "--once",
-            help="One verdict and exit: 0 ok, 1 alert, 2 bad input or no engine series in the sources, 70 a crash (for cron/CI).",
+            help=(
+                "One verdict and exit: 0 ok, 1 alert, 2 bad input or no "
+                "engine series in the sources, 70 a crash (for cron/CI)."
+            ),
         ),
     ] = False,
     retain: Annotated[
         Optional[str],
         typer.Option(
             "--retain",
-            help="Keep this much of the time series in the run directory, e.g. 7d (default: all); memory and disk stay flat.",
+            help=(
+                "Keep this much of the time series in the run directory, "
+                "e.g. 7d (default: all); memory and disk stay flat."
+            ),
         ),
     ] = None,
     duration: Annotated[
@@ -247,7 +266,10 @@ def watch(
         Optional[str],
         typer.Option(
             "--on-alert",
-            help="Command run when an alert starts (once per episode), with the alert, model and engine change in DFLASH_DOCTOR_* variables.",
+            help=(
+                "Command run when an alert starts (once per episode), with the "
+                "alert, model and engine change in DFLASH_DOCTOR_* variables."
+            ),
         ),
     ] = None,
     on_alert_webhook: Annotated[
@@ -264,7 +286,10 @@ def watch(
         bool,
         typer.Option(
             "--overwrite",
-            help="Start a new watch in --out, replacing the watch there (without it an earlier watch in --out is continued, and a folder holding anything else is refused).",
+            help=(
+                "Start a new watch in --out, replacing the watch there (without it an earlier "
+                "watch in --out is continued, and a folder holding anything else is refused)."
+            ),
         ),
     ] = False,
     json_output: opt.Json = False,
