@@ -32,7 +32,8 @@ def _existing(spec: str, role: str) -> Path:
     path = Path(spec).expanduser()
     if not path.exists():
         raise UsageError(
-            f"{role} {spec} does not exist; pass a model dir, a tokenizer dir, a tokenizer.json, a .gguf or a .jinja file."
+            f"{role} {spec} does not exist; pass a model dir, a "
+            "tokenizer dir, a tokenizer.json, a .gguf or a .jinja file."
         )
     return path
 
@@ -61,7 +62,8 @@ def load_tokenizer_spec(spec: str, role: str = "tokenizer") -> Any:
         return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except (OSError, ValueError, KeyError, json.JSONDecodeError) as exc:
         raise UsageError(
-            f"{role} {spec} could not be loaded as a tokenizer ({str(exc).splitlines()[0]}); pass a folder with tokenizer.json."
+            f"{role} {spec} could not be loaded as a tokenizer "
+            f"({str(exc).splitlines()[0]}); pass a folder with tokenizer.json."
         ) from None
 
 

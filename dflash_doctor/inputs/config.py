@@ -1,9 +1,9 @@
 """One configuration object for every command, with precedence CLI > TOML file > defaults.
 
 The TOML file (``--config doctor.toml``, else the first one :func:`discover_config_file` finds) holds the
-same keys as the shared CLI flags (``target``, ``k``, ``max_requests``...) plus ``[thresholds]`` for verdicts, ``[checks.<id>]`` tables with per-check
-parameters, and ``strict_classes`` for request classes that must never risk a slowdown. Validation
-happens once, in :func:`build_config`, and names the offending key or flag.
+same keys as the shared CLI flags (``target``, ``k``, ``max_requests``...) plus ``[thresholds]`` for verdicts,
+``[checks.<id>]`` tables with per-check parameters, and ``strict_classes`` for request classes that must never risk a
+slowdown. Validation happens once, in :func:`build_config`, and names the offending key or flag.
 """
 
 from __future__ import annotations
@@ -270,7 +270,8 @@ def build_config(config_file: str | Path | None = None, **cli_values: Any) -> Do
             key = key.replace("-", "_")
             if key not in _FIELDS:
                 raise UsageError(
-                    f"config file {config_file}: unknown key {key!r}; remove it or use one of {', '.join(sorted(_FIELDS))}."
+                    f"config file {config_file}: unknown key {key!r}; "
+                    f"remove it or use one of {', '.join(sorted(_FIELDS))}."
                 )
             expected = type_error(value, _FILE_TYPES[key])
             if expected is not None:
@@ -311,7 +312,8 @@ THRESHOLDS: dict[str, dict[str, Any]] = {
 
 
 def _validate(config: DoctorConfig) -> None:
-    # every number from a user is finite and in range (nan passes a plain "< 0" check): one rule, validation.finite_number
+    # every number from a user is finite and in range (nan passes
+    # a plain "< 0" check): one rule, validation.finite_number
     config.temperature = finite_number(
         config.temperature, "--temperature", minimum=0, maximum=1e6, fix="use 0 for greedy or a positive value"
     )
@@ -345,7 +347,8 @@ def _validate(config: DoctorConfig) -> None:
         load_cost_profile(config.cost_profile)  # a profile that does not parse fails before any model work
     if config.end_of_request not in END_OF_REQUEST:
         raise UsageError(
-            f"end_of_request {config.end_of_request!r} is not one of {', '.join(END_OF_REQUEST)}; pick the loop you model."
+            f"end_of_request {config.end_of_request!r} is not one of "
+            f"{', '.join(END_OF_REQUEST)}; pick the loop you model."
         )
     parse_plotly_source(config.plotly)
     if config.dtype not in DTYPES:

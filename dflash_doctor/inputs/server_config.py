@@ -40,7 +40,8 @@ def parse_server_config(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise UsageError(
-            f"--engine-config {path} does not exist; pass a vLLM speculative_config JSON or a file with SGLang launch flags."
+            f"--engine-config {path} does not exist; pass a vLLM "
+            "speculative_config JSON or a file with SGLang launch flags."
         )
     text = path.read_text(encoding="utf-8")
     return parse_server_config_text(text, source=str(path))
@@ -124,7 +125,8 @@ def _from_vllm_json(data: dict[str, Any], source: str) -> dict[str, Any]:
             ) from None
     if not isinstance(speculative, dict) or not ({"num_speculative_tokens", "method", "model"} & speculative.keys()):
         raise UsageError(
-            f"--engine-config {source} has no speculative_config (num_speculative_tokens / method / model); pass the vLLM speculative_config JSON."
+            f"--engine-config {source} has no speculative_config (num_speculative_tokens "
+            "/ method / model); pass the vLLM speculative_config JSON."
         )
     outer = data if "speculative_config" in data else {}
     attention = (
@@ -146,7 +148,8 @@ def _from_vllm_flags(flags: dict[str, Any], source: str) -> dict[str, Any]:
         speculative = None
     if not isinstance(speculative, dict):
         raise UsageError(
-            f"--engine-config {source}: --speculative-config must be followed by a JSON object; quote it with single quotes."
+            f"--engine-config {source}: --speculative-config must be "
+            "followed by a JSON object; quote it with single quotes."
         )
     cuda_graphs = not flags.get("enforce_eager", False)
     return _vllm_result(speculative, flags.get("attention_backend"), cuda_graphs, source)

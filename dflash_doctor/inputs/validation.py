@@ -149,7 +149,8 @@ def read_config_json(model_dir: Path) -> dict[str, Any]:
         ) from None
     if not isinstance(config, dict):
         raise UsageError(
-            f"{path} holds a JSON {type(config).__name__}, not an object of model settings; restore the model's config.json."
+            f"{path} holds a JSON {type(config).__name__}, not an "
+            "object of model settings; restore the model's config.json."
         )
     check_config_keys(config, path)
     return config

@@ -54,7 +54,8 @@ def _bakery(rng: random.Random) -> tuple[str, int]:
     made = trays * per_tray
     sold = rng.randint(5, made - 1)
     return (
-        f"{name} bakes {trays} trays of muffins with {per_tray} muffins on each tray. {name} sells {sold} muffins in the "
+        f"{name} bakes {trays} trays of muffins with {per_tray} "
+        f"muffins on each tray. {name} sells {sold} muffins in the "
         f"morning and the rest in the afternoon for ${price} each. How much money does {name} make in the afternoon?"
     ), (made - sold) * price
 
@@ -127,7 +128,8 @@ def _reading(rng: random.Random) -> tuple[str, int]:
     rest = pages - read
     days = -(-rest // rest_per_day)
     return (
-        f"A book has {pages} pages. {name} reads {per_day} pages a day for {first_days} days, then {rest_per_day} pages "
+        f"A book has {pages} pages. {name} reads {per_day} pages "
+        f"a day for {first_days} days, then {rest_per_day} pages "
         f"a day until the book is finished. How many days does {name} need in total?"
     ), first_days + days
 

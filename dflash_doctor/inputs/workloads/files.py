@@ -130,7 +130,8 @@ def _checked(requests: list[Request], sources: list[str], path: Path) -> list[Re
     for request, source in zip(requests, sources):
         if request.id in first_seen:
             raise UsageError(
-                f"{source}: id {request.id!r} is already used at {first_seen[request.id]}; give every request its own id."
+                f"{source}: id {request.id!r} is already used at "
+                f"{first_seen[request.id]}; give every request its own id."
             )
         first_seen[request.id] = source
     return requests
@@ -239,7 +240,8 @@ def _existing(path: Path | str) -> Path:
     path = Path(path)
     if not path.is_file():
         raise UsageError(
-            f"workload file {path} does not exist; pass an existing {'/'.join(FILE_SUFFIXES)} file or a built-in workload name."
+            f"workload file {path} does not exist; pass an existing "
+            f"{'/'.join(FILE_SUFFIXES)} file or a built-in workload name."
         )
     return path
 
