@@ -1,7 +1,7 @@
 """Reproducible failure scenarios on the real demo pair (``dflash-doctor check --scenario NAME``).
 
-Each scenario reproduces a real incident (docs/troubleshooting.md#why-drafts-get-rejected) by changing ONE thing in how the demo
-pair is served, so a newcomer can see what the doctor reports for it and a test can assert that the
+Each scenario reproduces a real incident (docs/troubleshooting.md#why-drafts-get-rejected) by changing ONE thing in how
+the demo pair is served, so a newcomer can see what the doctor reports for it and a test can assert that the
 checks name the cause and the fix.
 """
 
@@ -33,8 +33,8 @@ MISMATCHED_TEMPLATE = (
 @dataclass(frozen=True)
 class Scenario:
     """``apply`` returns the loaded pair, the requests and the config as the incident serves them (it
-    edits only what it owns: the quantised target is loaded for this run alone); ``expect`` names the check ids that must report the cause (used by the
-    test and shown by ``--scenario list``).
+    edits only what it owns: the quantised target is loaded for this run alone); ``expect`` names the check ids that
+    must report the cause (used by the test and shown by ``--scenario list``).
 
     ``severity``: what the expected checks say. ``fail`` where the setup is wrong whatever the draft; ``warn``
     where it is wrong only for some drafts (a head without layer ids is right when it was trained on the

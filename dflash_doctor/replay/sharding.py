@@ -3,8 +3,8 @@
 Data parallel (``torchrun --nproc-per-node N`` or the ``--devices`` shortcut that launches it): every rank
 loads the pair on its own device and replays its share of the requests. The share is deterministic and
 balanced by expected work (:func:`shard_requests`: prompt tokens plus new tokens at every K), so the ranks
-finish together. Each rank streams its rows into its own part of the run directory (``parts/rank-<r>/``, the usual journal);
-rank 0 then gathers the in-memory replays over a gloo group (only Python objects travel, so gloo serves
+finish together. Each rank streams its rows into its own part of the run directory (``parts/rank-<r>/``, the usual
+journal); rank 0 then gathers the in-memory replays over a gloo group (only Python objects travel, so gloo serves
 CPU and GPU ranks alike), merges the parts into the run directory in the order a single process writes
 them and carries on alone (summary, sweep, probes, checks, reports). The merged run is the run one
 process makes of the same requests: identical at temperature 0, where nothing is random; above 0 each
@@ -108,7 +108,8 @@ def parse_devices(entries: Sequence[str]) -> list[str]:
             or (len(group) > 1 and any(not d.startswith("cuda:") for d in group))
         ):
             raise UsageError(
-                f"--devices entry {entry!r} is not a device like cuda:0 or cpu, or GPUs joined by + like cuda:0+cuda:1; fix the list."
+                f"--devices entry {entry!r} is not a device like cuda:0 or "
+                "cpu, or GPUs joined by + like cuda:0+cuda:1; fix the list."
             )
         ranks.append(",".join(group))
     return ranks

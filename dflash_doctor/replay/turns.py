@@ -83,7 +83,8 @@ def refuse_past_context(
     if limit and len(prompt_ids) + max_new_tokens > limit:
         turn = f" turn {index + 1}" if index else ""
         raise UsageError(
-            f"request {request.id!r}{turn}: its prompt of {len(prompt_ids)} tokens plus up to {max_new_tokens} new tokens "
+            f"request {request.id!r}{turn}: its prompt of {len(prompt_ids)} "
+            f"tokens plus up to {max_new_tokens} new tokens "
             f"runs past the target's {limit} positions (max_position_embeddings); shorten the prompt or lower "
             f"--max-new-tokens / the request's max_new_tokens."
         )
