@@ -56,7 +56,8 @@ def read_run_meta(run_dir: Path | str) -> dict[str, Any]:
     path = run_dir / RUN_JSON
     if not path.is_file():
         raise UsageError(
-            f"{run_dir} is not a run directory (no {RUN_JSON}); pass a folder written by `dflash-doctor check`, `replay` or `sweep`."
+            f"{run_dir} is not a run directory (no {RUN_JSON}); pass a "
+            "folder written by `dflash-doctor check`, `replay` or `sweep`."
         )
     try:
         meta = json.loads(path.read_text(encoding="utf-8"))
@@ -72,7 +73,8 @@ def read_run_meta(run_dir: Path | str) -> dict[str, Any]:
         raise UsageError(
             f"{path} has schema_version {version!r} but this dflash-doctor reads {SCHEMA_VERSION}"
             + (
-                " (the typed run record); re-run the command that wrote it (check, sweep or replay) to rewrite the run directory."
+                " (the typed run record); re-run the command that wrote "
+                "it (check, sweep or replay) to rewrite the run directory."
                 if older
                 else "; read it with the dflash-doctor version that wrote it."
             )

@@ -81,7 +81,8 @@ class StepCosts:
         measured_ks = sorted(table)
         if not measured_ks[0] <= k <= measured_ks[-1]:
             raise UsageError(
-                f"the {self.source} step costs ({self.device}) have {what} times for K {measured_ks[0]}..{measured_ks[-1]} "
+                f"the {self.source} step costs ({self.device}) have "
+                f"{what} times for K {measured_ks[0]}..{measured_ks[-1]} "
                 f"but K={k} was asked; add K={k} to the cost profile or sweep only K in that range."
             )
         return float(np.interp(k, measured_ks, [table[m] for m in measured_ks]))
@@ -324,8 +325,8 @@ class PromptFormat:
 @dataclass
 class Probes:
     """Measurements beyond the replay that checks judge: lossless decoding, the layer-offset probe
-    ({offset: mean acceptance length over every anchor} and the drafts behind offset 0), the prompt format, the served target's weights,
-    and the serving engine vs the embedded replay."""
+    ({offset: mean acceptance length over every anchor} and the drafts behind offset 0), the prompt format, the served
+    target's weights, and the serving engine vs the embedded replay."""
 
     lossless: LosslessProbe | None = None
     offset_probe: dict[int, float] | None = None

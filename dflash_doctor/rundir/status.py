@@ -17,9 +17,10 @@ from typing import Any, Iterable
 class Status(StrEnum):
     """A check's outcome, declared in the order reports list status counts (pass, warn, fail, skip, error).
 
-    :data:`STATUS_RANK` is the one order views sort and rank by, worst first. ``error`` (the check crashed) ranks just below ``fail``: a setup nobody could verify is not
-    healthy. ``skip`` (inputs absent) never decides a verdict. ``VERDICT_NONE`` is not a check status; it
-    is the verdict of a run that recorded no decided check (replay and sweep runs have none).
+    :data:`STATUS_RANK` is the one order views sort and rank by, worst first. ``error`` (the check crashed) ranks just
+    below ``fail``: a setup nobody could verify is not healthy. ``skip`` (inputs absent) never decides a verdict.
+    ``VERDICT_NONE`` is not a check status; it is the verdict of a run
+    that recorded no decided check (replay and sweep runs have none).
     """
 
     PASS = "pass"

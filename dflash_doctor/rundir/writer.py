@@ -231,5 +231,7 @@ def read_journal(run_dir: Path) -> dict[str, pa.Table]:
     for name in ("steps", "tokens"):
         table = read_stream(journal_path(run_dir, name), TABLES[name])
         # pyarrow.compute defines its kernels when it is imported: no static checker sees `is_in`.
-        tables[name] = table.filter(pc.is_in(table.column("request_id"), value_set=committed))  # pyright: ignore[reportAttributeAccessIssue]
+        tables[name] = table.filter(
+            pc.is_in(table.column("request_id"), value_set=committed),  # pyright: ignore[reportAttributeAccessIssue]
+        )
     return tables
