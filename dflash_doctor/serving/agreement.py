@@ -230,7 +230,8 @@ def shared_target_model(proposers: dict[str, tuple]):
 
 @torch.inference_mode()
 def _target_pass(model, sequence: TeacherSequence):
-    """One target forward over prompt + output + tail: logits [T, V] and every layer's hidden states, shared by all setups."""
+    """One target forward over prompt + output + tail: logits [T,
+    V] and every layer's hidden states, shared by all setups."""
     ids = torch.tensor(
         sequence.prompt_ids + sequence.output_ids + sequence.tail_ids, device=next(model.parameters()).device
     )
@@ -418,7 +419,8 @@ def _stored(setup: ServingSetup) -> SetupRecord:
 
 
 def compare_with_embedded(engine, answered, config, *, seed: int = 0) -> EngineAgreement:
-    """Replay every answered turn in the embedded engine (``engine``: the loaded local Pair) and summarise the agreement.
+    """Replay every answered turn in the embedded engine
+    (``engine``: the loaded local Pair) and summarise the agreement.
 
     The draft is replayed under each serving setup its kind declares (``DraftKind.serving_setups``); a kind
     that declares none (n-gram lookup, no weights) has one setup, its settings: the pair's own proposer over

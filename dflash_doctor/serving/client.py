@@ -130,7 +130,8 @@ def served_models(endpoint: ServerEndpoint) -> list[str]:
         if exc.auth_refused:
             raise UsageError(f"--engine {endpoint.base_url}: {exc}; {auth_fix(endpoint)}.") from None
         raise UsageError(
-            f"--engine {endpoint.base_url} is not an OpenAI-compatible server ({exc}); pass the URL of the server's OpenAI API."
+            f"--engine {endpoint.base_url} is not an OpenAI-compatible "
+            f"server ({exc}); pass the URL of the server's OpenAI API."
         ) from None
     if not isinstance(body, dict) or not isinstance(body.get("data") or [], list):
         raise UsageError(
@@ -158,18 +159,21 @@ def resolve_model(endpoint: ServerEndpoint) -> ServerEndpoint:
     if endpoint.model is None:
         if len(models) != 1:
             raise UsageError(
-                f"--engine {endpoint.base_url} serves {len(models)} models ({', '.join(models) or 'none'}); pick one with --engine-model."
+                f"--engine {endpoint.base_url} serves {len(models)} models "
+                f"({', '.join(models) or 'none'}); pick one with --engine-model."
             )
         return dataclasses.replace(endpoint, model=models[0])
     if endpoint.model not in models:
         raise UsageError(
-            f"--engine-model {endpoint.model!r} is not served by {endpoint.base_url}; it serves {', '.join(models) or 'nothing'}."
+            f"--engine-model {endpoint.model!r} is not served by "
+            f"{endpoint.base_url}; it serves {', '.join(models) or 'nothing'}."
         )
     return endpoint
 
 
 def scrape_metrics(endpoint: ServerEndpoint) -> str | None:
-    """The Prometheus text of ``GET /metrics`` (None when the server has none or cannot be read): the fallback source."""
+    """The Prometheus text of ``GET /metrics`` (None when the
+    server has none or cannot be read): the fallback source."""
     try:
         answer = endpoint.client.get(
             endpoint.base_url + "/metrics", timeout_s=min(endpoint.timeout_s, METRICS_TIMEOUT_S)

@@ -129,9 +129,9 @@ class HttpClient:
     deadline and a size cap per request, and redirects that keep credentials on their origin.
 
     ``headers`` go with every request to the origin it was made for (``Authorization``, ``X-Scope-OrgID``
-    ...), and so does ``auth`` (a URL's ``user:password`` kept out of the URLs the caller shows); ``retries`` counts the attempts after the first; ``backoff_s`` is the first wait (doubling, plus up
-    to ``backoff_s`` of jitter). POSTs are retried too: the doctor's POSTs (a completion request, an alert)
-    are safe to repeat.
+    ...), and so does ``auth`` (a URL's ``user:password`` kept out of the URLs the caller shows); ``retries`` counts the
+    attempts after the first; ``backoff_s`` is the first wait (doubling, plus up to ``backoff_s`` of jitter). POSTs are
+    retried too: the doctor's POSTs (a completion request, an alert) are safe to repeat.
     """
 
     def __init__(
@@ -334,7 +334,8 @@ def header_flags(values: list[str], flag: str) -> dict[str, str]:
         name = name.strip()
         if not sep or not _HEADER_NAME.match(name):
             raise UsageError(
-                f"{flag} {name or item!r} is not NAME=VALUE with an HTTP header name; pass e.g. {flag} 'X-Scope-OrgID=tenant-1'."
+                f"{flag} {name or item!r} is not NAME=VALUE with an HTTP "
+                f"header name; pass e.g. {flag} 'X-Scope-OrgID=tenant-1'."
             )
         resolved = secret(value.strip(), f"{flag} {name}")
         if "\n" in resolved or "\r" in resolved:

@@ -119,7 +119,8 @@ def parse_vllm(spec: Mapping[str, Any], *, completion_tokens: int | None = None)
     if accepted is None or drafts is None or spec.get("num_draft_tokens") is None:
         raise MalformedResponse(
             "the response's `metrics.speculative_decoding` lacks the step, drafted or accepted count "
-            "(num_spec_steps, num_draft_tokens, num_accepted_draft_tokens) and has no acceptance_histogram to derive them from"
+            "(num_spec_steps, num_draft_tokens, num_accepted_draft_tokens) "
+            "and has no acceptance_histogram to derive them from"
         )
     return SpecMeasurement(
         server_kind=VLLM,

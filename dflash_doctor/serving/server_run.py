@@ -46,9 +46,11 @@ FIGURES_FROM = {
     "responses": "the server's per-request metrics in each response",
     "counters": "the server's /metrics counters scraped around each request, one request at a time "
     "(the server reports no per-request metrics; other traffic on it would leak in; step order unknown)",
-    "timings and counters": "llama.cpp's timings per response (draft tokens, accepted tokens), with the verify steps and "
-    "per-position acceptances from its /metrics counters scraped around each request, one request "
-    "at a time (llama.cpp returns no verify-step count per request; step order unknown)",
+    "timings and counters": (
+        "llama.cpp's timings per response (draft tokens, accepted tokens), with the verify steps and "
+        "per-position acceptances from its /metrics counters scraped around each request, one request "
+        "at a time (llama.cpp returns no verify-step count per request; step order unknown)"
+    ),
 }
 
 LLAMA_CPP_WITHOUT_METRICS = (
@@ -75,7 +77,8 @@ class ServerTurn:
 
     @property
     def key(self) -> str:
-        """Row id in the steps table, as the embedded replay names turns (:func:`~dflash_doctor.rundir.tables.turn_row_id`)."""
+        """Row id in the steps table, as the embedded replay names turns
+        (:func:`~dflash_doctor.rundir.tables.turn_row_id`)."""
         return turn_row_id(self.request.id, self.turn)
 
 
@@ -265,7 +268,10 @@ def turn_rows(result: ServerTurn) -> tuple[dict[str, Any], list[dict[str, Any]]]
 def impossible_answer(endpoint: ServerEndpoint, exc: MalformedResponse, kept: str = "") -> str:
     """The one sentence for a server that answered something of the wrong shape or impossible (``check --engine``
     and ``tune``); ``kept`` says what the run directory holds."""
-    return f"--engine {endpoint.base_url}: {exc}; point --engine at the serving engine itself, not at a proxy that rewrites its answers{kept}."
+    return (
+        f"--engine {endpoint.base_url}: {exc}; point --engine at the serving "
+        f"engine itself, not at a proxy that rewrites its answers{kept}."
+    )
 
 
 def _failure_sentence(endpoint: ServerEndpoint, exc: Exception, done: int, run_dir: Path) -> str:

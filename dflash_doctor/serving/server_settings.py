@@ -38,7 +38,8 @@ def read_llamacpp_server(url: str) -> dict[str, Any]:
     metrics = scrape_metrics(endpoint)
     if metrics is None:
         raise UsageError(
-            f"--engine-config {url}: the server has no /metrics; restart llama-server with --metrics so its draft size can be read."
+            f"--engine-config {url}: the server has no /metrics; restart "
+            "llama-server with --metrics so its draft size can be read."
         )
     positions = {
         s.labels.get("position")
