@@ -265,7 +265,8 @@ def read_head_to_head(folder: Path | str) -> HeadToHead:
     rerun = "re-run the `dflash-doctor check --draft A --draft B ...` that wrote it."
     if not path.is_file():
         raise UsageError(
-            f"{folder} holds no {HEAD_TO_HEAD_JSON}; pass a folder written by `dflash-doctor check --draft A --draft B ...`."
+            f"{folder} holds no {HEAD_TO_HEAD_JSON}; pass a folder "
+            "written by `dflash-doctor check --draft A --draft B ...`."
         )
     try:
         return HeadToHead.from_json(json.loads(path.read_text(encoding="utf-8")))
@@ -498,7 +499,10 @@ def _verdict(rows: list[ContenderRow], boot: np.ndarray, scope: str, num_units: 
         else [float("nan"), float("nan")]
     )
     decisive = bool(np.isfinite(ratio_ci[0]) and ratio_ci[0] > 1.0)
-    margin = f"{ratio:.2f}x the speedup of {run.speculator} at K={run.best_k} (95% interval {ratio_ci[0]:.2f}-{ratio_ci[1]:.2f})"
+    margin = (
+        f"{ratio:.2f}x the speedup of {run.speculator} at K={run.best_k} "
+        f"(95% interval {ratio_ci[0]:.2f}-{ratio_ci[1]:.2f})"
+    )
     if np.isfinite(low) and low < 1.0:
         return Verdict(
             win.speculator,

@@ -273,7 +273,8 @@ class StepPrices:
 
 @dataclass(frozen=True)
 class UnitSteps:
-    """The steps at one K summed per unit (conversation): tokens emitted, steps, steps by tokens drafted ``[U, N + 1]``."""
+    """The steps at one K summed per unit (conversation): tokens
+    emitted, steps, steps by tokens drafted ``[U, N + 1]``."""
 
     emitted: np.ndarray
     steps: np.ndarray
@@ -666,7 +667,10 @@ def _recommend_one(
     if conservative.k == best.k:
         tail = f"no smaller K keeps {share:.0%} of it"
     else:
-        tail = f"K={conservative.k} keeps {score(conservative) / best_score:.0%} of it at {_point_speedup(conservative):.2f}x"
+        tail = (
+            f"K={conservative.k} keeps {score(conservative) / best_score:.0%} "
+            f"of it at {_point_speedup(conservative):.2f}x"
+        )
     noise = f"; {k_range_text(noise_ks)} within the noise" if len(noise_ks) > 1 else ""
     doubt = "" if pays else "; it may not pay: its interval includes plain decoding's 1.0x"
     pooled = shape_effects.doubt(best.k)

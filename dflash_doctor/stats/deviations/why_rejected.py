@@ -379,12 +379,15 @@ def definitions(tables: DeviationTables) -> Definitions:
             )
         ),
         attainable_tau=(
-            "upper bound: 1 + (accepted + credited) / num_drafts, tau being vLLM's mean acceptance length (bonus included); "
+            "upper bound: 1 + (accepted + credited) / num_drafts, tau "
+            "being vLLM's mean acceptance length (bonus included); "
             + (
-                "a step whose first rejection is a confident miss is credited the slots after it up to its first uncertain miss "
+                "a step whose first rejection is a confident miss is "
+                "credited the slots after it up to its first uncertain miss "
                 "(teacher-forced rows: the draft's guesses on the committed context)"
                 if tables.teacher_forced
-                else "a step whose first rejection is a confident miss is credited its whole remaining block (live-loop rows after "
+                else "a step whose first rejection is a confident miss is "
+                "credited its whole remaining block (live-loop rows after "
                 "a rejection are not on the committed context)"
             )
         ),
