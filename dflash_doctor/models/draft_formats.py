@@ -151,7 +151,8 @@ UNSUPPORTED = {
 }
 ARCHITECTURES = {**dict.fromkeys(VARIANT_ARCHITECTURES.values(), "zlab"), "Qwen3DFlashDraftModel": "nemo"}
 #: A DSpark draft (DFlash + a Markov head over the draft logits, optionally a confidence head): vLLM serves it with
-#: its own proposer (v1/spec_decode/dspark.py), llama.cpp with --spec-type draft-dspark; names from both and speculators.
+#: its own proposer (v1/spec_decode/dspark.py), llama.cpp with --spec-type draft-dspark; names from both and
+#: speculators.
 DSPARK_ARCHITECTURES = frozenset({"Qwen3DSparkModel", "DSparkSpeculator", "Lfm2DSparkDraftModel", "LingDSparkModel"})
 DSPARK_KEYS = frozenset(
     {
@@ -233,7 +234,8 @@ def _refuse_unsupported(table: dict[str, Any], where: str, source: str) -> None:
     for key, (neutral, meaning) in UNSUPPORTED.items():
         if key in table and table[key] != neutral:
             raise UsageError(
-                f"{source}: {where}{key} = {table[key]!r} asks for {meaning}, which this tool does not model; use a draft without it."
+                f"{source}: {where}{key} = {table[key]!r} asks for {meaning}, "
+                "which this tool does not model; use a draft without it."
             )
 
 
@@ -245,7 +247,8 @@ def _refuse_flat_dspark(raw: dict[str, Any], source: str) -> None:
     if named or keys:
         what = named[0] if named else f"key {keys[0]!r}"
         raise UsageError(
-            f"{source}: {what} marks a DSpark draft in a flat export, which this tool reads only in the speculators layout "
+            f"{source}: {what} marks a DSpark draft in a flat export, "
+            "which this tool reads only in the speculators layout "
             "(speculators_model_type dspark with sample_from_anchor false); convert it or use a DFlash draft."
         )
 
@@ -255,8 +258,10 @@ def _dspark_keys(raw: dict[str, Any], source: str) -> dict[str, Any]:
     layout (speculators' DSpark default) and the gated / rnn heads are refused by name."""
     if raw.get("sample_from_anchor", True) is not False:
         raise UsageError(
-            f"{source}: a speculators DSpark draft with sample_from_anchor = {raw.get('sample_from_anchor', True)!r} (its default) "
-            "predicts position p + k + 1 from slot k, the anchor-first layout this tool does not model; use one trained "
+            f"{source}: a speculators DSpark draft with sample_from_anchor "
+            f"= {raw.get('sample_from_anchor', True)!r} (its default) "
+            "predicts position p + k + 1 from slot k, the anchor-first "
+            "layout this tool does not model; use one trained "
             "with sample_from_anchor false."
         )
     if raw.get("markov_head_type", "vanilla") != "vanilla":
@@ -266,7 +271,8 @@ def _dspark_keys(raw: dict[str, Any], source: str) -> dict[str, Any]:
         )
     if raw.get("draft_vocab_size") not in (None, (raw.get("transformer_layer_config") or {}).get("vocab_size")):
         raise UsageError(
-            f"{source}: a DSpark draft over its own {raw['draft_vocab_size']}-token vocabulary is not modelled; use a full-vocabulary one."
+            f"{source}: a DSpark draft over its own {raw['draft_vocab_size']}-token "
+            "vocabulary is not modelled; use a full-vocabulary one."
         )
     return {
         "markov_rank": raw.get("markov_rank", 256),
@@ -328,7 +334,8 @@ def _from_zlab(raw: dict[str, Any], source: str, dialect: str) -> NormalisedDraf
         and dflash.get("sample_from_anchor", raw.get("sample_from_anchor")) is not False
     ):
         raise UsageError(
-            f"{source}: a DSparkDraftModel config without sample_from_anchor = false is anchor-first (DSpark's default), "
+            f"{source}: a DSparkDraftModel config without sample_from_anchor "
+            "= false is anchor-first (DSpark's default), "
             "a layout this tool does not model; use a draft trained with sample_from_anchor false."
         )
     ids = out["dflash_config"].get("target_layer_ids", out.get("target_layer_ids"))
@@ -352,7 +359,8 @@ def _from_speculators(raw: dict[str, Any], source: str) -> NormalisedDraft:
     kind = raw["speculators_model_type"]
     if kind not in VARIANT_ARCHITECTURES:
         raise UsageError(
-            f"{source}: speculators_model_type {kind!r} is not a DFlash draft (dflash, dflash2 or dspark); pass a DFlash checkpoint."
+            f"{source}: speculators_model_type {kind!r} is not a DFlash "
+            "draft (dflash, dflash2 or dspark); pass a DFlash checkpoint."
         )
     dspark = _dspark_keys(raw, source) if kind == "dspark" else {}
     _refuse_unsupported(raw, "", source)
@@ -496,7 +504,8 @@ def normalise_draft_config(
     unknown_arch = [a for a in architectures if a not in ARCHITECTURES]
     if unknown_arch:
         raise UsageError(
-            f"{source}: architecture {unknown_arch[0]!r} is not a DFlash draft this tool reads ({', '.join(ARCHITECTURES)}); pass a DFlash checkpoint."
+            f"{source}: architecture {unknown_arch[0]!r} is not a DFlash draft this "
+            f"tool reads ({', '.join(ARCHITECTURES)}); pass a DFlash checkpoint."
         )
     dialect = ARCHITECTURES[named[0]] if named else "zlab"
     if dialect == "zlab" and ("rope_parameters" in raw or "block_size" in (raw.get("dflash_config") or {})):

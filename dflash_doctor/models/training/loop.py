@@ -202,20 +202,22 @@ def train_loop(
     deadline: float | None = None,
     progress: bool = False,
 ) -> TrainingResult:
-    """Train ``draft`` (a new one, or a checkpoint to fine-tune) on ``sequences`` against the frozen target by ``objective``.
+    """Train ``draft`` (a new one, or a checkpoint to fine-tune)
+    on ``sequences`` against the frozen target by ``objective``.
 
     ``sequences[i]`` is prompt + response token ids and ``prompt_lengths[i]`` where the response starts.
-    With ``checkpoint_dir``, a resumable checkpoint (:func:`~dflash_doctor.models.training.checkpoints.save_checkpoint`: pieces under 16 MiB) is
-    written every ``config.checkpoint_every`` steps and at the end, and a run started on a directory that
-    holds one continues from it bit for bit: the same weights and loss log as a run never stopped. It
+    With ``checkpoint_dir``, a resumable checkpoint (:func:`~dflash_doctor.models.training.checkpoints.save_checkpoint`:
+    pieces under 16 MiB) is written every ``config.checkpoint_every`` steps and at the end, and a run started on a
+    directory that holds one continues from it bit for bit: the same weights and loss log as a run never stopped. It
     needs the same hyper-parameters, architecture, data and starting weights; ``config.steps`` too, because
     the cosine schedule is laid out over them (a longer run from a finished draft is a new run that starts
     from it: ``--init-from``, fresh AdamW moments, its own warm-up and cosine). The target's parameters are
     frozen in place (``requires_grad_(False)``).
     ``extra_config`` is what :func:`~dflash_doctor.models.training.checkpoints.save_checkpoint` writes beside the
     weights (its docstring says per kind). ``features`` (one ``[L_i, n*H]`` tensor per sequence, from
-    :func:`extract_features` with the draft's taps) skips the frozen-target pass: runs that differ only in their hyper-parameters share it.
-    ``deadline`` (a :func:`time.perf_counter` value) stops the run at the first loss-log row past it, with a
+    :func:`extract_features` with the draft's taps) skips the frozen-target pass: runs that differ only in their
+    hyper-parameters share it. ``deadline`` (a :func:`time.perf_counter`
+    value) stops the run at the first loss-log row past it, with a
     checkpoint there: a command that must end by a time limit stops cleanly, and the same call later goes on
     bit for bit (a row boundary, so the resumed loss log is the uninterrupted one).
     """

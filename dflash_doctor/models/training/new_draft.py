@@ -34,7 +34,8 @@ def draft_config_for_target(
     bad = [layer for layer in target_layer_ids if not 0 <= layer < num_target_layers]
     if not target_layer_ids or bad:
         raise UsageError(
-            f"--target-layer-ids {list(target_layer_ids)} must name layers 0..{num_target_layers - 1} of the target; fix the list."
+            f"--target-layer-ids {list(target_layer_ids)} must name layers "
+            f"0..{num_target_layers - 1} of the target; fix the list."
         )
     validate_mask_token_id(mask_token_id, target_config)
     rope = getattr(target_config, "rope_parameters", None) or {}
@@ -71,7 +72,8 @@ def init_draft_from_target(draft: DFlashDraftModel, target_model: CausalLM) -> l
     chosen = list(range(len(stack) - draft.config.num_hidden_layers, len(stack)))
     if chosen[0] < 0:
         raise UsageError(
-            f"--init-from-target: the draft has {draft.config.num_hidden_layers} layers but the target only {len(stack)}; use fewer --num-layers."
+            f"--init-from-target: the draft has {draft.config.num_hidden_layers} "
+            f"layers but the target only {len(stack)}; use fewer --num-layers."
         )
     with torch.no_grad():
         for layer, index in zip(draft.layers, chosen):
@@ -99,11 +101,13 @@ def validate_mask_token_id(mask_token_id: int, target_config: Any, tokenizer: An
     vocab = target_config.vocab_size
     if not 0 <= mask_token_id < vocab:
         raise UsageError(
-            f"--mask-token-id {mask_token_id} is outside the target vocabulary (0..{vocab - 1}); pick a reserved token id."
+            f"--mask-token-id {mask_token_id} is outside the target "
+            f"vocabulary (0..{vocab - 1}); pick a reserved token id."
         )
     if mask_token_id in _special_ids(target_config, tokenizer):
         raise UsageError(
-            f"--mask-token-id {mask_token_id} is the target's bos/eos/pad/unk token; pick a reserved token the target never generates."
+            f"--mask-token-id {mask_token_id} is the target's bos/eos/pad/unk "
+            "token; pick a reserved token the target never generates."
         )
 
 
