@@ -44,7 +44,8 @@ def parse_formats(value: str | Iterable[str]) -> tuple[str, ...]:
     unknown = [name for name in names if name not in FORMATS]
     if unknown or not names:
         raise UsageError(
-            f"--format {','.join(unknown) or repr(value)} is not a report format; use a comma-separated list of {','.join(FORMATS)}."
+            f"--format {','.join(unknown) or repr(value)} is not a report "
+            f"format; use a comma-separated list of {','.join(FORMATS)}."
         )
     return tuple(dict.fromkeys(names))
 
@@ -71,7 +72,8 @@ def render_markdown(run: Run, analysis: DeviationAnalysis | None = None) -> str:
 
 
 def render_json(run: Run, analysis: DeviationAnalysis | None = None) -> str:
-    """report.json with sorted keys (stable diffs) and NaN written as null (``analysis``: as for :func:`render_html`)."""
+    """report.json with sorted keys (stable diffs) and NaN
+    written as null (``analysis``: as for :func:`render_html`)."""
     payload = report_payload(run, analysis if analysis is not None else deviations.analyze_run(run))
     return json.dumps(json_safe(payload), indent=2, sort_keys=True) + "\n"
 

@@ -137,12 +137,14 @@ def compare_runs(
     for label, run in (("BASE", base_run), ("NEW", new_run)):
         if not run.complete:
             comparison.notes.append(
-                f"{label} is an incomplete run (still going or stopped before it ended): only the requests it finished are compared."
+                f"{label} is an incomplete run (still going or stopped before "
+                "it ended): only the requests it finished are compared."
             )
     comparison.notes.extend(different_inputs(base_run, new_run))
     if k_base and k_new and k_base != k_new:
         comparison.notes.append(
-            f"BASE drafted K={k_base} and NEW K={k_new}: compared at K={k} by truncation (an estimate for DFlash drafts)."
+            f"BASE drafted K={k_base} and NEW K={k_new}: compared at "
+            f"K={k} by truncation (an estimate for DFlash drafts)."
         )
     if not k:
         comparison.notes.append("Neither run has drafted steps: nothing to compare.")

@@ -86,7 +86,10 @@ def tau_by_class_figure(summary: Summary) -> go.Figure:
                 arrayminus=[t - lo for t, (lo, _) in zip(tau, ci)],
             ),
             customdata=[[lo, hi, m.num_requests] for (lo, hi), (_, m) in zip(ci, series)],
-            hovertemplate="%{x}: tau %{y:.2f} [%{customdata[0]:.2f}, %{customdata[1]:.2f}]<br>%{customdata[2]} requests<extra></extra>",
+            hovertemplate=(
+                "%{x}: tau %{y:.2f} [%{customdata[0]:.2f}, "
+                "%{customdata[1]:.2f}]<br>%{customdata[2]} requests<extra></extra>"
+            ),
         ),
         layout=dict(title=title, **_LAYOUT),
     )
@@ -235,7 +238,9 @@ def speedup_by_k_figure(sweep: Sweep | None, recommendation: Mapping[str, Recomm
                 marker=dict(symbol=["circle" if r.estimate == "exact" else "circle-open" for r in rows]),
                 error_y=_interval_bars([r.speedup for r in rows], [r.speedup_ci for r in rows]),
                 customdata=[[r.mean_acceptance_length, r.estimate] for r in rows],
-                hovertemplate=f"{name} K=%{{x}}: %{{y:.2f}}x, tau %{{customdata[0]:.2f}} (%{{customdata[1]}})<extra></extra>",
+                hovertemplate=(
+                    f"{name} K=%{{x}}: %{{y:.2f}}x, tau %{{customdata[0]:.2f}} (%{{customdata[1]}})<extra></extra>"
+                ),
             )
         )
         rec = recommendation.get(name)  # a class may have sweep rows and no recommendation
@@ -297,7 +302,9 @@ def acceptance_along_output_figure(steps: pd.DataFrame, *, bin_size_tokens: int 
                 mode="lines+markers",
                 name=name,
                 line=dict(color=colors[name]),
-                hovertemplate=f"{name} from token %{{x}}: %{{y:.2f}} accepted/step (%{{customdata}} steps)<extra></extra>",
+                hovertemplate=(
+                    f"{name} from token %{{x}}: %{{y:.2f}} accepted/step (%{{customdata}} steps)<extra></extra>"
+                ),
             )
         )
     fig.update_xaxes(title="output position of the step (tokens)")
@@ -405,9 +412,10 @@ def category_acceptance_figure(analysis: DeviationAnalysis) -> go.Figure:
                 x=[r.category for r in rows],
                 y=[r.acceptance_rate for r in rows],
                 customdata=[[r.num_decided, r.share_of_lost or 0.0] for r in rows],
-                hovertemplate="%{x}: %{y:.1%} accepted of %{customdata[0]} decided; %{customdata[1]:.0%} of lost tokens<extra>"
-                + name
-                + "</extra>",
+                hovertemplate=(
+                    "%{x}: %{y:.1%} accepted of %{customdata[0]} decided; "
+                    "%{customdata[1]:.0%} of lost tokens<extra>" + name + "</extra>"
+                ),
             )
         )
     return fig

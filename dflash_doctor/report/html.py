@@ -35,8 +35,8 @@ _PLOTLY_CONFIG = {"displaylogo": False, "responsive": True}
 
 @lru_cache(maxsize=2)
 def plotly_script(source: str = "inline") -> Markup:
-    """The page's one ``<script>`` for plotly.js (see :data:`dflash_doctor.inputs.config.PLOTLY_SOURCES`). The CDN tag names the
-    version bundled with the installed plotly package and pins it with that bundle's SHA-256 (subresource
+    """The page's one ``<script>`` for plotly.js (see :data:`dflash_doctor.inputs.config.PLOTLY_SOURCES`). The CDN tag
+    names the version bundled with the installed plotly package and pins it with that bundle's SHA-256 (subresource
     integrity), as plotly's own ``include_plotlyjs="cdn"`` does, so the charts draw the same either way."""
     bundle = plotly.offline.get_plotlyjs()
     if parse_plotly_source(source) == "inline":
@@ -58,7 +58,8 @@ def _visible(text: str | None) -> str:
 def _hover(row: dict[Hashable, Any]) -> str:
     return (
         f"slot {row['offset']}: draft {row['draft_text']!r} (target prob {row['target_prob_of_draft']:.3f}) "
-        f"vs target {row['target_text']!r} (draft prob {row['draft_prob_of_target']:.3f}, rank in draft {row['target_rank_in_draft']})"
+        f"vs target {row['target_text']!r} (draft prob "
+        f"{row['draft_prob_of_target']:.3f}, rank in draft {row['target_rank_in_draft']})"
     )
 
 

@@ -100,7 +100,8 @@ def print_check_results(results: list[CheckResult], console: Console) -> None:
             if finding.severity == "info":
                 continue
             console.print(
-                f"[{STATUS_STYLE[finding.severity]}]{finding.severity}[/] {for_terminal(result.id)}: {for_terminal(finding.message)}"
+                f"[{STATUS_STYLE[finding.severity]}]{finding.severity}[/] "
+                f"{for_terminal(result.id)}: {for_terminal(finding.message)}"
             )
             if finding.evidence:
                 console.print(f"    evidence: {for_terminal(finding.evidence)}", soft_wrap=True)
@@ -155,7 +156,8 @@ def print_why_rejected(
     for cls, summary in sorted(by_class.items()):
         worst = summary.costliest_category
         worst_text = (
-            f"; costliest: {worst.category} ({pct(worst.share_of_lost, 0)} of lost, {pct(worst.acceptance_rate, 0)} accepted)"
+            f"; costliest: {worst.category} ({pct(worst.share_of_lost, 0)} "
+            f"of lost, {pct(worst.acceptance_rate, 0)} accepted)"
             if worst
             else ""
         )
@@ -171,7 +173,9 @@ def print_server_comparison(record: RunRecord, console: Console) -> None:
     if not data:
         return
     table = Table(
-        title=f"Server ({record.source.details.get('kind')}) vs embedded replay on the same outputs (tau, bonus included)"
+        title=(
+            f"Server ({record.source.details.get('kind')}) vs embedded replay on the same outputs (tau, bonus included)"
+        )
     )
     for column in ("class", "turns", "server tau", "95% CI", "embedded tau", "95% CI", "difference [95% CI]"):
         table.add_column(column)
