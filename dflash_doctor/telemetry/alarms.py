@@ -33,7 +33,8 @@ def collapse_alert(verdict: WindowVerdict, judge: Judge) -> Alert | None:
     return Alert(
         "collapse",
         str(key),
-        f"{key}: acceptance collapsed - tau {tau:.2f} [{ci[0]:.2f}, {ci[1]:.2f}] over {verdict.window.counts.num_drafts:.0f} drafts at K={verdict.k}: "
+        f"{key}: acceptance collapsed - tau {tau:.2f} [{ci[0]:.2f}, {ci[1]:.2f}] "
+        f"over {verdict.window.counts.num_drafts:.0f} drafts at K={verdict.k}: "
         f"drafts are almost never accepted (seen after engine upgrades: vLLM #46435, #49559).",
         fallback_advice(judge.server_kind, verdict, judge.baseline, judge.costs, judge.thresholds.speedup_floor),
     )
@@ -61,11 +62,14 @@ def position_decay_alert(verdict: WindowVerdict, judge: Judge) -> Alert | None:
     return Alert(
         "position-decay",
         str(key),
-        f"{key}: decay toward the end of the block - position(s) {', '.join(map(str, decayed))} accept under {DECAY_FACTOR:g}x their baseline rate "
+        f"{key}: decay toward the end of the block - position(s) "
+        f"{', '.join(map(str, decayed))} accept under {DECAY_FACTOR:g}x their baseline rate "
         f"({shown}) while position 0 holds ({rates[0]:.3f} vs {base[0]:.3f}).",
         (
-            f"why: later draft positions lost acceptance while the first held; compare the window's context lengths with the draft's training, "
-            f"and a served K={verdict.k} with the draft's trained block size (`dflash-doctor check` of the pair on prompts like production's shows where drafts start to miss).",
+            "why: later draft positions lost acceptance while the first held; "
+            "compare the window's context lengths with the draft's training, "
+            f"and a served K={verdict.k} with the draft's trained block size (`dflash-doctor check` "
+            "of the pair on prompts like production's shows where drafts start to miss).",
         ),
     )
 

@@ -110,7 +110,8 @@ def compare_watch_runs(
     for cls, units, spec in ((base_cls, base_units, base), (new_cls, new_units, new)):
         if cls is not None and not (units["class"] == cls).any():
             raise UsageError(
-                f"{spec}: the watch has no series of class {cls!r}; its classes are {', '.join(sorted(set(units['class']))) or 'none'}."
+                f"{spec}: the watch has no series of class {cls!r}; its classes "
+                f"are {', '.join(sorted(set(units['class']))) or 'none'}."
             )
     if base_cls is not None or new_cls is not None:  # two label values: the two slices, compared as one
         base_units = base_units[base_units["class"] == base_cls] if base_cls else base_units
@@ -121,11 +122,13 @@ def compare_watch_runs(
     comparison = Comparison(base_path, new_path, threshold_tau, threshold_rate, k)
     if base_cls is not None or new_cls is not None:
         comparison.notes.append(
-            f"BASE = {base_cls or 'every series'} of {base_path.name}, NEW = {new_cls or 'every series'} of {new_path.name}."
+            f"BASE = {base_cls or 'every series'} of {base_path.name}, "
+            f"NEW = {new_cls or 'every series'} of {new_path.name}."
         )
     if not k:
         comparison.notes.append(
-            "one of the watches has no scrape interval with per-position counts (needs an engine exporting them, e.g. vLLM): nothing compared."
+            "one of the watches has no scrape interval with per-position counts "
+            "(needs an engine exporting them, e.g. vLLM): nothing compared."
         )
         return comparison
     if k_base != k_new:
@@ -144,7 +147,8 @@ def compare_watch_runs(
         comparison.rows += compare_slice(cls, base_side, new_side, k, threshold_tau, threshold_rate)
     if few:
         comparison.notes.append(
-            f"a side has fewer than {MIN_UNITS_FOR_BOOTSTRAP} scrape intervals: its intervals come from the counts (drafts treated as independent)."
+            f"a side has fewer than {MIN_UNITS_FOR_BOOTSTRAP} scrape intervals: "
+            "its intervals come from the counts (drafts treated as independent)."
         )
     return comparison
 

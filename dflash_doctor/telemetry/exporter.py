@@ -146,5 +146,6 @@ class VerdictExporter(VerdictGauges):
             _prometheus_client().start_http_server(port, addr=address, registry=self.registry)
         except OSError as exc:
             raise UsageError(
-                f"--exporter-port {port} cannot be bound on {address} ({exc.strerror}); pick a free port or another --exporter-address."
+                f"--exporter-port {port} cannot be bound on {address} "
+                f"({exc.strerror}); pick a free port or another --exporter-address."
             ) from None

@@ -114,7 +114,8 @@ def _vllm_schema(prefix: str, server_kind: str) -> Callable[[Exposition, str, st
             )
             if draft_tokens:
                 reading.notes.append(
-                    "this llama.cpp build exports llamacpp:n_drafted_total / n_accepted_total only: acceptance rate but no tau (no draft count)."
+                    "this llama.cpp build exports llamacpp:n_drafted_total / "
+                    "n_accepted_total only: acceptance rate but no tau (no draft count)."
                 )
         keys = set(drafts) | set(draft_tokens) | set(accepted) | set(per_pos)
         for key in keys:

@@ -118,11 +118,13 @@ def build_watch_settings(table: dict[str, Any], **flags: Any) -> WatchSettings:
         )
     if settings.retain_s is not None and settings.retain_s < settings.window_s:
         raise UsageError(
-            f"watch retain ({settings.retain_s:g} s) is shorter than the window ({settings.window_s:g} s); keep at least one window, e.g. --retain 7d."
+            f"watch retain ({settings.retain_s:g} s) is shorter than the window "
+            f"({settings.window_s:g} s); keep at least one window, e.g. --retain 7d."
         )
     if settings.server_kind is not None and settings.server_kind not in READERS:
         raise UsageError(
-            f"engine {settings.server_kind!r} is not one of {', '.join(READERS)}; pick one or leave it out to detect it."
+            f"engine {settings.server_kind!r} is not one of "
+            f"{', '.join(READERS)}; pick one or leave it out to detect it."
         )
     settings.thresholds  # validates
     log_zone(settings.log_timezone)  # validates

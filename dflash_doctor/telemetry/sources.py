@@ -73,7 +73,8 @@ def _http_get(client: HttpClient, url: str, auth_flag: str, params: Mapping[str,
         raise SourceUnavailable(str(exc)) from None
     if answer.status in AUTH_STATUSES:
         raise SourceUnavailable(
-            f"{shown(url)} answered HTTP {answer.status}: it wants credentials or refused the ones sent; pass them with {auth_flag}"
+            f"{shown(url)} answered HTTP {answer.status}: it wants "
+            f"credentials or refused the ones sent; pass them with {auth_flag}"
         )
     if not answer.ok:
         raise SourceUnavailable(f"{shown(url)} answered HTTP {answer.status}")
@@ -220,7 +221,8 @@ def parse_duration_s(text: str) -> float:
         return finite_number(seconds, "duration", maximum=MAX_DURATION_S)
     except UsageError:
         raise UsageError(
-            f"duration {text!r} is not a finite number of seconds up to ten years; use a duration such as 30s, 5m or 7d."
+            f"duration {text!r} is not a finite number of seconds "
+            "up to ten years; use a duration such as 30s, 5m or 7d."
         ) from None
 
 
@@ -293,7 +295,8 @@ class PrometheusServer:
             _note_once(
                 self.notes,
                 [
-                    f"{shown(self.url)} has no vllm:, sglang:, llamacpp: or trtllm_ speculative counters in its TSDB (yet)."
+                    f"{shown(self.url)} has no vllm:, sglang:, llamacpp: "
+                    "or trtllm_ speculative counters in its TSDB (yet)."
                 ],
             )
             return []
@@ -394,7 +397,8 @@ def _existing_file(path: str | Path) -> Path:
     path = Path(path)
     if not path.is_file():
         raise UsageError(
-            f"source {_USERINFO.sub(_KEEP_SCHEME, str(path))} is neither an http(s) URL nor an existing file; pass a /metrics URL, a log file or a responses .jsonl."
+            f"source {_USERINFO.sub(_KEEP_SCHEME, str(path))} is neither an http(s) URL "
+            "nor an existing file; pass a /metrics URL, a log file or a responses .jsonl."
         )
     return path
 

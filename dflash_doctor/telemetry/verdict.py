@@ -67,7 +67,8 @@ class Baseline:
 
     @classmethod
     def from_run(cls, run_dir: str | Path) -> "Baseline":
-        """From a ``check`` / ``sweep`` run directory: tau, interval, per-position rates per class; costs if it swept."""
+        """From a ``check`` / ``sweep`` run directory: tau,
+        interval, per-position rates per class; costs if it swept."""
         summary = RunRecord.from_json(read_run_meta(run_dir)).summary
         entries = {}
         for name, metrics in summary.scopes().items():
@@ -91,7 +92,8 @@ class Baseline:
             )
         if not entries:
             raise UsageError(
-                f"baseline run {run_dir} has no mean_acceptance_length in its summary; pass a run written by `dflash-doctor check` or `sweep`."
+                f"baseline run {run_dir} has no mean_acceptance_length in its "
+                "summary; pass a run written by `dflash-doctor check` or `sweep`."
             )
         costs = summary.sweep.step_costs() if summary.sweep is not None and summary.sweep.costs else None
         return cls(entries, f"run {Path(run_dir).name}", costs)
@@ -102,7 +104,8 @@ class Baseline:
         for name, tau in tau_by_class.items():
             if not isinstance(tau, (int, float)) or isinstance(tau, bool):
                 raise UsageError(
-                    f"baseline tau for {name!r} is {tau!r}; a mean acceptance length is a number >= 1 (bonus token included)."
+                    f"baseline tau for {name!r} is {tau!r}; a mean acceptance "
+                    "length is a number >= 1 (bonus token included)."
                 )
             tau = finite_number(
                 tau,
@@ -295,7 +298,8 @@ class Judge:
                 )
             else:
                 verdict.notes.append(
-                    "nothing reported in this window (vLLM logs idle windows at DEBUG level: a quiet log is not a stopped draft)"
+                    "nothing reported in this window (vLLM logs idle windows "
+                    "at DEBUG level: a quiet log is not a stopped draft)"
                 )
             return verdict
         if drafts == 0 and generated > 0:
@@ -304,17 +308,20 @@ class Judge:
                     Alert(
                         "drafting-stopped",
                         str(key),
-                        f"{key}: {generated:.0f} tokens generated but no draft counted in this window (it drafted before): the draft stopped or its counters broke.",
+                        f"{key}: {generated:.0f} tokens generated but no draft counted in this "
+                        "window (it drafted before): the draft stopped or its counters broke.",
                     )
                 )
             else:
                 verdict.status = "no-speculation"
                 verdict.notes.append(
-                    "tokens are generated but no draft has been counted yet: speculation is off for this series, or its counters are not exported"
+                    "tokens are generated but no draft has been counted yet: speculation "
+                    "is off for this series, or its counters are not exported"
                 )
         elif counts.num_drafts is None and "mean_acceptance_length" in window.reported:
             verdict.notes.append(
-                "the engine reports averages only (SGLang log lines): shown as the engine's tau, not judged (no counts for an interval)"
+                "the engine reports averages only (SGLang log lines): shown "
+                "as the engine's tau, not judged (no counts for an interval)"
             )
         elif drafts == 0 and counts.mean_acceptance_length is None:
             verdict.status = "idle"
@@ -344,7 +351,8 @@ class Judge:
                 Alert(
                     "k-changed",
                     str(key),
-                    f"{key}: the draft length changed from K={previous} to K={k}; re-run `dflash-doctor sweep` for the new K before trusting the old baseline.",
+                    f"{key}: the draft length changed from K={previous} to K={k}; re-run "
+                    "`dflash-doctor sweep` for the new K before trusting the old baseline.",
                 )
             )
         elif configured is not None and verdict.window.counts.k not in (None, int(configured)):
@@ -378,7 +386,8 @@ class Judge:
                 Alert(
                     "acceptance-drop",
                     str(key),
-                    f"{key}: tau {tau:.2f} {ci_text} is below the baseline {base_text} ({self.baseline.description}) by {drop:.2f} > {self.thresholds.threshold_tau:g}, intervals separated.",
+                    f"{key}: tau {tau:.2f} {ci_text} is below the baseline {base_text} ({self.baseline.description}) "
+                    f"by {drop:.2f} > {self.thresholds.threshold_tau:g}, intervals separated.",
                     fallback_advice(self.server_kind, verdict, self.baseline) if self.costs is None else (),
                 )
             )
@@ -398,7 +407,8 @@ class Judge:
                 Alert(
                     "fallback",
                     str(key),
-                    f"{key}: fall back - net speedup {verdict.speedup:.2f}x at K={verdict.k} (tau {verdict.mean_acceptance_length:.2f}) is below the floor {self.thresholds.speedup_floor:g}x.",
+                    f"{key}: fall back - net speedup {verdict.speedup:.2f}x at K={verdict.k} (tau "
+                    f"{verdict.mean_acceptance_length:.2f}) is below the floor {self.thresholds.speedup_floor:g}x.",
                     fallback_advice(
                         self.server_kind, verdict, self.baseline, self.costs, self.thresholds.speedup_floor
                     ),
@@ -432,15 +442,18 @@ def fallback_advice(
         if k_new:
             lines.append(f"vLLM: --speculative-config '{{..., \"num_speculative_tokens\": {k_new}}}' (now {k_now})")
         lines.append(
-            f"vLLM: --speculative-config '{{..., \"num_speculative_tokens_per_batch_size\": [[1, {batch_hi}, {k_new}]]}}' "
-            f"(K={k_new} for batch sizes 1..{batch_hi}{', the most requests seen running in this window' if running else ''}; keep other ranges)"
+            "vLLM: --speculative-config '{..., "
+            f'"num_speculative_tokens_per_batch_size": [[1, {batch_hi}, {k_new}]]}}\' '
+            f"(K={k_new} for batch sizes "
+            f"1..{batch_hi}{', the most requests seen running in this window' if running else ''}; keep other ranges)"
         )
     if server_kind in (None, "sglang"):
         if k_new:
             lines.append(f"SGLang: --speculative-num-draft-tokens {k_new + 1} (SGLang counts the anchor: K + 1)")
         else:
             lines.append(
-                "SGLang: restart without --speculative-algorithm, or (EAGLE/EAGLE3) --speculative-adaptive with a tier of 0 steps for this batch range"
+                "SGLang: restart without --speculative-algorithm, or (EAGLE/EAGLE3) "
+                "--speculative-adaptive with a tier of 0 steps for this batch range"
             )
     if server_kind in (None, "llamacpp"):
         lines.append(
@@ -459,7 +472,8 @@ def _trtllm_gate(verdict: WindowVerdict, baseline: Baseline | None, costs: StepC
     k = verdict.k
     if not k or costs is None:
         return [
-            "TensorRT-LLM: speculative_config acceptance_rate_threshold / acceptance_rate_window_size need step costs (--cost-profile) to be computed"
+            "TensorRT-LLM: speculative_config acceptance_rate_threshold / "
+            "acceptance_rate_window_size need step costs (--cost-profile) to be computed"
         ]
     try:
         tau_break_even = floor * (costs.draft_s(k) + costs.verify_s(k)) / costs.t_decode_s
@@ -473,6 +487,8 @@ def _trtllm_gate(verdict: WindowVerdict, baseline: Baseline | None, costs: StepC
         z = NormalDist().inv_cdf(0.99)  # a false disable (permanent in TensorRT-LLM) should be rare
         window = max(window, math.ceil((z * entry.request_tau_sd / (entry.tau - tau_break_even)) ** 2))
     return [
-        f"TensorRT-LLM: speculative_config acceptance_rate_threshold: {rate_threshold:.3f} (accepted/drafted at break-even tau {tau_break_even:.2f}, K={k}), "
-        f"acceptance_rate_window_size: {window} (completed requests; builds whose gate averages accepted tokens per step take threshold {accepted_per_step:.2f})"
+        f"TensorRT-LLM: speculative_config acceptance_rate_threshold: {rate_threshold:.3f} "
+        f"(accepted/drafted at break-even tau {tau_break_even:.2f}, K={k}), "
+        f"acceptance_rate_window_size: {window} (completed requests; builds whose gate "
+        f"averages accepted tokens per step take threshold {accepted_per_step:.2f})"
     ]

@@ -13,8 +13,8 @@ Bounded over a days-long watch: each evaluation *appends* its rows to an Arrow I
 and rewrites only ``run.json``; the summary comes from running totals per series and a bounded uniform
 sample of units for its bootstrap. The journal is consolidated into the Parquet files at the end, on
 demand and every hour (:data:`CONSOLIDATE_EVERY_S`), dropping rows older than the retention
-(``--retain``) when there is one, so memory, disk and the cost of a poll stay flat. A watch killed at any moment leaves a readable directory:
-readers take the Parquet rows plus every complete journal batch.
+(``--retain``) when there is one, so memory, disk and the cost of a poll stay flat. A watch killed at any moment leaves
+a readable directory: readers take the Parquet rows plus every complete journal batch.
 
 The folder is the watch's for the life of its process (:mod:`dflash_doctor.rundir.ownership`): a second
 watch on it is refused. A watch started on the folder of an earlier watch (a service restarted on the
@@ -365,7 +365,8 @@ class WatchRecord:
             elif now_s - self._consolidated_at >= min(self.retain_s or CONSOLIDATE_EVERY_S, CONSOLIDATE_EVERY_S):
                 self.consolidate(now_s)
         served = sorted({key.model for key in self._totals if key is not None})
-        # The served model is the run's target (one model), or "served N" roles; identity beyond the name is not observable.
+        # The served model is the run's target (one model), or "served
+        # N" roles; identity beyond the name is not observable.
         self.record.models = {
             ("target" if len(served) == 1 else f"served {i + 1}"): ModelInfo(
                 id=name, revision_or_hash="unknown (served)", dtype="unknown", device="serving engine", kind="target"
