@@ -168,7 +168,8 @@ def analyse(
 
 
 def _finite(cell: dict[str, Any]) -> dict[str, Any]:
-    """NaN figures become None, so tune.json stays strict JSON (a rate of inf is written "inf": :func:`dflash_doctor.tune.experiment.strict_json`)."""
+    """NaN figures become None, so tune.json stays strict JSON (a rate of inf
+    is written "inf": :func:`dflash_doctor.tune.experiment.strict_json`)."""
 
     def clean(value):
         if isinstance(value, float) and not math.isfinite(value):

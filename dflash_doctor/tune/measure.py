@@ -7,9 +7,9 @@ builds for ``check --engine``, with ``stream`` on and ``stream_options.include_u
 chunk carries the usage and, on vLLM, the per-request ``metrics.speculative_decoding``). Timing follows
 ``vllm bench serve`` (vllm/benchmarks/lib/endpoint_request_func.py): time to first token (TTFT) is the
 time to the first chunk that carries choices, time per output token (TPOT) is ``(end-to-end - TTFT) /
-(output tokens - 1)``, end-to-end latency is the whole call. A run's output tokens/s and requests/s are over the wall time from the first request sent
-to the last answered. A multi-turn workload request is measured on its first turn only: later turns
-would carry the server's own answers, which differ across K under sampling and make the runs unequal.
+(output tokens - 1)``, end-to-end latency is the whole call. A run's output tokens/s and requests/s are over the wall
+time from the first request sent to the last answered. A multi-turn workload request is measured on its first turn only:
+later turns would carry the server's own answers, which differ across K under sampling and make the runs unequal.
 
 Rollback compute is the target tokens verified and thrown away per output token:
 ``(draft tokens - accepted tokens) / output tokens`` from the engine's own figures (vLLM definitions).

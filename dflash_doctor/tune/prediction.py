@@ -91,7 +91,9 @@ class FittedCosts:
         verify = {str(k): self.step_s(k) - self.t_draft_s for k in sorted({1, max_k})}
         return {
             "device": device,
-            "notes": f"fitted by dflash-doctor tune at {self.load} from K {', '.join(map(str, self.fit_ks))}: {self.note}",
+            "notes": (
+                f"fitted by dflash-doctor tune at {self.load} from K {', '.join(map(str, self.fit_ks))}: {self.note}"
+            ),
             "t_decode_s": self.t_decode_s,
             "t_verify_s": verify,
             "t_draft_s": {"1": self.t_draft_s},
@@ -283,7 +285,8 @@ def _bounds(samples: np.ndarray) -> list[float] | None:
 
 
 def sweep_taus(sweep: dict[str, Any]) -> dict[str, dict[int, tuple[float, list[float] | None]]]:
-    """``{scope: {K: (tau, its 95% interval)}}`` from a run.json ``summary.sweep`` block (the teacher-forced prediction)."""
+    """``{scope: {K: (tau, its 95% interval)}}`` from a run.json
+    ``summary.sweep`` block (the teacher-forced prediction)."""
 
     def by_k(rows: list[dict[str, Any]]) -> dict[int, tuple[float, list[float] | None]]:
         return {int(r["k"]): (float(r["mean_acceptance_length"]), r.get("mean_acceptance_length_ci")) for r in rows}

@@ -53,26 +53,31 @@ def plan_servers(
     if launch is not None:
         if K_PLACEHOLDER not in launch:
             raise UsageError(
-                f"--launch {launch!r} has no {K_PLACEHOLDER} placeholder; put it where the command sets the number of draft tokens."
+                f"--launch {launch!r} has no {K_PLACEHOLDER} placeholder; "
+                "put it where the command sets the number of draft tokens."
             )
         if not engine or "=" in engine:
             raise UsageError(
-                "--launch needs --engine URL: the one address the launched server listens on, e.g. http://127.0.0.1:8000."
+                "--launch needs --engine URL: the one address the "
+                "launched server listens on, e.g. http://127.0.0.1:8000."
             )
         if 0 in grid and not launch_baseline:
             raise UsageError(
-                "the K grid holds 0 (speculation off) but --launch-baseline is missing; give the same command without the draft, or drop 0 from --k."
+                "the K grid holds 0 (speculation off) but --launch-baseline is "
+                "missing; give the same command without the draft, or drop 0 from --k."
             )
         return [
             ServerPlan(k, engine, launch_baseline if k == 0 else launch.replace(K_PLACEHOLDER, str(k))) for k in grid
         ]
     if launch_baseline is not None:
         raise UsageError(
-            "--launch-baseline is only used with --launch; give both, or list running servers with --engine 0=URL,8=URL."
+            "--launch-baseline is only used with --launch; give "
+            "both, or list running servers with --engine 0=URL,8=URL."
         )
     if not engine:
         raise UsageError(
-            "tune needs servers: --launch 'COMMAND {k}' with --launch-baseline and --engine URL, or --engine 0=URL,8=URL for servers you run."
+            "tune needs servers: --launch 'COMMAND {k}' with --launch-baseline "
+            "and --engine URL, or --engine 0=URL,8=URL for servers you run."
         )
     urls: dict[int, str] = {}
     for item in engine.split(","):
@@ -83,7 +88,8 @@ def plan_servers(
             k = -1
         if not sep or k < 0 or not url.strip():
             raise UsageError(
-                f"--engine {engine!r}: without --launch it lists one running server per K as K=URL, e.g. 0=http://127.0.0.1:8000,8=http://127.0.0.1:8001."
+                f"--engine {engine!r}: without --launch it lists one running server "
+                "per K as K=URL, e.g. 0=http://127.0.0.1:8000,8=http://127.0.0.1:8001."
             )
         urls[k] = url.strip()
     missing = [k for k in grid if k not in urls]
@@ -115,11 +121,13 @@ def wait_healthy(
         where = f"; its output is in {log_path}" if log_path else ""
         if process is not None and process.poll() is not None:
             raise UsageError(
-                f"the launched server exited with code {process.returncode} before {shown(url)} answered{where}; fix the --launch command."
+                f"the launched server exited with code {process.returncode} "
+                f"before {shown(url)} answered{where}; fix the --launch command."
             )
         if time.monotonic() > deadline:
             raise UsageError(
-                f"{shown(url)} did not answer GET /v1/models within {timeout_s:.0f} s{where}; fix the URL or raise --start-timeout."
+                f"{shown(url)} did not answer GET /v1/models within "
+                f"{timeout_s:.0f} s{where}; fix the URL or raise --start-timeout."
             )
         time.sleep(1.0)
 
@@ -131,7 +139,8 @@ def refuse_served_port(url: str) -> None:
     if port_served(host, port):
         raise UsageError(
             f"--engine {shown(url)}: port {port} is already served before tune launched its server (another server, "
-            f"or one left behind by an earlier run); stop what listens on port {port} or pass a free port in --engine and the --launch commands."
+            "or one left behind by an earlier run); stop what listens on port "
+            f"{port} or pass a free port in --engine and the --launch commands."
         )
 
 

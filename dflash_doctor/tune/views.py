@@ -1,5 +1,5 @@
-"""Views of a tune run (its typed :class:`~dflash_doctor.tune.result.TuneResult`, ``tune.json``): terminal tables, report.md, report.html, and the figures the
-report and the dashboard share.
+"""Views of a tune run (its typed :class:`~dflash_doctor.tune.result.TuneResult`, ``tune.json``): terminal tables,
+report.md, report.html, and the figures the report and the dashboard share.
 
 Three tables, one source each: the measured grid (per load, K and scope: tau, net speedup with
 intervals, TTFT, TPOT, end-to-end latency, throughput, rollback compute), predicted vs measured (the K
@@ -126,7 +126,10 @@ def grid_line(result: TuneResult) -> str:
     sent = (
         f"loads: concurrency {loads} (closed loop: that many requests in flight)"
         if result.load_kind == CONCURRENCY
-        else f"loads: request rate {loads} per second (open loop: gamma arrivals of burstiness {fmt(grid.burstiness)}, 1 = Poisson; "
+        else (
+            f"loads: request rate {loads} per second (open loop: gamma "
+            f"arrivals of burstiness {fmt(grid.burstiness)}, 1 = Poisson; "
+        )
         + (
             "no cap on requests in flight)"
             if grid.max_concurrency is None
@@ -145,13 +148,15 @@ def fit_lines(result: TuneResult) -> list[str]:
     for load, f in result.fits.items():
         lines.append(
             f"{load_label(kind, load)}: t_decode {_ms_ci(f.t_decode_s, f.t_decode_s_ci)} ms, "
-            f"t_draft {_ms_ci(f.t_draft_s, f.t_draft_s_ci)} ms, verify +{_ms_ci(f.verify_slope_s, f.verify_slope_s_ci)} ms per drafted token "
+            f"t_draft {_ms_ci(f.t_draft_s, f.t_draft_s_ci)} ms, verify "
+            f"+{_ms_ci(f.verify_slope_s, f.verify_slope_s_ci)} ms per drafted token "
             f"(fitted from K {', '.join(map(str, f.fit_ks))}; {f.note}); "
             f"profile {result.cost_profiles.get(load, '-')}"
         )
     for load, drift in result.baseline_drift.items():
         lines.append(
-            f"{load_label(kind, load)}: the K=0 baseline measured again after the grid ran {abs(drift):.0%} {'slower' if drift > 0 else 'faster'} per token "
+            f"{load_label(kind, load)}: the K=0 baseline measured again after the grid "
+            f"ran {abs(drift):.0%} {'slower' if drift > 0 else 'faster'} per token "
             f"({'the machine was steady' if abs(drift) <= DRIFT_WARNING else 'the machine drifted: every speedup carries about half of it as extra error'})"
         )
     error = result.held_out_error
@@ -244,7 +249,8 @@ def render_markdown(result: TuneResult) -> str:
 
 
 def _error_bar(value: float, bounds: list[float | None] | None, side: int) -> float:
-    """How far the interval's ``side`` end (0 low, 1 high) lies below or above ``value``; 0 where there is no such end."""
+    """How far the interval's ``side`` end (0 low, 1 high) lies
+    below or above ``value``; 0 where there is no such end."""
     end = (bounds or [None, None])[side]
     return 0 if end is None else (value - end if side == 0 else end - value)
 
@@ -332,12 +338,14 @@ def render_html(result: TuneResult) -> str:
     warnings = warning_lines(result)
     return (
         "<!doctype html><html><head><meta charset='utf-8'><title>dflash-doctor tune</title>"
-        "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:2px 6px}</style>"
+        "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}td,th{border:1px "
+        "solid #ccc;padding:2px 6px}</style>"
         f"{plotly_script()}</head><body><h1>dflash-doctor tune</h1>"
         f"<h2>Recommendation</h2>{_items(recommendation_lines(result))}"
         f"{f'<h2>Warnings</h2>{_items(warnings)}' if warnings else ''}{charts}"
         f"<h2>Measured</h2>{_html_table(MEASURED_COLUMNS, measured_rows(result))}"
-        f"<h2>Predicted vs measured</h2>{_html_table(PREDICTION_COLUMNS, prediction_rows(result))}{_items(fit_lines(result))}"
+        "<h2>Predicted vs "
+        f"measured</h2>{_html_table(PREDICTION_COLUMNS, prediction_rows(result))}{_items(fit_lines(result))}"
         "</body></html>"
     )
 
