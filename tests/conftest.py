@@ -105,8 +105,9 @@ def stop_servers_on_sigterm():
 
 @pytest.fixture(scope="module")
 def one_thread():
-    """One torch intra-op thread for a module's fixtures and tests (``pytestmark = pytest.mark.usefixtures("one_thread")``):
-    for tiny models thread hand-offs cost more than the matmuls on a busy 2-core machine (about 10x)."""
+    """One torch intra-op thread for a module's fixtures and tests
+    (``pytestmark = pytest.mark.usefixtures("one_thread")``): for tiny models thread hand-offs cost more than the
+    matmuls on a busy 2-core machine (about 10x)."""
     with torch_threads(1):
         yield
 

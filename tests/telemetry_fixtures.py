@@ -79,7 +79,8 @@ class PrometheusServer:
     def __enter__(self) -> "PrometheusServer":
         if self.binary is None:
             raise RuntimeError(
-                "the prometheus binary is not on PATH; install Debian's package: apt-get install prometheus (.ci/run does)"
+                "the prometheus binary is not on PATH; install Debian's "
+                "package: apt-get install prometheus (.ci/run does)"
             )
         self.server = start_local_server("prometheus", self.command, self.url, "/-/ready", self.log, timeout_s=60)
         return self

@@ -106,7 +106,8 @@ def test_good_workload_files_next_to_the_bad_ones_still_load(tmp_path):
 def draft_copy(
     tiny_dir: Path, tmp_path: Path, edit=None, config_text: str | None = None, weights: bytes | None = None
 ) -> Path:
-    """A copy of the tiny DFlash draft with its config edited (``edit(config)``) or replaced, or its weights replaced."""
+    """A copy of the tiny DFlash draft with its config edited
+    (``edit(config)``) or replaced, or its weights replaced."""
     out = tmp_path / "draft"
     out.mkdir()
     config = json.loads((tiny_dir / "dflash" / "config.json").read_text())
@@ -270,7 +271,8 @@ def test_a_config_file_value_of_the_wrong_type_is_refused_naming_the_key(tmp_pat
 def test_a_config_file_with_well_typed_values_loads(tmp_path):
     path = tmp_path / "doctor.toml"
     path.write_text(
-        'temperature = 1\nk = "1-4"\nclasses = "math,code"\ndevices = ["cuda:0"]\n[checks.lossless]\nnear_tie_ulps = 3\n',
+        'temperature = 1\nk = "1-4"\nclasses = "math,code"\n'
+        'devices = ["cuda:0"]\n[checks.lossless]\nnear_tie_ulps = 3\n',
         encoding="utf-8",
     )
     config = build_config(path)
@@ -383,8 +385,10 @@ def test_the_real_response_passes_and_impossible_counts_are_refused():
 # Engine log lines: counts no engine can report are refused as data
 
 VLLM = (
-    "(APIServer pid=1) INFO 11-30 15:51:53 [metrics.py:120] SpecDecoding metrics: Mean acceptance length: {tau}, Accepted throughput: 1.00 tokens/s, "
-    "Drafted throughput: 2.00 tokens/s, Accepted: {acc} tokens, Drafted: {drafted} tokens, Per-position acceptance rate: {rates}, "
+    "(APIServer pid=1) INFO 11-30 15:51:53 [metrics.py:120] SpecDecoding "
+    "metrics: Mean acceptance length: {tau}, Accepted throughput: 1.00 tokens/s, "
+    "Drafted throughput: 2.00 tokens/s, Accepted: {acc} tokens, "
+    "Drafted: {drafted} tokens, Per-position acceptance rate: {rates}, "
     "Avg Draft acceptance rate: 6.7%"
 )
 LOG_LINES = [
@@ -392,7 +396,8 @@ LOG_LINES = [
     ("vllm", VLLM.format(tau="2.00", acc=20, drafted=20, rates="1.500, 0.500, 0.000, 0.000")),
     (
         "llamacpp",
-        "slot print_timing: id  0 | task 5 | draft acceptance = 2.25000 (   90 accepted /    40 generated), mean len =  4.00",
+        "slot print_timing: id  0 | task 5 | draft acceptance = "
+        "2.25000 (   90 accepted /    40 generated), mean len =  4.00",
     ),
     (
         "trtllm",
@@ -414,7 +419,10 @@ def test_a_log_line_claiming_impossible_counts_is_refused_as_data(engine, line):
     problems = ParseProblems()
     good = {
         "vllm": VLLM.format(tau="2.00", acc=4, drafted=16, rates="0.500, 0.250, 0.250, 0.000"),
-        "llamacpp": "slot print_timing: id  0 | task 5 | draft acceptance = 0.50000 (   20 accepted /    40 generated), mean len =  3.00",
+        "llamacpp": (
+            "slot print_timing: id  0 | task 5 | draft acceptance = "
+            "0.50000 (   20 accepted /    40 generated), mean len =  3.00"
+        ),
         "trtllm": json.dumps(
             {"specDecodingStats": {"numRequestsWithDraftTokens": 2, "numDraftTokens": 8, "numAcceptedTokens": 3}}
         ),

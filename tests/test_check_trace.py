@@ -60,7 +60,8 @@ def _code(function) -> object:
 
 
 def trace_check(args: list[str]) -> tuple[Counter[str], list[str], object]:
-    """Run `check` with a profiler counting calls of COUNTED and STAGES (by code object), and the first-entry order of STAGES."""
+    """Run `check` with a profiler counting calls of COUNTED and
+    STAGES (by code object), and the first-entry order of STAGES."""
     names = {_code(f): name for name, f in {**COUNTED, **STAGES}.items()}
     counts: Counter[str] = Counter()
     order: list[str] = []

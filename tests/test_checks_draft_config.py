@@ -280,6 +280,7 @@ def test_engine_method_must_match_a_dspark_draft():
 
 def test_draft_config_offset_probe_ignores_a_relative_gain_of_almost_nothing():
     """A draft broken by something else accepts almost nothing at every offset: 0.15 vs 0.13 tokens per draft is
-    15% more, but 0.02 tokens, noise rather than a shift (seen with an EAGLE-3 head served with a flipped norm switch)."""
+    15% more, but 0.02 tokens, noise rather than a shift (seen
+    with an EAGLE-3 head served with a flipped norm switch)."""
     result = _check(_draft(), offset_probe={-1: 1.15, 0: 1.13}, offset_probe_drafts=400)
     assert result.status != "fail", result.summary

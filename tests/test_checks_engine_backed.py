@@ -280,16 +280,15 @@ def test_speculative_k_warn_configured_k_loses_a_share_of_the_best():
     assert result.status == "warn"
     messages = [f.message for f in result.findings]
     assert "class math: K=3 gives 1.90x, 16% below K=6 at 2.25x" in messages
-    assert (
-        result.fix
-        == "serve num_speculative_tokens=6 (vLLM; SGLang --speculative-num-draft-tokens 7; llama.cpp --spec-draft-n-max 6)"
+    assert result.fix == (
+        "serve num_speculative_tokens=6 (vLLM; SGLang --speculative-num-draft-tokens 7; llama.cpp --spec-draft-n-max 6)"
     )
     math_finding = next(f for f in result.findings if f.message.startswith("class math"))
     assert math_finding.evidence.endswith("; tau 1.90 at K=3 against 2.80 at K=6")  # the acceptance K=3 leaves unused
     math_fix = math_finding.fix
-    assert (
-        math_fix
-        == "serve num_speculative_tokens=6 for math (vLLM; SGLang --speculative-num-draft-tokens 7; llama.cpp --spec-draft-n-max 6)"
+    assert math_fix == (
+        "serve num_speculative_tokens=6 for math (vLLM; SGLang "
+        "--speculative-num-draft-tokens 7; llama.cpp --spec-draft-n-max 6)"
     )
     assert _run("speculative-k", _k_ctx(3, {"math": MATH}), {"speedup_loss_share": 0.2}).status == "pass"
 
@@ -322,9 +321,9 @@ def test_speculative_k_fail_past_the_useful_range():
     result = _run("speculative-k", ctx)
     assert result.status == "fail"
     assert result.summary.startswith("overall: K=15 is far past the useful range: slot 15 is accepted in 0.4% of steps")
-    assert (
-        result.fix
-        == "serve num_speculative_tokens=9 (vLLM; SGLang --speculative-num-draft-tokens 10; llama.cpp --spec-draft-n-max 9)"
+    assert result.fix == (
+        "serve num_speculative_tokens=9 (vLLM; SGLang "
+        "--speculative-num-draft-tokens 10; llama.cpp --spec-draft-n-max 9)"
     )
     few_drafts = CheckContext(record=record(overall=_scope(rates, drafts=5)), config=DoctorConfig(k=(15,)))
     assert _run("speculative-k", few_drafts).status == "pass"

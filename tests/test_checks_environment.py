@@ -45,7 +45,8 @@ def test_environment_pass_with_matching_flags():
 
 def test_environment_warn_sglang_vllm_convention_and_version_drift():
     result = _env_check(
-        "python -m sglang.launch_server --speculative-algorithm DFLASH --speculative-num-draft-tokens 15 --attention-backend fa3",
+        "python -m sglang.launch_server --speculative-algorithm DFLASH "
+        "--speculative-num-draft-tokens 15 --attention-backend fa3",
         environment={**ENV, "transformers": "5.2.0"},
     )
     assert result.status == "warn"
@@ -82,7 +83,8 @@ def test_environment_warn_flashinfer_under_cuda_graphs():
 
 def test_environment_fail_trtllm_mha_draft_backend_for_sglang_dflash():
     result = _env_check(
-        "--speculative-algorithm DFLASH --speculative-num-draft-tokens 16 --attention-backend fa3 --speculative-draft-attention-backend trtllm_mha"
+        "--speculative-algorithm DFLASH --speculative-num-draft-tokens 16 "
+        "--attention-backend fa3 --speculative-draft-attention-backend trtllm_mha"
     )
     assert result.status == "fail"
     assert result.summary == "SGLang draft attention backend trtllm_mha cannot run DFlash's non-causal block attention"
@@ -136,7 +138,8 @@ def test_engine_config_parsing_and_bad_input(tmp_path):
 def test_bad_rules_file_is_a_usage_error(tmp_path):
     rules = tmp_path / "rules.toml"
     rules.write_text(
-        '[[rule]]\nid = "x"\nseverity = "fatal"\nmessage = "m"\nfix = "f"\nsource = "s"\n[rule.when]\n"env.torch" = "1"\n'
+        '[[rule]]\nid = "x"\nseverity = "fatal"\nmessage = "m"\n'
+        'fix = "f"\nsource = "s"\n[rule.when]\n"env.torch" = "1"\n'
     )
     with pytest.raises(UsageError, match="severity 'fatal'"):
         load_rules(rules)
@@ -148,7 +151,8 @@ def test_env_command_exit_codes(tmp_path):
     (draft / "config.json").write_text(json.dumps(DFLASH_B16))
     flags = tmp_path / "sglang.txt"
     flags.write_text(
-        "--speculative-algorithm DFLASH --speculative-num-draft-tokens 16 --speculative-draft-attention-backend trtllm_mha"
+        "--speculative-algorithm DFLASH --speculative-num-draft-tokens "
+        "16 --speculative-draft-attention-backend trtllm_mha"
     )
     runner = CliRunner()
     failing = runner.invoke(app, ["env", "--engine-config", str(flags), "--draft", str(draft)])

@@ -56,8 +56,8 @@ def test_chat_template_parity_fail_qwen3_thinking_true_vs_false(qwen3_tokenizer)
     difference = result.findings[0]
     assert "served and draft training templates differ" in difference.message
     assert (
-        "served '>\\n<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' vs draft training '>\\n<|im_start|>assistant\\n'"
-        in difference.evidence
+        "served '>\\n<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' "
+        "vs draft training '>\\n<|im_start|>assistant\\n'" in difference.evidence
     )
     assert any(f.message.startswith("thinking tags differ") for f in result.findings)
 

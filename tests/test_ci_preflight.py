@@ -33,6 +33,7 @@ def test_ci_refuses_a_disk_without_room_for_the_run_before_installing_anything(t
     )
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        ".ci/run: only 3 GiB free on the file system of ., and a run needs about 10 GiB there; free some disk and run it again."
+        ".ci/run: only 3 GiB free on the file system of ., and a run "
+        "needs about 10 GiB there; free some disk and run it again."
     ]
     assert not log.exists()

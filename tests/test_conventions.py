@@ -54,7 +54,8 @@ USER_GUIDE = Path(__file__).resolve().parents[1] / "docs" / "user-guide.md"
 
 
 def assert_documented(payload: dict) -> None:
-    """Every top-level key of a --json payload is named in docs/user-guide.md "Machine-readable output" (the contract)."""
+    """Every top-level key of a --json payload is named in
+    docs/user-guide.md "Machine-readable output" (the contract)."""
     text = USER_GUIDE.read_text(encoding="utf-8")
     section = text[text.index("## Machine-readable output") :]
     section = section[: section.index("\n## ")]
@@ -280,7 +281,7 @@ def test_an_unknown_choice_is_refused_with_exit_2(empty_home):
     assert result.exit_code == 2 and "'fp8' is not one of 'float32', 'bfloat16', 'float16'" in result.output
 
 
-# ---------------------------------------------------------------------------------------------------- logging and stages
+# --------------------------------------------------------------------------------------------------- logging and stages
 
 
 @pytest.fixture

@@ -28,7 +28,8 @@ HOSTILE = [
 
 #: Markup that survived escaping: a link or image target, an HTML tag, emphasis, code, math, a table cell, a heading.
 _LIVE_MARKUP = re.compile(
-    r"(?<!\\)\]\(|(?<!\\)<[a-z/]|(?<!\\)\*\*bold|(?<!\\)__under|(?<!\\)~~strike|(?<!\\)`code|(?<!\\)\$x|(?<!\\)\| table|\n# heading|https?://evil|(?<!\\)www\.evil"
+    r"(?<!\\)\]\(|(?<!\\)<[a-z/]|(?<!\\)\*\*bold|(?<!\\)__under|(?<!\\)~~strike|(?<!\\)`code|(?<!\\)\$x|(?<!\\)\| "
+    r"table|\n# heading|https?://evil|(?<!\\)www\.evil"
 )
 _WORDS = ("evil", "127.0.0.1", "bold", "code", "cell", "heading", "escaped")
 

@@ -43,7 +43,10 @@ def github_anchors(markdown: str) -> set[str]:
 
 
 def test_github_anchors_follow_githubs_rule():
-    page = "# dflash-doctor\n## The run directory\n```\n# not a heading\n```\n## `tune` on vLLM: K x load\n## GPU\n## GPU\n"
+    page = (
+        "# dflash-doctor\n## The run directory\n```\n# not a "
+        "heading\n```\n## `tune` on vLLM: K x load\n## GPU\n## GPU\n"
+    )
     assert github_anchors(page) == {"dflash-doctor", "the-run-directory", "tune-on-vllm-k-x-load", "gpu", "gpu-1"}
 
 

@@ -193,7 +193,8 @@ def test_unknown_or_unmodelled_keys_are_refused_naming_the_key(zlab_dir, where, 
     [
         (
             {"rope_type": "spiral", "factor": 2.0},
-            "rope_scaling type 'spiral' in the draft config is not supported; use one of default, linear, dynamic, yarn",
+            "rope_scaling type 'spiral' in the draft config is not "
+            "supported; use one of default, linear, dynamic, yarn",
         ),
         ({"rope_type": "yarn"}, r"rope_scaling is incomplete \(Missing required keys .*'yarn': \{'factor'\}\)"),
         (

@@ -1,9 +1,9 @@
 """The engine-agreement probe is typed at the run.json boundary, and run.json is unchanged by the typing.
 
 ``data/engine_agreement_run/run.json`` was written by the code before the probe was typed (the dict it
-stored under ``probes.engine_agreement``; ``check_result.json`` is what that code's check made of it): a DFlash stand-in server running the draft with causal block
-attention, three turns in two classes, one output and one prompt that differ, every simulated setup. The
-current reader must read it into the typed record and write it back byte for byte.
+stored under ``probes.engine_agreement``; ``check_result.json`` is what that code's check made of it): a DFlash stand-in
+server running the draft with causal block attention, three turns in two classes, one output and one prompt that differ,
+every simulated setup. The current reader must read it into the typed record and write it back byte for byte.
 """
 
 from __future__ import annotations

@@ -707,8 +707,8 @@ def mtp_target(tmp_path_factory) -> Path:
     """A Qwen3.5-shaped target of attention layers only, with a Qwen3.5-layout MTP head written into its checkpoint
     (``mtp.*``: its block a copy of the target's first layer, random fc and norms), as a user's local folder.
     Attention only because the devices must compute the same target: with gated-delta-net layers a CUDA machine runs
-    flash-linear-attention's kernels and a CPU transformers' torch code, which part at near ties (on the H200, 2026-12-04,
-    the float32 mtp replays of the hybrid target parted between the devices in several of the 10 turns)."""
+    flash-linear-attention's kernels and a CPU transformers' torch code, which part at near ties (on the H200,
+    2026-12-04, the float32 mtp replays of the hybrid target parted between the devices in several of the 10 turns)."""
     from safetensors.torch import load_file, save_file
     from transformers import Qwen3_5TextConfig
 
@@ -778,7 +778,8 @@ def test_mtp_replay_on_cuda_equals_the_cpus_token_for_token(mtp_target, tmp_path
 
 
 def test_head_to_head_of_every_speculator_kind_on_cuda_in_bfloat16(dense, eagle3_head, tmp_path):
-    """DFlash, EAGLE-3, n-gram and suffix decoding on one target and one set of turns: a table and a verdict, no crash."""
+    """DFlash, EAGLE-3, n-gram and suffix decoding on one target
+    and one set of turns: a table and a verdict, no crash."""
     target, draft = dense
     out = tmp_path / "h2h"
     result = doctor(

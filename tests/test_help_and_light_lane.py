@@ -30,7 +30,8 @@ LIGHT_LANE_MARKERS = "not integration and not browser and not vllm and not llama
 
 
 def _help(*args: str, columns: int = 120) -> subprocess.CompletedProcess:
-    """``dflash-doctor ARGS`` in a fresh interpreter; prints which heavy modules --help imported on stderr's last line."""
+    """``dflash-doctor ARGS`` in a fresh interpreter; prints
+    which heavy modules --help imported on stderr's last line."""
     code = textwrap.dedent("""
         import sys
         from dflash_doctor.cli import main
@@ -108,7 +109,8 @@ def _top_level_imports(path: Path) -> set[str]:
 
 
 def test_no_test_module_imports_an_optional_package_at_its_top_level():
-    """A missing optional package must skip its module (pytest.importorskip with a reason), never error its collection."""
+    """A missing optional package must skip its module
+    (pytest.importorskip with a reason), never error its collection."""
     offenders = {path.name: sorted(_top_level_imports(path) & set(OPTIONAL)) for path in sorted(TESTS.glob("*.py"))}
     assert not {name: found for name, found in offenders.items() if found}
 

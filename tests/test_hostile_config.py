@@ -95,7 +95,8 @@ REFUSED = [
     (
         "C3 tau_fail_below = nan",
         "doctor.toml",
-        "[checks.acceptance]\ntau_fail_below = nan\ntau_warn_below = nan\nconditional_rate_floor = nan\nmin_drafts = 1\n",
+        "[checks.acceptance]\ntau_fail_below = nan\ntau_warn_below "
+        "= nan\nconditional_rate_floor = nan\nmin_drafts = 1\n",
         ["--engine", "{url}"],
         ["'acceptance' parameter 'tau_fail_below' nan", "finite"],
     ),

@@ -46,7 +46,10 @@ class Recorder(ThreadedServer):
                 if self.path.startswith("/go"):
                     self.reply(owner.status, b"", headers={"Location": owner.target})
                 elif method == "POST" or self.path.startswith("/v1/"):  # a 302/303 turns the POST into a GET
-                    chunk = b'data: {"choices": [{"text": "x"}], "usage": {"prompt_tokens": 3, "completion_tokens": 1}}\n\ndata: [DONE]\n\n'
+                    chunk = (
+                        b'data: {"choices": [{"text": "x"}], "usage": {"prompt_tokens": '
+                        b'3, "completion_tokens": 1}}\n\ndata: [DONE]\n\n'
+                    )
                     self.reply(200, chunk, "text/event-stream")
                 else:
                     self.reply(200, b"ok", "text/plain")

@@ -1,7 +1,7 @@
 """The real demo pair (SmolLM2-135M-Instruct + the shipped DFlash draft) against the official loop.
 
-For the shipped draft and its sliding, scaled, causal (JetSpec) and DFlash 2 variants (tests/official_dflash.py), our live
-loop under the ``official`` end-of-request convention must give the official ``dflash_generate``'s
+For the shipped draft and its sliding, scaled, causal (JetSpec) and DFlash 2 variants (tests/official_dflash.py), our
+live loop under the ``official`` end-of-request convention must give the official ``dflash_generate``'s
 outputs and per-step acceptance lengths on real prompts at K = 15, and under vLLM's convention the same
 outputs and the same lengths on every step whose block was full. benchmarks/official_parity.py runs
 the same comparison over a whole workload.

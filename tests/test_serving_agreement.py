@@ -77,7 +77,8 @@ def test_the_context_k_norm_defect_changes_only_later_layers_context_keys():
 
 @pytest.fixture(scope="module")
 def demo_pair():
-    """The real SmolLM2-135M-Instruct and the shipped DFlash draft (its acceptance is high enough to tell setups apart)."""
+    """The real SmolLM2-135M-Instruct and the shipped DFlash
+    draft (its acceptance is high enough to tell setups apart)."""
     from transformers import AutoTokenizer
 
     from dflash_doctor.models.loading import (

@@ -346,7 +346,7 @@ def live(target, head, prompt: list[int], k: int, max_new: int = MAX_NEW):
     )
 
 
-# ----------------------------------------------------------------------------- the live loop and the teacher-forced sweep
+# --------------------------------------------------------------------------- the live loop and the teacher-forced sweep
 
 
 def test_live_loop_is_lossless_and_drafts_as_the_reference(llama):
@@ -416,7 +416,7 @@ def first_drafts(head: Eagle3DraftModel, target, prompt: list[int], k: int = 4) 
     return proposer.propose(prompt[-1], k, k).logits
 
 
-# ----------------------------------------------------------------------------- checkpoints: layouts, switches, layer ids
+# --------------------------------------------------------------------------- checkpoints: layouts, switches, layer ids
 
 
 def test_both_layouts_load_into_the_same_drafts(llama, tmp_path):

@@ -309,7 +309,8 @@ def test_mtp_config_warn_on_the_pre_norm_side_and_on_a_side_the_engine_does_not_
 
 
 def test_mtp_config_judges_the_sides_the_engine_passes_for_the_architecture():
-    """GLM's vLLM MTP model carries the pre-norm state: a replay carrying it passes, one carrying the normed state warns."""
+    """GLM's vLLM MTP model carries the pre-norm state: a replay
+    carrying it passes, one carrying the normed state warns."""
     glm = {
         "architecture": "glm4_moe",
         "engine_sides": {"vllm": {"hidden_state": "post-norm", "carried_state": "pre-norm"}},
@@ -326,7 +327,8 @@ def test_mtp_config_judges_the_sides_the_engine_passes_for_the_architecture():
 
 def test_default_sides_follow_the_architecture_vllm_runs():
     """vLLM's Glm4MoeMTPModel carries residual + hidden_states (before the norm), its DeepSeek MTP layer the normed
-    shared_head output, its Qwen3-Next/Qwen3.5 predictors the normed state; an unread architecture is post-norm, unverified."""
+    shared_head output, its Qwen3-Next/Qwen3.5 predictors the normed
+    state; an unread architecture is post-norm, unverified."""
     from dflash_doctor.engine.proposers.mtp import default_mtp_settings, engine_sides
 
     for architecture in ("glm4_moe", "glm4_moe_lite"):

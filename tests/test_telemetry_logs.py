@@ -59,7 +59,8 @@ def test_vllm_real_log_lines():
 
 def test_vllm_field_order_changed_between_versions():
     old = (
-        "(APIServer pid=2236552) INFO 09-09 11:51:35 [metrics.py:96] SpecDecoding metrics: Draft acceptance rate: 88.8%, "
+        "(APIServer pid=2236552) INFO 09-09 11:51:35 [metrics.py:96] "
+        "SpecDecoding metrics: Draft acceptance rate: 88.8%, "
         "Mean acceptance length: 5.44, Accepted throughput: 4.37 tokens/s, Drafted throughput: 4.92 tokens/s, "
         "Accepted: 262 tokens, Drafted: 295 tokens, Per-position acceptance rate: 0.983, 0.949, 0.915, 0.881, 0.712"
     )
@@ -74,8 +75,10 @@ def test_vllm_json_log_record():
         "asctime": "2026-11-30 15:40:01,123",
         "levelname": "INFO",
         "name": "vllm.v1.spec_decode.metrics",
-        "message": "SpecDecoding metrics: Mean acceptance length: 2.00, Accepted throughput: 1.00 tokens/s, Drafted throughput: 3.00 tokens/s, "
-        "Accepted: 30 tokens, Drafted: 90 tokens, Per-position acceptance rate: 0.600, 0.300, 0.100, Avg Draft acceptance rate: 33.3%",
+        "message": "SpecDecoding metrics: Mean acceptance length: 2.00, Accepted "
+        "throughput: 1.00 tokens/s, Drafted throughput: 3.00 tokens/s, "
+        "Accepted: 30 tokens, Drafted: 90 tokens, Per-position acceptance "
+        "rate: 0.600, 0.300, 0.100, Avg Draft acceptance rate: 33.3%",
     }
     (obs,), _ = parse([json.dumps(record)], server_kind="vllm")
     assert obs.counts.num_drafts == 30 and obs.counts.mean_acceptance_length == pytest.approx(2.0)
@@ -85,9 +88,12 @@ def test_vllm_json_log_record():
 def test_garbage_and_truncated_lines_are_counted_not_fatal():
     lines = [
         "\x00\xff binary junk",
-        "(APIServer pid=1) INFO 11-30 15:00:00 [metrics.py:120] SpecDecoding metrics: Mean acceptance length: 1.5, Accep",  # cut off
-        "(APIServer pid=1) INFO 11-30 15:00:10 [metrics.py:120] SpecDecoding metrics: Mean acceptance length: 1.50, Accepted throughput: 1.00 tokens/s, "
-        "Drafted throughput: 2.00 tokens/s, Accepted: 5 tokens, Drafted: 20 tokens, Per-position acceptance rate: 0.300, 0.100, 0.100, 0.000, Avg Draft acceptance rate: 25.0%",
+        "(APIServer pid=1) INFO 11-30 15:00:00 [metrics.py:120] "
+        "SpecDecoding metrics: Mean acceptance length: 1.5, Accep",  # cut off
+        "(APIServer pid=1) INFO 11-30 15:00:10 [metrics.py:120] SpecDecoding "
+        "metrics: Mean acceptance length: 1.50, Accepted throughput: 1.00 tokens/s, "
+        "Drafted throughput: 2.00 tokens/s, Accepted: 5 tokens, Drafted: 20 tokens, Per-position "
+        "acceptance rate: 0.300, 0.100, 0.100, 0.000, Avg Draft acceptance rate: 25.0%",
         "",
         "random text with Drafted: but no marker",
     ]
@@ -100,7 +106,8 @@ def test_garbage_and_truncated_lines_are_counted_not_fatal():
 def test_sglang_decode_batch_line():
     # Built from report_decode_stats' f-strings, with the "[iter]" option and a TP prefix.
     line = (
-        "[2026-11-30 15:00:00 TP0] Decode batch [1234], #running-req: 9, #cached-token: 0, #token: 11584, token usage: 0.01, "
+        "[2026-11-30 15:00:00 TP0] Decode batch [1234], #running-req: "
+        "9, #cached-token: 0, #token: 11584, token usage: 0.01, "
         "accept len: 3.04, accept rate: 0.68, cuda graph: True, gen throughput (token/s): 22.40, #queue-req: 1"
     )
     assert detect_log_server_kind([line]) == "sglang"
@@ -113,9 +120,13 @@ def test_sglang_decode_batch_line():
 
 
 def test_llamacpp_slot_lines_all_spellings():
-    current = "0.06.896.015 I slot print_timing: id  1 | task 0 | draft acceptance = 0.64479 (  167 accepted /   259 generated), mean len =  2.92"
+    current = (
+        "0.06.896.015 I slot print_timing: id  1 | task 0 | draft acceptance "
+        "= 0.64479 (  167 accepted /   259 generated), mean len =  2.92"
+    )
     pr_24536 = (
-        "0.06.896.015 I slot print_timing: id  1 | task 0 | draft acceptance = 0.64479 (  167 accepted /   259 generated), "
+        "0.06.896.015 I slot print_timing: id  1 | task 0 | draft "
+        "acceptance = 0.64479 (  167 accepted /   259 generated), "
         "mean acceptance length =  2.92, acceptance rate per position = (0.805, 0.632, 0.483)"
     )
     older = "slot print_timing: id  0 | task 5 | draft acceptance rate = 0.71901 (  174 accepted /   242 generated)"

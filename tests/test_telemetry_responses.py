@@ -1,4 +1,5 @@
-"""Per-request metrics in captured responses: vLLM captured from the real server, SGLang and llama.cpp from their fields.
+"""Per-request metrics in captured responses: vLLM captured
+from the real server, SGLang and llama.cpp from their fields.
 
 * vLLM: tests/data/telemetry/vllm_responses_good.jsonl, chat completions from the real vLLM 0.32.0 CPU
   server started with ``--per-request-spec-decode-metrics detailed``, each wrapped as

@@ -1,5 +1,5 @@
-"""SGLang's ``spec_accept_length`` / ``spec_accept_rate`` are averages since the server started (docs/engines.md, telemetry):
-a window's value is the change of average x verify calls over the change of verify calls, not the gauge.
+"""SGLang's ``spec_accept_length`` / ``spec_accept_rate`` are averages since the server started (docs/engines.md,
+telemetry): a window's value is the change of average x verify calls over the change of verify calls, not the gauge.
 
 The exposition is the captured SGLang text (tests/data/telemetry/sglang_metrics.txt: 1500 verify calls,
 accept length 3.04, rate 0.68) and the same text after 500 more calls at a higher acceptance.

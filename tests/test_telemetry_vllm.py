@@ -4,8 +4,8 @@
    tests: its counters hold their requests too), ``watch URL --once`` prints the tau its counters imply (read
    here from a scrape of our own, by hand) and writes a watch run directory.
 2. A server of the same pair with a broken draft config (the draft's ``target_layer_ids`` moved to the first
-   layers, [0, 1, 2, 3]: its ``fc`` then reads features it was never trained on) drops acceptance; ``watch --once`` with the good watch as
-   baseline raises ``acceptance-drop`` and, with step costs, ``fallback`` with the exact vLLM setting.
+   layers, [0, 1, 2, 3]: its ``fc`` then reads features it was never trained on) drops acceptance; ``watch --once`` with
+   the good watch as baseline raises ``acceptance-drop`` and, with step costs, ``fallback`` with the exact vLLM setting.
 """
 
 from __future__ import annotations

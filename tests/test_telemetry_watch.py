@@ -267,7 +267,8 @@ def test_config_file_watch_table(tmp_path):
     good = counts_of("good")
     config = tmp_path / "doctor.toml"
     config.write_text(
-        f"[watch]\nmin_drafts = 20\nthreshold_tau = 0.05\n[watch.baseline_tau]\noverall = {good.mean_acceptance_length + 0.5:.3f}\n"
+        "[watch]\nmin_drafts = 20\nthreshold_tau = 0.05\n[watch.baseline_tau]\noverall "
+        f"= {good.mean_acceptance_length + 0.5:.3f}\n"
     )
     with MetricsExporter(capture("good")) as exporter:
         result, out = invoke(exporter.url, "--once", "--config", str(config), "--out", str(tmp_path / "run"))
@@ -302,7 +303,8 @@ def test_other_engines_through_watch(tmp_path, name, extra, series):
 def test_sglang_log_is_shown_not_judged(tmp_path):
     # Lines in SGLang's report_decode_stats format (see test_telemetry_logs.py for the source).
     lines = [
-        f"[2026-11-30 15:00:{10 * i:02d}] Decode batch, #running-req: 4, #cached-token: 0, #token: 900, token usage: 0.01, "
+        f"[2026-11-30 15:00:{10 * i:02d}] Decode batch, #running-req: "
+        "4, #cached-token: 0, #token: 900, token usage: 0.01, "
         f"accept len: {value:.2f}, accept rate: 0.40, cuda graph: True, gen throughput (token/s): 50.00, #queue-req: 0"
         for i, value in enumerate([2.1, 2.3, 2.2, 2.4, 2.0])
     ]

@@ -297,7 +297,8 @@ def test_a_command_run_to_its_end_in_a_group_is_stopped_with_the_doctor(tmp_path
     code = (
         "import sys\nfrom dflash_doctor.processes import run_in_group, stop_signals_raise\n"
         "with stop_signals_raise():\n"
-        f"    run_in_group(['bash', '-c', 'sleep 600 & ps -o pgid= $$ > {leader}.tmp; mv {leader}.tmp {leader}; wait'])\n"
+        "    run_in_group(['bash', '-c', 'sleep 600 & ps -o pgid= "
+        f"$$ > {leader}.tmp; mv {leader}.tmp {leader}; wait'])\n"
     )
     doctor = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stderr=subprocess.PIPE, text=True)
     try:

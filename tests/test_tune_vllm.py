@@ -174,9 +174,9 @@ def _only_user_message(request) -> str:
 
 def test_tune_latency_and_throughput_agree_with_vllm_bench_serve(vllm_server, tmp_path):
     """The same server, prompts, output limit and concurrency measured by tune's measuring loop and by
-    `vllm bench serve` (the first turns of the demo workload as a ShareGPT file, chat completions, temperature 0): mean TTFT, mean TPOT (vLLM's
-    per-request mean), output tokens/s and requests/s agree within the tolerances above. The server is the
-    session's (K = 15, an API key): any server serves a comparison of two load generators, and a start of
+    `vllm bench serve` (the first turns of the demo workload as a ShareGPT file, chat completions, temperature 0): mean
+    TTFT, mean TPOT (vLLM's per-request mean), output tokens/s and requests/s agree within the tolerances above. The
+    server is the session's (K = 15, an API key): any server serves a comparison of two load generators, and a start of
     its own cost a minute of CI."""
     target = resolve_model_dir(str(demo_target_path()))
     requests = first_turns(load_workload("demo", max_requests=6, seed=0))

@@ -15,7 +15,8 @@ on CI's two cores. What they hold:
 * the `--engine` run directory renders like any other; a sampled run works; bad endpoints exit 2;
 * a server fed the draft's target layers shifted by one is caught by `engine-agreement`, named;
 * vLLM's own n-gram speculator (a third start, no draft) is reproduced step for step by `--draft ngram`;
-* vLLM's suffix decoding (Arctic Inference, built by scripts/setup-dev.sh) is reproduced step for step by `--draft suffix`;
+* vLLM's suffix decoding (Arctic Inference, built by
+  scripts/setup-dev.sh) is reproduced step for step by `--draft suffix`;
 * vLLM's eagle3 method (a fourth start, an EAGLE-3 head) is reproduced step for step by the embedded head;
 * vLLM's mtp method on a tiny GLM-4.5 target is reproduced step for step by `--draft mtp`.
 
@@ -335,8 +336,8 @@ EAGLE3_K = 4
 
 
 def test_vllm_eagle3_is_reproduced_by_the_embedded_eagle3_replay(demo_target_dir, tmp_path):
-    """vLLM's eagle3 method and the doctor's eagle3 replay of the built-in EAGLE-3 head (trained for the demo target): the
-    same greedy text, and every server step's accepted count reproduced at its anchor by the head as configured, the
+    """vLLM's eagle3 method and the doctor's eagle3 replay of the built-in EAGLE-3 head (trained for the demo target):
+    the same greedy text, and every server step's accepted count reproduced at its anchor by the head as configured, the
     last steps included (vLLM drafts K there too), better than by any serving mistake, and the same tau."""
     server = start_vllm_server(
         demo_target_dir, DEMO_EAGLE3_DIR, tmp_path / "server.log", num_speculative_tokens=EAGLE3_K, method="eagle3"
@@ -377,9 +378,9 @@ MTP_FAMILIES = {
 
 @pytest.mark.parametrize("family", list(MTP_FAMILIES))
 def test_vllm_mtp_is_reproduced_by_the_embedded_mtp_replay(family, tmp_path, monkeypatch):
-    """vLLM's mtp method on a tiny target whose own MTP head is fit to it (tests/mtp_targets.py), GLM-4.5-shaped, and the
-    doctor's ``--draft mtp`` with its default sides, which follow vLLM's per architecture. Same greedy text, every server step reproduced, the last
-    ones included, and the same tau."""
+    """vLLM's mtp method on a tiny target whose own MTP head is fit to it (tests/mtp_targets.py), GLM-4.5-shaped, and
+    the doctor's ``--draft mtp`` with its default sides, which follow vLLM's per architecture. Same greedy text, every
+    server step reproduced, the last ones included, and the same tau."""
     carried, fields = MTP_FAMILIES[family]
     base = target_families.CONFIGS[family]
 

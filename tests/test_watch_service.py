@@ -79,7 +79,8 @@ def test_piped_watch_prints_lines_as_it_goes_and_stops_cleanly(tmp_path, stop_si
         assert process.poll() is None, "\n".join(seen)  # the lines came while it ran, not at exit
         process.send_signal(stop_signal)
         assert process.wait(timeout=60) == exit_code, "\n".join(seen)
-    # The reader ends at the pipe's end of file, after the process's last line (a fixed pause raced it on a busy machine).
+    # The reader ends at the pipe's end of file, after the process's
+    # last line (a fixed pause raced it on a busy machine).
     reader.join(timeout=60)
     assert not reader.is_alive(), "watch exited but its stdout never reached end of file"
     while not lines.empty():

@@ -20,7 +20,8 @@ VOCAB = 97
 PROMPT = [1, 17, 42, 8, 9, 30, 31, 44]
 TEACHER_PROMPTS = [[5, 17, 42, 8, 9], [11, 12], [60, 61, 62, 63, 64, 65, 66, 67]]  # the teacher-forcing tests' prompts
 CHATML = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] "
+    "+ '\n' + message['content'] + '<|im_end|>' + '\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 # ids 0, 1, 2 are the tiny target's pad, bos and eos; 3 is the DFlash draft's mask token

@@ -41,7 +41,8 @@ def expected_tau(scope: str, k: int) -> float:
 
 
 def write_sweep_run(folder: Path, ks: list[int]) -> Path:
-    """A sweep run directory whose teacher-forced tau is the fake engine's exact tau (a perfect prediction of acceptance)."""
+    """A sweep run directory whose teacher-forced tau is the fake
+    engine's exact tau (a perfect prediction of acceptance)."""
     run_dir = folder / "sweep"
     run_dir.mkdir()
 

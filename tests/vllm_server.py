@@ -26,7 +26,8 @@ REPO = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 SERVED_NAME = "smollm2-dflash"
 START_TIMEOUT_S = 900.0
-# the session server (conftest.py) is started with this --api-key: the tests of the key use it instead of a start of their own
+# the session server (conftest.py) is started with this --api-key:
+# the tests of the key use it instead of a start of their own
 API_KEY = "sk-doctor-vllm-test-91c2"
 
 
