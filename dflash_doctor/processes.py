@@ -16,10 +16,10 @@ lock given back. The three are one path: what records an interruption records it
 and :func:`signal_of` keeps which one for the exit code.
 
 A child process the doctor starts to outlive a single call (a serving engine ``tune`` launches, the
-torchrun of ``--devices``: :func:`run_in_group`) is started by :func:`start_group`: in a session of its own (its own process group, so a terminal's Ctrl-C
-reaches the doctor, which then stops the group in order) under a small supervisor (:func:`supervise`, this
-module run as a script) that leads the group and, on Linux, gets SIGTERM as its death signal: should the
-doctor be killed outright with SIGKILL, the supervisor stops the whole group, also the processes a shell
+torchrun of ``--devices``: :func:`run_in_group`) is started by :func:`start_group`: in a session of its own (its own
+process group, so a terminal's Ctrl-C reaches the doctor, which then stops the group in order) under a small supervisor
+(:func:`supervise`, this module run as a script) that leads the group and, on Linux, gets SIGTERM as its death signal:
+should the doctor be killed outright with SIGKILL, the supervisor stops the whole group, also the processes a shell
 command forked. :func:`stop_group` stops the whole group: SIGTERM,
 then SIGKILL to what outlives the grace period, with the stop signals held back meanwhile, so a second
 SIGTERM cannot cut the cleanup short.
