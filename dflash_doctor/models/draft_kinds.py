@@ -226,7 +226,8 @@ def weightless_kind(spec: str) -> tuple[DraftKind[Any], dict[str, str]] | None:
         key, eq, value = item.partition("=")
         if not eq or not key.strip() or not value.strip():
             raise UsageError(
-                f"--draft {spec!r}: settings are key=value pairs separated by commas, e.g. ngram:prompt_lookup_max=4 or suffix:suffix_decoding_max_tree_depth=16."
+                f"--draft {spec!r}: settings are key=value pairs separated by commas, e.g. "
+                "ngram:prompt_lookup_max=4 or suffix:suffix_decoding_max_tree_depth=16."
             )
         if key.strip() in settings:
             raise UsageError(f"--draft {spec!r}: {key.strip()} is set twice; keep one value.")
@@ -349,7 +350,10 @@ register_draft_kind(
     DraftKind(
         name=DFlashProposer.kind,
         serving=DFLASH,
-        description="DFlash block-diffusion drafter, DFlash or DFlash 2, in any dialect (z-lab, speculators, NeMo: docs/draft-formats.md)",
+        description=(
+            "DFlash block-diffusion drafter, DFlash or DFlash 2, in any "
+            "dialect (z-lab, speculators, NeMo: docs/draft-formats.md)"
+        ),
         detect=is_dflash_config,
         load=_load_dflash,
         build=lambda model, target, sampling: DFlashProposer(
@@ -510,7 +514,8 @@ register_draft_kind(
         serving=SUFFIX,
         description=(
             "vLLM's suffix decoding (Arctic Inference; no weights): --draft suffix[:suffix_decoding_max_tree_depth=24,"
-            "suffix_decoding_max_cached_requests=10000,suffix_decoding_max_spec_factor=1.0,suffix_decoding_min_token_prob=0.1]"
+            "suffix_decoding_max_cached_requests=10000,suffix_decoding_max_spec_factor=1.0,"
+            "suffix_decoding_min_token_prob=0.1]"
         ),
         detect=lambda config: False,
         load=_unused_load,
@@ -538,7 +543,7 @@ register_draft_kind(
 )
 
 
-# ----------------------------------------------------------------------------- eagle3: EAGLE-3 heads (the eagle3 section of docs/speculators.md)
+# --------------------------------------------------- eagle3: EAGLE-3 heads (the eagle3 section of docs/speculators.md)
 
 
 def _load_eagle3(draft_dir: Path, target_dir: Path, target_config: Any, options: LoadOptions) -> Eagle3DraftModel:
@@ -558,7 +563,9 @@ register_draft_kind(
     DraftKind(
         name=Eagle3Proposer.kind,
         serving=EAGLE3,
-        description="an EAGLE-3 head (speculators or original EAGLE-3 layout) drafting a chain as vLLM's eagle3 method does",
+        description=(
+            "an EAGLE-3 head (speculators or original EAGLE-3 layout) drafting a chain as vLLM's eagle3 method does"
+        ),
         detect=is_eagle3_config,
         load=_load_eagle3,
         build=lambda model, target, sampling: Eagle3Proposer(model, target),
@@ -569,7 +576,8 @@ register_draft_kind(
         engine_agreement=True,
         serving_checklist=(
             "the served head's eagle_aux_hidden_state_layer_ids and norm switches against the local config (the "
-            "eagle3-config check lists both), the draft-to-target vocabulary map the server loads, num_speculative_tokens, "
+            "eagle3-config check lists both), the draft-to-target "
+            "vocabulary map the server loads, num_speculative_tokens, "
             "a quantised KV cache for the head, and the chat template the server renders"
         ),
         serving_setups=eagle3_setup_proposers,
@@ -579,7 +587,7 @@ register_draft_kind(
 )
 
 
-# ----------------------------------------------------------------------------- mtp: a target's own MTP head (docs/speculators.md#mtp)
+# --------------------------------------------------- mtp: a target's own MTP head (docs/speculators.md#mtp)
 
 _MTP_SETTINGS = ("hidden_state", "carried_state")
 _MTP_EXAMPLE = "mtp:carried_state=pre-norm or mtp:hidden_state=post-norm,carried_state=post-norm"
@@ -614,7 +622,8 @@ def _mtp_settings(settings: dict[str, str]) -> dict[str, str]:
             raise UsageError("--draft mtp: num_speculative_tokens is --k; pass --k N instead of the setting.")
         if key not in _MTP_SETTINGS:
             raise UsageError(
-                f"--draft mtp: unknown setting {key!r}; the settings are {', '.join(_MTP_SETTINGS)}, e.g. {_MTP_EXAMPLE}."
+                f"--draft mtp: unknown setting {key!r}; the settings "
+                f"are {', '.join(_MTP_SETTINGS)}, e.g. {_MTP_EXAMPLE}."
             )
         if value not in SIDES:
             raise UsageError(f"--draft mtp: {key}={value!r} is not {' or '.join(SIDES)}; e.g. {_MTP_EXAMPLE}.")
@@ -682,7 +691,8 @@ register_draft_kind(
         serving=MTP,
         description=(
             "the target's own multi-token-prediction head (DeepSeek-V3/GLM or Qwen3-Next/Qwen3.5 layout, read from the "
-            "target's checkpoint): --draft mtp[:hidden_state=post-norm|pre-norm,carried_state=post-norm|pre-norm]; unset sides: what vLLM "
+            "target's checkpoint): --draft "
+            "mtp[:hidden_state=post-norm|pre-norm,carried_state=post-norm|pre-norm]; unset sides: what vLLM "
             "passes for the target's architecture"
         ),
         detect=lambda config: False,
