@@ -142,7 +142,8 @@ def measure(pair: Pair, prompt: list[int], repeats: int) -> dict[str, float]:
                 )
             )
             times.setdefault("teacher draft work", []).append(seconds)
-            # the same pass split as a shared prefill runs it: the prompt (tapped, the live loop's prefill), then the rest
+            # the same pass split as a shared prefill runs it: the
+            # prompt (tapped, the live loop's prefill), then the rest
             target.reset()
             seconds, head = clock(lambda: target.forward(prompt_t, taps=taps, logits_from=len(prompt) - 1))
             times.setdefault("prompt prefill, tapped", []).append(seconds)
