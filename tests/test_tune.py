@@ -19,6 +19,7 @@ from typer.testing import CliRunner
 from dflash_doctor.app import RUNS_DIR_ENV
 from dflash_doctor.cli import app
 from dflash_doctor.stats.speedup import load_cost_profile
+from dflash_doctor.models.kind_serving import EAGLE3, NGRAM
 from dflash_doctor.tune.advice import batch_ranges, settings_per_server, recommend_grid
 from dflash_doctor.tune.analysis import analyse, cell
 from dflash_doctor.inputs.config import build_config
@@ -139,11 +140,25 @@ def test_vllm_setting_per_batch_size_and_speculation_off():
         [2, 8, 0],
     ]
     assert '"num_speculative_tokens": 3' in settings_per_server(picks({1: 3, 4: 3}))["vllm"]
-    assert settings_per_server(picks({1: 3}))["sglang"] == "--speculative-num-draft-tokens 4"
+    one = settings_per_server(picks({1: 3}))
+    assert json.loads(one["vllm"].split("'")[1]) == {"method": "dflash", "model": "DRAFT", "num_speculative_tokens": 3}
+    assert one["sglang"].endswith("--speculative-num-draft-tokens 4") and "DFLASH" in one["sglang"]
+    assert one["llama.cpp"] == "-md DRAFT.gguf --spec-type draft-dflash --spec-draft-n-max 3"
     assert settings_per_server(picks({1: 0, 4: 0}))["vllm"].startswith("speculation off")
     by_rate = settings_per_server({"2": {"overall": {"k": 4}}, "inf": {"overall": {"k": 2}}}, kind=REQUEST_RATE)["vllm"]
     assert by_rate.startswith("K differs by load (request rate 2/s: K=4, request rate inf (all at once): K=2)")
     assert "keys on batch size, not arrival rate" in by_rate and "--speculative-config" not in by_rate
+
+
+def test_tune_settings_follow_the_draft_kinds_serving():
+    """An n-gram speculator has no checkpoint: its vLLM config names no "model", and the engines that do not
+    serve it say so instead of printing DFlash flags."""
+    ngram = settings_per_server({"1": {"overall": {"k": 4}}, "8": {"overall": {"k": 2}}}, NGRAM)
+    spec = json.loads(ngram["vllm"].split("'")[1])
+    assert spec["method"] == "ngram" and "model" not in spec and spec["num_speculative_tokens"] == 4
+    assert ngram["sglang"].startswith("not named for a ngram speculator here: serve it with vLLM")
+    eagle3 = settings_per_server({"1": {"overall": {"k": 3}}}, EAGLE3)
+    assert "--speculative-num-steps 3" in eagle3["sglang"] and "not named for a eagle3" in eagle3["llama.cpp"]
 
 
 @pytest.fixture

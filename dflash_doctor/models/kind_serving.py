@@ -13,6 +13,7 @@ elsewhere (a plugin) only sets ``serving`` on its ``DraftKind``: ``register_draf
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Mapping
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,35 @@ class KindServing:
     has_checkpoint: bool = True
     sglang: str | None = None
     llamacpp: str | None = None
+
+    def vllm_config(self, k: int, facts: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """vLLM's ``--speculative-config`` serving this kind at ``k`` drafted tokens: the method, DRAFT as the
+        ``"model"`` for a kind with a checkpoint, the kind's own settings where ``facts`` (a run's draft facts)
+        hold them."""
+        config: dict[str, Any] = {"method": self.vllm_method}
+        if self.has_checkpoint:
+            config["model"] = "DRAFT"
+        config.update({key: facts[key] for key in self.vllm_settings if facts and key in facts})
+        config["num_speculative_tokens"] = k
+        return config
+
+    def serves(self, engine: str) -> bool:
+        """Whether flags for ``engine`` (``"sglang"`` or ``"llamacpp"``) are declared for this kind."""
+        return self._template(engine) is not None
+
+    def _template(self, engine: str) -> str | None:
+        return {"sglang": self.sglang, "llamacpp": self.llamacpp}[engine]
+
+    def flags(self, engine: str, k: int | None) -> str:
+        """The flags serving this kind in ``engine`` (``"sglang"`` or ``"llamacpp"``) at ``k`` drafted tokens
+        (None: written as K, for a setting whose K the reader picks), or a sentence saying the engine is not
+        named for this kind."""
+        template = self._template(engine)
+        if template is None:
+            return f"not named for a {self.name} speculator here: serve it with vLLM (docs/speculators.md)"
+        if k is None:
+            return template.format(k="K", k_with_anchor="K+1")
+        return template.format(k=k, k_with_anchor=k + 1)
 
 
 _SERVING: dict[str, KindServing] = {}

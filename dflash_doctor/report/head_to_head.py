@@ -226,17 +226,10 @@ def engine_settings(kind: str, draft: str, facts: Mapping[str, Any], k: int) -> 
     with its checkpoint. K is counted as the single ``check``'s speculative-k advice counts it: vLLM and
     llama.cpp the drafted tokens, SGLang with the anchor (K + 1)."""
     serving = kind_serving(kind) or KindServing(name=kind, vllm_method=kind)
-    spec: dict[str, Any] = {"method": serving.vllm_method}
-    if serving.has_checkpoint:
-        spec["model"] = "DRAFT"
-    spec.update({key: facts[key] for key in serving.vllm_settings if key in facts})
-    spec["num_speculative_tokens"] = k
-    not_served = f"not named for a {kind} speculator here: serve it with vLLM (docs/speculators.md)"
-    flags = {"k": k, "k_with_anchor": k + 1}
     return {
-        "vLLM": f"--speculative-config '{json.dumps(spec)}'",
-        "SGLang": not_served if serving.sglang is None else serving.sglang.format(**flags),
-        "llama.cpp": not_served if serving.llamacpp is None else serving.llamacpp.format(**flags),
+        "vLLM": f"--speculative-config '{json.dumps(serving.vllm_config(k, facts))}'",
+        "SGLang": serving.flags("sglang", k),
+        "llama.cpp": serving.flags("llamacpp", k),
     }
 
 

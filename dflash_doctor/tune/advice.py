@@ -33,6 +33,7 @@ import dataclasses
 import json
 from typing import Any
 
+from dflash_doctor.models.kind_serving import DFLASH, KindServing
 from dflash_doctor.report.templating import ci
 from dflash_doctor.rundir.run_record import SweepRow
 from dflash_doctor.stats.speedup import k_range_text, recommend, within_noise
@@ -161,9 +162,11 @@ def batch_ranges(k_by_load: dict[int, int]) -> list[list[int]]:
 
 
 def settings_per_server(
-    advice: dict[str, dict[str, dict[str, Any]]], draft_method: str = "dflash", kind: str = CONCURRENCY
+    advice: dict[str, dict[str, dict[str, Any]]], serving: KindServing = DFLASH, kind: str = CONCURRENCY
 ) -> dict[str, str]:
-    """The overall recommendation per load (of ``kind``) as vLLM, SGLang and llama.cpp settings (exact flag text)."""
+    """The overall recommendation per load (of ``kind``) as vLLM, SGLang and llama.cpp settings (exact flag text)
+    for the draft kind ``serving`` declares: its vLLM method, DRAFT as the config's ``"model"`` only for a kind
+    with a checkpoint of its own, and the SGLang / llama.cpp flags where that engine serves the kind."""
     k_by_load = {float(load): int(picks[OVERALL]["k"]) for load, picks in advice.items() if OVERALL in picks}
     ks = set(k_by_load.values())
     loads = ", ".join(f"{load_label(kind, load)}: K={k}" for load, k in sorted(k_by_load.items()))
@@ -175,18 +178,15 @@ def settings_per_server(
         }
     if len(ks) == 1:
         k = ks.pop()
-        vllm = f'--speculative-config \'{{"method": "{draft_method}", "model": DRAFT, "num_speculative_tokens": {k}}}\''
         return {
-            "vllm": vllm,
-            "sglang": f"--speculative-num-draft-tokens {k + 1}",
-            "llama.cpp": f"--spec-draft-n-max {k}",
+            "vllm": f"--speculative-config '{json.dumps(serving.vllm_config(k))}'",
+            "sglang": serving.flags("sglang", k),
+            "llama.cpp": serving.flags("llamacpp", k),
         }
     differs = f"K differs by load ({loads})"
     if kind == CONCURRENCY:
         spec = {
-            "method": draft_method,
-            "model": "DRAFT",
-            "num_speculative_tokens": max(ks),
+            **serving.vllm_config(max(ks)),
             "num_speculative_tokens_per_batch_size": batch_ranges({int(load): k for load, k in k_by_load.items()}),
         }
         vllm = f"--speculative-config '{json.dumps(spec)}'"
@@ -195,9 +195,14 @@ def settings_per_server(
             f"{differs}; num_speculative_tokens_per_batch_size keys on batch size, not arrival rate: measure "
             f"--concurrency levels for its ranges, or num_speculative_tokens K for the rate you serve most"
         )
+
+    def one_k_per_server(engine: str, name: str) -> str:
+        if not serving.serves(engine):
+            return serving.flags(engine, None)
+        return f"{differs}; {name} takes one K per server: {serving.flags(engine, None)} for the load you serve most"
+
     return {
         "vllm": vllm,
-        "sglang": f"{differs}; DFLASH has no batch-size tiers (--speculative-adaptive is EAGLE/EAGLE3 only): "
-        f"--speculative-num-draft-tokens K+1 for the load you serve most",
-        "llama.cpp": f"{differs}; llama.cpp has one K per server: --spec-draft-n-max K for the load you serve most",
+        "sglang": one_k_per_server("sglang", "SGLang"),
+        "llama.cpp": one_k_per_server("llamacpp", "llama.cpp"),
     }

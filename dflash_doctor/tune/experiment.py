@@ -287,7 +287,7 @@ def run_tune(
         "prediction": prediction,
         "held_out_error": held_out_error(prediction),
         "recommendation": advice,
-        "engine_settings": settings_per_server(advice, draft_kind.serving.vllm_method, kind),
+        "engine_settings": settings_per_server(advice, draft_kind.serving, kind),
         "cost_profiles": profiles,
         "sweep_dir": sweep_dir,
     }
