@@ -125,8 +125,13 @@ def test_the_command_summaries_of_the_root_help_are_the_commands_docstrings():
     docs = {registered_command_name(info): info.callback.__doc__ for info in app.registered_commands if info.callback}
     docs.update({group.name: group.typer_instance.info.help for group in app.registered_groups})
     assert {name: summary for name, (_, summary) in COMMANDS.items()} == {
-        name: docs[name].strip().splitlines()[0] for name in COMMANDS
+        name: _first_paragraph(docs[name]) for name in COMMANDS
     }
+
+
+def _first_paragraph(doc: str) -> str:
+    """The summary click shows for a command: its docstring's first paragraph, its lines joined."""
+    return " ".join(line.strip() for line in doc.strip().split("\n\n")[0].splitlines())
 
 
 def test_the_documented_light_install_is_pyprojects_dependencies_without_the_model_stack():
