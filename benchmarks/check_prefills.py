@@ -1,5 +1,5 @@
 """How often one `check` runs the target over a prompt, what each of those uses costs, and what one shared
-prefill would save, per prompt length (issue 51).
+prefill would save, per prompt length.
 
     .venv/bin/python benchmarks/check_prefills.py [--lengths 256,1024,4096] [--repeats 3] [--threads 1]
 
