@@ -135,7 +135,8 @@ def test_the_light_lane_collects_with_no_error_without_the_optional_packages():
 
         sys.meta_path.insert(0, NotInstalled())
         import pytest
-        sys.exit(pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", "-rs", "-m", {LIGHT_LANE_MARKERS!r}, "tests"]))
+        arguments = ["--collect-only", "-q", "-p", "no:cacheprovider", "-rs", "-m", {LIGHT_LANE_MARKERS!r}, "tests"]
+        sys.exit(pytest.main(arguments))
     """)
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=REPO)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

@@ -101,7 +101,8 @@ def test_the_dashboard_runs_without_the_model_stack(runs):
         from streamlit.testing.v1 import AppTest
         from dflash_doctor.app import RUNS_DIR_ENV
         os.environ[RUNS_DIR_ENV] = {str(runs["root"])!r}
-        for run, pages in (({str(runs["base"])!r}, ("rejection", "positions", "tokens", "deviations", "sweep", "compare")), ({str(runs["watch"])!r}, ("production",))):
+        base_pages = ("rejection", "positions", "tokens", "deviations", "sweep", "compare")
+        for run, pages in (({str(runs["base"])!r}, base_pages), ({str(runs["watch"])!r}, ("production",))):
             at = AppTest.from_file({str(REPO / "app" / "main.py")!r}, default_timeout=120)
             at.session_state["run_path"] = run
             at.run()

@@ -509,8 +509,8 @@ def test_tune_at_two_request_rates_names_the_rates_everywhere(tmp_path, fake_ser
     assert "at request rate 4/s from K 2, 4" in json.loads((out / "cost-profile-r4.json").read_text())["notes"]
     report = (out / "report.md").read_text()
     assert (
-        "request rate 4, inf per second (open loop: gamma arrivals of burstiness 1.00, 1 = Poisson; no cap on requests in flight)"
-        in report
+        "request rate 4, inf per second (open loop: gamma arrivals of burstiness 1.00, 1 = Poisson; "
+        "no cap on requests in flight)" in report
     )
     assert "- request rate 4/s, overall: " in report and "- request rate inf (all at once), overall: " in report
     assert "concurrency" not in report.replace("--concurrency", "")

@@ -86,9 +86,10 @@ def verdicts(head_to_head: HeadToHead) -> list[str]:
 
 def _ms(seconds: float, bounds: list[float] | None) -> str:
     """'12.3 ms [12.0, 12.6]' (the interval when the costs were timed here)."""
-    text = f"{_num(seconds * 1000.0, 3 if seconds < 0.01 else 1)} ms"
+    digits = 3 if seconds < 0.01 else 1
+    text = f"{_num(seconds * 1000.0, digits)} ms"
     if bounds is not None and len(bounds) == 2:
-        text += f" [{_num(bounds[0] * 1000.0, 3 if seconds < 0.01 else 1)}, {_num(bounds[1] * 1000.0, 3 if seconds < 0.01 else 1)}]"
+        text += f" [{_num(bounds[0] * 1000.0, digits)}, {_num(bounds[1] * 1000.0, digits)}]"
     return text
 
 
@@ -405,7 +406,8 @@ def markdown(head_to_head: HeadToHead) -> str:
             "|---|---|---|---|---|---|---|",
         ]
         lines += [
-            f"| {cell(r['name'])} | {cell(r['verdict'])} | {cell(r['flagged'])} | [report.html]({r['report'].replace(' ', '%20')}) "
+            f"| {cell(r['name'])} | {cell(r['verdict'])} | {cell(r['flagged'])} "
+            f"| [report.html]({r['report'].replace(' ', '%20')}) "
             f"| {cell(r['created_at'])} | {cell(r['machine'])} | {cell(r['tool_version'])} |"
             for r in runs
         ]
@@ -478,7 +480,8 @@ def html_page(head_to_head: HeadToHead) -> str:
             item += (
                 f"<div>{e(settings_heading(verdict))}</div><table class='settings'>"
                 + "".join(
-                    f"<tr><th>{e(engine)}</th><td>{'<code>' + e(setting) + '</code>' if engine in ENGINES else e(setting)}</td></tr>"
+                    f"<tr><th>{e(engine)}</th>"
+                    f"<td>{'<code>' + e(setting) + '</code>' if engine in ENGINES else e(setting)}</td></tr>"
                     for engine, setting in settings_lines(verdict)
                 )
                 + "</table>"
@@ -494,10 +497,12 @@ def html_page(head_to_head: HeadToHead) -> str:
     sub_runs = ""
     if runs:
         sub_runs = (
-            "<h2>Sub-runs</h2><table><tr><th>speculator</th><th>verdict</th><th>warnings and failures</th><th>report</th>"
+            "<h2>Sub-runs</h2><table><tr><th>speculator</th><th>verdict</th><th>warnings and failures</th>"
+            "<th>report</th>"
             "<th>date</th><th>machine</th><th>tool</th></tr>"
             + "".join(
-                f"<tr><td>{e(r['name'])}</td><td class='{e(r['verdict'])}'>{e(r['verdict'])}</td><td>{e(r['flagged'])}</td>"
+                f"<tr><td>{e(r['name'])}</td><td class='{e(r['verdict'])}'>{e(r['verdict'])}</td>"
+                f"<td>{e(r['flagged'])}</td>"
                 f"<td><a href='{e(r['report'], quote=True)}'>{e(r['report'])}</a></td><td>{e(r['created_at'])}</td>"
                 f"<td>{e(r['machine'])}</td><td>{e(r['tool_version'])}</td></tr>"
                 for r in runs

@@ -63,7 +63,8 @@ def parse_rates(text: str) -> tuple[float, ...]:
         rates = set()
     if not rates or any(math.isnan(rate) or rate <= 0 for rate in rates):
         raise UsageError(
-            f"--request-rate {text!r} must be requests per second above 0, comma-separated, like 2,4,inf; fix the value."
+            f"--request-rate {text!r} must be requests per second above 0, comma-separated, like 2,4,inf; "
+            "fix the value."
         )
     return tuple(sorted(rates))
 
@@ -187,7 +188,8 @@ def run_throughput(runs: list[LoadRun]) -> dict[tuple[int, Any], dict[str, float
 def teacher_sweep(
     grid: TuneGrid, config: DoctorConfig, workload_path: Path, run_dir: Path
 ) -> tuple[dict[str, Any], str, DraftKind[Any]]:
-    """(``summary.sweep``, its run directory, the draft's kind) of the doctor's teacher-forced replay of the same prompts."""
+    """(``summary.sweep``, its run directory, the draft's kind) of the doctor's teacher-forced replay of the same
+    prompts."""
     if grid.sweep_dir is not None:
         sweep_dir = Path(grid.sweep_dir)
         try:
@@ -195,7 +197,8 @@ def teacher_sweep(
             sweep = run["summary"]["sweep"]
         except (OSError, ValueError, KeyError, TypeError):
             raise UsageError(
-                f"--sweep {sweep_dir} is not a finished sweep run directory (run.json with summary.sweep); run `dflash-doctor sweep` first."
+                f"--sweep {sweep_dir} is not a finished sweep run directory (run.json with summary.sweep); "
+                "run `dflash-doctor sweep` first."
             ) from None
     else:
         spec_ks = tuple(k for k in grid.ks if k > 0)

@@ -154,10 +154,14 @@ def fit_lines(result: TuneResult) -> list[str]:
             f"profile {result.cost_profiles.get(load, '-')}"
         )
     for load, drift in result.baseline_drift.items():
+        steadiness = (
+            "the machine was steady"
+            if abs(drift) <= DRIFT_WARNING
+            else "the machine drifted: every speedup carries about half of it as extra error"
+        )
         lines.append(
             f"{load_label(kind, load)}: the K=0 baseline measured again after the grid "
-            f"ran {abs(drift):.0%} {'slower' if drift > 0 else 'faster'} per token "
-            f"({'the machine was steady' if abs(drift) <= DRIFT_WARNING else 'the machine drifted: every speedup carries about half of it as extra error'})"
+            f"ran {abs(drift):.0%} {'slower' if drift > 0 else 'faster'} per token ({steadiness})"
         )
     error = result.held_out_error
     lines.append(
