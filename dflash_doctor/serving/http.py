@@ -201,11 +201,11 @@ class HttpClient:
                     params=params,
                     timeout=timeout,
                     allow_redirects=False,
-                    # a None value removes that session header (requests' documented merge rule)
                     stream=True,
                     auth=auth if same else None,
-                    headers=extra,
-                )  # pyright: ignore[reportArgumentType]
+                    # a None value removes that session header (requests' documented merge rule)
+                    headers=extra,  # pyright: ignore[reportArgumentType]
+                )
             except requests.RequestException as exc:
                 raise Unreachable(f"no answer from {shown(url)} ({_reason(exc, timeout)})") from None
             location = response.headers.get("Location")
