@@ -11,10 +11,12 @@ Per scope (overall and each class) the check compares the speedup at the configu
 it warns when K gives up more than ``speedup_loss_share`` of the best (plain decoding counts as a
 candidate at 1.0x), fails when K is slower than plain decoding while some K is faster, and fails when
 slot K is accepted in fewer than ``slot_rate_floor`` of the steps. A configured K equal to the run's
-``recommendation`` for the scope is never flagged: the measured speedups already chose it; nor is a K
-the recommendation names within the noise of the best (the measurement cannot tell them apart), and
-"slower than plain decoding" fails only when the K's whole speedup interval lies below 1 (else it warns).
-When the step timings were not reliable (the ``timing`` check), no K is judged on speed.
+``recommendation`` for the scope is never flagged: the measured speedups already chose it. A K the
+recommendation names within the noise of the best is not judged on speed (the measurement cannot tell them
+apart), and "slower than plain decoding" fails only when the K's whole speedup interval lies below 1 (else it
+warns). When the step timings were not reliable (the ``timing`` check), no K is judged on speed. The slot rule
+needs no price, so it holds in both cases: a K whose last slot is almost never accepted wastes verify work on
+every step, which a busy GPU pays for in throughput even where one request's speed cannot tell.
 
 The configured K is the engine's (``--engine-config``: ``drafted_tokens``) when given, else the largest
 ``--k`` of the run.
@@ -120,15 +122,19 @@ class SpeculativeKCheck(Check):
         }
         if k == serve_k:
             return [], facts
-        if recommended is not None and recommended.confidence == "unreliable":
-            return [
-                Finding("info", f"{label}: K={k} not judged: the step timings were not reliable (see the timing check)")
-            ], facts
-        if recommended is not None and k in recommended.ks_within_noise:
-            return [], facts  # the measurement cannot tell K from the best: nothing to change
         fix = self._fix(scope, serve_k)
         findings = []
-        if k in speedups and best is not None:
+        # speed is judged only where the timing holds and tells K from the best; the slot rule below needs no price
+        if recommended is not None and recommended.confidence == "unreliable":
+            findings.append(
+                Finding(
+                    "info",
+                    f"{label}: K={k} not judged by speed: the step timings were not reliable (see the timing check)",
+                )
+            )
+        elif recommended is not None and k in recommended.ks_within_noise:
+            pass  # the measurement cannot tell K's speed from the best's
+        elif k in speedups and best is not None:
             findings += self._speedup_findings(label, k, speedups, taus, best, fix, bounds.get(k))
         elif best is not None:
             swept = list(speedups)

@@ -239,3 +239,34 @@ def test_the_k_that_pays_is_one_rule_for_recommend_and_the_speculative_k_check()
         )
         check = run_checks(CheckContext(record=record, config=DoctorConfig(k=(9,))), only=["speculative-k"])[0]
         assert check.metrics["by_scope"][OVERALL]["suggested_k"] == expected
+
+
+@pytest.mark.parametrize("confidence", ["uncertain", "unreliable"])
+def test_a_k_past_the_useful_range_fails_even_where_speed_cannot_judge_it(confidence):
+    """The slot rule needs no price: slot 4 accepted in 1 of 60 steps is wasted verify work at any speed. A K the
+    recommendation finds within the noise of the best (or a timing not reliable enough to judge speed) still
+    fails on it; only the speed findings are left out."""
+    from dflash_doctor.rundir.run_record import Recommendation
+    from dflash_doctor.stats.metrics import summarize
+
+    steps = pd.DataFrame(
+        [
+            {"request_id": f"r{i // 6}", "class": "chat", "k": 4, "num_drafted": 4, "num_accepted": 4 if i == 0 else 1}
+            for i in range(60)
+        ]
+    )
+    summary = summarize(steps, n_boot=20)
+    rows = [
+        SweepRow(k=k, mean_acceptance_length=2.0, mean_acceptance_length_ci=[1.9, 2.1], speedup=s, estimate="exact")
+        for k, s in ((1, 1.30), (2, 1.32), (3, 1.31), (4, 1.30))
+    ]
+    summary.sweep = Sweep(overall=rows, by_class={}, costs={})
+    noise = Recommendation(
+        k=2, conservative_k=1, speedup=1.32, reason="", ks_within_noise=[1, 2, 3, 4], confidence=confidence
+    )
+    record = RunRecord(meta=RunMeta(command="check"), summary=summary, recommendation={OVERALL: noise, "chat": noise})
+    check = run_checks(CheckContext(record=record, config=DoctorConfig(k=(4,))), only=["speculative-k"])[0]
+    assert check.status == "fail"
+    failing = [f for f in check.findings if f.severity == "fail"]
+    assert len(failing) == 2 and all("far past the useful range" in f.message for f in failing)  # overall, chat
+    assert not any("speedup" in f.message for f in check.findings)
