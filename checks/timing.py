@@ -46,31 +46,33 @@ class TimingCheck(Check):
             return skipped(self.id, "the run's costs carry no spread (timed before intervals were kept)")
         severity = "fail" if self.fail_on_violation else "warn"
         retimed = ", ".join(spread.get("retimed") or []) or "nothing"
-        findings = [
-            Finding(
-                severity,
-                f"the step timings changed while they were taken: {violation}; the K advice is withheld",
-                evidence=f"re-timed {retimed} once; raw samples in costs.parquet",
-                fix=(
-                    "rerun on a quiet machine, give the timing more time (--timing-budget) or price with --cost-profile"
-                ),
+        violations = list(spread.get("violations") or [])
+        effects = list(spread.get("shape_effects") or [])
+        findings = []
+        if violations:
+            findings.append(
+                Finding(
+                    severity,
+                    f"the step timings changed while they were taken: {_pairs(violations)} of the cost model's order "
+                    "that the re-timing alone does not show; the K advice is withheld",
+                    evidence=f"{'; '.join(violations)}; re-timed {retimed} once; raw samples in costs.parquet",
+                    fix="rerun on a quiet machine, give the timing more time (--timing-budget) "
+                    "or price with --cost-profile",
+                )
             )
-            for violation in spread.get("violations") or []
-        ]
-        ks = ", ".join(map(str, spread.get("shape_effect_ks") or []))
-        findings += [
-            Finding(
-                "warn",
-                f"this machine's kernels break the cost model's order: {effect}; "
-                f"the costs of K {ks} are pooled and advice on them is marked uncertain",
-                evidence=f"re-timed {retimed} once and the break held; raw samples in costs.parquet",
-                fix=(
-                    "price with a --cost-profile measured on the serving "
-                    "hardware, whose kernels are the ones that count"
-                ),
+        if effects:
+            ks = ", ".join(map(str, spread.get("shape_effect_ks") or []))
+            findings.append(
+                Finding(
+                    "warn",
+                    f"this machine's kernels break the cost model's order: {_pairs(effects)}, in the first timing "
+                    f"and again in the re-timing; the costs of K {ks} are pooled and advice on them is marked "
+                    "uncertain",
+                    evidence=f"{'; '.join(effects)}; raw samples in costs.parquet",
+                    fix="price with a --cost-profile measured on the serving hardware, "
+                    "whose kernels are the ones that count",
+                )
             )
-            for effect in spread.get("shape_effects") or []
-        ]
         target = float(spread.get("target_relative_half_width", 0.05))
         loose = {name: width for name, width in _half_widths(spread).items() if not width <= target}
         if loose:
@@ -89,6 +91,10 @@ class TimingCheck(Check):
             "shape_effects": list(spread.get("shape_effects") or []),
         }
         return CheckResult.from_findings(self.id, findings, metrics, "step costs obey the physics within their noise")
+
+
+def _pairs(sentences: list[str]) -> str:
+    return "one break" if len(sentences) == 1 else f"{len(sentences)} breaks"
 
 
 def _half_widths(spread: dict) -> dict[str, float]:

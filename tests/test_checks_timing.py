@@ -64,8 +64,28 @@ def test_timing_pass_when_the_medians_obey_the_physics():
 
 def test_timing_warn_names_a_verify_cheaper_than_a_decode_after_the_retiming():
     result = make_check("timing").run(CheckContext(record=_record(_broken(), retimed_violations=True)))
-    assert result.status == "warn" and "a verify of 5 tokens" in result.summary and "withheld" in result.summary
-    assert "verify@4" in result.findings[0].evidence and "--timing-budget" in result.findings[0].fix
+    assert (
+        result.status == "warn" and "changed while they were taken" in result.summary and "withheld" in result.summary
+    )
+    (finding,) = result.findings
+    assert "a verify of 5 tokens" in finding.evidence and "verify@4" in finding.evidence
+    assert "--timing-budget" in finding.fix
+
+
+def test_timing_warns_once_for_the_kernels_own_order_and_lists_every_break():
+    """Breaks the re-timing reproduced are this machine's kernels: one warning (not one per pair) saying the costs
+    of those Ks are pooled, every break in its evidence; nothing is withheld, so fail_on_violation does not fail."""
+    seconds = {key: tuple(v) for key, v in _broken().items()}
+    effects = ("a verify of 5 tokens timed 199 ms, below a decode step at 321 ms", "another break")
+    samples = CostSamples(seconds, device="cpu", flat_draft=True, shape_effects=effects, shape_effect_ks=(4,))
+    priced = build_sweep({4: STEPS}, fitted_costs(samples), {4: "exact"}, cost_samples=samples, n_boot=50)
+    record = RunRecord(meta=RunMeta(command="check"), summary=Summary(sweep=priced.sweep))
+    result = make_check("timing", {"fail_on_violation": True}).run(CheckContext(record=record))
+    (finding,) = result.findings
+    assert (
+        result.status == "warn" and "2 breaks" in finding.message and "the costs of K 4 are pooled" in finding.message
+    )
+    assert all(effect in finding.evidence for effect in effects)
 
 
 def test_timing_fail_when_the_config_asks_a_broken_timing_to_fail():

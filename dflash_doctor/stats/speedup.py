@@ -608,7 +608,10 @@ class _ShapeEffects:
         """The reason's clause for advice on ``k``: empty unless a shape effect pooled its costs."""
         if k not in self.ks or not self.sentences:
             return ""
-        return f"; its costs are pooled with a neighbour's because {self.sentences[0]}"
+        return (
+            "; its costs are pooled with its neighbours' (this machine's kernels break the cost model's order: "
+            "see the timing check)"
+        )
 
 
 def _recommend_one(

@@ -295,10 +295,10 @@ def _judge_breaks(merged: CostSamples, fresh: CostSamples) -> CostSamples:
     for pair in _violating_pairs(merged):
         sentence = _break_sentence(merged, pair)
         if pair in reproduced:
-            effects.append(f"{sentence}, in the first timing and again in the re-timing: this machine's kernels")
+            effects.append(sentence)
             ks.update(k for _, k in pair if k)
         else:
-            violations.append(f"{sentence}, and the re-timing alone does not show it: the machine changed")
+            violations.append(sentence)
     return replace(
         merged, violations=tuple(violations), shape_effects=tuple(effects), shape_effect_ks=tuple(sorted(ks))
     )
