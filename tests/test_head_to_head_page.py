@@ -26,7 +26,12 @@ from dflash_doctor.report.head_to_head import (
     sub_run_line,
     write_head_to_head,
 )
+from dflash_doctor.errors import UsageError
+from dflash_doctor.rundir.load import read_run_meta
+from dflash_doctor.rundir.run_record import ModelInfo, RunMeta, RunRecord
+from dflash_doctor.rundir.status import CheckResult
 from dflash_doctor.rundir.tables import HEAD_TO_HEAD_JSON, RUN_JSON
+from dflash_doctor.rundir.writer import write_run_json
 from dflash_doctor.stats.head_to_head import HeadToHead, read_head_to_head
 
 HOSTILE = "<script>alert(1)</script>](http://tracker.example/p.png)"
@@ -59,22 +64,24 @@ def _verdict(text: str, decisive: bool, winner: str | None = "eagle3") -> dict:
 
 def _head_to_head(root: Path, checks: dict[str, list[tuple[str, str]]]) -> dict:
     """A head-to-head of an EAGLE-3 head (decisive overall, undecided for code) and n-gram lookup, with each
-    sub-run's run.json under ``root`` as the pipeline leaves them before the pages are written."""
+    sub-run's run.json under ``root`` as the pipeline leaves them before the pages are written (complete
+    records: describe_sub_runs reads them through the typed reader every view uses)."""
     kinds = {
         "eagle3": ("eagle3", str(root.parent / "models" / "head")),
         "ngram": ("ngram", "ngram:prompt_lookup_min=2,prompt_lookup_max=5"),
     }
+    target = str(root.parent / "models" / "target")
     for name, (kind, draft) in kinds.items():
-        (root / name).mkdir(parents=True)
         facts = {"prompt_lookup_min": 2, "prompt_lookup_max": 5} if kind == "ngram" else {}
-        record = {
-            "command": "check",
-            "tool_version": "9.9.9",
-            "created_at": "2026-12-01T10:00:00+00:00",
-            "environment": {"platform": "Linux-test", "python": "3.11.7", "torch": "2.13.0", "gpu": "NVIDIA H200"},
-            "models": {"draft": {"id": draft, "kind": kind, "device": "cuda", **facts}},
-            "config": {
-                "target": str(root.parent / "models" / "target"),
+        record = RunRecord(
+            meta=RunMeta(command="check", tool_version="9.9.9", created_at="2026-12-01T10:00:00+00:00"),
+            models={
+                "target": ModelInfo(target, "sha256:target", "bfloat16", "cuda", "target"),
+                "draft": ModelInfo(draft, "sha256:draft", "bfloat16", "cuda", kind, facts=facts),
+            },
+            environment={"platform": "Linux-test", "python": "3.11.7", "torch": "2.13.0", "gpu": "NVIDIA H200"},
+            config={
+                "target": target,
                 "draft": draft,
                 "workload": "demo",
                 "k": [1, 2, 3, 4],
@@ -83,9 +90,9 @@ def _head_to_head(root: Path, checks: dict[str, list[tuple[str, str]]]) -> dict:
                 "device": "cuda",
                 "classes": [],
             },
-            "checks": [{"id": i, "status": s, "summary": f"{i} said {s}"} for i, s in checks[name]],
-        }
-        (root / name / RUN_JSON).write_text(json.dumps(record))
+            checks=[CheckResult(i, s, f"{i} said {s}") for i, s in checks[name]],
+        )
+        write_run_json(root / name, record.to_json())
     return {
         "speculators": [
             {"name": name, "draft": draft, "kind": kind, "run_dir": str(root / name)}
@@ -183,6 +190,41 @@ def test_a_relative_out_links_each_report_from_the_head_to_head_folder(tmp_path,
         ("ngram", "ngram/report.html"),
     ]
     assert "--target ../../models/target " in runs["ngram"].command
+
+
+def _not_a_record(path: Path) -> None:
+    path.write_text(json.dumps(["not", "a", "run", "record"]))
+
+
+def _older_record(path: Path) -> None:  # an untyped run.json of schema 1, before the typed run record
+    record = json.loads(path.read_text())
+    record["schema_version"] = 1
+    path.write_text(json.dumps(record))
+
+
+def _check_without_status(path: Path) -> None:
+    record = json.loads(path.read_text())
+    del record["checks"][0]["status"]
+    path.write_text(json.dumps(record))
+
+
+@pytest.mark.parametrize("spoil", [_not_a_record, _older_record, _check_without_status])
+def test_a_sub_run_whose_run_json_is_not_a_run_record_is_the_readers_one_sentence(tmp_path, spoil):
+    """A sub-run's run.json that is there but unreadable is answered as every view answers it (the loader's
+    UsageError naming the file and the fix), not described from whatever keys it happens to hold; a sub-run
+    with no run.json at all is still left undescribed."""
+    root = tmp_path / "h2h"
+    data = _head_to_head(root, {"eagle3": [("lossless", "pass")], "ngram": [("lossless", "pass")]})
+    spoil(root / "eagle3" / RUN_JSON)
+    with pytest.raises(UsageError) as expected:
+        read_run_meta(root / "eagle3")
+    with pytest.raises(UsageError) as caught:
+        describe_sub_runs(root, HeadToHead.from_json(data))
+    assert str(caught.value) == str(expected.value)
+    assert str(root / "eagle3" / RUN_JSON) in str(caught.value) and "re-run" in str(caught.value)
+    (root / "eagle3" / RUN_JSON).unlink()
+    described = describe_sub_runs(root, HeadToHead.from_json(data))
+    assert [s.sub_run is not None for s in described.speculators] == [False, True]
 
 
 def test_no_page_carries_an_absolute_path(page):

@@ -29,6 +29,8 @@ from dflash_doctor.inputs.config import DoctorConfig
 from dflash_doctor.models.kind_serving import KindServing, kind_serving
 from dflash_doctor.report.sanitize import for_terminal
 from dflash_doctor.report.templating import markdown_cell
+from dflash_doctor.rundir.load import read_run_meta
+from dflash_doctor.rundir.run_record import RunRecord
 from dflash_doctor.rundir.status import Status, overall_status
 from dflash_doctor.rundir.tables import HEAD_TO_HEAD_JSON, RUN_JSON
 from dflash_doctor.rundir.writer import write_text_atomic
@@ -186,13 +188,13 @@ def _flag_value(name: str, value: Any, root: Path) -> str:
     return _shown_path(value, root) if name in _PATH_FIELDS else str(value)
 
 
-def sub_run_command(config: Mapping[str, Any], root: Path) -> str:
-    """The ``dflash-doctor check`` that repeats one sub-run alone, from its run.json ``config`` (the values that
-    differ from the defaults; paths relative to the head-to-head folder; no draft: the built-in demo)."""
+def sub_run_command(record: RunRecord, root: Path) -> str:
+    """The ``dflash-doctor check`` that repeats one sub-run alone, from its record's echoed config (the values
+    that differ from the defaults; paths relative to the head-to-head folder; no draft: the built-in demo)."""
     defaults = DoctorConfig().as_dict()
     words = ["dflash-doctor", "check"]
     for name in _COMMAND_FIELDS:
-        value = config.get(name)
+        value = record.config.get(name)
         if (
             value is None
             or value == defaults.get(name)
@@ -210,9 +212,13 @@ def _quoted(text: str) -> str:
     )
 
 
-def _machine(environment: Mapping[str, Any], device: Any) -> str:
+def _machine(record: RunRecord) -> str:
+    """The sub-run's GPU (else its draft's device), platform and library versions. ``environment`` is the
+    record's free-form mapping of what :func:`~dflash_doctor.inputs.machine.collect_environment` found (a
+    machine without a GPU has no ``gpu``), so its keys are looked up, not required."""
+    environment, draft = record.environment, record.models.get("draft")
     parts = [
-        environment.get("gpu") or device,
+        environment.get("gpu") or (draft.device if draft is not None else None),
         environment.get("platform"),
         *(f"{name} {environment[name]}" for name in ("python", "torch", "transformers") if environment.get(name)),
     ]
@@ -238,7 +244,18 @@ def describe_sub_runs(root: Path, head_to_head: HeadToHead) -> HeadToHead:
     """The head-to-head with what the pages show beyond the statistics, read from each sub-run's run.json: per
     speculator its report link, command, date, machine, tool version and checks with their verdict; per scope
     whose verdict names a leader, the setting to type in each engine at the verdict's K and what DRAFT stands
-    for. A speculator without a run folder (or whose folder has no run.json) is left as it is."""
+    for.
+
+    A speculator without a run folder (or whose folder has no run.json) is left as it is: there is no record
+    to describe, and the pages leave the sub-run's facts out. A run.json that is there is read as every view
+    reads one (:func:`~dflash_doctor.rundir.load.read_run_meta`, typed by :class:`RunRecord`): one that is not
+    a run record, or one an older dflash-doctor wrote, raises that reader's UsageError naming the file and the
+    fix, instead of pages built from a record nobody could read.
+
+    Raises:
+        UsageError: a sub-run's run.json is not valid JSON, not a run record, of another schema version, or
+            has a field of the wrong shape or type.
+    """
     facts: dict[str, tuple[str, str, dict[str, Any]]] = {}
     speculators = []
     for speculator in head_to_head.speculators:
@@ -246,25 +263,25 @@ def describe_sub_runs(root: Path, head_to_head: HeadToHead) -> HeadToHead:
         if not run_dir or not (Path(run_dir) / RUN_JSON).is_file():
             speculators.append(speculator)
             continue
-        record = json.loads((Path(run_dir) / RUN_JSON).read_text(encoding="utf-8"))
-        checks = [SubRunCheck(c["id"], c["status"], c.get("summary", "")) for c in record.get("checks", [])]
+        record = RunRecord.from_json(read_run_meta(run_dir))
+        checks = [SubRunCheck(c.id, c.status, c.summary) for c in record.checks]
         verdict, flagged = check_verdict((c.id, c.status) for c in checks)
-        draft = record.get("models", {}).get("draft", {})
+        draft = record.models.get("draft")
         folder = Path(run_dir).resolve()  # a relative --out names it from the working folder, not from root
         sub_run = SubRun(
             folder=_shown_path(folder, root),
             report=_shown_path(folder / "report.html", root),
-            command=sub_run_command(record.get("config", {}), root),
-            created_at=record.get("created_at", ""),
-            machine=_machine(record.get("environment", {}), draft.get("device")),
-            tool_version=record.get("tool_version", ""),
+            command=sub_run_command(record, root),
+            created_at=record.meta.created_at,
+            machine=_machine(record),
+            tool_version=record.meta.tool_version,
             verdict=verdict,
             flagged=flagged,
             checks=checks,
             draft_shown=_shown_path(speculator.draft, root),
         )
         speculators.append(replace(speculator, sub_run=sub_run))
-        facts[speculator.name] = (speculator.kind, sub_run.draft_shown, draft)
+        facts[speculator.name] = (speculator.kind, sub_run.draft_shown, draft.facts if draft is not None else {})
     scopes = {}
     for name, result in head_to_head.scopes.items():
         verdict = result.verdict
