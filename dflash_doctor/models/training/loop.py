@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence, cast
 
@@ -221,8 +224,51 @@ def train_loop(
     checkpoint there: a command that must end by a time limit stops cleanly, and the same call later goes on
     bit for bit (a row boundary, so the resumed loss log is the uninterrupted one).
     """
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+    sequences, prompt_lengths, given_features = _usable_data(sequences, prompt_lengths, features)
+    device = torch.device(config.device)
+    target_model.requires_grad_(False).eval()
+    draft.to(device=device, dtype=torch.float32)
+    run = _start_or_resume(draft, config, data_fingerprint(sequences, prompt_lengths), checkpoint_dir, device)
+    resumed_from_step = run.step
+    # bf16 on CUDA: the draft reads them under bf16 autocast anyway, and it halves the memory of a large data set
+    features = given_features or extract_features(
+        target_model,
+        sequences,
+        draft.hidden_state_indices,
+        batch_size=feature_batch_size,
+        device=device,
+        dtype=torch.bfloat16 if device.type == "cuda" else None,
+    )
+    batches = _Batches.of(sequences, prompt_lengths, features, device)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+    draft.train()
+    with _progress_bar(progress, config.steps, run.step) as show:
+        while run.step < config.steps:
+            batch = batches.draw(run.generator, config)
+            with autocast:
+                loss, num_labels, accepted = objective(*batch)
+            _optimisation_step(draft, loss, run.optimizer, run.scheduler, config.grad_clip_norm)
+            run.step += 1
+            run.window.add(loss, accepted, num_labels)
+            if run.step % config.log_every == 0 or run.step == config.steps:
+                show(run.step, run.close_log_row())
+                if deadline is not None and time.perf_counter() > deadline:
+                    break
+            if run.step % config.checkpoint_every == 0 and run.step < config.steps:
+                run.save(checkpoint_dir, draft, extra_config)
+    run.save(checkpoint_dir, draft, extra_config)
+    draft.eval()
+    return TrainingResult(
+        draft=draft, log=run.log, resumed_from_step=resumed_from_step, num_sequences=len(sequences), final_step=run.step
+    )
 
+
+def _usable_data(
+    sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int], features: Sequence[torch.Tensor] | None
+) -> tuple[list[list[int]], list[int], list[torch.Tensor] | None]:
+    """The sequences (with their prompt lengths and given features) that can hold an anchor: two or more
+    response tokens, one to draft from and one label after it. Lists that disagree in length are a caller's
+    bug (ValueError); no usable sequence at all is the user's workload (UsageError)."""
     if len(sequences) != len(prompt_lengths) or (features is not None and len(features) != len(sequences)):
         raise ValueError(
             f"{len(sequences)} sequences but {len(prompt_lengths)} prompt lengths"
@@ -234,63 +280,191 @@ def train_loop(
             "no training sequence has two or more response tokens; raise --max-new-tokens or use another workload."
         )
     given_features = [features[i] for i in usable] if features is not None else None
-    sequences = [list(sequences[i]) for i in usable]
-    prompt_lengths = [int(prompt_lengths[i]) for i in usable]
-    device = torch.device(config.device)
-    target_model.requires_grad_(False).eval()
-    draft.to(device=device, dtype=torch.float32)
+    return [list(sequences[i]) for i in usable], [int(prompt_lengths[i]) for i in usable], given_features
 
-    identity = resume_identity(config, draft, data_fingerprint(sequences, prompt_lengths))
+
+@dataclass
+class _Window:
+    """The loss-log row being summed (loss and accepted per block summed on the device, so a step does not wait
+    for them). A checkpoint between two rows carries it, so the resumed loss log is the straight one."""
+
+    loss_sum: torch.Tensor
+    accepted_sum: torch.Tensor
+    labels: int
+    steps: int
+    started: float
+
+    @classmethod
+    def of(cls, state: dict[str, Any] | None, device: torch.device) -> _Window:
+        """The window a checkpoint saved (``state``), or an empty one for a fresh run."""
+        saved = state or {"loss_sum": 0.0, "accepted_sum": 0.0, "labels": 0, "steps": 0}
+        return cls(
+            torch.full((), saved["loss_sum"], device=device),
+            torch.full((), saved["accepted_sum"], device=device),
+            saved["labels"],
+            saved["steps"],
+            time.perf_counter(),
+        )
+
+    def add(self, loss: torch.Tensor, accepted: torch.Tensor, num_labels: int) -> None:
+        """Count one optimisation step's loss, accepted tokens and labels."""
+        self.loss_sum += loss.detach()
+        self.accepted_sum += accepted
+        self.labels += num_labels
+        self.steps += 1
+
+    def state(self) -> dict[str, Any]:
+        """The window as a checkpoint stores it (plain numbers: nothing in a checkpoint is pickled)."""
+        return {
+            "loss_sum": float(self.loss_sum),
+            "accepted_sum": float(self.accepted_sum),
+            "labels": self.labels,
+            "steps": self.steps,
+        }
+
+
+@dataclass
+class _Run:
+    """What a training run carries from step to step and a checkpoint saves besides the weights: the
+    optimiser and its schedule, the batch generator, the step, the loss log and the open row."""
+
+    identity: dict[str, Any]
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    generator: torch.Generator
+    step: int
+    log: list[dict[str, float]]
+    window: _Window
+
+    def close_log_row(self) -> dict[str, float]:
+        """Append the loss-log row of the steps since the last one (means per step, the learning rate now,
+        label tokens per second of wall time) and start the next row."""
+        window = self.window
+        elapsed = time.perf_counter() - window.started
+        row = {
+            "step": self.step,
+            "loss": float(window.loss_sum) / window.steps,
+            "accepted_per_block": float(window.accepted_sum) / window.steps,
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "tokens_per_s": float(window.labels) / max(elapsed, 1e-9),
+        }
+        self.log.append(row)
+        window.loss_sum.zero_()
+        window.accepted_sum.zero_()
+        window.labels, window.steps, window.started = 0, 0, time.perf_counter()
+        return row
+
+    def save(
+        self,
+        checkpoint_dir: Path | None,
+        draft: DFlashDraftModel | Eagle3DraftModel,
+        extra_config: dict[str, Any] | None,
+    ) -> None:
+        """Write the resumable checkpoint of this step (nothing without a checkpoint dir)."""
+        if checkpoint_dir is not None:
+            state = {
+                "identity": self.identity,
+                "step": self.step,
+                "log": self.log,
+                "optimizer": self.optimizer.state_dict(),
+                "window": self.window.state(),
+                "scheduler": self.scheduler.state_dict(),
+                "generator": self.generator.get_state(),
+            }
+            checkpoints.save_checkpoint(checkpoint_dir, draft, state, extra_config)
+
+
+def _start_or_resume(
+    draft: DFlashDraftModel | Eagle3DraftModel,
+    config: TrainConfig,
+    data: str,
+    checkpoint_dir: Path | None,
+    device: torch.device,
+) -> _Run:
+    """AdamW with warm-up and cosine decay over ``config.steps`` and the seeded batch generator, at step 0, or
+    where the checkpoint in ``checkpoint_dir`` left them (its weights loaded into ``draft``). The identity is
+    taken from the starting weights before a checkpoint replaces them: a checkpoint resumes only the run that
+    started from the same weights on the same ``data`` (its fingerprint)."""
+    identity = resume_identity(config, draft, data)
     generator = torch.Generator().manual_seed(config.seed)
     optimizer = torch.optim.AdamW(draft.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     warmup_steps = max(1, round(config.warmup_fraction * config.steps))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _lr_factor(s, config.steps, warmup_steps))
-    step, log = 0, []
     resumed = load_checkpoint(checkpoint_dir, identity) if checkpoint_dir is not None else None
-    if resumed is not None:
-        weights, state = resumed
-        own = draft.state_dict()  # a saved folder may carry tensors the module derives (an EAGLE-3 head's t2d)
-        draft.load_state_dict({name: tensor for name, tensor in weights.items() if name in own})
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        generator.set_state(state["generator"])
-        step, log = int(state["step"]), list(state["log"])
-    resumed_from_step = step
+    if resumed is None:
+        return _Run(identity, optimizer, scheduler, generator, 0, [], _Window.of(None, device))
+    weights, state = resumed
+    own = draft.state_dict()  # a saved folder may carry tensors the module derives (an EAGLE-3 head's t2d)
+    draft.load_state_dict({name: tensor for name, tensor in weights.items() if name in own})
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    generator.set_state(state["generator"])
+    window = _Window.of(state["window"], device)
+    return _Run(identity, optimizer, scheduler, generator, int(state["step"]), list(state["log"]), window)
 
-    def checkpoint() -> None:
-        if checkpoint_dir is not None:
-            window = {
-                "loss_sum": float(loss_sum),
-                "accepted_sum": float(accepted_sum),
-                "labels": labels_sum,
-                "steps": window_steps,
-            }
-            state = {
-                "identity": identity,
-                "step": step,
-                "log": log,
-                "optimizer": optimizer.state_dict(),
-                "window": window,
-                "scheduler": scheduler.state_dict(),
-                "generator": generator.get_state(),
-            }
-            checkpoints.save_checkpoint(checkpoint_dir, draft, state, extra_config)
 
-    token_tensors = [torch.tensor(s, device=device) for s in sequences]
-    # bf16 on CUDA: the draft reads them under bf16 autocast anyway, and it halves the memory of a large data set
-    features = given_features or extract_features(
-        target_model,
-        sequences,
-        draft.hidden_state_indices,
-        batch_size=feature_batch_size,
-        device=device,
-        dtype=torch.bfloat16 if device.type == "cuda" else None,
-    )
-    all_prompt_lengths = torch.tensor(prompt_lengths)
-    all_lengths = torch.tensor([len(s) for s in sequences])
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+@dataclass
+class _Batches:
+    """The training sequences as tensors, drawn from at random into padded batches."""
 
-    draft.train()
+    token_tensors: list[torch.Tensor]  # on the device
+    features: Sequence[torch.Tensor]
+    prompt_lengths: torch.Tensor  # [N] on the CPU, where the anchors are drawn
+    lengths: torch.Tensor  # [N]
+    device: torch.device
+
+    @classmethod
+    def of(
+        cls,
+        sequences: list[list[int]],
+        prompt_lengths: list[int],
+        features: Sequence[torch.Tensor],
+        device: torch.device,
+    ) -> _Batches:
+        """Each sequence's token ids on the device beside its features; the lengths stay on the CPU."""
+        token_tensors = [torch.tensor(s, device=device) for s in sequences]
+        return cls(
+            token_tensors, features, torch.tensor(prompt_lengths), torch.tensor([len(s) for s in sequences]), device
+        )
+
+    def draw(
+        self, generator: torch.Generator, config: TrainConfig
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The next batch as the objective takes it: ``config.batch_size`` sequences drawn without replacement
+        and ``config.anchors_per_sequence`` anchors in each, both from ``generator`` (so a resumed run draws
+        what the straight one would), right-padded to the longest."""
+        batch = torch.randperm(len(self.token_tensors), generator=generator)[: config.batch_size]
+        lengths, batch_prompt_lengths = self.lengths[batch], self.prompt_lengths[batch]
+        width = int(lengths.max())
+        anchors, anchor_valid = sample_anchors(
+            batch_prompt_lengths, lengths, width, config.anchors_per_sequence, generator
+        )
+        token_ids = torch.nn.utils.rnn.pad_sequence([self.token_tensors[i] for i in batch.tolist()], batch_first=True)
+        batch_features = torch.nn.utils.rnn.pad_sequence([self.features[i] for i in batch.tolist()], batch_first=True)
+        return token_ids, lengths.to(self.device), batch_features, anchors.to(self.device), anchor_valid.to(self.device)
+
+
+def _optimisation_step(
+    draft: torch.nn.Module,
+    loss: torch.Tensor,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LambdaLR,
+    grad_clip_norm: float,
+) -> None:
+    """One AdamW step down ``loss``'s gradient, clipped to ``grad_clip_norm``, and the schedule one step on."""
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(draft.parameters(), grad_clip_norm)
+    optimizer.step()
+    scheduler.step()
+
+
+@contextmanager
+def _progress_bar(enabled: bool, total: int, completed: int) -> Iterator[Callable[[int, dict[str, float]], None]]:
+    """A progress bar over the steps (disabled: nothing printed, as in tests and sweeps); yields the function
+    that shows a new loss-log row on it."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
     columns = (
         TextColumn("training"),
         BarColumn(),
@@ -300,66 +474,18 @@ def train_loop(
         TextColumn("{task.fields[tokens_per_s]:,.0f} label tok/s"),
         TimeRemainingColumn(),
     )
-    # the loss-log row being summed; a checkpoint between two rows carries it, so the resumed log is the straight one
-    window = (
-        resumed[1]["window"] if resumed is not None else {"loss_sum": 0.0, "accepted_sum": 0.0, "labels": 0, "steps": 0}
-    )
-    loss_sum = torch.full((), window["loss_sum"], device=device)
-    accepted_sum = torch.full((), window["accepted_sum"], device=device)
-    labels_sum, window_steps, window_started = window["labels"], window["steps"], time.perf_counter()
-    with Progress(*columns, disable=not progress) as bar:
+    with Progress(*columns, disable=not enabled) as bar:
         task = bar.add_task(
-            "train", total=config.steps, completed=step, loss=float("nan"), accepted=float("nan"), tokens_per_s=0.0
+            "train", total=total, completed=completed, loss=float("nan"), accepted=float("nan"), tokens_per_s=0.0
         )
-        while step < config.steps:
-            batch = torch.randperm(len(sequences), generator=generator)[: config.batch_size]
-            lengths, batch_prompt_lengths = all_lengths[batch], all_prompt_lengths[batch]
-            width = int(lengths.max())
-            anchors, anchor_valid = sample_anchors(
-                batch_prompt_lengths, lengths, width, config.anchors_per_sequence, generator
+
+        def show(step: int, row: dict[str, float]) -> None:
+            bar.update(
+                task,
+                completed=step,
+                loss=row["loss"],
+                accepted=row["accepted_per_block"],
+                tokens_per_s=row["tokens_per_s"],
             )
-            token_ids = torch.nn.utils.rnn.pad_sequence([token_tensors[i] for i in batch.tolist()], batch_first=True)
-            batch_features = torch.nn.utils.rnn.pad_sequence([features[i] for i in batch.tolist()], batch_first=True)
-            with autocast:
-                loss, num_labels, accepted = objective(
-                    token_ids, lengths.to(device), batch_features, anchors.to(device), anchor_valid.to(device)
-                )
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(draft.parameters(), config.grad_clip_norm)
-            optimizer.step()
-            scheduler.step()
-            step += 1
-            loss_sum += loss.detach()
-            accepted_sum += accepted
-            labels_sum += num_labels
-            window_steps += 1
-            if step % config.log_every == 0 or step == config.steps:
-                elapsed = time.perf_counter() - window_started
-                row = {
-                    "step": step,
-                    "loss": float(loss_sum) / window_steps,
-                    "accepted_per_block": float(accepted_sum) / window_steps,
-                    "lr": optimizer.param_groups[0]["lr"],
-                    "tokens_per_s": float(labels_sum) / max(elapsed, 1e-9),
-                }
-                log.append(row)
-                bar.update(
-                    task,
-                    completed=step,
-                    loss=row["loss"],
-                    accepted=row["accepted_per_block"],
-                    tokens_per_s=row["tokens_per_s"],
-                )
-                loss_sum.zero_()
-                accepted_sum.zero_()
-                labels_sum, window_steps, window_started = 0, 0, time.perf_counter()
-                if deadline is not None and time.perf_counter() > deadline:
-                    break
-            if step % config.checkpoint_every == 0 and step < config.steps:
-                checkpoint()
-    checkpoint()
-    draft.eval()
-    return TrainingResult(
-        draft=draft, log=log, resumed_from_step=resumed_from_step, num_sequences=len(sequences), final_step=step
-    )
+
+        yield show
