@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -32,18 +32,22 @@ from dflash_doctor.models.pair import stop_ids_of
 from dflash_doctor.models.training.card import model_card
 from dflash_doctor.models.training.checkpoints import CHECKPOINT_DIR_NAME, remove_checkpoint, save_draft
 from dflash_doctor.models.training.evaluation import held_out_steps, tau_by_class
-from dflash_doctor.models.training.hyperparams import TrainConfig
+from dflash_doctor.models.training.hyperparams import TrainConfig, TrainingResult
 from dflash_doctor.models.training.new_draft import chat_template_record
-from dflash_doctor.models.training.recipes import BuildInputs, TrainingRecipe, parse_layer_ids
+from dflash_doctor.models.training.recipes import BuildInputs, BuiltDraft, TrainingRecipe, parse_layer_ids
 from dflash_doctor.models.training.request import TrainDraftRequest
 from dflash_doctor.models.training.sequences import (
     SELF_WRITTEN_PROMPTS_FILE,
     SEQUENCES_FILE,
+    SequenceRecord,
     data_cache_key,
     prepare_training_data,
     self_written_prompts,
 )
 from dflash_doctor.rundir.ownership import claim_run_dir, release_run_dir
+
+if TYPE_CHECKING:
+    from dflash_doctor.engine.target import CausalLM
 
 TRAINING_LOG_FILE = "training_log.json"
 
@@ -184,36 +188,110 @@ def _train_in(
     say: Callable[[str], None],
 ) -> TrainingOutcome:
     """:func:`train_draft` once --out is claimed: data, draft, training, held-out tau and the outputs."""
+    target = _load_target(request)
+    data = _training_data(out_dir, request, target, requests, class_list, say)
+    provenance = {
+        **target.template_record,
+        "trained_with": f"dflash-doctor {__version__} train-draft",
+        "target": target.spec,
+        "target_weights_fingerprint": weights_fingerprint(target.model),
+    }
+    deadline = None if request.time_limit is None else command_started + request.time_limit
+    built = recipe.build(
+        BuildInputs(
+            request,
+            layer_ids,
+            target.model,
+            target.tokenizer,
+            data.records,
+            target.served_template,
+            target.spec,
+            provenance,
+        )
+    )
+    trained = _train_between_evaluations(out_dir, request, recipe, config, target, data, built, deadline)
+    save_draft(trained.result.draft, out_dir, built.extra_config)
+    facts = _training_facts(request, recipe, config, target, data, built, trained)
+    (out_dir / TRAINING_LOG_FILE).write_text(json.dumps(facts, indent=2) + "\n", encoding="utf-8")
+    (out_dir / "README.md").write_text(model_card(facts, recipe), encoding="utf-8")
+    final_loss = trained.result.log[-1]["loss"] if trained.result.log else float("nan")
+    return TrainingOutcome(out_dir, config.steps, trained.result.final_step, final_loss, trained.evaluation)
+
+
+@dataclass(frozen=True)
+class _Target:
+    """The loaded target and what goes with it: the name it was given (``spec``), its folder, tokenizer, the
+    chat template of --chat-template (``template_text``, None: the tokenizer's) and the one it serves, and
+    the ids that end an answer."""
+
+    spec: str
+    folder: Path
+    tokenizer: Any
+    template_text: str | None
+    served_template: str | None
+    template_record: dict[str, Any]
+    model: CausalLM
+    stop_ids: frozenset[int]
+
+
+def _load_target(request: TrainDraftRequest) -> _Target:
+    """Load --target (default: the demo target) with its tokenizer in the request's dtype on its device: the
+    data, the draft and the held-out walks all read it."""
     from transformers import AutoTokenizer  # heavy: loaded when a training starts
 
-    seed, workload, device, dtype = request.seed, request.workload, request.device, request.dtype
-    assert seed is not None and workload is not None and device is not None and dtype is not None  # from _checked
-    target_spec = request.target or str(demo_target_path())
-    target_dir = resolve_model_dir(target_spec)
+    assert request.dtype is not None and request.device is not None  # from _checked
+    spec = request.target or str(demo_target_path())
+    target_dir = resolve_model_dir(spec)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     template_text = read_chat_template(request.chat_template) if request.chat_template else None
     served_template = template_text or getattr(tokenizer, "chat_template", None)
-    target_model = load_causal_lm(target_dir, dtype=dtype, device=device)
-    stop_ids = stop_ids_of(target_model, tokenizer)
-
+    model = load_causal_lm(target_dir, dtype=request.dtype, device=request.device)
+    stop_ids = stop_ids_of(model, tokenizer)
     template_record = chat_template_record(served_template)
+    return _Target(spec, target_dir, tokenizer, template_text, served_template, template_record, model, stop_ids)
+
+
+@dataclass(frozen=True)
+class _Data:
+    """The train requests (the workload's, the extra word problems and the target's own prompts), their
+    sequences (``records``), the held-out sequences and the wall time spent getting them."""
+
+    requests: list
+    records: list[SequenceRecord]
+    eval_records: list[SequenceRecord]
+    seconds: float
+
+
+def _training_data(
+    out_dir: Path,
+    request: TrainDraftRequest,
+    target: _Target,
+    requests: list,
+    class_list: tuple[str, ...],
+    say: Callable[[str], None],
+) -> _Data:
+    """The target's own answers to the train requests and to the held-out split of a built-in workload,
+    read from --out's caches where they hold them for this target, answer length, dtype and template (a
+    resumed or repeated training does not generate them again), generated otherwise."""
+    seed, workload = request.seed, request.workload
+    assert seed is not None and workload is not None and request.dtype is not None  # from _checked
     cache_key = data_cache_key(
-        target_dir,
+        target.folder,
         max_new_tokens=request.max_new_tokens,
-        dtype=dtype,
-        chat_template=served_template,
+        dtype=request.dtype,
+        chat_template=target.served_template,
         use_recorded_responses=request.use_recorded_responses,
     )
     data_started = time.perf_counter()
     if request.self_written_prompts:
-        requests += self_written_prompts(
-            target_model,
-            tokenizer,
+        requests = requests + self_written_prompts(
+            target.model,
+            target.tokenizer,
             request.self_written_prompts,
             cache_path=out_dir / SELF_WRITTEN_PROMPTS_FILE,
             cache_key=cache_key,
-            stop_ids=stop_ids,
-            chat_template=template_text,
+            stop_ids=target.stop_ids,
+            chat_template=target.template_text,
             batch_size=request.generation_batch_size,
             seed=seed,
             generate=not request.cached_data_only,
@@ -225,15 +303,15 @@ def _train_in(
         else []
     )
     records, eval_records = prepare_training_data(
-        target_model,
-        tokenizer,
+        target.model,
+        target.tokenizer,
         requests,
         held_out,
         out_dir=out_dir,
         cache_key=cache_key,
         max_new_tokens=request.max_new_tokens,
-        stop_ids=stop_ids,
-        chat_template=template_text,
+        stop_ids=target.stop_ids,
+        chat_template=target.template_text,
         use_recorded_responses=request.use_recorded_responses,
         samples_per_prompt=request.samples_per_prompt,
         sample_temperature=request.sample_temperature,
@@ -241,28 +319,43 @@ def _train_in(
         seed=seed,
         generate=not request.cached_data_only,
     )
+    return _Data(requests, records, eval_records, time.perf_counter() - data_started)
 
-    data_seconds = time.perf_counter() - data_started
-    provenance = {
-        **template_record,
-        "trained_with": f"dflash-doctor {__version__} train-draft",
-        "target": target_spec,
-        "target_weights_fingerprint": weights_fingerprint(target_model),
-    }
-    deadline = None if request.time_limit is None else command_started + request.time_limit
-    built = recipe.build(
-        BuildInputs(request, layer_ids, target_model, tokenizer, records, served_template, target_spec, provenance)
-    )
+
+@dataclass(frozen=True)
+class _Trained:
+    """The training's result, the held-out tau before and after it (None when nothing was held out), and
+    the wall times of the two parts."""
+
+    result: TrainingResult
+    evaluation: dict[str, Any] | None
+    train_seconds: float
+    eval_seconds: float
+
+
+def _train_between_evaluations(
+    out_dir: Path,
+    request: TrainDraftRequest,
+    recipe: TrainingRecipe,
+    config: TrainConfig,
+    target: _Target,
+    data: _Data,
+    built: BuiltDraft,
+    deadline: float | None,
+) -> _Trained:
+    """Train the built draft by its kind's recipe (resumable checkpoints under --out, stopped at
+    ``deadline``), with the held-out tau walked before and after: the card shows what training gained."""
+    eval_records, stop_ids = data.eval_records, target.stop_ids
     train_started = time.perf_counter()
     initial_steps = (
-        held_out_steps(target_model, built.draft.to(device), eval_records, stop_ids=stop_ids, k=built.eval_k)
+        held_out_steps(target.model, built.draft.to(request.device), eval_records, stop_ids=stop_ids, k=built.eval_k)
         if eval_records
         else []
     )
     result = recipe.train(
-        target_model,
-        [r.token_ids for r in records],
-        [r.prompt_length for r in records],
+        target.model,
+        [r.token_ids for r in data.records],
+        [r.prompt_length for r in data.records],
         config,
         built,
         checkpoint_dir=out_dir / CHECKPOINT_DIR_NAME,
@@ -273,50 +366,63 @@ def _train_in(
     train_seconds = time.perf_counter() - train_started
     evaluation = None
     if eval_records:
-        trained_steps = held_out_steps(target_model, result.draft, eval_records, stop_ids=stop_ids, k=built.eval_k)
+        trained_steps = held_out_steps(target.model, result.draft, eval_records, stop_ids=stop_ids, k=built.eval_k)
         evaluation = {
             "num_requests": len({r.request_id for r in eval_records}),
             "trained": tau_by_class(trained_steps),
             "initial": tau_by_class(initial_steps),
         }
+    return _Trained(result, evaluation, train_seconds, time.perf_counter() - train_started - train_seconds)
 
-    eval_seconds = time.perf_counter() - train_started - train_seconds
-    save_draft(result.draft, out_dir, built.extra_config)
+
+def _training_facts(
+    request: TrainDraftRequest,
+    recipe: TrainingRecipe,
+    config: TrainConfig,
+    target: _Target,
+    data: _Data,
+    built: BuiltDraft,
+    trained: _Trained,
+) -> dict[str, Any]:
+    """What training_log.json holds and the model card is written from: the tool, the target, the draft's
+    start and architecture, the hyper-parameters, the data, the loss log, the held-out tau and the wall
+    times (a segment's budget is planned from them)."""
+    result = trained.result
     responses = (
         "recorded `response` of single-turn requests, the rest regenerated by the target (batched greedy)"
         if request.use_recorded_responses
         else "regenerated by the target (batched greedy)"
     )
-    facts = {
+    return {
         "tool_version": __version__,
         "created_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "target": target_spec,
+        "target": target.spec,
         "draft_kind": request.draft_kind,
         "init_from": built.init_note,
         "architecture": recipe.architecture(built, result.draft),
         "mask_choice": built.mask_choice,
-        "chat_template_sha256": template_record["chat_template_sha256"],
+        "chat_template_sha256": target.template_record["chat_template_sha256"],
         "train_config": config.as_dict(),
         "data": {
-            "workload": workload,
-            "num_requests": len(requests),
+            "workload": request.workload,
+            "num_requests": len(data.requests),
             "extra_word_problems": request.extra_word_problems,
             "self_written_prompts": request.self_written_prompts,
             "samples_per_prompt": request.samples_per_prompt,
             "sample_temperature": request.sample_temperature,
             "num_sequences": result.num_sequences,
-            "num_response_tokens": sum(len(r.response_ids) for r in records),
+            "num_response_tokens": sum(len(r.response_ids) for r in data.records),
             "max_new_tokens": request.max_new_tokens,
             "responses": responses,
         },
         "resumed_from_step": result.resumed_from_step,
         "final_step": result.final_step,
         # wall time of this invocation: a segment's budget is planned from them (data read from the cache takes seconds)
-        "seconds": {"data": data_seconds, "initial_eval_and_train": train_seconds, "final_eval": eval_seconds},
+        "seconds": {
+            "data": data.seconds,
+            "initial_eval_and_train": trained.train_seconds,
+            "final_eval": trained.eval_seconds,
+        },
         "log": result.log,
-        "evaluation": evaluation,
+        "evaluation": trained.evaluation,
     }
-    (out_dir / TRAINING_LOG_FILE).write_text(json.dumps(facts, indent=2) + "\n", encoding="utf-8")
-    (out_dir / "README.md").write_text(model_card(facts, recipe), encoding="utf-8")
-    final_loss = result.log[-1]["loss"] if result.log else float("nan")
-    return TrainingOutcome(out_dir, config.steps, result.final_step, final_loss, evaluation)
