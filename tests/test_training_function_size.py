@@ -1,4 +1,4 @@
-"""Issue 53: the training loop and the train-draft pipeline read as outlines; no function in them grows past one
+"""The training loop and the train-draft pipeline read as outlines; no function in them grows past one
 screen (60 lines after its docstring), so a new step gets its own named function instead of lengthening one."""
 
 from __future__ import annotations
