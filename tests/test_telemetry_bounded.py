@@ -52,10 +52,17 @@ def test_live_session_records_every_unit_but_keeps_only_the_window(tmp_path):
     assert len(read_units(tmp_path / "run")) == 60
 
 
+OTHER_THREADS_HEAP_BYTES = 64 * 1024
+
+
 def test_a_day_of_30_second_polls_keeps_memory_and_disk_flat(tmp_path):
     """2880 polls on a simulated clock with a one-hour retention: the Python heap and the run directory
     after 24 h are within 1.25x of what they were after 3 h (past the first retention periods and the
-    filling of the summary's bounded sample); a watch that rewrote or kept everything grows 4x and more."""
+    filling of the summary's bounded sample); a watch that rewrote or kept everything grows 4x and more.
+
+    The heap gets 64 KiB beside the ratio: tracemalloc counts the whole process, and in a pytest-xdist worker
+    the daemon threads other tests left (their local servers) allocate while this one runs (a full run once
+    measured 127 KB -> 161 KB; the test alone stays within 1.25x)."""
     run_dir = tmp_path / "watch"
     session = WatchSession(
         [SyntheticCounters(RATES)],
@@ -77,7 +84,7 @@ def test_a_day_of_30_second_polls_keeps_memory_and_disk_flat(tmp_path):
     finally:
         tracemalloc.stop()
     (heap_start, disk_start), (heap_end, disk_end) = marks[360], marks[2880]
-    assert heap_end / heap_start < 1.25, (heap_start, heap_end)
+    assert heap_end < 1.25 * heap_start + OTHER_THREADS_HEAP_BYTES, (heap_start, heap_end)
     assert disk_end / disk_start < 1.25, (disk_start, disk_end)
     session.close(clock)
     assert not (run_dir / "journal").exists()
