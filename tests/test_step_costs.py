@@ -210,14 +210,11 @@ def test_a_break_the_retiming_reproduces_is_the_kernels_and_is_priced_pooled():
     pooled = recommend(
         {OVERALL: rows},
         replicates={OVERALL: replicates},
-        shape_effects=broken.shape_effects,
         shape_effect_ks=broken.shape_effect_ks,
     )[OVERALL]
     assert (clear.k, clear.confidence) == (4, "clear")
     assert (pooled.k, pooled.confidence) == (4, "uncertain") and "pooled" in pooled.reason
-    unaffected = recommend(
-        {OVERALL: rows}, replicates={OVERALL: replicates}, shape_effects=broken.shape_effects, shape_effect_ks=[2]
-    )[OVERALL]
+    unaffected = recommend({OVERALL: rows}, replicates={OVERALL: replicates}, shape_effect_ks=[2])[OVERALL]
     assert (unaffected.k, unaffected.confidence) == (4, "clear")  # the best K's costs were not pooled
 
 

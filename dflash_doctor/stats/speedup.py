@@ -414,7 +414,6 @@ def recommend(
     *,
     replicates: Mapping[str, Mapping[int, np.ndarray]] | None = None,
     timing_violations: Sequence[str] = (),
-    shape_effects: Sequence[str] = (),
     shape_effect_ks: Iterable[int] = (),
     conservative_share: float = 0.95,
     strict_classes: Iterable[str] = (),
@@ -440,10 +439,9 @@ def recommend(
             within noise are those whose interval reaches the best point speedup.
         timing_violations: breaks of the cost model's physics the first timing and the re-timing disagreed
             on (:mod:`dflash_doctor.stats.step_costs`); no advice is given on them.
-        shape_effects: breaks the re-timing reproduced (this machine's kernels price those shapes out of
-            order); the fit pooled those costs.
-        shape_effect_ks: the Ks whose costs a shape effect pooled; a best K among them is at most
-            ``uncertain`` and the reason names the effect.
+        shape_effect_ks: the Ks whose costs the fit pooled because the re-timing reproduced a break of the
+            cost model's order (this machine's kernels price those shapes out of order); a best K among them is
+            at most ``uncertain`` and the reason says why.
         conservative_share: the share of the best speedup the conservative K keeps, in (0, 1].
         strict_classes: the classes judged at the low end of their intervals.
         strict_max_k: the largest K a strict class may take, >= 1.
@@ -461,7 +459,7 @@ def recommend(
             rows,
             (replicates or {}).get(name),
             tuple(timing_violations),
-            _ShapeEffects(tuple(shape_effects), frozenset(shape_effect_ks)),
+            frozenset(shape_effect_ks),
             conservative_share,
             strict_max_k if name in strict else None,
         )
@@ -597,28 +595,17 @@ def k_range_text(ks: Sequence[int]) -> str:
     return "K " + ", ".join(map(str, ks))
 
 
-@dataclass(frozen=True)
-class _ShapeEffects:
-    """Reproduced breaks of the cost model's order (sentences) and the Ks whose pooled costs they touch."""
-
-    sentences: tuple[str, ...]
-    ks: frozenset[int]
-
-    def doubt(self, k: int) -> str:
-        """The reason's clause for advice on ``k``: empty unless a shape effect pooled its costs."""
-        if k not in self.ks or not self.sentences:
-            return ""
-        return (
-            "; its costs are pooled with its neighbours' (this machine's kernels break the cost model's order: "
-            "see the timing check)"
-        )
+_POOLED = (
+    "; its costs are pooled with its neighbours' (this machine's kernels break the cost model's order: "
+    "see the timing check)"
+)
 
 
 def _recommend_one(
     rows: Sequence[SweepRow],
     replicates: Mapping[int, np.ndarray] | None,
     violations: tuple[str, ...],
-    shape_effects: _ShapeEffects,
+    pooled_ks: frozenset[int],
     share: float,
     strict_max_k: int | None,
 ) -> Recommendation:
@@ -676,8 +663,8 @@ def _recommend_one(
         )
     noise = f"; {k_range_text(noise_ks)} within the noise" if len(noise_ks) > 1 else ""
     doubt = "" if pays else "; it may not pay: its interval includes plain decoding's 1.0x"
-    pooled = shape_effects.doubt(best.k)
-    doubt += pooled
+    pooled = best.k in pooled_ks
+    doubt += _POOLED if pooled else ""
     return Recommendation(
         k=int(best.k),
         conservative_k=int(conservative.k),
