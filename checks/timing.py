@@ -6,11 +6,13 @@ here in interleaved rounds until each median is known within 5% or the time budg
 tokens never costs less, and no verify costs less than a decode. Raw medians that break that order beyond
 their own intervals are re-timed once. If the re-timing breaks it again on its own samples, the kernels
 of this machine really run that shape faster (a CPU GEMM may do 16 rows in less time than 9): the check
-warns, names the pair, and the advice on the Ks whose costs the fit pooled is marked uncertain. If only the
-pooled samples still break it, the two timings disagree - the machine changed under the measurement - and
-the recommendation gives no advice: the check warns (``[checks.timing] fail_on_violation = true`` makes it
-fail, for a CI lane whose runner is meant to be quiet). A median still looser than the target when
-the budget ran out is worth knowing (the intervals carry it) but changes nothing by itself.
+warns, names the pair, and the advice on the Ks whose costs the fit pooled is marked uncertain; so too when
+the pooled samples still break it and none of its kinds moved between the two timings. If a kind of the
+pair moved (its medians' intervals in the two timings do not overlap), the machine changed under the
+measurement, and the recommendation gives no advice: the check warns
+(``[checks.timing] fail_on_violation = true`` makes it fail, for a CI lane whose runner is meant to be quiet).
+A median still looser than the target when the budget ran out is worth knowing (the intervals carry it) but
+changes nothing by itself.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ class TimingCheck(Check):
                 Finding(
                     severity,
                     f"the step timings changed while they were taken: {_pairs(violations)} of the cost model's order "
-                    "that the re-timing alone does not show; the K advice is withheld",
+                    "whose step times moved between the first timing and the re-timing; the K advice is withheld",
                     evidence=f"{'; '.join(violations)}; re-timed {retimed} once; raw samples in costs.parquet",
                     fix="rerun on a quiet machine, give the timing more time (--timing-budget) "
                     "or price with --cost-profile",

@@ -218,24 +218,40 @@ def test_a_break_the_retiming_reproduces_is_the_kernels_and_is_priced_pooled():
     assert (unaffected.k, unaffected.confidence) == (4, "clear")  # the best K's costs were not pooled
 
 
-def test_a_break_the_two_timings_disagree_on_withholds_the_advice():
-    """The first timing saw verify@4 far below verify@2 (tight); the re-timing, on a machine that changed,
-    cannot tell them apart on its own; the pooled samples still break the order: the timing is not one
-    machine's, so no advice is built on it."""
-    rng = np.random.default_rng(7)
+def _timed_twice(first_factor, retimed_factor, retimed_noise: float = 0.3, seed: int = 7) -> CostSamples:
+    """verify@4 at ``first_factor`` of its physical cost (times a 30% lognormal noise) while the first timing
+    runs (the clock's first second), at ``retimed_factor`` of it (times a lognormal noise of ``retimed_noise``)
+    in the re-timing."""
+    rng = np.random.default_rng(seed)
     machine = FakeMachine(lambda kind, k, call: physical(kind, k))
 
-    def drifting(kind, k, call):
+    def cost(kind, k, call):
         if (kind, k) != ("verify", 4):
             return physical(kind, k)
-        if machine.now < 1.0:  # the first timing: low and a little noisy, so it takes many rounds
-            return physical(kind, k) * 0.4 * rng.lognormal(0.0, 0.3)
-        return physical(kind, k) * rng.lognormal(0.0, 1.5)  # the re-timing: all over the place
+        if machine.now < 1.0:
+            return physical(kind, k) * first_factor * rng.lognormal(0.0, 0.3)
+        return physical(kind, k) * retimed_factor * rng.lognormal(0.0, retimed_noise)
 
-    machine.cost = drifting
-    samples = machine.measure([2, 4], budget_s=1.0)
+    machine.cost = cost
+    return machine.measure([2, 4], budget_s=1.0)
+
+
+def test_a_break_the_two_timings_disagree_on_withholds_the_advice():
+    """The first timing saw verify@4 far below verify@2 over many rounds; in the re-timing, on a machine that
+    changed, it costs what physics says. The pooled samples still break the order, but verify@4 moved between
+    the timings: the timing is not one machine's, so no advice is built on it."""
+    samples = _timed_twice(0.4, 1.0)
     assert samples.shape_effects == ()
     assert samples.violations and "a verify of 5 tokens" in samples.violations[0]
+
+
+def test_a_break_the_retiming_is_too_short_to_show_alone_is_still_the_kernels():
+    """The demo on a quiet CPU: verify@4 costs the same (low) in both timings, but the re-timing's samples
+    are too few and too spread to break the order by themselves. Nothing moved, so the pooled break is the
+    machine's kernels, not a changed machine: the costs are pooled and advice is given."""
+    samples = _timed_twice(0.6, 0.6, retimed_noise=1.0)
+    assert samples.violations == ()
+    assert samples.shape_effects and 4 in samples.shape_effect_ks
 
 
 # ----------------------------------------------------------------------------- intervals that include the timing

@@ -19,9 +19,11 @@ measurements, never as single numbers:
   (the more expensive kind's interval lies wholly below the cheaper one's) are re-timed once. A break the
   re-timing shows again on its own samples is a property of this machine's kernels, not noise (a CPU GEMM
   can run 16 rows faster than 9, every time): it is kept as a *shape effect*, the fit pools those kinds,
-  and advice on the Ks they price is marked uncertain. A break the two timings disagree on (the first
-  showed it, the re-timing alone does not, yet the pooled samples still do) means the machine changed
-  under the timing: that is a *violation*, and no advice is built on it.
+  and advice on the Ks they price is marked uncertain. So is a break the pooled samples still show where
+  each kind's median sits where it sat in the first timing (the re-timing, with fewer samples, may lack
+  the power to show it alone). A break whose kinds moved between the two timings (their medians' intervals
+  do not overlap) means the machine changed under the timing: that is a *violation*, and no advice is
+  built on it.
 * **Replicates** (:func:`cost_replicates`): the timing bootstrap: each kind's samples resampled, the
   model refitted, so speedup intervals carry the timing's uncertainty next to the requests'.
 """
@@ -281,20 +283,35 @@ def measure_step_samples(
         seed=seed + 1,
         target=0.0,
     )
-    fresh = replace(samples, seconds={**samples.seconds, **{key: tuple(v) for key, v in retimed.items()}})
-    merged = {key: samples.seconds[key] + tuple(retimed.get(key, ())) for key in samples.seconds}
-    return _judge_breaks(replace(samples, seconds=merged, retimed=tuple(suspects)), fresh)
+    return _judge_breaks(samples, {key: tuple(v) for key, v in retimed.items()})
 
 
-def _judge_breaks(merged: CostSamples, fresh: CostSamples) -> CostSamples:
-    """Sort what still breaks the physics after a re-timing (``merged``: both timings' samples; ``fresh``:
-    the re-timed kinds' new samples alone) into shape effects (the re-timing breaks it again by itself)
-    and violations (only the pooled samples do: the two timings disagree)."""
-    reproduced = set(_violating_pairs(fresh))
+def _judge_breaks(first: CostSamples, retimed: Mapping[StepKey, tuple[float, ...]]) -> CostSamples:
+    """Pool a timing and its re-timing, and sort what still breaks the physics into shape effects and violations.
+
+    A break is the machine's kernels (a shape effect) when the re-timing's samples alone break the order
+    again, or when none of the pair's kinds moved between the two timings (each median's interval in the
+    first timing overlaps its interval in the re-timing): consistent samples, pooled, still break it. It is
+    a violation when a kind of the pair moved: the machine changed between the timings.
+
+    Args:
+        first: the first timing's samples.
+        retimed: the re-timing's new samples of the kinds it ran.
+
+    Returns:
+        Both timings' samples pooled, the re-timed kinds, the shape effects (with the Ks whose costs they
+        pool) and the violations.
+    """
+    merged = replace(
+        first,
+        seconds={key: values + retimed.get(key, ()) for key, values in first.seconds.items()},
+        retimed=tuple(sorted(retimed)),
+    )
+    reproduced = set(_violating_pairs(replace(first, seconds={**first.seconds, **retimed})))
     effects, violations, ks = [], [], set()
     for pair in _violating_pairs(merged):
         sentence = _break_sentence(merged, pair)
-        if pair in reproduced:
+        if pair in reproduced or not any(_moved(first.seconds[key], retimed.get(key, ())) for key in pair):
             effects.append(sentence)
             ks.update(k for _, k in pair if k)
         else:
@@ -305,6 +322,20 @@ def _judge_breaks(merged: CostSamples, fresh: CostSamples) -> CostSamples:
 
 
 # ----------------------------------------------------------------------------- the physics
+
+
+def _moved(before: Sequence[float], after: Sequence[float]) -> bool:
+    """Whether a step kind's median moved between two timings: their 95% intervals, each widened by the
+    precision the timing aims for (+-:data:`TARGET_RELATIVE_HALF_WIDTH` of its median, below which two medians
+    are not told apart), do not overlap. A kind not re-timed has not moved."""
+    if not after:
+        return False
+    (median_before, low_before, high_before), (median_after, low_after, high_after) = (
+        median_interval(before),
+        median_interval(after),
+    )
+    slack_before, slack_after = (TARGET_RELATIVE_HALF_WIDTH * m for m in (median_before, median_after))
+    return high_before + slack_before < low_after - slack_after or high_after + slack_after < low_before - slack_before
 
 
 def _ordered_chains(samples: CostSamples) -> list[list[StepKey]]:
